@@ -1,0 +1,56 @@
+"""Errors raised by distfuse.
+
+Every message names the op (layer or primitive), the rank that raised it, and the
+expected against the actual value, so that a failure in a many-rank job can be traced
+from any one rank's log.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+__all__ = [
+    "DistfuseError",
+    "PartitionError",
+    "ShapeError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "UnsupportedError",
+    "where",
+    "expect",
+]
+
+
+class DistfuseError(RuntimeError):
+    """Base class of every error distfuse raises on purpose."""
+
+
+class PartitionError(DistfuseError, ValueError):
+    """Partitions that do not fit together (broadcast rules, sizes, dimensions)."""
+
+
+class ShapeError(DistfuseError, ValueError):
+    """A tensor whose shape, dtype or device does not fit its partition or layer."""
+
+
+class UnsupportedError(DistfuseError, NotImplementedError):
+    """An option or combination distfuse refuses rather than answer wrongly."""
+
+
+class CollectiveMismatchError(DistfuseError):
+    """Ranks entered a collective with different metadata (caught in debug mode)."""
+
+
+class CollectiveTimeoutError(DistfuseError, TimeoutError):
+    """A collective did not complete within the process group's timeout."""
+
+
+def where(op: str) -> str:
+    """Prefix naming the op and this process's world rank."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return f"{op} [rank {rank}]"
+
+
+def expect(op: str, what: str, expected, actual, cls: type[DistfuseError] = ShapeError) -> DistfuseError:
+    """Build an error that reads ``Op [rank r]: what: expected X, got Y``."""
+    return cls(f"{where(op)}: {what}: expected {expected}, got {actual}")

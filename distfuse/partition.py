@@ -1,0 +1,299 @@
+"""Partitions: sets of workers, optionally arranged in a Cartesian grid.
+
+A :class:`Partition` is an ordered set of world ranks with a cached
+``torch.distributed`` process group.  A :class:`CartesianPartition` arranges those
+ranks in a row-major grid (partition rank ``r`` of a ``[2, 2]`` grid has index
+``(r // 2, r % 2)``, as in MPI's Cartesian topologies); partition dimension ``d``
+splits tensor dimension ``d``.
+
+Creating a partition is **collective over the whole world**, because
+``torch.distributed.new_group`` is: every world rank, active in the new partition or
+not, must make the same creation calls in the same order.  distfuse checks this: each
+creation first gathers a ``(sequence number, call, ranks)`` record from every world
+rank, and if the records differ every rank raises :class:`PartitionError` naming the
+ranks that disagree, instead of hanging inside ``new_group``.  A rank that never
+makes the call leaves the others waiting only until the process-group timeout.
+
+Process groups are created with distfuse's timeout (``DISTFUSE_TIMEOUT`` seconds,
+default 600) and cached by their tuple of world ranks, so equal partitions share one
+group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from distfuse.errors import CollectiveTimeoutError, PartitionError, where
+
+__all__ = [
+    "Partition",
+    "CartesianPartition",
+    "zero_volume_tensor",
+    "default_timeout",
+    "metadata_group",
+    "union_partition",
+]
+
+_GROUPS: dict[tuple[int, ...], object] = {}
+_CREATION_SEQ = [0]
+_META_GROUP: list = []
+
+
+def default_timeout() -> timedelta:
+    """Timeout of every process group distfuse creates (``DISTFUSE_TIMEOUT`` seconds, default 600)."""
+    return timedelta(seconds=float(os.environ.get("DISTFUSE_TIMEOUT", "600")))
+
+
+def zero_volume_tensor(b: int | None = None, dtype: torch.dtype | None = None, device=None,
+                       requires_grad: bool = False) -> torch.Tensor:
+    """The placeholder an inactive worker passes and receives: shape ``[0]``, or ``[b, 0]`` to keep a batch size.
+
+    Pass ``requires_grad=True`` on ranks that hold no input but take part in a
+    backward pass, so that autograd runs the adjoint there too.
+    """
+    shape = (0,) if b is None else (int(b), 0)
+    dtype = dtype if dtype is not None else torch.get_default_dtype()
+    return torch.empty(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+def _world_size() -> int:
+    return dist.get_world_size()
+
+
+def _world_rank() -> int:
+    return dist.get_rank()
+
+
+def metadata_group():
+    """A CPU (gloo) group over the whole world for small host-side metadata collectives.
+
+    With gloo the world group serves; with NCCL a gloo group is created once (a
+    collective call, made the first time any rank needs it).
+    """
+    if not _META_GROUP:
+        if dist.get_backend() == "gloo":
+            _META_GROUP.append(dist.group.WORLD)
+        else:
+            _META_GROUP.append(dist.new_group(backend="gloo", timeout=default_timeout()))
+    return _META_GROUP[0]
+
+
+def _check_creation_consistent(call: str, groups: Sequence[tuple[int, ...]]) -> None:
+    """All world ranks must be creating the same groups now; raise on every rank if not."""
+    _CREATION_SEQ[0] += 1
+    record = (_CREATION_SEQ[0], call, tuple(groups))
+    records: list = [None] * _world_size()
+    try:
+        dist.all_gather_object(records, record, group=metadata_group())
+    except RuntimeError as exc:  # a rank that never arrives surfaces as a timeout or a closed connection
+        raise CollectiveTimeoutError(
+            f"{where('Partition')}: partition creation is collective over the world, but not every rank made "
+            f"call #{record[0]} ({call}) within the timeout: {exc}"
+        ) from exc
+    if any(r != record for r in records):
+        lines = "\n".join(f"  rank {i}: call #{r[0]} {r[1]} groups={list(r[2])}" for i, r in enumerate(records))
+        raise PartitionError(
+            f"{where('Partition')}: partition creation is collective over the world and every rank must make the "
+            f"same call; the ranks disagree:\n{lines}"
+        )
+
+
+def _groups_for(call: str, rank_sets: Sequence[tuple[int, ...]]) -> list:
+    """Create (or reuse) one process group per rank set; collective over the world."""
+    _check_creation_consistent(call, rank_sets)
+    out = []
+    for ranks in rank_sets:
+        if ranks not in _GROUPS:
+            if len(ranks) == _world_size() and ranks == tuple(range(_world_size())):
+                _GROUPS[ranks] = dist.group.WORLD
+            else:
+                _GROUPS[ranks] = dist.new_group(list(ranks), timeout=default_timeout())
+        out.append(_GROUPS[ranks] if _world_rank() in ranks else None)
+    return out
+
+
+def _default_device() -> torch.device:
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class Partition:
+    """An ordered set of world ranks with its process group.
+
+    Attributes:
+        ranks: the world ranks in partition order.
+        active: whether this process is one of them.
+        rank: this process's rank within the partition (-1 when inactive).
+        size: number of workers.
+        group: the cached ``ProcessGroup`` (None on inactive workers).
+        device: where this partition's tensors live (``cuda:<current>`` under NCCL, else CPU).
+    """
+
+    def __init__(self, ranks: Sequence[int], group, device: torch.device | None = None):
+        self.ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
+        self.size = len(self.ranks)
+        me = _world_rank()
+        self.active = me in self.ranks
+        self.rank = self.ranks.index(me) if self.active else -1
+        self.group = group if self.active else None
+        self.device = device if device is not None else _default_device()
+
+    @classmethod
+    def world(cls, device: torch.device | None = None) -> Partition:
+        """Every rank of the initialised default process group; no collective is needed."""
+        if not dist.is_initialized():
+            raise PartitionError("Partition.world: torch.distributed is not initialised; call "
+                                 "torch.distributed.init_process_group first")
+        ranks = tuple(range(_world_size()))
+        _GROUPS.setdefault(ranks, dist.group.WORLD)
+        return cls(ranks, dist.group.WORLD, device)
+
+    def create_partition_inclusive(self, ranks: Iterable[int]) -> Partition:
+        """The sub-partition of the workers at positions ``ranks`` of this partition.
+
+        Collective over the world: every world rank must call it with the same ranks.
+        """
+        idx = [int(r) for r in (ranks.tolist() if isinstance(ranks, np.ndarray) else ranks)]
+        if len(set(idx)) != len(idx):
+            raise PartitionError(f"{where('Partition')}: create_partition_inclusive got repeated ranks {idx}")
+        bad = [r for r in idx if not 0 <= r < self.size]
+        if bad:
+            raise PartitionError(f"{where('Partition')}: create_partition_inclusive: ranks {bad} are outside this "
+                                 f"partition of size {self.size}")
+        world = tuple(self.ranks[r] for r in idx)
+        (group,) = _groups_for("create_partition_inclusive", [world])
+        return Partition(world, group, self.device)
+
+    def create_cartesian_topology_partition(self, shape: Sequence[int]) -> CartesianPartition:
+        """Arrange this partition's workers in a row-major grid of ``shape``; its volume must equal the size.
+
+        Collective over the world (it reuses this partition's cached group).
+        """
+        shape = tuple(int(s) for s in shape)
+        if any(s < 1 for s in shape):
+            raise PartitionError(f"{where('Partition')}: cartesian shape {shape} has a dimension < 1")
+        if int(np.prod(shape)) != self.size:
+            raise PartitionError(f"{where('Partition')}: cartesian shape {shape} has volume {int(np.prod(shape))}, "
+                                 f"expected the partition size {self.size}")
+        (group,) = _groups_for("create_cartesian_topology_partition", [self.ranks])
+        return CartesianPartition(self.ranks, group, shape, self.device)
+
+    def world_rank_of(self, partition_rank: int) -> int:
+        return self.ranks[partition_rank]
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, Partition) and self.ranks == other.ranks
+                and getattr(self, "shape", None) == getattr(other, "shape", None))
+
+    def __hash__(self) -> int:
+        return hash((self.ranks, getattr(self, "shape", None)))
+
+    def __repr__(self) -> str:
+        return f"Partition(ranks={list(self.ranks)}, active={self.active}, rank={self.rank})"
+
+
+class CartesianPartition(Partition):
+    """A partition whose workers form a row-major Cartesian grid.
+
+    Attributes (beyond :class:`Partition`):
+        shape: the grid shape.
+        dim: number of grid dimensions.
+        index: this worker's grid coordinates (all -1 when inactive).
+    """
+
+    def __init__(self, ranks: Sequence[int], group, shape: Sequence[int], device: torch.device | None = None):
+        super().__init__(ranks, group, device)
+        self.shape: tuple[int, ...] = tuple(int(s) for s in shape)
+        self.dim = len(self.shape)
+        self.index: tuple[int, ...] = self.index_of(self.rank) if self.active else (-1,) * self.dim
+
+    def index_of(self, partition_rank: int) -> tuple[int, ...]:
+        """Grid coordinates of a partition rank."""
+        return tuple(int(i) for i in np.unravel_index(partition_rank, self.shape))
+
+    def rank_of(self, index: Sequence[int]) -> int:
+        """Partition rank at grid coordinates ``index``."""
+        return int(np.ravel_multi_index(tuple(index), self.shape))
+
+    def neighbors(self, dim: int, periodic: bool = False) -> tuple[int | None, int | None]:
+        """Partition ranks of the lower and upper neighbours along ``dim`` (None at a non-periodic edge)."""
+        if not self.active:
+            return None, None
+        out = []
+        for step in (-1, 1):
+            idx = list(self.index)
+            idx[dim] += step
+            if not 0 <= idx[dim] < self.shape[dim]:
+                if not periodic:
+                    out.append(None)
+                    continue
+                idx[dim] %= self.shape[dim]
+            out.append(self.rank_of(idx))
+        return out[0], out[1]
+
+    def create_cartesian_subtopology_partition(self, remain_dims: Sequence[bool]) -> CartesianPartition:
+        """The sub-grid through this worker that keeps the dimensions flagged in ``remain_dims``.
+
+        Like ``MPI_Cart_sub``: the grid splits into one sub-grid per combination of the
+        dropped coordinates, and each worker gets the one it belongs to.  The result
+        keeps every dimension, with extent 1 in the dropped ones, so that partition and
+        tensor dimensions still correspond.  Collective over the world: every world
+        rank creates every sub-grid's group.
+        """
+        remain = [bool(r) for r in remain_dims]
+        if len(remain) != self.dim:
+            raise PartitionError(f"{where('Partition')}: remain_dims has {len(remain)} entries, expected {self.dim}")
+        sub_shape = tuple(s if k else 1 for s, k in zip(self.shape, remain, strict=True))
+        dropped = [range(s) if not k else range(1) for s, k in zip(self.shape, remain, strict=True)]
+        kept = [range(s) if k else range(1) for s, k in zip(self.shape, remain, strict=True)]
+        rank_sets = []
+        for base in itertools.product(*dropped):
+            members = []
+            for off in itertools.product(*kept):
+                idx = [b + o for b, o in zip(base, off, strict=True)]
+                members.append(self.ranks[self.rank_of(idx)])
+            rank_sets.append(tuple(members))
+        groups = _groups_for("create_cartesian_subtopology_partition", rank_sets)
+        me = _world_rank()
+        for ranks, group in zip(rank_sets, groups, strict=True):
+            if me in ranks:
+                return CartesianPartition(ranks, group, sub_shape, self.device)
+        # Inactive in the parent: inactive in every sub-grid too.
+        return _inactive(sub_shape, self)
+
+    def __repr__(self) -> str:
+        return (f"CartesianPartition(shape={list(self.shape)}, ranks={list(self.ranks)}, active={self.active}, "
+                f"index={self.index})")
+
+
+def _inactive(shape: Sequence[int], parent: Partition) -> CartesianPartition:
+    """A placeholder sub-grid for a worker outside the parent partition (it holds no ranks)."""
+    part = CartesianPartition.__new__(CartesianPartition)
+    part.ranks = ()
+    part.size = int(np.prod(shape))
+    part.active = False
+    part.rank = -1
+    part.group = None
+    part.device = parent.device
+    part.shape = tuple(shape)
+    part.dim = len(part.shape)
+    part.index = (-1,) * part.dim
+    return part
+
+
+def union_partition(*partitions: Partition) -> Partition:
+    """A partition of every world rank in any of ``partitions``, in world-rank order.
+
+    Collective over the world.  Cross-partition primitives use it to agree on metadata.
+    """
+    ranks = tuple(sorted(set().union(*(p.ranks for p in partitions))))
+    (group,) = _groups_for("union_partition", [ranks])
+    return Partition(ranks, group, partitions[0].device)

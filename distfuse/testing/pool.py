@@ -1,0 +1,212 @@
+"""Pools of forked gloo ranks that run test functions, reused across tests.
+
+Starting a gloo world costs seconds with ``spawn`` but about 0.1 s with ``fork``, and a
+pool that stays up costs nothing per test.  :func:`run_ranks` sends a module-level
+function (pickled by reference) to every rank of the pool for ``world_size`` and
+returns the per-rank results.
+
+Guarantees:
+
+* **Every call has a deadline.**  Past it, every rank of the pool is killed and
+  :class:`RankTimeout` names the ranks that did not answer.  Collectives inside the
+  ranks also carry the process-group timeout, so a mismatched collective becomes an
+  error rather than a hang.
+* **Every rank's exception comes back with its rank id** (:class:`RankFailure`).
+* **A pool that failed is rebuilt** before its next use, because a rank that raised
+  may have left peers inside a collective.
+
+Children call ``torch.set_num_threads(1)`` first: forked children of a parent that
+already used OpenMP otherwise hang, and one thread per rank is right on small CI
+machines anyway.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import multiprocessing.connection as mpc
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+
+__all__ = ["RankPool", "RankFailure", "RankTimeout", "run_ranks", "shutdown_pools"]
+
+DEFAULT_CALL_TIMEOUT = float(os.environ.get("DISTFUSE_TEST_TIMEOUT", "120"))
+# Collectives in test ranks time out well inside the call deadline, so that a rank
+# stuck in a mismatched collective reports an error instead of being killed.
+DEFAULT_PG_TIMEOUT = float(os.environ.get("DISTFUSE_TEST_PG_TIMEOUT", "30"))
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised; ``errors`` maps rank id to its formatted traceback."""
+
+    def __init__(self, errors: dict[int, str], world_size: int):
+        self.errors = errors
+        body = "\n".join(f"--- rank {r} of {world_size} ---\n{tb}" for r, tb in sorted(errors.items()))
+        super().__init__(f"{len(errors)} of {world_size} ranks raised:\n{body}")
+
+
+class RankTimeout(TimeoutError):
+    """Ranks did not answer within the deadline; the pool was killed."""
+
+
+def _worker_main(rank: int, world_size: int, init_file: str, conn, pg_timeout: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ["DISTFUSE_TIMEOUT"] = str(pg_timeout)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout))
+    except Exception:  # report the start-up failure to the parent and exit
+        conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
+        return
+    conn.send_bytes(pickle.dumps(("ready", None)))
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            break  # parent went away
+        task = pickle.loads(payload)
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            out = ("ok", fn(*args, **kwargs))
+            data = pickle.dumps(out)
+        except BaseException:  # noqa: B036 - every failure must reach the parent with its rank id
+            data = pickle.dumps(("err", traceback.format_exc()))
+        try:
+            conn.send_bytes(data)
+        except (BrokenPipeError, OSError):
+            break
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort at exit
+        pass
+
+
+class RankPool:
+    """``world_size`` forked processes joined in one gloo world."""
+
+    def __init__(self, world_size: int, pg_timeout: float = DEFAULT_PG_TIMEOUT, start_timeout: float = 60.0):
+        self.world_size = world_size
+        self.pg_timeout = pg_timeout
+        self.broken = False
+        ctx = mp.get_context("fork")
+        fd, self._init_file = tempfile.mkstemp(prefix="distfuse-pg-")
+        os.close(fd)
+        os.unlink(self._init_file)  # FileStore creates it; a stale file would confuse it
+        self._procs, self._conns = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, world_size, self._init_file, child, pg_timeout),
+                               daemon=True, name=f"distfuse-rank{rank}of{world_size}")
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        replies = self._collect(start_timeout, "start")
+        errors = {r: tb for r, (kind, tb) in replies.items() if kind == "err"}
+        if errors:
+            self.close()
+            raise RankFailure(errors, world_size)
+
+    def _collect(self, timeout: float, what: str) -> dict[int, tuple]:
+        deadline = time.monotonic() + timeout
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        replies: dict[int, tuple] = {}
+        first_error_at = None
+        while pending:
+            now = time.monotonic()
+            wait = deadline - now
+            if first_error_at is not None:
+                # Once one rank failed, give the others a short grace to report theirs.
+                wait = min(wait, first_error_at + 2.0 - now)
+            if wait <= 0:
+                break
+            for conn in mpc.wait(list(pending), timeout=wait):
+                rank = pending.pop(conn)
+                try:
+                    replies[rank] = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    code = self._procs[rank].exitcode
+                    replies[rank] = ("err", f"rank {rank} died (exit code {code}) during {what}")
+                if replies[rank][0] == "err" and first_error_at is None:
+                    first_error_at = time.monotonic()
+        if pending:
+            missing = sorted(pending.values())
+            errors = {r: tb for r, (kind, tb) in replies.items() if kind == "err"}
+            self.close()
+            if errors:
+                errors.update({r: f"no answer within the grace period after rank {min(errors)} failed"
+                               for r in missing})
+                raise RankFailure(errors, self.world_size)
+            raise RankTimeout(f"ranks {missing} of {self.world_size} did not finish {what} within {timeout:.0f} s; "
+                              "the pool was killed")
+        return replies
+
+    def run(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if self.broken:
+            raise RuntimeError("RankPool: this pool failed earlier; get a new one from run_ranks")
+        payload = pickle.dumps((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(payload)
+        deadline = timeout if timeout is not None else DEFAULT_CALL_TIMEOUT
+        replies = self._collect(deadline, getattr(fn, "__name__", "task"))
+        errors = {r: body for r, (kind, body) in replies.items() if kind == "err"}
+        if errors:
+            self.close()
+            raise RankFailure(errors, self.world_size)
+        return [replies[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        self.broken = True
+        for conn in self._conns:
+            try:
+                conn.send_bytes(pickle.dumps(None))
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.monotonic() + 1.0
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        try:
+            os.unlink(self._init_file)
+        except FileNotFoundError:
+            pass
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float | None = None, **kwargs) -> list:
+    """Run ``fn`` on every rank of a (reused) pool of ``world_size`` gloo ranks.
+
+    ``fn`` must be importable by reference (a module-level function).  Returns the
+    per-rank results in rank order; raises :class:`RankFailure` or :class:`RankTimeout`.
+    """
+    pool = _POOLS.get(world_size)
+    if pool is None or pool.broken:
+        pool = _POOLS[world_size] = RankPool(world_size)
+    return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+
+def shutdown_pools() -> None:
+    for pool in _POOLS.values():
+        if not pool.broken:
+            pool.close()
+    _POOLS.clear()
+
+
+atexit.register(shutdown_pools)
