@@ -41,7 +41,7 @@ __all__ = [
     "union_partition",
 ]
 
-_GROUPS: dict[tuple[int, ...], object] = {}
+_GROUPS: dict[tuple[int, ...], tuple] = {}
 _CREATION_SEQ = [0]
 _META_GROUP: list = []
 
@@ -106,15 +106,24 @@ def _check_creation_consistent(call: str, groups: Sequence[tuple[int, ...]]) -> 
 
 
 def _groups_for(call: str, rank_sets: Sequence[tuple[int, ...]]) -> list:
-    """Create (or reuse) one process group per rank set; collective over the world."""
+    """Create (or reuse) one process group per rank set; collective over the world.
+
+    Returns ``(group, meta_group)`` per rank set, or None where this rank is not a
+    member.  ``meta_group`` is a gloo group over the same ranks for host-side
+    metadata (shapes); under gloo it is the data group itself.
+    """
     _check_creation_consistent(call, rank_sets)
+    gloo = dist.get_backend() == "gloo"
     out = []
     for ranks in rank_sets:
         if ranks not in _GROUPS:
-            if len(ranks) == _world_size() and ranks == tuple(range(_world_size())):
-                _GROUPS[ranks] = dist.group.WORLD
+            if ranks == tuple(range(_world_size())):
+                data = dist.group.WORLD
+                meta = data if gloo else metadata_group()
             else:
-                _GROUPS[ranks] = dist.new_group(list(ranks), timeout=default_timeout())
+                data = dist.new_group(list(ranks), timeout=default_timeout())
+                meta = data if gloo else dist.new_group(list(ranks), timeout=default_timeout(), backend="gloo")
+            _GROUPS[ranks] = (data, meta)
         out.append(_GROUPS[ranks] if _world_rank() in ranks else None)
     return out
 
@@ -134,16 +143,18 @@ class Partition:
         rank: this process's rank within the partition (-1 when inactive).
         size: number of workers.
         group: the cached ``ProcessGroup`` (None on inactive workers).
+        meta_group: a gloo group over the same ranks for host-side metadata such as
+            shapes (the data group itself under gloo); None on inactive workers.
         device: where this partition's tensors live (``cuda:<current>`` under NCCL, else CPU).
     """
 
-    def __init__(self, ranks: Sequence[int], group, device: torch.device | None = None):
+    def __init__(self, ranks: Sequence[int], groups: tuple | None, device: torch.device | None = None):
         self.ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
         self.size = len(self.ranks)
         me = _world_rank()
         self.active = me in self.ranks
         self.rank = self.ranks.index(me) if self.active else -1
-        self.group = group if self.active else None
+        self.group, self.meta_group = groups if (self.active and groups is not None) else (None, None)
         self.device = device if device is not None else _default_device()
 
     @classmethod
@@ -153,8 +164,8 @@ class Partition:
             raise PartitionError("Partition.world: torch.distributed is not initialised; call "
                                  "torch.distributed.init_process_group first")
         ranks = tuple(range(_world_size()))
-        _GROUPS.setdefault(ranks, dist.group.WORLD)
-        return cls(ranks, dist.group.WORLD, device)
+        groups = _GROUPS.setdefault(ranks, (dist.group.WORLD, metadata_group()))
+        return cls(ranks, groups, device)
 
     def create_partition_inclusive(self, ranks: Iterable[int]) -> Partition:
         """The sub-partition of the workers at positions ``ranks`` of this partition.
@@ -169,8 +180,8 @@ class Partition:
             raise PartitionError(f"{where('Partition')}: create_partition_inclusive: ranks {bad} are outside this "
                                  f"partition of size {self.size}")
         world = tuple(self.ranks[r] for r in idx)
-        (group,) = _groups_for("create_partition_inclusive", [world])
-        return Partition(world, group, self.device)
+        (groups,) = _groups_for("create_partition_inclusive", [world])
+        return Partition(world, groups, self.device)
 
     def create_cartesian_topology_partition(self, shape: Sequence[int]) -> CartesianPartition:
         """Arrange this partition's workers in a row-major grid of ``shape``; its volume must equal the size.
@@ -183,8 +194,8 @@ class Partition:
         if int(np.prod(shape)) != self.size:
             raise PartitionError(f"{where('Partition')}: cartesian shape {shape} has volume {int(np.prod(shape))}, "
                                  f"expected the partition size {self.size}")
-        (group,) = _groups_for("create_cartesian_topology_partition", [self.ranks])
-        return CartesianPartition(self.ranks, group, shape, self.device)
+        (groups,) = _groups_for("create_cartesian_topology_partition", [self.ranks])
+        return CartesianPartition(self.ranks, groups, shape, self.device)
 
     def world_rank_of(self, partition_rank: int) -> int:
         return self.ranks[partition_rank]
@@ -209,8 +220,9 @@ class CartesianPartition(Partition):
         index: this worker's grid coordinates (all -1 when inactive).
     """
 
-    def __init__(self, ranks: Sequence[int], group, shape: Sequence[int], device: torch.device | None = None):
-        super().__init__(ranks, group, device)
+    def __init__(self, ranks: Sequence[int], groups: tuple | None, shape: Sequence[int],
+                 device: torch.device | None = None):
+        super().__init__(ranks, groups, device)
         self.shape: tuple[int, ...] = tuple(int(s) for s in shape)
         self.dim = len(self.shape)
         self.index: tuple[int, ...] = self.index_of(self.rank) if self.active else (-1,) * self.dim
@@ -263,9 +275,9 @@ class CartesianPartition(Partition):
             rank_sets.append(tuple(members))
         groups = _groups_for("create_cartesian_subtopology_partition", rank_sets)
         me = _world_rank()
-        for ranks, group in zip(rank_sets, groups, strict=True):
+        for ranks, pair in zip(rank_sets, groups, strict=True):
             if me in ranks:
-                return CartesianPartition(ranks, group, sub_shape, self.device)
+                return CartesianPartition(ranks, pair, sub_shape, self.device)
         # Inactive in the parent: inactive in every sub-grid too.
         return _inactive(sub_shape, self)
 
@@ -282,6 +294,7 @@ def _inactive(shape: Sequence[int], parent: Partition) -> CartesianPartition:
     part.active = False
     part.rank = -1
     part.group = None
+    part.meta_group = None
     part.device = parent.device
     part.shape = tuple(shape)
     part.dim = len(part.shape)
@@ -295,5 +308,5 @@ def union_partition(*partitions: Partition) -> Partition:
     Collective over the world.  Cross-partition primitives use it to agree on metadata.
     """
     ranks = tuple(sorted(set().union(*(p.ranks for p in partitions))))
-    (group,) = _groups_for("union_partition", [ranks])
-    return Partition(ranks, group, partitions[0].device)
+    (groups,) = _groups_for("union_partition", [ranks])
+    return Partition(ranks, groups, partitions[0].device)
