@@ -24,7 +24,8 @@ from distfuse._compat import all_gather_flat
 from distfuse.errors import ShapeError, expect, where
 from distfuse.partition import Partition, zero_volume_tensor
 
-__all__ = ["exchange", "check_inactive_input", "check_active_input", "empty_like_batch", "gather_metadata"]
+__all__ = ["exchange", "check_inactive_input", "check_active_input", "empty_like_batch", "gather_metadata",
+           "infer_global_shape"]
 
 
 def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
@@ -94,3 +95,42 @@ def gather_metadata(P: Partition, x: torch.Tensor, max_dim: int = 8) -> list[tup
     all_gather_flat(out, mine, group=P.meta_group)
     rows = out.view(P.size, max_dim + 2).tolist()
     return [(tuple(r[2:2 + r[0]]), _DTYPE_CODES[r[1]] if r[1] >= 0 else None) for r in rows]
+
+
+def infer_global_shape(op: str, P, x: torch.Tensor) -> tuple[int, ...]:
+    """Global shape of the tensor whose blocks the workers of CartesianPartition ``P`` hold.
+
+    Gathers every worker's local shape (host-side, :func:`gather_metadata`) and checks
+    that the blocks are the balanced decomposition of the global shape, so every
+    worker raises the same :class:`ShapeError` when any block is off.
+    """
+    from distfuse.decomposition import local_shape  # local import keeps _common free of cycles
+
+    meta = gather_metadata(P, x)
+    if x.dim() != P.dim:
+        raise expect(op, "number of tensor dimensions (one per partition dimension)", P.dim, x.dim())
+    dims = {len(s) for s, _ in meta}
+    if dims != {P.dim}:
+        bad = {P.ranks[r]: s for r, (s, _) in enumerate(meta) if len(s) != P.dim}
+        raise ShapeError(f"{where(op)}: every worker's tensor must have {P.dim} dimensions; got {bad} (world rank: "
+                         "local shape)")
+    dtypes = {d for _, d in meta}
+    if len(dtypes) != 1:
+        raise ShapeError(f"{where(op)}: workers disagree on dtype: "
+                         f"{ {P.ranks[r]: str(d) for r, (_, d) in enumerate(meta)} }")
+    global_shape = []
+    for d in range(P.dim):
+        total = 0
+        for r, (shape, _) in enumerate(meta):
+            idx = P.index_of(r)
+            if all(i == 0 for k, i in enumerate(idx) if k != d):
+                total += shape[d]
+        global_shape.append(total)
+    for r, (shape, _) in enumerate(meta):
+        want = local_shape(global_shape, P.shape, P.index_of(r))
+        if tuple(shape) != want:
+            raise ShapeError(
+                f"{where(op)}: the local blocks are not the balanced decomposition of the global shape "
+                f"{tuple(global_shape)} over the partition {P.shape}: world rank {P.ranks[r]} (index "
+                f"{P.index_of(r)}) expected local shape {want}, got {tuple(shape)}")
+    return tuple(global_shape)

@@ -1,0 +1,313 @@
+"""Exact halo geometry of a spatially partitioned convolution (pure Python, no communication).
+
+For one spatial axis with global input extent ``n`` split over ``p`` workers, a
+convolution with kernel ``k``, stride ``s``, dilation ``d`` and padding ``(lo, hi)``
+has the global output extent ``m = (n + lo + hi - d*(k-1) - 1) // s + 1``.  The output
+is decomposed by the balanced decomposition, so worker ``i`` owns outputs
+``[o0, o1)`` and needs exactly the input range
+
+    a = o0*s - lo,   b = (o1-1)*s + d*(k-1) + 1 - lo      (global, unpadded coordinates)
+
+which may start before or end after the worker's own block (a halo from one or more
+neighbours, when the halo is wider than a neighbour's block), fall short of it (the
+block is trimmed: with stride, some local inputs are never read), or leave the
+domain ``[0, n)`` (boundary padding).  DistDL's ranges ignore stride and dilation and
+assume the halo comes from the adjacent neighbour only; these do not.
+
+Every needed global index ``g`` is mapped to its source by the padding mode:
+
+=========  ==========================================  ==========================
+mode       ``g < 0``                                   ``g >= n``
+=========  ==========================================  ==========================
+zeros      0                                           0
+reflect    ``-g`` (edge not repeated; needs pad < n)   ``2(n-1) - g``
+replicate  ``0``                                       ``n-1``
+circular   ``g mod n`` (wraps across the whole domain, from the last worker)
+=========  ==========================================  ==========================
+
+and the sources are run-length encoded into :class:`Segment` s: a run of staged
+positions that reads one source block with a constant step (+1 copy, -1 reversed by
+reflect, 0 one element repeated by replicate) or is zero-filled.  The N-D plan is the
+Cartesian product of the per-axis segments: one :class:`Piece` per combination, which
+is one message when its source is another worker.  All axes, corners included, are
+exchanged in a single round.
+
+The same plan drives the unfused torch staging (``halo_exchange.py``) and the fused
+Triton kernels (``kernels/halo.py``), so both agree by construction.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from distfuse.decomposition import block_range, owner_of
+from distfuse.errors import UnsupportedError
+
+__all__ = [
+    "PADDING_MODES",
+    "AxisGeometry",
+    "Segment",
+    "Piece",
+    "HaloPlan",
+    "resolve_padding",
+    "conv_output_extent",
+]
+
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def conv_output_extent(n: int, kernel: int, stride: int, dilation: int, pad_lo: int, pad_hi: int) -> int:
+    """Output extent of a convolution along one axis (0 when the padded input is shorter than the kernel)."""
+    span = n + pad_lo + pad_hi - dilation * (kernel - 1) - 1
+    return span // stride + 1 if span >= 0 else 0
+
+
+def resolve_padding(padding, kernel_size: Sequence[int], dilation: Sequence[int],
+                    stride: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    """Per-axis ``(lo, hi)`` padding from an int, a tuple of ints or pairs, ``'same'`` or ``'valid'``.
+
+    ``'same'`` follows torch: total ``d*(k-1)``, ``lo = total // 2`` (so an even kernel
+    pads more on the high side), and only for stride 1.
+    """
+    nd = len(kernel_size)
+    if isinstance(padding, str):
+        if padding == "valid":
+            return ((0, 0),) * nd
+        if padding == "same":
+            if any(s != 1 for s in stride):
+                raise UnsupportedError(f"padding='same' needs stride 1 (as in torch), got stride {tuple(stride)}")
+            out = []
+            for k, d in zip(kernel_size, dilation, strict=True):
+                total = d * (k - 1)
+                out.append((total // 2, total - total // 2))
+            return tuple(out)
+        raise UnsupportedError(f"padding must be an int, a tuple, 'same' or 'valid', got {padding!r}")
+    if isinstance(padding, int):
+        return ((padding, padding),) * nd
+    padding = tuple(padding)
+    if len(padding) != nd:
+        raise UnsupportedError(f"padding {padding} has {len(padding)} entries, expected {nd} (one per spatial axis)")
+    out = []
+    for p in padding:
+        lo, hi = (p, p) if isinstance(p, int) else tuple(p)
+        if lo < 0 or hi < 0:
+            raise UnsupportedError(f"negative padding {padding} is not supported")
+        out.append((int(lo), int(hi)))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of ``length`` staged positions starting at ``dst`` along one axis.
+
+    ``src`` is the source block index along the axis (None: zero fill).  The source
+    box is ``[lo, lo + extent)`` in the source block's local coordinates; staged
+    position ``dst + t`` reads ``lo + t`` (step +1), ``lo + extent - 1 - t`` (step -1,
+    reflect) or ``lo`` (step 0, replicate; extent 1).
+    """
+
+    dst: int
+    length: int
+    src: int | None
+    lo: int
+    extent: int
+    step: int
+
+
+@dataclass(frozen=True)
+class AxisGeometry:
+    """Convolution geometry along one spatial axis, split over ``p`` workers."""
+
+    n: int
+    p: int
+    kernel: int
+    stride: int = 1
+    dilation: int = 1
+    pad_lo: int = 0
+    pad_hi: int = 0
+    mode: str = "zeros"
+
+    def __post_init__(self):
+        if self.mode not in PADDING_MODES:
+            raise UnsupportedError(f"padding_mode must be one of {PADDING_MODES}, got {self.mode!r}")
+        if min(self.kernel, self.stride, self.dilation, self.p) < 1 or self.n < 0:
+            raise UnsupportedError(f"invalid convolution geometry {self}")
+        if self.mode == "reflect" and max(self.pad_lo, self.pad_hi) >= max(self.n, 1):
+            raise UnsupportedError(f"reflect padding {max(self.pad_lo, self.pad_hi)} must be smaller than the global "
+                                   f"input extent {self.n} (as in torch)")
+        if self.mode in ("replicate", "circular") and self.n == 0 and (self.pad_lo or self.pad_hi):
+            raise UnsupportedError(f"{self.mode} padding of an empty input is undefined")
+
+    @property
+    def m(self) -> int:
+        return conv_output_extent(self.n, self.kernel, self.stride, self.dilation, self.pad_lo, self.pad_hi)
+
+    def input_range(self, i: int) -> tuple[int, int]:
+        return block_range(self.n, self.p, i)
+
+    def output_range(self, i: int) -> tuple[int, int]:
+        return block_range(self.m, self.p, i)
+
+    def needed_range(self, i: int) -> tuple[int, int]:
+        """Global input range ``[a, b)`` that worker ``i``'s outputs read (empty when it has no outputs)."""
+        o0, o1 = self.output_range(i)
+        if o1 == o0:
+            return 0, 0
+        a = o0 * self.stride - self.pad_lo
+        b = (o1 - 1) * self.stride + self.dilation * (self.kernel - 1) + 1 - self.pad_lo
+        return a, b
+
+    def _source(self, g: int) -> int | None:
+        n = self.n
+        if 0 <= g < n:
+            return g
+        if self.mode == "zeros":
+            return None
+        if self.mode == "circular":
+            return g % n
+        if self.mode == "replicate":
+            return 0 if g < 0 else n - 1
+        return -g if g < 0 else 2 * (n - 1) - g  # reflect (pad < n checked above)
+
+    @functools.cache  # noqa: B019 - geometries are few and immutable; the cache lives as long as they do
+    def segments(self, i: int) -> tuple[Segment, ...]:
+        """Run-length encoded sources of worker ``i``'s staged positions, in staged order."""
+        a, b = self.needed_range(i)
+        runs: list[list] = []  # [dst, length, src_block, first_global, step]
+        for t, g in enumerate(range(a, b)):
+            s = self._source(g)
+            blk = None if s is None else owner_of(self.n, self.p, s)
+            if runs:
+                r = runs[-1]
+                if blk is None and r[2] is None:
+                    r[1] += 1
+                    continue
+                if blk is not None and r[2] == blk:
+                    last = r[3] + (r[1] - 1) * r[4]
+                    step = s - last
+                    if r[1] == 1 and step in (-1, 0, 1):
+                        r[4] = step
+                        r[1] += 1
+                        continue
+                    if step == r[4]:
+                        r[1] += 1
+                        continue
+            runs.append([t, 1, blk, s, 1])
+        out = []
+        for dst, length, blk, first, step in runs:
+            if blk is None:
+                out.append(Segment(dst, length, None, 0, 0, 0))
+                continue
+            start = block_range(self.n, self.p, blk)[0]
+            if step == 1:
+                lo, extent = first - start, length
+            elif step == -1:
+                lo, extent = first - (length - 1) - start, length
+            else:
+                lo, extent = first - start, 1
+            out.append(Segment(dst, length, blk, lo, extent, step))
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One box of a worker's staged input and where it comes from.
+
+    ``src`` is the source worker's spatial block index (None: zero fill);
+    ``dst_lo``/``shape`` give the box in the staged tensor; ``src_lo``/``src_shape``
+    the box read from the source block (local coordinates); ``steps`` the per-axis
+    transform (+1 copy, -1 reversed, 0 one element repeated).
+    """
+
+    src: tuple[int, ...] | None
+    dst_lo: tuple[int, ...]
+    shape: tuple[int, ...]
+    src_lo: tuple[int, ...]
+    src_shape: tuple[int, ...]
+    steps: tuple[int, ...]
+
+    def dst_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(lo, lo + e) for lo, e in zip(self.dst_lo, self.shape, strict=True))
+
+    def src_slices(self) -> tuple[slice, ...]:
+        return tuple(slice(lo, lo + e) for lo, e in zip(self.src_lo, self.src_shape, strict=True))
+
+
+class HaloPlan:
+    """The halo exchange of every worker of a spatial grid, for one global input shape.
+
+    Args:
+        axes: one :class:`AxisGeometry` per spatial axis (same order as the tensor).
+
+    The plan is a pure function of the geometry, so every worker computes the same
+    plan and both ends of each message agree on its size and order without talking.
+    """
+
+    def __init__(self, axes: Sequence[AxisGeometry]):
+        self.axes = tuple(axes)
+        self.grid = tuple(ax.p for ax in self.axes)
+
+    @classmethod
+    def for_conv(cls, global_spatial: Sequence[int], grid: Sequence[int], kernel_size: Sequence[int],
+                 stride: Sequence[int], dilation: Sequence[int], padding: Sequence[tuple[int, int]],
+                 mode: str) -> HaloPlan:
+        return cls([AxisGeometry(n, p, k, s, d, lo, hi, mode)
+                    for n, p, k, s, d, (lo, hi) in zip(global_spatial, grid, kernel_size, stride, dilation, padding,
+                                                        strict=True)])
+
+    def blocks(self):
+        return itertools.product(*(range(p) for p in self.grid))
+
+    def input_shape(self, index: Sequence[int]) -> tuple[int, ...]:
+        return tuple(ax.input_range(i)[1] - ax.input_range(i)[0] for ax, i in zip(self.axes, index, strict=True))
+
+    def output_shape(self, index: Sequence[int]) -> tuple[int, ...]:
+        return tuple(ax.output_range(i)[1] - ax.output_range(i)[0] for ax, i in zip(self.axes, index, strict=True))
+
+    def global_output_shape(self) -> tuple[int, ...]:
+        return tuple(ax.m for ax in self.axes)
+
+    def staged_shape(self, index: Sequence[int]) -> tuple[int, ...]:
+        return tuple(ax.needed_range(i)[1] - ax.needed_range(i)[0] for ax, i in zip(self.axes, index, strict=True))
+
+    @functools.cache  # noqa: B019 - one plan per geometry, cached by the primitive that owns it
+    def pieces(self, index: tuple[int, ...]) -> tuple[Piece, ...]:
+        """Every box of worker ``index``'s staged input, in canonical order (row-major over segments)."""
+        per_axis = [ax.segments(i) for ax, i in zip(self.axes, index, strict=True)]
+        out = []
+        for combo in itertools.product(*per_axis):
+            zero = any(seg.src is None for seg in combo)
+            out.append(Piece(
+                src=None if zero else tuple(seg.src for seg in combo),
+                dst_lo=tuple(seg.dst for seg in combo),
+                shape=tuple(seg.length for seg in combo),
+                src_lo=tuple(seg.lo for seg in combo),
+                src_shape=tuple(seg.extent for seg in combo),
+                steps=tuple(seg.step for seg in combo),
+            ))
+        return tuple(out)
+
+    def recvs(self, index: tuple[int, ...]) -> tuple[Piece, ...]:
+        """Pieces worker ``index`` receives from other workers, in message order."""
+        return tuple(pc for pc in self.pieces(index) if pc.src is not None and pc.src != index)
+
+    @functools.cache  # noqa: B019
+    def sends(self, index: tuple[int, ...]) -> tuple[tuple[tuple[int, ...], Piece], ...]:
+        """``(receiver, piece)`` for every piece other workers read from worker ``index``, in message order.
+
+        Ordered by receiver (row-major), then by the receiver's piece order, which is
+        the order the receiver posts its receives from this worker in.
+        """
+        out = []
+        for recv in self.blocks():
+            if recv == index:
+                continue
+            out.extend((recv, pc) for pc in self.pieces(recv) if pc.src == index)
+        return tuple(out)
+
+    def local_pieces(self, index: tuple[int, ...]) -> tuple[Piece, ...]:
+        """Pieces worker ``index`` reads from its own block (interior, and reflect/replicate/circular self-wraps)."""
+        return tuple(pc for pc in self.pieces(index) if pc.src == index)
