@@ -1,0 +1,1 @@
+"""Distributed layers (filled in by the layer modules)."""
