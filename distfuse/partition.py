@@ -159,13 +159,24 @@ class Partition:
 
     @classmethod
     def world(cls, device: torch.device | None = None) -> Partition:
-        """Every rank of the initialised default process group; no collective is needed."""
+        """Every rank of the initialised default process group.
+
+        The first call is collective under NCCL (it creates the gloo metadata group and
+        warms up the world communicator); later calls and gloo need no communication.
+        """
         if not dist.is_initialized():
             raise PartitionError("Partition.world: torch.distributed is not initialised; call "
                                  "torch.distributed.init_process_group first")
         ranks = tuple(range(_world_size()))
-        groups = _GROUPS.setdefault(ranks, (dist.group.WORLD, metadata_group()))
-        return cls(ranks, groups, device)
+        if ranks not in _GROUPS:
+            _GROUPS[ranks] = (dist.group.WORLD, metadata_group())
+            if dist.get_backend() == "nccl":
+                # NCCL creates communicators lazily, and a batch_isend_irecv that is the
+                # first call on a communicator must include every rank of it; the
+                # primitives' P2P rounds involve only some ranks, so warm the world
+                # communicator up once with a collective every rank makes here.
+                dist.all_reduce(torch.zeros(1, device=_default_device()))
+        return cls(ranks, _GROUPS[ranks], device)
 
     def create_partition_inclusive(self, ranks: Iterable[int]) -> Partition:
         """The sub-partition of the workers at positions ``ranks`` of this partition.
