@@ -93,7 +93,10 @@ def gather_metadata(P: Partition, x: torch.Tensor, max_dim: int = 8) -> list[tup
     mine[2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
     out = torch.empty(P.size * (max_dim + 2), dtype=torch.int64)
     all_gather_flat(out, mine, group=P.meta_group)
-    rows = out.view(P.size, max_dim + 2).tolist()
+    # torch.distributed.new_group sorts its ranks: slot g belongs to the g-th smallest
+    # world rank, which is not partition rank g when a partition lists its ranks out of order.
+    by_world = dict(zip(sorted(P.ranks), out.view(P.size, max_dim + 2).tolist(), strict=True))
+    rows = [by_world[r] for r in P.ranks]
     return [(tuple(r[2:2 + r[0]]), _DTYPE_CODES[r[1]] if r[1] >= 0 else None) for r in rows]
 
 

@@ -1,0 +1,327 @@
+"""Shared machinery of AllSumReduce, AllGather and ReduceScatter: axes, sub-grids and padded block collectives.
+
+All three act within one :class:`~distfuse.partition.CartesianPartition` ``P_x``, along a
+set of partition axes.  The workers that share every *other* coordinate form a sub-grid
+(``P_x.create_cartesian_subtopology_partition``), and the collective runs on that
+sub-grid's process group.  The sub-grid keeps every dimension (extent 1 in the dropped
+ones), so partition dimension ``d`` still splits tensor dimension ``d``.
+
+Uneven blocks.  gloo rejects an uneven ``reduce_scatter_tensor`` and an uneven list
+``all_gather``, so every block is padded to the largest block shape ``pad`` and moved
+with one flat collective of ``P * prod(pad)`` elements (:mod:`distfuse._compat`),
+block-major.  The same code runs on NCCL: one collective call, tensors stay on the
+device.  Padding is never read: in debug mode the scratch buffers are filled with NaN
+so that a read of padding shows up in the values.
+
+Buffer order.  ``torch.distributed.new_group`` sorts its ranks, so slot ``g`` of a flat
+collective belongs to the member with the ``g``-th smallest world rank, not to
+sub-grid rank ``g`` when the partition lists its ranks out of order (for example
+``create_partition_inclusive([3, 1, 2, 0])``).  :attr:`BlockLayout.slots` maps one to
+the other.
+
+Fast path.  When every block has the same shape and the slots are in sub-grid order,
+the block-major buffer is a permutation of the concatenated tensor: gathering is a
+``permute``-``reshape`` (a view when only the first gathered dimension is split, else
+one copy), and so is packing for the reduce-scatter.  Otherwise blocks are copied one
+by one (``P`` small copies, one pass over the data).
+
+Reduction precision.  gloo and NCCL round every partial sum to the tensor's dtype (NCCL
+stores bf16 between ring steps), in an order that depends on the algorithm and the
+rank.  Measured here: a bf16 reduce-scatter in which every chunk sums the values
+[256, 1, 1, 0] over 4 gloo ranks gives 258 on two ranks and 256 on the other two.  A
+sum over ``p`` workers therefore carries up to ``p - 1`` roundings in bf16/fp16.  Pass
+``reduce_dtype=torch.float32`` to add in fp32 instead, at twice the bytes on the wire
+(FSDP calls the same knob ``reduce_dtype``); the result is rounded once, back to the
+input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from distfuse import debug
+from distfuse._compat import all_gather_flat, reduce_scatter_flat
+from distfuse.decomposition import local_shape, local_start
+from distfuse.errors import PartitionError, ShapeError, expect, where
+from distfuse.partition import CartesianPartition
+from distfuse.primitives._common import check_inactive_input, gather_metadata
+
+__all__ = [
+    "resolve_axes",
+    "axes_subgrid",
+    "group_slots",
+    "BlockLayout",
+    "balanced_layout",
+    "layout_from_shapes",
+    "gather_blocks",
+    "scatter_sum_blocks",
+    "all_reduce_sum",
+    "check_partition",
+    "check_input",
+]
+
+
+def check_partition(op: str, P_x) -> None:
+    if not isinstance(P_x, CartesianPartition):
+        raise expect(op, "partition type", "CartesianPartition", type(P_x).__name__, cls=PartitionError)
+
+
+def resolve_axes(op: str, P_x: CartesianPartition, axes, axes_keep, axes_name: str) -> tuple[int, ...]:
+    """The sorted partition axes an op acts along, from exactly one of ``axes`` and ``axes_keep``.
+
+    ``axes_keep`` names the complement.  Negative axes count from the end, as in torch.
+    Raised before any collective, so every rank (given the same arguments) raises.
+    """
+    if (axes is None) == (axes_keep is None):
+        given = "both" if axes is not None else "neither"
+        raise expect(op, f"exactly one of {axes_name} and axes_keep", "one", given, cls=PartitionError)
+    chosen = _normalize(op, P_x.dim, axes if axes is not None else axes_keep,
+                        axes_name if axes is not None else "axes_keep")
+    if axes_keep is not None:
+        chosen = tuple(d for d in range(P_x.dim) if d not in chosen)
+    return chosen
+
+
+def _normalize(op: str, ndim: int, axes, name: str) -> tuple[int, ...]:
+    if hasattr(axes, "__index__"):  # one axis: int, numpy integer
+        axes = (axes,)
+    out = []
+    for a in axes:
+        a = int(a)
+        if not -ndim <= a < ndim:
+            raise expect(op, f"{name} entry {a} for a partition of {ndim} dimensions", f"in [{-ndim}, {ndim})", a,
+                         cls=PartitionError)
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise expect(op, f"{name} without repeats", "distinct axes", tuple(axes), cls=PartitionError)
+    return tuple(sorted(out))
+
+
+def axes_subgrid(P_x: CartesianPartition, axes: Iterable[int]) -> CartesianPartition:
+    """The sub-grid through this worker along ``axes`` (collective over the world, like every partition creation)."""
+    axes = set(axes)
+    return P_x.create_cartesian_subtopology_partition([d in axes for d in range(P_x.dim)])
+
+
+_SLOTS: dict[tuple[int, ...], tuple[int, ...]] = {}
+
+
+def group_slots(P_sub: CartesianPartition) -> tuple[int, ...]:
+    """``slots[j]``: the position of sub-grid rank ``j`` in a flat collective on ``P_sub.group`` (its group rank).
+
+    Cached by rank tuple, as the groups are (``partition.py``).
+    """
+    slots = _SLOTS.get(P_sub.ranks)
+    if slots is None:
+        slots = _SLOTS[P_sub.ranks] = tuple(dist.get_group_rank(P_sub.group, r) for r in P_sub.ranks)
+    return slots
+
+
+def check_input(op: str, P_sub: CartesianPartition, x: torch.Tensor, ndim: int | None) -> bool:
+    """Check ``x`` and say whether this worker takes part (False: inactive, ``x`` is zero-volume)."""
+    if not isinstance(x, torch.Tensor):
+        raise expect(op, "input type", "torch.Tensor", type(x).__name__)
+    if not P_sub.active:
+        check_inactive_input(op, x)
+        return False
+    if ndim is not None and x.dim() != ndim:
+        raise expect(op, "number of tensor dimensions (one per partition dimension)", ndim, x.dim())
+    if x.device.type != P_sub.device.type:
+        raise expect(op, "device", P_sub.device, x.device)
+    return True
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    """Where every sub-grid worker's block sits in the full (gathered) tensor.
+
+    Attributes:
+        grid: the sub-grid shape (1 in the dimensions that are not gathered).
+        shape: the full tensor: the sum of the block extents along gathered dimensions,
+            the common extent elsewhere.
+        starts, extents: per sub-grid rank, the block's offset into and shape within ``shape``.
+        pad: the largest block shape; every block travels padded to it.
+        slots: per sub-grid rank, its position in the flat buffers (see the module docstring).
+        me: this worker's sub-grid rank.
+    """
+
+    grid: tuple[int, ...]
+    shape: tuple[int, ...]
+    starts: tuple[tuple[int, ...], ...]
+    extents: tuple[tuple[int, ...], ...]
+    pad: tuple[int, ...]
+    slots: tuple[int, ...]
+    me: int
+
+    @property
+    def fast(self) -> bool:
+        """Every block has the pad shape and the buffer is in sub-grid order: a permute replaces the copies."""
+        return all(e == self.pad for e in self.extents) and self.slots == tuple(range(len(self.slots)))
+
+    @property
+    def block_numel(self) -> int:
+        return math.prod(self.pad)
+
+    def slices(self, j: int) -> tuple[slice, ...]:
+        return tuple(slice(s, s + e) for s, e in zip(self.starts[j], self.extents[j], strict=True))
+
+
+def _layout(P_sub, shape, starts, extents) -> BlockLayout:
+    pad = tuple(max(col) for col in zip(*extents, strict=True))
+    return BlockLayout(tuple(P_sub.shape), tuple(shape), tuple(starts), tuple(extents), pad, group_slots(P_sub),
+                       P_sub.rank)
+
+
+_BALANCED: dict[tuple, BlockLayout] = {}
+
+
+def balanced_layout(P_sub: CartesianPartition, shape: Sequence[int]) -> BlockLayout:
+    """The layout of the balanced decomposition of ``shape`` over ``P_sub`` (no communication).
+
+    Cached per (sub-grid, shape): a layer calls this every step with the same shapes,
+    and rebuilding costs ``P * ndim`` Python calls.  The cache is cleared past 1024
+    entries, so that varying shapes (sequence lengths) cannot grow it without bound.
+    """
+    shape = tuple(int(n) for n in shape)
+    key = (P_sub.ranks, P_sub.shape, P_sub.rank, shape)
+    layout = _BALANCED.get(key)
+    if layout is None:
+        if len(_BALANCED) >= 1024:
+            _BALANCED.clear()
+        idx = [P_sub.index_of(j) for j in range(P_sub.size)]
+        layout = _BALANCED[key] = _layout(P_sub, shape, [local_start(shape, P_sub.shape, i) for i in idx],
+                                          [local_shape(shape, P_sub.shape, i) for i in idx])
+    return layout
+
+
+def layout_from_shapes(op: str, P_sub: CartesianPartition, shapes: Sequence[tuple[int, ...]]) -> BlockLayout:
+    """The layout of blocks with the given per-sub-grid-rank shapes, concatenated in index order.
+
+    Blocks need not be balanced, but they must tile: workers that share a coordinate along
+    a gathered dimension have equal extents there, and every worker has the same extent
+    along the other dimensions.  Every worker holds the same ``shapes``, so every worker
+    raises the same :class:`ShapeError`.
+    """
+    idx = [P_sub.index_of(j) for j in range(P_sub.size)]
+    along: list[list[int | None]] = [[None] * p for p in P_sub.shape]
+    for j, shape in enumerate(shapes):
+        if len(shape) != P_sub.dim:
+            raise expect(op, f"number of dimensions of world rank {P_sub.ranks[j]}'s block", P_sub.dim, len(shape))
+        for d, n in enumerate(shape):
+            seen = along[d][idx[j][d]]
+            if seen is None:
+                along[d][idx[j][d]] = n
+            elif seen != n:
+                rows = ", ".join(f"rank {P_sub.ranks[k]} index {idx[k]}: {tuple(s)}" for k, s in enumerate(shapes))
+                what = (f"extent along dimension {d} of the blocks at index {idx[j][d]}" if P_sub.shape[d] > 1
+                        else f"extent along the not-gathered dimension {d}")
+                raise ShapeError(f"{where(op)}: the blocks do not tile: {what} must agree; got {rows}")
+    full = tuple(sum(ext) for ext in along)
+    offsets = [[sum(ext[:i]) for i in range(len(ext))] for ext in along]
+    starts = [tuple(offsets[d][i[d]] for d in range(P_sub.dim)) for i in idx]
+    return _layout(P_sub, full, starts, [tuple(s) for s in shapes])
+
+
+def gathered_layout(op: str, P_sub: CartesianPartition, x: torch.Tensor) -> BlockLayout:
+    """Layout from every worker's actual block shape: one host-side metadata all-gather (see AllGather)."""
+    meta = gather_metadata(P_sub, x)  # rows in P_sub's rank order
+    dtypes = {dt for _, dt in meta}
+    if len(dtypes) != 1:
+        rows = ", ".join(f"rank {r}: {dt}" for r, (_, dt) in zip(P_sub.ranks, meta, strict=True))
+        raise ShapeError(f"{where(op)}: every worker must pass the same dtype; got {rows}")
+    return layout_from_shapes(op, P_sub, [s for s, _ in meta])
+
+
+def _scratch(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
+    """An uninitialised buffer; NaN-filled in debug mode so that a read of unwritten padding shows up."""
+    buf = like.new_empty(shape, dtype=dtype)
+    if debug.enabled() and buf.is_floating_point():
+        buf.fill_(float("nan"))
+    return buf
+
+
+def _interleave(k: int) -> list[int]:
+    """Permutation of ``[g_0..g_{k-1}, m_0..m_{k-1}]`` into ``[g_0, m_0, ..., g_{k-1}, m_{k-1}]``."""
+    return [a for d in range(k) for a in (d, k + d)]
+
+
+def _debug_agree(op: str, P_sub, x: torch.Tensor, same: dict) -> None:
+    if debug.enabled():
+        debug.check_agreement(op, P_sub.ranks, P_sub.meta_group, dict(same, dtype=str(x.dtype)),
+                              {"local shape": tuple(x.shape)})
+
+
+def gather_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, x: torch.Tensor) -> torch.Tensor:
+    """Every worker's block concatenated in index order (no autograd); ``x`` has ``layout.extents[layout.me]``.
+
+    One flat all-gather of ``P * prod(pad)`` elements on ``P_sub.group``; tensors stay on
+    their device.
+    """
+    fits = tuple(x.shape) == layout.extents[layout.me]
+    # In debug mode a misfit block fails on every worker, not only here (peers would wait for the timeout).
+    _debug_agree(op, P_sub, x, {"gathered shape": layout.shape, "pad": layout.pad, "block fits": fits})
+    if not fits:
+        raise expect(op, "local block shape", layout.extents[layout.me], tuple(x.shape))
+    k, n = len(layout.grid), layout.block_numel
+    if n == 0:  # every block is empty: every worker knows it from the layout, and none communicates
+        return x.new_zeros(layout.shape)
+    if tuple(x.shape) == layout.pad:
+        send = x.contiguous()
+    else:
+        send = _scratch(x, layout.pad)
+        send[tuple(slice(0, e) for e in x.shape)] = x
+    buf = _scratch(x, (P_sub.size * n,))
+    all_gather_flat(buf, send, group=P_sub.group)
+    if layout.fast:
+        return buf.view(*layout.grid, *layout.pad).permute(_interleave(k)).reshape(layout.shape)
+    blocks = buf.view(P_sub.size, *layout.pad)
+    out = _scratch(x, layout.shape)
+    for j, slot in enumerate(layout.slots):
+        out[layout.slices(j)] = blocks[slot][tuple(slice(0, e) for e in layout.extents[j])]
+    return out
+
+
+def scatter_sum_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, full: torch.Tensor,
+                       reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """This worker's block of the sum over ``P_sub`` of the full-shape ``full`` tensors (no autograd).
+
+    One flat reduce-scatter of ``P * prod(pad)`` elements on ``P_sub.group``, added in
+    ``reduce_dtype`` (default: ``full``'s dtype).  Returns a contiguous tensor of ``full``'s dtype.
+    """
+    wire = reduce_dtype if reduce_dtype is not None else full.dtype
+    fits = tuple(full.shape) == layout.shape
+    _debug_agree(op, P_sub, full, {"full shape": layout.shape, "reduce dtype": str(wire), "input fits": fits})
+    if not fits:
+        raise expect(op, "full (partial-sum) tensor shape", layout.shape, tuple(full.shape))
+    k, n = len(layout.grid), layout.block_numel
+    mine = layout.extents[layout.me]
+    if n == 0:
+        return full.new_zeros(mine)
+    if layout.fast:
+        inter = [a for g, m in zip(layout.grid, layout.pad, strict=True) for a in (g, m)]
+        send = full.reshape(inter).permute(list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2)))
+        send = send.to(wire).contiguous()
+    else:
+        send = _scratch(full, (P_sub.size, *layout.pad), dtype=wire)
+        for j, slot in enumerate(layout.slots):
+            send[slot][tuple(slice(0, e) for e in layout.extents[j])] = full[layout.slices(j)]
+    recv = _scratch(full, layout.pad, dtype=wire)
+    reduce_scatter_flat(recv, send.reshape(-1), group=P_sub.group)
+    return recv[tuple(slice(0, e) for e in mine)].to(full.dtype).contiguous()
+
+
+def all_reduce_sum(op: str, P_sub: CartesianPartition, x: torch.Tensor,
+                   reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new tensor: the sum of ``x`` over ``P_sub``, added in ``reduce_dtype`` (no autograd)."""
+    wire = reduce_dtype if reduce_dtype is not None else x.dtype
+    _debug_agree(op, P_sub, x, {"shape": tuple(x.shape), "reduce dtype": str(wire)})
+    y = torch.empty(x.shape, dtype=wire, device=x.device)  # a new contiguous tensor, in one copy
+    y.copy_(x)
+    if y.numel() > 0:  # shapes agree over the sub-grid, so every worker skips together
+        dist.all_reduce(y, group=P_sub.group)
+    return y.to(dtype=x.dtype)
