@@ -1,0 +1,188 @@
+"""One benchmark harness: timing, environment capture, result rows and JSON.
+
+Timing:
+* CUDA: ``triton.testing.do_bench``-style CUDA-event timing after a warm-up, with the
+  L2 cache flushed between runs (a 256 MB write) so that every run reads its inputs
+  from HBM, and quantiles [0.5, 0.2, 0.8] of the per-run times.
+* CPU: ``time.perf_counter`` around each run after a warm-up; the same quantiles.
+  CPU numbers are for smoke runs and CPU-vs-CPU ratios only, never GPU claims.
+
+Multi-rank timings take, per repetition, the slowest rank's time (one all-reduce MAX
+per repetition outside the timed region), because a collective finishes when its last
+rank does.
+
+Every row records op, provider, mode (fwd/bwd/full), shape, dtype, world size, device
+(name and clocks through pynvml on GPUs), torch / triton / distfuse versions, the git
+commit, the time quantiles, the rate (TFLOP/s or GB/s), the ratio to the anchor
+measured in the same run, and peak memory.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RESULTS = Path(__file__).resolve().parent / "results"
+QUANTILES = (0.5, 0.2, 0.8)
+
+
+@dataclass
+class Row:
+    op: str
+    provider: str
+    mode: str
+    shape: dict
+    dtype: str
+    world_size: int
+    ms: float  # median
+    ms_q20: float
+    ms_q80: float
+    rate: float | None = None  # TFLOP/s or GB/s, see rate_unit
+    rate_unit: str | None = None
+    anchor: str | None = None  # provider this row's ratio is against
+    ratio: float | None = None  # ms / anchor ms (lower is better)
+    peak_mem_mb: float | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def environment() -> dict:
+    """Device, clocks and versions for the result file."""
+    import triton
+
+    import distfuse
+
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "distfuse": distfuse.__version__,
+        "python": platform.python_version(),
+        "host": platform.node(),
+        "commit": _git_commit(),
+        "device": "cpu",
+        "cpu_count": os.cpu_count(),
+    }
+    if torch.cuda.is_available():
+        env["device"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        env.update(_nvml())
+    return env
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def _nvml() -> dict:
+    try:
+        import pynvml
+    except ImportError:
+        return {"nvml": "nvidia-ml-py not installed"}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:  # NVMLError_LibraryNotFound without a GPU
+        return {"nvml": f"no GPU ({exc})"}
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        return {
+            "nvml_name": pynvml.nvmlDeviceGetName(h),
+            "sm_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+            "mem_clock_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_MEM),
+            "max_sm_clock_mhz": pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM),
+            "driver": pynvml.nvmlSystemGetDriverVersion(),
+        }
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _quantiles(times: list[float]) -> tuple[float, float, float]:
+    if len(times) == 1:
+        return times[0], times[0], times[0]
+    qs = statistics.quantiles(times, n=100, method="inclusive")
+    return statistics.median(times), qs[19], qs[79]
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, device: torch.device | None = None,
+            sync_group=None) -> tuple[float, float, float]:
+    """Median, q20, q80 of ``fn``'s time in ms.
+
+    On CUDA each run is bracketed by CUDA events after an L2 flush.  With
+    ``sync_group`` (multi-rank), each repetition's time is the max over the group's
+    ranks, and ranks start each repetition together (a barrier outside the timed region).
+    """
+    cuda = device is not None and device.type == "cuda"
+    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=device) if cuda else None
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    times = []
+    for _ in range(reps):
+        if sync_group is not None:
+            dist.barrier(group=sync_group)
+        if cuda:
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        if sync_group is not None:
+            t = torch.tensor([ms], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=sync_group)
+            ms = float(t)
+        times.append(ms)
+    return _quantiles(times)
+
+
+def add_ratios(rows: list[Row], anchor: str, key: Callable[[Row], tuple] | None = None) -> None:
+    """Set ``ratio = ms / anchor's ms`` for rows sharing (op, mode, shape, dtype, world size)."""
+    key = key or (lambda r: (r.op, r.mode, json.dumps(r.shape, sort_keys=True), r.dtype, r.world_size))
+    anchors = {key(r): r for r in rows if r.provider == anchor}
+    for r in rows:
+        a = anchors.get(key(r))
+        if a is not None and a.ms > 0:
+            r.anchor, r.ratio = anchor, r.ms / a.ms
+
+
+def write_results(name: str, rows: list[Row], env: dict | None = None, out_dir: Path | None = None,
+                  smoke: bool = False) -> Path:
+    """Write ``{env, rows}`` to ``bench/results/<name>-<device>-<date>.json`` (``-smoke`` for smoke runs)."""
+    env = env or environment()
+    out_dir = Path(out_dir) if out_dir is not None else RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    device = env["device"].replace(" ", "_").replace("/", "_")
+    stamp = env["date"][:10]
+    path = out_dir / f"{name}-{device}-{stamp}{'-smoke' if smoke else ''}.json"
+    path.write_text(json.dumps({"env": env, "smoke": smoke, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    return path
+
+
+def print_table(rows: list[Row]) -> None:
+    head = f"{'op':<22}{'provider':<14}{'mode':<6}{'dtype':<10}{'W':>3} {'shape':<44}{'ms':>10}{'ratio':>8}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        shape = ",".join(f"{k}={v}" for k, v in r.shape.items())
+        ratio = f"{r.ratio:.3f}" if r.ratio is not None else ""
+        print(f"{r.op:<22}{r.provider:<14}{r.mode:<6}{r.dtype:<10}{r.world_size:>3} {shape:<44}{r.ms:>10.3f}{ratio:>8}")

@@ -1,0 +1,332 @@
+"""All-gather + GEMM: shards are pushed into every peer's symmetric buffer; the GEMM consumes them as they land.
+
+Column-parallel linear forward, and the row-parallel linear's input gradient::
+
+    a_shard [B_, len_p, K]   this rank's rows [start_p, stop_p) of the sequence dim n
+    weight  [N, K]           nn.Linear layout; any strides (pass ``w.t()`` for a [K, N] operand)
+    forward y  = all_gather(a_shard) @ weight.T + bias                  -> [B_, n, N]
+    adjoint da = reduce_scatter(dy @ weight)     (gemm_rs with ``weight.t()``)
+
+Every rank's data region holds the gathered input ``[B_, n, K]`` (in ``a.dtype``); rank p
+writes its rows into every peer's copy and raises ``flags[p, p]`` there.  Its own rows
+are never copied: the GEMM reads them from ``a_shard``.
+
+Schedule (W = 4, rank 1).  The push goes to rank + 1 first, so peers' rows land in the
+order rank - 1, rank - 2, ...; the GEMM starts with the local chunk (no wait) and then
+takes the chunks in that arrival order::
+
+    rank 1  ag_push  | one tile load, stores to ranks 2, 3, 0 | last program raises flags[1, 1] on 2, 3, 0
+    rank 1  GEMM     | chunk 1 (local shard) | wait flags[0,0]: chunk 0 | wait [3,3]: chunk 3 | wait [2,2]: chunk 2
+
+The push runs on the same stream before the GEMM: a GEMM grid full of spinning programs
+could otherwise keep a later push from ever being scheduled, and each rank waits only for
+peers' pushes, which wait for nothing, so the protocol cannot deadlock.  On CUDA the
+GEMM's programs spin on the flags (bounded by the workspace timeout).  On CPU (``/dev/shm``
++ interpreter) a host barrier between push and GEMM stands in for the flags; the GEMM
+still checks each flag once and the launcher raises if one is missing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from distfuse.decomposition import block_extent, block_range
+from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.kernels._utils import (
+    AUTOTUNE,
+    CPU_GEMM_CONFIG,
+    CPU_PUSH_CONFIG,
+    FLOAT_DTYPES,
+    HAS_CUDA,
+    INTERPRET,
+    arrive,
+    cast_out,
+    get_gemm_configs,
+    get_push_configs,
+    input_precision,
+    raise_flag,
+    round_bf16,
+    wait_flag,
+)
+
+__all__ = [
+    "ag_push",
+    "ag_gemm_consume",
+    "all_gather_gemm",
+    "all_gather_gemm_loopback",
+    "ag_gemm_reference",
+    "ag_gemm_workspace_bytes",
+]
+
+
+@triton.jit
+def _ag_push_kernel(
+    x_ptr, gathered_ptr, data_ptrs, flag_ptrs, counter_ptr,
+    n_batch, n, K, len_p, start_p, rank, W, epoch,
+    stride_xb, stride_xn,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Copy one [BLOCK_M, BLOCK_K] tile of the shard into every peer's gathered rows (load once, W - 1 stores)."""
+    pid = tl.program_id(0)
+    M_p = n_batch * len_p
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    if pid < tl.cdiv(M_p, BLOCK_M) * num_pid_k:
+        pid_m = pid // num_pid_k
+        pid_k = pid % num_pid_k
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (offs_m < M_p)[:, None] & (offs_k < K)[None, :]
+        len_safe = tl.maximum(len_p, 1)
+        b_idx = (offs_m // len_safe).to(tl.int64)
+        i_idx = (offs_m % len_safe).to(tl.int64)
+        tile = tl.load(x_ptr + (b_idx * stride_xb + i_idx * stride_xn)[:, None] + offs_k[None, :], mask=mask)
+        dst_rows = (b_idx * n + start_p + i_idx) * K
+        for j in range(1, W):
+            peer = (rank + j) % W
+            dst = tl.load(data_ptrs + peer).to(tl.pointer_type(gathered_ptr.dtype.element_ty))
+            tl.store(dst + dst_rows[:, None] + offs_k[None, :], tile, mask=mask)
+    if arrive(counter_ptr + rank):
+        for j in range(1, W):
+            peer = (rank + j) % W
+            flag = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32)) + rank * W + rank
+            raise_flag(flag, epoch)
+
+
+@triton.jit
+def _ag_gemm_kernel(
+    x_ptr, gathered_ptr, b_ptr, bias_ptr, y_ptr, flags_ptr, status_ptr,
+    n_batch, n, N, K, rank, W, epoch, max_spin,
+    stride_xb, stride_xn, stride_bn, stride_bk,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Grid (tiles of the largest chunk, W): axis 1 is the step, chunk = (rank - step) % W, local first."""
+    pid = tl.program_id(0)
+    step = tl.program_id(1)
+    chunk = (rank - step + W) % W
+    q = n // W
+    rem = n % W
+    len_c = q + (chunk < rem).to(tl.int32)
+    start_c = chunk * q + tl.minimum(chunk, rem)
+    M_c = n_batch * len_c
+    num_pid_m = tl.cdiv(M_c, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if pid < num_pid_m * num_pid_n:
+        if chunk != rank:
+            wait_flag(flags_ptr + chunk * W + chunk, epoch, status_ptr + chunk, max_spin)
+        num_pid_in_group = GROUP_M * num_pid_n
+        first_pid_m = (pid // num_pid_in_group) * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M_c
+        mask_n = offs_n < N
+        len_safe = tl.maximum(len_c, 1)
+        b_idx = (offs_m // len_safe).to(tl.int64)
+        i_idx = (offs_m % len_safe).to(tl.int64)
+        g_rows = b_idx * n + start_c + i_idx  # row of the gathered [B_, n, *] tensors
+        # The local chunk comes from the shard itself, the others from this rank's workspace.
+        a_rows = tl.where(chunk == rank, x_ptr + b_idx * stride_xb + i_idx * stride_xn, gathered_ptr + g_rows * K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            a = tl.load(a_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        out = cast_out(acc, y_ptr.dtype.element_ty, ROUND_BF16)
+        tl.store(y_ptr + g_rows[:, None] * N + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
+
+
+_push_tuned = triton.autotune(get_push_configs(), key=["n_batch", "len_p", "K", "W"])(_ag_push_kernel) \
+    if AUTOTUNE else None
+_ag_gemm_tuned = triton.autotune(get_gemm_configs(), key=["n_batch", "n", "N", "K"])(_ag_gemm_kernel) \
+    if AUTOTUNE else None
+
+
+def _pick(tuned, kernel, cpu_config: dict, cuda_configs, config: dict | None):
+    """(kernel, launch kwargs): an explicit config, the autotuner, the first CUDA config, or the CPU config."""
+    if config is not None:
+        return kernel, dict(config)
+    if tuned is not None:
+        return tuned, {}
+    if HAS_CUDA:
+        c = cuda_configs()[0]
+        return kernel, dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+    return kernel, dict(cpu_config)
+
+
+def ag_gemm_workspace_bytes(batch: int, n: int, K: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Data bytes one ag_gemm needs in every rank's workspace: the gathered ``[B_, n, K]``."""
+    return batch * n * K * dtype.itemsize
+
+
+def _shard3(op: str, a_shard: torch.Tensor, n: int, rank: int, W: int) -> torch.Tensor:
+    if a_shard.dim() < 2:
+        raise ShapeError(f"{where(op)}: expected a shard [..., len, K], got {tuple(a_shard.shape)}")
+    if a_shard.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"{where(op)}: dtype: expected one of {FLOAT_DTYPES}, got {a_shard.dtype}")
+    len_p = block_extent(n, W, rank)
+    if a_shard.shape[-2] != len_p:
+        raise expect(op, f"shard rows (balanced block {rank} of n={n} over {W})", len_p, a_shard.shape[-2])
+    x = a_shard.reshape(math.prod(a_shard.shape[:-2]), len_p, a_shard.shape[-1])  # -1 is ambiguous when empty
+    if x.shape[2] > 0 and x.stride(2) != 1:
+        x = x.contiguous()
+    return x
+
+
+def _view(op: str, ws, rank: int, world_size: int, device: torch.device):
+    if world_size != ws.world_size:
+        raise expect(op, "world size (the workspace's group size)", ws.world_size, world_size)
+    if device != ws.device:
+        raise expect(op, "device (the workspace's device)", ws.device, device)
+    ws.require_in_flight(op)
+    return ws.rank_view(rank)
+
+
+def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, config: dict | None = None) -> None:
+    """Produce: copy this rank's shard ``[..., len_rank, K]`` into its rows of every peer's gathered buffer.
+
+    ``n`` is the full extent of the gathered dim.  Raises ``flags[rank, rank]`` on every
+    peer when its copy is complete.  Call inside ``ws.in_flight`` on every rank, then
+    :func:`ag_gemm_consume`.
+    """
+    op = "ag_push"
+    st = _view(op, ws, rank, world_size, a_shard.device)
+    W = world_size
+    x = _shard3(op, a_shard, n, rank, W)
+    n_batch, len_p, K = x.shape
+    gathered = st.data(x.dtype, n_batch * n * K, op=op)
+    if W == 1:
+        return
+    kernel, meta = _pick(_push_tuned, _ag_push_kernel, CPU_PUSH_CONFIG, get_push_configs, config)
+    start_p = block_range(n, W, rank)[0]
+
+    def grid(META):
+        # At least one program, so that the flags are raised even for an empty shard.
+        return (max(1, triton.cdiv(n_batch * len_p, META["BLOCK_M"]) * triton.cdiv(K, META["BLOCK_K"])),)
+
+    kernel[grid](
+        x, gathered, st.data_ptrs, st.flag_ptrs, st.counters,
+        n_batch, n, K, len_p, start_p, rank, W, st.epoch,
+        x.stride(0), x.stride(1), **meta,
+    )
+
+
+def ag_gemm_consume(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, n: int, *,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                    out: torch.Tensor | None = None, config: dict | None = None,
+                    return_gathered: bool = False):
+    """Consume: ``y = gather(a) @ weight.T + bias``, local chunk first, waiting on each peer chunk's flag.
+
+    Args:
+        a_shard: ``[..., len_rank, K]``, the same tensor given to :func:`ag_push`.
+        weight: ``[N, K]``, same dtype, any strides.
+        n: the full extent of the gathered dim.
+        bias: optional ``[N]``; out_dtype: default ``a_shard.dtype``.
+        out: optional preallocated contiguous ``[..., n, N]`` (B_ rows of n).
+        config: explicit GEMM block sizes (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``).
+        return_gathered: also return a copy of the gathered input ``[..., n, K]`` (for a
+            weight gradient), taken before the workspace can be reused.
+
+    Returns:
+        ``y`` of shape ``[..., n, N]``, or ``(y, gathered)``.
+    """
+    op = "ag_gemm"
+    st = _view(op, ws, rank, world_size, a_shard.device)
+    W = world_size
+    x = _shard3(op, a_shard, n, rank, W)
+    n_batch, _, K = x.shape
+    if weight.dim() != 2 or weight.shape[1] != K:
+        raise expect(op, "weight shape [N, K]", ("N", K), tuple(weight.shape))
+    if weight.dtype != x.dtype or weight.device != x.device:
+        raise expect(op, "weight dtype and device (the shard's)", (x.dtype, x.device), (weight.dtype, weight.device))
+    N = weight.shape[0]
+    if bias is not None and (tuple(bias.shape) != (N,) or bias.device != x.device):
+        raise expect(op, "bias shape and device", ((N,), x.device), (tuple(bias.shape), bias.device))
+    out_dtype = out_dtype or x.dtype
+    shape = (n_batch, n, N)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=x.device)
+    elif (out.numel() != n_batch * n * N or tuple(out.shape[-2:]) != (n, N) or not out.is_contiguous()
+          or out.dtype != out_dtype or out.device != x.device):
+        raise expect(op, "out (shape [..., n, N] with B_ rows, contiguous, dtype, device)",
+                     (shape, True, out_dtype, x.device), (tuple(out.shape), out.is_contiguous(), out.dtype, out.device))
+    else:
+        out = out.view(shape)
+    gathered = st.data(x.dtype, n_batch * n * K, op=op)
+    st.wait_producers()  # collective on CPU
+    kernel, meta = _pick(_ag_gemm_tuned, _ag_gemm_kernel, CPU_GEMM_CONFIG, get_gemm_configs, config)
+    m_max = n_batch * (-(-n // W))
+
+    def grid(META):
+        return (triton.cdiv(m_max, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]), W)
+
+    if m_max > 0 and N > 0:
+        kernel[grid](
+            x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,
+            n_batch, n, N, K, rank, W, st.epoch, st.max_spin,
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+            HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x.dtype),
+            ROUND_BF16=round_bf16(out_dtype), **meta,
+        )
+        st.check_status(op, "gathered chunks")
+    lead = a_shard.shape[:-2]
+    y = out.view(*lead, n, N)
+    if not return_gathered:
+        return y
+    full = gathered.view(n_batch, n, K).clone()
+    start, stop = block_range(n, W, rank)
+    full[:, start:stop] = x
+    return y, full.view(*lead, n, K)
+
+
+def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, n: int, *,
+                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                    out: torch.Tensor | None = None, return_gathered: bool = False):
+    """One fused op on a real group: claim ``ws``, :func:`ag_push`, :func:`ag_gemm_consume`."""
+    with ws.in_flight("all_gather_gemm"):
+        ag_push(a_shard, ws, rank, world_size, n)
+        return ag_gemm_consume(a_shard, weight, ws, rank, world_size, n, bias=bias, out_dtype=out_dtype, out=out,
+                               return_gathered=return_gathered)
+
+
+def all_gather_gemm_loopback(shards, weight_list, ws, *, bias: torch.Tensor | None = None,
+                             out_dtype: torch.dtype | None = None, outs=None, config: dict | None = None,
+                             push_config: dict | None = None) -> list[torch.Tensor]:
+    """Every virtual rank of a :class:`~distfuse.fused.symmetric.LoopbackWorkspace`: all pushes, then all GEMMs.
+
+    ``weight_list[r]`` is virtual rank r's weight (the same tensor for a plain all-gather
+    GEMM).  Returns the W outputs ``[..., n, N]`` in rank order.
+    """
+    W = ws.world_size
+    n = sum(s.shape[-2] for s in shards)
+    with ws.in_flight("all_gather_gemm_loopback"):
+        for r in range(W):
+            ag_push(shards[r], ws, r, W, n, config=push_config)
+        return [ag_gemm_consume(shards[r], weight_list[r], ws, r, W, n, bias=bias, out_dtype=out_dtype,
+                                out=None if outs is None else outs[r], config=config) for r in range(W)]
+
+
+def ag_gemm_reference(shards, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
+                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Pure-torch reference: ``cat(shards, dim=-2) @ weight.T + bias`` in fp32, rounded once to ``out_dtype``."""
+    x = torch.cat(list(shards), dim=-2)
+    y = x.float() @ weight.float().t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+

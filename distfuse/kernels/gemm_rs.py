@@ -1,0 +1,343 @@
+"""GEMM + reduce-scatter: each output tile is stored straight into the owning rank's symmetric buffer.
+
+Row-parallel linear forward, and the column-parallel linear's input gradient::
+
+    a       [B_, n, K]   this rank's input (leading dims flattened to B_; K is its shard)
+    weight  [N, K]       nn.Linear layout; any strides (pass ``w.t()`` for a [K, N] operand)
+    forward out_r = sum_p (a_p @ weight_p.T)[:, start_r:stop_r] + bias     -> [B_, len_r, N]
+    adjoint da_p  = all_gather(d out) @ weight_p          (ag_gemm with ``weight_p.t()``)
+
+Chunk r is the rows ``[start_r, stop_r)`` of the sequence dim n (balanced decomposition of
+n over W, so n need not divide by W), for every batch index: the GEMM remaps tile row m
+of the chunk to ``a[m // len_r, start_r + m % len_r]``.  Owner r's data region holds W
+slots, one per source, each ``[B_, len_r, N]`` in ``partial_dtype`` (slot stride
+``B_ * ceil(n / W) * N`` elements, the same on every owner).
+
+Schedule (W = 4, rank 1).  Each rank writes its chunks in rank-rotated order, so at any
+moment the W ranks write into W different owners, and its own chunk (no link traffic)
+comes last::
+
+    rank 1  gemm_rs       | chunk 2 -> rank 2 | chunk 3 -> rank 3 | chunk 0 -> rank 0 | chunk 1 (own) |
+                          each chunk's last tile raises flags[chunk, 1] on the owner
+    rank 1  chunk_reduce  | wait flags[1, s] for s = 0, 3, 2, 1 (arrival order); fp32 sum; + bias; one rounding
+
+Precision: tiles accumulate in fp32 and are rounded once to ``partial_dtype`` (the output
+dtype by default: the bytes on the wire of NCCL's reduce-scatter); the reduction sums the
+W partials in fp32 and rounds once.  ``partial_dtype=torch.float32`` leaves a single
+rounding overall at twice the traffic for 16-bit outputs.
+
+Synchronisation: on CUDA the consumer spins on the flags (bounded by the workspace
+timeout); on CPU (``/dev/shm`` + interpreter) a host barrier orders producers before the
+consumer and the consumer checks each flag once.  Producers never wait, so the protocol
+cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from distfuse.decomposition import block_extent, block_range
+from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.kernels._utils import (
+    AUTOTUNE,
+    CPU_CHUNK_REDUCE_CONFIG,
+    CPU_GEMM_CONFIG,
+    FLOAT_DTYPES,
+    HAS_CUDA,
+    INTERPRET,
+    arrive,
+    cast_out,
+    get_chunk_reduce_configs,
+    get_gemm_configs,
+    input_precision,
+    raise_flag,
+    round_bf16,
+    wait_flag,
+)
+
+__all__ = [
+    "gemm_rs",
+    "chunk_reduce",
+    "gemm_reduce_scatter",
+    "gemm_reduce_scatter_loopback",
+    "gemm_rs_reference",
+    "gemm_rs_workspace_bytes",
+]
+
+
+@triton.jit
+def _gemm_rs_kernel(
+    a_ptr, b_ptr, slots_ptr, data_ptrs, flag_ptrs, counter_ptr,
+    n_batch, n, N, K, rank, W, epoch, src_offset, slot_elems,
+    stride_ab, stride_an, stride_bn, stride_bk,
+    UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Grid (tiles of the largest chunk, W): axis 1 is the step of the rotation, chunk = (rank + 1 + step) % W."""
+    pid = tl.program_id(0)
+    step = tl.program_id(1)
+    chunk = (rank + 1 + step) % W
+    q = n // W
+    rem = n % W
+    len_c = q + (chunk < rem).to(tl.int32)
+    start_c = chunk * q + tl.minimum(chunk, rem)
+    M_c = n_batch * len_c
+    num_pid_m = tl.cdiv(M_c, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    if pid < num_pid_m * num_pid_n:
+        # Grouped ordering: GROUP_M row tiles share the weight columns they read from L2.
+        num_pid_in_group = GROUP_M * num_pid_n
+        first_pid_m = (pid // num_pid_in_group) * GROUP_M
+        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+        pid_n = (pid % num_pid_in_group) // group_size_m
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M_c
+        mask_n = offs_n < N
+        # Row remap: chunk row m is (batch m // len_c, sequence row start_c + m % len_c).
+        len_safe = tl.maximum(len_c, 1)
+        b_idx = (offs_m // len_safe).to(tl.int64)
+        i_idx = (start_c + offs_m % len_safe).to(tl.int64)
+        a_rows = a_ptr + b_idx * stride_ab + i_idx * stride_an
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            a = tl.load(a_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        # Epilogue: store into owner `chunk`'s slot for source `rank`, laid out [B_, len_c, N].
+        dst = tl.load(data_ptrs + chunk).to(tl.pointer_type(slots_ptr.dtype.element_ty)) + src_offset
+        out = cast_out(acc, slots_ptr.dtype.element_ty, ROUND_BF16)
+        tl.store(dst + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], out,
+                 mask=mask_m[:, None] & mask_n[None, :])
+    if arrive(counter_ptr + chunk):
+        flag = tl.load(flag_ptrs + chunk).to(tl.pointer_type(tl.int32)) + chunk * W + rank
+        raise_flag(flag, epoch)
+
+
+@triton.jit
+def _chunk_reduce_kernel(
+    slots_ptr, out_ptr, bias_ptr, flags_ptr, status_ptr,
+    numel, N, slot_elems, rank, W, epoch, max_spin,
+    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """out[e] = sum over sources of slot[src][e] (fp32) + bias[e % N], for the flat chunk index e."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in range(0, W):
+        src = (rank - 1 - j + W) % W  # arrival order: rank - 1 writes this chunk first, this rank last
+        wait_flag(flags_ptr + rank * W + src, epoch, status_ptr + src, max_spin)
+        acc += tl.load(slots_ptr + src.to(tl.int64) * slot_elems + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+
+
+_gemm_rs_tuned = triton.autotune(get_gemm_configs(), key=["n_batch", "n", "N", "K"])(_gemm_rs_kernel) \
+    if AUTOTUNE else None
+_chunk_reduce_tuned = triton.autotune(get_chunk_reduce_configs(), key=["numel", "W"])(_chunk_reduce_kernel) \
+    if AUTOTUNE else None
+
+
+def _pick(tuned, kernel, cpu_config: dict, cuda_configs, config: dict | None):
+    """(kernel, launch kwargs): an explicit config, the autotuner, the first CUDA config, or the CPU config."""
+    if config is not None:
+        return kernel, dict(config)
+    if tuned is not None:
+        return tuned, {}
+    if HAS_CUDA:
+        c = cuda_configs()[0]
+        return kernel, dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+    return kernel, dict(cpu_config)
+
+
+def gemm_rs_workspace_bytes(batch: int, n: int, N: int, world_size: int,
+                            partial_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Data bytes one gemm_rs needs in every rank's workspace: W slots of ``[B_, ceil(n / W), N]``."""
+    esize = partial_dtype.itemsize
+    return world_size * batch * (-(-n // world_size)) * N * esize
+
+
+def _check_common(op: str, ws, rank: int, world_size: int, device: torch.device):
+    if world_size != ws.world_size:
+        raise expect(op, "world size (the workspace's group size)", ws.world_size, world_size)
+    if device != ws.device:
+        raise expect(op, "device (the workspace's device)", ws.device, device)
+    ws.require_in_flight(op)
+    return ws.rank_view(rank)
+
+
+def gemm_rs(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
+            partial_dtype: torch.dtype | None = None, config: dict | None = None) -> None:
+    """Produce: compute ``a @ weight.T`` chunk by chunk and store chunk r into rank r's slot for this rank.
+
+    Args:
+        a: ``[..., n, K]`` (leading dims are the batch B_), bf16, fp16 or fp32.
+        weight: ``[N, K]``, same dtype as ``a``, any strides.
+        ws: a :class:`~distfuse.fused.symmetric.SymmetricWorkspace` (or loopback) claimed
+            with ``ws.in_flight``; its data region needs :func:`gemm_rs_workspace_bytes`.
+        rank, world_size: this rank and the group size (virtual rank in loopback).
+        partial_dtype: dtype of the partials in the slots (default ``a.dtype``).
+        config: explicit block sizes (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``;
+            optional ``num_warps``/``num_stages``) instead of autotuning / the CPU config.
+
+    Finish with :func:`chunk_reduce` on every rank, inside the same claim.
+    """
+    op = "gemm_rs"
+    if a.dim() < 2 or weight.dim() != 2:
+        raise ShapeError(f"{where(op)}: expected a [..., n, K] and weight [N, K], got {tuple(a.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if a.shape[-1] != weight.shape[1]:
+        raise expect(op, "weight inner dim (a.shape[-1])", a.shape[-1], weight.shape[1])
+    partial_dtype = partial_dtype or a.dtype
+    if a.dtype not in FLOAT_DTYPES or weight.dtype != a.dtype or partial_dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"{where(op)}: dtypes: expected a, weight and partials of one of {FLOAT_DTYPES} "
+                               f"(a and weight alike), got {a.dtype}, {weight.dtype} and {partial_dtype}")
+    if weight.device != a.device:
+        raise expect(op, "weight device (a's)", a.device, weight.device)
+    st = _check_common(op, ws, rank, world_size, a.device)
+    W = world_size
+    n, K, N = a.shape[-2], a.shape[-1], weight.shape[0]
+    a3 = a.reshape(math.prod(a.shape[:-2]), n, K)  # not -1: ambiguous for an empty tensor
+    if K > 0 and a3.stride(2) != 1:
+        a3 = a3.contiguous()
+    n_batch = a3.shape[0]
+    slot_elems = n_batch * (-(-n // W)) * N
+    slots = st.data(partial_dtype, W * slot_elems, op=op)
+    kernel, meta = _pick(_gemm_rs_tuned, _gemm_rs_kernel, CPU_GEMM_CONFIG, get_gemm_configs, config)
+    m_max = n_batch * (-(-n // W))
+
+    def grid(META):
+        # At least one program per chunk, so that every chunk's flag is raised even when it is empty.
+        return (max(1, triton.cdiv(m_max, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])), W)
+
+    kernel[grid](
+        a3, weight, slots, st.data_ptrs, st.flag_ptrs, st.counters,
+        n_batch, n, N, K, rank, W, st.epoch, rank * slot_elems, slot_elems,
+        a3.stride(0), a3.stride(1), weight.stride(0), weight.stride(1),
+        UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype), ROUND_BF16=round_bf16(partial_dtype),
+        **meta,
+    )
+
+
+def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, partial_dtype: torch.dtype,
+                 bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                 out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Consume: sum the W partial slots of this rank's chunk (fp32), add ``bias`` once, round once.
+
+    Args:
+        ws, rank, world_size: as for :func:`gemm_rs` (same claim).
+        batch, n, N: B_, the full sequence extent and the output features of the GEMM.
+        partial_dtype: the dtype :func:`gemm_rs` wrote (``a.dtype`` unless overridden).
+        bias: optional ``[N]``.
+        out_dtype: output dtype (default ``partial_dtype``).
+        out: optional preallocated contiguous ``[..., len_rank, N]`` output (``batch`` rows of ``len_rank``).
+
+    Returns:
+        ``[batch, len_rank, N]`` with ``len_rank = block_extent(n, W, rank)``.
+    """
+    op = "chunk_reduce"
+    st = _check_common(op, ws, rank, world_size, ws.device)
+    W = world_size
+    out_dtype = out_dtype or partial_dtype
+    len_r = block_extent(n, W, rank)
+    shape = (batch, len_r, N)
+    if out is None:
+        out = torch.empty(shape, dtype=out_dtype, device=ws.device)
+    elif (out.numel() != batch * len_r * N or tuple(out.shape[-2:]) != (len_r, N) or not out.is_contiguous()
+          or out.dtype != out_dtype or out.device != ws.device):
+        raise expect(op, "out (shape [..., len_rank, N] with B_ rows, contiguous, dtype, device)",
+                     (shape, True, out_dtype, ws.device),
+                     (tuple(out.shape), out.is_contiguous(), out.dtype, out.device))
+    else:
+        out = out.view(shape)
+    if bias is not None and (tuple(bias.shape) != (N,) or bias.device != ws.device):
+        raise expect(op, "bias shape and device", ((N,), ws.device), (tuple(bias.shape), bias.device))
+    slot_elems = batch * (-(-n // W)) * N
+    slots = st.data(partial_dtype, W * slot_elems, op=op)
+    st.wait_producers()  # collective on CPU: every rank calls it, even with an empty chunk
+    numel = out.numel()
+    if numel > 0:
+        kernel, meta = _pick(_chunk_reduce_tuned, _chunk_reduce_kernel, CPU_CHUNK_REDUCE_CONFIG,
+                             get_chunk_reduce_configs, config)
+        kernel[lambda META: (triton.cdiv(numel, META["BLOCK"]),)](
+            slots, out, bias if bias is not None else out, st.flags, st.status,
+            numel, N, slot_elems, rank, W, st.epoch, st.max_spin,
+            HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out_dtype), **meta,
+        )
+        st.check_status(op, f"partials of chunk {rank}")
+    return out
+
+
+def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
+                        bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                        partial_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One fused op on a real group: claim ``ws``, :func:`gemm_rs`, :func:`chunk_reduce`.
+
+    Returns ``[..., len_rank, N]`` (the leading dims of ``a``).
+    """
+    n, N = a.shape[-2], weight.shape[0]
+    batch = math.prod(a.shape[:-2])
+    partial_dtype = partial_dtype or a.dtype
+    with ws.in_flight("gemm_reduce_scatter"):
+        gemm_rs(a, weight, ws, rank, world_size, partial_dtype=partial_dtype)
+        y = chunk_reduce(ws, rank, world_size, batch, n, N, partial_dtype=partial_dtype, bias=bias,
+                         out_dtype=out_dtype or a.dtype, out=out)
+    return y.view(*a.shape[:-2], y.shape[1], N)
+
+
+def gemm_reduce_scatter_loopback(a_list, weight_list, ws, *, bias: torch.Tensor | None = None,
+                                 out_dtype: torch.dtype | None = None, partial_dtype: torch.dtype | None = None,
+                                 outs=None, config: dict | None = None) -> list[torch.Tensor]:
+    """Every virtual rank of a :class:`~distfuse.fused.symmetric.LoopbackWorkspace`: all producers, then all reducers.
+
+    Returns the W outputs ``[B_, len_r, N]`` in rank order.
+    """
+    W = ws.world_size
+    a0 = a_list[0]
+    n, N = a0.shape[-2], weight_list[0].shape[0]
+    batch = math.prod(a0.shape[:-2])
+    partial_dtype = partial_dtype or a0.dtype
+    with ws.in_flight("gemm_reduce_scatter_loopback"):
+        for r in range(W):
+            gemm_rs(a_list[r], weight_list[r], ws, r, W, partial_dtype=partial_dtype, config=config)
+        return [chunk_reduce(ws, r, W, batch, n, N, partial_dtype=partial_dtype, bias=bias,
+                             out_dtype=out_dtype or a0.dtype, out=None if outs is None else outs[r])
+                for r in range(W)]
+
+
+def gemm_rs_reference(a_list, weight_list, rank: int, *, bias: torch.Tensor | None = None,
+                      out_dtype: torch.dtype | None = None, partial_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Pure-torch reference of rank ``rank``'s output, with the kernels' roundings.
+
+    Each partial ``a_p @ weight_p.T`` is computed in fp32 and rounded to ``partial_dtype``;
+    the W partials of the chunk and the bias are summed in fp32 and rounded once to
+    ``out_dtype``.  Returns ``[B_, len_rank, N]``.
+    """
+    W = len(a_list)
+    a0 = a_list[0]
+    n, K = a0.shape[-2], a0.shape[-1]
+    partial_dtype = partial_dtype or a0.dtype
+    out_dtype = out_dtype or a0.dtype
+    start, stop = block_range(n, W, rank)
+    acc = None
+    for a, w in zip(a_list, weight_list, strict=True):
+        rows = a.reshape(math.prod(a.shape[:-2]), n, K)[:, start:stop]
+        part = (rows.float() @ w.float().t()).to(partial_dtype).float()
+        acc = part if acc is None else acc + part
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
