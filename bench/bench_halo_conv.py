@@ -1,0 +1,372 @@
+"""Benchmark: fused halo staging and halo convolution against F.pad/clone/slice and torch.cat staging (one GPU).
+
+What it measures, for a worker in the middle of a 3x3 (2-D) or 3x3x3 (3-D) grid, so
+that it has halos on every side and at every corner (the received halos are simulated
+with random buffers; no communication is timed):
+
+* ``mode="stage"``: building the staged conv input ``[B, C, *(n + 2h)]``.
+  - ``fused``    ``halo_stage`` (one Triton pass from the block and the receive buffer)
+  - ``distdl``   ``F.pad`` + ``clone`` + slice assignment of the halo slabs (DistDL)
+  - ``cat``      ``torch.cat`` along each axis in turn (PhysicsNeMo / DTensor style)
+  - ``copy``     ``dst.copy_(src)`` of the staged tensor's bytes: the ceiling
+  Effective bandwidth = (bytes read + bytes written) / time, and its % of the
+  device-to-device copy bandwidth measured in the same run (target >= 80% for fused).
+* ``mode="full"``: staging + conv forward + backward (input, weight and bias grads, halo
+  gradients to send back and the received ones accumulated) with the same cuDNN
+  convolution in every provider.
+
+Timings: ``triton.testing.do_bench`` (median, 20th and 80th percentiles; it also clears
+L2 before every run), inputs rotated over enough copies to exceed L2 several times,
+random data.  Each row records the device (pynvml), torch/triton versions and the date;
+rows go to ``bench/results/halo_conv-<date>.json``.
+
+Without a CUDA device the benchmark is not run (CPU timings of interpreted kernels would
+mean nothing).  ``--smoke`` then runs a tiny CPU correctness pass of every provider
+instead, under the Triton interpreter, and writes no results.
+
+    python bench/bench_halo_conv.py                      # full sweep on the GPU
+    python bench/bench_halo_conv.py --dims 2 --channels 32 64 --extents 256 --modes stage
+    python bench/bench_halo_conv.py --smoke              # CPU: do the providers agree?
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+L2_BYTES = 60 * 2**20  # H200: 60 MiB of L2; rotation aims well past it (4x)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dims", type=int, nargs="+", default=[2, 3], choices=[2, 3])
+    p.add_argument("--channels", type=int, nargs="+", default=[16, 32, 64, 128, 256])
+    p.add_argument("--extents", type=int, nargs="+", default=None,
+                   help="local extent per axis (default 64 128 256 512 in 2-D, 64 128 in 3-D)")
+    p.add_argument("--halos", type=int, nargs="+", default=[1, 2], help="halo width = kernel // 2")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=sorted(DTYPES))
+    p.add_argument("--modes", nargs="+", default=["stage", "full"], choices=["stage", "full"])
+    p.add_argument("--max-gib", type=float, default=24.0, help="skip shapes whose working set exceeds this")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/halo_conv-<date>.json)")
+    p.add_argument("--smoke", action="store_true", help="tiny CPU correctness pass of every provider, no timings")
+    return p.parse_args(argv)
+
+
+# ----------------------------------------------------------------------------------------
+# Cases and providers (used by both the GPU run and the CPU smoke pass)
+# ----------------------------------------------------------------------------------------
+
+
+class Case:
+    """The middle worker of a 3^nd grid: block ``[B, C, *n]``, halo ``h`` on every side, zero padding."""
+
+    def __init__(self, nd, batch, channels, extent, halo, dtype, device, seed=0):
+        from distfuse.kernels import halo as hk
+        from distfuse.primitives.halo_plan import HaloPlan
+
+        self.nd, self.h, self.dtype, self.device = nd, halo, dtype, device
+        k = 2 * halo + 1
+        self.plan = HaloPlan.for_conv((3 * extent,) * nd, (3,) * nd, (k,) * nd, (1,) * nd, (1,) * nd,
+                                      ((halo, halo),) * nd, "zeros")
+        self.index = (1,) * nd
+        self.lead_shape = (batch, channels)
+        lead = batch * channels
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+
+        def rnd(*shape):
+            return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+        self.x = rnd(batch, channels, *(extent,) * nd)
+        self.recv = rnd(hk.recv_numel(self.plan, self.index, lead))  # the halos, as the fused path receives them
+        self.incoming = rnd(hk.send_numel(self.plan, self.index, lead))  # halo gradients coming back
+        self.weight = rnd(channels, channels, *(k,) * nd) * (1.0 / (channels * k**nd) ** 0.5)
+        self.bias = rnd(channels)
+        self.staged_shape = (batch, channels) + tuple(extent + 2 * halo for _ in range(nd))
+        # The same halos as slabs, for the baselines: the torch reference stage of the plan cuts them out.
+        self.staged_ref = hk.halo_stage_reference(self.x, self.recv, self.plan, self.index)
+        self.dy = rnd(batch, channels, *(extent,) * nd)
+
+    def slabs_distdl(self):
+        """Slabs written into the padded tensor: per axis a, the low and high slabs of the full extent of axes < a
+        (corners included there) and the interior extent of axes > a."""
+        h, nd, s = self.h, self.nd, self.staged_ref
+        out = []
+        for a in range(nd):
+            lo = [slice(None)] * 2 + [slice(None) if b < a else slice(h, -h) for b in range(nd)]
+            hi = list(lo)
+            lo[2 + a] = slice(0, h)
+            hi[2 + a] = slice(-h, None)
+            out.append((tuple(lo), s[tuple(lo)].contiguous(), tuple(hi), s[tuple(hi)].contiguous()))
+        return out
+
+    def slabs_cat(self):
+        """Per axis, from the innermost out, the low and high slabs to concatenate (corners in the later ones)."""
+        h, nd, s = self.h, self.nd, self.staged_ref
+        out = []
+        for a in reversed(range(nd)):
+            idx = [slice(None)] * 2 + [slice(None) if b > a else slice(h, -h) for b in range(nd)]
+            lo, hi = list(idx), list(idx)
+            lo[2 + a] = slice(0, h)
+            hi[2 + a] = slice(-h, None)
+            out.append((a, s[tuple(lo)].contiguous(), s[tuple(hi)].contiguous()))
+        return out
+
+
+def stage_fused(case, x, recv):
+    from distfuse.kernels.halo import halo_stage
+
+    return halo_stage(x, recv, case.plan, case.index)
+
+
+def stage_distdl(case, x, slabs):
+    """DistDL: pad with zeros, clone (the padded tensor is then written in place), overwrite the halo slabs."""
+    import torch.nn.functional as F
+
+    h = case.h
+    xp = F.pad(x, [h] * (2 * case.nd)).clone()
+    for lo_idx, lo, hi_idx, hi in slabs:
+        xp[lo_idx] = lo
+        xp[hi_idx] = hi
+    return xp
+
+
+def stage_cat(case, x, slabs):
+    out = x
+    for a, lo, hi in slabs:
+        out = torch.cat([lo, out, hi], dim=2 + a)
+    return out
+
+
+class _FusedStage(torch.autograd.Function):
+    """The fused op's staging and its adjoint without the exchange (single GPU): the send-back buffer is the
+    receive buffer's gradient, and the received halo gradients are a fixed buffer."""
+
+    @staticmethod
+    def forward(ctx, x, recv, case):
+        ctx.case = case
+        return stage_fused(case, x, recv)
+
+    @staticmethod
+    def backward(ctx, g):
+        from distfuse.kernels.halo import halo_accumulate, halo_unstage
+
+        case = ctx.case
+        u = halo_unstage(g.contiguous(), case.plan, case.index)
+        gx = halo_accumulate(u.grad_x, u.self_boxes, case.incoming, case.plan, case.index)
+        return gx, u.send, None
+
+
+def _conv(case):
+    import torch.nn.functional as F
+
+    return {2: F.conv2d, 3: F.conv3d}[case.nd]
+
+
+def full_step(case, provider, x, halos, weight, bias):
+    """Staging + conv forward + backward; returns (y, grads of x, weight, bias, halos)."""
+    x = x.detach().requires_grad_(True)
+    w = weight.detach().requires_grad_(True)
+    b = bias.detach().requires_grad_(True)
+    if provider == "fused":
+        halos = halos.detach().requires_grad_(True)
+        staged = _FusedStage.apply(x, halos, case)
+        leaves = [halos]
+    elif provider == "distdl":
+        halos = [(li, lo.detach().requires_grad_(True), hi_i, hi.detach().requires_grad_(True))
+                 for li, lo, hi_i, hi in halos]
+        staged = stage_distdl(case, x, halos)
+        leaves = [t for _, lo, _, hi in halos for t in (lo, hi)]
+    else:
+        halos = [(a, lo.detach().requires_grad_(True), hi.detach().requires_grad_(True)) for a, lo, hi in halos]
+        staged = stage_cat(case, x, halos)
+        leaves = [t for _, lo, hi in halos for t in (lo, hi)]
+    y = _conv(case)(staged, w, b)
+    y.backward(case.dy)
+    return y, x.grad, w.grad, b.grad, [t.grad for t in leaves]
+
+
+def _halo_inputs(case, provider):
+    return {"fused": case.recv, "distdl": case.slabs_distdl(), "cat": case.slabs_cat()}[provider]
+
+
+# ----------------------------------------------------------------------------------------
+# CPU smoke pass
+# ----------------------------------------------------------------------------------------
+
+
+def smoke() -> int:
+    """Tiny shapes on the CPU: the three stagings agree exactly; fwd+bwd agree in float64."""
+    from distfuse.kernels import halo as hk
+
+    for nd in (2, 3):
+        for dtype in (torch.float32, torch.bfloat16, torch.float64):
+            case = Case(nd, 1, 3, 5, 1 if nd == 3 else 2, dtype, "cpu")
+            ref = case.staged_ref
+            got = {"fused": stage_fused(case, case.x, case.recv),
+                   "distdl": stage_distdl(case, case.x, case.slabs_distdl()),
+                   "cat": stage_cat(case, case.x, case.slabs_cat())}
+            for name, s in got.items():
+                if not torch.equal(s, ref):
+                    print(f"smoke: {nd}-D {dtype} staging by {name} differs from the reference", file=sys.stderr)
+                    return 1
+        case = Case(nd, 2, 3, 5, 1, torch.float64, "cpu")
+        outs = {p: full_step(case, p, case.x, _halo_inputs(case, p), case.weight, case.bias)
+                for p in ("fused", "distdl", "cat")}
+        # the fused path also adds the halo gradients that neighbours send back (simulated); the baselines
+        # stop at this worker's own staging, so add the same boxes to theirs
+        back = hk.halo_accumulate_reference(torch.zeros_like(case.x), torch.zeros(
+            hk.self_numel(case.plan, case.index, case.x.shape[0] * case.x.shape[1]), dtype=torch.float64),
+            case.incoming, case.plan, case.index)
+        for p in ("distdl", "cat"):
+            outs[p] = (outs[p][0], outs[p][1] + back, *outs[p][2:])
+        for p in ("distdl", "cat"):
+            for i, what in enumerate(("y", "grad x", "grad weight", "grad bias")):
+                if not torch.allclose(outs["fused"][i], outs[p][i], rtol=1e-10, atol=1e-10):
+                    print(f"smoke: {nd}-D fused and {p} differ in {what}", file=sys.stderr)
+                    return 1
+        # the halos' gradients (what goes back to the neighbours) carry the same total
+        tot = {p: sum(float(g.sum()) for g in outs[p][4]) for p in outs}
+        if abs(tot["fused"] - tot["distdl"]) > 1e-8 * max(1.0, abs(tot["distdl"])):
+            print(f"smoke: {nd}-D halo gradients differ: {tot}", file=sys.stderr)
+            return 1
+        print(f"smoke: {nd}-D fused, distdl and cat stagings agree (fp32, bf16, fp64); fwd+bwd agree (fp64)")
+    print("smoke: ok (correctness only; no timings on CPU)")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------
+# GPU run
+# ----------------------------------------------------------------------------------------
+
+
+def _device_name() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device()))
+        return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - pynvml missing or NVML unavailable: fall back to torch's name
+        return torch.cuda.get_device_name()
+
+
+def _bench(fn, rotations: int):
+    """Median, 20th and 80th percentile in ms; ``fn(i)`` uses input set ``i % rotations``."""
+    import triton.testing
+
+    state = [0]
+
+    def call():
+        fn(state[0] % rotations)
+        state[0] += 1
+
+    return triton.testing.do_bench(call, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
+
+
+def _copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second) of a 2 GiB buffer."""
+    n = 2**29  # fp32 elements: 2 GiB, far past L2
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _bench(lambda i: dst.copy_(src), 1)[0]
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def gpu_run(args) -> int:
+    import triton
+
+    device_name = _device_name()
+    copy_bw = _copy_bandwidth()
+    meta = dict(op="halo_conv", device=device_name, torch=torch.__version__, triton=triton.__version__,
+                python=platform.python_version(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                world_size=1, copy_bandwidth_gbs=copy_bw / 1e9,
+                note="single GPU; received halos simulated with buffers; no communication timed")
+    print(f"{device_name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s")
+    rows = []
+    for nd in args.dims:
+        extents = args.extents or ([64, 128, 256, 512] if nd == 2 else [64, 128])
+        for dtype_name in args.dtypes:
+            dtype = DTYPES[dtype_name]
+            for c in args.channels:
+                for n in extents:
+                    for h in args.halos:
+                        rows += _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, meta)
+    out = args.out or RESULTS / f"halo_conv-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    print(f"wrote {len(rows)} rows to {out}")
+    return 0
+
+
+def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, meta):
+    esize = torch.empty(0, dtype=dtype).element_size()
+    staged_elems = args.batch * c * (n + 2 * h) ** nd
+    block_elems = args.batch * c * n**nd
+    # one input set: block, halos, staged output, dy and the gradients (x2 for the autograd baselines)
+    set_bytes = esize * (4 * staged_elems + 2 * block_elems)
+    if set_bytes > args.max_gib * 2**30:
+        print(f"skip {nd}-D C={c} n={n} h={h} {dtype_name}: {set_bytes / 2**30:.1f} GiB > --max-gib")
+        return []
+    rotations = max(1, min(8, int(4 * L2_BYTES // max(1, esize * staged_elems)) + 1,
+                           int(args.max_gib * 2**30 // set_bytes)))
+    cases = [Case(nd, args.batch, c, n, h, dtype, "cuda", seed=i) for i in range(rotations)]
+    halos = {p: [_halo_inputs(cs, p) for cs in cases] for p in ("fused", "distdl", "cat")}
+    shape = dict(nd=nd, batch=args.batch, channels=c, extent=n, halo=h, dtype=dtype_name)
+    rows = []
+    if "stage" in args.modes:
+        # bytes moved: the block and the halos read once, the staged tensor written once
+        moved = esize * (block_elems + (staged_elems - block_elems) + staged_elems)
+        fns = {
+            "fused": lambda i: stage_fused(cases[i], cases[i].x, halos["fused"][i]),
+            "distdl": lambda i: stage_distdl(cases[i], cases[i].x, halos["distdl"][i]),
+            "cat": lambda i: stage_cat(cases[i], cases[i].x, halos["cat"][i]),
+        }
+        dst = [torch.empty(cs.staged_shape, device="cuda", dtype=dtype) for cs in cases]
+        fns["copy"] = lambda i: dst[i].copy_(cases[i].staged_ref)
+        for provider, fn in fns.items():
+            ms, lo, hi = _bench(fn, rotations)
+            moved_p = 2 * esize * staged_elems if provider == "copy" else moved
+            bw = moved_p / (ms * 1e-3)
+            rows.append(dict(op=meta["op"], provider=provider, mode="stage", **shape, ms=ms, ms_p20=lo,
+                             ms_p80=hi, gbs=bw / 1e9, pct_of_copy=100.0 * bw / copy_bw))
+    if "full" in args.modes:
+        for provider in ("fused", "distdl", "cat"):
+            ms, lo, hi = _bench(lambda i, p=provider: full_step(cases[i], p, cases[i].x, halos[p][i],
+                                                                cases[i].weight, cases[i].bias), rotations)
+            rows.append(dict(op=meta["op"], provider=provider, mode="full", **shape, ms=ms, ms_p20=lo,
+                             ms_p80=hi))
+    for r in rows[-7:] if len(rows) >= 7 else rows:
+        extra = f"  {r['pct_of_copy']:5.1f}% of copy" if "pct_of_copy" in r else ""
+        print(f"{nd}-D C={c:3d} n={n:3d} h={h} {dtype_name:8s} {r['mode']:5s} {r['provider']:6s} "
+              f"{r['ms'] * 1e3:9.1f} us{extra}")
+    for r in rows:
+        r.update(device=meta["device"], torch=meta["torch"], triton=meta["triton"], date=meta["date"], world_size=1)
+    torch.cuda.empty_cache()  # this shape's buffers are freed on return; hand their blocks back for the next
+    return rows
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    has_cuda = torch.cuda.is_available()
+    if args.smoke:
+        if not has_cuda:
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before distfuse.kernels is imported
+        return smoke()
+    if not has_cuda:
+        print("no CUDA device; benchmark not run (use --smoke for a CPU correctness pass)")
+        return 0
+    return gpu_run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""Fused halo convolution: pack, one-round exchange, one-pass staging, then the local convolution.
+
+Shapes on worker ``index`` of the spatial grid (``nd`` = 1, 2 or 3 spatial axes)::
+
+    x       [B, C, *n]            this worker's block (balanced decomposition)
+    send    flat                  the boxes other workers read from x   (plan.sends(index) order)
+    recv    flat                  the boxes this worker reads from them (plan.recvs(index) order)
+    staged  [B, C, *L]            exactly the input this worker's output block reads
+    weight  [Co, C/groups, *k]    replicated on every worker
+    y       [B, Co, *m]           this worker's block of ConvNd(padding, padding_mode) on the global x
+
+    forward  y  = conv(stage(x, exchange(pack(x))), weight, bias, padding=0, stride, dilation, groups)
+    dgrad    gs = conv_input_grad(dy, weight)
+             dx = accumulate(unstage(gs), exchange(send-back boxes of unstage(gs)))
+    wgrad    dw = conv_weight_grad(dy, staged),   db = sum(dy)      (this worker's partial sums)
+
+``dw`` and ``db`` are this worker's contributions; the layer that owns the replicated
+weight sums them over the workers (as DistDL's weight broadcast adjoint does).
+
+Why fused: DistDL stages with ``F.pad`` + clone + slice and PhysicsNeMo/DTensor with
+``torch.cat``, two or three full copies of the block; here the staged input is written
+once, straight from the block, the receive buffer and the padding rule
+(``kernels/halo.py``), and the halo boxes travel as one flat buffer each way.  At
+C <= 64 the staging copy is 30-100% of the convolution's own time on an H200 (the
+issue's figure; ``bench/bench_halo_conv.py`` measures it, not yet run on a GPU).
+
+Overlap (CUDA; ``overlap=True`` also runs on gloo, where the tests exercise it)::
+
+    forward   compute: pack | stage(local) ............. | wait | stage(remote) | conv
+              comm:           |--- isend/irecv halos ---|
+    backward  compute: dgrad | unstage(remote) | unstage(local) + wgrad ... | wait | accumulate
+              comm:                            |--- send back halo grads ---|
+
+``stage(local)`` writes every piece read from the own block and the zero fill, which
+need no message; ``stage(remote)`` then writes only the received pieces, so every
+staged element is still written once.  Without overlap (the CPU default) each step
+simply follows the previous one.
+
+Workers with no output (staged extent 0) return an empty ``y`` of the right shape and
+still take part in both exchanges, because other workers read their blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.kernels.halo import box_offsets, halo_accumulate, halo_pack, halo_stage, halo_unstage
+from distfuse.primitives._common import exchange
+from distfuse.primitives.halo_plan import HaloPlan
+
+__all__ = ["HaloConvFunction", "halo_conv"]
+
+_OP = "halo_conv"
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _views(buf: torch.Tensor, shapes: Sequence[Sequence[int]], lead: int) -> list[torch.Tensor]:
+    """Flat, contiguous per-message views of one buffer (box k = ``[lead, *shapes[k]]``)."""
+    offs, _ = box_offsets(shapes, lead)
+    return [buf[o: o + lead * _numel(s)] for o, s in zip(offs, shapes, strict=True)]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for e in shape:
+        n *= e
+    return n
+
+
+def _forward_messages(plan: HaloPlan, index, world_of, lead, send: torch.Tensor, recv: torch.Tensor):
+    """Sends in ``plan.sends`` order and receives in ``plan.recvs`` order: both ends of each pair agree."""
+    sends = plan.sends(index)
+    recvs = plan.recvs(index)
+    out_s = [(world_of(r), v) for (r, _), v in zip(sends, _views(send, [pc.src_shape for _, pc in sends], lead),
+                                                      strict=True)]
+    out_r = [(world_of(pc.src), v) for pc, v in zip(recvs, _views(recv, [pc.src_shape for pc in recvs], lead),
+                                                     strict=True)]
+    return out_s, out_r
+
+
+def _backward_messages(plan: HaloPlan, index, world_of, lead, send_back: torch.Tensor, incoming: torch.Tensor):
+    """The forward messages reversed: what was received goes back to its owner, in the same order."""
+    fwd_r, fwd_s = _forward_messages(plan, index, world_of, lead, incoming, send_back)
+    return fwd_s, fwd_r
+
+
+def _post(sends, recvs) -> list:
+    """Post one batch of point-to-point messages and return the works, without waiting."""
+    me = dist.get_rank()
+    if any(peer == me for peer, _ in sends) or any(peer == me for peer, _ in recvs):
+        exchange(sends, recvs)  # self-messages never come from a plan; the blocking helper copies them
+        return []
+    ops = [dist.P2POp(dist.isend, t, peer) for peer, t in sends if t.numel() > 0]
+    ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs if t.numel() > 0]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+class HaloConvFunction(torch.autograd.Function):
+    """Autograd Function of :func:`halo_conv` (arguments already checked there)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_of: Callable, stride, dilation,
+                groups: int, overlap: bool):
+        nd = len(plan.axes)
+        lead = _numel(x.shape[:-nd])
+        staged_shape = plan.staged_shape(index)
+        send = halo_pack(x, plan, index)
+        recv = x.new_empty(sum(lead * _numel(pc.src_shape) for pc in plan.recvs(index)))
+        sends, recvs = _forward_messages(plan, index, world_of, lead, send, recv)
+        if overlap:
+            works = _post(sends, recvs)
+            staged = halo_stage(x, recv, plan, index, region="local")
+            _wait(works)
+            halo_stage(x, recv, plan, index, out=staged, region="remote")
+        else:
+            exchange(sends, recvs)
+            staged = halo_stage(x, recv, plan, index)
+        if 0 in staged_shape:
+            y = x.new_zeros((x.shape[0], weight.shape[0]) + plan.output_shape(index))
+        else:
+            y = _CONV[nd](staged, weight, bias, stride, 0, dilation, groups)
+        ctx.plan, ctx.index, ctx.world_of, ctx.overlap = plan, index, world_of, overlap
+        ctx.conv = (list(stride), [0] * nd, list(dilation), groups)
+        ctx.has_bias = bias is not None
+        ctx.staged_full_shape = tuple(staged.shape)
+        # The weight gradient needs the staged input; keep it only then (it is the conv's own activation,
+        # the same memory the unfused HaloExchange + conv keeps).
+        ctx.save_for_backward(staged if ctx.needs_input_grad[1] else None, weight)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        staged, weight = ctx.saved_tensors
+        plan, index, world_of = ctx.plan, ctx.index, ctx.world_of
+        stride, padding, dilation, groups = ctx.conv
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        need_b = need_b and ctx.has_bias
+        nd = len(plan.axes)
+        grad_y = grad_y.contiguous()
+        empty = 0 in ctx.staged_full_shape
+        bias_sizes = [weight.shape[0]] if ctx.has_bias else None
+
+        def conv_backward(want_x: bool, want_w: bool, want_b: bool):
+            if empty:
+                gs = grad_y.new_zeros(ctx.staged_full_shape) if want_x else None
+                gw = torch.zeros_like(weight) if want_w else None
+                gb = grad_y.new_zeros(weight.shape[0]) if want_b else None
+                return gs, gw, gb
+            # dgrad reads only the input's shape: a zero-stride expand allocates nothing (as torch.nn.grad does)
+            inp = staged if staged is not None else grad_y.new_empty(1).expand(ctx.staged_full_shape)
+            return torch.ops.aten.convolution_backward(grad_y, inp, weight, bias_sizes, stride, padding, dilation,
+                                                       False, [0] * nd, groups, [want_x, want_w, want_b])
+
+        if not need_x:
+            # No input gradient, no backward exchange: every worker of the grid sees the same requires_grad
+            # on x (as with the unfused HaloExchange, whose backward autograd would not run either).
+            _, gw, gb = conv_backward(False, need_w, need_b)
+            return None, gw, gb, None, None, None, None, None, None, None
+        lead = _numel(ctx.staged_full_shape[:-nd])
+        incoming = grad_y.new_empty(sum(lead * _numel(pc.src_shape) for _, pc in plan.sends(index)))
+        if ctx.overlap:
+            gs, _, _ = conv_backward(True, False, False)
+            gs = gs.contiguous()
+            send_back = halo_unstage(gs, plan, index, region="remote").send
+            works = _post(*_backward_messages(plan, index, world_of, lead, send_back, incoming))
+            part = halo_unstage(gs, plan, index, region="local")
+            _, gw, gb = conv_backward(False, need_w, need_b) if (need_w or need_b) else (None, None, None)
+            _wait(works)
+        else:
+            gs, gw, gb = conv_backward(True, need_w, need_b)
+            part = halo_unstage(gs.contiguous(), plan, index)
+            exchange(*_backward_messages(plan, index, world_of, lead, part.send, incoming))
+        grad_x = halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index)
+        return grad_x, gw, gb, None, None, None, None, None, None, None
+
+
+def _as_tuple(op: str, v, nd: int, name: str) -> tuple[int, ...]:
+    if isinstance(v, int):
+        return (v,) * nd
+    v = tuple(int(e) for e in v)
+    if len(v) != nd:
+        raise expect(op, f"{name} entries (one per spatial axis)", nd, len(v), cls=UnsupportedError)
+    return v
+
+
+def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: HaloPlan,
+              index: Sequence[int], world_of: Callable[[tuple[int, ...]], int], stride=None, dilation=None,
+              groups: int = 1, overlap: bool | None = None) -> torch.Tensor:
+    """This worker's block of ``ConvNd(padding, padding_mode)`` over a spatially partitioned ``x``.
+
+    Args:
+        x: ``[B, C, *n]`` this worker's block of the global input, ``n = plan.input_shape(index)``.
+        weight, bias: ``[Co, C/groups, *k]`` and ``[Co]`` (or None), the same on every worker.
+        plan: the :class:`HaloPlan` of the global input (its kernel, stride, dilation,
+            padding and padding mode define the convolution).
+        index: this worker's spatial block index.
+        world_of: maps a spatial block index to a world rank (``HaloExchange.world_of_fn()``).
+        stride, dilation: optional; must equal the plan's (they are read from it).
+        groups: as torch.
+        overlap: stage the local pieces while the halos are in flight; default: on CUDA.
+
+    Returns ``[B, Co, *plan.output_shape(index)]`` (empty on a worker with no outputs).
+    Must be called by every worker of the spatial grid, outputs or not: it exchanges
+    halos forward and halo gradients backward in one round each.  fp32, fp16, bf16 and
+    fp64; 1, 2 or 3 spatial axes.
+    """
+    index = tuple(int(i) for i in index)
+    nd = len(plan.axes)
+    if nd not in (1, 2, 3):
+        raise UnsupportedError(f"{where(_OP)}: 1, 2 or 3 spatial axes are supported, the plan has {nd}")
+    if x.dim() != nd + 2:
+        raise expect(_OP, "input dimensions [B, C, *spatial]", nd + 2, x.dim())
+    if len(index) != nd or any(not 0 <= i < p for i, p in zip(index, plan.grid, strict=True)):
+        raise expect(_OP, f"spatial block index in the grid {plan.grid}", f"{nd} indices in range", index)
+    if tuple(x.shape[2:]) != plan.input_shape(index):
+        raise expect(_OP, f"local spatial shape of block {index}", plan.input_shape(index), tuple(x.shape[2:]))
+    kernel = tuple(ax.kernel for ax in plan.axes)
+    if weight.dim() != nd + 2 or tuple(weight.shape[2:]) != kernel:
+        raise expect(_OP, "weight shape [Co, C/groups, *kernel]", f"[*, *, {', '.join(map(str, kernel))}]",
+                     tuple(weight.shape))
+    if groups < 1 or x.shape[1] != weight.shape[1] * groups or weight.shape[0] % groups:
+        raise expect(_OP, "channels (C == weight.shape[1] * groups, Co % groups == 0)",
+                     f"C={weight.shape[1] * groups}, groups={groups}", f"C={x.shape[1]}, Co={weight.shape[0]}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise expect(_OP, "bias shape", (weight.shape[0],), tuple(bias.shape))
+    for t, name in ((weight, "weight"), (bias, "bias")):
+        if t is not None and (t.dtype != x.dtype or t.device != x.device):
+            raise expect(_OP, f"{name} dtype/device (x's)", (x.dtype, x.device), (t.dtype, t.device), cls=ShapeError)
+    plan_stride = tuple(ax.stride for ax in plan.axes)
+    plan_dilation = tuple(ax.dilation for ax in plan.axes)
+    if stride is not None and _as_tuple(_OP, stride, nd, "stride") != plan_stride:
+        raise expect(_OP, "stride (the plan's)", plan_stride, _as_tuple(_OP, stride, nd, "stride"))
+    if dilation is not None and _as_tuple(_OP, dilation, nd, "dilation") != plan_dilation:
+        raise expect(_OP, "dilation (the plan's)", plan_dilation, _as_tuple(_OP, dilation, nd, "dilation"))
+    if overlap is None:
+        overlap = x.is_cuda
+    return HaloConvFunction.apply(x.contiguous(), weight, bias, plan, index, world_of, plan_stride, plan_dilation,
+                                  groups, bool(overlap))
