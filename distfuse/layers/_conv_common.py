@@ -1,0 +1,282 @@
+"""Pieces shared by the distributed convolutions: options, per-call metadata, parameter init, empty blocks.
+
+* :class:`ConvOptions` normalises torch's ``ConvNd`` arguments once (per-axis tuples,
+  ``(lo, hi)`` padding from ints, pairs, ``'same'`` or ``'valid'``) and raises
+  torch's own complaints (groups, padding mode) as distfuse errors naming the layer.
+* :func:`gather_call_info` is the one host-side collective a layer makes per call: every
+  worker of the layer's partitions contributes ``(shape, dtype, requires_grad flags)``
+  so that workers holding no input learn the global shape and the dtype, and so that
+  every worker agrees on whether the adjoints run.  That agreement matters: a worker
+  whose received block does not require grad never runs its Broadcast adjoint, and
+  its source then waits for that gradient until the process-group timeout.
+* :func:`draw_parameters` draws the *global* weight and bias exactly as
+  ``torch.nn.ConvNd.reset_parameters`` does, so that with the same seed a distributed
+  layer holds the blocks of the sequential layer's parameters.
+* :func:`conv_block` is the local convolution, also where a worker's block is empty
+  (torch refuses those, or answers with the wrong shape for zero input channels).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn import init
+
+from distfuse._compat import all_gather_flat
+from distfuse.decomposition import local_shape
+from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.partition import CartesianPartition, Partition
+from distfuse.primitives.halo_plan import PADDING_MODES, resolve_padding
+
+__all__ = ["ConvOptions", "CallInfo", "gather_call_info", "draw_parameters", "conv_block", "pad_locally",
+           "grid_of", "check_partition", "promote"]
+
+CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+def _tuple(op: str, v, nd: int, name: str) -> tuple[int, ...]:
+    t = (int(v),) * nd if isinstance(v, int) else tuple(int(e) for e in v)
+    if len(t) != nd or min(t) < 1:
+        raise UnsupportedError(f"{where(op)}: {name} must be a positive int or {nd} positive ints, got {v!r}")
+    return t
+
+
+@dataclass(frozen=True)
+class ConvOptions:
+    """torch ``ConvNd`` arguments, normalised per spatial axis."""
+
+    nd: int
+    in_channels: int
+    out_channels: int
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]  # (lo, hi) per axis
+    dilation: tuple[int, ...]
+    groups: int
+    bias: bool
+    padding_mode: str
+
+    @classmethod
+    def make(cls, op: str, nd: int, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
+             padding_mode) -> ConvOptions:
+        if groups < 1 or in_channels % groups or out_channels % groups:
+            raise expect(op, "groups dividing in_channels and out_channels", "a divisor of both",
+                         f"groups={groups}, in_channels={in_channels}, out_channels={out_channels}", ShapeError)
+        if min(in_channels, out_channels) < 1:
+            raise expect(op, "channel counts >= 1", ">= 1", (in_channels, out_channels), ShapeError)
+        if padding_mode not in PADDING_MODES:
+            raise expect(op, "padding_mode", PADDING_MODES, repr(padding_mode), UnsupportedError)
+        kernel = _tuple(op, kernel_size, nd, "kernel_size")
+        stride = _tuple(op, stride, nd, "stride")
+        dilation = _tuple(op, dilation, nd, "dilation")
+        try:
+            pads = resolve_padding(padding, kernel, dilation, stride)
+        except UnsupportedError as exc:
+            raise UnsupportedError(f"{where(op)}: {exc}") from None
+        return cls(nd, int(in_channels), int(out_channels), kernel, stride, pads, dilation, int(groups), bool(bias),
+                   padding_mode)
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        return (self.out_channels, self.in_channels // self.groups, *self.kernel_size)
+
+
+_GRIDS: dict[tuple, CartesianPartition] = {}
+
+
+def grid_of(ranks: Sequence[int], shape: Sequence[int], device) -> CartesianPartition:
+    """A Cartesian partition over the given world ranks (row-major), cached.
+
+    Creating a partition is collective over the world and costs an object all-gather
+    (35 ms with 8 gloo ranks on the 2-core CI machine); a model's layers ask for the
+    same few grids again and again.  Layer construction is itself collective, so every
+    rank asks for the same grids in the same order and hits or misses the cache
+    together.  The key includes the default process group, so a re-initialised world
+    builds fresh grids.
+    """
+    key = (id(dist.group.WORLD), tuple(int(r) for r in ranks), tuple(int(s) for s in shape), str(device))
+    if key not in _GRIDS:
+        base = Partition.world(device).create_partition_inclusive(list(key[1]))
+        _GRIDS[key] = base.create_cartesian_topology_partition(key[2])
+    return _GRIDS[key]
+
+
+def check_partition(op: str, name: str, P, nd: int) -> None:
+    if not isinstance(P, CartesianPartition):
+        raise PartitionError(f"{where(op)}: {name} must be a CartesianPartition, got {type(P).__name__}")
+    if P.dim != nd + 2:
+        raise expect(op, f"dimensions of {name} ([batch, channel, {nd} spatial])", nd + 2, P.dim, PartitionError)
+
+
+# ---------------------------------------------------------------- per-call metadata
+
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
+_MAX_DIM = 5  # [B, C, D, H, W]
+_HEAD = 6  # ndim, x dtype, x requires grad, params require grad, param dtype, problem
+_OK, _BAD_DEVICE, _BAD_DTYPE, _TOO_MANY_DIMS, _NOT_EMPTY = range(5)
+
+
+@dataclass(frozen=True)
+class CallInfo:
+    """What every worker of a layer learns from one call's metadata gather.
+
+    ``input_grad`` / ``param_grad``: some worker's input / parameter requires grad
+    (with grad mode on), so every worker must take part in that adjoint.
+    """
+
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    input_grad: bool
+    param_grad: bool
+
+
+def gather_call_info(op: str, P_union: Partition, P_x: CartesianPartition, x: torch.Tensor,
+                     params: Sequence[torch.Tensor]) -> CallInfo:
+    """All-gather ``(shape, dtype, grad flags)`` over ``P_union`` (host gloo, 11 int64 per worker).
+
+    Every worker validates every record, so a bad block raises the same error on every
+    worker instead of a hang: the input must be the balanced decomposition of one
+    global shape over ``P_x``, in one floating dtype equal to the parameters' dtype;
+    workers outside ``P_x`` pass zero-volume tensors.
+    """
+    grad_on = torch.is_grad_enabled()
+    rec = torch.full((_HEAD + _MAX_DIM,), -1, dtype=torch.int64)
+    problem = _OK
+    if P_x.active:
+        if x.device.type != P_x.device.type:
+            problem = _BAD_DEVICE
+        elif x.dtype not in _DTYPES:
+            problem = _BAD_DTYPE
+        elif x.dim() > _MAX_DIM:
+            problem = _TOO_MANY_DIMS
+    elif x.numel() != 0:
+        problem = _NOT_EMPTY
+    rec[0] = x.dim()
+    rec[1] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
+    rec[2] = int(grad_on and x.requires_grad)
+    rec[3] = int(grad_on and any(p.requires_grad for p in params))
+    rec[4] = _DTYPES.index(params[0].dtype) if params and params[0].dtype in _DTYPES else -1
+    rec[5] = problem
+    if problem == _OK and P_x.active:
+        rec[_HEAD:_HEAD + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    out = torch.empty(P_union.size * rec.numel(), dtype=torch.int64)
+    all_gather_flat(out, rec, group=P_union.meta_group)
+    rows = dict(zip(P_union.ranks, out.view(P_union.size, -1).tolist(), strict=True))
+    for w, r in rows.items():
+        if r[5] == _BAD_DEVICE:
+            raise expect(op, f"device type of the input on world rank {w}", P_x.device.type, "another device")
+        if r[5] == _BAD_DTYPE:
+            raise ShapeError(f"{where(op)}: world rank {w} passed a non-floating input; expected one of "
+                             f"{[str(d) for d in _DTYPES]}")
+        if r[5] == _TOO_MANY_DIMS or (w in P_x.ranks and r[0] != P_x.dim):
+            raise expect(op, f"number of input dimensions on world rank {w} ([batch, channel, spatial...], one per "
+                         "dimension of P_x)", P_x.dim, r[0])
+        if r[5] == _NOT_EMPTY:
+            raise ShapeError(f"{where(op)}: world rank {w} is not in P_x, so it must pass a zero-volume tensor")
+    x_rows = [rows[w] for w in P_x.ranks]
+    dtypes = {r[1] for r in x_rows}
+    if len(dtypes) != 1:
+        got = {w: str(_DTYPES[rows[w][1]]) for w in P_x.ranks}
+        raise ShapeError(f"{where(op)}: the workers of P_x must pass one dtype; got {got} (world rank: dtype)")
+    dtype = _DTYPES[dtypes.pop()]
+    param_dtypes = {r[4] for r in rows.values() if r[4] >= 0}
+    if param_dtypes and param_dtypes != {_DTYPES.index(dtype)}:
+        raise expect(op, "input dtype (the parameters' dtype, as torch's ConvNd requires)",
+                     [str(_DTYPES[c]) for c in sorted(param_dtypes)], str(dtype))
+    shapes = [tuple(r[_HEAD:_HEAD + P_x.dim]) for r in x_rows]
+    G = tuple(sum(shapes[P_x.rank_of([k if e == d else 0 for e in range(P_x.dim)])][d] for k in range(P_x.shape[d]))
+              for d in range(P_x.dim))
+    for r, shape in enumerate(shapes):
+        want = local_shape(G, P_x.shape, P_x.index_of(r))
+        if shape != want:
+            raise expect(op, f"local input shape on world rank {P_x.ranks[r]} (P_x index {P_x.index_of(r)}; the blocks "
+                         f"must be the balanced decomposition of the global shape {G} inferred from them)", want, shape)
+    return CallInfo(G, dtype, any(r[2] for r in rows.values()), any(r[3] for r in rows.values()))
+
+
+def promote(t: torch.Tensor, needed: bool) -> torch.Tensor:
+    """Make ``t`` require grad when some peer's adjoint depends on this worker running its own.
+
+    A tensor that does not require grad has no history, so detaching it loses nothing;
+    its gradient is computed and dropped.
+    """
+    if needed and not t.requires_grad:
+        return t.detach().requires_grad_(True)
+    return t
+
+
+# ---------------------------------------------------------------- parameters
+
+
+@torch.no_grad()
+def draw_parameters(opts: ConvOptions, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The global weight and bias drawn as ``torch.nn.ConvNd.reset_parameters`` draws them.
+
+    Same calls, same order, same dtype and device, so the same generator state gives
+    the same values as the sequential layer.
+    """
+    w = torch.empty(opts.weight_shape, dtype=dtype, device=device)
+    init.kaiming_uniform_(w, a=math.sqrt(5))
+    b = None
+    if opts.bias:
+        b = torch.empty(opts.out_channels, dtype=dtype, device=device)
+        fan_in, _ = init._calculate_fan_in_and_fan_out(w)
+        if fan_in != 0:
+            bound = 1 / math.sqrt(fan_in)
+            init.uniform_(b, -bound, bound)
+    return w, b
+
+
+# ---------------------------------------------------------------- local convolution
+
+
+class _ZeroBlock(torch.autograd.Function):
+    """Zeros of a given shape that keep ``x`` and ``w`` in the graph (their gradients are zero).
+
+    A worker whose output block is empty, or whose input channel block is empty, still
+    has to run the adjoints of the exchanges that produced ``x`` and ``w``: its peers
+    wait for its (empty or zero) contribution.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w, shape):
+        ctx.x_meta = (x.shape, x.dtype, x.device)
+        ctx.w_meta = (w.shape, w.dtype, w.device)
+        return x.new_zeros(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        xs, xd, xdev = ctx.x_meta
+        ws, wd, wdev = ctx.w_meta
+        return torch.zeros(xs, dtype=xd, device=xdev), torch.zeros(ws, dtype=wd, device=wdev), None
+
+
+def conv_block(opts: ConvOptions, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+               out_shape: Sequence[int]) -> torch.Tensor:
+    """``convNd(x, w, b, stride, padding=0, dilation, groups)`` with the expected ``out_shape``.
+
+    ``x`` is already padded (staged).  Where the output or the reduction is empty the
+    result is zeros (plus the bias), still differentiable in ``x``, ``w`` and ``b``.
+    """
+    nd = opts.nd
+    if 0 in out_shape or 0 in x.shape[1:] or 0 in w.shape[:2]:
+        y = _ZeroBlock.apply(x, w, tuple(out_shape))
+        if b is not None:
+            y = y + b.view(1, -1, *([1] * nd))
+        return y
+    return CONV[nd](x, w, b, opts.stride, 0, opts.dilation, opts.groups)
+
+
+def pad_locally(opts: ConvOptions, x: torch.Tensor) -> torch.Tensor:
+    """Pad a block that spans the whole spatial domain (torch's own ``F.pad`` modes are then global)."""
+    flat = [v for lo_hi in reversed(opts.padding) for v in lo_hi]
+    if not any(flat):
+        return x
+    if opts.padding_mode == "zeros" or x.numel() == 0:  # torch's other modes refuse empty channel blocks
+        return F.pad(x, flat)
+    return F.pad(x, flat, mode=opts.padding_mode)

@@ -1,0 +1,85 @@
+"""``DistributedConv1d/2d/3d``: pick the feature-, channel- or general-distributed convolution from the partitions.
+
+================================  ==============================  ======================================
+given                             partitions                      layer
+================================  ==============================  ======================================
+P_x only (P_y None or P_x)        P_x ``[P_b, 1, *P_s]``          :mod:`~distfuse.layers.conv_feature`
+P_x, P_y and P_w                  every spatial extent 1          :mod:`~distfuse.layers.conv_channel`
+P_x, P_y and P_w                  some spatial extent > 1         :mod:`~distfuse.layers.conv_general`
+================================  ==============================  ======================================
+
+As DistDL's selector: the weight partition decides whether weights are split.  Without
+P_w the weights live on one worker and only P_x may be split (never its channels); with
+P_w the input and output must be given both and the chosen layer checks that the
+three partitions fit.  Calling ``DistributedConv2d(...)`` returns an instance of the
+chosen class, and ``isinstance(layer, DistributedConv2d)`` holds for all three.
+"""
+
+from __future__ import annotations
+
+from distfuse.errors import PartitionError, where
+from distfuse.layers.conv_channel import DistributedChannelConv1d, DistributedChannelConv2d, DistributedChannelConv3d
+from distfuse.layers.conv_feature import DistributedFeatureConv1d, DistributedFeatureConv2d, DistributedFeatureConv3d
+from distfuse.layers.conv_general import DistributedGeneralConv1d, DistributedGeneralConv2d, DistributedGeneralConv3d
+
+__all__ = ["select_conv", "DistributedConv1d", "DistributedConv2d", "DistributedConv3d"]
+
+_IMPLS = {
+    1: (DistributedFeatureConv1d, DistributedChannelConv1d, DistributedGeneralConv1d),
+    2: (DistributedFeatureConv2d, DistributedChannelConv2d, DistributedGeneralConv2d),
+    3: (DistributedFeatureConv3d, DistributedChannelConv3d, DistributedGeneralConv3d),
+}
+
+
+def select_conv(nd: int, P_x, P_y=None, P_w=None) -> type:
+    """The convolution class for ``nd`` spatial axes and these partitions (pure: no communication)."""
+    op = f"DistributedConv{nd}d"
+    feature, channel, general = _IMPLS[nd]
+    if P_w is None:
+        if P_y is not None and P_y != P_x:
+            raise PartitionError(f"{where(op)}: P_y differs from P_x but P_w is None; the feature-distributed "
+                                 "convolution writes its output on P_x; give P_w for a channel or general one")
+        return feature
+    if P_y is None:
+        raise PartitionError(f"{where(op)}: P_w is given but P_y is not; channel and general distributed "
+                             "convolutions need both")
+    spatial = [P.shape[2:] for P in (P_x, P_y, P_w) if hasattr(P, "shape")]
+    if all(all(p == 1 for p in s) for s in spatial):
+        return channel
+    return general
+
+
+class _Selector(type):
+    """Calling the class builds the selected layer; isinstance accepts all three implementations."""
+
+    def __call__(cls, P_x, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
+                 bias=True, padding_mode="zeros", P_y=None, P_w=None, device=None, dtype=None):
+        impl = select_conv(cls.nd, P_x, P_y, P_w)
+        kwargs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, bias=bias,
+                      padding_mode=padding_mode, device=device, dtype=dtype)
+        if impl is not _IMPLS[cls.nd][0]:
+            kwargs.update(P_y=P_y, P_w=P_w)
+        return impl(P_x, in_channels, out_channels, kernel_size, **kwargs)
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, _IMPLS[cls.nd])
+
+
+class DistributedConv1d(metaclass=_Selector):
+    """Distributed ``Conv1d``: ``DistributedConv1d(P_x, in_channels, out_channels, kernel_size, stride=1,
+    padding=0, dilation=1, groups=1, bias=True, padding_mode='zeros', P_y=None, P_w=None, device=None,
+    dtype=None)`` returns the feature-, channel- or general-distributed layer (see the module docstring)."""
+
+    nd = 1
+
+
+class DistributedConv2d(metaclass=_Selector):
+    """Distributed ``Conv2d``; arguments as :class:`DistributedConv1d`."""
+
+    nd = 2
+
+
+class DistributedConv3d(metaclass=_Selector):
+    """Distributed ``Conv3d``; arguments as :class:`DistributedConv1d`."""
+
+    nd = 3

@@ -1,0 +1,242 @@
+"""Feature-distributed convolution: the input is split along batch and spatial axes only.
+
+Partitions and shapes (``nd`` spatial axes, worker at index ``(b, 0, *s)`` of ``P_x``)::
+
+    P_x     [P_b, 1, P_1, ..., P_nd]        P_y = P_x (implicit)
+    x       [B_b, C_in, *n_s]               balanced block of the global input
+    weight  [C_out, C_in/groups, *k]        on the first worker of P_x only, with the bias [C_out]
+    y       [B_b, C_out, *m_s]              balanced block of the sequential output (m = global output extent)
+
+    forward   w, b   = Broadcast(root -> P_x)(weight, bias)          one packed message per worker
+              staged = HaloExchange(x)                                exactly the input y_s reads
+              y      = convNd(staged, w, b, padding=0, stride, dilation, groups)
+    adjoint   dstaged, dw_s, db_s = convNd adjoints                    on every worker
+              dx     = HaloExchange*(dstaged)                         halo gradients go home
+              dweight, dbias = SumReduce(P_x -> root)(dw_s, db_s)     the Broadcast's adjoint
+
+Why this shape: the output is decomposed by the balanced decomposition of the *output*
+shape (what :class:`HaloExchange`'s plan stages for), so with stride, dilation, even
+kernels and uneven splits every worker's block is exactly its slice of the sequential
+output, and the boundary padding (all four modes) is applied with global semantics.
+DistDL instead pads by halo widths that ignore stride and dilation, and its circular
+padding wraps each worker's block onto itself.
+
+Weight and bias travel in one message (packed) because a broadcast is latency bound at
+convolution weight sizes.
+
+Dispatch: each call asks ``select_path("halo_conv", {channels: in_channels}, ...)``; on
+"fused" the staging and the exchanges run in :func:`distfuse.fused.halo_conv.halo_conv`
+(Triton, one pass over the block) instead of :class:`HaloExchange` + ``convNd``.  The two
+paths send the same messages, so the choice changes no result beyond rounding.
+``last_path`` records the path of the last call and :meth:`explain` says why.
+
+Workers whose output block is empty (an extent smaller than the partition, or a
+stride that leaves them no outputs) return an empty ``[B_b, C_out, *m_s]`` tensor and
+still take part in both exchanges, because other workers read their input.  Workers
+outside ``P_x`` pass and get back a zero-volume tensor.
+
+Every call makes one small host-side metadata gather over ``P_x`` (see
+:func:`~distfuse.layers._conv_common.gather_call_info`): it finds the global shape and
+makes every worker agree on which adjoints run.  Every worker of ``P_x`` must call
+backward when one does.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distfuse.errors import PartitionError, expect, where
+from distfuse.layers._conv_common import (
+    ConvOptions,
+    check_partition,
+    conv_block,
+    draw_parameters,
+    gather_call_info,
+    grid_of,
+    promote,
+)
+from distfuse.layers._params import ParamLayout
+from distfuse.layers.dispatch import Decision, device_caps, select_path
+from distfuse.partition import zero_volume_tensor
+from distfuse.primitives._common import check_inactive_input
+from distfuse.primitives.broadcast import broadcast, broadcast_plan
+from distfuse.primitives.halo_exchange import HaloExchange
+
+__all__ = ["DistributedFeatureConvBase", "DistributedFeatureConv1d", "DistributedFeatureConv2d",
+           "DistributedFeatureConv3d"]
+
+
+@functools.cache
+def _fused_op():
+    """The fused halo convolution, or None when it cannot be imported (imported lazily: it loads Triton)."""
+    try:
+        from distfuse.fused.halo_conv import halo_conv
+    except ImportError:
+        return None
+    return halo_conv
+
+
+class DistributedFeatureConvBase(nn.Module):
+    """Convolution over an input split along batch and spatial axes (see the module docstring).
+
+    Args:
+        P_x: CartesianPartition ``[P_b, 1, P_1, ..., P_nd]``.
+        in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
+        bias, padding_mode, device, dtype: as ``torch.nn.ConvNd``; ``padding`` may
+        also hold ``(lo, hi)`` pairs.  ``device`` defaults to ``P_x.device``.
+
+    Construction is collective over the world (it creates the root's partitions) and
+    draws the parameters like the sequential layer on every rank (see
+    :meth:`reset_parameters`).  ``weight`` and ``bias`` are None except on the root
+    (``P_x``'s first worker).
+
+    Attributes:
+        last_path: ``"fused"`` or ``"unfused"``, the path of the last call (None before
+            the first call and on workers outside P_x, which do nothing).
+        last_decision: the :class:`~distfuse.layers.dispatch.Decision` behind it.
+    """
+
+    nd: int = 0
+
+    def __init__(self, P_x, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None):
+        super().__init__()
+        op = type(self).__name__
+        check_partition(op, "P_x", P_x, self.nd)
+        if P_x.shape[1] != 1:
+            raise PartitionError(f"{where(op)}: the feature-distributed convolution needs P_x unsplit along channels "
+                                 f"(shape [P_b, 1, ...]), got {list(P_x.shape)}; pass P_y and P_w to "
+                                 "DistributedConv{1,2,3}d for a channel or general distributed convolution")
+        self.P_x = P_x
+        self.opts = ConvOptions.make(op, self.nd, in_channels, out_channels, kernel_size, stride, padding, dilation,
+                                     groups, bias, padding_mode)
+        o = self.opts
+        self.in_channels, self.out_channels, self.groups = o.in_channels, o.out_channels, o.groups
+        self.kernel_size, self.stride, self.dilation = o.kernel_size, o.stride, o.dilation
+        self.padding, self.padding_mode = o.padding, o.padding_mode
+        self.halo = HaloExchange(P_x, o.kernel_size, o.stride, o.padding, o.dilation, o.padding_mode)
+        self._device = torch.device(device) if device is not None else P_x.device
+        self.root = P_x.ranks[0]
+        # The root's single-worker grids: one per parameter rank (ParamLayout splits dimension d by dimension d).
+        self._P_root = grid_of([self.root], [1] * P_x.dim, P_x.device)
+        self._P_root_1d = grid_of([self.root], [1], P_x.device)
+        self._param_plan = broadcast_plan(self._P_root, P_x)
+        self._is_root = dist.get_rank() == self.root
+        if self._is_root:
+            self.weight = nn.Parameter(torch.empty(o.weight_shape, device=self._device, dtype=dtype))
+            self.bias = nn.Parameter(torch.empty(o.out_channels, device=self._device, dtype=dtype)) if o.bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self._dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.last_path: str | None = None
+        self.last_decision: Decision | None = None
+        self._caps_cache: dict = {}
+        self.reset_parameters()
+
+    # ------------------------------------------------------------ parameters
+
+    def reset_parameters(self) -> None:
+        """Draw the global parameters as ``torch.nn.ConvNd`` does, on every rank; the root keeps them.
+
+        Every rank draws (and discards) the same numbers so that the ranks' generators
+        stay in step; with the same seed the root's parameters equal the sequential layer's.
+        """
+        dtype = self.weight.dtype if self.weight is not None else self._dtype
+        w, b = draw_parameters(self.opts, dtype, self._device)
+        if self._is_root:
+            with torch.no_grad():
+                self.weight.copy_(w)
+                if self.bias is not None:
+                    self.bias.copy_(b)
+
+    def param_layouts(self) -> list[ParamLayout]:
+        out = [ParamLayout("weight", "weight", self._P_root, self.opts.weight_shape)]
+        if self.opts.bias:
+            out.append(ParamLayout("bias", "bias", self._P_root_1d, (self.opts.out_channels,)))
+        return out
+
+    def _replicated_params(self, dtype, device, needs_grad: bool):
+        """Weight and bias on every worker of P_x: one broadcast of the packed parameters from the root."""
+        o = self.opts
+        n_w = math.prod(o.weight_shape)
+        n = n_w + (o.out_channels if o.bias else 0)
+        shape = (1,) * (self.P_x.dim - 1) + (n,)
+        if self._is_root:
+            parts = [self.weight.reshape(-1)] + ([self.bias.reshape(-1)] if o.bias else [])
+            flat = promote(torch.cat(parts) if len(parts) > 1 else parts[0], needs_grad).view(shape)
+        else:
+            flat = zero_volume_tensor(dtype=dtype, device=device, requires_grad=needs_grad)
+        flat = broadcast(flat, self._param_plan, shape, dtype).view(-1)
+        w = flat[:n_w].view(o.weight_shape)
+        b = flat[n_w:] if o.bias else None
+        return w, b
+
+    # ------------------------------------------------------------ dispatch
+
+    def explain(self, x: torch.Tensor) -> Decision:
+        """Which path a call with ``x`` takes, and why (no communication)."""
+        if _fused_op() is None:
+            return Decision("unfused", "distfuse.fused.halo_conv is not available")
+        return select_path("halo_conv", dict(channels=self.in_channels), x.dtype, self.P_x.size, self._caps(x.device))
+
+    def _caps(self, device: torch.device):
+        if device not in self._caps_cache:  # device_caps asks CUDA for the device name: once per device
+            self._caps_cache[device] = device_caps(device)
+        return self._caps_cache[device]
+
+    # ------------------------------------------------------------ forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
+        op = type(self).__name__
+        P_x, o = self.P_x, self.opts
+        if not P_x.active:
+            check_inactive_input(op, x)
+            return x.clone()
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        info = gather_call_info(op, P_x, P_x, x, params)
+        G = info.global_shape
+        if G[1] != o.in_channels:
+            raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, G[1])
+        x = promote(x, info.input_grad)
+        w, b = self._replicated_params(info.dtype, x.device, info.param_grad)
+        plan = self.halo.plan(G)
+        index = P_x.index[2:]
+        decision = self.explain(x)
+        self.last_decision = decision
+        if decision.path == "fused":
+            self.last_path = "fused"
+            return _fused_op()(x, w, b, plan, index, self.halo.world_of_fn(), groups=o.groups)
+        self.last_path = "unfused"
+        staged = self.halo(x, global_shape=G)
+        return conv_block(o, staged, w, b, (x.shape[0], o.out_channels) + plan.output_shape(index))
+
+    def extra_repr(self) -> str:
+        o = self.opts
+        return (f"P_x={list(self.P_x.shape)}, {o.in_channels}, {o.out_channels}, kernel_size={o.kernel_size}, "
+                f"stride={o.stride}, padding={o.padding}, dilation={o.dilation}, groups={o.groups}, bias={o.bias}, "
+                f"padding_mode={o.padding_mode!r}")
+
+
+class DistributedFeatureConv1d(DistributedFeatureConvBase):
+    """Feature-distributed ``Conv1d``: P_x ``[P_b, 1, P_w]``."""
+
+    nd = 1
+
+
+class DistributedFeatureConv2d(DistributedFeatureConvBase):
+    """Feature-distributed ``Conv2d``: P_x ``[P_b, 1, P_h, P_w]``."""
+
+    nd = 2
+
+
+class DistributedFeatureConv3d(DistributedFeatureConvBase):
+    """Feature-distributed ``Conv3d``: P_x ``[P_b, 1, P_d, P_h, P_w]``."""
+
+    nd = 3
