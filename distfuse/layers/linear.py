@@ -1,0 +1,204 @@
+"""The general distributed linear layer: broadcast the input over a weight grid, local GEMMs, sum-reduce the output.
+
+``W [out, in]`` is split in both dimensions over ``P_w [P_fo, P_fi]``: worker ``(i, j)``
+owns ``W_ij [out_i, in_j]``, and the column-0 workers ``(i, 0)`` own ``b_i [out_i]``
+(the bias exists once per output block).  The input's features are split over
+``P_x [1, ..., 1, P_fi]`` and the output's over ``P_y [1, ..., 1, P_fo]``; ``*`` below
+is any number of leading dimensions (none included), never split::
+
+    x          [*, in_j]     on P_x worker j
+    broadcast  x_j from P_x worker j to every P_w worker (i, j)  (down the columns of P_w)
+    local      p_ij = x_j @ W_ij.T (+ b_i where j = 0)          [*, out_i]  on P_w worker (i, j)
+    sum-reduce y_i  = sum over j of p_ij onto P_y worker i        [*, out_i]  (along the rows of P_w)
+    adjoint    dp_ij = dy_i (broadcast); dx_j = sum over i of dp_ij @ W_ij (sum-reduce);
+               dW_ij = dp_ij.T @ x_j; db_i = sum over rows of dp_i0
+
+The sum-reduce maps P_w's rows onto P_y's workers, which is P_y transposed: in two
+dimensions ``[1, P_fo]`` transposed is ``[P_fo, 1]``, which broadcasts to P_w.  With
+leading dimensions the transpose would move P_y's ones to the end, so the layer moves
+``[rows, features]`` matrices on two-dimensional views of the three partitions, made
+once in ``__init__`` (blocks travel whole, so the view changes no data), and restores
+the leading dimensions afterwards.
+
+P_x, P_y and P_w may sit on any world ranks: overlapping, disjoint or in any order.
+A P_w or P_y worker outside P_x cannot know the leading extents or the dtype, so when
+such workers exist each call all-gathers every worker's ``(shape, dtype)`` over the
+union (host-side, 10 int64 per worker, one small collective; it also checks every
+block and raises the same error on every rank).  When every P_w and P_y worker holds
+an input block the shapes are known locally and nothing is exchanged (except in
+debug mode, which always checks).
+
+Workers outside the three partitions pass and get zero-volume tensors; workers outside
+P_y get a zero-volume ``[0]`` output that still carries their part of the adjoint, so
+every worker must call backward on what it got.  There is no fused form of this layer
+(``last_path`` is always ``"unfused"``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from distfuse import debug
+from distfuse.decomposition import block_extent
+from distfuse.errors import PartitionError, ShapeError, expect, where
+from distfuse.layers._linear_common import (
+    INACTIVE,
+    LinearBase,
+    check_block_features,
+    check_cartesian,
+    grad_placeholder,
+    grid_partition,
+    not_servable,
+    union_of,
+)
+from distfuse.layers._params import ParamLayout
+from distfuse.layers.dispatch import Decision
+from distfuse.primitives._common import check_inactive_input, gather_metadata
+from distfuse.primitives.broadcast import broadcast, broadcast_plan
+from distfuse.primitives.sum_reduce import sum_reduce, sum_reduce_plan
+
+__all__ = ["DistributedLinear"]
+
+
+def _check_partitions(op: str, P_x, P_y, P_w) -> None:
+    check_cartesian(op, "P_x", P_x)
+    check_cartesian(op, "P_y", P_y)
+    check_cartesian(op, "P_w", P_w, min_dim=2)
+    if P_y.dim != P_x.dim:
+        raise expect(op, "number of dimensions of P_y (that of P_x: the output has the input's dimensions)",
+                     P_x.dim, P_y.dim, cls=PartitionError)
+    for name, P, k in (("P_x", P_x, 1), ("P_y", P_y, 1), ("P_w", P_w, 2)):
+        if any(s != 1 for s in P.shape[:-k]):
+            want = [1] * (P.dim - k) + list(P.shape[-k:])
+            raise expect(op, f"shape of {name} (only the last {k} dimension{'s' if k > 1 else ''} may split)", want,
+                         list(P.shape), cls=PartitionError)
+    if tuple(P_w.shape[-2:]) != (P_y.shape[-1], P_x.shape[-1]):
+        raise expect(op, f"last two extents of P_w ([P_fo, P_fi] from P_y {list(P_y.shape)} and P_x "
+                         f"{list(P_x.shape)})", [P_y.shape[-1], P_x.shape[-1]], list(P_w.shape[-2:]),
+                     cls=PartitionError)
+
+
+def _as_2d(P, shape, device):
+    """``P`` itself if it has ``shape``, else the same ranks arranged as ``shape`` (collective)."""
+    return P if tuple(P.shape) == tuple(shape) else grid_partition(P.ranks, shape, device)
+
+
+class DistributedLinear(LinearBase):
+    """``y = x W^T + b`` with ``W`` split over ``P_w``, ``x`` over ``P_x`` and ``y`` over ``P_y`` (see the module doc).
+
+    Args:
+        P_x: input partition ``[1, ..., 1, P_fi]``, one dimension per input dimension.
+        P_y: output partition ``[1, ..., 1, P_fo]``, as many dimensions as ``P_x``.
+        P_w: weight partition ``[P_fo, P_fi]`` (leading ones allowed).
+        in_features, out_features: as in ``torch.nn.Linear``.
+        bias: add a learnable bias (owned by ``P_w``'s column 0).
+        device, dtype: of the parameters (default: ``P_w``'s device, the default dtype).
+
+    Construction is collective over the world (it creates partitions).  ``W_ij`` lives
+    on ``P_w`` worker ``(i, j)``; other ranks hold ``weight = None``.  With the same
+    seed, :meth:`reset_parameters` gives the blocks of ``torch.nn.Linear``'s tensors.
+    """
+
+    def __init__(self, P_x, P_y, P_w, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None):
+        op = type(self).__name__
+        _check_partitions(op, P_x, P_y, P_w)
+        super().__init__(in_features, out_features, device if device is not None else P_w.device, dtype)
+        self.P_x, self.P_y, self.P_w, self.use_bias = P_x, P_y, P_w, bool(bias)
+        P_fo, P_fi = P_w.shape[-2:]
+        self.P_fo, self.P_fi = P_fo, P_fi
+        dev = P_w.device
+        # Partition creation is collective over the world: every rank runs these calls in this order.
+        P_x2, P_y2 = _as_2d(P_x, (1, P_fi), dev), _as_2d(P_y, (1, P_fo), dev)
+        self.P_weight = _as_2d(P_w, (P_fo, P_fi), dev)
+        self.P_bias = grid_partition([P_w.ranks[i * P_fi] for i in range(P_fo)], [P_fo], dev)
+        self.P_all = union_of(P_x, P_y, P_w)
+        self._plan_x = broadcast_plan(P_x2, self.P_weight)
+        self._plan_y = sum_reduce_plan(self.P_weight, P_y2, transpose_dest=True)
+        # Workers that hold no input block cannot know the leading extents: they need the per-call shape exchange.
+        self._needs_meta = not (set(P_w.ranks) | set(P_y.ranks)) <= set(P_x.ranks)
+        self._block("weight", self.P_weight, (self.out_features, self.in_features))
+        if self.use_bias:
+            self._block("bias", self.P_bias, (self.out_features,))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def param_layouts(self) -> list[ParamLayout]:
+        lays = [ParamLayout("weight", "weight", self.P_weight, (self.out_features, self.in_features))]
+        if self.use_bias:
+            lays.append(ParamLayout("bias", "bias", self.P_bias, (self.out_features,)))
+        return lays
+
+    def _in_block(self, j: int) -> int:
+        return block_extent(self.in_features, self.P_fi, j)
+
+    def _gathered(self, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+        """The input's leading extents and dtype from every worker's shape; checks every block on every rank."""
+        op, P_x = self._op, self.P_x
+        meta = gather_metadata(self.P_all, x)  # rows in P_all.ranks order (sorted world ranks = group order)
+        by_rank = dict(zip(self.P_all.ranks, meta, strict=True))
+        for w, (shape, _) in by_rank.items():
+            if w not in P_x.ranks and math.prod(shape) != 0:
+                raise ShapeError(f"{where(op)}: world rank {w} is not in P_x, so it must pass a zero-volume tensor; "
+                                 f"it passed shape {tuple(shape)}")
+        lead, dtype = None, None
+        for r, w in enumerate(P_x.ranks):
+            shape, dt = by_rank[w]
+            want = self._in_block(P_x.index_of(r)[-1])
+            if len(shape) != P_x.dim or shape[-1] != want:
+                raise ShapeError(f"{where(op)}: world rank {w} (P_x worker {r}) passed shape {tuple(shape)}; "
+                                 f"expected {P_x.dim} dimensions ending in its block of in_features: {want}")
+            if lead is None:
+                lead, dtype = tuple(shape[:-1]), dt
+            elif tuple(shape[:-1]) != lead or dt != dtype:
+                raise ShapeError(f"{where(op)}: the P_x workers must agree on the leading extents and dtype; world "
+                                 f"rank {P_x.ranks[0]} has {lead} {dtype}, world rank {w} has {tuple(shape[:-1])} {dt}")
+        return lead, dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This worker's output block on P_y (``[*, out_i]``), or a zero-volume ``[0]`` tensor elsewhere."""
+        op = self._op
+        if not self.P_all.active:
+            check_inactive_input(op, x)
+            self._record_inactive()
+            return x.clone()
+        # With the shape exchange, its checks run first so that a bad block raises on every rank, not only here.
+        lead, dtype = self._gathered(x) if self._needs_meta or debug.enabled() else (tuple(x.shape[:-1]), x.dtype)
+        if self.P_x.active:
+            check_block_features(op, x, self.P_x, self._in_block(self.P_x.index[-1]),
+                                 f"block {self.P_x.index[-1]} of in_features={self.in_features} over P_fi={self.P_fi}")
+        else:
+            check_inactive_input(op, x)
+        rows = math.prod(lead)
+        device = self._param_device()
+        if self.P_x.active:
+            x2 = x.reshape(rows, x.shape[-1])
+            if torch.is_grad_enabled() and not x2.requires_grad:  # see _linear_common: every worker runs the adjoint
+                x2 = x2.detach().requires_grad_(True)
+        else:
+            x2 = grad_placeholder(dtype, device)
+        in_w, in_y = self.P_weight.active, self.P_y.active
+        i, j = self.P_weight.index if in_w else (-1, -1)
+        xb = broadcast(x2, self._plan_x, (rows, self._in_block(j)) if in_w else None, dtype, preserve_batch=False)
+        if in_w:
+            p = F.linear(xb, self.weight, self.bias if j == 0 else None)
+        else:
+            p = xb  # zero-volume; keeps this worker's part of the broadcast's adjoint in the graph
+        out_i = block_extent(self.out_features, self.P_fo, self.P_y.index[-1]) if in_y else 0
+        y = sum_reduce(p, self._plan_y, (rows, out_i) if in_y else None, dtype, preserve_batch=False)
+        self._record(self.explain(x))
+        return y.reshape(*lead, out_i) if in_y else y
+
+    def explain(self, x: torch.Tensor) -> Decision:
+        """The path :meth:`forward` takes for ``x`` and why (always the unfused composition)."""
+        if not self.P_all.active:
+            return INACTIVE
+        return not_servable(self._op, "the general broadcast/sum-reduce form")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "
+                f"P_x={list(self.P_x.shape)}, P_y={list(self.P_y.shape)}, P_w={list(self.P_w.shape)}")

@@ -1,0 +1,254 @@
+"""Column-parallel linear: all-gather the input over the model-parallel workers, then a local GEMM.
+
+The weight ``W [out, in]`` is split along the output features over the ``P_m``
+model-parallel workers; worker ``(d, m)`` computes output block ``m`` for its batch
+block ``d``.  Two input layouts (``b`` batch, ``n`` sequence, leading dimensions ``*``
+may be any number, including none)::
+
+    P_y only:  P_y [P_d, 1, ..., P_m]      x [b_d, *, n, in_m] --all-gather last dim--> [b_d, *, n, in]
+    with P_x:  P_x [P_d, 1, ..., P_m, 1]   x [b_d, *, n_m, in] --all-gather dim -2---> [b_d, *, n, in]
+                                           (sequence parallel: the fused AG+GEMM form)
+    weight     W_m [out_m, in]   bias b_m [out_m]
+    forward    y  = x_gathered @ W_m.T + b_m             y [b_d, *, n, out_m] on P_y
+    adjoint    dx = reduce_scatter(dy @ W_m)             back to x's block (the all-gather's adjoint)
+               dW_m = sum over d of dy.T @ x_gathered    db_m = sum over d and rows of dy
+
+``in_m``/``out_m``/``n_m``/``b_d`` are blocks of the balanced decomposition (uneven
+and possibly empty).  Each output element gets its bias once: the output blocks are
+disjoint.
+
+Parameters.  :class:`DistributedLinearAllGather` keeps ``W_m`` and ``b_m`` on worker
+``(0, m)`` and broadcasts them along ``d`` in forward, one packed message (the adjoint
+sum-reduces the gradients onto ``(0, m)``; DistDL's data parallelism).
+:class:`DistributedLinearAllGatherZero` (ZeRO-3) also splits ``W`` along the input
+features over the data-parallel workers: worker ``(d, m)`` owns block ``(m, d)`` of
+``W`` on a ``[P_m, P_d]`` grid, all-gathers ``W_m`` along ``d`` in forward, and the
+adjoint reduce-scatters ``dW_m`` so every worker keeps its own shard's gradient.  The
+bias (``out`` elements, against ``out * in`` for ``W``) stays on ``(0, m)`` and is
+broadcast as in the plain layer: sharding it too would need a second decomposition
+of ``out`` for little memory.
+
+Cost of the sequence-parallel form: the gathered length ``n`` is not known from one
+block (3 rows of a 2-way split come from 5 or 6), so each call exchanges the block
+shapes (one host-side all-gather of 10 int64 per worker, which also checks that the
+blocks tile).  Pass ``seq_len=n`` to ``forward`` to skip it; the blocks are then the
+balanced decomposition of ``n``.
+
+Dispatch: only the sequence-parallel form is what a fused all-gather+GEMM serves; the
+layer asks :func:`~distfuse.layers.dispatch.select_path` with the per-rank GEMM
+``m = rows of x_gathered, n = out block, k = in``, runs the unfused composition (no
+fused implementation is wired in yet) and records the decision in ``last_path`` /
+``last_decision``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from distfuse.decomposition import block_extent
+from distfuse.errors import PartitionError, expect
+from distfuse.layers._linear_common import (
+    INACTIVE,
+    LinearBase,
+    ParamBroadcast,
+    check_block_features,
+    check_cartesian,
+    check_same_ranks,
+    decide,
+    grid_partition,
+    not_servable,
+    subgrid,
+)
+from distfuse.layers._params import ParamLayout
+from distfuse.layers.dispatch import Decision
+from distfuse.primitives._common import check_inactive_input
+from distfuse.primitives.all_gather import all_gather
+
+__all__ = ["DistributedLinearAllGather", "DistributedLinearAllGatherZero"]
+
+
+def _looks_swapped(P_y, P_x) -> bool:
+    """P_y shaped like a sequence split and P_x like a feature split (the other way round from what is needed)."""
+    sy, sx = list(getattr(P_y, "shape", ())), list(getattr(P_x, "shape", ()))
+    return (len(sy) == len(sx) >= 3 and sy[-1] == 1 and all(s == 1 for s in sy[1:-2] + sx[1:-1])
+            and sy[0] == sx[0] and sy[-2] == sx[-1])
+
+
+def _check_partitions(op: str, P_y, P_x) -> None:
+    check_cartesian(op, "P_y", P_y, min_dim=2)
+    if any(s != 1 for s in P_y.shape[1:-1]):
+        want = [P_y.shape[0]] + [1] * (P_y.dim - 2) + [P_y.shape[-1]]
+        err = expect(op, "shape of P_y ([P_d, 1, ..., 1, P_m]: only the first and last dimensions split)", want,
+                     list(P_y.shape), cls=PartitionError)
+        if P_x is not None and _looks_swapped(P_y, P_x):
+            err = PartitionError(f"{err}; P_y and P_x look swapped: the first argument is the output partition "
+                                 "[P_d, 1, ..., P_m] and P_x the sequence-split input partition [P_d, 1, ..., P_m, 1]")
+        raise err
+    if P_x is None:
+        return
+    check_cartesian(op, "P_x", P_x, min_dim=3)
+    want = [P_y.shape[0]] + [1] * (P_y.dim - 3) + [P_y.shape[-1], 1]
+    if list(P_x.shape) != want:
+        raise expect(op, f"shape of P_x ([P_d, 1, ..., P_m, 1] for P_y {list(P_y.shape)}: P_x splits the sequence "
+                         "dim where P_y splits the features)", want, list(P_x.shape), cls=PartitionError)
+    check_same_ranks(op, P_x, "P_x", P_y, "P_y")
+
+
+class _LinearAllGather(LinearBase):
+    """The all-gather linear; ``_zero`` selects how the weight reaches the workers (see the module doc)."""
+
+    _zero = False
+
+    def __init__(self, P_y, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
+                 P_x=None):
+        op = type(self).__name__
+        _check_partitions(op, P_y, P_x)
+        super().__init__(in_features, out_features, device if device is not None else P_y.device, dtype)
+        self.P_y, self.P_x, self.use_bias = P_y, P_x, bool(bias)
+        P_d, P_m = P_y.shape[0], P_y.shape[-1]
+        self.P_d, self.P_m = P_d, P_m
+        rank_of = lambda d, m: P_y.ranks[d * P_m + m]  # worker (d, m); middle extents are 1
+        self.dm = divmod(P_y.rank, P_m) if P_y.active else (-1, -1)
+        m = self.dm[1]
+        out_m = block_extent(self.out_features, P_m, m) if P_y.active else 0
+
+        # Partition creation is collective over the world: every rank runs these calls in this order.
+        P_in = P_x if P_x is not None else P_y
+        self.P_gather = subgrid(P_in, [P_in.dim - (2 if P_x is not None else 1)])
+        owners = [rank_of(0, j) for j in range(P_m)]
+        self.P_bias = grid_partition(owners, [P_m], P_y.device)  # (0, m) owns b_m
+        P_users = P_y if P_y.dim == 2 else grid_partition(P_y.ranks, [P_d, P_m], P_y.device)
+        if self._zero:
+            # Worker (d, m) owns block (m, d) of W: rows split over P_m, columns over P_d.
+            self.P_weight = grid_partition([rank_of(i, j) for j in range(P_m) for i in range(P_d)], [P_m, P_d],
+                                           P_y.device)
+            self.P_wgather = subgrid(self.P_weight, [1])
+            self._bcast = ParamBroadcast(self.P_bias, P_users, [(out_m,)] if self.use_bias else [])
+        else:
+            self.P_weight = grid_partition(owners, [P_m, 1], P_y.device)
+            shapes = [(out_m, self.in_features)] + ([(out_m,)] if self.use_bias else [])
+            self._bcast = ParamBroadcast(self.P_bias, P_users, shapes)
+        self._block("weight", self.P_weight, (self.out_features, self.in_features))
+        if self.use_bias:
+            self._block("bias", self.P_bias, (self.out_features,))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def param_layouts(self) -> list[ParamLayout]:
+        lays = [ParamLayout("weight", "weight", self.P_weight, (self.out_features, self.in_features))]
+        if self.use_bias:
+            lays.append(ParamLayout("bias", "bias", self.P_bias, (self.out_features,)))
+        return lays
+
+    # ------------------------------------------------------------------ forward
+
+    def _params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``W_m`` (and ``b_m``) on this worker: broadcast from (0, m), or all-gathered shards for ZeRO."""
+        dtype, device = self._param_dtype(), self._param_device()
+        if self._zero:
+            out_m = block_extent(self.out_features, self.P_m, self.dm[1])
+            # One data-parallel worker: its shard is all of W_m (all_gather would return a copy).
+            W = self.weight if self.P_d == 1 else all_gather(self.weight, self.P_wgather, (out_m, self.in_features))
+            bias = self._bcast([self.bias] if self._bcast.is_src else [], dtype, device) if self.use_bias else []
+            return W, (bias[0] if self.use_bias else None)
+        mine = ([self.weight] + ([self.bias] if self.use_bias else [])) if self._bcast.is_src else []
+        got = self._bcast(mine, dtype, device)
+        return got[0], (got[1] if self.use_bias else None)
+
+    def _check_input(self, x: torch.Tensor, seq_len: int | None) -> None:
+        op, m = self._op, self.dm[1]
+        if self.P_x is None and seq_len is not None:
+            raise expect(op, "seq_len (it gives the gathered sequence length of the P_x form)", "None without P_x",
+                         seq_len)
+        if self.P_x is None:
+            check_block_features(op, x, self.P_y, block_extent(self.in_features, self.P_m, m),
+                                 f"block {m} of in_features={self.in_features} over {self.P_m} model-parallel "
+                                 "workers")
+            return
+        check_block_features(op, x, self.P_x, self.in_features, "all of in_features: P_x splits the sequence dim")
+        if seq_len is not None and x.shape[-2] != block_extent(int(seq_len), self.P_m, m):
+            raise expect(op, f"sequence extent (block {m} of seq_len={seq_len} over {self.P_m} workers; input "
+                             f"shape {tuple(x.shape)})", block_extent(int(seq_len), self.P_m, m), x.shape[-2])
+
+    def forward(self, x: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """``y = all_gather(x) @ W_m.T + b_m`` on this worker; ``seq_len`` (P_x form only) skips the shape exchange."""
+        P_in = self.P_x if self.P_x is not None else self.P_y
+        if not P_in.active:
+            check_inactive_input(self._op, x)
+            self._record_inactive()
+            return x.clone()
+        self._check_input(x, seq_len)
+        W, b = self._params()
+        if self.P_x is None:
+            out_shape = (*x.shape[:-1], self.in_features)
+        else:
+            out_shape = None if seq_len is None else (*x.shape[:-2], int(seq_len), self.in_features)
+        # One model-parallel worker: nothing to gather (all_gather would return a copy of x).
+        xg = x if self.P_m == 1 else all_gather(x, self.P_gather, out_shape)
+        self._record(self._decision(xg.shape, xg.dtype, xg.device))
+        return F.linear(xg, W, b)
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _decision(self, gathered_shape, dtype, device) -> Decision:
+        if self.P_x is None:
+            return not_servable(self._op, "without P_x the input is gathered along the features (the fused "
+                                          "all-gather+GEMM gathers the sequence dim)")
+        shapes = dict(m=math.prod(gathered_shape[:-1]), n=block_extent(self.out_features, self.P_m, 0),
+                      k=self.in_features)
+        return decide("linear_ag", self._op, shapes, dtype, self.P_m, device)
+
+    def explain(self, x: torch.Tensor, seq_len: int | None = None) -> Decision:
+        """The path :meth:`forward` takes for ``x`` and why; local (no communication).
+
+        In the P_x form without ``seq_len`` the gathered length is estimated as
+        ``n_m * P_m`` (exact for even splits); ``forward`` uses the exact length.
+        """
+        P_in = self.P_x if self.P_x is not None else self.P_y
+        if not P_in.active:
+            return INACTIVE
+        if self.P_x is None:
+            return self._decision(x.shape, x.dtype, x.device)
+        n = int(seq_len) if seq_len is not None else x.shape[-2] * self.P_m
+        return self._decision((*x.shape[:-2], n, self.in_features), x.dtype, x.device)
+
+    def extra_repr(self) -> str:
+        form = f"P_x={list(self.P_x.shape)}, " if self.P_x is not None else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "
+                f"{form}P_y={list(self.P_y.shape)}")
+
+
+class DistributedLinearAllGather(_LinearAllGather):
+    """Linear layer with the weight split along the output features and the input all-gathered.
+
+    Args:
+        P_y: output partition ``[P_d, 1, ..., 1, P_m]`` (also the input's without ``P_x``).
+        in_features, out_features: as in ``torch.nn.Linear``.
+        bias: add a learnable bias.
+        device, dtype: of the parameters (default: ``P_y``'s device, the default dtype).
+        P_x: optional input partition ``[P_d, 1, ..., P_m, 1]`` on the same ranks as ``P_y``:
+            the input is split along the sequence dim and gathered along it.
+
+    Construction is collective over the world (it creates partitions): every world rank
+    constructs the layer, active or not.  Weights ``W_m``/``b_m`` live on workers
+    ``(0, m)`` (``None`` elsewhere) and are broadcast along ``d`` in forward.  With the
+    same seed, :meth:`reset_parameters` gives the blocks of ``torch.nn.Linear``'s tensors.
+    See the module docstring for shapes, the adjoint and the costs.
+    """
+
+
+class DistributedLinearAllGatherZero(_LinearAllGather):
+    """:class:`DistributedLinearAllGather` with the weight also sharded over the data-parallel workers (ZeRO-3).
+
+    Worker ``(d, m)`` owns block ``(m, d)`` of ``W`` (rows over ``P_m``, columns over
+    ``P_d``); forward all-gathers ``W_m`` along ``d``, backward reduce-scatters its
+    gradient so each worker keeps its own shard's (summed over ``d``).  The bias is
+    kept and broadcast as in the plain layer.  Arguments as for
+    :class:`DistributedLinearAllGather`.
+    """
+
+    _zero = True
