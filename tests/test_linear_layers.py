@@ -378,17 +378,18 @@ def _dispatch(mode):
 
 
 @pytest.mark.parametrize("mode", [None, "fused", "unfused"], ids=["auto", "forced-fused", "forced-unfused"])
-def test_dispatch_runs_unfused_and_says_why(mode):
+def test_dispatch_records_the_path_and_why(mode):
     for out in run_ranks(2, _dispatch, mode):
-        assert all(path == "unfused" for path, _ in out.values())
-        if mode == "fused":  # the shapes a fused path serves: chosen, but not wired in, so not pretended
-            for name, op in (("ag", "linear_ag"), ("rs", "linear_rs")):
-                assert "select_path chose fused" in out[name][1] and f"no fused {op} implementation" in out[name][1]
-        elif mode == "unfused":
-            assert out["ag"][1] == "DISTFUSE_PATH=unfused"
+        if mode == "fused":  # the sequence-parallel forms run the fused GEMM ops (interpreted Triton on CPU)
+            assert out["ag"] == ("fused", "DISTFUSE_PATH=fused") and out["rs"] == ("fused", "DISTFUSE_PATH=fused")
         else:
-            assert "cpu" in out["ag"][1] and "cpu" in out["rs"][1]
-        assert "no fused path serves this form" in out["ag_feat"][1]
+            assert out["ag"][0] == out["rs"][0] == "unfused"
+            if mode == "unfused":
+                assert out["ag"][1] == "DISTFUSE_PATH=unfused"
+            else:
+                assert "cpu" in out["ag"][1] and "cpu" in out["rs"][1]
+        for name in ("ag_feat", "rs_feat"):
+            assert out[name][0] == "unfused" and "no fused path serves this form" in out[name][1]
         assert "no fused path serves this form" in out["rs_feat"][1]
 
 

@@ -487,7 +487,11 @@ class SymmetricWorkspace(_Workspace):
         # Torch versions with a symmetric mempool report the allocation's base in `buffer_ptrs` and the
         # tensor's place in it separately; the allocations are symmetric, so this rank's own delta
         # (0 where `buffer_ptrs` already point at the tensor) applies to every peer.
-        ptrs = [int(p) for p in handle.buffer_ptrs]
+        # `buffer_ptrs` is in group-rank order, and torch sorts a group's ranks; workspace slots are in
+        # partition-rank order, which differs when a partition lists its ranks out of order.
+        by_group_rank = [int(p) for p in handle.buffer_ptrs]
+        sorted_ranks = sorted(P.ranks)
+        ptrs = [by_group_rank[sorted_ranks.index(world)] for world in P.ranks]
         delta = buf.data_ptr() - ptrs[self.rank]
         limit = int(getattr(handle, "buffer_size", delta + total))
         if not 0 <= delta <= limit - total:

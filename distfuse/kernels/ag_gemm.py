@@ -275,6 +275,11 @@ def ag_gemm_consume(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     def grid(META):
         return (triton.cdiv(m_max, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]), W)
 
+    if return_gathered and N == 0 and m_max > 0 and not INTERPRET:
+        # The flag waits live in the GEMM kernel; with nothing to multiply it is skipped and the
+        # gathered copy below would race the peers' pushes.  Layers route such shards unfused.
+        raise UnsupportedError(f"{where(op)}: a zero-width weight shard cannot return the gathered input on "
+                               "CUDA (no kernel runs to wait for the peers' chunks); use the unfused path")
     if m_max > 0 and N > 0:
         kernel[grid](
             x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,

@@ -186,18 +186,30 @@ class ParamBroadcast:
         return [p.view(s) for p, s in zip(out.view(-1).split(self.sizes), self.shapes, strict=True)]
 
 
-def decide(op: str, layer: str, shapes: dict, dtype: torch.dtype, world_size: int, device) -> Decision:
-    """The path this call takes, and why; ``"unfused"`` until a fused implementation is wired in.
+def decide(op: str, layer: str, shapes: dict, dtype: torch.dtype, world_size: int, device,
+           available=None) -> Decision:
+    """The path this call takes, and why.
 
-    ``select_path`` gives the shape-based verdict.  Symmetric memory is assumed here
-    (probing it is collective, see ``distfuse.fused.symmetric``); the fused
-    implementation probes it when it is wired in.  Until then a ``"fused"`` verdict is
-    reported as such and overridden, so ``last_path`` never claims a path that did not run.
+    ``select_path`` gives the shape-based verdict, assuming symmetric memory; a
+    ``"fused"`` verdict is then confirmed with ``available()`` (the fused op's
+    ``fused_linear_available``, collective the first time and cached, so every rank of
+    the group asks together: the verdict depends only on shapes every rank shares).
+    Where it says no, the unfused composition runs, the reason is logged once and
+    recorded, and ``last_path`` never claims a path that did not run.
     """
     choice = select_path(op, shapes, dtype, world_size, device_caps(torch.device(device), symmetric_memory=True))
-    if choice.path == "fused":
-        return Decision("unfused", f"select_path chose fused ({choice.reason}), but no fused {op} implementation "
-                                   f"is wired into {layer} yet; ran the unfused composition")
+    if choice.path != "fused":
+        return choice
+    if available is None:
+        return Decision("unfused", f"select_path chose fused ({choice.reason}), but {layer} has no fused form for "
+                                   "this call; ran the unfused composition")
+    ok, why = available()
+    if not ok:
+        from distfuse.fused.symmetric import log_fallback_once
+
+        log_fallback_once(f"{layer}: {why}")
+        return Decision("unfused", f"select_path chose fused ({choice.reason}), but {why}; ran the unfused "
+                                   "composition")
     return choice
 
 

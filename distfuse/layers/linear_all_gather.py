@@ -64,7 +64,7 @@ from distfuse.layers._linear_common import (
 )
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision
-from distfuse.primitives._common import check_inactive_input
+from distfuse.primitives._common import check_inactive_input, gather_metadata
 from distfuse.primitives.all_gather import all_gather
 
 __all__ = ["DistributedLinearAllGather", "DistributedLinearAllGatherZero"]
@@ -103,11 +103,14 @@ class _LinearAllGather(LinearBase):
     _zero = False
 
     def __init__(self, P_y, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
-                 P_x=None):
+                 P_x=None, keep_gathered: bool = True):
         op = type(self).__name__
         _check_partitions(op, P_y, P_x)
         super().__init__(in_features, out_features, device if device is not None else P_y.device, dtype)
         self.P_y, self.P_x, self.use_bias = P_y, P_x, bool(bias)
+        # Fused path: keep the gathered input from forward for the weight gradient (memory), or gather it again
+        # in backward (time); see distfuse/fused/linear_ag.py.
+        self.keep_gathered = bool(keep_gathered)
         P_d, P_m = P_y.shape[0], P_y.shape[-1]
         self.P_d, self.P_m = P_d, P_m
         rank_of = lambda d, m: P_y.ranks[d * P_m + m]  # worker (d, m); middle extents are 1
@@ -186,11 +189,34 @@ class _LinearAllGather(LinearBase):
         if self.P_x is None:
             out_shape = (*x.shape[:-1], self.in_features)
         else:
-            out_shape = None if seq_len is None else (*x.shape[:-2], int(seq_len), self.in_features)
-        # One model-parallel worker: nothing to gather (all_gather would return a copy of x).
-        xg = x if self.P_m == 1 else all_gather(x, self.P_gather, out_shape)
-        self._record(self._decision(xg.shape, xg.dtype, xg.device))
-        return F.linear(xg, W, b)
+            if seq_len is None and self.P_m > 1:
+                seq_len = self._gathered_seq_len(x)
+            out_shape = (*x.shape[:-2], int(seq_len) if seq_len is not None else x.shape[-2], self.in_features)
+        decision = self._decision(out_shape, x.dtype, x.device)
+        self._record(decision)
+        if self.P_m == 1:  # one model-parallel worker: nothing to gather (all_gather would return a copy of x)
+            return F.linear(x, W, b)
+        if decision.path == "fused":
+            from distfuse.fused.linear_ag import all_gather_matmul
+
+            return all_gather_matmul(x, W, b, self.P_gather, keep_gathered=self.keep_gathered, n=out_shape[-2])
+        return F.linear(all_gather(x, self.P_gather, out_shape), W, b)
+
+    def _gathered_seq_len(self, x: torch.Tensor) -> int:
+        """The gathered sequence length, from every model-parallel worker's block (one host-side gather).
+
+        Every worker checks every block against the balanced decomposition, so a bad block
+        raises the same error everywhere instead of leaving the others waiting.
+        """
+        meta = gather_metadata(self.P_gather, x)
+        n = sum(shape[-2] for shape, _ in meta)
+        for j, (shape, _) in enumerate(meta):
+            want = (*x.shape[:-2], block_extent(n, self.P_m, j), self.in_features)
+            if tuple(shape) != want:
+                raise expect(self._op, f"input block of model-parallel worker {j} (world rank "
+                                       f"{self.P_gather.ranks[j]}): the balanced block of the gathered sequence "
+                                       f"length {n}", want, tuple(shape))
+        return n
 
     # ------------------------------------------------------------------ dispatch
 
@@ -198,9 +224,19 @@ class _LinearAllGather(LinearBase):
         if self.P_x is None:
             return not_servable(self._op, "without P_x the input is gathered along the features (the fused "
                                           "all-gather+GEMM gathers the sequence dim)")
+        if self.P_m == 1:
+            return not_servable(self._op, "one model-parallel worker: a plain local GEMM")
+        if self.out_features < self.P_m:
+            return not_servable(self._op, f"out_features={self.out_features} < {self.P_m} model-parallel workers "
+                                          "leaves a worker an empty weight shard")
         shapes = dict(m=math.prod(gathered_shape[:-1]), n=block_extent(self.out_features, self.P_m, 0),
                       k=self.in_features)
-        return decide("linear_ag", self._op, shapes, dtype, self.P_m, device)
+        return decide("linear_ag", self._op, shapes, dtype, self.P_m, device, available=self._fused_available)
+
+    def _fused_available(self) -> tuple[bool, str]:
+        from distfuse.fused.linear_ag import fused_linear_available
+
+        return fused_linear_available(self.P_gather, self._param_device(), self._param_dtype())
 
     def explain(self, x: torch.Tensor, seq_len: int | None = None) -> Decision:
         """The path :meth:`forward` takes for ``x`` and why; local (no communication).
@@ -232,6 +268,8 @@ class DistributedLinearAllGather(_LinearAllGather):
         device, dtype: of the parameters (default: ``P_y``'s device, the default dtype).
         P_x: optional input partition ``[P_d, 1, ..., P_m, 1]`` on the same ranks as ``P_y``:
             the input is split along the sequence dim and gathered along it.
+        keep_gathered: on the fused path, keep the gathered input for the weight gradient
+            (default) instead of gathering it again in backward.
 
     Construction is collective over the world (it creates partitions): every world rank
     constructs the layer, active or not.  Weights ``W_m``/``b_m`` live on workers

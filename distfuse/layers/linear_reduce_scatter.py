@@ -124,13 +124,14 @@ class _LinearReduceScatter(LinearBase):
             self._bcast = ParamBroadcast(P_owners, P_users, w_shapes + b_shapes)
             self._bcast_bias = None
         else:
-            # (0, 0) owns all of b; only the m = 0 workers add it (before the reduce-scatter).
+            # (0, 0) owns all of b and every worker gets a copy: each adds it to its own output rows after the
+            # reduce-scatter (unfused) or in the chunk reduce (fused), so every element gets it exactly once and
+            # the Broadcast's adjoint sums the per-worker partial gradients back on (0, 0).
             self.P_bias = grid_partition([rank_of(0, 0)], [1], dev)
             self._bcast = ParamBroadcast(P_owners, P_users, w_shapes)
             self._bcast_bias = None
             if self.use_bias:
-                P_col0 = grid_partition([rank_of(i, 0) for i in range(P_d)], [P_d, 1], dev)
-                self._bcast_bias = ParamBroadcast(self.P_bias, P_col0, [(out,)])
+                self._bcast_bias = ParamBroadcast(self.P_bias, P_users, [(out,)])
         if self._zero:
             # Worker (d, m) owns block (d, m) of W: rows split over P_d, columns over P_m.
             self.P_weight = P_users
@@ -153,7 +154,7 @@ class _LinearReduceScatter(LinearBase):
     # ------------------------------------------------------------------ forward
 
     def _params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``W_m`` on this worker, and the bias it adds (``b_m``; all of ``b`` on m = 0 with P_y; else None)."""
+        """``W_m`` on this worker, and the bias it adds (``b_m``; all of ``b`` with P_y; else None)."""
         dtype, device = self._param_dtype(), self._param_device()
         src = self._bcast.is_src
         mine = ([] if self._zero else [self.weight]) + ([self.bias] if self.use_bias and self.P_y is None else [])
@@ -168,8 +169,6 @@ class _LinearReduceScatter(LinearBase):
             return W, None
         if self.P_y is None:
             return W, got[0]
-        if self._bcast_bias is None or not self._bcast_bias.is_dst:  # m != 0: no bias here
-            return W, None
         return W, self._bcast_bias([self.bias] if self._bcast_bias.is_src else [], dtype, device)[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,11 +181,14 @@ class _LinearReduceScatter(LinearBase):
         check_block_features(self._op, x, self.P_x, block_extent(self.in_features, self.P_m, m),
                              f"block {m} of in_features={self.in_features} over {self.P_m} model-parallel workers")
         W, b = self._params()
-        self._record(self._decision(x.shape, x.dtype, x.device))
+        decision = self._decision(x.shape, x.dtype, x.device)
+        self._record(decision)
         if self.P_m == 1:  # one model-parallel worker: the partial sum is the output (reduce_scatter would copy it)
             return F.linear(x, W, b)
-        if self.P_y is not None:
-            return reduce_scatter(F.linear(x, W, b), self.P_scatter)
+        if decision.path == "fused":
+            from distfuse.fused.linear_rs import matmul_reduce_scatter
+
+            return matmul_reduce_scatter(x, W, b, self.P_scatter, bias_grad="partial")
         y = reduce_scatter(F.linear(x, W), self.P_scatter)
         return y + b if b is not None else y
 
@@ -196,8 +198,15 @@ class _LinearReduceScatter(LinearBase):
         if self.P_y is None:
             return not_servable(self._op, "without P_y the output is scattered along the features (the fused "
                                           "GEMM+reduce-scatter scatters the sequence dim)")
+        if self.P_m == 1:
+            return not_servable(self._op, "one model-parallel worker: a plain local GEMM")
         shapes = dict(m=math.prod(x_shape[:-1]), n=self.out_features, k=block_extent(self.in_features, self.P_m, 0))
-        return decide("linear_rs", self._op, shapes, dtype, self.P_m, device)
+        return decide("linear_rs", self._op, shapes, dtype, self.P_m, device, available=self._fused_available)
+
+    def _fused_available(self) -> tuple[bool, str]:
+        from distfuse.fused.linear_rs import fused_linear_available
+
+        return fused_linear_available(self.P_scatter, self._param_device(), self._param_dtype())
 
     def explain(self, x: torch.Tensor) -> Decision:
         """The path :meth:`forward` takes for ``x`` and why; local (no communication)."""
