@@ -112,6 +112,8 @@ def load_table(path: Path | None = None) -> dict:
     except (OSError, ValueError) as exc:
         _log_once(f"table:{path}", f"distfuse: ignoring unreadable crossover table {path}: {exc}")
         table = {}
+    # Entries are keyed "device|world|dtype|op"; other top-level keys (triton_configs, sweeps, _meta) are sections.
+    table = {k: v for k, v in table.items() if "|" in k} if isinstance(table, dict) else {}
     _TABLE_CACHE[str(path)] = (mtime, table)
     return table
 
@@ -164,6 +166,8 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
     table = load_table() if table is None else table
     entry = table.get(table_key(caps.name, world_size, dtype, op))
     if entry is not None:
+        if entry.get("fused") == "never":
+            return Decision("unfused", f"crossover table: fused never wins for {op} here")
         lo = entry.get("min_size", -math.inf)
         hi = entry.get("max_size", math.inf)
         path = "fused" if lo <= size <= hi else "unfused"
