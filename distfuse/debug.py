@@ -45,7 +45,8 @@ def check_agreement(op: str, ranks: tuple[int, ...], group, same: dict, info: di
     records: list = [None] * len(ranks)
     dist.all_gather_object(records, mine, group=group)
     if any(r[:3] != mine[:3] for r in records):
+        # all_gather_object fills slots in group-rank order, and torch sorts a group's ranks.
         lines = "\n".join(
-            f"  rank {ranks[i]}: call #{r[0]} {r[1]} {dict(r[2])} {r[3]}" for i, r in enumerate(records)
+            f"  rank {w}: call #{r[0]} {r[1]} {dict(r[2])} {r[3]}" for w, r in zip(sorted(ranks), records, strict=True)
         )
         raise CollectiveMismatchError(f"{where(op)}: ranks entered a collective with different metadata:\n{lines}")

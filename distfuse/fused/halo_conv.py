@@ -50,7 +50,7 @@ import torch.nn.functional as F
 
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.kernels.halo import box_offsets, halo_accumulate, halo_pack, halo_stage, halo_unstage
-from distfuse.primitives._common import exchange
+from distfuse.primitives._common import collective_guard, exchange
 from distfuse.primitives.halo_plan import HaloPlan
 
 __all__ = ["HaloConvFunction", "halo_conv"]
@@ -93,16 +93,20 @@ def _post(sends, recvs) -> list:
     """Post one batch of point-to-point messages and return the works, without waiting."""
     me = dist.get_rank()
     if any(peer == me for peer, _ in sends) or any(peer == me for peer, _ in recvs):
-        exchange(sends, recvs)  # self-messages never come from a plan; the blocking helper copies them
+        exchange(sends, recvs, op=_OP)  # self-messages never come from a plan; the blocking helper copies them
         return []
     ops = [dist.P2POp(dist.isend, t, peer) for peer, t in sends if t.numel() > 0]
     ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs if t.numel() > 0]
-    return dist.batch_isend_irecv(ops) if ops else []
+    if not ops:
+        return []
+    with collective_guard(_OP, "posting the halo exchange", (o.peer for o in ops)):
+        return dist.batch_isend_irecv(ops)
 
 
 def _wait(works) -> None:
-    for w in works:
-        w.wait()
+    with collective_guard(_OP, "halo exchange"):
+        for w in works:
+            w.wait()
 
 
 class HaloConvFunction(torch.autograd.Function):
@@ -123,7 +127,7 @@ class HaloConvFunction(torch.autograd.Function):
             _wait(works)
             halo_stage(x, recv, plan, index, out=staged, region="remote")
         else:
-            exchange(sends, recvs)
+            exchange(sends, recvs, op=_OP)
             staged = halo_stage(x, recv, plan, index)
         if 0 in staged_shape:
             y = x.new_zeros((x.shape[0], weight.shape[0]) + plan.output_shape(index))
@@ -179,7 +183,7 @@ class HaloConvFunction(torch.autograd.Function):
         else:
             gs, gw, gb = conv_backward(True, need_w, need_b)
             part = halo_unstage(gs.contiguous(), plan, index)
-            exchange(*_backward_messages(plan, index, world_of, lead, part.send, incoming))
+            exchange(*_backward_messages(plan, index, world_of, lead, part.send, incoming), op=_OP + " (adjoint)")
         grad_x = halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index)
         return grad_x, gw, gb, None, None, None, None, None, None, None
 

@@ -8,7 +8,11 @@
   so that workers holding no input learn the global shape and the dtype, and so that
   every worker agrees on whether the adjoints run.  That agreement matters: a worker
   whose received block does not require grad never runs its Broadcast adjoint, and
-  its source then waits for that gradient until the process-group timeout.
+  its source then waits for that gradient until the process-group timeout.  With
+  ``DISTFUSE_DEBUG=1`` it first checks that every worker is calling the same layer
+  (its options and partitions), so that ranks that call layers in different orders
+  fail with :class:`~distfuse.errors.CollectiveMismatchError` instead of exchanging
+  blocks of different layers.
 * :func:`draw_parameters` draws the *global* weight and bias exactly as
   ``torch.nn.ConvNd.reset_parameters`` does, so that with the same seed a distributed
   layer holds the blocks of the sequential layer's parameters.
@@ -27,10 +31,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn import init
 
+from distfuse import debug
 from distfuse._compat import all_gather_flat
 from distfuse.decomposition import local_shape
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.partition import CartesianPartition, Partition
+from distfuse.primitives._common import collective_guard
 from distfuse.primitives.halo_plan import PADDING_MODES, resolve_padding
 
 __all__ = ["ConvOptions", "CallInfo", "gather_call_info", "draw_parameters", "conv_block", "pad_locally",
@@ -136,14 +142,18 @@ class CallInfo:
 
 
 def gather_call_info(op: str, P_union: Partition, P_x: CartesianPartition, x: torch.Tensor,
-                     params: Sequence[torch.Tensor]) -> CallInfo:
+                     params: Sequence[torch.Tensor], signature=None) -> CallInfo:
     """All-gather ``(shape, dtype, grad flags)`` over ``P_union`` (host gloo, 11 int64 per worker).
 
     Every worker validates every record, so a bad block raises the same error on every
     worker instead of a hang: the input must be the balanced decomposition of one
     global shape over ``P_x``, in one floating dtype equal to the parameters' dtype;
-    workers outside ``P_x`` pass zero-volume tensors.
+    workers outside ``P_x`` pass zero-volume tensors.  ``signature`` (the layer's
+    options and partitions) is compared across workers in debug mode.
     """
+    if signature is not None and debug.enabled():
+        debug.check_agreement(op, P_union.ranks, P_union.meta_group, same={"layer": signature},
+                              info={"local shape": tuple(x.shape)})
     grad_on = torch.is_grad_enabled()
     rec = torch.full((_HEAD + _MAX_DIM,), -1, dtype=torch.int64)
     problem = _OK
@@ -165,8 +175,11 @@ def gather_call_info(op: str, P_union: Partition, P_x: CartesianPartition, x: to
     if problem == _OK and P_x.active:
         rec[_HEAD:_HEAD + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
     out = torch.empty(P_union.size * rec.numel(), dtype=torch.int64)
-    all_gather_flat(out, rec, group=P_union.meta_group)
-    rows = dict(zip(P_union.ranks, out.view(P_union.size, -1).tolist(), strict=True))
+    with collective_guard(op, "metadata all-gather", P_union.ranks):
+        all_gather_flat(out, rec, group=P_union.meta_group)
+    # Slot g of the gather belongs to the g-th smallest world rank (new_group sorts its ranks), which is not
+    # partition rank g when P_union lists its ranks out of order (a feature conv's P_x may).
+    rows = dict(zip(sorted(P_union.ranks), out.view(P_union.size, -1).tolist(), strict=True))
     for w, r in rows.items():
         if r[5] == _BAD_DEVICE:
             raise expect(op, f"device type of the input on world rank {w}", P_x.device.type, "another device")

@@ -24,10 +24,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from distfuse.errors import ShapeError, where
-from distfuse.partition import CartesianPartition
+from distfuse.partition import CartesianPartition, metadata_group
 from distfuse.primitives.repartition import collect_tensor, distribute_tensor
 
 __all__ = ["ParamLayout", "load_sequential", "collect_sequential"]
@@ -52,8 +53,34 @@ class ParamLayout:
 
 def _layouts(layer: nn.Module) -> list[ParamLayout]:
     if not hasattr(layer, "param_layouts"):
-        raise TypeError(f"{type(layer).__name__} does not describe its parameter layout (param_layouts())")
+        raise TypeError(f"{where('load_sequential')}: {type(layer).__name__} is not a distributed distfuse layer "
+                        "(it has no param_layouts())")
     return list(layer.param_layouts())
+
+
+def _check_sequential_state(layer: nn.Module, state: dict | None, layouts: list[ParamLayout], src: int) -> None:
+    """Check the source's state dict on the source, then tell every rank the verdict (one object broadcast).
+
+    Without this a missing key or a wrong shape would raise on ``src`` alone while the
+    other ranks wait inside the scatter until the process-group timeout.
+    """
+    problem = None
+    if dist.get_rank() == src:
+        if state is None:
+            problem = f"world rank {src} is the source but passed no sequential layer or state dict"
+        else:
+            for lay in layouts:
+                if lay.seq_name not in state:
+                    problem = f"the sequential state has no {lay.seq_name!r} (keys: {sorted(state)})"
+                    break
+                if tuple(state[lay.seq_name].shape) != lay.global_shape:
+                    problem = (f"sequential {lay.seq_name}: expected shape {lay.global_shape}, got "
+                               f"{tuple(state[lay.seq_name].shape)}")
+                    break
+    verdict = [problem]
+    dist.broadcast_object_list(verdict, src=src, group=metadata_group())
+    if verdict[0] is not None:
+        raise ShapeError(f"{where(type(layer).__name__ + '.load_sequential')}: {verdict[0]}")
 
 
 @torch.no_grad()
@@ -65,13 +92,10 @@ def load_sequential(layer: nn.Module, sequential: nn.Module | dict | None, src: 
     state = None
     if sequential is not None:
         state = sequential.state_dict() if isinstance(sequential, nn.Module) else sequential
-    for lay in _layouts(layer):
-        full = None
-        if state is not None:
-            full = state[lay.seq_name]
-            if tuple(full.shape) != lay.global_shape:
-                raise ShapeError(f"{where(type(layer).__name__)}: sequential {lay.seq_name} has shape "
-                                 f"{tuple(full.shape)}, expected {lay.global_shape}")
+    layouts = _layouts(layer)
+    _check_sequential_state(layer, state, layouts, src)
+    for lay in layouts:
+        full = state[lay.seq_name] if state is not None and dist.get_rank() == src else None
         block = distribute_tensor(None if full is None else full.detach(), lay.P, src=src)
         if lay.P.active:
             param = getattr(layer, lay.name)

@@ -119,7 +119,7 @@ class DistributedFeatureConvBase(nn.Module):
         self.in_channels, self.out_channels, self.groups = o.in_channels, o.out_channels, o.groups
         self.kernel_size, self.stride, self.dilation = o.kernel_size, o.stride, o.dilation
         self.padding, self.padding_mode = o.padding, o.padding_mode
-        self.halo = HaloExchange(P_x, o.kernel_size, o.stride, o.padding, o.dilation, o.padding_mode)
+        self.halo = HaloExchange(P_x, o.kernel_size, o.stride, o.padding, o.dilation, o.padding_mode, _op=op)
         self._device = torch.device(device) if device is not None else P_x.device
         self.root = P_x.ranks[0]
         # The root's single-worker grids: one per parameter rank (ParamLayout splits dimension d by dimension d).
@@ -200,7 +200,7 @@ class DistributedFeatureConvBase(nn.Module):
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
-        info = gather_call_info(op, P_x, P_x, x, params)
+        info = gather_call_info(op, P_x, P_x, x, params, signature=(o, P_x.ranks, P_x.shape))
         G = info.global_shape
         if G[1] != o.in_channels:
             raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, G[1])

@@ -102,7 +102,7 @@ class DistributedGeneralConvBase(nn.Module):
         self.in_channels, self.out_channels, self.groups = o.in_channels, o.out_channels, o.groups
         self.kernel_size, self.stride, self.dilation = o.kernel_size, o.stride, o.dilation
         self.padding, self.padding_mode = o.padding, o.padding_mode
-        self.halo = HaloExchange(P_x, o.kernel_size, o.stride, o.padding, o.dilation, o.padding_mode)
+        self.halo = HaloExchange(P_x, o.kernel_size, o.stride, o.padding, o.dilation, o.padding_mode, _op=op)
         self._device = torch.device(device) if device is not None else P_x.device
         self._dtype = dtype if dtype is not None else torch.get_default_dtype()
         self._build_grids()
@@ -223,7 +223,8 @@ class DistributedGeneralConvBase(nn.Module):
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
-        info = gather_call_info(op, self.P_union, P_x, x, params)
+        info = gather_call_info(op, self.P_union, P_x, x, params,
+                                signature=(o, *((P.ranks, P.shape) for P in (P_x, self.P_y, P_w))))
         G, dtype = info.global_shape, info.dtype
         if G[1] != o.in_channels:
             raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, G[1])

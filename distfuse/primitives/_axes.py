@@ -49,7 +49,7 @@ from distfuse._compat import all_gather_flat, reduce_scatter_flat
 from distfuse.decomposition import local_shape, local_start
 from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._common import check_inactive_input, gather_metadata
+from distfuse.primitives._common import check_inactive_input, collective_guard, gather_metadata
 
 __all__ = [
     "resolve_axes",
@@ -229,7 +229,7 @@ def layout_from_shapes(op: str, P_sub: CartesianPartition, shapes: Sequence[tupl
 
 def gathered_layout(op: str, P_sub: CartesianPartition, x: torch.Tensor) -> BlockLayout:
     """Layout from every worker's actual block shape: one host-side metadata all-gather (see AllGather)."""
-    meta = gather_metadata(P_sub, x)  # rows in P_sub's rank order
+    meta = gather_metadata(P_sub, x, op=op)  # rows in P_sub's rank order
     dtypes = {dt for _, dt in meta}
     if len(dtypes) != 1:
         rows = ", ".join(f"rank {r}: {dt}" for r, (_, dt) in zip(P_sub.ranks, meta, strict=True))
@@ -276,7 +276,8 @@ def gather_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, x: to
         send = _scratch(x, layout.pad)
         send[tuple(slice(0, e) for e in x.shape)] = x
     buf = _scratch(x, (P_sub.size * n,))
-    all_gather_flat(buf, send, group=P_sub.group)
+    with collective_guard(op, "all-gather", P_sub.ranks):
+        all_gather_flat(buf, send, group=P_sub.group)
     if layout.fast:
         return buf.view(*layout.grid, *layout.pad).permute(_interleave(k)).reshape(layout.shape)
     blocks = buf.view(P_sub.size, *layout.pad)
@@ -311,7 +312,8 @@ def scatter_sum_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, 
         for j, slot in enumerate(layout.slots):
             send[slot][tuple(slice(0, e) for e in layout.extents[j])] = full[layout.slices(j)]
     recv = _scratch(full, layout.pad, dtype=wire)
-    reduce_scatter_flat(recv, send.reshape(-1), group=P_sub.group)
+    with collective_guard(op, "reduce-scatter", P_sub.ranks):
+        reduce_scatter_flat(recv, send.reshape(-1), group=P_sub.group)
     return recv[tuple(slice(0, e) for e in mine)].to(full.dtype).contiguous()
 
 
@@ -323,5 +325,6 @@ def all_reduce_sum(op: str, P_sub: CartesianPartition, x: torch.Tensor,
     y = torch.empty(x.shape, dtype=wire, device=x.device)  # a new contiguous tensor, in one copy
     y.copy_(x)
     if y.numel() > 0:  # shapes agree over the sub-grid, so every worker skips together
-        dist.all_reduce(y, group=P_sub.group)
+        with collective_guard(op, "all-reduce", P_sub.ranks):
+            dist.all_reduce(y, group=P_sub.group)
     return y.to(dtype=x.dtype)

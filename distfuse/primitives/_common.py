@@ -11,42 +11,77 @@ host staging.
 Messages between one pair of ranks are matched in posting order, so both sides must
 enumerate their messages in the same canonical order (the plans sort by a key both
 sides compute identically).
+
+Failures.  A peer that raised before its matching call, died, or made a different
+call leaves this rank's ``torch.distributed`` call waiting until the process-group
+timeout (``DISTFUSE_TIMEOUT``), or failing at once when the peer's connection closes.
+gloo reports either as a bare ``RuntimeError`` naming a C++ source line;
+:func:`collective_guard` turns it into a :class:`~distfuse.errors.CollectiveTimeoutError`
+that names the op, this rank and the peers it was waiting for, and chains the original.
+Measured on the 2-core CI machine with a 3 s timeout (``tests/test_reliability_faults.py``):
+peers of a rank that raises get the error 3.0 s later, peers of a rank that exits get it
+within 0.1 s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from distfuse._compat import all_gather_flat
-from distfuse.errors import ShapeError, expect, where
-from distfuse.partition import Partition, zero_volume_tensor
+from distfuse.errors import CollectiveTimeoutError, DistfuseError, ShapeError, expect, where
+from distfuse.partition import Partition, default_timeout, zero_volume_tensor
 
 __all__ = ["exchange", "check_inactive_input", "check_active_input", "empty_like_batch", "gather_metadata",
-           "infer_global_shape"]
+           "infer_global_shape", "collective_guard"]
 
 
-def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]]) -> None:
+@contextlib.contextmanager
+def collective_guard(op: str, what: str, peers: Iterable[int] | None = None):
+    """Run ``torch.distributed`` calls; re-raise their failure as :class:`CollectiveTimeoutError`.
+
+    The message names the op, this rank, the call and the world ranks it waited for.
+    Errors distfuse raised on purpose pass through unchanged.  Wrap only the
+    communication itself, so that local programming errors keep their own type.
+    """
+    try:
+        yield
+    except DistfuseError:
+        raise
+    except RuntimeError as exc:
+        peer_txt = f" with world ranks {sorted(set(peers))}" if peers is not None else ""
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CollectiveTimeoutError(
+            f"{where(op)}: {what}{peer_txt} did not complete: {cause}. A peer that raised, died or made a "
+            f"different call ends here, after at most the process-group timeout "
+            f"({default_timeout().total_seconds():g} s)") from exc
+
+
+def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+             op: str = "exchange") -> None:
     """Post all ``(world_peer, tensor)`` sends and receives in one batch and wait for them.
 
     A message to this rank itself is a local copy and must appear in both lists in the
-    same relative order.  Tensors must be contiguous.
+    same relative order.  Tensors must be contiguous.  ``op`` names the primitive in a
+    failure (see :func:`collective_guard`).
     """
     me = dist.get_rank()
     self_sends = [t for peer, t in sends if peer == me]
     self_recvs = [t for peer, t in recvs if peer == me]
     if len(self_sends) != len(self_recvs):
-        raise RuntimeError(f"{where('exchange')}: {len(self_sends)} self-sends but {len(self_recvs)} self-receives")
+        raise RuntimeError(f"{where(op)}: {len(self_sends)} self-sends but {len(self_recvs)} self-receives")
     for src, dst in zip(self_sends, self_recvs, strict=True):
         dst.copy_(src)
     ops = [dist.P2POp(dist.isend, t, peer) for peer, t in sends if peer != me and t.numel() > 0]
     ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs if peer != me and t.numel() > 0]
     if not ops:
         return
-    for req in dist.batch_isend_irecv(ops):
-        req.wait()
+    with collective_guard(op, "point-to-point exchange", (o.peer for o in ops)):
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
 
 
 def check_inactive_input(op: str, x: torch.Tensor) -> None:
@@ -74,30 +109,49 @@ def empty_like_batch(x: torch.Tensor, preserve_batch: bool, batch: int | None = 
 
 _DTYPE_CODES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                 torch.int8, torch.uint8, torch.bool]
+_DEVICE_CODES = ["cpu", "cuda", "meta", "xpu", "mps", "hpu"]
 
 
-def gather_metadata(P: Partition, x: torch.Tensor, max_dim: int = 8) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def gather_metadata(P: Partition, x: torch.Tensor, max_dim: int = 8,
+                    op: str = "gather_metadata") -> list[tuple[tuple[int, ...], torch.dtype]]:
     """Every worker's local ``(shape, dtype)`` over ``P``, in partition-rank order.
 
     Host-side only: a fixed-size int64 CPU tensor is all-gathered on ``P.meta_group``
     (gloo), so no device synchronisation happens even under NCCL.  Cost: one small
     collective (tens of microseconds within a node).  Must be called by every active
     worker of ``P``.
+
+    The record also carries the device type of every non-empty tensor: a worker whose
+    data is not on ``P``'s device type makes every worker raise the same
+    :class:`ShapeError` (found before, the check ran on that worker alone after the
+    gather, and its peers waited for it until the timeout).  Empty placeholders may sit
+    anywhere (under NCCL they are usually on the host).
     """
     if x.dim() > max_dim:
-        raise ShapeError(f"{where('gather_metadata')}: tensors of more than {max_dim} dimensions are not supported")
+        raise ShapeError(f"{where(op)}: tensors of more than {max_dim} dimensions are not supported")
     code = _DTYPE_CODES.index(x.dtype) if x.dtype in _DTYPE_CODES else -1
-    mine = torch.full((max_dim + 2,), -1, dtype=torch.int64)
+    width = max_dim + 3
+    mine = torch.full((width,), -1, dtype=torch.int64)
     mine[0] = x.dim()
     mine[1] = code
-    mine[2:2 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
-    out = torch.empty(P.size * (max_dim + 2), dtype=torch.int64)
-    all_gather_flat(out, mine, group=P.meta_group)
+    if x.numel() > 0:
+        dev = x.device.type
+        mine[2] = _DEVICE_CODES.index(dev) if dev in _DEVICE_CODES else len(_DEVICE_CODES)
+    mine[3:3 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    out = torch.empty(P.size * width, dtype=torch.int64)
+    with collective_guard(op, "metadata all-gather", P.ranks):
+        all_gather_flat(out, mine, group=P.meta_group)
     # torch.distributed.new_group sorts its ranks: slot g belongs to the g-th smallest
     # world rank, which is not partition rank g when a partition lists its ranks out of order.
-    by_world = dict(zip(sorted(P.ranks), out.view(P.size, max_dim + 2).tolist(), strict=True))
+    by_world = dict(zip(sorted(P.ranks), out.view(P.size, width).tolist(), strict=True))
     rows = [by_world[r] for r in P.ranks]
-    return [(tuple(r[2:2 + r[0]]), _DTYPE_CODES[r[1]] if r[1] >= 0 else None) for r in rows]
+    want = P.device.type
+    names = _DEVICE_CODES + ["another device"]
+    bad = {w: names[r[2]] for w, r in zip(P.ranks, rows, strict=True) if r[2] >= 0 and names[r[2]] != want}
+    if bad:
+        raise ShapeError(f"{where(op)}: input device type: expected {want} on every worker, got "
+                         f"{', '.join(f'world rank {w}: {d}' for w, d in sorted(bad.items()))}")
+    return [(tuple(r[3:3 + r[0]]), _DTYPE_CODES[r[1]] if r[1] >= 0 else None) for r in rows]
 
 
 def infer_global_shape(op: str, P, x: torch.Tensor) -> tuple[int, ...]:
@@ -109,7 +163,7 @@ def infer_global_shape(op: str, P, x: torch.Tensor) -> tuple[int, ...]:
     """
     from distfuse.decomposition import local_shape  # local import keeps _common free of cycles
 
-    meta = gather_metadata(P, x)
+    meta = gather_metadata(P, x, op=op)
     if x.dim() != P.dim:
         raise expect(op, "number of tensor dimensions (one per partition dimension)", P.dim, x.dim())
     dims = {len(s) for s, _ in meta}

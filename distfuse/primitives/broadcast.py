@@ -103,7 +103,7 @@ def copy_blocks(plan: BroadcastPlan, t: torch.Tensor | None, out_shape, dtype: t
     if plan.is_dst(me):
         out = _recv_buffer(out_shape, dtype, device)
         recvs = [(plan.source_of(me), out)]
-    exchange(sends, recvs)
+    exchange(sends, recvs, op=plan.op)
     return out
 
 
@@ -122,7 +122,7 @@ def sum_blocks(plan: BroadcastPlan, t: torch.Tensor | None, out_shape, dtype: to
         dests = plan.dests_of(me)
         buf = _recv_buffer((len(dests), *out_shape), dtype, device)
         recvs = [(w, buf[k]) for k, w in enumerate(dests)]
-    exchange(sends, recvs)
+    exchange(sends, recvs, op=plan.op)
     if plan.is_src(me):
         if len(recvs) == 1:
             out = buf[0]
@@ -238,7 +238,7 @@ class Broadcast(nn.Module):
             return x.clone()
         if plan.identity:
             return broadcast(x, plan, tuple(x.shape), x.dtype, self.preserve_batch)
-        meta = gather_metadata(self.P_union, x)
+        meta = gather_metadata(self.P_union, x, op=plan.op)
         check_gathered_inputs(plan, self.P_union.ranks, meta, data_on="src", data_name="P_x")
         y_shape = y_dtype = None
         if plan.is_dst(me):

@@ -41,13 +41,12 @@ from distfuse.primitives.halo_plan import PADDING_MODES, HaloPlan, Piece, resolv
 __all__ = ["HaloExchange", "HaloExchangeFunction", "stage_from_pieces", "unstage_to_pieces", "read_box"]
 
 
-def _as_tuple(v, nd: int, name: str) -> tuple[int, ...]:
-    if isinstance(v, int):
-        return (v,) * nd
-    v = tuple(int(e) for e in v)
-    if len(v) != nd:
-        raise UnsupportedError(f"HaloExchange: {name} {v} has {len(v)} entries, expected {nd}")
-    return v
+def _as_tuple(v, nd: int, name: str, op: str = "HaloExchange") -> tuple[int, ...]:
+    t = (v,) * nd if isinstance(v, int) else tuple(int(e) for e in v)
+    if len(t) != nd or any(e < 1 for e in t):
+        raise expect(op, f"{name} (a positive int or {nd} positive ints, one per spatial axis)", f"{nd} entries >= 1",
+                     repr(v), cls=UnsupportedError)
+    return t
 
 
 def read_box(src: torch.Tensor, piece: Piece) -> torch.Tensor:
@@ -116,7 +115,8 @@ class HaloExchangeFunction(torch.autograd.Function):
         lead = tuple(x.shape[: x.dim() - nd])
         recv = [x.new_empty(lead + pc.src_shape) for pc in plan.recvs(index)]
         sends = [(world_of(r), x[(..., *pc.src_slices())].contiguous()) for r, pc in plan.sends(index)]
-        exchange(sends, [(world_of(pc.src), buf) for pc, buf in zip(plan.recvs(index), recv, strict=True)])
+        exchange(sends, [(world_of(pc.src), buf) for pc, buf in zip(plan.recvs(index), recv, strict=True)],
+                 op="HaloExchange")
         ctx.plan, ctx.index, ctx.world_of, ctx.x_shape = plan, index, world_of, tuple(x.shape)
         return stage_from_pieces(x, plan, index, recv)
 
@@ -129,7 +129,8 @@ class HaloExchangeFunction(torch.autograd.Function):
         lead = tuple(ctx.x_shape[: len(ctx.x_shape) - nd])
         incoming = [grad.new_empty(lead + pc.src_shape) for _, pc in plan.sends(index)]
         exchange([(world_of(pc.src), g) for pc, g in zip(plan.recvs(index), outgoing, strict=True)],
-                 [(world_of(r), buf) for (r, _), buf in zip(plan.sends(index), incoming, strict=True)])
+                 [(world_of(r), buf) for (r, _), buf in zip(plan.sends(index), incoming, strict=True)],
+                 op="HaloExchange (adjoint)")
         for (_, pc), buf in zip(plan.sends(index), incoming, strict=True):
             grad_x[(..., *pc.src_slices())] += buf
         return grad_x.to(grad.dtype), None, None, None
@@ -151,32 +152,41 @@ class HaloExchange(nn.Module):
     ``global_shape`` the workers' local shapes are gathered on the host (one small
     gloo all-gather, no device sync) to find it and to check that the blocks are the
     balanced decomposition.  Plans are cached per global shape.
-    Construction is not collective.
+    Construction is not collective.  Errors name the op and the rank (``_op``: the
+    layer that owns this exchange, when there is one).
     """
 
     def __init__(self, P_x: CartesianPartition, kernel_size, stride=1, padding=0, dilation=1,
-                 padding_mode: str = "zeros"):
+                 padding_mode: str = "zeros", _op: str = "HaloExchange"):
         super().__init__()
+        self._op = op = _op
         nd = len(kernel_size) if not isinstance(kernel_size, int) else 1
         if nd > P_x.dim:
-            raise UnsupportedError(f"HaloExchange: {nd} spatial axes but the partition has {P_x.dim} dimensions")
+            raise expect(op, "number of spatial axes (len(kernel_size); at most the partition's dimensions)",
+                         f"<= {P_x.dim}", nd, cls=UnsupportedError)
         if padding_mode not in PADDING_MODES:
-            raise UnsupportedError(f"{where('HaloExchange')}: padding_mode must be one of {PADDING_MODES}, "
+            raise UnsupportedError(f"{where(op)}: padding_mode must be one of {PADDING_MODES}, "
                                    f"got {padding_mode!r}")
         self.P_x = P_x
         self.nd = nd
-        self.kernel_size = _as_tuple(kernel_size, nd, "kernel_size")
-        self.stride = _as_tuple(stride, nd, "stride")
-        self.dilation = _as_tuple(dilation, nd, "dilation")
-        self.padding = resolve_padding(padding, self.kernel_size, self.dilation, self.stride)
+        self.kernel_size = _as_tuple(kernel_size, nd, "kernel_size", op)
+        self.stride = _as_tuple(stride, nd, "stride", op)
+        self.dilation = _as_tuple(dilation, nd, "dilation", op)
+        try:
+            self.padding = resolve_padding(padding, self.kernel_size, self.dilation, self.stride)
+        except UnsupportedError as exc:
+            raise UnsupportedError(f"{where(op)}: {exc}") from None
         self.padding_mode = padding_mode
         self._plans: dict[tuple[int, ...], HaloPlan] = {}
 
     def plan(self, global_shape: Sequence[int]) -> HaloPlan:
         spatial = tuple(int(n) for n in global_shape[-self.nd:])
         if spatial not in self._plans:
-            self._plans[spatial] = HaloPlan.for_conv(spatial, self.P_x.shape[-self.nd:], self.kernel_size,
-                                                     self.stride, self.dilation, self.padding, self.padding_mode)
+            try:
+                self._plans[spatial] = HaloPlan.for_conv(spatial, self.P_x.shape[-self.nd:], self.kernel_size,
+                                                         self.stride, self.dilation, self.padding, self.padding_mode)
+            except UnsupportedError as exc:  # e.g. reflect padding wider than the global extent
+                raise UnsupportedError(f"{where(self._op)}: global spatial shape {spatial}: {exc}") from None
         return self._plans[spatial]
 
     def world_of_fn(self):
@@ -185,19 +195,20 @@ class HaloExchange(nn.Module):
         return lambda spatial_index: ranks[rank_of(lead_index + tuple(spatial_index))]
 
     def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
+        op = self._op
         if not self.P_x.active:
-            check_inactive_input("HaloExchange", x)
+            check_inactive_input(op, x)
             return x.clone()
         if global_shape is None:
-            global_shape = infer_global_shape("HaloExchange", self.P_x, x)
+            global_shape = infer_global_shape(op, self.P_x, x)
         elif x.dim() != self.P_x.dim:
-            raise expect("HaloExchange", "number of tensor dimensions", self.P_x.dim, x.dim())
+            raise expect(op, "number of tensor dimensions", self.P_x.dim, x.dim())
         plan = self.plan(global_shape)
         index = self.P_x.index[self.P_x.dim - self.nd:]
         if tuple(x.shape[-self.nd:]) != plan.input_shape(index):
-            raise ShapeError(f"{where('HaloExchange')}: local spatial shape {tuple(x.shape[-self.nd:])} is not this "
+            raise ShapeError(f"{where(op)}: local spatial shape {tuple(x.shape[-self.nd:])} is not this "
                              f"worker's block {plan.input_shape(index)} of the global shape {tuple(global_shape)}")
-        debug.check_agreement("HaloExchange", self.P_x.ranks, self.P_x.meta_group,
+        debug.check_agreement(op, self.P_x.ranks, self.P_x.meta_group,
                               same=dict(dtype=str(x.dtype), ndim=x.dim(), spatial=tuple(global_shape[-self.nd:])),
                               info=dict(shape=tuple(x.shape)))
         return HaloExchangeFunction.apply(x.contiguous(), plan, index, self.world_of_fn())

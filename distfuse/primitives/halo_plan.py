@@ -86,13 +86,19 @@ def resolve_padding(padding, kernel_size: Sequence[int], dilation: Sequence[int]
             return tuple(out)
         raise UnsupportedError(f"padding must be an int, a tuple, 'same' or 'valid', got {padding!r}")
     if isinstance(padding, int):
+        if padding < 0:
+            raise UnsupportedError(f"negative padding {padding} is not supported")
         return ((padding, padding),) * nd
     padding = tuple(padding)
     if len(padding) != nd:
         raise UnsupportedError(f"padding {padding} has {len(padding)} entries, expected {nd} (one per spatial axis)")
     out = []
     for p in padding:
-        lo, hi = (p, p) if isinstance(p, int) else tuple(p)
+        pair = (p, p) if isinstance(p, int) else tuple(p)
+        if len(pair) != 2 or not all(isinstance(v, int) for v in pair):
+            raise UnsupportedError(f"padding {padding}: each entry must be an int or an (lo, hi) pair of ints, "
+                                   f"got {p!r}")
+        lo, hi = pair
         if lo < 0 or hi < 0:
             raise UnsupportedError(f"negative padding {padding} is not supported")
         out.append((int(lo), int(hi)))

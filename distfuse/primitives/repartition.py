@@ -63,7 +63,7 @@ from distfuse._compat import all_gather_flat
 from distfuse.decomposition import block_range, local_shape, owner_of
 from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.partition import CartesianPartition, Partition, union_partition, zero_volume_tensor
-from distfuse.primitives._common import exchange
+from distfuse.primitives._common import collective_guard, exchange
 
 __all__ = ["Repartition", "RepartitionFunction", "repartition", "distribute_tensor", "collect_tensor"]
 
@@ -131,6 +131,7 @@ class _Move:
     idle_shape: tuple[int, ...]
     idle_dtype: torch.dtype
     idle_device: torch.device
+    op: str = "Repartition"  # named in a failure of the exchange
 
 
 def _run(x: torch.Tensor, mv: _Move) -> torch.Tensor:
@@ -142,7 +143,7 @@ def _run(x: torch.Tensor, mv: _Move) -> torch.Tensor:
         for j, box in overlaps(G, P_src.shape, P_src.index, P_dst.shape):
             sends.append((P_dst.ranks[P_dst.rank_of(j)], x[_relative(box, start)].contiguous()))
     if not P_dst.active:
-        exchange(sends, recvs)
+        exchange(sends, recvs, op=mv.op)
         return torch.zeros(mv.idle_shape, dtype=mv.idle_dtype, device=mv.idle_device)
     shape = local_shape(G, P_dst.shape, P_dst.index)
     if debug.enabled() and mv.dtype.is_floating_point:
@@ -157,7 +158,7 @@ def _run(x: torch.Tensor, mv: _Move) -> torch.Tensor:
         recvs.append((P_src.ranks[P_src.rank_of(i)], buf))
         if buf is not view:
             staged.append((view, buf))
-    exchange(sends, recvs)
+    exchange(sends, recvs, op=mv.op)
     for view, buf in staged:
         view.copy_(buf)
     return out
@@ -168,7 +169,8 @@ class RepartitionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, mv: _Move) -> torch.Tensor:
-        ctx.back = _Move(mv.P_dst, mv.P_src, mv.global_shape, mv.dtype, tuple(x.shape), x.dtype, x.device)
+        op = mv.op if mv.op.endswith(" (adjoint)") else f"{mv.op} (adjoint)"
+        ctx.back = _Move(mv.P_dst, mv.P_src, mv.global_shape, mv.dtype, tuple(x.shape), x.dtype, x.device, op)
         return _run(x, mv)
 
     @staticmethod
@@ -209,7 +211,8 @@ def _outside(op: str, x: torch.Tensor, preserve_batch: bool) -> torch.Tensor:
     return x.clone() if preserve_batch else x.reshape(0)
 
 
-def _gather_records(P_union: Partition, P_x: CartesianPartition, x: torch.Tensor) -> list[tuple]:
+def _gather_records(P_union: Partition, P_x: CartesianPartition, x: torch.Tensor,
+                    op: str = "Repartition") -> list[tuple]:
     """Every union worker's ``(shape, dtype, requires_grad, problem)`` in union order; host-side gloo."""
     rec = torch.full((_HEAD + _MAX_DIM,), -1, dtype=torch.int64)
     problem = _OK
@@ -224,7 +227,8 @@ def _gather_records(P_union: Partition, P_x: CartesianPartition, x: torch.Tensor
     if problem == _OK and x.dim() > 0:
         rec[_HEAD:_HEAD + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
     out = torch.empty(P_union.size * rec.numel(), dtype=torch.int64)
-    all_gather_flat(out, rec, group=P_union.meta_group)
+    with collective_guard(op, "metadata all-gather", P_union.ranks):
+        all_gather_flat(out, rec, group=P_union.meta_group)
     rows = out.view(P_union.size, rec.numel()).tolist()
     return [(tuple(r[_HEAD:_HEAD + r[0]]), _DTYPES[r[1]] if r[1] >= 0 else None, bool(r[2]), r[3]) for r in rows]
 
@@ -288,11 +292,12 @@ def _union_of(P_x: CartesianPartition, P_y: CartesianPartition) -> Partition:
     return _UNIONS[key]
 
 
-def _apply(x: torch.Tensor, P_x, P_y, G, dtype, preserve_batch: bool, promote: bool) -> torch.Tensor:
+def _apply(x: torch.Tensor, P_x, P_y, G, dtype, preserve_batch: bool, promote: bool,
+           op: str = "Repartition") -> torch.Tensor:
     if promote and not x.requires_grad:
         x = x.detach().requires_grad_(True)  # see the module docstring: every worker then runs the adjoint
     idle_shape, idle_dtype = _idle_output(x, P_x, preserve_batch, dtype)
-    return RepartitionFunction.apply(x, _Move(P_x, P_y, tuple(G), dtype, idle_shape, idle_dtype, x.device))
+    return RepartitionFunction.apply(x, _Move(P_x, P_y, tuple(G), dtype, idle_shape, idle_dtype, x.device, op))
 
 
 # ---------------------------------------------------------------- public API
@@ -335,7 +340,7 @@ def repartition(x: torch.Tensor, P_x: CartesianPartition, P_y: CartesianPartitio
     if not (P_x.active or P_y.active):
         return _outside(op, x, preserve_batch)
     _check_local(op, P_x, x, G)
-    return _apply(x, P_x, P_y, G, dtype, preserve_batch, promote=False)
+    return _apply(x, P_x, P_y, G, dtype, preserve_batch, promote=False, op=op)
 
 
 class Repartition(nn.Module):
@@ -384,8 +389,9 @@ class Repartition(nn.Module):
                               same=dict(P_x=(P_x.ranks, P_x.shape), P_y=(P_y.ranks, P_y.shape),
                                         preserve_batch=self.preserve_batch),
                               info=dict(shape=tuple(x.shape), dtype=str(x.dtype)))
-        G, dtype, any_grad = _resolve(op, self.P_union, P_x, _gather_records(self.P_union, P_x, x))
-        return _apply(x, P_x, P_y, G, dtype, self.preserve_batch, promote=any_grad and torch.is_grad_enabled())
+        G, dtype, any_grad = _resolve(op, self.P_union, P_x, _gather_records(self.P_union, P_x, x, op))
+        return _apply(x, P_x, P_y, G, dtype, self.preserve_batch, promote=any_grad and torch.is_grad_enabled(),
+                      op=op)
 
 
 # ---------------------------------------------------------------- helpers: one rank <-> a partition

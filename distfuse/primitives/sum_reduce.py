@@ -161,7 +161,7 @@ class SumReduce(nn.Module):
             return x.clone()
         if plan.identity:
             return sum_reduce(x, plan, tuple(x.shape), x.dtype, self.preserve_batch)
-        meta = gather_metadata(self.P_union, x)
+        meta = gather_metadata(self.P_union, x, op=plan.op)
         check_gathered_inputs(plan, self.P_union.ranks, meta, data_on="dst", data_name="P_x")
         y_shape = y_dtype = None
         if plan.is_src(me):

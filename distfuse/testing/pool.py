@@ -11,7 +11,11 @@ Guarantees:
   :class:`RankTimeout` names the ranks that did not answer.  Collectives inside the
   ranks also carry the process-group timeout, so a mismatched collective becomes an
   error rather than a hang.
-* **Every rank's exception comes back with its rank id** (:class:`RankFailure`).
+* **Every rank's exception comes back with its rank id** (:class:`RankFailure`), and
+  with the time from the start of the call to that rank's answer (``RankFailure.times``).
+  After the first error the pool waits a grace period for the others' errors: 2 s by
+  default, ``pg_timeout + 5`` s for a pool with an explicit ``pg_timeout`` (fault tests),
+  so that a peer blocked in a collective reports its own timeout instead of being killed.
 * **A pool that failed is rebuilt** before its next use, because a rank that raised
   may have left peers inside a collective.
 
@@ -32,7 +36,7 @@ import time
 import traceback
 from datetime import timedelta
 
-__all__ = ["RankPool", "RankFailure", "RankTimeout", "run_ranks", "shutdown_pools"]
+__all__ = ["RankPool", "RankFailure", "RankTimeout", "run_ranks", "discard_pool", "shutdown_pools"]
 
 DEFAULT_CALL_TIMEOUT = float(os.environ.get("DISTFUSE_TEST_TIMEOUT", "120"))
 # Collectives in test ranks time out well inside the call deadline, so that a rank
@@ -41,10 +45,15 @@ DEFAULT_PG_TIMEOUT = float(os.environ.get("DISTFUSE_TEST_PG_TIMEOUT", "30"))
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks raised; ``errors`` maps rank id to its formatted traceback."""
+    """One or more ranks raised; ``errors`` maps rank id to its formatted traceback.
 
-    def __init__(self, errors: dict[int, str], world_size: int):
+    ``times`` maps rank id to the seconds from the start of the call to that rank's answer
+    (error or result); ranks that never answered have no entry.
+    """
+
+    def __init__(self, errors: dict[int, str], world_size: int, times: dict[int, float] | None = None):
         self.errors = errors
+        self.times = dict(times or {})
         body = "\n".join(f"--- rank {r} of {world_size} ---\n{tb}" for r, tb in sorted(errors.items()))
         super().__init__(f"{len(errors)} of {world_size} ranks raised:\n{body}")
 
@@ -107,10 +116,12 @@ def _warm_parent_imports() -> None:
 class RankPool:
     """``world_size`` forked processes joined in one gloo world."""
 
-    def __init__(self, world_size: int, pg_timeout: float = DEFAULT_PG_TIMEOUT, start_timeout: float = 60.0):
+    def __init__(self, world_size: int, pg_timeout: float = DEFAULT_PG_TIMEOUT, start_timeout: float = 60.0,
+                 error_grace: float = 2.0):
         _warm_parent_imports()
         self.world_size = world_size
         self.pg_timeout = pg_timeout
+        self.error_grace = error_grace
         self.broken = False
         ctx = mp.get_context("fork")
         fd, self._init_file = tempfile.mkstemp(prefix="distfuse-pg-")
@@ -132,16 +143,18 @@ class RankPool:
             raise RankFailure(errors, world_size)
 
     def _collect(self, timeout: float, what: str) -> dict[int, tuple]:
-        deadline = time.monotonic() + timeout
+        start = time.monotonic()
+        deadline = start + timeout
         pending = {conn: rank for rank, conn in enumerate(self._conns)}
         replies: dict[int, tuple] = {}
+        self.last_times: dict[int, float] = {}
         first_error_at = None
         while pending:
             now = time.monotonic()
             wait = deadline - now
             if first_error_at is not None:
-                # Once one rank failed, give the others a short grace to report theirs.
-                wait = min(wait, first_error_at + 2.0 - now)
+                # Once one rank failed, give the others a grace period to report theirs.
+                wait = min(wait, first_error_at + self.error_grace - now)
             if wait <= 0:
                 break
             for conn in mpc.wait(list(pending), timeout=wait):
@@ -149,8 +162,10 @@ class RankPool:
                 try:
                     replies[rank] = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
+                    self._procs[rank].join(1.0)  # the exit code is known only once the process is reaped
                     code = self._procs[rank].exitcode
                     replies[rank] = ("err", f"rank {rank} died (exit code {code}) during {what}")
+                self.last_times[rank] = time.monotonic() - start
                 if replies[rank][0] == "err" and first_error_at is None:
                     first_error_at = time.monotonic()
         if pending:
@@ -158,9 +173,9 @@ class RankPool:
             errors = {r: tb for r, (kind, tb) in replies.items() if kind == "err"}
             self.close()
             if errors:
-                errors.update({r: f"no answer within the grace period after rank {min(errors)} failed"
-                               for r in missing})
-                raise RankFailure(errors, self.world_size)
+                errors.update({r: f"no answer within the grace period ({self.error_grace:.0f} s) after rank "
+                                  f"{min(errors)} failed" for r in missing})
+                raise RankFailure(errors, self.world_size, self.last_times)
             raise RankTimeout(f"ranks {missing} of {self.world_size} did not finish {what} within {timeout:.0f} s; "
                               "the pool was killed")
         return replies
@@ -177,7 +192,7 @@ class RankPool:
         errors = {r: body for r, (kind, body) in replies.items() if kind == "err"}
         if errors:
             self.close()
-            raise RankFailure(errors, self.world_size)
+            raise RankFailure(errors, self.world_size, self.last_times)
         return [replies[r][1] for r in range(self.world_size)]
 
     def close(self) -> None:
@@ -202,19 +217,40 @@ class RankPool:
             pass
 
 
-_POOLS: dict[int, RankPool] = {}
+_POOLS: dict[tuple[int, float], RankPool] = {}
 
 
-def run_ranks(world_size: int, fn, *args, timeout: float | None = None, **kwargs) -> list:
+def run_ranks(world_size: int, fn, *args, timeout: float | None = None, pg_timeout: float | None = None,
+              **kwargs) -> list:
     """Run ``fn`` on every rank of a (reused) pool of ``world_size`` gloo ranks.
 
     ``fn`` must be importable by reference (a module-level function).  Returns the
     per-rank results in rank order; raises :class:`RankFailure` or :class:`RankTimeout`.
+
+    ``pg_timeout`` (seconds) selects a pool whose process groups (and ``DISTFUSE_TIMEOUT``)
+    use that timeout instead of the default; pools are kept per ``(world_size,
+    pg_timeout)``.  Such a pool waits ``pg_timeout + 5`` s after a first error for the
+    other ranks' own errors (fault-injection tests).  ``timeout`` and ``pg_timeout`` are
+    taken by the harness, not passed to ``fn``.
     """
-    pool = _POOLS.get(world_size)
+    key = (world_size, float(pg_timeout) if pg_timeout is not None else DEFAULT_PG_TIMEOUT)
+    pool = _POOLS.get(key)
     if pool is None or pool.broken:
-        pool = _POOLS[world_size] = RankPool(world_size)
+        grace = 2.0 if pg_timeout is None else float(pg_timeout) + 5.0
+        pool = _POOLS[key] = RankPool(world_size, pg_timeout=key[1], error_grace=grace)
     return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+
+def discard_pool(world_size: int, pg_timeout: float | None = None) -> None:
+    """Close the pool for ``(world_size, pg_timeout)`` so that the next call starts a fresh one.
+
+    For tests whose ranks caught a collective timeout themselves: the pool did not fail,
+    but its process groups are spent (gloo closes the pairs of a timed-out group).
+    """
+    key = (world_size, float(pg_timeout) if pg_timeout is not None else DEFAULT_PG_TIMEOUT)
+    pool = _POOLS.pop(key, None)
+    if pool is not None and not pool.broken:
+        pool.close()
 
 
 def shutdown_pools() -> None:
