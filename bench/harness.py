@@ -19,6 +19,7 @@ measured in the same run, and peak memory.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -117,14 +118,14 @@ def _quantiles(times: list[float]) -> tuple[float, float, float]:
     return statistics.median(times), qs[19], qs[79]
 
 
-def time_fn(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, device: torch.device | None = None,
-            sync_group=None) -> tuple[float, float, float]:
-    """Median, q20, q80 of ``fn``'s time in ms.
+def summarize(times: list[float]) -> tuple[float, float, float]:
+    """Median, q20, q80 (the harness's quantiles [0.5, 0.2, 0.8]) of per-run times."""
+    return _quantiles(list(times))
 
-    On CUDA each run is bracketed by CUDA events after an L2 flush.  With
-    ``sync_group`` (multi-rank), each repetition's time is the max over the group's
-    ranks, and ranks start each repetition together (a barrier outside the timed region).
-    """
+
+def time_samples(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, device: torch.device | None = None,
+                 sync_group=None) -> list[float]:
+    """The per-run times in ms behind :func:`time_fn` (same warm-up, L2 flush, multi-rank max)."""
     cuda = device is not None and device.type == "cuda"
     flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=device) if cuda else None
     for _ in range(warmup):
@@ -152,7 +153,73 @@ def time_fn(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, device
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=sync_group)
             ms = float(t)
         times.append(ms)
-    return _quantiles(times)
+    return times
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, device: torch.device | None = None,
+            sync_group=None) -> tuple[float, float, float]:
+    """Median, q20, q80 of ``fn``'s time in ms.
+
+    On CUDA each run is bracketed by CUDA events after an L2 flush.  With
+    ``sync_group`` (multi-rank), each repetition's time is the max over the group's
+    ranks, and ranks start each repetition together (a barrier outside the timed region).
+    ``sync_group`` must be able to all-reduce a CPU tensor (gloo; under NCCL pass
+    ``distfuse.partition.metadata_group()``).
+    """
+    return _quantiles(time_samples(fn, warmup=warmup, reps=reps, device=device, sync_group=sync_group))
+
+
+def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 5, reps: int = 5,
+                     device: torch.device | None = None, sync_group=None) -> dict[str, list[float]]:
+    """Per-run times (ms) of several providers, taken in alternating rounds.
+
+    Each round runs every provider for ``reps`` timed runs (after one untimed run; the
+    first round after ``warmup`` untimed runs), alternating the order from round to
+    round, so that a change of machine load (other jobs on a shared CPU, clocks) falls on
+    all providers alike instead of on whichever ran last.  Summarize each list with
+    :func:`summarize`.  Same timing rules as :func:`time_samples`.
+    """
+    names = list(fns)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for n in order:
+            out[n] += time_samples(fns[n], warmup=warmup if r == 0 else 1, reps=reps, device=device,
+                                   sync_group=sync_group)
+    return out
+
+
+def under_torchrun() -> bool:
+    """Whether this process was started by ``torchrun`` (its rendezvous variables are set)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def init_torchrun(timeout_s: float = 600.0) -> None:
+    """Join the torchrun world: NCCL with one GPU per rank (``LOCAL_RANK``) when CUDA is there, else gloo."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl", timeout=_dt.timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group("gloo", timeout=_dt.timedelta(seconds=timeout_s))
+
+
+@contextlib.contextmanager
+def track_peak_memory(device: torch.device | None):
+    """``with track_peak_memory(dev) as peak: ...``; then ``peak["mb"]`` is the peak CUDA memory allocated
+    inside the block (MiB), or None off CUDA (no allocator statistics there)."""
+    peak: dict = {"mb": None}
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        yield peak
+    finally:
+        if cuda:
+            torch.cuda.synchronize(device)
+            peak["mb"] = torch.cuda.max_memory_allocated(device) / 2**20
 
 
 def add_ratios(rows: list[Row], anchor: str, key: Callable[[Row], tuple] | None = None) -> None:
@@ -179,10 +246,13 @@ def write_results(name: str, rows: list[Row], env: dict | None = None, out_dir: 
 
 
 def print_table(rows: list[Row]) -> None:
-    head = f"{'op':<22}{'provider':<14}{'mode':<6}{'dtype':<10}{'W':>3} {'shape':<44}{'ms':>10}{'ratio':>8}"
+    shapes = [",".join(f"{k}={v}" for k, v in r.shape.items()) for r in rows]
+    wp = max([14] + [len(r.provider) + 1 for r in rows])
+    ws = max([44] + [len(s) + 1 for s in shapes])
+    head = f"{'op':<22}{'provider':<{wp}}{'mode':<6}{'dtype':<10}{'W':>3} {'shape':<{ws}}{'ms':>10}{'ratio':>8}"
     print(head)
     print("-" * len(head))
-    for r in rows:
-        shape = ",".join(f"{k}={v}" for k, v in r.shape.items())
+    for r, shape in zip(rows, shapes, strict=True):
         ratio = f"{r.ratio:.3f}" if r.ratio is not None else ""
-        print(f"{r.op:<22}{r.provider:<14}{r.mode:<6}{r.dtype:<10}{r.world_size:>3} {shape:<44}{r.ms:>10.3f}{ratio:>8}")
+        print(f"{r.op:<22}{r.provider:<{wp}}{r.mode:<6}{r.dtype:<10}{r.world_size:>3} {shape:<{ws}}"
+              f"{r.ms:>10.3f}{ratio:>8}")
