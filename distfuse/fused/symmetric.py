@@ -48,6 +48,7 @@ Backends:
 
 from __future__ import annotations
 
+import abc
 import atexit
 import contextlib
 import logging
@@ -190,7 +191,7 @@ class RankBuffers:
                 f"{self._owner.timeout:.1f} s); a peer failed, or ranks issued different op sequences")
 
 
-class _Workspace:
+class _Workspace(abc.ABC):
     """Shared machinery: the in-flight claim, epochs, strictness, closing."""
 
     backend = "none"
@@ -254,14 +255,16 @@ class _Workspace:
         return self._busy
 
     # ---- backends override these
+    @abc.abstractmethod
     def barrier(self, op: str = "barrier") -> None:
-        raise NotImplementedError
+        """Wait for every rank of the group."""
 
-    def wait_producers(self) -> None:
-        pass
+    def wait_producers(self) -> None:  # noqa: B027 - optional hook: only the CPU backend needs a barrier here
+        """Make the peers' pushes visible before a consumer reads them (nothing to do by default)."""
 
+    @abc.abstractmethod
     def rank_view(self, rank: int) -> RankBuffers:
-        raise NotImplementedError
+        """The buffers of ``rank`` (this process's own rank on a real group)."""
 
     def close(self) -> None:
         self.closed = True

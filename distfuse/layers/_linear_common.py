@@ -48,7 +48,6 @@ from torch import nn
 
 from distfuse.decomposition import block_extent, local_slices
 from distfuse.errors import PartitionError, expect, where
-from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision, device_caps, select_path
 from distfuse.partition import CartesianPartition, Partition, union_partition, zero_volume_tensor
 from distfuse.primitives.all_gather import axes_subgrid
@@ -256,9 +255,6 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter(name, None)
 
-    def param_layouts(self) -> list[ParamLayout]:  # pragma: no cover - every layer overrides it
-        raise NotImplementedError
-
     def reset_parameters(self) -> None:
         """Initialise like ``torch.nn.Linear``: with the same seed, the blocks of the same global tensors."""
         init_like_torch(self)
@@ -268,9 +264,6 @@ class LinearBase(nn.Module):
 
     def _record_inactive(self) -> None:
         self._record(INACTIVE)
-
-    def explain(self, x: torch.Tensor, **kwargs) -> Decision:  # pragma: no cover - every layer overrides it
-        raise NotImplementedError
 
 
 @torch.no_grad()
