@@ -42,6 +42,7 @@ still take part in both exchanges, because other workers read their blocks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -114,13 +115,29 @@ class HaloConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_of: Callable, stride, dilation,
-                groups: int, overlap: bool):
+                groups: int, overlap: bool, implicit: bool = False):
         nd = len(plan.axes)
         lead = _numel(x.shape[:-nd])
         staged_shape = plan.staged_shape(index)
         send = halo_pack(x, plan, index)
         recv = x.new_empty(sum(lead * _numel(pc.src_shape) for pc in plan.recvs(index)))
         sends, recvs = _forward_messages(plan, index, world_of, lead, send, recv)
+        ctx.plan, ctx.index, ctx.world_of, ctx.overlap = plan, index, world_of, overlap
+        ctx.conv = (list(stride), [0] * nd, list(dilation), groups)
+        ctx.has_bias = bias is not None
+        ctx.staged_full_shape = (x.shape[0], x.shape[1]) + staged_shape
+        if implicit:
+            # No staged copy: the implicit-GEMM loader reads x, the receive buffer and the padding directly.
+            # The weight gradient needs the staged input, so backward re-stages it once (x and recv are kept).
+            from distfuse.kernels.conv_implicit import conv_implicit
+
+            exchange(sends, recvs, op=_OP)
+            y = conv_implicit(x, recv, weight, bias, plan, index, stride, dilation)
+            ctx.implicit = True
+            ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, recv if ctx.needs_input_grad[1] else None,
+                                  weight)
+            return y
+        ctx.implicit = False
         if overlap:
             works = _post(sends, recvs)
             staged = halo_stage(x, recv, plan, index, region="local")
@@ -133,10 +150,6 @@ class HaloConvFunction(torch.autograd.Function):
             y = x.new_zeros((x.shape[0], weight.shape[0]) + plan.output_shape(index))
         else:
             y = _CONV[nd](staged, weight, bias, stride, 0, dilation, groups)
-        ctx.plan, ctx.index, ctx.world_of, ctx.overlap = plan, index, world_of, overlap
-        ctx.conv = (list(stride), [0] * nd, list(dilation), groups)
-        ctx.has_bias = bias is not None
-        ctx.staged_full_shape = tuple(staged.shape)
         # The weight gradient needs the staged input; keep it only then (it is the conv's own activation,
         # the same memory the unfused HaloExchange + conv keeps).
         ctx.save_for_backward(staged if ctx.needs_input_grad[1] else None, weight)
@@ -144,8 +157,12 @@ class HaloConvFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        staged, weight = ctx.saved_tensors
         plan, index, world_of = ctx.plan, ctx.index, ctx.world_of
+        if ctx.implicit:
+            x, recv, weight = ctx.saved_tensors
+            staged = halo_stage(x, recv, plan, index) if x is not None and 0 not in ctx.staged_full_shape else None
+        else:
+            staged, weight = ctx.saved_tensors
         stride, padding, dilation, groups = ctx.conv
         need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
         need_b = need_b and ctx.has_bias
@@ -169,7 +186,7 @@ class HaloConvFunction(torch.autograd.Function):
             # No input gradient, no backward exchange: every worker of the grid sees the same requires_grad
             # on x (as with the unfused HaloExchange, whose backward autograd would not run either).
             _, gw, gb = conv_backward(False, need_w, need_b)
-            return None, gw, gb, None, None, None, None, None, None, None
+            return None, gw, gb, None, None, None, None, None, None, None, None
         lead = _numel(ctx.staged_full_shape[:-nd])
         incoming = grad_y.new_empty(sum(lead * _numel(pc.src_shape) for _, pc in plan.sends(index)))
         if ctx.overlap:
@@ -185,7 +202,7 @@ class HaloConvFunction(torch.autograd.Function):
             part = halo_unstage(gs.contiguous(), plan, index)
             exchange(*_backward_messages(plan, index, world_of, lead, part.send, incoming), op=_OP + " (adjoint)")
         grad_x = halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index)
-        return grad_x, gw, gb, None, None, None, None, None, None, None
+        return grad_x, gw, gb, None, None, None, None, None, None, None, None
 
 
 def _as_tuple(op: str, v, nd: int, name: str) -> tuple[int, ...]:
@@ -199,7 +216,7 @@ def _as_tuple(op: str, v, nd: int, name: str) -> tuple[int, ...]:
 
 def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: HaloPlan,
               index: Sequence[int], world_of: Callable[[tuple[int, ...]], int], stride=None, dilation=None,
-              groups: int = 1, overlap: bool | None = None) -> torch.Tensor:
+              groups: int = 1, overlap: bool | None = None, implicit: bool | None = None) -> torch.Tensor:
     """This worker's block of ``ConvNd(padding, padding_mode)`` over a spatially partitioned ``x``.
 
     Args:
@@ -212,6 +229,12 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         stride, dilation: optional; must equal the plan's (they are read from it).
         groups: as torch.
         overlap: stage the local pieces while the halos are in flight; default: on CUDA.
+        implicit: convolve with the implicit-GEMM kernel (``kernels/conv_implicit.py``),
+            which reads the block, the received halos and the padding directly, so no
+            staged copy exists in forward (backward re-stages once for the weight
+            gradient).  groups=1 and fp32/fp16/bf16 only.  Default: ``DISTFUSE_HALO_CONV=
+            implicit`` in the environment, else off.  Opt-in because it has not been timed
+            against cuDNN on a GPU yet; ``distfuse-tune`` is where that decision belongs.
 
     Returns ``[B, Co, *plan.output_shape(index)]`` (empty on a worker with no outputs).
     Must be called by every worker of the spatial grid, outputs or not: it exchanges
@@ -248,5 +271,10 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         raise expect(_OP, "dilation (the plan's)", plan_dilation, _as_tuple(_OP, dilation, nd, "dilation"))
     if overlap is None:
         overlap = x.is_cuda
+    if implicit is None:
+        implicit = os.environ.get("DISTFUSE_HALO_CONV", "staged").strip().lower() == "implicit"
+    if implicit and (groups != 1 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
+        raise UnsupportedError(f"{where(_OP)}: the implicit-GEMM convolution supports groups=1 and fp32/fp16/bf16, "
+                               f"got groups={groups}, dtype={x.dtype}; use the staged path")
     return HaloConvFunction.apply(x.contiguous(), weight, bias, plan, index, world_of, plan_stride, plan_dilation,
-                                  groups, bool(overlap))
+                                  groups, bool(overlap), bool(implicit))
