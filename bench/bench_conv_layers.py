@@ -10,6 +10,8 @@ with ``a * b = W``; 3-D: ``[1, 1, 1, a, b]``), for a ``k x k (x k)`` convolution
                       round of P2P messages; the staged input written once) and the conv with
                       ``padding=0``; backward sends the halo gradients home and sum-reduces the
                       parameter gradients onto the root.
+* ``distfuse_static`` the same layer built with ``static_shapes=True``: the shape gather runs only
+                      when a worker's local shape changes (here: once).
 * ``distfuse_fused``  the same layer on the fused path (``DISTFUSE_PATH=fused``: Triton staging and
                       exchange).  CUDA only: on CPU Triton runs interpreted and is not timed.
 * ``cat``             (anchor) the PhysicsNeMo / DTensor-style layer, written here: weight and bias
@@ -250,12 +252,18 @@ class _Case:
             P_x, C, C, k, padding=k // 2, dtype=dtype, device=device)
         load_sequential(layer, {"weight": weight, "bias": bias} if r == 0 else None)
         self.layer = layer
+        # The same layer with static_shapes=True: no per-call shape gather while local shapes repeat.
+        static = {2: DistributedFeatureConv2d, 3: DistributedFeatureConv3d}[nd](
+            P_x, C, C, k, padding=k // 2, dtype=dtype, device=device, static_shapes=True)
+        load_sequential(static, {"weight": weight, "bias": bias} if r == 0 else None)
         cat = CatHaloConv(P_x, weight, bias, k // 2)
         self.cat = cat
         dparams = [p for p in (layer.weight, layer.bias) if p is not None]
+        sparams = [p for p in (static.weight, static.bias) if p is not None]
         self.providers = {
             ANCHOR: dict(fn=cat, x=x, dy=dy, params=cat.parameters(), post=cat.reduce_grads, path=None),
             "distfuse": dict(fn=layer, x=x, dy=dy, params=dparams, post=None, path="unfused"),
+            "distfuse_static": dict(fn=static, x=x, dy=dy, params=sparams, post=None, path="unfused"),
         }
         if fused:
             self.providers["distfuse_fused"] = dict(fn=layer, x=x, dy=dy, params=dparams, post=None, path="fused")
@@ -276,10 +284,10 @@ class _Case:
             if p["post"] is not None:
                 p["post"]()
             if p["path"] is not None:
-                paths[name] = self.layer.last_path
-                if self.layer.last_path != p["path"]:
-                    raise RuntimeError(f"{name}: asked for the {p['path']} path, the layer ran {self.layer.last_path}"
-                                       f" ({self.layer.last_decision})")
+                paths[name] = p["fn"].last_path
+                if p["fn"].last_path != p["path"]:
+                    raise RuntimeError(f"{name}: asked for the {p['path']} path, the layer ran {p['fn'].last_path}"
+                                       f" ({p['fn'].last_decision})")
             grads = [p["x"].grad.clone()]
             if dist.get_rank() == self.root:
                 grads += [t.grad.clone() for t in p["params"]]

@@ -20,8 +20,8 @@ CASES = [
     pytest.param(bench_linear_layers, "dtensor", LINEAR_OPS, {"dtensor", "distfuse"}, {"mlp_feat": {"dtensor_repl"}},
                  id="linear_layers"),
     # CPU: no fused rows (interpreted Triton is never timed)
-    pytest.param(bench_conv_layers, "cat", {"feature_conv2d", "feature_conv3d"}, {"cat", "distfuse"}, {},
-                 id="conv_layers"),
+    pytest.param(bench_conv_layers, "cat", {"feature_conv2d", "feature_conv3d"},
+                 {"cat", "distfuse", "distfuse_static"}, {}, id="conv_layers"),
 ]
 
 

@@ -17,7 +17,7 @@ chosen class, and ``isinstance(layer, DistributedConv2d)`` holds for all three.
 
 from __future__ import annotations
 
-from distfuse.errors import PartitionError, where
+from distfuse.errors import PartitionError, UnsupportedError, where
 from distfuse.layers.conv_channel import DistributedChannelConv1d, DistributedChannelConv2d, DistributedChannelConv3d
 from distfuse.layers.conv_feature import DistributedFeatureConv1d, DistributedFeatureConv2d, DistributedFeatureConv3d
 from distfuse.layers.conv_general import DistributedGeneralConv1d, DistributedGeneralConv2d, DistributedGeneralConv3d
@@ -53,12 +53,18 @@ class _Selector(type):
     """Calling the class builds the selected layer; isinstance accepts all three implementations."""
 
     def __call__(cls, P_x, in_channels, out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1,
-                 bias=True, padding_mode="zeros", P_y=None, P_w=None, device=None, dtype=None):
+                 bias=True, padding_mode="zeros", P_y=None, P_w=None, device=None, dtype=None,
+                 static_shapes=False):
         impl = select_conv(cls.nd, P_x, P_y, P_w)
         kwargs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, bias=bias,
                       padding_mode=padding_mode, device=device, dtype=dtype)
         if impl is not _IMPLS[cls.nd][0]:
+            if static_shapes:
+                raise UnsupportedError(f"{where(f'DistributedConv{cls.nd}d')}: static_shapes is implemented for the "
+                                       "feature-distributed convolution only")
             kwargs.update(P_y=P_y, P_w=P_w)
+        else:
+            kwargs.update(static_shapes=static_shapes)
         return impl(P_x, in_channels, out_channels, kernel_size, **kwargs)
 
     def __instancecheck__(cls, obj) -> bool:
@@ -68,7 +74,8 @@ class _Selector(type):
 class DistributedConv1d(metaclass=_Selector):
     """Distributed ``Conv1d``: ``DistributedConv1d(P_x, in_channels, out_channels, kernel_size, stride=1,
     padding=0, dilation=1, groups=1, bias=True, padding_mode='zeros', P_y=None, P_w=None, device=None,
-    dtype=None)`` returns the feature-, channel- or general-distributed layer (see the module docstring)."""
+    dtype=None, static_shapes=False)`` returns the feature-, channel- or general-distributed layer (see the
+    module docstring)."""
 
     nd = 1
 

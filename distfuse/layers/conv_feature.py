@@ -52,6 +52,7 @@ from torch import nn
 
 from distfuse.errors import PartitionError, expect, where
 from distfuse.layers._conv_common import (
+    CallInfo,
     ConvOptions,
     check_partition,
     conv_block,
@@ -89,6 +90,9 @@ class DistributedFeatureConvBase(nn.Module):
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
         bias, padding_mode, device, dtype: as ``torch.nn.ConvNd``; ``padding`` may
         also hold ``(lo, hi)`` pairs.  ``device`` defaults to ``P_x.device``.
+        static_shapes: skip the per-call metadata gather (one host-side all-gather of
+        shapes and grad flags over P_x) while this worker's input shape, dtype and grad
+        flags repeat; see :meth:`_call_info`.  Off by default.
 
     Construction is collective over the world (it creates the root's partitions) and
     draws the parameters like the sequential layer on every rank (see
@@ -104,8 +108,11 @@ class DistributedFeatureConvBase(nn.Module):
     nd: int = 0
 
     def __init__(self, P_x, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
-                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None):
+                 groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None,
+                 static_shapes: bool = False):
         super().__init__()
+        self.static_shapes = bool(static_shapes)
+        self._static_info: tuple | None = None  # (this worker's call key, the CallInfo gathered for it)
         op = type(self).__name__
         check_partition(op, "P_x", P_x, self.nd)
         if P_x.shape[1] != 1:
@@ -200,7 +207,7 @@ class DistributedFeatureConvBase(nn.Module):
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
-        info = gather_call_info(op, P_x, P_x, x, params, signature=(o, P_x.ranks, P_x.shape))
+        info = self._call_info(op, x, params)
         G = info.global_shape
         if G[1] != o.in_channels:
             raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, G[1])
@@ -216,6 +223,34 @@ class DistributedFeatureConvBase(nn.Module):
         self.last_path = "unfused"
         staged = self.halo(x, global_shape=G)
         return conv_block(o, staged, w, b, (x.shape[0], o.out_channels) + plan.output_shape(index))
+
+    def _call_info(self, op: str, x: torch.Tensor, params) -> CallInfo:
+        """The call's global shape and grad flags: gathered, or reused under ``static_shapes``.
+
+        With ``static_shapes`` a worker reuses the last gathered record while its own
+        input shape, dtype, grad mode and grad flags repeat.  That is safe against silent
+        errors: the global shape is the sum of the blocks, so if every worker's block
+        repeats the global shape does too; and if only some workers' blocks change (a
+        global extent that moves the split on one side only), those workers gather while
+        the others exchange halos, and every worker fails with a CollectiveTimeoutError
+        after the process-group timeout instead of computing with a stale plan.  Use it
+        when global shapes (and which tensors require grad) only change together on every
+        worker, e.g. fixed resolution with a varying batch; call :meth:`forget_shapes` on
+        every worker after changing parameters' ``requires_grad``.
+        """
+        P_x = self.P_x
+        key = (tuple(x.shape), x.dtype, torch.is_grad_enabled(), x.requires_grad,
+               tuple(p.requires_grad for p in params))
+        if self.static_shapes and self._static_info is not None and self._static_info[0] == key:
+            return self._static_info[1]
+        info = gather_call_info(op, P_x, P_x, x, params, signature=(self.opts, P_x.ranks, P_x.shape))
+        if self.static_shapes:
+            self._static_info = (key, info)
+        return info
+
+    def forget_shapes(self) -> None:
+        """Drop the ``static_shapes`` record, so the next call gathers again (call it on every worker)."""
+        self._static_info = None
 
     def extra_repr(self) -> str:
         o = self.opts
