@@ -46,7 +46,6 @@ Where it runs:
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -61,7 +60,6 @@ if __package__ in (None, ""):  # run as a script: make `bench.harness` importabl
 
 NAME = "conv_layers"
 ANCHOR = "cat"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # (global input shape [B, C, *n], kernel).  CPU: tens of ms per run per rank.
 CASES = [((2, 16, 256, 256), 3), ((1, 64, 128, 128), 3), ((2, 8, 128, 128), 5), ((1, 8, 32, 32, 32), 3)]
 GPU_CASES = [((4, 16, 1024, 1024), 3), ((4, 64, 1024, 1024), 3), ((4, 128, 512, 512), 3), ((1, 32, 256, 256, 256), 3)]
@@ -372,58 +370,16 @@ def bench_rank(cfg: dict) -> list:
 
 
 def run(smoke: bool = False, world_size: int = 4, dtype: torch.dtype = torch.float32) -> list:
-    """Rows of every case/provider/mode (ratios to ``cat`` set).
+    """Rows of every case/provider/mode (ratios to ``cat`` set); see ``bench.harness.run_multirank``."""
+    from bench.harness import run_multirank
 
-    Inside an initialised process group (torchrun) it runs on the current world and
-    ``world_size`` is ignored; otherwise it runs on ``world_size`` forked gloo CPU ranks.
-    """
-    from bench.harness import Row, add_ratios, init_torchrun, under_torchrun
-
-    if not dist.is_initialized() and under_torchrun():
-        init_torchrun()
-    if dist.is_initialized():
-        raw = bench_rank(_config(smoke, dtype, dist.get_backend() == "nccl"))
-    else:
-        from distfuse.testing import run_ranks
-
-        raw = run_ranks(world_size, bench_rank, _config(smoke, dtype, False), timeout=3600)[0]
-    rows = [Row(**r) for r in raw]
-    add_ratios(rows, ANCHOR)
-    return rows
+    return run_multirank(bench_rank, _config, ANCHOR, smoke, world_size, dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.harness import environment, print_table, under_torchrun, write_results
+    from bench.harness import multirank_main
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, a few runs (checks that it works)")
-    p.add_argument("--world-size", type=int, nargs="+", default=[4],
-                   help="self-spawned gloo CPU ranks; several values run one after the other into one result file "
-                        "(ignored under torchrun)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
-    args = p.parse_args(argv)
-    sizes = args.world_size[:1] if (dist.is_initialized() or under_torchrun()) else args.world_size
-    rows = []
-    for w in sizes:
-        rows += run(smoke=args.smoke, world_size=w, dtype=DTYPES[args.dtype])
-        if not dist.is_initialized():
-            from distfuse.testing import shutdown_pools
-
-            shutdown_pools()  # the next world size gets its own ranks; these would sit idle
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.destroy_process_group()
-        return 0
-    env = environment()
-    env["backend"] = dist.get_backend() if dist.is_initialized() else "gloo (self-spawned CPU ranks)"
-    if env["device"] == "cpu":
-        print("CPU/gloo timings (1 thread per rank, shared cores): ratios between CPU providers, not GPU results")
-    print_table(rows)
-    path = write_results(NAME, rows, env=env, out_dir=args.out, smoke=args.smoke)
-    print(f"wrote {len(rows)} rows to {path}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+    return multirank_main(NAME, __doc__.split("\n\n")[0], run, argv)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,6 @@ Where it runs:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -61,7 +60,6 @@ if __package__ in (None, ""):  # run as a script: make `bench.harness` importabl
 
 NAME = "linear_layers"
 ANCHOR = "dtensor"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # (B, S, H); I = 4 H.  CPU: each run of the pair takes tens to a few hundred ms per rank.
 SHAPES = [(4, 128, 256), (4, 512, 256), (4, 256, 512)]
 GPU_SHAPES = [(4, 2048, 4096), (8, 4096, 4096), (4, 4096, 8192)]
@@ -343,59 +341,16 @@ def bench_rank(cfg: dict) -> list:
 
 
 def run(smoke: bool = False, world_size: int = 4, dtype: torch.dtype = torch.float32) -> list:
-    """Rows of every op/provider/mode (ratios to ``dtensor`` set).
+    """Rows of every case/provider/mode (ratios to ``dtensor`` set); see ``bench.harness.run_multirank``."""
+    from bench.harness import run_multirank
 
-    Inside an initialised process group (torchrun) it runs on the current world and
-    ``world_size`` is ignored; otherwise it runs on ``world_size`` forked gloo CPU ranks.
-    """
-    from bench.harness import Row, add_ratios, init_torchrun, under_torchrun
-
-    if not dist.is_initialized() and under_torchrun():
-        init_torchrun()
-    if dist.is_initialized():
-        cuda = dist.get_backend() == "nccl"
-        raw = bench_rank(_config(smoke, dtype, cuda))
-    else:
-        from distfuse.testing import run_ranks
-
-        raw = run_ranks(world_size, bench_rank, _config(smoke, dtype, False), timeout=3600)[0]
-    rows = [Row(**r) for r in raw]
-    add_ratios(rows, ANCHOR)
-    return rows
+    return run_multirank(bench_rank, _config, ANCHOR, smoke, world_size, dtype)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.harness import environment, print_table, under_torchrun, write_results
+    from bench.harness import multirank_main
 
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--smoke", action="store_true", help="tiny shapes, a few runs (checks that it works)")
-    p.add_argument("--world-size", type=int, nargs="+", default=[4],
-                   help="self-spawned gloo CPU ranks; several values run one after the other into one result file "
-                        "(ignored under torchrun)")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
-    args = p.parse_args(argv)
-    sizes = args.world_size[:1] if (dist.is_initialized() or under_torchrun()) else args.world_size
-    rows = []
-    for w in sizes:
-        rows += run(smoke=args.smoke, world_size=w, dtype=DTYPES[args.dtype])
-        if not dist.is_initialized():
-            from distfuse.testing import shutdown_pools
-
-            shutdown_pools()  # the next world size gets its own ranks; these would sit idle
-    if dist.is_initialized() and dist.get_rank() != 0:
-        dist.destroy_process_group()
-        return 0
-    env = environment()
-    env["backend"] = dist.get_backend() if dist.is_initialized() else "gloo (self-spawned CPU ranks)"
-    if env["device"] == "cpu":
-        print("CPU/gloo timings (1 thread per rank, shared cores): ratios between CPU providers, not GPU results")
-    print_table(rows)
-    path = write_results(NAME, rows, env=env, out_dir=args.out, smoke=args.smoke)
-    print(f"wrote {len(rows)} rows to {path}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
+    return multirank_main(NAME, __doc__.split("\n\n")[0], run, argv)
 
 
 if __name__ == "__main__":

@@ -256,3 +256,62 @@ def print_table(rows: list[Row]) -> None:
         ratio = f"{r.ratio:.3f}" if r.ratio is not None else ""
         print(f"{r.op:<22}{r.provider:<{wp}}{r.mode:<6}{r.dtype:<10}{r.world_size:>3} {shape:<{ws}}"
               f"{r.ms:>10.3f}{ratio:>8}")
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def run_multirank(bench_rank: Callable[[dict], list[dict]], config: Callable[[bool, torch.dtype, bool], dict],
+                  anchor: str, smoke: bool, world_size: int, dtype: torch.dtype) -> list[Row]:
+    """Rows of a multi-rank bench, ratios to ``anchor`` set.
+
+    Inside an initialised process group (torchrun) ``bench_rank`` runs on the current
+    world and ``world_size`` is ignored; otherwise on ``world_size`` forked gloo CPU ranks.
+    ``config(smoke, dtype, cuda)`` builds the per-rank configuration.
+    """
+    if not dist.is_initialized() and under_torchrun():
+        init_torchrun()
+    if dist.is_initialized():
+        raw = bench_rank(config(smoke, dtype, dist.get_backend() == "nccl"))
+    else:
+        from distfuse.testing import run_ranks
+
+        raw = run_ranks(world_size, bench_rank, config(smoke, dtype, False), timeout=3600)[0]
+    rows = [Row(**r) for r in raw]
+    add_ratios(rows, anchor)
+    return rows
+
+
+def multirank_main(name: str, description: str, run: Callable[..., list[Row]], argv: list[str] | None = None) -> int:
+    """The command line of a multi-rank bench: ``--smoke``, ``--world-size N [N ...]``, ``--dtype``, ``--out``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, a few runs (checks that it works)")
+    p.add_argument("--world-size", type=int, nargs="+", default=[4],
+                   help="self-spawned gloo CPU ranks; several values run one after the other into one result file "
+                        "(ignored under torchrun)")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--out", type=Path, default=None, help="results directory (default bench/results)")
+    args = p.parse_args(argv)
+    sizes = args.world_size[:1] if (dist.is_initialized() or under_torchrun()) else args.world_size
+    rows = []
+    for w in sizes:
+        rows += run(smoke=args.smoke, world_size=w, dtype=DTYPES[args.dtype])
+        if not dist.is_initialized():
+            from distfuse.testing import shutdown_pools
+
+            shutdown_pools()  # the next world size gets its own ranks; these would sit idle
+    if dist.is_initialized() and dist.get_rank() != 0:
+        dist.destroy_process_group()
+        return 0
+    env = environment()
+    env["backend"] = dist.get_backend() if dist.is_initialized() else "gloo (self-spawned CPU ranks)"
+    if env["device"] == "cpu":
+        print("CPU/gloo timings (1 thread per rank, shared cores): ratios between CPU providers, not GPU results")
+    print_table(rows)
+    path = write_results(name, rows, env=env, out_dir=args.out, smoke=args.smoke)
+    print(f"wrote {len(rows)} rows to {path}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
