@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "pick_launch",
     "INTERPRET",
     "HAS_CUDA",
     "AUTOTUNE",
@@ -184,3 +185,15 @@ def arrive(counter_ptr):
 def raise_flag(flag_ptr, epoch):
     """Publish ``*flag_ptr = epoch`` with release semantics at system scope (peers read it over NVLink)."""
     tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+
+
+def pick_launch(tuned, kernel, cpu_config: dict, cuda_configs, config: dict | None):
+    """(kernel, launch kwargs): an explicit config, the autotuner, the first CUDA config, or the CPU config."""
+    if config is not None:
+        return kernel, dict(config)
+    if tuned is not None:
+        return tuned, {}
+    if HAS_CUDA:
+        c = cuda_configs()[0]
+        return kernel, dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+    return kernel, dict(cpu_config)

@@ -41,13 +41,13 @@ from distfuse.kernels._utils import (
     CPU_GEMM_CONFIG,
     CPU_PUSH_CONFIG,
     FLOAT_DTYPES,
-    HAS_CUDA,
     INTERPRET,
     arrive,
     cast_out,
     get_gemm_configs,
     get_push_configs,
     input_precision,
+    pick_launch,
     raise_flag,
     round_bf16,
     wait_flag,
@@ -157,18 +157,6 @@ _ag_gemm_tuned = triton.autotune(get_gemm_configs(), key=["n_batch", "n", "N", "
     if AUTOTUNE else None
 
 
-def _pick(tuned, kernel, cpu_config: dict, cuda_configs, config: dict | None):
-    """(kernel, launch kwargs): an explicit config, the autotuner, the first CUDA config, or the CPU config."""
-    if config is not None:
-        return kernel, dict(config)
-    if tuned is not None:
-        return tuned, {}
-    if HAS_CUDA:
-        c = cuda_configs()[0]
-        return kernel, dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-    return kernel, dict(cpu_config)
-
-
 def ag_gemm_workspace_bytes(batch: int, n: int, K: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """Data bytes one ag_gemm needs in every rank's workspace: the gathered ``[B_, n, K]``."""
     return batch * n * K * dtype.itemsize
@@ -212,7 +200,7 @@ def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, co
     gathered = st.data(x.dtype, n_batch * n * K, op=op)
     if W == 1:
         return
-    kernel, meta = _pick(_push_tuned, _ag_push_kernel, CPU_PUSH_CONFIG, get_push_configs, config)
+    kernel, meta = pick_launch(_push_tuned, _ag_push_kernel, CPU_PUSH_CONFIG, get_push_configs, config)
     start_p = block_range(n, W, rank)[0]
 
     def grid(META):
@@ -269,7 +257,7 @@ def ag_gemm_consume(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
         out = out.view(shape)
     gathered = st.data(x.dtype, n_batch * n * K, op=op)
     st.wait_producers()  # collective on CPU
-    kernel, meta = _pick(_ag_gemm_tuned, _ag_gemm_kernel, CPU_GEMM_CONFIG, get_gemm_configs, config)
+    kernel, meta = pick_launch(_ag_gemm_tuned, _ag_gemm_kernel, CPU_GEMM_CONFIG, get_gemm_configs, config)
     m_max = n_batch * (-(-n // W))
 
     def grid(META):

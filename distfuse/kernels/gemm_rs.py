@@ -47,13 +47,13 @@ from distfuse.kernels._utils import (
     CPU_CHUNK_REDUCE_CONFIG,
     CPU_GEMM_CONFIG,
     FLOAT_DTYPES,
-    HAS_CUDA,
     INTERPRET,
     arrive,
     cast_out,
     get_chunk_reduce_configs,
     get_gemm_configs,
     input_precision,
+    pick_launch,
     raise_flag,
     round_bf16,
     wait_flag,
@@ -152,18 +152,6 @@ _chunk_reduce_tuned = triton.autotune(get_chunk_reduce_configs(), key=["numel", 
     if AUTOTUNE else None
 
 
-def _pick(tuned, kernel, cpu_config: dict, cuda_configs, config: dict | None):
-    """(kernel, launch kwargs): an explicit config, the autotuner, the first CUDA config, or the CPU config."""
-    if config is not None:
-        return kernel, dict(config)
-    if tuned is not None:
-        return tuned, {}
-    if HAS_CUDA:
-        c = cuda_configs()[0]
-        return kernel, dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-    return kernel, dict(cpu_config)
-
-
 def gemm_rs_workspace_bytes(batch: int, n: int, N: int, world_size: int,
                             partial_dtype: torch.dtype = torch.bfloat16) -> int:
     """Data bytes one gemm_rs needs in every rank's workspace: W slots of ``[B_, ceil(n / W), N]``."""
@@ -217,7 +205,7 @@ def gemm_rs(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: in
     n_batch = a3.shape[0]
     slot_elems = n_batch * (-(-n // W)) * N
     slots = st.data(partial_dtype, W * slot_elems, op=op)
-    kernel, meta = _pick(_gemm_rs_tuned, _gemm_rs_kernel, CPU_GEMM_CONFIG, get_gemm_configs, config)
+    kernel, meta = pick_launch(_gemm_rs_tuned, _gemm_rs_kernel, CPU_GEMM_CONFIG, get_gemm_configs, config)
     m_max = n_batch * (-(-n // W))
 
     def grid(META):
@@ -271,7 +259,7 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
     st.wait_producers()  # collective on CPU: every rank calls it, even with an empty chunk
     numel = out.numel()
     if numel > 0:
-        kernel, meta = _pick(_chunk_reduce_tuned, _chunk_reduce_kernel, CPU_CHUNK_REDUCE_CONFIG,
+        kernel, meta = pick_launch(_chunk_reduce_tuned, _chunk_reduce_kernel, CPU_CHUNK_REDUCE_CONFIG,
                              get_chunk_reduce_configs, config)
         kernel[lambda META: (triton.cdiv(numel, META["BLOCK"]),)](
             slots, out, bias if bias is not None else out, st.flags, st.status,
