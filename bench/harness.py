@@ -70,7 +70,7 @@ def environment() -> dict:
         "distfuse": distfuse.__version__,
         "python": platform.python_version(),
         "host": platform.node(),
-        "commit": _git_commit(),
+        "commit": os.environ.get("DISTFUSE_COMMIT") or _git_commit(),  # set where the tree has no .git
         "device": "cpu",
         "cpu_count": os.cpu_count(),
     }

@@ -39,6 +39,7 @@ __all__ = [
     "default_timeout",
     "metadata_group",
     "union_partition",
+    "cuda_backend_of",
 ]
 
 _GROUPS: dict[tuple[int, ...], tuple] = {}
@@ -128,10 +129,87 @@ def _groups_for(call: str, rank_sets: Sequence[tuple[int, ...]]) -> list:
     return out
 
 
+def _cuda_backend_in_spec(spec: str) -> str | None | bool:
+    """The CUDA backend named by a backend string, None if it names none, False if it cannot tell.
+
+    Strings come in two forms: a bare name (``"nccl"``, ``"gloo"``: that backend serves
+    every device type it supports) or ``"device:backend"`` pairs (``"cpu:gloo,cuda:nccl"``).
+    ``"undefined"`` is what ``torch.distributed.get_backend`` reports after
+    ``init_process_group()`` without a backend (torchrun's usual form): it says nothing
+    about the device backends, so the caller must ask elsewhere.
+    """
+    spec = str(spec).strip().lower()
+    if not spec or spec == "undefined":
+        return False
+    if ":" not in spec:
+        return spec
+    pairs = dict(item.split(":", 1) for item in spec.split(",") if ":" in item)
+    return pairs.get("cuda", "").strip() or None
+
+
+def cuda_backend_of(group=None) -> str | None:
+    """Name of the backend that runs ``group``'s collectives on CUDA tensors (``"nccl"``, ``"gloo"``), or None.
+
+    ``group`` defaults to the world.  Why not compare ``dist.get_backend(group)`` with
+    ``"nccl"``: after ``init_process_group()`` with no backend that string reads
+    ``"undefined"`` although CUDA tensors go to NCCL, and after
+    ``init_process_group("cpu:gloo,cuda:nccl")`` it is stored as written; a string test
+    then takes an NCCL world for a CPU one, skips the communicator warm-up, and a later
+    partial ``batch_isend_irecv`` can hang.  So ask, in order, what torch 2.5 to 2.13
+    offer: the group's backend config (``dist.get_backend_config``, ``"cpu:gloo,cuda:nccl"``
+    even when the backend string is ``"undefined"``), the backend the group holds for the
+    CUDA device type (``ProcessGroup._get_backend``, private), and last the backend
+    string.  None when the group has no CUDA backend or none of these can tell.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    get_config = getattr(dist, "get_backend_config", None)
+    if get_config is not None:
+        try:
+            found = _cuda_backend_in_spec(get_config(group))
+        except (RuntimeError, ValueError, TypeError, AttributeError, KeyError):  # not a member, not initialised
+            found = False
+        if found is not False:
+            return found
+    get_device_backend = getattr(pg, "_get_backend", None)
+    if get_device_backend is not None:
+        try:
+            backend = get_device_backend(torch.device("cuda"))
+        except (RuntimeError, ValueError, TypeError, AttributeError):  # "No backend type associated with ... cuda"
+            backend = None
+        name = getattr(backend, "name", None) if backend is not None else None
+        try:
+            name = name() if callable(name) else name
+        except (RuntimeError, TypeError):
+            name = None
+        if name:
+            return str(name).lower()
+    try:
+        found = _cuda_backend_in_spec(dist.get_backend(group))
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        found = False
+    return found or None
+
+
+def _uses_nccl(group=None) -> bool:
+    """Whether ``group`` sends CUDA tensors through NCCL: then partitions live on the GPU and need the warm-up."""
+    return cuda_backend_of(group) == "nccl"
+
+
 def _default_device() -> torch.device:
-    if dist.get_backend() == "nccl":
+    """``cuda:<current>`` when the world's CUDA backend is NCCL (however the backend was spelt), else CPU."""
+    if _uses_nccl():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _warm_up_nccl(group) -> None:
+    """Run one collective on every rank of ``group`` so that NCCL creates its communicator now.
+
+    NCCL creates communicators lazily, and a ``batch_isend_irecv`` that is the first call
+    on a communicator must include every rank of it; the primitives' P2P rounds involve
+    only some ranks.
+    """
+    dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group)
 
 
 class Partition:
@@ -145,7 +223,9 @@ class Partition:
         group: the cached ``ProcessGroup`` (None on inactive workers).
         meta_group: a gloo group over the same ranks for host-side metadata such as
             shapes (the data group itself under gloo); None on inactive workers.
-        device: where this partition's tensors live (``cuda:<current>`` under NCCL, else CPU).
+        device: where this partition's tensors live: ``cuda:<current>`` when the world's
+            CUDA backend is NCCL (:func:`cuda_backend_of`; ``init_process_group()`` with no
+            backend counts), else CPU.
     """
 
     def __init__(self, ranks: Sequence[int], groups: tuple | None, device: torch.device | None = None):
@@ -161,8 +241,9 @@ class Partition:
     def world(cls, device: torch.device | None = None) -> Partition:
         """Every rank of the initialised default process group.
 
-        The first call is collective under NCCL (it creates the gloo metadata group and
-        warms up the world communicator); later calls and gloo need no communication.
+        The first call is collective when the world's CUDA backend is NCCL (it creates the
+        gloo metadata group and warms up the world communicator); later calls and gloo
+        need no communication.
         """
         if not dist.is_initialized():
             raise PartitionError("Partition.world: torch.distributed is not initialised; call "
@@ -170,12 +251,10 @@ class Partition:
         ranks = tuple(range(_world_size()))
         if ranks not in _GROUPS:
             _GROUPS[ranks] = (dist.group.WORLD, metadata_group())
-            if dist.get_backend() == "nccl":
-                # NCCL creates communicators lazily, and a batch_isend_irecv that is the
-                # first call on a communicator must include every rank of it; the
-                # primitives' P2P rounds involve only some ranks, so warm the world
-                # communicator up once with a collective every rank makes here.
-                dist.all_reduce(torch.zeros(1, device=_default_device()))
+            if _uses_nccl(dist.group.WORLD):
+                # Decided from the world's CUDA backend, not its backend string, which reads
+                # "undefined" under torchrun's init_process_group() (see cuda_backend_of).
+                _warm_up_nccl(dist.group.WORLD)
         return cls(ranks, _GROUPS[ranks], device)
 
     def create_partition_inclusive(self, ranks: Iterable[int]) -> Partition:

@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from distfuse.layers.dispatch import SIZE_KEYS, _table_path, size_of, table_key
+from distfuse.partition import cuda_backend_of
 
 __all__ = [
     "Crossover",
@@ -262,10 +263,13 @@ def _autotuners() -> dict:
         from distfuse.kernels import ag_gemm, gemm_rs
     except Exception:  # noqa: BLE001 - kernels unavailable (no Triton): nothing to harvest
         return {}
-    tuners = {"gemm_rs": getattr(gemm_rs, "_gemm_rs_tuned", None),
-              "chunk_reduce": getattr(gemm_rs, "_chunk_reduce_tuned", None),
-              "ag_gemm": getattr(ag_gemm, "_ag_gemm_tuned", None),
+    tuners = {"chunk_reduce": getattr(gemm_rs, "_chunk_reduce_tuned", None),
               "ag_push": getattr(ag_gemm, "_push_tuned", None)}
+    # The GEMMs have one autotuner per operand size (fp32 tiles have their own configs).
+    for name, by_size in (("gemm_rs", getattr(gemm_rs, "_gemm_rs_tuned", {})),
+                          ("ag_gemm", getattr(ag_gemm, "_ag_gemm_tuned", {}))):
+        for size, tuner in (by_size or {}).items():
+            tuners[name if size == 2 else f"{name}_fp32"] = tuner
     return {k: v for k, v in tuners.items() if v is not None and isinstance(getattr(v, "cache", None), dict)}
 
 
@@ -737,7 +741,7 @@ def _init_dist() -> bool:
 
 def run(args) -> SweepResult:
     """The sweep for parsed arguments on the initialised world; rank 0 writes the table unless ``dry_run``."""
-    cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    cuda = torch.cuda.is_available() and cuda_backend_of() == "nccl"  # "undefined" under init_process_group()
     dtypes = [DTYPES[d] for d in (args.dtype or (["bfloat16"] if cuda else ["float32"]))]
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     reps = args.reps if args.reps is not None else (3 if args.quick else 10)

@@ -1,14 +1,30 @@
-"""Test configuration: Triton runs interpreted without a GPU, and rank pools are shared."""
+"""Test configuration: two passes, interpreted and compiled, and shared rank pools.
+
+Triton picks the interpreter or the compiler when the ``@triton.jit`` decorators run, once
+per process, so one pytest process cannot run both kinds of kernel test:
+
+* **Interpreted pass** (the default, on every machine): ``TRITON_INTERPRET=1`` is set
+  before distfuse's kernels are imported, and kernels run on CPU tensors.  Tests marked
+  ``cuda`` are skipped here; on a GPU machine they belong to the compiled pass.
+* **Compiled pass** (``DISTFUSE_TEST_COMPILED=1``, GPU machines): the kernels compile for
+  the GPU, and only the tests marked ``cuda`` run; the rest ran in the interpreted pass.
+
+``scripts/test.sh`` runs the interpreted pass everywhere and adds the compiled pass
+(``pytest -m cuda``) where a GPU is present.
+"""
 
 import os
 
-import torch
-
-# Must be set before any @triton.jit decorator executes (i.e. before distfuse.kernels imports).
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+COMPILED = os.environ.get("DISTFUSE_TEST_COMPILED", "0") not in ("", "0")
+if COMPILED:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("DISTFUSE_TEST_COMPILED=1 runs the compiled pass: unset TRITON_INTERPRET")
+else:
+    # Must be set before any @triton.jit decorator executes (i.e. before distfuse.kernels imports).
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from distfuse.testing import shutdown_pools  # noqa: E402
 
@@ -17,9 +33,15 @@ def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     multi = has_cuda and torch.cuda.device_count() > 1
     for item in items:
-        if "cuda" in item.keywords and not has_cuda:
+        needs_gpu = "cuda" in item.keywords or "multigpu" in item.keywords
+        if needs_gpu and not COMPILED:
+            item.add_marker(pytest.mark.skip(reason="compiled-mode test: runs in the compiled pass on a GPU "
+                                                    "machine (DISTFUSE_TEST_COMPILED=1 pytest -m cuda)"))
+        elif not needs_gpu and COMPILED:
+            item.add_marker(pytest.mark.skip(reason="interpreted-mode test: runs in the default pass"))
+        elif "cuda" in item.keywords and not has_cuda:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "multigpu" in item.keywords and not multi:
+        elif "multigpu" in item.keywords and not multi:
             item.add_marker(pytest.mark.skip(reason="needs more than one CUDA GPU"))
 
 

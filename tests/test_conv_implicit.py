@@ -8,6 +8,10 @@ float64; each worker's output block is a slice of that.  Outputs are poisoned wi
 """
 
 import math
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ import torch.nn.functional as F
 
 from distfuse.decomposition import local_slices
 from distfuse.errors import UnsupportedError
+from distfuse.kernels import conv_implicit as ci
 from distfuse.kernels import halo as hk
 from distfuse.kernels.conv_implicit import conv_implicit, conv_implicit_reference
 from distfuse.primitives.halo_plan import HaloPlan, resolve_padding
@@ -119,6 +124,13 @@ def test_conv_implicit_small_tiles_no_bias():
               tile=(16, 16, 16))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tile", [(32, 16, 16), (16, 16, 64)], ids=["bm32-bk16", "bm16-bk64"])
+def test_conv_implicit_tiles_with_block_m_not_block_k(tile, dtype):
+    """BLOCK_M != BLOCK_K (the GPU default is 64x32x32): K = 5 * 3 * 3 = 45 takes 3 steps of 16 or one of 64."""
+    _simulate((7, 6), (2, 2), (3, 3), (1, 1), (1, 1), 1, "circular", dtype, C=5, Co=6, tile=tile)
+
+
 def test_conv_implicit_worker_without_outputs():
     """A grid wider than the output: some workers own no output and return an empty block."""
     plan = _simulate((3,), (5,), (3,), (1,), (1,), 1, "zeros", torch.float32)
@@ -133,6 +145,91 @@ def test_conv_implicit_rejects_groups_and_dtype():
         conv_implicit(x, recv, torch.randn(4, 2, 3, 3), None, plan, (0, 0), 1, 1)
     with pytest.raises(UnsupportedError, match="dtype"):
         conv_implicit(x.double(), recv.double(), torch.randn(4, 4, 3, 3).double(), None, plan, (0, 0), 1, 1)
+
+
+# ---------------------------------------------------------------- compiled mode without a GPU
+
+# (dtype, tile, bias, integer arguments Triton specialises to the constant 1): the GPU default tile
+# (BLOCK_M != BLOCK_K), a tile with BLOCK_M < BLOCK_K, and a 2-D conv's extent-1 leading axis.
+_SPECIALISE_2D = dict(O0=1, K0=1, SD0=1, DL0=1)
+_COMPILE_CASES = [(dt, tile, bias, ones) for dt in ("fp32", "fp16", "bf16")
+                  for tile, bias, ones in ((ci._GPU_TILE, True, {}), ((32, 64, 64), False, {}))]
+_COMPILE_CASES.append(("bf16", ci._GPU_TILE, True, _SPECIALISE_2D))
+
+
+def _mma_operand_types(ptx: str) -> list[str]:
+    """Operand types of the tensor-core instructions in ``ptx`` (``wgmma.mma_async...m64n32k16.f32.bf16.bf16``
+    or ``mma.sync...m16n8k16.row.col.f32.bf16.bf16.f32``): a subset of bf16, f16, tf32."""
+    found = set()
+    for line in ptx.splitlines():
+        parts = line.strip().split()
+        comps = parts[0].split(".") if parts else []
+        if any(c.startswith("mma") or c.endswith("mma") for c in comps[:2]) and any(
+                re.fullmatch(r"m\d+n\d+k\d+", c) for c in comps):
+            found |= set(comps) & {"bf16", "f16", "tf32"}
+    return sorted(found)
+
+
+def _compile_for_sm90():
+    """Compile the kernel for sm_90 down to a cubin, once per case (run in a process without TRITON_INTERPRET).
+
+    The interpreter accepts code the compiler rejects (a loop-carried value that changes
+    shape, mismatched branch types, a 16-bit ``tl.dot`` the GPU path takes but the
+    interpreter upcasts), so the constexprs are the compiled launch's
+    (``_constexprs(..., interpret=False)``).  Prints one line per case; raises after
+    trying all of them.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    fn = ci._conv_implicit_kernel
+    failed = []
+    for dt, tile, bias, ones in _COMPILE_CASES:
+        consts = {**ci._constexprs(dtypes[dt], bias, tile, interpret=False), **ones}
+        sig = {}
+        for name in fn.arg_names:
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name.startswith(("seg", "crd")):
+                sig[name] = "*i32"
+            elif name == "ptab_ptr":
+                sig[name] = "*i64"
+            else:
+                sig[name] = f"*{dt}" if name.endswith("_ptr") else "i32"
+        case = f"{dt} tile={tile} bias={bias} ones={sorted(ones)}"
+        try:
+            k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+            assert k.asm.get("cubin"), "no cubin"
+            print(f"compiled {dt} mma-operands={','.join(_mma_operand_types(k.asm['ptx'])) or 'none'} {case}",
+                  flush=True)
+        except Exception as exc:  # noqa: BLE001 - report every case, then fail
+            failed.append(f"{case}: {type(exc).__name__}: {str(exc)[-1500:]}")
+    if failed:
+        raise SystemExit("\n\n".join(failed))
+
+
+def test_conv_implicit_compiles_for_sm90_without_a_gpu():
+    """Default tile and BLOCK_M != BLOCK_K, fp32/fp16/bf16, compiled for sm_90 with the ptxas Triton ships;
+    the 16-bit kernels must use tensor-core instructions (``mma``), i.e. take their operands un-upcast."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", "import tests.test_conv_implicit as t; t._compile_for_sm90()"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("triton's CUDA toolchain (ptxas) is not installed")
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    lines = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("compiled")]
+    assert len(lines) == len(_COMPILE_CASES), proc.stdout
+    want = {"fp16": "mma-operands=f16", "bf16": "mma-operands=bf16"}
+    for ln in lines:
+        if ln[1] in want:  # 16-bit tiles go to the tensor cores as they are, not upcast to fp32 first
+            assert ln[2] == want[ln[1]], " ".join(ln)
+        else:  # fp32: IEEE fp32 (FMA) or, where torch allows it, TF32 tensor cores; never a 16-bit operand
+            assert ln[2] in ("mma-operands=none", "mma-operands=tf32"), " ".join(ln)
 
 
 @pytest.mark.cuda

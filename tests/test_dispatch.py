@@ -20,12 +20,21 @@ def _no_env(monkeypatch, tmp_path):
     monkeypatch.setenv("DISTFUSE_TUNE_TABLE", str(tmp_path / "absent.json"))
 
 
-def test_defaults_on_cuda():
+def test_defaults_on_cuda_follow_the_h100_measurements():
+    """No fused op beat its unfused composition on the H100 (bench/results): every default is unfused, says why."""
+    for op, shapes in (("linear_rs", BIG), ("linear_ag", DECODE), ("halo_conv", dict(channels=16))):
+        d = select_path(op, shapes, torch.bfloat16, 8, H200, table={})
+        assert d.path == "unfused" and "H100" in d.reason and DEFAULT_THRESHOLDS[op]["fused"] == "never", (op, d)
+
+
+def test_threshold_defaults_still_work(monkeypatch):
+    """The threshold form of a default (for ops whose fused path wins) picks by size."""
+    monkeypatch.setitem(DEFAULT_THRESHOLDS, "linear_rs", dict(min_macs=2**30))
+    monkeypatch.setitem(DEFAULT_THRESHOLDS, "halo_conv", dict(max_channels=64))
     assert select_path("linear_rs", BIG, torch.bfloat16, 8, H200, table={}).path == "fused"
-    assert select_path("linear_ag", DECODE, torch.bfloat16, 8, H200, table={}).path == "unfused"
-    limit = DEFAULT_THRESHOLDS["halo_conv"]["max_channels"]
-    assert select_path("halo_conv", dict(channels=limit), torch.float32, 4, H200, table={}).path == "fused"
-    assert select_path("halo_conv", dict(channels=limit + 1), torch.float32, 4, H200, table={}).path == "unfused"
+    assert select_path("linear_rs", DECODE, torch.bfloat16, 8, H200, table={}).path == "unfused"
+    assert select_path("halo_conv", dict(channels=64), torch.float32, 4, H200, table={}).path == "fused"
+    assert select_path("halo_conv", dict(channels=65), torch.float32, 4, H200, table={}).path == "unfused"
 
 
 def test_cpu_production_path_is_unfused_unless_forced(monkeypatch):
@@ -56,15 +65,18 @@ def test_no_symmetric_memory_falls_back_even_when_forced(monkeypatch, caplog):
 
 
 def test_table_overrides_defaults(tmp_path, monkeypatch):
-    table = {table_key("NVIDIA H200", 8, torch.bfloat16, "linear_rs"): {"min_size": 2**40}}
+    table = {table_key("NVIDIA H200", 8, torch.bfloat16, "linear_rs"): {"min_size": 2**30}}
     path = tmp_path / "crossover.json"
     path.write_text(json.dumps(table))
     monkeypatch.setenv("DISTFUSE_TUNE_TABLE", str(path))
     d = select_path("linear_rs", BIG, torch.bfloat16, 8, H200)
+    assert d.path == "fused" and "crossover table" in d.reason
+    d = select_path("linear_rs", DECODE, torch.bfloat16, 8, H200)
     assert d.path == "unfused" and "crossover table" in d.reason
     # other keys (dtype, world size) still use the defaults
-    assert select_path("linear_rs", BIG, torch.float16, 8, H200).path == "fused"
-    assert select_path("linear_rs", BIG, torch.bfloat16, 4, H200).path == "fused"
+    for other in (dict(dtype=torch.float16, w=8), dict(dtype=torch.bfloat16, w=4)):
+        d = select_path("linear_rs", BIG, other["dtype"], other["w"], H200)
+        assert d.path == "unfused" and d.reason.startswith("default")
 
 
 def test_unreadable_table_is_ignored(tmp_path):

@@ -36,7 +36,7 @@ from distfuse.fused.symmetric import LoopbackWorkspace, WorkspaceBrokenError, Wo
 from distfuse.primitives.all_gather import all_gather
 from distfuse.primitives.reduce_scatter import reduce_scatter
 from distfuse.testing import run_ranks, shutdown_pools
-from tests.tolerances import tol
+from tests.tolerances import assert_rel_close, tol
 
 F64 = torch.float64
 GRADS = ("y", "dx", "dw", "db")
@@ -414,8 +414,11 @@ def _loopback_case(op, W, lead, n, K, N, dtype, device, keep=True, seed=0):
         got = dict(y=ys[r], dx=xs[r].grad, dw=ws_[r].grad, db=bias_grads[r])
         for key in GRADS:
             assert not torch.isnan(got[key]).any(), (op, r, key)
-            torch.testing.assert_close(got[key].double().cpu(), ref[key], **tol(dtype),
-                                       msg=lambda m, k=key, rr=r: f"{op} rank {rr} {k}: {m}")
+            if device == "cpu":  # tiny shapes: element-wise
+                torch.testing.assert_close(got[key].double().cpu(), ref[key], **tol(dtype),
+                                           msg=lambda m, k=key, rr=r: f"{op} rank {rr} {k}: {m}")
+            else:  # realistic sizes: in norm (see tolerances.REL_NORM)
+                assert_rel_close(got[key], ref[key], dtype, f"{op} rank {r} {key}")
 
 
 @pytest.mark.parametrize("op,keep", [pytest.param("rs", True, id="rs"), pytest.param("ag", True, id="ag-keep"),

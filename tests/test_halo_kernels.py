@@ -198,6 +198,59 @@ def test_kernels_many_small_tiles():
               lead_shape=(1,), tile=(4, 2), block=16)
 
 
+def test_kernels_with_a_spilled_grid(monkeypatch):
+    """Grid axis 0 capped at 3 programs: the rest go to axis 1, every tile is still written once (outputs start
+    as NaN) and the surplus programs of a rounded-up grid write nothing; row-tiled and box launches both."""
+    monkeypatch.setattr(hk, "_GRID0_MAX", 3)
+    calls = []  # (launch kind, programs, grid)
+    linear, row_tiled = hk._linear_grid, hk._row_tiled_grid
+
+    def record_linear(programs):
+        calls.append(("box", programs, linear(programs)))
+        return calls[-1][2]
+
+    def record_rows(*args):
+        grid = row_tiled(*args)  # goes through record_linear
+        calls[-1] = ("rows",) + calls[-1][1:]
+        return grid
+
+    monkeypatch.setattr(hk, "_linear_grid", record_linear)
+    monkeypatch.setattr(hk, "_row_tiled_grid", record_rows)
+    _simulate((7, 6), (2, 2), (3, 3), (1, 1), (1, 1), 2, "replicate", torch.float32, lead_shape=(1,),
+              tile=(2, 4), block=2)
+    for kind in ("rows", "box"):
+        assert any(g1 > 1 and g0 * g1 > n for k, n, (g0, g1) in calls if k == kind), (kind, calls)
+    assert all(g0 <= 3 and g0 * g1 >= n for _, n, (g0, g1) in calls)
+
+
+@pytest.mark.parametrize("n_rows,inner,tile", [
+    pytest.param(6, 3 * 2**24, None, id="1d-50M-long-6-rows"),
+    pytest.param(1, 2**31 - 1, None, id="1d-int32-max-long"),
+    pytest.param(64 * 512 * 512, 512, None, id="3d-16M-rows"),
+    pytest.param(2**20, 2**20, (1, 16), id="2^36-programs-spill-to-axis-1"),
+])
+def test_launch_grids_stay_within_cuda_limits(n_rows, inner, tile):
+    """Grids for huge extents (computed, not launched): at most 2^31 - 1 programs on axis 0 and 65535 on axis 1,
+    and every tile gets a program.  The 1-D cases used to put their column tiles on axis 1 alone."""
+    cuda = torch.device("cuda")  # only selects _tile's GPU tile sizes; no GPU is touched
+    block_r, block_x = hk._tile(inner, n_rows, cuda, tile)
+    tiles = -(-n_rows // block_r) * -(-inner // block_x)
+    g0, g1 = hk._row_tiled_grid(n_rows, inner, block_r, block_x)
+    assert 1 <= g0 <= 2**31 - 1 and 1 <= g1 <= 65535
+    assert tiles <= g0 * g1 < tiles + g1  # every tile has a program; fewer surplus programs than rows of axis 1
+    assert (g1 > 1) == (tiles > 2**31 - 1)
+    # the box gather (pack, unstage) numbers its programs the same way
+    total = n_rows * inner
+    g0, g1 = hk._linear_grid(-(-total // hk._box_block(cuda, tile and tile[1], total)))
+    assert 1 <= g0 <= 2**31 - 1 and 1 <= g1 <= 65535
+
+
+def test_launch_grid_beyond_cuda_raises():
+    assert hk._linear_grid((2**31 - 1) * 65535) == (2**31 - 1, 65535)
+    with pytest.raises(UnsupportedError, match="exceed a CUDA grid"):
+        hk._linear_grid((2**31 - 1) * 65535 + 1)
+
+
 def test_kernels_leading_dims_flatten():
     """Three leading dims are one LEAD axis; a lone worker stages every border from itself."""
     _simulate((8, 5), (1, 2), (3, 3), (1, 1), (1, 1), 1, "circular", torch.float32, lead_shape=(2, 1, 3))
@@ -285,30 +338,42 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from distfuse.kernels import halo as hk
 
-def comp(fn, sig, consts):
+I64_PTRS = {"ptab_ptr", "btab_ptr", "bstart_ptr", "atab_ptr", "m0_ptr", "m1_ptr", "m2_ptr"}
+ACC_PTRS = {"out1_ptr", "self_ptr"}  # fp32 (fp64) self boxes
+
+def comp(fn, dt, acc, consts, ones):
+    # Triton turns an integer argument equal to 1 into a constant: compile that specialisation of every
+    # integer argument too (e.g. RTMAX = 1 in every pack: Triton 3.6 crashed on a constant-false while loop)
+    consts = {**consts, **({n: 1 for n in fn.arg_names if not n.endswith("_ptr") and n not in consts} if ones
+                           else {})}
+    sig = {}
+    for n in fn.arg_names:
+        if n in consts:
+            sig[n] = "constexpr"
+        elif n in I64_PTRS:
+            sig[n] = "*i64"
+        elif n.startswith(("seg", "crd")):
+            sig[n] = "*i32"
+        elif n.endswith("_ptr"):
+            sig[n] = f"*{acc}" if n in ACC_PTRS else f"*{dt}"
+        else:
+            sig[n] = "i32"
     triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
 
-i32 = lambda *names: {n: "i32" for n in names}
-comp(hk._lut_gather_kernel,
-     {"out_ptr": "*bf16", "a_ptr": "*bf16", "b_ptr": "*bf16", **{f"{k}{a}_ptr": "*i32" for a in range(3)
-      for k in ("seg", "crd")}, "ptab_ptr": "*i64", **i32("n_rows", "E0", "E1", "E2", "NS1", "NS2", "out_ls",
-      "out_s0", "out_s1"), "REGION": "constexpr", "COMPUTE": "constexpr", "BLOCK_R": "constexpr",
-      "BLOCK_X": "constexpr"}, {"REGION": 2, "COMPUTE": tl.float32, "BLOCK_R": 32, "BLOCK_X": 64})
-comp(hk._box_gather_kernel,
-     {"out0_ptr": "*bf16", "out1_ptr": "*fp32", "src_ptr": "*bf16", "btab_ptr": "*i64", "bstart_ptr": "*i64",
-      **i32("nbox", "total", "RTMAX", "LEAD", "src_ls", "src_s0", "src_s1", "src_s2"), "LOG2_NBOX": "constexpr",
-      "COMPUTE": "constexpr", "BLOCK": "constexpr"}, {"LOG2_NBOX": 3, "COMPUTE": tl.float32, "BLOCK": 1024})
-comp(hk._accumulate_kernel,
-     {"gx_ptr": "*bf16", "self_ptr": "*fp32", "recv_ptr": "*bf16", "m0_ptr": "*i64", "m1_ptr": "*i64",
-      "m2_ptr": "*i64", "atab_ptr": "*i64", **i32("nbox", "n_rows", "E0", "E1", "E2"), "COMPUTE": "constexpr",
-      "BLOCK_R": "constexpr", "BLOCK_X": "constexpr"}, {"COMPUTE": tl.float32, "BLOCK_R": 32, "BLOCK_X": 64})
+# 16-bit data computed in fp32, and fp64 data computed in fp64 (the two COMPUTE types)
+for dt, acc, compute in (("bf16", "fp32", tl.float32), ("fp64", "fp64", tl.float64)):
+    for ones in (False, True):
+        comp(hk._lut_gather_kernel, dt, acc, {"REGION": 2, "COMPUTE": compute, "BLOCK_R": 32, "BLOCK_X": 64}, ones)
+        comp(hk._box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "COMPUTE": compute, "BLOCK": 1024}, ones)
+        comp(hk._accumulate_kernel, dt, acc, {"COMPUTE": compute, "BLOCK_R": 32, "BLOCK_X": 64}, ones)
 print("compiled")
 """
 
 
 def test_kernels_compile_for_hopper_without_a_gpu():
-    """The interpreter accepts code the compiler rejects: compile every kernel to sm_90 (bf16 in, fp32 inside)
-    in a clean process (``@triton.jit`` picks the interpreter at import), with the toolchain triton ships."""
+    """The interpreter accepts code the compiler rejects: compile every kernel to sm_90 (bf16 in, fp32 inside;
+    fp64 throughout) in a clean process (``@triton.jit`` picks the interpreter at import), with the toolchain
+    triton ships.  The implicit-GEMM conv kernel has its own: tests/test_conv_implicit.py."""
     import os
     import subprocess
     import sys

@@ -1,17 +1,19 @@
 """Symmetric workspaces: loopback and /dev/shm backends, the in-flight rule, leak-free set-up, availability."""
 
+import contextlib
 import ctypes
 import glob
 import logging
 import os
 import socket
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from distfuse import Partition
-from distfuse.errors import CollectiveTimeoutError, ShapeError
+from distfuse.errors import CollectiveTimeoutError, ShapeError, UnsupportedError
 from distfuse.fused import symmetric
 from distfuse.fused.symmetric import (
     LoopbackWorkspace,
@@ -209,3 +211,172 @@ def _rank_inactive_rank_refused():
 def test_get_workspace_refuses_an_inactive_rank():
     assert run_ranks(2, _rank_inactive_rank_refused) == ["active", "PartitionError"]
     assert dist.is_available()
+
+
+# ---------------------------------------------------------------- several ranks on one GPU
+
+OVERLAP = symmetric.ALLOW_OVERLAP_ENV
+
+
+def _infos(*rows, host="node"):
+    """Gathered ``(host, uuid, device, ok, reason)`` rows, in group-rank order."""
+    return [(host, uuid, dev, True, "CUDA symmetric memory") for uuid, dev in rows]
+
+
+def _verdict(infos, group_ranks=(0, 1), *, allow=False, can_access=lambda i, j: True, visible=None,
+             device_index=0):
+    return symmetric._group_verdict(True, "CUDA symmetric memory", infos, list(group_ranks), device_index,
+                                    visible=visible if visible is not None else {}, can_access=can_access,
+                                    allow_overlapping=allow)
+
+
+def test_ranks_sharing_one_gpu_are_refused_with_the_ranks_device_and_env_var():
+    ok, why = _verdict(_infos(("GPU-aaa", "cuda:0"), ("GPU-aaa", "cuda:0")), group_ranks=(3, 5))
+    assert not ok
+    assert "world ranks 3 (cuda:0), 5 (cuda:0) share one GPU" in why
+    assert "GPU-aaa" in why and f"{OVERLAP}=1" in why
+
+
+def test_sharing_one_gpu_is_allowed_with_the_env_var():
+    ok, why = _verdict(_infos(("GPU-aaa", "cuda:0"), ("GPU-aaa", "cuda:0")), allow=True,
+                       visible={"GPU-aaa": 0}, can_access=lambda i, j: False)
+    assert ok and OVERLAP in why
+
+
+def test_distinct_gpus_pass_and_p2p_is_still_checked():
+    infos = _infos(("GPU-aaa", "cuda:0"), ("GPU-bbb", "cuda:1"))
+    assert _verdict(infos, visible={"GPU-aaa": 0, "GPU-bbb": 1}) == (True, "CUDA symmetric memory")
+    ok, why = _verdict(infos, group_ranks=(2, 7), visible={"GPU-aaa": 0, "GPU-bbb": 1},
+                       can_access=lambda i, j: False)
+    assert not ok and why == "no P2P access from cuda:0 to cuda:1 (world rank 7)"
+
+
+def test_unknown_uuids_and_cpu_never_count_as_shared():
+    # No uuid reported (per-rank CUDA_VISIBLE_DEVICES makes every GPU cuda:0): nothing to compare.
+    assert _verdict(_infos(("", "cuda:0"), ("", "cuda:0")))[0]
+    cpu = [("node", "", "cpu", True, "CPU shared memory")] * 2
+    assert symmetric._group_verdict(True, "CPU shared memory", cpu, [0, 1], None, visible={},
+                                    can_access=None, allow_overlapping=False) == (True, "CPU shared memory")
+
+
+def test_hosts_and_local_failures_come_first():
+    infos = _infos(("GPU-aaa", "cuda:0")) + _infos(("GPU-aaa", "cuda:0"), host="other")
+    ok, why = _verdict(infos)
+    assert not ok and "span 2 hosts" in why
+    assert symmetric._group_verdict(False, "CUDA is not available", infos, [0, 1], 0, visible={},
+                                    can_access=None, allow_overlapping=True) == (False, "CUDA is not available")
+
+
+@pytest.mark.parametrize("value,expected", [("1", True), ("0", False), ("", False), ("true", False)])
+def test_overlap_env_var_is_read_as_torch_reads_it(monkeypatch, value, expected):
+    monkeypatch.setenv(OVERLAP, value)
+    assert symmetric._allow_overlapping_devices() is expected
+    monkeypatch.delenv(OVERLAP)
+    assert symmetric._allow_overlapping_devices() is False
+
+
+def _rank_availability_on_one_gpu(allow, order):
+    """symmetric_memory_available over a 2-rank group whose ranks (listed in ``order``) report one GPU."""
+    P = Partition.world().create_partition_inclusive(order)
+    symmetric._AVAILABLE.clear()
+    try:
+        with mock.patch.dict(os.environ), \
+                mock.patch.object(symmetric, "_local_verdict", lambda device: (True, "CUDA symmetric memory")), \
+                mock.patch.object(symmetric, "_device_uuid", lambda index: "GPU-one"), \
+                mock.patch.object(torch.cuda, "device_count", lambda: 1), \
+                mock.patch.object(torch.cuda, "can_device_access_peer", lambda i, j: True):
+            if allow:
+                os.environ[OVERLAP] = "1"
+            else:
+                os.environ.pop(OVERLAP, None)
+            return symmetric_memory_available(P, torch.device("cuda", 0))
+    finally:
+        symmetric._AVAILABLE.clear()
+
+
+def test_availability_refuses_two_ranks_on_one_gpu_unless_allowed():
+    for ok, why in run_ranks(2, _rank_availability_on_one_gpu, False, [1, 0]):
+        assert not ok
+        assert "world ranks 0 (cuda:0), 1 (cuda:0) share one GPU (uuid GPU-one)" in why and OVERLAP in why
+    for ok, why in run_ranks(2, _rank_availability_on_one_gpu, True, [1, 0]):
+        assert ok, why
+
+
+# ---------------------------------------------------------------- peer addresses from per-rank offsets
+
+
+def test_peer_addresses_use_each_ranks_own_offset_in_partition_order():
+    # Group order is sorted world ranks [1, 3, 4]; the partition lists them as (4, 1, 3).
+    bases = [0x10000, 0x90000, 0x50000]
+    offsets = [0x0, 0x200, 0x400]
+    got = symmetric._peer_addresses(bases, offsets, [0x8000] * 3, [1, 3, 4], (4, 1, 3), total=0x1000)
+    assert got == [0x50400, 0x10000, 0x90200]
+
+
+def test_peer_addresses_without_reported_sizes_check_only_the_sign():
+    assert symmetric._peer_addresses([100, 200], [8, 16], [None, None], [0, 1], [0, 1], total=64) == [108, 216]
+    with pytest.raises(UnsupportedError, match=r"partition rank 1 \(world rank 0\).*got -8"):
+        symmetric._peer_addresses([100, 200], [-8, 0], [None, None], [0, 1], [1, 0], total=64)
+
+
+def test_peer_addresses_refuse_a_buffer_outside_its_allocation():
+    # World rank 3 (partition rank 2) places its 0x1000-byte buffer at 0x7800 in a 0x8000-byte allocation.
+    with pytest.raises(UnsupportedError, match=r"partition rank 2 \(world rank 3\).*\[0, 28672\].*got 30720"):
+        symmetric._peer_addresses([0, 0, 0], [0, 0x7800, 0], [0x8000] * 3, [1, 3, 4], (4, 1, 3), total=0x1000)
+    # Exactly at the end fits.
+    symmetric._peer_addresses([0, 0, 0], [0, 0x7000, 0], [0x8000] * 3, [1, 3, 4], (4, 1, 3), total=0x1000)
+
+
+class _FakeSymmHandle:
+    def __init__(self, buffer_ptrs, buffer_size):
+        self.buffer_ptrs = buffer_ptrs
+        self.buffer_size = buffer_size
+
+    def barrier(self, channel=0, timeout_ms=None):
+        pass
+
+
+def _rank_cuda_setup_with_pool_offsets(order, offsets, short):
+    """``_setup_cuda`` on CPU with torch's symmetric-memory calls stubbed: each rank's pool puts its
+    buffer at ``offsets[world rank]``; ``short`` world rank reports an allocation 1 byte too small."""
+    import torch.distributed._symmetric_memory as symm_mem
+
+    P = Partition.world().create_partition_inclusive(order)
+    me, total = dist.get_rank(), 4096
+    keep = {}
+
+    def fake_empty(n, dtype, device):
+        keep["backing"] = torch.zeros(offsets[me] + n + 64, dtype=dtype)
+        return keep["backing"][offsets[me]: offsets[me] + n]
+
+    def fake_rendezvous(buf, group):
+        bases: list = [None] * P.size
+        dist.all_gather_object(bases, keep["backing"].data_ptr(), group=P.meta_group)  # group-rank order
+        size = keep["backing"].numel() - (65 if me == short else 0)
+        return _FakeSymmHandle(bases, size)
+
+    ws = symmetric.SymmetricWorkspace.__new__(symmetric.SymmetricWorkspace)
+    ws.device, ws.rank, ws.world_size, ws.timeout, ws.backend = torch.device("cuda", 0), P.rank, P.size, 5.0, "cuda"
+    with mock.patch.object(symmetric, "_symm_mem_api", lambda: "rendezvous"), \
+            mock.patch.object(symm_mem, "empty", fake_empty), \
+            mock.patch.object(symm_mem, "rendezvous", fake_rendezvous), \
+            mock.patch.object(symm_mem, "enable_symm_mem_for_group", None, create=True), \
+            mock.patch.object(torch.cuda, "device", lambda device: contextlib.nullcontext()):
+        try:
+            buf, ptrs = ws._setup_cuda(P, total)
+        except UnsupportedError as exc:
+            return "error", str(exc)
+    by_world: list = [None] * dist.get_world_size()
+    dist.all_gather_object(by_world, buf.data_ptr())
+    return ptrs, [by_world[w] for w in P.ranks]
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 0, 1]])
+def test_cuda_setup_addresses_every_peer_at_its_own_offset(order):
+    for ptrs, expected in run_ranks(3, _rank_cuda_setup_with_pool_offsets, order, {0: 0, 1: 512, 2: 4096}, -1):
+        assert ptrs == expected
+
+
+def test_cuda_setup_refuses_a_peer_buffer_outside_its_allocation():
+    for kind, why in run_ranks(3, _rank_cuda_setup_with_pool_offsets, [2, 0, 1], {0: 0, 1: 512, 2: 4096}, 1):
+        assert kind == "error" and "partition rank 2 (world rank 1)" in why and "got 512" in why

@@ -20,3 +20,20 @@ ADJOINT_RTOL = 1e-11
 
 def tol(dtype):
     return TOL[dtype]
+
+
+#: Relative error in norm, ||got - ref|| / ||ref||, for checks at realistic sizes: element-wise
+#: tolerances sized for tiny shapes fail there on cancellation (an element near zero whose
+#: terms are large) and on the extra roundings of 16-bit outputs summed over thousands of
+#: rows, without telling a wrong result from a rounded one.
+REL_NORM = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.float64: 1e-12}
+
+
+def assert_rel_close(got: torch.Tensor, ref: torch.Tensor, dtype, what: str = "") -> float:
+    """NaN-free, same shape, and ``||got - ref|| / ||ref|| <= REL_NORM[dtype]``; returns the error."""
+    assert got.shape == ref.shape, (what, tuple(got.shape), tuple(ref.shape))
+    assert not torch.isnan(got).any(), f"{what}: NaN (an element was never written, or a wait gave up)"
+    got, ref = got.detach().double().cpu(), ref.detach().double().cpu()
+    err = float((got - ref).norm() / ref.norm().clamp_min(1e-300))
+    assert err <= REL_NORM[dtype], f"{what}: relative error {err:.2e} over {REL_NORM[dtype]:.0e} ({dtype})"
+    return err

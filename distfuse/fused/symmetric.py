@@ -32,7 +32,11 @@ Backends:
 * **CUDA**: ``torch.distributed._symmetric_memory`` (2.6+: ``empty`` + ``rendezvous``; 2.5:
   ``_SymmetricMemory.empty_strided_p2p``).  The barrier is the handle's device barrier, on
   the current stream, with a timeout.  Consumers spin on flags on the device, bounded by
-  the workspace timeout (:func:`distfuse.kernels._utils.spin_limit`).
+  the workspace timeout (:func:`distfuse.kernels._utils.spin_limit`).  A peer's address is
+  its allocation base (``buffer_ptrs``) plus *its own* offset in that allocation, gathered at
+  set-up: torch's symmetric pool may place the buffer differently on each rank.  Ranks that
+  share one GPU are refused unless ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (torch's
+  rendezvous rejects them otherwise; see :func:`symmetric_memory_available`).
 * **CPU** (``/dev/shm``): one POSIX shared-memory segment per rank, mapped by every rank of
   the host.  Set-up is leak-free: create, barrier, map all peers, barrier, then every rank
   unlinks every name; the mappings keep the memory alive, so ``/dev/shm`` holds nothing
@@ -151,7 +155,13 @@ class RankBuffers:
 
     @property
     def max_spin(self) -> int:
+        """Extra flag loads an interpreted consumer may spin (0: one check, the producers ran first)."""
         return self._owner.max_spin
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a compiled consumer's flag wait may last (the workspace timeout)."""
+        return self._owner.timeout
 
     def data(self, dtype: torch.dtype, numel: int, offset: int = 0, op: str = "workspace") -> torch.Tensor:
         """A 1-D ``dtype`` view of ``numel`` elements of this rank's data region, ``offset`` bytes in."""
@@ -174,21 +184,28 @@ class RankBuffers:
         self._owner.wait_producers()
 
     def check_status(self, op: str, what: str) -> None:
-        """Raise if a flag wait of the last consumer kernel gave up; then clear the status words.
+        """Raise if a flag wait of the last consumer kernel gave up (on every rank that saw it).
 
-        Reading the status synchronises the device, so on CUDA it runs only when
-        ``ws.strict`` is set (CPU and ``DISTFUSE_DEBUG=1``).
+        A timed-out wait has already poisoned what it would have read (NaN), so a stale
+        result can never pass for a good one; this turns it into a host-side error:
+
+        * CPU, ``DISTFUSE_DEBUG=1``, and CUDA by default (``DISTFUSE_STATUS_CHECK=sync``):
+          read the status words now, a device sync, before the op returns its result.
+        * CUDA with ``DISTFUSE_STATUS_CHECK=deferred``: copy them to pinned host memory
+          behind an event, and raise at the next claim of the workspace (the next fused
+          op) or at :meth:`_Workspace.check_deferred`.  No host sync in the op: for
+          overlap and CUDA-graph capture, at the price of raising one op late.
         """
-        if not self._owner.strict:
+        owner = self._owner
+        if owner.strict or owner.status_mode == "sync" or self.status.device.type != "cuda":
+            owner.raise_on_status(self.status.clone() if self.status.device.type == "cpu" else self.status,
+                                  self.rank, self.epoch, op, what)
             return
-        bad = torch.nonzero(self.status).flatten().tolist()
-        if bad:
-            self.status.zero_()
-            self._owner.broken = True
-            raise CollectiveTimeoutError(
-                f"{where(op)}: rank {self.rank} of {self.world_size}: {what}: expected flag epoch "
-                f"{self.epoch}, but the flag of peer(s) {bad} was not raised within the wait (timeout "
-                f"{self._owner.timeout:.1f} s); a peer failed, or ranks issued different op sequences")
+        host = torch.empty(self.status.shape, dtype=self.status.dtype, pin_memory=True)
+        host.copy_(self.status, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        owner.deferred.append((host, event, self.rank, self.epoch, op, what))
 
 
 class _Workspace(abc.ABC):
@@ -205,6 +222,8 @@ class _Workspace(abc.ABC):
         self.broken = False
         self.closed = False
         self.strict = self.device.type == "cpu" or debug.enabled()
+        self.status_mode = status_check_mode()
+        self.deferred: list = []  # (pinned status copy, event, rank, epoch, op, what), deferred mode only
         self.max_spin = 0
         self._busy: str | None = None
         self._lock = threading.Lock()
@@ -224,6 +243,15 @@ class _Workspace(abc.ABC):
             if self.broken:
                 raise WorkspaceBrokenError(f"{where(op)}: the workspace failed during an earlier op; get a fresh one "
                                            "from get_workspace (collective over the group)")
+            if self._busy is None and self.deferred:
+                self._busy = op
+                try:
+                    self.check_deferred()
+                except BaseException:
+                    self.broken = True
+                    raise
+                finally:
+                    self._busy = None
             if self._busy is not None:
                 raise WorkspaceBusyError(
                     f"{where(op)}: the workspace is in use by {self._busy!r}: one fused op in flight per workspace "
@@ -243,6 +271,23 @@ class _Workspace(abc.ABC):
             raise
         finally:
             self._busy = None
+
+    def raise_on_status(self, status: torch.Tensor, rank: int, epoch: int, op: str, what: str) -> None:
+        """Raise :class:`CollectiveTimeoutError` if any status word is set (reads ``status``: a sync on CUDA)."""
+        bad = torch.nonzero(status).flatten().tolist()
+        if bad:
+            self.broken = True
+            raise CollectiveTimeoutError(
+                f"{where(op)}: rank {rank} of {self.world_size}: {what}: expected flag epoch {epoch}, but the flag "
+                f"of peer(s) {bad} was not raised within the wait (timeout {self.timeout:.1f} s); a peer failed, "
+                "or ranks issued different op sequences.  The op's output holds NaN where the data never came.")
+
+    def check_deferred(self) -> None:
+        """Raise for a flag wait that gave up in an earlier op (``DISTFUSE_STATUS_CHECK=deferred``)."""
+        pending, self.deferred = self.deferred, []
+        for host, event, rank, epoch, op, what in pending:
+            event.synchronize()
+            self.raise_on_status(host, rank, epoch, op, what)
 
     def require_in_flight(self, op: str) -> None:
         """Launchers call this: their flags need the epoch of a claimed op."""
@@ -273,7 +318,42 @@ class _Workspace(abc.ABC):
 def _address_table(ptrs: list[int], W: int, device) -> torch.Tensor:
     """int64 ``[2, W]`` from the buffers' base addresses: row 0 the data regions, row 1 the flag words."""
     hdr = header_bytes(W)
+    misaligned = [r for r, p in enumerate(ptrs) if (p + hdr) % 16]
+    if misaligned:  # the GEMM epilogue's 16-byte remote stores rely on it (kernels/gemm_rs.py)
+        raise UnsupportedError(f"{where('SymmetricWorkspace')}: the data regions of rank(s) {misaligned} are not "
+                               f"16-byte aligned ({[hex(ptrs[r] + hdr) for r in misaligned]})")
     return torch.tensor([[p + hdr for p in ptrs], list(ptrs)], dtype=torch.int64, device=device)
+
+
+def _peer_addresses(bases: list[int], offsets: list[int], sizes: list[int | None], group_ranks: list[int],
+                    partition_ranks: tuple[int, ...] | list[int], total: int) -> list[int]:
+    """Every rank's workspace address, in partition-rank order, from its allocation base and offset (pure).
+
+    ``bases`` (torch's ``buffer_ptrs``, already mapped into this process), ``offsets`` (where
+    each rank's tensor lies in its allocation) and ``sizes`` (each allocation's
+    ``buffer_size``, None where torch does not report it) are in group-rank order, the
+    world ranks of ``group_ranks``; the workspace slots follow ``partition_ranks``, which
+    may list them in another order.  Each peer's address is its own base plus its own
+    offset: torch's symmetric pool need not place the buffer at the same offset on every
+    rank, so one rank's offset says nothing about another's.  Raises
+    :class:`UnsupportedError` naming the rank whose ``total``-byte buffer does not lie
+    within its allocation.
+    """
+    if not len(bases) == len(offsets) == len(sizes) == len(group_ranks):
+        raise UnsupportedError(f"{where('SymmetricWorkspace')}: {len(bases)} buffer pointers, {len(offsets)} offsets "
+                               f"and {len(sizes)} sizes for a group of {len(group_ranks)} ranks")
+    out = []
+    for p, world in enumerate(partition_ranks):
+        g = group_ranks.index(world)
+        off, size = int(offsets[g]), sizes[g]
+        limit = int(size) - total if size is not None else None
+        if off < 0 or (limit is not None and off > limit):
+            raise UnsupportedError(
+                f"{where('SymmetricWorkspace')}: the symmetric buffer of partition rank {p} (world rank {world}) lies "
+                f"outside its allocation: expected an offset in [0, {limit if limit is not None else 'size - total'}] "
+                f"(allocation {size} bytes, buffer {total} bytes), got {off}")
+        out.append(int(bases[g]) + off)
+    return out
 
 
 # ---------------------------------------------------------------- loopback
@@ -486,21 +566,29 @@ class SymmetricWorkspace(_Workspace):
         self._handle = handle
         self._cuda_buf = buf
         self.barrier("SymmetricWorkspace.setup")  # peers see zeroed headers before any op
-        # Peer buffers are addressed through the table only; each entry is a pointer in this process.
-        # Torch versions with a symmetric mempool report the allocation's base in `buffer_ptrs` and the
-        # tensor's place in it separately; the allocations are symmetric, so this rank's own delta
-        # (0 where `buffer_ptrs` already point at the tensor) applies to every peer.
-        # `buffer_ptrs` is in group-rank order, and torch sorts a group's ranks; workspace slots are in
-        # partition-rank order, which differs when a partition lists its ranks out of order.
-        by_group_rank = [int(p) for p in handle.buffer_ptrs]
+        # Where this rank's tensor lies in its allocation: torch versions with a symmetric mempool
+        # report the allocation's base in `buffer_ptrs` (0 offset where they point at the tensor).
+        # The pool may place the tensor at a different offset on each rank, so every rank's offset
+        # (and allocation size) is gathered; `buffer_ptrs` and the gather are both in group-rank order.
+        by_group_rank = [int(ptr) for ptr in handle.buffer_ptrs]
         sorted_ranks = sorted(P.ranks)
-        ptrs = [by_group_rank[sorted_ranks.index(world)] for world in P.ranks]
-        delta = buf.data_ptr() - ptrs[self.rank]
-        limit = int(getattr(handle, "buffer_size", delta + total))
-        if not 0 <= delta <= limit - total:
-            raise UnsupportedError(f"{where('SymmetricWorkspace')}: the symmetric buffer lies outside its allocation "
-                                   f"(offset {delta}, allocation {limit} bytes, buffer {total} bytes)")
-        return buf, [p + delta for p in ptrs]
+        own_offset = buf.data_ptr() - by_group_rank[sorted_ranks.index(P.ranks[self.rank])]
+        size = getattr(handle, "buffer_size", None)
+        mine = torch.tensor([own_offset, int(size) if size is not None else -1], dtype=torch.int64)
+        gathered = torch.empty(2 * P.size, dtype=torch.int64)
+        try:
+            all_gather_flat(gathered, mine, group=P.meta_group)
+        except RuntimeError as exc:
+            raise CollectiveTimeoutError(f"{where('SymmetricWorkspace')}: set-up is collective over ranks "
+                                         f"{list(P.ranks)}, but not every rank arrived to exchange buffer "
+                                         f"offsets: {exc}") from exc
+        rows = gathered.view(P.size, 2).tolist()
+        ptrs = _peer_addresses(by_group_rank, [r[0] for r in rows], [r[1] if r[1] >= 0 else None for r in rows],
+                               sorted_ranks, P.ranks, total)
+        if ptrs[self.rank] != buf.data_ptr():
+            raise UnsupportedError(f"{where('SymmetricWorkspace')}: the peer table puts this rank's own buffer at "
+                                   f"{ptrs[self.rank]:#x}, but it lies at {buf.data_ptr():#x}")
+        return buf, ptrs
 
     # ---- this rank's share, without going through rank_view
     @property
@@ -574,6 +662,17 @@ class SymmetricWorkspace(_Workspace):
     def __repr__(self) -> str:
         return (f"SymmetricWorkspace(backend={self.backend}, ranks={list(self.ranks)}, rank={self.rank}, "
                 f"nbytes={self.nbytes}, gen={self.generation}, epoch={self.epoch}, broken={self.broken})")
+
+
+STATUS_CHECK_MODES = ("sync", "deferred")
+
+
+def status_check_mode() -> str:
+    """``DISTFUSE_STATUS_CHECK``: when a CUDA consumer's flag-wait status is read (see ``check_status``)."""
+    mode = os.environ.get("DISTFUSE_STATUS_CHECK", "sync").strip().lower() or "sync"
+    if mode not in STATUS_CHECK_MODES:
+        raise ValueError(f"DISTFUSE_STATUS_CHECK={mode!r}: expected one of {STATUS_CHECK_MODES}")
+    return mode
 
 
 def _spin_limit(timeout_s: float) -> int:
@@ -690,13 +789,86 @@ def _local_verdict(device: torch.device) -> tuple[bool, str]:
     return True, "CUDA symmetric memory"
 
 
+ALLOW_OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
+
+
+def _allow_overlapping_devices() -> bool:
+    """Whether torch's rendezvous accepts ranks that share a GPU: ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``.
+
+    torch reads the variable as a strict boolean flag (``"1"`` on, ``"0"`` off), so
+    exactly ``"1"`` counts here too.
+    """
+    return os.environ.get(ALLOW_OVERLAP_ENV, "") == "1"
+
+
+def _device_uuid(index: int) -> str:
+    """The GPU's uuid, or "" where torch does not report one.
+
+    Not the index as a stand-in: under per-rank ``CUDA_VISIBLE_DEVICES`` every rank's GPU
+    is ``cuda:0``, and equal indices would read as one shared GPU.
+    """
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return str(uuid) if uuid is not None else ""
+
+
+def _group_verdict(ok: bool, reason: str, infos: list, group_ranks: list[int], device_index: int | None, *,
+                   visible: dict[str, int], can_access, allow_overlapping: bool) -> tuple[bool, str]:
+    """This rank's verdict on symmetric memory over a group, from every rank's gathered facts (pure).
+
+    Args:
+        ok, reason: this rank's local verdict (:func:`_local_verdict`).
+        infos: ``(hostname, gpu uuid or "", device name, ok, reason)`` of every rank, in
+            the gather's order (group-rank order: sorted world ranks).
+        group_ranks: the world rank of each entry of ``infos``, to name ranks in reasons.
+        device_index: this rank's CUDA device index (None on CPU).
+        visible: uuid -> local index of the GPUs this process sees.
+        can_access: ``can_access(i, j)``, whether local GPU ``i`` reaches local GPU ``j`` (P2P).
+        allow_overlapping: ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` on this rank.
+
+    Unavailable when the ranks span several hosts; when two ranks of one host hold the
+    same GPU (torch's rendezvous rejects that unless ``allow_overlapping``: the mode in
+    which a one-GPU machine runs the real CUDA path with two processes); when a peer's
+    GPU is visible here but not reachable by P2P.
+    """
+    if not ok:
+        return ok, reason
+    hosts = sorted({info[0] for info in infos})
+    if len(hosts) > 1:
+        return False, (f"ranks {list(group_ranks)} span {len(hosts)} hosts ({', '.join(hosts[:4])}); symmetric "
+                       "memory needs one host")
+    if device_index is None:
+        return ok, reason
+    holders: dict[str, list[int]] = {}
+    for g, info in enumerate(infos):
+        if info[1]:
+            holders.setdefault(info[1], []).append(g)
+    shared = {uuid: gs for uuid, gs in holders.items() if len(gs) > 1}
+    if shared and not allow_overlapping:
+        uuid, gs = next(iter(shared.items()))
+        who = ", ".join(f"{group_ranks[g]} ({infos[g][2]})" for g in gs)
+        return False, (f"world ranks {who} share one GPU (uuid {uuid}) on host {hosts[0]}; torch's "
+                       "symmetric-memory rendezvous rejects ranks on the same device: give each rank its own GPU "
+                       f"(torch.cuda.set_device(local_rank)), or set {ALLOW_OVERLAP_ENV}=1 on every rank to allow it "
+                       "(for testing the CUDA path with several processes on one GPU)")
+    for g, info in enumerate(infos):
+        j = visible.get(info[1]) if info[1] else None
+        # A peer GPU hidden by CUDA_VISIBLE_DEVICES cannot be checked here; allocation will tell.
+        if j is not None and j != device_index and not can_access(device_index, j):
+            return False, f"no P2P access from cuda:{device_index} to cuda:{j} (world rank {group_ranks[g]})"
+    if shared:
+        return ok, f"{reason} (ranks share GPUs; {ALLOW_OVERLAP_ENV}=1)"
+    return ok, reason
+
+
 def symmetric_memory_available(P: Partition, device=None) -> tuple[bool, str]:
     """Whether ``P`` can use symmetric workspaces on ``device``, and why (cached per group and device).
 
-    False when the ranks span several hosts, when GPUs of one host cannot reach each
-    other (no P2P), when torch lacks symmetric memory, or on CPU without ``/dev/shm`` or
-    the Triton interpreter.  Collective over ``P`` the first time (two small gathers on
-    ``P.meta_group``), so every rank of ``P`` gets the same answer; cached afterwards.
+    False when the ranks span several hosts, when two ranks share one GPU (unless
+    ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, which torch's rendezvous needs for
+    that), when GPUs of one host cannot reach each other (no P2P), when torch lacks
+    symmetric memory, or on CPU without ``/dev/shm`` or the Triton interpreter.
+    Collective over ``P`` the first time (two small gathers on ``P.meta_group``), so
+    every rank of ``P`` gets the same answer; cached afterwards.
     """
     if not P.active:
         return False, "this rank is not in the partition"
@@ -710,29 +882,23 @@ def symmetric_memory_available(P: Partition, device=None) -> tuple[bool, str]:
         return ok, reason
     import socket
 
-    uuid = ""
-    if ok and device.type == "cuda":
-        uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", device.index))
+    cuda = ok and device.type == "cuda"
+    uuid = _device_uuid(device.index) if cuda else ""
     infos: list = [None] * P.size
-    dist.all_gather_object(infos, (socket.gethostname(), uuid, ok, reason), group=P.meta_group)
-    hosts = sorted({h for h, _, _, _ in infos})
-    if ok and len(hosts) > 1:
-        ok, reason = False, f"ranks {list(P.ranks)} span {len(hosts)} hosts ({', '.join(hosts[:4])}); symmetric " \
-                            "memory needs one host"
-    if ok and device.type == "cuda":
-        visible = {str(getattr(torch.cuda.get_device_properties(i), "uuid", i)): i
-                   for i in range(torch.cuda.device_count())}
-        for r, (_, peer_uuid, _, _) in enumerate(infos):
-            j = visible.get(peer_uuid)
-            # A peer GPU hidden by CUDA_VISIBLE_DEVICES cannot be checked here; allocation will tell.
-            if j is not None and j != device.index and not torch.cuda.can_device_access_peer(device.index, j):
-                ok, reason = False, f"no P2P access from cuda:{device.index} to cuda:{j} (rank {r})"
-                break
+    dist.all_gather_object(infos, (socket.gethostname(), uuid, str(device), ok, reason), group=P.meta_group)
+    # The gathers are in group-rank order: torch's new_group sorts the ranks.
+    group_ranks = sorted(P.ranks)
+    visible = {}
+    if cuda:
+        visible = {u: i for i in range(torch.cuda.device_count()) if (u := _device_uuid(i))}
+    ok, reason = _group_verdict(ok, reason, infos, group_ranks, device.index if cuda else None, visible=visible,
+                                can_access=torch.cuda.can_device_access_peer,
+                                allow_overlapping=_allow_overlapping_devices())
     verdicts: list = [None] * P.size
     dist.all_gather_object(verdicts, (ok, reason), group=P.meta_group)
-    for r, (v_ok, v_reason) in enumerate(verdicts):
+    for g, (v_ok, v_reason) in enumerate(verdicts):
         if not v_ok:
-            ok, reason = False, f"rank {r}: {v_reason}"
+            ok, reason = False, f"world rank {group_ranks[g]}: {v_reason}"
             break
     _AVAILABLE[key] = (ok, reason)
     return ok, reason

@@ -29,6 +29,14 @@ __all__ = [
     "FLOAT_DTYPES",
     "cast_out",
     "wait_flag",
+    "globaltimer",
+    "TIMED_WAITS",
+    "timeout_arg",
+    "config_of",
+    "ws_may_tune",
+    "pinned_gemm_config",
+    "gemm_shared_bytes",
+    "SM90_SHARED_BYTES",
     "arrive",
     "raise_flag",
     "round_bf16",
@@ -45,17 +53,23 @@ __all__ = [
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 HAS_CUDA: bool = torch.cuda.is_available() and not INTERPRET
 AUTOTUNE: bool = HAS_CUDA and os.environ.get("DISTFUSE_AUTOTUNE", "1") != "0"
+#: Compiled consumer kernels bound their flag waits by ``%globaltimer``; interpreted ones count loads.
+TIMED_WAITS: bool = not INTERPRET
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def input_precision(dtype: torch.dtype) -> str:
-    """``tl.dot`` input precision: fp32 operands use full IEEE fp32, as ``torch.matmul`` does by default.
+    """``tl.dot`` input precision for ``dtype`` operands: fp32 follows torch's matmul setting.
 
-    Triton's default for fp32 is tf32 (10-bit mantissa), which would miss the fp32
-    tolerance by two orders of magnitude; 16-bit operands ignore the setting.
+    fp32 operands use full IEEE fp32, as ``torch.matmul`` does by default, and the TF32
+    tensor cores only where ``torch.backends.cuda.matmul.allow_tf32`` allows them for
+    torch too (Triton's own default, tf32, would miss the fp32 tolerance by two orders
+    of magnitude behind the user's back).  16-bit operands ignore the setting.
     """
-    return "ieee" if dtype == torch.float32 else "tf32"
+    if dtype != torch.float32:
+        return "tf32"
+    return "tf32" if (not INTERPRET and torch.backends.cuda.matmul.allow_tf32) else "ieee"
 
 
 def round_bf16(dtype: torch.dtype) -> bool:
@@ -76,10 +90,12 @@ def spin_limit(timeout_s: float) -> int:
 
 # ---------------------------------------------------------------- configs
 #
-# GEMM configs for H100/H200-class GPUs, not yet tuned on one (the dev machines have no
-# GPU): 128x128 and 128x256 tiles with 64-deep K steps, the usual starting points of
-# Triton's matmul tutorials for bf16, plus 64x* tiles for the small per-chunk M of a
-# wide tensor-parallel group (B_ * n / W rows per chunk).
+# GEMM tiles for H100/H200-class GPUs: 128x256 / 128x128 tiles with 64-deep K steps for
+# 16-bit operands, the usual starting points of Triton's Hopper matmuls, and 32-deep K
+# steps for fp32, whose operands take twice the shared memory per element: 128x256x64
+# with 3 stages would need ~288 KB of shared memory against sm_90's 227 KB.  Each config
+# of each dtype is compiled for sm_90 in CI (tests/test_compile_audit.py), which checks
+# its shared memory against the target's limit.
 #
 # CPU (interpreter) configs: an interpreted program instance costs ~0.05-0.2 s here almost
 # regardless of its tile size (Python overhead per op, measured on the 2-core dev machine),
@@ -89,28 +105,57 @@ CPU_GEMM_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
 CPU_CHUNK_REDUCE_CONFIG = dict(BLOCK=64)
 CPU_PUSH_CONFIG = dict(BLOCK_M=16, BLOCK_K=32)
 
+#: sm_90's shared memory per block (227 KB): configs above it fail to launch.
+SM90_SHARED_BYTES = 232448
 
-def get_gemm_configs() -> list[triton.Config]:
-    """Autotuning configs of the GEMMs in ``gemm_rs`` and ``ag_gemm`` (CUDA only)."""
-    shapes = [
-        # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-        (128, 256, 64, 8, 3),
-        (128, 128, 64, 8, 4),
-        (128, 128, 64, 4, 4),
-        (64, 128, 64, 4, 4),
-        (64, 64, 64, 4, 4),
-        (64, 64, 32, 4, 3),
-    ]
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); the first of each list is the
+# default for large chunks, the last the one for small chunks (see pinned_gemm_config).
+_GEMM_SHAPES = {
+    2: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+        (64, 64, 64, 4, 4), (64, 64, 32, 4, 3)],
+    4: [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 3)],
+}
+
+
+def gemm_shared_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, itemsize: int) -> int:
+    """Lower bound on a pipelined GEMM's shared memory: ``num_stages`` A and B tiles."""
+    return num_stages * (block_m * block_k + block_k * block_n) * itemsize
+
+
+def get_gemm_configs(dtype: torch.dtype = torch.bfloat16) -> list[triton.Config]:
+    """Autotuning configs of the GEMMs in ``gemm_rs`` and ``ag_gemm`` for operands of ``dtype`` (CUDA only)."""
+    size = 4 if dtype.itemsize >= 4 else 2
     return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8), num_warps=w, num_stages=s)
-            for m, n, k, w, s in shapes]
+            for m, n, k, w, s in _GEMM_SHAPES[size]]
 
 
-def get_chunk_reduce_configs() -> list[triton.Config]:
+def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int) -> dict:
+    """One GEMM config per (dtype, shape bucket): the same on every rank, chosen without timing.
+
+    A fused op on a real group never autotunes: the autotuner reruns kernels that store
+    into peers' buffers and raise their flags, and it times consumers that spin on
+    peers, so ranks would stall on one another while each tunes (and could pick
+    different tiles).  ``rows`` is the largest chunk's row count, ``cols`` the output
+    features.  Loopback ops (one process) may autotune; see :func:`pick_launch`.
+    """
+    shapes = _GEMM_SHAPES[4 if dtype.itemsize >= 4 else 2]
+    if rows >= 128 and cols >= 256 and dtype.itemsize < 4:
+        m, n, k, w, s = shapes[0]
+    elif rows >= 128 and cols >= 128:
+        m, n, k, w, s = shapes[1] if dtype.itemsize < 4 else shapes[0]
+    elif cols >= 128:
+        m, n, k, w, s = shapes[3] if dtype.itemsize < 4 else shapes[2]
+    else:
+        m, n, k, w, s = shapes[-1]
+    return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
+
+
+def get_chunk_reduce_configs(dtype: torch.dtype | None = None) -> list[triton.Config]:
     """Configs of the memory-bound chunk reduction: 1-4k elements per program saturate HBM."""
     return [triton.Config(dict(BLOCK=b), num_warps=w) for b, w in ((1024, 4), (2048, 8), (4096, 8))]
 
 
-def get_push_configs() -> list[triton.Config]:
+def get_push_configs(dtype: torch.dtype | None = None) -> list[triton.Config]:
     """Configs of the all-gather push copy (one tile load, W - 1 peer stores)."""
     return [triton.Config(dict(BLOCK_M=m, BLOCK_K=k), num_warps=w) for m, k, w in ((32, 256, 4), (64, 256, 8),
                                                                                    (16, 512, 4))]
@@ -141,23 +186,41 @@ def cast_out(x, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
-def wait_flag(flag_ptr, epoch, status_ptr, max_spin):
-    """Spin until ``*flag_ptr == epoch`` (acquire, system scope), at most ``max_spin`` extra loads.
+def globaltimer():
+    """The GPU's nanosecond clock (``%globaltimer``), for time-bounded waits (compiled kernels only)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
 
-    On failure ``*status_ptr`` is set to ``epoch`` and the caller goes on: a device
-    kernel cannot raise, so the launcher reads the status word and raises on the host.
-    With ``max_spin == 0`` this is one check (the CPU path, where a host barrier has
-    already ordered the producers before the consumer).
+
+@triton.jit
+def wait_flag(flag_ptr, epoch, status_ptr, timeout_ns, TIMED: tl.constexpr):
+    """Spin until ``*flag_ptr == epoch`` (acquire, system scope); give up after ``timeout_ns``; return success.
+
+    ``TIMED`` (compiled kernels): the bound is wall time read from ``%globaltimer``, so it
+    holds whatever a load costs on this GPU and link.  Untimed (the interpreter, where a
+    host barrier has already ordered the producers before the consumer): ``timeout_ns``
+    counts extra loads, and the CPU path passes 0 (one check).  On failure
+    ``*status_ptr`` is set to ``epoch``: a device kernel cannot raise, so the launcher
+    reads the status word and raises on the host, and the caller poisons what it would
+    have read (NaN), so a result built from stale data can never pass for a good one.
     """
-    spins = tl.full([], 0, tl.int32)  # a typed int32 loop-carried counter
     val = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-    while (val != epoch) & (spins < max_spin):
-        val = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-        spins += 1
-    if val != epoch:
+    if TIMED:
+        start = globaltimer()
+        elapsed = tl.full([], 0, tl.int64)
+        while (val != epoch) & (elapsed < timeout_ns):
+            val = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            elapsed = globaltimer() - start
+    else:
+        spins = tl.full([], 0, tl.int64)  # a typed loop-carried counter
+        while (val != epoch) & (spins < timeout_ns):
+            val = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+            spins += 1
+    ok = val == epoch
+    if not ok:
         tl.atomic_xchg(status_ptr, epoch)
     # Every thread of the program reads the data after the flag, not only the one that spun.
     tl.debug_barrier()
+    return ok
 
 
 @triton.jit
@@ -187,13 +250,45 @@ def raise_flag(flag_ptr, epoch):
     tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
 
 
-def pick_launch(tuned, kernel, cpu_config: dict, cuda_configs, config: dict | None):
-    """(kernel, launch kwargs): an explicit config, the autotuner, the first CUDA config, or the CPU config."""
+def pick_launch(tuned, kernel, cpu_config: dict, pinned: dict, config: dict | None, *, may_tune: bool):
+    """(kernel, launch kwargs): an explicit config, the autotuner, the pinned CUDA config, or the CPU config.
+
+    ``may_tune`` is False for ops on a real group (see :func:`pinned_gemm_config`); the
+    autotuner then never runs, whatever ``DISTFUSE_AUTOTUNE`` says.
+    """
     if config is not None:
         return kernel, dict(config)
-    if tuned is not None:
+    if INTERPRET or not HAS_CUDA:
+        return kernel, dict(cpu_config)
+    if tuned is not None and may_tune:
         return tuned, {}
-    if HAS_CUDA:
-        c = cuda_configs()[0]
-        return kernel, dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-    return kernel, dict(cpu_config)
+    return kernel, dict(pinned)
+
+
+def ws_may_tune(ws) -> bool:
+    """Whether ops on ``ws`` may autotune: only a loopback workspace (every virtual rank in this process).
+
+    Rerunning a loopback kernel rewrites the same slots with the same values and raises
+    the same flags, so tuning it is harmless; on a real group it is not (see
+    :func:`pinned_gemm_config`).
+    """
+    return getattr(ws, "backend", None) == "loopback"
+
+
+def config_of(configs: list[triton.Config], index: int = 0) -> dict:
+    """Launch kwargs of one ``triton.Config`` (block sizes plus ``num_warps``/``num_stages``)."""
+    c = configs[index]
+    return dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+def timeout_arg(ws_view) -> int:
+    """The flag-wait bound a consumer kernel gets for :func:`wait_flag`.
+
+    Compiled: the workspace timeout in nanoseconds, or 0 (one check) where the
+    workspace does not spin (loopback: every producer ran earlier on the same stream).
+    Interpreted: the workspace's extra-load count (0 on the CPU backend, whose host
+    barrier orders the producers first).
+    """
+    if ws_view.max_spin == 0:
+        return 0
+    return int(ws_view.timeout * 1e9) if TIMED_WAITS else ws_view.max_spin

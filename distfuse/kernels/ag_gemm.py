@@ -42,15 +42,20 @@ from distfuse.kernels._utils import (
     CPU_PUSH_CONFIG,
     FLOAT_DTYPES,
     INTERPRET,
+    TIMED_WAITS,
     arrive,
     cast_out,
+    config_of,
     get_gemm_configs,
     get_push_configs,
     input_precision,
     pick_launch,
+    pinned_gemm_config,
     raise_flag,
     round_bf16,
+    timeout_arg,
     wait_flag,
+    ws_may_tune,
 )
 
 __all__ = [
@@ -63,7 +68,8 @@ __all__ = [
 ]
 
 
-@triton.jit
+# Per-call integers must not be specialised (see gemm_rs): epochs 1, 2, 16 would recompile mid-op.
+@triton.jit(do_not_specialize=["rank", "epoch", "start_p"])
 def _ag_push_kernel(
     x_ptr, gathered_ptr, data_ptrs, flag_ptrs, counter_ptr,
     n_batch, n, K, len_p, start_p, rank, W, epoch,
@@ -96,15 +102,20 @@ def _ag_push_kernel(
             raise_flag(flag, epoch)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
 def _ag_gemm_kernel(
     x_ptr, gathered_ptr, b_ptr, bias_ptr, y_ptr, flags_ptr, status_ptr,
-    n_batch, n, N, K, rank, W, epoch, max_spin,
-    stride_xb, stride_xn, stride_bn, stride_bk,
+    n_batch, n, N, K, rank, W, epoch, timeout,
+    stride_xb, stride_xn, stride_bn, stride_bk, stride_bias,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    TIMED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """Grid (tiles of the largest chunk, W): axis 1 is the step, chunk = (rank - step) % W, local first."""
+    """Grid (tiles of the largest chunk, W): axis 1 is the step, chunk = (rank - step) % W, local first.
+
+    A tile whose peer chunk never arrived (``wait_flag`` timed out) is stored as NaN; the
+    launcher raises on the status word.
+    """
     pid = tl.program_id(0)
     step = tl.program_id(1)
     chunk = (rank - step + W) % W
@@ -116,8 +127,9 @@ def _ag_gemm_kernel(
     num_pid_m = tl.cdiv(M_c, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if pid < num_pid_m * num_pid_n:
+        ok = True
         if chunk != rank:
-            wait_flag(flags_ptr + chunk * W + chunk, epoch, status_ptr + chunk, max_spin)
+            ok = wait_flag(flags_ptr + chunk * W + chunk, epoch, status_ptr + chunk, timeout, TIMED)
         num_pid_in_group = GROUP_M * num_pid_n
         first_pid_m = (pid // num_pid_in_group) * GROUP_M
         group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
@@ -139,22 +151,24 @@ def _ag_gemm_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             a = tl.load(a_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+            # int64 offsets: a weight of 2^31 elements or more must not wrap.
+            b = tl.load(b_ptr + offs_k.to(tl.int64)[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn,
                         mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        acc = tl.where(ok, acc, float("nan"))
         out = cast_out(acc, y_ptr.dtype.element_ty, ROUND_BF16)
         tl.store(y_ptr + g_rows[:, None] * N + offs_n[None, :], out, mask=mask_m[:, None] & mask_n[None, :])
 
 
 _push_tuned = triton.autotune(get_push_configs(), key=["n_batch", "len_p", "K", "W"])(_ag_push_kernel) \
     if AUTOTUNE else None
-_ag_gemm_tuned = triton.autotune(get_gemm_configs(), key=["n_batch", "n", "N", "K"])(_ag_gemm_kernel) \
-    if AUTOTUNE else None
+_ag_gemm_tuned = {size: triton.autotune(get_gemm_configs(dt), key=["n_batch", "n", "N", "K"])(_ag_gemm_kernel)
+                  for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
 
 
 def ag_gemm_workspace_bytes(batch: int, n: int, K: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -200,7 +214,8 @@ def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, co
     gathered = st.data(x.dtype, n_batch * n * K, op=op)
     if W == 1:
         return
-    kernel, meta = pick_launch(_push_tuned, _ag_push_kernel, CPU_PUSH_CONFIG, get_push_configs, config)
+    kernel, meta = pick_launch(_push_tuned, _ag_push_kernel, CPU_PUSH_CONFIG, config_of(get_push_configs()), config,
+                               may_tune=ws_may_tune(ws))
     start_p = block_range(n, W, rank)[0]
 
     def grid(META):
@@ -257,8 +272,9 @@ def ag_gemm_consume(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
         out = out.view(shape)
     gathered = st.data(x.dtype, n_batch * n * K, op=op)
     st.wait_producers()  # collective on CPU
-    kernel, meta = pick_launch(_ag_gemm_tuned, _ag_gemm_kernel, CPU_GEMM_CONFIG, get_gemm_configs, config)
     m_max = n_batch * (-(-n // W))
+    kernel, meta = pick_launch(_ag_gemm_tuned.get(min(x.dtype.itemsize, 4)), _ag_gemm_kernel, CPU_GEMM_CONFIG,
+                               pinned_gemm_config(x.dtype, m_max, N), config, may_tune=ws_may_tune(ws))
 
     def grid(META):
         return (triton.cdiv(m_max, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]), W)
@@ -271,10 +287,10 @@ def ag_gemm_consume(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     if m_max > 0 and N > 0:
         kernel[grid](
             x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,
-            n_batch, n, N, K, rank, W, st.epoch, st.max_spin,
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1),
+            n_batch, n, N, K, rank, W, st.epoch, timeout_arg(st),
+            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
             HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x.dtype),
-            ROUND_BF16=round_bf16(out_dtype), **meta,
+            ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, **meta,
         )
         st.check_status(op, "gathered chunks")
     lead = a_shard.shape[:-2]

@@ -19,15 +19,23 @@ already reversed for reflect and 0 for replicate) and the int64 piece table ``(k
 base, lead stride, stride0, stride1)`` with kind 0 = zero fill, 1 = ``x``, 2 = ``recv``.
 Every A element costs 6 LUT loads + 5 piece-table loads (all tiny, cache resident) on
 top of its data load; a staged copy costs one store and one load per staged element
-instead.  Which one wins on a GPU is unmeasured: **no GPU was available when this was
-written, so no claim against cuDNN (or against stage + cuDNN) is made.**
+instead.  Which one wins on a GPU is unmeasured: **no timing has been taken (the kernel's
+results were checked on an H100 with Triton 3.6, its speed was not), so no claim against
+cuDNN (or against stage + cuDNN) is made.**
 
 Design decisions:
 
-* **fp32 operands for ``tl.dot``.**  The Triton interpreter computes bf16 ``tl.dot``
-  wrongly, so the loaded A and B tiles are converted to fp32 and the dot runs with
-  ``input_precision="ieee"`` (exact fp32 products; on a GPU "tf32" would be the speed
-  choice and a tolerance change).
+* **16-bit operands feed the tensor cores.**  Compiled, bf16/fp16 A and B tiles go to
+  ``tl.dot`` as loaded, with fp32 accumulation; fp32 tiles use ``input_precision`` of
+  ``kernels/_utils.py`` (IEEE fp32 unless torch allows TF32).  Interpreted, the tiles are
+  upcast to fp32 first, because the interpreter's bf16 ``tl.dot`` is wrong (the products
+  of 16-bit values are exact in fp32, so only the summation order differs), and bf16
+  outputs are rounded to nearest even by hand (``cast_out``), as in the GEMM kernels.
+* **The K loop.**  Compiled, ``for k in range(0, K, BLOCK_K)`` (a loop Triton
+  software-pipelines); interpreted, the same steps in a ``while`` loop, because Triton
+  3.6's interpreter converts a runtime ``range`` bound with ``int()`` of a shape-(1,)
+  array, which numpy 2 rejects.  Both call one ``_conv_k_step``, whose k-indexed
+  temporaries are local, so the tile shapes are free (BLOCK_M != BLOCK_K compiles).
 * **Plain pointer arithmetic, exact masks.**  No ``tl.make_block_ptr`` (unsupported by
   the interpreter); every load is masked on ``m < M``, ``k < K``, ``n < N`` and the
   piece kind, because an out-of-bounds access silently corrupts memory there.
@@ -46,6 +54,7 @@ import triton
 import triton.language as tl
 
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.kernels._utils import INTERPRET, cast_out, input_precision
 from distfuse.kernels.halo import _check_flat, _pad3, _stage_tables, halo_stage_reference, recv_numel
 from distfuse.primitives.halo_plan import HaloPlan
 
@@ -54,6 +63,60 @@ __all__ = ["conv_implicit", "conv_implicit_reference"]
 _OP = "conv_implicit"
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+# (BLOCK_M, BLOCK_N, BLOCK_K) on GPUs: untuned (no GPU was measured); BLOCK_M != BLOCK_K on purpose, the
+# compile-for-sm_90 test covers it.
+_GPU_TILE = (64, 32, 32)
+
+
+@triton.jit
+def _conv_k_step(acc, k_start, b, o0, o1, o2, mmask, offs_n, nmask,
+                 x_ptr, r_ptr, w_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
+                 K, C, K0, K1, K2, NS1, NS2, SD0, SD1, SD2, DL0, DL1, DL2,
+                 UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc + A[m, k_start:k_start+BLOCK_K] @ B[k_start:k_start+BLOCK_K, n]``: one K step of the GEMM view.
+
+    ``acc`` ``[BLOCK_M, BLOCK_N]`` fp32; ``b, o0, o1, o2, mmask`` ``[BLOCK_M]`` (the tile's
+    rows decomposed once by the caller); ``offs_n, nmask`` ``[BLOCK_N]``.  Everything
+    indexed by k is ``[BLOCK_K]`` and local to this step, so no loop-carried value of the
+    caller changes shape (``q`` used to be ``[BLOCK_M]`` before the loop and ``[BLOCK_K]``
+    inside it, which only compiles when BLOCK_M == BLOCK_K).
+    """
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    kmask = offs_k < K
+    # k -> (c, k0, k1, k2): weight.reshape(Co, K) order
+    k2 = offs_k % K2
+    kq = offs_k // K2
+    k1 = kq % K1
+    kq = kq // K1
+    k0 = kq % K0
+    c = kq // K0
+    amask = mmask[:, None] & kmask[None, :]
+    p0 = o0[:, None] * SD0 + k0[None, :] * DL0  # staged coordinates, [BLOCK_M, BLOCK_K]
+    p1 = o1[:, None] * SD1 + k1[None, :] * DL1
+    p2 = o2[:, None] * SD2 + k2[None, :] * DL2
+    s0 = tl.load(seg0_ptr + p0, mask=amask, other=0)
+    c0 = tl.load(crd0_ptr + p0, mask=amask, other=0).to(tl.int64)
+    s1 = tl.load(seg1_ptr + p1, mask=amask, other=0)
+    c1 = tl.load(crd1_ptr + p1, mask=amask, other=0).to(tl.int64)
+    s2 = tl.load(seg2_ptr + p2, mask=amask, other=0)
+    c2 = tl.load(crd2_ptr + p2, mask=amask, other=0).to(tl.int64)
+    prow = ((s0 * NS1 + s1) * NS2 + s2) * 5
+    kind = tl.load(ptab_ptr + prow, mask=amask, other=0)
+    base = tl.load(ptab_ptr + prow + 1, mask=amask, other=0)
+    lstr = tl.load(ptab_ptr + prow + 2, mask=amask, other=0)
+    st0 = tl.load(ptab_ptr + prow + 3, mask=amask, other=0)
+    st1 = tl.load(ptab_ptr + prow + 4, mask=amask, other=0)
+    lead = (b[:, None] * C + c[None, :]).to(tl.int64)  # x and recv boxes are [B*C, ...]
+    off = base + lead * lstr + c0 * st0 + c1 * st1 + c2
+    va = tl.load(x_ptr + off, mask=amask & (kind == 1), other=0.0)
+    vb = tl.load(r_ptr + off, mask=amask & (kind == 2), other=0.0)
+    a = tl.where(kind == 2, vb, va)  # kind 0 (zero fill): va is the masked-load fill 0
+    w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
+                mask=kmask[:, None] & nmask[None, :], other=0.0)
+    if UPCAST:  # interpreter: its 16-bit tl.dot is wrong; fp32 products of 16-bit values are exact
+        a = a.to(tl.float32)
+        w = w.to(tl.float32)
+    return tl.dot(a, w, acc, input_precision=INPUT_PRECISION)
 
 
 @triton.jit
@@ -61,9 +124,15 @@ def _conv_implicit_kernel(y_ptr, x_ptr, r_ptr, w_ptr, bias_ptr,
                           seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
                           M, N, K, C, O0, O1, O2, K0, K1, K2, NS1, NS2,
                           SD0, SD1, SD2, DL0, DL1, DL2,
-                          HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
-    """y[b, n, o] = bias[n] + sum_{c, kp} w[n, c, kp] * staged[b, c, o * SD + kp * DL], staged read via the LUTs."""
+                          HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, UPCAST: tl.constexpr,
+                          INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[b, n, o] = bias[n] + sum_{c, kp} w[n, c, kp] * staged[b, c, o * SD + kp * DL], staged read via the LUTs.
+
+    Program ``(pid_m, pid_n)`` computes the ``[BLOCK_M, BLOCK_N]`` tile of the GEMM view
+    (rows ``m`` = (b, o), columns ``n`` = output channels), one ``_conv_k_step`` per
+    ``BLOCK_K`` slice of K.  ``INTERPRET`` picks the K loop's form only (see the module doc).
+    """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -72,52 +141,47 @@ def _conv_implicit_kernel(y_ptr, x_ptr, r_ptr, w_ptr, bias_ptr,
     nmask = offs_n < N
     # m -> (b, o0, o1, o2), once per tile row
     o2 = offs_m % O2
-    q = offs_m // O2
-    o1 = q % O1
-    q = q // O1
-    o0 = q % O0
-    b = q // O0
+    mq = offs_m // O2
+    o1 = mq % O1
+    mq = mq // O1
+    o0 = mq % O0
+    b = mq // O0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k_start in range(0, K, BLOCK_K):
-        offs_k = k_start + tl.arange(0, BLOCK_K)
-        kmask = offs_k < K
-        # k -> (c, k0, k1, k2): weight.reshape(Co, K) order
-        k2 = offs_k % K2
-        q = offs_k // K2
-        k1 = q % K1
-        q = q // K1
-        k0 = q % K0
-        c = q // K0
-        amask = mmask[:, None] & kmask[None, :]
-        p0 = o0[:, None] * SD0 + k0[None, :] * DL0  # staged coordinates, [BLOCK_M, BLOCK_K]
-        p1 = o1[:, None] * SD1 + k1[None, :] * DL1
-        p2 = o2[:, None] * SD2 + k2[None, :] * DL2
-        s0 = tl.load(seg0_ptr + p0, mask=amask, other=0)
-        c0 = tl.load(crd0_ptr + p0, mask=amask, other=0).to(tl.int64)
-        s1 = tl.load(seg1_ptr + p1, mask=amask, other=0)
-        c1 = tl.load(crd1_ptr + p1, mask=amask, other=0).to(tl.int64)
-        s2 = tl.load(seg2_ptr + p2, mask=amask, other=0)
-        c2 = tl.load(crd2_ptr + p2, mask=amask, other=0).to(tl.int64)
-        prow = ((s0 * NS1 + s1) * NS2 + s2) * 5
-        kind = tl.load(ptab_ptr + prow, mask=amask, other=0)
-        base = tl.load(ptab_ptr + prow + 1, mask=amask, other=0)
-        lstr = tl.load(ptab_ptr + prow + 2, mask=amask, other=0)
-        st0 = tl.load(ptab_ptr + prow + 3, mask=amask, other=0)
-        st1 = tl.load(ptab_ptr + prow + 4, mask=amask, other=0)
-        lead = (b[:, None] * C + c[None, :]).to(tl.int64)  # x and recv boxes are [B*C, ...]
-        off = base + lead * lstr + c0 * st0 + c1 * st1 + c2
-        va = tl.load(x_ptr + off, mask=amask & (kind == 1), other=0.0).to(tl.float32)
-        vb = tl.load(r_ptr + off, mask=amask & (kind == 2), other=0.0).to(tl.float32)
-        a = tl.where(kind == 2, vb, va)  # kind 0 (zero fill): va is the masked-load fill 0
-        w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
-                    mask=kmask[:, None] & nmask[None, :], other=0.0).to(tl.float32)
-        acc += tl.dot(a, w, input_precision="ieee")
+    if INTERPRET:
+        # Triton 3.6's interpreter cannot take a runtime range() bound: the same steps as a while loop
+        k_start = tl.full([], 0, tl.int32)
+        while k_start < K:
+            acc = _conv_k_step(acc, k_start, b, o0, o1, o2, mmask, offs_n, nmask,
+                               x_ptr, r_ptr, w_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr,
+                               ptab_ptr, K, C, K0, K1, K2, NS1, NS2, SD0, SD1, SD2, DL0, DL1, DL2,
+                               UPCAST, INPUT_PRECISION, BLOCK_K)
+            k_start += BLOCK_K
+    else:
+        # compiled: a for loop over a runtime bound, which Triton software-pipelines (a while loop it would not)
+        for k_start in range(0, K, BLOCK_K):
+            acc = _conv_k_step(acc, k_start, b, o0, o1, o2, mmask, offs_n, nmask,
+                               x_ptr, r_ptr, w_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr,
+                               ptab_ptr, K, C, K0, K1, K2, NS1, NS2, SD0, SD1, SD2, DL0, DL1, DL2,
+                               UPCAST, INPUT_PRECISION, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     ovol = O0 * O1 * O2
     o_flat = (o0 * O1 + o1) * O2 + o2
     y_off = (b.to(tl.int64) * N * ovol + o_flat)[:, None] + offs_n.to(tl.int64)[None, :] * ovol
-    tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+    tl.store(y_ptr + y_off, cast_out(acc, y_ptr.dtype.element_ty, ROUND_BF16), mask=mmask[:, None] & nmask[None, :])
+
+
+def _constexprs(dtype: torch.dtype, has_bias: bool, tile: tuple[int, int, int], interpret: bool = INTERPRET) -> dict:
+    """The kernel's constexpr arguments for ``dtype`` operands (the compile-for-sm_90 test passes interpret=False).
+
+    Compiled, 16-bit operands go to ``tl.dot`` as they are (tensor cores, fp32
+    accumulation) and fp32 ones with :func:`input_precision` (IEEE unless torch allows
+    TF32).  Interpreted, the operands are upcast to fp32 (its 16-bit ``tl.dot`` is wrong)
+    and bf16 outputs are rounded by hand (its fp32 -> bf16 conversion truncates).
+    """
+    bm, bn, bk = tile
+    return dict(HAS_BIAS=has_bias, INTERPRET=interpret, UPCAST=interpret, INPUT_PRECISION=input_precision(dtype),
+                ROUND_BF16=interpret and dtype == torch.bfloat16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
 
 
 def _tuple(v, nd: int, name: str) -> tuple[int, ...]:
@@ -193,20 +257,19 @@ def conv_implicit(x: torch.Tensor, recv: torch.Tensor, weight: torch.Tensor, bia
     M = B * math.prod(out_shape)
     if tile is None:
         # interpreter: each program costs Python time, so take big tiles; GPU values untuned (no GPU measured)
-        tile = (64, 32, 32) if x.device.type == "cuda" else (
+        tile = _GPU_TILE if x.device.type == "cuda" else (
             min(128, max(16, triton.next_power_of_2(M))), min(64, max(16, triton.next_power_of_2(Co))),
             min(128, max(16, triton.next_power_of_2(K))))
-    bm, bn, bk = tile
     r = recv if recv.numel() else x  # never dereferenced without a kind-2 piece
     O0, O1, O2 = _pad3(out_shape, 1)
     K0, K1, K2 = _pad3(tuple(weight.shape[2:]), 1)
     SD0, SD1, SD2 = _pad3(stride, 1)
     DL0, DL1, DL2 = _pad3(dilation, 1)
-    grid = (triton.cdiv(M, bm), triton.cdiv(Co, bn))
+    grid = (triton.cdiv(M, tile[0]), triton.cdiv(Co, tile[1]))
     _conv_implicit_kernel[grid](y, x, r, w, bias if bias is not None else w, *luts, ptab,
                                 M, Co, K, C, O0, O1, O2, K0, K1, K2, ns[1], ns[2],
                                 SD0, SD1, SD2, DL0, DL1, DL2,
-                                HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+                                **_constexprs(x.dtype, bias is not None, tile))
     return y
 
 

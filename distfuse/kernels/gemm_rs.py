@@ -10,8 +10,9 @@ Row-parallel linear forward, and the column-parallel linear's input gradient::
 Chunk r is the rows ``[start_r, stop_r)`` of the sequence dim n (balanced decomposition of
 n over W, so n need not divide by W), for every batch index: the GEMM remaps tile row m
 of the chunk to ``a[m // len_r, start_r + m % len_r]``.  Owner r's data region holds W
-slots, one per source, each ``[B_, len_r, N]`` in ``partial_dtype`` (slot stride
-``B_ * ceil(n / W) * N`` elements, the same on every owner).
+slots, one per source, each ``[B_, len_r, N]`` in ``partial_dtype`` with rows ``ld`` apart
+(N padded to 16 elements, so remote stores are 16 bytes wide; slot stride
+``B_ * ceil(n / W) * ld`` elements, the same on every owner).
 
 Schedule (W = 4, rank 1).  Each rank writes its chunks in rank-rotated order, so at any
 moment the W ranks write into W different owners, and its own chunk (no link traffic)
@@ -48,15 +49,20 @@ from distfuse.kernels._utils import (
     CPU_GEMM_CONFIG,
     FLOAT_DTYPES,
     INTERPRET,
+    TIMED_WAITS,
     arrive,
     cast_out,
+    config_of,
     get_chunk_reduce_configs,
     get_gemm_configs,
     input_precision,
     pick_launch,
+    pinned_gemm_config,
     raise_flag,
     round_bf16,
+    timeout_arg,
     wait_flag,
+    ws_may_tune,
 )
 
 __all__ = [
@@ -69,10 +75,13 @@ __all__ = [
 ]
 
 
-@triton.jit
+# Per-call integers (epoch, rank, offsets, timeouts) must not be specialised: Triton
+# specialises integer arguments equal to 1 or divisible by 16, so epochs 1, 2 and 16 would
+# each compile a new kernel on one rank while its peers spin.
+@triton.jit(do_not_specialize=["rank", "epoch", "src_offset", "slot_elems"])
 def _gemm_rs_kernel(
     a_ptr, b_ptr, slots_ptr, data_ptrs, flag_ptrs, counter_ptr,
-    n_batch, n, N, K, rank, W, epoch, src_offset, slot_elems,
+    n_batch, n, N, ld, K, rank, W, epoch, src_offset, slot_elems,
     stride_ab, stride_an, stride_bn, stride_bk,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -110,53 +119,91 @@ def _gemm_rs_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
             a = tl.load(a_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptr + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn,
+            # int64 offsets: a weight of 2^31 elements or more must not wrap.
+            b = tl.load(b_ptr + offs_k.to(tl.int64)[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn,
                         mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             if UPCAST:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         # Epilogue: store into owner `chunk`'s slot for source `rank`, laid out [B_, len_c, N].
-        dst = tl.load(data_ptrs + chunk).to(tl.pointer_type(slots_ptr.dtype.element_ty)) + src_offset
+        # Vectorised remote stores: Triton cannot see the alignment of a pointer made from an
+        # int64 table entry, so the peer's region is addressed from this rank's own ``slots_ptr``
+        # (an aligned pointer argument) plus the distance between the two regions in elements.
+        # That distance, the slot offset and the padded row stride ``ld`` are multiples of 16
+        # elements (regions start 16-byte aligned; the host pads ld and the slots), which
+        # multiple_of states, so each thread stores 16 bytes at a time.
+        esize = slots_ptr.dtype.element_ty.primitive_bitwidth // 8
+        delta = (tl.load(data_ptrs + chunk) - tl.load(data_ptrs + rank)) // esize
+        dst = slots_ptr + tl.multiple_of(delta + src_offset, 16)
         out = cast_out(acc, slots_ptr.dtype.element_ty, ROUND_BF16)
-        tl.store(dst + offs_m.to(tl.int64)[:, None] * N + offs_n[None, :], out,
+        tl.store(dst + offs_m.to(tl.int64)[:, None] * tl.multiple_of(ld, 16) + offs_n[None, :], out,
                  mask=mask_m[:, None] & mask_n[None, :])
     if arrive(counter_ptr + chunk):
         flag = tl.load(flag_ptrs + chunk).to(tl.pointer_type(tl.int32)) + chunk * W + rank
         raise_flag(flag, epoch)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rank", "epoch", "timeout", "slot_elems"])
 def _chunk_reduce_kernel(
     slots_ptr, out_ptr, bias_ptr, flags_ptr, status_ptr,
-    numel, N, slot_elems, rank, W, epoch, max_spin,
-    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    n_rows, N, ld, slot_elems, rank, W, epoch, timeout, stride_bias,
+    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, TIMED: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):
-    """out[e] = sum over sources of slot[src][e] (fp32) + bias[e % N], for the flat chunk index e."""
+    """out[row, col] = sum over sources of slot[src][row, col] (fp32) + bias[col]; ``BLOCK`` elements per program.
+
+    Slot rows are ``ld`` elements apart (N padded to 16 elements, see
+    :func:`slot_row_stride`), output rows ``N``: tiles of ``BLOCK // BLOCK_C`` rows by
+    ``BLOCK_C`` columns keep both sides contiguous, so loads and stores are vectorised.
+    All W flags are awaited first, then the W partial tiles are loaded independently.
+    A source whose flag never came (``wait_flag`` timed out) makes the tile NaN, so the
+    chunk can never pass for a good one; the launcher raises on the status word.
+    """
+    BLOCK_R: tl.constexpr = BLOCK // BLOCK_C
     pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    num_c = tl.cdiv(N, BLOCK_C)
+    offs_r = (pid // num_c).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    offs_c = (pid % num_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (offs_r < n_rows)[:, None] & (offs_c < N)[None, :]
+    src_offs = offs_r[:, None] * tl.multiple_of(ld, 16) + offs_c[None, :]
+    ok = True
     for j in range(0, W):
         src = (rank - 1 - j + W) % W  # arrival order: rank - 1 writes this chunk first, this rank last
-        wait_flag(flags_ptr + rank * W + src, epoch, status_ptr + src, max_spin)
-        acc += tl.load(slots_ptr + src.to(tl.int64) * slot_elems + offs, mask=mask, other=0.0).to(tl.float32)
+        ok = ok & wait_flag(flags_ptr + rank * W + src, epoch, status_ptr + src, timeout, TIMED)
+    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+    for src in range(0, W):
+        slot = slots_ptr + tl.multiple_of(slot_elems.to(tl.int64) * src, 16)  # slots are ld-padded: 16-aligned
+        acc += tl.load(slot + src_offs, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.where(ok, acc, float("nan"))
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+        acc += tl.load(bias_ptr + offs_c * stride_bias, mask=offs_c < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_r[:, None] * N + offs_c[None, :], cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16),
+             mask=mask)
 
 
-_gemm_rs_tuned = triton.autotune(get_gemm_configs(), key=["n_batch", "n", "N", "K"])(_gemm_rs_kernel) \
+# Autotuners (CUDA, loopback ops only: see pinned_gemm_config), one per operand size:
+# fp32 tiles need their own, smaller configs.
+_gemm_rs_tuned = {size: triton.autotune(get_gemm_configs(dt), key=["n_batch", "n", "N", "K"])(_gemm_rs_kernel)
+                  for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
+_chunk_reduce_tuned = triton.autotune(get_chunk_reduce_configs(), key=["n_rows", "N", "W"])(_chunk_reduce_kernel) \
     if AUTOTUNE else None
-_chunk_reduce_tuned = triton.autotune(get_chunk_reduce_configs(), key=["numel", "W"])(_chunk_reduce_kernel) \
-    if AUTOTUNE else None
+
+
+def slot_row_stride(N: int) -> int:
+    """Row stride of a slot: ``N`` padded to 16 elements, so every row starts 16-element aligned
+    and the GEMM's remote stores can be 16 bytes wide."""
+    return -(-N // 16) * 16
 
 
 def gemm_rs_workspace_bytes(batch: int, n: int, N: int, world_size: int,
                             partial_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Data bytes one gemm_rs needs in every rank's workspace: W slots of ``[B_, ceil(n / W), N]``."""
+    """Data bytes one gemm_rs needs in every rank's workspace: W slots of ``[B_, ceil(n / W), ld]``.
+
+    ``ld`` is :func:`slot_row_stride` (N padded to 16 elements).
+    """
     esize = partial_dtype.itemsize
-    return world_size * batch * (-(-n // world_size)) * N * esize
+    return world_size * batch * (-(-n // world_size)) * slot_row_stride(N) * esize
 
 
 def _check_common(op: str, ws, rank: int, world_size: int, device: torch.device):
@@ -203,10 +250,12 @@ def gemm_rs(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: in
     if K > 0 and a3.stride(2) != 1:
         a3 = a3.contiguous()
     n_batch = a3.shape[0]
-    slot_elems = n_batch * (-(-n // W)) * N
+    ld = slot_row_stride(N)
+    slot_elems = n_batch * (-(-n // W)) * ld
     slots = st.data(partial_dtype, W * slot_elems, op=op)
-    kernel, meta = pick_launch(_gemm_rs_tuned, _gemm_rs_kernel, CPU_GEMM_CONFIG, get_gemm_configs, config)
     m_max = n_batch * (-(-n // W))
+    kernel, meta = pick_launch(_gemm_rs_tuned.get(min(a.dtype.itemsize, 4)), _gemm_rs_kernel, CPU_GEMM_CONFIG,
+                               pinned_gemm_config(a.dtype, m_max, N), config, may_tune=ws_may_tune(ws))
 
     def grid(META):
         # At least one program per chunk, so that every chunk's flag is raised even when it is empty.
@@ -214,7 +263,7 @@ def gemm_rs(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: in
 
     kernel[grid](
         a3, weight, slots, st.data_ptrs, st.flag_ptrs, st.counters,
-        n_batch, n, N, K, rank, W, st.epoch, rank * slot_elems, slot_elems,
+        n_batch, n, N, ld, K, rank, W, st.epoch, rank * slot_elems, slot_elems,
         a3.stride(0), a3.stride(1), weight.stride(0), weight.stride(1),
         UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype), ROUND_BF16=round_bf16(partial_dtype),
         **meta,
@@ -254,17 +303,24 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
         out = out.view(shape)
     if bias is not None and (tuple(bias.shape) != (N,) or bias.device != ws.device):
         raise expect(op, "bias shape and device", ((N,), ws.device), (tuple(bias.shape), bias.device))
-    slot_elems = batch * (-(-n // W)) * N
+    ld = slot_row_stride(N)
+    slot_elems = batch * (-(-n // W)) * ld
     slots = st.data(partial_dtype, W * slot_elems, op=op)
     st.wait_producers()  # collective on CPU: every rank calls it, even with an empty chunk
     numel = out.numel()
     if numel > 0:
         kernel, meta = pick_launch(_chunk_reduce_tuned, _chunk_reduce_kernel, CPU_CHUNK_REDUCE_CONFIG,
-                             get_chunk_reduce_configs, config)
-        kernel[lambda META: (triton.cdiv(numel, META["BLOCK"]),)](
+                                   config_of(get_chunk_reduce_configs(), 1), config, may_tune=ws_may_tune(ws))
+        n_rows = batch * len_r
+        block_c = min(256, triton.next_power_of_2(N), meta.get("BLOCK", 1024))
+
+        def grid(META):
+            return (triton.cdiv(n_rows, META["BLOCK"] // block_c) * triton.cdiv(N, block_c),)
+
+        kernel[grid](
             slots, out, bias if bias is not None else out, st.flags, st.status,
-            numel, N, slot_elems, rank, W, st.epoch, st.max_spin,
-            HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out_dtype), **meta,
+            n_rows, N, ld, slot_elems, rank, W, st.epoch, timeout_arg(st), bias.stride(0) if bias is not None else 0,
+            HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, BLOCK_C=block_c, **meta,
         )
         st.check_status(op, f"partials of chunk {rank}")
     return out

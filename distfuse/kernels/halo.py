@@ -59,6 +59,14 @@ Design decisions:
 * **Unstage writes grad_x in the gradient's own dtype.**  The interior is a copy (exact);
   accumulate then adds in fp32 and rounds once per border element, so no fp32 copy of the
   whole block is ever made.
+* **Linear grids.**  Every launch numbers its programs over grid axis 0 (CUDA allows
+  2^31 - 1 there) and decodes a tile's (row, column) from the id; axis 1 (65535 at
+  most) takes only the overflow past 2^31 - 1 programs.  Tiling the inner extent along
+  axis 1 would cap a 1-D block at 65535 tiles (8.4M elements at BLOCK_X = 128).
+* **No runtime ``range`` bounds.**  Loops over a runtime count (replicate runs, boxes of
+  a tile) are ``while`` loops: Triton 3.6's interpreter converts a runtime ``range``
+  bound with ``int()`` of a shape-(1,) array, which numpy 2 rejects.  Neither loop is a
+  pipelined GEMM loop, so compiled code loses nothing.
 """
 
 from __future__ import annotations
@@ -118,6 +126,20 @@ def _or(a, b):
 
 
 @triton.jit
+def _program_tile(n_x_tiles):
+    """``(row tile, column tile)`` of this program in a row-tiled launch (grid from :func:`_row_tiled_grid`).
+
+    Programs are numbered linearly over grid axis 0 (up to 2^31 - 1) and, past that,
+    axis 1; column tiles vary fastest, so neighbouring programs sweep one band of rows
+    left to right.  Ids past the last tile (the rounding of a spilled grid) give a row
+    tile past ``n_rows``, which every mask rejects.  Row and column tile indices fit
+    int32 (n_rows and the inner extent do), so the per-row arithmetic stays int32.
+    """
+    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
+    return (pid // n_x_tiles).to(tl.int32), (pid % n_x_tiles).to(tl.int32)
+
+
+@triton.jit
 def _lut_gather_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
                        n_rows, E0, E1, E2, NS1, NS2, out_ls, out_s0, out_s1,
                        REGION: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
@@ -126,10 +148,9 @@ def _lut_gather_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1
     ``[LEAD, E0, E1, E2]`` is the whole output or a sub-box of it (strides ``out_ls``,
     ``out_s0``, ``out_s1``, 1; the LUT pointers start at the sub-box).  Piece kinds:
     0 zero, 1 ``a_ptr``, 2 ``b_ptr``.  REGION 1 writes kinds 0 and 1 only, REGION 2
-    kind 2 only, 0 everything.
+    kind 2 only, 0 everything.  Tiles ``[BLOCK_R, BLOCK_X]`` over ``[n_rows, E2]``, one per program.
     """
-    pid_r = tl.program_id(0)
-    pid_x = tl.program_id(1)
+    pid_r, pid_x = _program_tile(tl.cdiv(E2, BLOCK_X))
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
     rmask = rows < n_rows
@@ -171,10 +192,20 @@ def _box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, 
 
     element ``(l, c)`` = ``sum_{r < R} src[l, T + D*c + r]`` per axis (D = +1 copy, -1
     reversed, 0 with R > 1: the replicate adjoint's sum).  Programs tile the
-    concatenation, so boxes of any size share programs and none idles.
+    concatenation, so boxes of any size share programs and none idles.  ``RTMAX`` is
+    the largest ``R0 * R1 * R2`` (``RT``) of any box: 1 unless a replicate box is summed.
+
+    The run loop is a ``while`` over a runtime bound, not ``range(1, RTMAX)``: Triton
+    3.6's interpreter turns a runtime ``range`` bound into a Python int with
+    ``int(array of shape (1,))``, which numpy 2 rejects ("only 0-dimensional arrays can be
+    converted to Python scalars").  Compiled, both are one scalar loop (this one is not a
+    pipelined GEMM loop).  With RTMAX = 1 (every pack) there is no loop: Triton
+    specialises an integer argument equal to 1 to a constant, the guard folds away, and
+    Triton 3.6's coalesce pass, which crashes on a ``while`` whose condition is
+    constant-false, never sees one.
     """
-    pid = tl.program_id(0)
-    e = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _program_tile
+    e = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m = e < total
     # box of each element: the last k with bstart[k] <= e (branchless binary search, bstart[0] == 0)
     box = tl.zeros([BLOCK], dtype=tl.int32)
@@ -207,13 +238,16 @@ def _box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, 
     lead = q // E0
     off = lead * src_ls + (T0 + D0 * c0) * src_s0 + (T1 + D1 * c1) * src_s1 + (T2 + D2 * c2) * src_s2
     acc = tl.load(src_ptr + off, mask=m, other=0.0).to(COMPUTE)  # r = 0 peeled: a plain copy stays bit-exact
-    for r in range(1, RTMAX):
-        r2 = r % R2
-        rq = r // R2
-        r1 = rq % R1
-        r0 = rq // R1
-        acc += tl.load(src_ptr + off + r0 * src_s0 + r1 * src_s1 + r2 * src_s2, mask=m & (r < RT),
-                       other=0.0).to(COMPUTE)
+    if RTMAX > 1:  # RTMAX == 1 (specialised to a constant by Triton): no loop is emitted at all
+        r = tl.full([], 1, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
+        while r < RTMAX:
+            r2 = r % R2
+            rq = r // R2
+            r1 = rq % R1
+            r0 = rq // R1
+            acc += tl.load(src_ptr + off + r0 * src_s0 + r1 * src_s1 + r2 * src_s2, mask=m & (r < RT),
+                           other=0.0).to(COMPUTE)
+            r += 1
     tl.store(out0_ptr + dst + local, acc.to(out0_ptr.dtype.element_ty), mask=m & (sel == 0))
     tl.store(out1_ptr + dst + local, acc.to(out1_ptr.dtype.element_ty), mask=m & (sel == 1))
 
@@ -226,10 +260,10 @@ def _accumulate_kernel(gx_ptr, self_ptr, recv_ptr, m0_ptr, m1_ptr, m2_ptr, atab_
 
     Box k (table row k): SEL 0 reads ``self_ptr``, 1 ``recv_ptr``; ``[LEAD, S0, S1, S2]``
     contiguous at BASE, covering ``[LO, LO + S)`` of the block.  Bit k of ``m_a[p]`` says
-    whether box k covers coordinate p of axis a.
+    whether box k covers coordinate p of axis a.  Tiles as in :func:`_lut_gather_kernel`; the box
+    loop is a ``while`` for the reason given in :func:`_box_gather_kernel`.
     """
-    pid_r = tl.program_id(0)
-    pid_x = tl.program_id(1)
+    pid_r, pid_x = _program_tile(tl.cdiv(E2, BLOCK_X))
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
     rmask = rows < n_rows
@@ -246,7 +280,8 @@ def _accumulate_kernel(gx_ptr, self_ptr, recv_ptr, m0_ptr, m1_ptr, m2_ptr, atab_
         mask = rmask[:, None] & cmask[None, :]
         out_off = rows.to(tl.int64)[:, None] * E2 + cols[None, :]
         acc = tl.load(gx_ptr + out_off, mask=mask, other=0.0).to(COMPUTE)
-        for k in range(0, nbox):
+        k = tl.full([], 0, tl.int32)
+        while k < nbox:
             if ((tile_boxes >> k) & 1) != 0:
                 hit = mask & (((cover >> k) & 1) != 0)
                 row = atab_ptr + k * 8
@@ -264,6 +299,7 @@ def _accumulate_kernel(gx_ptr, self_ptr, recv_ptr, m0_ptr, m1_ptr, m2_ptr, atab_
                     acc += tl.load(self_ptr + off, mask=hit, other=0.0).to(COMPUTE)
                 else:
                     acc += tl.load(recv_ptr + off, mask=hit, other=0.0).to(COMPUTE)
+            k += 1
         tl.store(gx_ptr + out_off, acc.to(gx_ptr.dtype.element_ty), mask=mask)
 
 
@@ -533,6 +569,37 @@ def _tile(inner: int, rows: int, device: torch.device, tile: tuple[int, int] | N
     return 2048 // bx, bx
 
 
+# CUDA's grid limits: 2^31 - 1 blocks along x (Triton's axis 0), 65535 along y and z.
+_GRID0_MAX = 2**31 - 1
+_GRID1_MAX = 65535
+
+
+def _linear_grid(programs: int) -> tuple[int, int]:
+    """A launch grid of at least ``programs`` linearly numbered programs, within CUDA's limits.
+
+    The kernels number their programs ``program_id(1) * num_programs(0) + program_id(0)``,
+    so every extent lands on axis 0; axis 1 is used only past 2^31 - 1 programs (e.g.
+    2^36 elements in 16-element tiles), splitting the count as evenly as possible (fewer
+    than ``grid[1]`` surplus programs, which find nothing to do).  An innermost extent is
+    never put on axis 1 on its own: a 1-D block of more than 65535 tiles would not launch.
+    """
+    g1 = max(1, triton.cdiv(programs, _GRID0_MAX))
+    if g1 > _GRID1_MAX:
+        raise UnsupportedError(f"{where('halo kernels')}: {programs} programs exceed a CUDA grid "
+                               f"({_GRID0_MAX} x {_GRID1_MAX}); use larger tiles")
+    return triton.cdiv(programs, g1), g1
+
+
+def _row_tiled_grid(n_rows: int, inner: int, block_r: int, block_x: int) -> tuple[int, int]:
+    """Grid of a ``[BLOCK_R, BLOCK_X]``-tiled launch over ``[n_rows, inner]`` (decoded by ``_program_tile``)."""
+    return _linear_grid(triton.cdiv(n_rows, block_r) * triton.cdiv(inner, block_x))
+
+
+#: Warps of the box gather: each element decodes a 15-entry int64 box row, so 1024 elements over
+#: 4 warps (8 per thread) took 255 registers and spilled 78 on an H100 (Triton 3.6); 8 warps halve that.
+BOX_NUM_WARPS = 8
+
+
 def _box_block(device: torch.device, block: int | None, total: int) -> int:
     if block is not None:
         return block
@@ -587,7 +654,7 @@ def _launch_lut(out, a, b, luts, ptab, ns, region_code: int, extents3, tile, box
     base = sum(lo * s for (lo, _), s in zip(box, st, strict=True))
     luts = [t[lo:] for (lo, _), pair in zip(box, zip(luts[::2], luts[1::2], strict=True), strict=True) for t in pair]
     block_r, block_x = _tile(E2, n_rows, out.device, tile)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(E2, block_x))
+    grid = _row_tiled_grid(n_rows, E2, block_r, block_x)
     _lut_gather_kernel[grid](out.view(-1)[base:], a, b, *luts, ptab, n_rows, E0, E1, E2, ns[1], ns[2],
                              _vol(full), st[0], st[1],
                              REGION=region_code, COMPUTE=_compute_dtype(out.dtype), BLOCK_R=block_r, BLOCK_X=block_x)
@@ -617,9 +684,10 @@ def _launch_boxes(out0, out1, src, tables, lead, src_shape3, block):
         return
     block = _box_block(src.device, block, total)
     st = _strides(src_shape3)
-    _box_gather_kernel[(triton.cdiv(total, block),)](
+    _box_gather_kernel[_linear_grid(triton.cdiv(total, block))](
         out0, out1, src, btab, bstart, nbox, total, rtmax, lead, _vol(src_shape3), *st,
-        LOG2_NBOX=max(1, (nbox - 1).bit_length()), COMPUTE=_compute_dtype(src.dtype), BLOCK=block)
+        LOG2_NBOX=max(1, (nbox - 1).bit_length()), COMPUTE=_compute_dtype(src.dtype), BLOCK=block,
+        num_warps=BOX_NUM_WARPS)
 
 
 # --------------------------------------------------------------------------------------
@@ -788,7 +856,7 @@ def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: to
     E0, E1, E2 = _pad3(x_shape, 1)
     n_rows = lead * E0 * E1
     block_r, block_x = _tile(E2, n_rows, grad_x.device, tile)
-    grid = (triton.cdiv(n_rows, block_r), triton.cdiv(E2, block_x))
+    grid = _row_tiled_grid(n_rows, E2, block_r, block_x)
     s = self_boxes if self_boxes.numel() else grad_x
     r = incoming if incoming.numel() else grad_x
     for masks, atab, nbox in chunks:

@@ -282,6 +282,13 @@ def conv_block(opts: ConvOptions, x: torch.Tensor, w: torch.Tensor, b: torch.Ten
         if b is not None:
             y = y + b.view(1, -1, *([1] * nd))
         return y
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        # torch 2.13's CPU oneDNN path computes 16-bit strided conv3d wrongly on one thread (x [1,1,5,5,3],
+        # w [2,1,3,3,3], stride (1,1,3): errors of ~10 on outputs of ~5; right with 2 threads).  Rank pools
+        # run one thread per rank, so compute in fp32 and round once: the accurate result of the 16-bit op.
+        y = CONV[nd](x.float(), w.float(), None if b is None else b.float(), opts.stride, 0, opts.dilation,
+                     opts.groups)
+        return y.to(x.dtype)
     return CONV[nd](x, w, b, opts.stride, 0, opts.dilation, opts.groups)
 
 

@@ -43,18 +43,19 @@ __all__ = [
 
 log = logging.getLogger("distfuse.dispatch")
 
-# Defaults, one per fused op.  Unmeasured on the machines this project runs its CI on
-# (no GPU); replace with the table from `distfuse-tune` on the target cluster.
+# Defaults, one per fused op, used where no `distfuse-tune` table entry applies.  Measured on
+# one NVIDIA H100 (torch 2.11, Triton 3.6; bench/results/*-NVIDIA*H100*-2026-11-22*.json):
+# no fused op beat its unfused composition at any measured shape, so every default is
+# "never" until the kernels improve or a table written on the target cluster says otherwise.
 DEFAULT_THRESHOLDS = {
-    # Halo conv: fuse when channels are few, where staging is a large share of the
-    # conv's time (30-100% of the conv's own time at C <= 64 on an H200, per the
-    # project's performance brief).  Above that cuDNN dominates and staging is noise.
-    "halo_conv": dict(max_channels=64),
-    # GEMM + reduce-scatter / all-gather + GEMM: overlap only pays once the GEMM
-    # outlasts the collective's latency; below ~2^30 MACs per rank (e.g. decode with
-    # m = 64) the extra kernel launches and flag waits cost more than they hide.
-    "linear_rs": dict(min_macs=2**30),
-    "linear_ag": dict(min_macs=2**30),
+    # Halo conv, staging + conv: 1.0-3.3x the time of torch.cat staging + cuDNN (2-D, C=64/256,
+    # bf16/fp32, median 2.1x), and 1.0-1.4x in 3-D.
+    "halo_conv": dict(fused="never", why="staging + conv measured 1.0-3.3x the time of torch.cat staging + cuDNN "
+                                         "(H100)"),
+    # GEMM + reduce-scatter / all-gather + GEMM (bf16, TP 8, LLaMA-3 8B/70B MLP shapes): the Triton GEMMs reach
+    # 27-76% (RS) and 15-66% (AG) of cuBLAS's rate, and the modelled 8-GPU op is 1.1-5x the unfused time.
+    "linear_rs": dict(fused="never", why="the fused GEMM measured 27-76% of cuBLAS's rate (H100, bf16, TP 8)"),
+    "linear_ag": dict(fused="never", why="the fused GEMM measured 15-66% of cuBLAS's rate (H100, bf16, TP 8)"),
 }
 
 # The scalar each op's table entries threshold on.
@@ -173,6 +174,8 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
         path = "fused" if lo <= size <= hi else "unfused"
         return Decision(path, f"crossover table: {SIZE_KEYS[op]}={size:g}, fused for [{lo:g}, {hi:g}]")
     default = DEFAULT_THRESHOLDS[op]
+    if default.get("fused") == "never":
+        return Decision("unfused", f"default: {default['why']}; a distfuse-tune table entry can enable it")
     if op == "halo_conv":
         path = "fused" if size <= default["max_channels"] else "unfused"
         return Decision(path, f"default: fused for channels <= {default['max_channels']}, got {size:g}")
