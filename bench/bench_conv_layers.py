@@ -223,7 +223,7 @@ def _with_path(path: str, fn):
 
 class _Case:
     def __init__(self, shape: tuple, k: int, dtype: torch.dtype, device: torch.device, fused: bool):
-        from distfuse.decomposition import local_shape
+        from distfuse.geometry.decomposition import local_shape
         from distfuse.layers import DistributedFeatureConv2d, DistributedFeatureConv3d, load_sequential
 
         W, r = dist.get_world_size(), dist.get_rank()

@@ -147,7 +147,7 @@ class Side:
             self.a = rnd(1, m, k)  # batch 1, the full sequence
             self.ws = LoopbackWorkspace(world, gemm_rs_workspace_bytes(1, m, n, world, dtype), device)
         else:
-            from distfuse.decomposition import block_extent
+            from distfuse.geometry.decomposition import block_extent
 
             self.shards = [rnd(1, block_extent(m, world, r), k) for r in range(world)]
             self.a = torch.cat(self.shards, dim=1)
@@ -195,7 +195,7 @@ class Side:
         return ag_push(self.shards[0], self.ws, 0, self.world, self.m)
 
     def reduce_bytes(self):
-        from distfuse.decomposition import block_extent
+        from distfuse.geometry.decomposition import block_extent
 
         chunk = block_extent(self.m, self.world, 0) * self.n * self.dtype.itemsize
         return (self.world + 1) * chunk  # W slots read, one output written
@@ -279,6 +279,7 @@ class SymmMem:
 def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torch.device, symm) -> list:
     """Every provider on every case; returns harness Rows (ratios set).  ``models``: name -> (H, I)."""
     from bench.harness import Row, add_ratios, time_fn
+    from distfuse.fused import registry
 
     dtype = DTYPES[dtype_name]
     W = world
@@ -339,9 +340,10 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
         inputs = dict(t_cublas=q_cublas[0], t_fused_gemm=q_fused[0], t_comm=t_comm,
                       t_chunk_reduce=t_reduce if side_name == "rs" else None,
                       nvlink_GBps_per_direction=NVLINK_GBPS_PER_DIRECTION)
+        proj_op = (registry.LINEAR_RS if side_name == "rs" else registry.LINEAR_AG).name  # the dispatch op it models
         for p in ("unfused", "fused"):
             ms_p = proj[p]
-            row("linear_rs" if side_name == "rs" else "linear_ag", f"projection-{p}-{W}gpu", shape,
+            row(proj_op, f"projection-{p}-{W}gpu", shape,
                 (ms_p, ms_p, ms_p), rate=tflops(m, n, k, ms_p), rate_unit="TFLOP/s",
                 extra=dict(projection=True, inputs_ms=inputs))
         del side, src, dst

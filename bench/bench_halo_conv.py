@@ -71,8 +71,9 @@ class Case:
     """The middle worker of a 3^nd grid: block ``[B, C, *n]``, halo ``h`` on every side, zero padding."""
 
     def __init__(self, nd, batch, channels, extent, halo, dtype, device, seed=0):
+        from distfuse.geometry.halo_plan import HaloPlan
         from distfuse.kernels import halo as hk
-        from distfuse.primitives.halo_plan import HaloPlan
+        from distfuse.kernels.halo_tables import recv_numel, send_numel
 
         self.nd, self.h, self.dtype, self.device = nd, halo, dtype, device
         k = 2 * halo + 1
@@ -87,8 +88,8 @@ class Case:
             return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
 
         self.x = rnd(batch, channels, *(extent,) * nd)
-        self.recv = rnd(hk.recv_numel(self.plan, self.index, lead))  # the halos, as the fused path receives them
-        self.incoming = rnd(hk.send_numel(self.plan, self.index, lead))  # halo gradients coming back
+        self.recv = rnd(recv_numel(self.plan, self.index, lead))  # the halos, as the fused path receives them
+        self.incoming = rnd(send_numel(self.plan, self.index, lead))  # halo gradients coming back
         self.weight = rnd(channels, channels, *(k,) * nd) * (1.0 / (channels * k**nd) ** 0.5)
         self.bias = rnd(channels)
         self.staged_shape = (batch, channels) + tuple(extent + 2 * halo for _ in range(nd))
@@ -207,6 +208,7 @@ def _halo_inputs(case, provider):
 def smoke() -> int:
     """Tiny shapes on the CPU: the three stagings agree exactly; fwd+bwd agree in float64."""
     from distfuse.kernels import halo as hk
+    from distfuse.kernels.halo_tables import self_numel
 
     for nd in (2, 3):
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
@@ -225,7 +227,7 @@ def smoke() -> int:
         # the fused path also adds the halo gradients that neighbours send back (simulated); the baselines
         # stop at this worker's own staging, so add the same boxes to theirs
         back = hk.halo_accumulate_reference(torch.zeros_like(case.x), torch.zeros(
-            hk.self_numel(case.plan, case.index, case.x.shape[0] * case.x.shape[1]), dtype=torch.float64),
+            self_numel(case.plan, case.index, case.x.shape[0] * case.x.shape[1]), dtype=torch.float64),
             case.incoming, case.plan, case.index)
         for p in ("distdl", "cat"):
             outs[p] = (outs[p][0], outs[p][1] + back, *outs[p][2:])
@@ -285,9 +287,11 @@ def _copy_bandwidth() -> float:
 def gpu_run(args) -> int:
     import triton
 
+    from distfuse.fused import registry
+
     device_name = _device_name()
     copy_bw = _copy_bandwidth()
-    meta = dict(op="halo_conv", device=device_name, torch=torch.__version__, triton=triton.__version__,
+    meta = dict(op=registry.HALO_CONV.name, device=device_name, torch=torch.__version__, triton=triton.__version__,
                 python=platform.python_version(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 world_size=1, copy_bandwidth_gbs=copy_bw / 1e9,
                 note="single GPU; received halos simulated with buffers; no communication timed")

@@ -1,9 +1,12 @@
 """One benchmark harness: timing, environment capture, result rows and JSON.
 
-Timing:
-* CUDA: ``triton.testing.do_bench``-style CUDA-event timing after a warm-up, with the
-  L2 cache flushed between runs (a 256 MB write) so that every run reads its inputs
-  from HBM, and quantiles [0.5, 0.2, 0.8] of the per-run times.
+Timing is the package's one timer, :mod:`distfuse.timing` (``distfuse-tune`` uses it too),
+re-exported here as :func:`time_fn`, :func:`time_samples`, :func:`time_interleaved` and
+:func:`summarize`:
+
+* CUDA: CUDA-event timing after a warm-up, with the L2 cache flushed between runs (a
+  256 MB write) so that every run reads its inputs from HBM, and quantiles
+  [0.5, 0.2, 0.8] of the per-run times.
 * CPU: ``time.perf_counter`` around each run after a warm-up; the same quantiles.
   CPU numbers are for smoke runs and CPU-vs-CPU ratios only, never GPU claims.
 
@@ -24,9 +27,7 @@ import datetime as _dt
 import json
 import os
 import platform
-import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,8 +35,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from distfuse.timing import QUANTILES, summarize, time_fn, time_interleaved, time_samples
+
+__all__ = ["Row", "QUANTILES", "environment", "summarize", "time_samples", "time_fn", "time_interleaved",
+           "under_torchrun", "init_torchrun", "track_peak_memory", "add_ratios", "write_results", "print_table",
+           "run_multirank", "multirank_main", "DTYPES", "RESULTS"]
+
 RESULTS = Path(__file__).resolve().parent / "results"
-QUANTILES = (0.5, 0.2, 0.8)
 
 
 @dataclass
@@ -109,84 +115,6 @@ def _nvml() -> dict:
         }
     finally:
         pynvml.nvmlShutdown()
-
-
-def _quantiles(times: list[float]) -> tuple[float, float, float]:
-    if len(times) == 1:
-        return times[0], times[0], times[0]
-    qs = statistics.quantiles(times, n=100, method="inclusive")
-    return statistics.median(times), qs[19], qs[79]
-
-
-def summarize(times: list[float]) -> tuple[float, float, float]:
-    """Median, q20, q80 (the harness's quantiles [0.5, 0.2, 0.8]) of per-run times."""
-    return _quantiles(list(times))
-
-
-def time_samples(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, device: torch.device | None = None,
-                 sync_group=None) -> list[float]:
-    """The per-run times in ms behind :func:`time_fn` (same warm-up, L2 flush, multi-rank max)."""
-    cuda = device is not None and device.type == "cuda"
-    flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=device) if cuda else None
-    for _ in range(warmup):
-        fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    times = []
-    for _ in range(reps):
-        if sync_group is not None:
-            dist.barrier(group=sync_group)
-        if cuda:
-            flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            ms = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ms = (time.perf_counter() - t0) * 1e3
-        if sync_group is not None:
-            t = torch.tensor([ms], dtype=torch.float64)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=sync_group)
-            ms = float(t)
-        times.append(ms)
-    return times
-
-
-def time_fn(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, device: torch.device | None = None,
-            sync_group=None) -> tuple[float, float, float]:
-    """Median, q20, q80 of ``fn``'s time in ms.
-
-    On CUDA each run is bracketed by CUDA events after an L2 flush.  With
-    ``sync_group`` (multi-rank), each repetition's time is the max over the group's
-    ranks, and ranks start each repetition together (a barrier outside the timed region).
-    ``sync_group`` must be able to all-reduce a CPU tensor (gloo; under NCCL pass
-    ``distfuse.partition.metadata_group()``).
-    """
-    return _quantiles(time_samples(fn, warmup=warmup, reps=reps, device=device, sync_group=sync_group))
-
-
-def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 5, reps: int = 5,
-                     device: torch.device | None = None, sync_group=None) -> dict[str, list[float]]:
-    """Per-run times (ms) of several providers, taken in alternating rounds.
-
-    Each round runs every provider for ``reps`` timed runs (after one untimed run; the
-    first round after ``warmup`` untimed runs), alternating the order from round to
-    round, so that a change of machine load (other jobs on a shared CPU, clocks) falls on
-    all providers alike instead of on whichever ran last.  Summarize each list with
-    :func:`summarize`.  Same timing rules as :func:`time_samples`.
-    """
-    names = list(fns)
-    out: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        order = names if r % 2 == 0 else names[::-1]
-        for n in order:
-            out[n] += time_samples(fns[n], warmup=warmup if r == 0 else 1, reps=reps, device=device,
-                                   sync_group=sync_group)
-    return out
 
 
 def under_torchrun() -> bool:

@@ -2,14 +2,15 @@
 
 One panel per (op, mode, dtype, world size, and any shape entry that varies
 independently of the x axis).  The x axis is the op's dispatch size where it has one
-(``m*n*k`` when the shape has ``m``, ``n``, ``k``; ``channels`` for ``halo_conv``),
-else the product of the shape entries that vary (named on the axis); ``--x KEY`` picks
-one.  Lines: fused (solid), unfused (dashed), the anchor (dotted, black), other
-providers thin.  The roles come from the file (``env.roles``, written by ``python -m
-bench run``), else from the provider names (``*fused*``, ``*unfused*``) and each row's
-``anchor``.  Where fused and unfused share at least two x values, the interval where
-fused wins (:func:`distfuse.tune.crossover`, the rule the tuner writes into the dispatch
-table) is shaded and its bounds are drawn as vertical lines.
+(a fused op of :mod:`distfuse.fused.registry`: the product of its ``size_inputs``, labelled
+with its ``size_key``; else ``m*n*k`` when the shape has ``m``, ``n``, ``k``), else the
+product of the shape entries that vary (named on the axis); ``--x KEY`` picks one.
+Lines: fused (solid), unfused (dashed), the anchor (dotted, black), other providers thin.
+The roles come from the file (``env.roles``, written by ``python -m bench run``), else
+from the provider names (``*fused*``, ``*unfused*``) and each row's ``anchor``.  Where
+fused and unfused share at least two x values, the interval where fused wins
+(:func:`distfuse.tune.crossover`, the rule the tuner writes into the dispatch table) is
+shaded and its bounds are drawn as vertical lines.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import math
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from distfuse.fused import registry
 
 MAX_PANELS = 30
 
@@ -38,9 +41,12 @@ def _x_keys(op: str, rows: list[dict], forced: str | None) -> list[str]:
     keys = set(rows[0]["shape"])
     if forced:
         return [forced]
+    spec = registry.OPS.get(op)
+    if spec is not None and set(spec.size_inputs) <= keys:
+        return list(spec.size_inputs)
     if {"m", "n", "k"} <= keys:
         return ["m", "n", "k"]
-    if op == "halo_conv" or ("channels" in keys and op.startswith("halo")):
+    if "channels" in keys and op.startswith("halo"):
         return ["channels"]
     varying = [k for k in rows[0]["shape"] if len({json.dumps(r["shape"].get(k)) for r in rows}) > 1
                and all(_num(r["shape"].get(k)) is not None for r in rows)]
@@ -48,6 +54,14 @@ def _x_keys(op: str, rows: list[dict], forced: str | None) -> list[str]:
         return varying
     # One shape (or nothing numeric varies): x is the product of the numeric entries, a size proxy.
     return [k for k in rows[0]["shape"] if _num(rows[0]["shape"][k]) is not None][:8]
+
+
+def _xlabel(op: str, keys: list[str]) -> str:
+    spec = registry.OPS.get(op)
+    if spec is not None and keys == list(spec.size_inputs):
+        inputs = "·".join(keys)
+        return spec.size_key if spec.size_key == inputs else f"{spec.size_key} = {inputs}"
+    return "m·n·k (per-rank GEMM)" if keys == ["m", "n", "k"] else "·".join(keys)
 
 
 def _x_of(shape: dict, keys: list[str]) -> float | None:
@@ -104,7 +118,7 @@ def panels(rows: list[dict], metric: str = "ms", x_key: str | None = None) -> li
                 v.sort()
             fixed = ", ".join(f"{k}={json.loads(v)}" for k, v in zip(panel_keys, pk, strict=True))
             title = f"{op} {mode} {dtype} W={w}" + (f"\n{fixed}" if fixed else "")
-            xlabel = "m·n·k (per-rank GEMM)" if xk == ["m", "n", "k"] else "·".join(xk)
+            xlabel = _xlabel(op, xk)
             out.append(dict(title=title, xlabel=xlabel, op=op, series=dict(series),
                             anchors={r["anchor"] for r in prow if r.get("anchor")}))
     return out

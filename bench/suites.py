@@ -39,6 +39,7 @@ import torch
 import torch.distributed
 
 from bench.harness import Row, add_ratios, track_peak_memory
+from distfuse.fused import registry
 
 __all__ = ["RunOptions", "SuiteResult", "Suite", "SUITES", "register", "has_cuda", "halo_rows", "dtype_name"]
 
@@ -146,7 +147,7 @@ def halo_rows(data: dict) -> list[Row]:
     rows = []
     for d in data["rows"]:
         extra = {k: d[k] for k in ("pct_of_copy",) if k in d}
-        rows.append(Row(op=d.get("op", "halo_conv"), provider=d["provider"], mode=d["mode"],
+        rows.append(Row(op=d.get("op", registry.HALO_CONV.name), provider=d["provider"], mode=d["mode"],
                         shape={k: d[k] for k in shape_keys if k in d}, dtype=d["dtype"],
                         world_size=int(d.get("world_size", 1)), ms=d["ms"], ms_q20=d.get("ms_p20", d["ms"]),
                         ms_q80=d.get("ms_p80", d["ms"]), rate=d.get("gbs"),
@@ -156,7 +157,7 @@ def halo_rows(data: dict) -> list[Row]:
     return rows
 
 
-HALO_ROLES = {"halo_conv": dict(fused="fused", unfused="distdl", anchor="copy")}
+HALO_ROLES = {registry.HALO_CONV.name: dict(fused="fused", unfused="distdl", anchor="copy")}
 
 
 def _run_halo(opts: RunOptions) -> SuiteResult:
@@ -199,7 +200,7 @@ def _run_halo(opts: RunOptions) -> SuiteResult:
 def _gemm_roles(world: int) -> dict:
     roles = _op_roles(["gemm_rs", "ag_gemm"], fused="fused", anchor="cublas")
     roles.update(_op_roles(["chunk_reduce", "ag_push"], fused="fused", anchor="copy"))
-    roles.update(_op_roles(["linear_rs", "linear_ag"], fused=f"projection-fused-{world}gpu",
+    roles.update(_op_roles([registry.LINEAR_RS.name, registry.LINEAR_AG.name], fused=f"projection-fused-{world}gpu",
                            unfused=f"projection-unfused-{world}gpu", anchor=f"projection-unfused-{world}gpu"))
     return roles
 

@@ -75,7 +75,7 @@ def train(steps: int = 8, lr: float = 0.05, rtol: float = 1e-4, quiet: bool = Fa
     from tqdm import tqdm
 
     from distfuse import Partition
-    from distfuse.decomposition import local_slices
+    from distfuse.geometry.decomposition import local_slices
     from distfuse.layers import collect_sequential
 
     if dist.get_world_size() != WORLD:

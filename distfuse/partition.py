@@ -287,9 +287,6 @@ class Partition:
         (groups,) = _groups_for("create_cartesian_topology_partition", [self.ranks])
         return CartesianPartition(self.ranks, groups, shape, self.device)
 
-    def world_rank_of(self, partition_rank: int) -> int:
-        return self.ranks[partition_rank]
-
     def __eq__(self, other) -> bool:
         return (isinstance(other, Partition) and self.ranks == other.ranks
                 and getattr(self, "shape", None) == getattr(other, "shape", None))

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from distfuse import Partition, zero_volume_tensor
-from distfuse.decomposition import local_slices
 from distfuse.errors import CollectiveMismatchError, PartitionError, ShapeError
+from distfuse.geometry.decomposition import local_slices
 from distfuse.primitives.all_gather import AllGather, all_gather
 from distfuse.testing import adjoint_check, run_ranks
 from tests.tolerances import ADJOINT_RTOL, tol

@@ -17,9 +17,11 @@ import torch
 import bench.__main__ as bench_cli
 from bench import compare, plot, suites
 from bench.harness import Row
-from distfuse import tune
+from distfuse import timing, tune
+from distfuse.fused import registry
 from distfuse.layers.dispatch import DeviceCaps, load_table, select_path, table_key
 from distfuse.testing import run_ranks
+from distfuse.tune import autotune_cache, cases, sweeper
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = DeviceCaps("cuda", "NVIDIA H200", symmetric_memory=True, triton=True)
@@ -269,13 +271,13 @@ class _FakeTuner:
         self.cache = dict(cache or {})
 
 
-def test_triton_configs_harvest_and_seed(tmp_path):
+def test_triton_configs_harvest_and_seed(tmp_path, monkeypatch):
     import triton
 
     old = triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8), num_warps=4, num_stages=3)
     new = triton.Config(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8), num_warps=8, num_stages=3)
     tuner = _FakeTuner({(1, 64, 4096, 1792, "torch.bfloat16"): old})
-    before = tune._cache_keys({"gemm_rs": tuner})
+    before = autotune_cache.cache_keys({"gemm_rs": tuner})
     tuner.cache[(1, 8192, 4096, 1792, "torch.bfloat16")] = new
     got = tune.harvest_autotune_caches({"gemm_rs": tuner}, before)
     assert got == {"gemm_rs": [dict(key=[1, 8192, 4096, 1792, "torch.bfloat16"], kwargs=new.kwargs, num_warps=8,
@@ -288,6 +290,9 @@ def test_triton_configs_harvest_and_seed(tmp_path):
     assert tune.seed_autotune_caches(table, "NVIDIA H200", 8, torch.bfloat16, tuners={"gemm_rs": fresh}) == 1
     cfg = fresh.cache[(1, 8192, 4096, 1792, "torch.bfloat16")]
     assert (cfg.kwargs, cfg.num_warps, cfg.num_stages) == (new.kwargs, 8, 3)
+    # without a table argument it reads the table where dispatch looks, sections included
+    monkeypatch.setenv("DISTFUSE_TUNE_TABLE", str(path))
+    assert tune.seed_autotune_caches(None, "NVIDIA H200", 8, torch.bfloat16, tuners={"gemm_rs": _FakeTuner()}) == 1
     # another device, or a table from another Triton version: nothing is seeded
     assert tune.seed_autotune_caches(table, "NVIDIA A100", tuners={"gemm_rs": _FakeTuner()}) == 0
     table["_meta"]["runs"]["NVIDIA H200|8"]["triton"] = "0.0.1"
@@ -300,7 +305,7 @@ def test_triton_configs_harvest_and_seed(tmp_path):
 def _tune_rank(out: str):
     import torch.distributed as dist
 
-    args = tune._parse(["--quick", "--out", out, "--no-progress", "--reps", "2"])
+    args = tune.parse_args(["--quick", "--out", out, "--no-progress", "--reps", "2"])
     res = tune.run(args)
     return dist.get_rank(), res.device_name, sorted(res.entries), sorted(res.sweeps)
 
@@ -311,7 +316,7 @@ def test_tune_on_gloo_ranks_times_unfused_only_and_writes_no_fused_entries(tmp_p
     assert [r[0] for r in results] == [0, 1]
     rank0 = results[0]
     assert rank0[1] == "cpu" and rank0[2] == []
-    assert rank0[3] == sorted(table_key("cpu", 2, torch.float32, op) for op in tune.OPS)
+    assert rank0[3] == sorted(table_key("cpu", 2, torch.float32, op) for op in registry.names())
     table = json.loads(out.read_text())
     assert not [k for k in table if "|" in k]  # no crossover entries from a CPU sweep
     for key, sw in table["sweeps"].items():
@@ -323,12 +328,62 @@ def test_tune_on_gloo_ranks_times_unfused_only_and_writes_no_fused_entries(tmp_p
 
 
 def test_default_grids_match_dispatch_sizes():
-    for op in tune.OPS:
+    for op in registry.names():
         for shape in tune.default_grid(op, 8):
             assert tune.size_of(op, shape) > 0
     rs = tune.default_grid("linear_rs", 8)
     assert rs[0] == dict(m=64, n=4096, k=14336 // 8)  # per-rank GEMM of the down projection
-    assert tune._split(8, 2) == (2, 4) and tune._split(12, 2) == (3, 4) and tune._split(8, 3) == (2, 2, 2)
+    assert cases.split(8, 2) == (2, 4) and cases.split(12, 2) == (3, 4) and cases.split(8, 3) == (2, 2, 2)
+    # the command line's shape options reach the grids (each grid takes the ones that apply)
+    assert [s["channels"] for s in tune.default_grid("halo_conv", 4, channels=[3, 5], m=[7])] == [3, 5]
+    assert tune.default_grid("halo_conv", 4, quick=True, nd=3)[0]["nd"] == 3
+    assert [s["m"] for s in tune.default_grid("linear_ag", 4, m=[7], channels=[3])] == [7]
+
+
+def test_registry_entries_are_complete_and_drive_the_tuner():
+    """Every op: a size key, resolvable factories, a default with its reason; the tuner's --ops are the registry's."""
+    assert registry.names() == ("linear_rs", "linear_ag", "halo_conv")
+    for op in registry.names():
+        spec = registry.get(op)
+        assert spec.size_key and spec.size_inputs and spec.default.why
+        for ref in (spec.case, spec.grid) + ((spec.available,) if spec.available else ()):
+            assert callable(registry.resolve(ref)), (op, ref)
+        assert spec.size_of(dict.fromkeys(spec.size_inputs, 3)) == 3.0 ** len(spec.size_inputs)
+    assert tune.parse_args([]).ops == list(registry.names())
+    with pytest.raises(SystemExit):
+        tune.parse_args(["--ops", "no_such_op"])
+    with pytest.raises(KeyError, match="unknown op"):
+        registry.get("no_such_op")
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(registry.get("halo_conv"))
+
+
+def test_a_registry_entry_is_all_the_tuner_needs(monkeypatch):
+    """A new op (here: the halo conv's factories under another name) is known to --ops, the grids and entries."""
+    toy = registry.FusedOp("toy_conv", "chans", ("channels",), registry.DefaultRule.never("untested"),
+                           case=cases.halo_case, grid=cases.halo_grid)
+    monkeypatch.setitem(registry.OPS, "toy_conv", toy)
+    assert "toy_conv" in tune.parse_args(["--ops", "toy_conv"]).ops
+    assert tune.default_grid("toy_conv", 2, quick=True) == tune.default_grid("halo_conv", 2, quick=True)
+    entry = tune.entry_for("toy_conv", [dict(size=s, fused_ms=1.0, unfused_ms=2.0) for s in (1, 2)])
+    assert entry["size_key"] == "chans" and entry["fused"] == "always"
+
+
+def test_one_timer_for_bench_and_tuner():
+    """bench/harness.py re-exports distfuse.timing; the sweep times through it (no copy of the timer left)."""
+    from bench import harness
+
+    assert harness.time_fn is timing.time_fn and harness.time_samples is timing.time_samples
+    assert harness.summarize is timing.summarize and harness.time_interleaved is timing.time_interleaved
+    assert sweeper.time_samples is timing.time_samples
+    calls = []
+    times = timing.time_samples(timing.rotating(calls.append, 3), warmup=2, reps=5, device=torch.device("cpu"))
+    assert len(times) == 5 and all(t >= 0 for t in times) and calls == [0, 1, 2, 0, 1, 2, 0]
+    assert timing.summarize([3.0, 1.0, 2.0, 5.0, 4.0]) == (3.0, pytest.approx(1.8), pytest.approx(4.2))
+    assert timing.summarize([2.0]) == (2.0, 2.0, 2.0) and timing.median([1.0, 2.0, 4.0, 8.0]) == 3.0
+    assert timing.rotations(10**9, torch.device("cpu")) == 1
+    with pytest.raises(ValueError):
+        timing.summarize([])
 
 
 def test_console_script_is_declared():
@@ -336,6 +391,13 @@ def test_console_script_is_declared():
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["distfuse-tune"] == "distfuse.tune:main"
+    assert callable(tune.main)
+
+
+def test_python_dash_m_distfuse_tune():
+    proc = subprocess.run([sys.executable, "-m", "distfuse.tune", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0 and "distfuse-tune" in proc.stdout and "halo_conv" in proc.stdout, proc.stderr
 
 
 # ---------------------------------------------------------------- the suite runner
@@ -458,25 +520,25 @@ def _tune_cases_rank():
     W = dist.get_world_size()
     P_sub = Partition.world().create_partition_inclusive(range(W)).create_cartesian_topology_partition([1, W, 1])
     dev, out = torch.device("cpu"), {}
+    ctx = cases.CaseContext(torch.float32, dev, W, range(W), P_sub, full=True, fused_ok=True)
     for op in ("linear_rs", "linear_ag"):
         shape = dict(m=6, n=8, k=8) if op == "linear_rs" else dict(m=7, n=8, k=8)  # m: an uneven split
-        case = tune._linear_case(op, shape, torch.float32, dev, P_sub, full=True, fused_ok=True)
+        case = cases.linear_case(op, shape, ctx)
         out[op] = bool(torch.allclose(case.fused(0), case.unfused(0), atol=1e-5))
-    case = tune._halo_case(dict(channels=2, extent=4, nd=2, kernel=3, batch=1), torch.float32, dev, W, range(W),
-                           full=True, fused_ok=True)
+    case = cases.halo_case("halo_conv", dict(channels=2, extent=4, nd=2, kernel=3, batch=1), ctx)
     yf = case.fused(0).detach().clone()
     out["halo_fused_ran"] = case.check("fused")
     yu = case.unfused(0).detach()
     out["halo_unfused_ran"] = case.check("unfused")
     out["halo_agree"] = bool(torch.allclose(yf, yu, atol=1e-5))
     # the whole sweep with the fused path allowed (interpreted on CPU: plumbing, not a measurement)
-    real = tune._fused_available
-    tune._fused_available = lambda *a: (True, "")
+    real = sweeper.fused_available
+    sweeper.fused_available = lambda *a: (True, "")
     try:
         res = tune.sweep(["linear_rs"], [torch.float32], full=False, warmup=0, reps=1, progress=False,
                          grid=lambda op, w: tune.default_grid(op, w, quick=True))
     finally:
-        tune._fused_available = real
+        sweeper.fused_available = real
     out["entries"] = res.entries
     return out
 

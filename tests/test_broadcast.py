@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import distfuse.primitives.broadcast as bmod
 from distfuse import CollectiveMismatchError, Partition, PartitionError, ShapeError, union_partition, zero_volume_tensor
-from distfuse.decomposition import local_shape
+from distfuse.geometry.decomposition import local_shape
 from distfuse.primitives.broadcast import Broadcast, broadcast, broadcast_plan
 from distfuse.testing import adjoint_check, run_ranks
 from tests.tolerances import ADJOINT_RTOL, tol

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from distfuse.primitives.halo_plan import resolve_padding
+from distfuse.geometry.halo_plan import resolve_padding
 from distfuse.testing import run_ranks
 from tests.test_conv_support import Case, run_cases
 
@@ -99,7 +99,7 @@ def _explain_default(world):
 
     case = Case("explain", "feature", (1, 2, 8), 2, 3, (1, 1, world), tuple(range(world)), padding=1)
     P_x, _, _, layer = build(case)
-    from distfuse.decomposition import local_shape
+    from distfuse.geometry.decomposition import local_shape
 
     x = torch.randn(local_shape(case.shape, P_x.shape, P_x.index))
     # Inside the rank the children's environment decides, so clear any override there.

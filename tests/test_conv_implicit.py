@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from distfuse.decomposition import local_slices
 from distfuse.errors import UnsupportedError
+from distfuse.geometry.decomposition import local_slices
+from distfuse.geometry.halo_plan import HaloPlan, resolve_padding
 from distfuse.kernels import conv_implicit as ci
 from distfuse.kernels import halo as hk
 from distfuse.kernels.conv_implicit import conv_implicit, conv_implicit_reference
-from distfuse.primitives.halo_plan import HaloPlan, resolve_padding
 from tests.tolerances import tol
 
 NP_MODE = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from distfuse import PartitionError, ShapeError, UnsupportedError, zero_volume_tensor
-from distfuse.decomposition import local_shape, local_slices
+from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.layers._params import collect_sequential, load_sequential
 from distfuse.layers.conv import DistributedConv1d, DistributedConv2d, select_conv
 from distfuse.layers.conv_channel import DistributedChannelConv1d

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import distfuse.layers.conv_feature as conv_feature
 from distfuse import Partition
-from distfuse.decomposition import local_slices
+from distfuse.geometry.decomposition import local_slices
 from distfuse.layers import DistributedConv2d
 from distfuse.testing import RankFailure, run_ranks
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distfuse import Partition, zero_volume_tensor
-from distfuse.decomposition import local_shape, local_slices
+from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.layers._params import load_sequential
 from distfuse.layers.conv import DistributedConv1d, DistributedConv2d, DistributedConv3d
 from distfuse.primitives.repartition import collect_tensor

@@ -1,11 +1,14 @@
 """select_path: the override, the table, the defaults and the fallbacks (pure, no ranks)."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from distfuse.layers.dispatch import DEFAULT_THRESHOLDS, DeviceCaps, load_table, select_path, table_key
+from distfuse.fused import registry
+from distfuse.fused.registry import DefaultRule
+from distfuse.layers.dispatch import DeviceCaps, load_table, select_path, table_key
 
 H200 = DeviceCaps("cuda", "NVIDIA H200", symmetric_memory=True, triton=True)
 H200_NO_P2P = DeviceCaps("cuda", "NVIDIA H200", symmetric_memory=False, triton=True)
@@ -24,13 +27,20 @@ def test_defaults_on_cuda_follow_the_h100_measurements():
     """No fused op beat its unfused composition on the H100 (bench/results): every default is unfused, says why."""
     for op, shapes in (("linear_rs", BIG), ("linear_ag", DECODE), ("halo_conv", dict(channels=16))):
         d = select_path(op, shapes, torch.bfloat16, 8, H200, table={})
-        assert d.path == "unfused" and "H100" in d.reason and DEFAULT_THRESHOLDS[op]["fused"] == "never", (op, d)
+        assert d.path == "unfused" and "H100" in d.reason and registry.get(op).default.fused == "never", (op, d)
+        assert d.reason == f"default: {registry.get(op).default.why}; a distfuse-tune table entry can enable it"
+
+
+def _set_default(monkeypatch, op, **bounds):
+    """Give ``op`` a threshold default rule for the test (the registry entry is restored afterwards)."""
+    spec = registry.get(op)
+    monkeypatch.setitem(registry.OPS, op, dataclasses.replace(spec, default=DefaultRule.threshold(**bounds)))
 
 
 def test_threshold_defaults_still_work(monkeypatch):
     """The threshold form of a default (for ops whose fused path wins) picks by size."""
-    monkeypatch.setitem(DEFAULT_THRESHOLDS, "linear_rs", dict(min_macs=2**30))
-    monkeypatch.setitem(DEFAULT_THRESHOLDS, "halo_conv", dict(max_channels=64))
+    _set_default(monkeypatch, "linear_rs", min_size=2**30)
+    _set_default(monkeypatch, "halo_conv", max_size=64)
     assert select_path("linear_rs", BIG, torch.bfloat16, 8, H200, table={}).path == "fused"
     assert select_path("linear_rs", DECODE, torch.bfloat16, 8, H200, table={}).path == "unfused"
     assert select_path("halo_conv", dict(channels=64), torch.float32, 4, H200, table={}).path == "fused"
@@ -88,3 +98,107 @@ def test_unreadable_table_is_ignored(tmp_path):
 def test_unknown_op():
     with pytest.raises(KeyError, match="unknown op"):
         select_path("matmul", BIG, torch.float32, 2, H200, table={})
+
+
+# ---------------------------------------------------------------- boundaries (exactly at, one below, one above)
+# The thresholds are inclusive on both sides: fused for lo <= size <= hi.  Each op's size is built to land exactly
+# on the bound (m*n*k for the linears with n = k = 1, channels for the halo conv).
+
+T = 64 * 4096 * 1792  # a decode-sized GEMM's MACs: 469762048, exact in a float
+
+
+def _shapes(op, size):
+    return dict(m=size, n=1, k=1) if registry.get(op).size_key == "macs" else dict(channels=size)
+
+
+def _path(op, size, table=None, world=8, caps=H200):
+    return select_path(op, _shapes(op, size), torch.bfloat16, world, caps, table={} if table is None else table).path
+
+
+BOUND_OPS = pytest.mark.parametrize("op,t", [("linear_rs", T), ("linear_ag", T), ("halo_conv", 64)])
+
+
+@BOUND_OPS
+def test_default_min_size_is_inclusive(monkeypatch, op, t):
+    _set_default(monkeypatch, op, min_size=t)
+    assert [_path(op, s) for s in (t - 1, t, t + 1)] == ["unfused", "fused", "fused"]
+
+
+@BOUND_OPS
+def test_default_max_size_is_inclusive(monkeypatch, op, t):
+    _set_default(monkeypatch, op, max_size=t)
+    assert [_path(op, s) for s in (t - 1, t, t + 1)] == ["fused", "fused", "unfused"]
+
+
+def test_default_interval_both_bounds_inclusive(monkeypatch):
+    _set_default(monkeypatch, "linear_rs", min_size=T, max_size=4 * T)
+    got = [_path("linear_rs", s) for s in (T - 1, T, T + 1, 4 * T - 1, 4 * T, 4 * T + 1)]
+    assert got == ["unfused", "fused", "fused", "fused", "fused", "unfused"]
+    d = select_path("linear_rs", _shapes("linear_rs", T), torch.bfloat16, 8, H200, table={})
+    assert d.reason.startswith(f"default: fused for macs in [{T:g}, {4 * T:g}], got {T:g}")
+
+
+def test_default_threshold_still_needs_cuda_and_yields_to_the_table(monkeypatch):
+    _set_default(monkeypatch, "linear_rs", min_size=T)
+    assert _path("linear_rs", T, caps=CPU) == "unfused"
+    table = {table_key("NVIDIA H200", 8, torch.bfloat16, "linear_rs"): {"min_size": T + 1}}
+    assert _path("linear_rs", T, table) == "unfused"  # the table entry, not the default, decides
+
+
+def _table(op, **entry):
+    return {table_key("NVIDIA H200", 8, torch.bfloat16, op): entry}
+
+
+@BOUND_OPS
+def test_table_min_size_is_inclusive(op, t):
+    assert [_path(op, s, _table(op, min_size=t)) for s in (t - 1, t, t + 1)] == ["unfused", "fused", "fused"]
+
+
+@BOUND_OPS
+def test_table_max_size_is_inclusive(op, t):
+    assert [_path(op, s, _table(op, max_size=t)) for s in (t - 1, t, t + 1)] == ["fused", "fused", "unfused"]
+
+
+def test_table_interval_both_bounds_inclusive(tmp_path, monkeypatch):
+    """The same interval through the file dispatch reads (``DISTFUSE_TUNE_TABLE``) and as a dict."""
+    entry = dict(min_size=T, max_size=4 * T, fused="interval")
+    path = tmp_path / "crossover.json"
+    path.write_text(json.dumps(_table("linear_rs", **entry)))
+    monkeypatch.setenv("DISTFUSE_TUNE_TABLE", str(path))
+    sizes = (T - 1, T, T + 1, 4 * T - 1, 4 * T, 4 * T + 1)
+    want = ["unfused", "fused", "fused", "fused", "fused", "unfused"]
+    from_file = [select_path("linear_rs", _shapes("linear_rs", s), torch.bfloat16, 8, H200).path for s in sizes]
+    assert from_file == want
+    assert [_path("linear_rs", s, _table("linear_rs", **entry)) for s in sizes] == want
+    d = select_path("linear_rs", _shapes("linear_rs", T), torch.bfloat16, 8, H200)
+    assert d.reason == f"crossover table: macs={T:g}, fused for [{T:g}, {4 * T:g}]"
+
+
+def test_table_never_entry_wins_over_its_bounds():
+    # "never" is written as max_size -1; a size of 0 is still unfused, and "fused": "never" alone says so too
+    assert _path("halo_conv", 0, _table("halo_conv", max_size=-1.0, fused="never")) == "unfused"
+    assert _path("halo_conv", 0, _table("halo_conv", max_size=-1.0)) == "unfused"
+    assert _path("linear_rs", T, _table("linear_rs", min_size=T, fused="never")) == "unfused"
+
+
+# ---------------------------------------------------------------- the registry is the one list of ops
+
+
+def test_select_path_reads_ops_from_the_registry(monkeypatch):
+    """A new registry entry is all select_path needs: size, default rule and symmetric-memory need."""
+    new = registry.FusedOp("toy_fused", "elements", ("rows", "cols"), DefaultRule.threshold(min_size=100),
+                           case="distfuse.tune.cases:linear_case", grid="distfuse.tune.cases:linear_grid",
+                           needs_symmetric_memory=True)
+    monkeypatch.setitem(registry.OPS, "toy_fused", new)
+    assert select_path("toy_fused", dict(rows=10, cols=10), torch.float32, 8, H200, table={}).path == "fused"
+    assert select_path("toy_fused", dict(rows=9, cols=11), torch.float32, 8, H200, table={}).path == "unfused"
+    assert select_path("toy_fused", dict(rows=10, cols=10), torch.float32, 8, H200_NO_P2P, table={}).path == "unfused"
+    with pytest.raises(KeyError, match="cols"):
+        select_path("toy_fused", dict(rows=10), torch.float32, 8, H200, table={})
+
+
+def test_default_rule_validation():
+    with pytest.raises(ValueError, match="never"):
+        DefaultRule("sometimes", "why")
+    with pytest.raises(ValueError, match="min_size, max_size"):
+        DefaultRule.threshold(why="no bounds")

@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from distfuse import Partition
-from distfuse.decomposition import block_extent, block_range
 from distfuse.errors import CollectiveTimeoutError, PartitionError, ShapeError, UnsupportedError
 from distfuse.fused import linear_rs, symmetric
 from distfuse.fused.linear_ag import all_gather_matmul, all_gather_matmul_loopback, linear_ag_workspace_bytes
@@ -33,6 +32,7 @@ from distfuse.fused.linear_rs import (
     matmul_reduce_scatter_loopback,
 )
 from distfuse.fused.symmetric import LoopbackWorkspace, WorkspaceBrokenError, WorkspaceBusyError, close_all
+from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.primitives.all_gather import all_gather
 from distfuse.primitives.reduce_scatter import reduce_scatter
 from distfuse.testing import run_ranks, shutdown_pools

@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from distfuse import Partition
-from distfuse.decomposition import block_extent, block_range
 from distfuse.errors import CollectiveTimeoutError, ShapeError
 from distfuse.fused.symmetric import (
     LoopbackWorkspace,
@@ -23,6 +22,7 @@ from distfuse.fused.symmetric import (
     close_all,
     get_workspace,
 )
+from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import cast_out, round_bf16, wait_flag
 from distfuse.kernels.ag_gemm import (
     ag_gemm_consume,

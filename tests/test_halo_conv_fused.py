@@ -16,11 +16,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distfuse import Partition, zero_volume_tensor
-from distfuse.decomposition import local_slices
 from distfuse.errors import ShapeError
 from distfuse.fused.halo_conv import halo_conv
+from distfuse.geometry.decomposition import local_slices
+from distfuse.geometry.halo_plan import resolve_padding
 from distfuse.primitives.halo_exchange import HaloExchange
-from distfuse.primitives.halo_plan import resolve_padding
 from distfuse.testing import RankFailure, adjoint_check, run_ranks
 from tests.tolerances import ADJOINT_RTOL, tol
 
@@ -242,7 +242,7 @@ def test_wrong_kernel_size_is_named():
 def test_fused_cuda_single_worker_realistic(mode, tmp_path):
     """One worker on the GPU, in this process (forked ranks cannot use CUDA once the parent has): borders wrap
     onto the worker itself, so every kernel and the overlap schedule run; no message is sent."""
-    from distfuse.primitives.halo_plan import HaloPlan
+    from distfuse.geometry.halo_plan import HaloPlan
 
     own_group = not dist.is_initialized()
     if own_group:

@@ -10,9 +10,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distfuse import Partition
-from distfuse.decomposition import local_slices
 from distfuse.errors import UnsupportedError
 from distfuse.fused.halo_conv import halo_conv
+from distfuse.geometry.decomposition import local_slices
 from distfuse.primitives.halo_exchange import HaloExchange
 from distfuse.testing import RankFailure, run_ranks
 from tests.tolerances import tol

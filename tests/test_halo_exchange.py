@@ -6,10 +6,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distfuse import Partition, zero_volume_tensor
-from distfuse.decomposition import local_slices
 from distfuse.errors import ShapeError
+from distfuse.geometry.decomposition import local_slices
+from distfuse.geometry.halo_plan import resolve_padding
 from distfuse.primitives.halo_exchange import HaloExchange
-from distfuse.primitives.halo_plan import resolve_padding
 from distfuse.testing import RankFailure, adjoint_check, run_ranks
 from tests.tolerances import ADJOINT_RTOL, tol
 

@@ -18,10 +18,11 @@ import numpy as np
 import pytest
 import torch
 
-from distfuse.decomposition import local_slices
 from distfuse.errors import ShapeError, UnsupportedError
+from distfuse.geometry.decomposition import local_slices
+from distfuse.geometry.halo_plan import HaloPlan, resolve_padding
 from distfuse.kernels import halo as hk
-from distfuse.primitives.halo_plan import HaloPlan, resolve_padding
+from distfuse.kernels import halo_tables as ht
 from tests.tolerances import tol
 
 NP_MODE = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
@@ -86,7 +87,7 @@ def _simulate(gshape, grid, kernel, stride, dilation, padding, mode, dtype, lead
     # forward: pack every worker, route the boxes, stage
     packed = {"lead_shape": lead_shape}
     for i, x in blocks.items():
-        out = _nan(hk.send_numel(plan, i, lead), dtype, dev)
+        out = _nan(ht.send_numel(plan, i, lead), dtype, dev)
         packed[i] = hk.halo_pack(x, plan, i, out=out, block=block)
         assert packed[i] is out
         assert torch.equal(packed[i], hk.halo_pack_reference(x, plan, i)), ("pack", i)
@@ -107,8 +108,8 @@ def _simulate(gshape, grid, kernel, stride, dilation, padding, mode, dtype, lead
         grads[i] = g
         acc = torch.float64 if dtype == torch.float64 else torch.float32
         u = hk.halo_unstage(g, plan, i, grad_x=_nan(x.shape, dtype, dev),
-                            send=_nan(hk.recv_numel(plan, i, lead), dtype, dev),
-                            self_boxes=_nan(hk.self_numel(plan, i, lead), acc, dev), tile=tile, block=block)
+                            send=_nan(ht.recv_numel(plan, i, lead), dtype, dev),
+                            self_boxes=_nan(ht.self_numel(plan, i, lead), acc, dev), tile=tile, block=block)
         ref = hk.halo_unstage_reference(g, plan, i)
         for name, got, exp in zip(u._fields, u, ref):
             torch.testing.assert_close(got, exp, **t, msg=f"unstage {name} of worker {i}")
@@ -258,14 +259,14 @@ def test_kernels_leading_dims_flatten():
 
 def test_accumulate_in_chunks(monkeypatch):
     """More boxes than one int64 cover mask holds: accumulate runs once per chunk, in place."""
-    monkeypatch.setattr(hk, "_MASK_BITS", 2)
-    hk._accumulate_tables.cache_clear()
+    monkeypatch.setattr(ht, "MASK_BITS", 2)
+    ht.accumulate_tables.cache_clear()
     try:
         plan = _simulate((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 2, "replicate", torch.float32)
-        counts = [len(hk.self_pieces(plan, i)) + len(plan.sends(i)) for i in plan.blocks()]
-        assert max(counts) > 2 * hk._MASK_BITS  # several chunks were needed
+        counts = [len(ht.self_pieces(plan, i)) + len(plan.sends(i)) for i in plan.blocks()]
+        assert max(counts) > 2 * ht.MASK_BITS  # several chunks were needed
     finally:
-        hk._accumulate_tables.cache_clear()
+        ht.accumulate_tables.cache_clear()
 
 
 REGION_CASES = [
@@ -284,7 +285,7 @@ def test_stage_regions_write_disjoint_parts(gshape, grid, kernel, padding, mode,
     plan, _ = _plan(gshape, grid, kernel, (1,) * nd, (1,) * nd, padding, mode)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn((2, 3) + plan.input_shape(i), generator=gen)
-    recv = torch.randn(hk.recv_numel(plan, i, 6), generator=gen)
+    recv = torch.randn(ht.recv_numel(plan, i, 6), generator=gen)
     full = hk.halo_stage(x, recv, plan, i)
     remote = torch.zeros(plan.staged_shape(i), dtype=torch.bool)
     for pc in plan.recvs(i):
@@ -308,18 +309,18 @@ def test_stage_regions_write_disjoint_parts(gshape, grid, kernel, padding, mode,
 
 def test_interior_and_self_pieces_partition_the_local_pieces():
     plan, _ = _plan((6,), (1,), (3,), (1,), (1,), 2, "circular")
-    interior = hk.interior_piece(plan, (0,))
+    interior = ht.interior_piece(plan, (0,))
     assert interior is not None and interior.src_lo == (0,) and interior.shape == (6,)
-    assert len(hk.self_pieces(plan, (0,))) == 2  # both circular self-wraps
+    assert len(ht.self_pieces(plan, (0,))) == 2  # both circular self-wraps
     plan, _ = _plan((3,), (5,), (3,), (1,), (1,), 1, "zeros")
-    assert hk.interior_piece(plan, (4,)) is None and hk.self_pieces(plan, (4,)) == ()
+    assert ht.interior_piece(plan, (4,)) is None and ht.self_pieces(plan, (4,)) == ()
 
 
 def test_bad_arguments_name_the_op_and_the_values():
     plan, _ = _plan((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 1, "zeros")
     i = (0, 0)
     x = torch.randn(2, 3, *plan.input_shape(i))
-    recv = torch.randn(hk.recv_numel(plan, i, 6))
+    recv = torch.randn(ht.recv_numel(plan, i, 6))
     with pytest.raises(ShapeError, match=r"halo_stage \[rank 0\]: spatial shape of x: expected \(5, 4\), got"):
         hk.halo_stage(x[..., :3], recv, plan, i)
     with pytest.raises(ShapeError, match=r"halo_stage \[rank 0\]: receive buffer .* expected 1-D of"):

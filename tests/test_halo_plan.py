@@ -13,10 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from distfuse.decomposition import local_slices
 from distfuse.errors import UnsupportedError
-from distfuse.primitives.halo_exchange import read_box
-from distfuse.primitives.halo_plan import AxisGeometry, HaloPlan, conv_output_extent, resolve_padding
+from distfuse.geometry.decomposition import local_slices
+from distfuse.geometry.halo_plan import AxisGeometry, HaloPlan, conv_output_extent, read_box, resolve_padding
 
 NP_MODE = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
 

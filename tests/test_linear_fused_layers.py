@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from distfuse import Partition
-from distfuse.decomposition import local_slices
+from distfuse.geometry.decomposition import local_slices
 from distfuse.layers import DistributedLinearAllGather, DistributedLinearReduceScatter, collect_sequential
 from distfuse.testing import run_ranks
 from tests.tolerances import tol
@@ -84,7 +84,7 @@ def test_fused_layers_match_unfused_and_sequential(P_d, P_m, n, dtype, keep):
     # With P_d = 1 worker m owns block m of every weight (rows of the column-parallel one, columns of the
     # row-parallel one) and worker 0 all of the row-parallel bias: each equals the sequential gradient's block.
     if P_d == 1:
-        from distfuse.decomposition import block_range
+        from distfuse.geometry.decomposition import block_range
 
         for m, r in enumerate(fused):
             lo, hi = block_range(HIDDEN, P_m, m)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from distfuse import Partition, PartitionError, ShapeError, zero_volume_tensor
-from distfuse.decomposition import local_slices
+from distfuse.geometry.decomposition import local_slices
 from distfuse.layers._params import collect_sequential, load_sequential
 from distfuse.layers.linear_all_gather import DistributedLinearAllGather, DistributedLinearAllGatherZero
 from distfuse.layers.linear_reduce_scatter import DistributedLinearReduceScatter, DistributedLinearReduceScatterZero

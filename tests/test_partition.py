@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from distfuse import Partition, zero_volume_tensor
-from distfuse.decomposition import block_extent, block_range, block_start, local_shape, owner_of
+from distfuse.geometry.decomposition import block_extent, block_range, block_start, local_shape, owner_of
 from distfuse.testing import RankFailure, RankTimeout, run_ranks
 
 # ---------------------------------------------------------------- decomposition (no ranks)

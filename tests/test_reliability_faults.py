@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distfuse import Partition, PartitionError, zero_volume_tensor
-from distfuse.decomposition import block_extent
+from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import INTERPRET
 from distfuse.layers import (
     DistributedConv1d,

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distfuse import Partition, zero_volume_tensor
-from distfuse.decomposition import local_shape, local_slices
+from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.kernels._utils import INTERPRET
 from distfuse.layers import (
     DistributedLinear,

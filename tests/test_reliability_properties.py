@@ -29,10 +29,10 @@ from hypothesis import HealthCheck, Phase, assume, example, given, settings
 from hypothesis import strategies as st
 
 from distfuse import Partition, zero_volume_tensor
-from distfuse.decomposition import local_shape, local_slices
+from distfuse.geometry.decomposition import local_shape, local_slices
+from distfuse.geometry.halo_plan import HaloPlan, conv_output_extent, resolve_padding
 from distfuse.primitives import AllGather, AllSumReduce, HaloExchange, ReduceScatter, Repartition
 from distfuse.primitives.halo_exchange import stage_from_pieces, unstage_to_pieces
-from distfuse.primitives.halo_plan import HaloPlan, conv_output_extent, resolve_padding
 from distfuse.testing import run_ranks
 from tests.test_conv_support import Case, run_cases
 

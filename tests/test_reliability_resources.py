@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from distfuse import Partition
-from distfuse.decomposition import local_shape
+from distfuse.geometry.decomposition import local_shape
 from distfuse.kernels._utils import INTERPRET
 from distfuse.layers import DistributedConv2d, DistributedLinearAllGather, DistributedLinearReduceScatter
 from distfuse.testing import run_ranks

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from distfuse import CollectiveMismatchError, Partition, PartitionError, ShapeError, zero_volume_tensor
-from distfuse.decomposition import block_range, local_shape, local_slices
+from distfuse.geometry.decomposition import block_range, local_shape, local_slices
 from distfuse.primitives.repartition import (
     Repartition,
     collect_tensor,

@@ -50,9 +50,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
-from distfuse.kernels.halo import box_offsets, halo_accumulate, halo_pack, halo_stage, halo_unstage
+from distfuse.geometry.halo_plan import HaloPlan
+from distfuse.kernels.halo import halo_accumulate, halo_pack, halo_stage, halo_unstage
+from distfuse.kernels.halo_tables import box_offsets
 from distfuse.primitives._common import collective_guard, exchange
-from distfuse.primitives.halo_plan import HaloPlan
 
 __all__ = ["HaloConvFunction", "halo_conv"]
 

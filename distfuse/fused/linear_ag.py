@@ -41,7 +41,6 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from distfuse import debug
-from distfuse.decomposition import block_extent
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.fused.linear_rs import (
     _ag_phase,
@@ -53,6 +52,7 @@ from distfuse.fused.linear_rs import (
     fused_linear_available,
 )
 from distfuse.fused.symmetric import LoopbackWorkspace
+from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.ag_gemm import ag_gemm_workspace_bytes
 from distfuse.kernels.gemm_rs import gemm_rs_workspace_bytes

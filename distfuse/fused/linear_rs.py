@@ -67,9 +67,9 @@ from torch.autograd.function import once_differentiable
 
 from distfuse import debug
 from distfuse._compat import all_gather_flat
-from distfuse.decomposition import block_extent
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.fused.symmetric import LoopbackWorkspace, get_workspace, symmetric_memory_available
+from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.ag_gemm import ag_gemm_consume, ag_gemm_workspace_bytes, ag_push
 from distfuse.kernels.gemm_rs import chunk_reduce, gemm_rs, gemm_rs_workspace_bytes

@@ -86,7 +86,6 @@ __all__ = [
     "WorkspaceBusyError",
     "WorkspaceBrokenError",
     "get_workspace",
-    "close_workspace",
     "close_all",
     "symmetric_memory_available",
     "log_fallback_once",
@@ -745,13 +744,6 @@ def get_workspace(P: Partition, nbytes: int, device=None, *, timeout: float | No
     ws = SymmetricWorkspace(P, nbytes, device, generation=gen, timeout=timeout)
     _CACHE[key] = ws
     return ws
-
-
-def close_workspace(P: Partition, device=None) -> None:
-    """Free the cached workspace of ``P`` on ``device`` (local; call it on every rank of ``P``)."""
-    ws = _CACHE.pop(_key(P, _norm_device(P, device)), None)
-    if ws is not None:
-        ws.close()
 
 
 def close_all() -> None:

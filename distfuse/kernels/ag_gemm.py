@@ -34,8 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from distfuse.decomposition import block_extent, block_range
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import (
     AUTOTUNE,
     CPU_GEMM_CONFIG,

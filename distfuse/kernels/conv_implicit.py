@@ -13,10 +13,11 @@ padded to 3 inside the kernel with leading extent-1 axes, as in ``kernels/halo.p
     B[kk, n]    = weight.reshape(Co, K)[n, kk]
     y[b, n, o]  = sum_kk A[mm, kk] B[kk, n] + bias[n]            (fp32 accumulate, one rounding)
 
-The staged position -> source map is the stage kernel's (``halo._stage_tables``, shared
-and cached): per-axis int32 LUTs (segment id, coordinate inside the segment's source box,
-already reversed for reflect and 0 for replicate) and the int64 piece table ``(kind,
-base, lead stride, stride0, stride1)`` with kind 0 = zero fill, 1 = ``x``, 2 = ``recv``.
+The staged position -> source map is the stage kernel's (``halo_tables.stage_tables``,
+shared and cached): per-axis int32 LUTs (segment id, coordinate inside the segment's
+source box, already reversed for reflect and 0 for replicate) and the int64 piece table
+``(kind, base, lead stride, stride0, stride1)`` with kind 0 = zero fill, 1 = ``x``,
+2 = ``recv``.
 Every A element costs 6 LUT loads + 5 piece-table loads (all tiny, cache resident) on
 top of its data load; a staged copy costs one store and one load per staged element
 instead.  Which one wins on a GPU is unmeasured: **no timing has been taken (the kernel's
@@ -54,9 +55,10 @@ import triton
 import triton.language as tl
 
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.kernels._utils import INTERPRET, cast_out, input_precision
-from distfuse.kernels.halo import _check_flat, _pad3, _stage_tables, halo_stage_reference, recv_numel
-from distfuse.primitives.halo_plan import HaloPlan
+from distfuse.kernels.halo import halo_stage_reference
+from distfuse.kernels.halo_tables import check_flat, pad3, recv_numel, stage_tables
 
 __all__ = ["conv_implicit", "conv_implicit_reference"]
 
@@ -216,7 +218,7 @@ def _check(x, recv, weight, bias, plan: HaloPlan, index, stride, dilation):
         raise expect(_OP, "(stride, dilation, kernel) per axis, as in the plan", plan_geom, geom)
     if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != x.dtype):
         raise expect(_OP, "bias [Co] in x's dtype", ((weight.shape[0],), x.dtype), (tuple(bias.shape), bias.dtype))
-    _check_flat(_OP, recv, recv_numel(plan, index, x.shape[0] * x.shape[1]), x.dtype, x.device, "receive buffer")
+    check_flat(_OP, recv, recv_numel(plan, index, x.shape[0] * x.shape[1]), x.dtype, x.device, "receive buffer")
     return nd, index, stride, dilation
 
 
@@ -252,7 +254,7 @@ def conv_implicit(x: torch.Tensor, recv: torch.Tensor, weight: torch.Tensor, bia
     K = C * math.prod(weight.shape[2:])
     if K == 0:
         return y.zero_() if bias is None else y.copy_(bias.view((1, Co) + (1,) * nd).expand_as(y))
-    luts, ptab, ns = _stage_tables(plan, index, B * C, x.device)
+    luts, ptab, ns = stage_tables(plan, index, B * C, x.device)
     w = weight.contiguous()
     M = B * math.prod(out_shape)
     if tile is None:
@@ -261,10 +263,10 @@ def conv_implicit(x: torch.Tensor, recv: torch.Tensor, weight: torch.Tensor, bia
             min(128, max(16, triton.next_power_of_2(M))), min(64, max(16, triton.next_power_of_2(Co))),
             min(128, max(16, triton.next_power_of_2(K))))
     r = recv if recv.numel() else x  # never dereferenced without a kind-2 piece
-    O0, O1, O2 = _pad3(out_shape, 1)
-    K0, K1, K2 = _pad3(tuple(weight.shape[2:]), 1)
-    SD0, SD1, SD2 = _pad3(stride, 1)
-    DL0, DL1, DL2 = _pad3(dilation, 1)
+    O0, O1, O2 = pad3(out_shape, 1)
+    K0, K1, K2 = pad3(tuple(weight.shape[2:]), 1)
+    SD0, SD1, SD2 = pad3(stride, 1)
+    DL0, DL1, DL2 = pad3(dilation, 1)
     grid = (triton.cdiv(M, tile[0]), triton.cdiv(Co, tile[1]))
     _conv_implicit_kernel[grid](y, x, r, w, bias if bias is not None else w, *luts, ptab,
                                 M, Co, K, C, O0, O1, O2, K0, K1, K2, ns[1], ns[2],

@@ -41,8 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from distfuse.decomposition import block_extent, block_range
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import (
     AUTOTUNE,
     CPU_CHUNK_REDUCE_CONFIG,

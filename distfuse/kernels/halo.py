@@ -3,9 +3,10 @@
 Every tensor is viewed as ``[LEAD, *spatial]`` (LEAD = all leading dims flattened,
 batch * channels) with 1, 2 or 3 spatial axes; inside the kernels a 1-D or 2-D problem
 is a 3-D one with leading axes of extent 1.  The geometry is a :class:`HaloPlan`
-(``primitives/halo_plan.py``); every buffer below is flat, box after box, each box
+(``geometry/halo_plan.py``); every buffer below is flat, box after box, each box
 ``[LEAD, *box_shape]`` contiguous, so a message is the same bytes as the unfused path's
-``x[..., box].contiguous()`` and a fused rank can talk to an unfused one.
+``x[..., box].contiguous()`` and a fused rank can talk to an unfused one.  The host-side
+layouts and lookup/box tables the kernels read are built in ``kernels/halo_tables.py``.
 
 =============  =========================================================  ====================
 kernel         writes                                                     reads
@@ -71,7 +72,6 @@ Design decisions:
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -80,9 +80,25 @@ import torch
 import triton
 import triton.language as tl
 
-from distfuse.errors import ShapeError, UnsupportedError, expect, where
-from distfuse.primitives.halo_exchange import adjoint_box, read_box
-from distfuse.primitives.halo_plan import HaloPlan, Piece
+from distfuse.errors import UnsupportedError, expect, where
+from distfuse.geometry.halo_plan import HaloPlan, adjoint_box, read_box
+from distfuse.kernels.halo_tables import (
+    accumulate_tables,
+    box_offsets,
+    check_flat,
+    check_plan_tensor,
+    contiguous_strides,
+    interior_piece,
+    interior_tables,
+    pack_tables,
+    pad3,
+    recv_numel,
+    self_numel,
+    self_pieces,
+    send_numel,
+    stage_tables,
+    unstage_box_tables,
+)
 
 __all__ = [
     "REGIONS",
@@ -95,24 +111,10 @@ __all__ = [
     "halo_stage_reference",
     "halo_unstage_reference",
     "halo_accumulate_reference",
-    "interior_piece",
-    "self_pieces",
-    "box_offsets",
-    "send_numel",
-    "recv_numel",
-    "self_numel",
 ]
 
 REGIONS = ("all", "local", "remote")
 _REGION_CODE = {"all": 0, "local": 1, "remote": 2}
-_SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-# Boxes per accumulate launch: bits 0..61 of an int64 mask (bit 63 would make the mask
-# negative and tl.max-based skipping wrong; 62 keeps a margin).
-_MASK_BITS = 62
-# Table layouts (the kernels hard-code the row widths 15, 8 and 5):
-_BOX_COLS = 15  # SEL, DST, E0, E1, E2, T0, T1, T2, D0, D1, D2, R0, R1, R2, RT
-_ACC_COLS = 8  # SEL, BASE, LO0, LO1, LO2, S0, S1, S2
-_PIECE_COLS = 5  # KIND, BASE, LEAD_STRIDE, STRIDE0, STRIDE1 (innermost stride is 1)
 
 
 # --------------------------------------------------------------------------------------
@@ -304,242 +306,6 @@ def _accumulate_kernel(gx_ptr, self_ptr, recv_ptr, m0_ptr, m1_ptr, m2_ptr, atab_
 
 
 # --------------------------------------------------------------------------------------
-# Geometry helpers (pure Python, shared by the launchers, the references and the fused op)
-# --------------------------------------------------------------------------------------
-
-
-def _vol(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
-def _strides(shape: Sequence[int]) -> tuple[int, ...]:
-    """Contiguous strides of ``shape``."""
-    out, acc = [], 1
-    for e in reversed(shape):
-        out.append(acc)
-        acc *= e
-    return tuple(reversed(out))
-
-
-def _pad3(values: Sequence[int], fill: int) -> tuple[int, ...]:
-    return (fill,) * (3 - len(values)) + tuple(values)
-
-
-def box_offsets(shapes: Sequence[Sequence[int]], lead: int) -> tuple[list[int], int]:
-    """Flat offsets of boxes ``[lead, *shape]`` laid out one after another, and the total size."""
-    offs, acc = [], 0
-    for s in shapes:
-        offs.append(acc)
-        acc += lead * _vol(s)
-    return offs, acc
-
-
-def _is_identity(plan: HaloPlan, index: tuple[int, ...], pc: Piece) -> bool:
-    """The piece reads this worker's own block at the staged position's own global coordinates."""
-    if pc.src != index:
-        return False
-    for ax, i, dst, src, step in zip(plan.axes, index, pc.dst_lo, pc.src_lo, pc.steps, strict=True):
-        if step != 1 or ax.needed_range(i)[0] + dst != ax.input_range(i)[0] + src:
-            return False
-    return True
-
-
-@functools.cache
-def _local_split(plan: HaloPlan, index: tuple[int, ...]) -> tuple[Piece | None, tuple[Piece, ...]]:
-    interior, rest = None, []
-    for pc in plan.local_pieces(index):
-        if interior is None and _is_identity(plan, index, pc):
-            interior = pc
-        else:
-            rest.append(pc)
-    return interior, tuple(rest)
-
-
-def interior_piece(plan: HaloPlan, index: tuple[int, ...]) -> Piece | None:
-    """The local piece that is a plain window of the own block (its gradient is a copy), or None."""
-    return _local_split(plan, tuple(index))[0]
-
-
-def self_pieces(plan: HaloPlan, index: tuple[int, ...]) -> tuple[Piece, ...]:
-    """Local pieces other than the interior (reflect/replicate edges, circular self-wraps), in piece order."""
-    return _local_split(plan, tuple(index))[1]
-
-
-def send_numel(plan: HaloPlan, index: tuple[int, ...], lead: int) -> int:
-    return box_offsets([pc.src_shape for _, pc in plan.sends(tuple(index))], lead)[1]
-
-
-def recv_numel(plan: HaloPlan, index: tuple[int, ...], lead: int) -> int:
-    return box_offsets([pc.src_shape for pc in plan.recvs(tuple(index))], lead)[1]
-
-
-def self_numel(plan: HaloPlan, index: tuple[int, ...], lead: int) -> int:
-    return box_offsets([pc.src_shape for pc in self_pieces(plan, tuple(index))], lead)[1]
-
-
-# --------------------------------------------------------------------------------------
-# Tables (built on the host once per (plan, index, lead, device) and cached: a few KB of
-# int32/int64 per worker, one synchronous host-to-device copy the first time only)
-# --------------------------------------------------------------------------------------
-
-
-def _i32(values, device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int32, device=device)
-
-
-def _i64(values, device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int64, device=device)
-
-
-@functools.lru_cache(maxsize=512)
-def _stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
-    """Per-axis (segment, coordinate) LUTs over the staged extents and the piece table."""
-    segs = [ax.segments(i) for ax, i in zip(plan.axes, index, strict=True)]
-    luts = []
-    for axis_segs in segs:
-        seg_id, crd = [], []
-        for s, sg in enumerate(axis_segs):
-            for t in range(sg.length):
-                seg_id.append(s)
-                if sg.src is None or sg.step == 0:
-                    crd.append(0)
-                elif sg.step == 1:
-                    crd.append(t)
-                else:
-                    crd.append(sg.extent - 1 - t)
-        luts.append((seg_id, crd))
-    x_shape = plan.input_shape(index)
-    x_str = _pad3(_strides(x_shape), 0)
-    recv_offs, _ = box_offsets([pc.src_shape for pc in plan.recvs(index)], lead)
-    rows, k = [], 0  # _PIECE_COLS entries per piece
-    for pc in plan.pieces(index):
-        if pc.src is None:
-            rows += [0, 0, 0, 0, 0]
-        elif pc.src == index:
-            base = sum(lo * st for lo, st in zip(_pad3(pc.src_lo, 0), x_str, strict=True))
-            rows += [1, base, _vol(x_shape), x_str[0], x_str[1]]
-        else:
-            st = _pad3(_strides(pc.src_shape), 0)
-            rows += [2, recv_offs[k], _vol(pc.src_shape), st[0], st[1]]
-            k += 1
-    luts = [([0], [0])] * (3 - len(luts)) + luts
-    flat = [t for seg_id, crd in luts for t in (_i32(seg_id, device), _i32(crd, device))]
-    ns = [max(seg_id) + 1 if seg_id else 1 for seg_id, _ in luts]
-    return flat, _i64(rows, device), ns
-
-
-@functools.lru_cache(maxsize=512)
-def _interior_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
-    """LUTs over the block's extents: inside the interior window read the staged gradient, else 0."""
-    x_shape = plan.input_shape(index)
-    pc = interior_piece(plan, index)
-    staged_shape = plan.staged_shape(index)
-    luts = []
-    for a, n in enumerate(x_shape):
-        if pc is None:
-            luts.append(([0] * n, [0] * n))
-            continue
-        lo, length, dst = pc.src_lo[a], pc.shape[a], pc.dst_lo[a]
-        seg_id = [0 if lo <= p < lo + length else 1 for p in range(n)]
-        crd = [p - lo + dst if lo <= p < lo + length else 0 for p in range(n)]
-        luts.append((seg_id, crd))
-    luts = [([0], [0])] * (3 - len(luts)) + luts
-    ns = [1] * (3 - len(x_shape)) + [2 if pc is not None else 1] * len(x_shape)
-    st = _pad3(_strides(staged_shape), 0)
-    rows = [0, 0, 0, 0, 0] * math.prod(ns)
-    if pc is not None:
-        rows[:5] = [1, 0, _vol(staged_shape), st[0], st[1]]  # piece (0, 0, 0): every axis inside the window
-    flat = [t for seg_id, crd in luts for t in (_i32(seg_id, device), _i32(crd, device))]
-    return flat, _i64(rows, device), ns
-
-
-def _box_launch_tables(rows: list[int], numels: list[int], device):
-    """Box table, start of every box in the concatenation, box count, total elements, largest R."""
-    starts = [0]
-    for n in numels:
-        starts.append(starts[-1] + n)
-    rt = max((rows[k * _BOX_COLS + 14] for k in range(len(numels))), default=1)
-    return _i64(rows, device), _i64(starts, device), len(numels), starts[-1], rt
-
-
-def _box_row(sel: int, dst: int, extents, starts, dirs, reps) -> list[int]:
-    e, t, d, r = _pad3(extents, 1), _pad3(starts, 0), _pad3(dirs, 0), _pad3(reps, 1)
-    row = [sel, dst, *e, *t, *d, *r, math.prod(r)]
-    assert len(row) == _BOX_COLS
-    return row
-
-
-@functools.lru_cache(maxsize=512)
-def _pack_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
-    boxes = [pc for _, pc in plan.sends(index)]
-    offs, _ = box_offsets([pc.src_shape for pc in boxes], lead)
-    rows = []
-    for pc, off in zip(boxes, offs, strict=True):
-        rows += _box_row(0, off, pc.src_shape, pc.src_lo, (1,) * len(pc.src_lo), (1,) * len(pc.src_lo))
-    return _box_launch_tables(rows, [lead * _vol(pc.src_shape) for pc in boxes], device)
-
-
-def _adjoint_axes(pc: Piece) -> tuple[list[int], list[int], list[int]]:
-    """Per axis, where box coordinate c of the source box reads the staged gradient: ``T + D*c + r, r < R``."""
-    starts, dirs, reps = [], [], []
-    for dst, length, extent, step in zip(pc.dst_lo, pc.shape, pc.src_shape, pc.steps, strict=True):
-        if step == 1:
-            starts.append(dst), dirs.append(1), reps.append(1)
-        elif step == -1:
-            starts.append(dst + extent - 1), dirs.append(-1), reps.append(1)
-        else:  # replicate: one source element read `length` times; its gradient is their sum
-            starts.append(dst), dirs.append(0), reps.append(length)
-    return starts, dirs, reps
-
-
-@functools.lru_cache(maxsize=512)
-def _unstage_box_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, region: str, device: torch.device):
-    """Send-back boxes (SEL 0, ``recvs`` order) and/or self boxes (SEL 1, ``self_pieces`` order)."""
-    rows, numels = [], []
-    if region in ("all", "remote"):
-        recvs = plan.recvs(index)
-        offs, _ = box_offsets([pc.src_shape for pc in recvs], lead)
-        for pc, off in zip(recvs, offs, strict=True):
-            rows += _box_row(0, off, pc.src_shape, *_adjoint_axes(pc))
-            numels.append(lead * _vol(pc.src_shape))
-    if region in ("all", "local"):
-        selfs = self_pieces(plan, index)
-        offs, _ = box_offsets([pc.src_shape for pc in selfs], lead)
-        for pc, off in zip(selfs, offs, strict=True):
-            rows += _box_row(1, off, pc.src_shape, *_adjoint_axes(pc))
-            numels.append(lead * _vol(pc.src_shape))
-    return _box_launch_tables(rows, numels, device)
-
-
-@functools.lru_cache(maxsize=512)
-def _accumulate_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
-    """Chunks of at most 62 boxes: (per-axis int64 cover masks, box table, box count)."""
-    x_shape = plan.input_shape(index)
-    boxes = []
-    selfs = self_pieces(plan, index)
-    offs, _ = box_offsets([pc.src_shape for pc in selfs], lead)
-    boxes += [(0, off, pc) for pc, off in zip(selfs, offs, strict=True)]
-    sends = [pc for _, pc in plan.sends(index)]
-    offs, _ = box_offsets([pc.src_shape for pc in sends], lead)
-    boxes += [(1, off, pc) for pc, off in zip(sends, offs, strict=True)]
-    boxes = [b for b in boxes if _vol(b[2].src_shape) > 0]
-    chunks = []
-    for c in range(0, len(boxes), _MASK_BITS):
-        chunk = boxes[c:c + _MASK_BITS]
-        masks = [[0] * n for n in x_shape]
-        rows = []
-        for k, (sel, off, pc) in enumerate(chunk):
-            for a in range(len(x_shape)):
-                for p in range(pc.src_lo[a], pc.src_lo[a] + pc.src_shape[a]):
-                    masks[a][p] |= 1 << k
-            rows += [sel, off, *_pad3(pc.src_lo, 0), *_pad3(pc.src_shape, 1)]  # _ACC_COLS entries
-        every = (1 << len(chunk)) - 1
-        masks = [[every]] * (3 - len(x_shape)) + masks
-        chunks.append(([_i64(m, device) for m in masks], _i64(rows, device), len(chunk)))
-    return chunks
-
-
-# --------------------------------------------------------------------------------------
 # Launch helpers
 # --------------------------------------------------------------------------------------
 
@@ -608,43 +374,14 @@ def _box_block(device: torch.device, block: int | None, total: int) -> int:
     return min(4096, triton.next_power_of_2(max(total, 1)))
 
 
-def _check_dtype(op: str, t: torch.Tensor) -> None:
-    if t.dtype not in _SUPPORTED:
-        raise UnsupportedError(f"{where(op)}: dtype must be one of {_SUPPORTED}, got {t.dtype}")
-
-
-def _check_plan_tensor(op: str, t: torch.Tensor, plan: HaloPlan, want: tuple[int, ...], what: str) -> int:
-    nd = len(plan.axes)
-    if nd not in (1, 2, 3):
-        raise UnsupportedError(f"{where(op)}: 1, 2 or 3 spatial axes are supported, the plan has {nd}")
-    if t.dim() < nd:
-        raise expect(op, f"number of dimensions of {what} (at least the {nd} spatial ones)", f">= {nd}", t.dim())
-    if tuple(t.shape[t.dim() - nd:]) != tuple(want):
-        raise expect(op, f"spatial shape of {what}", tuple(want), tuple(t.shape[t.dim() - nd:]))
-    if not t.is_contiguous():
-        raise ShapeError(f"{where(op)}: {what} must be contiguous")
-    _check_dtype(op, t)
-    return _vol(t.shape[: t.dim() - nd])
-
-
-def _check_flat(op: str, t: torch.Tensor, numel: int, dtype: torch.dtype, device, what: str) -> None:
-    if t.dim() != 1 or t.numel() != numel:
-        raise expect(op, f"{what} (flat, boxes one after another)", f"1-D of {numel} elements",
-                     f"shape {tuple(t.shape)}")
-    if t.dtype != dtype or t.device != device:
-        raise expect(op, f"{what} dtype/device", (dtype, device), (t.dtype, t.device))
-    if not t.is_contiguous():
-        raise ShapeError(f"{where(op)}: {what} must be contiguous")
-
-
 def _launch_lut(out, a, b, luts, ptab, ns, region_code: int, extents3, tile, box=None):
     """Launch the LUT gather over ``out`` (``[LEAD, *extents3]``, contiguous) or over its sub-box ``box``
     (per axis ``(start, stop)``)."""
     if out.numel() == 0:
         return
     full = tuple(extents3)
-    lead = out.numel() // _vol(full)
-    st = _strides(full)
+    lead = out.numel() // math.prod(full)
+    st = contiguous_strides(full)
     if box is None:
         box = tuple((0, e) for e in full)
     E0, E1, E2 = (hi - lo for lo, hi in box)
@@ -656,7 +393,7 @@ def _launch_lut(out, a, b, luts, ptab, ns, region_code: int, extents3, tile, box
     block_r, block_x = _tile(E2, n_rows, out.device, tile)
     grid = _row_tiled_grid(n_rows, E2, block_r, block_x)
     _lut_gather_kernel[grid](out.view(-1)[base:], a, b, *luts, ptab, n_rows, E0, E1, E2, ns[1], ns[2],
-                             _vol(full), st[0], st[1],
+                             math.prod(full), st[0], st[1],
                              REGION=region_code, COMPUTE=_compute_dtype(out.dtype), BLOCK_R=block_r, BLOCK_X=block_x)
 
 
@@ -683,9 +420,9 @@ def _launch_boxes(out0, out1, src, tables, lead, src_shape3, block):
     if total == 0:
         return
     block = _box_block(src.device, block, total)
-    st = _strides(src_shape3)
+    st = contiguous_strides(src_shape3)
     _box_gather_kernel[_linear_grid(triton.cdiv(total, block))](
-        out0, out1, src, btab, bstart, nbox, total, rtmax, lead, _vol(src_shape3), *st,
+        out0, out1, src, btab, bstart, nbox, total, rtmax, lead, math.prod(src_shape3), *st,
         LOG2_NBOX=max(1, (nbox - 1).bit_length()), COMPUTE=_compute_dtype(src.dtype), BLOCK=block,
         num_warps=BOX_NUM_WARPS)
 
@@ -707,15 +444,15 @@ def halo_pack(x: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, out: tor
     contiguous, at ``box_offsets``.  Adjoint: accumulate of the received boxes.
     """
     index = tuple(index)
-    lead = _check_plan_tensor("halo_pack", x, plan, plan.input_shape(index), "x")
+    lead = check_plan_tensor("halo_pack", x, plan, plan.input_shape(index), "x")
     numel = send_numel(plan, index, lead)
     if out is None:
         out = x.new_empty(numel)
-    _check_flat("halo_pack", out, numel, x.dtype, x.device, "send buffer")
+    check_flat("halo_pack", out, numel, x.dtype, x.device, "send buffer")
     if numel == 0:
         return out
-    tables = _pack_tables(plan, index, lead, x.device)
-    _launch_boxes(out, out, x, tables, lead, _pad3(plan.input_shape(index), 1), block)
+    tables = pack_tables(plan, index, lead, x.device)
+    _launch_boxes(out, out, x, tables, lead, pad3(plan.input_shape(index), 1), block)
     return out
 
 
@@ -739,8 +476,8 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
     index = tuple(index)
     if region not in REGIONS:
         raise UnsupportedError(f"{where('halo_stage')}: region must be one of {REGIONS}, got {region!r}")
-    lead = _check_plan_tensor("halo_stage", x, plan, plan.input_shape(index), "x")
-    _check_flat("halo_stage", recv, recv_numel(plan, index, lead), x.dtype, x.device, "receive buffer")
+    lead = check_plan_tensor("halo_stage", x, plan, plan.input_shape(index), "x")
+    check_flat("halo_stage", recv, recv_numel(plan, index, lead), x.dtype, x.device, "receive buffer")
     staged_shape = plan.staged_shape(index)
     if out is None:
         out = x.new_empty(tuple(x.shape[: x.dim() - len(staged_shape)]) + staged_shape)
@@ -749,16 +486,16 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
         raise expect("halo_stage", "out (contiguous, x's dtype)",
                      (tuple(x.shape[: x.dim() - len(staged_shape)]) + staged_shape, x.dtype),
                      (tuple(out.shape), out.dtype))
-    luts, ptab, ns = _stage_tables(plan, index, lead, x.device)
+    luts, ptab, ns = stage_tables(plan, index, lead, x.device)
     # Empty buffers are never dereferenced (no piece of that kind); pass a live pointer anyway.
     a = x if x.numel() > 0 else out
     b = recv if recv.numel() > 0 else out
-    full = _pad3(staged_shape, 1)
+    full = pad3(staged_shape, 1)
     interior = interior_piece(plan, index)
     if region == "remote" and interior is not None:
         # no received piece overlaps the interior window: visit only the shell around it
-        inner = tuple(zip(_pad3(interior.dst_lo, 0), (lo + e for lo, e in zip(_pad3(interior.dst_lo, 0),
-                                                                            _pad3(interior.shape, 1), strict=True)),
+        inner = tuple(zip(pad3(interior.dst_lo, 0), (lo + e for lo, e in zip(pad3(interior.dst_lo, 0),
+                                                                            pad3(interior.shape, 1), strict=True)),
                           strict=True))
         for box in _shell(inner, full):
             _launch_lut(out, a, b, luts, ptab, ns, _REGION_CODE[region], full, tile, box=box)
@@ -798,20 +535,20 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
     if region not in REGIONS:
         raise UnsupportedError(f"{where('halo_unstage')}: region must be one of {REGIONS}, got {region!r}")
     staged_shape = plan.staged_shape(index)
-    lead = _check_plan_tensor("halo_unstage", grad, plan, staged_shape, "staged gradient")
+    lead = check_plan_tensor("halo_unstage", grad, plan, staged_shape, "staged gradient")
     lead_shape = tuple(grad.shape[: grad.dim() - len(staged_shape)])
     acc_dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
     selfb = self_boxes
     if region in ("all", "remote"):
         numel = recv_numel(plan, index, lead)
         send = grad.new_empty(numel) if send is None else send
-        _check_flat("halo_unstage", send, numel, grad.dtype, grad.device, "send-back buffer")
+        check_flat("halo_unstage", send, numel, grad.dtype, grad.device, "send-back buffer")
     else:
         send = None
     if region in ("all", "local"):
         numel = self_numel(plan, index, lead)
         selfb = torch.empty(numel, dtype=acc_dtype, device=grad.device) if selfb is None else selfb
-        _check_flat("halo_unstage", selfb, numel, acc_dtype, grad.device, "self boxes")
+        check_flat("halo_unstage", selfb, numel, acc_dtype, grad.device, "self boxes")
         want = lead_shape + plan.input_shape(index)
         grad_x = grad.new_empty(want) if grad_x is None else grad_x
         if tuple(grad_x.shape) != want or grad_x.dtype != grad.dtype or not grad_x.is_contiguous():
@@ -819,14 +556,14 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
                          (tuple(grad_x.shape), grad_x.dtype))
     else:
         selfb = grad_x = None
-    tables = _unstage_box_tables(plan, index, lead, region, grad.device)
+    tables = unstage_box_tables(plan, index, lead, region, grad.device)
     src = grad if grad.numel() else grad.new_empty(1)  # an empty grad has no pieces: never dereferenced
     _launch_boxes(send if send is not None and send.numel() else src,
                   selfb if selfb is not None and selfb.numel() else src,
-                  src, tables, lead, _pad3(staged_shape, 1), block)
+                  src, tables, lead, pad3(staged_shape, 1), block)
     if grad_x is not None:
-        luts, ptab, ns = _interior_tables(plan, index, lead, grad.device)
-        _launch_lut(grad_x, src, src, luts, ptab, ns, 0, _pad3(plan.input_shape(index), 1), tile)
+        luts, ptab, ns = interior_tables(plan, index, lead, grad.device)
+        _launch_lut(grad_x, src, src, luts, ptab, ns, 0, pad3(plan.input_shape(index), 1), tile)
     return Unstaged(grad_x, send, selfb)
 
 
@@ -844,16 +581,16 @@ def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: to
     """
     index = tuple(index)
     x_shape = plan.input_shape(index)
-    lead = _check_plan_tensor("halo_accumulate", grad_x, plan, x_shape, "grad_x")
+    lead = check_plan_tensor("halo_accumulate", grad_x, plan, x_shape, "grad_x")
     acc_dtype = torch.float64 if grad_x.dtype == torch.float64 else torch.float32
-    _check_flat("halo_accumulate", self_boxes, self_numel(plan, index, lead), acc_dtype, grad_x.device,
+    check_flat("halo_accumulate", self_boxes, self_numel(plan, index, lead), acc_dtype, grad_x.device,
                 "self boxes")
-    _check_flat("halo_accumulate", incoming, send_numel(plan, index, lead), grad_x.dtype, grad_x.device,
+    check_flat("halo_accumulate", incoming, send_numel(plan, index, lead), grad_x.dtype, grad_x.device,
                 "incoming halo gradients")
     if grad_x.numel() == 0:
         return grad_x
-    chunks = _accumulate_tables(plan, index, lead, grad_x.device)
-    E0, E1, E2 = _pad3(x_shape, 1)
+    chunks = accumulate_tables(plan, index, lead, grad_x.device)
+    E0, E1, E2 = pad3(x_shape, 1)
     n_rows = lead * E0 * E1
     block_r, block_x = _tile(E2, n_rows, grad_x.device, tile)
     grid = _row_tiled_grid(n_rows, E2, block_r, block_x)
@@ -871,8 +608,8 @@ def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: to
 
 
 def _split(buf: torch.Tensor, shapes, lead_shape) -> list[torch.Tensor]:
-    offs, _ = box_offsets(shapes, _vol(lead_shape))
-    return [buf[o: o + _vol(lead_shape) * _vol(s)].view(tuple(lead_shape) + tuple(s)) for o, s in
+    offs, _ = box_offsets(shapes, math.prod(lead_shape))
+    return [buf[o: o + math.prod(lead_shape) * math.prod(s)].view(tuple(lead_shape) + tuple(s)) for o, s in
             zip(offs, shapes, strict=True)]
 
 

@@ -33,11 +33,11 @@ from torch.nn import init
 
 from distfuse import debug
 from distfuse._compat import all_gather_flat
-from distfuse.decomposition import local_shape
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.geometry.decomposition import local_shape
+from distfuse.geometry.halo_plan import PADDING_MODES, resolve_padding
 from distfuse.partition import CartesianPartition, Partition
 from distfuse.primitives._common import collective_guard
-from distfuse.primitives.halo_plan import PADDING_MODES, resolve_padding
 
 __all__ = ["ConvOptions", "CallInfo", "gather_call_info", "draw_parameters", "conv_block", "pad_locally",
            "grid_of", "check_partition", "promote"]

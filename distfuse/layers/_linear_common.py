@@ -46,8 +46,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distfuse.decomposition import block_extent, local_slices
 from distfuse.errors import PartitionError, expect, where
+from distfuse.geometry.decomposition import block_extent, local_slices
 from distfuse.layers.dispatch import Decision, device_caps, select_path
 from distfuse.partition import CartesianPartition, Partition, union_partition, zero_volume_tensor
 from distfuse.primitives.all_gather import axes_subgrid

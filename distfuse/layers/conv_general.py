@@ -19,7 +19,7 @@ block, ``s`` spatial block; the batch is not split)::
 ``m_s`` is the balanced decomposition of the global output extent, so every output block
 is exactly its slice of the sequential ``ConvNd`` output, with stride, dilation, even
 kernels, uneven splits and the four padding modes applied with global semantics (the
-halo geometry is :class:`~distfuse.primitives.halo_plan.HaloPlan`'s).  The SumReduce
+halo geometry is :class:`~distfuse.geometry.halo_plan.HaloPlan`'s).  The SumReduce
 lands on P_y through a view of P_y's workers as a ``[P_co, 1, *P_s]`` grid, which is
 what lets P_w's row ``i`` reduce into P_y's channel block ``i``.
 
@@ -42,8 +42,8 @@ import itertools
 import torch
 from torch import nn
 
-from distfuse.decomposition import block_extent, local_shape, local_slices
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
+from distfuse.geometry.decomposition import block_extent, local_shape, local_slices
 from distfuse.layers._conv_common import (
     ConvOptions,
     check_partition,

@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from distfuse import debug
-from distfuse.decomposition import block_extent
 from distfuse.errors import PartitionError, ShapeError, expect, where
+from distfuse.geometry.decomposition import block_extent
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,

@@ -49,8 +49,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from distfuse.decomposition import block_extent
 from distfuse.errors import PartitionError, expect
+from distfuse.geometry.decomposition import block_extent
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,

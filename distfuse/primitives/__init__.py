@@ -9,7 +9,6 @@ from distfuse.primitives.all_gather import AllGather, AllGatherFunction, axes_su
 from distfuse.primitives.all_sum_reduce import AllSumReduce, AllSumReduceFunction
 from distfuse.primitives.broadcast import Broadcast, BroadcastFunction, broadcast_plan
 from distfuse.primitives.halo_exchange import HaloExchange, HaloExchangeFunction
-from distfuse.primitives.halo_plan import HaloPlan, resolve_padding
 from distfuse.primitives.reduce_scatter import ReduceScatter, ReduceScatterFunction
 from distfuse.primitives.repartition import Repartition, RepartitionFunction, collect_tensor, distribute_tensor
 from distfuse.primitives.sum_reduce import SumReduce, SumReduceFunction, sum_reduce_plan
@@ -18,7 +17,7 @@ __all__ = [
     "AllGather", "AllGatherFunction", "axes_subgrid",
     "AllSumReduce", "AllSumReduceFunction",
     "Broadcast", "BroadcastFunction", "broadcast_plan",
-    "HaloExchange", "HaloExchangeFunction", "HaloPlan", "resolve_padding",
+    "HaloExchange", "HaloExchangeFunction",
     "ReduceScatter", "ReduceScatterFunction",
     "Repartition", "RepartitionFunction", "distribute_tensor", "collect_tensor",
     "SumReduce", "SumReduceFunction", "sum_reduce_plan",

@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 from distfuse import debug
 from distfuse._compat import all_gather_flat, reduce_scatter_flat
-from distfuse.decomposition import local_shape, local_start
 from distfuse.errors import PartitionError, ShapeError, expect, where
+from distfuse.geometry.decomposition import local_shape, local_start
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._common import check_inactive_input, collective_guard, gather_metadata
 

@@ -33,9 +33,10 @@ import torch.distributed as dist
 
 from distfuse._compat import all_gather_flat
 from distfuse.errors import CollectiveTimeoutError, DistfuseError, ShapeError, expect, where
+from distfuse.geometry.decomposition import local_shape
 from distfuse.partition import Partition, default_timeout, zero_volume_tensor
 
-__all__ = ["exchange", "check_inactive_input", "check_active_input", "empty_like_batch", "gather_metadata",
+__all__ = ["exchange", "check_inactive_input", "empty_like_batch", "gather_metadata",
            "infer_global_shape", "collective_guard"]
 
 
@@ -89,16 +90,6 @@ def check_inactive_input(op: str, x: torch.Tensor) -> None:
     if x.numel() != 0:
         raise ShapeError(f"{where(op)}: this rank is not active in the input partition, so it must pass a "
                          f"zero-volume tensor; got shape {tuple(x.shape)}")
-
-
-def check_active_input(op: str, x: torch.Tensor, P: Partition, expected_shape=None, ndim: int | None = None) -> None:
-    """Check an active worker's input: its number of dimensions, device and (if known) shape."""
-    if ndim is not None and x.dim() != ndim:
-        raise expect(op, "number of tensor dimensions (one per partition dimension)", ndim, x.dim())
-    if x.device.type != P.device.type:
-        raise expect(op, "device", P.device, x.device)
-    if expected_shape is not None and tuple(x.shape) != tuple(expected_shape):
-        raise expect(op, "local input shape", tuple(expected_shape), tuple(x.shape))
 
 
 def empty_like_batch(x: torch.Tensor, preserve_batch: bool, batch: int | None = None) -> torch.Tensor:
@@ -161,8 +152,6 @@ def infer_global_shape(op: str, P, x: torch.Tensor) -> tuple[int, ...]:
     that the blocks are the balanced decomposition of the global shape, so every
     worker raises the same :class:`ShapeError` when any block is off.
     """
-    from distfuse.decomposition import local_shape  # local import keeps _common free of cycles
-
     meta = gather_metadata(P, x, op=op)
     if x.dim() != P.dim:
         raise expect(op, "number of tensor dimensions (one per partition dimension)", P.dim, x.dim())

@@ -5,7 +5,7 @@ Per worker (``x`` this worker's block, ``i(j)`` the P_x worker that P_y worker `
     forward   y_j  = clone(x_{i(j)})                       on every P_y worker j
     adjoint   dx_i = sum over {j : i(j) = i} of dy_j       on every P_x worker i   (a SumReduce)
 
-The map follows DistDL's broadcast rules (see ``_broadcast_plan``): ``transpose_src`` /
+The map follows DistDL's broadcast rules (see ``geometry/broadcast_plan.py``): ``transpose_src`` /
 ``transpose_dest`` reverse the *partition* shape of P_x / P_y (never the tensor), P_x is
 extended with ones on the left, and in each dimension P_x's extent must be 1 or equal
 P_y's.  ``dim(P_x) <= dim(P_y)``.  Blocks move whole, so different P_x workers may hold
@@ -72,8 +72,8 @@ from torch import nn
 
 from distfuse import debug
 from distfuse.errors import ShapeError, expect, where
+from distfuse.geometry.broadcast_plan import BroadcastPlan, check_gathered_inputs
 from distfuse.partition import union_partition
-from distfuse.primitives._broadcast_plan import BroadcastPlan, check_gathered_inputs
 from distfuse.primitives._common import check_inactive_input, empty_like_batch, exchange, gather_metadata
 
 __all__ = ["Broadcast", "BroadcastFunction", "broadcast", "broadcast_plan", "copy_blocks", "sum_blocks"]

@@ -7,7 +7,7 @@ Shapes (feature-distributed convolution, ``nd`` spatial axes last)::
                                          the neighbours' halos and the boundary padding
 
 so ``conv(staged, w, padding=0, stride, dilation)`` is this worker's block of the
-sequential ``ConvNd(padding, padding_mode)`` output.  The geometry (``halo_plan.py``)
+sequential ``ConvNd(padding, padding_mode)`` output.  The geometry (``geometry/halo_plan.py``)
 accounts for stride, dilation, even kernels, uneven splits, halos wider than a
 neighbour's block and all four padding modes with global semantics; all neighbours,
 corners included, are exchanged in one round of point-to-point messages.
@@ -34,11 +34,11 @@ from torch import nn
 
 from distfuse import debug
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.geometry.halo_plan import PADDING_MODES, HaloPlan, adjoint_box, read_box, resolve_padding
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._common import check_inactive_input, exchange, infer_global_shape
-from distfuse.primitives.halo_plan import PADDING_MODES, HaloPlan, Piece, resolve_padding
 
-__all__ = ["HaloExchange", "HaloExchangeFunction", "stage_from_pieces", "unstage_to_pieces", "read_box"]
+__all__ = ["HaloExchange", "HaloExchangeFunction", "stage_from_pieces", "unstage_to_pieces"]
 
 
 def _as_tuple(v, nd: int, name: str, op: str = "HaloExchange") -> tuple[int, ...]:
@@ -47,25 +47,6 @@ def _as_tuple(v, nd: int, name: str, op: str = "HaloExchange") -> tuple[int, ...
         raise expect(op, f"{name} (a positive int or {nd} positive ints, one per spatial axis)", f"{nd} entries >= 1",
                      repr(v), cls=UnsupportedError)
     return t
-
-
-def read_box(src: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """The staged box of ``piece`` built from its source box ``src`` ([*lead, *src_shape]): flip and expand."""
-    lead = src.dim() - len(piece.steps)
-    flips = [lead + a for a, s in enumerate(piece.steps) if s == -1]
-    out = src.flip(flips) if flips else src
-    if any(s == 0 for s in piece.steps):
-        out = out.expand(*src.shape[:lead], *piece.shape)
-    return out
-
-
-def adjoint_box(grad: torch.Tensor, piece: Piece) -> torch.Tensor:
-    """Adjoint of :func:`read_box`: the gradient of the source box from the staged box's gradient."""
-    lead = grad.dim() - len(piece.steps)
-    sums = [lead + a for a, s in enumerate(piece.steps) if s == 0]
-    out = grad.sum(dim=sums, keepdim=True) if sums else grad
-    flips = [lead + a for a, s in enumerate(piece.steps) if s == -1]
-    return out.flip(flips) if flips else out
 
 
 def stage_from_pieces(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...],

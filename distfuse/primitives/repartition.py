@@ -60,8 +60,8 @@ from torch import nn
 
 from distfuse import debug
 from distfuse._compat import all_gather_flat
-from distfuse.decomposition import block_range, local_shape, owner_of
 from distfuse.errors import PartitionError, ShapeError, expect, where
+from distfuse.geometry.decomposition import block_range, local_shape, owner_of
 from distfuse.partition import CartesianPartition, Partition, union_partition, zero_volume_tensor
 from distfuse.primitives._common import collective_guard, exchange
 

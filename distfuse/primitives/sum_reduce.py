@@ -46,8 +46,8 @@ from torch import nn
 
 from distfuse import debug
 from distfuse.errors import ShapeError, expect, where
+from distfuse.geometry.broadcast_plan import BroadcastPlan, check_gathered_inputs
 from distfuse.partition import union_partition
-from distfuse.primitives._broadcast_plan import BroadcastPlan, check_gathered_inputs
 from distfuse.primitives._common import check_inactive_input, empty_like_batch, gather_metadata
 from distfuse.primitives.broadcast import copy_blocks, sum_blocks
 

@@ -11,7 +11,6 @@ than the partition is not allowed (pad the partition shape with ones instead).
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 __all__ = [
@@ -22,7 +21,6 @@ __all__ = [
     "local_start",
     "local_slices",
     "owner_of",
-    "block_table",
 ]
 
 
@@ -74,15 +72,6 @@ def local_slices(global_shape: Sequence[int], partition_shape: Sequence[int],
     starts = local_start(global_shape, partition_shape, index)
     shape = local_shape(global_shape, partition_shape, index)
     return tuple(slice(s, s + e) for s, e in zip(starts, shape, strict=True))
-
-
-def block_table(global_shape: Sequence[int], partition_shape: Sequence[int]):
-    """Starts and shapes of every block, keyed by Cartesian index (row-major order)."""
-    table = {}
-    for index in itertools.product(*(range(p) for p in partition_shape)):
-        table[index] = (local_start(global_shape, partition_shape, index),
-                        local_shape(global_shape, partition_shape, index))
-    return table
 
 
 def _check_split(n: int, p: int, i: int) -> None:

@@ -32,8 +32,10 @@ Cartesian product of the per-axis segments: one :class:`Piece` per combination, 
 is one message when its source is another worker.  All axes, corners included, are
 exchanged in a single round.
 
-The same plan drives the unfused torch staging (``halo_exchange.py``) and the fused
-Triton kernels (``kernels/halo.py``), so both agree by construction.
+The same plan drives the unfused torch staging (``primitives/halo_exchange.py``) and
+the fused Triton kernels (``kernels/halo.py``), so both agree by construction.
+:func:`read_box` and :func:`adjoint_box` apply a piece's per-axis steps to a tensor box
+(flip, expand, sum); they only call tensor methods, so this module imports no torch.
 """
 
 from __future__ import annotations
@@ -42,9 +44,13 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from distfuse.decomposition import block_range, owner_of
 from distfuse.errors import UnsupportedError
+from distfuse.geometry.decomposition import block_range, owner_of
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "PADDING_MODES",
@@ -54,6 +60,8 @@ __all__ = [
     "HaloPlan",
     "resolve_padding",
     "conv_output_extent",
+    "read_box",
+    "adjoint_box",
 ]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
@@ -240,6 +248,25 @@ class Piece:
 
     def src_slices(self) -> tuple[slice, ...]:
         return tuple(slice(lo, lo + e) for lo, e in zip(self.src_lo, self.src_shape, strict=True))
+
+
+def read_box(src: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The staged box of ``piece`` built from its source box ``src`` ([*lead, *src_shape]): flip and expand."""
+    lead = src.dim() - len(piece.steps)
+    flips = [lead + a for a, s in enumerate(piece.steps) if s == -1]
+    out = src.flip(flips) if flips else src
+    if any(s == 0 for s in piece.steps):
+        out = out.expand(*src.shape[:lead], *piece.shape)
+    return out
+
+
+def adjoint_box(grad: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """Adjoint of :func:`read_box`: the gradient of the source box from the staged box's gradient."""
+    lead = grad.dim() - len(piece.steps)
+    sums = [lead + a for a, s in enumerate(piece.steps) if s == 0]
+    out = grad.sum(dim=sums, keepdim=True) if sums else grad
+    flips = [lead + a for a, s in enumerate(piece.steps) if s == -1]
+    return out.flip(flips) if flips else out
 
 
 class HaloPlan:

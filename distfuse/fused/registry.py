@@ -1,0 +1,179 @@
+"""The fused ops, one entry each: what dispatch, ``distfuse-tune`` and ``bench/`` know about an op.
+
+Every piece of code that lists the fused ops or needs one of their facts reads it here:
+
+* :func:`distfuse.layers.dispatch.select_path`: the op's size (:meth:`FusedOp.size_of`),
+  whether it needs symmetric memory, and its default rule where no crossover-table entry
+  applies;
+* ``distfuse-tune`` (:mod:`distfuse.tune`): the op names (``--ops``), the size key the
+  table records, the default shape grid, the availability probe and the timing case;
+* ``bench/``: op names and size keys (row names, plot axes).
+
+Adding a fused op is its own module (kernel wrapper, timing case factory and shape grid;
+see ``docs/extending.md``) plus one :class:`FusedOp` in :data:`OPS` below.
+
+Defaults.  Measured on one NVIDIA H100 (torch 2.11, Triton 3.6;
+``bench/results/*-NVIDIA*H100*-2026-11-22*.json``): no fused op beat its unfused
+composition at any measured shape, so every default is "never" until the kernels
+improve or a table written by ``distfuse-tune`` on the target cluster says otherwise.
+A :meth:`DefaultRule.threshold` default (fused for ``min_size <= size <= max_size``)
+is there for ops whose fused path wins.
+
+Factories (``case``, ``grid``, ``available``) are ``"module:function"`` strings,
+imported on first use (:func:`resolve`), so that importing the registry (dispatch
+does, on every layer import) stays cheap and free of import cycles; a callable works too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["DefaultRule", "FusedOp", "OPS", "register", "get", "names", "size_of", "resolve", "LINEAR_RS", "LINEAR_AG",
+           "HALO_CONV"]
+
+
+@dataclass(frozen=True)
+class DefaultRule:
+    """Where ``select_path`` fuses an op on CUDA when no crossover-table entry applies.
+
+    ``fused="never"``: never (``why`` says what that rests on).  ``fused="threshold"``:
+    fused for ``min_size <= size <= max_size``; a bound left at None is open.
+    """
+
+    fused: str  # "never" or "threshold"
+    why: str
+    min_size: float | None = None
+    max_size: float | None = None
+
+    def __post_init__(self):
+        if self.fused not in ("never", "threshold"):
+            raise ValueError(f"DefaultRule.fused must be 'never' or 'threshold', got {self.fused!r}")
+        if self.fused == "threshold" and self.min_size is None and self.max_size is None:
+            raise ValueError("a threshold DefaultRule needs min_size, max_size or both")
+
+    @classmethod
+    def never(cls, why: str) -> DefaultRule:
+        return cls("never", why)
+
+    @classmethod
+    def threshold(cls, *, min_size: float | None = None, max_size: float | None = None, why: str = "") -> DefaultRule:
+        return cls("threshold", why, min_size, max_size)
+
+    def fused_at(self, size: float) -> bool:
+        if self.fused == "never":
+            return False
+        lo = -math.inf if self.min_size is None else self.min_size
+        hi = math.inf if self.max_size is None else self.max_size
+        return lo <= size <= hi
+
+    def describe(self, size_key: str) -> str:
+        if self.fused == "never":
+            return "never fused"
+        lo = "-inf" if self.min_size is None else f"{self.min_size:g}"
+        hi = "inf" if self.max_size is None else f"{self.max_size:g}"
+        return f"fused for {size_key} in [{lo}, {hi}]"
+
+
+@dataclass(frozen=True)
+class FusedOp:
+    """One fused op: its name, its size, its default, what it needs, and how the tuner times it.
+
+    Attributes:
+        name: the op name layers pass to ``select_path`` and the crossover table keys on.
+        size_key: the name of the scalar the thresholds compare (``"macs"``, ``"channels"``).
+        size_inputs: the entries of a call's ``shapes`` the size is computed from (``select_path``
+            checks they are there; plots use them as the x axis).
+        size: ``shapes -> size``; None: the product of ``size_inputs``.
+        default: the rule where no table entry applies.
+        needs_symmetric_memory: the fused path addresses peers' buffers (no fusion at world size
+            > 1 without symmetric memory between the ranks).
+        case: ``"module:function"``, the tuner's timing case, called on every rank of the world as
+            ``case(op, shape, ctx)`` with a :class:`distfuse.tune.cases.CaseContext`; returns a
+            :class:`distfuse.tune.cases.Case`, or None on ranks that take no part.
+        grid: ``"module:function"``, the tuner's default shapes: ``grid(op, world, quick=..., **options)``
+            -> list of ``shapes`` dicts (options are the tuner's command-line shape options; ignore
+            the ones that do not apply).
+        available: ``"module:function"`` or None, ``available(P, device, dtype) -> (ok, why)``: whether
+            the sweep may time the fused path on CUDA (collective over ``P`` where it probes peers).
+    """
+
+    name: str
+    size_key: str
+    size_inputs: tuple[str, ...]
+    default: DefaultRule
+    case: str | Callable
+    grid: str | Callable
+    needs_symmetric_memory: bool = False
+    size: Callable[[Mapping], float] | None = None
+    available: str | Callable | None = None
+
+    def size_of(self, shapes: Mapping) -> float:
+        missing = [k for k in self.size_inputs if k not in shapes]
+        if missing:
+            raise KeyError(f"{self.name}: shapes lack {missing} (need {list(self.size_inputs)})")
+        if self.size is not None:
+            return float(self.size(shapes))
+        return float(math.prod(shapes[k] for k in self.size_inputs))
+
+
+def resolve(ref: str | Callable) -> Callable:
+    """A factory reference (``"package.module:function"`` or a callable) as the callable."""
+    if callable(ref):
+        return ref
+    module, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+OPS: dict[str, FusedOp] = {}
+
+
+def register(op: FusedOp) -> FusedOp:
+    if op.name in OPS:
+        raise ValueError(f"fused op {op.name!r} is already registered")
+    OPS[op.name] = op
+    return op
+
+
+def get(name: str) -> FusedOp:
+    try:
+        return OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}; known: {sorted(OPS)}") from None
+
+
+def names() -> tuple[str, ...]:
+    """The registered ops, in registration order (the tuner's default ``--ops``)."""
+    return tuple(OPS)
+
+
+def size_of(op: str, shapes: Mapping) -> float:
+    """The scalar an op's thresholds compare (``m*n*k`` for the GEMMs, channels for the halo conv)."""
+    return get(op).size_of(shapes)
+
+
+# ---------------------------------------------------------------- the ops
+# Each entry is also a module constant, so that code naming one op (bench rows, roles) spells it once, here.
+
+_CASES = "distfuse.tune.cases"
+
+# GEMM + reduce-scatter / all-gather + GEMM (bf16, TP 8, LLaMA-3 8B/70B MLP shapes): the Triton GEMMs reach
+# 27-76% (RS) and 15-66% (AG) of cuBLAS's rate, and the modelled 8-GPU op is 1.1-5x the unfused time.
+LINEAR_RS = register(FusedOp(
+    "linear_rs", "macs", ("m", "n", "k"),
+    DefaultRule.never("the fused GEMM measured 27-76% of cuBLAS's rate (H100, bf16, TP 8)"),
+    case=f"{_CASES}:linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
+    available=f"{_CASES}:linear_available"))
+LINEAR_AG = register(FusedOp(
+    "linear_ag", "macs", ("m", "n", "k"),
+    DefaultRule.never("the fused GEMM measured 15-66% of cuBLAS's rate (H100, bf16, TP 8)"),
+    case=f"{_CASES}:linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
+    available=f"{_CASES}:linear_available"))
+# Halo conv, staging + conv: 1.0-3.3x the time of torch.cat staging + cuDNN (2-D, C=64/256, bf16/fp32,
+# median 2.1x), and 1.0-1.4x in 3-D.
+HALO_CONV = register(FusedOp(
+    "halo_conv", "channels", ("channels",),
+    DefaultRule.never("staging + conv measured 1.0-3.3x the time of torch.cat staging + cuDNN (H100)"),
+    case=f"{_CASES}:halo_case", grid=f"{_CASES}:halo_grid"))

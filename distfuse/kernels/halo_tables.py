@@ -1,0 +1,337 @@
+"""Host side of the halo kernels: buffer layouts, lookup and box tables, buffer checks.
+
+The kernels in :mod:`distfuse.kernels.halo` read their geometry from small int32/int64
+tables that this module builds from a :class:`~distfuse.geometry.halo_plan.HaloPlan`
+on the host, once per ``(plan, index, lead, device)`` (cached: a few KB per worker, one
+synchronous host-to-device copy the first time only).  ``kernels/conv_implicit.py``
+reads the stage tables too.  The design (why lookup tables, box gathers and cover
+bitmasks) is in the docstring of ``kernels/halo.py``.
+
+Flat buffers hold boxes one after another, each ``[LEAD, *box_shape]`` contiguous
+(:func:`box_offsets`), so a message is the same bytes as the unfused path's
+``x[..., box].contiguous()``.
+
+Table layouts (the kernels hard-code the row widths 15, 8 and 5):
+
+=====================  ======  ==============================================================
+table                  width   row
+=====================  ======  ==============================================================
+piece (stage)          5       KIND (0 zero, 1 x, 2 receive buffer), BASE, LEAD_STRIDE, STRIDE0,
+                               STRIDE1 (the innermost stride is 1)
+box (pack, unstage)    15      SEL, DST, E0, E1, E2, T0, T1, T2, D0, D1, D2, R0, R1, R2, RT
+accumulate             8       SEL, BASE, LO0, LO1, LO2, S0, S1, S2
+=====================  ======  ==============================================================
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+
+import torch
+
+from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.geometry.halo_plan import HaloPlan, Piece
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "MASK_BITS",
+    "pad3",
+    "contiguous_strides",
+    "box_offsets",
+    "interior_piece",
+    "self_pieces",
+    "send_numel",
+    "recv_numel",
+    "self_numel",
+    "stage_tables",
+    "interior_tables",
+    "pack_tables",
+    "unstage_box_tables",
+    "accumulate_tables",
+    "check_plan_tensor",
+    "check_flat",
+]
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# Boxes per accumulate launch: bits 0..61 of an int64 mask (bit 63 would make the mask
+# negative and tl.max-based skipping wrong; 62 keeps a margin).
+MASK_BITS = 62
+# Row widths of the tables (see the module docstring; the kernels hard-code 15, 8 and 5):
+_BOX_COLS = 15  # SEL, DST, E0, E1, E2, T0, T1, T2, D0, D1, D2, R0, R1, R2, RT
+_ACC_COLS = 8  # SEL, BASE, LO0, LO1, LO2, S0, S1, S2
+_PIECE_COLS = 5  # KIND, BASE, LEAD_STRIDE, STRIDE0, STRIDE1 (innermost stride is 1)
+
+
+# --------------------------------------------------------------------------------------
+# Layouts (pure Python, shared by the launchers, the references and the fused op)
+# --------------------------------------------------------------------------------------
+
+
+def _vol(shape: Sequence[int]) -> int:
+    return math.prod(shape)
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """Contiguous strides of ``shape``."""
+    out, acc = [], 1
+    for e in reversed(shape):
+        out.append(acc)
+        acc *= e
+    return tuple(reversed(out))
+
+
+def pad3(values: Sequence[int], fill: int) -> tuple[int, ...]:
+    """``values`` padded on the left with ``fill`` to 3 entries (the kernels see every problem as 3-D)."""
+    return (fill,) * (3 - len(values)) + tuple(values)
+
+
+def box_offsets(shapes: Sequence[Sequence[int]], lead: int) -> tuple[list[int], int]:
+    """Flat offsets of boxes ``[lead, *shape]`` laid out one after another, and the total size."""
+    offs, acc = [], 0
+    for s in shapes:
+        offs.append(acc)
+        acc += lead * _vol(s)
+    return offs, acc
+
+
+def _is_identity(plan: HaloPlan, index: tuple[int, ...], pc: Piece) -> bool:
+    """The piece reads this worker's own block at the staged position's own global coordinates."""
+    if pc.src != index:
+        return False
+    for ax, i, dst, src, step in zip(plan.axes, index, pc.dst_lo, pc.src_lo, pc.steps, strict=True):
+        if step != 1 or ax.needed_range(i)[0] + dst != ax.input_range(i)[0] + src:
+            return False
+    return True
+
+
+@functools.cache
+def _local_split(plan: HaloPlan, index: tuple[int, ...]) -> tuple[Piece | None, tuple[Piece, ...]]:
+    interior, rest = None, []
+    for pc in plan.local_pieces(index):
+        if interior is None and _is_identity(plan, index, pc):
+            interior = pc
+        else:
+            rest.append(pc)
+    return interior, tuple(rest)
+
+
+def interior_piece(plan: HaloPlan, index: tuple[int, ...]) -> Piece | None:
+    """The local piece that is a plain window of the own block (its gradient is a copy), or None."""
+    return _local_split(plan, tuple(index))[0]
+
+
+def self_pieces(plan: HaloPlan, index: tuple[int, ...]) -> tuple[Piece, ...]:
+    """Local pieces other than the interior (reflect/replicate edges, circular self-wraps), in piece order."""
+    return _local_split(plan, tuple(index))[1]
+
+
+def send_numel(plan: HaloPlan, index: tuple[int, ...], lead: int) -> int:
+    return box_offsets([pc.src_shape for _, pc in plan.sends(tuple(index))], lead)[1]
+
+
+def recv_numel(plan: HaloPlan, index: tuple[int, ...], lead: int) -> int:
+    return box_offsets([pc.src_shape for pc in plan.recvs(tuple(index))], lead)[1]
+
+
+def self_numel(plan: HaloPlan, index: tuple[int, ...], lead: int) -> int:
+    return box_offsets([pc.src_shape for pc in self_pieces(plan, tuple(index))], lead)[1]
+
+
+# --------------------------------------------------------------------------------------
+# Tables (built on the host once per (plan, index, lead, device) and cached: a few KB of
+# int32/int64 per worker, one synchronous host-to-device copy the first time only)
+# --------------------------------------------------------------------------------------
+
+
+def _i32(values, device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int32, device=device)
+
+
+def _i64(values, device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.int64, device=device)
+
+
+@functools.lru_cache(maxsize=512)
+def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
+    """Per-axis (segment, coordinate) LUTs over the staged extents and the piece table."""
+    segs = [ax.segments(i) for ax, i in zip(plan.axes, index, strict=True)]
+    luts = []
+    for axis_segs in segs:
+        seg_id, crd = [], []
+        for s, sg in enumerate(axis_segs):
+            for t in range(sg.length):
+                seg_id.append(s)
+                if sg.src is None or sg.step == 0:
+                    crd.append(0)
+                elif sg.step == 1:
+                    crd.append(t)
+                else:
+                    crd.append(sg.extent - 1 - t)
+        luts.append((seg_id, crd))
+    x_shape = plan.input_shape(index)
+    x_str = pad3(contiguous_strides(x_shape), 0)
+    recv_offs, _ = box_offsets([pc.src_shape for pc in plan.recvs(index)], lead)
+    rows, k = [], 0  # _PIECE_COLS entries per piece
+    for pc in plan.pieces(index):
+        if pc.src is None:
+            rows += [0, 0, 0, 0, 0]
+        elif pc.src == index:
+            base = sum(lo * st for lo, st in zip(pad3(pc.src_lo, 0), x_str, strict=True))
+            rows += [1, base, _vol(x_shape), x_str[0], x_str[1]]
+        else:
+            st = pad3(contiguous_strides(pc.src_shape), 0)
+            rows += [2, recv_offs[k], _vol(pc.src_shape), st[0], st[1]]
+            k += 1
+    luts = [([0], [0])] * (3 - len(luts)) + luts
+    flat = [t for seg_id, crd in luts for t in (_i32(seg_id, device), _i32(crd, device))]
+    ns = [max(seg_id) + 1 if seg_id else 1 for seg_id, _ in luts]
+    return flat, _i64(rows, device), ns
+
+
+@functools.lru_cache(maxsize=512)
+def interior_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
+    """LUTs over the block's extents: inside the interior window read the staged gradient, else 0."""
+    x_shape = plan.input_shape(index)
+    pc = interior_piece(plan, index)
+    staged_shape = plan.staged_shape(index)
+    luts = []
+    for a, n in enumerate(x_shape):
+        if pc is None:
+            luts.append(([0] * n, [0] * n))
+            continue
+        lo, length, dst = pc.src_lo[a], pc.shape[a], pc.dst_lo[a]
+        seg_id = [0 if lo <= p < lo + length else 1 for p in range(n)]
+        crd = [p - lo + dst if lo <= p < lo + length else 0 for p in range(n)]
+        luts.append((seg_id, crd))
+    luts = [([0], [0])] * (3 - len(luts)) + luts
+    ns = [1] * (3 - len(x_shape)) + [2 if pc is not None else 1] * len(x_shape)
+    st = pad3(contiguous_strides(staged_shape), 0)
+    rows = [0, 0, 0, 0, 0] * math.prod(ns)
+    if pc is not None:
+        rows[:5] = [1, 0, _vol(staged_shape), st[0], st[1]]  # piece (0, 0, 0): every axis inside the window
+    flat = [t for seg_id, crd in luts for t in (_i32(seg_id, device), _i32(crd, device))]
+    return flat, _i64(rows, device), ns
+
+
+def _box_launch_tables(rows: list[int], numels: list[int], device):
+    """Box table, start of every box in the concatenation, box count, total elements, largest R."""
+    starts = [0]
+    for n in numels:
+        starts.append(starts[-1] + n)
+    rt = max((rows[k * _BOX_COLS + 14] for k in range(len(numels))), default=1)
+    return _i64(rows, device), _i64(starts, device), len(numels), starts[-1], rt
+
+
+def _box_row(sel: int, dst: int, extents, starts, dirs, reps) -> list[int]:
+    e, t, d, r = pad3(extents, 1), pad3(starts, 0), pad3(dirs, 0), pad3(reps, 1)
+    row = [sel, dst, *e, *t, *d, *r, math.prod(r)]
+    assert len(row) == _BOX_COLS
+    return row
+
+
+@functools.lru_cache(maxsize=512)
+def pack_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
+    boxes = [pc for _, pc in plan.sends(index)]
+    offs, _ = box_offsets([pc.src_shape for pc in boxes], lead)
+    rows = []
+    for pc, off in zip(boxes, offs, strict=True):
+        rows += _box_row(0, off, pc.src_shape, pc.src_lo, (1,) * len(pc.src_lo), (1,) * len(pc.src_lo))
+    return _box_launch_tables(rows, [lead * _vol(pc.src_shape) for pc in boxes], device)
+
+
+def _adjoint_axes(pc: Piece) -> tuple[list[int], list[int], list[int]]:
+    """Per axis, where box coordinate c of the source box reads the staged gradient: ``T + D*c + r, r < R``."""
+    starts, dirs, reps = [], [], []
+    for dst, length, extent, step in zip(pc.dst_lo, pc.shape, pc.src_shape, pc.steps, strict=True):
+        if step == 1:
+            starts.append(dst), dirs.append(1), reps.append(1)
+        elif step == -1:
+            starts.append(dst + extent - 1), dirs.append(-1), reps.append(1)
+        else:  # replicate: one source element read `length` times; its gradient is their sum
+            starts.append(dst), dirs.append(0), reps.append(length)
+    return starts, dirs, reps
+
+
+@functools.lru_cache(maxsize=512)
+def unstage_box_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, region: str, device: torch.device):
+    """Send-back boxes (SEL 0, ``recvs`` order) and/or self boxes (SEL 1, ``self_pieces`` order)."""
+    rows, numels = [], []
+    if region in ("all", "remote"):
+        recvs = plan.recvs(index)
+        offs, _ = box_offsets([pc.src_shape for pc in recvs], lead)
+        for pc, off in zip(recvs, offs, strict=True):
+            rows += _box_row(0, off, pc.src_shape, *_adjoint_axes(pc))
+            numels.append(lead * _vol(pc.src_shape))
+    if region in ("all", "local"):
+        selfs = self_pieces(plan, index)
+        offs, _ = box_offsets([pc.src_shape for pc in selfs], lead)
+        for pc, off in zip(selfs, offs, strict=True):
+            rows += _box_row(1, off, pc.src_shape, *_adjoint_axes(pc))
+            numels.append(lead * _vol(pc.src_shape))
+    return _box_launch_tables(rows, numels, device)
+
+
+@functools.lru_cache(maxsize=512)
+def accumulate_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
+    """Chunks of at most 62 boxes: (per-axis int64 cover masks, box table, box count)."""
+    x_shape = plan.input_shape(index)
+    boxes = []
+    selfs = self_pieces(plan, index)
+    offs, _ = box_offsets([pc.src_shape for pc in selfs], lead)
+    boxes += [(0, off, pc) for pc, off in zip(selfs, offs, strict=True)]
+    sends = [pc for _, pc in plan.sends(index)]
+    offs, _ = box_offsets([pc.src_shape for pc in sends], lead)
+    boxes += [(1, off, pc) for pc, off in zip(sends, offs, strict=True)]
+    boxes = [b for b in boxes if _vol(b[2].src_shape) > 0]
+    chunks = []
+    for c in range(0, len(boxes), MASK_BITS):
+        chunk = boxes[c:c + MASK_BITS]
+        masks = [[0] * n for n in x_shape]
+        rows = []
+        for k, (sel, off, pc) in enumerate(chunk):
+            for a in range(len(x_shape)):
+                for p in range(pc.src_lo[a], pc.src_lo[a] + pc.src_shape[a]):
+                    masks[a][p] |= 1 << k
+            rows += [sel, off, *pad3(pc.src_lo, 0), *pad3(pc.src_shape, 1)]  # _ACC_COLS entries
+        every = (1 << len(chunk)) - 1
+        masks = [[every]] * (3 - len(x_shape)) + masks
+        chunks.append(([_i64(m, device) for m in masks], _i64(rows, device), len(chunk)))
+    return chunks
+
+
+# --------------------------------------------------------------------------------------
+# Buffer checks (shared by the halo launchers and kernels/conv_implicit.py)
+# --------------------------------------------------------------------------------------
+
+
+def _check_dtype(op: str, t: torch.Tensor) -> None:
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedError(f"{where(op)}: dtype must be one of {SUPPORTED_DTYPES}, got {t.dtype}")
+
+
+def check_plan_tensor(op: str, t: torch.Tensor, plan: HaloPlan, want: tuple[int, ...], what: str) -> int:
+    """Check that ``t`` is ``[*lead, *want]``, contiguous, of a supported dtype; return LEAD (``prod(lead)``)."""
+    nd = len(plan.axes)
+    if nd not in (1, 2, 3):
+        raise UnsupportedError(f"{where(op)}: 1, 2 or 3 spatial axes are supported, the plan has {nd}")
+    if t.dim() < nd:
+        raise expect(op, f"number of dimensions of {what} (at least the {nd} spatial ones)", f">= {nd}", t.dim())
+    if tuple(t.shape[t.dim() - nd:]) != tuple(want):
+        raise expect(op, f"spatial shape of {what}", tuple(want), tuple(t.shape[t.dim() - nd:]))
+    if not t.is_contiguous():
+        raise ShapeError(f"{where(op)}: {what} must be contiguous")
+    _check_dtype(op, t)
+    return _vol(t.shape[: t.dim() - nd])
+
+
+def check_flat(op: str, t: torch.Tensor, numel: int, dtype: torch.dtype, device, what: str) -> None:
+    """Check that ``t`` is a flat, contiguous buffer of ``numel`` elements of ``dtype`` on ``device``."""
+    if t.dim() != 1 or t.numel() != numel:
+        raise expect(op, f"{what} (flat, boxes one after another)", f"1-D of {numel} elements",
+                     f"shape {tuple(t.shape)}")
+    if t.dtype != dtype or t.device != device:
+        raise expect(op, f"{what} dtype/device", (dtype, device), (t.dtype, t.device))
+    if not t.is_contiguous():
+        raise ShapeError(f"{where(op)}: {what} must be contiguous")

@@ -1,0 +1,55 @@
+"""``distfuse-tune``: measure fused against unfused over shapes, write the crossover table that dispatch reads.
+
+Run it once per cluster (device type x world size x dtype), on every rank::
+
+    torchrun --nproc-per-node 8 -m distfuse.tune --dtype bfloat16      # NCCL, all 8 GPUs
+    torchrun --nproc-per-node 8 -m distfuse.tune --world-sizes 2 4 8   # also the TP=2 and TP=4 groups
+    distfuse-tune --quick                                             # one process (world size 1)
+
+For each registered fused op (:mod:`distfuse.fused.registry`), dtype and world size it
+times the fused and the unfused path over the op's grid of shapes (:func:`default_grid`),
+finds the size interval where fused wins (:func:`crossover`) and writes, on rank 0, one
+entry per ``table_key(device, world, dtype, op)`` into the JSON file that
+:func:`distfuse.layers.dispatch.select_path` reads (``--out``, else
+``$DISTFUSE_TUNE_TABLE``, else ``~/.cache/distfuse/crossover.json``).  Entries of other
+devices and world sizes already in the file are kept.
+
+The package:
+
+==================  ===========================================================================
+``table``           the table's file format, where it lives, :func:`load_table` (dispatch reads
+                    through it), :func:`write_table` (atomic merge)
+``crossover_fit``   the crossover maths (:func:`crossover`, pure) and :func:`entry_for`
+``autotune_cache``  harvest / seed of the Triton autotuners' caches (``triton_configs``)
+``cases``           timing cases and shape grids of the built-in ops (the registry points at them)
+``sweeper``         :func:`sweep`, every rank; timing through :mod:`distfuse.timing`
+``cli``             the command line (:func:`main`; ``distfuse-tune``, ``python -m distfuse.tune``)
+==================  ===========================================================================
+"""
+
+from distfuse.fused.registry import size_of
+from distfuse.tune.autotune_cache import config_to_json, harvest_autotune_caches, seed_autotune_caches
+from distfuse.tune.cli import main, parse_args, run
+from distfuse.tune.crossover_fit import Crossover, crossover, entry_for
+from distfuse.tune.sweeper import SweepResult, default_grid, sweep
+from distfuse.tune.table import load_table, table_key, table_path, write_table
+
+__all__ = [
+    "Crossover",
+    "crossover",
+    "entry_for",
+    "default_grid",
+    "size_of",
+    "sweep",
+    "SweepResult",
+    "load_table",
+    "table_key",
+    "table_path",
+    "write_table",
+    "config_to_json",
+    "harvest_autotune_caches",
+    "seed_autotune_caches",
+    "main",
+    "parse_args",
+    "run",
+]

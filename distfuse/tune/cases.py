@@ -1,0 +1,224 @@
+"""The tuner's timing cases and default shape grids for the built-in fused ops.
+
+The registry (:mod:`distfuse.fused.registry`) points each op at its factories here:
+
+* ``grid(op, world, *, quick=False, **options) -> [shapes]``: the per-rank shapes to time;
+  ``options`` are the tuner's shape options (``m``, ``hidden``, ``ffn``, ``channels``,
+  ``extent``, ``nd``), None where not given; a grid ignores those that do not apply.
+* ``case(op, shape, ctx) -> Case | None``: both paths of one shape, called on every rank of
+  the world (construction may be collective); None on ranks that take no part.
+* ``available(P, device, dtype) -> (ok, why)``: whether the fused path may be timed on CUDA.
+
+A new op's factories live in its own module (``docs/extending.md``), not here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from distfuse.timing import rotations
+
+__all__ = ["Case", "CaseContext", "forced_path", "randn", "split", "linear_grid", "halo_grid", "linear_case",
+           "halo_case", "linear_available"]
+
+
+@dataclass
+class Case:
+    """Both paths of one shape: ``fn(i)`` runs on input copy ``i`` (``0 <= i < rotations``)."""
+
+    unfused: Callable[[int], object]
+    fused: Callable[[int], object] | None  # None: the fused path is not timed
+    rotations: int
+    check: Callable[[str], str | None] = lambda path: None  # after a call on ``path``: an error, or None
+    cleanup: Callable[[], None] = lambda: None
+
+
+@dataclass(frozen=True)
+class CaseContext:
+    """What a case factory gets besides the op and the shape."""
+
+    dtype: torch.dtype
+    device: torch.device
+    world: int  # the measured group: the first ``world`` ranks
+    world_ranks: Sequence[int]
+    P_sub: object  # the group as a [1, world, 1] Cartesian partition (inactive outside it)
+    full: bool  # time forward + backward (else forward only)
+    fused_ok: bool  # the fused path may be timed (else build ``fused=None``)
+
+
+@contextlib.contextmanager
+def forced_path(path: str):
+    """``DISTFUSE_PATH=path`` inside the block (the layers' own dispatch then takes that path)."""
+    old = os.environ.get("DISTFUSE_PATH")
+    os.environ["DISTFUSE_PATH"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("DISTFUSE_PATH", None)
+        else:
+            os.environ["DISTFUSE_PATH"] = old
+
+
+def randn(shape, gen, dtype, device, scale=1.0):
+    return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+def split(world: int, nd: int) -> tuple[int, ...]:
+    """A near-square grid of ``world`` workers over ``nd`` axes (prime factors, largest first, to the smallest axis)."""
+    factors, n, p = [], world, 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    grid = [1] * nd
+    for f in sorted(factors, reverse=True):
+        grid[grid.index(min(grid))] *= f
+    return tuple(sorted(grid))
+
+
+# ---------------------------------------------------------------- grids
+
+
+def linear_grid(op: str, world: int, *, quick: bool = False, m: Sequence[int] | None = None, hidden: int | None = None,
+                ffn: int | None = None, **_options) -> list[dict]:
+    """An MLP of ``hidden`` and ``ffn`` sizes (LLaMA-3 8B: 4096 and 14336) over sequence lengths ``m``.
+
+    RS (down projection) runs the per-rank GEMM ``m x hidden x ffn/W``; AG (up projection)
+    ``m x ffn/W x hidden``.  ``quick``: tiny shapes for CI (CPU, seconds).
+    """
+    ms = list(m or ((8, 32) if quick else (64, 256, 1024, 4096, 16384)))
+    h = hidden or (32 if quick else 4096)
+    f = ffn or (64 if quick else 14336)
+    part = max(1, f // world)
+    if op == "linear_rs":
+        return [dict(m=mm, n=h, k=part) for mm in ms]
+    return [dict(m=mm, n=part, k=h) for mm in ms]
+
+
+def halo_grid(op: str, world: int, *, quick: bool = False, channels: Sequence[int] | None = None,
+              extent: int | None = None, nd: int | None = None, **_options) -> list[dict]:
+    """``channels`` in and out, an ``extent^nd`` block per rank, kernel 3."""
+    cs = list(channels or ((2, 4) if quick else (8, 16, 32, 64, 128, 256)))
+    e = extent or (8 if quick else 128)
+    return [dict(channels=c, extent=e, nd=nd or 2, kernel=3, batch=1) for c in cs]
+
+
+# ---------------------------------------------------------------- availability
+
+
+def linear_available(P, device: torch.device, dtype) -> tuple[bool, str]:
+    """The GEMM fusions: nothing to fuse at world size 1; else the symmetric-memory probe (collective over ``P``)."""
+    if P.size == 1:
+        return False, "world size 1: both paths are one GEMM, nothing to fuse"
+    from distfuse.fused.linear_rs import fused_linear_available
+
+    return fused_linear_available(P, device, dtype)
+
+
+# ---------------------------------------------------------------- cases
+
+
+def linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
+    """GEMM + reduce-scatter (``linear_rs``) or all-gather + GEMM (``linear_ag``) on ``ctx.P_sub``."""
+    import torch.nn.functional as F
+
+    from distfuse.fused.linear_ag import all_gather_matmul
+    from distfuse.fused.linear_rs import matmul_reduce_scatter
+    from distfuse.geometry.decomposition import block_extent
+    from distfuse.primitives.all_gather import all_gather
+    from distfuse.primitives.reduce_scatter import reduce_scatter
+
+    P_sub, dtype, device, full = ctx.P_sub, ctx.dtype, ctx.device, ctx.full
+    if not P_sub.active:
+        return None
+    W, r = P_sub.size, P_sub.rank
+    m, n, k = shape["m"], shape["n"], shape["k"]
+    gen = torch.Generator().manual_seed(1234 + 7 * r)
+    esize = torch.empty(0, dtype=dtype).element_size()
+    rows = m if op == "linear_rs" else block_extent(m, W, r)
+    out_rows = block_extent(m, W, r) if op == "linear_rs" else m
+    set_bytes = esize * (rows * k + out_rows * n + (m * n if op == "linear_rs" else m * k))
+    R = rotations(set_bytes, device)
+    xs = [randn((1, rows, k), gen, dtype, device).requires_grad_(full) for _ in range(R)]
+    w = randn((n, k), gen, dtype, device, 1.0 / math.sqrt(k)).requires_grad_(full)
+    dys = [randn((1, out_rows, n), gen, dtype, device) for _ in range(R)] if full else None
+
+    def finish(y, i):
+        if full:
+            xs[i].grad, w.grad = None, None
+            y.backward(dys[i])
+        return y
+
+    grad = contextlib.nullcontext if full else torch.no_grad
+    if op == "linear_rs":
+        def unfused(i):
+            with grad():
+                return finish(reduce_scatter(F.linear(xs[i], w), P_sub), i)
+
+        def fused(i):
+            with grad():
+                return finish(matmul_reduce_scatter(xs[i], w, None, P_sub), i)
+    else:
+        def unfused(i):
+            with grad():
+                return finish(F.linear(all_gather(xs[i], P_sub, (1, m, k)), w), i)
+
+        def fused(i):
+            with grad():
+                return finish(all_gather_matmul(xs[i], w, None, P_sub, n=m), i)
+    return Case(unfused, fused if ctx.fused_ok else None, R)
+
+
+def halo_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
+    """A feature-distributed ConvNd on a near-square grid; the path is forced with ``DISTFUSE_PATH``.
+
+    Construction is collective over the whole world (partitions); only active ranks time.
+    """
+    from distfuse import Partition
+    from distfuse.layers import DistributedConv1d, DistributedConv2d, DistributedConv3d
+
+    dtype, device, full = ctx.dtype, ctx.device, ctx.full
+    nd, c, e = shape["nd"], shape["channels"], shape["extent"]
+    grid = split(ctx.world, nd)
+    P = Partition.world(device=device).create_partition_inclusive(ctx.world_ranks)
+    P_x = P.create_cartesian_topology_partition([1, 1, *grid])
+    cls = {1: DistributedConv1d, 2: DistributedConv2d, 3: DistributedConv3d}[nd]
+    k = shape.get("kernel", 3)
+    layer = cls(P_x, c, c, k, padding=k // 2, device=device, dtype=dtype)
+    if not P_x.active:
+        return None
+    layer.requires_grad_(full)
+    gen = torch.Generator().manual_seed(99 + P_x.rank)
+    b = shape.get("batch", 1)
+    esize = torch.empty(0, dtype=dtype).element_size()
+    set_bytes = 3 * esize * b * c * (e + 2) ** nd
+    R = rotations(set_bytes, device)
+    xs = [randn((b, c, *(e,) * nd), gen, dtype, device).requires_grad_(full) for _ in range(R)]
+    dys = [randn((b, c, *(e,) * nd), gen, dtype, device) for _ in range(R)] if full else None
+    grad = contextlib.nullcontext if full else torch.no_grad
+
+    def call(path):
+        def fn(i):
+            with forced_path(path), grad():
+                y = layer(xs[i])
+                if full:
+                    xs[i].grad = None
+                    layer.zero_grad(set_to_none=True)
+                    y.backward(dys[i])
+                return y
+        return fn
+
+    def check(path):
+        if layer.last_path != path:
+            return f"asked for the {path} path, the layer ran {layer.last_path} ({layer.last_decision.reason})"
+        return None
+
+    return Case(call("unfused"), call("fused") if ctx.fused_ok else None, R, check)

@@ -1,0 +1,120 @@
+"""Where fused beats unfused, from measured points: the crossover maths (pure) and the table entry it gives.
+
+The gain at a size is ``log(unfused_ms / (fused_ms * (1 + margin)))``; the interval
+is the contiguous run of sizes with the largest total gain (:func:`crossover`).  The
+tuner writes the result as a table entry (:func:`entry_for`); ``bench plot`` shades it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from distfuse.fused import registry
+from distfuse.tune.table import NEVER
+
+__all__ = ["Crossover", "crossover", "entry_for"]
+
+
+@dataclass(frozen=True)
+class Crossover:
+    """Where fused beats unfused, from measured points.
+
+    ``min_size``/``max_size`` are None where the interval is open (fused already wins at
+    the smallest / still wins at the largest size measured; the table then extends it).
+    """
+
+    min_size: float | None
+    max_size: float | None
+    fused: str  # "interval", "always" or "never"
+    wins: tuple[float, ...] = ()  # sizes where fused won (by more than the margin)
+    excluded_wins: tuple[float, ...] = ()  # wins outside the chosen interval (isolated: treated as noise)
+
+    def fused_at(self, size: float) -> bool:
+        if self.fused == "never":
+            return False
+        lo = -math.inf if self.min_size is None else self.min_size
+        hi = math.inf if self.max_size is None else self.max_size
+        return lo <= size <= hi
+
+    def entry(self) -> dict:
+        """The table entry dispatch reads (``min_size``/``max_size``) plus what it rests on."""
+        out: dict = {"fused": self.fused}
+        if self.fused == "never":
+            out["max_size"] = NEVER
+            return out
+        if self.min_size is not None:
+            out["min_size"] = self.min_size
+        if self.max_size is not None:
+            out["max_size"] = self.max_size
+        if self.excluded_wins:
+            out["excluded_wins"] = list(self.excluded_wins)
+        return out
+
+
+def _crossing(s0: float, g0: float, s1: float, g1: float) -> float:
+    """Size where the gain crosses zero between (s0, g0) and (s1, g1) (opposite signs or a zero), log-interpolated."""
+    if g0 == g1:
+        return s0
+    t = g0 / (g0 - g1)
+    if s0 > 0 and s1 > 0:
+        return float(math.exp(math.log(s0) + t * (math.log(s1) - math.log(s0))))
+    return float(s0 + t * (s1 - s0))
+
+
+def crossover(points: Iterable[tuple[float, float | None, float]], margin: float = 0.0) -> Crossover:
+    """The size interval where fused wins, from ``(size, fused_ms, unfused_ms)`` points.
+
+    The gain at a point is ``log(unfused_ms / (fused_ms * (1 + margin)))``: positive when
+    fused is faster by more than ``margin``.  Points of equal size are averaged (in the
+    log).  The interval is the contiguous run of sizes with the largest total gain (a
+    maximum-subarray), so one noisy loss inside a winning region does not split it, and
+    an isolated noisy win outside it is reported in ``excluded_wins`` instead of
+    becoming a second interval (dispatch reads one).  Its bounds are where the gain
+    crosses zero between the last losing and first winning sizes, interpolated in
+    log-size (sizes span decades); an interval reaching the smallest or the largest
+    size measured is left open on that side.  Points without a fused time are ignored.
+    """
+    by_size: dict[float, list[float]] = {}
+    for size, fused_ms, unfused_ms in points:
+        if fused_ms is None or unfused_ms is None or not (fused_ms > 0 and unfused_ms > 0):
+            continue
+        by_size.setdefault(float(size), []).append(math.log(unfused_ms / (fused_ms * (1.0 + margin))))
+    if not by_size:
+        raise ValueError("crossover: no point has both a fused and an unfused time")
+    sizes = sorted(by_size)
+    gains = [sum(by_size[s]) / len(by_size[s]) for s in sizes]
+    wins = tuple(s for s, g in zip(sizes, gains, strict=True) if g > 0)
+    # Kadane: the run [lo, hi] with the largest sum of gains (strictly positive, else "never").
+    best, best_lo, best_hi = 0.0, -1, -1
+    run, run_lo = 0.0, 0
+    for i, g in enumerate(gains):
+        if run <= 0:
+            run, run_lo = g, i
+        else:
+            run += g
+        if run > best:
+            best, best_lo, best_hi = run, run_lo, i
+    if best_lo < 0:
+        return Crossover(None, None, "never", wins, wins)
+    # A maximal run starts and ends on a win; trim zero-gain ends so the bounds sit on wins.
+    while gains[best_lo] <= 0:
+        best_lo += 1
+    while gains[best_hi] <= 0:
+        best_hi -= 1
+    lo = None if best_lo == 0 else _crossing(sizes[best_lo - 1], gains[best_lo - 1], sizes[best_lo], gains[best_lo])
+    hi = None if best_hi == len(sizes) - 1 else _crossing(sizes[best_hi], gains[best_hi], sizes[best_hi + 1],
+                                                          gains[best_hi + 1])
+    excluded = tuple(s for s in wins if not sizes[best_lo] <= s <= sizes[best_hi])
+    kind = "always" if lo is None and hi is None else "interval"
+    return Crossover(lo, hi, kind, wins, excluded)
+
+
+def entry_for(op: str, points: Sequence[dict], margin: float = 0.0, **info) -> dict:
+    """Table entry for measured sweep points (dicts with ``size``, ``fused_ms``, ``unfused_ms``)."""
+    xo = crossover([(p["size"], p.get("fused_ms"), p["unfused_ms"]) for p in points], margin)
+    entry = xo.entry()
+    entry.update(size_key=registry.get(op).size_key, margin=margin,
+                 points=[[p["size"], p.get("fused_ms"), p["unfused_ms"]] for p in points], **info)
+    return entry

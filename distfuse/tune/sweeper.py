@@ -1,0 +1,192 @@
+"""The sweep: time both paths of every op over its shape grid on the initialised world (every rank calls it).
+
+Ops, size keys, grids, availability probes and timing cases all come from the registry
+(:mod:`distfuse.fused.registry`); the timer is :mod:`distfuse.timing`.  Per repetition
+the slowest rank's time (host all-reduce MAX on the gloo metadata group, outside the
+timed region), after a barrier; median of ``reps``.  On CUDA: CUDA events, L2 flushed
+before every run, random inputs rotated over enough copies to exceed L2 four times.
+
+CPU / gloo.  The production path on CPU is unfused and the fused kernels would run in
+the Triton interpreter, whose times mean nothing: the sweep times the unfused providers
+only, records "fused not timed" in the notes and writes no crossover entries.  An op's
+``available`` probe can rule the fused path out too (the linears: no symmetric memory
+between the ranks, or world size 1).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from distfuse.fused import registry
+from distfuse.timing import median, rotating, time_samples
+from distfuse.tune.autotune_cache import autotuners, cache_keys, harvest_autotune_caches
+from distfuse.tune.cases import CaseContext
+from distfuse.tune.crossover_fit import entry_for
+from distfuse.tune.table import table_key
+
+__all__ = ["SweepResult", "default_grid", "sweep", "fused_available", "run_meta", "summary"]
+
+
+def default_grid(op: str, world: int, *, quick: bool = False, **options) -> list[dict]:
+    """Per-rank shapes of ``op`` at world size ``world`` (the op's registered ``grid``; the dicts its size reads).
+
+    ``options``: ``m``, ``hidden``, ``ffn`` (linears), ``channels``, ``extent``, ``nd`` (halo conv);
+    ``quick``: tiny shapes for CI (CPU, seconds).
+    """
+    spec = registry.get(op)
+    return registry.resolve(spec.grid)(op, world, quick=quick, **options)
+
+
+def fused_available(op: str, P, device: torch.device, dtype) -> tuple[bool, str]:
+    """Whether this sweep may time the fused path (the op's probe may be collective over ``P``)."""
+    if device.type != "cuda":
+        return False, (f"{device.type}: the fused kernels would run in the Triton interpreter (not timed); the "
+                       "production path there is unfused, so no fused entries are written")
+    spec = registry.get(op)
+    if spec.available is None:
+        return True, ""
+    return registry.resolve(spec.available)(P, device, dtype)
+
+
+@dataclass
+class SweepResult:
+    device_name: str
+    entries: dict = field(default_factory=dict)
+    triton_configs: dict = field(default_factory=dict)
+    sweeps: dict = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)  # "device|world" -> [notes]
+
+
+def _progress(items, desc: str, enabled: bool):
+    if not enabled:
+        return items
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, leave=False, file=sys.stderr)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _median_ms(fn: Callable[[int], object], n_rot: int, timing: dict) -> float:
+    """Median ms of ``fn(i)`` over input copies ``i % n_rot`` (:func:`distfuse.timing.time_samples`)."""
+    return median(time_samples(rotating(fn, n_rot), **timing))
+
+
+def sweep(ops: Sequence[str], dtypes: Sequence[torch.dtype], world_sizes: Sequence[int] | None = None, *,
+          grid: Callable[[str, int], list[dict]] | None = None, full: bool = True, warmup: int = 3, reps: int = 10,
+          margin: float = 0.0, progress: bool = True) -> SweepResult:
+    """Time both paths of every op over its grid on the initialised world; every rank calls it, rank 0 gets it all.
+
+    ``world_sizes``: groups of the first ``w`` ranks to measure (default: the whole world).
+    ``grid(op, w)``: the shapes (default :func:`default_grid`).
+    """
+    from distfuse import Partition
+    from distfuse.layers.dispatch import device_caps
+
+    specs = [registry.get(op) for op in ops]  # unknown ops fail before any collective
+    world = dist.get_world_size()
+    me = dist.get_rank()
+    world_sizes = list(world_sizes or [world])
+    bad = [w for w in world_sizes if not 1 <= w <= world]
+    if bad:
+        raise ValueError(f"distfuse-tune: world sizes {bad} are outside 1..{world}")
+    P_world = Partition.world()
+    device = P_world.device
+    name = device_caps(device).name  # the name select_path keys on
+    grid = grid or (lambda op, w: default_grid(op, w))
+    res = SweepResult(name)
+    show = progress and me == 0
+    mode = "full" if full else "fwd"
+    for w in world_sizes:
+        P_w = P_world.create_partition_inclusive(range(w))
+        P_sub = P_w.create_cartesian_topology_partition([1, w, 1])  # [batch, sequence, features]
+        notes = res.notes.setdefault(f"{name}|{w}", [])
+        timing = dict(warmup=warmup, reps=reps, device=device, sync_group=P_sub.meta_group)
+        for spec in specs:
+            op = spec.name
+            make_case = registry.resolve(spec.case)
+            for dtype in dtypes:
+                key = table_key(name, w, dtype, op)
+                ok, why = fused_available(op, P_sub, device, dtype) if P_sub.active else (False, "inactive")
+                if P_sub.active and not ok:
+                    notes.append(f"{op} {_dtype_name(dtype)}: fused not timed: {why}")
+                tuners = autotuners()
+                before = cache_keys(tuners)
+                points = []
+                ctx = CaseContext(dtype, device, w, range(w), P_sub, full, ok)
+                for shape in _progress(grid(op, w), f"{op} {_dtype_name(dtype)} W={w}", show):
+                    case = make_case(op, shape, ctx)
+                    if case is None or not P_sub.active:
+                        continue
+                    point = dict(shape=dict(shape), size=spec.size_of(shape), fused_ms=None,
+                                 unfused_ms=_median_ms(case.unfused, case.rotations, timing))
+                    err = case.check("unfused")
+                    if err:
+                        raise RuntimeError(f"distfuse-tune: {op} {shape}: {err}")
+                    if case.fused is not None:
+                        point["fused_ms"] = _median_ms(case.fused, case.rotations, timing)
+                        err = case.check("fused")
+                        if err:  # the forced path did not run: do not record a time for it
+                            point["fused_ms"] = None
+                            notes.append(f"{op} {shape}: {err}")
+                    points.append(point)
+                    case.cleanup()
+                    del case
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                if me != 0:
+                    continue
+                res.sweeps[key] = dict(size_key=spec.size_key, mode=mode, points=points)
+                if any(p["fused_ms"] is not None for p in points):
+                    res.entries[key] = entry_for(op, points, margin, mode=mode,
+                                                 date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+                configs = harvest_autotune_caches(tuners, before)
+                if configs:
+                    res.triton_configs[key] = configs
+        dist.barrier()  # ranks outside this group wait here (host side)
+    return res
+
+
+def run_meta(res: SweepResult, args_summary: dict) -> dict:
+    """``_meta.runs`` of a sweep: versions, date, notes and the arguments, per ``device|world``."""
+    import triton
+
+    import distfuse
+
+    date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return {k: dict(date=date, torch=torch.__version__, triton=triton.__version__, distfuse=distfuse.__version__,
+                    cuda=torch.version.cuda, notes=v, args=args_summary) for k, v in res.notes.items()}
+
+
+def summary(res: SweepResult) -> str:
+    """A human-readable report of a sweep: per key, the verdict and the points."""
+    lines = []
+    for key, sw in sorted(res.sweeps.items()):
+        entry = res.entries.get(key)
+        if entry is None:
+            verdict = "no entry (fused not timed)"
+        elif entry["fused"] == "never":
+            verdict = "fused never wins"
+        elif entry["fused"] == "always":
+            verdict = "fused wins at every size measured"
+        else:
+            lo, hi = entry.get("min_size"), entry.get("max_size")
+            verdict = f"fused for {sw['size_key']} in [{'-inf' if lo is None else f'{lo:.4g}'}, " \
+                      f"{'inf' if hi is None else f'{hi:.4g}'}]"
+        lines.append(f"{key}: {len(sw['points'])} shapes; {verdict}")
+        for p in sw["points"]:
+            f = "-" if p["fused_ms"] is None else f"{p['fused_ms']:.4f}"
+            lines.append(f"    {sw['size_key']}={p['size']:<14.6g} unfused {p['unfused_ms']:.4f} ms  fused {f} ms")
+    for k, notes in res.notes.items():
+        lines += [f"note {k}: {n}" for n in notes]
+    return "\n".join(lines)
