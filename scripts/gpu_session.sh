@@ -14,7 +14,7 @@
 #   bench      GEMM fusion and halo staging benchmarks with ratios to cuBLAS, the
 #              device copy and F.pad/cat staging                                      (~5 min)
 #
-# Results: bench/results/gpu_session-<device>-<date>.json (one record per phase, with
+# Results: bench/results/gpu_session-<device>-<date>.json (each call appends a run of one record per phase, with
 # the device, versions and date) plus each benchmark's own JSON; logs in $SESSION_DIR.
 # Where $OUT is set (the device tool), the JSON files and a log archive are copied there.
 # Uses only what the GPU machine has: torch, triton, pytest, nvidia-ml-py, the repo.
@@ -106,11 +106,13 @@ from bench.harness import environment
 phases = [json.loads(l) for l in pathlib.Path(sys.argv[1]).read_text().splitlines() if l.strip()]
 out = pathlib.Path(sys.argv[2])
 old = json.loads(out.read_text()) if out.exists() else {}
-merged = {p["phase"]: p for p in old.get("phases", [])}
-merged.update({p["phase"]: p for p in phases})
-out.write_text(json.dumps(dict(env=environment(), phases=list(merged.values())), indent=1, default=str))
+env = environment()
+# One file per device and day: each call of this script appends a run (earlier runs are kept).
+runs = old.get("runs", [])
+runs.append(dict(run=f"{len(runs) + 1}: {' '.join(p['phase'] for p in phases)}", date=env["date"], phases=phases))
+out.write_text(json.dumps(dict(old, env=env, runs=runs), indent=1, default=str))
 print(f"gpu_session: wrote {out}")
-for p in merged.values():
+for p in phases:
     print(f"  {p['phase']:<12} {p['status']:<28} {p['seconds']:>7.1f} s")
 PY
 rm -f "$SUMMARY"
