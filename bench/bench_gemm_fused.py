@@ -11,11 +11,11 @@ Shapes: the per-rank GEMMs of the LLaMA-3 MLPs at tensor parallelism 8 (``H`` hi
 What is measured (one GPU; the W = 8 peers are virtual, a LoopbackWorkspace with eight
 buffers in this GPU's HBM, so "remote" stores land in local memory):
 
-* ``op=gemm_rs``: ``gemm_rs`` of one virtual rank, the whole GEMM with the scatter
-  epilogue (each tile stored into its owner's slot, flags raised), against
+* ``op=matmul_scatter``: ``matmul_scatter`` of one virtual rank, the whole GEMM with the
+  scatter epilogue (each tile stored into its owner's slot, flags raised), against
   ``torch.mm`` (cuBLAS, anchor ``cublas``) on the same shape.  Target: >= 90% of the
   cuBLAS TFLOP/s (``extra.rate_ratio``, ``extra.meets_target``).
-* ``op=ag_gemm``: ``ag_gemm_consume`` of one virtual rank once every shard is in
+* ``op=gathered_matmul``: ``gathered_matmul`` of one virtual rank once every shard is in
   place (the GEMM reading the local shard and the gathered buffer), against cuBLAS.
   Same target.
 * ``op=chunk_reduce``: the sum of the W partial slots of one chunk (+ rounding), and
@@ -34,12 +34,16 @@ buffers in this GPU's HBM, so "remote" stores land in local memory):
   gathered input ``[M, H]``):
 
       RS  unfused = t_cublas + t_comm                       (GEMM, then NCCL reduce-scatter)
-          fused   = max(t_gemm_rs, t_comm) + t_chunk_reduce (tiles leave during the GEMM)
+          fused   = max(t_matmul_scatter, t_comm) + t_chunk_reduce (tiles leave during the GEMM)
       AG  unfused = t_comm + t_cublas                       (NCCL all-gather, then GEMM)
-          fused   = t_comm + t_ag_gemm                      (ag_push runs before the GEMM on
+          fused   = t_comm + t_gathered_matmul              (ag_push runs before the GEMM on
                                                              the same stream: no overlap)
 
   The loopback kernel times assume remote NVLink stores cost what local HBM stores do.
+  Projection rows are named by the registry op they model (``matmul_reduce_scatter``,
+  ``all_gather_matmul``).  Result files before the rename call the rows ``gemm_rs``,
+  ``ag_gemm``, ``linear_rs`` and ``linear_ag``; ``bench compare`` matches them to the
+  current names.
 
 Timings: ``bench.harness.time_fn`` (CUDA events, L2 flushed before every run; median
 and 20th/80th percentiles).  Rows go to ``bench/results/gemm_fused-<device>-<date>.json``
@@ -132,8 +136,8 @@ class Side:
 
     def __init__(self, side, m, n, k, world, dtype, device, seed=0):
         from distfuse.fused.symmetric import LoopbackWorkspace
-        from distfuse.kernels.ag_gemm import ag_gemm_workspace_bytes
-        from distfuse.kernels.gemm_rs import gemm_rs_workspace_bytes
+        from distfuse.kernels.all_gather_matmul import gathered_matmul_workspace_bytes
+        from distfuse.kernels.matmul_reduce_scatter import matmul_scatter_workspace_bytes
 
         self.side, self.m, self.n, self.k, self.world, self.dtype = side, m, n, k, world, dtype
         g = torch.Generator(device="cpu").manual_seed(seed)
@@ -145,13 +149,13 @@ class Side:
         self.out = torch.empty(m, n, dtype=dtype, device=device)
         if side == "rs":
             self.a = rnd(1, m, k)  # batch 1, the full sequence
-            self.ws = LoopbackWorkspace(world, gemm_rs_workspace_bytes(1, m, n, world, dtype), device)
+            self.ws = LoopbackWorkspace(world, matmul_scatter_workspace_bytes(1, m, n, world, dtype), device)
         else:
             from distfuse.geometry.decomposition import block_extent
 
             self.shards = [rnd(1, block_extent(m, world, r), k) for r in range(world)]
             self.a = torch.cat(self.shards, dim=1)
-            self.ws = LoopbackWorkspace(world, ag_gemm_workspace_bytes(1, m, k, dtype), device)
+            self.ws = LoopbackWorkspace(world, gathered_matmul_workspace_bytes(1, m, k, dtype), device)
 
     # -- anchors
     def cublas(self):
@@ -160,15 +164,15 @@ class Side:
     # -- fused kernels (inside a claim: see prepare)
     def prepare(self):
         """Claim the workspace and run every virtual rank's producer once, so every flag of this epoch is up."""
-        from distfuse.kernels.ag_gemm import ag_push
-        from distfuse.kernels.gemm_rs import gemm_rs
+        from distfuse.kernels.all_gather_matmul import ag_push
+        from distfuse.kernels.matmul_reduce_scatter import matmul_scatter
 
         self._claim = self.ws.in_flight(f"bench {self.side}")
         self._claim.__enter__()
         W = self.world
         if self.side == "rs":
             for r in range(W):
-                gemm_rs(self.a, self.weight, self.ws, r, W)
+                matmul_scatter(self.a, self.weight, self.ws, r, W)
         else:
             for r in range(W):
                 ag_push(self.shards[r], self.ws, r, W, self.m)
@@ -177,20 +181,20 @@ class Side:
         self._claim.__exit__(None, None, None)
 
     def fused_gemm(self):
-        from distfuse.kernels.ag_gemm import ag_gemm_consume
-        from distfuse.kernels.gemm_rs import gemm_rs
+        from distfuse.kernels.all_gather_matmul import gathered_matmul
+        from distfuse.kernels.matmul_reduce_scatter import matmul_scatter
 
         if self.side == "rs":
-            return gemm_rs(self.a, self.weight, self.ws, 0, self.world)
-        return ag_gemm_consume(self.shards[0], self.weight, self.ws, 0, self.world, self.m, out=self.out)
+            return matmul_scatter(self.a, self.weight, self.ws, 0, self.world)
+        return gathered_matmul(self.shards[0], self.weight, self.ws, 0, self.world, self.m, out=self.out)
 
     def chunk_reduce(self, out=None):
-        from distfuse.kernels.gemm_rs import chunk_reduce
+        from distfuse.kernels.matmul_reduce_scatter import chunk_reduce
 
         return chunk_reduce(self.ws, 0, self.world, 1, self.m, self.n, partial_dtype=self.dtype, out=out)
 
     def push(self):
-        from distfuse.kernels.ag_gemm import ag_push
+        from distfuse.kernels.all_gather_matmul import ag_push
 
         return ag_push(self.shards[0], self.ws, 0, self.world, self.m)
 
@@ -207,8 +211,8 @@ class Side:
     # -- references
     def check(self, dtype_tol: float) -> list[str]:
         """Correctness of every provider on this (small) case; returns the failures."""
-        from distfuse.kernels.ag_gemm import ag_gemm_reference
-        from distfuse.kernels.gemm_rs import gemm_rs_reference
+        from distfuse.kernels.all_gather_matmul import all_gather_matmul_reference
+        from distfuse.kernels.matmul_reduce_scatter import matmul_reduce_scatter_reference
 
         bad = []
         ref = self.a.view(self.m, self.k).double() @ self.weight.double().t()
@@ -219,14 +223,14 @@ class Side:
             if self.side == "rs":
                 W = self.world
                 y = self.chunk_reduce()
-                want = gemm_rs_reference([self.a] * W, [self.weight] * W, 0)
+                want = matmul_reduce_scatter_reference([self.a] * W, [self.weight] * W, 0)
                 if not torch.allclose(y.double(), want.double(), rtol=dtype_tol, atol=dtype_tol):
-                    bad.append("rs: gemm_rs + chunk_reduce (loopback)")
+                    bad.append("rs: matmul_scatter + chunk_reduce (loopback)")
             else:
                 y = self.fused_gemm()
-                want = ag_gemm_reference(self.shards, self.weight)
+                want = all_gather_matmul_reference(self.shards, self.weight)
                 if not torch.allclose(y.double(), want.double(), rtol=dtype_tol, atol=dtype_tol):
-                    bad.append("ag: ag_push + ag_gemm_consume (loopback)")
+                    bad.append("ag: ag_push + gathered_matmul (loopback)")
         finally:
             self.release()
         return bad
@@ -295,7 +299,7 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
     for model, side_name, m, n, k in cases(models, ms, W):
         shape = dict(model=model, m=m, n=n, k=k)
         side = Side(side_name, m, n, k, W, dtype, device)
-        op = "gemm_rs" if side_name == "rs" else "ag_gemm"
+        op = "matmul_scatter" if side_name == "rs" else "gathered_matmul"
         q_cublas = timed(side.cublas)
         row(op, "cublas", shape, q_cublas, rate=tflops(m, n, k, q_cublas[0]), rate_unit="TFLOP/s")
         side.prepare()
@@ -340,7 +344,8 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
         inputs = dict(t_cublas=q_cublas[0], t_fused_gemm=q_fused[0], t_comm=t_comm,
                       t_chunk_reduce=t_reduce if side_name == "rs" else None,
                       nvlink_GBps_per_direction=NVLINK_GBPS_PER_DIRECTION)
-        proj_op = (registry.LINEAR_RS if side_name == "rs" else registry.LINEAR_AG).name  # the dispatch op it models
+        # The projection rows model the whole op: named by its registry entry.
+        proj_op = (registry.MATMUL_REDUCE_SCATTER if side_name == "rs" else registry.ALL_GATHER_MATMUL).name
         for p in ("unfused", "fused"):
             ms_p = proj[p]
             row(proj_op, f"projection-{p}-{W}gpu", shape,
@@ -379,7 +384,8 @@ def gpu_run(args) -> int:
 
 
 def _summary(rows) -> None:
-    for op, target in (("gemm_rs", GEMM_TARGET), ("ag_gemm", GEMM_TARGET), ("chunk_reduce", REDUCE_TARGET)):
+    targets = (("matmul_scatter", GEMM_TARGET), ("gathered_matmul", GEMM_TARGET), ("chunk_reduce", REDUCE_TARGET))
+    for op, target in targets:
         mine = [r for r in rows if r.op == op and r.provider == "fused"]
         if not mine:
             continue
@@ -394,8 +400,11 @@ def _summary(rows) -> None:
 
 def smoke(out_dir: Path | None = None) -> int:
     """Every provider once at tiny shapes under the Triton interpreter; correctness only, no timings."""
-    from distfuse.fused.linear_ag import all_gather_matmul_loopback, linear_ag_workspace_bytes
-    from distfuse.fused.linear_rs import linear_rs_workspace_bytes, matmul_reduce_scatter_loopback
+    from distfuse.fused.all_gather_matmul import all_gather_matmul_loopback, all_gather_matmul_workspace_bytes
+    from distfuse.fused.matmul_reduce_scatter import (
+        matmul_reduce_scatter_loopback,
+        matmul_reduce_scatter_workspace_bytes,
+    )
     from distfuse.fused.symmetric import LoopbackWorkspace
 
     bad = []
@@ -406,14 +415,14 @@ def smoke(out_dir: Path | None = None) -> int:
     # The autograd ops in loopback (what a fused layer runs), forward and backward against torch.
     xs = [torch.randn(2, 5, 4, requires_grad=True) for _ in range(W)]
     wts = [torch.randn(6, 4, requires_grad=True) for _ in range(W)]
-    ys = matmul_reduce_scatter_loopback(xs, wts, None, LoopbackWorkspace(W, linear_rs_workspace_bytes(2, 5, 6, W,
-                                                                                                      torch.float32)))
+    ws_rs = LoopbackWorkspace(W, matmul_reduce_scatter_workspace_bytes(2, 5, 6, W, torch.float32))
+    ys = matmul_reduce_scatter_loopback(xs, wts, None, ws_rs)
     full = sum(x.detach() @ w.detach().t() for x, w in zip(xs, wts, strict=True))
     if not torch.allclose(torch.cat(ys, dim=1), full, atol=1e-4):
         bad.append("matmul_reduce_scatter_loopback forward")
     shards = [torch.randn(2, 3, 4, requires_grad=True), torch.randn(2, 2, 4, requires_grad=True)]
-    ys2 = all_gather_matmul_loopback(shards, wts, None, LoopbackWorkspace(W, linear_ag_workspace_bytes(2, 5, 4, W,
-                                                                                                       torch.float32)))
+    ws_ag = LoopbackWorkspace(W, all_gather_matmul_workspace_bytes(2, 5, 4, W, torch.float32))
+    ys2 = all_gather_matmul_loopback(shards, wts, None, ws_ag)
     if not torch.allclose(ys2[1], torch.cat([s.detach() for s in shards], dim=1) @ wts[1].detach().t(), atol=1e-4):
         bad.append("all_gather_matmul_loopback forward")
     (sum(y.sum() for y in ys) + sum(y.sum() for y in ys2)).backward()
@@ -450,7 +459,7 @@ def smoke(out_dir: Path | None = None) -> int:
         print(f"smoke: FAILED: {b}", file=sys.stderr)
     if bad:
         return 1
-    print("smoke: ok: cublas/torch.mm, fused gemm_rs + chunk_reduce, ag_push + ag_gemm_consume, the loopback "
+    print("smoke: ok: cublas/torch.mm, fused matmul_scatter + chunk_reduce, ag_push + gathered_matmul, the loopback "
           "autograd ops, the projection and the sweep pipeline agree (correctness only; CPU times are not results)")
     return 0
 

@@ -1,6 +1,8 @@
 """``python -m bench compare BASELINE.json CURRENT.json``: what moved, and a non-zero exit on a regression.
 
-Rows are matched by (op, provider, mode, shape, dtype, world size).  Each matched row's
+Rows are matched by (op, provider, mode, shape, dtype, world size), an op under a former
+name (:data:`RENAMED_OPS`: ``linear_rs`` / ``gemm_rs`` in files before the GEMM fusions were
+renamed) counting as its current one, so old baselines still gate.  Each matched row's
 metric is compared as ``change = current / baseline - 1`` (both metrics are times:
 lower is better); past ``--tolerance`` it is ``worse`` (a regression) or ``better``.
 Rows only in the current file are ``new``, rows only in the baseline ``missing``.
@@ -28,7 +30,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from distfuse.fused.registry import RENAMED, RENAMED_KERNELS
+
 KEY = ("op", "provider", "mode", "shape", "dtype", "world_size")
+#: Row ``op`` names in older result files -> the current ones: the registry's renamed ops
+#: (the projection rows) and the renamed launchers (``bench_gemm_fused``'s kernel rows).
+RENAMED_OPS = {**RENAMED, **RENAMED_KERNELS}
 ORDER = {"worse": 0, "missing": 1, "better": 2, "new": 3, "n/a": 4, "anchor": 5, "same": 6}
 
 
@@ -73,7 +80,9 @@ def load(path: Path | str) -> Result:
 
 
 def row_key(r: dict) -> tuple:
-    return (r["op"], r["provider"], r["mode"], json.dumps(r["shape"], sort_keys=True), r["dtype"], int(r["world_size"]))
+    """The identity of a row across runs; a renamed op is keyed by its current name."""
+    return (RENAMED_OPS.get(r["op"], r["op"]), r["provider"], r["mode"], json.dumps(r["shape"], sort_keys=True),
+            r["dtype"], int(r["world_size"]))
 
 
 def device_of(env: dict) -> str:

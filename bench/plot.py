@@ -41,7 +41,7 @@ def _x_keys(op: str, rows: list[dict], forced: str | None) -> list[str]:
     keys = set(rows[0]["shape"])
     if forced:
         return [forced]
-    spec = registry.OPS.get(op)
+    spec = registry.OPS.get(registry.current_name(op))  # result files may name a renamed op by its former name
     if spec is not None and set(spec.size_inputs) <= keys:
         return list(spec.size_inputs)
     if {"m", "n", "k"} <= keys:
@@ -57,7 +57,7 @@ def _x_keys(op: str, rows: list[dict], forced: str | None) -> list[str]:
 
 
 def _xlabel(op: str, keys: list[str]) -> str:
-    spec = registry.OPS.get(op)
+    spec = registry.OPS.get(registry.current_name(op))
     if spec is not None and keys == list(spec.size_inputs):
         inputs = "·".join(keys)
         return spec.size_key if spec.size_key == inputs else f"{spec.size_key} = {inputs}"

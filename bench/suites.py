@@ -198,10 +198,11 @@ def _run_halo(opts: RunOptions) -> SuiteResult:
 
 
 def _gemm_roles(world: int) -> dict:
-    roles = _op_roles(["gemm_rs", "ag_gemm"], fused="fused", anchor="cublas")
+    roles = _op_roles(["matmul_scatter", "gathered_matmul"], fused="fused", anchor="cublas")
     roles.update(_op_roles(["chunk_reduce", "ag_push"], fused="fused", anchor="copy"))
-    roles.update(_op_roles([registry.LINEAR_RS.name, registry.LINEAR_AG.name], fused=f"projection-fused-{world}gpu",
-                           unfused=f"projection-unfused-{world}gpu", anchor=f"projection-unfused-{world}gpu"))
+    roles.update(_op_roles([registry.MATMUL_REDUCE_SCATTER.name, registry.ALL_GATHER_MATMUL.name],
+                           fused=f"projection-fused-{world}gpu", unfused=f"projection-unfused-{world}gpu",
+                           anchor=f"projection-unfused-{world}gpu"))
     return roles
 
 
@@ -211,8 +212,8 @@ def _run_gemm(opts: RunOptions) -> SuiteResult:
     if not has_cuda():
         rc = g.smoke()
         return SuiteResult([], "checked" if rc == 0 else "failed",
-                           "CPU: correctness of gemm_rs, chunk_reduce, ag_push, ag_gemm and the loopback autograd "
-                           "ops under the Triton interpreter; no timings")
+                           "CPU: correctness of matmul_scatter, chunk_reduce, ag_push, gathered_matmul and the "
+                           "loopback autograd ops under the Triton interpreter; no timings")
     device = torch.device("cuda", torch.cuda.current_device())
     W = opts.world_size
     if opts.smoke:

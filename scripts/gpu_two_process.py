@@ -65,7 +65,7 @@ def _blocks(n: int, W: int):
 
 def _rs_case(P, seed, B, n, K, N, dtype, dev):
     """Row-parallel linear, sequence-parallel output: K split over ranks, rows of y scattered."""
-    from distfuse.fused.linear_rs import matmul_reduce_scatter
+    from distfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter
 
     W, r = P.size, P.rank
     x, w, b = _global_data(seed, B, n, K, N, dtype)
@@ -86,7 +86,7 @@ def _rs_case(P, seed, B, n, K, N, dtype, dev):
 
 def _ag_case(P, seed, B, n, K, N, dtype, dev):
     """Column-parallel linear, sequence-parallel input: rows of x gathered, N split over ranks."""
-    from distfuse.fused.linear_ag import all_gather_matmul
+    from distfuse.fused.all_gather_matmul import all_gather_matmul
 
     W, r = P.size, P.rank
     x, w, b = _global_data(seed, B, n, K, N, dtype)

@@ -36,7 +36,7 @@ def _no_env(monkeypatch, tmp_path):
 # ---------------------------------------------------------------- compare
 
 
-def _row(provider, ms, shape, op="gemm_rs", anchor="cublas", mode="fwd", dtype="bfloat16", world_size=8):
+def _row(provider, ms, shape, op="matmul_scatter", anchor="cublas", mode="fwd", dtype="bfloat16", world_size=8):
     return dict(op=op, provider=provider, mode=mode, shape=shape, dtype=dtype, world_size=world_size, ms=ms,
                 ms_q20=ms, ms_q80=ms, anchor=anchor, ratio=None, extra={})
 
@@ -122,6 +122,26 @@ def test_compare_does_not_judge_anchor_rows_or_rows_without_a_ratio(tmp_path):
     assert by == {"cublas": "anchor", "fused": "same", "symm_mem": "n/a"}
     ms = {(c.key[1], c.status) for c in compare.compare(base, cur, metric="ms")}
     assert ("symm_mem", "worse") in ms
+
+
+def test_compare_matches_rows_under_former_op_names(tmp_path, capsys):
+    """A baseline from before the GEMM fusions' rename (``gemm_rs`` / ``linear_rs`` rows) still gates current rows."""
+
+    def rows(kernel_op, projection_op, fused_ms):
+        out = [dict(r, op=kernel_op) for r in _gemm_rows(fused_ms=fused_ms)]
+        shape = dict(model="llama3-8b", m=64, n=4096, k=1792)
+        anchor = "projection-unfused-8gpu"
+        return out + [_row(anchor, 2.0, shape, op=projection_op, anchor=anchor),
+                      _row("projection-fused-8gpu", 1.0, shape, op=projection_op, anchor=anchor)]
+
+    base = _results(tmp_path / "base.json", rows("gemm_rs", "linear_rs", (1.0, 2.0)))
+    cur = _results(tmp_path / "cur.json", rows("matmul_scatter", "matmul_reduce_scatter", (1.0, 2.3)))
+    changes = compare.compare(compare.load(base), compare.load(cur))
+    assert sorted(c.status for c in changes) == ["anchor", "anchor", "anchor", "same", "same", "worse"]  # none missing
+    assert {c.key[0] for c in changes} == {"matmul_scatter", "matmul_reduce_scatter"}  # reported by current names
+    assert compare.main([str(base), str(cur)]) == 1 and "+15.0%" in capsys.readouterr().out
+    assert compare.RENAMED_OPS == {"linear_rs": "matmul_reduce_scatter", "linear_ag": "all_gather_matmul",
+                                   "gemm_rs": "matmul_scatter", "ag_gemm": "gathered_matmul"}
 
 
 def test_compare_unreadable_file_exits_2(tmp_path, capsys):
@@ -220,18 +240,19 @@ def _linear_points(threshold):
 
 def test_table_round_trip_through_select_path(tmp_path, monkeypatch):
     path = tmp_path / "cache" / "crossover.json"
-    key_rs = table_key("NVIDIA H200", 8, torch.bfloat16, "linear_rs")
+    key_rs = table_key("NVIDIA H200", 8, torch.bfloat16, "matmul_reduce_scatter")
     key_halo = table_key("NVIDIA H200", 4, torch.float32, "halo_conv")
-    key_ag = table_key("NVIDIA H200", 8, torch.bfloat16, "linear_ag")
+    key_ag = table_key("NVIDIA H200", 8, torch.bfloat16, "all_gather_matmul")
     halo_pts = [dict(size=c, fused_ms=1.0, unfused_ms=1.4 if c <= 32 else 0.9) for c in (8, 16, 32, 64, 128)]
-    entries = {key_rs: tune.entry_for("linear_rs", _linear_points(1e10), mode="full"),
+    ag_never = [dict(size=s, fused_ms=2.0, unfused_ms=1.0) for s in (1e8, 1e9)]
+    entries = {key_rs: tune.entry_for("matmul_reduce_scatter", _linear_points(1e10), mode="full"),
                key_halo: tune.entry_for("halo_conv", halo_pts),
-               key_ag: tune.entry_for("linear_ag", [dict(size=s, fused_ms=2.0, unfused_ms=1.0) for s in (1e8, 1e9)])}
-    configs = {key_rs: {"gemm_rs": [dict(key=[8192, 4096, 1792, "torch.bfloat16"], kwargs=dict(BLOCK_M=128),
-                                         num_warps=8, num_stages=3)]}}
+               key_ag: tune.entry_for("all_gather_matmul", ag_never)}
+    configs = {key_rs: {"matmul_scatter": [dict(key=[8192, 4096, 1792, "torch.bfloat16"], kwargs=dict(BLOCK_M=128),
+                                                num_warps=8, num_stages=3)]}}
     # another device's entry already in the file is kept
     path.parent.mkdir(parents=True)
-    other = table_key("NVIDIA A100-SXM4-80GB", 8, torch.bfloat16, "linear_rs")
+    other = table_key("NVIDIA A100-SXM4-80GB", 8, torch.bfloat16, "matmul_reduce_scatter")
     path.write_text(json.dumps({other: {"min_size": 1.0}}))
     tune.write_table(path, entries, triton_configs=configs, run_meta={"NVIDIA H200|8": dict(triton="3.6.0")})
     table = json.loads(path.read_text())
@@ -239,26 +260,52 @@ def test_table_round_trip_through_select_path(tmp_path, monkeypatch):
     assert 1e10 * 0.999 < table[key_rs]["min_size"] < 1e10 * 1.001 and table[key_rs]["size_key"] == "macs"
 
     monkeypatch.setenv("DISTFUSE_TUNE_TABLE", str(path))
-    d = select_path("linear_rs", BIG, torch.bfloat16, 8, H200)
+    d = select_path("matmul_reduce_scatter", BIG, torch.bfloat16, 8, H200)
     assert d.path == "fused" and "crossover table" in d.reason
-    assert select_path("linear_rs", SMALL, torch.bfloat16, 8, H200).path == "unfused"
+    assert select_path("matmul_reduce_scatter", SMALL, torch.bfloat16, 8, H200).path == "unfused"
     # the halo entry: fused at or below ~32-64 channels
     assert select_path("halo_conv", dict(channels=32), torch.float32, 4, H200).path == "fused"
     assert select_path("halo_conv", dict(channels=64), torch.float32, 4, H200).path == "unfused"
     # "never" holds even for the largest GEMM (the default would say fused)
-    assert select_path("linear_ag", dict(m=2**20, n=2**12, k=2**12), torch.bfloat16, 8, H200).path == "unfused"
+    assert select_path("all_gather_matmul", dict(m=2**20, n=2**12, k=2**12), torch.bfloat16, 8, H200).path == "unfused"
     # keys the sweep did not write fall back to the defaults
-    assert "default" in select_path("linear_rs", BIG, torch.bfloat16, 4, H200).reason
+    assert "default" in select_path("matmul_reduce_scatter", BIG, torch.bfloat16, 4, H200).reason
 
     # DISTFUSE_PATH overrides the table both ways
     monkeypatch.setenv("DISTFUSE_PATH", "unfused")
-    assert select_path("linear_rs", BIG, torch.bfloat16, 8, H200).path == "unfused"
+    assert select_path("matmul_reduce_scatter", BIG, torch.bfloat16, 8, H200).path == "unfused"
     monkeypatch.setenv("DISTFUSE_PATH", "fused")
-    d = select_path("linear_rs", SMALL, torch.bfloat16, 8, H200)
+    d = select_path("matmul_reduce_scatter", SMALL, torch.bfloat16, 8, H200)
     assert d.path == "fused" and d.reason == "DISTFUSE_PATH=fused"
     monkeypatch.setenv("DISTFUSE_PATH", "auto")
-    assert select_path("linear_rs", SMALL, torch.bfloat16, 8, H200).path == "unfused"
+    assert select_path("matmul_reduce_scatter", SMALL, torch.bfloat16, 8, H200).path == "unfused"
     assert load_table(path)[key_rs]["fused"] == "interval"
+
+
+def test_write_table_moves_entries_under_former_op_names(tmp_path):
+    """Rewriting a table tuned before the rename keys its entries and sections by the current op names; the
+    autotuner configs saved under the launchers' former names still seed the current autotuners."""
+    import triton
+
+    def key(op):
+        return table_key("NVIDIA H200", 8, torch.bfloat16, op)
+
+    cfg = dict(key=[1, 64, 4096, 1792, "torch.bfloat16"], kwargs=dict(BLOCK_M=64), num_warps=4, num_stages=3)
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({key("linear_rs"): {"min_size": 1.0}, key("linear_ag"): {"max_size": -1.0},
+                                "triton_configs": {key("linear_rs"): {"gemm_rs": [cfg], "ag_gemm_fp32": [cfg]}},
+                                "sweeps": {key("linear_ag"): {"size_key": "macs", "points": []}},
+                                "_meta": {"runs": {"NVIDIA H200|8": {"triton": triton.__version__}}}}))
+    tune.write_table(path, {key("matmul_reduce_scatter"): {"min_size": 2.0}})
+    table = json.loads(path.read_text())
+    assert "linear_rs" not in path.read_text() and "linear_ag" not in path.read_text()
+    assert table[key("matmul_reduce_scatter")] == {"min_size": 2.0}  # the entry under the current name wins
+    assert table[key("all_gather_matmul")] == {"max_size": -1.0}
+    assert list(table["triton_configs"]) == [key("matmul_reduce_scatter")]
+    assert list(table["sweeps"]) == [key("all_gather_matmul")]
+    tuners = {"matmul_scatter": _FakeTuner(), "gathered_matmul_fp32": _FakeTuner()}
+    assert tune.seed_autotune_caches(table, "NVIDIA H200", 8, torch.bfloat16, tuners=tuners) == 2
+    assert all(len(t.cache) == 1 for t in tuners.values())
 
 
 def test_write_table_rejects_a_section_as_entry(tmp_path):
@@ -277,26 +324,27 @@ def test_triton_configs_harvest_and_seed(tmp_path, monkeypatch):
     old = triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8), num_warps=4, num_stages=3)
     new = triton.Config(dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8), num_warps=8, num_stages=3)
     tuner = _FakeTuner({(1, 64, 4096, 1792, "torch.bfloat16"): old})
-    before = autotune_cache.cache_keys({"gemm_rs": tuner})
+    before = autotune_cache.cache_keys({"matmul_scatter": tuner})
     tuner.cache[(1, 8192, 4096, 1792, "torch.bfloat16")] = new
-    got = tune.harvest_autotune_caches({"gemm_rs": tuner}, before)
-    assert got == {"gemm_rs": [dict(key=[1, 8192, 4096, 1792, "torch.bfloat16"], kwargs=new.kwargs, num_warps=8,
+    got = tune.harvest_autotune_caches({"matmul_scatter": tuner}, before)
+    assert got == {"matmul_scatter": [dict(key=[1, 8192, 4096, 1792, "torch.bfloat16"], kwargs=new.kwargs, num_warps=8,
                                     num_stages=3)]}
-    key = table_key("NVIDIA H200", 8, torch.bfloat16, "linear_rs")
+    key = table_key("NVIDIA H200", 8, torch.bfloat16, "matmul_reduce_scatter")
     path = tune.write_table(tmp_path / "t.json", {}, triton_configs={key: got},
                             run_meta={"NVIDIA H200|8": dict(triton=triton.__version__)})
     table = json.loads(path.read_text())
     fresh = _FakeTuner()
-    assert tune.seed_autotune_caches(table, "NVIDIA H200", 8, torch.bfloat16, tuners={"gemm_rs": fresh}) == 1
+    assert tune.seed_autotune_caches(table, "NVIDIA H200", 8, torch.bfloat16, tuners={"matmul_scatter": fresh}) == 1
     cfg = fresh.cache[(1, 8192, 4096, 1792, "torch.bfloat16")]
     assert (cfg.kwargs, cfg.num_warps, cfg.num_stages) == (new.kwargs, 8, 3)
     # without a table argument it reads the table where dispatch looks, sections included
     monkeypatch.setenv("DISTFUSE_TUNE_TABLE", str(path))
-    assert tune.seed_autotune_caches(None, "NVIDIA H200", 8, torch.bfloat16, tuners={"gemm_rs": _FakeTuner()}) == 1
+    assert tune.seed_autotune_caches(None, "NVIDIA H200", 8, torch.bfloat16,
+                                     tuners={"matmul_scatter": _FakeTuner()}) == 1
     # another device, or a table from another Triton version: nothing is seeded
-    assert tune.seed_autotune_caches(table, "NVIDIA A100", tuners={"gemm_rs": _FakeTuner()}) == 0
+    assert tune.seed_autotune_caches(table, "NVIDIA A100", tuners={"matmul_scatter": _FakeTuner()}) == 0
     table["_meta"]["runs"]["NVIDIA H200|8"]["triton"] = "0.0.1"
-    assert tune.seed_autotune_caches(table, tuners={"gemm_rs": _FakeTuner()}) == 0
+    assert tune.seed_autotune_caches(table, tuners={"matmul_scatter": _FakeTuner()}) == 0
 
 
 # ---------------------------------------------------------------- the tuner on gloo ranks (CPU: unfused only)
@@ -331,18 +379,19 @@ def test_default_grids_match_dispatch_sizes():
     for op in registry.names():
         for shape in tune.default_grid(op, 8):
             assert tune.size_of(op, shape) > 0
-    rs = tune.default_grid("linear_rs", 8)
+    rs = tune.default_grid("matmul_reduce_scatter", 8)
     assert rs[0] == dict(m=64, n=4096, k=14336 // 8)  # per-rank GEMM of the down projection
     assert cases.split(8, 2) == (2, 4) and cases.split(12, 2) == (3, 4) and cases.split(8, 3) == (2, 2, 2)
     # the command line's shape options reach the grids (each grid takes the ones that apply)
     assert [s["channels"] for s in tune.default_grid("halo_conv", 4, channels=[3, 5], m=[7])] == [3, 5]
     assert tune.default_grid("halo_conv", 4, quick=True, nd=3)[0]["nd"] == 3
-    assert [s["m"] for s in tune.default_grid("linear_ag", 4, m=[7], channels=[3])] == [7]
+    assert [s["m"] for s in tune.default_grid("all_gather_matmul", 4, m=[7], channels=[3])] == [7]
 
 
 def test_registry_entries_are_complete_and_drive_the_tuner():
     """Every op: a size key, resolvable factories, a default with its reason; the tuner's --ops are the registry's."""
-    assert registry.names() == ("linear_rs", "linear_ag", "halo_conv")
+    assert registry.names() == ("matmul_reduce_scatter", "all_gather_matmul", "halo_conv")
+    assert not set(registry.RENAMED) & set(registry.names())
     for op in registry.names():
         spec = registry.get(op)
         assert spec.size_key and spec.size_inputs and spec.default.why
@@ -521,8 +570,8 @@ def _tune_cases_rank():
     P_sub = Partition.world().create_partition_inclusive(range(W)).create_cartesian_topology_partition([1, W, 1])
     dev, out = torch.device("cpu"), {}
     ctx = cases.CaseContext(torch.float32, dev, W, range(W), P_sub, full=True, fused_ok=True)
-    for op in ("linear_rs", "linear_ag"):
-        shape = dict(m=6, n=8, k=8) if op == "linear_rs" else dict(m=7, n=8, k=8)  # m: an uneven split
+    for op in ("matmul_reduce_scatter", "all_gather_matmul"):
+        shape = dict(m=6, n=8, k=8) if op == "matmul_reduce_scatter" else dict(m=7, n=8, k=8)  # m: an uneven split
         case = cases.linear_case(op, shape, ctx)
         out[op] = bool(torch.allclose(case.fused(0), case.unfused(0), atol=1e-5))
     case = cases.halo_case("halo_conv", dict(channels=2, extent=4, nd=2, kernel=3, batch=1), ctx)
@@ -535,7 +584,7 @@ def _tune_cases_rank():
     real = sweeper.fused_available
     sweeper.fused_available = lambda *a: (True, "")
     try:
-        res = tune.sweep(["linear_rs"], [torch.float32], full=False, warmup=0, reps=1, progress=False,
+        res = tune.sweep(["matmul_reduce_scatter"], [torch.float32], full=False, warmup=0, reps=1, progress=False,
                          grid=lambda op, w: tune.default_grid(op, w, quick=True))
     finally:
         sweeper.fused_available = real
@@ -546,10 +595,10 @@ def _tune_cases_rank():
 def test_tuner_cases_time_equal_work_and_force_the_path():
     res = run_ranks(2, _tune_cases_rank)
     for r in res:
-        assert r["linear_rs"] and r["linear_ag"] and r["halo_agree"]
+        assert r["matmul_reduce_scatter"] and r["all_gather_matmul"] and r["halo_agree"]
         assert r["halo_fused_ran"] is None and r["halo_unfused_ran"] is None
     entries = res[0]["entries"]
-    key = table_key("cpu", 2, torch.float32, "linear_rs")
+    key = table_key("cpu", 2, torch.float32, "matmul_reduce_scatter")
     assert list(entries) == [key] and res[1]["entries"] == {}
     e = entries[key]
     assert e["fused"] in ("interval", "always", "never") and e["size_key"] == "macs" and e["mode"] == "fwd"

@@ -19,19 +19,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _SCRIPT = r"""
 import json, sys, dataclasses
 import torch
-from distfuse.kernels import compile_audit as ca, gemm_rs
+from distfuse.kernels import compile_audit as ca, matmul_reduce_scatter as reduce_scatter_kernels
 
 import os
 jobs = min(4, os.cpu_count() or 1)
 out = {"all": [dataclasses.asdict(r) for r in ca.run_audit((90,), jobs=jobs)]}
 # sm_80 (A100) for the 16-bit GEMM configs: the largest tiles must fit its 163 KB too.
-out["sm80"] = [dataclasses.asdict(r) for r in ca.run_audit((80,), (torch.bfloat16,), only="gemm_rs")]
+out["sm80"] = [dataclasses.asdict(r) for r in ca.run_audit((80,), (torch.bfloat16,), only="matmul_scatter")]
 tables = {"data_ptrs": "i64", "flag_ptrs": "i64", "counter_ptr": "i32"}
-big = ca.KernelCase("gemm_rs", gemm_rs._gemm_rs_kernel, torch.float32,
+big = ca.KernelCase("matmul_scatter", reduce_scatter_kernels._matmul_scatter_kernel, torch.float32,
                     dict(UPCAST=False, INPUT_PRECISION="tf32", ROUND_BF16=False, BLOCK_M=128, BLOCK_N=256,
                          BLOCK_K=64, GROUP_M=8), 8, 3, pointer_dtypes=tables, aligned=("N", "K", "ld"),
                     checks=("vector_store",))
-unaligned = ca.KernelCase("gemm_rs", gemm_rs._gemm_rs_kernel, torch.bfloat16,
+unaligned = ca.KernelCase("matmul_scatter", reduce_scatter_kernels._matmul_scatter_kernel, torch.bfloat16,
                           dict(UPCAST=False, INPUT_PRECISION="tf32", ROUND_BF16=False, BLOCK_M=64, BLOCK_N=64,
                                BLOCK_K=32, GROUP_M=8), 4, 3, pointer_dtypes=tables, aligned=(),
                           checks=("vector_store",))
@@ -58,8 +58,8 @@ def test_every_kernel_and_config_compiles_for_sm90_and_fits(audit):
     bad = [(r["case"], r["problems"]) for r in recs if not r["ok"]]
     assert not bad, bad
     families = {r["kernel"] for r in recs}
-    assert families >= {"gemm_rs", "ag_gemm", "chunk_reduce", "ag_push", "halo_lut_gather", "halo_box_gather",
-                         "halo_accumulate", "conv_implicit"}, families
+    assert families >= {"matmul_scatter", "gathered_matmul", "chunk_reduce", "ag_push", "halo_lut_gather",
+                        "halo_box_gather", "halo_accumulate", "conv_implicit"}, families
     for fam in families:  # every family in all three dtypes
         assert {r["dtype"] for r in recs if r["kernel"] == fam} == {"fp32", "fp16", "bf16"}, fam
     assert all(0 < r["shared"] <= r["shared_limit"] for r in recs if r["shared"])

@@ -21,15 +21,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import distfuse.kernels.all_gather_matmul as all_gather_kernels
+import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 from distfuse import Partition
 from distfuse.errors import CollectiveTimeoutError, PartitionError, ShapeError, UnsupportedError
-from distfuse.fused import linear_rs, symmetric
-from distfuse.fused.linear_ag import all_gather_matmul, all_gather_matmul_loopback, linear_ag_workspace_bytes
-from distfuse.fused.linear_rs import (
+from distfuse.fused import symmetric
+from distfuse.fused.all_gather_matmul import (
+    all_gather_matmul,
+    all_gather_matmul_loopback,
+    all_gather_matmul_workspace_bytes,
+)
+from distfuse.fused.matmul_reduce_scatter import (
     fused_linear_available,
-    linear_rs_workspace_bytes,
     matmul_reduce_scatter,
     matmul_reduce_scatter_loopback,
+    matmul_reduce_scatter_workspace_bytes,
 )
 from distfuse.fused.symmetric import LoopbackWorkspace, WorkspaceBrokenError, WorkspaceBusyError, close_all
 from distfuse.geometry.decomposition import block_extent, block_range
@@ -154,8 +160,8 @@ def _case(P3, op, dtype, lead, n, K, N, seed, *, keep=True, device="cpu", bias_g
         ref["db"] = d["dy"].reshape(-1, N).sum(0)
     out = {"ref": ref}
     B = math.prod(lead)
-    nbytes = (linear_rs_workspace_bytes(B, n, N, W, dtype) if op == "rs" else
-              linear_ag_workspace_bytes(B, n, K, W, dtype))
+    nbytes = (matmul_reduce_scatter_workspace_bytes(B, n, N, W, dtype) if op == "rs" else
+              all_gather_matmul_workspace_bytes(B, n, K, W, dtype))
     ws = symmetric.get_workspace(P3, nbytes, device) if W > 1 else None
     epoch0 = ws.epoch if ws is not None else 0
     for provider in ("fused", "unfused"):
@@ -326,9 +332,12 @@ def _raise(*args, **kwargs):
     raise RuntimeError("injected fault inside the fused op")
 
 
-# Which kernel call fails on the faulty rank: always the consumer, after its producer ran.
-_FAULT_AT = {("rs", "forward"): "chunk_reduce", ("rs", "backward"): "ag_gemm_consume",
-             ("ag", "forward"): "ag_gemm_consume", ("ag", "backward"): "chunk_reduce"}
+# Which kernel call fails on the faulty rank: always the consumer, after its producer ran.  The fused
+# phases call the kernel modules qualified, so patching the module attribute reaches them.
+_FAULT_AT = {("rs", "forward"): (reduce_scatter_kernels, "chunk_reduce"),
+             ("rs", "backward"): (all_gather_kernels, "gathered_matmul"),
+             ("ag", "forward"): (all_gather_kernels, "gathered_matmul"),
+             ("ag", "backward"): (reduce_scatter_kernels, "chunk_reduce")}
 
 
 def _rank_fault(op, phase, faulty):
@@ -338,14 +347,14 @@ def _rank_fault(op, phase, faulty):
     d = (_rs_data if op == "rs" else _ag_data)(400, W, (1,), 5, 6, 6)
     x = d["xs"][r].float().requires_grad_()
     w = d["ws"][r].float().requires_grad_()
-    target = _FAULT_AT[(op, phase)]
-    real = getattr(linear_rs, target)
+    module, target = _FAULT_AT[(op, phase)]
+    real = getattr(module, target)
     try:
         if r == faulty and phase == "forward":
-            setattr(linear_rs, target, _raise)
+            setattr(module, target, _raise)
         y = matmul_reduce_scatter(x, w, None, P3) if op == "rs" else all_gather_matmul(x, w, None, P3, n=5)
         if r == faulty:
-            setattr(linear_rs, target, _raise)
+            setattr(module, target, _raise)
         y.backward(_dy_of(op, d, r, W).float())
         result = ("ok", "")
     except CollectiveTimeoutError as exc:
@@ -353,7 +362,7 @@ def _rank_fault(op, phase, faulty):
     except RuntimeError as exc:
         result = ("raised", str(exc))
     finally:
-        setattr(linear_rs, target, real)
+        setattr(module, target, real)
     try:
         with ws.in_flight("after the fault"):
             pass
@@ -391,8 +400,8 @@ def _loopback_case(op, W, lead, n, K, N, dtype, device, keep=True, seed=0):
     B = math.prod(lead)
     xs = [x.to(dtype).to(device).requires_grad_() for x in d["xs"]]
     ws_ = [w.to(dtype).to(device).requires_grad_() for w in d["ws"]]
-    nbytes = (linear_rs_workspace_bytes(B, n, N, W, dtype) if op == "rs" else
-              linear_ag_workspace_bytes(B, n, K, W, dtype))
+    nbytes = (matmul_reduce_scatter_workspace_bytes(B, n, N, W, dtype) if op == "rs" else
+              all_gather_matmul_workspace_bytes(B, n, K, W, dtype))
     ws = LoopbackWorkspace(W, nbytes, device)
     ws.strict = True  # read the status words after every consumer (a device sync on CUDA)
     if op == "rs":
@@ -431,7 +440,7 @@ def test_loopback_respects_the_in_flight_rule_and_workspace_size():
     W = 2
     xs = [torch.randn(1, 4, 3) for _ in range(W)]
     wts = [torch.randn(5, 3) for _ in range(W)]
-    ws = LoopbackWorkspace(W, linear_rs_workspace_bytes(1, 4, 5, W, torch.float32))
+    ws = LoopbackWorkspace(W, matmul_reduce_scatter_workspace_bytes(1, 4, 5, W, torch.float32))
     with ws.in_flight("another op"), pytest.raises(WorkspaceBusyError, match="in use by 'another op'"):
         matmul_reduce_scatter_loopback(xs, wts, None, ws)
     small = LoopbackWorkspace(W, 16)

@@ -24,21 +24,21 @@ from distfuse.fused.symmetric import (
 )
 from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import cast_out, round_bf16, wait_flag
-from distfuse.kernels.ag_gemm import (
-    ag_gemm_consume,
-    ag_gemm_reference,
-    ag_gemm_workspace_bytes,
+from distfuse.kernels.all_gather_matmul import (
     ag_push,
-    all_gather_gemm,
-    all_gather_gemm_loopback,
+    all_gather_matmul,
+    all_gather_matmul_loopback,
+    all_gather_matmul_reference,
+    gathered_matmul,
+    gathered_matmul_workspace_bytes,
 )
-from distfuse.kernels.gemm_rs import (
+from distfuse.kernels.matmul_reduce_scatter import (
     chunk_reduce,
-    gemm_reduce_scatter,
-    gemm_reduce_scatter_loopback,
-    gemm_rs,
-    gemm_rs_reference,
-    gemm_rs_workspace_bytes,
+    matmul_reduce_scatter,
+    matmul_reduce_scatter_loopback,
+    matmul_reduce_scatter_reference,
+    matmul_scatter,
+    matmul_scatter_workspace_bytes,
 )
 from distfuse.testing import run_ranks, shutdown_pools
 from tests.tolerances import tol
@@ -146,17 +146,17 @@ def test_wait_flag_gives_up_after_wall_time_on_cuda(timeout_ms):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_gemm_rs_loopback_matches_references(case, dtype):
+def test_matmul_reduce_scatter_loopback_matches_references(case, dtype):
     lead, n, W, K, N = case["lead"], case["n"], case["W"], case["K"], case["N"]
     B = math.prod(lead)
     a, w, bias = _inputs(lead, n, W, K, N, dtype)
-    ws = LoopbackWorkspace(W, gemm_rs_workspace_bytes(B, n, N, W, torch.float32))
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32))
 
     def shape(r):
         return (B, block_extent(n, W, r), N)
 
     # fp32 partials: a single rounding overall, so the float64 reference holds at the dtype's tolerance.
-    outs = gemm_reduce_scatter_loopback(a, w, ws, bias=bias, partial_dtype=torch.float32,
+    outs = matmul_reduce_scatter_loopback(a, w, ws, bias=bias, partial_dtype=torch.float32,
                                         outs=_poisoned(shape, dtype, W))
     for r in range(W):
         assert outs[r].shape == shape(r) and outs[r].dtype == dtype
@@ -165,22 +165,22 @@ def test_gemm_rs_loopback_matches_references(case, dtype):
         return
     # Default partials (the output dtype, NCCL's wire format) round each partial once more; the
     # torch reference models that rounding.
-    outs = gemm_reduce_scatter_loopback(a, w, ws, bias=bias, outs=_poisoned(shape, dtype, W))
+    outs = matmul_reduce_scatter_loopback(a, w, ws, bias=bias, outs=_poisoned(shape, dtype, W))
     for r in range(W):
-        _assert_close(outs[r], gemm_rs_reference(a, w, r, bias=bias), dtype)
+        _assert_close(outs[r], matmul_reduce_scatter_reference(a, w, r, bias=bias), dtype)
 
 
-def test_gemm_rs_loopback_several_tiles_strided_operands_no_bias():
+def test_matmul_reduce_scatter_loopback_several_tiles_strided_operands_no_bias():
     dtype, W, B, n, K, N = torch.bfloat16, 2, 3, 7, 20, 12
     g = torch.Generator().manual_seed(1)
     # a [B, n, K] with batch stride K and row stride B*K; weight [N, K] as the transpose of [K, N].
     a = [torch.randn(n, B, K, generator=g).to(dtype).transpose(0, 1) for _ in range(W)]
     w = [(torch.randn(K, N, generator=g) / math.sqrt(K)).to(dtype).t() for _ in range(W)]
     assert not a[0].is_contiguous() and not w[0].is_contiguous()
-    ws = LoopbackWorkspace(W, gemm_rs_workspace_bytes(B, n, N, W, torch.float32))
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32))
     with ws.in_flight("test"):
         for r in range(W):
-            gemm_rs(a[r], w[r], ws, r, W, partial_dtype=torch.float32, config=SMALL_TILES)
+            matmul_scatter(a[r], w[r], ws, r, W, partial_dtype=torch.float32, config=SMALL_TILES)
         for r in range(W):
             out = torch.full((B, block_extent(n, W, r), N), float("nan"), dtype=dtype)
             chunk_reduce(ws, r, W, B, n, N, partial_dtype=torch.float32, out_dtype=dtype, out=out,
@@ -188,12 +188,12 @@ def test_gemm_rs_loopback_several_tiles_strided_operands_no_bias():
             _assert_close(out, _rs_ref64(a, w, r, None), dtype)
 
 
-def test_gemm_rs_flags_carry_the_epoch():
+def test_matmul_reduce_scatter_flags_carry_the_epoch():
     W, B, n, K, N = 3, 1, 5, 8, 6
     a, w, bias = _inputs((B,), n, W, K, N, torch.float32)
-    ws = LoopbackWorkspace(W, gemm_rs_workspace_bytes(B, n, N, W, torch.float32))
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32))
     for epoch in (1, 2):
-        gemm_reduce_scatter_loopback(a, w, ws, bias=bias)
+        matmul_reduce_scatter_loopback(a, w, ws, bias=bias)
         for r in range(W):
             flags = ws.rank_view(r).flags
             assert flags[r].tolist() == [epoch] * W  # every source raised owner r's chunk
@@ -204,15 +204,15 @@ def test_gemm_rs_flags_carry_the_epoch():
 def test_chunk_reduce_raises_when_a_source_never_produced():
     W, B, n, K, N = 3, 1, 6, 8, 6
     a, w, _ = _inputs((B,), n, W, K, N, torch.float32)
-    ws = LoopbackWorkspace(W, gemm_rs_workspace_bytes(B, n, N, W, torch.float32))
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32))
     with pytest.raises(CollectiveTimeoutError, match=r"flag of peer\(s\) \[1\] was not raised"), \
             ws.in_flight("missing source"):
         for r in (0, 2):  # virtual rank 1 never runs its GEMM
-            gemm_rs(a[r], w[r], ws, r, W)
+            matmul_scatter(a[r], w[r], ws, r, W)
         chunk_reduce(ws, 0, W, B, n, N, partial_dtype=torch.float32)
     assert ws.broken
     with pytest.raises(WorkspaceBrokenError):
-        gemm_reduce_scatter_loopback(a, w, ws)
+        matmul_reduce_scatter_loopback(a, w, ws)
 
 
 @pytest.mark.cuda
@@ -223,19 +223,19 @@ def test_missing_source_on_cuda_poisons_and_raises(mode):
     dev = torch.device("cuda")
     a, w, _ = _inputs((B,), n, W, K, N, torch.float32)
     a, w = [x.to(dev) for x in a], [x.to(dev) for x in w]
-    ws = LoopbackWorkspace(W, gemm_rs_workspace_bytes(B, n, N, W, torch.float32), dev)
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32), dev)
     ws.status_mode = mode
     out = torch.zeros(B, block_extent(n, W, 0), N, device=dev)
     if mode == "sync":
         with pytest.raises(CollectiveTimeoutError, match=r"flag of peer\(s\) \[1\] was not raised"), \
                 ws.in_flight("missing source"):
             for r in (0, 2):
-                gemm_rs(a[r], w[r], ws, r, W)
+                matmul_scatter(a[r], w[r], ws, r, W)
             chunk_reduce(ws, 0, W, B, n, N, partial_dtype=torch.float32, out=out)
     else:
         with ws.in_flight("missing source"):
             for r in (0, 2):
-                gemm_rs(a[r], w[r], ws, r, W)
+                matmul_scatter(a[r], w[r], ws, r, W)
             chunk_reduce(ws, 0, W, B, n, N, partial_dtype=torch.float32, out=out)
         assert ws.deferred and not ws.broken  # no host sync inside the op
         with pytest.raises(CollectiveTimeoutError, match="was not raised"), ws.in_flight("next op"):
@@ -250,14 +250,14 @@ def test_strided_bias_and_unaligned_widths():
     a, w, _ = _inputs((B,), n, W, K, N, torch.float32)
     bias = torch.randn(2 * N, dtype=torch.float64).float()[::2]
     assert bias.stride(0) == 2
-    ws = LoopbackWorkspace(W, gemm_rs_workspace_bytes(B, n, N, W, torch.float32))
-    outs = gemm_reduce_scatter_loopback(a, w, ws, bias=bias)
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32))
+    outs = matmul_reduce_scatter_loopback(a, w, ws, bias=bias)
     for r in range(W):
         _assert_close(outs[r], _rs_ref64(a, w, r, bias).reshape(outs[r].shape), torch.float32)
     x = [torch.randn(B, block_extent(n, W, r), K) for r in range(W)]
     wt = torch.randn(N, K)
-    ws2 = LoopbackWorkspace(W, ag_gemm_workspace_bytes(B, n, K, torch.float32))
-    outs = all_gather_gemm_loopback(x, [wt] * W, ws2, bias=bias)
+    ws2 = LoopbackWorkspace(W, gathered_matmul_workspace_bytes(B, n, K, torch.float32))
+    outs = all_gather_matmul_loopback(x, [wt] * W, ws2, bias=bias)
     ref = torch.cat(x, dim=1).double() @ wt.double().t() + bias.double()
     for r in range(W):
         _assert_close(outs[r], ref, torch.float32)
@@ -266,12 +266,13 @@ def test_strided_bias_and_unaligned_widths():
 def test_per_call_integers_are_never_specialised():
     """Epochs, ranks, offsets and timeouts change every call: a Triton specialisation on them (== 1, % 16 == 0)
     would recompile a kernel on one rank mid-collective while its peers spin."""
-    from distfuse.kernels import ag_gemm, gemm_rs
+    import distfuse.kernels.all_gather_matmul as all_gather_kernels
+    import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 
-    want = {gemm_rs._gemm_rs_kernel: {"rank", "epoch", "src_offset", "slot_elems"},
-            gemm_rs._chunk_reduce_kernel: {"rank", "epoch", "timeout", "slot_elems"},
-            ag_gemm._ag_push_kernel: {"rank", "epoch", "start_p"},
-            ag_gemm._ag_gemm_kernel: {"rank", "epoch", "timeout"}}
+    want = {reduce_scatter_kernels._matmul_scatter_kernel: {"rank", "epoch", "src_offset", "slot_elems"},
+            reduce_scatter_kernels._chunk_reduce_kernel: {"rank", "epoch", "timeout", "slot_elems"},
+            all_gather_kernels._ag_push_kernel: {"rank", "epoch", "start_p"},
+            all_gather_kernels._gathered_matmul_kernel: {"rank", "epoch", "timeout"}}
     for fn, names in want.items():
         # a JITFunction holds the list; the interpreter's InterpretedFunction keeps the decorator's kwargs
         dont = set(fn.do_not_specialize if hasattr(fn, "do_not_specialize") else fn.kwargs["do_not_specialize"])
@@ -279,19 +280,19 @@ def test_per_call_integers_are_never_specialised():
         assert names <= dont, (fn.__name__, names - dont)
 
 
-def test_gemm_rs_checks_its_arguments():
+def test_matmul_scatter_checks_its_arguments():
     W, B, n, K, N = 2, 1, 4, 8, 6
     a, w, _ = _inputs((B,), n, W, K, N, torch.float32)
     ws = LoopbackWorkspace(W, 64)
     with pytest.raises(WorkspaceBusyError, match="outside an op"):
-        gemm_rs(a[0], w[0], ws, 0, W)
+        matmul_scatter(a[0], w[0], ws, 0, W)
     with ws.in_flight("checks"):
         with pytest.raises(ShapeError, match="workspace data region: expected at least"):
-            gemm_rs(a[0], torch.randn(2048, K), ws, 0, W)  # 2 slots x 2 rows x 2048 x 4 B > 4096 B
+            matmul_scatter(a[0], torch.randn(2048, K), ws, 0, W)  # 2 slots x 2 rows x 2048 x 4 B > 4096 B
         with pytest.raises(ShapeError, match="weight inner dim"):
-            gemm_rs(a[0], w[0][:, :4], ws, 0, W)
+            matmul_scatter(a[0], w[0][:, :4], ws, 0, W)
         with pytest.raises(ShapeError, match="world size"):
-            gemm_rs(a[0], w[0], ws, 0, 3)
+            matmul_scatter(a[0], w[0], ws, 0, 3)
 
 
 # ---------------------------------------------------------------- loopback: all-gather + GEMM
@@ -316,50 +317,50 @@ def _ag_ref64(shards, w, bias):
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_ag_gemm_loopback_matches_references(case, dtype):
+def test_all_gather_matmul_loopback_matches_references(case, dtype):
     lead, n, W, K, N = case["lead"], case["n"], case["W"], case["K"], case["N"]
     B = math.prod(lead)
     shards = _shards(lead, n, W, K, dtype)
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(N, K, generator=g) / math.sqrt(K)).to(dtype)
     bias = torch.randn(N, generator=g).to(dtype)
-    ws = LoopbackWorkspace(W, ag_gemm_workspace_bytes(B, n, K, dtype))
-    outs = all_gather_gemm_loopback(shards, [w] * W, ws, bias=bias,
+    ws = LoopbackWorkspace(W, gathered_matmul_workspace_bytes(B, n, K, dtype))
+    outs = all_gather_matmul_loopback(shards, [w] * W, ws, bias=bias,
                                     outs=_poisoned(lambda r: (*lead, n, N), dtype, W))
     ref64 = _ag_ref64(shards, w, bias)
-    ref = ag_gemm_reference(shards, w, bias=bias)
+    ref = all_gather_matmul_reference(shards, w, bias=bias)
     for r in range(W):
         assert outs[r].shape == (*lead, n, N) and outs[r].dtype == dtype
         _assert_close(outs[r], ref64, dtype)
         _assert_close(outs[r], ref, dtype)
 
 
-def test_ag_gemm_loopback_several_tiles_strided_operands_and_gathered_copy():
+def test_all_gather_matmul_loopback_several_tiles_strided_operands_and_gathered_copy():
     dtype, W, lead, n, K, N = torch.float16, 2, (3,), 7, 20, 12
     shards = _shards(lead, n, W, K, dtype, seed=2, transpose=True)
     assert not shards[0].is_contiguous()
     g = torch.Generator().manual_seed(3)
     w = (torch.randn(K, N, generator=g) / math.sqrt(K)).to(dtype).t()
-    ws = LoopbackWorkspace(W, ag_gemm_workspace_bytes(3, n, K, dtype))
+    ws = LoopbackWorkspace(W, gathered_matmul_workspace_bytes(3, n, K, dtype))
     ref64 = _ag_ref64(shards, w, None)
     with ws.in_flight("test"):
         for r in range(W):
             ag_push(shards[r], ws, r, W, n, config=dict(BLOCK_M=4, BLOCK_K=8))
         for r in range(W):
             out = torch.full((*lead, n, N), float("nan"), dtype=dtype)
-            y, gathered = ag_gemm_consume(shards[r], w, ws, r, W, n, out=out, config=SMALL_TILES,
+            y, gathered = gathered_matmul(shards[r], w, ws, r, W, n, out=out, config=SMALL_TILES,
                                           return_gathered=True)
             assert y.data_ptr() == out.data_ptr()
             _assert_close(y, ref64, dtype)
             assert torch.equal(gathered, torch.cat(shards, dim=-2))
 
 
-def test_ag_gemm_flags_and_missing_push():
+def test_all_gather_matmul_flags_and_missing_push():
     W, lead, n, K, N = 3, (1,), 6, 8, 6
     shards = _shards(lead, n, W, K, torch.float32)
     w = torch.randn(N, K)
-    ws = LoopbackWorkspace(W, ag_gemm_workspace_bytes(1, n, K, torch.float32))
-    all_gather_gemm_loopback(shards, [w] * W, ws)
+    ws = LoopbackWorkspace(W, gathered_matmul_workspace_bytes(1, n, K, torch.float32))
+    all_gather_matmul_loopback(shards, [w] * W, ws)
     for r in range(W):
         flags = ws.rank_view(r).flags
         expect = torch.zeros(W, W, dtype=torch.int32)
@@ -369,10 +370,10 @@ def test_ag_gemm_flags_and_missing_push():
     with pytest.raises(CollectiveTimeoutError, match=r"flag of peer\(s\) \[1, 2\] was not raised"), \
             ws.in_flight("missing push"):
         ag_push(shards[0], ws, 0, W, n)  # epoch 2: only virtual rank 0 pushes
-        ag_gemm_consume(shards[0], w, ws, 0, W, n)
+        gathered_matmul(shards[0], w, ws, 0, W, n)
 
 
-def test_ag_gemm_checks_the_shard_rows():
+def test_all_gather_matmul_checks_the_shard_rows():
     ws = LoopbackWorkspace(2, 4096)
     with ws.in_flight("checks"), pytest.raises(ShapeError, match="shard rows"):
         ag_push(torch.randn(1, 3, 4), ws, 0, 2, n=7)  # block 0 of 7 over 2 has 4 rows
@@ -382,25 +383,27 @@ def test_ag_gemm_checks_the_shard_rows():
 
 
 def _rank_fused_ops(dtype_name: str):
-    """gemm_rs, all-gather GEMM, then gemm_rs again on fresh data: one workspace, three epochs."""
+    """matmul_reduce_scatter, all_gather_matmul, then matmul_reduce_scatter again on fresh data: one workspace,
+    three epochs."""
     P = Partition.world()
     W, r = P.size, P.rank
     dtype = getattr(torch, dtype_name)
     lead, n, K, N = (2,), 7, 12, 10
     B = math.prod(lead)
-    nbytes = max(gemm_rs_workspace_bytes(B, n, N, W, torch.float32), ag_gemm_workspace_bytes(B, n, K, dtype))
+    nbytes = max(matmul_scatter_workspace_bytes(B, n, N, W, torch.float32),
+                 gathered_matmul_workspace_bytes(B, n, K, dtype))
     ws = get_workspace(P, nbytes)
     results = []
     for seed in (10, 11):
         a, w, bias = _inputs(lead, n, W, K, N, dtype, seed=seed)
         out = torch.full((B, block_extent(n, W, r), N), float("nan"), dtype=dtype)
-        y = gemm_reduce_scatter(a[r], w[r], ws, r, W, bias=bias, partial_dtype=torch.float32, out=out)
-        results.append(("gemm_rs", y, _rs_ref64(a, w, r, bias).reshape(*lead, -1, N)))
+        y = matmul_reduce_scatter(a[r], w[r], ws, r, W, bias=bias, partial_dtype=torch.float32, out=out)
+        results.append(("matmul_reduce_scatter", y, _rs_ref64(a, w, r, bias).reshape(*lead, -1, N)))
         if seed == 10:
             shards = _shards(lead, n, W, K, dtype, seed=seed)
             out = torch.full((*lead, n, N), float("nan"), dtype=dtype)
-            y = all_gather_gemm(shards[r], w[r], ws, r, W, n, bias=bias, out=out)
-            results.append(("ag_gemm", y, _ag_ref64(shards, w[r], bias)))
+            y = all_gather_matmul(shards[r], w[r], ws, r, W, n, bias=bias, out=out)
+            results.append(("all_gather_matmul", y, _ag_ref64(shards, w[r], bias)))
     epoch, names = ws.epoch, ws.segment_names
     close_all()
     return dict(results=results, epoch=epoch, names=names)
@@ -425,19 +428,19 @@ def _rank_fault_mid_op(op: str, faulty: int):
     lead, n, K, N = (1,), 5, 8, 6
     a, w, _ = _inputs(lead, n, W, K, N, torch.float32)
     shards = _shards(lead, n, W, K, torch.float32)
-    ws = get_workspace(P, gemm_rs_workspace_bytes(1, n, N, W, torch.float32) + 4096, timeout=1.5)
+    ws = get_workspace(P, matmul_scatter_workspace_bytes(1, n, N, W, torch.float32) + 4096, timeout=1.5)
     try:
         with ws.in_flight(op):
-            if op == "gemm_rs":
-                gemm_rs(a[r], w[r], ws, r, W)
+            if op == "matmul_reduce_scatter":
+                matmul_scatter(a[r], w[r], ws, r, W)
             else:
                 ag_push(shards[r], ws, r, W, n)
             if r == faulty:
                 raise RuntimeError("injected fault between push and consume")
-            if op == "gemm_rs":
+            if op == "matmul_reduce_scatter":
                 chunk_reduce(ws, r, W, 1, n, N, partial_dtype=torch.float32)
             else:
-                ag_gemm_consume(shards[r], w[r], ws, r, W, n)
+                gathered_matmul(shards[r], w[r], ws, r, W, n)
         result = ("ok", "")
     except CollectiveTimeoutError as exc:
         result = ("timeout", str(exc))
@@ -454,7 +457,7 @@ def _rank_fault_mid_op(op: str, faulty: int):
     return dict(result=result, reuse=reuse, names=names)
 
 
-@pytest.mark.parametrize("op", ["gemm_rs", "ag_gemm"])
+@pytest.mark.parametrize("op", ["matmul_reduce_scatter", "all_gather_matmul"])
 def test_fault_between_push_and_consume_raises_everywhere(op):
     W, faulty = 3, 1
     try:
@@ -479,31 +482,31 @@ def test_fault_between_push_and_consume_raises_everywhere(op):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")])
-def test_gemm_rs_loopback_cuda(dtype):
+def test_matmul_reduce_scatter_loopback_cuda(dtype):
     W, lead, n, K, N = 4, (2,), 1030, 1024, 768
     dev = torch.device("cuda")
     a, w, bias = _inputs(lead, n, W, K, N, dtype)
     a, w, bias = [x.to(dev) for x in a], [x.to(dev) for x in w], bias.to(dev)
-    ws = LoopbackWorkspace(W, gemm_rs_workspace_bytes(2, n, N, W, torch.float32), dev)
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(2, n, N, W, torch.float32), dev)
     ws.strict = True  # read the status words (a device sync) so that a missed flag raises
     # fp32 partials: with K = 1024, cuBLAS and Triton sum in different orders, and 16-bit partials
     # would turn some of those last-bit differences into whole-ulp flips of a partial.
-    outs = gemm_reduce_scatter_loopback(a, w, ws, bias=bias, partial_dtype=torch.float32)
+    outs = matmul_reduce_scatter_loopback(a, w, ws, bias=bias, partial_dtype=torch.float32)
     for r in range(W):
-        ref = gemm_rs_reference(a, w, r, bias=bias, partial_dtype=torch.float32)
+        ref = matmul_reduce_scatter_reference(a, w, r, bias=bias, partial_dtype=torch.float32)
         _assert_close(outs[r], ref, dtype)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
-def test_ag_gemm_loopback_cuda(dtype):
+def test_all_gather_matmul_loopback_cuda(dtype):
     W, lead, n, K, N = 4, (2,), 1030, 768, 1024
     dev = torch.device("cuda")
     shards = [s.to(dev) for s in _shards(lead, n, W, K, dtype)]
     w = (torch.randn(N, K) / math.sqrt(K)).to(dtype).to(dev)
-    ws = LoopbackWorkspace(W, ag_gemm_workspace_bytes(2, n, K, dtype), dev)
+    ws = LoopbackWorkspace(W, gathered_matmul_workspace_bytes(2, n, K, dtype), dev)
     ws.strict = True
-    outs = all_gather_gemm_loopback(shards, [w] * W, ws)
-    ref = ag_gemm_reference(shards, w)
+    outs = all_gather_matmul_loopback(shards, [w] * W, ws)
+    ref = all_gather_matmul_reference(shards, w)
     for r in range(W):
         _assert_close(outs[r], ref, dtype)

@@ -754,31 +754,32 @@ def _shm_mappings() -> int:
 
 def _gemm_body(op: str, faulty: int, how: str | None):
     from distfuse.fused.symmetric import get_workspace
-    from distfuse.kernels.ag_gemm import ag_gemm_consume, ag_gemm_workspace_bytes, ag_push
-    from distfuse.kernels.gemm_rs import chunk_reduce, gemm_rs, gemm_rs_workspace_bytes
+    from distfuse.kernels.all_gather_matmul import ag_push, gathered_matmul, gathered_matmul_workspace_bytes
+    from distfuse.kernels.matmul_reduce_scatter import chunk_reduce, matmul_scatter, matmul_scatter_workspace_bytes
 
     P = Partition.world()
     W, r = P.size, P.rank
     n, K, N = 5, 8, 6
     g = torch.Generator().manual_seed(3)
-    a = [torch.randn(1, n, K, generator=g) for _ in range(W)]  # gemm_rs: every rank's full-length partial input
+    a = [torch.randn(1, n, K, generator=g) for _ in range(W)]  # matmul_scatter: every rank's full-length partial input
     w = [torch.randn(N, K, generator=g) for _ in range(W)]
-    x = torch.randn(1, n, K, generator=g)  # ag_gemm: the global input, one row block per rank
+    x = torch.randn(1, n, K, generator=g)  # ag_push: the global input, one row block per rank
     shards = [x[:, slice(*_rows(n, W, p))].contiguous() for p in range(W)]
-    nbytes = max(gemm_rs_workspace_bytes(1, n, N, W, torch.float32), ag_gemm_workspace_bytes(1, n, K, torch.float32))
+    nbytes = max(matmul_scatter_workspace_bytes(1, n, N, W, torch.float32),
+                 gathered_matmul_workspace_bytes(1, n, K, torch.float32))
     ws = get_workspace(P, nbytes)
     with ws.in_flight(op):
-        if op == "gemm_rs":
-            gemm_rs(a[r], w[r], ws, r, W)
+        if op == "matmul_reduce_scatter":
+            matmul_scatter(a[r], w[r], ws, r, W)
         else:
             ag_push(shards[r], ws, r, W, n)
         if how is not None and r == faulty:
             _fail(how, f"between the {op} producer and its consumer")
-        if op == "gemm_rs":
+        if op == "matmul_reduce_scatter":
             y = chunk_reduce(ws, r, W, 1, n, N, partial_dtype=torch.float32)
             ref = sum(x[:, slice(*_rows(n, W, r))] @ v.t() for x, v in zip(a, w))
         else:
-            y = ag_gemm_consume(shards[r], w[r], ws, r, W, n)
+            y = gathered_matmul(shards[r], w[r], ws, r, W, n)
             ref = x @ w[r].t()
     torch.testing.assert_close(y, ref)
     return ws.segment_names
@@ -810,8 +811,9 @@ def _gemm_step(op: str, faulty: int, how: str | None):
 
 
 @interpreted
-@pytest.mark.parametrize("op,how", [pytest.param("gemm_rs", "raise", id="gemm_rs-raise-mid-op"),
-                                    pytest.param("ag_gemm", "exit", id="ag_gemm-exit-mid-op")])
+@pytest.mark.parametrize("op,how", [
+    pytest.param("matmul_reduce_scatter", "raise", id="matmul_reduce_scatter-raise-mid-op"),
+    pytest.param("all_gather_matmul", "exit", id="all_gather_matmul-exit-mid-op")])
 def test_fault_mid_gemm_op_frees_workspaces_and_shm(op, how):
     faulty = 1
     warm = run_ranks(GEMM_WORLD, _gemm_step, op, faulty, None, pg_timeout=PG_FAULT)  # healthy, values checked

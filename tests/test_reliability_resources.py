@@ -130,13 +130,13 @@ def _linear_step():
 def _gemm_step(i: int):
     """GEMM + reduce-scatter on a cached symmetric workspace; odd steps ask for more room (it grows once)."""
     from distfuse.fused.symmetric import get_workspace
-    from distfuse.kernels.gemm_rs import gemm_reduce_scatter, gemm_rs_workspace_bytes
+    from distfuse.kernels.matmul_reduce_scatter import matmul_reduce_scatter, matmul_scatter_workspace_bytes
 
     P = Partition.world()
     n, K, N = (4, 8, 6) if i % 2 == 0 else (6, 8, 10)
-    ws = get_workspace(P, gemm_rs_workspace_bytes(1, n, N, P.size, torch.float32))
+    ws = get_workspace(P, matmul_scatter_workspace_bytes(1, n, N, P.size, torch.float32))
     a, w = torch.randn(1, n, K), torch.randn(N, K)
-    gemm_reduce_scatter(a, w, ws, P.rank, P.size)
+    matmul_reduce_scatter(a, w, ws, P.rank, P.size)
 
 
 _LAYERS: dict = {}

@@ -31,8 +31,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["DefaultRule", "FusedOp", "OPS", "register", "get", "names", "size_of", "resolve", "LINEAR_RS", "LINEAR_AG",
-           "HALO_CONV"]
+__all__ = ["DefaultRule", "FusedOp", "OPS", "RENAMED", "RENAMED_KERNELS", "register", "get", "names", "size_of",
+           "resolve", "current_name", "MATMUL_REDUCE_SCATTER", "ALL_GATHER_MATMUL", "HALO_CONV"]
 
 
 @dataclass(frozen=True)
@@ -129,10 +129,33 @@ def resolve(ref: str | Callable) -> Callable:
 
 OPS: dict[str, FusedOp] = {}
 
+#: Former op names -> current ones.  Crossover tables written before a rename key their
+#: entries by the old name; :func:`distfuse.tune.table.load_table` reads them through this
+#: map (and ``bench compare`` matches old result rows through it), so renaming an op never
+#: silently drops a tuned entry.  Registered names may never appear here.
+RENAMED: dict[str, str] = {
+    "linear_rs": "matmul_reduce_scatter",
+    "linear_ag": "all_gather_matmul",
+}
+#: Former names of the GEMM fusions' launchers -> current ones, where they name autotuners in a
+#: table's ``triton_configs`` (:mod:`distfuse.tune.autotune_cache`) and kernel rows of
+#: ``bench_gemm_fused`` results (``bench compare``).
+RENAMED_KERNELS: dict[str, str] = {
+    "gemm_rs": "matmul_scatter",
+    "ag_gemm": "gathered_matmul",
+}
+
+
+def current_name(name: str) -> str:
+    """``name`` if it is current, else the name the op was renamed to (:data:`RENAMED`)."""
+    return RENAMED.get(name, name)
+
 
 def register(op: FusedOp) -> FusedOp:
     if op.name in OPS:
         raise ValueError(f"fused op {op.name!r} is already registered")
+    if op.name in RENAMED:
+        raise ValueError(f"fused op name {op.name!r} is a former name of {RENAMED[op.name]!r}; pick another")
     OPS[op.name] = op
     return op
 
@@ -141,7 +164,8 @@ def get(name: str) -> FusedOp:
     try:
         return OPS[name]
     except KeyError:
-        raise KeyError(f"unknown op {name!r}; known: {sorted(OPS)}") from None
+        hint = f" (renamed to {RENAMED[name]!r})" if name in RENAMED else ""
+        raise KeyError(f"unknown op {name!r}{hint}; known: {sorted(OPS)}") from None
 
 
 def names() -> tuple[str, ...]:
@@ -161,13 +185,14 @@ _CASES = "distfuse.tune.cases"
 
 # GEMM + reduce-scatter / all-gather + GEMM (bf16, TP 8, LLaMA-3 8B/70B MLP shapes): the Triton GEMMs reach
 # 27-76% (RS) and 15-66% (AG) of cuBLAS's rate, and the modelled 8-GPU op is 1.1-5x the unfused time.
-LINEAR_RS = register(FusedOp(
-    "linear_rs", "macs", ("m", "n", "k"),
+# (The 2026-11-22 result files name these ops by their former names, linear_rs and linear_ag: see RENAMED.)
+MATMUL_REDUCE_SCATTER = register(FusedOp(
+    "matmul_reduce_scatter", "macs", ("m", "n", "k"),
     DefaultRule.never("the fused GEMM measured 27-76% of cuBLAS's rate (H100, bf16, TP 8)"),
     case=f"{_CASES}:linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
     available=f"{_CASES}:linear_available"))
-LINEAR_AG = register(FusedOp(
-    "linear_ag", "macs", ("m", "n", "k"),
+ALL_GATHER_MATMUL = register(FusedOp(
+    "all_gather_matmul", "macs", ("m", "n", "k"),
     DefaultRule.never("the fused GEMM measured 15-66% of cuBLAS's rate (H100, bf16, TP 8)"),
     case=f"{_CASES}:linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
     available=f"{_CASES}:linear_available"))

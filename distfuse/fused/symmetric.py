@@ -318,7 +318,7 @@ def _address_table(ptrs: list[int], W: int, device) -> torch.Tensor:
     """int64 ``[2, W]`` from the buffers' base addresses: row 0 the data regions, row 1 the flag words."""
     hdr = header_bytes(W)
     misaligned = [r for r, p in enumerate(ptrs) if (p + hdr) % 16]
-    if misaligned:  # the GEMM epilogue's 16-byte remote stores rely on it (kernels/gemm_rs.py)
+    if misaligned:  # the GEMM epilogue's 16-byte remote stores rely on it (kernels/matmul_reduce_scatter.py)
         raise UnsupportedError(f"{where('SymmetricWorkspace')}: the data regions of rank(s) {misaligned} are not "
                                f"16-byte aligned ({[hex(ptrs[r] + hdr) for r in misaligned]})")
     return torch.tensor([[p + hdr for p in ptrs], list(ptrs)], dtype=torch.int64, device=device)
@@ -366,7 +366,7 @@ class LoopbackWorkspace(_Workspace):
 
         ws = LoopbackWorkspace(W, nbytes, device)
         with ws.in_flight("test"):
-            for r in range(W): gemm_rs(a[r], w[r], ws, r, W)
+            for r in range(W): matmul_scatter(a[r], w[r], ws, r, W)
             outs = [chunk_reduce(ws, r, W, ...) for r in range(W)]
 
     The barrier is a no-op and consumers do not spin (the producers have finished).

@@ -1,5 +1,12 @@
 """Capability flags, config lists and small @triton.jit helpers shared by the kernel files.
 
+The two GEMM fusions (``matmul_reduce_scatter.py``, ``all_gather_matmul.py``) share their
+tile arithmetic here: the chunk geometry (:func:`balanced_chunk`, :func:`chunk_rows`), the
+grouped tile order (:func:`grouped_tile`) and the K loop of one output tile
+(:func:`matmul_tile`), besides the flag protocol (:func:`arrive`, :func:`raise_flag`,
+:func:`wait_flag`); and on the host, their launchers' checks (:func:`claimed_rank_view`,
+:func:`output_buffer`, :func:`check_bias`) and launch configs (:func:`pick_gemm_launch`).
+
 Flags are computed once, at import, because Triton reads ``TRITON_INTERPRET`` when the
 ``@triton.jit`` decorators execute: a flag computed later could disagree with how the
 kernels were built.
@@ -15,14 +22,21 @@ kernels were built.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from distfuse.errors import expect
+
 __all__ = [
     "pick_launch",
+    "pick_gemm_launch",
+    "output_buffer",
+    "check_bias",
+    "claimed_rank_view",
     "INTERPRET",
     "HAS_CUDA",
     "AUTOTUNE",
@@ -45,6 +59,10 @@ __all__ = [
     "get_gemm_configs",
     "get_chunk_reduce_configs",
     "get_push_configs",
+    "balanced_chunk",
+    "chunk_rows",
+    "grouped_tile",
+    "matmul_tile",
     "CPU_GEMM_CONFIG",
     "CPU_CHUNK_REDUCE_CONFIG",
     "CPU_PUSH_CONFIG",
@@ -123,7 +141,7 @@ def gemm_shared_bytes(block_m: int, block_n: int, block_k: int, num_stages: int,
 
 
 def get_gemm_configs(dtype: torch.dtype = torch.bfloat16) -> list[triton.Config]:
-    """Autotuning configs of the GEMMs in ``gemm_rs`` and ``ag_gemm`` for operands of ``dtype`` (CUDA only)."""
+    """Autotuning configs of the GEMMs (``matmul_scatter``, ``gathered_matmul``) for ``dtype`` operands (CUDA only)."""
     size = 4 if dtype.itemsize >= 4 else 2
     return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8), num_warps=w, num_stages=s)
             for m, n, k, w, s in _GEMM_SHAPES[size]]
@@ -183,6 +201,77 @@ def cast_out(x, DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
     else:
         y = x.to(DTYPE)
     return y
+
+
+@triton.jit
+def balanced_chunk(chunk, n, W):
+    """``(start, length)`` of chunk ``chunk`` of ``n`` rows over ``W``: the balanced decomposition.
+
+    The first ``n % W`` chunks have ``n // W + 1`` rows, the others ``n // W``; the device
+    twin of :func:`distfuse.geometry.decomposition.block_range`, so that the kernels and
+    the host agree on every chunk boundary (``n`` need not divide by ``W``).
+    """
+    q = n // W
+    rem = n % W
+    length = q + (chunk < rem).to(tl.int32)
+    start = chunk * q + tl.minimum(chunk, rem)
+    return start, length
+
+
+@triton.jit
+def chunk_rows(offs_m, length, first_row):
+    """``(m // length, first_row + m % length)`` (int64): batch and row of the flat tile rows ``offs_m`` of a chunk.
+
+    The GEMMs tile the ``length`` rows of a chunk, for every batch entry, as one flat
+    ``B_ * length`` dim; this maps a tile row back to ``(batch, row)`` of the tensor, the
+    chunk starting at row ``first_row`` (0 for a tensor that holds just the chunk).  An
+    empty chunk (``length`` 0) divides by 1 instead: all its rows are masked.
+    """
+    len_safe = tl.maximum(length, 1)
+    return (offs_m // len_safe).to(tl.int64), (first_row + offs_m % len_safe).to(tl.int64)
+
+
+@triton.jit
+def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """``(pid_m, pid_n)`` of program ``pid`` over a ``num_pid_m x num_pid_n`` tile grid, in grouped order.
+
+    Consecutive programs walk ``GROUP_M`` row tiles down one column of tiles before moving
+    to the next column, so programs running together share the weight columns they read
+    from L2 (Triton's matmul tutorial ordering; the last group may be shorter).
+    """
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def matmul_tile(a_rows, mask_m, b_ptr, offs_n, mask_n, K, stride_bk, stride_bn,
+                UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One fp32 output tile ``[BLOCK_M, BLOCK_N] = A[rows, :K] @ B[:K, cols]``.
+
+    ``a_rows`` ``[BLOCK_M]`` points at the first element of each A row (rows may come from
+    anywhere: a remapped chunk, the shard or the gathered buffer; K is contiguous);
+    ``B[k, j]`` is at ``b_ptr + k * stride_bk + j * stride_bn`` (an ``[N, K]`` weight read
+    transposed).  Masked rows, columns and the K tail load zeros.  ``UPCAST`` converts
+    16-bit operands to fp32 before the dot (the interpreter's bf16 dot is wrong).
+    """
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(a_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        # int64 offsets: a weight of 2^31 elements or more must not wrap.
+        b = tl.load(b_ptr + offs_k.to(tl.int64)[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return acc
 
 
 @triton.jit
@@ -263,6 +352,50 @@ def pick_launch(tuned, kernel, cpu_config: dict, pinned: dict, config: dict | No
     if tuned is not None and may_tune:
         return tuned, {}
     return kernel, dict(pinned)
+
+
+def claimed_rank_view(op: str, ws, rank: int, world_size: int, device: torch.device):
+    """``ws.rank_view(rank)`` after checking the launch against the workspace: group size, device, and the claim.
+
+    Every launcher of the GEMM fusions starts here: a producer or consumer launched outside
+    ``ws.in_flight`` could overwrite slots another fused op is still reading.
+    """
+    if world_size != ws.world_size:
+        raise expect(op, "world size (the workspace's group size)", ws.world_size, world_size)
+    if device != ws.device:
+        raise expect(op, "device (the workspace's device)", ws.device, device)
+    ws.require_in_flight(op)
+    return ws.rank_view(rank)
+
+
+def pick_gemm_launch(tuned_by_size: dict, kernel, dtype: torch.dtype, rows: int, cols: int, config: dict | None,
+                     ws):
+    """:func:`pick_launch` for a GEMM kernel: its autotuner for ``dtype``'s operand size, the pinned config of
+    ``rows`` (the largest chunk's) by ``cols`` (the output features), the CPU config."""
+    return pick_launch(tuned_by_size.get(min(dtype.itemsize, 4)), kernel, CPU_GEMM_CONFIG,
+                       pinned_gemm_config(dtype, rows, cols), config, may_tune=ws_may_tune(ws))
+
+
+def output_buffer(op: str, out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, what: str):
+    """A consumer's output: new (``out`` None), or the caller's ``out`` viewed as ``shape`` after checking it.
+
+    ``out`` may have any leading dims, but must hold ``shape``'s elements with the same last
+    two dims, contiguous, of ``dtype`` and on ``device``; ``what`` names its shape in the
+    error (``"[..., n, N]"``).
+    """
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if (out.numel() != math.prod(shape) or tuple(out.shape[-2:]) != tuple(shape[-2:]) or not out.is_contiguous()
+            or out.dtype != dtype or out.device != device):
+        raise expect(op, f"out (shape {what} with B_ rows, contiguous, dtype, device)", (shape, True, dtype, device),
+                     (tuple(out.shape), out.is_contiguous(), out.dtype, out.device))
+    return out.view(shape)
+
+
+def check_bias(op: str, bias: torch.Tensor | None, N: int, device) -> None:
+    """``bias`` is None or ``[N]`` on ``device`` (any stride: the kernels read it through its stride)."""
+    if bias is not None and (tuple(bias.shape) != (N,) or bias.device != device):
+        raise expect(op, "bias shape and device", ((N,), device), (tuple(bias.shape), bias.device))
 
 
 def ws_may_tune(ws) -> bool:

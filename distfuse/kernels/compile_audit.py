@@ -113,7 +113,8 @@ class AuditRecord:
 
 
 def _gemm_cases(dtypes) -> list[KernelCase]:
-    from distfuse.kernels import ag_gemm, gemm_rs
+    import distfuse.kernels.all_gather_matmul as all_gather_kernels
+    import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
     from distfuse.kernels._utils import (
         get_chunk_reduce_configs,
         get_gemm_configs,
@@ -136,23 +137,23 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
             warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
             for prec in precisions:
                 common = dict(UPCAST=False, INPUT_PRECISION=prec, ROUND_BF16=False, **cfg)
-                cases.append(KernelCase("gemm_rs", gemm_rs._gemm_rs_kernel, dt, common, warps, stages,
-                                        pointer_dtypes=tables, ints=ints,
+                cases.append(KernelCase("matmul_scatter", reduce_scatter_kernels._matmul_scatter_kernel, dt, common,
+                                        warps, stages, pointer_dtypes=tables, ints=ints,
                                         aligned=("N", "K", "ld", "stride_ab", "stride_an", "stride_bn"),
                                         checks=("release_sys", "vector_store")))
-                cases.append(KernelCase("ag_gemm", ag_gemm._ag_gemm_kernel, dt,
+                cases.append(KernelCase("gathered_matmul", all_gather_kernels._gathered_matmul_kernel, dt,
                                         dict(common, HAS_BIAS=True, TIMED=True), warps, stages,
                                         pointer_dtypes=tables, ints=ints,
                                         aligned=("N", "K", "stride_xb", "stride_xn", "stride_bn"),
                                         checks=("acquire_sys",)))
         for c in get_chunk_reduce_configs(dt):
             for block_c in (256, 16):
-                cases.append(KernelCase("chunk_reduce", gemm_rs._chunk_reduce_kernel, dt,
+                cases.append(KernelCase("chunk_reduce", reduce_scatter_kernels._chunk_reduce_kernel, dt,
                                         dict(HAS_BIAS=True, ROUND_BF16=False, TIMED=True, BLOCK_C=block_c, **c.kwargs),
                                         c.num_warps, 1, pointer_dtypes=tables, ints=ints, aligned=("N", "ld"),
                                         checks=("acquire_sys", "vector_load", "vector_store")))
         for c in get_push_configs(dt):
-            cases.append(KernelCase("ag_push", ag_gemm._ag_push_kernel, dt, dict(c.kwargs), c.num_warps, 1,
+            cases.append(KernelCase("ag_push", all_gather_kernels._ag_push_kernel, dt, dict(c.kwargs), c.num_warps, 1,
                                     pointer_dtypes=tables, ints=ints, aligned=("K", "stride_xb", "stride_xn"),
                                     checks=("release_sys",)))
     return cases
@@ -243,8 +244,8 @@ def compile_case(case: KernelCase, arch: int = 90, *, load: bool = False) -> Aud
 def _select(dtypes, only: str | None) -> list[KernelCase]:
     if only is None:
         return audit_cases(dtypes)
-    families = {"gemm_rs": _gemm_cases, "ag_gemm": _gemm_cases, "chunk_reduce": _gemm_cases, "ag_push": _gemm_cases,
-                "halo": _halo_cases, "conv_implicit": _conv_implicit_cases}
+    families = {"matmul_scatter": _gemm_cases, "gathered_matmul": _gemm_cases, "chunk_reduce": _gemm_cases,
+                "ag_push": _gemm_cases, "halo": _halo_cases, "conv_implicit": _conv_implicit_cases}
     builders = {f for name, f in families.items() if name.startswith(only) or only.startswith(name)}
     if not builders:
         raise ValueError(f"compile_audit: no kernel family matches {only!r}; families: {sorted(families)}")
@@ -296,7 +297,8 @@ def _device_arch() -> int | None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 90 (repeatable; default 90)")
-    p.add_argument("--kernel", default=None, help="only this kernel family (gemm_rs, ag_gemm, chunk_reduce, ...)")
+    p.add_argument("--kernel", default=None,
+                   help="only this kernel family (matmul_scatter, gathered_matmul, chunk_reduce, ag_push, halo, ...)")
     p.add_argument("--load", action="store_true", help="load each binary on this machine's GPU: registers, spills")
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")

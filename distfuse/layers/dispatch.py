@@ -86,7 +86,7 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
 
     Args:
         op: a registered fused op (:func:`distfuse.fused.registry.names`: ``"halo_conv"``,
-            ``"linear_rs"``, ``"linear_ag"``).
+            ``"matmul_reduce_scatter"``, ``"all_gather_matmul"``).
         shapes: the op's sizes (its ``size_inputs``): ``channels`` for halo_conv; ``m``, ``n``, ``k``
             (per-rank GEMM) for the linears.
         dtype, world_size: as the call sees them.

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from distfuse.errors import PartitionError, expect
+from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
 from distfuse.layers._linear_common import (
     INACTIVE,
@@ -109,7 +110,7 @@ class _LinearAllGather(LinearBase):
         super().__init__(in_features, out_features, device if device is not None else P_y.device, dtype)
         self.P_y, self.P_x, self.use_bias = P_y, P_x, bool(bias)
         # Fused path: keep the gathered input from forward for the weight gradient (memory), or gather it again
-        # in backward (time); see distfuse/fused/linear_ag.py.
+        # in backward (time); see distfuse/fused/all_gather_matmul.py.
         self.keep_gathered = bool(keep_gathered)
         P_d, P_m = P_y.shape[0], P_y.shape[-1]
         self.P_d, self.P_m = P_d, P_m
@@ -197,7 +198,7 @@ class _LinearAllGather(LinearBase):
         if self.P_m == 1:  # one model-parallel worker: nothing to gather (all_gather would return a copy of x)
             return F.linear(x, W, b)
         if decision.path == "fused":
-            from distfuse.fused.linear_ag import all_gather_matmul
+            from distfuse.fused.all_gather_matmul import all_gather_matmul
 
             return all_gather_matmul(x, W, b, self.P_gather, keep_gathered=self.keep_gathered, n=out_shape[-2])
         return F.linear(all_gather(x, self.P_gather, out_shape), W, b)
@@ -231,10 +232,11 @@ class _LinearAllGather(LinearBase):
                                           "leaves a worker an empty weight shard")
         shapes = dict(m=math.prod(gathered_shape[:-1]), n=block_extent(self.out_features, self.P_m, 0),
                       k=self.in_features)
-        return decide("linear_ag", self._op, shapes, dtype, self.P_m, device, available=self._fused_available)
+        return decide(registry.ALL_GATHER_MATMUL.name, self._op, shapes, dtype, self.P_m, device,
+                      available=self._fused_available)
 
     def _fused_available(self) -> tuple[bool, str]:
-        from distfuse.fused.linear_ag import fused_linear_available
+        from distfuse.fused.matmul_phases import fused_linear_available
 
         return fused_linear_available(self.P_gather, self._param_device(), self._param_dtype())
 

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from distfuse.errors import PartitionError, expect
+from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
 from distfuse.layers._linear_common import (
     INACTIVE,
@@ -186,7 +187,7 @@ class _LinearReduceScatter(LinearBase):
         if self.P_m == 1:  # one model-parallel worker: the partial sum is the output (reduce_scatter would copy it)
             return F.linear(x, W, b)
         if decision.path == "fused":
-            from distfuse.fused.linear_rs import matmul_reduce_scatter
+            from distfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter
 
             return matmul_reduce_scatter(x, W, b, self.P_scatter, bias_grad="partial")
         y = reduce_scatter(F.linear(x, W), self.P_scatter)
@@ -201,10 +202,11 @@ class _LinearReduceScatter(LinearBase):
         if self.P_m == 1:
             return not_servable(self._op, "one model-parallel worker: a plain local GEMM")
         shapes = dict(m=math.prod(x_shape[:-1]), n=self.out_features, k=block_extent(self.in_features, self.P_m, 0))
-        return decide("linear_rs", self._op, shapes, dtype, self.P_m, device, available=self._fused_available)
+        return decide(registry.MATMUL_REDUCE_SCATTER.name, self._op, shapes, dtype, self.P_m, device,
+                      available=self._fused_available)
 
     def _fused_available(self) -> tuple[bool, str]:
-        from distfuse.fused.linear_rs import fused_linear_available
+        from distfuse.fused.matmul_phases import fused_linear_available
 
         return fused_linear_available(self.P_scatter, self._param_device(), self._param_dtype())
 

@@ -6,16 +6,26 @@ under the table's ``triton_configs`` section (:func:`harvest_autotune_caches`).
 :func:`seed_autotune_caches` puts them back into the autotuners' caches in a later
 process (same device, world size, dtype and Triton version), so the first launch of a
 tuned shape skips the benchmarking; a launcher can also pass one of them as its explicit
-``config=`` (``gemm_rs`` and ``ag_push`` take one).
+``config=`` (``matmul_scatter``, ``gathered_matmul``, ``chunk_reduce`` and ``ag_push`` take one).
+
+Tables written before the GEMM launchers were renamed list their configs under the
+former kernel names (``gemm_rs``, ``ag_gemm``), which
+:data:`distfuse.fused.registry.RENAMED_KERNELS` maps (:data:`RENAMED_TUNERS`: with the
+``_fp32`` twins).
 """
 
 from __future__ import annotations
 
 import torch
 
+from distfuse.fused.registry import RENAMED_KERNELS
 from distfuse.tune.table import read_json
 
-__all__ = ["config_to_json", "harvest_autotune_caches", "seed_autotune_caches", "autotuners", "cache_keys"]
+__all__ = ["config_to_json", "harvest_autotune_caches", "seed_autotune_caches", "autotuners", "cache_keys",
+           "RENAMED_TUNERS"]
+
+#: Former autotuner names -> current ones: each renamed launcher and its ``_fp32`` twin.
+RENAMED_TUNERS = {f"{old}{size}": f"{new}{size}" for old, new in RENAMED_KERNELS.items() for size in ("", "_fp32")}
 
 
 def config_to_json(cfg) -> dict:
@@ -35,14 +45,15 @@ def _key_to_json(key) -> list:
 def autotuners() -> dict:
     """The GEMM kernels' ``triton.autotune`` objects (None entries dropped: no autotuning without CUDA)."""
     try:
-        from distfuse.kernels import ag_gemm, gemm_rs
+        import distfuse.kernels.all_gather_matmul as all_gather_kernels
+        import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
     except Exception:  # noqa: BLE001 - kernels unavailable (no Triton): nothing to harvest
         return {}
-    tuners = {"chunk_reduce": getattr(gemm_rs, "_chunk_reduce_tuned", None),
-              "ag_push": getattr(ag_gemm, "_push_tuned", None)}
+    tuners = {"chunk_reduce": getattr(reduce_scatter_kernels, "_chunk_reduce_tuned", None),
+              "ag_push": getattr(all_gather_kernels, "_push_tuned", None)}
     # The GEMMs have one autotuner per operand size (fp32 tiles have their own configs).
-    for name, by_size in (("gemm_rs", getattr(gemm_rs, "_gemm_rs_tuned", {})),
-                          ("ag_gemm", getattr(ag_gemm, "_ag_gemm_tuned", {}))):
+    for name, by_size in (("matmul_scatter", getattr(reduce_scatter_kernels, "_matmul_scatter_tuned", {})),
+                          ("gathered_matmul", getattr(all_gather_kernels, "_gathered_matmul_tuned", {}))):
         for size, tuner in (by_size or {}).items():
             tuners[name if size == 2 else f"{name}_fp32"] = tuner
     return {k: v for k, v in tuners.items() if v is not None and isinstance(getattr(v, "cache", None), dict)}
@@ -91,7 +102,7 @@ def seed_autotune_caches(table: dict | None = None, device_name: str | None = No
         if runs.get(f"{dev}|{world}", {}).get("triton") != triton.__version__:
             continue  # written by another Triton version (or unknown): its keys and configs may not apply
         for name, configs in kernels.items():
-            tuner = tuners.get(name)
+            tuner = tuners.get(RENAMED_TUNERS.get(name, name))
             if tuner is None:
                 continue
             for c in configs:

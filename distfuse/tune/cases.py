@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from distfuse.fused import registry
 from distfuse.timing import rotations
 
 __all__ = ["Case", "CaseContext", "forced_path", "randn", "split", "linear_grid", "halo_grid", "linear_case",
@@ -98,7 +99,7 @@ def linear_grid(op: str, world: int, *, quick: bool = False, m: Sequence[int] | 
     h = hidden or (32 if quick else 4096)
     f = ffn or (64 if quick else 14336)
     part = max(1, f // world)
-    if op == "linear_rs":
+    if op == registry.MATMUL_REDUCE_SCATTER.name:
         return [dict(m=mm, n=h, k=part) for mm in ms]
     return [dict(m=mm, n=part, k=h) for mm in ms]
 
@@ -118,7 +119,7 @@ def linear_available(P, device: torch.device, dtype) -> tuple[bool, str]:
     """The GEMM fusions: nothing to fuse at world size 1; else the symmetric-memory probe (collective over ``P``)."""
     if P.size == 1:
         return False, "world size 1: both paths are one GEMM, nothing to fuse"
-    from distfuse.fused.linear_rs import fused_linear_available
+    from distfuse.fused.matmul_phases import fused_linear_available
 
     return fused_linear_available(P, device, dtype)
 
@@ -127,11 +128,11 @@ def linear_available(P, device: torch.device, dtype) -> tuple[bool, str]:
 
 
 def linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
-    """GEMM + reduce-scatter (``linear_rs``) or all-gather + GEMM (``linear_ag``) on ``ctx.P_sub``."""
+    """``matmul_reduce_scatter`` (GEMM + reduce-scatter) or ``all_gather_matmul`` (all-gather + GEMM) on ``P_sub``."""
     import torch.nn.functional as F
 
-    from distfuse.fused.linear_ag import all_gather_matmul
-    from distfuse.fused.linear_rs import matmul_reduce_scatter
+    from distfuse.fused.all_gather_matmul import all_gather_matmul
+    from distfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter
     from distfuse.geometry.decomposition import block_extent
     from distfuse.primitives.all_gather import all_gather
     from distfuse.primitives.reduce_scatter import reduce_scatter
@@ -143,9 +144,10 @@ def linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
     m, n, k = shape["m"], shape["n"], shape["k"]
     gen = torch.Generator().manual_seed(1234 + 7 * r)
     esize = torch.empty(0, dtype=dtype).element_size()
-    rows = m if op == "linear_rs" else block_extent(m, W, r)
-    out_rows = block_extent(m, W, r) if op == "linear_rs" else m
-    set_bytes = esize * (rows * k + out_rows * n + (m * n if op == "linear_rs" else m * k))
+    scatter = op == registry.MATMUL_REDUCE_SCATTER.name
+    rows = m if scatter else block_extent(m, W, r)
+    out_rows = block_extent(m, W, r) if scatter else m
+    set_bytes = esize * (rows * k + out_rows * n + (m * n if scatter else m * k))
     R = rotations(set_bytes, device)
     xs = [randn((1, rows, k), gen, dtype, device).requires_grad_(full) for _ in range(R)]
     w = randn((n, k), gen, dtype, device, 1.0 / math.sqrt(k)).requires_grad_(full)
@@ -158,7 +160,7 @@ def linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
         return y
 
     grad = contextlib.nullcontext if full else torch.no_grad
-    if op == "linear_rs":
+    if scatter:
         def unfused(i):
             with grad():
                 return finish(reduce_scatter(F.linear(xs[i], w), P_sub), i)

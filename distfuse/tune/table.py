@@ -3,10 +3,10 @@
 File layout (keys with a ``|`` are crossover entries; the rest are sections dispatch ignores)::
 
     {
-      "NVIDIA H200|8|bfloat16|linear_rs": {"min_size": 3.1e9, "fused": "interval", "size_key": "macs",
-                                           "points": [[size, fused_ms, unfused_ms], ...], ...},
-      "triton_configs": {"NVIDIA H200|8|bfloat16|linear_rs": {"gemm_rs": [{"key": [...], "kwargs": {...},
-                                                                             "num_warps": 8, "num_stages": 3}]}},
+      "NVIDIA H200|8|bfloat16|matmul_reduce_scatter": {"min_size": 3.1e9, "fused": "interval", "size_key": "macs",
+                                                       "points": [[size, fused_ms, unfused_ms], ...], ...},
+      "triton_configs": {"NVIDIA H200|8|bfloat16|matmul_reduce_scatter": {
+          "matmul_scatter": [{"key": [...], "kwargs": {...}, "num_warps": 8, "num_stages": 3}]}},
       "sweeps": {"<key>": {"size_key": ..., "points": [{"shape": ..., "size": ..., "fused_ms": ...,
                                                        "unfused_ms": ...}]}},
       "_meta": {"format": 1, "runs": {"NVIDIA H200|8": {"date": ..., "torch": ..., "notes": [...]}}}
@@ -19,6 +19,12 @@ for halo_conv, the per-rank ``m*n*k`` for the linears).  "Fused never" is writte
 
 Where: ``$DISTFUSE_TUNE_TABLE``, else ``$XDG_CACHE_HOME/distfuse/crossover.json``, else
 ``~/.cache/distfuse/crossover.json`` (:func:`table_path`).
+
+Renamed ops.  A table written before an op was renamed keys it by the former name
+(``...|linear_rs`` for ``matmul_reduce_scatter``, ``...|linear_ag`` for
+``all_gather_matmul``; :data:`distfuse.fused.registry.RENAMED`).  :func:`load_table` reads
+such keys under the current name, and :func:`write_table` rewrites them so; where a file
+holds both, the entry under the current name wins.
 """
 
 from __future__ import annotations
@@ -31,7 +37,10 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["FORMAT", "SECTIONS", "NEVER", "table_path", "table_key", "load_table", "read_json", "write_table"]
+from distfuse.fused.registry import current_name
+
+__all__ = ["FORMAT", "SECTIONS", "NEVER", "table_path", "table_key", "current_key", "load_table", "read_json",
+           "write_table"]
 
 log = logging.getLogger("distfuse.dispatch")
 
@@ -52,8 +61,24 @@ def table_path() -> Path:
 
 
 def table_key(device_name: str, world_size: int, dtype: torch.dtype, op: str) -> str:
-    """``"device|world|dtype|op"``, e.g. ``"NVIDIA H200|8|bfloat16|linear_rs"``."""
+    """``"device|world|dtype|op"``, e.g. ``"NVIDIA H200|8|bfloat16|matmul_reduce_scatter"``."""
     return f"{device_name}|{world_size}|{str(dtype).removeprefix('torch.')}|{op}"
+
+
+def current_key(key: str) -> str:
+    """``key`` with a renamed op's former name replaced by its current one (``...|linear_rs`` -> ``...|matmul_...``)."""
+    head, sep, op = key.rpartition("|")
+    return f"{head}{sep}{current_name(op)}" if sep else key
+
+
+def _current_keys(entries: dict) -> dict:
+    """``entries`` keyed by :func:`current_key`; an entry already under the current key beats a former one."""
+    out = {}
+    for k, v in entries.items():
+        new = current_key(k)
+        if new == k or new not in entries:
+            out[new] = v
+    return out
 
 
 def load_table(path: Path | str | None = None) -> dict:
@@ -77,7 +102,7 @@ def load_table(path: Path | str | None = None) -> dict:
             _LOGGED.add(key)
             log.warning(f"distfuse: ignoring unreadable crossover table {path}: {exc}")
         table = {}
-    table = {k: v for k, v in table.items() if "|" in k} if isinstance(table, dict) else {}
+    table = _current_keys({k: v for k, v in table.items() if "|" in k}) if isinstance(table, dict) else {}
     _TABLE_CACHE[str(path)] = (mtime, table)
     return table
 
@@ -98,10 +123,16 @@ def write_table(path: Path | str | None, entries: dict | None = None, *, triton_
 
     ``entries``: ``table_key -> entry``; ``triton_configs`` and ``sweeps``: keyed the same;
     ``run_meta``: ``"device|world" -> info`` for ``_meta.runs``.  Keys already in the file
-    and not given are kept (other devices, world sizes, dtypes, ops).
+    and not given are kept (other devices, world sizes, dtypes, ops), under the current op
+    names (see the module doc on renamed ops).
     """
     path = Path(path) if path is not None else table_path()
-    table = read_json(path)
+    old = read_json(path)
+    table = {k: v for k, v in old.items() if "|" not in k}
+    table.update(_current_keys({k: v for k, v in old.items() if "|" in k}))
+    for section in ("triton_configs", "sweeps"):
+        if isinstance(table.get(section), dict):
+            table[section] = _current_keys(table[section])
     for k, v in (entries or {}).items():
         if "|" not in k:
             raise ValueError(f"write_table: {k!r} is not a table key (device|world|dtype|op)")

@@ -1,4 +1,4 @@
-"""Fused column-parallel linear (sequence parallel): all-gather + GEMM forward, GEMM + reduce-scatter backward.
+"""all_gather_matmul: the fused column-parallel linear, all-gather + GEMM forward, GEMM + reduce-scatter backward.
 
 Worker ``r`` of the ``W`` model-parallel workers of ``P_sub`` holds sequence block ``r``
 of the input and output-feature block ``r`` of the weight (``*`` any leading dims,
@@ -8,12 +8,12 @@ of the input and output-feature block ``r`` of the weight (``*`` any leading dim
     weight   [N_r, K]        nn.Linear layout, split along the output features
     bias     [N_r]           split like the weight's rows
     forward  y   = all_gather_n(x) @ weight.T + bias                            [*, n, N_r]
-             ag_push copies x into every peer's symmetric buffer; ag_gemm_consume
+             ag_push copies x into every peer's symmetric buffer; gathered_matmul
              multiplies chunk by chunk as they land (local chunk first)
     dgrad    dx  = reduce_scatter_n(dy @ weight)[block r]                      [*, n_r, K]
-             gemm_rs(dy, weight.t()) + chunk_reduce
+             matmul_scatter(dy, weight.t()) + chunk_reduce
     wgrad    dW  = dy.T @ g   with g = all_gather_n(x)                          [N_r, K]
-             g kept from the forward (``keep_gathered=True``, the AG kernel's copy) or
+             g kept from the forward (``keep_gathered=True``, gathered_matmul's copy) or
              gathered again in the backward (``keep_gathered=False``)
              db  = sum of dy over all n rows                                    [N_r]  (complete: b is sharded)
 
@@ -24,11 +24,15 @@ parallelism).  On CUDA that gather is an asynchronous NCCL all-gather issued bef
 fused dgrad, so the two overlap; on gloo it runs before the dgrad.
 
 Workspace, availability, world size 1 and the concurrency rule (forward and backward each
-claim the workspace) are as for :mod:`distfuse.fused.linear_rs`; the workspace request is
-:func:`linear_ag_workspace_bytes`.  No public library offers eager-mode fused
-all-gather/reduce-scatter GEMMs with autograd: Flux and Triton-distributed are
+claim the workspace) are as for :mod:`distfuse.fused.matmul_reduce_scatter`; the workspace
+request is :func:`all_gather_matmul_workspace_bytes`.  No public library offers eager-mode
+fused all-gather/reduce-scatter GEMMs with autograd: Flux and Triton-distributed are
 forward-only, and torch's ``torch.ops.symm_mem.fused_all_gather_matmul`` gets its backward
-only through torch.compile's async-TP pass.  Here each op's backward is the other fused op.
+only through torch.compile's async-TP pass.  Here each op's backward is the other fused op;
+both run the two phases of :mod:`distfuse.fused.matmul_phases`.
+
+The kernel floor has a one-shot op of the same name without autograd
+(:func:`distfuse.kernels.all_gather_matmul.all_gather_matmul`).
 """
 
 from __future__ import annotations
@@ -42,48 +46,48 @@ from torch.autograd.function import once_differentiable
 
 from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
-from distfuse.fused.linear_rs import (
-    _ag_phase,
-    _check_rs_args,
-    _Comm,
-    _require_available,
-    _rows,
-    _rs_phase,
+from distfuse.fused.matmul_phases import (
+    Comm,
+    Done,
+    check_linear_args,
+    flat_rows,
     fused_linear_available,
+    grads_needed,
+    require_available,
+    run_all_gather_matmul,
+    run_matmul_reduce_scatter,
+    split_inputs,
+    workspace_bytes,
 )
 from distfuse.fused.symmetric import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
-from distfuse.kernels.ag_gemm import ag_gemm_workspace_bytes
-from distfuse.kernels.gemm_rs import gemm_rs_workspace_bytes
 from distfuse.partition import Partition
 
 __all__ = [
     "AllGatherMatmul",
     "all_gather_matmul",
     "all_gather_matmul_loopback",
-    "linear_ag_workspace_bytes",
+    "all_gather_matmul_workspace_bytes",
     "fused_linear_available",
 ]
 
 _OP = "all_gather_matmul"
 
 
-def linear_ag_workspace_bytes(batch: int, n: int, K: int, world_size: int, dtype: torch.dtype,
-                              partial_dtype: torch.dtype | None = None) -> int:
+def all_gather_matmul_workspace_bytes(batch: int, n: int, K: int, world_size: int, dtype: torch.dtype,
+                                      partial_dtype: torch.dtype | None = None) -> int:
     """Workspace data bytes :func:`all_gather_matmul` needs on every rank (forward and backward).
 
-    The forward's gathered ``[B_, n, K]`` or the backward's W partial slots of ``dx``,
-    whichever is larger; 0 at world size 1.  ``batch`` is the product of the leading dims.
+    The forward's gathered ``[B_, n, K]`` or the backward's W partial slots of ``dx``
+    (in ``partial_dtype``), whichever is larger; 0 at world size 1.  ``batch`` is the
+    product of the leading dims.
     """
-    if world_size == 1:
-        return 0
-    return max(ag_gemm_workspace_bytes(batch, n, K, dtype),
-               gemm_rs_workspace_bytes(batch, n, K, world_size, partial_dtype or dtype))
+    return workspace_bytes(batch, n, K, world_size, dtype, partial_dtype)
 
 
 class _AGPlan(NamedTuple):
-    comm: _Comm
+    comm: Comm
     k: int
     has_bias: bool
     n: int
@@ -102,11 +106,11 @@ class AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: _AGPlan, *tensors):
         k = plan.k
-        xs, weights = tensors[:k], tensors[k:2 * k]
-        biases = tensors[2 * k:3 * k] if plan.has_bias else (None,) * k
-        need_dw = any(ctx.needs_input_grad[1 + k:1 + 2 * k])
+        xs, weights, biases = split_inputs(tensors, k, plan.has_bias)
+        need_dw = grads_needed(ctx.needs_input_grad, k, plan.has_bias)[1]
         keep = plan.keep_gathered and need_dw
-        ys, gathered = _ag_phase(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.n, keep, plan.nbytes)
+        ys, gathered = run_all_gather_matmul(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.n, keep,
+                                             plan.nbytes)
         ctx.plan = plan
         ctx.kept = keep
         # Saved: the weights (dgrad) and what the weight gradient reads, the gathered input or the block.
@@ -120,32 +124,22 @@ class AllGatherMatmul(torch.autograd.Function):
         k, comm = plan.k, plan.comm
         saved = ctx.saved_tensors
         weights, inputs = saved[:k], saved[k:]
-        needs = ctx.needs_input_grad[1:]
-        need_dx, need_dw = any(needs[:k]), any(needs[k:2 * k])
-        need_db = plan.has_bias and any(needs[2 * k:3 * k])
+        need_dx, need_dw, need_db = grads_needed(ctx.needs_input_grad, k, plan.has_bias)
         dys = [dy.contiguous() for dy in dys]
         dxs, dws, dbs = [None] * k, [None] * k, [None] * k
         gather = None
         if need_dw:
             # Issued before the dgrad so that, on CUDA, the two overlap (see the module doc).
-            gather = _Kept(inputs) if ctx.kept else comm.start_gather(f"{_OP}.backward", inputs, plan.n)
+            gather = Done(inputs) if ctx.kept else comm.start_gather(f"{_OP}.backward", inputs, plan.n)
         if need_dx:
             # dx = reduce_scatter(dy @ W): the GEMM + reduce-scatter kernels with W.t() as the operand.
-            dxs = _rs_phase(comm, f"{_OP}.backward", dys, [w.t() for w in weights], [None] * k, plan.n,
-                            plan.partial_dtype, plan.nbytes)
+            dxs = run_matmul_reduce_scatter(comm, f"{_OP}.backward", dys, [w.t() for w in weights], [None] * k,
+                                            plan.n, plan.partial_dtype, plan.nbytes)
         if need_dw:
-            dws = [_rows(dy).t() @ _rows(g) for dy, g in zip(dys, gather.wait(), strict=True)]
+            dws = [flat_rows(dy).t() @ flat_rows(g) for dy, g in zip(dys, gather.wait(), strict=True)]
         if need_db:
-            dbs = [_rows(dy).sum(0) for dy in dys]
+            dbs = [flat_rows(dy).sum(0) for dy in dys]
         return (None, *dxs, *dws, *(dbs if plan.has_bias else ()))
-
-
-class _Kept:
-    def __init__(self, gathered):
-        self.gathered = gathered
-
-    def wait(self):
-        return self.gathered
 
 
 def _infer_n(P: Partition, rows: int) -> int:
@@ -181,10 +175,10 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """
     if not P_sub.active:
         raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
-    _check_rs_args(_OP, x, weight, bias, P_sub.device)
+    check_linear_args(_OP, x, weight, bias, P_sub.device)
     if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
         raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
-    _require_available(_OP, P_sub, x.device)
+    require_available(_OP, P_sub, x.device)
     W, r = P_sub.size, P_sub.rank
     rows, K = x.shape[-2], x.shape[-1]
     if n is None:
@@ -198,8 +192,8 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                           same=dict(n=n, K=K, lead=tuple(x.shape[:-2]), dtype=str(x.dtype), bias=bias is not None,
                                     keep_gathered=bool(keep_gathered), partial_dtype=str(partial_dtype)),
                           info=dict(x=tuple(x.shape), weight=tuple(weight.shape)))
-    plan = _AGPlan(_Comm(P=P_sub, device=x.device), 1, bias is not None, n, bool(keep_gathered), partial_dtype,
-                   linear_ag_workspace_bytes(B, n, K, W, x.dtype, partial_dtype))
+    plan = _AGPlan(Comm(P=P_sub, device=x.device), 1, bias is not None, n, bool(keep_gathered), partial_dtype,
+                   all_gather_matmul_workspace_bytes(B, n, K, W, x.dtype, partial_dtype))
     tensors = (x, weight) + ((bias,) if bias is not None else ())
     return AllGatherMatmul.apply(plan, *tensors)
 
@@ -211,7 +205,7 @@ def all_gather_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, ke
     ``xs[r]`` ``[*, n_r, K]`` (the balanced blocks, in order), ``weights[r]`` ``[N_r, K]``
     and ``biases[r]`` ``[N_r]`` (or ``biases=None``) are virtual rank ``r``'s.  Returns the
     W outputs ``[*, n, N_r]``.  For testing and single-GPU timing; size ``ws`` with
-    :func:`linear_ag_workspace_bytes`.
+    :func:`all_gather_matmul_workspace_bytes`.
     """
     op = f"{_OP}_loopback"
     W = ws.world_size
@@ -220,15 +214,15 @@ def all_gather_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, ke
                      (len(xs), len(weights), None if biases is None else len(biases)))
     n = sum(x.shape[-2] for x in xs)
     for r, x in enumerate(xs):
-        _check_rs_args(op, x, weights[r], None if biases is None else biases[r])
+        check_linear_args(op, x, weights[r], None if biases is None else biases[r])
         if x.shape[-2] != block_extent(n, W, r) or x.shape[:-2] != xs[0].shape[:-2] or x.shape[-1] != xs[0].shape[-1] \
                 or x.device != ws.device:
             raise expect(op, f"x[{r}] shape (balanced block {r} of n={n}, same leading dims and K) and device",
                          ((*xs[0].shape[:-2], block_extent(n, W, r), xs[0].shape[-1]), ws.device),
                          (tuple(x.shape), x.device))
     x0 = xs[0]
-    plan = _AGPlan(_Comm(loopback=ws), W, biases is not None, n, bool(keep_gathered), partial_dtype,
-                   linear_ag_workspace_bytes(math.prod(x0.shape[:-2]), n, x0.shape[-1], W, x0.dtype, partial_dtype))
+    nbytes = all_gather_matmul_workspace_bytes(math.prod(x0.shape[:-2]), n, x0.shape[-1], W, x0.dtype, partial_dtype)
+    plan = _AGPlan(Comm(loopback=ws), W, biases is not None, n, bool(keep_gathered), partial_dtype, nbytes)
     tensors = (*xs, *weights) + (tuple(biases) if biases is not None else ())
     out = AllGatherMatmul.apply(plan, *tensors)
     return [out] if W == 1 else list(out)

@@ -1,11 +1,19 @@
-"""All-gather + GEMM: shards are pushed into every peer's symmetric buffer; the GEMM consumes them as they land.
+"""all_gather_matmul, kernel floor: shards are pushed into every peer's buffer; the GEMM takes them as they land.
 
 Column-parallel linear forward, and the row-parallel linear's input gradient::
 
     a_shard [B_, len_p, K]   this rank's rows [start_p, stop_p) of the sequence dim n
     weight  [N, K]           nn.Linear layout; any strides (pass ``w.t()`` for a [K, N] operand)
     forward y  = all_gather(a_shard) @ weight.T + bias                  -> [B_, n, N]
-    adjoint da = reduce_scatter(dy @ weight)     (gemm_rs with ``weight.t()``)
+    adjoint da = reduce_scatter(dy @ weight)
+                 (:func:`distfuse.kernels.matmul_reduce_scatter.matmul_scatter` with ``weight.t()``, then
+                 ``chunk_reduce``)
+
+Two launches per rank, inside one claim of the workspace: :func:`ag_push` (the producer:
+copy this rank's shard into every peer's gathered buffer) and :func:`gathered_matmul`
+(the consumer: the GEMM over the gathered rows, chunk by chunk as their flags come up).
+:func:`all_gather_matmul` is both, as one op on a real group; the autograd op of the same
+name (:mod:`distfuse.fused.all_gather_matmul`) builds on the two launches.
 
 Every rank's data region holds the gathered input ``[B_, n, K]`` (in ``a.dtype``); rank p
 writes its rows into every peer's copy and raises ``flags[p, p]`` there.  Its own rows
@@ -15,8 +23,8 @@ Schedule (W = 4, rank 1).  The push goes to rank + 1 first, so peers' rows land 
 order rank - 1, rank - 2, ...; the GEMM starts with the local chunk (no wait) and then
 takes the chunks in that arrival order::
 
-    rank 1  ag_push  | one tile load, stores to ranks 2, 3, 0 | last program raises flags[1, 1] on 2, 3, 0
-    rank 1  GEMM     | chunk 1 (local shard) | wait flags[0,0]: chunk 0 | wait [3,3]: chunk 3 | wait [2,2]: chunk 2
+    rank 1  ag_push          | one tile load, stores to ranks 2, 3, 0 | last program raises flags[1, 1] on 2, 3, 0
+    rank 1  gathered_matmul  | chunk 1 (local) | wait flags[0,0]: chunk 0 | wait [3,3]: chunk 3 | wait [2,2]: chunk 2
 
 The push runs on the same stream before the GEMM: a GEMM grid full of spinning programs
 could otherwise keep a later push from ever being scheduled, and each rank waits only for
@@ -38,19 +46,25 @@ from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import (
     AUTOTUNE,
-    CPU_GEMM_CONFIG,
     CPU_PUSH_CONFIG,
     FLOAT_DTYPES,
     INTERPRET,
     TIMED_WAITS,
     arrive,
+    balanced_chunk,
     cast_out,
+    check_bias,
+    chunk_rows,
+    claimed_rank_view,
     config_of,
     get_gemm_configs,
     get_push_configs,
+    grouped_tile,
     input_precision,
+    matmul_tile,
+    output_buffer,
+    pick_gemm_launch,
     pick_launch,
-    pinned_gemm_config,
     raise_flag,
     round_bf16,
     timeout_arg,
@@ -60,15 +74,16 @@ from distfuse.kernels._utils import (
 
 __all__ = [
     "ag_push",
-    "ag_gemm_consume",
-    "all_gather_gemm",
-    "all_gather_gemm_loopback",
-    "ag_gemm_reference",
-    "ag_gemm_workspace_bytes",
+    "gathered_matmul",
+    "all_gather_matmul",
+    "all_gather_matmul_loopback",
+    "all_gather_matmul_reference",
+    "gathered_matmul_workspace_bytes",
 ]
 
 
-# Per-call integers must not be specialised (see gemm_rs): epochs 1, 2, 16 would recompile mid-op.
+# Per-call integers must not be specialised (see matmul_reduce_scatter.py): epochs 1, 2, 16 would recompile
+# mid-op.
 @triton.jit(do_not_specialize=["rank", "epoch", "start_p"])
 def _ag_push_kernel(
     x_ptr, gathered_ptr, data_ptrs, flag_ptrs, counter_ptr,
@@ -86,9 +101,7 @@ def _ag_push_kernel(
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
         mask = (offs_m < M_p)[:, None] & (offs_k < K)[None, :]
-        len_safe = tl.maximum(len_p, 1)
-        b_idx = (offs_m // len_safe).to(tl.int64)
-        i_idx = (offs_m % len_safe).to(tl.int64)
+        b_idx, i_idx = chunk_rows(offs_m, len_p, 0)
         tile = tl.load(x_ptr + (b_idx * stride_xb + i_idx * stride_xn)[:, None] + offs_k[None, :], mask=mask)
         dst_rows = (b_idx * n + start_p + i_idx) * K
         for j in range(1, W):
@@ -103,7 +116,7 @@ def _ag_push_kernel(
 
 
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
-def _ag_gemm_kernel(
+def _gathered_matmul_kernel(
     x_ptr, gathered_ptr, b_ptr, bias_ptr, y_ptr, flags_ptr, status_ptr,
     n_batch, n, N, K, rank, W, epoch, timeout,
     stride_xb, stride_xn, stride_bn, stride_bk, stride_bias,
@@ -119,10 +132,7 @@ def _ag_gemm_kernel(
     pid = tl.program_id(0)
     step = tl.program_id(1)
     chunk = (rank - step + W) % W
-    q = n // W
-    rem = n % W
-    len_c = q + (chunk < rem).to(tl.int32)
-    start_c = chunk * q + tl.minimum(chunk, rem)
+    start_c, len_c = balanced_chunk(chunk, n, W)
     M_c = n_batch * len_c
     num_pid_m = tl.cdiv(M_c, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -130,34 +140,17 @@ def _ag_gemm_kernel(
         ok = True
         if chunk != rank:
             ok = wait_flag(flags_ptr + chunk * W + chunk, epoch, status_ptr + chunk, timeout, TIMED)
-        num_pid_in_group = GROUP_M * num_pid_n
-        first_pid_m = (pid // num_pid_in_group) * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
-
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M_c
         mask_n = offs_n < N
-        len_safe = tl.maximum(len_c, 1)
-        b_idx = (offs_m // len_safe).to(tl.int64)
-        i_idx = (offs_m % len_safe).to(tl.int64)
+        b_idx, i_idx = chunk_rows(offs_m, len_c, 0)
         g_rows = b_idx * n + start_c + i_idx  # row of the gathered [B_, n, *] tensors
         # The local chunk comes from the shard itself, the others from this rank's workspace.
         a_rows = tl.where(chunk == rank, x_ptr + b_idx * stride_xb + i_idx * stride_xn, gathered_ptr + g_rows * K)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            a = tl.load(a_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            # int64 offsets: a weight of 2^31 elements or more must not wrap.
-            b = tl.load(b_ptr + offs_k.to(tl.int64)[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn,
-                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc = matmul_tile(a_rows, mask_m, b_ptr, offs_n, mask_n, K, stride_bk, stride_bn,
+                          UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         acc = tl.where(ok, acc, float("nan"))
@@ -167,12 +160,14 @@ def _ag_gemm_kernel(
 
 _push_tuned = triton.autotune(get_push_configs(), key=["n_batch", "len_p", "K", "W"])(_ag_push_kernel) \
     if AUTOTUNE else None
-_ag_gemm_tuned = {size: triton.autotune(get_gemm_configs(dt), key=["n_batch", "n", "N", "K"])(_ag_gemm_kernel)
-                  for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
+_gathered_matmul_tuned = {
+    size: triton.autotune(get_gemm_configs(dt), key=["n_batch", "n", "N", "K"])(_gathered_matmul_kernel)
+    for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
 
 
-def ag_gemm_workspace_bytes(batch: int, n: int, K: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Data bytes one ag_gemm needs in every rank's workspace: the gathered ``[B_, n, K]``."""
+def gathered_matmul_workspace_bytes(batch: int, n: int, K: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Data bytes :func:`ag_push` + :func:`gathered_matmul` need in every rank's workspace: the gathered
+    ``[B_, n, K]``."""
     return batch * n * K * dtype.itemsize
 
 
@@ -190,24 +185,15 @@ def _shard3(op: str, a_shard: torch.Tensor, n: int, rank: int, W: int) -> torch.
     return x
 
 
-def _view(op: str, ws, rank: int, world_size: int, device: torch.device):
-    if world_size != ws.world_size:
-        raise expect(op, "world size (the workspace's group size)", ws.world_size, world_size)
-    if device != ws.device:
-        raise expect(op, "device (the workspace's device)", ws.device, device)
-    ws.require_in_flight(op)
-    return ws.rank_view(rank)
-
-
 def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, config: dict | None = None) -> None:
     """Produce: copy this rank's shard ``[..., len_rank, K]`` into its rows of every peer's gathered buffer.
 
     ``n`` is the full extent of the gathered dim.  Raises ``flags[rank, rank]`` on every
     peer when its copy is complete.  Call inside ``ws.in_flight`` on every rank, then
-    :func:`ag_gemm_consume`.
+    :func:`gathered_matmul`.
     """
     op = "ag_push"
-    st = _view(op, ws, rank, world_size, a_shard.device)
+    st = claimed_rank_view(op, ws, rank, world_size, a_shard.device)
     W = world_size
     x = _shard3(op, a_shard, n, rank, W)
     n_batch, len_p, K = x.shape
@@ -229,7 +215,7 @@ def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, co
     )
 
 
-def ag_gemm_consume(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, n: int, *,
+def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, n: int, *,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                     out: torch.Tensor | None = None, config: dict | None = None,
                     return_gathered: bool = False):
@@ -248,8 +234,8 @@ def ag_gemm_consume(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     Returns:
         ``y`` of shape ``[..., n, N]``, or ``(y, gathered)``.
     """
-    op = "ag_gemm"
-    st = _view(op, ws, rank, world_size, a_shard.device)
+    op = "gathered_matmul"
+    st = claimed_rank_view(op, ws, rank, world_size, a_shard.device)
     W = world_size
     x = _shard3(op, a_shard, n, rank, W)
     n_batch, _, K = x.shape
@@ -258,23 +244,13 @@ def ag_gemm_consume(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     if weight.dtype != x.dtype or weight.device != x.device:
         raise expect(op, "weight dtype and device (the shard's)", (x.dtype, x.device), (weight.dtype, weight.device))
     N = weight.shape[0]
-    if bias is not None and (tuple(bias.shape) != (N,) or bias.device != x.device):
-        raise expect(op, "bias shape and device", ((N,), x.device), (tuple(bias.shape), bias.device))
+    check_bias(op, bias, N, x.device)
     out_dtype = out_dtype or x.dtype
-    shape = (n_batch, n, N)
-    if out is None:
-        out = torch.empty(shape, dtype=out_dtype, device=x.device)
-    elif (out.numel() != n_batch * n * N or tuple(out.shape[-2:]) != (n, N) or not out.is_contiguous()
-          or out.dtype != out_dtype or out.device != x.device):
-        raise expect(op, "out (shape [..., n, N] with B_ rows, contiguous, dtype, device)",
-                     (shape, True, out_dtype, x.device), (tuple(out.shape), out.is_contiguous(), out.dtype, out.device))
-    else:
-        out = out.view(shape)
+    out = output_buffer(op, out, (n_batch, n, N), out_dtype, x.device, "[..., n, N]")
     gathered = st.data(x.dtype, n_batch * n * K, op=op)
     st.wait_producers()  # collective on CPU
     m_max = n_batch * (-(-n // W))
-    kernel, meta = pick_launch(_ag_gemm_tuned.get(min(x.dtype.itemsize, 4)), _ag_gemm_kernel, CPU_GEMM_CONFIG,
-                               pinned_gemm_config(x.dtype, m_max, N), config, may_tune=ws_may_tune(ws))
+    kernel, meta = pick_gemm_launch(_gathered_matmul_tuned, _gathered_matmul_kernel, x.dtype, m_max, N, config, ws)
 
     def grid(META):
         return (triton.cdiv(m_max, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]), W)
@@ -303,19 +279,23 @@ def ag_gemm_consume(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     return y, full.view(*lead, n, K)
 
 
-def all_gather_gemm(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, n: int, *,
-                    bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                    out: torch.Tensor | None = None, return_gathered: bool = False):
-    """One fused op on a real group: claim ``ws``, :func:`ag_push`, :func:`ag_gemm_consume`."""
-    with ws.in_flight("all_gather_gemm"):
+def all_gather_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, n: int, *,
+                      bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                      out: torch.Tensor | None = None, return_gathered: bool = False):
+    """One fused op on a real group: claim ``ws``, :func:`ag_push`, :func:`gathered_matmul`.
+
+    ``a_shard [..., len_rank, K] -> [..., n, N]`` (or ``(y, gathered)``); no autograd (see
+    :func:`distfuse.fused.all_gather_matmul.all_gather_matmul` for the trainable op).
+    """
+    with ws.in_flight("all_gather_matmul"):
         ag_push(a_shard, ws, rank, world_size, n)
-        return ag_gemm_consume(a_shard, weight, ws, rank, world_size, n, bias=bias, out_dtype=out_dtype, out=out,
+        return gathered_matmul(a_shard, weight, ws, rank, world_size, n, bias=bias, out_dtype=out_dtype, out=out,
                                return_gathered=return_gathered)
 
 
-def all_gather_gemm_loopback(shards, weight_list, ws, *, bias: torch.Tensor | None = None,
-                             out_dtype: torch.dtype | None = None, outs=None, config: dict | None = None,
-                             push_config: dict | None = None) -> list[torch.Tensor]:
+def all_gather_matmul_loopback(shards, weight_list, ws, *, bias: torch.Tensor | None = None,
+                               out_dtype: torch.dtype | None = None, outs=None, config: dict | None = None,
+                               push_config: dict | None = None) -> list[torch.Tensor]:
     """Every virtual rank of a :class:`~distfuse.fused.symmetric.LoopbackWorkspace`: all pushes, then all GEMMs.
 
     ``weight_list[r]`` is virtual rank r's weight (the same tensor for a plain all-gather
@@ -323,15 +303,15 @@ def all_gather_gemm_loopback(shards, weight_list, ws, *, bias: torch.Tensor | No
     """
     W = ws.world_size
     n = sum(s.shape[-2] for s in shards)
-    with ws.in_flight("all_gather_gemm_loopback"):
+    with ws.in_flight("all_gather_matmul_loopback"):
         for r in range(W):
             ag_push(shards[r], ws, r, W, n, config=push_config)
-        return [ag_gemm_consume(shards[r], weight_list[r], ws, r, W, n, bias=bias, out_dtype=out_dtype,
+        return [gathered_matmul(shards[r], weight_list[r], ws, r, W, n, bias=bias, out_dtype=out_dtype,
                                 out=None if outs is None else outs[r], config=config) for r in range(W)]
 
 
-def ag_gemm_reference(shards, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
-                      out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def all_gather_matmul_reference(shards, weight: torch.Tensor, *, bias: torch.Tensor | None = None,
+                                out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Pure-torch reference: ``cat(shards, dim=-2) @ weight.T + bias`` in fp32, rounded once to ``out_dtype``."""
     x = torch.cat(list(shards), dim=-2)
     y = x.float() @ weight.float().t()

@@ -1,11 +1,18 @@
-"""GEMM + reduce-scatter: each output tile is stored straight into the owning rank's symmetric buffer.
+"""matmul_reduce_scatter, kernel floor: each GEMM output tile is stored straight into its owner's symmetric buffer.
 
 Row-parallel linear forward, and the column-parallel linear's input gradient::
 
     a       [B_, n, K]   this rank's input (leading dims flattened to B_; K is its shard)
     weight  [N, K]       nn.Linear layout; any strides (pass ``w.t()`` for a [K, N] operand)
     forward out_r = sum_p (a_p @ weight_p.T)[:, start_r:stop_r] + bias     -> [B_, len_r, N]
-    adjoint da_p  = all_gather(d out) @ weight_p          (ag_gemm with ``weight_p.t()``)
+    adjoint da_p  = all_gather(d out) @ weight_p
+                    (:func:`distfuse.kernels.all_gather_matmul.gathered_matmul` with ``weight_p.t()``)
+
+Two launches per rank, inside one claim of the workspace: :func:`matmul_scatter` (the
+producer: GEMM whose epilogue scatters each tile to the rank that owns its rows) and
+:func:`chunk_reduce` (the consumer: sum the W partials of this rank's chunk).
+:func:`matmul_reduce_scatter` is both, as one op on a real group; the autograd op of
+the same name (:mod:`distfuse.fused.matmul_reduce_scatter`) builds on the two launches.
 
 Chunk r is the rows ``[start_r, stop_r)`` of the sequence dim n (balanced decomposition of
 n over W, so n need not divide by W), for every batch index: the GEMM remaps tile row m
@@ -18,9 +25,9 @@ Schedule (W = 4, rank 1).  Each rank writes its chunks in rank-rotated order, so
 moment the W ranks write into W different owners, and its own chunk (no link traffic)
 comes last::
 
-    rank 1  gemm_rs       | chunk 2 -> rank 2 | chunk 3 -> rank 3 | chunk 0 -> rank 0 | chunk 1 (own) |
-                          each chunk's last tile raises flags[chunk, 1] on the owner
-    rank 1  chunk_reduce  | wait flags[1, s] for s = 0, 3, 2, 1 (arrival order); fp32 sum; + bias; one rounding
+    rank 1  matmul_scatter | chunk 2 -> rank 2 | chunk 3 -> rank 3 | chunk 0 -> rank 0 | chunk 1 (own) |
+                           each chunk's last tile raises flags[chunk, 1] on the owner
+    rank 1  chunk_reduce   | wait flags[1, s] for s = 0, 3, 2, 1 (arrival order); fp32 sum; + bias; one rounding
 
 Precision: tiles accumulate in fp32 and are rounded once to ``partial_dtype`` (the output
 dtype by default: the bytes on the wire of NCCL's reduce-scatter); the reduction sums the
@@ -46,18 +53,24 @@ from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import (
     AUTOTUNE,
     CPU_CHUNK_REDUCE_CONFIG,
-    CPU_GEMM_CONFIG,
     FLOAT_DTYPES,
     INTERPRET,
     TIMED_WAITS,
     arrive,
+    balanced_chunk,
     cast_out,
+    check_bias,
+    chunk_rows,
+    claimed_rank_view,
     config_of,
     get_chunk_reduce_configs,
     get_gemm_configs,
+    grouped_tile,
     input_precision,
+    matmul_tile,
+    output_buffer,
+    pick_gemm_launch,
     pick_launch,
-    pinned_gemm_config,
     raise_flag,
     round_bf16,
     timeout_arg,
@@ -66,12 +79,13 @@ from distfuse.kernels._utils import (
 )
 
 __all__ = [
-    "gemm_rs",
+    "matmul_scatter",
     "chunk_reduce",
-    "gemm_reduce_scatter",
-    "gemm_reduce_scatter_loopback",
-    "gemm_rs_reference",
-    "gemm_rs_workspace_bytes",
+    "matmul_reduce_scatter",
+    "matmul_reduce_scatter_loopback",
+    "matmul_reduce_scatter_reference",
+    "matmul_scatter_workspace_bytes",
+    "slot_row_stride",
 ]
 
 
@@ -79,7 +93,7 @@ __all__ = [
 # specialises integer arguments equal to 1 or divisible by 16, so epochs 1, 2 and 16 would
 # each compile a new kernel on one rank while its peers spin.
 @triton.jit(do_not_specialize=["rank", "epoch", "src_offset", "slot_elems"])
-def _gemm_rs_kernel(
+def _matmul_scatter_kernel(
     a_ptr, b_ptr, slots_ptr, data_ptrs, flag_ptrs, counter_ptr,
     n_batch, n, N, ld, K, rank, W, epoch, src_offset, slot_elems,
     stride_ab, stride_an, stride_bn, stride_bk,
@@ -90,42 +104,21 @@ def _gemm_rs_kernel(
     pid = tl.program_id(0)
     step = tl.program_id(1)
     chunk = (rank + 1 + step) % W
-    q = n // W
-    rem = n % W
-    len_c = q + (chunk < rem).to(tl.int32)
-    start_c = chunk * q + tl.minimum(chunk, rem)
+    start_c, len_c = balanced_chunk(chunk, n, W)
     M_c = n_batch * len_c
     num_pid_m = tl.cdiv(M_c, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if pid < num_pid_m * num_pid_n:
-        # Grouped ordering: GROUP_M row tiles share the weight columns they read from L2.
-        num_pid_in_group = GROUP_M * num_pid_n
-        first_pid_m = (pid // num_pid_in_group) * GROUP_M
-        group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
-        pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-        pid_n = (pid % num_pid_in_group) // group_size_m
-
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M_c
         mask_n = offs_n < N
         # Row remap: chunk row m is (batch m // len_c, sequence row start_c + m % len_c).
-        len_safe = tl.maximum(len_c, 1)
-        b_idx = (offs_m // len_safe).to(tl.int64)
-        i_idx = (start_c + offs_m % len_safe).to(tl.int64)
+        b_idx, i_idx = chunk_rows(offs_m, len_c, start_c)
         a_rows = a_ptr + b_idx * stride_ab + i_idx * stride_an
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < K
-            a = tl.load(a_rows[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            # int64 offsets: a weight of 2^31 elements or more must not wrap.
-            b = tl.load(b_ptr + offs_k.to(tl.int64)[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn,
-                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        acc = matmul_tile(a_rows, mask_m, b_ptr, offs_n, mask_n, K, stride_bk, stride_bn,
+                          UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
         # Epilogue: store into owner `chunk`'s slot for source `rank`, laid out [B_, len_c, N].
         # Vectorised remote stores: Triton cannot see the alignment of a pointer made from an
         # int64 table entry, so the peer's region is addressed from this rank's own ``slots_ptr``
@@ -184,8 +177,9 @@ def _chunk_reduce_kernel(
 
 # Autotuners (CUDA, loopback ops only: see pinned_gemm_config), one per operand size:
 # fp32 tiles need their own, smaller configs.
-_gemm_rs_tuned = {size: triton.autotune(get_gemm_configs(dt), key=["n_batch", "n", "N", "K"])(_gemm_rs_kernel)
-                  for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
+_matmul_scatter_tuned = {
+    size: triton.autotune(get_gemm_configs(dt), key=["n_batch", "n", "N", "K"])(_matmul_scatter_kernel)
+    for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
 _chunk_reduce_tuned = triton.autotune(get_chunk_reduce_configs(), key=["n_rows", "N", "W"])(_chunk_reduce_kernel) \
     if AUTOTUNE else None
 
@@ -196,9 +190,9 @@ def slot_row_stride(N: int) -> int:
     return -(-N // 16) * 16
 
 
-def gemm_rs_workspace_bytes(batch: int, n: int, N: int, world_size: int,
-                            partial_dtype: torch.dtype = torch.bfloat16) -> int:
-    """Data bytes one gemm_rs needs in every rank's workspace: W slots of ``[B_, ceil(n / W), ld]``.
+def matmul_scatter_workspace_bytes(batch: int, n: int, N: int, world_size: int,
+                                   partial_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Data bytes one :func:`matmul_scatter` needs in every rank's workspace: W slots of ``[B_, ceil(n / W), ld]``.
 
     ``ld`` is :func:`slot_row_stride` (N padded to 16 elements).
     """
@@ -206,24 +200,15 @@ def gemm_rs_workspace_bytes(batch: int, n: int, N: int, world_size: int,
     return world_size * batch * (-(-n // world_size)) * slot_row_stride(N) * esize
 
 
-def _check_common(op: str, ws, rank: int, world_size: int, device: torch.device):
-    if world_size != ws.world_size:
-        raise expect(op, "world size (the workspace's group size)", ws.world_size, world_size)
-    if device != ws.device:
-        raise expect(op, "device (the workspace's device)", ws.device, device)
-    ws.require_in_flight(op)
-    return ws.rank_view(rank)
-
-
-def gemm_rs(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
-            partial_dtype: torch.dtype | None = None, config: dict | None = None) -> None:
+def matmul_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
+                   partial_dtype: torch.dtype | None = None, config: dict | None = None) -> None:
     """Produce: compute ``a @ weight.T`` chunk by chunk and store chunk r into rank r's slot for this rank.
 
     Args:
         a: ``[..., n, K]`` (leading dims are the batch B_), bf16, fp16 or fp32.
         weight: ``[N, K]``, same dtype as ``a``, any strides.
         ws: a :class:`~distfuse.fused.symmetric.SymmetricWorkspace` (or loopback) claimed
-            with ``ws.in_flight``; its data region needs :func:`gemm_rs_workspace_bytes`.
+            with ``ws.in_flight``; its data region needs :func:`matmul_scatter_workspace_bytes`.
         rank, world_size: this rank and the group size (virtual rank in loopback).
         partial_dtype: dtype of the partials in the slots (default ``a.dtype``).
         config: explicit block sizes (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``;
@@ -231,7 +216,7 @@ def gemm_rs(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: in
 
     Finish with :func:`chunk_reduce` on every rank, inside the same claim.
     """
-    op = "gemm_rs"
+    op = "matmul_scatter"
     if a.dim() < 2 or weight.dim() != 2:
         raise ShapeError(f"{where(op)}: expected a [..., n, K] and weight [N, K], got {tuple(a.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -243,7 +228,7 @@ def gemm_rs(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: in
                                f"(a and weight alike), got {a.dtype}, {weight.dtype} and {partial_dtype}")
     if weight.device != a.device:
         raise expect(op, "weight device (a's)", a.device, weight.device)
-    st = _check_common(op, ws, rank, world_size, a.device)
+    st = claimed_rank_view(op, ws, rank, world_size, a.device)
     W = world_size
     n, K, N = a.shape[-2], a.shape[-1], weight.shape[0]
     a3 = a.reshape(math.prod(a.shape[:-2]), n, K)  # not -1: ambiguous for an empty tensor
@@ -254,8 +239,7 @@ def gemm_rs(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: in
     slot_elems = n_batch * (-(-n // W)) * ld
     slots = st.data(partial_dtype, W * slot_elems, op=op)
     m_max = n_batch * (-(-n // W))
-    kernel, meta = pick_launch(_gemm_rs_tuned.get(min(a.dtype.itemsize, 4)), _gemm_rs_kernel, CPU_GEMM_CONFIG,
-                               pinned_gemm_config(a.dtype, m_max, N), config, may_tune=ws_may_tune(ws))
+    kernel, meta = pick_gemm_launch(_matmul_scatter_tuned, _matmul_scatter_kernel, a.dtype, m_max, N, config, ws)
 
     def grid(META):
         # At least one program per chunk, so that every chunk's flag is raised even when it is empty.
@@ -276,9 +260,9 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
     """Consume: sum the W partial slots of this rank's chunk (fp32), add ``bias`` once, round once.
 
     Args:
-        ws, rank, world_size: as for :func:`gemm_rs` (same claim).
+        ws, rank, world_size: as for :func:`matmul_scatter` (same claim).
         batch, n, N: B_, the full sequence extent and the output features of the GEMM.
-        partial_dtype: the dtype :func:`gemm_rs` wrote (``a.dtype`` unless overridden).
+        partial_dtype: the dtype :func:`matmul_scatter` wrote (``a.dtype`` unless overridden).
         bias: optional ``[N]``.
         out_dtype: output dtype (default ``partial_dtype``).
         out: optional preallocated contiguous ``[..., len_rank, N]`` output (``batch`` rows of ``len_rank``).
@@ -287,22 +271,12 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
         ``[batch, len_rank, N]`` with ``len_rank = block_extent(n, W, rank)``.
     """
     op = "chunk_reduce"
-    st = _check_common(op, ws, rank, world_size, ws.device)
+    st = claimed_rank_view(op, ws, rank, world_size, ws.device)
     W = world_size
     out_dtype = out_dtype or partial_dtype
     len_r = block_extent(n, W, rank)
-    shape = (batch, len_r, N)
-    if out is None:
-        out = torch.empty(shape, dtype=out_dtype, device=ws.device)
-    elif (out.numel() != batch * len_r * N or tuple(out.shape[-2:]) != (len_r, N) or not out.is_contiguous()
-          or out.dtype != out_dtype or out.device != ws.device):
-        raise expect(op, "out (shape [..., len_rank, N] with B_ rows, contiguous, dtype, device)",
-                     (shape, True, out_dtype, ws.device),
-                     (tuple(out.shape), out.is_contiguous(), out.dtype, out.device))
-    else:
-        out = out.view(shape)
-    if bias is not None and (tuple(bias.shape) != (N,) or bias.device != ws.device):
-        raise expect(op, "bias shape and device", ((N,), ws.device), (tuple(bias.shape), bias.device))
+    out = output_buffer(op, out, (batch, len_r, N), out_dtype, ws.device, "[..., len_rank, N]")
+    check_bias(op, bias, N, ws.device)
     ld = slot_row_stride(N)
     slot_elems = batch * (-(-n // W)) * ld
     slots = st.data(partial_dtype, W * slot_elems, op=op)
@@ -326,26 +300,27 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
     return out
 
 
-def gemm_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
-                        bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                        partial_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """One fused op on a real group: claim ``ws``, :func:`gemm_rs`, :func:`chunk_reduce`.
+def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
+                          bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                          partial_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """One fused op on a real group: claim ``ws``, :func:`matmul_scatter`, :func:`chunk_reduce`.
 
-    Returns ``[..., len_rank, N]`` (the leading dims of ``a``).
+    ``a [..., n, K] -> [..., len_rank, N]`` (the leading dims of ``a``); no autograd (see
+    :func:`distfuse.fused.matmul_reduce_scatter.matmul_reduce_scatter` for the trainable op).
     """
     n, N = a.shape[-2], weight.shape[0]
     batch = math.prod(a.shape[:-2])
     partial_dtype = partial_dtype or a.dtype
-    with ws.in_flight("gemm_reduce_scatter"):
-        gemm_rs(a, weight, ws, rank, world_size, partial_dtype=partial_dtype)
+    with ws.in_flight("matmul_reduce_scatter"):
+        matmul_scatter(a, weight, ws, rank, world_size, partial_dtype=partial_dtype)
         y = chunk_reduce(ws, rank, world_size, batch, n, N, partial_dtype=partial_dtype, bias=bias,
                          out_dtype=out_dtype or a.dtype, out=out)
     return y.view(*a.shape[:-2], y.shape[1], N)
 
 
-def gemm_reduce_scatter_loopback(a_list, weight_list, ws, *, bias: torch.Tensor | None = None,
-                                 out_dtype: torch.dtype | None = None, partial_dtype: torch.dtype | None = None,
-                                 outs=None, config: dict | None = None) -> list[torch.Tensor]:
+def matmul_reduce_scatter_loopback(a_list, weight_list, ws, *, bias: torch.Tensor | None = None,
+                                   out_dtype: torch.dtype | None = None, partial_dtype: torch.dtype | None = None,
+                                   outs=None, config: dict | None = None) -> list[torch.Tensor]:
     """Every virtual rank of a :class:`~distfuse.fused.symmetric.LoopbackWorkspace`: all producers, then all reducers.
 
     Returns the W outputs ``[B_, len_r, N]`` in rank order.
@@ -355,16 +330,17 @@ def gemm_reduce_scatter_loopback(a_list, weight_list, ws, *, bias: torch.Tensor 
     n, N = a0.shape[-2], weight_list[0].shape[0]
     batch = math.prod(a0.shape[:-2])
     partial_dtype = partial_dtype or a0.dtype
-    with ws.in_flight("gemm_reduce_scatter_loopback"):
+    with ws.in_flight("matmul_reduce_scatter_loopback"):
         for r in range(W):
-            gemm_rs(a_list[r], weight_list[r], ws, r, W, partial_dtype=partial_dtype, config=config)
+            matmul_scatter(a_list[r], weight_list[r], ws, r, W, partial_dtype=partial_dtype, config=config)
         return [chunk_reduce(ws, r, W, batch, n, N, partial_dtype=partial_dtype, bias=bias,
                              out_dtype=out_dtype or a0.dtype, out=None if outs is None else outs[r])
                 for r in range(W)]
 
 
-def gemm_rs_reference(a_list, weight_list, rank: int, *, bias: torch.Tensor | None = None,
-                      out_dtype: torch.dtype | None = None, partial_dtype: torch.dtype | None = None) -> torch.Tensor:
+def matmul_reduce_scatter_reference(a_list, weight_list, rank: int, *, bias: torch.Tensor | None = None,
+                                    out_dtype: torch.dtype | None = None,
+                                    partial_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Pure-torch reference of rank ``rank``'s output, with the kernels' roundings.
 
     Each partial ``a_p @ weight_p.T`` is computed in fp32 and rounded to ``partial_dtype``;

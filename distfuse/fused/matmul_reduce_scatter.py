@@ -1,0 +1,233 @@
+"""matmul_reduce_scatter: the fused row-parallel linear, GEMM + reduce-scatter forward, all-gather + GEMM backward.
+
+Worker ``r`` of the ``W`` model-parallel workers of ``P_sub`` holds input-feature block
+``r`` and, on output, sequence block ``r`` (``*`` any leading dims, ``n_r`` the balanced
+block ``r`` of ``n``, so ``n`` need not divide by ``W``)::
+
+    x        [*, n, K_r]    full sequence, this worker's input features
+    weight   [N, K_r]       nn.Linear layout, split along the input features
+    bias     [N]            replicated: the same values on every worker of P_sub
+    forward  y_r = reduce_scatter_n(x @ weight.T)[block r] + bias               [*, n_r, N]
+             matmul_scatter stores each tile into its owner's symmetric slot; chunk_reduce
+             sums the W partials in fp32 and adds the bias once
+    dgrad    dx  = all_gather_n(dy) @ weight                                     [*, n, K_r]
+             ag_push + gathered_matmul(dy, weight.t(), return_gathered=True)
+    wgrad    dW  = g.T @ x   with g = all_gather_n(dy), the copy gathered_matmul returns   [N, K_r]
+             db  = sum of dy over this worker's rows  (a partial: see Bias)         [N]
+
+Bias.  Every output element gets the bias exactly once: worker ``r`` adds its copy to its
+own rows only.  Its gradient on worker ``r`` therefore covers only those rows, and the
+gradient of the one shared parameter is the sum of the W partials.  Two set-ups are
+correct, and ``bias_grad`` says which one the caller uses:
+
+* ``"partial"`` (default; distfuse's layers): the bias lives on one owner and reaches the
+  workers through a Broadcast, whose adjoint sums the partials.  Same convention as the
+  weight gradients of ``fused/halo_conv.py``.
+* ``"sum"``: every worker keeps a replica updated by its own optimizer (Megatron-style
+  sequence parallelism).  The backward all-reduces the partials over ``P_sub`` (one
+  ``N``-element fp32 all-reduce), so every replica gets the full gradient and stays in
+  step.  Combined with a Broadcast it would count the gradient W times.
+
+Every rank of ``P_sub`` must pass a bias, or none.
+
+Workspace.  Both directions run on the cached symmetric workspace of ``P_sub``
+(:func:`~distfuse.fused.symmetric.get_workspace`), requested once with the max of the two
+phases' needs (:func:`matmul_reduce_scatter_workspace_bytes`).  The forward and the
+backward each claim it (``ws.in_flight``): one fused op in flight per workspace, so a
+second fused op cannot run on it between this op's launches.  Outputs never alias the
+workspace.
+
+Why this exists.  No public library offers eager-mode fused all-gather/reduce-scatter
+GEMMs with autograd: Flux and Triton-distributed ship forward kernels only, and torch's
+``torch.ops.symm_mem.fused_matmul_reduce_scatter`` / ``fused_all_gather_matmul`` get a
+backward only through torch.compile's async-TP pass (the micro-pipeline TP graph
+rewrite).  Here each op's backward is the other fused op
+(:mod:`distfuse.fused.all_gather_matmul`); both run the two phases of
+:mod:`distfuse.fused.matmul_phases`, where every kernel launch of both ops happens.
+
+World size 1: a plain ``F.linear`` (no workspace, no communication).  Where symmetric
+memory is unavailable (several hosts, no P2P, CPU without the Triton interpreter), the
+functional forms must not be called: ask :func:`fused_linear_available` first and fall
+back to the unfused composition (``F.linear`` + the ReduceScatter / AllGather
+primitives), logging the reason once with
+:func:`~distfuse.fused.symmetric.log_fallback_once`.
+
+The kernel floor has a one-shot op of the same name without autograd
+(:func:`distfuse.kernels.matmul_reduce_scatter.matmul_reduce_scatter`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from distfuse import debug
+from distfuse.errors import PartitionError, UnsupportedError, expect, where
+from distfuse.fused.matmul_phases import (
+    Comm,
+    check_linear_args,
+    flat_rows,
+    fused_linear_available,
+    grads_needed,
+    require_available,
+    run_all_gather_matmul,
+    run_matmul_reduce_scatter,
+    split_inputs,
+    workspace_bytes,
+)
+from distfuse.fused.symmetric import LoopbackWorkspace
+from distfuse.kernels._utils import FLOAT_DTYPES
+from distfuse.partition import Partition
+
+__all__ = [
+    "MatmulReduceScatter",
+    "matmul_reduce_scatter",
+    "matmul_reduce_scatter_loopback",
+    "matmul_reduce_scatter_workspace_bytes",
+    "fused_linear_available",
+]
+
+_OP = "matmul_reduce_scatter"
+BIAS_GRADS = ("partial", "sum")
+
+
+def matmul_reduce_scatter_workspace_bytes(batch: int, n: int, N: int, world_size: int, dtype: torch.dtype,
+                                          partial_dtype: torch.dtype | None = None) -> int:
+    """Workspace data bytes :func:`matmul_reduce_scatter` needs on every rank (forward and backward).
+
+    The forward's W partial slots of ``[B_, ceil(n / W), N]`` (in ``partial_dtype``) or the
+    backward's gathered ``dy`` ``[B_, n, N]``, whichever is larger; 0 at world size 1.
+    ``batch`` is the product of the leading dims.
+    """
+    return workspace_bytes(batch, n, N, world_size, dtype, partial_dtype)
+
+
+# ---------------------------------------------------------------- autograd
+
+
+class _RSPlan(NamedTuple):
+    comm: Comm
+    k: int  # tensors per kind (ranks launched by this process)
+    has_bias: bool
+    n: int
+    partial_dtype: torch.dtype | None
+    bias_grad: str
+    nbytes: int
+
+
+class MatmulReduceScatter(torch.autograd.Function):
+    """Autograd Function of :func:`matmul_reduce_scatter` (and its loopback form); see the module doc.
+
+    ``apply(plan, *xs, *weights, *biases)``: one tensor of each kind per rank this process
+    launches (one on a real group, W in loopback).  Use the functional forms.
+    """
+
+    @staticmethod
+    def forward(ctx, plan: _RSPlan, *tensors):
+        k = plan.k
+        xs, weights, biases = split_inputs(tensors, k, plan.has_bias)
+        ys = run_matmul_reduce_scatter(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.n, plan.partial_dtype,
+                                       plan.nbytes)
+        ctx.plan = plan
+        ctx.save_for_backward(*xs, *weights)
+        return ys[0] if k == 1 else tuple(ys)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *dys):
+        plan = ctx.plan
+        k, comm = plan.k, plan.comm
+        saved = ctx.saved_tensors
+        xs, weights = saved[:k], saved[k:]
+        need_dx, need_dw, need_db = grads_needed(ctx.needs_input_grad, k, plan.has_bias)
+        dys = [dy.contiguous() for dy in dys]
+        dxs, dws, dbs = [None] * k, [None] * k, [None] * k
+        if need_dx or need_dw:
+            # dx = all_gather(dy) @ W; the kernel hands back the gathered dy for the weight gradient.
+            dxs_all, gathered = run_all_gather_matmul(comm, f"{_OP}.backward", dys, [w.t() for w in weights],
+                                                      [None] * k, plan.n, need_dw, plan.nbytes)
+            if need_dx:
+                dxs = dxs_all
+            if need_dw:
+                dws = [flat_rows(g).t() @ flat_rows(x) for g, x in zip(gathered, xs, strict=True)]
+        if need_db:
+            if plan.bias_grad == "sum":
+                dbs = [comm.all_reduce_(flat_rows(dy).sum(0, dtype=torch.float32)).to(dy.dtype) for dy in dys]
+            else:
+                dbs = [flat_rows(dy).sum(0) for dy in dys]
+        return (None, *dxs, *dws, *(dbs if plan.has_bias else ()))
+
+
+def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition, *,
+                          partial_dtype: torch.dtype | None = None, bias_grad: str = "partial") -> torch.Tensor:
+    """Fused ``reduce_scatter_n(x @ weight.T) + bias`` over the model-parallel workers ``P_sub``, autograd-aware.
+
+    Args:
+        x: ``[*, n, K_r]``: the full sequence and this worker's input features (``*`` may be empty).
+        weight: ``[N, K_r]``, x's dtype (fp32, fp16 or bf16) and device.
+        bias: ``[N]`` (replicated over ``P_sub``) or None; every rank passes one, or none.
+        P_sub: the model-parallel workers; partition rank ``r`` receives sequence block ``r``
+            (the balanced decomposition of ``n``).  Must satisfy :func:`fused_linear_available`.
+        partial_dtype: dtype of the partial sums on the wire (default x's; ``torch.float32``
+            leaves one rounding for 16-bit outputs at twice the traffic).  The backward
+            all-gathers ``dy`` in its own dtype (a gather does not round).
+        bias_grad: ``"partial"`` (the sum of ``dy`` over this worker's rows; the caller's
+            Broadcast adjoint sums them) or ``"sum"`` (all-reduced over ``P_sub``; for
+            replicas updated independently).  See the module doc.
+
+    Returns:
+        ``[*, n_r, N]``: this worker's sequence block of the reduced output.
+
+    Collective over ``P_sub`` in forward and backward (every rank calls it with the same
+    ``n``, ``N``, leading dims, dtype and bias presence; ``DISTFUSE_DEBUG=1`` checks).
+    """
+    if not P_sub.active:
+        raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
+    check_linear_args(_OP, x, weight, bias, P_sub.device)
+    if bias_grad not in BIAS_GRADS:
+        raise expect(_OP, "bias_grad", " or ".join(BIAS_GRADS), repr(bias_grad), cls=UnsupportedError)
+    if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
+        raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+    require_available(_OP, P_sub, x.device)
+    W = P_sub.size
+    n, N = x.shape[-2], weight.shape[0]
+    B = math.prod(x.shape[:-2])
+    debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
+                          same=dict(n=n, N=N, lead=tuple(x.shape[:-2]), dtype=str(x.dtype), bias=bias is not None,
+                                    partial_dtype=str(partial_dtype), bias_grad=bias_grad),
+                          info=dict(x=tuple(x.shape)))
+    plan = _RSPlan(Comm(P=P_sub, device=x.device), 1, bias is not None, n, partial_dtype, bias_grad,
+                   matmul_reduce_scatter_workspace_bytes(B, n, N, W, x.dtype, partial_dtype))
+    tensors = (x, weight) + ((bias,) if bias is not None else ())
+    return MatmulReduceScatter.apply(plan, *tensors)
+
+
+def matmul_reduce_scatter_loopback(xs, weights, bias: torch.Tensor | None, ws: LoopbackWorkspace, *,
+                                   partial_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """:func:`matmul_reduce_scatter` for all W virtual ranks of a loopback workspace, in one process, autograd-aware.
+
+    ``xs[r]`` ``[*, n, K_r]`` and ``weights[r]`` ``[N, K_r]`` are virtual rank ``r``'s;
+    ``bias`` ``[N]`` is the one shared tensor (its gradient accumulates every rank's
+    partial, i.e. the full gradient).  Returns the W outputs ``[*, n_r, N]``.  For
+    testing and single-GPU timing; size ``ws`` with :func:`matmul_reduce_scatter_workspace_bytes`.
+    """
+    op = f"{_OP}_loopback"
+    W = ws.world_size
+    if len(xs) != W or len(weights) != W:
+        raise expect(op, "number of inputs and weights (the workspace's world size)", W, (len(xs), len(weights)))
+    for x, w in zip(xs, weights, strict=True):
+        check_linear_args(op, x, w, bias)
+        if x.shape[:-1] != xs[0].shape[:-1] or w.shape[0] != weights[0].shape[0] or x.device != ws.device:
+            raise expect(op, "x shapes [*, n, K_r] alike but for K_r, N alike, the workspace's device",
+                         (tuple(xs[0].shape[:-1]), weights[0].shape[0], ws.device),
+                         (tuple(x.shape[:-1]), w.shape[0], x.device))
+    x0 = xs[0]
+    n, N = x0.shape[-2], weights[0].shape[0]
+    plan = _RSPlan(Comm(loopback=ws), W, bias is not None, n, partial_dtype, "partial",
+                   matmul_reduce_scatter_workspace_bytes(math.prod(x0.shape[:-2]), n, N, W, x0.dtype, partial_dtype))
+    tensors = (*xs, *weights) + ((bias,) * W if bias is not None else ())
+    out = MatmulReduceScatter.apply(plan, *tensors)
+    return [out] if W == 1 else list(out)
