@@ -365,8 +365,10 @@ def comp(fn, dt, acc, consts, ones):
 for dt, acc, compute in (("bf16", "fp32", tl.float32), ("fp64", "fp64", tl.float64)):
     for ones in (False, True):
         comp(hk._lut_gather_kernel, dt, acc, {"REGION": 2, "COMPUTE": compute, "BLOCK_R": 32, "BLOCK_X": 64}, ones)
-        comp(hk._box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "COMPUTE": compute, "BLOCK": 1024}, ones)
-        comp(hk._accumulate_kernel, dt, acc, {"COMPUTE": compute, "BLOCK_R": 32, "BLOCK_X": 64}, ones)
+        comp(hk._box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "COMPUTE": compute, "ROUND_BF16": False, "BLOCK": 1024},
+             ones)
+        comp(hk._accumulate_kernel, dt, acc, {"COMPUTE": compute, "ROUND_BF16": False, "BLOCK_R": 32, "BLOCK_X": 64},
+             ones)
 print("compiled")
 """
 

@@ -61,6 +61,15 @@ _OP = "halo_conv"
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
+def _conv(nd: int, x, weight, bias, stride, dilation, groups):
+    """The staged conv; on CPU, 16-bit convs run in fp32 and round once (as ``layers._conv_common.conv_block``):
+    torch 2.13's oneDNN computes bf16 conv3d with a stride on the last axis wrongly on one thread."""
+    if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
+        return _CONV[nd](x.float(), weight.float(), None if bias is None else bias.float(), stride, 0, dilation,
+                         groups).to(x.dtype)
+    return _CONV[nd](x, weight, bias, stride, 0, dilation, groups)
+
+
 def _views(buf: torch.Tensor, shapes: Sequence[Sequence[int]], lead: int) -> list[torch.Tensor]:
     """Flat, contiguous per-message views of one buffer (box k = ``[lead, *shapes[k]]``)."""
     offs, _ = box_offsets(shapes, lead)
@@ -150,7 +159,7 @@ class HaloConvFunction(torch.autograd.Function):
         if 0 in staged_shape:
             y = x.new_zeros((x.shape[0], weight.shape[0]) + plan.output_shape(index))
         else:
-            y = _CONV[nd](staged, weight, bias, stride, 0, dilation, groups)
+            y = _conv(nd, staged, weight, bias, stride, dilation, groups)
         # The weight gradient needs the staged input; keep it only then (it is the conv's own activation,
         # the same memory the unfused HaloExchange + conv keeps).
         ctx.save_for_backward(staged if ctx.needs_input_grad[1] else None, weight)

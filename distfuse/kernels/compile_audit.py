@@ -174,11 +174,12 @@ def _halo_cases(dtypes) -> list[KernelCase]:
             for region in (0, 1, 2):
                 cases.append(KernelCase("halo_lut_gather", halo._lut_gather_kernel, dt, dict(tile, REGION=region),
                                         4, 1, pointer_dtypes={**luts, **i64}))
-            cases.append(KernelCase("halo_accumulate", halo._accumulate_kernel, dt, dict(tile), 4, 1,
+            cases.append(KernelCase("halo_accumulate", halo._accumulate_kernel, dt, dict(tile, ROUND_BF16=False), 4, 1,
                                     pointer_dtypes={**i64, **fp32}))
         for log2 in (1, 5):
             cases.append(KernelCase("halo_box_gather", halo._box_gather_kernel, dt,
-                                    dict(LOG2_NBOX=log2, COMPUTE=tl.float32, BLOCK=1024), halo.BOX_NUM_WARPS, 1,
+                                    dict(LOG2_NBOX=log2, COMPUTE=tl.float32, ROUND_BF16=False, BLOCK=1024),
+                                    halo.BOX_NUM_WARPS, 1,
                                     pointer_dtypes={**i64, **fp32}))
     return cases
 

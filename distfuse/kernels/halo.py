@@ -82,6 +82,7 @@ import triton.language as tl
 
 from distfuse.errors import UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan, adjoint_box, read_box
+from distfuse.kernels._utils import cast_out, round_bf16
 from distfuse.kernels.halo_tables import (
     accumulate_tables,
     box_offsets,
@@ -189,7 +190,8 @@ def _lut_gather_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1
 @triton.jit
 def _box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, total, RTMAX,
                        LEAD, src_ls, src_s0, src_s1, src_s2,
-                       LOG2_NBOX: tl.constexpr, COMPUTE: tl.constexpr, BLOCK: tl.constexpr):
+                       LOG2_NBOX: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """Boxes laid end to end (box k from ``bstart[k]``); box k is flat ``[LEAD, E0, E1, E2]`` at ``out{SEL}[DST:]``:
 
     element ``(l, c)`` = ``sum_{r < R} src[l, T + D*c + r]`` per axis (D = +1 copy, -1
@@ -250,14 +252,17 @@ def _box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, 
             acc += tl.load(src_ptr + off + r0 * src_s0 + r1 * src_s1 + r2 * src_s2, mask=m & (r < RT),
                            other=0.0).to(COMPUTE)
             r += 1
-    tl.store(out0_ptr + dst + local, acc.to(out0_ptr.dtype.element_ty), mask=m & (sel == 0))
+    # out0 has the source's dtype: a bf16 sum is rounded to nearest even (cast_out; the interpreter's own
+    # conversion truncates); out1 is the fp32/fp64 self-box buffer.
+    tl.store(out0_ptr + dst + local, cast_out(acc, out0_ptr.dtype.element_ty, ROUND_BF16), mask=m & (sel == 0))
     tl.store(out1_ptr + dst + local, acc.to(out1_ptr.dtype.element_ty), mask=m & (sel == 1))
 
 
 @triton.jit
 def _accumulate_kernel(gx_ptr, self_ptr, recv_ptr, m0_ptr, m1_ptr, m2_ptr, atab_ptr, nbox,
                        n_rows, E0, E1, E2,
-                       COMPUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
+                       COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_X: tl.constexpr):
     """gx[l, p] += sum over boxes k covering p of box_k[l, p - lo_k], in place; untouched tiles are skipped.
 
     Box k (table row k): SEL 0 reads ``self_ptr``, 1 ``recv_ptr``; ``[LEAD, S0, S1, S2]``
@@ -302,7 +307,7 @@ def _accumulate_kernel(gx_ptr, self_ptr, recv_ptr, m0_ptr, m1_ptr, m2_ptr, atab_
                 else:
                     acc += tl.load(recv_ptr + off, mask=hit, other=0.0).to(COMPUTE)
             k += 1
-        tl.store(gx_ptr + out_off, acc.to(gx_ptr.dtype.element_ty), mask=mask)
+        tl.store(gx_ptr + out_off, cast_out(acc, gx_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 # --------------------------------------------------------------------------------------
@@ -423,8 +428,8 @@ def _launch_boxes(out0, out1, src, tables, lead, src_shape3, block):
     st = contiguous_strides(src_shape3)
     _box_gather_kernel[_linear_grid(triton.cdiv(total, block))](
         out0, out1, src, btab, bstart, nbox, total, rtmax, lead, math.prod(src_shape3), *st,
-        LOG2_NBOX=max(1, (nbox - 1).bit_length()), COMPUTE=_compute_dtype(src.dtype), BLOCK=block,
-        num_warps=BOX_NUM_WARPS)
+        LOG2_NBOX=max(1, (nbox - 1).bit_length()), COMPUTE=_compute_dtype(src.dtype),
+        ROUND_BF16=round_bf16(out0.dtype), BLOCK=block, num_warps=BOX_NUM_WARPS)
 
 
 # --------------------------------------------------------------------------------------
@@ -598,7 +603,8 @@ def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: to
     r = incoming if incoming.numel() else grad_x
     for masks, atab, nbox in chunks:
         _accumulate_kernel[grid](grad_x, s, r, *masks, atab, nbox, n_rows, E0, E1, E2,
-                                 COMPUTE=_compute_dtype(grad_x.dtype), BLOCK_R=block_r, BLOCK_X=block_x)
+                                 COMPUTE=_compute_dtype(grad_x.dtype), ROUND_BF16=round_bf16(grad_x.dtype),
+                                 BLOCK_R=block_r, BLOCK_X=block_x)
     return grad_x
 
 
