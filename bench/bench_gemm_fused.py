@@ -135,7 +135,7 @@ class Side:
     """One per-rank GEMM of the W-way op, with its loopback workspace and the cuBLAS anchor's operands."""
 
     def __init__(self, side, m, n, k, world, dtype, device, seed=0):
-        from distfuse.fused.symmetric import LoopbackWorkspace
+        from distfuse.fused.workspace import LoopbackWorkspace
         from distfuse.kernels.all_gather_matmul import gathered_matmul_workspace_bytes
         from distfuse.kernels.matmul_reduce_scatter import matmul_scatter_workspace_bytes
 
@@ -405,7 +405,7 @@ def smoke(out_dir: Path | None = None) -> int:
         matmul_reduce_scatter_loopback,
         matmul_reduce_scatter_workspace_bytes,
     )
-    from distfuse.fused.symmetric import LoopbackWorkspace
+    from distfuse.fused.workspace import LoopbackWorkspace
 
     bad = []
     W, device = 2, torch.device("cpu")

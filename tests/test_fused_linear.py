@@ -37,7 +37,8 @@ from distfuse.fused.matmul_reduce_scatter import (
     matmul_reduce_scatter_loopback,
     matmul_reduce_scatter_workspace_bytes,
 )
-from distfuse.fused.symmetric import LoopbackWorkspace, WorkspaceBrokenError, WorkspaceBusyError, close_all
+from distfuse.fused.symmetric import close_all
+from distfuse.fused.workspace import LoopbackWorkspace, WorkspaceBrokenError, WorkspaceBusyError
 from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.primitives.all_gather import all_gather
 from distfuse.primitives.reduce_scatter import reduce_scatter

@@ -15,13 +15,8 @@ import triton.language as tl
 
 from distfuse import Partition
 from distfuse.errors import CollectiveTimeoutError, ShapeError
-from distfuse.fused.symmetric import (
-    LoopbackWorkspace,
-    WorkspaceBrokenError,
-    WorkspaceBusyError,
-    close_all,
-    get_workspace,
-)
+from distfuse.fused.symmetric import close_all, get_workspace
+from distfuse.fused.workspace import LoopbackWorkspace, WorkspaceBrokenError, WorkspaceBusyError
 from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import cast_out, round_bf16, wait_flag
 from distfuse.kernels.all_gather_matmul import (

@@ -37,7 +37,8 @@ import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 from distfuse import debug
 from distfuse._compat import all_gather_flat
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
-from distfuse.fused.symmetric import LoopbackWorkspace, get_workspace, symmetric_memory_available
+from distfuse.fused.symmetric import get_workspace, symmetric_memory_available
+from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.partition import Partition

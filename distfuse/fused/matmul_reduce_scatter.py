@@ -78,7 +78,7 @@ from distfuse.fused.matmul_phases import (
     split_inputs,
     workspace_bytes,
 )
-from distfuse.fused.symmetric import LoopbackWorkspace
+from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.partition import Partition
 

@@ -296,7 +296,7 @@ def all_gather_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int
 def all_gather_matmul_loopback(shards, weight_list, ws, *, bias: torch.Tensor | None = None,
                                out_dtype: torch.dtype | None = None, outs=None, config: dict | None = None,
                                push_config: dict | None = None) -> list[torch.Tensor]:
-    """Every virtual rank of a :class:`~distfuse.fused.symmetric.LoopbackWorkspace`: all pushes, then all GEMMs.
+    """Every virtual rank of a :class:`~distfuse.fused.workspace.LoopbackWorkspace`: all pushes, then all GEMMs.
 
     ``weight_list[r]`` is virtual rank r's weight (the same tensor for a plain all-gather
     GEMM).  Returns the W outputs ``[..., n, N]`` in rank order.

@@ -321,7 +321,7 @@ def matmul_reduce_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
 def matmul_reduce_scatter_loopback(a_list, weight_list, ws, *, bias: torch.Tensor | None = None,
                                    out_dtype: torch.dtype | None = None, partial_dtype: torch.dtype | None = None,
                                    outs=None, config: dict | None = None) -> list[torch.Tensor]:
-    """Every virtual rank of a :class:`~distfuse.fused.symmetric.LoopbackWorkspace`: all producers, then all reducers.
+    """Every virtual rank of a :class:`~distfuse.fused.workspace.LoopbackWorkspace`: all producers, then all reducers.
 
     Returns the W outputs ``[B_, len_r, N]`` in rank order.
     """
