@@ -242,8 +242,10 @@ def test_launch_grids_stay_within_cuda_limits(n_rows, inner, tile):
     assert (g1 > 1) == (tiles > 2**31 - 1)
     # the box gather (pack, unstage) numbers its programs the same way
     total = n_rows * inner
-    g0, g1 = hk._linear_grid(-(-total // hk._box_block(cuda, tile and tile[1], total)))
+    programs = -(-total // hk._box_block(cuda, tile and tile[1], total))
+    g0, g1 = hk._linear_grid(programs)
     assert 1 <= g0 <= 2**31 - 1 and 1 <= g1 <= 65535
+    assert programs <= g0 * g1 < programs + g1  # every block of elements has a program
 
 
 def test_launch_grid_beyond_cuda_raises():

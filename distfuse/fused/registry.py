@@ -31,8 +31,17 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["DefaultRule", "FusedOp", "OPS", "RENAMED", "RENAMED_KERNELS", "register", "get", "names", "size_of",
+__all__ = ["in_interval",
+           "DefaultRule", "FusedOp", "OPS", "RENAMED", "RENAMED_KERNELS", "register", "get", "names", "size_of",
            "resolve", "current_name", "MATMUL_REDUCE_SCATTER", "ALL_GATHER_MATMUL", "HALO_CONV"]
+
+
+def in_interval(size: float, min_size: float | None, max_size: float | None) -> bool:
+    """``min_size <= size <= max_size``, both bounds inclusive, a None bound open: the one rule that default
+    rules, crossover fits and crossover-table entries share."""
+    lo = -math.inf if min_size is None else min_size
+    hi = math.inf if max_size is None else max_size
+    return lo <= size <= hi
 
 
 @dataclass(frozen=True)
@@ -63,11 +72,7 @@ class DefaultRule:
         return cls("threshold", why, min_size, max_size)
 
     def fused_at(self, size: float) -> bool:
-        if self.fused == "never":
-            return False
-        lo = -math.inf if self.min_size is None else self.min_size
-        hi = math.inf if self.max_size is None else self.max_size
-        return lo <= size <= hi
+        return self.fused != "never" and in_interval(size, self.min_size, self.max_size)
 
     def describe(self, size_key: str) -> str:
         if self.fused == "never":

@@ -32,11 +32,9 @@ Design decisions:
   upcast to fp32 first, because the interpreter's bf16 ``tl.dot`` is wrong (the products
   of 16-bit values are exact in fp32, so only the summation order differs), and bf16
   outputs are rounded to nearest even by hand (``cast_out``), as in the GEMM kernels.
-* **The K loop.**  Compiled, ``for k in range(0, K, BLOCK_K)`` (a loop Triton
-  software-pipelines); interpreted, the same steps in a ``while`` loop, because Triton
-  3.6's interpreter converts a runtime ``range`` bound with ``int()`` of a shape-(1,)
-  array, which numpy 2 rejects.  Both call one ``_conv_k_step``, whose k-indexed
-  temporaries are local, so the tile shapes are free (BLOCK_M != BLOCK_K compiles).
+* **The K loop.**  ``for k in range(0, K, BLOCK_K)`` (a loop Triton software-pipelines)
+  over ``_conv_k_step``, whose k-indexed temporaries are local, so the tile shapes are
+  free (BLOCK_M != BLOCK_K compiles).
 * **Plain pointer arithmetic, exact masks.**  No ``tl.make_block_ptr`` (unsupported by
   the interpreter); every load is masked on ``m < M``, ``k < K``, ``n < N`` and the
   piece kind, because an out-of-bounds access silently corrupts memory there.
@@ -126,14 +124,14 @@ def _conv_implicit_kernel(y_ptr, x_ptr, r_ptr, w_ptr, bias_ptr,
                           seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
                           M, N, K, C, O0, O1, O2, K0, K1, K2, NS1, NS2,
                           SD0, SD1, SD2, DL0, DL1, DL2,
-                          HAS_BIAS: tl.constexpr, INTERPRET: tl.constexpr, UPCAST: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
                           INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y[b, n, o] = bias[n] + sum_{c, kp} w[n, c, kp] * staged[b, c, o * SD + kp * DL], staged read via the LUTs.
 
     Program ``(pid_m, pid_n)`` computes the ``[BLOCK_M, BLOCK_N]`` tile of the GEMM view
     (rows ``m`` = (b, o), columns ``n`` = output channels), one ``_conv_k_step`` per
-    ``BLOCK_K`` slice of K.  ``INTERPRET`` picks the K loop's form only (see the module doc).
+    ``BLOCK_K`` slice of K.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -149,22 +147,13 @@ def _conv_implicit_kernel(y_ptr, x_ptr, r_ptr, w_ptr, bias_ptr,
     o0 = mq % O0
     b = mq // O0
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    if INTERPRET:
-        # Triton 3.6's interpreter cannot take a runtime range() bound: the same steps as a while loop
-        k_start = tl.full([], 0, tl.int32)
-        while k_start < K:
-            acc = _conv_k_step(acc, k_start, b, o0, o1, o2, mmask, offs_n, nmask,
-                               x_ptr, r_ptr, w_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr,
-                               ptab_ptr, K, C, K0, K1, K2, NS1, NS2, SD0, SD1, SD2, DL0, DL1, DL2,
-                               UPCAST, INPUT_PRECISION, BLOCK_K)
-            k_start += BLOCK_K
-    else:
-        # compiled: a for loop over a runtime bound, which Triton software-pipelines (a while loop it would not)
-        for k_start in range(0, K, BLOCK_K):
-            acc = _conv_k_step(acc, k_start, b, o0, o1, o2, mmask, offs_n, nmask,
-                               x_ptr, r_ptr, w_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr,
-                               ptab_ptr, K, C, K0, K1, K2, NS1, NS2, SD0, SD1, SD2, DL0, DL1, DL2,
-                               UPCAST, INPUT_PRECISION, BLOCK_K)
+    # A for loop over a runtime bound, which Triton software-pipelines (Triton 3.6's interpreter runs it through
+    # distfuse.kernels._interpreter_compat).
+    for k_start in range(0, K, BLOCK_K):
+        acc = _conv_k_step(acc, k_start, b, o0, o1, o2, mmask, offs_n, nmask,
+                           x_ptr, r_ptr, w_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr,
+                           ptab_ptr, K, C, K0, K1, K2, NS1, NS2, SD0, SD1, SD2, DL0, DL1, DL2,
+                           UPCAST, INPUT_PRECISION, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
     ovol = O0 * O1 * O2
@@ -182,7 +171,7 @@ def _constexprs(dtype: torch.dtype, has_bias: bool, tile: tuple[int, int, int], 
     and bf16 outputs are rounded by hand (its fp32 -> bf16 conversion truncates).
     """
     bm, bn, bk = tile
-    return dict(HAS_BIAS=has_bias, INTERPRET=interpret, UPCAST=interpret, INPUT_PRECISION=input_precision(dtype),
+    return dict(HAS_BIAS=has_bias, UPCAST=interpret, INPUT_PRECISION=input_precision(dtype),
                 ROUND_BF16=interpret and dtype == torch.bfloat16, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
 
 

@@ -113,10 +113,10 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
     if entry is not None:
         if entry.get("fused") == "never":
             return Decision("unfused", f"crossover table: fused never wins for {op} here")
-        lo = entry.get("min_size", -math.inf)
-        hi = entry.get("max_size", math.inf)
-        path = "fused" if lo <= size <= hi else "unfused"
-        return Decision(path, f"crossover table: {spec.size_key}={size:g}, fused for [{lo:g}, {hi:g}]")
+        lo, hi = entry.get("min_size"), entry.get("max_size")
+        path = "fused" if registry.in_interval(size, lo, hi) else "unfused"
+        return Decision(path, f"crossover table: {spec.size_key}={size:g}, fused for "
+                              f"[{-math.inf if lo is None else lo:g}, {math.inf if hi is None else hi:g}]")
     default = spec.default
     if default.fused == "never":
         return Decision("unfused", f"default: {default.why}; a distfuse-tune table entry can enable it")

@@ -32,11 +32,7 @@ class Crossover:
     excluded_wins: tuple[float, ...] = ()  # wins outside the chosen interval (isolated: treated as noise)
 
     def fused_at(self, size: float) -> bool:
-        if self.fused == "never":
-            return False
-        lo = -math.inf if self.min_size is None else self.min_size
-        hi = math.inf if self.max_size is None else self.max_size
-        return lo <= size <= hi
+        return self.fused != "never" and registry.in_interval(size, self.min_size, self.max_size)
 
     def entry(self) -> dict:
         """The table entry dispatch reads (``min_size``/``max_size``) plus what it rests on."""
