@@ -7,8 +7,6 @@ from any one rank's log.
 
 from __future__ import annotations
 
-import torch.distributed as dist
-
 __all__ = [
     "DistfuseError",
     "PartitionError",
@@ -46,7 +44,13 @@ class CollectiveTimeoutError(DistfuseError, TimeoutError):
 
 
 def where(op: str) -> str:
-    """Prefix naming the op and this process's world rank."""
+    """Prefix naming the op and this process's world rank.
+
+    ``torch.distributed`` is imported here, not at module level, so that the pure
+    geometry layer, which raises these errors, imports no communication code.
+    """
+    import torch.distributed as dist
+
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     return f"{op} [rank {rank}]"
 

@@ -18,7 +18,7 @@ from distfuse.errors import CollectiveTimeoutError, ShapeError
 from distfuse.fused.symmetric import close_all, get_workspace
 from distfuse.fused.workspace import LoopbackWorkspace, WorkspaceBrokenError, WorkspaceBusyError
 from distfuse.geometry.decomposition import block_extent, block_range
-from distfuse.kernels._utils import cast_out, round_bf16, wait_flag
+from distfuse.kernels._utils import round_bf16
 from distfuse.kernels.all_gather_matmul import (
     ag_push,
     all_gather_matmul,
@@ -27,6 +27,7 @@ from distfuse.kernels.all_gather_matmul import (
     gathered_matmul,
     gathered_matmul_workspace_bytes,
 )
+from distfuse.kernels.jit_helpers import cast_out, wait_flag
 from distfuse.kernels.matmul_reduce_scatter import (
     chunk_reduce,
     matmul_reduce_scatter,

@@ -22,6 +22,7 @@ from distfuse.errors import ShapeError, UnsupportedError
 from distfuse.geometry.decomposition import local_slices
 from distfuse.geometry.halo_plan import HaloPlan, resolve_padding
 from distfuse.kernels import halo as hk
+from distfuse.kernels import halo_programs as hp
 from distfuse.kernels import halo_tables as ht
 from tests.tolerances import tol
 
@@ -202,9 +203,9 @@ def test_kernels_many_small_tiles():
 def test_kernels_with_a_spilled_grid(monkeypatch):
     """Grid axis 0 capped at 3 programs: the rest go to axis 1, every tile is still written once (outputs start
     as NaN) and the surplus programs of a rounded-up grid write nothing; row-tiled and box launches both."""
-    monkeypatch.setattr(hk, "_GRID0_MAX", 3)
+    monkeypatch.setattr(hp, "_GRID0_MAX", 3)
     calls = []  # (launch kind, programs, grid)
-    linear, row_tiled = hk._linear_grid, hk._row_tiled_grid
+    linear, row_tiled = hp.linear_grid, hp.row_tiled_grid
 
     def record_linear(programs):
         calls.append(("box", programs, linear(programs)))
@@ -215,8 +216,9 @@ def test_kernels_with_a_spilled_grid(monkeypatch):
         calls[-1] = ("rows",) + calls[-1][1:]
         return grid
 
-    monkeypatch.setattr(hk, "_linear_grid", record_linear)
-    monkeypatch.setattr(hk, "_row_tiled_grid", record_rows)
+    monkeypatch.setattr(hp, "linear_grid", record_linear)
+    monkeypatch.setattr(hp, "row_tiled_grid", record_rows)
+    monkeypatch.setattr(hk, "row_tiled_grid", record_rows)  # accumulate's launcher imports it by name
     _simulate((7, 6), (2, 2), (3, 3), (1, 1), (1, 1), 2, "replicate", torch.float32, lead_shape=(1,),
               tile=(2, 4), block=2)
     for kind in ("rows", "box"):
@@ -234,24 +236,24 @@ def test_launch_grids_stay_within_cuda_limits(n_rows, inner, tile):
     """Grids for huge extents (computed, not launched): at most 2^31 - 1 programs on axis 0 and 65535 on axis 1,
     and every tile gets a program.  The 1-D cases used to put their column tiles on axis 1 alone."""
     cuda = torch.device("cuda")  # only selects _tile's GPU tile sizes; no GPU is touched
-    block_r, block_x = hk._tile(inner, n_rows, cuda, tile)
+    block_r, block_x = hp.pick_tile(inner, n_rows, cuda, tile)
     tiles = -(-n_rows // block_r) * -(-inner // block_x)
-    g0, g1 = hk._row_tiled_grid(n_rows, inner, block_r, block_x)
+    g0, g1 = hp.row_tiled_grid(n_rows, inner, block_r, block_x)
     assert 1 <= g0 <= 2**31 - 1 and 1 <= g1 <= 65535
     assert tiles <= g0 * g1 < tiles + g1  # every tile has a program; fewer surplus programs than rows of axis 1
     assert (g1 > 1) == (tiles > 2**31 - 1)
     # the box gather (pack, unstage) numbers its programs the same way
     total = n_rows * inner
-    programs = -(-total // hk._box_block(cuda, tile and tile[1], total))
-    g0, g1 = hk._linear_grid(programs)
+    programs = -(-total // hp.box_block(cuda, tile and tile[1], total))
+    g0, g1 = hp.linear_grid(programs)
     assert 1 <= g0 <= 2**31 - 1 and 1 <= g1 <= 65535
     assert programs <= g0 * g1 < programs + g1  # every block of elements has a program
 
 
 def test_launch_grid_beyond_cuda_raises():
-    assert hk._linear_grid((2**31 - 1) * 65535) == (2**31 - 1, 65535)
+    assert hp.linear_grid((2**31 - 1) * 65535) == (2**31 - 1, 65535)
     with pytest.raises(UnsupportedError, match="exceed a CUDA grid"):
-        hk._linear_grid((2**31 - 1) * 65535 + 1)
+        hp.linear_grid((2**31 - 1) * 65535 + 1)
 
 
 def test_kernels_leading_dims_flatten():
@@ -340,6 +342,7 @@ import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from distfuse.kernels import halo as hk
+from distfuse.kernels import halo_programs as hp
 
 I64_PTRS = {"ptab_ptr", "btab_ptr", "bstart_ptr", "atab_ptr", "m0_ptr", "m1_ptr", "m2_ptr"}
 ACC_PTRS = {"out1_ptr", "self_ptr"}  # fp32 (fp64) self boxes
@@ -366,10 +369,10 @@ def comp(fn, dt, acc, consts, ones):
 # 16-bit data computed in fp32, and fp64 data computed in fp64 (the two COMPUTE types)
 for dt, acc, compute in (("bf16", "fp32", tl.float32), ("fp64", "fp64", tl.float64)):
     for ones in (False, True):
-        comp(hk._lut_gather_kernel, dt, acc, {"REGION": 2, "COMPUTE": compute, "BLOCK_R": 32, "BLOCK_X": 64}, ones)
-        comp(hk._box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "COMPUTE": compute, "ROUND_BF16": False, "BLOCK": 1024},
+        comp(hp.lut_gather_kernel, dt, acc, {"REGION": 2, "COMPUTE": compute, "BLOCK_R": 32, "BLOCK_X": 64}, ones)
+        comp(hp.box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "COMPUTE": compute, "ROUND_BF16": False, "BLOCK": 1024},
              ones)
-        comp(hk._accumulate_kernel, dt, acc, {"COMPUTE": compute, "ROUND_BF16": False, "BLOCK_R": 32, "BLOCK_X": 64},
+        comp(hp.accumulate_kernel, dt, acc, {"COMPUTE": compute, "ROUND_BF16": False, "BLOCK_R": 32, "BLOCK_X": 64},
              ones)
 print("compiled")
 """

@@ -34,8 +34,9 @@ from distfuse import Partition, zero_volume_tensor
 from distfuse.fused.halo_conv import _backward_messages, _forward_messages
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.kernels import halo as hk
-from distfuse.kernels._utils import cast_out, round_bf16
+from distfuse.kernels._utils import round_bf16
 from distfuse.kernels.conv_implicit import conv_implicit
+from distfuse.kernels.jit_helpers import cast_out
 from distfuse.primitives._common import exchange
 from distfuse.primitives.halo_exchange import HaloExchange
 from distfuse.testing import run_ranks

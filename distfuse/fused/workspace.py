@@ -17,7 +17,7 @@ Layout of every rank's buffer (the same on all ranks, so one offset serves every
   workspace (every rank counts the same), so flags never need resetting: a stale flag
   holds an older epoch.
 * ``counters``: local tile counters; the last program of a producer grid raises the flag
-  (:func:`distfuse.kernels._utils.arrive`), and resets its counter.
+  (:func:`distfuse.kernels.jit_helpers.arrive`), and resets its counter.
 * ``status``: local error words; a flag wait that gives up writes the epoch there and the
   launcher raises on the host.
 

@@ -162,22 +162,22 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
 def _halo_cases(dtypes) -> list[KernelCase]:
     import triton.language as tl
 
-    from distfuse.kernels import halo
+    from distfuse.kernels import halo_programs as halo
 
     luts = {f"{k}{a}_ptr": "i32" for a in range(3) for k in ("seg", "crd")}
     i64 = {n: "i64" for n in ("ptab_ptr", "btab_ptr", "bstart_ptr", "atab_ptr", "m0_ptr", "m1_ptr", "m2_ptr")}
     fp32 = {"out1_ptr": "fp32", "self_ptr": "fp32"}
     cases = []
     for dt in dtypes:
-        for bx in (128, 64, 32, 16):  # halo._tile's GPU choices: 2048-element tiles
+        for bx in (128, 64, 32, 16):  # halo.pick_tile's GPU choices: 2048-element tiles
             tile = dict(COMPUTE=tl.float32, BLOCK_R=2048 // bx, BLOCK_X=bx)
             for region in (0, 1, 2):
-                cases.append(KernelCase("halo_lut_gather", halo._lut_gather_kernel, dt, dict(tile, REGION=region),
+                cases.append(KernelCase("halo_lut_gather", halo.lut_gather_kernel, dt, dict(tile, REGION=region),
                                         4, 1, pointer_dtypes={**luts, **i64}))
-            cases.append(KernelCase("halo_accumulate", halo._accumulate_kernel, dt, dict(tile, ROUND_BF16=False), 4, 1,
+            cases.append(KernelCase("halo_accumulate", halo.accumulate_kernel, dt, dict(tile, ROUND_BF16=False), 4, 1,
                                     pointer_dtypes={**i64, **fp32}))
         for log2 in (1, 5):
-            cases.append(KernelCase("halo_box_gather", halo._box_gather_kernel, dt,
+            cases.append(KernelCase("halo_box_gather", halo.box_gather_kernel, dt,
                                     dict(LOG2_NBOX=log2, COMPUTE=tl.float32, ROUND_BF16=False, BLOCK=1024),
                                     halo.BOX_NUM_WARPS, 1,
                                     pointer_dtypes={**i64, **fp32}))

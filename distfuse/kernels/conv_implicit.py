@@ -54,9 +54,10 @@ import triton.language as tl
 
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan
-from distfuse.kernels._utils import INTERPRET, cast_out, input_precision
+from distfuse.kernels._utils import INTERPRET, input_precision
 from distfuse.kernels.halo import halo_stage_reference
 from distfuse.kernels.halo_tables import check_flat, pad3, recv_numel, stage_tables
+from distfuse.kernels.jit_helpers import cast_out
 
 __all__ = ["conv_implicit", "conv_implicit_reference"]
 
