@@ -3,6 +3,7 @@
 from distfuse.errors import (
     CollectiveMismatchError,
     CollectiveTimeoutError,
+    ConfigError,
     DistfuseError,
     PartitionError,
     ShapeError,
@@ -23,5 +24,6 @@ __all__ = [
     "UnsupportedError",
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
+    "ConfigError",
     "__version__",
 ]

@@ -14,6 +14,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "UnsupportedError",
+    "ConfigError",
     "where",
     "expect",
 ]
@@ -40,7 +41,11 @@ class CollectiveMismatchError(DistfuseError):
 
 
 class CollectiveTimeoutError(DistfuseError, TimeoutError):
-    """A collective did not complete within the process group's timeout."""
+    """A collective did not complete within distfuse's timeout (``DISTFUSE_TIMEOUT``)."""
+
+
+class ConfigError(DistfuseError, ValueError):
+    """A bad setting: an environment variable (``DISTFUSE_TIMEOUT``) or a tune-table file, named in the message."""
 
 
 def where(op: str) -> str:

@@ -8,49 +8,30 @@ splits tensor dimension ``d``.
 
 Creating a partition is **collective over the whole world**, because
 ``torch.distributed.new_group`` is: every world rank, active in the new partition or
-not, must make the same creation calls in the same order.  distfuse checks this: each
-creation first gathers a ``(sequence number, call, ranks)`` record from every world
-rank, and if the records differ every rank raises :class:`PartitionError` naming the
-ranks that disagree, instead of hanging inside ``new_group``.  A rank that never
-makes the call leaves the others waiting only until the process-group timeout.
+not, must make the same creation calls in the same order, with the same arguments.
+distfuse checks this: each creation first gathers a ``(sequence number, call,
+arguments, ranks, timeout)`` record from every world rank, and if the records differ
+every rank raises :class:`PartitionError` naming the ranks that disagree, instead of
+hanging inside ``new_group`` or building different grids.  A rank that never makes the
+call leaves the others waiting only until distfuse's timeout.
 
-Process groups are created with distfuse's timeout (``DISTFUSE_TIMEOUT`` seconds,
-default 600) and cached by their tuple of world ranks, so equal partitions share one
-group.
+The process groups behind partitions (creation, caching, timeouts, the world and
+metadata groups, backend detection) are in :mod:`distfuse.groups`.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Iterable, Sequence
-from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from distfuse.errors import CollectiveTimeoutError, PartitionError, where
+from distfuse.errors import PartitionError, where
+from distfuse.groups import default_device, groups_for, world_partition_groups, world_rank
 
-__all__ = [
-    "Partition",
-    "CartesianPartition",
-    "zero_volume_tensor",
-    "default_timeout",
-    "metadata_group",
-    "union_partition",
-    "cuda_backend_of",
-]
-
-_GROUPS: dict[tuple[int, ...], tuple] = {}
-_CREATION_SEQ = [0]
-_META_GROUP: list = []
-
-
-def default_timeout() -> timedelta:
-    """Timeout of every process group distfuse creates (``DISTFUSE_TIMEOUT`` seconds, default 600)."""
-    return timedelta(seconds=float(os.environ.get("DISTFUSE_TIMEOUT", "600")))
-
+__all__ = ["Partition", "CartesianPartition", "zero_volume_tensor", "union_partition"]
 
 def zero_volume_tensor(b: int | None = None, dtype: torch.dtype | None = None, device=None,
                        requires_grad: bool = False) -> torch.Tensor:
@@ -62,154 +43,6 @@ def zero_volume_tensor(b: int | None = None, dtype: torch.dtype | None = None, d
     shape = (0,) if b is None else (int(b), 0)
     dtype = dtype if dtype is not None else torch.get_default_dtype()
     return torch.empty(shape, dtype=dtype, device=device, requires_grad=requires_grad)
-
-
-def _world_size() -> int:
-    return dist.get_world_size()
-
-
-def _world_rank() -> int:
-    return dist.get_rank()
-
-
-def metadata_group():
-    """A CPU (gloo) group over the whole world for small host-side metadata collectives.
-
-    With gloo the world group serves; with NCCL a gloo group is created once (a
-    collective call, made the first time any rank needs it).
-    """
-    if not _META_GROUP:
-        if dist.get_backend() == "gloo":
-            _META_GROUP.append(dist.group.WORLD)
-        else:
-            _META_GROUP.append(dist.new_group(backend="gloo", timeout=default_timeout()))
-    return _META_GROUP[0]
-
-
-def _check_creation_consistent(call: str, groups: Sequence[tuple[int, ...]]) -> None:
-    """All world ranks must be creating the same groups now; raise on every rank if not."""
-    _CREATION_SEQ[0] += 1
-    record = (_CREATION_SEQ[0], call, tuple(groups))
-    records: list = [None] * _world_size()
-    try:
-        dist.all_gather_object(records, record, group=metadata_group())
-    except RuntimeError as exc:  # a rank that never arrives surfaces as a timeout or a closed connection
-        raise CollectiveTimeoutError(
-            f"{where('Partition')}: partition creation is collective over the world, but not every rank made "
-            f"call #{record[0]} ({call}) within the timeout: {exc}"
-        ) from exc
-    if any(r != record for r in records):
-        lines = "\n".join(f"  rank {i}: call #{r[0]} {r[1]} groups={list(r[2])}" for i, r in enumerate(records))
-        raise PartitionError(
-            f"{where('Partition')}: partition creation is collective over the world and every rank must make the "
-            f"same call; the ranks disagree:\n{lines}"
-        )
-
-
-def _groups_for(call: str, rank_sets: Sequence[tuple[int, ...]]) -> list:
-    """Create (or reuse) one process group per rank set; collective over the world.
-
-    Returns ``(group, meta_group)`` per rank set, or None where this rank is not a
-    member.  ``meta_group`` is a gloo group over the same ranks for host-side
-    metadata (shapes); under gloo it is the data group itself.
-    """
-    _check_creation_consistent(call, rank_sets)
-    gloo = dist.get_backend() == "gloo"
-    out = []
-    for ranks in rank_sets:
-        if ranks not in _GROUPS:
-            if ranks == tuple(range(_world_size())):
-                data = dist.group.WORLD
-                meta = data if gloo else metadata_group()
-            else:
-                data = dist.new_group(list(ranks), timeout=default_timeout())
-                meta = data if gloo else dist.new_group(list(ranks), timeout=default_timeout(), backend="gloo")
-            _GROUPS[ranks] = (data, meta)
-        out.append(_GROUPS[ranks] if _world_rank() in ranks else None)
-    return out
-
-
-def _cuda_backend_in_spec(spec: str) -> str | None | bool:
-    """The CUDA backend named by a backend string, None if it names none, False if it cannot tell.
-
-    Strings come in two forms: a bare name (``"nccl"``, ``"gloo"``: that backend serves
-    every device type it supports) or ``"device:backend"`` pairs (``"cpu:gloo,cuda:nccl"``).
-    ``"undefined"`` is what ``torch.distributed.get_backend`` reports after
-    ``init_process_group()`` without a backend (torchrun's usual form): it says nothing
-    about the device backends, so the caller must ask elsewhere.
-    """
-    spec = str(spec).strip().lower()
-    if not spec or spec == "undefined":
-        return False
-    if ":" not in spec:
-        return spec
-    pairs = dict(item.split(":", 1) for item in spec.split(",") if ":" in item)
-    return pairs.get("cuda", "").strip() or None
-
-
-def cuda_backend_of(group=None) -> str | None:
-    """Name of the backend that runs ``group``'s collectives on CUDA tensors (``"nccl"``, ``"gloo"``), or None.
-
-    ``group`` defaults to the world.  Why not compare ``dist.get_backend(group)`` with
-    ``"nccl"``: after ``init_process_group()`` with no backend that string reads
-    ``"undefined"`` although CUDA tensors go to NCCL, and after
-    ``init_process_group("cpu:gloo,cuda:nccl")`` it is stored as written; a string test
-    then takes an NCCL world for a CPU one, skips the communicator warm-up, and a later
-    partial ``batch_isend_irecv`` can hang.  So ask, in order, what torch 2.5 to 2.13
-    offer: the group's backend config (``dist.get_backend_config``, ``"cpu:gloo,cuda:nccl"``
-    even when the backend string is ``"undefined"``), the backend the group holds for the
-    CUDA device type (``ProcessGroup._get_backend``, private), and last the backend
-    string.  None when the group has no CUDA backend or none of these can tell.
-    """
-    pg = group if group is not None else dist.group.WORLD
-    get_config = getattr(dist, "get_backend_config", None)
-    if get_config is not None:
-        try:
-            found = _cuda_backend_in_spec(get_config(group))
-        except (RuntimeError, ValueError, TypeError, AttributeError, KeyError):  # not a member, not initialised
-            found = False
-        if found is not False:
-            return found
-    get_device_backend = getattr(pg, "_get_backend", None)
-    if get_device_backend is not None:
-        try:
-            backend = get_device_backend(torch.device("cuda"))
-        except (RuntimeError, ValueError, TypeError, AttributeError):  # "No backend type associated with ... cuda"
-            backend = None
-        name = getattr(backend, "name", None) if backend is not None else None
-        try:
-            name = name() if callable(name) else name
-        except (RuntimeError, TypeError):
-            name = None
-        if name:
-            return str(name).lower()
-    try:
-        found = _cuda_backend_in_spec(dist.get_backend(group))
-    except (RuntimeError, ValueError, TypeError, AttributeError):
-        found = False
-    return found or None
-
-
-def _uses_nccl(group=None) -> bool:
-    """Whether ``group`` sends CUDA tensors through NCCL: then partitions live on the GPU and need the warm-up."""
-    return cuda_backend_of(group) == "nccl"
-
-
-def _default_device() -> torch.device:
-    """``cuda:<current>`` when the world's CUDA backend is NCCL (however the backend was spelt), else CPU."""
-    if _uses_nccl():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _warm_up_nccl(group) -> None:
-    """Run one collective on every rank of ``group`` so that NCCL creates its communicator now.
-
-    NCCL creates communicators lazily, and a ``batch_isend_irecv`` that is the first call
-    on a communicator must include every rank of it; the primitives' P2P rounds involve
-    only some ranks.
-    """
-    dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group)
 
 
 class Partition:
@@ -231,31 +64,27 @@ class Partition:
     def __init__(self, ranks: Sequence[int], groups: tuple | None, device: torch.device | None = None):
         self.ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
         self.size = len(self.ranks)
-        me = _world_rank()
+        me = world_rank()
         self.active = me in self.ranks
         self.rank = self.ranks.index(me) if self.active else -1
         self.group, self.meta_group = groups if (self.active and groups is not None) else (None, None)
-        self.device = device if device is not None else _default_device()
+        self.device = device if device is not None else default_device()
 
     @classmethod
     def world(cls, device: torch.device | None = None) -> Partition:
-        """Every rank of the initialised default process group.
+        """Every rank of the initialised default process group, on distfuse's own world groups.
 
-        The first call is collective when the world's CUDA backend is NCCL (it creates the
-        gloo metadata group and warms up the world communicator); later calls and gloo
-        need no communication.
+        The first call is collective over the world (every rank must make it): it reads
+        and validates ``DISTFUSE_TIMEOUT``, creates distfuse's world groups with that
+        timeout (a gloo group, plus a group of the world's backend under NCCL, warmed
+        up), and checks that every rank chose the same timeout.  Later calls need no
+        communication.
         """
         if not dist.is_initialized():
             raise PartitionError("Partition.world: torch.distributed is not initialised; call "
                                  "torch.distributed.init_process_group first")
-        ranks = tuple(range(_world_size()))
-        if ranks not in _GROUPS:
-            _GROUPS[ranks] = (dist.group.WORLD, metadata_group())
-            if _uses_nccl(dist.group.WORLD):
-                # Decided from the world's CUDA backend, not its backend string, which reads
-                # "undefined" under torchrun's init_process_group() (see cuda_backend_of).
-                _warm_up_nccl(dist.group.WORLD)
-        return cls(ranks, _GROUPS[ranks], device)
+        ranks, groups = world_partition_groups()
+        return cls(ranks, groups, device)
 
     def create_partition_inclusive(self, ranks: Iterable[int]) -> Partition:
         """The sub-partition of the workers at positions ``ranks`` of this partition.
@@ -270,7 +99,7 @@ class Partition:
             raise PartitionError(f"{where('Partition')}: create_partition_inclusive: ranks {bad} are outside this "
                                  f"partition of size {self.size}")
         world = tuple(self.ranks[r] for r in idx)
-        (groups,) = _groups_for("create_partition_inclusive", [world])
+        (groups,) = groups_for("create_partition_inclusive", [world])
         return Partition(world, groups, self.device)
 
     def create_cartesian_topology_partition(self, shape: Sequence[int]) -> CartesianPartition:
@@ -284,7 +113,7 @@ class Partition:
         if int(np.prod(shape)) != self.size:
             raise PartitionError(f"{where('Partition')}: cartesian shape {shape} has volume {int(np.prod(shape))}, "
                                  f"expected the partition size {self.size}")
-        (groups,) = _groups_for("create_cartesian_topology_partition", [self.ranks])
+        (groups,) = groups_for("create_cartesian_topology_partition", [self.ranks], {"shape": shape})
         return CartesianPartition(self.ranks, groups, shape, self.device)
 
     def __eq__(self, other) -> bool:
@@ -296,6 +125,21 @@ class Partition:
 
     def __repr__(self) -> str:
         return f"Partition(ranks={list(self.ranks)}, active={self.active}, rank={self.rank})"
+
+    def device_mesh(self, mesh_dim_names=None):
+        """This partition as a ``DeviceMesh`` (same shape and ranks, its own groups); see
+        :func:`distfuse.interop.device_mesh.device_mesh_of`."""
+        from distfuse.interop.device_mesh import device_mesh_of
+
+        return device_mesh_of(self, mesh_dim_names)
+
+    @classmethod
+    def from_device_mesh(cls, mesh, device=None):
+        """The CartesianPartition of a ``DeviceMesh``; collective over the world; see
+        :func:`distfuse.interop.device_mesh.partition_from_device_mesh`."""
+        from distfuse.interop.device_mesh import partition_from_device_mesh
+
+        return partition_from_device_mesh(mesh, device)
 
 
 class CartesianPartition(Partition):
@@ -360,8 +204,9 @@ class CartesianPartition(Partition):
                 idx = [b + o for b, o in zip(base, off, strict=True)]
                 members.append(self.ranks[self.rank_of(idx)])
             rank_sets.append(tuple(members))
-        groups = _groups_for("create_cartesian_subtopology_partition", rank_sets)
-        me = _world_rank()
+        groups = groups_for("create_cartesian_subtopology_partition", rank_sets,
+                             {"parent shape": self.shape, "remain_dims": tuple(remain)})
+        me = world_rank()
         for ranks, pair in zip(rank_sets, groups, strict=True):
             if me in ranks:
                 return CartesianPartition(ranks, pair, sub_shape, self.device)
@@ -395,5 +240,5 @@ def union_partition(*partitions: Partition) -> Partition:
     Collective over the world.  Cross-partition primitives use it to agree on metadata.
     """
     ranks = tuple(sorted(set().union(*(p.ranks for p in partitions))))
-    (groups,) = _groups_for("union_partition", [ranks])
+    (groups,) = groups_for("union_partition", [ranks])
     return Partition(ranks, groups, partitions[0].device)

@@ -14,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distfuse import partition
-from distfuse.partition import Partition, cuda_backend_of
+from distfuse import groups
+from distfuse.groups import cuda_backend_of
+from distfuse.partition import Partition
 from distfuse.testing import run_ranks
 
 MISSING = object()
@@ -99,13 +100,15 @@ def _world_under(backend, config):
     warmups = []
     with mock.patch.object(dist, "get_backend", lambda group=None: backend), \
             mock.patch.object(dist, "get_backend_config", lambda group=None: config), \
-            mock.patch.object(partition, "_GROUPS", {}), \
-            mock.patch.object(partition, "_META_GROUP", [dist.group.WORLD]), \
-            mock.patch.object(partition, "_warm_up_nccl", warmups.append), \
+            mock.patch.object(groups, "_GROUPS", {}), \
+            mock.patch.object(groups, "_WORLD", {}), \
+            mock.patch.object(groups, "_warm_up_nccl", warmups.append), \
             mock.patch.object(torch.cuda, "current_device", lambda: 0):
         P = Partition.world()
         again = Partition.world()  # cached: no second warm-up
-        return str(P.device), str(again.device), [g is dist.group.WORLD for g in warmups]
+        # The warm-up runs on distfuse's own world data group (created with DISTFUSE_TIMEOUT), never the default group.
+        return str(P.device), str(again.device), [g is groups.world_group() and g is not dist.group.WORLD
+                                                  for g in warmups]
 
 
 @pytest.mark.parametrize("backend,config,device,warm", [

@@ -463,7 +463,8 @@ BAD = [
         r"summed into world rank 1 must have one shape; got \{1: \(2, 2\), 3: \(2, 3\)\}"),
     Bad("allsum_axis_out_of_range", "AllSumReduce", "PartitionError", r"expected in \[-2, 2\), got 2"),
     Bad("allsum_not_a_tensor", "AllSumReduce", "ShapeError", r"input type: expected torch.Tensor, got list"),
-    Bad("allsum_device", "AllSumReduce", "ShapeError", r"device: expected cpu, got meta"),
+    Bad("allsum_device", "AllSumReduce", "ShapeError", r"device type: expected cpu on every worker, got world rank 0: "
+        "meta"),
     Bad("allgather_blocks_do_not_tile", "AllGather", "ShapeError", r"do not tile.*rank 3 index \(1, 1\): \(2, 3\)"),
     # Only the sub-grid {1, 3} holds mismatched dtypes; the sub-grid {0, 2} gathers normally.
     Bad("allgather_dtypes_disagree", "AllGather", "ShapeError", r"same dtype; got rank 1: torch.float64, rank 3",

@@ -84,7 +84,7 @@ def _shm_mappings() -> int:
 
 
 def _snapshot() -> dict:
-    from distfuse import partition
+    from distfuse import groups
     from distfuse.fused import symmetric
 
     return dict(
@@ -92,7 +92,7 @@ def _snapshot() -> dict:
         blocks=sys.getallocatedblocks(),
         rss=_rss(),
         process_groups=len(dist.distributed_c10d._world.pg_map),
-        partitions=len(partition._GROUPS),
+        partitions=len(groups._GROUPS),
         workspaces=len(symmetric._CACHE),
         shm_mappings=_shm_mappings(),
         shm_entries=_shm_entries(),

@@ -48,8 +48,10 @@ from torch import nn
 
 from distfuse.errors import PartitionError, expect, where
 from distfuse.geometry.decomposition import block_extent, local_slices
+from distfuse.layers._block_identity import BlockIdentityMixin
 from distfuse.layers.dispatch import Decision, device_caps, select_path
 from distfuse.partition import CartesianPartition, Partition, union_partition, zero_volume_tensor
+from distfuse.primitives._agreement import AgreementSite
 from distfuse.primitives.all_gather import axes_subgrid
 from distfuse.primitives.broadcast import broadcast, broadcast_plan
 
@@ -219,7 +221,7 @@ def not_servable(layer: str, why: str) -> Decision:
 INACTIVE = Decision("unfused", "this rank is not in the layer's partitions; it does no work")
 
 
-class LinearBase(nn.Module):
+class LinearBase(BlockIdentityMixin, nn.Module):
     """Bookkeeping every distributed linear shares: parameter blocks, torch-equal init, dispatch records.
 
     Attributes:
@@ -233,6 +235,9 @@ class LinearBase(nn.Module):
         self.in_features, self.out_features = check_features(type(self).__name__, in_features, out_features)
         self.last_path: str | None = None
         self.last_decision: Decision | None = None
+        # The agreement record of the layer's data collective (``_linear_agreement.py``): this worker's last input
+        # signature and the shapes every worker agreed on; not state (it is not in the state_dict).
+        self.agreement = AgreementSite(type(self).__name__)
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.register_buffer("_dtype_probe", torch.empty(0, dtype=dtype, device=device), persistent=False)
 

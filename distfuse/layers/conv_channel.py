@@ -30,6 +30,7 @@ import torch
 from distfuse.errors import PartitionError, where
 from distfuse.layers._conv_common import pad_locally
 from distfuse.layers.conv_general import DistributedGeneralConvBase
+from distfuse.primitives._layout import memory_format_of
 
 __all__ = ["DistributedChannelConvBase", "DistributedChannelConv1d", "DistributedChannelConv2d",
            "DistributedChannelConv3d"]
@@ -56,7 +57,12 @@ class DistributedChannelConvBase(DistributedGeneralConvBase):
         return plan.input_shape(s)
 
     def _local_input(self, xb: torch.Tensor) -> torch.Tensor:
-        return pad_locally(self.opts, xb)
+        padded = pad_locally(self.opts, xb)
+        fmt = memory_format_of(xb)
+        if fmt != torch.contiguous_format and padded.dim() == xb.dim():
+            # F.pad keeps channels_last except in circular mode (torch 2.13), which already copies: restore it.
+            padded = padded.contiguous(memory_format=fmt)
+        return padded
 
 
 class DistributedChannelConv1d(DistributedChannelConvBase):

@@ -22,7 +22,9 @@ DistDL instead pads by halo widths that ignore stride and dilation, and its circ
 padding wraps each worker's block onto itself.
 
 Weight and bias travel in one message (packed) because a broadcast is latency bound at
-convolution weight sizes.
+convolution weight sizes.  Before it, every worker sends the root one element, its
+agreement flag (below), and the root appends the flags' sum to the packed parameters:
+two point-to-point rounds that carry a flag from every worker to every worker.
 
 Dispatch: each call asks ``select_path("halo_conv", {channels: in_channels}, ...)``; on
 "fused" the staging and the exchanges run in :func:`distfuse.fused.halo_conv.halo_conv`
@@ -35,10 +37,32 @@ stride that leaves them no outputs) return an empty ``[B_b, C_out, *m_s]`` tenso
 still take part in both exchanges, because other workers read their input.  Workers
 outside ``P_x`` pass and get back a zero-volume tensor.
 
-Every call makes one small host-side metadata gather over ``P_x`` (see
-:func:`~distfuse.layers._conv_common.gather_call_info`): it finds the global shape and
-makes every worker agree on which adjoints run.  Every worker of ``P_x`` must call
-backward when one does.
+Agreement at no steady-state cost.  Workers holding no input of the global shape, and
+workers whose neighbours' blocks changed, must learn the global shape and the grad
+flags: that takes a host-side metadata gather over ``P_x``
+(:func:`~distfuse.layers._conv_common.gather_call_info`).  It runs only on the first
+call and when some worker's signature (local shape, dtype, device, grad mode, the
+input's and the parameters' requires_grad and dtype, autocast) changed: every worker
+sends the root a flag, 1 when its own signature changed, the root forwards their sum with
+the parameters, and every worker reads it (:mod:`~distfuse.primitives._agreement`).  A change on every
+worker, or on some (an extent of 7 becoming 8 over two workers leaves one block as it
+was), costs the gather, and a disagreement raises the same error on every worker; while
+signatures repeat nothing but the flag moves.  Measured on the 2-core CI machine (4
+ranks, ``bench/bench_conv_layers.py``): see ``docs/reliability.md``.  ``static_shapes``
+is accepted for compatibility and changes nothing.
+
+Memory format: a ``channels_last`` block is staged and convolved in ``channels_last``
+without a copy, so the output is ``channels_last`` wherever torch's convolution keeps it.
+The fused kernels index NCHW blocks, so such an input takes the unfused path (the
+reason is in ``last_decision``).
+
+Higher-order gradients: the unfused path is differentiable to any order (the halo
+exchange's and the broadcast's backwards are autograd Functions themselves), so a
+gradient penalty matches ``torch.nn.ConvNd``.  The fused path refuses a backward with
+``create_graph=True`` with :class:`~distfuse.errors.UnsupportedError` on every worker,
+before any of its messages.
+
+Every worker of ``P_x`` must call backward when one does.
 """
 
 from __future__ import annotations
@@ -50,10 +74,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distfuse.errors import PartitionError, expect, where
+from distfuse.errors import PartitionError, UnsupportedError, expect, where
+from distfuse.layers._block_identity import BlockIdentityMixin
 from distfuse.layers._conv_common import (
+    _DTYPES,
     CallInfo,
     ConvOptions,
+    autocast_dtype,
+    cast_for_compute,
+    check_geometry,
     check_partition,
     conv_block,
     draw_parameters,
@@ -63,8 +92,11 @@ from distfuse.layers._conv_common import (
 )
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision, device_caps, select_path
+from distfuse.ops import RootBroadcast, flagged_root_broadcast, halo_exchange
 from distfuse.partition import zero_volume_tensor
-from distfuse.primitives._common import check_inactive_input
+from distfuse.primitives._agreement import AgreementSite, run_agreed, trusting
+from distfuse.primitives._common import check_inactive_input, exchange, first_order_only
+from distfuse.primitives._layout import memory_format_of
 from distfuse.primitives.broadcast import broadcast, broadcast_plan
 from distfuse.primitives.halo_exchange import HaloExchange
 
@@ -82,7 +114,7 @@ def _fused_op():
     return halo_conv
 
 
-class DistributedFeatureConvBase(nn.Module):
+class DistributedFeatureConvBase(BlockIdentityMixin, nn.Module):
     """Convolution over an input split along batch and spatial axes (see the module docstring).
 
     Args:
@@ -90,9 +122,8 @@ class DistributedFeatureConvBase(nn.Module):
         in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
         bias, padding_mode, device, dtype: as ``torch.nn.ConvNd``; ``padding`` may
         also hold ``(lo, hi)`` pairs.  ``device`` defaults to ``P_x.device``.
-        static_shapes: skip the per-call metadata gather (one host-side all-gather of
-        shapes and grad flags over P_x) while this worker's input shape, dtype and grad
-        flags repeat; see :meth:`_call_info`.  Off by default.
+        static_shapes: accepted for compatibility; changes nothing (every call skips the
+            metadata gather while the workers' signatures repeat, see the module docstring).
 
     Construction is collective over the world (it creates the root's partitions) and
     draws the parameters like the sequential layer on every rank (see
@@ -144,6 +175,10 @@ class DistributedFeatureConvBase(nn.Module):
         self.last_path: str | None = None
         self.last_decision: Decision | None = None
         self._caps_cache: dict = {}
+        self.agreement = AgreementSite(op)
+        # the parameter round as a custom op, for compiled forwards (see _compiled_forward)
+        self._root_bcast = RootBroadcast(op, self._param_plan, self.root, P_x.ranks, P_x.dim, self.forget_agreement)
+        self._placeholders: dict = {}
         self.reset_parameters()
 
     # ------------------------------------------------------------ parameters
@@ -168,6 +203,78 @@ class DistributedFeatureConvBase(nn.Module):
             out.append(ParamLayout("bias", "bias", self._P_root_1d, (self.opts.out_channels,)))
         return out
 
+    def _replicate_flagged(self, op: str, info: CallInfo, flag: bool):
+        """``(w, b, any flag)``: the root's weight and bias on every worker, with every worker's agreement flag.
+
+        Two point-to-point rounds: every other worker sends its flag (one element) to the
+        root, then the root broadcasts its packed parameters with the flags' sum appended
+        (cast to the agreed ``info.param_dtype``, which differs from theirs only in a call it
+        flagged).  The adjoint is the broadcast's: the gradients summed onto the root (the
+        flag element's gradient is dropped).  Receivers' placeholders require grad when
+        ``info.param_grad``, so every worker runs that adjoint.  ``w`` and ``b`` are None
+        when some worker flagged.
+
+        Why not one all-reduce (which carries flags from everyone to everyone in one call):
+        gloo's all-reduce took 3.7 ms against 0.34 ms for the two rounds on the loaded 2-core
+        CI machine (4 ranks, 2.3k floats, medians of 200), and it would replace one round.
+        """
+        o = self.opts
+        n_w = math.prod(o.weight_shape)
+        n = n_w + (o.out_channels if o.bias else 0)
+        dtype = info.param_dtype or info.dtype
+        device = self.P_x.device
+        others = [w for w in self.P_x.ranks if w != self.root]
+        mine = torch.full((1,), 1.0 if flag else 0.0, dtype=dtype, device=device)
+        if self._is_root:
+            got = [torch.empty(1, dtype=dtype, device=device) for _ in others]
+            exchange([], list(zip(others, got, strict=True)), op=op)
+            total = sum(got, mine)
+            parts = [self.weight.reshape(-1)] + ([self.bias.reshape(-1)] if o.bias else [])
+            flat = torch.cat([p if p.dtype == dtype else p.to(dtype) for p in parts] + [total])
+            flat = promote(flat, info.param_grad).view((1,) * (self.P_x.dim - 1) + (n + 1,))
+        else:
+            exchange([(self.root, mine)], [], op=op)
+            flat = zero_volume_tensor(dtype=dtype, device=device, requires_grad=info.param_grad)
+        flat = broadcast(flat, self._param_plan, (1,) * (self.P_x.dim - 1) + (n + 1,), dtype).view(-1)
+        if bool(flat[n] != 0):  # a host read of the received flag: free for CPU tensors
+            return None, None, True
+        return flat[:n_w].view(o.weight_shape), (flat[n_w:n] if o.bias else None), False
+
+    def _signature(self, x: torch.Tensor, params) -> tuple:
+        return (tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad,
+                tuple((p.requires_grad, p.dtype) for p in params), autocast_dtype(self.P_x.device.type))
+
+    def _agreed_call(self, op: str, x: torch.Tensor, params) -> tuple[CallInfo, torch.Tensor, torch.Tensor | None]:
+        """The call's agreed :class:`CallInfo` and the replicated parameters (see the module docstring)."""
+        P_x = self.P_x
+        signature = self._signature(x, params)
+        if trusting() and self.agreement.state is not None:  # capture-safe: no flag, no host read
+            if signature != self.agreement.signature:
+                raise UnsupportedError(f"{where(op)}: inside capture_safe() (or a CUDA-graph capture) a call must "
+                                       "repeat the inputs of the last eager call (shape, dtype, grad flags); warm up "
+                                       "with the captured shapes on every worker")
+            info = self.agreement.state
+            self.agreement.calls += 1
+            w, b = self._replicated_params(info.param_dtype or info.dtype, P_x.device, info.param_grad)
+            return info, w, b
+        locally_ok = x.device.type == P_x.device.type and x.dtype in _DTYPES and x.dim() == P_x.dim
+
+        def attempt(changed: bool):
+            info = self.agreement.state
+            w, b, flagged = self._replicate_flagged(op, info, changed)
+            return (info, w, b), flagged
+
+        def slow():
+            info = gather_call_info(op, P_x, P_x, x, params, signature=(self.opts, P_x.ranks, P_x.shape))
+            w, b, _ = self._replicate_flagged(op, info, False)
+            return (info, w, b), info
+
+        return run_agreed(self.agreement, signature, locally_ok, attempt, slow)
+
+    def forget_agreement(self) -> None:
+        """Drop the agreed call record, so the next call gathers metadata again (call it on every worker)."""
+        self.agreement.forget()
+
     def _replicated_params(self, dtype, device, needs_grad: bool):
         """Weight and bias on every worker of P_x: one broadcast of the packed parameters from the root."""
         o = self.opts
@@ -190,7 +297,14 @@ class DistributedFeatureConvBase(nn.Module):
         """Which path a call with ``x`` takes, and why (no communication)."""
         if _fused_op() is None:
             return Decision("unfused", "distfuse.fused.halo_conv is not available")
-        return select_path("halo_conv", dict(channels=self.in_channels), x.dtype, self.P_x.size, self._caps(x.device))
+        decision = select_path("halo_conv", dict(channels=self.in_channels), x.dtype, self.P_x.size,
+                               self._caps(x.device))
+        fmt = memory_format_of(x)
+        if decision.path == "fused" and fmt != torch.contiguous_format:
+            # The fused kernels index NCHW blocks; the unfused staging keeps the input's layout without a copy.
+            return Decision("unfused", f"the fused halo convolution needs NCHW blocks and the input is {fmt} "
+                                       f"(the unfused path keeps it; fused would have been: {decision.reason})")
+        return decision
 
     def _caps(self, device: torch.device):
         if device not in self._caps_cache:  # device_caps asks CUDA for the device name: once per device
@@ -198,6 +312,62 @@ class DistributedFeatureConvBase(nn.Module):
         return self._caps_cache[device]
 
     # ------------------------------------------------------------ forward
+
+    def _placeholder(self, dtype, requires_grad: bool) -> torch.Tensor:
+        """The ``anchor`` of ``flagged_root_broadcast``: an empty leaf that requires grad when the parameters'
+        gradients are wanted, made in eager code (a leaf that requires grad created in a graph breaks it)."""
+        key = (dtype, requires_grad)
+        if key not in self._placeholders:
+            self._placeholders[key] = torch.empty(0, dtype=dtype, device=self.P_x.device).requires_grad_(requires_grad)
+        return self._placeholders[key]
+
+    def _compiled_params(self, op: str, x: torch.Tensor, params):
+        """Inside a compiled region: the agreed record and the parameters, through ``flagged_root_broadcast``.
+
+        The metadata gather cannot run in a graph; the agreement it produced in the last
+        eager call is reused while this call's signature repeats (the compiler guards on
+        the shapes, dtypes and grad flags, so a change retraces and lands here with
+        ``changed``).  A changed call still joins the round with its flag set, so every
+        worker raises the op's error instead of waiting.
+        """
+        info = self.agreement.state
+        if info is None:
+            raise UnsupportedError(f"{where(op)}: a compiled call needs the metadata the layer agrees on in eager "
+                                   "mode: call the layer once eagerly (every worker, same shapes and grad settings) "
+                                   "before the compiled region")
+        # A worker whose input does not require grad while a peer's does would skip the halo adjoint its peers
+        # wait for (eager promotes its input; a compiled graph cannot): it flags, and every worker raises.
+        changed = self._signature(x, params) != self.agreement.signature or (info.input_grad and not x.requires_grad)
+        o = self.opts
+        n_w = math.prod(o.weight_shape)
+        n = n_w + (o.out_channels if o.bias else 0)
+        dtype = info.param_dtype or info.dtype
+        if self._is_root:
+            parts = [self.weight.reshape(-1)] + ([self.bias.reshape(-1)] if o.bias else [])
+            flat = torch.cat([p if p.dtype == dtype else p.to(dtype) for p in parts])
+        else:  # an empty view of the input, never a graph constant (see distfuse/ops/root_broadcast.py)
+            flat = x.detach().reshape(-1)[:0].to(dtype)
+        packed = flagged_root_broadcast(flat, self._placeholder(dtype, info.param_grad), self._root_bcast.handle,
+                                        changed, n)
+        return info, packed, n_w, n, changed
+
+    def _compiled_forward(self, op: str, x: torch.Tensor, params) -> torch.Tensor:
+        """The unfused forward as custom ops and traceable torch code (no metadata gather, no host read)."""
+        o = self.opts
+        info, packed, n_w, n, changed = self._compiled_params(op, x, params)
+        if changed:  # the round above raises on every worker at run time; nothing after it runs
+            return packed[:0]
+        w, b = packed[:n_w].view(o.weight_shape), (packed[n_w:n] if o.bias else None)
+        G = info.global_shape
+        check_geometry(op, o, G)
+        compute = info.compute_dtype or info.dtype
+        x, w, b = cast_for_compute(x, compute), cast_for_compute(w, compute), cast_for_compute(b, compute)
+        plan = self.halo.plan(G)
+        index = self.P_x.index[2:]
+        self.last_path = "unfused"
+        staged = halo_exchange(x, self.halo.handle, list(G))
+        return conv_block(o, staged, w, b, (x.shape[0], o.out_channels) + plan.output_shape(index),
+                          memory_format_of(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
@@ -207,25 +377,38 @@ class DistributedFeatureConvBase(nn.Module):
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
-        info = self._call_info(op, x, params)
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(op, x, params)
+        info, w, b = self._agreed_call(op, x, params)
+        self._placeholder(info.param_dtype or info.dtype, info.param_grad)  # eager-made, for compiled forwards
         G = info.global_shape
         if G[1] != o.in_channels:
             raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, G[1])
+        check_geometry(op, o, G)  # every worker holds G: geometry torch refuses is refused on every worker
         x = promote(x, info.input_grad)
-        w, b = self._replicated_params(info.dtype, x.device, info.param_grad)
+        compute = info.compute_dtype or info.dtype
+        x, w, b = cast_for_compute(x, compute), cast_for_compute(w, compute), cast_for_compute(b, compute)
         plan = self.halo.plan(G)
         index = P_x.index[2:]
         decision = self.explain(x)
         self.last_decision = decision
         if decision.path == "fused":
             self.last_path = "fused"
-            return _fused_op()(x, w, b, plan, index, self.halo.world_of_fn(), groups=o.groups)
+            with torch.autocast(x.device.type, enabled=False):  # x, w, b are in the compute dtype already
+                y = _fused_op()(x, w, b, plan, index, self.halo.world_of_fn(), groups=o.groups)
+            return first_order_only(y, op, "the fused halo convolution (the unfused path, DISTFUSE_PATH=unfused, "
+                                           "computes them exactly)")
         self.last_path = "unfused"
         staged = self.halo(x, global_shape=G)
-        return conv_block(o, staged, w, b, (x.shape[0], o.out_channels) + plan.output_shape(index))
+        return conv_block(o, staged, w, b, (x.shape[0], o.out_channels) + plan.output_shape(index),
+                          memory_format_of(x))
 
     def _call_info(self, op: str, x: torch.Tensor, params) -> CallInfo:
         """The call's global shape and grad flags: gathered, or reused under ``static_shapes``.
+
+        The per-call protocol of the layers that share this class's parameter handling
+        (the transposed convolution); the feature convolution itself runs
+        :meth:`_agreed_call`.
 
         With ``static_shapes`` a worker reuses the last gathered record while its own
         input shape, dtype, grad mode and grad flags repeat.  That is safe against silent

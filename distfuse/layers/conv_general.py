@@ -30,7 +30,15 @@ wrongly (use the feature-distributed convolution for grouped convolutions).
 Workers: P_x-only, P_w-only and P_y-only workers (and any overlap) all work; workers
 outside the three partitions pass and get back a zero-volume tensor.  Every call makes
 one host-side metadata gather over the union of the partitions (workers without input
-learn the global shape and dtype, and all agree on which adjoints run).  Every worker of
+learn the global shape and dtype, and all agree on which adjoints run).  Unlike the
+feature convolution's, it is not skipped while shapes repeat: no data collective of this
+layer reaches every worker of the union in forward (the broadcasts and the sum-reduce run
+along P_w's rows and columns), so there is nothing for an agreement flag to ride on.
+
+Under ``torch.autocast`` the input, the staged blocks, the partial outputs and the output
+travel and compute in the autocast dtype, the weight blocks travel in their own dtype and
+are cast where they are used, as ``torch.nn.ConvNd`` casts them.  Gradients of any order
+are exact (every primitive's backward is itself differentiable).  Every worker of
 the union must call backward when one does (on its zero-volume output where it holds
 no output block).
 """
@@ -44,10 +52,14 @@ from torch import nn
 
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, local_shape, local_slices
+from distfuse.layers._block_identity import BlockIdentityMixin
 from distfuse.layers._conv_common import (
     ConvOptions,
+    cast_for_compute,
+    check_geometry,
     check_partition,
     conv_block,
+    conv_output_format,
     draw_parameters,
     gather_call_info,
     grid_of,
@@ -64,7 +76,7 @@ __all__ = ["DistributedGeneralConvBase", "DistributedGeneralConv1d", "Distribute
            "DistributedGeneralConv3d"]
 
 
-class DistributedGeneralConvBase(nn.Module):
+class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
     """Convolution with channels and spatial axes split (see the module docstring).
 
     Args:
@@ -225,14 +237,16 @@ class DistributedGeneralConvBase(nn.Module):
         params = [p for p in (self.weight, self.bias) if p is not None]
         info = gather_call_info(op, self.P_union, P_x, x, params,
                                 signature=(o, *((P.ranks, P.shape) for P in (P_x, self.P_y, P_w))))
-        G, dtype = info.global_shape, info.dtype
+        G = info.global_shape
+        dtype = info.compute_dtype or info.dtype  # what x, the staged blocks and the outputs travel in (autocast)
         if G[1] != o.in_channels:
             raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, G[1])
+        check_geometry(op, o, G)  # every worker holds G: geometry torch refuses is refused on every worker
         needs_any = info.input_grad or info.param_grad
         plan = self.halo.plan(G)
         device = P_x.device
         if P_x.active:
-            xs = self._stage(promote(x, info.input_grad), G)
+            xs = self._stage(cast_for_compute(promote(x, info.input_grad), dtype), G)
         else:
             xs = zero_volume_tensor(dtype=dtype, device=device, requires_grad=info.input_grad)
         xb_shape = out_shape = None
@@ -240,18 +254,22 @@ class DistributedGeneralConvBase(nn.Module):
             i, j, s = P_w.index[0], P_w.index[1], P_w.index[2:]
             ci_j = block_extent(o.in_channels, P_w.shape[1], j)
             xb_shape = (G[0], ci_j) + tuple(self._broadcast_spatial(plan, s))
-        xb = broadcast(xs, self._x_plan, xb_shape, dtype)
-        w = self._weight_on_w(dtype, device, info.param_grad)
-        b = self._bias_on_w(dtype, device, info.param_grad)
+        # The staged blocks travel, and the partial outputs are summed, in the input's agreed memory format: a
+        # channels_last input stays channels_last end to end (P_w- and P_y-only workers learn it from the gather).
+        fmt_in = info.memory_format
+        fmt_out = conv_output_format(device, dtype, fmt_in, o.nd)
+        xb = broadcast(xs, self._x_plan, xb_shape, dtype, memory_format=fmt_in)
+        w = cast_for_compute(self._weight_on_w(info.param_dtype or dtype, device, info.param_grad), dtype)
+        b = cast_for_compute(self._bias_on_w(info.param_dtype or dtype, device, info.param_grad), dtype)
         if P_w.active:
             co_i = block_extent(o.out_channels, P_w.shape[0], i)
-            yp = conv_block(o, self._local_input(xb), w, b, (G[0], co_i) + plan.output_shape(s))
+            yp = conv_block(o, self._local_input(xb), w, b, (G[0], co_i) + plan.output_shape(s), fmt_in)
         else:
             yp = xb  # zero-volume; on a P_x worker it carries the adjoint of the broadcast
         if self._P_yv.active:
             i, s = self._P_yv.index[0], self._P_yv.index[2:]
             out_shape = (G[0], block_extent(o.out_channels, P_w.shape[0], i)) + plan.output_shape(s)
-        return sum_reduce(promote(yp, needs_any), self._y_plan, out_shape, dtype)
+        return sum_reduce(promote(yp, needs_any), self._y_plan, out_shape, dtype, memory_format=fmt_out)
 
     def extra_repr(self) -> str:
         o = self.opts

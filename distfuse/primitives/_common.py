@@ -13,14 +13,17 @@ enumerate their messages in the same canonical order (the plans sort by a key bo
 sides compute identically).
 
 Failures.  A peer that raised before its matching call, died, or made a different
-call leaves this rank's ``torch.distributed`` call waiting until the process-group
-timeout (``DISTFUSE_TIMEOUT``), or failing at once when the peer's connection closes.
-gloo reports either as a bare ``RuntimeError`` naming a C++ source line;
-:func:`collective_guard` turns it into a :class:`~distfuse.errors.CollectiveTimeoutError`
-that names the op, this rank and the peers it was waiting for, and chains the original.
-Measured on the 2-core CI machine with a 3 s timeout (``tests/test_reliability_faults.py``):
-peers of a rank that raises get the error 3.0 s later, peers of a rank that exits get it
-within 0.1 s.
+call leaves this rank's ``torch.distributed`` call waiting until distfuse's timeout
+(``DISTFUSE_TIMEOUT``: the rounds run on distfuse's own world group, created with it,
+never on the default group and its 30-minute default), or failing at once when the
+peer's connection closes.  gloo reports either as a bare ``RuntimeError`` naming a C++
+source line; :func:`collective_guard` turns it into a
+:class:`~distfuse.errors.CollectiveTimeoutError` that names the op, this rank, the peers
+it was waiting for and the timeout in force, and chains the original.  Measured on the
+2-core CI machine with ``DISTFUSE_TIMEOUT=3`` (``tests/test_reliability_faults.py``):
+peers of a rank that raises get the error 3.0 s later, peers of a rank that exits get
+it within 0.1 s; ``tests/test_misuse_timeouts.py`` measures the same with the world
+group left at torch's default timeout.
 """
 
 from __future__ import annotations
@@ -32,21 +35,25 @@ import torch
 import torch.distributed as dist
 
 from distfuse._compat import all_gather_flat
-from distfuse.errors import CollectiveTimeoutError, DistfuseError, ShapeError, expect, where
+from distfuse.errors import CollectiveTimeoutError, DistfuseError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import local_shape
-from distfuse.partition import Partition, default_timeout, zero_volume_tensor
+from distfuse.groups import TIMEOUT_VARIABLE, group_timeout, world_group
+from distfuse.partition import Partition, zero_volume_tensor
+from distfuse.primitives._layout import wire_view
 
-__all__ = ["exchange", "check_inactive_input", "empty_like_batch", "gather_metadata",
-           "infer_global_shape", "collective_guard"]
+__all__ = ["exchange", "check_inactive_input", "empty_like_batch", "gather_metadata", "gather_records",
+           "infer_global_shape", "collective_guard", "dtype_code", "dtype_of_code", "first_order_only"]
 
 
 @contextlib.contextmanager
-def collective_guard(op: str, what: str, peers: Iterable[int] | None = None):
+def collective_guard(op: str, what: str, peers: Iterable[int] | None = None, group=None):
     """Run ``torch.distributed`` calls; re-raise their failure as :class:`CollectiveTimeoutError`.
 
-    The message names the op, this rank, the call and the world ranks it waited for.
-    Errors distfuse raised on purpose pass through unchanged.  Wrap only the
-    communication itself, so that local programming errors keep their own type.
+    The message names the op, this rank, the call, the world ranks it waited for and the
+    timeout in force (that of ``group``, default distfuse's world group; see
+    :func:`~distfuse.partition.group_timeout`).  Errors distfuse raised on purpose pass
+    through unchanged.  Wrap only the communication itself, so that local programming
+    errors keep their own type.
     """
     try:
         yield
@@ -56,18 +63,20 @@ def collective_guard(op: str, what: str, peers: Iterable[int] | None = None):
         peer_txt = f" with world ranks {sorted(set(peers))}" if peers is not None else ""
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CollectiveTimeoutError(
-            f"{where(op)}: {what}{peer_txt} did not complete: {cause}. A peer that raised, died or made a "
-            f"different call ends here, after at most the process-group timeout "
-            f"({default_timeout().total_seconds():g} s)") from exc
+            f"{where(op)}: {what}{peer_txt} did not complete within the timeout in force "
+            f"({TIMEOUT_VARIABLE}={group_timeout(group):g} s): {cause}. A peer that raised, died or made a "
+            "different call ends here") from exc
 
 
 def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
              op: str = "exchange") -> None:
     """Post all ``(world_peer, tensor)`` sends and receives in one batch and wait for them.
 
-    A message to this rank itself is a local copy and must appear in both lists in the
-    same relative order.  Tensors must be contiguous.  ``op`` names the primitive in a
-    failure (see :func:`collective_guard`).
+    The messages go over distfuse's world group (:func:`~distfuse.groups.world_group`),
+    whose timeout is ``DISTFUSE_TIMEOUT``.  A message to this rank itself is a local copy
+    and must appear in both lists in the same relative order.  Tensors must be
+    contiguous, or dense in ``channels_last`` (``_3d``) with the peer's tensor in the same
+    format.  ``op`` names the primitive in a failure (see :func:`collective_guard`).
     """
     me = dist.get_rank()
     self_sends = [t for peer, t in sends if peer == me]
@@ -76,13 +85,47 @@ def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[in
         raise RuntimeError(f"{where(op)}: {len(self_sends)} self-sends but {len(self_recvs)} self-receives")
     for src, dst in zip(self_sends, self_recvs, strict=True):
         dst.copy_(src)
-    ops = [dist.P2POp(dist.isend, t, peer) for peer, t in sends if peer != me and t.numel() > 0]
-    ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs if peer != me and t.numel() > 0]
+    group = world_group()
+    # channels_last blocks travel as the contiguous [B, H, W, C] view of their memory (no copy; see _layout)
+    ops = [dist.P2POp(dist.isend, wire_view(t), peer, group=group) for peer, t in sends if peer != me and t.numel()]
+    ops += [dist.P2POp(dist.irecv, wire_view(t), peer, group=group) for peer, t in recvs if peer != me and t.numel()]
     if not ops:
         return
-    with collective_guard(op, "point-to-point exchange", (o.peer for o in ops)):
+    with collective_guard(op, "point-to-point exchange", (o.peer for o in ops), group):
         for req in dist.batch_isend_irecv(ops):
             req.wait()
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Identity whose backward refuses ``create_graph=True`` (see :func:`first_order_only`)."""
+
+    @staticmethod
+    def forward(ctx, y, op: str, why: str):
+        ctx.op, ctx.why = op, why
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if torch.is_grad_enabled():  # create_graph=True: a higher-order gradient is being built
+            raise UnsupportedError(f"{where(ctx.op)}: higher-order gradients (backward with create_graph=True) "
+                                   f"through {ctx.why} are not supported")
+        return dy, None, None
+
+
+def first_order_only(y: torch.Tensor, op: str, why: str) -> torch.Tensor:
+    """``y``, refusing a backward with ``create_graph=True`` by name: for ops with first-order gradients only.
+
+    It refuses in the first backward, before the op's own backward sends anything, so every
+    worker that differentiates with ``create_graph=True`` raises
+    :class:`~distfuse.errors.UnsupportedError` at the same point and none is left waiting.
+    torch's ``once_differentiable`` would raise later, in the second backward, and only
+    where that backward reaches the op, with a message that names neither the op nor the
+    layer.  ``why`` names the op and the way out, e.g. ``"the fused halo convolution (the
+    unfused path, DISTFUSE_PATH=unfused, computes them exactly)"``.
+    """
+    if not (torch.is_grad_enabled() and y.requires_grad):
+        return y
+    return _FirstOrderOnly.apply(y, op, why)
 
 
 def check_inactive_input(op: str, x: torch.Tensor) -> None:
@@ -143,6 +186,31 @@ def gather_metadata(P: Partition, x: torch.Tensor, max_dim: int = 8,
         raise ShapeError(f"{where(op)}: input device type: expected {want} on every worker, got "
                          f"{', '.join(f'world rank {w}: {d}' for w, d in sorted(bad.items()))}")
     return [(tuple(r[3:3 + r[0]]), _DTYPE_CODES[r[1]] if r[1] >= 0 else None) for r in rows]
+
+
+def dtype_code(dtype: torch.dtype | None) -> int:
+    """A small integer naming ``dtype`` in host-side records (-1: not one distfuse moves)."""
+    return _DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else -1
+
+
+def dtype_of_code(code: int) -> torch.dtype | None:
+    return _DTYPE_CODES[code] if 0 <= code < len(_DTYPE_CODES) else None
+
+
+def gather_records(op: str, P: Partition, record: Sequence[int]) -> list[list[int]]:
+    """Every worker's fixed-length int64 ``record`` over ``P``, in partition-rank order (host-side gloo).
+
+    The building block of the agreement checks' slow path: each layer packs what its
+    checks need (shapes, dtypes, grad flags, a local problem code) and every worker then
+    evaluates every record alike, so a bad input raises the same error everywhere.
+    """
+    mine = torch.tensor([int(v) for v in record], dtype=torch.int64)
+    out = torch.empty(P.size * mine.numel(), dtype=torch.int64)
+    with collective_guard(op, "metadata all-gather", P.ranks):
+        all_gather_flat(out, mine, group=P.meta_group)
+    # Slot g belongs to the g-th smallest world rank (new_group sorts its ranks), not to partition rank g.
+    by_world = dict(zip(sorted(P.ranks), out.view(P.size, mine.numel()).tolist(), strict=True))
+    return [by_world[r] for r in P.ranks]
 
 
 def infer_global_shape(op: str, P, x: torch.Tensor) -> tuple[int, ...]:

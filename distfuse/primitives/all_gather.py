@@ -12,17 +12,23 @@ may be empty (an extent smaller than the partition); they need not be the balanc
 decomposition, only tile.
 
 Adjoint: a reduce-scatter.  Each worker's input gradient is the sum, over the workers
-of ``S``, of their output gradients restricted to this worker's block.
+of ``S``, of their output gradients restricted to this worker's block.  The backward
+calls the reduce-scatter's autograd Function, whose own backward is this all-gather, so
+gradients of any order are exact (a gradient penalty differentiates through both).
 
 Cost: blocks are padded to the largest block and moved with one flat all-gather on the
-sub-grid's group (``_axes.py``).  The receivers must know every block's extent: the
-module exchanges the local shapes first with :func:`~distfuse.primitives._common.gather_metadata`,
-one host-side all-gather of 10 int64 per worker on the gloo metadata group (no device
-synchronisation).  It is latency-bound: on the 2-core CI machine (gloo, 2 ranks, busy)
-the exchange took 1.0 ms and the gather of a 64 x 64 fp32 block 0.8 ms (best of 5 x 200
-calls), so it more than doubles a small gather.  Layers that know the full shape pass it
-to :func:`all_gather` (or ``forward``) as ``out_shape`` and skip the exchange; the blocks
-are then the balanced decomposition of ``out_shape``.  The backward needs no metadata.
+sub-grid's group (``_axes.py``).  The receivers must know every block's extent.  The
+module learns them under the agreement protocol (:mod:`~distfuse.primitives._agreement`,
+:func:`agreed_all_gather`): the first call, and any call where some worker's block shape
+or dtype changed, exchanges the local shapes (one host-side all-gather of a few int64 per
+worker; before, every call did: 1.0 ms against 0.8 ms for the gather of a 64 x 64 fp32
+block on the 2-core CI machine, 2 ranks); while every worker's block repeats, only a flag
+element rides along with the data.  So blocks that disagree (rows, dtype, even fp16
+against bf16) raise the same :class:`~distfuse.errors.ShapeError` on every worker instead
+of aborting in gloo or returning garbage.  Layers that know the full shape pass it to
+:func:`all_gather` (or ``forward``) as ``out_shape``: no exchange, no check beyond the
+local one (the blocks are then the balanced decomposition of ``out_shape``).  The
+backward needs no metadata.
 """
 
 from __future__ import annotations
@@ -31,10 +37,11 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from distfuse.errors import expect
+from distfuse import debug
+from distfuse.errors import ShapeError, expect, where
 from distfuse.partition import CartesianPartition
+from distfuse.primitives._agreement import AgreementSite, run_agreed
 from distfuse.primitives._axes import (
     BlockLayout,
     axes_subgrid,
@@ -42,29 +49,39 @@ from distfuse.primitives._axes import (
     check_input,
     check_partition,
     gather_blocks,
+    gather_blocks_flagged,
     gathered_layout,
+    layout_from_shapes,
     resolve_axes,
-    scatter_sum_blocks,
 )
+from distfuse.primitives._common import gather_metadata
 
-__all__ = ["AllGather", "AllGatherFunction", "all_gather", "axes_subgrid"]
+__all__ = ["AllGather", "AllGatherFunction", "all_gather", "agreed_all_gather", "axes_subgrid"]
 
 _OP = "AllGather"
 
 
 class AllGatherFunction(torch.autograd.Function):
-    """Autograd Function of :func:`all_gather` on an active worker of a sub-grid of more than one worker."""
+    """Autograd Function of :func:`all_gather` on an active worker of a sub-grid of more than one worker.
+
+    ``apply(x, P_sub, layout, reduce_dtype, op="AllGather", gathered=None)``: ``gathered``, when
+    given, is the result of a gather that already ran (the agreement-checked path of
+    :mod:`~distfuse.primitives._agreement`), so no data moves again.  The backward is
+    :class:`~distfuse.primitives.reduce_scatter.ReduceScatterFunction` (differentiable).
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, P_sub: CartesianPartition, layout: BlockLayout,
-                reduce_dtype: torch.dtype | None):
-        ctx.P_sub, ctx.layout, ctx.reduce_dtype = P_sub, layout, reduce_dtype
-        return gather_blocks(_OP, P_sub, layout, x)
+                reduce_dtype: torch.dtype | None, op: str = _OP, gathered: torch.Tensor | None = None):
+        ctx.P_sub, ctx.layout, ctx.reduce_dtype, ctx.op = P_sub, layout, reduce_dtype, op
+        return gathered if gathered is not None else gather_blocks(op, P_sub, layout, x)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy: torch.Tensor):
-        return scatter_sum_blocks(_OP, ctx.P_sub, ctx.layout, dy, ctx.reduce_dtype), None, None, None
+        from distfuse.primitives.reduce_scatter import ReduceScatterFunction
+
+        dx = ReduceScatterFunction.apply(dy, ctx.P_sub, ctx.layout, ctx.reduce_dtype, ctx.op)
+        return dx, None, None, None, None, None
 
 
 def all_gather(x: torch.Tensor, P_sub: CartesianPartition, out_shape: Sequence[int] | None = None,
@@ -93,6 +110,51 @@ def all_gather(x: torch.Tensor, P_sub: CartesianPartition, out_shape: Sequence[i
     return AllGatherFunction.apply(x, P_sub, layout, reduce_dtype)
 
 
+def agreed_all_gather(x: torch.Tensor, P_sub: CartesianPartition, site: AgreementSite, *, extra=(),
+                      locally_ok: bool = True, check=None, reduce_dtype: torch.dtype | None = None,
+                      op: str = _OP) -> torch.Tensor:
+    """Gather ``x`` over ``P_sub`` with blocks learnt under the agreement protocol; autograd-aware.
+
+    ``site`` is the caller's :class:`~distfuse.primitives._agreement.AgreementSite` (one
+    per module or layer).  Steady state: the agreed layout and a flag element, no
+    metadata.  Slow path (first call, or some worker's signature ``(shape, dtype, device
+    type, *extra)`` changed or ``locally_ok`` is False there): every worker's
+    ``(shape, dtype)`` is gathered; they must share one dtype and tile
+    (:func:`~distfuse.primitives._axes.layout_from_shapes`), and ``check(shapes, dtype)``
+    may add the caller's rules; every worker raises the same error.  Active workers of a
+    sub-grid of more than one worker only.
+    """
+    ok = locally_ok and x.dim() == P_sub.dim and x.device.type == P_sub.device.type
+
+    def attempt(changed: bool):
+        layout, dtype = site.state
+        send = x.detach() if not changed else torch.zeros(layout.extents[layout.me], dtype=dtype,
+                                                           device=P_sub.device)
+        gathered, flagged = gather_blocks_flagged(op, P_sub, layout, send, changed)
+        if flagged:
+            return None, True
+        return AllGatherFunction.apply(x, P_sub, layout, reduce_dtype, op, gathered), False
+
+    def slow():
+        meta = gather_metadata(P_sub, x, op=op)
+        for r, (s, _) in zip(P_sub.ranks, meta, strict=True):
+            if len(s) != P_sub.dim:
+                raise expect(op, f"number of tensor dimensions (one per partition dimension) of world rank {r}'s "
+                             "block", P_sub.dim, len(s))
+        dtypes = {dt for _, dt in meta}
+        if len(dtypes) != 1 or None in dtypes:
+            rows = ", ".join(f"rank {r}: {dt}" for r, (_, dt) in zip(P_sub.ranks, meta, strict=True))
+            raise ShapeError(f"{where(op)}: every worker must pass the same dtype; got {rows} (world rank: dtype)")
+        shapes = [s for s, _ in meta]
+        layout = layout_from_shapes(op, P_sub, shapes)
+        dtype = dtypes.pop()
+        if check is not None:
+            check(shapes, dtype)
+        return AllGatherFunction.apply(x, P_sub, layout, reduce_dtype, op), (layout, dtype)
+
+    return run_agreed(site, (tuple(x.shape), x.dtype, x.device.type, *extra), ok, attempt, slow)
+
+
 class AllGather(nn.Module):
     """All-gather within ``P_x`` along ``axes_all_gather`` (or every axis not in ``axes_keep``); see the module doc.
 
@@ -115,10 +177,15 @@ class AllGather(nn.Module):
         self.axes_keep = tuple(d for d in range(P_x.dim) if d not in self.axes_all_gather)
         self.reduce_dtype = reduce_dtype
         self.P_sub = axes_subgrid(P_x, self.axes_all_gather)
+        self.agreement = AgreementSite(_OP)
 
     def forward(self, x: torch.Tensor, out_shape: Sequence[int] | None = None) -> torch.Tensor:
-        """Gather ``x``; pass ``out_shape`` to skip the metadata exchange (see :func:`all_gather`)."""
-        return all_gather(x, self.P_sub, out_shape, self.reduce_dtype)
+        """Gather ``x``; ``out_shape`` skips the agreement protocol (see :func:`all_gather`)."""
+        P_sub = self.P_sub
+        if (out_shape is not None or not P_sub.active or P_sub.size == 1 or not isinstance(x, torch.Tensor)
+                or debug.enabled()):  # debug mode gathers and compares every call instead
+            return all_gather(x, P_sub, out_shape, self.reduce_dtype)
+        return agreed_all_gather(x, P_sub, self.agreement, reduce_dtype=self.reduce_dtype)
 
     def extra_repr(self) -> str:
         return f"P_x={list(self.P_x.shape)}, axes_all_gather={self.axes_all_gather}, reduce_dtype={self.reduce_dtype}"

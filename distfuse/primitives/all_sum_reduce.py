@@ -10,13 +10,18 @@ The tensor need not be partitioned by ``P_x`` (DistDL allows any shape, e.g. the
 per-channel statistics of a batch norm), so its number of dimensions is free.
 
 Adjoint: AllSumReduce is self-adjoint, the backward is the same all-reduce on the
-gradient.  The output is always a new tensor: an identity (a sub-grid of one worker)
+gradient, through this Function again, so gradients of any order are exact.  The output
+is always a new tensor: an identity (a sub-grid of one worker)
 returns a clone, and an inactive worker returns a clone of its zero-volume input.
 
 Cost: one ``all_reduce`` on the sub-grid's group (NCCL on GPUs: no host round trip).
 bf16/fp16 are added in their own dtype unless ``reduce_dtype`` says otherwise (see
-``_axes.py``).  ``DISTFUSE_DEBUG=1`` first checks that every worker of the sub-grid
-passes the same shape and dtype.
+``_axes.py``).  Every worker of the sub-grid must pass the same shape and dtype: the
+module checks it under the agreement protocol (:mod:`~distfuse.primitives._agreement`;
+one small host-side gather on the first call and after a change, a flag element
+otherwise), so workers that disagree raise the same :class:`~distfuse.errors.ShapeError`
+instead of returning sums of mismatched data.  The functional form checks nothing across
+workers (``DISTFUSE_DEBUG=1`` does).
 """
 
 from __future__ import annotations
@@ -25,28 +30,41 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
+from distfuse import debug
+from distfuse.errors import ShapeError, where
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, check_input, check_partition, resolve_axes
+from distfuse.primitives._agreement import AgreementSite, run_agreed
+from distfuse.primitives._axes import (
+    all_reduce_sum,
+    all_reduce_sum_flagged,
+    axes_subgrid,
+    check_input,
+    check_partition,
+    resolve_axes,
+)
+from distfuse.primitives._common import gather_metadata
 
-__all__ = ["AllSumReduce", "AllSumReduceFunction", "all_sum_reduce", "axes_subgrid"]
+__all__ = ["AllSumReduce", "AllSumReduceFunction", "all_sum_reduce", "agreed_all_sum_reduce", "axes_subgrid"]
 
 _OP = "AllSumReduce"
 
 
 class AllSumReduceFunction(torch.autograd.Function):
-    """Autograd Function of :func:`all_sum_reduce` on an active worker of a sub-grid of more than one worker."""
+    """Autograd Function of :func:`all_sum_reduce` on an active worker of a sub-grid of more than one worker.
+
+    Self-adjoint: the backward applies this Function to the gradient (so it is differentiable).
+    """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, P_sub: CartesianPartition, reduce_dtype: torch.dtype | None):
+    def forward(ctx, x: torch.Tensor, P_sub: CartesianPartition, reduce_dtype: torch.dtype | None,
+                summed: torch.Tensor | None = None):
         ctx.P_sub, ctx.reduce_dtype = P_sub, reduce_dtype
-        return all_reduce_sum(_OP, P_sub, x, reduce_dtype)
+        return summed if summed is not None else all_reduce_sum(_OP, P_sub, x, reduce_dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy: torch.Tensor):
-        return all_reduce_sum(_OP, ctx.P_sub, dy, ctx.reduce_dtype), None, None
+        return AllSumReduceFunction.apply(dy, ctx.P_sub, ctx.reduce_dtype), None, None, None
 
 
 def all_sum_reduce(x: torch.Tensor, P_sub: CartesianPartition,
@@ -61,6 +79,32 @@ def all_sum_reduce(x: torch.Tensor, P_sub: CartesianPartition,
     if P_sub.size == 1:
         return x.clone()
     return AllSumReduceFunction.apply(x, P_sub, reduce_dtype)
+
+
+def agreed_all_sum_reduce(x: torch.Tensor, P_sub: CartesianPartition, site: AgreementSite, *,
+                          reduce_dtype: torch.dtype | None = None, op: str = _OP) -> torch.Tensor:
+    """:func:`all_sum_reduce` with every worker's shape and dtype checked under the agreement protocol.
+
+    Active workers of a sub-grid of more than one worker only.
+    """
+    ok = x.device.type == P_sub.device.type
+
+    def attempt(changed: bool):
+        shape, dtype = site.state
+        mine = x.detach() if not changed else torch.zeros(shape, dtype=dtype, device=P_sub.device)
+        summed, flagged = all_reduce_sum_flagged(op, P_sub, mine, changed, reduce_dtype)
+        if flagged:
+            return None, True
+        return AllSumReduceFunction.apply(x, P_sub, reduce_dtype, summed), False
+
+    def slow():
+        meta = gather_metadata(P_sub, x, op=op)
+        if len(set(meta)) != 1 or meta[0][1] is None:
+            rows = ", ".join(f"world rank {r}: {tuple(s)} {dt}" for r, (s, dt) in zip(P_sub.ranks, meta, strict=True))
+            raise ShapeError(f"{where(op)}: every worker must pass a tensor of the same shape and dtype; got {rows}")
+        return AllSumReduceFunction.apply(x, P_sub, reduce_dtype), (tuple(meta[0][0]), meta[0][1])
+
+    return run_agreed(site, (tuple(x.shape), x.dtype, x.device.type), ok, attempt, slow)
 
 
 class AllSumReduce(nn.Module):
@@ -85,9 +129,13 @@ class AllSumReduce(nn.Module):
         self.axes_keep = tuple(d for d in range(P_x.dim) if d not in self.axes_reduce)
         self.reduce_dtype = reduce_dtype
         self.P_sub = axes_subgrid(P_x, self.axes_reduce)
+        self.agreement = AgreementSite(_OP)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return all_sum_reduce(x, self.P_sub, self.reduce_dtype)
+        P_sub = self.P_sub
+        if not P_sub.active or P_sub.size == 1 or not isinstance(x, torch.Tensor) or debug.enabled():
+            return all_sum_reduce(x, P_sub, self.reduce_dtype)  # debug mode compares every call instead
+        return agreed_all_sum_reduce(x, P_sub, self.agreement, reduce_dtype=self.reduce_dtype)
 
     def extra_repr(self) -> str:
         return f"P_x={list(self.P_x.shape)}, axes_reduce={self.axes_reduce}, reduce_dtype={self.reduce_dtype}"

@@ -75,61 +75,71 @@ from distfuse.errors import ShapeError, expect, where
 from distfuse.geometry.broadcast_plan import BroadcastPlan, check_gathered_inputs
 from distfuse.partition import union_partition
 from distfuse.primitives._common import check_inactive_input, empty_like_batch, exchange, gather_metadata
+from distfuse.primitives._layout import as_message, empty_in, stacked_in
 
-__all__ = ["Broadcast", "BroadcastFunction", "broadcast", "broadcast_plan", "copy_blocks", "sum_blocks"]
+__all__ = ["Broadcast", "BroadcastFunction", "BroadcastAdjointFunction", "broadcast", "broadcast_plan", "copy_blocks",
+           "sum_blocks"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _recv_buffer(shape: Sequence[int], dtype: torch.dtype, device) -> torch.Tensor:
-    """A buffer that messages overwrite entirely; NaN in debug mode so that a gap cannot pass unseen."""
+def _recv_buffer(shape: Sequence[int], dtype: torch.dtype, device, fmt=None) -> torch.Tensor:
+    """A buffer (in ``fmt``) that messages overwrite entirely; NaN in debug mode so that a gap cannot pass unseen."""
+    buf = empty_in(shape, fmt, dtype=dtype, device=device)
     if debug.enabled() and dtype.is_floating_point:
-        return torch.full(tuple(shape), float("nan"), dtype=dtype, device=device)
-    return torch.empty(tuple(shape), dtype=dtype, device=device)
+        buf.fill_(float("nan"))
+    return buf
 
 
 def copy_blocks(plan: BroadcastPlan, t: torch.Tensor | None, out_shape, dtype: torch.dtype,
-                device) -> torch.Tensor | None:
+                device, memory_format=None) -> torch.Tensor | None:
     """Walk ``plan`` forwards: sources send ``t`` to each destination; destinations return what they receive.
 
-    Returns None on a worker that is not a destination.
+    Messages are dense in ``memory_format`` (both ends pass the same one; None: contiguous),
+    so a source already in it sends its block without a copy and the destination's block
+    comes back in it.  Returns None on a worker that is not a destination.
     """
     me = dist.get_rank()
     sends = []
     if plan.is_src(me):
-        t = t.contiguous()
+        t = as_message(t, memory_format)
         sends = [(w, t) for w in plan.dests_of(me)]
     out, recvs = None, []
     if plan.is_dst(me):
-        out = _recv_buffer(out_shape, dtype, device)
+        out = _recv_buffer(out_shape, dtype, device, memory_format)
         recvs = [(plan.source_of(me), out)]
     exchange(sends, recvs, op=plan.op)
     return out
 
 
 def sum_blocks(plan: BroadcastPlan, t: torch.Tensor | None, out_shape, dtype: torch.dtype,
-               device) -> torch.Tensor | None:
+               device, memory_format=None) -> torch.Tensor | None:
     """Walk ``plan`` backwards: destinations send ``t`` to their source; sources return the sum they receive.
 
     Returns None on a worker that is not a source.  The contributions land in one
     stacked ``[k, *out_shape]`` buffer and are summed in a fixed order (destination
-    order), so the result is deterministic.
+    order), so the result is deterministic.  Messages and the result are dense in
+    ``memory_format`` (see :func:`copy_blocks`).
     """
     me = dist.get_rank()
-    sends = [(plan.source_of(me), t.contiguous())] if plan.is_dst(me) else []
+    sends = [(plan.source_of(me), as_message(t, memory_format))] if plan.is_dst(me) else []
     out, recvs = None, []
     if plan.is_src(me):
         dests = plan.dests_of(me)
-        buf = _recv_buffer((len(dests), *out_shape), dtype, device)
+        buf = stacked_in(len(dests), out_shape, memory_format, dtype=dtype, device=device)
+        if debug.enabled() and dtype.is_floating_point:
+            buf.fill_(float("nan"))
         recvs = [(w, buf[k]) for k, w in enumerate(dests)]
     exchange(sends, recvs, op=plan.op)
     if plan.is_src(me):
         if len(recvs) == 1:
             out = buf[0]
-        elif dtype in _HALF:
-            out = buf.sum(0, dtype=torch.float32).to(dtype)
         else:
-            out = buf.sum(0)
+            out = empty_in(out_shape, memory_format, dtype=dtype, device=device)
+            if dtype in _HALF:
+                out.copy_(buf.sum(0, dtype=torch.float32))
+            else:
+                torch.sum(buf, 0, out=out)
     return out
 
 
@@ -139,31 +149,57 @@ def broadcast_plan(P_x, P_y, transpose_src: bool = False, transpose_dest: bool =
 
 
 class BroadcastFunction(torch.autograd.Function):
-    """Autograd form of :func:`broadcast`; its backward is the SumReduce along the same plan."""
+    """Autograd form of :func:`broadcast`; its backward is :class:`BroadcastAdjointFunction` (the SumReduce).
+
+    Both are differentiable (each one's backward is the other), so gradients of any
+    order through a broadcast are exact.
+    """
 
     @staticmethod
-    def forward(ctx, x, plan: BroadcastPlan, y_shape, y_dtype, preserve_batch: bool):
+    def forward(ctx, x, plan: BroadcastPlan, y_shape, y_dtype, preserve_batch: bool, memory_format=None):
         me = dist.get_rank()
-        ctx.plan = plan
+        ctx.plan, ctx.preserve_batch, ctx.memory_format = plan, preserve_batch, memory_format
         ctx.x_shape, ctx.x_dtype, ctx.x_device = x.shape, x.dtype, x.device
         device = x.device if plan.is_src(me) else plan.dst_partition.device
-        y = copy_blocks(plan, x if plan.is_src(me) else None, y_shape, y_dtype, device)
+        y = copy_blocks(plan, x if plan.is_src(me) else None, y_shape, y_dtype, device, memory_format)
         if y is None:
             y = empty_like_batch(x, preserve_batch) if plan.is_src(me) else x.clone()
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        plan = ctx.plan
+        dx = BroadcastAdjointFunction.apply(dy, ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.x_device, ctx.preserve_batch,
+                                            ctx.memory_format)
+        return dx, None, None, None, None, None
+
+
+class BroadcastAdjointFunction(torch.autograd.Function):
+    """The adjoint of :class:`BroadcastFunction`: sources get the sum of their destinations' ``dy``.
+
+    ``dx`` has the forward input's shape, dtype and device (zeros on a worker that is no
+    source: the gradient of its placeholder).  Its backward is the broadcast again.
+    """
+
+    @staticmethod
+    def forward(ctx, dy, plan: BroadcastPlan, x_shape, x_dtype, x_device, preserve_batch: bool, memory_format=None):
         me = dist.get_rank()
-        dx = sum_blocks(plan, dy if plan.is_dst(me) else None, ctx.x_shape, ctx.x_dtype, ctx.x_device)
+        ctx.plan, ctx.preserve_batch, ctx.memory_format = plan, preserve_batch, memory_format
+        ctx.dy_shape, ctx.dy_dtype = tuple(dy.shape), dy.dtype
+        dx = sum_blocks(plan, dy if plan.is_dst(me) else None, x_shape, x_dtype, x_device, memory_format)
         if dx is None:  # not a source: the gradient of the zero-volume placeholder
-            dx = torch.zeros(ctx.x_shape, dtype=ctx.x_dtype, device=ctx.x_device)
-        return dx, None, None, None, None
+            dx = torch.zeros(x_shape, dtype=x_dtype, device=x_device)
+        return dx
+
+    @staticmethod
+    def backward(ctx, ddx):
+        ddy = BroadcastFunction.apply(ddx, ctx.plan, ctx.dy_shape if ctx.plan.is_dst(dist.get_rank())
+                                      else None, ctx.dy_dtype, ctx.preserve_batch, ctx.memory_format)
+        return ddy, None, None, None, None, None, None
 
 
 def broadcast(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | None = None,
-              y_dtype: torch.dtype | None = None, preserve_batch: bool = True, P_union=None) -> torch.Tensor:
+              y_dtype: torch.dtype | None = None, preserve_batch: bool = True, P_union=None,
+              memory_format: torch.memory_format | None = None) -> torch.Tensor:
     """Functional Broadcast along ``plan`` (from :func:`broadcast_plan`), without the metadata exchange.
 
     Args:
@@ -175,6 +211,9 @@ def broadcast(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | Non
         preserve_batch: P_x-only workers return ``[x.shape[0], 0]`` instead of ``[0]``.
         P_union: a partition over every worker of P_x and P_y; only used for the
             debug-mode agreement check.
+        memory_format: the layout the blocks travel and arrive in (``channels_last`` for
+            a 4-D block); every worker of the plan must pass the same one.  Default:
+            contiguous.
     """
     op = plan.op
     me = dist.get_rank()
@@ -209,7 +248,8 @@ def broadcast(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | Non
                   "ndim": x.dim() if is_src else len(y_shape)},
             info={"x": tuple(x.shape) if is_src else None, "y": tuple(y_shape) if is_dst else None},
         )
-    return BroadcastFunction.apply(x, plan, tuple(y_shape) if is_dst else None, y_dtype, preserve_batch)
+    return BroadcastFunction.apply(x, plan, tuple(y_shape) if is_dst else None, y_dtype, preserve_batch,
+                                   memory_format)
 
 
 class Broadcast(nn.Module):

@@ -23,6 +23,11 @@ other workers arrive in one round and are added into the block.
 
 Leading (batch, channel) partition dimensions may be larger than 1: workers with
 different leading indices are independent and never exchange.
+
+Memory format: the block is read through views, whatever its strides, so it is never
+copied before staging; ``staged`` (and the adjoint's block gradient) is allocated in the
+block's format (``channels_last`` in, ``channels_last`` out, as torch's convolutions keep
+it).  The halo boxes travel as plain contiguous messages.
 """
 
 from __future__ import annotations
@@ -37,8 +42,11 @@ from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import PADDING_MODES, HaloPlan, adjoint_box, read_box, resolve_padding
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._common import check_inactive_input, exchange, infer_global_shape
+from distfuse.primitives._handles import new_handle
+from distfuse.primitives._layout import empty_in, memory_format_of, zeros_in
 
-__all__ = ["HaloExchange", "HaloExchangeFunction", "stage_from_pieces", "unstage_to_pieces"]
+__all__ = ["HaloExchange", "HaloExchangeFunction", "HaloExchangeAdjointFunction", "stage_from_pieces",
+           "unstage_to_pieces", "halo_forward", "halo_adjoint"]
 
 
 def _as_tuple(v, nd: int, name: str, op: str = "HaloExchange") -> tuple[int, ...]:
@@ -57,7 +65,7 @@ def stage_from_pieces(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...],
     """
     nd = len(plan.axes)
     lead = tuple(x.shape[: x.dim() - nd])
-    staged = x.new_empty(lead + plan.staged_shape(index))
+    staged = empty_in(lead + plan.staged_shape(index), memory_format_of(x), dtype=x.dtype, device=x.device)
     it = iter(received)
     for pc in plan.pieces(index):
         dst = (..., *pc.dst_slices())
@@ -71,10 +79,12 @@ def stage_from_pieces(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...],
 
 
 def unstage_to_pieces(grad: torch.Tensor, x_shape: Sequence[int], plan: HaloPlan,
-                      index: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Split a staged gradient: the block's own contributions (accumulated) and the boxes to send back."""
+                      index: tuple[int, ...], x_format=torch.contiguous_format
+                      ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Split a staged gradient: the block's own contributions (accumulated, in ``x_format``) and the boxes to
+    send back (contiguous messages)."""
     accum = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
-    grad_x = torch.zeros(tuple(x_shape), dtype=accum, device=grad.device)
+    grad_x = zeros_in(tuple(x_shape), x_format, dtype=accum, device=grad.device)
     outgoing = []
     for pc in plan.pieces(index):
         if pc.src is None:
@@ -87,34 +97,73 @@ def unstage_to_pieces(grad: torch.Tensor, x_shape: Sequence[int], plan: HaloPlan
     return grad_x, outgoing
 
 
+def halo_forward(x: torch.Tensor, plan: HaloPlan, index, world_of, op: str = "HaloExchange") -> torch.Tensor:
+    """The exchange without autograd: send the boxes peers read, receive ours, stage (in ``x``'s format).
+
+    Shared by :class:`HaloExchangeFunction` and the ``distfuse::halo_exchange`` custom op
+    (``distfuse/ops``), so eager and compiled code send the same messages.
+    """
+    nd = len(plan.axes)
+    lead = tuple(x.shape[: x.dim() - nd])
+    recv = [x.new_empty(lead + pc.src_shape) for pc in plan.recvs(index)]
+    sends = [(world_of(r), x[(..., *pc.src_slices())].contiguous()) for r, pc in plan.sends(index)]
+    exchange(sends, [(world_of(pc.src), buf) for pc, buf in zip(plan.recvs(index), recv, strict=True)], op=op)
+    return stage_from_pieces(x, plan, index, recv)
+
+
+def halo_adjoint(grad: torch.Tensor, plan: HaloPlan, index, world_of, x_shape, op: str = "HaloExchange",
+                 x_format=torch.contiguous_format) -> torch.Tensor:
+    """The adjoint without autograd: staged gradient -> block gradient ``[x_shape]`` in ``x_format``."""
+    grad_x, outgoing = unstage_to_pieces(grad, x_shape, plan, index, x_format)
+    nd = len(plan.axes)
+    lead = tuple(x_shape[: len(x_shape) - nd])
+    incoming = [grad.new_empty(lead + pc.src_shape) for _, pc in plan.sends(index)]
+    exchange([(world_of(pc.src), g) for pc, g in zip(plan.recvs(index), outgoing, strict=True)],
+             [(world_of(r), buf) for (r, _), buf in zip(plan.sends(index), incoming, strict=True)],
+             op=f"{op} (adjoint)")
+    for (_, pc), buf in zip(plan.sends(index), incoming, strict=True):
+        grad_x[(..., *pc.src_slices())] += buf
+    return grad_x.to(grad.dtype)
+
+
 class HaloExchangeFunction(torch.autograd.Function):
-    """Autograd Function of the exchange; ``world_of`` maps a spatial block index to a world rank."""
+    """Autograd Function of the exchange; ``world_of`` maps a spatial block index to a world rank.
+
+    The backward is :class:`HaloExchangeAdjointFunction`, whose backward is this Function
+    again, so gradients of any order (a gradient penalty through a convolution) are exact.
+    """
 
     @staticmethod
-    def forward(ctx, x, plan: HaloPlan, index, world_of):
-        nd = len(plan.axes)
-        lead = tuple(x.shape[: x.dim() - nd])
-        recv = [x.new_empty(lead + pc.src_shape) for pc in plan.recvs(index)]
-        sends = [(world_of(r), x[(..., *pc.src_slices())].contiguous()) for r, pc in plan.sends(index)]
-        exchange(sends, [(world_of(pc.src), buf) for pc, buf in zip(plan.recvs(index), recv, strict=True)],
-                 op="HaloExchange")
-        ctx.plan, ctx.index, ctx.world_of, ctx.x_shape = plan, index, world_of, tuple(x.shape)
-        return stage_from_pieces(x, plan, index, recv)
+    def forward(ctx, x, plan: HaloPlan, index, world_of, op: str = "HaloExchange"):
+        ctx.plan, ctx.index, ctx.world_of, ctx.x_shape, ctx.op = plan, index, world_of, tuple(x.shape), op
+        ctx.x_format = memory_format_of(x)
+        return halo_forward(x, plan, index, world_of, op)
 
     @staticmethod
     def backward(ctx, grad):
-        plan, index, world_of = ctx.plan, ctx.index, ctx.world_of
-        grad = grad.contiguous()
-        grad_x, outgoing = unstage_to_pieces(grad, ctx.x_shape, plan, index)
-        nd = len(plan.axes)
-        lead = tuple(ctx.x_shape[: len(ctx.x_shape) - nd])
-        incoming = [grad.new_empty(lead + pc.src_shape) for _, pc in plan.sends(index)]
-        exchange([(world_of(pc.src), g) for pc, g in zip(plan.recvs(index), outgoing, strict=True)],
-                 [(world_of(r), buf) for (r, _), buf in zip(plan.sends(index), incoming, strict=True)],
-                 op="HaloExchange (adjoint)")
-        for (_, pc), buf in zip(plan.sends(index), incoming, strict=True):
-            grad_x[(..., *pc.src_slices())] += buf
-        return grad_x.to(grad.dtype), None, None, None
+        return HaloExchangeAdjointFunction.apply(grad, ctx.plan, ctx.index, ctx.world_of, ctx.x_shape, ctx.op,
+                                                 ctx.x_format), None, None, None, None
+
+
+class HaloExchangeAdjointFunction(torch.autograd.Function):
+    """The adjoint of the exchange: staged gradients go back to the blocks they were read from.
+
+    ``grad`` has the staged shape, the result the block's (``x_shape``); the block's own
+    boxes are accumulated (fp32 for 16-bit), then the boxes of other workers arrive in one
+    round and are added.  The result is in ``x_format`` (the forward block's).  Its backward
+    is :class:`HaloExchangeFunction`.
+    """
+
+    @staticmethod
+    def forward(ctx, grad, plan: HaloPlan, index, world_of, x_shape, op: str = "HaloExchange",
+                x_format=torch.contiguous_format):
+        ctx.plan, ctx.index, ctx.world_of, ctx.op = plan, index, world_of, op
+        return halo_adjoint(grad, plan, index, world_of, x_shape, op, x_format)
+
+    @staticmethod
+    def backward(ctx, ggrad_x):
+        return HaloExchangeFunction.apply(ggrad_x, ctx.plan, ctx.index, ctx.world_of, ctx.op), \
+            None, None, None, None, None, None
 
 
 class HaloExchange(nn.Module):
@@ -159,6 +208,7 @@ class HaloExchange(nn.Module):
             raise UnsupportedError(f"{where(op)}: {exc}") from None
         self.padding_mode = padding_mode
         self._plans: dict[tuple[int, ...], HaloPlan] = {}
+        self.handle = new_handle(self)  # names this exchange in compiled graphs (distfuse::halo_exchange)
 
     def plan(self, global_shape: Sequence[int]) -> HaloPlan:
         spatial = tuple(int(n) for n in global_shape[-self.nd:])
@@ -192,4 +242,5 @@ class HaloExchange(nn.Module):
         debug.check_agreement(op, self.P_x.ranks, self.P_x.meta_group,
                               same=dict(dtype=str(x.dtype), ndim=x.dim(), spatial=tuple(global_shape[-self.nd:])),
                               info=dict(shape=tuple(x.shape)))
-        return HaloExchangeFunction.apply(x.contiguous(), plan, index, self.world_of_fn())
+        # No x.contiguous(): the block is read through views, so a channels_last block is not copied to NCHW.
+        return HaloExchangeFunction.apply(x, plan, index, self.world_of_fn())

@@ -11,14 +11,21 @@ Shapes (``P_x`` a Cartesian partition, ``S`` the sub-grid along ``axes_reduce_sc
 Several axes may be reduce-scattered at once (DistDL allows one).
 
 Adjoint: an all-gather of the output gradient's blocks, which are the balanced
-decomposition of the input shape, so no metadata is exchanged in either direction.
+decomposition of the input shape, so no metadata is exchanged in either direction.  The
+backward calls the all-gather's autograd Function, whose backward is this reduce-scatter,
+so gradients of any order are exact.
 
 Cost: one flat reduce-scatter of ``|S| * prod(largest block)`` elements on the
 sub-grid's group (``_axes.py``); uneven blocks travel padded to the largest block,
 which gloo needs (e.g. 10 over 4 workers moves 4 x 3 = 12 elements).  bf16/fp16 add in
 their own dtype unless ``reduce_dtype`` says otherwise.  Every worker must pass the
-same shape; ``DISTFUSE_DEBUG=1`` checks this (otherwise a mismatch ends in a collective
-error or the group's timeout).
+same shape and dtype.  The module checks that under the agreement protocol
+(:mod:`~distfuse.primitives._agreement`): the first call, and any call where some
+worker's shape or dtype changed, exchanges the shapes (one small host-side gather) and
+raises the same :class:`~distfuse.errors.ShapeError` on every worker when they differ;
+while they repeat only a flag element rides along with the data.  The functional form
+:func:`reduce_scatter` checks nothing across workers (a mismatch ends in a collective
+error, a gloo abort or garbage; ``DISTFUSE_DEBUG=1`` checks it).
 """
 
 from __future__ import annotations
@@ -27,38 +34,49 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.autograd.function import once_differentiable
 
+from distfuse import debug
+from distfuse.errors import ShapeError, expect, where
 from distfuse.partition import CartesianPartition
+from distfuse.primitives._agreement import AgreementSite, run_agreed
 from distfuse.primitives._axes import (
     BlockLayout,
     axes_subgrid,
     balanced_layout,
     check_input,
     check_partition,
-    gather_blocks,
     resolve_axes,
     scatter_sum_blocks,
+    scatter_sum_blocks_flagged,
 )
+from distfuse.primitives._common import gather_metadata
 
-__all__ = ["ReduceScatter", "ReduceScatterFunction", "reduce_scatter", "axes_subgrid"]
+__all__ = ["ReduceScatter", "ReduceScatterFunction", "reduce_scatter", "agreed_reduce_scatter", "axes_subgrid"]
 
 _OP = "ReduceScatter"
 
 
 class ReduceScatterFunction(torch.autograd.Function):
-    """Autograd Function of :func:`reduce_scatter` on an active worker of a sub-grid of more than one worker."""
+    """Autograd Function of :func:`reduce_scatter` on an active worker of a sub-grid of more than one worker.
+
+    ``apply(x, P_sub, layout, reduce_dtype, op="ReduceScatter", scattered=None)``: ``scattered``,
+    when given, is the result of a reduce-scatter that already ran (the agreement-checked
+    path).  The backward is :class:`~distfuse.primitives.all_gather.AllGatherFunction`
+    (differentiable); a double backward reduce-scatters in ``reduce_dtype`` again.
+    """
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, P_sub: CartesianPartition, layout: BlockLayout,
-                reduce_dtype: torch.dtype | None):
-        ctx.P_sub, ctx.layout = P_sub, layout
-        return scatter_sum_blocks(_OP, P_sub, layout, x, reduce_dtype)
+                reduce_dtype: torch.dtype | None, op: str = _OP, scattered: torch.Tensor | None = None):
+        ctx.P_sub, ctx.layout, ctx.reduce_dtype, ctx.op = P_sub, layout, reduce_dtype, op
+        return scattered if scattered is not None else scatter_sum_blocks(op, P_sub, layout, x, reduce_dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy: torch.Tensor):
-        return gather_blocks(_OP, ctx.P_sub, ctx.layout, dy), None, None, None
+        from distfuse.primitives.all_gather import AllGatherFunction
+
+        dx = AllGatherFunction.apply(dy.contiguous(), ctx.P_sub, ctx.layout, ctx.reduce_dtype, ctx.op)
+        return dx, None, None, None, None, None
 
 
 def reduce_scatter(x: torch.Tensor, P_sub: CartesianPartition,
@@ -77,6 +95,43 @@ def reduce_scatter(x: torch.Tensor, P_sub: CartesianPartition,
     if P_sub.size == 1:
         return x.clone()
     return ReduceScatterFunction.apply(x, P_sub, balanced_layout(P_sub, x.shape), reduce_dtype)
+
+
+def agreed_reduce_scatter(x: torch.Tensor, P_sub: CartesianPartition, site: AgreementSite, *,
+                          reduce_dtype: torch.dtype | None = None, op: str = _OP) -> torch.Tensor:
+    """:func:`reduce_scatter` with every worker's shape and dtype checked under the agreement protocol.
+
+    Steady state: a flag element per chunk, no metadata; first call or a change on some
+    worker: one host-side gather of ``(shape, dtype)``, and every worker raises the same
+    :class:`~distfuse.errors.ShapeError` unless all are equal.  Active workers of a
+    sub-grid of more than one worker only.
+    """
+    ok = x.dim() == P_sub.dim and x.device.type == P_sub.device.type
+
+    def attempt(changed: bool):
+        shape, dtype = site.state
+        layout = balanced_layout(P_sub, shape)
+        full = x.detach() if not changed else torch.zeros(shape, dtype=dtype, device=P_sub.device)
+        block, flagged = scatter_sum_blocks_flagged(op, P_sub, layout, full, changed, reduce_dtype)
+        if flagged:
+            return None, True
+        return ReduceScatterFunction.apply(x, P_sub, layout, reduce_dtype, op, block), False
+
+    def slow():
+        meta = gather_metadata(P_sub, x, op=op)
+        for r, (s, _) in zip(P_sub.ranks, meta, strict=True):
+            if len(s) != P_sub.dim:
+                raise expect(op, f"number of tensor dimensions on world rank {r} (one per partition dimension)",
+                             P_sub.dim, len(s))
+        if len(set(meta)) != 1 or meta[0][1] is None:
+            rows = ", ".join(f"world rank {r}: {tuple(s)} {dt}" for r, (s, dt) in zip(P_sub.ranks, meta, strict=True))
+            raise ShapeError(f"{where(op)}: every worker must pass a full-extent tensor of the same shape and "
+                             f"dtype; got {rows}")
+        shape, dtype = meta[0]
+        layout = balanced_layout(P_sub, shape)
+        return ReduceScatterFunction.apply(x, P_sub, layout, reduce_dtype, op), (tuple(shape), dtype)
+
+    return run_agreed(site, (tuple(x.shape), x.dtype, x.device.type), ok, attempt, slow)
 
 
 class ReduceScatter(nn.Module):
@@ -103,9 +158,13 @@ class ReduceScatter(nn.Module):
         self.axes_keep = tuple(d for d in range(P_x.dim) if d not in self.axes_reduce_scatter)
         self.reduce_dtype = reduce_dtype
         self.P_sub = axes_subgrid(P_x, self.axes_reduce_scatter)
+        self.agreement = AgreementSite(_OP)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_scatter(x, self.P_sub, self.reduce_dtype)
+        P_sub = self.P_sub
+        if not P_sub.active or P_sub.size == 1 or not isinstance(x, torch.Tensor) or debug.enabled():
+            return reduce_scatter(x, P_sub, self.reduce_dtype)  # debug mode compares every call instead
+        return agreed_reduce_scatter(x, P_sub, self.agreement, reduce_dtype=self.reduce_dtype)
 
     def extra_repr(self) -> str:
         return (f"P_x={list(self.P_x.shape)}, axes_reduce_scatter={self.axes_reduce_scatter}, "

@@ -51,7 +51,7 @@ from distfuse.partition import union_partition
 from distfuse.primitives._common import check_inactive_input, empty_like_batch, gather_metadata
 from distfuse.primitives.broadcast import copy_blocks, sum_blocks
 
-__all__ = ["SumReduce", "SumReduceFunction", "sum_reduce", "sum_reduce_plan"]
+__all__ = ["SumReduce", "SumReduceFunction", "SumReduceAdjointFunction", "sum_reduce", "sum_reduce_plan"]
 
 
 def sum_reduce_plan(P_x, P_y, transpose_src: bool = False, transpose_dest: bool = False) -> BroadcastPlan:
@@ -63,32 +63,58 @@ def sum_reduce_plan(P_x, P_y, transpose_src: bool = False, transpose_dest: bool 
 
 
 class SumReduceFunction(torch.autograd.Function):
-    """Autograd form of :func:`sum_reduce`; its backward is the Broadcast along the same plan."""
+    """Autograd form of :func:`sum_reduce`; its backward is :class:`SumReduceAdjointFunction` (the Broadcast).
+
+    Both are differentiable (each one's backward is the other), so gradients of any
+    order through a sum-reduce are exact.
+    """
 
     @staticmethod
-    def forward(ctx, x, plan: BroadcastPlan, y_shape, y_dtype, preserve_batch: bool):
+    def forward(ctx, x, plan: BroadcastPlan, y_shape, y_dtype, preserve_batch: bool, memory_format=None):
         me = dist.get_rank()
-        ctx.plan = plan
+        ctx.plan, ctx.preserve_batch, ctx.memory_format = plan, preserve_batch, memory_format
         ctx.x_shape, ctx.x_dtype, ctx.x_device = x.shape, x.dtype, x.device
         # In the plan, P_y is the source side and P_x the destination side.
         device = x.device if plan.is_dst(me) else plan.src_partition.device
-        y = sum_blocks(plan, x if plan.is_dst(me) else None, y_shape, y_dtype, device)
+        y = sum_blocks(plan, x if plan.is_dst(me) else None, y_shape, y_dtype, device, memory_format)
         if y is None:
             y = empty_like_batch(x, preserve_batch) if plan.is_dst(me) else x.clone()
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        plan = ctx.plan
+        dx = SumReduceAdjointFunction.apply(dy, ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.x_device, ctx.preserve_batch,
+                                            ctx.memory_format)
+        return dx, None, None, None, None, None
+
+
+class SumReduceAdjointFunction(torch.autograd.Function):
+    """The adjoint of :class:`SumReduceFunction`: every P_x worker gets a copy of its P_y worker's ``dy``.
+
+    ``dx`` has the forward input's shape, dtype and device (zeros outside P_x: the
+    gradient of the placeholder).  Its backward is the sum-reduce again.
+    """
+
+    @staticmethod
+    def forward(ctx, dy, plan: BroadcastPlan, x_shape, x_dtype, x_device, preserve_batch: bool, memory_format=None):
         me = dist.get_rank()
-        dx = copy_blocks(plan, dy if plan.is_src(me) else None, ctx.x_shape, ctx.x_dtype, ctx.x_device)
+        ctx.plan, ctx.preserve_batch, ctx.memory_format = plan, preserve_batch, memory_format
+        ctx.dy_shape, ctx.dy_dtype = tuple(dy.shape), dy.dtype
+        dx = copy_blocks(plan, dy if plan.is_src(me) else None, x_shape, x_dtype, x_device, memory_format)
         if dx is None:  # not in P_x: the gradient of the zero-volume placeholder
-            dx = torch.zeros(ctx.x_shape, dtype=ctx.x_dtype, device=ctx.x_device)
-        return dx, None, None, None, None
+            dx = torch.zeros(x_shape, dtype=x_dtype, device=x_device)
+        return dx
+
+    @staticmethod
+    def backward(ctx, ddx):
+        ddy = SumReduceFunction.apply(ddx, ctx.plan, ctx.dy_shape if ctx.plan.is_src(dist.get_rank())
+                                      else None, ctx.dy_dtype, ctx.preserve_batch, ctx.memory_format)
+        return ddy, None, None, None, None, None, None
 
 
 def sum_reduce(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | None = None,
-               y_dtype: torch.dtype | None = None, preserve_batch: bool = True, P_union=None) -> torch.Tensor:
+               y_dtype: torch.dtype | None = None, preserve_batch: bool = True, P_union=None,
+               memory_format: torch.memory_format | None = None) -> torch.Tensor:
     """Functional SumReduce along ``plan`` (from :func:`sum_reduce_plan`), no metadata exchange.
 
     Args:
@@ -99,6 +125,9 @@ def sum_reduce(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | No
         preserve_batch: P_x-only workers return ``[x.shape[0], 0]`` instead of ``[0]``.
         P_union: a partition over every worker of P_x and P_y; only used for the
             debug-mode agreement check.
+        memory_format: the layout the blocks travel in and the sum comes back in
+            (``channels_last`` for a 4-D block); every worker of the plan must pass the
+            same one.  Default: contiguous.
     """
     op = plan.op
     me = dist.get_rank()
@@ -132,7 +161,8 @@ def sum_reduce(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | No
                   "ndim": x.dim() if in_x else len(y_shape)},
             info={"x": tuple(x.shape) if in_x else None, "y": tuple(y_shape) if in_y else None},
         )
-    return SumReduceFunction.apply(x, plan, tuple(y_shape) if in_y else None, y_dtype, preserve_batch)
+    return SumReduceFunction.apply(x, plan, tuple(y_shape) if in_y else None, y_dtype, preserve_batch,
+                                   memory_format)
 
 
 class SumReduce(nn.Module):

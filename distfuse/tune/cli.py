@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from distfuse.fused import registry
-from distfuse.partition import cuda_backend_of
+from distfuse.groups import cuda_backend_of, default_timeout
 from distfuse.tune.sweeper import SweepResult, default_grid, run_meta, summary, sweep
 from distfuse.tune.table import write_table
 
@@ -59,7 +58,7 @@ def init_dist() -> bool:
     if dist.is_initialized():
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    timeout = timedelta(seconds=float(os.environ.get("DISTFUSE_TIMEOUT", "600")))
+    timeout = default_timeout()  # validated: a bad DISTFUSE_TIMEOUT is refused by name before any collective
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))

@@ -20,6 +20,16 @@ for halo_conv, the per-rank ``m*n*k`` for the linears).  "Fused never" is writte
 Where: ``$DISTFUSE_TUNE_TABLE``, else ``$XDG_CACHE_HOME/distfuse/crossover.json``, else
 ``~/.cache/distfuse/crossover.json`` (:func:`table_path`).
 
+Robustness.  :func:`write_table` writes a temporary file in the table's directory and
+renames it over the table (``os.replace``), so a reader never sees half a file; the file
+gets the mode a new file would (``0o666 & ~umask``), not ``mkstemp``'s 0600.  An existing
+table it cannot read, or whose entries are malformed, is moved aside to
+``<name>.unreadable-<timestamp>`` with a warning (never overwritten silently), and a fresh
+table is written.  :func:`load_table` (dispatch) raises
+:class:`~distfuse.errors.ConfigError` naming the file and the entry when an entry is
+malformed (say ``"min_size": "big"``), and warns once and ignores a file that is not
+JSON at all.
+
 Renamed ops.  A table written before an op was renamed keys it by the former name
 (``...|linear_rs`` for ``matmul_reduce_scatter``, ``...|linear_ag`` for
 ``all_gather_matmul``; :data:`distfuse.fused.registry.RENAMED`).  :func:`load_table` reads
@@ -31,16 +41,20 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import torch
 
+from distfuse.errors import ConfigError
 from distfuse.fused.registry import current_name
 
 __all__ = ["FORMAT", "SECTIONS", "NEVER", "table_path", "table_key", "current_key", "load_table", "read_json",
-           "write_table"]
+           "write_table", "check_entry"]
 
 log = logging.getLogger("distfuse.dispatch")
 
@@ -81,6 +95,38 @@ def _current_keys(entries: dict) -> dict:
     return out
 
 
+_FUSED_VALUES = ("interval", "always", "threshold", "never")  # "always": crossover_fit wins at every size
+
+
+def check_entry(path, key: str, entry) -> None:
+    """Raise :class:`ConfigError` naming the file and the entry unless ``entry`` is a well-formed crossover entry.
+
+    What dispatch reads: a JSON object whose ``min_size`` and ``max_size`` are numbers (or
+    absent/null) and whose ``fused`` is one of ``"interval"``, ``"always"``, ``"threshold"``, ``"never"`` (or absent);
+    optionally ``provider`` (a name) and ``provider_sizes`` (``[[size, name], ...]``), which
+    :func:`distfuse.fused.providers.select_provider` reads (tables without them pick the
+    op's default provider).
+    """
+    where_ = f"crossover table {path}: entry {key!r}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where_} must be a JSON object, got {type(entry).__name__} {entry!r:.80}")
+    for bound in ("min_size", "max_size"):
+        v = entry.get(bound)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
+            raise ConfigError(f"{where_}: {bound} must be a number or null, got {v!r:.80}")
+    fused = entry.get("fused")
+    if fused is not None and fused not in _FUSED_VALUES:
+        raise ConfigError(f"{where_}: fused must be one of {_FUSED_VALUES}, got {fused!r:.80}")
+    provider = entry.get("provider")
+    if provider is not None and not isinstance(provider, str):
+        raise ConfigError(f"{where_}: provider must be a string, got {provider!r:.80}")
+    sizes = entry.get("provider_sizes")
+    if sizes is not None and not (isinstance(sizes, list) and all(
+            isinstance(p, list) and len(p) == 2 and isinstance(p[0], (int, float)) and not isinstance(p[0], bool)
+            and isinstance(p[1], str) for p in sizes)):
+        raise ConfigError(f"{where_}: provider_sizes must be a list of [size, provider name], got {sizes!r:.80}")
+
+
 def load_table(path: Path | str | None = None) -> dict:
     """The crossover entries of the table (empty if absent or unreadable); re-read when the file changes.
 
@@ -102,7 +148,15 @@ def load_table(path: Path | str | None = None) -> dict:
             _LOGGED.add(key)
             log.warning(f"distfuse: ignoring unreadable crossover table {path}: {exc}")
         table = {}
-    table = _current_keys({k: v for k, v in table.items() if "|" in k}) if isinstance(table, dict) else {}
+    if not isinstance(table, dict):
+        key = f"table:{path}"
+        if key not in _LOGGED:
+            _LOGGED.add(key)
+            log.warning(f"distfuse: ignoring crossover table {path}: its top level is not a JSON object")
+        table = {}
+    table = _current_keys({k: v for k, v in table.items() if "|" in k})
+    for k, v in table.items():
+        check_entry(path, k, v)
     _TABLE_CACHE[str(path)] = (mtime, table)
     return table
 
@@ -117,6 +171,47 @@ def read_json(path: Path | str | None = None) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def _unreadable(path: Path) -> str | None:
+    """Why the existing table at ``path`` cannot be merged into (None when it can, or when there is none)."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if not isinstance(data, dict):
+        return f"its top level is a JSON {type(data).__name__}, not an object"
+    try:
+        for k, v in _current_keys({k: v for k, v in data.items() if "|" in k}).items():
+            check_entry(path, k, v)
+    except ConfigError as exc:
+        return str(exc)
+    return None
+
+
+def _move_aside(path: Path, why: str) -> Path:
+    """Rename an unreadable table to ``<name>.unreadable-<timestamp>`` (never clobbering) and warn."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside = path.with_name(f"{path.name}.unreadable-{stamp}")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.unreadable-{stamp}-{n}")
+    os.replace(path, aside)
+    msg = (f"distfuse-tune: the crossover table {path} could not be read ({why}); moved it to {aside} and wrote a "
+           "new one")
+    log.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return aside
+
+
+def _new_file_mode() -> int:
+    """``0o666 & ~umask``: the mode ``open()`` would give a new file (``mkstemp`` gives 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_table(path: Path | str | None, entries: dict | None = None, *, triton_configs: dict | None = None,
                 sweeps: dict | None = None, run_meta: dict | None = None) -> Path:
     """Merge into the crossover table at ``path`` (default: :func:`table_path`) and write it atomically.
@@ -124,30 +219,51 @@ def write_table(path: Path | str | None, entries: dict | None = None, *, triton_
     ``entries``: ``table_key -> entry``; ``triton_configs`` and ``sweeps``: keyed the same;
     ``run_meta``: ``"device|world" -> info`` for ``_meta.runs``.  Keys already in the file
     and not given are kept (other devices, world sizes, dtypes, ops), under the current op
-    names (see the module doc on renamed ops).
+    names (see the module doc on renamed ops).  An existing file that cannot be read, or
+    holds a malformed entry, is moved aside with a warning (see the module doc); a
+    malformed entry given here raises :class:`ConfigError`.
     """
     path = Path(path) if path is not None else table_path()
+    for k, v in (entries or {}).items():
+        if "|" not in k:
+            raise ValueError(f"write_table: {k!r} is not a table key (device|world|dtype|op)")
+        check_entry(path, k, v)
+    why = _unreadable(path)
+    if why is not None:
+        _move_aside(path, why)
     old = read_json(path)
     table = {k: v for k, v in old.items() if "|" not in k}
     table.update(_current_keys({k: v for k, v in old.items() if "|" in k}))
     for section in ("triton_configs", "sweeps"):
         if isinstance(table.get(section), dict):
             table[section] = _current_keys(table[section])
-    for k, v in (entries or {}).items():
-        if "|" not in k:
-            raise ValueError(f"write_table: {k!r} is not a table key (device|world|dtype|op)")
-        table[k] = v
+    table.update(entries or {})
     for section, new in (("triton_configs", triton_configs), ("sweeps", sweeps)):
         if new:
-            table.setdefault(section, {}).update(new)
-    meta = table.setdefault("_meta", {})
+            if not isinstance(table.get(section), dict):
+                table[section] = {}
+            table[section].update(new)
+    meta = table.get("_meta") if isinstance(table.get("_meta"), dict) else {}
+    table["_meta"] = meta
     meta.update(format=FORMAT, written_by="distfuse-tune")
     if run_meta:
-        meta.setdefault("runs", {}).update(run_meta)
+        if not isinstance(meta.get("runs"), dict):
+            meta["runs"] = {}
+        meta["runs"].update(run_meta)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".crossover-", suffix=".json", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(table, f, indent=1, sort_keys=True)
-        f.write("\n")
-    os.replace(tmp, path)  # readers (dispatch re-reads on mtime change) never see a half-written file
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(table, f, indent=1, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, _new_file_mode())
+        os.replace(tmp, path)  # readers (dispatch re-reads on mtime change) never see a half-written file
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
     return path

@@ -1,0 +1,305 @@
+"""The process groups behind distfuse's partitions: creation, caching, timeouts, the world and metadata groups.
+
+**Timeouts.** Every process group distfuse uses is its own, created with
+:func:`default_timeout` (``DISTFUSE_TIMEOUT`` seconds, default 600), and cached by its
+tuple of world ranks, so equal partitions share one group.  That includes the groups
+over the whole world: :meth:`Partition.world` creates them on its first call (so that
+first call is collective: every rank must make it), instead of borrowing the default
+group, whose timeout is whatever the user gave ``init_process_group`` (torch's default
+is 30 minutes).  The point-to-point rounds of the primitives run on that world group
+too (:func:`world_group`).  So every distfuse collective, point-to-point round and
+metadata gather fails after ``DISTFUSE_TIMEOUT`` at most, whatever the world group's
+timeout.  A group's timeout is fixed when it is created; :func:`group_timeout` says
+which one is in force.
+
+The variable is read and validated before any collective (:func:`default_timeout`):
+a value that is not a positive finite number of seconds raises
+:class:`~distfuse.errors.ConfigError` naming it, on every rank that has it, and ranks
+whose values differ raise :class:`PartitionError` at the first partition creation.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from distfuse.errors import CollectiveTimeoutError, ConfigError, PartitionError, where
+
+__all__ = ["TIMEOUT_VARIABLE", "default_timeout", "group_timeout", "world_group", "metadata_group", "cuda_backend_of",
+           "groups_for", "world_partition_groups", "default_device", "world_rank", "world_size"]
+
+_GROUPS: dict[tuple[int, ...], tuple] = {}
+_CREATION_SEQ = [0]
+# distfuse's own groups over the whole world: "data" (the world's backend), "meta" (gloo), "timeout" (seconds),
+# "world" (id of the default group they were made for; a re-initialised world gets fresh ones).
+_WORLD: dict = {}
+_TIMEOUTS: dict[int, float] = {}  # id(group) -> the timeout it was created with, in seconds
+
+TIMEOUT_VARIABLE = "DISTFUSE_TIMEOUT"
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def default_timeout() -> timedelta:
+    """The timeout of every process group distfuse creates: ``DISTFUSE_TIMEOUT`` seconds, default 600.
+
+    Validated on every read, before any collective: the value must be a positive, finite
+    number of seconds.  Anything else (``"abc"``, ``0``, ``-1``, ``inf``, ``nan``) raises
+    :class:`~distfuse.errors.ConfigError` naming the variable and the value, so every
+    rank with a bad value refuses it at once instead of entering a collective it would
+    leave early.
+    """
+    raw = os.environ.get(TIMEOUT_VARIABLE)
+    if raw is None or not raw.strip():
+        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+    why = "a positive, finite number of seconds"
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ConfigError(f"{where(TIMEOUT_VARIABLE)}: {TIMEOUT_VARIABLE} must be {why}, got {raw!r}") from None
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"{where(TIMEOUT_VARIABLE)}: {TIMEOUT_VARIABLE} must be {why}, got {raw!r}")
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:
+        raise ConfigError(f"{where(TIMEOUT_VARIABLE)}: {TIMEOUT_VARIABLE}={raw!r} is too large for a timeout "
+                          "(at most about 8e13 seconds)") from None
+
+
+def group_timeout(group=None) -> float:
+    """Seconds after which a wait on ``group`` (default: distfuse's world group) fails: the timeout in force.
+
+    That is the timeout the group was created with, which may differ from the current
+    value of ``DISTFUSE_TIMEOUT`` if the variable changed since; groups distfuse did not
+    create report the variable's current value.
+    """
+    if group is None and _WORLD:
+        return _WORLD["timeout"]
+    seconds = _TIMEOUTS.get(id(group)) if group is not None else None
+    return seconds if seconds is not None else default_timeout().total_seconds()
+
+
+def world_size() -> int:
+    return dist.get_world_size()
+
+
+def world_rank() -> int:
+    return dist.get_rank()
+
+
+def _new_group(ranks: Sequence[int], timeout: timedelta, backend: str | None, what: str):
+    """``dist.new_group`` with distfuse's timeout; a rank that never arrives ends in CollectiveTimeoutError."""
+    try:
+        group = dist.new_group(list(ranks), timeout=timeout, backend=backend)
+    except RuntimeError as exc:  # the store barrier inside new_group: "Wait timeout", or a closed connection
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
+        raise CollectiveTimeoutError(
+            f"{where('Partition')}: creating {what} over world ranks {list(ranks)} did not complete within "
+            f"{TIMEOUT_VARIABLE}={timeout.total_seconds():g} s: {cause}"
+            ". Creation is collective over the world: a rank that raised before the call (a bad "
+            f"{TIMEOUT_VARIABLE} on that rank, for example), died or made another call ends here") from exc
+    _TIMEOUTS[id(group)] = timeout.total_seconds()
+    return group
+
+
+def _world_groups() -> dict:
+    """distfuse's own groups over every world rank, created on the first call (collective over the world).
+
+    ``meta`` is a gloo group for host-side metadata; ``data`` the group for tensors on the
+    partitions' device (the same gloo group unless the world's CUDA backend is NCCL, then
+    a group of the world's backend, warmed up: NCCL creates communicators lazily, and a
+    ``batch_isend_irecv`` that is the first call on a communicator must include every rank
+    of it, which the primitives' rounds do not).  Both carry :func:`default_timeout`,
+    read and validated once here, before the first collective.  Then every rank checks
+    that the others chose the same timeout (a creation record, see the module doc).
+    """
+    if _WORLD and _WORLD["world"] == id(dist.group.WORLD):
+        return _WORLD
+    timeout = default_timeout()  # raises ConfigError before any collective
+    _WORLD.clear()
+    _GROUPS.clear()
+    ranks = tuple(range(world_size()))
+    meta = _new_group(ranks, timeout, "gloo", "the metadata group")
+    nccl = _uses_nccl(dist.group.WORLD)
+    data = _new_group(ranks, timeout, None, "the world data group") if nccl else meta
+    _WORLD.update(data=data, meta=meta, timeout=timeout.total_seconds(), world=id(dist.group.WORLD))
+    try:
+        _check_creation_consistent("Partition.world", [ranks], args={"timeout_s": timeout.total_seconds()})
+    except Exception:
+        _WORLD.clear()
+        raise
+    if nccl:
+        _warm_up_nccl(data)
+    return _WORLD
+
+
+def world_group():
+    """distfuse's data group over every world rank: the primitives' point-to-point rounds run on it.
+
+    It exists once :meth:`Partition.world` has been called (on every rank); before that
+    there is no partition to communicate over, so this raises :class:`PartitionError`.
+    """
+    if not _WORLD or _WORLD["world"] != id(dist.group.WORLD):
+        raise PartitionError(f"{where('Partition')}: distfuse's world group does not exist yet; call "
+                             "Partition.world() on every rank first")
+    return _WORLD["data"]
+
+
+def metadata_group():
+    """A CPU (gloo) group over the whole world for small host-side metadata collectives.
+
+    distfuse's own (created with :func:`default_timeout` by the first :meth:`Partition.world`
+    or the first call here, which is then collective over the world).
+    """
+    return _world_groups()["meta"]
+
+
+def _check_creation_consistent(call: str, groups: Sequence[tuple[int, ...]], args: dict | None = None) -> None:
+    """All world ranks must be creating the same groups, with the same arguments, now; raise on every rank if not."""
+    _CREATION_SEQ[0] += 1
+    timeout = _WORLD["timeout"] if _WORLD else default_timeout().total_seconds()
+    record = (_CREATION_SEQ[0], call, tuple(groups), tuple(sorted((args or {}).items())), timeout)
+    records: list = [None] * world_size()
+    try:
+        dist.all_gather_object(records, record, group=_WORLD["meta"])
+    except RuntimeError as exc:  # a rank that never arrives surfaces as a timeout or a closed connection
+        raise CollectiveTimeoutError(
+            f"{where('Partition')}: partition creation is collective over the world (world ranks "
+            f"{list(range(world_size()))}), but not every rank made call #{record[0]} ({call}) within the timeout "
+            f"in force ({TIMEOUT_VARIABLE}={timeout:g} s): {str(exc).strip().splitlines()[0] if str(exc) else exc!r}"
+        ) from exc
+    if any(r != record for r in records):
+        lines = "\n".join(f"  rank {i}: call #{r[0]} {r[1]} groups={list(r[2])} arguments={dict(r[3])} "
+                          f"{TIMEOUT_VARIABLE}={r[4]:g} s" for i, r in enumerate(records))
+        raise PartitionError(
+            f"{where('Partition')}: partition creation is collective over the world and every rank must make the "
+            f"same call with the same arguments (and the same {TIMEOUT_VARIABLE}); the ranks disagree:\n{lines}"
+        )
+
+
+def groups_for(call: str, rank_sets: Sequence[tuple[int, ...]], args: dict | None = None) -> list:
+    """Create (or reuse) one process group per rank set; collective over the world.
+
+    Returns ``(group, meta_group)`` per rank set, or None where this rank is not a
+    member.  ``meta_group`` is a gloo group over the same ranks for host-side
+    metadata (shapes); under gloo it is the data group itself.  A rank set holding
+    every world rank (in any order: groups sort their ranks) gets distfuse's world
+    groups, never the default group (whose timeout is the user's).
+    """
+    world = _world_groups()
+    _check_creation_consistent(call, rank_sets, args)
+    gloo = world["data"] is world["meta"]
+    everyone = set(range(world_size()))
+    timeout = timedelta(seconds=world["timeout"])
+    out = []
+    for ranks in rank_sets:
+        if ranks not in _GROUPS:
+            if set(ranks) == everyone:
+                data, meta = world["data"], world["meta"]
+            else:
+                data = _new_group(ranks, timeout, None, "a partition's group")
+                meta = data if gloo else _new_group(ranks, timeout, "gloo", "a partition's metadata group")
+            _GROUPS[ranks] = (data, meta)
+        out.append(_GROUPS[ranks] if world_rank() in ranks else None)
+    return out
+
+
+def _cuda_backend_in_spec(spec: str) -> str | None | bool:
+    """The CUDA backend named by a backend string, None if it names none, False if it cannot tell.
+
+    Strings come in two forms: a bare name (``"nccl"``, ``"gloo"``: that backend serves
+    every device type it supports) or ``"device:backend"`` pairs (``"cpu:gloo,cuda:nccl"``).
+    ``"undefined"`` is what ``torch.distributed.get_backend`` reports after
+    ``init_process_group()`` without a backend (torchrun's usual form): it says nothing
+    about the device backends, so the caller must ask elsewhere.
+    """
+    spec = str(spec).strip().lower()
+    if not spec or spec == "undefined":
+        return False
+    if ":" not in spec:
+        return spec
+    pairs = dict(item.split(":", 1) for item in spec.split(",") if ":" in item)
+    return pairs.get("cuda", "").strip() or None
+
+
+def cuda_backend_of(group=None) -> str | None:
+    """Name of the backend that runs ``group``'s collectives on CUDA tensors (``"nccl"``, ``"gloo"``), or None.
+
+    ``group`` defaults to the world.  Why not compare ``dist.get_backend(group)`` with
+    ``"nccl"``: after ``init_process_group()`` with no backend that string reads
+    ``"undefined"`` although CUDA tensors go to NCCL, and after
+    ``init_process_group("cpu:gloo,cuda:nccl")`` it is stored as written; a string test
+    then takes an NCCL world for a CPU one, skips the communicator warm-up, and a later
+    partial ``batch_isend_irecv`` can hang.  So ask, in order, what torch 2.5 to 2.13
+    offer: the group's backend config (``dist.get_backend_config``, ``"cpu:gloo,cuda:nccl"``
+    even when the backend string is ``"undefined"``), the backend the group holds for the
+    CUDA device type (``ProcessGroup._get_backend``, private), and last the backend
+    string.  None when the group has no CUDA backend or none of these can tell.
+    """
+    pg = group if group is not None else dist.group.WORLD
+    get_config = getattr(dist, "get_backend_config", None)
+    if get_config is not None:
+        try:
+            found = _cuda_backend_in_spec(get_config(group))
+        except (RuntimeError, ValueError, TypeError, AttributeError, KeyError):  # not a member, not initialised
+            found = False
+        if found is not False:
+            return found
+    get_device_backend = getattr(pg, "_get_backend", None)
+    if get_device_backend is not None:
+        try:
+            backend = get_device_backend(torch.device("cuda"))
+        except (RuntimeError, ValueError, TypeError, AttributeError):  # "No backend type associated with ... cuda"
+            backend = None
+        name = getattr(backend, "name", None) if backend is not None else None
+        try:
+            name = name() if callable(name) else name
+        except (RuntimeError, TypeError):
+            name = None
+        if name:
+            return str(name).lower()
+    try:
+        found = _cuda_backend_in_spec(dist.get_backend(group))
+    except (RuntimeError, ValueError, TypeError, AttributeError):
+        found = False
+    return found or None
+
+
+def _uses_nccl(group=None) -> bool:
+    """Whether ``group`` sends CUDA tensors through NCCL: then partitions live on the GPU and need the warm-up."""
+    return cuda_backend_of(group) == "nccl"
+
+
+def default_device() -> torch.device:
+    """``cuda:<current>`` when the world's CUDA backend is NCCL (however the backend was spelt), else CPU."""
+    if _uses_nccl():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _warm_up_nccl(group) -> None:
+    """Run one collective on every rank of ``group`` so that NCCL creates its communicator now.
+
+    NCCL creates communicators lazily, and a ``batch_isend_irecv`` that is the first call
+    on a communicator must include every rank of it; the primitives' P2P rounds involve
+    only some ranks.
+    """
+    dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group)
+
+
+def world_partition_groups() -> tuple[tuple[int, ...], tuple]:
+    """``(ranks, (data group, metadata group))`` of the partition over every world rank.
+
+    Collective over the world on the first call (it creates distfuse's world groups,
+    :func:`_world_groups`); cached afterwards.
+    """
+    world = _world_groups()
+    ranks = tuple(range(world_size()))
+    if ranks not in _GROUPS:
+        _GROUPS[ranks] = (world["data"], world["meta"])
+    return ranks, _GROUPS[ranks]
+

@@ -1,0 +1,147 @@
+"""Agreement checks that cost nothing while every rank's inputs repeat.
+
+The problem.  A collective is only right when every rank enters it with the same sizes
+and dtype.  A rank whose block has another row count makes gloo abort the process
+("Received data size doesn't match"); one whose dtype differs but has the same element
+size (fp16 against bf16) makes the others compute with garbage.  Checking that by
+gathering every rank's shape before every call costs a host-side collective per call
+(about 4 ms on the loaded 2-core CI machine; on CUDA a host sync in every layer).
+
+The protocol (one :class:`AgreementSite` per call site: a layer's data collective):
+
+* Every rank keeps its **signature** of the last call at the site (local shape, dtype,
+  device type, grad flags: whatever decides the collective's sizes and which adjoints
+  run) and the **state** all ranks agreed on then (the block layout, the dtype).  The
+  states are equal on every rank: they come from the same gathered metadata.
+* **Steady state.**  A rank whose signature repeats runs the data collective with the
+  agreed sizes and one extra element, a **flag** 0, appended to its message.  No
+  metadata moves.
+* **A change.**  A rank whose signature changed (or whose input fails a local check)
+  cannot use the agreed sizes for its new data; it runs the same collective with the
+  agreed sizes all the same, sending zeros and the flag 1.  Sizes match, so nothing
+  aborts.
+* **Everyone notices.**  Every rank reads the flags that arrived with the data (the
+  all-gather returns each rank's, the reduce-scatter and the all-reduce their sum, in
+  every rank's chunk).  If any is set, every rank drops the result and takes the **slow
+  path** together: a host-side metadata gather, checks that every rank evaluates on the
+  same records (so a disagreement raises the same named error on every rank), then the
+  real collective with the new sizes, and the new state is remembered.  A legitimate
+  change (every rank called with a new global shape, even one that leaves some ranks'
+  blocks unchanged, such as an extent of 7 becoming 8 over two ranks) therefore works
+  without any timeout, and a disagreement ends in an error on every rank.
+* **First call.**  No state anywhere: every rank takes the slow path directly.
+
+Cost.  Steady state: one flag element per message, which needs a staging copy of the
+block (``gather_blocks`` / ``scatter_sum_blocks`` in :mod:`~distfuse.primitives._axes`),
+and reading the flags: free for CPU tensors; for CUDA tensors a read of a few elements
+that waits for the collective (see ``docs/reliability.md``).  A change costs the wasted
+collective, the metadata gather and the real collective.
+
+Assumption.  Sites are in lockstep: every rank makes the same calls at the same sites in
+the same order (which every collective needs anyway), so every rank's site holds a state
+or none at the same time.  An error raised by the slow path is raised on every rank, and
+every rank forgets the site's state, so the next call starts afresh everywhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from distfuse.errors import DistfuseError
+
+__all__ = ["AgreementSite", "run_agreed", "capture_safe", "trusting"]
+
+_TRUST = [0]
+
+
+@contextlib.contextmanager
+def capture_safe():
+    """Within it, layers whose agreement is settled trust it: no flag is moved or read (no host read at all).
+
+    For CUDA-graph capture (a host read of a device tensor is illegal while capturing; the
+    layers also enter this mode by themselves while the current stream captures) and for
+    any region whose shapes are known not to change.  A call whose signature differs from
+    the agreed one raises :class:`~distfuse.errors.UnsupportedError` on the worker that
+    made it (its peers are not told: inside a capture there is no way to tell them), so
+    warm up with the shapes you capture, on every worker.
+    """
+    _TRUST[0] += 1
+    try:
+        yield
+    finally:
+        _TRUST[0] -= 1
+
+
+def trusting() -> bool:
+    """Whether agreed sites are trusted now: inside :func:`capture_safe` or while a CUDA stream captures."""
+    if _TRUST[0]:
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class AgreementSite:
+    """One call site's last signature (this rank's) and agreed state (the same on every rank).
+
+    ``calls`` and ``slow_calls`` count the calls and those that took the slow path (the
+    tests and the benchmarks read them to prove that steady state gathers nothing).
+    """
+
+    __slots__ = ("op", "signature", "state", "calls", "slow_calls")
+
+    def __init__(self, op: str):
+        self.op = op
+        self.signature: Hashable | None = None
+        self.state: Any = None
+        self.calls = 0
+        self.slow_calls = 0
+
+    @property
+    def fresh(self) -> bool:
+        """No agreed state: the next call takes the slow path on every rank."""
+        return self.state is None
+
+    def repeats(self, signature: Hashable) -> bool:
+        return self.state is not None and signature == self.signature
+
+    def settle(self, signature: Hashable, state: Any) -> None:
+        self.signature, self.state = signature, state
+
+    def forget(self) -> None:
+        """Drop the state; call it on every rank (the next call takes the slow path everywhere)."""
+        self.signature = self.state = None
+
+
+def run_agreed(site: AgreementSite, signature: Hashable, locally_ok: bool,
+               attempt: Callable[[bool], tuple[Any, bool]], slow: Callable[[], tuple[Any, Any]]) -> Any:
+    """Run one call at ``site`` under the protocol of the module docstring.
+
+    Args:
+        signature: this rank's signature of the call (hashable).
+        locally_ok: whether this rank's input passed its local checks; a rank whose input
+            fails them flags a change, so that the slow path's checks raise on every rank.
+        attempt: ``attempt(changed) -> (result, any_flag)`` runs the data collective with
+            ``site.state``'s sizes: this rank's data and flag 0 when ``changed`` is False,
+            zeros and flag 1 otherwise; ``any_flag`` says whether any rank's flag was set.
+        slow: ``slow() -> (result, state)``: the metadata gather, the checks (raising on
+            every rank alike) and the real collective.
+
+    Returns the result of the attempt when no rank flagged, else the slow path's.
+    """
+    site.calls += 1
+    if site.state is not None:
+        changed = not (locally_ok and signature == site.signature)
+        result, any_flag = attempt(changed)
+        if not any_flag:
+            return result
+    site.slow_calls += 1
+    try:
+        result, state = slow()
+    except DistfuseError:
+        site.forget()
+        raise
+    site.settle(signature, state)
+    return result

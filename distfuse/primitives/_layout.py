@@ -1,0 +1,92 @@
+"""Memory formats: which layout a block is in, and buffers and messages in an agreed layout.
+
+torch's convolutions keep ``channels_last`` (4-D) and ``channels_last_3d`` (5-D) inputs in
+that layout where the backend computes in it (CPU Conv2d does; torch 2.13's CPU Conv3d
+returns NCDHW).  The primitives follow the input instead of forcing NCHW:
+
+* the halo exchange stages into a buffer in the input's format and reads the block
+  through views, so a ``channels_last`` block is never copied to NCHW first;
+* a broadcast or sum-reduce of blocks moves them in a format the two ends agreed on
+  (the layers exchange it with their metadata): the sender's block is then its message
+  as it is (``contiguous(memory_format=fmt)`` copies nothing), and the receiver's buffer
+  has the same byte order.  Small messages (halo boxes, packed parameters) stay plain
+  contiguous.
+
+A tensor that is dense in both layouts (one channel, or one spatial element) is
+reported as contiguous: both give the same bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["memory_format_of", "format_code", "format_of_code", "empty_in", "zeros_in", "as_message",
+           "stacked_in", "FORMAT_CODES"]
+
+FORMAT_CODES = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+_RANK = {torch.channels_last: 4, torch.channels_last_3d: 5}
+
+
+def memory_format_of(t: torch.Tensor) -> torch.memory_format:
+    """``channels_last`` / ``channels_last_3d`` when ``t`` is dense in it and not plain contiguous, else contiguous."""
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    if fmt is not None and not t.is_contiguous() and t.is_contiguous(memory_format=fmt):
+        return fmt
+    return torch.contiguous_format
+
+
+def format_code(fmt: torch.memory_format) -> int:
+    return FORMAT_CODES.index(fmt)
+
+
+def format_of_code(code: int) -> torch.memory_format:
+    return FORMAT_CODES[int(code)] if 0 <= int(code) < len(FORMAT_CODES) else torch.contiguous_format
+
+
+def _fits(shape: Sequence[int], fmt) -> bool:
+    return fmt is not None and _RANK.get(fmt) == len(shape)
+
+
+def empty_in(shape: Sequence[int], fmt, *, dtype, device) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` in ``fmt`` (contiguous where ``fmt`` does not apply to its rank)."""
+    shape = tuple(int(s) for s in shape)
+    if _fits(shape, fmt):
+        return torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def zeros_in(shape: Sequence[int], fmt, *, dtype, device) -> torch.Tensor:
+    """Zeros of ``shape`` in ``fmt`` (see :func:`empty_in`)."""
+    return empty_in(shape, fmt, dtype=dtype, device=device).zero_()
+
+
+def as_message(t: torch.Tensor, fmt) -> torch.Tensor:
+    """``t`` dense in ``fmt`` (its bytes are the message); no copy when it already is."""
+    if _fits(t.shape, fmt):
+        return t.contiguous(memory_format=fmt)
+    return t.contiguous()
+
+
+def stacked_in(k: int, shape: Sequence[int], fmt, *, dtype, device) -> torch.Tensor:
+    """``[k, *shape]`` whose every ``[i]`` is dense in ``fmt``: one buffer for ``k`` messages of one block shape."""
+    shape = tuple(int(s) for s in shape)
+    if _fits(shape, fmt) and k > 0:
+        return empty_in((k * shape[0],) + shape[1:], fmt, dtype=dtype, device=device).view((k,) + shape)
+    return torch.empty((k,) + shape, dtype=dtype, device=device)
+
+
+def wire_view(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous view of ``t``'s bytes for a point-to-point message (gloo and NCCL take contiguous tensors).
+
+    A block dense in ``channels_last`` is the contiguous ``[B, H, W, C]`` tensor of the same
+    memory, so it travels without a copy; both ends must hold the same format (the layers
+    agree on it), which then makes the bytes mean the same on both.
+    """
+    if t.is_contiguous():
+        return t
+    for fmt, perm in ((torch.channels_last, (0, 2, 3, 1)), (torch.channels_last_3d, (0, 2, 3, 4, 1))):
+        if t.dim() == _RANK[fmt] and t.is_contiguous(memory_format=fmt):
+            return t.permute(perm)
+    return t  # torch.distributed names the problem ("input tensor has to be contiguous")
