@@ -47,7 +47,6 @@ Where it runs:
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -57,6 +56,8 @@ import torch.nn.functional as F
 
 if __package__ in (None, ""):  # run as a script: make `bench.harness` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.spatial_common import check_agree, exchange, grid_for, partition_for, with_path  # noqa: E402
 
 NAME = "conv_layers"
 ANCHOR = "cat"
@@ -76,38 +77,9 @@ def _config(smoke: bool, dtype: torch.dtype, cuda: bool) -> dict:
     return dict(cases=CASES, warmup=3, rounds=6, reps=5, dtype=dtype)
 
 
-def _grid(nd: int, W: int) -> tuple[int, ...]:
-    """``W`` split over the last two spatial axes, as square as it goes (larger factor first)."""
-    a = max(f for f in range(1, int(math.isqrt(W)) + 1) if W % f == 0)
-    return (1,) * (nd - 2) + (W // a, a)
-
-
-def _tol(dtype: torch.dtype) -> tuple[float, float]:
-    return (1e-4, 1e-4) if dtype == torch.float32 else (3e-2, 3e-2)
-
-
-def _check(what: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
-    if tuple(got.shape) != tuple(want.shape):
-        raise RuntimeError(f"{what}: shape {tuple(got.shape)} != anchor's {tuple(want.shape)}")
-    rtol, atol = _tol(dtype)
-    scale = max(float(want.abs().max()) if want.numel() else 0.0, 1e-3)
-    if not torch.allclose(got.float(), want.float(), rtol=rtol, atol=atol * scale):
-        err = float((got.float() - want.float()).abs().max())
-        raise RuntimeError(f"{what}: providers disagree (max abs diff {err:.3g}, anchor max {scale:.3g}); "
-                           "the comparison would not be of equal work")
-
-
 # ----------------------------------------------------------------------------------------
 # The torch.cat reference provider
 # ----------------------------------------------------------------------------------------
-
-
-def _exchange(sends: list, recvs: list) -> None:
-    """Post every (tensor, peer) send and receive at once and wait for them."""
-    ops = [dist.P2POp(dist.isend, t, p) for t, p in sends] + [dist.P2POp(dist.irecv, t, p) for t, p in recvs]
-    if ops:
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
 
 
 class CatHalo(torch.autograd.Function):
@@ -131,7 +103,7 @@ class CatHalo(torch.autograd.Function):
         if hi_peer is not None:
             sends.append((x.narrow(dim, n - h, h).contiguous(), hi_peer))
             recvs.append((hi, hi_peer))
-        _exchange(sends, recvs)
+        exchange(sends, recvs)
         ctx.dim, ctx.h, ctx.peers, ctx.n = dim, h, peers, n
         return torch.cat([lo, x, hi], dim=dim)
 
@@ -149,7 +121,7 @@ class CatHalo(torch.autograd.Function):
             got_hi = torch.empty_like(dx.narrow(dim, 0, h))
             sends.append((g.narrow(dim, h + n, h).contiguous(), hi_peer))
             recvs.append((got_hi, hi_peer))
-        _exchange(sends, recvs)
+        exchange(sends, recvs)
         if got_lo is not None:
             dx.narrow(dim, 0, h).add_(got_lo)
         if got_hi is not None:
@@ -196,31 +168,6 @@ class CatHaloConv:
 # Per-rank work
 # ----------------------------------------------------------------------------------------
 
-_PARTS: dict = {}
-
-
-def _partition(grid: tuple[int, ...]):
-    if grid not in _PARTS:
-        from distfuse import Partition
-
-        W = math.prod(grid)
-        _PARTS[grid] = Partition.world().create_partition_inclusive(range(W)).create_cartesian_topology_partition(
-            [1, 1, *grid])
-    return _PARTS[grid]
-
-
-def _with_path(path: str, fn):
-    old = os.environ.get("DISTFUSE_PATH")
-    os.environ["DISTFUSE_PATH"] = path
-    try:
-        return fn()
-    finally:
-        if old is None:
-            os.environ.pop("DISTFUSE_PATH", None)
-        else:
-            os.environ["DISTFUSE_PATH"] = old
-
-
 class _Case:
     def __init__(self, shape: tuple, k: int, dtype: torch.dtype, device: torch.device, fused: bool):
         from distfuse.geometry.decomposition import local_shape
@@ -229,8 +176,8 @@ class _Case:
         W, r = dist.get_world_size(), dist.get_rank()
         nd = len(shape) - 2
         self.nd, self.dtype, self.root = nd, dtype, 0
-        grid = _grid(nd, W)
-        P_x = _partition(grid)
+        grid = grid_for(nd, W)
+        P_x = partition_for(grid)
         B, C = shape[:2]
         self.shape = dict(batch=B, channels=C, extent=list(shape[2:]), kernel=k, grid=list(grid))
         self.flops = 2 * B * C * C * k**nd * math.prod(shape[2:])
@@ -269,7 +216,7 @@ class _Case:
     def _call(self, p: dict, x: torch.Tensor):
         if p["path"] is None:
             return p["fn"](x)
-        return _with_path(p["path"], lambda: p["fn"](x))
+        return with_path(p["path"], lambda: p["fn"](x))
 
     def verify(self) -> dict:
         """Forward + backward once per provider; outputs and gradients must match the anchor's."""
@@ -292,9 +239,9 @@ class _Case:
             got[name] = (y.detach().clone(), grads)
         want_y, want_g = got[ANCHOR]
         for name, (y, g) in got.items():
-            _check(f"{name}: output", y, want_y, self.dtype)
+            check_agree(f"{name}: output", y, want_y, self.dtype)
             for what, a, b in zip(("input", "weight", "bias")[:len(g)], g, want_g, strict=True):
-                _check(f"{name}: {what} gradient", a, b, self.dtype)
+                check_agree(f"{name}: {what} gradient", a, b, self.dtype)
         return paths
 
     def step(self, name: str, mode: str):
@@ -331,7 +278,7 @@ def _peak_mb(step, device: torch.device) -> float | None:
 def bench_rank(cfg: dict) -> list:
     """Every case and mode on this rank; returns plain dicts (the same on every rank)."""
     from bench.harness import summarize, time_interleaved
-    from distfuse.partition import metadata_group
+    from distfuse.groups import metadata_group
 
     W = dist.get_world_size()
     cuda = dist.get_backend() == "nccl"

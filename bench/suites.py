@@ -132,6 +132,15 @@ register(Suite(
     "conv_layers", "feature-distributed Conv2d/3d (unfused, fused on CUDA) vs torch.cat halo staging",
     _layer_suite("bench_conv_layers", _op_roles(["feature_conv2d", "feature_conv3d"], fused="distfuse_fused",
                                                 unfused="distfuse", anchor="cat"))))
+register(Suite(
+    "spatial_layers", "distributed MaxPool/AvgPool/Upsample (unfused, static shapes, fused on CUDA) vs torch.cat "
+    "halo staging",
+    _layer_suite("bench_spatial_layers", _op_roles(["max_pool2d", "avg_pool2d", "max_pool3d", "upsample_bilinear"],
+                                                   fused="distfuse_fused", unfused="distfuse", anchor="cat"))))
+register(Suite(
+    "conv_transpose", "feature-distributed ConvTranspose2d/3d vs torch.cat halo staging",
+    _layer_suite("bench_conv_transpose", _op_roles(["conv_transpose2d", "conv_transpose3d"],
+                                                   unfused="distfuse", anchor="cat"))))
 
 
 # ---------------------------------------------------------------- halo staging / halo conv (one GPU)
@@ -198,9 +207,11 @@ def _run_halo(opts: RunOptions) -> SuiteResult:
 
 
 def _gemm_roles(world: int) -> dict:
-    roles = _op_roles(["matmul_scatter", "gathered_matmul"], fused="fused", anchor="cublas")
-    roles.update(_op_roles(["chunk_reduce", "ag_push"], fused="fused", anchor="copy"))
-    roles.update(_op_roles([registry.MATMUL_REDUCE_SCATTER.name, registry.ALL_GATHER_MATMUL.name],
+    from bench.bench_gemm_fused import SIDES
+
+    roles = _op_roles([side["gemm"] for side in SIDES.values()], fused="fused", anchor="cublas")
+    roles.update(_op_roles([side["bw"] for side in SIDES.values()], fused="fused", anchor="copy"))
+    roles.update(_op_roles([getattr(registry, side["op"]).name for side in SIDES.values()],
                            fused=f"projection-fused-{world}gpu", unfused=f"projection-unfused-{world}gpu",
                            anchor=f"projection-unfused-{world}gpu"))
     return roles

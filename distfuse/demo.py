@@ -2,6 +2,7 @@
 
 ``python -m distfuse.demo`` (or ``distfuse-demo``) starts 4 CPU ranks with gloo by
 itself; under ``torchrun`` with GPUs it uses NCCL, one GPU per rank.
+``python -m distfuse.demo unet`` trains a 3-D U-Net instead (:mod:`distfuse.demo_unet`).
 
 The model is a spatially partitioned conv net followed by a tensor-parallel MLP in the
 sequence-parallel layout::
@@ -76,6 +77,7 @@ def train(steps: int = 8, lr: float = 0.05, rtol: float = 1e-4, quiet: bool = Fa
 
     from distfuse import Partition
     from distfuse.geometry.decomposition import local_slices
+    from distfuse.groups import world_group
     from distfuse.layers import collect_sequential
 
     if dist.get_world_size() != WORLD:
@@ -129,7 +131,7 @@ def train(steps: int = 8, lr: float = 0.05, rtol: float = 1e-4, quiet: bool = Fa
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         total = loss.detach().clone()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=world_group())  # distfuse's world group: DISTFUSE_TIMEOUT bounds it
         if rank == 0:
             ref_opt.zero_grad()
             y_ref = _forward(reference, x_global)
@@ -156,19 +158,38 @@ def train(steps: int = 8, lr: float = 0.05, rtol: float = 1e-4, quiet: bool = Fa
     return losses
 
 
-def _worker(rank: int, init_file: str, steps: int) -> None:
+def _train_fn(model: str):
+    """The training function of a demo model (each checks itself against torch.nn on rank 0)."""
+    if model == "unet":
+        from distfuse.demo_unet import train as train_unet
+
+        return train_unet
+    return train
+
+
+def _worker(rank: int, init_file: str, steps: int | None, model: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=120))
     try:
-        train(steps)
+        _run(model, steps)
     finally:
         dist.destroy_process_group()
 
 
+def _run(model: str, steps: int | None) -> None:
+    fn = _train_fn(model)
+    if steps is None:
+        fn()
+    else:
+        fn(steps)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("model", nargs="?", choices=("convnet", "unet"), default="convnet",
+                        help="convnet: conv + tensor-parallel MLP (default); unet: a 3-D U-Net on a split volume")
+    parser.add_argument("--steps", type=int, default=None, help="training steps (default 8)")
     parser.add_argument("--path", choices=("auto", "fused", "unfused"), default="auto",
                         help="force the layers' path (fused on CPU runs the Triton kernels interpreted: slow)")
     args = parser.parse_args(argv)
@@ -181,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
         try:
-            train(args.steps)
+            _run(args.model, args.steps)
         finally:
             dist.destroy_process_group()
         return
@@ -189,7 +210,7 @@ def main(argv: list[str] | None = None) -> None:
 
     with tempfile.TemporaryDirectory(prefix="distfuse-demo-") as tmp:
         # fork starts in ~0.1 s per rank (spawn: seconds); children set one thread each.
-        mp.start_processes(_worker, args=(os.path.join(tmp, "store"), args.steps), nprocs=WORLD,
+        mp.start_processes(_worker, args=(os.path.join(tmp, "store"), args.steps, args.model), nprocs=WORLD,
                            start_method="fork")
 
 

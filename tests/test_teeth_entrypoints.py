@@ -4,6 +4,8 @@
   ``--path fused`` (the Triton kernels interpreted over ``/dev/shm`` workspaces): exit code
   0, one line of per-step check per step (the distributed loss next to the sequential
   model's), the closing verdict, and which path every layer took.
+* ``python -m distfuse.demo unet``: the 3-D U-Net (conv, batch norm, pooling, transposed conv,
+  a skip connection, cross-entropy) checked per step and, at the end, on its whole state.
 * ``bench/bench_gemm_fused.py --smoke`` and ``bench/bench_halo_conv.py --smoke``: their CPU
   correctness passes (``python -m bench run conv_layers --smoke`` is run by
   ``tests/test_bench_tools.py``; these two GPU benches are not).
@@ -51,6 +53,18 @@ def test_demo_runs_and_checks_every_step(path, tmp_path):
     for name in LAYERS:
         line = re.search(rf"^\s*{name}\s+\S+\s+(\S+)", out, flags=re.M)
         assert line and line.group(1) == want, (name, line and line.group(0), out[-3000:])
+
+
+def test_unet_demo_trains_in_step_with_torch_nn(tmp_path):
+    steps = 3
+    proc, out = _run(["-m", "distfuse.demo", "unet", "--steps", str(steps)], tmp_path)
+    assert proc.returncode == 0, out[-4000:]
+    pairs = re.findall(r"loss=([0-9.eE+-]+), sequential=([0-9.eE+-]+)", out)
+    assert len({a for a, _ in pairs}) == steps, pairs
+    assert all(abs(float(a) - float(b)) <= 1e-4 * abs(float(b)) for a, b in pairs), pairs
+    assert float(pairs[-1][0]) < float(pairs[0][0]), f"the loss should fall over {steps} steps: {pairs}"
+    assert "every step's loss matched the sequential torch.nn U-Net" in out, out[-4000:]
+    assert "weights and running statistics agree" in out, out[-4000:]
 
 
 @pytest.mark.parametrize("script,verdict", [

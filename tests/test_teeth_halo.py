@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from distfuse import Partition, zero_volume_tensor
-from distfuse.fused.halo_conv import _backward_messages, _forward_messages
+from distfuse.fused.halo_staging import backward_messages, forward_messages
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.kernels import halo as hk
 from distfuse.kernels._utils import round_bf16
@@ -106,7 +106,7 @@ def _fused_stage(x, plan, index, world_of, two_pass):
     lead = x.shape[0] * x.shape[1]
     send = hk.halo_pack(x, plan, index, out=_nan(hk.send_numel(plan, index, lead), x.dtype))
     recv = _nan(hk.recv_numel(plan, index, lead), x.dtype)
-    exchange(*_forward_messages(plan, index, world_of, lead, send, recv), op="test fused stage")
+    exchange(*forward_messages(plan, index, world_of, lead, send, recv), op="test fused stage")
     out = _nan(tuple(x.shape[:2]) + plan.staged_shape(index), x.dtype)
     if two_pass:
         hk.halo_stage(x, recv, plan, index, out=out, region="local")
@@ -123,7 +123,7 @@ def _fused_unstage(g, x_shape, plan, index, world_of):
                                                                                   g.dtype),
                         self_boxes=_nan(hk.self_numel(plan, index, lead), acc))
     incoming = _nan(hk.send_numel(plan, index, lead), g.dtype)
-    exchange(*_backward_messages(plan, index, world_of, lead, u.send, incoming), op="test fused unstage")
+    exchange(*backward_messages(plan, index, world_of, lead, u.send, incoming), op="test fused unstage")
     return hk.halo_accumulate(u.grad_x, u.self_boxes, incoming, plan, index)
 
 

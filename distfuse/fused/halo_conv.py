@@ -42,6 +42,7 @@ still take part in both exchanges, because other workers read their blocks.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Sequence
 
@@ -50,9 +51,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.fused.halo_staging import backward_messages, forward_messages
 from distfuse.geometry.halo_plan import HaloPlan
+from distfuse.groups import world_group
 from distfuse.kernels.halo import halo_accumulate, halo_pack, halo_stage, halo_unstage
-from distfuse.kernels.halo_tables import box_offsets
 from distfuse.primitives._common import collective_guard, exchange
 
 __all__ = ["HaloConvFunction", "halo_conv"]
@@ -70,44 +72,15 @@ def _conv(nd: int, x, weight, bias, stride, dilation, groups):
     return _CONV[nd](x, weight, bias, stride, 0, dilation, groups)
 
 
-def _views(buf: torch.Tensor, shapes: Sequence[Sequence[int]], lead: int) -> list[torch.Tensor]:
-    """Flat, contiguous per-message views of one buffer (box k = ``[lead, *shapes[k]]``)."""
-    offs, _ = box_offsets(shapes, lead)
-    return [buf[o: o + lead * _numel(s)] for o, s in zip(offs, shapes, strict=True)]
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for e in shape:
-        n *= e
-    return n
-
-
-def _forward_messages(plan: HaloPlan, index, world_of, lead, send: torch.Tensor, recv: torch.Tensor):
-    """Sends in ``plan.sends`` order and receives in ``plan.recvs`` order: both ends of each pair agree."""
-    sends = plan.sends(index)
-    recvs = plan.recvs(index)
-    out_s = [(world_of(r), v) for (r, _), v in zip(sends, _views(send, [pc.src_shape for _, pc in sends], lead),
-                                                      strict=True)]
-    out_r = [(world_of(pc.src), v) for pc, v in zip(recvs, _views(recv, [pc.src_shape for pc in recvs], lead),
-                                                     strict=True)]
-    return out_s, out_r
-
-
-def _backward_messages(plan: HaloPlan, index, world_of, lead, send_back: torch.Tensor, incoming: torch.Tensor):
-    """The forward messages reversed: what was received goes back to its owner, in the same order."""
-    fwd_r, fwd_s = _forward_messages(plan, index, world_of, lead, incoming, send_back)
-    return fwd_s, fwd_r
-
-
 def _post(sends, recvs) -> list:
     """Post one batch of point-to-point messages and return the works, without waiting."""
     me = dist.get_rank()
     if any(peer == me for peer, _ in sends) or any(peer == me for peer, _ in recvs):
         exchange(sends, recvs, op=_OP)  # self-messages never come from a plan; the blocking helper copies them
         return []
-    ops = [dist.P2POp(dist.isend, t, peer) for peer, t in sends if t.numel() > 0]
-    ops += [dist.P2POp(dist.irecv, t, peer) for peer, t in recvs if t.numel() > 0]
+    group = world_group()  # distfuse's world group: its timeout is DISTFUSE_TIMEOUT, not the default group's
+    ops = [dist.P2POp(dist.isend, t, peer, group=group) for peer, t in sends if t.numel() > 0]
+    ops += [dist.P2POp(dist.irecv, t, peer, group=group) for peer, t in recvs if t.numel() > 0]
     if not ops:
         return []
     with collective_guard(_OP, "posting the halo exchange", (o.peer for o in ops)):
@@ -127,11 +100,11 @@ class HaloConvFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_of: Callable, stride, dilation,
                 groups: int, overlap: bool, implicit: bool = False):
         nd = len(plan.axes)
-        lead = _numel(x.shape[:-nd])
+        lead = math.prod(x.shape[:-nd])
         staged_shape = plan.staged_shape(index)
         send = halo_pack(x, plan, index)
-        recv = x.new_empty(sum(lead * _numel(pc.src_shape) for pc in plan.recvs(index)))
-        sends, recvs = _forward_messages(plan, index, world_of, lead, send, recv)
+        recv = x.new_empty(sum(lead * math.prod(pc.src_shape) for pc in plan.recvs(index)))
+        sends, recvs = forward_messages(plan, index, world_of, lead, send, recv)
         ctx.plan, ctx.index, ctx.world_of, ctx.overlap = plan, index, world_of, overlap
         ctx.conv = (list(stride), [0] * nd, list(dilation), groups)
         ctx.has_bias = bias is not None
@@ -197,20 +170,20 @@ class HaloConvFunction(torch.autograd.Function):
             # on x (as with the unfused HaloExchange, whose backward autograd would not run either).
             _, gw, gb = conv_backward(False, need_w, need_b)
             return None, gw, gb, None, None, None, None, None, None, None, None
-        lead = _numel(ctx.staged_full_shape[:-nd])
-        incoming = grad_y.new_empty(sum(lead * _numel(pc.src_shape) for _, pc in plan.sends(index)))
+        lead = math.prod(ctx.staged_full_shape[:-nd])
+        incoming = grad_y.new_empty(sum(lead * math.prod(pc.src_shape) for _, pc in plan.sends(index)))
         if ctx.overlap:
             gs, _, _ = conv_backward(True, False, False)
             gs = gs.contiguous()
             send_back = halo_unstage(gs, plan, index, region="remote").send
-            works = _post(*_backward_messages(plan, index, world_of, lead, send_back, incoming))
+            works = _post(*backward_messages(plan, index, world_of, lead, send_back, incoming))
             part = halo_unstage(gs, plan, index, region="local")
             _, gw, gb = conv_backward(False, need_w, need_b) if (need_w or need_b) else (None, None, None)
             _wait(works)
         else:
             gs, gw, gb = conv_backward(True, need_w, need_b)
             part = halo_unstage(gs.contiguous(), plan, index)
-            exchange(*_backward_messages(plan, index, world_of, lead, part.send, incoming), op=_OP + " (adjoint)")
+            exchange(*backward_messages(plan, index, world_of, lead, part.send, incoming), op=_OP + " (adjoint)")
         grad_x = halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index)
         return grad_x, gw, gb, None, None, None, None, None, None, None, None
 

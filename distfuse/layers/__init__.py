@@ -1,4 +1,4 @@
-"""Distributed layers: the Linear family and the Conv1d/2d/3d family.
+"""Distributed layers: Linear, Conv and ConvTranspose, pooling, upsampling, norms and losses.
 
 Each layer is interchangeable with its ``torch.nn`` counterpart: the same outputs and
 gradients on the gathered global tensors, and ``load_sequential`` / ``collect_sequential``
@@ -11,10 +11,45 @@ from distfuse.layers.conv import DistributedConv1d, DistributedConv2d, Distribut
 from distfuse.layers.conv_channel import DistributedChannelConv1d, DistributedChannelConv2d, DistributedChannelConv3d
 from distfuse.layers.conv_feature import DistributedFeatureConv1d, DistributedFeatureConv2d, DistributedFeatureConv3d
 from distfuse.layers.conv_general import DistributedGeneralConv1d, DistributedGeneralConv2d, DistributedGeneralConv3d
+from distfuse.layers.conv_transpose import (
+    DistributedConvTranspose1d,
+    DistributedConvTranspose2d,
+    DistributedConvTranspose3d,
+)
 from distfuse.layers.dispatch import Decision, select_path
 from distfuse.layers.linear import DistributedLinear
 from distfuse.layers.linear_all_gather import DistributedLinearAllGather, DistributedLinearAllGatherZero
 from distfuse.layers.linear_reduce_scatter import DistributedLinearReduceScatter, DistributedLinearReduceScatterZero
+from distfuse.layers.loss import (
+    DistributedBCELoss,
+    DistributedBCEWithLogitsLoss,
+    DistributedKLDivLoss,
+    DistributedL1Loss,
+    DistributedMSELoss,
+)
+from distfuse.layers.loss_class import DistributedCrossEntropyLoss, DistributedNLLLoss
+from distfuse.layers.norm_batch import (
+    DistributedBatchNorm,
+    DistributedBatchNorm1d,
+    DistributedBatchNorm2d,
+    DistributedBatchNorm3d,
+)
+from distfuse.layers.norm_group import (
+    DistributedGroupNorm,
+    DistributedInstanceNorm1d,
+    DistributedInstanceNorm2d,
+    DistributedInstanceNorm3d,
+)
+from distfuse.layers.norm_layer import DistributedLayerNorm
+from distfuse.layers.pool import (
+    DistributedAvgPool1d,
+    DistributedAvgPool2d,
+    DistributedAvgPool3d,
+    DistributedMaxPool1d,
+    DistributedMaxPool2d,
+    DistributedMaxPool3d,
+)
+from distfuse.layers.upsample import DistributedUpsample, interpolate
 
 __all__ = [
     "DistributedLinear",
@@ -34,6 +69,33 @@ __all__ = [
     "DistributedGeneralConv1d",
     "DistributedGeneralConv2d",
     "DistributedGeneralConv3d",
+    "DistributedConvTranspose1d",
+    "DistributedConvTranspose2d",
+    "DistributedConvTranspose3d",
+    "DistributedMaxPool1d",
+    "DistributedMaxPool2d",
+    "DistributedMaxPool3d",
+    "DistributedAvgPool1d",
+    "DistributedAvgPool2d",
+    "DistributedAvgPool3d",
+    "DistributedUpsample",
+    "interpolate",
+    "DistributedBatchNorm",
+    "DistributedBatchNorm1d",
+    "DistributedBatchNorm2d",
+    "DistributedBatchNorm3d",
+    "DistributedGroupNorm",
+    "DistributedInstanceNorm1d",
+    "DistributedInstanceNorm2d",
+    "DistributedInstanceNorm3d",
+    "DistributedLayerNorm",
+    "DistributedMSELoss",
+    "DistributedL1Loss",
+    "DistributedBCELoss",
+    "DistributedBCEWithLogitsLoss",
+    "DistributedCrossEntropyLoss",
+    "DistributedNLLLoss",
+    "DistributedKLDivLoss",
     "select_conv",
     "select_path",
     "Decision",

@@ -28,7 +28,9 @@ import torch.distributed as dist
 from torch import nn
 
 from distfuse.errors import ShapeError, where
-from distfuse.partition import CartesianPartition, metadata_group
+from distfuse.geometry.decomposition import local_slices
+from distfuse.groups import metadata_group
+from distfuse.partition import CartesianPartition
 from distfuse.primitives.repartition import collect_tensor, distribute_tensor
 
 __all__ = ["ParamLayout", "load_sequential", "collect_sequential"]
@@ -43,12 +45,25 @@ class ParamLayout:
         seq_name: its key in the sequential layer's ``state_dict``.
         P: the owners; block ``index`` of the global parameter lives on the worker at ``index``.
         global_shape: the sequential parameter's shape.
+        split_dims: None (the default) for the layout above.  A tuple for a parameter or buffer
+            that every worker of ``P`` holds a copy of (a norm's weight, its running statistics):
+            ``P``'s dimension ``split_dims[i]`` splits the tensor's dimension ``i`` into balanced
+            blocks (dimensions past ``len(split_dims)`` stay whole), and ``P``'s other dimensions
+            replicate them; ``()`` replicates the whole tensor.
+            Such tensors move as pickled host objects over the metadata group: they are small.
     """
 
     name: str
     seq_name: str
     P: CartesianPartition
     global_shape: tuple[int, ...]
+    split_dims: tuple[int, ...] | None = None
+
+    def replica_slices(self) -> tuple[slice, ...]:
+        """This worker's block of a replicated layout (``split_dims`` set; an active worker of ``P``)."""
+        whole = len(self.global_shape) - len(self.split_dims)
+        grid = [self.P.shape[d] for d in self.split_dims] + [1] * whole
+        return local_slices(self.global_shape, grid, [self.P.index[d] for d in self.split_dims] + [0] * whole)
 
 
 def _layouts(layer: nn.Module) -> list[ParamLayout]:
@@ -96,6 +111,9 @@ def load_sequential(layer: nn.Module, sequential: nn.Module | dict | None, src: 
     _check_sequential_state(layer, state, layouts, src)
     for lay in layouts:
         full = state[lay.seq_name] if state is not None and dist.get_rank() == src else None
+        if lay.split_dims is not None:
+            _load_replicated(layer, lay, full, src)
+            continue
         block = distribute_tensor(None if full is None else full.detach(), lay.P, src=src)
         if lay.P.active:
             param = getattr(layer, lay.name)
@@ -113,6 +131,38 @@ def collect_sequential(layer: nn.Module, dst: int = 0) -> dict[str, torch.Tensor
     """
     out = {}
     for lay in _layouts(layer):
+        if lay.split_dims is not None:
+            out[lay.seq_name] = _collect_replicated(layer, lay, dst)
+            continue
         local = getattr(layer, lay.name).detach() if lay.P.active else None
         out[lay.seq_name] = collect_tensor(local, lay.P, dst=dst)
     return out if torch.distributed.get_rank() == dst else None
+
+
+def _load_replicated(layer: nn.Module, lay: ParamLayout, full: torch.Tensor | None, src: int) -> None:
+    """Every worker of ``lay.P`` copies its block of ``src``'s tensor (one object broadcast over the world)."""
+    box = [full.detach().cpu() if full is not None else None]
+    dist.broadcast_object_list(box, src=src, group=metadata_group())
+    if lay.P.active:
+        target = getattr(layer, lay.name)
+        block = box[0][lay.replica_slices()]
+        if tuple(target.shape) != tuple(block.shape):
+            raise ShapeError(f"{where(type(layer).__name__)}: block of {lay.name} has shape "
+                             f"{tuple(target.shape)}, expected {tuple(block.shape)}")
+        target.copy_(block.to(target.dtype))
+
+
+def _collect_replicated(layer: nn.Module, lay: ParamLayout, dst: int) -> torch.Tensor | None:
+    """Assemble a replicated layout's blocks on ``dst`` from one copy of each (one object gather over the world)."""
+    piece = None
+    if lay.P.active and all(i == 0 for d, i in enumerate(lay.P.index) if d not in lay.split_dims):
+        piece = (lay.replica_slices(), getattr(layer, lay.name).detach().cpu())
+    pieces = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(piece, pieces, dst=dst, group=metadata_group())
+    if pieces is None:
+        return None
+    pieces = [p for p in pieces if p is not None]
+    full = torch.empty(lay.global_shape, dtype=pieces[0][1].dtype)
+    for slices, block in pieces:
+        full[slices] = block
+    return full.to(lay.P.device)

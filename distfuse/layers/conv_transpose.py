@@ -1,0 +1,297 @@
+"""Feature-distributed transposed convolution: the input is split along batch and spatial axes only.
+
+Partitions and shapes (``nd`` spatial axes, worker at index ``(b, 0, *s)`` of ``P_x``)::
+
+    P_x     [P_b, 1, P_1, ..., P_nd]        P_y = P_x (implicit)
+    x       [B_b, C_in, *n_s]               balanced block of the global input
+    weight  [C_in, C_out/groups, *k]        on the first worker of P_x only, with the bias [C_out]
+    y       [B_b, C_out, *m_s]              balanced block of the global output, m = (n-1)s - 2p + d(k-1) + q + 1
+
+    forward   w, b   = Broadcast(root -> P_x)(weight, bias)          one packed message per worker
+              staged = HaloExchange[transpose plan](x)               the inputs [a, b) that reach y_s
+              y      = crop_or_zero_extend(conv_transposeNd(staged, w, stride, padding=0, dilation, groups)) + b
+    adjoint   dstaged, dw_s, db_s = the local adjoints (a strided convolution, a crop)
+              dx     = HaloExchange*(dstaged)                         halo gradients go home
+              dweight, dbias = SumReduce(P_x -> root)(dw_s, db_s)     the Broadcast's adjoint
+
+The geometry is :mod:`distfuse.geometry.transpose_plan`: output ``o`` reads the inputs
+``i`` with ``o = i*s - p + t*d`` for a kernel tap ``t``, so each worker fetches the
+smallest input range that reaches its output block and computes exactly that block.
+
+Why inputs travel, not partial outputs.  A transposed convolution is the adjoint of a
+convolution, and its halo sits on the output side: computing each worker's own input
+block and then summing the overlapping output windows into their owners (the adjoint
+of a halo exchange) is the textbook form.  distfuse instead fetches an input halo and
+computes the owned output block directly, for three reasons:
+
+* it is exact and simple: every output is summed once, locally, in the order torch
+  sums it; nothing is accumulated across workers, so 16-bit outputs are rounded once;
+* it sends less for upsampling: per side about ``d(k-1)/s`` input rows of ``C_in``
+  channels, against ``d(k-1) + 1 - s`` output rows of ``C_out`` channels that are
+  ``s`` times longer along every other split axis (``k=4, s=2``: one input row against
+  two output rows of twice the length); U-Net's ``k = s, p = 0`` upsampling on extents
+  the grid divides sends nothing at all;
+* the balanced decomposition of the *output* (which ``output_padding`` lengthens and
+  which is not the image of the input blocks) falls out of the plan: a worker whose
+  block no input reaches (past the last input, or in a gap of a stride larger than
+  the kernel) gets zeros plus the bias, and one whose block is empty gets an empty
+  tensor, while both still serve their inputs to their neighbours.
+
+The backward pass is then the ordinary halo exchange's adjoint plus the local
+convolution adjoints (cheap, and no second plan).  The exchange is
+:class:`~distfuse.primitives.halo_exchange.HaloExchangeFunction` driven by the
+transposed plan, so it keeps every property of the feature convolution's exchange
+(one round, halos wider than a neighbour's block, permuted ranks, empty blocks).
+
+Parameters live and move as in the feature convolution
+(:mod:`distfuse.layers.conv_feature`): the root (``P_x``'s first worker) holds weight
+and bias, drawn as ``torch.nn.ConvTransposeNd`` draws them; each call broadcasts them
+in one packed message and the adjoint sum-reduces their gradients onto the root.
+
+Refused as torch refuses them, on every rank: ``padding_mode`` other than ``'zeros'``,
+an output padding not smaller than the stride or the dilation, string or ``(lo, hi)``
+padding (torch builds the layer and fails at its first call; distfuse refuses at
+construction), and (in forward, from the gathered global shape) an empty spatial input
+or a global output extent below 1.
+
+Every call makes one small host-side metadata gather over ``P_x``
+(:func:`~distfuse.layers._conv_common.gather_call_info`; 1 to 5 ms on the loaded 2-core
+CPU machine, most of a small CPU call), unless ``static_shapes`` lets repeated shapes skip
+it.  Every worker of ``P_x`` must call backward when one does.  Workers outside ``P_x``
+pass and get back a zero-volume tensor.  There is no fused path; the local transposed
+convolution is torch's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from distfuse.errors import DistfuseError, PartitionError, UnsupportedError, expect, where
+from distfuse.geometry.halo_plan import HaloPlan
+from distfuse.geometry.transpose_plan import block_pads, check_output_padding, transpose_plan
+from distfuse.layers._block_identity import BlockIdentityMixin
+from distfuse.layers._conv_common import ConvOptions, _ZeroBlock, check_partition, grid_of, promote
+from distfuse.layers.conv_feature import DistributedFeatureConvBase
+from distfuse.partition import CartesianPartition
+from distfuse.primitives._common import check_inactive_input
+from distfuse.primitives.broadcast import broadcast_plan
+from distfuse.primitives.halo_exchange import HaloExchangeFunction
+
+__all__ = ["ConvTransposeOptions", "DistributedConvTransposeBase", "DistributedConvTranspose1d",
+           "DistributedConvTranspose2d", "DistributedConvTranspose3d", "conv_transpose_block"]
+
+CONV_TRANSPOSE = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def _int_tuple(op: str, v, nd: int, name: str) -> tuple[int, ...]:
+    t = (v,) * nd if isinstance(v, int) else tuple(v) if isinstance(v, (tuple, list)) else None
+    if t is None or len(t) != nd or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in t):
+        raise UnsupportedError(f"{where(op)}: {name} must be a non-negative int or {nd} non-negative ints (as "
+                               f"torch's ConvTranspose{nd}d), got {v!r}")
+    return t
+
+
+@dataclass(frozen=True)
+class ConvTransposeOptions:
+    """torch ``ConvTransposeNd`` arguments, normalised per spatial axis.
+
+    ``weight_shape``, ``out_channels`` and ``bias`` are what the feature
+    convolution's parameter code reads (see :class:`DistributedConvTransposeBase`).
+    """
+
+    nd: int
+    in_channels: int
+    out_channels: int
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    output_padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    groups: int
+    bias: bool
+
+    @classmethod
+    def make(cls, op: str, nd: int, in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
+             bias, dilation, padding_mode) -> ConvTransposeOptions:
+        if padding_mode != "zeros":  # torch: ValueError('Only "zeros" padding mode is supported for ConvTranspose')
+            raise expect(op, "padding_mode (a transposed convolution supports only 'zeros', as in torch)", "'zeros'",
+                         repr(padding_mode), UnsupportedError)
+        pad = _int_tuple(op, padding, nd, "padding")
+        out_pad = _int_tuple(op, output_padding, nd, "output_padding")
+        conv = ConvOptions.make(op, nd, in_channels, out_channels, kernel_size, stride, pad, dilation, groups, bias,
+                                "zeros")  # the checks shared with ConvNd: channels, groups, positive tuples
+        try:
+            check_output_padding(out_pad, conv.stride, conv.dilation)
+        except UnsupportedError as exc:
+            raise UnsupportedError(f"{where(op)}: {exc}") from None
+        return cls(nd, conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, pad, out_pad,
+                   conv.dilation, conv.groups, conv.bias)
+
+    @property
+    def weight_shape(self) -> tuple[int, ...]:
+        return (self.in_channels, self.out_channels // self.groups, *self.kernel_size)
+
+
+def conv_transpose_block(opts: ConvTransposeOptions, staged: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
+                         pads: Sequence[tuple[int, int]], out_shape: Sequence[int]) -> torch.Tensor:
+    """This worker's output block from its staged inputs.
+
+    ``conv_transposeNd(staged, w, stride, padding=0, dilation, groups)`` covers the
+    global window of :meth:`~distfuse.geometry.transpose_plan.TransposeAxisGeometry.window`;
+    ``pads`` (per axis ``(lo, hi)``, negative crops, positive appends zeros) turn it
+    into the block, and the bias is added to every output, reached by an input or not.
+    Where the block is empty or no input reaches it the result is zeros plus the bias,
+    still differentiable in ``staged`` and ``w`` (the exchanges' adjoints must run).
+    """
+    if 0 in out_shape or 0 in staged.shape[2:]:
+        y = _ZeroBlock.apply(staged, w, tuple(out_shape))
+        return y if b is None else y + b.view(1, -1, *([1] * opts.nd))
+    dtype = staged.dtype
+    if staged.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
+        # Compute in fp32 and round once, as conv_block does (torch 2.13's 16-bit CPU conv3d is wrong on one
+        # thread).  Its transposed convolutions measured right (1-3-D, strides 1-3: same error as fp32 then
+        # rounded), but the bias added after a zero-extending crop would round a second time in 16 bits.
+        staged, w, b = staged.float(), w.float(), None if b is None else b.float()
+    extends = any(v > 0 for lo_hi in pads for v in lo_hi)
+    y = CONV_TRANSPOSE[opts.nd](staged, w, None if extends else b, opts.stride, 0, 0, opts.groups, opts.dilation)
+    flat = [v for lo_hi in reversed(pads) for v in lo_hi]
+    if any(flat):
+        y = F.pad(y, flat)
+    if extends and b is not None:  # zero-extended outputs get the bias too
+        y = y + b.view(1, -1, *([1] * opts.nd))
+    return y.to(dtype)
+
+
+class DistributedConvTransposeBase(BlockIdentityMixin, nn.Module):
+    """Transposed convolution over an input split along batch and spatial axes (see the module docstring).
+
+    Args:
+        P_x: CartesianPartition ``[P_b, 1, P_1, ..., P_nd]``.
+        in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
+        bias, dilation, padding_mode, device, dtype: as ``torch.nn.ConvTransposeNd`` (same
+        order).  ``device`` defaults to ``P_x.device``.
+        static_shapes: skip the per-call metadata gather while this worker's input shape,
+            dtype and grad flags repeat, exactly as the feature convolution's option (see
+            :meth:`DistributedFeatureConvBase._call_info
+            <distfuse.layers.conv_feature.DistributedFeatureConvBase._call_info>` for when it
+            is safe).  Off by default.
+
+    Construction is collective over the world (it creates the root's partitions) and
+    draws the parameters like the sequential layer on every rank.  ``weight`` and
+    ``bias`` are None except on the root (``P_x``'s first worker).
+    """
+
+    nd: int = 0
+
+    def __init__(self, P_x: CartesianPartition, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
+                 output_padding=0, groups: int = 1, bias: bool = True, dilation=1, padding_mode: str = "zeros",
+                 device=None, dtype=None, static_shapes: bool = False):
+        super().__init__()
+        self.static_shapes = bool(static_shapes)
+        self._static_info = None  # (this worker's call key, the CallInfo gathered for it)
+        op = type(self).__name__
+        check_partition(op, "P_x", P_x, self.nd)
+        if P_x.shape[1] != 1:
+            raise PartitionError(f"{where(op)}: the feature-distributed transposed convolution needs P_x unsplit "
+                                 f"along channels (shape [P_b, 1, ...]), got {list(P_x.shape)}")
+        self.P_x = P_x
+        self.opts = o = ConvTransposeOptions.make(op, self.nd, in_channels, out_channels, kernel_size, stride,
+                                                  padding, output_padding, groups, bias, dilation, padding_mode)
+        self.in_channels, self.out_channels, self.groups = o.in_channels, o.out_channels, o.groups
+        self.kernel_size, self.stride, self.dilation = o.kernel_size, o.stride, o.dilation
+        self.padding, self.output_padding, self.padding_mode = o.padding, o.output_padding, "zeros"
+        self._device = torch.device(device) if device is not None else P_x.device
+        self.root = P_x.ranks[0]
+        self._P_root = grid_of([self.root], [1] * P_x.dim, P_x.device)
+        self._P_root_1d = grid_of([self.root], [1], P_x.device)
+        self._param_plan = broadcast_plan(self._P_root, P_x)
+        self._is_root = dist.get_rank() == self.root
+        if self._is_root:
+            self.weight = nn.Parameter(torch.empty(o.weight_shape, device=self._device, dtype=dtype))
+            self.bias = nn.Parameter(torch.empty(o.out_channels, device=self._device, dtype=dtype)) if o.bias else None
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+        self._dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self._plans: dict[tuple[int, ...], HaloPlan] = {}
+        self.reset_parameters()
+
+    # Parameters and per-call metadata are the feature convolution's, code included: root-held weight and bias,
+    # drawn with torch's _ConvNd.reset_parameters (kaiming_uniform_ on the weight, fan-in bound on the bias:
+    # ConvTranspose draws the same way on its [C_in, C_out/groups, *k] weight), one packed broadcast per call,
+    # the gradient sum-reduced onto the root; one metadata gather per call unless static_shapes.  These methods
+    # read only P_x, the root grids, weight/bias, static_shapes/_static_info and opts.weight_shape,
+    # opts.out_channels and opts.bias (plus opts itself as the layer's debug-mode signature).
+    reset_parameters = DistributedFeatureConvBase.reset_parameters
+    param_layouts = DistributedFeatureConvBase.param_layouts
+    _replicated_params = DistributedFeatureConvBase._replicated_params
+    _call_info = DistributedFeatureConvBase._call_info
+    forget_shapes = DistributedFeatureConvBase.forget_shapes
+
+    def plan(self, global_shape: Sequence[int]) -> HaloPlan:
+        """The staging exchange for a global input shape (cached); ShapeError where torch refuses the geometry."""
+        spatial = tuple(int(n) for n in global_shape[2:])
+        if spatial not in self._plans:
+            o = self.opts
+            try:
+                self._plans[spatial] = transpose_plan(spatial, self.P_x.shape[2:], o.kernel_size, o.stride,
+                                                      o.dilation, o.padding, o.output_padding)
+            except DistfuseError as exc:
+                raise type(exc)(f"{where(type(self).__name__)}: global input shape {tuple(global_shape)}: "
+                                f"{exc}") from None
+        return self._plans[spatial]
+
+    def _world_of(self, spatial_index) -> int:
+        P_x = self.P_x
+        return P_x.ranks[P_x.rank_of(P_x.index[:2] + tuple(spatial_index))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
+        op = type(self).__name__
+        P_x, o = self.P_x, self.opts
+        if not P_x.active:
+            check_inactive_input(op, x)
+            return x.clone()
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        info = self._call_info(op, x, params)
+        G = info.global_shape
+        if G[1] != o.in_channels:
+            raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, G[1])
+        plan = self.plan(G)  # every worker holds G, so a refused geometry raises on all of them
+        x = promote(x, info.input_grad)
+        w, b = self._replicated_params(info.dtype, x.device, info.param_grad)
+        index = P_x.index[2:]
+        staged = HaloExchangeFunction.apply(x, plan, index, self._world_of)  # keeps x's layout (channels_last)
+        out_shape = (x.shape[0], o.out_channels) + plan.output_shape(index)
+        return conv_transpose_block(o, staged, w, b, block_pads(plan, index), out_shape)
+
+    def extra_repr(self) -> str:
+        o = self.opts
+        return (f"P_x={list(self.P_x.shape)}, {o.in_channels}, {o.out_channels}, kernel_size={o.kernel_size}, "
+                f"stride={o.stride}, padding={o.padding}, output_padding={o.output_padding}, "
+                f"dilation={o.dilation}, groups={o.groups}, bias={o.bias}")
+
+
+class DistributedConvTranspose1d(DistributedConvTransposeBase):
+    """Feature-distributed ``ConvTranspose1d``: P_x ``[P_b, 1, P_w]``."""
+
+    nd = 1
+
+
+class DistributedConvTranspose2d(DistributedConvTransposeBase):
+    """Feature-distributed ``ConvTranspose2d``: P_x ``[P_b, 1, P_h, P_w]``."""
+
+    nd = 2
+
+
+class DistributedConvTranspose3d(DistributedConvTransposeBase):
+    """Feature-distributed ``ConvTranspose3d``: P_x ``[P_b, 1, P_d, P_h, P_w]``."""
+
+    nd = 3
+

@@ -1,0 +1,301 @@
+"""Distributed losses: the base class and the elementwise losses (MSE, L1, BCE, BCE with logits, KL divergence).
+
+Partitions and shapes (any axis of ``P_x`` may be split)::
+
+    P_x                     one dimension per input dimension
+    input, target           [*shape_b]   balanced blocks of the global [*shape], the same blocks
+    reduction='none'        [*shape_b]   this worker's block of torch's unreduced loss
+    reduction='sum'/'mean'  []           the global scalar, identical on every worker of P_x
+
+    forward   l = elementwise loss of the local block (torch's own op, reduction='none')
+              [sum l, denominator, failure flags]  ->  one all-reduce over P_x
+              loss = sum / (global count, or the global denominator)
+    adjoint   the scalar is replicated: each worker's incoming gradient is the gradient of
+              the one global loss, so the adjoint of the all-reduce is the identity and
+              dl = dloss / count flows into torch's elementwise backward, with no message.
+
+Why the identity adjoint: every worker holds the same scalar and calls ``backward`` on it,
+as a replicated training loop does.  Summing those gradients (AllSumReduce's own adjoint)
+would count the loss once per worker.  So call ``loss.backward()`` on every worker of
+``P_x`` with the same gradient (the default 1).  Workers outside ``P_x`` pass zero-volume
+tensors and get a zero-volume tensor back: they hold no part of the loss.
+
+``mean`` divides by the global count (the global element count, the global batch for
+``KLDivLoss(reduction='batchmean')``), never by a mean of local means, which is wrong
+under uneven splits.  Sums are taken in fp32 for 16-bit inputs and rounded once.
+
+Errors: every call makes one host-side metadata gather over ``P_x``, so a target whose
+blocks do not match the input's (torch would broadcast them with a warning; distfuse
+refuses), a non-balanced split or mixed dtypes raise the same error on every worker.  An
+error inside torch's local op (a class index out of range, a probability outside [0, 1],
+dtypes torch refuses) is carried in the all-reduce, so with ``sum``/``mean`` every worker
+raises; with ``none`` no collective follows and the worker whose block is bad raises
+alone, with nobody waiting for it.  On CUDA such a failure surfaces as a NaN loss on the
+other workers (they read the flags only on CPU, to keep the device free of host syncs);
+torch's CUDA kernels assert on bad indices anyway.
+
+Weights (``weight``, ``pos_weight``) are the global tensors torch takes, held whole by
+every worker (they must be equal everywhere) and sliced per call to the local block by
+torch's broadcasting rule.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.nn import _reduction
+
+from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.geometry.decomposition import local_start
+from distfuse.layers._norm_common import FLOATS, compute_dtype, gather_call, global_shape_of, numel, one_dtype
+from distfuse.layers._params import ParamLayout
+from distfuse.partition import CartesianPartition, zero_volume_tensor
+from distfuse.primitives._axes import all_reduce_sum
+from distfuse.primitives._common import check_inactive_input
+
+__all__ = ["DistributedLossBase", "DistributedMSELoss", "DistributedL1Loss", "DistributedBCELoss",
+           "DistributedBCEWithLogitsLoss", "DistributedKLDivLoss", "replicated_sum"]
+
+_ANY = FLOATS + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+class _ReplicatedSum(torch.autograd.Function):
+    """Forward: the sum over ``P_x`` (all-reduce).  Adjoint: the identity (the result is one replicated value)."""
+
+    @staticmethod
+    def forward(ctx, partial: torch.Tensor, P_x: CartesianPartition, op: str):
+        return all_reduce_sum(op, P_x, partial)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None
+
+
+def replicated_sum(partial: torch.Tensor, P_x: CartesianPartition, op: str) -> torch.Tensor:
+    """The sum of ``partial`` over every worker of ``P_x``, on every one of them, as one replicated value.
+
+    Its adjoint is the identity: each worker's incoming gradient is taken as the gradient
+    of the one global value, so every worker must seed the same gradient (see the module doc).
+    """
+    if P_x.size == 1:
+        return partial.clone()
+    return _ReplicatedSum.apply(partial, P_x, op)
+
+
+def broadcast_block(op: str, name: str, w: torch.Tensor | None, G, start, extent) -> torch.Tensor | None:
+    """The part of ``w`` (broadcastable to the global shape ``G``, right-aligned) that meets the local block."""
+    if w is None:
+        return None
+    if w.dim() > len(G):
+        raise UnsupportedError(f"{where(op)}: {name} has {w.dim()} dimensions, more than the input's {len(G)}; "
+                               "the result would not be decomposed like the input")
+    off = len(G) - w.dim()
+    index = []
+    for i, n in enumerate(w.shape):
+        d = off + i
+        if n == 1:
+            index.append(slice(None))
+        elif n == G[d]:
+            index.append(slice(start[d], start[d] + extent[d]))
+        else:
+            raise ShapeError(f"{where(op)}: {name} of shape {tuple(w.shape)} does not broadcast to the global input "
+                             f"shape {tuple(G)} (dimension {d}: {n} against {G[d]})")
+    return w[tuple(index)]
+
+
+class DistributedLossBase(nn.Module):
+    """A loss over inputs split by ``P_x``; subclasses give the local unreduced loss and the ``mean`` divisor.
+
+    Args:
+        P_x: CartesianPartition with one dimension per input dimension.
+        size_average, reduce: torch's deprecated reduction arguments (mapped as torch maps them).
+        reduction: ``'none'``, ``'mean'`` or ``'sum'`` (``'batchmean'`` too for KL divergence).
+    """
+
+    reductions: tuple[str, ...] = ("none", "mean", "sum")
+
+    def __init__(self, P_x, size_average=None, reduce=None, reduction: str = "mean"):
+        super().__init__()
+        op = type(self).__name__
+        if not isinstance(P_x, CartesianPartition):
+            raise PartitionError(f"{where(op)}: P_x must be a CartesianPartition, got {type(P_x).__name__}")
+        if size_average is not None or reduce is not None:
+            reduction = _reduction.legacy_get_string(size_average, reduce)
+        if reduction not in self.reductions:
+            raise UnsupportedError(f"{where(op)}: reduction={reduction!r} is not one of {list(self.reductions)}")
+        self.P_x = P_x
+        self.reduction = reduction
+
+    # -------------------------------------------------------- what subclasses provide
+
+    def _check_target(self, op: str, G, call) -> None:
+        """Every worker's target block must have its input block's shape (torch would broadcast; distfuse refuses)."""
+        for j, (xs, ts) in enumerate(zip(call.shapes[0], call.shapes[1], strict=True)):
+            if xs != ts:
+                raise expect(op, f"target block shape on world rank {self.P_x.ranks[j]} (its input block's shape)",
+                             xs, ts)
+
+    def _local_loss(self, input: torch.Tensor, target: torch.Tensor, G, start) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _mean_divisor(self, G, t_dtype: torch.dtype) -> int | None:
+        """The ``mean`` divisor from the global shape, or None when it is a global sum (:meth:`_local_denominator`)."""
+        return numel(G)
+
+    def _local_denominator(self, input: torch.Tensor, target: torch.Tensor, dtype) -> torch.Tensor:
+        """This worker's part of a summed ``mean`` divisor (class weights of the targets, for instance)."""
+        raise NotImplementedError
+
+    def _result_dtype(self, in_dtype: torch.dtype, t_dtype: torch.dtype) -> torch.dtype:
+        return torch.promote_types(in_dtype, t_dtype) if t_dtype in FLOATS else in_dtype
+
+    def _signature(self):
+        return (type(self).__name__, self.reduction, self.P_x.ranks, self.P_x.shape)
+
+    # -------------------------------------------------------- the call
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """This worker's input and target blocks (zero-volume outside P_x); see the module docstring."""
+        op = type(self).__name__
+        P_x = self.P_x
+        if not P_x.active:
+            check_inactive_input(op, input)
+            check_inactive_input(op, target)
+            return zero_volume_tensor(dtype=input.dtype, device=input.device)
+        call = gather_call(op, P_x, [input, target], ["input", "target"], signature=self._signature())
+        in_dtype = one_dtype(op, P_x, call.dtypes[0], "input")
+        t_dtype = one_dtype(op, P_x, call.dtypes[1], "target", allowed=_ANY)
+        G = global_shape_of(op, P_x, call.shapes[0])
+        self._check_target(op, G, call)
+        start = local_start(G, P_x.shape, P_x.index)
+        failure = None
+        try:
+            local = self._local_loss(input, target, G, start)
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # torch's value and dtype checks
+            if isinstance(exc, (ShapeError, UnsupportedError)):
+                raise  # distfuse's own checks depend only on gathered metadata: raised on every worker
+            failure, local = exc, None
+        if self.reduction == "none":
+            if failure is not None:
+                raise ShapeError(f"{where(op)}: torch's {op[11:]} refused this worker's block: {failure}") from failure
+            return local
+        divisor = None if self.reduction == "sum" else self._mean_divisor(G, t_dtype)
+        summed_divisor = self.reduction != "sum" and divisor is None
+        loss = self._reduce(op, local, input, target, failure, summed_divisor)
+        return (loss if divisor is None else loss / divisor).to(self._result_dtype(in_dtype, t_dtype))
+
+    def _reduce(self, op, local, input, target, failure, summed_divisor: bool) -> torch.Tensor:
+        """The global sum of ``local`` (over the global denominator when ``summed_divisor``), in the compute dtype."""
+        P_x = self.P_x
+        cdt = compute_dtype(self._result_dtype(input.dtype, target.dtype))
+        extra = torch.zeros(1 + P_x.size, dtype=cdt, device=input.device)  # [denominator, failure flag per worker]
+        if failure is None:
+            num = local.sum(dtype=cdt)
+            if summed_divisor:
+                extra[0] = self._local_denominator(input, target, cdt)
+        else:
+            num = torch.full((), float("nan"), dtype=cdt, device=input.device)
+            extra[1 + P_x.rank] = 1
+        total = replicated_sum(torch.cat([num.reshape(1), extra]), P_x, op)
+        if total.device.type == "cpu":
+            failed = [P_x.ranks[j] for j, f in enumerate(total[2:].tolist()) if f]
+            if failure is not None:
+                raise ShapeError(f"{where(op)}: torch's {op[11:]} refused this worker's block: {failure}") from failure
+            if failed:
+                raise ShapeError(f"{where(op)}: torch's {op[11:]} refused the blocks of world ranks {failed} (bad "
+                                 "values, such as a class index out of range); see their errors")
+        elif failure is not None:
+            raise ShapeError(f"{where(op)}: torch's {op[11:]} refused this worker's block: {failure}") from failure
+        return total[0] / total[1] if summed_divisor else total[0]
+
+    def extra_repr(self) -> str:
+        return f"P_x={list(self.P_x.shape)}, reduction={self.reduction!r}"
+
+
+class _WeightedLossBase(DistributedLossBase):
+    """A loss with optional global weight buffers (torch registers them as buffers, so the state dict has them)."""
+
+    _weight_names: tuple[str, ...] = ("weight",)
+
+    def _set_weights(self, **weights) -> None:
+        for name, w in weights.items():
+            self.register_buffer(name, None if w is None else torch.as_tensor(w).to(self.P_x.device))
+
+    def param_layouts(self) -> list[ParamLayout]:
+        return [ParamLayout(n, n, self.P_x, tuple(getattr(self, n).shape), split_dims=())
+                for n in self._weight_names if getattr(self, n, None) is not None]
+
+
+class DistributedMSELoss(DistributedLossBase):
+    """``torch.nn.MSELoss`` over input and target blocks split by ``P_x`` (see the module docstring)."""
+
+    def _local_loss(self, input, target, G, start):
+        return F.mse_loss(input, target, reduction="none")
+
+
+class DistributedL1Loss(DistributedLossBase):
+    """``torch.nn.L1Loss`` over input and target blocks split by ``P_x`` (see the module docstring)."""
+
+    def _local_loss(self, input, target, G, start):
+        return F.l1_loss(input, target, reduction="none")
+
+
+class DistributedBCELoss(_WeightedLossBase):
+    """``torch.nn.BCELoss``; ``weight`` is the global rescaling tensor, broadcastable to the global input."""
+
+    def __init__(self, P_x, weight: torch.Tensor | None = None, size_average=None, reduce=None,
+                 reduction: str = "mean"):
+        super().__init__(P_x, size_average, reduce, reduction)
+        self._set_weights(weight=weight)
+
+    def _local_loss(self, input, target, G, start):
+        w = broadcast_block(type(self).__name__, "weight", self.weight, G, start, input.shape)
+        return F.binary_cross_entropy(input, target, w, reduction="none")
+
+
+class DistributedBCEWithLogitsLoss(_WeightedLossBase):
+    """``torch.nn.BCEWithLogitsLoss``; ``weight`` and ``pos_weight`` are global, broadcastable to the global input."""
+
+    _weight_names = ("weight", "pos_weight")
+
+    def __init__(self, P_x, weight: torch.Tensor | None = None, size_average=None, reduce=None,
+                 reduction: str = "mean", pos_weight: torch.Tensor | None = None):
+        super().__init__(P_x, size_average, reduce, reduction)
+        self._set_weights(weight=weight, pos_weight=pos_weight)
+
+    def _local_loss(self, input, target, G, start):
+        op = type(self).__name__
+        w = broadcast_block(op, "weight", self.weight, G, start, input.shape)
+        pw = broadcast_block(op, "pos_weight", self.pos_weight, G, start, input.shape)
+        return F.binary_cross_entropy_with_logits(input, target, w, reduction="none", pos_weight=pw)
+
+
+class DistributedKLDivLoss(DistributedLossBase):
+    """``torch.nn.KLDivLoss``; ``reduction='batchmean'`` divides by the global batch size (the input's dimension 0)."""
+
+    reductions = ("none", "mean", "sum", "batchmean")
+
+    def __init__(self, P_x, size_average=None, reduce=None, reduction: str = "mean", log_target: bool = False):
+        super().__init__(P_x, size_average, reduce, reduction)
+        self.log_target = bool(log_target)
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.reduction == "mean" and self.P_x.active:
+            warnings.warn("reduction: 'mean' divides the total loss by both the batch size and the support size; "
+                          "'batchmean' divides only by the batch size, and aligns with the KL div math definition "
+                          "(as torch warns)", stacklevel=2)
+        return super().forward(input, target)
+
+    def _local_loss(self, input, target, G, start):
+        return F.kl_div(input, target, reduction="none", log_target=self.log_target)
+
+    def _mean_divisor(self, G, t_dtype) -> int:
+        return G[0] if self.reduction == "batchmean" else numel(G)
+
+    def _signature(self):
+        return super()._signature() + (self.log_target,)

@@ -1,0 +1,212 @@
+"""Distributed batch normalisation: exact global statistics over a batch- and space-split input.
+
+Partitions and shapes (``nd`` spatial axes; any axis of ``P_x`` may be split, the
+channel axis too)::
+
+    P_x              [P_b, P_c, P_1, ..., P_nd]
+    x, y             [N_b, C_b, *n_s]          balanced blocks of the global [N, C, *n]
+    weight, bias     [C_b]                     replicated on every worker with channel block C_b
+    running_mean/var [C_b], num_batches_tracked []   replicated the same way
+    P_stats          the workers that share this worker's channel block (every axis but 1)
+
+    train     (n_i, mean_i, M2_i) per channel  ->  all-gather over P_stats  ->  Chan combine
+              y = (x - mean) / sqrt(var + eps) * w + b           var biased, as torch
+              running_mean = m * mean + (1 - m) * running_mean    running_var with the unbiased var
+    adjoint   [sum dy, sum dy * xhat] per channel  ->  all-reduce over P_stats
+              db = sum dy,  dw = sum dy * xhat,  dx = w * invstd * (dy - db/n - xhat * dw/n)
+    eval      y = batch_norm(x, running stats) locally; dw, db all-reduced over P_stats
+
+Why the parameters are replicated rather than kept on one root and broadcast: the exact
+adjoint already all-reduces ``sum dy`` and ``sum dy * xhat``, which *are* the global bias
+and weight gradients, so every replica gets the global gradient with no further message
+and an optimizer keeps the replicas equal.  A root-held weight would add a broadcast
+forward and a sum-reduce backward to every layer.  The running statistics are computed
+from the same combined statistics on every worker, so they are bitwise identical.
+
+Numerics follow ``torch.nn.BatchNormNd`` (which is also ``SyncBatchNorm``'s): the
+biased variance normalises, the unbiased one (``n / (n - 1)``) enters ``running_var``,
+``momentum=None`` is the cumulative average ``1 / num_batches_tracked``, ``affine`` /
+``bias`` / ``track_running_stats`` and eval mode behave as torch's, and 16-bit inputs are
+normalised in fp32 and rounded once (parameters in the input's dtype or in fp32).
+Statistics are exact under uneven splits and empty blocks (see ``_norm_common``).
+
+Every call makes one host-side metadata gather over ``P_x`` (shapes, dtypes, grad flags),
+so a bad input raises the same error on every worker; training adds one all-gather of
+``3 x C_b`` float64 per worker.  Every worker of ``P_x`` must call backward when one does.
+Workers outside ``P_x`` pass and get back a zero-volume tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from distfuse.errors import ShapeError, expect, where
+from distfuse.geometry.decomposition import local_shape
+from distfuse.layers._block_identity import BlockIdentityMixin
+from distfuse.layers._norm_common import (
+    check_norm_partition,
+    check_param_dtype,
+    gather_call,
+    gather_moments,
+    global_shape_of,
+    normalize,
+    numel,
+    one_dtype,
+    promote,
+    subgrid,
+    sum_replica_grads,
+)
+from distfuse.layers._params import ParamLayout
+from distfuse.primitives._common import check_inactive_input
+
+__all__ = ["DistributedBatchNormBase", "DistributedBatchNorm", "DistributedBatchNorm1d", "DistributedBatchNorm2d",
+           "DistributedBatchNorm3d"]
+
+
+class DistributedBatchNormBase(BlockIdentityMixin, nn.Module):
+    """Batch normalisation of an input split over ``P_x`` (see the module docstring).
+
+    Args:
+        P_x: CartesianPartition with one dimension per input dimension.
+        num_features, eps, momentum, affine, track_running_stats, device, dtype, bias: as
+            ``torch.nn.BatchNormNd``.  ``device`` defaults to ``P_x.device``.
+
+    Construction is collective over the world (it creates the statistics sub-grid).
+    Workers outside ``P_x`` hold no parameters or buffers (they are None there).
+    """
+
+    dims: tuple[int, ...] = ()
+
+    def __init__(self, P_x, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, device=None, dtype=None, *, bias: bool = True):
+        super().__init__()
+        op = type(self).__name__
+        check_norm_partition(op, P_x, self.dims)
+        if int(num_features) < 1:
+            raise expect(op, "num_features", ">= 1", num_features)
+        self.P_x = P_x
+        self.num_features, self.eps, self.momentum = int(num_features), float(eps), momentum
+        self.affine, self.track_running_stats = bool(affine), bool(track_running_stats)
+        self._has_bias = self.affine and bool(bias)
+        self._has_buffers = self.track_running_stats
+        self.P_stats = subgrid(P_x, [d for d in range(P_x.dim) if d != 1])
+        device = torch.device(device) if device is not None else P_x.device
+        kw = dict(device=device, dtype=dtype)
+        block = local_shape((self.num_features,), (P_x.shape[1],), (P_x.index[1],)) if P_x.active else None
+        active = P_x.active
+        self.register_parameter("weight", nn.Parameter(torch.empty(block, **kw)) if active and self.affine else None)
+        self.register_parameter("bias", nn.Parameter(torch.empty(block, **kw)) if active and self._has_bias else None)
+        if active and self._has_buffers:
+            self.register_buffer("running_mean", torch.zeros(block, **kw))
+            self.register_buffer("running_var", torch.ones(block, **kw))
+            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device))
+        else:
+            self.register_buffer("running_mean", None)
+            self.register_buffer("running_var", None)
+            self.register_buffer("num_batches_tracked", None)
+        self.reset_parameters()
+
+    def reset_running_stats(self) -> None:
+        if self.running_mean is not None:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
+
+    def reset_parameters(self) -> None:
+        """torch's initialisation: weight 1, bias 0, running statistics reset."""
+        self.reset_running_stats()
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def param_layouts(self) -> list[ParamLayout]:
+        C, P = (self.num_features,), self.P_x
+        lays = []
+        if self.affine:
+            lays.append(ParamLayout("weight", "weight", P, C, split_dims=(1,)))
+        if self._has_bias:
+            lays.append(ParamLayout("bias", "bias", P, C, split_dims=(1,)))
+        if self._has_buffers:
+            lays += [ParamLayout("running_mean", "running_mean", P, C, split_dims=(1,)),
+                     ParamLayout("running_var", "running_var", P, C, split_dims=(1,)),
+                     ParamLayout("num_batches_tracked", "num_batches_tracked", P, (), split_dims=())]
+        return lays
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
+        op = type(self).__name__
+        P_x = self.P_x
+        if not P_x.active:
+            check_inactive_input(op, x)
+            return x.clone()
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        call = gather_call(op, P_x, [x], ["input"], params, signature=self._signature())
+        dtype = one_dtype(op, P_x, call.dtypes[0])
+        G = global_shape_of(op, P_x, call.shapes[0])
+        if G[1] != self.num_features:
+            raise expect(op, "input channels (the global input's dimension 1, num_features)", self.num_features, G[1])
+        for t in params + [b for b in (self.running_mean, self.running_var) if b is not None]:
+            check_param_dtype(op, dtype, t.dtype)
+        factor = 0.0 if self.momentum is None else float(self.momentum)
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else factor
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        if not bn_training:  # eval with running statistics: local, only the parameter gradients are summed
+            w = sum_replica_grads(self.weight, self.P_stats, op, call.any_param_grad)
+            b = sum_replica_grads(self.bias, self.P_stats, op, call.any_param_grad)
+            return F.batch_norm(x, self.running_mean, self.running_var, w, b, False, 0.0, self.eps)
+
+        count = G[0] * numel(G[2:])
+        if count == 1:
+            raise ShapeError(f"{where(op)}: expected more than 1 value per channel when training, got the global input "
+                             f"size {list(G)} (torch's rule)")
+        # The adjoint all-reduces over P_stats, so every worker's output must require grad if any does.
+        x = promote(x, call.any_grad and not call.param_grad[P_x.rank])
+        x3 = x.reshape(x.shape[0], x.shape[1], numel(x.shape[2:]))
+        moments = gather_moments(op, self.P_stats, x3, count)
+        if self.training and self.track_running_stats and self.running_mean is not None and count > 0:
+            self._update_running_stats(moments.mean, moments.unbiased_var(), factor)
+        y = normalize(x3, moments, self.eps, self.P_stats, op, self.weight, self.bias)
+        return y.view(x.shape).to(dtype)
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, unbiased_var: torch.Tensor, factor: float) -> None:
+        """torch's update, in float64 and rounded once into the buffers (identical on every worker)."""
+        self.running_mean.copy_(factor * mean + (1 - factor) * self.running_mean.double())
+        self.running_var.copy_(factor * unbiased_var + (1 - factor) * self.running_var.double())
+
+    def _signature(self):
+        return (type(self).__name__, self.num_features, self.eps, self.momentum, self.affine,
+                self.track_running_stats, self.training, self.P_x.ranks, self.P_x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"P_x={list(self.P_x.shape)}, {self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, bias={self._has_bias}, track_running_stats={self.track_running_stats}")
+
+
+class DistributedBatchNorm1d(DistributedBatchNormBase):
+    """Distributed ``BatchNorm1d``: input ``[N, C]`` or ``[N, C, L]``, P_x of 2 or 3 dimensions."""
+
+    dims = (2, 3)
+
+
+class DistributedBatchNorm2d(DistributedBatchNormBase):
+    """Distributed ``BatchNorm2d``: input ``[N, C, H, W]``, P_x ``[P_b, P_c, P_h, P_w]``."""
+
+    dims = (4,)
+
+
+class DistributedBatchNorm3d(DistributedBatchNormBase):
+    """Distributed ``BatchNorm3d``: input ``[N, C, D, H, W]``, P_x ``[P_b, P_c, P_d, P_h, P_w]``."""
+
+    dims = (5,)
+
+
+class DistributedBatchNorm(DistributedBatchNormBase):
+    """DistDL's dimension-agnostic name: input ``[N, C, *spatial]`` with 0 to 6 spatial axes, one P_x axis each."""
+
+    dims = tuple(range(2, 9))

@@ -1,0 +1,152 @@
+"""Distributed layer normalisation over trailing (feature) dimensions that may be split.
+
+Partitions and shapes (``k = len(normalized_shape)`` trailing dimensions are normalised;
+any axis of ``P_x`` may be split)::
+
+    P_x            [P_1, ..., P_lead, P_f1, ..., P_fk]
+    x, y           [*lead_b, *feat_b]         balanced blocks of the global [*lead, *normalized_shape]
+    weight, bias   [*feat_b]                  this worker's block of normalized_shape, split like the
+                                              features and replicated over the leading axes
+    P_stats        the workers that split the normalised dims (the last k axes): they share rows
+    P_rep          the leading axes: the workers holding a copy of the same weight block
+
+    forward   per row (n_i, mean_i, M2_i)  ->  all-gather over P_stats  ->  Chan combine (exact)
+              y = xhat * w + b
+    adjoint   [sum_f g, sum_f g * xhat] per row  ->  all-reduce over P_stats   (g = dy * w)
+              dw, db: sums over the local rows  ->  all-reduce over P_rep
+
+Why this layout: a tensor-parallel model splits the hidden dimension, and the weight must
+follow the features it scales; splitting it the same way keeps every multiply local.
+The leading axes (tokens, batch) hold copies, and their gradient all-reduce is the one
+message a data-parallel split would need anyway.
+
+Numerics follow ``torch.nn.LayerNorm``: biased variance, ``elementwise_affine`` and
+``bias=False``, 16-bit inputs normalised in fp32 and rounded once (parameters in the
+input's dtype or in fp32).  Statistics are exact under uneven splits and empty blocks.
+
+Every call makes one host-side metadata gather over ``P_x``, so a bad input raises on
+every worker.  Every worker of ``P_x`` must call backward when one does.  Workers
+outside ``P_x`` pass and get back a zero-volume tensor.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+from torch import nn
+
+from distfuse.errors import PartitionError, expect, where
+from distfuse.geometry.decomposition import local_shape
+from distfuse.layers._block_identity import BlockIdentityMixin
+from distfuse.layers._norm_common import (
+    check_param_dtype,
+    gather_call,
+    gather_moments,
+    global_shape_of,
+    normalize,
+    numel,
+    one_dtype,
+    promote,
+    subgrid,
+    sum_replica_grads,
+)
+from distfuse.layers._params import ParamLayout
+from distfuse.partition import CartesianPartition
+from distfuse.primitives._common import check_inactive_input
+
+__all__ = ["DistributedLayerNorm"]
+
+
+class DistributedLayerNorm(BlockIdentityMixin, nn.Module):
+    """``torch.nn.LayerNorm`` over an input whose normalised dimensions may be split (see the module docstring).
+
+    Args:
+        P_x: CartesianPartition with one dimension per input dimension.
+        normalized_shape, eps, elementwise_affine, bias, device, dtype: as ``torch.nn.LayerNorm``.
+
+    Construction is collective over the world (it creates the sub-grids).  Workers outside
+    ``P_x`` hold no parameters (None there).
+    """
+
+    def __init__(self, P_x, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        op = type(self).__name__
+        if not isinstance(P_x, CartesianPartition):
+            raise PartitionError(f"{where(op)}: P_x must be a CartesianPartition, got {type(P_x).__name__}")
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(int(n) for n in normalized_shape)
+        k = len(self.normalized_shape)
+        if k < 1 or min(self.normalized_shape) < 1:
+            raise expect(op, "normalized_shape", "one or more positive extents", self.normalized_shape)
+        if P_x.dim < k:
+            raise expect(op, f"dimensions of P_x (at least the {k} normalised ones)", f">= {k}", P_x.dim,
+                         PartitionError)
+        self.P_x = P_x
+        self.eps, self.elementwise_affine = float(eps), bool(elementwise_affine)
+        self._has_bias = self.elementwise_affine and bool(bias)
+        self._feat_axes = tuple(range(P_x.dim - k, P_x.dim))
+        self.P_stats = subgrid(P_x, self._feat_axes)
+        self.P_rep = subgrid(P_x, range(P_x.dim - k))
+        kw = dict(device=torch.device(device) if device is not None else P_x.device, dtype=dtype)
+        block = None
+        if P_x.active:
+            block = local_shape(self.normalized_shape, P_x.shape[-k:], P_x.index[-k:])
+        make = P_x.active and self.elementwise_affine
+        self.register_parameter("weight", nn.Parameter(torch.ones(block, **kw)) if make else None)
+        make = P_x.active and self._has_bias
+        self.register_parameter("bias", nn.Parameter(torch.zeros(block, **kw)) if make else None)
+
+    def reset_parameters(self) -> None:
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def param_layouts(self) -> list[ParamLayout]:
+        lays = []
+        if self.elementwise_affine:
+            lays.append(ParamLayout("weight", "weight", self.P_x, self.normalized_shape, split_dims=self._feat_axes))
+        if self._has_bias:
+            lays.append(ParamLayout("bias", "bias", self.P_x, self.normalized_shape, split_dims=self._feat_axes))
+        return lays
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
+        op = type(self).__name__
+        P_x = self.P_x
+        if not P_x.active:
+            check_inactive_input(op, x)
+            return x.clone()
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        call = gather_call(op, P_x, [x], ["input"], params, signature=self._signature())
+        dtype = one_dtype(op, P_x, call.dtypes[0])
+        G = global_shape_of(op, P_x, call.shapes[0])
+        k = len(self.normalized_shape)
+        if G[-k:] != self.normalized_shape:
+            raise expect(op, f"trailing global input dimensions (normalized_shape; global input {list(G)})",
+                         list(self.normalized_shape), list(G[-k:]))
+        for p in params:
+            check_param_dtype(op, dtype, p.dtype)
+        x = promote(x, call.any_input_grad)  # the adjoint all-reduces over P_stats: every worker must run it
+        rows = numel(x.shape[:-k])
+        x3 = x.reshape(1, rows, numel(x.shape[-k:]))
+        moments = gather_moments(op, self.P_stats, x3, numel(self.normalized_shape))
+        y = normalize(x3, moments, self.eps, self.P_stats, op).view(x.shape)
+        w = sum_replica_grads(self.weight, self.P_rep, op, call.any_param_grad)
+        b = sum_replica_grads(self.bias, self.P_rep, op, call.any_param_grad)
+        if w is not None:
+            y = y * w.to(y.dtype)
+        if b is not None:
+            y = y + b.to(y.dtype)
+        return y.to(dtype)
+
+    def _signature(self):
+        return (type(self).__name__, self.normalized_shape, self.eps, self.elementwise_affine, self._has_bias,
+                self.P_x.ranks, self.P_x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"P_x={list(self.P_x.shape)}, {self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, bias={self._has_bias}")
