@@ -21,9 +21,39 @@ buffers in this GPU's HBM, so "remote" stores land in local memory):
 * ``op=chunk_reduce``: the sum of the W partial slots of one chunk (+ rounding), and
   ``op=ag_push``: the push copy of one shard into W - 1 buffers, each against a
   device-to-device copy (``dst.copy_(src)``) that moves the same bytes, measured in the
-  same run (anchor ``copy``).  Target for chunk_reduce: >= 80% of the copy bandwidth.
+  same run (anchor ``copy``).  Target for chunk_reduce: >= 85% of the copy bandwidth.
+* The same rows for the feature-direction pair, DistDL's own linear forms (sides
+  ``rs_features`` and ``ag_features``, the same per-rank GEMM shapes):
+  ``op=matmul_scatter_columns`` (each tile's columns stored into their owner's slot) with
+  ``op=column_reduce``, and ``op=gathered_k_matmul`` (the GEMM walking the K chunks, own
+  chunk first) with ``op=ag_push_columns``.  **Not yet measured on a GPU**: these kernels
+  were written after the last GPU session; the rows are runnable and their registry
+  defaults say "not measured on a GPU yet".
+* Side ``all_reduce`` (the row-parallel down projection with a replicated output, the
+  one-shot GEMM + all-reduce): ``op=matmul_push`` (the GEMM storing each tile into every
+  peer's slot) against cuBLAS, and ``op=all_reduce_slots`` (the W slots summed) against the
+  copy; its ``symm_mem`` anchor is ``torch.mm`` into a symmetric buffer followed by
+  ``torch.ops.symm_mem.one_shot_all_reduce``.  Not yet measured on a GPU either.
+* The other producers of GEMM + reduce-scatter (``distfuse.fused.providers``), on the ``rs``
+  side beside ``fused`` (the one-tile-per-program Triton kernel): ``op=matmul_scatter``
+  with ``provider=triton_persistent`` (persistent grid, tensor-descriptor loads, one flag
+  per chunk) and ``provider=cublas_chunks`` (one cuBLAS GEMM per chunk into its owner's
+  slot, a flag kernel after each), each against cuBLAS with the same >= 90% target, and
+  each with its own projection row (``projection-fused-<provider>-8gpu``).  **Not yet
+  measured on a GPU.**
+* Sides ``zero_rows`` and ``zero_columns``: the ZeRO layers' weight streaming
+  (``distfuse/fused/zero_linear.py``), the all-gather GEMMs on the transposed product
+  ``y.T = W_m @ x.T`` with the weight shards as the gathered operand and the rows ``x`` as
+  the "weight": ``op=gathered_matmul`` / ``ag_push`` for the reduce-scatter linear's shards
+  (``m x n x k = H x M x I/8``, the down projection's ``W_m`` split by rows over the W
+  data-parallel workers) and ``op=gathered_k_matmul`` / ``ag_push_columns`` for the
+  all-gather linear's (``I/8 x M x H``, split by columns); rows carry ``shape.zero``.  Their
+  projection is the AG one with ``t_comm`` of the gathered weight.  The weight-gradient
+  GEMM + reduce-scatter of the same layers is the ``rs`` / ``rs_features`` kernels at
+  ``out x in x M``, not timed separately.  **Not yet measured on a GPU.**
 * ``provider=symm_mem``: ``torch.ops.symm_mem.fused_matmul_reduce_scatter`` /
-  ``fused_all_gather_matmul`` on the same per-rank shapes, on a one-rank NCCL group
+  ``fused_all_gather_matmul`` on the same per-rank shapes (``scatter_dim`` / ``gather_dim``
+  1 for the feature sides), on a one-rank NCCL group
   (the only group one GPU can form: no communication, so this times the ops' local
   path).  Rows are skipped, with the reason printed, where the ops do not run.
 * ``provider=projection-*`` (``extra.projection = true``): **a projection, not a
@@ -40,6 +70,8 @@ buffers in this GPU's HBM, so "remote" stores land in local memory):
                                                              the same stream: no overlap)
 
   The loopback kernel times assume remote NVLink stores cost what local HBM stores do.
+  The all-reduce side: ``unfused = t_cublas + 2 t_comm`` (a ring all-reduce) and ``fused =
+  max(t_matmul_push, W t_comm) + t_all_reduce_slots`` (one-shot: W - 1 copies leave).
   Projection rows are named by the registry op they model (``matmul_reduce_scatter``,
   ``all_gather_matmul``).  Result files before the rename call the rows ``gemm_rs``,
   ``ag_gemm``, ``linear_rs`` and ``linear_ag``; ``bench compare`` matches them to the
@@ -53,7 +85,8 @@ Without a CUDA device the benchmark is not run (interpreted kernel times would m
 nothing).  ``--smoke`` runs a tiny CPU correctness pass of every provider under the
 Triton interpreter instead and reports no timings.
 
-    python bench/bench_gemm_fused.py                          # full sweep (bf16)
+    python bench/bench_gemm_fused.py                          # full sweep (bf16), --shapes llama
+    python bench/bench_gemm_fused.py --shapes decode          # M = 64, 512 only (--shapes train: 4096-16384)
     python bench/bench_gemm_fused.py --models llama3-8b --m 4096 64
     python bench/bench_gemm_fused.py --smoke
 """
@@ -81,13 +114,39 @@ TP = 8
 NVLINK_GBPS_PER_DIRECTION = 450.0  # H200 NVLink 4: 18 links x 50 GB/s = 900 GB/s bidirectional
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 GEMM_TARGET = 0.90  # fused GEMM TFLOP/s over cuBLAS
-REDUCE_TARGET = 0.80  # chunk_reduce GB/s over the device-to-device copy
+#: ``--shapes``: the LLaMA-3 MLP shapes at TP 8 (``--models``) over these row counts M.
+SHAPE_SETS = {"llama": M_TRAIN + M_DECODE, "train": M_TRAIN, "decode": M_DECODE}
+#: The other producers of GEMM + reduce-scatter (distfuse.fused.providers), timed beside ``fused`` (``triton``) on
+#: the ``rs`` side, each with its own projection row.
+RS_PROVIDERS = ("triton_persistent", "cublas_chunks")
+REDUCE_TARGET = 0.85  # chunk_reduce GB/s over the device-to-device copy
+# The four per-rank GEMM fusions: the kernel rows (GEMM, bandwidth step) and the registry op each projection models.
+# ``scatters``: GEMM + reduce-scatter (else all-gather + GEMM); ``features``: along the last dim (DistDL's forms).
+SIDES = {
+    "rs": dict(scatters=True, features=False, gemm="matmul_scatter", bw="chunk_reduce", op="MATMUL_REDUCE_SCATTER"),
+    "ag": dict(scatters=False, features=False, gemm="gathered_matmul", bw="ag_push", op="ALL_GATHER_MATMUL"),
+    "rs_features": dict(scatters=True, features=True, gemm="matmul_scatter_columns", bw="column_reduce",
+                        op="MATMUL_REDUCE_SCATTER_FEATURES"),
+    "ag_features": dict(scatters=False, features=True, gemm="gathered_k_matmul", bw="ag_push_columns",
+                        op="ALL_GATHER_FEATURES_MATMUL"),
+    # GEMM + one-shot all-reduce: every rank's tile pushed into every peer's slot, then the W slots summed.
+    "all_reduce": dict(scatters=True, features=False, gemm="matmul_push", bw="all_reduce_slots",
+                       op="MATMUL_ALL_REDUCE"),
+    # The ZeRO layers' weight streaming (distfuse/fused/zero_linear.py): the all-gather GEMMs on the transposed
+    # product y.T = W_m @ x.T, the weight shards the gathered operand (``zero``: which ZeRO split; see cases()).
+    "zero_rows": dict(scatters=False, features=False, gemm="gathered_matmul", bw="ag_push", op="ZERO_LINEAR_ROWS",
+                      zero="rows"),
+    "zero_columns": dict(scatters=False, features=True, gemm="gathered_k_matmul", bw="ag_push_columns",
+                         op="ZERO_LINEAR_COLUMNS", zero="columns"),
+}
 
 
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--m", type=int, nargs="+", default=list(M_TRAIN + M_DECODE), help="rows M of the full sequence")
+    p.add_argument("--shapes", default="llama", choices=sorted(SHAPE_SETS),
+                   help="row counts M: llama (training 4096-16384 and decode 64, 512), train or decode")
+    p.add_argument("--m", type=int, nargs="+", default=None, help="rows M of the full sequence (overrides --shapes)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     p.add_argument("--world", type=int, default=TP, help="virtual ranks (tensor-parallel degree)")
     p.add_argument("--reps", type=int, default=20)
@@ -104,8 +163,15 @@ def cases(models: dict, ms, world):
     """(model, side, m, n, k) of the per-rank GEMMs (see the module doc); ``models``: name -> (H, I)."""
     for model, (hidden, inter) in models.items():
         for m in ms:
-            yield model, "rs", m, hidden, inter // world
-            yield model, "ag", m, inter // world, hidden
+            for side in SIDES:
+                if SIDES[side].get("zero") == "rows":  # down proj's W_m [H, I/8], its rows over W: m = out
+                    yield model, side, hidden, m, inter // world
+                elif SIDES[side].get("zero") == "columns":  # up proj's W_m [I/8, H], its columns over W
+                    yield model, side, inter // world, m, hidden
+                elif SIDES[side]["scatters"]:
+                    yield model, side, m, hidden, inter // world
+                else:
+                    yield model, side, m, inter // world, hidden
 
 
 def tflops(m, n, k, ms):
@@ -121,9 +187,14 @@ def comm_ms(nbytes_full: int, world: int, gbps_per_direction: float = NVLINK_GBP
     return (world - 1) / world * nbytes_full / (gbps_per_direction * 1e9) * 1e3
 
 
-def project(side: str, *, t_cublas: float, t_fused_gemm: float, t_comm: float, t_reduce: float = 0.0) -> dict:
+def project(side: str, *, t_cublas: float, t_fused_gemm: float, t_comm: float, t_reduce: float = 0.0,
+            world: int = TP) -> dict:
     """Projected per-rank times (ms) of the unfused and fused op on 8 GPUs; see the module doc for the model."""
-    if side == "rs":
+    if side == "all_reduce":
+        # Unfused: the GEMM, then a ring all-reduce (2 t_comm).  Fused one-shot: W - 1 copies of the partial leave
+        # during the GEMM (W t_comm), then the W slots are summed.
+        return dict(unfused=t_cublas + 2 * t_comm, fused=max(t_fused_gemm, world * t_comm) + t_reduce)
+    if SIDES[side]["scatters"]:
         return dict(unfused=t_cublas + t_comm, fused=max(t_fused_gemm, t_comm) + t_reduce)
     return dict(unfused=t_comm + t_cublas, fused=t_comm + t_fused_gemm)
 
@@ -132,14 +203,23 @@ def project(side: str, *, t_cublas: float, t_fused_gemm: float, t_comm: float, t
 
 
 class Side:
-    """One per-rank GEMM of the W-way op, with its loopback workspace and the cuBLAS anchor's operands."""
+    """One per-rank GEMM of the W-way op (a side of :data:`SIDES`), its loopback workspace and cuBLAS's operands.
 
-    def __init__(self, side, m, n, k, world, dtype, device, seed=0):
+    The gathering sides split the input among the virtual ranks (``ag``: rows of the sequence, ``ag_features``:
+    the K columns); the scattering sides give every virtual rank the same ``a`` and weight.
+    """
+
+    def __init__(self, side, m, n, k, world, dtype, device, seed=0, provider="triton"):
         from distfuse.fused.workspace import LoopbackWorkspace
+        from distfuse.geometry.decomposition import block_extent
+        from distfuse.kernels.all_gather_features_matmul import gathered_k_workspace_bytes
         from distfuse.kernels.all_gather_matmul import gathered_matmul_workspace_bytes
         from distfuse.kernels.matmul_reduce_scatter import matmul_scatter_workspace_bytes
+        from distfuse.kernels.matmul_reduce_scatter_features import matmul_scatter_columns_workspace_bytes
 
         self.side, self.m, self.n, self.k, self.world, self.dtype = side, m, n, k, world, dtype
+        self.spec = SIDES[side]
+        self.provider = provider  # the rs side's producer (distfuse.fused.providers)
         g = torch.Generator(device="cpu").manual_seed(seed)
 
         def rnd(*shape, scale=1.0):
@@ -149,13 +229,24 @@ class Side:
         self.out = torch.empty(m, n, dtype=dtype, device=device)
         if side == "rs":
             self.a = rnd(1, m, k)  # batch 1, the full sequence
-            self.ws = LoopbackWorkspace(world, matmul_scatter_workspace_bytes(1, m, n, world, dtype), device)
-        else:
-            from distfuse.geometry.decomposition import block_extent
+            nbytes = matmul_scatter_workspace_bytes(1, m, n, world, dtype)
+        elif side == "rs_features":
+            self.a = rnd(1, m, k)
+            nbytes = matmul_scatter_columns_workspace_bytes(m, n, world, dtype)
+        elif side == "all_reduce":
+            from distfuse.kernels.matmul_all_reduce import one_shot_workspace_bytes
 
+            self.a = rnd(1, m, k)
+            nbytes = one_shot_workspace_bytes(m, n, world, dtype)
+        elif side in ("ag", "zero_rows"):  # the rows of a split over the virtual ranks
             self.shards = [rnd(1, block_extent(m, world, r), k) for r in range(world)]
             self.a = torch.cat(self.shards, dim=1)
-            self.ws = LoopbackWorkspace(world, gathered_matmul_workspace_bytes(1, m, k, dtype), device)
+            nbytes = gathered_matmul_workspace_bytes(1, m, k, dtype)
+        else:
+            self.shards = [rnd(1, m, block_extent(k, world, r)) for r in range(world)]
+            self.a = torch.cat(self.shards, dim=2)
+            nbytes = gathered_k_workspace_bytes(m, k, dtype)
+        self.ws = LoopbackWorkspace(world, nbytes, device)
 
     # -- anchors
     def cublas(self):
@@ -164,44 +255,71 @@ class Side:
     # -- fused kernels (inside a claim: see prepare)
     def prepare(self):
         """Claim the workspace and run every virtual rank's producer once, so every flag of this epoch is up."""
-        from distfuse.kernels.all_gather_matmul import ag_push
-        from distfuse.kernels.matmul_reduce_scatter import matmul_scatter
-
         self._claim = self.ws.in_flight(f"bench {self.side}")
         self._claim.__enter__()
-        W = self.world
-        if self.side == "rs":
-            for r in range(W):
-                matmul_scatter(self.a, self.weight, self.ws, r, W)
-        else:
-            for r in range(W):
-                ag_push(self.shards[r], self.ws, r, W, self.m)
+        for r in range(self.world):
+            if self.spec["scatters"]:
+                self._scatter(r)
+            else:
+                self._push(r)
 
     def release(self):
         self._claim.__exit__(None, None, None)
 
-    def fused_gemm(self):
-        from distfuse.kernels.all_gather_matmul import gathered_matmul
+    def _scatter(self, r):
+        from distfuse.kernels.matmul_all_reduce import matmul_push
         from distfuse.kernels.matmul_reduce_scatter import matmul_scatter
+        from distfuse.kernels.matmul_reduce_scatter_features import matmul_scatter_columns
 
-        if self.side == "rs":
-            return matmul_scatter(self.a, self.weight, self.ws, 0, self.world)
+        if self.side == "rs" and self.provider != "triton":
+            from distfuse.fused.providers import run_producer
+
+            return run_producer(self.provider, self.a, self.weight, self.ws, r, self.world, self.dtype)
+        launch = {"rs": matmul_scatter, "rs_features": matmul_scatter_columns, "all_reduce": matmul_push}[self.side]
+        return launch(self.a, self.weight, self.ws, r, self.world)
+
+    def _push(self, r):
+        from distfuse.kernels.all_gather_features_matmul import ag_push_columns
+        from distfuse.kernels.all_gather_matmul import ag_push
+
+        if self.spec["features"]:
+            return ag_push_columns(self.shards[r], self.ws, r, self.world, self.k)
+        return ag_push(self.shards[r], self.ws, r, self.world, self.m)
+
+    def fused_gemm(self):
+        from distfuse.kernels.all_gather_features_matmul import gathered_k_matmul
+        from distfuse.kernels.all_gather_matmul import gathered_matmul
+
+        if self.spec["scatters"]:
+            return self._scatter(0)
+        if self.spec["features"]:
+            return gathered_k_matmul(self.shards[0], self.weight, self.ws, 0, self.world, out=self.out)
         return gathered_matmul(self.shards[0], self.weight, self.ws, 0, self.world, self.m, out=self.out)
 
     def chunk_reduce(self, out=None):
+        """The scattering sides' reduction of virtual rank 0's chunk (``chunk_reduce`` or ``column_reduce``)."""
+        from distfuse.kernels.matmul_all_reduce import all_reduce_slots
         from distfuse.kernels.matmul_reduce_scatter import chunk_reduce
+        from distfuse.kernels.matmul_reduce_scatter_features import column_reduce
 
+        if self.side == "all_reduce":
+            return all_reduce_slots(self.ws, 0, self.world, self.m, self.n, partial_dtype=self.dtype, out=out)
+        if self.spec["features"]:
+            return column_reduce(self.ws, 0, self.world, self.m, self.n, partial_dtype=self.dtype, out=out)
         return chunk_reduce(self.ws, 0, self.world, 1, self.m, self.n, partial_dtype=self.dtype, out=out)
 
     def push(self):
-        from distfuse.kernels.all_gather_matmul import ag_push
-
-        return ag_push(self.shards[0], self.ws, 0, self.world, self.m)
+        return self._push(0)
 
     def reduce_bytes(self):
         from distfuse.geometry.decomposition import block_extent
 
-        chunk = block_extent(self.m, self.world, 0) * self.n * self.dtype.itemsize
+        if self.side == "all_reduce":
+            chunk = self.m * self.n * self.dtype.itemsize
+        elif self.spec["features"]:
+            chunk = self.m * block_extent(self.n, self.world, 0) * self.dtype.itemsize
+        else:
+            chunk = block_extent(self.m, self.world, 0) * self.n * self.dtype.itemsize
         return (self.world + 1) * chunk  # W slots read, one output written
 
     def push_bytes(self):
@@ -211,26 +329,33 @@ class Side:
     # -- references
     def check(self, dtype_tol: float) -> list[str]:
         """Correctness of every provider on this (small) case; returns the failures."""
+        from distfuse.kernels.all_gather_features_matmul import all_gather_features_matmul_reference
         from distfuse.kernels.all_gather_matmul import all_gather_matmul_reference
+        from distfuse.kernels.matmul_all_reduce import matmul_all_reduce_reference
         from distfuse.kernels.matmul_reduce_scatter import matmul_reduce_scatter_reference
+        from distfuse.kernels.matmul_reduce_scatter_features import matmul_reduce_scatter_features_reference
 
         bad = []
         ref = self.a.view(self.m, self.k).double() @ self.weight.double().t()
         if not torch.allclose(self.cublas().double(), ref, rtol=dtype_tol, atol=dtype_tol):
             bad.append(f"{self.side}: torch.mm")
+        W = self.world
         self.prepare()
         try:
-            if self.side == "rs":
-                W = self.world
+            if self.spec["scatters"]:
                 y = self.chunk_reduce()
-                want = matmul_reduce_scatter_reference([self.a] * W, [self.weight] * W, 0)
-                if not torch.allclose(y.double(), want.double(), rtol=dtype_tol, atol=dtype_tol):
-                    bad.append("rs: matmul_scatter + chunk_reduce (loopback)")
+                if self.side == "all_reduce":
+                    want = matmul_all_reduce_reference([self.a] * W, [self.weight] * W)
+                else:
+                    reference = (matmul_reduce_scatter_features_reference if self.spec["features"] else
+                                 matmul_reduce_scatter_reference)
+                    want = reference([self.a] * W, [self.weight] * W, 0)
             else:
                 y = self.fused_gemm()
-                want = all_gather_matmul_reference(self.shards, self.weight)
-                if not torch.allclose(y.double(), want.double(), rtol=dtype_tol, atol=dtype_tol):
-                    bad.append("ag: ag_push + gathered_matmul (loopback)")
+                want = (all_gather_features_matmul_reference([s.view(self.m, -1) for s in self.shards], self.weight, 0)
+                        if self.spec["features"] else all_gather_matmul_reference(self.shards, self.weight))
+            if not torch.allclose(y.double().view(want.shape), want.double(), rtol=dtype_tol, atol=dtype_tol):
+                bad.append(f"{self.side}: {self.spec['gemm']} + {self.spec['bw']} (loopback)")
         finally:
             self.release()
         return bad
@@ -264,11 +389,27 @@ class SymmMem:
             self.error = f"{type(exc).__name__}: {exc}"
 
     def op(self, side: Side):
-        if side.side == "rs":
+        if side.side == "all_reduce":
+            return self._mm_one_shot_all_reduce(side)
+        dim = 1 if side.spec["features"] else 0  # scatter the output's / gather the input's columns or rows
+        if side.spec["scatters"]:
             A, B = side.a.view(side.m, side.k), side.weight.t()
-            return lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(A, B, "sum", 0, self.group_name)
+            return lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(A, B, "sum", dim, self.group_name)
         A, Bs = side.a.view(side.m, side.k), [side.weight.t()]
-        return lambda: torch.ops.symm_mem.fused_all_gather_matmul(A, Bs, 0, self.group_name, return_A=False)
+        return lambda: torch.ops.symm_mem.fused_all_gather_matmul(A, Bs, dim, self.group_name, return_A=False)
+
+    def _mm_one_shot_all_reduce(self, side: Side):
+        """``torch.mm`` into a symmetric buffer, then ``one_shot_all_reduce`` (the unfused symm_mem anchor)."""
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buf = symm_mem.empty((side.m, side.n), dtype=side.dtype, device=side.a.device)
+        symm_mem.rendezvous(buf, self.group_name)
+        A, B = side.a.view(side.m, side.k), side.weight.t()
+
+        def run():
+            torch.mm(A, B, out=buf)
+            return torch.ops.symm_mem.one_shot_all_reduce(buf, "sum", self.group_name)
+        return run
 
     def close(self):
         import torch.distributed as dist
@@ -298,8 +439,11 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
 
     for model, side_name, m, n, k in cases(models, ms, W):
         shape = dict(model=model, m=m, n=n, k=k)
+        if SIDES[side_name].get("zero"):  # the same kernels as ag / ag_features: keep their rows apart
+            shape["zero"] = SIDES[side_name]["zero"]
         side = Side(side_name, m, n, k, W, dtype, device)
-        op = "matmul_scatter" if side_name == "rs" else "gathered_matmul"
+        spec = SIDES[side_name]
+        op, op_bw, scatters = spec["gemm"], spec["bw"], spec["scatters"]
         q_cublas = timed(side.cublas)
         row(op, "cublas", shape, q_cublas, rate=tflops(m, n, k, q_cublas[0]), rate_unit="TFLOP/s")
         side.prepare()
@@ -308,14 +452,12 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
             ratio = q_cublas[0] / q_fused[0]
             row(op, "fused", shape, q_fused, rate=tflops(m, n, k, q_fused[0]), rate_unit="TFLOP/s",
                 extra=dict(rate_ratio=ratio, target=GEMM_TARGET, meets_target=ratio >= GEMM_TARGET, loopback=True))
-            if side_name == "rs":
+            if scatters:
                 nbytes = side.reduce_bytes()
                 q_bw = timed(side.chunk_reduce)
-                op_bw = "chunk_reduce"
             else:
                 nbytes = side.push_bytes()
                 q_bw = timed(side.push)
-                op_bw = "ag_push"
         finally:
             side.release()
         bw_op = gbps(nbytes, q_bw[0])
@@ -326,7 +468,7 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
         bw_shape = dict(shape, bytes=nbytes)
         row(op_bw, "copy", bw_shape, q_copy, rate=bw_copy, rate_unit="GB/s")
         extra = dict(rate_ratio=bw_op / bw_copy, loopback=True)
-        if op_bw == "chunk_reduce":
+        if scatters:
             extra.update(target=REDUCE_TARGET, meets_target=bw_op / bw_copy >= REDUCE_TARGET)
         row(op_bw, "fused", bw_shape, q_bw, rate=bw_op, rate_unit="GB/s", extra=extra)
         if symm is not None and symm.error is None:
@@ -337,20 +479,38 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
             except Exception as exc:  # noqa: BLE001 - record that the op does not run on this shape
                 print(f"symm_mem {op} {shape}: not run: {type(exc).__name__}: {exc}")
         # Projection of one rank of an 8-GPU node (modelled, not measured; see the module doc).
-        full_bytes = m * (n if side_name == "rs" else k) * dtype.itemsize
+        full_bytes = m * (n if scatters else k) * dtype.itemsize
         t_comm = comm_ms(full_bytes, W)
-        t_reduce = q_bw[0] if side_name == "rs" else 0.0
-        proj = project(side_name, t_cublas=q_cublas[0], t_fused_gemm=q_fused[0], t_comm=t_comm, t_reduce=t_reduce)
+        t_reduce = q_bw[0] if scatters else 0.0
+        proj = project(side_name, t_cublas=q_cublas[0], t_fused_gemm=q_fused[0], t_comm=t_comm, t_reduce=t_reduce,
+                       world=W)
         inputs = dict(t_cublas=q_cublas[0], t_fused_gemm=q_fused[0], t_comm=t_comm,
-                      t_chunk_reduce=t_reduce if side_name == "rs" else None,
+                      t_chunk_reduce=t_reduce if scatters else None,
                       nvlink_GBps_per_direction=NVLINK_GBPS_PER_DIRECTION)
         # The projection rows model the whole op: named by its registry entry.
-        proj_op = (registry.MATMUL_REDUCE_SCATTER if side_name == "rs" else registry.ALL_GATHER_MATMUL).name
+        proj_op = getattr(registry, spec["op"]).name
         for p in ("unfused", "fused"):
             ms_p = proj[p]
             row(proj_op, f"projection-{p}-{W}gpu", shape,
                 (ms_p, ms_p, ms_p), rate=tflops(m, n, k, ms_p), rate_unit="TFLOP/s",
                 extra=dict(projection=True, inputs_ms=inputs))
+        if side_name == "rs":  # the other producers, consumed by the same chunk_reduce
+            for provider in RS_PROVIDERS:
+                side.provider = provider
+                side.prepare()
+                try:
+                    q_p = timed(side.fused_gemm)
+                finally:
+                    side.release()
+                ratio = q_cublas[0] / q_p[0]
+                row(op, provider, shape, q_p, rate=tflops(m, n, k, q_p[0]), rate_unit="TFLOP/s",
+                    extra=dict(rate_ratio=ratio, target=GEMM_TARGET, meets_target=ratio >= GEMM_TARGET,
+                               loopback=True))
+                ms_p = project(side_name, t_cublas=q_cublas[0], t_fused_gemm=q_p[0], t_comm=t_comm,
+                               t_reduce=t_reduce, world=W)["fused"]
+                row(proj_op, f"projection-fused-{provider}-{W}gpu", shape, (ms_p, ms_p, ms_p),
+                    rate=tflops(m, n, k, ms_p), rate_unit="TFLOP/s",
+                    extra=dict(projection=True, inputs_ms=dict(inputs, t_fused_gemm=q_p[0])))
         del side, src, dst
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -372,7 +532,8 @@ def gpu_run(args) -> int:
     if symm is not None and symm.error:
         print(f"symm_mem ops not run: {symm.error}")
     try:
-        rows = sweep({name: MODELS[name] for name in args.models}, args.m, W, args.dtype, args.reps, device, symm)
+        ms = args.m or list(SHAPE_SETS[args.shapes])
+        rows = sweep({name: MODELS[name] for name in args.models}, ms, W, args.dtype, args.reps, device, symm)
     finally:
         if symm is not None:
             symm.close()
@@ -384,7 +545,8 @@ def gpu_run(args) -> int:
 
 
 def _summary(rows) -> None:
-    targets = (("matmul_scatter", GEMM_TARGET), ("gathered_matmul", GEMM_TARGET), ("chunk_reduce", REDUCE_TARGET))
+    targets = [(spec["gemm"], GEMM_TARGET) for spec in SIDES.values()]
+    targets += [(spec["bw"], REDUCE_TARGET) for spec in SIDES.values() if spec["scatters"]]
     for op, target in targets:
         mine = [r for r in rows if r.op == op and r.provider == "fused"]
         if not mine:
@@ -396,6 +558,67 @@ def _summary(rows) -> None:
 
 
 # ---------------------------------------------------------------- CPU smoke pass
+
+
+def multirank_ops_check() -> dict:
+    """On each gloo rank: the feature-direction ops, the GEMM + all-reduce and the ZeRO weight streaming (autograd)
+    against their unfused compositions, forward and every gradient, on a ``[1, 1, W]`` partition (uneven features;
+    ZeRO: ``[W, 1]``, uneven rows); returns the largest absolute difference per op."""
+    import torch.nn.functional as F
+
+    from distfuse import Partition
+    from distfuse.fused.all_gather_features_matmul import all_gather_features_matmul
+    from distfuse.fused.matmul_all_reduce import matmul_all_reduce
+    from distfuse.fused.matmul_reduce_scatter_features import matmul_reduce_scatter_features
+    from distfuse.fused.symmetric import close_all
+    from distfuse.geometry.decomposition import block_extent
+    from distfuse.primitives.all_gather import all_gather
+    from distfuse.primitives.all_sum_reduce import all_sum_reduce
+    from distfuse.primitives.reduce_scatter import reduce_scatter
+
+    P = Partition.world().create_cartesian_topology_partition([1, 1, Partition.world().size])
+    W, r = P.size, P.rank
+    g = torch.Generator().manual_seed(5 + r)
+    K, N = 7, 9
+    k_r, n_r = block_extent(K, W, r), block_extent(N, W, r)
+    x = torch.randn(2, 3, k_r, generator=g)
+    ops = {"matmul_reduce_scatter_features": (torch.randn(N, k_r, generator=g), torch.randn(n_r, generator=g),
+                                               lambda x, w, b: matmul_reduce_scatter_features(x, w, b, P),
+                                               lambda x, w, b: reduce_scatter(F.linear(x, w), P) + b),
+           "all_gather_features_matmul": (torch.randn(n_r, K, generator=g), torch.randn(n_r, generator=g),
+                                          lambda x, w, b: all_gather_features_matmul(x, w, b, P),
+                                          lambda x, w, b: F.linear(all_gather(x, P, (2, 3, K)), w, b)),
+           "matmul_all_reduce": (torch.randn(N, k_r, generator=g), torch.randn(N, generator=g),
+                                 lambda x, w, b: matmul_all_reduce(x, w, b, P, algorithm="two_shot"),
+                                 lambda x, w, b: all_sum_reduce(F.linear(x, w, b), P))}
+    errs = {}
+    for name, (w, b, fused, unfused) in ops.items():
+        dy = torch.randn(2, 3, N if name == "matmul_all_reduce" else n_r, generator=g)
+        got = []
+        for fn in (fused, unfused):
+            leaves = [t.clone().requires_grad_() for t in (x, w, b)]
+            y = fn(*leaves)
+            y.backward(dy)
+            got.append([y.detach()] + [t.grad for t in leaves])
+        errs[name] = max(float((a - b).abs().max()) for a, b in zip(*got, strict=True))
+    # The ZeRO weight streaming over the W data-parallel workers (uneven rows and shards) against the all-gathered
+    # weight and F.linear: the output, dx and the shard's gradient.
+    from distfuse.fused.zero_linear import zero_linear
+
+    P_d = Partition.world().create_cartesian_topology_partition([W, 1])
+    x = torch.randn(3 + r, K, generator=g)
+    shard = torch.randn(block_extent(N, W, r), K, generator=g)
+    dy = torch.randn(3 + r, N, generator=g)
+    got = []
+    for fn in (lambda x, s: zero_linear(x, s, P_d, split="rows", out_features=N, in_features=K),
+               lambda x, s: F.linear(x, all_gather(s, P_d, (N, K)))):
+        leaves = [t.clone().requires_grad_() for t in (x, shard)]
+        y = fn(*leaves)
+        y.backward(dy)
+        got.append([y.detach()] + [t.grad for t in leaves])
+    errs["zero_linear"] = max(float((a - b).abs().max()) for a, b in zip(*got, strict=True))
+    close_all()
+    return errs
 
 
 def smoke(out_dir: Path | None = None) -> int:
@@ -410,8 +633,12 @@ def smoke(out_dir: Path | None = None) -> int:
     bad = []
     W, device = 2, torch.device("cpu")
     for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
-        for side_name, m, n, k in (("rs", 10, 12, 8), ("ag", 10, 6, 16)):
+        for side_name, m, n, k in (("rs", 10, 12, 8), ("ag", 10, 6, 16), ("rs_features", 10, 12, 8),
+                                   ("ag_features", 10, 6, 16), ("all_reduce", 10, 12, 8), ("zero_rows", 12, 10, 8),
+                                   ("zero_columns", 6, 10, 16)):
             bad += Side(side_name, m, n, k, W, dtype, device).check(tol)
+        for provider in RS_PROVIDERS:  # the other producers of GEMM + reduce-scatter, K a multiple of 16 bytes
+            bad += [f"{b} [{provider}]" for b in Side("rs", 10, 12, 16, W, dtype, device, provider=provider).check(tol)]
     # The autograd ops in loopback (what a fused layer runs), forward and backward against torch.
     xs = [torch.randn(2, 5, 4, requires_grad=True) for _ in range(W)]
     wts = [torch.randn(6, 4, requires_grad=True) for _ in range(W)]
@@ -428,6 +655,15 @@ def smoke(out_dir: Path | None = None) -> int:
     (sum(y.sum() for y in ys) + sum(y.sum() for y in ys2)).backward()
     if any(t.grad is None or torch.isnan(t.grad).any() for t in xs + wts + shards):
         bad.append("loopback autograd backward")
+    # The feature-direction ops across processes (gloo ranks, /dev/shm workspaces): fused against unfused.
+    from distfuse.testing import run_ranks, shutdown_pools
+
+    try:
+        bad += [f"multi-rank {name} (rank {r}): {err:.2e} from the unfused composition"
+                for r, errs in enumerate(run_ranks(2, multirank_ops_check)) for name, err in errs.items()
+                if not err <= 1e-4]
+    finally:
+        shutdown_pools()
     # torch's symm_mem ops: CUDA kernels only.
     symm = SymmMem()
     print(f"smoke: symm_mem provider {'available' if symm.error is None else 'not run: ' + symm.error}")
@@ -446,7 +682,8 @@ def smoke(out_dir: Path | None = None) -> int:
     from bench.harness import environment, write_results
 
     rows = sweep({"tiny": (16, 48)}, (10, 4), 2, "float32", 1, device, None)
-    want = 2 * 2 * 6  # 2 m x 2 sides x (cublas, fused, copy, bandwidth op, 2 projections)
+    # 2 m x the sides x (cublas, fused, copy, bandwidth op, 2 projections), + 2 m x the other rs producers x 2 rows
+    want = 2 * len(SIDES) * 6 + 2 * len(RS_PROVIDERS) * 2
     if len(rows) != want or any(r.ratio is None for r in rows if r.provider in ("fused", "projection-fused-2gpu")):
         bad.append(f"sweep rows: expected {want} with ratios, got {len(rows)}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -459,8 +696,11 @@ def smoke(out_dir: Path | None = None) -> int:
         print(f"smoke: FAILED: {b}", file=sys.stderr)
     if bad:
         return 1
-    print("smoke: ok: cublas/torch.mm, fused matmul_scatter + chunk_reduce, ag_push + gathered_matmul, the loopback "
-          "autograd ops, the projection and the sweep pipeline agree (correctness only; CPU times are not results)")
+    print("smoke: ok: cublas/torch.mm, fused matmul_scatter + chunk_reduce, ag_push + gathered_matmul, "
+          "matmul_scatter_columns + column_reduce, ag_push_columns + gathered_k_matmul, matmul_push + "
+          "all_reduce_slots, the ZeRO weight-streaming sides, the loopback autograd ops, the feature-direction, "
+          "all-reduce and ZeRO autograd ops on 2 gloo ranks, the projection and the sweep pipeline agree "
+          "(correctness only; CPU times are not results)")
     return 0
 
 

@@ -211,6 +211,58 @@ def test_chunk_reduce_raises_when_a_source_never_produced():
         matmul_reduce_scatter_loopback(a, w, ws)
 
 
+def _fill_slots(ws, W, B, n, N, dtype, seed, skip=()):
+    """Write random partials into every owner's W slots by hand and raise their flags (but those of ``skip``
+    sources); return the partials ``parts[r][s]`` ``[B, len_r, N]``."""
+    g = torch.Generator().manual_seed(seed)
+    ld = -(-N // 16) * 16
+    slot_elems = B * (-(-n // W)) * ld
+    parts = []
+    for r in range(W):
+        view = ws.rank_view(r)
+        slots = view.data(dtype, W * slot_elems)
+        L = block_extent(n, W, r)
+        parts.append([])
+        for s in range(W):
+            p = (torch.randn(B, L, N, generator=g) * 4).to(dtype)
+            slots[s * slot_elems: s * slot_elems + B * L * ld].view(B, L, ld)[:, :, :N] = p
+            parts[r].append(p)
+            if s not in skip:
+                view.flags[r, s] = ws.epoch
+    return parts
+
+
+@pytest.mark.parametrize("programs", [1, 3])
+def test_chunk_reduce_sums_in_source_order_on_a_persistent_grid(programs):
+    """Bitwise: fp32 partials summed src 0, 1, ..., W-1 whatever the grid (1 program walking every block, or 3),
+    the bias added last; blocks of 2 rows x 16 columns, so each program walks several."""
+    W, B, n, N = 4, 2, 9, 20
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32))
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(5))
+    with ws.in_flight("test"):
+        parts = _fill_slots(ws, W, B, n, N, torch.float32, seed=4)
+        for r in range(W):
+            out = torch.full((B, block_extent(n, W, r), N), float("nan"))
+            chunk_reduce(ws, r, W, B, n, N, partial_dtype=torch.float32, bias=bias, out=out,
+                         config=dict(BLOCK=32, PROGRAMS=programs))
+            want = parts[r][0].clone()
+            for s in range(1, W):
+                want = want + parts[r][s]
+            assert torch.equal(out, want + bias), r
+
+
+def test_chunk_reduce_missing_flag_poisons_the_whole_chunk():
+    """The vector flag wait: one source of four never raised its flag -> status names it, every element is NaN."""
+    W, B, n, N = 4, 1, 8, 16
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32))
+    out = torch.zeros(B, block_extent(n, W, 2), N)
+    with pytest.raises(CollectiveTimeoutError, match=r"flag of peer\(s\) \[3\] was not raised"), \
+            ws.in_flight("missing flag"):
+        _fill_slots(ws, W, B, n, N, torch.float32, seed=6, skip=(3,))
+        chunk_reduce(ws, 2, W, B, n, N, partial_dtype=torch.float32, out=out, config=dict(BLOCK=32, PROGRAMS=2))
+    assert torch.isnan(out).all()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["sync", "deferred"])
 def test_missing_source_on_cuda_poisons_and_raises(mode):

@@ -54,12 +54,15 @@ def _grid(spec):
     return Partition.world().create_partition_inclusive(list(ranks)).create_cartesian_topology_partition(list(shape))
 
 
-def _check(layer, seq, P_x, P_y, X, dY, dtype):
-    """Forward and backward on this rank against the float64 reference; returns the number of comparisons."""
+def _check(layer, seq, P_x, P_y, X, dY, dtype, path="unfused"):
+    """Forward and backward on this rank against the float64 reference; returns the number of comparisons.
+
+    ``path``: the one the P_w workers must record (workers outside P_w always record ``"unfused"``).
+    """
     in_union = P_x.active or P_y.active or layer.P_w.active
     x = _block(X, P_x).to(dtype).requires_grad_(True) if P_x.active else zero_volume_tensor(dtype=dtype)
     y = layer(x)
-    assert y.dtype == dtype and layer.last_path == "unfused"
+    assert y.dtype == dtype and layer.last_path == (path if layer.P_w.active else "unfused"), layer.last_decision
     # Every worker of the three partitions takes part in the adjoint, whatever its placeholder says.
     assert y.requires_grad == in_union, f"requires_grad {y.requires_grad} on a rank in the union: {in_union}"
     Y, dX, grads = _reference(seq, X, dY)
@@ -145,13 +148,15 @@ def _round_trip(c: Case):
     if seq is not None:
         assert back.keys() == seq.state_dict().keys()
         assert all(torch.equal(back[k], v) for k, v in seq.state_dict().items())
-    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()}
+    assert "_extra_state" in state  # which blocks this rank's file holds
     with torch.no_grad():
         for p in layer.parameters():
             p.fill_(float("nan"))
     layer.load_state_dict(state)
-    assert all(torch.equal(v, state[k]) for k, v in layer.state_dict().items())
-    return sorted(state)
+    assert all(torch.equal(v, state[k]) if torch.is_tensor(v) else v == state[k]
+               for k, v in layer.state_dict().items())
+    return sorted(k for k in state if k != "_extra_state")
 
 
 def test_state_dict_round_trip():

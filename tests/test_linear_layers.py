@@ -259,14 +259,15 @@ def _round_trip(family: str, c: Case):
             for k in want:
                 assert torch.equal(back[k], want[k]), k
         # Each rank checkpoints and restores its own blocks.
-        state = {k: v.clone() for k, v in layer.state_dict().items()}
-        owned = sorted(state)
+        state = {k: v.clone() if torch.is_tensor(v) else v for k, v in layer.state_dict().items()}
+        assert "_extra_state" in state  # which blocks this rank's file holds
+        owned = sorted(k for k in state if k != "_extra_state")
         with torch.no_grad():
             for p in layer.parameters():
                 p.fill_(float("nan"))
         layer.load_state_dict(state)
         for k, v in layer.state_dict().items():
-            assert torch.equal(v, state[k]), k
+            assert torch.equal(v, state[k]) if torch.is_tensor(v) else v == state[k], k
         out.append(owned)
     return out
 
@@ -388,9 +389,8 @@ def test_dispatch_records_the_path_and_why(mode):
                 assert out["ag"][1] == "DISTFUSE_PATH=unfused"
             else:
                 assert "cpu" in out["ag"][1] and "cpu" in out["rs"][1]
-        for name in ("ag_feat", "rs_feat"):
-            assert out[name][0] == "unfused" and "no fused path serves this form" in out[name][1]
-        assert "no fused path serves this form" in out["rs_feat"][1]
+        for name in ("ag_feat", "rs_feat"):  # DistDL's own forms (features split) decide like the sequence forms
+            assert out[name] == out["ag"], (name, out[name], out["ag"])
 
 
 # ---------------------------------------------------------------- frozen parameters, inputs without grad, no_grad

@@ -46,7 +46,7 @@ from torch.autograd.function import once_differentiable
 
 from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
-from distfuse.fused.matmul_phases import (
+from distfuse.fused.matmul_common import (
     Comm,
     Done,
     check_linear_args,
@@ -54,11 +54,10 @@ from distfuse.fused.matmul_phases import (
     fused_linear_available,
     grads_needed,
     require_available,
-    run_all_gather_matmul,
-    run_matmul_reduce_scatter,
     split_inputs,
     workspace_bytes,
 )
+from distfuse.fused.matmul_phases import run_all_gather_matmul, run_matmul_reduce_scatter
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES

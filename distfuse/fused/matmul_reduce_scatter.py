@@ -15,6 +15,13 @@ block ``r`` of ``n``, so ``n`` need not divide by ``W``)::
     wgrad    dW  = g.T @ x   with g = all_gather_n(dy), the copy gathered_matmul returns   [N, K_r]
              db  = sum of dy over this worker's rows  (a partial: see Bias)         [N]
 
+Providers.  The forward's producer is one of three with the same slots and flags
+(:mod:`distfuse.fused.providers`): ``"triton"`` (one program per tile), ``"triton_persistent"``
+(persistent grid, tensor-descriptor loads, one flag per chunk) and ``"cublas_chunks"`` (one
+library GEMM per chunk into its owner's slot, flags raised in stream order); ``chunk_reduce``
+consumes whichever ran.  ``provider=None`` picks per shape (``DISTFUSE_PROVIDER``, the
+crossover table, else ``"triton"``).
+
 Bias.  Every output element gets the bias exactly once: worker ``r`` adds its copy to its
 own rows only.  Its gradient on worker ``r`` therefore covers only those rows, and the
 gradient of the one shared parameter is the sum of the W partials.  Two set-ups are
@@ -64,21 +71,23 @@ from typing import NamedTuple
 import torch
 from torch.autograd.function import once_differentiable
 
+import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 from distfuse import debug
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
-from distfuse.fused.matmul_phases import (
+from distfuse.fused.matmul_common import (
     Comm,
     check_linear_args,
     flat_rows,
     fused_linear_available,
     grads_needed,
     require_available,
-    run_all_gather_matmul,
-    run_matmul_reduce_scatter,
     split_inputs,
     workspace_bytes,
 )
+from distfuse.fused.matmul_phases import alloc_output, run_all_gather_matmul, run_matmul_reduce_scatter
+from distfuse.fused.providers import check_provider, run_producer, select_provider
 from distfuse.fused.workspace import LoopbackWorkspace
+from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.partition import Partition
 
@@ -116,6 +125,43 @@ class _RSPlan(NamedTuple):
     partial_dtype: torch.dtype | None
     bias_grad: str
     nbytes: int
+    provider: str = "triton"
+
+
+def _run_forward(plan: _RSPlan, op: str, xs, weights, biases) -> list[torch.Tensor]:
+    """The forward phase with the plan's producer; ``chunk_reduce`` consumes whichever produced the slots."""
+    comm = plan.comm
+    if plan.provider == "triton" or comm.world_size == 1:
+        return run_matmul_reduce_scatter(comm, op, xs, weights, biases, plan.n, plan.partial_dtype, plan.nbytes)
+    W, n = comm.world_size, plan.n
+    ws = comm.workspace(op, plan.nbytes)
+    lead = xs[0].shape[:-2]
+    B = math.prod(lead)
+    N_out = weights[0].shape[0]
+    outs = []
+    with ws.in_flight(op):
+        for r, x, w in zip(comm.ranks, xs, weights, strict=True):
+            run_producer(plan.provider, x, w, ws, r, W, plan.partial_dtype or x.dtype)
+        for r, x, b in zip(comm.ranks, xs, biases, strict=True):
+            len_r = block_extent(n, W, r)
+            out = alloc_output((B, len_r, N_out), x.dtype, x.device)
+            reduce_scatter_kernels.chunk_reduce(ws, r, W, B, n, N_out, partial_dtype=plan.partial_dtype or x.dtype,
+                                                bias=b, out_dtype=x.dtype, out=out)
+            outs.append(out.view(*lead, len_r, N_out))
+    return outs
+
+
+def _device_name(device: torch.device) -> str:
+    """The name the crossover table keys on (as ``dispatch.device_caps`` reads it)."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+
+
+def _provider(provider: str | None, x: torch.Tensor, N: int, W: int) -> str:
+    """``provider`` checked, or the one :func:`~distfuse.fused.providers.select_provider` picks for this call."""
+    if provider is not None:
+        return check_provider(_OP, provider)
+    shapes = dict(m=math.prod(x.shape[:-1]), n=N, k=x.shape[-1])
+    return select_provider(_OP, shapes, x.dtype, W, _device_name(x.device))
 
 
 class MatmulReduceScatter(torch.autograd.Function):
@@ -129,8 +175,7 @@ class MatmulReduceScatter(torch.autograd.Function):
     def forward(ctx, plan: _RSPlan, *tensors):
         k = plan.k
         xs, weights, biases = split_inputs(tensors, k, plan.has_bias)
-        ys = run_matmul_reduce_scatter(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.n, plan.partial_dtype,
-                                       plan.nbytes)
+        ys = _run_forward(plan, f"{_OP}.forward", xs, weights, biases)
         ctx.plan = plan
         ctx.save_for_backward(*xs, *weights)
         return ys[0] if k == 1 else tuple(ys)
@@ -162,7 +207,8 @@ class MatmulReduceScatter(torch.autograd.Function):
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition, *,
-                          partial_dtype: torch.dtype | None = None, bias_grad: str = "partial") -> torch.Tensor:
+                          partial_dtype: torch.dtype | None = None, bias_grad: str = "partial",
+                          provider: str | None = None) -> torch.Tensor:
     """Fused ``reduce_scatter_n(x @ weight.T) + bias`` over the model-parallel workers ``P_sub``, autograd-aware.
 
     Args:
@@ -177,6 +223,10 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         bias_grad: ``"partial"`` (the sum of ``dy`` over this worker's rows; the caller's
             Broadcast adjoint sums them) or ``"sum"`` (all-reduced over ``P_sub``; for
             replicas updated independently).  See the module doc.
+        provider: the forward's producer (:mod:`distfuse.fused.providers`: ``"triton"``,
+            ``"triton_persistent"``, ``"cublas_chunks"``); None picks it per shape
+            (``DISTFUSE_PROVIDER``, the crossover table, else ``"triton"``).  The same
+            outputs whichever runs; every rank must use the same one.
 
     Returns:
         ``[*, n_r, N]``: this worker's sequence block of the reduced output.
@@ -195,24 +245,27 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     W = P_sub.size
     n, N = x.shape[-2], weight.shape[0]
     B = math.prod(x.shape[:-2])
+    provider = _provider(provider, x, N, W)
     debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
                           same=dict(n=n, N=N, lead=tuple(x.shape[:-2]), dtype=str(x.dtype), bias=bias is not None,
-                                    partial_dtype=str(partial_dtype), bias_grad=bias_grad),
+                                    partial_dtype=str(partial_dtype), bias_grad=bias_grad, provider=provider),
                           info=dict(x=tuple(x.shape)))
     plan = _RSPlan(Comm(P=P_sub, device=x.device), 1, bias is not None, n, partial_dtype, bias_grad,
-                   matmul_reduce_scatter_workspace_bytes(B, n, N, W, x.dtype, partial_dtype))
+                   matmul_reduce_scatter_workspace_bytes(B, n, N, W, x.dtype, partial_dtype), provider)
     tensors = (x, weight) + ((bias,) if bias is not None else ())
     return MatmulReduceScatter.apply(plan, *tensors)
 
 
 def matmul_reduce_scatter_loopback(xs, weights, bias: torch.Tensor | None, ws: LoopbackWorkspace, *,
-                                   partial_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                                   partial_dtype: torch.dtype | None = None,
+                                   provider: str | None = None) -> list[torch.Tensor]:
     """:func:`matmul_reduce_scatter` for all W virtual ranks of a loopback workspace, in one process, autograd-aware.
 
     ``xs[r]`` ``[*, n, K_r]`` and ``weights[r]`` ``[N, K_r]`` are virtual rank ``r``'s;
     ``bias`` ``[N]`` is the one shared tensor (its gradient accumulates every rank's
     partial, i.e. the full gradient).  Returns the W outputs ``[*, n_r, N]``.  For
     testing and single-GPU timing; size ``ws`` with :func:`matmul_reduce_scatter_workspace_bytes`.
+    ``provider`` as for :func:`matmul_reduce_scatter`.
     """
     op = f"{_OP}_loopback"
     W = ws.world_size
@@ -227,7 +280,8 @@ def matmul_reduce_scatter_loopback(xs, weights, bias: torch.Tensor | None, ws: L
     x0 = xs[0]
     n, N = x0.shape[-2], weights[0].shape[0]
     plan = _RSPlan(Comm(loopback=ws), W, bias is not None, n, partial_dtype, "partial",
-                   matmul_reduce_scatter_workspace_bytes(math.prod(x0.shape[:-2]), n, N, W, x0.dtype, partial_dtype))
+                   matmul_reduce_scatter_workspace_bytes(math.prod(x0.shape[:-2]), n, N, W, x0.dtype, partial_dtype),
+                   _provider(provider, x0, N, W))
     tensors = (*xs, *weights) + ((bias,) * W if bias is not None else ())
     out = MatmulReduceScatter.apply(plan, *tensors)
     return [out] if W == 1 else list(out)

@@ -52,7 +52,7 @@ from distfuse.errors import (
     UnsupportedError,
     where,
 )
-from distfuse.partition import default_timeout
+from distfuse.groups import default_timeout
 
 __all__ = [
     "LoopbackWorkspace",

@@ -48,6 +48,8 @@ _ACQUIRE_SYS = re.compile(r"\b(atom|ld)\.global\.sys\.(acquire|acq_rel)\.")
 _RELEASE_SYS = re.compile(r"\batom\.global\.sys\.(release|acq_rel)\.")
 _VECTOR_STORE = re.compile(r"\bst\.global(\.[a-z]+)*\.v[24]\.b(32|64)\b")
 _VECTOR_LOAD = re.compile(r"\bld\.global(\.[a-z]+)*\.v[24]\.b(32|64)\b")
+# A TMA load of a tensor descriptor (sm_90+): "cp.async.bulk.tensor.2d.shared::cluster.global...".
+_TMA_LOAD = re.compile(r"\bcp\.async\.bulk\.tensor\.")
 
 
 @dataclass
@@ -91,8 +93,8 @@ class KernelCase:
         return sig, attrs
 
     def label(self) -> str:
-        meta = ",".join(f"{k}={v}" for k, v in self.constexprs.items()
-                        if k.startswith("BLOCK") or k in ("INPUT_PRECISION", "REGION", "LOG2_NBOX"))
+        shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "W_UNROLL", "B_KMAJOR")
+        meta = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k.startswith("BLOCK") or k in shown)
         return f"{self.name}[{_TT[self.dtype]};{meta};w{self.num_warps}s{self.num_stages}]"
 
 
@@ -113,8 +115,15 @@ class AuditRecord:
 
 
 def _gemm_cases(dtypes) -> list[KernelCase]:
+    import triton
+
+    import distfuse.kernels.all_gather_features_matmul as ag_features_kernels
     import distfuse.kernels.all_gather_matmul as all_gather_kernels
+    import distfuse.kernels.chunk_flag as chunk_flag
+    import distfuse.kernels.matmul_all_reduce as all_reduce_kernels
     import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
+    import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
+    import distfuse.kernels.matmul_scatter_persistent as persistent_kernels
     from distfuse.kernels._utils import (
         get_chunk_reduce_configs,
         get_gemm_configs,
@@ -146,16 +155,49 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
                                         pointer_dtypes=tables, ints=ints,
                                         aligned=("N", "K", "stride_xb", "stride_xn", "stride_bn"),
                                         checks=("acquire_sys",)))
+                # The feature-direction pair (column chunks; the K chunks of the gathered input).
+                cases.append(KernelCase("matmul_scatter_columns", rs_features_kernels._matmul_scatter_columns_kernel,
+                                        dt, dict(common, HAS_BIAS=True), warps, stages, pointer_dtypes=tables,
+                                        ints=ints, aligned=("N", "K", "ld", "stride_am", "stride_bn"),
+                                        checks=("release_sys", "vector_store")))
+                cases.append(KernelCase("gathered_k_matmul", ag_features_kernels._gathered_k_matmul_kernel, dt,
+                                        dict(common, HAS_BIAS=True, TIMED=True), warps, stages,
+                                        pointer_dtypes=tables, ints=ints, aligned=("N", "K", "stride_xm", "stride_bn"),
+                                        checks=("acquire_sys",)))
+                # The persistent form: tensor-descriptor loads (TMA), deferred per-chunk arrival; both weight layouts.
+                for kmajor in (False, True):
+                    cases.append(KernelCase("matmul_scatter_persistent",
+                                            persistent_kernels._matmul_scatter_persistent_kernel, dt,
+                                            dict(common, B_KMAJOR=kmajor), warps, stages, pointer_dtypes=tables,
+                                            ints=ints, aligned=("N", "K", "ld", "stride_am", "stride_b"),
+                                            checks=("release_sys", "vector_store", "tma_load")))
+                # GEMM + one-shot all-reduce: each tile stored into every rank's slot.
+                cases.append(KernelCase("matmul_push", all_reduce_kernels._matmul_push_kernel, dt,
+                                        dict(common, HAS_BIAS=True), warps, stages, pointer_dtypes=tables, ints=ints,
+                                        aligned=("N", "K", "ld", "stride_am", "stride_bn"),
+                                        checks=("release_sys", "vector_store")))
         for c in get_chunk_reduce_configs(dt):
-            for block_c in (256, 16):
+            # W_UNROLL = W unrolls the W loads (chunk_reduce); 0 is the runtime loop (column_reduce, W_BLOCK 128).
+            for block_c, w in ((256, 8), (16, 8), (256, 2), (256, 3), (256, 0)):
                 cases.append(KernelCase("chunk_reduce", reduce_scatter_kernels._chunk_reduce_kernel, dt,
-                                        dict(HAS_BIAS=True, ROUND_BF16=False, TIMED=True, BLOCK_C=block_c, **c.kwargs),
+                                        dict(W_UNROLL=w, W_BLOCK=triton.next_power_of_2(w) if w else 128,
+                                             HAS_BIAS=True, ROUND_BF16=False, TIMED=True, BLOCK_C=block_c,
+                                             **c.kwargs),
                                         c.num_warps, 1, pointer_dtypes=tables, ints=ints, aligned=("N", "ld"),
                                         checks=("acquire_sys", "vector_load", "vector_store")))
         for c in get_push_configs(dt):
             cases.append(KernelCase("ag_push", all_gather_kernels._ag_push_kernel, dt, dict(c.kwargs), c.num_warps, 1,
                                     pointer_dtypes=tables, ints=ints, aligned=("K", "stride_xb", "stride_xn"),
                                     checks=("release_sys",)))
+            cases.append(KernelCase("ag_push_columns", ag_features_kernels._ag_push_columns_kernel, dt, dict(c.kwargs),
+                                    c.num_warps, 1, pointer_dtypes=tables, ints=ints, aligned=("K", "stride_xm"),
+                                    checks=("release_sys",)))
+        # The flag raise of the library-GEMM producer (cublas_chunks), launched after each chunk's GEMM.
+        cases.append(KernelCase("raise_chunk_flag", chunk_flag.raise_chunk_flag_kernel, dt, {}, 1, 1,
+                                pointer_dtypes={"flag_ptrs": "i64"}, checks=("release_sys",)))
+        cases.append(KernelCase("gather_columns", all_reduce_kernels._gather_columns_kernel, dt,
+                                dict(TIMED=True, **all_reduce_kernels._GATHER_CONFIG), 4, 1, pointer_dtypes=tables,
+                                ints=ints, aligned=("N", "stride_own"), checks=("acquire_sys",)))
     return cases
 
 
@@ -227,9 +269,15 @@ def compile_case(case: KernelCase, arch: int = 90, *, load: bool = False) -> Aud
         rec.problems.append("flag raise is not a release atomic at system scope (atom.global.sys.release)")
     if "vector_load" in case.checks and not _VECTOR_LOAD.search(ptx):
         rec.problems.append("partial loads are not vectorised (no ld.global.v2/v4)")
+    if "tma_load" in case.checks and arch >= 90 and not _TMA_LOAD.search(ptx):  # TMA exists from sm_90
+        rec.problems.append("operand loads do not use TMA (no cp.async.bulk.tensor)")
     if "vector_store" in case.checks and not _VECTOR_STORE.search(ptx):
         scalar = sorted(set(re.findall(r"\bst\.global[.\w]*", ptx)))
         rec.problems.append(f"epilogue stores are not vectorised (found {scalar})")
+    if not load:
+        rec.registers, rec.spills = _static_usage(compiled.asm.get("cubin"))
+        if rec.spills:
+            rec.warnings.append(f"{rec.spills} bytes of stack/local memory per thread (register spills)")
     if load:
         try:
             compiled._init_handles()
@@ -242,11 +290,43 @@ def compile_case(case: KernelCase, arch: int = 90, *, load: bool = False) -> Aud
     return rec
 
 
+def _static_usage(cubin: bytes | None) -> tuple[int | None, int | None]:
+    """(registers per thread, stack + local bytes per thread) of a cubin, read with Triton's ``cuobjdump``: no GPU.
+
+    Stack and local memory in a Triton kernel are register spills (it allocates no arrays there).
+    ``(None, None)`` where the tool or the cubin is missing.
+    """
+    import shutil
+    import subprocess
+    import tempfile
+
+    if not cubin:
+        return None, None
+    tool = os.path.join(os.path.dirname(__import__("triton").__file__), "backends", "nvidia", "bin", "cuobjdump")
+    tool = tool if os.path.exists(tool) else shutil.which("cuobjdump")
+    if tool is None:
+        return None, None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            text = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True,
+                                  timeout=60).stdout
+        except (OSError, subprocess.SubprocessError):
+            return None, None
+    regs = re.search(r"\bREG:(\d+)", text)
+    spilled = [int(m.group(1)) for m in re.finditer(r"\b(?:STACK|LOCAL):(\d+)", text)]
+    return (int(regs.group(1)) if regs else None), (sum(spilled) if spilled else None)
+
+
 def _select(dtypes, only: str | None) -> list[KernelCase]:
     if only is None:
         return audit_cases(dtypes)
-    families = {"matmul_scatter": _gemm_cases, "gathered_matmul": _gemm_cases, "chunk_reduce": _gemm_cases,
-                "ag_push": _gemm_cases, "halo": _halo_cases, "conv_implicit": _conv_implicit_cases}
+    families = {"matmul_scatter": _gemm_cases, "matmul_scatter_persistent": _gemm_cases,
+                "raise_chunk_flag": _gemm_cases, "gathered_matmul": _gemm_cases, "chunk_reduce": _gemm_cases,
+                "ag_push": _gemm_cases, "gathered_k_matmul": _gemm_cases, "matmul_push": _gemm_cases,
+                "gather_columns": _gemm_cases, "halo": _halo_cases,
+                "conv_implicit": _conv_implicit_cases}
     builders = {f for name, f in families.items() if name.startswith(only) or only.startswith(name)}
     if not builders:
         raise ValueError(f"compile_audit: no kernel family matches {only!r}; families: {sorted(families)}")

@@ -27,7 +27,8 @@ comes last::
 
     rank 1  matmul_scatter | chunk 2 -> rank 2 | chunk 3 -> rank 3 | chunk 0 -> rank 0 | chunk 1 (own) |
                            each chunk's last tile raises flags[chunk, 1] on the owner
-    rank 1  chunk_reduce   | wait flags[1, s] for s = 0, 3, 2, 1 (arrival order); fp32 sum; + bias; one rounding
+    rank 1  chunk_reduce   | poll flags[1, 0:4] together, one barrier; per block 4 independent loads,
+                           | fp32 sum in source order 0, 1, 2, 3; + bias; one rounding (persistent grid)
 
 Precision: tiles accumulate in fp32 and are rounded once to ``partial_dtype`` (the output
 dtype by default: the bytes on the wire of NCCL's reduce-scatter); the reduction sums the
@@ -74,11 +75,12 @@ from distfuse.kernels.jit_helpers import (
     balanced_chunk,
     cast_out,
     chunk_rows,
+    globaltimer,
     grouped_tile,
     matmul_tile,
     raise_flag,
-    wait_flag,
 )
+from distfuse.kernels.persistent import persistent_programs
 
 __all__ = [
     "matmul_scatter",
@@ -139,42 +141,93 @@ def _matmul_scatter_kernel(
         raise_flag(flag, epoch)
 
 
+@triton.jit
+def wait_all_flags(flags_ptr, W, W_BLOCK: tl.constexpr, epoch, status_ptr, timeout_ns, TIMED: tl.constexpr):
+    """Poll the W flags ``flags_ptr[0:W]`` together until each equals ``epoch``; one CTA barrier; all arrived?
+
+    ``W <= W_BLOCK`` (a power of two).  One vector of acquire loads (system scope) per
+    round, so a wait costs one round trip whatever W is, instead of W dependent waits each followed by a barrier (as
+    :func:`~distfuse.kernels.jit_helpers.wait_flag` does for one flag).  The bound and the
+    failure semantics are ``wait_flag``'s: ``TIMED`` (compiled) bounds the wait by
+    ``%globaltimer``, untimed (interpreter) by ``timeout_ns`` extra rounds; every source
+    whose flag never came gets ``epoch`` in its status word ``status_ptr[src]`` and the
+    caller poisons its result.  Only flags still pending are reloaded.
+    """
+    offs = tl.arange(0, W_BLOCK)
+    valid = offs < W
+    val = tl.atomic_add(flags_ptr + offs, 0, mask=valid, sem="acquire", scope="sys")
+    pending = valid & (val != epoch)
+    n_pending = tl.sum(pending.to(tl.int32), axis=0)
+    if TIMED:
+        start = globaltimer()
+        elapsed = tl.full([], 0, tl.int64)
+        while (n_pending > 0) & (elapsed < timeout_ns):
+            again = tl.atomic_add(flags_ptr + offs, 0, mask=pending, sem="acquire", scope="sys")
+            pending = pending & (again != epoch)
+            n_pending = tl.sum(pending.to(tl.int32), axis=0)
+            elapsed = globaltimer() - start
+    else:
+        spins = tl.full([], 0, tl.int64)  # a typed loop-carried counter
+        while (n_pending > 0) & (spins < timeout_ns):
+            again = tl.atomic_add(flags_ptr + offs, 0, mask=pending, sem="acquire", scope="sys")
+            pending = pending & (again != epoch)
+            n_pending = tl.sum(pending.to(tl.int32), axis=0)
+            spins += 1
+    if n_pending > 0:
+        tl.atomic_xchg(status_ptr + offs, tl.full([W_BLOCK], 0, tl.int32) + epoch, mask=pending)
+    # One barrier: every thread of the program reads the partials after the flags, not only those that polled.
+    tl.debug_barrier()
+    return n_pending == 0
+
+
 @triton.jit(do_not_specialize=["rank", "epoch", "timeout", "slot_elems"])
 def _chunk_reduce_kernel(
     slots_ptr, out_ptr, bias_ptr, flags_ptr, status_ptr,
     n_rows, N, ld, slot_elems, rank, W, epoch, timeout, stride_bias,
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, TIMED: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_C: tl.constexpr,
+    BLOCK_C: tl.constexpr, W_UNROLL: tl.constexpr = 0, W_BLOCK: tl.constexpr = 128,
 ):
-    """out[row, col] = sum over sources of slot[src][row, col] (fp32) + bias[col]; ``BLOCK`` elements per program.
+    """out[row, col] = sum over sources of slot[src][row, col] (fp32) + bias[col]: a persistent grid of programs.
 
     Slot rows are ``ld`` elements apart (N padded to 16 elements, see
-    :func:`slot_row_stride`), output rows ``N``: tiles of ``BLOCK // BLOCK_C`` rows by
+    :func:`slot_row_stride`), output rows ``N``: blocks of ``BLOCK // BLOCK_C`` rows by
     ``BLOCK_C`` columns keep both sides contiguous, so loads and stores are vectorised.
-    All W flags are awaited first, then the W partial tiles are loaded independently.
-    A source whose flag never came (``wait_flag`` timed out) makes the tile NaN, so the
-    chunk can never pass for a good one; the launcher raises on the status word.
+
+    Each program first polls all W flags of its chunk at once and passes one barrier
+    (:func:`wait_all_flags`; ``W_BLOCK`` >= W, a power of two), then walks the blocks
+    ``pid, pid + num_programs, ...``; per block the W partial tiles are W independent loads
+    summed in the fixed order src = 0, 1, ..., W - 1, whatever order the flags came in: the
+    result is bitwise the same run to run.  ``W_UNROLL`` = W (a constexpr) unrolls the
+    loads so they are all in flight at once; 0 keeps a runtime loop over W (same sums).  The grid is at most the
+    GPU's SM count, so the flags are polled once per SM rather than once per block.
+    If a source's flag never came (the wait timed out) the whole chunk is NaN, so it can
+    never pass for a good one; the launcher raises on the status word.
     """
     BLOCK_R: tl.constexpr = BLOCK // BLOCK_C
     pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
     num_c = tl.cdiv(N, BLOCK_C)
-    offs_r = (pid // num_c).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    offs_c = (pid % num_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-    mask = (offs_r < n_rows)[:, None] & (offs_c < N)[None, :]
-    src_offs = offs_r[:, None] * tl.multiple_of(ld, 16) + offs_c[None, :]
-    ok = True
-    for j in range(0, W):
-        src = (rank - 1 - j + W) % W  # arrival order: rank - 1 writes this chunk first, this rank last
-        ok = ok & wait_flag(flags_ptr + rank * W + src, epoch, status_ptr + src, timeout, TIMED)
-    acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-    for src in range(0, W):
-        slot = slots_ptr + tl.multiple_of(slot_elems.to(tl.int64) * src, 16)  # slots are ld-padded: 16-aligned
-        acc += tl.load(slot + src_offs, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.where(ok, acc, float("nan"))
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_c * stride_bias, mask=offs_c < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_r[:, None] * N + offs_c[None, :], cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16),
-             mask=mask)
+    num_blocks = tl.cdiv(n_rows, BLOCK_R) * num_c
+    ok = wait_all_flags(flags_ptr + rank * W, W, W_BLOCK, epoch, status_ptr, timeout, TIMED)
+    for blk in range(pid, num_blocks, num_progs):
+        offs_r = (blk // num_c).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs_c = (blk % num_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+        mask = (offs_r < n_rows)[:, None] & (offs_c < N)[None, :]
+        src_offs = offs_r[:, None] * tl.multiple_of(ld, 16) + offs_c[None, :]
+        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
+        if W_UNROLL > 0:
+            for src in tl.static_range(W_UNROLL):
+                slot = slots_ptr + tl.multiple_of(slot_elems.to(tl.int64) * src, 16)  # ld-padded slots: 16-aligned
+                acc += tl.load(slot + src_offs, mask=mask, other=0.0).to(tl.float32)
+        else:
+            for src in range(0, W):
+                slot = slots_ptr + tl.multiple_of(slot_elems.to(tl.int64) * src, 16)
+                acc += tl.load(slot + src_offs, mask=mask, other=0.0).to(tl.float32)
+        acc = tl.where(ok, acc, float("nan"))
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_c * stride_bias, mask=offs_c < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_r[:, None] * N + offs_c[None, :], cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16),
+                 mask=mask)
 
 
 # Autotuners (CUDA, loopback ops only: see pinned_gemm_config), one per operand size:
@@ -215,9 +268,21 @@ def matmul_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_s
         partial_dtype: dtype of the partials in the slots (default ``a.dtype``).
         config: explicit block sizes (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``;
             optional ``num_warps``/``num_stages``) instead of autotuning / the CPU config.
+            ``{"kernel": "persistent", ...}`` runs the persistent tensor-descriptor kernel
+            instead (:mod:`distfuse.kernels.matmul_scatter_persistent`; the same slots and
+            flags; block sizes optional, ``PROGRAMS`` the grid size).
 
     Finish with :func:`chunk_reduce` on every rank, inside the same claim.
     """
+    if config is not None and config.get("kernel", "pointer") != "pointer":
+        if config["kernel"] != "persistent":
+            raise expect("matmul_scatter", "config['kernel']", "'pointer' or 'persistent'", repr(config["kernel"]),
+                         cls=UnsupportedError)
+        from distfuse.kernels.matmul_scatter_persistent import matmul_scatter_persistent
+
+        return matmul_scatter_persistent(a, weight, ws, rank, world_size, partial_dtype=partial_dtype,
+                                         config={k: v for k, v in config.items() if k != "kernel"})
+    config = None if config is None else {k: v for k, v in config.items() if k != "kernel"}
     op = "matmul_scatter"
     if a.dim() < 2 or weight.dim() != 2:
         raise ShapeError(f"{where(op)}: expected a [..., n, K] and weight [N, K], got {tuple(a.shape)} and "
@@ -290,13 +355,17 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
         n_rows = batch * len_r
         block_c = min(256, triton.next_power_of_2(N), meta.get("BLOCK", 1024))
 
+        programs = persistent_programs(ws.device, meta.pop("PROGRAMS", None))
+
         def grid(META):
-            return (triton.cdiv(n_rows, META["BLOCK"] // block_c) * triton.cdiv(N, block_c),)
+            blocks = triton.cdiv(n_rows, META["BLOCK"] // block_c) * triton.cdiv(N, block_c)
+            return (min(blocks, programs),)
 
         kernel[grid](
             slots, out, bias if bias is not None else out, st.flags, st.status,
             n_rows, N, ld, slot_elems, rank, W, st.epoch, timeout_arg(st), bias.stride(0) if bias is not None else 0,
-            HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, BLOCK_C=block_c, **meta,
+            HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, BLOCK_C=block_c,
+            W_UNROLL=W, W_BLOCK=triton.next_power_of_2(W), **meta,
         )
         st.check_status(op, f"partials of chunk {rank}")
     return out

@@ -10,7 +10,9 @@ and the device's capabilities.  In order of precedence:
    ``~/.cache/distfuse/crossover.json``; format and reading in :mod:`distfuse.tune.table`),
    keyed by device name, world size, dtype and op.  Each entry is a threshold on the op's
    size (``size_key`` in the registry): fused at or above ``min_size`` (and at or below
-   ``max_size`` when given).
+   ``max_size`` when given).  An entry may also name the fastest provider per size;
+   a fused :class:`Decision` carries the provider the op will run
+   (:func:`distfuse.fused.providers.select_provider`).
 3. The op's default rule in :mod:`distfuse.fused.registry`.  Defaults are starting points
    until a sweep on the user's machine replaces them; each says what it rests on.
 
@@ -64,6 +66,7 @@ class DeviceCaps:
 class Decision:
     path: str  # "fused" or "unfused"
     reason: str
+    provider: str | None = None  # the fused path's implementation (distfuse.fused.providers); None when unfused
 
 
 def device_caps(device: torch.device, symmetric_memory: bool | None = None) -> DeviceCaps:
@@ -86,7 +89,9 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
 
     Args:
         op: a registered fused op (:func:`distfuse.fused.registry.names`: ``"halo_conv"``,
-            ``"matmul_reduce_scatter"``, ``"all_gather_matmul"``).
+            ``"matmul_reduce_scatter"``, ``"all_gather_matmul"``, their feature-split forms
+            ``"matmul_reduce_scatter_features"`` and ``"all_gather_features_matmul"``, and
+            ``"matmul_all_reduce"``).
         shapes: the op's sizes (its ``size_inputs``): ``channels`` for halo_conv; ``m``, ``n``, ``k``
             (per-rank GEMM) for the linears.
         dtype, world_size: as the call sees them.
@@ -105,7 +110,7 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
         _log_once(f"nosymm:{op}:{caps.name}", "distfuse: " + reason)
         return Decision("unfused", reason)
     if override == "fused":
-        return Decision("fused", "DISTFUSE_PATH=fused")
+        return _fused(op, shapes, dtype, world_size, caps, table, "DISTFUSE_PATH=fused")
     if caps.device_type != "cuda":
         return Decision("unfused", f"{caps.device_type}: the production path is unfused (Triton runs interpreted)")
     table = load_table() if table is None else table
@@ -115,11 +120,23 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
             return Decision("unfused", f"crossover table: fused never wins for {op} here")
         lo, hi = entry.get("min_size"), entry.get("max_size")
         path = "fused" if registry.in_interval(size, lo, hi) else "unfused"
-        return Decision(path, f"crossover table: {spec.size_key}={size:g}, fused for "
-                              f"[{-math.inf if lo is None else lo:g}, {math.inf if hi is None else hi:g}]")
+        reason = (f"crossover table: {spec.size_key}={size:g}, fused for "
+                  f"[{-math.inf if lo is None else lo:g}, {math.inf if hi is None else hi:g}]")
+        return _fused(op, shapes, dtype, world_size, caps, table, reason) if path == "fused" \
+            else Decision(path, reason)
     default = spec.default
     if default.fused == "never":
         return Decision("unfused", f"default: {default.why}; a distfuse-tune table entry can enable it")
     path = "fused" if default.fused_at(size) else "unfused"
     why = f" ({default.why})" if default.why else ""
-    return Decision(path, f"default: {default.describe(spec.size_key)}, got {size:g}{why}")
+    reason = f"default: {default.describe(spec.size_key)}, got {size:g}{why}"
+    return _fused(op, shapes, dtype, world_size, caps, table, reason) if path == "fused" else Decision(path, reason)
+
+
+def _fused(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps: DeviceCaps, table: dict | None,
+           reason: str) -> Decision:
+    """A fused decision with its provider (:func:`distfuse.fused.providers.select_provider`, the same rule the
+    fused op applies when the layer passes no provider)."""
+    from distfuse.fused.providers import select_provider
+
+    return Decision("fused", reason, select_provider(op, shapes, dtype, world_size, caps.name, table))

@@ -30,8 +30,21 @@ debug mode, which always checks).
 
 Workers outside the three partitions pass and get zero-volume tensors; workers outside
 P_y get a zero-volume ``[0]`` output that still carries their part of the adjoint, so
-every worker must call backward on what it got.  There is no fused form of this layer
-(``last_path`` is always ``"unfused"``).
+every worker must call backward on what it got.
+
+Fused path (``matmul_all_reduce``, :mod:`distfuse.fused.matmul_all_reduce`): each row of
+P_w all-reduces its partial products over symmetric buffers instead of sum-reducing
+them, and row ``i``'s P_y worker keeps the result; it serves layouts where every P_y
+worker ``i`` is a worker of row ``i`` of P_w (P_y on P_w's column 0, as in DistDL's
+examples, or ``P_fo = 1`` with the output on one of the row's workers). The other
+workers of the row return a zero-volume view of their copy, so the backward
+(``grad_output="sum"``: the all-reduce of the row's gradients, of which only the P_y
+worker's is non-zero) hands every worker of the row ``dy_i``, the broadcast that is the
+sum-reduce's adjoint; that all-reduce is a plain reduce-scatter of ``dy`` followed by an
+all-gather fused into the dgrad GEMM (the ``all_gather_features_matmul`` phase). The
+input broadcast stays unfused.  The P_w workers record the decision (the shapes are the
+global block-0 ones, so all rows decide alike); P_x workers outside P_w only send their
+blocks and record that.
 """
 
 from __future__ import annotations
@@ -43,15 +56,19 @@ import torch.nn.functional as F
 
 from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, expect, where
+from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
+from distfuse.layers._linear_agreement import FUSED_FIRST_ORDER, agreed_leading, compute_dtype_of, first_order_only
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,
     check_block_features,
     check_cartesian,
+    decide,
     grad_placeholder,
     grid_partition,
     not_servable,
+    subgrid,
     union_of,
 )
 from distfuse.layers._params import ParamLayout
@@ -120,6 +137,11 @@ class DistributedLinear(LinearBase):
         self._plan_y = sum_reduce_plan(self.P_weight, P_y2, transpose_dest=True)
         # Workers that hold no input block cannot know the leading extents: they need the per-call shape exchange.
         self._needs_meta = not (set(P_w.ranks) | set(P_y.ranks)) <= set(P_x.ranks)
+        # The fused path: each row of P_w all-reduces; it needs P_y worker i among row i's workers.
+        self.P_row = subgrid(self.P_weight, [1])
+        rows_of_w = [self.P_weight.ranks[i * P_fi:(i + 1) * P_fi] for i in range(P_fo)]
+        self._y_in_rows = all(P_y.ranks[i] in rows_of_w[i] for i in range(P_fo))
+        self._last_rows = 0
         self._block("weight", self.P_weight, (self.out_features, self.in_features))
         if self.use_bias:
             self._block("bias", self.P_bias, (self.out_features,))
@@ -167,7 +189,9 @@ class DistributedLinear(LinearBase):
             self._record_inactive()
             return x.clone()
         # With the shape exchange, its checks run first so that a bad block raises on every rank, not only here.
-        lead, dtype = self._gathered(x) if self._needs_meta or debug.enabled() else (tuple(x.shape[:-1]), x.dtype)
+        # Without it (every P_w and P_y worker holds an input block) the agreed record is reused while this worker's
+        # input repeats; a changed input is checked against every worker's before any data moves.
+        lead, dtype = self._gathered(x) if self._needs_meta or debug.enabled() else agreed_leading(self, x)
         if self.P_x.active:
             check_block_features(op, x, self.P_x, self._in_block(self.P_x.index[-1]),
                                  f"block {self.P_x.index[-1]} of in_features={self.in_features} over P_fi={self.P_fi}")
@@ -184,20 +208,58 @@ class DistributedLinear(LinearBase):
         in_w, in_y = self.P_weight.active, self.P_y.active
         i, j = self.P_weight.index if in_w else (-1, -1)
         xb = broadcast(x2, self._plan_x, (rows, self._in_block(j)) if in_w else None, dtype, preserve_batch=False)
+        self._last_rows = rows
+        decision = self._decision(rows, dtype)
+        self._record(decision)
+        if in_w and decision.path == "fused":
+            from distfuse.fused.matmul_all_reduce import matmul_all_reduce
+
+            y_row = first_order_only(matmul_all_reduce(xb, self.weight, self.bias if j == 0 else None, self.P_row),
+                                     self._op, FUSED_FIRST_ORDER)
+            # Row i's P_y worker keeps the sum; the others hand back a zero-volume view (their part of the adjoint).
+            return y_row.reshape(*lead, y_row.shape[-1]) if in_y else y_row.reshape(-1)[:0]
         if in_w:
             p = F.linear(xb, self.weight, self.bias if j == 0 else None)
         else:
             p = xb  # zero-volume; keeps this worker's part of the broadcast's adjoint in the graph
         out_i = block_extent(self.out_features, self.P_fo, self.P_y.index[-1]) if in_y else 0
-        y = sum_reduce(p, self._plan_y, (rows, out_i) if in_y else None, dtype, preserve_batch=False)
-        self._record(self.explain(x))
+        y = sum_reduce(p, self._plan_y, (rows, out_i) if in_y else None, compute_dtype_of(dtype, device),
+                       preserve_batch=False)  # torch.autocast: the partial sums (and y) are in its dtype
         return y.reshape(*lead, out_i) if in_y else y
 
+    # ------------------------------------------------------------------ dispatch
+
+    def _decision(self, rows: int, dtype: torch.dtype) -> Decision:
+        if not self.P_weight.active:
+            return Decision("unfused", f"{self._op}: this rank is not in P_w: it only sends its input block or "
+                                       "receives its output block (the unfused primitives)")
+        if self.P_fi == 1:
+            return not_servable(self._op, "one input-feature block per row of P_w: no partial sums to reduce")
+        if not self._y_in_rows:
+            return not_servable(self._op, "a P_y worker outside its row of P_w (the fused all-reduce leaves each "
+                                          "row's sum on that row's workers)")
+        # Global block-0 extents, so that every row (and group) takes the same decision.
+        shapes = dict(m=rows, n=block_extent(self.out_features, self.P_fo, 0),
+                      k=block_extent(self.in_features, self.P_fi, 0))
+        return decide(registry.MATMUL_ALL_REDUCE.name, self._op, shapes, dtype, self.P_fi, self._param_device(),
+                      available=self._fused_available)
+
+    def _fused_available(self) -> tuple[bool, str]:
+        from distfuse.fused.matmul_common import fused_linear_available
+
+        return fused_linear_available(self.P_row, self._param_device(), self._param_dtype())
+
     def explain(self, x: torch.Tensor) -> Decision:
-        """The path :meth:`forward` takes for ``x`` and why (always the unfused composition)."""
+        """The path :meth:`forward` takes for ``x`` and why.
+
+        The row count comes from ``x`` where this worker holds an input block, else from the
+        latest forward (0 before one): a P_w worker outside P_x learns it from the shape exchange.
+        """
         if not self.P_all.active:
             return INACTIVE
-        return not_servable(self._op, "the general broadcast/sum-reduce form")
+        rows = math.prod(x.shape[:-1]) if self.P_x.active and x.dim() > 1 else self._last_rows
+        dtype = x.dtype if self.P_x.active else self._param_dtype()
+        return self._decision(rows, dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "

@@ -28,17 +28,26 @@ bias (``out`` elements, against ``out * in`` for ``W``) stays on ``(0, m)`` and 
 broadcast as in the plain layer: sharding it too would need a second decomposition
 of ``out`` for little memory.
 
-Cost of the sequence-parallel form: the gathered length ``n`` is not known from one
-block (3 rows of a 2-way split come from 5 or 6), so each call exchanges the block
-shapes (one host-side all-gather of 10 int64 per worker, which also checks that the
-blocks tile).  Pass ``seq_len=n`` to ``forward`` to skip it; the blocks are then the
-balanced decomposition of ``n``.
+Agreement of the inputs: the gathered length ``n`` is not known from one block (3 rows
+of a 2-way split come from 5 or 6), and workers whose rows or dtypes disagree would
+abort the all-gather or gather garbage.  The unfused path learns the blocks and checks
+them on the first call and whenever some worker's input signature changed, and carries
+only a flag element while they repeat (``_linear_agreement.py``); a disagreement raises
+the same ShapeError on every worker of the row.  ``seq_len=n`` states the length.
 
-Dispatch: only the sequence-parallel form is what a fused all-gather+GEMM serves; the
-layer asks :func:`~distfuse.layers.dispatch.select_path` with the per-rank GEMM
-``m = rows of x_gathered, n = out block, k = in``, runs the unfused composition (no
-fused implementation is wired in yet) and records the decision in ``last_path`` /
-``last_decision``.
+Dispatch: both forms have a fused all-gather + GEMM, ``all_gather_features_matmul``
+without P_x (the input's features gathered; the GEMM reads the K chunks as they land, in
+a fixed order) and ``all_gather_matmul`` with P_x (the sequence dim gathered); the layer
+asks :func:`~distfuse.layers.dispatch.select_path` with the per-rank GEMM
+``m = rows of x_gathered, n = out block, k = in`` and records the decision in
+``last_path`` / ``last_decision``.  ``out_features < P_m`` (an empty weight shard) runs
+unfused.  The ZeRO layer with ``P_d > 1`` first asks for its own fused path
+(:mod:`distfuse.fused.zero_linear`, registry entry ``zero_linear_columns`` over the
+``P_d`` workers on their largest row count): the input is all-gathered over the
+model-parallel workers as a plain collective, the shards stream into the GEMM along K,
+and the backward fuses the dgrad GEMM with its reduce-scatter over ``m`` and the ``dW_m``
+GEMM with its reduce-scatter over ``d``; the bias is added after (empty weight shards
+included).  Where that path is not chosen, the form's own decision follows.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ import torch.nn.functional as F
 from distfuse.errors import PartitionError, expect
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
+from distfuse.layers._linear_agreement import FUSED_FIRST_ORDER, agreed_input_gather, agreed_seq_len, first_order_only
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,
@@ -63,9 +73,10 @@ from distfuse.layers._linear_common import (
     not_servable,
     subgrid,
 )
+from distfuse.layers._linear_compiled import compiled_all_gather_forward
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision
-from distfuse.primitives._common import check_inactive_input, gather_metadata
+from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives.all_gather import all_gather
 
 __all__ = ["DistributedLinearAllGather", "DistributedLinearAllGatherZero"]
@@ -150,13 +161,20 @@ class _LinearAllGather(LinearBase):
 
     # ------------------------------------------------------------------ forward
 
-    def _params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``W_m`` (and ``b_m``) on this worker: broadcast from (0, m), or all-gathered shards for ZeRO."""
+    def _params(self, gather_weight: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``W_m`` (and ``b_m``) on this worker: broadcast from (0, m), or all-gathered shards for ZeRO.
+
+        ``gather_weight=False`` (ZeRO with the weight all-gather fused into the GEMM): W is None.
+        """
         dtype, device = self._param_dtype(), self._param_device()
         if self._zero:
             out_m = block_extent(self.out_features, self.P_m, self.dm[1])
-            # One data-parallel worker: its shard is all of W_m (all_gather would return a copy).
-            W = self.weight if self.P_d == 1 else all_gather(self.weight, self.P_wgather, (out_m, self.in_features))
+            if not gather_weight:
+                W = None
+            elif self.P_d == 1:  # one data-parallel worker: its shard is all of W_m (all_gather would copy it)
+                W = self.weight
+            else:
+                W = all_gather(self.weight, self.P_wgather, (out_m, self.in_features))
             bias = self._bcast([self.bias] if self._bcast.is_src else [], dtype, device) if self.use_bias else []
             return W, (bias[0] if self.use_bias else None)
         mine = ([self.weight] + ([self.bias] if self.use_bias else [])) if self._bcast.is_src else []
@@ -185,46 +203,83 @@ class _LinearAllGather(LinearBase):
             check_inactive_input(self._op, x)
             self._record_inactive()
             return x.clone()
+        if torch.compiler.is_compiling():  # custom ops, no metadata gather (distfuse/layers/_linear_compiled.py)
+            return compiled_all_gather_forward(self, x, seq_len)
         self._check_input(x, seq_len)
+        zero = None
+        if self._zero and self.P_d > 1:  # ZeRO: fused, the weight streams into the GEMM (fused/zero_linear.py)
+            from distfuse.fused.zero_linear import agreed_rows
+
+            # One decision for the whole grid: the data-parallel workers hold different row counts.
+            rows = math.prod(x.shape[:-1])
+            if self.P_x is not None:
+                n = seq_len if seq_len is not None else agreed_seq_len(self, x) if self.P_m > 1 else x.shape[-2]
+                rows = math.prod(x.shape[:-2]) * int(n)
+            zero = self._zero_decision((agreed_rows(self.P_wgather, rows, x.device), self.in_features), x.dtype,
+                                       x.device)
+            if zero.path == "fused":
+                self._record(zero)
+                return self._zero_fused(x, seq_len)
         W, b = self._params()
         if self.P_x is None:
             out_shape = (*x.shape[:-1], self.in_features)
         else:
-            if seq_len is None and self.P_m > 1:
-                seq_len = self._gathered_seq_len(x)
-            out_shape = (*x.shape[:-2], int(seq_len) if seq_len is not None else x.shape[-2], self.in_features)
-        decision = self._decision(out_shape, x.dtype, x.device)
+            n = seq_len if seq_len is not None else agreed_seq_len(self, x) if self.P_m > 1 else x.shape[-2]
+            out_shape = (*x.shape[:-2], int(n), self.in_features)
+        decision = self._decision(out_shape, x.dtype, x.device, zero)
         self._record(decision)
         if self.P_m == 1:  # one model-parallel worker: nothing to gather (all_gather would return a copy of x)
             return F.linear(x, W, b)
+        if decision.path == "fused" and self.P_x is None:
+            from distfuse.fused.all_gather_features_matmul import all_gather_features_matmul
+
+            y = all_gather_features_matmul(x, W, b, self.P_gather, keep_gathered=self.keep_gathered)
+            return first_order_only(y, self._op, FUSED_FIRST_ORDER)
         if decision.path == "fused":
             from distfuse.fused.all_gather_matmul import all_gather_matmul
 
-            return all_gather_matmul(x, W, b, self.P_gather, keep_gathered=self.keep_gathered, n=out_shape[-2])
-        return F.linear(all_gather(x, self.P_gather, out_shape), W, b)
+            # n=None (seq_len not given): the fused op sums the blocks' lengths itself, exactly, every call.
+            return first_order_only(all_gather_matmul(x, W, b, self.P_gather, keep_gathered=self.keep_gathered,
+                                                      n=seq_len), self._op, FUSED_FIRST_ORDER)
+        return F.linear(agreed_input_gather(self, x, seq_len), W, b)  # blocks checked, no metadata in steady state
 
-    def _gathered_seq_len(self, x: torch.Tensor) -> int:
-        """The gathered sequence length, from every model-parallel worker's block (one host-side gather).
+    def _zero_fused(self, x: torch.Tensor, seq_len: int | None) -> torch.Tensor:
+        """ZeRO, fused: the shards stream into the GEMM, dW is reduce-scattered by its GEMM; the bias added after."""
+        from distfuse.fused.zero_linear import sequence_extent, zero_linear
 
-        Every worker checks every block against the balanced decomposition, so a bad block
-        raises the same error everywhere instead of leaving the others waiting.
-        """
-        meta = gather_metadata(self.P_gather, x)
-        n = sum(shape[-2] for shape, _ in meta)
-        for j, (shape, _) in enumerate(meta):
-            want = (*x.shape[:-2], block_extent(n, self.P_m, j), self.in_features)
-            if tuple(shape) != want:
-                raise expect(self._op, f"input block of model-parallel worker {j} (world rank "
-                                       f"{self.P_gather.ranks[j]}): the balanced block of the gathered sequence "
-                                       f"length {n}", want, tuple(shape))
-        return n
+        n = None
+        if self.P_x is not None:  # the exact gathered length: an agreed one may be a step old
+            n = seq_len if seq_len is not None else sequence_extent(self.P_gather, x.shape[-2])
+        b = self._params(gather_weight=False)[1]
+        y = zero_linear(x, self.weight, self.P_wgather, self.P_gather, split="columns",
+                        axis="features" if self.P_x is None else "sequence", out_features=self.out_features,
+                        in_features=self.in_features, n=n, keep_gathered=self.keep_gathered)
+        y = first_order_only(y, self._op, FUSED_FIRST_ORDER)
+        return y + b.to(y.dtype) if b is not None else y
 
     # ------------------------------------------------------------------ dispatch
 
-    def _decision(self, gathered_shape, dtype, device) -> Decision:
-        if self.P_x is None:
-            return not_servable(self._op, "without P_x the input is gathered along the features (the fused "
-                                          "all-gather+GEMM gathers the sequence dim)")
+    def _decision(self, gathered_shape, dtype, device, zero: Decision | None = None) -> Decision:
+        """ZeRO: the weight-streaming path where it is chosen; otherwise (and always without ZeRO) the form's.
+
+        ``zero``: the ZeRO decision already taken (forward takes it on the rows agreed over the
+        data-parallel workers, and must not take it again on its own rows).
+        """
+        if self._zero and self.P_d > 1:
+            zero = zero if zero is not None else self._zero_decision(gathered_shape, dtype, device)
+            if zero.path == "fused" or self.P_m == 1:  # P_m = 1: the form has no fused op; say why ZeRO's did not run
+                return zero
+        return self._form_decision(gathered_shape, dtype, device)
+
+    def _zero_decision(self, gathered_shape, dtype, device) -> Decision:
+        """ZeRO's weight all-gather inside the GEMM (fused/zero_linear.py); the GEMM of the weight-streaming op."""
+        shapes = dict(m=math.prod(gathered_shape[:-1]), n=block_extent(self.out_features, self.P_m, 0),
+                      k=self.in_features)
+        return decide(registry.ZERO_LINEAR_COLUMNS.name, self._op, shapes, dtype, self.P_d, device,
+                      available=self._weight_gather_available)
+
+    def _form_decision(self, gathered_shape, dtype, device) -> Decision:
+        """The model-parallel form's fused op (the weight, if ZeRO, gathered unfused first)."""
         if self.P_m == 1:
             return not_servable(self._op, "one model-parallel worker: a plain local GEMM")
         if self.out_features < self.P_m:
@@ -232,13 +287,20 @@ class _LinearAllGather(LinearBase):
                                           "leaves a worker an empty weight shard")
         shapes = dict(m=math.prod(gathered_shape[:-1]), n=block_extent(self.out_features, self.P_m, 0),
                       k=self.in_features)
-        return decide(registry.ALL_GATHER_MATMUL.name, self._op, shapes, dtype, self.P_m, device,
-                      available=self._fused_available)
+        # Without P_x the input's features are gathered (DistDL's form), with P_x its sequence dim.
+        op = registry.ALL_GATHER_MATMUL if self.P_x is not None else registry.ALL_GATHER_FEATURES_MATMUL
+        return decide(op.name, self._op, shapes, dtype, self.P_m, device, available=self._fused_available)
 
     def _fused_available(self) -> tuple[bool, str]:
-        from distfuse.fused.matmul_phases import fused_linear_available
+        from distfuse.fused.matmul_common import fused_linear_available
 
         return fused_linear_available(self.P_gather, self._param_device(), self._param_dtype())
+
+    def _weight_gather_available(self) -> tuple[bool, str]:
+        from distfuse.fused.zero_linear import zero_linear_available
+
+        return zero_linear_available(self.P_wgather, self.P_gather if self.P_m > 1 else None, self._param_device(),
+                                     self._param_dtype())
 
     def explain(self, x: torch.Tensor, seq_len: int | None = None) -> Decision:
         """The path :meth:`forward` takes for ``x`` and why; local (no communication).

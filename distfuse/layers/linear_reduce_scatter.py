@@ -35,11 +35,24 @@ block ``(d, m)`` of ``W`` on a ``[P_d, P_m]`` grid, all-gathers ``W_m`` along ``
 forward, and the adjoint reduce-scatters ``dW_m`` so each worker keeps its own shard's
 gradient.  The bias (``out`` elements) is kept and broadcast as in the plain layer.
 
-Dispatch: only the P_y form is what a fused GEMM+reduce-scatter serves; the layer asks
-:func:`~distfuse.layers.dispatch.select_path` with the per-rank GEMM ``m = rows of x,
-n = out, k = in block``, runs the unfused composition (no fused implementation is
-wired in yet) and records the decision in ``last_path`` / ``last_decision``.
-No metadata is exchanged: every shape follows from ``x`` and the layer's sizes.
+Dispatch: both forms have a fused GEMM + reduce-scatter, ``matmul_reduce_scatter_features``
+without P_y (the output's features scattered) and ``matmul_reduce_scatter`` with P_y (its
+sequence dim scattered); the layer asks :func:`~distfuse.layers.dispatch.select_path`
+with the per-rank GEMM ``m = rows of x, n = out, k = in block`` and records the decision
+in ``last_path`` / ``last_decision``.  In the P_x form the fused op adds ``b_m`` in its
+reduction, the same placement as the unfused path.  The ZeRO layer with ``P_d > 1`` first
+asks for its own fused path (:mod:`distfuse.fused.zero_linear`, registry entry
+``zero_linear_rows`` over the ``P_d`` workers on their largest row count): the shards
+stream into the GEMM, the partial is reduce-scattered over the model-parallel workers as
+a plain collective, and the backward fuses the dgrad GEMM with the all-gather of ``dy``
+and the ``dW_m`` GEMM with its reduce-scatter over ``d``; the bias is added after.  Where
+that path is not chosen, the form's own decision follows (the weight all-gathered first).
+Agreement: the model-parallel workers' inputs must agree on rows and dtype (else gloo
+aborts, or fp16 meets bf16 in the sum).  The unfused path checks them on the first call
+and whenever some worker's input changed, with a flag riding on the reduce-scatter in
+between (no metadata while inputs repeat; ``_linear_agreement.py``), and raises the same
+ShapeError on every worker of the row.  Under ``torch.autocast`` the output is in the
+autocast dtype, as ``torch.nn.Linear``'s.
 """
 
 from __future__ import annotations
@@ -52,6 +65,7 @@ import torch.nn.functional as F
 from distfuse.errors import PartitionError, expect
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
+from distfuse.layers._linear_agreement import FUSED_FIRST_ORDER, agreed_matmul_reduce_scatter, first_order_only
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,
@@ -64,11 +78,11 @@ from distfuse.layers._linear_common import (
     not_servable,
     subgrid,
 )
+from distfuse.layers._linear_compiled import compiled_reduce_scatter_forward
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision
 from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives.all_gather import all_gather
-from distfuse.primitives.reduce_scatter import reduce_scatter
 
 __all__ = ["DistributedLinearReduceScatter", "DistributedLinearReduceScatterZero"]
 
@@ -154,8 +168,11 @@ class _LinearReduceScatter(LinearBase):
 
     # ------------------------------------------------------------------ forward
 
-    def _params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``W_m`` on this worker, and the bias it adds (``b_m``; all of ``b`` with P_y; else None)."""
+    def _params(self, gather_weight: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``W_m`` on this worker, and the bias it adds (``b_m``; all of ``b`` with P_y; else None).
+
+        ``gather_weight=False`` (ZeRO with the weight all-gather fused into the GEMM): W is None.
+        """
         dtype, device = self._param_dtype(), self._param_device()
         src = self._bcast.is_src
         mine = ([] if self._zero else [self.weight]) + ([self.bias] if self.use_bias and self.P_y is None else [])
@@ -163,7 +180,12 @@ class _LinearReduceScatter(LinearBase):
         if self._zero:
             in_m = block_extent(self.in_features, self.P_m, self.dm[1])
             # One data-parallel worker: its shard is all of W_m (all_gather would return a copy).
-            W = self.weight if self.P_d == 1 else all_gather(self.weight, self.P_wgather, (self.out_features, in_m))
+            if not gather_weight:
+                W = None
+            elif self.P_d == 1:  # one data-parallel worker: its shard is all of W_m (all_gather would copy it)
+                W = self.weight
+            else:
+                W = all_gather(self.weight, self.P_wgather, (self.out_features, in_m))
         else:
             W, got = got[0], got[1:]
         if not self.use_bias:
@@ -178,37 +200,89 @@ class _LinearReduceScatter(LinearBase):
             check_inactive_input(self._op, x)
             self._record_inactive()
             return x.clone()
+        if torch.compiler.is_compiling():  # custom ops, no metadata gather (distfuse/layers/_linear_compiled.py)
+            return compiled_reduce_scatter_forward(self, x)
         m = self.dm[1]
         check_block_features(self._op, x, self.P_x, block_extent(self.in_features, self.P_m, m),
                              f"block {m} of in_features={self.in_features} over {self.P_m} model-parallel workers")
+        zero = None
+        if self._zero and self.P_d > 1:  # ZeRO: fused, the weight streams into the GEMM (fused/zero_linear.py)
+            from distfuse.fused.zero_linear import agreed_rows
+
+            # One decision for the whole grid: the data-parallel workers hold different row counts.
+            rows = agreed_rows(self.P_wgather, math.prod(x.shape[:-1]), x.device)
+            zero = self._zero_decision((rows, x.shape[-1]), x.dtype, x.device)
+            if zero.path == "fused":
+                self._record(zero)
+                return self._zero_fused(x)
         W, b = self._params()
-        decision = self._decision(x.shape, x.dtype, x.device)
+        decision = self._decision(x.shape, x.dtype, x.device, zero)
         self._record(decision)
         if self.P_m == 1:  # one model-parallel worker: the partial sum is the output (reduce_scatter would copy it)
             return F.linear(x, W, b)
+        if decision.path == "fused" and self.P_y is None:
+            from distfuse.fused.matmul_reduce_scatter_features import matmul_reduce_scatter_features
+
+            return first_order_only(matmul_reduce_scatter_features(x, W, b, self.P_scatter), self._op,
+                                    FUSED_FIRST_ORDER)
         if decision.path == "fused":
             from distfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter
 
-            return matmul_reduce_scatter(x, W, b, self.P_scatter, bias_grad="partial")
-        y = reduce_scatter(F.linear(x, W), self.P_scatter)
-        return y + b if b is not None else y
+            return first_order_only(matmul_reduce_scatter(x, W, b, self.P_scatter, bias_grad="partial"), self._op,
+                                    FUSED_FIRST_ORDER)
+        y = agreed_matmul_reduce_scatter(self, x, W)  # inputs checked; no metadata while they repeat
+        return y + b.to(y.dtype) if b is not None else y  # under torch.autocast y (as torch's) is in its dtype
+
+    def _zero_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """ZeRO, fused: the shards stream into the GEMM, dW is reduce-scattered by its GEMM; the bias added after."""
+        from distfuse.fused.zero_linear import zero_linear
+
+        b = self._params(gather_weight=False)[1]
+        y = zero_linear(x, self.weight, self.P_wgather, self.P_scatter, split="rows",
+                        axis="features" if self.P_y is None else "sequence", out_features=self.out_features,
+                        in_features=self.in_features)
+        y = first_order_only(y, self._op, FUSED_FIRST_ORDER)
+        return y + b.to(y.dtype) if b is not None else y
 
     # ------------------------------------------------------------------ dispatch
 
-    def _decision(self, x_shape, dtype, device) -> Decision:
-        if self.P_y is None:
-            return not_servable(self._op, "without P_y the output is scattered along the features (the fused "
-                                          "GEMM+reduce-scatter scatters the sequence dim)")
+    def _decision(self, x_shape, dtype, device, zero: Decision | None = None) -> Decision:
+        """ZeRO: the weight-streaming path where it is chosen; otherwise (and always without ZeRO) the form's.
+
+        ``zero``: the ZeRO decision already taken (forward takes it on the rows agreed over the
+        data-parallel workers, and must not take it again on its own rows).
+        """
+        if self._zero and self.P_d > 1:
+            zero = zero if zero is not None else self._zero_decision(x_shape, dtype, device)
+            if zero.path == "fused" or self.P_m == 1:  # P_m = 1: the form has no fused op; say why ZeRO's did not run
+                return zero
+        return self._form_decision(x_shape, dtype, device)
+
+    def _zero_decision(self, x_shape, dtype, device) -> Decision:
+        """ZeRO's weight all-gather inside the GEMM (fused/zero_linear.py); the GEMM of the weight-streaming op."""
+        shapes = dict(m=math.prod(x_shape[:-1]), n=self.out_features, k=block_extent(self.in_features, self.P_m, 0))
+        return decide(registry.ZERO_LINEAR_ROWS.name, self._op, shapes, dtype, self.P_d, device,
+                      available=self._weight_gather_available)
+
+    def _form_decision(self, x_shape, dtype, device) -> Decision:
+        """The model-parallel form's fused op (the weight, if ZeRO, gathered unfused first)."""
         if self.P_m == 1:
             return not_servable(self._op, "one model-parallel worker: a plain local GEMM")
+        # Without P_y the output's features are scattered (DistDL's form), with P_y its sequence dim.
+        op = registry.MATMUL_REDUCE_SCATTER if self.P_y is not None else registry.MATMUL_REDUCE_SCATTER_FEATURES
         shapes = dict(m=math.prod(x_shape[:-1]), n=self.out_features, k=block_extent(self.in_features, self.P_m, 0))
-        return decide(registry.MATMUL_REDUCE_SCATTER.name, self._op, shapes, dtype, self.P_m, device,
-                      available=self._fused_available)
+        return decide(op.name, self._op, shapes, dtype, self.P_m, device, available=self._fused_available)
 
     def _fused_available(self) -> tuple[bool, str]:
-        from distfuse.fused.matmul_phases import fused_linear_available
+        from distfuse.fused.matmul_common import fused_linear_available
 
         return fused_linear_available(self.P_scatter, self._param_device(), self._param_dtype())
+
+    def _weight_gather_available(self) -> tuple[bool, str]:
+        from distfuse.fused.zero_linear import zero_linear_available
+
+        return zero_linear_available(self.P_wgather, self.P_scatter if self.P_m > 1 else None, self._param_device(),
+                                     self._param_dtype())
 
     def explain(self, x: torch.Tensor) -> Decision:
         """The path :meth:`forward` takes for ``x`` and why; local (no communication)."""

@@ -26,6 +26,7 @@ from distfuse.fused import registry
 from distfuse.timing import rotations
 
 __all__ = ["Case", "CaseContext", "forced_path", "randn", "split", "linear_grid", "halo_grid", "linear_case",
+           "feature_linear_case",
            "halo_case", "linear_available"]
 
 
@@ -38,6 +39,9 @@ class Case:
     rotations: int
     check: Callable[[str], str | None] = lambda path: None  # after a call on ``path``: an error, or None
     cleanup: Callable[[], None] = lambda: None
+    # The fused path per provider (distfuse.fused.providers), where the op has several: the sweep times
+    # each and records the fastest as the fused time.  None: ``fused`` is the only one.
+    providers: dict[str, Callable[[int], object]] | None = None
 
 
 @dataclass(frozen=True)
@@ -87,19 +91,24 @@ def split(world: int, nd: int) -> tuple[int, ...]:
 
 # ---------------------------------------------------------------- grids
 
+# The ops that reduce partial products (a GEMM over a block of the input features, then a sum).
+_DOWN_PROJECTION = {registry.MATMUL_REDUCE_SCATTER.name, registry.MATMUL_REDUCE_SCATTER_FEATURES.name,
+                    registry.MATMUL_ALL_REDUCE.name}
+
 
 def linear_grid(op: str, world: int, *, quick: bool = False, m: Sequence[int] | None = None, hidden: int | None = None,
                 ffn: int | None = None, **_options) -> list[dict]:
     """An MLP of ``hidden`` and ``ffn`` sizes (LLaMA-3 8B: 4096 and 14336) over sequence lengths ``m``.
 
-    RS (down projection) runs the per-rank GEMM ``m x hidden x ffn/W``; AG (up projection)
-    ``m x ffn/W x hidden``.  ``quick``: tiny shapes for CI (CPU, seconds).
+    The reducing ops (the down projection: ``matmul_reduce_scatter``, its features form and
+    ``matmul_all_reduce``) run the per-rank GEMM ``m x hidden x ffn/W``; the gathering ones
+    (the up projection) ``m x ffn/W x hidden``.  ``quick``: tiny shapes for CI (CPU, seconds).
     """
     ms = list(m or ((8, 32) if quick else (64, 256, 1024, 4096, 16384)))
     h = hidden or (32 if quick else 4096)
     f = ffn or (64 if quick else 14336)
     part = max(1, f // world)
-    if op == registry.MATMUL_REDUCE_SCATTER.name:
+    if op in _DOWN_PROJECTION:
         return [dict(m=mm, n=h, k=part) for mm in ms]
     return [dict(m=mm, n=part, k=h) for mm in ms]
 
@@ -119,7 +128,7 @@ def linear_available(P, device: torch.device, dtype) -> tuple[bool, str]:
     """The GEMM fusions: nothing to fuse at world size 1; else the symmetric-memory probe (collective over ``P``)."""
     if P.size == 1:
         return False, "world size 1: both paths are one GEMM, nothing to fuse"
-    from distfuse.fused.matmul_phases import fused_linear_available
+    from distfuse.fused.matmul_common import fused_linear_available
 
     return fused_linear_available(P, device, dtype)
 
@@ -160,14 +169,22 @@ def linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
         return y
 
     grad = contextlib.nullcontext if full else torch.no_grad
+    providers = None
     if scatter:
+        from distfuse.fused.providers import providers_of
+
         def unfused(i):
             with grad():
                 return finish(reduce_scatter(F.linear(xs[i], w), P_sub), i)
 
-        def fused(i):
-            with grad():
-                return finish(matmul_reduce_scatter(xs[i], w, None, P_sub), i)
+        def fused_with(provider):
+            def run(i):
+                with grad():
+                    return finish(matmul_reduce_scatter(xs[i], w, None, P_sub, provider=provider), i)
+            return run
+
+        fused = fused_with(None)
+        providers = {p: fused_with(p) for p in providers_of(op)}
     else:
         def unfused(i):
             with grad():
@@ -176,7 +193,69 @@ def linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
         def fused(i):
             with grad():
                 return finish(all_gather_matmul(xs[i], w, None, P_sub, n=m), i)
-    return Case(unfused, fused if ctx.fused_ok else None, R)
+    return Case(unfused, fused if ctx.fused_ok else None, R,
+                providers=providers if ctx.fused_ok and providers and len(providers) > 1 else None)
+
+
+def feature_linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
+    """DistDL's linear forms on a ``[1, 1, W]`` group (the features split), per-rank GEMM ``m x n x k``:
+
+    * ``matmul_reduce_scatter_features``: ``[1, m, k_r] @ [n, k_r].T``, the output's features scattered;
+    * ``all_gather_features_matmul``: the input's features ``k`` gathered, ``@ [n, k].T``;
+    * ``matmul_all_reduce``: ``[1, m, k_r] @ [n, k_r].T`` summed onto every worker.
+
+    The unfused paths are ``F.linear`` and the ReduceScatter / AllGather / AllSumReduce
+    primitives.  Construction is collective over the world (the partition).
+    """
+    import torch.nn.functional as F
+
+    from distfuse import Partition
+    from distfuse.fused.all_gather_features_matmul import all_gather_features_matmul
+    from distfuse.fused.matmul_all_reduce import matmul_all_reduce
+    from distfuse.fused.matmul_reduce_scatter_features import matmul_reduce_scatter_features
+    from distfuse.geometry.decomposition import block_extent
+    from distfuse.primitives.all_gather import all_gather
+    from distfuse.primitives.all_sum_reduce import all_sum_reduce
+    from distfuse.primitives.reduce_scatter import reduce_scatter
+
+    base = Partition.world(device=ctx.device).create_partition_inclusive(list(ctx.world_ranks))
+    P = base.create_cartesian_topology_partition([1, 1, ctx.world])
+    if not P.active:
+        return None
+    W, r = P.size, P.rank
+    m, n, k = shape["m"], shape["n"], shape["k"]
+    dtype, device, full = ctx.dtype, ctx.device, ctx.full
+    k_r, n_r = block_extent(k, W, r), block_extent(n, W, r)
+    if op == registry.ALL_GATHER_FEATURES_MATMUL.name:
+        x_shape, w_shape, dy_shape = (1, m, k_r), (n, k), (1, m, n)
+        unfused_op = lambda x, w: F.linear(all_gather(x, P, (1, m, k)), w)  # noqa: E731
+        fused_op = lambda x, w: all_gather_features_matmul(x, w, None, P)  # noqa: E731
+    elif op == registry.MATMUL_ALL_REDUCE.name:
+        x_shape, w_shape, dy_shape = (1, m, k_r), (n, k_r), (1, m, n)
+        unfused_op = lambda x, w: all_sum_reduce(F.linear(x, w), P)  # noqa: E731
+        fused_op = lambda x, w: matmul_all_reduce(x, w, None, P)  # noqa: E731
+    else:
+        x_shape, w_shape, dy_shape = (1, m, k_r), (n, k_r), (1, m, n_r)
+        unfused_op = lambda x, w: reduce_scatter(F.linear(x, w), P)  # noqa: E731
+        fused_op = lambda x, w: matmul_reduce_scatter_features(x, w, None, P)  # noqa: E731
+    gen = torch.Generator().manual_seed(2468 + 7 * r)
+    R = rotations(dtype.itemsize * (math.prod(x_shape) + math.prod(w_shape) + math.prod(dy_shape)), device)
+    xs = [randn(x_shape, gen, dtype, device).requires_grad_(full) for _ in range(R)]
+    w = randn(w_shape, gen, dtype, device, 1.0 / math.sqrt(w_shape[1])).requires_grad_(full)
+    dys = [randn(dy_shape, gen, dtype, device) for _ in range(R)] if full else None
+    grad = contextlib.nullcontext if full else torch.no_grad
+
+    def run(path):
+        def fn(i):
+            with grad():
+                y = path(xs[i], w)
+                if full:
+                    xs[i].grad, w.grad = None, None
+                    y.backward(dys[i])
+                return y
+        return fn
+
+    return Case(run(unfused_op), run(fused_op) if ctx.fused_ok else None, R)
 
 
 def halo_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:

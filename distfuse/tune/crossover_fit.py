@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from distfuse.fused import registry
 from distfuse.tune.table import NEVER
 
-__all__ = ["Crossover", "crossover", "entry_for"]
+__all__ = ["Crossover", "crossover", "entry_for", "provider_fields"]
 
 
 @dataclass(frozen=True)
@@ -107,10 +107,38 @@ def crossover(points: Iterable[tuple[float, float | None, float]], margin: float
     return Crossover(lo, hi, kind, wins, excluded)
 
 
+def provider_fields(points: Sequence[dict]) -> dict:
+    """``provider`` and ``provider_sizes`` of a table entry, from points whose ``provider_ms`` maps names to times.
+
+    ``provider_sizes`` is ``[[size, fastest provider], ...]`` per measured size (the sizes'
+    times averaged in the log where a size was measured more than once); ``provider`` the
+    one fastest at most sizes (ties: the first in size order).  Empty where no point timed
+    more than one provider.  :func:`distfuse.fused.providers.select_provider` reads them.
+    """
+    by_size: dict[float, dict[str, list[float]]] = {}
+    for p in points:
+        times = p.get("provider_ms") or {}
+        for name, ms in times.items():
+            if ms is not None and ms > 0:
+                by_size.setdefault(float(p["size"]), {}).setdefault(name, []).append(math.log(ms))
+    if not any(len(v) > 1 for v in by_size.values()):
+        return {}
+    sizes = []
+    for size in sorted(by_size):
+        mean = {name: sum(v) / len(v) for name, v in by_size[size].items()}
+        sizes.append([size, min(mean, key=mean.get)])
+    counts: dict[str, int] = {}
+    for _, name in sizes:
+        counts[name] = counts.get(name, 0) + 1
+    return dict(provider=max(counts, key=counts.get), provider_sizes=sizes)
+
+
 def entry_for(op: str, points: Sequence[dict], margin: float = 0.0, **info) -> dict:
-    """Table entry for measured sweep points (dicts with ``size``, ``fused_ms``, ``unfused_ms``)."""
+    """Table entry for measured sweep points (dicts with ``size``, ``fused_ms``, ``unfused_ms``; optionally
+    ``provider_ms``, the fused time of each provider, whose fastest is ``fused_ms``)."""
     xo = crossover([(p["size"], p.get("fused_ms"), p["unfused_ms"]) for p in points], margin)
     entry = xo.entry()
     entry.update(size_key=registry.get(op).size_key, margin=margin,
                  points=[[p["size"], p.get("fused_ms"), p["unfused_ms"]] for p in points], **info)
+    entry.update(provider_fields(points))
     return entry

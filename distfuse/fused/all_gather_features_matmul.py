@@ -1,0 +1,204 @@
+"""all_gather_features_matmul: DistDL's all-gather linear fused, all-gather along the features + GEMM.
+
+Worker ``r`` of the ``W`` model-parallel workers of ``P_sub`` holds input-feature block
+``r`` and output-feature block ``r`` of the weight (``*`` any leading dims, all rows on
+every worker; ``K_r``/``N_r`` balanced blocks, so neither need divide by ``W``)::
+
+    x        [*, K_r]     every row, this worker's input features
+    weight   [N_r, K]     nn.Linear layout, split along the output features
+    bias     [N_r]        split like the weight's rows
+    forward  y   = all_gather_K(x) @ weight.T + bias                           [*, N_r]
+             ag_push_columns copies x into every peer's gathered buffer; gathered_k_matmul
+             walks the K chunks as their flags come up, own chunk first, in a fixed order
+             (results are identical run to run)
+    dgrad    dx  = reduce_scatter_K(dy @ weight)[:, block r]                   [*, K_r]
+             matmul_scatter_columns(dy, weight.t()) + column_reduce: the forward of
+             :mod:`distfuse.fused.matmul_reduce_scatter_features`
+    wgrad    dW  = dy.T @ g   with g = all_gather_K(x)                          [N_r, K]
+             g kept from the forward (``keep_gathered=True``) or gathered again
+             db  = sum of dy over the rows                                     [N_r]
+
+This is the layout of :class:`~distfuse.layers.DistributedLinearAllGather` built with
+``P_y`` alone (its ZeRO variant, with data-parallel workers, streams the weight into the
+GEMM instead, see :mod:`distfuse.fused.zero_linear`).  The
+sequence-parallel form (``P_x`` given) is :mod:`distfuse.fused.all_gather_matmul`.
+
+``keep_gathered`` trades memory for communication as in the sequence-parallel op: True
+holds ``[*, K]`` from forward to backward; False gathers the input again in the backward
+(an asynchronous NCCL all-gather on CUDA, issued before the fused dgrad).
+
+Workspace, availability and world size 1 as in
+:mod:`distfuse.fused.matmul_reduce_scatter_features`; the request is
+:func:`all_gather_features_matmul_workspace_bytes`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from distfuse import debug
+from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.fused.matmul_common import (
+    Comm,
+    Done,
+    check_linear_args,
+    features_workspace_bytes,
+    flat_rows,
+    grads_needed,
+    require_available,
+    split_inputs,
+)
+from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_reduce_scatter_features
+from distfuse.fused.workspace import LoopbackWorkspace
+from distfuse.geometry.decomposition import block_extent
+from distfuse.kernels._utils import FLOAT_DTYPES
+from distfuse.partition import Partition
+
+__all__ = [
+    "AllGatherFeaturesMatmul",
+    "all_gather_features_matmul",
+    "all_gather_features_matmul_loopback",
+    "all_gather_features_matmul_workspace_bytes",
+]
+
+_OP = "all_gather_features_matmul"
+
+
+def all_gather_features_matmul_workspace_bytes(rows: int, K: int, world_size: int, dtype: torch.dtype,
+                                               partial_dtype: torch.dtype | None = None) -> int:
+    """Workspace data bytes on every rank, forward and backward: the gathered ``[rows, K]``, or the backward's W
+    column slots of ``dx`` (in ``partial_dtype``); 0 at world size 1."""
+    return features_workspace_bytes(rows, K, world_size, dtype, partial_dtype)
+
+
+class _Plan(NamedTuple):
+    comm: Comm
+    k: int
+    has_bias: bool
+    K: int
+    keep_gathered: bool
+    partial_dtype: torch.dtype | None
+    nbytes: int
+
+
+class AllGatherFeaturesMatmul(torch.autograd.Function):
+    """Autograd Function of :func:`all_gather_features_matmul` (and its loopback form); see the module doc.
+
+    ``apply(plan, *xs, *weights, *biases)``: one tensor of each kind per rank this process launches.
+    """
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, *tensors):
+        k = plan.k
+        xs, weights, biases = split_inputs(tensors, k, plan.has_bias)
+        keep = plan.keep_gathered and grads_needed(ctx.needs_input_grad, k, plan.has_bias)[1]
+        ys, gathered = run_all_gather_features_matmul(plan.comm, f"{_OP}.forward", xs, weights, biases, keep,
+                                                      plan.nbytes)
+        ctx.plan, ctx.kept = plan, keep
+        ctx.save_for_backward(*weights, *(gathered if keep else xs))
+        return ys[0] if k == 1 else tuple(ys)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *dys):
+        plan = ctx.plan
+        k, comm = plan.k, plan.comm
+        saved = ctx.saved_tensors
+        weights, inputs = saved[:k], saved[k:]
+        need_dx, need_dw, need_db = grads_needed(ctx.needs_input_grad, k, plan.has_bias)
+        dys = [dy.contiguous() for dy in dys]
+        dxs, dws, dbs = [None] * k, [None] * k, [None] * k
+        gather = None
+        if need_dw:
+            # Issued before the dgrad so that, on CUDA, the two overlap.
+            gather = Done(inputs) if ctx.kept else comm.start_feature_gather(f"{_OP}.backward", inputs, plan.K)
+        if need_dx:
+            # dx = reduce_scatter_K(dy @ W): the reduce-scatter phase with W.t() [K, N_r] as the operand.
+            dxs = run_matmul_reduce_scatter_features(comm, f"{_OP}.backward", dys, [w.t() for w in weights],
+                                                     [None] * k, plan.partial_dtype, plan.nbytes)
+        if need_dw:
+            dws = [flat_rows(dy).t() @ flat_rows(g) for dy, g in zip(dys, gather.wait(), strict=True)]
+        if need_db:
+            dbs = [flat_rows(dy).sum(0) for dy in dys]
+        return (None, *dxs, *dws, *(dbs if plan.has_bias else ()))
+
+
+def all_gather_features_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition,
+                               keep_gathered: bool = True, *,
+                               partial_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Fused ``all_gather_K(x) @ weight.T + bias`` over the model-parallel workers ``P_sub``, autograd-aware.
+
+    Args:
+        x: ``[*, K_r]`` (at least 2 dims): every row, input-feature block ``r`` (``r`` this
+            rank's index in ``P_sub``) of the balanced decomposition of ``K = weight.shape[1]``.
+        weight: ``[N_r, K]``, x's dtype (fp32, fp16 or bf16) and device.
+        bias: ``[N_r]`` or None; every rank passes one, or none.
+        P_sub: the model-parallel workers.  Must satisfy
+            :func:`~distfuse.fused.matmul_common.fused_linear_available`.
+        keep_gathered: keep the gathered input for the weight gradient (True) or gather it
+            again in the backward (False, less memory).
+        partial_dtype: dtype of the backward's dx partial sums on the wire (default x's).
+
+    Returns:
+        ``[*, N_r]``.
+
+    Collective over ``P_sub`` in forward and backward (same row count, ``K``, dtype, bias
+    presence and ``keep_gathered`` on every rank; ``DISTFUSE_DEBUG=1`` checks).
+    """
+    if not P_sub.active:
+        raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        raise expect(_OP, "x and weight types", "torch.Tensor", (type(x).__name__, type(weight).__name__))
+    if x.dim() < 2 or weight.dim() != 2:
+        raise ShapeError(f"{where(_OP)}: expected x [*, K_r] (at least 2 dims) and weight [N_r, K], got "
+                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    W, r = P_sub.size, P_sub.rank
+    K = weight.shape[1]
+    if x.shape[-1] != block_extent(K, W, r):
+        raise ShapeError(f"{where(_OP)}: x has {x.shape[-1]} features; block {r} of K={K} over {W} workers has "
+                         f"{block_extent(K, W, r)} (x must be the balanced block of the weight's input features)")
+    # The common checks (dtypes, devices, bias) on the weight's columns that multiply x.
+    check_linear_args(_OP, x, weight[:, :x.shape[-1]], bias, P_sub.device)
+    if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
+        raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+    require_available(_OP, P_sub, x.device)
+    rows = math.prod(x.shape[:-1])
+    debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
+                          same=dict(rows=rows, K=K, dtype=str(x.dtype), bias=bias is not None,
+                                    keep_gathered=bool(keep_gathered), partial_dtype=str(partial_dtype)),
+                          info=dict(x=tuple(x.shape), weight=tuple(weight.shape)))
+    plan = _Plan(Comm(P=P_sub, device=x.device), 1, bias is not None, K, bool(keep_gathered), partial_dtype,
+                 all_gather_features_matmul_workspace_bytes(rows, K, W, x.dtype, partial_dtype))
+    return AllGatherFeaturesMatmul.apply(plan, x, weight, *((bias,) if bias is not None else ()))
+
+
+def all_gather_features_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, keep_gathered: bool = True,
+                                        partial_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """:func:`all_gather_features_matmul` for all W virtual ranks of a loopback workspace, autograd-aware.
+
+    ``xs[r]`` ``[*, K_r]`` (the balanced blocks of K, in order), ``weights[r]`` ``[N_r, K]``
+    and ``biases[r]`` ``[N_r]`` (or ``biases=None``).  Returns the W outputs ``[*, N_r]``.
+    """
+    op = f"{_OP}_loopback"
+    W = ws.world_size
+    if len(xs) != W or len(weights) != W or (biases is not None and len(biases) != W):
+        raise expect(op, "number of inputs, weights and biases (the workspace's world size)", W,
+                     (len(xs), len(weights), None if biases is None else len(biases)))
+    K = sum(x.shape[-1] for x in xs)
+    for r, x in enumerate(xs):
+        w = weights[r]
+        if x.shape[-1] != block_extent(K, W, r) or x.shape[:-1] != xs[0].shape[:-1] or w.dim() != 2 \
+                or w.shape[1] != K or x.device != ws.device:
+            raise expect(op, f"x[{r}] (balanced block {r} of K={K}, same rows) and weights[{r}] [N_r, K]",
+                         ((*xs[0].shape[:-1], block_extent(K, W, r)), K, ws.device),
+                         (tuple(x.shape), tuple(w.shape), x.device))
+        check_linear_args(op, x, w[:, :x.shape[-1]], None if biases is None else biases[r])
+    x0 = xs[0]
+    plan = _Plan(Comm(loopback=ws), W, biases is not None, K, bool(keep_gathered), partial_dtype,
+                 all_gather_features_matmul_workspace_bytes(math.prod(x0.shape[:-1]), K, W, x0.dtype, partial_dtype))
+    out = AllGatherFeaturesMatmul.apply(plan, *xs, *weights, *(tuple(biases) if biases is not None else ()))
+    return [out] if W == 1 else list(out)

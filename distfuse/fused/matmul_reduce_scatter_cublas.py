@@ -1,0 +1,161 @@
+"""matmul_reduce_scatter's second producer: one library GEMM per chunk, written straight into its owner's slot.
+
+The design of torch's async tensor parallelism, on distfuse's workspaces::
+
+    a       [B_, n, K]   this rank's input;  weight [N, K]
+    for step in 0 .. W-1 (chunk c = (rank + 1 + step) % W; the own chunk last):
+        torch.matmul(a[:, start_c:stop_c], weight.T, out=<owner c's slot for this rank>)   [B_, len_c, N]
+        raise owner c's flag [c, rank] = epoch, in stream order after the GEMM
+    then chunk_reduce on every rank (the same consumer as the Triton producers)
+
+The GEMM is cuBLAS on CUDA (any shape it is fast at, tensor cores for 16-bit and TF32),
+so this provider wins where the Triton GEMMs lose to the library (small chunks, shapes
+the pinned tiles fit badly); its cost is W launches and no overlap of a chunk's GEMM
+with its own stores (the next chunk's GEMM overlaps them).  The slot view is the owner's
+memory, addressed through the workspace's peer table: on CUDA the symmetric-memory
+mapping (``__cuda_array_interface__`` over the peer address), on CPU the ``/dev/shm``
+mapping (or the loopback buffer) of this process.
+
+Flags: on CUDA a one-program Triton kernel launched after the chunk's GEMM on the same
+stream raises the flag with a system-scope release (:func:`raise_chunk_flag`,
+:mod:`distfuse.kernels.chunk_flag`): stream
+order puts it after the GEMM's stores, without a host sync.  On CPU the flag word is
+written from the host after the GEMM has returned (the consumer's host barrier orders
+it before the reads).
+
+Precision: partials in ``partial_dtype`` (default the input dtype, as the Triton
+producer).  fp32 partials of 16-bit inputs use cuBLAS's fp32 output (``out_dtype``) on
+CUDA, and an fp32 GEMM of the upcast operands on CPU: one rounding, like the Triton
+producer's fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import weakref
+
+import torch
+
+from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.geometry.decomposition import block_range
+from distfuse.kernels._utils import FLOAT_DTYPES, claimed_rank_view
+from distfuse.kernels.chunk_flag import raise_chunk_flag_kernel
+from distfuse.kernels.matmul_reduce_scatter import slot_row_stride
+
+__all__ = ["matmul_scatter_cublas", "raise_chunk_flag", "peer_tensor"]
+
+
+class _CudaRegion:
+    """A raw device address as an object torch can wrap without a copy (``__cuda_array_interface__``)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+#: Host copies of the peer tables, per rank view (a view's table never changes; a grown workspace has new views).
+_HOST_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _host_table(view) -> list[list[int]]:
+    """The workspace's peer address table ``[data_ptrs, flag_ptrs]`` as Python ints (one device read per view)."""
+    table = _HOST_TABLES.get(view)
+    if table is None:
+        table = [view.data_ptrs.tolist(), view.flag_ptrs.tolist()]
+        _HOST_TABLES[view] = table
+    return table
+
+
+def _wrap(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaRegion(ptr, nbytes), device=device)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
+
+def peer_tensor(view, peer: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
+    """A 1-D ``dtype`` tensor over ``numel`` elements of ``peer``'s data region, ``offset`` bytes in (no copy).
+
+    ``view`` is this rank's :class:`~distfuse.fused.workspace.RankBuffers`; the region must
+    fit in the data region (every rank's has the same capacity).
+    """
+    nbytes = numel * dtype.itemsize
+    if offset % dtype.itemsize or offset + nbytes > view.nbytes:
+        raise ShapeError(f"{where('peer_tensor')}: bytes [{offset}, {offset + nbytes}) of a {view.nbytes}-byte data "
+                         f"region as {dtype}")
+    base = _host_table(view)[0][peer]
+    return _wrap(base + offset, nbytes, view.device).view(dtype)
+
+
+def raise_chunk_flag(view, chunk: int, rank: int, epoch: int) -> None:
+    """Raise owner ``chunk``'s flag ``[chunk, rank]`` to ``epoch``: stream-ordered on CUDA, a host write on CPU."""
+    W = view.world_size
+    if view.device.type == "cuda":
+        raise_chunk_flag_kernel[(1,)](view.flag_ptrs, chunk, W, rank, epoch)
+        return
+    word = _host_table(view)[1][chunk] + 4 * (chunk * W + rank)
+    _wrap(word, 4, view.device).view(torch.int32).fill_(epoch)
+
+
+def _chunk_gemm(rows: torch.Tensor, weight: torch.Tensor, dst: torch.Tensor) -> None:
+    """``dst = rows @ weight.T`` (``[B_, L, K] @ [K, N]`` into a ``[B_, L, N]`` view with padded rows)."""
+    if dst.dtype == rows.dtype:
+        torch.matmul(rows, weight.t(), out=dst)
+        return
+    if rows.device.type == "cuda" and dst.dtype == torch.float32:
+        try:  # cuBLAS: 16-bit operands, fp32 output, one rounding
+            for b in range(rows.shape[0]):
+                dst[b].copy_(torch.mm(rows[b], weight.t(), out_dtype=torch.float32))
+            return
+        except (TypeError, RuntimeError):  # a torch without mm(out_dtype=): the upcast GEMM below
+            pass
+    dst.copy_(torch.matmul(rows.to(torch.float32), weight.t().to(torch.float32)).to(dst.dtype))
+
+
+def matmul_scatter_cublas(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
+                          partial_dtype: torch.dtype | None = None) -> None:
+    """Produce, like :func:`distfuse.kernels.matmul_reduce_scatter.matmul_scatter`, with one library GEMM per chunk.
+
+    Args:
+        a: ``[..., n, K]`` (leading dims are the batch B_), bf16, fp16 or fp32.
+        weight: ``[N, K]``, ``a``'s dtype and device, any strides.
+        ws: the workspace, claimed (``ws.in_flight``), with
+            :func:`~distfuse.kernels.matmul_reduce_scatter.matmul_scatter_workspace_bytes` of data.
+        rank, world_size: this rank and the group size (virtual rank in loopback).
+        partial_dtype: the slots' dtype (default ``a.dtype``).
+
+    Writes the same slots and raises the same flags as the Triton producers; finish with
+    :func:`~distfuse.kernels.matmul_reduce_scatter.chunk_reduce` on every rank.
+    """
+    op = "matmul_scatter_cublas"
+    if a.dim() < 2 or weight.dim() != 2:
+        raise ShapeError(f"{where(op)}: expected a [..., n, K] and weight [N, K], got {tuple(a.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if a.shape[-1] != weight.shape[1]:
+        raise expect(op, "weight inner dim (a.shape[-1])", a.shape[-1], weight.shape[1])
+    partial_dtype = partial_dtype or a.dtype
+    if a.dtype not in FLOAT_DTYPES or weight.dtype != a.dtype or partial_dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"{where(op)}: dtypes: expected a, weight and partials of one of {FLOAT_DTYPES} "
+                               f"(a and weight alike), got {a.dtype}, {weight.dtype} and {partial_dtype}")
+    if weight.device != a.device:
+        raise expect(op, "weight device (a's)", a.device, weight.device)
+    st = claimed_rank_view(op, ws, rank, world_size, a.device)
+    W = world_size
+    n, K, N = a.shape[-2], a.shape[-1], weight.shape[0]
+    a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
+    B = a3.shape[0]
+    ld = slot_row_stride(N)
+    q1 = -(-n // W)
+    slot_elems = B * q1 * ld
+    st.data(partial_dtype, W * slot_elems, op=op)  # checks the capacity, the same on every rank
+    for step in range(W):
+        chunk = (rank + 1 + step) % W
+        start, stop = block_range(n, W, chunk)
+        if stop > start and N > 0 and B > 0:
+            slot = peer_tensor(st, chunk, partial_dtype, slot_elems, rank * slot_elems * partial_dtype.itemsize)
+            L = stop - start
+            dst = slot[: B * L * ld].view(B, L, ld)[:, :, :N]  # the slot holds [B_, len_c] rows, ld apart
+            if K == 0:
+                dst.zero_()
+            else:
+                _chunk_gemm(a3[:, start:stop], weight, dst)
+        raise_chunk_flag(st, chunk, rank, st.epoch)

@@ -1,0 +1,198 @@
+"""matmul_reduce_scatter_features: DistDL's reduce-scatter linear fused, GEMM + reduce-scatter along the features.
+
+Worker ``r`` of the ``W`` model-parallel workers of ``P_sub`` holds input-feature block
+``r`` and, on output, output-feature block ``r`` (``*`` any leading dims, all rows on
+every worker; ``K_r``/``N_r`` the balanced blocks, so neither need divide by ``W``)::
+
+    x        [*, K_r]     every row, this worker's input features
+    weight   [N, K_r]     nn.Linear layout, split along the input features
+    bias     [N_r]        this worker's block of the bias (split like the output)
+    forward  y_r = reduce_scatter_N(x @ weight.T)[:, block r] + bias_r        [*, N_r]
+             matmul_scatter_columns stores each tile's columns into their owner's slot;
+             column_reduce sums the W partials in fp32 and adds the bias block once
+    dgrad    dx  = all_gather_N(dy) @ weight                                   [*, K_r]
+             ag_push_columns + gathered_k_matmul(dy, weight.t(), return_gathered=True):
+             the forward of :mod:`distfuse.fused.all_gather_features_matmul`
+    wgrad    dW  = g.T @ x   with g = all_gather_N(dy), the copy gathered_k_matmul returns   [N, K_r]
+             db  = sum of dy over the rows                                     [N_r] (complete: b is split)
+
+This is the layout of :class:`~distfuse.layers.DistributedLinearReduceScatter` built with
+``P_x`` alone (its ZeRO variant, with data-parallel workers, streams the weight into the
+GEMM instead, see :mod:`distfuse.fused.zero_linear`): the output's last dim is split over the model-parallel
+workers.  The sequence-parallel form
+(``P_y`` given) is :mod:`distfuse.fused.matmul_reduce_scatter`.
+
+Workspace: the cached symmetric workspace of ``P_sub``, asked for once with the larger of
+the two phases (:func:`matmul_reduce_scatter_features_workspace_bytes`); forward and
+backward each claim it (one fused op in flight per workspace).  Outputs never alias it.
+
+World size 1: a plain ``F.linear``.  Where symmetric memory is unavailable the functional
+form must not be called: ask :func:`~distfuse.fused.matmul_common.fused_linear_available`
+first and use the unfused composition (``F.linear`` + the ReduceScatter primitive).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from distfuse import debug
+from distfuse.errors import PartitionError, UnsupportedError, expect, where
+from distfuse.fused.matmul_common import (
+    Comm,
+    check_linear_args,
+    features_workspace_bytes,
+    flat_rows,
+    grads_needed,
+    require_available,
+    split_inputs,
+)
+from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_reduce_scatter_features
+from distfuse.fused.workspace import LoopbackWorkspace
+from distfuse.geometry.decomposition import block_extent
+from distfuse.kernels._utils import FLOAT_DTYPES
+from distfuse.partition import Partition
+
+__all__ = [
+    "MatmulReduceScatterFeatures",
+    "matmul_reduce_scatter_features",
+    "matmul_reduce_scatter_features_loopback",
+    "matmul_reduce_scatter_features_workspace_bytes",
+    "check_feature_bias",
+]
+
+_OP = "matmul_reduce_scatter_features"
+
+
+def matmul_reduce_scatter_features_workspace_bytes(rows: int, N: int, world_size: int, dtype: torch.dtype,
+                                                   partial_dtype: torch.dtype | None = None) -> int:
+    """Workspace data bytes on every rank, forward and backward: W column slots ``[rows, ceil(N / W)]`` (padded)
+    in ``partial_dtype``, or the backward's gathered ``dy`` ``[rows, N]``; 0 at world size 1."""
+    return features_workspace_bytes(rows, N, world_size, dtype, partial_dtype)
+
+
+def check_feature_bias(op: str, bias, N: int, world_size: int, rank: int, x: torch.Tensor) -> None:
+    """``bias`` is None or block ``rank`` of ``N`` over ``world_size`` (``[N_rank]``), x's dtype and device."""
+    if bias is None:
+        return
+    want = (block_extent(N, world_size, rank),)
+    if tuple(bias.shape) != want or bias.dtype != x.dtype or bias.device != x.device:
+        raise expect(op, f"bias (block {rank} of {N} features over {world_size}, x's dtype and device)",
+                     (want, x.dtype, x.device), (tuple(bias.shape), bias.dtype, bias.device))
+
+
+class _Plan(NamedTuple):
+    comm: Comm
+    k: int  # tensors per kind (ranks launched by this process)
+    has_bias: bool
+    partial_dtype: torch.dtype | None
+    nbytes: int
+
+
+class MatmulReduceScatterFeatures(torch.autograd.Function):
+    """Autograd Function of :func:`matmul_reduce_scatter_features` (and its loopback form); see the module doc.
+
+    ``apply(plan, *xs, *weights, *biases)``: one tensor of each kind per rank this process launches.
+    """
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, *tensors):
+        k = plan.k
+        xs, weights, biases = split_inputs(tensors, k, plan.has_bias)
+        ys = run_matmul_reduce_scatter_features(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.partial_dtype,
+                                                plan.nbytes)
+        ctx.plan = plan
+        ctx.save_for_backward(*xs, *weights)
+        return ys[0] if k == 1 else tuple(ys)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *dys):
+        plan = ctx.plan
+        k = plan.k
+        saved = ctx.saved_tensors
+        xs, weights = saved[:k], saved[k:]
+        need_dx, need_dw, need_db = grads_needed(ctx.needs_input_grad, k, plan.has_bias)
+        dys = [dy.contiguous() for dy in dys]
+        dxs, dws, dbs = [None] * k, [None] * k, [None] * k
+        if need_dx or need_dw:
+            # dx = all_gather_N(dy) @ W: the all-gather phase with W.t() [K_r, N]; it hands back the gathered dy.
+            dxs_all, gathered = run_all_gather_features_matmul(plan.comm, f"{_OP}.backward", dys,
+                                                               [w.t() for w in weights], [None] * k, need_dw,
+                                                               plan.nbytes)
+            if need_dx:
+                dxs = dxs_all
+            if need_dw:
+                dws = [flat_rows(g).t() @ flat_rows(x) for g, x in zip(gathered, xs, strict=True)]
+        if need_db:
+            dbs = [flat_rows(dy).sum(0) for dy in dys]
+        return (None, *dxs, *dws, *(dbs if plan.has_bias else ()))
+
+
+def matmul_reduce_scatter_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                   P_sub: Partition, *, partial_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Fused ``reduce_scatter_N(x @ weight.T)[:, block r] + bias`` over the model-parallel workers ``P_sub``.
+
+    Args:
+        x: ``[*, K_r]`` (at least 2 dims): every row, this worker's input-feature block.
+        weight: ``[N, K_r]``, x's dtype (fp32, fp16 or bf16) and device.
+        bias: ``[N_r]`` (block ``r`` of the bias, ``r`` this rank's index in ``P_sub``) or
+            None; every rank passes one, or none.
+        P_sub: the model-parallel workers; partition rank ``r`` receives output-feature block
+            ``r``.  Must satisfy :func:`~distfuse.fused.matmul_common.fused_linear_available`.
+        partial_dtype: dtype of the partial sums on the wire (default x's).
+
+    Returns:
+        ``[*, N_r]``, autograd-aware (gradients for x, weight and bias).
+
+    Collective over ``P_sub`` in forward and backward (every rank calls it with the same
+    row count, ``N``, dtype and bias presence; ``DISTFUSE_DEBUG=1`` checks).
+    """
+    if not P_sub.active:
+        raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
+    check_linear_args(_OP, x, weight, None, P_sub.device)
+    W, r = P_sub.size, P_sub.rank
+    N = weight.shape[0]
+    check_feature_bias(_OP, bias, N, W, r, x)
+    if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
+        raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+    require_available(_OP, P_sub, x.device)
+    rows = math.prod(x.shape[:-1])
+    debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
+                          same=dict(rows=rows, N=N, dtype=str(x.dtype), bias=bias is not None,
+                                    partial_dtype=str(partial_dtype)),
+                          info=dict(x=tuple(x.shape)))
+    plan = _Plan(Comm(P=P_sub, device=x.device), 1, bias is not None, partial_dtype,
+                 matmul_reduce_scatter_features_workspace_bytes(rows, N, W, x.dtype, partial_dtype))
+    return MatmulReduceScatterFeatures.apply(plan, x, weight, *((bias,) if bias is not None else ()))
+
+
+def matmul_reduce_scatter_features_loopback(xs, weights, biases, ws: LoopbackWorkspace, *,
+                                            partial_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """:func:`matmul_reduce_scatter_features` for all W virtual ranks of a loopback workspace, autograd-aware.
+
+    ``xs[r]`` ``[*, K_r]``, ``weights[r]`` ``[N, K_r]`` and ``biases[r]`` ``[N_r]`` (or
+    ``biases=None``) are virtual rank ``r``'s.  Returns the W outputs ``[*, N_r]``.  For
+    testing and single-GPU timing.
+    """
+    op = f"{_OP}_loopback"
+    W = ws.world_size
+    if len(xs) != W or len(weights) != W or (biases is not None and len(biases) != W):
+        raise expect(op, "number of inputs, weights and biases (the workspace's world size)", W,
+                     (len(xs), len(weights), None if biases is None else len(biases)))
+    N = weights[0].shape[0]
+    for r, (x, w) in enumerate(zip(xs, weights, strict=True)):
+        check_linear_args(op, x, w, None)
+        check_feature_bias(op, None if biases is None else biases[r], N, W, r, x)
+        if x.shape[:-1] != xs[0].shape[:-1] or w.shape[0] != N or x.device != ws.device:
+            raise expect(op, "x rows alike, N alike, the workspace's device",
+                         (tuple(xs[0].shape[:-1]), N, ws.device), (tuple(x.shape[:-1]), w.shape[0], x.device))
+    x0 = xs[0]
+    plan = _Plan(Comm(loopback=ws), W, biases is not None, partial_dtype,
+                 matmul_reduce_scatter_features_workspace_bytes(math.prod(x0.shape[:-1]), N, W, x0.dtype,
+                                                                partial_dtype))
+    out = MatmulReduceScatterFeatures.apply(plan, *xs, *weights, *(tuple(biases) if biases is not None else ()))
+    return [out] if W == 1 else list(out)

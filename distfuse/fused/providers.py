@@ -1,0 +1,117 @@
+"""Providers of a fused op: which implementation runs the fused path, and how one is chosen per call.
+
+A fused op may have several implementations with the same inputs, outputs and
+workspace protocol, each fastest somewhere else.  The registry lists them in
+:attr:`distfuse.fused.registry.FusedOp.providers` (the first is the default);
+``matmul_reduce_scatter`` has three producers in front of the one consumer
+(``chunk_reduce``):
+
+=====================  ========================================================================
+``triton``             one program per tile, pointer loads (:func:`~distfuse.kernels.
+                       matmul_reduce_scatter.matmul_scatter`); the measured default
+``triton_persistent``  persistent grid, tensor-descriptor (TMA) loads, one flag per chunk
+                       (:mod:`distfuse.kernels.matmul_scatter_persistent`)
+``cublas_chunks``      one library GEMM per chunk into its owner's slot, flags raised in stream
+                       order (:mod:`distfuse.fused.matmul_reduce_scatter_cublas`)
+=====================  ========================================================================
+
+:func:`select_provider` is, like ``select_path``, a pure function of the call's shapes,
+dtype, world size and device name (so every rank of a group picks the same provider):
+
+1. ``DISTFUSE_PROVIDER=<name>``: that provider for every op that has it;
+2. the crossover table entry of the op (``distfuse-tune`` writes ``provider``, the
+   provider that won most shapes, and ``provider_sizes``, the winner per measured size;
+   the nearest measured size in log scale decides);
+3. the op's first provider.
+
+Tables written before providers existed have neither key and read as rule 3.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from distfuse.errors import UnsupportedError, expect
+from distfuse.fused import registry
+
+__all__ = ["providers_of", "select_provider", "check_provider", "run_producer", "PRODUCERS"]
+
+
+def providers_of(op: str) -> tuple[str, ...]:
+    """The providers of a registered op, default first (``("triton",)`` where the registry lists none)."""
+    return tuple(getattr(registry.get(op), "providers", None) or ("triton",))
+
+
+def check_provider(op: str, provider: str) -> str:
+    """``provider`` if ``op`` has it, else :class:`~distfuse.errors.UnsupportedError` naming the ones it has."""
+    names = providers_of(op)
+    if provider not in names:
+        raise expect(op, "provider", " or ".join(names), repr(provider), cls=UnsupportedError)
+    return provider
+
+
+def _from_entry(entry: dict, size: float) -> str | None:
+    sizes = entry.get("provider_sizes")
+    if isinstance(sizes, list) and sizes:
+        def distance(point):
+            s = float(point[0])
+            return abs(math.log(s) - math.log(size)) if s > 0 and size > 0 else abs(s - size)
+        return str(min(sizes, key=distance)[1])
+    provider = entry.get("provider")
+    return provider if isinstance(provider, str) else None
+
+
+def select_provider(op: str, shapes: dict, dtype: torch.dtype, world_size: int, device_name: str,
+                    table: dict | None = None) -> str:
+    """The provider of ``op``'s fused path for one call (see the module doc for the order of the rules).
+
+    ``device_name`` is what the crossover table keys on (``torch.cuda.get_device_name``;
+    ``"cpu"`` on CPU).  A table naming a provider the op no longer has is ignored.
+    """
+    names = providers_of(op)
+    forced = os.environ.get("DISTFUSE_PROVIDER", "").strip()
+    if forced and forced in names:
+        return forced
+    if table is None:
+        from distfuse.tune.table import load_table
+
+        table = load_table()
+    from distfuse.tune.table import table_key
+
+    entry = table.get(table_key(device_name, world_size, dtype, op))
+    if isinstance(entry, dict):
+        chosen = _from_entry(entry, registry.size_of(op, shapes))
+        if chosen in names:
+            return chosen
+    return names[0]
+
+
+def _triton(a, weight, ws, rank, W, partial_dtype):
+    from distfuse.kernels.matmul_reduce_scatter import matmul_scatter
+
+    matmul_scatter(a, weight, ws, rank, W, partial_dtype=partial_dtype)
+
+
+def _triton_persistent(a, weight, ws, rank, W, partial_dtype):
+    from distfuse.kernels.matmul_scatter_persistent import matmul_scatter_persistent
+
+    matmul_scatter_persistent(a, weight, ws, rank, W, partial_dtype=partial_dtype)
+
+
+def _cublas_chunks(a, weight, ws, rank, W, partial_dtype):
+    from distfuse.fused.matmul_reduce_scatter_cublas import matmul_scatter_cublas
+
+    matmul_scatter_cublas(a, weight, ws, rank, W, partial_dtype=partial_dtype)
+
+
+#: The producers of matmul_reduce_scatter by provider: ``(a, weight, ws, rank, W, partial_dtype) -> None``.
+PRODUCERS = {"triton": _triton, "triton_persistent": _triton_persistent, "cublas_chunks": _cublas_chunks}
+
+
+def run_producer(provider: str, a, weight, ws, rank: int, world_size: int, partial_dtype) -> None:
+    """Run ``provider``'s producer of matmul_reduce_scatter (slots and flags for ``chunk_reduce``)."""
+    check_provider(registry.MATMUL_REDUCE_SCATTER.name, provider)
+    PRODUCERS[provider](a, weight, ws, rank, world_size, partial_dtype)

@@ -1,0 +1,384 @@
+"""ZeRO-3 linears: the weight all-gather over the data-parallel workers fused into the GEMM, for any P_m.
+
+Worker ``(d, m)`` of a ``[P_d, P_m]`` grid holds batch block ``d`` of the activations and
+the ZeRO shard ``(d, m)`` of ``W [out, in]``; ``W_m``, the model-parallel block the GEMM
+needs, is the all-gather of the shards over ``d`` (the ``P_d`` workers of column ``m``).
+Unfused, the layers all-gather ``W_m`` (NCCL), run the model-parallel linear, and
+reduce-scatter ``dW_m`` back to the shards.  Fused, the GEMM reads ``W_m``'s chunks from
+the peers' symmetric buffers as their flags come up, as FSDP prefetches a layer's weight,
+by running the existing GEMM fusions on the transposed product ``y.T = W_m @ x.T``
+(``x`` flattened to ``[rows, K]``): the shard is the gathered operand and this worker's rows
+are the "weight" operand.  Their backward is the weight-gradient GEMM fused with its
+reduce-scatter over ``d``.  No kernel of its own: every launch is a phase of
+:mod:`distfuse.fused.matmul_phases`.
+
+Reduce-scatter linear (``split="rows"``: shard ``[out_d, in_m]``, ``W_m [out, in_m]``);
+``axis`` says what its model-parallel reduce-scatter splits (``"features"``: DistDL's form,
+``y [*, out_m]``; ``"sequence"``: ``y [*, n_m, out]``, ``x [*, n, in_m]``)::
+
+    forward  p.T = all_gather_rows_d(shard) @ x.T            [out, rows]   run_all_gather_matmul over d
+             y   = reduce_scatter_m(p)                        plain collective over m (see below)
+    dgrad    dp  = all_gather_m(dy);  dx = dp @ W_m           run_all_gather_features_matmul over m
+                                                              (sequence: run_all_gather_matmul), dp returned
+    wgrad    dshard = reduce_scatter_rows_d(dp.T @ x)  [out_d, in_m]   run_matmul_reduce_scatter over d
+
+All-gather linear (``split="columns"``: shard ``[out_m, in_d]``, ``W_m [out_m, in]``;
+``x [*, in_m]``, or ``[*, n_m, in]`` for ``axis="sequence"``)::
+
+    forward  x_g = all_gather_m(x)                            plain collective over m (see below)
+             y.T = all_gather_K_d(shard) @ x_g.T              [out_m, rows]  run_all_gather_features_matmul over d
+    dgrad    dx  = reduce_scatter_m(dy @ W_m)                 run_matmul_reduce_scatter_features over m
+                                                              (sequence: run_matmul_reduce_scatter)
+    wgrad    dshard = reduce_scatter_K_d(dy.T @ x_g)  [out_m, in_d]    run_matmul_reduce_scatter_features over d
+
+The backward fuses both of its collectives, one per GEMM.  The forward has one GEMM and
+two collectives (the weight's over ``d``, the activations' over ``m``), and a GEMM fusion
+overlaps one collective with its GEMM; overlapping both at once would take a kernel whose
+operand streams in from one group's buffers while its tiles stream out to another's,
+which the existing kernels do not do.  So the forward overlaps the weight's all-gather
+(the FSDP schedule) and runs the activations' collective as a plain one (NCCL on CUDA):
+the reduce-scatter of the finished partial in the reduce-scatter linear
+(:meth:`~distfuse.fused.matmul_common.Comm.reduce_scatter`, added in ``partial_dtype``),
+the all-gather of the input before the GEMM in the all-gather linear.  With one
+model-parallel worker (``P_m = 1``) there is no activation collective and the forward is
+fully fused.  Biases stay outside (the layers add them after, as unfused).
+
+``keep_gathered``: keep ``W_m`` (and, for the all-gather linear, the gathered input) from
+forward to backward (True), or keep the shard and the block and gather them again in the
+backward (False: a plain all-gather each, FSDP's ``reshard_after_forward``).
+
+Dispatch: registry entries ``zero_linear_rows`` and ``zero_linear_columns`` (the tuner
+times this op itself, :mod:`distfuse.tune.zero_cases`). Data-parallel workers hold
+different row counts (uneven batch blocks), so the decision uses the largest
+(:func:`agreed_rows`, one host-side int64 all-reduce per call on the group's metadata
+group): all workers must take the same path.  Where the decision cannot depend on the
+size (``DISTFUSE_PATH`` forces a path, or the device is not CUDA: see
+:func:`~distfuse.layers.dispatch.select_path`) the local count is used and nothing is
+exchanged.  The fused path needs symmetric memory on both groups
+(:func:`zero_linear_available`).
+
+Workspaces: the ``d`` group's (the gathered ``W_m`` or the ``dW_m`` partial slots, whichever
+is larger: independent of the rows, so every data-parallel worker asks the same) and the
+``m`` group's (the sizes of the activation-fused ops of the same layer, so one workspace
+serves both paths).  Each phase claims its workspace on its own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from distfuse import debug
+from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.fused.matmul_common import (
+    Comm,
+    features_workspace_bytes,
+    flat_rows,
+    fused_linear_available,
+    require_available,
+    workspace_bytes,
+)
+from distfuse.fused.matmul_phases import (
+    run_all_gather_features_matmul,
+    run_all_gather_matmul,
+    run_matmul_reduce_scatter,
+    run_matmul_reduce_scatter_features,
+)
+from distfuse.geometry.decomposition import block_extent
+from distfuse.kernels._utils import FLOAT_DTYPES
+from distfuse.partition import Partition
+
+__all__ = ["ZeroLinear", "zero_linear", "zero_linear_available", "zero_linear_workspace_bytes", "agreed_rows",
+           "sequence_extent", "SPLITS", "AXES"]
+
+_OP = "zero_linear"
+#: How the weight is split over the data-parallel workers: ``"rows"`` (the reduce-scatter linear's shards, along
+#: out) or ``"columns"`` (the all-gather linear's, along in).
+SPLITS = ("rows", "columns")
+#: What the model-parallel collective splits: the features (DistDL's forms) or the sequence dim (``P_y`` / ``P_x``).
+AXES = ("features", "sequence")
+
+
+def agreed_rows(P_d: Partition, rows: int, device) -> int:
+    """The largest row count over the data-parallel workers ``P_d``.
+
+    Collective over ``P_d`` where the dispatch decision depends on the size (see the module doc).
+    """
+    t = torch.tensor([int(rows)], dtype=torch.int64)
+    forced = os.environ.get("DISTFUSE_PATH", "auto").strip().lower() in ("fused", "unfused")
+    if P_d.size > 1 and torch.device(device).type == "cuda" and not forced:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=P_d.meta_group)
+    return int(t)
+
+
+def sequence_extent(P_m: Partition, n_m: int) -> int:
+    """The gathered sequence extent: the sum of the workers' blocks over ``P_m`` (one int64 all-reduce on its
+    metadata group; exact every call, where an agreed value may be a step old)."""
+    t = torch.tensor([int(n_m)], dtype=torch.int64)
+    if P_m.size > 1:
+        dist.all_reduce(t, group=P_m.meta_group)
+    return int(t)
+
+
+def zero_linear_available(P_d: Partition, P_m: Partition | None, device, dtype) -> tuple[bool, str]:
+    """Whether the fused path can run: symmetric memory on ``P_m`` (when given), then on ``P_d``.
+
+    Collective over each group the first time (every worker asks both, in this order).
+    """
+    if P_m is not None:
+        ok, why = fused_linear_available(P_m, device, dtype)
+        if not ok:
+            return False, f"the model-parallel workers: {why}"
+    ok, why = fused_linear_available(P_d, device, dtype)
+    return (True, why) if ok else (False, f"the data-parallel workers: {why}")
+
+
+def zero_linear_workspace_bytes(split: str, axis: str, *, rows: int, n: int | None, out_features: int,
+                                in_features: int, P_d_size: int, P_m_size: int, m: int, dtype: torch.dtype,
+                                partial_dtype: torch.dtype | None = None) -> tuple[int, int]:
+    """``(d group bytes, m group bytes)`` on every rank of each (forward and backward); see the module doc.
+
+    ``m`` is this worker's model-parallel index; ``rows`` its row count (all of the
+    gathered sequence for ``axis="sequence"``), ``n`` the sequence extent.
+    """
+    out_m, in_m = block_extent(out_features, P_m_size, m), block_extent(in_features, P_m_size, m)
+    if split == "rows":
+        nb_d = workspace_bytes(1, out_features, in_m, P_d_size, dtype, partial_dtype)
+        features = out_features  # the gradient gathered for dgrad
+    else:
+        nb_d = features_workspace_bytes(out_m, in_features, P_d_size, dtype, partial_dtype)
+        features = in_features  # dgrad's partial sums
+    if P_m_size == 1:
+        return nb_d, 0
+    if axis == "features":
+        return nb_d, features_workspace_bytes(rows, features, P_m_size, dtype, partial_dtype)
+    return nb_d, workspace_bytes(rows // n if n else 0, n, features, P_m_size, dtype, partial_dtype)
+
+
+class _Plan(NamedTuple):
+    d: Comm  # the data-parallel workers that share W_m
+    m: Comm  # the model-parallel workers of this row (world size 1 when P_m = 1)
+    split: str
+    axis: str
+    out_features: int
+    in_features: int
+    n: int | None  # the sequence extent (axis="sequence")
+    keep_gathered: bool
+    partial_dtype: torch.dtype | None
+    nbytes_d: int
+    nbytes_m: int
+
+
+class ZeroLinear(torch.autograd.Function):
+    """Autograd Function of :func:`zero_linear`: ``apply(plan, x, shard)``; see the module doc."""
+
+    @staticmethod
+    def forward(ctx, plan: _Plan, x: torch.Tensor, shard: torch.Tensor):
+        need_dx, need_dshard = ctx.needs_input_grad[1:3]
+        keep_w = plan.keep_gathered and need_dx
+        op = f"{_OP}.forward"
+        if plan.split == "rows":
+            x2 = flat_rows(x)
+            (p_t,), (w_m,) = run_all_gather_matmul(plan.d, op, [shard], [x2], [None], plan.out_features, keep_w,
+                                                   plan.nbytes_d)
+            y = _reduce_scatter_partial(plan, p_t.t().reshape(*x.shape[:-1], plan.out_features))
+            kept_input = x
+        else:
+            x_g = _gather_input(plan, op, x)
+            (y_t,), (w_m,) = run_all_gather_features_matmul(plan.d, op, [shard], [flat_rows(x_g)], [None], keep_w,
+                                                            plan.nbytes_d)
+            y = y_t.t().reshape(*x_g.shape[:-1], shard.shape[0])
+            kept_input = x_g if plan.keep_gathered else x
+        ctx.plan, ctx.kept_w = plan, keep_w
+        ctx.save_for_backward(w_m if keep_w else shard, kept_input if need_dshard else None)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        plan = ctx.plan
+        need_dx, need_dshard = ctx.needs_input_grad[1:3]
+        w_or_shard, kept_input = ctx.saved_tensors
+        op = f"{_OP}.backward"
+        dy = dy.contiguous()
+        w_m = None
+        if need_dx:
+            w_m = w_or_shard if ctx.kept_w else _gather_weight(plan, op, w_or_shard)
+        if plan.split == "rows":
+            return (None, *_rows_backward(plan, op, dy, w_m, kept_input, need_dx, need_dshard))
+        return (None, *_columns_backward(plan, op, dy, w_m, kept_input, need_dx, need_dshard))
+
+
+def _reduce_scatter_partial(plan: _Plan, p: torch.Tensor) -> torch.Tensor:
+    """The reduce-scatter linear's model-parallel sum of ``p`` (``[*, out]`` or ``[*, n, out]``), plain."""
+    if plan.m.world_size == 1:
+        return p
+    dim, n = (-1, plan.out_features) if plan.axis == "features" else (-2, plan.n)
+    return plan.m.reduce_scatter([p], dim, n, plan.partial_dtype or p.dtype)[0]
+
+
+def _gather_input(plan: _Plan, op: str, x: torch.Tensor) -> torch.Tensor:
+    """The all-gather linear's input over the model-parallel workers (features or sequence), plain."""
+    if plan.m.world_size == 1:
+        return x
+    if plan.axis == "features":
+        return plan.m.start_feature_gather(op, [x], plan.in_features).wait()[0]
+    return plan.m.start_gather(op, [x], plan.n).wait()[0]
+
+
+def _gather_weight(plan: _Plan, op: str, shard: torch.Tensor) -> torch.Tensor:
+    """``W_m`` gathered again in the backward (``keep_gathered=False``): a plain all-gather over d."""
+    if plan.split == "rows":
+        return plan.d.start_gather(op, [shard], plan.out_features).wait()[0]
+    return plan.d.start_feature_gather(op, [shard], plan.in_features).wait()[0]
+
+
+def _rows_backward(plan: _Plan, op: str, dy, w_m, x, need_dx: bool, need_dshard: bool):
+    """dx = all_gather_m(dy) @ W_m (fused, gives dp) and dshard = reduce_scatter_d(dp.T @ x) (fused)."""
+    dx = dshard = None
+    features = plan.axis == "features"
+    if need_dx:
+        w_t = [w_m.t()]  # [in_m, out]
+        if features:
+            (dx,), (dp,) = run_all_gather_features_matmul(plan.m, op, [dy], w_t, [None], need_dshard, plan.nbytes_m)
+        else:
+            (dx,), (dp,) = run_all_gather_matmul(plan.m, op, [dy], w_t, [None], plan.n, need_dshard, plan.nbytes_m)
+    elif features:
+        dp = plan.m.start_feature_gather(op, [dy], plan.out_features).wait()[0]
+    else:
+        dp = plan.m.start_gather(op, [dy], plan.n).wait()[0]
+    if need_dshard:
+        # dW_m = dp.T @ x [out, in_m], its rows reduce-scattered over d: the GEMM + reduce-scatter phase on the
+        # transposed operands (n = out rows, K = this worker's rows, N = in_m).
+        (dshard,) = run_matmul_reduce_scatter(plan.d, op, [flat_rows(dp).t().contiguous()], [flat_rows(x).t()],
+                                              [None], plan.out_features, plan.partial_dtype, plan.nbytes_d)
+    return dx, dshard
+
+
+def _columns_backward(plan: _Plan, op: str, dy, w_m, x_kept, need_dx: bool, need_dshard: bool):
+    """dx = reduce_scatter_m(dy @ W_m) (fused) and dshard = reduce_scatter_K_d(dy.T @ x_g) (fused)."""
+    dx = dshard = None
+    if need_dshard and not plan.keep_gathered:
+        x_kept = _gather_input(plan, op, x_kept)
+    if need_dx:
+        w_t = [w_m.t()]  # [in, out_m]
+        if plan.axis == "features":
+            (dx,) = run_matmul_reduce_scatter_features(plan.m, op, [dy], w_t, [None], plan.partial_dtype,
+                                                       plan.nbytes_m)
+        else:
+            (dx,) = run_matmul_reduce_scatter(plan.m, op, [dy], w_t, [None], plan.n, plan.partial_dtype,
+                                              plan.nbytes_m)
+    if need_dshard:
+        # dW_m = dy.T @ x_g [out_m, in], its columns reduce-scattered over d: the features GEMM + reduce-scatter
+        # phase with x_g.t() [in, rows] as the operand (K = this worker's rows).
+        (dshard,) = run_matmul_reduce_scatter_features(plan.d, op, [flat_rows(dy).t().contiguous()],
+                                                       [flat_rows(x_kept).t()], [None], plan.partial_dtype,
+                                                       plan.nbytes_d)
+    return dx, dshard
+
+
+def _check(x, shard, P_d: Partition, P_m: Partition | None, split: str, axis: str, out_features: int,
+           in_features: int, n: int | None) -> tuple[int, int | None]:
+    """Argument checks; returns ``(rows, n)``: rows of the GEMM (all of the sequence) and the sequence extent."""
+    if split not in SPLITS:
+        raise expect(_OP, "split", " or ".join(SPLITS), repr(split), cls=UnsupportedError)
+    if axis not in AXES:
+        raise expect(_OP, "axis", " or ".join(AXES), repr(axis), cls=UnsupportedError)
+    if not P_d.active or (P_m is not None and not P_m.active):
+        raise PartitionError(f"{where(_OP)}: this rank is not in P_d {list(P_d.ranks)} and P_m "
+                             f"{None if P_m is None else list(P_m.ranks)}")
+    if not isinstance(x, torch.Tensor) or not isinstance(shard, torch.Tensor):
+        raise expect(_OP, "x and shard types", "torch.Tensor", (type(x).__name__, type(shard).__name__))
+    seq = axis == "sequence"
+    if x.dim() < (3 if seq else 2) or shard.dim() != 2:
+        raise ShapeError(f"{where(_OP)}: expected x [*, {'n, ' if seq else ''}K] and shard [rows, cols], got "
+                         f"{tuple(x.shape)} and {tuple(shard.shape)}")
+    if x.dtype not in FLOAT_DTYPES or shard.dtype != x.dtype or shard.device != x.device \
+            or x.device.type != P_d.device.type:
+        raise UnsupportedError(f"{where(_OP)}: expected x and shard of one dtype among "
+                               f"{[str(t) for t in FLOAT_DTYPES]} on one {P_d.device.type} device, got "
+                               f"{x.dtype} on {x.device} and {shard.dtype} on {shard.device}")
+    Wm, m = (1, 0) if P_m is None else (P_m.size, P_m.rank)
+    Wd, d = P_d.size, P_d.rank
+    if split == "rows":
+        in_m = block_extent(in_features, Wm, m)
+        want_x = f"[*, {'n, ' if seq else ''}{in_m}] (block {m} of in_features={in_features} over {Wm})"
+        x_ok = x.shape[-1] == in_m
+        want_shard = (block_extent(out_features, Wd, d), in_m)
+        n = x.shape[-2] if seq else None
+    else:
+        out_m = block_extent(out_features, Wm, m)
+        want_shard = (out_m, block_extent(in_features, Wd, d))
+        if seq:
+            if n is None or n < 0:
+                raise expect(_OP, "n (the gathered sequence extent)", "an integer >= 0", n)
+            n_m = block_extent(int(n), Wm, m)
+            want_x = f"[*, {n_m}, {in_features}] (block {m} of n={n} over {Wm}, all input features)"
+            x_ok = x.shape[-1] == in_features and x.shape[-2] == n_m
+        else:
+            in_m = block_extent(in_features, Wm, m)
+            want_x = f"[*, {in_m}] (block {m} of in_features={in_features} over {Wm})"
+            x_ok = x.shape[-1] == in_m
+    if not x_ok:
+        raise expect(_OP, "x shape", want_x, tuple(x.shape), cls=ShapeError)
+    if tuple(shard.shape) != want_shard:
+        raise expect(_OP, f"shard shape (ZeRO shard of the {split} of W over {Wd} data-parallel workers)",
+                     want_shard, tuple(shard.shape), cls=ShapeError)
+    lead = math.prod(x.shape[:-1])
+    if split == "columns" and seq:
+        lead = math.prod(x.shape[:-2]) * int(n)
+    return lead, (int(n) if n is not None else None)
+
+
+def zero_linear(x: torch.Tensor, shard: torch.Tensor, P_d: Partition, P_m: Partition | None = None, *, split: str,
+                axis: str = "features", out_features: int, in_features: int, n: int | None = None,
+                keep_gathered: bool = True, partial_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The ZeRO linear without its bias, the weight's all-gather over ``P_d`` fused into the GEMM; autograd-aware.
+
+    Args:
+        x: this worker's activations: ``split="rows"``: ``[*, in_m]`` (``[*, n, in_m]`` for
+            ``axis="sequence"``); ``split="columns"``: ``[*, in_m]`` (``[*, n_m, in]``).
+        shard: this worker's ZeRO shard, block ``(P_d.rank, P_m.rank)`` of ``W``: ``[out_d, in_m]``
+            (``"rows"``) or ``[out_m, in_d]`` (``"columns"``), balanced blocks.
+        P_d: the data-parallel workers sharing ``W_m``; P_m: the model-parallel workers of this
+            row (None: one).  Both must satisfy :func:`zero_linear_available`.
+        split, axis: the layer form (see the module doc).
+        out_features, in_features: of ``W``; n: the sequence extent (``"columns"`` with ``"sequence"``).
+        keep_gathered: keep ``W_m`` (and the gathered input) for the backward, or gather again.
+        partial_dtype: dtype of the partial sums on the wire (default x's).
+
+    Returns:
+        ``y`` without bias: ``[*, out_m]`` (features), ``[*, n_m, out]`` (``"rows"``, sequence)
+        or ``[*, n, out_m]`` (``"columns"``, sequence).
+
+    Collective over ``P_d`` and ``P_m`` in forward and backward (``DISTFUSE_DEBUG=1`` checks agreement
+    of the arguments); as for the other fused ops, the workers of a group must want the same
+    gradients (x's and the shard's ``requires_grad`` alike), since which collectives the
+    backward runs follows from them.
+    """
+    rows, n = _check(x, shard, P_d, P_m, split, axis, out_features, in_features, n)
+    if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
+        raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+    if P_m is not None and P_m.size > 1:
+        require_available(_OP, P_m, x.device)
+    require_available(_OP, P_d, x.device)
+    Wm, m = (1, 0) if P_m is None else (P_m.size, P_m.rank)
+    common = dict(out=int(out_features), in_=int(in_features), split=split, axis=axis, dtype=str(x.dtype),
+                  keep_gathered=bool(keep_gathered), partial_dtype=str(partial_dtype))
+    debug.check_agreement(_OP, P_d.ranks, P_d.meta_group, same=dict(common, m=m),
+                          info=dict(x=tuple(x.shape), shard=tuple(shard.shape)))
+    if Wm > 1:
+        debug.check_agreement(_OP, P_m.ranks, P_m.meta_group, same=dict(common, rows=rows, n=n),
+                              info=dict(x=tuple(x.shape), shard=tuple(shard.shape)))
+    nb_d, nb_m = zero_linear_workspace_bytes(split, axis, rows=rows, n=n, out_features=out_features,
+                                             in_features=in_features, P_d_size=P_d.size, P_m_size=Wm, m=m,
+                                             dtype=x.dtype, partial_dtype=partial_dtype)
+    m_comm = Comm(P=P_m, device=x.device) if Wm > 1 else Comm(device=x.device)
+    plan = _Plan(Comm(P=P_d, device=x.device), m_comm, split, axis, int(out_features), int(in_features), n,
+                 bool(keep_gathered), partial_dtype, nb_d, nb_m)
+    return ZeroLinear.apply(plan, x, shard)

@@ -1,0 +1,310 @@
+"""matmul_reduce_scatter_features, kernel floor: each GEMM tile's columns are stored straight into their owner's slot.
+
+DistDL's reduce-scatter linear (the output split along its last dim), and the input
+gradient of the all-gather-along-the-features linear::
+
+    a       [M, K]     this rank's input rows (leading dims flattened; K is this rank's input-feature block)
+    weight  [N, K]     nn.Linear layout; any strides (pass ``w.t()`` for a [K, N] operand)
+    forward out_r = sum_p (a_p @ weight_p.T)[:, start_r:stop_r] + bias_r       -> [M, len_r]
+    adjoint da_p  = all_gather_N(d out) @ weight_p
+                    (:func:`distfuse.kernels.all_gather_features_matmul.gathered_k_matmul` with ``weight_p.t()``)
+
+Chunk ``r`` is the output columns ``[start_r, stop_r)`` (balanced decomposition of ``N``
+over ``W``, so ``N`` need not divide by ``W``).  The row chunks of
+:mod:`distfuse.kernels.matmul_reduce_scatter` become column chunks: every row of the
+GEMM goes to every owner, each owner gets its own columns.
+
+Two launches per rank, inside one claim of the workspace: :func:`matmul_scatter_columns`
+(the producer: GEMM whose epilogue stores each tile into the slot of the rank that owns
+its columns, then raises that owner's flag) and :func:`column_reduce` (the consumer: the
+W partial slots of this rank's columns summed in fp32, plus the bias, rounded once).  The
+consumer is :mod:`distfuse.kernels.matmul_reduce_scatter`'s chunk-reduction kernel run
+over a column chunk (``n_rows = M``, ``N = len_r``): the slot layout, the flag protocol
+and the reduction are the same.
+
+Owner ``r``'s data region holds W slots, one per source, each ``[M, len_r]`` in
+``partial_dtype`` with rows ``ld = pad16(ceil(N / W))`` elements apart (the same ``ld`` on
+every owner, so one slot stride ``M * ld`` serves all of them; the padding keeps remote
+stores 16 bytes wide).
+
+Schedule (W = 4, rank 1): the producer's grid axis 1 is the step of the rotation,
+``chunk = (rank + 1 + step) % W``, so the W ranks write into W different owners at any
+moment and the local chunk comes last; the consumer waits ``flags[r, s]`` in arrival
+order.  Producers never wait, so the protocol cannot deadlock.  On CPU (``/dev/shm`` +
+interpreter) a host barrier orders producers before consumers and each flag is checked
+once.
+
+Precision: tiles accumulate in fp32 and are rounded once to ``partial_dtype``; the
+reduction adds the W partials in fp32 in a fixed order and rounds once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
+from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.geometry.decomposition import block_extent, block_range
+from distfuse.kernels._utils import (
+    AUTOTUNE,
+    CPU_CHUNK_REDUCE_CONFIG,
+    FLOAT_DTYPES,
+    INTERPRET,
+    TIMED_WAITS,
+    check_bias,
+    claimed_rank_view,
+    config_of,
+    get_chunk_reduce_configs,
+    get_gemm_configs,
+    input_precision,
+    output_buffer,
+    pick_gemm_launch,
+    pick_launch,
+    round_bf16,
+    timeout_arg,
+    ws_may_tune,
+)
+from distfuse.kernels.jit_helpers import arrive, balanced_chunk, cast_out, grouped_tile, matmul_tile, raise_flag
+
+__all__ = [
+    "matmul_scatter_columns",
+    "column_reduce",
+    "reduce_slots",
+    "matmul_reduce_scatter_features_loopback",
+    "matmul_reduce_scatter_features_reference",
+    "matmul_scatter_columns_workspace_bytes",
+    "column_slot_stride",
+]
+
+
+# Per-call integers must not be specialised (see matmul_reduce_scatter.py): epochs 1, 2, 16 would recompile mid-op.
+@triton.jit(do_not_specialize=["rank", "epoch", "src_offset"])
+def _matmul_scatter_columns_kernel(
+    a_ptr, b_ptr, bias_ptr, slots_ptr, data_ptrs, flag_ptrs, counter_ptr,
+    M, N, ld, K, rank, W, epoch, src_offset,
+    stride_am, stride_bn, stride_bk, stride_bias,
+    HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Grid (tiles of the widest column chunk, W): axis 1 is the step of the rotation, chunk = (rank + 1 + step) % W.
+
+    ``HAS_BIAS``: this rank's partial includes ``bias[N]`` (the producer-side bias of
+    :mod:`distfuse.kernels.matmul_all_reduce`, where one rank adds it for all).
+    """
+    pid = tl.program_id(0)
+    step = tl.program_id(1)
+    chunk = (rank + 1 + step) % W
+    start_c, len_c = balanced_chunk(chunk, N, W)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(len_c, BLOCK_N)
+    if pid < num_pid_m * num_pid_n:
+        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the chunk, 0-based
+        mask_m = offs_m < M
+        mask_n = offs_n < len_c
+        a_rows = a_ptr + offs_m.to(tl.int64) * stride_am
+        b_cols = b_ptr + start_c.to(tl.int64) * stride_bn
+        acc = matmul_tile(a_rows, mask_m, b_cols, offs_n, mask_n, K, stride_bk, stride_bn,
+                          UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + (start_c + offs_n) * stride_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        # Owner `chunk`'s slot for source `rank`, laid out [M, len_c] with rows ld apart.  The peer region is
+        # addressed from this rank's own aligned `slots_ptr` plus a distance that is a multiple of 16 elements
+        # (see matmul_reduce_scatter.py), so the stores are 16 bytes wide.
+        esize = slots_ptr.dtype.element_ty.primitive_bitwidth // 8
+        delta = (tl.load(data_ptrs + chunk) - tl.load(data_ptrs + rank)) // esize
+        dst = slots_ptr + tl.multiple_of(delta + src_offset, 16)
+        out = cast_out(acc, slots_ptr.dtype.element_ty, ROUND_BF16)
+        # Masked by the padded row (``ld``, a multiple of 16), not the chunk width: the columns past ``len_c`` hold
+        # zeros (their weight loads were masked) and land in the row's padding, which no reader touches.  A mask
+        # whose bound is a multiple of 16 lets the compiler keep the stores 16 bytes wide.
+        tl.store(dst + offs_m.to(tl.int64)[:, None] * tl.multiple_of(ld, 16) + offs_n[None, :], out,
+                 mask=mask_m[:, None] & (offs_n < tl.multiple_of(ld, 16))[None, :])
+    if arrive(counter_ptr + chunk):
+        flag = tl.load(flag_ptrs + chunk).to(tl.pointer_type(tl.int32)) + chunk * W + rank
+        raise_flag(flag, epoch)
+
+
+# Autotuners (CUDA, loopback ops only: see _utils.pinned_gemm_config), one per operand size.
+_matmul_scatter_columns_tuned = {
+    size: triton.autotune(get_gemm_configs(dt), key=["M", "N", "K"])(_matmul_scatter_columns_kernel)
+    for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
+
+
+def column_slot_stride(N: int, world_size: int) -> int:
+    """Row stride of a slot: the widest column chunk, ``ceil(N / W)``, padded to 16 elements."""
+    return reduce_scatter_kernels.slot_row_stride(-(-N // world_size))
+
+
+def matmul_scatter_columns_workspace_bytes(rows: int, N: int, world_size: int,
+                                           partial_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Data bytes one :func:`matmul_scatter_columns` needs in every rank's workspace: W slots of ``[M, ld]``."""
+    return world_size * rows * column_slot_stride(N, world_size) * partial_dtype.itemsize
+
+
+def _rows2(a: torch.Tensor) -> torch.Tensor:
+    """``a [..., K]`` as ``[M, K]`` with unit column stride."""
+    a2 = a.reshape(math.prod(a.shape[:-1]), a.shape[-1])  # not -1: ambiguous for an empty tensor
+    if a2.shape[1] > 0 and a2.stride(1) != 1:
+        a2 = a2.contiguous()
+    return a2
+
+
+def matmul_scatter_columns(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
+                           partial_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None,
+                           config: dict | None = None) -> None:
+    """Produce: ``a @ weight.T`` column chunk by column chunk, chunk r stored into rank r's slot for this rank.
+
+    Args:
+        a: ``[..., K]`` (leading dims are the rows M), bf16, fp16 or fp32.
+        weight: ``[N, K]``, same dtype as ``a``, any strides.
+        ws: a symmetric (or loopback) workspace claimed with ``ws.in_flight``; its data region
+            needs :func:`matmul_scatter_columns_workspace_bytes`.
+        rank, world_size: this rank and the group size (virtual rank in loopback).
+        partial_dtype: dtype of the partials in the slots (default ``a.dtype``).
+        bias: optional ``[N]`` added to this rank's partial (any stride); the reduce-scatter
+            linear adds its bias in :func:`column_reduce` instead.
+        config: explicit block sizes instead of autotuning / the pinned or CPU config.
+
+    Finish with :func:`column_reduce` on every rank, inside the same claim.
+    """
+    op = "matmul_scatter_columns"
+    if a.dim() < 1 or weight.dim() != 2 or a.shape[-1] != weight.shape[1]:
+        raise ShapeError(f"{where(op)}: expected a [..., K] and weight [N, K] with the same K, got "
+                         f"{tuple(a.shape)} and {tuple(weight.shape)}")
+    partial_dtype = partial_dtype or a.dtype
+    if a.dtype not in FLOAT_DTYPES or weight.dtype != a.dtype or partial_dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"{where(op)}: dtypes: expected a, weight and partials of one of {FLOAT_DTYPES} "
+                               f"(a and weight alike), got {a.dtype}, {weight.dtype} and {partial_dtype}")
+    if weight.device != a.device:
+        raise expect(op, "weight device (a's)", a.device, weight.device)
+    st = claimed_rank_view(op, ws, rank, world_size, a.device)
+    W = world_size
+    a2 = _rows2(a)
+    M, K = a2.shape
+    N = weight.shape[0]
+    check_bias(op, bias, N, a.device)
+    ld = column_slot_stride(N, W)
+    slot_elems = M * ld
+    slots = st.data(partial_dtype, W * slot_elems, op=op)
+    widest = -(-N // W)
+    kernel, meta = pick_gemm_launch(_matmul_scatter_columns_tuned, _matmul_scatter_columns_kernel, a.dtype, M, widest,
+                                    config, ws)
+
+    def grid(META):
+        # At least one program per chunk, so that every chunk's flag is raised even when it is empty.
+        return (max(1, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(widest, META["BLOCK_N"])), W)
+
+    kernel[grid](
+        a2, weight, bias if bias is not None else a2, slots, st.data_ptrs, st.flag_ptrs, st.counters,
+        M, N, ld, K, rank, W, st.epoch, rank * slot_elems,
+        a2.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
+        HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),
+        ROUND_BF16=round_bf16(partial_dtype), **meta,
+    )
+
+
+def reduce_slots(op: str, ws, rank: int, world_size: int, rows: int, cols: int, ld: int, *,
+                 partial_dtype: torch.dtype, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                 out: torch.Tensor | None, config: dict | None, what: str) -> torch.Tensor:
+    """Sum the W slots ``[rows, cols]`` (rows ``ld`` apart, slot stride ``rows * ld``) of this rank's data region.
+
+    :mod:`distfuse.kernels.matmul_reduce_scatter`'s chunk-reduction kernel: it waits
+    ``flags[rank, src]`` of every source, adds the slots in source order in fp32 (the same
+    order on every rank), adds ``bias [cols]`` once and rounds once.  Shared by
+    :func:`column_reduce` and the all-reduce of :mod:`distfuse.kernels.matmul_all_reduce`.
+    Returns ``[rows, cols]``.
+    """
+    st = claimed_rank_view(op, ws, rank, world_size, ws.device)
+    W = world_size
+    out = output_buffer(op, out, (rows, cols), out_dtype, ws.device, "[..., cols]")
+    check_bias(op, bias, cols, ws.device)
+    slot_elems = rows * ld
+    slots = st.data(partial_dtype, W * slot_elems, op=op)
+    st.wait_producers()  # collective on CPU: every rank calls it, even with nothing to reduce
+    if out.numel() > 0:
+        rk = reduce_scatter_kernels
+        kernel, meta = pick_launch(rk._chunk_reduce_tuned, rk._chunk_reduce_kernel, CPU_CHUNK_REDUCE_CONFIG,
+                                   config_of(get_chunk_reduce_configs(), 1), config, may_tune=ws_may_tune(ws))
+        block_c = min(256, triton.next_power_of_2(cols), meta.get("BLOCK", 1024))
+
+        def grid(META):
+            return (triton.cdiv(rows, META["BLOCK"] // block_c) * triton.cdiv(cols, block_c),)
+
+        kernel[grid](
+            slots, out, bias if bias is not None else out, st.flags, st.status,
+            rows, cols, ld, slot_elems, rank, W, st.epoch, timeout_arg(st), bias.stride(0) if bias is not None else 0,
+            HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, BLOCK_C=block_c, **meta,
+        )
+        st.check_status(op, what)
+    return out
+
+
+def column_reduce(ws, rank: int, world_size: int, rows: int, N: int, *, partial_dtype: torch.dtype,
+                  bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                  out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+    """Consume: sum the W partial slots of this rank's columns (fp32), add ``bias`` once, round once.
+
+    Args:
+        ws, rank, world_size: as for :func:`matmul_scatter_columns` (same claim).
+        rows, N: the GEMM's M and its full output features.
+        partial_dtype: the dtype :func:`matmul_scatter_columns` wrote.
+        bias: optional ``[len_rank]``, this rank's block of the bias (any stride).
+        out_dtype: output dtype (default ``partial_dtype``).
+        out: optional preallocated contiguous output of ``rows * len_rank`` elements ending in ``len_rank``.
+
+    Returns:
+        ``[rows, len_rank]`` with ``len_rank = block_extent(N, W, rank)``.
+    """
+    return reduce_slots("column_reduce", ws, rank, world_size, rows, block_extent(N, world_size, rank),
+                        column_slot_stride(N, world_size), partial_dtype=partial_dtype, bias=bias,
+                        out_dtype=out_dtype or partial_dtype, out=out, config=config,
+                        what=f"partials of column chunk {rank}")
+
+
+def matmul_reduce_scatter_features_loopback(a_list, weight_list, ws, *, biases=None,
+                                            out_dtype: torch.dtype | None = None,
+                                            partial_dtype: torch.dtype | None = None,
+                                            config: dict | None = None) -> list[torch.Tensor]:
+    """Every virtual rank of a loopback workspace: all producers, then all reducers; no autograd.
+
+    ``biases[r]`` is virtual rank r's ``[len_r]`` block (or ``biases=None``).  Returns the
+    W outputs ``[M, len_r]`` in rank order.
+    """
+    W = ws.world_size
+    a0 = a_list[0]
+    rows, N = math.prod(a0.shape[:-1]), weight_list[0].shape[0]
+    partial_dtype = partial_dtype or a0.dtype
+    with ws.in_flight("matmul_reduce_scatter_features_loopback"):
+        for r in range(W):
+            matmul_scatter_columns(a_list[r], weight_list[r], ws, r, W, partial_dtype=partial_dtype, config=config)
+        return [column_reduce(ws, r, W, rows, N, partial_dtype=partial_dtype,
+                              bias=None if biases is None else biases[r], out_dtype=out_dtype or a0.dtype)
+                for r in range(W)]
+
+
+def matmul_reduce_scatter_features_reference(a_list, weight_list, rank: int, *, bias: torch.Tensor | None = None,
+                                             out_dtype: torch.dtype | None = None,
+                                             partial_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Pure-torch reference of rank ``rank``'s output ``[M, len_rank]``, with the kernels' roundings.
+
+    Each partial ``(a_p @ weight_p.T)[:, columns of rank]`` is computed in fp32 and rounded to
+    ``partial_dtype``; the W partials and the bias block are summed in fp32 and rounded once.
+    """
+    W = len(a_list)
+    a0 = a_list[0]
+    partial_dtype = partial_dtype or a0.dtype
+    N = weight_list[0].shape[0]
+    start, stop = block_range(N, W, rank)
+    acc = None
+    for a, w in zip(a_list, weight_list, strict=True):
+        part = (_rows2(a).float() @ w[start:stop].float().t()).to(partial_dtype).float()
+        acc = part if acc is None else acc + part
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype or a0.dtype)

@@ -1,0 +1,267 @@
+"""matmul_scatter, persistent form: tensor-descriptor loads, grouped tiles, one flag per chunk, deferred arrival.
+
+The same producer as :func:`distfuse.kernels.matmul_reduce_scatter.matmul_scatter`, with
+the same outputs (the W slots and flags that :func:`~distfuse.kernels.matmul_reduce_scatter.chunk_reduce`
+consumes), built to reach the hardware::
+
+    a       [B_, n, K]   rows flattened to [B_ * n, K] (K contiguous)
+    weight  [N, K]       K contiguous, or [K, N] N contiguous (``weight.t()`` of a contiguous [K, N])
+    chunk c  = rows [start_c, start_c + len_c) of every batch entry (balanced decomposition of n over W)
+    slot     owner c's slot for this rank: [B_, len_c, N] in partial_dtype, rows ``ld`` apart
+
+How it differs from the one-tile-per-program kernel:
+
+* **Persistent grid.**  At most one program per SM; program ``p`` computes tiles
+  ``p, p + P, p + 2P, ...`` of the W * T tiles (T tiles per chunk, chunks in the
+  rank-rotated order ``rank + 1, rank + 2, ..., rank``: the W ranks write to W different
+  owners at any moment and the own chunk comes last).  Within a chunk tiles follow the
+  grouped order (``GROUP_M`` row tiles down a column of tiles), so concurrent programs
+  share weight columns in L2.
+* **Tensor descriptors.**  ``a`` and ``weight`` are read through
+  ``tl.make_tensor_descriptor`` (TMA on sm_90; the interpreter supports them too).  A
+  row tile never crosses a batch entry (T counts ``ceil(ceil(n / W) / BLOCK_M)`` row
+  tiles per batch entry), so each A tile is one rectangular box of the ``[B_ * n, K]``
+  view; rows past the chunk's end are loaded and masked at the store.
+* **One signal per chunk, deferred arrival.**  A tile counts itself done on a per-chunk
+  counter (acq_rel, GPU scope); the tile that completes the count resets it and raises
+  the owner's flag (release, system scope: cumulative, so it publishes every tile's
+  stores that the count observed).  A tile's arrival is issued after the *next* tile's
+  K loop: its remote stores drain over NVLink while the next tile computes, and no tile
+  waits for its own stores to be acknowledged before starting the next.
+* **Aligned, vectorised remote stores.**  The peer is addressed from this rank's own
+  slots pointer (an aligned argument) plus the element distance between the regions,
+  marked ``tl.multiple_of(.., 16)``, with the 16-element padded row stride ``ld``: 16-byte
+  stores (``st.global.v4.b32``), checked by the compile audit.
+
+Precision: fp32 accumulation, one rounding to ``partial_dtype``; fp32 operands use IEEE
+products unless ``torch.backends.cuda.matmul.allow_tf32`` (see ``input_precision``).
+
+When the descriptor preconditions fail (a row stride that is not a multiple of 16
+bytes, a base that is not 16-byte aligned, an empty extent), :func:`matmul_scatter_persistent`
+runs the pointer kernel instead: same outputs, and :func:`persistent_supported` says why.
+
+Not measured on a GPU yet: the kernel compiles for sm_90 (``compile_audit``) and is
+tested under the interpreter; ``bench/bench_gemm_fused.py`` times it where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.kernels._utils import (
+    CPU_GEMM_CONFIG,
+    FLOAT_DTYPES,
+    HAS_CUDA,
+    INTERPRET,
+    claimed_rank_view,
+    input_precision,
+    pinned_gemm_config,
+    round_bf16,
+)
+from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, grouped_tile, raise_flag
+from distfuse.kernels.persistent import persistent_programs
+
+__all__ = ["matmul_scatter_persistent", "persistent_supported", "persistent_gemm_config"]
+
+
+@triton.jit
+def _arrive_tile(counter_ptr, chunk, tiles_per_chunk, flag_ptrs, W, rank, epoch):
+    """Count one finished tile of ``chunk``; the tile that completes the count raises the owner's flag.
+
+    The CTA barrier orders every thread's stores of the tile before the count.  The
+    count is an acq_rel RMW at GPU scope (all counting programs run on this GPU); the
+    completing program then releases the flag at system scope, which by cumulativity
+    publishes the stores of every tile its RMW observed.  It resets the counter for the
+    next op: no other tile of this chunk is left to count.
+    """
+    tl.debug_barrier()
+    old = tl.atomic_add(counter_ptr + chunk, 1, sem="acq_rel", scope="gpu")
+    if old == tiles_per_chunk - 1:
+        tl.atomic_xchg(counter_ptr + chunk, 0, sem="relaxed", scope="gpu")
+        flag = tl.load(flag_ptrs + chunk).to(tl.pointer_type(tl.int32)) + chunk * W + rank
+        raise_flag(flag, epoch)
+
+
+@triton.jit(do_not_specialize=["rank", "epoch", "src_offset"])
+def _matmul_scatter_persistent_kernel(
+    a_ptr, b_ptr, slots_ptr, data_ptrs, flag_ptrs, counter_ptr,
+    n_batch, n, N, ld, K, rank, W, epoch, src_offset, stride_am, stride_b,
+    B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Persistent grid (at most one program per SM); see the module doc.
+
+    ``stride_am``: row stride of the ``[B_ * n, K]`` view of ``a``; ``stride_b``: row stride
+    of the weight, ``[N, K]`` (``B_KMAJOR`` False) or ``[K, N]`` (True).
+    """
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    tiles_m = tl.cdiv(tl.cdiv(n, W), BLOCK_M)  # row tiles per batch entry, sized for the largest chunk
+    num_pid_m = n_batch * tiles_m
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_chunk = num_pid_m * num_pid_n
+    total = W * tiles_per_chunk
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_batch * n, K], strides=[stride_am, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    if B_KMAJOR:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    esize = slots_ptr.dtype.element_ty.primitive_bitwidth // 8
+    own_base = tl.load(data_ptrs + rank)
+    pending = tl.full([], -1, tl.int32)  # chunk of the tile whose arrival is deferred (-1: none)
+    for t in range(pid, total, num_progs):
+        step = t // tiles_per_chunk
+        chunk = (rank + 1 + step) % W
+        start_c, len_c = balanced_chunk(chunk, n, W)
+        pid_m, pid_n = grouped_tile(t % tiles_per_chunk, num_pid_m, num_pid_n, GROUP_M)
+        b_idx = pid_m // tiles_m
+        row0 = (pid_m % tiles_m) * BLOCK_M  # first row of the tile inside the chunk
+        col0 = pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if row0 < len_c:  # the smaller chunks' last row tiles are empty
+            a_row = b_idx * n + start_c + row0
+            for k0 in range(0, K, BLOCK_K):
+                a = a_desc.load([a_row, k0])
+                if B_KMAJOR:
+                    b = b_desc.load([k0, col0])
+                else:
+                    b = b_desc.load([col0, k0]).T
+                if UPCAST:
+                    a = a.to(tl.float32)
+                    b = b.to(tl.float32)
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        # The previous tile's stores have drained while this tile's K loop ran: count it now.
+        if pending >= 0:
+            _arrive_tile(counter_ptr, pending, tiles_per_chunk, flag_ptrs, W, rank, epoch)
+        offs_r = row0 + tl.arange(0, BLOCK_M)
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        mask = (offs_r < len_c)[:, None] & (offs_n < N)[None, :]
+        rows = (b_idx * len_c + offs_r).to(tl.int64)  # slot rows: [B_, len_c] flattened
+        delta = (tl.load(data_ptrs + chunk) - own_base) // esize
+        dst = slots_ptr + tl.multiple_of(delta + src_offset, 16)
+        out = cast_out(acc, slots_ptr.dtype.element_ty, ROUND_BF16)
+        tl.store(dst + rows[:, None] * tl.multiple_of(ld, 16) + offs_n[None, :], out, mask=mask)
+        pending = chunk
+    if pending >= 0:
+        _arrive_tile(counter_ptr, pending, tiles_per_chunk, flag_ptrs, W, rank, epoch)
+
+
+_ALLOCATOR_SET = False
+
+
+def _ensure_descriptor_allocator() -> None:
+    """Device-side tensor descriptors need global scratch memory: give Triton a torch allocator (once, CUDA).
+
+    An allocator the application set already is kept.
+    """
+    global _ALLOCATOR_SET
+    if _ALLOCATOR_SET or INTERPRET or not HAS_CUDA:
+        return
+    from triton.runtime import _allocation
+
+    current = _allocation._allocator.get()
+    if isinstance(current, _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    _ALLOCATOR_SET = True
+
+
+def persistent_gemm_config(dtype: torch.dtype, rows: int, cols: int, config: dict | None = None) -> dict:
+    """Block sizes of the persistent kernel: ``config``, the CPU config (interpreter), or the pinned GPU rule.
+
+    Pinned, not autotuned, even in loopback: the grid depends on the SM count, and one
+    rule on every rank keeps the ranks' tilings alike.  ``num_stages`` is the pinned
+    config's (TMA loads pipeline like pointer loads).
+    """
+    blocks = {k: v for k, v in (config or {}).items() if k not in ("kernel", "PROGRAMS")}
+    if "BLOCK_M" in blocks:
+        return blocks
+    if INTERPRET or not HAS_CUDA:
+        return dict(CPU_GEMM_CONFIG)
+    return pinned_gemm_config(dtype, rows, cols)
+
+
+def persistent_supported(a3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
+    """Whether the descriptor kernel can read ``a3 [B_, n, K]`` and ``weight [N, K]``; else why not.
+
+    A descriptor needs a 16-byte aligned base, a unit last stride and other strides that
+    are multiples of 16 bytes; ``a3``'s rows must also be one ``[B_ * n, K]`` matrix.
+    """
+    B, n, K = a3.shape
+    N = weight.shape[0]
+    esize = a3.element_size()
+    if min(B, n, K, N) == 0:
+        return False, "an empty extent"
+    if a3.stride(2) != 1 or (B > 1 and a3.stride(0) != n * a3.stride(1)):
+        return False, "a's rows are not one [B_ * n, K] matrix with contiguous K"
+    if (a3.stride(1) * esize) % 16 or a3.data_ptr() % 16:
+        return False, "a's row stride or base is not 16-byte aligned"
+    if weight.stride(1) == 1 and (weight.stride(0) * esize) % 16 == 0:
+        pass
+    elif weight.stride(0) == 1 and (weight.stride(1) * esize) % 16 == 0:
+        pass
+    else:
+        return False, "the weight has no contiguous dim with a 16-byte aligned row stride"
+    if weight.data_ptr() % 16:
+        return False, "the weight's base is not 16-byte aligned"
+    return True, ""
+
+
+def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
+                              partial_dtype: torch.dtype | None = None, config: dict | None = None) -> None:
+    """Produce, like :func:`~distfuse.kernels.matmul_reduce_scatter.matmul_scatter`, with the persistent kernel.
+
+    Same arguments and the same slots and flags; finish with ``chunk_reduce``.  ``config``
+    may add ``PROGRAMS`` (the persistent grid's size; default one per SM on CUDA, 2 under
+    the interpreter).  Falls back to the pointer kernel where :func:`persistent_supported`
+    says no (same outputs).
+    """
+    from distfuse.kernels import matmul_reduce_scatter as pointer_kernels
+
+    op = "matmul_scatter_persistent"
+    if a.dim() < 2 or weight.dim() != 2:
+        raise ShapeError(f"{where(op)}: expected a [..., n, K] and weight [N, K], got {tuple(a.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if a.shape[-1] != weight.shape[1]:
+        raise expect(op, "weight inner dim (a.shape[-1])", a.shape[-1], weight.shape[1])
+    partial_dtype = partial_dtype or a.dtype
+    if a.dtype not in FLOAT_DTYPES or weight.dtype != a.dtype or partial_dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"{where(op)}: dtypes: expected a, weight and partials of one of {FLOAT_DTYPES} "
+                               f"(a and weight alike), got {a.dtype}, {weight.dtype} and {partial_dtype}")
+    if weight.device != a.device:
+        raise expect(op, "weight device (a's)", a.device, weight.device)
+    W = world_size
+    n, K, N = a.shape[-2], a.shape[-1], weight.shape[0]
+    a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
+    ok, _why = persistent_supported(a3, weight)
+    if not ok:
+        fallback = {k: v for k, v in (config or {}).items() if k not in ("kernel", "PROGRAMS")} or None
+        if fallback is not None and "BLOCK_M" not in fallback:
+            fallback = None
+        pointer_kernels.matmul_scatter(a, weight, ws, rank, W, partial_dtype=partial_dtype, config=fallback)
+        return
+    st = claimed_rank_view(op, ws, rank, W, a.device)
+    n_batch = a3.shape[0]
+    ld = pointer_kernels.slot_row_stride(N)
+    slot_elems = n_batch * (-(-n // W)) * ld
+    slots = st.data(partial_dtype, W * slot_elems, op=op)
+    q1 = -(-n // W)
+    meta = persistent_gemm_config(a.dtype, n_batch * q1, N, config)
+    tiles = W * n_batch * triton.cdiv(q1, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+    programs = min(tiles, persistent_programs(a.device, (config or {}).get("PROGRAMS")))
+    b_kmajor = not (weight.stride(1) == 1 and (weight.stride(0) * a.element_size()) % 16 == 0)
+    _ensure_descriptor_allocator()
+    _matmul_scatter_persistent_kernel[(programs,)](
+        a3, weight, slots, st.data_ptrs, st.flag_ptrs, st.counters,
+        n_batch, n, N, ld, K, rank, W, st.epoch, rank * slot_elems, a3.stride(1),
+        weight.stride(1) if b_kmajor else weight.stride(0),
+        B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),
+        ROUND_BF16=round_bf16(partial_dtype), **meta,
+    )
