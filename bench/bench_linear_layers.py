@@ -299,7 +299,7 @@ def _peak_mb(step, device: torch.device) -> float | None:
 def bench_rank(cfg: dict) -> list:
     """Every op, shape and mode on this rank; returns plain dicts (the same on every rank)."""
     from bench.harness import summarize, time_interleaved
-    from distfuse.partition import metadata_group
+    from distfuse.groups import metadata_group
 
     W = dist.get_world_size()
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

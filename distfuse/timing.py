@@ -12,7 +12,7 @@ Policy:
   the timed region) and the repetition's time is the slowest rank's (an all-reduce MAX
   outside the timed region), because a collective finishes when its last rank does.
   ``sync_group`` must all-reduce a CPU tensor: gloo, or under NCCL
-  ``distfuse.partition.metadata_group()`` / a partition's ``meta_group``.
+  ``distfuse.groups.metadata_group()`` / a partition's ``meta_group``.
 * Summaries: the median and the 20th / 80th percentiles (:func:`summarize`).
 
 This module lives in the package (not in ``bench/``, which is not installed) so that the

@@ -51,7 +51,7 @@ def probe() -> dict:
     dist.init_process_group(init_method=f"file://{path}", rank=0, world_size=1)  # no backend: the torchrun way
     try:
         from distfuse import Partition
-        from distfuse.partition import cuda_backend_of
+        from distfuse.groups import cuda_backend_of
 
         out["backend_string"] = str(dist.get_backend())
         out["distfuse_cuda_backend"] = cuda_backend_of(dist.group.WORLD)

@@ -16,13 +16,18 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "distfuse"
 FLOOR = {
     "errors": 0, "_compat": 0, "debug": 0,
     "geometry": 1,
-    "partition": 2, "timing": 2,
+    "partition": 2, "groups": 2, "timing": 2,
     "kernels": 3, "primitives": 3, "testing": 3,
     "fused": 4,
+    # torch.library custom ops over the primitives (and the fused ops); the layers call them in compiled code
+    "ops": 4,
     "layers": 5,
-    "tune": 6, "demo": 7, "__init__": 7,
+    "tune": 6, "demo": 7, "demo_unet": 7, "__init__": 7,
     # the crossover table's format sits beside the registry it keys: dispatch reads it, the sweep writes it
     "tune.table": 4,
+    # bridges to DeviceMesh/DTensor/DCP and the whole-model helpers sit beside the tuner, above the layers;
+    # the DeviceMesh conversion needs only partitions, so Partition.device_mesh() may delegate to it
+    "interop": 6, "model": 6, "interop.device_mesh": 2,
 }
 
 def _floor_of(rel: pathlib.Path) -> str:

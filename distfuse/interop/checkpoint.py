@@ -1,0 +1,309 @@
+"""Distributed checkpoints of distfuse models with ``torch.distributed.checkpoint`` (DCP), resharding on load.
+
+What is saved (one DCP checkpoint, keys as DCP flattens nested dicts)::
+
+    model.<key>                 every parameter and buffer under its key in the equivalent torch.nn
+                                model (``0.weight`` for the first layer of a Sequential); a distfuse
+                                layer's as a DTensor (:func:`~distfuse.interop.dtensor.param_to_dtensor`:
+                                blocks are shards, copies of a block are replicas, written once),
+                                a plain module's tensor whole (replicated: DCP writes it once)
+    optim.state.<key>.<name>    optimizer state: a tensor shaped like its parameter is
+                                sharded like it; 0-d tensors (``step``) and numbers are replicated
+    optim.param_groups          the optimizer's hyperparameters, one dict per group (one opaque entry)
+    extra                       any picklable object (epoch, data-loader position; one opaque entry)
+
+Because every entry is described by its global shape and the chunk each rank holds, DCP
+reshards on load: :func:`load_checkpoint` reads into the blocks of a model built on other
+partitions, another grid or another world size.  The ``model`` entries are a plain
+``torch.nn`` state dict in DCP form, so the equivalent ``torch.nn`` model ``seq`` reads
+and writes them even without distfuse::
+
+    sd = {"model": seq.state_dict()}
+    dcp.load(sd, checkpoint_id=path, no_dist=True); seq.load_state_dict(sd["model"])
+    dcp.save({"model": seq.state_dict()}, checkpoint_id=path, no_dist=True)   # and back
+
+and ``load_checkpoint(path, seq, seq_optimizer, single_process=True)`` (or
+``save_checkpoint``) moves the optimizer state too, in one process on its own.
+
+Costs.  A block moves once from the balanced layout to DTensor's ``torch.chunk`` layout
+on save, and back on load (only elements whose owner differs move; an even split moves
+nothing across ranks).  The first save or load of a model creates a DeviceMesh per
+parameter partition (collective over the world; cached).
+
+Collectives: both functions are collective over the world (``model`` built alike on
+every rank; ranks that own no block pass the model all the same).  DCP's own
+coordination runs on distfuse's gloo metadata group, so it never syncs a GPU stream.
+Problems found on one rank (a model built differently, owners whose optimizer state
+differs, a checkpoint without a needed key) raise the same error on every rank.
+
+``checkpoint_id`` is a directory on a file system every rank can read (DCP's
+``FileSystemWriter``/``FileSystemReader``).  DCP would flatten a list or dict into one
+entry per leaf, so ``param_groups`` and ``extra`` are stored whole, as ``torch.save``
+bytes: loading them unpickles, so load only checkpoints you trust, as with
+``torch.load(weights_only=False)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from distfuse.errors import ShapeError, UnsupportedError, where
+from distfuse.groups import metadata_group
+from distfuse.interop.dtensor import empty_param_dtensor, param_from_dtensor, param_to_dtensor
+from distfuse.interop.model_map import ModelMap, agree, gather_block_dtypes, map_model
+from distfuse.partition import zero_volume_tensor
+
+__all__ = ["save_checkpoint", "load_checkpoint"]
+
+
+def _opaque(obj) -> io.BytesIO:
+    """``obj`` as one DCP entry (DCP flattens lists and dicts into one entry per leaf)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    buf.seek(0)
+    return buf
+
+
+def _unwrap(value):
+    if isinstance(value, io.BytesIO):
+        value.seek(0)
+        return torch.load(value, weights_only=False)
+    return value
+
+
+def _param_keys(mm: ModelMap, optimizer) -> dict[int, str]:
+    """``id(param) -> key`` for every parameter of ``optimizer`` (they must belong to the model)."""
+    keys = {id(e.tensor): e.key for e in mm.blocks if e.tensor is not None}
+    keys.update({id(t): k for k, t in mm.plain.items() if isinstance(t, nn.Parameter)})
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in keys:
+                raise UnsupportedError(f"{where('checkpoint')}: the optimizer holds a parameter of shape "
+                                       f"{tuple(p.shape)} that is not in the model")
+    return keys
+
+
+def _is_block_state(value, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(param.shape)
+
+
+def _optimizer_layout(mm: ModelMap, optimizer, op: str, local: bool) -> dict[str, dict[str, str]]:
+    """Per block key, ``state name -> dtype`` of its block-shaped optimizer state, agreed by all owners."""
+    if local:
+        return {}
+    mine = {}
+    for e in mm.blocks:
+        t = e.tensor
+        if t is not None and optimizer is not None:
+            st = optimizer.state.get(t, {})
+            mine[e.key] = {k: str(v.dtype) for k, v in st.items() if _is_block_state(v, t)}
+    rows: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(rows, mine, group=metadata_group())
+    merged: dict[str, dict[str, str]] = {}
+    for row in rows:
+        for key, states in row.items():
+            if key in merged and merged[key] != states:
+                raise ShapeError(f"{where(op)}: the owners of {key} hold different optimizer state ({merged[key]} vs "
+                                 f"{states}); step the optimizer on every rank before saving")
+            merged[key] = states
+    return merged
+
+
+def _optimizer_state(mm: ModelMap, optimizer, op: str, local: bool) -> dict:
+    """The ``optim`` part of the saved dict (collective: block-shaped state becomes DTensors)."""
+    layout = _optimizer_layout(mm, optimizer, op, local)
+    out: dict = {"state": {}}
+    if optimizer is not None:
+        keys = _param_keys(mm, optimizer)
+        block_ids = mm.block_param_ids()
+        for group in optimizer.param_groups:
+            for p in group["params"]:  # a plain parameter's state is replicated whole; a block's only where 0-d
+                entries = {k: v for k, v in optimizer.state.get(p, {}).items()
+                           if id(p) not in block_ids or not _is_block_state(v, p)}
+                if entries:
+                    out["state"][keys[id(p)]] = {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                                                 for k, v in entries.items()}
+        out["param_groups"] = _opaque([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
+    for e in mm.blocks:
+        lay = e.layout
+        for name, dtype_name in sorted(layout.get(e.key, {}).items()):
+            dtype = getattr(torch, dtype_name.replace("torch.", ""))
+            t = e.tensor
+            block = optimizer.state[t][name].detach() if t is not None else \
+                zero_volume_tensor(dtype=dtype, device=lay.P.device)
+            dt = param_to_dtensor(block, lay, dtype)
+            if t is not None:
+                out["state"].setdefault(e.key, {})[name] = dt
+    return out
+
+
+def _single(single_process: bool) -> bool:
+    return single_process or not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
+@contextlib.contextmanager
+def _quiet_if(local: bool):
+    """DCP warns that it assumes a single process whenever no_dist is set: here that is what was asked for."""
+    with warnings.catch_warnings():
+        if local:
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+@torch.no_grad()
+def save_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer=None, extra=None, *,
+                    single_process: bool = False) -> None:
+    """Save ``model`` (and ``optimizer``, ``extra``) as one DCP checkpoint; collective over the world.
+
+    ``single_process``: save a plain ``torch.nn`` model from this process alone (no
+    communication; the default when ``torch.distributed`` is not initialised), in the
+    same format, so that a distributed model can load it.
+    """
+    op = "save_checkpoint"
+    local = _single(single_process)
+    mm = map_model(model)
+    dtypes = gather_block_dtypes(mm, op, local)
+    model_state: dict = {}
+    for e in mm.blocks:
+        lay = e.layout
+        block = e.tensor.detach() if e.tensor is not None else \
+            zero_volume_tensor(dtype=dtypes[e.key], device=lay.P.device)
+        dt = param_to_dtensor(block, lay, dtypes[e.key])
+        if e.tensor is not None:
+            model_state[e.key] = dt
+    model_state.update({k: t.detach() for k, t in mm.plain.items()})
+    state = {"model": model_state, "optim": _optimizer_state(mm, optimizer, op, local), "extra": _opaque(extra)}
+    with _quiet_if(local):
+        dcp.save(state, checkpoint_id=checkpoint_id, process_group=None if local else metadata_group(), no_dist=local)
+
+
+def _saved_entries(checkpoint_id) -> dict:
+    return dict(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
+
+
+def _placeholder(md, device):
+    """A tensor to read a replicated entry into, or None for a pickled object."""
+    size = getattr(md, "size", None)
+    if size is None:
+        return None
+    return torch.empty(tuple(size), dtype=md.properties.dtype, device=device)
+
+
+@torch.no_grad()
+def load_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer=None, *,
+                    single_process: bool = False):
+    """Load a checkpoint of :func:`save_checkpoint` into ``model`` (and ``optimizer``), resharding as needed.
+
+    ``model`` may be built on other partitions or another world size than the saved one;
+    it must have the same parameters (same sequential keys and global shapes).  Returns
+    the saved ``extra`` object.  Collective over the world.  ``single_process``: load into
+    a plain ``torch.nn`` model (and its optimizer) in this process alone, for example on
+    one rank of a running job (the default when ``torch.distributed`` is not initialised).
+    """
+    op = "load_checkpoint"
+    local = _single(single_process)
+    mm = map_model(model)
+    dtypes = gather_block_dtypes(mm, op, local)
+    saved = _saved_entries(checkpoint_id)
+    wanted = [f"model.{e.key}" for e in mm.blocks] + [f"model.{k}" for k in mm.plain]
+    missing = [k for k in wanted if k not in saved]
+    shapes = {f"model.{e.key}": tuple(e.layout.global_shape) for e in mm.blocks}
+    shapes.update({f"model.{k}": tuple(t.shape) for k, t in mm.plain.items()})
+    wrong = [f"{k}: saved {tuple(getattr(saved[k], 'size', ()))}, model {s}" for k, s in shapes.items()
+             if k in saved and tuple(getattr(saved[k], "size", ())) != s]
+    agree(f"the checkpoint has no {missing[:5]}" if missing else
+          (f"shapes differ: {wrong[:5]}" if wrong else None), op, local=local)
+
+    model_state: dict = {}
+    targets = []
+    for e in mm.blocks:
+        dt = empty_param_dtensor(e.layout, dtypes[e.key])
+        if e.tensor is not None:
+            model_state[e.key] = dt
+        targets.append((e, dt))
+    model_state.update({k: t.detach() for k, t in mm.plain.items()})  # DCP reads into them in place
+    state: dict = {"model": model_state}
+    if "extra" in saved:
+        state["extra"] = None
+    opt_targets = _optimizer_targets(mm, optimizer, saved, state, op, local) if optimizer is not None else None
+    with _quiet_if(local):
+        dcp.load(state, checkpoint_id=checkpoint_id, process_group=None if local else metadata_group(), no_dist=local)
+
+    for e, dt in targets:
+        block = param_from_dtensor(dt, e.layout)
+        if e.tensor is not None:
+            e.tensor.copy_(block)
+    if optimizer is not None:
+        _apply_optimizer_state(mm, optimizer, state, opt_targets, local)
+    return _unwrap(state.get("extra"))
+
+
+def _optimizer_targets(mm: ModelMap, optimizer, saved: dict, state: dict, op: str, local: bool) -> list:
+    """Fill ``state["optim"]`` with destinations for the saved optimizer entries; returns the DTensor ones."""
+    prefix = "optim.state."
+    block_targets = []
+    optim: dict = {"state": {}}
+    for e in mm.blocks:
+        names = sorted(k[len(prefix) + len(e.key) + 1:] for k in saved if k.startswith(f"{prefix}{e.key}."))
+        for name in names:
+            md = saved[f"{prefix}{e.key}.{name}"]
+            size = tuple(getattr(md, "size", ()) or ())
+            if size == tuple(e.layout.global_shape) and len(size) > 0:
+                dt = empty_param_dtensor(e.layout, md.properties.dtype)
+                block_targets.append((e, name, dt))
+                target = dt
+            else:
+                target = _placeholder(md, torch.device("cpu"))
+            if e.tensor is not None:
+                optim["state"].setdefault(e.key, {})[name] = target
+    for key, t in mm.plain.items():
+        if not isinstance(t, nn.Parameter):
+            continue
+        for k in saved:
+            if k.startswith(f"{prefix}{key}.") and "." not in k[len(prefix) + len(key) + 1:]:
+                optim["state"].setdefault(key, {})[k[len(prefix) + len(key) + 1:]] = \
+                    _placeholder(saved[k], torch.device("cpu"))
+    if "optim.param_groups" not in saved:
+        agree("the checkpoint holds no optimizer (save it with optimizer=...)", op, local=local)
+    optim["param_groups"] = None
+    state["optim"] = optim
+    return block_targets
+
+
+def _apply_optimizer_state(mm: ModelMap, optimizer, state: dict, block_targets: list, local: bool) -> None:
+    """Turn the loaded entries into ``optimizer.load_state_dict`` form (torch then casts each value)."""
+    op = "load_checkpoint"
+    loaded = state["optim"]["state"]
+    for e, name, dt in block_targets:
+        block = param_from_dtensor(dt, e.layout)
+        if e.tensor is not None:
+            loaded[e.key][name] = block
+    groups = _unwrap(state["optim"]["param_groups"])
+    current = optimizer.state_dict()
+    problem = None
+    if not isinstance(groups, list) or len(groups) != len(current["param_groups"]):
+        problem = (f"the checkpoint has {len(groups) if isinstance(groups, list) else 'no'} optimizer param groups, "
+                   f"this optimizer {len(current['param_groups'])}")
+    agree(problem, op, local=local)
+    keys = _param_keys(mm, optimizer)
+    new_state = {}
+    index = 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = loaded.get(keys[id(p)])
+            if entry:
+                new_state[index] = dict(entry)
+            index += 1
+    new_groups = []
+    for saved_group, cur in zip(groups, current["param_groups"], strict=True):
+        merged = dict(saved_group)
+        merged["params"] = cur["params"]
+        new_groups.append(merged)
+    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})

@@ -1,0 +1,63 @@
+"""distfuse's communication as ``torch.library`` custom ops, for ``torch.compile`` without graph breaks.
+
+Each op is opaque to the compiler: its eager implementation runs the same point-to-point
+rounds as the autograd primitives (it calls the same functions), its fake implementation
+gives the output's shape, dtype and memory format from the op's arguments alone, and its
+backward is registered with ``torch.library.register_autograd`` (the adjoint op).
+
+=================================  ==========================================================
+op                                 what it is
+=================================  ==========================================================
+``distfuse::halo_exchange``        :class:`~distfuse.primitives.halo_exchange.HaloExchange`'s
+                                   round: block -> staged input (adjoint:
+                                   ``distfuse::halo_exchange_adjoint``, and back)
+``distfuse::flagged_root_broadcast``  a root's packed parameters to every worker, with every
+                                   worker's agreement flag (adjoint: the sum onto the root)
+``distfuse::gather``,              a sub-grid's all-gather and reduce-scatter of balanced
+``distfuse::scatter_sum``          blocks (each the other's adjoint)
+``distfuse::agreed_gather``,       the same with the agreement flag (the linear layers'
+``distfuse::agreed_scatter_sum``   steady state)
+``distfuse::broadcast_packed``     packed parameter blocks, owners to users (adjoint:
+                                   ``distfuse::sum_packed``)
+=================================  ==========================================================
+
+Communication must run in the same order on every rank.  The graphs of the ranks differ
+a little (the root of a parameter broadcast concatenates the parameters, the others do
+not), so a compiler that reorders independent nodes by its own heuristics can order one
+rank's rounds differently from its peers'.  The ops are registered as ``ORDERED``
+effects, and ``eager`` / ``aot_eager`` keep program order; inductor's memory and
+locality reordering does not honour the effect order (measured: the root ran its halo
+round before its parameter round, and gloo aborted with "Received data size doesn't
+match"), so compile with :data:`INDUCTOR_OPTIONS`::
+
+    torch.compile(model, fullgraph=True, options=distfuse.ops.INDUCTOR_OPTIONS)
+
+The objects an op needs (plans, partitions) are named by integer handles
+(:mod:`distfuse.primitives._handles`), so every rank's graph is the same.  Shapes are
+static in a compiled graph: the layers agree on metadata in eager calls and, inside a
+compiled region, only check that the call repeats the agreed one (see
+``docs/design.md``, "torch.compile").
+"""
+
+from distfuse.ops.collectives import (
+    GRAD_ANCHOR,
+    NO_ANCHOR,
+    FlaggedSite,
+    PackedBroadcast,
+    agreed_gather,
+    agreed_scatter_sum,
+    broadcast_packed,
+    gather,
+    scatter_sum,
+    sum_packed,
+)
+from distfuse.ops.halo import halo_exchange, halo_exchange_adjoint
+from distfuse.ops.root_broadcast import RootBroadcast, flagged_root_broadcast
+
+#: ``torch.compile(..., backend="inductor", options=INDUCTOR_OPTIONS)``: keep program order for the
+#: communication ops (see the module docstring).
+INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": False}
+
+__all__ = ["INDUCTOR_OPTIONS", "halo_exchange", "halo_exchange_adjoint", "flagged_root_broadcast", "RootBroadcast",
+           "FlaggedSite", "PackedBroadcast", "gather", "scatter_sum", "agreed_gather", "agreed_scatter_sum",
+           "broadcast_packed", "sum_packed", "GRAD_ANCHOR", "NO_ANCHOR"]

@@ -1,0 +1,225 @@
+"""CUDA-graph capture safety of the halo-convolution hot path, checked on CPU; and a capture on a GPU.
+
+A CUDA graph replays device work only: a captured region must not read a device tensor on
+the host (``.item()``, ``bool(t)``, ``.tolist()``, ``nonzero``: illegal while capturing),
+must not run host-side collectives (their effect is not replayed), and must not allocate
+workspaces that a replay would not see.  The feature convolution's steady state reads
+one agreement flag per call on the host; :func:`distfuse.primitives._agreement.capture_safe`
+(entered by itself while a CUDA stream captures) trusts the agreement made in eager
+warm-up instead.
+
+On CPU (gloo, the fused path interpreted by Triton), a training step (forward and backward)
+of ``DistributedConv2d`` over ``[1, 1, 2, 2]``, fused and unfused, after two eager warm-up
+steps and inside ``capture_safe()``:
+
+* performs no host read of a tensor (a dispatch mode counts ``_local_scalar_dense`` and
+  ``nonzero``; the same step outside ``capture_safe()`` reads the flag, the control that
+  shows the counter sees host reads);
+* runs no host-side collective (the metadata all-gather, barriers, object collectives
+  are counted); the halo and parameter rounds are point-to-point (``batch_isend_irecv``,
+  capturable under NCCL);
+* creates or grows no symmetric workspace (the halo path uses none; the check keeps it so);
+* gives bitwise the results of the eager step.
+
+Epochs: the halo path has none (its rounds are matched point-to-point messages).  The GEMM
+fusions' flags carry a host-side epoch, which a captured graph would freeze; see
+``docs/gpu.md`` ("CUDA graphs"): they are not capture-safe yet.
+
+The ``cuda`` test captures forward and backward of the layer in a ``torch.cuda.CUDAGraph``
+(one rank, NCCL) and replays it on new data against eager.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import distfuse._compat as compat
+from distfuse.fused import symmetric
+from distfuse.geometry.decomposition import local_slices
+from distfuse.layers.conv import DistributedConv2d
+from distfuse.primitives._agreement import capture_safe
+from distfuse.testing import run_ranks
+from tests.test_conv_support import grid, with_path
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the aten ops that read a tensor's value on the host (a device sync on CUDA)."""
+
+    SYNCS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+             torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default}
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SYNCS:
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _HostCollectives:
+    """Counts host-side collectives (patched for the duration of a ``with``) and point-to-point batches."""
+
+    NAMES = ("all_gather_object", "broadcast_object_list", "monitored_barrier", "barrier", "all_reduce",
+             "all_gather_into_tensor", "gather_object")
+
+    def __enter__(self):
+        self.calls, self.p2p, self._saved = [], 0, []
+
+        def counting(name, fn):
+            def wrapper(*args, **kwargs):
+                self.calls.append(name)
+                return fn(*args, **kwargs)
+            return wrapper
+
+        for name in self.NAMES:
+            self._saved.append((dist, name, getattr(dist, name)))
+            setattr(dist, name, counting(name, getattr(dist, name)))
+        for name in ("_ALL_GATHER", "_REDUCE_SCATTER"):  # distfuse's flat collectives (the metadata gathers)
+            self._saved.append((compat, name, getattr(compat, name)))
+            setattr(compat, name, counting(f"distfuse {name}", getattr(compat, name)))
+        batch = dist.batch_isend_irecv
+
+        def counting_batch(ops):
+            self.p2p += 1
+            return batch(ops)
+
+        self._saved.append((dist, "batch_isend_irecv", batch))
+        dist.batch_isend_irecv = counting_batch
+        self._saved.append((symmetric, "get_workspace", symmetric.get_workspace))
+        symmetric.get_workspace = counting("get_workspace", symmetric.get_workspace)
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, fn in reversed(self._saved):
+            setattr(mod, name, fn)
+
+
+def _hot_path(path: str):
+    P_x = grid((2, 0, 3, 1), (1, 1, 2, 2))
+    torch.manual_seed(0)
+    layer = DistributedConv2d(P_x, 3, 4, 3, padding=1)
+    gen = torch.Generator().manual_seed(3)
+    xg = torch.randn(2, 3, 7, 6, generator=gen)
+    dyg = torch.randn(2, 4, 7, 6, generator=gen)
+    sl, sl_y = local_slices(xg.shape, P_x.shape, P_x.index), local_slices(dyg.shape, P_x.shape, P_x.index)
+
+    def step():
+        x = xg[sl].clone().requires_grad_(True)
+        y = with_path(path, lambda: layer(x))
+        y.backward(dyg[sl_y])
+        out = [y.detach(), x.grad] + [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+        return out
+
+    step(), step()  # warm-up: the agreement settles, plans and tables are built
+    eager = step()
+    workspaces = dict(symmetric._CACHE)
+    with _HostCollectives() as coll, _HostReads() as reads, capture_safe():
+        trusted = step()
+    with _HostReads() as control:  # outside capture_safe the steady state reads the agreement flag
+        step()
+    same = all(torch.equal(a, b) for a, b in zip(trusted, eager, strict=True))
+    return dict(reads=reads.reads, collectives=coll.calls, p2p=coll.p2p, control=control.reads, same=same,
+                workspaces_same=dict(symmetric._CACHE) == workspaces, path=layer.last_path)
+
+
+@pytest.mark.parametrize("path", ["fused", "unfused"])
+def test_halo_conv_step_is_capture_safe(path):
+    if path == "fused":
+        pytest.importorskip("triton")
+    for rank, r in enumerate(run_ranks(4, _hot_path, path)):
+        assert r["path"] == path
+        assert r["reads"] == [], f"rank {rank}: host reads inside the capture-safe step: {r['reads']}"
+        assert r["collectives"] == [], f"rank {rank}: host-side collectives: {r['collectives']}"
+        assert r["p2p"] > 0, f"rank {rank}: no point-to-point round counted (the counter has no teeth)"
+        assert r["control"], f"rank {rank}: the eager steady state read no flag (the read counter has no teeth)"
+        assert r["workspaces_same"], f"rank {rank}: a symmetric workspace was created or grown"
+        assert r["same"], f"rank {rank}: the capture-safe step differs from the eager one"
+
+
+def _shape_change_refused():
+    from distfuse.errors import UnsupportedError
+
+    P_x = grid(range(4), (1, 1, 2, 2))
+    layer = DistributedConv2d(P_x, 2, 3, 3, padding=1)
+    x = torch.randn(2, 2, 3, 3)
+    layer(x)
+    try:
+        with capture_safe():
+            layer(torch.randn(1, 2, 3, 3))  # every worker changes its batch: every worker refuses locally
+    except UnsupportedError as exc:
+        return str(exc)
+    return None
+
+
+def test_capture_safe_refuses_a_changed_call():
+    for msg in run_ranks(4, _shape_change_refused):
+        assert msg is not None and "warm up" in msg
+
+
+# ---------------------------------------------------------------- on a GPU
+
+
+def _cuda_capture_worker(init_file: str, out_file: str) -> None:  # pragma: no cover - runs on a GPU only
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        torch.backends.cudnn.allow_tf32 = False  # fp32 convolutions in fp32 on both sides
+        torch.backends.cuda.matmul.allow_tf32 = False
+        P_x = grid([0], (1, 1, 1, 1))
+        torch.manual_seed(0)
+        layer = DistributedConv2d(P_x, 8, 16, 3, padding=1)
+        static_x = torch.randn(2, 8, 16, 16, device="cuda", requires_grad=True)
+        static_dy = torch.randn(2, 16, 16, 16, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up: agreement, plans, cuDNN algorithms
+                layer(static_x).backward(static_dy)
+        torch.cuda.current_stream().wait_stream(side)
+        for p in layer.parameters():
+            p.grad = None
+        static_x.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = layer(static_x)
+            static_y.backward(static_dy)
+        x_new, dy_new = torch.randn_like(static_x), torch.randn_like(static_dy)
+        with torch.no_grad():
+            static_x.copy_(x_new)
+            static_dy.copy_(dy_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = torch.nn.Conv2d(8, 16, 3, padding=1).cuda()
+        with torch.no_grad():
+            ref.weight.copy_(layer.weight)
+            ref.bias.copy_(layer.bias)
+        xr = x_new.clone().requires_grad_(True)
+        yr = ref(xr)
+        yr.backward(dy_new)
+        errs = [float((a - b).abs().max()) for a, b in ((static_y, yr), (static_x.grad, xr.grad),
+                                                        (layer.weight.grad, ref.weight.grad),
+                                                        (layer.bias.grad, ref.bias.grad))]
+        torch.save(errs, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_capture_of_a_training_step(tmp_path):  # pragma: no cover - runs on a GPU only
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = tmp_path / "errs.pt"
+    proc = ctx.Process(target=_cuda_capture_worker, args=(str(tmp_path / "init"), str(out)))
+    proc.start()
+    proc.join(300)
+    assert proc.exitcode == 0, f"the capture process failed (exit code {proc.exitcode})"
+    for err in torch.load(out):
+        assert err < 1e-4, err  # fp32, different cuDNN algorithms on the two sides
