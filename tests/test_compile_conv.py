@@ -29,7 +29,7 @@ from distfuse.layers._params import load_sequential
 from distfuse.layers.conv import DistributedConv2d
 from distfuse.ops import INDUCTOR_OPTIONS
 from distfuse.partition import zero_volume_tensor
-from distfuse.primitives.repartition import collect_tensor
+from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks
 from tests.test_conv_support import close, grid
 

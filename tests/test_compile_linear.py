@@ -30,7 +30,7 @@ from distfuse.geometry.decomposition import local_slices
 from distfuse.layers import DistributedLinearAllGather, DistributedLinearReduceScatter
 from distfuse.layers._params import collect_sequential
 from distfuse.partition import zero_volume_tensor
-from distfuse.primitives.repartition import collect_tensor
+from distfuse.primitives.distribute import collect_tensor
 from tests.test_compile_conv import _comm_ops, _recording_backend
 from tests.test_conv_support import close
 

@@ -18,7 +18,7 @@ from distfuse.layers.conv import DistributedConv1d, DistributedConv2d, select_co
 from distfuse.layers.conv_channel import DistributedChannelConv1d
 from distfuse.layers.conv_feature import DistributedFeatureConv1d, DistributedFeatureConv2d
 from distfuse.layers.conv_general import DistributedGeneralConv1d, DistributedGeneralConv2d
-from distfuse.primitives.repartition import collect_tensor
+from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import adjoint_check, run_ranks
 from tests.test_conv_support import grid
 from tests.tolerances import ADJOINT_RTOL

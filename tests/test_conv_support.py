@@ -30,7 +30,7 @@ from distfuse import Partition, zero_volume_tensor
 from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.layers._params import load_sequential
 from distfuse.layers.conv import DistributedConv1d, DistributedConv2d, DistributedConv3d
-from distfuse.primitives.repartition import collect_tensor
+from distfuse.primitives.distribute import collect_tensor
 from tests.tolerances import tol
 
 SELECTOR = {1: DistributedConv1d, 2: DistributedConv2d, 3: DistributedConv3d}

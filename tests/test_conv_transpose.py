@@ -31,7 +31,7 @@ from distfuse.layers.conv_transpose import (
     DistributedConvTranspose2d,
     DistributedConvTranspose3d,
 )
-from distfuse.primitives.repartition import collect_tensor
+from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import adjoint_check, run_ranks
 from tests.test_conv_support import close, grid
 from tests.tolerances import ADJOINT_RTOL

@@ -28,7 +28,7 @@ from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.layers._params import load_sequential
 from distfuse.layers.conv import DistributedConv2d, DistributedConv3d
 from distfuse.partition import zero_volume_tensor
-from distfuse.primitives.repartition import collect_tensor
+from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks
 from tests.test_conv_support import Case, build, close, grid, sequential, with_path
 

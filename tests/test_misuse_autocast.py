@@ -28,7 +28,7 @@ from distfuse.layers import (
     DistributedLinearReduceScatter,
     load_sequential,
 )
-from distfuse.primitives.repartition import collect_tensor
+from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks
 from tests.tolerances import assert_rel_close
 

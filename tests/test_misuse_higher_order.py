@@ -146,7 +146,7 @@ def _check_layer(name, layer, seq, X, P_in, out):
 
 def _collect_grads(layer) -> dict:
     """The global parameter gradients on world rank 0 (from each owner's block)."""
-    from distfuse.primitives.repartition import collect_tensor
+    from distfuse.primitives.distribute import collect_tensor
 
     grads = {}
     for lay in layer.param_layouts():

@@ -25,7 +25,7 @@ from distfuse.layers.linear_all_gather import DistributedLinearAllGather
 from distfuse.layers.linear_reduce_scatter import DistributedLinearReduceScatter
 from distfuse.layers.norm_layer import DistributedLayerNorm
 from distfuse.model import clip_grad_norm_, collect_sequential, load_sequential, make_optimizer
-from distfuse.primitives.repartition import collect_tensor
+from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks
 from tests.test_conv_support import grid
 from tests.tolerances import tol

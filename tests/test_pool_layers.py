@@ -37,7 +37,7 @@ from distfuse.layers.pool import (
     DistributedMaxPool2d,
     DistributedMaxPool3d,
 )
-from distfuse.primitives.repartition import collect_tensor
+from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks
 from tests.test_conv_support import grid, with_path
 from tests.tolerances import tol

@@ -20,13 +20,8 @@ import torch.distributed as dist
 
 from distfuse import CollectiveMismatchError, Partition, PartitionError, ShapeError, zero_volume_tensor
 from distfuse.geometry.decomposition import block_range, local_shape, local_slices
-from distfuse.primitives.repartition import (
-    Repartition,
-    collect_tensor,
-    distribute_tensor,
-    overlaps,
-    repartition,
-)
+from distfuse.primitives.distribute import collect_tensor, distribute_tensor
+from distfuse.primitives.repartition import Repartition, overlaps, repartition
 from distfuse.testing import adjoint_check, run_ranks
 from tests.tolerances import ADJOINT_RTOL
 
@@ -328,7 +323,7 @@ def _helpers():
     fwd, adj = adjoint_check(lambda t: distribute_tensor(t, P, src=0), g if me == 0 else zero_volume_tensor())
     if abs(fwd - adj) > ADJOINT_RTOL * max(abs(fwd), abs(adj)):
         bad.append(f"distribute adjoint: {fwd!r} vs {adj!r}")
-    from distfuse.primitives import repartition as mod
+    from distfuse.primitives import distribute as mod
 
     cached = len(mod._HELPERS)
     distribute_tensor(g if me == 0 else None, P, src=0)

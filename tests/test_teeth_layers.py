@@ -34,7 +34,7 @@ from distfuse.layers import (
     DistributedLinearReduceScatterZero,
     load_sequential,
 )
-from distfuse.primitives.repartition import collect_tensor
+from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks
 from tests.test_conv_support import Case, run_cases, with_path
 from tests.tolerances import tol

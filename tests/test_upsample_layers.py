@@ -30,7 +30,7 @@ from distfuse.errors import DistfuseError, PartitionError, ShapeError, Unsupport
 from distfuse.geometry.decomposition import block_range, local_slices
 from distfuse.geometry.interp_geometry import LINEAR_MODES
 from distfuse.layers.upsample import DistributedUpsample, InterpSpec, interp_geometry, interpolate, interpolate_window
-from distfuse.primitives.repartition import collect_tensor
+from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks
 from tests.test_conv_support import grid, with_path
 from tests.test_pool_layers import close, same

@@ -31,7 +31,7 @@ from distfuse.errors import ShapeError, where
 from distfuse.geometry.decomposition import local_slices
 from distfuse.groups import metadata_group
 from distfuse.partition import CartesianPartition
-from distfuse.primitives.repartition import collect_tensor, distribute_tensor
+from distfuse.primitives.distribute import collect_tensor, distribute_tensor
 
 __all__ = ["ParamLayout", "load_sequential", "collect_sequential"]
 

@@ -8,9 +8,10 @@ broadcast``) rather than re-exported here, where they would shadow it.
 from distfuse.primitives.all_gather import AllGather, AllGatherFunction, axes_subgrid
 from distfuse.primitives.all_sum_reduce import AllSumReduce, AllSumReduceFunction
 from distfuse.primitives.broadcast import Broadcast, BroadcastFunction, broadcast_plan
+from distfuse.primitives.distribute import collect_tensor, distribute_tensor
 from distfuse.primitives.halo_exchange import HaloExchange, HaloExchangeFunction
 from distfuse.primitives.reduce_scatter import ReduceScatter, ReduceScatterFunction
-from distfuse.primitives.repartition import Repartition, RepartitionFunction, collect_tensor, distribute_tensor
+from distfuse.primitives.repartition import Repartition, RepartitionFunction
 from distfuse.primitives.sum_reduce import SumReduce, SumReduceFunction, sum_reduce_plan
 
 __all__ = [

@@ -42,8 +42,9 @@ zero-volume tensor out (``[b, 0]`` keeping the input's first extent if
 of the zero-volume input out (``[0]`` without ``preserve_batch``), with no
 communication.
 
-The helpers :func:`distribute_tensor` (one world rank's global tensor to its blocks on
-``P``) and :func:`collect_tensor` (the reverse) are repartitions from and to a
+The helpers :func:`~distfuse.primitives.distribute.distribute_tensor` (one world rank's global
+tensor to its blocks on ``P``) and :func:`~distfuse.primitives.distribute.collect_tensor` (the
+reverse, ``primitives/distribute.py``) are repartitions from and to a
 one-worker partition, so they are differentiable too.
 """
 
@@ -55,17 +56,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from distfuse import debug
 from distfuse._compat import all_gather_flat
 from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.geometry.decomposition import block_range, local_shape, owner_of
-from distfuse.partition import CartesianPartition, Partition, union_partition, zero_volume_tensor
+from distfuse.partition import CartesianPartition, Partition, union_partition
 from distfuse.primitives._common import collective_guard, exchange
 
-__all__ = ["Repartition", "RepartitionFunction", "repartition", "distribute_tensor", "collect_tensor"]
+__all__ = ["Repartition", "RepartitionFunction", "repartition"]
 
 # Record layout of the per-call metadata gather: [ndim, dtype code, requires_grad, problem, shape...].
 _MAX_DIM = 8
@@ -392,59 +392,3 @@ class Repartition(nn.Module):
         G, dtype, any_grad = _resolve(op, self.P_union, P_x, _gather_records(self.P_union, P_x, x, op))
         return _apply(x, P_x, P_y, G, dtype, self.preserve_batch, promote=any_grad and torch.is_grad_enabled(),
                       op=op)
-
-
-# ---------------------------------------------------------------- helpers: one rank <-> a partition
-
-_HELPERS: dict[tuple, Repartition] = {}
-
-
-def _single(P: CartesianPartition, rank: int, op: str) -> CartesianPartition:
-    if not isinstance(P, CartesianPartition):
-        raise PartitionError(f"{where(op)}: P must be a CartesianPartition, got {type(P).__name__}")
-    if not 0 <= rank < dist.get_world_size():
-        raise expect(op, "world rank of the single worker", f"0 <= rank < {dist.get_world_size()}", rank,
-                     PartitionError)
-    world = Partition.world(device=P.device)
-    return world.create_partition_inclusive([rank]).create_cartesian_topology_partition([1] * P.dim)
-
-
-def _helper(kind: str, P: CartesianPartition, rank: int) -> Repartition:
-    key = (kind, rank, P.ranks, P.shape, P.device.type)
-    if key not in _HELPERS:
-        one = _single(P, rank, kind)
-        P_x, P_y = (one, P) if kind == "distribute_tensor" else (P, one)
-        _HELPERS[key] = Repartition(P_x, P_y, preserve_batch=False, _op=kind, _extra=Partition.world(P.device))
-    return _HELPERS[key]
-
-
-def _as_input(x: torch.Tensor | None, P: CartesianPartition) -> torch.Tensor:
-    if x is None:
-        return zero_volume_tensor(device=P.device)
-    return x.to(P.device) if x.device.type != P.device.type else x
-
-
-def distribute_tensor(x_global: torch.Tensor | None, P: CartesianPartition, src: int = 0) -> torch.Tensor:
-    """Split world rank ``src``'s global tensor into its balanced blocks on ``P``.
-
-    Collective over the world: every rank calls it with the same ``P`` and ``src``
-    (the first call for a ``(P, src)`` pair also creates partitions, cached after),
-    and every rank joins the small metadata all-gather of :class:`Repartition`.
-    Rank ``src`` passes the global tensor (``P.dim`` dimensions; moved to ``P``'s
-    device); the others pass None or a zero-volume tensor.  Returns this worker's
-    block on ``P``, or a ``[0]`` zero-volume tensor of the same dtype on ranks outside
-    ``P``.  Differentiable: the gradient of ``x_global`` is the collected gradient of
-    the blocks; when ``x_global`` requires grad every rank's output does, and every
-    rank must call backward (on a zero-volume output where it holds nothing).
-    """
-    return _helper("distribute_tensor", P, src)(_as_input(x_global, P))
-
-
-def collect_tensor(x_local: torch.Tensor | None, P: CartesianPartition, dst: int = 0) -> torch.Tensor:
-    """Assemble the blocks on ``P`` into the global tensor on world rank ``dst``.
-
-    Collective over the world, like :func:`distribute_tensor` (its adjoint).  Workers of
-    ``P`` pass their block; the others pass None or a zero-volume tensor.  Rank ``dst``
-    gets the global tensor, every other rank a ``[0]`` zero-volume tensor.
-    """
-    return _helper("collect_tensor", P, dst)(_as_input(x_local, P))
