@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from distfuse.errors import DistfuseError, ShapeError, expect, where
 from distfuse.geometry.decomposition import block_extent
 from distfuse.primitives._agreement import AgreementSite, run_agreed
-from distfuse.primitives._axes import balanced_layout, scatter_sum_blocks_flagged
+from distfuse.primitives._axes import balanced_layout
+from distfuse.primitives._axes_flagged import scatter_sum_blocks_flagged
 from distfuse.primitives._common import dtype_code, dtype_of_code, first_order_only, gather_records
 from distfuse.primitives.all_gather import agreed_all_gather
 from distfuse.primitives.reduce_scatter import ReduceScatterFunction

@@ -25,13 +25,8 @@ import torch
 import torch.distributed as dist
 
 from distfuse.errors import ShapeError, where
-from distfuse.primitives._axes import (
-    balanced_layout,
-    gather_blocks,
-    gather_blocks_flagged,
-    scatter_sum_blocks,
-    scatter_sum_blocks_flagged,
-)
+from distfuse.primitives._axes import balanced_layout, gather_blocks, scatter_sum_blocks
+from distfuse.primitives._axes_flagged import gather_blocks_flagged, scatter_sum_blocks_flagged
 from distfuse.primitives._handles import lookup, new_handle
 from distfuse.primitives.broadcast import copy_blocks, sum_blocks
 

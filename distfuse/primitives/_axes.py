@@ -61,9 +61,6 @@ __all__ = [
     "gather_blocks",
     "scatter_sum_blocks",
     "all_reduce_sum",
-    "gather_blocks_flagged",
-    "scatter_sum_blocks_flagged",
-    "all_reduce_sum_flagged",
     "check_partition",
     "check_input",
 ]
@@ -240,7 +237,7 @@ def gathered_layout(op: str, P_sub: CartesianPartition, x: torch.Tensor) -> Bloc
     return layout_from_shapes(op, P_sub, [s for s, _ in meta])
 
 
-def _scratch(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
+def scratch_buffer(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     """An uninitialised buffer; NaN-filled in debug mode so that a read of unwritten padding shows up."""
     buf = like.new_empty(shape, dtype=dtype)
     if debug.enabled() and buf.is_floating_point():
@@ -248,12 +245,12 @@ def _scratch(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
     return buf
 
 
-def _interleave(k: int) -> list[int]:
+def interleave(k: int) -> list[int]:
     """Permutation of ``[g_0..g_{k-1}, m_0..m_{k-1}]`` into ``[g_0, m_0, ..., g_{k-1}, m_{k-1}]``."""
     return [a for d in range(k) for a in (d, k + d)]
 
 
-def _debug_agree(op: str, P_sub, x: torch.Tensor, same: dict) -> None:
+def debug_agree(op: str, P_sub, x: torch.Tensor, same: dict) -> None:
     if debug.enabled():
         debug.check_agreement(op, P_sub.ranks, P_sub.meta_group, dict(same, dtype=str(x.dtype)),
                               {"local shape": tuple(x.shape)})
@@ -267,7 +264,7 @@ def gather_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, x: to
     """
     fits = tuple(x.shape) == layout.extents[layout.me]
     # In debug mode a misfit block fails on every worker, not only here (peers would wait for the timeout).
-    _debug_agree(op, P_sub, x, {"gathered shape": layout.shape, "pad": layout.pad, "block fits": fits})
+    debug_agree(op, P_sub, x, {"gathered shape": layout.shape, "pad": layout.pad, "block fits": fits})
     if not fits:
         raise expect(op, "local block shape", layout.extents[layout.me], tuple(x.shape))
     k, n = len(layout.grid), layout.block_numel
@@ -276,15 +273,15 @@ def gather_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, x: to
     if tuple(x.shape) == layout.pad:
         send = x.contiguous()
     else:
-        send = _scratch(x, layout.pad)
+        send = scratch_buffer(x, layout.pad)
         send[tuple(slice(0, e) for e in x.shape)] = x
-    buf = _scratch(x, (P_sub.size * n,))
+    buf = scratch_buffer(x, (P_sub.size * n,))
     with collective_guard(op, "all-gather", P_sub.ranks):
         all_gather_flat(buf, send, group=P_sub.group)
     if layout.fast:
-        return buf.view(*layout.grid, *layout.pad).permute(_interleave(k)).reshape(layout.shape)
+        return buf.view(*layout.grid, *layout.pad).permute(interleave(k)).reshape(layout.shape)
     blocks = buf.view(P_sub.size, *layout.pad)
-    out = _scratch(x, layout.shape)
+    out = scratch_buffer(x, layout.shape)
     for j, slot in enumerate(layout.slots):
         out[layout.slices(j)] = blocks[slot][tuple(slice(0, e) for e in layout.extents[j])]
     return out
@@ -299,7 +296,7 @@ def scatter_sum_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, 
     """
     wire = reduce_dtype if reduce_dtype is not None else full.dtype
     fits = tuple(full.shape) == layout.shape
-    _debug_agree(op, P_sub, full, {"full shape": layout.shape, "reduce dtype": str(wire), "input fits": fits})
+    debug_agree(op, P_sub, full, {"full shape": layout.shape, "reduce dtype": str(wire), "input fits": fits})
     if not fits:
         raise expect(op, "full (partial-sum) tensor shape", layout.shape, tuple(full.shape))
     k, n = len(layout.grid), layout.block_numel
@@ -311,10 +308,10 @@ def scatter_sum_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, 
         send = full.reshape(inter).permute(list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2)))
         send = send.to(wire).contiguous()
     else:
-        send = _scratch(full, (P_sub.size, *layout.pad), dtype=wire)
+        send = scratch_buffer(full, (P_sub.size, *layout.pad), dtype=wire)
         for j, slot in enumerate(layout.slots):
             send[slot][tuple(slice(0, e) for e in layout.extents[j])] = full[layout.slices(j)]
-    recv = _scratch(full, layout.pad, dtype=wire)
+    recv = scratch_buffer(full, layout.pad, dtype=wire)
     with collective_guard(op, "reduce-scatter", P_sub.ranks):
         reduce_scatter_flat(recv, send.reshape(-1), group=P_sub.group)
     return recv[tuple(slice(0, e) for e in mine)].to(full.dtype).contiguous()
@@ -324,7 +321,7 @@ def all_reduce_sum(op: str, P_sub: CartesianPartition, x: torch.Tensor,
                    reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new tensor: the sum of ``x`` over ``P_sub``, added in ``reduce_dtype`` (no autograd)."""
     wire = reduce_dtype if reduce_dtype is not None else x.dtype
-    _debug_agree(op, P_sub, x, {"shape": tuple(x.shape), "reduce dtype": str(wire)})
+    debug_agree(op, P_sub, x, {"shape": tuple(x.shape), "reduce dtype": str(wire)})
     y = torch.empty(x.shape, dtype=wire, device=x.device)  # a new contiguous tensor, in one copy
     y.copy_(x)
     if y.numel() > 0:  # shapes agree over the sub-grid, so every worker skips together
@@ -340,101 +337,3 @@ def all_reduce_sum(op: str, P_sub: CartesianPartition, x: torch.Tensor,
 # and every worker learns from the data it receives whether any flag was set.  The flag travels in the data's
 # own dtype: a sum of up to 256 ones is exact even in bf16.  Staging the block next to its flag costs one copy
 # of the block (the unflagged forms above can send ``x`` in place).
-
-
-def _slot(n: int) -> int:
-    """Elements per worker's slot: its ``n`` data elements, the flag, and padding to a multiple of 16.
-
-    Every slot then starts 64-byte aligned, as the unflagged blocks of the usual sizes do
-    (vectorised sums and copies on every chunk).  The padding is never read.
-    """
-    return (n + 1 + 15) // 16 * 16
-
-
-def _flag_set(flags: torch.Tensor) -> bool:
-    """Whether any flag element is non-zero; a host read (free on CPU, waits for the collective on CUDA)."""
-    return bool(flags.ne(0).any())
-
-
-def gather_blocks_flagged(op: str, P_sub: CartesianPartition, layout: BlockLayout, x: torch.Tensor,
-                          flag: bool) -> tuple[torch.Tensor | None, bool]:
-    """:func:`gather_blocks` with a flag per message: ``(gathered, any flag set)``; ``gathered`` is None when set.
-
-    One flat all-gather of ``P * slot`` elements (:func:`_slot`); the flag follows the
-    block in every worker's slot.  ``x`` must have this worker's extent of ``layout``.
-    """
-    if tuple(x.shape) != layout.extents[layout.me]:
-        raise expect(op, "local block shape", layout.extents[layout.me], tuple(x.shape))
-    _debug_agree(op, P_sub, x, {"gathered shape": layout.shape, "pad": layout.pad, "flagged": True})
-    k, n = len(layout.grid), layout.block_numel
-    slot = _slot(n)
-    send = _scratch(x, (slot,))
-    if n:
-        block = send[:n].view(layout.pad)
-        block[tuple(slice(0, e) for e in x.shape)] = x
-    send[n] = 1 if flag else 0
-    buf = _scratch(x, (P_sub.size * slot,))
-    with collective_guard(op, "all-gather", P_sub.ranks):
-        all_gather_flat(buf, send, group=P_sub.group)
-    rows = buf.view(P_sub.size, slot)
-    if _flag_set(rows[:, n]):
-        return None, True
-    if n == 0:
-        return x.new_zeros(layout.shape), False
-    if layout.fast:
-        blocks = rows[:, :n].unflatten(1, layout.pad).unflatten(0, layout.grid)
-        return blocks.permute(_interleave(k)).reshape(layout.shape), False
-    out = _scratch(x, layout.shape)
-    for j, pos in enumerate(layout.slots):
-        out[layout.slices(j)] = rows[pos, :n].view(layout.pad)[tuple(slice(0, e) for e in layout.extents[j])]
-    return out, False
-
-
-def scatter_sum_blocks_flagged(op: str, P_sub: CartesianPartition, layout: BlockLayout, full: torch.Tensor,
-                               flag: bool, reduce_dtype: torch.dtype | None = None
-                               ) -> tuple[torch.Tensor | None, bool]:
-    """:func:`scatter_sum_blocks` with a flag per chunk: ``(this worker's block, any flag set)``.
-
-    Every chunk of the flat ``[P, slot]`` message (:func:`_slot`) carries this worker's flag
-    after the block, so every worker receives the sum of all flags.  The block is None when
-    a flag is set.
-    """
-    wire = reduce_dtype if reduce_dtype is not None else full.dtype
-    if tuple(full.shape) != layout.shape:
-        raise expect(op, "full (partial-sum) tensor shape", layout.shape, tuple(full.shape))
-    _debug_agree(op, P_sub, full, {"full shape": layout.shape, "reduce dtype": str(wire), "flagged": True})
-    k, n = len(layout.grid), layout.block_numel
-    slot = _slot(n)
-    send = _scratch(full, (P_sub.size, slot), dtype=wire)
-    if n and layout.fast:
-        inter = [a for g, m in zip(layout.grid, layout.pad, strict=True) for a in (g, m)]
-        src = full.reshape(inter).permute(list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2)))
-        send[:, :n].unflatten(1, layout.pad).unflatten(0, layout.grid).copy_(src)
-    elif n:
-        for j, pos in enumerate(layout.slots):
-            send[pos, :n].view(layout.pad)[tuple(slice(0, e) for e in layout.extents[j])] = full[layout.slices(j)]
-    send[:, n] = 1 if flag else 0
-    recv = _scratch(full, (slot,), dtype=wire)
-    with collective_guard(op, "reduce-scatter", P_sub.ranks):
-        reduce_scatter_flat(recv, send.reshape(-1), group=P_sub.group)
-    if _flag_set(recv[n:n + 1]):
-        return None, True
-    mine = layout.extents[layout.me]
-    if n == 0:
-        return full.new_zeros(mine), False
-    return recv[:n].view(layout.pad)[tuple(slice(0, e) for e in mine)].to(full.dtype).contiguous(), False
-
-
-def all_reduce_sum_flagged(op: str, P_sub: CartesianPartition, x: torch.Tensor, flag: bool,
-                           reduce_dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, bool]:
-    """:func:`all_reduce_sum` with one flag element appended: ``(the sum, any flag set)``; None when set."""
-    wire = reduce_dtype if reduce_dtype is not None else x.dtype
-    _debug_agree(op, P_sub, x, {"shape": tuple(x.shape), "reduce dtype": str(wire), "flagged": True})
-    y = torch.empty(x.numel() + 1, dtype=wire, device=x.device)
-    y[:-1].view(x.shape).copy_(x)
-    y[-1] = 1 if flag else 0
-    with collective_guard(op, "all-reduce", P_sub.ranks):
-        dist.all_reduce(y, group=P_sub.group)
-    if _flag_set(y[-1:]):
-        return None, True
-    return y[:-1].view(x.shape).to(dtype=x.dtype), False

@@ -49,11 +49,11 @@ from distfuse.primitives._axes import (
     check_input,
     check_partition,
     gather_blocks,
-    gather_blocks_flagged,
     gathered_layout,
     layout_from_shapes,
     resolve_axes,
 )
+from distfuse.primitives._axes_flagged import gather_blocks_flagged
 from distfuse.primitives._common import gather_metadata
 
 __all__ = ["AllGather", "AllGatherFunction", "all_gather", "agreed_all_gather", "axes_subgrid"]

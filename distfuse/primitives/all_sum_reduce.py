@@ -35,14 +35,8 @@ from distfuse import debug
 from distfuse.errors import ShapeError, where
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._agreement import AgreementSite, run_agreed
-from distfuse.primitives._axes import (
-    all_reduce_sum,
-    all_reduce_sum_flagged,
-    axes_subgrid,
-    check_input,
-    check_partition,
-    resolve_axes,
-)
+from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, check_input, check_partition, resolve_axes
+from distfuse.primitives._axes_flagged import all_reduce_sum_flagged
 from distfuse.primitives._common import gather_metadata
 
 __all__ = ["AllSumReduce", "AllSumReduceFunction", "all_sum_reduce", "agreed_all_sum_reduce", "axes_subgrid"]

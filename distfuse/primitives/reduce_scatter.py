@@ -47,8 +47,8 @@ from distfuse.primitives._axes import (
     check_partition,
     resolve_axes,
     scatter_sum_blocks,
-    scatter_sum_blocks_flagged,
 )
+from distfuse.primitives._axes_flagged import scatter_sum_blocks_flagged
 from distfuse.primitives._common import gather_metadata
 
 __all__ = ["ReduceScatter", "ReduceScatterFunction", "reduce_scatter", "agreed_reduce_scatter", "axes_subgrid"]

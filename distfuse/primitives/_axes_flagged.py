@@ -1,0 +1,118 @@
+"""The flagged forms of the block collectives: one agreement flag element rides with the data.
+
+Each is the collective of :mod:`distfuse.primitives._axes` with one extra element per
+message: the sender's agreement flag (see :mod:`distfuse.primitives._agreement`).  A
+rank whose input changed sends zeros at the agreed sizes with its flag set, so sizes
+always match; every rank reads the flags that arrived and, if any is set, drops the
+result and takes the slow path with the others.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from distfuse._compat import all_gather_flat, reduce_scatter_flat
+from distfuse.errors import expect
+from distfuse.partition import CartesianPartition
+from distfuse.primitives._axes import BlockLayout, debug_agree, interleave, scratch_buffer
+from distfuse.primitives._common import collective_guard
+
+__all__ = ["gather_blocks_flagged", "scatter_sum_blocks_flagged", "all_reduce_sum_flagged"]
+
+def _slot(n: int) -> int:
+    """Elements per worker's slot: its ``n`` data elements, the flag, and padding to a multiple of 16.
+
+    Every slot then starts 64-byte aligned, as the unflagged blocks of the usual sizes do
+    (vectorised sums and copies on every chunk).  The padding is never read.
+    """
+    return (n + 1 + 15) // 16 * 16
+
+
+def _flag_set(flags: torch.Tensor) -> bool:
+    """Whether any flag element is non-zero; a host read (free on CPU, waits for the collective on CUDA)."""
+    return bool(flags.ne(0).any())
+
+
+def gather_blocks_flagged(op: str, P_sub: CartesianPartition, layout: BlockLayout, x: torch.Tensor,
+                          flag: bool) -> tuple[torch.Tensor | None, bool]:
+    """:func:`gather_blocks` with a flag per message: ``(gathered, any flag set)``; ``gathered`` is None when set.
+
+    One flat all-gather of ``P * slot`` elements (:func:`_slot`); the flag follows the
+    block in every worker's slot.  ``x`` must have this worker's extent of ``layout``.
+    """
+    if tuple(x.shape) != layout.extents[layout.me]:
+        raise expect(op, "local block shape", layout.extents[layout.me], tuple(x.shape))
+    debug_agree(op, P_sub, x, {"gathered shape": layout.shape, "pad": layout.pad, "flagged": True})
+    k, n = len(layout.grid), layout.block_numel
+    slot = _slot(n)
+    send = scratch_buffer(x, (slot,))
+    if n:
+        block = send[:n].view(layout.pad)
+        block[tuple(slice(0, e) for e in x.shape)] = x
+    send[n] = 1 if flag else 0
+    buf = scratch_buffer(x, (P_sub.size * slot,))
+    with collective_guard(op, "all-gather", P_sub.ranks):
+        all_gather_flat(buf, send, group=P_sub.group)
+    rows = buf.view(P_sub.size, slot)
+    if _flag_set(rows[:, n]):
+        return None, True
+    if n == 0:
+        return x.new_zeros(layout.shape), False
+    if layout.fast:
+        blocks = rows[:, :n].unflatten(1, layout.pad).unflatten(0, layout.grid)
+        return blocks.permute(interleave(k)).reshape(layout.shape), False
+    out = scratch_buffer(x, layout.shape)
+    for j, pos in enumerate(layout.slots):
+        out[layout.slices(j)] = rows[pos, :n].view(layout.pad)[tuple(slice(0, e) for e in layout.extents[j])]
+    return out, False
+
+
+def scatter_sum_blocks_flagged(op: str, P_sub: CartesianPartition, layout: BlockLayout, full: torch.Tensor,
+                               flag: bool, reduce_dtype: torch.dtype | None = None
+                               ) -> tuple[torch.Tensor | None, bool]:
+    """:func:`scatter_sum_blocks` with a flag per chunk: ``(this worker's block, any flag set)``.
+
+    Every chunk of the flat ``[P, slot]`` message (:func:`_slot`) carries this worker's flag
+    after the block, so every worker receives the sum of all flags.  The block is None when
+    a flag is set.
+    """
+    wire = reduce_dtype if reduce_dtype is not None else full.dtype
+    if tuple(full.shape) != layout.shape:
+        raise expect(op, "full (partial-sum) tensor shape", layout.shape, tuple(full.shape))
+    debug_agree(op, P_sub, full, {"full shape": layout.shape, "reduce dtype": str(wire), "flagged": True})
+    k, n = len(layout.grid), layout.block_numel
+    slot = _slot(n)
+    send = scratch_buffer(full, (P_sub.size, slot), dtype=wire)
+    if n and layout.fast:
+        inter = [a for g, m in zip(layout.grid, layout.pad, strict=True) for a in (g, m)]
+        src = full.reshape(inter).permute(list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2)))
+        send[:, :n].unflatten(1, layout.pad).unflatten(0, layout.grid).copy_(src)
+    elif n:
+        for j, pos in enumerate(layout.slots):
+            send[pos, :n].view(layout.pad)[tuple(slice(0, e) for e in layout.extents[j])] = full[layout.slices(j)]
+    send[:, n] = 1 if flag else 0
+    recv = scratch_buffer(full, (slot,), dtype=wire)
+    with collective_guard(op, "reduce-scatter", P_sub.ranks):
+        reduce_scatter_flat(recv, send.reshape(-1), group=P_sub.group)
+    if _flag_set(recv[n:n + 1]):
+        return None, True
+    mine = layout.extents[layout.me]
+    if n == 0:
+        return full.new_zeros(mine), False
+    return recv[:n].view(layout.pad)[tuple(slice(0, e) for e in mine)].to(full.dtype).contiguous(), False
+
+
+def all_reduce_sum_flagged(op: str, P_sub: CartesianPartition, x: torch.Tensor, flag: bool,
+                           reduce_dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, bool]:
+    """:func:`all_reduce_sum` with one flag element appended: ``(the sum, any flag set)``; None when set."""
+    wire = reduce_dtype if reduce_dtype is not None else x.dtype
+    debug_agree(op, P_sub, x, {"shape": tuple(x.shape), "reduce dtype": str(wire), "flagged": True})
+    y = torch.empty(x.numel() + 1, dtype=wire, device=x.device)
+    y[:-1].view(x.shape).copy_(x)
+    y[-1] = 1 if flag else 0
+    with collective_guard(op, "all-reduce", P_sub.ranks):
+        dist.all_reduce(y, group=P_sub.group)
+    if _flag_set(y[-1:]):
+        return None, True
+    return y[:-1].view(x.shape).to(dtype=x.dtype), False
