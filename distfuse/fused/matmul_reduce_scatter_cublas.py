@@ -37,9 +37,9 @@ import weakref
 
 import torch
 
-from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.errors import ShapeError, where
 from distfuse.geometry.decomposition import block_range
-from distfuse.kernels._utils import FLOAT_DTYPES, claimed_rank_view
+from distfuse.kernels._utils import check_producer_args, claimed_rank_view
 from distfuse.kernels.chunk_flag import raise_chunk_flag_kernel
 from distfuse.kernels.matmul_reduce_scatter import slot_row_stride
 
@@ -127,17 +127,7 @@ def matmul_scatter_cublas(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     :func:`~distfuse.kernels.matmul_reduce_scatter.chunk_reduce` on every rank.
     """
     op = "matmul_scatter_cublas"
-    if a.dim() < 2 or weight.dim() != 2:
-        raise ShapeError(f"{where(op)}: expected a [..., n, K] and weight [N, K], got {tuple(a.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if a.shape[-1] != weight.shape[1]:
-        raise expect(op, "weight inner dim (a.shape[-1])", a.shape[-1], weight.shape[1])
-    partial_dtype = partial_dtype or a.dtype
-    if a.dtype not in FLOAT_DTYPES or weight.dtype != a.dtype or partial_dtype not in FLOAT_DTYPES:
-        raise UnsupportedError(f"{where(op)}: dtypes: expected a, weight and partials of one of {FLOAT_DTYPES} "
-                               f"(a and weight alike), got {a.dtype}, {weight.dtype} and {partial_dtype}")
-    if weight.device != a.device:
-        raise expect(op, "weight device (a's)", a.device, weight.device)
+    partial_dtype = check_producer_args(op, a, weight, partial_dtype)
     st = claimed_rank_view(op, ws, rank, world_size, a.device)
     W = world_size
     n, K, N = a.shape[-2], a.shape[-1], weight.shape[0]

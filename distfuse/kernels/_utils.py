@@ -26,13 +26,14 @@ import os
 import torch
 import triton
 
-from distfuse.errors import expect
+from distfuse.errors import ShapeError, UnsupportedError, expect, where
 
 __all__ = [
     "pick_launch",
     "pick_gemm_launch",
     "output_buffer",
     "check_bias",
+    "check_producer_args",
     "claimed_rank_view",
     "INTERPRET",
     "HAS_CUDA",
@@ -221,6 +222,27 @@ def output_buffer(op: str, out: torch.Tensor | None, shape: tuple, dtype: torch.
         raise expect(op, f"out (shape {what} with B_ rows, contiguous, dtype, device)", (shape, True, dtype, device),
                      (tuple(out.shape), out.is_contiguous(), out.dtype, out.device))
     return out.view(shape)
+
+
+def check_producer_args(op: str, a: torch.Tensor, weight: torch.Tensor, partial_dtype: torch.dtype | None):
+    """A GEMM + scatter producer's operands: ``a [..., n, K]``, ``weight [N, K]`` of one float dtype on one device.
+
+    Returns the partials' dtype (``partial_dtype``, default ``a``'s).  Shared by every
+    producer of the reduce-scatter slots (the pointer and persistent Triton kernels and
+    the cuBLAS-per-chunk one), so they refuse the same inputs the same way.
+    """
+    if a.dim() < 2 or weight.dim() != 2:
+        raise ShapeError(f"{where(op)}: expected a [..., n, K] and weight [N, K], got {tuple(a.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if a.shape[-1] != weight.shape[1]:
+        raise expect(op, "weight inner dim (a.shape[-1])", a.shape[-1], weight.shape[1])
+    partial_dtype = partial_dtype or a.dtype
+    if a.dtype not in FLOAT_DTYPES or weight.dtype != a.dtype or partial_dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"{where(op)}: dtypes: expected a, weight and partials of one of {FLOAT_DTYPES} "
+                               f"(a and weight alike), got {a.dtype}, {weight.dtype} and {partial_dtype}")
+    if weight.device != a.device:
+        raise expect(op, "weight device (a's)", a.device, weight.device)
+    return partial_dtype
 
 
 def check_bias(op: str, bias: torch.Tensor | None, N: int, device) -> None:

@@ -49,15 +49,15 @@ import torch
 import triton
 import triton.language as tl
 
-from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.errors import UnsupportedError, expect
 from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import (
     AUTOTUNE,
     CPU_CHUNK_REDUCE_CONFIG,
-    FLOAT_DTYPES,
     INTERPRET,
     TIMED_WAITS,
     check_bias,
+    check_producer_args,
     claimed_rank_view,
     config_of,
     get_chunk_reduce_configs,
@@ -284,17 +284,7 @@ def matmul_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_s
                                          config={k: v for k, v in config.items() if k != "kernel"})
     config = None if config is None else {k: v for k, v in config.items() if k != "kernel"}
     op = "matmul_scatter"
-    if a.dim() < 2 or weight.dim() != 2:
-        raise ShapeError(f"{where(op)}: expected a [..., n, K] and weight [N, K], got {tuple(a.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if a.shape[-1] != weight.shape[1]:
-        raise expect(op, "weight inner dim (a.shape[-1])", a.shape[-1], weight.shape[1])
-    partial_dtype = partial_dtype or a.dtype
-    if a.dtype not in FLOAT_DTYPES or weight.dtype != a.dtype or partial_dtype not in FLOAT_DTYPES:
-        raise UnsupportedError(f"{where(op)}: dtypes: expected a, weight and partials of one of {FLOAT_DTYPES} "
-                               f"(a and weight alike), got {a.dtype}, {weight.dtype} and {partial_dtype}")
-    if weight.device != a.device:
-        raise expect(op, "weight device (a's)", a.device, weight.device)
+    partial_dtype = check_producer_args(op, a, weight, partial_dtype)
     st = claimed_rank_view(op, ws, rank, world_size, a.device)
     W = world_size
     n, K, N = a.shape[-2], a.shape[-1], weight.shape[0]

@@ -52,12 +52,11 @@ import torch
 import triton
 import triton.language as tl
 
-from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.kernels._utils import (
     CPU_GEMM_CONFIG,
-    FLOAT_DTYPES,
     HAS_CUDA,
     INTERPRET,
+    check_producer_args,
     claimed_rank_view,
     input_precision,
     pinned_gemm_config,
@@ -226,17 +225,7 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     from distfuse.kernels import matmul_reduce_scatter as pointer_kernels
 
     op = "matmul_scatter_persistent"
-    if a.dim() < 2 or weight.dim() != 2:
-        raise ShapeError(f"{where(op)}: expected a [..., n, K] and weight [N, K], got {tuple(a.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if a.shape[-1] != weight.shape[1]:
-        raise expect(op, "weight inner dim (a.shape[-1])", a.shape[-1], weight.shape[1])
-    partial_dtype = partial_dtype or a.dtype
-    if a.dtype not in FLOAT_DTYPES or weight.dtype != a.dtype or partial_dtype not in FLOAT_DTYPES:
-        raise UnsupportedError(f"{where(op)}: dtypes: expected a, weight and partials of one of {FLOAT_DTYPES} "
-                               f"(a and weight alike), got {a.dtype}, {weight.dtype} and {partial_dtype}")
-    if weight.device != a.device:
-        raise expect(op, "weight device (a's)", a.device, weight.device)
+    partial_dtype = check_producer_args(op, a, weight, partial_dtype)
     W = world_size
     n, K, N = a.shape[-2], a.shape[-1], weight.shape[0]
     a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
