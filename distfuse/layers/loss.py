@@ -141,15 +141,20 @@ class DistributedLossBase(nn.Module):
                              xs, ts)
 
     def _local_loss(self, input: torch.Tensor, target: torch.Tensor, G, start) -> torch.Tensor:
-        raise NotImplementedError
+        """This worker's block of torch's unreduced loss; every concrete loss defines it (an abstract hook)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _local_loss")
 
     def _mean_divisor(self, G, t_dtype: torch.dtype) -> int | None:
         """The ``mean`` divisor from the global shape, or None when it is a global sum (:meth:`_local_denominator`)."""
         return numel(G)
 
     def _local_denominator(self, input: torch.Tensor, target: torch.Tensor, dtype) -> torch.Tensor:
-        """This worker's part of a summed ``mean`` divisor (class weights of the targets, for instance)."""
-        raise NotImplementedError
+        """This worker's part of a summed ``mean`` divisor (class weights of the targets, for instance).
+
+        Only losses whose :meth:`_mean_divisor` returns None define it (an abstract hook).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define _local_denominator when _mean_divisor "
+                                  "returns None")
 
     def _result_dtype(self, in_dtype: torch.dtype, t_dtype: torch.dtype) -> torch.dtype:
         return torch.promote_types(in_dtype, t_dtype) if t_dtype in FLOATS else in_dtype
