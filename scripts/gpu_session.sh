@@ -12,7 +12,9 @@
 #              fused forward and backward against float64, both rank orders,
 #              40 iterations, a workspace growth                                      (~1 min)
 #   bench      GEMM fusion and halo staging benchmarks with ratios to cuBLAS, the
-#              device copy and F.pad/cat staging                                      (~5 min)
+#              device copy and F.pad/cat staging; the GEMM sides include the feature
+#              forms, GEMM + all-reduce, ZeRO and the three producers   (up to ~9.5 min:
+#              run it as its own call)
 #
 # Results: bench/results/gpu_session-<device>-<date>.json (each call appends a run of one record per phase, with
 # the device, versions and date) plus each benchmark's own JSON; logs in $SESSION_DIR.
@@ -89,7 +91,7 @@ for phase in "${PHASES[@]}"; do
     twoproc)
       run_phase twoproc 180 "$SESSION_DIR/twoproc.json" $PY scripts/gpu_two_process.py --json "$SESSION_DIR/twoproc.json" ;;
     bench)
-      run_phase bench_gemm 240 "$SESSION_DIR/bench_gemm.txt" \
+      run_phase bench_gemm 420 "$SESSION_DIR/bench_gemm.txt" \
         $PY bench/bench_gemm_fused.py --models llama3-8b llama3-70b --m 8192 512 --reps 10 --out-dir "$RESULTS"
       run_phase bench_halo 150 "$SESSION_DIR/bench_halo.txt" \
         $PY bench/bench_halo_conv.py --channels 64 256 --dtypes bfloat16 float32 \
