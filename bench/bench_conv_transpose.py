@@ -16,8 +16,8 @@ Providers:
                 transposed plan (exactly the inputs that reach the worker's output block, every
                 neighbour in one round), the local transposed convolution and a crop; backward
                 sends the halo gradients home and sum-reduces the parameter gradients.
-* ``distfuse_static``  the same layer built with ``static_shapes=True``: the shape gather runs
-                only when a worker's local shape changes (here: once).
+* ``distfuse_static``  the same layer built with ``static_shapes=True``, which now changes
+                nothing (kept as a row: it checks that the option stays free).
 * ``cat``       (anchor) the PhysicsNeMo / DTensor-style composition, written here: weight and bias
                 replicated on every rank; per spatial axis the ``h``-row edge slabs go to the two
                 neighbours with P2P and are joined with ``torch.cat`` (zeros at the global

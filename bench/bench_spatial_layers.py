@@ -15,11 +15,12 @@ op                     layer
 Providers:
 
 * ``distfuse``        the layer on the unfused path (``DISTFUSE_PATH=unfused``): per call a
-                      host-side shape gather, one round of point-to-point halo messages that
+                      one-element agreement flag all-reduce (the shape gather only on the
+                      first call and on a change), one round of point-to-point halo messages that
                       writes the window once (``HaloExchange``), then the local op; backward
                       sends the halo gradients home.
-* ``distfuse_static`` the same layer built with ``static_shapes=True``: the shape gather runs
-                      only when a worker's local shape changes (here: once).
+* ``distfuse_static`` the same layer built with ``static_shapes=True``, which now changes
+                      nothing (kept as a row: it checks that the option stays free).
 * ``distfuse_fused``  the same layer staging with the Triton halo kernels
                       (``DISTFUSE_PATH=fused``).  CUDA only (under ``torchrun``); on CPU these
                       rows are not produced and every CPU row says so (``extra["cuda"]``).

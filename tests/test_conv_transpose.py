@@ -383,40 +383,33 @@ def test_parameters_match_torch_and_round_trip():
 # ------------------------------------------------------------------ static shapes
 
 
-def _static_shapes():
-    """static_shapes: the gather runs only when the local shape changes, and results stay right."""
-    import distfuse.layers.conv_feature as conv_feature
-
+def _static_shapes(static: bool):
+    """The metadata gather runs only when a local shape changes (with or without static_shapes); results stay right."""
     rank = dist.get_rank()
     P_x = grid((1, 0), (1, 1, 2))
-    layer = DistributedConvTranspose1d(P_x, 2, 3, 4, stride=2, padding=1, dtype=torch.float64, static_shapes=True)
+    layer = DistributedConvTranspose1d(P_x, 2, 3, 4, stride=2, padding=1, dtype=torch.float64, static_shapes=static)
     torch.manual_seed(8)
     seq = nn.ConvTranspose1d(2, 3, 4, stride=2, padding=1, dtype=torch.float64)
     load_sequential(layer, seq if rank == 0 else None)
-    gathers = []
-    real = conv_feature.gather_call_info
-    conv_feature.gather_call_info = lambda *a, **k: gathers.append(1) or real(*a, **k)
-    try:
-        for n in (7, 7, 9):
-            xg = torch.randn(2, 2, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
-            x = xg[local_slices(xg.shape, P_x.shape, P_x.index)].requires_grad_(True)
-            y = layer(x)
-            y.backward(torch.ones_like(y))
-            yg = collect_tensor(y.detach(), P_x)
-            dx = collect_tensor(x.grad, P_x)
-            if rank == 0:
-                xr = xg.clone().requires_grad_(True)
-                ref = seq(xr)
-                ref.backward(torch.ones_like(ref))
-                close(f"static output n={n}", yg, ref.detach(), torch.float64)
-                close(f"static input gradient n={n}", dx, xr.grad, torch.float64)
-    finally:
-        conv_feature.gather_call_info = real
-    return len(gathers)
+    for n in (7, 7, 9):
+        xg = torch.randn(2, 2, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+        x = xg[local_slices(xg.shape, P_x.shape, P_x.index)].requires_grad_(True)
+        y = layer(x)
+        y.backward(torch.ones_like(y))
+        yg = collect_tensor(y.detach(), P_x)
+        dx = collect_tensor(x.grad, P_x)
+        if rank == 0:
+            xr = xg.clone().requires_grad_(True)
+            ref = seq(xr)
+            ref.backward(torch.ones_like(ref))
+            close(f"static output n={n}", yg, ref.detach(), torch.float64)
+            close(f"static input gradient n={n}", dx, xr.grad, torch.float64)
+    return layer.agreement.calls, layer.agreement.slow_calls
 
 
-def test_static_shapes_skip_the_gather_and_stay_right():
-    assert run_ranks(2, _static_shapes) == [2, 2]  # n = 7 (gathered), 7 (reused), 9 (gathered)
+@pytest.mark.parametrize("static", [True, False])
+def test_static_shapes_skip_the_gather_and_stay_right(static):
+    assert run_ranks(2, _static_shapes, static) == [(3, 2)] * 2  # n = 7 (gathered), 7 (agreed), 9 (gathered)
 
 
 # ------------------------------------------------------------------ benchmark smoke

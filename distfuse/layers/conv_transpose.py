@@ -54,18 +54,25 @@ padding (torch builds the layer and fails at its first call; distfuse refuses at
 construction), and (in forward, from the gathered global shape) an empty spatial input
 or a global output extent below 1.
 
-Every call makes one small host-side metadata gather over ``P_x``
+Agreement as in the feature convolution (:mod:`~distfuse.primitives._agreement`): the
+host-side metadata gather over ``P_x``
 (:func:`~distfuse.layers._conv_common.gather_call_info`; 1 to 5 ms on the loaded 2-core
-CPU machine, most of a small CPU call), unless ``static_shapes`` lets repeated shapes skip
-it.  Every worker of ``P_x`` must call backward when one does.  Workers outside ``P_x``
-pass and get back a zero-volume tensor.  There is no fused path; the local transposed
+CPU machine, most of a small CPU call) runs on the first call and when some worker's
+signature (local shape, dtype, grad flags, autocast) changed.  While signatures repeat,
+each worker's one-element flag rides to the root and back appended to the parameter
+broadcast that runs anyway (``_replicate_flagged``), so a legitimate change of global
+shape re-agrees on every worker and a disagreement raises the same error on every worker.
+``static_shapes`` is accepted for compatibility and changes nothing, as in the feature
+convolution.  Every worker of ``P_x`` must
+call backward when one does.  Workers outside ``P_x`` pass and get back a zero-volume
+tensor.  There is no fused path; the local transposed
 convolution is torch's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -76,9 +83,19 @@ from distfuse.errors import DistfuseError, PartitionError, UnsupportedError, exp
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.transpose_plan import block_pads, check_output_padding, transpose_plan
 from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers._conv_common import ConvOptions, _ZeroBlock, check_partition, grid_of, promote
+from distfuse.layers._conv_common import (
+    _DTYPES,
+    CallInfo,
+    ConvOptions,
+    _ZeroBlock,
+    check_partition,
+    gather_call_info,
+    grid_of,
+    promote,
+)
 from distfuse.layers.conv_feature import DistributedFeatureConvBase
 from distfuse.partition import CartesianPartition
+from distfuse.primitives._agreement import AgreementSite, run_agreed, trusting
 from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives.broadcast import broadcast_plan
 from distfuse.primitives.halo_exchange import HaloExchangeFunction
@@ -176,11 +193,8 @@ class DistributedConvTransposeBase(BlockIdentityMixin, nn.Module):
         in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
         bias, dilation, padding_mode, device, dtype: as ``torch.nn.ConvTransposeNd`` (same
         order).  ``device`` defaults to ``P_x.device``.
-        static_shapes: skip the per-call metadata gather while this worker's input shape,
-            dtype and grad flags repeat, exactly as the feature convolution's option (see
-            :meth:`DistributedFeatureConvBase._call_info
-            <distfuse.layers.conv_feature.DistributedFeatureConvBase._call_info>` for when it
-            is safe).  Off by default.
+        static_shapes: accepted for compatibility; changes nothing (every call skips the
+            metadata gather while the workers' signatures repeat, see :meth:`_agreed_info`).
 
     Construction is collective over the world (it creates the root's partitions) and
     draws the parameters like the sequential layer on every rank.  ``weight`` and
@@ -194,7 +208,6 @@ class DistributedConvTransposeBase(BlockIdentityMixin, nn.Module):
                  device=None, dtype=None, static_shapes: bool = False):
         super().__init__()
         self.static_shapes = bool(static_shapes)
-        self._static_info = None  # (this worker's call key, the CallInfo gathered for it)
         op = type(self).__name__
         check_partition(op, "P_x", P_x, self.nd)
         if P_x.shape[1] != 1:
@@ -220,19 +233,61 @@ class DistributedConvTransposeBase(BlockIdentityMixin, nn.Module):
             self.register_parameter("bias", None)
         self._dtype = dtype if dtype is not None else torch.get_default_dtype()
         self._plans: dict[tuple[int, ...], HaloPlan] = {}
+        self.agreement = AgreementSite(op)  # calls / slow_calls count the metadata gathers
         self.reset_parameters()
 
     # Parameters and per-call metadata are the feature convolution's, code included: root-held weight and bias,
     # drawn with torch's _ConvNd.reset_parameters (kaiming_uniform_ on the weight, fan-in bound on the bias:
     # ConvTranspose draws the same way on its [C_in, C_out/groups, *k] weight), one packed broadcast per call,
-    # the gradient sum-reduced onto the root; one metadata gather per call unless static_shapes.  These methods
-    # read only P_x, the root grids, weight/bias, static_shapes/_static_info and opts.weight_shape,
-    # opts.out_channels and opts.bias (plus opts itself as the layer's debug-mode signature).
+    # the gradient sum-reduced onto the root, the agreement flag riding with the parameters.  These methods read
+    # only P_x, the root grids, weight/bias, agreement and opts.weight_shape, opts.out_channels and opts.bias.
     reset_parameters = DistributedFeatureConvBase.reset_parameters
     param_layouts = DistributedFeatureConvBase.param_layouts
     _replicated_params = DistributedFeatureConvBase._replicated_params
-    _call_info = DistributedFeatureConvBase._call_info
-    forget_shapes = DistributedFeatureConvBase.forget_shapes
+    _replicate_flagged = DistributedFeatureConvBase._replicate_flagged
+    _signature = DistributedFeatureConvBase._signature
+
+    def _agreed_info(self, op: str, x: torch.Tensor, params) -> tuple[CallInfo, torch.Tensor, torch.Tensor | None]:
+        """The call's agreed :class:`CallInfo` and the parameters replicated in its dtype.
+
+        Steady state (every worker's signature repeats): one flag element per worker rides
+        to the root and back with the packed parameters (two point-to-point rounds, see
+        ``_replicate_flagged``), no metadata moves.  Otherwise, or on the first call, every
+        worker takes the slow path together: the metadata gather, its checks (the same
+        error on every worker), and the parameter round again.  Inside
+        :func:`~distfuse.primitives._agreement.capture_safe` a repeated signature is
+        trusted and only the parameters travel.
+        """
+        P_x, site = self.P_x, self.agreement
+        signature = self._signature(x, params)
+        if site.state is not None and trusting():  # capture-safe: no flag, no host read
+            if signature != site.signature:
+                raise UnsupportedError(f"{where(op)}: inside capture_safe() (or a CUDA-graph capture) a call must "
+                                       "repeat the inputs of the last eager call (shape, dtype, grad flags); warm up "
+                                       "with the captured shapes on every worker")
+            site.calls += 1
+            info = site.state
+            w, b = self._replicated_params(info.dtype, x.device, info.param_grad)
+            return info, w, b
+        locally_ok = x.device.type == P_x.device.type and x.dtype in _DTYPES and x.dim() == P_x.dim
+
+        def attempt(changed: bool):
+            info = site.state  # parameters travel in the input dtype, as the local transposed convolution needs
+            w, b, flagged = self._replicate_flagged(op, replace(info, param_dtype=info.dtype), changed)
+            return (info, w, b), flagged
+
+        def slow():
+            info = gather_call_info(op, P_x, P_x, x, params, signature=(self.opts, P_x.ranks, P_x.shape))
+            w, b, _ = self._replicate_flagged(op, replace(info, param_dtype=info.dtype), False)
+            return (info, w, b), info
+
+        return run_agreed(site, signature, locally_ok, attempt, slow)
+
+    def forget_agreement(self) -> None:
+        """Drop the agreed call record, so the next call gathers metadata again (call it on every worker)."""
+        self.agreement.forget()
+
+    forget_shapes = forget_agreement
 
     def plan(self, global_shape: Sequence[int]) -> HaloPlan:
         """The staging exchange for a global input shape (cached); ShapeError where torch refuses the geometry."""
@@ -259,13 +314,12 @@ class DistributedConvTransposeBase(BlockIdentityMixin, nn.Module):
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
-        info = self._call_info(op, x, params)
+        info, w, b = self._agreed_info(op, x, params)
         G = info.global_shape
         if G[1] != o.in_channels:
             raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, G[1])
         plan = self.plan(G)  # every worker holds G, so a refused geometry raises on all of them
         x = promote(x, info.input_grad)
-        w, b = self._replicated_params(info.dtype, x.device, info.param_grad)
         index = P_x.index[2:]
         staged = HaloExchangeFunction.apply(x, plan, index, self._world_of)  # keeps x's layout (channels_last)
         out_shape = (x.shape[0], o.out_channels) + plan.output_shape(index)

@@ -57,8 +57,8 @@ class DistributedAvgPoolBase(DistributedPoolBase):
         P_x: CartesianPartition ``[P_b, P_c, P_1, ..., P_nd]``.
         kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override:
             as ``torch.nn.AvgPoolNd`` (``AvgPool1d`` has no ``divisor_override``).
-        static_shapes: skip the per-call shape gather while this worker's input shape,
-            dtype and grad flags repeat (:class:`~distfuse.layers._pool_common.ShapeRecord`).
+        static_shapes: accepted for compatibility; changes nothing (every call skips the
+            metadata gather while the workers' signatures repeat).
     """
 
     fill = 0.0

@@ -65,8 +65,8 @@ class DistributedMaxPoolBase(DistributedPoolBase):
         kernel_size, stride, padding, dilation, return_indices, ceil_mode: as
             ``torch.nn.MaxPoolNd`` (``stride`` defaults to ``kernel_size``; ``padding`` at
             most ``kernel_size // 2``).
-        static_shapes: skip the per-call shape gather while this worker's input shape,
-            dtype and grad flags repeat (:class:`~distfuse.layers._pool_common.ShapeRecord`).
+        static_shapes: accepted for compatibility; changes nothing (every call skips the
+            metadata gather while the workers' signatures repeat).
 
     ``forward(x)`` returns this worker's output block, and with ``return_indices`` also
     the global indices of the maxima (int64, the same block); workers outside P_x get

@@ -41,8 +41,12 @@ Each worker's window is the halo exchange's needed range, given explicitly
 (:class:`~distfuse.geometry.interp_geometry.WindowAxis`), so the exchange is the
 convolution's: one round of messages, corners included, windows wider than a
 neighbour's block or away from the own block included; no exchange at all where every
-window stays at home (``last_path == "local"``).  Every call gathers the workers' shapes
-once (host-side, a few int64 per worker) unless ``static_shapes=True``.
+window stays at home (``last_path == "local"``).  The workers' shapes are gathered
+(host-side, a few int64 per worker) on the first call and when some worker's local
+shape, dtype or grad flags changed; while they repeat, a one-element host all-reduce of
+the workers' agreement flags replaces the gather (no message of the call itself reaches every
+worker, see :class:`~distfuse.layers._pool_common.ShapeRecord`).  ``static_shapes`` is
+accepted for compatibility and changes nothing.
 """
 
 from __future__ import annotations
@@ -240,8 +244,9 @@ class DistributedUpsample(nn.Module):
         size, scale_factor, mode, align_corners, recompute_scale_factor: as
             ``torch.nn.Upsample``; modes ``nearest``, ``nearest-exact``, ``linear`` (1-D),
             ``bilinear`` (2-D), ``trilinear`` (3-D).
-        static_shapes: skip the per-call shape gather while this worker's input shape,
-            dtype and grad flags repeat (:class:`~distfuse.layers._pool_common.ShapeRecord`).
+        static_shapes: accepted for compatibility; changes nothing (every call skips the
+            metadata gather while the workers' signatures repeat; see
+            :class:`~distfuse.layers._pool_common.ShapeRecord`).
 
     Construction is not collective; it checks the arguments as torch does (every rank
     raises alike).  ``forward(x)`` takes this worker's block (zero-volume outside P_x)
@@ -266,14 +271,17 @@ class DistributedUpsample(nn.Module):
         self.size, self.scale_factor, self.mode = size, scale_factor, mode
         self.align_corners, self.recompute_scale_factor = align_corners, recompute_scale_factor
         self.static_shapes = bool(static_shapes)
-        self._shapes = ShapeRecord(static_shapes)
+        self._shapes = ShapeRecord(op)
+        self.agreement = self._shapes.site  # calls / slow_calls count the metadata gathers
         self.last_path: str | None = None
         self.last_decision: Decision | None = None
         self._caps_cache: dict = {}
 
     def forget_shapes(self) -> None:
-        """Drop the ``static_shapes`` record, so the next call gathers again (call it on every worker)."""
+        """Drop the agreed call record, so the next call gathers again (call it on every worker)."""
         self._shapes.forget()
+
+    forget_agreement = forget_shapes
 
     def param_layouts(self) -> list:
         """No parameters (so ``load_sequential`` / ``collect_sequential`` move nothing)."""
