@@ -687,6 +687,7 @@ def _faulty_step(kind: str, path: str, faulty: int, where: str, how: str):
     if dist.get_rank() == faulty:
         import distfuse.fused.halo_conv as halo_conv
         import distfuse.primitives._axes as axes
+        import distfuse.primitives._axes_flagged as axes_flagged
         import distfuse.primitives.halo_exchange as halo_exchange
 
         if where == "halo-exchange":  # forward, inside HaloExchange, before its messages are posted
@@ -695,8 +696,9 @@ def _faulty_step(kind: str, path: str, faulty: int, where: str, how: str):
             _patch(halo_conv, "halo_pack", how, "in the fused halo conv's pack kernel")
         elif where == "fused-unstage":  # backward, inside the fused halo conv's adjoint
             _patch(halo_conv, "halo_unstage", how, "in the fused halo conv's unstage kernel")
-        elif where == "reduce-scatter":  # forward, the linear layer's reduce-scatter collective
+        elif where == "reduce-scatter":  # forward, the linear layer's reduce-scatter collective (plain or flagged)
             _patch(axes, "reduce_scatter_flat", how, "in the reduce-scatter")
+            _patch(axes_flagged, "reduce_scatter_flat", how, "in the reduce-scatter")
         elif where == "backward":
             _FAULT["backward"] = how
         else:
