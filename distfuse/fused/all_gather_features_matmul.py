@@ -44,10 +44,9 @@ from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.fused.matmul_common import (
     Comm,
-    Done,
     check_linear_args,
     features_workspace_bytes,
-    flat_rows,
+    gathered_linear_backward,
     grads_needed,
     require_available,
     split_inputs,
@@ -106,25 +105,11 @@ class AllGatherFeaturesMatmul(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *dys):
         plan = ctx.plan
-        k, comm = plan.k, plan.comm
-        saved = ctx.saved_tensors
-        weights, inputs = saved[:k], saved[k:]
-        need_dx, need_dw, need_db = grads_needed(ctx.needs_input_grad, k, plan.has_bias)
-        dys = [dy.contiguous() for dy in dys]
-        dxs, dws, dbs = [None] * k, [None] * k, [None] * k
-        gather = None
-        if need_dw:
-            # Issued before the dgrad so that, on CUDA, the two overlap.
-            gather = Done(inputs) if ctx.kept else comm.start_feature_gather(f"{_OP}.backward", inputs, plan.K)
-        if need_dx:
-            # dx = reduce_scatter_K(dy @ W): the reduce-scatter phase with W.t() [K, N_r] as the operand.
-            dxs = run_matmul_reduce_scatter_features(comm, f"{_OP}.backward", dys, [w.t() for w in weights],
-                                                     [None] * k, plan.partial_dtype, plan.nbytes)
-        if need_dw:
-            dws = [flat_rows(dy).t() @ flat_rows(g) for dy, g in zip(dys, gather.wait(), strict=True)]
-        if need_db:
-            dbs = [flat_rows(dy).sum(0) for dy in dys]
-        return (None, *dxs, *dws, *(dbs if plan.has_bias else ()))
+        return gathered_linear_backward(
+            ctx, dys, lambda blocks: plan.comm.start_feature_gather(f"{_OP}.backward", blocks, plan.K),
+            lambda dys, weights_t: run_matmul_reduce_scatter_features(plan.comm, f"{_OP}.backward", dys, weights_t,
+                                                                      [None] * plan.k, plan.partial_dtype,
+                                                                      plan.nbytes))
 
 
 def all_gather_features_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition,

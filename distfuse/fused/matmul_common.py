@@ -28,7 +28,7 @@ from distfuse.partition import Partition
 
 __all__ = ["fused_linear_available", "require_available", "check_linear_args", "workspace_bytes",
            "features_workspace_bytes", "Comm", "Done", "RowGather", "ColumnGather", "reduce_scatter_dim",
-           "split_inputs", "grads_needed", "flat_rows"]
+           "split_inputs", "grads_needed", "flat_rows", "gathered_linear_backward"]
 
 
 def fused_linear_available(P_sub: Partition, device=None, dtype: torch.dtype | None = None) -> tuple[bool, str]:
@@ -298,3 +298,30 @@ def grads_needed(needs_input_grad, k: int, has_bias: bool) -> tuple[bool, bool, 
 def flat_rows(t: torch.Tensor) -> torch.Tensor:
     """``[*, m, F] -> [prod(*) * m, F]``: the operand layout of the weight-gradient GEMMs."""
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: ambiguous when F is 0
+
+
+def gathered_linear_backward(ctx, dys, start_gather, dgrad) -> tuple:
+    """The backward of an all-gather + GEMM op (sequence or feature form), given its two collectives.
+
+    ``ctx`` saved the weights and either the gathered inputs (``ctx.kept``) or the blocks;
+    ``start_gather(blocks)`` starts gathering the blocks again (a pending ``.wait()``),
+    issued before the dgrad so that on CUDA the two overlap; ``dgrad(dys, weights_t)`` is
+    the op's mirror (GEMM + reduce-scatter with ``W.t()`` as the operand).  Then
+    ``dW = dy^T @ gathered`` and ``db = sum(dy)``.  Returns the gradients in the
+    Function's argument order ``(plan, *xs, *weights, *biases)``.
+    """
+    plan = ctx.plan
+    k = plan.k
+    saved = ctx.saved_tensors
+    weights, inputs = saved[:k], saved[k:]
+    need_dx, need_dw, need_db = grads_needed(ctx.needs_input_grad, k, plan.has_bias)
+    dys = [dy.contiguous() for dy in dys]
+    dxs, dws, dbs = [None] * k, [None] * k, [None] * k
+    gather = (Done(inputs) if ctx.kept else start_gather(inputs)) if need_dw else None
+    if need_dx:
+        dxs = dgrad(dys, [w.t() for w in weights])
+    if need_dw:
+        dws = [flat_rows(dy).t() @ flat_rows(g) for dy, g in zip(dys, gather.wait(), strict=True)]
+    if need_db:
+        dbs = [flat_rows(dy).sum(0) for dy in dys]
+    return (None, *dxs, *dws, *(dbs if plan.has_bias else ()))
