@@ -15,7 +15,9 @@ The flags are read inside the op, where a host read is allowed (it runs eagerly,
 the compiled code): if any worker flagged a call that differs from the agreed one, every
 worker raises the same :class:`~distfuse.errors.ShapeError` after the round and forgets
 the agreement (``on_flag``), so the next eager call agrees afresh.  No worker is left
-waiting.  On CUDA the read is a device sync, as in the eager layer.
+waiting.  On a CUDA partition the flags take the host round of
+:mod:`~distfuse.primitives._flag_transport` instead (no device read, no sync), as in
+the eager layer.
 
 The placeholder must not be a graph constant: inductor folds ops whose inputs are all
 constants at compile time, which ran this round on the non-root workers while the root
@@ -33,6 +35,7 @@ import torch.distributed as dist
 
 from distfuse.errors import ShapeError, where
 from distfuse.primitives._common import exchange
+from distfuse.primitives._flag_transport import any_flag_on_host, flags_on_host
 from distfuse.primitives._handles import lookup, new_handle
 from distfuse.primitives.broadcast import copy_blocks, sum_blocks
 
@@ -46,8 +49,9 @@ class RootBroadcast:
     agreement there).  ``handle`` names it in graphs.
     """
 
-    def __init__(self, op: str, plan, root: int, ranks, ndim: int, on_flag: Callable[[], None]):
+    def __init__(self, op: str, plan, root: int, ranks, ndim: int, on_flag: Callable[[], None], partition=None):
         self.op, self.plan, self.root, self.ranks, self.ndim, self.on_flag = op, plan, root, list(ranks), ndim, on_flag
+        self.partition = partition  # the workers' partition: its meta group carries the flags on CUDA
         self.handle = new_handle(self)
 
     def shape(self, n: int) -> tuple[int, ...]:
@@ -60,17 +64,24 @@ def flagged_root_broadcast(flat: torch.Tensor, anchor: torch.Tensor, handle: int
     """``flat`` (root's ``[n]``) on every worker; raises on every worker when any worker's ``changed`` is set."""
     ctx: RootBroadcast = lookup(handle)
     me = dist.get_rank()
-    mine = torch.full((1,), 1.0 if changed else 0.0, dtype=flat.dtype, device=flat.device)
-    others = [w for w in ctx.ranks if w != ctx.root]
-    msg = None
-    if me == ctx.root:
-        got = [torch.empty_like(mine) for _ in others]
-        exchange([], list(zip(others, got, strict=True)), op=ctx.op)
-        msg = torch.cat([flat.reshape(-1), sum(got, mine)]).view(ctx.shape(n + 1))
+    on_host = ctx.partition is not None and flags_on_host(ctx.partition.device)
+    if on_host and any_flag_on_host(ctx.partition, changed, ctx.op):  # CUDA: no device read (_flag_transport)
+        flagged = True
     else:
-        exchange([(ctx.root, mine)], [], op=ctx.op)
-    out = copy_blocks(ctx.plan, msg, ctx.shape(n + 1), flat.dtype, flat.device).view(-1)
-    if bool(out[n] != 0):  # inside the op: a host read the compiled graph never sees
+        mine = torch.full((1,), 1.0 if changed and not on_host else 0.0, dtype=flat.dtype, device=flat.device)
+        others = [w for w in ctx.ranks if w != ctx.root]
+        msg = None
+        if me == ctx.root:
+            got = [] if on_host else [torch.empty_like(mine) for _ in others]
+            if got:
+                exchange([], list(zip(others, got, strict=True)), op=ctx.op)
+            msg = torch.cat([flat.reshape(-1), sum(got, mine)]).view(ctx.shape(n + 1))
+        elif not on_host:
+            exchange([(ctx.root, mine)], [], op=ctx.op)
+        out = copy_blocks(ctx.plan, msg, ctx.shape(n + 1), flat.dtype, flat.device).view(-1)
+        # Inside the op: a host read the compiled graph never sees (in band only: free for CPU tensors).
+        flagged = not on_host and bool(out[n] != 0)
+    if flagged:
         ctx.on_flag()
         raise ShapeError(f"{where(ctx.op)}: a worker called this compiled layer with inputs (shape, dtype, grad "
                          "flags) other than those agreed in its last eager call; every worker raises here. Call it "

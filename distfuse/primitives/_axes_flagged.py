@@ -5,6 +5,10 @@ message: the sender's agreement flag (see :mod:`distfuse.primitives._agreement`)
 rank whose input changed sends zeros at the agreed sizes with its flag set, so sizes
 always match; every rank reads the flags that arrived and, if any is set, drops the
 result and takes the slow path with the others.
+
+On a CUDA partition the flags take a host round before the plain collective instead
+(:mod:`distfuse.primitives._flag_transport`): reading a received flag would synchronise
+the device on every call.
 """
 
 from __future__ import annotations
@@ -15,8 +19,17 @@ import torch.distributed as dist
 from distfuse._compat import all_gather_flat, reduce_scatter_flat
 from distfuse.errors import expect
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._axes import BlockLayout, debug_agree, interleave, scratch_buffer
+from distfuse.primitives._axes import (
+    BlockLayout,
+    all_reduce_sum,
+    debug_agree,
+    gather_blocks,
+    interleave,
+    scatter_sum_blocks,
+    scratch_buffer,
+)
 from distfuse.primitives._common import collective_guard
+from distfuse.primitives._flag_transport import any_flag_on_host, flags_on_host
 
 __all__ = ["gather_blocks_flagged", "scatter_sum_blocks_flagged", "all_reduce_sum_flagged"]
 
@@ -41,6 +54,10 @@ def gather_blocks_flagged(op: str, P_sub: CartesianPartition, layout: BlockLayou
     One flat all-gather of ``P * slot`` elements (:func:`_slot`); the flag follows the
     block in every worker's slot.  ``x`` must have this worker's extent of ``layout``.
     """
+    if flags_on_host(P_sub.device):  # CUDA: the flags' host round, then the plain collective (_flag_transport)
+        if any_flag_on_host(P_sub, flag, op):
+            return None, True
+        return gather_blocks(op, P_sub, layout, x), False
     if tuple(x.shape) != layout.extents[layout.me]:
         raise expect(op, "local block shape", layout.extents[layout.me], tuple(x.shape))
     debug_agree(op, P_sub, x, {"gathered shape": layout.shape, "pad": layout.pad, "flagged": True})
@@ -77,6 +94,10 @@ def scatter_sum_blocks_flagged(op: str, P_sub: CartesianPartition, layout: Block
     after the block, so every worker receives the sum of all flags.  The block is None when
     a flag is set.
     """
+    if flags_on_host(P_sub.device):
+        if any_flag_on_host(P_sub, flag, op):
+            return None, True
+        return scatter_sum_blocks(op, P_sub, layout, full, reduce_dtype), False
     wire = reduce_dtype if reduce_dtype is not None else full.dtype
     if tuple(full.shape) != layout.shape:
         raise expect(op, "full (partial-sum) tensor shape", layout.shape, tuple(full.shape))
@@ -106,6 +127,10 @@ def scatter_sum_blocks_flagged(op: str, P_sub: CartesianPartition, layout: Block
 def all_reduce_sum_flagged(op: str, P_sub: CartesianPartition, x: torch.Tensor, flag: bool,
                            reduce_dtype: torch.dtype | None = None) -> tuple[torch.Tensor | None, bool]:
     """:func:`all_reduce_sum` with one flag element appended: ``(the sum, any flag set)``; None when set."""
+    if flags_on_host(P_sub.device):
+        if any_flag_on_host(P_sub, flag, op):
+            return None, True
+        return all_reduce_sum(op, P_sub, x, reduce_dtype), False
     wire = reduce_dtype if reduce_dtype is not None else x.dtype
     debug_agree(op, P_sub, x, {"shape": tuple(x.shape), "reduce dtype": str(wire), "flagged": True})
     y = torch.empty(x.numel() + 1, dtype=wire, device=x.device)
