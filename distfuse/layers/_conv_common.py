@@ -6,10 +6,11 @@
 * :func:`gather_call_info` is the host-side collective that tells every worker of the
   layer's partitions every other's ``(shape, dtype, requires_grad flags, autocast)``, so
   that workers holding no input learn the global shape and the dtype, and so that every
-  worker agrees on whether the adjoints run.  The feature convolution runs it only on
-  its first call and when some worker's inputs changed (the agreement protocol,
-  :mod:`~distfuse.primitives._agreement`); the general and channel convolutions on every
-  call.  That agreement matters: a worker
+  worker agrees on whether the adjoints run.  Every convolution runs it only on its
+  first call and when some worker's inputs changed (the agreement protocol,
+  :mod:`~distfuse.primitives._agreement`; the general and channel convolutions through
+  :func:`agreed_call_info`, whose flag is a one-element host all-reduce).  That
+  agreement matters: a worker
   whose received block does not require grad never runs its Broadcast adjoint, and
   its source then waits for that gradient until the process-group timeout.  With
   ``DISTFUSE_DEBUG=1`` it first checks that every worker is calling the same layer
@@ -54,12 +55,13 @@ from distfuse.errors import CollectiveMismatchError, PartitionError, ShapeError,
 from distfuse.geometry.decomposition import local_shape
 from distfuse.geometry.halo_plan import PADDING_MODES, resolve_padding
 from distfuse.partition import CartesianPartition, Partition
+from distfuse.primitives._agreement import AgreementSite, agreed_by_flag_round
 from distfuse.primitives._common import collective_guard
 from distfuse.primitives._layout import memory_format_of, zeros_in
 
 __all__ = ["ConvOptions", "CallInfo", "gather_call_info", "draw_parameters", "conv_block", "pad_locally",
            "grid_of", "check_partition", "promote", "autocast_dtype", "cast_for_compute", "local_call_checks",
-           "check_geometry", "conv_output_format"]
+           "check_geometry", "conv_output_format", "call_signature", "agreed_call_info"]
 
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -290,6 +292,46 @@ def gather_call_info(op: str, P_union: Partition, P_x: CartesianPartition, x: to
                          f"must be the balanced decomposition of the global shape {G} inferred from them)", want, shape)
     return CallInfo(G, dtype, any(r[2] for r in rows.values()), any(r[3] for r in rows.values()), param_dtype,
                     compute, fmt or torch.contiguous_format)
+
+
+def call_signature(x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple:
+    """This worker's signature of a call: everything of its own that :func:`gather_call_info` records.
+
+    Local shape, dtype, device type, grad mode, the input's and the parameters'
+    ``requires_grad`` and dtype, autocast, and the layout bits (dense in NCHW, dense in
+    ``channels_last``): while it repeats on every worker the agreed :class:`CallInfo` holds.
+    """
+    cl = {4: torch.channels_last, 5: torch.channels_last_3d}.get(x.dim())
+    layout = (x.is_contiguous(), cl is not None and x.is_contiguous(memory_format=cl))
+    return (tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad,
+            tuple((p.requires_grad, p.dtype) for p in params), autocast_dtype(x.device.type), layout)
+
+
+def agreed_call_info(site: AgreementSite, op: str, P_union: Partition, P_x: CartesianPartition, x: torch.Tensor,
+                     params: Sequence[torch.Tensor], signature=None, check=None) -> CallInfo:
+    """:func:`gather_call_info` under the agreement protocol: a one-element flag round while signatures repeat.
+
+    For layers whose data messages do not reach every worker of ``P_union`` (the general
+    and channel convolutions: their broadcasts and sum-reduce run along P_w's rows and
+    columns, point to point), so the flag travels in
+    :func:`~distfuse.primitives._agreement.flag_round` on ``P_union``'s host meta group
+    (one int64, no device read) before any data moves.  Any worker whose
+    :func:`call_signature` changed, or whose input fails the local checks
+    (:func:`local_call_checks`: device, dtype, number of dimensions, data outside P_x),
+    sets its flag instead of raising, so every worker takes the slow path together: the
+    metadata gather, its checks and ``check(info)`` (the layer's own rules on the global
+    shape), which raise the same error on every worker.  The first call gathers directly.
+    """
+    mine = call_signature(x, params)
+    locally_ok = local_call_checks(P_x, x) == _OK and (not P_x.active or x.dim() == P_x.dim)
+
+    def slow() -> CallInfo:
+        info = gather_call_info(op, P_union, P_x, x, params, signature=signature)
+        if check is not None:
+            check(info)
+        return info
+
+    return agreed_by_flag_round(site, P_union, op, mine, locally_ok, slow)
 
 
 def check_geometry(op: str, opts: ConvOptions, global_shape: Sequence[int]) -> None:

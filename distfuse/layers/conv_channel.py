@@ -19,8 +19,10 @@ smaller than the general convolution's (which broadcasts the staged input).  Eve
 worker owns its weight block, so no weight moves.  This is the general convolution
 (:mod:`~distfuse.layers.conv_general`) with ``P_s = 1``; it shares its construction,
 checks, parameter handling and worker roles, including: ``groups > 1`` only with unsplit
-channels (otherwise :class:`~distfuse.errors.UnsupportedError`), one metadata gather per
-call over the union of the partitions, and every worker of the union calling backward.
+channels (otherwise :class:`~distfuse.errors.UnsupportedError`), the agreement on the
+call's metadata over the union of the partitions (a gather on the first call and on a
+change, a one-element flag round while the workers' signatures repeat), and every worker
+of the union calling backward.
 """
 
 from __future__ import annotations

@@ -28,12 +28,21 @@ split channels a weight block would mix groups, and distfuse refuses rather than
 wrongly (use the feature-distributed convolution for grouped convolutions).
 
 Workers: P_x-only, P_w-only and P_y-only workers (and any overlap) all work; workers
-outside the three partitions pass and get back a zero-volume tensor.  Every call makes
-one host-side metadata gather over the union of the partitions (workers without input
-learn the global shape and dtype, and all agree on which adjoints run).  Unlike the
-feature convolution's, it is not skipped while shapes repeat: no data collective of this
-layer reaches every worker of the union in forward (the broadcasts and the sum-reduce run
-along P_w's rows and columns), so there is nothing for an agreement flag to ride on.
+outside the three partitions pass and get back a zero-volume tensor.
+
+Agreement at a small steady-state cost.  Workers without input must learn the global
+shape and dtype, and every worker must agree on which adjoints run: that takes a
+host-side metadata gather over the union of the partitions
+(:func:`~distfuse.layers._conv_common.gather_call_info`).  It runs on the first call and
+when some worker's signature (local shape, dtype, grad flags, the parameters', autocast,
+layout) changed or its input fails a local check
+(:func:`~distfuse.layers._conv_common.agreed_call_info`).  No data collective of this
+layer reaches every worker of the union in forward (the broadcasts and the sum-reduce
+run point to point along P_w's rows and columns), so the agreement flag travels in its
+own one-element all-reduce on the union's host meta group, before any data moves
+(:func:`~distfuse.primitives._agreement.flag_round`; about a sixth of the gather's cost,
+see ``docs/reliability.md``).  A disagreement raises the same error on every worker;
+a change of global shape on every worker just works.
 
 Under ``torch.autocast`` the input, the staged blocks, the partial outputs and the output
 travel and compute in the autocast dtype, the weight blocks travel in their own dtype and
@@ -55,18 +64,19 @@ from distfuse.geometry.decomposition import block_extent, local_shape, local_sli
 from distfuse.layers._block_identity import BlockIdentityMixin
 from distfuse.layers._conv_common import (
     ConvOptions,
+    agreed_call_info,
     cast_for_compute,
     check_geometry,
     check_partition,
     conv_block,
     conv_output_format,
     draw_parameters,
-    gather_call_info,
     grid_of,
     promote,
 )
 from distfuse.layers._params import ParamLayout
 from distfuse.partition import union_partition, zero_volume_tensor
+from distfuse.primitives._agreement import AgreementSite
 from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives.broadcast import broadcast, broadcast_plan
 from distfuse.primitives.halo_exchange import HaloExchange
@@ -118,6 +128,7 @@ class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
         self._device = torch.device(device) if device is not None else P_x.device
         self._dtype = dtype if dtype is not None else torch.get_default_dtype()
         self._build_grids()
+        self.agreement = AgreementSite(op)
         if self._P_wr.active:
             shape = local_shape(o.weight_shape, self._P_wr.shape, self._P_wr.index)
             self.weight = nn.Parameter(torch.empty(shape, device=self._device, dtype=dtype))
@@ -235,13 +246,17 @@ class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
-        info = gather_call_info(op, self.P_union, P_x, x, params,
-                                signature=(o, *((P.ranks, P.shape) for P in (P_x, self.P_y, P_w))))
+
+        def check(info) -> None:  # every worker holds G: these raise on every worker alike
+            if info.global_shape[1] != o.in_channels:
+                raise expect(op, "input channels (the global input's dimension 1)", o.in_channels,
+                             info.global_shape[1])
+            check_geometry(op, o, info.global_shape)  # geometry torch refuses
+
+        info = agreed_call_info(self.agreement, op, self.P_union, P_x, x, params,
+                                signature=(o, *((P.ranks, P.shape) for P in (P_x, self.P_y, P_w))), check=check)
         G = info.global_shape
         dtype = info.compute_dtype or info.dtype  # what x, the staged blocks and the outputs travel in (autocast)
-        if G[1] != o.in_channels:
-            raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, G[1])
-        check_geometry(op, o, G)  # every worker holds G: geometry torch refuses is refused on every worker
         needs_any = info.input_grad or info.param_grad
         plan = self.halo.plan(G)
         device = P_x.device
@@ -270,6 +285,10 @@ class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
             i, s = self._P_yv.index[0], self._P_yv.index[2:]
             out_shape = (G[0], block_extent(o.out_channels, P_w.shape[0], i)) + plan.output_shape(s)
         return sum_reduce(promote(yp, needs_any), self._y_plan, out_shape, dtype, memory_format=fmt_out)
+
+    def forget_agreement(self) -> None:
+        """Drop the agreed call record, so the next call gathers metadata again (call it on every worker)."""
+        self.agreement.forget()
 
     def extra_repr(self) -> str:
         o = self.opts

@@ -50,11 +50,14 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from distfuse.errors import DistfuseError
+from distfuse import errors
+from distfuse.errors import DistfuseError, UnsupportedError, where
 from distfuse.primitives._common import collective_guard
 
-__all__ = ["AgreementSite", "run_agreed", "capture_safe", "trusting", "flag_round"]
+__all__ = ["AgreementSite", "run_agreed", "capture_safe", "trusting", "flag_round", "agreed_by_flag_round",
+           "agree_on_local_checks"]
 
 _TRUST = [0]
 
@@ -167,3 +170,70 @@ def flag_round(P, flag: bool, op: str) -> bool:
     with collective_guard(op, "agreement flag all-reduce", P.ranks):
         torch.distributed.all_reduce(total, group=P.meta_group)
     return bool(total[0] != 0)
+
+
+def agreed_by_flag_round(site: AgreementSite, P, op: str, signature: Hashable, locally_ok: bool,
+                         slow: Callable[[], Any]) -> Any:
+    """The agreed state of ``site`` for this call, learnt under the protocol with its flag in :func:`flag_round`.
+
+    For sites whose state *is* the metadata (a global shape, the blocks' shapes and
+    dtype) and whose data messages do not reach every worker of ``P``: the point-to-point
+    primitives (``Broadcast``, ``SumReduce``, ``Repartition``, ``HaloExchange``) and the
+    layers built on them.  Steady state: one flag all-reduce on ``P``'s host meta group
+    before any data moves, so no message of stale size is ever sent.  A flag (a changed
+    signature, or ``locally_ok`` False on some worker) sends every worker to ``slow()``:
+    the metadata gather and the checks, which return the new state or raise the same
+    error everywhere.  Inside :func:`capture_safe` a settled site is trusted while this
+    worker's signature repeats (no flag round, no host read); a different signature there
+    raises :class:`~distfuse.errors.UnsupportedError` on this worker.
+    """
+    if site.state is not None and trusting():
+        if signature != site.signature:
+            raise UnsupportedError(f"{where(op)}: inside capture_safe() (or a CUDA-graph capture) a call must "
+                                   "repeat the inputs of the last eager call (shape, dtype, grad flags); warm up "
+                                   "with the captured shapes on every worker")
+        site.calls += 1
+        return site.state
+
+    def attempt(changed: bool):
+        return site.state, flag_round(P, changed, op)
+
+    def slow_path():
+        state = slow()
+        return state, state
+
+    return run_agreed(site, signature, locally_ok, attempt, slow_path)
+
+
+def agree_on_local_checks(P, op: str, checks: Callable[[], None]) -> None:
+    """Run this worker's local ``checks``; if they fail on any worker of ``P``, raise one error on every worker.
+
+    For the stateless functional forms (``broadcast(..., y_shape)``, ``repartition(...,
+    global_shape)``, ...), whose checks are local: on their own, a check that fails on one
+    worker raises there alone and leaves its peers in the exchange until the timeout.
+    Here every worker runs its checks, catching a distfuse error instead of raising it,
+    then sets its flag in a :func:`flag_round` on ``P``'s host meta group.  No flag: return
+    (the cost of the call, one one-element host all-reduce).  A flag: the failing workers'
+    messages are all-gathered (host objects, off the fast path) and every worker raises
+    the same error, of the first failing worker's class, naming every failing worker and
+    what it found.
+    """
+    try:
+        checks()
+        mine = None
+    except DistfuseError as exc:
+        mine = (type(exc).__name__, str(exc))
+    if not flag_round(P, mine is not None, op):
+        return
+    found = [None] * P.size
+    if P.size == 1:
+        found[0] = mine
+    else:
+        with collective_guard(op, "error all-gather", P.ranks):
+            dist.all_gather_object(found, mine, group=P.meta_group)
+    # Slot g belongs to the g-th smallest world rank (new_group sorts its ranks).
+    failed = [(w, f) for w, f in zip(sorted(P.ranks), found, strict=True) if f is not None]
+    cls = getattr(errors, failed[0][1][0], DistfuseError)
+    lines = "; ".join(f"world rank {w}: {msg}" for w, (_, msg) in failed)
+    raise cls(f"{where(op)}: the local checks failed on world rank(s) {[w for w, _ in failed]}, so no worker "
+              f"moves data: {lines}")

@@ -144,6 +144,7 @@ def empty_like_batch(x: torch.Tensor, preserve_batch: bool, batch: int | None = 
 _DTYPE_CODES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
                 torch.int8, torch.uint8, torch.bool]
 _DEVICE_CODES = ["cpu", "cuda", "meta", "xpu", "mps", "hpu"]
+_TOO_MANY_DIMS = -2  # a record's ndim slot for a tensor of more than max_dim dimensions
 
 
 def gather_metadata(P: Partition, x: torch.Tensor, max_dim: int = 8,
@@ -155,23 +156,27 @@ def gather_metadata(P: Partition, x: torch.Tensor, max_dim: int = 8,
     collective (tens of microseconds within a node).  Must be called by every active
     worker of ``P``.
 
+    A tensor of more than ``max_dim`` dimensions is recorded as such and refused after
+    the gather, on every worker alike (raising before it would leave the peers waiting in
+    the gather until the timeout).
+
     The record also carries the device type of every non-empty tensor: a worker whose
     data is not on ``P``'s device type makes every worker raise the same
     :class:`ShapeError` (found before, the check ran on that worker alone after the
     gather, and its peers waited for it until the timeout).  Empty placeholders may sit
     anywhere (under NCCL they are usually on the host).
     """
-    if x.dim() > max_dim:
-        raise ShapeError(f"{where(op)}: tensors of more than {max_dim} dimensions are not supported")
     code = _DTYPE_CODES.index(x.dtype) if x.dtype in _DTYPE_CODES else -1
     width = max_dim + 3
     mine = torch.full((width,), -1, dtype=torch.int64)
-    mine[0] = x.dim()
+    too_many = x.dim() > max_dim  # recorded, not raised here: every worker raises it after the gather
+    mine[0] = _TOO_MANY_DIMS if too_many else x.dim()
     mine[1] = code
     if x.numel() > 0:
         dev = x.device.type
         mine[2] = _DEVICE_CODES.index(dev) if dev in _DEVICE_CODES else len(_DEVICE_CODES)
-    mine[3:3 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
+    if not too_many:
+        mine[3:3 + x.dim()] = torch.tensor(x.shape, dtype=torch.int64)
     out = torch.empty(P.size * width, dtype=torch.int64)
     with collective_guard(op, "metadata all-gather", P.ranks):
         all_gather_flat(out, mine, group=P.meta_group)
@@ -179,6 +184,10 @@ def gather_metadata(P: Partition, x: torch.Tensor, max_dim: int = 8,
     # world rank, which is not partition rank g when a partition lists its ranks out of order.
     by_world = dict(zip(sorted(P.ranks), out.view(P.size, width).tolist(), strict=True))
     rows = [by_world[r] for r in P.ranks]
+    over = [w for w, r in zip(P.ranks, rows, strict=True) if r[0] == _TOO_MANY_DIMS]
+    if over:
+        raise ShapeError(f"{where(op)}: tensors of more than {max_dim} dimensions are not supported; world rank(s) "
+                         f"{sorted(over)} passed one")
     want = P.device.type
     names = _DEVICE_CODES + ["another device"]
     bad = {w: names[r[2]] for w, r in zip(P.ranks, rows, strict=True) if r[2] >= 0 and names[r[2]] != want}

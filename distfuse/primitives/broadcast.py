@@ -39,15 +39,16 @@ Decisions:
   group times out.  Likewise every worker of P_x and P_y must run the backward (a
   P_x-only worker backpropagates through its zero-volume output).
 * **Metadata cost.** The :class:`Broadcast` module cannot know the block shape on a
-  receive-only worker, so every call all-gathers each worker's ``(shape, dtype)`` over
-  ``union_partition(P_x, P_y)``: ten int64 per worker on the host gloo group, no device
-  sync.  It costs what one small collective costs, a latency rather than a bandwidth:
-  with 4 gloo ranks on the loaded 2-core CI machine, 5 ms for the gather against 0.7 ms
-  for the 16-element data exchange itself (the same 5 ms as a gloo barrier there).  It
-  buys checks that raise the same error on every rank: data passed on a worker inactive
-  in P_x, wrong numbers of dimensions, and P_x workers that disagree on dtype
-  (:class:`CollectiveMismatchError`).  Layers that know shapes analytically call
-  :func:`broadcast` with ``y_shape`` and skip it.
+  receive-only worker, so it all-gathers each worker's ``(shape, dtype)`` over
+  ``union_partition(P_x, P_y)`` (ten int64 per worker on the host gloo group, no device
+  sync) and checks them on every worker: data passed on a worker inactive in P_x, wrong
+  numbers of dimensions, and P_x workers that disagree on dtype
+  (:class:`CollectiveMismatchError`) raise the same error on every rank.  It gathers
+  only on the first call and when some worker's block shape, dtype or device changed
+  (the agreement protocol, :func:`agreed_metadata`); while they repeat, a one-element
+  flag all-reduce on the same host group replaces the gather (measured with 4 gloo ranks
+  on the loaded 2-core CI machine: see ``docs/reliability.md``).  Layers that know shapes
+  analytically call :func:`broadcast` with ``y_shape`` and skip both.
 * **Identity.** When every worker is its own source (``P_x == P_y`` without transposes,
   among others) the op is a clone with no communication and no metadata exchange.
 * **Debug mode** (``DISTFUSE_DEBUG=1``): ranks check that they agree on the plan, the
@@ -74,11 +75,12 @@ from distfuse import debug
 from distfuse.errors import ShapeError, expect, where
 from distfuse.geometry.broadcast_plan import BroadcastPlan, check_gathered_inputs
 from distfuse.partition import union_partition
+from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
 from distfuse.primitives._common import check_inactive_input, empty_like_batch, exchange, gather_metadata
 from distfuse.primitives._layout import as_message, empty_in, stacked_in
 
 __all__ = ["Broadcast", "BroadcastFunction", "BroadcastAdjointFunction", "broadcast", "broadcast_plan", "copy_blocks",
-           "sum_blocks"]
+           "sum_blocks", "agreed_metadata", "metadata_signature"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -143,6 +145,28 @@ def sum_blocks(plan: BroadcastPlan, t: torch.Tensor | None, out_shape, dtype: to
     return out
 
 
+def metadata_signature(x: torch.Tensor) -> tuple:
+    """What :func:`~distfuse.primitives._common.gather_metadata` records of ``x``: its shape, dtype and device type."""
+    return tuple(x.shape), x.dtype, (x.device.type if x.numel() else None)
+
+
+def agreed_metadata(site: AgreementSite, P_union, op: str, x: torch.Tensor, check) -> list:
+    """Every union worker's ``(shape, dtype)``, gathered on the first call and on a change only.
+
+    The agreement protocol of :mod:`~distfuse.primitives._agreement` with the flag in a
+    one-element host all-reduce over ``P_union`` (the data moves point to point, so no
+    message reaches every worker): while every worker's :func:`metadata_signature`
+    repeats, the agreed records are reused after that flag round; otherwise every worker
+    gathers them and ``check(meta)`` raises the same error everywhere or accepts them.
+    """
+    def slow():
+        meta = gather_metadata(P_union, x, op=op)
+        check(meta)
+        return meta
+
+    return agreed_by_flag_round(site, P_union, op, metadata_signature(x), True, slow)
+
+
 def broadcast_plan(P_x, P_y, transpose_src: bool = False, transpose_dest: bool = False) -> BroadcastPlan:
     """The plan of ``Broadcast(P_x, P_y, ...)``; pure Python, raises :class:`PartitionError` on a rule violation."""
     return BroadcastPlan("Broadcast", P_x, P_y, transpose_src, transpose_dest, "P_x", "P_y")
@@ -197,28 +221,11 @@ class BroadcastAdjointFunction(torch.autograd.Function):
         return ddy, None, None, None, None, None, None
 
 
-def broadcast(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | None = None,
-              y_dtype: torch.dtype | None = None, preserve_batch: bool = True, P_union=None,
-              memory_format: torch.memory_format | None = None) -> torch.Tensor:
-    """Functional Broadcast along ``plan`` (from :func:`broadcast_plan`), without the metadata exchange.
-
-    Args:
-        x: this worker's block on P_x workers, a zero-volume tensor elsewhere.
-        plan: the map; building it is pure Python (no collective).
-        y_shape: on P_y workers, the shape of the block this worker receives (its
-            source's block shape); ignored elsewhere.
-        y_dtype: the dtype of the received block (default ``x.dtype``).
-        preserve_batch: P_x-only workers return ``[x.shape[0], 0]`` instead of ``[0]``.
-        P_union: a partition over every worker of P_x and P_y; only used for the
-            debug-mode agreement check.
-        memory_format: the layout the blocks travel and arrive in (``channels_last`` for
-            a 4-D block); every worker of the plan must pass the same one.  Default:
-            contiguous.
-    """
+def _check_args(plan: BroadcastPlan, x: torch.Tensor, y_shape, y_dtype) -> None:
+    """:func:`broadcast`'s local checks of this worker's arguments (no communication)."""
     op = plan.op
     me = dist.get_rank()
     is_src, is_dst = plan.is_src(me), plan.is_dst(me)
-    y_dtype = x.dtype if y_dtype is None else y_dtype
     if is_src:
         if x.dim() != plan.ndim:
             raise expect(op, "number of tensor dimensions (one per dimension of P_y; P_x is extended with ones)",
@@ -235,11 +242,43 @@ def broadcast(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | Non
             raise expect(op, "number of dimensions of y_shape (one per dimension of P_y)", plan.ndim, len(y_shape))
         if is_src and y_dtype != x.dtype:
             raise expect(op, "y_dtype (every P_x worker sends its own dtype)", x.dtype, y_dtype)
-    if not (is_src or is_dst):
-        return x.clone()
-    if plan.identity:
-        if tuple(y_shape) != tuple(x.shape):
-            raise expect(op, "y_shape (this worker is its own source)", tuple(x.shape), tuple(y_shape))
+    if plan.identity and (is_src or is_dst) and tuple(y_shape) != tuple(x.shape):
+        raise expect(op, "y_shape (this worker is its own source)", tuple(x.shape), tuple(y_shape))
+
+
+def broadcast(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | None = None,
+              y_dtype: torch.dtype | None = None, preserve_batch: bool = True, P_union=None,
+              memory_format: torch.memory_format | None = None, agree: bool = False) -> torch.Tensor:
+    """Functional Broadcast along ``plan`` (from :func:`broadcast_plan`), without the metadata exchange.
+
+    Args:
+        x: this worker's block on P_x workers, a zero-volume tensor elsewhere.
+        plan: the map; building it is pure Python (no collective).
+        y_shape: on P_y workers, the shape of the block this worker receives (its
+            source's block shape); ignored elsewhere.
+        y_dtype: the dtype of the received block (default ``x.dtype``).
+        preserve_batch: P_x-only workers return ``[x.shape[0], 0]`` instead of ``[0]``.
+        P_union: a partition over every worker of P_x and P_y; used for ``agree`` and the
+            debug-mode agreement check.
+        memory_format: the layout the blocks travel and arrive in (``channels_last`` for
+            a 4-D block); every worker of the plan must pass the same one.  Default:
+            contiguous.
+        agree: make a failure of the local checks an error on every worker of ``P_union``
+            (required then), instead of on the failing worker alone while its peers wait
+            in the exchange until the timeout: one one-element host all-reduce per call
+            (:func:`~distfuse.primitives._agreement.agree_on_local_checks`).
+    """
+    op = plan.op
+    me = dist.get_rank()
+    is_src, is_dst = plan.is_src(me), plan.is_dst(me)
+    y_dtype = x.dtype if y_dtype is None else y_dtype
+    if agree and P_union is None:
+        raise ShapeError(f"{where(op)}: agree=True needs P_union (the workers that agree on the checks)")
+    if agree and P_union.active and not plan.identity:
+        agree_on_local_checks(P_union, op, lambda: _check_args(plan, x, y_shape, y_dtype))
+    else:
+        _check_args(plan, x, y_shape, y_dtype)
+    if not (is_src or is_dst) or plan.identity:
         return x.clone()
     if P_union is not None and debug.enabled():
         debug.check_agreement(
@@ -257,8 +296,9 @@ class Broadcast(nn.Module):
 
     Construction is collective over the world (it creates ``union_partition(P_x, P_y)``)
     and raises :class:`PartitionError` on every rank when P_x does not broadcast to P_y.
-    Every call all-gathers block shapes over the union (see the module docstring for
-    the cost); use :func:`broadcast` with ``self.plan`` when the shapes are known.
+    Block shapes are agreed over the union (gathered on the first call and on a change,
+    a flag round otherwise; ``agreement`` counts them; see the module docstring); use
+    :func:`broadcast` with ``self.plan`` when the shapes are known.
     """
 
     def __init__(self, P_x, P_y, transpose_src: bool = False, transpose_dest: bool = False,
@@ -269,6 +309,7 @@ class Broadcast(nn.Module):
         self.preserve_batch = bool(preserve_batch)
         self.plan = broadcast_plan(P_x, P_y, transpose_src, transpose_dest)
         self.P_union = union_partition(P_x, P_y)
+        self.agreement = AgreementSite(self.plan.op)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.plan
@@ -278,8 +319,8 @@ class Broadcast(nn.Module):
             return x.clone()
         if plan.identity:
             return broadcast(x, plan, tuple(x.shape), x.dtype, self.preserve_batch)
-        meta = gather_metadata(self.P_union, x, op=plan.op)
-        check_gathered_inputs(plan, self.P_union.ranks, meta, data_on="src", data_name="P_x")
+        meta = agreed_metadata(self.agreement, self.P_union, plan.op, x, lambda m: check_gathered_inputs(
+            plan, self.P_union.ranks, m, data_on="src", data_name="P_x"))
         y_shape = y_dtype = None
         if plan.is_dst(me):
             y_shape, y_dtype = meta[self.P_union.ranks.index(plan.source_of(me))]

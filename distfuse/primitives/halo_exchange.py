@@ -41,6 +41,7 @@ from distfuse import debug
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import PADDING_MODES, HaloPlan, adjoint_box, read_box, resolve_padding
 from distfuse.partition import CartesianPartition
+from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
 from distfuse.primitives._common import check_inactive_input, exchange, infer_global_shape
 from distfuse.primitives._handles import new_handle
 from distfuse.primitives._layout import empty_in, memory_format_of, zeros_in
@@ -181,7 +182,14 @@ class HaloExchange(nn.Module):
     ``forward(x, global_shape=None)`` returns the staged input.  Without
     ``global_shape`` the workers' local shapes are gathered on the host (one small
     gloo all-gather, no device sync) to find it and to check that the blocks are the
-    balanced decomposition.  Plans are cached per global shape.
+    balanced decomposition, on the first call and when some worker's block shape, dtype
+    or device changed; while they repeat, a one-element flag all-reduce on P_x's host
+    group replaces the gather (the agreement protocol,
+    :func:`~distfuse.primitives._agreement.agreed_by_flag_round`: the halo messages run
+    between neighbours only, and a plan without halos sends none, so no data message
+    reaches every worker; ``agreement`` counts the calls and the gathers).  With
+    ``global_shape`` given nothing is agreed and the checks are local.  Plans are cached
+    per global shape.
     Construction is not collective.  Errors name the op and the rank (``_op``: the
     layer that owns this exchange, when there is one).
     """
@@ -209,6 +217,7 @@ class HaloExchange(nn.Module):
         self.padding_mode = padding_mode
         self._plans: dict[tuple[int, ...], HaloPlan] = {}
         self.handle = new_handle(self)  # names this exchange in compiled graphs (distfuse::halo_exchange)
+        self.agreement = AgreementSite(op)
 
     def plan(self, global_shape: Sequence[int]) -> HaloPlan:
         spatial = tuple(int(n) for n in global_shape[-self.nd:])
@@ -220,25 +229,50 @@ class HaloExchange(nn.Module):
                 raise UnsupportedError(f"{where(self._op)}: global spatial shape {spatial}: {exc}") from None
         return self._plans[spatial]
 
+    def _check_block(self, x: torch.Tensor, global_shape: Sequence[int]) -> None:
+        """The local checks of a call with ``global_shape`` given: dimensions, device, this worker's block."""
+        op = self._op
+        if x.dim() != self.P_x.dim:
+            raise expect(op, "number of tensor dimensions", self.P_x.dim, x.dim())
+        if x.device.type != self.P_x.device.type:
+            raise expect(op, "device type", self.P_x.device.type, x.device.type)
+        want = self.plan(global_shape).input_shape(self.P_x.index[self.P_x.dim - self.nd:])
+        if tuple(x.shape[-self.nd:]) != want:
+            raise ShapeError(f"{where(op)}: local spatial shape {tuple(x.shape[-self.nd:])} is not this "
+                             f"worker's block {want} of the global shape {tuple(global_shape)}")
+
     def world_of_fn(self):
         lead_index = self.P_x.index[: self.P_x.dim - self.nd]
         ranks, rank_of = self.P_x.ranks, self.P_x.rank_of
         return lambda spatial_index: ranks[rank_of(lead_index + tuple(spatial_index))]
 
-    def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None, agree: bool = False) -> torch.Tensor:
+        """The staged input; ``global_shape`` skips the agreement (local checks; see the class docstring).
+
+        ``agree=True`` (with ``global_shape``) makes a failure of the local checks an error
+        on every worker of P_x rather than on the failing one alone (its neighbours would
+        wait in the exchange until the timeout): one one-element host all-reduce per call.
+        """
         op = self._op
         if not self.P_x.active:
             check_inactive_input(op, x)
             return x.clone()
         if global_shape is None:
-            global_shape = infer_global_shape(op, self.P_x, x)
-        elif x.dim() != self.P_x.dim:
-            raise expect(op, "number of tensor dimensions", self.P_x.dim, x.dim())
+            ok = x.dim() == self.P_x.dim and x.device.type == self.P_x.device.type
+
+            def slow():  # every worker holds G: a plan the geometry refuses is refused on every worker
+                G = infer_global_shape(op, self.P_x, x)
+                self.plan(G)
+                return G
+
+            global_shape = agreed_by_flag_round(self.agreement, self.P_x, op, (tuple(x.shape), x.dtype, x.device.type),
+                                                ok, slow)
+        elif agree:
+            agree_on_local_checks(self.P_x, op, lambda: self._check_block(x, global_shape))
+        else:
+            self._check_block(x, global_shape)
         plan = self.plan(global_shape)
         index = self.P_x.index[self.P_x.dim - self.nd:]
-        if tuple(x.shape[-self.nd:]) != plan.input_shape(index):
-            raise ShapeError(f"{where(op)}: local spatial shape {tuple(x.shape[-self.nd:])} is not this "
-                             f"worker's block {plan.input_shape(index)} of the global shape {tuple(global_shape)}")
         debug.check_agreement(op, self.P_x.ranks, self.P_x.meta_group,
                               same=dict(dtype=str(x.dtype), ndim=x.dim(), spatial=tuple(global_shape[-self.nd:])),
                               info=dict(shape=tuple(x.shape)))

@@ -21,12 +21,16 @@ permutation of elements, so its adjoint is its inverse).
 Global shape.  A worker active only in ``P_y`` holds no data and cannot know ``G`` or
 the dtype, and no single ``P_x`` block determines ``G`` (a block of 3 out of 2 workers
 may come from 5 or 6).  :class:`Repartition` therefore gathers one record per worker of
-``P_x ∪ P_y`` on each call: ``(ndim, dtype, requires_grad, problem flag, shape)`` as
-``4 + 8`` int64 on the host, all-gathered on the union's gloo group.  There is no device
-sync, but it is one latency-bound collective per call: on the 2-core dev box (loaded,
-2 ranks, 32x32 fp32 blocks) 2.7 ms of a 10 ms call; pass ``global_shape`` in hot loops
-to skip it.  Every worker then validates every record, so a
-bad block raises the same error on all workers instead of a hang.  The functional form
+``P_x ∪ P_y``: ``(ndim, dtype, requires_grad, problem flag, shape)`` as ``4 + 8`` int64
+on the host, all-gathered on the union's gloo group (no device sync, but a
+latency-bound collective: on the 2-core dev box, loaded, 2 ranks, 32x32 fp32 blocks,
+2.7 ms of a 10 ms call).  Every worker then validates every record, so a bad block
+raises the same error on all workers instead of a hang.  The gather runs on the first
+call and when some worker's signature (local shape, dtype, device type, grad mode and
+``requires_grad``) changed; while they repeat, a one-element flag all-reduce on the
+same host group replaces it (the agreement protocol,
+:func:`~distfuse.primitives._agreement.agreed_by_flag_round`; no data message reaches
+every worker, so the flag cannot ride on one).  Pass ``global_shape`` to skip both.  The functional form
 :func:`repartition` takes ``G`` explicitly and skips the gather; its checks are local.
 
 Unlike DistDL, the records also carry ``requires_grad``: if any worker's input requires
@@ -63,6 +67,7 @@ from distfuse._compat import all_gather_flat
 from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.geometry.decomposition import block_range, local_shape, owner_of
 from distfuse.partition import CartesianPartition, Partition, union_partition
+from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
 from distfuse.primitives._common import collective_guard, exchange
 
 __all__ = ["Repartition", "RepartitionFunction", "repartition"]
@@ -304,7 +309,7 @@ def _apply(x: torch.Tensor, P_x, P_y, G, dtype, preserve_batch: bool, promote: b
 
 
 def repartition(x: torch.Tensor, P_x: CartesianPartition, P_y: CartesianPartition, global_shape: Sequence[int],
-                preserve_batch: bool = True, dtype: torch.dtype | None = None,
+                preserve_batch: bool = True, dtype: torch.dtype | None = None, agree: bool = False,
                 _op: str = "repartition") -> torch.Tensor:
     """Repartition ``x`` from ``P_x`` to ``P_y`` with the global shape given: no metadata collective.
 
@@ -316,17 +321,30 @@ def repartition(x: torch.Tensor, P_x: CartesianPartition, P_y: CartesianPartitio
     leaving garbage.  On ``P_x`` workers a given ``dtype`` must equal ``x.dtype``.
 
     Checks are local: a wrong block raises on its own worker only, and its peers then
-    wait until the process-group timeout.  With ``DISTFUSE_DEBUG=1`` the workers first
-    check that they agree on the partitions, ``global_shape`` and dtype; the first such
-    call for a pair of partitions is collective over the world (it creates their union).
+    wait until the process-group timeout, unless ``agree=True``: then every worker of
+    ``P_x ∪ P_y`` runs its checks and raises the same error if any worker's fail, at the
+    cost of one one-element host all-reduce per call
+    (:func:`~distfuse.primitives._agreement.agree_on_local_checks`).  With
+    ``DISTFUSE_DEBUG=1`` the workers first check that they agree on the partitions,
+    ``global_shape`` and dtype.  With either, the first call for a pair of partitions is
+    collective over the world (it creates their union).
     """
     op = _op
     _check_partitions(op, P_x, P_y)
     G = tuple(int(n) for n in global_shape)
-    if dtype is None:
-        dtype = x.dtype
-    elif P_x.active and x.dtype != dtype:
-        raise expect(op, "dtype of the input", dtype, x.dtype)
+    given = dtype
+    dtype = x.dtype if dtype is None else dtype
+
+    def checks() -> None:
+        if given is not None and P_x.active and x.dtype != given:
+            raise expect(op, "dtype of the input", given, x.dtype)
+        if P_x == P_y or P_x.active or P_y.active:
+            _check_local(op, P_x, x, G)
+
+    if agree and P_x != P_y and _union_of(P_x, P_y).active:
+        agree_on_local_checks(_union_of(P_x, P_y), op, checks)
+    else:
+        checks()
     if debug.enabled():
         P_union = _union_of(P_x, P_y)
         if P_union.active:
@@ -335,11 +353,9 @@ def repartition(x: torch.Tensor, P_x: CartesianPartition, P_y: CartesianPartitio
                                             global_shape=G, dtype=str(dtype), preserve_batch=preserve_batch),
                                   info=dict(shape=tuple(x.shape)))
     if P_x == P_y:
-        _check_local(op, P_x, x, G)
         return x.clone()
     if not (P_x.active or P_y.active):
         return _outside(op, x, preserve_batch)
-    _check_local(op, P_x, x, G)
     return _apply(x, P_x, P_y, G, dtype, preserve_batch, promote=False, op=op)
 
 
@@ -350,10 +366,12 @@ class Repartition(nn.Module):
         P_x, P_y: CartesianPartitions with as many dimensions as the tensor.
         preserve_batch: zero-volume outputs keep the input's first extent (DistDL's option).
 
-    Construction is collective over the world (it creates the union partition).  Each
-    call gathers a small host-side record per union worker (see the module docstring
-    for its cost); pass ``global_shape=`` (and ``dtype=``) to :meth:`forward` to skip it
-    and get the functional form's local checks instead.  Identical partitions return a
+    Construction is collective over the world (it creates the union partition).  The
+    call's records (a small host-side record per union worker) are agreed on under the
+    agreement protocol: gathered on the first call and on a change, a one-element flag
+    round otherwise (``agreement`` counts them; see the module docstring); pass
+    ``global_shape=`` (and ``dtype=``) to :meth:`forward` to skip it and get the
+    functional form's local checks instead.  Identical partitions return a
     clone.
     """
 
@@ -368,6 +386,7 @@ class Repartition(nn.Module):
         # ``_extra`` (the helpers pass the world) joins the metadata gather without holding data, so that
         # its workers, too, get zero-volume outputs of the data's dtype that take part in autograd.
         self.P_union = union_partition(P_x, P_y, *([_extra] if _extra is not None else []))
+        self.agreement = AgreementSite(_op)
 
     def extra_repr(self) -> str:
         return (f"P_x={list(self.P_x.shape)}@{list(self.P_x.ranks)}, P_y={list(self.P_y.shape)}@"
@@ -389,6 +408,9 @@ class Repartition(nn.Module):
                               same=dict(P_x=(P_x.ranks, P_x.shape), P_y=(P_y.ranks, P_y.shape),
                                         preserve_batch=self.preserve_batch),
                               info=dict(shape=tuple(x.shape), dtype=str(x.dtype)))
-        G, dtype, any_grad = _resolve(op, self.P_union, P_x, _gather_records(self.P_union, P_x, x, op))
+        signature = (tuple(x.shape), x.dtype, x.device.type, bool(x.requires_grad and torch.is_grad_enabled()))
+        G, dtype, any_grad = agreed_by_flag_round(
+            self.agreement, self.P_union, op, signature, True,
+            lambda: _resolve(op, self.P_union, P_x, _gather_records(self.P_union, P_x, x, op)))
         return _apply(x, P_x, P_y, G, dtype, self.preserve_batch, promote=any_grad and torch.is_grad_enabled(),
                       op=op)

@@ -29,10 +29,12 @@ neither       zero-volume -> its clone    zero-volume -> zero-volume
 .. [1] ``[batch, 0]`` with ``preserve_batch=True`` (the default), else ``[0]``.
 
 As for Broadcast: pass ``zero_volume_tensor(requires_grad=True)`` on P_y-only workers
-when training, so that the adjoint runs there; the module all-gathers block shapes
-over ``union_partition(P_x, P_y)`` on every call (host gloo, ten int64 per worker) and
-checks them, raising the same error on every rank; :func:`sum_reduce` takes the
-output shape instead and skips that; the identity case is a clone; debug mode checks
+when training, so that the adjoint runs there; the module agrees on block shapes over
+``union_partition(P_x, P_y)`` (host gloo, ten int64 per worker, gathered on the first
+call and when some worker's block changed, a one-element flag round while they repeat:
+:func:`~distfuse.primitives.broadcast.agreed_metadata`) and checks them, raising the
+same error on every rank; :func:`sum_reduce` takes the output shape instead and skips
+that; the identity case is a clone; debug mode checks
 agreement and NaN-poisons receive buffers.
 """
 
@@ -48,8 +50,9 @@ from distfuse import debug
 from distfuse.errors import ShapeError, expect, where
 from distfuse.geometry.broadcast_plan import BroadcastPlan, check_gathered_inputs
 from distfuse.partition import union_partition
-from distfuse.primitives._common import check_inactive_input, empty_like_batch, gather_metadata
-from distfuse.primitives.broadcast import copy_blocks, sum_blocks
+from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks
+from distfuse.primitives._common import check_inactive_input, empty_like_batch
+from distfuse.primitives.broadcast import agreed_metadata, copy_blocks, sum_blocks
 
 __all__ = ["SumReduce", "SumReduceFunction", "SumReduceAdjointFunction", "sum_reduce", "sum_reduce_plan"]
 
@@ -112,27 +115,11 @@ class SumReduceAdjointFunction(torch.autograd.Function):
         return ddy, None, None, None, None, None, None
 
 
-def sum_reduce(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | None = None,
-               y_dtype: torch.dtype | None = None, preserve_batch: bool = True, P_union=None,
-               memory_format: torch.memory_format | None = None) -> torch.Tensor:
-    """Functional SumReduce along ``plan`` (from :func:`sum_reduce_plan`), no metadata exchange.
-
-    Args:
-        x: this worker's block on P_x workers, a zero-volume tensor elsewhere.
-        plan: ``sum_reduce_plan(P_x, P_y, ...)``.
-        y_shape: on P_y workers, the shape of the blocks summed into this worker; ignored elsewhere.
-        y_dtype: their dtype (default ``x.dtype``).
-        preserve_batch: P_x-only workers return ``[x.shape[0], 0]`` instead of ``[0]``.
-        P_union: a partition over every worker of P_x and P_y; only used for the
-            debug-mode agreement check.
-        memory_format: the layout the blocks travel in and the sum comes back in
-            (``channels_last`` for a 4-D block); every worker of the plan must pass the
-            same one.  Default: contiguous.
-    """
+def _check_args(plan: BroadcastPlan, x: torch.Tensor, y_shape, y_dtype) -> None:
+    """:func:`sum_reduce`'s local checks of this worker's arguments (no communication)."""
     op = plan.op
     me = dist.get_rank()
     in_x, in_y = plan.is_dst(me), plan.is_src(me)
-    y_dtype = x.dtype if y_dtype is None else y_dtype
     if in_x:
         if x.dim() != plan.ndim:
             raise expect(op, "number of tensor dimensions (one per dimension of P_x)", plan.ndim, x.dim())
@@ -148,11 +135,42 @@ def sum_reduce(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | No
             raise expect(op, "number of dimensions of y_shape (one per dimension of P_x)", plan.ndim, len(y_shape))
         if in_x and y_dtype != x.dtype:
             raise expect(op, "y_dtype (the sum keeps the dtype of the P_x blocks)", x.dtype, y_dtype)
-    if not (in_x or in_y):
-        return x.clone()
-    if plan.identity:
-        if tuple(y_shape) != tuple(x.shape):
-            raise expect(op, "y_shape (this worker sums only its own block)", tuple(x.shape), tuple(y_shape))
+    if plan.identity and (in_x or in_y) and tuple(y_shape) != tuple(x.shape):
+        raise expect(op, "y_shape (this worker sums only its own block)", tuple(x.shape), tuple(y_shape))
+
+
+def sum_reduce(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | None = None,
+               y_dtype: torch.dtype | None = None, preserve_batch: bool = True, P_union=None,
+               memory_format: torch.memory_format | None = None, agree: bool = False) -> torch.Tensor:
+    """Functional SumReduce along ``plan`` (from :func:`sum_reduce_plan`), no metadata exchange.
+
+    Args:
+        x: this worker's block on P_x workers, a zero-volume tensor elsewhere.
+        plan: ``sum_reduce_plan(P_x, P_y, ...)``.
+        y_shape: on P_y workers, the shape of the blocks summed into this worker; ignored elsewhere.
+        y_dtype: their dtype (default ``x.dtype``).
+        preserve_batch: P_x-only workers return ``[x.shape[0], 0]`` instead of ``[0]``.
+        P_union: a partition over every worker of P_x and P_y; used for ``agree`` and the
+            debug-mode agreement check.
+        memory_format: the layout the blocks travel in and the sum comes back in
+            (``channels_last`` for a 4-D block); every worker of the plan must pass the
+            same one.  Default: contiguous.
+        agree: make a failure of the local checks an error on every worker of ``P_union``
+            (required then), instead of on the failing worker alone while its peers wait
+            in the exchange until the timeout: one one-element host all-reduce per call
+            (:func:`~distfuse.primitives._agreement.agree_on_local_checks`).
+    """
+    op = plan.op
+    me = dist.get_rank()
+    in_x, in_y = plan.is_dst(me), plan.is_src(me)
+    y_dtype = x.dtype if y_dtype is None else y_dtype
+    if agree and P_union is None:
+        raise ShapeError(f"{where(op)}: agree=True needs P_union (the workers that agree on the checks)")
+    if agree and P_union.active and not plan.identity:
+        agree_on_local_checks(P_union, op, lambda: _check_args(plan, x, y_shape, y_dtype))
+    else:
+        _check_args(plan, x, y_shape, y_dtype)
+    if not (in_x or in_y) or plan.identity:
         return x.clone()
     if P_union is not None and debug.enabled():
         debug.check_agreement(
@@ -170,7 +188,8 @@ class SumReduce(nn.Module):
 
     Construction is collective over the world (it creates ``union_partition(P_x, P_y)``)
     and raises :class:`PartitionError` on every rank when P_y does not broadcast to P_x.
-    Every call all-gathers block shapes over the union; use :func:`sum_reduce` with
+    Block shapes are agreed over the union (gathered on the first call and on a change, a
+    flag round otherwise; ``agreement`` counts them); use :func:`sum_reduce` with
     ``self.plan`` when the shapes are known.
     """
 
@@ -182,6 +201,7 @@ class SumReduce(nn.Module):
         self.preserve_batch = bool(preserve_batch)
         self.plan = sum_reduce_plan(P_x, P_y, transpose_src, transpose_dest)
         self.P_union = union_partition(P_x, P_y)
+        self.agreement = AgreementSite(self.plan.op)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.plan
@@ -191,8 +211,8 @@ class SumReduce(nn.Module):
             return x.clone()
         if plan.identity:
             return sum_reduce(x, plan, tuple(x.shape), x.dtype, self.preserve_batch)
-        meta = gather_metadata(self.P_union, x, op=plan.op)
-        check_gathered_inputs(plan, self.P_union.ranks, meta, data_on="dst", data_name="P_x")
+        meta = agreed_metadata(self.agreement, self.P_union, plan.op, x, lambda m: check_gathered_inputs(
+            plan, self.P_union.ranks, m, data_on="dst", data_name="P_x"))
         y_shape = y_dtype = None
         if plan.is_src(me):
             y_shape, y_dtype = meta[self.P_union.ranks.index(plan.dests_of(me)[0])]
