@@ -57,3 +57,22 @@ def test_bench_smoke(mod, anchor, ops, providers, extra_providers, tmp_path):
     data = json.loads(path.read_text())
     assert data["smoke"] is True and data["env"]["device"] == "cpu"
     assert [Row(**d) for d in data["rows"]] == rows
+
+
+def test_bench_agreement_smoke(tmp_path):
+    """The agreement bench: every layer with its four providers; only ``gather`` gathers, once per call."""
+    from bench import bench_agreement
+
+    rows = bench_agreement.run(smoke=True, world_size=2, dtype=torch.float32)
+    seen: dict = {}
+    for r in rows:
+        assert r.mode == "fwd" and r.anchor == "trusted" and r.ratio is not None and r.ratio > 0, r
+        assert all(math.isfinite(t) and t > 0 for t in (r.ms, r.ms_q20, r.ms_q80)), r
+        assert "not a GPU result" in r.extra["timing"], r
+        if r.provider == "gather":
+            assert r.extra["metadata_gathers"] == r.extra["calls"] >= 2, r
+        seen.setdefault(r.op, set()).add(r.provider)
+    assert set(seen) == {"feature_conv2d", "general_conv2d", "max_pool2d", "halo_exchange", "broadcast"}
+    assert all(p == {"trusted", "agreed", "host", "gather"} for p in seen.values()), seen
+    path = write_results(bench_agreement.NAME, rows, out_dir=tmp_path, smoke=True)
+    assert [Row(**d) for d in json.loads(path.read_text())["rows"]] == rows
