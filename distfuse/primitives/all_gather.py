@@ -54,6 +54,7 @@ from distfuse.primitives._axes import (
     resolve_axes,
 )
 from distfuse.primitives._axes_flagged import gather_blocks_flagged
+from distfuse.primitives._call_agreement import agree_on_call
 from distfuse.primitives._common import gather_metadata
 
 __all__ = ["AllGather", "AllGatherFunction", "all_gather", "agreed_all_gather", "axes_subgrid"]
@@ -85,7 +86,7 @@ class AllGatherFunction(torch.autograd.Function):
 
 
 def all_gather(x: torch.Tensor, P_sub: CartesianPartition, out_shape: Sequence[int] | None = None,
-               reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+               reduce_dtype: torch.dtype | None = None, agree: bool = False) -> torch.Tensor:
     """Gather ``x`` over the sub-grid ``P_sub`` (from :func:`~distfuse.primitives._axes.axes_subgrid`), autograd-aware.
 
     Args:
@@ -95,7 +96,15 @@ def all_gather(x: torch.Tensor, P_sub: CartesianPartition, out_shape: Sequence[i
             local ones elsewhere); the blocks are then its balanced decomposition and no
             metadata is exchanged.  Every worker of ``P_sub`` must pass the same value.
         reduce_dtype: dtype the backward's reduce-scatter adds in; default the gradient's.
+        agree: check on every worker that every worker passes the same ``out_shape``, dtype
+            and grad flag, and a block of the right shape, before any data moves
+            (:func:`~distfuse.primitives._call_agreement.agree_on_call`: one host all-reduce
+            of two integers per call); a disagreement raises the same error on every worker.
+            Without it the call trusts its arguments, as the layers that call it do (the
+            ``AllGather`` module is always checked, at no steady-state cost).
     """
+    if agree and P_sub.active:
+        _agree(x, P_sub, out_shape)
     if not check_input(_OP, P_sub, x, ndim=P_sub.dim):
         return x.clone()
     if out_shape is not None:
@@ -108,6 +117,23 @@ def all_gather(x: torch.Tensor, P_sub: CartesianPartition, out_shape: Sequence[i
         return x.clone()
     layout = balanced_layout(P_sub, out_shape) if out_shape is not None else gathered_layout(_OP, P_sub, x)
     return AllGatherFunction.apply(x, P_sub, layout, reduce_dtype)
+
+
+def _agree(x, P_sub: CartesianPartition, out_shape) -> None:
+    """:func:`all_gather`'s ``agree=True``: every worker's arguments and block checked in one host round."""
+    def checks():
+        check_input(_OP, P_sub, x, ndim=P_sub.dim)
+        if out_shape is not None:
+            if len(out_shape) != P_sub.dim:
+                raise expect(_OP, "number of dimensions of out_shape", P_sub.dim, len(out_shape))
+            layout = balanced_layout(P_sub, tuple(int(n) for n in out_shape))
+            if tuple(x.shape) != layout.extents[layout.me]:
+                raise expect(_OP, "local block shape (the balanced block of out_shape)", layout.extents[layout.me],
+                             tuple(x.shape))
+
+    same = dict(out_shape=None if out_shape is None else tuple(int(n) for n in out_shape),
+                dtype=getattr(x, "dtype", None), grad=torch.is_grad_enabled() and getattr(x, "requires_grad", False))
+    agree_on_call(P_sub, _OP, same, checks)
 
 
 def agreed_all_gather(x: torch.Tensor, P_sub: CartesianPartition, site: AgreementSite, *, extra=(),

@@ -37,6 +37,7 @@ from distfuse.partition import CartesianPartition
 from distfuse.primitives._agreement import AgreementSite, run_agreed
 from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, check_input, check_partition, resolve_axes
 from distfuse.primitives._axes_flagged import all_reduce_sum_flagged
+from distfuse.primitives._call_agreement import agree_on_call
 from distfuse.primitives._common import gather_metadata
 
 __all__ = ["AllSumReduce", "AllSumReduceFunction", "all_sum_reduce", "agreed_all_sum_reduce", "axes_subgrid"]
@@ -62,12 +63,20 @@ class AllSumReduceFunction(torch.autograd.Function):
 
 
 def all_sum_reduce(x: torch.Tensor, P_sub: CartesianPartition,
-                   reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   reduce_dtype: torch.dtype | None = None, agree: bool = False) -> torch.Tensor:
     """Sum ``x`` over the sub-grid ``P_sub`` (from :func:`~distfuse.primitives._axes.axes_subgrid`), autograd-aware.
 
     Layers call this with a sub-grid they created once; creating one is collective over
-    the world, calling this is collective over ``P_sub`` only.
+    the world, calling this is collective over ``P_sub`` only.  ``agree=True`` checks on
+    every worker that every worker passes the same shape, dtype and grad flag before any
+    data moves (one host all-reduce of two integers,
+    :func:`~distfuse.primitives._call_agreement.agree_on_call`); without it the call trusts
+    its arguments (the ``AllSumReduce`` module is always checked, at no steady-state cost).
     """
+    if agree and P_sub.active:
+        agree_on_call(P_sub, _OP, dict(shape=tuple(getattr(x, "shape", ())), dtype=getattr(x, "dtype", None),
+                                       grad=torch.is_grad_enabled() and getattr(x, "requires_grad", False)),
+                      lambda: check_input(_OP, P_sub, x, ndim=None))
     if not check_input(_OP, P_sub, x, ndim=None):
         return x.clone()
     if P_sub.size == 1:

@@ -49,6 +49,7 @@ from distfuse.primitives._axes import (
     scatter_sum_blocks,
 )
 from distfuse.primitives._axes_flagged import scatter_sum_blocks_flagged
+from distfuse.primitives._call_agreement import agree_on_call
 from distfuse.primitives._common import gather_metadata
 
 __all__ = ["ReduceScatter", "ReduceScatterFunction", "reduce_scatter", "agreed_reduce_scatter", "axes_subgrid"]
@@ -80,7 +81,7 @@ class ReduceScatterFunction(torch.autograd.Function):
 
 
 def reduce_scatter(x: torch.Tensor, P_sub: CartesianPartition,
-                   reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+                   reduce_dtype: torch.dtype | None = None, agree: bool = False) -> torch.Tensor:
     """Reduce-scatter ``x`` over the sub-grid ``P_sub`` (from :func:`~distfuse.primitives._axes.axes_subgrid`).
 
     Autograd-aware.  The full shape is ``x``'s own, so nothing but the data moves.
@@ -89,7 +90,16 @@ def reduce_scatter(x: torch.Tensor, P_sub: CartesianPartition,
         x: this worker's full-extent partial tensor, one dimension per partition dimension.
         P_sub: the sub-grid; it has extent > 1 exactly in the reduce-scattered dimensions.
         reduce_dtype: dtype the forward sum is added in; default ``x``'s.
+        agree: check on every worker that every worker passes the same shape, dtype and
+            grad flag before any data moves (one host all-reduce of two integers,
+            :func:`~distfuse.primitives._call_agreement.agree_on_call`); a disagreement raises
+            the same error on every worker.  Without it the call trusts its arguments (the
+            ``ReduceScatter`` module is always checked, at no steady-state cost).
     """
+    if agree and P_sub.active:
+        agree_on_call(P_sub, _OP, dict(shape=tuple(getattr(x, "shape", ())), dtype=getattr(x, "dtype", None),
+                                       grad=torch.is_grad_enabled() and getattr(x, "requires_grad", False)),
+                      lambda: check_input(_OP, P_sub, x, ndim=P_sub.dim))
     if not check_input(_OP, P_sub, x, ndim=P_sub.dim):
         return x.clone()
     if P_sub.size == 1:

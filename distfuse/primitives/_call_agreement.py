@@ -1,0 +1,76 @@
+"""One host round that proves every worker made the same call: for the stateless functional forms.
+
+The modules (``AllGather``, ``ReduceScatter``, ...) keep an agreement site and check for
+free while their inputs repeat (:mod:`distfuse.primitives._agreement`).  A functional
+form (``all_gather(x, P, out_shape)``, ``reduce_scatter(x, P)``, ``all_sum_reduce(x, P)``)
+keeps no state, so with ``agree=True`` it runs this check on every call:
+
+* Every worker hashes what all must share (the full shape, the dtype, ...) together with
+  the outcome of its local checks into a 63-bit digest, and the workers all-reduce
+  ``[digest, -digest]`` with MAX on the partition's host-side gloo meta group: the
+  maximum and minus the minimum in one integer pair.  Equal: every worker made the same
+  call (up to a hash collision, 2^-63), and the data collective runs.  One host
+  all-reduce of two int64, no device read.
+* Different: every worker all-gathers the records (host objects, off the fast path) and
+  raises the same :class:`~distfuse.errors.ShapeError` naming each worker's values, or
+  the first failing worker's local error.  No worker enters the data collective, so
+  nothing aborts in gloo and no worker returns a sum of tensors of different dtypes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from distfuse import errors
+from distfuse.errors import DistfuseError, ShapeError, where
+from distfuse.primitives._common import collective_guard
+
+__all__ = ["agree_on_call"]
+
+
+def _digest(record: dict) -> int:
+    text = repr(sorted(record.items())).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1  # 63 bits, non-negative
+
+
+def agree_on_call(P, op: str, same: dict, checks: Callable[[], None] | None = None) -> None:
+    """Raise one error on every worker of ``P`` unless every worker passes the same ``same`` and its ``checks``.
+
+    Args:
+        same: what every worker must share (values with a stable ``repr``: tuples, dtypes).
+        checks: this worker's local checks (raise a distfuse error); run before the round.
+
+    Cost: one all-reduce of two int64 on ``P.meta_group`` (see the module docstring).
+    """
+    if P.size == 1 or not P.active:
+        if checks is not None:
+            checks()
+        return
+    failure = None
+    if checks is not None:
+        try:
+            checks()
+        except DistfuseError as exc:
+            failure = (type(exc).__name__, str(exc))
+    record = dict(same, failure=failure)
+    h = _digest(record)
+    pair = torch.tensor([h, -h], dtype=torch.int64)
+    with collective_guard(op, "call agreement all-reduce", P.ranks):
+        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=P.meta_group)
+    if int(pair[0]) == -int(pair[1]) and failure is None:
+        return
+    records = [None] * P.size
+    with collective_guard(op, "call agreement records", P.ranks):
+        dist.all_gather_object(records, (dist.get_rank(), record), group=P.meta_group)
+    failed = [(rank, rec["failure"]) for rank, rec in records if rec["failure"] is not None]
+    if failed:
+        kind = getattr(errors, failed[0][1][0], ShapeError)
+        lines = "; ".join(f"world rank {rank}: {msg}" for rank, (_, msg) in failed)
+        raise kind(f"{where(op)}: a worker's input failed its checks ({lines})")
+    keys = [k for k in same if len({repr(rec[k]) for _, rec in records}) > 1]
+    detail = "; ".join(f"{k}: " + ", ".join(f"world rank {rank} {rec[k]}" for rank, rec in records) for k in keys)
+    raise ShapeError(f"{where(op)}: the workers' calls disagree ({detail}); every worker must pass the same")
