@@ -219,7 +219,7 @@ class Side:
 
         self.side, self.m, self.n, self.k, self.world, self.dtype = side, m, n, k, world, dtype
         self.spec = SIDES[side]
-        self.provider = provider  # the rs side's producer (distfuse.fused.providers)
+        self.provider = provider  # the rs side's producer or the ag side's push (distfuse.fused.providers)
         g = torch.Generator(device="cpu").manual_seed(seed)
 
         def rnd(*shape, scale=1.0):
@@ -284,6 +284,10 @@ class Side:
 
         if self.spec["features"]:
             return ag_push_columns(self.shards[r], self.ws, r, self.world, self.k)
+        if self.side == "ag" and self.provider != "triton":
+            from distfuse.fused.providers import run_push
+
+            return run_push(self.provider, self.shards[r], self.ws, r, self.world, self.m)
         return ag_push(self.shards[r], self.ws, r, self.world, self.m)
 
     def fused_gemm(self):
@@ -471,6 +475,17 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
         if scatters:
             extra.update(target=REDUCE_TARGET, meets_target=bw_op / bw_copy >= REDUCE_TARGET)
         row(op_bw, "fused", bw_shape, q_bw, rate=bw_op, rate_unit="GB/s", extra=extra)
+        if side_name == "ag":  # the copy-engine push (DMA on a side stream, joined in loopback) beside the kernel
+            side.provider = "copy_engine"
+            side.prepare()
+            try:
+                q_ce = timed(side.push)
+            finally:
+                side.release()
+                side.provider = "triton"
+            bw_ce = gbps(nbytes, q_ce[0])
+            row(op_bw, "copy_engine", bw_shape, q_ce, rate=bw_ce, rate_unit="GB/s",
+                extra=dict(rate_ratio=bw_ce / bw_copy, loopback=True))
         if symm is not None and symm.error is None:
             try:
                 q_symm = timed(symm.op(side))
@@ -639,6 +654,8 @@ def smoke(out_dir: Path | None = None) -> int:
             bad += Side(side_name, m, n, k, W, dtype, device).check(tol)
         for provider in RS_PROVIDERS:  # the other producers of GEMM + reduce-scatter, K a multiple of 16 bytes
             bad += [f"{b} [{provider}]" for b in Side("rs", 10, 12, 16, W, dtype, device, provider=provider).check(tol)]
+        copy_side = Side("ag", 10, 6, 16, W, dtype, device, provider="copy_engine")  # all-gather + GEMM's other push
+        bad += [f"{b} [copy_engine]" for b in copy_side.check(tol)]
     # The autograd ops in loopback (what a fused layer runs), forward and backward against torch.
     xs = [torch.randn(2, 5, 4, requires_grad=True) for _ in range(W)]
     wts = [torch.randn(6, 4, requires_grad=True) for _ in range(W)]
@@ -682,8 +699,9 @@ def smoke(out_dir: Path | None = None) -> int:
     from bench.harness import environment, write_results
 
     rows = sweep({"tiny": (16, 48)}, (10, 4), 2, "float32", 1, device, None)
-    # 2 m x the sides x (cublas, fused, copy, bandwidth op, 2 projections), + 2 m x the other rs producers x 2 rows
-    want = 2 * len(SIDES) * 6 + 2 * len(RS_PROVIDERS) * 2
+    # 2 m x the sides x (cublas, fused, copy, bandwidth op, 2 projections), + 2 m x the other rs producers x 2 rows,
+    # + 2 m x the ag side's copy-engine push
+    want = 2 * len(SIDES) * 6 + 2 * len(RS_PROVIDERS) * 2 + 2
     if len(rows) != want or any(r.ratio is None for r in rows if r.provider in ("fused", "projection-fused-2gpu")):
         bad.append(f"sweep rows: expected {want} with ratios, got {len(rows)}")
     with tempfile.TemporaryDirectory() as tmp:

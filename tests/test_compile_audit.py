@@ -26,7 +26,7 @@ jobs = min(4, os.cpu_count() or 1)
 out = {"all": [dataclasses.asdict(r) for r in ca.run_audit((90,), jobs=jobs)]}
 # sm_80 (A100) for the 16-bit GEMM configs: the largest tiles must fit its 163 KB too.
 out["sm80"] = [dataclasses.asdict(r) for r in ca.run_audit((80,), (torch.bfloat16,), only="matmul_scatter")]
-tables = {"data_ptrs": "i64", "flag_ptrs": "i64", "counter_ptr": "i32"}
+tables = {"data_ptrs": "i64", "flag_ptrs": "i64", "counter_ptr": "i32", "epoch_ptr": "i32"}
 big = ca.KernelCase("matmul_scatter", reduce_scatter_kernels._matmul_scatter_kernel, torch.float32,
                     dict(UPCAST=False, INPUT_PRECISION="tf32", ROUND_BF16=False, BLOCK_M=128, BLOCK_N=256,
                          BLOCK_K=64, GROUP_M=8), 8, 3, pointer_dtypes=tables, aligned=("N", "K", "ld"),

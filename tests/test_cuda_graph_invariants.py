@@ -22,11 +22,23 @@ steps and inside ``capture_safe()``:
 * gives bitwise the results of the eager step.
 
 Epochs: the halo path has none (its rounds are matched point-to-point messages).  The GEMM
-fusions' flags carry a host-side epoch, which a captured graph would freeze; see
-``docs/gpu.md`` ("CUDA graphs"): they are not capture-safe yet.
+fusions' flags carry the workspace's *device* epoch, which every claim advances in stream
+order and every kernel loads, so a replayed graph raises and expects a new epoch.  On CPU
+(three of four gloo ranks, permuted, the fused ops interpreted), a warm training step of
+the all-gather + GEMM (copy-engine push) and of the GEMM + reduce-scatter (cuBLAS-per-chunk
+producer):
 
-The ``cuda`` test captures forward and backward of the layer in a ``torch.cuda.CUDAGraph``
-(one rank, NCCL) and replays it on new data against eager.
+* reads no tensor on the host except the status words (``nonzero``, once per consumer:
+  the CPU check; on CUDA the check is skipped while a stream captures);
+* runs no host-side collective except the workspace barrier (``monitored_barrier``, the
+  CPU stand-in for the symmetric-memory device barrier on the stream);
+* creates or grows no workspace, and advances the device epoch by one per claim;
+* gives bitwise the eager results, also after the device epoch has been moved on behind
+  the host's back (as replays do): the kernels read the device epoch, not the host's.
+
+The ``cuda`` tests capture forward and backward of the halo layer in a ``torch.cuda.CUDAGraph``
+(one rank, NCCL), and forward and backward of the fused GEMM ops on a loopback workspace
+(every virtual rank on one GPU), and replay them on new data against eager.
 """
 
 from __future__ import annotations
@@ -162,6 +174,93 @@ def test_capture_safe_refuses_a_changed_call():
         assert msg is not None and "warm up" in msg
 
 
+# ---------------------------------------------------------------- the fused GEMM ops: device epochs
+
+
+def _fused_hot_path(which: str):
+    from distfuse import Partition
+    from distfuse.fused.all_gather_matmul import all_gather_matmul
+    from distfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter
+    from distfuse.fused.workspace import _Workspace
+
+    P = Partition.world().create_partition_inclusive([2, 0, 3]).create_cartesian_topology_partition([1, 3, 1])
+    if not P.active:
+        return None
+    W, r = P.size, P.rank
+    n, K, N = 7, 6, 5
+    gen = torch.Generator().manual_seed(11 + r)
+    if which == "all_gather_copy_engine":
+        x0 = torch.randn(2, (n // W) + (r < n % W), K, generator=gen)
+        w, b, dy = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen), torch.randn(2, n, N, generator=gen)
+
+        def op(x):
+            return all_gather_matmul(x, w, b, P, n=n, provider="copy_engine")
+    else:
+        x0 = torch.randn(2, n, K, generator=gen)
+        w, b = torch.randn(N, K, generator=gen), torch.randn(N, generator=gen)
+        dy = torch.randn(2, (n // W) + (r < n % W), N, generator=gen)
+
+        def op(x):
+            return matmul_reduce_scatter(x, w, b, P, provider="cublas_chunks")
+    w.requires_grad_(True)
+    b.requires_grad_(True)
+
+    def step():
+        x = x0.clone().requires_grad_(True)
+        y = op(x)
+        y.backward(dy)
+        out = [y.detach(), x.grad, w.grad.clone(), b.grad.clone()]
+        w.grad = b.grad = None
+        return out
+
+    step(), step()  # warm-up: the workspace, the peer tables
+    eager = step()
+    ws = symmetric._CACHE[(P.ranks, "cpu")]
+    cache, nbytes, host0, dev0 = dict(symmetric._CACHE), ws.nbytes, ws.epoch, int(ws.epoch_dev)
+    checks = []
+    real_raise = _Workspace.raise_on_status
+
+    def counted(self, *args, **kwargs):
+        checks.append(args[-1])
+        return real_raise(self, *args, **kwargs)
+
+    _Workspace.raise_on_status = counted
+    try:
+        with _HostCollectives() as coll, _HostReads() as reads:
+            trusted = step()
+    finally:
+        _Workspace.raise_on_status = real_raise
+    same_ws = dict(symmetric._CACHE) == cache and ws.nbytes == nbytes
+    claims, dev1 = ws.epoch - host0, int(ws.epoch_dev)
+    apart = dev1 - ws.epoch
+    ws.epoch_dev.add_(5)  # five claims replayed by a graph: the device epoch moves on, the host's does not
+    after = step()
+    apart = int(ws.epoch_dev) - ws.epoch - apart
+    symmetric.close_all()
+    return dict(reads=reads.reads, checks=len(checks), collectives=coll.calls, claims=claims, dev_moved=dev1 - dev0,
+                epochs_apart=apart, same_ws=same_ws,
+                same=all(torch.equal(a, b) for a, b in zip(trusted, eager, strict=True)),
+                same_after=all(torch.equal(a, b) for a, b in zip(after, eager, strict=True)))
+
+
+@pytest.mark.parametrize("which", ["all_gather_copy_engine", "matmul_reduce_scatter_cublas"])
+def test_fused_gemm_step_is_capture_safe(which):
+    pytest.importorskip("triton")
+    results = [r for r in run_ranks(4, _fused_hot_path, which) if r is not None]
+    assert len(results) == 3
+    for rank, r in enumerate(results):
+        assert r["claims"] == 2, f"rank {rank}: forward and backward each claim the workspace once: {r['claims']}"
+        assert r["dev_moved"] == r["claims"], f"rank {rank}: the device epoch moved {r['dev_moved']} for " \
+                                              f"{r['claims']} claims"
+        assert r["reads"] == ["aten.nonzero.default"] * r["checks"] and r["checks"] >= 2, \
+            f"rank {rank}: host reads besides the CPU status checks: {r['reads']} ({r['checks']} checks)"
+        assert set(r["collectives"]) == {"monitored_barrier"}, f"rank {rank}: host collectives: {r['collectives']}"
+        assert r["same_ws"], f"rank {rank}: a symmetric workspace was created or grown"
+        assert r["same"], f"rank {rank}: the steady-state step differs from the eager one"
+        assert r["epochs_apart"] == 5, f"rank {rank}: host and device epochs should be 5 apart"
+        assert r["same_after"], f"rank {rank}: after the device epoch moved on alone, the step differs"
+
+
 # ---------------------------------------------------------------- on a GPU
 
 
@@ -223,3 +322,83 @@ def test_cuda_graph_capture_of_a_training_step(tmp_path):  # pragma: no cover - 
     assert proc.exitcode == 0, f"the capture process failed (exit code {proc.exitcode})"
     for err in torch.load(out):
         assert err < 1e-4, err  # fp32, different cuDNN algorithms on the two sides
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("which", ["all_gather_triton", "all_gather_copy_engine", "reduce_scatter_cublas"])
+def test_cuda_graph_replays_a_fused_gemm_step(which):  # pragma: no cover - runs on a GPU only
+    """Capture forward and backward of a fused GEMM op (loopback: every virtual rank on one GPU), replay on new data:
+    the replay advances the device epoch by its claims and matches an eager step and float64."""
+    from distfuse.fused.all_gather_matmul import all_gather_matmul_loopback, all_gather_matmul_workspace_bytes
+    from distfuse.fused.matmul_reduce_scatter import (
+        matmul_reduce_scatter_loopback,
+        matmul_reduce_scatter_workspace_bytes,
+    )
+    from distfuse.fused.workspace import LoopbackWorkspace
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    W, n, K, N, dev = 2, 256, 128, 192, torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    gather = which.startswith("all_gather")
+    if gather:
+        xs = [torch.randn(1, n // W, K, generator=gen).to(dev).requires_grad_() for _ in range(W)]
+        wts = [torch.randn(N, K, generator=gen).div(K ** 0.5).to(dev).requires_grad_() for _ in range(W)]
+        dys = [torch.randn(1, n, N, generator=gen).to(dev) for _ in range(W)]
+        ws = LoopbackWorkspace(W, all_gather_matmul_workspace_bytes(1, n, K, W, torch.float32), dev)
+
+        def step():
+            ys = all_gather_matmul_loopback(xs, wts, None, ws, provider=which.split("_", 2)[2])
+            torch.autograd.backward(ys, dys)
+            return ys
+    else:
+        xs = [torch.randn(1, n, K, generator=gen).to(dev).requires_grad_() for _ in range(W)]
+        wts = [torch.randn(N, K, generator=gen).div(K ** 0.5).to(dev).requires_grad_() for _ in range(W)]
+        dys = [torch.randn(1, n // W, N, generator=gen).to(dev) for _ in range(W)]
+        ws = LoopbackWorkspace(W, matmul_reduce_scatter_workspace_bytes(1, n, N, W, torch.float32), dev)
+
+        def step():
+            ys = matmul_reduce_scatter_loopback(xs, wts, None, ws, provider="cublas_chunks")
+            torch.autograd.backward(ys, dys)
+            return ys
+
+    def clear():
+        for t in xs + wts:
+            t.grad = None
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+            clear()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_ys = step()
+    new_x = [torch.randn_like(x) for x in xs]
+    new_dy = [torch.randn_like(dy) for dy in dys]
+    with torch.no_grad():
+        for t, v in zip(xs + dys, new_x + new_dy, strict=True):
+            t.copy_(v)
+    for t in xs + wts:
+        t.grad.zero_()
+    before = int(ws.epoch_dev)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert int(ws.epoch_dev) == before + 2, "a replay must advance the device epoch by its two claims"
+    got = [y.clone() for y in static_ys] + [t.grad.clone() for t in xs + wts]
+    clear()
+    eager = [y.detach() for y in step()] + [t.grad for t in xs + wts]
+    for a, b in zip(got, eager, strict=True):
+        assert not torch.isnan(a).any()
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    x64 = [x.detach().double() for x in xs]
+    w64 = [w.detach().double() for w in wts]
+    if gather:
+        refs = [torch.cat(x64, dim=-2) @ w.t() for w in w64]
+    else:
+        full = sum(x @ w.t() for x, w in zip(x64, w64, strict=True))
+        refs = [full[:, r * (n // W):(r + 1) * (n // W)] for r in range(W)]
+    for y, ref in zip(got[:W], refs, strict=True):
+        torch.testing.assert_close(y.double(), ref, rtol=1e-4, atol=1e-4)

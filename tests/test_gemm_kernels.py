@@ -312,20 +312,22 @@ def test_strided_bias_and_unaligned_widths():
 
 
 def test_per_call_integers_are_never_specialised():
-    """Epochs, ranks, offsets and timeouts change every call: a Triton specialisation on them (== 1, % 16 == 0)
-    would recompile a kernel on one rank mid-collective while its peers spin."""
+    """Ranks, offsets and timeouts change every call: a Triton specialisation on them (== 1, % 16 == 0) would
+    recompile a kernel on one rank mid-collective while its peers spin.  The epoch is no integer argument at all:
+    every kernel loads it from the workspace's device word (``epoch_ptr``), so a CUDA graph replay advances it."""
     import distfuse.kernels.all_gather_matmul as all_gather_kernels
     import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 
-    want = {reduce_scatter_kernels._matmul_scatter_kernel: {"rank", "epoch", "src_offset", "slot_elems"},
-            reduce_scatter_kernels._chunk_reduce_kernel: {"rank", "epoch", "timeout", "slot_elems"},
-            all_gather_kernels._ag_push_kernel: {"rank", "epoch", "start_p"},
-            all_gather_kernels._gathered_matmul_kernel: {"rank", "epoch", "timeout"}}
+    want = {reduce_scatter_kernels._matmul_scatter_kernel: {"rank", "src_offset", "slot_elems"},
+            reduce_scatter_kernels._chunk_reduce_kernel: {"rank", "timeout", "slot_elems"},
+            all_gather_kernels._ag_push_kernel: {"rank", "start_p"},
+            all_gather_kernels._gathered_matmul_kernel: {"rank", "timeout"}}
     for fn, names in want.items():
         # a JITFunction holds the list; the interpreter's InterpretedFunction keeps the decorator's kwargs
         dont = set(fn.do_not_specialize if hasattr(fn, "do_not_specialize") else fn.kwargs["do_not_specialize"])
         dont = {fn.arg_names[i] if isinstance(i, int) else i for i in dont}
         assert names <= dont, (fn.__name__, names - dont)
+        assert "epoch_ptr" in fn.arg_names and "epoch" not in fn.arg_names, fn.arg_names
 
 
 def test_matmul_scatter_checks_its_arguments():

@@ -188,7 +188,7 @@ def test_providers_across_processes(world, dtype, order):
 
 def test_registry_lists_the_providers_default_first():
     assert providers_of(RS) == PROVIDERS
-    assert providers_of(registry.ALL_GATHER_MATMUL.name) == ("triton",)
+    assert providers_of(registry.ALL_GATHER_MATMUL.name) == ("triton", "copy_engine")
 
 
 def test_select_provider_env_then_table_then_default(monkeypatch, tmp_path):

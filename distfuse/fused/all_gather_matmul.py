@@ -8,8 +8,9 @@ of the input and output-feature block ``r`` of the weight (``*`` any leading dim
     weight   [N_r, K]        nn.Linear layout, split along the output features
     bias     [N_r]           split like the weight's rows
     forward  y   = all_gather_n(x) @ weight.T + bias                            [*, n, N_r]
-             ag_push copies x into every peer's symmetric buffer; gathered_matmul
-             multiplies chunk by chunk as they land (local chunk first)
+             the push copies x into every peer's symmetric buffer (provider "triton": a copy
+             kernel before the GEMM; "copy_engine": DMA on a side stream, overlapping it);
+             gathered_matmul multiplies chunk by chunk as they land (local chunk first)
     dgrad    dx  = reduce_scatter_n(dy @ weight)[block r]                      [*, n_r, K]
              matmul_scatter(dy, weight.t()) + chunk_reduce
     wgrad    dW  = dy.T @ g   with g = all_gather_n(x)                          [N_r, K]
@@ -57,6 +58,7 @@ from distfuse.fused.matmul_common import (
     workspace_bytes,
 )
 from distfuse.fused.matmul_phases import run_all_gather_matmul, run_matmul_reduce_scatter
+from distfuse.fused.providers import check_provider, select_provider
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
@@ -92,6 +94,7 @@ class _AGPlan(NamedTuple):
     keep_gathered: bool
     partial_dtype: torch.dtype | None
     nbytes: int
+    provider: str = "triton"
 
 
 class AllGatherMatmul(torch.autograd.Function):
@@ -108,7 +111,7 @@ class AllGatherMatmul(torch.autograd.Function):
         need_dw = grads_needed(ctx.needs_input_grad, k, plan.has_bias)[1]
         keep = plan.keep_gathered and need_dw
         ys, gathered = run_all_gather_matmul(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.n, keep,
-                                             plan.nbytes)
+                                             plan.nbytes, push=plan.provider)
         ctx.plan = plan
         ctx.kept = keep
         # Saved: the weights (dgrad) and what the weight gradient reads, the gathered input or the block.
@@ -132,9 +135,18 @@ def _infer_n(P: Partition, rows: int) -> int:
     return int(t)
 
 
+def _provider(provider: str | None, x: torch.Tensor, n: int, N: int, W: int) -> str:
+    """``provider`` checked, or the one :func:`~distfuse.fused.providers.select_provider` picks for this call."""
+    if provider is not None:
+        return check_provider(_OP, provider)
+    shapes = dict(m=math.prod(x.shape[:-2]) * n, n=N, k=x.shape[-1])
+    name = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
+    return select_provider(_OP, shapes, x.dtype, W, name)
+
+
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition,
                       keep_gathered: bool = True, *, n: int | None = None,
-                      partial_dtype: torch.dtype | None = None) -> torch.Tensor:
+                      partial_dtype: torch.dtype | None = None, provider: str | None = None) -> torch.Tensor:
     """Fused ``all_gather_n(x) @ weight.T + bias`` over the model-parallel workers ``P_sub``, autograd-aware.
 
     Args:
@@ -148,6 +160,11 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         n: the full sequence extent.  Pass it when known: without it the ranks sum their
             block extents (one host-side all-reduce on the metadata group per call).
         partial_dtype: dtype of the backward's dx partial sums on the wire (default x's).
+        provider: the forward's push (:mod:`distfuse.fused.providers`: ``"triton"``, a copy
+            kernel finished before the GEMM, or ``"copy_engine"``, DMA copies on a side
+            stream that overlap it); None picks it per shape (``DISTFUSE_PROVIDER``, the
+            crossover table, else ``"triton"``).  The same outputs whichever runs; every
+            rank must use the same one.
 
     Returns:
         ``[*, n, N_r]``.
@@ -171,24 +188,27 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         raise ShapeError(f"{where(_OP)}: x has {rows} rows; block {r} of n={n} over {W} workers has "
                          f"{block_extent(n, W, r) if n >= 0 else 'none'} (x must be the balanced block)")
     B = math.prod(x.shape[:-2])
+    provider = _provider(provider, x, n, weight.shape[0], W)
     debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
                           same=dict(n=n, K=K, lead=tuple(x.shape[:-2]), dtype=str(x.dtype), bias=bias is not None,
-                                    keep_gathered=bool(keep_gathered), partial_dtype=str(partial_dtype)),
+                                    keep_gathered=bool(keep_gathered), partial_dtype=str(partial_dtype),
+                                    provider=provider),
                           info=dict(x=tuple(x.shape), weight=tuple(weight.shape)))
     plan = _AGPlan(Comm(P=P_sub, device=x.device), 1, bias is not None, n, bool(keep_gathered), partial_dtype,
-                   all_gather_matmul_workspace_bytes(B, n, K, W, x.dtype, partial_dtype))
+                   all_gather_matmul_workspace_bytes(B, n, K, W, x.dtype, partial_dtype), provider)
     tensors = (x, weight) + ((bias,) if bias is not None else ())
     return AllGatherMatmul.apply(plan, *tensors)
 
 
 def all_gather_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, keep_gathered: bool = True,
-                               partial_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                               partial_dtype: torch.dtype | None = None,
+                               provider: str | None = None) -> list[torch.Tensor]:
     """:func:`all_gather_matmul` for all W virtual ranks of a loopback workspace, in one process, autograd-aware.
 
     ``xs[r]`` ``[*, n_r, K]`` (the balanced blocks, in order), ``weights[r]`` ``[N_r, K]``
     and ``biases[r]`` ``[N_r]`` (or ``biases=None``) are virtual rank ``r``'s.  Returns the
     W outputs ``[*, n, N_r]``.  For testing and single-GPU timing; size ``ws`` with
-    :func:`all_gather_matmul_workspace_bytes`.
+    :func:`all_gather_matmul_workspace_bytes`.  ``provider`` as for :func:`all_gather_matmul`.
     """
     op = f"{_OP}_loopback"
     W = ws.world_size
@@ -205,7 +225,8 @@ def all_gather_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, ke
                          (tuple(x.shape), x.device))
     x0 = xs[0]
     nbytes = all_gather_matmul_workspace_bytes(math.prod(x0.shape[:-2]), n, x0.shape[-1], W, x0.dtype, partial_dtype)
-    plan = _AGPlan(Comm(loopback=ws), W, biases is not None, n, bool(keep_gathered), partial_dtype, nbytes)
+    plan = _AGPlan(Comm(loopback=ws), W, biases is not None, n, bool(keep_gathered), partial_dtype, nbytes,
+                   _provider(provider, x0, n, weights[0].shape[0], W))
     tensors = (*xs, *weights) + (tuple(biases) if biases is not None else ())
     out = AllGatherMatmul.apply(plan, *tensors)
     return [out] if W == 1 else list(out)

@@ -60,10 +60,13 @@ import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
 from distfuse import debug
 from distfuse.fused.matmul_common import Comm
+from distfuse.fused.providers import run_push
 from distfuse.geometry.decomposition import block_extent
+from distfuse.kernels.signature import check_signatures, publish_signature, shape_signature
 
-__all__ = ["alloc_output", "run_matmul_reduce_scatter", "run_all_gather_matmul", "run_matmul_reduce_scatter_features",
-           "run_all_gather_features_matmul", "run_matmul_all_reduce"]
+__all__ = ["alloc_output", "scatter_signature", "gather_signature", "run_matmul_reduce_scatter",
+           "run_all_gather_matmul", "run_matmul_reduce_scatter_features", "run_all_gather_features_matmul",
+           "run_matmul_all_reduce"]
 
 
 # ---------------------------------------------------------------- availability, arguments and sizes
@@ -77,6 +80,25 @@ def alloc_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     if debug.enabled():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+# ---------------------------------------------------------------- the agreement check (kernels/signature.py)
+
+
+def scatter_signature(op: str, x: torch.Tensor, N_out: int, partial_dtype) -> tuple[int, str]:
+    """What every rank of a GEMM + reduce-scatter agrees on (its own input features ``K_r`` excepted), hashed,
+    and said in words for the error."""
+    lead, n = tuple(x.shape[:-2]), x.shape[-2]
+    pd = partial_dtype or x.dtype
+    what = f"x [*{list(lead)}, n={n}, K_r] of {x.dtype}, N={N_out}, partials {pd}"
+    return shape_signature("matmul_reduce_scatter", lead, n, N_out, x.dtype, pd), what
+
+
+def gather_signature(op: str, shard: torch.Tensor, n: int) -> tuple[int, str]:
+    """What every rank of an all-gather + GEMM agrees on (its own output features ``N_r`` excepted)."""
+    lead, K = tuple(shard.shape[:-2]), shard.shape[-1]
+    what = f"x [*{list(lead)}, n_r of n={n}, K={K}] of {shard.dtype}"
+    return shape_signature("all_gather_matmul", lead, n, K, shard.dtype), what
 
 
 # ---------------------------------------------------------------- the two fused phases
@@ -98,24 +120,31 @@ def run_matmul_reduce_scatter(comm: Comm, op: str, xs, weights, biases, n: int, 
     B = math.prod(lead)
     N_out = weights[0].shape[0]
     outs = []
+    sig, what = scatter_signature(op, xs[0], N_out, partial_dtype)
     with ws.in_flight(op):
         for r, x, w in zip(comm.ranks, xs, weights, strict=True):
+            publish_signature(ws, r, W, sig, op)
             reduce_scatter_kernels.matmul_scatter(x, w, ws, r, W, partial_dtype=partial_dtype or x.dtype)
         for r, x, b in zip(comm.ranks, xs, biases, strict=True):
             len_r = block_extent(n, W, r)
             out = alloc_output((B, len_r, N_out), x.dtype, x.device)
             reduce_scatter_kernels.chunk_reduce(ws, r, W, B, n, N_out, partial_dtype=partial_dtype or x.dtype, bias=b,
                                                 out_dtype=x.dtype, out=out)
+            check_signatures(ws, r, W, sig, out, flag_base=r * W, flag_stride=1, op=op, what=what)
             outs.append(out.view(*lead, len_r, N_out))
     return outs
 
 
-def run_all_gather_matmul(comm: Comm, op: str, shards, weights, biases, n: int, return_gathered: bool, nbytes: int):
+def run_all_gather_matmul(comm: Comm, op: str, shards, weights, biases, n: int, return_gathered: bool, nbytes: int,
+                          push: str = "triton"):
     """All-gather + GEMM for every rank of ``comm``, in one claim: ``shard [*, n_r, K] -> [*, n, N_out]``.
 
     Returns ``(ys, gathered)``; ``gathered[i]`` is the gathered ``[*, n, K]`` when
-    ``return_gathered`` (else None).  Every push runs before any GEMM (see the kernels'
+    ``return_gathered`` (else None).  Every push is issued before any GEMM (see the kernels'
     module doc: a grid of spinning GEMM programs must never keep a push from running).
+    ``push`` is the provider of the push (:data:`distfuse.fused.providers.PUSHES`):
+    ``"triton"`` finishes on the op's stream before the GEMM; ``"copy_engine"`` copies on a
+    side stream and overlaps it.
     """
     W = comm.world_size
     if W == 1:
@@ -123,9 +152,14 @@ def run_all_gather_matmul(comm: Comm, op: str, shards, weights, biases, n: int, 
         return ys, [x if return_gathered else None for x in shards]
     ws = comm.workspace(op, nbytes)
     ys, gathered = [], []
+    sig, what = gather_signature(op, shards[0], n)
     with ws.in_flight(op):
         for r, x in zip(comm.ranks, shards, strict=True):
-            all_gather_kernels.ag_push(x, ws, r, W, n)
+            publish_signature(ws, r, W, sig, op)
+            if push == "triton":
+                all_gather_kernels.ag_push(x, ws, r, W, n)
+            else:
+                run_push(push, x, ws, r, W, n)
         for r, x, w, b in zip(comm.ranks, shards, weights, biases, strict=True):
             lead = x.shape[:-2]
             out = alloc_output((*lead, n, w.shape[0]), x.dtype, x.device)
@@ -133,6 +167,7 @@ def run_all_gather_matmul(comm: Comm, op: str, shards, weights, biases, n: int, 
             # the caller's product with it is empty anyway.
             want = return_gathered and w.shape[0] > 0
             res = all_gather_kernels.gathered_matmul(x, w, ws, r, W, n, bias=b, out=out, return_gathered=want)
+            check_signatures(ws, r, W, sig, out, flag_base=0, flag_stride=W + 1, op=op, what=what)
             if want:
                 ys.append(res[0])
                 gathered.append(res[1])

@@ -84,11 +84,17 @@ from distfuse.fused.matmul_common import (
     split_inputs,
     workspace_bytes,
 )
-from distfuse.fused.matmul_phases import alloc_output, run_all_gather_matmul, run_matmul_reduce_scatter
+from distfuse.fused.matmul_phases import (
+    alloc_output,
+    run_all_gather_matmul,
+    run_matmul_reduce_scatter,
+    scatter_signature,
+)
 from distfuse.fused.providers import check_provider, run_producer, select_provider
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
+from distfuse.kernels.signature import check_signatures, publish_signature
 from distfuse.partition import Partition
 
 __all__ = [
@@ -139,14 +145,17 @@ def _run_forward(plan: _RSPlan, op: str, xs, weights, biases) -> list[torch.Tens
     B = math.prod(lead)
     N_out = weights[0].shape[0]
     outs = []
+    sig, what = scatter_signature(op, xs[0], N_out, plan.partial_dtype)
     with ws.in_flight(op):
         for r, x, w in zip(comm.ranks, xs, weights, strict=True):
+            publish_signature(ws, r, W, sig, op)
             run_producer(plan.provider, x, w, ws, r, W, plan.partial_dtype or x.dtype)
         for r, x, b in zip(comm.ranks, xs, biases, strict=True):
             len_r = block_extent(n, W, r)
             out = alloc_output((B, len_r, N_out), x.dtype, x.device)
             reduce_scatter_kernels.chunk_reduce(ws, r, W, B, n, N_out, partial_dtype=plan.partial_dtype or x.dtype,
                                                 bias=b, out_dtype=x.dtype, out=out)
+            check_signatures(ws, r, W, sig, out, flag_base=r * W, flag_stride=1, op=op, what=what)
             outs.append(out.view(*lead, len_r, N_out))
     return outs
 

@@ -43,7 +43,7 @@ from distfuse.kernels._utils import check_producer_args, claimed_rank_view
 from distfuse.kernels.chunk_flag import raise_chunk_flag_kernel
 from distfuse.kernels.matmul_reduce_scatter import slot_row_stride
 
-__all__ = ["matmul_scatter_cublas", "raise_chunk_flag", "peer_tensor"]
+__all__ = ["matmul_scatter_cublas", "raise_chunk_flag", "peer_tensor", "peer_flag"]
 
 
 class _CudaRegion:
@@ -53,17 +53,21 @@ class _CudaRegion:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
 
 
-#: Host copies of the peer tables, per rank view (a view's table never changes; a grown workspace has new views).
-_HOST_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+#: Per rank view: every peer's whole data region (uint8) and flag block (int32 ``[W * W]``) as tensors over the
+#: peers' addresses, wrapped once (one device read of the peer table per view, none in steady state or while a CUDA
+#: graph captures; a grown workspace has new views).
+_REGIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _host_table(view) -> list[list[int]]:
-    """The workspace's peer address table ``[data_ptrs, flag_ptrs]`` as Python ints (one device read per view)."""
-    table = _HOST_TABLES.get(view)
-    if table is None:
-        table = [view.data_ptrs.tolist(), view.flag_ptrs.tolist()]
-        _HOST_TABLES[view] = table
-    return table
+def _regions(view) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    regions = _REGIONS.get(view)
+    if regions is None:
+        W = view.world_size
+        data, flags = view.data_ptrs.tolist(), view.flag_ptrs.tolist()
+        regions = ([_wrap(p, view.nbytes, view.device) for p in data],
+                   [_wrap(p, 4 * W * W, view.device).view(torch.int32) for p in flags])
+        _REGIONS[view] = regions
+    return regions
 
 
 def _wrap(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
@@ -82,18 +86,27 @@ def peer_tensor(view, peer: int, dtype: torch.dtype, numel: int, offset: int = 0
     if offset % dtype.itemsize or offset + nbytes > view.nbytes:
         raise ShapeError(f"{where('peer_tensor')}: bytes [{offset}, {offset + nbytes}) of a {view.nbytes}-byte data "
                          f"region as {dtype}")
-    base = _host_table(view)[0][peer]
-    return _wrap(base + offset, nbytes, view.device).view(dtype)
+    return _regions(view)[0][peer][offset: offset + nbytes].view(dtype)
 
 
-def raise_chunk_flag(view, chunk: int, rank: int, epoch: int) -> None:
-    """Raise owner ``chunk``'s flag ``[chunk, rank]`` to ``epoch``: stream-ordered on CUDA, a host write on CPU."""
+def peer_flag(view, owner: int, chunk: int, source: int) -> torch.Tensor:
+    """Owner ``owner``'s flag word ``flags[chunk, source]`` as a one-element int32 tensor over its address."""
+    W = view.world_size
+    word = chunk * W + source
+    return _regions(view)[1][owner][word: word + 1]
+
+
+def raise_chunk_flag(view, chunk: int, rank: int) -> None:
+    """Raise owner ``chunk``'s flag ``[chunk, rank]`` to the op's epoch: stream-ordered on CUDA, a host write on CPU.
+
+    The value is the workspace's device epoch (``view.epoch_dev``), read when the write
+    executes, so a CUDA graph replay raises the replay's epoch.
+    """
     W = view.world_size
     if view.device.type == "cuda":
-        raise_chunk_flag_kernel[(1,)](view.flag_ptrs, chunk, W, rank, epoch)
+        raise_chunk_flag_kernel[(1,)](view.flag_ptrs, chunk, W, rank, view.epoch_dev)
         return
-    word = _host_table(view)[1][chunk] + 4 * (chunk * W + rank)
-    _wrap(word, 4, view.device).view(torch.int32).fill_(epoch)
+    peer_flag(view, chunk, chunk, rank).copy_(view.epoch_dev)
 
 
 def _chunk_gemm(rows: torch.Tensor, weight: torch.Tensor, dst: torch.Tensor) -> None:
@@ -148,4 +161,4 @@ def matmul_scatter_cublas(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
                 dst.zero_()
             else:
                 _chunk_gemm(a3[:, start:stop], weight, dst)
-        raise_chunk_flag(st, chunk, rank, st.epoch)
+        raise_chunk_flag(st, chunk, rank)

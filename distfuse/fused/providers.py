@@ -15,6 +15,16 @@ workspace protocol, each fastest somewhere else.  The registry lists them in
                        order (:mod:`distfuse.fused.matmul_reduce_scatter_cublas`)
 =====================  ========================================================================
 
+``all_gather_matmul`` has two pushes in front of the one GEMM (``gathered_matmul``):
+
+=====================  ========================================================================
+``triton``             one Triton copy kernel on the op's stream, finished before the GEMM
+                       starts (:func:`~distfuse.kernels.all_gather_matmul.ag_push`)
+``copy_engine``        ``copy_`` into each peer's rows (DMA) on a side stream, each peer's flag
+                       raised in stream order after its rows, overlapping the GEMM
+                       (:mod:`distfuse.fused.all_gather_copy_engine`)
+=====================  ========================================================================
+
 :func:`select_provider` is, like ``select_path``, a pure function of the call's shapes,
 dtype, world size and device name (so every rank of a group picks the same provider):
 
@@ -37,7 +47,7 @@ import torch
 from distfuse.errors import UnsupportedError, expect
 from distfuse.fused import registry
 
-__all__ = ["providers_of", "select_provider", "check_provider", "run_producer", "PRODUCERS"]
+__all__ = ["providers_of", "select_provider", "check_provider", "run_producer", "PRODUCERS", "run_push", "PUSHES"]
 
 
 def providers_of(op: str) -> tuple[str, ...]:
@@ -115,3 +125,25 @@ def run_producer(provider: str, a, weight, ws, rank: int, world_size: int, parti
     """Run ``provider``'s producer of matmul_reduce_scatter (slots and flags for ``chunk_reduce``)."""
     check_provider(registry.MATMUL_REDUCE_SCATTER.name, provider)
     PRODUCERS[provider](a, weight, ws, rank, world_size, partial_dtype)
+
+
+def _triton_push(a_shard, ws, rank, W, n):
+    from distfuse.kernels.all_gather_matmul import ag_push
+
+    ag_push(a_shard, ws, rank, W, n)
+
+
+def _copy_engine_push(a_shard, ws, rank, W, n):
+    from distfuse.fused.all_gather_copy_engine import ag_push_copy_engine
+
+    ag_push_copy_engine(a_shard, ws, rank, W, n)
+
+
+#: The pushes of all_gather_matmul by provider: ``(a_shard, ws, rank, W, n) -> None``.
+PUSHES = {"triton": _triton_push, "copy_engine": _copy_engine_push}
+
+
+def run_push(provider: str, a_shard, ws, rank: int, world_size: int, n: int) -> None:
+    """Run ``provider``'s push of all_gather_matmul (gathered rows and flags for ``gathered_matmul``)."""
+    check_provider(registry.ALL_GATHER_MATMUL.name, provider)
+    PUSHES[provider](a_shard, ws, rank, world_size, n)

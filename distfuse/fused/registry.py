@@ -107,6 +107,9 @@ class FusedOp:
             the sweep may time the fused path on CUDA (collective over ``P`` where it probes peers).
         providers: the implementations of the fused path, default first (``distfuse.fused.providers``);
             the sweep times each and the table entry names the winner per shape.
+        triton_gemm: the fused path multiplies in Triton GEMM kernels, whose fp32 products are IEEE
+            (CUDA cores, far below cuBLAS) unless torch allows TF32: ``select_path`` keeps fp32 calls
+            unfused then.
     """
 
     name: str
@@ -119,6 +122,7 @@ class FusedOp:
     size: Callable[[Mapping], float] | None = None
     available: str | Callable | None = None
     providers: tuple[str, ...] = ("triton",)
+    triton_gemm: bool = False
 
     def size_of(self, shapes: Mapping) -> float:
         missing = [k for k in self.size_inputs if k not in shapes]
@@ -200,24 +204,25 @@ MATMUL_REDUCE_SCATTER = register(FusedOp(
     "matmul_reduce_scatter", "macs", ("m", "n", "k"),
     DefaultRule.never("the fused GEMM measured 27-76% of cuBLAS's rate (H100, bf16, TP 8)"),
     case=f"{_CASES}:linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available", providers=("triton", "triton_persistent", "cublas_chunks")))
+    available=f"{_CASES}:linear_available", providers=("triton", "triton_persistent", "cublas_chunks"),
+    triton_gemm=True))
 ALL_GATHER_MATMUL = register(FusedOp(
     "all_gather_matmul", "macs", ("m", "n", "k"),
     DefaultRule.never("the fused GEMM measured 15-66% of cuBLAS's rate (H100, bf16, TP 8)"),
     case=f"{_CASES}:linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available"))
+    available=f"{_CASES}:linear_available", providers=("triton", "copy_engine"), triton_gemm=True))
 # DistDL's own linear forms: the same GEMM fusions along the features (the output's last dim scattered, the input's
 # last dim gathered).  Written after the H100 session, so never timed on a GPU: fused only when forced or tabled.
 MATMUL_REDUCE_SCATTER_FEATURES = register(FusedOp(
     "matmul_reduce_scatter_features", "macs", ("m", "n", "k"),
     DefaultRule.never("not measured on a GPU yet"),
     case=f"{_CASES}:feature_linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available"))
+    available=f"{_CASES}:linear_available", triton_gemm=True))
 ALL_GATHER_FEATURES_MATMUL = register(FusedOp(
     "all_gather_features_matmul", "macs", ("m", "n", "k"),
     DefaultRule.never("not measured on a GPU yet"),
     case=f"{_CASES}:feature_linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available"))
+    available=f"{_CASES}:linear_available", triton_gemm=True))
 # GEMM + all-reduce over symmetric buffers (one-shot / two-shot): the general DistributedLinear (per row of its
 # weight grid) and the row-parallel linear with a replicated output; its backward is a reduce-scatter of dy and the
 # all_gather_features_matmul phase as dgrad.  Not timed on a GPU either.
@@ -225,7 +230,7 @@ MATMUL_ALL_REDUCE = register(FusedOp(
     "matmul_all_reduce", "macs", ("m", "n", "k"),
     DefaultRule.never("not measured on a GPU yet"),
     case=f"{_CASES}:feature_linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available"))
+    available=f"{_CASES}:linear_available", triton_gemm=True))
 # The ZeRO layers' weight streaming (fused/zero_linear.py): the all-gather phases on the transposed product y.T =
 # W_m @ x.T over the data-parallel workers, the weight shards the gathered operand, and the weight gradient's GEMM +
 # reduce-scatter.  Entries of their own, because the gathered operand is the weight: the activation all-gathers'
@@ -236,12 +241,12 @@ ZERO_LINEAR_ROWS = register(FusedOp(
     "zero_linear_rows", "macs", ("m", "n", "k"),
     DefaultRule.never("not measured on a GPU yet"),
     case=f"{_ZERO_CASES}:zero_case", grid=f"{_ZERO_CASES}:zero_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available"))
+    available=f"{_CASES}:linear_available", triton_gemm=True))
 ZERO_LINEAR_COLUMNS = register(FusedOp(
     "zero_linear_columns", "macs", ("m", "n", "k"),
     DefaultRule.never("not measured on a GPU yet"),
     case=f"{_ZERO_CASES}:zero_case", grid=f"{_ZERO_CASES}:zero_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available"))
+    available=f"{_CASES}:linear_available", triton_gemm=True))
 # Halo conv, staging + conv: 1.0-3.3x the time of torch.cat staging + cuDNN (2-D, C=64/256, bf16/fp32,
 # median 2.1x), and 1.0-1.4x in 3-D.
 HALO_CONV = register(FusedOp(

@@ -10,7 +10,7 @@ from the previous op.
 
 Layout of every rank's buffer (the same on all ranks, so one offset serves every peer)::
 
-    [ header: int32 flags [W, W] | int32 counters [W] | int32 status [W] | pad to 256 B ][ data: nbytes ]
+    [ header: int32 flags [W, W] | counters [W] | status [W] | sigs [W] | pad to 256 B ][ data: nbytes ]
 
 * ``flags[chunk, source]``: raised by ``source`` (a release store of the op's *epoch*)
   when its part of ``chunk`` has landed in this buffer.  Epochs count the claims of the
@@ -19,7 +19,16 @@ Layout of every rank's buffer (the same on all ranks, so one offset serves every
 * ``counters``: local tile counters; the last program of a producer grid raises the flag
   (:func:`distfuse.kernels.jit_helpers.arrive`), and resets its counter.
 * ``status``: local error words; a flag wait that gives up writes the epoch there and the
-  launcher raises on the host.
+  launcher raises on the host (:class:`~distfuse.errors.CollectiveTimeoutError`); a peer
+  whose signature differs gets ``-1`` there (:class:`~distfuse.errors.ShapeError`).
+* ``sigs[source]``: written by ``source`` before its flags: a hash of the shapes and dtypes
+  every rank of the op must agree on (:mod:`distfuse.kernels.signature`).
+
+Epochs live on the device (``epoch_dev``, int32 ``[1]`` per workspace): every claim advances
+it with stream-ordered element-wise ops and every kernel loads it, so no kernel argument
+carries a per-call host value and a captured CUDA graph raises and expects a new epoch at
+each replay.  The host ``epoch`` counts the same claims (for messages); it falls behind the
+device's when graphs replay claims, which nothing depends on.
 
 Every rank holds an int64 table of the peers' data and flag addresses *in its own address
 space* (on the workspace device), which Triton kernels cast with ``.to(tl.pointer_type(..))``.
@@ -79,7 +88,7 @@ class WorkspaceBrokenError(DistfuseError):
 
 def header_bytes(world_size: int) -> int:
     """Bytes of the flag/counter/status header of a W-rank workspace (256-byte aligned)."""
-    words = world_size * world_size + 2 * world_size
+    words = world_size * world_size + 3 * world_size
     return -(-4 * words // _HEADER_ALIGN) * _HEADER_ALIGN
 
 
@@ -95,7 +104,7 @@ class RankBuffers:
         data_ptrs: int64 ``[W]`` on the device: every peer's data region, in this
             process's address space.
         flag_ptrs: int64 ``[W]``: every peer's ``flags`` (int32 ``[W, W]``, chunk-major).
-        flags, counters, status: this rank's own header tensors.
+        flags, counters, status, sigs: this rank's own header tensors.
         nbytes: capacity of the data region.
     """
 
@@ -109,6 +118,7 @@ class RankBuffers:
         self.flags = words[: W * W].view(W, W)
         self.counters = words[W * W: W * W + W]
         self.status = words[W * W + W: W * W + 2 * W]
+        self.sigs = words[W * W + 2 * W: W * W + 3 * W]
         self._data = buf[header_bytes(W):]
         self.nbytes = self._data.numel()
         self.data_ptrs = table[0]
@@ -118,6 +128,11 @@ class RankBuffers:
     def epoch(self) -> int:
         """The epoch of the op in flight (flags of this op carry it)."""
         return self._owner.epoch
+
+    @property
+    def epoch_dev(self) -> torch.Tensor:
+        """int32 ``[1]`` on the workspace device: the epoch the kernels read (advanced in stream order per claim)."""
+        return self._owner.epoch_dev
 
     @property
     def max_spin(self) -> int:
@@ -160,9 +175,17 @@ class RankBuffers:
         * CUDA with ``DISTFUSE_STATUS_CHECK=deferred``: copy them to pinned host memory
           behind an event, and raise at the next claim of the workspace (the next fused
           op) or at :meth:`_Workspace.check_deferred`.  No host sync in the op: for
-          overlap and CUDA-graph capture, at the price of raising one op late.
+          overlap, at the price of raising one op late.
+        * CUDA while the stream captures a graph: nothing (no host work can be captured).
+          Status words are never cleared (a workspace that raised is replaced), so a wait
+          that gave up during a replay raises at the next eager check of the workspace;
+          until then its output holds NaN.
         """
         owner = self._owner
+        if self.status.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # No host work can be captured.  A wait that gives up in a replay still poisons its output with NaN
+            # and leaves its status word set; the next eager check of this workspace raises on it.
+            return
         if owner.strict or owner.status_mode == "sync" or self.status.device.type != "cuda":
             owner.raise_on_status(self.status.clone() if self.status.device.type == "cpu" else self.status,
                                   self.rank, self.epoch, op, what)
@@ -185,6 +208,11 @@ class _Workspace(abc.ABC):
         self.device = torch.device(device)
         self.timeout = float(timeout) if timeout is not None else default_timeout().total_seconds()
         self.epoch = 0
+        # The epoch the kernels read and the flags carry, on the device: advanced in stream order at every claim
+        # (see `in_flight`), so that a CUDA graph replay advances it too; the host `epoch` counts the same claims
+        # for messages and stays equal to it until a graph replays claims the host never saw.
+        self.epoch_dev = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._side_events: list = []  # events of side streams (copy-engine pushes) the op's stream joins at its end
         self.broken = False
         self.closed = False
         self.strict = self.device.type == "cpu" or debug.enabled()
@@ -230,19 +258,53 @@ class _Workspace(abc.ABC):
                 if self._last_stream is not None and self._last_stream != cur:
                     cur.wait_stream(self._last_stream)
                 self._last_stream = cur
+            # Two stream-ordered element-wise ops, no host value: a captured CUDA graph advances it at every replay.
+            self.epoch_dev.remainder_(2**31 - 2).add_(1)
             self.barrier(op)
             yield self.epoch
+            self._join_side_streams()
         except BaseException:
             self.broken = True
             raise
         finally:
             self._busy = None
 
+    def track_side_stream(self, stream) -> None:
+        """Record the end of ``stream``'s work for this op: the op's stream waits for it before the claim ends.
+
+        A push issued on a side stream (the copy-engine all-gather push) writes into the peers'
+        buffers; the op's stream waits for it at the end of the claim, so no later op (whose
+        entry barrier runs on that stream) can start while the push may still write, and a
+        CUDA graph capture joins the side stream back before it ends.
+        """
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._side_events.append(event)
+
+    def _join_side_streams(self) -> None:
+        events, self._side_events = self._side_events, []
+        if events:
+            cur = torch.cuda.current_stream(self.device)
+            for event in events:
+                cur.wait_event(event)
+
     def raise_on_status(self, status: torch.Tensor, rank: int, epoch: int, op: str, what: str) -> None:
-        """Raise :class:`CollectiveTimeoutError` if any status word is set (reads ``status``: a sync on CUDA)."""
+        """Raise if any status word is set (reads ``status``: a sync on CUDA).
+
+        :class:`ShapeError` where a peer's signature differed (``-1``: the ranks entered the op
+        with different shapes or dtypes), else :class:`CollectiveTimeoutError` (a flag wait
+        gave up).  Either way the workspace is broken (status words are never cleared).
+        """
         bad = torch.nonzero(status).flatten().tolist()
         if bad:
             self.broken = True
+            words = status.tolist()
+            mismatched = [p for p in bad if words[p] < 0]
+            if mismatched:
+                raise ShapeError(
+                    f"{where(op)}: rank {rank} of {self.world_size}: the ranks disagree on the op's shapes or dtypes: "
+                    f"peer(s) {mismatched} entered it with a signature different from this rank's ({what}); every "
+                    "rank of the group must call it with the same extents and dtypes.  The op's output holds NaN.")
             raise CollectiveTimeoutError(
                 f"{where(op)}: rank {rank} of {self.world_size}: {what}: expected flag epoch {epoch}, but the flag "
                 f"of peer(s) {bad} was not raised within the wait (timeout {self.timeout:.1f} s); a peer failed, "

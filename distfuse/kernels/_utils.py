@@ -49,6 +49,7 @@ __all__ = [
     "round_bf16",
     "spin_limit",
     "input_precision",
+    "tf32_allowed",
     "get_gemm_configs",
     "get_chunk_reduce_configs",
     "get_push_configs",
@@ -66,17 +67,38 @@ TIMED_WAITS: bool = not INTERPRET
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+def tf32_allowed() -> bool:
+    """Whether torch lets fp32 matmuls on CUDA use the TF32 tensor cores (read at each call: users toggle it).
+
+    Any of torch's three spellings allows it: ``torch.backends.cuda.matmul.fp32_precision
+    == "tf32"`` (torch 2.9+), ``torch.backends.cuda.matmul.allow_tf32 = True``, or
+    ``torch.set_float32_matmul_precision("high" | "medium")``.
+    """
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)  # "ieee", "tf32", or "none" (follow the legacy switches)
+    if precision in ("ieee", "tf32"):
+        return precision == "tf32"
+    try:
+        if matmul.allow_tf32:
+            return True
+        # Raises where the legacy and the new API were mixed; then the switches above have spoken.
+        return torch.get_float32_matmul_precision() != "highest"
+    except RuntimeError:
+        return False
+
+
 def input_precision(dtype: torch.dtype) -> str:
     """``tl.dot`` input precision for ``dtype`` operands: fp32 follows torch's matmul setting.
 
     fp32 operands use full IEEE fp32, as ``torch.matmul`` does by default, and the TF32
-    tensor cores only where ``torch.backends.cuda.matmul.allow_tf32`` allows them for
-    torch too (Triton's own default, tf32, would miss the fp32 tolerance by two orders
-    of magnitude behind the user's back).  16-bit operands ignore the setting.
+    tensor cores only where torch allows them for its own matmuls too
+    (:func:`tf32_allowed`; Triton's own default, tf32, would miss the fp32 tolerance by two
+    orders of magnitude behind the user's back).  The interpreter always computes IEEE
+    fp32.  16-bit operands ignore the setting.
     """
     if dtype != torch.float32:
         return "tf32"
-    return "tf32" if (not INTERPRET and torch.backends.cuda.matmul.allow_tf32) else "ieee"
+    return "tf32" if (not INTERPRET and tf32_allowed()) else "ieee"
 
 
 def round_bf16(dtype: torch.dtype) -> bool:

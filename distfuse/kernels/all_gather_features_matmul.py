@@ -80,13 +80,14 @@ __all__ = [
 ]
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "start_p"])
+@triton.jit(do_not_specialize=["rank", "start_p"])
 def _ag_push_columns_kernel(
     x_ptr, gathered_ptr, data_ptrs, flag_ptrs, counter_ptr,
-    M, K, len_p, start_p, rank, W, epoch, stride_xm,
+    M, K, len_p, start_p, rank, W, epoch_ptr, stride_xm,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Copy one [BLOCK_M, BLOCK_K] tile of the shard into columns ``start_p + k`` of every peer's ``[M, K]``."""
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     num_pid_k = tl.cdiv(len_p, BLOCK_K)
     if pid < tl.cdiv(M, BLOCK_M) * num_pid_k:
@@ -105,10 +106,10 @@ def _ag_push_columns_kernel(
             raise_flag(tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int32)) + rank * W + rank, epoch)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
+@triton.jit(do_not_specialize=["rank", "timeout"])
 def _gathered_k_matmul_kernel(
     x_ptr, gathered_ptr, b_ptr, bias_ptr, y_ptr, flags_ptr, status_ptr,
-    M, N, K, rank, W, epoch, timeout,
+    M, N, K, rank, W, epoch_ptr, timeout,
     stride_xm, stride_bn, stride_bk, stride_bias,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
     TIMED: tl.constexpr,
@@ -119,6 +120,7 @@ def _gathered_k_matmul_kernel(
     A chunk whose flag never came (``wait_flag`` timed out) makes the tile NaN; the
     launcher raises on the status word.
     """
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -194,7 +196,7 @@ def ag_push_columns(a_shard: torch.Tensor, ws, rank: int, world_size: int, K: in
         return (max(1, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(len_p, META["BLOCK_K"])),)
 
     kernel[grid](x, gathered, st.data_ptrs, st.flag_ptrs, st.counters,
-                 M, K, len_p, block_range(K, W, rank)[0], rank, W, st.epoch, x.stride(0), **meta)
+                 M, K, len_p, block_range(K, W, rank)[0], rank, W, st.epoch_dev, x.stride(0), **meta)
 
 
 def gathered_k_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
@@ -243,7 +245,7 @@ def gathered_k_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int
 
         kernel[grid](
             x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,
-            M, N, K, rank, W, st.epoch, timeout_arg(st),
+            M, N, K, rank, W, st.epoch_dev, timeout_arg(st),
             x.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
             HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x.dtype),
             ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, **meta,

@@ -84,16 +84,16 @@ __all__ = [
 ]
 
 
-# Per-call integers must not be specialised (see matmul_reduce_scatter.py): epochs 1, 2, 16 would recompile
-# mid-op.
-@triton.jit(do_not_specialize=["rank", "epoch", "start_p"])
+# Per-call integers must not be specialised (see matmul_reduce_scatter.py); the epoch is a device word.
+@triton.jit(do_not_specialize=["rank", "start_p"])
 def _ag_push_kernel(
     x_ptr, gathered_ptr, data_ptrs, flag_ptrs, counter_ptr,
-    n_batch, n, K, len_p, start_p, rank, W, epoch,
+    n_batch, n, K, len_p, start_p, rank, W, epoch_ptr,
     stride_xb, stride_xn,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Copy one [BLOCK_M, BLOCK_K] tile of the shard into every peer's gathered rows (load once, W - 1 stores)."""
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     M_p = n_batch * len_p
     num_pid_k = tl.cdiv(K, BLOCK_K)
@@ -117,10 +117,10 @@ def _ag_push_kernel(
             raise_flag(flag, epoch)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
+@triton.jit(do_not_specialize=["rank", "timeout"])
 def _gathered_matmul_kernel(
     x_ptr, gathered_ptr, b_ptr, bias_ptr, y_ptr, flags_ptr, status_ptr,
-    n_batch, n, N, K, rank, W, epoch, timeout,
+    n_batch, n, N, K, rank, W, epoch_ptr, timeout,
     stride_xb, stride_xn, stride_bn, stride_bk, stride_bias,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
     TIMED: tl.constexpr,
@@ -131,6 +131,7 @@ def _gathered_matmul_kernel(
     A tile whose peer chunk never arrived (``wait_flag`` timed out) is stored as NaN; the
     launcher raises on the status word.
     """
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     step = tl.program_id(1)
     chunk = (rank - step + W) % W
@@ -212,7 +213,7 @@ def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, co
 
     kernel[grid](
         x, gathered, st.data_ptrs, st.flag_ptrs, st.counters,
-        n_batch, n, K, len_p, start_p, rank, W, st.epoch,
+        n_batch, n, K, len_p, start_p, rank, W, st.epoch_dev,
         x.stride(0), x.stride(1), **meta,
     )
 
@@ -265,7 +266,7 @@ def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     if m_max > 0 and N > 0:
         kernel[grid](
             x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,
-            n_batch, n, N, K, rank, W, st.epoch, timeout_arg(st),
+            n_batch, n, N, K, rank, W, st.epoch_dev, timeout_arg(st),
             x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
             HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x.dtype),
             ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, **meta,

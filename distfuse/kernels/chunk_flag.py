@@ -16,8 +16,9 @@ from distfuse.kernels.jit_helpers import raise_flag
 __all__ = ["raise_chunk_flag_kernel"]
 
 
-@triton.jit(do_not_specialize=["chunk", "W", "rank", "epoch"])
-def raise_chunk_flag_kernel(flag_ptrs, chunk, W, rank, epoch):
+@triton.jit(do_not_specialize=["chunk", "W", "rank"])
+def raise_chunk_flag_kernel(flag_ptrs, chunk, W, rank, epoch_ptr):
     """One program: ``flags[chunk, rank] = epoch`` on owner ``chunk`` (``flag_ptrs``: every owner's flag words)."""
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     flag = tl.load(flag_ptrs + chunk).to(tl.pointer_type(tl.int32)) + chunk * W + rank
     raise_flag(flag, epoch)

@@ -124,6 +124,7 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
     import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
     import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
     import distfuse.kernels.matmul_scatter_persistent as persistent_kernels
+    import distfuse.kernels.signature as signature_kernels
     from distfuse.kernels._utils import (
         get_chunk_reduce_configs,
         get_gemm_configs,
@@ -131,7 +132,8 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
         pinned_gemm_config,
     )
 
-    tables = {"data_ptrs": "i64", "flag_ptrs": "i64", "counter_ptr": "i32", "flags_ptr": "i32", "status_ptr": "i32"}
+    tables = {"data_ptrs": "i64", "flag_ptrs": "i64", "counter_ptr": "i32", "flags_ptr": "i32", "status_ptr": "i32",
+              "epoch_ptr": "i32"}
     ints = {"timeout": "i64"}
     cases = []
     for dt in dtypes:
@@ -194,7 +196,14 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
                                     checks=("release_sys",)))
         # The flag raise of the library-GEMM producer (cublas_chunks), launched after each chunk's GEMM.
         cases.append(KernelCase("raise_chunk_flag", chunk_flag.raise_chunk_flag_kernel, dt, {}, 1, 1,
+                                pointer_dtypes={"flag_ptrs": "i64", "epoch_ptr": "i32"}, checks=("release_sys",)))
+        # The agreement check: signatures published to every peer (release), compared after the flag waits (acquire).
+        cases.append(KernelCase("publish_signature", signature_kernels._publish_signature_kernel, dt, {}, 1, 1,
                                 pointer_dtypes={"flag_ptrs": "i64"}, checks=("release_sys",)))
+        cases.append(KernelCase("check_signatures", signature_kernels._check_signatures_kernel, dt,
+                                dict(TIMED=True, W_BLOCK=8, BLOCK=1024), 4, 1,
+                                pointer_dtypes={"flags_ptr": "i32", "sigs_ptr": "i32", "status_ptr": "i32",
+                                                "epoch_ptr": "i32"}, ints=ints, checks=("acquire_sys",)))
         cases.append(KernelCase("gather_columns", all_reduce_kernels._gather_columns_kernel, dt,
                                 dict(TIMED=True, **all_reduce_kernels._GATHER_CONFIG), 4, 1, pointer_dtypes=tables,
                                 ints=ints, aligned=("N", "stride_own"), checks=("acquire_sys",)))
@@ -325,7 +334,8 @@ def _select(dtypes, only: str | None) -> list[KernelCase]:
     families = {"matmul_scatter": _gemm_cases, "matmul_scatter_persistent": _gemm_cases,
                 "raise_chunk_flag": _gemm_cases, "gathered_matmul": _gemm_cases, "chunk_reduce": _gemm_cases,
                 "ag_push": _gemm_cases, "gathered_k_matmul": _gemm_cases, "matmul_push": _gemm_cases,
-                "gather_columns": _gemm_cases, "halo": _halo_cases,
+                "gather_columns": _gemm_cases, "publish_signature": _gemm_cases, "check_signatures": _gemm_cases,
+                "halo": _halo_cases,
                 "conv_implicit": _conv_implicit_cases}
     builders = {f for name, f in families.items() if name.startswith(only) or only.startswith(name)}
     if not builders:

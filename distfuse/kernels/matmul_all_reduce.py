@@ -82,15 +82,16 @@ __all__ = [
 ]
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "src_offset"])
+@triton.jit(do_not_specialize=["rank", "src_offset"])
 def _matmul_push_kernel(
     a_ptr, b_ptr, bias_ptr, slots_ptr, data_ptrs, flag_ptrs, counter_ptr,
-    M, N, ld, K, rank, W, epoch, src_offset,
+    M, N, ld, K, rank, W, epoch_ptr, src_offset,
     stride_am, stride_bn, stride_bk, stride_bias,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """One output tile, computed once and stored into slot ``rank`` of every rank (peers first, own last)."""
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -117,10 +118,10 @@ def _matmul_push_kernel(
             raise_flag(tl.load(flag_ptrs + q).to(tl.pointer_type(tl.int32)) + q * W + rank, epoch)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout"])
+@triton.jit(do_not_specialize=["rank", "timeout"])
 def _gather_columns_kernel(
     own_ptr, gathered_ptr, out_ptr, flags_ptr, status_ptr,
-    M, N, rank, W, epoch, timeout, stride_own,
+    M, N, rank, W, epoch_ptr, timeout, stride_own,
     TIMED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """Grid (tiles of the widest column chunk, W): chunk = (rank - step) % W, own first; copy it into ``out``.
@@ -128,6 +129,7 @@ def _gather_columns_kernel(
     The own chunk comes from the reduced block itself, the others from the gathered buffer
     after their flag; a chunk whose flag never came is stored as NaN (the launcher raises).
     """
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     step = tl.program_id(1)
     chunk = (rank - step + W) % W
@@ -207,7 +209,7 @@ def matmul_push(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size
 
     kernel[grid](
         a2, weight, bias if bias is not None else a2, slots, st.data_ptrs, st.flag_ptrs, st.counters,
-        M, N, ld, K, rank, W, st.epoch, rank * M * ld,
+        M, N, ld, K, rank, W, st.epoch_dev, rank * M * ld,
         a2.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),
         ROUND_BF16=round_bf16(partial_dtype), **meta,
@@ -247,7 +249,7 @@ def gather_columns(own: torch.Tensor, ws, rank: int, world_size: int, N: int, *,
         def grid(META):
             return (triton.cdiv(rows, META["BLOCK_M"]) * triton.cdiv(widest, META["BLOCK_N"]), W)
 
-        _gather_columns_kernel[grid](own2, gathered, out, st.flags, st.status, rows, N, rank, W, st.epoch,
+        _gather_columns_kernel[grid](own2, gathered, out, st.flags, st.status, rows, N, rank, W, st.epoch_dev,
                                      timeout_arg(st), own2.stride(0), TIMED=TIMED_WAITS, **meta)
         st.check_status(op, "the peers' reduced columns")
     return out

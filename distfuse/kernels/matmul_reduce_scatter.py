@@ -93,18 +93,21 @@ __all__ = [
 ]
 
 
-# Per-call integers (epoch, rank, offsets, timeouts) must not be specialised: Triton
-# specialises integer arguments equal to 1 or divisible by 16, so epochs 1, 2 and 16 would
-# each compile a new kernel on one rank while its peers spin.
-@triton.jit(do_not_specialize=["rank", "epoch", "src_offset", "slot_elems"])
+# Per-call integers (rank, offsets, timeouts) must not be specialised: Triton specialises
+# integer arguments equal to 1 or divisible by 16, so rank 1 or offset 16 would each compile
+# a new kernel on one rank while its peers spin.  The epoch is no argument: every kernel
+# loads it from the workspace's device word (``epoch_ptr``), which claims advance in stream
+# order, so a captured CUDA graph raises and expects a new epoch at every replay.
+@triton.jit(do_not_specialize=["rank", "src_offset", "slot_elems"])
 def _matmul_scatter_kernel(
     a_ptr, b_ptr, slots_ptr, data_ptrs, flag_ptrs, counter_ptr,
-    n_batch, n, N, ld, K, rank, W, epoch, src_offset, slot_elems,
+    n_batch, n, N, ld, K, rank, W, epoch_ptr, src_offset, slot_elems,
     stride_ab, stride_an, stride_bn, stride_bk,
     UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Grid (tiles of the largest chunk, W): axis 1 is the step of the rotation, chunk = (rank + 1 + step) % W."""
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     step = tl.program_id(1)
     chunk = (rank + 1 + step) % W
@@ -180,10 +183,10 @@ def wait_all_flags(flags_ptr, W, W_BLOCK: tl.constexpr, epoch, status_ptr, timeo
     return n_pending == 0
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "timeout", "slot_elems"])
+@triton.jit(do_not_specialize=["rank", "timeout", "slot_elems"])
 def _chunk_reduce_kernel(
     slots_ptr, out_ptr, bias_ptr, flags_ptr, status_ptr,
-    n_rows, N, ld, slot_elems, rank, W, epoch, timeout, stride_bias,
+    n_rows, N, ld, slot_elems, rank, W, epoch_ptr, timeout, stride_bias,
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, TIMED: tl.constexpr, BLOCK: tl.constexpr,
     BLOCK_C: tl.constexpr, W_UNROLL: tl.constexpr = 0, W_BLOCK: tl.constexpr = 128,
 ):
@@ -203,6 +206,7 @@ def _chunk_reduce_kernel(
     If a source's flag never came (the wait timed out) the whole chunk is NaN, so it can
     never pass for a good one; the launcher raises on the status word.
     """
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     BLOCK_R: tl.constexpr = BLOCK // BLOCK_C
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
@@ -304,7 +308,7 @@ def matmul_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_s
 
     kernel[grid](
         a3, weight, slots, st.data_ptrs, st.flag_ptrs, st.counters,
-        n_batch, n, N, ld, K, rank, W, st.epoch, rank * slot_elems, slot_elems,
+        n_batch, n, N, ld, K, rank, W, st.epoch_dev, rank * slot_elems, slot_elems,
         a3.stride(0), a3.stride(1), weight.stride(0), weight.stride(1),
         UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype), ROUND_BF16=round_bf16(partial_dtype),
         **meta,
@@ -353,7 +357,8 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
 
         kernel[grid](
             slots, out, bias if bias is not None else out, st.flags, st.status,
-            n_rows, N, ld, slot_elems, rank, W, st.epoch, timeout_arg(st), bias.stride(0) if bias is not None else 0,
+            n_rows, N, ld, slot_elems, rank, W, st.epoch_dev, timeout_arg(st),
+            bias.stride(0) if bias is not None else 0,
             HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, BLOCK_C=block_c,
             W_UNROLL=W, W_BLOCK=triton.next_power_of_2(W), **meta,
         )

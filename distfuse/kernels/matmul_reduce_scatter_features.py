@@ -81,11 +81,11 @@ __all__ = [
 ]
 
 
-# Per-call integers must not be specialised (see matmul_reduce_scatter.py): epochs 1, 2, 16 would recompile mid-op.
-@triton.jit(do_not_specialize=["rank", "epoch", "src_offset"])
+# Per-call integers must not be specialised (see matmul_reduce_scatter.py); the epoch is a device word.
+@triton.jit(do_not_specialize=["rank", "src_offset"])
 def _matmul_scatter_columns_kernel(
     a_ptr, b_ptr, bias_ptr, slots_ptr, data_ptrs, flag_ptrs, counter_ptr,
-    M, N, ld, K, rank, W, epoch, src_offset,
+    M, N, ld, K, rank, W, epoch_ptr, src_offset,
     stride_am, stride_bn, stride_bk, stride_bias,
     HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -95,6 +95,7 @@ def _matmul_scatter_columns_kernel(
     ``HAS_BIAS``: this rank's partial includes ``bias[N]`` (the producer-side bias of
     :mod:`distfuse.kernels.matmul_all_reduce`, where one rank adds it for all).
     """
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     step = tl.program_id(1)
     chunk = (rank + 1 + step) % W
@@ -202,7 +203,7 @@ def matmul_scatter_columns(a: torch.Tensor, weight: torch.Tensor, ws, rank: int,
 
     kernel[grid](
         a2, weight, bias if bias is not None else a2, slots, st.data_ptrs, st.flag_ptrs, st.counters,
-        M, N, ld, K, rank, W, st.epoch, rank * slot_elems,
+        M, N, ld, K, rank, W, st.epoch_dev, rank * slot_elems,
         a2.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),
         ROUND_BF16=round_bf16(partial_dtype), **meta,
@@ -238,7 +239,8 @@ def reduce_slots(op: str, ws, rank: int, world_size: int, rows: int, cols: int, 
 
         kernel[grid](
             slots, out, bias if bias is not None else out, st.flags, st.status,
-            rows, cols, ld, slot_elems, rank, W, st.epoch, timeout_arg(st), bias.stride(0) if bias is not None else 0,
+            rows, cols, ld, slot_elems, rank, W, st.epoch_dev, timeout_arg(st),
+            bias.stride(0) if bias is not None else 0,
             HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, BLOCK_C=block_c, **meta,
         )
         st.check_status(op, what)

@@ -86,10 +86,10 @@ def _arrive_tile(counter_ptr, chunk, tiles_per_chunk, flag_ptrs, W, rank, epoch)
         raise_flag(flag, epoch)
 
 
-@triton.jit(do_not_specialize=["rank", "epoch", "src_offset"])
+@triton.jit(do_not_specialize=["rank", "src_offset"])
 def _matmul_scatter_persistent_kernel(
     a_ptr, b_ptr, slots_ptr, data_ptrs, flag_ptrs, counter_ptr,
-    n_batch, n, N, ld, K, rank, W, epoch, src_offset, stride_am, stride_b,
+    n_batch, n, N, ld, K, rank, W, epoch_ptr, src_offset, stride_am, stride_b,
     B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -98,6 +98,7 @@ def _matmul_scatter_persistent_kernel(
     ``stride_am``: row stride of the ``[B_ * n, K]`` view of ``a``; ``stride_b``: row stride
     of the weight, ``[N, K]`` (``B_KMAJOR`` False) or ``[K, N]`` (True).
     """
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     tiles_m = tl.cdiv(tl.cdiv(n, W), BLOCK_M)  # row tiles per batch entry, sized for the largest chunk
@@ -249,7 +250,7 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     _ensure_descriptor_allocator()
     _matmul_scatter_persistent_kernel[(programs,)](
         a3, weight, slots, st.data_ptrs, st.flag_ptrs, st.counters,
-        n_batch, n, N, ld, K, rank, W, st.epoch, rank * slot_elems, a3.stride(1),
+        n_batch, n, N, ld, K, rank, W, st.epoch_dev, rank * slot_elems, a3.stride(1),
         weight.stride(1) if b_kmajor else weight.stride(0),
         B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),
         ROUND_BF16=round_bf16(partial_dtype), **meta,

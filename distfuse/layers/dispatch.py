@@ -13,6 +13,12 @@ and the device's capabilities.  In order of precedence:
    ``max_size`` when given).  An entry may also name the fastest provider per size;
    a fused :class:`Decision` carries the provider the op will run
    (:func:`distfuse.fused.providers.select_provider`).
+   fp32 calls of the Triton GEMM fusions (``triton_gemm`` in the registry) stay unfused
+   on CUDA unless torch allows TF32 (:func:`distfuse.kernels._utils.tf32_allowed`), before
+   the table is read: the fused kernels then multiply in IEEE fp32 on the CUDA cores, and
+   a table entry does not record the TF32 setting it was measured under.  Where TF32 is
+   allowed, the fused fp32 kernels use it too (``input_precision="tf32"``), like
+   ``torch.matmul``.
 3. The op's default rule in :mod:`distfuse.fused.registry`.  Defaults are starting points
    until a sweep on the user's machine replaces them; each says what it rests on.
 
@@ -113,6 +119,15 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
         return _fused(op, shapes, dtype, world_size, caps, table, "DISTFUSE_PATH=fused")
     if caps.device_type != "cuda":
         return Decision("unfused", f"{caps.device_type}: the production path is unfused (Triton runs interpreted)")
+    if dtype == torch.float32 and spec.triton_gemm:
+        from distfuse.kernels._utils import tf32_allowed
+
+        if not tf32_allowed():
+            # Before the table: an entry does not record whether TF32 was on when it was measured.
+            return Decision("unfused", f"{op}: fp32 without TF32 (torch.backends.cuda.matmul.allow_tf32 is off and "
+                                       "the float32 matmul precision is 'highest'): the fused Triton GEMM would "
+                                       "multiply in IEEE fp32 on the CUDA cores, far below cuBLAS; allow TF32 "
+                                       "(the fused kernels then use it too) or set DISTFUSE_PATH=fused")
     table = load_table() if table is None else table
     entry = table.get(table_key(caps.name, world_size, dtype, op))
     if entry is not None:

@@ -190,9 +190,16 @@ def linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
             with grad():
                 return finish(F.linear(all_gather(xs[i], P_sub, (1, m, k)), w), i)
 
-        def fused(i):
-            with grad():
-                return finish(all_gather_matmul(xs[i], w, None, P_sub, n=m), i)
+        def fused_with(provider):
+            def run(i):
+                with grad():
+                    return finish(all_gather_matmul(xs[i], w, None, P_sub, n=m, provider=provider), i)
+            return run
+
+        from distfuse.fused.providers import providers_of
+
+        fused = fused_with(None)
+        providers = {p: fused_with(p) for p in providers_of(op)}
     return Case(unfused, fused if ctx.fused_ok else None, R,
                 providers=providers if ctx.fused_ok and providers and len(providers) > 1 else None)
 
