@@ -190,7 +190,8 @@ class _CopiesOf(TorchDispatchMode):
     """Counts the ops that copy a whole tensor living in ``storage`` into a new one (clone, contiguous, to).
 
     The staging itself (``copy_`` of the block into the staged buffer) is the one copy the
-    halo exchange must make, and is not counted.
+    halo exchange must make, and is not counted; nor is a ``to`` another dtype (16-bit blocks
+    computed in fp32 are converted whatever their layout).
     """
 
     COPIES = {torch.ops.aten.clone.default, torch.ops.aten._to_copy.default, torch.ops.aten.contiguous.default}
@@ -202,6 +203,8 @@ class _CopiesOf(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         src = args[0] if func in self.COPIES else None
+        if isinstance(src, torch.Tensor) and kwargs.get("dtype", src.dtype) != src.dtype:
+            src = None
         if isinstance(src, torch.Tensor) and src.numel() == self.numel and src.numel() and \
                 src.untyped_storage().data_ptr() == self.ptr:
             self.copies.append(str(func))
@@ -240,3 +243,121 @@ def test_channels_last_input_is_not_copied(kind):
         assert copies == [], f"the layer copied the whole channels_last block: {copies}"
         if active:
             assert control, "the copy counter did not see x.contiguous() (the check has no teeth)"
+
+
+# ------------------------------------------------------------------ upsampling and group norm
+
+
+@dataclasses.dataclass(frozen=True)
+class LayoutCase:
+    """A layer without a convolution fed a channels_last block: ``kind`` "upsample" (``kw``: nn.Upsample's) or
+    "groupnorm" (``kw``: num_groups)."""
+
+    name: str
+    kind: str
+    shape: tuple
+    grid_x: tuple
+    x_ranks: tuple
+    kw: dict
+    dtype: torch.dtype = torch.float32
+    no_copy: bool = True  # the channels_last input is used in place (no whole-block copy)
+
+
+def _layout_layers(c: LayoutCase, P_x):
+    from distfuse.layers.norm_group import DistributedGroupNorm
+    from distfuse.layers.upsample import DistributedUpsample
+
+    if c.kind == "upsample":
+        return DistributedUpsample(P_x, **c.kw), torch.nn.Upsample(**c.kw)
+    seq = torch.nn.GroupNorm(c.kw["num_groups"], c.shape[1], dtype=torch.float64)
+    with torch.no_grad():  # random affine parameters, so that their gradients are checked too
+        gen = torch.Generator().manual_seed(3)
+        for p in seq.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(c.dtype).double())
+    layer = DistributedGroupNorm(P_x, c.kw["num_groups"], c.shape[1], dtype=c.dtype)
+    load_sequential(layer, seq if dist.get_rank() == 0 else None)
+    return layer, seq
+
+
+def _run_layout(c: LayoutCase) -> dict:
+    """Values, every gradient, the formats of the output and the input gradient, copies of the input block."""
+    from tests.test_norm_layers import _replica_block
+
+    fmt = FORMATS[len(c.shape)]
+    P_x = grid(c.x_ranks, c.grid_x)
+    layer, seq = _layout_layers(c, P_x)
+    gen = torch.Generator().manual_seed(21)
+    xg = torch.randn(c.shape, generator=gen, dtype=torch.float64).to(c.dtype).double()
+    xg = xg.contiguous(memory_format=fmt).requires_grad_(True)
+    yg = seq(xg)
+    dyg = torch.randn(yg.shape, generator=gen, dtype=torch.float64).to(c.dtype).double()
+    yg.backward(dyg)
+    want_y, want_dx = _is_fmt(yg, fmt), _is_fmt(xg.grad, fmt)
+    if not P_x.active:
+        y = layer(zero_volume_tensor(dtype=c.dtype))
+        assert y.numel() == 0
+        return dict(active=False)
+    x = xg.detach()[local_slices(c.shape, P_x.shape, P_x.index)].to(c.dtype).contiguous(memory_format=fmt)
+    x.requires_grad_(True)
+    y = layer(x)
+    y_sl = local_slices(tuple(yg.shape), P_x.shape, P_x.index)
+    y.backward(dyg[y_sl].to(c.dtype).contiguous(memory_format=fmt))
+    close(f"{c.name}: output", y.detach(), yg.detach()[y_sl], c.dtype)
+    close(f"{c.name}: input gradient", x.grad, xg.grad[local_slices(c.shape, P_x.shape, P_x.index)], c.dtype)
+    for name, p in layer.named_parameters():
+        close(f"{c.name}: {name} gradient", p.grad, _replica_block(layer, name, getattr(seq, name).grad), c.dtype)
+    mode = _CopiesOf(x.untyped_storage().data_ptr(), x.numel())
+    with mode:  # the steady-state call (the first one agreed the metadata)
+        layer(x)
+    return dict(active=True, want_y=want_y, want_dx=want_dx, got_y=_is_fmt(y, fmt) if y.numel() else None,
+                got_dx=_is_fmt(x.grad, fmt) if x.numel() else None, copies=mode.copies)
+
+
+def _run_layouts(cases):
+    return [_run_layout(c) for c in cases]
+
+
+_LAYOUTS = {
+    4: [
+        LayoutCase("upsample-bilinear-permuted", "upsample", (2, 3, 7, 5), (1, 1, 2, 2), (3, 1, 0, 2),
+                   dict(scale_factor=1.5, mode="bilinear")),
+        LayoutCase("upsample-bilinear-align-fp16", "upsample", (1, 2, 6, 5), (1, 1, 2, 2), (0, 2, 1, 3),
+                   dict(size=(9, 8), mode="bilinear", align_corners=True), dtype=torch.float16),
+        LayoutCase("upsample-bilinear-x2-bf16", "upsample", (1, 3, 6, 4), (1, 1, 2, 2), (2, 3, 0, 1),
+                   dict(scale_factor=2, mode="bilinear"), dtype=torch.bfloat16),  # the power-of-two shortcut
+        LayoutCase("upsample-nearest-exact", "upsample", (2, 2, 5, 7), (1, 1, 2, 2), (1, 0, 3, 2),
+                   dict(size=(7, 9), mode="nearest-exact")),
+        LayoutCase("upsample-trilinear-x2", "upsample", (1, 2, 4, 5, 3), (1, 1, 2, 1, 2), (3, 2, 1, 0),
+                   dict(scale_factor=2, mode="trilinear")),
+        LayoutCase("upsample-trilinear-1.5", "upsample", (1, 2, 3, 4, 5), (1, 1, 1, 2, 2), (0, 1, 2, 3),
+                   dict(scale_factor=1.5, mode="trilinear")),
+        LayoutCase("groupnorm-one-sample-permuted", "groupnorm", (1, 4, 7, 5), (1, 1, 2, 2), (3, 1, 0, 2),
+                   dict(num_groups=2)),
+        LayoutCase("groupnorm-two-samples-bf16", "groupnorm", (2, 6, 5, 5), (1, 1, 2, 2), (0, 1, 2, 3),
+                   dict(num_groups=3), dtype=torch.bfloat16, no_copy=False),  # NCHW statistics: one copy
+        LayoutCase("groupnorm-3d-fp16", "groupnorm", (1, 4, 5, 4, 3), (1, 1, 2, 1, 2), (2, 0, 3, 1),
+                   dict(num_groups=4), dtype=torch.float16),
+    ],
+    6: [
+        LayoutCase("upsample-bilinear-inactive", "upsample", (1, 2, 8, 5), (1, 1, 3, 1), (5, 2, 0),
+                   dict(scale_factor=1.5, mode="bilinear")),
+        LayoutCase("groupnorm-inactive", "groupnorm", (1, 4, 8, 5), (1, 1, 3, 1), (4, 0, 2), dict(num_groups=2)),
+    ],
+}
+
+
+@pytest.mark.parametrize("world", sorted(_LAYOUTS), ids=lambda w: f"world{w}")
+def test_upsample_and_group_norm_keep_channels_last(world):
+    results = run_ranks(world, _run_layouts, _LAYOUTS[world])
+    for k, c in enumerate(_LAYOUTS[world]):
+        assert results[0][k].get("want_y", True), f"{c.name}: torch.nn returned NCHW; the case tests nothing"
+        for rank, per_rank in enumerate(results):
+            r = per_rank[k]
+            if not r["active"]:
+                continue
+            if r["got_y"] is not None:
+                assert r["got_y"] == r["want_y"], f"{c.name} rank {rank}: output format differs from torch.nn's"
+            if r["got_dx"] is not None:
+                assert r["got_dx"] == r["want_dx"], f"{c.name} rank {rank}: input-gradient format differs"
+            if c.no_copy:
+                assert r["copies"] == [], f"{c.name} rank {rank}: the layer copied the channels_last block"

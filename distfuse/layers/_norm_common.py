@@ -45,8 +45,9 @@ from distfuse._compat import all_gather_flat
 from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.geometry.decomposition import local_shape
 from distfuse.layers._conv_common import promote
+from distfuse.ops.norm_collectives import moments_of, normalize_forward, normalize_grads, stat_dtype
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, group_slots
+from distfuse.primitives._axes import all_reduce_sum, axes_subgrid
 from distfuse.primitives._common import collective_guard
 
 __all__ = ["CallRecord", "gather_call", "global_shape_of", "subgrid", "check_norm_partition", "compute_dtype",
@@ -198,7 +199,7 @@ def one_dtype(op: str, P_x: CartesianPartition, dtypes: Sequence[torch.dtype | N
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """fp32 for 16-bit tensors (as torch's norms accumulate them), else the dtype itself."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+    return stat_dtype(dtype)
 
 
 def check_param_dtype(op: str, x_dtype: torch.dtype, param_dtype: torch.dtype | None) -> None:
@@ -229,39 +230,17 @@ class Moments:
         return self.var * (self.count / (self.count - 1))
 
 
-def _gather_rows(op: str, P_sub: CartesianPartition, rec: torch.Tensor) -> torch.Tensor:
-    """``[P, *rec.shape]``: every worker's record, in sub-grid rank order (one all-gather)."""
-    buf = rec.new_empty(P_sub.size * rec.numel())
-    with collective_guard(op, "statistics all-gather", P_sub.ranks):
-        all_gather_flat(buf, rec.contiguous(), group=P_sub.group)
-    return buf.view(P_sub.size, *rec.shape)[list(group_slots(P_sub))]
-
-
 def gather_moments(op: str, P_stats: CartesianPartition, x3: torch.Tensor, count: int) -> Moments:
     """Exact global mean and biased variance per ``M`` of ``x3 [L, M, R]`` over the workers of ``P_stats``.
 
     ``count`` is the global number of elements per statistic (every worker knows it from
     the call's metadata).  Local moments are taken in :func:`compute_dtype`, combined in
-    float64 (see the module docstring).  No autograd: :class:`NormalizeFunction`'s
-    backward differentiates through the statistics.
+    float64 (see the module docstring; the code is :func:`distfuse.ops.norm_collectives.moments_of`,
+    which the compiled forward runs as ``distfuse::moments``).  No autograd:
+    :class:`NormalizeFunction`'s backward differentiates through the statistics.
     """
-    with torch.no_grad():
-        L, M, R = x3.shape
-        n_loc = L * R
-        rec = torch.zeros(3, M, dtype=torch.float64, device=x3.device)
-        if n_loc > 0 and M > 0:
-            var, mean = torch.var_mean(x3.to(compute_dtype(x3.dtype)), dim=(0, 2), correction=0)
-            rec[0] = n_loc
-            rec[1] = mean
-            rec[2] = var.double() * n_loc
-        if P_stats.size == 1 or M == 0:  # M is the same on every worker of P_stats: all skip together
-            return Moments(rec[1], rec[2] / max(n_loc, 1), count)
-        rows = _gather_rows(op, P_stats, rec)
-        n_i, mean_i, m2_i = rows[:, 0], rows[:, 1], rows[:, 2]
-        n = max(count, 1)
-        mean = (n_i * mean_i).sum(0) / n
-        m2 = m2_i.sum(0) + (n_i * (mean_i - mean) ** 2).sum(0)
-        return Moments(mean, m2 / n, count)
+    mean, var = moments_of(op, P_stats, x3, count)
+    return Moments(mean, var, count)
 
 
 class NormalizeFunction(torch.autograd.Function):
@@ -279,44 +258,24 @@ class NormalizeFunction(torch.autograd.Function):
     Every worker of ``P_stats`` must run the backward when one does (the layers promote the
     input so that they agree).  The input is saved, not ``xhat``: a 16-bit input costs half
     the memory of its fp32 ``xhat``, and the output stays free for in-place ops (``ReLU(inplace=True)``).
+    The forward and the adjoint are :func:`~distfuse.ops.norm_collectives.normalize_forward` and
+    :func:`~distfuse.ops.norm_collectives.normalize_grads`, shared with the compiled op ``distfuse::normalize``.
     """
 
     @staticmethod
     def forward(ctx, x3, weight, bias, mean, invstd, count: int, P_stats, op: str):
-        y = _xhat(x3, mean, invstd)
-        if weight is not None:
-            y = y * weight.to(y.dtype).view(1, -1, 1)
-        if bias is not None:
-            y = y + bias.to(y.dtype).view(1, -1, 1)
         ctx.save_for_backward(x3, mean, invstd, weight)
-        ctx.meta = (count, P_stats, op, bias is not None, None if bias is None else bias.dtype)
-        return y
+        ctx.meta = (count, P_stats, op, None if bias is None else bias.dtype)
+        return normalize_forward(x3, weight, bias, mean, invstd)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         x3, mean, invstd, weight = ctx.saved_tensors
-        count, P_stats, op, has_bias, bias_dtype = ctx.meta
-        xhat = _xhat(x3, mean, invstd)
-        x_dtype = x3.dtype
-        dy = dy.to(xhat.dtype)
-        sums = torch.stack([dy.sum((0, 2)), (dy * xhat).sum((0, 2))])
-        if P_stats.size > 1:  # every worker of P_stats reaches this line (see the class docstring)
-            sums = all_reduce_sum(op, P_stats, sums)
-        sum_dy, sum_dy_xhat = sums[0], sums[1]
-        n = max(count, 1)
-        scale = invstd if weight is None else invstd * weight.to(xhat.dtype)
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = scale.view(1, -1, 1) * (dy - (sum_dy / n).view(1, -1, 1) - xhat * (sum_dy_xhat / n).view(1, -1, 1))
-            dx = dx.to(x_dtype)
-        dw = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
-        db = sum_dy.to(bias_dtype) if has_bias and ctx.needs_input_grad[2] else None
+        count, P_stats, op, bias_dtype = ctx.meta
+        needs = tuple(bool(n) for n in ctx.needs_input_grad[:3])
+        dx, dw, db = normalize_grads(dy, x3, mean, invstd, weight, count, P_stats, op, needs, bias_dtype)
         return dx, dw, db, None, None, None, None, None
-
-
-def _xhat(x3: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
-    return (x3.to(compute_dtype(x3.dtype)) - mean.view(1, -1, 1)) * invstd.view(1, -1, 1)
 
 
 def normalize(x3: torch.Tensor, moments: Moments, eps: float, P_stats: CartesianPartition, op: str,
@@ -359,4 +318,4 @@ def sum_replica_grads(w: torch.Tensor | None, P_rep: CartesianPartition, op: str
 
 
 def numel(shape: Sequence[int]) -> int:
-    return math.prod(int(s) for s in shape)
+    return math.prod([int(s) for s in shape])  # a list, not a generator: torch.compile traces it

@@ -25,6 +25,12 @@ the first call and when some worker's signature changed; while signatures repeat
 one-element flag round replaces it (:class:`ShapeRecord`, which says why the flag
 cannot ride in the halo exchange).  ``static_shapes`` is accepted for compatibility and
 changes nothing: every call already skips the gather while the workers' signatures repeat.
+
+``torch.compile(layer, fullgraph=True)`` traces the layer without a graph break: a
+compiled call reuses the record of the last eager call, runs the flag round as the
+custom op ``distfuse::flag_check`` and the halo round as ``distfuse::halo_exchange``
+(:mod:`distfuse.layers._pool_compiled`), and reads its geometry from the
+:class:`PoolWindow` the eager call made.
 """
 
 from __future__ import annotations
@@ -47,12 +53,21 @@ from distfuse.layers._conv_common import (
     gather_call_info,
     promote,
 )
+from distfuse.layers._pool_compiled import WindowHalo, compiled_record, compiled_stage
 from distfuse.layers.dispatch import Decision
-from distfuse.layers.pool_staging import EmptyBlock, choose_staging, stage_window, world_of_fn
+from distfuse.layers.pool_staging import (
+    EmptyBlock,
+    StagingRecord,
+    choose_staging,
+    stage_window,
+    staging_record,
+    world_of_fn,
+)
+from distfuse.ops import FlagRound
 from distfuse.primitives._agreement import AgreementSite, flag_round, run_agreed, trusting
 from distfuse.primitives._common import check_inactive_input
 
-__all__ = ["PoolOptions", "pool_plan", "ShapeRecord", "DistributedPoolBase", "check_16bit_cpu"]
+__all__ = ["PoolOptions", "pool_plan", "ShapeRecord", "PoolWindow", "DistributedPoolBase", "check_16bit_cpu"]
 
 
 def _per_axis(op: str, v, nd: int, name: str, minimum: int) -> tuple[int, ...]:
@@ -98,6 +113,18 @@ def pool_plan(spatial: tuple[int, ...], grid: tuple[int, ...], opts: PoolOptions
     return HaloPlan([pool_axis(n, g, k, s, d, p, opts.ceil_mode)
                      for n, g, k, s, d, p in zip(spatial, grid, opts.kernel_size, opts.stride, opts.dilation,
                                                  opts.padding, strict=True)])
+
+
+@dataclass(frozen=True)
+class PoolWindow:
+    """One worker's geometry for one global shape: the plan, its block index, how it stages its window, its
+    output block's spatial extents and the subclass's ``block`` constants (divisors, first taps)."""
+
+    plan: HaloPlan
+    index: tuple[int, ...]
+    staging: StagingRecord
+    out_spatial: tuple[int, ...]
+    block: object = None
 
 
 class ShapeRecord:
@@ -161,8 +188,10 @@ class ShapeRecord:
 class DistributedPoolBase(nn.Module):
     """A pooling layer over an input split along any of its axes (see the module docstring).
 
-    Subclasses set ``nd`` and ``fill`` and define ``_pool_block(staged, plan, index,
-    out_shape, global_shape)``, the pooling of a staged window.  Construction is not
+    Subclasses set ``nd`` and ``fill`` and define ``_pool_block(staged, window,
+    out_shape, global_shape)``, the pooling of a staged window (``window`` a
+    :class:`PoolWindow`), and may define ``_block_constants``, what it reads from the
+    geometry (made once per global shape, so that compiled calls only read it).  Construction is not
     collective and checks the window arguments (every rank raises alike); the output
     extent is checked per call, on the gathered global shape, on every worker.
 
@@ -192,6 +221,10 @@ class DistributedPoolBase(nn.Module):
         self.last_path: str | None = None
         self.last_decision: Decision | None = None
         self._caps_cache: dict = {}
+        # compiled forwards: the flag round and the window's halo round as custom ops (_pool_compiled.py)
+        self._flag_round = FlagRound(op, P_x, self.forget_shapes)
+        self._window_halo = WindowHalo(P_x, self.nd, self.plan, op)
+        self._windows: dict[tuple, PoolWindow] = {}
 
     def forget_shapes(self) -> None:
         """Drop the agreed call record, so the next call gathers again (call it on every worker)."""
@@ -226,36 +259,67 @@ class DistributedPoolBase(nn.Module):
 
     # ------------------------------------------------------------ forward
 
+    def window_record(self, global_shape: Sequence[int], device: torch.device) -> PoolWindow:
+        """This worker's :class:`PoolWindow` for a global shape (made once per shape and device type, then read)."""
+        key = (tuple(int(e) for e in global_shape), device.type)
+        rec = self._windows.get(key)
+        if rec is None:
+            plan = self.plan(key[0])
+            index = tuple(self.P_x.index[2:])
+            rec = self._windows[key] = PoolWindow(plan, index, staging_record(plan, index), plan.output_shape(index),
+                                                  self._block_constants(plan, index, key[0], device))
+        return rec
+
+    def _block_constants(self, plan: HaloPlan, index: tuple[int, ...], global_shape: tuple[int, ...],
+                         device: torch.device):
+        """What :meth:`_pool_block` needs beyond the staged window, from the geometry alone (subclasses)."""
+        return None
+
     def _window(self, x: torch.Tensor):
         """Gather the call's metadata and stage this worker's window.
 
-        Returns ``(staged, plan, index, out_shape, global_shape)``, or None on workers outside P_x.
+        Returns ``(staged, window record, out_shape, global_shape)``, or None on workers outside P_x
+        (and, inside a compiled region, on a worker whose call differs from the agreed one).
         """
         op = type(self).__name__
         if not self.P_x.active:
             check_inactive_input(op, x)
             return None
+        if torch.compiler.is_compiling():
+            return self._compiled_window(op, x)
         info = self._shapes.info(op, self.P_x, x, (self.opts, self.P_x.ranks, self.P_x.shape))
         G = info.global_shape
-        plan = self.plan(G)
+        win = self.window_record(G, x.device)
         x = promote(x, info.input_grad)
-        index = tuple(self.P_x.index[2:])
         decision = self.explain(x, G)
         self.last_decision, self.last_path = decision, decision.path
-        staged = stage_window(x, plan, index, world_of_fn(self.P_x, self.nd), path=decision.path, fill=self.fill,
-                              op=op)
-        out_shape = tuple(x.shape[:2]) + plan.output_shape(index)
-        return staged, plan, index, out_shape, G
+        staged = stage_window(x, win.plan, win.index, world_of_fn(self.P_x, self.nd), path=decision.path,
+                              fill=self.fill, op=op)
+        return staged, win, tuple(x.shape[:2]) + win.out_spatial, G
+
+    def _compiled_window(self, op: str, x: torch.Tensor):
+        """:meth:`_window` inside ``torch.compile``: the agreed record, ``distfuse::flag_check`` and
+        ``distfuse::halo_exchange`` (see :mod:`distfuse.layers._pool_compiled`); None past a flagged call.
+
+        Reads only the window record the eager call made (a traced walk over the plan would break the graph).
+        """
+        info = compiled_record(op, self, x, self._flag_round)
+        if info is None:  # this worker flagged: the flag round raises on every worker, nothing below runs
+            return None
+        G = info.global_shape
+        win = self.window_record(G, x.device)
+        staged, self.last_path = compiled_stage(x, win.staging, self._window_halo, G, self.fill)
+        return staged, win, tuple(x.shape[:2]) + win.out_spatial, G
 
     def forward(self, x: torch.Tensor):
         """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
         window = self._window(x)
         if window is None:
             return self._inactive_output(x)
-        staged, plan, index, out_shape, G = window
+        staged, win, out_shape, G = window
         if 0 in out_shape:
             return self._empty_output(staged, out_shape)
-        return self._pool_block(staged, plan, index, out_shape, G)
+        return self._pool_block(staged, win, out_shape, G)
 
     def _inactive_output(self, x: torch.Tensor):
         return x.clone()

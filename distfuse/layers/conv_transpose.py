@@ -67,6 +67,10 @@ convolution.  Every worker of ``P_x`` must
 call backward when one does.  Workers outside ``P_x`` pass and get back a zero-volume
 tensor.  There is no fused path; the local transposed
 convolution is torch's.
+
+``torch.compile(layer, fullgraph=True)`` traces it without a graph break, as the feature
+convolution: the parameter round with the flags as ``distfuse::flagged_root_broadcast``,
+the halo as ``distfuse::halo_exchange`` (:mod:`distfuse.layers._conv_transpose_compiled`).
 """
 
 from __future__ import annotations
@@ -93,7 +97,10 @@ from distfuse.layers._conv_common import (
     grid_of,
     promote,
 )
+from distfuse.layers._conv_transpose_compiled import CompiledConvTransposeMixin
+from distfuse.layers._pool_compiled import WindowHalo
 from distfuse.layers.conv_feature import DistributedFeatureConvBase
+from distfuse.ops import RootBroadcast
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._agreement import AgreementSite, run_agreed, trusting
 from distfuse.primitives._common import check_inactive_input
@@ -185,7 +192,7 @@ def conv_transpose_block(opts: ConvTransposeOptions, staged: torch.Tensor, w: to
     return y.to(dtype)
 
 
-class DistributedConvTransposeBase(BlockIdentityMixin, nn.Module):
+class DistributedConvTransposeBase(BlockIdentityMixin, CompiledConvTransposeMixin, nn.Module):
     """Transposed convolution over an input split along batch and spatial axes (see the module docstring).
 
     Args:
@@ -234,6 +241,12 @@ class DistributedConvTransposeBase(BlockIdentityMixin, nn.Module):
         self._dtype = dtype if dtype is not None else torch.get_default_dtype()
         self._plans: dict[tuple[int, ...], HaloPlan] = {}
         self.agreement = AgreementSite(op)  # calls / slow_calls count the metadata gathers
+        # compiled forwards (_conv_transpose_compiled.py): the parameter round and the halo round as custom ops,
+        # and per global shape this worker's (pads, output extents), made by eager calls
+        self._root_bcast = RootBroadcast(op, self._param_plan, self.root, P_x.ranks, P_x.dim, self.forget_agreement)
+        self._window_halo = WindowHalo(P_x, self.nd, self.plan, op)
+        self._windows: dict[tuple[int, ...], tuple] = {}
+        self._placeholders: dict = {}
         self.reset_parameters()
 
     # Parameters and per-call metadata are the feature convolution's, code included: root-held weight and bias,
@@ -314,16 +327,24 @@ class DistributedConvTransposeBase(BlockIdentityMixin, nn.Module):
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
+        if torch.compiler.is_compiling():  # custom ops, no metadata gather (_conv_transpose_compiled.py)
+            return self._compiled_forward(op, x, params)
         info, w, b = self._agreed_info(op, x, params)
+        self._placeholder(info.dtype, info.param_grad)  # eager-made, for compiled forwards
         G = info.global_shape
         if G[1] != o.in_channels:
             raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, G[1])
         plan = self.plan(G)  # every worker holds G, so a refused geometry raises on all of them
         x = promote(x, info.input_grad)
         index = P_x.index[2:]
+        if G not in self._windows:
+            self._windows[G] = (block_pads(plan, index), plan.output_shape(index))
+        pads, out_spatial = self._windows[G]
         staged = HaloExchangeFunction.apply(x, plan, index, self._world_of)  # keeps x's layout (channels_last)
-        out_shape = (x.shape[0], o.out_channels) + plan.output_shape(index)
-        return conv_transpose_block(o, staged, w, b, block_pads(plan, index), out_shape)
+        return self._local_block(staged, w, b, pads, (x.shape[0], o.out_channels) + out_spatial)
+
+    def _local_block(self, staged, w, b, pads, out_shape) -> torch.Tensor:
+        return conv_transpose_block(self.opts, staged, w, b, pads, out_shape)
 
     def extra_repr(self) -> str:
         o = self.opts

@@ -32,7 +32,9 @@ dtypes torch refuses) is carried in the all-reduce, so with ``sum``/``mean`` eve
 raises; with ``none`` no collective follows and the worker whose block is bad raises
 alone, with nobody waiting for it.  On CUDA such a failure surfaces as a NaN loss on the
 other workers (they read the flags only on CPU, to keep the device free of host syncs);
-torch's CUDA kernels assert on bad indices anyway.
+torch's CUDA kernels assert on bad indices anyway.  Inside ``torch.compile`` a call reuses
+the last eager call's record with a flag round instead of the gather
+(``_loss_compiled.py``, which also says what a compiled call does not catch).
 
 Weights (``weight``, ``pos_weight``) are the global tensors torch takes, held whole by
 every worker (they must be equal everywhere) and sliced per call to the local block by
@@ -51,6 +53,7 @@ from torch.nn import _reduction
 
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import local_start
+from distfuse.layers._loss_compiled import LossCall, LossSites, compiled_loss, settle
 from distfuse.layers._norm_common import FLOATS, compute_dtype, gather_call, global_shape_of, numel, one_dtype
 from distfuse.layers._params import ParamLayout
 from distfuse.partition import CartesianPartition, zero_volume_tensor
@@ -130,6 +133,7 @@ class DistributedLossBase(nn.Module):
             raise UnsupportedError(f"{where(op)}: reduction={reduction!r} is not one of {list(self.reductions)}")
         self.P_x = P_x
         self.reduction = reduction
+        self._sites = LossSites(op, P_x)  # the agreement and the compiled forward's op contexts
 
     # -------------------------------------------------------- what subclasses provide
 
@@ -172,12 +176,16 @@ class DistributedLossBase(nn.Module):
             check_inactive_input(op, input)
             check_inactive_input(op, target)
             return zero_volume_tensor(dtype=input.dtype, device=input.device)
+        if torch.compiler.is_compiling():  # custom ops, no metadata gather (distfuse/layers/_loss_compiled.py)
+            return compiled_loss(self, input, target)
+        self._sites.agreement.forget()
         call = gather_call(op, P_x, [input, target], ["input", "target"], signature=self._signature())
         in_dtype = one_dtype(op, P_x, call.dtypes[0], "input")
         t_dtype = one_dtype(op, P_x, call.dtypes[1], "target", allowed=_ANY)
         G = global_shape_of(op, P_x, call.shapes[0])
         self._check_target(op, G, call)
         start = local_start(G, P_x.shape, P_x.index)
+        settle(self._sites, input, target, LossCall(G, in_dtype, t_dtype, start))
         failure = None
         try:
             local = self._local_loss(input, target, G, start)
@@ -194,8 +202,8 @@ class DistributedLossBase(nn.Module):
         loss = self._reduce(op, local, input, target, failure, summed_divisor)
         return (loss if divisor is None else loss / divisor).to(self._result_dtype(in_dtype, t_dtype))
 
-    def _reduce(self, op, local, input, target, failure, summed_divisor: bool) -> torch.Tensor:
-        """The global sum of ``local`` (over the global denominator when ``summed_divisor``), in the compute dtype."""
+    def _partial(self, local, input, target, failure, summed_divisor: bool) -> torch.Tensor:
+        """This worker's ``[sum of local, denominator, failure flag per worker]`` in the compute dtype."""
         P_x = self.P_x
         cdt = compute_dtype(self._result_dtype(input.dtype, target.dtype))
         extra = torch.zeros(1 + P_x.size, dtype=cdt, device=input.device)  # [denominator, failure flag per worker]
@@ -206,7 +214,12 @@ class DistributedLossBase(nn.Module):
         else:
             num = torch.full((), float("nan"), dtype=cdt, device=input.device)
             extra[1 + P_x.rank] = 1
-        total = replicated_sum(torch.cat([num.reshape(1), extra]), P_x, op)
+        return torch.cat([num.reshape(1), extra])
+
+    def _reduce(self, op, local, input, target, failure, summed_divisor: bool) -> torch.Tensor:
+        """The global sum of ``local`` (over the global denominator when ``summed_divisor``), in the compute dtype."""
+        P_x = self.P_x
+        total = replicated_sum(self._partial(local, input, target, failure, summed_divisor), P_x, op)
         if total.device.type == "cpu":
             failed = [P_x.ranks[j] for j, f in enumerate(total[2:].tolist()) if f]
             if failure is not None:
@@ -290,7 +303,7 @@ class DistributedKLDivLoss(DistributedLossBase):
         self.log_target = bool(log_target)
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.reduction == "mean" and self.P_x.active:
+        if self.reduction == "mean" and self.P_x.active and not torch.compiler.is_compiling():
             warnings.warn("reduction: 'mean' divides the total loss by both the batch size and the support size; "
                           "'batchmean' divides only by the batch size, and aligns with the KL div math definition "
                           "(as torch warns)", stacklevel=2)

@@ -33,6 +33,9 @@ Statistics are exact under uneven splits and empty blocks (see ``_norm_common``)
 Every call makes one host-side metadata gather over ``P_x`` (shapes, dtypes, grad flags),
 so a bad input raises the same error on every worker; training adds one all-gather of
 ``3 x C_b`` float64 per worker.  Every worker of ``P_x`` must call backward when one does.
+Inside ``torch.compile`` a call reuses the record of the last eager call and runs its
+communication as custom ops, with one host flag round instead of the gather
+(``_norm_compiled.py``); running statistics update in the graph, bitwise as in eager mode.
 Workers outside ``P_x`` pass and get back a zero-volume tensor.
 """
 
@@ -49,15 +52,13 @@ from distfuse.layers._norm_common import (
     check_norm_partition,
     check_param_dtype,
     gather_call,
-    gather_moments,
     global_shape_of,
-    normalize,
     numel,
     one_dtype,
     promote,
     subgrid,
-    sum_replica_grads,
 )
+from distfuse.layers._norm_compiled import NormCall, NormSites, compiled_call, moments, normalize, replica, settle
 from distfuse.layers._params import ParamLayout
 from distfuse.primitives._common import check_inactive_input
 
@@ -92,6 +93,7 @@ class DistributedBatchNormBase(BlockIdentityMixin, nn.Module):
         self._has_bias = self.affine and bool(bias)
         self._has_buffers = self.track_running_stats
         self.P_stats = subgrid(P_x, [d for d in range(P_x.dim) if d != 1])
+        self._sites = NormSites(op, P_x, self.P_stats)  # the agreement and the compiled forward's op contexts
         device = torch.device(device) if device is not None else P_x.device
         kw = dict(device=device, dtype=dtype)
         block = local_shape((self.num_features,), (P_x.shape[1],), (P_x.index[1],)) if P_x.active else None
@@ -143,6 +145,42 @@ class DistributedBatchNormBase(BlockIdentityMixin, nn.Module):
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
+        bn_training = self.training or (self.running_mean is None and self.running_var is None)
+        if torch.compiler.is_compiling():  # the agreed record, a flag round (distfuse/layers/_norm_compiled.py)
+            record, changed = compiled_call(
+                self, x, params, self.training,
+                x_needed=lambda c: bn_training and c.any_grad and not c.param_grad[P_x.rank],
+                params_needed=lambda c: not bn_training and c.any_param_grad)
+            if changed:  # the flag round raises on every worker when the graph runs
+                return x.new_empty((0,))
+            G, dtype, call = record.global_shape, record.dtype, record.call
+        else:
+            G, dtype, call = self._agree(op, x, params)
+        factor = 0.0 if self.momentum is None else float(self.momentum)
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:  # the cumulative average; a tensor in a graph (no host read), same bits
+                nbt = self.num_batches_tracked
+                factor = 1.0 / nbt.double() if torch.compiler.is_compiling() else 1.0 / float(nbt)
+        if not bn_training:  # eval with running statistics: local, only the parameter gradients are summed
+            w = replica(self._sites.stats, self.weight, call.any_param_grad)
+            b = replica(self._sites.stats, self.bias, call.any_param_grad)
+            return F.batch_norm(x, self.running_mean, self.running_var, w, b, False, 0.0, self.eps)
+
+        count = G[0] * numel(G[2:])
+        # The adjoint all-reduces over P_stats, so every worker's output must require grad if any does.
+        x = promote(x, call.any_grad and not call.param_grad[P_x.rank])
+        x3 = x.reshape(x.shape[0], x.shape[1], numel(x.shape[2:]))
+        stats = moments(self._sites.stats, x3, count)
+        if self.training and self.track_running_stats and self.running_mean is not None and count > 0:
+            self._update_running_stats(stats.mean, stats.unbiased_var(), factor)
+        y = normalize(self._sites.stats, x3, stats, self.eps, self.weight, self.bias)
+        return y.view(x.shape).to(dtype)
+
+    def _agree(self, op: str, x: torch.Tensor, params):
+        """The eager call's metadata gather and checks (raising alike on every worker); remembers the record."""
+        P_x = self.P_x
+        self._sites.agreement.forget()
         call = gather_call(op, P_x, [x], ["input"], params, signature=self._signature())
         dtype = one_dtype(op, P_x, call.dtypes[0])
         G = global_shape_of(op, P_x, call.shapes[0])
@@ -150,28 +188,12 @@ class DistributedBatchNormBase(BlockIdentityMixin, nn.Module):
             raise expect(op, "input channels (the global input's dimension 1, num_features)", self.num_features, G[1])
         for t in params + [b for b in (self.running_mean, self.running_var) if b is not None]:
             check_param_dtype(op, dtype, t.dtype)
-        factor = 0.0 if self.momentum is None else float(self.momentum)
-        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
-            self.num_batches_tracked.add_(1)
-            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else factor
         bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        if not bn_training:  # eval with running statistics: local, only the parameter gradients are summed
-            w = sum_replica_grads(self.weight, self.P_stats, op, call.any_param_grad)
-            b = sum_replica_grads(self.bias, self.P_stats, op, call.any_param_grad)
-            return F.batch_norm(x, self.running_mean, self.running_var, w, b, False, 0.0, self.eps)
-
-        count = G[0] * numel(G[2:])
-        if count == 1:
+        if bn_training and G[0] * numel(G[2:]) == 1:
             raise ShapeError(f"{where(op)}: expected more than 1 value per channel when training, got the global input "
                              f"size {list(G)} (torch's rule)")
-        # The adjoint all-reduces over P_stats, so every worker's output must require grad if any does.
-        x = promote(x, call.any_grad and not call.param_grad[P_x.rank])
-        x3 = x.reshape(x.shape[0], x.shape[1], numel(x.shape[2:]))
-        moments = gather_moments(op, self.P_stats, x3, count)
-        if self.training and self.track_running_stats and self.running_mean is not None and count > 0:
-            self._update_running_stats(moments.mean, moments.unbiased_var(), factor)
-        y = normalize(x3, moments, self.eps, self.P_stats, op, self.weight, self.bias)
-        return y.view(x.shape).to(dtype)
+        settle(self._sites, x, params, self.training, NormCall(G, dtype, call))
+        return G, dtype, call
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, unbiased_var: torch.Tensor, factor: float) -> None:

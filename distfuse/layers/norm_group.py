@@ -29,7 +29,8 @@ an instance norm over one spatial element when training).  Only batched input: P
 one dimension per input dimension, batch first.
 
 Every call makes one host-side metadata gather over ``P_x``, so bad input raises on
-every worker.  Every worker of ``P_x`` must call backward when one does.  Workers outside
+every worker (inside ``torch.compile``: the last eager call's record and a flag round,
+``_norm_compiled.py``).  Every worker of ``P_x`` must call backward when one does.  Workers outside
 ``P_x`` pass and get back a zero-volume tensor.
 """
 
@@ -48,18 +49,26 @@ from distfuse.layers._norm_common import (
     check_norm_partition,
     check_param_dtype,
     gather_call,
-    gather_moments,
     global_shape_of,
-    normalize,
     numel,
     one_dtype,
     promote,
     subgrid,
-    sum_replica_grads,
+)
+from distfuse.layers._norm_compiled import (
+    NormCall,
+    NormSites,
+    all_sum,
+    compiled_call,
+    moments,
+    normalize,
+    replica,
+    settle,
 )
 from distfuse.layers._params import ParamLayout
-from distfuse.primitives._axes import all_reduce_sum
+from distfuse.ops.collectives import FlaggedSite
 from distfuse.primitives._common import check_inactive_input
+from distfuse.primitives._layout import memory_format_of
 
 __all__ = ["DistributedGroupNorm", "DistributedInstanceNormBase", "DistributedInstanceNorm1d",
            "DistributedInstanceNorm2d", "DistributedInstanceNorm3d"]
@@ -85,6 +94,7 @@ class _ChannelNormBase(BlockIdentityMixin, nn.Module):
         self._channels = int(num_channels)
         self.P_stats = subgrid(P_x, range(2, P_x.dim))
         self.P_rep = subgrid(P_x, [d for d in range(P_x.dim) if d != 1])
+        self._sites = NormSites(type(self).__name__, P_x, self.P_stats, self.P_rep)
         self._kw = dict(device=torch.device(device) if device is not None else P_x.device, dtype=dtype)
         self._block = local_shape((self._channels,), (P_x.shape[1],), (P_x.index[1],)) if P_x.active else None
         make = P_x.active and self.affine
@@ -105,14 +115,27 @@ class _ChannelNormBase(BlockIdentityMixin, nn.Module):
             lays.append(ParamLayout("bias", "bias", self.P_x, C, split_dims=(1,)))
         return lays
 
-    def _check_call(self, op: str, x: torch.Tensor, extra_dtypes=()):
-        """Gather and validate the call; returns ``(global shape, dtype, call record)``."""
+    def _check_call(self, op: str, x: torch.Tensor, extra_dtypes=(), check=None, x_needed=None, params_needed=None):
+        """The agreed call: ``(global shape, dtype, call record)``, or None for a compiled call that flagged.
+
+        Eager: gather and validate the call (``check(G, call)`` runs the layer's own checks),
+        then remember the record.  Compiled (``distfuse/layers/_norm_compiled.py``): the
+        record of the last eager call, after the flag round; ``x_needed`` / ``params_needed``
+        say which promotions the call needs.
+        """
         params = [p for p in (self.weight, self.bias) if p is not None]
+        if torch.compiler.is_compiling():
+            record, changed = compiled_call(self, x, params, self.training, x_needed, params_needed)
+            return None if changed else (record.global_shape, record.dtype, record.call)
+        self._sites.agreement.forget()
         call = gather_call(op, self.P_x, [x], ["input"], params, signature=self._signature())
         dtype = one_dtype(op, self.P_x, call.dtypes[0])
         G = global_shape_of(op, self.P_x, call.shapes[0])
         for t in params + [t for t in extra_dtypes if t is not None]:
             check_param_dtype(op, dtype, t.dtype)
+        if check is not None:
+            check(G, call)
+        settle(self._sites, x, params, self.training, NormCall(G, dtype, call))
         return G, dtype, call
 
     def _signature(self):
@@ -152,20 +175,37 @@ class DistributedGroupNorm(_ChannelNormBase):
         if not self.P_x.active:
             check_inactive_input(op, x)
             return x.clone()
-        G, dtype, call = self._check_call(op, x)
+        agreed = self._check_call(op, x, check=self._check_channels, x_needed=lambda c: c.any_input_grad,
+                                  params_needed=lambda c: c.any_param_grad)
+        if agreed is None:  # a compiled call that flagged: the flag round raises on every worker
+            return x.new_empty((0,))
+        G, dtype, call = agreed
+        x = promote(x, call.any_input_grad)  # the adjoint all-reduces over P_stats: every worker must run it
+        groups, per_group = self.num_groups, G[1] // self.num_groups
+        fmt = memory_format_of(x)  # torch's GroupNorm returns channels_last (_3d) for such an input
+        one_sample_nhwc = fmt != torch.contiguous_format and x.shape[0] == 1
+        if one_sample_nhwc:  # [*s, C] in memory: [s, groups, per_group] is a view (no copy), one statistic per group
+            xl = x.movedim(1, -1)
+            x3 = xl.reshape(numel(x.shape[2:]), groups, per_group)
+        else:
+            x3 = x.reshape(1, x.shape[0] * groups, per_group * numel(x.shape[2:]))
+        stats = moments(self._sites.stats, x3, per_group * numel(G[2:]))
+        y = normalize(self._sites.stats, x3, stats, self.eps)
+        if one_sample_nhwc:
+            y = y.view(xl.shape).movedim(-1, 1)
+        else:  # several channels_last samples: statistics per (sample, group) need NCHW (reshape copied x)
+            y = y.view(x.shape).contiguous(memory_format=fmt)
+        w = replica(self._sites.rep, self.weight, call.any_param_grad)
+        b = replica(self._sites.rep, self.bias, call.any_param_grad)
+        return _affine(y, w, b).to(dtype)
+
+    def _check_channels(self, G, call) -> None:
+        op = type(self).__name__
         if self.affine and G[1] != self.num_channels:
             raise expect(op, "input channels (the global input's dimension 1, num_channels)", self.num_channels, G[1])
         if G[1] % self.num_groups:
             raise ShapeError(f"{where(op)}: the input's {G[1]} channels are not divisible by num_groups "
                              f"({self.num_groups}) (torch's rule)")
-        x = promote(x, call.any_input_grad)  # the adjoint all-reduces over P_stats: every worker must run it
-        groups, per_group = self.num_groups, G[1] // self.num_groups
-        x3 = x.reshape(1, x.shape[0] * groups, per_group * numel(x.shape[2:]))
-        moments = gather_moments(op, self.P_stats, x3, per_group * numel(G[2:]))
-        y = normalize(x3, moments, self.eps, self.P_stats, op).view(x.shape)
-        w = sum_replica_grads(self.weight, self.P_rep, op, call.any_param_grad)
-        b = sum_replica_grads(self.bias, self.P_rep, op, call.any_param_grad)
-        return _affine(y, w, b).to(dtype)
 
     def _signature(self):
         return super()._signature() + (self.num_groups,)
@@ -200,6 +240,7 @@ class DistributedInstanceNormBase(_ChannelNormBase):
         self._has_buffers = self.track_running_stats
         self._setup(P_x, num_features, affine, bias, device, dtype)
         self.P_batch = subgrid(P_x, (0,)) if self._has_buffers else None  # sums the per-sample running statistics
+        self._sites.batch = FlaggedSite(op, self.P_batch, None) if self._has_buffers else None
         if P_x.active and self._has_buffers:
             self.register_buffer("running_mean", torch.zeros(self._block, **self._kw))
             self.register_buffer("running_var", torch.ones(self._block, **self._kw))
@@ -236,38 +277,46 @@ class DistributedInstanceNormBase(_ChannelNormBase):
         if not self.P_x.active:
             check_inactive_input(op, x)
             return x.clone()
-        G, dtype, call = self._check_call(op, x, (self.running_mean, self.running_var))
+        use_input_stats = self.training or not self.track_running_stats
+        agreed = self._check_call(op, x, (self.running_mean, self.running_var), check=self._check_features,
+                                  x_needed=lambda c: use_input_stats and c.any_input_grad,
+                                  params_needed=lambda c: c.any_param_grad)
+        if agreed is None:  # a compiled call that flagged: the flag round raises on every worker
+            return x.new_empty((0,))
+        G, dtype, call = agreed
+        w = replica(self._sites.rep, self.weight, call.any_param_grad)
+        b = replica(self._sites.rep, self.bias, call.any_param_grad)
+        if not use_input_stats:  # running statistics per channel: the same local op as an eval batch norm
+            return F.batch_norm(x, self.running_mean, self.running_var, w, b, False, 0.0, self.eps)
+        count = numel(G[2:])
+        x = promote(x, call.any_input_grad)  # the adjoint all-reduces over P_stats: every worker must run it
+        x3 = x.reshape(1, x.shape[0] * x.shape[1], numel(x.shape[2:]))
+        stats = moments(self._sites.stats, x3, count)
+        if self.running_mean is not None:
+            momentum = 0.0 if self.momentum is None else float(self.momentum)
+            self._update_running_stats(stats, x.shape[:2], G[0], momentum)
+        y = normalize(self._sites.stats, x3, stats, self.eps).view(x.shape)
+        return _affine(y, w, b).to(dtype)
+
+    def _check_features(self, G, call) -> None:
+        op = type(self).__name__
         if G[1] != self.num_features:
             if self.affine or self.running_mean is not None:
                 raise expect(op, "input channels (the global input's dimension 1, num_features)", self.num_features,
                              G[1])
             warnings.warn(f"{op}: the input's {G[1]} channels do not match num_features ({self.num_features}), "
-                          "which is unused because affine=False (as torch warns)", stacklevel=2)
-        w = sum_replica_grads(self.weight, self.P_rep, op, call.any_param_grad)
-        b = sum_replica_grads(self.bias, self.P_rep, op, call.any_param_grad)
-        use_input_stats = self.training or not self.track_running_stats
-        if not use_input_stats:  # running statistics per channel: the same local op as an eval batch norm
-            return F.batch_norm(x, self.running_mean, self.running_var, w, b, False, 0.0, self.eps)
-        count = numel(G[2:])
-        if count <= 1:
+                          "which is unused because affine=False (as torch warns)", stacklevel=4)
+        if (self.training or not self.track_running_stats) and numel(G[2:]) <= 1:
             raise ShapeError(f"{where(op)}: expected more than 1 spatial element when training, got the global input "
                              f"size {list(G)} (torch's rule)")
-        x = promote(x, call.any_input_grad)  # the adjoint all-reduces over P_stats: every worker must run it
-        x3 = x.reshape(1, x.shape[0] * x.shape[1], numel(x.shape[2:]))
-        moments = gather_moments(op, self.P_stats, x3, count)
-        if self.running_mean is not None:
-            momentum = 0.0 if self.momentum is None else float(self.momentum)
-            self._update_running_stats(op, moments, x.shape[:2], G[0], momentum)
-        y = normalize(x3, moments, self.eps, self.P_stats, op).view(x.shape)
-        return _affine(y, w, b).to(dtype)
 
     @torch.no_grad()
-    def _update_running_stats(self, op: str, moments, local_nc, batch: int, momentum: float) -> None:
+    def _update_running_stats(self, stats, local_nc, batch: int, momentum: float) -> None:
         """torch's update with the batch average of the per-sample statistics (summed over the batch workers)."""
-        per_sample = torch.stack([moments.mean, moments.unbiased_var()]).view(2, *local_nc)
+        per_sample = torch.stack([stats.mean, stats.unbiased_var()]).view(2, *local_nc)
         sums = per_sample.sum(1)
         if self.P_batch.size > 1:
-            sums = all_reduce_sum(op, self.P_batch, sums)
+            sums = all_sum(self._sites.batch, sums)
         if batch == 0:
             return
         mean, var = sums / batch

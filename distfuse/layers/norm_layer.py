@@ -25,7 +25,8 @@ Numerics follow ``torch.nn.LayerNorm``: biased variance, ``elementwise_affine`` 
 input's dtype or in fp32).  Statistics are exact under uneven splits and empty blocks.
 
 Every call makes one host-side metadata gather over ``P_x``, so a bad input raises on
-every worker.  Every worker of ``P_x`` must call backward when one does.  Workers
+every worker (inside ``torch.compile``: the last eager call's record and a flag round,
+``_norm_compiled.py``).  Every worker of ``P_x`` must call backward when one does.  Workers
 outside ``P_x`` pass and get back a zero-volume tensor.
 """
 
@@ -42,15 +43,13 @@ from distfuse.layers._block_identity import BlockIdentityMixin
 from distfuse.layers._norm_common import (
     check_param_dtype,
     gather_call,
-    gather_moments,
     global_shape_of,
-    normalize,
     numel,
     one_dtype,
     promote,
     subgrid,
-    sum_replica_grads,
 )
+from distfuse.layers._norm_compiled import NormCall, NormSites, compiled_call, moments, normalize, replica, settle
 from distfuse.layers._params import ParamLayout
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._common import check_inactive_input
@@ -90,6 +89,7 @@ class DistributedLayerNorm(BlockIdentityMixin, nn.Module):
         self._feat_axes = tuple(range(P_x.dim - k, P_x.dim))
         self.P_stats = subgrid(P_x, self._feat_axes)
         self.P_rep = subgrid(P_x, range(P_x.dim - k))
+        self._sites = NormSites(op, P_x, self.P_stats, self.P_rep)  # the agreement and the compiled op contexts
         kw = dict(device=torch.device(device) if device is not None else P_x.device, dtype=dtype)
         block = None
         if P_x.active:
@@ -121,6 +121,32 @@ class DistributedLayerNorm(BlockIdentityMixin, nn.Module):
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
+        k = len(self.normalized_shape)
+        if torch.compiler.is_compiling():  # the agreed record, a flag round (distfuse/layers/_norm_compiled.py)
+            record, changed = compiled_call(self, x, params, self.training, x_needed=lambda c: c.any_input_grad,
+                                            params_needed=lambda c: c.any_param_grad)
+            if changed:  # the flag round raises on every worker when the graph runs
+                return x.new_empty((0,))
+            dtype, call = record.dtype, record.call
+        else:
+            dtype, call = self._agree(op, x, params)
+        x = promote(x, call.any_input_grad)  # the adjoint all-reduces over P_stats: every worker must run it
+        rows = numel(x.shape[:-k])
+        x3 = x.reshape(1, rows, numel(x.shape[-k:]))
+        stats = moments(self._sites.stats, x3, numel(self.normalized_shape))
+        y = normalize(self._sites.stats, x3, stats, self.eps).view(x.shape)
+        w = replica(self._sites.rep, self.weight, call.any_param_grad)
+        b = replica(self._sites.rep, self.bias, call.any_param_grad)
+        if w is not None:
+            y = y * w.to(y.dtype)
+        if b is not None:
+            y = y + b.to(y.dtype)
+        return y.to(dtype)
+
+    def _agree(self, op: str, x: torch.Tensor, params):
+        """The eager call's metadata gather and checks (raising alike on every worker); remembers the record."""
+        P_x = self.P_x
+        self._sites.agreement.forget()
         call = gather_call(op, P_x, [x], ["input"], params, signature=self._signature())
         dtype = one_dtype(op, P_x, call.dtypes[0])
         G = global_shape_of(op, P_x, call.shapes[0])
@@ -130,18 +156,8 @@ class DistributedLayerNorm(BlockIdentityMixin, nn.Module):
                          list(self.normalized_shape), list(G[-k:]))
         for p in params:
             check_param_dtype(op, dtype, p.dtype)
-        x = promote(x, call.any_input_grad)  # the adjoint all-reduces over P_stats: every worker must run it
-        rows = numel(x.shape[:-k])
-        x3 = x.reshape(1, rows, numel(x.shape[-k:]))
-        moments = gather_moments(op, self.P_stats, x3, numel(self.normalized_shape))
-        y = normalize(x3, moments, self.eps, self.P_stats, op).view(x.shape)
-        w = sum_replica_grads(self.weight, self.P_rep, op, call.any_param_grad)
-        b = sum_replica_grads(self.bias, self.P_rep, op, call.any_param_grad)
-        if w is not None:
-            y = y * w.to(y.dtype)
-        if b is not None:
-            y = y + b.to(y.dtype)
-        return y.to(dtype)
+        settle(self._sites, x, params, self.training, NormCall(G, dtype, call))
+        return dtype, call
 
     def _signature(self):
         return (type(self).__name__, self.normalized_shape, self.eps, self.elementwise_affine, self._has_bias,

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from distfuse.errors import UnsupportedError, where
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.pool_geometry import avg_divisors
-from distfuse.layers._pool_common import DistributedPoolBase, check_16bit_cpu
+from distfuse.layers._pool_common import DistributedPoolBase, PoolWindow, check_16bit_cpu
 
 __all__ = ["DistributedAvgPoolBase", "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d"]
 
@@ -72,23 +72,32 @@ class DistributedAvgPoolBase(DistributedPoolBase):
         self.count_include_pad = bool(count_include_pad)
         self.divisor_override = divisor_override
 
-    def _pool_block(self, staged: torch.Tensor, plan: HaloPlan, index: tuple[int, ...], out_shape: tuple[int, ...],
-                    global_shape):
+    def _block_constants(self, plan: HaloPlan, index: tuple[int, ...], global_shape, device: torch.device):
+        """The float64 divisor of every output of this block, or None where ``avg_pool`` divides rightly itself
+        (an overridden divisor, or every window's divisor the full ``prod(kernel)``)."""
         o = self.opts
-        x = staged.float() if check_16bit_cpu(staged) else staged
         if self.divisor_override is not None:
-            return _avg_pool(x, o.nd, o.kernel_size, o.stride, self.divisor_override).to(staged.dtype)
+            return None
         factors = [_divisor_factors(ax.n, k, s, p, self.count_include_pad, *ax.output_range(i))
                    for ax, i, k, s, p in zip(plan.axes, index, o.kernel_size, o.stride, o.padding, strict=True)]
         if all(all(f == k for f in fs) for fs, k in zip(factors, o.kernel_size, strict=True)):
-            return _avg_pool(x, o.nd, o.kernel_size, o.stride, None).to(staged.dtype)
+            return None
         divisor = torch.ones((), dtype=torch.float64)
         for d, fs in enumerate(factors):
             shape = [1] * o.nd
             shape[d] = len(fs)
             divisor = divisor * torch.tensor(fs, dtype=torch.float64).view(shape)
+        return divisor.to(device)
+
+    def _pool_block(self, staged: torch.Tensor, win: PoolWindow, out_shape: tuple[int, ...], global_shape):
+        o = self.opts
+        x = staged.float() if check_16bit_cpu(staged) else staged
+        if self.divisor_override is not None:
+            return _avg_pool(x, o.nd, o.kernel_size, o.stride, self.divisor_override).to(staged.dtype)
+        if win.block is None:
+            return _avg_pool(x, o.nd, o.kernel_size, o.stride, None).to(staged.dtype)
         sums = _avg_pool(x, o.nd, o.kernel_size, o.stride, 1)
-        return (sums / divisor.to(dtype=x.dtype, device=x.device)).to(staged.dtype)
+        return (sums / win.block.to(dtype=x.dtype)).to(staged.dtype)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, count_include_pad={self.count_include_pad}, "

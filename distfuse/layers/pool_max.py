@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.pool_geometry import first_taps
-from distfuse.layers._pool_common import DistributedPoolBase
+from distfuse.layers._pool_common import DistributedPoolBase, PoolWindow
 from distfuse.layers.pool_staging import EmptyBlock, window_ranges
 from distfuse.partition import zero_volume_tensor
 
@@ -79,7 +79,6 @@ class DistributedMaxPoolBase(DistributedPoolBase):
                  ceil_mode: bool = False, static_shapes: bool = False):
         super().__init__(P_x, kernel_size, stride, padding, dilation, ceil_mode, static_shapes)
         self.return_indices = bool(return_indices)
-        self._first_tap_cache: dict = {}
 
     def _inactive_output(self, x: torch.Tensor):
         y = x.clone()
@@ -89,23 +88,31 @@ class DistributedMaxPoolBase(DistributedPoolBase):
         y = EmptyBlock.apply(staged, out_shape)
         return (y, torch.empty(out_shape, dtype=torch.int64, device=staged.device)) if self.return_indices else y
 
-    def _pool_block(self, staged: torch.Tensor, plan: HaloPlan, index: tuple[int, ...], out_shape: tuple[int, ...],
-                    global_shape):
+    def _block_constants(self, plan: HaloPlan, index: tuple[int, ...], global_shape, device: torch.device):
+        """``(window origin per axis, window extents, first taps or None)``: where the staged window sits in the
+        global input, and, where it reaches into the padding, :meth:`_first_taps`."""
+        ranges = window_ranges(plan, index)
+        window = plan.staged_shape(index)
+        touches = any(a < 0 or b > ax.n for (a, b), ax in zip(ranges, plan.axes, strict=True))
+        first = self._first_taps(plan, index, window, device) if touches else None
+        return tuple(a for a, _ in ranges), window, first
+
+    def _pool_block(self, staged: torch.Tensor, win: PoolWindow, out_shape: tuple[int, ...], global_shape):
         o = self.opts
         pool = MAX_POOL[o.nd]
         kw = dict(kernel_size=o.kernel_size, stride=o.stride, padding=0, dilation=o.dilation)
-        ranges = window_ranges(plan, index)
+        origin, window, first = win.block
         if self.return_indices:
             y, local = pool(staged, return_indices=True, **kw)
         else:
             y, local = pool(staged, **kw), None
-        if any(a < 0 or b > ax.n for (a, b), ax in zip(ranges, plan.axes, strict=True)):
+        if first is not None:
             # Windows whose inputs are all -inf: torch answers its first in-input tap, the local kernel the
             # window's first staged position (maybe padding).  On CPU the check is free and the fix is skipped
-            # when no such window exists; on CUDA it always runs (three output-sized ops, no host sync).
+            # when no such window exists; on CUDA and in compiled graphs it always runs (three output-sized ops,
+            # no host read).
             minus_inf = y == -math.inf
-            if staged.device.type != "cpu" or bool(minus_inf.any()):
-                first = self._first_taps(plan, index, tuple(staged.shape[2:]), staged.device)
+            if staged.device.type != "cpu" or torch.compiler.is_compiling() or bool(minus_inf.any()):
                 flat_first = first.expand(out_shape).reshape(out_shape[0], out_shape[1], -1)
                 at_first = staged.flatten(2).gather(2, flat_first).view(out_shape)
                 y = torch.where(minus_inf, at_first, y)  # the gradient goes to the first tap, as torch's does
@@ -113,25 +120,22 @@ class DistributedMaxPoolBase(DistributedPoolBase):
                     local = torch.where(minus_inf, first, local)
         if local is None:
             return y
-        coords = [c + a for c, (a, _) in zip(_unravel(local, tuple(staged.shape[2:])), ranges, strict=True)]
+        coords = [c + a for c, a in zip(_unravel(local, window), origin, strict=True)]
         return y, _ravel(coords, tuple(global_shape[2:]))
 
     def _first_taps(self, plan: HaloPlan, index: tuple[int, ...], window: tuple[int, ...],
                     device: torch.device) -> torch.Tensor:
         """``[1, 1, *m]`` int64: the window-local flat index of torch's first in-input tap of each output."""
-        key = (plan, index, str(device))
-        if key not in self._first_tap_cache:
-            o = self.opts
-            coords = []
-            for d, (ax, i) in enumerate(zip(plan.axes, index, strict=True)):
-                o0, o1 = ax.output_range(i)
-                taps = first_taps(ax.n, o.kernel_size[d], o.stride[d], o.dilation[d], o.padding[d], o0, o1)
-                shape = [1] * (2 + o.nd)
-                shape[2 + d] = o1 - o0
-                a = ax.needed_range(i)[0]
-                coords.append(torch.tensor([t - a for t in taps], dtype=torch.int64, device=device).view(shape))
-            self._first_tap_cache[key] = _ravel(coords, window)
-        return self._first_tap_cache[key]
+        o = self.opts
+        coords = []
+        for d, (ax, i) in enumerate(zip(plan.axes, index, strict=True)):
+            o0, o1 = ax.output_range(i)
+            taps = first_taps(ax.n, o.kernel_size[d], o.stride[d], o.dilation[d], o.padding[d], o0, o1)
+            shape = [1] * (2 + o.nd)
+            shape[2 + d] = o1 - o0
+            a = ax.needed_range(i)[0]
+            coords.append(torch.tensor([t - a for t in taps], dtype=torch.int64, device=device).view(shape))
+        return _ravel(coords, window)
 
 
 class DistributedMaxPool1d(DistributedMaxPoolBase):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -47,7 +48,8 @@ from distfuse.partition import CartesianPartition
 from distfuse.primitives.halo_exchange import HaloExchangeFunction
 
 __all__ = ["STAGING_PATHS", "plan_is_local", "world_of_fn", "stage_window", "fused_staging_available",
-           "choose_staging", "EmptyBlock", "window_ranges"]
+           "choose_staging", "EmptyBlock", "window_ranges", "StagingRecord", "staging_record", "stage_local",
+           "fill_padding_"]
 
 STAGING_PATHS = ("local", "unfused", "fused")
 
@@ -129,24 +131,47 @@ def _padding_widths(plan: HaloPlan, index: Sequence[int]) -> list[tuple[int, int
     return out
 
 
-def _stage_local(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...], fill: float) -> torch.Tensor:
-    """The window from this worker's own block: a view, padded with ``fill`` where it leaves the domain."""
+@dataclass(frozen=True)
+class StagingRecord:
+    """How one worker stages its window under one plan, as plain numbers (no plan walk at call time).
+
+    ``local``: the plan has no message (:func:`plan_is_local`).  ``slices`` and
+    ``flat_pad`` (``F.pad`` order, last axis first) give the local window from the own
+    block; ``pad_widths`` per axis the staged positions before 0 and at or after n, which
+    the exchanged window fills with ``fill``.  Compiled forwards read only this record (a
+    traced walk over the plan would break the graph).
+    """
+
+    local: bool
+    slices: tuple[slice, ...]
+    flat_pad: tuple[int, ...]
+    pad_widths: tuple[tuple[int, int], ...]
+
+
+@functools.lru_cache(maxsize=1024)
+def staging_record(plan: HaloPlan, index: tuple[int, ...]) -> StagingRecord:
+    """The :class:`StagingRecord` of worker ``index`` under ``plan``."""
+    widths = _padding_widths(plan, index)
     slices, flat_pad = [], []
-    for ax, i, (a, b), (lo, hi) in zip(plan.axes, index, window_ranges(plan, index), _padding_widths(plan, index),
-                                       strict=True):
+    for ax, i, (a, b), (lo, hi) in zip(plan.axes, index, window_ranges(plan, index), widths, strict=True):
         start = ax.input_range(i)[0]
         inner = (b - a) - lo - hi
         first = max(a, 0) - start if inner > 0 else 0
         slices.append(slice(first, first + inner))
         flat_pad = [lo, hi] + flat_pad  # F.pad lists the last axis first
-    view = x[(Ellipsis, *slices)]
-    return F.pad(view, flat_pad, value=fill) if any(flat_pad) else view
+    return StagingRecord(plan_is_local(plan), tuple(slices), tuple(flat_pad), tuple(widths))
 
 
-def _fill_padding_(staged: torch.Tensor, plan: HaloPlan, index: tuple[int, ...], fill: float) -> torch.Tensor:
+def stage_local(x: torch.Tensor, rec: StagingRecord, fill: float) -> torch.Tensor:
+    """The window from this worker's own block: a view, padded with ``fill`` where it leaves the domain."""
+    view = x[(Ellipsis, *rec.slices)]
+    return F.pad(view, list(rec.flat_pad), value=fill) if any(rec.flat_pad) else view
+
+
+def fill_padding_(staged: torch.Tensor, rec: StagingRecord, fill: float) -> torch.Tensor:
     """Overwrite the out-of-domain slabs of an exchanged window with ``fill`` (in place, slabs only)."""
-    nd = len(plan.axes)
-    for d, (lo, hi) in enumerate(_padding_widths(plan, index)):
+    nd = len(rec.pad_widths)
+    for d, (lo, hi) in enumerate(rec.pad_widths):
         dim = staged.dim() - nd + d
         if lo:
             staged.narrow(dim, 0, lo).fill_(fill)
@@ -170,10 +195,11 @@ def stage_window(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...], world_
 
     Every worker of the spatial grid must call it with the same path, outputs or not.
     """
+    rec = staging_record(plan, tuple(index))
     if path == "local":
-        return _stage_local(x, plan, index, fill)
+        return stage_local(x, rec, fill)
     if path == "fused":  # the staging kernel indexes NCHW blocks; the unfused exchange keeps x's layout
         staged = HaloStagingFunction.apply(x.contiguous(), plan, index, world_of, op)
     else:
         staged = HaloExchangeFunction.apply(x, plan, index, world_of, op)
-    return _fill_padding_(staged, plan, index, fill) if fill != 0 else staged
+    return fill_padding_(staged, rec, fill) if fill != 0 else staged

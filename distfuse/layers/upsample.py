@@ -47,6 +47,17 @@ shape, dtype or grad flags changed; while they repeat, a one-element host all-re
 the workers' agreement flags replaces the gather (no message of the call itself reaches every
 worker, see :class:`~distfuse.layers._pool_common.ShapeRecord`).  ``static_shapes`` is
 accepted for compatibility and changes nothing.
+
+Memory format: torch's interpolation returns ``channels_last`` (``channels_last_3d``) for
+such an input in every mode (nearest, nearest-exact, bilinear, trilinear; CPU, torch
+2.13), and so does this layer.  The block is staged through views (never copied to
+NCHW); the taps and the crop leave other strides, so the output block is laid out once.
+
+``torch.compile`` traces the layer (and ``interpolate``, which keeps one layer per
+argument set) without a graph break, as the pooling layers
+(:mod:`distfuse.layers._pool_compiled`): the agreed record of the last eager call, the
+flag round as ``distfuse::flag_check``, the halo round as ``distfuse::halo_exchange``,
+and the taps from the :class:`UpsampleWindow` the eager call made.
 """
 
 from __future__ import annotations
@@ -73,13 +84,22 @@ from distfuse.geometry.interp_geometry import (
 )
 from distfuse.layers._conv_common import promote
 from distfuse.layers._pool_common import ShapeRecord
+from distfuse.layers._pool_compiled import WindowHalo, compiled_record, compiled_stage
 from distfuse.layers.dispatch import Decision
-from distfuse.layers.pool_staging import EmptyBlock, choose_staging, stage_window, world_of_fn
+from distfuse.layers.pool_staging import (
+    EmptyBlock,
+    StagingRecord,
+    choose_staging,
+    stage_window,
+    staging_record,
+    world_of_fn,
+)
+from distfuse.ops import FlagRound
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._common import check_inactive_input
 
-__all__ = ["InterpSpec", "InterpGeometry", "DistributedUpsample", "interpolate", "nearest_sources", "interp_geometry",
-           "interpolate_window"]
+__all__ = ["InterpSpec", "InterpGeometry", "UpsampleWindow", "DistributedUpsample", "interpolate", "nearest_sources",
+           "interp_geometry", "interpolate_window", "upsample_window"]
 
 
 @dataclass(frozen=True)
@@ -236,6 +256,41 @@ def interp_geometry(spec: InterpSpec, spatial: tuple[int, ...], grid: tuple[int,
     return InterpGeometry(plan, taps, tuple(factors) if fast else None)
 
 
+@dataclass(frozen=True)
+class UpsampleWindow:
+    """One worker's geometry for one call signature: what its forward reads, as plain numbers and tensors.
+
+    ``staging`` says how the window is staged, ``out_spatial`` the block's extents;
+    ``crops`` (the power-of-two shortcut, ``factors`` set) or ``taps`` (per axis the local
+    indices and weights, on the device, in the compute dtype) how the block is computed.
+    Made once per global shape, dtype and device type; compiled forwards only read it (a
+    traced walk over the plan would break the graph).
+    """
+
+    geo: InterpGeometry
+    index: tuple[int, ...]
+    staging: StagingRecord
+    out_spatial: tuple[int, ...]
+    factors: tuple[int, ...] | None
+    crops: tuple[tuple[int, int], ...] | None
+    taps: tuple | None
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def upsample_window(geo: InterpGeometry, index: tuple[int, ...], dtype: torch.dtype, device) -> UpsampleWindow:
+    """The :class:`UpsampleWindow` of worker ``index`` for inputs of ``dtype`` on ``device``."""
+    plan, nd = geo.plan, len(geo.plan.axes)
+    crops = taps = None
+    if geo.factors is not None:
+        crops = tuple(geo.crop(d, index[d]) for d in range(nd))
+    else:
+        taps = tuple(geo.block_taps(d, index[d], device, _compute_dtype(dtype)) for d in range(nd))
+    return UpsampleWindow(geo, index, staging_record(plan, index), plan.output_shape(index), geo.factors, crops, taps)
+
+
 class DistributedUpsample(nn.Module):
     """``torch.nn.Upsample`` over an input split along any axes (see the module docstring).
 
@@ -276,6 +331,11 @@ class DistributedUpsample(nn.Module):
         self.last_path: str | None = None
         self.last_decision: Decision | None = None
         self._caps_cache: dict = {}
+        # compiled forwards: the flag round and the window's halo round as custom ops (_pool_compiled.py)
+        self._flag_round = FlagRound(op, P_x, self.forget_shapes)
+        self._window_halo = WindowHalo(P_x, self.spec.nd, self._agreed_plan, op)
+        self._windows: dict[tuple, UpsampleWindow] = {}
+        self._plans: dict[tuple[int, ...], HaloPlan] = {}
 
     def forget_shapes(self) -> None:
         """Drop the agreed call record, so the next call gathers again (call it on every worker)."""
@@ -305,24 +365,61 @@ class DistributedUpsample(nn.Module):
         channels = global_shape[1] if global_shape is not None else x.shape[1] if x.dim() > 1 else 1
         return choose_staging(plan, x.dtype, x.device, self.P_x.size, channels, self._caps_cache)
 
+    def window_record(self, global_shape: Sequence[int], dtype: torch.dtype, device) -> UpsampleWindow:
+        """This worker's :class:`UpsampleWindow` (made once per global shape, dtype and device type, then read)."""
+        G = tuple(int(e) for e in global_shape)
+        key = (G, dtype, device.type)
+        rec = self._windows.get(key)
+        if rec is None:
+            geo = self.geometry(G, dtype, device)
+            rec = self._windows[key] = upsample_window(geo, tuple(self.P_x.index[2:]), dtype, device)
+        return rec
+
+    def _agreed_plan(self, global_shape: tuple[int, ...]) -> HaloPlan:
+        """The plan of the last eager call with this global shape (what ``distfuse::halo_exchange`` stages)."""
+        return self._plans[global_shape]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         op = type(self).__name__
         P_x = self.P_x
         if not P_x.active:
             check_inactive_input(op, x)
             return x.clone()
+        if torch.compiler.is_compiling():
+            return self._compiled_forward(op, x)
         info = self._shapes.info(op, P_x, x, (self.spec, P_x.ranks, P_x.shape))
         G = info.global_shape
-        geo = self.geometry(G, x.dtype, x.device)
+        win = self.window_record(G, x.dtype, x.device)
+        self._plans[G] = win.geo.plan  # the plan a compiled call's halo op stages with: the last agreed call's
         x = promote(x, info.input_grad)
-        index = tuple(P_x.index[2:])
         decision = self.explain(x, G)
         self.last_decision, self.last_path = decision, decision.path
-        staged = stage_window(x, geo.plan, index, world_of_fn(P_x, self.spec.nd), path=decision.path, op=op)
-        out_shape = tuple(x.shape[:2]) + geo.plan.output_shape(index)
+        staged = stage_window(x, win.geo.plan, win.index, world_of_fn(P_x, self.spec.nd), path=decision.path, op=op)
+        return self._block(x, staged, win, info.memory_format)
+
+    def _compiled_forward(self, op: str, x: torch.Tensor) -> torch.Tensor:
+        """The forward inside ``torch.compile``: the agreed record, ``distfuse::flag_check`` and
+        ``distfuse::halo_exchange`` (see :mod:`distfuse.layers._pool_compiled`); reads only the window record
+        of the last eager call."""
+        info = compiled_record(op, self, x, self._flag_round)
+        if info is None:  # this worker flagged: the flag round raises on every worker, nothing below runs
+            return x.clone()
+        G = info.global_shape
+        win = self.window_record(G, x.dtype, x.device)
+        staged, self.last_path = compiled_stage(x, win.staging, self._window_halo, G, 0.0)
+        return self._block(x, staged, win, info.memory_format)
+
+    def _block(self, x: torch.Tensor, staged: torch.Tensor, win: UpsampleWindow, fmt) -> torch.Tensor:
+        """The output block from the staged window, in the input's agreed memory format ``fmt``: torch's
+        interpolation returns ``channels_last`` (``_3d``) for such an input in every mode, dtype and
+        dimension (checked on CPU, torch 2.13).  The taps and the crop give other strides, so the block is
+        laid out once at the end; the input itself is never copied."""
+        out_shape = tuple(x.shape[:2]) + win.out_spatial
         if 0 in out_shape:
             return EmptyBlock.apply(staged, out_shape)
-        return interpolate_window(staged, geo, index, self.spec)
+        y = _interpolate(staged, self.spec, win.factors, win.crops, win.taps)
+        return y if fmt == torch.contiguous_format or y.is_contiguous(memory_format=fmt) else \
+            y.contiguous(memory_format=fmt)
 
     def extra_repr(self) -> str:
         s = self.spec
@@ -338,21 +435,26 @@ def interpolate_window(staged: torch.Tensor, geo: InterpGeometry, index: tuple[i
     block cut out of it (a view where the crop is the whole result).  Otherwise the
     taps, axis by axis, innermost first (torch's order); 16-bit in fp32, rounded once.
     """
-    nd = len(geo.plan.axes)
-    if geo.factors is not None:
+    win = upsample_window(geo, tuple(index), staged.dtype, staged.device)
+    return _interpolate(staged, spec, win.factors, win.crops, win.taps)
+
+
+def _interpolate(staged: torch.Tensor, spec: InterpSpec, factors, crops, taps) -> torch.Tensor:
+    """:func:`interpolate_window` on the numbers of an :class:`UpsampleWindow` (no plan walk: compiled code
+    calls it too)."""
+    if factors is not None:
         kw = dict(align_corners=spec.align_corners) if spec.mode in LINEAR_MODES else {}
-        y = F.interpolate(staged, scale_factor=[float(f) for f in geo.factors], mode=spec.mode, **kw)
-        for d in range(nd):
-            start, length = geo.crop(d, index[d])
+        y = F.interpolate(staged, scale_factor=[float(f) for f in factors], mode=spec.mode, **kw)
+        for d, (start, length) in enumerate(crops):
             if (start, length) != (0, y.shape[2 + d]):
                 y = y.narrow(2 + d, start, length)
         return y
+    nd = len(taps)
     linear = spec.mode in LINEAR_MODES
-    compute = torch.float32 if staged.dtype in (torch.float16, torch.bfloat16) else staged.dtype
-    y = staged.to(compute)
+    y = staged.to(_compute_dtype(staged.dtype))
     for d in reversed(range(nd)):
         dim = 2 + d
-        idx, wts = geo.block_taps(d, index[d], y.device, compute)
+        idx, wts = taps[d]
         if not linear:
             y = _take(y, dim, idx[0])
             continue
@@ -369,17 +471,34 @@ def _take(y: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
     return torch.gather(y, dim, idx.expand(*y.shape[:-1], idx.numel()))
 
 
+#: ``interpolate``'s layers, one per partition (ranks, shape) and argument set: repeated calls reuse one
+#: agreement record (a flag round instead of a metadata gather), and a compiled ``interpolate`` finds the record its
+#: last eager call agreed.
+_INTERPOLATE_LAYERS: dict[tuple, DistributedUpsample] = {}
+
+
+def _key_part(v):
+    return tuple(v) if isinstance(v, (list, tuple)) else v
+
+
 def interpolate(P_x, x: torch.Tensor, size=None, scale_factor=None, mode: str = "nearest",
                 align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
                 antialias: bool = False) -> torch.Tensor:
     """``F.interpolate`` on a partitioned input: this worker's block of the output (see :class:`DistributedUpsample`).
 
-    Collective over ``P_x`` (one shape gather and, where windows cross blocks, one
-    round of halo messages; the same in backward).  ``antialias`` is not supported.
+    Collective over ``P_x`` (one shape gather on the first call with these arguments and
+    after a change of shape, a flag round otherwise, and, where windows cross blocks, one
+    round of halo messages; the same in backward).  The layer behind each argument set is
+    kept, so ``torch.compile`` traces a call without a graph break once an eager call with
+    the same arguments and shapes has agreed on them.  ``antialias`` is not supported.
     """
     if antialias:
         raise UnsupportedError(f"{where('interpolate')}: antialias=True is not supported by distfuse")
-    layer = DistributedUpsample(P_x, size=size, scale_factor=scale_factor, mode=mode, align_corners=align_corners,
-                                recompute_scale_factor=recompute_scale_factor)
+    key = (tuple(P_x.ranks), tuple(P_x.shape), _key_part(size), _key_part(scale_factor), mode, align_corners,
+           recompute_scale_factor) if isinstance(P_x, CartesianPartition) else None
+    layer = _INTERPOLATE_LAYERS.get(key)
+    if layer is None:  # the constructor checks the arguments (every worker raises alike)
+        layer = DistributedUpsample(P_x, size=size, scale_factor=scale_factor, mode=mode, align_corners=align_corners,
+                                    recompute_scale_factor=recompute_scale_factor)
+        _INTERPOLATE_LAYERS[key] = layer
     return layer(x)
-

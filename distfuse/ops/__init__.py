@@ -19,6 +19,15 @@ op                                 what it is
 ``distfuse::agreed_scatter_sum``   steady state)
 ``distfuse::broadcast_packed``     packed parameter blocks, owners to users (adjoint:
                                    ``distfuse::sum_packed``)
+``distfuse::flag_check``           the agreement flag round of a layer without a collective
+                                   (pooling, upsampling): raises on every worker when any
+                                   worker's call changed
+``distfuse::moments``              the norms' (count, mean, M2) all-gather and Chan combine
+``distfuse::normalize``            xhat [* w + b] (adjoint: ``distfuse::normalize_backward``,
+                                   the all-reduce of [sum dy, sum dy * xhat])
+``distfuse::all_sum``,             a sub-grid's all-reduce; a replicated parameter (adjoint:
+``distfuse::replicate``            ``all_sum`` of its gradient)
+``distfuse::replicated_total``     the losses' all-reduce (adjoint: the identity)
 =================================  ==========================================================
 
 Communication must run in the same order on every rank.  The graphs of the ranks differ
@@ -51,7 +60,10 @@ from distfuse.ops.collectives import (
     scatter_sum,
     sum_packed,
 )
+from distfuse.ops.flag_check import FlagRound, flag_check
 from distfuse.ops.halo import halo_exchange, halo_exchange_adjoint
+from distfuse.ops.norm_collectives import moments, normalize, normalize_backward
+from distfuse.ops.reductions import all_sum, replicate, replicated_total
 from distfuse.ops.root_broadcast import RootBroadcast, flagged_root_broadcast
 
 #: ``torch.compile(..., backend="inductor", options=INDUCTOR_OPTIONS)``: keep program order for the
@@ -60,4 +72,5 @@ INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": Fa
 
 __all__ = ["INDUCTOR_OPTIONS", "halo_exchange", "halo_exchange_adjoint", "flagged_root_broadcast", "RootBroadcast",
            "FlaggedSite", "PackedBroadcast", "gather", "scatter_sum", "agreed_gather", "agreed_scatter_sum",
-           "broadcast_packed", "sum_packed", "GRAD_ANCHOR", "NO_ANCHOR"]
+           "broadcast_packed", "sum_packed", "GRAD_ANCHOR", "NO_ANCHOR", "moments", "normalize",
+           "normalize_backward", "all_sum", "replicate", "replicated_total", "flag_check", "FlagRound"]
