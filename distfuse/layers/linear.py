@@ -71,6 +71,7 @@ from distfuse.layers._linear_common import (
     subgrid,
     union_of,
 )
+from distfuse.layers._linear_general_compiled import compiled_general_forward, general_signature, remember_general
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision
 from distfuse.primitives._common import check_inactive_input, gather_metadata
@@ -188,6 +189,8 @@ class DistributedLinear(LinearBase):
             check_inactive_input(op, x)
             self._record_inactive()
             return x.clone()
+        if torch.compiler.is_compiling():  # custom ops, no metadata (distfuse/layers/_linear_general_compiled.py)
+            return compiled_general_forward(self, x)
         # With the shape exchange, its checks run first so that a bad block raises on every rank, not only here.
         # Without it (every P_w and P_y worker holds an input block) the agreed record is reused while this worker's
         # input repeats; a changed input is checked against every worker's before any data moves.
@@ -211,6 +214,7 @@ class DistributedLinear(LinearBase):
         self._last_rows = rows
         decision = self._decision(rows, dtype)
         self._record(decision)
+        remember_general(self, general_signature(x), lead, dtype, in_w and decision.path == "fused")
         if in_w and decision.path == "fused":
             from distfuse.fused.matmul_all_reduce import matmul_all_reduce
 

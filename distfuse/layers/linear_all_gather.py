@@ -73,7 +73,7 @@ from distfuse.layers._linear_common import (
     not_servable,
     subgrid,
 )
-from distfuse.layers._linear_compiled import compiled_all_gather_forward
+from distfuse.layers._linear_compiled import all_gather_signature, compiled_all_gather_forward, remember
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision
 from distfuse.primitives._common import check_inactive_input
@@ -205,6 +205,12 @@ class _LinearAllGather(LinearBase):
             return x.clone()
         if torch.compiler.is_compiling():  # custom ops, no metadata gather (distfuse/layers/_linear_compiled.py)
             return compiled_all_gather_forward(self, x, seq_len)
+        y, fused_op = self._eager_forward(x, seq_len)
+        remember(self, all_gather_signature(x, seq_len), fused_op, y)  # the path a compiled call then takes
+        return y
+
+    def _eager_forward(self, x: torch.Tensor, seq_len: int | None) -> tuple[torch.Tensor, str | None]:
+        """``(y, the fused op that ran or None)``."""
         self._check_input(x, seq_len)
         zero = None
         if self._zero and self.P_d > 1:  # ZeRO: fused, the weight streams into the GEMM (fused/zero_linear.py)
@@ -219,7 +225,7 @@ class _LinearAllGather(LinearBase):
                                        x.device)
             if zero.path == "fused":
                 self._record(zero)
-                return self._zero_fused(x, seq_len)
+                return self._zero_fused(x, seq_len), "zero_linear"
         W, b = self._params()
         if self.P_x is None:
             out_shape = (*x.shape[:-1], self.in_features)
@@ -229,19 +235,20 @@ class _LinearAllGather(LinearBase):
         decision = self._decision(out_shape, x.dtype, x.device, zero)
         self._record(decision)
         if self.P_m == 1:  # one model-parallel worker: nothing to gather (all_gather would return a copy of x)
-            return F.linear(x, W, b)
+            return F.linear(x, W, b), None
         if decision.path == "fused" and self.P_x is None:
             from distfuse.fused.all_gather_features_matmul import all_gather_features_matmul
 
             y = all_gather_features_matmul(x, W, b, self.P_gather, keep_gathered=self.keep_gathered)
-            return first_order_only(y, self._op, FUSED_FIRST_ORDER)
+            return first_order_only(y, self._op, FUSED_FIRST_ORDER), "all_gather_features_matmul"
         if decision.path == "fused":
             from distfuse.fused.all_gather_matmul import all_gather_matmul
 
             # n=None (seq_len not given): the fused op sums the blocks' lengths itself, exactly, every call.
             return first_order_only(all_gather_matmul(x, W, b, self.P_gather, keep_gathered=self.keep_gathered,
-                                                      n=seq_len), self._op, FUSED_FIRST_ORDER)
-        return F.linear(agreed_input_gather(self, x, seq_len), W, b)  # blocks checked, no metadata in steady state
+                                                      n=seq_len), self._op, FUSED_FIRST_ORDER), "all_gather_matmul"
+        return F.linear(agreed_input_gather(self, x, seq_len), W, b), None  # blocks checked, no metadata while
+        # they repeat
 
     def _zero_fused(self, x: torch.Tensor, seq_len: int | None) -> torch.Tensor:
         """ZeRO, fused: the shards stream into the GEMM, dW is reduce-scattered by its GEMM; the bias added after."""

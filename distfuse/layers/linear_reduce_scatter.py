@@ -78,7 +78,7 @@ from distfuse.layers._linear_common import (
     not_servable,
     subgrid,
 )
-from distfuse.layers._linear_compiled import compiled_reduce_scatter_forward
+from distfuse.layers._linear_compiled import compiled_reduce_scatter_forward, reduce_scatter_signature, remember
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision
 from distfuse.primitives._common import check_inactive_input
@@ -202,6 +202,12 @@ class _LinearReduceScatter(LinearBase):
             return x.clone()
         if torch.compiler.is_compiling():  # custom ops, no metadata gather (distfuse/layers/_linear_compiled.py)
             return compiled_reduce_scatter_forward(self, x)
+        y, fused_op = self._eager_forward(x)
+        remember(self, reduce_scatter_signature(x), fused_op, y)  # the path a compiled call then takes
+        return y
+
+    def _eager_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, str | None]:
+        """``(y, the fused op that ran or None)``."""
         m = self.dm[1]
         check_block_features(self._op, x, self.P_x, block_extent(self.in_features, self.P_m, m),
                              f"block {m} of in_features={self.in_features} over {self.P_m} model-parallel workers")
@@ -214,24 +220,25 @@ class _LinearReduceScatter(LinearBase):
             zero = self._zero_decision((rows, x.shape[-1]), x.dtype, x.device)
             if zero.path == "fused":
                 self._record(zero)
-                return self._zero_fused(x)
+                return self._zero_fused(x), "zero_linear"
         W, b = self._params()
         decision = self._decision(x.shape, x.dtype, x.device, zero)
         self._record(decision)
         if self.P_m == 1:  # one model-parallel worker: the partial sum is the output (reduce_scatter would copy it)
-            return F.linear(x, W, b)
+            return F.linear(x, W, b), None
         if decision.path == "fused" and self.P_y is None:
             from distfuse.fused.matmul_reduce_scatter_features import matmul_reduce_scatter_features
 
             return first_order_only(matmul_reduce_scatter_features(x, W, b, self.P_scatter), self._op,
-                                    FUSED_FIRST_ORDER)
+                                    FUSED_FIRST_ORDER), "matmul_reduce_scatter_features"
         if decision.path == "fused":
             from distfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter
 
             return first_order_only(matmul_reduce_scatter(x, W, b, self.P_scatter, bias_grad="partial"), self._op,
-                                    FUSED_FIRST_ORDER)
+                                    FUSED_FIRST_ORDER), "matmul_reduce_scatter"
         y = agreed_matmul_reduce_scatter(self, x, W)  # inputs checked; no metadata while they repeat
-        return y + b.to(y.dtype) if b is not None else y  # under torch.autocast y (as torch's) is in its dtype
+        return (y + b.to(y.dtype) if b is not None else y), None  # under torch.autocast y (as torch's) is in its
+        # dtype
 
     def _zero_fused(self, x: torch.Tensor) -> torch.Tensor:
         """ZeRO, fused: the shards stream into the GEMM, dW is reduce-scattered by its GEMM; the bias added after."""

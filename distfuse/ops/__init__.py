@@ -28,6 +28,13 @@ op                                 what it is
 ``distfuse::all_sum``,             a sub-grid's all-reduce; a replicated parameter (adjoint:
 ``distfuse::replicate``            ``all_sum`` of its gradient)
 ``distfuse::replicated_total``     the losses' all-reduce (adjoint: the identity)
+``distfuse::plan_copy``,           blocks along a broadcast plan, sources to destinations, and
+``distfuse::plan_sum``             destinations summed onto sources (each the other's adjoint;
+                                   ``DistributedLinear``'s input broadcast and sum-reduce)
+``distfuse::<fused op>``           the fused GEMM + collective linears (``all_gather_matmul``,
+                                   ``matmul_reduce_scatter``, their ``_features`` forms,
+                                   ``matmul_all_reduce``, ``zero_linear``); backward:
+                                   ``distfuse::<fused op>_backward`` (:mod:`.fused_linear`)
 =================================  ==========================================================
 
 Communication must run in the same order on every rank.  The graphs of the ranks differ
@@ -61,8 +68,10 @@ from distfuse.ops.collectives import (
     sum_packed,
 )
 from distfuse.ops.flag_check import FlagRound, flag_check
+from distfuse.ops.fused_linear import FusedCall, run_fused
 from distfuse.ops.halo import halo_exchange, halo_exchange_adjoint
 from distfuse.ops.norm_collectives import moments, normalize, normalize_backward
+from distfuse.ops.plan_blocks import plan_copy, plan_sum
 from distfuse.ops.reductions import all_sum, replicate, replicated_total
 from distfuse.ops.root_broadcast import RootBroadcast, flagged_root_broadcast
 
@@ -73,4 +82,5 @@ INDUCTOR_OPTIONS = {"reorder_for_peak_memory": False, "reorder_for_locality": Fa
 __all__ = ["INDUCTOR_OPTIONS", "halo_exchange", "halo_exchange_adjoint", "flagged_root_broadcast", "RootBroadcast",
            "FlaggedSite", "PackedBroadcast", "gather", "scatter_sum", "agreed_gather", "agreed_scatter_sum",
            "broadcast_packed", "sum_packed", "GRAD_ANCHOR", "NO_ANCHOR", "moments", "normalize",
-           "normalize_backward", "all_sum", "replicate", "replicated_total", "flag_check", "FlagRound"]
+           "normalize_backward", "all_sum", "replicate", "replicated_total", "flag_check", "FlagRound",
+           "plan_copy", "plan_sum", "FusedCall", "run_fused"]
