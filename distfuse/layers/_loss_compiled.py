@@ -1,13 +1,14 @@
 """The distributed losses inside ``torch.compile``: custom ops, no metadata gather, no host read.
 
-An eager call gathers the call's metadata over ``P_x`` and checks it, then remembers the
+Eager calls agree on the call's metadata under the agreement protocol (see ``loss``: the
+metadata gather over ``P_x`` only on the first call and after a change) and remember the
 agreed record (:class:`LossCall`: global shape, dtypes, this worker's block start) with
-this worker's signature (input and target shapes, dtypes, device).  A compiled call reuses
-the record while its signature repeats::
+this worker's signature (input and target shapes, dtypes, device, the weights' shapes and
+dtypes).  A compiled call reuses the record while its signature repeats::
 
     distfuse::flag_check          every worker's agreement flag over P_x (host round, first)
     local loss                    torch's own op on the block (traced)
-    distfuse::replicated_total    [sum l, denominator, failure flags] summed over P_x
+    distfuse::replicated_total    [sum l, denominator, change flag, failure flags] summed over P_x
                                   (adjoint: the identity, the loss is one replicated value)
 
 The flag rides in a round of its own because ``reduction='none'`` has no collective at
@@ -29,12 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from distfuse.errors import UnsupportedError, where
+from distfuse.layers._norm_common import compute_dtype
 from distfuse.ops.collectives import FlaggedSite
 from distfuse.ops.flag_check import FlagRound, flag_check
 from distfuse.ops.reductions import replicated_total
 from distfuse.primitives._agreement import AgreementSite
 
-__all__ = ["LossSites", "LossCall", "call_signature", "settle", "compiled_loss"]
+__all__ = ["LossSites", "LossCall", "call_signature", "keep", "compiled_loss"]
 
 
 class LossSites:
@@ -43,7 +45,7 @@ class LossSites:
     def __init__(self, op: str, P_x):
         self.op = op
         self.agreement = AgreementSite(op)
-        self.kept = None  # the last (signature, record) settled (see settle)
+        self.kept = None  # the last (signature, record) settled (see keep)
         self.flag = FlagRound(op, P_x, self.agreement.forget)
         self.total = FlaggedSite(op, P_x, None)
 
@@ -58,17 +60,20 @@ class LossCall:
     start: tuple[int, ...]
 
 
-def call_signature(input: torch.Tensor, target: torch.Tensor) -> tuple:
-    return (tuple(input.shape), input.dtype, tuple(target.shape), target.dtype, input.device.type)
+def call_signature(input: torch.Tensor, target: torch.Tensor, weights: tuple[torch.Tensor, ...] = ()) -> tuple:
+    """This worker's signature of a call: what the agreed record and the local loss's slicing depend on."""
+    return (tuple(input.shape), input.dtype, tuple(target.shape), target.dtype, input.device.type,
+            tuple((tuple(w.shape), w.dtype) for w in weights))
 
 
-def settle(sites: LossSites, input, target, record: LossCall) -> None:
-    """Remember an eager call's agreed record (after its checks passed on every worker); an equal record is kept
-    as the same objects (the compiler guards on them: new ones would recompile after every eager call)."""
-    kept = (call_signature(input, target), record)
+def keep(sites: LossSites, signature: tuple, record: LossCall) -> LossCall:
+    """Settle an agreed record (after its checks passed on every worker); an equal record is kept as the same
+    objects (the compiler guards on them: new ones would recompile after every slow eager call)."""
+    kept = (signature, record)
     if sites.kept != kept:
         sites.kept = kept
     sites.agreement.settle(*sites.kept)
+    return sites.kept[1]
 
 
 def compiled_loss(layer, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -79,7 +84,7 @@ def compiled_loss(layer, input: torch.Tensor, target: torch.Tensor) -> torch.Ten
         raise UnsupportedError(f"{where(sites.op)}: a compiled call needs the metadata the layer agrees on in eager "
                                "mode: call the layer once eagerly (every worker, same shapes) before the compiled "
                                "region")
-    changed = call_signature(input, target) != sites.agreement.signature
+    changed = call_signature(input, target, layer._weights()) != sites.agreement.signature
     flag_check(input, sites.flag.handle, changed)
     if changed:  # the flag round raises on every worker when the graph runs; nothing after it is traced
         return input.new_empty((0,))
@@ -89,6 +94,8 @@ def compiled_loss(layer, input: torch.Tensor, target: torch.Tensor) -> torch.Ten
         return local
     divisor = None if layer.reduction == "sum" else layer._mean_divisor(G, record.t_dtype)
     summed_divisor = layer.reduction != "sum" and divisor is None
-    total = replicated_total(layer._partial(local, input, target, None, summed_divisor), sites.total.handle)
+    result_dtype = layer._result_dtype(record.in_dtype, record.t_dtype)
+    partial = layer._partial(local, input, target, None, summed_divisor, compute_dtype(result_dtype))
+    total = replicated_total(partial, sites.total.handle)
     loss = total[0] / total[1] if summed_divisor else total[0]
-    return (loss if divisor is None else loss / divisor).to(layer._result_dtype(record.in_dtype, record.t_dtype))
+    return (loss if divisor is None else loss / divisor).to(result_dtype)

@@ -1,10 +1,14 @@
 """Pieces shared by the distributed normalisation layers and losses.
 
-* :func:`gather_call` is the one host-side collective a norm or loss makes per call:
-  every worker of ``P_x`` contributes the shapes, dtypes and grad flags of its tensors
-  (11 int64 per tensor), and every worker validates every record, so a bad block (wrong
-  channel count, a target that does not match its input, a non-balanced split) raises
-  the same error on every worker before any data moves.
+* :func:`gather_call` is the host-side metadata collective of a norm or loss: every
+  worker of ``P_x`` contributes the shapes, dtypes and grad flags of its tensors (11 int64
+  per tensor) and its mode (training or not), and every worker validates every record,
+  so a bad block (wrong channel count, a target that does not match its input, a
+  non-balanced split, workers in different modes) raises the same error on every worker
+  before any data moves.  It runs on a layer's first call and when some worker's call
+  changed, never while every worker's call repeats (the agreement protocol,
+  :mod:`distfuse.primitives._agreement`; the norms' flag round is in ``_norm_compiled``,
+  the losses' flag rides in their reduction, see ``loss``).
 * :func:`gather_moments` computes exact global statistics.  Each worker reduces its block
   to ``(count, mean, M2)`` per statistic (M2: the sum of squared deviations from the
   local mean), the workers all-gather these records and every worker combines them in
@@ -50,13 +54,14 @@ from distfuse.partition import CartesianPartition
 from distfuse.primitives._axes import all_reduce_sum, axes_subgrid
 from distfuse.primitives._common import collective_guard
 
-__all__ = ["CallRecord", "gather_call", "global_shape_of", "subgrid", "check_norm_partition", "compute_dtype",
-           "check_param_dtype", "gather_moments", "Moments", "NormalizeFunction", "normalize",
+__all__ = ["CallRecord", "gather_call", "one_mode", "global_shape_of", "subgrid", "check_norm_partition",
+           "compute_dtype", "check_param_dtype", "gather_moments", "Moments", "NormalizeFunction", "normalize",
            "sum_replica_grads", "promote", "FLOATS"]
 
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _CODES = FLOATS + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 _MAX_DIM = 8
+_HEAD = 3  # grad flags, status, mode
 _PER_TENSOR = 3 + _MAX_DIM  # ndim, dtype code, device ok, shape
 _OK, _BAD_DEVICE, _TOO_MANY_DIMS = range(3)
 
@@ -98,7 +103,8 @@ class CallRecord:
 
     ``shapes[k][j]`` / ``dtypes[k][j]``: tensor ``k`` of partition rank ``j``.  ``input_grad[j]`` /
     ``param_grad[j]``: worker ``j`` has grad mode on and a tensor / a parameter that requires
-    grad.  Where some workers' outputs require grad and others' do not, the others must be
+    grad.  ``modes[j]``: the ``mode`` worker ``j`` passed (the norms: 1 in training mode).
+    Where some workers' outputs require grad and others' do not, the others must be
     promoted (:func:`promote`), or their peers would wait in an adjoint collective they never join.
     """
 
@@ -106,6 +112,7 @@ class CallRecord:
     dtypes: tuple[tuple[torch.dtype | None, ...], ...]
     input_grad: tuple[bool, ...]
     param_grad: tuple[bool, ...]
+    modes: tuple[int, ...] = ()
 
     @property
     def any_input_grad(self) -> bool:
@@ -121,25 +128,27 @@ class CallRecord:
 
 
 def gather_call(op: str, P_x: CartesianPartition, tensors: Sequence[torch.Tensor], names: Sequence[str],
-                params: Sequence[torch.Tensor] = (), signature=None) -> CallRecord:
-    """All-gather every worker's tensor shapes, dtypes and grad flags over ``P_x`` (host gloo).
+                params: Sequence[torch.Tensor] = (), signature=None, mode: int = 0) -> CallRecord:
+    """All-gather every worker's tensor shapes, dtypes, grad flags and ``mode`` over ``P_x`` (host gloo).
 
     Raises on every worker alike when any worker passed a tensor on the wrong device, of
     more than 8 dimensions, or of a number of dimensions other than ``P_x.dim`` for the
-    first tensor.  ``signature`` (the layer's options) is compared across workers in debug
-    mode, so workers calling different layers fail with a CollectiveMismatchError.
+    first tensor.  ``params`` count for the grad flags only (pass them among ``tensors``
+    too for their dtypes).  ``signature`` (the layer's options) is compared across workers
+    in debug mode, so workers calling different layers fail with a CollectiveMismatchError.
     """
     if signature is not None and debug.enabled():
         debug.check_agreement(op, P_x.ranks, P_x.meta_group, same={"layer": signature},
                               info={"local shapes": [tuple(t.shape) for t in tensors]})
     grad_on = torch.is_grad_enabled()
-    rec = torch.full((2 + _PER_TENSOR * len(tensors),), -1, dtype=torch.int64)
-    input_grad = grad_on and any(t.requires_grad for t in tensors)
+    rec = torch.full((_HEAD + _PER_TENSOR * len(tensors),), -1, dtype=torch.int64)
+    input_grad = grad_on and any(t.requires_grad for t in tensors if not any(t is p for p in params))
     param_grad = grad_on and any(p.requires_grad for p in params)
     rec[0] = int(input_grad) + 2 * int(param_grad)
     rec[1] = _OK
+    rec[2] = int(mode)
     for k, t in enumerate(tensors):
-        base = 2 + _PER_TENSOR * k
+        base = _HEAD + _PER_TENSOR * k
         rec[base] = t.dim()
         rec[base + 1] = _CODES.index(t.dtype) if t.dtype in _CODES else -1
         rec[base + 2] = int(t.device.type == P_x.device.type or t.numel() == 0)
@@ -155,7 +164,7 @@ def gather_call(op: str, P_x: CartesianPartition, tensors: Sequence[torch.Tensor
     rows = [by_world[w] for w in P_x.ranks]
     shapes, dtypes = [], []
     for k, name in enumerate(names):
-        base = 2 + _PER_TENSOR * k
+        base = _HEAD + _PER_TENSOR * k
         for w, r in zip(P_x.ranks, rows, strict=True):
             if r[1] == _TOO_MANY_DIMS:
                 raise ShapeError(f"{where(op)}: world rank {w} passed a tensor of more than {_MAX_DIM} dimensions")
@@ -169,7 +178,19 @@ def gather_call(op: str, P_x: CartesianPartition, tensors: Sequence[torch.Tensor
         shapes.append(tuple(tuple(r[base + 3:base + 3 + r[base]]) for r in rows))
         dtypes.append(tuple(_CODES[r[base + 1]] if r[base + 1] >= 0 else None for r in rows))
     return CallRecord(tuple(shapes), tuple(dtypes), tuple(bool(r[0] & 1) for r in rows),
-                      tuple(bool(r[0] & 2) for r in rows))
+                      tuple(bool(r[0] & 2) for r in rows), tuple(int(r[2]) for r in rows))
+
+
+def one_mode(op: str, P_x: CartesianPartition, call: CallRecord) -> None:
+    """Every worker in the same mode (training or eval); the same ShapeError on every worker otherwise.
+
+    A batch norm in training mode gathers statistics over its peers while one in eval mode
+    normalises locally: mixed modes would leave the training workers waiting.
+    """
+    if len(set(call.modes)) > 1:
+        got = {w: "train" if m else "eval" for w, m in zip(P_x.ranks, call.modes, strict=True)}
+        raise ShapeError(f"{where(op)}: the workers of P_x must all be in training mode or all in eval mode; got "
+                         f"{got} (world rank: mode)")
 
 
 def global_shape_of(op: str, P_x: CartesianPartition, shapes: Sequence[tuple[int, ...]],

@@ -1,10 +1,17 @@
-"""The normalisation layers inside ``torch.compile``: custom ops, no metadata gather, no host read.
+"""The normalisation layers' agreement on a call, eager (:func:`agree_call`) and inside ``torch.compile``.
 
-An eager call gathers the call's metadata over ``P_x`` and checks it (``_norm_common.gather_call``),
-then remembers what every worker agreed on (:class:`NormCall`) with this worker's signature
-(shape, dtype, device, grad mode and flags, training).  A compiled call reuses that record
-while its signature repeats; the compiler guards on the signature, so a changed call
-retraces with ``changed`` set.  Communication inside a compiled graph (see :mod:`distfuse.ops`)::
+Eager calls follow the agreement protocol (:mod:`distfuse.primitives._agreement`).  Every
+worker keeps its signature of the last call (shape, dtype, device, grad mode and flags, the
+parameters' dtypes and grad flags, training) and the record every worker agreed on then
+(:class:`NormCall`).  While every worker's signature repeats, a call costs one flag round
+(a one-element host all-reduce over ``P_x``, before any data moves) and no metadata
+gather.  When some worker's signature changed, every worker sees the flag and all gather
+the call's metadata over ``P_x`` and check it together (``_norm_common.gather_call``), so
+a disagreement raises the same error everywhere and a legitimate change agrees afresh.
+The first call gathers directly; inside :func:`~distfuse.primitives._agreement.capture_safe`
+a settled record is trusted (no round).  A compiled call reuses the record while its
+signature repeats; the compiler guards on the signature, so a changed call retraces with
+``changed`` set.  Communication inside a compiled graph (see :mod:`distfuse.ops`)::
 
     distfuse::flag_check          every worker's agreement flag, over P_x (host round, first)
     distfuse::moments             the (count, mean, M2) all-gather over P_stats, Chan combine
@@ -12,14 +19,16 @@ retraces with ``changed`` set.  Communication inside a compiled graph (see :mod:
     distfuse::replicate           a replicated weight or bias; adjoint distfuse::all_sum over P_rep
     distfuse::all_sum             instance norm's running statistics over the batch workers
 
-Why a flag round of its own rather than a flag in the statistics gather: the norms' data
-collectives run over sub-grids (``P_stats``, ``P_rep``), none of which reaches every worker
-of ``P_x``, and an eval-mode batch norm has none at all; a flag must reach every worker or
-those outside the changed worker's sub-grid would run on and wait in the next layer.  The
-round replaces the eager call's metadata all-gather (a one-element host all-reduce against
-``11 x`` int64 per worker, no device sync).  A changed call joins the round with its flag
-set and returns before anything else, so every worker raises the same error; one eager
-call then agrees afresh.  A compiled call before any eager call is refused on every worker.
+Why a flag round of its own rather than a flag in the statistics gather (eager and
+compiled alike): the norms' data collectives run over sub-grids (``P_stats``, ``P_rep``),
+which reach every worker of ``P_x`` only in special layouts (a batch norm whose channels
+are not split), and an eval-mode batch norm or instance norm with running statistics has
+none at all; a flag must reach every worker or those outside the changed worker's
+sub-grid would run on and wait in the next layer.  The round replaces the metadata
+all-gather (a one-element host all-reduce against ``11 x`` int64 per tensor and worker,
+no device read, so no CUDA sync).  A compiled call that changed joins the round with its
+flag set and returns before anything else, so every worker raises the same error; one
+eager call then agrees afresh.  A compiled call before any eager call is refused on every worker.
 
 A worker whose input (or parameter) does not require grad while a peer's does would skip
 the adjoint collective its peers wait in; eager code promotes it to a leaf that requires
@@ -47,10 +56,10 @@ from distfuse.ops.collectives import FlaggedSite
 from distfuse.ops.flag_check import FlagRound, flag_check
 from distfuse.ops.reductions import all_sum as all_sum_op
 from distfuse.ops.reductions import replicate
-from distfuse.primitives._agreement import AgreementSite
+from distfuse.primitives._agreement import AgreementSite, agreed_by_flag_round
 from distfuse.primitives._axes import all_reduce_sum
 
-__all__ = ["NormSites", "NormCall", "call_signature", "settle", "compiled_call", "moments", "normalize", "replica",
+__all__ = ["NormSites", "NormCall", "call_signature", "agree_call", "compiled_call", "moments", "normalize", "replica",
            "all_sum"]
 
 
@@ -61,7 +70,7 @@ class NormSites:
     def __init__(self, op: str, P_x, P_stats, P_rep=None, P_batch=None):
         self.op = op
         self.agreement = AgreementSite(op)
-        self.kept = None  # the last (signature, record) settled (see settle)
+        self.kept = None  # the last (signature, record) settled (see _keep)
         self.flag = FlagRound(op, P_x, self.agreement.forget)
         self.stats = FlaggedSite(op, P_stats, None)
         self.rep = FlaggedSite(op, P_rep, None) if P_rep is not None else None
@@ -84,16 +93,32 @@ def call_signature(x: torch.Tensor, params: Sequence[torch.Tensor], training: bo
             tuple((p.dtype, p.requires_grad) for p in params), bool(training))
 
 
-def settle(sites: NormSites, x, params, training: bool, record: NormCall) -> None:
-    """Remember an eager call's agreed record (after its checks passed on every worker).
+def agree_call(sites: NormSites, P_x, x: torch.Tensor, params: Sequence[torch.Tensor], training: bool,
+               slow: Callable[[], NormCall]) -> NormCall:
+    """An eager call's agreed record: one flag round while every worker's call repeats, else ``slow()``.
 
-    A record equal to the last one is kept as the same objects: the compiler guards on
-    them, and a new object per eager call would recompile the graph after every one.
+    ``slow()`` gathers the metadata and checks it (raising the same error on every worker);
+    its record is remembered with this call's signature (see :func:`_keep`).  No local
+    check is needed before the round: the signature holds everything the checks read, and
+    a signature that repeats passed them when it was agreed.
     """
-    kept = (call_signature(x, params, training), record)
+    site = sites.agreement
+    before = site.slow_calls
+    signature = call_signature(x, params, training)
+    record = agreed_by_flag_round(site, P_x, sites.op, signature, True, slow)
+    if site.slow_calls != before:
+        record = _keep(sites, signature, record)
+    return record
+
+
+def _keep(sites: NormSites, signature: tuple, record: NormCall) -> NormCall:
+    """Settle ``record``; one equal to the last is kept as the same objects: the compiler guards on them, and new
+    objects after every slow call would recompile the graph."""
+    kept = (signature, record)
     if sites.kept != kept:
         sites.kept = kept
     sites.agreement.settle(*sites.kept)
+    return sites.kept[1]
 
 
 def compiled_call(layer, x: torch.Tensor, params: Sequence[torch.Tensor], training: bool,

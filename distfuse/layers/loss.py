@@ -24,17 +24,34 @@ tensors and get a zero-volume tensor back: they hold no part of the loss.
 ``KLDivLoss(reduction='batchmean')``), never by a mean of local means, which is wrong
 under uneven splits.  Sums are taken in fp32 for 16-bit inputs and rounded once.
 
-Errors: every call makes one host-side metadata gather over ``P_x``, so a target whose
-blocks do not match the input's (torch would broadcast them with a warning; distfuse
-refuses), a non-balanced split or mixed dtypes raise the same error on every worker.  An
-error inside torch's local op (a class index out of range, a probability outside [0, 1],
-dtypes torch refuses) is carried in the all-reduce, so with ``sum``/``mean`` every worker
-raises; with ``none`` no collective follows and the worker whose block is bad raises
-alone, with nobody waiting for it.  On CUDA such a failure surfaces as a NaN loss on the
-other workers (they read the flags only on CPU, to keep the device free of host syncs);
-torch's CUDA kernels assert on bad indices anyway.  Inside ``torch.compile`` a call reuses
-the last eager call's record with a flag round instead of the gather
-(``_loss_compiled.py``, which also says what a compiled call does not catch).
+Agreement (:mod:`distfuse.primitives._agreement`).  The workers agree on each call's
+metadata (shapes, dtypes, the weights' shapes), so a target whose blocks do not match the
+input's (torch would broadcast them with a warning; distfuse refuses), a non-balanced split
+or mixed dtypes raise the same error on every worker.  The metadata gather over ``P_x``
+runs on the first call and when some worker's call changed, never while every worker's
+call repeats.  How a worker whose call repeats learns that a peer's changed:
+
+* ``sum`` / ``mean`` on CPU: in the reduction itself, which reaches every worker of
+  ``P_x``.  Its message ``[sum l, denominator, change flag, failure flag per worker]`` has
+  a size fixed by ``P_x`` and the dtype agreed on; a worker whose call changed sends zeros
+  and the change flag, every worker reads the flags of the sum (a CPU tensor: free) and,
+  if one is set, all drop the sum, gather the metadata, check it and reduce again.  No
+  extra round in steady state.
+* ``none`` (no collective at all) and partitions on a device (CUDA: reading a flag of a
+  device tensor would synchronise the device every call): one flag round before anything
+  else (a one-element all-reduce on ``P_x``'s host meta group, no device read).
+
+An error inside torch's local op (a class index out of range, a probability outside
+[0, 1], dtypes torch refuses) is carried in the same reduction (the failure flags), so
+with ``sum``/``mean`` every worker raises; with ``none`` no collective follows and the
+worker whose block is bad raises alone, with nobody waiting for it.  The agreed record
+stays settled on every worker either way (the metadata agreed; the values did not).  On
+CUDA the failure flags are not read (that read would synchronise the device), so such a
+failure surfaces as a NaN loss on the other workers; torch's CUDA kernels check class
+indices and BCE probabilities with device-side asserts anyway, which abort the process
+asynchronously instead of raising here.  Inside ``torch.compile`` a call reuses the last
+eager call's record with a flag round instead of the gather (``_loss_compiled.py``,
+which also says what a compiled call does not catch).
 
 Weights (``weight``, ``pos_weight``) are the global tensors torch takes, held whole by
 every worker (they must be equal everywhere) and sliced per call to the local block by
@@ -44,6 +61,7 @@ torch's broadcasting rule.
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,14 +69,16 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.nn import _reduction
 
-from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.errors import DistfuseError, PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import local_start
-from distfuse.layers._loss_compiled import LossCall, LossSites, compiled_loss, settle
+from distfuse.layers._loss_compiled import LossCall, LossSites, call_signature, compiled_loss, keep
 from distfuse.layers._norm_common import FLOATS, compute_dtype, gather_call, global_shape_of, numel, one_dtype
 from distfuse.layers._params import ParamLayout
 from distfuse.partition import CartesianPartition, zero_volume_tensor
+from distfuse.primitives._agreement import agreed_by_flag_round, run_agreed, trusting
 from distfuse.primitives._axes import all_reduce_sum
 from distfuse.primitives._common import check_inactive_input
+from distfuse.primitives._flag_transport import flags_on_host
 
 __all__ = ["DistributedLossBase", "DistributedMSELoss", "DistributedL1Loss", "DistributedBCELoss",
            "DistributedBCEWithLogitsLoss", "DistributedKLDivLoss", "replicated_sum"]
@@ -88,6 +108,16 @@ def replicated_sum(partial: torch.Tensor, P_x: CartesianPartition, op: str) -> t
     if P_x.size == 1:
         return partial.clone()
     return _ReplicatedSum.apply(partial, P_x, op)
+
+
+class _Outcome(NamedTuple):
+    """One evaluation of a loss: the value, this worker's torch error, the world ranks whose torch op failed (read
+    from the reduction's flags, CPU only) and whether some worker flagged a changed call (in-band attempts)."""
+
+    value: torch.Tensor | None
+    failure: Exception | None
+    failed: tuple[int, ...]
+    flagged: bool
 
 
 def broadcast_block(op: str, name: str, w: torch.Tensor | None, G, start, extent) -> torch.Tensor | None:
@@ -166,6 +196,10 @@ class DistributedLossBase(nn.Module):
     def _signature(self):
         return (type(self).__name__, self.reduction, self.P_x.ranks, self.P_x.shape)
 
+    def _weights(self) -> tuple[torch.Tensor, ...]:
+        """The global weight tensors the local loss reads (their shapes enter the call's signature)."""
+        return ()
+
     # -------------------------------------------------------- the call
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -178,58 +212,102 @@ class DistributedLossBase(nn.Module):
             return zero_volume_tensor(dtype=input.dtype, device=input.device)
         if torch.compiler.is_compiling():  # custom ops, no metadata gather (distfuse/layers/_loss_compiled.py)
             return compiled_loss(self, input, target)
-        self._sites.agreement.forget()
+        site = self._sites.agreement
+        signature = call_signature(input, target, self._weights())
+        before = site.slow_calls
+        if self.reduction == "none" or flags_on_host(P_x.device) or (site.state is not None and trusting()):
+            # A flag round first (no collective to carry it, or no device read on CUDA), or a trusted record.
+            record = agreed_by_flag_round(site, P_x, op, signature, True, lambda: self._gather_and_check(op, input,
+                                                                                                          target))
+            if site.slow_calls != before:
+                keep(self._sites, signature, record)
+            outcome = self._evaluate(op, site.state, input, target, changed=False, attempt=False)
+        else:  # the flag rides in the reduction (see the module docstring)
+            def attempt(changed: bool):
+                outcome = self._evaluate(op, site.state, input, target, changed, attempt=True)
+                return outcome, outcome.flagged
+
+            def slow():
+                record = self._gather_and_check(op, input, target)
+                return self._evaluate(op, record, input, target, changed=False, attempt=False), record
+
+            outcome = run_agreed(site, signature, True, attempt, slow)
+            if site.slow_calls != before:
+                keep(self._sites, signature, site.state)
+        # Raised after the agreement settled on every worker: the metadata agreed, only values failed.
+        if outcome.failure is not None:
+            raise ShapeError(f"{where(op)}: torch's {op[11:]} refused this worker's block: "
+                             f"{outcome.failure}") from outcome.failure
+        if outcome.failed:
+            raise ShapeError(f"{where(op)}: torch's {op[11:]} refused the blocks of world ranks {list(outcome.failed)} "
+                             "(bad values, such as a class index out of range); see their errors")
+        return outcome.value
+
+    def _gather_and_check(self, op: str, input: torch.Tensor, target: torch.Tensor) -> LossCall:
+        """The metadata gather over ``P_x`` and its checks (the same error on every worker): the agreed record."""
+        P_x = self.P_x
         call = gather_call(op, P_x, [input, target], ["input", "target"], signature=self._signature())
         in_dtype = one_dtype(op, P_x, call.dtypes[0], "input")
         t_dtype = one_dtype(op, P_x, call.dtypes[1], "target", allowed=_ANY)
         G = global_shape_of(op, P_x, call.shapes[0])
         self._check_target(op, G, call)
-        start = local_start(G, P_x.shape, P_x.index)
-        settle(self._sites, input, target, LossCall(G, in_dtype, t_dtype, start))
-        failure = None
-        try:
-            local = self._local_loss(input, target, G, start)
-        except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # torch's value and dtype checks
-            if isinstance(exc, (ShapeError, UnsupportedError)):
-                raise  # distfuse's own checks depend only on gathered metadata: raised on every worker
-            failure, local = exc, None
-        if self.reduction == "none":
-            if failure is not None:
-                raise ShapeError(f"{where(op)}: torch's {op[11:]} refused this worker's block: {failure}") from failure
-            return local
-        divisor = None if self.reduction == "sum" else self._mean_divisor(G, t_dtype)
-        summed_divisor = self.reduction != "sum" and divisor is None
-        loss = self._reduce(op, local, input, target, failure, summed_divisor)
-        return (loss if divisor is None else loss / divisor).to(self._result_dtype(in_dtype, t_dtype))
+        return LossCall(G, in_dtype, t_dtype, local_start(G, P_x.shape, P_x.index))
 
-    def _partial(self, local, input, target, failure, summed_divisor: bool) -> torch.Tensor:
-        """This worker's ``[sum of local, denominator, failure flag per worker]`` in the compute dtype."""
+    def _evaluate(self, op: str, record: LossCall, input: torch.Tensor, target: torch.Tensor, changed: bool,
+                  attempt: bool) -> _Outcome:
+        """The local loss and, with a reduction, the all-reduce over ``P_x`` with the sizes of ``record``.
+
+        ``changed``: this worker's call differs from the agreed one; it sends zeros and the
+        change flag instead of its loss.  ``attempt``: a steady-state call whose flags are read
+        from the sum (then a distfuse error of the local loss, which only a changed call can
+        meet, flags a change instead of raising on this worker alone).  torch's own errors
+        become the outcome's ``failure`` (and a failure flag in the sum).
+        """
+        G, start = record.global_shape, record.start
+        local = failure = None
+        if not changed:
+            try:
+                local = self._local_loss(input, target, G, start)
+            except DistfuseError:
+                if not attempt:
+                    raise  # distfuse's own checks depend only on agreed metadata: raised on every worker
+                changed = True
+            except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # torch's value and dtype checks
+                failure = exc
+        if self.reduction == "none":
+            return _Outcome(local, failure, (), False)
+        divisor = None if self.reduction == "sum" else self._mean_divisor(G, record.t_dtype)
+        summed_divisor = self.reduction != "sum" and divisor is None
+        result_dtype = self._result_dtype(record.in_dtype, record.t_dtype)
+        partial = self._partial(local, input, target, failure, summed_divisor, compute_dtype(result_dtype), changed)
+        total = replicated_sum(partial, self.P_x, op)
+        flagged, failed = False, ()
+        if attempt or total.device.type == "cpu":  # a host read: free on CPU (see the module docstring)
+            flags = total[2:].tolist()
+            flagged = flags[0] != 0
+            failed = tuple(self.P_x.ranks[j] for j, f in enumerate(flags[1:]) if f)
+        if flagged:
+            return _Outcome(None, None, (), True)
+        loss = total[0] / total[1] if summed_divisor else total[0]
+        return _Outcome((loss if divisor is None else loss / divisor).to(result_dtype), failure, failed, False)
+
+    def _partial(self, local, input, target, failure, summed_divisor: bool, cdt: torch.dtype,
+                 changed: bool = False) -> torch.Tensor:
+        """This worker's ``[sum of local, denominator, change flag, failure flag per worker]`` in ``cdt``."""
         P_x = self.P_x
-        cdt = compute_dtype(self._result_dtype(input.dtype, target.dtype))
-        extra = torch.zeros(1 + P_x.size, dtype=cdt, device=input.device)  # [denominator, failure flag per worker]
-        if failure is None:
+        device = input.device if input.device.type == P_x.device.type else P_x.device
+        extra = torch.zeros(2 + P_x.size, dtype=cdt, device=device)  # [denominator, change, failure per worker]
+        if changed:
+            num = torch.zeros((), dtype=cdt, device=device)
+            extra[1] = 1
+        elif failure is None:
             num = local.sum(dtype=cdt)
             if summed_divisor:
                 extra[0] = self._local_denominator(input, target, cdt)
         else:
-            num = torch.full((), float("nan"), dtype=cdt, device=input.device)
-            extra[1 + P_x.rank] = 1
+            num = torch.full((), float("nan"), dtype=cdt, device=device)
+            extra[2 + P_x.rank] = 1
         return torch.cat([num.reshape(1), extra])
-
-    def _reduce(self, op, local, input, target, failure, summed_divisor: bool) -> torch.Tensor:
-        """The global sum of ``local`` (over the global denominator when ``summed_divisor``), in the compute dtype."""
-        P_x = self.P_x
-        total = replicated_sum(self._partial(local, input, target, failure, summed_divisor), P_x, op)
-        if total.device.type == "cpu":
-            failed = [P_x.ranks[j] for j, f in enumerate(total[2:].tolist()) if f]
-            if failure is not None:
-                raise ShapeError(f"{where(op)}: torch's {op[11:]} refused this worker's block: {failure}") from failure
-            if failed:
-                raise ShapeError(f"{where(op)}: torch's {op[11:]} refused the blocks of world ranks {failed} (bad "
-                                 "values, such as a class index out of range); see their errors")
-        elif failure is not None:
-            raise ShapeError(f"{where(op)}: torch's {op[11:]} refused this worker's block: {failure}") from failure
-        return total[0] / total[1] if summed_divisor else total[0]
 
     def extra_repr(self) -> str:
         return f"P_x={list(self.P_x.shape)}, reduction={self.reduction!r}"
@@ -243,6 +321,9 @@ class _WeightedLossBase(DistributedLossBase):
     def _set_weights(self, **weights) -> None:
         for name, w in weights.items():
             self.register_buffer(name, None if w is None else torch.as_tensor(w).to(self.P_x.device))
+
+    def _weights(self) -> tuple[torch.Tensor, ...]:
+        return tuple(w for w in (getattr(self, n, None) for n in self._weight_names) if w is not None)
 
     def param_layouts(self) -> list[ParamLayout]:
         return [ParamLayout(n, n, self.P_x, tuple(getattr(self, n).shape), split_dims=())

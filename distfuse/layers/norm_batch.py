@@ -30,12 +30,16 @@ biased variance normalises, the unbiased one (``n / (n - 1)``) enters ``running_
 normalised in fp32 and rounded once (parameters in the input's dtype or in fp32).
 Statistics are exact under uneven splits and empty blocks (see ``_norm_common``).
 
-Every call makes one host-side metadata gather over ``P_x`` (shapes, dtypes, grad flags),
-so a bad input raises the same error on every worker; training adds one all-gather of
-``3 x C_b`` float64 per worker.  Every worker of ``P_x`` must call backward when one does.
+The workers agree on each call (shapes, dtypes, grad flags, training mode) under the
+agreement protocol (``_norm_compiled.agree_call``): while every worker's call repeats, one
+flag round over ``P_x`` (a one-element host all-reduce, before any data moves) and no
+metadata gather; when some worker's call changed, every worker gathers the metadata over
+``P_x`` and checks it, so a bad input (or workers in different modes) raises the same
+error on every worker and a new global shape agrees afresh.  Training adds one all-gather
+of ``3 x C_b`` float64 per worker.  Every worker of ``P_x`` must call backward when one does.
 Inside ``torch.compile`` a call reuses the record of the last eager call and runs its
-communication as custom ops, with one host flag round instead of the gather
-(``_norm_compiled.py``); running statistics update in the graph, bitwise as in eager mode.
+communication as custom ops, with the same flag round (``_norm_compiled.py``); running
+statistics update in the graph, bitwise as in eager mode.
 Workers outside ``P_x`` pass and get back a zero-volume tensor.
 """
 
@@ -55,10 +59,11 @@ from distfuse.layers._norm_common import (
     global_shape_of,
     numel,
     one_dtype,
+    one_mode,
     promote,
     subgrid,
 )
-from distfuse.layers._norm_compiled import NormCall, NormSites, compiled_call, moments, normalize, replica, settle
+from distfuse.layers._norm_compiled import NormCall, NormSites, agree_call, compiled_call, moments, normalize, replica
 from distfuse.layers._params import ParamLayout
 from distfuse.primitives._common import check_inactive_input
 
@@ -178,22 +183,31 @@ class DistributedBatchNormBase(BlockIdentityMixin, nn.Module):
         return y.view(x.shape).to(dtype)
 
     def _agree(self, op: str, x: torch.Tensor, params):
-        """The eager call's metadata gather and checks (raising alike on every worker); remembers the record."""
+        """The eager call's agreed ``(global shape, dtype, call record)``: a flag round while every worker's call
+        repeats, else the metadata gather and its checks (raising alike on every worker)."""
         P_x = self.P_x
-        self._sites.agreement.forget()
-        call = gather_call(op, P_x, [x], ["input"], params, signature=self._signature())
-        dtype = one_dtype(op, P_x, call.dtypes[0])
-        G = global_shape_of(op, P_x, call.shapes[0])
-        if G[1] != self.num_features:
-            raise expect(op, "input channels (the global input's dimension 1, num_features)", self.num_features, G[1])
-        for t in params + [b for b in (self.running_mean, self.running_var) if b is not None]:
-            check_param_dtype(op, dtype, t.dtype)
-        bn_training = self.training or (self.running_mean is None and self.running_var is None)
-        if bn_training and G[0] * numel(G[2:]) == 1:
-            raise ShapeError(f"{where(op)}: expected more than 1 value per channel when training, got the global input "
-                             f"size {list(G)} (torch's rule)")
-        settle(self._sites, x, params, self.training, NormCall(G, dtype, call))
-        return G, dtype, call
+
+        def gather_and_check() -> NormCall:
+            held = params + [b for b in (self.running_mean, self.running_var) if b is not None]
+            call = gather_call(op, P_x, [x, *held], ["input"] + ["parameter or running statistic"] * len(held),
+                               params, signature=self._signature(), mode=int(self.training))
+            one_mode(op, P_x, call)
+            dtype = one_dtype(op, P_x, call.dtypes[0])
+            G = global_shape_of(op, P_x, call.shapes[0])
+            if G[1] != self.num_features:
+                raise expect(op, "input channels (the global input's dimension 1, num_features)", self.num_features,
+                             G[1])
+            for dtypes in call.dtypes[1:]:  # every worker's parameters and buffers: every worker raises alike
+                for t_dtype in dtypes:
+                    check_param_dtype(op, dtype, t_dtype)
+            bn_training = self.training or (self.running_mean is None and self.running_var is None)
+            if bn_training and G[0] * numel(G[2:]) == 1:
+                raise ShapeError(f"{where(op)}: expected more than 1 value per channel when training, got the global "
+                                 f"input size {list(G)} (torch's rule)")
+            return NormCall(G, dtype, call)
+
+        record = agree_call(self._sites, P_x, x, params, self.training, gather_and_check)
+        return record.global_shape, record.dtype, record.call
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, unbiased_var: torch.Tensor, factor: float) -> None:

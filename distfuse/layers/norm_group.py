@@ -28,10 +28,14 @@ normalised in fp32 and rounded once, torch's refusals (channels not divisible by
 an instance norm over one spatial element when training).  Only batched input: P_x has
 one dimension per input dimension, batch first.
 
-Every call makes one host-side metadata gather over ``P_x``, so bad input raises on
-every worker (inside ``torch.compile``: the last eager call's record and a flag round,
-``_norm_compiled.py``).  Every worker of ``P_x`` must call backward when one does.  Workers outside
-``P_x`` pass and get back a zero-volume tensor.
+The workers agree on each call under the agreement protocol
+(``_norm_compiled.agree_call``): while every worker's call repeats, one flag round over
+``P_x`` (a one-element host all-reduce) and no metadata gather; when some worker's call
+changed, the metadata gather over ``P_x`` and its checks, so bad input (or, for an
+instance norm with running statistics, workers in different modes) raises the same error
+on every worker (inside ``torch.compile``: the last eager call's record and the same
+flag round, ``_norm_compiled.py``).  Every worker of ``P_x`` must call backward when one
+does.  Workers outside ``P_x`` pass and get back a zero-volume tensor.
 """
 
 from __future__ import annotations
@@ -52,18 +56,19 @@ from distfuse.layers._norm_common import (
     global_shape_of,
     numel,
     one_dtype,
+    one_mode,
     promote,
     subgrid,
 )
 from distfuse.layers._norm_compiled import (
     NormCall,
     NormSites,
+    agree_call,
     all_sum,
     compiled_call,
     moments,
     normalize,
     replica,
-    settle,
 )
 from distfuse.layers._params import ParamLayout
 from distfuse.ops.collectives import FlaggedSite
@@ -118,25 +123,39 @@ class _ChannelNormBase(BlockIdentityMixin, nn.Module):
     def _check_call(self, op: str, x: torch.Tensor, extra_dtypes=(), check=None, x_needed=None, params_needed=None):
         """The agreed call: ``(global shape, dtype, call record)``, or None for a compiled call that flagged.
 
-        Eager: gather and validate the call (``check(G, call)`` runs the layer's own checks),
-        then remember the record.  Compiled (``distfuse/layers/_norm_compiled.py``): the
-        record of the last eager call, after the flag round; ``x_needed`` / ``params_needed``
-        say which promotions the call needs.
+        Eager (:func:`~distfuse.layers._norm_compiled.agree_call`): a flag round while every
+        worker's call repeats; else gather and validate the call (``check(G, call)`` runs the
+        layer's own checks) and remember the record.  Compiled
+        (``distfuse/layers/_norm_compiled.py``): the record of the last eager call, after the
+        flag round; ``x_needed`` / ``params_needed`` say which promotions the call needs.
         """
         params = [p for p in (self.weight, self.bias) if p is not None]
         if torch.compiler.is_compiling():
             record, changed = compiled_call(self, x, params, self.training, x_needed, params_needed)
             return None if changed else (record.global_shape, record.dtype, record.call)
-        self._sites.agreement.forget()
-        call = gather_call(op, self.P_x, [x], ["input"], params, signature=self._signature())
-        dtype = one_dtype(op, self.P_x, call.dtypes[0])
-        G = global_shape_of(op, self.P_x, call.shapes[0])
-        for t in params + [t for t in extra_dtypes if t is not None]:
-            check_param_dtype(op, dtype, t.dtype)
-        if check is not None:
-            check(G, call)
-        settle(self._sites, x, params, self.training, NormCall(G, dtype, call))
-        return G, dtype, call
+        P_x = self.P_x
+
+        def gather_and_check() -> NormCall:
+            held = params + [t for t in extra_dtypes if t is not None]
+            call = gather_call(op, P_x, [x, *held], ["input"] + ["parameter or running statistic"] * len(held),
+                               params, signature=self._signature(), mode=int(self.training))
+            if self._mode_matters():
+                one_mode(op, P_x, call)
+            dtype = one_dtype(op, P_x, call.dtypes[0])
+            G = global_shape_of(op, P_x, call.shapes[0])
+            for dtypes in call.dtypes[1:]:  # every worker's parameters and buffers: every worker raises alike
+                for t_dtype in dtypes:
+                    check_param_dtype(op, dtype, t_dtype)
+            if check is not None:
+                check(G, call)
+            return NormCall(G, dtype, call)
+
+        record = agree_call(self._sites, P_x, x, params, self.training, gather_and_check)
+        return record.global_shape, record.dtype, record.call
+
+    def _mode_matters(self) -> bool:
+        """Whether training and eval calls run different collectives (then every worker must be in one mode)."""
+        return False
 
     def _signature(self):
         return (type(self).__name__, self._channels, self.eps, self.affine, self.P_x.ranks, self.P_x.shape)
@@ -297,6 +316,9 @@ class DistributedInstanceNormBase(_ChannelNormBase):
             self._update_running_stats(stats, x.shape[:2], G[0], momentum)
         y = normalize(self._sites.stats, x3, stats, self.eps).view(x.shape)
         return _affine(y, w, b).to(dtype)
+
+    def _mode_matters(self) -> bool:
+        return self.track_running_stats  # training: statistics of the input and their all-reduce; eval: local
 
     def _check_features(self, G, call) -> None:
         op = type(self).__name__

@@ -24,10 +24,13 @@ Numerics follow ``torch.nn.LayerNorm``: biased variance, ``elementwise_affine`` 
 ``bias=False``, 16-bit inputs normalised in fp32 and rounded once (parameters in the
 input's dtype or in fp32).  Statistics are exact under uneven splits and empty blocks.
 
-Every call makes one host-side metadata gather over ``P_x``, so a bad input raises on
-every worker (inside ``torch.compile``: the last eager call's record and a flag round,
-``_norm_compiled.py``).  Every worker of ``P_x`` must call backward when one does.  Workers
-outside ``P_x`` pass and get back a zero-volume tensor.
+The workers agree on each call under the agreement protocol
+(``_norm_compiled.agree_call``): while every worker's call repeats, one flag round over
+``P_x`` (a one-element host all-reduce) and no metadata gather; when some worker's call
+changed, the metadata gather over ``P_x`` and its checks, so a bad input raises the same
+error on every worker (inside ``torch.compile``: the last eager call's record and the same
+flag round, ``_norm_compiled.py``).  Every worker of ``P_x`` must call backward when one
+does.  Workers outside ``P_x`` pass and get back a zero-volume tensor.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ from distfuse.layers._norm_common import (
     promote,
     subgrid,
 )
-from distfuse.layers._norm_compiled import NormCall, NormSites, compiled_call, moments, normalize, replica, settle
+from distfuse.layers._norm_compiled import NormCall, NormSites, agree_call, compiled_call, moments, normalize, replica
 from distfuse.layers._params import ParamLayout
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._common import check_inactive_input
@@ -144,20 +147,26 @@ class DistributedLayerNorm(BlockIdentityMixin, nn.Module):
         return y.to(dtype)
 
     def _agree(self, op: str, x: torch.Tensor, params):
-        """The eager call's metadata gather and checks (raising alike on every worker); remembers the record."""
+        """The eager call's agreed ``(dtype, call record)``: a flag round while every worker's call repeats, else
+        the metadata gather and its checks (raising alike on every worker)."""
         P_x = self.P_x
-        self._sites.agreement.forget()
-        call = gather_call(op, P_x, [x], ["input"], params, signature=self._signature())
-        dtype = one_dtype(op, P_x, call.dtypes[0])
-        G = global_shape_of(op, P_x, call.shapes[0])
-        k = len(self.normalized_shape)
-        if G[-k:] != self.normalized_shape:
-            raise expect(op, f"trailing global input dimensions (normalized_shape; global input {list(G)})",
-                         list(self.normalized_shape), list(G[-k:]))
-        for p in params:
-            check_param_dtype(op, dtype, p.dtype)
-        settle(self._sites, x, params, self.training, NormCall(G, dtype, call))
-        return dtype, call
+
+        def gather_and_check() -> NormCall:
+            call = gather_call(op, P_x, [x, *params], ["input"] + ["parameter"] * len(params), params,
+                               signature=self._signature())
+            dtype = one_dtype(op, P_x, call.dtypes[0])
+            G = global_shape_of(op, P_x, call.shapes[0])
+            k = len(self.normalized_shape)
+            if G[-k:] != self.normalized_shape:
+                raise expect(op, f"trailing global input dimensions (normalized_shape; global input {list(G)})",
+                             list(self.normalized_shape), list(G[-k:]))
+            for dtypes in call.dtypes[1:]:  # every worker's parameters: every worker raises alike
+                for p_dtype in dtypes:
+                    check_param_dtype(op, dtype, p_dtype)
+            return NormCall(G, dtype, call)
+
+        record = agree_call(self._sites, P_x, x, params, self.training, gather_and_check)
+        return record.dtype, record.call
 
     def _signature(self):
         return (type(self).__name__, self.normalized_shape, self.eps, self.elementwise_affine, self._has_bias,
