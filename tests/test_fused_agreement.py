@@ -7,7 +7,10 @@ workspaces, three of four ranks, permuted): one rank passing another row count, 
 fp16 on one rank against bf16 on the others, in both ops and with every producer; every
 active rank raises a ShapeError that names the disagreement, and the next agreeing call
 (on a fresh workspace) is right again.  In loopback: the kernels' part, a mismatching
-word poisons the output and turns into ShapeError, a matching one changes nothing.
+word poisons the output and turns into ShapeError, a matching one changes nothing; a rank
+that abstains (``REFUSED``, ``GROW``) raises every flag it owes and its peers' errors say
+which word they saw.  The other fused ops, refusals and growth across processes:
+``tests/test_fused_agreement_forms.py``.
 """
 
 import math
@@ -22,7 +25,18 @@ from distfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter
 from distfuse.fused.symmetric import close_all
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent, block_range
-from distfuse.kernels.signature import MISMATCH, check_signatures, publish_signature, shape_signature
+from distfuse.kernels.signature import (
+    GATHER_FLAGS,
+    GROW,
+    MISMATCH,
+    REFUSED,
+    SCATTER_FLAGS,
+    abstain,
+    check_signatures,
+    consumer_flags,
+    publish_signature,
+    shape_signature,
+)
 from distfuse.testing import run_ranks
 from tests.tolerances import tol
 
@@ -134,3 +148,47 @@ def test_signature_words_in_loopback():
         finally:
             assert ws.rank_view(0).status.tolist() == [0, 0, MISMATCH]
             assert torch.isnan(out).all()
+
+
+def _stand_in_producer(ws, r, W, sig, layout):
+    """Virtual rank r's word and the flags its producer raises: ``[c, r]`` on owner c (a reduce-scatter), or
+    ``[r, r]`` on every rank (an all-gather push)."""
+    publish_signature(ws, r, W, sig)
+    for c in range(W):
+        ws.rank_view(c).flags[c if layout == SCATTER_FLAGS else r, r] = int(ws.epoch_dev)
+
+
+@pytest.mark.parametrize("layout", [SCATTER_FLAGS, GATHER_FLAGS])
+def test_an_abstaining_rank_raises_every_flag_and_its_word_names_it(layout):
+    """REFUSED: the abstainer's flags satisfy a consumer of either layout, whose error names the refusal; GROW
+    against ranks whose calls fit raises on both sides (GROW on every rank: across processes, in
+    ``tests/test_fused_agreement_forms.py``)."""
+    W, sig = 4, shape_signature("op", 1)
+    ws = LoopbackWorkspace(W, 4096)
+    out = torch.randn(3, 5)
+    with pytest.raises(ShapeError, match=r"peer\(s\) \[1\] refused their input"), ws.in_flight("refuse"):
+        for r in (0, 2, 3):
+            _stand_in_producer(ws, r, W, sig, layout)
+        abstain(ws, 1, W, REFUSED, layout, op="refuse", what="test", raise_on_mismatch=False)
+        for c in range(W):  # every flag of source 1, on every rank, carries this epoch
+            assert ws.rank_view(c).flags[:, 1].tolist() == [int(ws.epoch_dev)] * W
+        assert ws.rank_view(1).status.tolist() == [MISMATCH, 0, MISMATCH, MISMATCH]  # it saw the others' words
+        try:
+            check_signatures(ws, 0, W, sig, out, **consumer_flags(layout, 0, W), op="refuse", what="test")
+        finally:
+            assert ws.rank_view(0).status.tolist() == [0, REFUSED, 0, 0]
+            assert torch.isnan(out).all()
+
+    ws = LoopbackWorkspace(W, 4096)
+    alone = r"peer\(s\) \[0, 2, 3\] entered it with a signature different.*needs more"
+    with pytest.raises(ShapeError, match=alone), ws.in_flight("grow alone"):
+        for r in (0, 2, 3):
+            _stand_in_producer(ws, r, W, sig, layout)
+        abstain(ws, 1, W, GROW, layout, op="grow alone", what="this rank needs more", raise_on_mismatch=True)
+    assert ws.broken
+    check = LoopbackWorkspace(W, 4096)
+    with pytest.raises(ShapeError, match=r"peer\(s\) \[1\] needed a larger workspace"), check.in_flight("fits"):
+        for r in (0, 2, 3):
+            _stand_in_producer(check, r, W, sig, layout)
+        abstain(check, 1, W, GROW, layout, op="fits", what="test", raise_on_mismatch=False)
+        check_signatures(check, 0, W, sig, out, **consumer_flags(layout, 0, W), op="fits", what="test")

@@ -42,6 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
     check_linear_args,
@@ -55,6 +56,7 @@ from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_mat
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
+from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = [
@@ -136,20 +138,24 @@ def all_gather_features_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torc
     """
     if not P_sub.active:
         raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
-    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-        raise expect(_OP, "x and weight types", "torch.Tensor", (type(x).__name__, type(weight).__name__))
-    if x.dim() < 2 or weight.dim() != 2:
-        raise ShapeError(f"{where(_OP)}: expected x [*, K_r] (at least 2 dims) and weight [N_r, K], got "
-                         f"{tuple(x.shape)} and {tuple(weight.shape)}")
     W, r = P_sub.size, P_sub.rank
-    K = weight.shape[1]
-    if x.shape[-1] != block_extent(K, W, r):
-        raise ShapeError(f"{where(_OP)}: x has {x.shape[-1]} features; block {r} of K={K} over {W} workers has "
-                         f"{block_extent(K, W, r)} (x must be the balanced block of the weight's input features)")
-    # The common checks (dtypes, devices, bias) on the weight's columns that multiply x.
-    check_linear_args(_OP, x, weight[:, :x.shape[-1]], bias, P_sub.device)
-    if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-        raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+    # A check that fails here reaches every rank of P_sub through the op's first claim (fused/agreement.py).
+    with refusal(_OP, P_sub, x, GATHER_FLAGS, nbytes=lambda: all_gather_features_matmul_workspace_bytes(
+            math.prod(x.shape[:-1]), weight.shape[1], W, x.dtype, partial_dtype)):
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            raise expect(_OP, "x and weight types", "torch.Tensor", (type(x).__name__, type(weight).__name__))
+        if x.dim() < 2 or weight.dim() != 2:
+            raise ShapeError(f"{where(_OP)}: expected x [*, K_r] (at least 2 dims) and weight [N_r, K], got "
+                             f"{tuple(x.shape)} and {tuple(weight.shape)}")
+        K = weight.shape[1]
+        if x.shape[-1] != block_extent(K, W, r):
+            raise ShapeError(f"{where(_OP)}: x has {x.shape[-1]} features; block {r} of K={K} over {W} workers "
+                             f"has {block_extent(K, W, r)} (x must be the balanced block of the weight's input "
+                             "features)")
+        # The common checks (dtypes, devices, bias) on the weight's columns that multiply x.
+        check_linear_args(_OP, x, weight[:, :x.shape[-1]], bias, P_sub.device)
+        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
+            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
     require_available(_OP, P_sub, x.device)
     rows = math.prod(x.shape[:-1])
     debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,

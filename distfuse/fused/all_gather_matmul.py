@@ -47,6 +47,7 @@ from torch.autograd.function import once_differentiable
 
 from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
     check_linear_args,
@@ -62,6 +63,7 @@ from distfuse.fused.providers import check_provider, select_provider
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
+from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = [
@@ -175,20 +177,25 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """
     if not P_sub.active:
         raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
-    check_linear_args(_OP, x, weight, bias, P_sub.device)
-    if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-        raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
-    require_available(_OP, P_sub, x.device)
     W, r = P_sub.size, P_sub.rank
-    rows, K = x.shape[-2], x.shape[-1]
-    if n is None:
+    if n is None:  # before any check: a rank whose checks fail still takes part in this sum
+        rows = x.shape[-2] if isinstance(x, torch.Tensor) and x.dim() >= 2 else 0
         n = rows if W == 1 else _infer_n(P_sub, rows)
     n = int(n)
-    if n < 0 or block_extent(n, W, r) != rows:
-        raise ShapeError(f"{where(_OP)}: x has {rows} rows; block {r} of n={n} over {W} workers has "
-                         f"{block_extent(n, W, r) if n >= 0 else 'none'} (x must be the balanced block)")
+    # A check that fails here reaches every rank of P_sub through the op's first claim (fused/agreement.py).
+    with refusal(_OP, P_sub, x, GATHER_FLAGS, nbytes=lambda: all_gather_matmul_workspace_bytes(
+            math.prod(x.shape[:-2]), n, x.shape[-1], W, x.dtype, partial_dtype)):
+        check_linear_args(_OP, x, weight, bias, P_sub.device)
+        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
+            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+        rows = x.shape[-2]
+        if n < 0 or block_extent(n, W, r) != rows:
+            raise ShapeError(f"{where(_OP)}: x has {rows} rows; block {r} of n={n} over {W} workers has "
+                             f"{block_extent(n, W, r) if n >= 0 else 'none'} (x must be the balanced block)")
+        provider = _provider(provider, x, n, weight.shape[0], W)
+    require_available(_OP, P_sub, x.device)
+    K = x.shape[-1]
     B = math.prod(x.shape[:-2])
-    provider = _provider(provider, x, n, weight.shape[0], W)
     debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
                           same=dict(n=n, K=K, lead=tuple(x.shape[:-2]), dtype=str(x.dtype), bias=bias is not None,
                                     keep_gathered=bool(keep_gathered), partial_dtype=str(partial_dtype),

@@ -68,11 +68,13 @@ from torch.autograd.function import once_differentiable
 import distfuse.kernels.matmul_all_reduce as all_reduce_kernels
 from distfuse import debug
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
+from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import Comm, check_linear_args, flat_rows, require_available
 from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_all_reduce
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.all_gather_features_matmul import gathered_k_workspace_bytes
+from distfuse.kernels.signature import SCATTER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = [
@@ -202,14 +204,19 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """
     if not P_sub.active:
         raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
-    check_linear_args(_OP, x, weight, bias, P_sub.device)
-    if grad_output not in GRAD_OUTPUTS:
-        raise expect(_OP, "grad_output", " or ".join(GRAD_OUTPUTS), repr(grad_output), cls=UnsupportedError)
-    if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-        raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
     W = P_sub.size
-    rows, N = math.prod(x.shape[:-1]), weight.shape[0]
-    algorithm = pick_algorithm(rows, N, x.dtype, algorithm)
+    # A check that fails here reaches every rank of P_sub through the op's first claim (fused/agreement.py); both
+    # algorithms' first claim has the reduce-scatter flag layout.
+    with refusal(_OP, P_sub, x, SCATTER_FLAGS, nbytes=lambda: matmul_all_reduce_workspace_bytes(
+            math.prod(x.shape[:-1]), weight.shape[0], W, x.dtype,
+            pick_algorithm(math.prod(x.shape[:-1]), weight.shape[0], x.dtype, algorithm), partial_dtype)):
+        check_linear_args(_OP, x, weight, bias, P_sub.device)
+        if grad_output not in GRAD_OUTPUTS:
+            raise expect(_OP, "grad_output", " or ".join(GRAD_OUTPUTS), repr(grad_output), cls=UnsupportedError)
+        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
+            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+        rows, N = math.prod(x.shape[:-1]), weight.shape[0]
+        algorithm = pick_algorithm(rows, N, x.dtype, algorithm)
     require_available(_OP, P_sub, x.device)
     debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
                           same=dict(rows=rows, N=N, dtype=str(x.dtype), grad_output=grad_output, algorithm=algorithm,

@@ -20,7 +20,8 @@ import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
 from distfuse._compat import all_gather_flat, reduce_scatter_flat
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
-from distfuse.fused.symmetric import get_workspace, symmetric_memory_available
+from distfuse.fused.agreement import agreed_workspace
+from distfuse.fused.symmetric import symmetric_memory_available
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import FLOAT_DTYPES
@@ -145,13 +146,15 @@ class Comm:
     def is_loopback(self) -> bool:
         return self._loopback is not None
 
-    def workspace(self, op: str, nbytes: int):
+    def workspace(self, op: str, nbytes: int, layout: str):
+        """The workspace for a phase that needs ``nbytes`` on every rank; ``layout`` is the phase consumer's flag
+        layout, for the collective growth (:func:`~distfuse.fused.agreement.agreed_workspace`)."""
         if self._loopback is not None:
             if self._loopback.nbytes < nbytes:
                 raise ShapeError(f"{where(op)}: loopback workspace: expected at least {nbytes} data bytes, got "
                                  f"{self._loopback.nbytes}")
             return self._loopback
-        return get_workspace(self.P, nbytes, self.device)
+        return agreed_workspace(self.P, self.device, op, nbytes, layout)
 
     def start_gather(self, op: str, xs, n: int):
         """Start gathering every rank's rows ``[B_, n_r, K]`` into ``[B_, n, K]``; ``.wait()`` gives one per rank.

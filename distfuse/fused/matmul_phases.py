@@ -62,9 +62,17 @@ from distfuse import debug
 from distfuse.fused.matmul_common import Comm
 from distfuse.fused.providers import run_push
 from distfuse.geometry.decomposition import block_extent
-from distfuse.kernels.signature import check_signatures, publish_signature, shape_signature
+from distfuse.kernels.signature import (
+    GATHER_FLAGS,
+    SCATTER_FLAGS,
+    check_signatures,
+    consumer_flags,
+    publish_signature,
+    shape_signature,
+)
 
-__all__ = ["alloc_output", "scatter_signature", "gather_signature", "run_matmul_reduce_scatter",
+__all__ = ["alloc_output", "scatter_signature", "gather_signature", "features_scatter_signature",
+           "features_gather_signature", "all_reduce_signature", "run_matmul_reduce_scatter",
            "run_all_gather_matmul", "run_matmul_reduce_scatter_features", "run_all_gather_features_matmul",
            "run_matmul_all_reduce"]
 
@@ -101,6 +109,28 @@ def gather_signature(op: str, shard: torch.Tensor, n: int) -> tuple[int, str]:
     return shape_signature("all_gather_matmul", lead, n, K, shard.dtype), what
 
 
+def features_scatter_signature(rows: int, N: int, dtype: torch.dtype, partial_dtype) -> tuple[int, str]:
+    """What every rank of a GEMM + reduce-scatter along the features agrees on: the rows, ``N``, the dtypes (its own
+    input features ``K_r`` excepted: the ZeRO forms' data-parallel workers differ there)."""
+    pd = partial_dtype or dtype
+    what = f"x [rows={rows}, K_r] of {dtype}, N={N}, partials {pd}"
+    return shape_signature("matmul_reduce_scatter_features", rows, N, dtype, pd), what
+
+
+def features_gather_signature(shard: torch.Tensor, K: int) -> tuple[int, str]:
+    """What every rank of an all-gather along the features + GEMM agrees on (its own output features excepted)."""
+    rows = math.prod(shard.shape[:-1])
+    what = f"x [rows={rows}, K_r of K={K}] of {shard.dtype}"
+    return shape_signature("all_gather_features_matmul", rows, K, shard.dtype), what
+
+
+def all_reduce_signature(algorithm: str, rows: int, N: int, dtype: torch.dtype, partial_dtype) -> tuple[int, str]:
+    """What every rank of a GEMM + all-reduce agrees on: the algorithm, the rows, ``N`` and the dtypes."""
+    pd = partial_dtype or dtype
+    what = f"{algorithm} over x [rows={rows}, K_r] of {dtype}, N={N}, partials {pd}"
+    return shape_signature("matmul_all_reduce", algorithm, rows, N, dtype, pd), what
+
+
 # ---------------------------------------------------------------- the two fused phases
 
 
@@ -115,7 +145,7 @@ def run_matmul_reduce_scatter(comm: Comm, op: str, xs, weights, biases, n: int, 
     W = comm.world_size
     if W == 1:
         return [F.linear(x, w, b) for x, w, b in zip(xs, weights, biases, strict=True)]
-    ws = comm.workspace(op, nbytes)
+    ws = comm.workspace(op, nbytes, SCATTER_FLAGS)
     lead = xs[0].shape[:-2]
     B = math.prod(lead)
     N_out = weights[0].shape[0]
@@ -130,7 +160,7 @@ def run_matmul_reduce_scatter(comm: Comm, op: str, xs, weights, biases, n: int, 
             out = alloc_output((B, len_r, N_out), x.dtype, x.device)
             reduce_scatter_kernels.chunk_reduce(ws, r, W, B, n, N_out, partial_dtype=partial_dtype or x.dtype, bias=b,
                                                 out_dtype=x.dtype, out=out)
-            check_signatures(ws, r, W, sig, out, flag_base=r * W, flag_stride=1, op=op, what=what)
+            check_signatures(ws, r, W, sig, out, **consumer_flags(SCATTER_FLAGS, r, W), op=op, what=what)
             outs.append(out.view(*lead, len_r, N_out))
     return outs
 
@@ -150,7 +180,7 @@ def run_all_gather_matmul(comm: Comm, op: str, shards, weights, biases, n: int, 
     if W == 1:
         ys = [F.linear(x, w, b) for x, w, b in zip(shards, weights, biases, strict=True)]
         return ys, [x if return_gathered else None for x in shards]
-    ws = comm.workspace(op, nbytes)
+    ws = comm.workspace(op, nbytes, GATHER_FLAGS)
     ys, gathered = [], []
     sig, what = gather_signature(op, shards[0], n)
     with ws.in_flight(op):
@@ -167,7 +197,7 @@ def run_all_gather_matmul(comm: Comm, op: str, shards, weights, biases, n: int, 
             # the caller's product with it is empty anyway.
             want = return_gathered and w.shape[0] > 0
             res = all_gather_kernels.gathered_matmul(x, w, ws, r, W, n, bias=b, out=out, return_gathered=want)
-            check_signatures(ws, r, W, sig, out, flag_base=0, flag_stride=W + 1, op=op, what=what)
+            check_signatures(ws, r, W, sig, out, **consumer_flags(GATHER_FLAGS, r, W), op=op, what=what)
             if want:
                 ys.append(res[0])
                 gathered.append(res[1])
@@ -187,17 +217,20 @@ def run_matmul_reduce_scatter_features(comm: Comm, op: str, xs, weights, biases,
     W = comm.world_size
     if W == 1:
         return [F.linear(x, w, b) for x, w, b in zip(xs, weights, biases, strict=True)]
-    ws = comm.workspace(op, nbytes)
+    ws = comm.workspace(op, nbytes, SCATTER_FLAGS)
     N = weights[0].shape[0]
     outs = []
+    sig, what = features_scatter_signature(math.prod(xs[0].shape[:-1]), N, xs[0].dtype, partial_dtype)
     with ws.in_flight(op):
         for r, x, w in zip(comm.ranks, xs, weights, strict=True):
+            publish_signature(ws, r, W, sig, op)
             rs_features_kernels.matmul_scatter_columns(x, w, ws, r, W, partial_dtype=partial_dtype or x.dtype)
         for r, x, b in zip(comm.ranks, xs, biases, strict=True):
             rows, len_r = math.prod(x.shape[:-1]), block_extent(N, W, r)
             out = alloc_output((rows, len_r), x.dtype, x.device)
             rs_features_kernels.column_reduce(ws, r, W, rows, N, partial_dtype=partial_dtype or x.dtype, bias=b,
                                               out_dtype=x.dtype, out=out)
+            check_signatures(ws, r, W, sig, out, **consumer_flags(SCATTER_FLAGS, r, W), op=op, what=what)
             outs.append(out.view(*x.shape[:-1], len_r))
     return outs
 
@@ -213,11 +246,13 @@ def run_all_gather_features_matmul(comm: Comm, op: str, shards, weights, biases,
     if W == 1:
         ys = [F.linear(x, w, b) for x, w, b in zip(shards, weights, biases, strict=True)]
         return ys, [x if return_gathered else None for x in shards]
-    ws = comm.workspace(op, nbytes)
+    ws = comm.workspace(op, nbytes, GATHER_FLAGS)
     K = weights[0].shape[1]
     ys, gathered = [], []
+    sig, what = features_gather_signature(shards[0], K)
     with ws.in_flight(op):
         for r, x in zip(comm.ranks, shards, strict=True):
+            publish_signature(ws, r, W, sig, op)
             ag_features_kernels.ag_push_columns(x, ws, r, W, K)
         for r, x, w, b in zip(comm.ranks, shards, weights, biases, strict=True):
             rows = math.prod(x.shape[:-1])
@@ -228,10 +263,12 @@ def run_all_gather_features_matmul(comm: Comm, op: str, shards, weights, biases,
                 # still needs it for its bias gradient).
                 ys.append(out.view(*x.shape[:-1], 0))
                 g = all_reduce_kernels.gather_columns(x.reshape(rows, x.shape[-1]), ws, r, W, K)
+                check_signatures(ws, r, W, sig, g, **consumer_flags(GATHER_FLAGS, r, W), op=op, what=what)
                 gathered.append(g.view(*x.shape[:-1], K))
                 continue
             res = ag_features_kernels.gathered_k_matmul(x, w, ws, r, W, bias=b, out=out,
                                                         return_gathered=return_gathered)
+            check_signatures(ws, r, W, sig, out, **consumer_flags(GATHER_FLAGS, r, W), op=op, what=what)
             ys.append(res[0] if return_gathered else res)
             gathered.append(res[1] if return_gathered else None)
     return ys, gathered
@@ -247,23 +284,32 @@ def run_matmul_all_reduce(comm: Comm, op: str, xs, weights, biases, algorithm: s
     W = comm.world_size
     if W == 1:
         return [F.linear(x, w, b) for x, w, b in zip(xs, weights, biases, strict=True)]
-    ws = comm.workspace(op, nbytes)
+    # Both algorithms' first claim is a reduce-scatter layout (one-shot: flags[r, s] of slot s on rank r).
+    ws = comm.workspace(op, nbytes, SCATTER_FLAGS)
     N = weights[0].shape[0]
     rows = math.prod(xs[0].shape[:-1])
     pd = partial_dtype or xs[0].dtype
     outs = [alloc_output((rows, N), x.dtype, x.device) for x in xs]
+    sig, what = all_reduce_signature(algorithm, rows, N, xs[0].dtype, partial_dtype)
     if algorithm == "one_shot":
         with ws.in_flight(op):
             for r, x, w, b in zip(comm.ranks, xs, weights, biases, strict=True):
+                publish_signature(ws, r, W, sig, op)
                 all_reduce_kernels.matmul_push(x, w, ws, r, W, partial_dtype=pd, bias=b)
             for r, x, out in zip(comm.ranks, xs, outs, strict=True):
                 all_reduce_kernels.all_reduce_slots(ws, r, W, rows, N, partial_dtype=pd, out_dtype=x.dtype, out=out)
+                check_signatures(ws, r, W, sig, out, **consumer_flags(SCATTER_FLAGS, r, W), op=op, what=what)
     else:
+        # Claim 1 checks the signature; claim 2's extents follow from what claim 1 agreed on.
         with ws.in_flight(f"{op}.reduce_scatter"):
             for r, x, w, b in zip(comm.ranks, xs, weights, biases, strict=True):
+                publish_signature(ws, r, W, sig, op)
                 rs_features_kernels.matmul_scatter_columns(x, w, ws, r, W, partial_dtype=pd, bias=b)
-            owns = [rs_features_kernels.column_reduce(ws, r, W, rows, N, partial_dtype=pd, out_dtype=x.dtype)
-                    for r, x in zip(comm.ranks, xs, strict=True)]
+            owns = []
+            for r, x in zip(comm.ranks, xs, strict=True):
+                own = rs_features_kernels.column_reduce(ws, r, W, rows, N, partial_dtype=pd, out_dtype=x.dtype)
+                check_signatures(ws, r, W, sig, own, **consumer_flags(SCATTER_FLAGS, r, W), op=op, what=what)
+                owns.append(own)
         with ws.in_flight(f"{op}.all_gather"):
             for r, own in zip(comm.ranks, owns, strict=True):
                 ag_features_kernels.ag_push_columns(own, ws, r, W, N)

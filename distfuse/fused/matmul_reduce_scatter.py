@@ -74,6 +74,7 @@ from torch.autograd.function import once_differentiable
 import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 from distfuse import debug
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
+from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
     check_linear_args,
@@ -94,7 +95,7 @@ from distfuse.fused.providers import check_provider, run_producer, select_provid
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
-from distfuse.kernels.signature import check_signatures, publish_signature
+from distfuse.kernels.signature import SCATTER_FLAGS, check_signatures, consumer_flags, publish_signature
 from distfuse.partition import Partition
 
 __all__ = [
@@ -140,7 +141,7 @@ def _run_forward(plan: _RSPlan, op: str, xs, weights, biases) -> list[torch.Tens
     if plan.provider == "triton" or comm.world_size == 1:
         return run_matmul_reduce_scatter(comm, op, xs, weights, biases, plan.n, plan.partial_dtype, plan.nbytes)
     W, n = comm.world_size, plan.n
-    ws = comm.workspace(op, plan.nbytes)
+    ws = comm.workspace(op, plan.nbytes, SCATTER_FLAGS)
     lead = xs[0].shape[:-2]
     B = math.prod(lead)
     N_out = weights[0].shape[0]
@@ -155,7 +156,7 @@ def _run_forward(plan: _RSPlan, op: str, xs, weights, biases) -> list[torch.Tens
             out = alloc_output((B, len_r, N_out), x.dtype, x.device)
             reduce_scatter_kernels.chunk_reduce(ws, r, W, B, n, N_out, partial_dtype=plan.partial_dtype or x.dtype,
                                                 bias=b, out_dtype=x.dtype, out=out)
-            check_signatures(ws, r, W, sig, out, flag_base=r * W, flag_stride=1, op=op, what=what)
+            check_signatures(ws, r, W, sig, out, **consumer_flags(SCATTER_FLAGS, r, W), op=op, what=what)
             outs.append(out.view(*lead, len_r, N_out))
     return outs
 
@@ -245,16 +246,19 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     """
     if not P_sub.active:
         raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
-    check_linear_args(_OP, x, weight, bias, P_sub.device)
-    if bias_grad not in BIAS_GRADS:
-        raise expect(_OP, "bias_grad", " or ".join(BIAS_GRADS), repr(bias_grad), cls=UnsupportedError)
-    if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-        raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
-    require_available(_OP, P_sub, x.device)
     W = P_sub.size
+    # A check that fails here reaches every rank of P_sub through the op's first claim (fused/agreement.py).
+    with refusal(_OP, P_sub, x, SCATTER_FLAGS, nbytes=lambda: matmul_reduce_scatter_workspace_bytes(
+            math.prod(x.shape[:-2]), x.shape[-2], weight.shape[0], W, x.dtype, partial_dtype)):
+        check_linear_args(_OP, x, weight, bias, P_sub.device)
+        if bias_grad not in BIAS_GRADS:
+            raise expect(_OP, "bias_grad", " or ".join(BIAS_GRADS), repr(bias_grad), cls=UnsupportedError)
+        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
+            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+        provider = _provider(provider, x, weight.shape[0], W)
+    require_available(_OP, P_sub, x.device)
     n, N = x.shape[-2], weight.shape[0]
     B = math.prod(x.shape[:-2])
-    provider = _provider(provider, x, N, W)
     debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
                           same=dict(n=n, N=N, lead=tuple(x.shape[:-2]), dtype=str(x.dtype), bias=bias is not None,
                                     partial_dtype=str(partial_dtype), bias_grad=bias_grad, provider=provider),

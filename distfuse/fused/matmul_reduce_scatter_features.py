@@ -41,6 +41,7 @@ from torch.autograd.function import once_differentiable
 
 from distfuse import debug
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
+from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
     check_linear_args,
@@ -54,6 +55,7 @@ from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_mat
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
+from distfuse.kernels.signature import SCATTER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = [
@@ -153,13 +155,16 @@ def matmul_reduce_scatter_features(x: torch.Tensor, weight: torch.Tensor, bias: 
     """
     if not P_sub.active:
         raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
-    check_linear_args(_OP, x, weight, None, P_sub.device)
     W, r = P_sub.size, P_sub.rank
-    N = weight.shape[0]
-    check_feature_bias(_OP, bias, N, W, r, x)
-    if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-        raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+    # A check that fails here reaches every rank of P_sub through the op's first claim (fused/agreement.py).
+    with refusal(_OP, P_sub, x, SCATTER_FLAGS, nbytes=lambda: matmul_reduce_scatter_features_workspace_bytes(
+            math.prod(x.shape[:-1]), weight.shape[0], W, x.dtype, partial_dtype)):
+        check_linear_args(_OP, x, weight, None, P_sub.device)
+        check_feature_bias(_OP, bias, weight.shape[0], W, r, x)
+        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
+            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
     require_available(_OP, P_sub, x.device)
+    N = weight.shape[0]
     rows = math.prod(x.shape[:-1])
     debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
                           same=dict(rows=rows, N=N, dtype=str(x.dtype), bias=bias is not None,

@@ -62,6 +62,7 @@ __all__ = [
     "WorkspaceBusyError",
     "WorkspaceBrokenError",
     "get_workspace",
+    "cached_workspace",
     "close_all",
     "symmetric_memory_available",
     "log_fallback_once",
@@ -263,6 +264,12 @@ def get_workspace(P: Partition, nbytes: int, device=None, *, timeout: float | No
     ws = SymmetricWorkspace(P, nbytes, device, generation=gen, timeout=timeout)
     _CACHE[key] = ws
     return ws
+
+
+def cached_workspace(P: Partition, device=None) -> SymmetricWorkspace | None:
+    """The cached workspace of ``P`` on ``device`` if it can serve an op (open, not broken), else None; local."""
+    ws = _CACHE.get(_key(P, _norm_device(P, device)))
+    return ws if ws is not None and not ws.closed and not ws.broken else None
 
 
 def close_all() -> None:

@@ -301,10 +301,23 @@ class _Workspace(abc.ABC):
             words = status.tolist()
             mismatched = [p for p in bad if words[p] < 0]
             if mismatched:
+                # The reserved words of distfuse.kernels.signature: -2 a peer refused its input, -3 it needed more room.
+                refused = [p for p in mismatched if words[p] == -2]
+                grow = [p for p in mismatched if words[p] == -3]
+                why = []
+                if refused:
+                    why.append(f"peer(s) {refused} refused their input (their own error says why) and took part "
+                               "without data")
+                if grow:
+                    why.append(f"peer(s) {grow} needed a larger workspace than the cached one, which this rank's call "
+                               "fits: they entered with larger extents")
+                if len(refused) + len(grow) < len(mismatched):
+                    why.append(f"peer(s) {[p for p in mismatched if p not in refused + grow]} entered it with a "
+                               "signature different from this rank's")
                 raise ShapeError(
                     f"{where(op)}: rank {rank} of {self.world_size}: the ranks disagree on the op's shapes or dtypes: "
-                    f"peer(s) {mismatched} entered it with a signature different from this rank's ({what}); every "
-                    "rank of the group must call it with the same extents and dtypes.  The op's output holds NaN.")
+                    f"{'; '.join(why)} ({what}); every rank of the group must call it with the same extents and "
+                    "dtypes.  The op's output holds NaN.")
             raise CollectiveTimeoutError(
                 f"{where(op)}: rank {rank} of {self.world_size}: {what}: expected flag epoch {epoch}, but the flag "
                 f"of peer(s) {bad} was not raised within the wait (timeout {self.timeout:.1f} s); a peer failed, "

@@ -65,6 +65,7 @@ serves both paths).  Each phase claims its workspace on its own.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from typing import NamedTuple
@@ -75,6 +76,7 @@ from torch.autograd.function import once_differentiable
 
 from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
     features_workspace_bytes,
@@ -91,6 +93,7 @@ from distfuse.fused.matmul_phases import (
 )
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
+from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = ["ZeroLinear", "zero_linear", "zero_linear_available", "zero_linear_workspace_bytes", "agreed_rows",
@@ -361,13 +364,21 @@ def zero_linear(x: torch.Tensor, shard: torch.Tensor, P_d: Partition, P_m: Parti
     gradients (x's and the shard's ``requires_grad`` alike), since which collectives the
     backward runs follows from them.
     """
-    rows, n = _check(x, shard, P_d, P_m, split, axis, out_features, in_features, n)
-    if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-        raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+    Wm, m = (1, 0) if P_m is None else (P_m.size, P_m.rank)
+    # With one model-parallel worker the op's first collective is the data-parallel workers' fused claim, so a
+    # check that fails here reaches them all through it (fused/agreement.py).  With several, the model-parallel
+    # workers' plain collectives would still wait for this rank: it raises alone, as before.
+    guard = refusal(_OP, P_d, x, GATHER_FLAGS, nbytes=lambda: zero_linear_workspace_bytes(
+        split, axis, rows=0, n=None, out_features=out_features, in_features=in_features, P_d_size=P_d.size,
+        P_m_size=1, m=0, dtype=x.dtype, partial_dtype=partial_dtype)[0]) if Wm == 1 and P_d.active \
+        else contextlib.nullcontext()
+    with guard:
+        rows, n = _check(x, shard, P_d, P_m, split, axis, out_features, in_features, n)
+        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
+            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
     if P_m is not None and P_m.size > 1:
         require_available(_OP, P_m, x.device)
     require_available(_OP, P_d, x.device)
-    Wm, m = (1, 0) if P_m is None else (P_m.size, P_m.rank)
     common = dict(out=int(out_features), in_=int(in_features), split=split, axis=axis, dtype=str(x.dtype),
                   keep_gathered=bool(keep_gathered), partial_dtype=str(partial_dtype))
     debug.check_agreement(_OP, P_d.ranks, P_d.meta_group, same=dict(common, m=m),

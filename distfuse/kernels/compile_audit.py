@@ -204,6 +204,9 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
                                 dict(TIMED=True, W_BLOCK=8, BLOCK=1024), 4, 1,
                                 pointer_dtypes={"flags_ptr": "i32", "sigs_ptr": "i32", "status_ptr": "i32",
                                                 "epoch_ptr": "i32"}, ints=ints, checks=("acquire_sys",)))
+        # A rank without a payload (a refused input, a workspace to grow): its word, then every flag it owes.
+        cases.append(KernelCase("abstain_signature", signature_kernels._abstain_kernel, dt, {}, 1, 1,
+                                pointer_dtypes={"flag_ptrs": "i64", "epoch_ptr": "i32"}, checks=("release_sys",)))
         cases.append(KernelCase("gather_columns", all_reduce_kernels._gather_columns_kernel, dt,
                                 dict(TIMED=True, **all_reduce_kernels._GATHER_CONFIG), 4, 1, pointer_dtypes=tables,
                                 ints=ints, aligned=("N", "stride_own"), checks=("acquire_sys",)))
@@ -335,6 +338,7 @@ def _select(dtypes, only: str | None) -> list[KernelCase]:
                 "raise_chunk_flag": _gemm_cases, "gathered_matmul": _gemm_cases, "chunk_reduce": _gemm_cases,
                 "ag_push": _gemm_cases, "gathered_k_matmul": _gemm_cases, "matmul_push": _gemm_cases,
                 "gather_columns": _gemm_cases, "publish_signature": _gemm_cases, "check_signatures": _gemm_cases,
+                "abstain_signature": _gemm_cases,
                 "halo": _halo_cases,
                 "conv_implicit": _conv_implicit_cases}
     builders = {f for name, f in families.items() if name.startswith(only) or only.startswith(name)}

@@ -22,6 +22,19 @@ peers differ and each peer sees it: all ranks raise :class:`~distfuse.errors.Sha
 a signature is published before the flags of the same op, so a word read after the flag
 wait is this op's, never a stale one.
 
+Two reserved words (negative: :func:`shape_signature` never gives one) let a rank take
+part in an op without a payload, so that its peers learn at once why it has none instead
+of waiting for a timeout (:func:`abstain`: the word, then every flag this rank raises as a
+source, on every peer, then the check)::
+
+    REFUSED  its own checks refused its input (a shard whose rows do not fit its block);
+             it raises its own error, every peer a ShapeError naming it
+    GROW     its call needs more workspace than the cached one holds; where every rank
+             says GROW they grow it together, else every rank raises a ShapeError
+
+A peer's status word keeps the reserved word it saw (MISMATCH otherwise), so the error
+says which case it was.
+
 The signature is a host integer baked into the launch: a captured CUDA graph keeps it,
 which is right (a graph replays the captured shapes).  Costs two one-program launches
 per op on a GPU (the check's grid also covers the output for the poison, which is written
@@ -39,10 +52,18 @@ import triton.language as tl
 from distfuse.kernels._utils import TIMED_WAITS, claimed_rank_view, timeout_arg
 from distfuse.kernels.jit_helpers import wait_flag
 
-__all__ = ["MISMATCH", "shape_signature", "publish_signature", "check_signatures"]
+__all__ = ["MISMATCH", "REFUSED", "GROW", "SCATTER_FLAGS", "GATHER_FLAGS", "consumer_flags", "shape_signature",
+           "publish_signature", "check_signatures", "abstain"]
 
 #: The status word of a peer whose signature differs from this rank's (timeouts write the epoch, which is > 0).
 MISMATCH = -1
+#: The word of a rank whose own checks refused its input: it takes part without a payload, then raises its error.
+REFUSED = -2
+#: The word of a rank whose call needs a larger workspace than the cached one (see :func:`abstain`).
+GROW = -3
+#: Where a consumer finds the flag of peer ``s``: a reduce-scatter phase reads ``flags[rank, s]`` (the slot ``s``
+#: wrote for this rank), an all-gather phase ``flags[s, s]`` (chunk ``s``, pushed by ``s``).
+SCATTER_FLAGS, GATHER_FLAGS = "scatter", "gather"
 _POISON_BLOCK = 1024
 
 
@@ -76,7 +97,8 @@ def _check_signatures_kernel(flags_ptr, sigs_ptr, status_ptr, out_ptr, numel, ra
     got = tl.load(sigs_ptr + src, mask=peer, other=0, volatile=True)
     bad = peer & (got != sig)
     if pid == 0:
-        tl.store(status_ptr + src, tl.full([W_BLOCK], -1, tl.int32), mask=bad)
+        # A reserved (negative) word is kept, so the host can say why; any other difference is MISMATCH (-1).
+        tl.store(status_ptr + src, tl.where(got < 0, got, -1), mask=bad)
     n_bad = tl.sum(bad.to(tl.int32), axis=0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     nan = tl.full([BLOCK], float("nan"), tl.float32).to(out_ptr.dtype.element_ty)
@@ -84,13 +106,50 @@ def _check_signatures_kernel(flags_ptr, sigs_ptr, status_ptr, out_ptr, numel, ra
     tl.store(out_ptr + offs, nan, mask=(offs < numel) & ((tl.zeros([BLOCK], tl.int32) + n_bad) > 0))
 
 
+@triton.jit(do_not_specialize=["rank", "W", "word", "sig_offset"])
+def _abstain_kernel(flag_ptrs, rank, W, word, sig_offset, epoch_ptr):
+    """One program: ``sigs[rank] = word`` on every peer, then every flag ``flags[c, rank]`` of every rank (release).
+
+    Every flag whose source is this rank, whatever the phase: the peers' consumers find the
+    ones they wait on (a reduce-scatter's ``flags[p, rank]``, an all-gather's ``flags[rank, rank]``).
+    """
+    epoch = tl.load(epoch_ptr)
+    for p in range(0, W):
+        words = tl.load(flag_ptrs + p).to(tl.pointer_type(tl.int32))
+        if p != rank:
+            tl.atomic_xchg(words + sig_offset + rank, word, sem="release", scope="sys")
+        for c in range(0, W):
+            tl.atomic_xchg(words + c * W + rank, epoch, sem="release", scope="sys")
+
+
+def consumer_flags(layout: str, rank: int, world_size: int) -> dict:
+    """``flag_base`` and ``flag_stride`` of :func:`check_signatures` for a phase's layout (``SCATTER_FLAGS`` or
+    ``GATHER_FLAGS``)."""
+    if layout == SCATTER_FLAGS:
+        return dict(flag_base=rank * world_size, flag_stride=1)
+    if layout == GATHER_FLAGS:
+        return dict(flag_base=0, flag_stride=world_size + 1)
+    raise ValueError(f"consumer_flags: layout {layout!r} is not {SCATTER_FLAGS!r} or {GATHER_FLAGS!r}")
+
+
+def _sig_offset(st) -> int:
+    """The signature words' offset in the header in int32 words (the same on every rank), from this rank's views."""
+    return (st.sigs.data_ptr() - st.flags.data_ptr()) // 4
+
+
+def _launch_check(st, rank: int, world_size: int, sig: int, flat: torch.Tensor, flag_base: int,
+                  flag_stride: int) -> None:
+    grid = (max(1, triton.cdiv(flat.numel(), _POISON_BLOCK)),)
+    _check_signatures_kernel[grid](st.flags, st.sigs, st.status, flat, flat.numel(), rank, world_size, sig,
+                                   flag_base, flag_stride, st.epoch_dev, timeout_arg(st), TIMED=TIMED_WAITS,
+                                   W_BLOCK=triton.next_power_of_2(world_size), BLOCK=_POISON_BLOCK)
+
+
 def publish_signature(ws, rank: int, world_size: int, sig: int, op: str = "publish_signature") -> None:
     """Write ``sig`` into this rank's signature word on every peer; call inside the claim, before the producer."""
     st = claimed_rank_view(op, ws, rank, world_size, ws.device)
     if world_size > 1:
-        # The signature words' offset in the header (the same on every rank), from this rank's own views of it.
-        sig_offset = (st.sigs.data_ptr() - st.flags.data_ptr()) // 4
-        _publish_signature_kernel[(1,)](st.flag_ptrs, rank, world_size, sig, sig_offset)
+        _publish_signature_kernel[(1,)](st.flag_ptrs, rank, world_size, sig, _sig_offset(st))
 
 
 def check_signatures(ws, rank: int, world_size: int, sig: int, out: torch.Tensor, *, flag_base: int,
@@ -105,9 +164,33 @@ def check_signatures(ws, rank: int, world_size: int, sig: int, out: torch.Tensor
     st = claimed_rank_view(op, ws, rank, world_size, ws.device)
     if world_size == 1:
         return
-    flat = out.view(-1)
-    grid = (max(1, triton.cdiv(flat.numel(), _POISON_BLOCK)),)
-    _check_signatures_kernel[grid](st.flags, st.sigs, st.status, flat, flat.numel(), rank, world_size, sig,
-                                   flag_base, flag_stride, st.epoch_dev, timeout_arg(st), TIMED=TIMED_WAITS,
-                                   W_BLOCK=triton.next_power_of_2(world_size), BLOCK=_POISON_BLOCK)
+    _launch_check(st, rank, world_size, sig, out.view(-1), flag_base, flag_stride)
     st.check_status(op, what)
+
+
+def abstain(ws, rank: int, world_size: int, word: int, layout: str, *, op: str, what: str,
+            raise_on_mismatch: bool) -> None:
+    """Take part in this claim without a payload: publish ``word`` (:data:`REFUSED` or :data:`GROW`), raise every
+    flag this rank owes its peers, pass the consumer's host barrier, wait for the peers' flags and compare words.
+
+    Call inside the claim, in place of the phase's producer and consumer, so every peer's
+    flag waits and barriers are met and nobody waits for a timeout.  The peers' slots in
+    this rank's buffer are left unread.  ``layout`` is the phase's (``SCATTER_FLAGS`` or
+    ``GATHER_FLAGS``).  ``raise_on_mismatch``: raise :class:`~distfuse.errors.ShapeError`
+    if a peer's word differs from ``word`` (:data:`GROW`: the peers did not all ask to
+    grow); else the caller raises its own error (:data:`REFUSED`).  Either way the status
+    words are read before returning (a device sync), so no peer still writes into this
+    rank's buffer once the caller lets the claim go.
+    """
+    st = claimed_rank_view(op, ws, rank, world_size, ws.device)
+    if world_size == 1:
+        return
+    _abstain_kernel[(1,)](st.flag_ptrs, rank, world_size, word, _sig_offset(st), st.epoch_dev)
+    st.wait_producers()  # the consumer's host barrier on CPU (every peer's consumer passes one)
+    _launch_check(st, rank, world_size, word, torch.empty(0, device=ws.device), **consumer_flags(layout, rank,
+                                                                                                   world_size))
+    status = st.status.clone() if st.status.device.type == "cpu" else st.status
+    if raise_on_mismatch:
+        ws.raise_on_status(status, rank, ws.epoch, op, what)
+    else:
+        status.tolist()  # the sync: every flag wait of the check has finished

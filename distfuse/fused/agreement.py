@@ -1,0 +1,103 @@
+"""What the GEMM fusions' agreement check needs before a payload moves: a workspace too small on some ranks only,
+and a rank whose own checks refused its input.
+
+The signature words (:mod:`distfuse.kernels.signature`) catch ranks that enter an op with
+different shapes, but only once every rank is inside the op's claim.  Two disagreements
+stop one rank short of it, and its peers would wait in the claim until the timeout:
+
+* **The cached workspace is too small for this rank's call.**  Growing it is collective
+  over the group, and a rank cannot know whether its peers grow too.  In a correct
+  program they all do (they ask for the same bytes), so the rank first claims the cached
+  workspace and publishes :data:`~distfuse.kernels.signature.GROW` instead of a payload
+  (:func:`agreed_workspace`).  Where every rank said GROW, they grow together and run
+  the op; where a peer's call fit, that peer ran the op, saw GROW and raises, and so does
+  this rank (:class:`~distfuse.errors.ShapeError`, promptly).  One extra claim per growth,
+  which happens a handful of times per run.
+* **A local check refused this rank's input** (a shard whose rows do not fit its block
+  of ``n``, a dtype or feature extent the others do not share).  The op calls
+  :func:`refuse` from :func:`refusal`: the rank takes part in the op's first claim with
+  :data:`~distfuse.kernels.signature.REFUSED` and no payload, then raises its own error;
+  every peer's check sees the word and raises a ShapeError that points at it.
+
+Both replay exactly the host steps a peer takes before that claim (the availability
+verdict, the ``DISTFUSE_DEBUG=1`` metadata check, the workspace set-up), so the two
+sides never sit in different collectives.  With ``DISTFUSE_DEBUG=1`` the metadata check
+already makes every rank raise, and no claim runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from distfuse import debug
+from distfuse.errors import CollectiveMismatchError, ShapeError, UnsupportedError
+from distfuse.fused.symmetric import cached_workspace, get_workspace, symmetric_memory_available
+from distfuse.kernels.signature import GROW, REFUSED, abstain
+from distfuse.partition import Partition
+
+__all__ = ["agreed_workspace", "refuse", "refusal"]
+
+
+def agreed_workspace(P: Partition, device, op: str, nbytes: int, layout: str):
+    """The workspace of ``P`` for a phase that needs ``nbytes``; grown (collectively) only where every rank asks.
+
+    ``layout`` is the phase consumer's flag layout (``SCATTER_FLAGS`` / ``GATHER_FLAGS``
+    of :mod:`distfuse.kernels.signature`): the peers that fit the cached workspace run
+    the phase on it, and this rank waits on the flags they raise.
+    """
+    cached = cached_workspace(P, device)
+    if P.size > 1 and cached is not None and cached.nbytes < nbytes and not debug.enabled():
+        # (DISTFUSE_DEBUG=1: get_workspace's own metadata check makes every rank raise instead.)
+        what = (f"this rank's call needs {nbytes} workspace bytes, the cached workspace holds {cached.nbytes}; "
+                "the peers' calls fit it")
+        with cached.in_flight(f"{op}.grow"):
+            abstain(cached, P.rank, P.size, GROW, layout, op=op, what=what, raise_on_mismatch=True)
+    return get_workspace(P, nbytes, device)
+
+
+def refuse(error: Exception, P: Partition, device, op: str, layout: str, nbytes: int = 0):
+    """Raise ``error`` (a local check's) after taking part in the op's first claim with no payload.
+
+    ``nbytes``: the workspace the op would have asked for, used only where none is cached
+    (the set-up is collective; the ranks take the largest request).  Where the fused path
+    is unavailable on ``P`` every rank raises on its own anyway, so ``error`` is raised at once.
+    """
+    if not P.active or P.size == 1:
+        raise error
+    ok, _ = symmetric_memory_available(P, device)  # where the peers ask require_available (collective once)
+    if not ok:
+        raise error
+    if debug.enabled():
+        # The peers' metadata check differs from this record: every rank raises there (its own error here).
+        with contextlib.suppress(CollectiveMismatchError):
+            debug.check_agreement(op, P.ranks, P.meta_group, same=dict(refused=f"{type(error).__name__}: {error}"))
+        raise error
+    ws = cached_workspace(P, device) or get_workspace(P, nbytes, device)
+    with ws.in_flight(op):
+        abstain(ws, P.rank, P.size, REFUSED, layout, op=op, what="this rank refused its input",
+                raise_on_mismatch=False)
+        raise error  # inside the claim: the workspace is marked broken on this rank too, as on its peers
+
+
+@contextlib.contextmanager
+def refusal(op: str, P: Partition, x, layout: str, nbytes=lambda: 0):
+    """Run an op's local checks; a ShapeError or UnsupportedError they raise reaches every rank (:func:`refuse`).
+
+    Wrap the checks that precede the op's ``require_available``: the refusing rank asks for
+    the availability verdict where its peers do, and no other host collective may follow
+    the checks before the first claim (one before them, such as the all-gather's sum of
+    the block extents, is fine).  ``x`` is the op's input (its device, where it is a tensor
+    on ``P``'s device type); ``nbytes()`` estimates the op's workspace request from the
+    possibly bad arguments (0 where it cannot).
+    """
+    try:
+        yield
+    except (ShapeError, UnsupportedError) as exc:
+        try:
+            guess = int(nbytes())
+        except Exception:  # noqa: BLE001 - bad arguments may not even give a size; 0 asks for nothing more
+            guess = 0
+        ok = isinstance(x, torch.Tensor) and x.device.type == P.device.type
+        refuse(exc, P, x.device if ok else P.device, op, layout, guess)
