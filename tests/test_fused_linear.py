@@ -290,7 +290,8 @@ def _rank_available_and_checks():
     avail = [fused_linear_available(P3, torch.device("cpu"), dt) for dt in (torch.float32, torch.float64)]
     x, w = torch.randn(2, 7, 4), torch.randn(12, 4)
     errors = {}
-    # Every rank raises the same local error before any collective (no peer is left waiting).
+    # Every rank makes the same bad call and raises its own local error: after at most one workspace claim that
+    # carries its refusal (distfuse/fused/agreement.py), so no peer is left waiting.
     for name, call in {
         "rs-weight-mismatch": lambda: matmul_reduce_scatter(x, torch.randn(12, 5), None, P3),
         "rs-fp64": lambda: matmul_reduce_scatter(x.double(), w.double(), None, P3),
