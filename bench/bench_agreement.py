@@ -19,8 +19,12 @@ only (the check runs in forward), on ``W`` ranks:
 
 Layers (2-D, ``P_x = [1, 1, a, b]`` with ``a * b = W``): the feature conv 3x3 (flag in the
 parameter broadcast), the general conv 3x3 with ``P_w`` (flag round), max pooling 3/2
-(flag round), the ``HaloExchange`` and ``Broadcast`` modules (flag round).  ``ratio`` =
-provider / ``trusted``; the check's cost is ``ratio - 1`` of the layer's time.
+(flag round), the ``HaloExchange`` and ``Broadcast`` modules (flag round).  Linears
+(``rows x in_features -> out_features``, ``[1, W]`` over every rank): the all-gather
+linear (flag in the all-gather), the reduce-scatter linear (flag in the reduce-scatter)
+and ``DistributedLinear`` with ``P_x = P_w = [1, W]`` and ``P_y`` on the first rank (flag
+round: its broadcast and sum-reduce are point to point).  ``ratio`` = provider /
+``trusted``; the check's cost is ``ratio - 1`` of the layer's time.
 
 Timing: ``bench.harness.time_interleaved``, slowest rank per run, quantiles [0.5, 0.2, 0.8].
 
@@ -45,13 +49,19 @@ from bench.spatial_common import check_agree, grid_for, partition_for  # noqa: E
 
 NAME = "agreement"
 ANCHOR = "trusted"
-# (op, global input shape [B, C, H, W]).  CPU: a few ms per run per rank.
+# (op, global input shape [B, C, H, W]; for the linears (rows, in_features, out_features)).  CPU: a few ms per run
+# per rank.
+LINEARS = ("linear_all_gather", "linear_reduce_scatter", "general_linear")
 CASES = [("feature_conv2d", (2, 8, 64, 64)), ("general_conv2d", (2, 8, 64, 64)), ("max_pool2d", (2, 8, 128, 128)),
-         ("halo_exchange", (2, 8, 128, 128)), ("broadcast", (2, 8, 64, 64))]
+         ("halo_exchange", (2, 8, 128, 128)), ("broadcast", (2, 8, 64, 64)), ("linear_all_gather", (256, 256, 256)),
+         ("linear_reduce_scatter", (256, 256, 256)), ("general_linear", (256, 256, 256))]
 GPU_CASES = [("feature_conv2d", (8, 64, 256, 256)), ("general_conv2d", (8, 64, 256, 256)),
-             ("max_pool2d", (8, 64, 512, 512)), ("halo_exchange", (8, 64, 512, 512)), ("broadcast", (8, 64, 256, 256))]
+             ("max_pool2d", (8, 64, 512, 512)), ("halo_exchange", (8, 64, 512, 512)), ("broadcast", (8, 64, 256, 256)),
+             ("linear_all_gather", (8192, 4096, 4096)), ("linear_reduce_scatter", (8192, 4096, 4096)),
+             ("general_linear", (8192, 4096, 4096))]
 SMOKE_CASES = [("feature_conv2d", (1, 2, 8, 8)), ("max_pool2d", (1, 2, 8, 8)), ("halo_exchange", (1, 2, 8, 8)),
-               ("broadcast", (1, 2, 8, 8)), ("general_conv2d", (1, 2, 8, 8))]
+               ("broadcast", (1, 2, 8, 8)), ("general_conv2d", (1, 2, 8, 8)), ("linear_all_gather", (5, 6, 4)),
+               ("linear_reduce_scatter", (5, 6, 4)), ("general_linear", (5, 6, 4))]
 NO_CUDA = "unmeasured: no CUDA in this run (the GPU shapes and the inband row run under torchrun with NCCL)"
 
 
@@ -63,12 +73,22 @@ def _config(smoke: bool, dtype: torch.dtype, cuda: bool) -> dict:
     return dict(cases=CASES, warmup=3, rounds=6, reps=10, dtype=dtype)
 
 
-def _layer(op: str, P_x, C: int, dtype: torch.dtype, device):
+def _layer(op: str, P_x, C: int, dtype: torch.dtype, device, shape=None):
     """``(callable, the agreement site)`` of the layer under test."""
+    from distfuse.layers import DistributedLinear, DistributedLinearAllGather, DistributedLinearReduceScatter
     from distfuse.layers.conv import DistributedConv2d
     from distfuse.layers.pool import DistributedMaxPool2d
     from distfuse.primitives import Broadcast, HaloExchange
 
+    if op in LINEARS:
+        _, n_in, n_out = shape
+        if op == "linear_all_gather":
+            m = DistributedLinearAllGather(P_x, n_in, n_out, dtype=dtype, device=device)
+        elif op == "linear_reduce_scatter":
+            m = DistributedLinearReduceScatter(P_x, n_in, n_out, dtype=dtype, device=device)
+        else:  # every worker holds an input block; the output is sum-reduced onto the first rank
+            m = DistributedLinear(P_x, _root_of(P_x), P_x, n_in, n_out, dtype=dtype, device=device)
+        return m, m.agreement
     if op == "feature_conv2d":
         m = DistributedConv2d(P_x, C, C, 3, padding=1, dtype=dtype, device=device)
         return m, m.agreement
@@ -103,8 +123,15 @@ def _general_y(P_x):
         [1, 1, 1, W // 2])
 
 
+def _linear_partition(W: int):
+    """``[1, W]`` over every rank: one data-parallel block, ``W`` model-parallel workers."""
+    from distfuse.partition import Partition
+
+    return Partition.world().create_partition_inclusive(list(range(W))).create_cartesian_topology_partition([1, W])
+
+
 def _root_of(P_x):
-    """A one-worker partition [1, 1, 1, 1] on ``P_x``'s first rank (collective over the world)."""
+    """A one-worker partition of ``P_x``'s dimensions (all ones) on its first rank (collective over the world)."""
     from distfuse.partition import Partition
 
     return Partition.world().create_partition_inclusive([P_x.ranks[0]]).create_cartesian_topology_partition(
@@ -115,6 +142,8 @@ def _block(op: str, shape, P_x, dtype, device, gen):
     from distfuse.geometry.decomposition import local_shape
     from distfuse.partition import zero_volume_tensor
 
+    if op in LINEARS:  # [rows, in_features], the features split
+        shape = shape[:2]
     if op == "broadcast":  # the root's whole tensor, the others nothing
         if dist.get_rank() != P_x.ranks[0]:
             return zero_volume_tensor(dtype=dtype, device=device)
@@ -138,8 +167,11 @@ def bench_rank(cfg: dict) -> list:
     for op, shape in cfg["cases"]:
         if op == "general_conv2d" and W % 2:
             continue
-        P_x = _general_partitions(W) if op == "general_conv2d" else partition_for(grid_for(2, W))
-        layer, site = _layer(op, P_x, shape[1], dtype, device)
+        if op in LINEARS:
+            P_x = _linear_partition(W)
+        else:
+            P_x = _general_partitions(W) if op == "general_conv2d" else partition_for(grid_for(2, W))
+        layer, site = _layer(op, P_x, shape[1], dtype, device, shape)
         x = _block(op, shape, P_x, dtype, device, torch.Generator().manual_seed(99 + dist.get_rank()))
 
         forgets = [0]
@@ -171,16 +203,19 @@ def bench_rank(cfg: dict) -> list:
             extra = dict(device=device.type, backend=dist.get_backend(), samples=len(times[n]),
                          flags="host round" if (n == "host" or (n == "agreed" and cuda)) else
                          ("none" if n == ANCHOR else "in band" if n in ("agreed", "inband") else "metadata gather"))
-            if op in ("general_conv2d", "max_pool2d", "halo_exchange", "broadcast") and n in ("agreed", "inband"):
+            if op in ("general_conv2d", "max_pool2d", "halo_exchange", "broadcast", "general_linear") and n in (
+                    "agreed", "inband"):
                 extra["flags"] = "host round (no message reaches every worker)"
             if n == "gather":  # equal counts: only this provider gathered, once per call
                 extra["metadata_gathers"], extra["calls"] = gathers, forgets[0]
             if device.type == "cpu":
                 extra["timing"] = "CPU/gloo wall clock, 1 thread per rank; not a GPU result"
                 extra["cuda"] = NO_CUDA
-            rows.append(dict(op=op, provider=n, mode="fwd",
-                             shape=dict(batch=shape[0], channels=shape[1], extent=list(shape[2:]),
-                                        grid=list(P_x.shape[2:])),
+            if op in LINEARS:
+                geometry = dict(rows=shape[0], in_features=shape[1], out_features=shape[2], grid=list(P_x.shape))
+            else:
+                geometry = dict(batch=shape[0], channels=shape[1], extent=list(shape[2:]), grid=list(P_x.shape[2:]))
+            rows.append(dict(op=op, provider=n, mode="fwd", shape=geometry,
                              dtype=str(dtype).split(".")[-1], world_size=W, ms=ms, ms_q20=q20, ms_q80=q80,
                              rate=None, rate_unit="", extra=extra))
     return rows

@@ -72,7 +72,8 @@ def test_bench_agreement_smoke(tmp_path):
         if r.provider == "gather":
             assert r.extra["metadata_gathers"] == r.extra["calls"] >= 2, r
         seen.setdefault(r.op, set()).add(r.provider)
-    assert set(seen) == {"feature_conv2d", "general_conv2d", "max_pool2d", "halo_exchange", "broadcast"}
+    assert set(seen) == {"feature_conv2d", "general_conv2d", "max_pool2d", "halo_exchange", "broadcast",
+                         "linear_all_gather", "linear_reduce_scatter", "general_linear"}
     assert all(p == {"trusted", "agreed", "host", "gather"} for p in seen.values()), seen
     path = write_results(bench_agreement.NAME, rows, out_dir=tmp_path, smoke=True)
     assert [Row(**d) for d in json.loads(path.read_text())["rows"]] == rows

@@ -1,4 +1,4 @@
-"""CUDA-graph capture safety of the halo-convolution hot path, checked on CPU; and a capture on a GPU.
+"""CUDA-graph capture safety of the halo-convolution and linear hot paths, checked on CPU; and captures on a GPU.
 
 A CUDA graph replays device work only: a captured region must not read a device tensor on
 the host (``.item()``, ``bool(t)``, ``.tolist()``, ``nonzero``: illegal while capturing),
@@ -36,9 +36,17 @@ producer):
 * gives bitwise the eager results, also after the device epoch has been moved on behind
   the host's back (as replays do): the kernels read the device epoch, not the host's.
 
+The linear layers (all-gather into reduce-scatter on ``[2, 2]``, and ``DistributedLinear``
+with ``P_w`` workers outside ``P_x``), a warm training step inside ``capture_safe()`` on CPU:
+no host read, no host-side collective (int64 records and flag rounds; the data collectives
+and point-to-point rounds are counted apart), one trusted call per layer, bitwise the eager
+results; outside ``capture_safe()`` the same step reads its flags (the control).  A call
+that changes its shape inside ``capture_safe()`` raises ``UnsupportedError`` on its worker.
+
 The ``cuda`` tests capture forward and backward of the halo layer in a ``torch.cuda.CUDAGraph``
-(one rank, NCCL), and forward and backward of the fused GEMM ops on a loopback workspace
-(every virtual rank on one GPU), and replay them on new data against eager.
+(one rank, NCCL), a training step of the three linear layers (one rank, NCCL), and forward
+and backward of the fused GEMM ops on a loopback workspace (every virtual rank on one GPU),
+and replay them on new data against eager (the linears: against float64).
 """
 
 from __future__ import annotations
@@ -172,6 +180,145 @@ def _shape_change_refused():
 def test_capture_safe_refuses_a_changed_call():
     for msg in run_ranks(4, _shape_change_refused):
         assert msg is not None and "warm up" in msg
+
+
+# ---------------------------------------------------------------- the linear layers
+
+
+class _CollectiveKinds:
+    """Counts host-side collectives apart from data collectives (patched for the duration of a ``with``).
+
+    On gloo the metadata records, the agreement flag rounds and the data share a group, so
+    the kind is read from the tensors: int64 records and flags are host-side (they run on
+    the host meta group under NCCL too), floating tensors are data (which NCCL captures);
+    object collectives and barriers are host-side.  Point-to-point batches are counted
+    apart.
+    """
+
+    def __enter__(self):
+        self.host, self.data, self.p2p, self._saved = [], 0, 0, []
+
+        def counting(name, fn):
+            def wrapper(*args, **kwargs):
+                tensors = [a for a in args if isinstance(a, torch.Tensor)]
+                if tensors and all(t.is_floating_point() for t in tensors):
+                    self.data += 1
+                else:
+                    self.host.append(name)
+                return fn(*args, **kwargs)
+            return wrapper
+
+        for mod, names in ((dist, _HostCollectives.NAMES), (compat, ("_ALL_GATHER", "_REDUCE_SCATTER"))):
+            for name in names:
+                self._saved.append((mod, name, getattr(mod, name)))
+                setattr(mod, name, counting(name, getattr(mod, name)))
+        batch = dist.batch_isend_irecv
+
+        def counting_batch(ops):
+            self.p2p += 1
+            return batch(ops)
+
+        self._saved.append((dist, "batch_isend_irecv", batch))
+        dist.batch_isend_irecv = counting_batch
+        return self
+
+    def __exit__(self, *exc):
+        for mod, name, fn in reversed(self._saved):
+            setattr(mod, name, fn)
+
+
+def _linear_layers(kind: str):
+    """``(forward function, the layers, the input partition, x global, dy global)`` of a small training step."""
+    from distfuse.layers import DistributedLinear, DistributedLinearAllGather, DistributedLinearReduceScatter
+
+    gen = torch.Generator().manual_seed(5)
+    if kind == "mlp":  # all-gather linear into reduce-scatter linear on [2, 2], ranks permuted, uneven blocks
+        P = grid((2, 0, 3, 1), (2, 2))
+        torch.manual_seed(1)
+        ag, rs = DistributedLinearAllGather(P, 7, 9), DistributedLinearReduceScatter(P, 9, 5)
+        return (lambda x: rs(ag(x))), [ag, rs], P, P, torch.randn(5, 7, generator=gen), torch.randn(5, 5,
+                                                                                                      generator=gen)
+    P_x, P_y, P_w = grid((0, 1), (1, 2)), grid((3, 2), (1, 2)), grid((2, 0, 3, 1), (2, 2))  # P_w outside P_x too
+    torch.manual_seed(1)
+    layer = DistributedLinear(P_x, P_y, P_w, 7, 5)
+    return layer, [layer], P_x, P_y, torch.randn(4, 7, generator=gen), torch.randn(4, 5, generator=gen)
+
+
+def _linear_hot_path(kind: str):
+    from distfuse import zero_volume_tensor
+
+    fn, layers, P_in, P_out, xg, dyg = _linear_layers(kind)
+
+    def step():
+        x = (xg[local_slices(xg.shape, P_in.shape, P_in.index)] if P_in.active else zero_volume_tensor()).clone()
+        x.requires_grad_(True)
+        y = fn(x)
+        dy = dyg[local_slices(dyg.shape, P_out.shape, P_out.index)] if P_out.active else torch.zeros_like(y)
+        y.backward(dy)
+        out = [y.detach(), x.grad if x.grad is not None else torch.zeros(0)]
+        out += [p.grad.clone() for m in layers for p in m.parameters()]
+        for m in layers:
+            m.zero_grad(set_to_none=True)
+        return out
+
+    step(), step()  # warm-up: the agreement settles
+    eager = step()
+    calls = [m.agreement.calls for m in layers]
+    with _CollectiveKinds() as coll, _HostReads() as reads, capture_safe():
+        trusted = step()
+    trusted_calls = [m.agreement.calls - c for m, c in zip(layers, calls, strict=True)]
+    with _CollectiveKinds() as control_coll, _HostReads() as control:  # outside capture_safe: the flag is read
+        step()
+    return dict(reads=reads.reads, collectives=coll.host, data=coll.data, p2p=coll.p2p,
+                control=control.reads, control_collectives=control_coll.host, trusted_calls=trusted_calls,
+                same=all(torch.equal(a, b) for a, b in zip(trusted, eager, strict=True)), n=len(eager),
+                paths=[m.last_path for m in layers])
+
+
+@pytest.mark.parametrize("kind", ["mlp", "general"])
+def test_linear_training_step_is_capture_safe(kind):
+    """A warm training step of the linears inside ``capture_safe()``: no host read, no host collective, bitwise eager.
+
+    ``mlp``: all-gather linear into reduce-scatter linear (the flag in the data message on
+    CPU); ``general``: ``DistributedLinear`` with P_w workers outside P_x (the flag in a
+    host round).  The control (the same step outside ``capture_safe()``) must read the flag.
+    """
+    for rank, r in enumerate(run_ranks(4, _linear_hot_path, kind)):
+        assert set(r["paths"]) <= {"unfused"}, r["paths"]
+        assert r["reads"] == [], f"rank {rank}: host reads inside the capture-safe step: {r['reads']}"
+        assert r["collectives"] == [], f"rank {rank}: host-side collectives: {r['collectives']}"
+        assert r["data"] + r["p2p"] > 0, f"rank {rank}: no data round counted (the counters have no teeth)"
+        assert r["control"], f"rank {rank}: the eager steady state read no flag (the read counter has no teeth)"
+        if kind == "general":  # its flag is a host round: the collective counter sees it outside capture_safe
+            assert "all_reduce" in r["control_collectives"], r["control_collectives"]
+        assert all(c == 1 for c in r["trusted_calls"]), f"rank {rank}: {r['trusted_calls']} trusted calls per layer"
+        assert r["same"], f"rank {rank}: the capture-safe step differs from the eager one"
+
+
+def _linear_shape_change_refused():
+    from distfuse.errors import UnsupportedError
+    from distfuse.layers import DistributedLinear, DistributedLinearAllGather, DistributedLinearReduceScatter
+
+    P = grid(range(4), (2, 2))
+    P_x, P_y = grid((1, 0, 2, 3), (1, 4)), grid((1,), (1, 1))  # every worker of the general layer holds an input
+    layers = {"all_gather": (DistributedLinearAllGather(P, 4, 4), 2), "reduce_scatter":
+              (DistributedLinearReduceScatter(P, 4, 4), 2), "general": (DistributedLinear(P_x, P_y, P_x, 4, 3), 1)}
+    out = {}
+    for name, (layer, features) in layers.items():
+        layer(torch.randn(3, features))
+        try:
+            with capture_safe():
+                layer(torch.randn(2, features))  # every worker changes its rows: every worker refuses locally
+            out[name] = None
+        except UnsupportedError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_linear_capture_safe_refuses_a_changed_call():
+    for rank, res in enumerate(run_ranks(4, _linear_shape_change_refused)):
+        for name, msg in res.items():
+            assert msg is not None and "warm up" in msg and f"[rank {rank}]" in msg, (name, msg)
 
 
 # ---------------------------------------------------------------- the fused GEMM ops: device epochs
@@ -322,6 +469,74 @@ def test_cuda_graph_capture_of_a_training_step(tmp_path):  # pragma: no cover - 
     assert proc.exitcode == 0, f"the capture process failed (exit code {proc.exitcode})"
     for err in torch.load(out):
         assert err < 1e-4, err  # fp32, different cuDNN algorithms on the two sides
+
+
+def _cuda_linear_capture_worker(init_file: str, out_file: str) -> None:  # pragma: no cover - runs on a GPU only
+    """Capture a training step of ``DistributedLinear`` and of an all-gather/reduce-scatter pair (one rank, NCCL)."""
+    from distfuse.layers import DistributedLinear, DistributedLinearAllGather, DistributedLinearReduceScatter
+
+    dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 GEMMs in fp32 on both sides
+        P = grid([0], (1, 1))
+        torch.manual_seed(0)
+        general = DistributedLinear(P, P, P, 32, 48)
+        ag, rs = DistributedLinearAllGather(P, 48, 64), DistributedLinearReduceScatter(P, 64, 16)
+        layers = [general, ag, rs]
+        static_x = torch.randn(8, 32, device="cuda", requires_grad=True)
+        static_dy = torch.randn(8, 16, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up: the agreement settles
+                rs(ag(general(static_x))).backward(static_dy)
+        torch.cuda.current_stream().wait_stream(side)
+        for m in layers:
+            m.zero_grad(set_to_none=True)
+        static_x.grad = None
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = rs(ag(general(static_x)))
+            static_y.backward(static_dy)
+        x_new, dy_new = torch.randn_like(static_x), torch.randn_like(static_dy)
+        with torch.no_grad():
+            static_x.copy_(x_new)
+            static_dy.copy_(dy_new)
+        graph.replay()
+        torch.cuda.synchronize()
+        refs = [torch.nn.Linear(32, 48), torch.nn.Linear(48, 64), torch.nn.Linear(64, 16)]
+        with torch.no_grad():
+            for ref, m in zip(refs, layers, strict=True):
+                ref.double().cuda()
+                ref.weight.copy_(m.weight)
+                ref.bias.copy_(m.bias)
+        xr = x_new.double().requires_grad_(True)
+        yr = refs[2](refs[1](refs[0](xr)))
+        yr.backward(dy_new.double())
+        pairs = [(static_y, yr), (static_x.grad, xr.grad)]
+        pairs += [(getattr(m, n).grad, getattr(ref, n).grad) for m, ref in zip(layers, refs, strict=True)
+                  for n in ("weight", "bias")]
+        torch.save([float((a.double() - b).abs().max() / b.abs().max()) for a, b in pairs], out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_capture_of_a_linear_training_step(tmp_path):  # pragma: no cover - runs on a GPU only
+    """The three linears captured in one graph (their agreement trusted while the stream captures), replayed on new
+    data against float64 ``torch.nn.Linear``."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = tmp_path / "errs.pt"
+    proc = ctx.Process(target=_cuda_linear_capture_worker, args=(str(tmp_path / "init"), str(out)))
+    proc.start()
+    proc.join(300)
+    assert proc.exitcode == 0, f"the capture process failed (exit code {proc.exitcode})"
+    for err in torch.load(out):
+        assert err < 1e-5, err  # fp32 GEMMs (tf32 off) against float64, relative to the largest element
 
 
 @pytest.mark.cuda

@@ -29,14 +29,12 @@ from distfuse.geometry.decomposition import local_slices
 from distfuse.layers import (
     DistributedConv1d,
     DistributedConv2d,
-    DistributedLinear,
     DistributedLinearAllGather,
     DistributedLinearReduceScatter,
     load_sequential,
 )
 from distfuse.primitives import AllGather, AllSumReduce, ReduceScatter
 from distfuse.testing import run_ranks
-from distfuse.testing.pool import discard_pool
 from tests.tolerances import tol
 
 PG_DEFAULT = default_pg_timeout.total_seconds()
@@ -282,42 +280,7 @@ def test_primitive_modules_raise_on_every_worker_of_the_sub_grid():
     assert res[2]["rs"][0] == res[1]["asr"][0] == res[0]["ag"][0] == "ok"
 
 
-# ---------------------------------------------------------------- DistributedLinear: no flag to ride on
-
-
-def _general_linear():
-    os.environ["DISTFUSE_TIMEOUT"] = "3"
-    me = dist.get_rank()
-    P_x = _grid((0, 1), (1, 2))
-    P_y = _grid((0,), (1, 1))
-    P_w = _grid((0, 1), (1, 2))
-    torch.manual_seed(2)
-    layer = DistributedLinear(P_x, P_y, P_w, 6, 3, dtype=torch.float64)
-    torch.manual_seed(2)
-    seq = nn.Linear(6, 3, dtype=torch.float64)
-    out = {}
-    for rows in (4, 4, 5):  # 4 -> 5 on every worker: a legitimate change
-        xg = torch.randn(rows, 6, dtype=torch.float64)
-        dist.broadcast(xg, 0)
-        x = xg[local_slices(xg.shape, P_x.shape, P_x.index)] if P_x.active else zero_volume_tensor()
-        y = layer(x)
-        if P_y.active:
-            _close(y, seq(xg), torch.float64)
-    out["slow"] = layer.agreement.slow_calls if P_x.active else None
-    x = torch.randn(6 if me == 1 else 5, 3, dtype=torch.float64) if P_x.active else zero_volume_tensor()
-    out["rows"] = _catch(lambda: layer(x))
-    return out
-
-
-def test_general_linear_disagreement_ends_in_timeouts_not_aborts():
-    res = run_ranks(3, _general_linear, pg_timeout=PG_DEFAULT, timeout=90)
-    discard_pool(3, PG_DEFAULT)  # the workers' collectives timed out
-    assert res[0]["slow"] == res[1]["slow"] == 2  # first call and the change of rows
-    for r in (0, 1):
-        kind, msg, secs = res[r]["rows"]
-        assert kind == "CollectiveTimeoutError" and "DISTFUSE_TIMEOUT=3 s" in msg, res[r]["rows"]
-        assert T - 0.5 <= secs <= T + 5.0
-    assert res[2]["rows"][0] == "ok"  # world rank 2 holds no part of the layer
+# ------------------------------------------------------------- DistributedLinear: see test_misuse_agreement_linear.py
 
 
 def test_load_sequential_still_round_trips_after_agreement():

@@ -12,9 +12,26 @@ disagreement raises the same :class:`~distfuse.errors.ShapeError` on every worke
 row.  Workers of other rows (other data-parallel blocks) hold independent data and may
 differ.
 
+``DistributedLinear`` has no collective that reaches every worker (its broadcast and
+sum-reduce are point to point), so its flag takes a host round over the union of its
+partitions before any data moves (:func:`agreed_leading`).
+
+Local checks (a wrong feature extent, a ``seq_len`` that does not fit the block, a
+wrong number of dimensions) do not raise on the worker that finds them: they set its
+flag (``locally_ok=False``), every worker takes the slow path, and there the failing
+workers' messages reach every worker
+(:func:`~distfuse.primitives._agreement.agree_on_local_checks`), which all raise the
+same error at once instead of leaving the peers in the collective until
+``DISTFUSE_TIMEOUT``.
+
+Inside :func:`~distfuse.primitives._agreement.capture_safe` (and while a CUDA stream
+captures) a settled site whose signature repeats runs the plain collective with the
+agreed sizes: no flag, no host read, no host collective; a different signature raises
+:class:`~distfuse.errors.UnsupportedError` on that worker.
+
 Not covered: the fused GEMM paths (they trust their shapes; ``DISTFUSE_DEBUG=1`` checks
-them) and local checks that raise on the bad worker alone (a wrong feature extent,
-``seq_len`` that does not fit the block): its peers then wait until ``DISTFUSE_TIMEOUT``.
+them; a local check that fails there raises on its worker alone), and layers with one
+model-parallel worker (``P_m = 1``: no collective of the row to ride on).
 """
 
 from __future__ import annotations
@@ -22,17 +39,24 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distfuse.errors import DistfuseError, ShapeError, expect, where
+from distfuse.errors import DistfuseError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent
-from distfuse.primitives._agreement import AgreementSite, run_agreed
+from distfuse.primitives._agreement import (
+    AgreementSite,
+    agree_on_local_checks,
+    agreed_by_flag_round,
+    run_agreed,
+    trusting,
+)
 from distfuse.primitives._axes import balanced_layout
 from distfuse.primitives._axes_flagged import scatter_sum_blocks_flagged
 from distfuse.primitives._common import dtype_code, dtype_of_code, first_order_only, gather_records
-from distfuse.primitives.all_gather import agreed_all_gather
+from distfuse.primitives.all_gather import AllGatherFunction, agreed_all_gather
 from distfuse.primitives.reduce_scatter import ReduceScatterFunction
 
 __all__ = ["FUSED_FIRST_ORDER", "first_order_only", "agreed_seq_len", "agreed_input_gather",
-           "agreed_matmul_reduce_scatter", "agreed_leading", "compute_dtype", "compute_dtype_of"]
+           "agreed_matmul_reduce_scatter", "agreed_leading", "compute_dtype", "compute_dtype_of", "local_error",
+           "general_record", "record_shape", "check_general_records", "check_input_dtype"]
 
 _MAX_DIM = 8
 
@@ -55,32 +79,96 @@ def compute_dtype_of(dtype: torch.dtype, device) -> torch.dtype:
     return dtype
 
 
-def agreed_leading(layer, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    """``DistributedLinear``'s leading extents and dtype when every worker holds an input block (no metadata).
+def _autocast_code(device_type: str) -> int:
+    """The autocast dtype's code on ``device_type`` (-1: autocast off); part of what the workers must share."""
+    if torch.is_autocast_enabled(device_type):
+        return dtype_code(torch.get_autocast_dtype(device_type))
+    return -1
 
-    Every worker of the layer then holds the same leading extents, so a legitimate change
-    changes every worker's input and every worker gathers the records
-    (``layer._gathered``) and checks them.  While this worker's input repeats, the agreed
-    record is reused and nothing is exchanged.  A worker whose input changed alone (a
-    disagreement) gathers while its peers exchange data: no message of the new size is
-    ever sent, so nothing aborts and nobody computes with it; every worker ends in a
-    :class:`~distfuse.errors.CollectiveTimeoutError` after ``DISTFUSE_TIMEOUT``.  (No
-    collective of this layer reaches every worker in forward, so there is nothing for
-    the agreement flag to ride on.)
-    """
-    site = _site(layer)
-    signature = (tuple(x.shape), x.dtype, x.device.type, compute_dtype(x))
-    site.calls += 1
-    if site.repeats(signature):
-        return site.state
-    site.slow_calls += 1
+
+def local_error(check) -> DistfuseError | None:
+    """The distfuse error ``check()`` raises, or None: a local check's outcome, to be agreed on, not raised here."""
     try:
-        state = layer._gathered(x)
-    except DistfuseError:
-        site.forget()
-        raise
-    site.settle(signature, state)
-    return state
+        check()
+    except DistfuseError as exc:
+        return exc
+    return None
+
+
+# DistributedLinear's record: [ndim, dtype, device, autocast dtype, grad mode, shape (8 slots)].
+_TOO_MANY = -2
+
+
+def general_record(x: torch.Tensor) -> list[int]:
+    """This worker's record of a ``DistributedLinear`` call (13 int64; see :func:`check_general_records`)."""
+    too_many = x.dim() > _MAX_DIM
+    rec = [_TOO_MANY if too_many else x.dim(), dtype_code(x.dtype), -1, _autocast_code(x.device.type),
+           int(torch.is_grad_enabled())] + [-1] * _MAX_DIM
+    if x.numel() > 0:
+        rec[2] = _DEVICE_TYPES.index(x.device.type) if x.device.type in _DEVICE_TYPES else len(_DEVICE_TYPES)
+    if not too_many:
+        rec[5:5 + x.dim()] = list(x.shape)
+    return rec
+
+
+_DEVICE_TYPES = ("cpu", "cuda", "meta", "xpu", "mps", "hpu")
+
+
+def record_shape(rec: list[int]) -> tuple[int, ...]:
+    return tuple(rec[5:5 + rec[0]])
+
+
+def check_general_records(op: str, by_rank: dict, device_type: str) -> None:
+    """What every worker of ``DistributedLinear`` must share, checked alike on every worker from the records.
+
+    Too many dimensions, data on another device type, and disagreement on autocast or
+    grad mode (autocast sets the dtype the partial sums travel in; grad mode whether every
+    worker runs its part of the adjoint) raise :class:`~distfuse.errors.ShapeError`.
+    """
+    over = sorted(w for w, r in by_rank.items() if r[0] == _TOO_MANY)
+    if over:
+        raise ShapeError(f"{where(op)}: tensors of more than {_MAX_DIM} dimensions are not supported; world rank(s) "
+                         f"{over} passed one")
+    names = list(_DEVICE_TYPES) + ["another device"]
+    bad = {w: names[r[2]] for w, r in by_rank.items() if r[2] >= 0 and names[r[2]] != device_type}
+    if bad:
+        raise ShapeError(f"{where(op)}: input device type: expected {device_type} on every worker, got "
+                         f"{', '.join(f'world rank {w}: {d}' for w, d in sorted(bad.items()))}")
+    for slot, what in ((3, "the autocast dtype (torch.autocast, -1: off)"), (4, "grad mode (torch.is_grad_enabled)")):
+        seen = {w: r[slot] for w, r in by_rank.items()}
+        if len(set(seen.values())) > 1:
+            got = ", ".join(f"world rank {w}: {dtype_of_code(v) if slot == 3 and v >= 0 else v}"
+                            for w, v in sorted(seen.items()))
+            raise ShapeError(f"{where(op)}: every worker must call the layer with the same {what}; got {got}")
+
+
+def check_input_dtype(op: str, dtype: torch.dtype | None, weight_dtype: torch.dtype, autocast_code: int) -> None:
+    """The agreed input dtype must be one the layer multiplies: floating, and its weight's outside autocast."""
+    if dtype is None or not dtype.is_floating_point:
+        raise ShapeError(f"{where(op)}: the input dtype {dtype} is not a floating dtype; the layer multiplies floating "
+                         f"inputs of its weight's dtype {weight_dtype} (any floating dtype under torch.autocast)")
+    computes_in = dtype_of_code(autocast_code) if autocast_code >= 0 and dtype != torch.float64 else dtype
+    if computes_in == dtype and dtype != weight_dtype:
+        raise ShapeError(f"{where(op)}: the input dtype {dtype} is not the weight's dtype {weight_dtype}; the layer "
+                         "multiplies inputs of its weight's dtype (any floating dtype under torch.autocast)")
+
+
+def agreed_leading(layer, x: torch.Tensor, locally_ok: bool) -> tuple[tuple[int, ...], torch.dtype]:
+    """``DistributedLinear``'s leading extents and dtype under the agreement protocol, the flag in a host round.
+
+    No collective of the layer reaches every worker (the broadcast and the sum-reduce are
+    point to point), so the flag takes a one-integer all-reduce over ``layer.P_all``
+    before any data moves (:func:`~distfuse.primitives._agreement.agreed_by_flag_round`).
+    A worker whose signature (shape, dtype, device, autocast, grad mode) changed, or whose
+    input failed its local checks (``locally_ok`` False), sets its flag; then every
+    worker gathers the records and checks them (``layer._gathered``), which returns the
+    new agreed state or raises the same error on every worker.  A worker that holds no
+    input passes a zero-volume tensor: its signature repeats, and the others' flags tell
+    it about a change.
+    """
+    signature = (tuple(x.shape), x.dtype, x.device.type, _autocast_code(x.device.type), torch.is_grad_enabled())
+    return agreed_by_flag_round(_site(layer), layer.P_all, layer._op, signature, locally_ok,
+                                lambda: layer._gathered(x))
 
 
 def _site(layer) -> AgreementSite:
@@ -90,14 +178,19 @@ def _site(layer) -> AgreementSite:
     return site
 
 
-def _check_sequence_blocks(layer, seq_len):
+def _check_seq_len(op: str, seq_len, shapes) -> None:
+    """This worker's ``seq_len`` against the gathered blocks' length (each worker passes its own ``seq_len``)."""
+    n = sum(s[-2] for s in shapes)
+    if seq_len is not None and n != int(seq_len):
+        raise expect(op, "gathered sequence length (the sum of the workers' blocks) against seq_len", seq_len, n)
+
+
+def _check_sequence_blocks(layer):
     """The sequence-parallel form's rule: blocks along dim -2 are the balanced decomposition of their sum."""
     op, P_m = layer._op, layer.P_m
 
     def check(shapes, dtype):
         n = sum(s[-2] for s in shapes)
-        if seq_len is not None and n != int(seq_len):
-            raise expect(op, "gathered sequence length (the sum of the workers' blocks) against seq_len", seq_len, n)
         for j, s in enumerate(shapes):
             if s[-1] != layer.in_features or s[-2] != block_extent(n, P_m, j):
                 want = (*s[:-2], block_extent(n, P_m, j), layer.in_features)
@@ -122,7 +215,30 @@ def _check_feature_blocks(layer):
     return check
 
 
-def agreed_seq_len(layer, x: torch.Tensor) -> int:
+def _everywhere(P, op: str, error: DistfuseError | None, own=None, common=None):
+    """The slow path's checks: this worker's own ones agreed on over ``P``, then the ones every worker shares.
+
+    ``error`` (this worker's local check failure) and ``own(*args)`` (checks that depend on
+    this worker's own arguments, such as its ``seq_len``) run under
+    :func:`~distfuse.primitives._agreement.agree_on_local_checks`: a failure on any worker
+    raises on every worker, naming each failing worker and its message.  ``common(*args)``
+    evaluates gathered records alike everywhere, so it raises (or not) on every worker.
+    """
+
+    def checks(*args):
+        def run():
+            if error is not None:
+                raise error
+            if own is not None:
+                own(*args)
+        agree_on_local_checks(P, op, run)
+        if common is not None:
+            common(*args)
+
+    return checks
+
+
+def agreed_seq_len(layer, x: torch.Tensor, error: DistfuseError | None = None) -> int:
     """The gathered sequence length of the sequence-parallel all-gather linear, without a gather in steady state.
 
     Agreed on the first call (the slow path runs then: one gather whose result is
@@ -130,28 +246,52 @@ def agreed_seq_len(layer, x: torch.Tensor) -> int:
     layout.  Should some worker's block have changed since, :func:`agreed_input_gather`
     learns it from the flag and uses the real blocks' length; the value returned here
     only feeds the path choice, which every worker makes from the same agreed value.
+    ``error``: this worker's local check failure (see :func:`agreed_input_gather`).
     """
     site = _site(layer)
     if site.fresh:
-        agreed_input_gather(layer, x, None)
+        agreed_input_gather(layer, x, None, error)
     return site.state[0].shape[-2]
 
 
-def agreed_input_gather(layer, x: torch.Tensor, seq_len: int | None) -> torch.Tensor:
+def agreed_input_gather(layer, x: torch.Tensor, seq_len: int | None,
+                        error: DistfuseError | None = None) -> torch.Tensor:
     """The all-gather linear's gathered input, its blocks checked under the agreement protocol.
 
     Without ``P_x`` the features are gathered (last dim), with ``P_x`` the sequence (dim -2).
+    ``error`` is this worker's local check failure (None: its input passed): it flags, and
+    the slow path raises it on every worker of the row.  Inside ``capture_safe()`` a
+    settled site whose signature repeats gathers with the agreed layout, unflagged.
     """
-    check = _check_sequence_blocks(layer, seq_len) if layer.P_x is not None else _check_feature_blocks(layer)
-    return agreed_all_gather(x, layer.P_gather, _site(layer), extra=(compute_dtype(x), seq_len), check=check,
-                             op=layer._op)
+    op, P_sub, site = layer._op, layer.P_gather, _site(layer)
+    extra = (compute_dtype(x), seq_len)
+    if site.state is not None and trusting():  # capture-safe: no flag, no host read
+        _trusted(site, op, (tuple(x.shape), x.dtype, x.device.type, *extra))
+        layout, _ = site.state
+        return AllGatherFunction.apply(x, P_sub, layout, None, op)
+    if layer.P_x is not None:
+        own, common = (lambda shapes, dtype: _check_seq_len(op, seq_len, shapes)), _check_sequence_blocks(layer)
+    else:
+        own, common = None, _check_feature_blocks(layer)
+    return agreed_all_gather(x, P_sub, site, extra=extra, locally_ok=error is None,
+                             check=_everywhere(P_sub, op, error, own, common), op=op)
+
+
+def _trusted(site: AgreementSite, op: str, signature) -> None:
+    """A call inside ``capture_safe()``: it must repeat the agreed signature (no flag can tell the peers otherwise)."""
+    if signature != site.signature:
+        raise UnsupportedError(f"{where(op)}: inside capture_safe() (or a CUDA-graph capture) a call must repeat the "
+                               "inputs of the last eager call (shape, dtype, autocast); warm up with the captured "
+                               "shapes on every worker")
+    site.calls += 1
 
 
 # Record of the reduce-scatter linear's slow path: [ndim, input dtype, compute dtype, problem, shape...].
 _OK, _BAD_DEVICE, _BAD_DTYPE, _TOO_MANY_DIMS = range(4)
 
 
-def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor,
+                                 error: DistfuseError | None = None) -> torch.Tensor:
     """``reduce_scatter(x @ W.T)`` over ``layer.P_scatter`` with the inputs checked under the agreement protocol.
 
     What must agree is the input (rows, dtype): the partial sums' size follows from it.
@@ -160,9 +300,16 @@ def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor) -> tor
     agreed size with the flag; then every worker gathers the inputs' records and raises
     the same error, or agrees on the new size.  Under ``torch.autocast`` the partial sums
     (and so the output) are in the autocast dtype, as ``torch.nn.Linear``'s output.
+    ``error`` is this worker's local check failure: it flags, and the slow path raises it
+    on every worker.  Inside ``capture_safe()`` a settled site whose signature repeats
+    reduce-scatters with the agreed layout, unflagged.
     """
     op, P_sub, site = layer._op, layer.P_scatter, _site(layer)
     cdt = compute_dtype(x)
+    signature = (tuple(x.shape), x.dtype, cdt, x.device.type)
+    if site.state is not None and trusting():  # capture-safe: no flag, no host read
+        _trusted(site, op, signature)
+        return ReduceScatterFunction.apply(F.linear(x, W), P_sub, balanced_layout(P_sub, site.state[0]), None, op)
     problem = _OK
     if x.device.type != P_sub.device.type:
         problem = _BAD_DEVICE
@@ -170,7 +317,6 @@ def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor) -> tor
         problem = _BAD_DTYPE
     elif x.dim() > _MAX_DIM:
         problem = _TOO_MANY_DIMS
-    signature = (tuple(x.shape), x.dtype, cdt, x.device.type)
     partial: list = []
 
     def full() -> torch.Tensor:
@@ -188,6 +334,7 @@ def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor) -> tor
         return ReduceScatterFunction.apply(full(), P_sub, layout, None, op, block), False
 
     def slow():
+        _everywhere(P_sub, op, error)()  # a local check that failed anywhere raises here, on every worker
         rec = [min(x.dim(), _MAX_DIM), dtype_code(x.dtype), dtype_code(cdt), problem] + [-1] * _MAX_DIM
         if problem == _OK:
             rec[4:4 + x.dim()] = list(x.shape)
@@ -199,7 +346,7 @@ def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor) -> tor
         layout = balanced_layout(P_sub, shape)
         return ReduceScatterFunction.apply(y, P_sub, layout, None, op), (tuple(shape), dtype)
 
-    return run_agreed(site, signature, problem == _OK, attempt, slow)
+    return run_agreed(site, signature, problem == _OK and error is None, attempt, slow)
 
 
 def _check_rows(layer, rows, weight_dtype) -> None:

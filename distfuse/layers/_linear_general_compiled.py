@@ -1,8 +1,8 @@
 """``DistributedLinear``'s forward inside ``torch.compile``: custom ops, no metadata exchange.
 
-Eager calls learn the input's leading extents and dtype (a metadata gather over the
-union of the partitions, or the agreement record) and record them with the path they
-took (:func:`remember_general`).  A compiled call reuses that record::
+Eager calls learn the input's leading extents and dtype (the agreement record over the
+union of the partitions: a flag round while inputs repeat, a record gather on a change)
+and record them with the path they took (:func:`remember_general`).  A compiled call reuses that record::
 
     distfuse::flag_check(x, h_all, changed)           every worker's flag over P_x + P_y + P_w (one host
                                                       all-reduce); raises everywhere if any call changed

@@ -21,12 +21,19 @@ once in ``__init__`` (blocks travel whole, so the view changes no data), and res
 the leading dimensions afterwards.
 
 P_x, P_y and P_w may sit on any world ranks: overlapping, disjoint or in any order.
-A P_w or P_y worker outside P_x cannot know the leading extents or the dtype, so when
-such workers exist each call all-gathers every worker's ``(shape, dtype)`` over the
-union (host-side, 10 int64 per worker, one small collective; it also checks every
-block and raises the same error on every rank).  When every P_w and P_y worker holds
-an input block the shapes are known locally and nothing is exchanged (except in
-debug mode, which always checks).
+A P_w or P_y worker outside P_x cannot know the leading extents or the dtype, and no
+collective of the layer reaches every worker, so the layer agrees on them under the
+agreement protocol with its flag in a host round
+(:func:`~distfuse.primitives._agreement.agreed_by_flag_round` over the union of the
+three partitions): one one-integer all-reduce on the union's host meta group before
+any data moves while every worker's input signature repeats; the first call and any
+change (or a worker whose input fails its local checks) all-gather every worker's
+record (13 int64 per worker, host-side) and check it on every worker, so a bad or
+disagreeing input raises the same :class:`~distfuse.errors.ShapeError` everywhere,
+at once, and a legitimate change (every worker called with the new shape) just
+works.  Inside :func:`~distfuse.primitives._agreement.capture_safe` (and while a CUDA
+stream captures) a settled layer moves no flag at all.  Debug mode gathers and checks
+on every call.
 
 Workers outside the three partitions pass and get zero-volume tensors; workers outside
 P_y get a zero-volume ``[0]`` output that still carries their part of the adjoint, so
@@ -55,10 +62,19 @@ import torch
 import torch.nn.functional as F
 
 from distfuse import debug
-from distfuse.errors import PartitionError, ShapeError, expect, where
+from distfuse.errors import DistfuseError, PartitionError, ShapeError, expect, where
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
-from distfuse.layers._linear_agreement import FUSED_FIRST_ORDER, agreed_leading, compute_dtype_of, first_order_only
+from distfuse.layers._linear_agreement import (
+    FUSED_FIRST_ORDER,
+    agreed_leading,
+    check_general_records,
+    check_input_dtype,
+    compute_dtype_of,
+    first_order_only,
+    general_record,
+    record_shape,
+)
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,
@@ -74,7 +90,7 @@ from distfuse.layers._linear_common import (
 from distfuse.layers._linear_general_compiled import compiled_general_forward, general_signature, remember_general
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision
-from distfuse.primitives._common import check_inactive_input, gather_metadata
+from distfuse.primitives._common import check_inactive_input, dtype_of_code, gather_records
 from distfuse.primitives.broadcast import broadcast, broadcast_plan
 from distfuse.primitives.sum_reduce import sum_reduce, sum_reduce_plan
 
@@ -136,7 +152,7 @@ class DistributedLinear(LinearBase):
         self.P_all = union_of(P_x, P_y, P_w)
         self._plan_x = broadcast_plan(P_x2, self.P_weight)
         self._plan_y = sum_reduce_plan(self.P_weight, P_y2, transpose_dest=True)
-        # Workers that hold no input block cannot know the leading extents: they need the per-call shape exchange.
+        # Workers that hold no input block cannot know the leading extents: they learn them from the agreed record.
         self._needs_meta = not (set(P_w.ranks) | set(P_y.ranks)) <= set(P_x.ranks)
         # The fused path: each row of P_w all-reduces; it needs P_y worker i among row i's workers.
         self.P_row = subgrid(self.P_weight, [1])
@@ -160,27 +176,49 @@ class DistributedLinear(LinearBase):
         return block_extent(self.in_features, self.P_fi, j)
 
     def _gathered(self, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-        """The input's leading extents and dtype from every worker's shape; checks every block on every rank."""
+        """The input's leading extents and dtype from every worker's record; checks every record on every rank.
+
+        Collective over ``P_all`` (one host-side all-gather of :func:`general_record`);
+        every worker evaluates the same records, so a bad block, a disagreement (leading
+        extents, dtype, autocast, grad mode) or data on the wrong device or on a worker
+        outside P_x raises the same :class:`~distfuse.errors.ShapeError` on every worker.
+        """
         op, P_x = self._op, self.P_x
-        meta = gather_metadata(self.P_all, x)  # rows in P_all.ranks order (sorted world ranks = group order)
-        by_rank = dict(zip(self.P_all.ranks, meta, strict=True))
-        for w, (shape, _) in by_rank.items():
+        rows = gather_records(op, self.P_all, general_record(x))
+        by_rank = dict(zip(self.P_all.ranks, rows, strict=True))  # P_all lists its ranks sorted: group order
+        check_general_records(op, by_rank, self.P_all.device.type)
+        for w, r in by_rank.items():
+            shape = record_shape(r)
             if w not in P_x.ranks and math.prod(shape) != 0:
                 raise ShapeError(f"{where(op)}: world rank {w} is not in P_x, so it must pass a zero-volume tensor; "
-                                 f"it passed shape {tuple(shape)}")
+                                 f"it passed shape {shape}")
         lead, dtype = None, None
         for r, w in enumerate(P_x.ranks):
-            shape, dt = by_rank[w]
+            shape, dt = record_shape(by_rank[w]), dtype_of_code(by_rank[w][1])
             want = self._in_block(P_x.index_of(r)[-1])
             if len(shape) != P_x.dim or shape[-1] != want:
-                raise ShapeError(f"{where(op)}: world rank {w} (P_x worker {r}) passed shape {tuple(shape)}; "
+                raise ShapeError(f"{where(op)}: world rank {w} (P_x worker {r}) passed shape {shape}; "
                                  f"expected {P_x.dim} dimensions ending in its block of in_features: {want}")
             if lead is None:
                 lead, dtype = tuple(shape[:-1]), dt
             elif tuple(shape[:-1]) != lead or dt != dtype:
                 raise ShapeError(f"{where(op)}: the P_x workers must agree on the leading extents and dtype; world "
                                  f"rank {P_x.ranks[0]} has {lead} {dtype}, world rank {w} has {tuple(shape[:-1])} {dt}")
+        check_input_dtype(op, dtype, self._param_dtype(), by_rank[P_x.ranks[0]][3])
         return lead, dtype
+
+    def _locally_ok(self, x: torch.Tensor) -> bool:
+        """Whether this worker's input passes its own checks; a failure flags, so that every worker raises."""
+        try:
+            if self.P_x.active:
+                check_block_features(self._op, x, self.P_x, self._in_block(self.P_x.index[-1]),
+                                     f"block {self.P_x.index[-1]} of in_features={self.in_features} over "
+                                     f"P_fi={self.P_fi}")
+            else:
+                check_inactive_input(self._op, x)
+        except DistfuseError:
+            return False
+        return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This worker's output block on P_y (``[*, out_i]``), or a zero-volume ``[0]`` tensor elsewhere."""
@@ -191,15 +229,11 @@ class DistributedLinear(LinearBase):
             return x.clone()
         if torch.compiler.is_compiling():  # custom ops, no metadata (distfuse/layers/_linear_general_compiled.py)
             return compiled_general_forward(self, x)
-        # With the shape exchange, its checks run first so that a bad block raises on every rank, not only here.
-        # Without it (every P_w and P_y worker holds an input block) the agreed record is reused while this worker's
-        # input repeats; a changed input is checked against every worker's before any data moves.
-        lead, dtype = self._gathered(x) if self._needs_meta or debug.enabled() else agreed_leading(self, x)
-        if self.P_x.active:
-            check_block_features(op, x, self.P_x, self._in_block(self.P_x.index[-1]),
-                                 f"block {self.P_x.index[-1]} of in_features={self.in_features} over P_fi={self.P_fi}")
-        else:
-            check_inactive_input(op, x)
+        if not isinstance(x, torch.Tensor):
+            raise expect(op, "input type", "torch.Tensor", type(x).__name__)
+        # The agreed record (a flag round while every worker's input repeats; the records gathered and checked on
+        # every worker on a change or a local failure), so that a bad block raises on every rank, not only here.
+        lead, dtype = self._gathered(x) if debug.enabled() else agreed_leading(self, x, self._locally_ok(x))
         rows = math.prod(lead)
         device = self._param_device()
         if self.P_x.active:

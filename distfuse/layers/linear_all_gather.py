@@ -60,7 +60,13 @@ import torch.nn.functional as F
 from distfuse.errors import PartitionError, expect
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
-from distfuse.layers._linear_agreement import FUSED_FIRST_ORDER, agreed_input_gather, agreed_seq_len, first_order_only
+from distfuse.layers._linear_agreement import (
+    FUSED_FIRST_ORDER,
+    agreed_input_gather,
+    agreed_seq_len,
+    first_order_only,
+    local_error,
+)
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,
@@ -210,8 +216,16 @@ class _LinearAllGather(LinearBase):
         return y
 
     def _eager_forward(self, x: torch.Tensor, seq_len: int | None) -> tuple[torch.Tensor, str | None]:
-        """``(y, the fused op that ran or None)``."""
-        self._check_input(x, seq_len)
+        """``(y, the fused op that ran or None)``.
+
+        A local check that fails here does not raise at once where the row's unfused,
+        agreement-checked gather follows: it flags there, and every worker of the row
+        raises it (``_linear_agreement.py``).  Elsewhere (one model-parallel worker, the
+        fused paths) it raises on this worker.
+        """
+        if not isinstance(x, torch.Tensor) or self.P_m == 1:
+            self._check_input(x, seq_len)
+        error = local_error(lambda: self._check_input(x, seq_len))
         zero = None
         if self._zero and self.P_d > 1:  # ZeRO: fused, the weight streams into the GEMM (fused/zero_linear.py)
             from distfuse.fused.zero_linear import agreed_rows
@@ -219,20 +233,24 @@ class _LinearAllGather(LinearBase):
             # One decision for the whole grid: the data-parallel workers hold different row counts.
             rows = math.prod(x.shape[:-1])
             if self.P_x is not None:
-                n = seq_len if seq_len is not None else agreed_seq_len(self, x) if self.P_m > 1 else x.shape[-2]
+                n = seq_len if seq_len is not None else agreed_seq_len(self, x, error) if self.P_m > 1 else x.shape[-2]
                 rows = math.prod(x.shape[:-2]) * int(n)
             zero = self._zero_decision((agreed_rows(self.P_wgather, rows, x.device), self.in_features), x.dtype,
                                        x.device)
             if zero.path == "fused":
+                if error is not None:
+                    raise error
                 self._record(zero)
                 return self._zero_fused(x, seq_len), "zero_linear"
         W, b = self._params()
         if self.P_x is None:
             out_shape = (*x.shape[:-1], self.in_features)
         else:
-            n = seq_len if seq_len is not None else agreed_seq_len(self, x) if self.P_m > 1 else x.shape[-2]
+            n = seq_len if seq_len is not None else agreed_seq_len(self, x, error) if self.P_m > 1 else x.shape[-2]
             out_shape = (*x.shape[:-2], int(n), self.in_features)
         decision = self._decision(out_shape, x.dtype, x.device, zero)
+        if error is not None and decision.path == "fused":  # the fused ops trust their inputs: no flag to set
+            raise error
         self._record(decision)
         if self.P_m == 1:  # one model-parallel worker: nothing to gather (all_gather would return a copy of x)
             return F.linear(x, W, b), None
@@ -247,8 +265,8 @@ class _LinearAllGather(LinearBase):
             # n=None (seq_len not given): the fused op sums the blocks' lengths itself, exactly, every call.
             return first_order_only(all_gather_matmul(x, W, b, self.P_gather, keep_gathered=self.keep_gathered,
                                                       n=seq_len), self._op, FUSED_FIRST_ORDER), "all_gather_matmul"
-        return F.linear(agreed_input_gather(self, x, seq_len), W, b), None  # blocks checked, no metadata while
-        # they repeat
+        return F.linear(agreed_input_gather(self, x, seq_len, error), W, b), None  # blocks checked, no metadata
+        # while they repeat
 
     def _zero_fused(self, x: torch.Tensor, seq_len: int | None) -> torch.Tensor:
         """ZeRO, fused: the shards stream into the GEMM, dW is reduce-scattered by its GEMM; the bias added after."""

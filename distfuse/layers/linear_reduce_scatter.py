@@ -65,7 +65,12 @@ import torch.nn.functional as F
 from distfuse.errors import PartitionError, expect
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
-from distfuse.layers._linear_agreement import FUSED_FIRST_ORDER, agreed_matmul_reduce_scatter, first_order_only
+from distfuse.layers._linear_agreement import (
+    FUSED_FIRST_ORDER,
+    agreed_matmul_reduce_scatter,
+    first_order_only,
+    local_error,
+)
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,
@@ -207,10 +212,22 @@ class _LinearReduceScatter(LinearBase):
         return y
 
     def _eager_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, str | None]:
-        """``(y, the fused op that ran or None)``."""
+        """``(y, the fused op that ran or None)``.
+
+        A local check that fails here does not raise at once where the row's unfused,
+        agreement-checked reduce-scatter follows: it flags there, and every worker of the
+        row raises it (``_linear_agreement.py``).  Elsewhere (one model-parallel worker,
+        the fused paths) it raises on this worker.
+        """
         m = self.dm[1]
-        check_block_features(self._op, x, self.P_x, block_extent(self.in_features, self.P_m, m),
-                             f"block {m} of in_features={self.in_features} over {self.P_m} model-parallel workers")
+
+        def check():
+            check_block_features(self._op, x, self.P_x, block_extent(self.in_features, self.P_m, m),
+                                 f"block {m} of in_features={self.in_features} over {self.P_m} model-parallel workers")
+
+        if not isinstance(x, torch.Tensor) or self.P_m == 1:
+            check()
+        error = local_error(check)
         zero = None
         if self._zero and self.P_d > 1:  # ZeRO: fused, the weight streams into the GEMM (fused/zero_linear.py)
             from distfuse.fused.zero_linear import agreed_rows
@@ -219,10 +236,14 @@ class _LinearReduceScatter(LinearBase):
             rows = agreed_rows(self.P_wgather, math.prod(x.shape[:-1]), x.device)
             zero = self._zero_decision((rows, x.shape[-1]), x.dtype, x.device)
             if zero.path == "fused":
+                if error is not None:
+                    raise error
                 self._record(zero)
                 return self._zero_fused(x), "zero_linear"
         W, b = self._params()
         decision = self._decision(x.shape, x.dtype, x.device, zero)
+        if error is not None and decision.path == "fused":  # the fused ops trust their inputs: no flag to set
+            raise error
         self._record(decision)
         if self.P_m == 1:  # one model-parallel worker: the partial sum is the output (reduce_scatter would copy it)
             return F.linear(x, W, b), None
@@ -236,7 +257,7 @@ class _LinearReduceScatter(LinearBase):
 
             return first_order_only(matmul_reduce_scatter(x, W, b, self.P_scatter, bias_grad="partial"), self._op,
                                     FUSED_FIRST_ORDER), "matmul_reduce_scatter"
-        y = agreed_matmul_reduce_scatter(self, x, W)  # inputs checked; no metadata while they repeat
+        y = agreed_matmul_reduce_scatter(self, x, W, error)  # inputs checked; no metadata while they repeat
         return (y + b.to(y.dtype) if b is not None else y), None  # under torch.autocast y (as torch's) is in its
         # dtype
 
