@@ -4,8 +4,9 @@ Same method as ``test_linear_layers``: layer and sequential ``torch.nn.Linear`` 
 seed, float64 reference on the global tensors, each rank checks the blocks it holds.
 P_x, P_y and P_w sit on overlapping, disjoint or reordered world ranks; ranks outside
 all three are inactive.  Case ids read ``w<world>-<what is special>``; ``exchange``
-marks cases where some P_w or P_y worker holds no input block, so the layer gathers the
-input shapes each call.
+marks cases where some P_w or P_y worker holds no input block, so those workers learn the
+input's leading extents from the layer's agreed record (gathered on the first call and on
+a change).
 """
 
 from __future__ import annotations
