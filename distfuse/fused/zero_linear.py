@@ -95,6 +95,7 @@ from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
+from distfuse.primitives._agreement import trusting
 
 __all__ = ["ZeroLinear", "zero_linear", "zero_linear_available", "zero_linear_workspace_bytes", "agreed_rows",
            "sequence_extent", "SPLITS", "AXES"]
@@ -107,15 +108,32 @@ SPLITS = ("rows", "columns")
 AXES = ("features", "sequence")
 
 
+_AGREED_ROWS: dict[tuple[tuple[int, ...], int], int] = {}  # (P_d ranks, this worker's rows) -> agreed max
+
+
 def agreed_rows(P_d: Partition, rows: int, device) -> int:
     """The largest row count over the data-parallel workers ``P_d``.
 
-    Collective over ``P_d`` where the dispatch decision depends on the size (see the module doc).
+    Collective over ``P_d`` where the dispatch decision depends on the size (see the module
+    doc): one host int64 all-reduce, no device read.  Inside
+    :func:`~distfuse.primitives._agreement.capture_safe` (and while a CUDA stream captures)
+    the value agreed for this worker's ``rows`` in an eager call is reused, so a captured
+    step runs no host collective; a row count never seen eagerly raises
+    :class:`~distfuse.errors.UnsupportedError` on that worker (warm up with the captured
+    shapes on every worker).
     """
     t = torch.tensor([int(rows)], dtype=torch.int64)
     forced = os.environ.get("DISTFUSE_PATH", "auto").strip().lower() in ("fused", "unfused")
     if P_d.size > 1 and torch.device(device).type == "cuda" and not forced:
+        key = (tuple(P_d.ranks), int(rows))
+        if trusting():
+            if key not in _AGREED_ROWS:
+                raise UnsupportedError(f"{where('ZeroLinear')}: inside capture_safe() (or a CUDA-graph capture) the "
+                                       f"data-parallel row count {rows} was never agreed in an eager call; warm up "
+                                       "with the captured shapes on every worker")
+            return _AGREED_ROWS[key]
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=P_d.meta_group)
+        _AGREED_ROWS[key] = int(t)
     return int(t)
 
 
