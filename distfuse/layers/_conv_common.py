@@ -61,7 +61,7 @@ from distfuse.primitives._layout import memory_format_of, zeros_in
 
 __all__ = ["ConvOptions", "CallInfo", "gather_call_info", "draw_parameters", "conv_block", "pad_locally",
            "grid_of", "check_partition", "promote", "autocast_dtype", "cast_for_compute", "local_call_checks",
-           "check_geometry", "conv_output_format", "call_signature", "agreed_call_info"]
+           "check_geometry", "conv_output_format", "call_signature", "agreed_call_info", "passes_local_checks"]
 
 CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -200,6 +200,11 @@ def local_call_checks(P_x: CartesianPartition, x: torch.Tensor) -> int:
     return _NOT_EMPTY if x.numel() != 0 else _OK
 
 
+def passes_local_checks(P_x: CartesianPartition, x: torch.Tensor) -> bool:
+    """Whether this worker's input passes :func:`local_call_checks` and has one dimension per dimension of P_x."""
+    return local_call_checks(P_x, x) == _OK and (not P_x.active or x.dim() == P_x.dim)
+
+
 def gather_call_info(op: str, P_union: Partition, P_x: CartesianPartition, x: torch.Tensor,
                      params: Sequence[torch.Tensor], signature=None) -> CallInfo:
     """All-gather ``(shape, dtype, grad flags, autocast)`` over ``P_union`` (host gloo, 12 int64 per worker).
@@ -323,7 +328,7 @@ def agreed_call_info(site: AgreementSite, op: str, P_union: Partition, P_x: Cart
     shape), which raise the same error on every worker.  The first call gathers directly.
     """
     mine = call_signature(x, params)
-    locally_ok = local_call_checks(P_x, x) == _OK and (not P_x.active or x.dim() == P_x.dim)
+    locally_ok = passes_local_checks(P_x, x)
 
     def slow() -> CallInfo:
         info = gather_call_info(op, P_union, P_x, x, params, signature=signature)

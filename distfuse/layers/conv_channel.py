@@ -21,8 +21,8 @@ worker owns its weight block, so no weight moves.  This is the general convoluti
 checks, parameter handling and worker roles, including: ``groups > 1`` only with unsplit
 channels (otherwise :class:`~distfuse.errors.UnsupportedError`), the agreement on the
 call's metadata over the union of the partitions (a gather on the first call and on a
-change, a one-element flag round while the workers' signatures repeat), and every worker
-of the union calling backward.
+change, a one-element flag round while the workers' signatures repeat), every worker of
+the union calling backward, and the compiled forward (here without a halo round).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class DistributedChannelConvBase(DistributedGeneralConvBase):
     Args: as :class:`~distfuse.layers.conv_general.DistributedGeneralConvBase`, with
     P_x ``[1, P_ci, 1, ...]``, P_y ``[1, P_co, 1, ...]`` and P_w ``[P_co, P_ci, 1, ...]``.
     """
+
+    _stages_with_halo = False  # the input travels unpadded; compiled calls need no halo round
 
     def _check_partitions(self, op, P_x, P_y, P_w) -> None:
         for name, P in (("P_x", P_x), ("P_y", P_y), ("P_w", P_w)):

@@ -44,6 +44,12 @@ own one-element all-reduce on the union's host meta group, before any data moves
 see ``docs/reliability.md``).  A disagreement raises the same error on every worker;
 a change of global shape on every worker just works.
 
+``torch.compile(layer, fullgraph=True)`` traces it without a graph break: a compiled call
+reuses the record of the last eager call and moves data only through custom ops
+(``distfuse::flag_check``, ``conv_halo``, ``block_broadcast``, ``block_sum_reduce``; see
+:mod:`~distfuse.layers._conv_general_compiled`), so the graph holds no metadata exchange
+and every worker of the union traces the same ops.
+
 Under ``torch.autocast`` the input, the staged blocks, the partial outputs and the output
 travel and compute in the autocast dtype, the weight blocks travel in their own dtype and
 are cast where they are used, as ``torch.nn.ConvNd`` casts them.  Gradients of any order
@@ -74,6 +80,7 @@ from distfuse.layers._conv_common import (
     grid_of,
     promote,
 )
+from distfuse.layers._conv_general_compiled import CompiledGeneralConvMixin
 from distfuse.layers._params import ParamLayout
 from distfuse.partition import union_partition, zero_volume_tensor
 from distfuse.primitives._agreement import AgreementSite
@@ -86,7 +93,7 @@ __all__ = ["DistributedGeneralConvBase", "DistributedGeneralConv1d", "Distribute
            "DistributedGeneralConv3d"]
 
 
-class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
+class DistributedGeneralConvBase(BlockIdentityMixin, CompiledGeneralConvMixin, nn.Module):
     """Convolution with channels and spatial axes split (see the module docstring).
 
     Args:
@@ -173,6 +180,7 @@ class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
         self._w_plan = broadcast_plan(self._P_wr, P_w)
         self._b_plan = broadcast_plan(self._P_b, self._P_bd)
         self._y_plan = sum_reduce_plan(P_w, self._P_yv)
+        self._build_compiled_contexts()  # the handles a compiled forward names its moves by
 
     # ------------------------------------------------------------ parameters
 
@@ -246,6 +254,8 @@ class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
+        if torch.compiler.is_compiling():  # custom ops and the eager-agreed record (_conv_general_compiled.py)
+            return self._compiled_forward(x, params)
 
         def check(info) -> None:  # every worker holds G: these raise on every worker alike
             if info.global_shape[1] != o.in_channels:

@@ -31,6 +31,9 @@ op                                 what it is
 ``distfuse::plan_copy``,           blocks along a broadcast plan, sources to destinations, and
 ``distfuse::plan_sum``             destinations summed onto sources (each the other's adjoint;
                                    ``DistributedLinear``'s input broadcast and sum-reduce)
+``distfuse::block_broadcast``,     the same in an agreed memory format (the channel and general
+``distfuse::block_sum_reduce``,    convolutions' input, parameter and partial-output moves);
+``distfuse::conv_halo``            their halo round, callable off P_x (:mod:`.conv_blocks`)
 ``distfuse::<fused op>``           the fused GEMM + collective linears (``all_gather_matmul``,
                                    ``matmul_reduce_scatter``, their ``_features`` forms,
                                    ``matmul_all_reduce``, ``zero_linear``); backward:
@@ -67,6 +70,7 @@ from distfuse.ops.collectives import (
     scatter_sum,
     sum_packed,
 )
+from distfuse.ops.conv_blocks import block_broadcast, block_sum_reduce, conv_halo
 from distfuse.ops.flag_check import FlagRound, flag_check
 from distfuse.ops.fused_linear import FusedCall, run_fused
 from distfuse.ops.halo import halo_exchange, halo_exchange_adjoint
@@ -83,4 +87,4 @@ __all__ = ["INDUCTOR_OPTIONS", "halo_exchange", "halo_exchange_adjoint", "flagge
            "FlaggedSite", "PackedBroadcast", "gather", "scatter_sum", "agreed_gather", "agreed_scatter_sum",
            "broadcast_packed", "sum_packed", "GRAD_ANCHOR", "NO_ANCHOR", "moments", "normalize",
            "normalize_backward", "all_sum", "replicate", "replicated_total", "flag_check", "FlagRound",
-           "plan_copy", "plan_sum", "FusedCall", "run_fused"]
+           "plan_copy", "plan_sum", "FusedCall", "run_fused", "block_broadcast", "block_sum_reduce", "conv_halo"]
