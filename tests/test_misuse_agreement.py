@@ -16,7 +16,6 @@ Pools keep the world group at torch's default timeout; ``DISTFUSE_TIMEOUT=3`` in
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -35,6 +34,7 @@ from distfuse.layers import (
 )
 from distfuse.primitives import AllGather, AllSumReduce, ReduceScatter
 from distfuse.testing import run_ranks
+from tests.misuse_support import catch as _catch
 from tests.tolerances import tol
 
 PG_DEFAULT = default_pg_timeout.total_seconds()
@@ -54,14 +54,6 @@ def _grid(ranks, shape):
 def _run(fn, world: int = 4):
     return run_ranks(world, fn, pg_timeout=PG_DEFAULT, timeout=90)
 
-
-def _catch(fn):
-    """``("ok", result)`` or ``(error type, message, seconds)``."""
-    t0 = time.monotonic()
-    try:
-        return "ok", fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects every kind
-        return type(exc).__name__, str(exc), time.monotonic() - t0
 
 
 def _close(got, want, dtype) -> bool:

@@ -22,7 +22,6 @@ rank outside the layer):
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -30,11 +29,13 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
 import distfuse.layers._conv_common as conv_common
-from distfuse import Partition, zero_volume_tensor
+from distfuse import zero_volume_tensor
 from distfuse.geometry.decomposition import local_slices
 from distfuse.layers import load_sequential
 from distfuse.layers.conv import DistributedConv1d
 from distfuse.testing import run_ranks
+from tests.misuse_support import catch as _catch
+from tests.misuse_support import patient_grid
 from tests.tolerances import tol
 
 PG_DEFAULT = default_pg_timeout.total_seconds()
@@ -43,25 +44,9 @@ _GRIDS: dict = {}
 
 
 def _grid(ranks, shape):
-    """A partition whose groups wait ``DISTFUSE_TIMEOUT=60`` (distfuse's world groups as the other misuse tests)."""
-    key = (tuple(ranks), tuple(shape))
-    if key not in _GRIDS:
-        if "world" not in _GRIDS:
-            os.environ["DISTFUSE_TIMEOUT"] = "3"
-            _GRIDS["world"] = Partition.world()
-        os.environ["DISTFUSE_TIMEOUT"] = "60"
-        _GRIDS[key] = _GRIDS["world"].create_partition_inclusive(list(ranks)).create_cartesian_topology_partition(
-            list(shape))
-    return _GRIDS[key]
+    """A partition whose groups wait ``DISTFUSE_TIMEOUT=60`` (see ``tests.misuse_support.patient_grid``)."""
+    return patient_grid(_GRIDS, ranks, shape)
 
-
-def _catch(fn):
-    """``("ok", result)`` or ``(error type, message, seconds)``."""
-    t0 = time.monotonic()
-    try:
-        return "ok", fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects every kind
-        return type(exc).__name__, str(exc), time.monotonic() - t0
 
 
 def _check_call(layer, seq, P_x, P_y, xg: torch.Tensor, seed: int) -> bool:

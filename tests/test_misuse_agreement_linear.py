@@ -29,7 +29,6 @@ error that waited for a timeout would take a minute: every one must come within
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -44,6 +43,7 @@ from distfuse.groups import group_timeout
 from distfuse.layers import DistributedLinear, DistributedLinearAllGather, DistributedLinearReduceScatter
 from distfuse.testing import run_ranks
 from distfuse.testing.pool import discard_pool
+from tests.misuse_support import catch as _catch
 from tests.test_linear_general import _check
 from tests.test_linear_layers import _data
 from tests.tolerances import tol
@@ -72,14 +72,6 @@ def _grid(ranks, shape):
     os.environ["DISTFUSE_TIMEOUT"] = LIMIT  # before the first Partition.world() of the fresh pool
     return Partition.world().create_partition_inclusive(list(ranks)).create_cartesian_topology_partition(list(shape))
 
-
-def _catch(fn):
-    """``("ok", result)`` or ``(error type, message, seconds)``."""
-    t0 = time.monotonic()
-    try:
-        return "ok", fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects every kind
-        return type(exc).__name__, str(exc), time.monotonic() - t0
 
 
 class _Counts:

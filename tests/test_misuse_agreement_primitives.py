@@ -25,20 +25,21 @@ on 5 ranks with permuted partitions, every worker role and a rank outside the pa
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.constants import default_pg_timeout
 
-from distfuse import Partition, zero_volume_tensor
+from distfuse import zero_volume_tensor
 from distfuse.geometry.decomposition import block_range, local_slices
 from distfuse.primitives import Broadcast, HaloExchange, Repartition, SumReduce
 from distfuse.primitives.broadcast import broadcast
 from distfuse.primitives.repartition import repartition
 from distfuse.primitives.sum_reduce import sum_reduce
 from distfuse.testing import run_ranks
+from tests.misuse_support import catch as _catch
+from tests.misuse_support import patient_grid
 
 PG_DEFAULT = default_pg_timeout.total_seconds()
 PROMPT = 5.0  # seconds: far below DISTFUSE_TIMEOUT=60
@@ -46,24 +47,9 @@ _GRIDS: dict = {}
 
 
 def _grid(ranks, shape):
-    """A partition whose groups wait ``DISTFUSE_TIMEOUT=60`` (distfuse's world groups as the other misuse tests)."""
-    key = (tuple(ranks), tuple(shape))
-    if key not in _GRIDS:
-        if "world" not in _GRIDS:
-            os.environ["DISTFUSE_TIMEOUT"] = "3"
-            _GRIDS["world"] = Partition.world()
-        os.environ["DISTFUSE_TIMEOUT"] = "60"
-        _GRIDS[key] = _GRIDS["world"].create_partition_inclusive(list(ranks)).create_cartesian_topology_partition(
-            list(shape))
-    return _GRIDS[key]
+    """A partition whose groups wait ``DISTFUSE_TIMEOUT=60`` (see ``tests.misuse_support.patient_grid``)."""
+    return patient_grid(_GRIDS, ranks, shape)
 
-
-def _catch(fn):
-    t0 = time.monotonic()
-    try:
-        return "ok", fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects every kind
-        return type(exc).__name__, str(exc), time.monotonic() - t0
 
 
 def _rand(*shape, seed):

@@ -18,7 +18,6 @@ rank 4 is inactive.  The world group keeps torch's default timeout;
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 import torch
@@ -33,6 +32,7 @@ from distfuse.layers.conv_transpose import DistributedConvTranspose2d
 from distfuse.layers.pool import DistributedAvgPool2d, DistributedMaxPool2d
 from distfuse.layers.upsample import DistributedUpsample
 from distfuse.testing import run_ranks
+from tests.misuse_support import catch as _catch
 from tests.tolerances import tol
 
 PG_DEFAULT = default_pg_timeout.total_seconds()
@@ -48,13 +48,6 @@ def _grid():
             [1, 1, 2, 2])
     return _GRIDS["P"]
 
-
-def _catch(fn):
-    t0 = time.monotonic()
-    try:
-        return "ok", fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects every kind
-        return type(exc).__name__, str(exc), time.monotonic() - t0
 
 
 def _layers(name: str, P):

@@ -20,7 +20,6 @@ group at torch's default timeout and ``DISTFUSE_TIMEOUT=60`` on the partitions, 
 from __future__ import annotations
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +32,7 @@ from distfuse.primitives.all_gather import all_gather
 from distfuse.primitives.all_sum_reduce import all_sum_reduce
 from distfuse.primitives.reduce_scatter import reduce_scatter
 from distfuse.testing import run_ranks
+from tests.misuse_support import catch as _catch
 
 PG_DEFAULT = default_pg_timeout.total_seconds()
 PROMPT = 5.0
@@ -47,13 +47,6 @@ def _subgrid():
         _GRIDS["P"], _GRIDS["sub"] = P, axes_subgrid(P, (1,))
     return _GRIDS["P"], _GRIDS["sub"]
 
-
-def _catch(fn):
-    t0 = time.monotonic()
-    try:
-        return "ok", fn()
-    except Exception as exc:  # noqa: BLE001 - the test inspects every kind
-        return type(exc).__name__, str(exc), time.monotonic() - t0
 
 
 def _scenario():

@@ -1,0 +1,37 @@
+"""Helpers shared by the misuse tests: catching a rank's outcome, and partitions with a long timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from distfuse import Partition
+
+__all__ = ["catch", "patient_grid"]
+
+
+def catch(fn):
+    """``("ok", result)`` or ``(error type, message, seconds)``: what a rank's call did, and how fast it failed."""
+    t0 = time.monotonic()
+    try:
+        return "ok", fn()
+    except Exception as exc:  # noqa: BLE001 - the tests inspect every kind
+        return type(exc).__name__, str(exc), time.monotonic() - t0
+
+
+def patient_grid(cache: dict, ranks, shape, timeout: str = "60"):
+    """A Cartesian partition over ``ranks`` whose groups wait ``DISTFUSE_TIMEOUT=timeout`` (cached in ``cache``).
+
+    distfuse's world groups are made first with ``DISTFUSE_TIMEOUT=3``, as in the other
+    misuse tests; a prompt error then proves the flag or round reached every rank, not a
+    timeout of the partition's own groups.
+    """
+    key = (tuple(ranks), tuple(shape))
+    if key not in cache:
+        if "world" not in cache:
+            os.environ["DISTFUSE_TIMEOUT"] = "3"
+            cache["world"] = Partition.world()
+        os.environ["DISTFUSE_TIMEOUT"] = timeout
+        cache[key] = cache["world"].create_partition_inclusive(list(ranks)).create_cartesian_topology_partition(
+            list(shape))
+    return cache[key]
