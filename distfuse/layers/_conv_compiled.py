@@ -39,14 +39,15 @@ class CompiledFeatureConvMixin:
             self._placeholders[key] = torch.empty(0, dtype=dtype, device=self.P_x.device).requires_grad_(requires_grad)
         return self._placeholders[key]
 
-    def _compiled_params(self, op: str, x: torch.Tensor, params):
+    def _compiled_params(self, op: str, x: torch.Tensor, params, param_dtype=None):
         """Inside a compiled region: the agreed record and the parameters, through ``flagged_root_broadcast``.
 
         The metadata gather cannot run in a graph; the agreement it produced in the last
         eager call is reused while this call's signature repeats (the compiler guards on
         the shapes, dtypes and grad flags, so a change retraces and lands here with
         ``changed``).  A changed call still joins the round with its flag set, so every
-        worker raises the op's error instead of waiting.
+        worker raises the op's error instead of waiting.  ``param_dtype`` overrides the
+        agreed parameter dtype (the transposed conv moves its parameters in the input's).
         """
         info = self.agreement.state
         if info is None:
@@ -59,7 +60,7 @@ class CompiledFeatureConvMixin:
         o = self.opts
         n_w = math.prod(o.weight_shape)
         n = n_w + (o.out_channels if o.bias else 0)
-        dtype = info.param_dtype or info.dtype
+        dtype = param_dtype or info.param_dtype or info.dtype
         if self._is_root:
             parts = [self.weight.reshape(-1)] + ([self.bias.reshape(-1)] if o.bias else [])
             flat = torch.cat([p if p.dtype == dtype else p.to(dtype) for p in parts])

@@ -25,13 +25,10 @@ state (``opts``, ``agreement``, ``_root_bcast``, ``_window_halo``, ``_windows``,
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from distfuse.errors import UnsupportedError, where
 from distfuse.layers._conv_compiled import CompiledFeatureConvMixin
-from distfuse.ops import flagged_root_broadcast, halo_exchange
+from distfuse.ops import halo_exchange
 
 __all__ = ["CompiledConvTransposeMixin"]
 
@@ -40,28 +37,15 @@ class CompiledConvTransposeMixin:
     """The compiled forward of the transposed convolution (see the module docstring)."""
 
     _placeholder = CompiledFeatureConvMixin._placeholder
+    _compiled_params = CompiledFeatureConvMixin._compiled_params
 
     def _compiled_forward(self, op: str, x: torch.Tensor, params) -> torch.Tensor:
         """Parameters through ``flagged_root_broadcast``, the halo through ``halo_exchange``, then the local block."""
-        info = self.agreement.state
-        if info is None:
-            raise UnsupportedError(f"{where(op)}: a compiled call needs the metadata the layer agrees on in eager "
-                                   "mode: call the layer once eagerly (every worker, same shapes and grad settings) "
-                                   "before the compiled region")
-        # A worker whose input does not require grad while a peer's does would skip the halo adjoint its peers
-        # wait for (eager promotes its input; a compiled graph cannot): it flags, and every worker raises.
-        changed = self._signature(x, params) != self.agreement.signature or (info.input_grad and not x.requires_grad)
         o = self.opts
-        n_w = math.prod(o.weight_shape)
-        n = n_w + (o.out_channels if o.bias else 0)
-        dtype = info.dtype  # parameters travel in the input dtype, as in eager (_agreed_info)
-        if self._is_root:
-            parts = [self.weight.reshape(-1)] + ([self.bias.reshape(-1)] if o.bias else [])
-            flat = torch.cat([p if p.dtype == dtype else p.to(dtype) for p in parts])
-        else:  # an empty view of the input, never a graph constant (see distfuse/ops/root_broadcast.py)
-            flat = x.detach().reshape(-1)[:0].to(dtype)
-        packed = flagged_root_broadcast(flat, self._placeholder(dtype, info.param_grad), self._root_bcast.handle,
-                                        changed, n)
+        # parameters travel in the input dtype, as in eager (_agreed_info)
+        state = self.agreement.state
+        info, packed, n_w, n, changed = self._compiled_params(op, x, params,
+                                                              param_dtype=None if state is None else state.dtype)
         if changed:  # the round above raises on every worker at run time; nothing after it runs
             return packed[:0]
         w, b = packed[:n_w].view(o.weight_shape), (packed[n_w:n] if o.bias else None)
