@@ -9,6 +9,7 @@ suite           file (owner's entry point)           where it runs
 ==============  ===================================  =========================================================
 linear_layers   ``bench_linear_layers.run``          forked gloo CPU ranks, or the torchrun world (NCCL)
 conv_layers     ``bench_conv_layers.run``            forked gloo CPU ranks, or the torchrun world (NCCL)
+agreement       ``bench_agreement.run``              forked gloo CPU ranks, or the torchrun world (NCCL)
 halo_conv       ``bench_halo_conv.main``, wrapped    one GPU; CPU ``--smoke``: its interpreter correctness pass
 gemm_fused      ``bench_gemm_fused.sweep``, wrapped  one GPU; CPU ``--smoke``: its interpreter correctness pass
 ==============  ===================================  =========================================================
@@ -141,6 +142,11 @@ register(Suite(
     "conv_transpose", "feature-distributed ConvTranspose2d/3d vs torch.cat halo staging",
     _layer_suite("bench_conv_transpose", _op_roles(["conv_transpose2d", "conv_transpose3d"],
                                                    unfused="distfuse", anchor="cat"))))
+register(Suite(
+    "agreement", "steady-state cost of the agreement checks per layer vs the same layer trusted (no check)",
+    _layer_suite("bench_agreement", _op_roles(
+        ["feature_conv2d", "general_conv2d", "max_pool2d", "halo_exchange", "broadcast", "linear_all_gather",
+         "linear_reduce_scatter", "general_linear"], unfused="agreed", anchor="trusted"))))
 
 
 # ---------------------------------------------------------------- halo staging / halo conv (one GPU)
