@@ -44,6 +44,7 @@ from distfuse.layers.norm_batch import DistributedBatchNorm2d
 from distfuse.layers.norm_group import DistributedGroupNorm, DistributedInstanceNorm2d
 from distfuse.layers.norm_layer import DistributedLayerNorm
 from distfuse.testing import run_ranks
+from tests.misuse_support import catch, patient_grid
 from tests.test_conv_support import grid
 from tests.tolerances import tol
 
@@ -235,6 +236,57 @@ def test_compiled_norms_world6_inactive_channel_split_bf16():
                         modes=("train",), timeout=300)
     assert [r["active"] for r in results] == [True, True, False, True, False, True]
     _check_same_ops(results, {"train": _TRAIN_OPS})
+
+
+def _group_norm_channels_last_case(shape, grid_shape, ranks, groups, dtype) -> None:
+    """Eager and compiled (aot_eager) GroupNorm on channels_last blocks of several samples: bitwise equal, the
+    layout kept, close to float64 torch.nn (the statistics are read from the [N, *s, C] memory, no copy)."""
+    torch._dynamo.reset()
+    P_x = grid(ranks, grid_shape)
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    gen = torch.Generator().manual_seed(len(shape))
+    ref = nn.GroupNorm(groups, shape[1], dtype=torch.float64)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(dtype))
+    layer = DistributedGroupNorm(P_x, groups, shape[1], dtype=dtype)
+    load_sequential(layer, ref if dist.get_rank() == 0 else None)
+    xg = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).double().requires_grad_(True)
+    dyg = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).double()
+    yg = ref(xg.contiguous(memory_format=fmt))
+    yg.backward(dyg)
+    sl = local_slices(shape, P_x.shape, P_x.index)
+    assert sl[0].stop - sl[0].start >= 2, f"{shape}: the case must hold several samples per worker"
+
+    def step(fn):
+        x = xg.detach()[sl].to(dtype).contiguous(memory_format=fmt).requires_grad_(True)
+        y = fn(x)
+        y.backward(dyg[sl].to(dtype).contiguous(memory_format=fmt))
+        got = dict(y=y.detach(), dx=x.grad, weight=layer.weight.grad.clone(), bias=layer.bias.grad.clone())
+        layer.zero_grad(set_to_none=True)
+        return got
+
+    eager = step(layer)
+    comp = step(torch.compile(layer, fullgraph=True, dynamic=False, backend="aot_eager"))
+    for k in eager:
+        _same(f"{shape} {k}", comp[k], eager[k])
+    assert comp["y"].is_contiguous(memory_format=fmt) and comp["dx"].is_contiguous(memory_format=fmt), shape
+    _close(f"{shape} output", comp["y"], yg[sl], dtype)
+    _close(f"{shape} input gradient", comp["dx"], xg.grad[sl], dtype)
+    _close(f"{shape} weight gradient", comp["weight"], ref.weight.grad, dtype)
+    _close(f"{shape} bias gradient", comp["bias"], ref.bias.grad, dtype)
+
+
+def _group_norm_channels_last(cases) -> None:
+    for case in cases:
+        _group_norm_channels_last_case(*case)
+
+
+def test_compiled_group_norm_channels_last_several_samples():
+    """2-D fp32 (batch split unevenly, 3 and 2 samples) and 3-D bf16 (2 samples), ranks permuted."""
+    cases = [((5, 4, 5, 3), (2, 1, 1, 1), (1, 0), 2, torch.float32),
+             ((2, 6, 3, 2, 3), (1, 1, 2, 1, 1), (1, 0), 3, torch.bfloat16)]
+    run_ranks(2, _group_norm_channels_last, cases, timeout=300)
 
 
 # ---------------------------------------------------------------- losses
@@ -437,3 +489,61 @@ def test_changed_call_under_compile_raises_on_every_rank_then_recovers():
             assert error is not None and "eagerly" in error, error
             assert waited < 25, f"the error took {waited:.1f} s (a wait for a peer, not a flag round)"
         assert same
+
+
+_PATIENT: dict = {}
+PROMPT = 5.0  # seconds: far below the partition's DISTFUSE_TIMEOUT=60 (a wait for a peer would take that long)
+
+
+def _bad_values_under_compile(bad_rank: int):
+    """A class index out of range (CE, 'mean'), a probability above 1 and a NaN target (BCE, 'sum') on one
+    worker's block under the compiled losses: every worker's call raises promptly; good data stays eager's bits."""
+    torch._dynamo.reset()
+    P_x = patient_grid(_PATIENT, (3, 0, 2), (1, 1, 3))  # world rank 1 inactive; L = 7 split 3, 2, 2
+    shape = (2, 4, 7)
+    gen = torch.Generator().manual_seed(11)
+    z = torch.randn(shape, generator=gen)
+    labels = torch.randint(0, shape[1], (shape[0], shape[2]), generator=gen)
+    probs = torch.rand(shape, generator=gen)
+    bits = torch.randint(0, 2, shape, generator=gen).float()
+    ce = DistributedCrossEntropyLoss(P_x, weight=torch.rand(shape[1], generator=gen) + 0.5)
+    bce = DistributedBCELoss(P_x, reduction="sum")
+    if P_x.active:
+        sl = local_slices(shape, P_x.shape, P_x.index)
+        z, probs, bits, labels = z[sl], probs[sl], bits[sl], labels[sl[0], sl[2]]
+    else:
+        z = probs = bits = zero_volume_tensor()
+        labels = zero_volume_tensor(dtype=torch.int64)
+    mine = dist.get_rank() == bad_rank
+    bad_labels, bad_probs, bad_bits = labels.clone(), probs.clone(), bits.clone()
+    if mine:  # torch's BCE checks its input (the probabilities) and its target
+        bad_labels[1, 0] = shape[1]  # one past the last class
+        bad_probs[0, 1, 1] = 1.5
+        bad_bits[1, 0, 0] = float("nan")
+    outcomes = {}
+    for name, layer, good, bad in (("ce", ce, (z, labels), (z, bad_labels)),
+                                   ("bce", bce, (probs, bits), (bad_probs, bits)),
+                                   ("bce-target", bce, (probs, bits), (probs, bad_bits))):
+        eager = layer(*good)
+        compiled = torch.compile(layer, fullgraph=True, dynamic=False, backend="aot_eager")
+        first = torch.equal(compiled(*good), eager)
+        refused = catch(lambda layer=compiled, bad=bad: layer(*bad))
+        outcomes[name] = (first, refused, torch.equal(compiled(*good), eager))
+    return P_x.active, outcomes
+
+
+def test_compiled_loss_value_errors_reach_every_rank():
+    """A bad block on world rank 2 only: CrossEntropyLoss ('mean', class weights) and BCELoss ('sum'; input, then
+    target) raise the same ShapeError on every worker of P_x, promptly (no wait for the partition's timeout),
+    naming rank 2; inactive world rank 1 is untouched."""
+    results = run_ranks(4, _bad_values_under_compile, 2, timeout=300)
+    assert [active for active, _ in results] == [True, False, True, True]
+    for rank, (active, outcomes) in enumerate(results):
+        for name, (first, outcome, after) in outcomes.items():
+            assert first and after, f"rank {rank} {name}: compiled differs from eager on good data"
+            if not active:
+                assert outcome[0] == "ok", outcome
+                continue
+            assert outcome[0] == "ShapeError", (rank, name, outcome)
+            assert "refused the blocks of world ranks [2]" in outcome[1], outcome[1]
+            assert outcome[2] < PROMPT, f"rank {rank} {name}: the error took {outcome[2]:.1f} s"

@@ -260,7 +260,6 @@ class LayoutCase:
     x_ranks: tuple
     kw: dict
     dtype: torch.dtype = torch.float32
-    no_copy: bool = True  # the channels_last input is used in place (no whole-block copy)
 
 
 def _layout_layers(c: LayoutCase, P_x):
@@ -309,8 +308,11 @@ def _run_layout(c: LayoutCase) -> dict:
     mode = _CopiesOf(x.untyped_storage().data_ptr(), x.numel())
     with mode:  # the steady-state call (the first one agreed the metadata)
         layer(x)
+    with _CopiesOf(x.untyped_storage().data_ptr(), x.numel()) as control:  # the counter sees an NCHW copy
+        x.contiguous()
     return dict(active=True, want_y=want_y, want_dx=want_dx, got_y=_is_fmt(y, fmt) if y.numel() else None,
-                got_dx=_is_fmt(x.grad, fmt) if x.numel() else None, copies=mode.copies)
+                got_dx=_is_fmt(x.grad, fmt) if x.numel() else None, copies=mode.copies,
+                control=bool(control.copies) or x.numel() == 0)
 
 
 def _run_layouts(cases):
@@ -333,15 +335,24 @@ _LAYOUTS = {
                    dict(scale_factor=1.5, mode="trilinear")),
         LayoutCase("groupnorm-one-sample-permuted", "groupnorm", (1, 4, 7, 5), (1, 1, 2, 2), (3, 1, 0, 2),
                    dict(num_groups=2)),
+        # several samples per worker: the statistics per (sample, group) are read from the [N, *s, C] memory
         LayoutCase("groupnorm-two-samples-bf16", "groupnorm", (2, 6, 5, 5), (1, 1, 2, 2), (0, 1, 2, 3),
-                   dict(num_groups=3), dtype=torch.bfloat16, no_copy=False),  # NCHW statistics: one copy
+                   dict(num_groups=3), dtype=torch.bfloat16),
+        LayoutCase("groupnorm-batch-split-uneven", "groupnorm", (5, 4, 5, 3), (2, 1, 2, 1), (1, 3, 0, 2),
+                   dict(num_groups=2)),  # 3 and 2 samples per worker
         LayoutCase("groupnorm-3d-fp16", "groupnorm", (1, 4, 5, 4, 3), (1, 1, 2, 1, 2), (2, 0, 3, 1),
                    dict(num_groups=4), dtype=torch.float16),
+        LayoutCase("groupnorm-3d-two-samples", "groupnorm", (2, 4, 3, 4, 3), (1, 1, 2, 1, 2), (3, 2, 1, 0),
+                   dict(num_groups=2)),
+        LayoutCase("groupnorm-3d-three-samples-bf16", "groupnorm", (3, 6, 3, 3, 4), (1, 1, 1, 2, 2), (1, 0, 3, 2),
+                   dict(num_groups=3), dtype=torch.bfloat16),
     ],
     6: [
         LayoutCase("upsample-bilinear-inactive", "upsample", (1, 2, 8, 5), (1, 1, 3, 1), (5, 2, 0),
                    dict(scale_factor=1.5, mode="bilinear")),
         LayoutCase("groupnorm-inactive", "groupnorm", (1, 4, 8, 5), (1, 1, 3, 1), (4, 0, 2), dict(num_groups=2)),
+        LayoutCase("groupnorm-two-samples-inactive", "groupnorm", (2, 4, 7, 5), (1, 1, 2, 2), (5, 1, 3, 0),
+                   dict(num_groups=4)),
     ],
 }
 
@@ -359,5 +370,5 @@ def test_upsample_and_group_norm_keep_channels_last(world):
                 assert r["got_y"] == r["want_y"], f"{c.name} rank {rank}: output format differs from torch.nn's"
             if r["got_dx"] is not None:
                 assert r["got_dx"] == r["want_dx"], f"{c.name} rank {rank}: input-gradient format differs"
-            if c.no_copy:
-                assert r["copies"] == [], f"{c.name} rank {rank}: the layer copied the channels_last block"
+            assert r["copies"] == [], f"{c.name} rank {rank}: the layer copied the channels_last block"
+            assert r["control"], f"{c.name} rank {rank}: the copy counter missed x.contiguous() (no teeth)"

@@ -7,8 +7,10 @@ this worker's signature (input and target shapes, dtypes, device, the weights' s
 dtypes).  A compiled call reuses the record while its signature repeats::
 
     distfuse::flag_check          every worker's agreement flag over P_x (host round, first)
+    value check                   entries torch would refuse, counted and replaced (traced tensor ops)
     local loss                    torch's own op on the block (traced)
-    distfuse::replicated_total    [sum l, denominator, change flag, failure flags] summed over P_x
+    distfuse::replicated_total    [sum l, denominator, change flag, failure count per worker] summed
+                                  over P_x; raises on every worker where a count is set (CPU)
                                   (adjoint: the identity, the loss is one replicated value)
 
 The flag rides in a round of its own because ``reduction='none'`` has no collective at
@@ -16,11 +18,21 @@ all; a changed call joins it with its flag set and returns before anything else,
 worker raises the same error (then one eager call agrees afresh).  A compiled call before
 any eager call is refused on every worker.
 
-Not carried into a compiled graph: the eager layer's conversion of torch's own value
-errors (a class index out of range, a probability outside [0, 1]) into an error on every
-worker.  Eager code catches them around the local loss; a compiled graph raises them on
-the worker whose block is bad, and its peers wait in the reduction until
-``DISTFUSE_TIMEOUT`` (``CollectiveTimeoutError``).  Validate targets eagerly if they may be bad.
+Values torch refuses (a class index out of range that is not ``ignore_index``, a BCE
+input or target outside [0, 1], NaN included): eager code catches torch's error around the local loss and
+carries a failure flag in the reduction.  A compiled graph cannot catch, so with a
+reduction it checks first, with tensor ops (``layer._safe_values``): it counts the bad
+entries, replaces them with values torch accepts (``ignore_index``, 0.5; a good block is
+untouched, so its loss and gradients are eager's bits), and puts the count in this
+worker's failure slot of the reduction's message.  The check runs before torch's op, so on
+CUDA torch's device-side asserts never fire.  ``distfuse::replicated_total`` reads the
+summed slots inside its eager body (a CPU tensor: free) and raises the same
+:class:`~distfuse.errors.ShapeError`, naming the bad workers' world ranks, on every worker;
+nobody waits.  On a CUDA partition it does not read them (that would synchronise the
+device every call): the graph turns the loss into NaN on every worker instead, as the
+eager layer's NaN there.  ``reduction='none'`` has no reduction to carry a count: torch's
+op runs on the raw block and raises on the bad worker alone (as in eager), with no
+collective of this loss left for its peers to wait in.
 """
 
 from __future__ import annotations
@@ -89,13 +101,16 @@ def compiled_loss(layer, input: torch.Tensor, target: torch.Tensor) -> torch.Ten
     if changed:  # the flag round raises on every worker when the graph runs; nothing after it is traced
         return input.new_empty((0,))
     G, start = record.global_shape, record.start
-    local = layer._local_loss(input, target, G, start)
     if layer.reduction == "none":
-        return local
+        return layer._local_loss(input, target, G, start)
+    input, target, bad = layer._safe_values(input, target)  # before torch's op (see the module docstring)
+    local = layer._local_loss(input, target, G, start)
     divisor = None if layer.reduction == "sum" else layer._mean_divisor(G, record.t_dtype)
     summed_divisor = layer.reduction != "sum" and divisor is None
     result_dtype = layer._result_dtype(record.in_dtype, record.t_dtype)
-    partial = layer._partial(local, input, target, None, summed_divisor, compute_dtype(result_dtype))
-    total = replicated_total(partial, sites.total.handle)
+    partial = layer._partial(local, input, target, None, summed_divisor, compute_dtype(result_dtype), bad=bad)
+    total = replicated_total(partial, sites.total.handle)  # raises on every worker on a bad CPU block
     loss = total[0] / total[1] if summed_divisor else total[0]
+    if bad is not None and total.device.type != "cpu":  # no host read on a device: a NaN on every worker
+        loss = torch.where(total[3:].sum() > 0, torch.full_like(loss, float("nan")), loss)
     return (loss if divisor is None else loss / divisor).to(result_dtype)

@@ -24,7 +24,8 @@
   in one fixed order makes the statistics bitwise identical on every worker.  A mean of
   local means is wrong under uneven splits; the weights ``n_i`` are what makes it exact.
 * :class:`NormalizeFunction` normalises ``x`` viewed as ``[L, M, R]`` with one statistic per
-  ``M``, optionally with a per-``M`` affine.  Its backward is exact: with
+  ``M`` (or ``[B, L, M, R]`` with one per ``(B, M)``: a channels_last group norm's memory,
+  see :mod:`distfuse.ops.norm_collectives`), optionally with a per-``M`` affine.  Its backward is exact: with
   ``xhat = (x - mean) * invstd`` and ``g`` the gradient reaching ``xhat``,
   ``dx = invstd * (g - sum(g)/n - xhat * sum(g * xhat)/n)``, where the sums run over every
   element that shares the statistic, on every worker: one all-reduce of ``2 x M`` values.
@@ -265,7 +266,7 @@ def gather_moments(op: str, P_stats: CartesianPartition, x3: torch.Tensor, count
 
 
 class NormalizeFunction(torch.autograd.Function):
-    """``y = (x - mean) * invstd [* w + b]`` for ``x [L, M, R]`` with one statistic per ``M``; see the module doc.
+    """``y = (x - mean) * invstd [* w + b]`` for ``x [(B,) L, M, R]``, one statistic per ``(B,) M``; see the module doc.
 
     ``mean`` and ``invstd`` are the global statistics of ``x`` (constants here: the backward
     accounts for their dependence on ``x``).  ``count`` is the global number of elements

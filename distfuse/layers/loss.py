@@ -50,8 +50,9 @@ CUDA the failure flags are not read (that read would synchronise the device), so
 failure surfaces as a NaN loss on the other workers; torch's CUDA kernels check class
 indices and BCE probabilities with device-side asserts anyway, which abort the process
 asynchronously instead of raising here.  Inside ``torch.compile`` a call reuses the last
-eager call's record with a flag round instead of the gather (``_loss_compiled.py``,
-which also says what a compiled call does not catch).
+eager call's record with a flag round instead of the gather, and checks the values torch
+would refuse with tensor ops before torch's op, so a bad block still raises on every worker
+(``_loss_compiled.py``).
 
 Weights (``weight``, ``pos_weight``) are the global tensors torch takes, held whole by
 every worker (they must be equal everywhere) and sliced per call to the local block by
@@ -190,6 +191,16 @@ class DistributedLossBase(nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must define _local_denominator when _mean_divisor "
                                   "returns None")
 
+    def _safe_values(self, input: torch.Tensor, target: torch.Tensor):
+        """``(input, target, bad)`` for a compiled call: blocks torch's local op accepts, and how many entries it
+        would refuse (a 0-d tensor), or None where torch checks no values.
+
+        Traced tensor ops, no host read: the count travels in the reduction's failure slot
+        (see ``_loss_compiled``).  The entries replaced are ones torch would refuse, so the
+        values and gradients of a good block are unchanged (bitwise).
+        """
+        return input, target, None
+
     def _result_dtype(self, in_dtype: torch.dtype, t_dtype: torch.dtype) -> torch.dtype:
         return torch.promote_types(in_dtype, t_dtype) if t_dtype in FLOATS else in_dtype
 
@@ -292,8 +303,12 @@ class DistributedLossBase(nn.Module):
         return _Outcome((loss if divisor is None else loss / divisor).to(result_dtype), failure, failed, False)
 
     def _partial(self, local, input, target, failure, summed_divisor: bool, cdt: torch.dtype,
-                 changed: bool = False) -> torch.Tensor:
-        """This worker's ``[sum of local, denominator, change flag, failure flag per worker]`` in ``cdt``."""
+                 changed: bool = False, bad: torch.Tensor | None = None) -> torch.Tensor:
+        """This worker's ``[sum of local, denominator, change flag, failure flag per worker]`` in ``cdt``.
+
+        ``bad`` (compiled calls): the number of entries torch would refuse, counted in the graph
+        (:meth:`_safe_values`); it fills this worker's failure slot.
+        """
         P_x = self.P_x
         device = input.device if input.device.type == P_x.device.type else P_x.device
         extra = torch.zeros(2 + P_x.size, dtype=cdt, device=device)  # [denominator, change, failure per worker]
@@ -304,6 +319,8 @@ class DistributedLossBase(nn.Module):
             num = local.sum(dtype=cdt)
             if summed_divisor:
                 extra[0] = self._local_denominator(input, target, cdt)
+            if bad is not None:
+                extra[2 + P_x.rank] = bad.to(cdt)
         else:
             num = torch.full((), float("nan"), dtype=cdt, device=device)
             extra[2 + P_x.rank] = 1
@@ -355,6 +372,11 @@ class DistributedBCELoss(_WeightedLossBase):
     def _local_loss(self, input, target, G, start):
         w = broadcast_block(type(self).__name__, "weight", self.weight, G, start, input.shape)
         return F.binary_cross_entropy(input, target, w, reduction="none")
+
+    def _safe_values(self, input, target):
+        """torch refuses an input or a target outside [0, 1] (NaN included); both become 0.5 there, counted."""
+        bad = ~((input >= 0) & (input <= 1) & (target >= 0) & (target <= 1))
+        return torch.where(bad, 0.5, input), torch.where(bad, 0.5, target), bad.sum()
 
 
 class DistributedBCEWithLogitsLoss(_WeightedLossBase):

@@ -78,6 +78,14 @@ class _ClassLossBase(_WeightedLossBase):
         picked = self.weight.to(dtype)[torch.where(valid, target, torch.zeros_like(target))]
         return (picked * valid).sum()
 
+    def _safe_values(self, input, target):
+        """torch refuses a class index outside ``[0, C)`` that is not ``ignore_index``; those become
+        ``ignore_index`` (no loss, no weight) and are counted.  Probability targets: torch checks no values."""
+        if target.is_floating_point():
+            return input, target, None
+        bad = (target != self.ignore_index) & ((target < 0) | (target >= input.shape[1]))
+        return input, torch.where(bad, self.ignore_index, target), bad.sum()
+
     def _signature(self):
         return super()._signature() + (self.ignore_index,)
 

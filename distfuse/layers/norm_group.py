@@ -201,19 +201,17 @@ class DistributedGroupNorm(_ChannelNormBase):
         G, dtype, call = agreed
         x = promote(x, call.any_input_grad)  # the adjoint all-reduces over P_stats: every worker must run it
         groups, per_group = self.num_groups, G[1] // self.num_groups
-        fmt = memory_format_of(x)  # torch's GroupNorm returns channels_last (_3d) for such an input
-        one_sample_nhwc = fmt != torch.contiguous_format and x.shape[0] == 1
-        if one_sample_nhwc:  # [*s, C] in memory: [s, groups, per_group] is a view (no copy), one statistic per group
+        # torch's GroupNorm returns channels_last (_3d) for such an input; its [N, *s, C] memory viewed as
+        # [N, s, groups, per_group] has one statistic per (sample, group): no copy, in or out.
+        channels_last = memory_format_of(x) != torch.contiguous_format
+        if channels_last:
             xl = x.movedim(1, -1)
-            x3 = xl.reshape(numel(x.shape[2:]), groups, per_group)
+            x3 = xl.view(x.shape[0], numel(x.shape[2:]), groups, per_group)
         else:
             x3 = x.reshape(1, x.shape[0] * groups, per_group * numel(x.shape[2:]))
         stats = moments(self._sites.stats, x3, per_group * numel(G[2:]))
         y = normalize(self._sites.stats, x3, stats, self.eps)
-        if one_sample_nhwc:
-            y = y.view(xl.shape).movedim(-1, 1)
-        else:  # several channels_last samples: statistics per (sample, group) need NCHW (reshape copied x)
-            y = y.view(x.shape).contiguous(memory_format=fmt)
+        y = y.view(xl.shape).movedim(-1, 1) if channels_last else y.view(x.shape)
         w = replica(self._sites.rep, self.weight, call.any_param_grad)
         b = replica(self._sites.rep, self.bias, call.any_param_grad)
         return _affine(y, w, b).to(dtype)

@@ -1,9 +1,12 @@
 """The normalisation layers' statistics and exact adjoint: the math, and the same as custom ops.
 
-``x3 [L, M, R]`` is a worker's input viewed with one statistic per ``M``; ``P_stats`` the
-workers that share those statistics (the handle's :class:`~distfuse.ops.collectives.FlaggedSite`)::
+``x3 [L, M, R]`` is a worker's input viewed with one statistic per ``M``, or ``[B, L, M, R]``
+with one per ``(B, M)`` (flattened ``b * M + m``); ``P_stats`` the workers that share those
+statistics (the handle's :class:`~distfuse.ops.collectives.FlaggedSite`).  The 4-D form is how a
+``channels_last`` group norm reads its ``[N, *s, C]`` memory without a copy: ``[N, S, G, C/G]``
+is a view, while no 3-D view puts ``(N, G)`` together.  ``w`` and ``b`` are per ``M``::
 
-    distfuse::moments(x3, h, count)      -> mean [M], var [M] (float64, biased)
+    distfuse::moments(x3, h, count)      -> mean [B*M], var [B*M] (float64, biased)
         local (n_i, mean_i, M2_i) -> all-gather over P_stats -> Chan combine in partition order
     distfuse::normalize(x3, w?, b?, mean, invstd, h, count) -> y = xhat [* w + b]   (compute dtype)
         adjoint: distfuse::normalize_backward
@@ -42,6 +45,21 @@ def stat_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---------------------------------------------------------------- the math (eager and compiled)
 
 
+def _stat_shape(x3: torch.Tensor) -> tuple[int, ...]:
+    """The shape that broadcasts one value per statistic against ``x3``: ``[1, M, 1]`` or ``[B, 1, M, 1]``."""
+    return tuple(x3.shape[:-3]) + (1, x3.shape[-2], 1)
+
+
+def _reduced_dims(x3: torch.Tensor) -> tuple[int, int]:
+    """The dimensions each statistic runs over: ``L`` and ``R``."""
+    return (x3.dim() - 3, x3.dim() - 1)
+
+
+def _stat_count(x3: torch.Tensor) -> int:
+    """The number of statistics of ``x3``: ``M`` or ``B * M``."""
+    return (x3.shape[0] if x3.dim() == 4 else 1) * x3.shape[-2]
+
+
 def _gather_rows(op: str, P_sub: CartesianPartition, rec: torch.Tensor) -> torch.Tensor:
     """``[P, *rec.shape]``: every worker's record, in sub-grid rank order (one all-gather)."""
     buf = rec.new_empty(P_sub.size * rec.numel())
@@ -52,20 +70,21 @@ def _gather_rows(op: str, P_sub: CartesianPartition, rec: torch.Tensor) -> torch
 
 def moments_of(op: str, P_stats: CartesianPartition, x3: torch.Tensor, count: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact global ``(mean, biased var)`` per ``M`` of ``x3 [L, M, R]`` over ``P_stats`` (float64, no autograd).
+    """Exact global ``(mean, biased var)`` per statistic of ``x3 [(B,) L, M, R]`` over ``P_stats`` (float64, flat).
 
     ``count`` is the global number of elements per statistic.  Local moments in
     :func:`stat_dtype`, combined in float64 with Chan's formula in sub-grid rank order.
     """
     with torch.no_grad():
-        L, M, R = x3.shape
+        L, R = x3.shape[-3], x3.shape[-1]
+        M = _stat_count(x3)
         n_loc = L * R
         rec = torch.zeros(3, M, dtype=torch.float64, device=x3.device)
         if n_loc > 0 and M > 0:
-            var, mean = torch.var_mean(x3.to(stat_dtype(x3.dtype)), dim=(0, 2), correction=0)
+            var, mean = torch.var_mean(x3.to(stat_dtype(x3.dtype)), dim=_reduced_dims(x3), correction=0)
             rec[0] = n_loc
-            rec[1] = mean
-            rec[2] = var.double() * n_loc
+            rec[1] = mean.reshape(M)
+            rec[2] = var.double().reshape(M) * n_loc
         if P_stats.size == 1 or M == 0:  # M is the same on every worker of P_stats: all skip together
             return rec[1], rec[2] / max(n_loc, 1)
         rows = _gather_rows(op, P_stats, rec)
@@ -77,12 +96,13 @@ def moments_of(op: str, P_stats: CartesianPartition, x3: torch.Tensor, count: in
 
 
 def _xhat(x3: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
-    return (x3.to(stat_dtype(x3.dtype)) - mean.view(1, -1, 1)) * invstd.view(1, -1, 1)
+    shape = _stat_shape(x3)
+    return (x3.to(stat_dtype(x3.dtype)) - mean.view(shape)) * invstd.view(shape)
 
 
 def normalize_forward(x3: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                       mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
-    """``(x3 - mean) * invstd [* w + b]`` per ``M``, in the compute dtype (no communication)."""
+    """``(x3 - mean) * invstd [* w + b]`` per statistic (``w``, ``b`` per ``M``), in the compute dtype."""
     y = _xhat(x3, mean, invstd)
     if weight is not None:
         y = y * weight.to(y.dtype).view(1, -1, 1)
@@ -97,20 +117,26 @@ def normalize_grads(dy: torch.Tensor, x3: torch.Tensor, mean: torch.Tensor, invs
     """The adjoint of :func:`normalize_forward` with the statistics' dependence on ``x3``: ``(dx, dw, db)``.
 
     One all-reduce of ``[sum dy, sum dy * xhat]`` (``2 x M``) over ``P_stats``; every worker of
-    ``P_stats`` must reach it.  Entries not in ``needs`` (dx, dw, db) are None.
+    ``P_stats`` must reach it.  Entries not in ``needs`` (dx, dw, db) are None.  With the 4-D
+    form the statistics' sums are per ``(B, M)`` and ``dw``, ``db`` (per ``M``) add the ``B`` rows.
     """
     xhat = _xhat(x3, mean, invstd)
     dy = dy.to(xhat.dtype)
-    sums = torch.stack([dy.sum((0, 2)), (dy * xhat).sum((0, 2))])
+    dims, M, shape = _reduced_dims(x3), _stat_count(x3), _stat_shape(x3)
+    sums = torch.stack([dy.sum(dims).reshape(M), (dy * xhat).sum(dims).reshape(M)])
     if P_stats.size > 1:
         sums = all_reduce_sum(op, P_stats, sums)
     sum_dy, sum_dy_xhat = sums[0], sums[1]
     n = max(count, 1)
-    scale = invstd if weight is None else invstd * weight.to(xhat.dtype)
+    scale = invstd.view(shape)
+    if weight is not None:
+        scale = scale * weight.to(xhat.dtype).view(1, -1, 1)
     dx = None
     if needs[0]:
-        dx = scale.view(1, -1, 1) * (dy - (sum_dy / n).view(1, -1, 1) - xhat * (sum_dy_xhat / n).view(1, -1, 1))
+        dx = scale * (dy - (sum_dy / n).view(shape) - xhat * (sum_dy_xhat / n).view(shape))
         dx = dx.to(x3.dtype)
+    if x3.dim() == 4:  # the parameters are per M: add the B rows of the per-(B, M) sums
+        sum_dy, sum_dy_xhat = sum_dy.view(-1, x3.shape[-2]).sum(0), sum_dy_xhat.view(-1, x3.shape[-2]).sum(0)
     dw = sum_dy_xhat.to(weight.dtype) if weight is not None and needs[1] else None
     db = sum_dy.to(bias_dtype) if bias_dtype is not None and needs[2] else None
     return dx, dw, db
@@ -129,7 +155,7 @@ def moments(x3: torch.Tensor, handle: int, count: int) -> tuple[torch.Tensor, to
 
 @moments.register_fake
 def _(x3, handle, count):
-    M = x3.shape[1]
+    M = _stat_count(x3)
     return x3.new_empty((M,), dtype=torch.float64), x3.new_empty((M,), dtype=torch.float64)
 
 
@@ -137,7 +163,8 @@ def _(x3, handle, count):
 def normalize(x3: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
               invstd: torch.Tensor, handle: int, count: int) -> torch.Tensor:
     """:func:`normalize_forward` (no communication; the adjoint all-reduces over the handle's sub-grid)."""
-    return normalize_forward(x3, weight, bias, mean, invstd).clone()
+    # contiguous, as the fake says (an output's strides must match its fake's under inductor)
+    return normalize_forward(x3, weight, bias, mean, invstd).clone(memory_format=torch.contiguous_format)
 
 
 @normalize.register_fake
@@ -153,7 +180,7 @@ def normalize_backward(dy: torch.Tensor, x3: torch.Tensor, mean: torch.Tensor, i
     ctx: FlaggedSite = lookup(handle)
     grads = normalize_grads(dy, x3, mean, invstd, weight, count, ctx.P_sub, ctx.op, tuple(needs),
                             None if bias is None else bias.dtype)
-    return tuple(dy.new_empty((0,)) if g is None else g.clone() for g in grads)
+    return tuple(dy.new_empty((0,)) if g is None else g.clone(memory_format=torch.contiguous_format) for g in grads)
 
 
 @normalize_backward.register_fake
