@@ -19,6 +19,11 @@ stop one rank short of it, and its peers would wait in the claim until the timeo
   :data:`~distfuse.kernels.signature.REFUSED` and no payload, then raises its own error;
   every peer's check sees the word and raises a ShapeError that points at it.
 
+A caller whose own checks failed before it entered a fused op (a layer's local check: a
+feature block, a number of dimensions, a non-tensor input) calls the op anyway under
+:func:`refusing`: the op's :func:`refusal` then refuses with the caller's error, so the
+error reaches the op's peers through the same claim, and the steady state pays nothing.
+
 Both replay exactly the host steps a peer takes before that claim (the availability
 verdict, the ``DISTFUSE_DEBUG=1`` metadata check, the workspace set-up), so the two
 sides never sit in different collectives.  With ``DISTFUSE_DEBUG=1`` the metadata check
@@ -28,6 +33,7 @@ already makes every rank raise, and no claim runs.
 from __future__ import annotations
 
 import contextlib
+from contextvars import ContextVar
 
 import torch
 
@@ -37,7 +43,10 @@ from distfuse.fused.symmetric import cached_workspace, get_workspace, symmetric_
 from distfuse.kernels.signature import GROW, REFUSED, abstain
 from distfuse.partition import Partition
 
-__all__ = ["agreed_workspace", "refuse", "refusal"]
+__all__ = ["agreed_workspace", "refuse", "refusal", "refusing"]
+
+# The error a caller's own checks raised, to be refused by the next fused op's refusal() (see refusing()).
+_PENDING: ContextVar[Exception | None] = ContextVar("distfuse_pending_refusal", default=None)
 
 
 def agreed_workspace(P: Partition, device, op: str, nbytes: int, layout: str):
@@ -92,7 +101,11 @@ def refusal(op: str, P: Partition, x, layout: str, nbytes=lambda: 0):
     on ``P``'s device type); ``nbytes()`` estimates the op's workspace request from the
     possibly bad arguments (0 where it cannot).
     """
+    pending = _PENDING.get()
     try:
+        if pending is not None:
+            _PENDING.set(None)  # one refusal per refusing() block
+            raise pending
         yield
     except (ShapeError, UnsupportedError) as exc:
         try:
@@ -101,3 +114,26 @@ def refusal(op: str, P: Partition, x, layout: str, nbytes=lambda: 0):
             guess = 0
         ok = isinstance(x, torch.Tensor) and x.device.type == P.device.type
         refuse(exc, P, x.device if ok else P.device, op, layout, guess)
+
+
+@contextlib.contextmanager
+def refusing(error: Exception | None):
+    """Let the fused op called inside refuse with ``error``, a check that failed before the op (None: no effect).
+
+    The op is entered with the caller's (possibly bad) arguments; its :func:`refusal`
+    raises ``error`` in place of its own checks, so the op's peers raise a ShapeError
+    saying this rank refused, at its first claim, and this rank raises ``error``.  Use it
+    where the peers are known to take the same fused op (the same dispatch verdict); the
+    error must be a ShapeError or UnsupportedError to be refused.  A block that calls no
+    fused op raises ``error`` on leaving (it must not pass silently).
+    """
+    if error is None:
+        yield
+        return
+    token = _PENDING.set(error)
+    try:
+        yield
+        if _PENDING.get() is error:  # no fused op refused it: raise it here, on this rank at least
+            raise error
+    finally:
+        _PENDING.reset(token)

@@ -54,8 +54,19 @@ different row counts (uneven batch blocks), so the decision uses the largest
 group): all workers must take the same path.  Where the decision cannot depend on the
 size (``DISTFUSE_PATH`` forces a path, or the device is not CUDA: see
 :func:`~distfuse.layers.dispatch.select_path`) the local count is used and nothing is
-exchanged.  The fused path needs symmetric memory on both groups
-(:func:`zero_linear_available`).
+exchanged.  The layers run that round over their whole grid (the maximum is the same:
+a column's workers hold the same rows) with a flag in it, so an input that fails a
+layer's local checks on one worker raises on every worker before any data moves, with
+no extra round (:func:`agreed_rows`).  The fused path needs symmetric memory on both
+groups (:func:`zero_linear_available`).
+
+Disagreements, and what reaches whom.  A rank's own checks that fail inside the op reach
+its data-parallel peers through the ``d`` group's first claim (``REFUSED``,
+:mod:`distfuse.fused.agreement`) where there is one model-parallel worker.  With several,
+the forward's model-parallel collective is a plain one with no flag, so a rank that
+stops (a refusal, or a signature mismatch seen in its column's claim) leaves the other
+columns waiting in it until ``DISTFUSE_TIMEOUT``; only the layers' grid-wide row round
+(CUDA, size-based dispatch) catches their local checks first.
 
 Workspaces: the ``d`` group's (the gathered ``W_m`` or the ``dW_m`` partial slots, whichever
 is larger: independent of the rows, so every data-parallel worker asks the same) and the
@@ -111,7 +122,14 @@ AXES = ("features", "sequence")
 _AGREED_ROWS: dict[tuple[tuple[int, ...], int], int] = {}  # (P_d ranks, this worker's rows) -> agreed max
 
 
-def agreed_rows(P_d: Partition, rows: int, device) -> int:
+def _exchanges_rows(P_d: Partition, device) -> bool:
+    """Whether :func:`agreed_rows` exchanges the count: the decision depends on the size (CUDA, no forced path)."""
+    forced = os.environ.get("DISTFUSE_PATH", "auto").strip().lower() in ("fused", "unfused")
+    return P_d.size > 1 and torch.device(device).type == "cuda" and not forced
+
+
+def agreed_rows(P_d: Partition, rows: int, device, *, P_all: Partition | None = None, error: Exception | None = None,
+                op: str = "ZeroLinear") -> int:
     """The largest row count over the data-parallel workers ``P_d``.
 
     Collective over ``P_d`` where the dispatch decision depends on the size (see the module
@@ -121,20 +139,38 @@ def agreed_rows(P_d: Partition, rows: int, device) -> int:
     step runs no host collective; a row count never seen eagerly raises
     :class:`~distfuse.errors.UnsupportedError` on that worker (warm up with the captured
     shapes on every worker).
+
+    ``P_all``, the layer's whole grid (``P_d`` x the model-parallel workers), and ``error``,
+    this worker's local check failure (None: its input passed): where the count is
+    exchanged, the same round runs over ``P_all`` instead (every column's workers hold the
+    same rows, so the maximum is the same) and carries a flag and the failing world rank,
+    so a local check that failed on any worker raises on every worker of the grid before
+    any data moves: this worker raises ``error``, the others a ShapeError naming it.  No
+    extra round: the one the dispatch needs anyway.  Where nothing is exchanged (CPU, or
+    ``DISTFUSE_PATH`` forcing a path) the caller handles ``error`` itself.
     """
-    t = torch.tensor([int(rows)], dtype=torch.int64)
-    forced = os.environ.get("DISTFUSE_PATH", "auto").strip().lower() in ("fused", "unfused")
-    if P_d.size > 1 and torch.device(device).type == "cuda" and not forced:
+    t = torch.tensor([int(rows), 0 if error is None else 1, -1 if error is None else dist.get_rank()],
+                     dtype=torch.int64)
+    if _exchanges_rows(P_d, device):
         key = (tuple(P_d.ranks), int(rows))
         if trusting():
+            if error is not None:
+                raise error
             if key not in _AGREED_ROWS:
                 raise UnsupportedError(f"{where('ZeroLinear')}: inside capture_safe() (or a CUDA-graph capture) the "
                                        f"data-parallel row count {rows} was never agreed in an eager call; warm up "
                                        "with the captured shapes on every worker")
             return _AGREED_ROWS[key]
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=P_d.meta_group)
-        _AGREED_ROWS[key] = int(t)
-    return int(t)
+        if P_all is None:  # the count alone, over the data-parallel workers
+            t = t[:1].clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=(P_all if P_all is not None else P_d).meta_group)
+        if error is not None:
+            raise error
+        if P_all is not None and int(t[1]):
+            raise ShapeError(f"{where(op)}: the input of world rank {int(t[2])} (at least) failed its local checks "
+                             "(its own error says why); no worker moves data")
+        _AGREED_ROWS[key] = int(t[0])
+    return int(t[0])
 
 
 def sequence_extent(P_m: Partition, n_m: int) -> int:
@@ -385,7 +421,8 @@ def zero_linear(x: torch.Tensor, shard: torch.Tensor, P_d: Partition, P_m: Parti
     Wm, m = (1, 0) if P_m is None else (P_m.size, P_m.rank)
     # With one model-parallel worker the op's first collective is the data-parallel workers' fused claim, so a
     # check that fails here reaches them all through it (fused/agreement.py).  With several, the model-parallel
-    # workers' plain collectives would still wait for this rank: it raises alone, as before.
+    # workers' plain collectives would still wait for this rank: it raises alone (the layers catch their own
+    # checks' failures before, in agreed_rows's grid-wide round, where that round runs).
     guard = refusal(_OP, P_d, x, GATHER_FLAGS, nbytes=lambda: zero_linear_workspace_bytes(
         split, axis, rows=0, n=None, out_features=out_features, in_features=in_features, P_d_size=P_d.size,
         P_m_size=1, m=0, dtype=x.dtype, partial_dtype=partial_dtype)[0]) if Wm == 1 and P_d.active \

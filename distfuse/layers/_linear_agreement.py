@@ -29,9 +29,24 @@ captures) a settled site whose signature repeats runs the plain collective with 
 agreed sizes: no flag, no host read, no host collective; a different signature raises
 :class:`~distfuse.errors.UnsupportedError` on that worker.
 
-Not covered: the fused GEMM paths (they trust their shapes; ``DISTFUSE_DEBUG=1`` checks
-them; a local check that fails there raises on its worker alone), and layers with one
-model-parallel worker (``P_m = 1``: no collective of the row to ride on).
+On the fused GEMM paths the worker whose local check failed still enters the fused op its
+peers enter, under :func:`~distfuse.fused.agreement.refusing`: the op refuses with the
+layer's error at its first claim (the ``REFUSED`` word), so the peers raise a
+ShapeError naming the refusing rank and the worker its own error, with no host round
+(:func:`fused_or_refuse`).  A non-tensor input is a failed local check like the others:
+the worker runs the protocol with a stand-in of its last call's shape
+(:func:`stand_in`), so that it takes the collective and the path its peers take.
+
+Not covered: layers with one model-parallel worker (``P_m = 1``) and no ZeRO weight
+gather: the worker takes part in the parameter broadcast and then raises, so its
+data-parallel peers finish the forward, but under grad mode their backward's gradient
+sum-reduce waits for it until ``DISTFUSE_TIMEOUT`` (no collective of the layer reaches
+the peers from this worker in forward; a flag would need a host round per call).  The
+ZeRO layers with several model-parallel workers on their fused path: where the
+data-parallel row count is exchanged for the dispatch (CUDA, no forced path) that round
+spans the grid and carries the failure (:func:`~distfuse.fused.zero_linear.agreed_rows`);
+elsewhere (CPU, ``DISTFUSE_PATH`` forced) the worker raises alone, since the plain
+model-parallel collective of ``zero_linear`` carries no flag.
 """
 
 from __future__ import annotations
@@ -56,7 +71,8 @@ from distfuse.primitives.reduce_scatter import ReduceScatterFunction
 
 __all__ = ["FUSED_FIRST_ORDER", "first_order_only", "agreed_seq_len", "agreed_input_gather",
            "agreed_matmul_reduce_scatter", "agreed_leading", "compute_dtype", "compute_dtype_of", "local_error",
-           "general_record", "record_shape", "check_general_records", "check_input_dtype"]
+           "general_record", "record_shape", "check_general_records", "check_input_dtype", "stand_in",
+           "fused_or_refuse"]
 
 _MAX_DIM = 8
 
@@ -96,11 +112,16 @@ def local_error(check) -> DistfuseError | None:
 
 
 # DistributedLinear's record: [ndim, dtype, device, autocast dtype, grad mode, shape (8 slots)].
-_TOO_MANY = -2
+_TOO_MANY, _NOT_A_TENSOR = -2, -3
 
 
 def general_record(x: torch.Tensor) -> list[int]:
-    """This worker's record of a ``DistributedLinear`` call (13 int64; see :func:`check_general_records`)."""
+    """This worker's record of a ``DistributedLinear`` call (13 int64; see :func:`check_general_records`).
+
+    Something other than a tensor gets the record ``[-3, ...]``: every worker raises on it.
+    """
+    if not isinstance(x, torch.Tensor):
+        return [_NOT_A_TENSOR, -1, -1, -1, int(torch.is_grad_enabled())] + [-1] * _MAX_DIM
     too_many = x.dim() > _MAX_DIM
     rec = [_TOO_MANY if too_many else x.dim(), dtype_code(x.dtype), -1, _autocast_code(x.device.type),
            int(torch.is_grad_enabled())] + [-1] * _MAX_DIM
@@ -125,6 +146,10 @@ def check_general_records(op: str, by_rank: dict, device_type: str) -> None:
     grad mode (autocast sets the dtype the partial sums travel in; grad mode whether every
     worker runs its part of the adjoint) raise :class:`~distfuse.errors.ShapeError`.
     """
+    odd = sorted(w for w, r in by_rank.items() if r[0] == _NOT_A_TENSOR)
+    if odd:
+        raise ShapeError(f"{where(op)}: input type: expected torch.Tensor on every worker (a zero-volume tensor where "
+                         f"a worker holds no input); world rank(s) {odd} passed something else")
     over = sorted(w for w, r in by_rank.items() if r[0] == _TOO_MANY)
     if over:
         raise ShapeError(f"{where(op)}: tensors of more than {_MAX_DIM} dimensions are not supported; world rank(s) "
@@ -166,9 +191,46 @@ def agreed_leading(layer, x: torch.Tensor, locally_ok: bool) -> tuple[tuple[int,
     input passes a zero-volume tensor: its signature repeats, and the others' flags tell
     it about a change.
     """
-    signature = (tuple(x.shape), x.dtype, x.device.type, _autocast_code(x.device.type), torch.is_grad_enabled())
+    if not isinstance(x, torch.Tensor):  # a failed local check: it flags, and its record makes every worker raise
+        signature, locally_ok = ("not a tensor", type(x).__name__), False
+    else:
+        signature = (tuple(x.shape), x.dtype, x.device.type, _autocast_code(x.device.type), torch.is_grad_enabled())
     return agreed_by_flag_round(_site(layer), layer.P_all, layer._op, signature, locally_ok,
                                 lambda: layer._gathered(x))
+
+
+def stand_in(layer, x, default_shape) -> torch.Tensor:
+    """``x`` if it is a tensor of two dimensions or more; otherwise zeros shaped as this layer's last eager input
+    (``default_shape`` before the first).
+
+    The worker's input failed its local checks, and it must still take part in what its
+    peers run (the row's collective, or the fused op whose claim carries its refusal),
+    with sizes as close to theirs as it can know: those of its own previous call, the
+    peers' too in steady state.  A tensor of two dimensions or more is used as it is (the
+    dispatch reads its rows, and the slow path's checks name its shape).  On a first call
+    the path the peers take is only guessed from ``default_shape`` (see the module doc).
+    """
+    if isinstance(x, torch.Tensor) and x.dim() >= 2:
+        return x
+    from distfuse.layers._linear_compiled import _RECORD
+
+    rec = layer.__dict__.get(_RECORD)
+    shape, dtype = (rec[0][0], rec[0][1]) if rec is not None else (tuple(default_shape), layer._param_dtype())
+    return torch.zeros(shape, dtype=dtype, device=layer._param_device())
+
+
+def fused_or_refuse(error: DistfuseError | None, run):
+    """``run()``, a fused op, with this worker's local check failure (None: none) refused through the op's claim.
+
+    The op's peers raise a ShapeError naming this worker, this worker raises ``error``
+    (:func:`~distfuse.fused.agreement.refusing`); with no error ``run()`` is called as is.
+    """
+    if error is None:
+        return run()
+    from distfuse.fused.agreement import refusing
+
+    with refusing(error):
+        return run()
 
 
 def _site(layer) -> AgreementSite:

@@ -229,8 +229,9 @@ class DistributedLinear(LinearBase):
             return x.clone()
         if torch.compiler.is_compiling():  # custom ops, no metadata (distfuse/layers/_linear_general_compiled.py)
             return compiled_general_forward(self, x)
-        if not isinstance(x, torch.Tensor):
-            raise expect(op, "input type", "torch.Tensor", type(x).__name__)
+        if not isinstance(x, torch.Tensor):  # flags like any failed local check: every worker raises (below)
+            self._gathered(x) if debug.enabled() else agreed_leading(self, x, False)
+            raise expect(op, "input type", "torch.Tensor", type(x).__name__)  # not reached: its record raised
         # The agreed record (a flag round while every worker's input repeats; the records gathered and checked on
         # every worker on a change or a local failure), so that a bad block raises on every rank, not only here.
         lead, dtype = self._gathered(x) if debug.enabled() else agreed_leading(self, x, self._locally_ok(x))

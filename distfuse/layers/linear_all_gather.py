@@ -65,7 +65,9 @@ from distfuse.layers._linear_agreement import (
     agreed_input_gather,
     agreed_seq_len,
     first_order_only,
+    fused_or_refuse,
     local_error,
+    stand_in,
 )
 from distfuse.layers._linear_common import (
     INACTIVE,
@@ -218,14 +220,17 @@ class _LinearAllGather(LinearBase):
     def _eager_forward(self, x: torch.Tensor, seq_len: int | None) -> tuple[torch.Tensor, str | None]:
         """``(y, the fused op that ran or None)``.
 
-        A local check that fails here does not raise at once where the row's unfused,
-        agreement-checked gather follows: it flags there, and every worker of the row
-        raises it (``_linear_agreement.py``).  Elsewhere (one model-parallel worker, the
-        fused paths) it raises on this worker.
+        A local check that fails here (a non-tensor input included) does not raise on this
+        worker alone: on the row's unfused, agreement-checked gather it flags, on a fused
+        path the fused op refuses it at its first claim; either way every worker of the row
+        raises (``_linear_agreement.py``).  With one model-parallel worker it raises after
+        the parameter broadcast or weight gather, which its data-parallel peers run too.
         """
-        if not isinstance(x, torch.Tensor) or self.P_m == 1:
-            self._check_input(x, seq_len)
         error = local_error(lambda: self._check_input(x, seq_len))
+        if error is not None:  # run what the peers run, with a tensor of the peers' sizes as far as known
+            P_in = self.P_x if self.P_x is not None else self.P_y
+            x = stand_in(self, x, (1,) * (P_in.dim - 1) + (
+                block_extent(self.in_features, self.P_m, self.dm[1]) if self.P_x is None else self.in_features,))
         zero = None
         if self._zero and self.P_d > 1:  # ZeRO: fused, the weight streams into the GEMM (fused/zero_linear.py)
             from distfuse.fused.zero_linear import agreed_rows
@@ -235,13 +240,16 @@ class _LinearAllGather(LinearBase):
             if self.P_x is not None:
                 n = seq_len if seq_len is not None else agreed_seq_len(self, x, error) if self.P_m > 1 else x.shape[-2]
                 rows = math.prod(x.shape[:-2]) * int(n)
-            zero = self._zero_decision((agreed_rows(self.P_wgather, rows, x.device), self.in_features), x.dtype,
-                                       x.device)
+            # Where the count is exchanged (CUDA, no forced path) the round spans the grid and carries this
+            # worker's local check failure: every worker raises there.
+            rows = agreed_rows(self.P_wgather, rows, x.device, P_all=self.P_y, error=error, op=self._op)
+            zero = self._zero_decision((rows, self.in_features), x.dtype, x.device)
             if zero.path == "fused":
-                if error is not None:
+                if error is not None and self.P_m > 1:  # the plain model-parallel collective carries no refusal
                     raise error
                 self._record(zero)
-                return self._zero_fused(x, seq_len), "zero_linear"
+                # P_m = 1: the data-parallel workers' fused claim carries this worker's refusal.
+                return fused_or_refuse(error, lambda: self._zero_fused(x, seq_len)), "zero_linear"
         W, b = self._params()
         if self.P_x is None:
             out_shape = (*x.shape[:-1], self.in_features)
@@ -249,22 +257,24 @@ class _LinearAllGather(LinearBase):
             n = seq_len if seq_len is not None else agreed_seq_len(self, x, error) if self.P_m > 1 else x.shape[-2]
             out_shape = (*x.shape[:-2], int(n), self.in_features)
         decision = self._decision(out_shape, x.dtype, x.device, zero)
-        if error is not None and decision.path == "fused":  # the fused ops trust their inputs: no flag to set
-            raise error
         self._record(decision)
         if self.P_m == 1:  # one model-parallel worker: nothing to gather (all_gather would return a copy of x)
+            if error is not None:  # after the parameters' collective, which the data-parallel peers run too
+                raise error
             return F.linear(x, W, b), None
         if decision.path == "fused" and self.P_x is None:
             from distfuse.fused.all_gather_features_matmul import all_gather_features_matmul
 
-            y = all_gather_features_matmul(x, W, b, self.P_gather, keep_gathered=self.keep_gathered)
+            y = fused_or_refuse(error, lambda: all_gather_features_matmul(x, W, b, self.P_gather,
+                                                                          keep_gathered=self.keep_gathered))
             return first_order_only(y, self._op, FUSED_FIRST_ORDER), "all_gather_features_matmul"
         if decision.path == "fused":
             from distfuse.fused.all_gather_matmul import all_gather_matmul
 
             # n=None (seq_len not given): the fused op sums the blocks' lengths itself, exactly, every call.
-            return first_order_only(all_gather_matmul(x, W, b, self.P_gather, keep_gathered=self.keep_gathered,
-                                                      n=seq_len), self._op, FUSED_FIRST_ORDER), "all_gather_matmul"
+            y = fused_or_refuse(error, lambda: all_gather_matmul(x, W, b, self.P_gather,
+                                                                 keep_gathered=self.keep_gathered, n=seq_len))
+            return first_order_only(y, self._op, FUSED_FIRST_ORDER), "all_gather_matmul"
         return F.linear(agreed_input_gather(self, x, seq_len, error), W, b), None  # blocks checked, no metadata
         # while they repeat
 

@@ -69,7 +69,9 @@ from distfuse.layers._linear_agreement import (
     FUSED_FIRST_ORDER,
     agreed_matmul_reduce_scatter,
     first_order_only,
+    fused_or_refuse,
     local_error,
+    stand_in,
 )
 from distfuse.layers._linear_common import (
     INACTIVE,
@@ -214,10 +216,11 @@ class _LinearReduceScatter(LinearBase):
     def _eager_forward(self, x: torch.Tensor) -> tuple[torch.Tensor, str | None]:
         """``(y, the fused op that ran or None)``.
 
-        A local check that fails here does not raise at once where the row's unfused,
-        agreement-checked reduce-scatter follows: it flags there, and every worker of the
-        row raises it (``_linear_agreement.py``).  Elsewhere (one model-parallel worker,
-        the fused paths) it raises on this worker.
+        A local check that fails here (a non-tensor input included) does not raise on this
+        worker alone: on the row's unfused, agreement-checked reduce-scatter it flags, on a
+        fused path the fused op refuses it at its first claim; either way every worker of
+        the row raises (``_linear_agreement.py``).  With one model-parallel worker it raises
+        after the parameter broadcast or weight gather, which its data-parallel peers run too.
         """
         m = self.dm[1]
 
@@ -225,38 +228,42 @@ class _LinearReduceScatter(LinearBase):
             check_block_features(self._op, x, self.P_x, block_extent(self.in_features, self.P_m, m),
                                  f"block {m} of in_features={self.in_features} over {self.P_m} model-parallel workers")
 
-        if not isinstance(x, torch.Tensor) or self.P_m == 1:
-            check()
         error = local_error(check)
+        if error is not None:  # run what the peers run, with a tensor of the peers' sizes as far as known
+            x = stand_in(self, x, (1,) * (self.P_x.dim - 1) + (block_extent(self.in_features, self.P_m, m),))
         zero = None
         if self._zero and self.P_d > 1:  # ZeRO: fused, the weight streams into the GEMM (fused/zero_linear.py)
             from distfuse.fused.zero_linear import agreed_rows
 
             # One decision for the whole grid: the data-parallel workers hold different row counts.
-            rows = agreed_rows(self.P_wgather, math.prod(x.shape[:-1]), x.device)
+            # Where the count is exchanged (CUDA, no forced path) the round spans the grid and carries this
+            # worker's local check failure: every worker raises there.
+            rows = agreed_rows(self.P_wgather, math.prod(x.shape[:-1]), x.device, P_all=self.P_x, error=error,
+                               op=self._op)
             zero = self._zero_decision((rows, x.shape[-1]), x.dtype, x.device)
             if zero.path == "fused":
-                if error is not None:
+                if error is not None and self.P_m > 1:  # the plain model-parallel collective carries no refusal
                     raise error
                 self._record(zero)
-                return self._zero_fused(x), "zero_linear"
+                # P_m = 1: the data-parallel workers' fused claim carries this worker's refusal.
+                return fused_or_refuse(error, lambda: self._zero_fused(x)), "zero_linear"
         W, b = self._params()
         decision = self._decision(x.shape, x.dtype, x.device, zero)
-        if error is not None and decision.path == "fused":  # the fused ops trust their inputs: no flag to set
-            raise error
         self._record(decision)
         if self.P_m == 1:  # one model-parallel worker: the partial sum is the output (reduce_scatter would copy it)
+            if error is not None:  # after the parameters' collective, which the data-parallel peers run too
+                raise error
             return F.linear(x, W, b), None
         if decision.path == "fused" and self.P_y is None:
             from distfuse.fused.matmul_reduce_scatter_features import matmul_reduce_scatter_features
 
-            return first_order_only(matmul_reduce_scatter_features(x, W, b, self.P_scatter), self._op,
-                                    FUSED_FIRST_ORDER), "matmul_reduce_scatter_features"
+            y = fused_or_refuse(error, lambda: matmul_reduce_scatter_features(x, W, b, self.P_scatter))
+            return first_order_only(y, self._op, FUSED_FIRST_ORDER), "matmul_reduce_scatter_features"
         if decision.path == "fused":
             from distfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter
 
-            return first_order_only(matmul_reduce_scatter(x, W, b, self.P_scatter, bias_grad="partial"), self._op,
-                                    FUSED_FIRST_ORDER), "matmul_reduce_scatter"
+            y = fused_or_refuse(error, lambda: matmul_reduce_scatter(x, W, b, self.P_scatter, bias_grad="partial"))
+            return first_order_only(y, self._op, FUSED_FIRST_ORDER), "matmul_reduce_scatter"
         y = agreed_matmul_reduce_scatter(self, x, W, error)  # inputs checked; no metadata while they repeat
         return (y + b.to(y.dtype) if b is not None else y), None  # under torch.autocast y (as torch's) is in its
         # dtype
