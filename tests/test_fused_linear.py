@@ -25,7 +25,7 @@ import distfuse.kernels.all_gather_matmul as all_gather_kernels
 import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 from distfuse import Partition
 from distfuse.errors import CollectiveTimeoutError, PartitionError, ShapeError, UnsupportedError
-from distfuse.fused import symmetric
+from distfuse.fused import symmetric, symmetric_availability
 from distfuse.fused.all_gather_matmul import (
     all_gather_matmul,
     all_gather_matmul_loopback,
@@ -286,7 +286,7 @@ def test_world_size_one_is_a_local_linear_without_workspace():
 
 def _rank_available_and_checks():
     P3 = _grid(Partition.world().size)
-    symmetric._AVAILABLE.clear()
+    symmetric_availability._AVAILABLE.clear()
     avail = [fused_linear_available(P3, torch.device("cpu"), dt) for dt in (torch.float32, torch.float64)]
     x, w = torch.randn(2, 7, 4), torch.randn(12, 4)
     errors = {}
@@ -301,13 +301,13 @@ def _rank_available_and_checks():
         "unavailable": lambda: matmul_reduce_scatter(x, w, None, P3),
     }.items():
         if name == "unavailable":  # as if the collective verdict had been "no" (e.g. no P2P between the GPUs)
-            symmetric._AVAILABLE[(P3.ranks, "cpu")] = (False, "pretend: no P2P access")
+            symmetric_availability._AVAILABLE[(P3.ranks, "cpu")] = (False, "pretend: no P2P access")
         try:
             call()
             errors[name] = None
         except (ShapeError, UnsupportedError, PartitionError) as exc:
             errors[name] = f"{type(exc).__name__}: {exc}"
-    symmetric._AVAILABLE.clear()
+    symmetric_availability._AVAILABLE.clear()
     return dict(avail=avail, errors=errors, rank=P3.rank)
 
 

@@ -316,10 +316,11 @@ def test_per_call_integers_are_never_specialised():
     recompile a kernel on one rank mid-collective while its peers spin.  The epoch is no integer argument at all:
     every kernel loads it from the workspace's device word (``epoch_ptr``), so a CUDA graph replay advances it."""
     import distfuse.kernels.all_gather_matmul as all_gather_kernels
+    import distfuse.kernels.chunk_reduce as chunk_reduce_kernels
     import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 
     want = {reduce_scatter_kernels._matmul_scatter_kernel: {"rank", "src_offset", "slot_elems"},
-            reduce_scatter_kernels._chunk_reduce_kernel: {"rank", "timeout", "slot_elems"},
+            chunk_reduce_kernels._chunk_reduce_kernel: {"rank", "timeout", "slot_elems"},
             all_gather_kernels._ag_push_kernel: {"rank", "start_p"},
             all_gather_kernels._gathered_matmul_kernel: {"rank", "timeout"}}
     for fn, names in want.items():

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-import distfuse.fused.zero_linear as zero_linear_module
+import distfuse.fused.zero_linear_dispatch as zero_linear_dispatch
 from distfuse import Partition, zero_volume_tensor
 from distfuse.fused.symmetric import close_all
 from distfuse.geometry.decomposition import local_slices
@@ -184,8 +184,8 @@ def _scenarios():
             out[f"{name}_again"] = _good_call(layer, seq, Z, Z, (7, 5), 12)
         # ZeRO with two model-parallel workers, the row count exchanged as on CUDA under the size-based dispatch:
         # that round (over the whole grid) carries the failure, so the plain model-parallel collective never starts.
-        exchanges = zero_linear_module._exchanges_rows
-        zero_linear_module._exchanges_rows = lambda P_d, device: P_d.size > 1
+        exchanges = zero_linear_dispatch._exchanges_rows
+        zero_linear_dispatch._exchanges_rows = lambda P_d, device: P_d.size > 1
         try:
             G = _grid((1, 3, 0, 2), (2, 2))
             for name, cls in (("zag2", DistributedLinearAllGatherZero), ("zrs2", DistributedLinearReduceScatterZero)):
@@ -196,7 +196,7 @@ def _scenarios():
                 out[name] = catch(lambda layer=layer, xz2=xz2: layer(xz2[:, :1] if me == 0 else xz2))
                 out[f"{name}_again"] = _good_call(layer, seq, G, G, (5, 6), 24)
         finally:
-            zero_linear_module._exchanges_rows = exchanges
+            zero_linear_dispatch._exchanges_rows = exchanges
         # DistributedLinear (no row collective: a host flag round), a list on world rank 3; world rank 1 outside.
         P_x, P_y, P_w = _grid((2, 0, 3), (1, 3)), _grid((0,), (1, 1)), _grid((0, 3, 2), (1, 3))
         general, seq = _made(DistributedLinear, 19, P_x, P_y, P_w, 7, 5)

@@ -39,8 +39,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from distfuse import Partition, zero_volume_tensor
 from distfuse.geometry.decomposition import local_slices
-from distfuse.layers import loss as loss_mod
-from distfuse.layers import norm_batch, norm_group, norm_layer
+from distfuse.layers import loss_base, norm_batch, norm_group, norm_layer
 from distfuse.layers._params import load_sequential
 from distfuse.layers.loss import DistributedBCELoss, DistributedMSELoss
 from distfuse.layers.loss_class import DistributedCrossEntropyLoss
@@ -75,7 +74,7 @@ def _grid(shape):
 class _Counts:
     """Counts the metadata gathers of the norms and losses and the host flag rounds, while active."""
 
-    MODULES = (norm_batch, norm_group, norm_layer, loss_mod)
+    MODULES = (norm_batch, norm_group, norm_layer, loss_base)
 
     def __enter__(self):
         self.gathers = self.rounds = 0

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from distfuse import Partition
 from distfuse.errors import CollectiveTimeoutError, ShapeError, UnsupportedError
-from distfuse.fused import symmetric
+from distfuse.fused import symmetric, symmetric_availability
 from distfuse.fused.symmetric import (
     LoopbackWorkspace,
     WorkspaceBrokenError,
@@ -178,7 +178,7 @@ def test_setup_fault_times_out_on_peers_and_leaves_no_segment():
 
 def _rank_availability(fake_host_rank):
     P = Partition.world()
-    symmetric._AVAILABLE.clear()
+    symmetric_availability._AVAILABLE.clear()
     real = socket.gethostname
     if P.rank == fake_host_rank:
         socket.gethostname = lambda: "elsewhere"
@@ -186,7 +186,7 @@ def _rank_availability(fake_host_rank):
         return symmetric_memory_available(P, torch.device("cpu"))
     finally:
         socket.gethostname = real
-        symmetric._AVAILABLE.clear()
+        symmetric_availability._AVAILABLE.clear()
 
 
 def test_availability_is_collective_and_detects_several_hosts():
@@ -225,9 +225,9 @@ def _infos(*rows, host="node"):
 
 def _verdict(infos, group_ranks=(0, 1), *, allow=False, can_access=lambda i, j: True, visible=None,
              device_index=0):
-    return symmetric._group_verdict(True, "CUDA symmetric memory", infos, list(group_ranks), device_index,
-                                    visible=visible if visible is not None else {}, can_access=can_access,
-                                    allow_overlapping=allow)
+    return symmetric_availability._group_verdict(True, "CUDA symmetric memory", infos, list(group_ranks),
+                                                 device_index, visible=visible if visible is not None else {},
+                                                 can_access=can_access, allow_overlapping=allow)
 
 
 def test_ranks_sharing_one_gpu_are_refused_with_the_ranks_device_and_env_var():
@@ -255,16 +255,18 @@ def test_unknown_uuids_and_cpu_never_count_as_shared():
     # No uuid reported (per-rank CUDA_VISIBLE_DEVICES makes every GPU cuda:0): nothing to compare.
     assert _verdict(_infos(("", "cuda:0"), ("", "cuda:0")))[0]
     cpu = [("node", "", "cpu", True, "CPU shared memory")] * 2
-    assert symmetric._group_verdict(True, "CPU shared memory", cpu, [0, 1], None, visible={},
-                                    can_access=None, allow_overlapping=False) == (True, "CPU shared memory")
+    assert symmetric_availability._group_verdict(True, "CPU shared memory", cpu, [0, 1], None, visible={},
+                                                 can_access=None,
+                                                 allow_overlapping=False) == (True, "CPU shared memory")
 
 
 def test_hosts_and_local_failures_come_first():
     infos = _infos(("GPU-aaa", "cuda:0")) + _infos(("GPU-aaa", "cuda:0"), host="other")
     ok, why = _verdict(infos)
     assert not ok and "span 2 hosts" in why
-    assert symmetric._group_verdict(False, "CUDA is not available", infos, [0, 1], 0, visible={},
-                                    can_access=None, allow_overlapping=True) == (False, "CUDA is not available")
+    assert symmetric_availability._group_verdict(False, "CUDA is not available", infos, [0, 1], 0, visible={},
+                                                 can_access=None,
+                                                 allow_overlapping=True) == (False, "CUDA is not available")
 
 
 @pytest.mark.parametrize("value,expected", [("1", True), ("0", False), ("", False), ("true", False)])
@@ -278,11 +280,12 @@ def test_overlap_env_var_is_read_as_torch_reads_it(monkeypatch, value, expected)
 def _rank_availability_on_one_gpu(allow, order):
     """symmetric_memory_available over a 2-rank group whose ranks (listed in ``order``) report one GPU."""
     P = Partition.world().create_partition_inclusive(order)
-    symmetric._AVAILABLE.clear()
+    symmetric_availability._AVAILABLE.clear()
     try:
         with mock.patch.dict(os.environ), \
-                mock.patch.object(symmetric, "_local_verdict", lambda device: (True, "CUDA symmetric memory")), \
-                mock.patch.object(symmetric, "_device_uuid", lambda index: "GPU-one"), \
+                mock.patch.object(symmetric_availability, "_local_verdict",
+                                  lambda device: (True, "CUDA symmetric memory")), \
+                mock.patch.object(symmetric_availability, "_device_uuid", lambda index: "GPU-one"), \
                 mock.patch.object(torch.cuda, "device_count", lambda: 1), \
                 mock.patch.object(torch.cuda, "can_device_access_peer", lambda i, j: True):
             if allow:
@@ -291,7 +294,7 @@ def _rank_availability_on_one_gpu(allow, order):
                 os.environ.pop(OVERLAP, None)
             return symmetric_memory_available(P, torch.device("cuda", 0))
     finally:
-        symmetric._AVAILABLE.clear()
+        symmetric_availability._AVAILABLE.clear()
 
 
 def test_availability_refuses_two_ranks_on_one_gpu_unless_allowed():

@@ -39,7 +39,8 @@ import torch
 
 from distfuse import debug
 from distfuse.errors import CollectiveMismatchError, ShapeError, UnsupportedError
-from distfuse.fused.symmetric import cached_workspace, get_workspace, symmetric_memory_available
+from distfuse.fused.symmetric import cached_workspace, get_workspace
+from distfuse.fused.symmetric_availability import symmetric_memory_available
 from distfuse.kernels.signature import GROW, REFUSED, abstain
 from distfuse.partition import Partition
 

@@ -64,7 +64,7 @@ _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 def _conv(nd: int, x, weight, bias, stride, dilation, groups):
-    """The staged conv; on CPU, 16-bit convs run in fp32 and round once (as ``layers._conv_common.conv_block``):
+    """The staged conv; on CPU, 16-bit convs run in fp32 and round once (as ``layers._conv_block.conv_block``):
     torch 2.13's oneDNN computes bf16 conv3d with a stride on the last axis wrongly on one thread."""
     if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
         return _CONV[nd](x.float(), weight.float(), None if bias is None else bias.float(), stride, 0, dilation,

@@ -21,7 +21,7 @@ import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
 from distfuse._compat import all_gather_flat, reduce_scatter_flat
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.fused.agreement import agreed_workspace
-from distfuse.fused.symmetric import symmetric_memory_available
+from distfuse.fused.symmetric_availability import symmetric_memory_available
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import FLOAT_DTYPES
@@ -36,7 +36,7 @@ def fused_linear_available(P_sub: Partition, device=None, dtype: torch.dtype | N
     """Whether the fused GEMM ops can run on ``P_sub`` (and ``dtype``), and why not.
 
     True at world size 1 (a local GEMM, nothing to share).  Otherwise it is
-    :func:`~distfuse.fused.symmetric.symmetric_memory_available`, which is **collective
+    :func:`~distfuse.fused.symmetric_availability.symmetric_memory_available`, which is **collective
     over P_sub the first time** (per group and device; cached afterwards): every rank of
     ``P_sub`` must call it, and all get the same answer.  The dtype check is local.
 

@@ -57,7 +57,7 @@ memory is unavailable (several hosts, no P2P, CPU without the Triton interpreter
 functional forms must not be called: ask :func:`fused_linear_available` first and fall
 back to the unfused composition (``F.linear`` + the ReduceScatter / AllGather
 primitives), logging the reason once with
-:func:`~distfuse.fused.symmetric.log_fallback_once`.
+:func:`~distfuse.fused.symmetric_availability.log_fallback_once`.
 
 The kernel floor has a one-shot op of the same name without autograd
 (:func:`distfuse.kernels.matmul_reduce_scatter.matmul_reduce_scatter`).

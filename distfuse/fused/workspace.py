@@ -1,4 +1,4 @@
-"""Workspace machinery shared by every backend: the concurrency rule, the layout, the loopback.
+"""Workspace machinery shared by every backend: the concurrency rule, the shared base, the loopback.
 
 CONCURRENCY RULE: ONE FUSED OP IN FLIGHT PER WORKSPACE.  An op claims its workspace with
 ``with ws.in_flight("op"):`` for all of its launches; a second claim before the first ends
@@ -8,33 +8,15 @@ stream between ops is ordered with ``wait_stream``).  Each claim starts with a b
 over the group, so no peer writes into a buffer that its owner may still be reading
 from the previous op.
 
-Layout of every rank's buffer (the same on all ranks, so one offset serves every peer)::
-
-    [ header: int32 flags [W, W] | counters [W] | status [W] | sigs [W] | pad to 256 B ][ data: nbytes ]
-
-* ``flags[chunk, source]``: raised by ``source`` (a release store of the op's *epoch*)
-  when its part of ``chunk`` has landed in this buffer.  Epochs count the claims of the
-  workspace (every rank counts the same), so flags never need resetting: a stale flag
-  holds an older epoch.
-* ``counters``: local tile counters; the last program of a producer grid raises the flag
-  (:func:`distfuse.kernels.jit_helpers.arrive`), and resets its counter.
-* ``status``: local error words; a flag wait that gives up writes the epoch there and the
-  launcher raises on the host (:class:`~distfuse.errors.CollectiveTimeoutError`); a peer
-  whose signature differs gets ``-1`` there (:class:`~distfuse.errors.ShapeError`).
-* ``sigs[source]``: written by ``source`` before its flags: a hash of the shapes and dtypes
-  every rank of the op must agree on (:mod:`distfuse.kernels.signature`).
-
 Epochs live on the device (``epoch_dev``, int32 ``[1]`` per workspace): every claim advances
 it with stream-ordered element-wise ops and every kernel loads it, so no kernel argument
 carries a per-call host value and a captured CUDA graph raises and expects a new epoch at
 each replay.  The host ``epoch`` counts the same claims (for messages); it falls behind the
 device's when graphs replay claims, which nothing depends on.
 
-Every rank holds an int64 table of the peers' data and flag addresses *in its own address
-space* (on the workspace device), which Triton kernels cast with ``.to(tl.pointer_type(..))``.
-Every flag word has exactly one writer (its source) and every counter and status word is
-local, so no word sees read-modify-writes from two processes: the Triton interpreter's
-atomics, which are plain numpy read-modify-writes, are safe across ``/dev/shm`` peers.
+The buffer layout (flags, counters, status, signatures, data) and :class:`RankBuffers`, one
+rank's view of it, live in :mod:`distfuse.fused.workspace_layout`; both names are
+re-exported here.
 
 **Loopback** (:class:`LoopbackWorkspace`): W virtual peers in one process, W buffers on one
 device behind the same interface, for testing and benchmarking kernels without a group.
@@ -58,8 +40,14 @@ from distfuse.errors import (
     DistfuseError,
     PartitionError,
     ShapeError,
-    UnsupportedError,
     where,
+)
+from distfuse.fused.workspace_layout import (  # RankBuffers and header_bytes re-exported: the workspace API
+    _CPU_GRANULE,
+    RankBuffers,
+    _address_table,
+    _round_up,
+    header_bytes,
 )
 from distfuse.groups import default_timeout
 
@@ -72,11 +60,6 @@ __all__ = [
     "status_check_mode",
 ]
 
-# CPU segments grow in pages; CUDA symmetric allocations in 2 MiB (the driver's mapping granularity).
-_CPU_GRANULE = 4096
-_CUDA_GRANULE = 2 << 20
-_HEADER_ALIGN = 256
-
 
 class WorkspaceBusyError(DistfuseError):
     """A fused op claimed a workspace that another op has in flight."""
@@ -84,117 +67,6 @@ class WorkspaceBusyError(DistfuseError):
 
 class WorkspaceBrokenError(DistfuseError):
     """The workspace saw an error mid-op; peers may still write into it, so it must not be reused."""
-
-
-def header_bytes(world_size: int) -> int:
-    """Bytes of the flag/counter/status header of a W-rank workspace (256-byte aligned)."""
-    words = world_size * world_size + 3 * world_size
-    return -(-4 * words // _HEADER_ALIGN) * _HEADER_ALIGN
-
-
-def _round_up(n: int, granule: int) -> int:
-    return max(granule, -(-int(n) // granule) * granule)
-
-
-class RankBuffers:
-    """One rank's view of a workspace: what a launcher needs to read, write and signal.
-
-    Attributes:
-        rank, world_size: the (virtual) rank and the group size.
-        data_ptrs: int64 ``[W]`` on the device: every peer's data region, in this
-            process's address space.
-        flag_ptrs: int64 ``[W]``: every peer's ``flags`` (int32 ``[W, W]``, chunk-major).
-        flags, counters, status, sigs: this rank's own header tensors.
-        nbytes: capacity of the data region.
-    """
-
-    def __init__(self, owner: _Workspace, rank: int, buf: torch.Tensor, table: torch.Tensor):
-        W = owner.world_size
-        self._owner = owner
-        self.rank = rank
-        self.world_size = W
-        self.device = buf.device
-        words = buf[: header_bytes(W)].view(torch.int32)
-        self.flags = words[: W * W].view(W, W)
-        self.counters = words[W * W: W * W + W]
-        self.status = words[W * W + W: W * W + 2 * W]
-        self.sigs = words[W * W + 2 * W: W * W + 3 * W]
-        self._data = buf[header_bytes(W):]
-        self.nbytes = self._data.numel()
-        self.data_ptrs = table[0]
-        self.flag_ptrs = table[1]
-
-    @property
-    def epoch(self) -> int:
-        """The epoch of the op in flight (flags of this op carry it)."""
-        return self._owner.epoch
-
-    @property
-    def epoch_dev(self) -> torch.Tensor:
-        """int32 ``[1]`` on the workspace device: the epoch the kernels read (advanced in stream order per claim)."""
-        return self._owner.epoch_dev
-
-    @property
-    def max_spin(self) -> int:
-        """Extra flag loads an interpreted consumer may spin (0: one check, the producers ran first)."""
-        return self._owner.max_spin
-
-    @property
-    def timeout(self) -> float:
-        """Seconds a compiled consumer's flag wait may last (the workspace timeout)."""
-        return self._owner.timeout
-
-    def data(self, dtype: torch.dtype, numel: int, offset: int = 0, op: str = "workspace") -> torch.Tensor:
-        """A 1-D ``dtype`` view of ``numel`` elements of this rank's data region, ``offset`` bytes in."""
-        esize = dtype.itemsize
-        need = offset + numel * esize
-        if offset % esize:
-            raise ShapeError(f"{where(op)}: workspace offset {offset} is not a multiple of the {dtype} size {esize}")
-        if need > self.nbytes:
-            raise ShapeError(f"{where(op)}: workspace data region: expected at least {need} bytes, got "
-                             f"{self.nbytes}; ask get_workspace for {need} bytes (the same on every rank)")
-        return self._data[offset: need].view(dtype)
-
-    def wait_producers(self) -> None:
-        """Order the peers' producer kernels before this rank's consumer.
-
-        CPU: a host barrier stands in for the flags (the consumer kernel then checks each
-        flag once).  CUDA and loopback: nothing; the consumer spins on the flags (CUDA) or
-        runs after every producer (loopback launches are sequential).
-        """
-        self._owner.wait_producers()
-
-    def check_status(self, op: str, what: str) -> None:
-        """Raise if a flag wait of the last consumer kernel gave up (on every rank that saw it).
-
-        A timed-out wait has already poisoned what it would have read (NaN), so a stale
-        result can never pass for a good one; this turns it into a host-side error:
-
-        * CPU, ``DISTFUSE_DEBUG=1``, and CUDA by default (``DISTFUSE_STATUS_CHECK=sync``):
-          read the status words now, a device sync, before the op returns its result.
-        * CUDA with ``DISTFUSE_STATUS_CHECK=deferred``: copy them to pinned host memory
-          behind an event, and raise at the next claim of the workspace (the next fused
-          op) or at :meth:`_Workspace.check_deferred`.  No host sync in the op: for
-          overlap, at the price of raising one op late.
-        * CUDA while the stream captures a graph: nothing (no host work can be captured).
-          Status words are never cleared (a workspace that raised is replaced), so a wait
-          that gave up during a replay raises at the next eager check of the workspace;
-          until then its output holds NaN.
-        """
-        owner = self._owner
-        if self.status.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            # No host work can be captured.  A wait that gives up in a replay still poisons its output with NaN
-            # and leaves its status word set; the next eager check of this workspace raises on it.
-            return
-        if owner.strict or owner.status_mode == "sync" or self.status.device.type != "cuda":
-            owner.raise_on_status(self.status.clone() if self.status.device.type == "cpu" else self.status,
-                                  self.rank, self.epoch, op, what)
-            return
-        host = torch.empty(self.status.shape, dtype=self.status.dtype, pin_memory=True)
-        host.copy_(self.status, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        owner.deferred.append((host, event, self.rank, self.epoch, op, what))
 
 
 class _Workspace(abc.ABC):
@@ -366,15 +238,6 @@ def status_check_mode() -> str:
         raise ValueError(f"DISTFUSE_STATUS_CHECK={mode!r}: expected one of {STATUS_CHECK_MODES}")
     return mode
 
-
-def _address_table(ptrs: list[int], W: int, device) -> torch.Tensor:
-    """int64 ``[2, W]`` from the buffers' base addresses: row 0 the data regions, row 1 the flag words."""
-    hdr = header_bytes(W)
-    misaligned = [r for r, p in enumerate(ptrs) if (p + hdr) % 16]
-    if misaligned:  # the GEMM epilogue's 16-byte remote stores rely on it (kernels/matmul_reduce_scatter.py)
-        raise UnsupportedError(f"{where('SymmetricWorkspace')}: the data regions of rank(s) {misaligned} are not "
-                               f"16-byte aligned ({[hex(ptrs[r] + hdr) for r in misaligned]})")
-    return torch.tensor([[p + hdr for p in ptrs], list(ptrs)], dtype=torch.int64, device=device)
 
 
 # ---------------------------------------------------------------- loopback

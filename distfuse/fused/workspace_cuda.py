@@ -8,7 +8,7 @@ its allocation base (``buffer_ptrs``) plus *its own* offset in that allocation, 
 set-up: torch's symmetric pool may place the buffer differently on each rank.  Ranks that
 share one GPU are refused unless ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (torch's
 rendezvous rejects them otherwise; see
-:func:`~distfuse.fused.symmetric.symmetric_memory_available`).
+:func:`~distfuse.fused.symmetric_availability.symmetric_memory_available`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 from distfuse._compat import all_gather_flat
 from distfuse.errors import CollectiveTimeoutError, UnsupportedError, where
-from distfuse.fused.workspace import header_bytes
+from distfuse.fused.workspace_layout import header_bytes
 from distfuse.partition import Partition
 
 

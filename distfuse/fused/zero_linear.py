@@ -48,17 +48,10 @@ forward to backward (True), or keep the shard and the block and gather them agai
 backward (False: a plain all-gather each, FSDP's ``reshard_after_forward``).
 
 Dispatch: registry entries ``zero_linear_rows`` and ``zero_linear_columns`` (the tuner
-times this op itself, :mod:`distfuse.tune.zero_cases`). Data-parallel workers hold
-different row counts (uneven batch blocks), so the decision uses the largest
-(:func:`agreed_rows`, one host-side int64 all-reduce per call on the group's metadata
-group): all workers must take the same path.  Where the decision cannot depend on the
-size (``DISTFUSE_PATH`` forces a path, or the device is not CUDA: see
-:func:`~distfuse.layers.dispatch.select_path`) the local count is used and nothing is
-exchanged.  The layers run that round over their whole grid (the maximum is the same:
-a column's workers hold the same rows) with a flag in it, so an input that fails a
-layer's local checks on one worker raises on every worker before any data moves, with
-no extra round (:func:`agreed_rows`).  The fused path needs symmetric memory on both
-groups (:func:`zero_linear_available`).
+times this op itself, :mod:`distfuse.tune.zero_cases`).  What the layers ask before
+they choose a path (the row count every data-parallel worker agrees on, the gathered
+sequence extent, whether symmetric memory serves both groups) is in
+:mod:`distfuse.fused.zero_linear_dispatch`.
 
 Disagreements, and what reaches whom.  A rank's own checks that fail inside the op reach
 its data-parallel peers through the ``d`` group's first claim (``REFUSED``,
@@ -78,11 +71,9 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 from typing import NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from distfuse import debug
@@ -92,7 +83,6 @@ from distfuse.fused.matmul_common import (
     Comm,
     features_workspace_bytes,
     flat_rows,
-    fused_linear_available,
     require_available,
     workspace_bytes,
 )
@@ -106,10 +96,8 @@ from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
-from distfuse.primitives._agreement import trusting
 
-__all__ = ["ZeroLinear", "zero_linear", "zero_linear_available", "zero_linear_workspace_bytes", "agreed_rows",
-           "sequence_extent", "SPLITS", "AXES"]
+__all__ = ["ZeroLinear", "zero_linear", "zero_linear_workspace_bytes", "SPLITS", "AXES"]
 
 _OP = "zero_linear"
 #: How the weight is split over the data-parallel workers: ``"rows"`` (the reduce-scatter linear's shards, along
@@ -117,82 +105,6 @@ _OP = "zero_linear"
 SPLITS = ("rows", "columns")
 #: What the model-parallel collective splits: the features (DistDL's forms) or the sequence dim (``P_y`` / ``P_x``).
 AXES = ("features", "sequence")
-
-
-_AGREED_ROWS: dict[tuple[tuple[int, ...], int], int] = {}  # (P_d ranks, this worker's rows) -> agreed max
-
-
-def _exchanges_rows(P_d: Partition, device) -> bool:
-    """Whether :func:`agreed_rows` exchanges the count: the decision depends on the size (CUDA, no forced path)."""
-    forced = os.environ.get("DISTFUSE_PATH", "auto").strip().lower() in ("fused", "unfused")
-    return P_d.size > 1 and torch.device(device).type == "cuda" and not forced
-
-
-def agreed_rows(P_d: Partition, rows: int, device, *, P_all: Partition | None = None, error: Exception | None = None,
-                op: str = "ZeroLinear") -> int:
-    """The largest row count over the data-parallel workers ``P_d``.
-
-    Collective over ``P_d`` where the dispatch decision depends on the size (see the module
-    doc): one host int64 all-reduce, no device read.  Inside
-    :func:`~distfuse.primitives._agreement.capture_safe` (and while a CUDA stream captures)
-    the value agreed for this worker's ``rows`` in an eager call is reused, so a captured
-    step runs no host collective; a row count never seen eagerly raises
-    :class:`~distfuse.errors.UnsupportedError` on that worker (warm up with the captured
-    shapes on every worker).
-
-    ``P_all``, the layer's whole grid (``P_d`` x the model-parallel workers), and ``error``,
-    this worker's local check failure (None: its input passed): where the count is
-    exchanged, the same round runs over ``P_all`` instead (every column's workers hold the
-    same rows, so the maximum is the same) and carries a flag and the failing world rank,
-    so a local check that failed on any worker raises on every worker of the grid before
-    any data moves: this worker raises ``error``, the others a ShapeError naming it.  No
-    extra round: the one the dispatch needs anyway.  Where nothing is exchanged (CPU, or
-    ``DISTFUSE_PATH`` forcing a path) the caller handles ``error`` itself.
-    """
-    t = torch.tensor([int(rows), 0 if error is None else 1, -1 if error is None else dist.get_rank()],
-                     dtype=torch.int64)
-    if _exchanges_rows(P_d, device):
-        key = (tuple(P_d.ranks), int(rows))
-        if trusting():
-            if error is not None:
-                raise error
-            if key not in _AGREED_ROWS:
-                raise UnsupportedError(f"{where('ZeroLinear')}: inside capture_safe() (or a CUDA-graph capture) the "
-                                       f"data-parallel row count {rows} was never agreed in an eager call; warm up "
-                                       "with the captured shapes on every worker")
-            return _AGREED_ROWS[key]
-        if P_all is None:  # the count alone, over the data-parallel workers
-            t = t[:1].clone()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=(P_all if P_all is not None else P_d).meta_group)
-        if error is not None:
-            raise error
-        if P_all is not None and int(t[1]):
-            raise ShapeError(f"{where(op)}: the input of world rank {int(t[2])} (at least) failed its local checks "
-                             "(its own error says why); no worker moves data")
-        _AGREED_ROWS[key] = int(t[0])
-    return int(t[0])
-
-
-def sequence_extent(P_m: Partition, n_m: int) -> int:
-    """The gathered sequence extent: the sum of the workers' blocks over ``P_m`` (one int64 all-reduce on its
-    metadata group; exact every call, where an agreed value may be a step old)."""
-    t = torch.tensor([int(n_m)], dtype=torch.int64)
-    if P_m.size > 1:
-        dist.all_reduce(t, group=P_m.meta_group)
-    return int(t)
-
-
-def zero_linear_available(P_d: Partition, P_m: Partition | None, device, dtype) -> tuple[bool, str]:
-    """Whether the fused path can run: symmetric memory on ``P_m`` (when given), then on ``P_d``.
-
-    Collective over each group the first time (every worker asks both, in this order).
-    """
-    if P_m is not None:
-        ok, why = fused_linear_available(P_m, device, dtype)
-        if not ok:
-            return False, f"the model-parallel workers: {why}"
-    ok, why = fused_linear_available(P_d, device, dtype)
-    return (True, why) if ok else (False, f"the data-parallel workers: {why}")
 
 
 def zero_linear_workspace_bytes(split: str, axis: str, *, rows: int, n: int | None, out_features: int,

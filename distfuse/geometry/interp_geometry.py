@@ -23,7 +23,7 @@ the interpolated value is continuous across it.
 Nearest modes are discontinuous: an index one off is a wrong value.  torch computes them
 differently by dtype, memory format and device (float32 or float64 products, ``floorf``
 of a double), so the layer asks torch itself for the indices of a 1-D probe instead of
-re-deriving them (``distfuse/layers/upsample.py``); this module only turns indices into
+re-deriving them (``distfuse/layers/_upsample_plan.py``); this module only turns indices into
 windows (:func:`window_axis`).
 """
 

@@ -18,7 +18,7 @@ Two launches per rank, inside one claim of the workspace: :func:`matmul_scatter_
 (the producer: GEMM whose epilogue stores each tile into the slot of the rank that owns
 its columns, then raises that owner's flag) and :func:`column_reduce` (the consumer: the
 W partial slots of this rank's columns summed in fp32, plus the bias, rounded once).  The
-consumer is :mod:`distfuse.kernels.matmul_reduce_scatter`'s chunk-reduction kernel run
+consumer is :mod:`distfuse.kernels.chunk_reduce`'s chunk-reduction kernel run
 over a column chunk (``n_rows = M``, ``N = len_r``): the slot layout, the flag protocol
 and the reduction are the same.
 
@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
+import distfuse.kernels.chunk_reduce as chunk_reduce_kernels
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import (
@@ -139,7 +139,7 @@ _matmul_scatter_columns_tuned = {
 
 def column_slot_stride(N: int, world_size: int) -> int:
     """Row stride of a slot: the widest column chunk, ``ceil(N / W)``, padded to 16 elements."""
-    return reduce_scatter_kernels.slot_row_stride(-(-N // world_size))
+    return chunk_reduce_kernels.slot_row_stride(-(-N // world_size))
 
 
 def matmul_scatter_columns_workspace_bytes(rows: int, N: int, world_size: int,
@@ -215,7 +215,7 @@ def reduce_slots(op: str, ws, rank: int, world_size: int, rows: int, cols: int, 
                  out: torch.Tensor | None, config: dict | None, what: str) -> torch.Tensor:
     """Sum the W slots ``[rows, cols]`` (rows ``ld`` apart, slot stride ``rows * ld``) of this rank's data region.
 
-    :mod:`distfuse.kernels.matmul_reduce_scatter`'s chunk-reduction kernel: it waits
+    :mod:`distfuse.kernels.chunk_reduce`'s chunk-reduction kernel: it waits
     ``flags[rank, src]`` of every source, adds the slots in source order in fp32 (the same
     order on every rank), adds ``bias [cols]`` once and rounds once.  Shared by
     :func:`column_reduce` and the all-reduce of :mod:`distfuse.kernels.matmul_all_reduce`.
@@ -229,7 +229,7 @@ def reduce_slots(op: str, ws, rank: int, world_size: int, rows: int, cols: int, 
     slots = st.data(partial_dtype, W * slot_elems, op=op)
     st.wait_producers()  # collective on CPU: every rank calls it, even with nothing to reduce
     if out.numel() > 0:
-        rk = reduce_scatter_kernels
+        rk = chunk_reduce_kernels
         kernel, meta = pick_launch(rk._chunk_reduce_tuned, rk._chunk_reduce_kernel, CPU_CHUNK_REDUCE_CONFIG,
                                    config_of(get_chunk_reduce_configs(), 1), config, may_tune=ws_may_tune(ws))
         block_c = min(256, triton.next_power_of_2(cols), meta.get("BLOCK", 1024))

@@ -21,7 +21,9 @@ import math
 import torch
 
 from distfuse.errors import UnsupportedError, where
-from distfuse.layers._conv_common import cast_for_compute, check_geometry, conv_block
+from distfuse.layers._conv_block import conv_block
+from distfuse.layers._conv_call_info import cast_for_compute
+from distfuse.layers._conv_common import check_geometry
 from distfuse.ops import flagged_root_broadcast, halo_exchange
 from distfuse.primitives._layout import memory_format_of
 

@@ -1,7 +1,7 @@
 """The channel and general convolutions' forward inside ``torch.compile``: custom ops, no metadata, no host read.
 
 Eager calls agree on the call's metadata over the union of P_x, P_w and P_y
-(:func:`~distfuse.layers._conv_common.agreed_call_info`: the global shape, the dtypes,
+(:func:`~distfuse.layers._conv_call_info.agreed_call_info`: the global shape, the dtypes,
 the grad flags, the memory format).  A compiled call reuses that record while this
 worker's signature repeats, and moves data only through custom ops, in the eager
 layer's order::
@@ -49,13 +49,8 @@ import torch
 
 from distfuse.errors import UnsupportedError, where
 from distfuse.geometry.decomposition import block_extent, local_shape
-from distfuse.layers._conv_common import (
-    call_signature,
-    cast_for_compute,
-    conv_block,
-    conv_output_format,
-    passes_local_checks,
-)
+from distfuse.layers._conv_block import conv_block, conv_output_format
+from distfuse.layers._conv_call_info import call_signature, cast_for_compute, passes_local_checks
 from distfuse.ops.collectives import GRAD_ANCHOR, NO_ANCHOR, PackedBroadcast
 from distfuse.ops.conv_blocks import block_broadcast, block_sum_reduce, conv_halo
 from distfuse.ops.flag_check import FlagRound, flag_check

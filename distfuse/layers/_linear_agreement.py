@@ -10,7 +10,9 @@ signature (shape, dtype, device, autocast, ``seq_len``) repeats nothing but the 
 moves; the first call and any change gather every worker's record once, and a
 disagreement raises the same :class:`~distfuse.errors.ShapeError` on every worker of the
 row.  Workers of other rows (other data-parallel blocks) hold independent data and may
-differ.
+differ.  What the workers compare (the records, the compute dtype) and the checks every
+worker applies alike to the gathered records are in ``_linear_records.py``; this module
+holds when they are compared and what each path runs meanwhile.
 
 ``DistributedLinear`` has no collective that reaches every worker (its broadcast and
 sum-reduce are point to point), so its flag takes a host round over the union of its
@@ -44,7 +46,7 @@ sum-reduce waits for it until ``DISTFUSE_TIMEOUT`` (no collective of the layer r
 the peers from this worker in forward; a flag would need a host round per call).  The
 ZeRO layers with several model-parallel workers on their fused path: where the
 data-parallel row count is exchanged for the dispatch (CUDA, no forced path) that round
-spans the grid and carries the failure (:func:`~distfuse.fused.zero_linear.agreed_rows`);
+spans the grid and carries the failure (:func:`~distfuse.fused.zero_linear_dispatch.agreed_rows`);
 elsewhere (CPU, ``DISTFUSE_PATH`` forced) the worker raises alone, since the plain
 model-parallel collective of ``zero_linear`` carries no flag.
 """
@@ -56,6 +58,7 @@ import torch.nn.functional as F
 
 from distfuse.errors import DistfuseError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent
+from distfuse.layers._linear_records import _MAX_DIM, _autocast_code, compute_dtype
 from distfuse.primitives._agreement import (
     AgreementSite,
     agree_on_local_checks,
@@ -70,112 +73,11 @@ from distfuse.primitives.all_gather import AllGatherFunction, agreed_all_gather
 from distfuse.primitives.reduce_scatter import ReduceScatterFunction
 
 __all__ = ["FUSED_FIRST_ORDER", "first_order_only", "agreed_seq_len", "agreed_input_gather",
-           "agreed_matmul_reduce_scatter", "agreed_leading", "compute_dtype", "compute_dtype_of", "local_error",
-           "general_record", "record_shape", "check_general_records", "check_input_dtype", "stand_in",
-           "fused_or_refuse"]
+           "agreed_matmul_reduce_scatter", "agreed_leading", "stand_in", "fused_or_refuse"]
 
-_MAX_DIM = 8
 
 #: What the fused linear paths tell a backward with create_graph=True (see ``first_order_only``).
 FUSED_FIRST_ORDER = "the fused GEMM + collective (the unfused path, DISTFUSE_PATH=unfused, computes them exactly)"
-
-
-def compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype ``F.linear`` computes ``x`` in: the autocast dtype under ``torch.autocast`` (not for float64)."""
-    if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
-
-
-def compute_dtype_of(dtype: torch.dtype, device) -> torch.dtype:
-    """:func:`compute_dtype` for an input of ``dtype`` on ``device`` (workers that hold no input ask this)."""
-    device_type = torch.device(device).type
-    if dtype.is_floating_point and dtype != torch.float64 and torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return dtype
-
-
-def _autocast_code(device_type: str) -> int:
-    """The autocast dtype's code on ``device_type`` (-1: autocast off); part of what the workers must share."""
-    if torch.is_autocast_enabled(device_type):
-        return dtype_code(torch.get_autocast_dtype(device_type))
-    return -1
-
-
-def local_error(check) -> DistfuseError | None:
-    """The distfuse error ``check()`` raises, or None: a local check's outcome, to be agreed on, not raised here."""
-    try:
-        check()
-    except DistfuseError as exc:
-        return exc
-    return None
-
-
-# DistributedLinear's record: [ndim, dtype, device, autocast dtype, grad mode, shape (8 slots)].
-_TOO_MANY, _NOT_A_TENSOR = -2, -3
-
-
-def general_record(x: torch.Tensor) -> list[int]:
-    """This worker's record of a ``DistributedLinear`` call (13 int64; see :func:`check_general_records`).
-
-    Something other than a tensor gets the record ``[-3, ...]``: every worker raises on it.
-    """
-    if not isinstance(x, torch.Tensor):
-        return [_NOT_A_TENSOR, -1, -1, -1, int(torch.is_grad_enabled())] + [-1] * _MAX_DIM
-    too_many = x.dim() > _MAX_DIM
-    rec = [_TOO_MANY if too_many else x.dim(), dtype_code(x.dtype), -1, _autocast_code(x.device.type),
-           int(torch.is_grad_enabled())] + [-1] * _MAX_DIM
-    if x.numel() > 0:
-        rec[2] = _DEVICE_TYPES.index(x.device.type) if x.device.type in _DEVICE_TYPES else len(_DEVICE_TYPES)
-    if not too_many:
-        rec[5:5 + x.dim()] = list(x.shape)
-    return rec
-
-
-_DEVICE_TYPES = ("cpu", "cuda", "meta", "xpu", "mps", "hpu")
-
-
-def record_shape(rec: list[int]) -> tuple[int, ...]:
-    return tuple(rec[5:5 + rec[0]])
-
-
-def check_general_records(op: str, by_rank: dict, device_type: str) -> None:
-    """What every worker of ``DistributedLinear`` must share, checked alike on every worker from the records.
-
-    Too many dimensions, data on another device type, and disagreement on autocast or
-    grad mode (autocast sets the dtype the partial sums travel in; grad mode whether every
-    worker runs its part of the adjoint) raise :class:`~distfuse.errors.ShapeError`.
-    """
-    odd = sorted(w for w, r in by_rank.items() if r[0] == _NOT_A_TENSOR)
-    if odd:
-        raise ShapeError(f"{where(op)}: input type: expected torch.Tensor on every worker (a zero-volume tensor where "
-                         f"a worker holds no input); world rank(s) {odd} passed something else")
-    over = sorted(w for w, r in by_rank.items() if r[0] == _TOO_MANY)
-    if over:
-        raise ShapeError(f"{where(op)}: tensors of more than {_MAX_DIM} dimensions are not supported; world rank(s) "
-                         f"{over} passed one")
-    names = list(_DEVICE_TYPES) + ["another device"]
-    bad = {w: names[r[2]] for w, r in by_rank.items() if r[2] >= 0 and names[r[2]] != device_type}
-    if bad:
-        raise ShapeError(f"{where(op)}: input device type: expected {device_type} on every worker, got "
-                         f"{', '.join(f'world rank {w}: {d}' for w, d in sorted(bad.items()))}")
-    for slot, what in ((3, "the autocast dtype (torch.autocast, -1: off)"), (4, "grad mode (torch.is_grad_enabled)")):
-        seen = {w: r[slot] for w, r in by_rank.items()}
-        if len(set(seen.values())) > 1:
-            got = ", ".join(f"world rank {w}: {dtype_of_code(v) if slot == 3 and v >= 0 else v}"
-                            for w, v in sorted(seen.items()))
-            raise ShapeError(f"{where(op)}: every worker must call the layer with the same {what}; got {got}")
-
-
-def check_input_dtype(op: str, dtype: torch.dtype | None, weight_dtype: torch.dtype, autocast_code: int) -> None:
-    """The agreed input dtype must be one the layer multiplies: floating, and its weight's outside autocast."""
-    if dtype is None or not dtype.is_floating_point:
-        raise ShapeError(f"{where(op)}: the input dtype {dtype} is not a floating dtype; the layer multiplies floating "
-                         f"inputs of its weight's dtype {weight_dtype} (any floating dtype under torch.autocast)")
-    computes_in = dtype_of_code(autocast_code) if autocast_code >= 0 and dtype != torch.float64 else dtype
-    if computes_in == dtype and dtype != weight_dtype:
-        raise ShapeError(f"{where(op)}: the input dtype {dtype} is not the weight's dtype {weight_dtype}; the layer "
-                         "multiplies inputs of its weight's dtype (any floating dtype under torch.autocast)")
 
 
 def agreed_leading(layer, x: torch.Tensor, locally_ok: bool) -> tuple[tuple[int, ...], torch.dtype]:

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from distfuse.errors import UnsupportedError, where
 from distfuse.geometry.decomposition import block_extent
-from distfuse.layers._linear_agreement import compute_dtype
+from distfuse.layers._linear_records import compute_dtype
 from distfuse.layers.dispatch import Decision
 from distfuse.ops import (
     GRAD_ANCHOR,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from distfuse.errors import UnsupportedError, where
 from distfuse.geometry.decomposition import block_extent
-from distfuse.layers._linear_agreement import compute_dtype, compute_dtype_of
+from distfuse.layers._linear_records import compute_dtype, compute_dtype_of
 from distfuse.layers.dispatch import Decision
 from distfuse.ops import GRAD_ANCHOR, NO_ANCHOR, PackedBroadcast
 from distfuse.ops.flag_check import FlagRound, flag_check

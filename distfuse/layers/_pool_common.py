@@ -18,7 +18,7 @@ it), so stride, dilation, uneven splits, halos wider than a neighbour's block an
 workers with no outputs all work as they do for the feature convolution.
 
 A host-side metadata gather over ``P_x``
-(:func:`~distfuse.layers._conv_common.gather_call_info`, a few int64 per worker) finds
+(:func:`~distfuse.layers._conv_call_info.gather_call_info`, a few int64 per worker) finds
 the global shape, so that every worker validates the geometry the same way and raises
 the same error, and makes every worker agree on whether the adjoint runs.  It runs on
 the first call and when some worker's signature changed; while signatures repeat a
@@ -45,14 +45,8 @@ from torch import nn
 from distfuse.errors import DistfuseError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.pool_geometry import check_pool_axis, pool_axis
-from distfuse.layers._conv_common import (
-    _DTYPES,
-    CallInfo,
-    autocast_dtype,
-    check_partition,
-    gather_call_info,
-    promote,
-)
+from distfuse.layers._conv_call_info import _DTYPES, CallInfo, autocast_dtype, gather_call_info
+from distfuse.layers._conv_common import check_partition, promote
 from distfuse.layers._pool_compiled import WindowHalo, compiled_record, compiled_stage
 from distfuse.layers.dispatch import Decision
 from distfuse.layers.pool_staging import (
@@ -131,7 +125,7 @@ class ShapeRecord:
     """The agreed call record of a layer without parameters (pooling, upsampling).
 
     The layer's :class:`~distfuse.primitives._agreement.AgreementSite` (``site``) holds the
-    :class:`~distfuse.layers._conv_common.CallInfo` every worker agreed on.  A call whose
+    :class:`~distfuse.layers._conv_call_info.CallInfo` every worker agreed on.  A call whose
     signature (local shape, dtype, device type, grad mode, ``requires_grad``, autocast)
     repeats on every worker reuses it after one flag round
     (:func:`~distfuse.primitives._agreement.flag_round`: a one-element all-reduce of the

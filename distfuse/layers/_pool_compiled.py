@@ -33,7 +33,7 @@ import torch
 
 from distfuse.errors import UnsupportedError, where
 from distfuse.geometry.halo_plan import HaloPlan
-from distfuse.layers._conv_common import _DTYPES, CallInfo
+from distfuse.layers._conv_call_info import _DTYPES, CallInfo
 from distfuse.layers.pool_staging import StagingRecord, fill_padding_, stage_local, world_of_fn
 from distfuse.ops import FlagRound, flag_check, halo_exchange
 from distfuse.primitives._handles import new_handle

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from distfuse.errors import PartitionError, where
-from distfuse.layers._conv_common import pad_locally
+from distfuse.layers._conv_block import pad_locally
 from distfuse.layers.conv_general import DistributedGeneralConvBase
 from distfuse.primitives._layout import memory_format_of
 

@@ -40,7 +40,7 @@ outside ``P_x`` pass and get back a zero-volume tensor.
 Agreement at no steady-state cost.  Workers holding no input of the global shape, and
 workers whose neighbours' blocks changed, must learn the global shape and the grad
 flags: that takes a host-side metadata gather over ``P_x``
-(:func:`~distfuse.layers._conv_common.gather_call_info`).  It runs only on the first
+(:func:`~distfuse.layers._conv_call_info.gather_call_info`).  It runs only on the first
 call and when some worker's signature (local shape, dtype, device, grad mode, the
 input's and the parameters' requires_grad and dtype, autocast) changed: every worker
 sends the root a flag, 1 when its own signature changed, the root forwards their sum with
@@ -76,20 +76,9 @@ from torch import nn
 
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
 from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers._conv_common import (
-    _DTYPES,
-    CallInfo,
-    ConvOptions,
-    autocast_dtype,
-    cast_for_compute,
-    check_geometry,
-    check_partition,
-    conv_block,
-    draw_parameters,
-    gather_call_info,
-    grid_of,
-    promote,
-)
+from distfuse.layers._conv_block import conv_block
+from distfuse.layers._conv_call_info import _DTYPES, CallInfo, autocast_dtype, cast_for_compute, gather_call_info
+from distfuse.layers._conv_common import ConvOptions, check_geometry, check_partition, draw_parameters, grid_of, promote
 from distfuse.layers._conv_compiled import CompiledFeatureConvMixin
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision, device_caps, select_path

@@ -33,10 +33,10 @@ outside the three partitions pass and get back a zero-volume tensor.
 Agreement at a small steady-state cost.  Workers without input must learn the global
 shape and dtype, and every worker must agree on which adjoints run: that takes a
 host-side metadata gather over the union of the partitions
-(:func:`~distfuse.layers._conv_common.gather_call_info`).  It runs on the first call and
+(:func:`~distfuse.layers._conv_call_info.gather_call_info`).  It runs on the first call and
 when some worker's signature (local shape, dtype, grad flags, the parameters', autocast,
 layout) changed or its input fails a local check
-(:func:`~distfuse.layers._conv_common.agreed_call_info`).  No data collective of this
+(:func:`~distfuse.layers._conv_call_info.agreed_call_info`).  No data collective of this
 layer reaches every worker of the union in forward (the broadcasts and the sum-reduce
 run point to point along P_w's rows and columns), so the agreement flag travels in its
 own one-element all-reduce on the union's host meta group, before any data moves
@@ -68,18 +68,9 @@ from torch import nn
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, local_shape, local_slices
 from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers._conv_common import (
-    ConvOptions,
-    agreed_call_info,
-    cast_for_compute,
-    check_geometry,
-    check_partition,
-    conv_block,
-    conv_output_format,
-    draw_parameters,
-    grid_of,
-    promote,
-)
+from distfuse.layers._conv_block import conv_block, conv_output_format
+from distfuse.layers._conv_call_info import agreed_call_info, cast_for_compute
+from distfuse.layers._conv_common import ConvOptions, check_geometry, check_partition, draw_parameters, grid_of, promote
 from distfuse.layers._conv_general_compiled import CompiledGeneralConvMixin
 from distfuse.layers._params import ParamLayout
 from distfuse.partition import union_partition, zero_volume_tensor

@@ -56,7 +56,7 @@ or a global output extent below 1.
 
 Agreement as in the feature convolution (:mod:`~distfuse.primitives._agreement`): the
 host-side metadata gather over ``P_x``
-(:func:`~distfuse.layers._conv_common.gather_call_info`; 1 to 5 ms on the loaded 2-core
+(:func:`~distfuse.layers._conv_call_info.gather_call_info`; 1 to 5 ms on the loaded 2-core
 CPU machine, most of a small CPU call) runs on the first call and when some worker's
 signature (local shape, dtype, grad flags, autocast) changed.  While signatures repeat,
 each worker's one-element flag rides to the root and back appended to the parameter
@@ -87,16 +87,9 @@ from distfuse.errors import DistfuseError, PartitionError, UnsupportedError, exp
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.transpose_plan import block_pads, check_output_padding, transpose_plan
 from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers._conv_common import (
-    _DTYPES,
-    CallInfo,
-    ConvOptions,
-    _ZeroBlock,
-    check_partition,
-    gather_call_info,
-    grid_of,
-    promote,
-)
+from distfuse.layers._conv_block import _ZeroBlock
+from distfuse.layers._conv_call_info import _DTYPES, CallInfo, gather_call_info
+from distfuse.layers._conv_common import ConvOptions, check_partition, grid_of, promote
 from distfuse.layers._conv_transpose_compiled import CompiledConvTransposeMixin
 from distfuse.layers._pool_compiled import WindowHalo
 from distfuse.layers.conv_feature import DistributedFeatureConvBase

@@ -65,16 +65,7 @@ from distfuse import debug
 from distfuse.errors import DistfuseError, PartitionError, ShapeError, expect, where
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
-from distfuse.layers._linear_agreement import (
-    FUSED_FIRST_ORDER,
-    agreed_leading,
-    check_general_records,
-    check_input_dtype,
-    compute_dtype_of,
-    first_order_only,
-    general_record,
-    record_shape,
-)
+from distfuse.layers._linear_agreement import FUSED_FIRST_ORDER, agreed_leading, first_order_only
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,
@@ -88,6 +79,13 @@ from distfuse.layers._linear_common import (
     union_of,
 )
 from distfuse.layers._linear_general_compiled import compiled_general_forward, general_signature, remember_general
+from distfuse.layers._linear_records import (
+    check_general_records,
+    check_input_dtype,
+    compute_dtype_of,
+    general_record,
+    record_shape,
+)
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision
 from distfuse.primitives._common import check_inactive_input, dtype_of_code, gather_records

@@ -66,7 +66,6 @@ from distfuse.layers._linear_agreement import (
     agreed_seq_len,
     first_order_only,
     fused_or_refuse,
-    local_error,
     stand_in,
 )
 from distfuse.layers._linear_common import (
@@ -82,6 +81,7 @@ from distfuse.layers._linear_common import (
     subgrid,
 )
 from distfuse.layers._linear_compiled import all_gather_signature, compiled_all_gather_forward, remember
+from distfuse.layers._linear_records import local_error
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision
 from distfuse.primitives._common import check_inactive_input
@@ -233,7 +233,7 @@ class _LinearAllGather(LinearBase):
                 block_extent(self.in_features, self.P_m, self.dm[1]) if self.P_x is None else self.in_features,))
         zero = None
         if self._zero and self.P_d > 1:  # ZeRO: fused, the weight streams into the GEMM (fused/zero_linear.py)
-            from distfuse.fused.zero_linear import agreed_rows
+            from distfuse.fused.zero_linear_dispatch import agreed_rows
 
             # One decision for the whole grid: the data-parallel workers hold different row counts.
             rows = math.prod(x.shape[:-1])
@@ -280,7 +280,8 @@ class _LinearAllGather(LinearBase):
 
     def _zero_fused(self, x: torch.Tensor, seq_len: int | None) -> torch.Tensor:
         """ZeRO, fused: the shards stream into the GEMM, dW is reduce-scattered by its GEMM; the bias added after."""
-        from distfuse.fused.zero_linear import sequence_extent, zero_linear
+        from distfuse.fused.zero_linear import zero_linear
+        from distfuse.fused.zero_linear_dispatch import sequence_extent
 
         n = None
         if self.P_x is not None:  # the exact gathered length: an agreed one may be a step old
@@ -332,7 +333,7 @@ class _LinearAllGather(LinearBase):
         return fused_linear_available(self.P_gather, self._param_device(), self._param_dtype())
 
     def _weight_gather_available(self) -> tuple[bool, str]:
-        from distfuse.fused.zero_linear import zero_linear_available
+        from distfuse.fused.zero_linear_dispatch import zero_linear_available
 
         return zero_linear_available(self.P_wgather, self.P_gather if self.P_m > 1 else None, self._param_device(),
                                      self._param_dtype())

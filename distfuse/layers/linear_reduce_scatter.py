@@ -70,7 +70,6 @@ from distfuse.layers._linear_agreement import (
     agreed_matmul_reduce_scatter,
     first_order_only,
     fused_or_refuse,
-    local_error,
     stand_in,
 )
 from distfuse.layers._linear_common import (
@@ -86,6 +85,7 @@ from distfuse.layers._linear_common import (
     subgrid,
 )
 from distfuse.layers._linear_compiled import compiled_reduce_scatter_forward, reduce_scatter_signature, remember
+from distfuse.layers._linear_records import local_error
 from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision
 from distfuse.primitives._common import check_inactive_input
@@ -233,7 +233,7 @@ class _LinearReduceScatter(LinearBase):
             x = stand_in(self, x, (1,) * (self.P_x.dim - 1) + (block_extent(self.in_features, self.P_m, m),))
         zero = None
         if self._zero and self.P_d > 1:  # ZeRO: fused, the weight streams into the GEMM (fused/zero_linear.py)
-            from distfuse.fused.zero_linear import agreed_rows
+            from distfuse.fused.zero_linear_dispatch import agreed_rows
 
             # One decision for the whole grid: the data-parallel workers hold different row counts.
             # Where the count is exchanged (CUDA, no forced path) the round spans the grid and carries this
@@ -314,7 +314,7 @@ class _LinearReduceScatter(LinearBase):
         return fused_linear_available(self.P_scatter, self._param_device(), self._param_dtype())
 
     def _weight_gather_available(self) -> tuple[bool, str]:
-        from distfuse.fused.zero_linear import zero_linear_available
+        from distfuse.fused.zero_linear_dispatch import zero_linear_available
 
         return zero_linear_available(self.P_wgather, self.P_scatter if self.P_m > 1 else None, self._param_device(),
                                      self._param_dtype())

@@ -46,10 +46,11 @@ def autotuners() -> dict:
     """The GEMM kernels' ``triton.autotune`` objects (None entries dropped: no autotuning without CUDA)."""
     try:
         import distfuse.kernels.all_gather_matmul as all_gather_kernels
+        import distfuse.kernels.chunk_reduce as chunk_reduce_kernels
         import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
     except Exception:  # noqa: BLE001 - kernels unavailable (no Triton): nothing to harvest
         return {}
-    tuners = {"chunk_reduce": getattr(reduce_scatter_kernels, "_chunk_reduce_tuned", None),
+    tuners = {"chunk_reduce": getattr(chunk_reduce_kernels, "_chunk_reduce_tuned", None),
               "ag_push": getattr(all_gather_kernels, "_push_tuned", None)}
     # The GEMMs have one autotuner per operand size (fp32 tiles have their own configs).
     for name, by_size in (("matmul_scatter", getattr(reduce_scatter_kernels, "_matmul_scatter_tuned", {})),

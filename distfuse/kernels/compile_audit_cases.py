@@ -1,0 +1,224 @@
+"""The compile audit's catalogue: every ``@triton.jit`` kernel of distfuse in every config a launcher can pick.
+
+A :class:`KernelCase` names one compilation: the kernel, its constexprs and launch
+options, the Triton signature its arguments take, and the PTX checks it must pass.
+:func:`audit_cases` lists them all (the GEMM fusions with their flags and signatures,
+the halo exchange, the implicit-GEMM convolution) in fp32, fp16 and bf16.  The compiling
+and the checks themselves live in :mod:`distfuse.kernels.compile_audit`, which re-exports
+both names; adding a kernel or a config to the audit only touches this catalogue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["KernelCase", "audit_cases", "DTYPES"]
+
+_TT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class KernelCase:
+    """One compilation: a kernel, its constexprs and launch options, and the checks its PTX must pass.
+
+    ``pointer_dtypes`` maps pointer arguments to Triton element types (default: the
+    case's dtype for ``*_ptr`` arguments); ``ints`` maps integer arguments to ``i32`` or
+    ``i64`` (default ``i32``).  ``aligned`` lists the integer arguments that are
+    multiples of 16 in the case (Triton specialises those at run time; pointers are
+    always taken as 16-byte aligned, as torch allocates them).
+    """
+
+    name: str
+    fn: object
+    dtype: torch.dtype
+    constexprs: dict
+    num_warps: int = 4
+    num_stages: int = 3
+    pointer_dtypes: dict = field(default_factory=dict)
+    ints: dict = field(default_factory=dict)
+    aligned: tuple = ()
+    checks: tuple = ()
+
+    def signature(self) -> tuple[dict, dict]:
+        fn = self.fn
+        tt = _TT[self.dtype]
+        sig, attrs = {}, {}
+        dont = set(getattr(fn, "do_not_specialize", ()) or ())
+        for i, name in enumerate(fn.arg_names):
+            if name in self.constexprs:
+                sig[name] = "constexpr"
+            elif name in self.pointer_dtypes:
+                sig[name] = "*" + self.pointer_dtypes[name]
+            elif name.endswith("_ptr"):
+                sig[name] = "*" + tt
+            else:
+                sig[name] = self.ints.get(name, "i32")
+            if sig[name].startswith("*") or (name in self.aligned and name not in dont):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        return sig, attrs
+
+    def label(self) -> str:
+        shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "W_UNROLL", "B_KMAJOR")
+        meta = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k.startswith("BLOCK") or k in shown)
+        return f"{self.name}[{_TT[self.dtype]};{meta};w{self.num_warps}s{self.num_stages}]"
+
+
+
+
+def _gemm_cases(dtypes) -> list[KernelCase]:
+    import triton
+
+    import distfuse.kernels.all_gather_features_matmul as ag_features_kernels
+    import distfuse.kernels.all_gather_matmul as all_gather_kernels
+    import distfuse.kernels.chunk_flag as chunk_flag
+    import distfuse.kernels.chunk_reduce as chunk_reduce_kernels
+    import distfuse.kernels.matmul_all_reduce as all_reduce_kernels
+    import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
+    import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
+    import distfuse.kernels.matmul_scatter_persistent as persistent_kernels
+    import distfuse.kernels.signature as signature_kernels
+    from distfuse.kernels._utils import (
+        get_chunk_reduce_configs,
+        get_gemm_configs,
+        get_push_configs,
+        pinned_gemm_config,
+    )
+
+    tables = {"data_ptrs": "i64", "flag_ptrs": "i64", "counter_ptr": "i32", "flags_ptr": "i32", "status_ptr": "i32",
+              "epoch_ptr": "i32"}
+    ints = {"timeout": "i64"}
+    cases = []
+    for dt in dtypes:
+        configs = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in get_gemm_configs(dt)]
+        for rows, cols in ((4096, 4096), (4096, 128), (64, 4096), (16, 16)):  # every bucket of the pinned rule
+            pinned = pinned_gemm_config(dt, rows, cols)
+            if pinned not in configs:
+                configs.append(pinned)
+        precisions = ("ieee", "tf32") if dt == torch.float32 else ("tf32",)
+        for cfg in configs:
+            cfg = dict(cfg)
+            warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+            for prec in precisions:
+                common = dict(UPCAST=False, INPUT_PRECISION=prec, ROUND_BF16=False, **cfg)
+                cases.append(KernelCase("matmul_scatter", reduce_scatter_kernels._matmul_scatter_kernel, dt, common,
+                                        warps, stages, pointer_dtypes=tables, ints=ints,
+                                        aligned=("N", "K", "ld", "stride_ab", "stride_an", "stride_bn"),
+                                        checks=("release_sys", "vector_store")))
+                cases.append(KernelCase("gathered_matmul", all_gather_kernels._gathered_matmul_kernel, dt,
+                                        dict(common, HAS_BIAS=True, TIMED=True), warps, stages,
+                                        pointer_dtypes=tables, ints=ints,
+                                        aligned=("N", "K", "stride_xb", "stride_xn", "stride_bn"),
+                                        checks=("acquire_sys",)))
+                # The feature-direction pair (column chunks; the K chunks of the gathered input).
+                cases.append(KernelCase("matmul_scatter_columns", rs_features_kernels._matmul_scatter_columns_kernel,
+                                        dt, dict(common, HAS_BIAS=True), warps, stages, pointer_dtypes=tables,
+                                        ints=ints, aligned=("N", "K", "ld", "stride_am", "stride_bn"),
+                                        checks=("release_sys", "vector_store")))
+                cases.append(KernelCase("gathered_k_matmul", ag_features_kernels._gathered_k_matmul_kernel, dt,
+                                        dict(common, HAS_BIAS=True, TIMED=True), warps, stages,
+                                        pointer_dtypes=tables, ints=ints, aligned=("N", "K", "stride_xm", "stride_bn"),
+                                        checks=("acquire_sys",)))
+                # The persistent form: tensor-descriptor loads (TMA), deferred per-chunk arrival; both weight layouts.
+                for kmajor in (False, True):
+                    cases.append(KernelCase("matmul_scatter_persistent",
+                                            persistent_kernels._matmul_scatter_persistent_kernel, dt,
+                                            dict(common, B_KMAJOR=kmajor), warps, stages, pointer_dtypes=tables,
+                                            ints=ints, aligned=("N", "K", "ld", "stride_am", "stride_b"),
+                                            checks=("release_sys", "vector_store", "tma_load")))
+                # GEMM + one-shot all-reduce: each tile stored into every rank's slot.
+                cases.append(KernelCase("matmul_push", all_reduce_kernels._matmul_push_kernel, dt,
+                                        dict(common, HAS_BIAS=True), warps, stages, pointer_dtypes=tables, ints=ints,
+                                        aligned=("N", "K", "ld", "stride_am", "stride_bn"),
+                                        checks=("release_sys", "vector_store")))
+        for c in get_chunk_reduce_configs(dt):
+            # W_UNROLL = W unrolls the W loads (chunk_reduce); 0 is the runtime loop (column_reduce, W_BLOCK 128).
+            for block_c, w in ((256, 8), (16, 8), (256, 2), (256, 3), (256, 0)):
+                cases.append(KernelCase("chunk_reduce", chunk_reduce_kernels._chunk_reduce_kernel, dt,
+                                        dict(W_UNROLL=w, W_BLOCK=triton.next_power_of_2(w) if w else 128,
+                                             HAS_BIAS=True, ROUND_BF16=False, TIMED=True, BLOCK_C=block_c,
+                                             **c.kwargs),
+                                        c.num_warps, 1, pointer_dtypes=tables, ints=ints, aligned=("N", "ld"),
+                                        checks=("acquire_sys", "vector_load", "vector_store")))
+        for c in get_push_configs(dt):
+            cases.append(KernelCase("ag_push", all_gather_kernels._ag_push_kernel, dt, dict(c.kwargs), c.num_warps, 1,
+                                    pointer_dtypes=tables, ints=ints, aligned=("K", "stride_xb", "stride_xn"),
+                                    checks=("release_sys",)))
+            cases.append(KernelCase("ag_push_columns", ag_features_kernels._ag_push_columns_kernel, dt, dict(c.kwargs),
+                                    c.num_warps, 1, pointer_dtypes=tables, ints=ints, aligned=("K", "stride_xm"),
+                                    checks=("release_sys",)))
+        # The flag raise of the library-GEMM producer (cublas_chunks), launched after each chunk's GEMM.
+        cases.append(KernelCase("raise_chunk_flag", chunk_flag.raise_chunk_flag_kernel, dt, {}, 1, 1,
+                                pointer_dtypes={"flag_ptrs": "i64", "epoch_ptr": "i32"}, checks=("release_sys",)))
+        # The agreement check: signatures published to every peer (release), compared after the flag waits (acquire).
+        cases.append(KernelCase("publish_signature", signature_kernels._publish_signature_kernel, dt, {}, 1, 1,
+                                pointer_dtypes={"flag_ptrs": "i64"}, checks=("release_sys",)))
+        cases.append(KernelCase("check_signatures", signature_kernels._check_signatures_kernel, dt,
+                                dict(TIMED=True, W_BLOCK=8, BLOCK=1024), 4, 1,
+                                pointer_dtypes={"flags_ptr": "i32", "sigs_ptr": "i32", "status_ptr": "i32",
+                                                "epoch_ptr": "i32"}, ints=ints, checks=("acquire_sys",)))
+        # A rank without a payload (a refused input, a workspace to grow): its word, then every flag it owes.
+        cases.append(KernelCase("abstain_signature", signature_kernels._abstain_kernel, dt, {}, 1, 1,
+                                pointer_dtypes={"flag_ptrs": "i64", "epoch_ptr": "i32"}, checks=("release_sys",)))
+        cases.append(KernelCase("gather_columns", all_reduce_kernels._gather_columns_kernel, dt,
+                                dict(TIMED=True, **all_reduce_kernels._GATHER_CONFIG), 4, 1, pointer_dtypes=tables,
+                                ints=ints, aligned=("N", "stride_own"), checks=("acquire_sys",)))
+    return cases
+
+
+def _halo_cases(dtypes) -> list[KernelCase]:
+    import triton.language as tl
+
+    from distfuse.kernels import halo_programs as halo
+
+    luts = {f"{k}{a}_ptr": "i32" for a in range(3) for k in ("seg", "crd")}
+    i64 = {n: "i64" for n in ("ptab_ptr", "btab_ptr", "bstart_ptr", "atab_ptr", "m0_ptr", "m1_ptr", "m2_ptr")}
+    fp32 = {"out1_ptr": "fp32", "self_ptr": "fp32"}
+    cases = []
+    for dt in dtypes:
+        for bx in (128, 64, 32, 16):  # halo.pick_tile's GPU choices: 2048-element tiles
+            tile = dict(COMPUTE=tl.float32, BLOCK_R=2048 // bx, BLOCK_X=bx)
+            for region in (0, 1, 2):
+                cases.append(KernelCase("halo_lut_gather", halo.lut_gather_kernel, dt, dict(tile, REGION=region),
+                                        4, 1, pointer_dtypes={**luts, **i64}))
+            cases.append(KernelCase("halo_accumulate", halo.accumulate_kernel, dt, dict(tile, ROUND_BF16=False), 4, 1,
+                                    pointer_dtypes={**i64, **fp32}))
+        for log2 in (1, 5):
+            cases.append(KernelCase("halo_box_gather", halo.box_gather_kernel, dt,
+                                    dict(LOG2_NBOX=log2, COMPUTE=tl.float32, ROUND_BF16=False, BLOCK=1024),
+                                    halo.BOX_NUM_WARPS, 1,
+                                    pointer_dtypes={**i64, **fp32}))
+    return cases
+
+
+def _conv_implicit_cases(dtypes) -> list[KernelCase]:
+    from distfuse.kernels import conv_implicit
+
+    fn = conv_implicit._conv_implicit_kernel
+    luts = {f"{k}{a}_ptr": "i32" for a in range(3) for k in ("seg", "crd")}
+    tile = tuple(conv_implicit._GPU_TILE)  # the launcher's only GPU tile (BLOCK_M != BLOCK_K)
+    return [KernelCase("conv_implicit", fn, dt, conv_implicit._constexprs(dt, True, tile, interpret=False), 4, 2,
+                       pointer_dtypes={**luts, "ptab_ptr": "i64"}) for dt in dtypes]
+
+
+def audit_cases(dtypes=DTYPES) -> list[KernelCase]:
+    """Every kernel of the package in every config its launchers or autotuners can pick."""
+    return _gemm_cases(dtypes) + _halo_cases(dtypes) + _conv_implicit_cases(dtypes)
+
+
+def _select(dtypes, only: str | None) -> list[KernelCase]:
+    if only is None:
+        return audit_cases(dtypes)
+    families = {"matmul_scatter": _gemm_cases, "matmul_scatter_persistent": _gemm_cases,
+                "raise_chunk_flag": _gemm_cases, "gathered_matmul": _gemm_cases, "chunk_reduce": _gemm_cases,
+                "ag_push": _gemm_cases, "gathered_k_matmul": _gemm_cases, "matmul_push": _gemm_cases,
+                "gather_columns": _gemm_cases, "publish_signature": _gemm_cases, "check_signatures": _gemm_cases,
+                "abstain_signature": _gemm_cases,
+                "halo": _halo_cases,
+                "conv_implicit": _conv_implicit_cases}
+    builders = {f for name, f in families.items() if name.startswith(only) or only.startswith(name)}
+    if not builders:
+        raise ValueError(f"compile_audit: no kernel family matches {only!r}; families: {sorted(families)}")
+    return [c for build in builders for c in build(dtypes) if c.name.startswith(only)]
