@@ -50,10 +50,9 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from distfuse import errors
 from distfuse.errors import DistfuseError, UnsupportedError, where
+from distfuse.primitives._call_agreement import agree_on_call
 from distfuse.primitives._common import collective_guard
 
 __all__ = ["AgreementSite", "run_agreed", "capture_safe", "trusting", "flag_round", "agreed_by_flag_round",
@@ -212,28 +211,11 @@ def agree_on_local_checks(P, op: str, checks: Callable[[], None]) -> None:
     global_shape)``, ...), whose checks are local: on their own, a check that fails on one
     worker raises there alone and leaves its peers in the exchange until the timeout.
     Here every worker runs its checks, catching a distfuse error instead of raising it,
-    then sets its flag in a :func:`flag_round` on ``P``'s host meta group.  No flag: return
-    (the cost of the call, one one-element host all-reduce).  A flag: the failing workers'
+    then all of them compare in one host round (:func:`~distfuse.primitives._call_agreement.agree_on_call`
+    with nothing else to share).  No failure: return (the cost of the call, one host
+    all-reduce of two integers).  A flag: the failing workers'
     messages are all-gathered (host objects, off the fast path) and every worker raises
     the same error, of the first failing worker's class, naming every failing worker and
     what it found.
     """
-    try:
-        checks()
-        mine = None
-    except DistfuseError as exc:
-        mine = (type(exc).__name__, str(exc))
-    if not flag_round(P, mine is not None, op):
-        return
-    found = [None] * P.size
-    if P.size == 1:
-        found[0] = mine
-    else:
-        with collective_guard(op, "error all-gather", P.ranks):
-            dist.all_gather_object(found, mine, group=P.meta_group)
-    # Slot g belongs to the g-th smallest world rank (new_group sorts its ranks).
-    failed = [(w, f) for w, f in zip(sorted(P.ranks), found, strict=True) if f is not None]
-    cls = getattr(errors, failed[0][1][0], DistfuseError)
-    lines = "; ".join(f"world rank {w}: {msg}" for w, (_, msg) in failed)
-    raise cls(f"{where(op)}: the local checks failed on world rank(s) {[w for w, _ in failed]}, so no worker "
-              f"moves data: {lines}")
+    agree_on_call(P, op, {}, checks)

@@ -41,12 +41,15 @@ def agree_on_call(P, op: str, same: dict, checks: Callable[[], None] | None = No
     """Raise one error on every worker of ``P`` unless every worker passes the same ``same`` and its ``checks``.
 
     Args:
-        same: what every worker must share (values with a stable ``repr``: tuples, dtypes).
+        same: what every worker must share (values with a stable ``repr``: tuples, dtypes);
+            ``{}`` checks only that the local checks pass everywhere.
         checks: this worker's local checks (raise a distfuse error); run before the round.
+            A failure on any worker raises, on every worker, an error of the first failing
+            worker's class naming every failing worker and what it found.
 
     Cost: one all-reduce of two int64 on ``P.meta_group`` (see the module docstring).
     """
-    if P.size == 1 or not P.active:
+    if not P.active:
         if checks is not None:
             checks()
         return
@@ -57,20 +60,26 @@ def agree_on_call(P, op: str, same: dict, checks: Callable[[], None] | None = No
         except DistfuseError as exc:
             failure = (type(exc).__name__, str(exc))
     record = dict(same, failure=failure)
-    h = _digest(record)
-    pair = torch.tensor([h, -h], dtype=torch.int64)
-    with collective_guard(op, "call agreement all-reduce", P.ranks):
-        dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=P.meta_group)
-    if int(pair[0]) == -int(pair[1]) and failure is None:
+    if P.size > 1:
+        h = _digest(record)
+        pair = torch.tensor([h, -h], dtype=torch.int64)
+        with collective_guard(op, "call agreement all-reduce", P.ranks):
+            dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=P.meta_group)
+        if int(pair[0]) == -int(pair[1]) and failure is None:
+            return
+        records = [None] * P.size
+        with collective_guard(op, "call agreement records", P.ranks):
+            dist.all_gather_object(records, (dist.get_rank(), record), group=P.meta_group)
+    elif failure is None:
         return
-    records = [None] * P.size
-    with collective_guard(op, "call agreement records", P.ranks):
-        dist.all_gather_object(records, (dist.get_rank(), record), group=P.meta_group)
+    else:
+        records = [(dist.get_rank(), record)]
     failed = [(rank, rec["failure"]) for rank, rec in records if rec["failure"] is not None]
     if failed:
-        kind = getattr(errors, failed[0][1][0], ShapeError)
+        kind = getattr(errors, failed[0][1][0], DistfuseError)
         lines = "; ".join(f"world rank {rank}: {msg}" for rank, (_, msg) in failed)
-        raise kind(f"{where(op)}: a worker's input failed its checks ({lines})")
+        raise kind(f"{where(op)}: the local checks failed on world rank(s) {[rank for rank, _ in failed]}, so no "
+                   f"worker moves data: {lines}")
     keys = [k for k in same if len({repr(rec[k]) for _, rec in records}) > 1]
     detail = "; ".join(f"{k}: " + ", ".join(f"world rank {rank} {rec[k]}" for rank, rec in records) for k in keys)
     raise ShapeError(f"{where(op)}: the workers' calls disagree ({detail}); every worker must pass the same")
