@@ -38,6 +38,7 @@ gradient of its own, and a compiled region refuses ``create_graph=True``.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from types import SimpleNamespace
 
 import torch
@@ -53,7 +54,7 @@ _BACKWARD_SCHEMA = ("(Tensor dy, Tensor x, Tensor weight, Tensor? bias, Tensor[]
                     "int n) -> Tensor[]")
 
 
-class FusedCall:
+class FusedCall(ABC):
     """One layer's call site of one fused op: the group and options; subclasses give the shapes and the call.
 
     ``op`` is the fused op's name (the custom op's), ``P`` its group.  ``states`` caches,
@@ -67,11 +68,13 @@ class FusedCall:
         self.states: dict[tuple, tuple] = {}
         self.handle = new_handle(self)
 
-    def call(self, x, weight, bias, n):  # pragma: no cover - every subclass overrides
-        raise NotImplementedError
+    @abstractmethod
+    def call(self, x, weight, bias, n):
+        """Run the fused op eagerly; returns its autograd output."""
 
-    def out_shape(self, x, weight, n) -> tuple[int, ...]:  # pragma: no cover
-        raise NotImplementedError
+    @abstractmethod
+    def out_shape(self, x, weight, n) -> tuple[int, ...]:
+        """The output's shape, from the inputs' shapes alone (the fake implementation's)."""
 
     def fake_out(self, x, weight, n) -> torch.Tensor:
         """An empty ``y`` with the fused op's strides (the compiler plans views on them)."""
