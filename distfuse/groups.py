@@ -1,7 +1,9 @@
 """The process groups behind distfuse's partitions: creation, caching, timeouts, the world and metadata groups.
 
 **Timeouts.** Every process group distfuse uses is its own, created with
-:func:`default_timeout` (``DISTFUSE_TIMEOUT`` seconds, default 600), and cached by its
+:func:`default_timeout` (``DISTFUSE_TIMEOUT`` seconds when set; otherwise the shorter of
+the world group's own timeout and 600 s, so a user's ``init_process_group(timeout=...)``
+still bounds distfuse's waits when it is the shorter), and cached by its
 tuple of world ranks, so equal partitions share one group.  That includes the groups
 over the whole world: :meth:`Partition.world` creates them on its first call (so that
 first call is collective: every rank must make it), instead of borrowing the default
@@ -30,7 +32,8 @@ import torch.distributed as dist
 
 from distfuse.errors import CollectiveTimeoutError, ConfigError, PartitionError, where
 
-__all__ = ["TIMEOUT_VARIABLE", "default_timeout", "group_timeout", "world_group", "metadata_group", "cuda_backend_of",
+__all__ = ["TIMEOUT_VARIABLE", "default_timeout", "world_group_timeout", "timeout_label", "group_timeout",
+           "world_group", "metadata_group", "cuda_backend_of",
            "groups_for", "world_partition_groups", "default_device", "world_rank", "world_size"]
 
 _GROUPS: dict[tuple[int, ...], tuple] = {}
@@ -44,8 +47,36 @@ TIMEOUT_VARIABLE = "DISTFUSE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
 
 
+def world_group_timeout() -> float | None:
+    """Seconds of the timeout the world group was created with (``init_process_group(timeout=...)``), or None.
+
+    Read from the world group's device backends (gloo, NCCL: each keeps its options);
+    the shortest one when several differ.  None before ``init_process_group`` or where
+    this torch does not expose it.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    found = []
+    for device_type in ("cpu", "cuda"):
+        try:
+            backend = world._get_backend(torch.device(device_type))
+            timeout = backend.options._timeout
+        except (RuntimeError, ValueError, TypeError, AttributeError):  # no backend for this device type
+            continue
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else None
+        if seconds is not None and math.isfinite(seconds) and seconds > 0:
+            found.append(seconds)
+    return min(found) if found else None
+
+
 def default_timeout() -> timedelta:
-    """The timeout of every process group distfuse creates: ``DISTFUSE_TIMEOUT`` seconds, default 600.
+    """The timeout of every process group distfuse creates.
+
+    ``DISTFUSE_TIMEOUT`` seconds when the variable is set.  Unset, the shorter of the
+    world group's timeout (:func:`world_group_timeout`: what the user gave
+    ``init_process_group``) and 600 s: a user who asked torch for 60 s gets errors after
+    about 60 s, and torch's 30-minute default is cut to 10 minutes.
 
     Validated on every read, before any collective: the value must be a positive, finite
     number of seconds.  Anything else (``"abc"``, ``0``, ``-1``, ``inf``, ``nan``) raises
@@ -55,7 +86,8 @@ def default_timeout() -> timedelta:
     """
     raw = os.environ.get(TIMEOUT_VARIABLE)
     if raw is None or not raw.strip():
-        return timedelta(seconds=DEFAULT_TIMEOUT_S)
+        world = world_group_timeout()
+        return timedelta(seconds=min(DEFAULT_TIMEOUT_S, world) if world is not None else DEFAULT_TIMEOUT_S)
     why = "a positive, finite number of seconds"
     try:
         seconds = float(raw)
@@ -68,6 +100,16 @@ def default_timeout() -> timedelta:
     except OverflowError:
         raise ConfigError(f"{where(TIMEOUT_VARIABLE)}: {TIMEOUT_VARIABLE}={raw!r} is too large for a timeout "
                           "(at most about 8e13 seconds)") from None
+
+
+def timeout_label(seconds: float) -> str:
+    """How an error names the timeout in force: the variable when it is set, else where the value came from."""
+    raw = os.environ.get(TIMEOUT_VARIABLE)
+    if raw is not None and raw.strip():
+        return f"{TIMEOUT_VARIABLE}={seconds:g} s"
+    if seconds < DEFAULT_TIMEOUT_S:
+        return f"{seconds:g} s, the world group's timeout ({TIMEOUT_VARIABLE} unset)"
+    return f"{seconds:g} s, distfuse's default ({TIMEOUT_VARIABLE} unset)"
 
 
 def group_timeout(group=None) -> float:
@@ -99,7 +141,7 @@ def _new_group(ranks: Sequence[int], timeout: timedelta, backend: str | None, wh
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         raise CollectiveTimeoutError(
             f"{where('Partition')}: creating {what} over world ranks {list(ranks)} did not complete within "
-            f"{TIMEOUT_VARIABLE}={timeout.total_seconds():g} s: {cause}"
+            f"{timeout_label(timeout.total_seconds())}: {cause}"
             ". Creation is collective over the world: a rank that raised before the call (a bad "
             f"{TIMEOUT_VARIABLE} on that rank, for example), died or made another call ends here") from exc
     _TIMEOUTS[id(group)] = timeout.total_seconds()
@@ -170,7 +212,7 @@ def _check_creation_consistent(call: str, groups: Sequence[tuple[int, ...]], arg
         raise CollectiveTimeoutError(
             f"{where('Partition')}: partition creation is collective over the world (world ranks "
             f"{list(range(world_size()))}), but not every rank made call #{record[0]} ({call}) within the timeout "
-            f"in force ({TIMEOUT_VARIABLE}={timeout:g} s): {str(exc).strip().splitlines()[0] if str(exc) else exc!r}"
+            f"in force ({timeout_label(timeout)}): {str(exc).strip().splitlines()[0] if str(exc) else exc!r}"
         ) from exc
     if any(r != record for r in records):
         lines = "\n".join(f"  rank {i}: call #{r[0]} {r[1]} groups={list(r[2])} arguments={dict(r[3])} "

@@ -213,3 +213,52 @@ def test_a_fault_on_one_rank_ends_in_errors_everywhere_within_distfuse_timeout(k
         assert "DISTFUSE_TIMEOUT=3 s" in msg and "world ranks [" in msg, msg
         assert T - 0.5 <= secs <= T + SLACK, (r, secs)
         assert not math.isclose(secs, PG_DEFAULT, rel_tol=0.1)
+
+
+# ---------------------------------------------------------------- no variable: the user's world timeout rules
+
+WORLD_T = 4.0  # the world group's timeout the "user" gave init_process_group; DISTFUSE_TIMEOUT unset
+
+
+def _user_timeout_fault():
+    """A reduce-scatter linear whose rank 1 sleeps past the others' timeout instead of calling."""
+    os.environ.pop("DISTFUSE_TIMEOUT", None)
+    world = dist.group.WORLD._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+    assert world == WORLD_T, world
+    from distfuse.layers import DistributedLinearReduceScatter
+
+    P = Partition.world().create_cartesian_topology_partition([1, W])
+    in_force = group_timeout()
+    torch.manual_seed(0)
+    layer = DistributedLinearReduceScatter(P, 6, 4)
+    x = torch.randn(5, 2)
+    layer(x)  # one healthy call: agreement settled
+    if dist.get_rank() == 1:
+        time.sleep(WORLD_T + SLACK + 1.0)  # alive but absent
+        return None, "", 0.0, in_force
+    return (*_timed(lambda: layer(x)), in_force)
+
+
+def test_the_world_groups_timeout_bounds_waits_when_the_variable_is_unset():
+    discard_pool(W, WORLD_T)
+    try:
+        out = run_ranks(W, _user_timeout_fault, pg_timeout=WORLD_T, timeout=90)
+    finally:
+        discard_pool(W, WORLD_T)  # the peers' groups timed out: the world is spent
+    for r in (0, 2):
+        err, msg, secs, in_force = out[r]
+        assert in_force == WORLD_T, out[r]  # not distfuse's 600 s default
+        assert err == CollectiveTimeoutError.__name__, (r, out[r])
+        assert f"{WORLD_T:g} s, the world group's timeout (DISTFUSE_TIMEOUT unset)" in msg, msg
+        assert WORLD_T - 0.5 <= secs <= WORLD_T + SLACK, (r, secs)
+
+
+def test_the_default_is_the_shorter_of_the_world_timeout_and_600_s(monkeypatch):
+    import distfuse.groups as groups
+
+    monkeypatch.delenv("DISTFUSE_TIMEOUT", raising=False)
+    for world, want in ((60.0, 60.0), (1800.0, 600.0), (None, 600.0)):
+        monkeypatch.setattr(groups, "world_group_timeout", lambda w=world: w)
+        assert default_timeout().total_seconds() == want, (world, want)
+    monkeypatch.setenv("DISTFUSE_TIMEOUT", "900")  # the variable, when set, still rules
+    assert default_timeout().total_seconds() == 900

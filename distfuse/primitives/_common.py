@@ -37,7 +37,7 @@ import torch.distributed as dist
 from distfuse._compat import all_gather_flat
 from distfuse.errors import CollectiveTimeoutError, DistfuseError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import local_shape
-from distfuse.groups import TIMEOUT_VARIABLE, group_timeout, world_group
+from distfuse.groups import group_timeout, timeout_label, world_group
 from distfuse.partition import Partition, zero_volume_tensor
 from distfuse.primitives._layout import wire_view
 
@@ -64,7 +64,7 @@ def collective_guard(op: str, what: str, peers: Iterable[int] | None = None, gro
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CollectiveTimeoutError(
             f"{where(op)}: {what}{peer_txt} did not complete within the timeout in force "
-            f"({TIMEOUT_VARIABLE}={group_timeout(group):g} s): {cause}. A peer that raised, died or made a "
+            f"({timeout_label(group_timeout(group))}): {cause}. A peer that raised, died or made a "
             "different call ends here") from exc
 
 
