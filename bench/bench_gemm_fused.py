@@ -151,19 +151,24 @@ def _parse(argv=None):
     p.add_argument("--world", type=int, default=TP, help="virtual ranks (tensor-parallel degree)")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--no-symm-mem", action="store_true", help="skip torch's symm_mem fused ops")
+    p.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES),
+                   help="which per-rank GEMMs (default all; the lab's decisive ratios: rs ag)")
     p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench/results)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU correctness pass of every provider, no timings")
+    p.add_argument("--dry-run", action="store_true",
+                   help="no GPU: the GPU run's pipeline (every provider's rows, anchors, the JSON written after every "
+                        "case) at tiny shapes on CPU, interpreted; its times mean nothing")
     return p.parse_args(argv)
 
 
 # ---------------------------------------------------------------- shapes, rates, projection
 
 
-def cases(models: dict, ms, world):
+def cases(models: dict, ms, world, sides=None):
     """(model, side, m, n, k) of the per-rank GEMMs (see the module doc); ``models``: name -> (H, I)."""
     for model, (hidden, inter) in models.items():
         for m in ms:
-            for side in SIDES:
+            for side in sides or SIDES:
                 if SIDES[side].get("zero") == "rows":  # down proj's W_m [H, I/8], its rows over W: m = out
                     yield model, side, hidden, m, inter // world
                 elif SIDES[side].get("zero") == "columns":  # up proj's W_m [I/8, H], its columns over W
@@ -220,6 +225,8 @@ class Side:
         self.side, self.m, self.n, self.k, self.world, self.dtype = side, m, n, k, world, dtype
         self.spec = SIDES[side]
         self.provider = provider  # the rs side's producer or the ag side's push (distfuse.fused.providers)
+        self.gather_kernel = None  # the gathering sides' consumer asked for (None: the selector's default)
+        self.gather_choice = None  # and the one that ran (distfuse.kernels.gathered_matmul_select)
         g = torch.Generator(device="cpu").manual_seed(seed)
 
         def rnd(*shape, scale=1.0):
@@ -274,7 +281,8 @@ class Side:
         if self.side == "rs" and self.provider != "triton":
             from distfuse.fused.providers import run_producer
 
-            return run_producer(self.provider, self.a, self.weight, self.ws, r, self.world, self.dtype)
+            self.choice = run_producer(self.provider, self.a, self.weight, self.ws, r, self.world, self.dtype)
+            return self.choice
         launch = {"rs": matmul_scatter, "rs_features": matmul_scatter_columns, "all_reduce": matmul_push}[self.side]
         return launch(self.a, self.weight, self.ws, r, self.world)
 
@@ -298,7 +306,12 @@ class Side:
             return self._scatter(0)
         if self.spec["features"]:
             return gathered_k_matmul(self.shards[0], self.weight, self.ws, 0, self.world, out=self.out)
-        return gathered_matmul(self.shards[0], self.weight, self.ws, 0, self.world, self.m, out=self.out)
+        from distfuse.kernels.gathered_matmul_select import last_gather_choice
+
+        y = gathered_matmul(self.shards[0], self.weight, self.ws, 0, self.world, self.m, out=self.out,
+                            kernel=self.gather_kernel)
+        self.gather_choice = last_gather_choice()  # the kernel that ran: a fallback is named, not hidden
+        return y
 
     def chunk_reduce(self, out=None):
         """The scattering sides' reduction of virtual rank 0's chunk (``chunk_reduce`` or ``column_reduce``)."""
@@ -425,23 +438,43 @@ class SymmMem:
 # ---------------------------------------------------------------- the sweep (GPU; CPU in the smoke pass)
 
 
-def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torch.device, symm) -> list:
-    """Every provider on every case; returns harness Rows (ratios set).  ``models``: name -> (H, I)."""
-    from bench.harness import Row, add_ratios, time_fn
+#: The kernel each provider of a row runs where no selector decides (the rs side's producers report theirs).
+ROW_KERNELS = {"cublas": "torch.mm", "copy": "Tensor.copy_", "copy_engine": "Tensor.copy_ (one stream per peer)"}
+
+
+def add_all_ratios(rows, world: int) -> None:
+    """The ratios of every row to its anchor measured in the same run: cuBLAS, the copy, the unfused projection."""
+    from bench.harness import add_ratios
+
+    add_ratios(rows, "cublas")
+    add_ratios(rows, "copy")
+    add_ratios(rows, f"projection-unfused-{world}gpu")
+
+
+def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torch.device, symm, sides=None,
+          on_case=None) -> list:
+    """Every provider on every case; returns harness Rows (ratios set).  ``models``: name -> (H, I).
+
+    ``on_case(rows)``, if given, is called after each case with every row so far, ratios set (the GPU
+    run writes its JSON there, so a run cut off keeps what it measured).
+    """
+    from bench.harness import Row, time_fn
     from distfuse.fused import registry
 
     dtype = DTYPES[dtype_name]
     W = world
     rows: list[Row] = []
 
-    def row(op, provider, shape, q, **kw):
+    def row(op, provider, shape, q, kernel=None, **kw):
+        kernel = kernel or ROW_KERNELS.get(provider) or ("symm_mem." + op if provider == "symm_mem" else None) or \
+            ("none: modelled" if provider.startswith("projection") else None)
         rows.append(Row(op=op, provider=provider, mode="fwd", shape=dict(shape), dtype=dtype_name, world_size=W,
-                        ms=q[0], ms_q20=q[1], ms_q80=q[2], **kw))
+                        ms=q[0], ms_q20=q[1], ms_q80=q[2], kernel=kernel, **kw))
 
     def timed(fn):
         return time_fn(fn, warmup=3 if device.type == "cuda" else 1, reps=reps, device=device)
 
-    for model, side_name, m, n, k in cases(models, ms, W):
+    for model, side_name, m, n, k in cases(models, ms, W, sides):
         shape = dict(model=model, m=m, n=n, k=k)
         if SIDES[side_name].get("zero"):  # the same kernels as ag / ag_features: keep their rows apart
             shape["zero"] = SIDES[side_name]["zero"]
@@ -454,8 +487,22 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
         try:
             q_fused = timed(side.fused_gemm)
             ratio = q_cublas[0] / q_fused[0]
+            gathered = side.gather_choice  # the gathering consumers name the kernel their selector ran
+            why = {} if gathered is None else dict(kernel_reason=gathered.reason, fell_back=gathered.fell_back)
+            if side_name == "ag" and gathered.kernel != "gathered_matmul":
+                # The pointer consumer (the fallback) on the same shards, kept in the row's extra: it is a kernel
+                # of the same provider, not a provider the crossover projection could pick.
+                side.gather_kernel = "gathered_matmul"
+                try:
+                    q_ptr = timed(side.fused_gemm)
+                finally:
+                    side.gather_kernel = None
+                why.update(fallback_kernel=side.gather_choice.kernel, fallback_ms=q_ptr[0],
+                           fallback_rate_ratio=q_cublas[0] / q_ptr[0])
             row(op, "fused", shape, q_fused, rate=tflops(m, n, k, q_fused[0]), rate_unit="TFLOP/s",
-                extra=dict(rate_ratio=ratio, target=GEMM_TARGET, meets_target=ratio >= GEMM_TARGET, loopback=True))
+                kernel=op if gathered is None else gathered.kernel,
+                extra=dict(rate_ratio=ratio, target=GEMM_TARGET, meets_target=ratio >= GEMM_TARGET, loopback=True,
+                           **why))
             if scatters:
                 nbytes = side.reduce_bytes()
                 q_bw = timed(side.chunk_reduce)
@@ -474,7 +521,7 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
         extra = dict(rate_ratio=bw_op / bw_copy, loopback=True)
         if scatters:
             extra.update(target=REDUCE_TARGET, meets_target=bw_op / bw_copy >= REDUCE_TARGET)
-        row(op_bw, "fused", bw_shape, q_bw, rate=bw_op, rate_unit="GB/s", extra=extra)
+        row(op_bw, "fused", bw_shape, q_bw, rate=bw_op, rate_unit="GB/s", kernel=op_bw, extra=extra)
         if side_name == "ag":  # the copy-engine push (DMA on a side stream, joined in loopback) beside the kernel
             side.provider = "copy_engine"
             side.prepare()
@@ -518,9 +565,10 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
                 finally:
                     side.release()
                 ratio = q_cublas[0] / q_p[0]
-                row(op, provider, shape, q_p, rate=tflops(m, n, k, q_p[0]), rate_unit="TFLOP/s",
+                choice = side.choice  # the kernel that ran: a fallback is named, not hidden behind the provider
+                row(op, provider, shape, q_p, rate=tflops(m, n, k, q_p[0]), rate_unit="TFLOP/s", kernel=choice.kernel,
                     extra=dict(rate_ratio=ratio, target=GEMM_TARGET, meets_target=ratio >= GEMM_TARGET,
-                               loopback=True))
+                               loopback=True, kernel_reason=choice.reason, fell_back=choice.fell_back))
                 ms_p = project(side_name, t_cublas=q_cublas[0], t_fused_gemm=q_p[0], t_comm=t_comm,
                                t_reduce=t_reduce, world=W)["fused"]
                 row(proj_op, f"projection-fused-{provider}-{W}gpu", shape, (ms_p, ms_p, ms_p),
@@ -529,32 +577,45 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
         del side, src, dst
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    add_ratios(rows, "cublas")
-    add_ratios(rows, "copy")
-    add_ratios(rows, f"projection-unfused-{W}gpu")
+        if on_case is not None:
+            add_all_ratios(rows, W)
+            on_case(rows)
+    add_all_ratios(rows, W)
     return rows
 
 
 def gpu_run(args) -> int:
-    from bench.harness import environment, print_table, write_results
+    from bench.harness import environment, print_table, results_path, write_json
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    W = args.world
+    if args.dry_run:  # CPU, interpreted, tiny: checks the pipeline and the file, not the GPU
+        device, W, models, ms = torch.device("cpu"), 2, {"tiny": (16, 48)}, [8]
+        args.reps = 1
+    else:
+        device, W = torch.device("cuda", torch.cuda.current_device()), args.world
+        models, ms = {name: MODELS[name] for name in args.models}, args.m or list(SHAPE_SETS[args.shapes])
     env = environment()
     env["world_size_note"] = (f"per-rank kernels of a {W}-way op on one GPU (loopback: {W} virtual ranks); "
-                              "projection rows are modelled, not measured")
-    symm = None if args.no_symm_mem else SymmMem()
+                              "projection rows are modelled, not measured; the copy-engine push's copy_ runs on "
+                              "the SMs on one GPU (a correctness check there, not a copy-engine measurement)")
+    env["autotune"] = os.environ.get("DISTFUSE_AUTOTUNE", "1") != "0"
+    path = results_path("gemm_fused", env, args.out_dir)
+
+    def on_case(rows):  # after every case: a run cut off by its time limit keeps every row measured so far
+        write_json(path, env, rows, partial=True)
+
+    env["dry_run"] = bool(args.dry_run)
+    symm = None if (args.no_symm_mem or args.dry_run) else SymmMem()
     if symm is not None and symm.error:
         print(f"symm_mem ops not run: {symm.error}")
     try:
-        ms = args.m or list(SHAPE_SETS[args.shapes])
-        rows = sweep({name: MODELS[name] for name in args.models}, ms, W, args.dtype, args.reps, device, symm)
+        rows = sweep(models, ms, W, "float32" if args.dry_run else args.dtype, args.reps, device, symm,
+                     sides=args.sides, on_case=on_case)
     finally:
         if symm is not None:
             symm.close()
+    write_json(path, env, rows, partial=False)
     print_table(rows)
     _summary(rows)
-    path = write_results("gemm_fused", rows, env=env, out_dir=args.out_dir)
     print(f"wrote {path}")
     return 0
 
@@ -729,6 +790,10 @@ def main(argv=None) -> int:
         if not has_cuda:
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before distfuse.kernels is imported
         return smoke(args.out_dir)
+    if args.dry_run:
+        if not has_cuda:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        return gpu_run(args)
     if not has_cuda:
         print("no CUDA device; benchmark not run (use --smoke for a CPU correctness pass)")
         return 0

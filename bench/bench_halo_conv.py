@@ -17,8 +17,12 @@ with random buffers; no communication is timed):
 
 Timings: ``triton.testing.do_bench`` (median, 20th and 80th percentiles; it also clears
 L2 before every run), inputs rotated over enough copies to exceed L2 several times,
-random data.  Each row records the device (pynvml), torch/triton versions and the date;
-rows go to ``bench/results/halo_conv-<date>.json``.
+random data.  Rows are harness rows (``bench.harness.Row``: op, provider, anchor, mode,
+shape ``{nd, C, n, halo, batch}``, dtype, median ms, rate, the kernel that ran), each with
+its anchor in the same file (``copy`` for ``stage``, ``cat`` for ``full``), under ``env``
+(device, versions, commit, date, the copy bandwidth); they go to
+``bench/results/halo_conv-<device>-<date>.json`` (``--out-dir``, or ``--out`` for a path),
+rewritten after every shape, so a run cut off by a time limit keeps what it measured.
 
 Without a CUDA device the benchmark is not run (CPU timings of interpreted kernels would
 mean nothing).  ``--smoke`` then runs a tiny CPU correctness pass of every provider
@@ -32,14 +36,14 @@ instead, under the Triton interpreter, and writes no results.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
-import platform
 import sys
 from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a script: make `bench.harness` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 RESULTS = Path(__file__).resolve().parent / "results"
 L2_BYTES = 60 * 2**20  # H200: 60 MiB of L2; rotation aims well past it (4x)
@@ -57,9 +61,18 @@ def _parse(argv=None):
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=sorted(DTYPES))
     p.add_argument("--modes", nargs="+", default=["stage", "full"], choices=["stage", "full"])
     p.add_argument("--max-gib", type=float, default=24.0, help="skip shapes whose working set exceeds this")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/halo_conv-<date>.json)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="JSON path (default <out-dir>/halo_conv-<device>-<date>.json)")
+    p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench/results)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU correctness pass of every provider, no timings")
-    return p.parse_args(argv)
+    p.add_argument("--dry-run", action="store_true",
+                   help="no GPU: the whole GPU pipeline (rows, anchors, the JSON written after every shape) at tiny "
+                        "shapes on CPU; its times mean nothing")
+    args = p.parse_args(argv)
+    args.device = "cpu" if args.dry_run else "cuda"
+    if args.dry_run:
+        args.dims, args.channels, args.extents, args.halos, args.dtypes = [2, 3], [2], [4], [1], ["float32"]
+    return args
 
 
 # ----------------------------------------------------------------------------------------
@@ -252,6 +265,8 @@ def smoke() -> int:
 
 
 def _device_name() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
     try:
         import pynvml
 
@@ -262,40 +277,54 @@ def _device_name() -> str:
         return torch.cuda.get_device_name()
 
 
-def _bench(fn, rotations: int):
-    """Median, 20th and 80th percentile in ms; ``fn(i)`` uses input set ``i % rotations``."""
-    import triton.testing
+def _bench(fn, rotations: int, device: str = "cuda"):
+    """Median, 20th and 80th percentile in ms; ``fn(i)`` uses input set ``i % rotations``.
 
+    CPU (``--dry-run``): two runs through the harness timer; the numbers mean nothing.
+    """
     state = [0]
 
     def call():
         fn(state[0] % rotations)
         state[0] += 1
 
+    if device != "cuda":
+        from bench.harness import time_fn
+
+        return time_fn(call, warmup=1, reps=2, device=torch.device(device))
+    import triton.testing
+
     return triton.testing.do_bench(call, warmup=25, rep=100, quantiles=[0.5, 0.2, 0.8])
 
 
-def _copy_bandwidth() -> float:
-    """Device-to-device copy bandwidth (bytes read + written per second) of a 2 GiB buffer."""
-    n = 2**29  # fp32 elements: 2 GiB, far past L2
-    src = torch.randn(n, device="cuda")
+def _copy_bandwidth(device: str = "cuda") -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second) of a 2 GiB buffer (4 MiB on CPU)."""
+    n = 2**29 if device == "cuda" else 2**20  # fp32 elements: 2 GiB, far past L2
+    src = torch.randn(n, device=device)
     dst = torch.empty_like(src)
-    ms = _bench(lambda i: dst.copy_(src), 1)[0]
+    ms = _bench(lambda i: dst.copy_(src), 1, device)[0]
     return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
+#: The anchor of each mode, measured in the same run: the device copy for staging, torch.cat staging + the same
+#: cuDNN convolution for the whole step.
+ANCHORS = {"stage": "copy", "full": "cat"}
+#: What each provider runs (rows name it: ``kernel``).
+KERNELS = {"stage": {"fused": "halo_stage", "distdl": "F.pad+clone+slices", "cat": "torch.cat", "copy": "Tensor.copy_"},
+           "full": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "distdl": "F.pad+clone+slices+cudnn",
+                    "cat": "torch.cat+cudnn"}}
+
+
 def gpu_run(args) -> int:
-    import triton
+    from bench.harness import environment, results_path, write_json
 
-    from distfuse.fused import registry
-
+    env = environment()
     device_name = _device_name()
-    copy_bw = _copy_bandwidth()
-    meta = dict(op=registry.HALO_CONV.name, device=device_name, torch=torch.__version__, triton=triton.__version__,
-                python=platform.python_version(), date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                world_size=1, copy_bandwidth_gbs=copy_bw / 1e9,
-                note="single GPU; received halos simulated with buffers; no communication timed")
+    copy_bw = _copy_bandwidth(args.device)
+    env.update(nvml_name=device_name, copy_GBps=round(copy_bw / 1e9, 1), world_size=1,
+               note="single GPU; received halos simulated with buffers; no communication timed")
     print(f"{device_name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s")
+    out = args.out or results_path("halo_conv", env, args.out_dir)
     rows = []
     for nd in args.dims:
         extents = args.extents or ([64, 128, 256, 512] if nd == 2 else [64, 128])
@@ -304,15 +333,17 @@ def gpu_run(args) -> int:
             for c in args.channels:
                 for n in extents:
                     for h in args.halos:
-                        rows += _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, meta)
-    out = args.out or RESULTS / f"halo_conv-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+                        rows += _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw)
+                        write_json(out, env, rows, partial=True)  # after every shape: a cut-off run keeps them
+    write_json(out, env, rows, partial=False)
     print(f"wrote {len(rows)} rows to {out}")
     return 0
 
 
-def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, meta):
+def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw):
+    from bench.harness import Row, add_ratios
+    from distfuse.fused import registry
+
     esize = torch.empty(0, dtype=dtype).element_size()
     staged_elems = args.batch * c * (n + 2 * h) ** nd
     block_elems = args.batch * c * n**nd
@@ -323,10 +354,18 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, meta):
         return []
     rotations = max(1, min(8, int(4 * L2_BYTES // max(1, esize * staged_elems)) + 1,
                            int(args.max_gib * 2**30 // set_bytes)))
-    cases = [Case(nd, args.batch, c, n, h, dtype, "cuda", seed=i) for i in range(rotations)]
+    dev = args.device
+    cases = [Case(nd, args.batch, c, n, h, dtype, dev, seed=i) for i in range(rotations)]
     halos = {p: [_halo_inputs(cs, p) for cs in cases] for p in ("fused", "distdl", "cat")}
-    shape = dict(nd=nd, batch=args.batch, channels=c, extent=n, halo=h, dtype=dtype_name)
+    # The shape keys gpu_ratios reads (C, n, nd: the volume C * n^nd) and the rest of the case.
+    shape = dict(nd=nd, C=c, n=n, halo=h, batch=args.batch)
+    op = registry.HALO_CONV.name
     rows = []
+
+    def row(mode, provider, q, **kw):
+        rows.append(Row(op=op, provider=provider, mode=mode, shape=dict(shape), dtype=dtype_name, world_size=1,
+                        ms=q[0], ms_q20=q[1], ms_q80=q[2], kernel=KERNELS[mode][provider], **kw))
+
     if "stage" in args.modes:
         # bytes moved: the block and the halos read once, the staged tensor written once
         moved = esize * (block_elems + (staged_elems - block_elems) + staged_elems)
@@ -335,27 +374,27 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, meta):
             "distdl": lambda i: stage_distdl(cases[i], cases[i].x, halos["distdl"][i]),
             "cat": lambda i: stage_cat(cases[i], cases[i].x, halos["cat"][i]),
         }
-        dst = [torch.empty(cs.staged_shape, device="cuda", dtype=dtype) for cs in cases]
+        dst = [torch.empty(cs.staged_shape, device=dev, dtype=dtype) for cs in cases]
         fns["copy"] = lambda i: dst[i].copy_(cases[i].staged_ref)
         for provider, fn in fns.items():
-            ms, lo, hi = _bench(fn, rotations)
+            q = _bench(fn, rotations, dev)
             moved_p = 2 * esize * staged_elems if provider == "copy" else moved
-            bw = moved_p / (ms * 1e-3)
-            rows.append(dict(op=meta["op"], provider=provider, mode="stage", **shape, ms=ms, ms_p20=lo,
-                             ms_p80=hi, gbs=bw / 1e9, pct_of_copy=100.0 * bw / copy_bw))
+            bw = moved_p / (q[0] * 1e-3)
+            row("stage", provider, q, rate=bw / 1e9, rate_unit="GB/s", extra=dict(pct_of_copy=100.0 * bw / copy_bw))
     if "full" in args.modes:
         for provider in ("fused", "distdl", "cat"):
-            ms, lo, hi = _bench(lambda i, p=provider: full_step(cases[i], p, cases[i].x, halos[p][i],
-                                                                cases[i].weight, cases[i].bias), rotations)
-            rows.append(dict(op=meta["op"], provider=provider, mode="full", **shape, ms=ms, ms_p20=lo,
-                             ms_p80=hi))
-    for r in rows[-7:] if len(rows) >= 7 else rows:
-        extra = f"  {r['pct_of_copy']:5.1f}% of copy" if "pct_of_copy" in r else ""
-        print(f"{nd}-D C={c:3d} n={n:3d} h={h} {dtype_name:8s} {r['mode']:5s} {r['provider']:6s} "
-              f"{r['ms'] * 1e3:9.1f} us{extra}")
+            q = _bench(lambda i, p=provider: full_step(cases[i], p, cases[i].x, halos[p][i], cases[i].weight,
+                                                       cases[i].bias), rotations, dev)
+            row("full", provider, q)
+    for mode, anchor in ANCHORS.items():
+        add_ratios([r for r in rows if r.mode == mode], anchor)
     for r in rows:
-        r.update(device=meta["device"], torch=meta["torch"], triton=meta["triton"], date=meta["date"], world_size=1)
-    torch.cuda.empty_cache()  # this shape's buffers are freed on return; hand their blocks back for the next
+        extra = f"  {r.extra['pct_of_copy']:5.1f}% of copy" if "pct_of_copy" in r.extra else ""
+        ratio = f"  x{r.ratio:.2f} of {r.anchor}" if r.ratio is not None else ""
+        print(f"{nd}-D C={c:3d} n={n:3d} h={h} {dtype_name:8s} {r.mode:5s} {r.provider:6s} "
+              f"{r.ms * 1e3:9.1f} us{extra}{ratio}")
+    if dev == "cuda":
+        torch.cuda.empty_cache()  # this shape's buffers are freed on return; hand their blocks back for the next
     return rows
 
 
@@ -366,6 +405,10 @@ def main(argv=None) -> int:
         if not has_cuda:
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before distfuse.kernels is imported
         return smoke()
+    if args.dry_run:
+        if not has_cuda:
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        return gpu_run(args)
     if not has_cuda:
         print("no CUDA device; benchmark not run (use --smoke for a CPU correctness pass)")
         return 0

@@ -27,6 +27,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import subprocess
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -38,7 +39,8 @@ import torch.distributed as dist
 from distfuse.timing import QUANTILES, summarize, time_fn, time_interleaved, time_samples
 
 __all__ = ["Row", "QUANTILES", "environment", "summarize", "time_samples", "time_fn", "time_interleaved",
-           "under_torchrun", "init_torchrun", "track_peak_memory", "add_ratios", "write_results", "print_table",
+           "under_torchrun", "init_torchrun", "track_peak_memory", "add_ratios", "write_results", "results_path",
+           "write_json", "print_table",
            "run_multirank", "multirank_main", "DTYPES", "RESULTS"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -61,6 +63,7 @@ class Row:
     ratio: float | None = None  # ms / anchor ms (lower is better)
     peak_mem_mb: float | None = None
     extra: dict = field(default_factory=dict)
+    kernel: str | None = None  # the kernel that actually ran (a provider may fall back: see matmul_scatter_select)
 
 
 def environment() -> dict:
@@ -160,17 +163,34 @@ def add_ratios(rows: list[Row], anchor: str, key: Callable[[Row], tuple] | None 
             r.anchor, r.ratio = anchor, r.ms / a.ms
 
 
+def results_path(name: str, env: dict, out_dir: Path | None = None, smoke: bool = False) -> Path:
+    """``<out_dir>/<name>-<device>-<date>.json`` (``-smoke`` for smoke runs); the name keeps ``[A-Za-z0-9._-]``."""
+    out_dir = Path(out_dir) if out_dir is not None else RESULTS
+    device = re.sub(r"[^A-Za-z0-9._-]", "_", str(env["device"]))
+    stamp = env["date"][:10]
+    return out_dir / f"{name}-{device}-{stamp}{'-smoke' if smoke else ''}.json"
+
+
+def write_json(path: Path, env: dict, rows: list, smoke: bool = False, **extra) -> Path:
+    """Write ``{env, smoke, rows, **extra}`` to ``path`` atomically (a temporary file, then a rename).
+
+    Benchmarks call it after every case, so a run cut off by a time limit leaves a valid file
+    with every row measured so far (``rows``: :class:`Row` or dicts).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"env": env, "smoke": smoke, **extra, "rows": [asdict(r) if isinstance(r, Row) else r for r in rows]}
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(body, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 def write_results(name: str, rows: list[Row], env: dict | None = None, out_dir: Path | None = None,
                   smoke: bool = False) -> Path:
     """Write ``{env, rows}`` to ``bench/results/<name>-<device>-<date>.json`` (``-smoke`` for smoke runs)."""
     env = env or environment()
-    out_dir = Path(out_dir) if out_dir is not None else RESULTS
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device = env["device"].replace(" ", "_").replace("/", "_")
-    stamp = env["date"][:10]
-    path = out_dir / f"{name}-{device}-{stamp}{'-smoke' if smoke else ''}.json"
-    path.write_text(json.dumps({"env": env, "smoke": smoke, "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
-    return path
+    return write_json(results_path(name, env, out_dir, smoke), env, rows, smoke)
 
 
 def print_table(rows: list[Row]) -> None:

@@ -14,6 +14,7 @@ __all__ = [
     "CollectiveMismatchError",
     "CollectiveTimeoutError",
     "UnsupportedError",
+    "NotPicklableError",
     "ConfigError",
     "where",
     "expect",
@@ -34,6 +35,14 @@ class ShapeError(DistfuseError, ValueError):
 
 class UnsupportedError(DistfuseError, NotImplementedError):
     """An option or combination distfuse refuses rather than answer wrongly."""
+
+
+class NotPicklableError(UnsupportedError, TypeError):
+    """Pickling an object that holds process groups (a partition, so any distributed layer).
+
+    A ``TypeError`` too, as Python's own refusals to pickle are, so that code probing
+    whether something pickles (torch.compile's caches) treats it as unpicklable.
+    """
 
 
 class CollectiveMismatchError(DistfuseError):

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from distfuse.errors import PartitionError, where
+from distfuse.errors import NotPicklableError, PartitionError, where
 from distfuse.groups import default_device, groups_for, world_partition_groups, world_rank
 
 __all__ = ["Partition", "CartesianPartition", "zero_volume_tensor", "union_partition"]
@@ -123,23 +123,25 @@ class Partition:
     def __hash__(self) -> int:
         return hash((self.ranks, getattr(self, "shape", None)))
 
+    # A copy of a model shares its partitions, as a copied DeviceMesh shares its process groups: a partition is
+    # immutable and a group's timeout is looked up by the group's identity, so a second object over the same groups
+    # would only be an alias (docs/interop.md, "Copies").  Pickling refuses: a process group lives in one process.
+    def __copy__(self) -> Partition:
+        return self
+
+    def __deepcopy__(self, memo) -> Partition:
+        return self
+
+    def __reduce_ex__(self, protocol):
+        raise NotPicklableError(
+            f"{where('Partition')}: cannot pickle {self!r}: it holds torch.distributed process groups, which exist "
+            "only in the process that created them (torch.save(model) and multiprocessing pickle the model's "
+            "layers, and with them their partitions). Save model.state_dict(), or a checkpoint with "
+            "distfuse.interop.save_checkpoint, and build the model again where it is loaded; copy.deepcopy(model) "
+            "works in-process and shares the partitions")
+
     def __repr__(self) -> str:
         return f"Partition(ranks={list(self.ranks)}, active={self.active}, rank={self.rank})"
-
-    def device_mesh(self, mesh_dim_names=None):
-        """This partition as a ``DeviceMesh`` (same shape and ranks, its own groups); see
-        :func:`distfuse.interop.device_mesh.device_mesh_of`."""
-        from distfuse.interop.device_mesh import device_mesh_of
-
-        return device_mesh_of(self, mesh_dim_names)
-
-    @classmethod
-    def from_device_mesh(cls, mesh, device=None):
-        """The CartesianPartition of a ``DeviceMesh``; collective over the world; see
-        :func:`distfuse.interop.device_mesh.partition_from_device_mesh`."""
-        from distfuse.interop.device_mesh import partition_from_device_mesh
-
-        return partition_from_device_mesh(mesh, device)
 
 
 class CartesianPartition(Partition):

@@ -12,12 +12,18 @@ What it checks, on each rank:
   weight and bias gradients), in bf16 and fp32, against float64 references computed
   here from the global tensors (not from distfuse), on fresh random data each iteration;
 * the ranks listed in both orders (partition rank != world rank);
-* 40 iterations, so epochs pass 1, 2, 16, 32 (Triton's integer specialisations) without
+* one short run per provider (``--providers``, default every one: ``rs:triton``,
+  ``rs:triton_persistent``, ``rs:cublas_chunks``, ``ag:triton``, ``ag:copy_engine``), each
+  recording the kernel that actually ran (``distfuse.fused.providers.last_kernel``);
+* enough claims that epochs pass 1, 2, 16, 32 (Triton's integer specialisations) without
   a recompile stalling one rank mid-collective;
 * a workspace growth: a last, larger case that needs a bigger symmetric buffer.
 
-Usage: ``python scripts/gpu_two_process.py [--iters 40] [--json FILE]``; exit status 0 when
-every check passed.  Part of ``scripts/gpu_session.sh``.
+Status checks are deferred on CUDA (no host sync per op): each case ends with
+``distfuse.fused.workspace.check_pending()``, so a failure is charged to its own case.
+
+Usage: ``python scripts/gpu_two_process.py [--iters 8] [--providers rs:triton ...] [--json FILE]``;
+exit status 0 when every check passed.  Phase 5 of ``scripts/gpu_lab.sh``.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def _blocks(n: int, W: int):
     return [(starts[i], starts[i + 1]) for i in range(W)]
 
 
-def _rs_case(P, seed, B, n, K, N, dtype, dev):
+def _rs_case(P, seed, B, n, K, N, dtype, dev, provider=None):
     """Row-parallel linear, sequence-parallel output: K split over ranks, rows of y scattered."""
     from distfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter
 
@@ -75,7 +81,7 @@ def _rs_case(P, seed, B, n, K, N, dtype, dev):
     xr = x[..., k0:k1].to(dtype).to(dev).requires_grad_()
     wr = w[:, k0:k1].to(dtype).to(dev).requires_grad_()
     br = b.to(dtype).to(dev).requires_grad_()
-    y = matmul_reduce_scatter(xr, wr, br, P, bias_grad="sum")
+    y = matmul_reduce_scatter(xr, wr, br, P, bias_grad="sum", provider=provider)
     y.backward(dy[:, s0:s1].to(dtype).to(dev))
     ref_y = (x @ w.t() + b)[:, s0:s1]
     ref = dict(y=ref_y, dx=dy @ w[:, k0:k1], dw=dy.reshape(-1, N).t() @ x[..., k0:k1].reshape(-1, k1 - k0),
@@ -84,7 +90,7 @@ def _rs_case(P, seed, B, n, K, N, dtype, dev):
     return {k: _rel(got[k].cpu(), ref[k]) for k in ref}
 
 
-def _ag_case(P, seed, B, n, K, N, dtype, dev):
+def _ag_case(P, seed, B, n, K, N, dtype, dev, provider=None):
     """Column-parallel linear, sequence-parallel input: rows of x gathered, N split over ranks."""
     from distfuse.fused.all_gather_matmul import all_gather_matmul
 
@@ -96,7 +102,7 @@ def _ag_case(P, seed, B, n, K, N, dtype, dev):
     xr = x[:, s0:s1].to(dtype).to(dev).requires_grad_()
     wr = w[n0:n1].to(dtype).to(dev).requires_grad_()
     br = b[n0:n1].to(dtype).to(dev).requires_grad_()
-    y = all_gather_matmul(xr, wr, br, P, keep_gathered=True, n=n)
+    y = all_gather_matmul(xr, wr, br, P, keep_gathered=True, n=n, provider=provider)
     y.backward(dy[..., n0:n1].to(dtype).to(dev))
     dyr = dy[..., n0:n1].reshape(-1, n1 - n0)
     ref = dict(y=x @ w[n0:n1].t() + b[n0:n1], dx=(dy @ w)[:, s0:s1], dw=dyr.t() @ x.reshape(-1, K), db=dyr.sum(0))
@@ -104,86 +110,129 @@ def _ag_case(P, seed, B, n, K, N, dtype, dev):
     return {k: _rel(got[k].cpu(), ref[k]) for k in ref}
 
 
-def _rank_main(rank: int, W: int, init: str, iters: int, out_dir: str) -> None:
+PROVIDERS = ("rs:triton", "rs:triton_persistent", "rs:cublas_chunks", "ag:triton", "ag:copy_engine")
+
+
+def _rank_main(rank: int, W: int, init: str, iters: int, providers: list[str], out_dir: str) -> None:
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     sys.path.insert(0, str(ROOT))
     import torch.distributed as dist
 
     from distfuse import Partition
     from distfuse.fused import symmetric
+    from distfuse.fused.providers import last_kernel
+    from distfuse.fused.workspace import check_pending
 
     torch.cuda.set_device(0)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=W)
     dev = torch.device("cuda", 0)
     report = dict(rank=rank, cases=[], failures=[])
+    path = os.path.join(out_dir, f"rank{rank}.json")
+
+    def save():
+        with open(path, "w") as f:
+            json.dump(report, f)
+
     try:
         grids = {}
         for name, order in (("world-order", list(range(W))), ("reversed", list(reversed(range(W))))):
             P = Partition.world(device=dev).create_partition_inclusive(order)
             grids[name] = P.create_cartesian_topology_partition([1, W, 1])
         shapes = [(2, 67, 96, 80), (1, 130, 256, 192)]  # (B, n, K, N): n, K, N uneven over 2 and not x16
-        for it in range(iters + 1):
-            grow = it == iters
-            op = ("rs", "ag")[it % 2]
-            dtype = (torch.bfloat16, torch.float32)[(it // 2) % 2]
-            order = ("world-order", "reversed")[(it // 4) % 2]
-            B, n, K, N = (8, 1030, 1024, 768) if grow else shapes[it % len(shapes)]  # ~13 MB of slots: grows
+        plan = [(spec, it) for spec in providers for it in range(iters)]
+        plan.append((providers[0], -1))  # the growth case: a larger op, on the first provider
+        for step, (spec, it) in enumerate(plan):
+            op, provider = spec.split(":")
+            grow = it < 0
+            dtype = (torch.bfloat16, torch.float32)[it % 2] if not grow else torch.bfloat16
+            order = ("world-order", "reversed")[(it // 2) % 2] if not grow else "world-order"
+            B, n, K, N = (8, 1030, 1024, 768) if grow else shapes[(it // 4) % len(shapes)]  # ~13 MB of slots: grows
             P = grids[order]
             before = {k: ws.nbytes for k, ws in symmetric._CACHE.items()}
             t0 = time.perf_counter()
-            errs = (_rs_case if op == "rs" else _ag_case)(P, 1000 + it, B, n, K, N, dtype, dev)
+            errs = (_rs_case if op == "rs" else _ag_case)(P, 1000 + step, B, n, K, N, dtype, dev, provider)
             torch.cuda.synchronize()
-            case = dict(it=it, op=op, dtype=str(dtype), order=order, shape=[B, n, K, N], rel_err=errs,
-                        seconds=time.perf_counter() - t0, grow=grow)
+            check_pending()  # deferred status checks: a failed flag wait raises here, charged to this case
+            choice = last_kernel("matmul_reduce_scatter") if op == "rs" else None
+            case = dict(step=step, op=op, provider=provider, kernel=choice.kernel if choice else provider,
+                        kernel_reason=choice.reason if choice else None, dtype=str(dtype), order=order,
+                        shape=[B, n, K, N], rel_err=errs, seconds=time.perf_counter() - t0, grow=grow)
             if grow:
                 after = {k: ws.nbytes for k, ws in symmetric._CACHE.items()}
                 case["workspace_bytes"] = dict(before=sorted(before.values()), after=sorted(after.values()))
                 if not any(after.get(k, 0) > v for k, v in before.items()) and len(after) <= len(before):
-                    report["failures"].append(f"it {it}: the workspace did not grow: {before} -> {after}")
+                    report["failures"].append(f"step {step}: the workspace did not grow: {before} -> {after}")
             bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
             if bad:
-                report["failures"].append(f"it {it} {op} {dtype} {order} {case['shape']}: rel. error over "
+                report["failures"].append(f"step {step} {spec} {dtype} {order} {case['shape']}: rel. error over "
                                           f"{TOL[dtype]}: {bad}")
             report["cases"].append(case)
+            save()  # after every case: a run cut off keeps what it checked
         symmetric.close_all()
     except Exception:  # noqa: BLE001 - reported in the JSON and the exit status
         report["failures"].append(traceback.format_exc()[-4000:])
     finally:
-        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
+        save()
         dist.destroy_process_group()
+
+
+def summarize(reports: list[dict], iters: int, providers: list[str], seconds: float) -> dict:
+    """Per provider: cases run, worst relative error per op and dtype, the kernels that ran, failures."""
+    failures = [f"rank {r['rank']}: {f}" for r in reports for f in r["failures"]]
+    by_provider = {}
+    for spec in providers:
+        cases = [c for r in reports for c in r["cases"] if f"{c['op']}:{c['provider']}" == spec]
+        worst = {}
+        for c in cases:
+            key = c["dtype"].replace("torch.", "")
+            worst[key] = max(worst.get(key, 0.0), max(c["rel_err"].values()))
+        by_provider[spec] = dict(cases=len(cases), expected=2 * iters, worst_rel_err=worst,
+                                 kernels=sorted({c["kernel"] for c in cases}),
+                                 ok=bool(cases) and len(cases) >= 2 * iters and
+                                 not any(spec in f for f in failures))
+    return dict(ok=not failures and all(v["ok"] for v in by_provider.values()), world_size=2, iterations=iters,
+                seconds=seconds, by_provider=by_provider, failures=failures, reports=reports)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--iters", type=int, default=8, help="cases per provider (dtype, rank order and shape vary)")
+    p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
     p.add_argument("--json", default=None)
+    p.add_argument("--dry-run", action="store_true", help="no GPU: write the summary of no cases (checks the JSON)")
     args = p.parse_args(argv)
+    if args.dry_run:
+        summary = dict(summarize([], args.iters, args.providers, 0.0), dry_run=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(summary, f, indent=1)
+        print(f"gpu_two_process: dry run: would run {args.providers}, {args.iters} cases each, on 2 processes")
+        return 0
     if not torch.cuda.is_available():
         print("gpu_two_process: no CUDA device")
         return 2
     W = 2
+    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "pg")
-        t0 = time.perf_counter()
-        mp.start_processes(_rank_main, args=(W, init, args.iters, tmp), nprocs=W, join=True, start_method="spawn")
-        reports = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(W)]
-    failures = [f"rank {r['rank']}: {f}" for r in reports for f in r["failures"]]
-    worst = {}
-    for r in reports:
-        for c in r["cases"]:
-            key = f"{c['op']}-{c['dtype'].replace('torch.', '')}"
-            worst[key] = max(worst.get(key, 0.0), max(c["rel_err"].values()))
-    summary = dict(ok=not failures, world_size=W, iterations=args.iters, seconds=time.perf_counter() - t0,
-                   worst_rel_err=worst, failures=failures, reports=reports)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-    for line in failures:
+        try:
+            mp.start_processes(_rank_main, args=(W, init, args.iters, args.providers, tmp), nprocs=W, join=True,
+                               start_method="spawn")
+        finally:  # even when a rank died: what each rank saved so far
+            reports = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(W)
+                       if os.path.exists(os.path.join(tmp, f"rank{r}.json"))]
+            summary = summarize(reports, args.iters, args.providers, time.perf_counter() - t0)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(summary, f, indent=1)
+    for line in summary["failures"]:
         print("FAIL", line)
-    print(f"gpu_two_process: {'ok' if not failures else 'FAILED'}: {args.iters + 1} cases per rank, worst relative "
-          f"errors {json.dumps({k: float(f'{v:.2e}') for k, v in worst.items()})}, {summary['seconds']:.1f} s")
-    return 0 if not failures else 1
+    for spec, v in summary["by_provider"].items():
+        worst = {k: float(f"{e:.2e}") for k, e in v["worst_rel_err"].items()}
+        print(f"gpu_two_process: {spec:22s} {'ok' if v['ok'] else 'FAILED'}: {v['cases']} cases over both ranks, "
+              f"kernels {v['kernels']}, worst relative errors {worst}")
+    print(f"gpu_two_process: {'ok' if summary['ok'] else 'FAILED'} in {summary['seconds']:.1f} s")
+    return 0 if summary["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Helpers shared by the misuse tests: catching a rank's outcome, and partitions with a long timeout."""
+"""Helpers shared by the misuse tests: catching a rank's outcome, a refusal while compiling, and partitions with a
+long timeout."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 
 from distfuse import Partition
 
-__all__ = ["catch", "patient_grid"]
+__all__ = ["catch", "tracing_refusal", "patient_grid"]
 
 
 def catch(fn):
@@ -17,6 +18,20 @@ def catch(fn):
         return "ok", fn()
     except Exception as exc:  # noqa: BLE001 - the tests inspect every kind
         return type(exc).__name__, str(exc), time.monotonic() - t0
+
+
+def tracing_refusal(call) -> str | None:
+    """The distfuse refusal ``call()`` raised, typically while ``torch.compile`` traced it (None when it ran)."""
+    from distfuse.errors import UnsupportedError
+
+    try:
+        call()
+    except UnsupportedError as exc:
+        return str(exc)
+    except Exception as exc:  # dynamo may wrap the error raised while tracing
+        cause = exc.__cause__ or exc
+        return f"{type(cause).__name__}: {cause}"
+    return None
 
 
 def patient_grid(cache: dict, ranks, shape, timeout: str = "60"):

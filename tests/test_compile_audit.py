@@ -75,3 +75,66 @@ def test_the_audit_can_fail(audit):
     assert not big["ok"] and any("exceeds sm_90" in p for p in big["problems"]), big
     assert not unaligned["ok"] and any("not vectorised" in p for p in unaligned["problems"]), unaligned
 
+
+
+def test_chunk_reduce_programs_fit_on_an_sm(audit):
+    """The reduction's persistent grid is PER_SM programs per SM: all of them must be resident at once (a second
+    wave would repeat the flag wait), so registers x threads x PER_SM fit sm_90's 64K registers, for every audited
+    world size, dtype and layout (registers allocated in units of 8 per thread), and nothing spills."""
+    import re
+
+    import torch
+
+    from distfuse.kernels._utils import pinned_reduce_config
+
+    dtypes = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+    recs = [r for r in audit["all"] if r["kernel"] == "chunk_reduce" and r["registers"] is not None]
+    if not recs:
+        pytest.skip("cuobjdump unavailable: no register counts")
+    for r in recs:
+        w = int(re.search(r"\bW_UNROLL=(\d+)", r["case"]).group(1))
+        pinned = pinned_reduce_config(1 << 22, dtypes[r["dtype"]], w)
+        assert int(re.search(r"\bBLOCK=(\d+)", r["case"]).group(1)) == pinned["BLOCK"], r["case"]
+        regs = -(-r["registers"] // 8) * 8
+        assert pinned["PER_SM"] * pinned["num_warps"] * 32 * regs <= 65536, (r["case"], r["registers"])
+        assert not r["spills"], (r["case"], r["spills"])
+
+
+def test_gathered_persistent_loads_through_tma_without_spills(audit):
+    """The all-gather GEMM consumer's persistent form: TMA loads (checked per case), and no config the selector
+    can run (16-bit, fp32 with TF32) spills registers under CI's Triton."""
+    recs = [r for r in audit["all"] if r["kernel"] == "gathered_matmul_persistent"]
+    assert recs and {r["dtype"] for r in recs} == {"fp32", "fp16", "bf16"}
+    assert [(r["case"], r["spills"]) for r in recs if r["spills"]] == []
+
+
+_GEMM_FAMILIES = ("matmul_scatter", "matmul_scatter_columns", "matmul_push", "gathered_matmul", "gathered_k_matmul",
+                  "matmul_scatter_persistent", "gathered_matmul_persistent")
+_SPILL_SCRIPT = r"""
+import json, sys, dataclasses, os, torch, triton
+from distfuse.kernels import compile_audit as ca
+recs = [dataclasses.asdict(r) for only in ("matmul_scatter", "matmul_push", "gathered_matmul", "gathered_k_matmul")
+        for r in ca.run_audit((90,), (torch.bfloat16, torch.float16), only=only, jobs=min(4, os.cpu_count() or 1))]
+json.dump(dict(version=triton.__version__, recs=recs), sys.stdout)
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("DISTFUSE_TRITON36_DIR"),
+                    reason="set DISTFUSE_TRITON36_DIR to a triton==3.6.0 install (scripts/audit_triton36.sh makes one)")
+def test_16bit_gemm_configs_do_not_spill_under_the_gpu_triton():
+    """The GPU machines run Triton 3.6 (CI: 3.9), whose register allocation differs: no 16-bit GEMM config spills."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    site = os.environ["DISTFUSE_TRITON36_DIR"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=os.pathsep.join([site, ROOT]), TRITON_DEFAULT_FP_FUSION="1")
+    proc = subprocess.run([sys.executable, "-c", _SPILL_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = json.loads(proc.stdout)
+    assert out["version"].startswith("3.6"), out["version"]
+    recs = out["recs"]
+    assert {r["kernel"] for r in recs} == set(_GEMM_FAMILIES)
+    bad = [(r["case"], r["problems"]) for r in recs if not r["ok"]]
+    assert not bad, bad
+    spilling = [(r["case"], r["spills"]) for r in recs if r["spills"]]
+    assert not spilling, spilling

@@ -1,9 +1,12 @@
 """torch.compile(fullgraph=True) of the feature-distributed convolution: no graph break, eager's results.
 
-The layer's communication runs in ``torch.library`` custom ops (``distfuse/ops``): the
-halo round (``distfuse::halo_exchange`` and its adjoint) and the parameter broadcast that
-carries the agreement flags (``distfuse::flagged_root_broadcast``).  The metadata
-agreement runs in eager calls; a compiled call reuses it while its signature repeats.
+The layer's one forward runs its communication in op pairs: the halo round
+(``distfuse::halo_exchange`` and its adjoint) and the parameter broadcast that carries the
+agreement flags (``distfuse::broadcast``, its flagged round); on the fused path the
+staging, the exchanges and the convolution run in ``distfuse::halo_conv``.  The metadata
+agreement runs in eager calls; a compiled call reuses it while its signature repeats, and
+takes the path of the last eager call (``DISTFUSE_PATH=fused`` there, unset in the
+compiled calls).
 
 Checked on gloo ranks (CPU, ``backend="aot_eager"`` so that autograd is traced too, and
 one ``inductor`` case): zero graph breaks on every rank (``torch._dynamo.explain``), the
@@ -23,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distfuse.errors import ShapeError, UnsupportedError
+from distfuse.errors import ShapeError
 from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.layers._params import load_sequential
 from distfuse.layers.conv import DistributedConv2d
@@ -31,7 +34,8 @@ from distfuse.ops import INDUCTOR_OPTIONS
 from distfuse.partition import zero_volume_tensor
 from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks
-from tests.test_conv_support import close, grid
+from tests.misuse_support import tracing_refusal
+from tests.test_conv_support import close, grid, with_path
 
 
 def _comm_ops(graphs) -> list[str]:
@@ -53,8 +57,11 @@ def _recording_backend(graphs):
 
 
 def _compile_case(shape, grid_shape, ranks, dtype=torch.float32, channels_last=False, backend="aot_eager",
-                  stride=1, padding=1):
-    """Eager call, then explain + compiled call on the same block; returns per-rank results (rank 0 compares)."""
+                  stride=1, padding=1, path=None):
+    """Eager call, then explain + compiled call on the same block; returns per-rank results (rank 0 compares).
+
+    ``path`` forces the eager call's path (``DISTFUSE_PATH``); the compiled calls run without it.
+    """
     torch._dynamo.reset()
     rank = dist.get_rank()
     P_x = grid(ranks, grid_shape)
@@ -89,7 +96,8 @@ def _compile_case(shape, grid_shape, ranks, dtype=torch.float32, channels_last=F
         layer.zero_grad(set_to_none=True)
         return out
 
-    y_eager, g_eager = step(layer)  # the eager call also agrees the metadata the compiled call reuses
+    # the eager call also agrees the metadata (and chooses the path) the compiled call reuses
+    y_eager, g_eager = with_path(path, lambda: step(layer)) if path else step(layer)
     explained = torch._dynamo.explain(layer)(block())
     torch._dynamo.reset()
     graphs = []
@@ -116,7 +124,8 @@ def _compile_case(shape, grid_shape, ranks, dtype=torch.float32, channels_last=F
         close("compiled bias gradient", db, seq.bias.grad, dtype)
     return dict(breaks=explained.graph_break_count, reasons=[str(r.reason)[:300] for r in explained.break_reasons],
                 graphs=explained.graph_count, bitwise=bitwise, again=torch.equal(y_again, y_comp),
-                ops=_comm_ops(graphs) if backend == "record" else None, first_call=first_call, active=P_x.active)
+                ops=_comm_ops(graphs if backend == "record" else explained.graphs), first_call=first_call,
+                active=P_x.active, path=layer.last_path)
 
 
 def _check(results, bitwise=True):
@@ -145,7 +154,27 @@ def test_compiled_feature_conv_world6_inactive_same_ops_on_every_rank():
     active = [r for r in results if r["active"]]
     assert len({tuple(r["ops"]) for r in active}) == 1, [r["ops"] for r in active]
     assert any("distfuse.halo_exchange" in op for op in active[0]["ops"]), active[0]["ops"]
-    assert any("distfuse.flagged_root_broadcast" in op for op in active[0]["ops"]), active[0]["ops"]
+    assert any("distfuse.broadcast.default" in op for op in active[0]["ops"]), active[0]["ops"]
+
+
+@pytest.mark.parametrize("kwargs", [
+    pytest.param(dict(shape=(2, 3, 7, 5), grid_shape=(1, 1, 2, 2), ranks=(3, 1, 0, 2)), id="2x2-uneven-permuted"),
+    pytest.param(dict(shape=(1, 2, 9, 4), grid_shape=(1, 1, 3, 1), ranks=(2, 0, 1), stride=2, dtype=torch.bfloat16),
+                 id="3x1-stride2-bf16"),
+])
+def test_compiled_feature_conv_takes_the_fused_path(kwargs):
+    """The eager call runs fused (DISTFUSE_PATH=fused, the Triton kernels interpreted); the compiled calls, with no
+    DISTFUSE_PATH, take the same path through ``distfuse::halo_conv``: no graph break, the same ops on every rank,
+    outputs and gradients bitwise equal to eager and close to float64 torch.nn."""
+    world = len(kwargs["ranks"])
+    results = run_ranks(world, _compile_case, backend="aot_eager", path="fused", **kwargs, timeout=300)
+    _check(results)
+    active = [r for r in results if r["active"]]
+    assert all(r["path"] == "fused" for r in active), [r["path"] for r in active]
+    assert len({tuple(r["ops"]) for r in active}) == 1, [r["ops"] for r in active]
+    ops = active[0]["ops"]
+    assert "distfuse.halo_conv.default" in ops and "distfuse.broadcast.default" in ops, ops
+    assert not any("halo_exchange" in op for op in ops), ops
 
 
 @pytest.mark.slow
@@ -165,14 +194,7 @@ def _compiled_before_eager():
     P_x = grid(range(4), (1, 1, 2, 2))
     layer = DistributedConv2d(P_x, 2, 3, 3, padding=1)
     x = torch.randn(local_shape((1, 2, 5, 4), P_x.shape, P_x.index))
-    try:
-        torch.compile(layer, fullgraph=True, backend="eager", dynamic=False)(x)
-    except UnsupportedError as exc:
-        return str(exc)
-    except Exception as exc:  # dynamo may wrap the error raised while tracing
-        cause = exc.__cause__ or exc
-        return f"{type(cause).__name__}: {cause}"
-    return None
+    return tracing_refusal(lambda: torch.compile(layer, fullgraph=True, backend="eager", dynamic=False)(x))
 
 
 def test_compiled_call_before_any_eager_call_is_refused_on_every_rank():

@@ -2,9 +2,9 @@
 
 A compiled call reuses the metadata its last eager call agreed on (over the union of
 P_x, P_w and P_y) and moves data through custom ops only: ``distfuse::flag_check``, the
-halo round (``distfuse::conv_halo``, general conv), ``distfuse::block_broadcast`` (the input to the weight
-workers, the parameters across spatial blocks) and ``distfuse::block_sum_reduce`` (the
-partial outputs onto P_y), with their adjoints in the backward graph.
+halo round (``distfuse::halo_exchange``, general conv), ``distfuse::broadcast`` (the input to the weight
+workers, the parameters across spatial blocks) and ``distfuse::broadcast_adjoint`` (the
+partial outputs summed onto P_y), with their adjoints in the backward graph.
 
 Checked on gloo ranks with ``aot_eager`` (its own no-op compilers, wrapped to record the
 forward and backward graphs): zero graph breaks (``torch._dynamo.explain``) and one graph
@@ -150,7 +150,7 @@ def _compile_case_body(shape, cout, x, y, w, dtype, channels_last, frozen, **con
         close("compiled input gradient", dx_full, dx_ref, dtype)
         for name, g in grads.items():
             close(f"compiled {name} gradient", g, getattr(seq, name).grad, dtype)
-    ops = [op for kind in ("fw", "bw") for gm in record[kind] for op in _distfuse_ops(gm)]
+    ops = [f"{kind}:{op}" for kind in ("fw", "bw") for gm in record[kind] for op in _distfuse_ops(gm)]
     return dict(union=in_union, breaks=explained.graph_break_count, graphs=explained.graph_count,
                 reasons=[str(r.reason)[:300] for r in explained.break_reasons], compiles=len(record["dynamo"]),
                 ops=ops, bitwise=torch.equal(y_comp, y_eager) and same(g_comp, g_eager),
@@ -172,10 +172,11 @@ def _check(results, kind: str, halo: bool):
     sequences = {tuple(r["ops"]) for r in union}
     assert len(sequences) == 1, "\n".join(str(r["ops"]) for r in union)
     ops = union[0]["ops"]
-    for name in ("flag_check", "block_broadcast", "block_sum_reduce", "block_broadcast_adjoint",
-                 "block_sum_reduce_adjoint"):
-        assert f"distfuse.{name}" in ops, (name, ops)
-    assert ("distfuse.conv_halo" in ops) == halo, ops
+    # forward: the flag round, the moves (broadcast) and the sum-reduce (its adjoint op); backward: their adjoints
+    for name in ("fw:flag_check", "fw:broadcast", "fw:broadcast_adjoint", "bw:broadcast", "bw:broadcast_adjoint"):
+        kind, op = name.split(":")
+        assert f"{kind}:distfuse.{op}" in ops, (name, ops)
+    assert ("fw:distfuse.halo_exchange" in ops) == halo and ("bw:distfuse.halo_exchange_adjoint" in ops) == halo, ops
     print(f"{kind}: first compiled call (aot_eager, forward + backward) "
           f"{max(r['first_call'] for r in union):.1f} s, distfuse ops {ops}")
 

@@ -3,9 +3,10 @@
 A sequence-parallel MLP block, ``DistributedLinearAllGather(P_feat, P_x=P_seq)`` (all-gather
 the sequence, column-parallel GEMM), GELU, ``DistributedLinearReduceScatter(P_feat,
 P_y=P_seq)`` (row-parallel GEMM, reduce-scatter the sequence), is compiled whole.  The
-collectives run as ``distfuse::agreed_gather`` / ``distfuse::agreed_scatter_sum`` (with
-the agreement flag) and the parameter broadcasts along the data-parallel dimension as
-``distfuse::broadcast_packed``; the metadata agreement comes from one eager call.
+collectives run as ``distfuse::all_gather`` / ``distfuse::all_gather_adjoint`` (the
+reduce-scatter), each with the agreement flag, and the parameter broadcasts along the
+data-parallel dimension as ``distfuse::broadcast``; the metadata agreement comes from one
+eager call.
 
 Checked on gloo ranks (``backend="aot_eager"``): zero graph breaks and one graph on every
 rank, the same communication ops in the same order on every rank, the compiled forward
@@ -15,7 +16,7 @@ ranks in a world of 6, bf16), and a changed sequence length raising the same err
 every rank.
 
 ``DistributedLinear`` (input broadcast down the columns of ``P_w``, local GEMM, sum-reduce
-along its rows; ``distfuse::plan_copy`` / ``distfuse::plan_sum`` behind one
+along its rows; ``distfuse::broadcast`` / ``distfuse::broadcast_adjoint`` behind one
 ``distfuse::flag_check``) is compiled alone on a ``[2, 2]`` weight grid with ``P_x`` and
 ``P_y`` on other, permuted ranks (workers that hold no input, an inactive rank), unfused
 in fp32 and fused (``matmul_all_reduce``) in bf16: the same checks, and a new row count
@@ -129,10 +130,10 @@ def test_compiled_sequence_parallel_mlp(world, ranks, P_d, P_m, n, dtype):
             assert r["bitwise"], f"rank {rank}: compiled results differ from eager"
             assert r["path"] == "unfused" and "torch.compile" in r["reason"]
     assert len({tuple(r["ops"]) for r in active}) == 1, [r["ops"] for r in active]
-    for op in ("distfuse.agreed_gather", "distfuse.agreed_scatter_sum"):
-        assert any(op in o for o in active[0]["ops"]), active[0]["ops"]
+    for op in ("distfuse.all_gather.default", "distfuse.all_gather_adjoint.default"):  # each carrying its flag
+        assert any(o == op for o in active[0]["ops"]), active[0]["ops"]
     if P_d > 1:
-        assert any("distfuse.broadcast_packed" in o for o in active[0]["ops"]), active[0]["ops"]
+        assert any(o == "distfuse.broadcast.default" for o in active[0]["ops"]), active[0]["ops"]
 
 
 def _length_change():
@@ -262,11 +263,13 @@ def test_compiled_general_linear(world, world_ranks, x_ranks, y_ranks, dtype, pa
             "once eagerly" in r["refused"], (rank, r["refused"])
         if r["in_w"]:
             assert r["eager_path"] == path and r["path"] == path and "torch.compile" in r["reason"], r
-    comm = [[o for o in r["ops"] if "plan_" in o or "flag_check" in o] for r in active]
+    comm = [[o for o in r["ops"] if "distfuse.broadcast" in o or "flag_check" in o] for r in active]
     assert len({tuple(c) for c in comm}) == 1, comm
-    wanted = ["fw:distfuse.flag_check", "fw:distfuse.plan_copy", "bw:distfuse.plan_copy_adjoint"]
+    # the input broadcast (distfuse::broadcast) and, backward, its adjoint (the sum onto the sources)
+    wanted = ["fw:distfuse.flag_check", "fw:distfuse.broadcast.default", "bw:distfuse.broadcast_adjoint.default"]
     if path == "unfused":  # the fused path keeps each row's sum on the row: P_y worker i is one of its workers
-        wanted += ["fw:distfuse.plan_sum", "bw:distfuse.plan_sum_adjoint"]
+        # the sum-reduce along the rows (distfuse::broadcast_adjoint) and, backward, its adjoint (the broadcast)
+        wanted += ["fw:distfuse.broadcast_adjoint.default", "bw:distfuse.broadcast.default"]
     for want in wanted:
         assert any(want in o for o in comm[0]), (want, comm[0])
     fused_ops = [tuple(o for o in r["ops"] if "matmul_all_reduce" in o) for r in active if r["in_w"]]

@@ -1,8 +1,10 @@
 """torch.compile(fullgraph=True) of the distributed norms and losses: no graph break, eager's results.
 
 The norms' communication runs as custom ops (``distfuse::flag_check``, ``distfuse::moments``,
-``distfuse::normalize`` and its backward, ``distfuse::replicate``, ``distfuse::all_sum``), the
-losses' as ``distfuse::flag_check`` and ``distfuse::replicated_total``; the metadata agreement
+``distfuse::normalize`` and its backward, ``distfuse::replicate`` and its adjoint
+``distfuse::replicate_adjoint``, the sum over a sub-grid), the losses' as
+``distfuse::replicate_adjoint`` with ``distfuse::loss_flags`` (the agreement flag in the
+reduction) or, with ``reduction='none'``, ``distfuse::flag_check``; the metadata agreement
 comes from one eager call.
 
 Checked on gloo ranks with AOT autograd (``aot_eager``'s compilers, recording the forward
@@ -29,7 +31,7 @@ from torch import nn
 from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
 from distfuse import zero_volume_tensor
-from distfuse.errors import ShapeError, UnsupportedError
+from distfuse.errors import ShapeError
 from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.layers._params import load_sequential
 from distfuse.layers.loss import (
@@ -41,10 +43,9 @@ from distfuse.layers.loss import (
 )
 from distfuse.layers.loss_class import DistributedCrossEntropyLoss, DistributedNLLLoss
 from distfuse.layers.norm_batch import DistributedBatchNorm2d
-from distfuse.layers.norm_group import DistributedGroupNorm, DistributedInstanceNorm2d
-from distfuse.layers.norm_layer import DistributedLayerNorm
+from distfuse.layers.norm_group import DistributedGroupNorm, DistributedInstanceNorm2d, DistributedLayerNorm
 from distfuse.testing import run_ranks
-from tests.misuse_support import catch, patient_grid
+from tests.misuse_support import catch, patient_grid, tracing_refusal
 from tests.test_conv_support import grid
 from tests.tolerances import tol
 
@@ -218,8 +219,8 @@ def _check_same_ops(results, expect):
 
 
 _TRAIN_OPS = ("distfuse.flag_check", "distfuse.moments", "distfuse.normalize.", "distfuse.normalize_backward",
-              "distfuse.replicate", "distfuse.all_sum")
-_EVAL_OPS = ("distfuse.flag_check", "distfuse.moments", "distfuse.replicate", "distfuse.all_sum")
+              "distfuse.replicate.", "distfuse.replicate_adjoint")
+_EVAL_OPS = ("distfuse.flag_check", "distfuse.moments", "distfuse.replicate.", "distfuse.replicate_adjoint")
 
 
 def test_compiled_norms_match_eager_and_torch_4_ranks_uneven_permuted():
@@ -409,8 +410,9 @@ def test_compiled_losses_match_eager_and_torch_inactive_uneven_permuted():
     assert [r["active"] for r in results] == [True, False, True, True]
     assert len({tuple(r["ops"]) for r in active}) == 1, [r["ops"] for r in active]
     ops = active[0]["ops"]
-    assert sum("distfuse.flag_check" in op for op in ops) == 9, ops  # one flag round per loss
-    assert sum("distfuse.replicated_total" in op for op in ops) == 7, ops  # the 7 reduced losses
+    assert sum("distfuse.flag_check" in op for op in ops) == 2, ops  # a flag round for each 'none' loss
+    assert sum("distfuse.loss_flags" in op for op in ops) == 7, ops  # the 7 reduced losses: the flag in the sum
+    assert sum("distfuse.replicate_adjoint" in op for op in ops) == 7, ops  # their reductions (forward graph)
     assert all(r["graphs"] == 1 for r in active)
 
 
@@ -425,14 +427,7 @@ def _compiled_before_eager(kind):
         layer, args = DistributedLayerNorm(P_x, (5,)), (x,)
     else:
         layer, args = DistributedMSELoss(P_x), (x, torch.randn_like(x))
-    try:
-        torch.compile(layer, fullgraph=True, backend="eager", dynamic=False)(*args)
-    except UnsupportedError as exc:
-        return str(exc)
-    except Exception as exc:  # dynamo may wrap the error raised while tracing
-        cause = exc.__cause__ or exc
-        return f"{type(cause).__name__}: {cause}"
-    return None
+    return tracing_refusal(lambda: torch.compile(layer, fullgraph=True, backend="eager", dynamic=False)(*args))
 
 
 @pytest.mark.parametrize("kind", ["norm", "loss"])

@@ -3,9 +3,13 @@
 Their eager calls agree on metadata with a one-element host flag round (pooling,
 upsampling) or a flag carried in the parameter broadcast (transposed convolution).  In
 a compiled region the flag round runs as ``distfuse::flag_check``, the parameter round
-as ``distfuse::flagged_root_broadcast`` and the window's halo as
-``distfuse::halo_exchange`` (``distfuse/layers/_pool_compiled.py``,
-``distfuse/layers/_conv_transpose_compiled.py``).
+as ``distfuse::broadcast`` (its flagged round) and the window's halo as
+``distfuse::halo_exchange`` (the pools' and upsampling's one forward,
+``distfuse/layers/_pool_common.py``; the transposed convolution's,
+``distfuse/layers/conv_feature.py``'s ``RootParamConvBase``).
+A pool or upsampling layer whose eager call staged fused (``DISTFUSE_PATH=fused``) stages
+through ``distfuse::halo_staging`` in its compiled calls too, with no DISTFUSE_PATH set
+there: a compiled call takes the path of the last eager call.
 
 Checked on gloo ranks with ``backend="aot_eager"`` (autograd traced too): zero graph
 breaks and one graph on every rank (``torch._dynamo.explain``), the same sequence of
@@ -27,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distfuse.errors import ShapeError, UnsupportedError
+from distfuse.errors import ShapeError
 from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.layers._params import load_sequential
 from distfuse.layers.conv_transpose import (
@@ -47,7 +51,8 @@ from distfuse.layers.upsample import DistributedUpsample, interpolate
 from distfuse.partition import zero_volume_tensor
 from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks
-from tests.test_conv_support import close, grid
+from tests.misuse_support import tracing_refusal
+from tests.test_conv_support import close, grid, with_path
 
 FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
 
@@ -77,8 +82,11 @@ def _comm_ops(graphs) -> list[str]:
             if n.op == "call_function" and "distfuse" in str(n.target)]
 
 
-def _compile_case(kind, shape, grid_shape, ranks, kw, dtype=torch.float32, channels_last=False):
-    """Eager call, explain, compiled calls on the same block; rank 0 compares with float64 torch.nn."""
+def _compile_case(kind, shape, grid_shape, ranks, kw, dtype=torch.float32, channels_last=False, path=None):
+    """Eager call, explain, compiled calls on the same block; rank 0 compares with float64 torch.nn.
+
+    ``path`` forces the eager call's staging path (``DISTFUSE_PATH``); the compiled calls run without it.
+    """
     torch._dynamo.reset()
     rank = dist.get_rank()
     P_x = grid(ranks, grid_shape)
@@ -119,7 +127,8 @@ def _compile_case(kind, shape, grid_shape, ranks, kw, dtype=torch.float32, chann
         layer.zero_grad(set_to_none=True)
         return res
 
-    y_eager, i_eager, g_eager = step(layer)  # the eager call also agrees the metadata the compiled call reuses
+    # the eager call also agrees the metadata (and chooses the staging path) the compiled call reuses
+    y_eager, i_eager, g_eager = with_path(path, lambda: step(layer)) if path else step(layer)
     explained = torch._dynamo.explain(layer)(block())
     torch._dynamo.reset()
     compiled = torch.compile(layer, fullgraph=True, dynamic=False, backend="aot_eager")
@@ -155,11 +164,14 @@ def _cases(specs):
     return [_compile_case(**spec) for spec in specs]
 
 
-def _check(results, spec_ids, expect_ops):
-    """Every active rank: no graph break, one graph, bitwise eager, the same op sequence (and the expected ops)."""
+def _check(results, spec_ids, expect_ops, paths=None):
+    """Every active rank: no graph break, one graph, bitwise eager, the same op sequence (and the expected ops);
+    with ``paths``, the staging path of the compiled calls."""
     for k, name in enumerate(spec_ids):
         active = [(rank, per[k]) for rank, per in enumerate(results) if per[k]["active"]]
         for rank, r in active:
+            if paths is not None and paths[k] is not None:
+                assert r["path"] == paths[k], f"{name} rank {rank}: the compiled call staged {r['path']}"
             assert r["breaks"] == 0, f"{name} rank {rank}: {r['breaks']} graph breaks: {r['reasons']}"
             assert r["graphs"] == 1, f"{name} rank {rank}: {r['graphs']} graphs"
             assert r["again"], f"{name} rank {rank}: the second compiled call differs from the first"
@@ -171,7 +183,7 @@ def _check(results, spec_ids, expect_ops):
 
 
 FLAG, HALO, PARAMS = "distfuse.flag_check.default", "distfuse.halo_exchange.default", \
-    "distfuse.flagged_root_broadcast.default"
+    "distfuse.broadcast.default"
 
 WORLD4 = [
     ("maxpool-2x2-uneven-permuted-indices",
@@ -205,34 +217,44 @@ WORLD6 = [
 ]
 
 
-@pytest.mark.parametrize("world,cases", [pytest.param(4, WORLD4, id="world4"), pytest.param(6, WORLD6, id="world6")])
+STAGE = "distfuse.halo_staging.default"
+WORLD3_FUSED = [  # the eager call stages with the Triton halo kernels (interpreted here); so does the compiled one
+    ("maxpool1d-fused-ceil-indices",
+     dict(kind="maxpool", shape=(1, 2, 13), grid_shape=(1, 1, 3), ranks=(2, 1, 0), path="fused",
+          kw=dict(kernel_size=3, stride=2, padding=1, ceil_mode=True, return_indices=True)), [FLAG, STAGE]),
+    ("upsample-fused-bf16",
+     dict(kind="upsample", shape=(1, 2, 5, 6), grid_shape=(1, 1, 1, 3), ranks=(0, 2, 1), dtype=torch.bfloat16,
+          path="fused", kw=dict(scale_factor=1.5, mode="bilinear")), [FLAG, STAGE]),
+]
+
+
+@pytest.mark.parametrize("world,cases", [pytest.param(4, WORLD4, id="world4"), pytest.param(6, WORLD6, id="world6"),
+                                         pytest.param(3, WORLD3_FUSED, id="world3-fused")])
 def test_compiled_spatial_layers_match_eager_without_graph_breaks(world, cases):
     results = run_ranks(world, _cases, [spec for _, spec, _ in cases], timeout=300)
-    _check(results, [name for name, _, _ in cases], [ops for _, _, ops in cases])
+    _check(results, [name for name, _, _ in cases], [ops for _, _, ops in cases],
+           [spec.get("path") for _, spec, _ in cases])
 
 
 # ---------------------------------------------------------------- refusals that reach every rank
 
 
 def _refusals():
-    """A compiled call before any eager call (transposed conv), a batch change under a compiled max pool (every
-    worker), a dtype change under a compiled transposed conv (one worker); each layer works after an eager call."""
+    """A compiled call before any eager call (transposed conv, max pool), a batch change under a compiled max pool
+    (every worker), a dtype change under a compiled transposed conv (one worker); each layer works after an eager
+    call."""
     torch._dynamo.reset()
     P_x = grid((1, 3, 0, 2), (1, 1, 2, 2))
     out = {}
     conv = DistributedConvTranspose2d(P_x, 2, 3, 3, stride=2)
     x = torch.randn(local_shape((1, 2, 5, 4), P_x.shape, P_x.index))
-    try:
-        torch.compile(conv, fullgraph=True, backend="eager", dynamic=False)(x)
-        out["before_eager"] = None
-    except UnsupportedError as exc:
-        out["before_eager"] = str(exc)
-    except Exception as exc:  # dynamo may wrap the error raised while tracing
-        cause = exc.__cause__ or exc
-        out["before_eager"] = f"{type(cause).__name__}: {cause}"
+    out["before_eager"] = tracing_refusal(lambda: torch.compile(conv, fullgraph=True, backend="eager",
+                                                                dynamic=False)(x))
     pool = DistributedMaxPool2d(P_x, 3, stride=2, padding=1)
     compiled = torch.compile(pool, fullgraph=True, backend="eager", dynamic=False)
     x = torch.randn(local_shape((2, 2, 7, 5), P_x.shape, P_x.index))
+    out["pool_before_eager"] = tracing_refusal(lambda: compiled(x))  # its session has settled nothing yet
+    torch._dynamo.reset()
     pool(x)
     compiled(x)
     x_new = torch.randn(local_shape((3, 2, 7, 5), P_x.shape, P_x.index))  # every worker: a new batch size
@@ -264,6 +286,8 @@ def _refusals():
 def test_refusals_reach_every_rank_and_the_layer_recovers():
     for r in run_ranks(4, _refusals, timeout=240):
         assert r["before_eager"] is not None and "eagerly" in r["before_eager"], r["before_eager"]
+        assert r["pool_before_eager"] is not None and "DistributedMaxPool2d" in r["pool_before_eager"] and \
+            "eagerly" in r["pool_before_eager"], r["pool_before_eager"]
         assert r["changed"] is not None and "eagerly" in r["changed"], r["changed"]
         assert r["waited"] < 25, f"the error took {r['waited']:.1f} s (a wait for a peer, not a flag round)"
         assert r["recovered"]

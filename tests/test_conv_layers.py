@@ -15,13 +15,12 @@ from distfuse import PartitionError, ShapeError, UnsupportedError, zero_volume_t
 from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.layers._params import collect_sequential, load_sequential
 from distfuse.layers.conv import DistributedConv1d, DistributedConv2d, select_conv
-from distfuse.layers.conv_channel import DistributedChannelConv1d
 from distfuse.layers.conv_feature import DistributedFeatureConv1d, DistributedFeatureConv2d
-from distfuse.layers.conv_general import DistributedGeneralConv1d, DistributedGeneralConv2d
+from distfuse.layers.conv_general import DistributedChannelConv1d, DistributedGeneralConv1d, DistributedGeneralConv2d
 from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import adjoint_check, run_ranks
 from tests.test_conv_support import grid
-from tests.tolerances import ADJOINT_RTOL
+from tests.tolerances import ADJOINT_RTOL, tol
 
 # Three 2-D layouts on 4 ranks, one per implementation: (P_x, P_y, P_w) as (grid, ranks) or None.
 LAYOUTS = {
@@ -185,7 +184,8 @@ def _round_trips(kind):
     P_out = getattr(fresh, "P_y", P_x)
     y_full = collect_tensor(y if P_out.active else None, P_out)
     if rank == 0:
-        torch.testing.assert_close(y_full, seq(xg).detach(), rtol=1e-5, atol=1e-5)
+        # float32 sums of 4 * 3 * 3 unit-variance inputs times weights below 1 / 6, in another order
+        torch.testing.assert_close(y_full, seq(xg).detach(), **tol(torch.float32, terms=36))
     return True
 
 

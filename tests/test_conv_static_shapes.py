@@ -10,6 +10,7 @@ from distfuse import Partition
 from distfuse.geometry.decomposition import local_slices
 from distfuse.layers import DistributedConv2d
 from distfuse.testing import RankFailure, run_ranks
+from tests.tolerances import tol
 
 
 def _calls(static):
@@ -64,8 +65,10 @@ def _partial_change():
 
 
 def test_partial_shape_change_is_learnt_by_every_rank():
+    # two float32 convolutions of the same values (sums of 2 * 3 * 3 terms of size below 1) in another order
+    bound = tol(torch.float32, terms=18)["atol"]
     for errors in run_ranks(2, _partial_change, timeout=60):
-        assert max(errors) < 1e-5, errors
+        assert max(errors) <= bound, (errors, bound)
 
 
 def _channel_conv_static():

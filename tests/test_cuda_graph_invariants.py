@@ -162,6 +162,57 @@ def test_halo_conv_step_is_capture_safe(path):
         assert r["same"], f"rank {rank}: the capture-safe step differs from the eager one"
 
 
+def _window_layers_path(path: str):
+    """A max pool whose windows reach the padding (3/2/1), then a bilinear upsampling, over [1, 1, 2, 2] permuted."""
+    from distfuse.layers.pool import DistributedMaxPool2d
+    from distfuse.layers.upsample import DistributedUpsample
+
+    P_x = grid((2, 0, 3, 1), (1, 1, 2, 2))
+    pool, up = DistributedMaxPool2d(P_x, 3, stride=2, padding=1), DistributedUpsample(P_x, scale_factor=1.5,
+                                                                                       mode="bilinear")
+    gen = torch.Generator().manual_seed(4)
+    xg = torch.randn(2, 3, 9, 8, generator=gen)
+    sl = local_slices(xg.shape, P_x.shape, P_x.index)
+
+    def step():
+        x = xg[sl].clone().requires_grad_(True)
+        y = with_path(path, lambda: up(pool(x)))
+        y.backward(torch.ones_like(y))
+        return [y.detach(), x.grad]
+
+    step(), step()  # warm-up: the agreements settle, windows and plans are built
+    eager = step()
+    calls = [m.agreement.calls for m in (pool, up)]
+    with _HostCollectives() as coll, _HostReads() as reads, capture_safe():
+        trusted = step()
+    trusted_calls = [m.agreement.calls - c for m, c in zip((pool, up), calls, strict=True)]
+    modes = [m.session.last_mode for m in (pool, up)]
+    with _HostReads() as control:  # outside capture_safe the steady state reads the agreement flag
+        step()
+    return dict(reads=reads.reads, collectives=coll.calls, p2p=coll.p2p, control=control.reads,
+                same=all(torch.equal(a, b) for a, b in zip(trusted, eager, strict=True)), trusted_calls=trusted_calls,
+                modes=modes, control_modes=[m.session.last_mode for m in (pool, up)],
+                paths=[m.last_path for m in (pool, up)])
+
+
+@pytest.mark.parametrize("path", ["fused", "unfused"])
+def test_pool_and_upsample_step_is_capture_safe(path):
+    """Pooling and upsampling (one agreement session each, one forward) inside ``capture_safe()``: the session
+    trusts its settled record (no flag round, no metadata gather), the max pool skips its host check of the
+    all--inf windows, the halo rounds still run, and the step is bitwise the eager one."""
+    if path == "fused":
+        pytest.importorskip("triton")
+    for rank, r in enumerate(run_ranks(4, _window_layers_path, path)):
+        assert r["paths"] == [path, path], r["paths"]
+        assert r["reads"] == [], f"rank {rank}: host reads inside the capture-safe step: {r['reads']}"
+        assert r["collectives"] == [], f"rank {rank}: host-side collectives: {r['collectives']}"
+        assert r["p2p"] > 0, f"rank {rank}: no point-to-point round counted (the counter has no teeth)"
+        assert r["control"], f"rank {rank}: the eager steady state read no flag (the read counter has no teeth)"
+        assert r["trusted_calls"] == [1, 1] and r["modes"] == ["trust", "trust"], r
+        assert r["control_modes"] == ["settle", "settle"], r
+        assert r["same"], f"rank {rank}: the capture-safe step differs from the eager one"
+
+
 def _shape_change_refused():
     from distfuse.errors import UnsupportedError
 

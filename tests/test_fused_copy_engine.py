@@ -74,7 +74,7 @@ def _close(got, ref, dtype, what):
 def test_all_gather_matmul_lists_both_pushes_and_the_table_picks_one():
     assert providers_of(AG) == PUSHES
     shapes = dict(m=4096, n=1024, k=4096)
-    from distfuse.tune.table import table_key
+    from distfuse.fused.crossover_table import table_key
 
     key = table_key("GPU X", 8, torch.bfloat16, AG)
     assert select_provider(AG, shapes, torch.bfloat16, 8, "GPU X", table={}) == "triton"

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from distfuse.fused import registry
+from distfuse.fused.crossover_table import table_key
 from distfuse.kernels._utils import INTERPRET, input_precision, tf32_allowed
 from distfuse.layers.dispatch import DeviceCaps, select_path
-from distfuse.tune.table import table_key
 
 H100 = DeviceCaps("cuda", "NVIDIA H100", True, True)
 GEMM_OPS = [op for op in registry.names() if registry.get(op).triton_gemm]

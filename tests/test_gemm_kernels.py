@@ -263,6 +263,83 @@ def test_chunk_reduce_missing_flag_poisons_the_whole_chunk():
     assert torch.isnan(out).all()
 
 
+@pytest.mark.parametrize("W", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("N", [pytest.param(16, id="flat-N16"), pytest.param(13, id="rows-N13")])
+def test_chunk_reduce_layouts_world_sizes_and_dtypes(N, dtype, W):
+    """Both layouts of the bandwidth kernel (FLAT: slot rows as wide as the output, one 1-D walk; rows: slot rows
+    padded past N), uneven chunks (n = 7), W = 1..4, 16-bit partials and output: the sum is fp32 in source order
+    plus the bias, rounded once, so it is bitwise torch's fp32 sum in that order; and it is within the dtype's
+    rounding of a float64 reference.  Poisoned outputs, several blocks per program (BLOCK 32, 2 programs)."""
+    from distfuse.kernels.chunk_reduce import reduce_meta, slot_row_stride
+
+    B, n = 2, 7
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, dtype))
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(9)).to(dtype)
+    assert reduce_meta(B * 4, N, slot_row_stride(N), dtype, W, dict(BLOCK=32))["FLAT"] == (N % 16 == 0)
+    with ws.in_flight("test"):
+        parts = _fill_slots(ws, W, B, n, N, dtype, seed=11 + W)
+        for r in range(W):
+            out = torch.full((B, block_extent(n, W, r), N), float("nan"), dtype=dtype)
+            chunk_reduce(ws, r, W, B, n, N, partial_dtype=dtype, bias=bias, out=out,
+                         config=dict(BLOCK=32, PROGRAMS=2))
+            want = parts[r][0].float()
+            for s in range(1, W):
+                want = want + parts[r][s].float()
+            assert torch.equal(out, (want + bias.float()).to(dtype)), r
+            ref64 = sum(p.double() for p in parts[r]) + bias.double()
+            _assert_close(out, ref64, dtype)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")])
+@pytest.mark.parametrize("W,N", [pytest.param(8, 1024, id="W8-flat"), pytest.param(2, 1000, id="W2-rows"),
+                                 pytest.param(3, 512, id="W3-flat")])
+def test_chunk_reduce_pinned_launch_cuda(W, N, dtype):
+    """Compiled, the pinned launch (several programs per SM, 512-4096-element blocks): bitwise the fp32 sum in
+    source order plus the bias, rounded once, on poisoned outputs; uneven chunks (n = 1030)."""
+    B, n = 2, 1030
+    dev = torch.device("cuda")
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, dtype), dev)
+    ws.strict = True
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(3)).to(dtype)
+    with ws.in_flight("test"):
+        parts = _fill_slots(ws, W, B, n, N, dtype, seed=W)
+        for r in range(W):
+            out = torch.full((B, block_extent(n, W, r), N), float("nan"), dtype=dtype, device=dev)
+            chunk_reduce(ws, r, W, B, n, N, partial_dtype=dtype, bias=bias.to(dev), out=out)
+            want = parts[r][0].float()
+            for s in range(1, W):
+                want = want + parts[r][s].float()
+            assert torch.equal(out.cpu(), (want + bias.float()).to(dtype)), r
+
+
+def test_chunk_reduce_pinned_configs():
+    """The GPU launch rule: 16 KB of partials in flight per program (BLOCK = 16 KB / (W x itemsize), 512-4096
+    elements), 4 programs per SM (3 at 4096); never autotuned (the same on every rank); FLAT exactly when the
+    slot rows are as wide as the output rows.  The configs listed for the audit are the rule's."""
+    from distfuse.kernels._utils import REDUCE_AUDIT_W, get_chunk_reduce_configs, pinned_reduce_config
+    from distfuse.kernels.chunk_reduce import reduce_meta
+
+    blocks = {(dt, w): pinned_reduce_config(1 << 22, dt, w)["BLOCK"] for dt in (torch.bfloat16, torch.float32)
+              for w in (1, 2, 4, 8, 16)}
+    assert blocks == {(torch.bfloat16, 1): 4096, (torch.bfloat16, 2): 4096, (torch.bfloat16, 4): 2048,
+                      (torch.bfloat16, 8): 1024, (torch.bfloat16, 16): 512, (torch.float32, 1): 4096,
+                      (torch.float32, 2): 2048, (torch.float32, 4): 1024, (torch.float32, 8): 512,
+                      (torch.float32, 16): 512}
+    assert pinned_reduce_config(1 << 22, torch.bfloat16, 2) == dict(BLOCK=4096, PER_SM=3, num_warps=4)
+    assert pinned_reduce_config(1 << 10, torch.float16, 8) == dict(BLOCK=1024, PER_SM=4, num_warps=4)
+    for dt in (torch.float32, torch.float16):
+        got = [(c.kwargs["W"], c.kwargs["BLOCK"], c.kwargs["PER_SM"], c.num_warps)
+               for c in get_chunk_reduce_configs(dt)]
+        want = [(w, *(pinned_reduce_config(1 << 22, dt, w)[k] for k in ("BLOCK", "PER_SM", "num_warps")))
+                for w in REDUCE_AUDIT_W]
+        assert got == want
+    meta = reduce_meta(512, 4096, 4096, torch.bfloat16, 8, dict(BLOCK=1024, PER_SM=4))
+    assert meta["FLAT"] and meta["BLOCK_C"] == 256
+    assert not reduce_meta(512, 4100, 4112, torch.bfloat16, 8, dict(BLOCK=4096))["FLAT"]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["sync", "deferred"])
 def test_missing_source_on_cuda_poisons_and_raises(mode):
@@ -286,6 +363,7 @@ def test_missing_source_on_cuda_poisons_and_raises(mode):
                 matmul_scatter(a[r], w[r], ws, r, W)
             chunk_reduce(ws, 0, W, B, n, N, partial_dtype=torch.float32, out=out)
         assert ws.deferred and not ws.broken  # no host sync inside the op
+        torch.cuda.synchronize()  # a claim raises what the GPU has finished (it never waits for the op itself)
         with pytest.raises(CollectiveTimeoutError, match="was not raised"), ws.in_flight("next op"):
             pass
     assert ws.broken
@@ -317,12 +395,14 @@ def test_per_call_integers_are_never_specialised():
     every kernel loads it from the workspace's device word (``epoch_ptr``), so a CUDA graph replay advances it."""
     import distfuse.kernels.all_gather_matmul as all_gather_kernels
     import distfuse.kernels.chunk_reduce as chunk_reduce_kernels
+    import distfuse.kernels.gathered_matmul_persistent as gathered_persistent_kernels
     import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 
     want = {reduce_scatter_kernels._matmul_scatter_kernel: {"rank", "src_offset", "slot_elems"},
             chunk_reduce_kernels._chunk_reduce_kernel: {"rank", "timeout", "slot_elems"},
             all_gather_kernels._ag_push_kernel: {"rank", "start_p"},
-            all_gather_kernels._gathered_matmul_kernel: {"rank", "timeout"}}
+            all_gather_kernels._gathered_matmul_kernel: {"rank", "timeout"},
+            gathered_persistent_kernels._gathered_matmul_persistent_kernel: {"rank", "timeout"}}
     for fn, names in want.items():
         # a JITFunction holds the list; the interpreter's InterpretedFunction keeps the decorator's kwargs
         dont = set(fn.do_not_specialize if hasattr(fn, "do_not_specialize") else fn.kwargs["do_not_specialize"])

@@ -2,8 +2,8 @@
 
 No data message of these layers reaches every worker of ``P_x ∪ P_w ∪ P_y`` (the
 broadcasts and the sum-reduce run point to point along P_w's rows and columns), so the
-agreement flag is a one-element host all-reduce on the union
-(:func:`~distfuse.layers._conv_call_info.agreed_call_info`).  Asserted here, on 5 ranks with
+agreement flag is a one-element host all-reduce on the union (the layer's
+:class:`~distfuse.primitives.agreement_session.AgreementSession`).  Asserted here, on 5 ranks with
 permuted partitions and every worker role (P_x + P_w, P_w + P_y, P_w only, P_y only, and a
 rank outside the layer):
 
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
-import distfuse.layers._conv_call_info as conv_call_info
+import distfuse.layers.conv_general as conv_general
 from distfuse import zero_volume_tensor
 from distfuse.geometry.decomposition import local_slices
 from distfuse.layers import load_sequential
@@ -95,8 +95,8 @@ def _scenario(kind: str):
     in_layer = me in layer.P_union.ranks
     site = layer.agreement if in_layer else None
     gathers = []
-    real = conv_call_info.gather_call_info
-    conv_call_info.gather_call_info = lambda *a, **k: gathers.append(1) or real(*a, **k)
+    real = conv_general.gather_call_info  # the general and channel convolutions' metadata gather
+    conv_general.gather_call_info = lambda *a, **k: gathers.append(1) or real(*a, **k)
     g = torch.Generator().manual_seed(9)
     x8 = torch.randn(2, c_in, 8, generator=g, dtype=torch.float64)
     x7 = torch.randn(2, c_in, 7, generator=g, dtype=torch.float64)
@@ -125,7 +125,7 @@ def _scenario(kind: str):
             out[f"{name}_after"] = _catch(lambda: _check_call(layer, seq, P_x, P_y, x7, 20))  # agree again
         out["slow_end"] = site.slow_calls if site else None
     finally:
-        conv_call_info.gather_call_info = real
+        conv_general.gather_call_info = real
         os.environ["DISTFUSE_TIMEOUT"] = "3"
     return out
 

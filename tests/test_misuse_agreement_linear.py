@@ -2,7 +2,7 @@
 
 ``DistributedLinear`` has no collective that reaches every worker, so its agreement flag
 takes a one-integer host round over the union of ``P_x``, ``P_y`` and ``P_w`` before any
-data moves (:func:`distfuse.layers._linear_agreement.agreed_leading`).  Asserted here:
+data moves (its :class:`~distfuse.primitives.agreement_session.AgreementSession`).  Asserted here:
 
 * **Steady state**: three calls with repeating shapes gather the records once (the first
   call) and run one flag round per later call; no metadata otherwise.
@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
 import distfuse.layers.linear as linear_module
-import distfuse.primitives._agreement as agreement
+import distfuse.primitives.agreement_session as agreement_session
 from distfuse import Partition, zero_volume_tensor
 from distfuse.geometry.decomposition import local_slices
 from distfuse.groups import group_timeout
@@ -79,7 +79,7 @@ class _Counts:
 
     def __enter__(self):
         self.gathers = self.flags = 0
-        self._gather, self._flag = linear_module.gather_records, agreement.flag_round
+        self._gather, self._flag = linear_module.gather_records, agreement_session.flag_round  # the session's round
 
         def gather(*a, **k):
             self.gathers += 1
@@ -89,11 +89,11 @@ class _Counts:
             self.flags += 1
             return self._flag(*a, **k)
 
-        linear_module.gather_records, agreement.flag_round = gather, flag
+        linear_module.gather_records, agreement_session.flag_round = gather, flag
         return self
 
     def __exit__(self, *exc):
-        linear_module.gather_records, agreement.flag_round = self._gather, self._flag
+        linear_module.gather_records, agreement_session.flag_round = self._gather, self._flag
 
 
 def _assert_prompt_shape_errors(results, ranks, op, *needles):

@@ -39,14 +39,13 @@ from torch.distributed.constants import default_pg_timeout
 
 from distfuse import Partition, zero_volume_tensor
 from distfuse.geometry.decomposition import local_slices
-from distfuse.layers import loss_base, norm_batch, norm_group, norm_layer
+from distfuse.layers import _norm_common, loss
 from distfuse.layers._params import load_sequential
 from distfuse.layers.loss import DistributedBCELoss, DistributedMSELoss
 from distfuse.layers.loss_class import DistributedCrossEntropyLoss
 from distfuse.layers.norm_batch import DistributedBatchNorm2d
-from distfuse.layers.norm_group import DistributedGroupNorm, DistributedInstanceNorm2d
-from distfuse.layers.norm_layer import DistributedLayerNorm
-from distfuse.primitives import _agreement
+from distfuse.layers.norm_group import DistributedGroupNorm, DistributedInstanceNorm2d, DistributedLayerNorm
+from distfuse.primitives import _agreement, agreement_session
 from distfuse.primitives._agreement import capture_safe
 from distfuse.primitives._flag_transport import flag_transport
 from distfuse.testing import run_ranks
@@ -74,13 +73,14 @@ def _grid(shape):
 class _Counts:
     """Counts the metadata gathers of the norms and losses and the host flag rounds, while active."""
 
-    MODULES = (norm_batch, norm_group, norm_layer, loss_base)
+    MODULES = (_norm_common, loss)  # the modules whose code calls gather_call
+    ROUNDS = (_agreement, agreement_session)  # the modules whose code calls flag_round
 
     def __enter__(self):
         self.gathers = self.rounds = 0
-        self._saved = [(m, m.gather_call) for m in self.MODULES] + [(_agreement, _agreement.flag_round)]
+        self._saved = [(m, m.gather_call) for m in self.MODULES] + [(m, m.flag_round) for m in self.ROUNDS]
 
-        def gather(*args, _orig=norm_batch.gather_call, **kwargs):
+        def gather(*args, _orig=_norm_common.gather_call, **kwargs):
             self.gathers += 1
             return _orig(*args, **kwargs)
 
@@ -90,12 +90,13 @@ class _Counts:
 
         for m in self.MODULES:
             m.gather_call = gather
-        _agreement.flag_round = flag_round
+        for m in self.ROUNDS:
+            m.flag_round = flag_round
         return self
 
     def __exit__(self, *exc):
         for m, fn in self._saved:
-            if m is _agreement:
+            if m in self.ROUNDS:
                 m.flag_round = fn
             else:
                 m.gather_call = fn
@@ -209,7 +210,7 @@ def _norm_scenario(name):
     with _Counts() as counts:
         out["steady"] = all(_norm_call(P, layer, ref, s7, seed) for seed in (1, 2, 3))
         out["steady_counts"] = counts.take()
-        site = layer._sites.agreement if P.active else None
+        site = layer.agreement if P.active else None
         out["slow_steady"] = site.slow_calls if site else None
         out["change"] = all(_norm_call(P, layer, ref, s8, seed) for seed in (4, 5))  # 7 -> 8: half the blocks repeat
         out["change_counts"] = counts.take()
@@ -346,7 +347,7 @@ def _loss_scenario(name):
     with flag_transport("host" if name == "bce-sum-host" else "auto"), _Counts() as counts:
         out["steady"] = all(_loss_call(name, P, layer, ref, s7, seed) for seed in (1, 2, 3))
         out["steady_counts"] = counts.take()
-        site = layer._sites.agreement if P.active else None
+        site = layer.agreement if P.active else None
         out["slow_steady"] = site.slow_calls if site else None
         out["change"] = all(_loss_call(name, P, layer, ref, s8, seed) for seed in (4, 5))
         out["change_counts"] = counts.take()
@@ -431,7 +432,7 @@ def _single_worker():
         torch.testing.assert_close(lo.double(), lr.detach(), **tol(F32))
         torch.testing.assert_close(x.grad.double(), xr.grad, **tol(F32))
         torch.testing.assert_close(bn.running_var.double(), ref_bn.running_var, **tol(F32))
-        outs.append((bn._sites.agreement.slow_calls, loss._sites.agreement.slow_calls))
+        outs.append((bn.agreement.slow_calls, loss.agreement.slow_calls))
     return outs
 
 

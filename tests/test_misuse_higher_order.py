@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.constants import default_pg_timeout
 
 from distfuse import Partition, zero_volume_tensor
+from distfuse.fused.halo_staging import halo_staging
 from distfuse.geometry.decomposition import local_slices
 from distfuse.kernels._utils import INTERPRET
 from distfuse.layers import (
@@ -35,6 +36,7 @@ from distfuse.layers import (
     load_sequential,
 )
 from distfuse.primitives import AllGather, AllSumReduce, Broadcast, HaloExchange, ReduceScatter, Repartition, SumReduce
+from distfuse.primitives.halo_exchange import PlanHalo, halo_exchange
 from distfuse.testing import run_ranks
 from tests.tolerances import tol
 
@@ -100,6 +102,13 @@ def _primitives():
     halo = HaloExchange(P_halo, (3, 2), stride=(2, 1), padding=(1, 1), padding_mode="reflect")
     xh = _block(_rand((1, 2, 9, 7), 2), P_halo)
     errs["HaloExchange"] = _double_backward_is_the_map(lambda t: halo(t), xh, _rand(xh.shape, seed))
+    # the op pairs the layers stage with in every mode (eager: their generated autograd.Functions)
+    errs["halo_exchange pair"] = _double_backward_is_the_map(lambda t: halo_exchange(t, halo.handle, [1, 2, 9, 7]),
+                                                             xh, _rand(xh.shape, seed + 3))
+    halo0 = HaloExchange(P_halo, (3, 2), stride=(2, 1), padding=(1, 1))  # zero padding, as the pools stage
+    window = PlanHalo(P_halo, 2, halo0.plan, "halo_staging")
+    errs["halo_staging pair"] = _double_backward_is_the_map(lambda t: halo_staging(t, window.handle, [1, 2, 9, 7]),
+                                                            xh, _rand(xh.shape, seed + 4))
     rp = Repartition(P, P_line)
     errs["Repartition"] = _double_backward_is_the_map(rp, x, _rand(x.shape, seed + 7))
     return errs
@@ -108,7 +117,7 @@ def _primitives():
 def test_every_primitive_double_backward_is_exact():
     for r, errs in enumerate(run_ranks(4, _primitives, pg_timeout=PG_DEFAULT, timeout=90)):
         assert set(errs) == {"AllGather", "ReduceScatter", "AllSumReduce", "Broadcast", "SumReduce", "HaloExchange",
-                             "Repartition"}
+                             "Repartition", "halo_exchange pair", "halo_staging pair"}
         for op, err in errs.items():
             assert err <= 1e-12, (r, op, err)  # data movement and fp64 sums of <= 4 terms
 

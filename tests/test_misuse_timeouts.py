@@ -191,7 +191,7 @@ def _fault(kind: str):
 # spans every rank: its root (rank 0) waits for rank 1's agreement flag, rank 2 for the root's parameters.
 FAULTS = [
     ("skip_call", ("DistributedFeatureConv1d", "Broadcast"), "point-to-point exchange"),
-    ("backward_hook", ("HaloExchange (adjoint)",), "point-to-point exchange"),
+    ("backward_hook", ("DistributedFeatureConv1d (adjoint)",), "point-to-point exchange"),  # its halo's adjoint
     ("metadata_gather", ("DistributedLinearAllGather",), "metadata all-gather"),
     ("partition_creation", ("Partition",), "partition creation"),
 ]

@@ -23,7 +23,7 @@ from distfuse import ShapeError, UnsupportedError, zero_volume_tensor
 from distfuse.geometry.decomposition import local_slices
 from distfuse.layers.linear_all_gather import DistributedLinearAllGather
 from distfuse.layers.linear_reduce_scatter import DistributedLinearReduceScatter
-from distfuse.layers.norm_layer import DistributedLayerNorm
+from distfuse.layers.norm_group import DistributedLayerNorm
 from distfuse.model import clip_grad_norm_, collect_sequential, load_sequential, make_optimizer
 from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks

@@ -20,11 +20,22 @@ from distfuse.kernels.matmul_reduce_scatter import (
     matmul_scatter,
     matmul_scatter_workspace_bytes,
 )
-from distfuse.kernels.matmul_scatter_persistent import persistent_supported
+from distfuse.kernels.matmul_scatter_persistent import matmul_scatter_persistent, persistent_supported
+from distfuse.kernels.matmul_scatter_select import launch_scatter_kernel, select_scatter_kernel
 from tests.tolerances import tol
 
 # Several row and column tiles per chunk; 3 programs walk all W chunks' tiles.
 PERSISTENT = dict(kernel="persistent", BLOCK_M=4, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, PROGRAMS=3)
+
+
+def _produce(a, w, ws, r, W, partial_dtype, config):
+    """The producer a config names: ``kernel="persistent"`` goes through the selector (which may fall back)."""
+    config = dict(config or {})
+    if config.pop("kernel", "pointer") == "persistent":
+        choice = select_scatter_kernel(a, w, "triton_persistent")
+        return launch_scatter_kernel(choice, a, w, ws, r, W, partial_dtype=partial_dtype, config=config)
+    matmul_scatter(a, w, ws, r, W, partial_dtype=partial_dtype, config=config or None)
+    return None
 
 
 def _inputs(lead, n, W, K, N, dtype, seed=0, weight_kmajor=False):
@@ -50,7 +61,7 @@ def _run(a, w, bias, W, n, N, config, partial_dtype, out_dtype):
     ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32))
     with ws.in_flight("test"):
         for r in range(W):
-            matmul_scatter(a[r], w[r], ws, r, W, partial_dtype=partial_dtype, config=config)
+            _produce(a[r], w[r], ws, r, W, partial_dtype, config)
         outs = []
         for r in range(W):
             out = torch.full((B, block_extent(n, W, r), N), float("nan"), dtype=out_dtype)  # poisoned
@@ -108,8 +119,7 @@ def test_persistent_small_and_empty_chunks_and_two_epochs(case):
         a, w, bias = _inputs(lead, n, W, K, N, torch.float32, seed=seed)
         with ws.in_flight("test"):
             for r in range(W):
-                matmul_scatter(a[r], w[r], ws, r, W, partial_dtype=torch.float32,
-                               config=dict(PERSISTENT, BLOCK_M=16, PROGRAMS=2))
+                _produce(a[r], w[r], ws, r, W, torch.float32, dict(PERSISTENT, BLOCK_M=16, PROGRAMS=2))
             for r in range(W):
                 out = chunk_reduce(ws, r, W, B, n, N, partial_dtype=torch.float32, bias=bias)
                 _assert_close(out, _ref64(a, w, r, bias), torch.float32)
@@ -118,14 +128,22 @@ def test_persistent_small_and_empty_chunks_and_two_epochs(case):
 
 
 def test_unsupported_layouts_fall_back_to_the_pointer_kernel():
-    """K = 6 in fp32 is a 24-byte row stride (TMA needs multiples of 16 bytes): same results, pointer kernel."""
+    """K = 6 in fp32 is a 24-byte row stride (TMA needs multiples of 16 bytes): same results, pointer kernel.
+
+    The selector names the kernel that ran and why; the persistent launcher itself refuses such operands.
+    """
     lead, n, W, K, N = (1,), 7, 2, 6, 10
     a, w, bias = _inputs(lead, n, W, K, N, torch.float32, seed=9)
     ok, why = persistent_supported(a[0].reshape(1, n, K), w[0])
     assert not ok and "16-byte" in why
+    choice = select_scatter_kernel(a[0], w[0], "triton_persistent")
+    assert choice.kernel == "matmul_scatter" and choice.fell_back and "16-byte" in choice.reason
     _, outs = _run(a, w, bias, W, n, N, PERSISTENT, torch.float32, torch.float32)
     for r in range(W):
         _assert_close(outs[r], _ref64(a, w, r, bias), torch.float32)
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(1, n, N, W, torch.float32))
+    with pytest.raises(UnsupportedError, match="matmul_scatter_persistent.*16-byte"), ws.in_flight("test"):
+        matmul_scatter_persistent(a[0], w[0], ws, 0, W)
 
 
 def test_unknown_kernel_is_refused():
@@ -133,7 +151,9 @@ def test_unknown_kernel_is_refused():
     a, w, _ = _inputs((1,), n, W, K, N, torch.float32)
     ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(1, n, N, W, torch.float32))
     with pytest.raises(UnsupportedError, match="config\\['kernel'\\]"), ws.in_flight("test"):
-        matmul_scatter(a[0], w[0], ws, 0, W, config=dict(kernel="warp_specialized"))
+        matmul_scatter(a[0], w[0], ws, 0, W, config=dict(kernel="persistent"))  # the selector chooses kernels
+    with pytest.raises(UnsupportedError, match="provider"):
+        select_scatter_kernel(a[0], w[0], "warp_specialized")
 
 
 @pytest.mark.cuda
@@ -150,7 +170,255 @@ def test_persistent_loopback_cuda(dtype):
     ws.strict = True
     with ws.in_flight("test"):
         for r in range(W):
-            matmul_scatter(a[r], w[r], ws, r, W, partial_dtype=torch.float32, config=dict(kernel="persistent"))
+            matmul_scatter_persistent(a[r], w[r], ws, r, W, partial_dtype=torch.float32)
         for r in range(W):
             out = chunk_reduce(ws, r, W, 2, n, N, partial_dtype=torch.float32, bias=bias, out_dtype=dtype)
             assert_rel_close(out, _ref64([x.cpu() for x in a], [v.cpu() for v in w], r, bias.cpu()), dtype)
+
+
+# ---------------------------------------------------------------- all-gather + GEMM consumer, persistent form
+
+# Several row and column tiles per chunk; 3 programs walk every chunk's tiles (local first).
+AG_TILES = dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, PROGRAMS=3)
+
+
+def _ag_inputs(lead, n, W, K, N, dtype, seed=0, weight_kmajor=False):
+    g = torch.Generator().manual_seed(seed)
+    shards = [torch.randn(*lead, block_extent(n, W, r), K, generator=g).to(dtype) for r in range(W)]
+    if weight_kmajor:
+        w = (torch.randn(K, N, generator=g) / math.sqrt(K)).to(dtype).t()
+    else:
+        w = (torch.randn(N, K, generator=g) / math.sqrt(K)).to(dtype)
+    bias = torch.randn(N, generator=g).to(dtype)
+    return shards, w, bias
+
+
+def _ag_run(shards, w, bias, W, n, config, kernel=None, push=True, ranks=None):
+    """Every virtual rank's push (all of them unless ``push`` is False for some), then the consumer of ``ranks``;
+    returns the outputs (poisoned first) and the kernel choices."""
+    from distfuse.kernels.all_gather_matmul import ag_push, gathered_matmul, gathered_matmul_workspace_bytes
+    from distfuse.kernels.gathered_matmul_select import last_gather_choice
+
+    lead, K, N = shards[0].shape[:-2], shards[0].shape[-1], w.shape[0]
+    B = math.prod(lead)
+    ws = LoopbackWorkspace(W, gathered_matmul_workspace_bytes(B, n, K, shards[0].dtype), shards[0].device)
+    outs, choices = [], []
+    with ws.in_flight("test"):
+        for r in range(W):
+            if push is True or r in push:
+                ag_push(shards[r], ws, r, W, n)
+        for r in (range(W) if ranks is None else ranks):
+            out = torch.full((*lead, n, N), float("nan"), dtype=shards[0].dtype)
+            outs.append(gathered_matmul(shards[r], w, ws, r, W, n, bias=bias, out=out, config=config, kernel=kernel))
+            choices.append(last_gather_choice())
+    return outs, choices
+
+
+def _ag_ref64(shards, w, bias):
+    y = torch.cat(shards, dim=-2).double() @ w.double().t()
+    return y + bias.double() if bias is not None else y
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
+                                   pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("case", [pytest.param(dict(lead=(2,), n=10, W=3, kmajor=False), id="B2-n10-W3"),
+                                  pytest.param(dict(lead=(1,), n=7, W=4, kmajor=True), id="n7-W4-w[K,N]"),
+                                  pytest.param(dict(lead=(1,), n=2, W=3, kmajor=False), id="n2-W3-empty-chunk"),
+                                  pytest.param(dict(lead=(2,), n=5, W=1, kmajor=False), id="W1")])
+def test_gathered_persistent_matches_float64(case, dtype):
+    """Uneven chunks, an empty one, W = 1..4, a batch of 2 (row tiles that straddle a chunk's end inside a batch
+    entry), both weight layouts, every dtype: against float64 with poisoned outputs, and the persistent kernel ran."""
+    lead, n, W = case["lead"], case["n"], case["W"]
+    K, N = 32, 24
+    shards, w, bias = _ag_inputs(lead, n, W, K, N, dtype, seed=W, weight_kmajor=case["kmajor"])
+    outs, choices = _ag_run(shards, w, bias, W, n, AG_TILES)
+    ref = _ag_ref64(shards, w, bias)
+    for r in range(W):
+        assert choices[r].kernel == "gathered_matmul_persistent" and not choices[r].fell_back, choices[r]
+        assert outs[r].shape == ref.shape and outs[r].dtype == dtype
+        _assert_close(outs[r], ref, dtype)
+
+
+def test_gathered_persistent_is_bitwise_the_pointer_kernel():
+    """Same block sizes, same K order, fp32: the two consumers write the same bits (a fallback changes nothing)."""
+    lead, n, W, K, N = (2,), 9, 3, 32, 20
+    shards, w, bias = _ag_inputs(lead, n, W, K, N, torch.float32, seed=3)
+    blocks = {k: v for k, v in AG_TILES.items() if k != "PROGRAMS"}
+    got, c_p = _ag_run(shards, w, bias, W, n, AG_TILES)
+    want, c_t = _ag_run(shards, w, bias, W, n, blocks, kernel="gathered_matmul")
+    assert {c.kernel for c in c_p} == {"gathered_matmul_persistent"} and {c.kernel for c in c_t} == {"gathered_matmul"}
+    assert not c_t[0].fell_back and "asked for" in c_t[0].reason
+    for r in range(W):
+        assert torch.equal(got[r], want[r]), r
+
+
+def test_gathered_persistent_waits_once_per_chunk_per_program(monkeypatch):
+    """The wait is hoisted out of the tile loop: each program polls a peer chunk's flag at its first tile of that
+    chunk only, never for the local chunk; the pointer kernel polls once per peer tile."""
+    import distfuse.kernels.all_gather_matmul as pointer_kernels
+    import distfuse.kernels.gathered_matmul_persistent as persistent_kernels
+
+    calls = []
+
+    def counting(module):
+        inner = module.wait_flag
+
+        def wait(*args, **kwargs):
+            calls.append(module.__name__)
+            return inner(*args, **kwargs)
+        return wait
+
+    monkeypatch.setattr(persistent_kernels, "wait_flag", counting(persistent_kernels))
+    monkeypatch.setattr(pointer_kernels, "wait_flag", counting(pointer_kernels))
+    lead, n, W, K, N = (2,), 12, 3, 16, 32  # 4 rows per chunk, BLOCK_M 2: 2 row tiles x 2 batch x 2 column tiles
+    shards, w, bias = _ag_inputs(lead, n, W, K, N, torch.float32, seed=4)
+    config = dict(AG_TILES, BLOCK_M=2)
+    tiles_per_chunk = 2 * 2 * 2
+    _ag_run(shards, w, bias, W, n, config, ranks=(0,))
+    persistent = calls.count(persistent_kernels.__name__)
+    assert persistent == config["PROGRAMS"] * (W - 1), calls  # each of the 3 programs meets both peer chunks once
+    calls.clear()
+    _ag_run(shards, w, bias, W, n, {k: v for k, v in config.items() if k != "PROGRAMS"}, kernel="gathered_matmul",
+            ranks=(0,))
+    assert calls.count(pointer_kernels.__name__) == tiles_per_chunk * (W - 1)
+    assert persistent < tiles_per_chunk * (W - 1)
+
+
+def test_gathered_persistent_missing_push_poisons_its_chunk_and_raises():
+    """Peer 2 never pushed: rank 0's rows of chunk 2 are NaN, the other chunks are right, and the host raises
+    naming peer 2 before the result can be used."""
+    from distfuse.errors import CollectiveTimeoutError
+    from distfuse.kernels.all_gather_matmul import ag_push, gathered_matmul, gathered_matmul_workspace_bytes
+    from distfuse.kernels.gathered_matmul_select import last_gather_choice
+
+    lead, n, W, K, N = (1,), 9, 3, 16, 16
+    shards, w, bias = _ag_inputs(lead, n, W, K, N, torch.float32, seed=6)
+    ws = LoopbackWorkspace(W, gathered_matmul_workspace_bytes(1, n, K, torch.float32))
+    out = torch.full((1, n, N), float("nan"))
+    with pytest.raises(CollectiveTimeoutError, match=r"flag of peer\(s\) \[2\] was not raised"), \
+            ws.in_flight("missing push"):
+        for r in (0, 1):
+            ag_push(shards[r], ws, r, W, n)
+        gathered_matmul(shards[0], w, ws, 0, W, n, bias=bias, out=out, config=AG_TILES)
+    assert last_gather_choice().kernel == "gathered_matmul_persistent"
+    start, stop = block_range(n, W, 2)
+    assert torch.isnan(out[:, start:stop]).all()
+    ref = _ag_ref64(shards, w, bias)
+    keep = [i for i in range(n) if not start <= i < stop]
+    _assert_close(out[:, keep], ref[:, keep], torch.float32)
+
+
+def test_gathered_fallbacks_name_the_pointer_kernel_and_why():
+    """Descriptors need 16-byte row strides, one matrix of shard rows and an aligned weight; compiled fp32 without
+    TF32 spills; each of those runs the pointer kernel, with the reason in the choice, and the same results."""
+    from distfuse.kernels.gathered_matmul_persistent import gathered_persistent_supported, launch_gathered_persistent
+    from distfuse.kernels.gathered_matmul_select import select_gather_kernel
+
+    lead, n, W, N = (1,), 7, 2, 12
+    # K = 6 in fp32: the gathered rows are 24 bytes apart.
+    shards, w, bias = _ag_inputs(lead, n, W, 6, N, torch.float32, seed=7)
+    outs, choices = _ag_run(shards, w, bias, W, n, AG_TILES)
+    assert all(c.kernel == "gathered_matmul" and c.fell_back and "multiple of 16" in c.reason for c in choices)
+    for r in range(W):
+        _assert_close(outs[r], _ag_ref64(shards, w, bias), torch.float32)
+    with pytest.raises(UnsupportedError, match="gathered_matmul_persistent.*multiple of 16"):
+        launch_gathered_persistent(shards[0], None, w, None, None, None, 0, W, n)
+    # A shard whose rows are not one matrix (batch stride K, row stride B * K), and a weight with no aligned dim.
+    x = torch.randn(4, 2, 16).transpose(0, 1)
+    assert "one [B_ * len, K] matrix" in gathered_persistent_supported(x, torch.randn(8, 16))[1]
+    odd = torch.randn(8, 17)[:, :16]  # rows 68 bytes apart
+    assert "no contiguous dim" in select_gather_kernel(torch.randn(1, 4, 16), odd).reason
+    # Compiled fp32 with IEEE products (torch's default).
+    x, w32 = torch.randn(1, 4, 16), torch.randn(8, 16)
+    assert select_gather_kernel(x, w32, compiled=False).kernel == "gathered_matmul_persistent"
+    choice = select_gather_kernel(x, w32, compiled=True)
+    assert choice.kernel == "gathered_matmul" and "IEEE" in choice.reason
+    assert select_gather_kernel(x.half(), w32.half(), compiled=True).kernel == "gathered_matmul_persistent"
+    with pytest.raises(UnsupportedError, match="kernel"):
+        select_gather_kernel(x, w32, "warp_specialized")
+
+
+def test_gathered_persistent_runs_off_the_main_thread():
+    """Host-side descriptors: no Triton allocator, so a launch from a fresh thread (CUDA autograd's backward
+    thread, a checkpoint recompute) works and gives the float64 result."""
+    import threading
+
+    lead, n, W, K, N = (1,), 6, 2, 16, 16
+    shards, w, bias = _ag_inputs(lead, n, W, K, N, torch.bfloat16, seed=8)
+    result = {}
+
+    def run():
+        try:
+            result["outs"], result["choices"] = _ag_run(shards, w, bias, W, n, AG_TILES)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            result["error"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert "error" not in result, result.get("error")
+    assert {c.kernel for c in result["choices"]} == {"gathered_matmul_persistent"}
+    for out in result["outs"]:
+        _assert_close(out, _ag_ref64(shards, w, bias), torch.bfloat16)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="fp16")])
+def test_gathered_persistent_loopback_cuda(dtype):
+    """Compiled (sm_90: TMA loads, pinned tiles, one program per SM): uneven chunks against float64, the choice
+    named, and a launch from a second thread."""
+    import threading
+
+    from tests.tolerances import assert_rel_close
+
+    lead, n, W, K, N = (2,), 1030, 4, 768, 1024
+    shards, w, bias = _ag_inputs(lead, n, W, K, N, dtype, seed=12)
+    dev = torch.device("cuda")
+    shards, w, bias = [s.to(dev) for s in shards], w.to(dev), bias.to(dev)
+    ref = _ag_ref64([s.cpu() for s in shards], w.cpu(), bias.cpu())
+    result = {}
+
+    def run():
+        result["outs"], result["choices"] = _ag_run(shards, w, bias, W, n, None)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert {c.kernel for c in result["choices"]} == {"gathered_matmul_persistent"}, result["choices"]
+    for out in result["outs"]:
+        assert_rel_close(out, ref, dtype)
+
+
+def test_bench_rows_name_the_consumer_kernel_that_ran():
+    """bench/bench_gemm_fused.py at tiny shapes (CPU, interpreted: the times mean nothing): the all-gather GEMM row
+    names the persistent kernel and carries the pointer fallback's time; a K the descriptors cannot read names the
+    pointer kernel and why; chunk_reduce's row names chunk_reduce."""
+    import bench.bench_gemm_fused as bench
+
+    rows = bench.sweep({"tiny": (16, 48)}, (6,), 2, "float32", 1, torch.device("cpu"), None, sides=["ag", "rs"])
+    fused = {r.op: r for r in rows if r.provider == "fused"}
+    ag = fused["gathered_matmul"]
+    assert ag.kernel == "gathered_matmul_persistent" and not ag.extra["fell_back"], ag
+    assert ag.extra["fallback_kernel"] == "gathered_matmul" and ag.extra["fallback_ms"] > 0
+    assert fused["chunk_reduce"].kernel == "chunk_reduce"
+    rows = bench.sweep({"odd": (6, 48)}, (6,), 2, "float32", 1, torch.device("cpu"), None, sides=["ag"])
+    ag = next(r for r in rows if r.op == "gathered_matmul" and r.provider == "fused")
+    assert ag.kernel == "gathered_matmul" and ag.extra["fell_back"] and "multiple of 16" in ag.extra["kernel_reason"]
+
+
+def test_gathered_persistent_pinned_tiles_avoid_a_short_last_wave(monkeypatch):
+    """The GPU rule (pure: shape, dtype, SM count): the bucket's tile unless its last wave leaves the grid under 90%
+    busy, then the next smaller tile of the family that does not (or the busiest); always the split epilogue."""
+    import distfuse.kernels.gathered_matmul_persistent as gp
+
+    monkeypatch.setattr(gp, "INTERPRET", False)
+    cfg = gp.gathered_persistent_config(torch.bfloat16, 1, 1024, 8, 2048, 132)  # 512 tiles: 3.9 waves of 128x256
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["EPILOGUE_SUBTILE"]) == (128, 256, True)
+    cfg = gp.gathered_persistent_config(torch.bfloat16, 1, 1024, 8, 1792, 132)  # LLaMA-3 8B up proj, TP 8, M 8192
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 128)  # 448 tiles of 128x256 were 85% busy; 896: 97%
+    assert gp.wave_efficiency(448, 132) < gp.WAVE_TARGET <= gp.wave_efficiency(896, 132)
+    cfg = gp.gathered_persistent_config(torch.bfloat16, 1, 64, 8, 1792, 132)  # M = 512: no tile fills one wave
+    assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (64, 128)
+    assert gp.gathered_persistent_config(torch.float32, 1, 64, 8, 1792, 132, dict(BLOCK_M=16, BLOCK_N=32,
+                                         BLOCK_K=16, GROUP_M=1, PROGRAMS=5)) == dict(
+        BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, GROUP_M=1, EPILOGUE_SUBTILE=False)

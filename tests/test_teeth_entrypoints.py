@@ -21,9 +21,24 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from distfuse import demo, demo_unet
+from distfuse.testing.tolerance import rounding_bound
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("conv1", "conv2", "fc1", "fc2")
+
+
+def _printed_losses_agree(pairs, terms: int) -> bool:
+    """Each step's printed losses (5 decimals) within two float32 runs' rounding bound of each other.
+
+    The demo itself checks each loss and the final state against its float64 twin at full precision;
+    this reads back what it printed.
+    """
+    steps = list(dict.fromkeys(pairs))  # tqdm prints a step's postfix at every refresh
+    return all(abs(float(a) - float(b)) <= 2 * rounding_bound(torch.float32, terms, step + 1) * abs(float(b)) + 1e-5
+               for step, (a, b) in enumerate(steps))
 
 
 def _run(args, tmp_path, timeout=300):
@@ -45,7 +60,7 @@ def test_demo_runs_and_checks_every_step(path, tmp_path):
     # tqdm's postfix carries each step's check: the distributed loss next to the sequential model's
     pairs = re.findall(r"loss=([0-9.eE+-]+), sequential=([0-9.eE+-]+)", out)
     assert pairs, out[-4000:]
-    assert all(abs(float(a) - float(b)) <= 1e-4 * abs(float(b)) for a, b in pairs), pairs
+    assert _printed_losses_agree(pairs, demo.TERMS), pairs
     assert len({a for a, _ in pairs}) == steps, f"expected {steps} distinct per-step losses, got {set(pairs)}"
     assert f"{steps}/{steps}" in out
     assert "every step's loss matched the sequential torch.nn model" in out, out[-4000:]
@@ -61,7 +76,7 @@ def test_unet_demo_trains_in_step_with_torch_nn(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     pairs = re.findall(r"loss=([0-9.eE+-]+), sequential=([0-9.eE+-]+)", out)
     assert len({a for a, _ in pairs}) == steps, pairs
-    assert all(abs(float(a) - float(b)) <= 1e-4 * abs(float(b)) for a, b in pairs), pairs
+    assert _printed_losses_agree(pairs, demo_unet.TERMS), pairs
     assert float(pairs[-1][0]) < float(pairs[0][0]), f"the loss should fall over {steps} steps: {pairs}"
     assert "every step's loss matched the sequential torch.nn U-Net" in out, out[-4000:]
     assert "weights and running statistics agree" in out, out[-4000:]

@@ -4,12 +4,16 @@ The Triton push (:func:`~distfuse.kernels.all_gather_matmul.ag_push`) runs on th
 stream and finishes before the GEMM starts.  This push overlaps the GEMM instead::
 
     a_shard [B_, len_r, K]   this rank's rows [start_r, stop_r) of the gathered [B_, n, K]
-    side stream (waits for the op's stream: the shard's producer and the claim's barrier)
-        for j in 1 .. W-1 (peer = (rank + j) % W, the order the GEMMs consume in):
+    side stream j, one per peer (each waits for the op's stream: the shard's producer, the claim's barrier)
+        peer = (rank + j) % W, j = 1 .. W-1 (the order the GEMMs consume in):
             peer's gathered[b, start_r:stop_r] <- a_shard[b]   one DMA per batch entry  [len_r, K]
             peer's flags[rank, rank] <- the device epoch        a 4-byte DMA, after the copies
     op's stream: gathered_matmul: the local chunk first (no wait), then each peer chunk as its flag lands
-    end of the claim: the op's stream waits for the side stream (an event)
+    end of the claim: the op's stream waits for every side stream (one event each)
+
+One stream per peer: on one stream the W - 1 pushes run in series, each peer's copy
+waiting for the previous peer's; on their own streams they go out together, one link
+(and one DMA engine) per peer on an NVLink node.
 
 Why the copy engines.  The copies are ``copy_`` between contiguous rows of two CUDA
 tensors, which torch issues as ``cudaMemcpyAsync``: the DMA engines move the bytes over
@@ -28,15 +32,23 @@ replay a stale epoch; the 4-byte copy reads the device epoch when it executes.
 Batches: one DMA per batch entry and peer (``B_ * (W - 1)`` copies; a strided copy would
 be an SM kernel, see above), so this push suits few leading entries with many rows each.
 
-Streams (CUDA).  The side stream waits for the op's stream before the first copy; the
-shard is ``record_stream``-ed on the side stream so that the caching allocator does not
-hand its memory out while the DMA may still read it; the claim ends with the op's stream
-waiting for an event recorded after the last flag
+Streams (CUDA).  Each side stream waits for the op's stream before its first copy; the
+shard is ``record_stream``-ed on every side stream so that the caching allocator does not
+hand its memory out while a DMA may still read it; the claim ends with the op's stream
+waiting for an event recorded after each stream's flag
 (:meth:`~distfuse.fused.workspace._Workspace.track_side_stream`), so the next claim's
 barrier, and any op after it, comes after the push; a CUDA graph capture forks into the
-side stream and joins it back the same way.
+side streams and joins them back the same way.
 
-CPU (``/dev/shm`` and loopback): the "side stream" is the host, in order: each copy
+Peer views (:mod:`distfuse.fused.peer_views`) come from torch symmetric memory's own
+buffer API and are checked to alias the peer's address, so no copy lands in a temporary.
+
+On one GPU (loopback, or two processes sharing a GPU) a device-to-device ``copy_`` is not
+a DMA over a link: CUDA runs it as a copy kernel on the SMs, so this path there is a
+correctness check of the protocol (streams, flags, joins), not a measurement of the
+copy engines or of the overlap; results from one GPU say so (``loopback``).
+
+CPU (``/dev/shm`` and loopback): the "side streams" are the host, in order: each copy
 into the peer's mapping, then its flag (the device epoch copied into the flag word);
 the consumer's host barrier (:meth:`RankBuffers.wait_producers`) orders them before the
 reads.  Not timed on a GPU yet.
@@ -46,33 +58,32 @@ from __future__ import annotations
 
 import torch
 
-from distfuse.fused.matmul_reduce_scatter_cublas import peer_flag, peer_tensor
+from distfuse.fused.peer_views import peer_data, peer_flag
 from distfuse.geometry.decomposition import block_range
 from distfuse.kernels._utils import claimed_rank_view
 from distfuse.kernels.all_gather_matmul import _shard3
 
-__all__ = ["ag_push_copy_engine", "side_stream"]
+__all__ = ["ag_push_copy_engine", "side_streams"]
 
 
-def side_stream(ws) -> torch.cuda.Stream:
-    """The workspace's side stream for copy-engine pushes (created on first use, one per workspace)."""
-    stream = getattr(ws, "_copy_stream", None)
-    if stream is None:
-        stream = ws._copy_stream = torch.cuda.Stream(device=ws.device)
-    return stream
+def side_streams(ws, count: int) -> list[torch.cuda.Stream]:
+    """``count`` side streams of the workspace for copy-engine pushes, one per peer (created on first use, kept)."""
+    streams = getattr(ws, "_copy_streams", None) or []
+    while len(streams) < count:
+        streams.append(torch.cuda.Stream(device=ws.device))
+    ws._copy_streams = streams
+    return streams[:count]
 
 
-def _push_rows(x: torch.Tensor, view, rank: int, W: int, n: int) -> None:
-    """Copy ``x`` ``[B_, len_r, K]`` into every peer's gathered rows, each peer's flag right after its rows."""
+def _push_peer(x: torch.Tensor, view, rank: int, peer: int, W: int, n: int) -> None:
+    """Copy ``x`` ``[B_, len_r, K]`` into ``peer``'s gathered rows, then raise ``peer``'s flag ``[rank, rank]``."""
     B, len_r, K = x.shape
     start = block_range(n, W, rank)[0]
-    for j in range(1, W):
-        peer = (rank + j) % W
-        if B * len_r * K:
-            gathered = peer_tensor(view, peer, x.dtype, B * n * K).view(B, n, K)
-            for b in range(B):  # contiguous rows on both sides: one memcpy (DMA) each
-                gathered[b, start: start + len_r].copy_(x[b], non_blocking=True)
-        peer_flag(view, peer, rank, rank).copy_(view.epoch_dev, non_blocking=True)
+    if B * len_r * K:
+        gathered = peer_data(view, peer, x.dtype, B * n * K).view(B, n, K)
+        for b in range(B):  # contiguous rows on both sides: one memcpy (DMA) each
+            gathered[b, start: start + len_r].copy_(x[b], non_blocking=True)
+    peer_flag(view, peer, rank, rank).copy_(view.epoch_dev, non_blocking=True)
 
 
 def ag_push_copy_engine(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int) -> None:
@@ -85,9 +96,9 @@ def ag_push_copy_engine(a_shard: torch.Tensor, ws, rank: int, world_size: int, n
         rank, world_size: this rank and the group size (virtual rank in loopback).
         n: the full extent of the gathered dim.
 
-    On CUDA the copies run on the workspace's side stream and overlap the GEMM that
-    :func:`~distfuse.kernels.all_gather_matmul.gathered_matmul` then issues on the op's
-    stream (see the module doc); on CPU they run on the host before it returns.
+    On CUDA the copies run on the workspace's side streams (one per peer) and overlap the
+    GEMM that :func:`~distfuse.kernels.all_gather_matmul.gathered_matmul` then issues on the
+    op's stream (see the module doc); on CPU they run on the host before it returns.
     """
     op = "ag_push_copy_engine"
     st = claimed_rank_view(op, ws, rank, world_size, a_shard.device)
@@ -98,16 +109,19 @@ def ag_push_copy_engine(a_shard: torch.Tensor, ws, rank: int, world_size: int, n
     st.data(x.dtype, x.shape[0] * n * x.shape[2], op=op)  # the capacity, the same on every rank
     if W == 1:
         return
+    peers = [(rank + j) % W for j in range(1, W)]
     if x.device.type != "cuda":
-        _push_rows(x, st, rank, W, n)
+        for peer in peers:
+            _push_peer(x, st, rank, peer, W, n)
         return
-    side = side_stream(ws)
-    side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side):
-        _push_rows(x, st, rank, W, n)
-    x.record_stream(side)
-    if getattr(ws, "backend", None) == "loopback":
-        # Loopback consumers check each flag once (every producer ran earlier on their stream): join now.
-        torch.cuda.current_stream(x.device).wait_stream(side)
-    else:
-        ws.track_side_stream(side)
+    current = torch.cuda.current_stream(x.device)
+    for peer, side in zip(peers, side_streams(ws, W - 1), strict=True):
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            _push_peer(x, st, rank, peer, W, n)
+        x.record_stream(side)
+        if getattr(ws, "backend", None) == "loopback":
+            # Loopback consumers check each flag once (every producer ran earlier on their stream): join now.
+            current.wait_stream(side)
+        else:
+            ws.track_side_stream(side)

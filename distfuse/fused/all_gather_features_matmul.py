@@ -38,7 +38,6 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
@@ -47,10 +46,9 @@ from distfuse.fused.matmul_common import (
     Comm,
     check_linear_args,
     features_workspace_bytes,
-    gathered_linear_backward,
-    grads_needed,
+    gathered_phases,
     require_available,
-    split_inputs,
+    run_phases,
 )
 from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_reduce_scatter_features
 from distfuse.fused.workspace import LoopbackWorkspace
@@ -60,8 +58,9 @@ from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = [
-    "AllGatherFeaturesMatmul",
+    "PHASES",
     "all_gather_features_matmul",
+    "all_gather_features_matmul_plan",
     "all_gather_features_matmul_loopback",
     "all_gather_features_matmul_workspace_bytes",
 ]
@@ -86,32 +85,16 @@ class _Plan(NamedTuple):
     nbytes: int
 
 
-class AllGatherFeaturesMatmul(torch.autograd.Function):
-    """Autograd Function of :func:`all_gather_features_matmul` (and its loopback form); see the module doc.
-
-    ``apply(plan, *xs, *weights, *biases)``: one tensor of each kind per rank this process launches.
-    """
-
-    @staticmethod
-    def forward(ctx, plan: _Plan, *tensors):
-        k = plan.k
-        xs, weights, biases = split_inputs(tensors, k, plan.has_bias)
-        keep = plan.keep_gathered and grads_needed(ctx.needs_input_grad, k, plan.has_bias)[1]
-        ys, gathered = run_all_gather_features_matmul(plan.comm, f"{_OP}.forward", xs, weights, biases, keep,
-                                                      plan.nbytes)
-        ctx.plan, ctx.kept = plan, keep
-        ctx.save_for_backward(*weights, *(gathered if keep else xs))
-        return ys[0] if k == 1 else tuple(ys)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *dys):
-        plan = ctx.plan
-        return gathered_linear_backward(
-            ctx, dys, lambda blocks: plan.comm.start_feature_gather(f"{_OP}.backward", blocks, plan.K),
-            lambda dys, weights_t: run_matmul_reduce_scatter_features(plan.comm, f"{_OP}.backward", dys, weights_t,
-                                                                      [None] * plan.k, plan.partial_dtype,
-                                                                      plan.nbytes))
+#: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`): the backward is
+#: matmul_reduce_scatter_features's forward phase, the gathered input kept for the weight gradient or gathered again.
+PHASES = gathered_phases(
+    _OP,
+    lambda plan, op, xs, weights, biases, keep: run_all_gather_features_matmul(plan.comm, op, xs, weights, biases,
+                                                                                keep, plan.nbytes),
+    lambda plan, op, blocks: plan.comm.start_feature_gather(op, blocks, plan.K),
+    lambda plan, op, dys, weights_t: run_matmul_reduce_scatter_features(plan.comm, op, dys, weights_t,
+                                                                        [None] * plan.k, plan.partial_dtype,
+                                                                        plan.nbytes))
 
 
 def all_gather_features_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition,
@@ -136,6 +119,15 @@ def all_gather_features_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torc
     Collective over ``P_sub`` in forward and backward (same row count, ``K``, dtype, bias
     presence and ``keep_gathered`` on every rank; ``DISTFUSE_DEBUG=1`` checks).
     """
+    plan = all_gather_features_matmul_plan(x, weight, bias, P_sub, keep_gathered, partial_dtype=partial_dtype)
+    return run_phases(PHASES, plan, [x], [weight], [bias])[0]
+
+
+def all_gather_features_matmul_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                    P_sub: Partition, keep_gathered: bool = True, *,
+                                    partial_dtype: torch.dtype | None = None) -> _Plan:
+    """:func:`all_gather_features_matmul`'s checks and plan: what its phases run on (collective where the checks
+    refuse, see :mod:`distfuse.fused.agreement`)."""
     if not P_sub.active:
         raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
     W, r = P_sub.size, P_sub.rank
@@ -162,9 +154,8 @@ def all_gather_features_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torc
                           same=dict(rows=rows, K=K, dtype=str(x.dtype), bias=bias is not None,
                                     keep_gathered=bool(keep_gathered), partial_dtype=str(partial_dtype)),
                           info=dict(x=tuple(x.shape), weight=tuple(weight.shape)))
-    plan = _Plan(Comm(P=P_sub, device=x.device), 1, bias is not None, K, bool(keep_gathered), partial_dtype,
+    return _Plan(Comm(P=P_sub, device=x.device), 1, bias is not None, K, bool(keep_gathered), partial_dtype,
                  all_gather_features_matmul_workspace_bytes(rows, K, W, x.dtype, partial_dtype))
-    return AllGatherFeaturesMatmul.apply(plan, x, weight, *((bias,) if bias is not None else ()))
 
 
 def all_gather_features_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, keep_gathered: bool = True,
@@ -191,5 +182,4 @@ def all_gather_features_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspa
     x0 = xs[0]
     plan = _Plan(Comm(loopback=ws), W, biases is not None, K, bool(keep_gathered), partial_dtype,
                  all_gather_features_matmul_workspace_bytes(math.prod(x0.shape[:-1]), K, W, x0.dtype, partial_dtype))
-    out = AllGatherFeaturesMatmul.apply(plan, *xs, *weights, *(tuple(biases) if biases is not None else ()))
-    return [out] if W == 1 else list(out)
+    return run_phases(PHASES, plan, xs, weights, biases)

@@ -43,7 +43,6 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
 
 from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
@@ -52,10 +51,9 @@ from distfuse.fused.matmul_common import (
     Comm,
     check_linear_args,
     fused_linear_available,
-    gathered_linear_backward,
-    grads_needed,
+    gathered_phases,
     require_available,
-    split_inputs,
+    run_phases,
     workspace_bytes,
 )
 from distfuse.fused.matmul_phases import run_all_gather_matmul, run_matmul_reduce_scatter
@@ -67,8 +65,9 @@ from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = [
-    "AllGatherMatmul",
+    "PHASES",
     "all_gather_matmul",
+    "all_gather_matmul_plan",
     "all_gather_matmul_loopback",
     "all_gather_matmul_workspace_bytes",
     "fused_linear_available",
@@ -99,35 +98,15 @@ class _AGPlan(NamedTuple):
     provider: str = "triton"
 
 
-class AllGatherMatmul(torch.autograd.Function):
-    """Autograd Function of :func:`all_gather_matmul` (and its loopback form); see the module doc.
-
-    ``apply(plan, *xs, *weights, *biases)``: one tensor of each kind per rank this process
-    launches (one on a real group, W in loopback).  Use the functional forms.
-    """
-
-    @staticmethod
-    def forward(ctx, plan: _AGPlan, *tensors):
-        k = plan.k
-        xs, weights, biases = split_inputs(tensors, k, plan.has_bias)
-        need_dw = grads_needed(ctx.needs_input_grad, k, plan.has_bias)[1]
-        keep = plan.keep_gathered and need_dw
-        ys, gathered = run_all_gather_matmul(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.n, keep,
-                                             plan.nbytes, push=plan.provider)
-        ctx.plan = plan
-        ctx.kept = keep
-        # Saved: the weights (dgrad) and what the weight gradient reads, the gathered input or the block.
-        ctx.save_for_backward(*weights, *(gathered if keep else xs))
-        return ys[0] if k == 1 else tuple(ys)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *dys):
-        plan = ctx.plan
-        return gathered_linear_backward(
-            ctx, dys, lambda blocks: plan.comm.start_gather(f"{_OP}.backward", blocks, plan.n),
-            lambda dys, weights_t: run_matmul_reduce_scatter(plan.comm, f"{_OP}.backward", dys, weights_t,
-                                                             [None] * plan.k, plan.n, plan.partial_dtype, plan.nbytes))
+#: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`): the backward is matmul_reduce_scatter's
+#: forward phase, the gathered input kept for the weight gradient or gathered again.
+PHASES = gathered_phases(
+    _OP,
+    lambda plan, op, xs, weights, biases, keep: run_all_gather_matmul(plan.comm, op, xs, weights, biases, plan.n, keep,
+                                                                       plan.nbytes, push=plan.provider),
+    lambda plan, op, blocks: plan.comm.start_gather(op, blocks, plan.n),
+    lambda plan, op, dys, weights_t: run_matmul_reduce_scatter(plan.comm, op, dys, weights_t, [None] * plan.k, plan.n,
+                                                               plan.partial_dtype, plan.nbytes))
 
 
 def _infer_n(P: Partition, rows: int) -> int:
@@ -175,6 +154,16 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     ``n``, ``K``, leading dims, dtype, bias presence and ``keep_gathered``;
     ``DISTFUSE_DEBUG=1`` checks).
     """
+    plan = all_gather_matmul_plan(x, weight, bias, P_sub, keep_gathered, n=n, partial_dtype=partial_dtype,
+                                  provider=provider)
+    return run_phases(PHASES, plan, [x], [weight], [bias])[0]
+
+
+def all_gather_matmul_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition,
+                           keep_gathered: bool = True, *, n: int | None = None,
+                           partial_dtype: torch.dtype | None = None, provider: str | None = None) -> _AGPlan:
+    """:func:`all_gather_matmul`'s checks and plan: what its phases run on (collective where the checks refuse,
+    see :mod:`distfuse.fused.agreement`)."""
     if not P_sub.active:
         raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
     W, r = P_sub.size, P_sub.rank
@@ -201,10 +190,8 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                                     keep_gathered=bool(keep_gathered), partial_dtype=str(partial_dtype),
                                     provider=provider),
                           info=dict(x=tuple(x.shape), weight=tuple(weight.shape)))
-    plan = _AGPlan(Comm(P=P_sub, device=x.device), 1, bias is not None, n, bool(keep_gathered), partial_dtype,
+    return _AGPlan(Comm(P=P_sub, device=x.device), 1, bias is not None, n, bool(keep_gathered), partial_dtype,
                    all_gather_matmul_workspace_bytes(B, n, K, W, x.dtype, partial_dtype), provider)
-    tensors = (x, weight) + ((bias,) if bias is not None else ())
-    return AllGatherMatmul.apply(plan, *tensors)
 
 
 def all_gather_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, keep_gathered: bool = True,
@@ -234,6 +221,4 @@ def all_gather_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, ke
     nbytes = all_gather_matmul_workspace_bytes(math.prod(x0.shape[:-2]), n, x0.shape[-1], W, x0.dtype, partial_dtype)
     plan = _AGPlan(Comm(loopback=ws), W, biases is not None, n, bool(keep_gathered), partial_dtype, nbytes,
                    _provider(provider, x0, n, weights[0].shape[0], W))
-    tensors = (*xs, *weights) + (tuple(biases) if biases is not None else ())
-    out = AllGatherMatmul.apply(plan, *tensors)
-    return [out] if W == 1 else list(out)
+    return run_phases(PHASES, plan, xs, weights, biases)

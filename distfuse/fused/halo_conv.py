@@ -55,16 +55,18 @@ from distfuse.fused.halo_staging import backward_messages, forward_messages
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.groups import world_group
 from distfuse.kernels.halo import halo_accumulate, halo_pack, halo_stage, halo_unstage
-from distfuse.primitives._common import collective_guard, exchange
+from distfuse.primitives._common import collective_guard, exchange, first_order_only
+from distfuse.primitives._handles import lookup
+from distfuse.primitives._op_pair import ordered
 
-__all__ = ["HaloConvFunction", "halo_conv"]
+__all__ = ["HaloConvFunction", "halo_conv", "fused_halo_conv", "implicit_requested", "check_implicit"]
 
 _OP = "halo_conv"
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 def _conv(nd: int, x, weight, bias, stride, dilation, groups):
-    """The staged conv; on CPU, 16-bit convs run in fp32 and round once (as ``layers._conv_block.conv_block``):
+    """The staged conv; on CPU, 16-bit convs run in fp32 and round once (as ``layers._conv_common.conv_block``):
     torch 2.13's oneDNN computes bf16 conv3d with a stride on the last axis wrongly on one thread."""
     if x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16):
         return _CONV[nd](x.float(), weight.float(), None if bias is None else bias.float(), stride, 0, dilation,
@@ -93,99 +95,209 @@ def _wait(works) -> None:
             w.wait()
 
 
+def _stage_conv(x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_of: Callable, groups: int,
+                overlap: bool, implicit: bool, keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward: ``(y, kept)``; ``kept`` is what the weight gradient reads (only with ``keep``): the staged
+    input, or the receive buffer on the implicit path (whose backward re-stages from it and ``x``)."""
+    nd = len(plan.axes)
+    lead = math.prod(x.shape[:-nd])
+    staged_shape = plan.staged_shape(index)
+    stride, dilation = [ax.stride for ax in plan.axes], [ax.dilation for ax in plan.axes]
+    send = halo_pack(x, plan, index)
+    recv = x.new_empty(sum(lead * math.prod(pc.src_shape) for pc in plan.recvs(index)))
+    sends, recvs = forward_messages(plan, index, world_of, lead, send, recv)
+    if implicit:
+        # No staged copy: the implicit-GEMM loader reads x, the receive buffer and the padding directly.
+        from distfuse.kernels.conv_implicit import conv_implicit
+
+        exchange(sends, recvs, op=_OP)
+        return conv_implicit(x, recv, weight, bias, plan, index, stride, dilation), (recv if keep else None)
+    if overlap:
+        works = _post(sends, recvs)
+        staged = halo_stage(x, recv, plan, index, region="local")
+        _wait(works)
+        halo_stage(x, recv, plan, index, out=staged, region="remote")
+    else:
+        exchange(sends, recvs, op=_OP)
+        staged = halo_stage(x, recv, plan, index)
+    if 0 in staged_shape:
+        y = x.new_zeros((x.shape[0], weight.shape[0]) + plan.output_shape(index))
+    else:
+        y = _conv(nd, staged, weight, bias, stride, dilation, groups)
+    # The weight gradient needs the staged input; keep it only then (it is the conv's own activation, the same
+    # memory the unfused HaloExchange + conv keeps).
+    return y, (staged if keep else None)
+
+
+def _stage_conv_adjoint(grad_y, x, kept, weight, plan: HaloPlan, index: tuple[int, ...], world_of: Callable,
+                        groups: int, overlap: bool, implicit: bool, has_bias: bool, x_shape,
+                        needs: Sequence[bool]) -> tuple:
+    """The backward: ``(dx, dw, db)`` where ``needs`` asks for them (None elsewhere).  ``x`` (implicit path
+    only) and ``kept`` are what :func:`_stage_conv` kept."""
+    nd = len(plan.axes)
+    staged_full_shape = tuple(x_shape[:2]) + plan.staged_shape(index)
+    staged = kept
+    if implicit:
+        staged = halo_stage(x, kept, plan, index) if kept is not None and 0 not in staged_full_shape else None
+    stride, dilation = [ax.stride for ax in plan.axes], [ax.dilation for ax in plan.axes]
+    need_x, need_w, need_b = needs[0], needs[1], needs[2] and has_bias
+    grad_y = grad_y.contiguous()
+    empty = 0 in staged_full_shape
+    bias_sizes = [weight.shape[0]] if has_bias else None
+
+    def conv_backward(want_x: bool, want_w: bool, want_b: bool):
+        if empty:
+            gs = grad_y.new_zeros(staged_full_shape) if want_x else None
+            gw = torch.zeros_like(weight) if want_w else None
+            gb = grad_y.new_zeros(weight.shape[0]) if want_b else None
+            return gs, gw, gb
+        # dgrad reads only the input's shape: a zero-stride expand allocates nothing (as torch.nn.grad does)
+        inp = staged if staged is not None else grad_y.new_empty(1).expand(staged_full_shape)
+        return torch.ops.aten.convolution_backward(grad_y, inp, weight, bias_sizes, stride, [0] * nd, dilation,
+                                                   False, [0] * nd, groups, [want_x, want_w, want_b])
+
+    if not need_x:
+        # No input gradient, no backward exchange: every worker of the grid sees the same requires_grad on x
+        # (the layers agree on it; their anchor stands in for a block that does not require grad).
+        _, gw, gb = conv_backward(False, need_w, need_b)
+        return None, gw, gb
+    lead = math.prod(staged_full_shape[:-nd])
+    incoming = grad_y.new_empty(sum(lead * math.prod(pc.src_shape) for _, pc in plan.sends(index)))
+    if overlap:
+        gs, _, _ = conv_backward(True, False, False)
+        gs = gs.contiguous()
+        send_back = halo_unstage(gs, plan, index, region="remote").send
+        works = _post(*backward_messages(plan, index, world_of, lead, send_back, incoming))
+        part = halo_unstage(gs, plan, index, region="local")
+        _, gw, gb = conv_backward(False, need_w, need_b) if (need_w or need_b) else (None, None, None)
+        _wait(works)
+    else:
+        gs, gw, gb = conv_backward(True, need_w, need_b)
+        part = halo_unstage(gs.contiguous(), plan, index)
+        exchange(*backward_messages(plan, index, world_of, lead, part.send, incoming), op=_OP + " (adjoint)")
+    return halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index), gw, gb
+
+
 class HaloConvFunction(torch.autograd.Function):
-    """Autograd Function of :func:`halo_conv` (arguments already checked there)."""
+    """The eager path of the fused halo convolution (arguments checked by the callers): :func:`_stage_conv` and
+    :func:`_stage_conv_adjoint`, the implementations ``distfuse::halo_conv`` runs too.  ``anchor`` (optional):
+    an empty tensor whose ``requires_grad`` makes the input gradient's exchange run (a block that does not
+    require grad while its peers' do)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_of: Callable, stride, dilation,
-                groups: int, overlap: bool, implicit: bool = False):
-        nd = len(plan.axes)
-        lead = math.prod(x.shape[:-nd])
-        staged_shape = plan.staged_shape(index)
-        send = halo_pack(x, plan, index)
-        recv = x.new_empty(sum(lead * math.prod(pc.src_shape) for pc in plan.recvs(index)))
-        sends, recvs = forward_messages(plan, index, world_of, lead, send, recv)
-        ctx.plan, ctx.index, ctx.world_of, ctx.overlap = plan, index, world_of, overlap
-        ctx.conv = (list(stride), [0] * nd, list(dilation), groups)
-        ctx.has_bias = bias is not None
-        ctx.staged_full_shape = (x.shape[0], x.shape[1]) + staged_shape
-        if implicit:
-            # No staged copy: the implicit-GEMM loader reads x, the receive buffer and the padding directly.
-            # The weight gradient needs the staged input, so backward re-stages it once (x and recv are kept).
-            from distfuse.kernels.conv_implicit import conv_implicit
-
-            exchange(sends, recvs, op=_OP)
-            y = conv_implicit(x, recv, weight, bias, plan, index, stride, dilation)
-            ctx.implicit = True
-            ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, recv if ctx.needs_input_grad[1] else None,
-                                  weight)
-            return y
-        ctx.implicit = False
-        if overlap:
-            works = _post(sends, recvs)
-            staged = halo_stage(x, recv, plan, index, region="local")
-            _wait(works)
-            halo_stage(x, recv, plan, index, out=staged, region="remote")
-        else:
-            exchange(sends, recvs, op=_OP)
-            staged = halo_stage(x, recv, plan, index)
-        if 0 in staged_shape:
-            y = x.new_zeros((x.shape[0], weight.shape[0]) + plan.output_shape(index))
-        else:
-            y = _conv(nd, staged, weight, bias, stride, dilation, groups)
-        # The weight gradient needs the staged input; keep it only then (it is the conv's own activation,
-        # the same memory the unfused HaloExchange + conv keeps).
-        ctx.save_for_backward(staged if ctx.needs_input_grad[1] else None, weight)
+    def forward(ctx, x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_of: Callable, groups: int,
+                overlap: bool, implicit: bool, anchor=None):
+        y, kept = _stage_conv(x, weight, bias, plan, index, world_of, groups, overlap, implicit,
+                              keep=ctx.needs_input_grad[1])
+        ctx.args = (plan, index, world_of, groups, overlap, implicit, bias is not None, tuple(x.shape))
+        ctx.save_for_backward(x if implicit and kept is not None else None, kept, weight)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        plan, index, world_of = ctx.plan, ctx.index, ctx.world_of
-        if ctx.implicit:
-            x, recv, weight = ctx.saved_tensors
-            staged = halo_stage(x, recv, plan, index) if x is not None and 0 not in ctx.staged_full_shape else None
-        else:
-            staged, weight = ctx.saved_tensors
-        stride, padding, dilation, groups = ctx.conv
-        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        need_b = need_b and ctx.has_bias
-        nd = len(plan.axes)
-        grad_y = grad_y.contiguous()
-        empty = 0 in ctx.staged_full_shape
-        bias_sizes = [weight.shape[0]] if ctx.has_bias else None
+        x, kept, weight = ctx.saved_tensors
+        n = ctx.needs_input_grad
+        grads = _stage_conv_adjoint(grad_y, x, kept, weight, *ctx.args, needs=(n[0] or n[-1], n[1], n[2]))
+        return grads + (None,) * 7
 
-        def conv_backward(want_x: bool, want_w: bool, want_b: bool):
-            if empty:
-                gs = grad_y.new_zeros(ctx.staged_full_shape) if want_x else None
-                gw = torch.zeros_like(weight) if want_w else None
-                gb = grad_y.new_zeros(weight.shape[0]) if want_b else None
-                return gs, gw, gb
-            # dgrad reads only the input's shape: a zero-stride expand allocates nothing (as torch.nn.grad does)
-            inp = staged if staged is not None else grad_y.new_empty(1).expand(ctx.staged_full_shape)
-            return torch.ops.aten.convolution_backward(grad_y, inp, weight, bias_sizes, stride, padding, dilation,
-                                                       False, [0] * nd, groups, [want_x, want_w, want_b])
 
-        if not need_x:
-            # No input gradient, no backward exchange: every worker of the grid sees the same requires_grad
-            # on x (as with the unfused HaloExchange, whose backward autograd would not run either).
-            _, gw, gb = conv_backward(False, need_w, need_b)
-            return None, gw, gb, None, None, None, None, None, None, None, None
-        lead = math.prod(ctx.staged_full_shape[:-nd])
-        incoming = grad_y.new_empty(sum(lead * math.prod(pc.src_shape) for _, pc in plan.sends(index)))
-        if ctx.overlap:
-            gs, _, _ = conv_backward(True, False, False)
-            gs = gs.contiguous()
-            send_back = halo_unstage(gs, plan, index, region="remote").send
-            works = _post(*backward_messages(plan, index, world_of, lead, send_back, incoming))
-            part = halo_unstage(gs, plan, index, region="local")
-            _, gw, gb = conv_backward(False, need_w, need_b) if (need_w or need_b) else (None, None, None)
-            _wait(works)
-        else:
-            gs, gw, gb = conv_backward(True, need_w, need_b)
-            part = halo_unstage(gs.contiguous(), plan, index)
-            exchange(*backward_messages(plan, index, world_of, lead, part.send, incoming), op=_OP + " (adjoint)")
-        grad_x = halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index)
-        return grad_x, gw, gb, None, None, None, None, None, None, None, None
+# ---------------------------------------------------------------- the fused path as a custom op
+#
+#     distfuse::halo_conv(x, weight, bias, handle, G, groups, overlap, implicit, keep, anchor) -> (y, kept)
+#     distfuse::halo_conv_backward(dy, x, kept, weight, handle, G, groups, overlap, implicit, has_bias, x_shape,
+#                                  needs)                                                       -> (dx, dw, db)
+#
+# ``handle`` names the layer's HaloExchange (its plan for ``G``, its partition); the second is the first's
+# registered backward, with no gradient of its own (first order only, as the eager path).  ``kept``: see
+# _stage_conv; ``keep`` is decided when the graph is traced (whether the weight needs its gradient).
+
+
+def _context(handle: int, global_shape):
+    halo = lookup(handle)
+    return halo.plan(tuple(global_shape)), tuple(halo.P_x.index[halo.P_x.dim - halo.nd:]), halo.world_of_fn()
+
+
+@torch.library.custom_op("distfuse::halo_conv", mutates_args=())
+def _halo_conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
+                  global_shape: list[int], groups: int, overlap: bool, implicit: bool, keep: bool,
+                  anchor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    y, kept = _stage_conv(x, weight, bias, *_context(handle, global_shape), groups, overlap, implicit, keep)
+    return y, (kept if kept is not None else x.new_empty(0))
+
+
+@_halo_conv_op.register_fake
+def _(x, weight, bias, handle, global_shape, groups, overlap, implicit, keep, anchor=None):
+    plan, index, _ = _context(handle, global_shape)
+    y = x.new_empty((x.shape[0], weight.shape[0]) + plan.output_shape(index))
+    if not keep:
+        return y, x.new_empty(0)
+    if implicit:
+        lead = math.prod(x.shape[:-len(plan.axes)])
+        return y, x.new_empty(sum(lead * math.prod(pc.src_shape) for pc in plan.recvs(index)))
+    return y, x.new_empty(tuple(x.shape[:2]) + plan.staged_shape(index))
+
+
+@torch.library.custom_op("distfuse::halo_conv_backward", mutates_args=())
+def _halo_conv_backward_op(grad_y: torch.Tensor, x: torch.Tensor, kept: torch.Tensor, weight: torch.Tensor,
+                           handle: int, global_shape: list[int], groups: int, overlap: bool, implicit: bool,
+                           has_bias: bool, x_shape: list[int], needs: list[bool]) -> list[torch.Tensor]:
+    plan, index, world_of = _context(handle, global_shape)
+    grads = _stage_conv_adjoint(grad_y, x if x.numel() else None, kept if kept.numel() else None, weight, plan, index,
+                                world_of, groups, overlap, implicit, has_bias, x_shape, needs)
+    return [g if g is not None else grad_y.new_empty(0) for g in grads]
+
+
+@_halo_conv_backward_op.register_fake
+def _(grad_y, x, kept, weight, handle, global_shape, groups, overlap, implicit, has_bias, x_shape, needs):
+    return [grad_y.new_empty(tuple(x_shape)) if needs[0] else grad_y.new_empty(0),
+            torch.empty_like(weight) if needs[1] else grad_y.new_empty(0),
+            weight.new_empty(weight.shape[0]) if needs[2] and has_bias else grad_y.new_empty(0)]
+
+
+def _setup(ctx, inputs, output):
+    x, weight, bias, handle, global_shape, groups, overlap, implicit, keep = inputs[:9]
+    ctx.args = (handle, list(global_shape), groups, overlap, implicit, bias is not None, list(x.shape))
+    ctx.save_for_backward(x if implicit and keep else x.new_empty(0), output[1], weight)
+
+
+def _backward(ctx, grad_y, _grad_kept):
+    x, kept, weight = ctx.saved_tensors
+    n = ctx.needs_input_grad
+    needs = [bool(n[0] or n[-1]), bool(n[1]), bool(n[2])]
+    dx, dw, db = _halo_conv_backward_op(grad_y, x, kept, weight, *ctx.args, needs)
+    return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None) + (None,) * 7
+
+
+_halo_conv_op.register_autograd(_backward, setup_context=_setup)
+ordered(_halo_conv_op, _halo_conv_backward_op)
+
+
+def fused_halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo, global_shape,
+                    groups: int, op: str, implicit: bool, anchor: torch.Tensor | None = None) -> torch.Tensor:
+    """The fused halo convolution of a layer's block in every mode: ``distfuse::halo_conv`` while compiling, else
+    :class:`HaloConvFunction` (the same implementations; no custom-op dispatch cost).
+
+    ``halo`` is the layer's :class:`~distfuse.primitives.halo_exchange.HaloExchange` (its plan
+    for ``global_shape`` is the convolution's), ``op`` the layer named in the refusal of a
+    second-order backward, ``implicit`` the implicit-GEMM forward (the layer reads
+    ``DISTFUSE_HALO_CONV`` in eager calls), ``anchor`` as in the op pairs.  The block is
+    made contiguous (the kernels index NCHW blocks).
+    """
+    x = x.contiguous()
+    overlap = x.is_cuda
+    if torch.compiler.is_compiling():
+        keep = weight.requires_grad and torch.is_grad_enabled()
+        return _halo_conv_op(x, weight, bias, halo.handle, [int(n) for n in global_shape], groups, overlap, implicit,
+                             keep, anchor)[0]
+    plan, index, world_of = _context(halo.handle, global_shape)
+    y = HaloConvFunction.apply(x, weight, bias, plan, index, world_of, groups, overlap, implicit, anchor)
+    return first_order_only(y, op, "the fused halo convolution (the unfused path, DISTFUSE_PATH=unfused, computes "
+                                   "them exactly)")
+
+
+def implicit_requested() -> bool:
+    """Whether ``DISTFUSE_HALO_CONV=implicit`` asks the fused path for the implicit-GEMM forward."""
+    return os.environ.get("DISTFUSE_HALO_CONV", "staged").strip().lower() == "implicit"
 
 
 def _as_tuple(op: str, v, nd: int, name: str) -> tuple[int, ...]:
@@ -255,9 +367,14 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     if overlap is None:
         overlap = x.is_cuda
     if implicit is None:
-        implicit = os.environ.get("DISTFUSE_HALO_CONV", "staged").strip().lower() == "implicit"
-    if implicit and (groups != 1 or x.dtype not in (torch.float32, torch.float16, torch.bfloat16)):
+        implicit = implicit_requested()
+    check_implicit(implicit, groups, x.dtype)
+    return HaloConvFunction.apply(x.contiguous(), weight, bias, plan, index, world_of, groups, bool(overlap),
+                                  bool(implicit))
+
+
+def check_implicit(implicit: bool, groups: int, dtype: torch.dtype) -> None:
+    """Refuse what the implicit-GEMM convolution does not support (:class:`UnsupportedError`)."""
+    if implicit and (groups != 1 or dtype not in (torch.float32, torch.float16, torch.bfloat16)):
         raise UnsupportedError(f"{where(_OP)}: the implicit-GEMM convolution supports groups=1 and fp32/fp16/bf16, "
-                               f"got groups={groups}, dtype={x.dtype}; use the staged path")
-    return HaloConvFunction.apply(x.contiguous(), weight, bias, plan, index, world_of, plan_stride, plan_dilation,
-                                  groups, bool(overlap), bool(implicit))
+                               f"got groups={groups}, dtype={dtype}; use the staged path")

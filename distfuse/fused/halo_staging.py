@@ -3,9 +3,9 @@
 :func:`forward_messages` / :func:`backward_messages` pair the flat send and receive
 buffers of the halo kernels (``kernels/halo.py``) with their peers, box by box in the
 plan's order, so a fused worker sends the same bytes, in the same order, as the
-unfused ``HaloExchange`` and the two can talk.  :class:`HaloStagingFunction` is the
-fused halo convolution's staging without the convolution, for layers that stage a
-window and then run something else on it (pooling, upsampling).
+unfused ``HaloExchange`` and the two can talk.  :data:`halo_staging` (an op pair, see
+below) is the fused halo convolution's staging without the convolution, for layers that
+stage a window and then run something else on it (pooling, upsampling).
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.kernels.halo import halo_accumulate, halo_pack, halo_stage, halo_unstage
 from distfuse.kernels.halo_tables import box_offsets
 from distfuse.primitives._common import exchange
+from distfuse.primitives._op_pair import op_pair
+from distfuse.primitives.halo_exchange import halo_geometry
 
-__all__ = ["message_views", "forward_messages", "backward_messages", "HaloStagingFunction"]
+__all__ = ["message_views", "forward_messages", "backward_messages", "halo_staging", "halo_staging_adjoint"]
 
 
 def message_views(buf: torch.Tensor, shapes: Sequence[Sequence[int]], lead: int) -> list[torch.Tensor]:
@@ -46,31 +48,50 @@ def backward_messages(plan: HaloPlan, index, world_of, lead, send_back: torch.Te
     return fwd_s, fwd_r
 
 
-class HaloStagingFunction(torch.autograd.Function):
-    """The fused halo staging (Triton pack / stage / unstage / accumulate), without a convolution.
+# ---------------------------------------------------------------- the fused staging as an op pair
+#
+#     distfuse::halo_staging(x [B, C, *n], handle, global_shape)                 -> staged [B, C, *L] (contiguous)
+#     distfuse::halo_staging_adjoint(g [B, C, *L], handle, global_shape, x_shape) -> dx [B, C, *n]  (contiguous)
+#
+# The fused halo convolution's staging without the convolution (Triton pack / stage / unstage / accumulate), for
+# layers that stage a window and then run something else on it (pooling, upsampling): positions outside the domain
+# are zero (the layers fill them afterwards).  ``handle`` names the same context as the unfused pair
+# (``primitives.halo_exchange.PlanHalo``), so the paths are interchangeable, compiled calls included.  The
+# messages are those of the unfused exchange, in the plan's order.  Each op's backward is the other (staging is
+# linear), so gradients of any order are exact.
 
-    ``x [B, C, *n] -> staged [B, C, *plan.staged_shape(index)]``, positions outside the
-    domain zero (the pooling layers fill them afterwards, outside this Function).  The
-    messages are those of the unfused exchange, in the plan's order, so a fused worker
-    could talk to an unfused one.  Adjoint: unstage, the reversed messages, accumulate.
-    """
 
-    @staticmethod
-    def forward(ctx, x, plan: HaloPlan, index, world_of, op: str):
-        nd = len(plan.axes)
-        lead = math.prod(x.shape[:-nd])
-        send = halo_pack(x, plan, index)
-        recv = x.new_empty(sum(lead * math.prod(pc.src_shape) for pc in plan.recvs(index)))
-        exchange(*forward_messages(plan, index, world_of, lead, send, recv), op=op)
-        staged = halo_stage(x, recv, plan, index)
-        ctx.plan, ctx.index, ctx.world_of, ctx.lead, ctx.op = plan, index, world_of, lead, op
-        return staged
+def _staging(x: torch.Tensor, handle: int, global_shape: list[int]) -> torch.Tensor:
+    """Pack, one round, one staging pass (the kernels index NCHW blocks: ``x`` is made contiguous)."""
+    halo, plan, index = halo_geometry(handle, global_shape)
+    x = x.contiguous()
+    lead = math.prod(x.shape[:-len(plan.axes)])
+    send = halo_pack(x, plan, index)
+    recv = x.new_empty(sum(lead * math.prod(pc.src_shape) for pc in plan.recvs(index)))
+    exchange(*forward_messages(plan, index, halo.world_of_fn(), lead, send, recv), op=halo._op)
+    return halo_stage(x, recv, plan, index)
 
-    @staticmethod
-    def backward(ctx, grad):
-        plan, index, lead = ctx.plan, ctx.index, ctx.lead
-        part = halo_unstage(grad.contiguous(), plan, index)
-        incoming = grad.new_empty(sum(lead * math.prod(pc.src_shape) for _, pc in plan.sends(index)))
-        exchange(*backward_messages(plan, index, ctx.world_of, lead, part.send, incoming), op=ctx.op + " (adjoint)")
-        grad_x = halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index)
-        return grad_x, None, None, None, None
+
+def _staging_fake(x, handle, global_shape):
+    _, plan, index = halo_geometry(handle, global_shape)
+    return x.new_empty(tuple(x.shape[:-len(plan.axes)]) + plan.staged_shape(index))
+
+
+def _staging_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], x_shape: list[int]) -> torch.Tensor:
+    """Unstage, the reversed messages, accumulate: ``[x_shape]``."""
+    halo, plan, index = halo_geometry(handle, global_shape)
+    lead = math.prod(x_shape[:-len(plan.axes)])
+    part = halo_unstage(grad.contiguous(), plan, index)
+    incoming = grad.new_empty(sum(lead * math.prod(pc.src_shape) for _, pc in plan.sends(index)))
+    exchange(*backward_messages(plan, index, halo.world_of_fn(), lead, part.send, incoming), op=f"{halo._op} (adjoint)")
+    return halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index)
+
+
+def _staging_adjoint_fake(grad, handle, global_shape, x_shape):
+    return grad.new_empty(tuple(x_shape))
+
+
+halo_staging, halo_staging_adjoint = op_pair(
+    "halo_staging", _staging, _staging_fake, _staging_adjoint, _staging_adjoint_fake,
+    adjoint_args=lambda x, handle, G: (handle, list(G), list(x.shape)),
+    forward_args=lambda g, handle, G, x_shape: (handle, list(G)))

@@ -63,13 +63,12 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 import distfuse.kernels.matmul_all_reduce as all_reduce_kernels
 from distfuse import debug
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
 from distfuse.fused.agreement import refusal
-from distfuse.fused.matmul_common import Comm, check_linear_args, flat_rows, require_available
+from distfuse.fused.matmul_common import Comm, Phases, check_linear_args, flat_rows, require_available, run_phases
 from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_all_reduce
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.kernels._utils import FLOAT_DTYPES
@@ -78,8 +77,9 @@ from distfuse.kernels.signature import SCATTER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = [
-    "MatmulAllReduce",
+    "PHASES",
     "matmul_all_reduce",
+    "matmul_all_reduce_plan",
     "matmul_all_reduce_loopback",
     "matmul_all_reduce_workspace_bytes",
     "pick_algorithm",
@@ -131,51 +131,35 @@ class _Plan(NamedTuple):
     nbytes: int
 
 
-class MatmulAllReduce(torch.autograd.Function):
-    """Autograd Function of :func:`matmul_all_reduce` (and its loopback form); see the module doc.
+def _forward(plan: _Plan, needs, xs, weights, biases):
+    return run_matmul_all_reduce(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.algorithm,
+                                 plan.partial_dtype, plan.nbytes), []
 
-    ``apply(plan, *xs, *weights, *biases)``: k inputs and weights, then the biases of the
-    ranks listed in ``plan.bias_at``.
-    """
 
-    @staticmethod
-    def forward(ctx, plan: _Plan, *tensors):
-        k = plan.k
-        xs, weights, given = tensors[:k], tensors[k:2 * k], list(tensors[2 * k:])
-        biases = [given.pop(0) if i in plan.bias_at else None for i in range(k)]
-        ys = run_matmul_all_reduce(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.algorithm,
-                                   plan.partial_dtype, plan.nbytes)
-        ctx.plan = plan
-        ctx.save_for_backward(*xs, *weights)
-        return ys[0] if k == 1 else tuple(ys)
+def _backward(plan: _Plan, needs, xs, weights, biases, extras, dys):
+    comm = plan.comm
+    need_dx, need_dw, _ = needs
+    gs = [flat_rows(dy) for dy in dys]
+    if plan.grad_output == "sum" and comm.world_size > 1:
+        # g = all_reduce(dy) = all_gather_N(reduce_scatter_N(dy)).  The reduce-scatter half is a plain
+        # collective (fp32, one rounding: dy arrives whole, no GEMM precedes it); the all-gather half is the
+        # forward phase of all_gather_features_matmul with W_r.t() [K_r, N] as the operand: dx_r = g @ W_r
+        # reads g's column chunks as they land, and the gathered g comes back for dW and db.  Every rank runs
+        # both halves whatever it needs (they are collective); copies, never dy itself.
+        hs = comm.reduce_scatter(gs, -1, gs[0].shape[1], torch.float32)
+        dxs, gs = run_all_gather_features_matmul(comm, f"{_OP}.backward", hs, [w.t() for w in weights],
+                                                 [None] * plan.k, True, plan.nbytes)
+        dxs = [dx.view(x.shape) if need_dx else None for dx, x in zip(dxs, xs, strict=True)]
+    else:
+        # grad_output="replicated" (or one rank): every rank's dy is already the whole gradient, nothing moves.
+        dxs = [(g @ w).view(x.shape) if need_dx else None for g, w, x in zip(gs, weights, xs, strict=True)]
+    dws = [g.t() @ flat_rows(x) if need_dw else None for g, x in zip(gs, xs, strict=True)]
+    dbs = [g.sum(0) if b is not None else None for g, b in zip(gs, biases, strict=True)]
+    return dxs, dws, dbs
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *dys):
-        plan = ctx.plan
-        k, comm = plan.k, plan.comm
-        saved = ctx.saved_tensors
-        xs, weights = saved[:k], saved[k:]
-        needs = ctx.needs_input_grad[1:]
-        gs = [flat_rows(dy) for dy in dys]
-        if plan.grad_output == "sum" and comm.world_size > 1:
-            # g = all_reduce(dy) = all_gather_N(reduce_scatter_N(dy)).  The reduce-scatter half is a plain
-            # collective (fp32, one rounding: dy arrives whole, no GEMM precedes it); the all-gather half is the
-            # forward phase of all_gather_features_matmul with W_r.t() [K_r, N] as the operand: dx_r = g @ W_r
-            # reads g's column chunks as they land, and the gathered g comes back for dW and db.  Every rank runs
-            # both halves whatever it needs (they are collective); copies, never dy itself.
-            hs = comm.reduce_scatter(gs, -1, gs[0].shape[1], torch.float32)
-            dxs, gs = run_all_gather_features_matmul(comm, f"{_OP}.backward", hs, [w.t() for w in weights],
-                                                     [None] * k, True, plan.nbytes)
-            dxs = [dx.view(x.shape) if needs[i] else None for i, (dx, x) in enumerate(zip(dxs, xs, strict=True))]
-        else:
-            # grad_output="replicated" (or one rank): every rank's dy is already the whole gradient, nothing moves.
-            dxs = [(g @ w).view(x.shape) if needs[i] else None
-                   for i, (g, w, x) in enumerate(zip(gs, weights, xs, strict=True))]
-        dws = [g.t() @ flat_rows(x) if needs[k + i] else None
-               for i, (g, x) in enumerate(zip(gs, xs, strict=True))]
-        dbs = [gs[i].sum(0) for i in plan.bias_at]
-        return (None, *dxs, *dws, *dbs)
+
+#: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`).
+PHASES = Phases(_forward, _backward)
 
 
 def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition, *,
@@ -202,6 +186,16 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     worker passes the same rows, ``N``, dtype, ``grad_output`` and ``algorithm``
     (``DISTFUSE_DEBUG=1`` checks).
     """
+    plan = matmul_all_reduce_plan(x, weight, bias, P_sub, grad_output=grad_output, algorithm=algorithm,
+                                  partial_dtype=partial_dtype)
+    return run_phases(PHASES, plan, [x], [weight], [bias])[0]
+
+
+def matmul_all_reduce_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition, *,
+                           grad_output: str = "sum", algorithm: str = "auto",
+                           partial_dtype: torch.dtype | None = None) -> _Plan:
+    """:func:`matmul_all_reduce`'s checks and plan: what its phases run on (collective where the checks refuse,
+    see :mod:`distfuse.fused.agreement`)."""
     if not P_sub.active:
         raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
     W = P_sub.size
@@ -222,9 +216,8 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                           same=dict(rows=rows, N=N, dtype=str(x.dtype), grad_output=grad_output, algorithm=algorithm,
                                     partial_dtype=str(partial_dtype)),
                           info=dict(x=tuple(x.shape), bias=bias is not None))
-    plan = _Plan(Comm(P=P_sub, device=x.device), 1, (0,) if bias is not None else (), algorithm, grad_output,
+    return _Plan(Comm(P=P_sub, device=x.device), 1, (0,) if bias is not None else (), algorithm, grad_output,
                  partial_dtype, matmul_all_reduce_workspace_bytes(rows, N, W, x.dtype, algorithm, partial_dtype))
-    return MatmulAllReduce.apply(plan, x, weight, *((bias,) if bias is not None else ()))
 
 
 def matmul_all_reduce_loopback(xs, weights, bias: torch.Tensor | None, ws: LoopbackWorkspace, *,
@@ -250,5 +243,4 @@ def matmul_all_reduce_loopback(xs, weights, bias: torch.Tensor | None, ws: Loopb
     algorithm = pick_algorithm(rows, N, x0.dtype, algorithm)
     plan = _Plan(Comm(loopback=ws), W, (0,) if bias is not None else (), algorithm, grad_output, partial_dtype,
                  matmul_all_reduce_workspace_bytes(rows, N, W, x0.dtype, algorithm, partial_dtype))
-    out = MatmulAllReduce.apply(plan, *xs, *weights, *((bias,) if bias is not None else ()))
-    return [out] if W == 1 else list(out)
+    return run_phases(PHASES, plan, xs, weights, [bias] + [None] * (W - 1))

@@ -4,15 +4,20 @@
 a loopback workspace) and holds the plain collectives the fused ops fall back on;
 :class:`RowGather` / :class:`ColumnGather` carry a gathered operand from the forward to
 the backward.  The phases that launch the kernels are in
-:mod:`distfuse.fused.matmul_phases`.
+:mod:`distfuse.fused.matmul_phases`; each fused op's autograd is its two phases
+(:class:`Phases`), run eagerly by :func:`run_phases` and compiled as a custom op pair
+(:mod:`distfuse.ops.fused_linear`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.autograd.function import once_differentiable
 
 import distfuse.kernels.all_gather_features_matmul as ag_features_kernels
 import distfuse.kernels.all_gather_matmul as all_gather_kernels
@@ -29,7 +34,7 @@ from distfuse.partition import Partition
 
 __all__ = ["fused_linear_available", "require_available", "check_linear_args", "workspace_bytes",
            "features_workspace_bytes", "Comm", "Done", "RowGather", "ColumnGather", "reduce_scatter_dim",
-           "split_inputs", "grads_needed", "flat_rows", "gathered_linear_backward"]
+           "Phases", "run_phases", "no_grads", "flat_rows", "gathered_phases"]
 
 
 def fused_linear_available(P_sub: Partition, device=None, dtype: torch.dtype | None = None) -> tuple[bool, str]:
@@ -287,15 +292,68 @@ class ColumnGather:
         return [g.t().reshape(*self.lead, self.K)]
 
 
-def split_inputs(tensors, k: int, has_bias: bool):
-    """``(xs, weights, biases)`` of a Function's flat inputs; ``biases`` is k Nones without a bias."""
-    return tensors[:k], tensors[k:2 * k], tensors[2 * k:3 * k] if has_bias else (None,) * k
+class Phases(NamedTuple):
+    """A fused op's autograd, as its two phases (one tensor of each kind per rank the process launches)::
+
+        forward(plan, needs, xs, weights, biases)                -> (ys, extras)
+        backward(plan, needs, xs, weights, biases, extras, dys)  -> (dxs, dweights, dbiases)
+
+    ``needs`` is ``(dx, dweight, dbias)``: which gradients the call wants (a phase keeps and
+    moves only what they need); ``biases`` holds None for a rank without one; ``extras``
+    are the new tensors the forward keeps for the backward (the gathered input), and the
+    backward gets the inputs besides.  :func:`run_phases` makes them one eager autograd
+    call; :mod:`distfuse.ops.fused_linear` makes them a custom op and its backward op, so
+    eager and compiled calls launch the same kernels.
+    """
+
+    forward: Callable
+    backward: Callable
 
 
-def grads_needed(needs_input_grad, k: int, has_bias: bool) -> tuple[bool, bool, bool]:
-    """``(dx, dweight, dbias)`` wanted, from ``ctx.needs_input_grad`` (the plan's entry first)."""
-    needs = needs_input_grad[1:]
-    return any(needs[:k]), any(needs[k:2 * k]), has_bias and any(needs[2 * k:3 * k])
+class _PhasesFunction(torch.autograd.Function):
+    """``apply(phases, plan, k, bias_at, *xs, *weights, *biases at bias_at)``; first-order (the phases' backward
+    has no gradient of its own)."""
+
+    @staticmethod
+    def forward(ctx, phases: Phases, plan, k: int, bias_at: tuple, *tensors):
+        xs, weights, biases = _split(tensors, k, bias_at)
+        needs = ctx.needs_input_grad[4:]
+        ctx.needs = (any(needs[:k]), any(needs[k:2 * k]), any(needs[2 * k:]))
+        ys, extras = phases.forward(plan, ctx.needs, xs, weights, biases)
+        ctx.phases, ctx.plan, ctx.k, ctx.bias_at = phases, plan, k, bias_at
+        ctx.save_for_backward(*tensors, *extras)
+        return ys[0] if k == 1 else tuple(ys)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *dys):
+        k, bias_at = ctx.k, ctx.bias_at
+        saved = ctx.saved_tensors
+        n = 2 * k + len(bias_at)
+        xs, weights, biases = _split(saved[:n], k, bias_at)
+        dxs, dws, dbs = ctx.phases.backward(ctx.plan, ctx.needs, xs, weights, biases, list(saved[n:]),
+                                            [dy.contiguous() for dy in dys])
+        return (None, None, None, None, *dxs, *dws, *(dbs[i] for i in bias_at))
+
+
+def _split(tensors, k: int, bias_at: tuple) -> tuple[list, list, list]:
+    given = dict(zip(bias_at, tensors[2 * k:], strict=True))
+    return list(tensors[:k]), list(tensors[k:2 * k]), [given.get(i) for i in range(k)]
+
+
+def run_phases(phases: Phases, plan, xs, weights, biases) -> list[torch.Tensor]:
+    """The fused op's outputs, one per rank launched, autograd-aware (``biases``: None or a bias per rank, None
+    where a rank has none)."""
+    k = len(xs)
+    biases = list(biases) if biases is not None else [None] * k
+    bias_at = tuple(i for i, b in enumerate(biases) if b is not None)
+    out = _PhasesFunction.apply(phases, plan, k, bias_at, *xs, *weights, *(biases[i] for i in bias_at))
+    return [out] if k == 1 else list(out)
+
+
+def no_grads(k: int) -> tuple[list, list, list]:
+    """``(dxs, dweights, dbiases)`` all None: what a backward fills in as ``needs`` asks."""
+    return [None] * k, [None] * k, [None] * k
 
 
 def flat_rows(t: torch.Tensor) -> torch.Tensor:
@@ -303,28 +361,33 @@ def flat_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: ambiguous when F is 0
 
 
-def gathered_linear_backward(ctx, dys, start_gather, dgrad) -> tuple:
-    """The backward of an all-gather + GEMM op (sequence or feature form), given its two collectives.
+def gathered_phases(op: str, forward: Callable, regather: Callable, dgrad: Callable) -> Phases:
+    """The :class:`Phases` of an all-gather + GEMM op (sequence or feature form), given its collectives.
 
-    ``ctx`` saved the weights and either the gathered inputs (``ctx.kept``) or the blocks;
-    ``start_gather(blocks)`` starts gathering the blocks again (a pending ``.wait()``),
-    issued before the dgrad so that on CUDA the two overlap; ``dgrad(dys, weights_t)`` is
-    the op's mirror (GEMM + reduce-scatter with ``W.t()`` as the operand).  Then
-    ``dW = dy^T @ gathered`` and ``db = sum(dy)``.  Returns the gradients in the
-    Function's argument order ``(plan, *xs, *weights, *biases)``.
+    ``forward(plan, op, xs, weights, biases, keep) -> (ys, gathered)`` is the fused forward
+    phase; it keeps the gathered inputs for the weight gradient when ``plan.keep_gathered``
+    and the call wants it.  The backward: ``regather(plan, op, blocks)`` starts gathering the
+    input blocks again where none were kept (a pending ``.wait()``, issued before the
+    dgrad so that on CUDA the two overlap); ``dgrad(plan, op, dys, weights_t)`` is the op's
+    mirror (GEMM + reduce-scatter with ``W.t()`` as the operand); then
+    ``dW = dy^T @ gathered`` and ``db = sum(dy)``.
     """
-    plan = ctx.plan
-    k = plan.k
-    saved = ctx.saved_tensors
-    weights, inputs = saved[:k], saved[k:]
-    need_dx, need_dw, need_db = grads_needed(ctx.needs_input_grad, k, plan.has_bias)
-    dys = [dy.contiguous() for dy in dys]
-    dxs, dws, dbs = [None] * k, [None] * k, [None] * k
-    gather = (Done(inputs) if ctx.kept else start_gather(inputs)) if need_dw else None
-    if need_dx:
-        dxs = dgrad(dys, [w.t() for w in weights])
-    if need_dw:
-        dws = [flat_rows(dy).t() @ flat_rows(g) for dy, g in zip(dys, gather.wait(), strict=True)]
-    if need_db:
-        dbs = [flat_rows(dy).sum(0) for dy in dys]
-    return (None, *dxs, *dws, *(dbs if plan.has_bias else ()))
+
+    def forward_phase(plan, needs, xs, weights, biases):
+        keep = plan.keep_gathered and needs[1]
+        ys, gathered = forward(plan, f"{op}.forward", xs, weights, biases, keep)
+        return ys, list(gathered) if keep else []
+
+    def backward_phase(plan, needs, xs, weights, biases, extras, dys):
+        need_dx, need_dw, need_db = needs
+        dxs, dws, dbs = no_grads(len(dys))
+        gather = (Done(extras) if extras else regather(plan, f"{op}.backward", xs)) if need_dw else None
+        if need_dx:
+            dxs = dgrad(plan, f"{op}.backward", dys, [w.t() for w in weights])
+        if need_dw:
+            dws = [flat_rows(dy).t() @ flat_rows(g) for dy, g in zip(dys, gather.wait(), strict=True)]
+        if need_db:
+            dbs = [flat_rows(dy).sum(0) for dy in dys]
+        return dxs, dws, dbs
+
+    return Phases(forward_phase, backward_phase)

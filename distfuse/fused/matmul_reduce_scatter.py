@@ -69,7 +69,6 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 from distfuse import debug
@@ -77,12 +76,13 @@ from distfuse.errors import PartitionError, UnsupportedError, expect, where
 from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
+    Phases,
     check_linear_args,
     flat_rows,
     fused_linear_available,
-    grads_needed,
+    no_grads,
     require_available,
-    split_inputs,
+    run_phases,
     workspace_bytes,
 )
 from distfuse.fused.matmul_phases import (
@@ -91,16 +91,18 @@ from distfuse.fused.matmul_phases import (
     run_matmul_reduce_scatter,
     scatter_signature,
 )
-from distfuse.fused.providers import check_provider, run_producer, select_provider
+from distfuse.fused.providers import check_provider, record_kernel, run_producer, select_provider
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
+from distfuse.kernels.matmul_scatter_select import KernelChoice
 from distfuse.kernels.signature import SCATTER_FLAGS, check_signatures, consumer_flags, publish_signature
 from distfuse.partition import Partition
 
 __all__ = [
-    "MatmulReduceScatter",
+    "PHASES",
     "matmul_reduce_scatter",
+    "matmul_reduce_scatter_plan",
     "matmul_reduce_scatter_loopback",
     "matmul_reduce_scatter_workspace_bytes",
     "fused_linear_available",
@@ -139,6 +141,9 @@ def _run_forward(plan: _RSPlan, op: str, xs, weights, biases) -> list[torch.Tens
     """The forward phase with the plan's producer; ``chunk_reduce`` consumes whichever produced the slots."""
     comm = plan.comm
     if plan.provider == "triton" or comm.world_size == 1:
+        # The kernel that runs is recorded like run_producer's (last_kernel): one world has no producer at all.
+        record_kernel(_OP, KernelChoice(plan.provider, "matmul_scatter", "one program per tile, pointer loads")
+                      if comm.world_size > 1 else KernelChoice(plan.provider, "F.linear", "world size 1: a local GEMM"))
         return run_matmul_reduce_scatter(comm, op, xs, weights, biases, plan.n, plan.partial_dtype, plan.nbytes)
     W, n = comm.world_size, plan.n
     ws = comm.workspace(op, plan.nbytes, SCATTER_FLAGS)
@@ -174,46 +179,32 @@ def _provider(provider: str | None, x: torch.Tensor, N: int, W: int) -> str:
     return select_provider(_OP, shapes, x.dtype, W, _device_name(x.device))
 
 
-class MatmulReduceScatter(torch.autograd.Function):
-    """Autograd Function of :func:`matmul_reduce_scatter` (and its loopback form); see the module doc.
+def _forward(plan: _RSPlan, needs, xs, weights, biases):
+    return _run_forward(plan, f"{_OP}.forward", xs, weights, biases), []
 
-    ``apply(plan, *xs, *weights, *biases)``: one tensor of each kind per rank this process
-    launches (one on a real group, W in loopback).  Use the functional forms.
-    """
 
-    @staticmethod
-    def forward(ctx, plan: _RSPlan, *tensors):
-        k = plan.k
-        xs, weights, biases = split_inputs(tensors, k, plan.has_bias)
-        ys = _run_forward(plan, f"{_OP}.forward", xs, weights, biases)
-        ctx.plan = plan
-        ctx.save_for_backward(*xs, *weights)
-        return ys[0] if k == 1 else tuple(ys)
+def _backward(plan: _RSPlan, needs, xs, weights, biases, extras, dys):
+    comm = plan.comm
+    need_dx, need_dw, need_db = needs
+    dxs, dws, dbs = no_grads(plan.k)
+    if need_dx or need_dw:
+        # dx = all_gather(dy) @ W; the kernel hands back the gathered dy for the weight gradient.
+        dxs_all, gathered = run_all_gather_matmul(comm, f"{_OP}.backward", dys, [w.t() for w in weights],
+                                                  [None] * plan.k, plan.n, need_dw, plan.nbytes)
+        if need_dx:
+            dxs = dxs_all
+        if need_dw:
+            dws = [flat_rows(g).t() @ flat_rows(x) for g, x in zip(gathered, xs, strict=True)]
+    if need_db:
+        if plan.bias_grad == "sum":
+            dbs = [comm.all_reduce_(flat_rows(dy).sum(0, dtype=torch.float32)).to(dy.dtype) for dy in dys]
+        else:
+            dbs = [flat_rows(dy).sum(0) for dy in dys]
+    return dxs, dws, dbs
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *dys):
-        plan = ctx.plan
-        k, comm = plan.k, plan.comm
-        saved = ctx.saved_tensors
-        xs, weights = saved[:k], saved[k:]
-        need_dx, need_dw, need_db = grads_needed(ctx.needs_input_grad, k, plan.has_bias)
-        dys = [dy.contiguous() for dy in dys]
-        dxs, dws, dbs = [None] * k, [None] * k, [None] * k
-        if need_dx or need_dw:
-            # dx = all_gather(dy) @ W; the kernel hands back the gathered dy for the weight gradient.
-            dxs_all, gathered = run_all_gather_matmul(comm, f"{_OP}.backward", dys, [w.t() for w in weights],
-                                                      [None] * k, plan.n, need_dw, plan.nbytes)
-            if need_dx:
-                dxs = dxs_all
-            if need_dw:
-                dws = [flat_rows(g).t() @ flat_rows(x) for g, x in zip(gathered, xs, strict=True)]
-        if need_db:
-            if plan.bias_grad == "sum":
-                dbs = [comm.all_reduce_(flat_rows(dy).sum(0, dtype=torch.float32)).to(dy.dtype) for dy in dys]
-            else:
-                dbs = [flat_rows(dy).sum(0) for dy in dys]
-        return (None, *dxs, *dws, *(dbs if plan.has_bias else ()))
+
+#: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`).
+PHASES = Phases(_forward, _backward)
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition, *,
@@ -244,6 +235,16 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     Collective over ``P_sub`` in forward and backward (every rank calls it with the same
     ``n``, ``N``, leading dims, dtype and bias presence; ``DISTFUSE_DEBUG=1`` checks).
     """
+    plan = matmul_reduce_scatter_plan(x, weight, bias, P_sub, partial_dtype=partial_dtype, bias_grad=bias_grad,
+                                      provider=provider)
+    return run_phases(PHASES, plan, [x], [weight], [bias])[0]
+
+
+def matmul_reduce_scatter_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition,
+                               *, partial_dtype: torch.dtype | None = None, bias_grad: str = "partial",
+                               provider: str | None = None) -> _RSPlan:
+    """:func:`matmul_reduce_scatter`'s checks and plan: what its phases run on (collective where the checks
+    refuse, see :mod:`distfuse.fused.agreement`)."""
     if not P_sub.active:
         raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
     W = P_sub.size
@@ -263,10 +264,8 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
                           same=dict(n=n, N=N, lead=tuple(x.shape[:-2]), dtype=str(x.dtype), bias=bias is not None,
                                     partial_dtype=str(partial_dtype), bias_grad=bias_grad, provider=provider),
                           info=dict(x=tuple(x.shape)))
-    plan = _RSPlan(Comm(P=P_sub, device=x.device), 1, bias is not None, n, partial_dtype, bias_grad,
+    return _RSPlan(Comm(P=P_sub, device=x.device), 1, bias is not None, n, partial_dtype, bias_grad,
                    matmul_reduce_scatter_workspace_bytes(B, n, N, W, x.dtype, partial_dtype), provider)
-    tensors = (x, weight) + ((bias,) if bias is not None else ())
-    return MatmulReduceScatter.apply(plan, *tensors)
 
 
 def matmul_reduce_scatter_loopback(xs, weights, bias: torch.Tensor | None, ws: LoopbackWorkspace, *,
@@ -295,6 +294,4 @@ def matmul_reduce_scatter_loopback(xs, weights, bias: torch.Tensor | None, ws: L
     plan = _RSPlan(Comm(loopback=ws), W, bias is not None, n, partial_dtype, "partial",
                    matmul_reduce_scatter_workspace_bytes(math.prod(x0.shape[:-2]), n, N, W, x0.dtype, partial_dtype),
                    _provider(provider, x0, N, W))
-    tensors = (*xs, *weights) + ((bias,) * W if bias is not None else ())
-    out = MatmulReduceScatter.apply(plan, *tensors)
-    return [out] if W == 1 else list(out)
+    return run_phases(PHASES, plan, xs, weights, [bias] * W if bias is not None else None)

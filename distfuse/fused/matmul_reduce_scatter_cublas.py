@@ -12,9 +12,9 @@ The GEMM is cuBLAS on CUDA (any shape it is fast at, tensor cores for 16-bit and
 so this provider wins where the Triton GEMMs lose to the library (small chunks, shapes
 the pinned tiles fit badly); its cost is W launches and no overlap of a chunk's GEMM
 with its own stores (the next chunk's GEMM overlaps them).  The slot view is the owner's
-memory, addressed through the workspace's peer table: on CUDA the symmetric-memory
-mapping (``__cuda_array_interface__`` over the peer address), on CPU the ``/dev/shm``
-mapping (or the loopback buffer) of this process.
+memory (:mod:`distfuse.fused.peer_views`: torch symmetric memory's own ``get_buffer`` on
+CUDA, the ``/dev/shm`` mapping or the loopback buffer on CPU), checked to alias the
+owner's address in the peer table, so a GEMM can never write a silent copy.
 
 Flags: on CUDA a one-program Triton kernel launched after the chunk's GEMM on the same
 stream raises the flag with a system-scope release (:func:`raise_chunk_flag`,
@@ -31,69 +31,17 @@ producer's fp32 accumulation.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import weakref
 
 import torch
 
-from distfuse.errors import ShapeError, where
+from distfuse.fused.peer_views import peer_data, peer_flag
 from distfuse.geometry.decomposition import block_range
 from distfuse.kernels._utils import check_producer_args, claimed_rank_view
 from distfuse.kernels.chunk_flag import raise_chunk_flag_kernel
 from distfuse.kernels.matmul_reduce_scatter import slot_row_stride
 
-__all__ = ["matmul_scatter_cublas", "raise_chunk_flag", "peer_tensor", "peer_flag"]
-
-
-class _CudaRegion:
-    """A raw device address as an object torch can wrap without a copy (``__cuda_array_interface__``)."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
-
-
-#: Per rank view: every peer's whole data region (uint8) and flag block (int32 ``[W * W]``) as tensors over the
-#: peers' addresses, wrapped once (one device read of the peer table per view, none in steady state or while a CUDA
-#: graph captures; a grown workspace has new views).
-_REGIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _regions(view) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    regions = _REGIONS.get(view)
-    if regions is None:
-        W = view.world_size
-        data, flags = view.data_ptrs.tolist(), view.flag_ptrs.tolist()
-        regions = ([_wrap(p, view.nbytes, view.device) for p in data],
-                   [_wrap(p, 4 * W * W, view.device).view(torch.int32) for p in flags])
-        _REGIONS[view] = regions
-    return regions
-
-
-def _wrap(ptr: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.as_tensor(_CudaRegion(ptr, nbytes), device=device)
-    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
-
-
-def peer_tensor(view, peer: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:
-    """A 1-D ``dtype`` tensor over ``numel`` elements of ``peer``'s data region, ``offset`` bytes in (no copy).
-
-    ``view`` is this rank's :class:`~distfuse.fused.workspace.RankBuffers`; the region must
-    fit in the data region (every rank's has the same capacity).
-    """
-    nbytes = numel * dtype.itemsize
-    if offset % dtype.itemsize or offset + nbytes > view.nbytes:
-        raise ShapeError(f"{where('peer_tensor')}: bytes [{offset}, {offset + nbytes}) of a {view.nbytes}-byte data "
-                         f"region as {dtype}")
-    return _regions(view)[0][peer][offset: offset + nbytes].view(dtype)
-
-
-def peer_flag(view, owner: int, chunk: int, source: int) -> torch.Tensor:
-    """Owner ``owner``'s flag word ``flags[chunk, source]`` as a one-element int32 tensor over its address."""
-    W = view.world_size
-    word = chunk * W + source
-    return _regions(view)[1][owner][word: word + 1]
+__all__ = ["matmul_scatter_cublas", "raise_chunk_flag"]
 
 
 def raise_chunk_flag(view, chunk: int, rank: int) -> None:
@@ -154,7 +102,7 @@ def matmul_scatter_cublas(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
         chunk = (rank + 1 + step) % W
         start, stop = block_range(n, W, chunk)
         if stop > start and N > 0 and B > 0:
-            slot = peer_tensor(st, chunk, partial_dtype, slot_elems, rank * slot_elems * partial_dtype.itemsize)
+            slot = peer_data(st, chunk, partial_dtype, slot_elems, rank * slot_elems * partial_dtype.itemsize)
             L = stop - start
             dst = slot[: B * L * ld].view(B, L, ld)[:, :, :N]  # the slot holds [B_, len_c] rows, ld apart
             if K == 0:

@@ -37,19 +37,19 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from distfuse import debug
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
 from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
+    Phases,
     check_linear_args,
     features_workspace_bytes,
     flat_rows,
-    grads_needed,
+    no_grads,
     require_available,
-    split_inputs,
+    run_phases,
 )
 from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_reduce_scatter_features
 from distfuse.fused.workspace import LoopbackWorkspace
@@ -59,8 +59,9 @@ from distfuse.kernels.signature import SCATTER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = [
-    "MatmulReduceScatterFeatures",
+    "PHASES",
     "matmul_reduce_scatter_features",
+    "matmul_reduce_scatter_features_plan",
     "matmul_reduce_scatter_features_loopback",
     "matmul_reduce_scatter_features_workspace_bytes",
     "check_feature_bias",
@@ -94,44 +95,30 @@ class _Plan(NamedTuple):
     nbytes: int
 
 
-class MatmulReduceScatterFeatures(torch.autograd.Function):
-    """Autograd Function of :func:`matmul_reduce_scatter_features` (and its loopback form); see the module doc.
+def _forward(plan: _Plan, needs, xs, weights, biases):
+    return run_matmul_reduce_scatter_features(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.partial_dtype,
+                                              plan.nbytes), []
 
-    ``apply(plan, *xs, *weights, *biases)``: one tensor of each kind per rank this process launches.
-    """
 
-    @staticmethod
-    def forward(ctx, plan: _Plan, *tensors):
-        k = plan.k
-        xs, weights, biases = split_inputs(tensors, k, plan.has_bias)
-        ys = run_matmul_reduce_scatter_features(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.partial_dtype,
-                                                plan.nbytes)
-        ctx.plan = plan
-        ctx.save_for_backward(*xs, *weights)
-        return ys[0] if k == 1 else tuple(ys)
+def _backward(plan: _Plan, needs, xs, weights, biases, extras, dys):
+    need_dx, need_dw, need_db = needs
+    dxs, dws, dbs = no_grads(plan.k)
+    if need_dx or need_dw:
+        # dx = all_gather_N(dy) @ W: the all-gather phase with W.t() [K_r, N]; it hands back the gathered dy.
+        dxs_all, gathered = run_all_gather_features_matmul(plan.comm, f"{_OP}.backward", dys,
+                                                           [w.t() for w in weights], [None] * plan.k, need_dw,
+                                                           plan.nbytes)
+        if need_dx:
+            dxs = dxs_all
+        if need_dw:
+            dws = [flat_rows(g).t() @ flat_rows(x) for g, x in zip(gathered, xs, strict=True)]
+    if need_db:
+        dbs = [flat_rows(dy).sum(0) for dy in dys]
+    return dxs, dws, dbs
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, *dys):
-        plan = ctx.plan
-        k = plan.k
-        saved = ctx.saved_tensors
-        xs, weights = saved[:k], saved[k:]
-        need_dx, need_dw, need_db = grads_needed(ctx.needs_input_grad, k, plan.has_bias)
-        dys = [dy.contiguous() for dy in dys]
-        dxs, dws, dbs = [None] * k, [None] * k, [None] * k
-        if need_dx or need_dw:
-            # dx = all_gather_N(dy) @ W: the all-gather phase with W.t() [K_r, N]; it hands back the gathered dy.
-            dxs_all, gathered = run_all_gather_features_matmul(plan.comm, f"{_OP}.backward", dys,
-                                                               [w.t() for w in weights], [None] * k, need_dw,
-                                                               plan.nbytes)
-            if need_dx:
-                dxs = dxs_all
-            if need_dw:
-                dws = [flat_rows(g).t() @ flat_rows(x) for g, x in zip(gathered, xs, strict=True)]
-        if need_db:
-            dbs = [flat_rows(dy).sum(0) for dy in dys]
-        return (None, *dxs, *dws, *(dbs if plan.has_bias else ()))
+
+#: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`).
+PHASES = Phases(_forward, _backward)
 
 
 def matmul_reduce_scatter_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -153,6 +140,14 @@ def matmul_reduce_scatter_features(x: torch.Tensor, weight: torch.Tensor, bias: 
     Collective over ``P_sub`` in forward and backward (every rank calls it with the same
     row count, ``N``, dtype and bias presence; ``DISTFUSE_DEBUG=1`` checks).
     """
+    plan = matmul_reduce_scatter_features_plan(x, weight, bias, P_sub, partial_dtype=partial_dtype)
+    return run_phases(PHASES, plan, [x], [weight], [bias])[0]
+
+
+def matmul_reduce_scatter_features_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                        P_sub: Partition, *, partial_dtype: torch.dtype | None = None) -> _Plan:
+    """:func:`matmul_reduce_scatter_features`'s checks and plan: what its phases run on (collective where the
+    checks refuse, see :mod:`distfuse.fused.agreement`)."""
     if not P_sub.active:
         raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
     W, r = P_sub.size, P_sub.rank
@@ -170,9 +165,8 @@ def matmul_reduce_scatter_features(x: torch.Tensor, weight: torch.Tensor, bias: 
                           same=dict(rows=rows, N=N, dtype=str(x.dtype), bias=bias is not None,
                                     partial_dtype=str(partial_dtype)),
                           info=dict(x=tuple(x.shape)))
-    plan = _Plan(Comm(P=P_sub, device=x.device), 1, bias is not None, partial_dtype,
+    return _Plan(Comm(P=P_sub, device=x.device), 1, bias is not None, partial_dtype,
                  matmul_reduce_scatter_features_workspace_bytes(rows, N, W, x.dtype, partial_dtype))
-    return MatmulReduceScatterFeatures.apply(plan, x, weight, *((bias,) if bias is not None else ()))
 
 
 def matmul_reduce_scatter_features_loopback(xs, weights, biases, ws: LoopbackWorkspace, *,
@@ -199,5 +193,4 @@ def matmul_reduce_scatter_features_loopback(xs, weights, biases, ws: LoopbackWor
     plan = _Plan(Comm(loopback=ws), W, biases is not None, partial_dtype,
                  matmul_reduce_scatter_features_workspace_bytes(math.prod(x0.shape[:-1]), N, W, x0.dtype,
                                                                 partial_dtype))
-    out = MatmulReduceScatterFeatures.apply(plan, *xs, *weights, *(tuple(biases) if biases is not None else ()))
-    return [out] if W == 1 else list(out)
+    return run_phases(PHASES, plan, xs, weights, biases)

@@ -35,19 +35,30 @@ dtype, world size and device name (so every rank of a group picks the same provi
 3. the op's first provider.
 
 Tables written before providers existed have neither key and read as rule 3.
+
+The provider is what a call asks for; the *kernel* that runs it is chosen in one place,
+:func:`distfuse.kernels.matmul_scatter_select.select_scatter_kernel` (``triton_persistent``
+runs the pointer kernel where tensor descriptors cannot read the operands, and says why).
+:func:`run_producer` returns that :class:`~distfuse.kernels.matmul_scatter_select.KernelChoice`
+and keeps it per thread (:func:`last_kernel`), so benchmark rows and the layers'
+``last_decision`` name the kernel that ran.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import threading
 
 import torch
 
 from distfuse.errors import UnsupportedError, expect
 from distfuse.fused import registry
+from distfuse.fused.crossover_table import load_table, table_key
+from distfuse.kernels.matmul_scatter_select import KernelChoice, launch_scatter_kernel, select_scatter_kernel
 
-__all__ = ["providers_of", "select_provider", "check_provider", "run_producer", "PRODUCERS", "run_push", "PUSHES"]
+__all__ = ["providers_of", "select_provider", "check_provider", "run_producer", "last_kernel", "record_kernel",
+           "run_push", "PUSHES"]
 
 
 def providers_of(op: str) -> tuple[str, ...]:
@@ -86,11 +97,7 @@ def select_provider(op: str, shapes: dict, dtype: torch.dtype, world_size: int, 
     if forced and forced in names:
         return forced
     if table is None:
-        from distfuse.tune.table import load_table
-
         table = load_table()
-    from distfuse.tune.table import table_key
-
     entry = table.get(table_key(device_name, world_size, dtype, op))
     if isinstance(entry, dict):
         chosen = _from_entry(entry, registry.size_of(op, shapes))
@@ -99,32 +106,45 @@ def select_provider(op: str, shapes: dict, dtype: torch.dtype, world_size: int, 
     return names[0]
 
 
-def _triton(a, weight, ws, rank, W, partial_dtype):
-    from distfuse.kernels.matmul_reduce_scatter import matmul_scatter
-
-    matmul_scatter(a, weight, ws, rank, W, partial_dtype=partial_dtype)
+_LAST = threading.local()
 
 
-def _triton_persistent(a, weight, ws, rank, W, partial_dtype):
-    from distfuse.kernels.matmul_scatter_persistent import matmul_scatter_persistent
+def last_kernel(op: str) -> KernelChoice | None:
+    """The :class:`~distfuse.kernels.matmul_scatter_select.KernelChoice` of ``op``'s latest producer in this thread.
 
-    matmul_scatter_persistent(a, weight, ws, rank, W, partial_dtype=partial_dtype)
-
-
-def _cublas_chunks(a, weight, ws, rank, W, partial_dtype):
-    from distfuse.fused.matmul_reduce_scatter_cublas import matmul_scatter_cublas
-
-    matmul_scatter_cublas(a, weight, ws, rank, W, partial_dtype=partial_dtype)
+    Set by :func:`run_producer` (and by the ops' default ``triton`` path), read by the layers for
+    ``last_decision.kernel`` and by the benchmarks for each row's ``kernel``: the kernel that ran, which a
+    fallback may make differ from the provider's.
+    """
+    return getattr(_LAST, "kernels", {}).get(op)
 
 
-#: The producers of matmul_reduce_scatter by provider: ``(a, weight, ws, rank, W, partial_dtype) -> None``.
-PRODUCERS = {"triton": _triton, "triton_persistent": _triton_persistent, "cublas_chunks": _cublas_chunks}
+def record_kernel(op: str, choice: KernelChoice) -> KernelChoice:
+    """Remember ``choice`` as ``op``'s latest kernel in this thread (see :func:`last_kernel`); returns it."""
+    if not hasattr(_LAST, "kernels"):
+        _LAST.kernels = {}
+    _LAST.kernels[op] = choice
+    return choice
 
 
-def run_producer(provider: str, a, weight, ws, rank: int, world_size: int, partial_dtype) -> None:
-    """Run ``provider``'s producer of matmul_reduce_scatter (slots and flags for ``chunk_reduce``)."""
-    check_provider(registry.MATMUL_REDUCE_SCATTER.name, provider)
-    PRODUCERS[provider](a, weight, ws, rank, world_size, partial_dtype)
+def run_producer(provider: str, a, weight, ws, rank: int, world_size: int, partial_dtype,
+                 config: dict | None = None) -> KernelChoice:
+    """Run ``provider``'s producer of matmul_reduce_scatter (slots and flags for ``chunk_reduce``).
+
+    The kernel is the one :func:`~distfuse.kernels.matmul_scatter_select.select_scatter_kernel` picks
+    for these operands (the only place that chooses); returns its :class:`KernelChoice`, also kept as
+    :func:`last_kernel`.  ``config``: block sizes for the Triton kernels (tests; None in production).
+    """
+    op = registry.MATMUL_REDUCE_SCATTER.name
+    check_provider(op, provider)
+    choice = select_scatter_kernel(a, weight, provider)
+    if choice.kernel == "matmul_scatter_cublas":
+        from distfuse.fused.matmul_reduce_scatter_cublas import matmul_scatter_cublas
+
+        matmul_scatter_cublas(a, weight, ws, rank, world_size, partial_dtype=partial_dtype)
+    else:
+        launch_scatter_kernel(choice, a, weight, ws, rank, world_size, partial_dtype=partial_dtype, config=config)
+    return record_kernel(op, choice)
 
 
 def _triton_push(a_shard, ws, rank, W, n):

@@ -144,7 +144,7 @@ def resolve(ref: str | Callable) -> Callable:
 OPS: dict[str, FusedOp] = {}
 
 #: Former op names -> current ones.  Crossover tables written before a rename key their
-#: entries by the old name; :func:`distfuse.tune.table.load_table` reads them through this
+#: entries by the old name; :func:`distfuse.fused.crossover_table.load_table` reads them through this
 #: map (and ``bench compare`` matches old result rows through it), so renaming an op never
 #: silently drops a tuned entry.  Registered names may never appear here.
 RENAMED: dict[str, str] = {

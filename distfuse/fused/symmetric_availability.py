@@ -9,12 +9,18 @@ GPUs.  :func:`log_fallback_once` reports the unfused fallback once per reason.  
 workspaces themselves and their cache live in :mod:`distfuse.fused.symmetric`, which
 re-exports both public functions; the cache keys its entries as the probe does
 (:func:`_key`, :func:`_norm_device`).
+
+Inside :func:`no_probe` (a layer's ``explain``, :func:`distfuse.layers.dispatch.dry_run`) a
+verdict that is not cached yet is not probed: :class:`NotProbedError` is raised instead of the
+collective, so a dry decision never communicates.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 
 import torch
 import torch.distributed as dist
@@ -23,7 +29,7 @@ from distfuse.fused.workspace_cuda import ALLOW_OVERLAP_ENV, _allow_overlapping_
 from distfuse.fused.workspace_shm import SHM_DIR
 from distfuse.partition import Partition
 
-__all__ = ["symmetric_memory_available", "log_fallback_once"]
+__all__ = ["symmetric_memory_available", "log_fallback_once", "no_probe", "NotProbedError"]
 
 logger = logging.getLogger("distfuse.fused")
 
@@ -42,6 +48,23 @@ def _norm_device(P: Partition, device) -> torch.device:
 
 _AVAILABLE: dict[tuple, tuple[bool, str]] = {}
 _LOGGED: set[str] = set()
+_NO_PROBE = threading.local()
+
+
+class NotProbedError(RuntimeError):
+    """Inside :func:`no_probe`: the group's verdict is not cached, and finding it would communicate."""
+
+
+@contextlib.contextmanager
+def no_probe():
+    """Inside (this thread): :func:`symmetric_memory_available` answers from its cache or raises
+    :class:`NotProbedError`."""
+    depth = getattr(_NO_PROBE, "depth", 0)
+    _NO_PROBE.depth = depth + 1
+    try:
+        yield
+    finally:
+        _NO_PROBE.depth = depth
 
 
 def _local_verdict(device: torch.device) -> tuple[bool, str]:
@@ -130,6 +153,9 @@ def symmetric_memory_available(P: Partition, device=None) -> tuple[bool, str]:
     if P.size == 1:
         _AVAILABLE[key] = (ok, reason)
         return ok, reason
+    if getattr(_NO_PROBE, "depth", 0):
+        raise NotProbedError(f"whether world ranks {sorted(P.ranks)} share symmetric memory is found by a collective "
+                        "probe on their first fused call; not probed here")
     import socket
 
     cuda = ok and device.type == "cuda"

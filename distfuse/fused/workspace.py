@@ -31,6 +31,7 @@ import abc
 import contextlib
 import os
 import threading
+import weakref
 
 import torch
 
@@ -58,6 +59,7 @@ __all__ = [
     "WorkspaceBrokenError",
     "header_bytes",
     "status_check_mode",
+    "check_pending",
 ]
 
 
@@ -87,9 +89,11 @@ class _Workspace(abc.ABC):
         self._side_events: list = []  # events of side streams (copy-engine pushes) the op's stream joins at its end
         self.broken = False
         self.closed = False
-        self.strict = self.device.type == "cpu" or debug.enabled()
-        self.status_mode = status_check_mode()
-        self.deferred: list = []  # (pinned status copy, event, rank, epoch, op, what), deferred mode only
+        # Read the status words right after each consumer (a host sync on CUDA): DISTFUSE_DEBUG=1, or tests.
+        self.strict = debug.enabled()
+        self.status_mode = status_check_mode(self.device)
+        self.deferred: list = []  # (status copy, event or None, rank, epoch, op, what), deferred mode only
+        _WORKSPACES.add(self)  # for check_pending
         self.max_spin = 0
         self._busy: str | None = None
         self._lock = threading.Lock()
@@ -112,7 +116,7 @@ class _Workspace(abc.ABC):
             if self._busy is None and self.deferred:
                 self._busy = op
                 try:
-                    self.check_deferred()
+                    self.check_deferred(wait=False)
                 except BaseException:
                     self.broken = True
                     raise
@@ -195,12 +199,27 @@ class _Workspace(abc.ABC):
                 f"of peer(s) {bad} was not raised within the wait (timeout {self.timeout:.1f} s); a peer failed, "
                 "or ranks issued different op sequences.  The op's output holds NaN where the data never came.")
 
-    def check_deferred(self) -> None:
-        """Raise for a flag wait that gave up in an earlier op (``DISTFUSE_STATUS_CHECK=deferred``)."""
+    def check_deferred(self, wait: bool = True) -> None:
+        """Raise for a flag wait that gave up in an earlier op (deferred status checks).
+
+        ``wait=True`` (a sync point: :func:`check_pending`) waits for every pending op's
+        status copy.  ``wait=False`` (the next claim of the workspace) checks the copies
+        whose event has completed and keeps the others, so a claim never waits for the GPU
+        to finish the previous op; only past :data:`MAX_DEFERRED` pending ops does it wait
+        for the oldest (a bound on host memory and on how late an error can surface).
+        """
         pending, self.deferred = self.deferred, []
-        for host, event, rank, epoch, op, what in pending:
-            event.synchronize()
-            self.raise_on_status(host, rank, epoch, op, what)
+        for i, (host, event, rank, epoch, op, what) in enumerate(pending):
+            if event is not None and not event.query():
+                if not wait and len(pending) - i <= MAX_DEFERRED:
+                    self.deferred.append((host, event, rank, epoch, op, what))
+                    continue
+                event.synchronize()
+            try:
+                self.raise_on_status(host, rank, epoch, op, what)
+            except BaseException:
+                self.deferred = []  # the workspace is broken: nothing later on it is meaningful
+                raise
 
     def require_in_flight(self, op: str) -> None:
         """Launchers call this: their flags need the epoch of a claimed op."""
@@ -228,15 +247,42 @@ class _Workspace(abc.ABC):
         self.closed = True
 
 
-STATUS_CHECK_MODES = ("sync", "deferred")
+STATUS_CHECK_MODES = ("auto", "sync", "deferred")
+
+#: Deferred status copies a workspace keeps before a claim waits for the oldest (see ``check_deferred``).
+MAX_DEFERRED = 4
+
+#: Workspaces that may hold deferred status checks (weak: a closed workspace drops out).
+_WORKSPACES: weakref.WeakSet = weakref.WeakSet()
 
 
-def status_check_mode() -> str:
-    """``DISTFUSE_STATUS_CHECK``: when a CUDA consumer's flag-wait status is read (see ``check_status``)."""
-    mode = os.environ.get("DISTFUSE_STATUS_CHECK", "sync").strip().lower() or "sync"
+def status_check_mode(device: torch.device | str | None = None) -> str:
+    """When a consumer's flag-wait status words are read (see ``RankBuffers.check_status``): "sync" or "deferred".
+
+    ``DISTFUSE_STATUS_CHECK=sync|deferred`` decides; unset (or ``auto``): ``sync`` on CPU and
+    under ``DISTFUSE_DEBUG=1``, ``deferred`` on CUDA, where a sync read would stall the host
+    after every fused op (``torch.nonzero(status).tolist()``, twice per op).
+    """
+    mode = os.environ.get("DISTFUSE_STATUS_CHECK", "auto").strip().lower() or "auto"
     if mode not in STATUS_CHECK_MODES:
         raise ValueError(f"DISTFUSE_STATUS_CHECK={mode!r}: expected one of {STATUS_CHECK_MODES}")
-    return mode
+    if mode != "auto":
+        return mode
+    cuda = device is not None and torch.device(device).type == "cuda"
+    return "deferred" if cuda and not debug.enabled() else "sync"
+
+
+def check_pending() -> None:
+    """A sync point: raise now for any fused op whose flag wait gave up, on any workspace of this process.
+
+    With deferred status checks (the CUDA default) a failed op raises at the next fused op on
+    its workspace once the GPU has finished it; call this (at the end of a step, before
+    reading results on the host) to wait for every pending check and raise the first
+    failure by name.  Cheap when nothing is pending.
+    """
+    for ws in list(_WORKSPACES):
+        if ws.deferred:
+            ws.check_deferred(wait=True)
 
 
 

@@ -158,5 +158,9 @@ def setup_cuda(ws, P: Partition, total: int, api: str | None) -> tuple[torch.Ten
     if ptrs[ws.rank] != buf.data_ptr():
         raise UnsupportedError(f"{where('SymmetricWorkspace')}: the peer table puts this rank's own buffer at "
                                f"{ptrs[ws.rank]:#x}, but it lies at {buf.data_ptr():#x}")
+    # Where each peer's buffer lies for the handle's own views (handle.get_buffer(group rank, sizes, dtype, offset),
+    # distfuse.fused.peer_views): its group rank and its offset in its allocation, by partition rank.
+    ws._peer_locations = [(sorted_ranks.index(world), ptrs[p] - by_group_rank[sorted_ranks.index(world)])
+                          for p, world in enumerate(P.ranks)]
     return buf, ptrs
 

@@ -30,16 +30,32 @@ atomics, which are plain numpy read-modify-writes, are safe across ``/dev/shm`` 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from distfuse.errors import ShapeError, UnsupportedError, where
 
-if TYPE_CHECKING:
-    from distfuse.fused.workspace import _Workspace
-
 __all__ = ["RankBuffers", "header_bytes"]
+
+
+class _Owner(Protocol):
+    """What a rank's view reads from the workspace that owns it (:class:`distfuse.fused.workspace._Workspace`,
+    which imports this module: the claim sits above the bytes it governs)."""
+
+    world_size: int
+    epoch: int
+    epoch_dev: torch.Tensor
+    max_spin: int
+    timeout: float
+    strict: bool
+    status_mode: str
+    deferred: list
+
+    def wait_producers(self) -> None: ...
+
+    def raise_on_status(self, status: torch.Tensor, rank: int, epoch: int, op: str, what: str) -> None: ...
+
 
 # CPU segments grow in pages; CUDA symmetric allocations in 2 MiB (the driver's mapping granularity).
 _CPU_GRANULE = 4096
@@ -68,7 +84,7 @@ class RankBuffers:
         nbytes: capacity of the data region.
     """
 
-    def __init__(self, owner: _Workspace, rank: int, buf: torch.Tensor, table: torch.Tensor):
+    def __init__(self, owner: _Owner, rank: int, buf: torch.Tensor, table: torch.Tensor):
         W = owner.world_size
         self._owner = owner
         self.rank = rank
@@ -128,27 +144,32 @@ class RankBuffers:
         """Raise if a flag wait of the last consumer kernel gave up (on every rank that saw it).
 
         A timed-out wait has already poisoned what it would have read (NaN), so a stale
-        result can never pass for a good one; this turns it into a host-side error:
+        result can never pass for a good one; this turns it into a host-side error that
+        names the op:
 
-        * CPU, ``DISTFUSE_DEBUG=1``, and CUDA by default (``DISTFUSE_STATUS_CHECK=sync``):
-          read the status words now, a device sync, before the op returns its result.
-        * CUDA with ``DISTFUSE_STATUS_CHECK=deferred``: copy them to pinned host memory
-          behind an event, and raise at the next claim of the workspace (the next fused
-          op) or at :meth:`_Workspace.check_deferred`.  No host sync in the op: for
-          overlap, at the price of raising one op late.
+        * ``sync`` (CPU by default, ``DISTFUSE_DEBUG=1``, ``DISTFUSE_STATUS_CHECK=sync``, or a
+          workspace with ``strict`` set): read the status words now, before the op returns
+          (on CUDA a device sync, twice per fused op: consumer and signature check).
+        * ``deferred`` (CUDA by default; CPU when forced): copy them (to pinned host memory
+          behind an event on CUDA) and raise at a later claim of the workspace, the next one
+          once the GPU has finished this op (:meth:`_Workspace.check_deferred`), or at the
+          sync point :func:`distfuse.fused.workspace.check_pending`.  No host sync in the op.
         * CUDA while the stream captures a graph: nothing (no host work can be captured).
           Status words are never cleared (a workspace that raised is replaced), so a wait
           that gave up during a replay raises at the next eager check of the workspace;
           until then its output holds NaN.
         """
         owner = self._owner
-        if self.status.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        cuda = self.status.device.type == "cuda"
+        if cuda and torch.cuda.is_current_stream_capturing():
             # No host work can be captured.  A wait that gives up in a replay still poisons its output with NaN
             # and leaves its status word set; the next eager check of this workspace raises on it.
             return
-        if owner.strict or owner.status_mode == "sync" or self.status.device.type != "cuda":
-            owner.raise_on_status(self.status.clone() if self.status.device.type == "cpu" else self.status,
-                                  self.rank, self.epoch, op, what)
+        if owner.strict or owner.status_mode == "sync":
+            owner.raise_on_status(self.status if cuda else self.status.clone(), self.rank, self.epoch, op, what)
+            return
+        if not cuda:
+            owner.deferred.append((self.status.clone(), None, self.rank, self.epoch, op, what))
             return
         host = torch.empty(self.status.shape, dtype=self.status.dtype, pin_memory=True)
         host.copy_(self.status, non_blocking=True)

@@ -74,16 +74,17 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
+    Phases,
     features_workspace_bytes,
     flat_rows,
     require_available,
+    run_phases,
     workspace_bytes,
 )
 from distfuse.fused.matmul_phases import (
@@ -97,7 +98,7 @@ from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
 
-__all__ = ["ZeroLinear", "zero_linear", "zero_linear_workspace_bytes", "SPLITS", "AXES"]
+__all__ = ["PHASES", "zero_linear", "zero_linear_plan", "zero_linear_workspace_bytes", "SPLITS", "AXES"]
 
 _OP = "zero_linear"
 #: How the weight is split over the data-parallel workers: ``"rows"`` (the reduce-scatter linear's shards, along
@@ -143,44 +144,49 @@ class _Plan(NamedTuple):
     nbytes_m: int
 
 
-class ZeroLinear(torch.autograd.Function):
-    """Autograd Function of :func:`zero_linear`: ``apply(plan, x, shard)``; see the module doc."""
+def _forward(plan: _Plan, needs, xs, shards, biases):
+    """``y`` and what the backward keeps: ``W_m`` when kept for dgrad, then the gathered input when kept for the
+    weight gradient (``"columns"``; ``"rows"`` reads the input block itself)."""
+    (x,), (shard,) = xs, shards
+    need_dx, need_dshard = needs[0], needs[1]
+    keep_w = plan.keep_gathered and need_dx
+    op = f"{_OP}.forward"
+    if plan.split == "rows":
+        (p_t,), (w_m,) = run_all_gather_matmul(plan.d, op, [shard], [flat_rows(x)], [None], plan.out_features, keep_w,
+                                               plan.nbytes_d)
+        y = _reduce_scatter_partial(plan, p_t.t().reshape(*x.shape[:-1], plan.out_features))
+        extras = []
+    else:
+        x_g = _gather_input(plan, op, x)
+        (y_t,), (w_m,) = run_all_gather_features_matmul(plan.d, op, [shard], [flat_rows(x_g)], [None], keep_w,
+                                                        plan.nbytes_d)
+        y = y_t.t().reshape(*x_g.shape[:-1], shard.shape[0])
+        extras = [x_g] if _keeps_gathered_input(plan, need_dshard) else []
+    return [y], ([w_m] if keep_w else []) + extras
 
-    @staticmethod
-    def forward(ctx, plan: _Plan, x: torch.Tensor, shard: torch.Tensor):
-        need_dx, need_dshard = ctx.needs_input_grad[1:3]
-        keep_w = plan.keep_gathered and need_dx
-        op = f"{_OP}.forward"
-        if plan.split == "rows":
-            x2 = flat_rows(x)
-            (p_t,), (w_m,) = run_all_gather_matmul(plan.d, op, [shard], [x2], [None], plan.out_features, keep_w,
-                                                   plan.nbytes_d)
-            y = _reduce_scatter_partial(plan, p_t.t().reshape(*x.shape[:-1], plan.out_features))
-            kept_input = x
-        else:
-            x_g = _gather_input(plan, op, x)
-            (y_t,), (w_m,) = run_all_gather_features_matmul(plan.d, op, [shard], [flat_rows(x_g)], [None], keep_w,
-                                                            plan.nbytes_d)
-            y = y_t.t().reshape(*x_g.shape[:-1], shard.shape[0])
-            kept_input = x_g if plan.keep_gathered else x
-        ctx.plan, ctx.kept_w = plan, keep_w
-        ctx.save_for_backward(w_m if keep_w else shard, kept_input if need_dshard else None)
-        return y
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        plan = ctx.plan
-        need_dx, need_dshard = ctx.needs_input_grad[1:3]
-        w_or_shard, kept_input = ctx.saved_tensors
-        op = f"{_OP}.backward"
-        dy = dy.contiguous()
-        w_m = None
-        if need_dx:
-            w_m = w_or_shard if ctx.kept_w else _gather_weight(plan, op, w_or_shard)
-        if plan.split == "rows":
-            return (None, *_rows_backward(plan, op, dy, w_m, kept_input, need_dx, need_dshard))
-        return (None, *_columns_backward(plan, op, dy, w_m, kept_input, need_dx, need_dshard))
+def _keeps_gathered_input(plan: _Plan, need_dshard: bool) -> bool:
+    """The all-gather linear's gathered input kept for dshard (with one model-parallel worker it is the input)."""
+    return plan.split == "columns" and plan.keep_gathered and need_dshard and plan.m.world_size > 1
+
+
+def _backward(plan: _Plan, needs, xs, shards, biases, extras, dys):
+    (x,), (shard,), (dy,) = xs, shards, dys
+    need_dx, need_dshard = needs[0], needs[1]
+    op = f"{_OP}.backward"
+    w_m = None
+    if need_dx:
+        w_m = extras[0] if plan.keep_gathered else _gather_weight(plan, op, shard)
+    if plan.split == "rows":
+        dx, dshard = _rows_backward(plan, op, dy, w_m, x, need_dx, need_dshard)
+    else:
+        x_kept = extras[-1] if _keeps_gathered_input(plan, need_dshard) else x
+        dx, dshard = _columns_backward(plan, op, dy, w_m, x_kept, need_dx, need_dshard)
+    return [dx], [dshard], [None]
+
+
+#: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`): ``x`` the input, ``shard`` the weight.
+PHASES = Phases(_forward, _backward)
 
 
 def _reduce_scatter_partial(plan: _Plan, p: torch.Tensor) -> torch.Tensor:
@@ -232,7 +238,7 @@ def _rows_backward(plan: _Plan, op: str, dy, w_m, x, need_dx: bool, need_dshard:
 def _columns_backward(plan: _Plan, op: str, dy, w_m, x_kept, need_dx: bool, need_dshard: bool):
     """dx = reduce_scatter_m(dy @ W_m) (fused) and dshard = reduce_scatter_K_d(dy.T @ x_g) (fused)."""
     dx = dshard = None
-    if need_dshard and not plan.keep_gathered:
+    if need_dshard and not _keeps_gathered_input(plan, need_dshard):
         x_kept = _gather_input(plan, op, x_kept)
     if need_dx:
         w_t = [w_m.t()]  # [in, out_m]
@@ -330,6 +336,15 @@ def zero_linear(x: torch.Tensor, shard: torch.Tensor, P_d: Partition, P_m: Parti
     gradients (x's and the shard's ``requires_grad`` alike), since which collectives the
     backward runs follows from them.
     """
+    plan = zero_linear_plan(x, shard, P_d, P_m, split=split, axis=axis, out_features=out_features,
+                            in_features=in_features, n=n, keep_gathered=keep_gathered, partial_dtype=partial_dtype)
+    return run_phases(PHASES, plan, [x], [shard], None)[0]
+
+
+def zero_linear_plan(x: torch.Tensor, shard: torch.Tensor, P_d: Partition, P_m: Partition | None = None, *,
+                     split: str, axis: str = "features", out_features: int, in_features: int, n: int | None = None,
+                     keep_gathered: bool = True, partial_dtype: torch.dtype | None = None) -> _Plan:
+    """:func:`zero_linear`'s checks and plan: what its phases run on."""
     Wm, m = (1, 0) if P_m is None else (P_m.size, P_m.rank)
     # With one model-parallel worker the op's first collective is the data-parallel workers' fused claim, so a
     # check that fails here reaches them all through it (fused/agreement.py).  With several, the model-parallel
@@ -357,6 +372,5 @@ def zero_linear(x: torch.Tensor, shard: torch.Tensor, P_d: Partition, P_m: Parti
                                              in_features=in_features, P_d_size=P_d.size, P_m_size=Wm, m=m,
                                              dtype=x.dtype, partial_dtype=partial_dtype)
     m_comm = Comm(P=P_m, device=x.device) if Wm > 1 else Comm(device=x.device)
-    plan = _Plan(Comm(P=P_d, device=x.device), m_comm, split, axis, int(out_features), int(in_features), n,
+    return _Plan(Comm(P=P_d, device=x.device), m_comm, split, axis, int(out_features), int(in_features), n,
                  bool(keep_gathered), partial_dtype, nb_d, nb_m)
-    return ZeroLinear.apply(plan, x, shard)

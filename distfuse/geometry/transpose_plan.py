@@ -52,17 +52,10 @@ from distfuse.geometry.halo_plan import AxisGeometry, HaloPlan
 
 __all__ = [
     "TransposeAxisGeometry",
-    "conv_transpose_output_extent",
     "check_output_padding",
     "transpose_plan",
     "block_pads",
 ]
-
-
-def conv_transpose_output_extent(n: int, kernel: int, stride: int, dilation: int, padding: int,
-                                 output_padding: int) -> int:
-    """Global output extent of a transposed convolution along one axis (may be < 1: torch refuses those)."""
-    return (n - 1) * stride - 2 * padding + dilation * (kernel - 1) + output_padding + 1
 
 
 def check_output_padding(output_padding: Sequence[int], stride: Sequence[int], dilation: Sequence[int]) -> None:

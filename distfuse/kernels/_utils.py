@@ -44,14 +44,15 @@ __all__ = [
     "config_of",
     "ws_may_tune",
     "pinned_gemm_config",
-    "gemm_shared_bytes",
-    "SM90_SHARED_BYTES",
     "round_bf16",
     "spin_limit",
     "input_precision",
     "tf32_allowed",
     "get_gemm_configs",
+    "GEMM_FAMILIES",
     "get_chunk_reduce_configs",
+    "pinned_reduce_config",
+    "REDUCE_AUDIT_W",
     "get_push_configs",
     "CPU_GEMM_CONFIG",
     "CPU_CHUNK_REDUCE_CONFIG",
@@ -119,12 +120,26 @@ def spin_limit(timeout_s: float) -> int:
 
 # ---------------------------------------------------------------- configs
 #
-# GEMM tiles for H100/H200-class GPUs: 128x256 / 128x128 tiles with 64-deep K steps for
-# 16-bit operands, the usual starting points of Triton's Hopper matmuls, and 32-deep K
-# steps for fp32, whose operands take twice the shared memory per element: 128x256x64
-# with 3 stages would need ~288 KB of shared memory against sm_90's 227 KB.  Each config
-# of each dtype is compiled for sm_90 in CI (tests/test_compile_audit.py), which checks
-# its shared memory against the target's limit.
+# GEMM tiles for H100/H200-class GPUs: 128x128 tiles with 64-deep K steps for 16-bit
+# operands and 32-deep K steps for fp32, whose operands take twice the shared memory per
+# element (128x256x64 with 3 stages would need ~288 KB of fp32 shared memory against
+# sm_90's 227 KB).  Each config of each dtype is compiled for sm_90 in CI
+# (tests/test_compile_audit.py: shared memory against the target's limit, spills) and
+# with the GPU machines' Triton 3.6 by ``scripts/audit_triton36.sh``.
+#
+# Register spills decided the 16-bit lists (sm_90, ptxas of Triton 3.6.0 and 3.9.0, bytes of
+# local memory per thread, 2026-11-26): the pointer kernels (matmul_scatter,
+# matmul_scatter_columns, matmul_push, gathered_matmul) spill at 128x256x64 w8 (320-560 B),
+# 128x128x64 w4 (328-624 B) and 64x128x64 w4 (32-176 B), and none at 128x128x64 w8,
+# 64x128x64 w8, 128x64x64 w4 and 64x64 tiles.  gathered_k_matmul (the K-chunk walk keeps
+# more live state) spills at every 128x128 tile (752 B at w8, 16 B at K step 32), at
+# 64x128x64 (48 B at w8) and at 128x64x64 w4 (248 B): its list is its own.  The persistent
+# kernel (TMA loads: no address registers for the operands) spills at none of them and
+# keeps the 128x256x64 tile.  fp32 under 3.6: the 128x128x32 tile spills in gathered_matmul
+# (IEEE, 56 B) and gathered_k_matmul (TF32 280 B, IEEE 648 B), 4-warp 128x64 / 64x128 tiles in
+# several kernels (IEEE 8-128 B), so the fp32 lists keep 8-warp 128x64 and 64x128 tiles (no
+# spill with TF32 anywhere; IEEE products, which dispatch keeps unfused on CUDA, still spill
+# 40-56 B in gathered_k_matmul and 8 B in matmul_push's 64x64 tile).
 #
 # CPU (interpreter) configs: an interpreted program instance costs ~0.05-0.2 s here almost
 # regardless of its tile size (Python overhead per op, measured on the 2-core dev machine),
@@ -134,32 +149,49 @@ CPU_GEMM_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
 CPU_CHUNK_REDUCE_CONFIG = dict(BLOCK=64)
 CPU_PUSH_CONFIG = dict(BLOCK_M=16, BLOCK_K=32)
 
-#: sm_90's shared memory per block (227 KB): configs above it fail to launch.
-SM90_SHARED_BYTES = 232448
+#: The GEMM kernel families whose configs differ (see the spill notes above): ``pointer`` (one
+#: program per tile, pointer loads), ``gathered_k`` (gathered_k_matmul), ``persistent`` (the GEMM +
+#: scatter producer) and ``gathered_persistent`` (the all-gather GEMM consumer with TMA loads).
+GEMM_FAMILIES = ("pointer", "gathered_k", "persistent", "gathered_persistent")
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); the first of each list is the
-# default for large chunks, the last the one for small chunks (see pinned_gemm_config).
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) by family and operand size: the autotuners'
+# lists (loopback) and, by shape bucket, the pinned configs (real groups; see pinned_gemm_config).
 _GEMM_SHAPES = {
-    2: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-        (64, 64, 64, 4, 4), (64, 64, 32, 4, 3)],
-    4: [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 3)],
+    "pointer": {2: [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (64, 128, 64, 8, 4), (128, 64, 64, 4, 4),
+                    (64, 64, 64, 4, 4), (64, 64, 32, 4, 3)],
+                4: [(128, 64, 32, 8, 4), (64, 128, 32, 8, 4), (128, 64, 32, 8, 3), (64, 64, 32, 4, 3)]},
+    "gathered_k": {2: [(128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (64, 128, 32, 8, 4), (64, 64, 64, 4, 4),
+                       (64, 64, 32, 4, 3)],
+                   4: [(128, 64, 32, 8, 4), (64, 128, 32, 8, 4), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3)]},
+    "persistent": {2: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 8, 4), (64, 64, 32, 4, 3)],
+                   4: [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 3)]},
+    "gathered_persistent": {2: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 8, 4), (64, 64, 32, 4, 3)],
+                            4: [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 3)]},
+}
+# Shape buckets of the pinned rule: ``large`` (rows >= 128, cols >= 256), ``tall`` (rows >= 128, cols >= 128),
+# ``wide`` (cols >= 128) and ``small``; each names one entry of the family's list.
+_PINNED = {
+    "pointer": {2: dict(large=0, tall=0, wide=2, small=5), 4: dict(large=0, tall=0, wide=1, small=3)},
+    "gathered_k": {2: dict(large=0, tall=0, wide=2, small=4), 4: dict(large=0, tall=0, wide=1, small=3)},
+    "persistent": {2: dict(large=0, tall=1, wide=2, small=3), 4: dict(large=0, tall=0, wide=2, small=3)},
+    "gathered_persistent": {2: dict(large=0, tall=1, wide=2, small=3), 4: dict(large=0, tall=0, wide=2, small=3)},
 }
 
 
-def gemm_shared_bytes(block_m: int, block_n: int, block_k: int, num_stages: int, itemsize: int) -> int:
-    """Lower bound on a pipelined GEMM's shared memory: ``num_stages`` A and B tiles."""
-    return num_stages * (block_m * block_k + block_k * block_n) * itemsize
+def _family_shapes(family: str, dtype: torch.dtype) -> list[tuple]:
+    if family not in _GEMM_SHAPES:
+        raise ValueError(f"GEMM config family {family!r}: expected one of {GEMM_FAMILIES}")
+    return _GEMM_SHAPES[family][4 if dtype.itemsize >= 4 else 2]
 
 
-def get_gemm_configs(dtype: torch.dtype = torch.bfloat16) -> list[triton.Config]:
-    """Autotuning configs of the GEMMs (``matmul_scatter``, ``gathered_matmul``) for ``dtype`` operands (CUDA only)."""
-    size = 4 if dtype.itemsize >= 4 else 2
+def get_gemm_configs(dtype: torch.dtype = torch.bfloat16, family: str = "pointer") -> list[triton.Config]:
+    """Autotuning configs of a GEMM ``family`` (:data:`GEMM_FAMILIES`) for ``dtype`` operands (CUDA only)."""
     return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8), num_warps=w, num_stages=s)
-            for m, n, k, w, s in _GEMM_SHAPES[size]]
+            for m, n, k, w, s in _family_shapes(family, dtype)]
 
 
-def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int) -> dict:
-    """One GEMM config per (dtype, shape bucket): the same on every rank, chosen without timing.
+def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int, family: str = "pointer") -> dict:
+    """One GEMM config per (family, dtype, shape bucket): the same on every rank, chosen without timing.
 
     A fused op on a real group never autotunes: the autotuner reruns kernels that store
     into peers' buffers and raise their flags, and it times consumers that spin on
@@ -167,21 +199,63 @@ def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int) -> dict:
     different tiles).  ``rows`` is the largest chunk's row count, ``cols`` the output
     features.  Loopback ops (one process) may autotune; see :func:`pick_launch`.
     """
-    shapes = _GEMM_SHAPES[4 if dtype.itemsize >= 4 else 2]
-    if rows >= 128 and cols >= 256 and dtype.itemsize < 4:
-        m, n, k, w, s = shapes[0]
+    shapes = _family_shapes(family, dtype)
+    buckets = _PINNED[family][4 if dtype.itemsize >= 4 else 2]
+    if rows >= 128 and cols >= 256:
+        bucket = "large"
     elif rows >= 128 and cols >= 128:
-        m, n, k, w, s = shapes[1] if dtype.itemsize < 4 else shapes[0]
+        bucket = "tall"
     elif cols >= 128:
-        m, n, k, w, s = shapes[3] if dtype.itemsize < 4 else shapes[2]
+        bucket = "wide"
     else:
-        m, n, k, w, s = shapes[-1]
+        bucket = "small"
+    m, n, k, w, s = shapes[buckets[bucket]]
     return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
 
 
-def get_chunk_reduce_configs(dtype: torch.dtype | None = None) -> list[triton.Config]:
-    """Configs of the memory-bound chunk reduction: 1-4k elements per program saturate HBM."""
-    return [triton.Config(dict(BLOCK=b), num_warps=w) for b, w in ((1024, 4), (2048, 8), (4096, 8))]
+# chunk_reduce (a pure bandwidth kernel: W slot reads + 1 write per element): the launch is pinned,
+# never timed.  Not measured on a GPU yet; chosen from the byte count and the compile audit.  HBM
+# needs about 3 TB/s * ~1 us = ~3 MB of loads in flight across the GPU, ~23 KB per SM (Little's law).
+# The W loads of a block are unrolled and ptxas hoists them all, so a program holds W * BLOCK *
+# itemsize bytes in registers: BLOCK is sized for 16 KB (W = 2 bf16: 4096 elements; W = 8 bf16 or
+# W = 4 fp32: 1024), and 4 programs of 4 warps per SM keep 64 KB per SM in flight (3 programs at
+# 4096-element blocks, whose fp32 accumulator alone takes 32 registers per thread: 130 in all at
+# W = 2 in 16 bits under Triton 3.9; 48 KB per SM in flight).  Fixed 4096-element blocks did not fit
+# at W = 8: 241-244 registers per thread in 16 bits, and 255 plus 312 bytes of spills in fp32, under
+# Triton 3.6 (sm_90; the GPU machines' Triton), so at most 2 programs per SM.  PER_SM is bounded so
+# that every program is resident at once (a persistent grid that does not fit runs in waves, and a
+# second wave would repeat the flag wait): registers x 128 threads x PER_SM <= sm_90's 64K registers
+# per SM (tests/test_compile_audit.py checks it for every audited W, dtype and layout).
+_REDUCE_INFLIGHT = 16 * 1024  # bytes of partials one program holds in flight
+_REDUCE_BLOCKS = (512, 4096)  # BLOCK's range
+_REDUCE_WARPS = 4
+_REDUCE_PER_SM = {4096: 3}  # programs per SM by BLOCK (default 4)
+#: The world sizes the compile audit covers (every BLOCK the rule gives for W = 1..8, at its largest W).
+REDUCE_AUDIT_W = (2, 3, 4, 6, 8)
+
+
+def pinned_reduce_config(numel: int, dtype: torch.dtype, world_size: int) -> dict:
+    """The chunk reduction's launch config (``BLOCK``, ``PER_SM``, ``num_warps``): the same on every rank.
+
+    A function of the partials' dtype and the world size only (``numel``, the chunk's
+    output elements, is kept for a rule that needs it); never autotuned, not even in
+    loopback: the grid depends on the SM count, and one rule on every rank keeps the
+    ranks alike (a real group never autotunes; see :func:`pinned_gemm_config`).
+    """
+    per_block = _REDUCE_INFLIGHT // (max(int(world_size), 1) * dtype.itemsize)
+    block = 1 << max(per_block.bit_length() - 1, 0)  # the largest power of two <= per_block
+    block = min(max(block, _REDUCE_BLOCKS[0]), _REDUCE_BLOCKS[1])
+    return dict(BLOCK=block, PER_SM=_REDUCE_PER_SM.get(block, 4), num_warps=_REDUCE_WARPS)
+
+
+def get_chunk_reduce_configs(dtype: torch.dtype = torch.bfloat16) -> list[triton.Config]:
+    """The chunk reduction's pinned configs for ``dtype`` partials, one per audited world size (kwargs ``BLOCK``,
+    ``PER_SM`` and ``W``: the world size it is pinned for; CUDA only)."""
+    out = []
+    for w in REDUCE_AUDIT_W:
+        c = pinned_reduce_config(1 << 22, dtype, w)
+        out.append(triton.Config(dict(BLOCK=c["BLOCK"], PER_SM=c["PER_SM"], W=w), num_warps=c["num_warps"]))
+    return out
 
 
 def get_push_configs(dtype: torch.dtype | None = None) -> list[triton.Config]:
@@ -223,11 +297,11 @@ def claimed_rank_view(op: str, ws, rank: int, world_size: int, device: torch.dev
 
 
 def pick_gemm_launch(tuned_by_size: dict, kernel, dtype: torch.dtype, rows: int, cols: int, config: dict | None,
-                     ws):
+                     ws, family: str = "pointer"):
     """:func:`pick_launch` for a GEMM kernel: its autotuner for ``dtype``'s operand size, the pinned config of
-    ``rows`` (the largest chunk's) by ``cols`` (the output features), the CPU config."""
+    ``rows`` (the largest chunk's) by ``cols`` (the output features) in its ``family``, the CPU config."""
     return pick_launch(tuned_by_size.get(min(dtype.itemsize, 4)), kernel, CPU_GEMM_CONFIG,
-                       pinned_gemm_config(dtype, rows, cols), config, may_tune=ws_may_tune(ws))
+                       pinned_gemm_config(dtype, rows, cols, family), config, may_tune=ws_may_tune(ws))
 
 
 def output_buffer(op: str, out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, what: str):

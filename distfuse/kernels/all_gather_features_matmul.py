@@ -149,7 +149,7 @@ def _gathered_k_matmul_kernel(
 _push_columns_tuned = triton.autotune(get_push_configs(), key=["M", "len_p", "K", "W"])(_ag_push_columns_kernel) \
     if AUTOTUNE else None
 _gathered_k_matmul_tuned = {
-    size: triton.autotune(get_gemm_configs(dt), key=["M", "N", "K"])(_gathered_k_matmul_kernel)
+    size: triton.autotune(get_gemm_configs(dt, "gathered_k"), key=["M", "N", "K"])(_gathered_k_matmul_kernel)
     for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
 
 
@@ -238,7 +238,7 @@ def gathered_k_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int
                                "(no kernel runs to wait for the peers' chunks); use the unfused path")
     if M > 0 and N > 0:
         kernel, meta = pick_gemm_launch(_gathered_k_matmul_tuned, _gathered_k_matmul_kernel, x.dtype, M, N, config,
-                                        ws)
+                                        ws, family="gathered_k")
 
         def grid(META):
             return (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)

@@ -12,6 +12,11 @@ Column-parallel linear forward, and the row-parallel linear's input gradient::
 Two launches per rank, inside one claim of the workspace: :func:`ag_push` (the producer:
 copy this rank's shard into every peer's gathered buffer) and :func:`gathered_matmul`
 (the consumer: the GEMM over the gathered rows, chunk by chunk as their flags come up).
+The consumer has two kernels, chosen per call by
+:func:`~distfuse.kernels.gathered_matmul_select.select_gather_kernel`: the persistent one
+(:mod:`distfuse.kernels.gathered_matmul_persistent`: TMA loads, one wait per chunk per
+program) by default, and this module's one-program-per-tile pointer kernel where tensor
+descriptors cannot read the operands (any strides, any K).
 :func:`all_gather_matmul` is both, as one op on a real group; the autograd op of the same
 name (:mod:`distfuse.fused.all_gather_matmul`) builds on the two launches.
 
@@ -63,6 +68,8 @@ from distfuse.kernels._utils import (
     timeout_arg,
     ws_may_tune,
 )
+from distfuse.kernels.gathered_matmul_persistent import launch_gathered_persistent
+from distfuse.kernels.gathered_matmul_select import record_gather_choice, select_gather_kernel
 from distfuse.kernels.jit_helpers import (
     arrive,
     balanced_chunk,
@@ -218,11 +225,35 @@ def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, co
     )
 
 
+def _launch_pointer(x, gathered, weight, bias, out, st, rank: int, W: int, n: int, m_max: int, out_dtype, config,
+                    ws) -> None:
+    """Launch the one-tile-per-program pointer kernel (grid: tiles of the largest chunk x W steps)."""
+    n_batch, _, K = x.shape
+    N = weight.shape[0]
+    kernel, meta = pick_gemm_launch(_gathered_matmul_tuned, _gathered_matmul_kernel, x.dtype, m_max, N, config, ws)
+
+    def grid(META):
+        return (triton.cdiv(m_max, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]), W)
+
+    kernel[grid](
+        x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,
+        n_batch, n, N, K, rank, W, st.epoch_dev, timeout_arg(st),
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
+        HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x.dtype),
+        ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, **meta,
+    )
+
+
 def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, n: int, *,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                     out: torch.Tensor | None = None, config: dict | None = None,
-                    return_gathered: bool = False):
+                    return_gathered: bool = False, kernel: str | None = None):
     """Consume: ``y = gather(a) @ weight.T + bias``, local chunk first, waiting on each peer chunk's flag.
+
+    The kernel is the one :func:`~distfuse.kernels.gathered_matmul_select.select_gather_kernel`
+    picks: the persistent TMA kernel (:mod:`distfuse.kernels.gathered_matmul_persistent`) by
+    default, this module's pointer kernel where descriptors cannot read the operands; the
+    choice is kept as :func:`~distfuse.kernels.gathered_matmul_select.last_gather_choice`.
 
     Args:
         a_shard: ``[..., len_rank, K]``, the same tensor given to :func:`ag_push`.
@@ -230,9 +261,12 @@ def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
         n: the full extent of the gathered dim.
         bias: optional ``[N]``; out_dtype: default ``a_shard.dtype``.
         out: optional preallocated contiguous ``[..., n, N]`` (B_ rows of n).
-        config: explicit GEMM block sizes (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``).
+        config: explicit GEMM block sizes (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``; ``PROGRAMS`` for
+            the persistent grid).
         return_gathered: also return a copy of the gathered input ``[..., n, K]`` (for a
             weight gradient), taken before the workspace can be reused.
+        kernel: the consumer asked for (:data:`~distfuse.kernels.gathered_matmul_select.GATHER_KERNELS`;
+            default the persistent one); the selector may run the other and says why.
 
     Returns:
         ``y`` of shape ``[..., n, N]``, or ``(y, gathered)``.
@@ -253,24 +287,18 @@ def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     gathered = st.data(x.dtype, n_batch * n * K, op=op)
     st.wait_producers()  # collective on CPU
     m_max = n_batch * (-(-n // W))
-    kernel, meta = pick_gemm_launch(_gathered_matmul_tuned, _gathered_matmul_kernel, x.dtype, m_max, N, config, ws)
-
-    def grid(META):
-        return (triton.cdiv(m_max, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]), W)
-
     if return_gathered and N == 0 and m_max > 0 and not INTERPRET:
         # The flag waits live in the GEMM kernel; with nothing to multiply it is skipped and the
         # gathered copy below would race the peers' pushes.  Layers route such shards unfused.
         raise UnsupportedError(f"{where(op)}: a zero-width weight shard cannot return the gathered input on "
                                "CUDA (no kernel runs to wait for the peers' chunks); use the unfused path")
+    choice = record_gather_choice(select_gather_kernel(x, weight, kernel))
     if m_max > 0 and N > 0:
-        kernel[grid](
-            x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,
-            n_batch, n, N, K, rank, W, st.epoch_dev, timeout_arg(st),
-            x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
-            HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x.dtype),
-            ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, **meta,
-        )
+        if choice.kernel == "gathered_matmul_persistent":
+            launch_gathered_persistent(x, gathered, weight, bias, out, st, rank, W, n, config=config)
+        else:
+            blocks = {k: v for k, v in (config or {}).items() if k != "PROGRAMS"} or None
+            _launch_pointer(x, gathered, weight, bias, out, st, rank, W, n, m_max, out_dtype, blocks, ws)
         st.check_status(op, "gathered chunks")
     lead = a_shard.shape[:-2]
     y = out.view(*lead, n, N)

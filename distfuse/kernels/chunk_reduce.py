@@ -4,16 +4,33 @@ The producer (:func:`distfuse.kernels.matmul_reduce_scatter.matmul_scatter`, or 
 persistent and library-GEMM variants) stores every source's partial of chunk ``r`` into
 owner ``r``'s workspace: W slots of ``[B_, len_r, N]`` in ``partial_dtype``, rows
 :func:`slot_row_stride` elements apart, and raises ``flags[r, source]`` when a slot is
-complete.  This module holds the other side: one persistent grid that polls the W flags
-of its chunk together (:func:`wait_all_flags`), then sums the W slots in fp32 in source
-order, adds the bias once and rounds once.  It lives apart from the producer because
-several producers share it (the row-chunk and feature-chunk reduce-scatters, the
-library-GEMM producer), and the slot layout it reads is the contract between them.
+complete.  This module holds the other side, a pure bandwidth kernel: every program polls
+the W flags of its chunk together (:func:`wait_all_flags`), then sums the W slots in fp32
+in source order, adds the bias once and rounds once.  It lives apart from the producer
+because several producers share it (the row-chunk and feature-chunk reduce-scatters, the
+library-GEMM producer, the one-shot all-reduce), and the slot layout it reads is the
+contract between them; :func:`launch_reduce` is the one launch all of them go through.
+
+Built for the roofline (bytes moved per output element: W slot reads + 1 write, nothing
+else; the bias is ``N`` elements, read from L2)::
+
+    grid      PER_SM programs per SM (4; 3 at 4096-element blocks), each with W * BLOCK *
+              itemsize = 16 KB of loads in flight (BLOCK 512-4096 elements: 4096 at W = 2
+              in 16 bits), at most one program per block: 48-64 KB per SM in flight
+    layout    slot rows as wide as output rows (ld == N, every N % 16 == 0 width): one flat
+              walk over B_ * len_r * N elements, BLOCK elements per program iteration,
+              16-byte loads and stores (contiguous, BLOCK-aligned offsets); otherwise
+              [BLOCK // BLOCK_C, BLOCK_C] row blocks (loads still 16-byte)
+    loop      persistent grid stride: blocks pid, pid + P, ...; the flag poll and its CTA
+              barrier are paid once per program, not once per block
+    sums      W independent loads per block (unrolled: all in flight), fp32, source order
 
 Synchronisation: on CUDA the consumer spins on the flags (bounded by the workspace
 timeout); on CPU (``/dev/shm`` + interpreter) a host barrier orders producers before the
 consumer and the consumer checks each flag once.  A flag that never came poisons the
-chunk with NaN and the launcher raises on the status word.
+chunk with NaN and the launcher raises on the status word (or, with deferred status
+checks, the next claim of the workspace does, before any later op can use the result).
+Nothing in the launch reads device memory on the host.
 """
 
 from __future__ import annotations
@@ -24,23 +41,20 @@ import triton.language as tl
 
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import (
-    AUTOTUNE,
     CPU_CHUNK_REDUCE_CONFIG,
+    INTERPRET,
     TIMED_WAITS,
     check_bias,
     claimed_rank_view,
-    config_of,
-    get_chunk_reduce_configs,
     output_buffer,
-    pick_launch,
+    pinned_reduce_config,
     round_bf16,
     timeout_arg,
-    ws_may_tune,
 )
 from distfuse.kernels.jit_helpers import cast_out, globaltimer
 from distfuse.kernels.persistent import persistent_programs
 
-__all__ = ["chunk_reduce", "slot_row_stride", "wait_all_flags"]
+__all__ = ["chunk_reduce", "launch_reduce", "reduce_meta", "slot_row_stride", "wait_all_flags"]
 
 
 @triton.jit
@@ -82,60 +96,78 @@ def wait_all_flags(flags_ptr, W, W_BLOCK: tl.constexpr, epoch, status_ptr, timeo
     return n_pending == 0
 
 
+@triton.jit
+def _sum_sources(slots_ptr, offs, mask, slot_elems, W_UNROLL: tl.constexpr):
+    """fp32 sum over the W slots of the elements ``offs`` (slot-relative), in source order 0, 1, ..., W - 1.
+
+    The W loads are independent (unrolled), so they are all in flight at once; slots are
+    ``slot_elems`` apart, a multiple of 16 elements (rows padded to 16, see :func:`slot_row_stride`).
+    """
+    acc = tl.load(slots_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for src in tl.static_range(1, W_UNROLL):
+        slot = slots_ptr + tl.multiple_of(slot_elems.to(tl.int64) * src, 16)
+        acc += tl.load(slot + offs, mask=mask, other=0.0).to(tl.float32)
+    return acc
+
+
 @triton.jit(do_not_specialize=["rank", "timeout", "slot_elems"])
 def _chunk_reduce_kernel(
     slots_ptr, out_ptr, bias_ptr, flags_ptr, status_ptr,
-    n_rows, N, ld, slot_elems, rank, W, epoch_ptr, timeout, stride_bias,
-    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, TIMED: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCK_C: tl.constexpr, W_UNROLL: tl.constexpr = 0, W_BLOCK: tl.constexpr = 128,
+    n_rows, N, ld, slot_elems, rank, epoch_ptr, timeout, stride_bias,
+    HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, TIMED: tl.constexpr, FLAT: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, W_UNROLL: tl.constexpr, W_BLOCK: tl.constexpr,
 ):
-    """out[row, col] = sum over sources of slot[src][row, col] (fp32) + bias[col]: a persistent grid of programs.
+    """out[row, col] = sum over the W sources of slot[src][row, col] (fp32) + bias[col], on a persistent grid.
 
-    Slot rows are ``ld`` elements apart (N padded to 16 elements, see
-    :func:`slot_row_stride`), output rows ``N``: blocks of ``BLOCK // BLOCK_C`` rows by
-    ``BLOCK_C`` columns keep both sides contiguous, so loads and stores are vectorised.
+    ``W_UNROLL`` is W (a constexpr: the loads are unrolled), ``W_BLOCK`` the next power of
+    two (the flag vector).  Each program first polls all W flags of the chunk at once and
+    passes one barrier (:func:`wait_all_flags`), then walks the blocks ``pid, pid +
+    num_programs, ...``; per block the W partials are W independent loads summed in the
+    fixed order src = 0, 1, ..., W - 1, whatever order the flags came in, so the result is
+    bitwise the same run to run and for every grid.
 
-    Each program first polls all W flags of its chunk at once and passes one barrier
-    (:func:`wait_all_flags`; ``W_BLOCK`` >= W, a power of two), then walks the blocks
-    ``pid, pid + num_programs, ...``; per block the W partial tiles are W independent loads
-    summed in the fixed order src = 0, 1, ..., W - 1, whatever order the flags came in: the
-    result is bitwise the same run to run.  ``W_UNROLL`` = W (a constexpr) unrolls the
-    loads so they are all in flight at once; 0 keeps a runtime loop over W (same sums).  The grid is at most the
-    GPU's SM count, so the flags are polled once per SM rather than once per block.
+    ``FLAT`` (``ld == N``): slots and output are the same contiguous ``[n_rows * N]`` run,
+    walked in blocks of ``BLOCK`` elements whose offsets are ``BLOCK``-aligned and
+    contiguous, so with ``N % 16 == 0`` (known to the compiler: ``N`` is specialised) the
+    mask is uniform over 16 elements and every load and store is 16 bytes wide.  Otherwise
+    (slot rows padded past N): blocks of ``BLOCK // BLOCK_C`` rows by ``BLOCK_C`` columns,
+    slot rows ``ld`` apart (16-aligned: the loads stay 16 bytes wide), output rows ``N``.
+
     If a source's flag never came (the wait timed out) the whole chunk is NaN, so it can
     never pass for a good one; the launcher raises on the status word.
     """
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
-    BLOCK_R: tl.constexpr = BLOCK // BLOCK_C
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
-    num_c = tl.cdiv(N, BLOCK_C)
-    num_blocks = tl.cdiv(n_rows, BLOCK_R) * num_c
-    ok = wait_all_flags(flags_ptr + rank * W, W, W_BLOCK, epoch, status_ptr, timeout, TIMED)
-    for blk in range(pid, num_blocks, num_progs):
-        offs_r = (blk // num_c).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-        offs_c = (blk % num_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-        mask = (offs_r < n_rows)[:, None] & (offs_c < N)[None, :]
-        src_offs = offs_r[:, None] * tl.multiple_of(ld, 16) + offs_c[None, :]
-        acc = tl.zeros([BLOCK_R, BLOCK_C], dtype=tl.float32)
-        if W_UNROLL > 0:
-            for src in tl.static_range(W_UNROLL):
-                slot = slots_ptr + tl.multiple_of(slot_elems.to(tl.int64) * src, 16)  # ld-padded slots: 16-aligned
-                acc += tl.load(slot + src_offs, mask=mask, other=0.0).to(tl.float32)
-        else:
-            for src in range(0, W):
-                slot = slots_ptr + tl.multiple_of(slot_elems.to(tl.int64) * src, 16)
-                acc += tl.load(slot + src_offs, mask=mask, other=0.0).to(tl.float32)
-        acc = tl.where(ok, acc, float("nan"))
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_c * stride_bias, mask=offs_c < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_r[:, None] * N + offs_c[None, :], cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16),
-                 mask=mask)
-
-
-# Autotuner (CUDA, loopback ops only: see pinned_gemm_config).
-_chunk_reduce_tuned = triton.autotune(get_chunk_reduce_configs(), key=["n_rows", "N", "W"])(_chunk_reduce_kernel) \
-    if AUTOTUNE else None
+    ok = wait_all_flags(flags_ptr + rank * W_UNROLL, W_UNROLL, W_BLOCK, epoch, status_ptr, timeout, TIMED)
+    if FLAT:
+        numel = n_rows.to(tl.int64) * N
+        num_blocks = tl.cdiv(numel, BLOCK).to(tl.int32)
+        for blk in range(pid, num_blocks, num_progs):
+            offs = blk * tl.full([], BLOCK, tl.int64) + tl.arange(0, BLOCK)  # int64: chunks may pass 2^31
+            offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+            mask = offs < numel
+            acc = _sum_sources(slots_ptr, offs, mask, slot_elems, W_UNROLL)
+            acc = tl.where(ok, acc, float("nan"))
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + (offs % N) * stride_bias, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + offs, cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+    else:
+        BLOCK_R: tl.constexpr = BLOCK // BLOCK_C
+        num_c = tl.cdiv(N, BLOCK_C)
+        num_blocks = tl.cdiv(n_rows, BLOCK_R) * num_c
+        for blk in range(pid, num_blocks, num_progs):
+            offs_r = (blk // num_c).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+            offs_c = (blk % num_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+            offs_c = tl.max_contiguous(tl.multiple_of(offs_c, BLOCK_C), BLOCK_C)
+            mask = (offs_r < n_rows)[:, None] & (offs_c < N)[None, :]
+            acc = _sum_sources(slots_ptr, offs_r[:, None] * tl.multiple_of(ld, 16) + offs_c[None, :], mask,
+                               slot_elems, W_UNROLL)
+            acc = tl.where(ok, acc, float("nan"))
+            if HAS_BIAS:
+                acc += tl.load(bias_ptr + offs_c * stride_bias, mask=offs_c < N, other=0.0).to(tl.float32)[None, :]
+            tl.store(out_ptr + offs_r[:, None] * N + offs_c[None, :],
+                     cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 def slot_row_stride(N: int) -> int:
@@ -143,6 +175,58 @@ def slot_row_stride(N: int) -> int:
     and the GEMM's remote stores can be 16 bytes wide."""
     return -(-N // 16) * 16
 
+
+def reduce_meta(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, world_size: int,
+                config: dict | None = None) -> dict:
+    """Launch meta of one reduction: ``BLOCK``, ``BLOCK_C``, ``FLAT``, ``PER_SM``, ``num_warps`` (and
+    ``PROGRAMS`` if ``config`` gives it).
+
+    ``config`` (tests): ``BLOCK`` and optionally ``PROGRAMS``, ``num_warps``.  Otherwise the
+    pinned config of the partials' dtype and the world size
+    (:func:`~distfuse.kernels._utils.pinned_reduce_config`; never autotuned: one rule on every
+    rank), or the CPU config under the interpreter.
+    """
+    if config is not None:
+        meta = dict(config)
+    elif INTERPRET:
+        meta = dict(CPU_CHUNK_REDUCE_CONFIG)
+    else:
+        meta = pinned_reduce_config(rows * cols, partial_dtype, world_size)
+    meta.setdefault("num_warps", 4)
+    meta.setdefault("PER_SM", 1)
+    meta["FLAT"] = ld == cols
+    meta["BLOCK_C"] = min(256, triton.next_power_of_2(max(cols, 1)), meta["BLOCK"])
+    return meta
+
+
+def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, rows: int,
+                  cols: int, ld: int, slot_elems: int, rank: int, world_size: int, *,
+                  config: dict | None = None) -> dict:
+    """Sum the W slots ``[rows, cols]`` (rows ``ld`` apart, slots ``slot_elems`` apart) into ``out``; returns the meta.
+
+    The one launch of :func:`_chunk_reduce_kernel` (``chunk_reduce``, ``column_reduce`` and
+    the one-shot all-reduce).  The caller has checked ``out`` (contiguous ``[rows, cols]``)
+    and ``bias`` (``[cols]``), and reads the status words afterwards.  ``rows * cols == 0``
+    launches nothing.
+    """
+    meta = reduce_meta(rows, cols, ld, slots.dtype, world_size, config)
+    if rows * cols == 0:
+        return meta
+    kw = {k: v for k, v in meta.items() if k not in ("PER_SM", "PROGRAMS")}
+    if meta["FLAT"]:
+        blocks = triton.cdiv(rows * cols, meta["BLOCK"])
+    else:
+        blocks = triton.cdiv(rows, meta["BLOCK"] // meta["BLOCK_C"]) * triton.cdiv(cols, meta["BLOCK_C"])
+    programs = min(blocks, persistent_programs(out.device, meta.get("PROGRAMS"), per_sm=meta["PER_SM"]))
+    W = world_size
+    _chunk_reduce_kernel[(programs,)](
+        slots, out, bias if bias is not None else out, st.flags, st.status,
+        rows, cols, ld, slot_elems, rank, st.epoch_dev, timeout_arg(st),
+        bias.stride(0) if bias is not None else 0,
+        HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS,
+        W_UNROLL=W, W_BLOCK=triton.next_power_of_2(W), **kw,
+    )
+    return dict(meta, programs=programs)
 
 
 def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, partial_dtype: torch.dtype,
@@ -157,6 +241,7 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
         bias: optional ``[N]``.
         out_dtype: output dtype (default ``partial_dtype``).
         out: optional preallocated contiguous ``[..., len_rank, N]`` output (``batch`` rows of ``len_rank``).
+        config: explicit ``BLOCK`` (and ``PROGRAMS``, ``num_warps``), for tests; default the pinned config.
 
     Returns:
         ``[batch, len_rank, N]`` with ``len_rank = block_extent(n, W, rank)``.
@@ -172,25 +257,7 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
     slot_elems = batch * (-(-n // W)) * ld
     slots = st.data(partial_dtype, W * slot_elems, op=op)
     st.wait_producers()  # collective on CPU: every rank calls it, even with an empty chunk
-    numel = out.numel()
-    if numel > 0:
-        kernel, meta = pick_launch(_chunk_reduce_tuned, _chunk_reduce_kernel, CPU_CHUNK_REDUCE_CONFIG,
-                                   config_of(get_chunk_reduce_configs(), 1), config, may_tune=ws_may_tune(ws))
-        n_rows = batch * len_r
-        block_c = min(256, triton.next_power_of_2(N), meta.get("BLOCK", 1024))
-
-        programs = persistent_programs(ws.device, meta.pop("PROGRAMS", None))
-
-        def grid(META):
-            blocks = triton.cdiv(n_rows, META["BLOCK"] // block_c) * triton.cdiv(N, block_c)
-            return (min(blocks, programs),)
-
-        kernel[grid](
-            slots, out, bias if bias is not None else out, st.flags, st.status,
-            n_rows, N, ld, slot_elems, rank, W, st.epoch_dev, timeout_arg(st),
-            bias.stride(0) if bias is not None else 0,
-            HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, BLOCK_C=block_c,
-            W_UNROLL=W, W_BLOCK=triton.next_power_of_2(W), **meta,
-        )
+    if out.numel() > 0:
+        launch_reduce(op, st, slots, out, bias, batch * len_r, N, ld, slot_elems, rank, W, config=config)
         st.check_status(op, f"partials of chunk {rank}")
     return out

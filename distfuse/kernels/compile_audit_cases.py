@@ -28,7 +28,9 @@ class KernelCase:
     case's dtype for ``*_ptr`` arguments); ``ints`` maps integer arguments to ``i32`` or
     ``i64`` (default ``i32``).  ``aligned`` lists the integer arguments that are
     multiples of 16 in the case (Triton specialises those at run time; pointers are
-    always taken as 16-byte aligned, as torch allocates them).
+    always taken as 16-byte aligned, as torch allocates them).  ``descriptors`` maps
+    host-side tensor-descriptor arguments to their block shape (elements of the case's
+    dtype): ``tensordesc<bf16[128, 64]>`` in the signature.
     """
 
     name: str
@@ -41,6 +43,7 @@ class KernelCase:
     ints: dict = field(default_factory=dict)
     aligned: tuple = ()
     checks: tuple = ()
+    descriptors: dict = field(default_factory=dict)
 
     def signature(self) -> tuple[dict, dict]:
         fn = self.fn
@@ -50,6 +53,9 @@ class KernelCase:
         for i, name in enumerate(fn.arg_names):
             if name in self.constexprs:
                 sig[name] = "constexpr"
+            elif name in self.descriptors:
+                sig[name] = f"tensordesc<{tt}[{', '.join(str(b) for b in self.descriptors[name])}]>"
+                continue
             elif name in self.pointer_dtypes:
                 sig[name] = "*" + self.pointer_dtypes[name]
             elif name.endswith("_ptr"):
@@ -61,7 +67,7 @@ class KernelCase:
         return sig, attrs
 
     def label(self) -> str:
-        shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "W_UNROLL", "B_KMAJOR")
+        shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "W_UNROLL", "B_KMAJOR", "FLAT")
         meta = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k.startswith("BLOCK") or k in shown)
         return f"{self.name}[{_TT[self.dtype]};{meta};w{self.num_warps}s{self.num_stages}]"
 
@@ -75,12 +81,14 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
     import distfuse.kernels.all_gather_matmul as all_gather_kernels
     import distfuse.kernels.chunk_flag as chunk_flag
     import distfuse.kernels.chunk_reduce as chunk_reduce_kernels
+    import distfuse.kernels.gathered_matmul_persistent as gathered_persistent_kernels
     import distfuse.kernels.matmul_all_reduce as all_reduce_kernels
     import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
     import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
     import distfuse.kernels.matmul_scatter_persistent as persistent_kernels
     import distfuse.kernels.signature as signature_kernels
     from distfuse.kernels._utils import (
+        REDUCE_AUDIT_W,
         get_chunk_reduce_configs,
         get_gemm_configs,
         get_push_configs,
@@ -90,17 +98,62 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
     tables = {"data_ptrs": "i64", "flag_ptrs": "i64", "counter_ptr": "i32", "flags_ptr": "i32", "status_ptr": "i32",
               "epoch_ptr": "i32"}
     ints = {"timeout": "i64"}
-    cases = []
-    for dt in dtypes:
-        configs = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in get_gemm_configs(dt)]
+
+    def family_configs(dt, family):
+        """The family's autotuning list plus the pinned config of every bucket (launch kwargs)."""
+        configs = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+                   for c in get_gemm_configs(dt, family)]
         for rows, cols in ((4096, 4096), (4096, 128), (64, 4096), (16, 16)):  # every bucket of the pinned rule
-            pinned = pinned_gemm_config(dt, rows, cols)
+            pinned = pinned_gemm_config(dt, rows, cols, family)
             if pinned not in configs:
                 configs.append(pinned)
+        return configs
+
+    def split(cfg):
+        cfg = dict(cfg)
+        return cfg.pop("num_warps"), cfg.pop("num_stages"), cfg
+
+    cases = []
+    for dt in dtypes:
         precisions = ("ieee", "tf32") if dt == torch.float32 else ("tf32",)
-        for cfg in configs:
-            cfg = dict(cfg)
-            warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
+        for prec in precisions:
+            base = dict(UPCAST=False, INPUT_PRECISION=prec, ROUND_BF16=False)
+            for cfg in family_configs(dt, "gathered_k"):
+                warps, stages, cfg = split(cfg)
+                # The feature-direction all-gather GEMM: its own list (it spills where the others do not).
+                cases.append(KernelCase("gathered_k_matmul", ag_features_kernels._gathered_k_matmul_kernel, dt,
+                                        dict(base, HAS_BIAS=True, TIMED=True, **cfg), warps, stages,
+                                        pointer_dtypes=tables, ints=ints, aligned=("N", "K", "stride_xm", "stride_bn"),
+                                        checks=("acquire_sys",)))
+            for cfg in family_configs(dt, "persistent"):
+                warps, stages, cfg = split(cfg)
+                # The persistent form: host tensor descriptors (TMA), deferred per-chunk arrival; both weight
+                # layouts.
+                for kmajor in (False, True):
+                    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+                    cases.append(KernelCase("matmul_scatter_persistent",
+                                            persistent_kernels._matmul_scatter_persistent_kernel, dt,
+                                            dict(base, B_KMAJOR=kmajor, **cfg), warps, stages, pointer_dtypes=tables,
+                                            ints=ints, aligned=("N", "K", "ld"),
+                                            descriptors=dict(a_desc=(bm, bk), b_desc=(bk, bn) if kmajor else (bn, bk)),
+                                            checks=("release_sys", "vector_store", "tma_load")))
+        for cfg in family_configs(dt, "gathered_persistent"):
+            warps, stages, cfg = split(cfg)
+            # The all-gather GEMM consumer, persistent form: TMA loads of the shard and the gathered rows, one wait
+            # per chunk; both weight layouts; the split epilogue of every pinned config.  fp32 only with TF32: the
+            # selector runs the pointer kernel for compiled fp32 IEEE products (they spill ~6 KB here).
+            for kmajor in (False, True):
+                bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+                cases.append(KernelCase("gathered_matmul_persistent",
+                                        gathered_persistent_kernels._gathered_matmul_persistent_kernel, dt,
+                                        dict(UPCAST=False, INPUT_PRECISION="tf32", ROUND_BF16=False, HAS_BIAS=True,
+                                             TIMED=True, EPILOGUE_SUBTILE=True, B_KMAJOR=kmajor, **cfg),
+                                        warps, stages, pointer_dtypes=tables, ints=ints, aligned=("N", "K"),
+                                        descriptors=dict(x_desc=(bm, bk), g_desc=(bm, bk),
+                                                         b_desc=(bk, bn) if kmajor else (bn, bk)),
+                                        checks=("acquire_sys", "tma_load", "vector_store")))
+        for cfg in family_configs(dt, "pointer"):
+            warps, stages, cfg = split(cfg)
             for prec in precisions:
                 common = dict(UPCAST=False, INPUT_PRECISION=prec, ROUND_BF16=False, **cfg)
                 cases.append(KernelCase("matmul_scatter", reduce_scatter_kernels._matmul_scatter_kernel, dt, common,
@@ -112,34 +165,28 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
                                         pointer_dtypes=tables, ints=ints,
                                         aligned=("N", "K", "stride_xb", "stride_xn", "stride_bn"),
                                         checks=("acquire_sys",)))
-                # The feature-direction pair (column chunks; the K chunks of the gathered input).
+                # The feature-direction scatter (column chunks).
                 cases.append(KernelCase("matmul_scatter_columns", rs_features_kernels._matmul_scatter_columns_kernel,
                                         dt, dict(common, HAS_BIAS=True), warps, stages, pointer_dtypes=tables,
                                         ints=ints, aligned=("N", "K", "ld", "stride_am", "stride_bn"),
                                         checks=("release_sys", "vector_store")))
-                cases.append(KernelCase("gathered_k_matmul", ag_features_kernels._gathered_k_matmul_kernel, dt,
-                                        dict(common, HAS_BIAS=True, TIMED=True), warps, stages,
-                                        pointer_dtypes=tables, ints=ints, aligned=("N", "K", "stride_xm", "stride_bn"),
-                                        checks=("acquire_sys",)))
-                # The persistent form: tensor-descriptor loads (TMA), deferred per-chunk arrival; both weight layouts.
-                for kmajor in (False, True):
-                    cases.append(KernelCase("matmul_scatter_persistent",
-                                            persistent_kernels._matmul_scatter_persistent_kernel, dt,
-                                            dict(common, B_KMAJOR=kmajor), warps, stages, pointer_dtypes=tables,
-                                            ints=ints, aligned=("N", "K", "ld", "stride_am", "stride_b"),
-                                            checks=("release_sys", "vector_store", "tma_load")))
                 # GEMM + one-shot all-reduce: each tile stored into every rank's slot.
                 cases.append(KernelCase("matmul_push", all_reduce_kernels._matmul_push_kernel, dt,
                                         dict(common, HAS_BIAS=True), warps, stages, pointer_dtypes=tables, ints=ints,
                                         aligned=("N", "K", "ld", "stride_am", "stride_bn"),
                                         checks=("release_sys", "vector_store")))
         for c in get_chunk_reduce_configs(dt):
-            # W_UNROLL = W unrolls the W loads (chunk_reduce); 0 is the runtime loop (column_reduce, W_BLOCK 128).
-            for block_c, w in ((256, 8), (16, 8), (256, 2), (256, 3), (256, 0)):
+            # The pinned block of each audited world size W (W loads unrolled: the largest W of a BLOCK holds the
+            # most registers), FLAT (ld == N: one 1-D walk); the row-block form (slot rows padded past N) with
+            # 256- and 16-column blocks at the largest W.  PER_SM is a launch parameter, not a constexpr
+            # (test_compile_audit checks registers x threads x PER_SM against the SM's register file).
+            w, block = c.kwargs["W"], c.kwargs["BLOCK"]
+            layouts = [(True, 256)] + ([(False, 256), (False, 16)] if w == max(REDUCE_AUDIT_W) else [])
+            for flat, block_c in layouts:
                 cases.append(KernelCase("chunk_reduce", chunk_reduce_kernels._chunk_reduce_kernel, dt,
-                                        dict(W_UNROLL=w, W_BLOCK=triton.next_power_of_2(w) if w else 128,
-                                             HAS_BIAS=True, ROUND_BF16=False, TIMED=True, BLOCK_C=block_c,
-                                             **c.kwargs),
+                                        dict(W_UNROLL=w, W_BLOCK=triton.next_power_of_2(w), FLAT=flat,
+                                             HAS_BIAS=True, ROUND_BF16=False, TIMED=True, BLOCK_C=min(block_c, block),
+                                             BLOCK=block),
                                         c.num_warps, 1, pointer_dtypes=tables, ints=ints, aligned=("N", "ld"),
                                         checks=("acquire_sys", "vector_load", "vector_store")))
         for c in get_push_configs(dt):
@@ -212,7 +259,8 @@ def _select(dtypes, only: str | None) -> list[KernelCase]:
     if only is None:
         return audit_cases(dtypes)
     families = {"matmul_scatter": _gemm_cases, "matmul_scatter_persistent": _gemm_cases,
-                "raise_chunk_flag": _gemm_cases, "gathered_matmul": _gemm_cases, "chunk_reduce": _gemm_cases,
+                "raise_chunk_flag": _gemm_cases, "gathered_matmul": _gemm_cases,
+                "gathered_matmul_persistent": _gemm_cases, "chunk_reduce": _gemm_cases,
                 "ag_push": _gemm_cases, "gathered_k_matmul": _gemm_cases, "matmul_push": _gemm_cases,
                 "gather_columns": _gemm_cases, "publish_signature": _gemm_cases, "check_signatures": _gemm_cases,
                 "abstain_signature": _gemm_cases,

@@ -168,20 +168,16 @@ def matmul_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_s
         partial_dtype: dtype of the partials in the slots (default ``a.dtype``).
         config: explicit block sizes (``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``;
             optional ``num_warps``/``num_stages``) instead of autotuning / the CPU config.
-            ``{"kernel": "persistent", ...}`` runs the persistent tensor-descriptor kernel
-            instead (:mod:`distfuse.kernels.matmul_scatter_persistent`; the same slots and
-            flags; block sizes optional, ``PROGRAMS`` the grid size).
 
-    Finish with :func:`chunk_reduce` on every rank, inside the same claim.
+    This is the pointer kernel only; the persistent tensor-descriptor form is
+    :mod:`distfuse.kernels.matmul_scatter_persistent`, and the one place that chooses
+    between them (and names the kernel that ran) is
+    :func:`distfuse.kernels.matmul_scatter_select.select_scatter_kernel`.  Finish with
+    :func:`chunk_reduce` on every rank, inside the same claim.
     """
     if config is not None and config.get("kernel", "pointer") != "pointer":
-        if config["kernel"] != "persistent":
-            raise expect("matmul_scatter", "config['kernel']", "'pointer' or 'persistent'", repr(config["kernel"]),
-                         cls=UnsupportedError)
-        from distfuse.kernels.matmul_scatter_persistent import matmul_scatter_persistent
-
-        return matmul_scatter_persistent(a, weight, ws, rank, world_size, partial_dtype=partial_dtype,
-                                         config={k: v for k, v in config.items() if k != "kernel"})
+        raise expect("matmul_scatter", "config['kernel']", "'pointer' (choose other kernels with "
+                     "distfuse.kernels.matmul_scatter_select)", repr(config["kernel"]), cls=UnsupportedError)
     config = None if config is None else {k: v for k, v in config.items() if k != "kernel"}
     op = "matmul_scatter"
     partial_dtype = check_producer_args(op, a, weight, partial_dtype)

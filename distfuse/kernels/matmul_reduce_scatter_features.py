@@ -51,22 +51,15 @@ from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import (
     AUTOTUNE,
-    CPU_CHUNK_REDUCE_CONFIG,
     FLOAT_DTYPES,
     INTERPRET,
-    TIMED_WAITS,
     check_bias,
     claimed_rank_view,
-    config_of,
-    get_chunk_reduce_configs,
     get_gemm_configs,
     input_precision,
     output_buffer,
     pick_gemm_launch,
-    pick_launch,
     round_bf16,
-    timeout_arg,
-    ws_may_tune,
 )
 from distfuse.kernels.jit_helpers import arrive, balanced_chunk, cast_out, grouped_tile, matmul_tile, raise_flag
 
@@ -229,20 +222,8 @@ def reduce_slots(op: str, ws, rank: int, world_size: int, rows: int, cols: int, 
     slots = st.data(partial_dtype, W * slot_elems, op=op)
     st.wait_producers()  # collective on CPU: every rank calls it, even with nothing to reduce
     if out.numel() > 0:
-        rk = chunk_reduce_kernels
-        kernel, meta = pick_launch(rk._chunk_reduce_tuned, rk._chunk_reduce_kernel, CPU_CHUNK_REDUCE_CONFIG,
-                                   config_of(get_chunk_reduce_configs(), 1), config, may_tune=ws_may_tune(ws))
-        block_c = min(256, triton.next_power_of_2(cols), meta.get("BLOCK", 1024))
-
-        def grid(META):
-            return (triton.cdiv(rows, META["BLOCK"] // block_c) * triton.cdiv(cols, block_c),)
-
-        kernel[grid](
-            slots, out, bias if bias is not None else out, st.flags, st.status,
-            rows, cols, ld, slot_elems, rank, W, st.epoch_dev, timeout_arg(st),
-            bias.stride(0) if bias is not None else 0,
-            HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, BLOCK_C=block_c, **meta,
-        )
+        chunk_reduce_kernels.launch_reduce(op, st, slots, out, bias, rows, cols, ld, slot_elems, rank, W,
+                                           config=config)
         st.check_status(op, what)
     return out
 

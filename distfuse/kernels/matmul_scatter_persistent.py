@@ -17,11 +17,17 @@ How it differs from the one-tile-per-program kernel:
   owners at any moment and the own chunk comes last).  Within a chunk tiles follow the
   grouped order (``GROUP_M`` row tiles down a column of tiles), so concurrent programs
   share weight columns in L2.
-* **Tensor descriptors.**  ``a`` and ``weight`` are read through
-  ``tl.make_tensor_descriptor`` (TMA on sm_90; the interpreter supports them too).  A
-  row tile never crosses a batch entry (T counts ``ceil(ceil(n / W) / BLOCK_M)`` row
-  tiles per batch entry), so each A tile is one rectangular box of the ``[B_ * n, K]``
-  view; rows past the chunk's end are loaded and masked at the store.
+* **Host-side tensor descriptors.**  ``a`` and ``weight`` are read through
+  ``triton.tools.tensor_descriptor.TensorDescriptor`` arguments built by the launcher (TMA
+  on sm_90; the interpreter supports them too).  Device-side descriptors
+  (``tl.make_tensor_descriptor``) need global scratch from an allocator that Triton keeps
+  per thread (a ``ContextVar``): a launch from any thread but the one that called
+  ``triton.set_allocator`` (CUDA autograd runs backward on its own thread; checkpoint
+  recomputes; data-loader threads) raised "no allocator was set".  Host descriptors need
+  no allocator and no per-launch scratch.  A row tile never crosses a batch entry (T
+  counts ``ceil(ceil(n / W) / BLOCK_M)`` row tiles per batch entry), so each A tile is one
+  rectangular box of the ``[B_ * n, K]`` view; rows past the chunk's end are loaded and
+  masked at the store.
 * **One signal per chunk, deferred arrival.**  A tile counts itself done on a per-chunk
   counter (acq_rel, GPU scope); the tile that completes the count resets it and raises
   the owner's flag (release, system scope: cumulative, so it publishes every tile's
@@ -38,7 +44,10 @@ products unless ``torch.backends.cuda.matmul.allow_tf32`` (see ``input_precision
 
 When the descriptor preconditions fail (a row stride that is not a multiple of 16
 bytes, a base that is not 16-byte aligned, an empty extent), :func:`matmul_scatter_persistent`
-runs the pointer kernel instead: same outputs, and :func:`persistent_supported` says why.
+refuses (:class:`~distfuse.errors.UnsupportedError`, with :func:`persistent_supported`'s
+reason).  Falling back to the pointer kernel is the selector's decision
+(:mod:`distfuse.kernels.matmul_scatter_select`), which names the kernel that ran and why,
+so a ``triton_persistent`` row or decision never hides another kernel's time.
 
 Not measured on a GPU yet: the kernel compiles for sm_90 (``compile_audit``) and is
 tested under the interpreter; ``bench/bench_gemm_fused.py`` times it where a GPU is present.
@@ -51,7 +60,9 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
+from distfuse.errors import UnsupportedError, where
 from distfuse.kernels._utils import (
     CPU_GEMM_CONFIG,
     HAS_CUDA,
@@ -62,6 +73,7 @@ from distfuse.kernels._utils import (
     pinned_gemm_config,
     round_bf16,
 )
+from distfuse.kernels.chunk_reduce import slot_row_stride
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, grouped_tile, raise_flag
 from distfuse.kernels.persistent import persistent_programs
 
@@ -88,15 +100,16 @@ def _arrive_tile(counter_ptr, chunk, tiles_per_chunk, flag_ptrs, W, rank, epoch)
 
 @triton.jit(do_not_specialize=["rank", "src_offset"])
 def _matmul_scatter_persistent_kernel(
-    a_ptr, b_ptr, slots_ptr, data_ptrs, flag_ptrs, counter_ptr,
-    n_batch, n, N, ld, K, rank, W, epoch_ptr, src_offset, stride_am, stride_b,
+    a_desc, b_desc, slots_ptr, data_ptrs, flag_ptrs, counter_ptr,
+    n_batch, n, N, ld, K, rank, W, epoch_ptr, src_offset,
     B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Persistent grid (at most one program per SM); see the module doc.
 
-    ``stride_am``: row stride of the ``[B_ * n, K]`` view of ``a``; ``stride_b``: row stride
-    of the weight, ``[N, K]`` (``B_KMAJOR`` False) or ``[K, N]`` (True).
+    ``a_desc``: host descriptor of the ``[B_ * n, K]`` view of ``a`` (blocks ``[BLOCK_M, BLOCK_K]``);
+    ``b_desc``: of the weight, ``[N, K]`` (``B_KMAJOR`` False, blocks ``[BLOCK_N, BLOCK_K]``) or
+    ``[K, N]`` (True, blocks ``[BLOCK_K, BLOCK_N]``).
     """
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
@@ -106,14 +119,6 @@ def _matmul_scatter_persistent_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     tiles_per_chunk = num_pid_m * num_pid_n
     total = W * tiles_per_chunk
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[n_batch * n, K], strides=[stride_am, 1],
-                                       block_shape=[BLOCK_M, BLOCK_K])
-    if B_KMAJOR:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
-                                           block_shape=[BLOCK_K, BLOCK_N])
-    else:
-        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1],
-                                           block_shape=[BLOCK_N, BLOCK_K])
     esize = slots_ptr.dtype.element_ty.primitive_bitwidth // 8
     own_base = tl.load(data_ptrs + rank)
     pending = tl.full([], -1, tl.int32)  # chunk of the tile whose arrival is deferred (-1: none)
@@ -154,25 +159,6 @@ def _matmul_scatter_persistent_kernel(
         _arrive_tile(counter_ptr, pending, tiles_per_chunk, flag_ptrs, W, rank, epoch)
 
 
-_ALLOCATOR_SET = False
-
-
-def _ensure_descriptor_allocator() -> None:
-    """Device-side tensor descriptors need global scratch memory: give Triton a torch allocator (once, CUDA).
-
-    An allocator the application set already is kept.
-    """
-    global _ALLOCATOR_SET
-    if _ALLOCATOR_SET or INTERPRET or not HAS_CUDA:
-        return
-    from triton.runtime import _allocation
-
-    current = _allocation._allocator.get()
-    if isinstance(current, _allocation.NullAllocator):
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    _ALLOCATOR_SET = True
-
-
 def persistent_gemm_config(dtype: torch.dtype, rows: int, cols: int, config: dict | None = None) -> dict:
     """Block sizes of the persistent kernel: ``config``, the CPU config (interpreter), or the pinned GPU rule.
 
@@ -185,7 +171,7 @@ def persistent_gemm_config(dtype: torch.dtype, rows: int, cols: int, config: dic
         return blocks
     if INTERPRET or not HAS_CUDA:
         return dict(CPU_GEMM_CONFIG)
-    return pinned_gemm_config(dtype, rows, cols)
+    return pinned_gemm_config(dtype, rows, cols, "persistent")
 
 
 def persistent_supported(a3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
@@ -214,32 +200,42 @@ def persistent_supported(a3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, 
     return True, ""
 
 
+def _descriptors(a3: torch.Tensor, weight: torch.Tensor, meta: dict, b_kmajor: bool):
+    """Host-side TMA descriptors of ``a3``'s ``[B_ * n, K]`` rows and of the weight (see the kernel's doc)."""
+    B, n, K = a3.shape
+    N = weight.shape[0]
+    rows = a3.as_strided((B * n, K), (a3.stride(1), 1))  # one matrix: persistent_supported checked the strides
+    a_desc = TensorDescriptor(rows, [B * n, K], [a3.stride(1), 1], [meta["BLOCK_M"], meta["BLOCK_K"]])
+    if b_kmajor:  # weight.t() is a [K, N] matrix with contiguous rows
+        b_desc = TensorDescriptor(weight.t(), [K, N], [weight.stride(1), 1], [meta["BLOCK_K"], meta["BLOCK_N"]])
+    else:
+        b_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [meta["BLOCK_N"], meta["BLOCK_K"]])
+    return a_desc, b_desc
+
+
 def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
                               partial_dtype: torch.dtype | None = None, config: dict | None = None) -> None:
     """Produce, like :func:`~distfuse.kernels.matmul_reduce_scatter.matmul_scatter`, with the persistent kernel.
 
     Same arguments and the same slots and flags; finish with ``chunk_reduce``.  ``config``
     may add ``PROGRAMS`` (the persistent grid's size; default one per SM on CUDA, 2 under
-    the interpreter).  Falls back to the pointer kernel where :func:`persistent_supported`
-    says no (same outputs).
+    the interpreter).  Raises :class:`~distfuse.errors.UnsupportedError` where
+    :func:`persistent_supported` says no; :func:`~distfuse.kernels.matmul_scatter_select.select_scatter_kernel`
+    picks the pointer kernel for such operands and says so.  Safe from any thread: the
+    descriptors are built on the host, so no Triton allocator is involved.
     """
-    from distfuse.kernels import matmul_reduce_scatter as pointer_kernels
-
     op = "matmul_scatter_persistent"
     partial_dtype = check_producer_args(op, a, weight, partial_dtype)
     W = world_size
     n, K, N = a.shape[-2], a.shape[-1], weight.shape[0]
     a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
-    ok, _why = persistent_supported(a3, weight)
+    ok, why = persistent_supported(a3, weight)
     if not ok:
-        fallback = {k: v for k, v in (config or {}).items() if k not in ("kernel", "PROGRAMS")} or None
-        if fallback is not None and "BLOCK_M" not in fallback:
-            fallback = None
-        pointer_kernels.matmul_scatter(a, weight, ws, rank, W, partial_dtype=partial_dtype, config=fallback)
-        return
+        raise UnsupportedError(f"{where(op)}: tensor descriptors cannot read these operands: {why} (the selector, "
+                               "distfuse.kernels.matmul_scatter_select, runs the pointer kernel for them)")
     st = claimed_rank_view(op, ws, rank, W, a.device)
     n_batch = a3.shape[0]
-    ld = pointer_kernels.slot_row_stride(N)
+    ld = slot_row_stride(N)
     slot_elems = n_batch * (-(-n // W)) * ld
     slots = st.data(partial_dtype, W * slot_elems, op=op)
     q1 = -(-n // W)
@@ -247,11 +243,10 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     tiles = W * n_batch * triton.cdiv(q1, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
     programs = min(tiles, persistent_programs(a.device, (config or {}).get("PROGRAMS")))
     b_kmajor = not (weight.stride(1) == 1 and (weight.stride(0) * a.element_size()) % 16 == 0)
-    _ensure_descriptor_allocator()
+    a_desc, b_desc = _descriptors(a3, weight, meta, b_kmajor)
     _matmul_scatter_persistent_kernel[(programs,)](
-        a3, weight, slots, st.data_ptrs, st.flag_ptrs, st.counters,
-        n_batch, n, N, ld, K, rank, W, st.epoch_dev, rank * slot_elems, a3.stride(1),
-        weight.stride(1) if b_kmajor else weight.stride(0),
+        a_desc, b_desc, slots, st.data_ptrs, st.flag_ptrs, st.counters,
+        n_batch, n, N, ld, K, rank, W, st.epoch_dev, rank * slot_elems,
         B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),
         ROUND_BF16=round_bf16(partial_dtype), **meta,
     )

@@ -8,9 +8,15 @@ move parameters between the two.  Layers with a fused path choose it per call th
 
 from distfuse.layers._params import ParamLayout, collect_sequential, load_sequential
 from distfuse.layers.conv import DistributedConv1d, DistributedConv2d, DistributedConv3d, select_conv
-from distfuse.layers.conv_channel import DistributedChannelConv1d, DistributedChannelConv2d, DistributedChannelConv3d
 from distfuse.layers.conv_feature import DistributedFeatureConv1d, DistributedFeatureConv2d, DistributedFeatureConv3d
-from distfuse.layers.conv_general import DistributedGeneralConv1d, DistributedGeneralConv2d, DistributedGeneralConv3d
+from distfuse.layers.conv_general import (
+    DistributedChannelConv1d,
+    DistributedChannelConv2d,
+    DistributedChannelConv3d,
+    DistributedGeneralConv1d,
+    DistributedGeneralConv2d,
+    DistributedGeneralConv3d,
+)
 from distfuse.layers.conv_transpose import (
     DistributedConvTranspose1d,
     DistributedConvTranspose2d,
@@ -39,8 +45,8 @@ from distfuse.layers.norm_group import (
     DistributedInstanceNorm1d,
     DistributedInstanceNorm2d,
     DistributedInstanceNorm3d,
+    DistributedLayerNorm,
 )
-from distfuse.layers.norm_layer import DistributedLayerNorm
 from distfuse.layers.pool import (
     DistributedAvgPool1d,
     DistributedAvgPool2d,

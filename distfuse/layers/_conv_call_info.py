@@ -4,9 +4,10 @@
   layer's partitions every other's ``(shape, dtype, requires_grad flags, autocast)``, so
   that workers holding no input learn the global shape and the dtype, and so that every
   worker agrees on whether the adjoints run.  Every convolution runs it only on its
-  first call and when some worker's inputs changed (the agreement protocol,
-  :mod:`~distfuse.primitives._agreement`; the general and channel convolutions through
-  :func:`agreed_call_info`, whose flag is a one-element host all-reduce).  That
+  first call and when some worker's inputs changed (the layer's
+  :class:`~distfuse.primitives.agreement_session.AgreementSession`; the general and
+  channel convolutions' flag is a one-element host all-reduce, the feature and
+  transposed convolutions' rides in their parameter broadcast).  That
   agreement matters: a worker
   whose received block does not require grad never runs its Broadcast adjoint, and
   its source then waits for that gradient until the process-group timeout.  With
@@ -17,15 +18,15 @@
 * **Autocast.**  Under ``torch.autocast`` a convolution runs in the autocast dtype, as
   ``torch.nn.ConvNd`` does: :func:`autocast_dtype` gives it, the layers cast the input
   (before its halo exchange, which then moves the smaller dtype) and the replicated
-  parameters to it, and :func:`~distfuse.layers._conv_block.conv_block` runs with
+  parameters to it, and :func:`~distfuse.layers._conv_common.conv_block` runs with
   autocast off (so that its fp32 computation of 16-bit CPU convolutions is not cast
   back).  The output has the autocast dtype and the parameters' gradients their own
   dtype, as torch's.
 * **Memory format.**  A ``channels_last`` input gives a ``channels_last`` output wherever
   ``torch.nn.ConvNd`` does (CPU Conv2d and CUDA convolutions do; torch 2.13's CPU Conv3d
   returns NCDHW): the halo exchange stages in the input's format,
-  :func:`~distfuse.layers._conv_block.conv_block` then computes in it, and
-  :func:`~distfuse.layers._conv_block.conv_output_format` asks torch which format its
+  :func:`~distfuse.layers._conv_common.conv_block` then computes in it, and
+  :func:`~distfuse.layers._conv_common.conv_output_format` asks torch which format its
   convolution returns.  :func:`gather_call_info` exchanges the input's format, because
   workers that hold only weights or outputs never see the input, and the channel and
   general convolutions move their blocks in the agreed format.
@@ -44,11 +45,10 @@ from distfuse._compat import all_gather_flat
 from distfuse.errors import CollectiveMismatchError, ShapeError, expect, where
 from distfuse.geometry.decomposition import local_shape
 from distfuse.partition import CartesianPartition, Partition
-from distfuse.primitives._agreement import AgreementSite, agreed_by_flag_round
 from distfuse.primitives._common import collective_guard
 
 __all__ = ["CallInfo", "gather_call_info", "autocast_dtype", "cast_for_compute", "local_call_checks",
-           "call_signature", "agreed_call_info", "passes_local_checks"]
+           "call_signature", "passes_local_checks"]
 
 
 _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
@@ -219,31 +219,3 @@ def call_signature(x: torch.Tensor, params: Sequence[torch.Tensor]) -> tuple:
     layout = (x.is_contiguous(), cl is not None and x.is_contiguous(memory_format=cl))
     return (tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad,
             tuple((p.requires_grad, p.dtype) for p in params), autocast_dtype(x.device.type), layout)
-
-
-def agreed_call_info(site: AgreementSite, op: str, P_union: Partition, P_x: CartesianPartition, x: torch.Tensor,
-                     params: Sequence[torch.Tensor], signature=None, check=None) -> CallInfo:
-    """:func:`gather_call_info` under the agreement protocol: a one-element flag round while signatures repeat.
-
-    For layers whose data messages do not reach every worker of ``P_union`` (the general
-    and channel convolutions: their broadcasts and sum-reduce run along P_w's rows and
-    columns, point to point), so the flag travels in
-    :func:`~distfuse.primitives._agreement.flag_round` on ``P_union``'s host meta group
-    (one int64, no device read) before any data moves.  Any worker whose
-    :func:`call_signature` changed, or whose input fails the local checks
-    (:func:`local_call_checks`: device, dtype, number of dimensions, data outside P_x),
-    sets its flag instead of raising, so every worker takes the slow path together: the
-    metadata gather, its checks and ``check(info)`` (the layer's own rules on the global
-    shape), which raise the same error on every worker.  The first call gathers directly.
-    """
-    mine = call_signature(x, params)
-    locally_ok = passes_local_checks(P_x, x)
-
-    def slow() -> CallInfo:
-        info = gather_call_info(op, P_union, P_x, x, params, signature=signature)
-        if check is not None:
-            check(info)
-        return info
-
-    return agreed_by_flag_round(site, P_union, op, mine, locally_ok, slow)
-

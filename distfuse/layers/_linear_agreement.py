@@ -1,22 +1,26 @@
-"""Agreement checks of the linear layers' unfused paths, at no steady-state cost.
+"""The all-gather and reduce-scatter linears' one forward, their dispatch and their agreement.
+
+One forward (:class:`RowLinear`) runs eagerly, inside ``capture_safe()`` and under
+``torch.compile(fullgraph=True)``::
+
+    step   = session.remember("step", choose)   the path: the dispatch decision and the fused op (a compiled
+                                                call replays the last eager call's)
+    W, b   = params.fetch(layer, x)             the parameter broadcast, or the ZeRO weight all-gather
+    y      = the row's op                       unfused: the flagged all-gather (then the GEMM) or the GEMM then
+                                                the flagged reduce-scatter; fused: the fused GEMM + collective;
+                                                ZeRO: the weight all-gather fused into the GEMM
 
 What must agree.  The model-parallel workers of a row (``P_gather`` / ``P_scatter``) run
-one all-gather or reduce-scatter per call, sized by their inputs: the rows (every
-leading extent), the sequence blocks, the dtype.  A worker that disagrees on any of them
-used to abort in gloo ("Received data size doesn't match") or, with fp16 against bf16
-(same element size), make the others return garbage.  Here the collective carries the
-agreement flag of :mod:`~distfuse.primitives._agreement`: while every worker's
-signature (shape, dtype, device, autocast, ``seq_len``) repeats nothing but the flag
-moves; the first call and any change gather every worker's record once, and a
+one all-gather or reduce-scatter per call, sized by their rows, sequence blocks and dtype
+(a disagreement aborted gloo, or with fp16 against bf16 gave garbage).  The row's op
+carries the agreement flag (:mod:`~distfuse.primitives._agreement`) through the layer's
+session (:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`): while
+every worker's signature (shape, dtype, device, autocast, ``seq_len``) repeats only the
+flag moves; the first call and any change gather every worker's record once, and a
 disagreement raises the same :class:`~distfuse.errors.ShapeError` on every worker of the
-row.  Workers of other rows (other data-parallel blocks) hold independent data and may
-differ.  What the workers compare (the records, the compute dtype) and the checks every
-worker applies alike to the gathered records are in ``_linear_records.py``; this module
-holds when they are compared and what each path runs meanwhile.
-
-``DistributedLinear`` has no collective that reaches every worker (its broadcast and
-sum-reduce are point to point), so its flag takes a host round over the union of its
-partitions before any data moves (:func:`agreed_leading`).
+row (other rows hold independent data).  A compiled call replays the last eager call's
+state with its flag in the same op; the fused paths' flag is ``distfuse::flag_check`` on
+the op's group just before the op (the grid for ZeRO, whose weight group spans the rows).
 
 Local checks (a wrong feature extent, a ``seq_len`` that does not fit the block, a
 wrong number of dimensions) do not raise on the worker that finds them: they set its
@@ -24,20 +28,16 @@ flag (``locally_ok=False``), every worker takes the slow path, and there the fai
 workers' messages reach every worker
 (:func:`~distfuse.primitives._agreement.agree_on_local_checks`), which all raise the
 same error at once instead of leaving the peers in the collective until
-``DISTFUSE_TIMEOUT``.
-
-Inside :func:`~distfuse.primitives._agreement.capture_safe` (and while a CUDA stream
-captures) a settled site whose signature repeats runs the plain collective with the
-agreed sizes: no flag, no host read, no host collective; a different signature raises
-:class:`~distfuse.errors.UnsupportedError` on that worker.
-
-On the fused GEMM paths the worker whose local check failed still enters the fused op its
-peers enter, under :func:`~distfuse.fused.agreement.refusing`: the op refuses with the
-layer's error at its first claim (the ``REFUSED`` word), so the peers raise a
-ShapeError naming the refusing rank and the worker its own error, with no host round
-(:func:`fused_or_refuse`).  A non-tensor input is a failed local check like the others:
-the worker runs the protocol with a stand-in of its last call's shape
+``DISTFUSE_TIMEOUT``.  On the fused GEMM paths the worker whose local check failed still
+enters the fused op its peers enter, under :func:`~distfuse.fused.agreement.refusing`:
+the op refuses with the layer's error at its first claim (the ``REFUSED`` word), so the
+peers raise a ShapeError naming the refusing rank and the worker its own error, with no
+host round (:func:`fused_or_refuse`).  A non-tensor input is a failed local check like
+the others: the worker runs the protocol with a stand-in of its last call's shape
 (:func:`stand_in`), so that it takes the collective and the path its peers take.
+
+Inside ``capture_safe()`` (and a CUDA-graph capture) a settled call runs the plain op with
+the agreed sizes (no flag, no host read); another signature raises on that worker alone.
 
 Not covered: layers with one model-parallel worker (``P_m = 1``) and no ZeRO weight
 gather: the worker takes part in the parameter broadcast and then raises, so its
@@ -53,71 +53,46 @@ model-parallel collective of ``zero_linear`` carries no flag.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from distfuse.errors import DistfuseError, ShapeError, UnsupportedError, expect, where
+from distfuse.errors import DistfuseError, expect
 from distfuse.geometry.decomposition import block_extent
-from distfuse.layers._linear_records import _MAX_DIM, _autocast_code, compute_dtype
-from distfuse.primitives._agreement import (
-    AgreementSite,
-    agree_on_local_checks,
-    agreed_by_flag_round,
-    run_agreed,
-    trusting,
+from distfuse.layers._linear_common import (
+    INACTIVE,
+    LinearBase,
+    check_row_partitions,
+    decide,
+    grid_partition,
+    not_servable,
 )
+from distfuse.layers._linear_records import check_row_records, local_error, row_record
+from distfuse.layers.dispatch import Decision
+from distfuse.ops.fused_linear import ZeroLinearCall, make_call
+from distfuse.primitives._agreement import agree_on_local_checks
 from distfuse.primitives._axes import balanced_layout
-from distfuse.primitives._axes_flagged import scatter_sum_blocks_flagged
-from distfuse.primitives._common import dtype_code, dtype_of_code, first_order_only, gather_records
-from distfuse.primitives.all_gather import AllGatherFunction, agreed_all_gather
-from distfuse.primitives.reduce_scatter import ReduceScatterFunction
+from distfuse.primitives._common import check_inactive_input, gather_records
+from distfuse.primitives._gather_scatter import BlockCollective, reduce_scatter_op
+from distfuse.primitives.agreement_session import REPLAY, AgreementSession, FlagRound, flag_check
+from distfuse.primitives.all_gather import agreed_all_gather
 
-__all__ = ["FUSED_FIRST_ORDER", "first_order_only", "agreed_seq_len", "agreed_input_gather",
-           "agreed_matmul_reduce_scatter", "agreed_leading", "stand_in", "fused_or_refuse"]
-
-
-#: What the fused linear paths tell a backward with create_graph=True (see ``first_order_only``).
-FUSED_FIRST_ORDER = "the fused GEMM + collective (the unfused path, DISTFUSE_PATH=unfused, computes them exactly)"
+__all__ = ["RowLinear", "Step", "stand_in", "fused_or_refuse", "agreed_input_gather",
+           "agreed_matmul_reduce_scatter"]
 
 
-def agreed_leading(layer, x: torch.Tensor, locally_ok: bool) -> tuple[tuple[int, ...], torch.dtype]:
-    """``DistributedLinear``'s leading extents and dtype under the agreement protocol, the flag in a host round.
-
-    No collective of the layer reaches every worker (the broadcast and the sum-reduce are
-    point to point), so the flag takes a one-integer all-reduce over ``layer.P_all``
-    before any data moves (:func:`~distfuse.primitives._agreement.agreed_by_flag_round`).
-    A worker whose signature (shape, dtype, device, autocast, grad mode) changed, or whose
-    input failed its local checks (``locally_ok`` False), sets its flag; then every
-    worker gathers the records and checks them (``layer._gathered``), which returns the
-    new agreed state or raises the same error on every worker.  A worker that holds no
-    input passes a zero-volume tensor: its signature repeats, and the others' flags tell
-    it about a change.
-    """
-    if not isinstance(x, torch.Tensor):  # a failed local check: it flags, and its record makes every worker raise
-        signature, locally_ok = ("not a tensor", type(x).__name__), False
-    else:
-        signature = (tuple(x.shape), x.dtype, x.device.type, _autocast_code(x.device.type), torch.is_grad_enabled())
-    return agreed_by_flag_round(_site(layer), layer.P_all, layer._op, signature, locally_ok,
-                                lambda: layer._gathered(x))
-
-
-def stand_in(layer, x, default_shape) -> torch.Tensor:
-    """``x`` if it is a tensor of two dimensions or more; otherwise zeros shaped as this layer's last eager input
-    (``default_shape`` before the first).
+def stand_in(layer, x) -> torch.Tensor:
+    """``x`` if it is a tensor of two dimensions or more; otherwise zeros shaped as this layer's last eager input.
 
     The worker's input failed its local checks, and it must still take part in what its
     peers run (the row's collective, or the fused op whose claim carries its refusal),
-    with sizes as close to theirs as it can know: those of its own previous call, the
-    peers' too in steady state.  A tensor of two dimensions or more is used as it is (the
-    dispatch reads its rows, and the slow path's checks name its shape).  On a first call
-    the path the peers take is only guessed from ``default_shape`` (see the module doc).
+    with sizes as close to theirs as it can know: its own previous call's, the peers' too
+    in steady state (a first call guesses ``(1, ..., 1, features)``).
     """
     if isinstance(x, torch.Tensor) and x.dim() >= 2:
         return x
-    from distfuse.layers._linear_compiled import _RECORD
-
-    rec = layer.__dict__.get(_RECORD)
-    shape, dtype = (rec[0][0], rec[0][1]) if rec is not None else (tuple(default_shape), layer._param_dtype())
+    shape, dtype = layer._last_input or ((1,) * (layer.P_in.dim - 1) + (layer._in_extent,), layer._param_dtype())
     return torch.zeros(shape, dtype=dtype, device=layer._param_device())
 
 
@@ -135,48 +110,203 @@ def fused_or_refuse(error: DistfuseError | None, run):
         return run()
 
 
-def _site(layer) -> AgreementSite:
-    site = getattr(layer, "agreement", None)
-    if site is None:
-        site = layer.agreement = AgreementSite(type(layer).__name__)
-    return site
+@dataclass(frozen=True)
+class Step:
+    """What a call runs: the dispatch ``decision``, the fused ``op`` (None: the unfused composition), and
+    ``compiled``, what a compiled call that replays it records."""
+
+    decision: Decision
+    op: str | None
+    compiled: Decision
 
 
-def _check_seq_len(op: str, seq_len, shapes) -> None:
-    """This worker's ``seq_len`` against the gathered blocks' length (each worker passes its own ``seq_len``)."""
-    n = sum(s[-2] for s in shapes)
-    if seq_len is not None and n != int(seq_len):
-        raise expect(op, "gathered sequence length (the sum of the workers' blocks) against seq_len", seq_len, n)
+def _step(decision: Decision, op: str | None = None) -> Step:
+    why = (f"the fused op {op} as the custom op distfuse::{op} (the last eager call ran it)" if op else
+           "the unfused composition through distfuse's custom ops (the last eager call ran unfused)")
+    return Step(decision, op, Decision(decision.path, f"inside torch.compile: {why}", decision.provider))
 
 
-def _check_sequence_blocks(layer):
-    """The sequence-parallel form's rule: blocks along dim -2 are the balanced decomposition of their sum."""
-    op, P_m = layer._op, layer.P_m
+class RowLinear(LinearBase):
+    """What the all-gather and reduce-scatter linears share: the grid, the one forward, the dispatch, the agreement.
 
-    def check(shapes, dtype):
-        n = sum(s[-2] for s in shapes)
-        for j, s in enumerate(shapes):
-            if s[-1] != layer.in_features or s[-2] != block_extent(n, P_m, j):
-                want = (*s[:-2], block_extent(n, P_m, j), layer.in_features)
-                raise expect(op, f"input block of model-parallel worker {j} (world rank {layer.P_gather.ranks[j]}): "
-                                 f"the balanced block of the gathered sequence length {n}", want, tuple(s))
+    ``P_grid`` is the feature-split partition ``[P_d, 1, ..., 1, P_m]``, ``P_seq`` the optional
+    sequence-split one, ``names`` their argument names (checked by
+    :func:`~distfuse.layers._linear_common.check_row_partitions`).  Subclasses set,
+    before :meth:`_setup_row`: ``P_in`` (the input partition), ``params`` (a
+    :class:`~distfuse.layers._linear_common.LinearParams`), ``_in_extent`` (this worker's
+    input feature extent) and, for ZeRO, ``P_wgather``; and define ``_check_input``,
+    ``_signature``, ``_gemm`` (the per-rank GEMM sizes the dispatch reads), ``_rows``,
+    ``_fused_state`` and ``_unfused``.  ``_form_entry`` / ``_zero_entry`` name the registry
+    entries of the form's fused op and of the ZeRO op.
 
-    return check
+    Attributes:
+        session: the :class:`~distfuse.primitives.agreement_session.AgreementSession` over the
+            row (``agreement`` is its site: ``calls`` / ``slow_calls`` count the calls and the
+            metadata gathers).
+        P_d, P_m, dm: the data- and model-parallel extents, this worker's ``(d, m)``.
+    """
+
+    _zero = False
+    _form_entry = None
+    _zero_entry = None
+
+    def __init__(self, P_grid, P_seq, names: tuple[str, str], in_features: int, out_features: int, bias: bool, device,
+                 dtype):
+        check_row_partitions(self._op, P_grid, names[0], P_seq, names[1], swapped_hint=names[0] == "P_y")
+        super().__init__(in_features, out_features, device if device is not None else P_grid.device, dtype)
+        self.use_bias = bool(bias)
+        self.P_d, self.P_m = P_grid.shape[0], P_grid.shape[-1]
+        self.dm = divmod(P_grid.rank, self.P_m) if P_grid.active else (-1, -1)
+        # Partition creation is collective over the world: every rank makes the layer's partitions in one order.
+        self.P_users = P_grid if P_grid.dim == 2 else grid_partition(P_grid.ranks, [self.P_d, self.P_m],
+                                                                     P_grid.device)
+
+    def extra_repr(self) -> str:
+        forms = ", ".join(f"{name}={list(P.shape)}" for name, P in (("P_x", self.P_x), ("P_y", self.P_y))
+                          if P is not None)
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, {forms}"
+
+    def _rank_of(self, d: int, m: int) -> int:
+        """The world rank of worker ``(d, m)`` (the grid's middle extents are 1)."""
+        return self.P_users.ranks[d * self.P_m + m]
+
+    def _setup_row(self, P_row, form: str | None, zero_call: dict | None) -> None:
+        """The layer's agreement over its row ``P_row`` and its ops' contexts, in the same order on every worker."""
+        op = self._op
+        self.P_row = P_row
+        self.session = AgreementSession(op, P_row)
+        self.agreement = self.session.site
+        self._rows_ctx = BlockCollective(op, P_row, self.session.forget)
+        self._grid_flag = FlagRound(op, self.P_in, self.session.forget)  # ZeRO: the weight group spans the rows
+        self._form_call = make_call(form, P_row, getattr(self, "keep_gathered", True), owner=op) if form else None
+        self._zero_call = ZeroLinearCall(owner=op, **zero_call) if zero_call else None
+        self._last_input: tuple | None = None
+        # The path is remembered per call only where the dispatch has a choice; elsewhere it is fixed.
+        self._dispatches = self.P_m > 1 or (self._zero and self.P_d > 1)
+        self._fixed = _step(not_servable(op, "one model-parallel worker: a plain local GEMM"))
+
+    def forget_agreement(self) -> None:
+        """Drop the agreed call record, so the next call gathers again (call it on every worker)."""
+        self.session.forget()
+
+    def _forward(self, x: torch.Tensor, seq_len: int | None) -> torch.Tensor:
+        if not self.P_in.active:
+            check_inactive_input(self._op, x)
+            self._record_inactive()
+            return x.clone()
+        mode = self.session.begin()
+        error = local_error(lambda: self._check_input(x, seq_len))
+        if error is not None:  # run what the peers run, with a tensor of the peers' sizes as far as known
+            x = stand_in(self, x)
+        self._last_input = (tuple(x.shape), x.dtype)
+        signature = self._signature(x, seq_len)
+        step = self.session.remember("step", lambda: self._choose(x, seq_len, error)) if self._dispatches \
+            else self._fixed
+        self._record(step.compiled if mode == REPLAY else step.decision)
+        if step.op == "zero_linear":  # the weight's shards stream into the GEMM (fused/zero_linear.py)
+            b = self.params.fetch(self, x, gather_weight=False)[1]
+            y = self._fused(self._zero_call, self._grid_flag, x, self.weight, None, signature, seq_len, error)
+            return y + b.to(y.dtype) if b is not None else y
+        W, b = self.params.fetch(self, x)
+        if self.P_m == 1:  # one model-parallel worker: nothing to gather or scatter
+            if error is not None:  # after the parameters' collective, which the data-parallel peers run too
+                raise error
+            return F.linear(x, W, b)
+        if step.op is not None:
+            return self._fused(self._form_call, self.session.flag, x, W, b, signature, seq_len, error)
+        return self._unfused(x, W, b, signature, seq_len, error)
+
+    def _fused(self, call, flag: FlagRound, x, W, b, signature, seq_len, error) -> torch.Tensor:
+        """A fused op, its agreement checked by its own claim eagerly; a replayed call's flag in ``flag``'s round."""
+
+        def run(state, flagged: int) -> torch.Tensor:
+            if flagged >= 0:
+                flag_check(x, flag.handle, bool(flagged))
+            elif error is not None:  # trusted: nothing can tell the peers (see capture_safe)
+                raise error
+            return call(x, W, b, self._state_n(state))
+
+        def gather():
+            if error is not None and call is self._zero_call and self.P_m > 1:
+                raise error  # the plain model-parallel collective carries no refusal (module doc)
+            n = self._exact_n(x, seq_len)
+            y = fused_or_refuse(error, lambda: call(x, W, b, n))
+            self._record_kernel(call.op)
+            return y, self._fused_state(x, n)
+
+        return self.session.agree_in(signature, error is None, run, gather, checked_by_op=True)
+
+    def _exact_n(self, x, seq_len) -> int:
+        """The gathered sequence extent a fused op needs (-1: none): the all-gather linear's sequence form."""
+        return -1
+
+    def _state_n(self, state) -> int:
+        return -1
+
+    # ------------------------------------------------------------------ dispatch
+
+    def _choose(self, x, seq_len, error) -> Step:
+        """The call's path: ZeRO's weight-streaming op where it is chosen, else the form's fused op or unfused."""
+        zero = None
+        if self._zero and self.P_d > 1:
+            from distfuse.fused.zero_linear_dispatch import agreed_rows
+
+            # One decision for the whole grid: the data-parallel workers hold different row counts.  Where the
+            # count is exchanged (CUDA, no forced path) the round spans the grid and carries this worker's local
+            # check failure: every worker raises there.
+            rows = agreed_rows(self.P_wgather, self._rows(x, seq_len, error), x.device, P_all=self.P_in,
+                               error=error, op=self._op)
+            zero = self._zero_decision(rows, x.dtype, x.device)
+            if zero.path == "fused":
+                return _step(zero, "zero_linear")
+        decision = self._decision(self._rows(x, seq_len, error), x.dtype, x.device, zero)
+        return _step(decision, self._form_call.op if decision.path == "fused" else None)
+
+    def _decision(self, rows: int, dtype, device, zero: Decision | None = None) -> Decision:
+        """ZeRO: the weight-streaming path where it is chosen; otherwise (and always without ZeRO) the form's.
+
+        ``zero``: the ZeRO decision already taken (forward takes it on the rows agreed over the
+        data-parallel workers, and must not take it again on its own rows).
+        """
+        if self._zero and self.P_d > 1:
+            zero = zero if zero is not None else self._zero_decision(rows, dtype, device)
+            if zero.path == "fused" or self.P_m == 1:  # P_m = 1: the form has no fused op; say why ZeRO's did not run
+                return zero
+        if self.P_m == 1:
+            return self._fixed.decision
+        why = self._unservable()
+        if why:
+            return not_servable(self._op, why)
+        return decide(self._form_entry.name, self._op, self._gemm(rows), dtype, self.P_m, device,
+                      available=self._fused_available)
+
+    def _zero_decision(self, rows: int, dtype, device) -> Decision:
+        """ZeRO's weight all-gather inside the GEMM (fused/zero_linear.py); the GEMM of the weight-streaming op."""
+        return decide(self._zero_entry.name, self._op, self._gemm(rows), dtype, self.P_d, device,
+                      available=self._weight_gather_available)
+
+    def _unservable(self) -> str | None:
+        """Why the form's fused op cannot serve this layer (None: it can)."""
+        return None
+
+    def _fused_available(self) -> tuple[bool, str]:
+        from distfuse.fused.matmul_common import fused_linear_available
+
+        return fused_linear_available(self.P_row, self._param_device(), self._param_dtype())
+
+    def _weight_gather_available(self) -> tuple[bool, str]:
+        from distfuse.fused.zero_linear_dispatch import zero_linear_available
+
+        return zero_linear_available(self.P_wgather, self.P_row if self.P_m > 1 else None, self._param_device(),
+                                     self._param_dtype())
+
+    def _explain(self, rows: int, x: torch.Tensor) -> Decision:
+        if not self.P_in.active:
+            return INACTIVE
+        return self._decision(rows, x.dtype, x.device)
 
 
-def _check_feature_blocks(layer):
-    """The feature form's rule: worker j holds block j of ``in_features``."""
-    op, P_m = layer._op, layer.P_m
-
-    def check(shapes, dtype):
-        for j, s in enumerate(shapes):
-            want = block_extent(layer.in_features, P_m, j)
-            if s[-1] != want:
-                raise expect(op, f"input feature extent of model-parallel worker {j} (world rank "
-                                 f"{layer.P_gather.ranks[j]}; block {j} of in_features={layer.in_features})",
-                             want, s[-1])
-
-    return check
+# ---------------------------------------------------------------- the unfused paths' agreement
 
 
 def _everywhere(P, op: str, error: DistfuseError | None, own=None, common=None):
@@ -202,61 +332,41 @@ def _everywhere(P, op: str, error: DistfuseError | None, own=None, common=None):
     return checks
 
 
-def agreed_seq_len(layer, x: torch.Tensor, error: DistfuseError | None = None) -> int:
-    """The gathered sequence length of the sequence-parallel all-gather linear, without a gather in steady state.
-
-    Agreed on the first call (the slow path runs then: one gather whose result is
-    dropped, with the checks of every worker's block) and then read from the agreed
-    layout.  Should some worker's block have changed since, :func:`agreed_input_gather`
-    learns it from the flag and uses the real blocks' length; the value returned here
-    only feeds the path choice, which every worker makes from the same agreed value.
-    ``error``: this worker's local check failure (see :func:`agreed_input_gather`).
-    """
-    site = _site(layer)
-    if site.fresh:
-        agreed_input_gather(layer, x, None, error)
-    return site.state[0].shape[-2]
-
-
-def agreed_input_gather(layer, x: torch.Tensor, seq_len: int | None,
-                        error: DistfuseError | None = None) -> torch.Tensor:
+def agreed_input_gather(layer, x: torch.Tensor, seq_len: int | None, error: DistfuseError | None) -> torch.Tensor:
     """The all-gather linear's gathered input, its blocks checked under the agreement protocol.
 
-    Without ``P_x`` the features are gathered (last dim), with ``P_x`` the sequence (dim -2).
-    ``error`` is this worker's local check failure (None: its input passed): it flags, and
-    the slow path raises it on every worker of the row.  Inside ``capture_safe()`` a
-    settled site whose signature repeats gathers with the agreed layout, unflagged.
+    Without ``P_x`` the features are gathered (last dim), with ``P_x`` the sequence (dim -2):
+    worker ``j`` holds block ``j`` of ``in_features``, or the balanced block ``j`` of the
+    gathered sequence length (equal to ``seq_len`` where given).  ``error`` is this
+    worker's local check failure (None: its input passed): it flags, and the slow path
+    raises it on every worker of the row.
     """
-    op, P_sub, site = layer._op, layer.P_gather, _site(layer)
-    extra = (compute_dtype(x), seq_len)
-    if site.state is not None and trusting():  # capture-safe: no flag, no host read
-        _trusted(site, op, (tuple(x.shape), x.dtype, x.device.type, *extra))
-        layout, _ = site.state
-        return AllGatherFunction.apply(x, P_sub, layout, None, op)
-    if layer.P_x is not None:
-        own, common = (lambda shapes, dtype: _check_seq_len(op, seq_len, shapes)), _check_sequence_blocks(layer)
-    else:
-        own, common = None, _check_feature_blocks(layer)
-    return agreed_all_gather(x, P_sub, site, extra=extra, locally_ok=error is None,
-                             check=_everywhere(P_sub, op, error, own, common), op=op)
+    op, P_m, P_sub = layer._op, layer.P_m, layer.P_row
+
+    def own(shapes, dtype):
+        n = sum(s[-2] for s in shapes)
+        if seq_len is not None and n != int(seq_len):
+            raise expect(op, "gathered sequence length (the sum of the workers' blocks) against seq_len", seq_len, n)
+
+    def common(shapes, dtype):
+        n = sum(s[-2] for s in shapes)
+        for j, s in enumerate(shapes):
+            who = f"model-parallel worker {j} (world rank {P_sub.ranks[j]}"
+            if layer.P_x is None and s[-1] != block_extent(layer.in_features, P_m, j):
+                raise expect(op, f"input feature extent of {who}; block {j} of in_features={layer.in_features})",
+                             block_extent(layer.in_features, P_m, j), s[-1])
+            if layer.P_x is not None and (s[-1] != layer.in_features or s[-2] != block_extent(n, P_m, j)):
+                raise expect(op, f"input block of {who}): the balanced block of the gathered sequence length {n}",
+                             (*s[:-2], block_extent(n, P_m, j), layer.in_features), tuple(s))
+
+    check = _everywhere(P_sub, op, error, own if layer.P_x is not None else None, common)
+    return agreed_all_gather(x, layer._rows_ctx, layer.session, extra=layer._signature(x, seq_len)[3:],
+                             locally_ok=error is None, check=check)
 
 
-def _trusted(site: AgreementSite, op: str, signature) -> None:
-    """A call inside ``capture_safe()``: it must repeat the agreed signature (no flag can tell the peers otherwise)."""
-    if signature != site.signature:
-        raise UnsupportedError(f"{where(op)}: inside capture_safe() (or a CUDA-graph capture) a call must repeat the "
-                               "inputs of the last eager call (shape, dtype, autocast); warm up with the captured "
-                               "shapes on every worker")
-    site.calls += 1
-
-
-# Record of the reduce-scatter linear's slow path: [ndim, input dtype, compute dtype, problem, shape...].
-_OK, _BAD_DEVICE, _BAD_DTYPE, _TOO_MANY_DIMS = range(4)
-
-
-def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor,
-                                 error: DistfuseError | None = None) -> torch.Tensor:
-    """``reduce_scatter(x @ W.T)`` over ``layer.P_scatter`` with the inputs checked under the agreement protocol.
+def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor, signature,
+                                 error: DistfuseError | None) -> torch.Tensor:
+    """``reduce_scatter(x @ W.T)`` over the row with the inputs checked under the agreement protocol.
 
     What must agree is the input (rows, dtype): the partial sums' size follows from it.
     A worker whose input changed, or cannot be multiplied (a dtype other than the
@@ -265,22 +375,10 @@ def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor,
     the same error, or agrees on the new size.  Under ``torch.autocast`` the partial sums
     (and so the output) are in the autocast dtype, as ``torch.nn.Linear``'s output.
     ``error`` is this worker's local check failure: it flags, and the slow path raises it
-    on every worker.  Inside ``capture_safe()`` a settled site whose signature repeats
-    reduce-scatters with the agreed layout, unflagged.
+    on every worker.
     """
-    op, P_sub, site = layer._op, layer.P_scatter, _site(layer)
-    cdt = compute_dtype(x)
-    signature = (tuple(x.shape), x.dtype, cdt, x.device.type)
-    if site.state is not None and trusting():  # capture-safe: no flag, no host read
-        _trusted(site, op, signature)
-        return ReduceScatterFunction.apply(F.linear(x, W), P_sub, balanced_layout(P_sub, site.state[0]), None, op)
-    problem = _OK
-    if x.device.type != P_sub.device.type:
-        problem = _BAD_DEVICE
-    elif not x.is_floating_point() or (cdt == x.dtype and x.dtype != W.dtype):
-        problem = _BAD_DTYPE
-    elif x.dim() > _MAX_DIM:
-        problem = _TOO_MANY_DIMS
+    op, P_sub, ctx = layer._op, layer.P_row, layer._rows_ctx
+    rec = row_record(x, W.dtype, P_sub.device.type)
     partial: list = []
 
     def full() -> torch.Tensor:
@@ -288,51 +386,16 @@ def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor,
             partial.append(F.linear(x, W))
         return partial[0]
 
-    def attempt(changed: bool):
-        shape, dtype = site.state
-        layout = balanced_layout(P_sub, shape)
-        mine = full().detach() if not changed else torch.zeros(shape, dtype=dtype, device=P_sub.device)
-        block, flagged = scatter_sum_blocks_flagged(op, P_sub, layout, mine, changed)
-        if flagged:
-            return None, True
-        return ReduceScatterFunction.apply(full(), P_sub, layout, None, op, block), False
+    def run(state, flag: int) -> torch.Tensor:
+        shape, dtype = state
+        mine = full() if flag != 1 else torch.zeros(shape, dtype=dtype, device=P_sub.device)
+        return reduce_scatter_op(mine, ctx.handle, balanced_layout(P_sub, shape).blocks, None, flag)
 
-    def slow():
+    def gather():
         _everywhere(P_sub, op, error)()  # a local check that failed anywhere raises here, on every worker
-        rec = [min(x.dim(), _MAX_DIM), dtype_code(x.dtype), dtype_code(cdt), problem] + [-1] * _MAX_DIM
-        if problem == _OK:
-            rec[4:4 + x.dim()] = list(x.shape)
-        rows = gather_records(op, P_sub, rec)
-        _check_rows(layer, rows, W.dtype)
-        shape = (*rows[0][4:4 + rows[0][0] - 1], layer.out_features)
-        dtype = dtype_of_code(rows[0][2])
-        y = full()
-        layout = balanced_layout(P_sub, shape)
-        return ReduceScatterFunction.apply(y, P_sub, layout, None, op), (tuple(shape), dtype)
+        lead, dtype = check_row_records(op, P_sub, gather_records(op, P_sub, rec), layer.in_features, layer.P_m,
+                                        W.dtype)
+        shape = (*lead, layer.out_features)
+        return reduce_scatter_op(full(), ctx.handle, balanced_layout(P_sub, shape).blocks, None, -1), (shape, dtype)
 
-    return run_agreed(site, signature, problem == _OK and error is None, attempt, slow)
-
-
-def _check_rows(layer, rows, weight_dtype) -> None:
-    """Every model-parallel worker's input record, checked alike on every worker (raises on all of them)."""
-    op, P_sub = layer._op, layer.P_scatter
-    for j, (r, w) in enumerate(zip(rows, P_sub.ranks, strict=True)):  # j: the worker's model-parallel index
-        if r[3] == _BAD_DEVICE:
-            raise expect(op, f"device type of the input on world rank {w}", P_sub.device.type, "another device")
-        if r[3] == _BAD_DTYPE:
-            raise ShapeError(f"{where(op)}: world rank {w} passed an input of dtype {dtype_of_code(r[1])}; the "
-                             f"layer multiplies floating inputs of its weight's dtype {weight_dtype} (any floating "
-                             "dtype under torch.autocast)")
-        if r[3] == _TOO_MANY_DIMS:
-            raise ShapeError(f"{where(op)}: world rank {w} passed an input of more than {_MAX_DIM} dimensions")
-        want = block_extent(layer.in_features, layer.P_m, j)
-        if r[4 + r[0] - 1] != want:
-            raise expect(op, f"input feature extent on world rank {w} (block {j} of in_features="
-                             f"{layer.in_features})", want, r[4 + r[0] - 1])
-    first = rows[0]
-    for r in rows:
-        if r[0] != first[0] or r[4:4 + r[0] - 1] != first[4:4 + first[0] - 1] or r[1:3] != first[1:3]:
-            got = ", ".join(f"world rank {v}: shape {tuple(q[4:4 + q[0]])} dtype {dtype_of_code(q[1])} computing in "
-                            f"{dtype_of_code(q[2])}" for q, v in zip(rows, P_sub.ranks, strict=True))
-            raise ShapeError(f"{where(op)}: the model-parallel workers must pass inputs with the same leading "
-                             f"extents (rows) and dtype, computed in the same dtype (torch.autocast); got {got}")
+    return layer.session.agree_in(signature, rec[3] == 0 and error is None, run, gather)

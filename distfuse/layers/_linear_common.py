@@ -1,4 +1,4 @@
-"""Pieces shared by the distributed linear layers: partitions, parameter blocks, initialisation, dispatch.
+"""Pieces shared by the distributed linear layers: partitions, parameters (blocks, broadcast, ZeRO gather), init.
 
 Grid vocabulary.  The all-gather and reduce-scatter linears run on a grid whose first
 dimension holds the data-parallel workers (``P_d``) and one later dimension the
@@ -28,9 +28,10 @@ Decisions:
 * **Every worker runs the adjoint under grad mode.**  A receive-only worker cannot
   know whether its source's tensor requires grad, and a gradient sent to a source
   that never runs its backward waits until the process-group timeout.  So under
-  ``torch.is_grad_enabled()`` placeholders require grad and sources are promoted
-  (``detach().requires_grad_()``, whose gradient is dropped) when they do not.
-  The cost is one unneeded gradient message for frozen parameters or a first layer.
+  ``torch.is_grad_enabled()`` every worker passes the op pair's anchor
+  (:func:`~distfuse.primitives._op_pair.anchor`), which makes its call differentiable
+  whatever its own tensors require (eager code and compiled graphs alike).  The cost is
+  one unneeded gradient message for frozen parameters or a first layer.
 * **The parameter dtype of a rank without parameters** comes from a zero-size buffer
   (``_dtype_probe``, not persistent) that ``Module.to``/``.half()`` convert together
   with the owners' parameters.  gloo receives a message into a buffer of another
@@ -39,6 +40,7 @@ Decisions:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -49,24 +51,28 @@ from torch import nn
 from distfuse.errors import PartitionError, expect, where
 from distfuse.geometry.decomposition import block_extent, local_slices
 from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers.dispatch import Decision, device_caps, select_path
-from distfuse.partition import CartesianPartition, Partition, union_partition, zero_volume_tensor
-from distfuse.primitives._agreement import AgreementSite
+from distfuse.layers._params import ParamLayout
+from distfuse.layers.dispatch import Decision, DryExplain, device_caps, select_path
+from distfuse.partition import CartesianPartition, Partition, union_partition
+from distfuse.primitives._axes import balanced_layout
+from distfuse.primitives._gather_scatter import BlockCollective, all_gather_op
+from distfuse.primitives._op_pair import anchor
 from distfuse.primitives.all_gather import axes_subgrid
-from distfuse.primitives.broadcast import broadcast, broadcast_plan
+from distfuse.primitives.broadcast import NO_FLAG, broadcast_blocks, broadcast_plan, move_of, placeholder
 
 __all__ = [
     "INACTIVE",
     "LinearBase",
     "ParamBroadcast",
+    "LinearParams",
     "grid_partition",
     "subgrid",
     "union_of",
     "check_features",
     "check_cartesian",
     "check_same_ranks",
+    "check_row_partitions",
     "check_block_features",
-    "grad_placeholder",
     "decide",
     "not_servable",
 ]
@@ -135,6 +141,37 @@ def check_same_ranks(op: str, P_a, name_a: str, P_b, name_b: str) -> None:
             f"{list(P_b.ranks)}")
 
 
+def check_row_partitions(op: str, P_feat, feat: str, P_seq, seq: str, swapped_hint: bool = False) -> None:
+    """A row linear's partitions: ``P_feat`` ``[P_d, 1, ..., 1, P_m]`` (the features split), and the optional
+    ``P_seq`` ``[P_d, 1, ..., P_m, 1]`` (the sequence split) on the same ranks; named ``feat`` / ``seq``."""
+    check_cartesian(op, feat, P_feat, min_dim=2)
+    if any(s != 1 for s in P_feat.shape[1:-1]):
+        want = [P_feat.shape[0]] + [1] * (P_feat.dim - 2) + [P_feat.shape[-1]]
+        err = expect(op, f"shape of {feat} ([P_d, 1, ..., 1, P_m]: only the first and last dimensions split)", want,
+                     list(P_feat.shape), cls=PartitionError)
+        if swapped_hint and P_seq is not None and _looks_swapped(P_feat, P_seq):
+            err = PartitionError(f"{err}; {feat} and {seq} look swapped: the first argument is the output "
+                                 f"partition [P_d, 1, ..., P_m] and {seq} the sequence-split input partition "
+                                 "[P_d, 1, ..., P_m, 1]")
+        raise err
+    if P_seq is None:
+        return
+    check_cartesian(op, seq, P_seq, min_dim=3)
+    want = [P_feat.shape[0]] + [1] * (P_feat.dim - 3) + [P_feat.shape[-1], 1]
+    if list(P_seq.shape) != want:
+        raise expect(op, f"shape of {seq} ([P_d, 1, ..., P_m, 1] for {feat} {list(P_feat.shape)}: {seq} splits the "
+                         f"sequence dim where {feat} splits the features)", want, list(P_seq.shape), cls=PartitionError)
+    (a, P_a), (b, P_b) = sorted([(feat, P_feat), (seq, P_seq)], key=lambda named: named[0])  # P_x named first
+    check_same_ranks(op, P_a, a, P_b, b)
+
+
+def _looks_swapped(P_feat, P_seq) -> bool:
+    """``P_feat`` shaped like a sequence split and ``P_seq`` like a feature split (the other way round)."""
+    sy, sx = list(getattr(P_feat, "shape", ())), list(getattr(P_seq, "shape", ()))
+    return (len(sy) == len(sx) >= 3 and sy[-1] == 1 and all(s == 1 for s in sy[1:-2] + sx[1:-1])
+            and sy[0] == sx[0] and sy[-2] == sx[-1])
+
+
 def check_block_features(op: str, x: torch.Tensor, P, expected: int, what: str) -> None:
     """An active worker's input: one dimension per partition dimension, the expected last extent, the device."""
     if not isinstance(x, torch.Tensor):
@@ -148,17 +185,6 @@ def check_block_features(op: str, x: torch.Tensor, P, expected: int, what: str) 
         raise expect(op, "input device", P.device, x.device)
 
 
-def grad_placeholder(dtype: torch.dtype, device) -> torch.Tensor:
-    """The zero-volume input of a receive-only worker; it requires grad under grad mode (see the module doc)."""
-    return zero_volume_tensor(dtype=dtype, device=device, requires_grad=torch.is_grad_enabled())
-
-
-def _promote(t: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and not t.requires_grad:
-        return t.detach().requires_grad_(True)
-    return t
-
-
 class ParamBroadcast:
     """Copy parameter blocks from their owners to the workers that use them, packed into one message.
 
@@ -166,7 +192,10 @@ class ParamBroadcast:
     by the Broadcast rules); ``shapes`` are the blocks this rank receives when it is a
     user.  Forward: each user gets its owner's blocks; adjoint: each owner gets the sum
     of its users' gradients (the Broadcast's sum-reduce, fp32-accumulated for bf16).
-    With one worker per owner (``P_d = 1``) it is the identity and costs nothing.
+    With one worker per owner (``P_d = 1``) it is the identity and costs nothing.  One
+    call of Broadcast's op pair (``distfuse::broadcast``) in every mode: a receiver passes
+    an empty slice of the call's input and the op pair's anchor, which makes it run the
+    adjoint its owner waits for under grad mode (see the module doc).
     """
 
     def __init__(self, P_src: CartesianPartition, P_dst: CartesianPartition, shapes: Sequence[Sequence[int]]):
@@ -175,16 +204,55 @@ class ParamBroadcast:
         self.is_src, self.is_dst = self.plan.is_src(me), self.plan.is_dst(me)
         self.shapes = [tuple(int(n) for n in s) for s in shapes]
         self.sizes = [math.prod(s) for s in self.shapes]
+        self._move = move_of(self.plan)
 
-    def __call__(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype, device) -> list[torch.Tensor]:
+    def __call__(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype, device,
+                 like: torch.Tensor) -> list[torch.Tensor]:
+        """The blocks on this worker (``tensors``: the owner's, in ``shapes`` order; ``like``: the call's input)."""
         if self.plan.identity or not self.shapes:
             return list(tensors)
-        if self.is_src:
-            flat = _promote(torch.cat([t.reshape(-1) for t in tensors]).view(1, -1))
-        else:
-            flat = grad_placeholder(dtype, device)
-        out = broadcast(flat, self.plan, (1, sum(self.sizes)), dtype, preserve_batch=False)
+        n = sum(self.sizes)
+        flat = torch.cat([t.reshape(-1) for t in tensors]).view(1, -1) if self.is_src else \
+            placeholder(like, dtype, device)
+        out = broadcast_blocks(flat, self._move.handle, [1, n] if self.is_dst else [0], 0, NO_FLAG, anchor(True))
         return [p.view(s) for p, s in zip(out.view(-1).split(self.sizes), self.shapes, strict=True)]
+
+
+class LinearParams:
+    """The parameters a model-parallel linear multiplies with on this worker: one component both linears hold.
+
+    ``sends`` lists ``(ParamBroadcast, names)``: the named parameters (``"weight"``,
+    ``"bias"``) packed into one message from their owners to their users.  ``zero``, for
+    the ZeRO layers, is ``(P_wgather, shape)``: ``W_m`` of ``shape`` all-gathered from its
+    shards over the data-parallel workers (the op pair of
+    :mod:`~distfuse.primitives._gather_scatter`: its adjoint reduce-scatters ``dW_m``, so
+    each worker keeps its shard's gradient).  Made at construction, in the same order on
+    every worker (its contexts' handles name them in graphs).
+    """
+
+    def __init__(self, op: str, sends: Sequence[tuple[ParamBroadcast, Sequence[str]]],
+                 zero: tuple[CartesianPartition, Sequence[int]] | None = None):
+        self.sends = [(bc, tuple(names)) for bc, names in sends]
+        self._wgather = self._wblocks = None
+        if zero is not None:
+            P_wgather, shape = zero
+            self._wgather = BlockCollective(op, P_wgather)
+            self._wblocks = balanced_layout(P_wgather, shape).blocks if P_wgather.active else ()
+
+    def fetch(self, layer, x: torch.Tensor, gather_weight: bool = True
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(W, b)`` on this worker (None where the layer has no bias; ``W`` None for ZeRO with
+        ``gather_weight=False``: the fused op streams the shards into its GEMM)."""
+        dtype, device = layer._param_dtype(), layer._param_device()
+        got = {}
+        for bc, names in self.sends:
+            mine = [getattr(layer, name) for name in names] if bc.is_src else []
+            got.update(zip(names, bc(mine, dtype, device, x), strict=True))
+        W = got.get("weight")
+        if self._wgather is not None:  # one data-parallel worker: its shard is all of W_m
+            W = None if not gather_weight else layer.weight if self._wgather.P_sub.size == 1 else all_gather_op(
+                layer.weight, self._wgather.handle, self._wblocks, None, -1)
+        return W, got.get("bias")
 
 
 def decide(op: str, layer: str, shapes: dict, dtype: torch.dtype, world_size: int, device,
@@ -203,14 +271,19 @@ def decide(op: str, layer: str, shapes: dict, dtype: torch.dtype, world_size: in
         return choice
     if available is None:
         return Decision("unfused", f"select_path chose fused ({choice.reason}), but {layer} has no fused form for "
-                                   "this call; ran the unfused composition")
-    ok, why = available()
+                                   "this call; ran the unfused composition", entry=choice.entry)
+    from distfuse.fused.symmetric_availability import NotProbedError
+
+    try:
+        ok, why = available()
+    except NotProbedError as exc:  # layer.explain (dispatch.dry_run): the first probe is collective, so it is not run
+        return dataclasses.replace(choice, caveat=f"fused if symmetric memory is available: {exc}")
     if not ok:
         from distfuse.fused.symmetric import log_fallback_once
 
         log_fallback_once(f"{layer}: {why}")
         return Decision("unfused", f"select_path chose fused ({choice.reason}), but {why}; ran the unfused "
-                                   "composition")
+                                   "composition", entry=choice.entry)
     return choice
 
 
@@ -221,7 +294,7 @@ def not_servable(layer: str, why: str) -> Decision:
 INACTIVE = Decision("unfused", "this rank is not in the layer's partitions; it does no work")
 
 
-class LinearBase(BlockIdentityMixin, nn.Module):
+class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
     """Bookkeeping every distributed linear shares: parameter blocks, torch-equal init, dispatch records.
 
     Attributes:
@@ -235,9 +308,6 @@ class LinearBase(BlockIdentityMixin, nn.Module):
         self.in_features, self.out_features = check_features(type(self).__name__, in_features, out_features)
         self.last_path: str | None = None
         self.last_decision: Decision | None = None
-        # The agreement record of the layer's data collective (``_linear_agreement.py``): this worker's last input
-        # signature and the shapes every worker agreed on; not state (it is not in the state_dict).
-        self.agreement = AgreementSite(type(self).__name__)
         dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.register_buffer("_dtype_probe", torch.empty(0, dtype=dtype, device=device), persistent=False)
 
@@ -260,12 +330,43 @@ class LinearBase(BlockIdentityMixin, nn.Module):
         else:
             self.register_parameter(name, None)
 
+    def _register_params(self) -> None:
+        """Register this rank's blocks of ``weight`` (owned by ``P_weight``) and ``bias`` (by ``P_bias``; None
+        without one), then initialise them like ``torch.nn.Linear``."""
+        self._block("weight", self.P_weight, (self.out_features, self.in_features))
+        if self.use_bias:
+            self._block("bias", self.P_bias, (self.out_features,))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def param_layouts(self) -> list[ParamLayout]:
+        """Where the blocks live (for :func:`~distfuse.layers._params.load_sequential` / ``collect_sequential``)."""
+        lays = [ParamLayout("weight", "weight", self.P_weight, (self.out_features, self.in_features))]
+        if self.use_bias:
+            lays.append(ParamLayout("bias", "bias", self.P_bias, (self.out_features,)))
+        return lays
+
     def reset_parameters(self) -> None:
         """Initialise like ``torch.nn.Linear``: with the same seed, the blocks of the same global tensors."""
         init_like_torch(self)
 
     def _record(self, decision: Decision) -> None:
         self.last_decision, self.last_path = decision, decision.path
+
+    def _record_kernel(self, fused_op: str | None) -> None:
+        """After a fused call: name in ``last_decision`` the kernel that ran it (``providers.last_kernel``).
+
+        The decision names the provider asked for; the kernel may differ (a fallback, see
+        :mod:`distfuse.kernels.matmul_scatter_select`), and a benchmark or a test reading the
+        decision must see the kernel that actually ran.  Ops without a kernel choice leave it None.
+        """
+        from distfuse.fused.providers import last_kernel
+
+        choice = last_kernel(fused_op) if fused_op and self.last_decision is not None else None
+        if choice is not None and self.last_decision.path == "fused":
+            self.last_decision = dataclasses.replace(self.last_decision, kernel=choice.kernel,
+                                                     kernel_reason=choice.reason)
 
     def _record_inactive(self) -> None:
         self._record(INACTIVE)

@@ -1,12 +1,13 @@
 """What a linear layer's call is, as its workers compare it: compute dtypes, records and their checks.
 
-The agreement protocol of the linears (``_linear_agreement.py``) decides when the
-workers exchange metadata; this module holds what they exchange and how every worker
-judges it alike.  ``DistributedLinear``'s call becomes a fixed-size int64 record
+Each linear's agreement session decides when the workers exchange metadata (the row
+linears': ``_linear_agreement.py``); this module holds what they exchange and how every
+worker judges it alike.  ``DistributedLinear``'s call becomes a fixed-size int64 record
 (:func:`general_record`: number of dimensions, dtype, device type, autocast dtype, grad
 mode, shape), so one gather carries it, and :func:`check_general_records` /
 :func:`check_input_dtype` raise the same :class:`~distfuse.errors.ShapeError` on every
-worker from the gathered records.  :func:`compute_dtype` names the dtype ``F.linear``
+worker from the gathered records; the reduce-scatter linear's likewise
+(:func:`row_record`, :func:`check_row_records`).  :func:`compute_dtype` names the dtype ``F.linear``
 computes in (the autocast dtype under ``torch.autocast``), which the partial sums travel
 in, so the workers must share it.  :func:`local_error` turns a local check into a value
 to be agreed on instead of an error raised on one worker alone.
@@ -16,11 +17,12 @@ from __future__ import annotations
 
 import torch
 
-from distfuse.errors import DistfuseError, ShapeError, where
+from distfuse.errors import DistfuseError, ShapeError, expect, where
+from distfuse.geometry.decomposition import block_extent
 from distfuse.primitives._common import dtype_code, dtype_of_code
 
 __all__ = ["compute_dtype", "compute_dtype_of", "local_error", "general_record", "record_shape",
-           "check_general_records", "check_input_dtype"]
+           "check_general_records", "check_input_dtype", "row_record", "check_row_records"]
 
 #: The most dimensions a record holds (and so the most a linear layer's input may have).
 _MAX_DIM = 8
@@ -122,3 +124,51 @@ def check_input_dtype(op: str, dtype: torch.dtype | None, weight_dtype: torch.dt
     if computes_in == dtype and dtype != weight_dtype:
         raise ShapeError(f"{where(op)}: the input dtype {dtype} is not the weight's dtype {weight_dtype}; the layer "
                          "multiplies inputs of its weight's dtype (any floating dtype under torch.autocast)")
+
+
+# The reduce-scatter linear's record: [ndim, input dtype, compute dtype, problem, shape (8 slots)].
+_OK, _BAD_DEVICE, _BAD_DTYPE, _TOO_MANY_DIMS = range(4)
+
+
+def row_record(x: torch.Tensor, weight_dtype: torch.dtype, device_type: str) -> list[int]:
+    """This worker's record of a reduce-scatter linear call (12 int64; ``rec[3]`` is 0 when the layer can
+    multiply the input: the device type, a floating dtype, its weight's outside autocast, at most 8 dimensions)."""
+    cdt = compute_dtype(x)
+    problem = _OK
+    if x.device.type != device_type:
+        problem = _BAD_DEVICE
+    elif not x.is_floating_point() or (cdt == x.dtype and x.dtype != weight_dtype):
+        problem = _BAD_DTYPE
+    elif x.dim() > _MAX_DIM:
+        problem = _TOO_MANY_DIMS
+    rec = [min(x.dim(), _MAX_DIM), dtype_code(x.dtype), dtype_code(cdt), problem] + [-1] * _MAX_DIM
+    if problem == _OK:
+        rec[4:4 + x.dim()] = list(x.shape)
+    return rec
+
+
+def check_row_records(op: str, P_row, rows: list[list[int]], in_features: int, P_m: int,
+                      weight_dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
+    """Every model-parallel worker's :func:`row_record`, checked alike on every worker (raises on all of them);
+    returns the agreed leading extents and compute dtype."""
+    for j, (r, w) in enumerate(zip(rows, P_row.ranks, strict=True)):  # j: the worker's model-parallel index
+        if r[3] == _BAD_DEVICE:
+            raise expect(op, f"device type of the input on world rank {w}", P_row.device.type, "another device")
+        if r[3] == _BAD_DTYPE:
+            raise ShapeError(f"{where(op)}: world rank {w} passed an input of dtype {dtype_of_code(r[1])}; the "
+                             f"layer multiplies floating inputs of its weight's dtype {weight_dtype} (any floating "
+                             "dtype under torch.autocast)")
+        if r[3] == _TOO_MANY_DIMS:
+            raise ShapeError(f"{where(op)}: world rank {w} passed an input of more than {_MAX_DIM} dimensions")
+        want = block_extent(in_features, P_m, j)
+        if r[4 + r[0] - 1] != want:
+            raise expect(op, f"input feature extent on world rank {w} (block {j} of in_features={in_features})",
+                         want, r[4 + r[0] - 1])
+    first = rows[0]
+    for r in rows:
+        if r[0] != first[0] or r[4:4 + r[0] - 1] != first[4:4 + first[0] - 1] or r[1:3] != first[1:3]:
+            got = ", ".join(f"world rank {v}: shape {tuple(q[4:4 + q[0]])} dtype {dtype_of_code(q[1])} computing in "
+                            f"{dtype_of_code(q[2])}" for q, v in zip(rows, P_row.ranks, strict=True))
+            raise ShapeError(f"{where(op)}: the model-parallel workers must pass inputs with the same leading "
+                             f"extents (rows) and dtype, computed in the same dtype (torch.autocast); got {got}")
+    return tuple(first[4:4 + first[0] - 1]), dtype_of_code(first[2])

@@ -1,4 +1,4 @@
-"""Pieces shared by the distributed normalisation layers and losses.
+"""What the distributed norms share (and the losses' metadata gather): the agreed call, exact statistics, the ops.
 
 * :func:`gather_call` is the host-side metadata collective of a norm or loss: every
   worker of ``P_x`` contributes the shapes, dtypes and grad flags of its tensors (11 int64
@@ -6,12 +6,12 @@
   so a bad block (wrong channel count, a target that does not match its input, a
   non-balanced split, workers in different modes) raises the same error on every worker
   before any data moves.  It runs on a layer's first call and when some worker's call
-  changed, never while every worker's call repeats (the agreement protocol,
-  :mod:`distfuse.primitives._agreement`; the norms' flag round is in ``_norm_compiled``,
-  the losses' flag rides in their reduction, see ``loss``).
-* :func:`gather_moments` computes exact global statistics.  Each worker reduces its block
-  to ``(count, mean, M2)`` per statistic (M2: the sum of squared deviations from the
-  local mean), the workers all-gather these records and every worker combines them in
+  changed, never while every worker's call repeats: each layer agrees through an
+  :class:`~distfuse.primitives.agreement_session.AgreementSession` (:class:`NormLayer`;
+  the losses in :mod:`distfuse.layers.loss`).
+* ``distfuse::moments`` computes exact global statistics.  Each worker reduces its block
+  to ``(count, mean, M2)`` per statistic (M2: the sum of squared deviations from the local
+  mean), the workers all-gather these records and every worker combines them in
   partition order with Chan's parallel formula::
 
       n = sum n_i    mean = sum n_i mean_i / n    M2 = sum M2_i + sum n_i (mean_i - mean)^2
@@ -21,18 +21,38 @@
   its variance (1e6 * 6e-8 = 0.06 absolute error per term, summed).  Every term of Chan's
   formula is non-negative, so nothing cancels.  The record is ``3 x M`` float64 per worker
   (float64 so that counts stay exact past 2^24), the same single collective, and combining
-  in one fixed order makes the statistics bitwise identical on every worker.  A mean of
-  local means is wrong under uneven splits; the weights ``n_i`` are what makes it exact.
-* :class:`NormalizeFunction` normalises ``x`` viewed as ``[L, M, R]`` with one statistic per
-  ``M`` (or ``[B, L, M, R]`` with one per ``(B, M)``: a channels_last group norm's memory,
-  see :mod:`distfuse.ops.norm_collectives`), optionally with a per-``M`` affine.  Its backward is exact: with
-  ``xhat = (x - mean) * invstd`` and ``g`` the gradient reaching ``xhat``,
-  ``dx = invstd * (g - sum(g)/n - xhat * sum(g * xhat)/n)``, where the sums run over every
-  element that shares the statistic, on every worker: one all-reduce of ``2 x M`` values.
-* :func:`sum_replica_grads` is how a parameter replicated on several workers enters a
-  computation: identity forward, all-reduce of the gradient backward, so every replica
-  receives the global gradient and an optimizer keeps the replicas equal without any
-  further communication.
+  in one fixed order makes the statistics bitwise identical on every worker (so are the
+  running statistics computed from them).  A mean of local means is wrong under uneven
+  splits; the weights ``n_i`` are what makes it exact.
+* ``distfuse::normalize`` (backward ``distfuse::normalize_backward``: the exact adjoint,
+  one all-reduce of ``2 x M`` values) normalises ``x3 [L, M, R]`` with one statistic per
+  ``M``, or ``[B, L, M, R]`` with one per ``(B, M)`` (flattened ``b * M + m``), optionally with
+  a per-``M`` affine.  The 4-D form is how a ``channels_last`` group norm reads its
+  ``[N, *s, C]`` memory without a copy: ``[N, S, G, C/G]`` is a view, while no 3-D view
+  puts ``(N, G)`` together.  The input is saved, not ``xhat``: a 16-bit input costs half
+  the memory of its fp32 ``xhat``, and the output stays free for in-place ops.
+* ``distfuse::replicate`` (:mod:`distfuse.primitives.all_sum_reduce`) is how a parameter
+  replicated on several workers enters a computation: its adjoint sums the gradient, so
+  every replica receives the global gradient.
+
+The ops are defined once (:func:`~distfuse.primitives._op_pair.op_entry`): a compiled
+call runs the custom ops, an eager call the same implementations, so both send the same
+messages and compute the same bits.  One training call of :class:`NormLayer`::
+
+    flag round                    every worker's flag over P_x (host; distfuse::flag_check compiled)
+    distfuse::moments             the (count, mean, M2) all-gather over P_stats, Chan combine
+    distfuse::normalize           xhat [* w + b]; backward: the all-reduce over P_stats
+    distfuse::replicate           a replicated weight or bias; adjoint: the sum over P_rep
+    distfuse::replicate_adjoint   instance norm's running statistics summed over the batch workers
+
+Why the norms' flag takes a round of its own: their data collectives run over sub-grids
+(``P_stats``, ``P_rep``), which reach every worker of ``P_x`` only in special layouts, and
+an eval-mode batch norm or instance norm with running statistics has none at all; a flag
+must reach every worker or those outside the changed worker's sub-grid would run on and
+wait in the next layer.  The round replaces the metadata all-gather (no device read, so no
+CUDA sync).  A worker whose input (or parameter) does not require grad while a peer's does
+would skip the adjoint collective its peers wait in: an eager call promotes it to a leaf
+that requires grad, which a graph cannot create, so a replayed call flags instead.
 """
 
 from __future__ import annotations
@@ -43,21 +63,25 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.autograd.function import once_differentiable
+from torch import nn
 
 from distfuse import debug
 from distfuse._compat import all_gather_flat
 from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.geometry.decomposition import local_shape
+from distfuse.layers._block_identity import BlockIdentityMixin
 from distfuse.layers._conv_common import promote
-from distfuse.ops.norm_collectives import moments_of, normalize_forward, normalize_grads, stat_dtype
+from distfuse.layers._params import ParamLayout
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._axes import all_reduce_sum, axes_subgrid
-from distfuse.primitives._common import collective_guard
+from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, group_slots
+from distfuse.primitives._common import check_inactive_input, collective_guard
+from distfuse.primitives._handles import lookup
+from distfuse.primitives._op_pair import op_entry
+from distfuse.primitives.agreement_session import AgreementSession
+from distfuse.primitives.all_sum_reduce import SubGridSum, replicate, replicated_sum
 
-__all__ = ["CallRecord", "gather_call", "one_mode", "global_shape_of", "subgrid", "check_norm_partition",
-           "compute_dtype", "check_param_dtype", "gather_moments", "Moments", "NormalizeFunction", "normalize",
-           "sum_replica_grads", "promote", "FLOATS"]
+__all__ = ["CallRecord", "gather_call", "one_mode", "global_shape_of", "one_dtype", "subgrid", "check_norm_partition",
+           "compute_dtype", "check_param_dtype", "Moments", "NormCall", "NormLayer", "numel", "FLOATS"]
 
 FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _CODES = FLOATS + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
@@ -65,6 +89,15 @@ _MAX_DIM = 8
 _HEAD = 3  # grad flags, status, mode
 _PER_TENSOR = 3 + _MAX_DIM  # ndim, dtype code, device ok, shape
 _OK, _BAD_DEVICE, _TOO_MANY_DIMS = range(3)
+
+
+def numel(shape: Sequence[int]) -> int:
+    return math.prod([int(s) for s in shape])  # a list, not a generator: torch.compile traces it
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for 16-bit tensors (as torch's norms accumulate them), else the dtype itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 # ---------------------------------------------------------------- sub-grids
@@ -219,11 +252,6 @@ def one_dtype(op: str, P_x: CartesianPartition, dtypes: Sequence[torch.dtype | N
     return dtypes[0]
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for 16-bit tensors (as torch's norms accumulate them), else the dtype itself."""
-    return stat_dtype(dtype)
-
-
 def check_param_dtype(op: str, x_dtype: torch.dtype, param_dtype: torch.dtype | None) -> None:
     """torch's rule: parameters in the input's dtype, or in fp32 under a 16-bit input (mixed type)."""
     if param_dtype is None or param_dtype == x_dtype:
@@ -234,7 +262,133 @@ def check_param_dtype(op: str, x_dtype: torch.dtype, param_dtype: torch.dtype | 
                  str(param_dtype), str(x_dtype))
 
 
-# ---------------------------------------------------------------- statistics
+# ---------------------------------------------------------------- statistics and normalisation (the ops)
+
+
+def _stat_shape(x3: torch.Tensor) -> tuple[int, ...]:
+    """The shape that broadcasts one value per statistic against ``x3``: ``[1, M, 1]`` or ``[B, 1, M, 1]``."""
+    return tuple(x3.shape[:-3]) + (1, x3.shape[-2], 1)
+
+
+def _reduced_dims(x3: torch.Tensor) -> tuple[int, int]:
+    """The dimensions each statistic runs over: ``L`` and ``R``."""
+    return (x3.dim() - 3, x3.dim() - 1)
+
+
+def _stat_count(x3: torch.Tensor) -> int:
+    """The number of statistics of ``x3``: ``M`` or ``B * M``."""
+    return (x3.shape[0] if x3.dim() == 4 else 1) * x3.shape[-2]
+
+
+def _moments(x3: torch.Tensor, handle: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact global ``(mean, biased var)`` per statistic of ``x3`` over the handle's ``P_stats`` (float64, flat).
+
+    ``count`` is the global number of elements per statistic.  Local moments in
+    :func:`compute_dtype`, combined in float64 with Chan's formula in sub-grid rank order.
+    No gradient: :func:`normalize`'s adjoint accounts for the statistics' dependence on ``x3``.
+    """
+    ctx: SubGridSum = lookup(handle)
+    P = ctx.P
+    with torch.no_grad():
+        L, R = x3.shape[-3], x3.shape[-1]
+        M = _stat_count(x3)
+        n_loc = L * R
+        rec = torch.zeros(3, M, dtype=torch.float64, device=x3.device)
+        if n_loc > 0 and M > 0:
+            var, mean = torch.var_mean(x3.to(compute_dtype(x3.dtype)), dim=_reduced_dims(x3), correction=0)
+            rec[0] = n_loc
+            rec[1] = mean.reshape(M)
+            rec[2] = var.double().reshape(M) * n_loc
+        if P.size == 1 or M == 0:  # M is the same on every worker of P_stats: all skip together
+            return rec[1].clone(), rec[2] / max(n_loc, 1)
+        buf = rec.new_empty(P.size * rec.numel())
+        with collective_guard(ctx.op, "statistics all-gather", P.ranks):
+            all_gather_flat(buf, rec, group=P.group)
+        rows = buf.view(P.size, *rec.shape)[list(group_slots(P))]  # sub-grid rank order
+        n_i, mean_i, m2_i = rows[:, 0], rows[:, 1], rows[:, 2]
+        n = max(count, 1)
+        mean = (n_i * mean_i).sum(0) / n
+        m2 = m2_i.sum(0) + (n_i * (mean_i - mean) ** 2).sum(0)
+        return mean, m2 / n
+
+
+def _moments_fake(x3, handle, count):
+    M = _stat_count(x3)
+    return x3.new_empty((M,), dtype=torch.float64), x3.new_empty((M,), dtype=torch.float64)
+
+
+def _xhat(x3: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
+    shape = _stat_shape(x3)
+    return (x3.to(compute_dtype(x3.dtype)) - mean.view(shape)) * invstd.view(shape)
+
+
+def _like_x3(t: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
+    """``t`` in ``torch.empty_like(x3)``'s layout, as the fakes say (a copy only where the strides differ)."""
+    return t if t.stride() == x3.stride() else torch.empty_like(x3, dtype=t.dtype).copy_(t)
+
+
+def _normalize(x3: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
+               invstd: torch.Tensor, handle: int, count: int) -> torch.Tensor:
+    """``(x3 - mean) * invstd [* w + b]`` per statistic (``w``, ``b`` per ``M``), in the compute dtype; local."""
+    y = _xhat(x3, mean, invstd)
+    if weight is not None:
+        y = y * weight.to(y.dtype).view(1, -1, 1)
+    if bias is not None:
+        y = y + bias.to(y.dtype).view(1, -1, 1)
+    return _like_x3(y, x3)
+
+
+def _normalize_fake(x3, weight, bias, mean, invstd, handle, count):
+    return torch.empty_like(x3, dtype=compute_dtype(x3.dtype))
+
+
+def _normalize_backward(dy: torch.Tensor, x3: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor,
+                        weight: torch.Tensor | None, bias: torch.Tensor | None, handle: int, count: int,
+                        needs: list[bool]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The adjoint of :func:`_normalize` with the statistics' dependence on ``x3``: ``(dx, dw, db)``::
+
+        db = sum dy        dw = sum dy * xhat        (global: every replica gets the full gradient)
+        dx = w * invstd * (dy - db / n - xhat * dw / n)
+
+    The sums run over every element that shares a statistic, on every worker: one
+    all-reduce of ``[sum dy, sum dy * xhat]`` (``2 x M``) over ``P_stats``, which every worker
+    of ``P_stats`` must reach.  Entries not in ``needs`` are empty.  With the 4-D form the
+    sums are per ``(B, M)`` and ``dw``, ``db`` (per ``M``) add the ``B`` rows.
+    """
+    ctx: SubGridSum = lookup(handle)
+    xhat = _xhat(x3, mean, invstd)
+    dy = dy.to(xhat.dtype)
+    dims, M, shape = _reduced_dims(x3), _stat_count(x3), _stat_shape(x3)
+    sums = torch.stack([dy.sum(dims).reshape(M), (dy * xhat).sum(dims).reshape(M)])
+    if ctx.P.size > 1:
+        sums = all_reduce_sum(ctx.op, ctx.P, sums)
+    sum_dy, sum_dy_xhat = sums[0], sums[1]
+    n = max(count, 1)
+    scale = invstd.view(shape)
+    if weight is not None:
+        scale = scale * weight.to(xhat.dtype).view(1, -1, 1)
+    dx, dw, db = (dy.new_empty((0,)) for _ in range(3))  # one each: the outputs may not alias each other
+    if needs[0]:
+        dx = scale * (dy - (sum_dy / n).view(shape) - xhat * (sum_dy_xhat / n).view(shape))
+        dx = _like_x3(dx.to(x3.dtype), x3)
+    if x3.dim() == 4:  # the parameters are per M: add the B rows of the per-(B, M) sums
+        sum_dy, sum_dy_xhat = sum_dy.view(-1, x3.shape[-2]).sum(0), sum_dy_xhat.view(-1, x3.shape[-2]).sum(0)
+    if weight is not None and needs[1]:
+        dw = sum_dy_xhat.to(weight.dtype, copy=True)  # copies: rows of one tensor would alias
+    if bias is not None and needs[2]:
+        db = sum_dy.to(bias.dtype, copy=True)
+    return dx, dw, db
+
+
+def _normalize_backward_fake(dy, x3, mean, invstd, weight, bias, handle, count, needs):
+    return tuple(torch.empty_like(t) if need else dy.new_empty((0,))
+                 for t, need in zip((x3, weight, bias), needs, strict=True))
+
+
+_moments_op = op_entry("moments", _moments, _moments_fake)
+_normalize_op = op_entry("normalize", _normalize, _normalize_fake, _normalize_backward, _normalize_backward_fake,
+                         saved=lambda x3, w, b, mean, invstd, handle, count: (x3, mean, invstd, w, b, handle, count),
+                         inputs=(0, 1, 2))
 
 
 @dataclass(frozen=True)
@@ -252,92 +406,172 @@ class Moments:
         return self.var * (self.count / (self.count - 1))
 
 
-def gather_moments(op: str, P_stats: CartesianPartition, x3: torch.Tensor, count: int) -> Moments:
-    """Exact global mean and biased variance per ``M`` of ``x3 [L, M, R]`` over the workers of ``P_stats``.
-
-    ``count`` is the global number of elements per statistic (every worker knows it from
-    the call's metadata).  Local moments are taken in :func:`compute_dtype`, combined in
-    float64 (see the module docstring; the code is :func:`distfuse.ops.norm_collectives.moments_of`,
-    which the compiled forward runs as ``distfuse::moments``).  No autograd:
-    :class:`NormalizeFunction`'s backward differentiates through the statistics.
-    """
-    mean, var = moments_of(op, P_stats, x3, count)
-    return Moments(mean, var, count)
+# ---------------------------------------------------------------- the layers' common part
 
 
-class NormalizeFunction(torch.autograd.Function):
-    """``y = (x - mean) * invstd [* w + b]`` for ``x [(B,) L, M, R]``, one statistic per ``(B,) M``; see the module doc.
+@dataclass(frozen=True)
+class NormCall:
+    """What a call's metadata gather established, the same on every worker."""
 
-    ``mean`` and ``invstd`` are the global statistics of ``x`` (constants here: the backward
-    accounts for their dependence on ``x``).  ``count`` is the global number of elements
-    per statistic.  Output in the compute dtype (fp32 for 16-bit inputs; the caller casts once).
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    call: CallRecord
 
-    Adjoint (one all-reduce of ``[sum dy, sum dy * xhat]``, ``2 x M`` values, over ``P_stats``)::
 
-        db = sum dy        dw = sum dy * xhat        (global: every replica gets the full gradient)
-        dx = w * invstd * (dy - db / n - xhat * dw / n)
+class NormLayer(BlockIdentityMixin, nn.Module):
+    """What every distributed norm shares: its replicated parameters and running statistics, the agreement session
+    over ``P_x``, the sub-grid contexts its ops name by handle, and the steps of its one forward.
 
-    Every worker of ``P_stats`` must run the backward when one does (the layers promote the
-    input so that they agree).  The input is saved, not ``xhat``: a 16-bit input costs half
-    the memory of its fp32 ``xhat``, and the output stays free for in-place ops (``ReLU(inplace=True)``).
-    The forward and the adjoint are :func:`~distfuse.ops.norm_collectives.normalize_forward` and
-    :func:`~distfuse.ops.norm_collectives.normalize_grads`, shared with the compiled op ``distfuse::normalize``.
+    Subclasses call :meth:`_norm_setup` and define ``_forward(x, record)`` (the normalisation
+    of the agreed call), ``_check_global(G)`` (their checks of the agreed global shape) and,
+    where they differ from the defaults, ``_promotions`` and ``_mode_matters``.
+
+    Attributes:
+        session: the :class:`~distfuse.primitives.agreement_session.AgreementSession` over
+            ``P_x``; ``agreement`` is its site (``calls`` / ``slow_calls`` count the calls
+            and the metadata gathers).
     """
 
-    @staticmethod
-    def forward(ctx, x3, weight, bias, mean, invstd, count: int, P_stats, op: str):
-        ctx.save_for_backward(x3, mean, invstd, weight)
-        ctx.meta = (count, P_stats, op, None if bias is None else bias.dtype)
-        return normalize_forward(x3, weight, bias, mean, invstd)
+    def _norm_setup(self, P_x, param_shape, split_dims, block, *, affine: bool, bias: bool, running: bool,
+                    P_stats, P_rep=None, P_batch=None, device=None, dtype=None) -> None:
+        """Parameters ``[block]`` of the global ``param_shape`` (split by ``split_dims`` of ``P_x``, replicated on
+        the other axes), running statistics if ``running``, the session and the contexts (in the same order on
+        every worker: their handles name them in compiled graphs)."""
+        op = type(self).__name__
+        self.P_x, self.P_stats = P_x, P_stats
+        self._param_shape, self._split = tuple(param_shape), tuple(split_dims)
+        self.affine = bool(affine)
+        self._has_bias = self.affine and bool(bias)
+        self._has_buffers = bool(running)
+        self.session = AgreementSession(op, P_x)
+        self.agreement = self.session.site
+        self._stats = SubGridSum(op, P_stats)
+        self._rep = SubGridSum(op, P_rep) if P_rep is not None else None
+        self._batch = SubGridSum(op, P_batch) if P_batch is not None else None
+        device = torch.device(device) if device is not None else P_x.device
+        kw = dict(device=device, dtype=dtype)
+        make = P_x.active and self.affine
+        self.register_parameter("weight", nn.Parameter(torch.ones(block, **kw)) if make else None)
+        make = P_x.active and self._has_bias
+        self.register_parameter("bias", nn.Parameter(torch.zeros(block, **kw)) if make else None)
+        make = P_x.active and self._has_buffers
+        self.register_buffer("running_mean", torch.zeros(block, **kw) if make else None)
+        self.register_buffer("running_var", torch.ones(block, **kw) if make else None)
+        # torch's InstanceNorm registers it too (and never advances it); kept for state-dict parity.
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device) if make else None)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x3, mean, invstd, weight = ctx.saved_tensors
-        count, P_stats, op, bias_dtype = ctx.meta
-        needs = tuple(bool(n) for n in ctx.needs_input_grad[:3])
-        dx, dw, db = normalize_grads(dy, x3, mean, invstd, weight, count, P_stats, op, needs, bias_dtype)
-        return dx, dw, db, None, None, None, None, None
+    def reset_running_stats(self) -> None:
+        if self.running_mean is not None:
+            self.running_mean.zero_()
+            self.running_var.fill_(1)
+            self.num_batches_tracked.zero_()
 
+    def reset_parameters(self) -> None:
+        """torch's initialisation: weight 1, bias 0, running statistics reset."""
+        self.reset_running_stats()
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
-def normalize(x3: torch.Tensor, moments: Moments, eps: float, P_stats: CartesianPartition, op: str,
-              weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """:class:`NormalizeFunction` with the statistics of ``moments`` (output in the compute dtype)."""
-    cdt = compute_dtype(x3.dtype)
-    return NormalizeFunction.apply(x3, weight, bias, moments.mean.to(cdt), moments.invstd(eps, cdt), moments.count,
-                                   P_stats, op)
+    def param_layouts(self) -> list[ParamLayout]:
+        P, G, split = self.P_x, self._param_shape, self._split
+        names = (["weight"] if self.affine else []) + (["bias"] if self._has_bias else [])
+        names += ["running_mean", "running_var"] if self._has_buffers else []
+        lays = [ParamLayout(n, n, P, G, split_dims=split) for n in names]
+        if self._has_buffers:
+            lays.append(ParamLayout("num_batches_tracked", "num_batches_tracked", P, (), split_dims=()))
+        return lays
 
+    # ------------------------------------------------------------ the one forward and its steps
 
-# ---------------------------------------------------------------- replicated parameters
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
+        if not self.P_x.active:
+            check_inactive_input(type(self).__name__, x)
+            return x.clone()
+        record = self._agree(x)
+        if record is None:  # a replayed call that flagged: the flag round raises on every worker
+            return x.new_empty((0,))
+        # The adjoint's collectives: every worker must run them when any does (see _promotions).
+        return self._forward(promote(x, self._promotions(record.call)[0]), record)
 
+    def _forward(self, x: torch.Tensor, record: NormCall) -> torch.Tensor:
+        """The layer's normalisation of its block under the agreed ``record`` (an abstract hook)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _forward")
 
-class _SumReplicaGrads(torch.autograd.Function):
-    """Identity forward; backward: the sum of the gradient over the workers of ``P_rep`` (all-reduce)."""
+    def _promotions(self, call: CallRecord) -> tuple[bool, bool]:
+        """Whether this worker's input / parameters must take part in the adjoint although they need no gradient
+        here: some worker's input or parameter does, and the adjoint's collectives reach this worker."""
+        return call.any_input_grad, call.any_param_grad
 
-    @staticmethod
-    def forward(ctx, w, P_rep, op: str):
-        ctx.P_rep, ctx.op = P_rep, op
-        return w.view_as(w)
+    def _agree(self, x: torch.Tensor) -> NormCall | None:
+        """The call's agreed record (None: a replayed call that flagged; ``flag_check`` raises on every worker when
+        the graph runs).
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dw):
-        return all_reduce_sum(ctx.op, ctx.P_rep, dw.contiguous()), None, None
+        The signature holds everything the checks read, so no local check is needed before
+        the flag round.  An eager call promotes what :meth:`_promotions` asks for; a replayed
+        call that would have to flags instead (a graph cannot make a leaf require grad).
+        """
+        params = [p for p in (self.weight, self.bias) if p is not None]
+        grad_on = torch.is_grad_enabled()
+        signature = (tuple(x.shape), x.dtype, x.device.type, grad_on, x.requires_grad,
+                     tuple((p.dtype, p.requires_grad) for p in params), bool(self.training))
 
+        def lacks_grad(record: NormCall) -> bool:
+            x_needed, params_needed = self._promotions(record.call)
+            lacks_x = x_needed and not (grad_on and x.requires_grad)
+            return lacks_x or (params_needed and not all(grad_on and p.requires_grad for p in params))
 
-def sum_replica_grads(w: torch.Tensor | None, P_rep: CartesianPartition, op: str,
-                      any_grad: bool) -> torch.Tensor | None:
-    """Use a parameter that every worker of ``P_rep`` holds a copy of, so that each copy gets the global gradient.
+        return self.session.agree(x, signature, True, lambda: self._gather(x, params), needs_eager=lacks_grad)
 
-    Adjoint: the all-reduce over ``P_rep`` of the local gradients (the copies' forward uses
-    are independent terms of one sum).  ``any_grad`` says whether any worker's copy
-    requires grad (:attr:`CallRecord.any_param_grad`); a copy that does not is promoted, so
-    that its all-reduce still runs and its peers do not wait.
-    """
-    if w is None or P_rep.size == 1 or not any_grad:
-        return w
-    return _SumReplicaGrads.apply(promote(w, True), P_rep, op)
+    def _gather(self, x: torch.Tensor, params: list[torch.Tensor]) -> NormCall:
+        """The metadata gather over ``P_x`` and its checks (the same error on every worker): the agreed record."""
+        op, P_x = type(self).__name__, self.P_x
+        held = [b for b in (self.running_mean, self.running_var) if b is not None]
+        call = gather_call(op, P_x, [x, *params, *held],
+                           ["input"] + ["parameter"] * len(params) + ["running statistic"] * len(held), params,
+                           signature=self._signature(), mode=int(self.training))
+        if self._mode_matters():
+            one_mode(op, P_x, call)
+        dtype = one_dtype(op, P_x, call.dtypes[0])
+        G = global_shape_of(op, P_x, call.shapes[0])
+        for dtypes in call.dtypes[1:]:  # every worker's parameters and buffers: every worker raises alike
+            for t_dtype in dtypes:
+                check_param_dtype(op, dtype, t_dtype)
+        self._check_global(G)
+        return NormCall(G, dtype, call)
 
+    def _moments(self, x3: torch.Tensor, count: int) -> Moments:
+        """The exact global statistics of ``x3`` over ``P_stats`` (``count`` elements each)."""
+        mean, var = _moments_op(x3.detach(), self._stats.handle, count)
+        return Moments(mean, var, count)
 
-def numel(shape: Sequence[int]) -> int:
-    return math.prod([int(s) for s in shape])  # a list, not a generator: torch.compile traces it
+    def _normalize(self, x3: torch.Tensor, stats: Moments, weight: torch.Tensor | None = None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x3`` normalised with ``stats`` [* w + b] (compute dtype out); the adjoint all-reduces over ``P_stats``."""
+        cdt = compute_dtype(x3.dtype)
+        return _normalize_op(x3, weight, bias, stats.mean.to(cdt), stats.invstd(self.eps, cdt), self._stats.handle,
+                             stats.count)
+
+    def _replica(self, w: torch.Tensor | None, any_grad: bool) -> torch.Tensor | None:
+        """A parameter every worker of ``P_rep`` holds a copy of, used so that each copy gets the global gradient.
+
+        ``any_grad`` says whether any worker's copy requires grad (:attr:`CallRecord.any_param_grad`);
+        a copy that does not is promoted, so that its adjoint's all-reduce still runs and its
+        peers do not wait.
+        """
+        if w is None or self._rep.P.size == 1 or not any_grad:
+            return w
+        return replicate(promote(w, True), self._rep.handle)
+
+    def _batch_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of ``t`` over the batch workers (no autograd: the running statistics)."""
+        return replicated_sum(t, self._batch.handle) if self._batch.P.size > 1 else t
+
+    def _mode_matters(self) -> bool:
+        """Whether training and eval calls run different collectives (then every worker must be in one mode)."""
+        return False
+
+    def _check_global(self, G: tuple[int, ...]) -> None:
+        """The layer's checks of the agreed global input shape (raised on every worker alike)."""

@@ -1,4 +1,4 @@
-"""What the distributed pooling layers share: options, the per-call plan, path choice and the staged window.
+"""What the pooling layers share, and their one forward (:class:`WindowLayer`, the upsampling layer's too).
 
 Partitions and shapes (``nd`` spatial axes; worker at index ``(b, c, *s)`` of ``P_x``)::
 
@@ -17,20 +17,27 @@ messages along them).  The plan is the convolution halo plan
 it), so stride, dilation, uneven splits, halos wider than a neighbour's block and
 workers with no outputs all work as they do for the feature convolution.
 
-A host-side metadata gather over ``P_x``
-(:func:`~distfuse.layers._conv_call_info.gather_call_info`, a few int64 per worker) finds
-the global shape, so that every worker validates the geometry the same way and raises
-the same error, and makes every worker agree on whether the adjoint runs.  It runs on
-the first call and when some worker's signature changed; while signatures repeat a
-one-element flag round replaces it (:class:`ShapeRecord`, which says why the flag
-cannot ride in the halo exchange).  ``static_shapes`` is accepted for compatibility and
-changes nothing: every call already skips the gather while the workers' signatures repeat.
+One forward serves eager calls, ``capture_safe()`` and ``torch.compile(fullgraph=True)``
+(:class:`WindowLayer`, shared with :class:`~distfuse.layers.upsample.DistributedUpsample`)::
 
-``torch.compile(layer, fullgraph=True)`` traces the layer without a graph break: a
-compiled call reuses the record of the last eager call, runs the flag round as the
-custom op ``distfuse::flag_check`` and the halo round as ``distfuse::halo_exchange``
-(:mod:`distfuse.layers._pool_compiled`), and reads its geometry from the
-:class:`PoolWindow` the eager call made.
+    info   = session.agree(x)            the call's global shape and grad flags, every worker alike
+    window = window_record(G)            this worker's plan, staging record, output extents (once per shape)
+    staged = stage_window(x, path)       local, or the halo / fused staging op pair
+    y      = _block(staged, window)      the local op
+
+The agreement is an :class:`~distfuse.primitives.agreement_session.AgreementSession` over
+``P_x``: eager calls gather the metadata (a few int64 per worker, host-side:
+:func:`~distfuse.layers._conv_call_info.gather_call_info`, so every worker validates the
+geometry alike and raises the same error, and every worker agrees on whether the
+adjoint runs) on the first call and when some worker's signature changed, and otherwise
+run a one-element flag round; the flag cannot ride in the halo exchange, which runs
+between neighbours only and sends nothing at all where the plan has no halo
+(``last_path == "local"``).  The flag round costs about 0.5 ms with 4 gloo ranks on the
+loaded 2-core CI machine, against about 3.5 ms for the gather (``docs/reliability.md``).
+Inside ``capture_safe()`` the settled record is trusted; inside ``torch.compile`` the
+record of the last eager call is replayed, with the flag round as
+``distfuse::flag_check`` and the staging path of the last eager call.  ``static_shapes``
+is accepted for compatibility and changes nothing.
 """
 
 from __future__ import annotations
@@ -45,23 +52,15 @@ from torch import nn
 from distfuse.errors import DistfuseError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.pool_geometry import check_pool_axis, pool_axis
-from distfuse.layers._conv_call_info import _DTYPES, CallInfo, autocast_dtype, gather_call_info
+from distfuse.layers._conv_call_info import CallInfo, autocast_dtype, gather_call_info, passes_local_checks
 from distfuse.layers._conv_common import check_partition, promote
-from distfuse.layers._pool_compiled import WindowHalo, compiled_record, compiled_stage
 from distfuse.layers.dispatch import Decision
-from distfuse.layers.pool_staging import (
-    EmptyBlock,
-    StagingRecord,
-    choose_staging,
-    stage_window,
-    staging_record,
-    world_of_fn,
-)
-from distfuse.ops import FlagRound
-from distfuse.primitives._agreement import AgreementSite, flag_round, run_agreed, trusting
+from distfuse.layers.pool_staging import EmptyBlock, StagingRecord, choose_staging, stage_window, staging_record
 from distfuse.primitives._common import check_inactive_input
+from distfuse.primitives.agreement_session import AgreementSession
+from distfuse.primitives.halo_exchange import PlanHalo
 
-__all__ = ["PoolOptions", "pool_plan", "ShapeRecord", "PoolWindow", "DistributedPoolBase", "check_16bit_cpu"]
+__all__ = ["PoolOptions", "pool_plan", "PoolWindow", "WindowLayer", "DistributedPoolBase", "check_16bit_cpu"]
 
 
 def _per_axis(op: str, v, nd: int, name: str, minimum: int) -> tuple[int, ...]:
@@ -121,108 +120,45 @@ class PoolWindow:
     block: object = None
 
 
-class ShapeRecord:
-    """The agreed call record of a layer without parameters (pooling, upsampling).
+class WindowLayer(nn.Module):
+    """The one forward of the layers that compute each output block from one staged window (pooling, upsampling).
 
-    The layer's :class:`~distfuse.primitives._agreement.AgreementSite` (``site``) holds the
-    :class:`~distfuse.layers._conv_call_info.CallInfo` every worker agreed on.  A call whose
-    signature (local shape, dtype, device type, grad mode, ``requires_grad``, autocast)
-    repeats on every worker reuses it after one flag round
-    (:func:`~distfuse.primitives._agreement.flag_round`: a one-element all-reduce of the
-    workers' flags on ``P_x``'s host-side meta group).  The flag cannot ride in the layer's
-    data messages: the halo exchange is point-to-point between neighbours only, and a plan
-    with no halo (``last_path == "local"``) sends nothing, so no message of the call
-    reaches every worker.  The flag all-reduce is a host collective, but it moves one
-    integer and reads no device tensor: about 0.5 ms with 4 gloo ranks on the loaded 2-core
-    CI machine, against about 3.5 ms for the metadata all-gather it replaces (see
-    ``docs/reliability.md``).  When any worker's
-    signature changed (or its input fails a local check), every worker sees the flag and
-    all take the slow path together: the metadata gather and its checks, which raise the
-    same error on every worker.  The first call gathers directly.
-
-    Inside :func:`~distfuse.primitives._agreement.capture_safe` (or a CUDA-graph capture)
-    the record is trusted while this worker's signature repeats: no flag round, no host
-    read.
-    """
-
-    def __init__(self, op: str):
-        self.site = AgreementSite(op)
-
-    @staticmethod
-    def _signature(x: torch.Tensor) -> tuple:
-        return (tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad,
-                autocast_dtype(x.device.type))
-
-    def info(self, op: str, P_x, x: torch.Tensor, signature) -> CallInfo:
-        site = self.site
-        mine = self._signature(x)
-        if site.state is not None and trusting():  # capture-safe: no flag, no host read
-            if mine != site.signature:
-                raise UnsupportedError(f"{where(op)}: inside capture_safe() (or a CUDA-graph capture) a call must "
-                                       "repeat the inputs of the last eager call (shape, dtype, grad flags); warm "
-                                       "up with the captured shapes on every worker")
-            site.calls += 1
-            return site.state
-        locally_ok = x.device.type == P_x.device.type and x.dtype in _DTYPES and x.dim() == P_x.dim
-
-        def attempt(changed: bool):
-            return site.state, flag_round(P_x, changed, op)
-
-        def slow():
-            info = gather_call_info(op, P_x, P_x, x, [], signature=signature)
-            return info, info
-
-        return run_agreed(site, mine, locally_ok, attempt, slow)
-
-    def forget(self) -> None:
-        """Drop the agreed record, so the next call gathers again (call it on every worker)."""
-        self.site.forget()
-
-
-class DistributedPoolBase(nn.Module):
-    """A pooling layer over an input split along any of its axes (see the module docstring).
-
-    Subclasses set ``nd`` and ``fill`` and define ``_pool_block(staged, window,
-    out_shape, global_shape)``, the pooling of a staged window (``window`` a
-    :class:`PoolWindow`), and may define ``_block_constants``, what it reads from the
-    geometry (made once per global shape, so that compiled calls only read it).  Construction is not
-    collective and checks the window arguments (every rank raises alike); the output
-    extent is checked per call, on the gathered global shape, on every worker.
+    Subclasses define ``_layer_key()`` (their options and partition, compared across
+    workers in the gather), ``_plan_for(G, x)`` (the plan for a global shape and input),
+    ``_halo_plan(G)`` (the plan the staging ops stage with), ``_window_of(G, x)`` (this
+    worker's window record: ``staging`` and ``out_spatial``, made once per global shape so
+    that a compiled call only reads it) and ``_block(x, staged, window, info, out_shape)``
+    (the local op).  ``fill`` is the value of staged positions outside the input.
 
     Attributes:
+        session: the :class:`~distfuse.primitives.agreement_session.AgreementSession` over
+            ``P_x``; ``agreement`` is its site (``calls`` / ``slow_calls`` count the calls
+            and the metadata gathers).
         last_path: ``"local"`` (no worker exchanges anything for this geometry),
             ``"unfused"`` or ``"fused"``: how the last call staged its window (None before
-            the first call and on workers outside P_x).
+            the first call and on workers outside P_x).  A compiled call takes the path of
+            the last eager call with the same global shape, dtype and device.
         last_decision: the :class:`~distfuse.layers.dispatch.Decision` behind it.
     """
 
-    nd: int = 0
-    fill: float = 0.0  # the value of staged positions outside the input
+    fill: float = 0.0
 
-    def __init__(self, P_x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
-                 static_shapes: bool = False):
+    def __init__(self, P_x, nd: int, static_shapes: bool):
         super().__init__()
         op = type(self).__name__
-        check_partition(op, "P_x", P_x, self.nd)
         self.P_x = P_x
-        self.opts = PoolOptions.make(op, self.nd, kernel_size, stride, padding, dilation, ceil_mode)
-        o = self.opts
-        self.kernel_size, self.stride, self.padding = o.kernel_size, o.stride, o.padding
-        self.dilation, self.ceil_mode = o.dilation, o.ceil_mode
         self.static_shapes = bool(static_shapes)
-        self._shapes = ShapeRecord(op)
-        self.agreement = self._shapes.site
+        self.session = AgreementSession(op, P_x)
+        self.agreement = self.session.site
         self.last_path: str | None = None
         self.last_decision: Decision | None = None
         self._caps_cache: dict = {}
-        # compiled forwards: the flag round and the window's halo round as custom ops (_pool_compiled.py)
-        self._flag_round = FlagRound(op, P_x, self.forget_shapes)
-        self._window_halo = WindowHalo(P_x, self.nd, self.plan, op)
-        self._windows: dict[tuple, PoolWindow] = {}
+        self._halo = PlanHalo(P_x, nd, self._halo_plan, op)  # names the plan in the staging ops
+        self._windows: dict[tuple, object] = {}
 
     def forget_shapes(self) -> None:
         """Drop the agreed call record, so the next call gathers again (call it on every worker)."""
-        self._shapes.forget()
+        self.session.forget()
 
     forget_agreement = forget_shapes
 
@@ -230,7 +166,80 @@ class DistributedPoolBase(nn.Module):
         """No parameters (so ``load_sequential`` / ``collect_sequential`` move nothing)."""
         return []
 
-    # ------------------------------------------------------------ geometry and path
+    def explain(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> Decision:
+        """How a call with ``x`` stages its window, and why (no communication; pass the global shape to
+        include the local-path check)."""
+        plan = self._plan_for(tuple(global_shape), x) if global_shape is not None else None
+        channels = global_shape[1] if global_shape is not None else x.shape[1] if x.dim() > 1 else 1
+        return choose_staging(plan, x.dtype, x.device, self.P_x.size, channels, self._caps_cache)
+
+    def _agree(self, x: torch.Tensor) -> CallInfo | None:
+        """The call's agreed :class:`~distfuse.layers._conv_call_info.CallInfo` (None: a replayed call that
+        flagged; ``flag_check`` raises on every worker when the graph runs).  The signature holds what the
+        gather records of this worker; a replayed call whose peers' input needs a gradient and its own does
+        not flags too (an eager call promotes the input; a graph cannot)."""
+        op, P_x = type(self).__name__, self.P_x
+        signature = (tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad,
+                     autocast_dtype(x.device.type))
+        return self.session.agree(x, signature, passes_local_checks(P_x, x),
+                                  lambda: gather_call_info(op, P_x, P_x, x, [], signature=self._layer_key()),
+                                  needs_eager=lambda info: info.input_grad and not x.requires_grad)
+
+    def forward(self, x: torch.Tensor):
+        """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
+        if not self.P_x.active:
+            check_inactive_input(type(self).__name__, x)
+            return self._inactive_output(x)
+        info = self._agree(x)
+        if info is None:
+            return self._inactive_output(x)
+        G = info.global_shape
+        win = self._window_of(G, x)
+        x = promote(x, info.input_grad)
+        self.last_decision = self.session.remember(("staging", G, x.dtype, x.device.type),
+                                                   lambda: self.explain(x, G))
+        self.last_path = self.last_decision.path
+        staged = stage_window(x, self._halo, win.staging, G, path=self.last_path, fill=self.fill)
+        out_shape = tuple(x.shape[:2]) + win.out_spatial
+        if 0 in out_shape:
+            return self._empty_output(staged, out_shape)
+        return self._block(x, staged, win, info, out_shape)
+
+    def _inactive_output(self, x: torch.Tensor):
+        return x.clone()
+
+    def _empty_output(self, staged: torch.Tensor, out_shape: tuple[int, ...]):
+        return EmptyBlock.apply(staged, out_shape)
+
+
+class DistributedPoolBase(WindowLayer):
+    """A pooling layer over an input split along any of its axes (see the module docstring).
+
+    Subclasses set ``nd`` and ``fill`` and define ``_pool_block(staged, window,
+    out_shape, global_shape)``, the pooling of a staged window (``window`` a
+    :class:`PoolWindow`), and may define ``_block_constants``, what it reads from the
+    geometry (made once per global shape, so that compiled calls only read it).  Construction is not
+    collective and checks the window arguments (every rank raises alike); the output
+    extent is checked per call, on the gathered global shape, on every worker.  The
+    attributes are :class:`WindowLayer`'s.
+    """
+
+    nd: int = 0
+
+    def __init__(self, P_x, kernel_size, stride=None, padding=0, dilation=1, ceil_mode: bool = False,
+                 static_shapes: bool = False):
+        op = type(self).__name__
+        check_partition(op, "P_x", P_x, self.nd)
+        super().__init__(P_x, self.nd, static_shapes)
+        self.opts = PoolOptions.make(op, self.nd, kernel_size, stride, padding, dilation, ceil_mode)
+        o = self.opts
+        self.kernel_size, self.stride, self.padding = o.kernel_size, o.stride, o.padding
+        self.dilation, self.ceil_mode = o.dilation, o.ceil_mode
+
+    def _layer_key(self):
+        return self.opts, self.P_x.ranks, self.P_x.shape
+
+    # ------------------------------------------------------------ geometry
 
     def plan(self, global_shape: Sequence[int]) -> HaloPlan:
         """The plan for a global input shape; raises the same error on every worker for geometry torch refuses."""
@@ -244,14 +253,11 @@ class DistributedPoolBase(nn.Module):
         except DistfuseError as exc:
             raise type(exc)(f"{where(op)}: global input shape {G}: {exc}") from None
 
-    def explain(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> Decision:
-        """How a call with ``x`` stages its window, and why (no communication; pass the global shape to
-        include the local-path check)."""
-        plan = self.plan(global_shape) if global_shape is not None else None
-        channels = global_shape[1] if global_shape is not None else x.shape[1] if x.dim() > 1 else 1
-        return choose_staging(plan, x.dtype, x.device, self.P_x.size, channels, self._caps_cache)
+    def _halo_plan(self, global_shape: tuple[int, ...]) -> HaloPlan:
+        return self.plan(global_shape)
 
-    # ------------------------------------------------------------ forward
+    def _plan_for(self, global_shape: tuple[int, ...], x: torch.Tensor) -> HaloPlan:
+        return self.plan(global_shape)
 
     def window_record(self, global_shape: Sequence[int], device: torch.device) -> PoolWindow:
         """This worker's :class:`PoolWindow` for a global shape (made once per shape and device type, then read)."""
@@ -264,62 +270,16 @@ class DistributedPoolBase(nn.Module):
                                                   self._block_constants(plan, index, key[0], device))
         return rec
 
+    def _window_of(self, global_shape: tuple[int, ...], x: torch.Tensor) -> PoolWindow:
+        return self.window_record(global_shape, x.device)
+
     def _block_constants(self, plan: HaloPlan, index: tuple[int, ...], global_shape: tuple[int, ...],
                          device: torch.device):
         """What :meth:`_pool_block` needs beyond the staged window, from the geometry alone (subclasses)."""
         return None
 
-    def _window(self, x: torch.Tensor):
-        """Gather the call's metadata and stage this worker's window.
-
-        Returns ``(staged, window record, out_shape, global_shape)``, or None on workers outside P_x
-        (and, inside a compiled region, on a worker whose call differs from the agreed one).
-        """
-        op = type(self).__name__
-        if not self.P_x.active:
-            check_inactive_input(op, x)
-            return None
-        if torch.compiler.is_compiling():
-            return self._compiled_window(op, x)
-        info = self._shapes.info(op, self.P_x, x, (self.opts, self.P_x.ranks, self.P_x.shape))
-        G = info.global_shape
-        win = self.window_record(G, x.device)
-        x = promote(x, info.input_grad)
-        decision = self.explain(x, G)
-        self.last_decision, self.last_path = decision, decision.path
-        staged = stage_window(x, win.plan, win.index, world_of_fn(self.P_x, self.nd), path=decision.path,
-                              fill=self.fill, op=op)
-        return staged, win, tuple(x.shape[:2]) + win.out_spatial, G
-
-    def _compiled_window(self, op: str, x: torch.Tensor):
-        """:meth:`_window` inside ``torch.compile``: the agreed record, ``distfuse::flag_check`` and
-        ``distfuse::halo_exchange`` (see :mod:`distfuse.layers._pool_compiled`); None past a flagged call.
-
-        Reads only the window record the eager call made (a traced walk over the plan would break the graph).
-        """
-        info = compiled_record(op, self, x, self._flag_round)
-        if info is None:  # this worker flagged: the flag round raises on every worker, nothing below runs
-            return None
-        G = info.global_shape
-        win = self.window_record(G, x.device)
-        staged, self.last_path = compiled_stage(x, win.staging, self._window_halo, G, self.fill)
-        return staged, win, tuple(x.shape[:2]) + win.out_spatial, G
-
-    def forward(self, x: torch.Tensor):
-        """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
-        window = self._window(x)
-        if window is None:
-            return self._inactive_output(x)
-        staged, win, out_shape, G = window
-        if 0 in out_shape:
-            return self._empty_output(staged, out_shape)
-        return self._pool_block(staged, win, out_shape, G)
-
-    def _inactive_output(self, x: torch.Tensor):
-        return x.clone()
-
-    def _empty_output(self, staged: torch.Tensor, out_shape: tuple[int, ...]):
-        return EmptyBlock.apply(staged, out_shape)
+    def _block(self, x, staged: torch.Tensor, win: PoolWindow, info: CallInfo, out_shape: tuple[int, ...]):
+        return self._pool_block(staged, win, out_shape, info.global_shape)
 
     def extra_repr(self) -> str:
         o = self.opts

@@ -4,7 +4,7 @@
 given                             partitions                      layer
 ================================  ==============================  ======================================
 P_x only (P_y None or P_x)        P_x ``[P_b, 1, *P_s]``          :mod:`~distfuse.layers.conv_feature`
-P_x, P_y and P_w                  every spatial extent 1          :mod:`~distfuse.layers.conv_channel`
+P_x, P_y and P_w                  every spatial extent 1          :mod:`~distfuse.layers.conv_general`
 P_x, P_y and P_w                  some spatial extent > 1         :mod:`~distfuse.layers.conv_general`
 ================================  ==============================  ======================================
 
@@ -18,17 +18,12 @@ chosen class, and ``isinstance(layer, DistributedConv2d)`` holds for all three.
 from __future__ import annotations
 
 from distfuse.errors import PartitionError, UnsupportedError, where
-from distfuse.layers.conv_channel import DistributedChannelConv1d, DistributedChannelConv2d, DistributedChannelConv3d
-from distfuse.layers.conv_feature import DistributedFeatureConv1d, DistributedFeatureConv2d, DistributedFeatureConv3d
-from distfuse.layers.conv_general import DistributedGeneralConv1d, DistributedGeneralConv2d, DistributedGeneralConv3d
+from distfuse.layers.conv_feature import FEATURE_CONVS
+from distfuse.layers.conv_general import CHANNEL_CONVS, GENERAL_CONVS
 
 __all__ = ["select_conv", "DistributedConv1d", "DistributedConv2d", "DistributedConv3d"]
 
-_IMPLS = {
-    1: (DistributedFeatureConv1d, DistributedChannelConv1d, DistributedGeneralConv1d),
-    2: (DistributedFeatureConv2d, DistributedChannelConv2d, DistributedGeneralConv2d),
-    3: (DistributedFeatureConv3d, DistributedChannelConv3d, DistributedGeneralConv3d),
-}
+_IMPLS = {nd: (FEATURE_CONVS[nd - 1], CHANNEL_CONVS[nd - 1], GENERAL_CONVS[nd - 1]) for nd in (1, 2, 3)}
 
 
 def select_conv(nd: int, P_x, P_y=None, P_w=None) -> type:

@@ -36,7 +36,7 @@ host-side metadata gather over the union of the partitions
 (:func:`~distfuse.layers._conv_call_info.gather_call_info`).  It runs on the first call and
 when some worker's signature (local shape, dtype, grad flags, the parameters', autocast,
 layout) changed or its input fails a local check
-(:func:`~distfuse.layers._conv_call_info.agreed_call_info`).  No data collective of this
+(the layer's :class:`~distfuse.primitives.agreement_session.AgreementSession`).  No data collective of this
 layer reaches every worker of the union in forward (the broadcasts and the sum-reduce
 run point to point along P_w's rows and columns), so the agreement flag travels in its
 own one-element all-reduce on the union's host meta group, before any data moves
@@ -44,11 +44,27 @@ own one-element all-reduce on the union's host meta group, before any data moves
 see ``docs/reliability.md``).  A disagreement raises the same error on every worker;
 a change of global shape on every worker just works.
 
-``torch.compile(layer, fullgraph=True)`` traces it without a graph break: a compiled call
-reuses the record of the last eager call and moves data only through custom ops
-(``distfuse::flag_check``, ``conv_halo``, ``block_broadcast``, ``block_sum_reduce``; see
-:mod:`~distfuse.layers._conv_general_compiled`), so the graph holds no metadata exchange
-and every worker of the union traces the same ops.
+One forward serves eager calls, ``capture_safe()`` and ``torch.compile(fullgraph=True)``.
+The agreement is the layer's
+:class:`~distfuse.primitives.agreement_session.AgreementSession` over the union (a
+compiled call replays the record of the last eager call, its flag round as
+``distfuse::flag_check``), and every move is an op pair, in this order on every worker::
+
+    staged = distfuse::halo_exchange(x, h_halo, G)    general conv only (the channel conv sends x unpadded):
+                                                      the halo round on P_x, a copy of the placeholder elsewhere
+    xb = distfuse::broadcast(staged, ...)             P_x -> P_w, along the output-channel dimension
+    w  = distfuse::broadcast(W_ij0, ...)              spatial block 0 -> every s (general conv only)
+    b  = distfuse::broadcast(b_i00, ...)              (i, 0, 0) -> (i, 0, s) (general conv only)
+    yp = convNd(xb, w, b where j == 0)                the channel conv pads xb locally first
+    y  = distfuse::broadcast_adjoint(yp, ...)         P_w -> P_y, summed over the input-channel blocks
+
+so a compiled graph holds no metadata exchange and every worker of the union traces the
+same ops (forward and backward): identity moves are identities on every worker alike, a
+worker that takes no part in a move still calls its op (which sends nothing), and the
+moves' outputs it does not use are tied to the sum-reduce's anchor
+(:func:`~distfuse.primitives._op_pair.anchor`), so their adjoints run there too.  The
+anchors also make a worker whose input or parameters do not require grad (or that holds
+a placeholder) run the adjoints its peers wait for.
 
 Under ``torch.autocast`` the input, the staged blocks, the partial outputs and the output
 travel and compute in the autocast dtype, the weight blocks travel in their own dtype and
@@ -56,6 +72,27 @@ are cast where they are used, as ``torch.nn.ConvNd`` casts them.  Gradients of a
 are exact (every primitive's backward is itself differentiable).  Every worker of
 the union must call backward when one does (on its zero-volume output where it holds
 no output block).
+
+The channel-distributed convolution (input and output split along channels only) is
+this layer with ``P_s = 1``, :class:`DistributedChannelConvBase`::
+
+    P_x     [1, P_ci, 1, ...]       x        [B, Ci_j, *n]       on P_x worker (0, j)
+    P_y     [1, P_co, 1, ...]       y        [B, Co_i, *m]       on P_y worker (0, i)
+    P_w     [P_co, P_ci, 1, ...]    weight   [Co_i, Ci_j, *k]    on P_w worker (i, j)
+                                    bias     [Co_i]              on P_w worker (i, 0)
+
+    forward   xb_ij = Broadcast(P_x -> P_w)(x_j)                  along the P_co dimension
+              y_ij  = convNd(pad(xb_ij), w_ij, b_i if j == 0, padding=0, stride, dilation)
+              y_i   = SumReduce(P_w -> P_y)(y_ij)                 over j
+    adjoint   dy_ij = Broadcast(dy_i); conv adjoints give dw_ij, db_i and dxb_ij;
+              dx_j  = SumReduce(dxb_ij) over i                    (the x Broadcast's adjoint)
+
+The spatial axes are whole on every worker, so torch's own padding (``F.pad`` with the
+layer's mode) is already global; the input travels unpadded, which makes the broadcast
+smaller than the general convolution's (which broadcasts the staged input), and there is
+no halo round.  Every worker owns its weight block, so no weight moves.  Everything else
+(construction, checks, parameters, worker roles, ``groups`` only with unsplit channels,
+the agreement, the one forward) is the general convolution's.
 """
 
 from __future__ import annotations
@@ -68,23 +105,40 @@ from torch import nn
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, local_shape, local_slices
 from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers._conv_block import conv_block, conv_output_format
-from distfuse.layers._conv_call_info import agreed_call_info, cast_for_compute
-from distfuse.layers._conv_common import ConvOptions, check_geometry, check_partition, draw_parameters, grid_of, promote
-from distfuse.layers._conv_general_compiled import CompiledGeneralConvMixin
+from distfuse.layers._conv_call_info import (
+    CallInfo,
+    call_signature,
+    cast_for_compute,
+    gather_call_info,
+    passes_local_checks,
+)
+from distfuse.layers._conv_common import (
+    ConvOptions,
+    check_geometry,
+    check_partition,
+    conv_block,
+    conv_output_format,
+    draw_parameters,
+    grid_of,
+    pad_locally,
+    spatial_classes,
+)
 from distfuse.layers._params import ParamLayout
-from distfuse.partition import union_partition, zero_volume_tensor
-from distfuse.primitives._agreement import AgreementSite
+from distfuse.partition import union_partition
 from distfuse.primitives._common import check_inactive_input
-from distfuse.primitives.broadcast import broadcast, broadcast_plan
-from distfuse.primitives.halo_exchange import HaloExchange
-from distfuse.primitives.sum_reduce import sum_reduce, sum_reduce_plan
+from distfuse.primitives._layout import format_code, memory_format_of
+from distfuse.primitives._op_pair import anchor
+from distfuse.primitives.agreement_session import AgreementSession
+from distfuse.primitives.broadcast import broadcast_plan, move_of, placeholder
+from distfuse.primitives.halo_exchange import HaloExchange, halo_exchange
+from distfuse.primitives.sum_reduce import sum_reduce_plan
 
 __all__ = ["DistributedGeneralConvBase", "DistributedGeneralConv1d", "DistributedGeneralConv2d",
-           "DistributedGeneralConv3d"]
+           "DistributedGeneralConv3d", "DistributedChannelConvBase", "DistributedChannelConv1d",
+           "DistributedChannelConv2d", "DistributedChannelConv3d", "GENERAL_CONVS", "CHANNEL_CONVS"]
 
 
-class DistributedGeneralConvBase(BlockIdentityMixin, CompiledGeneralConvMixin, nn.Module):
+class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
     """Convolution with channels and spatial axes split (see the module docstring).
 
     Args:
@@ -96,10 +150,14 @@ class DistributedGeneralConvBase(BlockIdentityMixin, CompiledGeneralConvMixin, n
 
     Construction is collective over the world (it creates sub-grids of P_w and the
     union partition) and draws the parameters like the sequential layer on every rank.
+    ``session`` is the layer's agreement over the union; ``agreement`` its site
+    (``calls`` / ``slow_calls`` count the calls and the metadata gathers).
     """
 
     nd: int = 0
     last_path = "unfused"  # no fused path for channel-split convolutions
+    #: Whether P_x stages its block with a halo exchange before the broadcast (the channel conv pads after it).
+    _stages_with_halo = True
 
     def __init__(self, P_x, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", P_y=None, P_w=None, device=None,
@@ -126,7 +184,8 @@ class DistributedGeneralConvBase(BlockIdentityMixin, CompiledGeneralConvMixin, n
         self._device = torch.device(device) if device is not None else P_x.device
         self._dtype = dtype if dtype is not None else torch.get_default_dtype()
         self._build_grids()
-        self.agreement = AgreementSite(op)
+        self.session = AgreementSession(op, self.P_union)
+        self.agreement = self.session.site
         if self._P_wr.active:
             shape = local_shape(o.weight_shape, self._P_wr.shape, self._P_wr.index)
             self.weight = nn.Parameter(torch.empty(shape, device=self._device, dtype=dtype))
@@ -171,7 +230,6 @@ class DistributedGeneralConvBase(BlockIdentityMixin, CompiledGeneralConvMixin, n
         self._w_plan = broadcast_plan(self._P_wr, P_w)
         self._b_plan = broadcast_plan(self._P_b, self._P_bd)
         self._y_plan = sum_reduce_plan(P_w, self._P_yv)
-        self._build_compiled_contexts()  # the handles a compiled forward names its moves by
 
     # ------------------------------------------------------------ parameters
 
@@ -196,46 +254,56 @@ class DistributedGeneralConvBase(BlockIdentityMixin, CompiledGeneralConvMixin, n
             out.append(ParamLayout("bias", "bias", self._P_b1, (self.opts.out_channels,)))
         return out
 
-    def _weight_on_w(self, dtype, device, needs_grad: bool) -> torch.Tensor | None:
-        """This P_w worker's weight block, broadcast from spatial block 0 (None or a placeholder elsewhere)."""
+    def _weight_on_w(self, like: torch.Tensor, dtype, needs_grad: bool, ties: list) -> torch.Tensor | None:
+        """This P_w worker's weight block, broadcast from spatial block 0 (None off P_w)."""
         if self._w_plan.identity:  # unsplit spatial axes: every P_w worker owns its block, nothing moves
-            return promote(self.weight, needs_grad) if self.weight is not None else None
-        t = promote(self.weight, needs_grad) if self.weight is not None else \
-            zero_volume_tensor(dtype=dtype, device=device, requires_grad=needs_grad)
-        shape = None
+            return self.weight
+        t = self.weight if self.weight is not None else placeholder(like, dtype, self.P_x.device)
+        shape = [0]
         if self.P_w.active:
             i, j = self.P_w.index[:2]
-            shape = local_shape(self.opts.weight_shape, self._P_wr.shape, (i, j) + (0,) * self.nd)
-        return broadcast(t, self._w_plan, shape, dtype)
+            shape = list(local_shape(self.opts.weight_shape, self._P_wr.shape, (i, j) + (0,) * self.nd))
+        w = move_of(self._w_plan).copy(t, shape, anchor=anchor(needs_grad))
+        if self.P_w.active:
+            return w
+        ties.append(w)
+        return None
 
-    def _bias_on_w(self, dtype, device, needs_grad: bool) -> torch.Tensor | None:
+    def _bias_on_w(self, like: torch.Tensor, dtype, needs_grad: bool, ties: list) -> torch.Tensor | None:
         """The bias block on P_w workers (i, 0, s); None elsewhere and without bias."""
         if not self.opts.bias:
             return None
-        lead = (1,) * (self.P_w.dim - 1)
         if self._b_plan.identity:
-            return promote(self.bias, needs_grad) if self.bias is not None else None
-        if self.bias is not None:
-            t = promote(self.bias, needs_grad).view(-1, *lead)
-        else:
-            t = zero_volume_tensor(dtype=dtype, device=device, requires_grad=needs_grad)
-        shape = None
+            return self.bias
+        lead = (1,) * (self.P_w.dim - 1)
+        t = self.bias.view(-1, *lead) if self.bias is not None else placeholder(like, dtype, self.P_x.device)
+        shape = [0]
         if self._P_bd.active:
-            shape = (block_extent(self.opts.out_channels, self.P_w.shape[0], self._P_bd.index[0]), *lead)
-        out = broadcast(t, self._b_plan, shape, dtype)
-        return out.view(-1) if self._P_bd.active else None
+            shape = [block_extent(self.opts.out_channels, self.P_w.shape[0], self._P_bd.index[0]), *lead]
+        b = move_of(self._b_plan).copy(t, shape, anchor=anchor(needs_grad))
+        if self._P_bd.active:
+            return b.view(-1)
+        ties.append(b)
+        return None
 
     # ------------------------------------------------------------ forward
 
-    def _stage(self, x: torch.Tensor, G) -> torch.Tensor:
-        """What P_x broadcasts: the halo-staged block (the channel conv overrides: the raw block)."""
-        return self.halo(x, global_shape=G)
-
-    def _broadcast_spatial(self, plan, s) -> tuple[int, ...]:
-        return plan.staged_shape(s)
-
     def _local_input(self, xb: torch.Tensor) -> torch.Tensor:
         return xb
+
+    def _broadcast_spatial(self, plan, s) -> tuple[int, ...]:
+        """The spatial extents P_x broadcasts: the staged block (the channel conv overrides: the raw block)."""
+        return plan.staged_shape(s)
+
+    def _gather(self, x: torch.Tensor, params) -> CallInfo:
+        """The metadata gather over the union and the layer's checks of the global shape (every worker alike)."""
+        op, o = type(self).__name__, self.opts
+        info = gather_call_info(op, self.P_union, self.P_x, x, params,
+                                signature=(o, *((P.ranks, P.shape) for P in (self.P_x, self.P_y, self.P_w))))
+        if info.global_shape[1] != o.in_channels:
+            raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, info.global_shape[1])
+        check_geometry(op, o, info.global_shape)  # geometry torch refuses
+        return info
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: this worker's block on P_x (zero-volume elsewhere); returns its block on P_y (or zero-volume)."""
@@ -245,51 +313,50 @@ class DistributedGeneralConvBase(BlockIdentityMixin, CompiledGeneralConvMixin, n
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
-        if torch.compiler.is_compiling():  # custom ops and the eager-agreed record (_conv_general_compiled.py)
-            return self._compiled_forward(x, params)
-
-        def check(info) -> None:  # every worker holds G: these raise on every worker alike
-            if info.global_shape[1] != o.in_channels:
-                raise expect(op, "input channels (the global input's dimension 1)", o.in_channels,
-                             info.global_shape[1])
-            check_geometry(op, o, info.global_shape)  # geometry torch refuses
-
-        info = agreed_call_info(self.agreement, op, self.P_union, P_x, x, params,
-                                signature=(o, *((P.ranks, P.shape) for P in (P_x, self.P_y, P_w))), check=check)
+        info = self.session.agree(x, call_signature(x, params), passes_local_checks(P_x, x),
+                                  lambda: self._gather(x, params))
+        if info is None:  # a replayed call that flagged: flag_check raises on every worker
+            return x.clone()
         G = info.global_shape
         dtype = info.compute_dtype or info.dtype  # what x, the staged blocks and the outputs travel in (autocast)
-        needs_any = info.input_grad or info.param_grad
         plan = self.halo.plan(G)
         device = P_x.device
-        if P_x.active:
-            xs = self._stage(cast_for_compute(promote(x, info.input_grad), dtype), G)
-        else:
-            xs = zero_volume_tensor(dtype=dtype, device=device, requires_grad=info.input_grad)
-        xb_shape = out_shape = None
-        if P_w.active:
-            i, j, s = P_w.index[0], P_w.index[1], P_w.index[2:]
-            ci_j = block_extent(o.in_channels, P_w.shape[1], j)
-            xb_shape = (G[0], ci_j) + tuple(self._broadcast_spatial(plan, s))
         # The staged blocks travel, and the partial outputs are summed, in the input's agreed memory format: a
         # channels_last input stays channels_last end to end (P_w- and P_y-only workers learn it from the gather).
         fmt_in = info.memory_format
         fmt_out = conv_output_format(device, dtype, fmt_in, o.nd)
-        xb = broadcast(xs, self._x_plan, xb_shape, dtype, memory_format=fmt_in)
-        w = cast_for_compute(self._weight_on_w(info.param_dtype or dtype, device, info.param_grad), dtype)
-        b = cast_for_compute(self._bias_on_w(info.param_dtype or dtype, device, info.param_grad), dtype)
+
+        # the input: staged on P_x, broadcast to the weight workers (every worker calls the ops)
+        x_anchor = anchor(info.input_grad)
+        xs = cast_for_compute(x, dtype) if P_x.active else placeholder(x, dtype, device)
+        if self._stages_with_halo:
+            xs = halo_exchange(xs, self.halo.handle, list(G), x_anchor)
+        xb_shape = [0]
+        if P_w.active:
+            i, j, s = P_w.index[0], P_w.index[1], P_w.index[2:]
+            xb_shape = [G[0], block_extent(o.in_channels, P_w.shape[1], j), *self._broadcast_spatial(plan, s)]
+        xb = xs if self._x_plan.identity else move_of(self._x_plan).copy(xs, xb_shape, format_code(fmt_in), x_anchor)
+
+        # the parameters where the layer moves them, in their own dtype, cast where they are used
+        ties: list = []  # moves this worker takes no part in: their outputs, tied to the sum-reduce
+        param_dtype = info.param_dtype or dtype
+        w = cast_for_compute(self._weight_on_w(x, param_dtype, info.param_grad, ties), dtype)
+        b = cast_for_compute(self._bias_on_w(x, param_dtype, info.param_grad, ties), dtype)
         if P_w.active:
             co_i = block_extent(o.out_channels, P_w.shape[0], i)
             yp = conv_block(o, self._local_input(xb), w, b, (G[0], co_i) + plan.output_shape(s), fmt_in)
         else:
             yp = xb  # zero-volume; on a P_x worker it carries the adjoint of the broadcast
+        out_shape = [G[0], 0]  # eager's zero-volume [batch, 0] off P_y
         if self._P_yv.active:
-            i, s = self._P_yv.index[0], self._P_yv.index[2:]
-            out_shape = (G[0], block_extent(o.out_channels, P_w.shape[0], i)) + plan.output_shape(s)
-        return sum_reduce(promote(yp, needs_any), self._y_plan, out_shape, dtype, memory_format=fmt_out)
+            i_y, s_y = self._P_yv.index[0], self._P_yv.index[2:]
+            out_shape = [G[0], block_extent(o.out_channels, P_w.shape[0], i_y), *plan.output_shape(s_y)]
+        return move_of(self._y_plan).sum(yp, out_shape, format_code(fmt_out), anchor(info.input_grad or info.param_grad,
+                                                                                       ties))
 
     def forget_agreement(self) -> None:
         """Drop the agreed call record, so the next call gathers metadata again (call it on every worker)."""
-        self.agreement.forget()
+        self.session.forget()
 
     def extra_repr(self) -> str:
         o = self.opts
@@ -299,19 +366,41 @@ class DistributedGeneralConvBase(BlockIdentityMixin, CompiledGeneralConvMixin, n
                 f"padding_mode={o.padding_mode!r}")
 
 
-class DistributedGeneralConv1d(DistributedGeneralConvBase):
-    """General distributed ``Conv1d``: P_x ``[1, P_ci, P_w]``, P_y ``[1, P_co, P_w]``, P_w ``[P_co, P_ci, P_w]``."""
-
-    nd = 1
-
-
-class DistributedGeneralConv2d(DistributedGeneralConvBase):
-    """General distributed ``Conv2d`` (P_s = ``[P_h, P_w]``)."""
-
-    nd = 2
+GENERAL_CONVS = spatial_classes(DistributedGeneralConvBase, "DistributedGeneralConv",
+                                "General distributed ``Conv{nd}d``: P_x ``[1, P_ci, {s}]``, P_y ``[1, P_co, {s}]``, "
+                                "P_w ``[P_co, P_ci, {s}]``.")
+DistributedGeneralConv1d, DistributedGeneralConv2d, DistributedGeneralConv3d = GENERAL_CONVS
 
 
-class DistributedGeneralConv3d(DistributedGeneralConvBase):
-    """General distributed ``Conv3d`` (P_s = ``[P_d, P_h, P_w]``)."""
+class DistributedChannelConvBase(DistributedGeneralConvBase):
+    """Convolution with channels split and spatial axes whole (see the module docstring, its last part).
 
-    nd = 3
+    Args: as :class:`~distfuse.layers.conv_general.DistributedGeneralConvBase`, with
+    P_x ``[1, P_ci, 1, ...]``, P_y ``[1, P_co, 1, ...]`` and P_w ``[P_co, P_ci, 1, ...]``.
+    """
+
+    _stages_with_halo = False  # the input travels unpadded; every P_w worker pads its copy
+
+    def _check_partitions(self, op, P_x, P_y, P_w) -> None:
+        for name, P in (("P_x", P_x), ("P_y", P_y), ("P_w", P_w)):
+            if any(p != 1 for p in P.shape[2:]):
+                raise PartitionError(f"{where(op)}: the channel-distributed convolution needs unsplit spatial axes, "
+                                     f"but {name} is {list(P.shape)}; use the general distributed convolution")
+        super()._check_partitions(op, P_x, P_y, P_w)
+
+    def _broadcast_spatial(self, plan, s) -> tuple[int, ...]:
+        return plan.input_shape(s)
+
+    def _local_input(self, xb: torch.Tensor) -> torch.Tensor:
+        padded = pad_locally(self.opts, xb)
+        fmt = memory_format_of(xb)
+        if fmt != torch.contiguous_format and padded.dim() == xb.dim():
+            # F.pad keeps channels_last except in circular mode (torch 2.13), which already copies: restore it.
+            padded = padded.contiguous(memory_format=fmt)
+        return padded
+
+
+CHANNEL_CONVS = spatial_classes(DistributedChannelConvBase, "DistributedChannelConv",
+                                "Channel-distributed ``Conv{nd}d``: P_x ``[1, P_ci, {ones}]``, "
+                                "P_y ``[1, P_co, {ones}]``, P_w ``[P_co, P_ci, {ones}]``.")
+DistributedChannelConv1d, DistributedChannelConv2d, DistributedChannelConv3d = CHANNEL_CONVS

@@ -39,14 +39,17 @@ computes the owned output block directly, for three reasons:
 
 The backward pass is then the ordinary halo exchange's adjoint plus the local
 convolution adjoints (cheap, and no second plan).  The exchange is
-:class:`~distfuse.primitives.halo_exchange.HaloExchangeFunction` driven by the
-transposed plan, so it keeps every property of the feature convolution's exchange
-(one round, halos wider than a neighbour's block, permuted ranks, empty blocks).
+``distfuse::halo_exchange`` (:mod:`~distfuse.primitives.halo_exchange`) driven by the
+transposed plan (a :class:`~distfuse.primitives.halo_exchange.PlanHalo`), so it keeps
+every property of the feature convolution's exchange (one round, halos wider than a
+neighbour's block, permuted ranks, empty blocks).
 
-Parameters live and move as in the feature convolution
-(:mod:`distfuse.layers.conv_feature`): the root (``P_x``'s first worker) holds weight
-and bias, drawn as ``torch.nn.ConvTransposeNd`` draws them; each call broadcasts them
-in one packed message and the adjoint sum-reduces their gradients onto the root.
+Parameters live and move as in the feature convolution, through the same component
+(:class:`~distfuse.layers._conv_common.RootParams`) and the same forward
+(:class:`~distfuse.layers.conv_feature.RootParamConvBase`): the root (``P_x``'s first
+worker) holds weight and bias, drawn as ``torch.nn.ConvTransposeNd`` draws them; each
+call broadcasts them in one packed message, in the input's dtype (what the local
+transposed convolution needs), and the adjoint sum-reduces their gradients onto the root.
 
 Refused as torch refuses them, on every rank: ``padding_mode`` other than ``'zeros'``,
 an output padding not smaller than the stride or the dilation, string or ``(lo, hi)``
@@ -60,45 +63,38 @@ host-side metadata gather over ``P_x``
 CPU machine, most of a small CPU call) runs on the first call and when some worker's
 signature (local shape, dtype, grad flags, autocast) changed.  While signatures repeat,
 each worker's one-element flag rides to the root and back appended to the parameter
-broadcast that runs anyway (``_replicate_flagged``), so a legitimate change of global
-shape re-agrees on every worker and a disagreement raises the same error on every worker.
+broadcast that runs anyway, so a legitimate change of global shape re-agrees on every
+worker and a disagreement raises the same error on every worker.
 ``static_shapes`` is accepted for compatibility and changes nothing, as in the feature
 convolution.  Every worker of ``P_x`` must
 call backward when one does.  Workers outside ``P_x`` pass and get back a zero-volume
 tensor.  There is no fused path; the local transposed
 convolution is torch's.
 
-``torch.compile(layer, fullgraph=True)`` traces it without a graph break, as the feature
-convolution: the parameter round with the flags as ``distfuse::flagged_root_broadcast``,
-the halo as ``distfuse::halo_exchange`` (:mod:`distfuse.layers._conv_transpose_compiled`).
+``torch.compile(layer, fullgraph=True)`` traces the same forward without a graph break,
+as the feature convolution: the parameter round with the flags as ``distfuse::broadcast``,
+the halo as ``distfuse::halo_exchange``; the per-worker geometry (crop/extend pads,
+output extents) is remembered by eager calls (a traced walk over the plan would break
+the graph).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
-from distfuse.errors import DistfuseError, PartitionError, UnsupportedError, expect, where
+from distfuse.errors import DistfuseError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.transpose_plan import block_pads, check_output_padding, transpose_plan
-from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers._conv_block import _ZeroBlock
-from distfuse.layers._conv_call_info import _DTYPES, CallInfo, gather_call_info
-from distfuse.layers._conv_common import ConvOptions, check_partition, grid_of, promote
-from distfuse.layers._conv_transpose_compiled import CompiledConvTransposeMixin
-from distfuse.layers._pool_compiled import WindowHalo
-from distfuse.layers.conv_feature import DistributedFeatureConvBase
-from distfuse.ops import RootBroadcast
+from distfuse.layers._conv_call_info import CallInfo
+from distfuse.layers._conv_common import ConvOptions, ZeroBlock, spatial_classes
+from distfuse.layers.conv_feature import RootParamConvBase
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._agreement import AgreementSite, run_agreed, trusting
-from distfuse.primitives._common import check_inactive_input
-from distfuse.primitives.broadcast import broadcast_plan
-from distfuse.primitives.halo_exchange import HaloExchangeFunction
+from distfuse.primitives._op_pair import anchor
+from distfuse.primitives.halo_exchange import PlanHalo, halo_exchange
 
 __all__ = ["ConvTransposeOptions", "DistributedConvTransposeBase", "DistributedConvTranspose1d",
            "DistributedConvTranspose2d", "DistributedConvTranspose3d", "conv_transpose_block"]
@@ -167,7 +163,7 @@ def conv_transpose_block(opts: ConvTransposeOptions, staged: torch.Tensor, w: to
     still differentiable in ``staged`` and ``w`` (the exchanges' adjoints must run).
     """
     if 0 in out_shape or 0 in staged.shape[2:]:
-        y = _ZeroBlock.apply(staged, w, tuple(out_shape))
+        y = ZeroBlock.apply(staged, w, tuple(out_shape))
         return y if b is None else y + b.view(1, -1, *([1] * opts.nd))
     dtype = staged.dtype
     if staged.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
@@ -185,7 +181,7 @@ def conv_transpose_block(opts: ConvTransposeOptions, staged: torch.Tensor, w: to
     return y.to(dtype)
 
 
-class DistributedConvTransposeBase(BlockIdentityMixin, CompiledConvTransposeMixin, nn.Module):
+class DistributedConvTransposeBase(RootParamConvBase):
     """Transposed convolution over an input split along batch and spatial axes (see the module docstring).
 
     Args:
@@ -194,106 +190,30 @@ class DistributedConvTransposeBase(BlockIdentityMixin, CompiledConvTransposeMixi
         bias, dilation, padding_mode, device, dtype: as ``torch.nn.ConvTransposeNd`` (same
         order).  ``device`` defaults to ``P_x.device``.
         static_shapes: accepted for compatibility; changes nothing (every call skips the
-            metadata gather while the workers' signatures repeat, see :meth:`_agreed_info`).
+            metadata gather while the workers' signatures repeat).
 
     Construction is collective over the world (it creates the root's partitions) and
     draws the parameters like the sequential layer on every rank.  ``weight`` and
     ``bias`` are None except on the root (``P_x``'s first worker).
     """
 
-    nd: int = 0
+    kind = "feature-distributed transposed convolution"
 
     def __init__(self, P_x: CartesianPartition, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
                  output_padding=0, groups: int = 1, bias: bool = True, dilation=1, padding_mode: str = "zeros",
                  device=None, dtype=None, static_shapes: bool = False):
         super().__init__()
-        self.static_shapes = bool(static_shapes)
         op = type(self).__name__
-        check_partition(op, "P_x", P_x, self.nd)
-        if P_x.shape[1] != 1:
-            raise PartitionError(f"{where(op)}: the feature-distributed transposed convolution needs P_x unsplit "
-                                 f"along channels (shape [P_b, 1, ...]), got {list(P_x.shape)}")
-        self.P_x = P_x
-        self.opts = o = ConvTransposeOptions.make(op, self.nd, in_channels, out_channels, kernel_size, stride,
-                                                  padding, output_padding, groups, bias, dilation, padding_mode)
+        self._check_partition(P_x)
+        o = ConvTransposeOptions.make(op, self.nd, in_channels, out_channels, kernel_size, stride, padding,
+                                      output_padding, groups, bias, dilation, padding_mode)
         self.in_channels, self.out_channels, self.groups = o.in_channels, o.out_channels, o.groups
         self.kernel_size, self.stride, self.dilation = o.kernel_size, o.stride, o.dilation
         self.padding, self.output_padding, self.padding_mode = o.padding, o.output_padding, "zeros"
-        self._device = torch.device(device) if device is not None else P_x.device
-        self.root = P_x.ranks[0]
-        self._P_root = grid_of([self.root], [1] * P_x.dim, P_x.device)
-        self._P_root_1d = grid_of([self.root], [1], P_x.device)
-        self._param_plan = broadcast_plan(self._P_root, P_x)
-        self._is_root = dist.get_rank() == self.root
-        if self._is_root:
-            self.weight = nn.Parameter(torch.empty(o.weight_shape, device=self._device, dtype=dtype))
-            self.bias = nn.Parameter(torch.empty(o.out_channels, device=self._device, dtype=dtype)) if o.bias else None
-        else:
-            self.register_parameter("weight", None)
-            self.register_parameter("bias", None)
-        self._dtype = dtype if dtype is not None else torch.get_default_dtype()
         self._plans: dict[tuple[int, ...], HaloPlan] = {}
-        self.agreement = AgreementSite(op)  # calls / slow_calls count the metadata gathers
-        # compiled forwards (_conv_transpose_compiled.py): the parameter round and the halo round as custom ops,
-        # and per global shape this worker's (pads, output extents), made by eager calls
-        self._root_bcast = RootBroadcast(op, self._param_plan, self.root, P_x.ranks, P_x.dim, self.forget_agreement)
-        self._window_halo = WindowHalo(P_x, self.nd, self.plan, op)
         self._windows: dict[tuple[int, ...], tuple] = {}
-        self._placeholders: dict = {}
-        self.reset_parameters()
-
-    # Parameters and per-call metadata are the feature convolution's, code included: root-held weight and bias,
-    # drawn with torch's _ConvNd.reset_parameters (kaiming_uniform_ on the weight, fan-in bound on the bias:
-    # ConvTranspose draws the same way on its [C_in, C_out/groups, *k] weight), one packed broadcast per call,
-    # the gradient sum-reduced onto the root, the agreement flag riding with the parameters.  These methods read
-    # only P_x, the root grids, weight/bias, agreement and opts.weight_shape, opts.out_channels and opts.bias.
-    reset_parameters = DistributedFeatureConvBase.reset_parameters
-    param_layouts = DistributedFeatureConvBase.param_layouts
-    _replicated_params = DistributedFeatureConvBase._replicated_params
-    _replicate_flagged = DistributedFeatureConvBase._replicate_flagged
-    _signature = DistributedFeatureConvBase._signature
-
-    def _agreed_info(self, op: str, x: torch.Tensor, params) -> tuple[CallInfo, torch.Tensor, torch.Tensor | None]:
-        """The call's agreed :class:`CallInfo` and the parameters replicated in its dtype.
-
-        Steady state (every worker's signature repeats): one flag element per worker rides
-        to the root and back with the packed parameters (two point-to-point rounds, see
-        ``_replicate_flagged``), no metadata moves.  Otherwise, or on the first call, every
-        worker takes the slow path together: the metadata gather, its checks (the same
-        error on every worker), and the parameter round again.  Inside
-        :func:`~distfuse.primitives._agreement.capture_safe` a repeated signature is
-        trusted and only the parameters travel.
-        """
-        P_x, site = self.P_x, self.agreement
-        signature = self._signature(x, params)
-        if site.state is not None and trusting():  # capture-safe: no flag, no host read
-            if signature != site.signature:
-                raise UnsupportedError(f"{where(op)}: inside capture_safe() (or a CUDA-graph capture) a call must "
-                                       "repeat the inputs of the last eager call (shape, dtype, grad flags); warm up "
-                                       "with the captured shapes on every worker")
-            site.calls += 1
-            info = site.state
-            w, b = self._replicated_params(info.dtype, x.device, info.param_grad)
-            return info, w, b
-        locally_ok = x.device.type == P_x.device.type and x.dtype in _DTYPES and x.dim() == P_x.dim
-
-        def attempt(changed: bool):
-            info = site.state  # parameters travel in the input dtype, as the local transposed convolution needs
-            w, b, flagged = self._replicate_flagged(op, replace(info, param_dtype=info.dtype), changed)
-            return (info, w, b), flagged
-
-        def slow():
-            info = gather_call_info(op, P_x, P_x, x, params, signature=(self.opts, P_x.ranks, P_x.shape))
-            w, b, _ = self._replicate_flagged(op, replace(info, param_dtype=info.dtype), False)
-            return (info, w, b), info
-
-        return run_agreed(site, signature, locally_ok, attempt, slow)
-
-    def forget_agreement(self) -> None:
-        """Drop the agreed call record, so the next call gathers metadata again (call it on every worker)."""
-        self.agreement.forget()
-
-    forget_shapes = forget_agreement
+        self._halo = PlanHalo(P_x, self.nd, self.plan, op)  # names the transposed plan in the halo ops
+        self._setup(P_x, o, device, dtype, static_shapes)
 
     def plan(self, global_shape: Sequence[int]) -> HaloPlan:
         """The staging exchange for a global input shape (cached); ShapeError where torch refuses the geometry."""
@@ -308,58 +228,29 @@ class DistributedConvTransposeBase(BlockIdentityMixin, CompiledConvTransposeMixi
                                 f"{exc}") from None
         return self._plans[spatial]
 
-    def _world_of(self, spatial_index) -> int:
-        P_x = self.P_x
-        return P_x.ranks[P_x.rank_of(P_x.index[:2] + tuple(spatial_index))]
+    def _check(self, info: CallInfo) -> None:
+        self._window(info.global_shape)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
-        op = type(self).__name__
-        P_x, o = self.P_x, self.opts
-        if not P_x.active:
-            check_inactive_input(op, x)
-            return x.clone()
-        params = [p for p in (self.weight, self.bias) if p is not None]
-        if torch.compiler.is_compiling():  # custom ops, no metadata gather (_conv_transpose_compiled.py)
-            return self._compiled_forward(op, x, params)
-        info, w, b = self._agreed_info(op, x, params)
-        self._placeholder(info.dtype, info.param_grad)  # eager-made, for compiled forwards
+    def _param_dtype(self, info: CallInfo) -> torch.dtype:
+        return info.dtype  # the parameters travel in the input dtype, as the local transposed convolution needs
+
+    def _window(self, G: tuple[int, ...]) -> tuple:
+        """This worker's ``(pads, output extents)`` for a global shape: made by the first (eager) call with it, then
+        read (a compiled call only reads it: a walk over the plan would break the graph)."""
+        win = self._windows.get(G)
+        if win is None:
+            plan, index = self.plan(G), self.P_x.index[2:]
+            win = self._windows[G] = (block_pads(plan, index), plan.output_shape(index))
+        return win
+
+    def _local(self, x: torch.Tensor, info: CallInfo, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """The transposed plan's inputs staged (in x's layout, channels_last included), then the local block."""
         G = info.global_shape
-        if G[1] != o.in_channels:
-            raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, G[1])
-        plan = self.plan(G)  # every worker holds G, so a refused geometry raises on all of them
-        x = promote(x, info.input_grad)
-        index = P_x.index[2:]
-        if G not in self._windows:
-            self._windows[G] = (block_pads(plan, index), plan.output_shape(index))
-        pads, out_spatial = self._windows[G]
-        staged = HaloExchangeFunction.apply(x, plan, index, self._world_of)  # keeps x's layout (channels_last)
-        return self._local_block(staged, w, b, pads, (x.shape[0], o.out_channels) + out_spatial)
-
-    def _local_block(self, staged, w, b, pads, out_shape) -> torch.Tensor:
-        return conv_transpose_block(self.opts, staged, w, b, pads, out_shape)
-
-    def extra_repr(self) -> str:
-        o = self.opts
-        return (f"P_x={list(self.P_x.shape)}, {o.in_channels}, {o.out_channels}, kernel_size={o.kernel_size}, "
-                f"stride={o.stride}, padding={o.padding}, output_padding={o.output_padding}, "
-                f"dilation={o.dilation}, groups={o.groups}, bias={o.bias}")
+        pads, out_spatial = self._window(G)
+        staged = halo_exchange(x, self._halo.handle, list(G), anchor(info.input_grad))
+        return conv_transpose_block(self.opts, staged, w, b, pads, (x.shape[0], self.opts.out_channels) + out_spatial)
 
 
-class DistributedConvTranspose1d(DistributedConvTransposeBase):
-    """Feature-distributed ``ConvTranspose1d``: P_x ``[P_b, 1, P_w]``."""
-
-    nd = 1
-
-
-class DistributedConvTranspose2d(DistributedConvTransposeBase):
-    """Feature-distributed ``ConvTranspose2d``: P_x ``[P_b, 1, P_h, P_w]``."""
-
-    nd = 2
-
-
-class DistributedConvTranspose3d(DistributedConvTransposeBase):
-    """Feature-distributed ``ConvTranspose3d``: P_x ``[P_b, 1, P_d, P_h, P_w]``."""
-
-    nd = 3
-
+DistributedConvTranspose1d, DistributedConvTranspose2d, DistributedConvTranspose3d = spatial_classes(
+    DistributedConvTransposeBase, "DistributedConvTranspose",
+    "Feature-distributed ``ConvTranspose{nd}d``: P_x ``[P_b, 1, {s}]``.")

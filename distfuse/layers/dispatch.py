@@ -6,9 +6,12 @@ and the device's capabilities.  In order of precedence:
 1. ``DISTFUSE_PATH=fused|unfused|auto`` in the environment (``auto`` = no override).
    Forcing ``fused`` where it cannot run at all (no symmetric memory for a GEMM
    fusion) still falls back, and says so.
-2. A crossover table written by ``distfuse-tune`` (JSON; ``DISTFUSE_TUNE_TABLE`` or
-   ``~/.cache/distfuse/crossover.json``; format and reading in :mod:`distfuse.tune.table`),
-   keyed by device name, world size, dtype and op.  Each entry is a threshold on the op's
+2. A crossover table (JSON; format and reading in :mod:`distfuse.fused.crossover_table`),
+   keyed by device name, world size, dtype and op: the user's (``DISTFUSE_TUNE_TABLE`` or
+   ``~/.cache/distfuse/crossover.json``, written by ``distfuse-tune``) over the one shipped in
+   the package (``distfuse/fused/crossover_shipped.json``: ``"source": "projected"`` entries
+   for the H100 and H200 at TP 2/4/8, fused only where the projected gain is at least 10%;
+   :mod:`distfuse.tune.project`).  Each entry is a threshold on the op's
    size (``size_key`` in the registry): fused at or above ``min_size`` (and at or below
    ``max_size`` when given).  An entry may also name the fastest provider per size;
    a fused :class:`Decision` carries the provider the op will run
@@ -29,25 +32,41 @@ On CPU the production path is always unfused: the Triton interpreter exists for 
 which force the fused path explicitly.
 
 Layers call :func:`select_path`, record the decision in ``last_path``, and keep the
-:class:`Decision` (with its reason) so that ``layer.explain(x)`` can say why.
+:class:`Decision` (with its reason) so that ``layer.explain(x)`` can say why.  A decision
+names the entry that decided (:class:`EntryRef`: the table file, its key, ``measured`` or
+``projected``, the gain and its margin at the nearest evaluated size; or the registry's
+default rule), and :meth:`Decision.describe` says all of it in one line.  ``explain`` is
+dry: a layer's ``explain`` runs under :func:`explains` (:func:`dry_run`), where nothing
+that would communicate is asked (the linears' symmetric-memory probe is collective the
+first time: a dry decision uses its cached verdict, or assumes it and says so in
+``Decision.caveat``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import math
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import torch
 
 from distfuse.fused import registry
-from distfuse.tune.table import load_table, table_key
+from distfuse.fused.crossover_table import entry_source, gain_at, load_table, table_key
+from distfuse.fused.providers import select_provider
 
 __all__ = [
     "DeviceCaps",
     "Decision",
+    "EntryRef",
     "select_path",
+    "dry_run",
+    "is_dry",
+    "explains",
+    "DryExplain",
     "device_caps",
     "load_table",
     "table_key",
@@ -69,10 +88,118 @@ class DeviceCaps:
 
 
 @dataclass(frozen=True)
+class EntryRef:
+    """Which entry decided a call: a crossover-table entry (``kind="table"``) or the op's default rule (``"default"``).
+
+    ``table``: the file (None where the caller passed the table as a dict); ``shipped``: the
+    package's table; ``source``: ``"measured"`` or ``"projected"`` (None for a hand-written
+    entry); ``gain``/``margin``: at ``at_size``, the entry's evaluated size nearest the call's
+    (``gain = unfused_ms / fused_ms - 1``; the margin is what the pessimistic end of the inputs
+    takes off it); ``rule``: the interval the entry or the default fuses in.
+    """
+
+    kind: str
+    op: str
+    size_key: str
+    size: float
+    rule: str
+    key: str | None = None
+    table: str | None = None
+    shipped: bool = False
+    source: str | None = None
+    gain: float | None = None
+    margin: float | None = None
+    at_size: float | None = None
+
+    def describe(self) -> str:
+        if self.kind == "default":
+            return f"the registry's default rule for {self.op} ({self.rule}); no crossover-table entry for this key"
+        where_ = ("the shipped table " if self.shipped else "the table ") + self.table if self.table else "a table"
+        what = f"{self.source} entry" if self.source else "entry"
+        out = f"{what} {self.key!r} of {where_} ({self.rule})"
+        if self.gain is not None:
+            at = f" at {self.size_key}={self.at_size:g}" if self.at_size is not None else ""
+            out += f", {self.source or 'its'} gain {self.gain:+.1%} ± {self.margin or 0.0:.1%}{at}"
+        return out
+
+
+@dataclass(frozen=True)
 class Decision:
     path: str  # "fused" or "unfused"
     reason: str
     provider: str | None = None  # the fused path's implementation (distfuse.fused.providers); None when unfused
+    # The kernel that ran the fused call (distfuse.kernels.matmul_scatter_select.KernelChoice: a provider's
+    # fallback names the kernel it fell back to, and ``kernel_reason`` why); None before the call or when unfused.
+    # Not part of equality: a dry decision (layer.explain) chooses the path, provider and entry; the kernel is
+    # what the call then ran.
+    kernel: str | None = field(default=None, compare=False)
+    kernel_reason: str | None = field(default=None, compare=False)
+    # The table entry or default rule that decided; None where none was consulted (an override, CPU, fp32
+    # without TF32, no symmetric memory, a form with no fused op).
+    entry: EntryRef | None = None
+    # What a dry decision (layer.explain) could not check without communicating; None otherwise.  Not part of
+    # equality: explain's decision equals the forward's when the unchecked assumption holds.
+    caveat: str | None = field(default=None, compare=False)
+
+    def describe(self) -> str:
+        """One line: the path (and provider, kernel), why, and which entry decided."""
+        out = self.path + (f" ({self.provider})" if self.provider else "") + f": {self.reason}"
+        if self.kernel:
+            out += f"; kernel {self.kernel}" + (f" ({self.kernel_reason})" if self.kernel_reason else "")
+        if self.entry is not None:
+            out += f"; decided by {self.entry.describe()}"
+        if self.caveat:
+            out += f"; {self.caveat}"
+        return out
+
+
+_DRY = threading.local()
+
+
+@contextlib.contextmanager
+def dry_run():
+    """Inside: decisions ask nothing that communicates (:func:`is_dry`); what ``layer.explain`` runs under.
+
+    The symmetric-memory probe answers from its cache or raises
+    :class:`~distfuse.fused.symmetric_availability.NotProbedError` (the layers then record the
+    decision's ``caveat``)."""
+    from distfuse.fused.symmetric_availability import no_probe
+
+    depth = getattr(_DRY, "depth", 0)
+    _DRY.depth = depth + 1
+    try:
+        with no_probe():
+            yield
+    finally:
+        _DRY.depth = depth
+
+
+def is_dry() -> bool:
+    """Whether the current thread is inside :func:`dry_run` (a layer's ``explain``)."""
+    return getattr(_DRY, "depth", 0) > 0
+
+
+def explains(method):
+    """Decorator for a layer's ``explain``: runs it under :func:`dry_run` (the one-line hook each layer needs)."""
+    if getattr(method, "_distfuse_dry", False):
+        return method
+
+    @functools.wraps(method)
+    def dry(*args, **kwargs):
+        with dry_run():
+            return method(*args, **kwargs)
+    dry._distfuse_dry = True
+    return dry
+
+
+class DryExplain:
+    """Mixin of the layers that dispatch: every ``explain`` a subclass defines runs under :func:`dry_run`."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        method = cls.__dict__.get("explain")
+        if callable(method):
+            cls.explain = explains(method)
 
 
 def device_caps(device: torch.device, symmetric_memory: bool | None = None) -> DeviceCaps:
@@ -129,29 +256,52 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
                                        "multiply in IEEE fp32 on the CUDA cores, far below cuBLAS; allow TF32 "
                                        "(the fused kernels then use it too) or set DISTFUSE_PATH=fused")
     table = load_table() if table is None else table
-    entry = table.get(table_key(caps.name, world_size, dtype, op))
+    key = table_key(caps.name, world_size, dtype, op)
+    entry = table.get(key)
     if entry is not None:
+        ref = _table_ref(op, spec, size, key, entry)
         if entry.get("fused") == "never":
-            return Decision("unfused", f"crossover table: fused never wins for {op} here")
+            return Decision("unfused", f"crossover table: fused never wins for {op} here{_gain_note(ref)}", entry=ref)
         lo, hi = entry.get("min_size"), entry.get("max_size")
         path = "fused" if registry.in_interval(size, lo, hi) else "unfused"
-        reason = (f"crossover table: {spec.size_key}={size:g}, fused for "
-                  f"[{-math.inf if lo is None else lo:g}, {math.inf if hi is None else hi:g}]")
-        return _fused(op, shapes, dtype, world_size, caps, table, reason) if path == "fused" \
-            else Decision(path, reason)
+        reason = f"crossover table: {spec.size_key}={size:g}, {ref.rule}{_gain_note(ref)}"
+        return _fused(op, shapes, dtype, world_size, caps, table, reason, ref) if path == "fused" \
+            else Decision(path, reason, entry=ref)
     default = spec.default
+    ref = EntryRef("default", op, spec.size_key, size, default.describe(spec.size_key))
     if default.fused == "never":
-        return Decision("unfused", f"default: {default.why}; a distfuse-tune table entry can enable it")
+        return Decision("unfused", f"default: {default.why}; a distfuse-tune table entry can enable it", entry=ref)
     path = "fused" if default.fused_at(size) else "unfused"
     why = f" ({default.why})" if default.why else ""
     reason = f"default: {default.describe(spec.size_key)}, got {size:g}{why}"
-    return _fused(op, shapes, dtype, world_size, caps, table, reason) if path == "fused" else Decision(path, reason)
+    return _fused(op, shapes, dtype, world_size, caps, table, reason, ref) if path == "fused" \
+        else Decision(path, reason, entry=ref)
+
+
+def _table_ref(op: str, spec, size: float, key: str, entry: dict) -> EntryRef:
+    """The :class:`EntryRef` of a table entry for a call of ``size``."""
+    if entry.get("fused") == "never":
+        rule = "fused never"
+    else:
+        lo, hi = entry.get("min_size"), entry.get("max_size")
+        rule = f"fused for [{-math.inf if lo is None else lo:g}, {math.inf if hi is None else hi:g}]"
+    g = gain_at(entry, size)
+    return EntryRef("table", op, spec.size_key, size, rule, key=key, table=entry.get("_table"),
+                    shipped=bool(entry.get("_shipped")), source=entry_source(entry),
+                    gain=None if g is None else g[1], margin=None if g is None else g[2],
+                    at_size=None if g is None else g[0])
+
+
+def _gain_note(ref: EntryRef) -> str:
+    """`` (projected: gain -12.0% ± 4.0% at macs=6e+10)`` for entries that carry gains (sourced ones); else ``""``."""
+    if ref.gain is None or ref.source is None:
+        return ""
+    at = f" at {ref.size_key}={ref.at_size:g}" if ref.at_size is not None else ""
+    return f" ({ref.source}: gain {ref.gain:+.1%} ± {ref.margin or 0.0:.1%}{at})"
 
 
 def _fused(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps: DeviceCaps, table: dict | None,
-           reason: str) -> Decision:
+           reason: str, entry: EntryRef | None = None) -> Decision:
     """A fused decision with its provider (:func:`distfuse.fused.providers.select_provider`, the same rule the
     fused op applies when the layer passes no provider)."""
-    from distfuse.fused.providers import select_provider
-
-    return Decision("fused", reason, select_provider(op, shapes, dtype, world_size, caps.name, table))
+    return Decision("fused", reason, select_provider(op, shapes, dtype, world_size, caps.name, table), entry=entry)

@@ -22,18 +22,25 @@ the leading dimensions afterwards.
 
 P_x, P_y and P_w may sit on any world ranks: overlapping, disjoint or in any order.
 A P_w or P_y worker outside P_x cannot know the leading extents or the dtype, and no
-collective of the layer reaches every worker, so the layer agrees on them under the
-agreement protocol with its flag in a host round
-(:func:`~distfuse.primitives._agreement.agreed_by_flag_round` over the union of the
-three partitions): one one-integer all-reduce on the union's host meta group before
-any data moves while every worker's input signature repeats; the first call and any
+collective of the layer reaches every worker, so the layer agrees on them in its
+:class:`~distfuse.primitives.agreement_session.AgreementSession` over the union of the
+three partitions, with its flag in a host round: one one-integer all-reduce on the
+union's host meta group before any data moves while every worker's input signature
+repeats (``distfuse::flag_check`` in a compiled call); the first call and any
 change (or a worker whose input fails its local checks) all-gather every worker's
 record (13 int64 per worker, host-side) and check it on every worker, so a bad or
 disagreeing input raises the same :class:`~distfuse.errors.ShapeError` everywhere,
 at once, and a legitimate change (every worker called with the new shape) just
 works.  Inside :func:`~distfuse.primitives._agreement.capture_safe` (and while a CUDA
 stream captures) a settled layer moves no flag at all.  Debug mode gathers and checks
-on every call.
+on every eager call.
+
+One forward serves eager calls, ``capture_safe()`` and ``torch.compile(fullgraph=True)``:
+the broadcast and the sum-reduce are Broadcast's op pair (``distfuse::broadcast`` and
+its adjoint, :mod:`distfuse.primitives.broadcast`; an anchor makes every worker run the
+adjoints its peers wait for), the fused path is ``distfuse::matmul_all_reduce`` through
+the layer's :class:`~distfuse.ops.fused_linear.FusedCall`, and a compiled call takes the
+path of the last eager call with the same rows and dtype.
 
 Workers outside the three partitions pass and get zero-volume tensors; workers outside
 P_y get a zero-volume ``[0]`` output that still carries their part of the adjoint, so
@@ -56,6 +63,7 @@ blocks and record that.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -65,32 +73,32 @@ from distfuse import debug
 from distfuse.errors import DistfuseError, PartitionError, ShapeError, expect, where
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
-from distfuse.layers._linear_agreement import FUSED_FIRST_ORDER, agreed_leading, first_order_only
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,
     check_block_features,
     check_cartesian,
     decide,
-    grad_placeholder,
     grid_partition,
     not_servable,
     subgrid,
     union_of,
 )
-from distfuse.layers._linear_general_compiled import compiled_general_forward, general_signature, remember_general
 from distfuse.layers._linear_records import (
     check_general_records,
     check_input_dtype,
+    compute_dtype,
     compute_dtype_of,
     general_record,
     record_shape,
 )
-from distfuse.layers._params import ParamLayout
 from distfuse.layers.dispatch import Decision
+from distfuse.ops.fused_linear import make_call
 from distfuse.primitives._common import check_inactive_input, dtype_of_code, gather_records
-from distfuse.primitives.broadcast import broadcast, broadcast_plan
-from distfuse.primitives.sum_reduce import sum_reduce, sum_reduce_plan
+from distfuse.primitives._op_pair import anchor
+from distfuse.primitives.agreement_session import REPLAY, AgreementSession
+from distfuse.primitives.broadcast import broadcast_plan, move_of, placeholder
+from distfuse.primitives.sum_reduce import sum_reduce_plan
 
 __all__ = ["DistributedLinear"]
 
@@ -157,18 +165,10 @@ class DistributedLinear(LinearBase):
         rows_of_w = [self.P_weight.ranks[i * P_fi:(i + 1) * P_fi] for i in range(P_fo)]
         self._y_in_rows = all(P_y.ranks[i] in rows_of_w[i] for i in range(P_fo))
         self._last_rows = 0
-        self._block("weight", self.P_weight, (self.out_features, self.in_features))
-        if self.use_bias:
-            self._block("bias", self.P_bias, (self.out_features,))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def param_layouts(self) -> list[ParamLayout]:
-        lays = [ParamLayout("weight", "weight", self.P_weight, (self.out_features, self.in_features))]
-        if self.use_bias:
-            lays.append(ParamLayout("bias", "bias", self.P_bias, (self.out_features,)))
-        return lays
+        self.session = AgreementSession(self._op, self.P_all)
+        self.agreement = self.session.site
+        self._fused = make_call("matmul_all_reduce", self.P_row, owner=self._op)  # the fused path's call site
+        self._register_params()
 
     def _in_block(self, j: int) -> int:
         return block_extent(self.in_features, self.P_fi, j)
@@ -218,6 +218,11 @@ class DistributedLinear(LinearBase):
             return False
         return True
 
+    def _signature(self, x) -> tuple:
+        if not isinstance(x, torch.Tensor):
+            return "not a tensor", type(x).__name__
+        return tuple(x.shape), x.dtype, x.device.type, compute_dtype(x), torch.is_grad_enabled()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This worker's output block on P_y (``[*, out_i]``), or a zero-volume ``[0]`` tensor elsewhere."""
         op = self._op
@@ -225,43 +230,41 @@ class DistributedLinear(LinearBase):
             check_inactive_input(op, x)
             self._record_inactive()
             return x.clone()
-        if torch.compiler.is_compiling():  # custom ops, no metadata (distfuse/layers/_linear_general_compiled.py)
-            return compiled_general_forward(self, x)
-        if not isinstance(x, torch.Tensor):  # flags like any failed local check: every worker raises (below)
-            self._gathered(x) if debug.enabled() else agreed_leading(self, x, False)
-            raise expect(op, "input type", "torch.Tensor", type(x).__name__)  # not reached: its record raised
         # The agreed record (a flag round while every worker's input repeats; the records gathered and checked on
         # every worker on a change or a local failure), so that a bad block raises on every rank, not only here.
-        lead, dtype = self._gathered(x) if debug.enabled() else agreed_leading(self, x, self._locally_ok(x))
+        ok = isinstance(x, torch.Tensor) and self._locally_ok(x)
+        state = self.session.agree(x, self._signature(x), ok, lambda: self._gathered(x))
+        if debug.enabled() and self.session.may_read_host:
+            state = self._gathered(x)
+        if not isinstance(x, torch.Tensor):  # it flagged, and its record made every worker raise above
+            raise expect(op, "input type", "torch.Tensor", type(x).__name__)
+        if state is None:  # a replayed call that flagged: flag_check raises on every worker
+            return x.clone()
+        lead, dtype = state
         rows = math.prod(lead)
         device = self._param_device()
-        if self.P_x.active:
-            x2 = x.reshape(rows, x.shape[-1])
-            if torch.is_grad_enabled() and not x2.requires_grad:  # see _linear_common: every worker runs the adjoint
-                x2 = x2.detach().requires_grad_(True)
-        else:
-            x2 = grad_placeholder(dtype, device)
         in_w, in_y = self.P_weight.active, self.P_y.active
         i, j = self.P_weight.index if in_w else (-1, -1)
-        xb = broadcast(x2, self._plan_x, (rows, self._in_block(j)) if in_w else None, dtype, preserve_batch=False)
+        x2 = x.reshape(rows, x.shape[-1]) if self.P_x.active else placeholder(x, dtype, device)
+        # the anchor: every worker runs the adjoints (see _linear_common), also a receive-only one
+        xb = x2 if self._plan_x.identity else move_of(self._plan_x).copy(x2, [rows, self._in_block(j)] if in_w else [0],
+                                                                        anchor=anchor(True))
         self._last_rows = rows
-        decision = self._decision(rows, dtype)
+        decision = self.session.remember(("path", rows, dtype), lambda: self._decision(rows, dtype))
+        if self.session.last_mode == REPLAY:  # say so in last_decision: the path is the last eager call's
+            decision = dataclasses.replace(decision, reason=f"inside torch.compile, the path of the last eager call "
+                                                            f"with these rows and dtype: {decision.reason}")
         self._record(decision)
-        remember_general(self, general_signature(x), lead, dtype, in_w and decision.path == "fused")
         if in_w and decision.path == "fused":
-            from distfuse.fused.matmul_all_reduce import matmul_all_reduce
-
-            y_row = first_order_only(matmul_all_reduce(xb, self.weight, self.bias if j == 0 else None, self.P_row),
-                                     self._op, FUSED_FIRST_ORDER)
+            y_row = self._fused(xb, self.weight, self.bias if j == 0 else None)
             # Row i's P_y worker keeps the sum; the others hand back a zero-volume view (their part of the adjoint).
             return y_row.reshape(*lead, y_row.shape[-1]) if in_y else y_row.reshape(-1)[:0]
-        if in_w:
-            p = F.linear(xb, self.weight, self.bias if j == 0 else None)
-        else:
-            p = xb  # zero-volume; keeps this worker's part of the broadcast's adjoint in the graph
+        # torch.autocast: the partial sums (and y) are in its dtype; off P_w, p is zero-volume and carries this
+        # worker's part of the broadcast's adjoint
+        p = F.linear(xb, self.weight, self.bias if j == 0 else None) if in_w else xb.to(compute_dtype_of(dtype, device))
         out_i = block_extent(self.out_features, self.P_fo, self.P_y.index[-1]) if in_y else 0
-        y = sum_reduce(p, self._plan_y, (rows, out_i) if in_y else None, compute_dtype_of(dtype, device),
-                       preserve_batch=False)  # torch.autocast: the partial sums (and y) are in its dtype
+        y = p if self._plan_y.identity else move_of(self._plan_y).sum(p, [rows, out_i] if in_y else [0],
+                                                                      anchor=anchor(True))
         return y.reshape(*lead, out_i) if in_y else y
 
     # ------------------------------------------------------------------ dispatch

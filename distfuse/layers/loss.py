@@ -1,30 +1,314 @@
-"""Distributed losses: the elementwise losses (MSE, L1, BCE, BCE with logits, KL divergence).
+"""Distributed losses: the base class (the reduction over ``P_x``, its identity adjoint, the agreement) and the
+elementwise losses (MSE, L1, BCE, BCE with logits, KL divergence).
 
-Each takes input and target blocks split by ``P_x`` and gives torch's loss of the global
-tensors.  What every loss shares (partitions and shapes, the reduction over ``P_x`` and its
-identity adjoint, the global ``mean`` divisor, the agreement on each call's metadata) is
-:class:`~distfuse.layers.loss_base.DistributedLossBase`'s, documented in
-:mod:`distfuse.layers.loss_base`; the losses here give their local unreduced loss.
+Every loss here and in :mod:`distfuse.layers.loss_class` derives from
+:class:`DistributedLossBase` and gives only its local unreduced loss (and, where it
+differs, its ``mean`` divisor).  Partitions and shapes (any axis of ``P_x`` may be split)::
 
-Weights (``weight``, ``pos_weight``) are the global tensors torch takes, held whole by
-every worker (they must be equal everywhere) and sliced per call to the local block by
-torch's broadcasting rule.
+    P_x                     one dimension per input dimension
+    input, target           [*shape_b]   balanced blocks of the global [*shape], the same blocks
+    reduction='none'        [*shape_b]   this worker's block of torch's unreduced loss
+    reduction='sum'/'mean'  []           the global scalar, identical on every worker of P_x
+
+    forward   l = elementwise loss of the local block (torch's own op, reduction='none')
+              [sum l, denominator, change flag, failure flag per worker]  ->  one all-reduce over P_x
+              loss = sum / (global count, or the global denominator)
+    adjoint   the scalar is replicated: each worker's incoming gradient is the gradient of
+              the one global loss, so the adjoint of the all-reduce is the identity and
+              dl = dloss / count flows into torch's elementwise backward, with no message.
+
+The reduction is ``distfuse::replicate_adjoint``
+(:func:`~distfuse.primitives.all_sum_reduce.replicated_sum`).  Why the identity adjoint:
+every worker holds the same scalar and calls ``backward`` on it, as a replicated training
+loop does; summing those gradients would count the loss once per worker.  So call
+``loss.backward()`` on every worker of ``P_x`` with the same gradient (the default 1).
+Workers outside ``P_x`` pass zero-volume tensors and get a zero-volume tensor back.
+``mean`` divides by the global count (the global element count, the global batch for
+``KLDivLoss(reduction='batchmean')``), never by a mean of local means, which is wrong
+under uneven splits.  Sums are taken in fp32 for 16-bit inputs and rounded once.  Weights
+(``weight``, ``pos_weight``) are the global tensors torch takes, held whole by every worker
+(equal everywhere) and sliced per call to the local block by torch's broadcasting rule.
+
+Agreement.  The workers agree on each call's metadata (shapes, dtypes, the weights'
+shapes) through the layer's
+:class:`~distfuse.primitives.agreement_session.AgreementSession`, so a target whose blocks
+do not match the input's (torch would broadcast them with a warning; distfuse refuses), a
+non-balanced split or mixed dtypes raise the same error on every worker.  The metadata
+gather over ``P_x`` runs on the first call and when some worker's call changed.  How a
+worker whose call repeats learns that a peer's changed:
+
+* ``sum`` / ``mean`` on CPU: in the reduction itself, which reaches every worker of ``P_x``
+  (:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`; eager and
+  compiled alike).  A worker whose call changed sends zeros and the change flag;
+  ``distfuse::loss_flags`` reads the flags of the sum (a CPU tensor: free) and, if one is
+  set, raises on every worker: an eager call then gathers the metadata, checks it and
+  reduces again, a compiled one asks for an eager call.  No extra round in steady state.
+* ``none`` (no collective at all) and partitions on a device (reading a flag of a CUDA
+  tensor would synchronise the device every call): one flag round before anything else (a
+  one-element all-reduce on ``P_x``'s host meta group, no device read;
+  ``distfuse::flag_check`` in a graph).
+
+Values torch refuses (a class index out of range that is not ``ignore_index``, a BCE input
+or target outside [0, 1], NaN included).  An eager call catches torch's error around the
+local loss; with ``sum``/``mean`` the failure flags in the reduction tell every worker, and
+each raises (the bad worker torch's message, its peers the world ranks of the bad blocks);
+with ``none`` only the bad worker raises, with nobody waiting for it.  A compiled call (or
+one inside ``capture_safe()``) cannot catch what happens when the graph runs, so with a
+reduction it first counts the bad entries with tensor ops (:meth:`_safe_values`), replaces
+them with values torch accepts (a good block is untouched: its loss and gradients are
+eager's bits) and puts the count in its failure slot; ``distfuse::loss_refusals`` reads the
+summed slots and raises the same error on every worker.  The agreed record stays settled
+either way (the metadata agreed; the values did not).  On CUDA the slots are not read
+(that read would synchronise the device): the loss is NaN on every worker instead, and the
+check before torch's op keeps its device-side asserts from firing.
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.nn import _reduction
 
-from distfuse.errors import ShapeError, UnsupportedError, where
-from distfuse.layers._norm_common import numel
+from distfuse.errors import DistfuseError, PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.geometry.decomposition import local_start
+from distfuse.layers._norm_common import FLOATS, compute_dtype, gather_call, global_shape_of, numel, one_dtype
 from distfuse.layers._params import ParamLayout
-from distfuse.layers.loss_base import DistributedLossBase, replicated_sum
+from distfuse.partition import CartesianPartition, zero_volume_tensor
+from distfuse.primitives._common import check_inactive_input
+from distfuse.primitives._flag_transport import flags_on_host
+from distfuse.primitives._handles import lookup
+from distfuse.primitives._op_pair import op_entry
+from distfuse.primitives.agreement_session import AgreementSession, FlagRound, flagged_error
+from distfuse.primitives.all_sum_reduce import SubGridSum, replicated_sum
 
-__all__ = ["DistributedLossBase", "DistributedMSELoss", "DistributedL1Loss", "DistributedBCELoss",
-           "DistributedBCEWithLogitsLoss", "DistributedKLDivLoss", "replicated_sum"]
+__all__ = ["DistributedLossBase", "LossCall", "DistributedMSELoss", "DistributedL1Loss", "DistributedBCELoss",
+           "DistributedBCEWithLogitsLoss", "DistributedKLDivLoss"]
+
+_ANY = FLOATS + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def _refused(op: str, failed: list[int] | None = None, exc: Exception | None = None) -> ShapeError:
+    """torch's local op refused this worker's block (``exc``), or the blocks of the world ranks ``failed``."""
+    whose = f"this worker's block: {exc}" if exc is not None else (
+        f"the blocks of world ranks {failed} (bad values, such as a class index out of range or a BCE input or "
+        "target outside [0, 1]); raised on every worker")
+    return ShapeError(f"{where(op)}: torch's {op.removeprefix('Distributed')} refused {whose}")
+
+
+def _loss_flags(flags: torch.Tensor, handle: int) -> None:
+    """Read the summed ``[change flag, failure per worker]`` of the reduction (CPU: a free host read) and raise
+    the same error on every worker: :class:`~distfuse.primitives.agreement_session.FlaggedCall` (after forgetting
+    the agreement) when some worker's call changed, else the refusal when some worker's block was refused.  The
+    handle is the session's :class:`~distfuse.primitives.agreement_session.FlagRound` (``P_x``, ``on_flag``)."""
+    ctx: FlagRound = lookup(handle)
+    if flags.device.type != "cpu":  # no device read: the loss is NaN on every worker instead
+        return
+    values = flags.tolist()
+    if values[0]:
+        ctx.on_flag()
+        raise flagged_error(ctx.op)
+    failed = [w for w, n in zip(ctx.P.ranks, values[1:], strict=False) if n]  # empty where a worker raises its own
+    if failed:
+        raise _refused(ctx.op, failed)
+
+
+_check_flags = op_entry("loss_flags", _loss_flags, lambda flags, handle: None)
+
+
+@dataclass(frozen=True)
+class LossCall:
+    """What a call's metadata gather established (``start``: this worker's block start)."""
+
+    global_shape: tuple[int, ...]
+    in_dtype: torch.dtype
+    t_dtype: torch.dtype
+    start: tuple[int, ...]
+
+
+class DistributedLossBase(nn.Module):
+    """A loss over inputs split by ``P_x``; subclasses give the local unreduced loss and the ``mean`` divisor.
+
+    Args:
+        P_x: CartesianPartition with one dimension per input dimension.
+        size_average, reduce: torch's deprecated reduction arguments (mapped as torch maps them).
+        reduction: ``'none'``, ``'mean'`` or ``'sum'`` (``'batchmean'`` too for KL divergence).
+
+    Attributes:
+        session: the :class:`~distfuse.primitives.agreement_session.AgreementSession` over
+            ``P_x``; ``agreement`` is its site (``calls`` / ``slow_calls`` count the calls
+            and the metadata gathers).
+    """
+
+    reductions: tuple[str, ...] = ("none", "mean", "sum")
+
+    def __init__(self, P_x, size_average=None, reduce=None, reduction: str = "mean"):
+        super().__init__()
+        op = type(self).__name__
+        if not isinstance(P_x, CartesianPartition):
+            raise PartitionError(f"{where(op)}: P_x must be a CartesianPartition, got {type(P_x).__name__}")
+        if size_average is not None or reduce is not None:
+            reduction = _reduction.legacy_get_string(size_average, reduce)
+        if reduction not in self.reductions:
+            raise UnsupportedError(f"{where(op)}: reduction={reduction!r} is not one of {list(self.reductions)}")
+        self.P_x = P_x
+        self.reduction = reduction
+        self.session = AgreementSession(op, P_x)
+        self.agreement = self.session.site
+        self._total = SubGridSum(op, P_x)  # names P_x in the reduction
+
+    # -------------------------------------------------------- what subclasses provide
+
+    def _check_target(self, op: str, G, call) -> None:
+        """Every worker's target block must have its input block's shape (torch would broadcast; distfuse refuses)."""
+        for j, (xs, ts) in enumerate(zip(call.shapes[0], call.shapes[1], strict=True)):
+            if xs != ts:
+                raise expect(op, f"target block shape on world rank {self.P_x.ranks[j]} (its input block's shape)", xs,
+                             ts)
+
+    def _local_loss(self, input: torch.Tensor, target: torch.Tensor, G, start) -> torch.Tensor:
+        """This worker's block of torch's unreduced loss; every concrete loss defines it (an abstract hook)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _local_loss")
+
+    def _mean_divisor(self, G, t_dtype: torch.dtype) -> int | None:
+        """The ``mean`` divisor from the global shape, or None when it is a global sum (:meth:`_local_denominator`)."""
+        return numel(G)
+
+    def _local_denominator(self, input: torch.Tensor, target: torch.Tensor, dtype) -> torch.Tensor:
+        """This worker's part of a summed ``mean`` divisor (class weights of the targets, for instance).
+
+        Only losses whose :meth:`_mean_divisor` returns None define it (an abstract hook).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define _local_denominator when _mean_divisor "
+                                  "returns None")
+
+    def _safe_values(self, input: torch.Tensor, target: torch.Tensor):
+        """``(input, target, bad)`` for a call that cannot catch torch's refusal (compiled, or in a capture): blocks
+        torch's local op accepts, and how many entries it would refuse (a 0-d tensor), or None where torch checks
+        no values.  Traced tensor ops, no host read; a good block is unchanged (bitwise)."""
+        return input, target, None
+
+    def _result_dtype(self, in_dtype: torch.dtype, t_dtype: torch.dtype) -> torch.dtype:
+        return torch.promote_types(in_dtype, t_dtype) if t_dtype in FLOATS else in_dtype
+
+    def _signature(self):
+        return (type(self).__name__, self.reduction, self.P_x.ranks, self.P_x.shape)
+
+    def _weights(self) -> tuple[torch.Tensor, ...]:
+        """The global weight tensors the local loss reads (their shapes enter the call's signature)."""
+        return ()
+
+    # -------------------------------------------------------- the call
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """This worker's input and target blocks (zero-volume outside P_x); see the module docstring."""
+        op = type(self).__name__
+        if not self.P_x.active:
+            check_inactive_input(op, input)
+            check_inactive_input(op, target)
+            return zero_volume_tensor(dtype=input.dtype, device=input.device)
+        signature = (tuple(input.shape), input.dtype, tuple(target.shape), target.dtype, input.device.type,
+                     tuple((tuple(w.shape), w.dtype) for w in self._weights()))
+        if self.reduction != "none" and not flags_on_host(self.P_x.device):  # the flag rides in the reduction
+            def settle():
+                record = self._gather(input, target)
+                return self._loss(op, record, input, target, 0), record
+
+            return self.session.agree_in(signature, True, lambda record, flag: self._loss(
+                op, record, input, target, flag, attempt=True), settle)
+        record = self.session.agree(input, signature, True, lambda: self._gather(input, target))
+        if record is None:  # a replayed call that flagged: the flag round raises on every worker
+            return input.new_empty((0,))
+        return self._loss(op, record, input, target, 0)
+
+    def _gather(self, input: torch.Tensor, target: torch.Tensor) -> LossCall:
+        """The metadata gather over ``P_x`` and its checks (the same error on every worker): the agreed record."""
+        op, P_x = type(self).__name__, self.P_x
+        call = gather_call(op, P_x, [input, target], ["input", "target"], signature=self._signature())
+        in_dtype = one_dtype(op, P_x, call.dtypes[0], "input")
+        t_dtype = one_dtype(op, P_x, call.dtypes[1], "target", allowed=_ANY)
+        G = global_shape_of(op, P_x, call.shapes[0])
+        self._check_target(op, G, call)
+        return LossCall(G, in_dtype, t_dtype, local_start(G, P_x.shape, P_x.index))
+
+    def _loss(self, op: str, record: LossCall, input: torch.Tensor, target: torch.Tensor, flag: int,
+              attempt: bool = False) -> torch.Tensor:
+        """The local loss and, with a reduction, its sum over ``P_x`` with the sizes of ``record``.
+
+        ``flag`` 1: this worker's call differs from the agreed one; it sends zeros and the
+        change flag instead of its loss (0: it does not; -1: trusted, no flag moves).
+        ``attempt``: the flag rides in this reduction, so a distfuse check that the local loss
+        meets (only a changed call can: the checks read agreed metadata) flags a change
+        instead of raising on this worker alone.  The reduction's flags are read by
+        ``distfuse::loss_flags`` (see :func:`_loss_flags`).
+        """
+        session = self.session
+        G, start = record.global_shape, record.start
+        changed = flag == 1
+        local = failure = bad = None
+        if not changed:
+            if self.reduction != "none" and not session.may_read_host:
+                input, target, bad = self._safe_values(input, target)  # counted before torch's op
+            try:
+                local = self._local_loss(input, target, G, start)
+            except DistfuseError:
+                if not attempt:
+                    raise
+                changed = True
+            except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # torch's value and dtype checks
+                failure = exc
+        if self.reduction == "none":
+            if failure is not None:
+                raise _refused(op, exc=failure) from failure
+            return local
+        divisor = None if self.reduction == "sum" else self._mean_divisor(G, record.t_dtype)
+        summed_divisor = self.reduction != "sum" and divisor is None
+        result_dtype = self._result_dtype(record.in_dtype, record.t_dtype)
+        partial = self._partial(local, input, target, failure, summed_divisor, compute_dtype(result_dtype), changed,
+                                bad)
+        total = replicated_sum(partial, self._total.handle)
+        # Every worker but one whose own block was refused reads every flag; that one reads the change flag, then
+        # raises torch's message (after the agreement held on every worker: the metadata agreed, only values failed).
+        _check_flags(total[2:] if failure is None else total[2:3], session.flag.handle)
+        if failure is not None:
+            raise _refused(op, exc=failure) from failure
+        loss = total[0] / total[1] if summed_divisor else total[0]
+        if bad is not None and total.device.type != "cpu":  # no host read on a device: a NaN on every worker
+            loss = torch.where(total[3:].sum() > 0, torch.full_like(loss, float("nan")), loss)
+        return (loss if divisor is None else loss / divisor).to(result_dtype)
+
+    def _partial(self, local, input, target, failure, summed_divisor: bool, cdt: torch.dtype, changed: bool,
+                 bad: torch.Tensor | None) -> torch.Tensor:
+        """This worker's ``[sum of local, denominator, change flag, failure flag per worker]`` in ``cdt``.
+
+        ``bad``: the number of entries torch would refuse, counted in the graph
+        (:meth:`_safe_values`); it fills this worker's failure slot.
+        """
+        P_x = self.P_x
+        device = input.device if input.device.type == P_x.device.type else P_x.device
+        extra = torch.zeros(2 + P_x.size, dtype=cdt, device=device)  # [denominator, change, failure per worker]
+        if changed:
+            num = torch.zeros((), dtype=cdt, device=device)
+            extra[1] = 1
+        elif failure is None:
+            num = local.sum(dtype=cdt)
+            if summed_divisor:
+                extra[0] = self._local_denominator(input, target, cdt)
+            if bad is not None:
+                extra[2 + P_x.rank] = bad.to(cdt)
+        else:
+            num = torch.full((), float("nan"), dtype=cdt, device=device)
+            extra[2 + P_x.rank] = 1
+        return torch.cat([num.reshape(1), extra])
+
+    def extra_repr(self) -> str:
+        return f"P_x={list(self.P_x.shape)}, reduction={self.reduction!r}"
+
+
+# ---------------------------------------------------------------- the elementwise losses
 
 
 def broadcast_block(op: str, name: str, w: torch.Tensor | None, G, start, extent) -> torch.Tensor | None:
@@ -123,12 +407,12 @@ class DistributedKLDivLoss(DistributedLossBase):
         super().__init__(P_x, size_average, reduce, reduction)
         self.log_target = bool(log_target)
 
-    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self.reduction == "mean" and self.P_x.active and not torch.compiler.is_compiling():
+    def _check_target(self, op, G, call) -> None:
+        super()._check_target(op, G, call)
+        if self.reduction == "mean":  # when the call is agreed (a warning cannot sit in a compiled graph)
             warnings.warn("reduction: 'mean' divides the total loss by both the batch size and the support size; "
                           "'batchmean' divides only by the batch size, and aligns with the KL div math definition "
                           "(as torch warns)", stacklevel=2)
-        return super().forward(input, target)
 
     def _local_loss(self, input, target, G, start):
         return F.kl_div(input, target, reduction="none", log_target=self.log_target)

@@ -14,7 +14,7 @@ Partitions and shapes (the class axis is never split; batch and space may be)::
               [sum l, sum of weight[target] over non-ignored voxels, flags]  ->  one all-reduce
               mean = sum l / sum weight[target]        (class-index targets, torch's divisor)
               mean = sum l / (N * prod(n))              (probability targets)
-    adjoint   identity through the all-reduce (the loss is replicated, see ``loss``), then
+    adjoint   identity through the all-reduce (the loss is replicated, see :mod:`distfuse.layers.loss`), then
               torch's own backward of the local block: no message.
 
 With ``label_smoothing`` torch's mean divides both its terms by the same weighted count,

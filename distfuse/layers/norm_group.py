@@ -1,4 +1,6 @@
-"""Distributed group and instance normalisation: per-sample statistics summed over the spatial workers.
+"""Distributed group, instance and layer normalisation: per-sample (per-row) statistics, replicated affine.
+
+Group and instance norms: statistics per sample, summed over the spatial workers.
 
 Partitions and shapes (``nd`` spatial axes)::
 
@@ -28,55 +30,57 @@ normalised in fp32 and rounded once, torch's refusals (channels not divisible by
 an instance norm over one spatial element when training).  Only batched input: P_x has
 one dimension per input dimension, batch first.
 
-The workers agree on each call under the agreement protocol
-(``_norm_compiled.agree_call``): while every worker's call repeats, one flag round over
-``P_x`` (a one-element host all-reduce) and no metadata gather; when some worker's call
-changed, the metadata gather over ``P_x`` and its checks, so bad input (or, for an
-instance norm with running statistics, workers in different modes) raises the same error
-on every worker (inside ``torch.compile``: the last eager call's record and the same
-flag round, ``_norm_compiled.py``).  Every worker of ``P_x`` must call backward when one
+Layer norm: statistics per row over trailing (feature) dimensions that may be split
+(``k = len(normalized_shape)`` trailing dimensions are normalised; any axis of ``P_x`` may be
+split)::
+
+    P_x            [P_1, ..., P_lead, P_f1, ..., P_fk]
+    x, y           [*lead_b, *feat_b]         balanced blocks of the global [*lead, *normalized_shape]
+    weight, bias   [*feat_b]                  this worker's block of normalized_shape, split like the
+                                              features and replicated over the leading axes
+    P_stats        the workers that split the normalised dims (the last k axes): they share rows
+    P_rep          the leading axes: the workers holding a copy of the same weight block
+
+    forward   per row (n_i, mean_i, M2_i)  ->  all-gather over P_stats  ->  Chan combine (exact)
+              y = xhat * w + b
+    adjoint   [sum_f g, sum_f g * xhat] per row  ->  all-reduce over P_stats   (g = dy * w)
+              dw, db: sums over the local rows  ->  all-reduce over P_rep
+
+Why this layout: a tensor-parallel model splits the hidden dimension, and the weight must
+follow the features it scales; splitting it the same way keeps every multiply local.
+The leading axes (tokens, batch) hold copies, and their gradient all-reduce is the one
+message a data-parallel split would need anyway.
+
+Numerics follow ``torch.nn.LayerNorm``: biased variance, ``elementwise_affine`` and
+``bias=False``, 16-bit inputs normalised in fp32 and rounded once (parameters in the
+input's dtype or in fp32).  Statistics are exact under uneven splits and empty blocks.
+
+The workers agree on each call through the layer's agreement session
+(:class:`~distfuse.layers._norm_common.NormLayer`): while every worker's call repeats, one
+flag round over ``P_x`` (a one-element host all-reduce) and no metadata gather; when some
+worker's call changed, the metadata gather over ``P_x`` and its checks, so bad input (or,
+for an instance norm with running statistics, workers in different modes) raises the same
+error on every worker.  The same forward runs eagerly, inside ``capture_safe()`` and under
+``torch.compile(fullgraph=True)``.  Every worker of ``P_x`` must call backward when one
 does.  Workers outside ``P_x`` pass and get back a zero-volume tensor.
 """
 
 from __future__ import annotations
 
+import numbers
 import warnings
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.geometry.decomposition import local_shape
-from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers._norm_common import (
-    check_norm_partition,
-    check_param_dtype,
-    gather_call,
-    global_shape_of,
-    numel,
-    one_dtype,
-    one_mode,
-    promote,
-    subgrid,
-)
-from distfuse.layers._norm_compiled import (
-    NormCall,
-    NormSites,
-    agree_call,
-    all_sum,
-    compiled_call,
-    moments,
-    normalize,
-    replica,
-)
-from distfuse.layers._params import ParamLayout
-from distfuse.ops.collectives import FlaggedSite
-from distfuse.primitives._common import check_inactive_input
+from distfuse.layers._norm_common import NormLayer, check_norm_partition, numel, subgrid
+from distfuse.partition import CartesianPartition
 from distfuse.primitives._layout import memory_format_of
 
 __all__ = ["DistributedGroupNorm", "DistributedInstanceNormBase", "DistributedInstanceNorm1d",
-           "DistributedInstanceNorm2d", "DistributedInstanceNorm3d"]
+           "DistributedInstanceNorm2d", "DistributedInstanceNorm3d", "DistributedLayerNorm"]
 
 
 def _affine(y: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
@@ -89,73 +93,16 @@ def _affine(y: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> 
     return y
 
 
-class _ChannelNormBase(BlockIdentityMixin, nn.Module):
-    """Shared set-up: replicated per-channel weight and bias, the P_stats / P_rep sub-grids, the call check."""
+class _ChannelNormBase(NormLayer):
+    """Shared set-up: per-channel weight and bias replicated over P_rep, the P_stats / P_rep sub-grids."""
 
-    def _setup(self, P_x, num_channels: int, affine: bool, bias: bool, device, dtype) -> None:
-        self.P_x = P_x
-        self.affine = bool(affine)
-        self._has_bias = self.affine and bool(bias)
+    def _setup(self, P_x, num_channels: int, affine: bool, bias: bool, running: bool, device, dtype) -> None:
         self._channels = int(num_channels)
-        self.P_stats = subgrid(P_x, range(2, P_x.dim))
-        self.P_rep = subgrid(P_x, [d for d in range(P_x.dim) if d != 1])
-        self._sites = NormSites(type(self).__name__, P_x, self.P_stats, self.P_rep)
-        self._kw = dict(device=torch.device(device) if device is not None else P_x.device, dtype=dtype)
-        self._block = local_shape((self._channels,), (P_x.shape[1],), (P_x.index[1],)) if P_x.active else None
-        make = P_x.active and self.affine
-        self.register_parameter("weight", nn.Parameter(torch.ones(self._block, **self._kw)) if make else None)
-        make = P_x.active and self._has_bias
-        self.register_parameter("bias", nn.Parameter(torch.zeros(self._block, **self._kw)) if make else None)
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            nn.init.ones_(self.weight)
-        if self.bias is not None:
-            nn.init.zeros_(self.bias)
-
-    def _affine_layouts(self) -> list[ParamLayout]:
-        C = (self._channels,)
-        lays = [ParamLayout("weight", "weight", self.P_x, C, split_dims=(1,))] if self.affine else []
-        if self._has_bias:
-            lays.append(ParamLayout("bias", "bias", self.P_x, C, split_dims=(1,)))
-        return lays
-
-    def _check_call(self, op: str, x: torch.Tensor, extra_dtypes=(), check=None, x_needed=None, params_needed=None):
-        """The agreed call: ``(global shape, dtype, call record)``, or None for a compiled call that flagged.
-
-        Eager (:func:`~distfuse.layers._norm_compiled.agree_call`): a flag round while every
-        worker's call repeats; else gather and validate the call (``check(G, call)`` runs the
-        layer's own checks) and remember the record.  Compiled
-        (``distfuse/layers/_norm_compiled.py``): the record of the last eager call, after the
-        flag round; ``x_needed`` / ``params_needed`` say which promotions the call needs.
-        """
-        params = [p for p in (self.weight, self.bias) if p is not None]
-        if torch.compiler.is_compiling():
-            record, changed = compiled_call(self, x, params, self.training, x_needed, params_needed)
-            return None if changed else (record.global_shape, record.dtype, record.call)
-        P_x = self.P_x
-
-        def gather_and_check() -> NormCall:
-            held = params + [t for t in extra_dtypes if t is not None]
-            call = gather_call(op, P_x, [x, *held], ["input"] + ["parameter or running statistic"] * len(held),
-                               params, signature=self._signature(), mode=int(self.training))
-            if self._mode_matters():
-                one_mode(op, P_x, call)
-            dtype = one_dtype(op, P_x, call.dtypes[0])
-            G = global_shape_of(op, P_x, call.shapes[0])
-            for dtypes in call.dtypes[1:]:  # every worker's parameters and buffers: every worker raises alike
-                for t_dtype in dtypes:
-                    check_param_dtype(op, dtype, t_dtype)
-            if check is not None:
-                check(G, call)
-            return NormCall(G, dtype, call)
-
-        record = agree_call(self._sites, P_x, x, params, self.training, gather_and_check)
-        return record.global_shape, record.dtype, record.call
-
-    def _mode_matters(self) -> bool:
-        """Whether training and eval calls run different collectives (then every worker must be in one mode)."""
-        return False
+        block = local_shape((self._channels,), (P_x.shape[1],), (P_x.index[1],)) if P_x.active else None
+        self._norm_setup(P_x, (self._channels,), (1,), block, affine=affine, bias=bias, running=running,
+                         P_stats=subgrid(P_x, range(2, P_x.dim)),
+                         P_rep=subgrid(P_x, [d for d in range(P_x.dim) if d != 1]),
+                         P_batch=subgrid(P_x, (0,)) if running else None, device=device, dtype=dtype)
 
     def _signature(self):
         return (type(self).__name__, self._channels, self.eps, self.affine, self.P_x.ranks, self.P_x.shape)
@@ -183,23 +130,10 @@ class DistributedGroupNorm(_ChannelNormBase):
             raise ShapeError(f"{where(op)}: num_channels ({num_channels}) must be divisible by num_groups "
                              f"({num_groups}) (torch's rule)")
         self.num_groups, self.num_channels, self.eps = int(num_groups), int(num_channels), float(eps)
-        self._setup(P_x, num_channels, affine, bias, device, dtype)
+        self._setup(P_x, num_channels, affine, bias, False, device, dtype)
 
-    def param_layouts(self) -> list[ParamLayout]:
-        return self._affine_layouts()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
-        op = type(self).__name__
-        if not self.P_x.active:
-            check_inactive_input(op, x)
-            return x.clone()
-        agreed = self._check_call(op, x, check=self._check_channels, x_needed=lambda c: c.any_input_grad,
-                                  params_needed=lambda c: c.any_param_grad)
-        if agreed is None:  # a compiled call that flagged: the flag round raises on every worker
-            return x.new_empty((0,))
-        G, dtype, call = agreed
-        x = promote(x, call.any_input_grad)  # the adjoint all-reduces over P_stats: every worker must run it
+    def _forward(self, x: torch.Tensor, record) -> torch.Tensor:
+        G, call = record.global_shape, record.call
         groups, per_group = self.num_groups, G[1] // self.num_groups
         # torch's GroupNorm returns channels_last (_3d) for such an input; its [N, *s, C] memory viewed as
         # [N, s, groups, per_group] has one statistic per (sample, group): no copy, in or out.
@@ -209,14 +143,13 @@ class DistributedGroupNorm(_ChannelNormBase):
             x3 = xl.view(x.shape[0], numel(x.shape[2:]), groups, per_group)
         else:
             x3 = x.reshape(1, x.shape[0] * groups, per_group * numel(x.shape[2:]))
-        stats = moments(self._sites.stats, x3, per_group * numel(G[2:]))
-        y = normalize(self._sites.stats, x3, stats, self.eps)
+        y = self._normalize(x3, self._moments(x3, per_group * numel(G[2:])))
         y = y.view(xl.shape).movedim(-1, 1) if channels_last else y.view(x.shape)
-        w = replica(self._sites.rep, self.weight, call.any_param_grad)
-        b = replica(self._sites.rep, self.bias, call.any_param_grad)
-        return _affine(y, w, b).to(dtype)
+        w = self._replica(self.weight, call.any_param_grad)
+        b = self._replica(self.bias, call.any_param_grad)
+        return _affine(y, w, b).to(record.dtype)
 
-    def _check_channels(self, G, call) -> None:
+    def _check_global(self, G) -> None:
         op = type(self).__name__
         if self.affine and G[1] != self.num_channels:
             raise expect(op, "input channels (the global input's dimension 1, num_channels)", self.num_channels, G[1])
@@ -254,79 +187,40 @@ class DistributedInstanceNormBase(_ChannelNormBase):
             raise expect(op, "num_features", ">= 1", num_features)
         self.num_features, self.eps, self.momentum = int(num_features), float(eps), momentum
         self.track_running_stats = bool(track_running_stats)
-        self._has_buffers = self.track_running_stats
-        self._setup(P_x, num_features, affine, bias, device, dtype)
-        self.P_batch = subgrid(P_x, (0,)) if self._has_buffers else None  # sums the per-sample running statistics
-        self._sites.batch = FlaggedSite(op, self.P_batch, None) if self._has_buffers else None
-        if P_x.active and self._has_buffers:
-            self.register_buffer("running_mean", torch.zeros(self._block, **self._kw))
-            self.register_buffer("running_var", torch.ones(self._block, **self._kw))
-            # torch's InstanceNorm registers it (and never advances it); kept for state-dict parity.
-            self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=self._kw["device"]))
-        else:
-            self.register_buffer("running_mean", None)
-            self.register_buffer("running_var", None)
-            self.register_buffer("num_batches_tracked", None)
+        self._setup(P_x, num_features, affine, bias, self.track_running_stats, device, dtype)
 
-    def reset_running_stats(self) -> None:
-        if self.running_mean is not None:
-            self.running_mean.zero_()
-            self.running_var.fill_(1)
-            self.num_batches_tracked.zero_()
-
-    def reset_parameters(self) -> None:
-        super().reset_parameters()
-        if hasattr(self, "running_mean"):
-            self.reset_running_stats()
-
-    def param_layouts(self) -> list[ParamLayout]:
-        lays = self._affine_layouts()
-        if self._has_buffers:
-            C, P = (self.num_features,), self.P_x
-            lays += [ParamLayout("running_mean", "running_mean", P, C, split_dims=(1,)),
-                     ParamLayout("running_var", "running_var", P, C, split_dims=(1,)),
-                     ParamLayout("num_batches_tracked", "num_batches_tracked", P, (), split_dims=())]
-        return lays
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
-        op = type(self).__name__
-        if not self.P_x.active:
-            check_inactive_input(op, x)
-            return x.clone()
-        use_input_stats = self.training or not self.track_running_stats
-        agreed = self._check_call(op, x, (self.running_mean, self.running_var), check=self._check_features,
-                                  x_needed=lambda c: use_input_stats and c.any_input_grad,
-                                  params_needed=lambda c: c.any_param_grad)
-        if agreed is None:  # a compiled call that flagged: the flag round raises on every worker
-            return x.new_empty((0,))
-        G, dtype, call = agreed
-        w = replica(self._sites.rep, self.weight, call.any_param_grad)
-        b = replica(self._sites.rep, self.bias, call.any_param_grad)
-        if not use_input_stats:  # running statistics per channel: the same local op as an eval batch norm
+    def _forward(self, x: torch.Tensor, record) -> torch.Tensor:
+        G, call = record.global_shape, record.call
+        w = self._replica(self.weight, call.any_param_grad)
+        b = self._replica(self.bias, call.any_param_grad)
+        if not self._input_stats():  # running statistics per channel: the same local op as an eval batch norm
             return F.batch_norm(x, self.running_mean, self.running_var, w, b, False, 0.0, self.eps)
-        count = numel(G[2:])
-        x = promote(x, call.any_input_grad)  # the adjoint all-reduces over P_stats: every worker must run it
         x3 = x.reshape(1, x.shape[0] * x.shape[1], numel(x.shape[2:]))
-        stats = moments(self._sites.stats, x3, count)
+        stats = self._moments(x3, numel(G[2:]))
         if self.running_mean is not None:
             momentum = 0.0 if self.momentum is None else float(self.momentum)
             self._update_running_stats(stats, x.shape[:2], G[0], momentum)
-        y = normalize(self._sites.stats, x3, stats, self.eps).view(x.shape)
-        return _affine(y, w, b).to(dtype)
+        y = self._normalize(x3, stats).view(x.shape)
+        return _affine(y, w, b).to(record.dtype)
+
+    def _input_stats(self) -> bool:
+        return self.training or not self.track_running_stats
+
+    def _promotions(self, call) -> tuple[bool, bool]:
+        return self._input_stats() and call.any_input_grad, call.any_param_grad  # eval: no statistics' adjoint
 
     def _mode_matters(self) -> bool:
         return self.track_running_stats  # training: statistics of the input and their all-reduce; eval: local
 
-    def _check_features(self, G, call) -> None:
+    def _check_global(self, G) -> None:
         op = type(self).__name__
         if G[1] != self.num_features:
             if self.affine or self.running_mean is not None:
                 raise expect(op, "input channels (the global input's dimension 1, num_features)", self.num_features,
                              G[1])
             warnings.warn(f"{op}: the input's {G[1]} channels do not match num_features ({self.num_features}), "
-                          "which is unused because affine=False (as torch warns)", stacklevel=4)
-        if (self.training or not self.track_running_stats) and numel(G[2:]) <= 1:
+                          "which is unused because affine=False (as torch warns)", stacklevel=6)
+        if self._input_stats() and numel(G[2:]) <= 1:
             raise ShapeError(f"{where(op)}: expected more than 1 spatial element when training, got the global input "
                              f"size {list(G)} (torch's rule)")
 
@@ -334,9 +228,7 @@ class DistributedInstanceNormBase(_ChannelNormBase):
     def _update_running_stats(self, stats, local_nc, batch: int, momentum: float) -> None:
         """torch's update with the batch average of the per-sample statistics (summed over the batch workers)."""
         per_sample = torch.stack([stats.mean, stats.unbiased_var()]).view(2, *local_nc)
-        sums = per_sample.sum(1)
-        if self.P_batch.size > 1:
-            sums = all_sum(self._sites.batch, sums)
+        sums = self._batch_sum(per_sample.sum(1))
         if batch == 0:
             return
         mean, var = sums / batch
@@ -367,3 +259,65 @@ class DistributedInstanceNorm3d(DistributedInstanceNormBase):
     """Distributed ``InstanceNorm3d``: input ``[N, C, D, H, W]``."""
 
     nd = 3
+
+
+class DistributedLayerNorm(NormLayer):
+    """``torch.nn.LayerNorm`` over an input whose normalised dimensions may be split (see the module docstring).
+
+    Args:
+        P_x: CartesianPartition with one dimension per input dimension.
+        normalized_shape, eps, elementwise_affine, bias, device, dtype: as ``torch.nn.LayerNorm``.
+
+    Construction is collective over the world (it creates the sub-grids).  Workers outside
+    ``P_x`` hold no parameters (None there).
+    """
+
+    def __init__(self, P_x, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
+                 device=None, dtype=None):
+        super().__init__()
+        op = type(self).__name__
+        if not isinstance(P_x, CartesianPartition):
+            raise PartitionError(f"{where(op)}: P_x must be a CartesianPartition, got {type(P_x).__name__}")
+        if isinstance(normalized_shape, numbers.Integral):
+            normalized_shape = (normalized_shape,)
+        self.normalized_shape = tuple(int(n) for n in normalized_shape)
+        k = len(self.normalized_shape)
+        if k < 1 or min(self.normalized_shape) < 1:
+            raise expect(op, "normalized_shape", "one or more positive extents", self.normalized_shape)
+        if P_x.dim < k:
+            raise expect(op, f"dimensions of P_x (at least the {k} normalised ones)", f">= {k}", P_x.dim,
+                         PartitionError)
+        self.eps = float(eps)
+        feat_axes = tuple(range(P_x.dim - k, P_x.dim))
+        block = local_shape(self.normalized_shape, P_x.shape[-k:], P_x.index[-k:]) if P_x.active else None
+        self._norm_setup(P_x, self.normalized_shape, feat_axes, block, affine=elementwise_affine, bias=bias,
+                         running=False, P_stats=subgrid(P_x, feat_axes), P_rep=subgrid(P_x, range(P_x.dim - k)),
+                         device=device, dtype=dtype)
+        self.elementwise_affine = self.affine
+        self.P_rep = self._rep.P
+
+    def _forward(self, x: torch.Tensor, record) -> torch.Tensor:
+        call, k = record.call, len(self.normalized_shape)
+        x3 = x.reshape(1, numel(x.shape[:-k]), numel(x.shape[-k:]))
+        y = self._normalize(x3, self._moments(x3, numel(self.normalized_shape))).view(x.shape)
+        w = self._replica(self.weight, call.any_param_grad)
+        b = self._replica(self.bias, call.any_param_grad)
+        if w is not None:
+            y = y * w.to(y.dtype)
+        if b is not None:
+            y = y + b.to(y.dtype)
+        return y.to(record.dtype)
+
+    def _check_global(self, G) -> None:
+        k = len(self.normalized_shape)
+        if G[-k:] != self.normalized_shape:
+            raise expect(type(self).__name__, f"trailing global input dimensions (normalized_shape; global input "
+                         f"{list(G)})", list(self.normalized_shape), list(G[-k:]))
+
+    def _signature(self):
+        return (type(self).__name__, self.normalized_shape, self.eps, self.elementwise_affine, self._has_bias,
+                self.P_x.ranks, self.P_x.shape)
+
+    def extra_repr(self) -> str:
+        return (f"P_x={list(self.P_x.shape)}, {self.normalized_shape}, eps={self.eps}, "
+                f"elementwise_affine={self.elementwise_affine}, bias={self._has_bias}")

@@ -108,11 +108,11 @@ class DistributedMaxPoolBase(DistributedPoolBase):
             y, local = pool(staged, **kw), None
         if first is not None:
             # Windows whose inputs are all -inf: torch answers its first in-input tap, the local kernel the
-            # window's first staged position (maybe padding).  On CPU the check is free and the fix is skipped
-            # when no such window exists; on CUDA and in compiled graphs it always runs (three output-sized ops,
-            # no host read).
+            # window's first staged position (maybe padding).  In eager CPU calls the check is free and the fix is
+            # skipped when no such window exists; on CUDA, in captures and in compiled graphs it always runs
+            # (three output-sized ops, no host read).
             minus_inf = y == -math.inf
-            if staged.device.type != "cpu" or torch.compiler.is_compiling() or bool(minus_inf.any()):
+            if staged.device.type != "cpu" or not self.session.may_read_host or bool(minus_inf.any()):
                 flat_first = first.expand(out_shape).reshape(out_shape[0], out_shape[1], -1)
                 at_first = staged.flatten(2).gather(2, flat_first).view(out_shape)
                 y = torch.where(minus_inf, at_first, y)  # the gradient goes to the first tap, as torch's does

@@ -1,4 +1,4 @@
-"""Window staging shared by the pooling and upsampling layers: local, unfused (HaloExchange) or fused (Triton).
+"""Window staging shared by the pooling and upsampling layers: local, unfused (halo exchange) or fused (Triton).
 
 A pooling or interpolation worker computes its output block from one window of the
 global input, ``[a_d, b_d)`` per spatial axis (``plan.axes[d].needed_range(i)``), which
@@ -12,13 +12,18 @@ writes that window into one tensor; the local op then runs on it with no padding
     local    no worker of the plan reads another's block (kernel 2, stride 2 over even
              blocks; an interpolation whose windows stay at home): a view of x, padded
              with ``fill`` by ``F.pad`` where the window leaves the domain.  No messages.
-    unfused  HaloExchange's autograd Function: one round of point-to-point messages,
-             the window written once box by box (``primitives/halo_exchange.py``).
-    fused    the halo conv's Triton kernels without the convolution: pack, one round,
-             one staging pass; backward unstage, one round, accumulate.
+    unfused  the ``distfuse::halo_exchange`` pair (``primitives/halo_exchange.py``): one
+             round of point-to-point messages, the window written once box by box.
+    fused    the ``distfuse::halo_staging`` pair (``fused/halo_staging.py``): the halo
+             conv's Triton kernels without the convolution: pack, one round, one staging
+             pass; backward unstage, one round, accumulate.
 
     adjoint  every path's backward sends each halo box's gradient home and adds it into
              the block; padding positions get none.
+
+Both exchanges are op pairs, called the same way in every mode (the custom op inside
+``torch.compile``, the same implementations through an ``autograd.Function`` in eager
+calls), so a compiled call stages exactly as an eager one, fused included.
 
 ``fill`` is 0 for average pooling and interpolation and ``-inf`` for max pooling.  The
 fused and unfused exchanges stage zeros, so a max-pooling worker then overwrites its
@@ -30,24 +35,25 @@ worker alike (the plan is the same everywhere).  Otherwise the layers ask
 its default rule says the fused staging has not beaten the unfused one on a GPU yet
 (``distfuse/fused/registry.py``), so the unfused exchange runs unless a crossover
 table or ``DISTFUSE_PATH=fused`` says otherwise.  On CPU the production path is unfused.
+An eager call chooses; a compiled call takes the choice of the last eager call with the
+same global shape, dtype and device (the crossover is not re-read inside a graph).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from distfuse.fused.halo_staging import HaloStagingFunction
+from distfuse.fused.halo_staging import halo_staging
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.layers.dispatch import Decision, device_caps, select_path
-from distfuse.partition import CartesianPartition
-from distfuse.primitives.halo_exchange import HaloExchangeFunction
+from distfuse.primitives.halo_exchange import PlanHalo, halo_exchange
 
-__all__ = ["STAGING_PATHS", "plan_is_local", "world_of_fn", "stage_window", "fused_staging_available",
+__all__ = ["STAGING_PATHS", "plan_is_local", "stage_window", "fused_staging_available",
            "choose_staging", "EmptyBlock", "window_ranges", "StagingRecord", "staging_record", "stage_local",
            "fill_padding_"]
 
@@ -63,13 +69,6 @@ def plan_is_local(plan: HaloPlan) -> bool:
 def window_ranges(plan: HaloPlan, index: Sequence[int]) -> list[tuple[int, int]]:
     """This worker's window ``[a, b)`` per spatial axis, in global input coordinates."""
     return [ax.needed_range(i) for ax, i in zip(plan.axes, index, strict=True)]
-
-
-def world_of_fn(P_x: CartesianPartition, nd: int) -> Callable[[tuple[int, ...]], int]:
-    """Map a spatial block index to the world rank holding it (same batch and channel block as this worker)."""
-    lead = tuple(P_x.index[: P_x.dim - nd])
-    ranks, rank_of = P_x.ranks, P_x.rank_of
-    return lambda spatial: ranks[rank_of(lead + tuple(spatial))]
 
 
 @functools.cache
@@ -99,7 +98,7 @@ def choose_staging(plan: HaloPlan | None, dtype: torch.dtype, device: torch.devi
     if caps is None:
         caps = caps_cache[device] = device_caps(device)
     d = select_path("halo_conv", dict(channels=max(int(channels), 1)), dtype, world_size, caps)
-    return Decision(d.path, f"halo staging (the halo_conv rule): {d.reason}")
+    return Decision(d.path, f"halo staging (the halo_conv rule): {d.reason}", entry=d.entry)
 
 
 class EmptyBlock(torch.autograd.Function):
@@ -138,8 +137,8 @@ class StagingRecord:
     ``local``: the plan has no message (:func:`plan_is_local`).  ``slices`` and
     ``flat_pad`` (``F.pad`` order, last axis first) give the local window from the own
     block; ``pad_widths`` per axis the staged positions before 0 and at or after n, which
-    the exchanged window fills with ``fill``.  Compiled forwards read only this record (a
-    traced walk over the plan would break the graph).
+    the exchanged window fills with ``fill``.  Made once per plan and worker; a call reads
+    only this record (a walk over the plan inside ``torch.compile`` would break the graph).
     """
 
     local: bool
@@ -180,26 +179,21 @@ def fill_padding_(staged: torch.Tensor, rec: StagingRecord, fill: float) -> torc
     return staged
 
 
-def stage_window(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...], world_of: Callable, *, path: str,
-                 fill: float = 0.0, op: str = "stage_window") -> torch.Tensor:
-    """This worker's window ``[B, C, *plan.staged_shape(index)]`` (see the module docstring).
+def stage_window(x: torch.Tensor, halo: PlanHalo, rec: StagingRecord, global_shape: Sequence[int], *, path: str,
+                 fill: float = 0.0) -> torch.Tensor:
+    """This worker's window ``[B, C, *L]`` by ``path`` (see the module docstring); the same call in every mode.
 
     Args:
-        x: ``[B, C, *plan.input_shape(index)]``, this worker's block.
-        plan: the layer's plan (every worker holds the same one).
-        index: this worker's spatial block index.
-        world_of: spatial block index -> world rank (:func:`world_of_fn`).
+        x: ``[B, C, *n]``, this worker's block.
+        halo: the layer's halo context (its plan per global shape), named in the ops by handle.
+        rec: this worker's :class:`StagingRecord` under the plan.
         path: ``"local"`` (only valid when :func:`plan_is_local`), ``"unfused"`` or ``"fused"``.
         fill: the value of out-of-domain positions (0 or ``-inf``).
-        op: the layer's name, for exchange failures.
 
     Every worker of the spatial grid must call it with the same path, outputs or not.
     """
-    rec = staging_record(plan, tuple(index))
     if path == "local":
         return stage_local(x, rec, fill)
-    if path == "fused":  # the staging kernel indexes NCHW blocks; the unfused exchange keeps x's layout
-        staged = HaloStagingFunction.apply(x.contiguous(), plan, index, world_of, op)
-    else:
-        staged = HaloExchangeFunction.apply(x, plan, index, world_of, op)
+    stage = halo_staging if path == "fused" else halo_exchange
+    staged = stage(x, halo.handle, list(global_shape))
     return fill_padding_(staged, rec, fill) if fill != 0 else staged

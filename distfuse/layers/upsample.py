@@ -36,12 +36,12 @@ Each worker's window is the halo exchange's needed range, given explicitly
 (:class:`~distfuse.geometry.interp_geometry.WindowAxis`), so the exchange is the
 convolution's: one round of messages, corners included, windows wider than a
 neighbour's block or away from the own block included; no exchange at all where every
-window stays at home (``last_path == "local"``).  The workers' shapes are gathered
-(host-side, a few int64 per worker) on the first call and when some worker's local
-shape, dtype or grad flags changed; while they repeat, a one-element host all-reduce of
-the workers' agreement flags replaces the gather (no message of the call itself reaches every
-worker, see :class:`~distfuse.layers._pool_common.ShapeRecord`).  ``static_shapes`` is
-accepted for compatibility and changes nothing.
+window stays at home (``last_path == "local"``).  The forward is the pooling layers' one
+forward (:class:`~distfuse.layers._pool_common.WindowLayer`: agree, window, stage, local
+op), so the agreement is theirs too: the workers' shapes are gathered (host-side, a few
+int64 per worker) on the first call and when some worker's local shape, dtype or grad
+flags changed; while they repeat, a one-element host all-reduce of the workers' flags
+replaces the gather.  ``static_shapes`` is accepted for compatibility and changes nothing.
 
 Memory format: torch's interpolation returns ``channels_last`` (``channels_last_3d``) for
 such an input in every mode (nearest, nearest-exact, bilinear, trilinear; CPU, torch
@@ -49,10 +49,10 @@ such an input in every mode (nearest, nearest-exact, bilinear, trilinear; CPU, t
 NCHW); the taps and the crop leave other strides, so the output block is laid out once.
 
 ``torch.compile`` traces the layer (and ``interpolate``, which keeps one layer per
-argument set) without a graph break, as the pooling layers
-(:mod:`distfuse.layers._pool_compiled`): the agreed record of the last eager call, the
-flag round as ``distfuse::flag_check``, the halo round as ``distfuse::halo_exchange``,
-and the taps from the :class:`~distfuse.layers._upsample_window.UpsampleWindow` the eager call made.
+argument set) without a graph break, through the same forward: the agreed record of the
+last eager call, the flag round as ``distfuse::flag_check``, the staging op pair, and
+the taps from the :class:`~distfuse.layers._upsample_window.UpsampleWindow` the eager
+call made.
 """
 
 from __future__ import annotations
@@ -60,25 +60,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from distfuse.errors import DistfuseError, PartitionError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan
-from distfuse.layers._conv_common import promote
-from distfuse.layers._pool_common import ShapeRecord
-from distfuse.layers._pool_compiled import WindowHalo, compiled_record, compiled_stage
+from distfuse.layers._conv_call_info import CallInfo
+from distfuse.layers._pool_common import WindowLayer
 from distfuse.layers._upsample_plan import InterpGeometry, InterpSpec, interp_geometry
 from distfuse.layers._upsample_window import UpsampleWindow, _interpolate, upsample_window
-from distfuse.layers.dispatch import Decision
-from distfuse.layers.pool_staging import EmptyBlock, choose_staging, stage_window, world_of_fn
-from distfuse.ops import FlagRound
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._common import check_inactive_input
 
 __all__ = ["DistributedUpsample", "interpolate"]
 
 
-class DistributedUpsample(nn.Module):
+class DistributedUpsample(WindowLayer):
     """``torch.nn.Upsample`` over an input split along any axes (see the module docstring).
 
     Args:
@@ -87,52 +81,31 @@ class DistributedUpsample(nn.Module):
             ``torch.nn.Upsample``; modes ``nearest``, ``nearest-exact``, ``linear`` (1-D),
             ``bilinear`` (2-D), ``trilinear`` (3-D).
         static_shapes: accepted for compatibility; changes nothing (every call skips the
-            metadata gather while the workers' signatures repeat; see
-            :class:`~distfuse.layers._pool_common.ShapeRecord`).
+            metadata gather while the workers' signatures repeat).
 
     Construction is not collective; it checks the arguments as torch does (every rank
     raises alike).  ``forward(x)`` takes this worker's block (zero-volume outside P_x)
     and returns its block of the output.  Output extents below 1 raise
     :class:`~distfuse.errors.ShapeError` on every worker.
 
-    Attributes:
-        last_path: ``"local"``, ``"unfused"`` or ``"fused"``: how the last call staged
-            its window (see :mod:`distfuse.layers.pool_staging`).
-        last_decision: the :class:`~distfuse.layers.dispatch.Decision` behind it.
+    Attributes: :class:`~distfuse.layers._pool_common.WindowLayer`'s (``session``,
+    ``agreement``, ``last_path``, ``last_decision``).
     """
 
     def __init__(self, P_x, size=None, scale_factor=None, mode: str = "nearest", align_corners: bool | None = None,
                  recompute_scale_factor: bool | None = None, static_shapes: bool = False):
-        super().__init__()
         op = type(self).__name__
         if not isinstance(P_x, CartesianPartition) or not 3 <= P_x.dim <= 5:
             raise PartitionError(f"{where(op)}: P_x must be a CartesianPartition [batch, channel, 1 to 3 spatial], "
                                  f"got {P_x!r}")
-        self.P_x = P_x
+        super().__init__(P_x, P_x.dim - 2, static_shapes)
         self.spec = InterpSpec.make(op, P_x.dim - 2, size, scale_factor, mode, align_corners, recompute_scale_factor)
         self.size, self.scale_factor, self.mode = size, scale_factor, mode
         self.align_corners, self.recompute_scale_factor = align_corners, recompute_scale_factor
-        self.static_shapes = bool(static_shapes)
-        self._shapes = ShapeRecord(op)
-        self.agreement = self._shapes.site  # calls / slow_calls count the metadata gathers
-        self.last_path: str | None = None
-        self.last_decision: Decision | None = None
-        self._caps_cache: dict = {}
-        # compiled forwards: the flag round and the window's halo round as custom ops (_pool_compiled.py)
-        self._flag_round = FlagRound(op, P_x, self.forget_shapes)
-        self._window_halo = WindowHalo(P_x, self.spec.nd, self._agreed_plan, op)
-        self._windows: dict[tuple, UpsampleWindow] = {}
         self._plans: dict[tuple[int, ...], HaloPlan] = {}
 
-    def forget_shapes(self) -> None:
-        """Drop the agreed call record, so the next call gathers again (call it on every worker)."""
-        self._shapes.forget()
-
-    forget_agreement = forget_shapes
-
-    def param_layouts(self) -> list:
-        """No parameters (so ``load_sequential`` / ``collect_sequential`` move nothing)."""
-        return []
+    def _layer_key(self):
+        return self.spec, self.P_x.ranks, self.P_x.shape
 
     def geometry(self, global_shape: Sequence[int], dtype: torch.dtype, device) -> InterpGeometry:
         """The taps and plan for a global input shape (raises the same error on every worker)."""
@@ -146,11 +119,8 @@ class DistributedUpsample(nn.Module):
         except DistfuseError as exc:
             raise type(exc)(f"{where(op)}: global input shape {G}: {exc}") from None
 
-    def explain(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> Decision:
-        """How a call with ``x`` stages its window, and why (no communication)."""
-        plan = self.geometry(global_shape, x.dtype, x.device).plan if global_shape is not None else None
-        channels = global_shape[1] if global_shape is not None else x.shape[1] if x.dim() > 1 else 1
-        return choose_staging(plan, x.dtype, x.device, self.P_x.size, channels, self._caps_cache)
+    def _plan_for(self, global_shape: tuple[int, ...], x: torch.Tensor) -> HaloPlan:
+        return self.geometry(global_shape, x.dtype, x.device).plan
 
     def window_record(self, global_shape: Sequence[int], dtype: torch.dtype, device) -> UpsampleWindow:
         """This worker's :class:`UpsampleWindow` (made once per global shape, dtype and device type, then read)."""
@@ -162,48 +132,22 @@ class DistributedUpsample(nn.Module):
             rec = self._windows[key] = upsample_window(geo, tuple(self.P_x.index[2:]), dtype, device)
         return rec
 
-    def _agreed_plan(self, global_shape: tuple[int, ...]) -> HaloPlan:
-        """The plan of the last eager call with this global shape (what ``distfuse::halo_exchange`` stages)."""
+    def _window_of(self, global_shape: tuple[int, ...], x: torch.Tensor) -> UpsampleWindow:
+        win = self.window_record(global_shape, x.dtype, x.device)
+        self._plans[global_shape] = win.geo.plan  # the plan depends on the dtype too: the staging ops take this call's
+        return win
+
+    def _halo_plan(self, global_shape: tuple[int, ...]) -> HaloPlan:
+        """The plan of the call in progress (or of the last one) with this global shape."""
         return self._plans[global_shape]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        op = type(self).__name__
-        P_x = self.P_x
-        if not P_x.active:
-            check_inactive_input(op, x)
-            return x.clone()
-        if torch.compiler.is_compiling():
-            return self._compiled_forward(op, x)
-        info = self._shapes.info(op, P_x, x, (self.spec, P_x.ranks, P_x.shape))
-        G = info.global_shape
-        win = self.window_record(G, x.dtype, x.device)
-        self._plans[G] = win.geo.plan  # the plan a compiled call's halo op stages with: the last agreed call's
-        x = promote(x, info.input_grad)
-        decision = self.explain(x, G)
-        self.last_decision, self.last_path = decision, decision.path
-        staged = stage_window(x, win.geo.plan, win.index, world_of_fn(P_x, self.spec.nd), path=decision.path, op=op)
-        return self._block(x, staged, win, info.memory_format)
-
-    def _compiled_forward(self, op: str, x: torch.Tensor) -> torch.Tensor:
-        """The forward inside ``torch.compile``: the agreed record, ``distfuse::flag_check`` and
-        ``distfuse::halo_exchange`` (see :mod:`distfuse.layers._pool_compiled`); reads only the window record
-        of the last eager call."""
-        info = compiled_record(op, self, x, self._flag_round)
-        if info is None:  # this worker flagged: the flag round raises on every worker, nothing below runs
-            return x.clone()
-        G = info.global_shape
-        win = self.window_record(G, x.dtype, x.device)
-        staged, self.last_path = compiled_stage(x, win.staging, self._window_halo, G, 0.0)
-        return self._block(x, staged, win, info.memory_format)
-
-    def _block(self, x: torch.Tensor, staged: torch.Tensor, win: UpsampleWindow, fmt) -> torch.Tensor:
-        """The output block from the staged window, in the input's agreed memory format ``fmt``: torch's
+    def _block(self, x: torch.Tensor, staged: torch.Tensor, win: UpsampleWindow, info: CallInfo,
+               out_shape: tuple[int, ...]) -> torch.Tensor:
+        """The output block from the staged window, in the input's agreed memory format: torch's
         interpolation returns ``channels_last`` (``_3d``) for such an input in every mode, dtype and
         dimension (checked on CPU, torch 2.13).  The taps and the crop give other strides, so the block is
         laid out once at the end; the input itself is never copied."""
-        out_shape = tuple(x.shape[:2]) + win.out_spatial
-        if 0 in out_shape:
-            return EmptyBlock.apply(staged, out_shape)
+        fmt = info.memory_format
         y = _interpolate(staged, self.spec, win.factors, win.crops, win.taps)
         return y if fmt == torch.contiguous_format or y.is_contiguous(memory_format=fmt) else \
             y.contiguous(memory_format=fmt)

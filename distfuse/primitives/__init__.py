@@ -5,21 +5,21 @@ so they are imported from the submodule (``from distfuse.primitives.broadcast im
 broadcast``) rather than re-exported here, where they would shadow it.
 """
 
-from distfuse.primitives.all_gather import AllGather, AllGatherFunction, axes_subgrid
+from distfuse.primitives.all_gather import AllGather, axes_subgrid
 from distfuse.primitives.all_sum_reduce import AllSumReduce, AllSumReduceFunction
-from distfuse.primitives.broadcast import Broadcast, BroadcastFunction, broadcast_plan
+from distfuse.primitives.broadcast import Broadcast, broadcast_plan
 from distfuse.primitives.distribute import collect_tensor, distribute_tensor
-from distfuse.primitives.halo_exchange import HaloExchange, HaloExchangeFunction
-from distfuse.primitives.reduce_scatter import ReduceScatter, ReduceScatterFunction
+from distfuse.primitives.halo_exchange import HaloExchange
+from distfuse.primitives.reduce_scatter import ReduceScatter
 from distfuse.primitives.repartition import Repartition, RepartitionFunction
-from distfuse.primitives.sum_reduce import SumReduce, SumReduceFunction, sum_reduce_plan
+from distfuse.primitives.sum_reduce import SumReduce, sum_reduce_plan
 
 __all__ = [
-    "AllGather", "AllGatherFunction", "axes_subgrid",
+    "AllGather", "axes_subgrid",
     "AllSumReduce", "AllSumReduceFunction",
-    "Broadcast", "BroadcastFunction", "broadcast_plan",
-    "HaloExchange", "HaloExchangeFunction",
-    "ReduceScatter", "ReduceScatterFunction",
+    "Broadcast", "broadcast_plan",
+    "HaloExchange",
+    "ReduceScatter",
     "Repartition", "RepartitionFunction", "distribute_tensor", "collect_tensor",
-    "SumReduce", "SumReduceFunction", "sum_reduce_plan",
+    "SumReduce", "sum_reduce_plan",
 ]

@@ -55,8 +55,8 @@ from distfuse.errors import DistfuseError, UnsupportedError, where
 from distfuse.primitives._call_agreement import agree_on_call
 from distfuse.primitives._common import collective_guard
 
-__all__ = ["AgreementSite", "run_agreed", "capture_safe", "trusting", "flag_round", "agreed_by_flag_round",
-           "agree_on_local_checks"]
+__all__ = ["AgreementSite", "run_agreed", "capture_safe", "trusting", "trusted_state", "flag_round",
+           "agreed_by_flag_round", "agree_on_local_checks"]
 
 _TRUST = [0]
 
@@ -86,6 +86,20 @@ def trusting() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def trusted_state(site: AgreementSite, signature: Hashable, op: str) -> Any:
+    """A settled ``site``'s state, trusted (no flag, no host read) while this worker's ``signature`` repeats.
+
+    A different signature raises :class:`~distfuse.errors.UnsupportedError` on this worker
+    only: inside a capture there is no way to tell its peers (see :func:`capture_safe`).
+    """
+    if signature != site.signature:
+        raise UnsupportedError(f"{where(op)}: inside capture_safe() (or a CUDA-graph capture) a call must "
+                               "repeat the inputs of the last eager call (shape, dtype, grad flags); warm up "
+                               "with the captured shapes on every worker")
+    site.calls += 1
+    return site.state
+
+
 class AgreementSite:
     """One call site's last signature (this rank's) and agreed state (the same on every rank).
 
@@ -107,15 +121,20 @@ class AgreementSite:
         """No agreed state: the next call takes the slow path on every rank."""
         return self.state is None
 
-    def repeats(self, signature: Hashable) -> bool:
-        return self.state is not None and signature == self.signature
-
     def settle(self, signature: Hashable, state: Any) -> None:
         self.signature, self.state = signature, state
 
     def forget(self) -> None:
         """Drop the state; call it on every rank (the next call takes the slow path everywhere)."""
         self.signature = self.state = None
+
+    def __deepcopy__(self, memo) -> AgreementSite:
+        """A fresh site: a copied layer (``copy.deepcopy(model)``) agrees afresh on its first call, as a new one does.
+
+        An agreed state is a promise between this site and its peers' sites; a copy's
+        peers are the copies on the other ranks, which have agreed on nothing yet.
+        """
+        return AgreementSite(self.op)
 
 
 def run_agreed(site: AgreementSite, signature: Hashable, locally_ok: bool,
@@ -187,12 +206,7 @@ def agreed_by_flag_round(site: AgreementSite, P, op: str, signature: Hashable, l
     raises :class:`~distfuse.errors.UnsupportedError` on this worker.
     """
     if site.state is not None and trusting():
-        if signature != site.signature:
-            raise UnsupportedError(f"{where(op)}: inside capture_safe() (or a CUDA-graph capture) a call must "
-                                   "repeat the inputs of the last eager call (shape, dtype, grad flags); warm up "
-                                   "with the captured shapes on every worker")
-        site.calls += 1
-        return site.state
+        return trusted_state(site, signature, op)
 
     def attempt(changed: bool):
         return site.state, flag_round(P, changed, op)

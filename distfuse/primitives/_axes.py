@@ -148,6 +148,8 @@ class BlockLayout:
         pad: the largest block shape; every block travels padded to it.
         slots: per sub-grid rank, its position in the flat buffers (see the module docstring).
         me: this worker's sub-grid rank.
+        blocks: ``extents`` flattened, the layout as the AllGather / ReduceScatter op pair takes it
+            (:mod:`~distfuse.primitives._gather_scatter`).
     """
 
     grid: tuple[int, ...]
@@ -157,6 +159,7 @@ class BlockLayout:
     pad: tuple[int, ...]
     slots: tuple[int, ...]
     me: int
+    blocks: tuple[int, ...] = ()
 
     @property
     def fast(self) -> bool:
@@ -173,8 +176,9 @@ class BlockLayout:
 
 def _layout(P_sub, shape, starts, extents) -> BlockLayout:
     pad = tuple(max(col) for col in zip(*extents, strict=True))
-    return BlockLayout(tuple(P_sub.shape), tuple(shape), tuple(starts), tuple(extents), pad, group_slots(P_sub),
-                       P_sub.rank)
+    extents = tuple(tuple(e) for e in extents)
+    return BlockLayout(tuple(P_sub.shape), tuple(shape), tuple(starts), extents, pad, group_slots(P_sub),
+                       P_sub.rank, tuple(n for e in extents for n in e))
 
 
 _BALANCED: dict[tuple, BlockLayout] = {}

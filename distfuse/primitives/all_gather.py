@@ -12,9 +12,10 @@ may be empty (an extent smaller than the partition); they need not be the balanc
 decomposition, only tile.
 
 Adjoint: a reduce-scatter.  Each worker's input gradient is the sum, over the workers
-of ``S``, of their output gradients restricted to this worker's block.  The backward
-calls the reduce-scatter's autograd Function, whose own backward is this all-gather, so
-gradients of any order are exact (a gradient penalty differentiates through both).
+of ``S``, of their output gradients restricted to this worker's block.  The two are one
+op pair (:mod:`~distfuse.primitives._gather_scatter`), each the other's backward, so
+gradients of any order are exact (a gradient penalty differentiates through both), and
+the same definition runs eager and compiled.
 
 Cost: blocks are padded to the largest block and moved with one flat all-gather on the
 sub-grid's group (``_axes.py``).  The receivers must know every block's extent.  The
@@ -36,53 +37,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from distfuse import debug
 from distfuse.errors import ShapeError, expect, where
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._agreement import AgreementSite, run_agreed
 from distfuse.primitives._axes import (
-    BlockLayout,
     axes_subgrid,
     balanced_layout,
     check_input,
-    check_partition,
-    gather_blocks,
     gathered_layout,
     layout_from_shapes,
-    resolve_axes,
 )
-from distfuse.primitives._axes_flagged import gather_blocks_flagged
 from distfuse.primitives._call_agreement import agree_on_call
 from distfuse.primitives._common import gather_metadata
+from distfuse.primitives._gather_scatter import AxesModule, BlockCollective, all_gather_op, collective_of
+from distfuse.primitives.agreement_session import AgreementSession
 
-__all__ = ["AllGather", "AllGatherFunction", "all_gather", "agreed_all_gather", "axes_subgrid"]
+__all__ = ["AllGather", "all_gather", "agreed_all_gather", "axes_subgrid"]
 
 _OP = "AllGather"
-
-
-class AllGatherFunction(torch.autograd.Function):
-    """Autograd Function of :func:`all_gather` on an active worker of a sub-grid of more than one worker.
-
-    ``apply(x, P_sub, layout, reduce_dtype, op="AllGather", gathered=None)``: ``gathered``, when
-    given, is the result of a gather that already ran (the agreement-checked path of
-    :mod:`~distfuse.primitives._agreement`), so no data moves again.  The backward is
-    :class:`~distfuse.primitives.reduce_scatter.ReduceScatterFunction` (differentiable).
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, P_sub: CartesianPartition, layout: BlockLayout,
-                reduce_dtype: torch.dtype | None, op: str = _OP, gathered: torch.Tensor | None = None):
-        ctx.P_sub, ctx.layout, ctx.reduce_dtype, ctx.op = P_sub, layout, reduce_dtype, op
-        return gathered if gathered is not None else gather_blocks(op, P_sub, layout, x)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        from distfuse.primitives.reduce_scatter import ReduceScatterFunction
-
-        dx = ReduceScatterFunction.apply(dy, ctx.P_sub, ctx.layout, ctx.reduce_dtype, ctx.op)
-        return dx, None, None, None, None, None
 
 
 def all_gather(x: torch.Tensor, P_sub: CartesianPartition, out_shape: Sequence[int] | None = None,
@@ -116,7 +89,7 @@ def all_gather(x: torch.Tensor, P_sub: CartesianPartition, out_shape: Sequence[i
             raise expect(_OP, "local block shape (a one-worker gather is an identity)", out_shape, tuple(x.shape))
         return x.clone()
     layout = balanced_layout(P_sub, out_shape) if out_shape is not None else gathered_layout(_OP, P_sub, x)
-    return AllGatherFunction.apply(x, P_sub, layout, reduce_dtype)
+    return all_gather_op(x, collective_of(_OP, P_sub).handle, layout.blocks, reduce_dtype, -1)
 
 
 def _agree(x, P_sub: CartesianPartition, out_shape) -> None:
@@ -136,32 +109,30 @@ def _agree(x, P_sub: CartesianPartition, out_shape) -> None:
     agree_on_call(P_sub, _OP, same, checks)
 
 
-def agreed_all_gather(x: torch.Tensor, P_sub: CartesianPartition, site: AgreementSite, *, extra=(),
-                      locally_ok: bool = True, check=None, reduce_dtype: torch.dtype | None = None,
-                      op: str = _OP) -> torch.Tensor:
-    """Gather ``x`` over ``P_sub`` with blocks learnt under the agreement protocol; autograd-aware.
+def agreed_all_gather(x: torch.Tensor, ctx: BlockCollective, session: AgreementSession, *, extra=(),
+                      locally_ok: bool = True, check=None, reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Gather ``x`` over ``ctx.P_sub`` with blocks learnt under the agreement protocol; autograd-aware, every mode.
 
-    ``site`` is the caller's :class:`~distfuse.primitives._agreement.AgreementSite` (one
-    per module or layer).  Steady state: the agreed layout and a flag element, no
-    metadata.  Slow path (first call, or some worker's signature ``(shape, dtype, device
-    type, *extra)`` changed or ``locally_ok`` is False there): every worker's
-    ``(shape, dtype)`` is gathered; they must share one dtype and tile
-    (:func:`~distfuse.primitives._axes.layout_from_shapes`), and ``check(shapes, dtype)``
-    may add the caller's rules; every worker raises the same error.  Active workers of a
-    sub-grid of more than one worker only.
+    ``ctx`` is the caller's :class:`~distfuse.primitives._gather_scatter.BlockCollective`
+    (its ``on_flag`` the session's ``forget``), ``session`` its
+    :class:`~distfuse.primitives.agreement_session.AgreementSession` over ``ctx.P_sub``:
+    the flag rides in the gather (:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`).
+    Steady state: the agreed layout and a flag element, no metadata.  Slow path (first
+    call, or some worker's signature ``(shape, dtype, device type, *extra)`` changed or
+    ``locally_ok`` is False there): every worker's ``(shape, dtype)`` is gathered; they
+    must share one dtype and tile (:func:`~distfuse.primitives._axes.layout_from_shapes`),
+    and ``check(shapes, dtype)`` may add the caller's rules; every worker raises the same
+    error.  Active workers of a sub-grid of more than one worker only.
     """
+    op, P_sub = ctx.op, ctx.P_sub
     ok = locally_ok and x.dim() == P_sub.dim and x.device.type == P_sub.device.type
 
-    def attempt(changed: bool):
-        layout, dtype = site.state
-        send = x.detach() if not changed else torch.zeros(layout.extents[layout.me], dtype=dtype,
-                                                           device=P_sub.device)
-        gathered, flagged = gather_blocks_flagged(op, P_sub, layout, send, changed)
-        if flagged:
-            return None, True
-        return AllGatherFunction.apply(x, P_sub, layout, reduce_dtype, op, gathered), False
+    def run(state, flag: int) -> torch.Tensor:
+        layout, dtype = state
+        send = x if flag != 1 else torch.zeros(layout.extents[layout.me], dtype=dtype, device=P_sub.device)
+        return all_gather_op(send, ctx.handle, layout.blocks, reduce_dtype, flag)
 
-    def slow():
+    def gather():
         meta = gather_metadata(P_sub, x, op=op)
         for r, (s, _) in zip(P_sub.ranks, meta, strict=True):
             if len(s) != P_sub.dim:
@@ -176,12 +147,12 @@ def agreed_all_gather(x: torch.Tensor, P_sub: CartesianPartition, site: Agreemen
         dtype = dtypes.pop()
         if check is not None:
             check(shapes, dtype)
-        return AllGatherFunction.apply(x, P_sub, layout, reduce_dtype, op), (layout, dtype)
+        return all_gather_op(x, ctx.handle, layout.blocks, reduce_dtype, -1), (layout, dtype)
 
-    return run_agreed(site, (tuple(x.shape), x.dtype, x.device.type, *extra), ok, attempt, slow)
+    return session.agree_in((tuple(x.shape), x.dtype, x.device.type, *extra), ok, run, gather)
 
 
-class AllGather(nn.Module):
+class AllGather(AxesModule):
     """All-gather within ``P_x`` along ``axes_all_gather`` (or every axis not in ``axes_keep``); see the module doc.
 
     Args:
@@ -194,16 +165,12 @@ class AllGather(nn.Module):
     world rank, active in ``P_x`` or not, must construct the module.
     """
 
+    op, axes_name = _OP, "axes_all_gather"
+
     def __init__(self, P_x: CartesianPartition, axes_all_gather: Sequence[int] | int | None = None,
                  axes_keep: Sequence[int] | int | None = None, reduce_dtype: torch.dtype | None = None):
-        super().__init__()
-        check_partition(_OP, P_x)
-        self.P_x = P_x
-        self.axes_all_gather = resolve_axes(_OP, P_x, axes_all_gather, axes_keep, "axes_all_gather")
-        self.axes_keep = tuple(d for d in range(P_x.dim) if d not in self.axes_all_gather)
-        self.reduce_dtype = reduce_dtype
-        self.P_sub = axes_subgrid(P_x, self.axes_all_gather)
-        self.agreement = AgreementSite(_OP)
+        super().__init__(P_x, axes_all_gather, axes_keep, reduce_dtype)
+        self.axes_all_gather = self.axes
 
     def forward(self, x: torch.Tensor, out_shape: Sequence[int] | None = None) -> torch.Tensor:
         """Gather ``x``; ``out_shape`` skips the agreement protocol (see :func:`all_gather`)."""
@@ -211,7 +178,4 @@ class AllGather(nn.Module):
         if (out_shape is not None or not P_sub.active or P_sub.size == 1 or not isinstance(x, torch.Tensor)
                 or debug.enabled()):  # debug mode gathers and compares every call instead
             return all_gather(x, P_sub, out_shape, self.reduce_dtype)
-        return agreed_all_gather(x, P_sub, self.agreement, reduce_dtype=self.reduce_dtype)
-
-    def extra_repr(self) -> str:
-        return f"P_x={list(self.P_x.shape)}, axes_all_gather={self.axes_all_gather}, reduce_dtype={self.reduce_dtype}"
+        return agreed_all_gather(x, self._ctx, self.session, reduce_dtype=self.reduce_dtype)

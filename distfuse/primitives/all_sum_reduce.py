@@ -22,6 +22,20 @@ one small host-side gather on the first call and after a change, a flag element
 otherwise), so workers that disagree raise the same :class:`~distfuse.errors.ShapeError`
 instead of returning sums of mismatched data.  The functional form checks nothing across
 workers (``DISTFUSE_DEBUG=1`` does).
+
+The replicated forms, an op pair (:mod:`~distfuse.primitives._op_pair`) over a
+:class:`SubGridSum` (the layer's name and the sub-grid ``S``, named by handle)::
+
+    distfuse::replicate(w, h)          -> w (a copy)          adjoint: the sum of the gradients over S
+    distfuse::replicate_adjoint(v, h)  -> the sum of v over S  adjoint: the identity (a copy)
+
+``replicate`` is how a parameter held by every worker of ``S`` (a norm's weight) enters a
+computation: each copy's uses are terms of one sum, so every copy gets the global gradient
+and an optimizer keeps the copies equal with no further message.  Its adjoint,
+``replicated_sum`` here, is a sum whose result is one replicated value (a loss, the
+running statistics of an instance norm): every worker holds the same scalar and seeds the
+same gradient, so summing the gradients back (AllSumReduce's own adjoint) would count the
+value once per worker; the adjoint is the identity.
 """
 
 from __future__ import annotations
@@ -39,8 +53,11 @@ from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, check_input,
 from distfuse.primitives._axes_flagged import all_reduce_sum_flagged
 from distfuse.primitives._call_agreement import agree_on_call
 from distfuse.primitives._common import gather_metadata
+from distfuse.primitives._handles import HandleOwner, lookup, new_handle
+from distfuse.primitives._op_pair import op_pair
 
-__all__ = ["AllSumReduce", "AllSumReduceFunction", "all_sum_reduce", "agreed_all_sum_reduce", "axes_subgrid"]
+__all__ = ["AllSumReduce", "AllSumReduceFunction", "all_sum_reduce", "agreed_all_sum_reduce", "axes_subgrid",
+           "SubGridSum", "replicate", "replicated_sum"]
 
 _OP = "AllSumReduce"
 
@@ -142,3 +159,34 @@ class AllSumReduce(nn.Module):
 
     def extra_repr(self) -> str:
         return f"P_x={list(self.P_x.shape)}, axes_reduce={self.axes_reduce}, reduce_dtype={self.reduce_dtype}"
+
+
+class SubGridSum(HandleOwner):
+    """The context of the replicated forms' handle: the layer's name ``op`` and the sub-grid ``P``.  Made at
+    construction, in the same order on every worker."""
+
+    def __init__(self, op: str, P: CartesianPartition):
+        self.op, self.P = op, P
+        self.handle = new_handle(self)
+
+
+def _copy(w: torch.Tensor, handle: int) -> torch.Tensor:
+    return w.clone()
+
+
+def _sum(v: torch.Tensor, handle: int) -> torch.Tensor:
+    ctx: SubGridSum = lookup(handle)
+    return v.clone() if ctx.P.size == 1 else all_reduce_sum(ctx.op, ctx.P, v.contiguous())
+
+
+def _like(t, handle):
+    return torch.empty_like(t)
+
+
+def _contiguous_like(t, handle):
+    return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+replicate, replicated_sum = op_pair("replicate", _copy, _like, _sum, _contiguous_like,
+                                    adjoint_args=lambda w, handle: (handle,),
+                                    forward_args=lambda v, handle: (handle,))

@@ -26,6 +26,35 @@ neither       zero-volume -> its clone    zero-volume -> zero-volume
 
 The output is always a new tensor, also where the worker is its own source.
 
+One op pair, every caller.  The plan's two walks are each other's adjoint, and they are
+defined once, as the op pair (:mod:`~distfuse.primitives._op_pair`) of this module::
+
+    broadcast_blocks(t, h, out_shape, fmt, flag, anchor)    distfuse::broadcast: sources send t, a destination
+                                                           returns its source's block [out_shape] in fmt
+    sum_reduce_blocks(t, h, out_shape, fmt, flag, anchor)   distfuse::broadcast_adjoint: destinations send t,
+                                                           a source returns the sum of its destinations' blocks
+
+Each is the other's backward (so gradients of any order are exact), and a worker that
+receives nothing returns an empty ``[out_shape]`` (zero-volume: the caller passes its own
+output shape there).  ``h`` names a :class:`PlanMove` (the plan); ``fmt`` is the layout
+the blocks travel and arrive in (0 contiguous, 1 channels_last, 2 channels_last_3d).  The
+:class:`Broadcast` and :class:`~distfuse.primitives.sum_reduce.SumReduce` modules, their
+functional forms, the convolutions' and the general linear layer's moves call these
+entries, eagerly and compiled alike.
+
+The flagged round (``flag >= 0``; a plan with one source): every destination first sends
+the source its agreement flag (one element), and the source appends the flags' sum to
+its block, so one message carries every worker's flag to every worker
+(:mod:`~distfuse.primitives._agreement`); the feature and transposed convolutions'
+parameter broadcast carries their agreement this way
+(:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`).  ``flag`` is
+this worker's flag, 0 or 1; when any worker's is set, every worker runs the context's
+``on_flag`` and raises :func:`~distfuse.primitives.agreement_session.flagged_error` after
+the round (an eager call catches it and gathers the metadata; a compiled call stops
+there).  On a CUDA partition the flags take the host round of
+:mod:`~distfuse.primitives._flag_transport` instead (no device read).  The adjoint of a
+flagged round is the plain sum-reduce.
+
 Decisions:
 
 * **Tensor dimensions.** A block must have ``dim(P_y)`` dimensions: one per partition
@@ -37,7 +66,8 @@ Decisions:
   ``zero_volume_tensor(requires_grad=True)`` there when training, or the adjoint never
   runs on that worker and its P_x source waits for the gradient until the process
   group times out.  Likewise every worker of P_x and P_y must run the backward (a
-  P_x-only worker backpropagates through its zero-volume output).
+  P_x-only worker backpropagates through its zero-volume output).  Layers pass the
+  op's ``anchor`` instead (:func:`~distfuse.primitives._op_pair.anchor`).
 * **Metadata cost.** The :class:`Broadcast` module cannot know the block shape on a
   receive-only worker, so it all-gathers each worker's ``(shape, dtype)`` over
   ``union_partition(P_x, P_y)`` (ten int64 per worker on the host gloo group, no device
@@ -65,7 +95,7 @@ bf16/fp16 (one rounding at the end).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,13 +106,19 @@ from distfuse.errors import ShapeError, expect, where
 from distfuse.geometry.broadcast_plan import BroadcastPlan, check_gathered_inputs
 from distfuse.partition import union_partition
 from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
-from distfuse.primitives._common import check_inactive_input, empty_like_batch, exchange, gather_metadata
-from distfuse.primitives._layout import as_message, empty_in, stacked_in
+from distfuse.primitives._common import check_inactive_input, exchange, gather_metadata
+from distfuse.primitives._flag_transport import any_flag_on_host, flags_on_host
+from distfuse.primitives._handles import HandleOwner, lookup, new_handle
+from distfuse.primitives._layout import as_message, empty_in, format_code, format_of_code, stacked_in
+from distfuse.primitives._op_pair import op_pair
+from distfuse.primitives.agreement_session import flagged_error
 
-__all__ = ["Broadcast", "BroadcastFunction", "BroadcastAdjointFunction", "broadcast", "broadcast_plan", "copy_blocks",
-           "sum_blocks", "agreed_metadata", "metadata_signature"]
+__all__ = ["Broadcast", "broadcast", "broadcast_plan", "copy_blocks", "sum_blocks", "agreed_metadata",
+           "metadata_signature", "PlanMove", "move_of", "broadcast_blocks", "sum_reduce_blocks", "move_blocks",
+           "NO_FLAG", "PlanModule", "placeholder"]
 
 _HALF = (torch.float16, torch.bfloat16)
+NO_FLAG = -1  #: the ``flag`` of a plain (unflagged) call of the op pair
 
 
 def _recv_buffer(shape: Sequence[int], dtype: torch.dtype, device, fmt=None) -> torch.Tensor:
@@ -145,6 +181,185 @@ def sum_blocks(plan: BroadcastPlan, t: torch.Tensor | None, out_shape, dtype: to
     return out
 
 
+# ---------------------------------------------------------------- the op pair
+
+
+class PlanMove(HandleOwner):
+    """The context behind the op pair's handle: a plan, the op named in errors and, for a flagged round,
+    the partition whose meta group carries the flags on CUDA and ``on_flag`` (run on every worker when some
+    worker flagged: the layer forgets its agreement)."""
+
+    def __init__(self, plan: BroadcastPlan, op: str | None = None, P=None, on_flag: Callable[[], None] | None = None):
+        self.plan, self.op, self.P, self.on_flag = plan, op or plan.op, P, on_flag
+        self.handle = new_handle(self)
+
+    def copy(self, t: torch.Tensor, out_shape: list[int], fmt: int = 0, anchor: torch.Tensor | None = None,
+             flag: int = NO_FLAG) -> torch.Tensor:
+        """:data:`broadcast_blocks` along this plan: sources to destinations (``flag``: the flagged round)."""
+        return broadcast_blocks(t, self.handle, out_shape, fmt, flag, anchor)
+
+    def sum(self, t: torch.Tensor, out_shape: list[int], fmt: int = 0, anchor: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """:data:`sum_reduce_blocks` along this plan: destinations summed onto their sources."""
+        return sum_reduce_blocks(t, self.handle, out_shape, fmt, NO_FLAG, anchor)
+
+
+def move_of(plan: BroadcastPlan) -> PlanMove:
+    """The plain :class:`PlanMove` of ``plan`` (made once, on first use; :func:`broadcast_plan` makes it at once)."""
+    move = plan.__dict__.get("_move")
+    if move is None:
+        move = plan.__dict__["_move"] = PlanMove(plan)
+    return move
+
+
+def placeholder(like: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero-volume input for a worker that only receives: an empty slice of ``like`` (any tensor of the call).
+
+    Never a graph constant: a compiler folds ops whose inputs are all constants at compile
+    time, which ran a round on some workers while their peers were still compiling (gloo
+    "Received data size doesn't match" under inductor).
+    """
+    t = like.detach()
+    t = t[:0].reshape(-1) if t.dim() else t.reshape(1)[:0]  # a view: a flatten first would copy a channels_last x
+    return t.to(device=device, dtype=dtype)
+
+
+def _flagged_copy(ctx: PlanMove, t: torch.Tensor, out_shape: list[int], flag: int) -> torch.Tensor:
+    """The flagged round of the module docstring: ``[out_shape]`` on every destination."""
+    plan, P, me = ctx.plan, ctx.P, dist.get_rank()
+    changed = bool(flag)
+    n = out_shape[-1]
+    msg_shape = tuple(out_shape[:-1]) + (n + 1,)
+    on_host = flags_on_host(P.device)
+    out = None
+    if on_host and any_flag_on_host(P, changed, ctx.op):  # CUDA: the flags' host round, no device read
+        flagged = True
+    else:
+        mine = torch.full((1,), 1.0 if changed and not on_host else 0.0, dtype=t.dtype, device=t.device)
+        src = plan.source_of(me) if plan.is_dst(me) else None
+        sends = [(src, mine)] if src is not None and src != me and not on_host else []
+        peers = [w for w in plan.dests_of(me) if w != me] if plan.is_src(me) and not on_host else []
+        got = [torch.empty_like(mine) for _ in peers]
+        exchange(sends, list(zip(peers, got, strict=True)), op=ctx.op)
+        msg = torch.cat([t.reshape(-1), sum(got, mine)]).view(msg_shape) if plan.is_src(me) else None
+        out = copy_blocks(plan, msg, msg_shape, t.dtype, t.device)
+        # a host read of the received flag, inside the op (in band only: free for CPU tensors)
+        flagged = out is not None and not on_host and bool(out.view(-1)[n] != 0)
+    if flagged:  # every worker raises, after the round
+        ctx.on_flag()
+        raise flagged_error(ctx.op)
+    return out.view(-1)[:n].clone().view(out_shape) if out is not None else t.new_empty(out_shape)
+
+
+def _own(t: torch.Tensor, out_shape: list[int], fmt: int) -> torch.Tensor:
+    """An identity plan's move: a copy of ``t`` in ``fmt`` (a new tensor, as a message would be)."""
+    out = empty_in(out_shape, format_of_code(fmt), dtype=t.dtype, device=t.device)
+    return out.copy_(t) if out.numel() else out
+
+
+def _copy(t: torch.Tensor, handle: int, out_shape: list[int], fmt: int, flag: int,
+          anchor: torch.Tensor | None = None) -> torch.Tensor:
+    """Sources send ``t``; a destination returns its source's block (``[out_shape]`` in ``fmt``)."""
+    ctx: PlanMove = lookup(handle)
+    if flag >= 0:
+        return _flagged_copy(ctx, t, out_shape, flag)
+    plan = ctx.plan
+    if plan.identity:  # every worker is its own source
+        return _own(t, out_shape, fmt)
+    me = dist.get_rank()
+    out = copy_blocks(plan, t if plan.is_src(me) else None, out_shape, t.dtype, t.device, format_of_code(fmt))
+    return out if out is not None else t.new_empty(out_shape)
+
+
+def _sum(t: torch.Tensor, handle: int, out_shape: list[int], fmt: int, flag: int,
+         anchor: torch.Tensor | None = None) -> torch.Tensor:
+    """Destinations send ``t``; a source returns their sum (``[out_shape]`` in ``fmt``), zeros elsewhere."""
+    plan = lookup(handle).plan
+    if plan.identity:  # every worker sums its own block alone
+        return _own(t, out_shape, fmt)
+    me = dist.get_rank()
+    out = sum_blocks(plan, t if plan.is_dst(me) else None, out_shape, t.dtype, t.device, format_of_code(fmt))
+    return out if out is not None else t.new_zeros(out_shape)
+
+
+def _fake(receives: Callable[[BroadcastPlan, int], bool]):
+    def fake(t, handle, out_shape, fmt, flag, anchor=None):
+        if receives(lookup(handle).plan, dist.get_rank()):
+            return empty_in(out_shape, format_of_code(fmt) if flag < 0 else None, dtype=t.dtype, device=t.device)
+        return t.new_empty(out_shape)
+    return fake
+
+
+def _other_args(t, handle, out_shape, fmt, flag, anchor=None):
+    """The other walk's arguments for a call on ``t``: its output is ``t``'s shape, the flag is not carried back."""
+    return handle, list(t.shape), fmt, NO_FLAG
+
+
+broadcast_blocks, sum_reduce_blocks = op_pair(
+    "broadcast", _copy, _fake(BroadcastPlan.is_dst), _sum, _fake(BroadcastPlan.is_src),
+    adjoint_args=_other_args, forward_args=_other_args)
+
+
+def move_blocks(x: torch.Tensor, plan: BroadcastPlan, forward: bool, y_shape: Sequence[int] | None,
+                y_dtype: torch.dtype | None, preserve_batch: bool, P_union, memory_format, agree: bool) -> torch.Tensor:
+    """:func:`broadcast` (``forward``: walk the plan forwards) or :func:`~distfuse.primitives.sum_reduce.sum_reduce`
+    (backwards), with their checks; see :func:`broadcast` for the arguments."""
+    op = plan.op
+    me = dist.get_rank()
+    holds, gets = (plan.is_src(me), plan.is_dst(me)) if forward else (plan.is_dst(me), plan.is_src(me))
+    y_dtype = x.dtype if y_dtype is None else y_dtype
+    if agree and P_union is None:
+        raise ShapeError(f"{where(op)}: agree=True needs P_union (the workers that agree on the checks)")
+    if agree and P_union.active and not plan.identity:
+        agree_on_local_checks(P_union, op, lambda: _check_args(plan, forward, x, y_shape, y_dtype))
+    else:
+        _check_args(plan, forward, x, y_shape, y_dtype)
+    if not (holds or gets) or plan.identity:
+        return x.clone()
+    if P_union is not None and debug.enabled():
+        debug.check_agreement(
+            op, P_union.ranks, P_union.meta_group,
+            same={"plan": plan.signature, "dtype": str(x.dtype if holds else y_dtype),
+                  "ndim": x.dim() if holds else len(y_shape)},
+            info={"x": tuple(x.shape) if holds else None, "y": tuple(y_shape) if gets else None},
+        )
+    if not holds:  # a placeholder: the received block's dtype and device
+        x = x.to(dtype=y_dtype, device=(plan.dst_partition if forward else plan.src_partition).device)
+    if gets:
+        out_shape = list(y_shape)
+    else:
+        out_shape = [x.shape[0], 0] if preserve_batch and x.dim() > 0 else [0]
+    move = move_of(plan)
+    fmt = format_code(memory_format) if memory_format is not None else 0
+    return move.copy(x, out_shape, fmt) if forward else move.sum(x, out_shape, fmt)
+
+
+def _check_args(plan: BroadcastPlan, forward: bool, x: torch.Tensor, y_shape, y_dtype) -> None:
+    """The functional forms' local checks of this worker's arguments (no communication)."""
+    op = plan.op
+    me = dist.get_rank()
+    holds, gets = (plan.is_src(me), plan.is_dst(me)) if forward else (plan.is_dst(me), plan.is_src(me))
+    dims = "one per dimension of P_y; P_x is extended with ones" if forward else "one per dimension of P_x"
+    if holds:
+        if x.dim() != plan.ndim:
+            raise expect(op, f"number of tensor dimensions ({dims})", plan.ndim, x.dim())
+        P_in = plan.src_partition if forward else plan.dst_partition
+        if x.device.type != P_in.device.type:
+            raise expect(op, "device", P_in.device, x.device)
+    else:
+        check_inactive_input(op, x)
+    if gets:
+        if y_shape is None:
+            raise ShapeError(f"{where(op)}: this rank is active in P_y, so the functional {op} needs y_shape (the "
+                             f"shape of the block it receives); the {op} module infers it")
+        if len(y_shape) != plan.ndim:
+            raise expect(op, f"number of dimensions of y_shape ({dims})", plan.ndim, len(y_shape))
+        if holds and y_dtype != x.dtype:
+            raise expect(op, "y_dtype (the blocks keep their dtype)", x.dtype, y_dtype)
+    if plan.identity and (holds or gets) and tuple(y_shape) != tuple(x.shape):
+        raise expect(op, "y_shape (this worker is its own source)", tuple(x.shape), tuple(y_shape))
+
+
 def metadata_signature(x: torch.Tensor) -> tuple:
     """What :func:`~distfuse.primitives._common.gather_metadata` records of ``x``: its shape, dtype and device type."""
     return tuple(x.shape), x.dtype, (x.device.type if x.numel() else None)
@@ -169,81 +384,9 @@ def agreed_metadata(site: AgreementSite, P_union, op: str, x: torch.Tensor, chec
 
 def broadcast_plan(P_x, P_y, transpose_src: bool = False, transpose_dest: bool = False) -> BroadcastPlan:
     """The plan of ``Broadcast(P_x, P_y, ...)``; pure Python, raises :class:`PartitionError` on a rule violation."""
-    return BroadcastPlan("Broadcast", P_x, P_y, transpose_src, transpose_dest, "P_x", "P_y")
-
-
-class BroadcastFunction(torch.autograd.Function):
-    """Autograd form of :func:`broadcast`; its backward is :class:`BroadcastAdjointFunction` (the SumReduce).
-
-    Both are differentiable (each one's backward is the other), so gradients of any
-    order through a broadcast are exact.
-    """
-
-    @staticmethod
-    def forward(ctx, x, plan: BroadcastPlan, y_shape, y_dtype, preserve_batch: bool, memory_format=None):
-        me = dist.get_rank()
-        ctx.plan, ctx.preserve_batch, ctx.memory_format = plan, preserve_batch, memory_format
-        ctx.x_shape, ctx.x_dtype, ctx.x_device = x.shape, x.dtype, x.device
-        device = x.device if plan.is_src(me) else plan.dst_partition.device
-        y = copy_blocks(plan, x if plan.is_src(me) else None, y_shape, y_dtype, device, memory_format)
-        if y is None:
-            y = empty_like_batch(x, preserve_batch) if plan.is_src(me) else x.clone()
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        dx = BroadcastAdjointFunction.apply(dy, ctx.plan, ctx.x_shape, ctx.x_dtype, ctx.x_device, ctx.preserve_batch,
-                                            ctx.memory_format)
-        return dx, None, None, None, None, None
-
-
-class BroadcastAdjointFunction(torch.autograd.Function):
-    """The adjoint of :class:`BroadcastFunction`: sources get the sum of their destinations' ``dy``.
-
-    ``dx`` has the forward input's shape, dtype and device (zeros on a worker that is no
-    source: the gradient of its placeholder).  Its backward is the broadcast again.
-    """
-
-    @staticmethod
-    def forward(ctx, dy, plan: BroadcastPlan, x_shape, x_dtype, x_device, preserve_batch: bool, memory_format=None):
-        me = dist.get_rank()
-        ctx.plan, ctx.preserve_batch, ctx.memory_format = plan, preserve_batch, memory_format
-        ctx.dy_shape, ctx.dy_dtype = tuple(dy.shape), dy.dtype
-        dx = sum_blocks(plan, dy if plan.is_dst(me) else None, x_shape, x_dtype, x_device, memory_format)
-        if dx is None:  # not a source: the gradient of the zero-volume placeholder
-            dx = torch.zeros(x_shape, dtype=x_dtype, device=x_device)
-        return dx
-
-    @staticmethod
-    def backward(ctx, ddx):
-        ddy = BroadcastFunction.apply(ddx, ctx.plan, ctx.dy_shape if ctx.plan.is_dst(dist.get_rank())
-                                      else None, ctx.dy_dtype, ctx.preserve_batch, ctx.memory_format)
-        return ddy, None, None, None, None, None, None
-
-
-def _check_args(plan: BroadcastPlan, x: torch.Tensor, y_shape, y_dtype) -> None:
-    """:func:`broadcast`'s local checks of this worker's arguments (no communication)."""
-    op = plan.op
-    me = dist.get_rank()
-    is_src, is_dst = plan.is_src(me), plan.is_dst(me)
-    if is_src:
-        if x.dim() != plan.ndim:
-            raise expect(op, "number of tensor dimensions (one per dimension of P_y; P_x is extended with ones)",
-                         plan.ndim, x.dim())
-        if x.device.type != plan.src_partition.device.type:
-            raise expect(op, "device", plan.src_partition.device, x.device)
-    else:
-        check_inactive_input(op, x)
-    if is_dst:
-        if y_shape is None:
-            raise ShapeError(f"{where(op)}: this rank is active in P_y, so the functional broadcast needs y_shape "
-                             "(the shape of the block it receives); the Broadcast module infers it")
-        if len(y_shape) != plan.ndim:
-            raise expect(op, "number of dimensions of y_shape (one per dimension of P_y)", plan.ndim, len(y_shape))
-        if is_src and y_dtype != x.dtype:
-            raise expect(op, "y_dtype (every P_x worker sends its own dtype)", x.dtype, y_dtype)
-    if plan.identity and (is_src or is_dst) and tuple(y_shape) != tuple(x.shape):
-        raise expect(op, "y_shape (this worker is its own source)", tuple(x.shape), tuple(y_shape))
+    plan = BroadcastPlan("Broadcast", P_x, P_y, transpose_src, transpose_dest, "P_x", "P_y")
+    move_of(plan)  # its handle, made at construction (in the same order on every rank)
+    return plan
 
 
 def broadcast(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | None = None,
@@ -268,65 +411,62 @@ def broadcast(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | Non
             in the exchange until the timeout: one one-element host all-reduce per call
             (:func:`~distfuse.primitives._agreement.agree_on_local_checks`).
     """
-    op = plan.op
-    me = dist.get_rank()
-    is_src, is_dst = plan.is_src(me), plan.is_dst(me)
-    y_dtype = x.dtype if y_dtype is None else y_dtype
-    if agree and P_union is None:
-        raise ShapeError(f"{where(op)}: agree=True needs P_union (the workers that agree on the checks)")
-    if agree and P_union.active and not plan.identity:
-        agree_on_local_checks(P_union, op, lambda: _check_args(plan, x, y_shape, y_dtype))
-    else:
-        _check_args(plan, x, y_shape, y_dtype)
-    if not (is_src or is_dst) or plan.identity:
-        return x.clone()
-    if P_union is not None and debug.enabled():
-        debug.check_agreement(
-            op, P_union.ranks, P_union.meta_group,
-            same={"plan": plan.signature, "dtype": str(x.dtype if is_src else y_dtype),
-                  "ndim": x.dim() if is_src else len(y_shape)},
-            info={"x": tuple(x.shape) if is_src else None, "y": tuple(y_shape) if is_dst else None},
-        )
-    return BroadcastFunction.apply(x, plan, tuple(y_shape) if is_dst else None, y_dtype, preserve_batch,
-                                   memory_format)
+    return move_blocks(x, plan, True, y_shape, y_dtype, preserve_batch, P_union, memory_format, agree)
 
 
-class Broadcast(nn.Module):
-    """Copy blocks of ``x`` from ``P_x`` to ``P_y`` by the broadcast rules; the adjoint sum-reduces.
+class PlanModule(nn.Module):
+    """What :class:`Broadcast` and :class:`~distfuse.primitives.sum_reduce.SumReduce` share: the plan, the union
+    partition, the agreed block shapes and the forward.
 
     Construction is collective over the world (it creates ``union_partition(P_x, P_y)``)
-    and raises :class:`PartitionError` on every rank when P_x does not broadcast to P_y.
+    and raises :class:`PartitionError` on every rank when the partitions do not broadcast.
     Block shapes are agreed over the union (gathered on the first call and on a change,
     a flag round otherwise; ``agreement`` counts them; see the module docstring); use
-    :func:`broadcast` with ``self.plan`` when the shapes are known.
+    the functional form with ``self.plan`` when the shapes are known.  Subclasses set
+    ``plan_of`` (the plan of ``(P_x, P_y, transpose_src, transpose_dest)``) and
+    ``forward_walk``.
     """
+
+    forward_walk = True  # Broadcast walks its plan forwards, SumReduce backwards
+    plan_of: Callable[..., BroadcastPlan]
 
     def __init__(self, P_x, P_y, transpose_src: bool = False, transpose_dest: bool = False,
                  preserve_batch: bool = True):
         super().__init__()
-        self.P_x, self.P_y = P_x, P_y
+        self.P_x, self.P_y, self.plan = P_x, P_y, self.plan_of(P_x, P_y, transpose_src, transpose_dest)
         self.transpose_src, self.transpose_dest = bool(transpose_src), bool(transpose_dest)
         self.preserve_batch = bool(preserve_batch)
-        self.plan = broadcast_plan(P_x, P_y, transpose_src, transpose_dest)
         self.P_union = union_partition(P_x, P_y)
         self.agreement = AgreementSite(self.plan.op)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        plan = self.plan
+        plan, fwd = self.plan, self.forward_walk
         me = dist.get_rank()
         if not self.P_union.active:
             check_inactive_input(plan.op, x)
             return x.clone()
         if plan.identity:
-            return broadcast(x, plan, tuple(x.shape), x.dtype, self.preserve_batch)
+            return move_blocks(x, plan, fwd, tuple(x.shape), x.dtype, self.preserve_batch, None, None, False)
         meta = agreed_metadata(self.agreement, self.P_union, plan.op, x, lambda m: check_gathered_inputs(
-            plan, self.P_union.ranks, m, data_on="src", data_name="P_x"))
+            plan, self.P_union.ranks, m, data_on="src" if fwd else "dst", data_name="P_x"))
         y_shape = y_dtype = None
-        if plan.is_dst(me):
-            y_shape, y_dtype = meta[self.P_union.ranks.index(plan.source_of(me))]
-        return broadcast(x, plan, y_shape, y_dtype, self.preserve_batch, self.P_union)
+        if (plan.is_dst if fwd else plan.is_src)(me):
+            y_shape, y_dtype = meta[self.P_union.ranks.index(plan.source_of(me) if fwd else plan.dests_of(me)[0])]
+        return move_blocks(x, plan, fwd, y_shape, y_dtype, self.preserve_batch, self.P_union, None, False)
 
     def extra_repr(self) -> str:
-        return (f"P_x={list(self.plan.src_ranks)}, P_y={list(self.plan.dst_ranks)}, "
-                f"transpose_src={self.transpose_src}, transpose_dest={self.transpose_dest}, "
-                f"preserve_batch={self.preserve_batch}")
+        src, dst = (self.plan.src_ranks, self.plan.dst_ranks) if self.forward_walk else \
+            (self.plan.dst_ranks, self.plan.src_ranks)
+        return (f"P_x={list(src)}, P_y={list(dst)}, transpose_src={self.transpose_src}, "
+                f"transpose_dest={self.transpose_dest}, preserve_batch={self.preserve_batch}")
+
+
+class Broadcast(PlanModule):
+    """``Broadcast(P_x, P_y, transpose_src=False, transpose_dest=False, preserve_batch=True)``: copy blocks of ``x``
+    from ``P_x`` to ``P_y`` by the broadcast rules; the adjoint sum-reduces.
+
+    See :class:`PlanModule` (construction, agreement) and the module docstring; use
+    :func:`broadcast` with ``self.plan`` when the shapes are known.
+    """
+
+    plan_of = staticmethod(broadcast_plan)

@@ -28,6 +28,16 @@ Memory format: the block is read through views, whatever its strides, so it is n
 copied before staging; ``staged`` (and the adjoint's block gradient) is allocated in the
 block's format (``channels_last`` in, ``channels_last`` out, as torch's convolutions keep
 it).  The halo boxes travel as plain contiguous messages.
+
+One round, one definition: :func:`halo_forward` and :func:`halo_adjoint` are the cores;
+:data:`halo_exchange` / :data:`halo_exchange_adjoint` are their op pair
+(:mod:`distfuse.primitives._op_pair`: ``distfuse::halo_exchange`` and its adjoint, each
+the other's backward), which the pooling and upsampling layers call in every mode, and
+which names its context by handle: a :class:`HaloExchange` or a :class:`PlanHalo` (a
+layer's own plan).  The module, the pooling and upsampling layers and the convolutions
+call it in every mode.  A worker outside the context's partition may call it too (a
+general convolution's weight- and output-only workers do, so that every worker's graph
+holds the same ops): it gets a copy of its placeholder and sends nothing.
 """
 
 from __future__ import annotations
@@ -43,11 +53,12 @@ from distfuse.geometry.halo_plan import PADDING_MODES, HaloPlan, adjoint_box, re
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
 from distfuse.primitives._common import check_inactive_input, exchange, infer_global_shape
-from distfuse.primitives._handles import new_handle
-from distfuse.primitives._layout import empty_in, memory_format_of, zeros_in
+from distfuse.primitives._handles import HandleOwner, lookup, new_handle
+from distfuse.primitives._layout import empty_in, format_code, format_of_code, memory_format_of, zeros_in
+from distfuse.primitives._op_pair import op_pair
 
-__all__ = ["HaloExchange", "HaloExchangeFunction", "HaloExchangeAdjointFunction", "stage_from_pieces",
-           "unstage_to_pieces", "halo_forward", "halo_adjoint"]
+__all__ = ["HaloExchange", "stage_from_pieces", "unstage_to_pieces", "halo_forward", "halo_adjoint", "halo_exchange",
+           "halo_exchange_adjoint", "world_of_fn", "halo_geometry", "PlanHalo"]
 
 
 def _as_tuple(v, nd: int, name: str, op: str = "HaloExchange") -> tuple[int, ...]:
@@ -101,8 +112,7 @@ def unstage_to_pieces(grad: torch.Tensor, x_shape: Sequence[int], plan: HaloPlan
 def halo_forward(x: torch.Tensor, plan: HaloPlan, index, world_of, op: str = "HaloExchange") -> torch.Tensor:
     """The exchange without autograd: send the boxes peers read, receive ours, stage (in ``x``'s format).
 
-    Shared by :class:`HaloExchangeFunction` and the ``distfuse::halo_exchange`` custom op
-    (``distfuse/ops``), so eager and compiled code send the same messages.
+    The core of the :data:`halo_exchange` op pair.
     """
     nd = len(plan.axes)
     lead = tuple(x.shape[: x.dim() - nd])
@@ -127,47 +137,90 @@ def halo_adjoint(grad: torch.Tensor, plan: HaloPlan, index, world_of, x_shape, o
     return grad_x.to(grad.dtype)
 
 
-class HaloExchangeFunction(torch.autograd.Function):
-    """Autograd Function of the exchange; ``world_of`` maps a spatial block index to a world rank.
+def world_of_fn(P_x: CartesianPartition, nd: int):
+    """Map a spatial block index (the last ``nd`` axes of ``P_x``) to the world rank holding it (same leading index)."""
+    lead = tuple(P_x.index[: P_x.dim - nd])
+    ranks, rank_of = P_x.ranks, P_x.rank_of
+    return lambda spatial: ranks[rank_of(lead + tuple(spatial))]
 
-    The backward is :class:`HaloExchangeAdjointFunction`, whose backward is this Function
-    again, so gradients of any order (a gradient penalty through a convolution) are exact.
+
+class PlanHalo(HandleOwner):
+    """The context behind the halo op pair's handle for a layer with a plan of its own (pooling, upsampling,
+    the transposed convolution): ``P_x``, ``nd`` spatial axes and ``plan_of(global_shape)``.
+
+    It answers what the ops ask of a :class:`HaloExchange` (``P_x``, ``nd``,
+    ``plan(global_shape)``, ``world_of_fn()``, ``_op``), so both stage through the same ops.
     """
 
-    @staticmethod
-    def forward(ctx, x, plan: HaloPlan, index, world_of, op: str = "HaloExchange"):
-        ctx.plan, ctx.index, ctx.world_of, ctx.x_shape, ctx.op = plan, index, world_of, tuple(x.shape), op
-        ctx.x_format = memory_format_of(x)
-        return halo_forward(x, plan, index, world_of, op)
+    def __init__(self, P_x: CartesianPartition, nd: int, plan_of, op: str):
+        self.P_x, self.nd, self._plan_of, self._op = P_x, nd, plan_of, op
+        self.handle = new_handle(self)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return HaloExchangeAdjointFunction.apply(grad, ctx.plan, ctx.index, ctx.world_of, ctx.x_shape, ctx.op,
-                                                 ctx.x_format), None, None, None, None
+    def plan(self, global_shape: Sequence[int]) -> HaloPlan:
+        return self._plan_of(tuple(int(n) for n in global_shape))
 
-
-class HaloExchangeAdjointFunction(torch.autograd.Function):
-    """The adjoint of the exchange: staged gradients go back to the blocks they were read from.
-
-    ``grad`` has the staged shape, the result the block's (``x_shape``); the block's own
-    boxes are accumulated (fp32 for 16-bit), then the boxes of other workers arrive in one
-    round and are added.  The result is in ``x_format`` (the forward block's).  Its backward
-    is :class:`HaloExchangeFunction`.
-    """
-
-    @staticmethod
-    def forward(ctx, grad, plan: HaloPlan, index, world_of, x_shape, op: str = "HaloExchange",
-                x_format=torch.contiguous_format):
-        ctx.plan, ctx.index, ctx.world_of, ctx.op = plan, index, world_of, op
-        return halo_adjoint(grad, plan, index, world_of, x_shape, op, x_format)
-
-    @staticmethod
-    def backward(ctx, ggrad_x):
-        return HaloExchangeFunction.apply(ggrad_x, ctx.plan, ctx.index, ctx.world_of, ctx.op), \
-            None, None, None, None, None, None
+    def world_of_fn(self):
+        return world_of_fn(self.P_x, self.nd)
 
 
-class HaloExchange(nn.Module):
+# ---------------------------------------------------------------- the op pair
+#
+#     distfuse::halo_exchange(x [*lead, *n_s], handle, global_shape)                 -> staged [*lead, *L_s]
+#     distfuse::halo_exchange_adjoint(g [*lead, *L_s], handle, G, x_shape, x_format) -> dx [x_shape]
+#
+# ``handle`` names a HaloExchange or a PlanHalo (its partition and plans); ``global_shape`` picks the plan.  The
+# staged input and the block gradient are in the block's memory format (x_format: 0 contiguous, 1 channels_last,
+# 2 channels_last_3d), eager and fake alike.  Each op's backward is the other.  ``anchor`` (optional, see
+# distfuse/primitives/_op_pair.py) makes a worker whose block does not require grad run the adjoint its peers need.
+
+
+def halo_geometry(handle: int, global_shape) -> tuple:
+    """``(context, plan, spatial index)`` of a halo op call: the object behind ``handle``, its plan for
+    ``global_shape`` and this worker's block index on the plan's axes (plan and index None off its partition)."""
+    halo = lookup(handle)
+    if not halo.P_x.active:
+        return halo, None, None
+    return halo, halo.plan(tuple(global_shape)), halo.P_x.index[halo.P_x.dim - halo.nd:]
+
+
+def _exchange(x: torch.Tensor, handle: int, global_shape: list[int],
+              anchor: torch.Tensor | None = None) -> torch.Tensor:
+    """Stage ``x`` (this worker's block) with its halos and the boundary padding; one exchange round."""
+    halo, plan, index = halo_geometry(handle, global_shape)
+    if plan is None:
+        return x.clone()
+    return halo_forward(x, plan, index, halo.world_of_fn(), halo._op)
+
+
+def _exchange_fake(x, handle, global_shape, anchor=None):
+    _, plan, index = halo_geometry(handle, global_shape)
+    if plan is None:
+        return torch.empty_like(x)
+    lead = tuple(x.shape[: x.dim() - len(plan.axes)])
+    return empty_in(lead + plan.staged_shape(index), memory_format_of(x), dtype=x.dtype, device=x.device)
+
+
+def _exchange_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], x_shape: list[int],
+                      x_format: int) -> torch.Tensor:
+    """Send every staged box's gradient home and accumulate: ``[x_shape]`` in ``x_format``."""
+    halo, plan, index = halo_geometry(handle, global_shape)
+    if plan is None:
+        return grad.new_zeros(tuple(x_shape))
+    return halo_adjoint(grad, plan, index, halo.world_of_fn(), tuple(x_shape), halo._op, format_of_code(x_format))
+
+
+def _exchange_adjoint_fake(grad, handle, global_shape, x_shape, x_format):
+    fmt = format_of_code(x_format) if lookup(handle).P_x.active else torch.contiguous_format
+    return empty_in(tuple(x_shape), fmt, dtype=grad.dtype, device=grad.device)
+
+
+halo_exchange, halo_exchange_adjoint = op_pair(
+    "halo_exchange", _exchange, _exchange_fake, _exchange_adjoint, _exchange_adjoint_fake,
+    adjoint_args=lambda x, handle, G, anchor=None: (handle, list(G), list(x.shape), format_code(memory_format_of(x))),
+    forward_args=lambda g, handle, G, x_shape, x_format: (handle, list(G)))
+
+
+class HaloExchange(HandleOwner, nn.Module):
     """Stage the input of a convolution over a spatially partitioned tensor.
 
     Args:
@@ -242,9 +295,7 @@ class HaloExchange(nn.Module):
                              f"worker's block {want} of the global shape {tuple(global_shape)}")
 
     def world_of_fn(self):
-        lead_index = self.P_x.index[: self.P_x.dim - self.nd]
-        ranks, rank_of = self.P_x.ranks, self.P_x.rank_of
-        return lambda spatial_index: ranks[rank_of(lead_index + tuple(spatial_index))]
+        return world_of_fn(self.P_x, self.nd)
 
     def forward(self, x: torch.Tensor, global_shape: Sequence[int] | None = None, agree: bool = False) -> torch.Tensor:
         """The staged input; ``global_shape`` skips the agreement (local checks; see the class docstring).
@@ -271,10 +322,8 @@ class HaloExchange(nn.Module):
             agree_on_local_checks(self.P_x, op, lambda: self._check_block(x, global_shape))
         else:
             self._check_block(x, global_shape)
-        plan = self.plan(global_shape)
-        index = self.P_x.index[self.P_x.dim - self.nd:]
         debug.check_agreement(op, self.P_x.ranks, self.P_x.meta_group,
                               same=dict(dtype=str(x.dtype), ndim=x.dim(), spatial=tuple(global_shape[-self.nd:])),
                               info=dict(shape=tuple(x.shape)))
         # No x.contiguous(): the block is read through views, so a channels_last block is not copied to NCHW.
-        return HaloExchangeFunction.apply(x, plan, index, self.world_of_fn())
+        return halo_exchange(x, self.handle, [int(n) for n in global_shape])

@@ -12,8 +12,8 @@ Several axes may be reduce-scattered at once (DistDL allows one).
 
 Adjoint: an all-gather of the output gradient's blocks, which are the balanced
 decomposition of the input shape, so no metadata is exchanged in either direction.  The
-backward calls the all-gather's autograd Function, whose backward is this reduce-scatter,
-so gradients of any order are exact.
+two are one op pair (:mod:`~distfuse.primitives._gather_scatter`), each the other's
+backward, so gradients of any order are exact.
 
 Cost: one flat reduce-scatter of ``|S| * prod(largest block)`` elements on the
 sub-grid's group (``_axes.py``); uneven blocks travel padded to the largest block,
@@ -33,51 +33,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from distfuse import debug
 from distfuse.errors import ShapeError, expect, where
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._agreement import AgreementSite, run_agreed
 from distfuse.primitives._axes import (
-    BlockLayout,
     axes_subgrid,
     balanced_layout,
     check_input,
-    check_partition,
-    resolve_axes,
-    scatter_sum_blocks,
 )
-from distfuse.primitives._axes_flagged import scatter_sum_blocks_flagged
 from distfuse.primitives._call_agreement import agree_on_call
 from distfuse.primitives._common import gather_metadata
+from distfuse.primitives._gather_scatter import AxesModule, BlockCollective, collective_of, reduce_scatter_op
+from distfuse.primitives.agreement_session import AgreementSession
 
-__all__ = ["ReduceScatter", "ReduceScatterFunction", "reduce_scatter", "agreed_reduce_scatter", "axes_subgrid"]
+__all__ = ["ReduceScatter", "reduce_scatter", "agreed_reduce_scatter", "axes_subgrid"]
 
 _OP = "ReduceScatter"
-
-
-class ReduceScatterFunction(torch.autograd.Function):
-    """Autograd Function of :func:`reduce_scatter` on an active worker of a sub-grid of more than one worker.
-
-    ``apply(x, P_sub, layout, reduce_dtype, op="ReduceScatter", scattered=None)``: ``scattered``,
-    when given, is the result of a reduce-scatter that already ran (the agreement-checked
-    path).  The backward is :class:`~distfuse.primitives.all_gather.AllGatherFunction`
-    (differentiable); a double backward reduce-scatters in ``reduce_dtype`` again.
-    """
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, P_sub: CartesianPartition, layout: BlockLayout,
-                reduce_dtype: torch.dtype | None, op: str = _OP, scattered: torch.Tensor | None = None):
-        ctx.P_sub, ctx.layout, ctx.reduce_dtype, ctx.op = P_sub, layout, reduce_dtype, op
-        return scattered if scattered is not None else scatter_sum_blocks(op, P_sub, layout, x, reduce_dtype)
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        from distfuse.primitives.all_gather import AllGatherFunction
-
-        dx = AllGatherFunction.apply(dy.contiguous(), ctx.P_sub, ctx.layout, ctx.reduce_dtype, ctx.op)
-        return dx, None, None, None, None, None
 
 
 def reduce_scatter(x: torch.Tensor, P_sub: CartesianPartition,
@@ -104,30 +76,30 @@ def reduce_scatter(x: torch.Tensor, P_sub: CartesianPartition,
         return x.clone()
     if P_sub.size == 1:
         return x.clone()
-    return ReduceScatterFunction.apply(x, P_sub, balanced_layout(P_sub, x.shape), reduce_dtype)
+    return reduce_scatter_op(x, collective_of(_OP, P_sub).handle, balanced_layout(P_sub, x.shape).blocks,
+                             reduce_dtype, -1)
 
 
-def agreed_reduce_scatter(x: torch.Tensor, P_sub: CartesianPartition, site: AgreementSite, *,
-                          reduce_dtype: torch.dtype | None = None, op: str = _OP) -> torch.Tensor:
-    """:func:`reduce_scatter` with every worker's shape and dtype checked under the agreement protocol.
+def agreed_reduce_scatter(x: torch.Tensor, ctx: BlockCollective, session: AgreementSession, *,
+                          reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`reduce_scatter` with every worker's shape and dtype checked under the agreement protocol, every mode.
 
-    Steady state: a flag element per chunk, no metadata; first call or a change on some
-    worker: one host-side gather of ``(shape, dtype)``, and every worker raises the same
+    ``ctx`` and ``session`` as for :func:`~distfuse.primitives.all_gather.agreed_all_gather`:
+    the flag rides in the reduce-scatter.  Steady state: a flag element per chunk, no
+    metadata; first call or a change on some worker: one host-side gather of
+    ``(shape, dtype)``, and every worker raises the same
     :class:`~distfuse.errors.ShapeError` unless all are equal.  Active workers of a
     sub-grid of more than one worker only.
     """
+    op, P_sub = ctx.op, ctx.P_sub
     ok = x.dim() == P_sub.dim and x.device.type == P_sub.device.type
 
-    def attempt(changed: bool):
-        shape, dtype = site.state
-        layout = balanced_layout(P_sub, shape)
-        full = x.detach() if not changed else torch.zeros(shape, dtype=dtype, device=P_sub.device)
-        block, flagged = scatter_sum_blocks_flagged(op, P_sub, layout, full, changed, reduce_dtype)
-        if flagged:
-            return None, True
-        return ReduceScatterFunction.apply(x, P_sub, layout, reduce_dtype, op, block), False
+    def run(state, flag: int) -> torch.Tensor:
+        shape, dtype = state
+        full = x if flag != 1 else torch.zeros(shape, dtype=dtype, device=P_sub.device)
+        return reduce_scatter_op(full, ctx.handle, balanced_layout(P_sub, shape).blocks, reduce_dtype, flag)
 
-    def slow():
+    def gather():
         meta = gather_metadata(P_sub, x, op=op)
         for r, (s, _) in zip(P_sub.ranks, meta, strict=True):
             if len(s) != P_sub.dim:
@@ -138,13 +110,13 @@ def agreed_reduce_scatter(x: torch.Tensor, P_sub: CartesianPartition, site: Agre
             raise ShapeError(f"{where(op)}: every worker must pass a full-extent tensor of the same shape and "
                              f"dtype; got {rows}")
         shape, dtype = meta[0]
-        layout = balanced_layout(P_sub, shape)
-        return ReduceScatterFunction.apply(x, P_sub, layout, reduce_dtype, op), (tuple(shape), dtype)
+        y = reduce_scatter_op(x, ctx.handle, balanced_layout(P_sub, shape).blocks, reduce_dtype, -1)
+        return y, (tuple(shape), dtype)
 
-    return run_agreed(site, (tuple(x.shape), x.dtype, x.device.type), ok, attempt, slow)
+    return session.agree_in((tuple(x.shape), x.dtype, x.device.type), ok, run, gather)
 
 
-class ReduceScatter(nn.Module):
+class ReduceScatter(AxesModule):
     """Reduce-scatter within ``P_x`` along ``axes_reduce_scatter`` (or every axis not in ``axes_keep``).
 
     See the module doc for shapes and the adjoint.
@@ -159,23 +131,15 @@ class ReduceScatter(nn.Module):
     world rank, active in ``P_x`` or not, must construct the module.
     """
 
+    op, axes_name = _OP, "axes_reduce_scatter"
+
     def __init__(self, P_x: CartesianPartition, axes_reduce_scatter: Sequence[int] | int | None = None,
                  axes_keep: Sequence[int] | int | None = None, reduce_dtype: torch.dtype | None = None):
-        super().__init__()
-        check_partition(_OP, P_x)
-        self.P_x = P_x
-        self.axes_reduce_scatter = resolve_axes(_OP, P_x, axes_reduce_scatter, axes_keep, "axes_reduce_scatter")
-        self.axes_keep = tuple(d for d in range(P_x.dim) if d not in self.axes_reduce_scatter)
-        self.reduce_dtype = reduce_dtype
-        self.P_sub = axes_subgrid(P_x, self.axes_reduce_scatter)
-        self.agreement = AgreementSite(_OP)
+        super().__init__(P_x, axes_reduce_scatter, axes_keep, reduce_dtype)
+        self.axes_reduce_scatter = self.axes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         P_sub = self.P_sub
         if not P_sub.active or P_sub.size == 1 or not isinstance(x, torch.Tensor) or debug.enabled():
             return reduce_scatter(x, P_sub, self.reduce_dtype)  # debug mode compares every call instead
-        return agreed_reduce_scatter(x, P_sub, self.agreement, reduce_dtype=self.reduce_dtype)
-
-    def extra_repr(self) -> str:
-        return (f"P_x={list(self.P_x.shape)}, axes_reduce_scatter={self.axes_reduce_scatter}, "
-                f"reduce_dtype={self.reduce_dtype}")
+        return agreed_reduce_scatter(x, self._ctx, self.session, reduce_dtype=self.reduce_dtype)

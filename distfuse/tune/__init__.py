@@ -17,12 +17,16 @@ devices and world sizes already in the file are kept.
 The package:
 
 ==================  ===========================================================================
-``table``           the table's file format, where it lives, :func:`load_table` (dispatch reads
-                    through it), :func:`write_table` (atomic merge)
+``table``           :func:`write_table` (atomic merge); the format, the path and
+                    :func:`load_table` are :mod:`distfuse.fused.crossover_table`'s (dispatch reads
+                    through it without importing the tuner), re-exported here
 ``crossover_fit``   the crossover maths (:func:`crossover`, pure) and :func:`entry_for`
 ``autotune_cache``  harvest / seed of the Triton autotuners' caches (``triton_configs``)
 ``cases``           timing cases and shape grids of the built-in ops (the registry points at them)
-``sweeper``         :func:`sweep`, every rank; timing through :mod:`distfuse.timing`
+``sweeper``         :func:`sweep`, every rank; timing through :mod:`distfuse.timing`; its entries
+                    are ``"source": "measured"``
+``project``         ``distfuse-tune project``: ``"source": "projected"`` entries from the GPU lab's
+                    one-GPU kernel rows and a stated NVLink model (the table the package ships)
 ``cli``             the command line (:func:`main`; ``distfuse-tune``, ``python -m distfuse.tune``)
 ==================  ===========================================================================
 """

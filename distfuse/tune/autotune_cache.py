@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from distfuse.fused.crossover_table import read_json
 from distfuse.fused.registry import RENAMED_KERNELS
-from distfuse.tune.table import read_json
 
 __all__ = ["config_to_json", "harvest_autotune_caches", "seed_autotune_caches", "autotuners", "cache_keys",
            "RENAMED_TUNERS"]

@@ -216,11 +216,11 @@ def feature_linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
     """
     import torch.nn.functional as F
 
-    from distfuse import Partition
     from distfuse.fused.all_gather_features_matmul import all_gather_features_matmul
     from distfuse.fused.matmul_all_reduce import matmul_all_reduce
     from distfuse.fused.matmul_reduce_scatter_features import matmul_reduce_scatter_features
     from distfuse.geometry.decomposition import block_extent
+    from distfuse.partition import Partition
     from distfuse.primitives.all_gather import all_gather
     from distfuse.primitives.all_sum_reduce import all_sum_reduce
     from distfuse.primitives.reduce_scatter import reduce_scatter
@@ -270,8 +270,8 @@ def halo_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
 
     Construction is collective over the whole world (partitions); only active ranks time.
     """
-    from distfuse import Partition
     from distfuse.layers import DistributedConv1d, DistributedConv2d, DistributedConv3d
+    from distfuse.partition import Partition
 
     dtype, device, full = ctx.dtype, ctx.device, ctx.full
     nd, c, e = shape["nd"], shape["channels"], shape["extent"]

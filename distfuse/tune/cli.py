@@ -3,12 +3,18 @@
     torchrun --nproc-per-node 8 -m distfuse.tune --dtype bfloat16      # NCCL, all 8 GPUs
     torchrun --nproc-per-node 8 -m distfuse.tune --world-sizes 2 4 8   # also the TP=2 and TP=4 groups
     distfuse-tune --quick                                             # one process (world size 1)
+    distfuse-tune project [--check]                                   # projected entries (distfuse.tune.project)
+
+Under torchrun the entries are ``"source": "measured"`` and take precedence over projected
+ones (the shipped table's, and a projected entry already in the file is replaced).  One
+process has nothing to fuse (world size 1): it says so, and points at ``distfuse-tune project``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -50,6 +56,7 @@ def parse_args(argv=None):
                    help="table path (default $DISTFUSE_TUNE_TABLE, else ~/.cache/distfuse/crossover.json)")
     p.add_argument("--dry-run", action="store_true", help="measure and print; write nothing")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--time-interpreted", action="store_true", help=argparse.SUPPRESS)  # CPU plumbing tests only
     return p.parse_args(argv)
 
 
@@ -70,8 +77,10 @@ def init_dist() -> bool:
     return True
 
 
-def run(args) -> SweepResult:
-    """The sweep for parsed arguments on the initialised world; rank 0 writes the table unless ``dry_run``."""
+def run(args, timer=None) -> SweepResult:
+    """The sweep for parsed arguments on the initialised world; rank 0 writes the table unless ``dry_run``.
+
+    ``timer``: :data:`distfuse.tune.sweeper.Timer` (tests; default the real one)."""
     cuda = torch.cuda.is_available() and cuda_backend_of() == "nccl"  # "undefined" under init_process_group()
     dtypes = [DTYPES[d] for d in (args.dtype or (["bfloat16"] if cuda else ["float32"]))]
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
@@ -82,7 +91,8 @@ def run(args) -> SweepResult:
                             channels=args.channels, extent=args.extent, nd=args.nd)
 
     res = sweep(args.ops, dtypes, args.world_sizes, grid=grid, full=args.mode == "full", warmup=warmup, reps=reps,
-                margin=args.margin, progress=not args.no_progress)
+                margin=args.margin, progress=not args.no_progress, timer=timer,
+                interpreted=getattr(args, "time_interpreted", False))
     if dist.get_rank() == 0:
         print(summary(res))
         if not args.dry_run:
@@ -97,6 +107,11 @@ def run(args) -> SweepResult:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["project"]:  # distfuse-tune project: no process group, no GPU
+        from distfuse.tune.project import main as project_main
+
+        return project_main(argv[1:])
     args = parse_args(argv)
     if not torch.cuda.is_available():
         # The kernels are imported (not timed) on CPU; without a GPU Triton needs its interpreter to import them.

@@ -3,6 +3,12 @@
 The gain at a size is ``log(unfused_ms / (fused_ms * (1 + margin)))``; the interval
 is the contiguous run of sizes with the largest total gain (:func:`crossover`).  The
 tuner writes the result as a table entry (:func:`entry_for`); ``bench plot`` shades it.
+
+Each entry also quotes its gains (:func:`gain_fields`): per size ``gain = unfused / fused - 1``
+and its ``margin``, what the spread of the timings takes off it (the fused time at its 80th
+percentile against the unfused at its 20th), plus the decisive ``gain``/``margin`` (the
+smallest gain inside the fused interval; the best one of a "never" entry).  Dispatch quotes
+them in ``Decision.entry`` (``layer.explain(x)``).
 """
 
 from __future__ import annotations
@@ -12,9 +18,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from distfuse.fused import registry
-from distfuse.tune.table import NEVER
+from distfuse.fused.crossover_table import NEVER
 
-__all__ = ["Crossover", "crossover", "entry_for", "provider_fields"]
+__all__ = ["Crossover", "crossover", "entry_for", "provider_fields", "gain_fields", "decisive"]
 
 
 @dataclass(frozen=True)
@@ -133,12 +139,47 @@ def provider_fields(points: Sequence[dict]) -> dict:
     return dict(provider=max(counts, key=counts.get), provider_sizes=sizes)
 
 
+def decisive(gains: Sequence[Sequence[float]], fused: str, min_size: float | None,
+             max_size: float | None) -> tuple[float, float] | None:
+    """``(gain, margin)`` an entry quotes from its ``[[size, gain, margin], ...]``: the smallest gain inside the
+    fused interval, or the best gain of a "never" entry (how far it is from winning)."""
+    if not gains:
+        return None
+    if fused == "never":
+        size, g, m = max(gains, key=lambda x: x[1])
+        return g, m
+    inside = [x for x in gains if registry.in_interval(x[0], min_size, max_size)] or list(gains)
+    size, g, m = min(inside, key=lambda x: x[1])
+    return g, m
+
+
+def gain_fields(points: Sequence[dict], fused: str, min_size: float | None, max_size: float | None) -> dict:
+    """``gains`` (``[[size, gain, margin], ...]``, one per size: its worst point) and the decisive ``gain`` and
+    ``margin``, from points with ``fused_ms``/``unfused_ms`` and optionally ``fused_q80``/``unfused_q20``."""
+    by_size: dict[float, tuple[float, float]] = {}
+    for p in points:
+        f, u = p.get("fused_ms"), p.get("unfused_ms")
+        if f is None or u is None or not (f > 0 and u > 0):
+            continue
+        g = u / f - 1
+        pess = (p.get("unfused_q20") or u) / (p.get("fused_q80") or f) - 1
+        size = float(p["size"])
+        if size not in by_size or g < by_size[size][0]:
+            by_size[size] = (g, max(g - pess, 0.0))
+    gains = [[s, round(g, 4), round(m, 4)] for s, (g, m) in sorted(by_size.items())]
+    d = decisive(gains, fused, min_size, max_size)
+    return {} if d is None else dict(gain=d[0], margin=d[1], gains=gains)
+
+
 def entry_for(op: str, points: Sequence[dict], margin: float = 0.0, **info) -> dict:
     """Table entry for measured sweep points (dicts with ``size``, ``fused_ms``, ``unfused_ms``; optionally
-    ``provider_ms``, the fused time of each provider, whose fastest is ``fused_ms``)."""
+    ``provider_ms``, the fused time of each provider, whose fastest is ``fused_ms``, and ``fused_q80`` /
+    ``unfused_q20``, the timings' spread).  ``"source": "measured"``; the tuner's ``margin`` (fused must win
+    by this fraction) is ``win_margin``; ``margin`` is the gain's (:func:`gain_fields`)."""
     xo = crossover([(p["size"], p.get("fused_ms"), p["unfused_ms"]) for p in points], margin)
     entry = xo.entry()
-    entry.update(size_key=registry.get(op).size_key, margin=margin,
+    entry.update(size_key=registry.get(op).size_key, source="measured", win_margin=margin,
                  points=[[p["size"], p.get("fused_ms"), p["unfused_ms"]] for p in points], **info)
+    entry.update(gain_fields(points, xo.fused, xo.min_size, xo.max_size))
     entry.update(provider_fields(points))
     return entry

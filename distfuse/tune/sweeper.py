@@ -10,7 +10,17 @@ CPU / gloo.  The production path on CPU is unfused and the fused kernels would r
 the Triton interpreter, whose times mean nothing: the sweep times the unfused providers
 only, records "fused not timed" in the notes and writes no crossover entries.  An op's
 ``available`` probe can rule the fused path out too (the linears: no symmetric memory
-between the ranks, or world size 1).
+between the ranks, or world size 1).  ``interpreted=True`` times the fused path on CPU
+anyway (tests of the plumbing: entries keyed ``cpu|...`` that dispatch never reads).
+
+One process.  At world size 1 no op has communication to fuse, so nothing is measured:
+:func:`one_process_note` says so, and where the numbers come from instead (the GPU lab's
+loopback kernel rows and ``distfuse-tune project``, which writes ``"source": "projected"``
+entries).  Under ``torchrun`` on a multi-GPU node every rank times both paths of every op
+and the entries are ``"source": "measured"``, with each point's spread (``fused_q80``,
+``unfused_q20``: the gains' margins) and the kernel each provider ran (``kernels``,
+:func:`distfuse.fused.providers.last_kernel`: a provider that fell back is named by the
+kernel that actually ran).
 """
 
 from __future__ import annotations
@@ -24,14 +34,20 @@ import torch
 import torch.distributed as dist
 
 from distfuse.fused import registry
+from distfuse.fused.crossover_table import table_key
 from distfuse.groups import metadata_group
-from distfuse.timing import median, rotating, time_samples
+from distfuse.timing import rotating, summarize, time_samples
 from distfuse.tune.autotune_cache import autotuners, cache_keys, harvest_autotune_caches
 from distfuse.tune.cases import CaseContext
 from distfuse.tune.crossover_fit import entry_for
-from distfuse.tune.table import table_key
 
-__all__ = ["SweepResult", "default_grid", "sweep", "fused_available", "run_meta", "summary"]
+__all__ = ["SweepResult", "default_grid", "sweep", "fused_available", "run_meta", "summary", "one_process_note",
+           "Timer"]
+
+#: ``timer(label, fn, rotations, timing) -> per-run ms``: how the sweep times one path.  ``label`` is
+#: ``"unfused"``, ``"fused"`` or ``"fused:<provider>"``; ``fn(i)`` runs on input copy ``i``; ``timing`` holds
+#: :func:`distfuse.timing.time_samples`' keywords.  Tests pass a synthetic one.
+Timer = Callable[[str, Callable[[int], object], int, dict], list]
 
 
 def default_grid(op: str, world: int, *, quick: bool = False, **options) -> list[dict]:
@@ -44,12 +60,16 @@ def default_grid(op: str, world: int, *, quick: bool = False, **options) -> list
     return registry.resolve(spec.grid)(op, world, quick=quick, **options)
 
 
-def fused_available(op: str, P, device: torch.device, dtype) -> tuple[bool, str]:
-    """Whether this sweep may time the fused path (the op's probe may be collective over ``P``)."""
+def fused_available(op: str, P, device: torch.device, dtype, interpreted: bool = False) -> tuple[bool, str]:
+    """Whether this sweep may time the fused path (the op's probe may be collective over ``P``).
+
+    ``interpreted``: on CPU too (the kernels interpreted: plumbing tests, not measurements)."""
+    spec = registry.get(op)
+    if device.type != "cuda" and interpreted:
+        return registry.resolve(spec.available)(P, device, dtype) if spec.available is not None else (True, "")
     if device.type != "cuda":
         return False, (f"{device.type}: the fused kernels would run in the Triton interpreter (not timed); the "
                        "production path there is unfused, so no fused entries are written")
-    spec = registry.get(op)
     if spec.available is None:
         return True, ""
     return registry.resolve(spec.available)(P, device, dtype)
@@ -78,21 +98,35 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _median_ms(fn: Callable[[int], object], n_rot: int, timing: dict) -> float:
-    """Median ms of ``fn(i)`` over input copies ``i % n_rot`` (:func:`distfuse.timing.time_samples`)."""
-    return median(time_samples(rotating(fn, n_rot), **timing))
+def _time_samples(label: str, fn: Callable[[int], object], n_rot: int, timing: dict) -> list:
+    """The default :data:`Timer`: :func:`distfuse.timing.time_samples` of ``fn(i)`` over input copies ``i % n_rot``."""
+    return time_samples(rotating(fn, n_rot), **timing)
+
+
+def one_process_note(world_sizes: Sequence[int]) -> str | None:
+    """Why nothing is measured when every measured group has one rank (None when some group has more)."""
+    if any(w > 1 for w in world_sizes):
+        return None
+    return ("one process: at world size 1 no op has communication to fuse, so fused against unfused cannot be "
+            "measured here; run under torchrun on a multi-GPU node (torchrun --nproc-per-node 8 -m distfuse.tune "
+            "--world-sizes 2 4 8), or project entries from the GPU lab's one-GPU kernel rows with "
+            "`distfuse-tune project` (docs/gpu.md)")
 
 
 def sweep(ops: Sequence[str], dtypes: Sequence[torch.dtype], world_sizes: Sequence[int] | None = None, *,
           grid: Callable[[str, int], list[dict]] | None = None, full: bool = True, warmup: int = 3, reps: int = 10,
-          margin: float = 0.0, progress: bool = True) -> SweepResult:
+          margin: float = 0.0, progress: bool = True, timer: Timer | None = None,
+          interpreted: bool = False) -> SweepResult:
     """Time both paths of every op over its grid on the initialised world; every rank calls it, rank 0 gets it all.
 
     ``world_sizes``: groups of the first ``w`` ranks to measure (default: the whole world).
-    ``grid(op, w)``: the shapes (default :func:`default_grid`).
+    ``grid(op, w)``: the shapes (default :func:`default_grid`).  ``timer``: see :data:`Timer`
+    (default: :func:`distfuse.timing.time_samples`).  ``interpreted``: time the fused path on CPU
+    too (see :func:`fused_available`).
     """
-    from distfuse import Partition
+    from distfuse.fused.providers import last_kernel
     from distfuse.layers.dispatch import device_caps
+    from distfuse.partition import Partition
 
     specs = [registry.get(op) for op in ops]  # unknown ops fail before any collective
     world = dist.get_world_size()
@@ -105,7 +139,15 @@ def sweep(ops: Sequence[str], dtypes: Sequence[torch.dtype], world_sizes: Sequen
     device = P_world.device
     name = device_caps(device).name  # the name select_path keys on
     grid = grid or (lambda op, w: default_grid(op, w))
+    timer = timer or _time_samples
     res = SweepResult(name)
+    note = one_process_note(world_sizes)
+    if note:
+        res.notes.setdefault(f"{name}|1", []).append(note)
+
+    def timed(label, fn, n_rot, timing):
+        return summarize(timer(label, fn, n_rot, timing))
+
     show = progress and me == 0
     mode = "full" if full else "fwd"
     for w in world_sizes:
@@ -118,7 +160,8 @@ def sweep(ops: Sequence[str], dtypes: Sequence[torch.dtype], world_sizes: Sequen
             make_case = registry.resolve(spec.case)
             for dtype in dtypes:
                 key = table_key(name, w, dtype, op)
-                ok, why = fused_available(op, P_sub, device, dtype) if P_sub.active else (False, "inactive")
+                ok, why = fused_available(op, P_sub, device, dtype, interpreted) if P_sub.active \
+                    else (False, "inactive")
                 if P_sub.active and not ok:
                     notes.append(f"{op} {_dtype_name(dtype)}: fused not timed: {why}")
                 tuners = autotuners()
@@ -129,23 +172,28 @@ def sweep(ops: Sequence[str], dtypes: Sequence[torch.dtype], world_sizes: Sequen
                     case = make_case(op, shape, ctx)
                     if case is None or not P_sub.active:
                         continue
-                    point = dict(shape=dict(shape), size=spec.size_of(shape), fused_ms=None,
-                                 unfused_ms=_median_ms(case.unfused, case.rotations, timing))
+                    u = timed("unfused", case.unfused, case.rotations, timing)
+                    point = dict(shape=dict(shape), size=spec.size_of(shape), fused_ms=None, unfused_ms=u[0],
+                                 unfused_q20=u[1])
                     err = case.check("unfused")
                     if err:
                         raise RuntimeError(f"distfuse-tune: {op} {shape}: {err}")
-                    if case.fused is not None and case.providers:
-                        # Every provider of the fused path; the fastest is the fused time.
-                        point["provider_ms"] = {p: _median_ms(fn, case.rotations, timing)
-                                                for p, fn in case.providers.items()}
-                        point["provider"] = min(point["provider_ms"], key=point["provider_ms"].get)
-                        point["fused_ms"] = point["provider_ms"][point["provider"]]
-                        err = case.check("fused")
-                        if err:
-                            point["fused_ms"] = None
-                            notes.append(f"{op} {shape}: {err}")
-                    elif case.fused is not None:
-                        point["fused_ms"] = _median_ms(case.fused, case.rotations, timing)
+                    if case.fused is not None:
+                        # Every provider of the fused path (or the one fused path); the fastest is the fused time.
+                        fns = case.providers or {None: case.fused}
+                        times, kernels = {}, {}
+                        for p, fn in fns.items():
+                            times[p] = timed("fused" if p is None else f"fused:{p}", fn, case.rotations, timing)
+                            choice = last_kernel(op)
+                            if choice is not None:  # the kernel that ran (a provider's fallback is named)
+                                kernels[p or "fused"] = choice.kernel
+                        best = min(times, key=lambda p: times[p][0])
+                        point["fused_ms"], point["fused_q80"] = times[best][0], times[best][2]
+                        if case.providers:
+                            point["provider_ms"] = {p: t[0] for p, t in times.items()}
+                            point["provider"] = best
+                        if kernels:
+                            point["kernels"] = kernels
                         err = case.check("fused")
                         if err:  # the forced path did not run: do not record a time for it
                             point["fused_ms"] = None

@@ -48,9 +48,9 @@ def zero_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
     """Both paths of one shape on the measured group (collective over the world: the partition)."""
     import torch.nn.functional as F
 
-    from distfuse import Partition
     from distfuse.fused.zero_linear import zero_linear
     from distfuse.geometry.decomposition import block_extent
+    from distfuse.partition import Partition
     from distfuse.primitives.all_gather import all_gather
 
     split = _split(op)

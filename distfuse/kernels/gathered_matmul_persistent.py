@@ -1,0 +1,298 @@
+"""gathered_matmul, persistent form: TMA loads of the local shard and of each peer chunk, one wait per chunk.
+
+The consumer of :func:`~distfuse.kernels.all_gather_matmul.ag_push` (or of the copy-engine
+push), with the same inputs and output as the one-tile-per-program kernel, built for the
+roofline (a GEMM: 2 * B_ * n * N * K FLOPs over B_ * n * K + N * K + B_ * n * N elements,
+compute-bound at the MLP shapes, so the target is cuBLAS's rate)::
+
+    x       [B_, len_p, K]  this rank's rows (the local chunk), rows flattened to [B_ * len_p, K]
+    gathered[B_, n, K]      this rank's workspace: the peers' rows, pushed there (own rows absent)
+    weight  [N, K]          K contiguous, or [K, N] N contiguous (``w.t()`` of a contiguous [K, N])
+    y       [B_, n, N]      = gather(x) @ weight.T + bias
+
+* **Persistent grid, chunk-major tile order.**  At most one program per SM; program ``p``
+  computes tiles ``p, p + P, ...`` of the W * T tiles (T per chunk).  Chunks come in the
+  order ``rank, rank - 1, rank - 2, ...``: the local chunk first (no wait: its rows are the
+  shard itself), then the peers' in the order their pushes land (each peer pushes to
+  ``peer + 1`` first).  Within a chunk the tiles follow the grouped order
+  (:func:`~distfuse.kernels.jit_helpers.grouped_tile`), so concurrent programs share
+  weight columns in L2.  A row tile never crosses a batch entry (T counts
+  ``ceil(ceil(n / W) / BLOCK_M)`` row tiles per batch entry), so every A tile is one
+  rectangular box of a descriptor; rows past the chunk's end are loaded and masked at
+  the store (a row of A only ever reaches the same row of y).
+* **One wait per chunk, hoisted out of the tile loop.**  A program's chunk index never
+  decreases along its tiles, so it polls a peer chunk's flag once, at its first tile of
+  that chunk (acquire, system scope, one CTA barrier), and every later tile of the chunk
+  runs with no flag traffic: at most ``min(P, T)`` polls per chunk instead of one per
+  tile (the pointer kernel's), and none of them inside a K loop.  A chunk whose flag never
+  came is stored as NaN by every tile that read it; the launcher raises on the status word.
+* **Host-side tensor descriptors (TMA).**  ``x``, the gathered buffer and the weight are
+  read through ``TensorDescriptor`` arguments built by the launcher: no allocator, safe
+  from any thread (see :mod:`distfuse.kernels.matmul_scatter_persistent`).  One K loop
+  serves both sources: the tile picks its descriptor (shard or workspace) before the
+  loop, so there is one set of pipeline buffers (a loop per source doubled the shared
+  memory past sm_90's 227 KB at the 128-row tiles: 262-295 KB).  After a peer's flag a
+  ``fence.proxy.async.global`` orders the acquire before the TMA (async-proxy) reads.
+* **Epilogue.**  Bias in fp32, one rounding, masked 16-byte pointer stores (a TMA store
+  box would write rows of the next chunk), split in two column halves
+  (``EPILOGUE_SUBTILE``, the tutorial's subtiled epilogue): the same shared memory, fewer
+  live registers (sm_90, Triton 3.9, bf16 128x128x64: 133 instead of 180).
+
+Not measured on a GPU yet: it compiles for sm_90 (``compile_audit``) and is tested under
+the interpreter.  Which kernel runs a call is decided in one place,
+:mod:`distfuse.kernels.gathered_matmul_select`; this module refuses operands its
+descriptors cannot read (:func:`gathered_persistent_supported`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from distfuse.errors import UnsupportedError, where
+from distfuse.kernels._utils import (
+    CPU_GEMM_CONFIG,
+    INTERPRET,
+    TIMED_WAITS,
+    get_gemm_configs,
+    input_precision,
+    pinned_gemm_config,
+    round_bf16,
+    timeout_arg,
+)
+from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, grouped_tile, wait_flag
+from distfuse.kernels.persistent import persistent_programs
+
+__all__ = ["gathered_persistent_supported", "gathered_persistent_config", "launch_gathered_persistent",
+           "wave_efficiency", "WAVE_TARGET"]
+
+
+@triton.jit
+def _k_loop(a_desc, a_row, b_desc, col0, K, B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr,
+            INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """fp32 ``[BLOCK_M, BLOCK_N]`` = A rows ``a_row ...`` (``a_desc``) @ weight columns ``col0 ...``, over all of K."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([a_row, k0])
+        if B_KMAJOR:
+            b = b_desc.load([k0, col0])
+        else:
+            b = b_desc.load([col0, k0]).T
+        if UPCAST:  # the interpreter's 16-bit dot is wrong
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
+def _async_proxy_fence():
+    """``fence.proxy.async.global``: order this thread's generic-proxy accesses (the flag's acquire) before its
+    later async-proxy ones (the TMA loads of the chunk the flag published).  Compiled kernels only."""
+    tl.inline_asm_elementwise("fence.proxy.async.global; mov.u32 $0, 0;", "=r", [], dtype=tl.int32, is_pure=False,
+                              pack=1)
+
+
+@triton.jit
+def _finish(y_ptr, acc, bias_ptr, stride_bias, rows, mask_r, offs_n, N, ok, HAS_BIAS: tl.constexpr,
+            ROUND_BF16: tl.constexpr):
+    """Bias (fp32), NaN where the chunk never arrived, one rounding, masked store into ``y [*, N]`` rows ``rows``."""
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n * stride_bias, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    acc = tl.where(ok, acc, float("nan"))
+    tl.store(y_ptr + rows[:, None] * N + offs_n[None, :], cast_out(acc, y_ptr.dtype.element_ty, ROUND_BF16),
+             mask=mask_r[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=["rank", "timeout"])
+def _gathered_matmul_persistent_kernel(
+    x_desc, g_desc, b_desc, bias_ptr, y_ptr, flags_ptr, status_ptr,
+    n_batch, n, N, K, len_p, rank, W, epoch_ptr, timeout, stride_bias,
+    HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr, TIMED: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Persistent grid (at most one program per SM); see the module doc.
+
+    ``x_desc``: the ``[B_ * len_p, K]`` rows of the shard (blocks ``[BLOCK_M, BLOCK_K]``);
+    ``g_desc``: the ``[B_ * n, K]`` gathered buffer; ``b_desc``: the weight, ``[N, K]``
+    (``B_KMAJOR`` False, blocks ``[BLOCK_N, BLOCK_K]``) or ``[K, N]`` (True, ``[BLOCK_K, BLOCK_N]``).
+    """
+    epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
+    pid = tl.program_id(0)
+    num_progs = tl.num_programs(0)
+    tiles_m = tl.cdiv(tl.cdiv(n, W), BLOCK_M)  # row tiles per batch entry, sized for the largest chunk
+    num_pid_m = n_batch * tiles_m
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_chunk = num_pid_m * num_pid_n
+    total = W * tiles_per_chunk
+    seen = tl.full([], 0, tl.int32)  # the step (chunk order) this program has waited for; 0: the local chunk
+    ok = seen == 0  # the current chunk's data arrived (int1; the local chunk always has)
+    for t in range(pid, total, num_progs):
+        step = t // tiles_per_chunk
+        chunk = (rank - step + W) % W
+        start_c, len_c = balanced_chunk(chunk, n, W)
+        pid_m, pid_n = grouped_tile(t % tiles_per_chunk, num_pid_m, num_pid_n, GROUP_M)
+        b_idx = pid_m // tiles_m
+        row0 = (pid_m % tiles_m) * BLOCK_M  # first row of the tile inside the chunk
+        col0 = pid_n * BLOCK_N
+        if row0 < len_c:  # the smaller chunks' last row tiles are empty
+            if step != seen:  # this program's first tile of a peer chunk: its one wait for the chunk
+                ok = wait_flag(flags_ptr + chunk * W + chunk, epoch, status_ptr + chunk, timeout, TIMED)
+                if TIMED:  # the peer's rows were published to generic-proxy reads; TMA reads through the async proxy
+                    _async_proxy_fence()
+                seen = step
+            # One K loop (one set of pipeline buffers): the local chunk reads the shard, the others the workspace.
+            if step == 0:
+                a_desc = x_desc
+                a_row = b_idx * len_p + row0
+            else:
+                a_desc = g_desc
+                a_row = b_idx * n + start_c + row0
+            acc = _k_loop(a_desc, a_row, b_desc, col0, K, B_KMAJOR, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                          BLOCK_K)
+            offs_r = row0 + tl.arange(0, BLOCK_M)
+            rows = (b_idx * n + start_c + offs_r).to(tl.int64)  # rows of y [B_ * n, N]
+            mask_r = offs_r < len_c
+            if EPILOGUE_SUBTILE:  # two [BLOCK_M, BLOCK_N // 2] halves: fewer registers live in the epilogue
+                HALF: tl.constexpr = BLOCK_N // 2
+                acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+                _finish(y_ptr, acc0, bias_ptr, stride_bias, rows, mask_r, col0 + tl.arange(0, HALF), N, ok,
+                        HAS_BIAS, ROUND_BF16)
+                _finish(y_ptr, acc1, bias_ptr, stride_bias, rows, mask_r, col0 + HALF + tl.arange(0, HALF), N, ok,
+                        HAS_BIAS, ROUND_BF16)
+            else:
+                _finish(y_ptr, acc, bias_ptr, stride_bias, rows, mask_r, col0 + tl.arange(0, BLOCK_N), N, ok,
+                        HAS_BIAS, ROUND_BF16)
+
+def _weight_kmajor(weight: torch.Tensor) -> bool | None:
+    """How a descriptor reads ``weight [N, K]``: False as [N, K] rows, True as its [K, N] transpose; None: neither."""
+    esize = weight.element_size()
+    if weight.stride(1) == 1 and (weight.stride(0) * esize) % 16 == 0:
+        return False
+    if weight.stride(0) == 1 and (weight.stride(1) * esize) % 16 == 0:
+        return True
+    return None
+
+
+def gathered_persistent_supported(x3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
+    """Whether the descriptors can read the shard ``x3 [B_, len_p, K]``, the gathered ``[B_, n, K]`` and ``weight``.
+
+    A descriptor needs a 16-byte aligned base, a unit last stride and other strides that
+    are multiples of 16 bytes: the shard's rows must be one ``[B_ * len_p, K]`` matrix
+    (an empty shard is never read), the gathered rows (``K`` elements apart, the workspace
+    base 16-byte aligned) need ``K * itemsize % 16 == 0``, and the weight one contiguous
+    dim with an aligned stride.  Pure: depends on shapes, strides and alignment only.
+    """
+    B, len_p, K = x3.shape
+    N = weight.shape[0]
+    esize = x3.element_size()
+    if min(B, K, N) == 0:
+        return False, "an empty extent"
+    if (K * esize) % 16:
+        return False, f"K * itemsize = {K * esize} bytes is not a multiple of 16 (the gathered rows' stride)"
+    if len_p > 0:
+        if x3.stride(2) != 1 or (B > 1 and x3.stride(0) != len_p * x3.stride(1)):
+            return False, "the shard's rows are not one [B_ * len, K] matrix with contiguous K"
+        if (x3.stride(1) * esize) % 16 or x3.data_ptr() % 16:
+            return False, "the shard's row stride or base is not 16-byte aligned"
+    if _weight_kmajor(weight) is None:
+        return False, "the weight has no contiguous dim with a 16-byte aligned stride"
+    if weight.data_ptr() % 16:
+        return False, "the weight's base is not 16-byte aligned"
+    return True, ""
+
+
+def _tiles(meta: dict, batch: int, q1: int, W: int, N: int) -> int:
+    return W * batch * triton.cdiv(q1, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+
+
+def wave_efficiency(tiles: int, programs: int) -> float:
+    """Busy fraction of a persistent grid of ``programs`` over ``tiles`` equal tiles: ``tiles / (waves * programs)``."""
+    return tiles / (triton.cdiv(tiles, programs) * programs) if tiles > 0 else 1.0
+
+
+#: A pinned tile whose grid keeps the SMs busy less than this goes down the family's list (see below).
+WAVE_TARGET = 0.9
+
+
+def gathered_persistent_config(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, programs: int,
+                               config: dict | None = None) -> dict:
+    """Block sizes of one launch: ``config`` (tests), the CPU config (interpreter), or the pinned rule.
+
+    ``batch * q1`` rows per chunk (the largest), ``W`` chunks, ``N`` output features,
+    ``programs`` the persistent grid's size (the SM count on CUDA).  The pinned rule
+    (never autotuned: the grid depends on the SM count, and one rule on every rank keeps
+    the ranks alike) starts from the bucket's tile of the ``gathered_persistent`` family
+    (:func:`~distfuse.kernels._utils.pinned_gemm_config`) and goes down the family's list
+    to the first tile whose last wave of tiles keeps the grid at least :data:`WAVE_TARGET`
+    busy (else the busiest): a compute-bound persistent GEMM loses a whole tile time per
+    program to a short last wave.  LLaMA-3 8B up projection at TP 8, M = 8192 (N = 1792):
+    448 tiles of 128x256 on 132 SMs are 3.4 waves (85% busy); 896 tiles of 128x128 are 6.8
+    (97%).  The trade (a smaller tile's lower per-tile efficiency against the idle last
+    wave) is reasoned, not measured.
+    """
+    blocks = {k: v for k, v in (config or {}).items() if k != "PROGRAMS"}
+    if "BLOCK_M" in blocks:
+        blocks.setdefault("EPILOGUE_SUBTILE", False)
+        return blocks
+    if INTERPRET:
+        return dict(CPU_GEMM_CONFIG, EPILOGUE_SUBTILE=False)
+    pinned = pinned_gemm_config(dtype, batch * q1, N, "gathered_persistent")
+    family = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
+              for c in get_gemm_configs(dtype, "gathered_persistent")]
+    candidates = family[family.index(pinned):] if pinned in family else [pinned]
+    best = max(candidates, key=lambda c: wave_efficiency(_tiles(c, batch, q1, W, N), programs))  # first of ties
+    chosen = next((c for c in candidates if wave_efficiency(_tiles(c, batch, q1, W, N), programs) >= WAVE_TARGET),
+                  best)
+    # The split epilogue costs no shared memory and saves registers (sm_90, Triton 3.9, bf16: 133 instead of 180
+    # at 128x128x64 with 8 warps; fp32 TF32: 140 instead of 186 at 128x128x32), so every pinned config takes it.
+    return dict(chosen, EPILOGUE_SUBTILE=True)
+
+
+def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight: torch.Tensor,
+                               bias: torch.Tensor | None, out: torch.Tensor, st, rank: int, world_size: int, n: int,
+                               *, config: dict | None = None) -> dict:
+    """Launch the persistent consumer; returns the launch meta (block sizes, ``programs``).
+
+    ``x3`` ``[B_, len_p, K]`` and ``weight`` are checked by the caller
+    (:func:`~distfuse.kernels.all_gather_matmul.gathered_matmul`), ``gathered`` is this rank's
+    ``[B_ * n * K]`` workspace view, ``out`` the contiguous ``[B_, n, N]`` output.  ``config``
+    may add ``PROGRAMS`` (the grid; default one per SM on CUDA, 2 under the interpreter).
+    Raises :class:`~distfuse.errors.UnsupportedError` where :func:`gathered_persistent_supported`
+    says no (the selector runs the pointer kernel for such operands).
+    """
+    ok, why = gathered_persistent_supported(x3, weight)
+    if not ok:
+        raise UnsupportedError(f"{where('gathered_matmul_persistent')}: tensor descriptors cannot read these "
+                               f"operands: {why} (the selector, distfuse.kernels.gathered_matmul_select, runs the "
+                               "pointer kernel for them)")
+    W = world_size
+    B, len_p, K = x3.shape
+    N = weight.shape[0]
+    q1 = -(-n // W)
+    grid = persistent_programs(x3.device, (config or {}).get("PROGRAMS"))
+    meta = gathered_persistent_config(x3.dtype, B, q1, W, N, grid, config)
+    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
+    programs = min(_tiles(meta, B, q1, W, N), grid)
+    g_desc = TensorDescriptor(gathered, [B * n, K], [K, 1], [bm, bk])
+    if len_p > 0:
+        rows = x3.as_strided((B * len_p, K), (x3.stride(1), 1))  # one matrix: checked above
+        x_desc = TensorDescriptor(rows, [B * len_p, K], [x3.stride(1), 1], [bm, bk])
+    else:  # an empty shard has no tiles: a descriptor that is never read
+        x_desc = g_desc
+    b_kmajor = bool(_weight_kmajor(weight))
+    if b_kmajor:  # weight.t() is a [K, N] matrix with contiguous rows
+        b_desc = TensorDescriptor(weight.t(), [K, N], [weight.stride(1), 1], [bk, bn])
+    else:
+        b_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [bn, bk])
+    _gathered_matmul_persistent_kernel[(programs,)](
+        x_desc, g_desc, b_desc, bias if bias is not None else out, out, st.flags, st.status,
+        B, n, N, K, len_p, rank, W, st.epoch_dev, timeout_arg(st), bias.stride(0) if bias is not None else 0,
+        HAS_BIAS=bias is not None, B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x3.dtype),
+        ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS, **meta,
+    )
+    return dict(meta, programs=programs)

@@ -1,0 +1,107 @@
+"""The one selector of the GEMM + scatter producer: which kernel runs a call, and why.
+
+``matmul_reduce_scatter`` has three producers in front of the one consumer
+(``chunk_reduce``); :mod:`distfuse.fused.providers` picks the *provider* a call asks for
+(``DISTFUSE_PROVIDER``, the crossover table, the registry's default).  This module picks
+the *kernel* that runs it for the call's operands, and says why::
+
+    provider            kernel that runs                         when
+    triton              matmul_scatter (pointer loads)           always
+    triton_persistent   matmul_scatter_persistent (TMA loads)    persistent_supported(a, weight), and not
+                                                                 compiled fp32 with IEEE products
+                        matmul_scatter (pointer loads)           otherwise: the reason is recorded
+    cublas_chunks       matmul_scatter_cublas (one GEMM/chunk)   always
+
+Nothing else chooses: the two launcher modules import neither each other nor this one,
+:func:`distfuse.fused.providers.run_producer` runs what :func:`select_scatter_kernel`
+returns and records the :class:`KernelChoice`, and the benchmarks and the layers'
+``last_decision`` name ``choice.kernel``, the kernel that actually ran.  A fallback can
+therefore never pass for the kernel that was asked for.
+
+Compiled fp32 operands with IEEE products (torch's default, no TF32) go to the pointer
+kernel: the persistent kernel's fp32 IEEE dot spills 5.5-6.5 KB of registers per thread
+at every fp32 tile (sm_90, Triton 3.6 and 3.9, compile audit 2026-11-26), the pointer
+kernel's none at 128x128x32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from distfuse.errors import UnsupportedError, expect
+from distfuse.kernels import matmul_reduce_scatter as pointer_kernels
+from distfuse.kernels import matmul_scatter_persistent as persistent_kernels
+from distfuse.kernels._utils import INTERPRET, tf32_allowed
+
+__all__ = ["KernelChoice", "PROVIDER_KERNELS", "select_scatter_kernel", "launch_scatter_kernel"]
+
+#: The kernel each provider asks for (``select_scatter_kernel`` may run another, and says why).
+PROVIDER_KERNELS = {
+    "triton": "matmul_scatter",
+    "triton_persistent": "matmul_scatter_persistent",
+    "cublas_chunks": "matmul_scatter_cublas",
+}
+
+
+class KernelChoice(NamedTuple):
+    """The provider a call asked for, the kernel that runs it, and why that kernel."""
+
+    provider: str
+    kernel: str
+    reason: str
+
+    @property
+    def fell_back(self) -> bool:
+        """Whether the kernel that runs is not the one the provider asks for."""
+        return self.kernel != PROVIDER_KERNELS[self.provider]
+
+
+def select_scatter_kernel(a: torch.Tensor, weight: torch.Tensor, provider: str = "triton", *,
+                          compiled: bool | None = None) -> KernelChoice:
+    """The kernel that produces ``a [..., n, K] @ weight.T`` (``weight [N, K]``) for ``provider``; pure.
+
+    Depends only on the provider, the dtype, shapes, strides and alignment of the operands and
+    torch's TF32 setting (so every rank of a group, given alike operands, picks alike).
+    ``compiled``: whether the kernels compile for a GPU (default: not under the interpreter).
+    """
+    if provider not in PROVIDER_KERNELS:
+        raise expect("select_scatter_kernel", "provider", " or ".join(PROVIDER_KERNELS), repr(provider),
+                     cls=UnsupportedError)
+    if provider == "triton":
+        return KernelChoice(provider, "matmul_scatter", "one program per tile, pointer loads")
+    if provider == "cublas_chunks":
+        return KernelChoice(provider, "matmul_scatter_cublas", "one library GEMM per chunk")
+    n, K = a.shape[-2], a.shape[-1]
+    a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
+    ok, why = persistent_kernels.persistent_supported(a3, weight)
+    compiled = not INTERPRET if compiled is None else compiled
+    if ok and compiled and a.dtype == torch.float32 and not tf32_allowed():
+        ok, why = False, "fp32 with IEEE products (no TF32) spills registers in the persistent kernel"
+    if ok:
+        return KernelChoice(provider, "matmul_scatter_persistent", "tensor-descriptor (TMA) loads")
+    return KernelChoice(provider, "matmul_scatter", f"fell back to the pointer kernel: {why}")
+
+
+def launch_scatter_kernel(choice: KernelChoice, a: torch.Tensor, weight: torch.Tensor, ws, rank: int,
+                          world_size: int, *, partial_dtype: torch.dtype | None = None,
+                          config: dict | None = None) -> KernelChoice:
+    """Launch the Triton kernel of ``choice`` (``matmul_scatter`` or ``matmul_scatter_persistent``); returns it.
+
+    ``matmul_scatter_cublas`` lives above the kernels (:mod:`distfuse.fused.matmul_reduce_scatter_cublas`) and
+    is run by :func:`distfuse.fused.providers.run_producer`.  ``config``: block sizes (and ``PROGRAMS`` for the
+    persistent grid), as the launchers take them.
+    """
+    if choice.kernel == "matmul_scatter_persistent":
+        persistent_kernels.matmul_scatter_persistent(a, weight, ws, rank, world_size, partial_dtype=partial_dtype,
+                                                     config=config)
+    elif choice.kernel == "matmul_scatter":
+        blocks = {k: v for k, v in (config or {}).items() if k != "PROGRAMS"} or None
+        pointer_kernels.matmul_scatter(a, weight, ws, rank, world_size, partial_dtype=partial_dtype,
+                                       config=blocks if blocks is None or "BLOCK_M" in blocks else None)
+    else:
+        raise expect("launch_scatter_kernel", "a Triton kernel", "matmul_scatter or matmul_scatter_persistent",
+                     choice.kernel, cls=UnsupportedError)
+    return choice

@@ -1,0 +1,278 @@
+"""One agreement session per layer: every call agrees once, in one of three modes (settle, trust, replay).
+
+Before data moves, every worker of a layer must know that its peers made the same call
+(local shapes that tile one global shape, one dtype, the same grad flags), or raise the
+same error as they do; and it must know it without a metadata collective in the steady
+state (the protocol of :mod:`distfuse.primitives._agreement`).  A layer keeps one
+:class:`AgreementSession` and calls :meth:`~AgreementSession.agree` once, at the top of its
+one forward, whatever runs it.  The session picks the mode from the context::
+
+    mode    when                         what runs                                       host work per call
+    ------  ---------------------------  ----------------------------------------------  -------------------
+    settle  eager                        the flag round (``flag_round``: one int64       one host all-reduce;
+                                         all-reduced on P's meta group); on any flag,    the metadata gather
+                                         or on the first call, ``gather()``: the         only on a change
+                                         metadata gather and its checks, raising the
+                                         same error on every worker
+    trust   eager inside capture_safe()  nothing: the settled state while this worker's  none
+            or a CUDA-graph capture      signature repeats; another signature raises
+                                         UnsupportedError on this worker
+    replay  inside torch.compile         the state settled by the last eager call, and   the flag round, as the
+                                         the flag round as the graph op                  graph op
+                                         ``distfuse::flag_check`` (raises the same
+                                         ShapeError on every worker when any flagged)
+
+Replay is how a compiled graph stays free of metadata: the compiler guards on what the
+signature reads (shapes, dtype, grad flags, autocast), so a changed call retraces, traces
+its flag set, and every worker raises after the round; one eager call then settles
+afresh.  A replay before any eager call is refused on every worker (all are fresh alike).
+What else a forward derives per call and cannot derive in a graph (a path choice that
+reads the crossover table, a plan walk) goes through :meth:`~AgreementSession.remember`:
+settled and trusted calls compute it, replayed calls read what the last eager call
+computed.  :attr:`~AgreementSession.may_read_host` says whether the call may read a device
+value on the host (settle only: a capture must not, a graph cannot).
+
+The flag travels in :func:`~distfuse.primitives._agreement.flag_round` (settle) and
+``flag_check`` (replay): the round for layers with no data collective that reaches every
+worker (pooling, upsampling, the norms, the losses without a reduction or on a device, the
+general layers).
+:meth:`~AgreementSession.agree_in` is the session of a layer whose flag rides in a flagged
+data op of its own, in every mode (the all-gather and reduce-scatter linears, the losses'
+reduction, the transposed convolution's parameter round); :meth:`~AgreementSession.replayed`
+is its replay step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from distfuse.errors import DistfuseError, ShapeError, UnsupportedError, where
+from distfuse.primitives._agreement import AgreementSite, flag_round, run_agreed, trusted_state, trusting
+from distfuse.primitives._handles import HandleOwner, lookup, new_handle
+from distfuse.primitives._op_pair import ordered
+
+__all__ = ["SETTLE", "TRUST", "REPLAY", "AgreementSession", "FlagRound", "FlaggedCallError", "flag_check",
+           "needs_eager_error", "flagged_error"]
+
+SETTLE, TRUST, REPLAY = "settle", "trust", "replay"
+
+
+def needs_eager_error(op: str) -> UnsupportedError:
+    """The refusal of a compiled call made before any eager call settled the layer's agreement."""
+    return UnsupportedError(f"{where(op)}: a compiled call needs the metadata the layer agrees on in eager mode: "
+                            "call the layer once eagerly (every worker, same shapes and grad settings) before the "
+                            "compiled region")
+
+
+class FlaggedCallError(ShapeError):
+    """:func:`flagged_error`'s class: a data op whose flag was set on some worker raises it on every worker
+    (:meth:`AgreementSession.agree_in`; a settled call catches it and gathers the metadata instead)."""
+
+
+def flagged_error(op: str) -> ShapeError:
+    """What every worker raises when some worker's compiled call differs from the one agreed eagerly."""
+    return FlaggedCallError(f"{where(op)}: a worker called this compiled layer with inputs (shape, dtype, grad flags, "
+                      "autocast) other than those agreed in its last eager call; every worker raises here. Call it "
+                      "once eagerly with the new inputs (every worker), then the compiled region again")
+
+
+class FlagRound(HandleOwner):
+    """The context of ``distfuse::flag_check``: the layer's name, its partition, and ``on_flag``, run on every
+    worker when some worker flagged (the layer forgets its agreement, so that the next eager call settles afresh).
+    ``handle`` names it in graphs."""
+
+    def __init__(self, op: str, P, on_flag: Callable[[], None]):
+        self.op, self.P, self.on_flag = op, P, on_flag
+        self.handle = new_handle(self)
+
+
+@torch.library.custom_op("distfuse::flag_check", mutates_args=())
+def flag_check(x: torch.Tensor, handle: int, changed: bool) -> None:
+    """Replay's flag round: every worker's flag summed by a host all-reduce; raises on every worker when any is set.
+
+    ``x`` is any tensor of the call (read for nothing; it carries the device for dispatch).
+    ``changed`` is a constant of the graph (the compiler guards on the signature, so a
+    changed call retraces with it set).  The round runs on the host-side gloo group and
+    reads no device tensor.  An ``ORDERED`` effect like the data ops, so it keeps its
+    place before the halo round and stays in the graph although nothing uses its result.
+    It has no gradient (the flag is not data).
+    """
+    ctx: FlagRound = lookup(handle)
+    if flag_round(ctx.P, changed, ctx.op):
+        ctx.on_flag()
+        raise flagged_error(ctx.op)
+
+
+@flag_check.register_fake
+def _(x, handle, changed):
+    return None
+
+
+ordered(flag_check)
+
+
+class AgreementSession:
+    """A layer's agreement over partition ``P`` in the three modes of the module docstring.
+
+    ``site`` (an :class:`~distfuse.primitives._agreement.AgreementSite`) holds this worker's
+    last signature and the state every worker settled on; its ``calls`` and
+    ``slow_calls`` count the calls and the metadata gathers.  ``last_mode`` is the mode of
+    the last call.  Made at construction, in the same order on every worker (its flag
+    op's handle must be the same everywhere).
+    """
+
+    def __init__(self, op: str, P):
+        self.op, self.P = op, P
+        self.site = AgreementSite(op)
+        self.flag = FlagRound(op, P, self.forget)
+        self.last_mode: str | None = None
+        self._kept: tuple | None = None
+        self._remembered: dict = {}
+
+    def forget(self) -> None:
+        """Drop the settled state, so that the next call gathers again (call it on every worker)."""
+        self.site.forget()
+
+    def __getstate__(self) -> dict:
+        # A copy (copy.deepcopy of its layer) agrees afresh, as its site does: nothing an eager call settled or
+        # derived follows it.
+        return {**self.__dict__, "last_mode": None, "_kept": None, "_remembered": {}}
+
+    @property
+    def may_read_host(self) -> bool:
+        """Whether the call in progress may read a device value on the host (settle only; ask after :meth:`agree`)."""
+        return self.last_mode == SETTLE
+
+    def agree(self, x: torch.Tensor, signature: Hashable, locally_ok: bool, gather: Callable[[], Any], *,
+              needs_eager: Callable[[Any], bool] | None = None) -> Any:
+        """The state every worker agreed on for this call; None in replay when this worker's call flagged.
+
+        Args:
+            x: the call's input (replay hands it to ``flag_check``).
+            signature: this worker's signature of the call (hashable): what decides the state.
+            locally_ok: whether the input passed this worker's local checks; a failure
+                sets the flag, so that ``gather()``'s checks raise on every worker.
+            gather: the metadata gather and its checks; returns the new state.
+            needs_eager: ``needs_eager(state)``, replay only: the call needs what only an
+                eager call can do (promote an input that some peer's adjoint needs), so it flags.
+
+        A None return means the graph ends here on this worker: ``flag_check`` raises on
+        every worker when it runs, so nothing after it would.
+        """
+        site = self.site
+        if torch.compiler.is_compiling():
+            self.last_mode = REPLAY
+            state, changed = self.replayed(signature, locally_ok, needs_eager)
+            flag_check(x, self.flag.handle, changed)
+            return None if changed else state
+        if site.state is not None and trusting():
+            self.last_mode = TRUST
+            return trusted_state(site, signature, self.op)
+        self.last_mode = SETTLE
+
+        def slow():
+            state = gather()
+            return state, state
+
+        before = site.slow_calls
+        state = run_agreed(site, signature, locally_ok, self._flag_attempt, slow)
+        return self._keep(signature, state) if site.slow_calls != before else state
+
+    def replayed(self, signature: Hashable, locally_ok: bool,
+                 needs_eager: Callable[[Any], bool] | None = None) -> tuple[Any, bool]:
+        """Replay without the flag round: ``(settled state, changed)`` (for layers whose flag rides a data op)."""
+        state = self.site.state
+        if state is None:
+            raise needs_eager_error(self.op)
+        changed = not locally_ok or signature != self.site.signature or (
+            needs_eager is not None and needs_eager(state))
+        return state, changed
+
+    def remember(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """``compute()`` in settled and trusted calls (remembered under ``key``); in replay what the last eager call
+        with ``key`` computed."""
+        if self.last_mode == REPLAY:
+            if key not in self._remembered:
+                raise needs_eager_error(self.op)
+            return self._remembered[key]
+        value = self._remembered[key] = compute()
+        return value
+
+    def begin(self) -> str:
+        """The mode of the call starting now (kept as :attr:`last_mode`, which :meth:`remember` reads): for a
+        layer that derives what it runs (its path) before the op that agrees."""
+        if torch.compiler.is_compiling():
+            self.last_mode = REPLAY
+        elif self.site.state is not None and trusting():
+            self.last_mode = TRUST
+        else:
+            self.last_mode = SETTLE
+        return self.last_mode
+
+    def agree_in(self, signature: Hashable, locally_ok: bool, run: Callable[[Any, int], Any],
+                 gather: Callable[[], tuple[Any, Any]], *, checked_by_op: bool = False) -> Any:
+        """The result of a call whose flag rides in its own data op, which reaches every worker of the session.
+
+        The linears' all-gather, reduce-scatter and fused GEMM, a loss's reduction on CPU: no round of its own in
+        any mode.
+
+        Args:
+            signature, locally_ok: as for :meth:`agree`.
+            run: ``run(state, flag)`` runs the op with the settled ``state``; ``flag`` is -1
+                (trust: no flag moves), or this worker's flag 0 / 1 (a worker whose call
+                changed sends zeros of the state's sizes and 1).  The op raises
+                :class:`FlaggedCallError` on every worker when any flag is set, and calls
+                :meth:`forget` first (a replayed call: the next eager call agrees afresh).
+            gather: ``gather() -> (result, state)``: the metadata gathered and checked (the
+                same error on every worker), then the op with the new state.
+            checked_by_op: the op checks the workers' agreement itself (a fused op's claim
+                compares their sizes and refuses a failed local check): a settled call runs
+                ``gather()`` (no metadata to move) every time, and a replayed call's
+                ``run`` places its flag.
+
+        Settle: ``run`` with the settled state and this worker's flag, ``gather()`` when a flag
+        was set or on the first call (:func:`~distfuse.primitives._agreement.run_agreed`).  Trust:
+        ``run(state, -1)``.  Replay: ``run(state, flag)``, the flag a constant of the graph.
+        """
+        mode, site = self.begin(), self.site
+        if mode == REPLAY:
+            state, changed = self.replayed(signature, locally_ok)
+            return run(state, int(changed))
+        if mode == TRUST:
+            return run(trusted_state(site, signature, self.op), -1)
+        if checked_by_op:
+            site.calls += 1
+            try:
+                result, state = gather()
+            except DistfuseError:
+                site.forget()
+                raise
+            self._keep(signature, state)
+            return result
+
+        def attempt(changed: bool) -> tuple[Any, bool]:
+            try:
+                return run(site.state, int(changed)), False
+            except FlaggedCallError:
+                return None, True
+
+        before = site.slow_calls
+        result = run_agreed(site, signature, locally_ok, attempt, gather)
+        if site.slow_calls != before:
+            self._keep(signature, site.state)
+        return result
+
+    def _flag_attempt(self, changed: bool) -> tuple[Any, bool]:
+        return self.site.state, flag_round(self.P, changed, self.op)
+
+    def _keep(self, signature: Hashable, state: Any) -> Any:
+        """Settle ``state``; one equal to the last settled is kept as the same objects (a compiled graph guards on
+        them, and new objects after every gather would retrace it)."""
+        kept = (signature, state)
+        if self._kept != kept:
+            self._kept = kept
+        self.site.settle(*self._kept)
+        return self._kept[1]

@@ -1,0 +1,632 @@
+"""Projected crossover entries: one-GPU kernel measurements plus a stated interconnect model.
+
+``distfuse-tune project`` (``python -m distfuse.tune.project``) builds the crossover table the
+package ships (``distfuse/fused/crossover_shipped.json``) from the GPU lab's result files in
+``bench/results/`` and the model below.  After a GPU run, ``scripts/lab_record.py collect``
+puts the lab's JSON there, and one command regenerates the table::
+
+    python -m distfuse.tune.project                   # rewrite the shipped table from bench/results
+    python -m distfuse.tune.project --check           # exit 1 if the shipped table is not what the inputs give
+    distfuse-tune project --out ~/.cache/distfuse/crossover.json   # merge into a user's table instead
+
+What is measured.  The lab times, on one GPU, each rank's kernels of a W-way fused op in
+loopback (W virtual ranks, the "remote" stores landing in local HBM), and beside them, in
+the same process, the anchors: ``torch.mm`` (cuBLAS) on the same per-rank GEMM, and a
+device-to-device copy of the same bytes (``bench/bench_gemm_fused.py``; rows ``op``,
+``provider``, ``anchor``, ``shape``, ``dtype``, median ``ms`` and ``ms_q20``/``ms_q80``).
+The halo convolution's rows (``bench/bench_halo_conv.py``, mode ``full``) time the fused
+staging + cuDNN against ``torch.cat`` staging + the same cuDNN convolution.
+
+What is modelled (per rank, forward; ``S`` the bytes of the tensor the collective moves: the
+partial product ``[m, n]`` for a reduce-scatter or all-reduce, the gathered operand ``[m, k]``
+for an all-gather; ``W`` the tensor-parallel world size)::
+
+    reduce-scatter  unfused = t_cublas + a_nccl + (W-1)/W S / B_nccl
+                    fused   = max(t_gemm_scatter, (W-1)/W S / B_store) + t_reduce + a_sig
+    all-gather      unfused = a_nccl + (W-1)/W S / B_nccl + t_cublas
+                    fused   = max(t_push, (W-1)/W S / B_store) + t_gathered_gemm + a_sig     (push, then GEMM)
+       copy_engine  fused   = max(t_gathered_gemm, max(t_push_ce, (W-1)/W S / B_store) + t_gathered_gemm / W) + a_sig
+    all-reduce      unfused = t_cublas + a_nccl + 2 (W-1)/W S / B_nccl_ar
+                    fused   = max(t_gemm_push, (W-1) S / B_store) + t_reduce + a_sig          (one-shot)
+    halo conv       unfused = t_cat_full, fused = t_fused_full  (both exchange the same halos: no interconnect term)
+
+The fused GEMM's remote stores overlap its own compute (tiles leave as they finish); the
+bandwidth kernels (``t_reduce``, ``t_push``) are the loopback times, scaled by the bytes they
+move at the target ``W`` (``(W+1)/W S`` for a chunk reduction, ``(W+1) S`` for the all-reduce
+slots, ``S`` for a push).  The per-rank GEMM times do not depend on ``W``, so one lab run at
+``W = 8`` (the LLaMA-3 8B/70B MLP shapes) projects TP 2, 4 and 8 at those per-rank shapes,
+keyed by the per-rank ``m*n*k`` the table uses.
+
+The interconnect (H100 SXM5 and H200 SXM on an HGX baseboard; :data:`NVLINK4_HGX`):
+
+* **NVLink 4: 900 GB/s bidirectional per GPU, 450 GB/s per direction** (18 links x 25 GB/s per
+  direction), through third-generation NVSwitch, so every pair of GPUs gets the full rate.
+  Sources: NVIDIA H100 Tensor Core GPU datasheet and architecture whitepaper; NVIDIA H200
+  datasheet (same NVLink 900 GB/s); "Upgrading Multi-GPU Interconnectivity with the
+  Third-Generation NVIDIA NVSwitch", NVIDIA technical blog, 2022.
+* **NCCL reduce-scatter / all-gather: bus bandwidth 360 GB/s** (80% of the per-direction link
+  rate; the pessimistic end 450 GB/s, the full link), **latency 12 us** (pessimistic 6 us).
+  Assumed, not measured here: ring/NVLS reduce-scatter and all-gather on 8 H100s typically
+  reach 75-85% of the link for messages of tens of MB and more, and intra-node NCCL
+  collectives cost about 5-20 us for small messages.  ``busbw`` follows nccl-tests' definition
+  (time = ``(W-1)/W S / busbw``).
+* **NCCL all-reduce: bus bandwidth 450 GB/s** (pessimistic 480), latency as above: nccl-tests on
+  8 x H100 SXM5 report 460-480 GB/s at large sizes with NVLink SHARP (NVLS) (e.g. Alaya New,
+  "NCCL-tests in practice", 2026).
+* **Fused stores: 360 GB/s** (pessimistic 270, 60% of the link): SM-issued 16-byte stores into
+  peers' symmetric buffers, which NVLink carries at somewhat less than the copy engines do.
+* **Fused signalling: 6 us** (pessimistic 12 us): system-scope flag release/acquire over NVLink
+  (about 1-2 us each way) plus the op's two small agreement-signature launches.
+
+These figures are stated assumptions with their ends; on a real node ``distfuse-tune`` under
+``torchrun`` measures both paths and its ``"source": "measured"`` entries replace these.
+
+Gain and margin.  At each evaluated size, ``gain = unfused / fused - 1`` with the median
+kernel times and the nominal figures; the pessimistic gain takes the fused kernels at their
+80th percentile and the anchors at their 20th (at least :data:`NOISE` apart), the
+interconnect at the ends above, and kernels measured on another device or dtype
+:data:`TRANSFER` slower; ``margin = gain - pessimistic gain``.  A size *qualifies* where
+``gain >= min_gain`` (default :data:`MIN_GAIN`, 10%) and ``gain - margin > 0``; the entry fuses
+on the contiguous run of qualifying sizes with the largest total gain, its bounds on the
+qualifying sizes themselves (open where the run reaches the smallest or largest size
+evaluated), else it is ``"fused": "never"``.  An entry's ``gain``/``margin`` is its decisive
+point: the smallest gain inside the interval, or the best gain of a "never" entry.
+
+Devices without rows of their own use another Hopper GPU's kernels (:data:`DEVICES`): GEMM
+times scaled by the ratio of the devices' GEMM rates, bandwidth kernels by the ratio of their
+copy bandwidths (DESIGN.md: H100 about 3.0 TB/s and 800 TF/s bf16, H200 about 4.3 TB/s and
+769-798 TF/s).  fp16 without rows of its own uses the bf16 kernels (same width, same
+tensor-core rate).  Each entry names where its kernels came from (``kernels``).
+
+Only the forward is modelled (the lab's rows are forward); the backward of each GEMM fusion
+is its dual op, whose entry has its own projection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from distfuse.fused import registry
+from distfuse.fused.crossover_table import FORMAT, NEVER, SHIPPED, check_entry, table_key
+
+__all__ = ["Ends", "Interconnect", "DeviceModel", "OpModel", "NVLINK4_HGX", "DEVICES", "OP_MODELS", "MIN_GAIN",
+           "NOISE", "TRANSFER", "WORLD_SIZES", "DTYPES", "RESULTS", "load_rows", "project_table", "qualifying_interval",
+           "main"]
+
+MIN_GAIN = 0.10  # fuse by default only where the projected gain is at least 10%
+NOISE = 0.03  # the least spread assumed of a kernel time (rows without quantiles; quantiles tighter than this)
+TRANSFER = 0.10  # pessimistic slowdown of fused kernels measured on another device or dtype
+WORLD_SIZES = (2, 4, 8)
+DTYPES = ("bfloat16", "float16")
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+
+
+@dataclass(frozen=True)
+class Ends:
+    """A figure at its nominal value and at its pessimistic end (the end that favours the unfused path)."""
+
+    nominal: float
+    pessimistic: float
+
+    def at(self, pessimistic: bool) -> float:
+        return self.pessimistic if pessimistic else self.nominal
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The stated interconnect model (see the module doc for the sources)."""
+
+    name: str
+    link_gbps: float  # per direction per GPU
+    nccl_gbps: Ends  # reduce-scatter / all-gather bus bandwidth
+    nccl_ar_gbps: Ends  # all-reduce bus bandwidth
+    nccl_us: Ends  # a NCCL collective's latency
+    store_gbps: Ends  # the fused kernels' remote stores
+    signal_us: Ends  # the fused op's flags and agreement launches
+
+
+NVLINK4_HGX = Interconnect(
+    name="NVLink 4 via NVSwitch (HGX H100/H200 8-GPU): 900 GB/s bidirectional, 450 GB/s per direction per GPU",
+    link_gbps=450.0, nccl_gbps=Ends(360.0, 450.0), nccl_ar_gbps=Ends(450.0, 480.0), nccl_us=Ends(12.0, 6.0),
+    store_gbps=Ends(360.0, 270.0), signal_us=Ends(6.0, 12.0))
+
+
+@dataclass(frozen=True)
+class DeviceModel:
+    """A target device: the name dispatch keys on, its anchors' rates (to transfer kernels), its interconnect."""
+
+    name: str  # torch.cuda.get_device_name
+    copy_gbps: float
+    gemm_tflops: float
+    interconnect: Interconnect = NVLINK4_HGX
+    matches: tuple[str, ...] = ()  # result files' device names that are this device
+
+
+#: The devices the shipped table covers (DESIGN.md's measured copy bandwidth and bf16 GEMM rate).
+DEVICES: dict[str, DeviceModel] = {
+    "NVIDIA H100 80GB HBM3": DeviceModel("NVIDIA H100 80GB HBM3", 3000.0, 800.0,
+                                         matches=("NVIDIA H100 80GB HBM3", "NVIDIA-H100-80GB-HBM3")),
+    "NVIDIA H200": DeviceModel("NVIDIA H200", 4300.0, 785.0, matches=("NVIDIA H200", "NVIDIA-H200")),
+}
+
+
+@dataclass(frozen=True)
+class OpModel:
+    """How one registry op is projected: its kernel rows and the shape of its model.
+
+    ``kind``: ``rs`` (GEMM + reduce-scatter), ``ag`` (all-gather + GEMM), ``ar`` (GEMM + one-shot
+    all-reduce) or ``local`` (no interconnect term: the halo conv).  ``gemm`` / ``bw``: the ``op``
+    of the GEMM and bandwidth kernel rows (``bench/bench_gemm_fused.py``'s ``SIDES``); ``zero``: the
+    rows' ``shape.zero`` tag (the ZeRO weight streaming), None for rows without one.
+    """
+
+    kind: str
+    gemm: str
+    bw: str | None = None
+    zero: str | None = None
+    mode: str = "fwd"
+    anchor: str = "cublas"
+
+
+#: One model per registry op (a test checks that every registered op has one).
+OP_MODELS: dict[str, OpModel] = {
+    registry.MATMUL_REDUCE_SCATTER.name: OpModel("rs", "matmul_scatter", "chunk_reduce"),
+    registry.ALL_GATHER_MATMUL.name: OpModel("ag", "gathered_matmul", "ag_push"),
+    registry.MATMUL_REDUCE_SCATTER_FEATURES.name: OpModel("rs", "matmul_scatter_columns", "column_reduce"),
+    registry.ALL_GATHER_FEATURES_MATMUL.name: OpModel("ag", "gathered_k_matmul", "ag_push_columns"),
+    registry.MATMUL_ALL_REDUCE.name: OpModel("ar", "matmul_push", "all_reduce_slots"),
+    registry.ZERO_LINEAR_ROWS.name: OpModel("ag", "gathered_matmul", "ag_push", zero="rows"),
+    registry.ZERO_LINEAR_COLUMNS.name: OpModel("ag", "gathered_k_matmul", "ag_push_columns", zero="columns"),
+    registry.HALO_CONV.name: OpModel("local", "halo_conv", mode="full", anchor="cat"),
+}
+
+#: Row providers that are the op's default provider under another name (``fused``: the first in the registry).
+_DEFAULT_ROW_PROVIDER = "fused"
+_ANCHORS = ("cublas", "copy", "cat", "distdl", "symm_mem")
+
+
+# ---------------------------------------------------------------- rows
+
+
+@dataclass(frozen=True)
+class Timed:
+    """One row's time: median and 20th/80th percentiles (ms)."""
+
+    ms: float
+    q20: float
+    q80: float
+
+    @classmethod
+    def of(cls, row: dict) -> Timed:
+        ms = float(row["ms"])
+        return cls(ms, float(row.get("ms_q20") or ms), float(row.get("ms_q80") or ms))
+
+    def scaled(self, f: float) -> Timed:
+        return Timed(self.ms * f, self.q20 * f, self.q80 * f)
+
+    def fused_end(self, pessimistic: bool, transfer: float) -> float:
+        return max(self.q80, self.ms * (1 + NOISE)) * (1 + transfer) if pessimistic else self.ms
+
+    def anchor_end(self, pessimistic: bool) -> float:
+        return min(self.q20, self.ms * (1 - NOISE)) if pessimistic else self.ms
+
+
+@dataclass
+class ResultFile:
+    path: str
+    device: str
+    date: str
+    commit: str | None
+    rows: list[dict] = field(default_factory=list)
+
+
+def load_rows(results: Path | str = RESULTS, files: Iterable[str] | None = None) -> list[ResultFile]:
+    """The GPU result files under ``results`` (``*.json`` whose ``env.device`` names an NVIDIA GPU and that hold
+    rows), oldest first; ``files``: only these names."""
+    out = []
+    names = sorted(glob.glob(str(Path(results) / "*.json"))) if files is None else \
+        [str(Path(results) / f) for f in files]
+    for name in names:
+        try:
+            data = json.loads(Path(name).read_text())
+        except (OSError, ValueError):
+            continue
+        env = data.get("env") if isinstance(data, dict) else None
+        rows = data.get("rows") if isinstance(data, dict) else None
+        if not isinstance(env, dict) or not isinstance(rows, list) or data.get("smoke"):
+            continue
+        device = str(env.get("device") or "")
+        if "NVIDIA" not in device or env.get("dry_run"):
+            continue
+        out.append(ResultFile(Path(name).name, device, str(env.get("date") or ""), env.get("commit"),
+                              [r for r in rows if isinstance(r, dict) and r.get("ms")]))
+    out.sort(key=lambda f: (f.date, f.path))
+    return out
+
+
+def _device_of(name: str) -> DeviceModel | None:
+    for d in DEVICES.values():
+        if name in d.matches or name == d.name:
+            return d
+    return None
+
+
+def _op_name(row: dict) -> str:
+    return registry.RENAMED_KERNELS.get(row.get("op"), row.get("op"))
+
+
+def _gemm_shape(row: dict) -> tuple | None:
+    s = row.get("shape") or {}
+    if not all(k in s for k in ("m", "n", "k")):
+        return None
+    return int(s["m"]), int(s["n"]), int(s["k"]), s.get("zero")
+
+
+def _halo_shape(row: dict) -> tuple | None:
+    s = row.get("shape") or {}
+    if "C" not in s:
+        return None
+    return tuple(sorted((k, v) for k, v in s.items()))
+
+
+@dataclass
+class Case:
+    """One shape's kernel times for one op, all from one result file (one run)."""
+
+    size: float
+    m: int
+    n: int
+    k: int
+    world: int  # the world size the rows were measured at
+    anchor: Timed  # cuBLAS (GEMM ops) or cat staging + conv (halo)
+    gemm: dict[str, Timed]  # row provider -> the fused GEMM (or the fused halo conv)
+    bw: dict[str, Timed] = field(default_factory=dict)  # row provider -> the bandwidth kernel
+    shape: dict = field(default_factory=dict)
+
+
+def cases_for(op: str, f: ResultFile, dtype: str) -> list[Case]:
+    """The complete cases of ``op`` in one result file at ``dtype``: every row the op's model needs, same run."""
+    model = OP_MODELS[op]
+    by: dict[tuple, dict[str, dict]] = {}
+    for r in f.rows:
+        if r.get("dtype") != dtype or r.get("extra", {}).get("projection"):
+            continue
+        name = _op_name(r)
+        if model.kind == "local":
+            if name != model.gemm or r.get("mode") != model.mode:
+                continue
+            shape = _halo_shape(r)
+            if shape is not None:
+                by.setdefault(("gemm", shape), {})[r["provider"]] = r
+            continue
+        if name not in (model.gemm, model.bw) or r.get("mode", "fwd") != model.mode:
+            continue
+        shape = _gemm_shape(r)
+        if shape is None or shape[3] != model.zero:
+            continue
+        by.setdefault(("gemm" if name == model.gemm else "bw", shape), {})[r["provider"]] = r
+    out = []
+    for (part, shape), provs in sorted(by.items(), key=lambda kv: str(kv[0])):
+        if part != "gemm":
+            continue
+        anchor = provs.get(model.anchor)
+        fused = {p: Timed.of(r) for p, r in provs.items() if p not in _ANCHORS}
+        if anchor is None or _DEFAULT_ROW_PROVIDER not in fused:
+            continue
+        if model.kind == "local":
+            s = dict(shape)
+            out.append(Case(float(s["C"]), 0, 0, 0, int(anchor.get("world_size") or 1), Timed.of(anchor), fused,
+                            shape=s))
+            continue
+        bw = {p: Timed.of(r) for p, r in by.get(("bw", shape), {}).items() if p not in _ANCHORS}
+        if _DEFAULT_ROW_PROVIDER not in bw:
+            continue
+        m, n, k, _ = shape
+        out.append(Case(registry.size_of(op, dict(m=m, n=n, k=k)), m, n, k, int(anchor.get("world_size") or 8),
+                        Timed.of(anchor), fused, bw, shape=dict(m=m, n=n, k=k)))
+    return out
+
+
+# ---------------------------------------------------------------- the model
+
+
+def _provider(op: str, row_provider: str) -> str:
+    return registry.get(op).providers[0] if row_provider == _DEFAULT_ROW_PROVIDER else row_provider
+
+
+def _bw_scale(kind: str, w: int, w0: int) -> float:
+    """Bytes a bandwidth kernel moves at world size ``w`` over those at ``w0`` (see the module doc)."""
+    if kind == "rs":
+        return ((w + 1) / w) / ((w0 + 1) / w0)
+    if kind == "ar":
+        return (w + 1) / (w0 + 1)
+    return 1.0
+
+
+def project_case(op: str, case: Case, w: int, itemsize: int, ic: Interconnect, *, pessimistic: bool,
+                 transfer: float = 0.0, gemm_scale: float = 1.0,
+                 bw_scale: float = 1.0) -> tuple[float, dict[str, float]]:
+    """``(unfused_ms, {provider: fused_ms})`` of one case at world size ``w`` (one end of every input)."""
+    model = OP_MODELS[op]
+    anchor = case.anchor.anchor_end(pessimistic) * gemm_scale
+    fused_gemm = {p: t.fused_end(pessimistic, transfer) * gemm_scale for p, t in case.gemm.items()}
+    known = registry.get(op).providers
+    fused_gemm = {p: t for p, t in fused_gemm.items() if _provider(op, p) in known}
+    if model.kind == "local":
+        return anchor, {_provider(op, p): t for p, t in fused_gemm.items()}
+    scale = _bw_scale(model.kind, w, case.world) * bw_scale
+    bw = {p: t.fused_end(pessimistic, transfer) * scale for p, t in case.bw.items()}
+    nbytes = case.m * (case.n if model.kind in ("rs", "ar") else case.k) * itemsize
+    frac = (w - 1) / w
+    nccl_s = ic.nccl_us.at(pessimistic) * 1e-6
+    store = nbytes / (ic.store_gbps.at(pessimistic) * 1e9)
+    sig_ms = ic.signal_us.at(pessimistic) * 1e-3
+    if model.kind == "rs":
+        unfused = anchor + (nccl_s + frac * nbytes / (ic.nccl_gbps.at(pessimistic) * 1e9)) * 1e3
+        fused = {_provider(op, p): max(t, frac * store * 1e3) + bw[_DEFAULT_ROW_PROVIDER] + sig_ms
+                 for p, t in fused_gemm.items()}
+    elif model.kind == "ar":
+        unfused = anchor + (nccl_s + 2 * frac * nbytes / (ic.nccl_ar_gbps.at(pessimistic) * 1e9)) * 1e3
+        fused = {_provider(op, p): max(t, (w - 1) * store * 1e3) + bw[_DEFAULT_ROW_PROVIDER] + sig_ms
+                 for p, t in fused_gemm.items()}
+    else:  # ag: the push (one provider per push row), then the one gathered GEMM
+        unfused = (nccl_s + frac * nbytes / (ic.nccl_gbps.at(pessimistic) * 1e9)) * 1e3 + anchor
+        gemm = fused_gemm[_DEFAULT_ROW_PROVIDER]
+        wire = frac * store * 1e3
+        fused = {}
+        for p, t in bw.items():
+            name = _provider(op, p)
+            if name not in known:
+                continue
+            if name == "copy_engine":  # DMA on side streams, overlapping the GEMM, which takes its own chunk first
+                fused[name] = max(gemm, max(t, wire) + gemm / w) + sig_ms
+            else:
+                fused[name] = max(t, wire) + gemm + sig_ms
+    return unfused, fused
+
+
+@dataclass
+class Point:
+    size: float
+    gain: float
+    margin: float
+    fused_ms: float
+    unfused_ms: float
+    provider: str
+    provider_ms: dict[str, float]
+
+    @property
+    def qualifies(self) -> bool:
+        return self._qualifies(MIN_GAIN)
+
+    def _qualifies(self, min_gain: float) -> bool:
+        return self.gain >= min_gain - 1e-12 and self.gain - self.margin > 0
+
+
+def qualifying_interval(points: Sequence[Point], min_gain: float = MIN_GAIN) -> tuple[str, float | None, float | None]:
+    """``(fused, min_size, max_size)``: the contiguous run of qualifying sizes with the largest total gain.
+
+    ``fused`` is ``"never"`` (no size qualifies), ``"always"`` (every size does) or ``"interval"``;
+    a bound is None where the run reaches the smallest / largest size evaluated, else it is the
+    run's own end (no interpolation into sizes the projection did not evaluate).
+    """
+    pts = sorted(points, key=lambda p: p.size)
+    best, best_run, run = -math.inf, None, None
+    for i, p in enumerate(pts):
+        if p._qualifies(min_gain):
+            run = (run[0], i, run[2] + p.gain) if run else (i, i, p.gain)
+            if run[2] > best:
+                best, best_run = run[2], run
+        else:
+            run = None
+    if best_run is None:
+        return "never", None, None
+    lo = None if best_run[0] == 0 else pts[best_run[0]].size
+    hi = None if best_run[1] == len(pts) - 1 else pts[best_run[1]].size
+    return ("always" if lo is None and hi is None else "interval"), lo, hi
+
+
+def _sig(x: float, digits: int = 5) -> float:
+    return float(f"{x:.{digits}g}")
+
+
+def _entry(op: str, points: list[Point], min_gain: float, kernels: dict, mode: str, ic: Interconnect) -> dict:
+    fused, lo, hi = qualifying_interval(points, min_gain)
+    pts = sorted(points, key=lambda p: p.size)
+    entry: dict = {"fused": fused, "size_key": registry.get(op).size_key, "source": "projected", "mode": mode,
+                   "min_gain": min_gain, "model": ic.name, "kernels": kernels}
+    if fused == "never":
+        entry["max_size"] = NEVER
+        decisive = max(pts, key=lambda p: p.gain)
+    else:
+        if lo is not None:
+            entry["min_size"] = lo
+        if hi is not None:
+            entry["max_size"] = hi
+        decisive = min((p for p in pts if registry.in_interval(p.size, lo, hi)), key=lambda p: p.gain)
+        excluded = [p.size for p in pts if p._qualifies(min_gain) and not registry.in_interval(p.size, lo, hi)]
+        if excluded:
+            entry["excluded_wins"] = excluded
+    entry["gain"], entry["margin"] = _sig(decisive.gain, 4), _sig(decisive.margin, 4)
+    entry["gains"] = [[p.size, _sig(p.gain, 4), _sig(p.margin, 4)] for p in pts]
+    entry["points"] = [[p.size, _sig(p.fused_ms), _sig(p.unfused_ms)] for p in pts]
+    names = {n for p in pts for n in p.provider_ms}
+    if len(names) > 1:
+        sizes = [[p.size, p.provider] for p in pts]
+        counts: dict[str, int] = {}
+        for _, name in sizes:
+            counts[name] = counts.get(name, 0) + 1
+        entry["provider"] = max(counts, key=counts.get)
+        entry["provider_sizes"] = sizes
+    return entry
+
+
+def _sources(files: list[ResultFile], device: DeviceModel, op: str, dtype: str):
+    """The newest file with complete cases of ``op``, preferring this device, then this dtype: ``(file, dtype,
+    cases)``, or None."""
+    other16 = [d for d in DTYPES if d != dtype]
+    same = [f for f in files if _device_of(f.device) is device]
+    others = [f for f in files if f not in same and _device_of(f.device) is not None]
+    for group in (same, others):
+        for dt in [dtype, *other16]:
+            for f in reversed(group):
+                cs = cases_for(op, f, dt)
+                if cs:
+                    return f, dt, cs
+    return None
+
+
+def project_entries(files: list[ResultFile], devices: Sequence[DeviceModel], ops: Sequence[str],
+                    world_sizes: Sequence[int] = WORLD_SIZES, dtypes: Sequence[str] = DTYPES,
+                    min_gain: float = MIN_GAIN) -> tuple[dict, list[str]]:
+    """Every projected entry: ``({table key: entry}, notes)``."""
+    import torch
+
+    entries, notes = {}, []
+    for device in devices:
+        for dtype in dtypes:
+            itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+            for op in ops:
+                src = _sources(files, device, op, dtype)
+                if src is None:
+                    notes.append(f"{device.name} {dtype} {op}: no kernel rows in the results; no entry")
+                    continue
+                f, src_dtype, cases = src
+                src_dev = _device_of(f.device)
+                moved = src_dev is not device or src_dtype != dtype
+                transfer = TRANSFER if moved else 0.0
+                gemm_scale = src_dev.gemm_tflops / device.gemm_tflops
+                bw_scale = src_dev.copy_gbps / device.copy_gbps
+                kernels = {"file": f.path, "device": f.device, "date": f.date, "dtype": src_dtype,
+                           "world_size": cases[0].world}
+                if f.commit:
+                    kernels["commit"] = f.commit
+                for w in world_sizes:
+                    points = _points(op, cases, w, itemsize, device.interconnect, transfer, gemm_scale, bw_scale)
+                    if points:
+                        entries[table_key(device.name, w, getattr(torch, dtype), op)] = _entry(
+                            op, points, min_gain, kernels, OP_MODELS[op].mode, device.interconnect)
+    return entries, notes
+
+
+def _points(op, cases, w, itemsize, ic, transfer, gemm_scale, bw_scale) -> list[Point]:
+    """One point per size: its worst case (several shapes may share a size: the halo conv's extents)."""
+    by_size: dict[float, Point] = {}
+    for case in cases:
+        kw = dict(transfer=transfer, gemm_scale=gemm_scale, bw_scale=bw_scale)
+        unfused, fused = project_case(op, case, w, itemsize, ic, pessimistic=False, **kw)
+        if not fused:
+            continue
+        best = min(fused, key=fused.get)
+        p_unfused, p_fused = project_case(op, case, w, itemsize, ic, pessimistic=True, **kw)
+        gain = unfused / fused[best] - 1
+        pess = p_unfused / p_fused[best] - 1
+        pt = Point(case.size, gain, max(gain - pess, 0.0), fused[best], unfused, best, fused)
+        if case.size not in by_size or pt.gain < by_size[case.size].gain:
+            by_size[case.size] = pt
+    return list(by_size.values())
+
+
+def model_meta() -> dict:
+    """``_meta.model`` of a projected table: the figures, their ends and the rule."""
+    return dict(interconnect={k: asdict(v) for k, v in {"NVLINK4_HGX": NVLINK4_HGX}.items()},
+                devices={n: dict(copy_gbps=d.copy_gbps, gemm_tflops=d.gemm_tflops) for n, d in DEVICES.items()},
+                min_gain=MIN_GAIN, noise=NOISE, transfer=TRANSFER, generator="distfuse.tune.project")
+
+
+def project_table(results: Path | str = RESULTS, *, devices: Sequence[str] | None = None,
+                  ops: Sequence[str] | None = None, world_sizes: Sequence[int] = WORLD_SIZES,
+                  dtypes: Sequence[str] = DTYPES, min_gain: float = MIN_GAIN) -> dict:
+    """The whole projected table (entries and ``_meta``) from the result files under ``results``; deterministic."""
+    files = load_rows(results)
+    devs = [DEVICES[d] for d in (devices or DEVICES)]
+    entries, notes = project_entries(files, devs, list(ops or OP_MODELS), world_sizes, dtypes, min_gain)
+    for k, v in entries.items():
+        check_entry("(projected)", k, v)
+    used = sorted({e["kernels"]["file"] for e in entries.values()})
+    inputs = [dict(file=f.path, device=f.device, date=f.date, commit=f.commit) for f in files if f.path in used]
+    table = dict(entries)
+    table["_meta"] = dict(format=FORMAT, written_by="distfuse-tune project", model=model_meta(), inputs=inputs,
+                          notes=notes, world_sizes=list(world_sizes), dtypes=list(dtypes))
+    return table
+
+
+def dumps(table: dict) -> str:
+    return json.dumps(table, indent=1, sort_keys=True) + "\n"
+
+
+def summary(table: dict) -> str:
+    lines = []
+    for key in sorted(k for k in table if "|" in k):
+        e = table[key]
+        if e["fused"] == "never":
+            verdict = "unfused"
+        else:
+            lo, hi = e.get("min_size"), e.get("max_size")
+            verdict = f"FUSED for {e['size_key']} in [{'-inf' if lo is None else f'{lo:.3g}'}, " \
+                      f"{'inf' if hi is None else f'{hi:.3g}'}]"
+        gains = ", ".join(f"{g:+.0%}" for _, g, _ in e["gains"])
+        lines.append(f"{key}: {verdict}; gain {e['gain']:+.1%} ± {e['margin']:.1%} (by size: {gains})")
+    return "\n".join(lines)
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(prog="distfuse-tune project", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=RESULTS, help=f"the lab's result files (default {RESULTS})")
+    p.add_argument("--out", type=Path, default=None,
+                   help=f"where to write (default: the shipped table {SHIPPED}, rewritten whole); another path is "
+                        "merged into (its measured entries are kept)")
+    p.add_argument("--devices", nargs="+", default=None, choices=sorted(DEVICES))
+    p.add_argument("--ops", nargs="+", default=None, choices=sorted(OP_MODELS))
+    p.add_argument("--world-sizes", type=int, nargs="+", default=list(WORLD_SIZES))
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    p.add_argument("--min-gain", type=float, default=MIN_GAIN, help="fuse where the projected gain is at least this")
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the output differs from --out")
+    p.add_argument("--quiet", action="store_true")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if not load_rows(args.results):  # e.g. an installed package, whose default results folder does not exist
+        print(f"distfuse-tune project: no GPU result files (bench/results JSON with env.device NVIDIA...) under "
+              f"{args.results}; pass --results", file=sys.stderr)
+        return 1
+    table = project_table(args.results, devices=args.devices, ops=args.ops, world_sizes=args.world_sizes,
+                          dtypes=args.dtypes, min_gain=args.min_gain)
+    out = args.out or SHIPPED
+    if not args.quiet:
+        print(summary(table))
+        for n in table["_meta"]["notes"]:
+            print(f"note: {n}")
+    if args.check:
+        current = out.read_text() if out.exists() else ""
+        if current != dumps(table):
+            print(f"{out} differs from what {args.results} gives: run python -m distfuse.tune.project", file=sys.stderr)
+            return 1
+        print(f"{out} is what {args.results} gives")
+        return 0
+    if args.out is None:  # the shipped table: rewritten whole, deterministic, atomically
+        from distfuse.tune.table import write_text_atomic
+
+        write_text_atomic(out, dumps(table))
+    else:
+        from distfuse.tune.table import write_table
+
+        entries = {k: v for k, v in table.items() if "|" in k}
+        write_table(out, entries, extra_meta={"projected": table["_meta"]})
+    n_fused = sum(1 for k, v in table.items() if "|" in k and v["fused"] != "never")
+    print(f"wrote {sum(1 for k in table if '|' in k)} projected entries ({n_fused} fuse somewhere) to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""The GPU lab's scripts, without a GPU: shell syntax, the bookkeeping and the checks of what a run leaves in $OUT.
+
+The whole dry run (``DISTFUSE_LAB_DRY_RUN=1 bash scripts/gpu_lab.sh``, about a minute on 2
+cores) is not repeated here; these tests cover its parts: the phase records, the tests'
+JSON lines, the ratios of issue 21's table, and ``check`` catching what a device call
+would lose (too many files, a row without its anchor, a fused row that does not name the
+kernel that ran).
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+
+
+def _module(name):
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+lab = _module("lab_record")
+
+
+@pytest.mark.parametrize("script", ["gpu_lab.sh", "gpu_lab_extra.sh", "audit_triton36.sh"])
+def test_shell_syntax(script):
+    proc = subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_caps_fit_one_call():
+    assert sum(cap for _, cap in lab.PHASES) <= lab.BUDGET_S <= 9 * 60
+    assert [name for name, _ in lab.PHASES] == ["probe", "tests", "gemm", "halo", "two_process"]
+    text = (SCRIPTS / "gpu_lab.sh").read_text()
+    for name, cap in lab.PHASES:  # the script runs the phases with the caps the check expects
+        assert f"phase {name} {cap} " in text, name
+    assert "DISTFUSE_TIMEOUT=30" in text and "DISTFUSE_AUTOTUNE=0" in text
+
+
+def _row(op, provider, anchor, ms, shape, mode="fwd", kernel=None, **kw):
+    return dict(op=op, provider=provider, anchor=anchor, mode=mode, shape=shape, dtype="bfloat16", world_size=8,
+                ms=ms, kernel=kernel or provider, **kw)
+
+
+def _gemm_rows(m):
+    s = dict(model="llama3-8b", m=m, n=4096, k=1792)
+    return [_row("matmul_scatter", "cublas", "cublas", 1.0, s), _row("matmul_scatter", "fused", "cublas", 1.25, s),
+            _row("matmul_scatter", "triton_persistent", "cublas", 1.05, s, kernel="matmul_scatter"),
+            _row("chunk_reduce", "copy", "copy", 1.0, dict(s, bytes=10)),
+            _row("chunk_reduce", "fused", "copy", 4.0, dict(s, bytes=10)),
+            _row("gathered_matmul", "cublas", "cublas", 1.0, s), _row("gathered_matmul", "fused", "cublas", 2.0, s)]
+
+
+def _halo_rows():
+    s = dict(nd=2, C=64, n=512, halo=1, batch=1)
+    return [_row("halo_conv", "copy", "copy", 1.0, s, "stage"), _row("halo_conv", "fused", "copy", 2.0, s, "stage"),
+            _row("halo_conv", "cat", "cat", 1.0, s, "full"), _row("halo_conv", "fused", "cat", 0.9, s, "full")]
+
+
+def _lab_out(tmp_path, rows=None):
+    out = tmp_path / "out"
+    out.mkdir()
+    env = dict(device="NVIDIA H100 80GB HBM3", torch="2.11.0", triton="3.6.0", commit="abc1234",
+               date="2026-11-27T10:00:00+00:00")
+    gemm = out / "gemm_fused-NVIDIA_H100_80GB_HBM3-2026-11-27.json"
+    gemm.write_text(json.dumps(dict(env=env, rows=rows if rows is not None else _gemm_rows(8192) + _gemm_rows(512))))
+    halo = out / "halo_conv-NVIDIA_H100_80GB_HBM3-2026-11-27.json"
+    halo.write_text(json.dumps(dict(env=env, rows=_halo_rows())))
+    (out / "lab.json").write_text(json.dumps(dict(env=env, phases=[])))
+    files = {"probe": "probe.json", "tests": "tests.json", "gemm": gemm.name, "halo": halo.name,
+             "two_process": "two_process.json"}
+    for name in ("probe.json", "tests.json", "two_process.json"):
+        (out / name).write_text("{\"ok\": true}")
+    for name, cap in lab.PHASES:
+        assert lab.main(["phase", "--out", str(out), "--name", name, "--cap", str(cap), "--limit", str(cap),
+                         "--rc", "0", "--seconds", "3", "--file", str(out / files[name])]) == 0
+    return out
+
+
+def test_a_well_formed_run_passes_the_check_and_gives_the_ratios(tmp_path):
+    out = _lab_out(tmp_path)
+    assert lab.check(out) == []
+    table = {t["target"]: t for t in lab.ratios(lab.result_files(out))}
+    # the best fused provider per shape: the persistent producer at 1 / 1.05
+    assert table["gemm+scatter vs cuBLAS (M>=4096)"]["worst"] == pytest.approx(0.952, abs=1e-3)
+    best = next(iter(table["gemm+scatter vs cuBLAS (M>=4096)"]["shapes"].values()))
+    assert best["provider"] == "triton_persistent" and best["kernel"] == "matmul_scatter"  # the kernel that ran
+    assert table["gemm+scatter vs cuBLAS (M=512)"]["worst"] == pytest.approx(0.952, abs=1e-3)
+    assert table["chunk_reduce vs copy (M>=4096)"]["worst"] == 0.25 and not table["chunk_reduce vs copy (M>=4096)"][
+        "holds"]
+    assert table["halo staging vs copy (>= 16M elements)"]["worst"] == 0.5
+    assert table["fused halo conv vs cat+cuDNN (every shape)"]["holds"] is True
+    assert lab.main(["ratios", "--out", str(out)]) == 0
+    assert len(json.loads((out / "lab.json").read_text())["ratios"]) == len(lab.TARGETS)
+
+
+def test_the_check_catches_what_a_device_call_would_lose(tmp_path):
+    rows = _gemm_rows(8192)
+    rows = [r for r in rows if not (r["op"] == "gathered_matmul" and r["provider"] == "cublas")]  # anchor missing
+    rows[1] = dict(rows[1], kernel=None)  # a fused row that does not name its kernel
+    out = _lab_out(tmp_path, rows)
+    (out / "lab.log").write_text("")
+    for i in range(2):
+        (out / f"extra{i}.json").write_text("{}")  # 9 files: the device tool brings back 8
+    problems = "\n".join(lab.check(out))
+    assert "9 files under $OUT" in problems
+    assert "does not name the kernel that ran" in problems
+    assert "the anchor cublas of gathered_matmul/fused" in problems
+
+
+def test_phase_records_and_skips(tmp_path):
+    out = tmp_path
+    (out / "lab.json").write_text(json.dumps(dict(env={}, phases=[])))
+    lab.main(["phase", "--out", str(out), "--name", "gemm", "--cap", "180", "--limit", "12", "--rc", "-1",
+              "--seconds", "0"])
+    lab.main(["phase", "--out", str(out), "--name", "halo", "--cap", "75", "--limit", "75", "--rc", "124",
+              "--seconds", "80"])
+    phases = json.loads((out / "lab.json").read_text())["phases"]
+    assert phases[0]["status"].startswith("skipped") and phases[1]["status"] == "timed out after 75 s"
+
+
+def test_tests_summary_keeps_what_finished(tmp_path):
+    jsonl = tmp_path / "t.jsonl"
+    lines = [dict(test="a::x", when="call", outcome="passed", seconds=1.0),
+             dict(test="a::y", when="call", outcome="failed", seconds=2.0, message="boom"),
+             dict(test="a::z", when="setup", outcome="skipped", seconds=0.0, reason="needs a CUDA GPU")]
+    jsonl.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    got = lab.tests_summary(jsonl, finished=False)  # a phase cut off: the finished tests still count
+    assert (got["tests"], got["passed"], got["failed"], got["skipped"]) == (3, 1, 1, 1)
+    assert got["failures"][0]["message"] == "boom" and not got["ok"]
+
+
+def test_two_process_summary_per_provider():
+    two = _module("gpu_two_process")
+    case = dict(op="rs", provider="triton_persistent", kernel="matmul_scatter", dtype="torch.bfloat16",
+                rel_err=dict(y=1e-3, dx=2e-3))
+    reports = [dict(rank=r, cases=[case] * 2, failures=[]) for r in range(2)]
+    got = two.summarize(reports, 2, ["rs:triton_persistent", "ag:copy_engine"], 1.0)
+    assert got["by_provider"]["rs:triton_persistent"]["ok"]
+    assert got["by_provider"]["rs:triton_persistent"]["kernels"] == ["matmul_scatter"]
+    assert not got["by_provider"]["ag:copy_engine"]["ok"] and not got["ok"]  # no case ran: not a pass
+
+
+def test_bench_rows_name_their_kernel_and_anchor(tmp_path):
+    """The GEMM bench's row helper: fused rows carry the kernel; writing is atomic and repeatable (incremental)."""
+    sys.path.insert(0, str(ROOT))
+    from bench.harness import Row, results_path, write_json
+
+    env = dict(device="NVIDIA H200 (x)", date="2026-11-27T00:00:00+00:00")
+    path = results_path("gemm_fused", env, tmp_path)
+    assert path.name == "gemm_fused-NVIDIA_H200__x_-2026-11-27.json"  # names the device tool brings back
+    rows = [Row("matmul_scatter", "fused", "fwd", dict(m=8), "bfloat16", 8, 1.0, 0.9, 1.1, kernel="matmul_scatter")]
+    write_json(path, env, rows, partial=True)
+    write_json(path, env, rows * 2, partial=False)
+    data = json.loads(path.read_text())
+    assert data["partial"] is False and len(data["rows"]) == 2 and data["rows"][0]["kernel"] == "matmul_scatter"
+    assert not list(tmp_path.glob("*.tmp"))
