@@ -41,7 +41,6 @@ FLOOR = {
     "demo": 7, "demo_unet": 7, "__init__": 7,
 }
 
-# The one circle left, being taken apart separately: the GEMM + scatter launchers call each other's helpers.
 ALLOWED_CYCLES: set[frozenset[str]] = set()  # none left: every import circle is a failure
 
 

@@ -21,8 +21,9 @@ Why fused: DistDL stages with ``F.pad`` + clone + slice and PhysicsNeMo/DTensor 
 ``torch.cat``, two or three full copies of the block; here the staged input is written
 once, straight from the block, the receive buffer and the padding rule
 (``kernels/halo.py``), and the halo boxes travel as one flat buffer each way.  At
-C <= 64 the staging copy is 30-100% of the convolution's own time on an H200 (the
-issue's figure; ``bench/bench_halo_conv.py`` measures it, not yet run on a GPU).
+C <= 64 the staging copy is estimated at 30-100% of the convolution's own time on an
+H200 (``bench/bench_halo_conv.py`` measures it; what it found on an H100:
+``docs/benchmarks.md``, "Kernel choices").
 
 Overlap (CUDA; ``overlap=True`` also runs on gloo, where the tests exercise it)::
 

@@ -20,9 +20,9 @@ source box, already reversed for reflect and 0 for replicate) and the int64 piec
 2 = ``recv``.
 Every A element costs 6 LUT loads + 5 piece-table loads (all tiny, cache resident) on
 top of its data load; a staged copy costs one store and one load per staged element
-instead.  Which one wins on a GPU is unmeasured: **no timing has been taken (the kernel's
-results were checked on an H100 with Triton 3.6, its speed was not), so no claim against
-cuDNN (or against stage + cuDNN) is made.**
+instead.  Which one wins on a GPU is unmeasured: **no timing has been taken, so no claim
+against cuDNN (or against stage + cuDNN) is made** (what has run on a GPU:
+``docs/benchmarks.md``, "Kernel choices").
 
 Design decisions:
 

@@ -20,8 +20,8 @@ therefore never pass for the kernel that was asked for.
 
 Compiled fp32 operands with IEEE products (torch's default, no TF32) go to the pointer
 kernel: the persistent kernel's fp32 IEEE dot spills 5.5-6.5 KB of registers per thread
-at every fp32 tile (sm_90, Triton 3.6 and 3.9, compile audit 2026-11-26), the pointer
-kernel's none at 128x128x32.
+at every fp32 tile (sm_90, the compile audit; ``docs/benchmarks.md``, "Kernel choices"),
+the pointer kernel's none at 128x128x32.
 """
 
 from __future__ import annotations

@@ -357,7 +357,7 @@ class RootParams:
         """``(w, b)`` on every worker of P_x, in ``dtype``: one broadcast of the packed parameters from the root.
 
         ``flag``: this worker's agreement flag (0 or 1), or ``NO_FLAG`` (the flagged round
-        raises :class:`~distfuse.primitives.agreement_session.FlaggedCall` on every worker
+        raises :class:`~distfuse.primitives.agreement_session.FlaggedCallError` on every worker
         when any is set).  ``needs_grad``: some worker's parameters require grad, so every
         worker runs the sum-reduce its root waits for.  ``like`` is any tensor of the call
         (the non-root workers' placeholder is made from it, never a graph constant).

@@ -19,11 +19,9 @@ never on the default group and its 30-minute default), or failing at once when t
 peer's connection closes.  gloo reports either as a bare ``RuntimeError`` naming a C++
 source line; :func:`collective_guard` turns it into a
 :class:`~distfuse.errors.CollectiveTimeoutError` that names the op, this rank, the peers
-it was waiting for and the timeout in force, and chains the original.  Measured on the
-2-core CI machine with ``DISTFUSE_TIMEOUT=3`` (``tests/test_reliability_faults.py``):
-peers of a rank that raises get the error 3.0 s later, peers of a rank that exits get
-it within 0.1 s; ``tests/test_misuse_timeouts.py`` measures the same with the world
-group left at torch's default timeout.
+it was waiting for and the timeout in force, and chains the original.  Peers of a rank
+that raises get the error when the timeout runs out, peers of a rank that exits within
+0.1 s (``docs/benchmarks.md``, "Failure latency").
 """
 
 from __future__ import annotations

@@ -28,10 +28,9 @@ whose backward, an op of its own, reads saved inputs).
 Why eager calls do not go through the custom op.  A custom op's eager call passes the
 dispatcher, torch's generated autograd wrapper (a Python ``autograd.Function`` of its own)
 and a redispatch below autograd before it reaches the implementation: 10-60 us a call more
-than an ``autograd.Function`` over the same core (a 16-element core on the 2-core CPU
-machine: 17-20 against 8-9 us without grad, 80-90 against 31-33 us for forward +
-backward; ``scripts/dispatch_cost.py``, table in ``docs/design.md``, "One forward per
-layer").  The ``ORDERED`` effect and the ``CustomOpDef`` wrapper cost nothing measurable.
+than an ``autograd.Function`` over the same core (``scripts/dispatch_cost.py``; the table
+is in ``docs/design.md``, "One forward per layer").  The ``ORDERED`` effect and the
+``CustomOpDef`` wrapper cost nothing measurable.
 A halo layer's forward + backward runs two ops, so eager calls would pay that for a graph
 they do not build; the entry pays it only while tracing.
 

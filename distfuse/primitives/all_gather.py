@@ -22,9 +22,9 @@ sub-grid's group (``_axes.py``).  The receivers must know every block's extent. 
 module learns them under the agreement protocol (:mod:`~distfuse.primitives._agreement`,
 :func:`agreed_all_gather`): the first call, and any call where some worker's block shape
 or dtype changed, exchanges the local shapes (one host-side all-gather of a few int64 per
-worker; before, every call did: 1.0 ms against 0.8 ms for the gather of a 64 x 64 fp32
-block on the 2-core CI machine, 2 ranks); while every worker's block repeats, only a flag
-element rides along with the data.  So blocks that disagree (rows, dtype, even fp16
+worker: 1.0 ms against 0.8 ms for the gather of a 64 x 64 fp32 block, 2 CPU ranks;
+``docs/benchmarks.md``); while every worker's block repeats, only a flag element rides
+along with the data.  So blocks that disagree (rows, dtype, even fp16
 against bf16) raise the same :class:`~distfuse.errors.ShapeError` on every worker instead
 of aborting in gloo or returning garbage.  Layers that know the full shape pass it to
 :func:`all_gather` (or ``forward``) as ``out_shape``: no exchange, no check beyond the
