@@ -108,7 +108,7 @@ def train(steps: int = 8, lr: float = 0.05, quiet: bool = False) -> list[tuple[f
     from distfuse import Partition
     from distfuse.geometry.decomposition import local_slices
     from distfuse.groups import world_group
-    from distfuse.testing.tolerance import compare_state, rounding_bound
+    from distfuse.testing.tolerance import check_trained_state, rounding_bound
 
     if dist.get_world_size() != WORLD:
         raise SystemExit(f"distfuse.demo needs {WORLD} ranks, got {dist.get_world_size()}")
@@ -174,14 +174,7 @@ def train(steps: int = 8, lr: float = 0.05, quiet: bool = False) -> list[tuple[f
                                    f"rounding bound {bound:.1e} (sums of {TERMS} terms, {step + 1} steps)")
     final = _collect(model)
     if rank == 0:
-        exact_state = twins[torch.float64][0].state_dict()
-        worst = compare_state(final, exact_state, torch.float32, TERMS, steps, start=start)
-        torch_nn = compare_state(twins[torch.float32][0].state_dict(), exact_state, torch.float32, TERMS, steps,
-                                 start=start)
-        if not worst.ok:
-            raise RuntimeError(f"after {steps} steps the distributed weights differ from the float64 model's: "
-                               f"{worst.key} by {worst.error:.2e}, over the {worst.allowed:.2e} allowed (the "
-                               f"float32 rounding bound {worst.bound:.1e} on its layer's scales)")
+        worst, torch_nn = check_trained_state(final, twins, TERMS, steps, start, "weights")
     if rank == 0 and not quiet:
         print("layer paths (fused or unfused, and why):")
         for name, layer in model.items():

@@ -103,7 +103,7 @@ def train(steps: int = 8, lr: float = 0.1, quiet: bool = False) -> list[tuple[fl
     from distfuse import Partition
     from distfuse.geometry.decomposition import local_slices
     from distfuse.model import collect_sequential, make_optimizer
-    from distfuse.testing.tolerance import compare_state, rounding_bound
+    from distfuse.testing.tolerance import check_trained_state, rounding_bound
 
     if dist.get_world_size() != WORLD:
         raise SystemExit(f"distfuse.demo unet needs {WORLD} ranks, got {dist.get_world_size()}")
@@ -155,14 +155,8 @@ def train(steps: int = 8, lr: float = 0.1, quiet: bool = False) -> list[tuple[fl
                                    f"rounding bound {bound:.1e} (sums of {TERMS} terms, {step + 1} steps)")
     final = collect_sequential(model, dst=0)
     if rank == 0:
-        exact_state = twins[torch.float64][0].state_dict()
-        worst = compare_state(final, exact_state, torch.float32, TERMS, steps, start=start)
-        torch_nn = compare_state(twins[torch.float32][0].state_dict(), exact_state, torch.float32, TERMS, steps,
-                                 start=start)
-        if not worst.ok:
-            raise RuntimeError(f"after {steps} steps the distributed state differs from the float64 model's: "
-                               f"{worst.key} by {worst.error:.2e}, over the {worst.allowed:.2e} allowed (the "
-                               f"float32 rounding bound {worst.bound:.1e} on its layer's scales)")
+        worst, torch_nn = check_trained_state(final, twins, TERMS, steps, start,
+                                              "state (weights and running statistics)")
         if not quiet:
             steady = times[1:] or times
             print(f"time per step: {1e3 * sum(steady) / len(steady):.1f} ms (mean of steps 2..{steps})")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from distfuse.testing.tolerance import SAFETY, compare_state, rounding_bound, unit_roundoff
+from distfuse.testing.tolerance import SAFETY, check_trained_state, compare_state, rounding_bound, unit_roundoff
 from tests.tolerances import ADJOINT_RTOL, REL_NORM, TOL, tol
 
 F32, F64 = torch.float32, torch.float64
@@ -159,3 +159,29 @@ def test_compare_state_passes_float32_training_and_catches_a_gradient_one_percen
         buggy.load_state_dict(init)
         worst = compare_state(_train(buggy, F32, steps, bug), exact, F32, terms, steps, start=init)
         assert not worst.ok and worst.key == key, worst
+
+
+def test_the_demos_final_check_passes_float32_training_and_names_a_tensor_moved_off():
+    """``check_trained_state``: a float32 run of the float64 model passes; one moved weight raises, named."""
+    torch.manual_seed(0)
+    exact = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    start = {k: v.clone() for k, v in exact.state_dict().items()}
+    single = nn.Sequential(nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4))
+    single.load_state_dict({k: v.float() for k, v in start.items()})
+    twins = {torch.float64: (exact, None), torch.float32: (single, None)}
+    steps, terms = 3, 32
+    for _ in range(steps):
+        x = torch.randn(64, 32, dtype=torch.float64)
+        for model in (exact, single):
+            model.zero_grad()
+            model(x.to(next(model.parameters()).dtype)).square().mean().backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= 0.1 * p.grad
+    final = {k: v.clone() for k, v in single.state_dict().items()}
+    worst, torch_nn = check_trained_state(final, twins, terms, steps, start)
+    assert worst.ok and worst.ratio < 1 and torch_nn.ratio == worst.ratio  # the float32 twin is the distributed one
+    moved = dict(final)
+    moved["2.weight"] = final["2.weight"] + 1e-3 * final["2.weight"].abs().max()
+    with pytest.raises(RuntimeError, match=r"2\.weight is off by"):
+        check_trained_state(moved, twins, terms, steps, start)

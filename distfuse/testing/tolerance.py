@@ -170,3 +170,22 @@ def compare_state(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], d
         if not worst.key or cur.ratio > worst.ratio:
             worst = cur
     return worst
+
+
+def check_trained_state(final: dict[str, torch.Tensor], twins: dict, terms: int, steps: int, start: dict,
+                        what: str = "weights") -> tuple[StateComparison, StateComparison]:
+    """A demo's final check: the float32 distributed state against the float64 twin's, within :func:`compare_state`.
+
+    ``twins`` maps a dtype to ``(model, optimizer)``: the float64 model is the oracle and the
+    float32 ``torch.nn`` model the yardstick (how close plain torch gets).  Raises
+    RuntimeError naming the worst tensor when the distributed state is over its allowance;
+    returns ``(distributed, torch_nn)`` comparisons.
+    """
+    exact = twins[torch.float64][0].state_dict()
+    worst = compare_state(final, exact, torch.float32, terms, steps, start=start)
+    torch_nn = compare_state(twins[torch.float32][0].state_dict(), exact, torch.float32, terms, steps, start=start)
+    if not worst.ok:
+        raise RuntimeError(f"after {steps} steps, the distributed {what} against the float64 model's: "
+                           f"{worst.key} is off by {worst.error:.2e}, over the {worst.allowed:.2e} allowed (the "
+                           f"float32 rounding bound {worst.bound:.1e} on its layer's scales)")
+    return worst, torch_nn
