@@ -155,6 +155,8 @@ def _parse(argv=None):
                    help="which per-rank GEMMs (default all; the lab's decisive ratios: rs ag)")
     p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench/results)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU correctness pass of every provider, no timings")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="skip the rows of mode 'graph' (each anchor and fused kernel replayed from a CUDA graph)")
     p.add_argument("--dry-run", action="store_true",
                    help="no GPU: the GPU run's pipeline (every provider's rows, anchors, the JSON written after every "
                         "case) at tiny shapes on CPU, interpreted; its times mean nothing")
@@ -451,8 +453,66 @@ def add_all_ratios(rows, world: int) -> None:
     add_ratios(rows, f"projection-unfused-{world}gpu")
 
 
+def graphed(fn):
+    """``fn`` captured in a CUDA graph (after one warm call on a side stream); returns the graph's ``replay``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def graph_rows(side, shape, row, timed, src, dst, nbytes, m, n, k) -> None:
+    """Mode ``graph``: the anchors and the fused kernels of one case, each replayed from a CUDA graph.
+
+    A replay issues the captured launches without the host work of a call (argument checks, the
+    Triton launcher, tensor-descriptor encoding), so these rows time the device work alone, as a
+    training or decode step captured in a graph (``torch.cuda.graph``, ``torch.compile(mode=
+    "reduce-overhead")``) runs it.  The eager rows (mode ``fwd``) keep the host's share.  Each row
+    is compared only with the anchor of its own mode.  A capture that fails is reported, not hidden.
+    """
+    spec = SIDES[side.side]
+    op, op_bw = spec["gemm"], spec["bw"]
+    bw_shape = dict(shape, bytes=nbytes)
+
+    def one(op_name, provider, case_shape, fn, claim_provider=None, kernel=None):
+        """Capture ``fn`` (inside a claim whose producers ran, for the fused kernels) and time its replay."""
+        try:
+            if claim_provider is not None:
+                side.provider = claim_provider
+                side.prepare()
+            try:
+                replay = graphed(fn)
+                name = kernel() if callable(kernel) else kernel
+                q = timed(replay)
+            finally:
+                if claim_provider is not None:
+                    side.release()
+                    side.provider = "triton"
+        except Exception as exc:  # noqa: BLE001 - the case goes on; the log says which row is missing and why
+            print(f"graph {op_name} {provider} {case_shape}: not captured: {type(exc).__name__}: {str(exc)[:200]}")
+            return
+        row(op_name, provider, case_shape, q, kernel=name, mode="graph", extra=dict(loopback=True, graph=True))
+
+    one(op, "cublas", shape, side.cublas)
+    one(op_bw, "copy", bw_shape, lambda: dst.copy_(src))
+    if spec["scatters"]:
+        for provider in ("triton", *RS_PROVIDERS):
+            one(op, "fused" if provider == "triton" else provider, shape, side.fused_gemm, claim_provider=provider,
+                kernel=op if provider == "triton" else (lambda: side.choice.kernel))
+        one(op_bw, "fused", bw_shape, side.chunk_reduce, claim_provider="triton", kernel=op_bw)
+    else:
+        one(op, "fused", shape, side.fused_gemm, claim_provider="triton",
+            kernel=lambda: side.gather_choice.kernel if side.gather_choice is not None else op)
+        one(op_bw, "fused", bw_shape, side.push, claim_provider="triton", kernel=op_bw)
+
+
 def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torch.device, symm, sides=None,
-          on_case=None) -> list:
+          on_case=None, graphs: bool = True) -> list:
     """Every provider on every case; returns harness Rows (ratios set).  ``models``: name -> (H, I).
 
     ``on_case(rows)``, if given, is called after each case with every row so far, ratios set (the GPU
@@ -465,10 +525,10 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
     W = world
     rows: list[Row] = []
 
-    def row(op, provider, shape, q, kernel=None, **kw):
+    def row(op, provider, shape, q, kernel=None, mode="fwd", **kw):
         kernel = kernel or ROW_KERNELS.get(provider) or ("symm_mem." + op if provider == "symm_mem" else None) or \
             ("none: modelled" if provider.startswith("projection") else None)
-        rows.append(Row(op=op, provider=provider, mode="fwd", shape=dict(shape), dtype=dtype_name, world_size=W,
+        rows.append(Row(op=op, provider=provider, mode=mode, shape=dict(shape), dtype=dtype_name, world_size=W,
                         ms=q[0], ms_q20=q[1], ms_q80=q[2], kernel=kernel, **kw))
 
     def timed(fn):
@@ -574,6 +634,8 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
                 row(proj_op, f"projection-fused-{provider}-{W}gpu", shape, (ms_p, ms_p, ms_p),
                     rate=tflops(m, n, k, ms_p), rate_unit="TFLOP/s",
                     extra=dict(projection=True, inputs_ms=dict(inputs, t_fused_gemm=q_p[0])))
+        if graphs and device.type == "cuda":
+            graph_rows(side, shape, row, timed, src, dst, nbytes, m, n, k)
         del side, src, dst
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -609,7 +671,7 @@ def gpu_run(args) -> int:
         print(f"symm_mem ops not run: {symm.error}")
     try:
         rows = sweep(models, ms, W, "float32" if args.dry_run else args.dtype, args.reps, device, symm,
-                     sides=args.sides, on_case=on_case)
+                     sides=args.sides, on_case=on_case, graphs=not args.no_graphs)
     finally:
         if symm is not None:
             symm.close()

@@ -208,7 +208,7 @@ def _ag_run(shards, w, bias, W, n, config, kernel=None, push=True, ranks=None):
             if push is True or r in push:
                 ag_push(shards[r], ws, r, W, n)
         for r in (range(W) if ranks is None else ranks):
-            out = torch.full((*lead, n, N), float("nan"), dtype=shards[0].dtype)
+            out = torch.full((*lead, n, N), float("nan"), dtype=shards[0].dtype, device=shards[0].device)
             outs.append(gathered_matmul(shards[r], w, ws, r, W, n, bias=bias, out=out, config=config, kernel=kernel))
             choices.append(last_gather_choice())
     return outs, choices

@@ -1,0 +1,348 @@
+"""Where a fused GEMM op's time goes on one GPU: host issue time, kernel time, and per-config kernel sweeps.
+
+    python scripts/gpu_diagnose.py --json $OUT/diagnose.json            # on the device machine
+    python scripts/gpu_diagnose.py --dry-run --json /tmp/diagnose.json  # here: tiny shapes, interpreted
+
+The lab's benchmark (``bench/bench_gemm_fused.py``) times one call between CUDA events after an
+L2 flush, so a call whose host work outlasts the flush shows its host time as GPU time.  This
+script separates the two, per op of the loopback sides (LLaMA-3 MLP at TP 8, bf16):
+
+* ``host_us``: host time per call, ``calls`` calls issued back to back with no sync;
+* ``loop_us``: GPU time per call over the same back-to-back calls (host work overlaps the GPU's,
+  so this is the kernel's time wherever the host keeps ahead);
+* ``kernel_us``: the device time of the kernels alone (``torch.profiler``), per call, and their names;
+* ``cprofile``: the top host functions by own time (text, in the log).
+
+Then the sweeps, at the large shapes, by ``loop_us`` against cuBLAS (or the device copy) in the
+same run: the pointer and persistent GEMM + scatter kernels and the persistent all-gather
+consumer over block configs, and ``chunk_reduce`` over BLOCK x programs x warps.  A config that
+does not compile or fails records its error.  Each section stops at its time budget.
+
+Every row holds the measured numbers only; picking the configs from them is a separate change.
+"""
+
+# ruff: noqa: B023 - every closure below is called at once (by `guarded`), inside the iteration that made it
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {  # model -> (rs: n, k), (ag: n, k): the per-rank GEMMs of the LLaMA-3 MLP at TP 8
+    "llama3-8b": ((4096, 1792), (1792, 4096)),
+    "llama3-70b": ((8192, 3584), (3584, 8192)),
+}
+GEMM_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
+    (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4),
+    (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
+]
+REDUCE_BLOCKS, REDUCE_PROGRAMS_PER_SM, REDUCE_WARPS = (1024, 2048, 4096), (1, 2, 4, 8), (4, 8)
+
+
+def _parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", type=Path, required=True)
+    p.add_argument("--dry-run", action="store_true", help="CPU, interpreted, tiny shapes: the pipeline only")
+    p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole script")
+    p.add_argument("--sections", nargs="+", default=["host", "attrib", "gemm", "persistent", "gathered", "reduce"])
+    return p.parse_args(argv)
+
+
+class Clock:
+    def __init__(self, budget):
+        self.t0, self.budget = time.monotonic(), budget
+
+    def left(self):
+        return self.budget - (time.monotonic() - self.t0)
+
+
+def _sync(torch, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(torch, fn, device, calls, profile=True):
+    """host_us, loop_us, kernel_us (+ kernel names) of ``fn`` (see the module doc)."""
+    fn()
+    _sync(torch, device)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_us = (time.perf_counter() - t0) / calls * 1e6
+    _sync(torch, device)
+    row = dict(host_us=host_us)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        row["loop_us"] = start.elapsed_time(end) / calls * 1e3
+    if profile and device.type == "cuda":
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as prof
+
+        n = 5
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            for _ in range(n):
+                fn()
+            _sync(torch, device)
+        total, names = 0.0, {}
+        for evt in p.key_averages():
+            t = getattr(evt, "self_device_time_total", None)
+            if t is None:
+                t = getattr(evt, "self_cuda_time_total", 0.0)
+            if t > 0:
+                total += t
+                names[evt.key[:60]] = round(t / n, 2)
+        row["kernel_us"] = total / n
+        row["kernels"] = names
+    return row
+
+
+def cprofile_top(fn, calls, top=12) -> str:
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
+    lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
+    return "\n".join(lines[-(top + 1):])
+
+
+def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
+    """Host time of chunk_reduce and gathered_matmul, whole and by part (checks, allocation, launch, status)."""
+    from distfuse.geometry.decomposition import block_extent
+    from distfuse.kernels.chunk_reduce import launch_reduce, slot_row_stride
+    from distfuse.kernels.gathered_matmul_persistent import launch_gathered_persistent
+
+    model, ((n_rs, k_rs), (n_ag, k_ag)) = next(iter(shapes.items()))
+    side = Side("rs", m, n_rs, k_rs, W, dtype, device)
+    side.prepare()
+    try:
+        st = side.ws.rank_view(0)
+        N = side.n
+        ld = slot_row_stride(N)
+        slot_elems = (-(-m // W)) * ld
+        slots = st.data(dtype, W * slot_elems)
+        rows = block_extent(m, W, 0)
+        out = torch.empty(rows, N, dtype=dtype, device=device)
+        parts = {
+            "chunk_reduce (whole call)": side.chunk_reduce,
+            "chunk_reduce with out=": lambda: side.chunk_reduce(out=out),
+            "launch_reduce (the Triton launch)": lambda: launch_reduce("chunk_reduce", st, slots, out, None, rows, N,
+                                                                     ld, slot_elems, 0, W),
+            "check_status (deferred copy)": lambda: st.check_status("chunk_reduce", "diag"),
+            "torch.empty (the output)": lambda: torch.empty(rows, N, dtype=dtype, device=device),
+        }
+        for name, fn in parts.items():
+            record(section="attrib", op=name, model=model, m=m, **measure(torch, fn, device, calls, profile=False))
+    finally:
+        side.release()
+    side = Side("ag", m, n_ag, k_ag, W, dtype, device)
+    side.prepare()
+    try:
+        st = side.ws.rank_view(0)
+        x = side.shards[0]
+        gathered = st.data(dtype, m * side.k)
+        parts = {
+            "gathered_matmul (whole call)": side.fused_gemm,
+            "launch_gathered_persistent (descriptors + launch)": lambda: launch_gathered_persistent(
+                x, gathered, side.weight, None, side.out.view(1, m, side.n), st, 0, W, m),
+        }
+        for name, fn in parts.items():
+            record(section="attrib", op=name, model=model, m=m, **measure(torch, fn, device, calls, profile=False))
+    finally:
+        side.release()
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    from bench.bench_gemm_fused import Side
+
+    clock = Clock(args.budget)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    device = torch.device("cuda" if cuda else "cpu")
+    W = 8 if cuda else 2
+    shapes = SHAPES if cuda else {"tiny": ((48, 16), (16, 48))}
+    ms = (512, 8192) if cuda else (8,)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    calls = args.calls if cuda else 2
+    rows: list[dict] = []
+    env = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
+               commit=os.environ.get("DISTFUSE_COMMIT", "unknown"), date=time.strftime("%Y-%m-%d"), dry_run=not cuda)
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+
+    def save():
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(dict(env=env, rows=rows), indent=1))
+
+    def record(**row):
+        rows.append(row)
+        short = {k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items() if k != "kernels"}
+        print("diag:", json.dumps(short), flush=True)
+        if "kernels" in row:
+            print("      kernels:", row["kernels"], flush=True)
+        save()
+
+    def guarded(section, what, fn):
+        try:
+            return fn()
+        except Exception as exc:  # noqa: BLE001 - recorded, the sweep goes on
+            record(section=section, what=what, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            _sync(torch, device) if cuda else None
+            return None
+
+    # ---- host vs kernel, per op
+    if "host" in args.sections:
+        for model, (rs, ag) in shapes.items():
+            for m in ms:
+                if clock.left() < 30:
+                    break
+                for side_name, (n, k) in (("rs", rs), ("ag", ag)):
+                    side = Side(side_name, m, n, k, W, dtype, device)
+                    shape = dict(model=model, side=side_name, m=m, n=n, k=k)
+                    guarded("host", "cublas", lambda: record(section="host", op="cublas", **shape,
+                                                             **measure(torch, side.cublas, device, calls)))
+                    providers = ("triton", "triton_persistent", "cublas_chunks") if side_name == "rs" else \
+                        ("triton", "copy_engine")
+                    for prov in providers:
+                        side.provider = prov
+
+                        def one(prov=prov):
+                            side.prepare()
+                            try:
+                                fn = side.fused_gemm if side_name == "rs" else side.push
+                                record(section="host", op=("producer:" if side_name == "rs" else "push:") + prov,
+                                       **shape, **measure(torch, fn, device, calls))
+                                if m == 512 and model == "llama3-8b" and cuda:
+                                    print(f"cprofile {side_name} {prov} m={m}:\n" + cprofile_top(fn, calls), flush=True)
+                                if prov == "triton":
+                                    fn2 = side.chunk_reduce if side_name == "rs" else side.fused_gemm
+                                    name = "chunk_reduce" if side_name == "rs" else "gathered_matmul"
+                                    record(section="host", op=name, **shape, **measure(torch, fn2, device, calls))
+                                    if m == 512 and model == "llama3-8b" and cuda:
+                                        print(f"cprofile {name} m={m}:\n" + cprofile_top(fn2, calls), flush=True)
+                            finally:
+                                side.release()
+
+                        guarded("host", f"{side_name}:{prov}:{m}", one)
+                    side.provider = "triton"
+                    side = None  # free before the next shape
+                    if cuda:
+                        torch.cuda.empty_cache()
+
+    # ---- where a consumer's host time goes: the whole call against its parts, at one large shape
+    if "attrib" in args.sections and clock.left() > 30:
+        guarded("attrib", "parts", lambda: attribute(torch, Side, shapes, ms[-1], W, dtype, device, calls, record))
+
+    big = [(model, rs, ag) for model, (rs, ag) in shapes.items()]
+    m_big = ms[-1]
+
+    def gemm_sweep(section, side_name, launch_for):
+        for model, rs, ag in big:
+            n, k = rs if side_name == "rs" else ag
+            side = Side(side_name, m_big, n, k, W, dtype, device)
+            shape = dict(model=model, side=side_name, m=m_big, n=n, k=k)
+            guarded(section, "cublas", lambda: record(section=section, op="cublas", **shape,
+                                                      **measure(torch, side.cublas, device, 10, profile=False)))
+            side.prepare()
+            try:
+                for cfg in (GEMM_CONFIGS if cuda else [(4, 16, 16, 4, 1)]):
+                    if clock.left() < 20:
+                        return
+                    bm, bn, bk, w, s = cfg
+                    config = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
+                    fn = launch_for(side, config)
+                    guarded(section, str(cfg), lambda fn=fn, cfg=cfg: record(
+                        section=section, op=section, config=list(cfg), **shape,
+                        **measure(torch, fn, device, 10, profile=False)))
+            finally:
+                side.release()
+            side = None  # free before the next shape
+            if cuda:
+                torch.cuda.empty_cache()
+
+    if "reduce" in args.sections and clock.left() > 30:
+        from distfuse.kernels.persistent import persistent_programs
+
+        sms = persistent_programs(device) if cuda else 2
+        for model, rs, _ in big:
+            n, k = rs
+            side = Side("rs", m_big, n, k, W, dtype, device)
+            shape = dict(model=model, side="rs", m=m_big, n=n, k=k, bytes=side.reduce_bytes())
+            src = torch.empty(side.reduce_bytes() // 2, dtype=torch.uint8, device=device)
+            dst = torch.empty_like(src)
+            guarded("reduce", "copy", lambda: record(section="reduce", op="copy", **shape, **measure(
+                torch, lambda: dst.copy_(src), device, 20, profile=False)))
+            side.prepare()
+            try:
+                for block in (REDUCE_BLOCKS if cuda else (16,)):
+                    for per_sm in (REDUCE_PROGRAMS_PER_SM if cuda else (1,)):
+                        for warps in (REDUCE_WARPS if cuda else (1,)):
+                            if clock.left() < 15:
+                                break
+                            cfg = dict(BLOCK=block, PROGRAMS=per_sm * sms, num_warps=warps)
+
+                            def run(cfg=cfg):
+                                from distfuse.kernels.matmul_reduce_scatter import chunk_reduce
+
+                                return chunk_reduce(side.ws, 0, W, 1, side.m, side.n, partial_dtype=dtype,
+                                                    out=side.out[: side.m // W], config=cfg)
+
+                            guarded("reduce", str(cfg), lambda run=run, cfg=cfg, per_sm=per_sm: record(
+                                section="reduce", op="chunk_reduce", config=dict(cfg, per_sm=per_sm), **shape,
+                                **measure(torch, run, device, 20, profile=False)))
+            finally:
+                side.release()
+            side = src = dst = None  # free before the next shape
+            if cuda:
+                torch.cuda.empty_cache()
+    if "gemm" in args.sections and clock.left() > 30:
+        from distfuse.kernels.matmul_reduce_scatter import matmul_scatter
+
+        gemm_sweep("matmul_scatter", "rs",
+                   lambda side, c: (lambda: matmul_scatter(side.a, side.weight, side.ws, 0, W, config=c)))
+    if "persistent" in args.sections and clock.left() > 30:
+        from distfuse.fused.providers import run_producer
+
+        gemm_sweep("matmul_scatter_persistent", "rs", lambda side, c: (
+            lambda: run_producer("triton_persistent", side.a, side.weight, side.ws, 0, W, dtype, config=c)))
+    if "gathered" in args.sections and clock.left() > 30:
+        from distfuse.kernels.all_gather_matmul import gathered_matmul
+
+        for sub in (True, False):
+            gemm_sweep(f"gathered_matmul_persistent:subtile={sub}", "ag", lambda side, c, sub=sub: (
+                lambda: gathered_matmul(side.shards[0], side.weight, side.ws, 0, W, side.m, out=side.out,
+                                        config=dict(c, EPILOGUE_SUBTILE=sub),
+                                        kernel="gathered_matmul_persistent" if cuda else None)))
+    env["seconds"] = round(time.monotonic() - clock.t0, 1)
+    save()
+    print(f"diag: {len(rows)} rows in {env['seconds']} s -> {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
