@@ -53,6 +53,8 @@ def _parse(argv=None):
     p.add_argument("--json", type=Path, required=True)
     p.add_argument("--dry-run", action="store_true", help="CPU, interpreted, tiny shapes: the pipeline only")
     p.add_argument("--calls", type=int, default=30)
+    p.add_argument("--graph", action="store_true", help="sweeps: also time each config replayed from a CUDA graph")
+    p.add_argument("--sweep-m", type=int, nargs="+", default=None, help="sweeps: GEMM rows (default the largest M)")
     p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole script")
     p.add_argument("--sections", nargs="+", default=["host", "attrib", "gemm", "persistent", "gathered", "reduce"])
     return p.parse_args(argv)
@@ -71,8 +73,15 @@ def _sync(torch, device):
         torch.cuda.synchronize(device)
 
 
-def measure(torch, fn, device, calls, profile=True):
-    """host_us, loop_us, kernel_us (+ kernel names) of ``fn`` (see the module doc)."""
+def measure(torch, fn, device, calls, profile=True, graph=False):
+    """host_us, loop_us, kernel_us (+ kernel names) of ``fn`` (see the module doc); ``graph``: also
+    ``graph_us``, the median of single CUDA-graph replays after an L2 flush (as the benchmark's graph rows)."""
+    if graph and device.type == "cuda":
+        from bench.bench_gemm_fused import graphed
+        from distfuse.timing import time_fn
+
+        graph_us = time_fn(graphed(fn), warmup=2, reps=10, device=device)[0] * 1e3
+        return dict(measure(torch, fn, device, calls, profile=profile), graph_us=graph_us)
     fn()
     _sync(torch, device)
     t0 = time.perf_counter()
@@ -264,26 +273,27 @@ def main(argv=None) -> int:
     def gemm_sweep(section, side_name, launch_for):
         for model, rs, ag in big:
             n, k = rs if side_name == "rs" else ag
-            side = Side(side_name, m_big, n, k, W, dtype, device)
-            shape = dict(model=model, side=side_name, m=m_big, n=n, k=k)
-            guarded(section, "cublas", lambda: record(section=section, op="cublas", **shape,
-                                                      **measure(torch, side.cublas, device, 10, profile=False)))
-            side.prepare()
-            try:
-                for cfg in (GEMM_CONFIGS if cuda else [(4, 16, 16, 4, 1)]):
-                    if clock.left() < 20:
-                        return
-                    bm, bn, bk, w, s = cfg
-                    config = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
-                    fn = launch_for(side, config)
-                    guarded(section, str(cfg), lambda fn=fn, cfg=cfg: record(
-                        section=section, op=section, config=list(cfg), **shape,
-                        **measure(torch, fn, device, 10, profile=False)))
-            finally:
-                side.release()
-            side = None  # free before the next shape
-            if cuda:
-                torch.cuda.empty_cache()
+            for m_sweep in (args.sweep_m or [m_big]) if cuda else [m_big]:
+                side = Side(side_name, m_sweep, n, k, W, dtype, device)
+                shape = dict(model=model, side=side_name, m=m_sweep, n=n, k=k)
+                guarded(section, "cublas", lambda: record(section=section, op="cublas", **shape, **measure(
+                    torch, side.cublas, device, 10, profile=False, graph=args.graph)))
+                side.prepare()
+                try:
+                    for cfg in (GEMM_CONFIGS if cuda else [(4, 16, 16, 4, 1)]):
+                        if clock.left() < 20:
+                            return
+                        bm, bn, bk, w, s = cfg
+                        config = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
+                        fn = launch_for(side, config)
+                        guarded(section, str(cfg), lambda fn=fn, cfg=cfg: record(
+                            section=section, op=section, config=list(cfg), **shape,
+                            **measure(torch, fn, device, 10, profile=False, graph=args.graph)))
+                finally:
+                    side.release()
+                side = None  # free before the next shape
+                if cuda:
+                    torch.cuda.empty_cache()
 
     if "reduce" in args.sections and clock.left() > 30:
         from distfuse.kernels.persistent import persistent_programs
@@ -296,7 +306,7 @@ def main(argv=None) -> int:
             src = torch.empty(side.reduce_bytes() // 2, dtype=torch.uint8, device=device)
             dst = torch.empty_like(src)
             guarded("reduce", "copy", lambda: record(section="reduce", op="copy", **shape, **measure(
-                torch, lambda: dst.copy_(src), device, 20, profile=False)))
+                torch, lambda: dst.copy_(src), device, 20, profile=False, graph=args.graph)))
             side.prepare()
             try:
                 for block in (REDUCE_BLOCKS if cuda else (16,)):
@@ -314,7 +324,7 @@ def main(argv=None) -> int:
 
                             guarded("reduce", str(cfg), lambda run=run, cfg=cfg, per_sm=per_sm: record(
                                 section="reduce", op="chunk_reduce", config=dict(cfg, per_sm=per_sm), **shape,
-                                **measure(torch, run, device, 20, profile=False)))
+                                **measure(torch, run, device, 20, profile=False, graph=args.graph)))
             finally:
                 side.release()
             side = src = dst = None  # free before the next shape

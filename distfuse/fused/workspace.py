@@ -93,6 +93,7 @@ class _Workspace(abc.ABC):
         self.strict = debug.enabled()
         self.status_mode = status_check_mode(self.device)
         self.deferred: list = []  # (status copy, event or None, rank, epoch, op, what), deferred mode only
+        self._status_pool: list = []  # (pinned copy, event) pairs already checked, for the next deferred copies
         _WORKSPACES.add(self)  # for check_pending
         self.max_spin = 0
         self._busy: str | None = None
@@ -220,6 +221,25 @@ class _Workspace(abc.ABC):
             except BaseException:
                 self.deferred = []  # the workspace is broken: nothing later on it is meaningful
                 raise
+            if event is not None and len(self._status_pool) < MAX_DEFERRED + 2:
+                self._status_pool.append((host, event))  # read and done with: the next check reuses both
+
+    def status_copy_buffers(self, status: torch.Tensor):
+        """A pinned host tensor shaped like ``status`` and a CUDA event, for one deferred status copy.
+
+        Reused from copies already checked (the pool holds a few), so the steady state of one
+        consumer per claim allocates no pinned memory and creates no event per op (on a GPU
+        machine the two cost about as much as the kernel launch they follow).  With none free, the
+        copies whose events have completed are checked first (which raises for a failed earlier op,
+        as the next claim would), then a new pair is made.
+        """
+        if not self._status_pool and self.deferred:
+            self.check_deferred(wait=False)
+        while self._status_pool:
+            host, event = self._status_pool.pop()
+            if host.shape == status.shape and host.dtype == status.dtype:
+                return host, event
+        return torch.empty(status.shape, dtype=status.dtype, pin_memory=True), torch.cuda.Event()
 
     def require_in_flight(self, op: str) -> None:
         """Launchers call this: their flags need the epoch of a claimed op."""

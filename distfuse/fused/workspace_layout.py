@@ -171,9 +171,8 @@ class RankBuffers:
         if not cuda:
             owner.deferred.append((self.status.clone(), None, self.rank, self.epoch, op, what))
             return
-        host = torch.empty(self.status.shape, dtype=self.status.dtype, pin_memory=True)
+        host, event = owner.status_copy_buffers(self.status)
         host.copy_(self.status, non_blocking=True)
-        event = torch.cuda.Event()
         event.record()
         owner.deferred.append((host, event, self.rank, self.epoch, op, what))
 
