@@ -328,7 +328,7 @@ def test_chunk_reduce_pinned_configs():
                       (torch.float32, 2): 2048, (torch.float32, 4): 1024, (torch.float32, 8): 512,
                       (torch.float32, 16): 512}
     assert pinned_reduce_config(1 << 22, torch.bfloat16, 2) == dict(BLOCK=4096, PER_SM=3, num_warps=4)
-    assert pinned_reduce_config(1 << 10, torch.float16, 8) == dict(BLOCK=1024, PER_SM=4, num_warps=4)
+    assert pinned_reduce_config(1 << 10, torch.float16, 8) == dict(BLOCK=1024, PER_SM=8, num_warps=4)
     for dt in (torch.float32, torch.float16):
         got = [(c.kwargs["W"], c.kwargs["BLOCK"], c.kwargs["PER_SM"], c.num_warps)
                for c in get_chunk_reduce_configs(dt)]

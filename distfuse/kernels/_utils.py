@@ -226,10 +226,16 @@ def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int, family: str = "
 # that every program is resident at once (a persistent grid that does not fit runs in waves, and a
 # second wave would repeat the flag wait): registers x 128 threads x PER_SM <= sm_90's 64K registers
 # per SM (tests/test_compile_audit.py checks it for every audited W, dtype and layout).
+# Measured (H200, Triton 3.6, bf16, W = 8, LLaMA-3 8B/70B MLP chunks of 75/151 MB, each call replayed
+# from a CUDA graph after an L2 flush, against the device copy of the same bytes; bench/results/
+# diagnose-NVIDIA_H200-2026-11-26.json): 4 programs of 1024-element blocks per SM reach 0.73/0.79 of the
+# copy, 8 per SM 0.83/0.88 (64 KB -> 128 KB in flight per SM); fewer than 2 per SM stay under 0.65.  So
+# PER_SM is as many programs as the register file holds: 8 at 1024-element blocks and below (60 registers
+# per thread at W = 8 in 16 bits, 46 in fp32), 5 at 2048 (82-92), 3 at 4096 (130).
 _REDUCE_INFLIGHT = 16 * 1024  # bytes of partials one program holds in flight
 _REDUCE_BLOCKS = (512, 4096)  # BLOCK's range
 _REDUCE_WARPS = 4
-_REDUCE_PER_SM = {4096: 3}  # programs per SM by BLOCK (default 4)
+_REDUCE_PER_SM = {4096: 3, 2048: 5}  # programs per SM by BLOCK (default 8): as many as the register file holds
 #: The world sizes the compile audit covers (every BLOCK the rule gives for W = 1..8, at its largest W).
 REDUCE_AUDIT_W = (2, 3, 4, 6, 8)
 
@@ -245,7 +251,7 @@ def pinned_reduce_config(numel: int, dtype: torch.dtype, world_size: int) -> dic
     per_block = _REDUCE_INFLIGHT // (max(int(world_size), 1) * dtype.itemsize)
     block = 1 << max(per_block.bit_length() - 1, 0)  # the largest power of two <= per_block
     block = min(max(block, _REDUCE_BLOCKS[0]), _REDUCE_BLOCKS[1])
-    return dict(BLOCK=block, PER_SM=_REDUCE_PER_SM.get(block, 4), num_warps=_REDUCE_WARPS)
+    return dict(BLOCK=block, PER_SM=_REDUCE_PER_SM.get(block, 8), num_warps=_REDUCE_WARPS)
 
 
 def get_chunk_reduce_configs(dtype: torch.dtype = torch.bfloat16) -> list[triton.Config]:

@@ -14,9 +14,9 @@ contract between them; :func:`launch_reduce` is the one launch all of them go th
 Built for the roofline (bytes moved per output element: W slot reads + 1 write, nothing
 else; the bias is ``N`` elements, read from L2)::
 
-    grid      PER_SM programs per SM (4; 3 at 4096-element blocks), each with W * BLOCK *
+    grid      PER_SM programs per SM (8; 5 at 2048-, 3 at 4096-element blocks), each with W * BLOCK *
               itemsize = 16 KB of loads in flight (BLOCK 512-4096 elements: 4096 at W = 2
-              in 16 bits), at most one program per block: 48-64 KB per SM in flight
+              in 16 bits), at most one program per block: 48-128 KB per SM in flight
     layout    slot rows as wide as output rows (ld == N, every N % 16 == 0 width): one flat
               walk over B_ * len_r * N elements, BLOCK elements per program iteration,
               16-byte loads and stores (contiguous, BLOCK-aligned offsets); otherwise
