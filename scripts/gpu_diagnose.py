@@ -56,7 +56,8 @@ def _parse(argv=None):
     p.add_argument("--graph", action="store_true", help="sweeps: also time each config replayed from a CUDA graph")
     p.add_argument("--sweep-m", type=int, nargs="+", default=None, help="sweeps: GEMM rows (default the largest M)")
     p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole script")
-    p.add_argument("--sections", nargs="+", default=["host", "attrib", "gemm", "persistent", "gathered", "reduce"])
+    p.add_argument("--sections", nargs="+",
+                   default=["host", "attrib", "halo", "gemm", "persistent", "gathered", "reduce"])
     return p.parse_args(argv)
 
 
@@ -178,6 +179,21 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
         side.release()
 
 
+def halo_stage_times(torch, device, dtype, calls, record, cuda) -> None:
+    """Host, loop, kernel and graph time of the fused halo staging and of the copy of the staged bytes."""
+    from bench.bench_halo_conv import Case, stage_fused
+
+    shapes = [(3, 64, 64), (3, 256, 64), (2, 256, 512)] if cuda else [(2, 2, 4)]
+    for nd, c, n in shapes:
+        case = Case(nd, 1, c, n, 1, dtype, device)
+        dst = torch.empty(case.staged_shape, device=device, dtype=dtype)
+        shape = dict(nd=nd, C=c, n=n, staged_bytes=dst.numel() * dst.element_size())
+        record(section="halo", op="halo_stage", **shape,
+               **measure(torch, lambda case=case: stage_fused(case, case.x, case.recv), device, calls, graph=cuda))
+        record(section="halo", op="copy", **shape,
+               **measure(torch, lambda case=case, dst=dst: dst.copy_(case.staged_ref), device, calls, graph=cuda))
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
     if args.dry_run:
@@ -266,6 +282,10 @@ def main(argv=None) -> int:
     # ---- where a consumer's host time goes: the whole call against its parts, at one large shape
     if "attrib" in args.sections and clock.left() > 30:
         guarded("attrib", "parts", lambda: attribute(torch, Side, shapes, ms[-1], W, dtype, device, calls, record))
+
+    # ---- the halo staging: host or kernel?
+    if "halo" in args.sections and clock.left() > 20:
+        guarded("halo", "stage", lambda: halo_stage_times(torch, device, dtype, calls, record, cuda))
 
     big = [(model, rs, ag) for model, (rs, ag) in shapes.items()]
     m_big = ms[-1]

@@ -61,6 +61,7 @@ from distfuse.kernels._utils import (
     timeout_arg,
     ws_may_tune,
 )
+from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import (
     arrive,
     balanced_chunk,
@@ -193,7 +194,7 @@ def ag_push_columns(a_shard: torch.Tensor, ws, rank: int, world_size: int, K: in
 
     def grid(META):
         # At least one program, so that the flags are raised even for an empty shard.
-        return (max(1, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(len_p, META["BLOCK_K"])),)
+        return (max(1, cdiv(M, META["BLOCK_M"]) * cdiv(len_p, META["BLOCK_K"])),)
 
     kernel[grid](x, gathered, st.data_ptrs, st.flag_ptrs, st.counters,
                  M, K, len_p, block_range(K, W, rank)[0], rank, W, st.epoch_dev, x.stride(0), **meta)
@@ -241,7 +242,7 @@ def gathered_k_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int
                                         ws, family="gathered_k")
 
         def grid(META):
-            return (triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]),)
+            return (cdiv(M, META["BLOCK_M"]) * cdiv(N, META["BLOCK_N"]),)
 
         kernel[grid](
             x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,

@@ -70,6 +70,7 @@ from distfuse.kernels._utils import (
 )
 from distfuse.kernels.gathered_matmul_persistent import launch_gathered_persistent
 from distfuse.kernels.gathered_matmul_select import record_gather_choice, select_gather_kernel
+from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import (
     arrive,
     balanced_chunk,
@@ -216,7 +217,7 @@ def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, co
 
     def grid(META):
         # At least one program, so that the flags are raised even for an empty shard.
-        return (max(1, triton.cdiv(n_batch * len_p, META["BLOCK_M"]) * triton.cdiv(K, META["BLOCK_K"])),)
+        return (max(1, cdiv(n_batch * len_p, META["BLOCK_M"]) * cdiv(K, META["BLOCK_K"])),)
 
     kernel[grid](
         x, gathered, st.data_ptrs, st.flag_ptrs, st.counters,
@@ -233,7 +234,7 @@ def _launch_pointer(x, gathered, weight, bias, out, st, rank: int, W: int, n: in
     kernel, meta = pick_gemm_launch(_gathered_matmul_tuned, _gathered_matmul_kernel, x.dtype, m_max, N, config, ws)
 
     def grid(META):
-        return (triton.cdiv(m_max, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"]), W)
+        return (cdiv(m_max, META["BLOCK_M"]) * cdiv(N, META["BLOCK_N"]), W)
 
     kernel[grid](
         x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,

@@ -51,6 +51,7 @@ from distfuse.kernels._utils import (
     round_bf16,
     timeout_arg,
 )
+from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out, globaltimer
 from distfuse.kernels.persistent import persistent_programs
 
@@ -195,7 +196,7 @@ def reduce_meta(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, world
     meta.setdefault("num_warps", 4)
     meta.setdefault("PER_SM", 1)
     meta["FLAT"] = ld == cols
-    meta["BLOCK_C"] = min(256, triton.next_power_of_2(max(cols, 1)), meta["BLOCK"])
+    meta["BLOCK_C"] = min(256, next_power_of_2(max(cols, 1)), meta["BLOCK"])
     return meta
 
 
@@ -214,9 +215,9 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
         return meta
     kw = {k: v for k, v in meta.items() if k not in ("PER_SM", "PROGRAMS")}
     if meta["FLAT"]:
-        blocks = triton.cdiv(rows * cols, meta["BLOCK"])
+        blocks = cdiv(rows * cols, meta["BLOCK"])
     else:
-        blocks = triton.cdiv(rows, meta["BLOCK"] // meta["BLOCK_C"]) * triton.cdiv(cols, meta["BLOCK_C"])
+        blocks = cdiv(rows, meta["BLOCK"] // meta["BLOCK_C"]) * cdiv(cols, meta["BLOCK_C"])
     programs = min(blocks, persistent_programs(out.device, meta.get("PROGRAMS"), per_sm=meta["PER_SM"]))
     W = world_size
     _chunk_reduce_kernel[(programs,)](
@@ -224,7 +225,7 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
         rows, cols, ld, slot_elems, rank, st.epoch_dev, timeout_arg(st),
         bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS,
-        W_UNROLL=W, W_BLOCK=triton.next_power_of_2(W), **kw,
+        W_UNROLL=W, W_BLOCK=next_power_of_2(W), **kw,
     )
     return dict(meta, programs=programs)
 

@@ -57,6 +57,7 @@ from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.kernels._utils import INTERPRET, input_precision
 from distfuse.kernels.halo import halo_stage_reference
 from distfuse.kernels.halo_tables import check_flat, pad3, recv_numel, stage_tables
+from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out
 
 __all__ = ["conv_implicit", "conv_implicit_reference"]
@@ -250,14 +251,14 @@ def conv_implicit(x: torch.Tensor, recv: torch.Tensor, weight: torch.Tensor, bia
     if tile is None:
         # interpreter: each program costs Python time, so take big tiles; GPU values untuned (no GPU measured)
         tile = _GPU_TILE if x.device.type == "cuda" else (
-            min(128, max(16, triton.next_power_of_2(M))), min(64, max(16, triton.next_power_of_2(Co))),
-            min(128, max(16, triton.next_power_of_2(K))))
+            min(128, max(16, next_power_of_2(M))), min(64, max(16, next_power_of_2(Co))),
+            min(128, max(16, next_power_of_2(K))))
     r = recv if recv.numel() else x  # never dereferenced without a kind-2 piece
     O0, O1, O2 = pad3(out_shape, 1)
     K0, K1, K2 = pad3(tuple(weight.shape[2:]), 1)
     SD0, SD1, SD2 = pad3(stride, 1)
     DL0, DL1, DL2 = pad3(dilation, 1)
-    grid = (triton.cdiv(M, tile[0]), triton.cdiv(Co, tile[1]))
+    grid = (cdiv(M, tile[0]), cdiv(Co, tile[1]))
     _conv_implicit_kernel[grid](y, x, r, w, bias if bias is not None else w, *luts, ptab,
                                 M, Co, K, C, O0, O1, O2, K0, K1, K2, ns[1], ns[2],
                                 SD0, SD1, SD2, DL0, DL1, DL2,

@@ -46,6 +46,8 @@ descriptors cannot read (:func:`gathered_persistent_supported`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -62,6 +64,7 @@ from distfuse.kernels._utils import (
     round_bf16,
     timeout_arg,
 )
+from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, grouped_tile, wait_flag
 from distfuse.kernels.persistent import persistent_programs
 
@@ -207,12 +210,12 @@ def gathered_persistent_supported(x3: torch.Tensor, weight: torch.Tensor) -> tup
 
 
 def _tiles(meta: dict, batch: int, q1: int, W: int, N: int) -> int:
-    return W * batch * triton.cdiv(q1, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+    return W * batch * cdiv(q1, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
 
 
 def wave_efficiency(tiles: int, programs: int) -> float:
     """Busy fraction of a persistent grid of ``programs`` over ``tiles`` equal tiles: ``tiles / (waves * programs)``."""
-    return tiles / (triton.cdiv(tiles, programs) * programs) if tiles > 0 else 1.0
+    return tiles / (cdiv(tiles, programs) * programs) if tiles > 0 else 1.0
 
 
 #: A pinned tile whose grid keeps the SMs busy less than this goes down the family's list (see below).
@@ -241,6 +244,14 @@ def gathered_persistent_config(dtype: torch.dtype, batch: int, q1: int, W: int, 
         return blocks
     if INTERPRET:
         return dict(CPU_GEMM_CONFIG, EPILOGUE_SUBTILE=False)
+    return dict(_pinned_config(dtype, batch, q1, W, N, programs))
+
+
+@functools.lru_cache(maxsize=256)
+def _pinned_config(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, programs: int) -> dict:
+    """The pinned rule of :func:`gathered_persistent_config`, cached: a pure function of its arguments that costs
+    about 50 us of Python per call (the family's configs and the wave walk), paid once per shape instead of per
+    call.  Callers copy the result."""
     pinned = pinned_gemm_config(dtype, batch * q1, N, "gathered_persistent")
     family = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
               for c in get_gemm_configs(dtype, "gathered_persistent")]

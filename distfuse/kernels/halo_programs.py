@@ -65,6 +65,7 @@ import triton.language as tl
 from distfuse.errors import UnsupportedError, where
 from distfuse.kernels._utils import round_bf16
 from distfuse.kernels.halo_tables import contiguous_strides
+from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out
 
 __all__ = ["lut_gather_kernel", "box_gather_kernel", "accumulate_kernel", "launch_lut", "launch_boxes", "shell",
@@ -286,10 +287,10 @@ def pick_tile(inner: int, rows: int, device: torch.device, tile: tuple[int, int]
         return tile
     inner = max(inner, 1)
     if device.type != "cuda":
-        bx = min(triton.next_power_of_2(inner), 1024)
-        return min(max(1, 8192 // bx), triton.next_power_of_2(max(rows, 1))), bx
+        bx = min(next_power_of_2(inner), 1024)
+        return min(max(1, 8192 // bx), next_power_of_2(max(rows, 1))), bx
     cands = (128, 64, 32, 16)
-    padded = {b: triton.cdiv(inner, b) * b for b in cands}
+    padded = {b: cdiv(inner, b) * b for b in cands}
     bx = next((b for b in cands if (padded[b] - inner) * 8 <= padded[b]),
               min(cands, key=lambda b: (padded[b], -b)))
     return 2048 // bx, bx
@@ -309,16 +310,16 @@ def linear_grid(programs: int) -> tuple[int, int]:
     than ``grid[1]`` surplus programs, which find nothing to do).  An innermost extent is
     never put on axis 1 on its own: a 1-D block of more than 65535 tiles would not launch.
     """
-    g1 = max(1, triton.cdiv(programs, _GRID0_MAX))
+    g1 = max(1, cdiv(programs, _GRID0_MAX))
     if g1 > _GRID1_MAX:
         raise UnsupportedError(f"{where('halo kernels')}: {programs} programs exceed a CUDA grid "
                                f"({_GRID0_MAX} x {_GRID1_MAX}); use larger tiles")
-    return triton.cdiv(programs, g1), g1
+    return cdiv(programs, g1), g1
 
 
 def row_tiled_grid(n_rows: int, inner: int, block_r: int, block_x: int) -> tuple[int, int]:
     """Grid of a ``[BLOCK_R, BLOCK_X]``-tiled launch over ``[n_rows, inner]`` (decoded by ``_program_tile``)."""
-    return linear_grid(triton.cdiv(n_rows, block_r) * triton.cdiv(inner, block_x))
+    return linear_grid(cdiv(n_rows, block_r) * cdiv(inner, block_x))
 
 
 #: Warps of the box gather: each element decodes a 15-entry int64 box row, so 1024 elements over
@@ -331,7 +332,7 @@ def box_block(device: torch.device, block: int | None, total: int) -> int:
         return block
     if device.type == "cuda":
         return 1024
-    return min(4096, triton.next_power_of_2(max(total, 1)))
+    return min(4096, next_power_of_2(max(total, 1)))
 
 
 def launch_lut(out, a, b, luts, ptab, ns, region_code: int, extents3, tile, box=None):
@@ -381,7 +382,7 @@ def launch_boxes(out0, out1, src, tables, lead, src_shape3, block):
         return
     block = box_block(src.device, block, total)
     st = contiguous_strides(src_shape3)
-    box_gather_kernel[linear_grid(triton.cdiv(total, block))](
+    box_gather_kernel[linear_grid(cdiv(total, block))](
         out0, out1, src, btab, bstart, nbox, total, rtmax, lead, math.prod(src_shape3), *st,
         LOG2_NBOX=max(1, (nbox - 1).bit_length()), COMPUTE=compute_dtype(src.dtype),
         ROUND_BF16=round_bf16(out0.dtype), BLOCK=block, num_warps=BOX_NUM_WARPS)

@@ -60,6 +60,7 @@ from distfuse.kernels._utils import (
     round_bf16,
     timeout_arg,
 )
+from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import (
     arrive,
     balanced_chunk,
@@ -205,7 +206,7 @@ def matmul_push(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size
 
     def grid(META):
         # At least one program, so that the flags are raised even for an empty output.
-        return (max(1, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])),)
+        return (max(1, cdiv(M, META["BLOCK_M"]) * cdiv(N, META["BLOCK_N"])),)
 
     kernel[grid](
         a2, weight, bias if bias is not None else a2, slots, st.data_ptrs, st.flag_ptrs, st.counters,
@@ -247,7 +248,7 @@ def gather_columns(own: torch.Tensor, ws, rank: int, world_size: int, N: int, *,
         meta = dict(_CPU_GATHER_CONFIG if INTERPRET else _GATHER_CONFIG)
 
         def grid(META):
-            return (triton.cdiv(rows, META["BLOCK_M"]) * triton.cdiv(widest, META["BLOCK_N"]), W)
+            return (cdiv(rows, META["BLOCK_M"]) * cdiv(widest, META["BLOCK_N"]), W)
 
         _gather_columns_kernel[grid](own2, gathered, out, st.flags, st.status, rows, N, rank, W, st.epoch_dev,
                                      timeout_arg(st), own2.stride(0), TIMED=TIMED_WAITS, **meta)

@@ -66,6 +66,7 @@ from distfuse.kernels._utils import (
     round_bf16,
 )
 from distfuse.kernels.chunk_reduce import chunk_reduce, slot_row_stride  # re-exported: the op's public API
+from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import (
     arrive,
     balanced_chunk,
@@ -196,7 +197,7 @@ def matmul_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_s
 
     def grid(META):
         # At least one program per chunk, so that every chunk's flag is raised even when it is empty.
-        return (max(1, triton.cdiv(m_max, META["BLOCK_M"]) * triton.cdiv(N, META["BLOCK_N"])), W)
+        return (max(1, cdiv(m_max, META["BLOCK_M"]) * cdiv(N, META["BLOCK_N"])), W)
 
     kernel[grid](
         a3, weight, slots, st.data_ptrs, st.flag_ptrs, st.counters,

@@ -61,6 +61,7 @@ from distfuse.kernels._utils import (
     pick_gemm_launch,
     round_bf16,
 )
+from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import arrive, balanced_chunk, cast_out, grouped_tile, matmul_tile, raise_flag
 
 __all__ = [
@@ -192,7 +193,7 @@ def matmul_scatter_columns(a: torch.Tensor, weight: torch.Tensor, ws, rank: int,
 
     def grid(META):
         # At least one program per chunk, so that every chunk's flag is raised even when it is empty.
-        return (max(1, triton.cdiv(M, META["BLOCK_M"]) * triton.cdiv(widest, META["BLOCK_N"])), W)
+        return (max(1, cdiv(M, META["BLOCK_M"]) * cdiv(widest, META["BLOCK_N"])), W)
 
     kernel[grid](
         a2, weight, bias if bias is not None else a2, slots, st.data_ptrs, st.flag_ptrs, st.counters,

@@ -74,6 +74,7 @@ from distfuse.kernels._utils import (
     round_bf16,
 )
 from distfuse.kernels.chunk_reduce import slot_row_stride
+from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, grouped_tile, raise_flag
 from distfuse.kernels.persistent import persistent_programs
 
@@ -240,7 +241,7 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     slots = st.data(partial_dtype, W * slot_elems, op=op)
     q1 = -(-n // W)
     meta = persistent_gemm_config(a.dtype, n_batch * q1, N, config)
-    tiles = W * n_batch * triton.cdiv(q1, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"])
+    tiles = W * n_batch * cdiv(q1, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
     programs = min(tiles, persistent_programs(a.device, (config or {}).get("PROGRAMS")))
     b_kmajor = not (weight.stride(1) == 1 and (weight.stride(0) * a.element_size()) % 16 == 0)
     a_desc, b_desc = _descriptors(a3, weight, meta, b_kmajor)

@@ -50,6 +50,7 @@ import triton
 import triton.language as tl
 
 from distfuse.kernels._utils import TIMED_WAITS, claimed_rank_view, timeout_arg
+from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import wait_flag
 
 __all__ = ["MISMATCH", "REFUSED", "GROW", "SCATTER_FLAGS", "GATHER_FLAGS", "consumer_flags", "shape_signature",
@@ -139,10 +140,10 @@ def _sig_offset(st) -> int:
 
 def _launch_check(st, rank: int, world_size: int, sig: int, flat: torch.Tensor, flag_base: int,
                   flag_stride: int) -> None:
-    grid = (max(1, triton.cdiv(flat.numel(), _POISON_BLOCK)),)
+    grid = (max(1, cdiv(flat.numel(), _POISON_BLOCK)),)
     _check_signatures_kernel[grid](st.flags, st.sigs, st.status, flat, flat.numel(), rank, world_size, sig,
                                    flag_base, flag_stride, st.epoch_dev, timeout_arg(st), TIMED=TIMED_WAITS,
-                                   W_BLOCK=triton.next_power_of_2(world_size), BLOCK=_POISON_BLOCK)
+                                   W_BLOCK=next_power_of_2(world_size), BLOCK=_POISON_BLOCK)
 
 
 def publish_signature(ws, rank: int, world_size: int, sig: int, op: str = "publish_signature") -> None:
