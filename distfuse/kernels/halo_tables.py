@@ -46,7 +46,6 @@ __all__ = [
     "recv_numel",
     "self_numel",
     "stage_tables",
-    "interior_tables",
     "pack_tables",
     "unstage_box_tables",
     "accumulate_tables",
@@ -187,31 +186,6 @@ def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     luts = [([0], [0])] * (3 - len(luts)) + luts
     flat = [t for seg_id, crd in luts for t in (_i32(seg_id, device), _i32(crd, device))]
     ns = [max(seg_id) + 1 if seg_id else 1 for seg_id, _ in luts]
-    return flat, _i64(rows, device), ns
-
-
-@functools.lru_cache(maxsize=512)
-def interior_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
-    """LUTs over the block's extents: inside the interior window read the staged gradient, else 0."""
-    x_shape = plan.input_shape(index)
-    pc = interior_piece(plan, index)
-    staged_shape = plan.staged_shape(index)
-    luts = []
-    for a, n in enumerate(x_shape):
-        if pc is None:
-            luts.append(([0] * n, [0] * n))
-            continue
-        lo, length, dst = pc.src_lo[a], pc.shape[a], pc.dst_lo[a]
-        seg_id = [0 if lo <= p < lo + length else 1 for p in range(n)]
-        crd = [p - lo + dst if lo <= p < lo + length else 0 for p in range(n)]
-        luts.append((seg_id, crd))
-    luts = [([0], [0])] * (3 - len(luts)) + luts
-    ns = [1] * (3 - len(x_shape)) + [2 if pc is not None else 1] * len(x_shape)
-    st = pad3(contiguous_strides(staged_shape), 0)
-    rows = [0, 0, 0, 0, 0] * math.prod(ns)
-    if pc is not None:
-        rows[:5] = [1, 0, _vol(staged_shape), st[0], st[1]]  # piece (0, 0, 0): every axis inside the window
-    flat = [t for seg_id, crd in luts for t in (_i32(seg_id, device), _i32(crd, device))]
     return flat, _i64(rows, device), ns
 
 
