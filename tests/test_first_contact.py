@@ -331,6 +331,32 @@ def test_last_decision_names_the_kernel_that_ran():
         assert o["kernel"] == "matmul_scatter" and "fell back" in o["reason"], o
 
 
+def _rank_all_gather_kernel():
+    from distfuse.layers import DistributedLinearAllGather
+
+    P = Partition.world()
+    P_feat = P.create_cartesian_topology_partition([1, 1, P.size])
+    P_seq = P.create_cartesian_topology_partition([1, P.size, 1])
+    torch.manual_seed(0)
+    layer = DistributedLinearAllGather(P_feat, 6, 8, P_x=P_seq)
+    x = torch.randn(2, 3 if P.rank == 0 else 2, 6)  # a sequence of 5 over 2 workers
+    os.environ["DISTFUSE_PATH"] = "fused"
+    try:
+        layer(x)
+    finally:
+        os.environ.pop("DISTFUSE_PATH", None)
+        close_all()
+    d = layer.last_decision
+    return dict(path=d.path, kernel=d.kernel, reason=d.kernel_reason)
+
+
+def test_last_decision_names_the_all_gather_consumer():
+    """The all-gather linear names the consumer kernel that ran (the selector's choice), as the producers do."""
+    for o in run_ranks(2, _rank_all_gather_kernel):
+        assert o["path"] == "fused" and o["kernel"] in ("gathered_matmul_persistent", "gathered_matmul"), o
+        assert o["reason"], o
+
+
 def test_a_claim_does_not_wait_for_the_gpu_until_too_many_checks_pend():
     """Deferred copies whose event has not completed stay pending at a claim; past MAX_DEFERRED it waits for the
     oldest (fake events: what a CUDA event answers while the GPU is still busy)."""

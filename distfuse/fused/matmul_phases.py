@@ -60,8 +60,9 @@ import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
 from distfuse import debug
 from distfuse.fused.matmul_common import Comm
-from distfuse.fused.providers import run_push
+from distfuse.fused.providers import record_kernel, run_push
 from distfuse.geometry.decomposition import block_extent
+from distfuse.kernels.gathered_matmul_select import last_gather_choice
 from distfuse.kernels.signature import (
     GATHER_FLAGS,
     SCATTER_FLAGS,
@@ -197,6 +198,10 @@ def run_all_gather_matmul(comm: Comm, op: str, shards, weights, biases, n: int, 
             # the caller's product with it is empty anyway.
             want = return_gathered and w.shape[0] > 0
             res = all_gather_kernels.gathered_matmul(x, w, ws, r, W, n, bias=b, out=out, return_gathered=want)
+            if w.shape[0] > 0 and not op.endswith(".backward"):
+                # The consumer kernel that ran, under the op's name ("<op>.forward" -> "<op>"), for the layers'
+                # last_decision and the benchmarks; a backward's gather never overwrites its forward's producer.
+                record_kernel(op.split(".")[0], last_gather_choice())
             check_signatures(ws, r, W, sig, out, **consumer_flags(GATHER_FLAGS, r, W), op=op, what=what)
             if want:
                 ys.append(res[0])

@@ -120,7 +120,11 @@ def last_kernel(op: str) -> KernelChoice | None:
 
 
 def record_kernel(op: str, choice: KernelChoice) -> KernelChoice:
-    """Remember ``choice`` as ``op``'s latest kernel in this thread (see :func:`last_kernel`); returns it."""
+    """Remember ``choice`` as ``op``'s latest kernel in this thread (see :func:`last_kernel`); returns it.
+
+    ``choice`` is a :class:`~distfuse.kernels.matmul_scatter_select.KernelChoice` (the producers) or a
+    :class:`~distfuse.kernels.gathered_matmul_select.GatherChoice` (the all-gather consumer): readers use
+    its ``kernel`` and ``reason``."""
     if not hasattr(_LAST, "kernels"):
         _LAST.kernels = {}
     _LAST.kernels[op] = choice
