@@ -65,7 +65,7 @@ from distfuse.kernels._utils import (
     timeout_arg,
 )
 from distfuse.kernels.host_ints import cdiv
-from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, grouped_tile, wait_flag
+from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, wait_flag
 from distfuse.kernels.persistent import persistent_programs
 
 __all__ = ["gathered_persistent_supported", "gathered_persistent_config", "launch_gathered_persistent",
@@ -127,11 +127,7 @@ def _gathered_matmul_persistent_kernel(
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
-    tiles_m = tl.cdiv(tl.cdiv(n, W), BLOCK_M)  # row tiles per batch entry, sized for the largest chunk
-    num_pid_m = n_batch * tiles_m
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_chunk = num_pid_m * num_pid_n
-    total = W * tiles_per_chunk
+    tiles_m, num_pid_m, num_pid_n, tiles_per_chunk, total = chunk_tiling(n, W, n_batch, N, BLOCK_M, BLOCK_N)
     seen = tl.full([], 0, tl.int32)  # the step (chunk order) this program has waited for; 0: the local chunk
     ok = seen == 0  # the current chunk's data arrived (int1; the local chunk always has)
     for t in range(pid, total, num_progs):

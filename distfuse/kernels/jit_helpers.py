@@ -68,6 +68,22 @@ def chunk_rows(offs_m, length, first_row):
 
 
 @triton.jit
+def chunk_tiling(n, W, n_batch, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The persistent GEMMs' tile grid over ``W`` chunks of ``n`` rows (``B_`` = ``n_batch`` entries each):
+    ``(tiles_m, num_pid_m, num_pid_n, tiles_per_chunk, total)``.
+
+    Every chunk gets the row tiles of the largest one (``cdiv(cdiv(n, W), BLOCK_M)`` per batch
+    entry), so tile ``t`` is tile ``t % tiles_per_chunk`` of step ``t // tiles_per_chunk``
+    whatever the chunk; the smaller chunks' last row tiles are empty.
+    """
+    tiles_m = tl.cdiv(tl.cdiv(n, W), BLOCK_M)
+    num_pid_m = n_batch * tiles_m
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    tiles_per_chunk = num_pid_m * num_pid_n
+    return tiles_m, num_pid_m, num_pid_n, tiles_per_chunk, W * tiles_per_chunk
+
+
+@triton.jit
 def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     """``(pid_m, pid_n)`` of program ``pid`` over a ``num_pid_m x num_pid_n`` tile grid, in grouped order.
 

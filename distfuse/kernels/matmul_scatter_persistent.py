@@ -75,7 +75,7 @@ from distfuse.kernels._utils import (
 )
 from distfuse.kernels.chunk_reduce import slot_row_stride
 from distfuse.kernels.host_ints import cdiv
-from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, grouped_tile, raise_flag
+from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, raise_flag
 from distfuse.kernels.persistent import persistent_programs
 
 __all__ = ["matmul_scatter_persistent", "persistent_supported", "persistent_gemm_config"]
@@ -115,11 +115,7 @@ def _matmul_scatter_persistent_kernel(
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
-    tiles_m = tl.cdiv(tl.cdiv(n, W), BLOCK_M)  # row tiles per batch entry, sized for the largest chunk
-    num_pid_m = n_batch * tiles_m
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    tiles_per_chunk = num_pid_m * num_pid_n
-    total = W * tiles_per_chunk
+    tiles_m, num_pid_m, num_pid_n, tiles_per_chunk, total = chunk_tiling(n, W, n_batch, N, BLOCK_M, BLOCK_N)
     esize = slots_ptr.dtype.element_ty.primitive_bitwidth // 8
     own_base = tl.load(data_ptrs + rank)
     pending = tl.full([], -1, tl.int32)  # chunk of the tile whose arrival is deferred (-1: none)
