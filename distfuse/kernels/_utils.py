@@ -163,7 +163,8 @@ _GEMM_SHAPES = {
     "gathered_k": {2: [(128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (64, 128, 32, 8, 4), (64, 64, 64, 4, 4),
                        (64, 64, 32, 4, 3)],
                    4: [(128, 64, 32, 8, 4), (64, 128, 32, 8, 4), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3)]},
-    "persistent": {2: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 8, 4), (64, 64, 32, 4, 3)],
+    "persistent": {2: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 4, 4), (64, 128, 64, 8, 4),
+                       (64, 64, 32, 4, 3)],
                    4: [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 3)]},
     "gathered_persistent": {2: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 128, 64, 8, 4), (64, 64, 32, 4, 3)],
                             4: [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 3)]},
@@ -173,7 +174,7 @@ _GEMM_SHAPES = {
 _PINNED = {
     "pointer": {2: dict(large=0, tall=0, wide=2, small=5), 4: dict(large=0, tall=0, wide=1, small=3)},
     "gathered_k": {2: dict(large=0, tall=0, wide=2, small=4), 4: dict(large=0, tall=0, wide=1, small=3)},
-    "persistent": {2: dict(large=0, tall=1, wide=2, small=3), 4: dict(large=0, tall=0, wide=2, small=3)},
+    "persistent": {2: dict(large=0, tall=1, wide=2, small=4), 4: dict(large=0, tall=0, wide=2, small=3)},
     "gathered_persistent": {2: dict(large=0, tall=1, wide=2, small=3), 4: dict(large=0, tall=0, wide=2, small=3)},
 }
 
@@ -226,6 +227,11 @@ def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int, family: str = "
 # that every program is resident at once (a persistent grid that does not fit runs in waves, and a
 # second wave would repeat the flag wait): registers x 128 threads x PER_SM <= sm_90's 64K registers
 # per SM (tests/test_compile_audit.py checks it for every audited W, dtype and layout).
+# The persistent producer's ``wide`` tile (chunks under 128 rows: decode-size M) is 64x256x64 with 4 warps: at
+# M = 512 (64 rows per chunk) it ran at 0.65/0.55 of cuBLAS (LLaMA-3 8B/70B, H200, graph replays), where the
+# 64x128x64 8-warp tile pinned before gave 0.49/0.38 (bench/results/diagnose-NVIDIA_H200-2026-11-26.json and
+# gemm_fused-NVIDIA_H200-2026-11-26-c.json).
+#
 # Measured (H200, Triton 3.6, bf16, W = 8, LLaMA-3 8B/70B MLP chunks of 75/151 MB, each call replayed
 # from a CUDA graph after an L2 flush, against the device copy of the same bytes; bench/results/
 # diagnose-NVIDIA_H200-2026-11-26.json): 4 programs of 1024-element blocks per SM reach 0.73/0.79 of the
