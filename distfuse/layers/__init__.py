@@ -1,4 +1,4 @@
-"""Distributed layers: Linear, Conv and ConvTranspose, pooling, upsampling, norms and losses.
+"""Distributed layers: Linear, Conv and ConvTranspose, pooling, upsampling, norms, losses and the embedding.
 
 Each layer is interchangeable with its ``torch.nn`` counterpart: the same outputs and
 gradients on the gathered global tensors, and ``load_sequential`` / ``collect_sequential``
@@ -23,6 +23,7 @@ from distfuse.layers.conv_transpose import (
     DistributedConvTranspose3d,
 )
 from distfuse.layers.dispatch import Decision, select_path
+from distfuse.layers.embedding import DistributedEmbedding
 from distfuse.layers.linear import DistributedLinear
 from distfuse.layers.linear_all_gather import DistributedLinearAllGather, DistributedLinearAllGatherZero
 from distfuse.layers.linear_reduce_scatter import DistributedLinearReduceScatter, DistributedLinearReduceScatterZero
@@ -34,6 +35,7 @@ from distfuse.layers.loss import (
     DistributedMSELoss,
 )
 from distfuse.layers.loss_class import DistributedCrossEntropyLoss, DistributedNLLLoss
+from distfuse.layers.loss_vocab import DistributedVocabCrossEntropyLoss
 from distfuse.layers.norm_batch import (
     DistributedBatchNorm,
     DistributedBatchNorm1d,
@@ -102,6 +104,8 @@ __all__ = [
     "DistributedCrossEntropyLoss",
     "DistributedNLLLoss",
     "DistributedKLDivLoss",
+    "DistributedEmbedding",
+    "DistributedVocabCrossEntropyLoss",
     "select_conv",
     "select_path",
     "Decision",
