@@ -1,0 +1,591 @@
+"""Context-parallel ring attention (unfused): the sequence split over ``P_cp``, K/V blocks travel round the ring.
+
+Shapes (``W`` workers on the ring, worker ``r`` at ring position ``P_cp.rank``; ``G = Hq / Hkv``)::
+
+    q        [B, Hq,  S_r, D]   this worker's query rows: global positions local_positions(S, W, r, layout)
+    k, v     [B, Hkv, S_r, D]   the keys and values of the same positions (only the Hkv heads travel)
+    attn_mask [B, S_r] bool     optional key-padding mask of the local keys (True = attend); travels with k, v
+    out      [B, Hq,  S_r, D]   softmax(scale * q k^T + mask) v over ALL S global keys, this worker's rows
+    lse      [B, Hq,  S_r]      (kept for the backward) log-sum-exp of each row's scores, fp32 for 16-bit inputs
+
+Forward (``W`` steps; at step ``t`` worker ``r`` holds the K/V block of worker ``src = (r - t) mod W``)::
+
+    step t:   post  send block(src) -> r+1,  recv block(src-1) <- r-1          (t < W-1; one flat message)
+              local for each (query run, key run) pair that is not fully masked:
+                        s = scale q_i k_j^T  (masked to -inf)
+                        m' = max(m, rowmax s);  l = l e^(m-m') + rowsum e^(s-m');  acc = acc e^(m-m') + e^(s-m') v_j
+              wait
+    end:      out = acc / l,  lse = m + log l
+
+GQA expands nothing: ``q`` is viewed as ``[B, Hkv, G * S_r, D]`` (query head ``h`` uses K/V head
+``h // G``, as ``scaled_dot_product_attention(enable_gqa=True)``), so each K/V head's scores are one
+batched GEMM against its ``G`` query heads, and ``dS^T q`` sums the group's gradients into the
+``Hkv`` heads by the same GEMM.  16-bit inputs are computed in fp32 (scores, statistics,
+accumulators; the blocks travel in the input dtype), fp32 and fp64 in their own precision.
+
+Backward (an ``autograd.Function``; the standard ring-attention adjoint).  With ``P = exp(s - lse)``
+(the softmax, recomputed block by block from the saved global ``lse``) and ``dO`` the output
+gradient, for each block ``j`` of keys::
+
+    dV_j  = P_j^T dO                    [B, Hkv, S_j, D]   (sums the G query heads of a group)
+    dP_j  = dO V_j^T                    [B, Hkv, G S_r, S_j]
+    dS_j  = P_j * (dP_j - delta),       delta = rowsum(dO * out)   (= rowsum(P * dP) over ALL keys,
+                                                                     so it is local: no extra round)
+    dQ   += scale dS_j K_j              (stays on this worker)
+    dK_j  = scale dS_j^T q              [B, Hkv, S_j, D]
+
+Why it is the adjoint: ``out = P V`` with ``P = softmax(s)`` row by row; ``d out / d V`` gives
+``P^T dO``; the softmax's Jacobian ``diag(P) - P P^T`` applied to ``dP`` gives ``P * (dP - rowsum(P
+* dP))``, and ``rowsum(P * dP) = rowsum(P * (dO V^T)) = dO . (P V) = dO . out``.  Every key block's
+terms are additive, so the blocks may be visited in any order, as long as each block's ``dK_j, dV_j``
+(summed over every worker's queries) reach its owner.  Hence the ring again: the K/V blocks make the
+same ``W - 1`` steps as in the forward, and the ``dK, dV`` accumulators (fp32 for 16-bit inputs)
+follow them one step behind: at step ``t`` worker ``r`` adds its terms for block ``src`` to the
+accumulator that arrived from ``r - 1`` (which already holds the terms of workers ``src .. r - 1``) and
+passes it on; after ``W`` sends every accumulator is back with its block's owner::
+
+    step t:   post  kv send/recv as in the forward                           (t < W-1)
+              local dQ, dK_src, dV_src terms
+              wait  dkv(src) <- r-1  (posted in step t-1);  add it          (t > 0)
+              post  send dkv(src) -> r+1,  recv dkv(src-1) <- r-1
+              wait  kv
+    end:      wait  dkv(own block)
+
+So each step's GEMMs run while the next K/V block and the previous accumulator are in flight.
+
+Layouts (``layout=``), which say which global positions a worker's rows are (only the causal mask
+reads them; ``local_positions`` returns them, e.g. for rotary embeddings):
+
+* ``"contiguous"``: worker ``r`` holds the balanced block ``block_range(S, W, r)``
+  (:mod:`distfuse.geometry.decomposition`); ``S`` need not divide by ``W``, and the ring messages
+  then differ in size from step to step (both ends know every size from the decomposition, so no
+  size travels).  Causal attention is unbalanced here: worker ``W - 1`` computes ``W`` blocks,
+  worker 0 one.
+* ``"zigzag"`` (load-balanced): the sequence is cut into ``2W`` chunks and worker ``r`` holds chunks
+  ``r`` and ``2W - 1 - r`` (:func:`load_balanced_split`; :func:`load_balanced_order` permutes a
+  global tensor into that order).  Requires ``S % (2W) == 0``.  Under the causal mask a step with
+  ``src < r`` needs both query chunks against the early key chunk only, a step with ``src > r`` the
+  late query chunk against both key chunks: half a block each, on every worker.
+
+Fully masked (query run, key run) pairs are skipped (no GEMM); that skip is where zig-zag's balance
+comes from.  A query row with no key to attend to (all masked by ``attn_mask``) returns zeros and
+gets zero gradients (``scaled_dot_product_attention`` returns NaN there).
+
+Partitions.  ``P_cp`` is a 1-D partition of the ``W`` context-parallel workers: a plain
+:class:`~distfuse.partition.Partition` (its rank order is the ring order) or a
+:class:`~distfuse.partition.CartesianPartition` with one extent above 1.  From a larger grid,
+take the sequence axis as a sub-grid: ``P = P_world.create_partition_inclusive(range(8))
+.create_cartesian_topology_partition([2, 4])`` (data x context) and ``P_cp =
+P.create_cartesian_subtopology_partition([False, True])`` (every worker gets its own row's ``[1, 4]``
+ring; the call is collective over the world, as every partition creation).  The messages run
+point to point on distfuse's world group (``DISTFUSE_TIMEOUT``), as every primitive's round
+(:mod:`distfuse.primitives._common`), each step one ``batch_isend_irecv`` that is waited on later.
+
+Checks.  Before any data moves, the workers agree on the call: a one-integer flag all-reduce on
+``P_cp``'s host group while every worker's signature repeats, and on the first call, on a change
+or on a local failure a gather of one int64 record per worker
+(:func:`~distfuse.primitives._agreement.agreed_by_flag_round`), checked alike on every worker:
+4-D ``q, k, v`` with one dtype, ``Hq % Hkv == 0``, the same ``B, Hq, Hkv, D``, dtype, ``causal``,
+``layout``, ``scale``, mask presence and grad setting everywhere, and local lengths that are the
+layout's blocks of one ``S``.  A misuse raises the same :class:`~distfuse.errors.ShapeError` on every
+worker, naming the world ranks at fault; nothing waits.  Every worker must call the backward when
+one does (the grad setting is agreed; the backward is a ring too).  The functional form keeps one
+agreement site per ``P_cp``; :class:`DistributedAttention` keeps its own (a model with attention
+calls of several shapes on one partition should use one module per call site, so that each
+settles once).  Eager only: there is no op pair for ``torch.compile`` yet, and compiling it is
+untested.
+
+Workers outside ``P_cp`` pass zero-volume tensors and get a zero-volume tensor back.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distfuse.errors import PartitionError, ShapeError, UnsupportedError, where
+from distfuse.geometry.decomposition import block_extent, block_start
+from distfuse.groups import world_group
+from distfuse.partition import Partition, zero_volume_tensor
+from distfuse.primitives._agreement import AgreementSite, agreed_by_flag_round
+from distfuse.primitives._common import (
+    check_inactive_input,
+    collective_guard,
+    dtype_code,
+    dtype_of_code,
+    first_order_only,
+    gather_records,
+)
+
+__all__ = ["distributed_attention", "DistributedAttention", "load_balanced_split", "load_balanced_order",
+           "local_positions"]
+
+OP = "distributed_attention"
+LAYOUTS = ("contiguous", "zigzag")
+# Tags keep the K/V stream and the gradient-accumulator stream apart (both run r -> r+1 and overlap in time).
+_TAG_KV, _TAG_DKV = 0x2A71, 0x2A72
+
+
+# ---------------------------------------------------------------- layouts (pure arithmetic)
+
+def _check_zigzag(S: int, W: int, op: str = OP) -> int:
+    if W < 1 or S < 0 or S % (2 * W):
+        raise ShapeError(f"{where(op)}: the zigzag layout cuts the sequence into 2W = {2 * W} equal chunks, so the "
+                         f"global length must be a multiple of {2 * W}; got S = {S} (use layout='contiguous' for "
+                         "any S)")
+    return S // (2 * W)
+
+
+def load_balanced_split(S: int, W: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """The zigzag layout: worker ``i`` holds the global ranges ``[i c, (i+1) c)`` and ``[(2W-1-i) c, (2W-i) c)``.
+
+    ``c = S / (2W)``; ``S`` must be a multiple of ``2W``.  Returns one pair of half-open ranges per worker,
+    early chunk first (the local rows are the early chunk, then the late one).  Under a causal mask every
+    worker then has the same work (see the module docstring).
+    """
+    c = _check_zigzag(S, W, "load_balanced_split")
+    return [((i * c, (i + 1) * c), ((2 * W - 1 - i) * c, (2 * W - i) * c)) for i in range(W)]
+
+
+def load_balanced_order(S: int, W: int) -> torch.Tensor:
+    """Global positions in zigzag order (int64 ``[S]``): ``x.index_select(dim, order)`` followed by an even split
+    into ``W`` blocks gives each worker its zigzag rows; ``order.argsort()`` undoes it."""
+    return torch.cat([torch.arange(a, b) for pair in load_balanced_split(S, W) for a, b in pair]) if S else \
+        torch.zeros(0, dtype=torch.int64)
+
+
+def _runs(S: int, W: int, i: int, layout: str) -> list[tuple[int, int, int]]:
+    """Worker ``i``'s rows as runs ``(local start, global start, length)`` (empty runs dropped)."""
+    if layout == "zigzag":
+        c = _check_zigzag(S, W)
+        runs = [(0, i * c, c), (c, (2 * W - 1 - i) * c, c)]
+    else:
+        runs = [(0, block_start(S, W, i), block_extent(S, W, i))]
+    return [r for r in runs if r[2] > 0]
+
+
+def _local_len(S: int, W: int, i: int, layout: str) -> int:
+    return S // W if layout == "zigzag" else block_extent(S, W, i)
+
+
+def local_positions(S: int, W: int, index: int, layout: str = "contiguous") -> torch.Tensor:
+    """Global positions (int64 ``[S_index]``) of worker ``index``'s rows under ``layout`` (for rotary embeddings,
+    position ids, and tests)."""
+    if layout not in LAYOUTS:
+        raise UnsupportedError(f"local_positions: layout must be one of {LAYOUTS}, got {layout!r}")
+    parts = [torch.arange(g, g + n) for _, g, n in _runs(S, W, index, layout)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------- the agreement
+
+_PROBLEMS = (
+    "",
+    "q, k and v must be tensors, and attn_mask a tensor or None",
+    "q, k and v must be 4-D: [B, H, S_local, D]",
+    "q, k and v must share one floating dtype",
+    "k and v must have the same shape [B, Hkv, S_local, D]",
+    "q [B, Hq, S_local, D] and k, v [B, Hkv, S_local, D] must agree on B, S_local and D",
+    "Hq (q's heads) must be a positive multiple of Hkv (k's and v's heads)",
+    "attn_mask must be a bool key-padding mask [B, S_local] (True = attend)",
+    "q, k, v (and attn_mask) must be on the partition's device type",
+    f"layout must be one of {LAYOUTS}",
+)
+_REC = 22  # record length
+
+
+def _local_problem(P, q, k, v, mask, layout) -> int:
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or not (mask is None or isinstance(mask, torch.Tensor)):
+        return 1
+    if layout not in LAYOUTS:
+        return 9
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return 2
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        return 3
+    if k.shape != v.shape:
+        return 4
+    if (q.shape[0], q.shape[2], q.shape[3]) != (k.shape[0], k.shape[2], k.shape[3]):
+        return 5
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        return 6
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (q.shape[0], q.shape[2])):
+        return 7
+    if any(t.device.type != P.device.type for t in (q, k, v) + ((mask,) if mask is not None else ())):
+        return 8
+    return 0
+
+
+def _shape4(t) -> list[int]:
+    return list(t.shape) if isinstance(t, torch.Tensor) and t.dim() == 4 else [-1] * 4
+
+
+def _record(problem, q, k, v, mask, causal, layout, scale, grad) -> list[int]:
+    ok = problem == 0
+    return [problem, *_shape4(q), *_shape4(k), *_shape4(v),
+            dtype_code(q.dtype) if ok else -1,
+            int(mask is not None), *(list(mask.shape) if ok and mask is not None else [-1, -1]),
+            int(bool(causal)), LAYOUTS.index(layout) if layout in LAYOUTS else -1,
+            struct.unpack("<q", struct.pack("<d", float(scale) if scale is not None else math.nan))[0],
+            int(grad)]
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    """What every worker agreed on: the global call."""
+
+    B: int
+    Hq: int
+    Hkv: int
+    D: int
+    S: int
+    dtype: torch.dtype
+    has_mask: bool
+
+
+def _check_records(op: str, P, rows: list[list[int]], layout: str) -> _Agreed:
+    """Every worker runs this on the same records, so it raises the same error everywhere."""
+    bad = [(P.ranks[i], r) for i, r in enumerate(rows) if r[0] != 0]
+    if bad:
+        raise ShapeError(f"{where(op)}: " + "; ".join(
+            f"world rank {w}: {_PROBLEMS[r[0]]} (got q {r[1:5]}, k {r[5:9]}, v {r[9:13]})" for w, r in bad))
+    names = ("batch B", "query heads Hq", "key/value heads Hkv", "head dim D", "dtype", "attn_mask given",
+             "causal", "layout", "scale", "grad setting (grad mode on and an input that requires grad)")
+    slots = (1, 2, 6, 4, 13, 14, 17, 18, 19, 20)
+    for name, s in zip(names, slots, strict=True):
+        vals = {P.ranks[i]: r[s] for i, r in enumerate(rows)}
+        if len(set(vals.values())) > 1:
+            shown = {w: (str(dtype_of_code(x)) if s == 13 else LAYOUTS[x] if s == 18 else
+                         struct.unpack("<d", struct.pack("<q", x))[0] if s == 19 else x) for w, x in vals.items()}
+            raise ShapeError(f"{where(op)}: the workers of P_cp must agree on {name}; got {shown} (world rank: value)")
+    W, S = P.size, sum(r[3] for r in rows)
+    for i, r in enumerate(rows):
+        want = _local_len(S, W, i, layout)  # raises for a zigzag S that 2W does not divide
+        if r[3] != want:
+            raise ShapeError(f"{where(op)}: the local sequence lengths are not the {layout} layout's blocks of "
+                             f"S = {S} over W = {W}: world rank {P.ranks[i]} (ring position {i}) holds {r[3]} rows, "
+                             f"expected {want} (got {[x[3] for x in rows]} in ring order)")
+    r0 = rows[0]
+    return _Agreed(B=r0[1], Hq=r0[2], Hkv=r0[6], D=r0[4], S=S, dtype=dtype_of_code(r0[13]), has_mask=bool(r0[14]))
+
+
+_SITES: dict[tuple, AgreementSite] = {}
+
+
+def _site_of(P) -> AgreementSite:
+    key = (P.ranks, getattr(P, "shape", None))
+    if key not in _SITES:
+        _SITES[key] = AgreementSite(OP)
+    return _SITES[key]
+
+
+def _check_partition(P) -> None:
+    if not isinstance(P, Partition):
+        raise PartitionError(f"{where(OP)}: P_cp must be a distfuse Partition, got {type(P).__name__}")
+    shape = getattr(P, "shape", (P.size,))
+    if sum(1 for s in shape if s > 1) > 1:
+        raise PartitionError(f"{where(OP)}: P_cp must be 1-D (one extent above 1: the ring), got shape {list(shape)}; "
+                             "take the sequence axis of a larger grid with create_cartesian_subtopology_partition")
+
+
+# ---------------------------------------------------------------- point-to-point rounds
+
+def _post(op: str, sends, recvs, tag: int) -> list:
+    """Post ``(world peer, tensor)`` sends and receives in one batch; returns the works to wait on later."""
+    group = world_group()
+    ops = [dist.P2POp(dist.isend, t, p, group=group, tag=tag) for p, t in sends if t.numel()]
+    ops += [dist.P2POp(dist.irecv, t, p, group=group, tag=tag) for p, t in recvs if t.numel()]
+    if not ops:
+        return []
+    with collective_guard(op, "ring step (post)", [o.peer for o in ops], group):
+        return dist.batch_isend_irecv(ops)
+
+
+def _wait(op: str, works: list, peers) -> None:
+    if works:
+        with collective_guard(op, "ring step", peers):
+            for w in works:
+                w.wait()
+
+
+@dataclass(frozen=True)
+class _Geo:
+    """One call's ring geometry, the same on every worker but ``r``."""
+
+    ranks: tuple[int, ...]
+    r: int
+    W: int
+    S: int
+    B: int
+    Hkv: int
+    G: int
+    D: int
+    layout: str
+    causal: bool
+    scale: float
+    has_mask: bool
+
+    def length(self, i: int) -> int:
+        return _local_len(self.S, self.W, i % self.W, self.layout)
+
+    def runs(self, i: int) -> list[tuple[int, int, int]]:
+        # Without the causal mask positions do not matter: one run, one GEMM per block.
+        n = self.length(i)
+        return _runs(self.S, self.W, i % self.W, self.layout) if self.causal else ([(0, 0, n)] if n else [])
+
+    @property
+    def next(self) -> int:
+        return self.ranks[(self.r + 1) % self.W]
+
+    @property
+    def prev(self) -> int:
+        return self.ranks[(self.r - 1) % self.W]
+
+
+def _pack(k, v, mask) -> torch.Tensor:
+    parts = [k.reshape(-1), v.reshape(-1)] + ([mask.reshape(-1).to(k.dtype)] if mask is not None else [])
+    return torch.cat(parts)
+
+
+def _kv_numel(geo: _Geo, i: int) -> int:
+    n = geo.length(i)
+    return 2 * geo.B * geo.Hkv * n * geo.D + (geo.B * n if geo.has_mask else 0)
+
+
+def _unpack(geo: _Geo, buf: torch.Tensor, i: int):
+    n, e = geo.length(i), geo.B * geo.Hkv * geo.length(i) * geo.D
+    shape = (geo.B, geo.Hkv, n, geo.D)
+    k, v = buf[:e].view(shape), buf[e:2 * e].view(shape)
+    mask = buf[2 * e:].view(geo.B, n) != 0 if geo.has_mask else None
+    return k, v, mask
+
+
+def _pairs(geo: _Geo, src: int):
+    """``(query run index, q local start, q global start, n, k local start, k global start, m, partial)`` for every
+    (query run, key run) pair of block ``src`` that is not fully masked; ``partial``: needs the causal mask."""
+    for qi, (ql, qg, n) in enumerate(geo.runs(geo.r)):
+        for kl, kg, m in geo.runs(src):
+            if geo.causal and kg > qg + n - 1:
+                continue  # every key after every query
+            yield qi, ql, qg, n, kl, kg, m, geo.causal and kg + m - 1 > qg
+
+
+def _masked_scores(geo: _Geo, s, qg, n, kg, m, partial, maskb, kl):
+    """``s`` [B, Hkv, G n, m] with the causal and padding masks applied (-inf), or as it is."""
+    allowed = None
+    if partial:
+        qpos = torch.arange(qg, qg + n, device=s.device)
+        kpos = torch.arange(kg, kg + m, device=s.device)
+        allowed = kpos[None, :] <= qpos[:, None]  # [n, m]
+    if maskb is not None:
+        pad = maskb[:, kl:kl + m].view(geo.B, 1, 1, 1, m)
+        allowed = pad if allowed is None else allowed & pad
+    if allowed is None:
+        return s
+    s5 = s.view(geo.B, geo.Hkv, geo.G, n, m).masked_fill(~allowed, -math.inf)
+    return s5.view(geo.B, geo.Hkv, geo.G * n, m)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if torch.finfo(dtype).bits < 32 else dtype
+
+
+def _query_runs(geo: _Geo, x: torch.Tensor) -> list[torch.Tensor]:
+    """``x`` [B, Hq, S_r, D'] cut into its runs, each ``[B, Hkv, G n, D']`` (query head h = kv head h // G)."""
+    x5 = x.reshape(geo.B, geo.Hkv, geo.G, x.shape[2], x.shape[3])
+    return [x5[:, :, :, ql:ql + n].reshape(geo.B, geo.Hkv, geo.G * n, x.shape[3]) for ql, _, n in geo.runs(geo.r)]
+
+
+def _join_runs(geo: _Geo, parts: Sequence[torch.Tensor], last: int, like: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`_query_runs`: ``[B, Hq, S_r, last]`` (``last = 0``: the parts are ``[B, Hkv, G n]``), in
+    ``like``'s dtype and device."""
+    Sr, e = geo.length(geo.r), max(last, 1)
+    out = like.new_zeros((geo.B, geo.Hkv, geo.G, Sr, e))
+    for (ql, _, n), p in zip(geo.runs(geo.r), parts, strict=True):
+        out[:, :, :, ql:ql + n] = p.reshape(geo.B, geo.Hkv, geo.G, n, e)
+    out = out.view(geo.B, geo.Hkv * geo.G, Sr, e)
+    return out if last else out[..., 0]
+
+
+# ---------------------------------------------------------------- forward and backward
+
+def _ring_forward(geo: _Geo, q, k, v, mask):
+    """``(out [B, Hq, S_r, D] in q's dtype, lse [B, Hq, S_r] in the accumulation dtype)``."""
+    acc_t = _acc_dtype(q.dtype)
+    qr = [t.to(acc_t) * geo.scale for t in _query_runs(geo, q)]
+    m = [torch.full(t.shape[:-1], -math.inf, dtype=acc_t, device=q.device) for t in qr]
+    lsum = [torch.zeros(t.shape[:-1], dtype=acc_t, device=q.device) for t in qr]
+    acc = [torch.zeros_like(t) for t in qr]
+    cur = _pack(k, v, mask)
+    for t in range(geo.W):
+        src = (geo.r - t) % geo.W
+        works, nxt = [], None
+        if t < geo.W - 1:  # post the next block's transfer before computing on this one
+            nxt = cur.new_empty(_kv_numel(geo, src - 1))
+            works = _post(OP, [(geo.next, cur)], [(geo.prev, nxt)], _TAG_KV)
+        kb, vb, maskb = _unpack(geo, cur, src)
+        for qi, _, qg, n, kl, kg, mm, partial in _pairs(geo, src):
+            kj, vj = kb[:, :, kl:kl + mm].to(acc_t), vb[:, :, kl:kl + mm].to(acc_t)
+            s = _masked_scores(geo, qr[qi] @ kj.transpose(-1, -2), qg, n, kg, mm, partial, maskb, kl)
+            m_new = torch.maximum(m[qi], s.amax(-1))
+            m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)  # a row with nothing to attend to yet
+            p = torch.exp(s - m_safe.unsqueeze(-1))
+            alpha = torch.exp(m[qi] - m_safe)
+            lsum[qi] = lsum[qi] * alpha + p.sum(-1)
+            acc[qi] = acc[qi] * alpha.unsqueeze(-1) + p @ vj
+            m[qi] = m_new
+        _wait(OP, works, (geo.next, geo.prev))
+        if nxt is not None:
+            cur = nxt
+    outs, lses = [], []
+    for mi, li, ai in zip(m, lsum, acc, strict=True):
+        m_safe = mi.masked_fill(mi == -math.inf, 0.0)
+        outs.append(ai / li.masked_fill(li == 0, 1.0).unsqueeze(-1))  # no key at all: 0 (acc is 0 there)
+        lses.append(m_safe + torch.log(li))  # -inf for such rows
+    like = torch.empty(0, dtype=acc_t, device=q.device)
+    return _join_runs(geo, outs, geo.D, like).to(q.dtype), _join_runs(geo, lses, 0, like)
+
+
+def _ring_backward(geo: _Geo, q, k, v, mask, out, lse, dout):
+    """``(dq, dk, dv)`` in the inputs' dtypes (see the module docstring for the schedule)."""
+    acc_t = _acc_dtype(q.dtype)
+    qr = [t.to(acc_t) * geo.scale for t in _query_runs(geo, q)]
+    dor = [t.to(acc_t) for t in _query_runs(geo, dout)]
+    delta = [(d * o.to(acc_t)).sum(-1) for d, o in zip(dor, _query_runs(geo, out), strict=True)]
+    # exp(s - lse) with lse = -inf (a row with no key) must give 0, not NaN
+    lser = [t.masked_fill(t == -math.inf, math.inf) for t in _query_runs(geo, lse.unsqueeze(-1))]
+    lser = [t.squeeze(-1) for t in lser]
+    dq = [torch.zeros_like(t) for t in qr]
+    cur = _pack(k, v, mask)
+    dkv_works, dkv_in, dkv_out = [], None, None
+    kv_shape = (geo.B, geo.Hkv)
+    for t in range(geo.W):
+        src = (geo.r - t) % geo.W
+        works, nxt = [], None
+        if t < geo.W - 1:
+            nxt = cur.new_empty(_kv_numel(geo, src - 1))
+            works = _post(OP, [(geo.next, cur)], [(geo.prev, nxt)], _TAG_KV)
+        kb, vb, maskb = _unpack(geo, cur, src)
+        n_src = geo.length(src)
+        dk = torch.zeros(kv_shape + (n_src, geo.D), dtype=acc_t, device=q.device)
+        dv = torch.zeros_like(dk)
+        for qi, _, qg, n, kl, kg, mm, partial in _pairs(geo, src):
+            kj, vj = kb[:, :, kl:kl + mm].to(acc_t), vb[:, :, kl:kl + mm].to(acc_t)
+            s = _masked_scores(geo, qr[qi] @ kj.transpose(-1, -2), qg, n, kg, mm, partial, maskb, kl)
+            p = torch.exp(s - lser[qi].unsqueeze(-1))
+            dv[:, :, kl:kl + mm] += p.transpose(-1, -2) @ dor[qi]
+            ds = p * (dor[qi] @ vj.transpose(-1, -2) - delta[qi].unsqueeze(-1))
+            dq[qi] += ds @ kj
+            dk[:, :, kl:kl + mm] += ds.transpose(-1, -2) @ qr[qi]
+        if geo.W == 1:
+            dkv_in = torch.cat([dk.reshape(-1), dv.reshape(-1)])
+            break
+        _wait(OP, dkv_works, (geo.prev,))  # the accumulator of block src, with the terms of workers src .. r-1
+        if dkv_in is not None:
+            dk_in, dv_in = dkv_in.chunk(2)
+            dk += dk_in.view_as(dk)
+            dv += dv_in.view_as(dv)
+        dkv_out = torch.cat([dk.reshape(-1), dv.reshape(-1)])
+        dkv_in = dkv_out.new_empty(2 * geo.B * geo.Hkv * geo.length(src - 1) * geo.D)
+        dkv_works = _post(OP, [(geo.next, dkv_out)], [(geo.prev, dkv_in)], _TAG_DKV)
+        _wait(OP, works, (geo.next, geo.prev))
+        if nxt is not None:
+            cur = nxt
+    _wait(OP, dkv_works, (geo.next, geo.prev))  # after W sends, this worker's own block's gradients
+    del dkv_out
+    dk_own, dv_own = dkv_in.chunk(2)
+    own = kv_shape + (geo.length(geo.r), geo.D)
+    dq_full = _join_runs(geo, [t * geo.scale for t in dq], geo.D, torch.empty(0, dtype=acc_t, device=q.device))
+    return dq_full.to(q.dtype), dk_own.view(own).to(k.dtype), dv_own.view(own).to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, mask, geo: _Geo):
+        out, lse = _ring_forward(geo, q, k, v, mask)
+        ctx.geo = geo
+        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = _ring_backward(ctx.geo, q, k, v, mask, out, lse, dout.contiguous())
+        return dq, dk, dv, None, None
+
+
+# ---------------------------------------------------------------- entry points
+
+def _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, site: AgreementSite) -> torch.Tensor:
+    _check_partition(P_cp)
+    if not P_cp.active:
+        for t in (q, k, v) + ((attn_mask,) if attn_mask is not None else ()):
+            check_inactive_input(OP, t)
+        return zero_volume_tensor(dtype=q.dtype, device=q.device)
+    problem = _local_problem(P_cp, q, k, v, attn_mask, layout)
+    grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
+    if scale is None and problem == 0:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    record = _record(problem, q, k, v, attn_mask, causal, layout, scale, grad)
+    signature = (tuple(record), tuple(t.device.type for t in (q, k, v) if isinstance(t, torch.Tensor)))
+    agreed = agreed_by_flag_round(site, P_cp, OP, signature, problem == 0,
+                                  lambda: _check_records(OP, P_cp, gather_records(OP, P_cp, record), layout))
+    geo = _Geo(ranks=tuple(P_cp.ranks), r=P_cp.rank, W=P_cp.size, S=agreed.S, B=agreed.B, Hkv=agreed.Hkv,
+               G=agreed.Hq // agreed.Hkv, D=agreed.D, layout=layout, causal=bool(causal), scale=float(scale),
+               has_mask=agreed.has_mask)
+    out, _ = _RingAttention.apply(q, k, v, attn_mask, geo)
+    return first_order_only(out, OP, "ring attention (its backward is a ring of messages)")
+
+
+def distributed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P_cp: Partition, *, causal: bool = False,
+                          attn_mask: torch.Tensor | None = None, scale: float | None = None,
+                          layout: str = "contiguous") -> torch.Tensor:
+    """Scaled dot-product attention over a sequence split on the ring ``P_cp`` (see the module docstring).
+
+    Args:
+        q: ``[B, Hq, S_local, D]`` this worker's query rows.
+        k, v: ``[B, Hkv, S_local, D]`` the keys and values of the same positions; ``Hq % Hkv == 0``.
+        P_cp: the 1-D context-parallel partition (ring order = its rank order).
+        causal: mask by global position (a query attends to keys at or before it).
+        attn_mask: optional bool ``[B, S_local]`` key-padding mask of the local keys (True = attend).
+        scale: score scale, default ``1 / sqrt(D)``.
+        layout: ``"contiguous"`` (balanced blocks, any ``S``) or ``"zigzag"`` (:func:`load_balanced_split`).
+
+    Returns ``[B, Hq, S_local, D]`` in ``q``'s dtype: the rows of ``scaled_dot_product_attention`` on the
+    global tensors.  Collective over ``P_cp`` (forward and backward); workers outside it pass and get
+    zero-volume tensors.
+    """
+    _check_partition(P_cp)
+    return _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, _site_of(P_cp))
+
+
+class DistributedAttention(nn.Module):
+    """:func:`distributed_attention` as a module with its own agreement site (one per call site).
+
+    ``forward(q, k, v, attn_mask=None)``; no parameters (the projections are the caller's).
+    """
+
+    def __init__(self, P_cp: Partition, causal: bool = False, scale: float | None = None,
+                 layout: str = "contiguous"):
+        super().__init__()
+        _check_partition(P_cp)
+        if layout not in LAYOUTS:
+            raise UnsupportedError(f"{where(type(self).__name__)}: layout must be one of {LAYOUTS}, got {layout!r}")
+        self.P_cp, self.causal, self.scale, self.layout = P_cp, bool(causal), scale, layout
+        self.agreement = AgreementSite(type(self).__name__)
+
+    def forward(self, q, k, v, attn_mask=None):
+        return _attention(q, k, v, self.P_cp, self.causal, attn_mask, self.scale, self.layout, self.agreement)
+
+    def extra_repr(self) -> str:
+        return f"P_cp={list(getattr(self.P_cp, 'shape', (self.P_cp.size,)))}, causal={self.causal}, " \
+               f"layout={self.layout!r}"
