@@ -56,6 +56,7 @@ from torch import nn
 
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, block_start
+from distfuse.layers._block_identity import BlockIdentityMixin
 from distfuse.layers._norm_common import FLOATS, gather_call, global_shape_of, one_dtype, subgrid
 from distfuse.layers._params import ParamLayout
 from distfuse.partition import CartesianPartition, zero_volume_tensor
@@ -131,7 +132,7 @@ class EmbeddingCall:
     param_grad: bool
 
 
-class DistributedEmbedding(nn.Module):
+class DistributedEmbedding(BlockIdentityMixin, nn.Module):
     """``torch.nn.Embedding`` with its rows split over the last axis of ``P_x`` (see the module docstring).
 
     Args:
