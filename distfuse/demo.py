@@ -2,7 +2,8 @@
 
 ``python -m distfuse.demo`` (or ``distfuse-demo``) starts 4 CPU ranks with gloo by
 itself; under ``torchrun`` with GPUs it uses NCCL, one GPU per rank.
-``python -m distfuse.demo unet`` trains a 3-D U-Net instead (:mod:`distfuse.demo_unet`).
+``python -m distfuse.demo unet`` trains a 3-D U-Net instead (:mod:`distfuse.demo_unet`), and
+``python -m distfuse.demo gpt`` a small GPT over a context x tensor grid (:mod:`distfuse.demo_gpt`).
 
 The model is a spatially partitioned conv net followed by a tensor-parallel MLP in the
 sequence-parallel layout::
@@ -198,6 +199,10 @@ def _train_fn(model: str):
         from distfuse.demo_unet import train as train_unet
 
         return train_unet
+    if model == "gpt":
+        from distfuse.demo_gpt import train as train_gpt
+
+        return train_gpt
     return train
 
 
@@ -221,8 +226,9 @@ def _run(model: str, steps: int | None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model", nargs="?", choices=("convnet", "unet"), default="convnet",
-                        help="convnet: conv + tensor-parallel MLP (default); unet: a 3-D U-Net on a split volume")
+    parser.add_argument("model", nargs="?", choices=("convnet", "unet", "gpt"), default="convnet",
+                        help="convnet: conv + tensor-parallel MLP (default); unet: a 3-D U-Net on a split volume; "
+                        "gpt: a small GPT, context x tensor parallel")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default 8)")
     parser.add_argument("--path", choices=("auto", "fused", "unfused"), default="auto",
                         help="force the layers' path (fused on CPU runs the Triton kernels interpreted: slow)")

@@ -7,6 +7,7 @@ move parameters between the two.  Layers with a fused path choose it per call th
 """
 
 from distfuse.layers._params import ParamLayout, collect_sequential, load_sequential
+from distfuse.layers.attention_mha import DistributedMultiheadAttention, MultiheadSelfAttention
 from distfuse.layers.attention_ring import DistributedAttention, distributed_attention
 from distfuse.layers.conv import DistributedConv1d, DistributedConv2d, DistributedConv3d, select_conv
 from distfuse.layers.conv_feature import DistributedFeatureConv1d, DistributedFeatureConv2d, DistributedFeatureConv3d
@@ -115,4 +116,5 @@ __all__ = [
     "collect_sequential",
     "DistributedAttention",
     "distributed_attention",
+    "DistributedMultiheadAttention", "MultiheadSelfAttention",
 ]
