@@ -10,6 +10,8 @@ suite           file (owner's entry point)           where it runs
 linear_layers   ``bench_linear_layers.run``          forked gloo CPU ranks, or the torchrun world (NCCL)
 conv_layers     ``bench_conv_layers.run``            forked gloo CPU ranks, or the torchrun world (NCCL)
 agreement       ``bench_agreement.run``              forked gloo CPU ranks, or the torchrun world (NCCL)
+attention       ``bench_attention.suite``            forked gloo CPU ranks, or the torchrun world (NCCL);
+                                                     on CUDA also one rank's block in-process
 halo_conv       ``bench_halo_conv.main``, wrapped    one GPU; CPU ``--smoke``: its interpreter correctness pass
 gemm_fused      ``bench_gemm_fused.sweep``, wrapped  one GPU; CPU ``--smoke``: its interpreter correctness pass
 ==============  ===================================  =========================================================
@@ -147,6 +149,19 @@ register(Suite(
     _layer_suite("bench_agreement", _op_roles(
         ["feature_conv2d", "general_conv2d", "max_pool2d", "halo_exchange", "broadcast", "linear_all_gather",
          "linear_reduce_scatter", "general_linear"], unfused="agreed", anchor="trusted"))))
+
+
+def _run_attention(opts: RunOptions) -> SuiteResult:
+    # Its own wrapper (not _layer_suite): the status says which anchor ran and why context_parallel did not.
+    from bench.bench_attention import suite
+
+    return suite(opts)
+
+
+register(Suite(
+    "attention", "ring attention (contiguous, zig-zag) fwd+bwd vs DTensor context_parallel or all-gather+SDPA; "
+    "DistributedMultiheadAttention grids vs heads-only TP; on CUDA one rank's block vs SDPA and its message vs copy_",
+    _run_attention))
 
 
 # ---------------------------------------------------------------- halo staging / halo conv (one GPU)
