@@ -49,7 +49,18 @@ counts that are the layout's blocks of one ``S`` over the context axis) is agree
 layer's :class:`~distfuse.primitives.agreement_session.AgreementSession` over ``P`` before any data
 moves; a misuse raises the same :class:`~distfuse.errors.ShapeError` on every worker of ``P``.  The
 values of ``x`` are trusted to be the same over the tensor axis (not hashed).  The ring attention
-agrees on its own call over the context axis as well.  Eager only, as the ring attention.
+agrees on its own call over the context axis as well (its own session).
+
+One forward for every mode: ``torch.compile(fullgraph=True)`` traces the layer without a graph
+break once an eager call has settled both sessions.  The compiled forward graph holds, in order,
+the layer's ``distfuse::flag_check`` (over ``P``), ``distfuse::replicate`` of the flat parameters
+(context axis) and of ``x`` (tensor axis) where they take a gradient, the ring's
+``distfuse::flag_check`` (context axis) and ``distfuse::ring_attention`` (the whole ring, one op),
+and ``distfuse::replicate_adjoint`` (the sum over the tensor axis); the backward graph their
+adjoints, ``distfuse::ring_attention_backward`` among them.  Eager and compiled calls run the
+same implementations and agree bitwise.  A compiled call before any eager call is refused on
+every worker; a changed sequence length under the compiled layer raises the same ``ShapeError``
+on every worker (the layer's flag), and one eager call agrees afresh.
 
 Workers outside ``P`` pass a zero-volume tensor and get one back.
 """

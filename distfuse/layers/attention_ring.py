@@ -23,7 +23,8 @@ batched GEMM against its ``G`` query heads, and ``dS^T q`` sums the group's grad
 ``Hkv`` heads by the same GEMM.  16-bit inputs are computed in fp32 (scores, statistics,
 accumulators; the blocks travel in the input dtype), fp32 and fp64 in their own precision.
 
-Backward (an ``autograd.Function``; the standard ring-attention adjoint).  With ``P = exp(s - lse)``
+Backward (the standard ring-attention adjoint; ``distfuse::ring_attention_backward``, see "One
+forward for every mode" below).  With ``P = exp(s - lse)``
 (the softmax, recomputed block by block from the saved global ``lse``) and ``dO`` the output
 gradient, for each block ``j`` of keys::
 
@@ -81,19 +82,36 @@ ring; the call is collective over the world, as every partition creation).  The 
 point to point on distfuse's world group (``DISTFUSE_TIMEOUT``), as every primitive's round
 (:mod:`distfuse.primitives._common`), each step one ``batch_isend_irecv`` that is waited on later.
 
-Checks.  Before any data moves, the workers agree on the call: a one-integer flag all-reduce on
-``P_cp``'s host group while every worker's signature repeats, and on the first call, on a change
-or on a local failure a gather of one int64 record per worker
-(:func:`~distfuse.primitives._agreement.agreed_by_flag_round`), checked alike on every worker:
+Checks.  Before any data moves, the workers agree on the call through an
+:class:`~distfuse.primitives.agreement_session.AgreementSession` over ``P_cp``: in eager calls a
+one-integer flag all-reduce on ``P_cp``'s host group while every worker's signature repeats, and on
+the first call, on a change or on a local failure a gather of one int64 record per worker, checked
+alike on every worker:
 4-D ``q, k, v`` with one dtype, ``Hq % Hkv == 0``, the same ``B, Hq, Hkv, D``, dtype, ``causal``,
 ``layout``, ``scale``, mask presence and grad setting everywhere, and local lengths that are the
 layout's blocks of one ``S``.  A misuse raises the same :class:`~distfuse.errors.ShapeError` on every
 worker, naming the world ranks at fault; nothing waits.  Every worker must call the backward when
 one does (the grad setting is agreed; the backward is a ring too).  The functional form keeps one
-agreement site per ``P_cp``; :class:`DistributedAttention` keeps its own (a model with attention
-calls of several shapes on one partition should use one module per call site, so that each
-settles once).  Eager only: there is no op pair for ``torch.compile`` yet, and compiling it is
-untested.
+session per ``P_cp``; :class:`DistributedAttention` owns its own (a model with attention calls of
+several shapes on one partition should use one module per call site, so that each settles once).
+
+One forward for every mode.  The whole ring is one custom op, ``distfuse::ring_attention(q, k, v,
+mask?, handle, S, causal, layout, scale) -> (out, lse)``, whose registered backward is
+``distfuse::ring_attention_backward`` (the backward ring above; both ``ORDERED``), built like the
+fused linears' phase ops (:mod:`distfuse.ops.fused_linear`): the forward op returns ``lse`` and
+``out`` for the backward, ``handle`` names the call site's ring (:mod:`distfuse.primitives._handles`),
+``S`` is the agreed global length.  ``ring_attention`` (an
+:class:`~distfuse.primitives._op_pair.OpEntry`) calls the op while compiling, and in eager calls an
+``autograd.Function`` over the same two implementations (no custom-op dispatch), so compiled and
+eager calls send the same messages and agree bitwise.  Under ``torch.compile(fullgraph=True)`` a
+call traces without a graph break: the session replays the state the last eager call settled, with
+``distfuse::flag_check`` as its graph op; a compiled call before any eager call is refused on
+every worker (``UnsupportedError``, "call the layer once eagerly"), and a compiled call whose
+inputs changed (a new sequence length on some worker) raises the same ``ShapeError`` on every
+worker, after which one eager call agrees afresh.  First-order only in every mode: a backward
+with ``create_graph=True`` is refused by name in eager calls, and the backward op has no gradient
+of its own.  Checked with ``aot_eager`` (``tests/test_compile_attention.py``); inductor is not
+tested here (pass ``distfuse.ops.INDUCTOR_OPTIONS`` with it, as for every layer).
 
 Workers outside ``P_cp`` pass zero-volume tensors and get a zero-volume tensor back.
 """
@@ -113,7 +131,6 @@ from distfuse.errors import PartitionError, ShapeError, UnsupportedError, where
 from distfuse.geometry.decomposition import block_extent, block_start
 from distfuse.groups import world_group
 from distfuse.partition import Partition, zero_volume_tensor
-from distfuse.primitives._agreement import AgreementSite, agreed_by_flag_round
 from distfuse.primitives._common import (
     check_inactive_input,
     collective_guard,
@@ -122,6 +139,9 @@ from distfuse.primitives._common import (
     first_order_only,
     gather_records,
 )
+from distfuse.primitives._handles import HandleOwner, lookup, new_handle
+from distfuse.primitives._op_pair import OpEntry, ordered
+from distfuse.primitives.agreement_session import AgreementSession
 
 __all__ = ["distributed_attention", "DistributedAttention", "load_balanced_split", "load_balanced_order",
            "local_positions"]
@@ -236,6 +256,13 @@ def _record(problem, q, k, v, mask, causal, layout, scale, grad) -> list[int]:
             int(grad)]
 
 
+def _signature(problem, q, k, v, mask, causal, layout, scale, grad, devices) -> tuple:
+    """This worker's signature of a call: what decides the agreed state (no host packing, so it traces)."""
+    ok = problem == 0
+    return (problem, tuple(_shape4(q)), tuple(_shape4(k)), tuple(_shape4(v)), q.dtype if ok else None,
+            None if mask is None or not ok else tuple(mask.shape), bool(causal), layout, scale, bool(grad), devices)
+
+
 @dataclass(frozen=True)
 class _Agreed:
     """What every worker agreed on: the global call."""
@@ -275,14 +302,30 @@ def _check_records(op: str, P, rows: list[list[int]], layout: str) -> _Agreed:
     return _Agreed(B=r0[1], Hq=r0[2], Hkv=r0[6], D=r0[4], S=S, dtype=dtype_of_code(r0[13]), has_mask=bool(r0[14]))
 
 
-_SITES: dict[tuple, AgreementSite] = {}
+class _Ring(HandleOwner):
+    """A call site's ring: ``P`` (``P_cp``) and its :class:`AgreementSession`; ``handle`` names it in graphs.
+
+    Made in the same order on every worker (the module's at construction, the functional form's on its first eager
+    call with the partition), so that the handles agree.
+    """
+
+    def __init__(self, op: str, P):
+        self.P = P
+        self.session = AgreementSession(op, P)
+        self.handle = new_handle(self)
 
 
-def _site_of(P) -> AgreementSite:
+_RINGS: dict[tuple, _Ring] = {}
+
+
+def _ring_of(P) -> _Ring:
+    """The functional form's ring of ``P``: one agreement session per partition, made on its first call (a compiled
+    call before any eager one is refused by the fresh session's replay, as a module's)."""
     key = (P.ranks, getattr(P, "shape", None))
-    if key not in _SITES:
-        _SITES[key] = AgreementSite(OP)
-    return _SITES[key]
+    ring = _RINGS.get(key)
+    if ring is None:
+        ring = _RINGS[key] = _Ring(OP, P)
+    return ring
 
 
 def _check_partition(P) -> None:
@@ -505,11 +548,71 @@ def _ring_backward(geo: _Geo, q, k, v, mask, out, lse, dout):
     return dq_full.to(q.dtype), dk_own.view(own).to(k.dtype), dv_own.view(own).to(v.dtype)
 
 
+# ---------------------------------------------------------------- the ring as custom ops
+#
+#     distfuse::ring_attention(q, k, v, mask?, handle, S, causal, layout, scale)                   -> (out, lse)
+#     distfuse::ring_attention_backward(dout, q, k, v, mask?, out, lse, handle, S, causal, layout, scale)
+#                                                                                                    -> (dq, dk, dv)
+#
+# The whole ring (its W - 1 K/V steps overlapped with the blocks' GEMMs) is one op in the forward graph and its
+# backward ring one in the backward graph, the forward's registered backward (both ORDERED), as the fused linears'
+# phases (distfuse/ops/fused_linear.py): the forward returns what the backward needs besides its inputs (out, lse),
+# which the compiler keeps between the two graphs.  ``handle`` names the call site's _Ring (P_cp); ``S`` is the
+# agreed global length.  Eager calls run the same two implementations through _RingAttention (the OpEntry below: no
+# custom-op dispatch), so compiled and eager calls send the same messages and agree bitwise.  First-order only, as
+# before: first_order_only refuses create_graph=True by name, and the backward op has no gradient of its own.
+
+
+def _geo_of(handle: int, q, k, mask, S: int, causal: bool, layout: str, scale: float) -> _Geo:
+    """The ring geometry of an agreed call (the local shapes are every worker's: the agreement checked them)."""
+    P = lookup(handle).P
+    return _Geo(ranks=tuple(P.ranks), r=P.rank, W=P.size, S=S, B=q.shape[0], Hkv=k.shape[1], G=q.shape[1] // k.shape[1],
+                D=q.shape[3], layout=layout, causal=causal, scale=scale, has_mask=mask is not None)
+
+
+def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, handle: int, S: int,
+                  causal: bool, layout: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(_geo_of(handle, q, k, mask, S, causal, layout, scale), q, k, v, mask)
+
+
+def _forward_fake(q, k, v, mask, handle, S, causal, layout, scale):
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
+
+
+def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                   out: torch.Tensor, lse: torch.Tensor, handle: int, S: int, causal: bool, layout: str,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    geo = _geo_of(handle, q, k, mask, S, causal, layout, scale)
+    return _ring_backward(geo, q, k, v, mask, out, lse, dout.contiguous())
+
+
+def _backward_op_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                      out: torch.Tensor, lse: torch.Tensor, handle: int, S: int, causal: bool, layout: str,
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _backward_impl(dout, q, k, v, mask, out, lse, handle, S, causal, layout, scale)
+    # dk and dv are the two halves of one accumulator (when no cast copies them): a custom op's outputs must not
+    # share memory.  The copy is exact.
+    return dq, dk, dv.clone() if dv.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() else dv
+
+
+def _backward_fake(dout, q, k, v, mask, out, lse, handle, S, causal, layout, scale):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _dout(dout, out):
+    return torch.zeros_like(out) if dout is None else dout
+
+
+_NO_GRADS = (None,) * 6  # mask, handle, S, causal, layout, scale
+
+
 class _RingAttention(torch.autograd.Function):
+    """The eager ring: the two implementations of the ops above."""
+
     @staticmethod
-    def forward(ctx, q, k, v, mask, geo: _Geo):
-        out, lse = _ring_forward(geo, q, k, v, mask)
-        ctx.geo = geo
+    def forward(ctx, q, k, v, mask, *args):
+        out, lse = _forward_impl(q, k, v, mask, *args)
+        ctx.args = args
         ctx.save_for_backward(q, k, v, mask, out, lse)
         ctx.mark_non_differentiable(lse)
         return out, lse
@@ -517,15 +620,37 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, mask, out, lse = ctx.saved_tensors
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = _ring_backward(ctx.geo, q, k, v, mask, out, lse, dout.contiguous())
-        return dq, dk, dv, None, None
+        return (*_backward_impl(_dout(dout, out), q, k, v, mask, out, lse, *ctx.args), *_NO_GRADS)
+
+
+def _register():
+    fwd = torch.library.custom_op("distfuse::ring_attention", _forward_impl, mutates_args=())
+    fwd.register_fake(_forward_fake)
+    bwd = torch.library.custom_op("distfuse::ring_attention_backward", _backward_op_impl, mutates_args=())
+    bwd.register_fake(_backward_fake)
+
+    def setup(ctx, inputs, output):
+        q, k, v, mask, *args = inputs
+        ctx.args = tuple(args)
+        ctx.save_for_backward(q, k, v, mask, *output)
+
+    def backward(ctx, dout, _dlse):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        return (*bwd(_dout(dout, out), q, k, v, mask, out, lse, *ctx.args), *_NO_GRADS)
+
+    fwd.register_autograd(backward, setup_context=setup)
+    ordered(fwd, bwd)
+    return fwd
+
+
+#: ``ring_attention(q, k, v, mask, handle, S, causal, layout, scale) -> (out, lse)``: the custom op while compiling,
+#: else _RingAttention (an input requires grad) or the implementation.
+ring_attention = OpEntry(_register(), _RingAttention, _forward_impl, inputs=(0, 1, 2))
 
 
 # ---------------------------------------------------------------- entry points
 
-def _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, site: AgreementSite) -> torch.Tensor:
+def _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, ring: _Ring) -> torch.Tensor:
     _check_partition(P_cp)
     if not P_cp.active:
         for t in (q, k, v) + ((attn_mask,) if attn_mask is not None else ()):
@@ -535,14 +660,17 @@ def _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, site: AgreementS
     grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v))
     if scale is None and problem == 0:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
-    record = _record(problem, q, k, v, attn_mask, causal, layout, scale, grad)
-    signature = (tuple(record), tuple(t.device.type for t in (q, k, v) if isinstance(t, torch.Tensor)))
-    agreed = agreed_by_flag_round(site, P_cp, OP, signature, problem == 0,
-                                  lambda: _check_records(OP, P_cp, gather_records(OP, P_cp, record), layout))
-    geo = _Geo(ranks=tuple(P_cp.ranks), r=P_cp.rank, W=P_cp.size, S=agreed.S, B=agreed.B, Hkv=agreed.Hkv,
-               G=agreed.Hq // agreed.Hkv, D=agreed.D, layout=layout, causal=bool(causal), scale=float(scale),
-               has_mask=agreed.has_mask)
-    out, _ = _RingAttention.apply(q, k, v, attn_mask, geo)
+    devices = tuple(t.device.type for t in (q, k, v) if isinstance(t, torch.Tensor))
+    signature = _signature(problem, q, k, v, attn_mask, causal, layout, scale, grad, devices)
+
+    def gather():
+        record = _record(problem, q, k, v, attn_mask, causal, layout, scale, grad)
+        return _check_records(OP, P_cp, gather_records(OP, P_cp, record), layout)
+
+    agreed = ring.session.agree(q, signature, problem == 0, gather)
+    if agreed is None:  # a replayed call that flagged: the flag round raises on every worker
+        return q.new_empty((0,))
+    out, _ = ring_attention(q, k, v, attn_mask, ring.handle, agreed.S, bool(causal), layout, float(scale))
     return first_order_only(out, OP, "ring attention (its backward is a ring of messages)")
 
 
@@ -565,13 +693,16 @@ def distributed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P_c
     zero-volume tensors.
     """
     _check_partition(P_cp)
-    return _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, _site_of(P_cp))
+    return _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, _ring_of(P_cp))
 
 
 class DistributedAttention(nn.Module):
-    """:func:`distributed_attention` as a module with its own agreement site (one per call site).
+    """:func:`distributed_attention` as a module with its own agreement session (one per call site).
 
-    ``forward(q, k, v, attn_mask=None)``; no parameters (the projections are the caller's).
+    ``forward(q, k, v, attn_mask=None)``; no parameters (the projections are the caller's).  ``session`` is its
+    :class:`~distfuse.primitives.agreement_session.AgreementSession` over ``P_cp`` (``agreement``: the session's
+    site, whose ``calls`` and ``slow_calls`` count the calls and the metadata gathers).  Compiles with
+    ``torch.compile(fullgraph=True)`` after one eager call (see the module docstring).
     """
 
     def __init__(self, P_cp: Partition, causal: bool = False, scale: float | None = None,
@@ -581,10 +712,12 @@ class DistributedAttention(nn.Module):
         if layout not in LAYOUTS:
             raise UnsupportedError(f"{where(type(self).__name__)}: layout must be one of {LAYOUTS}, got {layout!r}")
         self.P_cp, self.causal, self.scale, self.layout = P_cp, bool(causal), scale, layout
-        self.agreement = AgreementSite(type(self).__name__)
+        self.ring = _Ring(type(self).__name__, P_cp)
+        self.session = self.ring.session
+        self.agreement = self.session.site
 
     def forward(self, q, k, v, attn_mask=None):
-        return _attention(q, k, v, self.P_cp, self.causal, attn_mask, self.scale, self.layout, self.agreement)
+        return _attention(q, k, v, self.P_cp, self.causal, attn_mask, self.scale, self.layout, self.ring)
 
     def extra_repr(self) -> str:
         return f"P_cp={list(getattr(self.P_cp, 'shape', (self.P_cp.size,)))}, causal={self.causal}, " \

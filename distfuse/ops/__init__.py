@@ -46,6 +46,10 @@ op                                 what it is
                                    ``matmul_reduce_scatter``, their ``_features`` forms,
                                    ``matmul_all_reduce``, ``zero_linear``); backward:
                                    ``distfuse::<fused op>_backward`` (:mod:`.fused_linear`)
+``distfuse::ring_attention``       the context-parallel ring attention, returning the output and
+                                   its log-sum-exp (:mod:`distfuse.layers.attention_ring`);
+                                   backward: ``distfuse::ring_attention_backward`` (the ring
+                                   again, first order only)
 =================================  ==========================================================
 
 Communication must run in the same order on every rank.  The graphs of the ranks differ
