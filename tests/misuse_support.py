@@ -6,9 +6,16 @@ from __future__ import annotations
 import os
 import time
 
-from distfuse import Partition
+from torch.distributed.constants import default_pg_timeout
 
-__all__ = ["catch", "tracing_refusal", "patient_grid"]
+from distfuse import Partition
+from distfuse.testing import run_ranks
+
+#: torch's default process-group timeout (30 minutes): misuse runs in a world group left at it, so a hang shows
+#: as the harness's deadline being missed, never hidden behind a short group timeout.
+PG_DEFAULT = default_pg_timeout.total_seconds()
+
+__all__ = ["catch", "tracing_refusal", "patient_grid", "run_misuse", "PG_DEFAULT"]
 
 
 def catch(fn):
@@ -50,3 +57,15 @@ def patient_grid(cache: dict, ranks, shape, timeout: str = "60"):
         cache[key] = cache["world"].create_partition_inclusive(list(ranks)).create_cartesian_topology_partition(
             list(shape))
     return cache[key]
+
+
+def _with_distfuse_timeout(seconds: str, fn, *args):
+    os.environ["DISTFUSE_TIMEOUT"] = seconds
+    return fn(*args)
+
+
+def run_misuse(world: int, fn, *args, seconds: str = "10", timeout: float = 120):
+    """``run_ranks(world, fn, *args)`` in a pool whose world group keeps torch's default timeout, with
+    ``DISTFUSE_TIMEOUT=seconds`` in the ranks: every misuse must fail by name within distfuse's own timeout,
+    and the harness's ``timeout`` catches a call that would hang instead."""
+    return run_ranks(world, _with_distfuse_timeout, seconds, fn, *args, pg_timeout=PG_DEFAULT, timeout=timeout)

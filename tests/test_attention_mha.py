@@ -25,7 +25,7 @@ from distfuse import PartitionError, ShapeError, zero_volume_tensor
 from distfuse.layers import DistributedMultiheadAttention, MultiheadSelfAttention, collect_sequential, load_sequential
 from distfuse.layers.attention_ring import local_positions
 from distfuse.testing import run_ranks
-from tests.misuse_support import catch
+from tests.misuse_support import catch, run_misuse
 from tests.test_conv_support import grid
 from tests.tolerances import tol
 
@@ -212,7 +212,7 @@ MISUSE = {
 
 
 def test_misuse_raises_on_every_rank():
-    for rank, out in enumerate(run_ranks(4, _misuse)):
+    for rank, out in enumerate(run_misuse(4, _misuse)):
         for name, (cls, fragment) in MISUSE.items():
             got = out[name]
             assert got[0] == cls.__name__ and fragment in got[1], (rank, name, got)

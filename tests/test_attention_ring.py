@@ -10,6 +10,7 @@ from distfuse.errors import ShapeError
 from distfuse.layers import DistributedAttention, distributed_attention
 from distfuse.layers.attention_ring import _Geo, _pairs, load_balanced_order, load_balanced_split, local_positions
 from distfuse.testing import run_ranks
+from tests.misuse_support import run_misuse
 from tests.tolerances import tol
 
 
@@ -209,5 +210,5 @@ def _misuse(kind):
     ("causal", "must agree on causal"),
 ])
 def test_misuse_raises_on_every_rank(kind, needle):
-    msgs = run_ranks(3, _misuse, kind, timeout=20)
+    msgs = run_misuse(3, _misuse, kind, timeout=60)
     assert all(m is not None and needle in m for m in msgs), msgs

@@ -28,7 +28,7 @@ from distfuse.geometry.decomposition import local_slices
 from distfuse.layers._params import collect_sequential, load_sequential
 from distfuse.layers.embedding import DistributedEmbedding
 from distfuse.testing import run_ranks
-from tests.misuse_support import catch
+from tests.misuse_support import catch, run_misuse
 from tests.test_conv_support import grid
 from tests.tolerances import tol
 
@@ -193,7 +193,7 @@ MISUSE = {
 
 
 def test_misuse_raises_on_every_rank():
-    for rank, out in enumerate(run_ranks(4, _misuse)):
+    for rank, out in enumerate(run_misuse(4, _misuse)):
         for name, (cls, fragment) in MISUSE.items():
             got = out[name]
             assert got[0] == cls.__name__ and fragment in got[1], (rank, name, got)

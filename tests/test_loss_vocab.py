@@ -30,7 +30,7 @@ from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.layers.embedding import DistributedEmbedding
 from distfuse.layers.loss_vocab import DistributedVocabCrossEntropyLoss
 from distfuse.testing import run_ranks
-from tests.misuse_support import catch
+from tests.misuse_support import catch, run_misuse
 from tests.test_conv_support import grid
 from tests.tolerances import tol
 
@@ -261,7 +261,7 @@ MISUSE = {
 
 
 def test_misuse_raises_on_every_rank():
-    results = run_ranks(4, _misuse)
+    results = run_misuse(4, _misuse)
     for rank, out in enumerate(results):
         for name, (cls, fragment) in MISUSE.items():
             got = out[name]
