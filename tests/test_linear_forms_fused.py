@@ -187,9 +187,16 @@ GENERAL = {
     # P_x on other ranks than P_w (those only send their blocks), the output on one row worker.
     "w4-x-outside-w": GeneralCase(4, ((3, 2), (1, 2)), ((1,), (1, 1)), ((0, 1), (1, 2)), (2, 5), 3, ("float32",),
                                   "fused"),
-    # P_y disjoint from its rows: not servable, the unfused composition runs (and says why).
+    # P_y worker 0 outside its row: row 0's keeper (its column-0 worker) delivers the row's sum to it.
     "w4-y-outside-rows": GeneralCase(4, ((0, 1), (1, 2)), ((2, 3), (1, 2)), ((0, 1, 2, 3), (2, 2)), (3, 7), 5,
-                                     ("float32",), "unfused"),
+                                     ("float32",), "fused"),
+    # Mixed and permuted: P_y workers 0 and 2 sit in other rows (delivered), worker 1 in its own row (kept);
+    # a bf16 3-D input, P_x on part of P_w, two inactive ranks.
+    "w8-3x2-deliver-mixed-permuted": GeneralCase(8, ((6, 2), (1, 1, 2)), ((3, 0, 6), (1, 1, 3)),
+                                                 ((6, 2, 0, 5, 3, 1), (3, 2)), (2, 3, 7), 8, ("bfloat16",), "fused"),
+    # A P_y worker outside P_w: not servable, the unfused composition runs (and says why).
+    "w4-y-outside-w": GeneralCase(4, ((0, 1), (1, 2)), ((3,), (1, 1)), ((1, 0), (1, 2)), (3, 7), 5,
+                                  ("float32",), "unfused"),
 }
 
 
@@ -220,7 +227,7 @@ def test_general_linear_fuses_its_rows(case_id):
         in_union = w in set(c.x[0]) | set(c.y[0]) | set(c.w[0])
         assert (checks > 0) == in_union, (w, checks)
         if in_w and c.path == "unfused":
-            assert all("outside its row of P_w" in r for r in reasons), reasons
+            assert all("a P_y worker outside P_w" in r for r in reasons), reasons
 
 
 # ---------------------------------------------------------------- ZeRO over the data-parallel workers alone

@@ -48,17 +48,22 @@ every worker must call backward on what it got.
 
 Fused path (``matmul_all_reduce``, :mod:`distfuse.fused.matmul_all_reduce`): each row of
 P_w all-reduces its partial products over symmetric buffers instead of sum-reducing
-them, and row ``i``'s P_y worker keeps the result; it serves layouts where every P_y
-worker ``i`` is a worker of row ``i`` of P_w (P_y on P_w's column 0, as in DistDL's
-examples, or ``P_fo = 1`` with the output on one of the row's workers). The other
+them, and one worker of row ``i``, its keeper, keeps the result: P_y worker ``i`` itself
+where it lies in row ``i`` (P_y on P_w's column 0, as in DistDL's examples, or ``P_fo = 1``
+with the output on one of the row's workers), else the row's column-0 worker, which
+then copies ``y_i`` to P_y worker ``i`` (a Broadcast from the keepers to P_y: one message
+per such row instead of the ``P_fi`` partial sums of the unfused sum-reduce).  The other
 workers of the row return a zero-volume view of their copy, so the backward
-(``grad_output="sum"``: the all-reduce of the row's gradients, of which only the P_y
-worker's is non-zero) hands every worker of the row ``dy_i``, the broadcast that is the
+(``grad_output="sum"``: the all-reduce of the row's gradients, of which only the keeper's
+is non-zero) hands every worker of the row ``dy_i``, the broadcast that is the
 sum-reduce's adjoint; that all-reduce is a plain reduce-scatter of ``dy`` followed by an
 all-gather fused into the dgrad GEMM (the ``all_gather_features_matmul`` phase). The
 input broadcast stays unfused.  The P_w workers record the decision (the shapes are the
-global block-0 ones, so all rows decide alike); P_x workers outside P_w only send their
-blocks and record that.
+global block-0 ones, so all rows decide alike; where keepers deliver across rows the
+availability is asked of the whole of P_w, so sender and receiver agree); P_x workers
+outside P_w only send their blocks and record that.  A P_y worker outside P_w keeps the
+layer unfused: it takes no part in the decision, so it could not tell which message to
+wait for.
 """
 
 from __future__ import annotations
@@ -160,10 +165,16 @@ class DistributedLinear(LinearBase):
         self._plan_y = sum_reduce_plan(self.P_weight, P_y2, transpose_dest=True)
         # Workers that hold no input block cannot know the leading extents: they learn them from the agreed record.
         self._needs_meta = not (set(P_w.ranks) | set(P_y.ranks)) <= set(P_x.ranks)
-        # The fused path: each row of P_w all-reduces; it needs P_y worker i among row i's workers.
+        # The fused path: each row of P_w all-reduces, and one worker of row i (its keeper) delivers the sum to
+        # P_y worker i: that worker itself where it lies in row i (no message), else the row's column-0 worker.
         self.P_row = subgrid(self.P_weight, [1])
         rows_of_w = [self.P_weight.ranks[i * P_fi:(i + 1) * P_fi] for i in range(P_fo)]
-        self._y_in_rows = all(P_y.ranks[i] in rows_of_w[i] for i in range(P_fo))
+        self._keepers = [P_y.ranks[i] if P_y.ranks[i] in rows_of_w[i] else rows_of_w[i][0] for i in range(P_fo)]
+        self._y_in_w = set(P_y.ranks) <= set(P_w.ranks)
+        self._keeps = self.P_weight.active and self.P_weight.ranks[self.P_weight.rank] in self._keepers
+        self._plan_deliver = None  # keeper i -> P_y worker i, where some keeper is not the P_y worker
+        if self._y_in_w and self._keepers != list(P_y.ranks):
+            self._plan_deliver = broadcast_plan(grid_partition(self._keepers, (1, P_fo), dev), P_y2)
         self._last_rows = 0
         self.session = AgreementSession(self._op, self.P_all)
         self.agreement = self.session.site
@@ -255,14 +266,17 @@ class DistributedLinear(LinearBase):
             decision = dataclasses.replace(decision, reason=f"inside torch.compile, the path of the last eager call "
                                                             f"with these rows and dtype: {decision.reason}")
         self._record(decision)
+        out_i = block_extent(self.out_features, self.P_fo, self.P_y.index[-1]) if in_y else 0
         if in_w and decision.path == "fused":
             y_row = self._fused(xb, self.weight, self.bias if j == 0 else None)
-            # Row i's P_y worker keeps the sum; the others hand back a zero-volume view (their part of the adjoint).
-            return y_row.reshape(*lead, y_row.shape[-1]) if in_y else y_row.reshape(-1)[:0]
+            # Row i's keeper keeps the sum; the others hand back a zero-volume view (their part of the adjoint).
+            y = y_row if self._keeps else y_row.reshape(-1)[:0]
+            if self._plan_deliver is not None:  # the adjoint hands each keeper dy_i back for the row's all-reduce
+                y = move_of(self._plan_deliver).copy(y, [rows, out_i] if in_y else [0], anchor=anchor(True))
+            return y.reshape(*lead, out_i) if in_y else y.reshape(-1)[:0]
         # torch.autocast: the partial sums (and y) are in its dtype; off P_w, p is zero-volume and carries this
         # worker's part of the broadcast's adjoint
         p = F.linear(xb, self.weight, self.bias if j == 0 else None) if in_w else xb.to(compute_dtype_of(dtype, device))
-        out_i = block_extent(self.out_features, self.P_fo, self.P_y.index[-1]) if in_y else 0
         y = p if self._plan_y.identity else move_of(self._plan_y).sum(p, [rows, out_i] if in_y else [0],
                                                                       anchor=anchor(True))
         return y.reshape(*lead, out_i) if in_y else y
@@ -275,9 +289,9 @@ class DistributedLinear(LinearBase):
                                        "receives its output block (the unfused primitives)")
         if self.P_fi == 1:
             return not_servable(self._op, "one input-feature block per row of P_w: no partial sums to reduce")
-        if not self._y_in_rows:
-            return not_servable(self._op, "a P_y worker outside its row of P_w (the fused all-reduce leaves each "
-                                          "row's sum on that row's workers)")
+        if not self._y_in_w:
+            return not_servable(self._op, "a P_y worker outside P_w (it could not tell which path the rows of P_w "
+                                          "took, so which message to wait for)")
         # Global block-0 extents, so that every row (and group) takes the same decision.
         shapes = dict(m=rows, n=block_extent(self.out_features, self.P_fo, 0),
                       k=block_extent(self.in_features, self.P_fi, 0))
@@ -287,7 +301,9 @@ class DistributedLinear(LinearBase):
     def _fused_available(self) -> tuple[bool, str]:
         from distfuse.fused.matmul_common import fused_linear_available
 
-        return fused_linear_available(self.P_row, self._param_device(), self._param_dtype())
+        # Where keepers deliver across rows, sender and receiver must take the same path: ask the whole grid.
+        P = self.P_row if self._plan_deliver is None else self.P_weight
+        return fused_linear_available(P, self._param_device(), self._param_dtype())
 
     def explain(self, x: torch.Tensor) -> Decision:
         """The path :meth:`forward` takes for ``x`` and why.
