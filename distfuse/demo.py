@@ -15,13 +15,10 @@ sequence-parallel layout::
     DistributedLinearAllGather(16 -> 64, P_x=P_seq)     all-gather tokens, column-parallel
     DistributedLinearReduceScatter(64 -> 16, P_y=P_seq) row-parallel, reduce-scatter tokens
 
-Rank 0 also builds the same model from ``torch.nn`` layers with the same weights
-(collected from the distributed layers) and trains it on the same data with the same
-optimiser, once in float32 (the twin whose loss is printed beside the distributed one)
-and once in float64 (the oracle).  Every step's loss, and at the end every weight, must
-agree with the oracle within the float32 rounding bound of
-:func:`distfuse.testing.tolerance.rounding_bound` for sums of :data:`TERMS` terms over the
-steps taken (weights on their layer's scales), or the demo exits with an error.
+Rank 0 trains the same model built from ``torch.nn`` layers alongside, in float32 and in
+float64 (the oracle), and checks every step's loss and the final weights against the
+oracle's within the float32 rounding bound for sums of :data:`TERMS` terms
+(:mod:`distfuse.demo_check`).
 """
 
 from __future__ import annotations
@@ -29,9 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -104,16 +99,13 @@ def _sequential_step(model: nn.ModuleDict, opt: torch.optim.Optimizer, x: torch.
 
 def train(steps: int = 8, lr: float = 0.05, quiet: bool = False) -> list[tuple[float, float]]:
     """Run the demo on an initialised process group of 4 ranks; returns (distributed, sequential) losses on rank 0."""
-    from tqdm import tqdm
-
     from distfuse import Partition
+    from distfuse.demo_check import make_twins, report, train_checked
     from distfuse.geometry.decomposition import local_slices
     from distfuse.groups import world_group
-    from distfuse.testing.tolerance import check_trained_state, rounding_bound
 
     if dist.get_world_size() != WORLD:
         raise SystemExit(f"distfuse.demo needs {WORLD} ranks, got {dist.get_world_size()}")
-    rank = dist.get_rank()
     P4 = Partition.world().create_partition_inclusive(range(WORLD))
     P_conv = P4.create_cartesian_topology_partition([1, 1, 2, 2])
     P_seq = P4.create_cartesian_topology_partition([1, WORLD, 1])
@@ -122,74 +114,46 @@ def train(steps: int = 8, lr: float = 0.05, quiet: bool = False) -> list[tuple[f
 
     torch.manual_seed(0)
     model = _model(P_conv, P_seq, P_feat).to(device)
-    seq_state = _collect(model)  # the sequential twins start from the same weights
-    start = {k: v.clone() for k, v in seq_state.items()} if rank == 0 else None  # no view of a live parameter
-    twins = {}  # rank 0: the torch.nn model in float32 (printed) and in float64 (the oracle), with optimisers
-    if rank == 0:
-        for dtype in (torch.float32, torch.float64):
-            twin = _sequential().to(device=device, dtype=dtype)
-            twin.load_state_dict(seq_state)
-            twins[dtype] = (twin, torch.optim.SGD(twin.parameters(), lr=lr))
+    start, twins = make_twins(lambda dtype: _sequential().to(device=device, dtype=dtype), _collect(model),
+                              lambda twin: torch.optim.SGD(twin.parameters(), lr=lr))
     params = [p for p in model.parameters()]
     opt = torch.optim.SGD(params, lr=lr) if params else None
 
-    if rank == 0 and not quiet:
+    if dist.get_rank() == 0 and not quiet:
         print(f"distfuse demo: {WORLD} ranks, backend {dist.get_backend()}, device {device}")
         print(f"{'rank':>6}  {'P_conv ' + str(list(P_conv.shape)):<22}{'P_seq ' + str(list(P_seq.shape)):<20}"
               f"{'P_feat ' + str(list(P_feat.shape)):<20}")
         for r in range(WORLD):
             print(f"{r:>6}  {str(P_conv.index_of(r)):<22}{str(P_seq.index_of(r)):<20}{str(P_feat.index_of(r)):<20}")
     n_out = BATCH * (H // 2) * (W // 2) * 16
-    losses, times = [], []
-    bar = tqdm(range(steps), desc="train", disable=rank != 0 or quiet, file=sys.stdout)
-    for step in bar:
+
+    def distributed_step(step: int) -> torch.Tensor:
         x_global, t_global = _batch(step, device)
         x = x_global[local_slices(x_global.shape, P_conv.shape, P_conv.index)].contiguous()
         t = t_global[local_slices(t_global.shape, P_conv.shape, P_conv.index)].flatten(2).transpose(1, 2)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        y = _forward(model, x)
-        loss = ((y - t) ** 2).sum() / n_out  # this rank's share of the global mean
+        loss = ((_forward(model, x) - t) ** 2).sum() / n_out  # this rank's share of the global mean
         if opt:
             opt.zero_grad()
         loss.backward()
         if opt:
             opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
         total = loss.detach().clone()
         dist.all_reduce(total, group=world_group())  # distfuse's world group: DISTFUSE_TIMEOUT bounds it
-        if rank == 0:
-            got = float(total)
-            want = _sequential_step(*twins[torch.float32], x_global, t_global)
-            exact = _sequential_step(*twins[torch.float64], x_global.double(), t_global.double())
-            losses.append((got, want))
-            bar.set_postfix(loss=f"{got:.5f}", sequential=f"{want:.5f}")
-            # a mean of squares: no cancellation, so relative to the loss itself
-            bound = rounding_bound(torch.float32, TERMS, step + 1)
-            if abs(got - exact) > bound * abs(exact):
-                raise RuntimeError(f"step {step}: distributed loss {got:.7f} differs from the float64 model's "
-                                   f"{exact:.9f} by {abs(got - exact) / abs(exact):.1e} relative, over the float32 "
-                                   f"rounding bound {bound:.1e} (sums of {TERMS} terms, {step + 1} steps)")
+        return total
+
+    def twin_step(dtype: torch.dtype, step: int) -> float:
+        x, target = (t.to(dtype) for t in _batch(step, device))
+        return _sequential_step(*twins[dtype], x, target)
+
+    losses, times = train_checked(steps, TERMS, quiet, distributed_step, twin_step, device)
     final = _collect(model)
-    if rank == 0:
-        worst, torch_nn = check_trained_state(final, twins, TERMS, steps, start, "weights")
-    if rank == 0 and not quiet:
+    if dist.get_rank() == 0 and not quiet:
         print("layer paths (fused or unfused, and why):")
         for name, layer in model.items():
             decision = getattr(layer, "last_decision", None)
             reason = f" ({decision.reason})" if decision is not None else ""
             print(f"  {name:<6} {type(layer).__name__:<36} {layer.last_path}{reason}")
-        steady = times[1:] or times
-        print(f"time per step: {1e3 * sum(steady) / len(steady):.1f} ms (mean of steps 2..{steps}; step 1 "
-              f"{1e3 * times[0]:.1f} ms includes set-up)")
-        print(f"every step's loss matched the sequential torch.nn model in float64 (within the float32 rounding "
-              f"bound {rounding_bound(torch.float32, TERMS, steps):.1e} at step {steps}); final loss "
-              f"{losses[-1][0]:.6f}")
-        print(f"weights agree with the float64 twin: worst {worst.key}, {worst.error:.1e} of {worst.allowed:.1e} "
-              f"allowed ({worst.ratio:.1e} of its allowance; torch.nn in float32: {torch_nn.ratio:.1e})")
+    report(final, twins, TERMS, steps, start, losses, times, "weights", "model", quiet)
     return losses
 
 

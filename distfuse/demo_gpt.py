@@ -41,24 +41,16 @@ tokens stay on their context worker for the ring attention and the input is alre
 replicated over the tensor axis: Megatron's f (``replicate``: identity, gradient summed over t)
 and g (``replicated_sum``: sum over t, gradient identity) are all it needs.
 
-Rank 0 builds the same model from ``torch.nn`` modules (:class:`MultiheadSelfAttention` for the
-attention), starting from the distributed model's state (collected with
-:func:`distfuse.model.collect_sequential`), and trains it on the same data with the same
-optimiser, once in float32 (printed beside the distributed loss) and once in float64 (the
-oracle).  Every step's loss, and the final weights, must agree with the oracle within the
-float32 rounding bound of :func:`distfuse.testing.tolerance.rounding_bound` for sums of
-:data:`TERMS` terms over the steps taken, each tensor on its layer's scales; otherwise the
-demo exits with an error.  GELU and softmax are smooth, so training is a continuous function
-of the rounding (:mod:`distfuse.testing.tolerance`); SGD with momentum, not Adam, for the same
-reason (Adam's first step is ``lr * sign(g)``, which jumps where a gradient is within
-rounding of zero).
+Rank 0 trains the ``torch.nn`` twins (:class:`MultiheadSelfAttention` for the attention)
+alongside and checks every step's loss and the final weights (:mod:`distfuse.demo_check`). GELU
+and softmax are smooth, so training is a continuous function of the rounding
+(:mod:`distfuse.testing.tolerance`); SGD with momentum, not Adam, for the same reason (Adam's
+first step is ``lr * sign(g)``, which jumps where a gradient is within rounding of zero).
 """
 
 from __future__ import annotations
 
 import math
-import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -271,18 +263,15 @@ def _sequential_step(model: nn.Module, opt: torch.optim.Optimizer, ids: torch.Te
 
 def train(steps: int = 8, lr: float = 0.5, quiet: bool = False) -> list[tuple[float, float]]:
     """Train on an initialised process group of 4 ranks; returns (distributed, sequential) losses on rank 0."""
-    from tqdm import tqdm
-
     from distfuse import Partition
+    from distfuse.demo_check import make_twins, report, train_checked
     from distfuse.geometry.decomposition import block_range
     from distfuse.layers import DistributedVocabCrossEntropyLoss
     from distfuse.layers.attention_ring import local_positions
     from distfuse.model import collect_sequential, make_optimizer
-    from distfuse.testing.tolerance import check_trained_state, rounding_bound
 
     if dist.get_world_size() != WORLD:
         raise SystemExit(f"distfuse.demo gpt needs {WORLD} ranks, got {dist.get_world_size()}")
-    rank = dist.get_rank()
     P4 = Partition.world().create_partition_inclusive(range(WORLD))
     P = P4.create_cartesian_topology_partition(GRID)
     P_tok = P4.create_cartesian_topology_partition((1,) + GRID)
@@ -290,21 +279,19 @@ def train(steps: int = 8, lr: float = 0.5, quiet: bool = False) -> list[tuple[fl
     device = P.device
     positions = local_positions(SEQ, GRID[0], P.index[0], LAYOUT).to(device)
 
+    def twin(dtype: torch.dtype) -> GPT:
+        model = GPT(Sequential).to(device=device, dtype=dtype)
+        model.pos_table.copy_(sinusoidal(SEQ, EMBED))  # the float64 table in float64, not a widened float32 one
+        return model
+
     torch.manual_seed(0)
     model = GPT(Distributed(P, P_tok, P_rows)).to(device)
-    state = collect_sequential(model, dst=0)  # collective: every rank takes part
-    start = {k: v.clone() for k, v in state.items()} if rank == 0 else None  # no view of a live parameter
-    twins = {}  # rank 0: the torch.nn model in float32 (printed) and in float64 (the oracle), with optimisers
-    if rank == 0:
-        for dtype in (torch.float32, torch.float64):
-            twin = GPT(Sequential).to(device=device, dtype=dtype)
-            twin.pos_table.copy_(sinusoidal(SEQ, EMBED))  # the float64 table in float64, not a widened float32 one
-            twin.load_state_dict(state)
-            twins[dtype] = (twin, torch.optim.SGD(twin.parameters(), lr=lr, momentum=0.9))
+    start, twins = make_twins(twin, collect_sequential(model, dst=0),  # collective: every rank takes part
+                              lambda m: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9))
     opt = make_optimizer(torch.optim.SGD, model.parameters(), lr=lr, momentum=0.9)
     loss_fn = DistributedVocabCrossEntropyLoss(P_tok, num_classes=VOCAB)
 
-    if rank == 0 and not quiet:
+    if dist.get_rank() == 0 and not quiet:
         print(f"distfuse GPT demo: {WORLD} ranks, backend {dist.get_backend()}, device {device}, tokens "
               f"{[BATCH, SEQ]} over P {list(GRID)} (context x tensor, {LAYOUT} layout), vocabulary {VOCAB}, "
               f"{BLOCKS} blocks of {HEADS} heads")
@@ -315,38 +302,19 @@ def train(steps: int = 8, lr: float = 0.5, quiet: bool = False) -> list[tuple[fl
             per, (lo, hi) = HEADS // GRID[1], block_range(VOCAB, GRID[1], t)
             print(f"{r:>6}  {str((c, t)):<10}{str(pos):<28}{f'{t * per}..{t * per + per - 1}':<8}"
                   f"{f'{lo}..{hi - 1}':<16}")
-    losses, times = [], []
-    bar = tqdm(range(steps), desc="train", disable=rank != 0 or quiet, file=sys.stdout)
-    for step in bar:
+
+    def distributed_step(step: int) -> torch.Tensor:
         ids_global, t_global = _batch(step, device)
         ids, t = ids_global[:, positions].contiguous(), t_global[:, positions].contiguous()
-        t0 = time.perf_counter()
         loss = loss_fn(model(ids, positions), t)  # the global mean, the same on every rank
         opt.zero_grad()
         loss.backward()
         opt.step()
-        times.append(time.perf_counter() - t0)
-        if rank == 0:
-            got = float(loss.detach())
-            want = _sequential_step(*twins[torch.float32], ids_global, t_global)
-            exact = _sequential_step(*twins[torch.float64], ids_global, t_global)
-            losses.append((got, want))
-            bar.set_postfix(loss=f"{got:.5f}", sequential=f"{want:.5f}")
-            # a mean of positive terms: no cancellation, so relative to the loss itself
-            bound = rounding_bound(torch.float32, TERMS, step + 1)
-            if abs(got - exact) > bound * abs(exact):
-                raise RuntimeError(f"step {step}: distributed loss {got:.7f} differs from the float64 model's "
-                                   f"{exact:.9f} by {abs(got - exact) / abs(exact):.1e} relative, over the float32 "
-                                   f"rounding bound {bound:.1e} (sums of {TERMS} terms, {step + 1} steps)")
-    final = collect_sequential(model, dst=0)
-    if rank == 0:
-        worst, torch_nn = check_trained_state(final, twins, TERMS, steps, start, "weights")
-        if not quiet:
-            steady = times[1:] or times
-            print(f"time per step: {1e3 * sum(steady) / len(steady):.1f} ms (mean of steps 2..{steps})")
-            print(f"every step's loss matched the sequential torch.nn GPT in float64 (within the float32 rounding "
-                  f"bound {rounding_bound(torch.float32, TERMS, steps):.1e} at step {steps}); final loss "
-                  f"{losses[-1][0]:.6f}")
-            print(f"weights agree with the float64 twin: worst {worst.key}, {worst.error:.1e} of {worst.allowed:.1e} "
-                  f"allowed ({worst.ratio:.1e} of its allowance; torch.nn in float32: {torch_nn.ratio:.1e})")
+        return loss
+
+    def twin_step(dtype: torch.dtype, step: int) -> float:
+        return _sequential_step(*twins[dtype], *_batch(step, device))
+
+    losses, times = train_checked(steps, TERMS, quiet, distributed_step, twin_step, device)
+    report(collect_sequential(model, dst=0), twins, TERMS, steps, start, losses, times, "weights", "GPT", quiet)
     return losses
