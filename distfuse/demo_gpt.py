@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from distfuse.layers._block_identity import BlockIdentityMixin
+from distfuse.layers._params import BlockIdentityMixin
 
 WORLD = 4
 GRID = (2, 2)  # context x tensor

@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 
 from distfuse import PartitionError, ShapeError, zero_volume_tensor
+from distfuse.geometry.decomposition import block_range
 from distfuse.layers import DistributedMultiheadAttention, MultiheadSelfAttention, collect_sequential, load_sequential
 from distfuse.layers.attention_ring import local_positions
 from distfuse.testing import run_ranks
 from tests.misuse_support import catch, run_misuse
-from tests.test_conv_support import grid
+from tests.test_conv_support import grid, with_path
 from tests.tolerances import tol
 
 F64 = torch.float64
@@ -44,6 +45,9 @@ class Case:
     B: int = 2
     bias: bool = True
     layout: str = "contiguous"
+    sp: bool = False  # sequence-parallel: the rows split over the tensor axis too
+    path: str = "auto"  # DISTFUSE_PATH for the call ("fused": the projections' fused ops, Triton interpreted)
+    dtype: torch.dtype = F64
 
 
 CASES = {
@@ -53,8 +57,17 @@ CASES = {
     4: [Case("2x2-uneven-S5-gqa-permuted", (2, 2), (3, 1, 2, 0), 5, kv_heads=2),
         Case("2x2-zigzag-S8", (2, 2), (0, 1, 2, 3), 8, layout="zigzag"),
         Case("3x1-of-4-inactive-S7", (3, 1), (2, 0, 3), 7, kv_heads=1),
-        Case("1x3-of-4-inactive-permuted", (1, 3), (3, 0, 1), 4, heads=6, kv_heads=3, E=12)],
+        Case("1x3-of-4-inactive-permuted", (1, 3), (3, 0, 1), 4, heads=6, kv_heads=3, E=12),
+        # Sequence-parallel: the projections are the all-gather + GEMM and GEMM + reduce-scatter ops, fused (fp32,
+        # the kernels interpreted) or unfused; uneven row blocks over both axes, permuted and inactive ranks.
+        Case("2x2-sp-zigzag-S8-fused-permuted", (2, 2), (3, 1, 2, 0), 8, layout="zigzag", sp=True, path="fused",
+             dtype=torch.float32),
+        Case("2x2-sp-uneven-S7-gqa", (2, 2), (0, 1, 2, 3), 7, kv_heads=2, sp=True),
+        Case("1x3-sp-of-4-inactive-S7-fused", (1, 3), (3, 0, 1), 7, heads=6, kv_heads=3, E=12, sp=True,
+             path="fused", dtype=torch.float32)],
 }
+CASES[2].append(Case("1x2-sp-uneven-S5-gqa-fused-no-bias", (1, 2), (1, 0), 5, kv_heads=2, bias=False, sp=True,
+                     path="fused", dtype=torch.float32))
 
 
 def _twin(c: Case, causal: bool, gen: torch.Generator) -> MultiheadSelfAttention:
@@ -76,28 +89,34 @@ def run_case(c: Case, causal: bool) -> str:
     seq_grads = {k: p.grad for k, p in twin.named_parameters()}
 
     layer = DistributedMultiheadAttention(P, c.E, c.heads, c.kv_heads, bias=c.bias, causal=causal,
-                                          layout=c.layout, dtype=F64)
+                                          layout=c.layout, sequence_parallel=c.sp, dtype=c.dtype)
     for p in layer.parameters():
         p.data.fill_(float("nan"))  # poisoned: load_sequential must overwrite every element
     load_sequential(layer, twin if dist.get_rank() == 0 else None)
     if not P.active:
         assert not list(layer.parameters())
-        y = layer(zero_volume_tensor(dtype=F64))
+        y = with_path(c.path, lambda: layer(zero_volume_tensor(dtype=c.dtype)))
         assert y.numel() == 0, f"{c.name}: a worker outside P got {tuple(y.shape)}"
         return "inactive"
     pos = local_positions(c.S, c.grid[0], P.index[0], c.layout)
-    x = x_g.detach()[:, pos].clone().requires_grad_()
-    y = layer(x)
+    if c.sp:  # this tensor worker's balanced block of the context index's rows
+        pos = pos[slice(*block_range(len(pos), c.grid[1], P.index[1]))]
+    x = x_g.detach()[:, pos].to(c.dtype).requires_grad_()
+    y = with_path(c.path, lambda: layer(x))
+    if c.sp:
+        paths = {k: d.path for k, d in layer.last_decisions.items()}
+        want_path = "fused" if c.path == "fused" and c.grid[1] > 1 else "unfused"
+        assert paths == {"qkv": want_path, "out_proj": want_path}, (c.name, layer.last_decisions)
     # The longest sums: a projection's weight gradient over the B S tokens, of products whose factors are sums of
     # E terms (a projection) or of S D terms (the attention's scores, then its weighted sum of values).
-    t = tol(F64, terms=c.B * c.S * max(c.E, c.S * c.E // c.heads))
-    assert y.dtype == F64 and tuple(y.shape) == (c.B, len(pos), c.E), (c.name, tuple(y.shape))
-    torch.testing.assert_close(y, ref.detach()[:, pos], **t, msg=lambda m: f"{c.name}: output: {m}")
-    y.backward(dy[:, pos])
-    torch.testing.assert_close(x.grad, x_g.grad[:, pos], **t, msg=lambda m: f"{c.name}: dx: {m}")
+    t = tol(c.dtype, terms=c.B * c.S * max(c.E, c.S * c.E // c.heads))
+    assert y.dtype == c.dtype and tuple(y.shape) == (c.B, len(pos), c.E), (c.name, tuple(y.shape))
+    torch.testing.assert_close(y.double(), ref.detach()[:, pos], **t, msg=lambda m: f"{c.name}: output: {m}")
+    y.backward(dy[:, pos].to(c.dtype))
+    torch.testing.assert_close(x.grad.double(), x_g.grad[:, pos], **t, msg=lambda m: f"{c.name}: dx: {m}")
     checked = 0
     for lay in layer.param_layouts():
-        got, want = getattr(layer, lay.name).grad, seq_grads[lay.seq_name][lay.replica_slices()]
+        got, want = getattr(layer, lay.name).grad.double(), seq_grads[lay.seq_name][lay.replica_slices()]
         assert want.abs().max() > 0, f"{c.name}: {lay.seq_name}'s gradient is trivially zero"
         torch.testing.assert_close(got, want, **t, msg=lambda m, n=lay.seq_name: f"{c.name}: d{n}: {m}")
         checked += 1
@@ -167,6 +186,7 @@ def _misuse() -> dict:
     rank = dist.get_rank()
     P = grid(range(4), (2, 2))
     layer = DistributedMultiheadAttention(P, 8, 4, 2, causal=True)
+    sp = DistributedMultiheadAttention(P, 8, 4, 2, causal=True, sequence_parallel=True)
     gen = torch.Generator().manual_seed(3)
     x_g = torch.randn(2, 5, 8, generator=gen)
     pos = local_positions(5, 2, P.index[0])
@@ -189,7 +209,11 @@ def _misuse() -> dict:
         "not-the-layout": lambda: layer(rows(1) if P.index[0] == 0 else rows()),
         "embed-dim": lambda: layer(rows()[..., :4] if rank == 1 else rows()),
         "frozen-on-one": frozen_on_rank_2,
+        # sequence-parallel: context 0's 3 rows must split 2 / 1 over the tensor axis; rank 0 and 1 pass 1 / 2
+        "sp-not-balanced": lambda: sp(rows()[:, :1] if rank == 0 else rows()[:, 1:] if rank == 1 else
+                                      rows()[:, slice(*block_range(2, 2, P.index[1]))]),
         "recovers": lambda: float(layer(rows()).sum()),
+        "sp-recovers": lambda: float(sp(rows()[:, slice(*block_range(len(pos), 2, P.index[1]))]).sum()),
     }
     out = {}
     for name, call in checks.items():
@@ -208,6 +232,7 @@ MISUSE = {
     "not-the-layout": (ShapeError, "row counts [1, 2] are not the contiguous layout's blocks of S = 3"),
     "embed-dim": (ShapeError, "world rank 1: x's last dimension must be embed_dim"),
     "frozen-on-one": (ShapeError, "must agree on the grad settings of the parameters"),
+    "sp-not-balanced": (ShapeError, "world rank 0 (P index (0, 0)) holds 1 rows, block 0 of 3 over 2 workers is 2"),
 }
 
 
@@ -217,4 +242,4 @@ def test_misuse_raises_on_every_rank():
             got = out[name]
             assert got[0] == cls.__name__ and fragment in got[1], (rank, name, got)
             assert f"[rank {rank}]" in got[1], (rank, name, got)
-        assert out["recovers"][0] == "ok", (rank, out["recovers"])
+        assert out["recovers"][0] == "ok" and out["sp-recovers"][0] == "ok", (rank, out["recovers"], out["sp-recovers"])

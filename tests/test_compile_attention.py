@@ -28,12 +28,14 @@ import torch.distributed as dist
 
 from distfuse import Partition
 from distfuse.errors import ShapeError
+from distfuse.geometry.decomposition import block_range
 from distfuse.layers import DistributedAttention, DistributedMultiheadAttention, attention_ring, distributed_attention
 from distfuse.layers.attention_ring import local_positions
 from distfuse.testing import run_ranks
 from tests.misuse_support import tracing_refusal
 from tests.test_attention_ring import _reference
 from tests.test_compile_linear_fused import _recording
+from tests.test_conv_support import with_path
 from tests.tolerances import tol
 
 RANKS = (3, 1, 0, 2)  # a permuted [2, 2] grid
@@ -176,22 +178,26 @@ def test_compiled_functional_form():
 # ---------------------------------------------------------------- DistributedMultiheadAttention on [context, tensor]
 
 
-def _mha_case(layout, S, S2):
+def _mha_case(layout, S, S2, sp=False):
     torch._dynamo.reset()
     P = Partition.world().create_partition_inclusive(list(RANKS)).create_cartesian_topology_partition([2, 2])
     E, H, Hkv, B = 8, 4, 2, 2
     torch.manual_seed(11)
-    layer = DistributedMultiheadAttention(P, E, H, Hkv, causal=True, layout=layout)
+    layer = DistributedMultiheadAttention(P, E, H, Hkv, causal=True, layout=layout, sequence_parallel=sp)
     gen = torch.Generator().manual_seed(12)
     data = {n: [torch.randn(B, n, E, generator=gen) for _ in range(2)] for n in (S, S2)}
 
+    def rows(n):
+        pos = local_positions(n, P.shape[0], P.index[0], layout)
+        return pos[slice(*block_range(len(pos), P.shape[1], P.index[1]))] if sp else pos
+
     def x_of(n=S):
-        return data[n][0][:, local_positions(n, P.shape[0], P.index[0], layout)].clone()
+        return data[n][0][:, rows(n)].clone()
 
     def step(fn, n=S):
         x = x_of(n).requires_grad_()
         y = fn(x)
-        y.backward(data[n][1][:, local_positions(n, P.shape[0], P.index[0], layout)])
+        y.backward(data[n][1][:, rows(n)])
         grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
         layer.zero_grad(set_to_none=True)
         return y.detach(), x.grad, grads
@@ -238,3 +244,23 @@ def test_compiled_multihead_attention(layout, S, S2):
         ("bw", "ring_attention_backward"), ("bw", "replicate_adjoint"), ("bw", "replicate_adjoint"))], \
         results[0]["ops"]
     assert all("DistributedMultiheadAttention" in r["error"] for r in results), [r["error"] for r in results]
+
+
+def _sp_case(layout, S, S2):
+    return with_path("fused", lambda: _mha_case(layout, S, S2, sp=True))
+
+
+def test_compiled_sequence_parallel_attention():
+    """The sequence-parallel layer: its projections are the fused all-gather + GEMM and GEMM + reduce-scatter ops
+    (Triton interpreted) in both graphs, and the compiled call equals eager bitwise."""
+    results = run_ranks(4, _sp_case, "zigzag", 8, 4, timeout=240)
+    for rank, r in enumerate(results):
+        assert r["breaks"] == 0 and r["graphs"] == 1, (rank, r["breaks"], r["graphs"], r["reasons"])
+        assert r["bitwise"] and r["n_grads"] == 8 and r["same"], f"rank {rank}: compiled results differ from eager"
+        assert r["error"] is not None and "eagerly" in r["error"], (rank, r["error"])
+    assert len({tuple(r["ops"]) for r in results}) == 1, [r["ops"] for r in results]
+    ops = results[0]["ops"]
+    for op in ("fw:distfuse.all_gather_matmul.default", "fw:distfuse.ring_attention.default",
+               "fw:distfuse.matmul_reduce_scatter.default", "bw:distfuse.matmul_reduce_scatter_backward.default",
+               "bw:distfuse.all_gather_matmul_backward.default"):
+        assert op in ops, (op, ops)

@@ -221,7 +221,7 @@ def test_explain_names_the_entry_and_runs_no_collective(tmp_path):
 
 
 def test_halo_staging_carries_the_entry(tables):
-    from distfuse.layers.pool_staging import choose_staging
+    from distfuse.layers._pool_common import choose_staging
 
     user, shipped = tables
     key = table_key(H100.name, 4, torch.bfloat16, "halo_conv")

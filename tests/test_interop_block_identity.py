@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from distfuse import PartitionError
-from distfuse.layers._block_identity import BlockIdentityMixin, block_identity
+from distfuse.layers._params import BlockIdentityMixin, block_identity
 from distfuse.layers.conv import DistributedConv2d
 from distfuse.layers.norm_batch import DistributedBatchNorm2d
 from distfuse.testing import run_ranks

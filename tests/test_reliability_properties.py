@@ -305,7 +305,7 @@ def test_halo_exchange_plus_conv_matches_torch_on_the_global_tensor(example, see
     st.integers(1, 3), st.integers(1, 3), st.sampled_from([torch.float32, torch.float64]), st.booleans(),
     st.integers(0, 1000))
 # Found by this test: P_x on world ranks (3, 2, 0) (out of order) made every worker read the wrong worker's
-# block shape from the metadata gather (fixed in _conv_call_info.gather_call_info).
+# block shape from the metadata gather (fixed in _conv_common.gather_call_info).
 @example(case=(((3, 2, 0), (1, 1, 3)), ((5,), (1,), (3,), (2,), (1,), "valid", "replicate")), batch=3, cout=3,
          dtype=torch.float64, bias=True, seed=1000)
 def test_feature_conv_layer_matches_sequential(case, batch, cout, dtype, bias, seed):

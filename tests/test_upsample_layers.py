@@ -29,9 +29,7 @@ from distfuse import zero_volume_tensor
 from distfuse.errors import DistfuseError, PartitionError, ShapeError, UnsupportedError
 from distfuse.geometry.decomposition import block_range, local_slices
 from distfuse.geometry.interp_geometry import LINEAR_MODES
-from distfuse.layers._upsample_plan import InterpSpec, interp_geometry
-from distfuse.layers._upsample_window import interpolate_window
-from distfuse.layers.upsample import DistributedUpsample, interpolate
+from distfuse.layers.upsample import DistributedUpsample, InterpSpec, interp_geometry, interpolate, interpolate_window
 from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks
 from tests.test_conv_support import grid, with_path

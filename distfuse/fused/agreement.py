@@ -5,29 +5,22 @@ The signature words (:mod:`distfuse.kernels.signature`) catch ranks that enter a
 different shapes, but only once every rank is inside the op's claim.  Two disagreements
 stop one rank short of it, and its peers would wait in the claim until the timeout:
 
-* **The cached workspace is too small for this rank's call.**  Growing it is collective
-  over the group, and a rank cannot know whether its peers grow too.  In a correct
-  program they all do (they ask for the same bytes), so the rank first claims the cached
-  workspace and publishes :data:`~distfuse.kernels.signature.GROW` instead of a payload
-  (:func:`agreed_workspace`).  Where every rank said GROW, they grow together and run
-  the op; where a peer's call fit, that peer ran the op, saw GROW and raises, and so does
-  this rank (:class:`~distfuse.errors.ShapeError`, promptly).  One extra claim per growth,
-  which happens a handful of times per run.
-* **A local check refused this rank's input** (a shard whose rows do not fit its block
-  of ``n``, a dtype or feature extent the others do not share).  The op calls
-  :func:`refuse` from :func:`refusal`: the rank takes part in the op's first claim with
-  :data:`~distfuse.kernels.signature.REFUSED` and no payload, then raises its own error;
-  every peer's check sees the word and raises a ShapeError that points at it.
-
-A caller whose own checks failed before it entered a fused op (a layer's local check: a
-feature block, a number of dimensions, a non-tensor input) calls the op anyway under
-:func:`refusing`: the op's :func:`refusal` then refuses with the caller's error, so the
-error reaches the op's peers through the same claim, and the steady state pays nothing.
+* **The cached workspace is too small for this rank's call.**  Growing it is collective,
+  and in a correct program every rank asks for the same bytes, so the rank first claims
+  the cached workspace and publishes :data:`~distfuse.kernels.signature.GROW`
+  (:func:`agreed_workspace`).  Where every rank said GROW, they grow together and run the
+  op; where a peer's call fit, that peer saw GROW and raises, and so does this rank
+  (:class:`~distfuse.errors.ShapeError`).  One extra claim per growth.
+* **A local check refused this rank's input** (rows that do not fit its block of ``n``, a
+  dtype the others do not share).  :func:`refusal` makes the rank take part in the op's
+  first claim with :data:`~distfuse.kernels.signature.REFUSED` and no payload
+  (:func:`refuse`), then raise its own error; every peer raises a ShapeError pointing at it.
+  A caller whose own checks failed before the op calls it anyway under :func:`refusing`.
 
 Both replay exactly the host steps a peer takes before that claim (the availability
-verdict, the ``DISTFUSE_DEBUG=1`` metadata check, the workspace set-up), so the two
-sides never sit in different collectives.  With ``DISTFUSE_DEBUG=1`` the metadata check
-already makes every rank raise, and no claim runs.
+verdict, the ``DISTFUSE_DEBUG=1`` metadata check, the workspace set-up), so the two sides
+never sit in different collectives; the steady state pays nothing.  With
+``DISTFUSE_DEBUG=1`` the metadata check already makes every rank raise, and no claim runs.
 """
 
 from __future__ import annotations
@@ -95,12 +88,10 @@ def refuse(error: Exception, P: Partition, device, op: str, layout: str, nbytes:
 def refusal(op: str, P: Partition, x, layout: str, nbytes=lambda: 0):
     """Run an op's local checks; a ShapeError or UnsupportedError they raise reaches every rank (:func:`refuse`).
 
-    Wrap the checks that precede the op's ``require_available``: the refusing rank asks for
-    the availability verdict where its peers do, and no other host collective may follow
-    the checks before the first claim (one before them, such as the all-gather's sum of
-    the block extents, is fine).  ``x`` is the op's input (its device, where it is a tensor
-    on ``P``'s device type); ``nbytes()`` estimates the op's workspace request from the
-    possibly bad arguments (0 where it cannot).
+    Wrap the checks that precede the op's ``require_available`` (no other host collective
+    may follow them before the first claim; one before them is fine).  ``x`` is the op's
+    input (its device, where it is a tensor on ``P``'s device type); ``nbytes()`` estimates
+    the op's workspace request from the possibly bad arguments (0 where it cannot).
     """
     pending = _PENDING.get()
     try:
@@ -122,11 +113,10 @@ def refusing(error: Exception | None):
     """Let the fused op called inside refuse with ``error``, a check that failed before the op (None: no effect).
 
     The op is entered with the caller's (possibly bad) arguments; its :func:`refusal`
-    raises ``error`` in place of its own checks, so the op's peers raise a ShapeError
-    saying this rank refused, at its first claim, and this rank raises ``error``.  Use it
-    where the peers are known to take the same fused op (the same dispatch verdict); the
-    error must be a ShapeError or UnsupportedError to be refused.  A block that calls no
-    fused op raises ``error`` on leaving (it must not pass silently).
+    raises ``error`` in place of its own checks, so the peers learn it at the op's first
+    claim.  Use it where the peers take the same fused op (the same dispatch verdict); the
+    error must be a ShapeError or UnsupportedError.  A block that calls no fused op raises
+    ``error`` on leaving (it must not pass silently).
     """
     if error is None:
         yield

@@ -11,47 +11,33 @@ stream and finishes before the GEMM starts.  This push overlaps the GEMM instead
     op's stream: gathered_matmul: the local chunk first (no wait), then each peer chunk as its flag lands
     end of the claim: the op's stream waits for every side stream (one event each)
 
-One stream per peer: on one stream the W - 1 pushes run in series, each peer's copy
-waiting for the previous peer's; on their own streams they go out together, one link
-(and one DMA engine) per peer on an NVLink node.
+One stream per peer, so the W - 1 pushes go out together (one link and DMA engine per
+peer on an NVLink node).  Batches: one DMA per batch entry and peer (a strided copy would
+be an SM kernel), so this push suits few leading entries with many rows each.
 
-Why the copy engines.  The copies are ``copy_`` between contiguous rows of two CUDA
-tensors, which torch issues as ``cudaMemcpyAsync``: the DMA engines move the bytes over
-NVLink and no SM is taken from the GEMM.  The flag is a 4-byte ``copy_`` of the
-workspace's device epoch, so it too needs no SM.  That matters for correctness, not only
-speed: the GEMM's programs of the peer chunks spin on the flags, and a grid of spinning
-programs may fill every SM; a push or flag *kernel* on the side stream could then wait
-for an SM that only the peers' flags free, and each GPU would wait on the other until
-the flag wait times out.  A copy-engine operation never waits for an SM.  Stream order
-puts the flag after the chunk's copies, and the DMA engine completes a copy (its bytes
-in the peer's memory) before the next operation of the stream starts.
-``torch.ops.symm_mem.stream_write_value32_`` (a stream memory operation with a fence)
-would also do, but its value is fixed when it is issued, so a captured CUDA graph would
-replay a stale epoch; the 4-byte copy reads the device epoch when it executes.
+Why the copy engines.  ``copy_`` between contiguous rows of two CUDA tensors is a
+``cudaMemcpyAsync``: no SM is taken from the GEMM, and the flag (a 4-byte ``copy_`` of
+the workspace's device epoch) needs none either.  That matters for correctness: the
+GEMM's programs spin on the flags and may fill every SM, so a push or flag *kernel* on
+the side stream could wait for an SM that only the peers' flags free, a deadlock until
+the flag wait times out.  Stream order puts the flag after the chunk's copies.
+``torch.ops.symm_mem.stream_write_value32_`` would fix its value when issued, so a
+captured CUDA graph would replay a stale epoch; the 4-byte copy reads the device epoch
+when it executes.
 
-Batches: one DMA per batch entry and peer (``B_ * (W - 1)`` copies; a strided copy would
-be an SM kernel, see above), so this push suits few leading entries with many rows each.
+Streams (CUDA).  The shard is ``record_stream``-ed on every side stream (the caching
+allocator must not hand its memory out while a DMA may read it); the claim ends with the
+op's stream waiting for an event after each stream's flag
+(:meth:`~distfuse.fused.workspace._Workspace.track_side_stream`), so no later op starts
+while the push may still write, and a CUDA graph capture joins the side streams back.
+Peer views come from :mod:`distfuse.fused.peer_views` (checked to alias the peer's memory).
 
-Streams (CUDA).  Each side stream waits for the op's stream before its first copy; the
-shard is ``record_stream``-ed on every side stream so that the caching allocator does not
-hand its memory out while a DMA may still read it; the claim ends with the op's stream
-waiting for an event recorded after each stream's flag
-(:meth:`~distfuse.fused.workspace._Workspace.track_side_stream`), so the next claim's
-barrier, and any op after it, comes after the push; a CUDA graph capture forks into the
-side streams and joins them back the same way.
-
-Peer views (:mod:`distfuse.fused.peer_views`) come from torch symmetric memory's own
-buffer API and are checked to alias the peer's address, so no copy lands in a temporary.
-
-On one GPU (loopback, or two processes sharing a GPU) a device-to-device ``copy_`` is not
-a DMA over a link: CUDA runs it as a copy kernel on the SMs, so this path there is a
-correctness check of the protocol (streams, flags, joins), not a measurement of the
-copy engines or of the overlap; results from one GPU say so (``loopback``).
-
-CPU (``/dev/shm`` and loopback): the "side streams" are the host, in order: each copy
-into the peer's mapping, then its flag (the device epoch copied into the flag word);
-the consumer's host barrier (:meth:`RankBuffers.wait_producers`) orders them before the
-reads.  Not timed on a GPU yet.
+On one GPU (loopback, or two processes sharing a GPU) a device-to-device ``copy_`` is a
+copy kernel on the SMs, not a DMA over a link: this path there checks the protocol, not
+the copy engines or the overlap (results from one GPU say so: ``loopback``).  CPU
+(``/dev/shm`` and loopback): the host copies into each peer's mapping, then its flag, in
+order; the consumer's host barrier (:meth:`RankBuffers.wait_producers`) orders them
+before the reads.
 """
 
 from __future__ import annotations

@@ -19,17 +19,11 @@ every worker; ``K_r``/``N_r`` balanced blocks, so neither need divide by ``W``):
              db  = sum of dy over the rows                                     [N_r]
 
 This is the layout of :class:`~distfuse.layers.DistributedLinearAllGather` built with
-``P_y`` alone (its ZeRO variant, with data-parallel workers, streams the weight into the
-GEMM instead, see :mod:`distfuse.fused.zero_linear`).  The
-sequence-parallel form (``P_x`` given) is :mod:`distfuse.fused.all_gather_matmul`.
-
-``keep_gathered`` trades memory for communication as in the sequence-parallel op: True
-holds ``[*, K]`` from forward to backward; False gathers the input again in the backward
-(an asynchronous NCCL all-gather on CUDA, issued before the fused dgrad).
-
-Workspace, availability and world size 1 as in
-:mod:`distfuse.fused.matmul_reduce_scatter_features`; the request is
-:func:`all_gather_features_matmul_workspace_bytes`.
+``P_y`` alone (its ZeRO variant streams the weight into the GEMM instead, see
+:mod:`distfuse.fused.zero_linear`); the sequence-parallel form (``P_x`` given) is
+:mod:`distfuse.fused.all_gather_matmul`, whose ``keep_gathered`` this one shares (True
+holds ``[*, K]`` from forward to backward).  Workspace, availability and world size 1:
+:mod:`distfuse.fused.matmul_common`.
 """
 
 from __future__ import annotations
@@ -40,11 +34,14 @@ from typing import NamedTuple
 import torch
 
 from distfuse import debug
-from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.errors import ShapeError, expect, where
 from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
     check_linear_args,
+    check_loopback_counts,
+    check_member,
+    check_partial_dtype,
     features_workspace_bytes,
     gathered_phases,
     require_available,
@@ -53,17 +50,11 @@ from distfuse.fused.matmul_common import (
 from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_reduce_scatter_features
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
-from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
 
-__all__ = [
-    "PHASES",
-    "all_gather_features_matmul",
-    "all_gather_features_matmul_plan",
-    "all_gather_features_matmul_loopback",
-    "all_gather_features_matmul_workspace_bytes",
-]
+__all__ = ["PHASES", "all_gather_features_matmul", "all_gather_features_matmul_plan",
+           "all_gather_features_matmul_loopback", "all_gather_features_matmul_workspace_bytes"]
 
 _OP = "all_gather_features_matmul"
 
@@ -91,7 +82,7 @@ PHASES = gathered_phases(
     _OP,
     lambda plan, op, xs, weights, biases, keep: run_all_gather_features_matmul(plan.comm, op, xs, weights, biases,
                                                                                 keep, plan.nbytes),
-    lambda plan, op, blocks: plan.comm.start_feature_gather(op, blocks, plan.K),
+    lambda plan, op, blocks: plan.comm.start_gather(op, blocks, plan.K, features=True),
     lambda plan, op, dys, weights_t: run_matmul_reduce_scatter_features(plan.comm, op, dys, weights_t,
                                                                         [None] * plan.k, plan.partial_dtype,
                                                                         plan.nbytes))
@@ -113,9 +104,7 @@ def all_gather_features_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torc
             again in the backward (False, less memory).
         partial_dtype: dtype of the backward's dx partial sums on the wire (default x's).
 
-    Returns:
-        ``[*, N_r]``.
-
+    Returns ``[*, N_r]``.
     Collective over ``P_sub`` in forward and backward (same row count, ``K``, dtype, bias
     presence and ``keep_gathered`` on every rank; ``DISTFUSE_DEBUG=1`` checks).
     """
@@ -128,10 +117,8 @@ def all_gather_features_matmul_plan(x: torch.Tensor, weight: torch.Tensor, bias:
                                     partial_dtype: torch.dtype | None = None) -> _Plan:
     """:func:`all_gather_features_matmul`'s checks and plan: what its phases run on (collective where the checks
     refuse, see :mod:`distfuse.fused.agreement`)."""
-    if not P_sub.active:
-        raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
+    check_member(_OP, P_sub)
     W, r = P_sub.size, P_sub.rank
-    # A check that fails here reaches every rank of P_sub through the op's first claim (fused/agreement.py).
     with refusal(_OP, P_sub, x, GATHER_FLAGS, nbytes=lambda: all_gather_features_matmul_workspace_bytes(
             math.prod(x.shape[:-1]), weight.shape[1], W, x.dtype, partial_dtype)):
         if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
@@ -146,8 +133,7 @@ def all_gather_features_matmul_plan(x: torch.Tensor, weight: torch.Tensor, bias:
                              "features)")
         # The common checks (dtypes, devices, bias) on the weight's columns that multiply x.
         check_linear_args(_OP, x, weight[:, :x.shape[-1]], bias, P_sub.device)
-        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+        check_partial_dtype(_OP, partial_dtype)
     require_available(_OP, P_sub, x.device)
     rows = math.prod(x.shape[:-1])
     debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
@@ -167,9 +153,7 @@ def all_gather_features_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspa
     """
     op = f"{_OP}_loopback"
     W = ws.world_size
-    if len(xs) != W or len(weights) != W or (biases is not None and len(biases) != W):
-        raise expect(op, "number of inputs, weights and biases (the workspace's world size)", W,
-                     (len(xs), len(weights), None if biases is None else len(biases)))
+    check_loopback_counts(op, W, xs, weights, biases)
     K = sum(x.shape[-1] for x in xs)
     for r, x in enumerate(xs):
         w = weights[r]

@@ -21,18 +21,11 @@ of the input and output-feature block ``r`` of the weight (``*`` any leading dim
 ``keep_gathered`` trades memory for communication: True holds ``[*, n, K]`` (W times the
 input block) from forward to backward and the backward moves only ``dy``'s partials;
 False holds just the block and gathers it again (Megatron's choice for sequence
-parallelism).  On CUDA that gather is an asynchronous NCCL all-gather issued before the
-fused dgrad, so the two overlap; on gloo it runs before the dgrad.
+parallelism; :meth:`~distfuse.fused.matmul_common.Comm.start_gather`, overlapping the
+fused dgrad on CUDA).
 
-Workspace, availability, world size 1 and the concurrency rule (forward and backward each
-claim the workspace) are as for :mod:`distfuse.fused.matmul_reduce_scatter`; the workspace
-request is :func:`all_gather_matmul_workspace_bytes`.  No public library offers eager-mode
-fused all-gather/reduce-scatter GEMMs with autograd: Flux and Triton-distributed are
-forward-only, and torch's ``torch.ops.symm_mem.fused_all_gather_matmul`` gets its backward
-only through torch.compile's async-TP pass.  Here each op's backward is the other fused op;
-both run the two phases of :mod:`distfuse.fused.matmul_phases`.
-
-The kernel floor has a one-shot op of the same name without autograd
+Workspace, availability, world size 1 and the reason for the op:
+:mod:`distfuse.fused.matmul_common`.  The kernel floor has a one-shot op of the same name without autograd
 (:func:`distfuse.kernels.all_gather_matmul.all_gather_matmul`).
 """
 
@@ -45,11 +38,14 @@ import torch
 import torch.distributed as dist
 
 from distfuse import debug
-from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.errors import ShapeError, expect, where
 from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
     check_linear_args,
+    check_loopback_counts,
+    check_member,
+    check_partial_dtype,
     fused_linear_available,
     gathered_phases,
     require_available,
@@ -57,33 +53,22 @@ from distfuse.fused.matmul_common import (
     workspace_bytes,
 )
 from distfuse.fused.matmul_phases import run_all_gather_matmul, run_matmul_reduce_scatter
-from distfuse.fused.providers import check_provider, select_provider
+from distfuse.fused.providers import pick_provider
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
-from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
 
-__all__ = [
-    "PHASES",
-    "all_gather_matmul",
-    "all_gather_matmul_plan",
-    "all_gather_matmul_loopback",
-    "all_gather_matmul_workspace_bytes",
-    "fused_linear_available",
-]
+__all__ = ["PHASES", "all_gather_matmul", "all_gather_matmul_plan", "all_gather_matmul_loopback",
+           "all_gather_matmul_workspace_bytes", "fused_linear_available"]
 
 _OP = "all_gather_matmul"
 
 
 def all_gather_matmul_workspace_bytes(batch: int, n: int, K: int, world_size: int, dtype: torch.dtype,
                                       partial_dtype: torch.dtype | None = None) -> int:
-    """Workspace data bytes :func:`all_gather_matmul` needs on every rank (forward and backward).
-
-    The forward's gathered ``[B_, n, K]`` or the backward's W partial slots of ``dx``
-    (in ``partial_dtype``), whichever is larger; 0 at world size 1.  ``batch`` is the
-    product of the leading dims.
-    """
+    """Workspace data bytes :func:`all_gather_matmul` needs on every rank: the forward's gathered ``[B_, n, K]``
+    or the backward's W partial slots of ``dx`` (:func:`~distfuse.fused.matmul_common.workspace_bytes`)."""
     return workspace_bytes(batch, n, K, world_size, dtype, partial_dtype)
 
 
@@ -116,15 +101,6 @@ def _infer_n(P: Partition, rows: int) -> int:
     return int(t)
 
 
-def _provider(provider: str | None, x: torch.Tensor, n: int, N: int, W: int) -> str:
-    """``provider`` checked, or the one :func:`~distfuse.fused.providers.select_provider` picks for this call."""
-    if provider is not None:
-        return check_provider(_OP, provider)
-    shapes = dict(m=math.prod(x.shape[:-2]) * n, n=N, k=x.shape[-1])
-    name = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
-    return select_provider(_OP, shapes, x.dtype, W, name)
-
-
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition,
                       keep_gathered: bool = True, *, n: int | None = None,
                       partial_dtype: torch.dtype | None = None, provider: str | None = None) -> torch.Tensor:
@@ -141,15 +117,11 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         n: the full sequence extent.  Pass it when known: without it the ranks sum their
             block extents (one host-side all-reduce on the metadata group per call).
         partial_dtype: dtype of the backward's dx partial sums on the wire (default x's).
-        provider: the forward's push (:mod:`distfuse.fused.providers`: ``"triton"``, a copy
-            kernel finished before the GEMM, or ``"copy_engine"``, DMA copies on a side
-            stream that overlap it); None picks it per shape (``DISTFUSE_PROVIDER``, the
-            crossover table, else ``"triton"``).  The same outputs whichever runs; every
-            rank must use the same one.
+        provider: the forward's push (:mod:`distfuse.fused.providers`); None picks it per
+            shape (:func:`~distfuse.fused.providers.select_provider`).  The same outputs
+            whichever runs; every rank must use the same one.
 
-    Returns:
-        ``[*, n, N_r]``.
-
+    Returns ``[*, n, N_r]``.
     Collective over ``P_sub`` in forward and backward (every rank calls it with the same
     ``n``, ``K``, leading dims, dtype, bias presence and ``keep_gathered``;
     ``DISTFUSE_DEBUG=1`` checks).
@@ -164,24 +136,21 @@ def all_gather_matmul_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            partial_dtype: torch.dtype | None = None, provider: str | None = None) -> _AGPlan:
     """:func:`all_gather_matmul`'s checks and plan: what its phases run on (collective where the checks refuse,
     see :mod:`distfuse.fused.agreement`)."""
-    if not P_sub.active:
-        raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
+    check_member(_OP, P_sub)
     W, r = P_sub.size, P_sub.rank
     if n is None:  # before any check: a rank whose checks fail still takes part in this sum
         rows = x.shape[-2] if isinstance(x, torch.Tensor) and x.dim() >= 2 else 0
         n = rows if W == 1 else _infer_n(P_sub, rows)
     n = int(n)
-    # A check that fails here reaches every rank of P_sub through the op's first claim (fused/agreement.py).
     with refusal(_OP, P_sub, x, GATHER_FLAGS, nbytes=lambda: all_gather_matmul_workspace_bytes(
             math.prod(x.shape[:-2]), n, x.shape[-1], W, x.dtype, partial_dtype)):
         check_linear_args(_OP, x, weight, bias, P_sub.device)
-        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+        check_partial_dtype(_OP, partial_dtype)
         rows = x.shape[-2]
         if n < 0 or block_extent(n, W, r) != rows:
             raise ShapeError(f"{where(_OP)}: x has {rows} rows; block {r} of n={n} over {W} workers has "
                              f"{block_extent(n, W, r) if n >= 0 else 'none'} (x must be the balanced block)")
-        provider = _provider(provider, x, n, weight.shape[0], W)
+        provider = pick_provider(_OP, provider, x, math.prod(x.shape[:-2]) * n, weight.shape[0], W)
     require_available(_OP, P_sub, x.device)
     K = x.shape[-1]
     B = math.prod(x.shape[:-2])
@@ -201,14 +170,11 @@ def all_gather_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, ke
 
     ``xs[r]`` ``[*, n_r, K]`` (the balanced blocks, in order), ``weights[r]`` ``[N_r, K]``
     and ``biases[r]`` ``[N_r]`` (or ``biases=None``) are virtual rank ``r``'s.  Returns the
-    W outputs ``[*, n, N_r]``.  For testing and single-GPU timing; size ``ws`` with
-    :func:`all_gather_matmul_workspace_bytes`.  ``provider`` as for :func:`all_gather_matmul`.
+    W outputs ``[*, n, N_r]``.  ``provider`` as for :func:`all_gather_matmul`.
     """
     op = f"{_OP}_loopback"
     W = ws.world_size
-    if len(xs) != W or len(weights) != W or (biases is not None and len(biases) != W):
-        raise expect(op, "number of inputs, weights and biases (the workspace's world size)", W,
-                     (len(xs), len(weights), None if biases is None else len(biases)))
+    check_loopback_counts(op, W, xs, weights, biases)
     n = sum(x.shape[-2] for x in xs)
     for r, x in enumerate(xs):
         check_linear_args(op, x, weights[r], None if biases is None else biases[r])
@@ -220,5 +186,5 @@ def all_gather_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, ke
     x0 = xs[0]
     nbytes = all_gather_matmul_workspace_bytes(math.prod(x0.shape[:-2]), n, x0.shape[-1], W, x0.dtype, partial_dtype)
     plan = _AGPlan(Comm(loopback=ws), W, biases is not None, n, bool(keep_gathered), partial_dtype, nbytes,
-                   _provider(provider, x0, n, weights[0].shape[0], W))
+                   pick_provider(_OP, provider, x0, math.prod(x0.shape[:-2]) * n, weights[0].shape[0], W))
     return run_phases(PHASES, plan, xs, weights, biases)

@@ -2,10 +2,8 @@
 
 Dispatch (:func:`distfuse.layers.dispatch.select_path`) and the provider choice
 (:func:`distfuse.fused.providers.select_provider`) read the table; ``distfuse-tune`` writes
-it (:func:`distfuse.tune.table.write_table`, which imports the format from here).  The
-reader sits in ``fused/``, beside the registry whose op names key it, so that importing
-the layers never loads the tuner (the arrows point down: tune imports dispatch, never the
-other way round).
+it (:func:`distfuse.tune.table.write_table`).  The reader sits beside the registry whose op
+names key it, so that importing the layers never loads the tuner.
 
 File layout (keys with a ``|`` are crossover entries; the rest are sections dispatch ignores)::
 
@@ -31,26 +29,18 @@ the package ships ``distfuse/fused/crossover_shipped.json`` (:func:`shipped_path
 :mod:`distfuse.tune.project`; ``DISTFUSE_SHIPPED_TABLE=off`` ignores it, a path replaces it).
 
 Sources and precedence.  An entry's ``source`` is ``"measured"`` (``distfuse-tune`` timed
-both paths on the node; entries without a ``source`` that carry ``points`` are the tuner's
-too) or ``"projected"`` (modelled from one-GPU kernel times).  What dispatch reads
-(:func:`load_table` without a path) is, key by key, the user's table over the shipped one;
-within one file a measured entry is never replaced by a projected one
-(:func:`distfuse.tune.table.write_table`).  Measured and projected entries may carry
-``gain`` and ``margin`` (the decisive point) and ``gains`` (``[[size, gain, margin], ...]``);
-``gain = unfused_ms / fused_ms - 1`` and ``margin`` how much of it the pessimistic end of
-the inputs takes away, so that :meth:`distfuse.layers.dispatch.Decision.describe` can quote
-them.  Each entry of the merged view carries ``_table`` (its file) and ``_shipped``.
+both paths on the node; :func:`entry_source`) or ``"projected"`` (modelled from one-GPU
+kernel times).  What dispatch reads (:func:`load_table` without a path) is, key by key,
+the user's table over the shipped one; within one file a measured entry is never replaced
+by a projected one.  Entries may carry ``gain`` and ``margin`` (the decisive point) and
+``gains`` (``[[size, gain, margin], ...]``): ``gain = unfused_ms / fused_ms - 1``,
+``margin`` how much of it the pessimistic end of the inputs takes away (:func:`gain_at`).
 
-Robustness.  The writer replaces the file atomically, so a reader never sees half a file.
-:func:`load_table` raises :class:`~distfuse.errors.ConfigError` naming the file and the
-entry when an entry is malformed (say ``"min_size": "big"``), and warns once and ignores a
-file that is not JSON at all.
-
-Renamed ops.  A table written before an op was renamed keys it by the former name
-(``...|linear_rs`` for ``matmul_reduce_scatter``, ``...|linear_ag`` for
-``all_gather_matmul``; :data:`distfuse.fused.registry.RENAMED`).  :func:`load_table` reads
-such keys under the current name, and the writer rewrites them so; where a file holds
-both, the entry under the current name wins.
+Robustness.  The writer replaces the file atomically.  :func:`load_table` raises
+:class:`~distfuse.errors.ConfigError` naming the file and the entry when an entry is
+malformed (:func:`check_entry`), and warns once and ignores a file that is not JSON at all.
+Keys under a renamed op's former name (:data:`distfuse.fused.registry.RENAMED`) are read
+under the current one; where a file holds both, the entry under the current name wins.
 """
 
 from __future__ import annotations
@@ -67,7 +57,7 @@ from distfuse.errors import ConfigError
 from distfuse.fused.registry import current_name
 
 __all__ = ["FORMAT", "NEVER", "SOURCES", "SHIPPED", "table_path", "shipped_path", "table_key", "current_key",
-           "current_keys", "load_table", "read_json", "check_entry", "entry_source", "gain_at"]
+           "current_keys", "load_table", "read_json", "check_entry", "entry_source", "gain_at", "nearest"]
 
 log = logging.getLogger("distfuse.dispatch")
 
@@ -121,48 +111,44 @@ def current_keys(entries: dict) -> dict:
 _FUSED_VALUES = ("interval", "always", "threshold", "never")  # "always": crossover_fit wins at every size
 
 
-def check_entry(path, key: str, entry) -> None:
-    """Raise :class:`ConfigError` naming the file and the entry unless ``entry`` is a well-formed crossover entry.
-
-    What dispatch reads: a JSON object whose ``min_size`` and ``max_size`` are numbers (or
-    absent/null) and whose ``fused`` is one of ``"interval"``, ``"always"``, ``"threshold"``, ``"never"`` (or absent);
-    optionally ``provider`` (a name) and ``provider_sizes`` (``[[size, name], ...]``), which
-    :func:`distfuse.fused.providers.select_provider` reads (tables without them pick the
-    op's default provider).
-    """
-    where_ = f"crossover table {path}: entry {key!r}"
-    if not isinstance(entry, dict):
-        raise ConfigError(f"{where_} must be a JSON object, got {type(entry).__name__} {entry!r:.80}")
-    for bound in ("min_size", "max_size"):
-        v = entry.get(bound)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v)):
-            raise ConfigError(f"{where_}: {bound} must be a number or null, got {v!r:.80}")
-    fused = entry.get("fused")
-    if fused is not None and fused not in _FUSED_VALUES:
-        raise ConfigError(f"{where_}: fused must be one of {_FUSED_VALUES}, got {fused!r:.80}")
-    provider = entry.get("provider")
-    if provider is not None and not isinstance(provider, str):
-        raise ConfigError(f"{where_}: provider must be a string, got {provider!r:.80}")
-    sizes = entry.get("provider_sizes")
-    if sizes is not None and not (isinstance(sizes, list) and all(
-            isinstance(p, list) and len(p) == 2 and isinstance(p[0], (int, float)) and not isinstance(p[0], bool)
-            and isinstance(p[1], str) for p in sizes)):
-        raise ConfigError(f"{where_}: provider_sizes must be a list of [size, provider name], got {sizes!r:.80}")
-    source = entry.get("source")
-    if source is not None and source not in SOURCES:
-        raise ConfigError(f"{where_}: source must be one of {SOURCES}, got {source!r:.80}")
-    for name in ("gain", "margin"):
-        v = entry.get(name)
-        if v is not None and not _is_number(v):
-            raise ConfigError(f"{where_}: {name} must be a number or null, got {v!r:.80}")
-    gains = entry.get("gains")
-    if gains is not None and not (isinstance(gains, list) and all(
-            isinstance(g, list) and len(g) == 3 and all(_is_number(v) for v in g) for g in gains)):
-        raise ConfigError(f"{where_}: gains must be a list of [size, gain, margin] numbers, got {gains!r:.80}")
+def _is_real(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return _is_real(v) and math.isfinite(v)
+
+
+def _rows(v, width: int, row_ok) -> bool:
+    return isinstance(v, list) and all(isinstance(p, list) and len(p) == width and row_ok(p) for p in v)
+
+
+#: What each optional key of an entry must be, ``key -> (check, what)``, checked in this order.
+_ENTRY_RULES = {
+    "min_size": (lambda v: _is_real(v) and not math.isnan(v), "a number or null"),
+    "max_size": (lambda v: _is_real(v) and not math.isnan(v), "a number or null"),
+    "fused": (lambda v: v in _FUSED_VALUES, f"one of {_FUSED_VALUES}"),
+    "provider": (lambda v: isinstance(v, str), "a string"),
+    "provider_sizes": (lambda v: _rows(v, 2, lambda p: _is_real(p[0]) and isinstance(p[1], str)),
+                       "a list of [size, provider name]"),
+    "source": (lambda v: v in SOURCES, f"one of {SOURCES}"),
+    "gain": (_is_number, "a number or null"),
+    "margin": (_is_number, "a number or null"),
+    "gains": (lambda v: _rows(v, 3, lambda g: all(_is_number(x) for x in g)), "a list of [size, gain, margin] numbers"),
+}
+
+
+def check_entry(path, key: str, entry) -> None:
+    """Raise :class:`ConfigError` naming the file and the entry unless ``entry`` is a well-formed crossover entry:
+    a JSON object whose keys follow :data:`_ENTRY_RULES` (``provider`` and ``provider_sizes`` are read by
+    :func:`distfuse.fused.providers.select_provider`)."""
+    where_ = f"crossover table {path}: entry {key!r}"
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where_} must be a JSON object, got {type(entry).__name__} {entry!r:.80}")
+    for name, (ok, what) in _ENTRY_RULES.items():
+        v = entry.get(name)
+        if v is not None and not ok(v):
+            raise ConfigError(f"{where_}: {name} must be {what}, got {v!r:.80}")
 
 
 def entry_source(entry: dict) -> str | None:
@@ -174,15 +160,20 @@ def entry_source(entry: dict) -> str | None:
     return source
 
 
+def nearest(points: list, size: float):
+    """The point of ``points`` (lists whose first entry is a size) whose size is nearest ``size``, in log scale."""
+    def distance(point):
+        s = float(point[0])
+        return abs(math.log(s) - math.log(size)) if s > 0 and size > 0 else abs(s - size)
+    return min(points, key=distance)
+
+
 def gain_at(entry: dict, size: float) -> tuple[float, float, float] | None:
     """``(size, gain, margin)`` of the entry's evaluated size nearest ``size`` (in log scale), else its decisive
     ``gain``/``margin`` (size None), else None."""
     gains = entry.get("gains")
     if isinstance(gains, list) and gains:
-        def distance(g):
-            s = float(g[0])
-            return abs(math.log(s) - math.log(size)) if s > 0 and size > 0 else abs(s - size)
-        s, g, m = min(gains, key=distance)
+        s, g, m = nearest(gains, size)
         return float(s), float(g), float(m)
     if entry.get("gain") is not None:
         return None, float(entry["gain"]), float(entry.get("margin") or 0.0)
@@ -238,22 +229,22 @@ def _load_file(path: Path) -> dict:
     try:
         table = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        key = f"table:{path}"
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            log.warning(f"distfuse: ignoring unreadable crossover table {path}: {exc}")
-        table = {}
+        table = _ignored(path, f"ignoring unreadable crossover table {path}: {exc}")
     if not isinstance(table, dict):
-        key = f"table:{path}"
-        if key not in _LOGGED:
-            _LOGGED.add(key)
-            log.warning(f"distfuse: ignoring crossover table {path}: its top level is not a JSON object")
-        table = {}
+        table = _ignored(path, f"ignoring crossover table {path}: its top level is not a JSON object")
     table = current_keys({k: v for k, v in table.items() if "|" in k})
     for k, v in table.items():
         check_entry(path, k, v)
     _TABLE_CACHE[str(path)] = (mtime, table)
     return table
+
+
+def _ignored(path: Path, why: str) -> dict:
+    """An empty table in place of the file at ``path``, said once per file (as a warning)."""
+    if f"table:{path}" not in _LOGGED:
+        _LOGGED.add(f"table:{path}")
+        log.warning(f"distfuse: {why}")
+    return {}
 
 
 def read_json(path: Path | str | None = None) -> dict:

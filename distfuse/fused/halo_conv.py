@@ -20,10 +20,8 @@ weight sums them over the workers (as DistDL's weight broadcast adjoint does).
 Why fused: DistDL stages with ``F.pad`` + clone + slice and PhysicsNeMo/DTensor with
 ``torch.cat``, two or three full copies of the block; here the staged input is written
 once, straight from the block, the receive buffer and the padding rule
-(``kernels/halo.py``), and the halo boxes travel as one flat buffer each way.  At
-C <= 64 the staging copy is estimated at 30-100% of the convolution's own time on an
-H200 (``bench/bench_halo_conv.py`` measures it; what it found on an H100:
-``docs/benchmarks.md``, "Kernel choices").
+(``kernels/halo.py``), and the halo boxes travel as one flat buffer each way
+(``bench/bench_halo_conv.py`` measures the staging's share of the time).
 
 Overlap (CUDA; ``overlap=True`` also runs on gloo, where the tests exercise it)::
 
@@ -32,10 +30,9 @@ Overlap (CUDA; ``overlap=True`` also runs on gloo, where the tests exercise it):
     backward  compute: dgrad | unstage(remote) | unstage(local) + wgrad ... | wait | accumulate
               comm:                            |--- send back halo grads ---|
 
-``stage(local)`` writes every piece read from the own block and the zero fill, which
-need no message; ``stage(remote)`` then writes only the received pieces, so every
-staged element is still written once.  Without overlap (the CPU default) each step
-simply follows the previous one.
+``stage(local)`` writes every piece read from the own block and the zero fill;
+``stage(remote)`` then writes only the received pieces, so every staged element is
+still written once.  Without overlap (the CPU default) each step follows the previous one.
 
 Workers with no output (staged extent 0) return an empty ``y`` of the right shape and
 still take part in both exchanges, because other workers read their blocks.
@@ -75,6 +72,10 @@ def _conv(nd: int, x, weight, bias, stride, dilation, groups):
     return _CONV[nd](x, weight, bias, stride, 0, dilation, groups)
 
 
+def _stride_dilation(plan: HaloPlan) -> tuple[list[int], list[int]]:
+    return [ax.stride for ax in plan.axes], [ax.dilation for ax in plan.axes]
+
+
 def _post(sends, recvs) -> list:
     """Post one batch of point-to-point messages and return the works, without waiting."""
     me = dist.get_rank()
@@ -103,7 +104,7 @@ def _stage_conv(x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_o
     nd = len(plan.axes)
     lead = math.prod(x.shape[:-nd])
     staged_shape = plan.staged_shape(index)
-    stride, dilation = [ax.stride for ax in plan.axes], [ax.dilation for ax in plan.axes]
+    stride, dilation = _stride_dilation(plan)
     send = halo_pack(x, plan, index)
     recv = x.new_empty(sum(lead * math.prod(pc.src_shape) for pc in plan.recvs(index)))
     sends, recvs = forward_messages(plan, index, world_of, lead, send, recv)
@@ -125,8 +126,7 @@ def _stage_conv(x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_o
         y = x.new_zeros((x.shape[0], weight.shape[0]) + plan.output_shape(index))
     else:
         y = _conv(nd, staged, weight, bias, stride, dilation, groups)
-    # The weight gradient needs the staged input; keep it only then (it is the conv's own activation, the same
-    # memory the unfused HaloExchange + conv keeps).
+    # Kept only for the weight gradient: the conv's own activation, the memory the unfused HaloExchange + conv keeps.
     return y, (staged if keep else None)
 
 
@@ -140,7 +140,7 @@ def _stage_conv_adjoint(grad_y, x, kept, weight, plan: HaloPlan, index: tuple[in
     staged = kept
     if implicit:
         staged = halo_stage(x, kept, plan, index) if kept is not None and 0 not in staged_full_shape else None
-    stride, dilation = [ax.stride for ax in plan.axes], [ax.dilation for ax in plan.axes]
+    stride, dilation = _stride_dilation(plan)
     need_x, need_w, need_b = needs[0], needs[1], needs[2] and has_bias
     grad_y = grad_y.contiguous()
     empty = 0 in staged_full_shape
@@ -208,9 +208,8 @@ class HaloConvFunction(torch.autograd.Function):
 #     distfuse::halo_conv_backward(dy, x, kept, weight, handle, G, groups, overlap, implicit, has_bias, x_shape,
 #                                  needs)                                                       -> (dx, dw, db)
 #
-# ``handle`` names the layer's HaloExchange (its plan for ``G``, its partition); the second is the first's
-# registered backward, with no gradient of its own (first order only, as the eager path).  ``kept``: see
-# _stage_conv; ``keep`` is decided when the graph is traced (whether the weight needs its gradient).
+# ``handle`` names the layer's HaloExchange; the backward op has no gradient of its own (first order only, as the
+# eager path).  ``keep`` (see _stage_conv) is decided when the graph is traced.
 
 
 def _context(handle: int, global_shape):
@@ -326,11 +325,10 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         groups: as torch.
         overlap: stage the local pieces while the halos are in flight; default: on CUDA.
         implicit: convolve with the implicit-GEMM kernel (``kernels/conv_implicit.py``),
-            which reads the block, the received halos and the padding directly, so no
-            staged copy exists in forward (backward re-stages once for the weight
-            gradient).  groups=1 and fp32/fp16/bf16 only.  Default: ``DISTFUSE_HALO_CONV=
-            implicit`` in the environment, else off.  Opt-in because it has not been timed
-            against cuDNN on a GPU yet; ``distfuse-tune`` is where that decision belongs.
+            which reads the block, the received halos and the padding directly (no staged
+            copy in forward; backward re-stages once for the weight gradient).  groups=1
+            and fp32/fp16/bf16 only.  Default: :func:`implicit_requested`.  Opt-in because
+            it has not been timed against cuDNN on a GPU yet.
 
     Returns ``[B, Co, *plan.output_shape(index)]`` (empty on a worker with no outputs).
     Must be called by every worker of the spatial grid, outputs or not: it exchanges
@@ -359,12 +357,10 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     for t, name in ((weight, "weight"), (bias, "bias")):
         if t is not None and (t.dtype != x.dtype or t.device != x.device):
             raise expect(_OP, f"{name} dtype/device (x's)", (x.dtype, x.device), (t.dtype, t.device), cls=ShapeError)
-    plan_stride = tuple(ax.stride for ax in plan.axes)
-    plan_dilation = tuple(ax.dilation for ax in plan.axes)
-    if stride is not None and _as_tuple(_OP, stride, nd, "stride") != plan_stride:
-        raise expect(_OP, "stride (the plan's)", plan_stride, _as_tuple(_OP, stride, nd, "stride"))
-    if dilation is not None and _as_tuple(_OP, dilation, nd, "dilation") != plan_dilation:
-        raise expect(_OP, "dilation (the plan's)", plan_dilation, _as_tuple(_OP, dilation, nd, "dilation"))
+    plan_stride, plan_dilation = map(tuple, _stride_dilation(plan))
+    for name, given, want in (("stride", stride, plan_stride), ("dilation", dilation, plan_dilation)):
+        if given is not None and _as_tuple(_OP, given, nd, name) != want:
+            raise expect(_OP, f"{name} (the plan's)", want, _as_tuple(_OP, given, nd, name))
     if overlap is None:
         overlap = x.is_cuda
     if implicit is None:

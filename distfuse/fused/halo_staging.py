@@ -3,9 +3,19 @@
 :func:`forward_messages` / :func:`backward_messages` pair the flat send and receive
 buffers of the halo kernels (``kernels/halo.py``) with their peers, box by box in the
 plan's order, so a fused worker sends the same bytes, in the same order, as the
-unfused ``HaloExchange`` and the two can talk.  :data:`halo_staging` (an op pair, see
-below) is the fused halo convolution's staging without the convolution, for layers that
-stage a window and then run something else on it (pooling, upsampling).
+unfused ``HaloExchange`` and the two can talk.
+
+:data:`halo_staging` / :data:`halo_staging_adjoint` (an op pair)::
+
+    distfuse::halo_staging(x [B, C, *n], handle, global_shape)                 -> staged [B, C, *L] (contiguous)
+    distfuse::halo_staging_adjoint(g [B, C, *L], handle, global_shape, x_shape) -> dx [B, C, *n]  (contiguous)
+
+is the fused halo convolution's staging without the convolution (Triton pack / stage /
+unstage / accumulate), for layers that stage a window and then run something else on it
+(pooling, upsampling): positions outside the domain are zero (the layers fill them
+afterwards).  ``handle`` names the same context as the unfused pair
+(``primitives.halo_exchange.PlanHalo``), so the paths are interchangeable, compiled calls
+included.  Each op's backward is the other (staging is linear), so gradients of any order are exact.
 """
 
 from __future__ import annotations
@@ -46,19 +56,6 @@ def backward_messages(plan: HaloPlan, index, world_of, lead, send_back: torch.Te
     """The forward messages reversed: what was received goes back to its owner, in the same order."""
     fwd_r, fwd_s = forward_messages(plan, index, world_of, lead, incoming, send_back)
     return fwd_s, fwd_r
-
-
-# ---------------------------------------------------------------- the fused staging as an op pair
-#
-#     distfuse::halo_staging(x [B, C, *n], handle, global_shape)                 -> staged [B, C, *L] (contiguous)
-#     distfuse::halo_staging_adjoint(g [B, C, *L], handle, global_shape, x_shape) -> dx [B, C, *n]  (contiguous)
-#
-# The fused halo convolution's staging without the convolution (Triton pack / stage / unstage / accumulate), for
-# layers that stage a window and then run something else on it (pooling, upsampling): positions outside the domain
-# are zero (the layers fill them afterwards).  ``handle`` names the same context as the unfused pair
-# (``primitives.halo_exchange.PlanHalo``), so the paths are interchangeable, compiled calls included.  The
-# messages are those of the unfused exchange, in the plan's order.  Each op's backward is the other (staging is
-# linear), so gradients of any order are exact.
 
 
 def _staging(x: torch.Tensor, handle: int, global_shape: list[int]) -> torch.Tensor:

@@ -13,48 +13,31 @@ and the matching columns of the weight (``*`` any leading dims)::
                     (ag_push_columns + gathered_k_matmul with weight.t() [K_r, N]), which hands g back
     wgrad    dW  = g.T @ x,   db = sum of g over the rows (on the workers that passed a bias)
 
-It serves two forms:
+``grad_output`` says which of two forms the op serves:
 
-* the general :class:`~distfuse.layers.DistributedLinear` (broadcast, GEMM, sum-reduce):
-  each row of the weight grid all-reduces its partials, and the row's ``P_y`` worker keeps
-  the result (``grad_output="sum"``: the others pass a zero gradient back, and the sum of
-  the row's gradients is the ``P_y`` worker's, the broadcast that is the sum-reduce's
-  adjoint);
-* the row-parallel linear with a replicated output (DTensor's ``RowwiseParallel`` default,
-  Megatron's ``RowParallelLinear``): ``grad_output="replicated"`` when every worker's
-  gradient is already the full one (a replicated loss), so the backward communicates
-  nothing.
-
-``grad_output``:
-
-* ``"sum"`` (the adjoint; DistDL's AllSumReduce convention): ``g = all_reduce(dy)``, taken
-  as the two halves of a two-shot all-reduce.  The all-reduce's adjoint is an all-reduce,
-  and an all-reduce is an all-gather of a reduce-scatter; the all-gather half is exactly the
-  input of a GEMM along its K dim (``g @ weight`` contracts N), which is what
-  :mod:`distfuse.fused.all_gather_features_matmul` fuses, so it serves as this op's
-  backward: ``dx`` reads ``h``'s column chunks from the peers' symmetric buffers as their
-  flags come up, own chunk first, and returns the gathered ``g`` (bit-identical on every
-  worker) for ``dW`` and ``db``.  The reduce-scatter half stays a plain collective on the
-  group (NCCL on CUDA, in fp32, rounded once as before): ``dy`` arrives whole from the
-  layer above, so no GEMM precedes it whose epilogue could carry it, and the op's forward
-  kernels cannot be reused for it (``matmul_scatter_columns`` would need an identity
-  GEMM).  Bytes on the links are a ring all-reduce's; the gain is that the all-gather
-  half and the dgrad GEMM overlap.  ``dW`` and ``db`` are local: after the gather, nothing
-  is left to communicate.
-* ``"replicated"``: ``g = dy``.  Correct only when every worker's ``dy`` is the same full
-  gradient; with ``"sum"`` those gradients would count W times.  The backward moves
-  nothing, so its GEMMs are plain local ones: there is no collective to fuse.
+* ``"sum"`` (the adjoint; DistDL's AllSumReduce convention), for the general
+  :class:`~distfuse.layers.DistributedLinear` (broadcast, GEMM, sum-reduce): each row of the
+  weight grid all-reduces its partials and the row's ``P_y`` worker keeps the result (the
+  others pass a zero gradient back).  ``g = all_reduce(dy)`` is taken as the two halves of
+  a two-shot all-reduce: the all-gather half is exactly the input of a GEMM along its K
+  dim, which :mod:`distfuse.fused.all_gather_features_matmul` fuses (``dx`` reads ``h``'s
+  column chunks as their flags come up; the gathered ``g``, bit-identical on every worker,
+  serves ``dW`` and ``db``).  The reduce-scatter half stays a plain collective (fp32,
+  rounded once): ``dy`` arrives whole, so no GEMM epilogue could carry it.  Bytes on the
+  links are a ring all-reduce's; the gain is that the all-gather half overlaps the dgrad GEMM.
+* ``"replicated"``, for the row-parallel linear with a replicated output (DTensor's
+  ``RowwiseParallel`` default, Megatron's ``RowParallelLinear``): ``g = dy``, correct only
+  when every worker's ``dy`` is the same full gradient (a replicated loss; with ``"sum"``
+  it would count W times).  The backward moves nothing.
 
 Algorithms (:func:`pick_algorithm`, or ``algorithm=``): **one-shot** for small outputs
 (each tile stored once into every peer's slot, each worker sums the W slots: one claim,
-one flag round, latency-bound sizes) and **two-shot** for large ones (GEMM + reduce-scatter
-along the features, then an all-gather of the reduced columns: about 2 (W - 1) / W of the
-output per worker on the links instead of W - 1).  Both sum the partials in fp32 in rank
-order, so every worker's copy is bit-identical; see :mod:`distfuse.kernels.matmul_all_reduce`.
-
-World size 1: a plain ``F.linear``.  Check :func:`~distfuse.fused.matmul_common.fused_linear_available`
-first, as for the other GEMM fusions; the unfused composition is ``F.linear`` + the
-AllSumReduce primitive.
+one flag round) and **two-shot** for large ones (GEMM + reduce-scatter along the
+features, then an all-gather of the reduced columns: about 2 (W - 1) / W of the output
+per worker on the links instead of W - 1).  Both sum the partials in fp32 in rank order,
+so every worker's copy is bit-identical; see :mod:`distfuse.kernels.matmul_all_reduce`.
+Workspace, availability and world size 1: :mod:`distfuse.fused.matmul_common` (the
+unfused composition is ``F.linear`` + AllSumReduce).
 """
 
 from __future__ import annotations
@@ -66,34 +49,33 @@ import torch
 
 import distfuse.kernels.matmul_all_reduce as all_reduce_kernels
 from distfuse import debug
-from distfuse.errors import PartitionError, UnsupportedError, expect, where
+from distfuse.errors import UnsupportedError, expect
 from distfuse.fused.agreement import refusal
-from distfuse.fused.matmul_common import Comm, Phases, check_linear_args, flat_rows, require_available, run_phases
+from distfuse.fused.matmul_common import (
+    Comm,
+    Phases,
+    check_linear_args,
+    check_loopback_counts,
+    check_member,
+    check_partial_dtype,
+    flat_rows,
+    require_available,
+    run_phases,
+)
 from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_all_reduce
 from distfuse.fused.workspace import LoopbackWorkspace
-from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.all_gather_features_matmul import gathered_k_workspace_bytes
 from distfuse.kernels.signature import SCATTER_FLAGS
 from distfuse.partition import Partition
 
-__all__ = [
-    "PHASES",
-    "matmul_all_reduce",
-    "matmul_all_reduce_plan",
-    "matmul_all_reduce_loopback",
-    "matmul_all_reduce_workspace_bytes",
-    "pick_algorithm",
-    "ONE_SHOT_MAX_BYTES",
-    "ALGORITHMS",
-    "GRAD_OUTPUTS",
-]
+__all__ = ["PHASES", "matmul_all_reduce", "matmul_all_reduce_plan", "matmul_all_reduce_loopback",
+           "matmul_all_reduce_workspace_bytes", "pick_algorithm", "ONE_SHOT_MAX_BYTES", "ALGORITHMS", "GRAD_OUTPUTS"]
 
 _OP = "matmul_all_reduce"
 ALGORITHMS = ("auto", "one_shot", "two_shot")
 GRAD_OUTPUTS = ("sum", "replicated")
-#: Largest output (bytes per worker) the one-shot algorithm takes under ``algorithm="auto"``.  A starting point,
-#: not a measurement: one-shot moves W - 1 copies of the output per worker in one flag round, two-shot about
-#: two in two; the crossover is a property of the links and has not been measured on a GPU yet.
+#: Largest output (bytes per worker) the one-shot algorithm takes under ``algorithm="auto"``: a starting point, not
+#: a measurement (one-shot moves W - 1 copies of the output per worker in one flag round, two-shot about two in two).
 ONE_SHOT_MAX_BYTES = 256 << 10
 
 
@@ -141,11 +123,8 @@ def _backward(plan: _Plan, needs, xs, weights, biases, extras, dys):
     need_dx, need_dw, _ = needs
     gs = [flat_rows(dy) for dy in dys]
     if plan.grad_output == "sum" and comm.world_size > 1:
-        # g = all_reduce(dy) = all_gather_N(reduce_scatter_N(dy)).  The reduce-scatter half is a plain
-        # collective (fp32, one rounding: dy arrives whole, no GEMM precedes it); the all-gather half is the
-        # forward phase of all_gather_features_matmul with W_r.t() [K_r, N] as the operand: dx_r = g @ W_r
-        # reads g's column chunks as they land, and the gathered g comes back for dW and db.  Every rank runs
-        # both halves whatever it needs (they are collective); copies, never dy itself.
+        # g = all_gather_N(reduce_scatter_N(dy)) (see the module doc), the all-gather half fused with dx_r = g @ W_r.
+        # Every rank runs both halves whatever it needs (they are collective); copies, never dy itself.
         hs = comm.reduce_scatter(gs, -1, gs[0].shape[1], torch.float32)
         dxs, gs = run_all_gather_features_matmul(comm, f"{_OP}.backward", hs, [w.t() for w in weights],
                                                  [None] * plan.k, True, plan.nbytes)
@@ -179,9 +158,7 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
         algorithm: ``"auto"`` (:func:`pick_algorithm`), ``"one_shot"`` or ``"two_shot"``.
         partial_dtype: dtype of the partial products on the wire (default x's).
 
-    Returns:
-        ``[*, N]``, the same values on every worker of ``P_sub``.
-
+    Returns ``[*, N]``, the same values on every worker of ``P_sub``.
     Collective over ``P_sub`` in forward (and in backward with ``grad_output="sum"``): every
     worker passes the same rows, ``N``, dtype, ``grad_output`` and ``algorithm``
     (``DISTFUSE_DEBUG=1`` checks).
@@ -196,19 +173,16 @@ def matmul_all_reduce_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
                            partial_dtype: torch.dtype | None = None) -> _Plan:
     """:func:`matmul_all_reduce`'s checks and plan: what its phases run on (collective where the checks refuse,
     see :mod:`distfuse.fused.agreement`)."""
-    if not P_sub.active:
-        raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
+    check_member(_OP, P_sub)
     W = P_sub.size
-    # A check that fails here reaches every rank of P_sub through the op's first claim (fused/agreement.py); both
-    # algorithms' first claim has the reduce-scatter flag layout.
+    # Both algorithms' first claim, where a refusal reaches the peers, has the reduce-scatter flag layout.
     with refusal(_OP, P_sub, x, SCATTER_FLAGS, nbytes=lambda: matmul_all_reduce_workspace_bytes(
             math.prod(x.shape[:-1]), weight.shape[0], W, x.dtype,
             pick_algorithm(math.prod(x.shape[:-1]), weight.shape[0], x.dtype, algorithm), partial_dtype)):
         check_linear_args(_OP, x, weight, bias, P_sub.device)
         if grad_output not in GRAD_OUTPUTS:
             raise expect(_OP, "grad_output", " or ".join(GRAD_OUTPUTS), repr(grad_output), cls=UnsupportedError)
-        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+        check_partial_dtype(_OP, partial_dtype)
         rows, N = math.prod(x.shape[:-1]), weight.shape[0]
         algorithm = pick_algorithm(rows, N, x.dtype, algorithm)
     require_available(_OP, P_sub, x.device)
@@ -230,8 +204,7 @@ def matmul_all_reduce_loopback(xs, weights, bias: torch.Tensor | None, ws: Loopb
     """
     op = f"{_OP}_loopback"
     W = ws.world_size
-    if len(xs) != W or len(weights) != W:
-        raise expect(op, "number of inputs and weights (the workspace's world size)", W, (len(xs), len(weights)))
+    check_loopback_counts(op, W, xs, weights)
     for r, (x, w) in enumerate(zip(xs, weights, strict=True)):
         check_linear_args(op, x, w, bias if r == 0 else None)
         if x.shape[:-1] != xs[0].shape[:-1] or w.shape[0] != weights[0].shape[0] or x.device != ws.device:

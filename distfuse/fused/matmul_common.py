@@ -1,12 +1,30 @@
-"""What the GEMM fusions share besides their phases: availability, argument checks, sizes, where an op runs.
+"""What the GEMM fusions share besides their phases: availability, checks, sizes, where an op runs, autograd.
 
-:class:`Comm` says where an op runs (this rank on a real group, or every virtual rank of
-a loopback workspace) and holds the plain collectives the fused ops fall back on;
-:class:`RowGather` / :class:`ColumnGather` carry a gathered operand from the forward to
-the backward.  The phases that launch the kernels are in
-:mod:`distfuse.fused.matmul_phases`; each fused op's autograd is its two phases
-(:class:`Phases`), run eagerly by :func:`run_phases` and compiled as a custom op pair
-(:mod:`distfuse.ops.fused_linear`).
+The fused linears (one module each: :mod:`~distfuse.fused.matmul_reduce_scatter`,
+:mod:`~distfuse.fused.all_gather_matmul`, their ``_features`` forms,
+:mod:`~distfuse.fused.matmul_all_reduce`) share these rules, stated here once:
+
+* **Workspace.**  An op runs on the cached symmetric workspace of its group
+  (:func:`~distfuse.fused.symmetric.get_workspace`), asked for once with the larger of its
+  two phases' needs (the op's ``*_workspace_bytes``); the forward and the backward each
+  claim it (one fused op in flight per workspace).  Outputs never alias it.
+* **Availability.**  At world size 1 an op is a plain ``F.linear``.  Where symmetric memory
+  is unavailable (several hosts, no P2P, CPU without the Triton interpreter) the ops must
+  not be called: ask :func:`fused_linear_available` first and fall back to the unfused
+  composition (``F.linear`` + the matching primitive), logging the reason once with
+  :func:`~distfuse.fused.symmetric_availability.log_fallback_once`.
+* **Autograd.**  Each op's backward is its mirror's forward phase; every kernel launch is in
+  :mod:`distfuse.fused.matmul_phases`.  :class:`Phases` holds an op's two phases, run
+  eagerly by :func:`run_phases` and compiled as a custom op pair (:mod:`distfuse.ops.fused_linear`).
+  Why: no public library offers eager-mode fused all-gather/reduce-scatter GEMMs with
+  autograd (Flux and Triton-distributed ship forward kernels only; torch's
+  ``torch.ops.symm_mem.fused_matmul_reduce_scatter`` / ``fused_all_gather_matmul`` get a
+  backward only through torch.compile's async-TP pass).
+* **Loopback.**  Each op's ``*_loopback`` form runs all W virtual ranks of a
+  :class:`~distfuse.fused.workspace.LoopbackWorkspace` in one process, autograd-aware (testing,
+  single-GPU timing).
+
+:class:`Comm` says where an op runs and holds the plain collectives the ops fall back on.
 """
 
 from __future__ import annotations
@@ -24,7 +42,7 @@ import distfuse.kernels.all_gather_matmul as all_gather_kernels
 import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
 from distfuse._compat import all_gather_flat, reduce_scatter_flat
-from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.fused.agreement import agreed_workspace
 from distfuse.fused.symmetric_availability import symmetric_memory_available
 from distfuse.fused.workspace import LoopbackWorkspace
@@ -32,20 +50,19 @@ from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.partition import Partition
 
-__all__ = ["fused_linear_available", "require_available", "check_linear_args", "workspace_bytes",
-           "features_workspace_bytes", "Comm", "Done", "RowGather", "ColumnGather", "reduce_scatter_dim",
-           "Phases", "run_phases", "no_grads", "flat_rows", "gathered_phases"]
+__all__ = ["fused_linear_available", "require_available", "check_member", "check_partial_dtype",
+           "check_loopback_counts", "check_linear_args", "workspace_bytes", "features_workspace_bytes", "Comm", "Done",
+           "RowGather", "ColumnGather", "reduce_scatter_dim", "Phases", "run_phases", "no_grads", "flat_rows",
+           "gathered_phases", "scattered_phases"]
 
 
 def fused_linear_available(P_sub: Partition, device=None, dtype: torch.dtype | None = None) -> tuple[bool, str]:
     """Whether the fused GEMM ops can run on ``P_sub`` (and ``dtype``), and why not.
 
-    True at world size 1 (a local GEMM, nothing to share).  Otherwise it is
-    :func:`~distfuse.fused.symmetric_availability.symmetric_memory_available`, which is **collective
-    over P_sub the first time** (per group and device; cached afterwards): every rank of
-    ``P_sub`` must call it, and all get the same answer.  The dtype check is local.
-
-    Layers use it as::
+    True at world size 1.  Otherwise it is
+    :func:`~distfuse.fused.symmetric_availability.symmetric_memory_available`, **collective over
+    P_sub the first time** (cached afterwards): every rank of ``P_sub`` calls it and all get the
+    same answer.  The dtype check is local.  Layers use it as::
 
         ok, why = fused_linear_available(P_sub, x.device, x.dtype)
         if not ok:
@@ -67,6 +84,26 @@ def require_available(op: str, P_sub: Partition, device) -> None:
         if not ok:
             raise UnsupportedError(f"{where(op)}: the fused path cannot run here ({why}); check "
                                    "fused_linear_available first and use the unfused composition")
+
+
+def check_member(op: str, P_sub: Partition) -> None:
+    """Raise :class:`~distfuse.errors.PartitionError` where this rank is not in ``P_sub``."""
+    if not P_sub.active:
+        raise PartitionError(f"{where(op)}: this rank is not in P_sub {list(P_sub.ranks)}")
+
+
+def check_partial_dtype(op: str, partial_dtype) -> None:
+    """``partial_dtype`` is None (the input's) or one of the float dtypes the kernels take."""
+    if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
+        raise expect(op, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+
+
+def check_loopback_counts(op: str, world_size: int, xs, weights, *biases) -> None:
+    """``xs`` and ``weights`` (and ``biases``, where passed: a list or None) hold one tensor per virtual rank."""
+    counts = (len(xs), len(weights), *(None if b is None else len(b) for b in biases))
+    if any(c not in (None, world_size) for c in counts):
+        what = "inputs, weights and biases" if biases else "inputs and weights"
+        raise expect(op, f"number of {what} (the workspace's world size)", world_size, counts)
 
 
 def check_linear_args(op: str, x, weight, bias, device=None) -> None:
@@ -98,12 +135,9 @@ def workspace_bytes(batch: int, n: int, features: int, world_size: int, dtype: t
                     partial_dtype: torch.dtype | None = None) -> int:
     """Workspace data bytes on every rank for both phases over ``[B_, n, features]``, whichever needs more.
 
-    A GEMM fusion and its backward move the same tensor shape in opposite directions: the
-    reduce-scatter phase's W partial slots
-    (:func:`~distfuse.kernels.matmul_reduce_scatter.matmul_scatter_workspace_bytes`, in
-    ``partial_dtype``) or the all-gather phase's gathered copy
-    (:func:`~distfuse.kernels.all_gather_matmul.gathered_matmul_workspace_bytes`, in
-    ``dtype``).  0 at world size 1.  ``batch`` is the product of the leading dims.
+    A GEMM fusion and its backward move the same shape in opposite directions: the
+    reduce-scatter phase's W partial slots (in ``partial_dtype``) or the all-gather phase's
+    gathered copy (in ``dtype``).  0 at world size 1.  ``batch``: the product of the leading dims.
     """
     if world_size == 1:
         return 0
@@ -127,9 +161,8 @@ class Comm:
     """Where one fused op runs: this rank of a real group, or every virtual rank of a loopback workspace.
 
     ``ranks`` are the (virtual) ranks this process launches for: ``(P.rank,)`` on a real
-    group, ``0..W-1`` in loopback.  The phases below loop over them, so one code path
-    serves both.  Neither ``P`` nor ``loopback``: a group of one, where every phase is a
-    local GEMM and every collective a copy.
+    group, ``0..W-1`` in loopback; the phases loop over them, so one code path serves both.
+    Neither ``P`` nor ``loopback``: a group of one (every phase a local GEMM, every collective a copy).
     """
 
     def __init__(self, P: Partition | None = None, loopback: LoopbackWorkspace | None = None,
@@ -161,26 +194,19 @@ class Comm:
             return self._loopback
         return agreed_workspace(self.P, self.device, op, nbytes, layout)
 
-    def start_gather(self, op: str, xs, n: int):
-        """Start gathering every rank's rows ``[B_, n_r, K]`` into ``[B_, n, K]``; ``.wait()`` gives one per rank.
+    def start_gather(self, op: str, xs, extent: int, features: bool = False):
+        """Start gathering every rank's block into the whole; ``.wait()`` gives one per rank.
 
-        Used by the all-gather op's backward when the forward did not keep its gathered
-        input.  On CUDA the collective is asynchronous (NCCL on its own stream) so that it
-        overlaps the dgrad GEMM + reduce-scatter issued after it; on gloo it completes
-        here, because a pending gloo collective and the workspace's monitored barrier
-        would share the group.
+        Rows ``[B_, n_r, K]`` into ``[B_, n, K]``, or with ``features`` columns ``[*, K_r]`` into
+        ``[*, K]`` (``extent``: n or K).  For a backward whose forward did not keep its gathered
+        input.  On CUDA the collective is asynchronous (NCCL on its own stream), overlapping the
+        dgrad issued after it; on gloo it completes here (a pending gloo collective would share
+        the group with the workspace's monitored barrier).
         """
         if self.is_loopback or self.world_size == 1:
-            full = torch.cat(list(xs), dim=-2)
+            full = torch.cat(list(xs), dim=-1 if features else -2)
             return Done([full] * len(xs))
-        return RowGather(self.P, xs[0], n)
-
-    def start_feature_gather(self, op: str, xs, K: int):
-        """:meth:`start_gather` along the last dim: every rank's ``[*, K_r]`` into ``[*, K]`` (one per rank)."""
-        if self.is_loopback or self.world_size == 1:
-            full = torch.cat(list(xs), dim=-1)
-            return Done([full] * len(xs))
-        return ColumnGather(self.P, xs[0], K)
+        return (ColumnGather if features else RowGather)(self.P, xs[0], extent)
 
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1 and not self.is_loopback:
@@ -190,9 +216,9 @@ class Comm:
     def reduce_scatter(self, xs, dim: int, n: int, reduce_dtype: torch.dtype) -> list[torch.Tensor]:
         """Sum every rank's ``x`` (extent ``n`` along ``dim``) and keep each rank's balanced block of ``dim``.
 
-        A plain collective, for a sum no GEMM of the op precedes (there is no tile epilogue to
-        fuse it into): added in ``reduce_dtype``, rounded once to x's dtype; one contiguous
-        block per rank this process launches.  Loopback adds the virtual ranks in rank order.
+        A plain collective, for a sum no GEMM of the op precedes (no tile epilogue to fuse it
+        into): added in ``reduce_dtype``, rounded once to x's dtype; one contiguous block per
+        rank launched.  Loopback adds the virtual ranks in rank order.
         """
         if self.world_size == 1:
             return [x.contiguous() for x in xs]
@@ -300,10 +326,9 @@ class Phases(NamedTuple):
 
     ``needs`` is ``(dx, dweight, dbias)``: which gradients the call wants (a phase keeps and
     moves only what they need); ``biases`` holds None for a rank without one; ``extras``
-    are the new tensors the forward keeps for the backward (the gathered input), and the
-    backward gets the inputs besides.  :func:`run_phases` makes them one eager autograd
-    call; :mod:`distfuse.ops.fused_linear` makes them a custom op and its backward op, so
-    eager and compiled calls launch the same kernels.
+    are the new tensors the forward keeps for the backward (the gathered input).
+    :func:`run_phases` makes them one eager autograd call, :mod:`distfuse.ops.fused_linear`
+    a custom op pair, so eager and compiled calls launch the same kernels.
     """
 
     forward: Callable
@@ -367,10 +392,9 @@ def gathered_phases(op: str, forward: Callable, regather: Callable, dgrad: Calla
     ``forward(plan, op, xs, weights, biases, keep) -> (ys, gathered)`` is the fused forward
     phase; it keeps the gathered inputs for the weight gradient when ``plan.keep_gathered``
     and the call wants it.  The backward: ``regather(plan, op, blocks)`` starts gathering the
-    input blocks again where none were kept (a pending ``.wait()``, issued before the
-    dgrad so that on CUDA the two overlap); ``dgrad(plan, op, dys, weights_t)`` is the op's
-    mirror (GEMM + reduce-scatter with ``W.t()`` as the operand); then
-    ``dW = dy^T @ gathered`` and ``db = sum(dy)``.
+    input blocks again where none were kept (a pending ``.wait()``, issued before the dgrad
+    so that on CUDA the two overlap); ``dgrad(plan, op, dys, weights_t)`` is the mirror's
+    forward phase with ``W.t()`` as the operand; then ``dW = dy^T @ gathered``, ``db = sum(dy)``.
     """
 
     def forward_phase(plan, needs, xs, weights, biases):
@@ -388,6 +412,38 @@ def gathered_phases(op: str, forward: Callable, regather: Callable, dgrad: Calla
             dws = [flat_rows(dy).t() @ flat_rows(g) for dy, g in zip(dys, gather.wait(), strict=True)]
         if need_db:
             dbs = [flat_rows(dy).sum(0) for dy in dys]
+        return dxs, dws, dbs
+
+    return Phases(forward_phase, backward_phase)
+
+
+def scattered_phases(op: str, forward: Callable, dgrad: Callable) -> Phases:
+    """The :class:`Phases` of a GEMM + reduce-scatter op (sequence or feature form), given its phases.
+
+    ``forward(plan, op, xs, weights, biases) -> ys`` is the fused forward phase.  The
+    backward: ``dgrad(plan, op, dys, weights_t, return_gathered) -> (dxs, gathered)`` is the
+    mirror's all-gather forward phase with ``W.t()`` as the operand, handing back the gathered
+    ``dy`` for ``dW = gathered^T @ x``; ``db`` is the sum of ``dy`` over this rank's rows, a
+    partial, or all-reduced over the group where ``plan.bias_grad == "sum"`` (in fp32).
+    """
+
+    def forward_phase(plan, needs, xs, weights, biases):
+        return forward(plan, f"{op}.forward", xs, weights, biases), []
+
+    def backward_phase(plan, needs, xs, weights, biases, extras, dys):
+        need_dx, need_dw, need_db = needs
+        dxs, dws, dbs = no_grads(len(dys))
+        if need_dx or need_dw:
+            dxs_all, gathered = dgrad(plan, f"{op}.backward", dys, [w.t() for w in weights], need_dw)
+            if need_dx:
+                dxs = dxs_all
+            if need_dw:
+                dws = [flat_rows(g).t() @ flat_rows(x) for g, x in zip(gathered, xs, strict=True)]
+        if need_db:
+            if plan.bias_grad == "sum":
+                dbs = [plan.comm.all_reduce_(flat_rows(dy).sum(0, dtype=torch.float32)).to(dy.dtype) for dy in dys]
+            else:
+                dbs = [flat_rows(dy).sum(0) for dy in dys]
         return dxs, dws, dbs
 
     return Phases(forward_phase, backward_phase)

@@ -1,49 +1,28 @@
 """The fused phases of the GEMM fusions: every kernel launch of every op happens here.
 
-Availability, argument checks, sizes and :class:`~distfuse.fused.matmul_common.Comm`
-(where an op runs) are in :mod:`distfuse.fused.matmul_common`.
+The ops live one per module (shared rules: :mod:`distfuse.fused.matmul_common`).
+:mod:`~distfuse.fused.matmul_reduce_scatter` and :mod:`~distfuse.fused.all_gather_matmul`
+scatter and gather the sequence dim; their ``_features`` forms are the same pair along the
+features (DistDL's own reduce-scatter and all-gather linears).  Each op's backward is its
+mirror's forward phase, so both directions of the ops are the functions here:
 
-The ops themselves live one per module: :mod:`distfuse.fused.matmul_reduce_scatter`
-(GEMM + reduce-scatter forward, all-gather + GEMM backward) and
-:mod:`distfuse.fused.all_gather_matmul` (the mirror image) scatter and gather the
-sequence dim; :mod:`distfuse.fused.matmul_reduce_scatter_features` and
-:mod:`distfuse.fused.all_gather_features_matmul` are the same pair along the features
-(DistDL's own reduce-scatter and all-gather linears).  Each op's backward is its mirror's
-forward phase, so both directions of all four ops are the four functions here:
+* :func:`run_matmul_reduce_scatter`: ``x [*, n, K] -> reduce_scatter_n(x @ weight.T) + bias``, ``[*, n_r, N]``
+* :func:`run_all_gather_matmul`: ``x [*, n_r, K] -> all_gather_n(x) @ weight.T + bias``, ``[*, n, N]``
+* :func:`run_matmul_reduce_scatter_features`: ``x [*, K] -> reduce_scatter_N(x @ weight.T) + bias_r``, ``[*, N_r]``
+* :func:`run_all_gather_features_matmul`: ``x [*, K_r] -> all_gather_K(x) @ weight.T + bias``, ``[*, N]``
+* :func:`run_matmul_all_reduce`: ``x [*, K_r] -> sum_r (x_r @ weight_r.T + bias_r)``, ``[*, N]`` on every rank
 
-====================================  ==========================================================================
-:func:`run_matmul_reduce_scatter`     ``x [*, n, K] -> reduce_scatter_n(x @ weight.T) + bias``  ``[*, n_r, N]``
-                                      (``matmul_scatter`` stores each tile in its owner's slot; ``chunk_reduce``
-                                      sums the W partials in fp32 and adds the bias once)
-:func:`run_all_gather_matmul`         ``x [*, n_r, K] -> all_gather_n(x) @ weight.T + bias``    ``[*, n, N]``
-                                      (``ag_push`` copies the block into every peer; ``gathered_matmul``
-                                      multiplies the chunks as they land; optionally returns the gathered input)
-:func:`run_matmul_reduce_scatter_     ``x [*, K] -> reduce_scatter_N(x @ weight.T) + bias_r``   ``[*, N_r]``
-features`                             (``matmul_scatter_columns`` stores each tile's columns in their owner's
-                                      slot; ``column_reduce`` sums the W partials in fp32, adds the bias block)
-:func:`run_all_gather_features_       ``x [*, K_r] -> all_gather_K(x) @ weight.T + bias``       ``[*, N]``
-matmul`                               (``ag_push_columns`` copies the K block into every peer; ``gathered_k_matmul``
-                                      walks the K chunks, own first, in a fixed order; a rank with a zero-width
-                                      weight gets its gathered copy from ``gather_columns``, which waits too)
-:func:`run_matmul_all_reduce`         ``x [*, K_r] -> sum_r (x_r @ weight_r.T + bias_r)``       ``[*, N]`` on every rank
-                                      (one-shot ``matmul_push`` + ``all_reduce_slots``, or two-shot: the features
-                                      reduce-scatter, then ``ag_push_columns`` + ``gather_columns``)
-====================================  ==========================================================================
+The kernels each launches are in its op module's docstring.  The same phases serve on
+transposed operands: :mod:`distfuse.fused.zero_linear` streams ZeRO weight shards with the
+all-gather phases and reduce-scatters the weight gradient with the GEMM + reduce-scatter
+phases; :mod:`distfuse.fused.matmul_all_reduce`'s backward is :meth:`Comm.reduce_scatter`
+(a plain collective), then :func:`run_all_gather_features_matmul`.
 
-The same phases serve on transposed operands: :mod:`distfuse.fused.zero_linear` streams
-ZeRO weight shards with the all-gather phases (the shard as the gathered operand) and
-reduce-scatters the weight gradient with the GEMM + reduce-scatter phases, and
-:mod:`distfuse.fused.matmul_all_reduce`'s backward is :meth:`Comm.reduce_scatter` (a plain
-collective) followed by :func:`run_all_gather_features_matmul`.
-
-Every kernel launch of both ops happens in these two functions, each inside one claim
-of the workspace (``ws.in_flight``: one fused op in flight per workspace).  They loop over
-the ranks of a :class:`Comm`: this rank on a real group, or every virtual rank of a
-loopback workspace, so one code path serves training and single-process testing.  The
-kernel modules are imported qualified (``reduce_scatter_kernels.matmul_scatter``): their
-one-shot ops share the names of the autograd ops here, one floor down.
-
-World size 1: both phases are a plain ``F.linear`` (no workspace, no communication).
+Each phase runs inside one claim of the workspace and loops over the ranks of a
+:class:`Comm` (this rank, or every virtual rank of a loopback workspace); at world size 1
+it is a plain ``F.linear``.  The kernel modules are imported qualified
+(``reduce_scatter_kernels.matmul_scatter``): their one-shot ops share the names of the
+autograd ops, one floor down.
 """
 
 from __future__ import annotations
@@ -60,7 +39,7 @@ import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
 from distfuse import debug
 from distfuse.fused.matmul_common import Comm
-from distfuse.fused.providers import record_kernel, run_push
+from distfuse.fused.providers import record_kernel, run_producer, run_push
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels.gathered_matmul_select import last_gather_choice
 from distfuse.kernels.signature import (
@@ -72,16 +51,8 @@ from distfuse.kernels.signature import (
     shape_signature,
 )
 
-__all__ = ["alloc_output", "scatter_signature", "gather_signature", "features_scatter_signature",
-           "features_gather_signature", "all_reduce_signature", "run_matmul_reduce_scatter",
-           "run_all_gather_matmul", "run_matmul_reduce_scatter_features", "run_all_gather_features_matmul",
-           "run_matmul_all_reduce"]
-
-
-# ---------------------------------------------------------------- availability, arguments and sizes
-
-
-# ---------------------------------------------------------------- where an op runs
+__all__ = ["run_matmul_reduce_scatter", "run_all_gather_matmul", "run_matmul_reduce_scatter_features",
+           "run_all_gather_features_matmul", "run_matmul_all_reduce"]
 
 
 def alloc_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -91,10 +62,7 @@ def alloc_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-# ---------------------------------------------------------------- the agreement check (kernels/signature.py)
-
-
-def scatter_signature(op: str, x: torch.Tensor, N_out: int, partial_dtype) -> tuple[int, str]:
+def scatter_signature(x: torch.Tensor, N_out: int, partial_dtype) -> tuple[int, str]:
     """What every rank of a GEMM + reduce-scatter agrees on (its own input features ``K_r`` excepted), hashed,
     and said in words for the error."""
     lead, n = tuple(x.shape[:-2]), x.shape[-2]
@@ -103,7 +71,7 @@ def scatter_signature(op: str, x: torch.Tensor, N_out: int, partial_dtype) -> tu
     return shape_signature("matmul_reduce_scatter", lead, n, N_out, x.dtype, pd), what
 
 
-def gather_signature(op: str, shard: torch.Tensor, n: int) -> tuple[int, str]:
+def gather_signature(shard: torch.Tensor, n: int) -> tuple[int, str]:
     """What every rank of an all-gather + GEMM agrees on (its own output features ``N_r`` excepted)."""
     lead, K = tuple(shard.shape[:-2]), shard.shape[-1]
     what = f"x [*{list(lead)}, n_r of n={n}, K={K}] of {shard.dtype}"
@@ -132,16 +100,14 @@ def all_reduce_signature(algorithm: str, rows: int, N: int, dtype: torch.dtype, 
     return shape_signature("matmul_all_reduce", algorithm, rows, N, dtype, pd), what
 
 
-# ---------------------------------------------------------------- the two fused phases
-
-
 def run_matmul_reduce_scatter(comm: Comm, op: str, xs, weights, biases, n: int, partial_dtype,
-                              nbytes: int) -> list[torch.Tensor]:
+                              nbytes: int, provider: str | None = None) -> list[torch.Tensor]:
     """GEMM + reduce-scatter for every rank of ``comm``, in one claim: ``x [*, n, K] -> [*, n_r, N_out]``.
 
     ``weights[i]`` is ``[N_out, K]`` (any strides); ``biases[i]`` ``[N_out]`` or None.
     Every producer runs before any reducer: in loopback the reducers read every virtual
-    rank's partials.
+    rank's partials.  ``provider``: the producer, through :func:`~distfuse.fused.providers.run_producer`
+    (None: the Triton ``matmul_scatter`` launched directly).
     """
     W = comm.world_size
     if W == 1:
@@ -151,11 +117,14 @@ def run_matmul_reduce_scatter(comm: Comm, op: str, xs, weights, biases, n: int, 
     B = math.prod(lead)
     N_out = weights[0].shape[0]
     outs = []
-    sig, what = scatter_signature(op, xs[0], N_out, partial_dtype)
+    sig, what = scatter_signature(xs[0], N_out, partial_dtype)
     with ws.in_flight(op):
         for r, x, w in zip(comm.ranks, xs, weights, strict=True):
             publish_signature(ws, r, W, sig, op)
-            reduce_scatter_kernels.matmul_scatter(x, w, ws, r, W, partial_dtype=partial_dtype or x.dtype)
+            if provider is None:
+                reduce_scatter_kernels.matmul_scatter(x, w, ws, r, W, partial_dtype=partial_dtype or x.dtype)
+            else:
+                run_producer(provider, x, w, ws, r, W, partial_dtype or x.dtype)
         for r, x, b in zip(comm.ranks, xs, biases, strict=True):
             len_r = block_extent(n, W, r)
             out = alloc_output((B, len_r, N_out), x.dtype, x.device)
@@ -173,9 +142,7 @@ def run_all_gather_matmul(comm: Comm, op: str, shards, weights, biases, n: int, 
     Returns ``(ys, gathered)``; ``gathered[i]`` is the gathered ``[*, n, K]`` when
     ``return_gathered`` (else None).  Every push is issued before any GEMM (see the kernels'
     module doc: a grid of spinning GEMM programs must never keep a push from running).
-    ``push`` is the provider of the push (:data:`distfuse.fused.providers.PUSHES`):
-    ``"triton"`` finishes on the op's stream before the GEMM; ``"copy_engine"`` copies on a
-    side stream and overlaps it.
+    ``push``: the provider of the push (:data:`distfuse.fused.providers.PUSHES`).
     """
     W = comm.world_size
     if W == 1:
@@ -183,7 +150,7 @@ def run_all_gather_matmul(comm: Comm, op: str, shards, weights, biases, n: int, 
         return ys, [x if return_gathered else None for x in shards]
     ws = comm.workspace(op, nbytes, GATHER_FLAGS)
     ys, gathered = [], []
-    sig, what = gather_signature(op, shards[0], n)
+    sig, what = gather_signature(shards[0], n)
     with ws.in_flight(op):
         for r, x in zip(comm.ranks, shards, strict=True):
             publish_signature(ws, r, W, sig, op)
@@ -203,12 +170,9 @@ def run_all_gather_matmul(comm: Comm, op: str, shards, weights, biases, n: int, 
                 # last_decision and the benchmarks; a backward's gather never overwrites its forward's producer.
                 record_kernel(op.split(".")[0], last_gather_choice())
             check_signatures(ws, r, W, sig, out, **consumer_flags(GATHER_FLAGS, r, W), op=op, what=what)
-            if want:
-                ys.append(res[0])
-                gathered.append(res[1])
-            else:
-                ys.append(res)
-                gathered.append(x.new_zeros(*lead, n, x.shape[-1]) if return_gathered else None)
+            y, g = res if want else (res, x.new_zeros(*lead, n, x.shape[-1]) if return_gathered else None)
+            ys.append(y)
+            gathered.append(g)
     return ys, gathered
 
 
@@ -321,10 +285,4 @@ def run_matmul_all_reduce(comm: Comm, op: str, xs, weights, biases, algorithm: s
             for r, own, out in zip(comm.ranks, owns, outs, strict=True):
                 all_reduce_kernels.gather_columns(own, ws, r, W, N, out=out)
     return [out.view(*x.shape[:-1], N) for x, out in zip(xs, outs, strict=True)]
-
-
-# ---------------------------------------------------------------- the autograd Functions' plumbing
-# Both ops' Functions take ``apply(plan, *xs, *weights, *biases)``: k tensors of each kind, one per rank this
-# process launches (k = 1 on a real group, W in loopback), biases only when the op has them.
-
 

@@ -15,12 +15,9 @@ block ``r`` of ``n``, so ``n`` need not divide by ``W``)::
     wgrad    dW  = g.T @ x   with g = all_gather_n(dy), the copy gathered_matmul returns   [N, K_r]
              db  = sum of dy over this worker's rows  (a partial: see Bias)         [N]
 
-Providers.  The forward's producer is one of three with the same slots and flags
-(:mod:`distfuse.fused.providers`): ``"triton"`` (one program per tile), ``"triton_persistent"``
-(persistent grid, tensor-descriptor loads, one flag per chunk) and ``"cublas_chunks"`` (one
-library GEMM per chunk into its owner's slot, flags raised in stream order); ``chunk_reduce``
-consumes whichever ran.  ``provider=None`` picks per shape (``DISTFUSE_PROVIDER``, the
-crossover table, else ``"triton"``).
+The forward's producer is one of the providers of :mod:`distfuse.fused.providers`
+(``"triton"``, ``"triton_persistent"``, ``"cublas_chunks"``; ``chunk_reduce`` consumes
+whichever ran).
 
 Bias.  Every output element gets the bias exactly once: worker ``r`` adds its copy to its
 own rows only.  Its gradient on worker ``r`` therefore covers only those rows, and the
@@ -35,31 +32,9 @@ correct, and ``bias_grad`` says which one the caller uses:
   ``N``-element fp32 all-reduce), so every replica gets the full gradient and stays in
   step.  Combined with a Broadcast it would count the gradient W times.
 
-Every rank of ``P_sub`` must pass a bias, or none.
-
-Workspace.  Both directions run on the cached symmetric workspace of ``P_sub``
-(:func:`~distfuse.fused.symmetric.get_workspace`), requested once with the max of the two
-phases' needs (:func:`matmul_reduce_scatter_workspace_bytes`).  The forward and the
-backward each claim it (``ws.in_flight``): one fused op in flight per workspace, so a
-second fused op cannot run on it between this op's launches.  Outputs never alias the
-workspace.
-
-Why this exists.  No public library offers eager-mode fused all-gather/reduce-scatter
-GEMMs with autograd: Flux and Triton-distributed ship forward kernels only, and torch's
-``torch.ops.symm_mem.fused_matmul_reduce_scatter`` / ``fused_all_gather_matmul`` get a
-backward only through torch.compile's async-TP pass (the micro-pipeline TP graph
-rewrite).  Here each op's backward is the other fused op
-(:mod:`distfuse.fused.all_gather_matmul`); both run the two phases of
-:mod:`distfuse.fused.matmul_phases`, where every kernel launch of both ops happens.
-
-World size 1: a plain ``F.linear`` (no workspace, no communication).  Where symmetric
-memory is unavailable (several hosts, no P2P, CPU without the Triton interpreter), the
-functional forms must not be called: ask :func:`fused_linear_available` first and fall
-back to the unfused composition (``F.linear`` + the ReduceScatter / AllGather
-primitives), logging the reason once with
-:func:`~distfuse.fused.symmetric_availability.log_fallback_once`.
-
-The kernel floor has a one-shot op of the same name without autograd
+Every rank of ``P_sub`` must pass a bias, or none.  Workspace, availability, world size 1
+and the reason for the op: :mod:`distfuse.fused.matmul_common`.  The kernel floor has a
+one-shot op of the same name without autograd
 (:func:`distfuse.kernels.matmul_reduce_scatter.matmul_reduce_scatter`).
 """
 
@@ -70,43 +45,30 @@ from typing import NamedTuple
 
 import torch
 
-import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 from distfuse import debug
-from distfuse.errors import PartitionError, UnsupportedError, expect, where
+from distfuse.errors import UnsupportedError, expect
 from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
-    Phases,
     check_linear_args,
-    flat_rows,
+    check_loopback_counts,
+    check_member,
+    check_partial_dtype,
     fused_linear_available,
-    no_grads,
     require_available,
     run_phases,
+    scattered_phases,
     workspace_bytes,
 )
-from distfuse.fused.matmul_phases import (
-    alloc_output,
-    run_all_gather_matmul,
-    run_matmul_reduce_scatter,
-    scatter_signature,
-)
-from distfuse.fused.providers import check_provider, record_kernel, run_producer, select_provider
+from distfuse.fused.matmul_phases import run_all_gather_matmul, run_matmul_reduce_scatter
+from distfuse.fused.providers import pick_provider, record_kernel
 from distfuse.fused.workspace import LoopbackWorkspace
-from distfuse.geometry.decomposition import block_extent
-from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.matmul_scatter_select import KernelChoice
-from distfuse.kernels.signature import SCATTER_FLAGS, check_signatures, consumer_flags, publish_signature
+from distfuse.kernels.signature import SCATTER_FLAGS
 from distfuse.partition import Partition
 
-__all__ = [
-    "PHASES",
-    "matmul_reduce_scatter",
-    "matmul_reduce_scatter_plan",
-    "matmul_reduce_scatter_loopback",
-    "matmul_reduce_scatter_workspace_bytes",
-    "fused_linear_available",
-]
+__all__ = ["PHASES", "matmul_reduce_scatter", "matmul_reduce_scatter_plan", "matmul_reduce_scatter_loopback",
+           "matmul_reduce_scatter_workspace_bytes", "fused_linear_available"]
 
 _OP = "matmul_reduce_scatter"
 BIAS_GRADS = ("partial", "sum")
@@ -114,16 +76,10 @@ BIAS_GRADS = ("partial", "sum")
 
 def matmul_reduce_scatter_workspace_bytes(batch: int, n: int, N: int, world_size: int, dtype: torch.dtype,
                                           partial_dtype: torch.dtype | None = None) -> int:
-    """Workspace data bytes :func:`matmul_reduce_scatter` needs on every rank (forward and backward).
-
-    The forward's W partial slots of ``[B_, ceil(n / W), N]`` (in ``partial_dtype``) or the
-    backward's gathered ``dy`` ``[B_, n, N]``, whichever is larger; 0 at world size 1.
-    ``batch`` is the product of the leading dims.
-    """
+    """Workspace data bytes :func:`matmul_reduce_scatter` needs on every rank: the forward's W partial slots of
+    ``[B_, ceil(n / W), N]`` or the backward's gathered ``dy`` ``[B_, n, N]`` (see
+    :func:`~distfuse.fused.matmul_common.workspace_bytes`)."""
     return workspace_bytes(batch, n, N, world_size, dtype, partial_dtype)
-
-
-# ---------------------------------------------------------------- autograd
 
 
 class _RSPlan(NamedTuple):
@@ -137,74 +93,24 @@ class _RSPlan(NamedTuple):
     provider: str = "triton"
 
 
-def _run_forward(plan: _RSPlan, op: str, xs, weights, biases) -> list[torch.Tensor]:
-    """The forward phase with the plan's producer; ``chunk_reduce`` consumes whichever produced the slots."""
-    comm = plan.comm
-    if plan.provider == "triton" or comm.world_size == 1:
+def _forward(plan: _RSPlan, op: str, xs, weights, biases) -> list[torch.Tensor]:
+    """The forward phase with the plan's producer (the ``"triton"`` one launched directly, as in the backwards)."""
+    producer = plan.provider
+    if plan.provider == "triton" or plan.comm.world_size == 1:
         # The kernel that runs is recorded like run_producer's (last_kernel): one world has no producer at all.
         record_kernel(_OP, KernelChoice(plan.provider, "matmul_scatter", "one program per tile, pointer loads")
-                      if comm.world_size > 1 else KernelChoice(plan.provider, "F.linear", "world size 1: a local GEMM"))
-        return run_matmul_reduce_scatter(comm, op, xs, weights, biases, plan.n, plan.partial_dtype, plan.nbytes)
-    W, n = comm.world_size, plan.n
-    ws = comm.workspace(op, plan.nbytes, SCATTER_FLAGS)
-    lead = xs[0].shape[:-2]
-    B = math.prod(lead)
-    N_out = weights[0].shape[0]
-    outs = []
-    sig, what = scatter_signature(op, xs[0], N_out, plan.partial_dtype)
-    with ws.in_flight(op):
-        for r, x, w in zip(comm.ranks, xs, weights, strict=True):
-            publish_signature(ws, r, W, sig, op)
-            run_producer(plan.provider, x, w, ws, r, W, plan.partial_dtype or x.dtype)
-        for r, x, b in zip(comm.ranks, xs, biases, strict=True):
-            len_r = block_extent(n, W, r)
-            out = alloc_output((B, len_r, N_out), x.dtype, x.device)
-            reduce_scatter_kernels.chunk_reduce(ws, r, W, B, n, N_out, partial_dtype=plan.partial_dtype or x.dtype,
-                                                bias=b, out_dtype=x.dtype, out=out)
-            check_signatures(ws, r, W, sig, out, **consumer_flags(SCATTER_FLAGS, r, W), op=op, what=what)
-            outs.append(out.view(*lead, len_r, N_out))
-    return outs
+                      if plan.comm.world_size > 1 else
+                      KernelChoice(plan.provider, "F.linear", "world size 1: a local GEMM"))
+        producer = None
+    return run_matmul_reduce_scatter(plan.comm, op, xs, weights, biases, plan.n, plan.partial_dtype, plan.nbytes,
+                                     provider=producer)
 
 
-def _device_name(device: torch.device) -> str:
-    """The name the crossover table keys on (as ``dispatch.device_caps`` reads it)."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-
-
-def _provider(provider: str | None, x: torch.Tensor, N: int, W: int) -> str:
-    """``provider`` checked, or the one :func:`~distfuse.fused.providers.select_provider` picks for this call."""
-    if provider is not None:
-        return check_provider(_OP, provider)
-    shapes = dict(m=math.prod(x.shape[:-1]), n=N, k=x.shape[-1])
-    return select_provider(_OP, shapes, x.dtype, W, _device_name(x.device))
-
-
-def _forward(plan: _RSPlan, needs, xs, weights, biases):
-    return _run_forward(plan, f"{_OP}.forward", xs, weights, biases), []
-
-
-def _backward(plan: _RSPlan, needs, xs, weights, biases, extras, dys):
-    comm = plan.comm
-    need_dx, need_dw, need_db = needs
-    dxs, dws, dbs = no_grads(plan.k)
-    if need_dx or need_dw:
-        # dx = all_gather(dy) @ W; the kernel hands back the gathered dy for the weight gradient.
-        dxs_all, gathered = run_all_gather_matmul(comm, f"{_OP}.backward", dys, [w.t() for w in weights],
-                                                  [None] * plan.k, plan.n, need_dw, plan.nbytes)
-        if need_dx:
-            dxs = dxs_all
-        if need_dw:
-            dws = [flat_rows(g).t() @ flat_rows(x) for g, x in zip(gathered, xs, strict=True)]
-    if need_db:
-        if plan.bias_grad == "sum":
-            dbs = [comm.all_reduce_(flat_rows(dy).sum(0, dtype=torch.float32)).to(dy.dtype) for dy in dys]
-        else:
-            dbs = [flat_rows(dy).sum(0) for dy in dys]
-    return dxs, dws, dbs
-
-
-#: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`).
-PHASES = Phases(_forward, _backward)
+#: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`): dgrad is all_gather_matmul's forward phase.
+PHASES = scattered_phases(
+    _OP, _forward,
+    lambda plan, op, dys, weights_t, keep: run_all_gather_matmul(plan.comm, op, dys, weights_t, [None] * plan.k,
+                                                                 plan.n, keep, plan.nbytes))
 
 
 def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition, *,
@@ -224,14 +130,11 @@ def matmul_reduce_scatter(x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
         bias_grad: ``"partial"`` (the sum of ``dy`` over this worker's rows; the caller's
             Broadcast adjoint sums them) or ``"sum"`` (all-reduced over ``P_sub``; for
             replicas updated independently).  See the module doc.
-        provider: the forward's producer (:mod:`distfuse.fused.providers`: ``"triton"``,
-            ``"triton_persistent"``, ``"cublas_chunks"``); None picks it per shape
-            (``DISTFUSE_PROVIDER``, the crossover table, else ``"triton"``).  The same
-            outputs whichever runs; every rank must use the same one.
+        provider: the forward's producer (:mod:`distfuse.fused.providers`); None picks it per
+            shape (:func:`~distfuse.fused.providers.select_provider`).  The same outputs
+            whichever runs; every rank must use the same one.
 
-    Returns:
-        ``[*, n_r, N]``: this worker's sequence block of the reduced output.
-
+    Returns ``[*, n_r, N]``: this worker's sequence block of the reduced output.
     Collective over ``P_sub`` in forward and backward (every rank calls it with the same
     ``n``, ``N``, leading dims, dtype and bias presence; ``DISTFUSE_DEBUG=1`` checks).
     """
@@ -245,18 +148,15 @@ def matmul_reduce_scatter_plan(x: torch.Tensor, weight: torch.Tensor, bias: torc
                                provider: str | None = None) -> _RSPlan:
     """:func:`matmul_reduce_scatter`'s checks and plan: what its phases run on (collective where the checks
     refuse, see :mod:`distfuse.fused.agreement`)."""
-    if not P_sub.active:
-        raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
+    check_member(_OP, P_sub)
     W = P_sub.size
-    # A check that fails here reaches every rank of P_sub through the op's first claim (fused/agreement.py).
     with refusal(_OP, P_sub, x, SCATTER_FLAGS, nbytes=lambda: matmul_reduce_scatter_workspace_bytes(
             math.prod(x.shape[:-2]), x.shape[-2], weight.shape[0], W, x.dtype, partial_dtype)):
         check_linear_args(_OP, x, weight, bias, P_sub.device)
         if bias_grad not in BIAS_GRADS:
             raise expect(_OP, "bias_grad", " or ".join(BIAS_GRADS), repr(bias_grad), cls=UnsupportedError)
-        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
-        provider = _provider(provider, x, weight.shape[0], W)
+        check_partial_dtype(_OP, partial_dtype)
+        provider = pick_provider(_OP, provider, x, math.prod(x.shape[:-1]), weight.shape[0], W)
     require_available(_OP, P_sub, x.device)
     n, N = x.shape[-2], weight.shape[0]
     B = math.prod(x.shape[:-2])
@@ -275,14 +175,12 @@ def matmul_reduce_scatter_loopback(xs, weights, bias: torch.Tensor | None, ws: L
 
     ``xs[r]`` ``[*, n, K_r]`` and ``weights[r]`` ``[N, K_r]`` are virtual rank ``r``'s;
     ``bias`` ``[N]`` is the one shared tensor (its gradient accumulates every rank's
-    partial, i.e. the full gradient).  Returns the W outputs ``[*, n_r, N]``.  For
-    testing and single-GPU timing; size ``ws`` with :func:`matmul_reduce_scatter_workspace_bytes`.
-    ``provider`` as for :func:`matmul_reduce_scatter`.
+    partial, i.e. the full gradient).  Returns the W outputs ``[*, n_r, N]``.  ``provider``
+    as for :func:`matmul_reduce_scatter`.
     """
     op = f"{_OP}_loopback"
     W = ws.world_size
-    if len(xs) != W or len(weights) != W:
-        raise expect(op, "number of inputs and weights (the workspace's world size)", W, (len(xs), len(weights)))
+    check_loopback_counts(op, W, xs, weights)
     for x, w in zip(xs, weights, strict=True):
         check_linear_args(op, x, w, bias)
         if x.shape[:-1] != xs[0].shape[:-1] or w.shape[0] != weights[0].shape[0] or x.device != ws.device:
@@ -293,5 +191,5 @@ def matmul_reduce_scatter_loopback(xs, weights, bias: torch.Tensor | None, ws: L
     n, N = x0.shape[-2], weights[0].shape[0]
     plan = _RSPlan(Comm(loopback=ws), W, bias is not None, n, partial_dtype, "partial",
                    matmul_reduce_scatter_workspace_bytes(math.prod(x0.shape[:-2]), n, N, W, x0.dtype, partial_dtype),
-                   _provider(provider, x0, N, W))
+                   pick_provider(_OP, provider, x0, math.prod(x0.shape[:-1]), N, W))
     return run_phases(PHASES, plan, xs, weights, [bias] * W if bias is not None else None)

@@ -8,25 +8,14 @@ The design of torch's async tensor parallelism, on distfuse's workspaces::
         raise owner c's flag [c, rank] = epoch, in stream order after the GEMM
     then chunk_reduce on every rank (the same consumer as the Triton producers)
 
-The GEMM is cuBLAS on CUDA (any shape it is fast at, tensor cores for 16-bit and TF32),
-so this provider wins where the Triton GEMMs lose to the library (small chunks, shapes
-the pinned tiles fit badly); its cost is W launches and no overlap of a chunk's GEMM
-with its own stores (the next chunk's GEMM overlaps them).  The slot view is the owner's
-memory (:mod:`distfuse.fused.peer_views`: torch symmetric memory's own ``get_buffer`` on
-CUDA, the ``/dev/shm`` mapping or the loopback buffer on CPU), checked to alias the
-owner's address in the peer table, so a GEMM can never write a silent copy.
-
-Flags: on CUDA a one-program Triton kernel launched after the chunk's GEMM on the same
-stream raises the flag with a system-scope release (:func:`raise_chunk_flag`,
-:mod:`distfuse.kernels.chunk_flag`): stream
-order puts it after the GEMM's stores, without a host sync.  On CPU the flag word is
-written from the host after the GEMM has returned (the consumer's host barrier orders
-it before the reads).
-
-Precision: partials in ``partial_dtype`` (default the input dtype, as the Triton
-producer).  fp32 partials of 16-bit inputs use cuBLAS's fp32 output (``out_dtype``) on
-CUDA, and an fp32 GEMM of the upcast operands on CPU: one rounding, like the Triton
-producer's fp32 accumulation.
+The GEMM is cuBLAS on CUDA, so this provider wins where the Triton GEMMs lose to the
+library (small chunks, shapes the pinned tiles fit badly); its cost is W launches and no
+overlap of a chunk's GEMM with its own stores.  The slot view is the owner's memory,
+checked (:mod:`distfuse.fused.peer_views`), so a GEMM can never write a silent copy.
+Flags: :func:`raise_chunk_flag`, in stream order after the chunk's GEMM on CUDA (no host
+sync); on CPU the consumer's host barrier orders the host write before the reads.
+Precision: fp32 partials of 16-bit inputs use cuBLAS's fp32 output (``out_dtype``) on
+CUDA, an fp32 GEMM of the upcast operands on CPU: one rounding, like the Triton producer.
 """
 
 from __future__ import annotations
@@ -47,8 +36,9 @@ __all__ = ["matmul_scatter_cublas", "raise_chunk_flag"]
 def raise_chunk_flag(view, chunk: int, rank: int) -> None:
     """Raise owner ``chunk``'s flag ``[chunk, rank]`` to the op's epoch: stream-ordered on CUDA, a host write on CPU.
 
-    The value is the workspace's device epoch (``view.epoch_dev``), read when the write
-    executes, so a CUDA graph replay raises the replay's epoch.
+    On CUDA a one-program Triton kernel (:mod:`distfuse.kernels.chunk_flag`) stores the
+    device epoch with a system-scope release, read when it executes, so a CUDA graph replay
+    raises the replay's epoch.
     """
     W = view.world_size
     if view.device.type == "cuda":

@@ -17,18 +17,10 @@ every worker; ``K_r``/``N_r`` the balanced blocks, so neither need divide by ``W
              db  = sum of dy over the rows                                     [N_r] (complete: b is split)
 
 This is the layout of :class:`~distfuse.layers.DistributedLinearReduceScatter` built with
-``P_x`` alone (its ZeRO variant, with data-parallel workers, streams the weight into the
-GEMM instead, see :mod:`distfuse.fused.zero_linear`): the output's last dim is split over the model-parallel
-workers.  The sequence-parallel form
-(``P_y`` given) is :mod:`distfuse.fused.matmul_reduce_scatter`.
-
-Workspace: the cached symmetric workspace of ``P_sub``, asked for once with the larger of
-the two phases (:func:`matmul_reduce_scatter_features_workspace_bytes`); forward and
-backward each claim it (one fused op in flight per workspace).  Outputs never alias it.
-
-World size 1: a plain ``F.linear``.  Where symmetric memory is unavailable the functional
-form must not be called: ask :func:`~distfuse.fused.matmul_common.fused_linear_available`
-first and use the unfused composition (``F.linear`` + the ReduceScatter primitive).
+``P_x`` alone (its ZeRO variant streams the weight into the GEMM instead, see
+:mod:`distfuse.fused.zero_linear`); the sequence-parallel form (``P_y`` given) is
+:mod:`distfuse.fused.matmul_reduce_scatter`.  Workspace, availability and world size 1:
+:mod:`distfuse.fused.matmul_common` (the unfused composition is ``F.linear`` + ReduceScatter).
 """
 
 from __future__ import annotations
@@ -39,33 +31,28 @@ from typing import NamedTuple
 import torch
 
 from distfuse import debug
-from distfuse.errors import PartitionError, UnsupportedError, expect, where
+from distfuse.errors import expect
 from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
-    Phases,
     check_linear_args,
+    check_loopback_counts,
+    check_member,
+    check_partial_dtype,
     features_workspace_bytes,
-    flat_rows,
-    no_grads,
     require_available,
     run_phases,
+    scattered_phases,
 )
 from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_reduce_scatter_features
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
-from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.signature import SCATTER_FLAGS
 from distfuse.partition import Partition
 
-__all__ = [
-    "PHASES",
-    "matmul_reduce_scatter_features",
-    "matmul_reduce_scatter_features_plan",
-    "matmul_reduce_scatter_features_loopback",
-    "matmul_reduce_scatter_features_workspace_bytes",
-    "check_feature_bias",
-]
+__all__ = ["PHASES", "matmul_reduce_scatter_features", "matmul_reduce_scatter_features_plan",
+           "matmul_reduce_scatter_features_loopback", "matmul_reduce_scatter_features_workspace_bytes",
+           "check_feature_bias"]
 
 _OP = "matmul_reduce_scatter_features"
 
@@ -93,32 +80,17 @@ class _Plan(NamedTuple):
     has_bias: bool
     partial_dtype: torch.dtype | None
     nbytes: int
+    bias_grad: str = "partial"  # the bias is split like the output: its gradient is complete on every rank
 
 
-def _forward(plan: _Plan, needs, xs, weights, biases):
-    return run_matmul_reduce_scatter_features(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.partial_dtype,
-                                              plan.nbytes), []
-
-
-def _backward(plan: _Plan, needs, xs, weights, biases, extras, dys):
-    need_dx, need_dw, need_db = needs
-    dxs, dws, dbs = no_grads(plan.k)
-    if need_dx or need_dw:
-        # dx = all_gather_N(dy) @ W: the all-gather phase with W.t() [K_r, N]; it hands back the gathered dy.
-        dxs_all, gathered = run_all_gather_features_matmul(plan.comm, f"{_OP}.backward", dys,
-                                                           [w.t() for w in weights], [None] * plan.k, need_dw,
-                                                           plan.nbytes)
-        if need_dx:
-            dxs = dxs_all
-        if need_dw:
-            dws = [flat_rows(g).t() @ flat_rows(x) for g, x in zip(gathered, xs, strict=True)]
-    if need_db:
-        dbs = [flat_rows(dy).sum(0) for dy in dys]
-    return dxs, dws, dbs
-
-
-#: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`).
-PHASES = Phases(_forward, _backward)
+#: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`): dgrad is all_gather_features_matmul's
+#: forward phase with W.t() [K_r, N], which hands back the gathered dy.
+PHASES = scattered_phases(
+    _OP,
+    lambda plan, op, xs, weights, biases: run_matmul_reduce_scatter_features(plan.comm, op, xs, weights, biases,
+                                                                             plan.partial_dtype, plan.nbytes),
+    lambda plan, op, dys, weights_t, keep: run_all_gather_features_matmul(plan.comm, op, dys, weights_t,
+                                                                          [None] * plan.k, keep, plan.nbytes))
 
 
 def matmul_reduce_scatter_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -134,9 +106,7 @@ def matmul_reduce_scatter_features(x: torch.Tensor, weight: torch.Tensor, bias: 
             ``r``.  Must satisfy :func:`~distfuse.fused.matmul_common.fused_linear_available`.
         partial_dtype: dtype of the partial sums on the wire (default x's).
 
-    Returns:
-        ``[*, N_r]``, autograd-aware (gradients for x, weight and bias).
-
+    Returns ``[*, N_r]``, autograd-aware (gradients for x, weight and bias).
     Collective over ``P_sub`` in forward and backward (every rank calls it with the same
     row count, ``N``, dtype and bias presence; ``DISTFUSE_DEBUG=1`` checks).
     """
@@ -148,16 +118,13 @@ def matmul_reduce_scatter_features_plan(x: torch.Tensor, weight: torch.Tensor, b
                                         P_sub: Partition, *, partial_dtype: torch.dtype | None = None) -> _Plan:
     """:func:`matmul_reduce_scatter_features`'s checks and plan: what its phases run on (collective where the
     checks refuse, see :mod:`distfuse.fused.agreement`)."""
-    if not P_sub.active:
-        raise PartitionError(f"{where(_OP)}: this rank is not in P_sub {list(P_sub.ranks)}")
+    check_member(_OP, P_sub)
     W, r = P_sub.size, P_sub.rank
-    # A check that fails here reaches every rank of P_sub through the op's first claim (fused/agreement.py).
     with refusal(_OP, P_sub, x, SCATTER_FLAGS, nbytes=lambda: matmul_reduce_scatter_features_workspace_bytes(
             math.prod(x.shape[:-1]), weight.shape[0], W, x.dtype, partial_dtype)):
         check_linear_args(_OP, x, weight, None, P_sub.device)
         check_feature_bias(_OP, bias, weight.shape[0], W, r, x)
-        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+        check_partial_dtype(_OP, partial_dtype)
     require_available(_OP, P_sub, x.device)
     N = weight.shape[0]
     rows = math.prod(x.shape[:-1])
@@ -174,14 +141,11 @@ def matmul_reduce_scatter_features_loopback(xs, weights, biases, ws: LoopbackWor
     """:func:`matmul_reduce_scatter_features` for all W virtual ranks of a loopback workspace, autograd-aware.
 
     ``xs[r]`` ``[*, K_r]``, ``weights[r]`` ``[N, K_r]`` and ``biases[r]`` ``[N_r]`` (or
-    ``biases=None``) are virtual rank ``r``'s.  Returns the W outputs ``[*, N_r]``.  For
-    testing and single-GPU timing.
+    ``biases=None``) are virtual rank ``r``'s.  Returns the W outputs ``[*, N_r]``.
     """
     op = f"{_OP}_loopback"
     W = ws.world_size
-    if len(xs) != W or len(weights) != W or (biases is not None and len(biases) != W):
-        raise expect(op, "number of inputs, weights and biases (the workspace's world size)", W,
-                     (len(xs), len(weights), None if biases is None else len(biases)))
+    check_loopback_counts(op, W, xs, weights, biases)
     N = weights[0].shape[0]
     for r, (x, w) in enumerate(zip(xs, weights, strict=True)):
         check_linear_args(op, x, w, None)

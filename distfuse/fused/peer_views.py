@@ -1,26 +1,14 @@
 """Tensors over a peer's workspace memory, without a copy, checked: the one place peer views are made.
 
-Producers that write a peer's slot with a torch op (``torch.matmul(..., out=slot)`` of the
-cuBLAS-per-chunk producer, the ``copy_`` DMA of the copy-engine push, the 4-byte flag
-copies) need a tensor over the peer's memory.  Built the wrong way, such a tensor can be a
-copy: ``torch.as_tensor(obj_with___cuda_array_interface__, device=local)`` of a pointer
-that CUDA attributes to another GPU (a peer's buffer on a multi-GPU node) is moved to
-``local``, silently.  The producer then writes a temporary while its flag says the slot is
-ready, and the owner sums stale data with no error.
-
-So every peer view comes from here, from the backend's own mapping:
-
-* loopback workspaces and the ``/dev/shm`` backend: ``ws._bufs[peer]``, the tensors over every
-  peer's buffer in this process (the loopback's own buffers; the ``mmap`` of each segment);
-* CUDA symmetric memory: the handle's buffer API,
-  ``handle.get_buffer(group_rank, sizes, dtype, storage_offset)`` (torch 2.6+), at the
-  peer's own offset in its allocation (torch's pool may place it differently on each rank);
-* otherwise (a torch without ``get_buffer``): a ``__cuda_array_interface__`` wrapper;
-
-and every view is checked: its ``data_ptr()`` must be the peer's address in the
-workspace's peer table (:func:`check_peer_view`), else :class:`PeerViewError` names the
-op, the peer, the address expected and the one torch gave.  Views are built once per
-rank view and cached (one device read of the peer table, none in steady state).
+Producers that write a peer's slot with a torch op (``torch.matmul(..., out=slot)``, the
+copy-engine push's ``copy_``, the 4-byte flag copies) need a tensor over the peer's memory.
+Built the wrong way, it can be a copy: ``torch.as_tensor`` of a ``__cuda_array_interface__``
+pointer that CUDA attributes to another GPU is moved to the local one, silently, and the
+owner then sums stale data with no error.  So every peer view comes from the backend's own
+mapping (:func:`_raw_buffer`: ``ws._bufs[peer]`` for the loopback and ``/dev/shm``; the
+handle's ``get_buffer`` at the peer's own offset on CUDA; a ``__cuda_array_interface__``
+wrapper only where torch lacks ``get_buffer``), and every view is checked against the
+peer table (:func:`check_peer_view`).  Views are built once per rank view and cached.
 """
 
 from __future__ import annotations
@@ -32,7 +20,7 @@ import torch
 
 from distfuse.errors import ShapeError, UnsupportedError, where
 
-__all__ = ["PeerViewError", "check_peer_view", "peer_buffer", "peer_data", "peer_flags", "peer_flag"]
+__all__ = ["PeerViewError", "check_peer_view", "peer_data", "peer_flags", "peer_flag"]
 
 
 class PeerViewError(UnsupportedError):
@@ -97,11 +85,6 @@ def _buffers(view) -> list[torch.Tensor]:
             bufs.append(buf)
         _BUFFERS[view] = bufs
     return bufs
-
-
-def peer_buffer(view, peer: int) -> torch.Tensor:
-    """``peer``'s whole workspace buffer (uint8: the header, then the data region) as seen from ``view``'s rank."""
-    return _buffers(view)[peer]
 
 
 def peer_data(view, peer: int, dtype: torch.dtype, numel: int, offset: int = 0) -> torch.Tensor:

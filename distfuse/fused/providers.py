@@ -1,52 +1,36 @@
 """Providers of a fused op: which implementation runs the fused path, and how one is chosen per call.
 
-A fused op may have several implementations with the same inputs, outputs and
-workspace protocol, each fastest somewhere else.  The registry lists them in
-:attr:`distfuse.fused.registry.FusedOp.providers` (the first is the default);
-``matmul_reduce_scatter`` has three producers in front of the one consumer
-(``chunk_reduce``):
+A fused op may have several implementations with the same inputs, outputs and workspace
+protocol, each fastest somewhere else, listed in
+:attr:`distfuse.fused.registry.FusedOp.providers` (the first is the default):
 
-=====================  ========================================================================
-``triton``             one program per tile, pointer loads (:func:`~distfuse.kernels.
-                       matmul_reduce_scatter.matmul_scatter`); the measured default
-``triton_persistent``  persistent grid, tensor-descriptor (TMA) loads, one flag per chunk
-                       (:mod:`distfuse.kernels.matmul_scatter_persistent`)
-``cublas_chunks``      one library GEMM per chunk into its owner's slot, flags raised in stream
-                       order (:mod:`distfuse.fused.matmul_reduce_scatter_cublas`)
-=====================  ========================================================================
-
-``all_gather_matmul`` has two pushes in front of the one GEMM (``gathered_matmul``):
-
-=====================  ========================================================================
-``triton``             one Triton copy kernel on the op's stream, finished before the GEMM
-                       starts (:func:`~distfuse.kernels.all_gather_matmul.ag_push`)
-``copy_engine``        ``copy_`` into each peer's rows (DMA) on a side stream, each peer's flag
-                       raised in stream order after its rows, overlapping the GEMM
-                       (:mod:`distfuse.fused.all_gather_copy_engine`)
-=====================  ========================================================================
+* ``matmul_reduce_scatter``'s producers, in front of the one consumer (``chunk_reduce``):
+  ``triton``, one program per tile with pointer loads
+  (:func:`~distfuse.kernels.matmul_reduce_scatter.matmul_scatter`; the measured default);
+  ``triton_persistent``, a persistent grid with tensor-descriptor (TMA) loads and one flag
+  per chunk (:mod:`distfuse.kernels.matmul_scatter_persistent`); ``cublas_chunks``, one
+  library GEMM per chunk (:mod:`distfuse.fused.matmul_reduce_scatter_cublas`).
+* ``all_gather_matmul``'s pushes, in front of the one GEMM (``gathered_matmul``):
+  ``triton``, a copy kernel on the op's stream finished before the GEMM
+  (:func:`~distfuse.kernels.all_gather_matmul.ag_push`); ``copy_engine``, DMA copies on side
+  streams overlapping the GEMM (:mod:`distfuse.fused.all_gather_copy_engine`).
 
 :func:`select_provider` is, like ``select_path``, a pure function of the call's shapes,
 dtype, world size and device name (so every rank of a group picks the same provider):
 
 1. ``DISTFUSE_PROVIDER=<name>``: that provider for every op that has it;
-2. the crossover table entry of the op (``distfuse-tune`` writes ``provider``, the
-   provider that won most shapes, and ``provider_sizes``, the winner per measured size;
-   the nearest measured size in log scale decides);
-3. the op's first provider.
-
-Tables written before providers existed have neither key and read as rule 3.
+2. the crossover table entry of the op (``provider``, the provider that won most shapes,
+   and ``provider_sizes``, the winner per measured size; the nearest size in log scale decides);
+3. the op's first provider (also for tables written before providers existed).
 
 The provider is what a call asks for; the *kernel* that runs it is chosen in one place,
 :func:`distfuse.kernels.matmul_scatter_select.select_scatter_kernel` (``triton_persistent``
-runs the pointer kernel where tensor descriptors cannot read the operands, and says why).
-:func:`run_producer` returns that :class:`~distfuse.kernels.matmul_scatter_select.KernelChoice`
-and keeps it per thread (:func:`last_kernel`), so benchmark rows and the layers'
-``last_decision`` name the kernel that ran.
+runs the pointer kernel where tensor descriptors cannot read the operands, and says why);
+:func:`last_kernel` names the kernel that ran, for benchmark rows and ``last_decision``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 
@@ -54,11 +38,11 @@ import torch
 
 from distfuse.errors import UnsupportedError, expect
 from distfuse.fused import registry
-from distfuse.fused.crossover_table import load_table, table_key
+from distfuse.fused.crossover_table import load_table, nearest, table_key
 from distfuse.kernels.matmul_scatter_select import KernelChoice, launch_scatter_kernel, select_scatter_kernel
 
-__all__ = ["providers_of", "select_provider", "check_provider", "run_producer", "last_kernel", "record_kernel",
-           "run_push", "PUSHES"]
+__all__ = ["providers_of", "select_provider", "check_provider", "pick_provider", "run_producer", "last_kernel",
+           "record_kernel", "run_push", "PUSHES"]
 
 
 def providers_of(op: str) -> tuple[str, ...]:
@@ -77,10 +61,7 @@ def check_provider(op: str, provider: str) -> str:
 def _from_entry(entry: dict, size: float) -> str | None:
     sizes = entry.get("provider_sizes")
     if isinstance(sizes, list) and sizes:
-        def distance(point):
-            s = float(point[0])
-            return abs(math.log(s) - math.log(size)) if s > 0 and size > 0 else abs(s - size)
-        return str(min(sizes, key=distance)[1])
+        return str(nearest(sizes, size)[1])
     provider = entry.get("provider")
     return provider if isinstance(provider, str) else None
 
@@ -106,15 +87,22 @@ def select_provider(op: str, shapes: dict, dtype: torch.dtype, world_size: int, 
     return names[0]
 
 
+def pick_provider(op: str, provider: str | None, x: torch.Tensor, m: int, N: int, W: int) -> str:
+    """``provider`` checked, or :func:`select_provider`'s pick for an ``m x N x x.shape[-1]`` GEMM on x's device."""
+    if provider is not None:
+        return check_provider(op, provider)
+    name = torch.cuda.get_device_name(x.device) if x.device.type == "cuda" else x.device.type
+    return select_provider(op, dict(m=m, n=N, k=x.shape[-1]), x.dtype, W, name)
+
+
 _LAST = threading.local()
 
 
 def last_kernel(op: str) -> KernelChoice | None:
-    """The :class:`~distfuse.kernels.matmul_scatter_select.KernelChoice` of ``op``'s latest producer in this thread.
+    """The kernel choice of ``op``'s latest producer (or all-gather consumer) in this thread (:func:`record_kernel`).
 
-    Set by :func:`run_producer` (and by the ops' default ``triton`` path), read by the layers for
-    ``last_decision.kernel`` and by the benchmarks for each row's ``kernel``: the kernel that ran, which a
-    fallback may make differ from the provider's.
+    Read by the layers for ``last_decision.kernel`` and by the benchmarks for each row's
+    ``kernel``: the kernel that ran, which a fallback may make differ from the provider's.
     """
     return getattr(_LAST, "kernels", {}).get(op)
 
@@ -122,9 +110,8 @@ def last_kernel(op: str) -> KernelChoice | None:
 def record_kernel(op: str, choice: KernelChoice) -> KernelChoice:
     """Remember ``choice`` as ``op``'s latest kernel in this thread (see :func:`last_kernel`); returns it.
 
-    ``choice`` is a :class:`~distfuse.kernels.matmul_scatter_select.KernelChoice` (the producers) or a
-    :class:`~distfuse.kernels.gathered_matmul_select.GatherChoice` (the all-gather consumer): readers use
-    its ``kernel`` and ``reason``."""
+    ``choice``: a :class:`~distfuse.kernels.matmul_scatter_select.KernelChoice` (the producers) or a
+    :class:`~distfuse.kernels.gathered_matmul_select.GatherChoice` (the all-gather consumer)."""
     if not hasattr(_LAST, "kernels"):
         _LAST.kernels = {}
     _LAST.kernels[op] = choice
@@ -136,8 +123,8 @@ def run_producer(provider: str, a, weight, ws, rank: int, world_size: int, parti
     """Run ``provider``'s producer of matmul_reduce_scatter (slots and flags for ``chunk_reduce``).
 
     The kernel is the one :func:`~distfuse.kernels.matmul_scatter_select.select_scatter_kernel` picks
-    for these operands (the only place that chooses); returns its :class:`KernelChoice`, also kept as
-    :func:`last_kernel`.  ``config``: block sizes for the Triton kernels (tests; None in production).
+    for these operands; returns its :class:`KernelChoice`, also kept as :func:`last_kernel`.
+    ``config``: block sizes for the Triton kernels (tests; None in production).
     """
     op = registry.MATMUL_REDUCE_SCATTER.name
     check_provider(op, provider)

@@ -1,24 +1,13 @@
 """The fused ops, one entry each: what dispatch, ``distfuse-tune`` and ``bench/`` know about an op.
 
-Every piece of code that lists the fused ops or needs one of their facts reads it here:
+Every piece of code that lists the fused ops or needs one of their facts reads it here
+(:func:`distfuse.layers.dispatch.select_path`, ``distfuse-tune``, ``bench/``).  Adding a
+fused op is its own module (see ``docs/extending.md``) plus one :class:`FusedOp` below.
 
-* :func:`distfuse.layers.dispatch.select_path`: the op's size (:meth:`FusedOp.size_of`),
-  whether it needs symmetric memory, and its default rule where no crossover-table entry
-  applies;
-* ``distfuse-tune`` (:mod:`distfuse.tune`): the op names (``--ops``), the size key the
-  table records, the default shape grid, the availability probe and the timing case;
-* ``bench/``: op names and size keys (row names, plot axes).
-
-Adding a fused op is its own module (kernel wrapper, timing case factory and shape grid;
-see ``docs/extending.md``) plus one :class:`FusedOp` in :data:`OPS` below.
-
-Defaults.  Every default is "never": on the one GPU measured (an H100), no fused op
-beat its unfused composition at any shape, the GEMM fusions reaching at most 76% of
-cuBLAS's rate (the run: ``docs/benchmarks.md``, "The fused ops' default rules").  They
-stay so until the kernels improve or a table written by ``distfuse-tune`` on the target
-cluster says otherwise.
-A :meth:`DefaultRule.threshold` default (fused for ``min_size <= size <= max_size``)
-is there for ops whose fused path wins.
+Defaults.  Every default is "never" (each entry's ``why`` says what that rests on; the
+runs: ``docs/benchmarks.md``, "The fused ops' default rules") until the kernels improve or
+a table written by ``distfuse-tune`` on the target cluster says otherwise.  A
+:meth:`DefaultRule.threshold` default is there for ops whose fused path wins.
 
 Factories (``case``, ``grid``, ``available``) are ``"module:function"`` strings,
 imported on first use (:func:`resolve`), so that importing the registry (dispatch
@@ -92,25 +81,19 @@ class FusedOp:
     Attributes:
         name: the op name layers pass to ``select_path`` and the crossover table keys on.
         size_key: the name of the scalar the thresholds compare (``"macs"``, ``"channels"``).
-        size_inputs: the entries of a call's ``shapes`` the size is computed from (``select_path``
-            checks they are there; plots use them as the x axis).
+        size_inputs: the entries of a call's ``shapes`` the size is computed from (plots' x axis).
         size: ``shapes -> size``; None: the product of ``size_inputs``.
         default: the rule where no table entry applies.
-        needs_symmetric_memory: the fused path addresses peers' buffers (no fusion at world size
-            > 1 without symmetric memory between the ranks).
-        case: ``"module:function"``, the tuner's timing case, called on every rank of the world as
-            ``case(op, shape, ctx)`` with a :class:`distfuse.tune.cases.CaseContext`; returns a
-            :class:`distfuse.tune.cases.Case`, or None on ranks that take no part.
-        grid: ``"module:function"``, the tuner's default shapes: ``grid(op, world, quick=..., **options)``
-            -> list of ``shapes`` dicts (options are the tuner's command-line shape options; ignore
-            the ones that do not apply).
-        available: ``"module:function"`` or None, ``available(P, device, dtype) -> (ok, why)``: whether
-            the sweep may time the fused path on CUDA (collective over ``P`` where it probes peers).
-        providers: the implementations of the fused path, default first (``distfuse.fused.providers``);
-            the sweep times each and the table entry names the winner per shape.
-        triton_gemm: the fused path multiplies in Triton GEMM kernels, whose fp32 products are IEEE
-            (CUDA cores, far below cuBLAS) unless torch allows TF32: ``select_path`` keeps fp32 calls
-            unfused then.
+        needs_symmetric_memory: the fused path addresses peers' buffers.
+        case: the tuner's timing case, ``case(op, shape, ctx)`` on every rank of the world with a
+            :class:`distfuse.tune.cases.CaseContext`; a :class:`distfuse.tune.cases.Case` or None.
+        grid: the tuner's default shapes, ``grid(op, world, quick=..., **options)`` -> list of
+            ``shapes`` dicts (options: the tuner's shape options; ignore those that do not apply).
+        available: None or ``available(P, device, dtype) -> (ok, why)``: whether the sweep may
+            time the fused path on CUDA (collective over ``P`` where it probes peers).
+        providers: the implementations of the fused path, default first (:mod:`distfuse.fused.providers`).
+        triton_gemm: the fused path multiplies in Triton GEMMs, whose fp32 products are IEEE (far
+            below cuBLAS) unless torch allows TF32: ``select_path`` keeps fp32 calls unfused then.
     """
 
     name: str
@@ -197,59 +180,36 @@ def size_of(op: str, shapes: Mapping) -> float:
 # Each entry is also a module constant, so that code naming one op (bench rows, roles) spells it once, here.
 
 _CASES = "distfuse.tune.cases"
-
-# GEMM + reduce-scatter / all-gather + GEMM (bf16, TP 8, LLaMA-3 8B/70B MLP shapes): the Triton GEMMs reach
-# 27-76% (RS) and 15-66% (AG) of cuBLAS's rate, and the modelled 8-GPU op is 1.1-5x the unfused time.
-# (The 2026-11-22 result files name these ops by their former names, linear_rs and linear_ag: see RENAMED.)
-MATMUL_REDUCE_SCATTER = register(FusedOp(
-    "matmul_reduce_scatter", "macs", ("m", "n", "k"),
-    DefaultRule.never("the fused GEMM measured 27-76% of cuBLAS's rate (H100, bf16, TP 8)"),
-    case=f"{_CASES}:linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available", providers=("triton", "triton_persistent", "cublas_chunks"),
-    triton_gemm=True))
-ALL_GATHER_MATMUL = register(FusedOp(
-    "all_gather_matmul", "macs", ("m", "n", "k"),
-    DefaultRule.never("the fused GEMM measured 15-66% of cuBLAS's rate (H100, bf16, TP 8)"),
-    case=f"{_CASES}:linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available", providers=("triton", "copy_engine"), triton_gemm=True))
-# DistDL's own linear forms: the same GEMM fusions along the features (the output's last dim scattered, the input's
-# last dim gathered).  Written after the H100 session, so never timed on a GPU: fused only when forced or tabled.
-MATMUL_REDUCE_SCATTER_FEATURES = register(FusedOp(
-    "matmul_reduce_scatter_features", "macs", ("m", "n", "k"),
-    DefaultRule.never("not measured on a GPU yet"),
-    case=f"{_CASES}:feature_linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available", triton_gemm=True))
-ALL_GATHER_FEATURES_MATMUL = register(FusedOp(
-    "all_gather_features_matmul", "macs", ("m", "n", "k"),
-    DefaultRule.never("not measured on a GPU yet"),
-    case=f"{_CASES}:feature_linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available", triton_gemm=True))
-# GEMM + all-reduce over symmetric buffers (one-shot / two-shot): the general DistributedLinear (per row of its
-# weight grid) and the row-parallel linear with a replicated output; its backward is a reduce-scatter of dy and the
-# all_gather_features_matmul phase as dgrad.  Not timed on a GPU either.
-MATMUL_ALL_REDUCE = register(FusedOp(
-    "matmul_all_reduce", "macs", ("m", "n", "k"),
-    DefaultRule.never("not measured on a GPU yet"),
-    case=f"{_CASES}:feature_linear_case", grid=f"{_CASES}:linear_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available", triton_gemm=True))
-# The ZeRO layers' weight streaming (fused/zero_linear.py): the all-gather phases on the transposed product y.T =
-# W_m @ x.T over the data-parallel workers, the weight shards the gathered operand, and the weight gradient's GEMM +
-# reduce-scatter.  Entries of their own, because the gathered operand is the weight: the activation all-gathers'
-# crossovers at the same m x n x k do not carry over.  _rows: the reduce-scatter linear's shards (along out);
-# _columns: the all-gather linear's (along in).  Not timed on a GPU yet.
 _ZERO_CASES = "distfuse.tune.zero_cases"
-ZERO_LINEAR_ROWS = register(FusedOp(
-    "zero_linear_rows", "macs", ("m", "n", "k"),
-    DefaultRule.never("not measured on a GPU yet"),
-    case=f"{_ZERO_CASES}:zero_case", grid=f"{_ZERO_CASES}:zero_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available", triton_gemm=True))
-ZERO_LINEAR_COLUMNS = register(FusedOp(
-    "zero_linear_columns", "macs", ("m", "n", "k"),
-    DefaultRule.never("not measured on a GPU yet"),
-    case=f"{_ZERO_CASES}:zero_case", grid=f"{_ZERO_CASES}:zero_grid", needs_symmetric_memory=True,
-    available=f"{_CASES}:linear_available", triton_gemm=True))
-# Halo conv, staging + conv: 1.0-3.3x the time of torch.cat staging + cuDNN (2-D, C=64/256, bf16/fp32,
-# median 2.1x), and 1.0-1.4x in 3-D.
+_UNMEASURED = "not measured on a GPU yet"
+
+
+def _gemm_op(name: str, why: str, case: str, grid: str = f"{_CASES}:linear_grid", **kwargs) -> FusedOp:
+    """A GEMM + collective op: sized in ``m*n*k`` MACs, on symmetric memory, multiplying in Triton GEMMs."""
+    return register(FusedOp(name, "macs", ("m", "n", "k"), DefaultRule.never(why), case=case, grid=grid,
+                            needs_symmetric_memory=True, available=f"{_CASES}:linear_available", triton_gemm=True,
+                            **kwargs))
+
+
+MATMUL_REDUCE_SCATTER = _gemm_op(
+    "matmul_reduce_scatter", "the fused GEMM measured 27-76% of cuBLAS's rate (H100, bf16, TP 8)",
+    f"{_CASES}:linear_case", providers=("triton", "triton_persistent", "cublas_chunks"))
+ALL_GATHER_MATMUL = _gemm_op(
+    "all_gather_matmul", "the fused GEMM measured 15-66% of cuBLAS's rate (H100, bf16, TP 8)",
+    f"{_CASES}:linear_case", providers=("triton", "copy_engine"))
+# DistDL's own linear forms: the same GEMM fusions along the features (the output's last dim scattered, the input's
+# last dim gathered); fused only when forced or tabled.
+MATMUL_REDUCE_SCATTER_FEATURES = _gemm_op("matmul_reduce_scatter_features", _UNMEASURED,
+                                          f"{_CASES}:feature_linear_case")
+ALL_GATHER_FEATURES_MATMUL = _gemm_op("all_gather_features_matmul", _UNMEASURED, f"{_CASES}:feature_linear_case")
+# GEMM + all-reduce over symmetric buffers (fused/matmul_all_reduce.py).
+MATMUL_ALL_REDUCE = _gemm_op("matmul_all_reduce", _UNMEASURED, f"{_CASES}:feature_linear_case")
+# The ZeRO layers' weight streaming (fused/zero_linear.py), entries of their own because the gathered operand is the
+# weight: the activation all-gathers' crossovers at the same m x n x k do not carry over.  _rows: the reduce-scatter
+# linear's shards (along out); _columns: the all-gather linear's (along in).
+ZERO_LINEAR_ROWS = _gemm_op("zero_linear_rows", _UNMEASURED, f"{_ZERO_CASES}:zero_case", f"{_ZERO_CASES}:zero_grid")
+ZERO_LINEAR_COLUMNS = _gemm_op("zero_linear_columns", _UNMEASURED, f"{_ZERO_CASES}:zero_case",
+                               f"{_ZERO_CASES}:zero_grid")
 HALO_CONV = register(FusedOp(
     "halo_conv", "channels", ("channels",),
     DefaultRule.never("staging + conv measured 1.0-3.3x the time of torch.cat staging + cuDNN (H100)"),

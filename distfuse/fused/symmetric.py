@@ -1,20 +1,12 @@
 """Symmetric workspaces: a buffer of the same size on every rank of a group, writable by every peer.
 
-This module holds the public entry points: :class:`SymmetricWorkspace` (this rank's share
-over a real group) and the per-(group, device) cache (:func:`get_workspace`,
-:func:`close_all`).  The rest lives in:
-
-* :mod:`distfuse.fused.symmetric_availability`: the collective availability probe
-  (:func:`symmetric_memory_available`, :func:`log_fallback_once`; both re-exported here).
-* :mod:`distfuse.fused.workspace`: the concurrency rule (one fused op in flight per
-  workspace), the shared ``_Workspace`` base, :class:`LoopbackWorkspace` (W virtual peers
-  in one process) and the error classes.
-* :mod:`distfuse.fused.workspace_layout`: the buffer layout (flags, counters, status,
-  data) and :class:`RankBuffers`, one rank's view of it.
-* :mod:`distfuse.fused.workspace_shm`: the **CPU** backend (``/dev/shm`` segments, leak-free
-  set-up, ``monitored_barrier`` on the gloo metadata group).
-* :mod:`distfuse.fused.workspace_cuda`: the **CUDA** backend (torch symmetric memory, the
-  peer address table from every rank's own offset in its allocation).
+The public entry points: :class:`SymmetricWorkspace` (this rank's share over a real
+group) and the per-(group, device) cache (:func:`get_workspace`, :func:`close_all`).  The
+rest lives in :mod:`~distfuse.fused.symmetric_availability` (the collective availability
+probe), :mod:`~distfuse.fused.workspace` (the concurrency rule, :class:`LoopbackWorkspace`,
+the error classes), :mod:`~distfuse.fused.workspace_layout` (the buffer layout and
+:class:`RankBuffers`) and the backends :mod:`~distfuse.fused.workspace_shm` (CPU) and
+:mod:`~distfuse.fused.workspace_cuda` (CUDA); their public names are re-exported here.
 """
 
 from __future__ import annotations
@@ -42,12 +34,10 @@ from distfuse.fused.workspace import (  # noqa: F401 - re-exported: the workspac
     WorkspaceBrokenError,
     WorkspaceBusyError,
     _Workspace,
-    status_check_mode,
 )
 from distfuse.fused.workspace_cuda import (  # noqa: F401 - re-exported
     ALLOW_OVERLAP_ENV,
     _allow_overlapping_devices,
-    _device_uuid,
     _peer_addresses,
     _spin_limit,
     _symm_mem_api,
@@ -64,19 +54,9 @@ from distfuse.fused.workspace_layout import (  # noqa: F401 - re-exported
 from distfuse.fused.workspace_shm import SHM_DIR, SHM_PREFIX, _unlink_pending, setup_shm  # noqa: F401
 from distfuse.partition import Partition
 
-__all__ = [
-    "SymmetricWorkspace",
-    "LoopbackWorkspace",
-    "RankBuffers",
-    "WorkspaceBusyError",
-    "WorkspaceBrokenError",
-    "get_workspace",
-    "cached_workspace",
-    "close_all",
-    "symmetric_memory_available",
-    "log_fallback_once",
-    "header_bytes",
-]
+__all__ = ["SymmetricWorkspace", "LoopbackWorkspace", "RankBuffers", "WorkspaceBusyError", "WorkspaceBrokenError",
+           "get_workspace", "cached_workspace", "close_all", "symmetric_memory_available", "log_fallback_once",
+           "header_bytes"]
 
 # Test hook: a set-up step name at which this process raises (e.g. "after_create").
 _inject_fault_for_tests: str | None = None
@@ -101,9 +81,7 @@ class SymmetricWorkspace(_Workspace):
                  timeout: float | None = None):
         if not P.active:
             raise PartitionError(f"{where('SymmetricWorkspace')}: this rank is not in the partition {list(P.ranks)}")
-        device = torch.device(device) if device is not None else P.device
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _norm_device(P, device)
         self.backend = "shm" if device.type == "cpu" else "cuda"
         granule = _CPU_GRANULE if self.backend == "shm" else _CUDA_GRANULE
         super().__init__(P.size, _round_up(nbytes, granule), device, timeout)
@@ -120,7 +98,7 @@ class SymmetricWorkspace(_Workspace):
         self.nbytes = agreed["nbytes"]
         total = header_bytes(W) + self.nbytes
         if self.backend == "shm":
-            bufs = self._setup_shm(P, total, agreed)
+            bufs = setup_shm(self, P, total, agreed, _maybe_fault)
             own, ptrs = bufs[self.rank], [b.data_ptr() for b in bufs]
         else:
             own, ptrs = self._setup_cuda(P, total)
@@ -142,9 +120,6 @@ class SymmetricWorkspace(_Workspace):
                                          f"{list(P.ranks)}, but not every rank arrived: {exc}") from exc
         rows = out.view(P.size, 3).tolist()
         return dict(pid=rows[0][0], token=rows[0][1], nbytes=max(r[2] for r in rows))
-
-    def _setup_shm(self, P: Partition, total: int, agreed: dict) -> list[torch.Tensor]:
-        return setup_shm(self, P, total, agreed, _maybe_fault)
 
     def _setup_cuda(self, P: Partition, total: int) -> tuple[torch.Tensor, list[int]]:
         return setup_cuda(self, P, total, _symm_mem_api())

@@ -3,16 +3,11 @@
 :func:`symmetric_memory_available` asks every rank of a partition for its local verdict
 (``/dev/shm`` and the Triton interpreter on CPU; CUDA and torch's symmetric-memory API on
 GPU) and its host and GPU, and returns one answer on every rank, cached per (group ranks,
-device).  The verdict over the gathered facts (:func:`_group_verdict`) is a pure function,
-so the rules (one host, one GPU per rank, P2P between the GPUs) are testable without
-GPUs.  :func:`log_fallback_once` reports the unfused fallback once per reason.  The
-workspaces themselves and their cache live in :mod:`distfuse.fused.symmetric`, which
-re-exports both public functions; the cache keys its entries as the probe does
-(:func:`_key`, :func:`_norm_device`).
-
-Inside :func:`no_probe` (a layer's ``explain``, :func:`distfuse.layers.dispatch.dry_run`) a
-verdict that is not cached yet is not probed: :class:`NotProbedError` is raised instead of the
-collective, so a dry decision never communicates.
+device) as the workspace cache keys them (:func:`_key`, :func:`_norm_device`).  The verdict
+over the gathered facts (:func:`_group_verdict`) is a pure function, testable without GPUs.
+Inside :func:`no_probe` (a layer's ``explain``, :func:`distfuse.layers.dispatch.dry_run`) an
+uncached verdict raises :class:`NotProbedError` instead of probing, so a dry decision never
+communicates.
 """
 
 from __future__ import annotations
@@ -34,7 +29,6 @@ __all__ = ["symmetric_memory_available", "log_fallback_once", "no_probe", "NotPr
 logger = logging.getLogger("distfuse.fused")
 
 
-# How a (partition, device) pair is keyed, here and in the workspace cache.
 def _key(P: Partition, device: torch.device) -> tuple:
     return (P.ranks, str(device))
 
@@ -136,12 +130,9 @@ def _group_verdict(ok: bool, reason: str, infos: list, group_ranks: list[int], d
 def symmetric_memory_available(P: Partition, device=None) -> tuple[bool, str]:
     """Whether ``P`` can use symmetric workspaces on ``device``, and why (cached per group and device).
 
-    False when the ranks span several hosts, when two ranks share one GPU (unless
-    ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``, which torch's rendezvous needs for
-    that), when GPUs of one host cannot reach each other (no P2P), when torch lacks
-    symmetric memory, or on CPU without ``/dev/shm`` or the Triton interpreter.
-    Collective over ``P`` the first time (two small gathers on ``P.meta_group``), so
-    every rank of ``P`` gets the same answer; cached afterwards.
+    False where a rank's local verdict is (no symmetric-memory API, CPU without ``/dev/shm``
+    or the Triton interpreter) or :func:`_group_verdict` says so.  Collective over ``P`` the
+    first time (two small gathers on ``P.meta_group``), so every rank gets the same answer.
     """
     if not P.active:
         return False, "this rank is not in the partition"
@@ -183,8 +174,7 @@ def symmetric_memory_available(P: Partition, device=None) -> tuple[bool, str]:
 def log_fallback_once(reason: str) -> bool:
     """Log (warning, logger ``distfuse.fused``) that the unfused path is used because of ``reason``, once per reason.
 
-    Returns True if this call logged.
-    """
+    Returns True if this call logged."""
     if reason in _LOGGED:
         return False
     _LOGGED.add(reason)

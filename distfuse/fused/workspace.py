@@ -14,15 +14,9 @@ carries a per-call host value and a captured CUDA graph raises and expects a new
 each replay.  The host ``epoch`` counts the same claims (for messages); it falls behind the
 device's when graphs replay claims, which nothing depends on.
 
-The buffer layout (flags, counters, status, signatures, data) and :class:`RankBuffers`, one
-rank's view of it, live in :mod:`distfuse.fused.workspace_layout`; both names are
-re-exported here.
-
-**Loopback** (:class:`LoopbackWorkspace`): W virtual peers in one process, W buffers on one
-device behind the same interface, for testing and benchmarking kernels without a group.
-The real groups' workspace, :class:`~distfuse.fused.symmetric.SymmetricWorkspace`, lives
-in :mod:`distfuse.fused.symmetric`; its backends in :mod:`distfuse.fused.workspace_shm`
-and :mod:`distfuse.fused.workspace_cuda`.
+The buffer layout and :class:`RankBuffers` (re-exported here) live in
+:mod:`distfuse.fused.workspace_layout`; the real groups' workspace in
+:mod:`distfuse.fused.symmetric`.  :class:`LoopbackWorkspace`: W virtual peers in one process.
 """
 
 from __future__ import annotations
@@ -52,15 +46,8 @@ from distfuse.fused.workspace_layout import (  # RankBuffers and header_bytes re
 )
 from distfuse.groups import default_timeout
 
-__all__ = [
-    "LoopbackWorkspace",
-    "RankBuffers",
-    "WorkspaceBusyError",
-    "WorkspaceBrokenError",
-    "header_bytes",
-    "status_check_mode",
-    "check_pending",
-]
+__all__ = ["LoopbackWorkspace", "RankBuffers", "WorkspaceBusyError", "WorkspaceBrokenError", "header_bytes",
+           "status_check_mode", "check_pending"]
 
 
 class WorkspaceBusyError(DistfuseError):
@@ -82,9 +69,6 @@ class _Workspace(abc.ABC):
         self.device = torch.device(device)
         self.timeout = float(timeout) if timeout is not None else default_timeout().total_seconds()
         self.epoch = 0
-        # The epoch the kernels read and the flags carry, on the device: advanced in stream order at every claim
-        # (see `in_flight`), so that a CUDA graph replay advances it too; the host `epoch` counts the same claims
-        # for messages and stays equal to it until a graph replays claims the host never saw.
         self.epoch_dev = torch.zeros(1, dtype=torch.int32, device=self.device)
         self._side_events: list = []  # events of side streams (copy-engine pushes) the op's stream joins at its end
         self.broken = False
@@ -147,13 +131,9 @@ class _Workspace(abc.ABC):
             self._busy = None
 
     def track_side_stream(self, stream) -> None:
-        """Record the end of ``stream``'s work for this op: the op's stream waits for it before the claim ends.
-
-        A push issued on a side stream (the copy-engine all-gather push) writes into the peers'
-        buffers; the op's stream waits for it at the end of the claim, so no later op (whose
-        entry barrier runs on that stream) can start while the push may still write, and a
-        CUDA graph capture joins the side stream back before it ends.
-        """
+        """Record the end of ``stream``'s work (a copy-engine push) for this op: the op's stream waits for it before
+        the claim ends, so no later op starts while the push may still write (see
+        :mod:`~distfuse.fused.all_gather_copy_engine`)."""
         event = torch.cuda.Event()
         event.record(stream)
         self._side_events.append(event)
@@ -227,11 +207,10 @@ class _Workspace(abc.ABC):
     def status_copy_buffers(self, status: torch.Tensor):
         """A pinned host tensor shaped like ``status`` and a CUDA event, for one deferred status copy.
 
-        Reused from copies already checked (the pool holds a few), so the steady state of one
-        consumer per claim allocates no pinned memory and creates no event per op (on a GPU
-        machine the two cost about as much as the kernel launch they follow).  With none free, the
-        copies whose events have completed are checked first (which raises for a failed earlier op,
-        as the next claim would), then a new pair is made.
+        Reused from copies already checked (the pool holds a few), so the steady state
+        allocates no pinned memory and creates no event per op (together about the cost of
+        the kernel launch they follow).  With none free, the copies whose events have
+        completed are checked first (raising for a failed earlier op), then a new pair is made.
         """
         if not self._status_pool and self.deferred:
             self.check_deferred(wait=False)
@@ -303,10 +282,6 @@ def check_pending() -> None:
     for ws in list(_WORKSPACES):
         if ws.deferred:
             ws.check_deferred(wait=True)
-
-
-
-# ---------------------------------------------------------------- loopback
 
 
 class LoopbackWorkspace(_Workspace):

@@ -4,11 +4,9 @@
 ``_SymmetricMemory.empty_strided_p2p``).  The barrier is the handle's device barrier, on
 the current stream, with a timeout.  Consumers spin on flags on the device, bounded by
 the workspace timeout (:func:`distfuse.kernels._utils.spin_limit`).  A peer's address is
-its allocation base (``buffer_ptrs``) plus *its own* offset in that allocation, gathered at
-set-up: torch's symmetric pool may place the buffer differently on each rank.  Ranks that
-share one GPU are refused unless ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1`` (torch's
-rendezvous rejects them otherwise; see
-:func:`~distfuse.fused.symmetric_availability.symmetric_memory_available`).
+its allocation base plus *its own* offset in that allocation (:func:`_peer_addresses`).
+Ranks that share one GPU are refused unless ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``
+(see :func:`~distfuse.fused.symmetric_availability._group_verdict`).
 """
 
 from __future__ import annotations
@@ -49,20 +47,14 @@ ALLOW_OVERLAP_ENV = "TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"
 
 
 def _allow_overlapping_devices() -> bool:
-    """Whether torch's rendezvous accepts ranks that share a GPU: ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES=1``.
-
-    torch reads the variable as a strict boolean flag (``"1"`` on, ``"0"`` off), so
-    exactly ``"1"`` counts here too.
-    """
+    """Whether torch's rendezvous accepts ranks that share a GPU: exactly ``"1"`` in
+    ``TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES``, as torch reads it."""
     return os.environ.get(ALLOW_OVERLAP_ENV, "") == "1"
 
 
 def _device_uuid(index: int) -> str:
-    """The GPU's uuid, or "" where torch does not report one.
-
-    Not the index as a stand-in: under per-rank ``CUDA_VISIBLE_DEVICES`` every rank's GPU
-    is ``cuda:0``, and equal indices would read as one shared GPU.
-    """
+    """The GPU's uuid, or "" where torch does not report one (never the index as a stand-in: under per-rank
+    ``CUDA_VISIBLE_DEVICES`` every rank's GPU is ``cuda:0``, and equal indices would read as one shared GPU)."""
     uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
     return str(uuid) if uuid is not None else ""
 
@@ -71,15 +63,12 @@ def _peer_addresses(bases: list[int], offsets: list[int], sizes: list[int | None
                     partition_ranks: tuple[int, ...] | list[int], total: int) -> list[int]:
     """Every rank's workspace address, in partition-rank order, from its allocation base and offset (pure).
 
-    ``bases`` (torch's ``buffer_ptrs``, already mapped into this process), ``offsets`` (where
-    each rank's tensor lies in its allocation) and ``sizes`` (each allocation's
-    ``buffer_size``, None where torch does not report it) are in group-rank order, the
-    world ranks of ``group_ranks``; the workspace slots follow ``partition_ranks``, which
-    may list them in another order.  Each peer's address is its own base plus its own
-    offset: torch's symmetric pool need not place the buffer at the same offset on every
-    rank, so one rank's offset says nothing about another's.  Raises
-    :class:`UnsupportedError` naming the rank whose ``total``-byte buffer does not lie
-    within its allocation.
+    ``bases`` (torch's ``buffer_ptrs``, mapped into this process), ``offsets`` (where each
+    rank's tensor lies in its allocation) and ``sizes`` (each allocation's ``buffer_size``,
+    None where torch does not report it) are in group-rank order (the world ranks of
+    ``group_ranks``); the slots follow ``partition_ranks``.  Each peer's own offset counts:
+    torch's symmetric pool need not place the buffer alike on every rank.  Raises
+    :class:`UnsupportedError` naming a rank whose ``total``-byte buffer lies outside its allocation.
     """
     if not len(bases) == len(offsets) == len(sizes) == len(group_ranks):
         raise UnsupportedError(f"{where('SymmetricWorkspace')}: {len(bases)} buffer pointers, {len(offsets)} offsets "
@@ -136,10 +125,8 @@ def setup_cuda(ws, P: Partition, total: int, api: str | None) -> tuple[torch.Ten
     ws._handle = handle
     ws._cuda_buf = buf
     ws.barrier("SymmetricWorkspace.setup")  # peers see zeroed headers before any op
-    # Where this rank's tensor lies in its allocation: torch versions with a symmetric mempool
-    # report the allocation's base in `buffer_ptrs` (0 offset where they point at the tensor).
-    # The pool may place the tensor at a different offset on each rank, so every rank's offset
-    # (and allocation size) is gathered; `buffer_ptrs` and the gather are both in group-rank order.
+    # Where this rank's tensor lies in its allocation (`buffer_ptrs` holds the allocations' bases where torch has a
+    # symmetric mempool); every rank's offset and allocation size are gathered, in group-rank order.
     by_group_rank = [int(ptr) for ptr in handle.buffer_ptrs]
     sorted_ranks = sorted(P.ranks)
     own_offset = buf.data_ptr() - by_group_rank[sorted_ranks.index(P.ranks[ws.rank])]

@@ -1,9 +1,7 @@
 """The layout of a workspace buffer and one rank's view of it: the header, the data region, the peer table.
 
 Every backend (the loopback, the ``/dev/shm`` segments, CUDA symmetric memory) lays its
-buffers out alike, so the launchers read one :class:`RankBuffers` whatever the backend;
-the claim that governs when they may (:mod:`distfuse.fused.workspace`) lives apart from
-the bytes it governs.
+buffers out alike, so the launchers read one :class:`RankBuffers` whatever the backend.
 
 Layout of every rank's buffer (the same on all ranks, so one offset serves every peer)::
 
@@ -40,8 +38,7 @@ __all__ = ["RankBuffers", "header_bytes"]
 
 
 class _Owner(Protocol):
-    """What a rank's view reads from the workspace that owns it (:class:`distfuse.fused.workspace._Workspace`,
-    which imports this module: the claim sits above the bytes it governs)."""
+    """What a rank's view reads from the workspace that owns it (:class:`distfuse.fused.workspace._Workspace`)."""
 
     world_size: int
     epoch: int
@@ -72,6 +69,11 @@ def _round_up(n: int, granule: int) -> int:
     return max(granule, -(-int(n) // granule) * granule)
 
 
+def _owners(name: str, doc: str) -> property:
+    """A read-only attribute of :class:`RankBuffers` that is its owning workspace's ``name``."""
+    return property(lambda view: getattr(view._owner, name), doc=doc)
+
+
 class RankBuffers:
     """One rank's view of a workspace: what a launcher needs to read, write and signal.
 
@@ -100,25 +102,12 @@ class RankBuffers:
         self.data_ptrs = table[0]
         self.flag_ptrs = table[1]
 
-    @property
-    def epoch(self) -> int:
-        """The epoch of the op in flight (flags of this op carry it)."""
-        return self._owner.epoch
-
-    @property
-    def epoch_dev(self) -> torch.Tensor:
-        """int32 ``[1]`` on the workspace device: the epoch the kernels read (advanced in stream order per claim)."""
-        return self._owner.epoch_dev
-
-    @property
-    def max_spin(self) -> int:
-        """Extra flag loads an interpreted consumer may spin (0: one check, the producers ran first)."""
-        return self._owner.max_spin
-
-    @property
-    def timeout(self) -> float:
-        """Seconds a compiled consumer's flag wait may last (the workspace timeout)."""
-        return self._owner.timeout
+    epoch = _owners("epoch", "The epoch of the op in flight (flags of this op carry it).")
+    epoch_dev = _owners("epoch_dev", "int32 ``[1]`` on the workspace device: the epoch the kernels read (advanced "
+                                     "in stream order per claim).")
+    max_spin = _owners("max_spin", "Extra flag loads an interpreted consumer may spin (0: one check, the producers "
+                                   "ran first).")
+    timeout = _owners("timeout", "Seconds a compiled consumer's flag wait may last (the workspace timeout).")
 
     def data(self, dtype: torch.dtype, numel: int, offset: int = 0, op: str = "workspace") -> torch.Tensor:
         """A 1-D ``dtype`` view of ``numel`` elements of this rank's data region, ``offset`` bytes in."""
@@ -162,8 +151,6 @@ class RankBuffers:
         owner = self._owner
         cuda = self.status.device.type == "cuda"
         if cuda and torch.cuda.is_current_stream_capturing():
-            # No host work can be captured.  A wait that gives up in a replay still poisons its output with NaN
-            # and leaves its status word set; the next eager check of this workspace raises on it.
             return
         if owner.strict or owner.status_mode == "sync":
             owner.raise_on_status(self.status if cuda else self.status.clone(), self.rank, self.epoch, op, what)

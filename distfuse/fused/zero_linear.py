@@ -2,15 +2,12 @@
 
 Worker ``(d, m)`` of a ``[P_d, P_m]`` grid holds batch block ``d`` of the activations and
 the ZeRO shard ``(d, m)`` of ``W [out, in]``; ``W_m``, the model-parallel block the GEMM
-needs, is the all-gather of the shards over ``d`` (the ``P_d`` workers of column ``m``).
-Unfused, the layers all-gather ``W_m`` (NCCL), run the model-parallel linear, and
-reduce-scatter ``dW_m`` back to the shards.  Fused, the GEMM reads ``W_m``'s chunks from
-the peers' symmetric buffers as their flags come up, as FSDP prefetches a layer's weight,
-by running the existing GEMM fusions on the transposed product ``y.T = W_m @ x.T``
-(``x`` flattened to ``[rows, K]``): the shard is the gathered operand and this worker's rows
-are the "weight" operand.  Their backward is the weight-gradient GEMM fused with its
-reduce-scatter over ``d``.  No kernel of its own: every launch is a phase of
-:mod:`distfuse.fused.matmul_phases`.
+needs, is the all-gather of the shards over ``d``.  Unfused, the layers all-gather ``W_m``,
+run the model-parallel linear, and reduce-scatter ``dW_m`` back to the shards.  Fused, the
+GEMM reads ``W_m``'s chunks from the peers as their flags come up (as FSDP prefetches a
+weight), by running the GEMM fusions of :mod:`distfuse.fused.matmul_phases` on the
+transposed product ``y.T = W_m @ x.T`` (``x`` flattened to ``[rows, K]``): the shard is the
+gathered operand.  The backward fuses the weight-gradient GEMM with its reduce-scatter over ``d``.
 
 Reduce-scatter linear (``split="rows"``: shard ``[out_d, in_m]``, ``W_m [out, in_m]``);
 ``axis`` says what its model-parallel reduce-scatter splits (``"features"``: DistDL's form,
@@ -32,39 +29,31 @@ All-gather linear (``split="columns"``: shard ``[out_m, in_d]``, ``W_m [out_m, i
     wgrad    dshard = reduce_scatter_K_d(dy.T @ x_g)  [out_m, in_d]    run_matmul_reduce_scatter_features over d
 
 The backward fuses both of its collectives, one per GEMM.  The forward has one GEMM and
-two collectives (the weight's over ``d``, the activations' over ``m``), and a GEMM fusion
-overlaps one collective with its GEMM; overlapping both at once would take a kernel whose
-operand streams in from one group's buffers while its tiles stream out to another's,
-which the existing kernels do not do.  So the forward overlaps the weight's all-gather
-(the FSDP schedule) and runs the activations' collective as a plain one (NCCL on CUDA):
-the reduce-scatter of the finished partial in the reduce-scatter linear
-(:meth:`~distfuse.fused.matmul_common.Comm.reduce_scatter`, added in ``partial_dtype``),
-the all-gather of the input before the GEMM in the all-gather linear.  With one
-model-parallel worker (``P_m = 1``) there is no activation collective and the forward is
-fully fused.  Biases stay outside (the layers add them after, as unfused).
+two collectives (the weight's over ``d``, the activations' over ``m``); overlapping both
+would take a kernel whose operand streams in from one group's buffers while its tiles
+stream out to another's.  So the forward overlaps the weight's all-gather (the FSDP
+schedule) and runs the activations' collective as a plain one
+(:meth:`~distfuse.fused.matmul_common.Comm.reduce_scatter` of the finished partial, in
+``partial_dtype``; the all-gather of the input before the GEMM).  With ``P_m = 1`` the
+forward is fully fused.  Biases stay outside (the layers add them after, as unfused).
 
 ``keep_gathered``: keep ``W_m`` (and, for the all-gather linear, the gathered input) from
-forward to backward (True), or keep the shard and the block and gather them again in the
-backward (False: a plain all-gather each, FSDP's ``reshard_after_forward``).
+forward to backward (True), or gather them again in the backward (False: a plain
+all-gather each, FSDP's ``reshard_after_forward``).
 
-Dispatch: registry entries ``zero_linear_rows`` and ``zero_linear_columns`` (the tuner
-times this op itself, :mod:`distfuse.tune.zero_cases`).  What the layers ask before
-they choose a path (the row count every data-parallel worker agrees on, the gathered
-sequence extent, whether symmetric memory serves both groups) is in
-:mod:`distfuse.fused.zero_linear_dispatch`.
+Dispatch: registry entries ``zero_linear_rows`` and ``zero_linear_columns``; what the
+layers ask before they choose a path is in :mod:`distfuse.fused.zero_linear_dispatch`.
 
-Disagreements, and what reaches whom.  A rank's own checks that fail inside the op reach
-its data-parallel peers through the ``d`` group's first claim (``REFUSED``,
-:mod:`distfuse.fused.agreement`) where there is one model-parallel worker.  With several,
-the forward's model-parallel collective is a plain one with no flag, so a rank that
-stops (a refusal, or a signature mismatch seen in its column's claim) leaves the other
-columns waiting in it until ``DISTFUSE_TIMEOUT``; only the layers' grid-wide row round
-(CUDA, size-based dispatch) catches their local checks first.
+Disagreements.  A rank's own checks that fail inside the op reach its data-parallel peers
+through the ``d`` group's first claim (:mod:`distfuse.fused.agreement`) where ``P_m = 1``.
+With several model-parallel workers the forward's model-parallel collective has no flag,
+so a rank that stops leaves the other columns waiting in it until ``DISTFUSE_TIMEOUT``;
+only the layers' grid-wide row round (CUDA, size-based dispatch) catches their local
+checks first.
 
-Workspaces: the ``d`` group's (the gathered ``W_m`` or the ``dW_m`` partial slots, whichever
-is larger: independent of the rows, so every data-parallel worker asks the same) and the
-``m`` group's (the sizes of the activation-fused ops of the same layer, so one workspace
-serves both paths).  Each phase claims its workspace on its own.
+Workspaces: the ``d`` group's (the gathered ``W_m`` or the ``dW_m`` partial slots: independent
+of the rows, so every data-parallel worker asks the same) and the ``m`` group's (the sizes
+of the activation-fused ops of the same layer, so one workspace serves both paths).
 """
 
 from __future__ import annotations
@@ -81,6 +70,7 @@ from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
     Phases,
+    check_partial_dtype,
     features_workspace_bytes,
     flat_rows,
     require_available,
@@ -201,16 +191,14 @@ def _gather_input(plan: _Plan, op: str, x: torch.Tensor) -> torch.Tensor:
     """The all-gather linear's input over the model-parallel workers (features or sequence), plain."""
     if plan.m.world_size == 1:
         return x
-    if plan.axis == "features":
-        return plan.m.start_feature_gather(op, [x], plan.in_features).wait()[0]
-    return plan.m.start_gather(op, [x], plan.n).wait()[0]
+    features = plan.axis == "features"
+    return plan.m.start_gather(op, [x], plan.in_features if features else plan.n, features).wait()[0]
 
 
 def _gather_weight(plan: _Plan, op: str, shard: torch.Tensor) -> torch.Tensor:
     """``W_m`` gathered again in the backward (``keep_gathered=False``): a plain all-gather over d."""
-    if plan.split == "rows":
-        return plan.d.start_gather(op, [shard], plan.out_features).wait()[0]
-    return plan.d.start_feature_gather(op, [shard], plan.in_features).wait()[0]
+    rows = plan.split == "rows"
+    return plan.d.start_gather(op, [shard], plan.out_features if rows else plan.in_features, not rows).wait()[0]
 
 
 def _rows_backward(plan: _Plan, op: str, dy, w_m, x, need_dx: bool, need_dshard: bool):
@@ -223,10 +211,8 @@ def _rows_backward(plan: _Plan, op: str, dy, w_m, x, need_dx: bool, need_dshard:
             (dx,), (dp,) = run_all_gather_features_matmul(plan.m, op, [dy], w_t, [None], need_dshard, plan.nbytes_m)
         else:
             (dx,), (dp,) = run_all_gather_matmul(plan.m, op, [dy], w_t, [None], plan.n, need_dshard, plan.nbytes_m)
-    elif features:
-        dp = plan.m.start_feature_gather(op, [dy], plan.out_features).wait()[0]
     else:
-        dp = plan.m.start_gather(op, [dy], plan.n).wait()[0]
+        dp = plan.m.start_gather(op, [dy], plan.out_features if features else plan.n, features).wait()[0]
     if need_dshard:
         # dW_m = dp.T @ x [out, in_m], its rows reduce-scattered over d: the GEMM + reduce-scatter phase on the
         # transposed operands (n = out rows, K = this worker's rows, N = in_m).
@@ -346,18 +332,15 @@ def zero_linear_plan(x: torch.Tensor, shard: torch.Tensor, P_d: Partition, P_m: 
                      keep_gathered: bool = True, partial_dtype: torch.dtype | None = None) -> _Plan:
     """:func:`zero_linear`'s checks and plan: what its phases run on."""
     Wm, m = (1, 0) if P_m is None else (P_m.size, P_m.rank)
-    # With one model-parallel worker the op's first collective is the data-parallel workers' fused claim, so a
-    # check that fails here reaches them all through it (fused/agreement.py).  With several, the model-parallel
-    # workers' plain collectives would still wait for this rank: it raises alone (the layers catch their own
-    # checks' failures before, in agreed_rows's grid-wide round, where that round runs).
+    # Where P_m = 1 a check that fails here reaches the data-parallel workers through their first claim; with
+    # several model-parallel workers it raises alone (see "Disagreements" in the module doc).
     guard = refusal(_OP, P_d, x, GATHER_FLAGS, nbytes=lambda: zero_linear_workspace_bytes(
         split, axis, rows=0, n=None, out_features=out_features, in_features=in_features, P_d_size=P_d.size,
         P_m_size=1, m=0, dtype=x.dtype, partial_dtype=partial_dtype)[0]) if Wm == 1 and P_d.active \
         else contextlib.nullcontext()
     with guard:
         rows, n = _check(x, shard, P_d, P_m, split, axis, out_features, in_features, n)
-        if partial_dtype is not None and partial_dtype not in FLOAT_DTYPES:
-            raise expect(_OP, "partial_dtype", FLOAT_DTYPES, partial_dtype, cls=UnsupportedError)
+        check_partial_dtype(_OP, partial_dtype)
     if P_m is not None and P_m.size > 1:
         require_available(_OP, P_m, x.device)
     require_available(_OP, P_d, x.device)

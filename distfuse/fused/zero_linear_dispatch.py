@@ -1,21 +1,10 @@
 """What the ZeRO layers ask before they choose a path: the agreed row count, the sequence extent, availability.
 
-The op itself (the weight's all-gather over the data-parallel workers fused into the
-GEMM) is :func:`distfuse.fused.zero_linear.zero_linear`; the layers call these first,
-so that every worker of a layer takes the same path with the same sizes.
-
-Dispatch: registry entries ``zero_linear_rows`` and ``zero_linear_columns`` (the tuner
-times this op itself, :mod:`distfuse.tune.zero_cases`). Data-parallel workers hold
-different row counts (uneven batch blocks), so the decision uses the largest
-(:func:`agreed_rows`, one host-side int64 all-reduce per call on the group's metadata
-group): all workers must take the same path.  Where the decision cannot depend on the
-size (``DISTFUSE_PATH`` forces a path, or the device is not CUDA: see
-:func:`~distfuse.layers.dispatch.select_path`) the local count is used and nothing is
-exchanged.  The layers run that round over their whole grid (the maximum is the same:
-a column's workers hold the same rows) with a flag in it, so an input that fails a
-layer's local checks on one worker raises on every worker before any data moves, with
-no extra round (:func:`agreed_rows`).  The fused path needs symmetric memory on both
-groups (:func:`zero_linear_available`).
+The op itself is :func:`distfuse.fused.zero_linear.zero_linear`; the layers call these
+first, so that every worker of a layer takes the same path with the same sizes.  Dispatch
+reads registry entries ``zero_linear_rows`` and ``zero_linear_columns`` (the tuner times
+this op itself, :mod:`distfuse.tune.zero_cases`).  Data-parallel workers hold different
+row counts (uneven batch blocks), so the decision uses the largest (:func:`agreed_rows`).
 """
 
 from __future__ import annotations
@@ -44,10 +33,11 @@ def _exchanges_rows(P_d: Partition, device) -> bool:
 
 def agreed_rows(P_d: Partition, rows: int, device, *, P_all: Partition | None = None, error: Exception | None = None,
                 op: str = "ZeroLinear") -> int:
-    """The largest row count over the data-parallel workers ``P_d``.
+    """The largest row count over the data-parallel workers ``P_d``: all workers must take the same path.
 
-    Collective over ``P_d`` where the dispatch decision depends on the size (see the module
-    doc): one host int64 all-reduce, no device read.  Inside
+    Collective over ``P_d`` where the dispatch decision depends on the size (CUDA, no
+    ``DISTFUSE_PATH`` forcing a path, see :func:`~distfuse.layers.dispatch.select_path`):
+    one host int64 all-reduce on the metadata group, no device read; else the local count.  Inside
     :func:`~distfuse.primitives._agreement.capture_safe` (and while a CUDA stream captures)
     the value agreed for this worker's ``rows`` in an eager call is reused, so a captured
     step runs no host collective; a row count never seen eagerly raises

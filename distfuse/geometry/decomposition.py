@@ -13,15 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = [
-    "block_extent",
-    "block_start",
-    "block_range",
-    "local_shape",
-    "local_start",
-    "local_slices",
-    "owner_of",
-]
+__all__ = ["block_extent", "block_start", "block_range", "local_shape", "local_start", "local_slices", "owner_of"]
 
 
 def block_extent(n: int, p: int, i: int) -> int:

@@ -52,17 +52,8 @@ from distfuse.geometry.decomposition import block_range, owner_of
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "PADDING_MODES",
-    "AxisGeometry",
-    "Segment",
-    "Piece",
-    "HaloPlan",
-    "resolve_padding",
-    "conv_output_extent",
-    "read_box",
-    "adjoint_box",
-]
+__all__ = ["PADDING_MODES", "AxisGeometry", "Segment", "Piece", "HaloPlan", "resolve_padding", "conv_output_extent",
+           "read_box", "adjoint_box"]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
@@ -87,11 +78,8 @@ def resolve_padding(padding, kernel_size: Sequence[int], dilation: Sequence[int]
         if padding == "same":
             if any(s != 1 for s in stride):
                 raise UnsupportedError(f"padding='same' needs stride 1 (as in torch), got stride {tuple(stride)}")
-            out = []
-            for k, d in zip(kernel_size, dilation, strict=True):
-                total = d * (k - 1)
-                out.append((total // 2, total - total // 2))
-            return tuple(out)
+            totals = [d * (k - 1) for k, d in zip(kernel_size, dilation, strict=True)]
+            return tuple((total // 2, total - total // 2) for total in totals)
         raise UnsupportedError(f"padding must be an int, a tuple, 'same' or 'valid', got {padding!r}")
     if isinstance(padding, int):
         if padding < 0:
@@ -194,35 +182,26 @@ class AxisGeometry:
         for t, g in enumerate(range(a, b)):
             s = self._source(g)
             blk = None if s is None else owner_of(self.n, self.p, s)
-            if runs:
+            if runs and runs[-1][2] == blk:  # the same source block (or zero fill): extend the run if it steps on
                 r = runs[-1]
-                if blk is None and r[2] is None:
+                if blk is None:
                     r[1] += 1
                     continue
-                if blk is not None and r[2] == blk:
-                    last = r[3] + (r[1] - 1) * r[4]
-                    step = s - last
-                    if r[1] == 1 and step in (-1, 0, 1):
-                        r[4] = step
-                        r[1] += 1
-                        continue
-                    if step == r[4]:
-                        r[1] += 1
-                        continue
+                step = s - (r[3] + (r[1] - 1) * r[4])
+                if r[1] == 1 and step in (-1, 0, 1):
+                    r[4] = step
+                if step == r[4]:
+                    r[1] += 1
+                    continue
             runs.append([t, 1, blk, s, 1])
         out = []
         for dst, length, blk, first, step in runs:
             if blk is None:
                 out.append(Segment(dst, length, None, 0, 0, 0))
                 continue
-            start = block_range(self.n, self.p, blk)[0]
-            if step == 1:
-                lo, extent = first - start, length
-            elif step == -1:
-                lo, extent = first - (length - 1) - start, length
-            else:
-                lo, extent = first - start, 1
-            out.append(Segment(dst, length, blk, lo, extent, step))
+            # the source box starts at the run's first element, a reversed run's box ends there; a repeat is 1 wide
+            lo = first - block_range(self.n, self.p, blk)[0] - (length - 1 if step == -1 else 0)
+            out.append(Segment(dst, length, blk, lo, length if step else 1, step))
         return tuple(out)
 
 

@@ -23,7 +23,7 @@ the interpolated value is continuous across it.
 Nearest modes are discontinuous: an index one off is a wrong value.  torch computes them
 differently by dtype, memory format and device (float32 or float64 products, ``floorf``
 of a double), so the layer asks torch itself for the indices of a 1-D probe instead of
-re-deriving them (``distfuse/layers/_upsample_plan.py``); this module only turns indices into
+re-deriving them (``distfuse/layers/upsample.py``); this module only turns indices into
 windows (:func:`window_axis`).
 """
 
@@ -79,9 +79,8 @@ def linear_sources(n: int, m: int, align_corners: bool, scale_factor: float | No
             src = scale * centre - ft(0.5)
         else:
             # torch's compiled kernels contract scale*centre - 0.5 into one fused multiply-add (x86 CPU builds
-            # and nvcc both do; measured: 1000 -> 3001, output 1537 gives 511.82925 fused, 511.82922 unfused).
-            # In float64 the float32 product is exact (24 + 25 bits) and so is the subtraction, so rounding
-            # once to float32 is exactly the fused result.
+            # and nvcc both do).  In float64 the float32 product is exact (24 + 25 bits) and so is the
+            # subtraction, so rounding once to float32 is exactly the fused result.
             src = (scale.astype(np.float64) * centre.astype(np.float64) - 0.5).astype(np.float32)
         src = np.where(src < ft(0), ft(0), src).astype(ft)
     i0 = np.minimum(np.floor(src.astype(np.float32)).astype(np.int64), n - 1)

@@ -108,10 +108,7 @@ def first_taps(n: int, kernel: int, stride: int, dilation: int, pad: int, o0: in
     larger than ``-inf``.  Windows that cover no input element are refused by
     :func:`check_pool_axis`, so the tap exists.
     """
-    out = []
-    for o in range(o0, o1):
-        out.append(next(t for t in _taps(o, kernel, stride, dilation, pad) if 0 <= t < n))
-    return out
+    return [next(t for t in _taps(o, kernel, stride, dilation, pad) if 0 <= t < n) for o in range(o0, o1)]
 
 
 def avg_divisors(n: int, kernel: int, stride: int, pad: int, count_include_pad: bool, o0: int,

@@ -7,39 +7,33 @@ to the global output extent
     m = (n - 1)*s - 2p + d*(k - 1) + q + 1
 
 and input ``i`` writes, through kernel tap ``t``, output ``o = i*s - p + t*d``.  It is
-the adjoint of the convolution with the same ``k, s, d, p`` (whose input extent is
-``m`` and output extent ``n``); ``q`` only lengthens the output on the high side, and
-positions that no input reaches there (or in the gaps a stride larger than the
-kernel leaves) hold zero plus the bias.
+the adjoint of the convolution with the same ``k, s, d, p``; ``q`` only lengthens the
+output on the high side, and positions that no input reaches (there, or in the gaps a
+stride larger than the kernel leaves) hold zero plus the bias.
 
 The output is split by the balanced decomposition of ``m``, *not* by the images of the
 input blocks (which overlap, and whose union reaches into the cropped padding and stops
-short of ``q``).
-Worker ``w`` owns outputs ``[o0, o1)``; through tap ``t`` the inputs that reach them are
+short of ``q``).  Worker ``w`` owns outputs ``[o0, o1)``; through tap ``t`` the inputs
+that reach them are
 
     ceil((o0 + p - t*d) / s)  ..  floor((o1 - 1 + p - t*d) / s)
 
 and the worker's needed range ``[a, b)`` is the hull of these over the taps, clipped to
-``[0, n)`` (global input coordinates; empty when no input reaches the block).  Outside
-``[0, n)`` there is no input at all (a transposed convolution pads nothing), so the
-range is clipped rather than zero-filled.  The worker stages ``[a, b)`` (its own
-inputs and halos from its neighbours, possibly several blocks away when a halo is
-wider than a block), computes the local transposed convolution of the staged block
-with padding 0, whose outputs cover the global window
+``[0, n)`` (a transposed convolution pads nothing, so the range is clipped rather than
+zero-filled).  The worker stages ``[a, b)`` (its own inputs and halos, possibly from
+several blocks away), computes the local transposed convolution of the staged block with
+padding 0, whose outputs cover the global window
 
     [a*s - p,  (b-1)*s - p + d*(k-1) + 1)
 
-and crops that window to ``[o0, o1)``, extending it with zeros where the window is
-shorter (no input reaches those outputs).  :meth:`TransposeAxisGeometry.block_pads`
-gives the two signed amounts, in ``F.pad``'s convention.
+and crops that window to ``[o0, o1)``, extending it with zeros where it is shorter
+(:meth:`TransposeAxisGeometry.block_pads`, in ``F.pad``'s convention).
 
 :class:`TransposeAxisGeometry` is an :class:`~distfuse.geometry.halo_plan.AxisGeometry`
-whose output extent and needed input range are the transposed ones; everything else
-(source blocks, run-length encoding into segments, the N-D product into pieces, the
-send and receive lists) is :class:`~distfuse.geometry.halo_plan.HaloPlan`'s, so the
-exchange that stages a transposed convolution is the ordinary halo exchange, message
-for message.  Since the needed range never leaves the domain, every piece is a plain
-copy (step +1) from one block; there are no zero fills.
+whose output extent and needed input range are the transposed ones; everything else is
+:class:`~distfuse.geometry.halo_plan.HaloPlan`'s, so the exchange that stages a transposed
+convolution is the ordinary halo exchange, message for message, and every piece a plain
+copy (step +1) from one block.
 """
 
 from __future__ import annotations
@@ -50,12 +44,7 @@ from dataclasses import dataclass
 from distfuse.errors import ShapeError, UnsupportedError
 from distfuse.geometry.halo_plan import AxisGeometry, HaloPlan
 
-__all__ = [
-    "TransposeAxisGeometry",
-    "check_output_padding",
-    "transpose_plan",
-    "block_pads",
-]
+__all__ = ["TransposeAxisGeometry", "check_output_padding", "transpose_plan", "block_pads"]
 
 
 def check_output_padding(output_padding: Sequence[int], stride: Sequence[int], dilation: Sequence[int]) -> None:
@@ -97,10 +86,8 @@ class TransposeAxisGeometry(AxisGeometry):
     def needed_range(self, i: int) -> tuple[int, int]:
         """The smallest global input range ``[a, b)`` holding every input that reaches worker ``i``'s outputs.
 
-        ``(0, 0)`` when no input does.  Per kernel tap ``t`` the inputs reaching
-        ``[o0, o1)`` are ``ceil((o0 + p - t*d) / s) .. floor((o1 - 1 + p - t*d) / s)``
-        (clipped to ``[0, n)``); the range is their hull, so dilation gaps at its
-        ends are not staged.
+        The hull over the kernel taps of the module docstring's ranges, clipped to ``[0, n)``
+        (so dilation gaps at its ends are not staged); ``(0, 0)`` when no input reaches them.
         """
         o0, o1 = self.output_range(i)
         s, lo = self.stride, self.pad_lo

@@ -1,13 +1,6 @@
-"""Bridges from distfuse to the rest of the PyTorch stack.
-
-* :mod:`~distfuse.interop.device_mesh`: ``DeviceMesh`` <-> :class:`~distfuse.partition.CartesianPartition`
-  (``device_mesh_of(P)``, ``partition_from_device_mesh(mesh)``).
-* :mod:`~distfuse.interop.dtensor`: block tensors <-> ``DTensor`` (balanced split <-> ``torch.chunk`` split).
-* :mod:`~distfuse.interop.checkpoint`: whole models (and optimizers) as ``torch.distributed.checkpoint``
-  checkpoints that load into other partitions or into plain ``torch.nn`` models.
-
-Whole-model helpers (``load_sequential``, ``collect_sequential``, ``make_optimizer``,
-``clip_grad_norm_``) are in :mod:`distfuse.model`.
+"""Bridges from distfuse to the rest of the PyTorch stack: ``DeviceMesh`` (:mod:`~distfuse.interop.device_mesh`),
+``DTensor`` (:mod:`~distfuse.interop.dtensor`) and ``torch.distributed.checkpoint``
+(:mod:`~distfuse.interop.checkpoint`); the whole-model helpers are in :mod:`distfuse.model`.
 
 The names below load their module on first use: ``device_mesh_of`` imports only the
 DeviceMesh bridge, not the checkpoint machinery (DCP, the layers).

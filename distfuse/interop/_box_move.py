@@ -1,16 +1,15 @@
 """Moving a tensor between two layouts of boxes: the data movement under the DTensor bridge.
 
-distfuse splits an extent ``n`` over ``p`` workers by the balanced decomposition (10 over 4
-is 3, 3, 2, 2); DTensor's ``Shard`` follows ``torch.chunk`` (3, 3, 3, 1; 5 over 4 is
-2, 2, 1, 0), nests when several mesh dimensions shard one tensor dimension, and
-``Replicate`` puts the same box on several ranks.  A :class:`BoxLayout` lists, for one
-global shape, which world rank holds which box, and which holder of a replicated box is
-the *primary* (the one that sends it).  :func:`move` takes this rank's box of one layout
-to its box of another in one batched point-to-point round
+distfuse splits an extent by the balanced decomposition (10 over 4: 3, 3, 2, 2); DTensor's
+``Shard`` follows ``torch.chunk`` (3, 3, 3, 1; 5 over 4: 2, 2, 1, 0), nests when several mesh
+dimensions shard one tensor dimension, and ``Replicate`` puts one box on several ranks.  A
+:class:`BoxLayout` lists, for one global shape, which world rank holds which box and which
+holder of a replicated box is the *primary* (the one that sends it).  :func:`move` takes this
+rank's box of one layout to its box of another in one batched point-to-point round
 (:func:`~distfuse.primitives._common.exchange`): every primary source holder sends its
-intersection with every destination box, a message to oneself is a local copy.  A rank
-holds at most one box per layout, so there is at most one message per ordered pair of
-ranks and messages need no tags; both ends enumerate them in holder order.
+intersection with every destination box; a message to oneself is a local copy.  A rank holds
+at most one box per layout, so there is at most one message per ordered pair of ranks, and
+no tags are needed: both ends enumerate the messages in holder order.
 
 Shapes (``G`` the global shape; ``A(r)``, ``B(r)`` the boxes of rank ``r``)::
 
@@ -18,9 +17,9 @@ Shapes (``G`` the global shape; ``A(r)``, ``B(r)`` the boxes of rank ``r``)::
     y   the B(r) box of the same tensor     on holders of B; ``[0]`` elsewhere
 
 Adjoint: the move back from B to A (:class:`MoveFunction`), where B's primaries send and
-*every* holder of A receives: each replica of a replicated A box gets the whole gradient
-of its box, which is DTensor's meaning of a gradient with a ``Replicate`` placement.
-Every holder of either layout must call backward when one does.
+*every* holder of A receives: each replica of a replicated A box gets the whole gradient of
+its box, which is DTensor's meaning of a gradient with a ``Replicate`` placement.  Every
+holder of either layout must call backward when one does.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from distfuse.errors import ShapeError, where
 from distfuse.geometry.decomposition import block_range
-from distfuse.layers._block_identity import is_primary, layout_box
+from distfuse.layers._params import is_primary, layout_box
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._common import exchange
 

@@ -12,40 +12,34 @@ What is saved (one DCP checkpoint, keys as DCP flattens nested dicts)::
     optim.param_groups          the optimizer's hyperparameters, one dict per group (one opaque entry)
     extra                       any picklable object (epoch, data-loader position; one opaque entry)
 
-Because every entry is described by its global shape and the chunk each rank holds, DCP
-reshards on load: :func:`load_checkpoint` reads into the blocks of a model built on other
-partitions, another grid or another world size.  The ``model`` entries are a plain
-``torch.nn`` state dict in DCP form, so the equivalent ``torch.nn`` model ``seq`` reads
-and writes them even without distfuse::
+Every entry is described by its global shape and the chunk each rank holds, so DCP reshards
+on load: :func:`load_checkpoint` reads into a model built on other partitions, another grid
+or another world size.  The ``model`` entries are a plain ``torch.nn`` state dict in DCP
+form, which the equivalent ``torch.nn`` model ``seq`` reads and writes without distfuse::
 
     sd = {"model": seq.state_dict()}
     dcp.load(sd, checkpoint_id=path, no_dist=True); seq.load_state_dict(sd["model"])
     dcp.save({"model": seq.state_dict()}, checkpoint_id=path, no_dist=True)   # and back
 
-and ``load_checkpoint(path, seq, seq_optimizer, single_process=True)`` (or
-``save_checkpoint``) moves the optimizer state too, in one process on its own.
+and ``load_checkpoint(path, seq, seq_optimizer, single_process=True)`` (or ``save_checkpoint``)
+moves the optimizer state too, in one process on its own.
 
-Costs.  A block moves once from the balanced layout to DTensor's ``torch.chunk`` layout
-on save, and back on load (only elements whose owner differs move; an even split moves
-nothing across ranks).  The first save or load of a model creates a DeviceMesh per
-parameter partition (collective over the world; cached).
+Both functions are collective over the world (``model`` built alike on every rank; ranks that
+own no block pass it all the same); DCP's coordination runs on distfuse's gloo metadata group,
+so it never syncs a GPU stream.  A problem found on one rank (a model built differently,
+owners whose optimizer state differs, a missing key) raises the same error on every rank.
+The first save or load of a model creates a DeviceMesh per parameter partition (collective;
+cached); a block moves once between the balanced and the ``torch.chunk`` layout
+(:mod:`distfuse.interop.dtensor`).
 
-Collectives: both functions are collective over the world (``model`` built alike on
-every rank; ranks that own no block pass the model all the same).  DCP's own
-coordination runs on distfuse's gloo metadata group, so it never syncs a GPU stream.
-Problems found on one rank (a model built differently, owners whose optimizer state
-differs, a checkpoint without a needed key) raise the same error on every rank.
-
-``checkpoint_id`` is a directory on a file system every rank can read (DCP's
-``FileSystemWriter``/``FileSystemReader``).  DCP would flatten a list or dict into one
-entry per leaf, so ``param_groups`` and ``extra`` are stored whole, as ``torch.save``
-bytes: loading them unpickles, so load only checkpoints you trust, as with
-``torch.load(weights_only=False)``.
+``checkpoint_id`` is a directory every rank can read (DCP's ``FileSystemWriter``/``Reader``).
+``param_groups`` and ``extra`` are stored whole as ``torch.save`` bytes (DCP would flatten a
+list or dict into one entry per leaf): loading unpickles them, so load only checkpoints you
+trust, as with ``torch.load(weights_only=False)``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import warnings
@@ -132,29 +126,34 @@ def _optimizer_state(mm: ModelMap, optimizer, op: str, local: bool) -> dict:
                                                  for k, v in entries.items()}
         out["param_groups"] = _opaque([{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups])
     for e in mm.blocks:
-        lay = e.layout
         for name, dtype_name in sorted(layout.get(e.key, {}).items()):
-            dtype = getattr(torch, dtype_name.replace("torch.", ""))
-            t = e.tensor
-            block = optimizer.state[t][name].detach() if t is not None else \
-                zero_volume_tensor(dtype=dtype, device=lay.P.device)
-            dt = param_to_dtensor(block, lay, dtype)
-            if t is not None:
+            block = optimizer.state[e.tensor][name] if e.tensor is not None else None
+            dt = _block_dtensor(block, e.layout, getattr(torch, dtype_name.replace("torch.", "")))
+            if dt is not None:
                 out["state"].setdefault(e.key, {})[name] = dt
     return out
+
+
+def _block_dtensor(block: torch.Tensor | None, lay, dtype: torch.dtype):
+    """:func:`param_to_dtensor` of this rank's ``block`` (None where it holds none, which takes part all the same);
+    None there."""
+    if block is None:
+        param_to_dtensor(zero_volume_tensor(dtype=dtype, device=lay.P.device), lay, dtype)
+        return None
+    return param_to_dtensor(block.detach(), lay, dtype)
 
 
 def _single(single_process: bool) -> bool:
     return single_process or not (torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
-@contextlib.contextmanager
-def _quiet_if(local: bool):
-    """DCP warns that it assumes a single process whenever no_dist is set: here that is what was asked for."""
+def _run_dcp(fn, state: dict, checkpoint_id, local: bool) -> None:
+    """``dcp.save`` or ``dcp.load`` on the metadata group, or in this process alone (``local``: then DCP's warning
+    that it assumes a single process is what was asked for, and is silenced)."""
     with warnings.catch_warnings():
         if local:
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+        fn(state, checkpoint_id=checkpoint_id, process_group=None if local else metadata_group(), no_dist=local)
 
 
 @torch.no_grad()
@@ -172,16 +171,12 @@ def save_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimize
     dtypes = gather_block_dtypes(mm, op, local)
     model_state: dict = {}
     for e in mm.blocks:
-        lay = e.layout
-        block = e.tensor.detach() if e.tensor is not None else \
-            zero_volume_tensor(dtype=dtypes[e.key], device=lay.P.device)
-        dt = param_to_dtensor(block, lay, dtypes[e.key])
-        if e.tensor is not None:
+        dt = _block_dtensor(e.tensor, e.layout, dtypes[e.key])
+        if dt is not None:
             model_state[e.key] = dt
     model_state.update({k: t.detach() for k, t in mm.plain.items()})
     state = {"model": model_state, "optim": _optimizer_state(mm, optimizer, op, local), "extra": _opaque(extra)}
-    with _quiet_if(local):
-        dcp.save(state, checkpoint_id=checkpoint_id, process_group=None if local else metadata_group(), no_dist=local)
+    _run_dcp(dcp.save, state, checkpoint_id, local)
 
 
 def _saved_entries(checkpoint_id) -> dict:
@@ -212,10 +207,9 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimize
     mm = map_model(model)
     dtypes = gather_block_dtypes(mm, op, local)
     saved = _saved_entries(checkpoint_id)
-    wanted = [f"model.{e.key}" for e in mm.blocks] + [f"model.{k}" for k in mm.plain]
-    missing = [k for k in wanted if k not in saved]
     shapes = {f"model.{e.key}": tuple(e.layout.global_shape) for e in mm.blocks}
     shapes.update({f"model.{k}": tuple(t.shape) for k, t in mm.plain.items()})
+    missing = [k for k in shapes if k not in saved]
     wrong = [f"{k}: saved {tuple(getattr(saved[k], 'size', ()))}, model {s}" for k, s in shapes.items()
              if k in saved and tuple(getattr(saved[k], "size", ())) != s]
     agree(f"the checkpoint has no {missing[:5]}" if missing else
@@ -233,8 +227,7 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimize
     if "extra" in saved:
         state["extra"] = None
     opt_targets = _optimizer_targets(mm, optimizer, saved, state, op, local) if optimizer is not None else None
-    with _quiet_if(local):
-        dcp.load(state, checkpoint_id=checkpoint_id, process_group=None if local else metadata_group(), no_dist=local)
+    _run_dcp(dcp.load, state, checkpoint_id, local)
 
     for e, dt in targets:
         block = param_from_dtensor(dt, e.layout)
@@ -251,9 +244,9 @@ def _optimizer_targets(mm: ModelMap, optimizer, saved: dict, state: dict, op: st
     block_targets = []
     optim: dict = {"state": {}}
     for e in mm.blocks:
-        names = sorted(k[len(prefix) + len(e.key) + 1:] for k in saved if k.startswith(f"{prefix}{e.key}."))
-        for name in names:
-            md = saved[f"{prefix}{e.key}.{name}"]
+        head = f"{prefix}{e.key}."
+        for name in sorted(k[len(head):] for k in saved if k.startswith(head)):
+            md = saved[head + name]
             size = tuple(getattr(md, "size", ()) or ())
             if size == tuple(e.layout.global_shape) and len(size) > 0:
                 dt = empty_param_dtensor(e.layout, md.properties.dtype)
@@ -266,10 +259,10 @@ def _optimizer_targets(mm: ModelMap, optimizer, saved: dict, state: dict, op: st
     for key, t in mm.plain.items():
         if not isinstance(t, nn.Parameter):
             continue
+        head = f"{prefix}{key}."
         for k in saved:
-            if k.startswith(f"{prefix}{key}.") and "." not in k[len(prefix) + len(key) + 1:]:
-                optim["state"].setdefault(key, {})[k[len(prefix) + len(key) + 1:]] = \
-                    _placeholder(saved[k], torch.device("cpu"))
+            if k.startswith(head) and "." not in k[len(head):]:
+                optim["state"].setdefault(key, {})[k[len(head):]] = _placeholder(saved[k], torch.device("cpu"))
     if "optim.param_groups" not in saved:
         agree("the checkpoint holds no optimizer (save it with optimizer=...)", op, local=local)
     optim["param_groups"] = None
@@ -293,17 +286,8 @@ def _apply_optimizer_state(mm: ModelMap, optimizer, state: dict, block_targets: 
                    f"this optimizer {len(current['param_groups'])}")
     agree(problem, op, local=local)
     keys = _param_keys(mm, optimizer)
-    new_state = {}
-    index = 0
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            entry = loaded.get(keys[id(p)])
-            if entry:
-                new_state[index] = dict(entry)
-            index += 1
-    new_groups = []
-    for saved_group, cur in zip(groups, current["param_groups"], strict=True):
-        merged = dict(saved_group)
-        merged["params"] = cur["params"]
-        new_groups.append(merged)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    new_state = {i: dict(loaded[keys[id(p)]]) for i, p in enumerate(params) if loaded.get(keys[id(p)])}
+    new_groups = [dict(saved_group, params=cur["params"])
+                  for saved_group, cur in zip(groups, current["param_groups"], strict=True)]
     optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})

@@ -3,31 +3,19 @@
 A :class:`~distfuse.partition.CartesianPartition` of shape ``[p_0, ..., p_{n-1}]`` over world
 ranks ``r`` (row-major) and a ``DeviceMesh`` whose ``mesh`` tensor is ``r`` viewed as that
 shape describe the same grid: partition index ``i`` is mesh coordinate ``i``.
-
-* :func:`device_mesh_of` builds the mesh from the partition's own process groups: a 1-D
-  partition's group serves the mesh directly; an n-D partition's mesh dimension ``d`` uses
-  the groups of its sub-grids along ``d``
-  (:meth:`~distfuse.partition.CartesianPartition.create_cartesian_subtopology_partition`,
-  cached by distfuse like every group).  No group is duplicated.
-* :func:`partition_from_device_mesh` builds the partition back (any mesh, sliced or not).
+:func:`device_mesh_of` builds the mesh from the partition's own process groups (an n-D
+partition's mesh dimension ``d`` uses the groups of its sub-grids along ``d``, cached by
+distfuse like every group: none is duplicated); :func:`partition_from_device_mesh` builds the
+partition back (any mesh, sliced or not).
 
 Why some partitions have no mesh.  ``torch.distributed.new_group`` sorts its ranks, and
-DTensor's collectives on a mesh dimension put group rank ``g``'s shard at mesh
-coordinate ``g``.  A mesh whose ranks decrease along a dimension (a partition listed out
-of order, such as ranks ``(3, 1)``) therefore assembles shards in the wrong order:
-checked with torch 2.13, where ``DeviceMesh("cpu", [1, 0])`` gives a ``full_tensor()``
-with its halves swapped.  :func:`device_mesh_of` refuses such partitions
-(:class:`~distfuse.errors.UnsupportedError`, on every rank: the check reads only the
-partition's rank list, which every rank holds); :func:`canonical_partition` gives the
-partition over the same ranks in increasing order, which always has a mesh, and the
-DTensor bridge (:mod:`distfuse.interop.dtensor`) uses it to place the blocks of
-out-of-order partitions.
-
-Collectives.  :func:`device_mesh_of` is collective over the world the first time it
-meets an n-D partition (n > 1: it creates the sub-grids' groups, as distfuse's partition
-creation is), and local afterwards (meshes are cached per partition); 1-D partitions
-need no communication.  :func:`partition_from_device_mesh` and :func:`canonical_partition`
-are collective over the world.
+DTensor's collectives on a mesh dimension put group rank ``g``'s shard at mesh coordinate
+``g``, so a mesh whose ranks decrease along a dimension (a partition listed out of order,
+such as ranks ``(3, 1)``) assembles shards in the wrong order (torch 2.13:
+``DeviceMesh("cpu", [1, 0])`` gives a ``full_tensor()`` with its halves swapped).
+:func:`device_mesh_of` refuses such partitions on every rank (the check reads only the rank
+list); :func:`canonical_partition` gives the same ranks in increasing order, which always has
+a mesh, and :mod:`distfuse.interop.dtensor` uses it for out-of-order partitions.
 """
 
 from __future__ import annotations

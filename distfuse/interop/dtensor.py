@@ -1,12 +1,11 @@
 """Block tensors <-> DTensor.
 
-A distfuse tensor is one balanced block per worker of a CartesianPartition ``P``
-(partition dimension ``d`` splits tensor dimension ``d``); a DTensor is one local shard
-per rank of a DeviceMesh with one placement per mesh dimension.  The two split an
-uneven extent differently: 10 over 4 is 3, 3, 2, 2 in distfuse (the balanced
-decomposition) and 3, 3, 3, 1 in DTensor (``torch.chunk``), so the conversions move the
-elements that change hands, in one point-to-point round
-(:mod:`distfuse.interop._box_move`); even splits move nothing across ranks.
+A distfuse tensor is one balanced block per worker of a CartesianPartition ``P`` (partition
+dimension ``d`` splits tensor dimension ``d``); a DTensor is one local shard per rank of a
+DeviceMesh with one placement per mesh dimension.  They split an uneven extent differently
+(10 over 4: 3, 3, 2, 2 balanced; 3, 3, 3, 1 by ``torch.chunk``), so the conversions move the
+elements that change hands in one point-to-point round (:mod:`distfuse.interop._box_move`);
+even splits move nothing across ranks.
 
 Shapes (``G`` the global shape, ``B(P, i)`` the balanced block of worker ``i``,
 ``C(mesh, c)`` the DTensor shard at mesh coordinate ``c``)::
@@ -17,27 +16,16 @@ Shapes (``G`` the global shape, ``B(P, i)`` the balanced block of worker ``i``,
     from_dtensor   dt DTensor(G) on any mesh, Shard / Replicate placements  ->  B(P, i)
 
 Both are differentiable: the adjoint of each is the other's data movement
-(``from_local``/``to_local`` carry the gradient in and out of DTensor).  Every rank of
-``P`` and of the mesh must call backward when one does; ranks outside both must not
-differentiate through their empty DTensor (torch 2.13's ``full_tensor`` backward fails
-on a rank outside the mesh: its local tensor has one dimension, the global shape more).
+(``from_local``/``to_local`` carry the gradient in and out of DTensor).  Every rank of ``P``
+and of the mesh must call backward when one does; ranks outside both must not differentiate
+through their empty DTensor (torch 2.13's ``full_tensor`` backward fails on a rank outside
+the mesh: its local tensor has one dimension, the global shape more).
 
-Rank order.  DTensor needs world ranks that increase along every mesh dimension (see
-:mod:`distfuse.interop.device_mesh`).  For a partition listed out of order,
-:func:`to_dtensor` uses the mesh of the same ranks in increasing order: worker ``i`` of
-``P`` and mesh coordinate ``i`` are then different ranks, and the move takes care of it.
-
-A layer's parameters and buffers (a :class:`~distfuse.layers._params.ParamLayout`, which
-may also describe copies held by several workers, ``split_dims``) convert with
-:func:`param_to_dtensor` / :func:`param_from_dtensor`: split partition dimensions become
-``Shard``, copying ones ``Replicate``.
-
-Collectives.  :func:`to_dtensor` without ``global_shape`` is collective over the world
-(one object all-gather: every rank learns the global shape, dtype and grad flag and
-checks every block, so a bad block raises the same :class:`~distfuse.errors.ShapeError`
-on every rank), and so is its first call for a partition (the mesh's groups).  With
-``global_shape`` its checks are local.  :func:`from_dtensor` reads the global shape from
-the DTensor and needs no metadata exchange.
+A partition listed out of rank order has no mesh of its own (:mod:`distfuse.interop.device_mesh`):
+:func:`to_dtensor` uses the mesh of the same ranks in increasing order, and the move places
+the blocks.  A layer's parameters and buffers (a :class:`~distfuse.layers._params.ParamLayout`,
+possibly with copies, ``split_dims``) convert with :func:`param_to_dtensor` /
+:func:`param_from_dtensor`: split partition dimensions become ``Shard``, copying ones ``Replicate``.
 """
 
 from __future__ import annotations
@@ -180,6 +168,11 @@ def to_dtensor(x: torch.Tensor, P: CartesianPartition, global_shape: Sequence[in
     Returns a DTensor over ``device_mesh_of(canonical_partition(P))`` with placements
     :func:`placements_of`, on every world rank (ranks outside the mesh hold an empty
     local tensor, as DTensor's own non-members do).
+
+    Without ``global_shape`` it is collective over the world: one object all-gather, after
+    which every rank knows the global shape, dtype and grad flag and has checked every block
+    (a bad block raises the same :class:`~distfuse.errors.ShapeError` everywhere); with it the
+    checks are local.  The first call for a partition creates the mesh's groups (collective).
     """
     op = "to_dtensor"
     _check_partition(op, P)
@@ -204,15 +197,12 @@ def to_dtensor(x: torch.Tensor, P: CartesianPartition, global_shape: Sequence[in
 def _into_dtensor(x, src: BoxLayout, Pc: CartesianPartition, placements, G, dtype, device, op: str,
                   mesh_dim_names=None):
     """Move ``x`` from ``src`` into the DTensor layout of ``placements`` on ``Pc``'s mesh and wrap it."""
-    from torch.distributed.tensor import DTensor
-
     mesh = device_mesh_of(Pc, mesh_dim_names)
     dst = dtensor_layout(Pc.ranks, Pc.shape, placements, G)
     local = move(x, src, dst, dtype, device, op=op)
     if dst.box_of(dist.get_rank()) is None:
         local = local.reshape(_outside_shape(G))
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(G),
-                              stride=_contiguous_stride(G))
+    return _wrap(local, mesh, placements, G)
 
 
 def from_dtensor(dt, P: CartesianPartition) -> torch.Tensor:
@@ -221,7 +211,8 @@ def from_dtensor(dt, P: CartesianPartition) -> torch.Tensor:
     ``dt`` may live on any mesh (sliced or not) with ``Shard`` and ``Replicate``
     placements; a ``Partial`` one must be redistributed first
     (:class:`~distfuse.errors.UnsupportedError` on every rank).  ``P`` needs as many
-    dimensions as ``dt``.  Collective over the ranks of ``P`` and of ``dt``'s mesh.
+    dimensions as ``dt``.  Collective over the ranks of ``P`` and of ``dt``'s mesh; no metadata
+    exchange (the DTensor knows its global shape).
     """
     op = "from_dtensor"
     _check_partition(op, P)
@@ -263,16 +254,24 @@ def empty_dtensor(P: CartesianPartition, global_shape: Sequence[int], dtype: tor
     shards in place), then :func:`from_dtensor` gives the blocks.  No data moves; the
     first call for a partition creates its mesh (collective over the world for n-D).
     """
-    from torch.distributed.tensor import DTensor
-
     _check_partition("empty_dtensor", P)
-    G = tuple(int(n) for n in global_shape)
     Pc = canonical_partition(P)
+    return _empty(Pc, placements_of(Pc), global_shape, dtype, P.device)
+
+
+def _empty(Pc: CartesianPartition, placements, global_shape: Sequence[int], dtype: torch.dtype, device):
+    """A DTensor of ``global_shape`` with ``placements`` on ``Pc``'s mesh, values unset."""
+    G = tuple(int(n) for n in global_shape)
     mesh = device_mesh_of(Pc)
-    placements = placements_of(Pc)
     box = dtensor_layout(Pc.ranks, Pc.shape, placements, G).box_of(dist.get_rank())
     shape = tuple(hi - lo for lo, hi in box) if box is not None else _outside_shape(G)
-    local = torch.empty(shape, dtype=dtype, device=P.device)
+    return _wrap(torch.empty(shape, dtype=dtype, device=device), mesh, placements, G)
+
+
+def _wrap(local: torch.Tensor, mesh, placements, G: tuple[int, ...]):
+    """The DTensor of global shape ``G`` (contiguous) whose local shard here is ``local``."""
+    from torch.distributed.tensor import DTensor
+
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(G),
                               stride=_contiguous_stride(G))
 
@@ -306,17 +305,8 @@ def param_to_dtensor(block: torch.Tensor, lay, dtype: torch.dtype):
 
 def empty_param_dtensor(lay, dtype: torch.dtype):
     """A DTensor laid out as :func:`param_to_dtensor` lays out ``lay``'s tensor, values unset (a load target)."""
-    from torch.distributed.tensor import DTensor
-
-    G = tuple(int(n) for n in lay.global_shape)
     Pc = canonical_partition(lay.P)
-    mesh = device_mesh_of(Pc)
-    placements = param_placements(lay, Pc)
-    box = dtensor_layout(Pc.ranks, Pc.shape, placements, G).box_of(dist.get_rank())
-    shape = tuple(hi - lo for lo, hi in box) if box is not None else _outside_shape(G)
-    local = torch.empty(shape, dtype=dtype, device=lay.P.device)
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(G),
-                              stride=_contiguous_stride(G))
+    return _empty(Pc, param_placements(lay, Pc), lay.global_shape, dtype, lay.P.device)
 
 
 def param_from_dtensor(dt, lay) -> torch.Tensor:

@@ -1,21 +1,20 @@
 """Where a model's state lives: distfuse blocks found by module path, and the replicated rest.
 
-A model mixes distfuse layers (each says where its parameters live through
-``param_layouts()``, see :mod:`distfuse.layers._params`) with plain torch modules.  The
-whole-model helpers (:mod:`distfuse.model`) and the checkpoints
-(:mod:`distfuse.interop.checkpoint`) all need the same map of it:
+The whole-model helpers (:mod:`distfuse.model`) and the checkpoints
+(:mod:`distfuse.interop.checkpoint`) share one map of a model that mixes distfuse layers
+(each describes its parameters with ``param_layouts()``, :mod:`distfuse.layers._params`)
+and plain torch modules:
 
-* **blocks**: for every distfuse layer at module path ``p`` and every layout, the key
-  ``p.<seq_name>`` that the tensor has in the equivalent ``torch.nn`` model's
-  ``state_dict`` (so ``0.weight`` for the first layer of a ``Sequential``), its global
-  shape, and the partition whose workers each hold one balanced block (or, for a
-  layout with ``split_dims``, copies of blocks: a norm layer's weight and statistics);
-* **plain**: every other entry of ``model.state_dict()`` (parameters and persistent
-  buffers of plain modules), which every rank holds whole: *replicated*.
+* **blocks**: per distfuse layer at module path ``p`` and per layout, the key ``p.<seq_name>``
+  the tensor has in the equivalent ``torch.nn`` model's ``state_dict`` (``0.weight`` for the
+  first layer of a ``Sequential``), its global shape, and the partition whose workers each
+  hold one balanced block (or, with ``split_dims``, copies of blocks: a norm's weight and
+  statistics);
+* **plain**: every other entry of ``model.state_dict()``, held whole by every rank (replicated).
 
-A distfuse layer's own descendants are not searched (its layouts speak for it), and its
-state may hold only its layout parameters and its block identity (``_extra_state``):
-anything else would be dropped silently, so :func:`map_model` refuses it.
+A distfuse layer's descendants are not searched (its layouts speak for it), and its state
+may hold only its layout parameters and its block identity (``_extra_state``): anything else
+would be dropped silently, so :func:`map_model` refuses it.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ from torch import nn
 
 from distfuse.errors import ShapeError, UnsupportedError, where
 from distfuse.groups import metadata_group
-from distfuse.layers._block_identity import is_primary
-from distfuse.layers._params import ParamLayout
+from distfuse.layers._params import ParamLayout, is_primary
 
 __all__ = ["BlockEntry", "ModelMap", "map_model", "is_distributed_layer", "gather_block_dtypes", "agree"]
 

@@ -27,37 +27,16 @@ import torch
 import triton
 
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
+from distfuse.geometry.decomposition import block_extent
+from distfuse.kernels.host_ints import cdiv
 
-__all__ = [
-    "pick_launch",
-    "pick_gemm_launch",
-    "output_buffer",
-    "check_bias",
-    "check_producer_args",
-    "claimed_rank_view",
-    "INTERPRET",
-    "HAS_CUDA",
-    "AUTOTUNE",
-    "FLOAT_DTYPES",
-    "TIMED_WAITS",
-    "timeout_arg",
-    "config_of",
-    "ws_may_tune",
-    "pinned_gemm_config",
-    "round_bf16",
-    "spin_limit",
-    "input_precision",
-    "tf32_allowed",
-    "get_gemm_configs",
-    "GEMM_FAMILIES",
-    "get_chunk_reduce_configs",
-    "pinned_reduce_config",
-    "REDUCE_AUDIT_W",
-    "get_push_configs",
-    "CPU_GEMM_CONFIG",
-    "CPU_CHUNK_REDUCE_CONFIG",
-    "CPU_PUSH_CONFIG",
-]
+__all__ = ["pick_launch", "pick_gemm_launch", "pick_push_launch", "tile_grid", "shard_rows", "output_buffer",
+           "check_bias", "check_producer_args", "claimed_rank_view", "INTERPRET", "HAS_CUDA", "AUTOTUNE",
+           "FLOAT_DTYPES", "TIMED_WAITS", "timeout_arg", "config_of", "ws_may_tune", "pinned_gemm_config", "round_bf16",
+           "spin_limit", "input_precision", "tf32_allowed", "get_gemm_configs", "gemm_autotuners", "flatten_rows",
+           "refuse_zero_width_gather", "summed_partials", "GEMM_FAMILIES", "get_chunk_reduce_configs",
+           "pinned_reduce_config", "REDUCE_AUDIT_W", "get_push_configs", "CPU_GEMM_CONFIG", "CPU_CHUNK_REDUCE_CONFIG",
+           "CPU_PUSH_CONFIG"]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 HAS_CUDA: bool = torch.cuda.is_available() and not INTERPRET
@@ -120,30 +99,16 @@ def spin_limit(timeout_s: float) -> int:
 
 # ---------------------------------------------------------------- configs
 #
-# GEMM tiles for H100/H200-class GPUs: 128x128 tiles with 64-deep K steps for 16-bit
-# operands and 32-deep K steps for fp32, whose operands take twice the shared memory per
-# element (128x256x64 with 3 stages would need ~288 KB of fp32 shared memory against
-# sm_90's 227 KB).  Each config of each dtype is compiled for sm_90 in CI
-# (tests/test_compile_audit.py: shared memory against the target's limit, spills) and
-# with the GPU machines' Triton 3.6 by ``scripts/audit_triton36.sh``.
+# GEMM tiles for H100/H200-class GPUs: 128x128 tiles with 64-deep K steps for 16-bit operands and 32-deep ones for
+# fp32, whose operands take twice the shared memory per element (128x256x64 at 3 stages would pass sm_90's 227 KB).
+# Every config of every dtype is compiled for sm_90 in CI (tests/test_compile_audit.py: shared memory, spills) and
+# with the GPU machines' Triton 3.6 by ``scripts/audit_triton36.sh``.  The lists leave out the tiles that spill
+# registers there: gathered_k_matmul (the K-chunk walk keeps more live state) spills at more tiles than the other
+# pointer kernels and has its own list; the persistent kernels (TMA loads: no address registers) keep 128x256x64; the
+# fp32 lists keep 8-warp 128x64 and 64x128 tiles.  The spill counts are in docs/benchmarks.md.
 #
-# Register spills decided the 16-bit lists (sm_90, ptxas of Triton 3.6.0 and 3.9.0, bytes of
-# local memory per thread, 2026-11-26): the pointer kernels (matmul_scatter,
-# matmul_scatter_columns, matmul_push, gathered_matmul) spill at 128x256x64 w8 (320-560 B),
-# 128x128x64 w4 (328-624 B) and 64x128x64 w4 (32-176 B), and none at 128x128x64 w8,
-# 64x128x64 w8, 128x64x64 w4 and 64x64 tiles.  gathered_k_matmul (the K-chunk walk keeps
-# more live state) spills at every 128x128 tile (752 B at w8, 16 B at K step 32), at
-# 64x128x64 (48 B at w8) and at 128x64x64 w4 (248 B): its list is its own.  The persistent
-# kernel (TMA loads: no address registers for the operands) spills at none of them and
-# keeps the 128x256x64 tile.  fp32 under 3.6: the 128x128x32 tile spills in gathered_matmul
-# (IEEE, 56 B) and gathered_k_matmul (TF32 280 B, IEEE 648 B), 4-warp 128x64 / 64x128 tiles in
-# several kernels (IEEE 8-128 B), so the fp32 lists keep 8-warp 128x64 and 64x128 tiles (no
-# spill with TF32 anywhere; IEEE products, which dispatch keeps unfused on CUDA, still spill
-# 40-56 B in gathered_k_matmul and 8 B in matmul_push's 64x64 tile).
-#
-# CPU (interpreter) configs: an interpreted program instance costs ~0.05-0.2 s here almost
-# regardless of its tile size (Python overhead per op, measured on the 2-core dev machine),
-# so one 32x32 tile per test chunk is far faster than many small ones.
+# CPU (interpreter) configs: an interpreted program costs about the same whatever its tile (Python overhead per
+# op), so one 32x32 tile per test chunk is far faster than many small ones.
 
 CPU_GEMM_CONFIG = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2)
 CPU_CHUNK_REDUCE_CONFIG = dict(BLOCK=64)
@@ -170,7 +135,8 @@ _GEMM_SHAPES = {
                             4: [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 3)]},
 }
 # Shape buckets of the pinned rule: ``large`` (rows >= 128, cols >= 256), ``tall`` (rows >= 128, cols >= 128),
-# ``wide`` (cols >= 128) and ``small``; each names one entry of the family's list.
+# ``wide`` (cols >= 128) and ``small``; each names one entry of the family's list.  The persistent producer's
+# ``wide`` tile (decode-size chunks) is 64x256x64 with 4 warps, the faster one measured (docs/benchmarks.md).
 _PINNED = {
     "pointer": {2: dict(large=0, tall=0, wide=2, small=5), 4: dict(large=0, tall=0, wide=1, small=3)},
     "gathered_k": {2: dict(large=0, tall=0, wide=2, small=4), 4: dict(large=0, tall=0, wide=1, small=3)},
@@ -189,6 +155,17 @@ def get_gemm_configs(dtype: torch.dtype = torch.bfloat16, family: str = "pointer
     """Autotuning configs of a GEMM ``family`` (:data:`GEMM_FAMILIES`) for ``dtype`` operands (CUDA only)."""
     return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8), num_warps=w, num_stages=s)
             for m, n, k, w, s in _family_shapes(family, dtype)]
+
+
+def gemm_autotuners(kernel, key: list[str], family: str = "pointer") -> dict:
+    """``kernel``'s autotuners by operand size (2: 16-bit, 4: fp32), as :func:`pick_gemm_launch` takes them.
+
+    Empty unless :data:`AUTOTUNE`; only loopback ops run them (see :func:`pinned_gemm_config`).
+    """
+    if not AUTOTUNE:
+        return {}
+    return {size: triton.autotune(get_gemm_configs(dt, family), key=key)(kernel)
+            for size, dt in ((2, torch.bfloat16), (4, torch.float32))}
 
 
 def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int, family: str = "pointer") -> dict:
@@ -214,30 +191,13 @@ def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int, family: str = "
     return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
 
 
-# chunk_reduce (a pure bandwidth kernel: W slot reads + 1 write per element): the launch is pinned,
-# never timed.  Not measured on a GPU yet; chosen from the byte count and the compile audit.  HBM
-# needs about 3 TB/s * ~1 us = ~3 MB of loads in flight across the GPU, ~23 KB per SM (Little's law).
-# The W loads of a block are unrolled and ptxas hoists them all, so a program holds W * BLOCK *
-# itemsize bytes in registers: BLOCK is sized for 16 KB (W = 2 bf16: 4096 elements; W = 8 bf16 or
-# W = 4 fp32: 1024), and 4 programs of 4 warps per SM keep 64 KB per SM in flight (3 programs at
-# 4096-element blocks, whose fp32 accumulator alone takes 32 registers per thread: 130 in all at
-# W = 2 in 16 bits under Triton 3.9; 48 KB per SM in flight).  Fixed 4096-element blocks did not fit
-# at W = 8: 241-244 registers per thread in 16 bits, and 255 plus 312 bytes of spills in fp32, under
-# Triton 3.6 (sm_90; the GPU machines' Triton), so at most 2 programs per SM.  PER_SM is bounded so
-# that every program is resident at once (a persistent grid that does not fit runs in waves, and a
-# second wave would repeat the flag wait): registers x 128 threads x PER_SM <= sm_90's 64K registers
-# per SM (tests/test_compile_audit.py checks it for every audited W, dtype and layout).
-# The persistent producer's ``wide`` tile (chunks under 128 rows: decode-size M) is 64x256x64 with 4 warps: at
-# M = 512 (64 rows per chunk) it ran at 0.65/0.55 of cuBLAS (LLaMA-3 8B/70B, H200, graph replays), where the
-# 64x128x64 8-warp tile pinned before gave 0.49/0.38 (bench/results/diagnose-NVIDIA_H200-2026-11-26.json and
-# gemm_fused-NVIDIA_H200-2026-11-26-c.json).
-#
-# Measured (H200, Triton 3.6, bf16, W = 8, LLaMA-3 8B/70B MLP chunks of 75/151 MB, each call replayed
-# from a CUDA graph after an L2 flush, against the device copy of the same bytes; bench/results/
-# diagnose-NVIDIA_H200-2026-11-26.json): 4 programs of 1024-element blocks per SM reach 0.73/0.79 of the
-# copy, 8 per SM 0.83/0.88 (64 KB -> 128 KB in flight per SM); fewer than 2 per SM stay under 0.65.  So
-# PER_SM is as many programs as the register file holds: 8 at 1024-element blocks and below (60 registers
-# per thread at W = 8 in 16 bits, 46 in fp32), 5 at 2048 (82-92), 3 at 4096 (130).
+# chunk_reduce (a pure bandwidth kernel: W slot reads + 1 write per element): the launch is pinned, never timed.
+# HBM needs ~3 MB of loads in flight across the GPU (Little's law at ~3 TB/s and ~1 us), ~23 KB per SM.  The W loads
+# of a block are unrolled and hoisted, so a program holds W * BLOCK * itemsize bytes in registers: BLOCK is sized for
+# 16 KB.  PER_SM is as many programs as the register file holds (more programs, more bytes in flight), bounded so
+# that every program is resident at once (a grid that runs in waves would repeat the flag wait): registers x 128
+# threads x PER_SM <= sm_90's 64K registers per SM (tests/test_compile_audit.py checks it for every audited W, dtype
+# and layout).  The measurements behind PER_SM are in docs/benchmarks.md.
 _REDUCE_INFLIGHT = 16 * 1024  # bytes of partials one program holds in flight
 _REDUCE_BLOCKS = (512, 4096)  # BLOCK's range
 _REDUCE_WARPS = 4
@@ -316,6 +276,42 @@ def pick_gemm_launch(tuned_by_size: dict, kernel, dtype: torch.dtype, rows: int,
                        pinned_gemm_config(dtype, rows, cols, family), config, may_tune=ws_may_tune(ws))
 
 
+def pick_push_launch(tuned, kernel, config: dict | None, ws):
+    """:func:`pick_launch` for an all-gather push copy: its autotuner, the first push config, the CPU config."""
+    pinned = config_of(get_push_configs()[0])
+    return pick_launch(tuned, kernel, CPU_PUSH_CONFIG, pinned, config, may_tune=ws_may_tune(ws))
+
+
+def tile_grid(rows: int, cols: int, steps: int | None = None, *, inner: str = "BLOCK_N", at_least: int = 0):
+    """The launch grid ``grid(META)`` of one program per ``BLOCK_M x inner`` tile of ``rows x cols`` (axis 0), for
+    each of ``steps`` chunks (axis 1).  A producer asks for ``at_least=1``: its last program raises the flags,
+    which its consumers wait for even when it has nothing to compute."""
+    def grid(META):
+        tiles = max(at_least, cdiv(rows, META["BLOCK_M"]) * cdiv(cols, META[inner]))
+        return (tiles,) if steps is None else (tiles, steps)
+    return grid
+
+
+def shard_rows(op: str, a_shard: torch.Tensor, total: int, rank: int, world_size: int, *,
+               columns: bool = False) -> torch.Tensor:
+    """An all-gather shard, checked and flattened by :func:`flatten_rows`.
+
+    ``a_shard [..., len, K]`` holds block ``rank`` of the ``total`` rows ``n`` over the
+    group (``columns``: ``[..., K_block]``, block ``rank`` of the ``total`` columns ``K``),
+    in a float dtype.
+    """
+    dim, what, name, shape = (-1, "columns", "K", "[..., K_block]") if columns else (-2, "rows", "n", "[..., len, K]")
+    if a_shard.dim() < -dim:
+        raise ShapeError(f"{where(op)}: expected a shard {shape}, got {tuple(a_shard.shape)}")
+    if a_shard.dtype not in FLOAT_DTYPES:
+        raise UnsupportedError(f"{where(op)}: dtype: expected one of {FLOAT_DTYPES}, got {a_shard.dtype}")
+    length = block_extent(total, world_size, rank)
+    if a_shard.shape[dim] != length:
+        raise expect(op, f"shard {what} (balanced block {rank} of {name}={total} over {world_size})", length,
+                     a_shard.shape[dim])
+    return flatten_rows(a_shard, -dim)
+
+
 def output_buffer(op: str, out: torch.Tensor | None, shape: tuple, dtype: torch.dtype, device, what: str):
     """A consumer's output: new (``out`` None), or the caller's ``out`` viewed as ``shape`` after checking it.
 
@@ -332,16 +328,52 @@ def output_buffer(op: str, out: torch.Tensor | None, shape: tuple, dtype: torch.
     return out.view(shape)
 
 
-def check_producer_args(op: str, a: torch.Tensor, weight: torch.Tensor, partial_dtype: torch.dtype | None):
+def flatten_rows(t: torch.Tensor, keep: int = 1) -> torch.Tensor:
+    """``t`` with its leading dims flattened into one before its last ``keep`` dims, with a unit last stride.
+
+    A copy only where the last stride is not 1 (and the last dim not empty).
+    """
+    rows = t.reshape(math.prod(t.shape[:-keep]), *t.shape[-keep:])  # not -1: ambiguous for an empty tensor
+    return rows.contiguous() if rows.shape[-1] > 0 and rows.stride(-1) != 1 else rows
+
+
+def refuse_zero_width_gather(op: str, return_gathered: bool, N: int, rows: int) -> None:
+    """Refuse to return the gathered input of a zero-width weight shard on CUDA.
+
+    The consumer's flag waits live in its GEMM, which is skipped with nothing to multiply,
+    so the copy of the gathered input would race the peers' pushes.  Layers route such
+    shards unfused.
+    """
+    if return_gathered and N == 0 and rows > 0 and not INTERPRET:
+        raise UnsupportedError(f"{where(op)}: a zero-width weight shard cannot return the gathered input on CUDA "
+                               "(no kernel runs to wait for the peers' chunks); use the unfused path")
+
+
+def summed_partials(parts, partial_dtype: torch.dtype | None, bias: torch.Tensor | None,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    """The torch references' sum, with the kernels' roundings: the fp32 ``parts``, each rounded to ``partial_dtype``
+    first (unless None), added in order in fp32, plus ``bias``, rounded once to ``out_dtype``."""
+    acc = None
+    for part in parts:
+        part = part if partial_dtype is None else part.to(partial_dtype).float()
+        acc = part if acc is None else acc + part
+    if bias is not None:
+        acc = acc + bias.float()
+    return acc.to(out_dtype)
+
+
+def check_producer_args(op: str, a: torch.Tensor, weight: torch.Tensor, partial_dtype: torch.dtype | None, *,
+                        column_chunks: bool = False):
     """A GEMM + scatter producer's operands: ``a [..., n, K]``, ``weight [N, K]`` of one float dtype on one device.
 
     Returns the partials' dtype (``partial_dtype``, default ``a``'s).  Shared by every
-    producer of the reduce-scatter slots (the pointer and persistent Triton kernels and
-    the cuBLAS-per-chunk one), so they refuse the same inputs the same way.
+    producer of the reduce-scatter slots (the pointer and persistent Triton kernels, the
+    cuBLAS-per-chunk one and, with ``column_chunks`` (``a [..., K]``), the column-chunk
+    producer), so they refuse the same inputs the same way.
     """
-    if a.dim() < 2 or weight.dim() != 2:
-        raise ShapeError(f"{where(op)}: expected a [..., n, K] and weight [N, K], got {tuple(a.shape)} and "
-                         f"{tuple(weight.shape)}")
+    if a.dim() < (1 if column_chunks else 2) or weight.dim() != 2:
+        raise ShapeError(f"{where(op)}: expected a {'[..., K]' if column_chunks else '[..., n, K]'} and weight "
+                         f"[N, K], got {tuple(a.shape)} and {tuple(weight.shape)}")
     if a.shape[-1] != weight.shape[1]:
         raise expect(op, "weight inner dim (a.shape[-1])", a.shape[-1], weight.shape[1])
     partial_dtype = partial_dtype or a.dtype
@@ -369,9 +401,8 @@ def ws_may_tune(ws) -> bool:
     return getattr(ws, "backend", None) == "loopback"
 
 
-def config_of(configs: list[triton.Config], index: int = 0) -> dict:
+def config_of(c: triton.Config) -> dict:
     """Launch kwargs of one ``triton.Config`` (block sizes plus ``num_warps``/``num_stages``)."""
-    c = configs[index]
     return dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
 
 

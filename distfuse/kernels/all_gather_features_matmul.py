@@ -11,57 +11,48 @@ the input gradient of the reduce-scatter-along-the-features linear::
                  (:func:`distfuse.kernels.matmul_reduce_scatter_features.matmul_scatter_columns` with
                  ``weight.t()``, then ``column_reduce``)
 
-Two launches per rank, inside one claim of the workspace: :func:`ag_push_columns` (the
-producer: this rank's columns into every peer's gathered ``[M, K]``, then ``flags[p, p]``
-raised there) and :func:`gathered_k_matmul` (the consumer: every output tile walks the K
-chunks, its own first, read from the shard itself, then the peers' in arrival order
-``rank - 1, rank - 2, ...``, each after its flag).
-
-Determinism: each tile accumulates the chunks in one fp32 accumulator in that fixed
-order, so a rank's result is identical from run to run, whatever order the chunks
-actually arrived in (the wait is per chunk, not first-come-first-served).
+:mod:`distfuse.kernels.all_gather_matmul` with K chunks instead of row chunks (its
+schedule, arrival order and synchronisation): :func:`ag_push_columns` (the producer: this
+rank's columns into every peer's gathered ``[M, K]``, then ``flags[p, p]`` raised there) and
+:func:`gathered_k_matmul` (the consumer: every output tile walks the K chunks, its own
+first, read from the shard itself, then the peers' in arrival order ``rank - 1, rank - 2,
+...``, each after its flag), inside one claim of the workspace.  Each tile accumulates the
+chunks in one fp32 accumulator in that fixed order, so a rank's result is identical from
+run to run, whatever order the chunks actually arrived in.
 
 The ``K`` chunks follow the balanced decomposition (``K`` need not divide by ``W``; a
 chunk may be empty, and its owner still raises its flags).  The gathered buffer is
 row-major ``[M, K]`` in ``a.dtype``, so it is the gathered input itself (``return_gathered``
 copies it for a weight gradient, with the own columns filled from the shard).
-
-The push runs before the GEMM on the same stream, and each rank waits only for peers'
-pushes, which wait for nothing, so the protocol cannot deadlock.  On CPU (``/dev/shm`` +
-interpreter) a host barrier between push and GEMM stands in for the flags; the GEMM still
-checks each flag once and the launcher raises if one is missing.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from distfuse.errors import ShapeError, UnsupportedError, expect, where
-from distfuse.geometry.decomposition import block_extent, block_range
+from distfuse.errors import expect
+from distfuse.geometry.decomposition import block_range
 from distfuse.kernels._utils import (
     AUTOTUNE,
-    CPU_PUSH_CONFIG,
-    FLOAT_DTYPES,
     INTERPRET,
     TIMED_WAITS,
     check_bias,
     claimed_rank_view,
-    config_of,
-    get_gemm_configs,
+    gemm_autotuners,
     get_push_configs,
     input_precision,
     output_buffer,
     pick_gemm_launch,
-    pick_launch,
+    pick_push_launch,
+    refuse_zero_width_gather,
     round_bf16,
+    shard_rows,
+    summed_partials,
+    tile_grid,
     timeout_arg,
-    ws_may_tune,
 )
-from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import (
     arrive,
     balanced_chunk,
@@ -72,13 +63,8 @@ from distfuse.kernels.jit_helpers import (
     wait_flag,
 )
 
-__all__ = [
-    "ag_push_columns",
-    "gathered_k_matmul",
-    "all_gather_features_matmul_loopback",
-    "all_gather_features_matmul_reference",
-    "gathered_k_workspace_bytes",
-]
+__all__ = ["ag_push_columns", "gathered_k_matmul", "all_gather_features_matmul_loopback",
+           "all_gather_features_matmul_reference", "gathered_k_workspace_bytes"]
 
 
 @triton.jit(do_not_specialize=["rank", "start_p"])
@@ -149,29 +135,12 @@ def _gathered_k_matmul_kernel(
 
 _push_columns_tuned = triton.autotune(get_push_configs(), key=["M", "len_p", "K", "W"])(_ag_push_columns_kernel) \
     if AUTOTUNE else None
-_gathered_k_matmul_tuned = {
-    size: triton.autotune(get_gemm_configs(dt, "gathered_k"), key=["M", "N", "K"])(_gathered_k_matmul_kernel)
-    for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
+_gathered_k_matmul_tuned = gemm_autotuners(_gathered_k_matmul_kernel, ["M", "N", "K"], "gathered_k")
 
 
 def gathered_k_workspace_bytes(rows: int, K: int, dtype: torch.dtype = torch.bfloat16) -> int:
     """Data bytes :func:`ag_push_columns` + :func:`gathered_k_matmul` need in every rank's workspace: ``[M, K]``."""
     return rows * K * dtype.itemsize
-
-
-def _shard2(op: str, a_shard: torch.Tensor, K: int, rank: int, W: int) -> torch.Tensor:
-    """``a_shard [..., K_rank]`` as ``[M, K_rank]`` with unit column stride, after checking it is block ``rank``."""
-    if a_shard.dim() < 1:
-        raise ShapeError(f"{where(op)}: expected a shard [..., K_block], got {tuple(a_shard.shape)}")
-    if a_shard.dtype not in FLOAT_DTYPES:
-        raise UnsupportedError(f"{where(op)}: dtype: expected one of {FLOAT_DTYPES}, got {a_shard.dtype}")
-    len_p = block_extent(K, W, rank)
-    if a_shard.shape[-1] != len_p:
-        raise expect(op, f"shard columns (balanced block {rank} of K={K} over {W})", len_p, a_shard.shape[-1])
-    x = a_shard.reshape(math.prod(a_shard.shape[:-1]), len_p)  # not -1: ambiguous for an empty tensor
-    if len_p > 0 and x.stride(1) != 1:
-        x = x.contiguous()
-    return x
 
 
 def ag_push_columns(a_shard: torch.Tensor, ws, rank: int, world_size: int, K: int, *,
@@ -184,19 +153,13 @@ def ag_push_columns(a_shard: torch.Tensor, ws, rank: int, world_size: int, K: in
     op = "ag_push_columns"
     st = claimed_rank_view(op, ws, rank, world_size, a_shard.device)
     W = world_size
-    x = _shard2(op, a_shard, K, rank, W)
+    x = shard_rows(op, a_shard, K, rank, W, columns=True)
     M, len_p = x.shape
     gathered = st.data(x.dtype, M * K, op=op)
     if W == 1:
         return
-    kernel, meta = pick_launch(_push_columns_tuned, _ag_push_columns_kernel, CPU_PUSH_CONFIG,
-                               config_of(get_push_configs()), config, may_tune=ws_may_tune(ws))
-
-    def grid(META):
-        # At least one program, so that the flags are raised even for an empty shard.
-        return (max(1, cdiv(M, META["BLOCK_M"]) * cdiv(len_p, META["BLOCK_K"])),)
-
-    kernel[grid](x, gathered, st.data_ptrs, st.flag_ptrs, st.counters,
+    kernel, meta = pick_push_launch(_push_columns_tuned, _ag_push_columns_kernel, config, ws)
+    kernel[tile_grid(M, len_p, inner="BLOCK_K", at_least=1)](x, gathered, st.data_ptrs, st.flag_ptrs, st.counters,
                  M, K, len_p, block_range(K, W, rank)[0], rank, W, st.epoch_dev, x.stride(0), **meta)
 
 
@@ -205,17 +168,11 @@ def gathered_k_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int
                       out: torch.Tensor | None = None, config: dict | None = None, return_gathered: bool = False):
     """Consume: ``y = all_gather_K(a) @ weight.T + bias``, own K chunk first, each peer chunk after its flag.
 
-    Args:
-        a_shard: ``[..., K_rank]``, the tensor given to :func:`ag_push_columns`.
-        weight: ``[N, K]`` (all input features), same dtype, any strides; ``K`` is its width.
-        bias: optional ``[N]``; out_dtype: default ``a_shard.dtype``.
-        out: optional preallocated contiguous output of ``M * N`` elements ending in ``N``.
-        config: explicit GEMM block sizes.
-        return_gathered: also return a copy of the gathered input ``[..., K]`` (for a weight
-            gradient), taken before the workspace can be reused.
-
-    Returns:
-        ``y`` of shape ``[..., N]``, or ``(y, gathered)``.
+    The arguments of :func:`~distfuse.kernels.all_gather_matmul.gathered_matmul` but ``n``
+    and ``kernel``, except ``a_shard [..., K_rank]`` (the tensor given to :func:`ag_push_columns`), ``weight [N, K]``
+    of all input features (``K`` is its width), ``out`` (``M * N`` elements ending in ``N``)
+    and ``config`` (GEMM block sizes only).  Returns ``y [..., N]``, or ``(y, gathered)``
+    with the gathered input ``[..., K]``.
     """
     op = "gathered_k_matmul"
     st = claimed_rank_view(op, ws, rank, world_size, a_shard.device)
@@ -223,7 +180,7 @@ def gathered_k_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int
     if weight.dim() != 2:
         raise expect(op, "weight dimensions ([N, K])", 2, weight.dim())
     N, K = weight.shape
-    x = _shard2(op, a_shard, K, rank, W)
+    x = shard_rows(op, a_shard, K, rank, W, columns=True)
     if weight.dtype != x.dtype or weight.device != x.device:
         raise expect(op, "weight dtype and device (the shard's)", (x.dtype, x.device), (weight.dtype, weight.device))
     check_bias(op, bias, N, x.device)
@@ -232,19 +189,11 @@ def gathered_k_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int
     out = output_buffer(op, out, (M, N), out_dtype, x.device, "[..., N]")
     gathered = st.data(x.dtype, M * K, op=op)
     st.wait_producers()  # collective on CPU
-    if return_gathered and N == 0 and M > 0 and W > 1 and not INTERPRET:
-        # The flag waits live in the GEMM; with nothing to multiply it is skipped and the copy below would race
-        # the peers' pushes.  Layers route zero-width weight shards unfused.
-        raise UnsupportedError(f"{where(op)}: a zero-width weight shard cannot return the gathered input on CUDA "
-                               "(no kernel runs to wait for the peers' chunks); use the unfused path")
+    refuse_zero_width_gather(op, return_gathered and W > 1, N, M)
     if M > 0 and N > 0:
         kernel, meta = pick_gemm_launch(_gathered_k_matmul_tuned, _gathered_k_matmul_kernel, x.dtype, M, N, config,
                                         ws, family="gathered_k")
-
-        def grid(META):
-            return (cdiv(M, META["BLOCK_M"]) * cdiv(N, META["BLOCK_N"]),)
-
-        kernel[grid](
+        kernel[tile_grid(M, N)](
             x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,
             M, N, K, rank, W, st.epoch_dev, timeout_arg(st),
             x.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
@@ -282,14 +231,7 @@ def all_gather_features_matmul_reference(shards, weight: torch.Tensor, rank: int
                                          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Pure-torch reference with the kernel's summation order: per-chunk fp32 products, own chunk first, then
     ``rank - 1, rank - 2, ...``; plus the bias; rounded once to ``out_dtype``."""
-    W = len(shards)
-    K = weight.shape[1]
-    acc = None
-    for j in range(W):
-        c = (rank - j) % W
-        start, stop = block_range(K, W, c)
-        part = shards[c].float() @ weight[:, start:stop].float().t()
-        acc = part if acc is None else acc + part
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(out_dtype or shards[0].dtype)
+    W, K = len(shards), weight.shape[1]
+    order = [(rank - j) % W for j in range(W)]  # own chunk first, then the arrival order
+    parts = (shards[c].float() @ weight[:, slice(*block_range(K, W, c))].float().t() for c in order)
+    return summed_partials(parts, None, bias, out_dtype or shards[0].dtype)

@@ -13,12 +13,11 @@ Two launches per rank, inside one claim of the workspace: :func:`ag_push` (the p
 copy this rank's shard into every peer's gathered buffer) and :func:`gathered_matmul`
 (the consumer: the GEMM over the gathered rows, chunk by chunk as their flags come up).
 The consumer has two kernels, chosen per call by
-:func:`~distfuse.kernels.gathered_matmul_select.select_gather_kernel`: the persistent one
-(:mod:`distfuse.kernels.gathered_matmul_persistent`: TMA loads, one wait per chunk per
-program) by default, and this module's one-program-per-tile pointer kernel where tensor
-descriptors cannot read the operands (any strides, any K).
-:func:`all_gather_matmul` is both, as one op on a real group; the autograd op of the same
-name (:mod:`distfuse.fused.all_gather_matmul`) builds on the two launches.
+:mod:`~distfuse.kernels.gathered_matmul_select`: the persistent one by default, and this
+module's one-program-per-tile pointer kernel where tensor descriptors cannot read the
+operands (any strides, any K).  :func:`all_gather_matmul` is both, as one op on a real
+group; the autograd op of the same name (:mod:`distfuse.fused.all_gather_matmul`) builds
+on the two launches.
 
 Every rank's data region holds the gathered input ``[B_, n, K]`` (in ``a.dtype``); rank p
 writes its rows into every peer's copy and raises ``flags[p, p]`` there.  Its own rows
@@ -33,40 +32,36 @@ takes the chunks in that arrival order::
 
 The push runs on the same stream before the GEMM: a GEMM grid full of spinning programs
 could otherwise keep a later push from ever being scheduled, and each rank waits only for
-peers' pushes, which wait for nothing, so the protocol cannot deadlock.  On CUDA the
-GEMM's programs spin on the flags (bounded by the workspace timeout).  On CPU (``/dev/shm``
-+ interpreter) a host barrier between push and GEMM stands in for the flags; the GEMM
-still checks each flag once and the launcher raises if one is missing.
+peers' pushes, which wait for nothing, so the protocol cannot deadlock.  The flag waits
+are :mod:`~distfuse.kernels.matmul_reduce_scatter`'s, with the CPU host barrier between
+push and GEMM; a chunk whose flag never came makes its tiles NaN and the launcher raises.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import triton
 import triton.language as tl
 
-from distfuse.errors import ShapeError, UnsupportedError, expect, where
-from distfuse.geometry.decomposition import block_extent, block_range
+from distfuse.errors import expect
+from distfuse.geometry.decomposition import block_range
 from distfuse.kernels._utils import (
     AUTOTUNE,
-    CPU_PUSH_CONFIG,
-    FLOAT_DTYPES,
     INTERPRET,
     TIMED_WAITS,
     check_bias,
     claimed_rank_view,
-    config_of,
-    get_gemm_configs,
+    gemm_autotuners,
     get_push_configs,
     input_precision,
     output_buffer,
     pick_gemm_launch,
-    pick_launch,
+    pick_push_launch,
+    refuse_zero_width_gather,
     round_bf16,
+    shard_rows,
+    tile_grid,
     timeout_arg,
-    ws_may_tune,
 )
 from distfuse.kernels.gathered_matmul_persistent import launch_gathered_persistent
 from distfuse.kernels.gathered_matmul_select import record_gather_choice, select_gather_kernel
@@ -82,14 +77,8 @@ from distfuse.kernels.jit_helpers import (
     wait_flag,
 )
 
-__all__ = [
-    "ag_push",
-    "gathered_matmul",
-    "all_gather_matmul",
-    "all_gather_matmul_loopback",
-    "all_gather_matmul_reference",
-    "gathered_matmul_workspace_bytes",
-]
+__all__ = ["ag_push", "gathered_matmul", "all_gather_matmul", "all_gather_matmul_loopback",
+           "all_gather_matmul_reference", "gathered_matmul_workspace_bytes"]
 
 
 # Per-call integers must not be specialised (see matmul_reduce_scatter.py); the epoch is a device word.
@@ -171,9 +160,7 @@ def _gathered_matmul_kernel(
 
 _push_tuned = triton.autotune(get_push_configs(), key=["n_batch", "len_p", "K", "W"])(_ag_push_kernel) \
     if AUTOTUNE else None
-_gathered_matmul_tuned = {
-    size: triton.autotune(get_gemm_configs(dt), key=["n_batch", "n", "N", "K"])(_gathered_matmul_kernel)
-    for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
+_gathered_matmul_tuned = gemm_autotuners(_gathered_matmul_kernel, ["n_batch", "n", "N", "K"])
 
 
 def gathered_matmul_workspace_bytes(batch: int, n: int, K: int, dtype: torch.dtype = torch.bfloat16) -> int:
@@ -183,17 +170,8 @@ def gathered_matmul_workspace_bytes(batch: int, n: int, K: int, dtype: torch.dty
 
 
 def _shard3(op: str, a_shard: torch.Tensor, n: int, rank: int, W: int) -> torch.Tensor:
-    if a_shard.dim() < 2:
-        raise ShapeError(f"{where(op)}: expected a shard [..., len, K], got {tuple(a_shard.shape)}")
-    if a_shard.dtype not in FLOAT_DTYPES:
-        raise UnsupportedError(f"{where(op)}: dtype: expected one of {FLOAT_DTYPES}, got {a_shard.dtype}")
-    len_p = block_extent(n, W, rank)
-    if a_shard.shape[-2] != len_p:
-        raise expect(op, f"shard rows (balanced block {rank} of n={n} over {W})", len_p, a_shard.shape[-2])
-    x = a_shard.reshape(math.prod(a_shard.shape[:-2]), len_p, a_shard.shape[-1])  # -1 is ambiguous when empty
-    if x.shape[2] > 0 and x.stride(2) != 1:
-        x = x.contiguous()
-    return x
+    """``a_shard [..., len_rank, K]`` as ``[B_, len_rank, K]`` (:func:`~distfuse.kernels._utils.shard_rows`)."""
+    return shard_rows(op, a_shard, n, rank, W)
 
 
 def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, config: dict | None = None) -> None:
@@ -211,15 +189,9 @@ def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, co
     gathered = st.data(x.dtype, n_batch * n * K, op=op)
     if W == 1:
         return
-    kernel, meta = pick_launch(_push_tuned, _ag_push_kernel, CPU_PUSH_CONFIG, config_of(get_push_configs()), config,
-                               may_tune=ws_may_tune(ws))
+    kernel, meta = pick_push_launch(_push_tuned, _ag_push_kernel, config, ws)
     start_p = block_range(n, W, rank)[0]
-
-    def grid(META):
-        # At least one program, so that the flags are raised even for an empty shard.
-        return (max(1, cdiv(n_batch * len_p, META["BLOCK_M"]) * cdiv(K, META["BLOCK_K"])),)
-
-    kernel[grid](
+    kernel[tile_grid(n_batch * len_p, K, inner="BLOCK_K", at_least=1)](
         x, gathered, st.data_ptrs, st.flag_ptrs, st.counters,
         n_batch, n, K, len_p, start_p, rank, W, st.epoch_dev,
         x.stride(0), x.stride(1), **meta,
@@ -232,11 +204,7 @@ def _launch_pointer(x, gathered, weight, bias, out, st, rank: int, W: int, n: in
     n_batch, _, K = x.shape
     N = weight.shape[0]
     kernel, meta = pick_gemm_launch(_gathered_matmul_tuned, _gathered_matmul_kernel, x.dtype, m_max, N, config, ws)
-
-    def grid(META):
-        return (cdiv(m_max, META["BLOCK_M"]) * cdiv(N, META["BLOCK_N"]), W)
-
-    kernel[grid](
+    kernel[tile_grid(m_max, N, W)](
         x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,
         n_batch, n, N, K, rank, W, st.epoch_dev, timeout_arg(st),
         x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
@@ -251,10 +219,8 @@ def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
                     return_gathered: bool = False, kernel: str | None = None):
     """Consume: ``y = gather(a) @ weight.T + bias``, local chunk first, waiting on each peer chunk's flag.
 
-    The kernel is the one :func:`~distfuse.kernels.gathered_matmul_select.select_gather_kernel`
-    picks: the persistent TMA kernel (:mod:`distfuse.kernels.gathered_matmul_persistent`) by
-    default, this module's pointer kernel where descriptors cannot read the operands; the
-    choice is kept as :func:`~distfuse.kernels.gathered_matmul_select.last_gather_choice`.
+    The kernel is :func:`~distfuse.kernels.gathered_matmul_select.select_gather_kernel`'s
+    choice, kept as :func:`~distfuse.kernels.gathered_matmul_select.last_gather_choice`.
 
     Args:
         a_shard: ``[..., len_rank, K]``, the same tensor given to :func:`ag_push`.
@@ -287,12 +253,8 @@ def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     out = output_buffer(op, out, (n_batch, n, N), out_dtype, x.device, "[..., n, N]")
     gathered = st.data(x.dtype, n_batch * n * K, op=op)
     st.wait_producers()  # collective on CPU
-    m_max = n_batch * (-(-n // W))
-    if return_gathered and N == 0 and m_max > 0 and not INTERPRET:
-        # The flag waits live in the GEMM kernel; with nothing to multiply it is skipped and the
-        # gathered copy below would race the peers' pushes.  Layers route such shards unfused.
-        raise UnsupportedError(f"{where(op)}: a zero-width weight shard cannot return the gathered input on "
-                               "CUDA (no kernel runs to wait for the peers' chunks); use the unfused path")
+    m_max = n_batch * cdiv(n, W)
+    refuse_zero_width_gather(op, return_gathered, N, m_max)
     choice = record_gather_choice(select_gather_kernel(x, weight, kernel))
     if m_max > 0 and N > 0:
         if choice.kernel == "gathered_matmul_persistent":

@@ -25,15 +25,15 @@ else; the bias is ``N`` elements, read from L2)::
               barrier are paid once per program, not once per block
     sums      W independent loads per block (unrolled: all in flight), fp32, source order
 
-Synchronisation: on CUDA the consumer spins on the flags (bounded by the workspace
-timeout); on CPU (``/dev/shm`` + interpreter) a host barrier orders producers before the
-consumer and the consumer checks each flag once.  A flag that never came poisons the
-chunk with NaN and the launcher raises on the status word (or, with deferred status
-checks, the next claim of the workspace does, before any later op can use the result).
-Nothing in the launch reads device memory on the host.
+Synchronisation as in :mod:`distfuse.kernels.matmul_reduce_scatter`.  A flag that never
+came poisons the chunk with NaN and the launcher raises on the status word (or, with
+deferred status checks, the next claim of the workspace does, before any later op can use
+the result).  Nothing in the launch reads device memory on the host.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -55,7 +55,7 @@ from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out, globaltimer
 from distfuse.kernels.persistent import persistent_programs
 
-__all__ = ["chunk_reduce", "launch_reduce", "reduce_meta", "slot_row_stride", "wait_all_flags"]
+__all__ = ["chunk_reduce", "reduce_slots", "launch_reduce", "reduce_meta", "slot_row_stride", "wait_all_flags"]
 
 
 @triton.jit
@@ -121,21 +121,14 @@ def _chunk_reduce_kernel(
     """out[row, col] = sum over the W sources of slot[src][row, col] (fp32) + bias[col], on a persistent grid.
 
     ``W_UNROLL`` is W (a constexpr: the loads are unrolled), ``W_BLOCK`` the next power of
-    two (the flag vector).  Each program first polls all W flags of the chunk at once and
-    passes one barrier (:func:`wait_all_flags`), then walks the blocks ``pid, pid +
-    num_programs, ...``; per block the W partials are W independent loads summed in the
-    fixed order src = 0, 1, ..., W - 1, whatever order the flags came in, so the result is
-    bitwise the same run to run and for every grid.
-
-    ``FLAT`` (``ld == N``): slots and output are the same contiguous ``[n_rows * N]`` run,
-    walked in blocks of ``BLOCK`` elements whose offsets are ``BLOCK``-aligned and
-    contiguous, so with ``N % 16 == 0`` (known to the compiler: ``N`` is specialised) the
-    mask is uniform over 16 elements and every load and store is 16 bytes wide.  Otherwise
-    (slot rows padded past N): blocks of ``BLOCK // BLOCK_C`` rows by ``BLOCK_C`` columns,
-    slot rows ``ld`` apart (16-aligned: the loads stay 16 bytes wide), output rows ``N``.
-
-    If a source's flag never came (the wait timed out) the whole chunk is NaN, so it can
-    never pass for a good one; the launcher raises on the status word.
+    two (the flag vector).  Each program polls all W flags at once (:func:`wait_all_flags`),
+    then walks the blocks ``pid, pid + num_programs, ...``, adding the W partials in source
+    order whatever order the flags came in: the result is bitwise the same run to run and
+    for every grid.  ``FLAT`` (``ld == N``): one contiguous ``[n_rows * N]`` walk in
+    ``BLOCK``-aligned blocks (with ``N % 16 == 0``, known to the compiler, every load and
+    store is 16 bytes wide); otherwise ``[BLOCK // BLOCK_C, BLOCK_C]`` row blocks, slot rows
+    ``ld`` apart (16-aligned), output rows ``N``.  A source whose flag never came makes the
+    whole chunk NaN.
     """
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
@@ -230,6 +223,31 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
     return dict(meta, programs=programs)
 
 
+def reduce_slots(op: str, ws, rank: int, world_size: int, shape: tuple, ld: int, *, partial_dtype: torch.dtype,
+                 bias: torch.Tensor | None, out_dtype: torch.dtype, out: torch.Tensor | None, config: dict | None,
+                 what: str, shape_name: str, slot_elems: int | None = None) -> torch.Tensor:
+    """Consume: sum the W slots of this rank's data region into ``shape`` (``[..., cols]``); returns the output.
+
+    Slot rows are ``ld`` apart, slots ``slot_elems`` apart (default: the rows of ``shape``
+    times ``ld``).  :func:`launch_reduce` waits ``flags[rank, src]`` of every source, adds
+    the slots in source order in fp32 (the same order on every rank), adds ``bias [cols]``
+    once and rounds once.  The consumer of :func:`chunk_reduce`, ``column_reduce`` and the
+    one-shot all-reduce; ``what`` names the partials in the error, ``shape_name`` the
+    output's shape.
+    """
+    st = claimed_rank_view(op, ws, rank, world_size, ws.device)
+    rows, cols = math.prod(shape[:-1]), shape[-1]
+    out = output_buffer(op, out, shape, out_dtype, ws.device, shape_name)
+    check_bias(op, bias, cols, ws.device)
+    slot_elems = rows * ld if slot_elems is None else slot_elems
+    slots = st.data(partial_dtype, world_size * slot_elems, op=op)
+    st.wait_producers()  # collective on CPU: every rank calls it, even with nothing to reduce
+    if out.numel() > 0:
+        launch_reduce(op, st, slots, out, bias, rows, cols, ld, slot_elems, rank, world_size, config=config)
+        st.check_status(op, what)
+    return out
+
+
 def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, partial_dtype: torch.dtype,
                  bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                  out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
@@ -247,18 +265,8 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
     Returns:
         ``[batch, len_rank, N]`` with ``len_rank = block_extent(n, W, rank)``.
     """
-    op = "chunk_reduce"
-    st = claimed_rank_view(op, ws, rank, world_size, ws.device)
-    W = world_size
-    out_dtype = out_dtype or partial_dtype
-    len_r = block_extent(n, W, rank)
-    out = output_buffer(op, out, (batch, len_r, N), out_dtype, ws.device, "[..., len_rank, N]")
-    check_bias(op, bias, N, ws.device)
     ld = slot_row_stride(N)
-    slot_elems = batch * (-(-n // W)) * ld
-    slots = st.data(partial_dtype, W * slot_elems, op=op)
-    st.wait_producers()  # collective on CPU: every rank calls it, even with an empty chunk
-    if out.numel() > 0:
-        launch_reduce(op, st, slots, out, bias, batch * len_r, N, ld, slot_elems, rank, W, config=config)
-        st.check_status(op, f"partials of chunk {rank}")
-    return out
+    return reduce_slots("chunk_reduce", ws, rank, world_size, (batch, block_extent(n, world_size, rank), N), ld,
+                        partial_dtype=partial_dtype, bias=bias, out_dtype=out_dtype or partial_dtype, out=out,
+                        config=config, what=f"partials of chunk {rank}", shape_name="[..., len_rank, N]",
+                        slot_elems=batch * cdiv(n, world_size) * ld)

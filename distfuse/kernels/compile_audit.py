@@ -105,7 +105,7 @@ def compile_case(case: KernelCase, arch: int = 90, *, load: bool = False) -> Aud
         rec.registers, rec.spills = _static_usage(compiled.asm.get("cubin"))
         if rec.spills:
             rec.warnings.append(f"{rec.spills} bytes of stack/local memory per thread (register spills)")
-    if load:
+    else:
         try:
             compiled._init_handles()
             rec.registers, rec.spills = int(compiled.n_regs), int(compiled.n_spills)

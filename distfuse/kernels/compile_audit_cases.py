@@ -10,6 +10,7 @@ both names; adding a kernel or a config to the audit only touches this catalogue
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -73,7 +74,6 @@ class KernelCase:
 
 
 
-
 def _gemm_cases(dtypes) -> list[KernelCase]:
     import triton
 
@@ -89,6 +89,7 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
     import distfuse.kernels.signature as signature_kernels
     from distfuse.kernels._utils import (
         REDUCE_AUDIT_W,
+        config_of,
         get_chunk_reduce_configs,
         get_gemm_configs,
         get_push_configs,
@@ -98,83 +99,70 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
     tables = {"data_ptrs": "i64", "flag_ptrs": "i64", "counter_ptr": "i32", "flags_ptr": "i32", "status_ptr": "i32",
               "epoch_ptr": "i32"}
     ints = {"timeout": "i64"}
+    case = functools.partial(KernelCase, pointer_dtypes=tables, ints=ints)
 
     def family_configs(dt, family):
-        """The family's autotuning list plus the pinned config of every bucket (launch kwargs)."""
-        configs = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-                   for c in get_gemm_configs(dt, family)]
+        """``(num_warps, num_stages, blocks)`` of the family's autotuning list plus every bucket's pinned config."""
+        configs = [config_of(c) for c in get_gemm_configs(dt, family)]
         for rows, cols in ((4096, 4096), (4096, 128), (64, 4096), (16, 16)):  # every bucket of the pinned rule
             pinned = pinned_gemm_config(dt, rows, cols, family)
             if pinned not in configs:
                 configs.append(pinned)
-        return configs
+        return [(c.pop("num_warps"), c.pop("num_stages"), c) for c in configs]
 
-    def split(cfg):
-        cfg = dict(cfg)
-        return cfg.pop("num_warps"), cfg.pop("num_stages"), cfg
+    def b_block(cfg, kmajor):  # the weight descriptor's block: [BLOCK_K, BLOCK_N] for a [K, N] read
+        return (cfg["BLOCK_K"], cfg["BLOCK_N"]) if kmajor else (cfg["BLOCK_N"], cfg["BLOCK_K"])
 
+    # The one-program-per-tile GEMMs: name, kernel, constexprs besides the tile's, aligned integer arguments, checks.
+    pointer = (
+        ("matmul_scatter", reduce_scatter_kernels._matmul_scatter_kernel, {},
+         ("N", "K", "ld", "stride_ab", "stride_an", "stride_bn"), ("release_sys", "vector_store")),
+        ("gathered_matmul", all_gather_kernels._gathered_matmul_kernel, dict(HAS_BIAS=True, TIMED=True),
+         ("N", "K", "stride_xb", "stride_xn", "stride_bn"), ("acquire_sys",)),
+        # The feature-direction scatter (column chunks).
+        ("matmul_scatter_columns", rs_features_kernels._matmul_scatter_columns_kernel, dict(HAS_BIAS=True),
+         ("N", "K", "ld", "stride_am", "stride_bn"), ("release_sys", "vector_store")),
+        # GEMM + one-shot all-reduce: each tile stored into every rank's slot.
+        ("matmul_push", all_reduce_kernels._matmul_push_kernel, dict(HAS_BIAS=True),
+         ("N", "K", "ld", "stride_am", "stride_bn"), ("release_sys", "vector_store")),
+    )
     cases = []
     for dt in dtypes:
         precisions = ("ieee", "tf32") if dt == torch.float32 else ("tf32",)
         for prec in precisions:
             base = dict(UPCAST=False, INPUT_PRECISION=prec, ROUND_BF16=False)
-            for cfg in family_configs(dt, "gathered_k"):
-                warps, stages, cfg = split(cfg)
+            for warps, stages, cfg in family_configs(dt, "gathered_k"):
                 # The feature-direction all-gather GEMM: its own list (it spills where the others do not).
-                cases.append(KernelCase("gathered_k_matmul", ag_features_kernels._gathered_k_matmul_kernel, dt,
-                                        dict(base, HAS_BIAS=True, TIMED=True, **cfg), warps, stages,
-                                        pointer_dtypes=tables, ints=ints, aligned=("N", "K", "stride_xm", "stride_bn"),
-                                        checks=("acquire_sys",)))
-            for cfg in family_configs(dt, "persistent"):
-                warps, stages, cfg = split(cfg)
-                # The persistent form: host tensor descriptors (TMA), deferred per-chunk arrival; both weight
-                # layouts.
+                cases.append(case("gathered_k_matmul", ag_features_kernels._gathered_k_matmul_kernel, dt,
+                                  dict(base, HAS_BIAS=True, TIMED=True, **cfg), warps, stages,
+                                  aligned=("N", "K", "stride_xm", "stride_bn"), checks=("acquire_sys",)))
+            for warps, stages, cfg in family_configs(dt, "persistent"):
+                # The persistent form: host tensor descriptors (TMA), deferred per-chunk arrival; both weight layouts.
                 for kmajor in (False, True):
-                    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-                    cases.append(KernelCase("matmul_scatter_persistent",
-                                            persistent_kernels._matmul_scatter_persistent_kernel, dt,
-                                            dict(base, B_KMAJOR=kmajor, **cfg), warps, stages, pointer_dtypes=tables,
-                                            ints=ints, aligned=("N", "K", "ld"),
-                                            descriptors=dict(a_desc=(bm, bk), b_desc=(bk, bn) if kmajor else (bn, bk)),
-                                            checks=("release_sys", "vector_store", "tma_load")))
-        for cfg in family_configs(dt, "gathered_persistent"):
-            warps, stages, cfg = split(cfg)
+                    cases.append(case("matmul_scatter_persistent", persistent_kernels._matmul_scatter_persistent_kernel,
+                                      dt, dict(base, B_KMAJOR=kmajor, **cfg), warps, stages, aligned=("N", "K", "ld"),
+                                      descriptors=dict(a_desc=(cfg["BLOCK_M"], cfg["BLOCK_K"]),
+                                                       b_desc=b_block(cfg, kmajor)),
+                                      checks=("release_sys", "vector_store", "tma_load")))
+        for warps, stages, cfg in family_configs(dt, "gathered_persistent"):
             # The all-gather GEMM consumer, persistent form: TMA loads of the shard and the gathered rows, one wait
             # per chunk; both weight layouts; the split epilogue of every pinned config.  fp32 only with TF32: the
-            # selector runs the pointer kernel for compiled fp32 IEEE products (they spill ~6 KB here).
+            # selector runs the pointer kernel for compiled fp32 IEEE products.
             for kmajor in (False, True):
-                bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-                cases.append(KernelCase("gathered_matmul_persistent",
-                                        gathered_persistent_kernels._gathered_matmul_persistent_kernel, dt,
-                                        dict(UPCAST=False, INPUT_PRECISION="tf32", ROUND_BF16=False, HAS_BIAS=True,
-                                             TIMED=True, EPILOGUE_SUBTILE=True, B_KMAJOR=kmajor, **cfg),
-                                        warps, stages, pointer_dtypes=tables, ints=ints, aligned=("N", "K"),
-                                        descriptors=dict(x_desc=(bm, bk), g_desc=(bm, bk),
-                                                         b_desc=(bk, bn) if kmajor else (bn, bk)),
-                                        checks=("acquire_sys", "tma_load", "vector_store")))
-        for cfg in family_configs(dt, "pointer"):
-            warps, stages, cfg = split(cfg)
+                a_block = (cfg["BLOCK_M"], cfg["BLOCK_K"])
+                cases.append(case("gathered_matmul_persistent",
+                                  gathered_persistent_kernels._gathered_matmul_persistent_kernel, dt,
+                                  dict(UPCAST=False, INPUT_PRECISION="tf32", ROUND_BF16=False, HAS_BIAS=True,
+                                       TIMED=True, EPILOGUE_SUBTILE=True, B_KMAJOR=kmajor, **cfg),
+                                  warps, stages, aligned=("N", "K"),
+                                  descriptors=dict(x_desc=a_block, g_desc=a_block, b_desc=b_block(cfg, kmajor)),
+                                  checks=("acquire_sys", "tma_load", "vector_store")))
+        for warps, stages, cfg in family_configs(dt, "pointer"):
             for prec in precisions:
                 common = dict(UPCAST=False, INPUT_PRECISION=prec, ROUND_BF16=False, **cfg)
-                cases.append(KernelCase("matmul_scatter", reduce_scatter_kernels._matmul_scatter_kernel, dt, common,
-                                        warps, stages, pointer_dtypes=tables, ints=ints,
-                                        aligned=("N", "K", "ld", "stride_ab", "stride_an", "stride_bn"),
-                                        checks=("release_sys", "vector_store")))
-                cases.append(KernelCase("gathered_matmul", all_gather_kernels._gathered_matmul_kernel, dt,
-                                        dict(common, HAS_BIAS=True, TIMED=True), warps, stages,
-                                        pointer_dtypes=tables, ints=ints,
-                                        aligned=("N", "K", "stride_xb", "stride_xn", "stride_bn"),
-                                        checks=("acquire_sys",)))
-                # The feature-direction scatter (column chunks).
-                cases.append(KernelCase("matmul_scatter_columns", rs_features_kernels._matmul_scatter_columns_kernel,
-                                        dt, dict(common, HAS_BIAS=True), warps, stages, pointer_dtypes=tables,
-                                        ints=ints, aligned=("N", "K", "ld", "stride_am", "stride_bn"),
-                                        checks=("release_sys", "vector_store")))
-                # GEMM + one-shot all-reduce: each tile stored into every rank's slot.
-                cases.append(KernelCase("matmul_push", all_reduce_kernels._matmul_push_kernel, dt,
-                                        dict(common, HAS_BIAS=True), warps, stages, pointer_dtypes=tables, ints=ints,
-                                        aligned=("N", "K", "ld", "stride_am", "stride_bn"),
-                                        checks=("release_sys", "vector_store")))
+                for name, fn, extra, aligned, checks in pointer:
+                    cases.append(case(name, fn, dt, dict(common, **extra), warps, stages, aligned=aligned,
+                                      checks=checks))
         for c in get_chunk_reduce_configs(dt):
             # The pinned block of each audited world size W (W loads unrolled: the largest W of a BLOCK holds the
             # most registers), FLAT (ld == N: one 1-D walk); the row-block form (slot rows padded past N) with
@@ -183,19 +171,16 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
             w, block = c.kwargs["W"], c.kwargs["BLOCK"]
             layouts = [(True, 256)] + ([(False, 256), (False, 16)] if w == max(REDUCE_AUDIT_W) else [])
             for flat, block_c in layouts:
-                cases.append(KernelCase("chunk_reduce", chunk_reduce_kernels._chunk_reduce_kernel, dt,
-                                        dict(W_UNROLL=w, W_BLOCK=triton.next_power_of_2(w), FLAT=flat,
-                                             HAS_BIAS=True, ROUND_BF16=False, TIMED=True, BLOCK_C=min(block_c, block),
-                                             BLOCK=block),
-                                        c.num_warps, 1, pointer_dtypes=tables, ints=ints, aligned=("N", "ld"),
-                                        checks=("acquire_sys", "vector_load", "vector_store")))
+                cases.append(case("chunk_reduce", chunk_reduce_kernels._chunk_reduce_kernel, dt,
+                                  dict(W_UNROLL=w, W_BLOCK=triton.next_power_of_2(w), FLAT=flat, HAS_BIAS=True,
+                                       ROUND_BF16=False, TIMED=True, BLOCK_C=min(block_c, block), BLOCK=block),
+                                  c.num_warps, 1, aligned=("N", "ld"),
+                                  checks=("acquire_sys", "vector_load", "vector_store")))
         for c in get_push_configs(dt):
-            cases.append(KernelCase("ag_push", all_gather_kernels._ag_push_kernel, dt, dict(c.kwargs), c.num_warps, 1,
-                                    pointer_dtypes=tables, ints=ints, aligned=("K", "stride_xb", "stride_xn"),
-                                    checks=("release_sys",)))
-            cases.append(KernelCase("ag_push_columns", ag_features_kernels._ag_push_columns_kernel, dt, dict(c.kwargs),
-                                    c.num_warps, 1, pointer_dtypes=tables, ints=ints, aligned=("K", "stride_xm"),
-                                    checks=("release_sys",)))
+            cases.append(case("ag_push", all_gather_kernels._ag_push_kernel, dt, dict(c.kwargs), c.num_warps, 1,
+                              aligned=("K", "stride_xb", "stride_xn"), checks=("release_sys",)))
+            cases.append(case("ag_push_columns", ag_features_kernels._ag_push_columns_kernel, dt, dict(c.kwargs),
+                              c.num_warps, 1, aligned=("K", "stride_xm"), checks=("release_sys",)))
         # The flag raise of the library-GEMM producer (cublas_chunks), launched after each chunk's GEMM.
         cases.append(KernelCase("raise_chunk_flag", chunk_flag.raise_chunk_flag_kernel, dt, {}, 1, 1,
                                 pointer_dtypes={"flag_ptrs": "i64", "epoch_ptr": "i32"}, checks=("release_sys",)))
@@ -209,9 +194,9 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
         # A rank without a payload (a refused input, a workspace to grow): its word, then every flag it owes.
         cases.append(KernelCase("abstain_signature", signature_kernels._abstain_kernel, dt, {}, 1, 1,
                                 pointer_dtypes={"flag_ptrs": "i64", "epoch_ptr": "i32"}, checks=("release_sys",)))
-        cases.append(KernelCase("gather_columns", all_reduce_kernels._gather_columns_kernel, dt,
-                                dict(TIMED=True, **all_reduce_kernels._GATHER_CONFIG), 4, 1, pointer_dtypes=tables,
-                                ints=ints, aligned=("N", "stride_own"), checks=("acquire_sys",)))
+        cases.append(case("gather_columns", all_reduce_kernels._gather_columns_kernel, dt,
+                          dict(TIMED=True, **all_reduce_kernels._GATHER_CONFIG), 4, 1, aligned=("N", "stride_own"),
+                          checks=("acquire_sys",)))
     return cases
 
 
@@ -258,14 +243,10 @@ def audit_cases(dtypes=DTYPES) -> list[KernelCase]:
 def _select(dtypes, only: str | None) -> list[KernelCase]:
     if only is None:
         return audit_cases(dtypes)
-    families = {"matmul_scatter": _gemm_cases, "matmul_scatter_persistent": _gemm_cases,
-                "raise_chunk_flag": _gemm_cases, "gathered_matmul": _gemm_cases,
-                "gathered_matmul_persistent": _gemm_cases, "chunk_reduce": _gemm_cases,
-                "ag_push": _gemm_cases, "gathered_k_matmul": _gemm_cases, "matmul_push": _gemm_cases,
-                "gather_columns": _gemm_cases, "publish_signature": _gemm_cases, "check_signatures": _gemm_cases,
-                "abstain_signature": _gemm_cases,
-                "halo": _halo_cases,
-                "conv_implicit": _conv_implicit_cases}
+    gemm = ("matmul_scatter", "matmul_scatter_persistent", "raise_chunk_flag", "gathered_matmul",
+            "gathered_matmul_persistent", "chunk_reduce", "ag_push", "gathered_k_matmul", "matmul_push",
+            "gather_columns", "publish_signature", "check_signatures", "abstain_signature")
+    families = {**dict.fromkeys(gemm, _gemm_cases), "halo": _halo_cases, "conv_implicit": _conv_implicit_cases}
     builders = {f for name, f in families.items() if name.startswith(only) or only.startswith(name)}
     if not builders:
         raise ValueError(f"compile_audit: no kernel family matches {only!r}; families: {sorted(families)}")

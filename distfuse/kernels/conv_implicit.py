@@ -13,25 +13,18 @@ padded to 3 inside the kernel with leading extent-1 axes, as in ``kernels/halo.p
     B[kk, n]    = weight.reshape(Co, K)[n, kk]
     y[b, n, o]  = sum_kk A[mm, kk] B[kk, n] + bias[n]            (fp32 accumulate, one rounding)
 
-The staged position -> source map is the stage kernel's (``halo_tables.stage_tables``,
-shared and cached): per-axis int32 LUTs (segment id, coordinate inside the segment's
-source box, already reversed for reflect and 0 for replicate) and the int64 piece table
-``(kind, base, lead stride, stride0, stride1)`` with kind 0 = zero fill, 1 = ``x``,
-2 = ``recv``.
-Every A element costs 6 LUT loads + 5 piece-table loads (all tiny, cache resident) on
-top of its data load; a staged copy costs one store and one load per staged element
-instead.  Which one wins on a GPU is unmeasured: **no timing has been taken, so no claim
-against cuDNN (or against stage + cuDNN) is made** (what has run on a GPU:
-``docs/benchmarks.md``, "Kernel choices").
+The staged position -> source map is the stage kernel's lookup tables
+(:func:`~distfuse.kernels.halo_tables.stage_tables`, shared and cached).  Every A element
+costs 6 LUT loads + 5 piece-table loads (all tiny, cache resident) on top of its data
+load; a staged copy costs one store and one load per staged element instead.  Which one
+wins on a GPU is unmeasured: **no timing has been taken, so no claim against cuDNN (or
+against stage + cuDNN) is made** (``docs/benchmarks.md``, "Kernel choices").
 
 Design decisions:
 
-* **16-bit operands feed the tensor cores.**  Compiled, bf16/fp16 A and B tiles go to
-  ``tl.dot`` as loaded, with fp32 accumulation; fp32 tiles use ``input_precision`` of
-  ``kernels/_utils.py`` (IEEE fp32 unless torch allows TF32).  Interpreted, the tiles are
-  upcast to fp32 first, because the interpreter's bf16 ``tl.dot`` is wrong (the products
-  of 16-bit values are exact in fp32, so only the summation order differs), and bf16
-  outputs are rounded to nearest even by hand (``cast_out``), as in the GEMM kernels.
+* **16-bit operands feed the tensor cores** (see :func:`_constexprs`): the products of
+  16-bit values are exact in fp32, so the interpreter's upcast changes only the summation
+  order.
 * **The K loop.**  ``for k in range(0, K, BLOCK_K)`` (a loop Triton software-pipelines)
   over ``_conv_k_step``, whose k-indexed temporaries are local, so the tile shapes are
   free (BLOCK_M != BLOCK_K compiles).
@@ -80,8 +73,7 @@ def _conv_k_step(acc, k_start, b, o0, o1, o2, mmask, offs_n, nmask,
     ``acc`` ``[BLOCK_M, BLOCK_N]`` fp32; ``b, o0, o1, o2, mmask`` ``[BLOCK_M]`` (the tile's
     rows decomposed once by the caller); ``offs_n, nmask`` ``[BLOCK_N]``.  Everything
     indexed by k is ``[BLOCK_K]`` and local to this step, so no loop-carried value of the
-    caller changes shape (``q`` used to be ``[BLOCK_M]`` before the loop and ``[BLOCK_K]``
-    inside it, which only compiles when BLOCK_M == BLOCK_K).
+    caller changes shape.
     """
     offs_k = k_start + tl.arange(0, BLOCK_K)
     kmask = offs_k < K

@@ -11,37 +11,29 @@ compute-bound at the MLP shapes, so the target is cuBLAS's rate)::
     y       [B_, n, N]      = gather(x) @ weight.T + bias
 
 * **Persistent grid, chunk-major tile order.**  At most one program per SM; program ``p``
-  computes tiles ``p, p + P, ...`` of the W * T tiles (T per chunk).  Chunks come in the
-  order ``rank, rank - 1, rank - 2, ...``: the local chunk first (no wait: its rows are the
-  shard itself), then the peers' in the order their pushes land (each peer pushes to
-  ``peer + 1`` first).  Within a chunk the tiles follow the grouped order
-  (:func:`~distfuse.kernels.jit_helpers.grouped_tile`), so concurrent programs share
-  weight columns in L2.  A row tile never crosses a batch entry (T counts
-  ``ceil(ceil(n / W) / BLOCK_M)`` row tiles per batch entry), so every A tile is one
-  rectangular box of a descriptor; rows past the chunk's end are loaded and masked at
-  the store (a row of A only ever reaches the same row of y).
+  computes tiles ``p, p + P, ...`` of the W * T tiles (T per chunk), the chunks in the
+  pointer kernel's arrival order (local first, no wait) and the tiles of a chunk in the
+  grouped order.  As in :mod:`distfuse.kernels.matmul_scatter_persistent`, a row tile never
+  crosses a batch entry, so every A tile is one rectangular box of a descriptor.
 * **One wait per chunk, hoisted out of the tile loop.**  A program's chunk index never
   decreases along its tiles, so it polls a peer chunk's flag once, at its first tile of
   that chunk (acquire, system scope, one CTA barrier), and every later tile of the chunk
   runs with no flag traffic: at most ``min(P, T)`` polls per chunk instead of one per
-  tile (the pointer kernel's), and none of them inside a K loop.  A chunk whose flag never
-  came is stored as NaN by every tile that read it; the launcher raises on the status word.
-* **Host-side tensor descriptors (TMA).**  ``x``, the gathered buffer and the weight are
-  read through ``TensorDescriptor`` arguments built by the launcher: no allocator, safe
-  from any thread (see :mod:`distfuse.kernels.matmul_scatter_persistent`).  One K loop
-  serves both sources: the tile picks its descriptor (shard or workspace) before the
-  loop, so there is one set of pipeline buffers (a loop per source doubled the shared
-  memory past sm_90's 227 KB at the 128-row tiles: 262-295 KB).  After a peer's flag a
-  ``fence.proxy.async.global`` orders the acquire before the TMA (async-proxy) reads.
+  tile, and none of them inside a K loop.  A chunk whose flag never came is stored as NaN
+  by every tile that read it; the launcher raises on the status word.
+* **Host-side tensor descriptors** (:mod:`distfuse.kernels.persistent`) for ``x``, the
+  gathered buffer and the weight.  One K loop serves both sources: the tile picks its
+  descriptor (shard or workspace) before the loop, so there is one set of pipeline buffers
+  (a loop per source doubled the shared memory past sm_90's 227 KB at the 128-row tiles).
+  After a peer's flag a ``fence.proxy.async.global`` orders the acquire before the TMA
+  (async-proxy) reads.
 * **Epilogue.**  Bias in fp32, one rounding, masked 16-byte pointer stores (a TMA store
   box would write rows of the next chunk), split in two column halves
   (``EPILOGUE_SUBTILE``, the tutorial's subtiled epilogue): the same shared memory, fewer
-  live registers (sm_90, Triton 3.9, bf16 128x128x64: 133 instead of 180).
+  live registers.
 
-Not measured on a GPU yet: it compiles for sm_90 (``compile_audit``) and is tested under
-the interpreter.  Which kernel runs a call is decided in one place,
-:mod:`distfuse.kernels.gathered_matmul_select`; this module refuses operands its
-descriptors cannot read (:func:`gathered_persistent_supported`).
+Which kernel runs a call is decided in one place, :mod:`distfuse.kernels.gathered_matmul_select`;
+this module refuses operands its descriptors cannot read (:func:`gathered_persistent_supported`).
 """
 
 from __future__ import annotations
@@ -58,6 +50,7 @@ from distfuse.kernels._utils import (
     CPU_GEMM_CONFIG,
     INTERPRET,
     TIMED_WAITS,
+    config_of,
     get_gemm_configs,
     input_precision,
     pinned_gemm_config,
@@ -66,7 +59,13 @@ from distfuse.kernels._utils import (
 )
 from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, wait_flag
-from distfuse.kernels.persistent import persistent_programs
+from distfuse.kernels.persistent import (
+    chunk_tiles,
+    descriptor_problem,
+    persistent_programs,
+    rows_descriptor,
+    weight_descriptor,
+)
 
 __all__ = ["gathered_persistent_supported", "gathered_persistent_config", "launch_gathered_persistent",
            "wave_efficiency", "WAVE_TARGET"]
@@ -167,46 +166,22 @@ def _gathered_matmul_persistent_kernel(
                 _finish(y_ptr, acc, bias_ptr, stride_bias, rows, mask_r, col0 + tl.arange(0, BLOCK_N), N, ok,
                         HAS_BIAS, ROUND_BF16)
 
-def _weight_kmajor(weight: torch.Tensor) -> bool | None:
-    """How a descriptor reads ``weight [N, K]``: False as [N, K] rows, True as its [K, N] transpose; None: neither."""
-    esize = weight.element_size()
-    if weight.stride(1) == 1 and (weight.stride(0) * esize) % 16 == 0:
-        return False
-    if weight.stride(0) == 1 and (weight.stride(1) * esize) % 16 == 0:
-        return True
-    return None
-
 
 def gathered_persistent_supported(x3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
     """Whether the descriptors can read the shard ``x3 [B_, len_p, K]``, the gathered ``[B_, n, K]`` and ``weight``.
 
-    A descriptor needs a 16-byte aligned base, a unit last stride and other strides that
-    are multiples of 16 bytes: the shard's rows must be one ``[B_ * len_p, K]`` matrix
-    (an empty shard is never read), the gathered rows (``K`` elements apart, the workspace
-    base 16-byte aligned) need ``K * itemsize % 16 == 0``, and the weight one contiguous
-    dim with an aligned stride.  Pure: depends on shapes, strides and alignment only.
+    The gathered rows are ``K`` elements apart from a 16-byte aligned workspace base, so they
+    need ``K * itemsize % 16 == 0``; the shard and the weight as in
+    :func:`~distfuse.kernels.persistent.descriptor_problem` (an empty shard is never read).
     """
-    B, len_p, K = x3.shape
-    N = weight.shape[0]
+    B, _, K = x3.shape
     esize = x3.element_size()
-    if min(B, K, N) == 0:
+    if min(B, K, weight.shape[0]) == 0:
         return False, "an empty extent"
     if (K * esize) % 16:
         return False, f"K * itemsize = {K * esize} bytes is not a multiple of 16 (the gathered rows' stride)"
-    if len_p > 0:
-        if x3.stride(2) != 1 or (B > 1 and x3.stride(0) != len_p * x3.stride(1)):
-            return False, "the shard's rows are not one [B_ * len, K] matrix with contiguous K"
-        if (x3.stride(1) * esize) % 16 or x3.data_ptr() % 16:
-            return False, "the shard's row stride or base is not 16-byte aligned"
-    if _weight_kmajor(weight) is None:
-        return False, "the weight has no contiguous dim with a 16-byte aligned stride"
-    if weight.data_ptr() % 16:
-        return False, "the weight's base is not 16-byte aligned"
-    return True, ""
-
-
-def _tiles(meta: dict, batch: int, q1: int, W: int, N: int) -> int:
-    return W * batch * cdiv(q1, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
+    why = descriptor_problem(x3, weight, "the shard", "len")
+    return not why, why
 
 
 def wave_efficiency(tiles: int, programs: int) -> float:
@@ -229,10 +204,8 @@ def gathered_persistent_config(dtype: torch.dtype, batch: int, q1: int, W: int, 
     (:func:`~distfuse.kernels._utils.pinned_gemm_config`) and goes down the family's list
     to the first tile whose last wave of tiles keeps the grid at least :data:`WAVE_TARGET`
     busy (else the busiest): a compute-bound persistent GEMM loses a whole tile time per
-    program to a short last wave.  LLaMA-3 8B up projection at TP 8, M = 8192 (N = 1792):
-    448 tiles of 128x256 on 132 SMs are 3.4 waves (85% busy); 896 tiles of 128x128 are 6.8
-    (97%).  The trade (a smaller tile's lower per-tile efficiency against the idle last
-    wave) is reasoned, not measured.
+    program to a short last wave (448 tiles of 128x256 on 132 SMs: 85% busy; 896 tiles of
+    128x128: 97%).  The trade against a smaller tile's lower efficiency is reasoned, not measured.
     """
     blocks = {k: v for k, v in (config or {}).items() if k != "PROGRAMS"}
     if "BLOCK_M" in blocks:
@@ -245,18 +218,16 @@ def gathered_persistent_config(dtype: torch.dtype, batch: int, q1: int, W: int, 
 
 @functools.lru_cache(maxsize=256)
 def _pinned_config(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, programs: int) -> dict:
-    """The pinned rule of :func:`gathered_persistent_config`, cached: a pure function of its arguments that costs
-    about 50 us of Python per call (the family's configs and the wave walk), paid once per shape instead of per
-    call.  Callers copy the result."""
+    """The pinned rule of :func:`gathered_persistent_config`, cached per shape: a pure function whose Python (the
+    family's configs and the wave walk) would cost every call.  Callers copy the result."""
     pinned = pinned_gemm_config(dtype, batch * q1, N, "gathered_persistent")
-    family = [dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages)
-              for c in get_gemm_configs(dtype, "gathered_persistent")]
+    family = [config_of(c) for c in get_gemm_configs(dtype, "gathered_persistent")]
     candidates = family[family.index(pinned):] if pinned in family else [pinned]
-    best = max(candidates, key=lambda c: wave_efficiency(_tiles(c, batch, q1, W, N), programs))  # first of ties
-    chosen = next((c for c in candidates if wave_efficiency(_tiles(c, batch, q1, W, N), programs) >= WAVE_TARGET),
+    best = max(candidates, key=lambda c: wave_efficiency(chunk_tiles(c, batch, q1, W, N), programs))  # first of ties
+    chosen = next((c for c in candidates if wave_efficiency(chunk_tiles(c, batch, q1, W, N), programs) >= WAVE_TARGET),
                   best)
-    # The split epilogue costs no shared memory and saves registers (sm_90, Triton 3.9, bf16: 133 instead of 180
-    # at 128x128x64 with 8 warps; fp32 TF32: 140 instead of 186 at 128x128x32), so every pinned config takes it.
+    # The split epilogue costs no shared memory and saves registers (the compile audit), so every pinned config
+    # takes it.
     return dict(chosen, EPILOGUE_SUBTILE=True)
 
 
@@ -280,22 +251,15 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
     W = world_size
     B, len_p, K = x3.shape
     N = weight.shape[0]
-    q1 = -(-n // W)
+    q1 = cdiv(n, W)
     grid = persistent_programs(x3.device, (config or {}).get("PROGRAMS"))
     meta = gathered_persistent_config(x3.dtype, B, q1, W, N, grid, config)
-    bm, bn, bk = meta["BLOCK_M"], meta["BLOCK_N"], meta["BLOCK_K"]
-    programs = min(_tiles(meta, B, q1, W, N), grid)
+    bm, bk = meta["BLOCK_M"], meta["BLOCK_K"]
+    programs = min(chunk_tiles(meta, B, q1, W, N), grid)
     g_desc = TensorDescriptor(gathered, [B * n, K], [K, 1], [bm, bk])
-    if len_p > 0:
-        rows = x3.as_strided((B * len_p, K), (x3.stride(1), 1))  # one matrix: checked above
-        x_desc = TensorDescriptor(rows, [B * len_p, K], [x3.stride(1), 1], [bm, bk])
-    else:  # an empty shard has no tiles: a descriptor that is never read
-        x_desc = g_desc
-    b_kmajor = bool(_weight_kmajor(weight))
-    if b_kmajor:  # weight.t() is a [K, N] matrix with contiguous rows
-        b_desc = TensorDescriptor(weight.t(), [K, N], [weight.stride(1), 1], [bk, bn])
-    else:
-        b_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [bn, bk])
+    # An empty shard has no tiles: it gets a descriptor that is never read.
+    x_desc = rows_descriptor(x3, bm, bk) if len_p > 0 else g_desc
+    b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], bk)
     _gathered_matmul_persistent_kernel[(programs,)](
         x_desc, g_desc, b_desc, bias if bias is not None else out, out, st.flags, st.status,
         B, n, N, K, len_p, rank, W, st.epoch_dev, timeout_arg(st), bias.stride(0) if bias is not None else 0,

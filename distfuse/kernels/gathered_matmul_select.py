@@ -18,11 +18,8 @@ and nothing else decides; the :class:`GatherChoice` of its latest call in this t
 ``last_decision`` can take it the way it takes the scatter producer's
 :class:`~distfuse.kernels.matmul_scatter_select.KernelChoice`: both have ``kernel`` and
 ``reason``).  A fallback can therefore never pass for the kernel that was asked for.
-
-Compiled fp32 operands with IEEE products (torch's default, no TF32) go to the pointer
-kernel: the persistent kernel's fp32 IEEE dot spills 6.3-6.5 KB of registers per thread at
-every 128-row tile and ~300 B at 64x64 (sm_90, Triton 3.9, compile audit), as the scatter
-producer's does.
+Compiled fp32 operands with IEEE products go to the pointer kernel
+(:func:`~distfuse.kernels.persistent.compiled_refusal`).
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ import torch
 from distfuse.errors import UnsupportedError, expect
 from distfuse.kernels._utils import INTERPRET, tf32_allowed
 from distfuse.kernels.gathered_matmul_persistent import gathered_persistent_supported
+from distfuse.kernels.persistent import compiled_refusal
 
 __all__ = ["GatherChoice", "GATHER_KERNELS", "DEFAULT_GATHER_KERNEL", "select_gather_kernel", "last_gather_choice",
            "record_gather_choice"]
@@ -86,13 +84,12 @@ def select_gather_kernel(x3: torch.Tensor, weight: torch.Tensor, requested: str 
                       cls=UnsupportedError)
     if requested == "gathered_matmul":
         return GatherChoice(requested, "gathered_matmul", "asked for: one program per tile, pointer loads")
-    ok, why = gathered_persistent_supported(x3, weight)
     compiled = not INTERPRET if compiled is None else compiled
-    if ok and compiled and x3.dtype == torch.float32 and not tf32_allowed():
-        ok, why = False, "fp32 with IEEE products (no TF32) spills registers in the persistent kernel"
-    if ok and compiled and not _has_tma(x3.device):
-        ok, why = False, "tensor-memory-accelerator loads need sm_90 or later"
-    if ok:
+    _, why = gathered_persistent_supported(x3, weight)
+    why = why or compiled_refusal(x3.dtype, compiled, tf32_allowed())
+    if not why and compiled and not _has_tma(x3.device):
+        why = "tensor-memory-accelerator loads need sm_90 or later"
+    if not why:
         return GatherChoice(requested, "gathered_matmul_persistent",
                             "tensor-descriptor (TMA) loads, persistent grid, one wait per chunk")
     return GatherChoice(requested, "gathered_matmul", f"fell back to the pointer kernel: {why}")

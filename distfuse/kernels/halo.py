@@ -65,25 +65,28 @@ from distfuse.kernels.halo_tables import (
     unstage_box_tables,
 )
 
-__all__ = [
-    "REGIONS",
-    "Unstaged",
-    "halo_pack",
-    "halo_stage",
-    "halo_unstage",
-    "halo_accumulate",
-    "halo_pack_reference",
-    "halo_stage_reference",
-    "halo_unstage_reference",
-    "halo_accumulate_reference",
-]
+__all__ = ["REGIONS", "Unstaged", "halo_pack", "halo_stage", "halo_unstage", "halo_accumulate", "halo_pack_reference",
+           "halo_stage_reference", "halo_unstage_reference", "halo_accumulate_reference"]
 
 REGIONS = ("all", "local", "remote")
 
 
-# --------------------------------------------------------------------------------------
-# Launchers
-# --------------------------------------------------------------------------------------
+def _check_region(op: str, region: str) -> None:
+    if region not in REGIONS:
+        raise UnsupportedError(f"{where(op)}: region must be one of {REGIONS}, got {region!r}")
+
+
+def _lead_shape(t: torch.Tensor, nd: int) -> tuple[int, ...]:
+    """The leading dims of ``t``, before its ``nd`` spatial ones."""
+    return tuple(t.shape[: t.dim() - nd])
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the self boxes: fp64 for fp64 gradients, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------- launchers
 
 
 def halo_pack(x: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, out: torch.Tensor | None = None,
@@ -130,18 +133,15 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
     box (at most two per axis).  Adjoint: :func:`halo_unstage`.
     """
     index = tuple(index)
-    if region not in REGIONS:
-        raise UnsupportedError(f"{where('halo_stage')}: region must be one of {REGIONS}, got {region!r}")
+    _check_region("halo_stage", region)
     lead = check_plan_tensor("halo_stage", x, plan, plan.input_shape(index), "x")
     check_flat("halo_stage", recv, recv_numel(plan, index, lead), x.dtype, x.device, "receive buffer")
     staged_shape = plan.staged_shape(index)
+    want = _lead_shape(x, len(staged_shape)) + staged_shape
     if out is None:
-        out = x.new_empty(tuple(x.shape[: x.dim() - len(staged_shape)]) + staged_shape)
-    elif tuple(out.shape) != tuple(x.shape[: x.dim() - len(staged_shape)]) + staged_shape or \
-            out.dtype != x.dtype or not out.is_contiguous():
-        raise expect("halo_stage", "out (contiguous, x's dtype)",
-                     (tuple(x.shape[: x.dim() - len(staged_shape)]) + staged_shape, x.dtype),
-                     (tuple(out.shape), out.dtype))
+        out = x.new_empty(want)
+    elif tuple(out.shape) != want or out.dtype != x.dtype or not out.is_contiguous():
+        raise expect("halo_stage", "out (contiguous, x's dtype)", (want, x.dtype), (tuple(out.shape), out.dtype))
     luts, ptab, ns = stage_tables(plan, index, lead, x.device)
     # Empty buffers are never dereferenced (no piece of that kind); pass a live pointer anyway.
     a = x if x.numel() > 0 else out
@@ -152,9 +152,8 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
         launch_lut(out, a, b, luts, ptab, ns, REGION_CODE[region], full, tile)
         return out
     if region != "remote":
-        # The interior window (most of the staged tensor) is a strided copy of the block: one copy at the
-        # device copy's speed instead of the table walk, which costs several table loads per element
-        # (7-9x the copy's time on an H200, docs/gpu.md).  The tables then cover only the shell around it.
+        # The interior window (most of the staged tensor) is one strided copy of the block, not a table walk
+        # (see halo_programs); the tables cover only the shell around it.
         nd = len(staged_shape)
         _window(out, interior.dst_lo, interior.shape, nd).copy_(_window(x, interior.src_lo, interior.src_shape, nd))
     # no received piece overlaps the interior window: the rest of the staged tensor is the shell around it
@@ -199,12 +198,11 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
     gathers (no atomics).
     """
     index = tuple(index)
-    if region not in REGIONS:
-        raise UnsupportedError(f"{where('halo_unstage')}: region must be one of {REGIONS}, got {region!r}")
+    _check_region("halo_unstage", region)
     staged_shape = plan.staged_shape(index)
     lead = check_plan_tensor("halo_unstage", grad, plan, staged_shape, "staged gradient")
-    lead_shape = tuple(grad.shape[: grad.dim() - len(staged_shape)])
-    acc_dtype = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    lead_shape = _lead_shape(grad, len(staged_shape))
+    acc_dtype = _acc_dtype(grad.dtype)
     selfb = self_boxes
     if region in ("all", "remote"):
         numel = recv_numel(plan, index, lead)
@@ -229,8 +227,8 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
                   selfb if selfb is not None and selfb.numel() else src,
                   src, tables, lead, pad3(staged_shape, 1), block)
     if grad_x is not None:
-        # The interior piece's gradient is a window of the staged gradient: one strided copy (the table walk
-        # this replaces read five table entries per element), zeros wherever the block has no interior.
+        # The interior piece's gradient is a window of the staged gradient: one strided copy, zeros wherever the
+        # block has no interior.
         interior = interior_piece(plan, index)
         nd = len(staged_shape)
         if interior is None or tuple(interior.src_shape) != tuple(plan.input_shape(index)):
@@ -256,11 +254,10 @@ def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: to
     index = tuple(index)
     x_shape = plan.input_shape(index)
     lead = check_plan_tensor("halo_accumulate", grad_x, plan, x_shape, "grad_x")
-    acc_dtype = torch.float64 if grad_x.dtype == torch.float64 else torch.float32
-    check_flat("halo_accumulate", self_boxes, self_numel(plan, index, lead), acc_dtype, grad_x.device,
-                "self boxes")
+    check_flat("halo_accumulate", self_boxes, self_numel(plan, index, lead), _acc_dtype(grad_x.dtype), grad_x.device,
+               "self boxes")
     check_flat("halo_accumulate", incoming, send_numel(plan, index, lead), grad_x.dtype, grad_x.device,
-                "incoming halo gradients")
+               "incoming halo gradients")
     if grad_x.numel() == 0:
         return grad_x
     chunks = accumulate_tables(plan, index, lead, grad_x.device)
@@ -277,9 +274,7 @@ def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: to
     return grad_x
 
 
-# --------------------------------------------------------------------------------------
-# Pure-torch references (the test oracle and the benchmarks' unfused baseline)
-# --------------------------------------------------------------------------------------
+# ------------------------------------------------ pure-torch references (the test oracle, the unfused baseline)
 
 
 def _split(buf: torch.Tensor, shapes, lead_shape) -> list[torch.Tensor]:
@@ -297,8 +292,7 @@ def halo_pack_reference(x: torch.Tensor, plan: HaloPlan, index: Sequence[int]) -
 def halo_stage_reference(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Sequence[int], *,
                          out: torch.Tensor | None = None, region: str = "all") -> torch.Tensor:
     index = tuple(index)
-    nd = len(plan.axes)
-    lead_shape = tuple(x.shape[: x.dim() - nd])
+    lead_shape = _lead_shape(x, len(plan.axes))
     received = _split(recv, [pc.src_shape for pc in plan.recvs(index)], lead_shape)
     if out is None:
         out = x.new_empty(lead_shape + plan.staged_shape(index))
@@ -321,8 +315,7 @@ def halo_stage_reference(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, in
 def halo_unstage_reference(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int]) -> Unstaged:
     """Float64 sums, then cast like the kernel: grad_x and send to grad's dtype, self boxes to fp32."""
     index = tuple(index)
-    nd = len(plan.axes)
-    lead_shape = tuple(grad.shape[: grad.dim() - nd])
+    lead_shape = _lead_shape(grad, len(plan.axes))
     g = grad.double()
     grad_x = torch.zeros(lead_shape + plan.input_shape(index), dtype=grad.dtype, device=grad.device)
     interior = interior_piece(plan, index)
@@ -330,7 +323,7 @@ def halo_unstage_reference(grad: torch.Tensor, plan: HaloPlan, index: Sequence[i
         grad_x[(..., *interior.src_slices())] = grad[(..., *interior.dst_slices())]
     send = [adjoint_box(g[(..., *pc.dst_slices())], pc).reshape(-1) for pc in plan.recvs(index)]
     selfb = [adjoint_box(g[(..., *pc.dst_slices())], pc).reshape(-1) for pc in self_pieces(plan, index)]
-    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    acc = _acc_dtype(grad.dtype)
     send = torch.cat(send).to(grad.dtype) if send else grad.new_empty(0)
     selfb = torch.cat(selfb).to(acc) if selfb else torch.empty(0, dtype=acc, device=grad.device)
     return Unstaged(grad_x, send, selfb)
@@ -340,8 +333,7 @@ def halo_accumulate_reference(grad_x: torch.Tensor, self_boxes: torch.Tensor, in
                               plan: HaloPlan, index: Sequence[int]) -> torch.Tensor:
     """Float64 sum of the interior gradient, the self boxes and the incoming boxes, cast to grad_x's dtype."""
     index = tuple(index)
-    nd = len(plan.axes)
-    lead_shape = tuple(grad_x.shape[: grad_x.dim() - nd])
+    lead_shape = _lead_shape(grad_x, len(plan.axes))
     out = grad_x.double().clone()
     selfs = self_pieces(plan, index)
     for pc, box in zip(selfs, _split(self_boxes, [p.src_shape for p in selfs], lead_shape), strict=True):

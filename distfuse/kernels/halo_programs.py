@@ -2,35 +2,28 @@
 
 Three programs serve the four ops of :mod:`distfuse.kernels.halo`: a lookup-table gather
 (stage), a box gather (pack, and the send-back and self boxes of unstage) and a masked
-gather-add (accumulate).  Buffers and tables are described there and in
-:mod:`distfuse.kernels.halo_tables`.
-
-Design decisions:
+gather-add (accumulate); buffers and tables are described there and in
+:mod:`distfuse.kernels.halo_tables`.  Design decisions:
 
 * **Stage copies the interior window and gathers the shell through lookup tables.**  The
   interior window (the block itself: 91% of the staged tensor for a 64^3 block at halo 1)
-  is one strided ``copy_`` in :func:`~distfuse.kernels.halo.halo_stage`; walking it through
-  the tables below ran at 0.11-0.14 of the device copy on an H200 (five table loads and a
-  64-bit offset per element), so the tables now serve only the shell boxes around it (the
-  unstage's ``grad_x`` likewise).  The staged box is the
-  Cartesian product of per-axis segments (``AxisGeometry.segments``), so one int32 table
-  per axis gives each staged coordinate its segment and its coordinate inside the
-  segment's source box (reversed for reflect, 0 for replicate), and a small int64 piece
-  table indexed by the segment combination gives ``(kind, base, lead stride, strides)``
-  with kind 0 = zero fill, 1 = x, 2 = receive buffer.  Tiles are ``[BLOCK_R rows,
+  is one strided ``copy_`` in :func:`~distfuse.kernels.halo.halo_stage`, several times
+  faster than the table walk (five table loads and a 64-bit offset per element), which
+  serves only the shell boxes around it (and the unstage's ``grad_x`` likewise).  The
+  staged box is the Cartesian product of per-axis segments (``AxisGeometry.segments``), so
+  one int32 table per axis gives each staged coordinate its segment and its coordinate in
+  the segment's source box (reversed for reflect, 0 for replicate), and a small piece
+  table indexed by the segment combination gives the source.  Tiles are ``[BLOCK_R rows,
   BLOCK_X]`` over ``[LEAD*L0*L1, L2]``: the row is decomposed once per row, not per
-  element (three runtime int divisions per element would make the kernel ALU-bound on an
-  H200: ~60 instructions against 8 bytes of fp32 traffic), and one tile crosses the
-  halo / interior boundary freely, so halo columns cost no extra programs.  For the
-  overlap, ``region="local"`` writes the pieces that need no message and
-  ``region="remote"`` the received ones, visiting only the shell of sub-boxes around the
-  interior window (0.8% of a 512^2 block's staged tensor at halo 1).
+  element (three runtime int divisions per element would make the kernel ALU-bound), and a
+  tile crosses the halo / interior boundary freely.
+  ``region="local"`` (the pieces that need no message) and ``"remote"`` (the received ones)
+  visit only the shell of sub-boxes around the interior window (0.8% of a 512^2 block's
+  staged tensor at halo 1), for the overlap.
 * **Pack and the unstage boxes are one box gather** over the boxes laid end to end: an
   element finds its box by a branchless binary search of the box starts, then its
-  coordinates by div/mod.  Any mix of box sizes shares programs (a width-1 x-halo box
-  and a full-width y-halo box), none idles, and the interpreter runs one program where a
-  program per box cost 18 ms each.  These move halo volume only, so the per-element
-  search and div/mod are affordable.
+  coordinates by div/mod (affordable: these move halo volume only).  Any mix of box sizes
+  shares programs, none idles, and the interpreter runs one program instead of one per box.
 * **Replicate sums are a gather, not atomics.**  A send-back box element is the sum of
   the staged gradient over the replicated run (a loop of ``R`` loads in fp32), so every
   output element is written by exactly one program: deterministic, no fp32 atomics
@@ -39,19 +32,14 @@ Design decisions:
   (self pieces and received halo gradients) may overlap (replicate, circular on one
   worker, halos wider than a block).  One int64 table per axis marks which of up to 62
   boxes cover each coordinate; an element's boxes are the AND of its three masks, and a
-  tile covered by none stops after its mask loads, so only border tiles move data.  Sums are fp32
-  and rounded once.  More than 62 boxes (rare: 3-D halos wider than several blocks) take
-  one more in-place launch per 62, with one extra rounding for fp16/bf16.
+  tile covered by none stops after its mask loads.  More than 62 boxes (rare: 3-D halos
+  wider than several blocks) take one more in-place launch per 62, with one extra
+  rounding for fp16/bf16.
 * **Arithmetic in fp32** (fp64 for fp64 tensors): the interpreter computes bf16
-  arithmetic wrongly, so values are converted after the load and before the store.
-  Copies are exact in every dtype.
-* **Unstage writes grad_x in the gradient's own dtype.**  The interior is a copy (exact);
-  accumulate then adds in fp32 and rounds once per border element, so no fp32 copy of the
-  whole block is ever made.
-* **Linear grids.**  Every launch numbers its programs over grid axis 0 (CUDA allows
-  2^31 - 1 there) and decodes a tile's (row, column) from the id; axis 1 (65535 at
-  most) takes only the overflow past 2^31 - 1 programs.  Tiling the inner extent along
-  axis 1 would cap a 1-D block at 65535 tiles (8.4M elements at BLOCK_X = 128).
+  arithmetic wrongly.  Copies are exact in every dtype.  Unstage writes ``grad_x`` in the
+  gradient's own dtype (the interior is a copy) and accumulate rounds once per border
+  element, so no fp32 copy of the whole block is ever made.
+* **Linear grids** (:func:`linear_grid`): programs are numbered over grid axis 0.
 * **No runtime ``range`` bounds.**  Loops over a runtime count (replicate runs, boxes of
   a tile) are ``while`` loops: Triton 3.6's interpreter converts a runtime ``range``
   bound with ``int()`` of a shape-(1,) array, which numpy 2 rejects.  Neither loop is a
@@ -79,9 +67,7 @@ __all__ = ["lut_gather_kernel", "box_gather_kernel", "accumulate_kernel", "launc
 REGION_CODE = {"all": 0, "local": 1, "remote": 2}
 
 
-# --------------------------------------------------------------------------------------
-# Triton kernels
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- Triton kernels
 
 
 @triton.jit
@@ -160,14 +146,10 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, t
     concatenation, so boxes of any size share programs and none idles.  ``RTMAX`` is
     the largest ``R0 * R1 * R2`` (``RT``) of any box: 1 unless a replicate box is summed.
 
-    The run loop is a ``while`` over a runtime bound, not ``range(1, RTMAX)``: Triton
-    3.6's interpreter turns a runtime ``range`` bound into a Python int with
-    ``int(array of shape (1,))``, which numpy 2 rejects ("only 0-dimensional arrays can be
-    converted to Python scalars").  Compiled, both are one scalar loop (this one is not a
-    pipelined GEMM loop).  With RTMAX = 1 (every pack) there is no loop: Triton
-    specialises an integer argument equal to 1 to a constant, the guard folds away, and
-    Triton 3.6's coalesce pass, which crashes on a ``while`` whose condition is
-    constant-false, never sees one.
+    The run loop is a ``while`` (see the module doc).  With RTMAX = 1 (every pack) there is
+    no loop: Triton specialises an integer argument equal to 1 to a constant, the guard
+    folds away, and Triton 3.6's coalesce pass, which crashes on a ``while`` whose condition
+    is constant-false, never sees one.
     """
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _program_tile
     e = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -229,7 +211,7 @@ def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, m0_ptr, m1_ptr, m2_ptr, atab_p
     Box k (table row k): SEL 0 reads ``self_ptr``, 1 ``recv_ptr``; ``[LEAD, S0, S1, S2]``
     contiguous at BASE, covering ``[LO, LO + S)`` of the block.  Bit k of ``m_a[p]`` says
     whether box k covers coordinate p of axis a.  Tiles as in :func:`lut_gather_kernel`; the box
-    loop is a ``while`` for the reason given in :func:`box_gather_kernel`.
+    loop is a ``while`` (see the module doc).
     """
     pid_r, pid_x = _program_tile(tl.cdiv(E2, BLOCK_X))
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -271,9 +253,7 @@ def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, m0_ptr, m1_ptr, m2_ptr, atab_p
         tl.store(gx_ptr + out_off, cast_out(acc, gx_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
-# --------------------------------------------------------------------------------------
-# Launch helpers
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- launch helpers
 
 
 def compute_dtype(dtype: torch.dtype):
@@ -327,8 +307,7 @@ def row_tiled_grid(n_rows: int, inner: int, block_r: int, block_x: int) -> tuple
     return linear_grid(cdiv(n_rows, block_r) * cdiv(inner, block_x))
 
 
-#: Warps of the box gather: each element decodes a 15-entry int64 box row, so 1024 elements over
-#: 4 warps (8 per thread) took 255 registers and spilled 78 on an H100 (Triton 3.6); 8 warps halve that.
+#: Warps of the box gather: each element decodes a 15-entry int64 box row, which spilled registers at 4 warps.
 BOX_NUM_WARPS = 8
 
 

@@ -1,15 +1,12 @@
 """Host side of the halo kernels: buffer layouts, lookup and box tables, buffer checks.
 
-The kernels in :mod:`distfuse.kernels.halo` read their geometry from small int32/int64
-tables that this module builds from a :class:`~distfuse.geometry.halo_plan.HaloPlan`
-on the host, once per ``(plan, index, lead, device)`` (cached: a few KB per worker, one
-synchronous host-to-device copy the first time only).  ``kernels/conv_implicit.py``
-reads the stage tables too.  The design (why lookup tables, box gathers and cover
-bitmasks) is in the docstring of ``kernels/halo.py``.
-
-Flat buffers hold boxes one after another, each ``[LEAD, *box_shape]`` contiguous
-(:func:`box_offsets`), so a message is the same bytes as the unfused path's
-``x[..., box].contiguous()``.
+The kernels of :mod:`distfuse.kernels.halo` (and :mod:`distfuse.kernels.conv_implicit`,
+which reads the stage tables) take their geometry from small int32/int64 tables that this
+module builds from a :class:`~distfuse.geometry.halo_plan.HaloPlan` on the host, once per
+``(plan, index, lead, device)`` (cached: a few KB per worker, one synchronous
+host-to-device copy the first time only).  Why lookup tables, box gathers and cover
+bitmasks: :mod:`distfuse.kernels.halo_programs`; the flat buffers' layout (:func:`box_offsets`):
+:mod:`distfuse.kernels.halo`.
 
 Table layouts (the kernels hard-code the row widths 15, 8 and 5):
 
@@ -34,42 +31,18 @@ import torch
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan, Piece
 
-__all__ = [
-    "SUPPORTED_DTYPES",
-    "MASK_BITS",
-    "pad3",
-    "contiguous_strides",
-    "box_offsets",
-    "interior_piece",
-    "self_pieces",
-    "send_numel",
-    "recv_numel",
-    "self_numel",
-    "stage_tables",
-    "pack_tables",
-    "unstage_box_tables",
-    "accumulate_tables",
-    "check_plan_tensor",
-    "check_flat",
-]
+__all__ = ["SUPPORTED_DTYPES", "MASK_BITS", "pad3", "contiguous_strides", "box_offsets", "interior_piece",
+           "self_pieces", "send_numel", "recv_numel", "self_numel", "stage_tables", "pack_tables", "unstage_box_tables",
+           "accumulate_tables", "check_plan_tensor", "check_flat"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Boxes per accumulate launch: bits 0..61 of an int64 mask (bit 63 would make the mask
 # negative and tl.max-based skipping wrong; 62 keeps a margin).
 MASK_BITS = 62
-# Row widths of the tables (see the module docstring; the kernels hard-code 15, 8 and 5):
-_BOX_COLS = 15  # SEL, DST, E0, E1, E2, T0, T1, T2, D0, D1, D2, R0, R1, R2, RT
-_ACC_COLS = 8  # SEL, BASE, LO0, LO1, LO2, S0, S1, S2
-_PIECE_COLS = 5  # KIND, BASE, LEAD_STRIDE, STRIDE0, STRIDE1 (innermost stride is 1)
+_BOX_COLS = 15  # the box table's row width (see the module docstring; the kernels hard-code it)
 
 
-# --------------------------------------------------------------------------------------
-# Layouts (pure Python, shared by the launchers, the references and the fused op)
-# --------------------------------------------------------------------------------------
-
-
-def _vol(shape: Sequence[int]) -> int:
-    return math.prod(shape)
+# ------------------------------------ layouts (pure Python, shared by the launchers, the references and the fused op)
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -91,7 +64,7 @@ def box_offsets(shapes: Sequence[Sequence[int]], lead: int) -> tuple[list[int], 
     offs, acc = [], 0
     for s in shapes:
         offs.append(acc)
-        acc += lead * _vol(s)
+        acc += lead * math.prod(s)
     return offs, acc
 
 
@@ -138,10 +111,7 @@ def self_numel(plan: HaloPlan, index: tuple[int, ...], lead: int) -> int:
     return box_offsets([pc.src_shape for pc in self_pieces(plan, tuple(index))], lead)[1]
 
 
-# --------------------------------------------------------------------------------------
-# Tables (built on the host once per (plan, index, lead, device) and cached: a few KB of
-# int32/int64 per worker, one synchronous host-to-device copy the first time only)
-# --------------------------------------------------------------------------------------
+# ---------------------------------------------------------------- tables (cached per (plan, index, lead, device))
 
 
 def _i32(values, device) -> torch.Tensor:
@@ -172,16 +142,16 @@ def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     x_shape = plan.input_shape(index)
     x_str = pad3(contiguous_strides(x_shape), 0)
     recv_offs, _ = box_offsets([pc.src_shape for pc in plan.recvs(index)], lead)
-    rows, k = [], 0  # _PIECE_COLS entries per piece
+    rows, k = [], 0  # one piece-table row (5 entries) per piece
     for pc in plan.pieces(index):
         if pc.src is None:
             rows += [0, 0, 0, 0, 0]
         elif pc.src == index:
             base = sum(lo * st for lo, st in zip(pad3(pc.src_lo, 0), x_str, strict=True))
-            rows += [1, base, _vol(x_shape), x_str[0], x_str[1]]
+            rows += [1, base, math.prod(x_shape), x_str[0], x_str[1]]
         else:
             st = pad3(contiguous_strides(pc.src_shape), 0)
-            rows += [2, recv_offs[k], _vol(pc.src_shape), st[0], st[1]]
+            rows += [2, recv_offs[k], math.prod(pc.src_shape), st[0], st[1]]
             k += 1
     luts = [([0], [0])] * (3 - len(luts)) + luts
     flat = [t for seg_id, crd in luts for t in (_i32(seg_id, device), _i32(crd, device))]
@@ -212,7 +182,7 @@ def pack_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch
     rows = []
     for pc, off in zip(boxes, offs, strict=True):
         rows += _box_row(0, off, pc.src_shape, pc.src_lo, (1,) * len(pc.src_lo), (1,) * len(pc.src_lo))
-    return _box_launch_tables(rows, [lead * _vol(pc.src_shape) for pc in boxes], device)
+    return _box_launch_tables(rows, [lead * math.prod(pc.src_shape) for pc in boxes], device)
 
 
 def _adjoint_axes(pc: Piece) -> tuple[list[int], list[int], list[int]]:
@@ -232,18 +202,14 @@ def _adjoint_axes(pc: Piece) -> tuple[list[int], list[int], list[int]]:
 def unstage_box_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, region: str, device: torch.device):
     """Send-back boxes (SEL 0, ``recvs`` order) and/or self boxes (SEL 1, ``self_pieces`` order)."""
     rows, numels = [], []
-    if region in ("all", "remote"):
-        recvs = plan.recvs(index)
-        offs, _ = box_offsets([pc.src_shape for pc in recvs], lead)
-        for pc, off in zip(recvs, offs, strict=True):
-            rows += _box_row(0, off, pc.src_shape, *_adjoint_axes(pc))
-            numels.append(lead * _vol(pc.src_shape))
-    if region in ("all", "local"):
-        selfs = self_pieces(plan, index)
-        offs, _ = box_offsets([pc.src_shape for pc in selfs], lead)
-        for pc, off in zip(selfs, offs, strict=True):
-            rows += _box_row(1, off, pc.src_shape, *_adjoint_axes(pc))
-            numels.append(lead * _vol(pc.src_shape))
+    for sel, part in ((0, "remote"), (1, "local")):
+        if region not in ("all", part):
+            continue
+        pieces = plan.recvs(index) if sel == 0 else self_pieces(plan, index)
+        offs, _ = box_offsets([pc.src_shape for pc in pieces], lead)
+        for pc, off in zip(pieces, offs, strict=True):
+            rows += _box_row(sel, off, pc.src_shape, *_adjoint_axes(pc))
+            numels.append(lead * math.prod(pc.src_shape))
     return _box_launch_tables(rows, numels, device)
 
 
@@ -252,13 +218,9 @@ def accumulate_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device:
     """Chunks of at most 62 boxes: (per-axis int64 cover masks, box table, box count)."""
     x_shape = plan.input_shape(index)
     boxes = []
-    selfs = self_pieces(plan, index)
-    offs, _ = box_offsets([pc.src_shape for pc in selfs], lead)
-    boxes += [(0, off, pc) for pc, off in zip(selfs, offs, strict=True)]
-    sends = [pc for _, pc in plan.sends(index)]
-    offs, _ = box_offsets([pc.src_shape for pc in sends], lead)
-    boxes += [(1, off, pc) for pc, off in zip(sends, offs, strict=True)]
-    boxes = [b for b in boxes if _vol(b[2].src_shape) > 0]
+    for sel, pieces in enumerate((self_pieces(plan, index), [pc for _, pc in plan.sends(index)])):
+        offs, _ = box_offsets([pc.src_shape for pc in pieces], lead)
+        boxes += [(sel, off, pc) for pc, off in zip(pieces, offs, strict=True) if math.prod(pc.src_shape) > 0]
     chunks = []
     for c in range(0, len(boxes), MASK_BITS):
         chunk = boxes[c:c + MASK_BITS]
@@ -268,21 +230,14 @@ def accumulate_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device:
             for a in range(len(x_shape)):
                 for p in range(pc.src_lo[a], pc.src_lo[a] + pc.src_shape[a]):
                     masks[a][p] |= 1 << k
-            rows += [sel, off, *pad3(pc.src_lo, 0), *pad3(pc.src_shape, 1)]  # _ACC_COLS entries
+            rows += [sel, off, *pad3(pc.src_lo, 0), *pad3(pc.src_shape, 1)]  # one accumulate-table row
         every = (1 << len(chunk)) - 1
         masks = [[every]] * (3 - len(x_shape)) + masks
         chunks.append(([_i64(m, device) for m in masks], _i64(rows, device), len(chunk)))
     return chunks
 
 
-# --------------------------------------------------------------------------------------
-# Buffer checks (shared by the halo launchers and kernels/conv_implicit.py)
-# --------------------------------------------------------------------------------------
-
-
-def _check_dtype(op: str, t: torch.Tensor) -> None:
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise UnsupportedError(f"{where(op)}: dtype must be one of {SUPPORTED_DTYPES}, got {t.dtype}")
+# ------------------------------------ buffer checks (shared by the halo launchers and kernels/conv_implicit.py)
 
 
 def check_plan_tensor(op: str, t: torch.Tensor, plan: HaloPlan, want: tuple[int, ...], what: str) -> int:
@@ -296,8 +251,9 @@ def check_plan_tensor(op: str, t: torch.Tensor, plan: HaloPlan, want: tuple[int,
         raise expect(op, f"spatial shape of {what}", tuple(want), tuple(t.shape[t.dim() - nd:]))
     if not t.is_contiguous():
         raise ShapeError(f"{where(op)}: {what} must be contiguous")
-    _check_dtype(op, t)
-    return _vol(t.shape[: t.dim() - nd])
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise UnsupportedError(f"{where(op)}: dtype must be one of {SUPPORTED_DTYPES}, got {t.dtype}")
+    return math.prod(t.shape[: t.dim() - nd])
 
 
 def check_flat(op: str, t: torch.Tensor, numel: int, dtype: torch.dtype, device, what: str) -> None:

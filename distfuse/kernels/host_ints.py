@@ -1,10 +1,9 @@
 """Integer helpers for launch grids and block sizes on the host: ``cdiv`` and ``next_power_of_2``.
 
 Triton's ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: called on
-host ints they unwrap every argument first, about 5 us per call under Triton 3.9, and a
-fused op's launch computes several (measured with the kernels stubbed out; the launch path
-is where an eager fused call spends its host time, ``docs/gpu.md``).  These are the same
-functions in plain Python.  Inside ``@triton.jit`` code keep ``tl.cdiv``.
+host ints they unwrap every argument first, which a fused op's launch path (where an eager
+fused call spends its host time, ``docs/gpu.md``) pays several times per call.  These are
+the same functions in plain Python.  Inside ``@triton.jit`` code keep ``tl.cdiv``.
 """
 
 from __future__ import annotations

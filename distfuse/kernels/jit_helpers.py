@@ -1,12 +1,8 @@
 """The ``@triton.jit`` helpers the kernel files share: rounding, chunk geometry, tile order, the flag protocol.
 
-The two GEMM fusions (``matmul_reduce_scatter.py``, ``all_gather_matmul.py``) share their
-tile arithmetic here: the chunk geometry (:func:`balanced_chunk`, :func:`chunk_rows`), the
-grouped tile order (:func:`grouped_tile`) and the K loop of one output tile
-(:func:`matmul_tile`), besides the flag protocol (:func:`arrive`, :func:`raise_flag`,
-:func:`wait_flag`).  :func:`cast_out` is the one fp32 -> output-dtype conversion of every
-kernel, halo kernels included.  Host-side flags and configs are in
-:mod:`distfuse.kernels._utils`.
+:func:`cast_out` is the one fp32 -> output-dtype conversion of every kernel; the GEMM
+fusions share the chunk geometry, the grouped tile order and the K loop of one output
+tile (:func:`matmul_tile`).  Host-side flags and configs are in :mod:`distfuse.kernels._utils`.
 """
 
 from __future__ import annotations

@@ -17,8 +17,8 @@ Two algorithms, chosen per call by output size (see
 * **one-shot** (small outputs: latency-bound): :func:`matmul_push` computes each tile once
   and stores it into slot ``rank`` of every rank's buffer (``[M, pad16(N)]`` slots, 16-byte
   stores), then raises ``flags[q, rank]`` on every rank ``q``; :func:`all_reduce_slots`
-  waits for the W flags and sums the W slots in source order in fp32 (the chunk-reduction
-  kernel of :mod:`distfuse.kernels.matmul_reduce_scatter`).  Every rank adds the same
+  waits for the W flags and sums the W slots in source order in fp32
+  (:mod:`distfuse.kernels.chunk_reduce`).  Every rank adds the same
   values in the same order, so the replicas are bit-identical.  Traffic: the whole
   partial to every peer (W - 1 times the output per rank).
 * **two-shot** (large outputs: bandwidth-bound): reduce-scatter then all-gather, each in
@@ -47,19 +47,22 @@ import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
 from distfuse.errors import ShapeError, UnsupportedError, where
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import (
-    AUTOTUNE,
     FLOAT_DTYPES,
     INTERPRET,
     TIMED_WAITS,
     check_bias,
     claimed_rank_view,
-    get_gemm_configs,
+    flatten_rows,
+    gemm_autotuners,
     input_precision,
     output_buffer,
     pick_gemm_launch,
     round_bf16,
+    summed_partials,
+    tile_grid,
     timeout_arg,
 )
+from distfuse.kernels.chunk_reduce import reduce_slots, slot_row_stride
 from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import (
     arrive,
@@ -70,17 +73,9 @@ from distfuse.kernels.jit_helpers import (
     raise_flag,
     wait_flag,
 )
-from distfuse.kernels.matmul_reduce_scatter import slot_row_stride
 
-__all__ = [
-    "matmul_push",
-    "all_reduce_slots",
-    "gather_columns",
-    "one_shot_workspace_bytes",
-    "two_shot_workspace_bytes",
-    "matmul_all_reduce_loopback",
-    "matmul_all_reduce_reference",
-]
+__all__ = ["matmul_push", "all_reduce_slots", "gather_columns", "one_shot_workspace_bytes", "two_shot_workspace_bytes",
+           "matmul_all_reduce_loopback", "matmul_all_reduce_reference"]
 
 
 @triton.jit(do_not_specialize=["rank", "src_offset"])
@@ -151,9 +146,7 @@ def _gather_columns_kernel(
         tl.store(out_ptr + rows * N + start_c + offs_n[None, :], tile.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-_matmul_push_tuned = {
-    size: triton.autotune(get_gemm_configs(dt), key=["M", "N", "K"])(_matmul_push_kernel)
-    for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
+_matmul_push_tuned = gemm_autotuners(_matmul_push_kernel, ["M", "N", "K"])
 
 # One copy config: the copy is memory-bound, 2-4k elements per program saturate HBM.
 _GATHER_CONFIG = dict(BLOCK_M=32, BLOCK_N=64)
@@ -176,8 +169,7 @@ def _rows2(op: str, a: torch.Tensor) -> torch.Tensor:
     if a.dim() < 1 or a.dtype not in FLOAT_DTYPES:
         raise UnsupportedError(f"{where(op)}: expected a float tensor [..., K] of {FLOAT_DTYPES}, got "
                                f"{a.dtype} {tuple(a.shape)}")
-    a2 = a.reshape(math.prod(a.shape[:-1]), a.shape[-1])  # not -1: ambiguous for an empty tensor
-    return a2.contiguous() if a2.shape[1] > 0 and a2.stride(1) != 1 else a2
+    return flatten_rows(a)
 
 
 def matmul_push(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
@@ -203,12 +195,7 @@ def matmul_push(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size
     ld = slot_row_stride(N)
     slots = st.data(partial_dtype, W * M * ld, op=op)
     kernel, meta = pick_gemm_launch(_matmul_push_tuned, _matmul_push_kernel, a.dtype, M, N, config, ws)
-
-    def grid(META):
-        # At least one program, so that the flags are raised even for an empty output.
-        return (max(1, cdiv(M, META["BLOCK_M"]) * cdiv(N, META["BLOCK_N"])),)
-
-    kernel[grid](
+    kernel[tile_grid(M, N, at_least=1)](
         a2, weight, bias if bias is not None else a2, slots, st.data_ptrs, st.flag_ptrs, st.counters,
         M, N, ld, K, rank, W, st.epoch_dev, rank * M * ld,
         a2.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
@@ -221,10 +208,9 @@ def all_reduce_slots(ws, rank: int, world_size: int, rows: int, N: int, *, parti
                      out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
                      config: dict | None = None) -> torch.Tensor:
     """One-shot consumer: the W slots ``[rows, N]`` summed in source order (fp32), rounded once; ``[rows, N]``."""
-    return rs_features_kernels.reduce_slots("all_reduce_slots", ws, rank, world_size, rows, N, slot_row_stride(N),
-                                            partial_dtype=partial_dtype, bias=None,
-                                            out_dtype=out_dtype or partial_dtype, out=out, config=config,
-                                            what="the peers' partial products")
+    return reduce_slots("all_reduce_slots", ws, rank, world_size, (rows, N), slot_row_stride(N),
+                        partial_dtype=partial_dtype, bias=None, out_dtype=out_dtype or partial_dtype, out=out,
+                        config=config, what="the peers' partial products", shape_name="[..., cols]")
 
 
 def gather_columns(own: torch.Tensor, ws, rank: int, world_size: int, N: int, *,
@@ -243,15 +229,11 @@ def gather_columns(own: torch.Tensor, ws, rank: int, world_size: int, N: int, *,
     out = output_buffer(op, out, (rows, N), own.dtype, own.device, "[..., N]")
     gathered = st.data(own.dtype, rows * N, op=op)
     st.wait_producers()  # collective on CPU
-    widest = -(-N // W)
     if rows > 0 and N > 0:
         meta = dict(_CPU_GATHER_CONFIG if INTERPRET else _GATHER_CONFIG)
-
-        def grid(META):
-            return (cdiv(rows, META["BLOCK_M"]) * cdiv(widest, META["BLOCK_N"]), W)
-
-        _gather_columns_kernel[grid](own2, gathered, out, st.flags, st.status, rows, N, rank, W, st.epoch_dev,
-                                     timeout_arg(st), own2.stride(0), TIMED=TIMED_WAITS, **meta)
+        _gather_columns_kernel[tile_grid(rows, cdiv(N, W), W)](own2, gathered, out, st.flags, st.status, rows, N,
+                                                               rank, W, st.epoch_dev, timeout_arg(st), own2.stride(0),
+                                                               TIMED=TIMED_WAITS, **meta)
         st.check_status(op, "the peers' reduced columns")
     return out
 
@@ -286,13 +268,8 @@ def matmul_all_reduce_reference(a_list, weight_list, *, bias: torch.Tensor | Non
     """Pure-torch reference ``[M, N]`` with the kernels' roundings: each partial (rank 0's with the bias) in fp32,
     rounded to ``partial_dtype``; summed in fp32 in rank order; rounded once."""
     a0 = a_list[0]
-    pd = partial_dtype or a0.dtype
-    acc = None
-    for r, (a, w) in enumerate(zip(a_list, weight_list, strict=True)):
-        part = a.reshape(math.prod(a.shape[:-1]), a.shape[-1]).float() @ w.float().t()
-        if r == 0 and bias is not None:
-            part = part + bias.float()
-        part = part.to(pd).float()
-        acc = part if acc is None else acc + part
-    return acc.to(a0.dtype)
+    parts = [flatten_rows(a).float() @ w.float().t() for a, w in zip(a_list, weight_list, strict=True)]
+    if bias is not None:
+        parts[0] = parts[0] + bias.float()
+    return summed_partials(parts, partial_dtype or a0.dtype, None, a0.dtype)
 

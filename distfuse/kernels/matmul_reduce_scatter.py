@@ -10,16 +10,17 @@ Row-parallel linear forward, and the column-parallel linear's input gradient::
 
 Two launches per rank, inside one claim of the workspace: :func:`matmul_scatter` (the
 producer: GEMM whose epilogue scatters each tile to the rank that owns its rows) and
-:func:`chunk_reduce` (the consumer: sum the W partials of this rank's chunk).
-:func:`matmul_reduce_scatter` is both, as one op on a real group; the autograd op of
-the same name (:mod:`distfuse.fused.matmul_reduce_scatter`) builds on the two launches.
+:func:`chunk_reduce` (the consumer, :mod:`distfuse.kernels.chunk_reduce`, shared by every
+producer of these slots; it and :func:`slot_row_stride` are re-exported here).
+:func:`matmul_reduce_scatter` is both, as one op on a real group; the autograd op of the
+same name (:mod:`distfuse.fused.matmul_reduce_scatter`) builds on the two launches.
 
 Chunk r is the rows ``[start_r, stop_r)`` of the sequence dim n (balanced decomposition of
-n over W, so n need not divide by W), for every batch index: the GEMM remaps tile row m
-of the chunk to ``a[m // len_r, start_r + m % len_r]``.  Owner r's data region holds W
-slots, one per source, each ``[B_, len_r, N]`` in ``partial_dtype`` with rows ``ld`` apart
-(N padded to 16 elements, so remote stores are 16 bytes wide; slot stride
-``B_ * ceil(n / W) * ld`` elements, the same on every owner).
+n over W), for every batch index: the GEMM remaps tile row m of the chunk to
+``a[m // len_r, start_r + m % len_r]``.  Owner r's data region holds W slots, one per
+source, each ``[B_, len_r, N]`` in ``partial_dtype`` with rows ``ld`` apart (N padded to 16
+elements, so remote stores are 16 bytes wide; slot stride ``B_ * ceil(n / W) * ld``
+elements, the same on every owner).
 
 Schedule (W = 4, rank 1).  Each rank writes its chunks in rank-rotated order, so at any
 moment the W ranks write into W different owners, and its own chunk (no link traffic)
@@ -30,19 +31,15 @@ comes last::
     rank 1  chunk_reduce   | poll flags[1, 0:4] together, one barrier; per block 4 independent loads,
                            | fp32 sum in source order 0, 1, 2, 3; + bias; one rounding (persistent grid)
 
-Precision: tiles accumulate in fp32 and are rounded once to ``partial_dtype`` (the output
-dtype by default: the bytes on the wire of NCCL's reduce-scatter); the reduction sums the
-W partials in fp32 and rounds once.  ``partial_dtype=torch.float32`` leaves a single
-rounding overall at twice the traffic for 16-bit outputs.
-
 Synchronisation: on CUDA the consumer spins on the flags (bounded by the workspace
 timeout); on CPU (``/dev/shm`` + interpreter) a host barrier orders producers before the
 consumer and the consumer checks each flag once.  Producers never wait, so the protocol
 cannot deadlock.
 
-The consumer (:func:`~distfuse.kernels.chunk_reduce.chunk_reduce`, :func:`slot_row_stride`)
-lives in :mod:`distfuse.kernels.chunk_reduce`, which every producer of these slots shares;
-both names are re-exported here.
+Precision: tiles accumulate in fp32 and are rounded once to ``partial_dtype`` (the output
+dtype by default: the bytes on the wire of NCCL's reduce-scatter); the reduction sums the
+W partials in fp32 and rounds once.  ``partial_dtype=torch.float32`` leaves a single
+rounding overall at twice the traffic for 16-bit outputs.
 """
 
 from __future__ import annotations
@@ -56,14 +53,16 @@ import triton.language as tl
 from distfuse.errors import UnsupportedError, expect
 from distfuse.geometry.decomposition import block_range
 from distfuse.kernels._utils import (
-    AUTOTUNE,
     INTERPRET,
     check_producer_args,
     claimed_rank_view,
-    get_gemm_configs,
+    flatten_rows,
+    gemm_autotuners,
     input_precision,
     pick_gemm_launch,
     round_bf16,
+    summed_partials,
+    tile_grid,
 )
 from distfuse.kernels.chunk_reduce import chunk_reduce, slot_row_stride  # re-exported: the op's public API
 from distfuse.kernels.host_ints import cdiv
@@ -77,15 +76,8 @@ from distfuse.kernels.jit_helpers import (
     raise_flag,
 )
 
-__all__ = [
-    "matmul_scatter",
-    "chunk_reduce",
-    "matmul_reduce_scatter",
-    "matmul_reduce_scatter_loopback",
-    "matmul_reduce_scatter_reference",
-    "matmul_scatter_workspace_bytes",
-    "slot_row_stride",
-]
+__all__ = ["matmul_scatter", "chunk_reduce", "matmul_reduce_scatter", "matmul_reduce_scatter_loopback",
+           "matmul_reduce_scatter_reference", "matmul_scatter_workspace_bytes", "slot_row_stride"]
 
 
 # Per-call integers (rank, offsets, timeouts) must not be specialised: Triton specialises
@@ -139,11 +131,7 @@ def _matmul_scatter_kernel(
         raise_flag(flag, epoch)
 
 
-# Autotuners (CUDA, loopback ops only: see pinned_gemm_config), one per operand size:
-# fp32 tiles need their own, smaller configs.
-_matmul_scatter_tuned = {
-    size: triton.autotune(get_gemm_configs(dt), key=["n_batch", "n", "N", "K"])(_matmul_scatter_kernel)
-    for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
+_matmul_scatter_tuned = gemm_autotuners(_matmul_scatter_kernel, ["n_batch", "n", "N", "K"])
 
 
 def matmul_scatter_workspace_bytes(batch: int, n: int, N: int, world_size: int,
@@ -152,8 +140,7 @@ def matmul_scatter_workspace_bytes(batch: int, n: int, N: int, world_size: int,
 
     ``ld`` is :func:`slot_row_stride` (N padded to 16 elements).
     """
-    esize = partial_dtype.itemsize
-    return world_size * batch * (-(-n // world_size)) * slot_row_stride(N) * esize
+    return world_size * batch * cdiv(n, world_size) * slot_row_stride(N) * partial_dtype.itemsize
 
 
 def matmul_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
@@ -184,22 +171,15 @@ def matmul_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_s
     partial_dtype = check_producer_args(op, a, weight, partial_dtype)
     st = claimed_rank_view(op, ws, rank, world_size, a.device)
     W = world_size
-    n, K, N = a.shape[-2], a.shape[-1], weight.shape[0]
-    a3 = a.reshape(math.prod(a.shape[:-2]), n, K)  # not -1: ambiguous for an empty tensor
-    if K > 0 and a3.stride(2) != 1:
-        a3 = a3.contiguous()
-    n_batch = a3.shape[0]
+    a3 = flatten_rows(a, 2)
+    n_batch, n, K = a3.shape
+    N = weight.shape[0]
     ld = slot_row_stride(N)
-    slot_elems = n_batch * (-(-n // W)) * ld
+    m_max = n_batch * cdiv(n, W)  # rows of the largest chunk
+    slot_elems = m_max * ld
     slots = st.data(partial_dtype, W * slot_elems, op=op)
-    m_max = n_batch * (-(-n // W))
     kernel, meta = pick_gemm_launch(_matmul_scatter_tuned, _matmul_scatter_kernel, a.dtype, m_max, N, config, ws)
-
-    def grid(META):
-        # At least one program per chunk, so that every chunk's flag is raised even when it is empty.
-        return (max(1, cdiv(m_max, META["BLOCK_M"]) * cdiv(N, META["BLOCK_N"])), W)
-
-    kernel[grid](
+    kernel[tile_grid(m_max, N, W, at_least=1)](
         a3, weight, slots, st.data_ptrs, st.flag_ptrs, st.counters,
         n_batch, n, N, ld, K, rank, W, st.epoch_dev, rank * slot_elems, slot_elems,
         a3.stride(0), a3.stride(1), weight.stride(0), weight.stride(1),
@@ -255,17 +235,8 @@ def matmul_reduce_scatter_reference(a_list, weight_list, rank: int, *, bias: tor
     the W partials of the chunk and the bias are summed in fp32 and rounded once to
     ``out_dtype``.  Returns ``[B_, len_rank, N]``.
     """
-    W = len(a_list)
     a0 = a_list[0]
-    n, K = a0.shape[-2], a0.shape[-1]
-    partial_dtype = partial_dtype or a0.dtype
-    out_dtype = out_dtype or a0.dtype
-    start, stop = block_range(n, W, rank)
-    acc = None
-    for a, w in zip(a_list, weight_list, strict=True):
-        rows = a.reshape(math.prod(a.shape[:-2]), n, K)[:, start:stop]
-        part = (rows.float() @ w.float().t()).to(partial_dtype).float()
-        acc = part if acc is None else acc + part
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(out_dtype)
+    start, stop = block_range(a0.shape[-2], len(a_list), rank)
+    parts = (flatten_rows(a, 2)[:, start:stop].float() @ w.float().t()
+             for a, w in zip(a_list, weight_list, strict=True))
+    return summed_partials(parts, partial_dtype or a0.dtype, bias, out_dtype or a0.dtype)

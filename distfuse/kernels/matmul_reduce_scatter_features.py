@@ -9,33 +9,18 @@ gradient of the all-gather-along-the-features linear::
     adjoint da_p  = all_gather_N(d out) @ weight_p
                     (:func:`distfuse.kernels.all_gather_features_matmul.gathered_k_matmul` with ``weight_p.t()``)
 
-Chunk ``r`` is the output columns ``[start_r, stop_r)`` (balanced decomposition of ``N``
-over ``W``, so ``N`` need not divide by ``W``).  The row chunks of
-:mod:`distfuse.kernels.matmul_reduce_scatter` become column chunks: every row of the
-GEMM goes to every owner, each owner gets its own columns.
-
-Two launches per rank, inside one claim of the workspace: :func:`matmul_scatter_columns`
-(the producer: GEMM whose epilogue stores each tile into the slot of the rank that owns
-its columns, then raises that owner's flag) and :func:`column_reduce` (the consumer: the
-W partial slots of this rank's columns summed in fp32, plus the bias, rounded once).  The
-consumer is :mod:`distfuse.kernels.chunk_reduce`'s chunk-reduction kernel run
-over a column chunk (``n_rows = M``, ``N = len_r``): the slot layout, the flag protocol
-and the reduction are the same.
+:mod:`distfuse.kernels.matmul_reduce_scatter` with column chunks instead of row chunks:
+chunk ``r`` is the output columns ``[start_r, stop_r)`` (balanced decomposition of ``N``
+over ``W``); every row of the GEMM goes to every owner, each owner gets its own columns.
+The launches, the rank-rotated schedule, the flag protocol and the precision are that
+module's: :func:`matmul_scatter_columns` (the producer) and :func:`column_reduce` (the
+consumer: :mod:`distfuse.kernels.chunk_reduce`'s kernel over a column chunk, ``n_rows = M``
+and ``N = len_r``), inside one claim of the workspace.
 
 Owner ``r``'s data region holds W slots, one per source, each ``[M, len_r]`` in
 ``partial_dtype`` with rows ``ld = pad16(ceil(N / W))`` elements apart (the same ``ld`` on
 every owner, so one slot stride ``M * ld`` serves all of them; the padding keeps remote
 stores 16 bytes wide).
-
-Schedule (W = 4, rank 1): the producer's grid axis 1 is the step of the rotation,
-``chunk = (rank + 1 + step) % W``, so the W ranks write into W different owners at any
-moment and the local chunk comes last; the consumer waits ``flags[r, s]`` in arrival
-order.  Producers never wait, so the protocol cannot deadlock.  On CPU (``/dev/shm`` +
-interpreter) a host barrier orders producers before consumers and each flag is checked
-once.
-
-Precision: tiles accumulate in fp32 and are rounded once to ``partial_dtype``; the
-reduction adds the W partials in fp32 in a fixed order and rounds once.
 """
 
 from __future__ import annotations
@@ -47,32 +32,25 @@ import triton
 import triton.language as tl
 
 import distfuse.kernels.chunk_reduce as chunk_reduce_kernels
-from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import (
-    AUTOTUNE,
-    FLOAT_DTYPES,
     INTERPRET,
     check_bias,
+    check_producer_args,
     claimed_rank_view,
-    get_gemm_configs,
+    flatten_rows,
+    gemm_autotuners,
     input_precision,
-    output_buffer,
     pick_gemm_launch,
     round_bf16,
+    summed_partials,
+    tile_grid,
 )
 from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import arrive, balanced_chunk, cast_out, grouped_tile, matmul_tile, raise_flag
 
-__all__ = [
-    "matmul_scatter_columns",
-    "column_reduce",
-    "reduce_slots",
-    "matmul_reduce_scatter_features_loopback",
-    "matmul_reduce_scatter_features_reference",
-    "matmul_scatter_columns_workspace_bytes",
-    "column_slot_stride",
-]
+__all__ = ["matmul_scatter_columns", "column_reduce", "matmul_reduce_scatter_features_loopback",
+           "matmul_reduce_scatter_features_reference", "matmul_scatter_columns_workspace_bytes", "column_slot_stride"]
 
 
 # Per-call integers must not be specialised (see matmul_reduce_scatter.py); the epoch is a device word.
@@ -125,15 +103,12 @@ def _matmul_scatter_columns_kernel(
         raise_flag(flag, epoch)
 
 
-# Autotuners (CUDA, loopback ops only: see _utils.pinned_gemm_config), one per operand size.
-_matmul_scatter_columns_tuned = {
-    size: triton.autotune(get_gemm_configs(dt), key=["M", "N", "K"])(_matmul_scatter_columns_kernel)
-    for size, dt in ((2, torch.bfloat16), (4, torch.float32))} if AUTOTUNE else {}
+_matmul_scatter_columns_tuned = gemm_autotuners(_matmul_scatter_columns_kernel, ["M", "N", "K"])
 
 
 def column_slot_stride(N: int, world_size: int) -> int:
     """Row stride of a slot: the widest column chunk, ``ceil(N / W)``, padded to 16 elements."""
-    return chunk_reduce_kernels.slot_row_stride(-(-N // world_size))
+    return chunk_reduce_kernels.slot_row_stride(cdiv(N, world_size))
 
 
 def matmul_scatter_columns_workspace_bytes(rows: int, N: int, world_size: int,
@@ -142,60 +117,33 @@ def matmul_scatter_columns_workspace_bytes(rows: int, N: int, world_size: int,
     return world_size * rows * column_slot_stride(N, world_size) * partial_dtype.itemsize
 
 
-def _rows2(a: torch.Tensor) -> torch.Tensor:
-    """``a [..., K]`` as ``[M, K]`` with unit column stride."""
-    a2 = a.reshape(math.prod(a.shape[:-1]), a.shape[-1])  # not -1: ambiguous for an empty tensor
-    if a2.shape[1] > 0 and a2.stride(1) != 1:
-        a2 = a2.contiguous()
-    return a2
-
-
 def matmul_scatter_columns(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
                            partial_dtype: torch.dtype | None = None, bias: torch.Tensor | None = None,
                            config: dict | None = None) -> None:
     """Produce: ``a @ weight.T`` column chunk by column chunk, chunk r stored into rank r's slot for this rank.
 
-    Args:
-        a: ``[..., K]`` (leading dims are the rows M), bf16, fp16 or fp32.
-        weight: ``[N, K]``, same dtype as ``a``, any strides.
-        ws: a symmetric (or loopback) workspace claimed with ``ws.in_flight``; its data region
-            needs :func:`matmul_scatter_columns_workspace_bytes`.
-        rank, world_size: this rank and the group size (virtual rank in loopback).
-        partial_dtype: dtype of the partials in the slots (default ``a.dtype``).
-        bias: optional ``[N]`` added to this rank's partial (any stride); the reduce-scatter
-            linear adds its bias in :func:`column_reduce` instead.
-        config: explicit block sizes instead of autotuning / the pinned or CPU config.
-
-    Finish with :func:`column_reduce` on every rank, inside the same claim.
+    The arguments of :func:`~distfuse.kernels.matmul_reduce_scatter.matmul_scatter`, except
+    ``a [..., K]`` (the leading dims are the rows M; data region:
+    :func:`matmul_scatter_columns_workspace_bytes`) and ``bias``: optional ``[N]`` added to
+    this rank's partial (any stride; the reduce-scatter linear adds its bias in
+    :func:`column_reduce` instead).  Finish with :func:`column_reduce` on every rank, inside
+    the same claim.
     """
     op = "matmul_scatter_columns"
-    if a.dim() < 1 or weight.dim() != 2 or a.shape[-1] != weight.shape[1]:
-        raise ShapeError(f"{where(op)}: expected a [..., K] and weight [N, K] with the same K, got "
-                         f"{tuple(a.shape)} and {tuple(weight.shape)}")
-    partial_dtype = partial_dtype or a.dtype
-    if a.dtype not in FLOAT_DTYPES or weight.dtype != a.dtype or partial_dtype not in FLOAT_DTYPES:
-        raise UnsupportedError(f"{where(op)}: dtypes: expected a, weight and partials of one of {FLOAT_DTYPES} "
-                               f"(a and weight alike), got {a.dtype}, {weight.dtype} and {partial_dtype}")
-    if weight.device != a.device:
-        raise expect(op, "weight device (a's)", a.device, weight.device)
+    partial_dtype = check_producer_args(op, a, weight, partial_dtype, column_chunks=True)
     st = claimed_rank_view(op, ws, rank, world_size, a.device)
     W = world_size
-    a2 = _rows2(a)
+    a2 = flatten_rows(a)
     M, K = a2.shape
     N = weight.shape[0]
     check_bias(op, bias, N, a.device)
     ld = column_slot_stride(N, W)
     slot_elems = M * ld
     slots = st.data(partial_dtype, W * slot_elems, op=op)
-    widest = -(-N // W)
+    widest = cdiv(N, W)
     kernel, meta = pick_gemm_launch(_matmul_scatter_columns_tuned, _matmul_scatter_columns_kernel, a.dtype, M, widest,
                                     config, ws)
-
-    def grid(META):
-        # At least one program per chunk, so that every chunk's flag is raised even when it is empty.
-        return (max(1, cdiv(M, META["BLOCK_M"]) * cdiv(widest, META["BLOCK_N"])), W)
-
-    kernel[grid](
+    kernel[tile_grid(M, widest, W, at_least=1)](
         a2, weight, bias if bias is not None else a2, slots, st.data_ptrs, st.flag_ptrs, st.counters,
         M, N, ld, K, rank, W, st.epoch_dev, rank * slot_elems,
         a2.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
@@ -204,51 +152,20 @@ def matmul_scatter_columns(a: torch.Tensor, weight: torch.Tensor, ws, rank: int,
     )
 
 
-def reduce_slots(op: str, ws, rank: int, world_size: int, rows: int, cols: int, ld: int, *,
-                 partial_dtype: torch.dtype, bias: torch.Tensor | None, out_dtype: torch.dtype,
-                 out: torch.Tensor | None, config: dict | None, what: str) -> torch.Tensor:
-    """Sum the W slots ``[rows, cols]`` (rows ``ld`` apart, slot stride ``rows * ld``) of this rank's data region.
-
-    :mod:`distfuse.kernels.chunk_reduce`'s chunk-reduction kernel: it waits
-    ``flags[rank, src]`` of every source, adds the slots in source order in fp32 (the same
-    order on every rank), adds ``bias [cols]`` once and rounds once.  Shared by
-    :func:`column_reduce` and the all-reduce of :mod:`distfuse.kernels.matmul_all_reduce`.
-    Returns ``[rows, cols]``.
-    """
-    st = claimed_rank_view(op, ws, rank, world_size, ws.device)
-    W = world_size
-    out = output_buffer(op, out, (rows, cols), out_dtype, ws.device, "[..., cols]")
-    check_bias(op, bias, cols, ws.device)
-    slot_elems = rows * ld
-    slots = st.data(partial_dtype, W * slot_elems, op=op)
-    st.wait_producers()  # collective on CPU: every rank calls it, even with nothing to reduce
-    if out.numel() > 0:
-        chunk_reduce_kernels.launch_reduce(op, st, slots, out, bias, rows, cols, ld, slot_elems, rank, W,
-                                           config=config)
-        st.check_status(op, what)
-    return out
-
-
 def column_reduce(ws, rank: int, world_size: int, rows: int, N: int, *, partial_dtype: torch.dtype,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                   out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """Consume: sum the W partial slots of this rank's columns (fp32), add ``bias`` once, round once.
 
-    Args:
-        ws, rank, world_size: as for :func:`matmul_scatter_columns` (same claim).
-        rows, N: the GEMM's M and its full output features.
-        partial_dtype: the dtype :func:`matmul_scatter_columns` wrote.
-        bias: optional ``[len_rank]``, this rank's block of the bias (any stride).
-        out_dtype: output dtype (default ``partial_dtype``).
-        out: optional preallocated contiguous output of ``rows * len_rank`` elements ending in ``len_rank``.
-
-    Returns:
-        ``[rows, len_rank]`` with ``len_rank = block_extent(N, W, rank)``.
+    The arguments of :func:`~distfuse.kernels.chunk_reduce.chunk_reduce`, for the producer
+    :func:`matmul_scatter_columns`, except ``rows`` and ``N`` (the GEMM's M and its full
+    output features) and ``bias``: optional ``[len_rank]``, this rank's block of the bias.
+    Returns ``[rows, len_rank]`` with ``len_rank = block_extent(N, W, rank)``.
     """
-    return reduce_slots("column_reduce", ws, rank, world_size, rows, block_extent(N, world_size, rank),
-                        column_slot_stride(N, world_size), partial_dtype=partial_dtype, bias=bias,
-                        out_dtype=out_dtype or partial_dtype, out=out, config=config,
-                        what=f"partials of column chunk {rank}")
+    return chunk_reduce_kernels.reduce_slots(
+        "column_reduce", ws, rank, world_size, (rows, block_extent(N, world_size, rank)),
+        column_slot_stride(N, world_size), partial_dtype=partial_dtype, bias=bias, out_dtype=out_dtype or partial_dtype,
+        out=out, config=config, what=f"partials of column chunk {rank}", shape_name="[..., cols]")
 
 
 def matmul_reduce_scatter_features_loopback(a_list, weight_list, ws, *, biases=None,
@@ -280,15 +197,7 @@ def matmul_reduce_scatter_features_reference(a_list, weight_list, rank: int, *, 
     Each partial ``(a_p @ weight_p.T)[:, columns of rank]`` is computed in fp32 and rounded to
     ``partial_dtype``; the W partials and the bias block are summed in fp32 and rounded once.
     """
-    W = len(a_list)
     a0 = a_list[0]
-    partial_dtype = partial_dtype or a0.dtype
-    N = weight_list[0].shape[0]
-    start, stop = block_range(N, W, rank)
-    acc = None
-    for a, w in zip(a_list, weight_list, strict=True):
-        part = (_rows2(a).float() @ w[start:stop].float().t()).to(partial_dtype).float()
-        acc = part if acc is None else acc + part
-    if bias is not None:
-        acc = acc + bias.float()
-    return acc.to(out_dtype or a0.dtype)
+    start, stop = block_range(weight_list[0].shape[0], len(a_list), rank)
+    parts = (flatten_rows(a).float() @ w[start:stop].float().t() for a, w in zip(a_list, weight_list, strict=True))
+    return summed_partials(parts, partial_dtype or a0.dtype, bias, out_dtype or a0.dtype)

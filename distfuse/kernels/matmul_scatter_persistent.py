@@ -2,7 +2,7 @@
 
 The same producer as :func:`distfuse.kernels.matmul_reduce_scatter.matmul_scatter`, with
 the same outputs (the W slots and flags that :func:`~distfuse.kernels.matmul_reduce_scatter.chunk_reduce`
-consumes), built to reach the hardware::
+consumes) and the same precision, built to reach the hardware::
 
     a       [B_, n, K]   rows flattened to [B_ * n, K] (K contiguous)
     weight  [N, K]       K contiguous, or [K, N] N contiguous (``weight.t()`` of a contiguous [K, N])
@@ -12,45 +12,25 @@ consumes), built to reach the hardware::
 How it differs from the one-tile-per-program kernel:
 
 * **Persistent grid.**  At most one program per SM; program ``p`` computes tiles
-  ``p, p + P, p + 2P, ...`` of the W * T tiles (T tiles per chunk, chunks in the
-  rank-rotated order ``rank + 1, rank + 2, ..., rank``: the W ranks write to W different
-  owners at any moment and the own chunk comes last).  Within a chunk tiles follow the
-  grouped order (``GROUP_M`` row tiles down a column of tiles), so concurrent programs
-  share weight columns in L2.
-* **Host-side tensor descriptors.**  ``a`` and ``weight`` are read through
-  ``triton.tools.tensor_descriptor.TensorDescriptor`` arguments built by the launcher (TMA
-  on sm_90; the interpreter supports them too).  Device-side descriptors
-  (``tl.make_tensor_descriptor``) need global scratch from an allocator that Triton keeps
-  per thread (a ``ContextVar``): a launch from any thread but the one that called
-  ``triton.set_allocator`` (CUDA autograd runs backward on its own thread; checkpoint
-  recomputes; data-loader threads) raised "no allocator was set".  Host descriptors need
-  no allocator and no per-launch scratch.  A row tile never crosses a batch entry (T
-  counts ``ceil(ceil(n / W) / BLOCK_M)`` row tiles per batch entry), so each A tile is one
-  rectangular box of the ``[B_ * n, K]`` view; rows past the chunk's end are loaded and
-  masked at the store.
+  ``p, p + P, p + 2P, ...`` of the W * T tiles (T tiles per chunk), the chunks in the
+  pointer kernel's rank-rotated order and the tiles of a chunk in the grouped order.
+* **Host-side tensor descriptors** (:mod:`distfuse.kernels.persistent`: safe from any
+  thread).  A row tile never crosses a batch entry (T counts ``ceil(ceil(n / W) / BLOCK_M)``
+  row tiles per batch entry), so each A tile is one rectangular box of the ``[B_ * n, K]``
+  view; rows past the chunk's end are loaded and masked at the store.
 * **One signal per chunk, deferred arrival.**  A tile counts itself done on a per-chunk
   counter (acq_rel, GPU scope); the tile that completes the count resets it and raises
   the owner's flag (release, system scope: cumulative, so it publishes every tile's
   stores that the count observed).  A tile's arrival is issued after the *next* tile's
   K loop: its remote stores drain over NVLink while the next tile computes, and no tile
   waits for its own stores to be acknowledged before starting the next.
-* **Aligned, vectorised remote stores.**  The peer is addressed from this rank's own
-  slots pointer (an aligned argument) plus the element distance between the regions,
-  marked ``tl.multiple_of(.., 16)``, with the 16-element padded row stride ``ld``: 16-byte
-  stores (``st.global.v4.b32``), checked by the compile audit.
+* The remote stores are the pointer kernel's 16-byte ones (checked by the compile audit).
 
-Precision: fp32 accumulation, one rounding to ``partial_dtype``; fp32 operands use IEEE
-products unless ``torch.backends.cuda.matmul.allow_tf32`` (see ``input_precision``).
-
-When the descriptor preconditions fail (a row stride that is not a multiple of 16
-bytes, a base that is not 16-byte aligned, an empty extent), :func:`matmul_scatter_persistent`
-refuses (:class:`~distfuse.errors.UnsupportedError`, with :func:`persistent_supported`'s
-reason).  Falling back to the pointer kernel is the selector's decision
-(:mod:`distfuse.kernels.matmul_scatter_select`), which names the kernel that ran and why,
-so a ``triton_persistent`` row or decision never hides another kernel's time.
-
-Not measured on a GPU yet: the kernel compiles for sm_90 (``compile_audit``) and is
-tested under the interpreter; ``bench/bench_gemm_fused.py`` times it where a GPU is present.
+Where the descriptors cannot read the operands, :func:`matmul_scatter_persistent` refuses
+(:class:`~distfuse.errors.UnsupportedError`, with :func:`persistent_supported`'s reason);
+falling back to the pointer kernel is the selector's decision
+(:mod:`distfuse.kernels.matmul_scatter_select`), which names the kernel that ran and why.
+``bench/bench_gemm_fused.py`` times it where a GPU is present.
 """
 
 from __future__ import annotations
@@ -60,7 +40,6 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distfuse.errors import UnsupportedError, where
 from distfuse.kernels._utils import (
@@ -76,7 +55,13 @@ from distfuse.kernels._utils import (
 from distfuse.kernels.chunk_reduce import slot_row_stride
 from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, raise_flag
-from distfuse.kernels.persistent import persistent_programs
+from distfuse.kernels.persistent import (
+    chunk_tiles,
+    descriptor_problem,
+    persistent_programs,
+    rows_descriptor,
+    weight_descriptor,
+)
 
 __all__ = ["matmul_scatter_persistent", "persistent_supported", "persistent_gemm_config"]
 
@@ -172,42 +157,13 @@ def persistent_gemm_config(dtype: torch.dtype, rows: int, cols: int, config: dic
 
 
 def persistent_supported(a3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
-    """Whether the descriptor kernel can read ``a3 [B_, n, K]`` and ``weight [N, K]``; else why not.
-
-    A descriptor needs a 16-byte aligned base, a unit last stride and other strides that
-    are multiples of 16 bytes; ``a3``'s rows must also be one ``[B_ * n, K]`` matrix.
-    """
+    """Whether the descriptor kernel can read ``a3 [B_, n, K]`` and ``weight [N, K]``; else why not
+    (:func:`~distfuse.kernels.persistent.descriptor_problem`)."""
     B, n, K = a3.shape
-    N = weight.shape[0]
-    esize = a3.element_size()
-    if min(B, n, K, N) == 0:
+    if min(B, n, K, weight.shape[0]) == 0:
         return False, "an empty extent"
-    if a3.stride(2) != 1 or (B > 1 and a3.stride(0) != n * a3.stride(1)):
-        return False, "a's rows are not one [B_ * n, K] matrix with contiguous K"
-    if (a3.stride(1) * esize) % 16 or a3.data_ptr() % 16:
-        return False, "a's row stride or base is not 16-byte aligned"
-    if weight.stride(1) == 1 and (weight.stride(0) * esize) % 16 == 0:
-        pass
-    elif weight.stride(0) == 1 and (weight.stride(1) * esize) % 16 == 0:
-        pass
-    else:
-        return False, "the weight has no contiguous dim with a 16-byte aligned row stride"
-    if weight.data_ptr() % 16:
-        return False, "the weight's base is not 16-byte aligned"
-    return True, ""
-
-
-def _descriptors(a3: torch.Tensor, weight: torch.Tensor, meta: dict, b_kmajor: bool):
-    """Host-side TMA descriptors of ``a3``'s ``[B_ * n, K]`` rows and of the weight (see the kernel's doc)."""
-    B, n, K = a3.shape
-    N = weight.shape[0]
-    rows = a3.as_strided((B * n, K), (a3.stride(1), 1))  # one matrix: persistent_supported checked the strides
-    a_desc = TensorDescriptor(rows, [B * n, K], [a3.stride(1), 1], [meta["BLOCK_M"], meta["BLOCK_K"]])
-    if b_kmajor:  # weight.t() is a [K, N] matrix with contiguous rows
-        b_desc = TensorDescriptor(weight.t(), [K, N], [weight.stride(1), 1], [meta["BLOCK_K"], meta["BLOCK_N"]])
-    else:
-        b_desc = TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [meta["BLOCK_N"], meta["BLOCK_K"]])
-    return a_desc, b_desc
+    why = descriptor_problem(a3, weight, "a", "n")
+    return not why, why
 
 
 def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
@@ -218,8 +174,7 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     may add ``PROGRAMS`` (the persistent grid's size; default one per SM on CUDA, 2 under
     the interpreter).  Raises :class:`~distfuse.errors.UnsupportedError` where
     :func:`persistent_supported` says no; :func:`~distfuse.kernels.matmul_scatter_select.select_scatter_kernel`
-    picks the pointer kernel for such operands and says so.  Safe from any thread: the
-    descriptors are built on the host, so no Triton allocator is involved.
+    picks the pointer kernel for such operands and says so.
     """
     op = "matmul_scatter_persistent"
     partial_dtype = check_producer_args(op, a, weight, partial_dtype)
@@ -233,14 +188,13 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     st = claimed_rank_view(op, ws, rank, W, a.device)
     n_batch = a3.shape[0]
     ld = slot_row_stride(N)
-    slot_elems = n_batch * (-(-n // W)) * ld
+    q1 = cdiv(n, W)
+    slot_elems = n_batch * q1 * ld
     slots = st.data(partial_dtype, W * slot_elems, op=op)
-    q1 = -(-n // W)
     meta = persistent_gemm_config(a.dtype, n_batch * q1, N, config)
-    tiles = W * n_batch * cdiv(q1, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
-    programs = min(tiles, persistent_programs(a.device, (config or {}).get("PROGRAMS")))
-    b_kmajor = not (weight.stride(1) == 1 and (weight.stride(0) * a.element_size()) % 16 == 0)
-    a_desc, b_desc = _descriptors(a3, weight, meta, b_kmajor)
+    programs = min(chunk_tiles(meta, n_batch, q1, W, N), persistent_programs(a.device, (config or {}).get("PROGRAMS")))
+    a_desc = rows_descriptor(a3, meta["BLOCK_M"], meta["BLOCK_K"])
+    b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], meta["BLOCK_K"])
     _matmul_scatter_persistent_kernel[(programs,)](
         a_desc, b_desc, slots, st.data_ptrs, st.flag_ptrs, st.counters,
         n_batch, n, N, ld, K, rank, W, st.epoch_dev, rank * slot_elems,

@@ -16,12 +16,8 @@ Nothing else chooses: the two launcher modules import neither each other nor thi
 :func:`distfuse.fused.providers.run_producer` runs what :func:`select_scatter_kernel`
 returns and records the :class:`KernelChoice`, and the benchmarks and the layers'
 ``last_decision`` name ``choice.kernel``, the kernel that actually ran.  A fallback can
-therefore never pass for the kernel that was asked for.
-
-Compiled fp32 operands with IEEE products (torch's default, no TF32) go to the pointer
-kernel: the persistent kernel's fp32 IEEE dot spills 5.5-6.5 KB of registers per thread
-at every fp32 tile (sm_90, the compile audit; ``docs/benchmarks.md``, "Kernel choices"),
-the pointer kernel's none at 128x128x32.
+therefore never pass for the kernel that was asked for.  Compiled fp32 operands with IEEE
+products go to the pointer kernel (:func:`~distfuse.kernels.persistent.compiled_refusal`).
 """
 
 from __future__ import annotations
@@ -35,6 +31,7 @@ from distfuse.errors import UnsupportedError, expect
 from distfuse.kernels import matmul_reduce_scatter as pointer_kernels
 from distfuse.kernels import matmul_scatter_persistent as persistent_kernels
 from distfuse.kernels._utils import INTERPRET, tf32_allowed
+from distfuse.kernels.persistent import compiled_refusal
 
 __all__ = ["KernelChoice", "PROVIDER_KERNELS", "select_scatter_kernel", "launch_scatter_kernel"]
 
@@ -76,11 +73,9 @@ def select_scatter_kernel(a: torch.Tensor, weight: torch.Tensor, provider: str =
         return KernelChoice(provider, "matmul_scatter_cublas", "one library GEMM per chunk")
     n, K = a.shape[-2], a.shape[-1]
     a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
-    ok, why = persistent_kernels.persistent_supported(a3, weight)
-    compiled = not INTERPRET if compiled is None else compiled
-    if ok and compiled and a.dtype == torch.float32 and not tf32_allowed():
-        ok, why = False, "fp32 with IEEE products (no TF32) spills registers in the persistent kernel"
-    if ok:
+    _, why = persistent_kernels.persistent_supported(a3, weight)
+    why = why or compiled_refusal(a.dtype, not INTERPRET if compiled is None else compiled, tf32_allowed())
+    if not why:
         return KernelChoice(provider, "matmul_scatter_persistent", "tensor-descriptor (TMA) loads")
     return KernelChoice(provider, "matmul_scatter", f"fell back to the pointer kernel: {why}")
 

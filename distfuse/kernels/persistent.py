@@ -1,4 +1,4 @@
-"""Host-side sizing of persistent grids: how many programs a persistent kernel launches.
+"""Host side of the persistent GEMM kernels: grid sizes, tensor descriptors, and when not to run them.
 
 A persistent kernel launches at most one program per SM (or a fixed multiple) and
 each program loops over work items ``pid, pid + num_programs, ...``; what a program
@@ -6,6 +6,17 @@ does once per launch (polling flags, building tensor descriptors) is then paid o
 SM instead of once per tile.  Under the Triton interpreter programs run one after the
 other, so a small count (:data:`INTERPRETED_PROGRAMS`) still makes every program walk
 several items, which is what the tests must exercise.
+
+The descriptor kernels (:mod:`~distfuse.kernels.matmul_scatter_persistent`,
+:mod:`~distfuse.kernels.gathered_matmul_persistent`) read their operands through
+``TensorDescriptor`` arguments built here, on the host (TMA on sm_90; the interpreter
+supports them too).  Device-side descriptors (``tl.make_tensor_descriptor``) need global
+scratch from an allocator that Triton keeps per thread (a ``ContextVar``): a launch from
+any thread but the one that called ``triton.set_allocator`` (CUDA autograd runs backward
+on its own thread; checkpoint recomputes; data-loader threads) raised "no allocator was
+set".  Host descriptors need no allocator and no per-launch scratch, so the launches are
+safe from any thread.  A descriptor needs a 16-byte aligned base, a unit last stride and
+other strides that are multiples of 16 bytes (:func:`descriptor_problem`).
 """
 
 from __future__ import annotations
@@ -13,10 +24,13 @@ from __future__ import annotations
 import functools
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distfuse.kernels._utils import INTERPRET
+from distfuse.kernels.host_ints import cdiv
 
-__all__ = ["persistent_programs", "sm_count", "INTERPRETED_PROGRAMS"]
+__all__ = ["persistent_programs", "sm_count", "INTERPRETED_PROGRAMS", "weight_kmajor", "descriptor_problem",
+           "rows_descriptor", "weight_descriptor", "chunk_tiles", "compiled_refusal"]
 
 #: Programs of a persistent grid under the interpreter (CPU tests): small, so that each walks several items.
 INTERPRETED_PROGRAMS = 2
@@ -43,3 +57,71 @@ def persistent_programs(device: torch.device, override: int | None = None, per_s
         return INTERPRETED_PROGRAMS
     index = device.index if device.index is not None else torch.cuda.current_device()
     return per_sm * sm_count(index)
+
+
+def chunk_tiles(meta: dict, batch: int, q1: int, W: int, N: int) -> int:
+    """Tiles of a persistent GEMM over W chunks of ``batch`` entries of ``q1`` rows (the largest chunk's) by ``N``.
+
+    The host twin of :func:`~distfuse.kernels.jit_helpers.chunk_tiling`'s ``total``.
+    """
+    return W * batch * cdiv(q1, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
+
+
+def weight_kmajor(weight: torch.Tensor) -> bool | None:
+    """How a descriptor reads ``weight [N, K]``: False as [N, K] rows, True as its [K, N] transpose; None: neither."""
+    esize = weight.element_size()
+    if weight.stride(1) == 1 and (weight.stride(0) * esize) % 16 == 0:
+        return False
+    if weight.stride(0) == 1 and (weight.stride(1) * esize) % 16 == 0:
+        return True
+    return None
+
+
+def descriptor_problem(x3: torch.Tensor, weight: torch.Tensor, who: str, rows: str) -> str:
+    """Why descriptors cannot read ``x3 [B_, rows, K]`` as one ``[B_ * rows, K]`` matrix, or ``weight``; "" if they can.
+
+    ``who`` and ``rows`` name ``x3`` and its row extent in the reason.  An ``x3`` without
+    rows is never read, so only the weight counts then.  Pure: shapes, strides, alignment.
+    """
+    B, n, _ = x3.shape
+    esize = x3.element_size()
+    if n > 0:
+        if x3.stride(2) != 1 or (B > 1 and x3.stride(0) != n * x3.stride(1)):
+            return f"{who}'s rows are not one [B_ * {rows}, K] matrix with contiguous K"
+        if (x3.stride(1) * esize) % 16 or x3.data_ptr() % 16:
+            return f"{who}'s row stride or base is not 16-byte aligned"
+    if weight_kmajor(weight) is None:
+        return "the weight has no contiguous dim with a 16-byte aligned row stride"
+    if weight.data_ptr() % 16:
+        return "the weight's base is not 16-byte aligned"
+    return ""
+
+
+def rows_descriptor(x3: torch.Tensor, block_m: int, block_k: int) -> TensorDescriptor:
+    """The descriptor of ``x3 [B_, rows, K]`` as one ``[B_ * rows, K]`` matrix (:func:`descriptor_problem` said yes)."""
+    B, n, K = x3.shape
+    flat = x3.as_strided((B * n, K), (x3.stride(1), 1))
+    return TensorDescriptor(flat, [B * n, K], [x3.stride(1), 1], [block_m, block_k])
+
+
+def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> tuple[TensorDescriptor, bool]:
+    """``(descriptor, B_KMAJOR)`` of ``weight [N, K]``: read as its rows, or (True) as the rows of its ``[K, N]``
+    transpose where N is the contiguous dim."""
+    N, K = weight.shape
+    if weight_kmajor(weight):
+        return TensorDescriptor(weight.t(), [K, N], [weight.stride(1), 1], [block_k, block_n]), True
+    return TensorDescriptor(weight, [N, K], [weight.stride(0), 1], [block_n, block_k]), False
+
+
+def compiled_refusal(dtype: torch.dtype, compiled: bool, tf32: bool) -> str:
+    """Why the selectors run the pointer kernel instead of a compiled persistent one; "" if nothing does.
+
+    ``tf32``: whether torch lets fp32 matmuls use TF32 (:func:`~distfuse.kernels._utils.tf32_allowed`).
+
+    fp32 operands with IEEE products (torch's default, no TF32): the persistent kernels'
+    fp32 IEEE dot spills kilobytes of registers per thread at every tile (the compile audit;
+    docs/benchmarks.md, "Kernel choices"), the pointer kernels' little or nothing.
+    """
+    if compiled and dtype == torch.float32 and not tf32:
+        return "fp32 with IEEE products (no TF32) spills registers in the persistent kernel"
+    return ""

@@ -14,18 +14,14 @@ collective per call.  Instead, inside the op's claim::
 
 ``sig`` is a 31-bit hash (:func:`shape_signature`) of what every rank must agree on (the
 op, the leading dims, the gathered or scattered extent, the shared feature extent, the
-dtypes); what may differ between ranks (each rank's own weight block) stays out of it.
-Every rank compares every peer's word with its own, so a rank that differs sees all its
-peers differ and each peer sees it: all ranks raise :class:`~distfuse.errors.ShapeError`
-(the workspace's status check turns MISMATCH into it, see
-:meth:`~distfuse.fused.workspace._Workspace.raise_on_status`).  Flags carry the epoch, and
-a signature is published before the flags of the same op, so a word read after the flag
-wait is this op's, never a stale one.
+dtypes), not of what may differ (each rank's own weight block).  Every rank compares every
+peer's word with its own, so all ranks raise :class:`~distfuse.errors.ShapeError` (the
+workspace's status check turns MISMATCH into it).  A signature is published before the
+flags of the same op, which carry the epoch, so a word read after the flag wait is this
+op's, never a stale one.
 
-Two reserved words (negative: :func:`shape_signature` never gives one) let a rank take
-part in an op without a payload, so that its peers learn at once why it has none instead
-of waiting for a timeout (:func:`abstain`: the word, then every flag this rank raises as a
-source, on every peer, then the check)::
+Two reserved (negative) words let a rank take part in an op without a payload, so that
+its peers learn at once why it has none instead of waiting for a timeout (:func:`abstain`)::
 
     REFUSED  its own checks refused its input (a shard whose rows do not fit its block);
              it raises its own error, every peer a ShapeError naming it
@@ -33,12 +29,10 @@ source, on every peer, then the check)::
              says GROW they grow it together, else every rank raises a ShapeError
 
 A peer's status word keeps the reserved word it saw (MISMATCH otherwise), so the error
-says which case it was.
-
-The signature is a host integer baked into the launch: a captured CUDA graph keeps it,
-which is right (a graph replays the captured shapes).  Costs two one-program launches
-per op on a GPU (the check's grid also covers the output for the poison, which is written
-only on a mismatch).
+says which case it was.  The signature is a host integer baked into the launch: a captured
+CUDA graph keeps it, which is right (a graph replays the captured shapes).  Costs two
+one-program launches per op on a GPU (the check's grid also covers the output for the
+poison, which is written only on a mismatch).
 """
 
 from __future__ import annotations
@@ -158,9 +152,8 @@ def check_signatures(ws, rank: int, world_size: int, sig: int, out: torch.Tensor
     """After this rank's consumer: compare every peer's signature with ``sig``; raise (every rank) on a mismatch.
 
     ``flags[flag_base + s * flag_stride]`` is the flag peer ``s`` raised for this rank's
-    consumer (the all-gather: ``flags[s, s]``, base 0, stride W + 1; the reduce-scatter:
-    ``flags[rank, s]``, base ``rank * W``, stride 1).  ``out`` (contiguous) is poisoned on a
-    mismatch.  ``what`` describes this rank's call for the error message.
+    consumer (:func:`consumer_flags`).  ``out`` (contiguous) is poisoned on a mismatch.
+    ``what`` describes this rank's call for the error message.
     """
     st = claimed_rank_view(op, ws, rank, world_size, ws.device)
     if world_size == 1:
@@ -175,13 +168,13 @@ def abstain(ws, rank: int, world_size: int, word: int, layout: str, *, op: str, 
     flag this rank owes its peers, pass the consumer's host barrier, wait for the peers' flags and compare words.
 
     Call inside the claim, in place of the phase's producer and consumer, so every peer's
-    flag waits and barriers are met and nobody waits for a timeout.  The peers' slots in
-    this rank's buffer are left unread.  ``layout`` is the phase's (``SCATTER_FLAGS`` or
-    ``GATHER_FLAGS``).  ``raise_on_mismatch``: raise :class:`~distfuse.errors.ShapeError`
-    if a peer's word differs from ``word`` (:data:`GROW`: the peers did not all ask to
-    grow); else the caller raises its own error (:data:`REFUSED`).  Either way the status
-    words are read before returning (a device sync), so no peer still writes into this
-    rank's buffer once the caller lets the claim go.
+    flag waits and barriers are met.  The peers' slots in this rank's buffer are left
+    unread.  ``layout`` is the phase's (``SCATTER_FLAGS`` or ``GATHER_FLAGS``).
+    ``raise_on_mismatch``: raise :class:`~distfuse.errors.ShapeError` if a peer's word
+    differs from ``word`` (:data:`GROW`: the peers did not all ask to grow); else the caller
+    raises its own error (:data:`REFUSED`).  Either way the status words are read before
+    returning (a device sync), so no peer still writes into this rank's buffer once the
+    caller lets the claim go.
     """
     st = claimed_rank_view(op, ws, rank, world_size, ws.device)
     if world_size == 1:

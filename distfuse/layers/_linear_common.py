@@ -50,8 +50,7 @@ from torch import nn
 
 from distfuse.errors import PartitionError, expect, where
 from distfuse.geometry.decomposition import block_extent, local_slices
-from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers._params import ParamLayout
+from distfuse.layers._params import BlockIdentityMixin, ParamLayout
 from distfuse.layers.dispatch import Decision, DryExplain, device_caps, select_path
 from distfuse.partition import CartesianPartition, Partition, union_partition
 from distfuse.primitives._axes import balanced_layout

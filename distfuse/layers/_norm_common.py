@@ -1,14 +1,8 @@
 """What the distributed norms share (and the losses' metadata gather): the agreed call, exact statistics, the ops.
 
-* :func:`gather_call` is the host-side metadata collective of a norm or loss: every
-  worker of ``P_x`` contributes the shapes, dtypes and grad flags of its tensors (11 int64
-  per tensor) and its mode (training or not), and every worker validates every record,
-  so a bad block (wrong channel count, a target that does not match its input, a
-  non-balanced split, workers in different modes) raises the same error on every worker
-  before any data moves.  It runs on a layer's first call and when some worker's call
-  changed, never while every worker's call repeats: each layer agrees through an
-  :class:`~distfuse.primitives.agreement_session.AgreementSession` (:class:`NormLayer`;
-  the losses in :mod:`distfuse.layers.loss`).
+* :func:`gather_call` is the metadata gather of a norm, a loss, the embedding: the shapes,
+  dtypes and grad flags of every worker's tensors (11 int64 per tensor) and its mode
+  (training or not), validated alike on every worker before any data moves.
 * ``distfuse::moments`` computes exact global statistics.  Each worker reduces its block
   to ``(count, mean, M2)`` per statistic (M2: the sum of squared deviations from the local
   mean), the workers all-gather these records and every worker combines them in
@@ -17,42 +11,25 @@
       n = sum n_i    mean = sum n_i mean_i / n    M2 = sum M2_i + sum n_i (mean_i - mean)^2
 
   Why not one all-reduce of [sum, sum of squares, count]: ``E[x^2] - mean^2`` cancels
-  when ``|mean| >> std``; in fp32 a channel with mean 1000 and std 1 loses every digit of
-  its variance (1e6 * 6e-8 = 0.06 absolute error per term, summed).  Every term of Chan's
-  formula is non-negative, so nothing cancels.  The record is ``3 x M`` float64 per worker
-  (float64 so that counts stay exact past 2^24), the same single collective, and combining
-  in one fixed order makes the statistics bitwise identical on every worker (so are the
-  running statistics computed from them).  A mean of local means is wrong under uneven
-  splits; the weights ``n_i`` are what makes it exact.
+  when ``|mean| >> std`` (in fp32 a channel with mean 1000 and std 1 loses every digit of
+  its variance); every term of Chan's formula is non-negative.  The record is ``3 x M``
+  float64 per worker (counts stay exact past 2^24), and combining in one fixed order makes
+  the statistics, and the running statistics, bitwise identical on every worker.
 * ``distfuse::normalize`` (backward ``distfuse::normalize_backward``: the exact adjoint,
   one all-reduce of ``2 x M`` values) normalises ``x3 [L, M, R]`` with one statistic per
   ``M``, or ``[B, L, M, R]`` with one per ``(B, M)`` (flattened ``b * M + m``), optionally with
   a per-``M`` affine.  The 4-D form is how a ``channels_last`` group norm reads its
-  ``[N, *s, C]`` memory without a copy: ``[N, S, G, C/G]`` is a view, while no 3-D view
-  puts ``(N, G)`` together.  The input is saved, not ``xhat``: a 16-bit input costs half
-  the memory of its fp32 ``xhat``, and the output stays free for in-place ops.
+  ``[N, *s, C]`` memory without a copy (no 3-D view puts ``(N, G)`` together).  The input is
+  saved, not ``xhat``: half the memory for 16-bit inputs, and the output stays free for
+  in-place ops.
 * ``distfuse::replicate`` (:mod:`distfuse.primitives.all_sum_reduce`) is how a parameter
-  replicated on several workers enters a computation: its adjoint sums the gradient, so
-  every replica receives the global gradient.
+  replicated on several workers (over ``P_rep``) enters a computation: its adjoint sums the
+  gradient, so every replica receives the global gradient.
 
-The ops are defined once (:func:`~distfuse.primitives._op_pair.op_entry`): a compiled
-call runs the custom ops, an eager call the same implementations, so both send the same
-messages and compute the same bits.  One training call of :class:`NormLayer`::
-
-    flag round                    every worker's flag over P_x (host; distfuse::flag_check compiled)
-    distfuse::moments             the (count, mean, M2) all-gather over P_stats, Chan combine
-    distfuse::normalize           xhat [* w + b]; backward: the all-reduce over P_stats
-    distfuse::replicate           a replicated weight or bias; adjoint: the sum over P_rep
-    distfuse::replicate_adjoint   instance norm's running statistics summed over the batch workers
-
-Why the norms' flag takes a round of its own: their data collectives run over sub-grids
-(``P_stats``, ``P_rep``), which reach every worker of ``P_x`` only in special layouts, and
-an eval-mode batch norm or instance norm with running statistics has none at all; a flag
-must reach every worker or those outside the changed worker's sub-grid would run on and
-wait in the next layer.  The round replaces the metadata all-gather (no device read, so no
-CUDA sync).  A worker whose input (or parameter) does not require grad while a peer's does
-would skip the adjoint collective its peers wait in: an eager call promotes it to a leaf
-that requires grad, which a graph cannot create, so a replayed call flags instead.
+The norms' agreement flag takes a round of its own over ``P_x``: their data collectives run
+over sub-grids (``P_stats``, ``P_rep``), and an eval-mode batch norm or instance norm with
+running statistics has none at all, but the flag must reach every worker, or those outside
+the changed worker's sub-grid would run on and wait in the next layer.
 """
 
 from __future__ import annotations
@@ -62,67 +39,51 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from distfuse import debug
 from distfuse._compat import all_gather_flat
 from distfuse.errors import PartitionError, ShapeError, expect, where
-from distfuse.geometry.decomposition import local_shape
-from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers._conv_common import promote
-from distfuse.layers._params import ParamLayout
+from distfuse.layers._conv_common import (
+    FLOATS,
+    AgreedLayer,
+    cached_partition,
+    check_cartesian,
+    compute_dtype,
+    global_shape_of,
+    promote,
+)
+from distfuse.layers._params import BlockIdentityMixin, ParamLayout
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, group_slots
-from distfuse.primitives._common import check_inactive_input, collective_guard
+from distfuse.primitives._common import check_inactive_input, collective_guard, gather_records
 from distfuse.primitives._handles import lookup
 from distfuse.primitives._op_pair import op_entry
-from distfuse.primitives.agreement_session import AgreementSession
-from distfuse.primitives.all_sum_reduce import SubGridSum, replicate, replicated_sum
+from distfuse.primitives.all_sum_reduce import SubGridSum, replicate
 
 __all__ = ["CallRecord", "gather_call", "one_mode", "global_shape_of", "one_dtype", "subgrid", "check_norm_partition",
            "compute_dtype", "check_param_dtype", "Moments", "NormCall", "NormLayer", "numel", "FLOATS"]
 
-FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 _CODES = FLOATS + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 _MAX_DIM = 8
 _HEAD = 3  # grad flags, status, mode
 _PER_TENSOR = 3 + _MAX_DIM  # ndim, dtype code, device ok, shape
-_OK, _BAD_DEVICE, _TOO_MANY_DIMS = range(3)
+_OK, _TOO_MANY_DIMS = 0, 1
 
 
 def numel(shape: Sequence[int]) -> int:
     return math.prod([int(s) for s in shape])  # a list, not a generator: torch.compile traces it
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 for 16-bit tensors (as torch's norms accumulate them), else the dtype itself."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
-# ---------------------------------------------------------------- sub-grids
-
-
-_SUBGRIDS: dict[tuple, CartesianPartition] = {}
-
-
 def subgrid(P_x: CartesianPartition, axes: Sequence[int]) -> CartesianPartition:
-    """The sub-grid of ``P_x`` through this worker along ``axes``, cached.
-
-    Creating one is collective over the world and costs an object all-gather (35 ms with 8
-    gloo ranks on the 2-core CI machine); a U-Net asks for the same few sub-grids in every
-    norm layer.  Construction is collective, so every rank hits or misses together.  The
-    key holds the default group, so a re-initialised world builds fresh ones.
-    """
-    key = (id(dist.group.WORLD), P_x.ranks, P_x.shape, tuple(sorted(int(a) for a in axes)))
-    if key not in _SUBGRIDS:
-        _SUBGRIDS[key] = axes_subgrid(P_x, key[3])
-    return _SUBGRIDS[key]
+    """The sub-grid of ``P_x`` through this worker along ``axes``, cached
+    (:func:`~distfuse.layers._conv_common.cached_partition`)."""
+    axes = tuple(sorted(int(a) for a in axes))
+    return cached_partition(("subgrid", P_x.ranks, P_x.shape, axes), lambda: axes_subgrid(P_x, axes))
 
 
 def check_norm_partition(op: str, P_x, dims: Sequence[int]) -> None:
-    if not isinstance(P_x, CartesianPartition):
-        raise PartitionError(f"{where(op)}: P_x must be a CartesianPartition, got {type(P_x).__name__}")
+    check_cartesian(op, P_x)
     if P_x.dim not in dims:
         raise expect(op, "dimensions of P_x (one per input dimension)", " or ".join(map(str, dims)), P_x.dim,
                      PartitionError)
@@ -133,14 +94,9 @@ def check_norm_partition(op: str, P_x, dims: Sequence[int]) -> None:
 
 @dataclass(frozen=True)
 class CallRecord:
-    """What one call's metadata gather tells every worker, in ``P_x``'s rank order.
-
-    ``shapes[k][j]`` / ``dtypes[k][j]``: tensor ``k`` of partition rank ``j``.  ``input_grad[j]`` /
-    ``param_grad[j]``: worker ``j`` has grad mode on and a tensor / a parameter that requires
-    grad.  ``modes[j]``: the ``mode`` worker ``j`` passed (the norms: 1 in training mode).
-    Where some workers' outputs require grad and others' do not, the others must be
-    promoted (:func:`promote`), or their peers would wait in an adjoint collective they never join.
-    """
+    """What one call's metadata gather tells every worker, in ``P_x``'s rank order: ``shapes[k][j]`` /
+    ``dtypes[k][j]`` of tensor ``k`` of partition rank ``j``; ``input_grad[j]`` / ``param_grad[j]``: worker ``j``
+    has grad mode on and a tensor / a parameter that requires grad; ``modes[j]``, the ``mode`` it passed."""
 
     shapes: tuple[tuple[tuple[int, ...], ...], ...]
     dtypes: tuple[tuple[torch.dtype | None, ...], ...]
@@ -166,36 +122,23 @@ def gather_call(op: str, P_x: CartesianPartition, tensors: Sequence[torch.Tensor
     """All-gather every worker's tensor shapes, dtypes, grad flags and ``mode`` over ``P_x`` (host gloo).
 
     Raises on every worker alike when any worker passed a tensor on the wrong device, of
-    more than 8 dimensions, or of a number of dimensions other than ``P_x.dim`` for the
-    first tensor.  ``params`` count for the grad flags only (pass them among ``tensors``
-    too for their dtypes).  ``signature`` (the layer's options) is compared across workers
-    in debug mode, so workers calling different layers fail with a CollectiveMismatchError.
+    more than 8 dimensions, or (the first tensor) of a number of dimensions other than
+    ``P_x.dim``.  ``params`` count for the grad flags only (pass them among ``tensors`` too
+    for their dtypes); ``signature`` (the layer's options) is compared in debug mode.
     """
     if signature is not None and debug.enabled():
         debug.check_agreement(op, P_x.ranks, P_x.meta_group, same={"layer": signature},
                               info={"local shapes": [tuple(t.shape) for t in tensors]})
     grad_on = torch.is_grad_enabled()
-    rec = torch.full((_HEAD + _PER_TENSOR * len(tensors),), -1, dtype=torch.int64)
     input_grad = grad_on and any(t.requires_grad for t in tensors if not any(t is p for p in params))
     param_grad = grad_on and any(p.requires_grad for p in params)
-    rec[0] = int(input_grad) + 2 * int(param_grad)
-    rec[1] = _OK
-    rec[2] = int(mode)
-    for k, t in enumerate(tensors):
-        base = _HEAD + _PER_TENSOR * k
-        rec[base] = t.dim()
-        rec[base + 1] = _CODES.index(t.dtype) if t.dtype in _CODES else -1
-        rec[base + 2] = int(t.device.type == P_x.device.type or t.numel() == 0)
-        if t.dim() > _MAX_DIM:
-            rec[1] = _TOO_MANY_DIMS
-        else:
-            rec[base + 3:base + 3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    out = torch.empty(P_x.size * rec.numel(), dtype=torch.int64)
-    with collective_guard(op, "metadata all-gather", P_x.ranks):
-        all_gather_flat(out, rec, group=P_x.meta_group)
-    # Slot g belongs to the g-th smallest world rank (new_group sorts), not to partition rank g.
-    by_world = dict(zip(sorted(P_x.ranks), out.view(P_x.size, -1).tolist(), strict=True))
-    rows = [by_world[w] for w in P_x.ranks]
+    status = _TOO_MANY_DIMS if any(t.dim() > _MAX_DIM for t in tensors) else _OK
+    rec = [int(input_grad) + 2 * int(param_grad), status, int(mode)]
+    for t in tensors:
+        shape = list(t.shape) if t.dim() <= _MAX_DIM else []
+        rec += [t.dim(), _CODES.index(t.dtype) if t.dtype in _CODES else -1,
+                int(t.device.type == P_x.device.type or t.numel() == 0)] + shape + [-1] * (_MAX_DIM - len(shape))
+    rows = gather_records(op, P_x, rec)
     shapes, dtypes = [], []
     for k, name in enumerate(names):
         base = _HEAD + _PER_TENSOR * k
@@ -216,29 +159,12 @@ def gather_call(op: str, P_x: CartesianPartition, tensors: Sequence[torch.Tensor
 
 
 def one_mode(op: str, P_x: CartesianPartition, call: CallRecord) -> None:
-    """Every worker in the same mode (training or eval); the same ShapeError on every worker otherwise.
-
-    A batch norm in training mode gathers statistics over its peers while one in eval mode
-    normalises locally: mixed modes would leave the training workers waiting.
-    """
+    """Every worker in the same mode (training or eval; a batch norm gathers statistics in one and not in the
+    other, so mixed modes would leave the training workers waiting); the same ShapeError otherwise."""
     if len(set(call.modes)) > 1:
         got = {w: "train" if m else "eval" for w, m in zip(P_x.ranks, call.modes, strict=True)}
         raise ShapeError(f"{where(op)}: the workers of P_x must all be in training mode or all in eval mode; got "
                          f"{got} (world rank: mode)")
-
-
-def global_shape_of(op: str, P_x: CartesianPartition, shapes: Sequence[tuple[int, ...]],
-                    what: str = "input") -> tuple[int, ...]:
-    """The global shape whose balanced blocks the workers hold; the same ShapeError on every worker otherwise."""
-    G = tuple(sum(shapes[P_x.rank_of([k if e == d else 0 for e in range(P_x.dim)])][d] for k in range(P_x.shape[d]))
-              for d in range(P_x.dim))
-    for j, shape in enumerate(shapes):
-        want = local_shape(G, P_x.shape, P_x.index_of(j))
-        if tuple(shape) != want:
-            raise expect(op, f"local {what} shape on world rank {P_x.ranks[j]} (P_x index {P_x.index_of(j)}; the "
-                         f"blocks must be the balanced decomposition of the global shape {G} inferred from them)",
-                         want, tuple(shape))
-    return G
 
 
 def one_dtype(op: str, P_x: CartesianPartition, dtypes: Sequence[torch.dtype | None], what: str = "input",
@@ -281,12 +207,9 @@ def _stat_count(x3: torch.Tensor) -> int:
 
 
 def _moments(x3: torch.Tensor, handle: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact global ``(mean, biased var)`` per statistic of ``x3`` over the handle's ``P_stats`` (float64, flat).
-
-    ``count`` is the global number of elements per statistic.  Local moments in
-    :func:`compute_dtype`, combined in float64 with Chan's formula in sub-grid rank order.
-    No gradient: :func:`normalize`'s adjoint accounts for the statistics' dependence on ``x3``.
-    """
+    """Exact global ``(mean, biased var)`` per statistic of ``x3`` over the handle's ``P_stats`` (float64, flat;
+    ``count`` elements per statistic).  No gradient: :func:`_normalize`'s adjoint accounts for the statistics'
+    dependence on ``x3``."""
     ctx: SubGridSum = lookup(handle)
     P = ctx.P
     with torch.no_grad():
@@ -350,10 +273,9 @@ def _normalize_backward(dy: torch.Tensor, x3: torch.Tensor, mean: torch.Tensor, 
         db = sum dy        dw = sum dy * xhat        (global: every replica gets the full gradient)
         dx = w * invstd * (dy - db / n - xhat * dw / n)
 
-    The sums run over every element that shares a statistic, on every worker: one
-    all-reduce of ``[sum dy, sum dy * xhat]`` (``2 x M``) over ``P_stats``, which every worker
-    of ``P_stats`` must reach.  Entries not in ``needs`` are empty.  With the 4-D form the
-    sums are per ``(B, M)`` and ``dw``, ``db`` (per ``M``) add the ``B`` rows.
+    The sums run over every element that shares a statistic: one all-reduce of
+    ``[sum dy, sum dy * xhat]`` (``2 x M``) over ``P_stats``.  Entries not in ``needs`` are
+    empty.  With the 4-D form the sums are per ``(B, M)`` and ``dw``, ``db`` add the ``B`` rows.
     """
     ctx: SubGridSum = lookup(handle)
     xhat = _xhat(x3, mean, invstd)
@@ -418,18 +340,11 @@ class NormCall:
     call: CallRecord
 
 
-class NormLayer(BlockIdentityMixin, nn.Module):
-    """What every distributed norm shares: its replicated parameters and running statistics, the agreement session
-    over ``P_x``, the sub-grid contexts its ops name by handle, and the steps of its one forward.
-
-    Subclasses call :meth:`_norm_setup` and define ``_forward(x, record)`` (the normalisation
-    of the agreed call), ``_check_global(G)`` (their checks of the agreed global shape) and,
-    where they differ from the defaults, ``_promotions`` and ``_mode_matters``.
-
-    Attributes:
-        session: the :class:`~distfuse.primitives.agreement_session.AgreementSession` over
-            ``P_x``; ``agreement`` is its site (``calls`` / ``slow_calls`` count the calls
-            and the metadata gathers).
+class NormLayer(BlockIdentityMixin, AgreedLayer, nn.Module):
+    """What every distributed norm shares: replicated parameters and running statistics, the agreement, the
+    sub-grid contexts its ops name by handle, and the steps of its one forward.  Subclasses call
+    :meth:`_norm_setup` and define ``_forward(x, record)`` and ``_check_global(G)`` (their checks of the
+    agreed global shape) and, where they differ from the defaults, ``_promotions`` and ``_mode_matters``.
     """
 
     def _norm_setup(self, P_x, param_shape, split_dims, block, *, affine: bool, bias: bool, running: bool,
@@ -443,8 +358,7 @@ class NormLayer(BlockIdentityMixin, nn.Module):
         self.affine = bool(affine)
         self._has_bias = self.affine and bool(bias)
         self._has_buffers = bool(running)
-        self.session = AgreementSession(op, P_x)
-        self.agreement = self.session.site
+        self._agree_over(P_x)
         self._stats = SubGridSum(op, P_stats)
         self._rep = SubGridSum(op, P_rep) if P_rep is not None else None
         self._batch = SubGridSum(op, P_batch) if P_batch is not None else None
@@ -459,6 +373,19 @@ class NormLayer(BlockIdentityMixin, nn.Module):
         self.register_buffer("running_var", torch.ones(block, **kw) if make else None)
         # torch's InstanceNorm registers it too (and never advances it); kept for state-dict parity.
         self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device) if make else None)
+
+    def _features(self, P_x, dims, num_features: int, eps: float, momentum, track_running_stats: bool) -> None:
+        """The batch and instance norms' arguments (and ``P_x``), checked as torch checks them."""
+        op = type(self).__name__
+        check_norm_partition(op, P_x, dims)
+        if int(num_features) < 1:
+            raise expect(op, "num_features", ">= 1", num_features)
+        self.num_features, self.eps, self.momentum = int(num_features), float(eps), momentum
+        self.track_running_stats = bool(track_running_stats)
+
+    def extra_repr(self) -> str:  # the batch and instance norms' (the group and layer norms define their own)
+        return (f"P_x={list(self.P_x.shape)}, {self.num_features}, eps={self.eps}, momentum={self.momentum}, "
+                f"affine={self.affine}, bias={self._has_bias}, track_running_stats={self.track_running_stats}")
 
     def reset_running_stats(self) -> None:
         if self.running_mean is not None:
@@ -506,13 +433,9 @@ class NormLayer(BlockIdentityMixin, nn.Module):
         return call.any_input_grad, call.any_param_grad
 
     def _agree(self, x: torch.Tensor) -> NormCall | None:
-        """The call's agreed record (None: a replayed call that flagged; ``flag_check`` raises on every worker when
-        the graph runs).
-
-        The signature holds everything the checks read, so no local check is needed before
-        the flag round.  An eager call promotes what :meth:`_promotions` asks for; a replayed
-        call that would have to flags instead (a graph cannot make a leaf require grad).
-        """
+        """The call's agreed record (None: a replayed call that flagged).  The signature holds everything the
+        checks read.  An eager call promotes what :meth:`_promotions` asks for; a replayed call that would have
+        to flags instead (a graph cannot make a leaf require grad)."""
         params = [p for p in (self.weight, self.bias) if p is not None]
         grad_on = torch.is_grad_enabled()
         signature = (tuple(x.shape), x.dtype, x.device.type, grad_on, x.requires_grad,
@@ -554,20 +477,20 @@ class NormLayer(BlockIdentityMixin, nn.Module):
         return _normalize_op(x3, weight, bias, stats.mean.to(cdt), stats.invstd(self.eps, cdt), self._stats.handle,
                              stats.count)
 
-    def _replica(self, w: torch.Tensor | None, any_grad: bool) -> torch.Tensor | None:
-        """A parameter every worker of ``P_rep`` holds a copy of, used so that each copy gets the global gradient.
+    def _replicas(self, call: CallRecord) -> list[torch.Tensor | None]:
+        """Weight and bias, copies on every worker of ``P_rep``, used so that each copy gets the global gradient
+        (where any worker's copy requires grad, one that does not is promoted, so that its adjoint's all-reduce
+        still runs)."""
+        if self._rep.P.size == 1 or not call.any_param_grad:
+            return [self.weight, self.bias]
+        return [None if w is None else replicate(promote(w, True), self._rep.handle) for w in (self.weight, self.bias)]
 
-        ``any_grad`` says whether any worker's copy requires grad (:attr:`CallRecord.any_param_grad`);
-        a copy that does not is promoted, so that its adjoint's all-reduce still runs and its
-        peers do not wait.
-        """
-        if w is None or self._rep.P.size == 1 or not any_grad:
-            return w
-        return replicate(promote(w, True), self._rep.handle)
-
-    def _batch_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """The sum of ``t`` over the batch workers (no autograd: the running statistics)."""
-        return replicated_sum(t, self._batch.handle) if self._batch.P.size > 1 else t
+    @torch.no_grad()
+    def _blend_running(self, mean: torch.Tensor, var: torch.Tensor, factor) -> None:
+        """torch's running-statistics update, in float64 and rounded once into the buffers (identical on every
+        worker)."""
+        self.running_mean.copy_(factor * mean + (1 - factor) * self.running_mean.double())
+        self.running_var.copy_(factor * var + (1 - factor) * self.running_var.double())
 
     def _mode_matters(self) -> bool:
         """Whether training and eval calls run different collectives (then every worker must be in one mode)."""

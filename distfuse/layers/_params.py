@@ -1,22 +1,28 @@
-"""Moving parameters between a sequential ``torch.nn`` layer and a distributed one.
+"""Where a distributed layer's parameters live: moving them to and from a sequential layer, and per-rank files.
 
-Each distributed layer describes where its parameters live with :class:`ParamLayout`:
-the parameter's global shape (the sequential layer's), and the CartesianPartition
-whose workers each own one balanced block of it (partition dimension d splits
-parameter dimension d).  Workers outside that partition hold no such parameter; they
-receive copies by broadcast in forward, and their gradients are summed back to the
-owners by the broadcast's adjoint.
+Each distributed layer describes where its parameters live with :class:`ParamLayout`: the
+parameter's global shape (the sequential layer's) and the CartesianPartition whose workers
+each own one balanced block of it.  With that description two generic, collective helpers
+interoperate with sequential ``state_dict`` s: :func:`load_sequential` scatters a sequential
+layer's parameters (on one rank) into the distributed layer's blocks, and
+:func:`collect_sequential` gathers them back on one rank.
 
-With that description two generic, collective helpers interoperate with sequential
-``state_dict`` s:
+Block identity in per-rank checkpoints.  Each rank's ``state_dict()`` holds that rank's
+blocks only, and two ranks' blocks often have equal shapes, so a rank that loads another
+rank's file, or a file saved on another grid, would load the wrong blocks without any
+error.  :class:`BlockIdentityMixin` (list it first among a layer's bases) adds an
+``_extra_state`` entry derived from ``param_layouts()``, per parameter (and per buffer a
+layout lists)::
 
-* :func:`load_sequential` scatters a sequential layer's parameters (on one rank) into
-  the distributed layer's blocks;
-* :func:`collect_sequential` gathers them back into a sequential ``state_dict`` on one
-  rank.
+    global_shape     the sequential tensor's shape
+    block            the global box this rank holds, [[lo, hi], ...] per dimension
+                     (None where it holds none)
+    partition_shape, index, split_dims    where that box comes from (for messages)
 
-Checkpointing itself needs nothing special: each rank's ``state_dict()`` holds its own
-blocks, and loading it back on the same partition layout restores them.
+plus the layer's class and the saving rank.  ``load_state_dict`` compares the boxes *before*
+any tensor is copied and raises :class:`~distfuse.errors.PartitionError` naming the first
+difference: the same box on another rank or replica is the same data; another box of equal
+shape is refused.  Without the entry: refused under ``strict=True``, unchecked otherwise.
 """
 
 from __future__ import annotations
@@ -27,30 +33,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distfuse.errors import ShapeError, where
-from distfuse.geometry.decomposition import local_slices
+from distfuse.errors import PartitionError, ShapeError, where
+from distfuse.geometry.decomposition import block_range, local_slices
 from distfuse.groups import metadata_group
 from distfuse.partition import CartesianPartition
 from distfuse.primitives.distribute import collect_tensor, distribute_tensor
 
-__all__ = ["ParamLayout", "load_sequential", "collect_sequential"]
+__all__ = ["ParamLayout", "load_sequential", "collect_sequential", "BlockIdentityMixin", "block_identity",
+           "check_block_identity", "layout_box", "is_primary"]
 
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """Where one parameter lives.
-
-    Attributes:
-        name: attribute of the distributed layer (``"weight"``, ``"bias"``).
-        seq_name: its key in the sequential layer's ``state_dict``.
-        P: the owners; block ``index`` of the global parameter lives on the worker at ``index``.
-        global_shape: the sequential parameter's shape.
-        split_dims: None (the default) for the layout above.  A tuple for a parameter or buffer
-            that every worker of ``P`` holds a copy of (a norm's weight, its running statistics):
-            ``P``'s dimension ``split_dims[i]`` splits the tensor's dimension ``i`` into balanced
-            blocks (dimensions past ``len(split_dims)`` stay whole), and ``P``'s other dimensions
-            replicate them; ``()`` replicates the whole tensor.
-            Such tensors move as pickled host objects over the metadata group: they are small.
+    """Where one parameter lives: ``name`` on the distributed layer, ``seq_name`` in the sequential layer's
+    ``state_dict``, ``global_shape`` the sequential shape, ``P`` the owners (block ``index`` on the worker at
+    ``index``).  ``split_dims`` (a tuple) instead marks a tensor every worker of ``P`` holds a copy of (a norm's
+    weight, its running statistics): ``P``'s dimension ``split_dims[i]`` splits the tensor's dimension ``i``,
+    later dimensions stay whole, and ``P``'s other dimensions replicate them (``()``: the whole tensor).  Such
+    tensors move as pickled host objects over the metadata group: they are small.
     """
 
     name: str
@@ -74,11 +74,8 @@ def _layouts(layer: nn.Module) -> list[ParamLayout]:
 
 
 def _check_sequential_state(layer: nn.Module, state: dict | None, layouts: list[ParamLayout], src: int) -> None:
-    """Check the source's state dict on the source, then tell every rank the verdict (one object broadcast).
-
-    Without this a missing key or a wrong shape would raise on ``src`` alone while the
-    other ranks wait inside the scatter until the process-group timeout.
-    """
+    """Check the source's state dict on the source, then tell every rank the verdict (one object broadcast;
+    otherwise a missing key would raise on ``src`` alone while the other ranks wait inside the scatter)."""
     problem = None
     if dist.get_rank() == src:
         if state is None:
@@ -100,10 +97,8 @@ def _check_sequential_state(layer: nn.Module, state: dict | None, layouts: list[
 
 @torch.no_grad()
 def load_sequential(layer: nn.Module, sequential: nn.Module | dict | None, src: int = 0) -> None:
-    """Copy a sequential layer's parameters (held by world rank ``src``) into ``layer``'s blocks.
-
-    Collective over the world.  Other ranks pass None.
-    """
+    """Copy a sequential layer's parameters (held by world rank ``src``; other ranks pass None) into ``layer``'s
+    blocks.  Collective over the world."""
     state = None
     if sequential is not None:
         state = sequential.state_dict() if isinstance(sequential, nn.Module) else sequential
@@ -116,19 +111,13 @@ def load_sequential(layer: nn.Module, sequential: nn.Module | dict | None, src: 
             continue
         block = distribute_tensor(None if full is None else full.detach(), lay.P, src=src)
         if lay.P.active:
-            param = getattr(layer, lay.name)
-            if tuple(param.shape) != tuple(block.shape):
-                raise ShapeError(f"{where(type(layer).__name__)}: block of {lay.name} has shape "
-                                 f"{tuple(param.shape)}, expected {tuple(block.shape)}")
-            param.copy_(block.to(param.dtype))
+            _copy_block(layer, lay, block)
 
 
 @torch.no_grad()
 def collect_sequential(layer: nn.Module, dst: int = 0) -> dict[str, torch.Tensor] | None:
-    """The sequential ``state_dict`` assembled from ``layer``'s blocks on world rank ``dst`` (None elsewhere).
-
-    Collective over the world.
-    """
+    """The sequential ``state_dict`` assembled from ``layer``'s blocks on world rank ``dst`` (None elsewhere);
+    collective over the world."""
     out = {}
     for lay in _layouts(layer):
         if lay.split_dims is not None:
@@ -144,18 +133,21 @@ def _load_replicated(layer: nn.Module, lay: ParamLayout, full: torch.Tensor | No
     box = [full.detach().cpu() if full is not None else None]
     dist.broadcast_object_list(box, src=src, group=metadata_group())
     if lay.P.active:
-        target = getattr(layer, lay.name)
-        block = box[0][lay.replica_slices()]
-        if tuple(target.shape) != tuple(block.shape):
-            raise ShapeError(f"{where(type(layer).__name__)}: block of {lay.name} has shape "
-                             f"{tuple(target.shape)}, expected {tuple(block.shape)}")
-        target.copy_(block.to(target.dtype))
+        _copy_block(layer, lay, box[0][lay.replica_slices()])
+
+
+def _copy_block(layer: nn.Module, lay: ParamLayout, block: torch.Tensor) -> None:
+    target = getattr(layer, lay.name)
+    if tuple(target.shape) != tuple(block.shape):
+        raise ShapeError(f"{where(type(layer).__name__)}: block of {lay.name} has shape "
+                         f"{tuple(target.shape)}, expected {tuple(block.shape)}")
+    target.copy_(block.to(target.dtype))
 
 
 def _collect_replicated(layer: nn.Module, lay: ParamLayout, dst: int) -> torch.Tensor | None:
     """Assemble a replicated layout's blocks on ``dst`` from one copy of each (one object gather over the world)."""
     piece = None
-    if lay.P.active and all(i == 0 for d, i in enumerate(lay.P.index) if d not in lay.split_dims):
+    if lay.P.active and is_primary(lay, lay.P.index):
         piece = (lay.replica_slices(), getattr(layer, lay.name).detach().cpu())
     pieces = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(piece, pieces, dst=dst, group=metadata_group())
@@ -166,3 +158,91 @@ def _collect_replicated(layer: nn.Module, lay: ParamLayout, dst: int) -> torch.T
     for slices, block in pieces:
         full[slices] = block
     return full.to(lay.P.device)
+
+
+# ---------------------------------------------------------------- block identity
+
+FORMAT = 2
+Box = tuple[tuple[int, int], ...]
+
+
+def layout_box(lay, index) -> Box:
+    """The global box that the worker at ``index`` of ``lay.P`` holds of the layout's tensor.
+
+    Without ``split_dims``: the balanced block at ``index`` (partition dimension ``d``
+    splits tensor dimension ``d``).  With ``split_dims``: partition dimension
+    ``split_dims[i]`` splits tensor dimension ``i``, trailing tensor dimensions stay
+    whole, and the other partition dimensions hold copies.
+    """
+    G = tuple(int(n) for n in lay.global_shape)
+    split = getattr(lay, "split_dims", None)
+    if split is None:
+        return tuple(block_range(n, p, i) for n, p, i in zip(G, lay.P.shape, index, strict=True))
+    box = [block_range(G[i], lay.P.shape[d], index[d]) for i, d in enumerate(split)]
+    return tuple(box + [(0, n) for n in G[len(split):]])
+
+
+def is_primary(lay, index) -> bool:
+    """Whether the worker at ``index`` holds the first copy of its box (always, without ``split_dims``)."""
+    split = getattr(lay, "split_dims", None)
+    return split is None or all(i == 0 for d, i in enumerate(index) if d not in split)
+
+
+def block_identity(layer: nn.Module) -> dict:
+    """The identity record of ``layer``'s blocks on this rank (plain Python: picklable, JSON-able)."""
+    blocks = {}
+    for lay in layer.param_layouts():
+        owned = lay.P.active
+        split = getattr(lay, "split_dims", None)
+        tensor = getattr(layer, lay.name, None) if owned else None
+        blocks[lay.name] = {
+            "global_shape": list(lay.global_shape),
+            "block": [list(r) for r in layout_box(lay, lay.P.index)] if owned else None,
+            "block_shape": list(tensor.shape) if tensor is not None else None,
+            "partition_shape": list(lay.P.shape),
+            "index": list(lay.P.index) if owned else None,
+            "split_dims": list(split) if split is not None else None,
+        }
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return {"format": FORMAT, "layer": type(layer).__name__, "saved_by_world_rank": rank, "blocks": blocks}
+
+
+def check_block_identity(layer: nn.Module, saved) -> None:
+    """Raise :class:`PartitionError` unless ``saved`` describes the blocks ``layer`` holds on this rank."""
+    op = f"{type(layer).__name__}.load_state_dict"
+    if not isinstance(saved, dict) or saved.get("format") != FORMAT or not isinstance(saved.get("blocks"), dict):
+        raise PartitionError(f"{where(op)}: the state dict's block identity is not one this version writes "
+                             f"(format {FORMAT}); got {type(saved).__name__}")
+    mine = block_identity(layer)
+    origin = f"saved by world rank {saved.get('saved_by_world_rank')} from a {saved.get('layer')}"
+    if set(saved["blocks"]) != set(mine["blocks"]):
+        raise PartitionError(f"{where(op)}: the state dict ({origin}) describes tensors "
+                             f"{sorted(saved['blocks'])}, this layer has {sorted(mine['blocks'])}")
+    for name, want in mine["blocks"].items():
+        got = saved["blocks"][name]
+        for field in ("global_shape", "block", "block_shape"):
+            if got.get(field) != want[field]:
+                where_from = (f"partition {got.get('partition_shape')} index {got.get('index')}",
+                              f"partition {want['partition_shape']} index {want['index']}")
+                raise PartitionError(
+                    f"{where(op)}: refusing to load {name}: the state dict ({origin}, {where_from[0]}) holds "
+                    f"{field} {got.get(field)}, this rank's layer ({where_from[1]}) needs {want[field]}; load "
+                    "the file this rank saved, or reshard a distributed checkpoint (distfuse.interop.checkpoint)")
+
+
+class BlockIdentityMixin:
+    """Adds the block identity to a distributed layer's state dict and checks it on load (see the module docstring)."""
+
+    def get_extra_state(self) -> dict:
+        return block_identity(self)
+
+    def set_extra_state(self, state) -> None:
+        check_block_identity(self, state)  # already checked before the copy; kept for direct callers
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        key = prefix + "_extra_state"
+        if key in state_dict:  # before torch copies any tensor: a refused load leaves this layer untouched
+            check_block_identity(self, state_dict[key])
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)

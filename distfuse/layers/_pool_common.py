@@ -1,43 +1,41 @@
-"""What the pooling layers share, and their one forward (:class:`WindowLayer`, the upsampling layer's too).
+"""The window layers (pooling, upsampling): their one forward, the pooling options, and the window staging.
 
 Partitions and shapes (``nd`` spatial axes; worker at index ``(b, c, *s)`` of ``P_x``)::
 
     P_x     [P_b, P_c, P_1, ..., P_nd]     P_y = P_x (implicit)
     x       [B_b, C_c, *n_s]               balanced block of the global input
-    y       [B_b, C_c, *m_s]               balanced block of torch's pooled output
-                                           (m from torch's pooling rule, ceil_mode included)
+    staged  [B_b, C_c, *L_s]               the window [a_d, b_d) y_s reads (L_d = b_d - a_d): the own
+                                           block, neighbours' halos, positions outside the domain = fill
+    y       [B_b, C_c, *m_s]               balanced block of torch's output (pooling: m from torch's
+                                           rule, ceil_mode included)
 
-    forward   staged = stage(x)            the window y_s reads (halos, padding = fill)
-              y      = pool(staged, padding=0, ceil_mode=False)   + the exact torch divisor
-    adjoint   dstaged = pool adjoint;  dx = stage*(dstaged)       halo gradients go home
+    forward   info   = session.agree(x)           the call's global shape and grad flags (:mod:`distfuse.layers`)
+              window = window_record(G)           plan, staging record, output extents (once per shape)
+              staged = stage_window(x, path)       local, unfused or fused (below)
+              y      = _block(staged, window)      the local op, with no padding
+    adjoint   the local op's; then every staging path sends each halo box's gradient home and adds
+              it into the block (padding positions get none)
 
-Pooling is independent per batch and channel, so ``P_x`` may split those too (no
-messages along them).  The plan is the convolution halo plan
-(``geometry/pool_geometry.py`` explains how ceil mode and torch's padding rules map onto
-it), so stride, dilation, uneven splits, halos wider than a neighbour's block and
-workers with no outputs all work as they do for the feature convolution.
+``P_x`` may split batch and channels too (no messages along them).  The plan is the
+convolution halo plan (``geometry/pool_geometry.py`` maps ceil mode and torch's padding
+rules onto it).  The agreement's flag takes a one-element round of its own: the halo
+exchange runs between neighbours only, and sends nothing where the plan has no halo.
 
-One forward serves eager calls, ``capture_safe()`` and ``torch.compile(fullgraph=True)``
-(:class:`WindowLayer`, shared with :class:`~distfuse.layers.upsample.DistributedUpsample`)::
+Staging paths (``last_path``)::
 
-    info   = session.agree(x)            the call's global shape and grad flags, every worker alike
-    window = window_record(G)            this worker's plan, staging record, output extents (once per shape)
-    staged = stage_window(x, path)       local, or the halo / fused staging op pair
-    y      = _block(staged, window)      the local op
+    local    no worker of the plan reads another's block (kernel 2, stride 2 over even blocks; an
+             interpolation whose windows stay at home): a view of x, padded with ``fill`` by
+             ``F.pad`` where the window leaves the domain.  No messages.
+    unfused  the ``distfuse::halo_exchange`` pair (``primitives/halo_exchange.py``): one round of
+             point-to-point messages, the window written once box by box.
+    fused    the ``distfuse::halo_staging`` pair (``fused/halo_staging.py``): the halo conv's Triton
+             kernels without the convolution: pack, one round, one staging pass; backward
+             unstage, one round, accumulate.
 
-The agreement is an :class:`~distfuse.primitives.agreement_session.AgreementSession` over
-``P_x``: eager calls gather the metadata (a few int64 per worker, host-side:
-:func:`~distfuse.layers._conv_call_info.gather_call_info`, so every worker validates the
-geometry alike and raises the same error, and every worker agrees on whether the
-adjoint runs) on the first call and when some worker's signature changed, and otherwise
-run a one-element flag round; the flag cannot ride in the halo exchange, which runs
-between neighbours only and sends nothing at all where the plan has no halo
-(``last_path == "local"``).  The flag round costs about 0.5 ms with 4 gloo ranks on the
-loaded 2-core CI machine, against about 3.5 ms for the gather (``docs/reliability.md``).
-Inside ``capture_safe()`` the settled record is trusted; inside ``torch.compile`` the
-record of the last eager call is replayed, with the flag round as
-``distfuse::flag_check`` and the staging path of the last eager call.  ``static_shapes``
-is accepted for compatibility and changes nothing.
+``fill`` is 0 for average pooling and interpolation and ``-inf`` for max pooling (the
+exchanges stage zeros, and a max-pooling worker then overwrites only its out-of-domain
+slabs).  Where the plan has a message the layers ask ``select_path("halo_conv", ...)``: this
+staging *is* the halo convolution's, whose default rule keeps the unfused exchange.
 """
 
 from __future__ import annotations
@@ -47,20 +45,30 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from distfuse.errors import DistfuseError, UnsupportedError, expect, where
+from distfuse.fused.halo_staging import halo_staging
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.pool_geometry import check_pool_axis, pool_axis
-from distfuse.layers._conv_call_info import CallInfo, autocast_dtype, gather_call_info, passes_local_checks
-from distfuse.layers._conv_common import check_partition, promote
-from distfuse.layers.dispatch import Decision
-from distfuse.layers.pool_staging import EmptyBlock, StagingRecord, choose_staging, stage_window, staging_record
+from distfuse.layers._conv_common import (
+    AgreedLayer,
+    CallInfo,
+    ZeroBlock,
+    call_signature,
+    check_partition,
+    gather_call_info,
+    passes_local_checks,
+    promote,
+)
+from distfuse.layers.dispatch import Decision, device_caps, select_path
 from distfuse.primitives._common import check_inactive_input
-from distfuse.primitives.agreement_session import AgreementSession
-from distfuse.primitives.halo_exchange import PlanHalo
+from distfuse.primitives.halo_exchange import PlanHalo, halo_exchange
 
-__all__ = ["PoolOptions", "pool_plan", "PoolWindow", "WindowLayer", "DistributedPoolBase", "check_16bit_cpu"]
+__all__ = ["PoolOptions", "pool_plan", "WindowRecord", "window_record", "WindowLayer", "DistributedPoolBase",
+           "check_16bit_cpu", "plan_is_local", "window_ranges", "choose_staging", "StagingRecord", "staging_record",
+           "stage_window"]
 
 
 def _per_axis(op: str, v, nd: int, name: str, minimum: int) -> tuple[int, ...]:
@@ -101,17 +109,115 @@ class PoolOptions:
 @functools.lru_cache(maxsize=256)
 def pool_plan(spatial: tuple[int, ...], grid: tuple[int, ...], opts: PoolOptions) -> HaloPlan:
     """The halo plan of a pooling layer over ``grid`` for a global spatial shape (validated as torch would)."""
-    for n, k, s, d, p in zip(spatial, opts.kernel_size, opts.stride, opts.dilation, opts.padding, strict=True):
+    axes = list(zip(spatial, grid, opts.kernel_size, opts.stride, opts.dilation, opts.padding, strict=True))
+    for n, _, k, s, d, p in axes:
         check_pool_axis(n, k, s, d, p, opts.ceil_mode)
-    return HaloPlan([pool_axis(n, g, k, s, d, p, opts.ceil_mode)
-                     for n, g, k, s, d, p in zip(spatial, grid, opts.kernel_size, opts.stride, opts.dilation,
-                                                 opts.padding, strict=True)])
+    return HaloPlan([pool_axis(n, g, k, s, d, p, opts.ceil_mode) for n, g, k, s, d, p in axes])
+
+
+# ---------------------------------------------------------------- staging
+
+
+@functools.lru_cache(maxsize=512)
+def plan_is_local(plan: HaloPlan) -> bool:
+    """True when no worker of ``plan`` reads another worker's block (then nobody sends anything)."""
+    return all(pc.src is None or pc.src == idx for idx in plan.blocks() for pc in plan.pieces(idx))
+
+
+def window_ranges(plan: HaloPlan, index: Sequence[int]) -> list[tuple[int, int]]:
+    """This worker's window ``[a, b)`` per spatial axis, in global input coordinates."""
+    return [ax.needed_range(i) for ax, i in zip(plan.axes, index, strict=True)]
+
+
+@functools.cache
+def _fused_staging_available() -> bool:
+    """Whether the Triton halo kernels import (they load Triton)."""
+    try:
+        import distfuse.fused.halo_conv  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def choose_staging(plan: HaloPlan | None, dtype: torch.dtype, device: torch.device, world_size: int, channels: int,
+                   caps_cache: dict) -> Decision:
+    """How a layer stages its window for one call (see the module docstring); the same on every worker.
+
+    ``plan=None`` skips the local check (``explain`` before the global shape is known);
+    ``caps_cache`` is the layer's per-device cache of :func:`~distfuse.layers.dispatch.device_caps`.
+    """
+    if plan is not None and plan_is_local(plan):
+        return Decision("local", "no worker reads another worker's block for this geometry: no exchange")
+    if not _fused_staging_available():
+        return Decision("unfused", "the Triton halo kernels are not available")
+    caps = caps_cache.get(device)
+    if caps is None:
+        caps = caps_cache[device] = device_caps(device)
+    d = select_path("halo_conv", dict(channels=max(int(channels), 1)), dtype, world_size, caps)
+    return Decision(d.path, f"halo staging (the halo_conv rule): {d.reason}", entry=d.entry)
 
 
 @dataclass(frozen=True)
-class PoolWindow:
+class StagingRecord:
+    """How one worker stages its window under one plan, as plain numbers: ``local`` (:func:`plan_is_local`);
+    ``slices`` and ``flat_pad`` (``F.pad`` order) give the local window from the own block; ``pad_widths``, per
+    axis the staged positions before 0 and at or after n, which an exchanged window fills with ``fill``."""
+
+    local: bool
+    slices: tuple[slice, ...]
+    flat_pad: tuple[int, ...]
+    pad_widths: tuple[tuple[int, int], ...]
+
+
+@functools.lru_cache(maxsize=1024)
+def staging_record(plan: HaloPlan, index: tuple[int, ...]) -> StagingRecord:
+    """The :class:`StagingRecord` of worker ``index`` under ``plan``."""
+    slices, flat_pad, widths = [], [], []
+    for ax, i, (a, b) in zip(plan.axes, index, window_ranges(plan, index), strict=True):
+        length = b - a
+        lo = min(max(0 - a, 0), length)  # staged positions before 0 and at or after n (global)
+        hi = min(max(b - max(a, ax.n), 0), length - lo)
+        inner = length - lo - hi
+        first = max(a, 0) - ax.input_range(i)[0] if inner > 0 else 0
+        slices.append(slice(first, first + inner))
+        flat_pad = [lo, hi] + flat_pad  # F.pad lists the last axis first
+        widths.append((lo, hi))
+    return StagingRecord(plan_is_local(plan), tuple(slices), tuple(flat_pad), tuple(widths))
+
+
+def stage_window(x: torch.Tensor, halo: PlanHalo, rec: StagingRecord, global_shape: Sequence[int], *, path: str,
+                 fill: float = 0.0) -> torch.Tensor:
+    """This worker's window ``[B, C, *L]`` from its block ``x [B, C, *n]`` by ``path`` (see the module docstring).
+
+    ``halo`` is the layer's halo context (its plan per global shape, named in the ops by
+    handle), ``rec`` this worker's :class:`StagingRecord`.  Every worker of the spatial grid
+    must call it with the same path, outputs or not.
+    """
+    if path == "local":
+        view = x[(Ellipsis, *rec.slices)]
+        return F.pad(view, list(rec.flat_pad), value=fill) if any(rec.flat_pad) else view
+    stage = halo_staging if path == "fused" else halo_exchange
+    staged = stage(x, halo.handle, list(global_shape))
+    if fill != 0:  # overwrite the out-of-domain slabs in place (slabs only)
+        nd = len(rec.pad_widths)
+        for d, (lo, hi) in enumerate(rec.pad_widths):
+            dim = staged.dim() - nd + d
+            if lo:
+                staged.narrow(dim, 0, lo).fill_(fill)
+            if hi:
+                staged.narrow(dim, staged.shape[dim] - hi, hi).fill_(fill)
+    return staged
+
+
+# ---------------------------------------------------------------- the window layers
+
+
+@dataclass(frozen=True)
+class WindowRecord:
     """One worker's geometry for one global shape: the plan, its block index, how it stages its window, its
-    output block's spatial extents and the subclass's ``block`` constants (divisors, first taps)."""
+    output block's spatial extents and the layer's ``block`` constants (divisors, first taps, interpolation taps).
+    Made once per global shape by an eager call; a compiled call only reads it (a plan walk would break the graph).
+    """
 
     plan: HaloPlan
     index: tuple[int, ...]
@@ -120,25 +226,20 @@ class PoolWindow:
     block: object = None
 
 
-class WindowLayer(nn.Module):
+def window_record(plan: HaloPlan, index: tuple[int, ...], block=None) -> WindowRecord:
+    """The :class:`WindowRecord` of worker ``index`` under ``plan``."""
+    return WindowRecord(plan, index, staging_record(plan, index), plan.output_shape(index), block)
+
+
+class WindowLayer(AgreedLayer, nn.Module):
     """The one forward of the layers that compute each output block from one staged window (pooling, upsampling).
 
-    Subclasses define ``_layer_key()`` (their options and partition, compared across
-    workers in the gather), ``_plan_for(G, x)`` (the plan for a global shape and input),
-    ``_halo_plan(G)`` (the plan the staging ops stage with), ``_window_of(G, x)`` (this
-    worker's window record: ``staging`` and ``out_spatial``, made once per global shape so
-    that a compiled call only reads it) and ``_block(x, staged, window, info, out_shape)``
-    (the local op).  ``fill`` is the value of staged positions outside the input.
-
-    Attributes:
-        session: the :class:`~distfuse.primitives.agreement_session.AgreementSession` over
-            ``P_x``; ``agreement`` is its site (``calls`` / ``slow_calls`` count the calls
-            and the metadata gathers).
-        last_path: ``"local"`` (no worker exchanges anything for this geometry),
-            ``"unfused"`` or ``"fused"``: how the last call staged its window (None before
-            the first call and on workers outside P_x).  A compiled call takes the path of
-            the last eager call with the same global shape, dtype and device.
-        last_decision: the :class:`~distfuse.layers.dispatch.Decision` behind it.
+    Subclasses define ``_layer_key()`` (their options and partition, compared in the
+    gather), ``_plan_for(G, dtype, device)`` (the plan for a global shape), ``_block(x, staged,
+    window, info, out_shape)`` (the local op) and may define ``_block_constants(plan, index, G,
+    dtype, device)``, what the local op reads from the geometry (the window's ``block``).
+    ``last_path`` (``"local"``, ``"unfused"`` or ``"fused"``; None before the first call) and
+    ``last_decision`` say how the last call staged its window, and why.
     """
 
     fill: float = 0.0
@@ -148,19 +249,13 @@ class WindowLayer(nn.Module):
         op = type(self).__name__
         self.P_x = P_x
         self.static_shapes = bool(static_shapes)
-        self.session = AgreementSession(op, P_x)
-        self.agreement = self.session.site
+        self._agree_over(P_x)
         self.last_path: str | None = None
         self.last_decision: Decision | None = None
         self._caps_cache: dict = {}
-        self._halo = PlanHalo(P_x, nd, self._halo_plan, op)  # names the plan in the staging ops
-        self._windows: dict[tuple, object] = {}
-
-    def forget_shapes(self) -> None:
-        """Drop the agreed call record, so the next call gathers again (call it on every worker)."""
-        self.session.forget()
-
-    forget_agreement = forget_shapes
+        self._windows: dict[tuple, WindowRecord] = {}
+        self._plans: dict[tuple[int, ...], HaloPlan] = {}  # the plan of the last call with each global shape
+        self._halo = PlanHalo(P_x, nd, self._plans.__getitem__, op)  # names the plan in the staging ops
 
     def param_layouts(self) -> list:
         """No parameters (so ``load_sequential`` / ``collect_sequential`` move nothing)."""
@@ -169,19 +264,16 @@ class WindowLayer(nn.Module):
     def explain(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> Decision:
         """How a call with ``x`` stages its window, and why (no communication; pass the global shape to
         include the local-path check)."""
-        plan = self._plan_for(tuple(global_shape), x) if global_shape is not None else None
+        plan = self._plan_for(tuple(global_shape), x.dtype, x.device) if global_shape is not None else None
         channels = global_shape[1] if global_shape is not None else x.shape[1] if x.dim() > 1 else 1
         return choose_staging(plan, x.dtype, x.device, self.P_x.size, channels, self._caps_cache)
 
     def _agree(self, x: torch.Tensor) -> CallInfo | None:
-        """The call's agreed :class:`~distfuse.layers._conv_call_info.CallInfo` (None: a replayed call that
-        flagged; ``flag_check`` raises on every worker when the graph runs).  The signature holds what the
-        gather records of this worker; a replayed call whose peers' input needs a gradient and its own does
-        not flags too (an eager call promotes the input; a graph cannot)."""
+        """The call's agreed :class:`~distfuse.layers._conv_common.CallInfo` (None: a replayed call that
+        flagged).  A replayed call whose peers' input needs a gradient and its own does not flags too (an
+        eager call promotes the input; a graph cannot)."""
         op, P_x = type(self).__name__, self.P_x
-        signature = (tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad,
-                     autocast_dtype(x.device.type))
-        return self.session.agree(x, signature, passes_local_checks(P_x, x),
+        return self.session.agree(x, call_signature(x, []), passes_local_checks(P_x, x),
                                   lambda: gather_call_info(op, P_x, P_x, x, [], signature=self._layer_key()),
                                   needs_eager=lambda info: info.input_grad and not x.requires_grad)
 
@@ -194,7 +286,7 @@ class WindowLayer(nn.Module):
         if info is None:
             return self._inactive_output(x)
         G = info.global_shape
-        win = self._window_of(G, x)
+        win = self.window_record(G, x.dtype, x.device)
         x = promote(x, info.input_grad)
         self.last_decision = self.session.remember(("staging", G, x.dtype, x.device.type),
                                                    lambda: self.explain(x, G))
@@ -205,23 +297,37 @@ class WindowLayer(nn.Module):
             return self._empty_output(staged, out_shape)
         return self._block(x, staged, win, info, out_shape)
 
+    def window_record(self, global_shape: Sequence[int], dtype: torch.dtype, device) -> WindowRecord:
+        """This worker's :class:`WindowRecord` for a global shape (made once per shape, dtype and device type, then
+        read); the staging ops stage with its plan."""
+        G = tuple(int(e) for e in global_shape)
+        key = (G, dtype, device.type)
+        rec = self._windows.get(key)
+        if rec is None:
+            plan, index = self._plan_for(G, dtype, device), tuple(self.P_x.index[2:])
+            rec = self._windows[key] = window_record(plan, index, self._block_constants(plan, index, G, dtype, device))
+        self._plans[G] = rec.plan  # the upsampling plan depends on the dtype too: the staging ops take this call's
+        return rec
+
+    def _block_constants(self, plan: HaloPlan, index: tuple[int, ...], global_shape: tuple[int, ...], dtype,
+                         device):
+        return None
+
     def _inactive_output(self, x: torch.Tensor):
         return x.clone()
 
     def _empty_output(self, staged: torch.Tensor, out_shape: tuple[int, ...]):
-        return EmptyBlock.apply(staged, out_shape)
+        """An empty block that keeps ``staged`` in the graph: a worker with no outputs still runs the exchange's
+        adjoint, because its peers wait for the gradients of what it sent them."""
+        return ZeroBlock.apply(staged, None, out_shape)
 
 
 class DistributedPoolBase(WindowLayer):
     """A pooling layer over an input split along any of its axes (see the module docstring).
 
-    Subclasses set ``nd`` and ``fill`` and define ``_pool_block(staged, window,
-    out_shape, global_shape)``, the pooling of a staged window (``window`` a
-    :class:`PoolWindow`), and may define ``_block_constants``, what it reads from the
-    geometry (made once per global shape, so that compiled calls only read it).  Construction is not
-    collective and checks the window arguments (every rank raises alike); the output
-    extent is checked per call, on the gathered global shape, on every worker.  The
-    attributes are :class:`WindowLayer`'s.
+    Subclasses set ``nd`` and ``fill`` and define ``_block``, the pooling of a staged window.
+    Construction is not collective; the output extent is checked per call, on the agreed
+    global shape.
     """
 
     nd: int = 0
@@ -231,15 +337,12 @@ class DistributedPoolBase(WindowLayer):
         op = type(self).__name__
         check_partition(op, "P_x", P_x, self.nd)
         super().__init__(P_x, self.nd, static_shapes)
-        self.opts = PoolOptions.make(op, self.nd, kernel_size, stride, padding, dilation, ceil_mode)
-        o = self.opts
+        self.opts = o = PoolOptions.make(op, self.nd, kernel_size, stride, padding, dilation, ceil_mode)
         self.kernel_size, self.stride, self.padding = o.kernel_size, o.stride, o.padding
         self.dilation, self.ceil_mode = o.dilation, o.ceil_mode
 
     def _layer_key(self):
         return self.opts, self.P_x.ranks, self.P_x.shape
-
-    # ------------------------------------------------------------ geometry
 
     def plan(self, global_shape: Sequence[int]) -> HaloPlan:
         """The plan for a global input shape; raises the same error on every worker for geometry torch refuses."""
@@ -253,33 +356,8 @@ class DistributedPoolBase(WindowLayer):
         except DistfuseError as exc:
             raise type(exc)(f"{where(op)}: global input shape {G}: {exc}") from None
 
-    def _halo_plan(self, global_shape: tuple[int, ...]) -> HaloPlan:
+    def _plan_for(self, global_shape: tuple[int, ...], dtype, device) -> HaloPlan:
         return self.plan(global_shape)
-
-    def _plan_for(self, global_shape: tuple[int, ...], x: torch.Tensor) -> HaloPlan:
-        return self.plan(global_shape)
-
-    def window_record(self, global_shape: Sequence[int], device: torch.device) -> PoolWindow:
-        """This worker's :class:`PoolWindow` for a global shape (made once per shape and device type, then read)."""
-        key = (tuple(int(e) for e in global_shape), device.type)
-        rec = self._windows.get(key)
-        if rec is None:
-            plan = self.plan(key[0])
-            index = tuple(self.P_x.index[2:])
-            rec = self._windows[key] = PoolWindow(plan, index, staging_record(plan, index), plan.output_shape(index),
-                                                  self._block_constants(plan, index, key[0], device))
-        return rec
-
-    def _window_of(self, global_shape: tuple[int, ...], x: torch.Tensor) -> PoolWindow:
-        return self.window_record(global_shape, x.device)
-
-    def _block_constants(self, plan: HaloPlan, index: tuple[int, ...], global_shape: tuple[int, ...],
-                         device: torch.device):
-        """What :meth:`_pool_block` needs beyond the staged window, from the geometry alone (subclasses)."""
-        return None
-
-    def _block(self, x, staged: torch.Tensor, win: PoolWindow, info: CallInfo, out_shape: tuple[int, ...]):
-        return self._pool_block(staged, win, out_shape, info.global_shape)
 
     def extra_repr(self) -> str:
         o = self.opts
@@ -290,4 +368,3 @@ class DistributedPoolBase(WindowLayer):
 def check_16bit_cpu(t: torch.Tensor) -> bool:
     """Whether ``t`` is a 16-bit CPU tensor (the layers compute those in fp32 and round once)."""
     return t.device.type == "cpu" and t.dtype in (torch.float16, torch.bfloat16)
-

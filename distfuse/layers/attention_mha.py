@@ -16,53 +16,45 @@ of them on each tensor worker)::
              q, k, v = F.linear(x', w_q, b_q), ...  -> [B, H_t, S_r, D], [B, Hkv_t, S_r, D]      local
              o = ring attention over the context axis (distributed_attention: K/V blocks travel the ring)
              y = replicated_sum(F.linear(o, w_o)) over the tensor axis  + b_o     (one all-reduce; adjoint identity)
-    params   every block enters through replicate over the context axis (one flat copy, one all-reduce of
-             the gradients in backward): the context workers see different tokens of one sum
+    params   every block enters through replicate over the context axis (one flat copy per forward where
+             they take a gradient, one all-reduce of the gradients in backward): the context workers see
+             different tokens of one sum
 
-Every worker of the tensor axis holds the same ``y``, and the layers after it compute the same
-function of it (Megatron's "f" and "g": ``replicate`` / ``replicated_sum`` of
-:mod:`distfuse.primitives.all_sum_reduce`), so each seeds the whole ``dy``: the output's sum has the
-identity as adjoint, and each tensor worker's ``dx`` is the part of its heads, summed over the tensor
-axis by ``replicate``'s adjoint.  The bias of ``out_proj`` is added after the sum on every worker
-(one copy per tensor worker, each with the whole gradient, so no sum over the tensor axis); like
-every parameter, its gradient is summed over the context axis.  Grouped-query attention splits
-without moving anything: query head ``h`` uses key/value head ``h // (H / Hkv)``, and the tensor
-worker ``t`` holding query heads ``[t H_t, (t+1) H_t)`` holds exactly their key/value heads
-``[t Hkv_t, (t+1) Hkv_t)``.
+Every worker of the tensor axis holds the same ``y`` and seeds the whole ``dy`` (Megatron's
+"f" and "g", :mod:`distfuse.primitives.all_sum_reduce`), so the output's sum has the
+identity as adjoint, and ``replicate``'s adjoint sums the tensor workers' ``dx``.  The bias
+of ``out_proj`` is added after the sum (each copy gets the whole gradient).  Grouped-query
+attention splits without moving anything: query head ``h`` uses key/value head ``h // (H /
+Hkv)``, and the tensor worker holding query heads ``[t H_t, (t+1) H_t)`` holds exactly their
+key/value heads ``[t Hkv_t, (t+1) Hkv_t)``.
 
-Cost per call: one all-reduce of ``[B, S_r, E]`` over the tensor axis and the ring's ``P_cp - 1``
-K/V steps (forward); in backward the ring again, one all-reduce of ``dx`` over the tensor axis and
-one of the flattened parameter gradients over the context axis.  The parameters are copied once per
-forward into one flat buffer when the context axis has more than one worker and they take a
-gradient (the replicate's copy, which its adjoint needs).
+Sequence-parallel (``sequence_parallel=True``, Megatron's layout between the projections): ``x``
+and ``y`` are ``[B, S_rt, E]``, the tensor worker's balanced block of its context index's rows,
+and the two sums over the tensor axis become a gather and a scatter of rows::
 
-The sequential twin is :class:`MultiheadSelfAttention` (``q_proj``, ``k_proj``, ``v_proj``,
-``out_proj`` linears and ``scaled_dot_product_attention``; torch's ``nn.MultiheadAttention`` fuses the
-input projections and has no grouped-query or causal flag): ``param_layouts()`` names its keys, so
-``load_sequential`` / ``collect_sequential`` move weights between the two, and with one seed on every
-rank the initial blocks are those of one ``MultiheadSelfAttention`` (every rank draws the global
-tensors in torch's order and keeps its block).
+    qkv   = all_gather_rows(x) @ [w_q; w_k; w_v].T + [b_q; b_k; b_v]    [B, S_r, (H_t + 2 Hkv_t) D]
+    y     = reduce_scatter_rows(o @ w_o.T) + b_o on this worker's rows   [B, S_rt, E]
+    adjoint  dx = reduce_scatter_rows(dqkv @ [w_q; w_k; w_v]); do = all_gather_rows(dy) @ w_o
 
-Checks.  The call (``x`` 3-D with ``E`` features, one dtype with the parameters, the same batch,
-dtype and grad settings on every worker, the same rows on every worker of the tensor axis, row
-counts that are the layout's blocks of one ``S`` over the context axis) is agreed through the
-layer's :class:`~distfuse.primitives.agreement_session.AgreementSession` over ``P`` before any data
-moves; a misuse raises the same :class:`~distfuse.errors.ShapeError` on every worker of ``P``.  The
-values of ``x`` are trusted to be the same over the tensor axis (not hashed).  The ring attention
-agrees on its own call over the context axis as well (its own session).
+The two are the ops of the sequence-parallel linears (:class:`~distfuse.layers.DistributedLinearAllGather`
+and :class:`~distfuse.layers.DistributedLinearReduceScatter` with ``P_x`` / ``P_y``): the fused
+all-gather + GEMM and GEMM + reduce-scatter (:mod:`distfuse.fused`) where dispatch chooses them
+(``last_decisions``), else the AllGather / ReduceScatter primitives around ``F.linear``.  The three
+input projections share one gather: their weight blocks are stacked for the one GEMM.  The
+output bias goes through ``replicate`` over the tensor axis, since each worker adds it to its own
+rows only.  The volume moved equals the replicated layout's (its all-reduce in each direction is
+a reduce-scatter plus an all-gather), the gathers and scatters can hide behind their GEMMs, and
+every activation outside the attention is ``P_tp`` times smaller.
 
-One forward for every mode: ``torch.compile(fullgraph=True)`` traces the layer without a graph
-break once an eager call has settled both sessions.  The compiled forward graph holds, in order,
-the layer's ``distfuse::flag_check`` (over ``P``), ``distfuse::replicate`` of the flat parameters
-(context axis) and of ``x`` (tensor axis) where they take a gradient, the ring's
-``distfuse::flag_check`` (context axis) and ``distfuse::ring_attention`` (the whole ring, one op),
-and ``distfuse::replicate_adjoint`` (the sum over the tensor axis); the backward graph their
-adjoints, ``distfuse::ring_attention_backward`` among them.  Eager and compiled calls run the
-same implementations and agree bitwise.  A compiled call before any eager call is refused on
-every worker; a changed sequence length under the compiled layer raises the same ``ShapeError``
-on every worker (the layer's flag), and one eager call agrees afresh.
+The sequential twin is :class:`MultiheadSelfAttention` (torch's ``nn.MultiheadAttention``
+fuses the input projections and has no grouped-query or causal flag): ``param_layouts()``
+names its keys, so ``load_sequential`` / ``collect_sequential`` move weights between the two.
 
-Workers outside ``P`` pass a zero-volume tensor and get one back.
+The agreed call (over ``P``; the ring agrees over the context axis with its own session):
+``x`` 3-D with ``E`` features, one dtype with the parameters, the same batch, dtype and grad
+settings everywhere, the same rows over the tensor axis (trusted, not hashed; sequence-parallel:
+the balanced blocks of the context index's rows), row counts that are the layout's blocks of
+one ``S``.
 """
 
 from __future__ import annotations
@@ -71,20 +63,24 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, where
+from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
-from distfuse.layers._block_identity import BlockIdentityMixin
+from distfuse.layers._conv_common import AgreedLayer, cached_partition
+from distfuse.layers._linear_common import decide
 from distfuse.layers._norm_common import subgrid
-from distfuse.layers._params import ParamLayout
-from distfuse.layers.attention_ring import LAYOUTS, DistributedAttention
+from distfuse.layers._params import BlockIdentityMixin, ParamLayout
+from distfuse.layers.attention_ring import LAYOUTS, DistributedAttention, check_agreed
+from distfuse.layers.dispatch import Decision
+from distfuse.ops.fused_linear import make_call
 from distfuse.partition import CartesianPartition, zero_volume_tensor
 from distfuse.primitives._common import check_inactive_input, dtype_code, dtype_of_code, gather_records
-from distfuse.primitives.agreement_session import AgreementSession
+from distfuse.primitives.all_gather import all_gather
 from distfuse.primitives.all_sum_reduce import SubGridSum, replicate, replicated_sum
+from distfuse.primitives.reduce_scatter import reduce_scatter
 
 __all__ = ["DistributedMultiheadAttention", "MultiheadSelfAttention"]
 
@@ -155,22 +151,10 @@ class MhaCall:
     S: int
     input_grad: bool
     param_grad: bool
+    lengths: tuple[int, ...]  # the rows of each context index (summed over the tensor axis when sequence-parallel)
 
 
-_O_GRIDS: dict[tuple, CartesianPartition] = {}
-
-
-def _out_grid(P: CartesianPartition) -> CartesianPartition:
-    """``[P_cp, 1, P_tp]`` over ``P``'s workers, cached: ``out_proj.weight``'s layout, whose rows stay whole (a unit
-    axis splits them) and whose columns split over the tensor axis (collective over the world, like every partition
-    creation)."""
-    key = (id(dist.group.WORLD), P.ranks, P.shape)
-    if key not in _O_GRIDS:
-        _O_GRIDS[key] = P.create_cartesian_topology_partition((P.shape[0], 1, P.shape[1]))
-    return _O_GRIDS[key]
-
-
-class DistributedMultiheadAttention(BlockIdentityMixin, nn.Module):
+class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
     """:class:`MultiheadSelfAttention` with its heads split over the tensor axis of ``P = [P_cp, P_tp]`` and its
     sequence over the context axis (see the module docstring).
 
@@ -182,18 +166,20 @@ class DistributedMultiheadAttention(BlockIdentityMixin, nn.Module):
         causal: mask by global position (a query attends to the keys at or before it).
         layout: the rows a context worker holds: ``"contiguous"`` (balanced blocks, any ``S``) or ``"zigzag"``
             (:func:`~distfuse.layers.attention_ring.load_balanced_split`, ``S % (2 P_cp) == 0``).
+        sequence_parallel: the input and output rows split over the tensor axis too (Megatron's sequence
+            parallelism): the projections are then the fused all-gather + GEMM and GEMM + reduce-scatter ops where
+            dispatch says so (see the module docstring).
         device, dtype: of the parameter blocks (default: ``P``'s device, torch's default dtype).
 
-    Attributes:
-        q_proj_weight, q_proj_bias, k_proj_weight, k_proj_bias, v_proj_weight, v_proj_bias: this worker's rows.
-        out_proj_weight: this worker's columns; out_proj_bias: the whole bias (None outside ``P``, biases None
-            without ``bias``).
-        attention: the :class:`~distfuse.layers.attention_ring.DistributedAttention` on the context sub-grid.
-        session: the layer's :class:`~distfuse.primitives.agreement_session.AgreementSession` over ``P``.
+    Attributes: ``{q,k,v}_proj_weight`` / ``_bias`` this worker's rows, ``out_proj_weight`` its columns,
+    ``out_proj_bias`` the whole bias; ``attention`` the :class:`~distfuse.layers.attention_ring.DistributedAttention`
+    on the context sub-grid; ``last_decisions`` the path each projection took in the latest sequence-parallel
+    forward (``{"qkv": Decision, "out_proj": Decision}``).
     """
 
     def __init__(self, P: CartesianPartition, embed_dim: int, num_heads: int, num_kv_heads: int | None = None,
-                 bias: bool = True, causal: bool = False, layout: str = "contiguous", device=None, dtype=None):
+                 bias: bool = True, causal: bool = False, layout: str = "contiguous", sequence_parallel: bool = False,
+                 device=None, dtype=None):
         super().__init__()
         op = type(self).__name__
         if not isinstance(P, CartesianPartition) or P.dim != 2:
@@ -215,9 +201,20 @@ class DistributedMultiheadAttention(BlockIdentityMixin, nn.Module):
         # Collective over the world, in the same order on every rank (the handles name them in graphs).
         self._ctx = SubGridSum(op, subgrid(P, [0]))
         self._tp = SubGridSum(op, subgrid(P, [1]))
-        self._P_out = _out_grid(P)
-        self.session = AgreementSession(op, P)
-        self.agreement = self.session.site
+        # out_proj.weight's layout [P_cp, 1, P_tp]: its rows stay whole, its columns split over the tensor axis.
+        self._P_out = cached_partition(("out_proj", P.ranks, P.shape),
+                                       lambda: P.create_cartesian_topology_partition((P.shape[0], 1, P.shape[1])))
+        self.sequence_parallel = bool(sequence_parallel)
+        self.last_decisions: dict[str, Decision] = {}
+        if self.sequence_parallel:
+            # The rows split over the tensor axis: [1, P_tp, 1] within each context index, the group of the gathers,
+            # the scatters and their fused GEMMs (collective over the world).
+            P_seq = cached_partition(("seq", P.ranks, P.shape),
+                                     lambda: P.create_cartesian_topology_partition((P.shape[0], P.shape[1], 1)))
+            self._P_rows = subgrid(P_seq, [1])
+            self._gather_gemm = make_call("all_gather_matmul", self._P_rows, owner=op)
+            self._gemm_scatter = make_call("matmul_reduce_scatter", self._P_rows, owner=op)
+        self._agree_over(P)
         self.attention = DistributedAttention(self._ctx.P, causal=self.causal, layout=layout)
         device = torch.device(device) if device is not None else P.device
         kw = dict(device=device, dtype=dtype)
@@ -242,11 +239,7 @@ class DistributedMultiheadAttention(BlockIdentityMixin, nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """``torch.nn.Linear``'s initialisation of each projection on the global tensors, in
-        :class:`MultiheadSelfAttention`'s order; each worker keeps its block.
-
-        Every rank draws every tensor (as :class:`~distfuse.layers.embedding.DistributedEmbedding` does): with one
-        seed on every rank the blocks are those of one ``MultiheadSelfAttention`` and the copies are equal.
-        """
+        :class:`MultiheadSelfAttention`'s order, on every rank; each worker keeps its block."""
         if not self.P.active:
             return
         like = self.q_proj_weight
@@ -300,17 +293,55 @@ class DistributedMultiheadAttention(BlockIdentityMixin, nn.Module):
         if record is None:  # a replayed call that flagged: the flag round raises on every worker
             return x.new_empty((0,))
         wq, bq, wk, bk, wv, bv, wo, bo = self._over_context(params, record.param_grad)
-        if record.input_grad and self._tp.P.size > 1:
-            x = replicate(x, self._tp.handle)
-        B, S_r, D = x.shape[0], x.shape[1], self.head_dim
-        q = F.linear(x, wq, bq).view(B, S_r, self.local_heads, D).transpose(1, 2)
-        k = F.linear(x, wk, bk).view(B, S_r, self.local_kv_heads, D).transpose(1, 2)
-        v = F.linear(x, wv, bv).view(B, S_r, self.local_kv_heads, D).transpose(1, 2)
+        B, D = x.shape[0], self.head_dim
+        widths = [self.local_heads * D, self.local_kv_heads * D, self.local_kv_heads * D]
+        if self.sequence_parallel:
+            S_r = record.lengths[self.P.index[0]]  # the context index's rows, gathered over the tensor axis
+            packed_b = torch.cat([bq, bk, bv]) if bq is not None else None
+            qkv = self._projection("qkv", x, torch.cat([wq, wk, wv]), packed_b, S_r)
+        else:
+            if record.input_grad and self._tp.P.size > 1:
+                x = replicate(x, self._tp.handle)
+            S_r = x.shape[1]
+            qkv = F.linear(x, torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv]) if bq is not None else None)
+        q, k, v = qkv.split(widths, dim=-1)
+        heads = (self.local_heads, self.local_kv_heads, self.local_kv_heads)
+        q, k, v = (t.reshape(B, S_r, h, D).transpose(1, 2) for t, h in zip((q, k, v), heads, strict=True))
         o = self.attention(q, k, v).transpose(1, 2).reshape(B, S_r, self.local_heads * D)
+        if self.sequence_parallel:
+            if bo is not None and record.param_grad and self._tp.P.size > 1:
+                bo = replicate(bo, self._tp.handle)  # each tensor worker adds it to its own rows: a partial gradient
+            return self._projection("out_proj", o, wo, bo, S_r)
         y = F.linear(o, wo)
         if self._tp.P.size > 1:
             y = replicated_sum(y, self._tp.handle)
         return y + bo if bo is not None else y
+
+    def _projection(self, kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
+        """A sequence-parallel projection: ``"qkv"`` gathers the rows ``[B, n_t, E]`` over the tensor axis into
+        ``[B, n, E]`` and multiplies (``y [B, n, rows of w]``); ``"out_proj"`` multiplies ``[B, n, H_t D]`` and
+        reduce-scatters the rows (``y [B, n_t, E]``, ``b`` added to this worker's rows).  Fused or unfused as
+        :func:`~distfuse.layers._linear_common.decide` says, the decision remembered for compiled calls."""
+        op, P_rows = type(self).__name__, self._P_rows
+        entry = registry.ALL_GATHER_MATMUL if kind == "qkv" else registry.MATMUL_REDUCE_SCATTER
+        gemm = dict(m=x.shape[0] * n, n=w.shape[0], k=w.shape[1])
+
+        def available():
+            from distfuse.fused.matmul_common import fused_linear_available
+
+            return fused_linear_available(P_rows, x.device, x.dtype)
+
+        decision = self.session.remember((kind, gemm["m"], x.dtype), lambda: decide(
+            entry.name, f"{op}.{kind}", gemm, x.dtype, P_rows.size, x.device, available=available))
+        self.last_decisions[kind] = decision
+        if kind == "qkv":
+            if decision.path == "fused":
+                return self._gather_gemm(x, w, b, n)
+            return F.linear(all_gather(x, P_rows, out_shape=[x.shape[0], n, x.shape[2]]), w, b)
+        if decision.path == "fused":
+            return self._gemm_scatter(x, w, b)
+        y = reduce_scatter(F.linear(x, w), P_rows)
+        return y + b if b is not None else y
 
     def _over_context(self, params: list, param_grad: bool) -> list:
         """The parameter blocks through ``replicate`` over the context axis (their gradients summed there), as one flat
@@ -342,22 +373,29 @@ class DistributedMultiheadAttention(BlockIdentityMixin, nn.Module):
         if bad:
             raise ShapeError(f"{where(op)}: " + "; ".join(
                 f"world rank {w}: {_PROBLEMS[r[0]]} (got x {r[1:4]})" for w, r in bad))
-        names = ("batch B", "dtype", "grad setting of x (grad mode on and x.requires_grad)",
-                 "grad settings of the parameters (grad mode on and requires_grad, one bit per parameter)")
-        for name, slot in zip(names, (1, 4, 5, 6), strict=True):
-            vals = {P.ranks[j]: r[slot] for j, r in enumerate(rows)}
-            if len(set(vals.values())) > 1:
-                shown = {w: str(dtype_of_code(v)) for w, v in vals.items()} if slot == 4 else vals
-                raise ShapeError(f"{where(op)}: the workers of P must agree on the {name}; got {shown} "
-                                 "(world rank: value)")
+        check_agreed(op, "P", P, rows, {1: "the batch B", 4: "the dtype",
+                                        5: "the grad setting of x (grad mode on and x.requires_grad)",
+                                        6: "the grad settings of the parameters (grad mode on and requires_grad, "
+                                           "one bit per parameter)"}, {4: lambda v: str(dtype_of_code(v))})
         p_cp, p_tp = P.shape
-        lengths = [rows[P.rank_of((c, 0))][2] for c in range(p_cp)]
-        for j, r in enumerate(rows):
-            c = P.index_of(j)[0]
-            if r[2] != lengths[c]:
-                raise ShapeError(f"{where(op)}: x is replicated over the tensor axis, so every worker of a context "
-                                 f"index holds the same rows; world rank {P.ranks[j]} (P index {P.index_of(j)}) holds "
-                                 f"{r[2]}, world rank {P.ranks[P.rank_of((c, 0))]} holds {lengths[c]}")
+        if self.sequence_parallel:
+            lengths = [sum(rows[P.rank_of((c, t))][2] for t in range(p_tp)) for c in range(p_cp)]
+            for j, r in enumerate(rows):
+                c, t = P.index_of(j)
+                if r[2] != block_extent(lengths[c], p_tp, t):
+                    raise ShapeError(f"{where(op)}: sequence-parallel: the tensor axis splits each context index's "
+                                     f"rows into balanced blocks; world rank {P.ranks[j]} (P index {(c, t)}) holds "
+                                     f"{r[2]} rows, block {t} of {lengths[c]} over {p_tp} workers is "
+                                     f"{block_extent(lengths[c], p_tp, t)}")
+        else:
+            lengths = [rows[P.rank_of((c, 0))][2] for c in range(p_cp)]
+            for j, r in enumerate(rows):
+                c = P.index_of(j)[0]
+                if r[2] != lengths[c]:
+                    raise ShapeError(f"{where(op)}: x is replicated over the tensor axis, so every worker of a "
+                                     f"context index holds the same rows; world rank {P.ranks[j]} (P index "
+                                     f"{P.index_of(j)}) holds {r[2]}, world rank {P.ranks[P.rank_of((c, 0))]} holds "
+                                     f"{lengths[c]}")
         S = sum(lengths)
         if self.layout == "zigzag":
             ok = S % (2 * p_cp) == 0 and all(n == S // p_cp for n in lengths)
@@ -368,9 +406,10 @@ class DistributedMultiheadAttention(BlockIdentityMixin, nn.Module):
         if not ok:
             raise ShapeError(f"{where(op)}: the context axis's row counts {lengths} are not the {self.layout} "
                              f"layout's blocks of S = {S} over {p_cp} workers (expected {want})")
-        return MhaCall(S, bool(rows[0][5]), bool(rows[0][6]))
+        return MhaCall(S, bool(rows[0][5]), bool(rows[0][6]), tuple(lengths))
 
     def extra_repr(self) -> str:
         return (f"P={list(self.P.shape)}, {self.embed_dim}, num_heads={self.num_heads}, "
-                f"num_kv_heads={self.num_kv_heads}, causal={self.causal}, layout={self.layout!r}")
+                f"num_kv_heads={self.num_kv_heads}, causal={self.causal}, layout={self.layout!r}, "
+                f"sequence_parallel={self.sequence_parallel}")
 

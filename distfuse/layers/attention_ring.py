@@ -18,15 +18,13 @@ Forward (``W`` steps; at step ``t`` worker ``r`` holds the K/V block of worker `
     end:      out = acc / l,  lse = m + log l
 
 GQA expands nothing: ``q`` is viewed as ``[B, Hkv, G * S_r, D]`` (query head ``h`` uses K/V head
-``h // G``, as ``scaled_dot_product_attention(enable_gqa=True)``), so each K/V head's scores are one
-batched GEMM against its ``G`` query heads, and ``dS^T q`` sums the group's gradients into the
-``Hkv`` heads by the same GEMM.  16-bit inputs are computed in fp32 (scores, statistics,
-accumulators; the blocks travel in the input dtype), fp32 and fp64 in their own precision.
+``h // G``), so each K/V head's scores are one batched GEMM against its ``G`` query heads, and
+``dS^T q`` sums the group's gradients by the same GEMM.  16-bit inputs are computed in fp32
+(the blocks travel in the input dtype).
 
-Backward (the standard ring-attention adjoint; ``distfuse::ring_attention_backward``, see "One
-forward for every mode" below).  With ``P = exp(s - lse)``
-(the softmax, recomputed block by block from the saved global ``lse``) and ``dO`` the output
-gradient, for each block ``j`` of keys::
+Backward (the standard ring-attention adjoint, ``distfuse::ring_attention_backward``).  With
+``P = exp(s - lse)`` (the softmax, recomputed block by block from the saved global ``lse``) and
+``dO`` the output gradient, for each block ``j`` of keys::
 
     dV_j  = P_j^T dO                    [B, Hkv, S_j, D]   (sums the G query heads of a group)
     dP_j  = dO V_j^T                    [B, Hkv, G S_r, S_j]
@@ -39,11 +37,10 @@ Why it is the adjoint: ``out = P V`` with ``P = softmax(s)`` row by row; ``d out
 ``P^T dO``; the softmax's Jacobian ``diag(P) - P P^T`` applied to ``dP`` gives ``P * (dP - rowsum(P
 * dP))``, and ``rowsum(P * dP) = rowsum(P * (dO V^T)) = dO . (P V) = dO . out``.  Every key block's
 terms are additive, so the blocks may be visited in any order, as long as each block's ``dK_j, dV_j``
-(summed over every worker's queries) reach its owner.  Hence the ring again: the K/V blocks make the
-same ``W - 1`` steps as in the forward, and the ``dK, dV`` accumulators (fp32 for 16-bit inputs)
-follow them one step behind: at step ``t`` worker ``r`` adds its terms for block ``src`` to the
-accumulator that arrived from ``r - 1`` (which already holds the terms of workers ``src .. r - 1``) and
-passes it on; after ``W`` sends every accumulator is back with its block's owner::
+(summed over every worker's queries) reach its owner.  Hence the ring again, the ``dK, dV``
+accumulators one step behind the K/V blocks: at step ``t`` worker ``r`` adds its terms for block
+``src`` to the accumulator that arrived from ``r - 1`` and passes it on; after ``W`` sends every
+accumulator is back with its block's owner::
 
     step t:   post  kv send/recv as in the forward                           (t < W-1)
               local dQ, dK_src, dV_src terms
@@ -54,66 +51,30 @@ passes it on; after ``W`` sends every accumulator is back with its block's owner
 
 So each step's GEMMs run while the next K/V block and the previous accumulator are in flight.
 
-Layouts (``layout=``), which say which global positions a worker's rows are (only the causal mask
-reads them; ``local_positions`` returns them, e.g. for rotary embeddings):
+Layouts (``layout=``) say which global positions a worker's rows are (only the causal mask
+reads them; :func:`local_positions`).  ``"contiguous"``: the balanced block (any ``S``; the
+ring messages then differ in size from step to step, and causal attention is unbalanced:
+worker ``W - 1`` computes ``W`` blocks, worker 0 one).  ``"zigzag"``
+(:func:`load_balanced_split`): fully masked (query run, key run) pairs are skipped, so every
+worker computes half a block per causal step.  A query row with no key to attend to (all
+masked by ``attn_mask``) returns zeros and gets zero gradients (``scaled_dot_product_attention``
+returns NaN there).
 
-* ``"contiguous"``: worker ``r`` holds the balanced block ``block_range(S, W, r)``
-  (:mod:`distfuse.geometry.decomposition`); ``S`` need not divide by ``W``, and the ring messages
-  then differ in size from step to step (both ends know every size from the decomposition, so no
-  size travels).  Causal attention is unbalanced here: worker ``W - 1`` computes ``W`` blocks,
-  worker 0 one.
-* ``"zigzag"`` (load-balanced): the sequence is cut into ``2W`` chunks and worker ``r`` holds chunks
-  ``r`` and ``2W - 1 - r`` (:func:`load_balanced_split`; :func:`load_balanced_order` permutes a
-  global tensor into that order).  Requires ``S % (2W) == 0``.  Under the causal mask a step with
-  ``src < r`` needs both query chunks against the early key chunk only, a step with ``src > r`` the
-  late query chunk against both key chunks: half a block each, on every worker.
+``P_cp`` is a 1-D partition (its rank order is the ring order), such as the sequence axis of
+a larger grid (``P.create_cartesian_subtopology_partition([False, True])`` of a ``[data,
+context]`` grid).  Each step is one ``batch_isend_irecv`` on distfuse's world group, waited on
+later.  The workers agree on the call over ``P_cp``: 4-D ``q, k, v`` with one dtype, ``Hq %
+Hkv == 0``, the same ``B, Hq, Hkv, D``, dtype, ``causal``, ``layout``, ``scale``, mask presence
+and grad setting, and local lengths that are the layout's blocks of one ``S``.  The
+functional form keeps one session per ``P_cp``; :class:`DistributedAttention` owns its own
+(use one module per call site, so that calls of several shapes each settle once).
 
-Fully masked (query run, key run) pairs are skipped (no GEMM); that skip is where zig-zag's balance
-comes from.  A query row with no key to attend to (all masked by ``attn_mask``) returns zeros and
-gets zero gradients (``scaled_dot_product_attention`` returns NaN there).
-
-Partitions.  ``P_cp`` is a 1-D partition of the ``W`` context-parallel workers: a plain
-:class:`~distfuse.partition.Partition` (its rank order is the ring order) or a
-:class:`~distfuse.partition.CartesianPartition` with one extent above 1.  From a larger grid,
-take the sequence axis as a sub-grid: ``P = P_world.create_partition_inclusive(range(8))
-.create_cartesian_topology_partition([2, 4])`` (data x context) and ``P_cp =
-P.create_cartesian_subtopology_partition([False, True])`` (every worker gets its own row's ``[1, 4]``
-ring; the call is collective over the world, as every partition creation).  The messages run
-point to point on distfuse's world group (``DISTFUSE_TIMEOUT``), as every primitive's round
-(:mod:`distfuse.primitives._common`), each step one ``batch_isend_irecv`` that is waited on later.
-
-Checks.  Before any data moves, the workers agree on the call through an
-:class:`~distfuse.primitives.agreement_session.AgreementSession` over ``P_cp``: in eager calls a
-one-integer flag all-reduce on ``P_cp``'s host group while every worker's signature repeats, and on
-the first call, on a change or on a local failure a gather of one int64 record per worker, checked
-alike on every worker:
-4-D ``q, k, v`` with one dtype, ``Hq % Hkv == 0``, the same ``B, Hq, Hkv, D``, dtype, ``causal``,
-``layout``, ``scale``, mask presence and grad setting everywhere, and local lengths that are the
-layout's blocks of one ``S``.  A misuse raises the same :class:`~distfuse.errors.ShapeError` on every
-worker, naming the world ranks at fault; nothing waits.  Every worker must call the backward when
-one does (the grad setting is agreed; the backward is a ring too).  The functional form keeps one
-session per ``P_cp``; :class:`DistributedAttention` owns its own (a model with attention calls of
-several shapes on one partition should use one module per call site, so that each settles once).
-
-One forward for every mode.  The whole ring is one custom op, ``distfuse::ring_attention(q, k, v,
-mask?, handle, S, causal, layout, scale) -> (out, lse)``, whose registered backward is
-``distfuse::ring_attention_backward`` (the backward ring above; both ``ORDERED``), built like the
-fused linears' phase ops (:mod:`distfuse.ops.fused_linear`): the forward op returns ``lse`` and
-``out`` for the backward, ``handle`` names the call site's ring (:mod:`distfuse.primitives._handles`),
-``S`` is the agreed global length.  ``ring_attention`` (an
-:class:`~distfuse.primitives._op_pair.OpEntry`) calls the op while compiling, and in eager calls an
-``autograd.Function`` over the same two implementations (no custom-op dispatch), so compiled and
-eager calls send the same messages and agree bitwise.  Under ``torch.compile(fullgraph=True)`` a
-call traces without a graph break: the session replays the state the last eager call settled, with
-``distfuse::flag_check`` as its graph op; a compiled call before any eager call is refused on
-every worker (``UnsupportedError``, "call the layer once eagerly"), and a compiled call whose
-inputs changed (a new sequence length on some worker) raises the same ``ShapeError`` on every
-worker, after which one eager call agrees afresh.  First-order only in every mode: a backward
-with ``create_graph=True`` is refused by name in eager calls, and the backward op has no gradient
-of its own.  Checked with ``aot_eager`` (``tests/test_compile_attention.py``); inductor is not
-tested here (pass ``distfuse.ops.INDUCTOR_OPTIONS`` with it, as for every layer).
-
-Workers outside ``P_cp`` pass zero-volume tensors and get a zero-volume tensor back.
+The whole ring is one op, ``distfuse::ring_attention(q, k, v, mask?, handle, S, causal, layout,
+scale) -> (out, lse)``, with its registered backward ``distfuse::ring_attention_backward`` (both
+``ORDERED``; ``handle`` names the call site's ring, ``S`` is the agreed global length), built
+like the fused linears' phase ops (:mod:`distfuse.ops.fused_linear`).  First-order only: a
+backward with ``create_graph=True`` is refused by name.  Compiled with ``aot_eager`` in the
+tests; inductor is untested (pass ``distfuse.ops.INDUCTOR_OPTIONS`` with it).
 """
 
 from __future__ import annotations
@@ -144,7 +105,7 @@ from distfuse.primitives._op_pair import OpEntry, ordered
 from distfuse.primitives.agreement_session import AgreementSession
 
 __all__ = ["distributed_attention", "DistributedAttention", "load_balanced_split", "load_balanced_order",
-           "local_positions"]
+           "local_positions", "check_agreed"]
 
 OP = "distributed_attention"
 LAYOUTS = ("contiguous", "zigzag")
@@ -217,7 +178,6 @@ _PROBLEMS = (
     "q, k, v (and attn_mask) must be on the partition's device type",
     f"layout must be one of {LAYOUTS}",
 )
-_REC = 22  # record length
 
 
 def _local_problem(P, q, k, v, mask, layout) -> int:
@@ -263,34 +223,29 @@ def _signature(problem, q, k, v, mask, causal, layout, scale, grad, devices) -> 
             None if mask is None or not ok else tuple(mask.shape), bool(causal), layout, scale, bool(grad), devices)
 
 
-@dataclass(frozen=True)
-class _Agreed:
-    """What every worker agreed on: the global call."""
-
-    B: int
-    Hq: int
-    Hkv: int
-    D: int
-    S: int
-    dtype: torch.dtype
-    has_mask: bool
+def check_agreed(op: str, what: str, P, rows: list[list[int]], names: dict[int, str], show: dict | None = None) -> None:
+    """Raise the same ShapeError on every worker unless every worker's record holds one value in each slot of
+    ``names`` (``show`` formats a slot's values for the message)."""
+    for slot, name in names.items():
+        vals = {P.ranks[i]: r[slot] for i, r in enumerate(rows)}
+        if len(set(vals.values())) > 1:
+            fmt = (show or {}).get(slot, lambda x: x)
+            raise ShapeError(f"{where(op)}: the workers of {what} must agree on {name}; got "
+                             f"{ {w: fmt(x) for w, x in vals.items()} } (world rank: value)")
 
 
-def _check_records(op: str, P, rows: list[list[int]], layout: str) -> _Agreed:
-    """Every worker runs this on the same records, so it raises the same error everywhere."""
+def _check_records(op: str, P, rows: list[list[int]], layout: str) -> int:
+    """The agreed global length ``S``; every worker runs this on the same records, so it raises the same error
+    everywhere."""
     bad = [(P.ranks[i], r) for i, r in enumerate(rows) if r[0] != 0]
     if bad:
         raise ShapeError(f"{where(op)}: " + "; ".join(
             f"world rank {w}: {_PROBLEMS[r[0]]} (got q {r[1:5]}, k {r[5:9]}, v {r[9:13]})" for w, r in bad))
-    names = ("batch B", "query heads Hq", "key/value heads Hkv", "head dim D", "dtype", "attn_mask given",
-             "causal", "layout", "scale", "grad setting (grad mode on and an input that requires grad)")
-    slots = (1, 2, 6, 4, 13, 14, 17, 18, 19, 20)
-    for name, s in zip(names, slots, strict=True):
-        vals = {P.ranks[i]: r[s] for i, r in enumerate(rows)}
-        if len(set(vals.values())) > 1:
-            shown = {w: (str(dtype_of_code(x)) if s == 13 else LAYOUTS[x] if s == 18 else
-                         struct.unpack("<d", struct.pack("<q", x))[0] if s == 19 else x) for w, x in vals.items()}
-            raise ShapeError(f"{where(op)}: the workers of P_cp must agree on {name}; got {shown} (world rank: value)")
+    check_agreed(op, "P_cp", P, rows, {1: "batch B", 2: "query heads Hq", 6: "key/value heads Hkv", 4: "head dim D",
+                                       13: "dtype", 14: "attn_mask given", 17: "causal", 18: "layout", 19: "scale",
+                                       20: "grad setting (grad mode on and an input that requires grad)"},
+                 {13: lambda x: str(dtype_of_code(x)), 18: lambda x: LAYOUTS[x],
+                  19: lambda x: struct.unpack("<d", struct.pack("<q", x))[0]})
     W, S = P.size, sum(r[3] for r in rows)
     for i, r in enumerate(rows):
         want = _local_len(S, W, i, layout)  # raises for a zigzag S that 2W does not divide
@@ -298,16 +253,12 @@ def _check_records(op: str, P, rows: list[list[int]], layout: str) -> _Agreed:
             raise ShapeError(f"{where(op)}: the local sequence lengths are not the {layout} layout's blocks of "
                              f"S = {S} over W = {W}: world rank {P.ranks[i]} (ring position {i}) holds {r[3]} rows, "
                              f"expected {want} (got {[x[3] for x in rows]} in ring order)")
-    r0 = rows[0]
-    return _Agreed(B=r0[1], Hq=r0[2], Hkv=r0[6], D=r0[4], S=S, dtype=dtype_of_code(r0[13]), has_mask=bool(r0[14]))
+    return S
 
 
 class _Ring(HandleOwner):
-    """A call site's ring: ``P`` (``P_cp``) and its :class:`AgreementSession`; ``handle`` names it in graphs.
-
-    Made in the same order on every worker (the module's at construction, the functional form's on its first eager
-    call with the partition), so that the handles agree.
-    """
+    """A call site's ring: ``P`` (``P_cp``) and its :class:`AgreementSession`; ``handle`` names it in graphs (made
+    in the same order on every worker, so that the handles agree)."""
 
     def __init__(self, op: str, P):
         self.P = P
@@ -458,6 +409,32 @@ def _join_runs(geo: _Geo, parts: Sequence[torch.Tensor], last: int, like: torch.
 
 # ---------------------------------------------------------------- forward and backward
 
+def _kv_steps(geo: _Geo, k, v, mask):
+    """The ring's ``W`` steps: ``(src, k, v, mask)`` of the block this worker holds at step ``t`` (that of worker
+    ``src = (r - t) mod W``).  The next block's transfer is posted before the yield and waited for after it, so
+    the caller's work on this block overlaps it."""
+    cur = _pack(k, v, mask)
+    for t in range(geo.W):
+        src = (geo.r - t) % geo.W
+        works, nxt = [], None
+        if t < geo.W - 1:
+            nxt = cur.new_empty(_kv_numel(geo, src - 1))
+            works = _post(OP, [(geo.next, cur)], [(geo.prev, nxt)], _TAG_KV)
+        yield (src, *_unpack(geo, cur, src))
+        _wait(OP, works, (geo.next, geo.prev))
+        if nxt is not None:
+            cur = nxt
+
+
+def _block_scores(geo: _Geo, src: int, qr: list, kb, vb, maskb, acc_t):
+    """``(query run index, the key run's local slice, k_j, v_j, masked scores)`` of every (query run, key run) pair
+    of block ``src`` that is not fully masked (:func:`_pairs`), ``k_j`` and ``v_j`` in the accumulation dtype."""
+    for qi, _, qg, n, kl, kg, mm, partial in _pairs(geo, src):
+        ks = slice(kl, kl + mm)
+        kj, vj = kb[:, :, ks].to(acc_t), vb[:, :, ks].to(acc_t)
+        yield qi, ks, kj, vj, _masked_scores(geo, qr[qi] @ kj.transpose(-1, -2), qg, n, kg, mm, partial, maskb, kl)
+
+
 def _ring_forward(geo: _Geo, q, k, v, mask):
     """``(out [B, Hq, S_r, D] in q's dtype, lse [B, Hq, S_r] in the accumulation dtype)``."""
     acc_t = _acc_dtype(q.dtype)
@@ -465,17 +442,8 @@ def _ring_forward(geo: _Geo, q, k, v, mask):
     m = [torch.full(t.shape[:-1], -math.inf, dtype=acc_t, device=q.device) for t in qr]
     lsum = [torch.zeros(t.shape[:-1], dtype=acc_t, device=q.device) for t in qr]
     acc = [torch.zeros_like(t) for t in qr]
-    cur = _pack(k, v, mask)
-    for t in range(geo.W):
-        src = (geo.r - t) % geo.W
-        works, nxt = [], None
-        if t < geo.W - 1:  # post the next block's transfer before computing on this one
-            nxt = cur.new_empty(_kv_numel(geo, src - 1))
-            works = _post(OP, [(geo.next, cur)], [(geo.prev, nxt)], _TAG_KV)
-        kb, vb, maskb = _unpack(geo, cur, src)
-        for qi, _, qg, n, kl, kg, mm, partial in _pairs(geo, src):
-            kj, vj = kb[:, :, kl:kl + mm].to(acc_t), vb[:, :, kl:kl + mm].to(acc_t)
-            s = _masked_scores(geo, qr[qi] @ kj.transpose(-1, -2), qg, n, kg, mm, partial, maskb, kl)
+    for src, kb, vb, maskb in _kv_steps(geo, k, v, mask):
+        for qi, _, _, vj, s in _block_scores(geo, src, qr, kb, vb, maskb, acc_t):
             m_new = torch.maximum(m[qi], s.amax(-1))
             m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)  # a row with nothing to attend to yet
             p = torch.exp(s - m_safe.unsqueeze(-1))
@@ -483,9 +451,6 @@ def _ring_forward(geo: _Geo, q, k, v, mask):
             lsum[qi] = lsum[qi] * alpha + p.sum(-1)
             acc[qi] = acc[qi] * alpha.unsqueeze(-1) + p @ vj
             m[qi] = m_new
-        _wait(OP, works, (geo.next, geo.prev))
-        if nxt is not None:
-            cur = nxt
     outs, lses = [], []
     for mi, li, ai in zip(m, lsum, acc, strict=True):
         m_safe = mi.masked_fill(mi == -math.inf, 0.0)
@@ -505,27 +470,17 @@ def _ring_backward(geo: _Geo, q, k, v, mask, out, lse, dout):
     lser = [t.masked_fill(t == -math.inf, math.inf) for t in _query_runs(geo, lse.unsqueeze(-1))]
     lser = [t.squeeze(-1) for t in lser]
     dq = [torch.zeros_like(t) for t in qr]
-    cur = _pack(k, v, mask)
     dkv_works, dkv_in, dkv_out = [], None, None
     kv_shape = (geo.B, geo.Hkv)
-    for t in range(geo.W):
-        src = (geo.r - t) % geo.W
-        works, nxt = [], None
-        if t < geo.W - 1:
-            nxt = cur.new_empty(_kv_numel(geo, src - 1))
-            works = _post(OP, [(geo.next, cur)], [(geo.prev, nxt)], _TAG_KV)
-        kb, vb, maskb = _unpack(geo, cur, src)
-        n_src = geo.length(src)
-        dk = torch.zeros(kv_shape + (n_src, geo.D), dtype=acc_t, device=q.device)
+    for src, kb, vb, maskb in _kv_steps(geo, k, v, mask):
+        dk = torch.zeros(kv_shape + (geo.length(src), geo.D), dtype=acc_t, device=q.device)
         dv = torch.zeros_like(dk)
-        for qi, _, qg, n, kl, kg, mm, partial in _pairs(geo, src):
-            kj, vj = kb[:, :, kl:kl + mm].to(acc_t), vb[:, :, kl:kl + mm].to(acc_t)
-            s = _masked_scores(geo, qr[qi] @ kj.transpose(-1, -2), qg, n, kg, mm, partial, maskb, kl)
+        for qi, ks, kj, vj, s in _block_scores(geo, src, qr, kb, vb, maskb, acc_t):
             p = torch.exp(s - lser[qi].unsqueeze(-1))
-            dv[:, :, kl:kl + mm] += p.transpose(-1, -2) @ dor[qi]
+            dv[:, :, ks] += p.transpose(-1, -2) @ dor[qi]
             ds = p * (dor[qi] @ vj.transpose(-1, -2) - delta[qi].unsqueeze(-1))
             dq[qi] += ds @ kj
-            dk[:, :, kl:kl + mm] += ds.transpose(-1, -2) @ qr[qi]
+            dk[:, :, ks] += ds.transpose(-1, -2) @ qr[qi]
         if geo.W == 1:
             dkv_in = torch.cat([dk.reshape(-1), dv.reshape(-1)])
             break
@@ -537,9 +492,6 @@ def _ring_backward(geo: _Geo, q, k, v, mask, out, lse, dout):
         dkv_out = torch.cat([dk.reshape(-1), dv.reshape(-1)])
         dkv_in = dkv_out.new_empty(2 * geo.B * geo.Hkv * geo.length(src - 1) * geo.D)
         dkv_works = _post(OP, [(geo.next, dkv_out)], [(geo.prev, dkv_in)], _TAG_DKV)
-        _wait(OP, works, (geo.next, geo.prev))
-        if nxt is not None:
-            cur = nxt
     _wait(OP, dkv_works, (geo.next, geo.prev))  # after W sends, this worker's own block's gradients
     del dkv_out
     dk_own, dv_own = dkv_in.chunk(2)
@@ -548,19 +500,7 @@ def _ring_backward(geo: _Geo, q, k, v, mask, out, lse, dout):
     return dq_full.to(q.dtype), dk_own.view(own).to(k.dtype), dv_own.view(own).to(v.dtype)
 
 
-# ---------------------------------------------------------------- the ring as custom ops
-#
-#     distfuse::ring_attention(q, k, v, mask?, handle, S, causal, layout, scale)                   -> (out, lse)
-#     distfuse::ring_attention_backward(dout, q, k, v, mask?, out, lse, handle, S, causal, layout, scale)
-#                                                                                                    -> (dq, dk, dv)
-#
-# The whole ring (its W - 1 K/V steps overlapped with the blocks' GEMMs) is one op in the forward graph and its
-# backward ring one in the backward graph, the forward's registered backward (both ORDERED), as the fused linears'
-# phases (distfuse/ops/fused_linear.py): the forward returns what the backward needs besides its inputs (out, lse),
-# which the compiler keeps between the two graphs.  ``handle`` names the call site's _Ring (P_cp); ``S`` is the
-# agreed global length.  Eager calls run the same two implementations through _RingAttention (the OpEntry below: no
-# custom-op dispatch), so compiled and eager calls send the same messages and agree bitwise.  First-order only, as
-# before: first_order_only refuses create_graph=True by name, and the backward op has no gradient of its own.
+# ---------------------------------------------------------------- the ring as custom ops (module docstring)
 
 
 def _geo_of(handle: int, q, k, mask, S: int, causal: bool, layout: str, scale: float) -> _Geo:
@@ -579,9 +519,7 @@ def _forward_fake(q, k, v, mask, handle, S, causal, layout, scale):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
 
 
-def _backward_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                   out: torch.Tensor, lse: torch.Tensor, handle: int, S: int, causal: bool, layout: str,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_impl(dout, q, k, v, mask, out, lse, handle, S, causal, layout, scale):
     geo = _geo_of(handle, q, k, mask, S, causal, layout, scale)
     return _ring_backward(geo, q, k, v, mask, out, lse, dout.contiguous())
 
@@ -667,10 +605,10 @@ def _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, ring: _Ring) -> 
         record = _record(problem, q, k, v, attn_mask, causal, layout, scale, grad)
         return _check_records(OP, P_cp, gather_records(OP, P_cp, record), layout)
 
-    agreed = ring.session.agree(q, signature, problem == 0, gather)
-    if agreed is None:  # a replayed call that flagged: the flag round raises on every worker
+    S = ring.session.agree(q, signature, problem == 0, gather)
+    if S is None:  # a replayed call that flagged: the flag round raises on every worker
         return q.new_empty((0,))
-    out, _ = ring_attention(q, k, v, attn_mask, ring.handle, agreed.S, bool(causal), layout, float(scale))
+    out, _ = ring_attention(q, k, v, attn_mask, ring.handle, S, bool(causal), layout, float(scale))
     return first_order_only(out, OP, "ring attention (its backward is a ring of messages)")
 
 
@@ -689,8 +627,7 @@ def distributed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P_c
         layout: ``"contiguous"`` (balanced blocks, any ``S``) or ``"zigzag"`` (:func:`load_balanced_split`).
 
     Returns ``[B, Hq, S_local, D]`` in ``q``'s dtype: the rows of ``scaled_dot_product_attention`` on the
-    global tensors.  Collective over ``P_cp`` (forward and backward); workers outside it pass and get
-    zero-volume tensors.
+    global tensors.  Collective over ``P_cp`` (forward and backward).
     """
     _check_partition(P_cp)
     return _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, _ring_of(P_cp))
@@ -699,10 +636,7 @@ def distributed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P_c
 class DistributedAttention(nn.Module):
     """:func:`distributed_attention` as a module with its own agreement session (one per call site).
 
-    ``forward(q, k, v, attn_mask=None)``; no parameters (the projections are the caller's).  ``session`` is its
-    :class:`~distfuse.primitives.agreement_session.AgreementSession` over ``P_cp`` (``agreement``: the session's
-    site, whose ``calls`` and ``slow_calls`` count the calls and the metadata gathers).  Compiles with
-    ``torch.compile(fullgraph=True)`` after one eager call (see the module docstring).
+    ``forward(q, k, v, attn_mask=None)``; no parameters (the projections are the caller's).
     """
 
     def __init__(self, P_cp: Partition, causal: bool = False, scale: float | None = None,

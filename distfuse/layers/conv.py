@@ -8,16 +8,15 @@ P_x, P_y and P_w                  every spatial extent 1          :mod:`~distfus
 P_x, P_y and P_w                  some spatial extent > 1         :mod:`~distfuse.layers.conv_general`
 ================================  ==============================  ======================================
 
-As DistDL's selector: the weight partition decides whether weights are split.  Without
-P_w the weights live on one worker and only P_x may be split (never its channels); with
-P_w the input and output must be given both and the chosen layer checks that the
-three partitions fit.  Calling ``DistributedConv2d(...)`` returns an instance of the
-chosen class, and ``isinstance(layer, DistributedConv2d)`` holds for all three.
+As DistDL's selector: without P_w the weights live on one worker and P_x may not split the
+channels; with P_w, P_y is required too.  ``DistributedConv2d(...)`` returns an instance of
+the chosen class, and ``isinstance(layer, DistributedConv2d)`` holds for all three.
 """
 
 from __future__ import annotations
 
 from distfuse.errors import PartitionError, UnsupportedError, where
+from distfuse.layers._conv_common import spatial_classes
 from distfuse.layers.conv_feature import FEATURE_CONVS
 from distfuse.layers.conv_general import CHANNEL_CONVS, GENERAL_CONVS
 
@@ -66,22 +65,12 @@ class _Selector(type):
         return isinstance(obj, _IMPLS[cls.nd])
 
 
-class DistributedConv1d(metaclass=_Selector):
-    """Distributed ``Conv1d``: ``DistributedConv1d(P_x, in_channels, out_channels, kernel_size, stride=1,
-    padding=0, dilation=1, groups=1, bias=True, padding_mode='zeros', P_y=None, P_w=None, device=None,
-    dtype=None, static_shapes=False)`` returns the feature-, channel- or general-distributed layer (see the
-    module docstring)."""
-
-    nd = 1
+class _SelectorBase(metaclass=_Selector):
+    nd = 0
 
 
-class DistributedConv2d(metaclass=_Selector):
-    """Distributed ``Conv2d``; arguments as :class:`DistributedConv1d`."""
-
-    nd = 2
-
-
-class DistributedConv3d(metaclass=_Selector):
-    """Distributed ``Conv3d``; arguments as :class:`DistributedConv1d`."""
-
-    nd = 3
+DistributedConv1d, DistributedConv2d, DistributedConv3d = spatial_classes(
+    _SelectorBase, "DistributedConv", "Distributed ``Conv{nd}d``: ``DistributedConv{nd}d(P_x, in_channels, "
+    "out_channels, kernel_size, stride=1, padding=0, dilation=1, groups=1, bias=True, padding_mode='zeros', "
+    "P_y=None, P_w=None, device=None, dtype=None, static_shapes=False)`` returns the feature-, channel- or "
+    "general-distributed layer (see the module docstring).")

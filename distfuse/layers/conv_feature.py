@@ -21,63 +21,20 @@ output, and the boundary padding (all four modes) is applied with global semanti
 DistDL instead pads by halo widths that ignore stride and dilation, and its circular
 padding wraps each worker's block onto itself.
 
-Weight and bias travel in one message (packed, :class:`~distfuse.layers._conv_common.RootParams`)
-because a broadcast is latency bound at convolution weight sizes.  Before it, every
-worker sends the root one element, its agreement flag (below), and the root appends the
-flags' sum to the packed parameters: two point-to-point rounds that carry a flag from
-every worker to every worker.
+The parameters travel packed from the root with every worker's agreement flag riding along
+(:class:`RootParamConvBase`, shared with the transposed convolution).  Workers whose output
+block is empty (an extent smaller than the partition, or a stride that leaves them no
+outputs) return an empty ``[B_b, C_out, *m_s]`` tensor and still take part in both
+exchanges, because other workers read their input.
 
-One forward serves eager calls, ``capture_safe()`` and ``torch.compile(fullgraph=True)``
-(:class:`RootParamConvBase`, shared with the transposed convolution)::
-
-    info, w, b = session.agree_in(...)       the agreed call and the parameters (flag in their broadcast)
-    y          = self._local(x, info, w, b)   the path, the staging, the local convolution
-
-Dispatch: the path is ``select_path("halo_conv", {channels: in_channels}, ...)``, chosen
-in eager calls and remembered per global shape, dtype, device and memory format
-(:meth:`~distfuse.primitives.agreement_session.AgreementSession.remember`; a compiled
-call takes the path of the last eager call with the same key).  On "fused" the staging,
-the exchanges and the convolution run in ``distfuse::halo_conv``
-(:func:`distfuse.fused.halo_conv.fused_halo_conv`: Triton, one pass over the block)
-instead of ``distfuse::halo_exchange`` + ``convNd``.  The two paths send the same
-messages, so the choice changes no result beyond rounding.  ``last_path`` records the
-path of the last call and :meth:`explain` says why.
-
-Workers whose output block is empty (an extent smaller than the partition, or a
-stride that leaves them no outputs) return an empty ``[B_b, C_out, *m_s]`` tensor and
-still take part in both exchanges, because other workers read their input.  Workers
-outside ``P_x`` pass and get back a zero-volume tensor.
-
-Agreement at no steady-state cost.  Workers holding no input of the global shape, and
-workers whose neighbours' blocks changed, must learn the global shape and the grad
-flags: that takes a host-side metadata gather over ``P_x``
-(:func:`~distfuse.layers._conv_call_info.gather_call_info`).  It runs only on the first
-call and when some worker's signature (local shape, dtype, device, grad mode, the
-input's and the parameters' requires_grad and dtype, autocast) changed: every worker
-sends the root a flag, 1 when its own signature changed, the root forwards their sum with
-the parameters, and every worker reads it (the layer's
-:class:`~distfuse.primitives.agreement_session.AgreementSession`, ``agree_in``).  A change on every
-worker, or on some (an extent of 7 becoming 8 over two workers leaves one block as it
-was), costs the gather, and a disagreement raises the same error on every worker; while
-signatures repeat nothing but the flag moves.  Inside ``capture_safe()`` the settled
-record is trusted and the parameters move without a flag; a compiled call replays the
-record of the last eager call, its flag riding in the same broadcast, and a changed call
-raises the same error on every worker.  Measured on the 2-core CI machine (4
-ranks, ``bench/bench_conv_layers.py``): see ``docs/reliability.md``.  ``static_shapes``
-is accepted for compatibility and changes nothing.
-
-Memory format: a ``channels_last`` block is staged and convolved in ``channels_last``
-without a copy, so the output is ``channels_last`` wherever torch's convolution keeps it.
-The fused kernels index NCHW blocks, so such an input takes the unfused path (the
-reason is in ``last_decision``).
-
-Higher-order gradients: the unfused path is differentiable to any order (the halo
-exchange's and the broadcast's backwards are op pairs, each the other's backward), so a
-gradient penalty matches ``torch.nn.ConvNd``.  The fused path refuses a backward with
-``create_graph=True`` with :class:`~distfuse.errors.UnsupportedError` on every worker,
-before any of its messages.
-
-Every worker of ``P_x`` must call backward when one does.
+Dispatch: ``select_path("halo_conv", {channels: in_channels}, ...)``, chosen in eager calls and
+remembered per global shape, dtype, device and memory format.  On "fused" one Triton pass
+(``distfuse::halo_conv``, :func:`distfuse.fused.halo_conv.fused_halo_conv`) replaces
+``distfuse::halo_exchange`` + ``convNd``; both send the same messages.  The fused kernels index NCHW blocks, so a
+``channels_last`` input takes the unfused path, which keeps its layout without a copy.
+The unfused path is differentiable to any order (each op pair's backward is the other);
+the fused path refuses a backward with ``create_graph=True`` with
+:class:`~distfuse.errors.UnsupportedError` on every worker, before any of its messages.
 """
 
 from __future__ import annotations
@@ -87,28 +44,27 @@ from torch import nn
 
 from distfuse.errors import PartitionError, expect, where
 from distfuse.fused.halo_conv import check_implicit, fused_halo_conv, implicit_requested
-from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers._conv_call_info import (
-    CallInfo,
-    autocast_dtype,
-    cast_for_compute,
-    gather_call_info,
-    passes_local_checks,
-)
 from distfuse.layers._conv_common import (
+    AgreedLayer,
+    CallInfo,
     ConvOptions,
     RootParams,
+    autocast_dtype,
+    cast_for_compute,
     check_geometry,
     check_partition,
     conv_block,
     draw_parameters,
+    expose_options,
+    gather_call_info,
+    passes_local_checks,
     spatial_classes,
 )
+from distfuse.layers._params import BlockIdentityMixin
 from distfuse.layers.dispatch import Decision, device_caps, select_path
 from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives._layout import format_code, memory_format_of
 from distfuse.primitives._op_pair import anchor
-from distfuse.primitives.agreement_session import AgreementSession
 from distfuse.primitives.broadcast import NO_FLAG
 from distfuse.primitives.halo_exchange import HaloExchange, halo_exchange
 
@@ -116,17 +72,12 @@ __all__ = ["RootParamConvBase", "DistributedFeatureConvBase", "DistributedFeatur
            "DistributedFeatureConv3d", "FEATURE_CONVS"]
 
 
-class RootParamConvBase(BlockIdentityMixin, nn.Module):
-    """The one forward of the convolutions over ``P_x [P_b, 1, *P_s]`` whose parameters live on the root.
+class RootParamConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
+    """The one forward of the convolutions over ``P_x [P_b, 1, *P_s]`` whose parameters live on the root
+    (:class:`~distfuse.layers._conv_common.RootParams`): the feature and the transposed convolutions.
 
-    The feature and the transposed convolutions: weight and bias on ``P_x``'s first worker
-    (:class:`~distfuse.layers._conv_common.RootParams`), broadcast packed on every call
-    with the agreement flags riding along, and the layer's agreement in its
-    :class:`~distfuse.primitives.agreement_session.AgreementSession` (``session``;
-    ``agreement`` is its site: ``calls`` / ``slow_calls`` count the calls and the metadata
-    gathers).  Subclasses set ``opts`` and call :meth:`_setup`, and define
-    ``_check(info)`` (the layer's rules on the agreed global shape, raising on every
-    worker alike), ``_param_dtype(info)`` (what the parameters travel in) and
+    Subclasses set ``opts`` and call :meth:`_setup`, and define ``_check(info)`` (their rules on
+    the agreed global shape), ``_param_dtype(info)`` (what the parameters travel in) and
     ``_local(x, info, w, b)`` (this worker's output block).
     """
 
@@ -145,8 +96,7 @@ class RootParamConvBase(BlockIdentityMixin, nn.Module):
         """The parameters, the agreement session and the records (after the subclass made ``opts``)."""
         op = type(self).__name__
         self.P_x, self.opts, self.static_shapes = P_x, opts, bool(static_shapes)
-        self.session = AgreementSession(op, P_x)
-        self.agreement = self.session.site
+        self._agree_over(P_x)
         self._device = torch.device(device) if device is not None else P_x.device
         self._dtype = dtype if dtype is not None else torch.get_default_dtype()
         self.params = RootParams(P_x, opts.weight_shape, opts.out_channels, opts.bias, op, self.session.forget)
@@ -157,27 +107,13 @@ class RootParamConvBase(BlockIdentityMixin, nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Draw the global parameters as ``torch.nn.ConvNd`` does, on every rank; the root keeps them.
-
-        Every rank draws (and discards) the same numbers so that the ranks' generators
-        stay in step; with the same seed the root's parameters equal the sequential layer's
-        (``ConvTransposeNd`` draws the same way on its ``[C_in, C_out/groups, *k]`` weight).
-        """
+        """Draw the global parameters as ``torch.nn.ConvNd`` (``ConvTransposeNd``) does, on every rank; the root
+        keeps them."""
         dtype = self.weight.dtype if self.weight is not None else self._dtype
         self.params.reset(self.weight, self.bias, *draw_parameters(self.opts, dtype, self._device))
 
     def param_layouts(self) -> list:
         return self.params.layouts()
-
-    def forget_agreement(self) -> None:
-        """Drop the agreed call record, so the next call gathers metadata again (call it on every worker)."""
-        self.session.forget()
-
-    forget_shapes = forget_agreement
-
-    def _signature(self, x: torch.Tensor, params) -> tuple:
-        return (tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad,
-                tuple((p.requires_grad, p.dtype) for p in params), autocast_dtype(self.P_x.device.type))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
@@ -199,7 +135,9 @@ class RootParamConvBase(BlockIdentityMixin, nn.Module):
             self._check(info)  # every worker holds the global shape: a refused geometry raises on all of them
             return run(info, NO_FLAG), info
 
-        got = self.session.agree_in(self._signature(x, params), passes_local_checks(P_x, x), run, gather)
+        signature = (tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad,
+                     tuple((p.requires_grad, p.dtype) for p in params), autocast_dtype(P_x.device.type))
+        got = self.session.agree_in(signature, passes_local_checks(P_x, x), run, gather)
         if got is None:  # a replayed call that flagged: the parameter round raises on every worker
             return x.clone()
         return self._local(x, *got)
@@ -216,23 +154,11 @@ class RootParamConvBase(BlockIdentityMixin, nn.Module):
 class DistributedFeatureConvBase(RootParamConvBase):
     """Convolution over an input split along batch and spatial axes (see the module docstring).
 
-    Args:
-        P_x: CartesianPartition ``[P_b, 1, P_1, ..., P_nd]``.
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
-        bias, padding_mode, device, dtype: as ``torch.nn.ConvNd``; ``padding`` may
-        also hold ``(lo, hi)`` pairs.  ``device`` defaults to ``P_x.device``.
-        static_shapes: accepted for compatibility; changes nothing (every call skips the
-            metadata gather while the workers' signatures repeat, see the module docstring).
-
-    Construction is collective over the world (it creates the root's partitions) and
-    draws the parameters like the sequential layer on every rank (see
-    :meth:`reset_parameters`).  ``weight`` and ``bias`` are None except on the root
-    (``P_x``'s first worker).
-
-    Attributes:
-        last_path: ``"fused"`` or ``"unfused"``, the path of the last call (None before
-            the first call and on workers outside P_x, which do nothing).
-        last_decision: the :class:`~distfuse.layers.dispatch.Decision` behind it.
+    ``P_x``: CartesianPartition ``[P_b, 1, P_1, ..., P_nd]``; the other arguments as
+    ``torch.nn.ConvNd`` (``padding`` may also hold ``(lo, hi)`` pairs).  ``weight`` and
+    ``bias`` are None except on the root (``P_x``'s first worker).  ``last_path``
+    (``"fused"`` or ``"unfused"``; None before the first call) and ``last_decision`` say
+    which path the last call took, and why.
     """
 
     _split_hint = ("; pass P_y and P_w to DistributedConv{1,2,3}d for a channel or general distributed "
@@ -246,9 +172,7 @@ class DistributedFeatureConvBase(RootParamConvBase):
         self._check_partition(P_x)
         o = ConvOptions.make(op, self.nd, in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
                              bias, padding_mode)
-        self.in_channels, self.out_channels, self.groups = o.in_channels, o.out_channels, o.groups
-        self.kernel_size, self.stride, self.dilation = o.kernel_size, o.stride, o.dilation
-        self.padding, self.padding_mode = o.padding, o.padding_mode
+        expose_options(self, o, "padding_mode")
         self.halo = HaloExchange(P_x, o.kernel_size, o.stride, o.padding, o.dilation, o.padding_mode, _op=op)
         self._caps_cache: dict = {}
         self._setup(P_x, o, device, dtype, static_shapes)

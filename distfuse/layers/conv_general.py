@@ -17,38 +17,17 @@ block, ``s`` spatial block; the batch is not split)::
               dx_js = HaloExchange*(dstaged_js); dw_ij0 = sum over s; db_i00 = sum over s
 
 ``m_s`` is the balanced decomposition of the global output extent, so every output block
-is exactly its slice of the sequential ``ConvNd`` output, with stride, dilation, even
-kernels, uneven splits and the four padding modes applied with global semantics (the
-halo geometry is :class:`~distfuse.geometry.halo_plan.HaloPlan`'s).  The SumReduce
-lands on P_y through a view of P_y's workers as a ``[P_co, 1, *P_s]`` grid, which is
-what lets P_w's row ``i`` reduce into P_y's channel block ``i``.
+is exactly its slice of the sequential ``ConvNd`` output (the halo geometry is
+:class:`~distfuse.geometry.halo_plan.HaloPlan`'s, as for the feature convolution).  The
+SumReduce lands on P_y through a view of P_y's workers as a ``[P_co, 1, *P_s]`` grid, which
+is what lets P_w's row ``i`` reduce into P_y's channel block ``i``.  ``groups > 1`` is
+supported only when channels are unsplit (``P_co = P_ci = 1``): with split channels a weight
+block would mix groups.
 
-``groups > 1`` is supported only when channels are unsplit (``P_co = P_ci = 1``): with
-split channels a weight block would mix groups, and distfuse refuses rather than answer
-wrongly (use the feature-distributed convolution for grouped convolutions).
-
-Workers: P_x-only, P_w-only and P_y-only workers (and any overlap) all work; workers
-outside the three partitions pass and get back a zero-volume tensor.
-
-Agreement at a small steady-state cost.  Workers without input must learn the global
-shape and dtype, and every worker must agree on which adjoints run: that takes a
-host-side metadata gather over the union of the partitions
-(:func:`~distfuse.layers._conv_call_info.gather_call_info`).  It runs on the first call and
-when some worker's signature (local shape, dtype, grad flags, the parameters', autocast,
-layout) changed or its input fails a local check
-(the layer's :class:`~distfuse.primitives.agreement_session.AgreementSession`).  No data collective of this
-layer reaches every worker of the union in forward (the broadcasts and the sum-reduce
-run point to point along P_w's rows and columns), so the agreement flag travels in its
-own one-element all-reduce on the union's host meta group, before any data moves
-(:func:`~distfuse.primitives._agreement.flag_round`; about a sixth of the gather's cost,
-see ``docs/reliability.md``).  A disagreement raises the same error on every worker;
-a change of global shape on every worker just works.
-
-One forward serves eager calls, ``capture_safe()`` and ``torch.compile(fullgraph=True)``.
-The agreement is the layer's
-:class:`~distfuse.primitives.agreement_session.AgreementSession` over the union (a
-compiled call replays the record of the last eager call, its flag round as
-``distfuse::flag_check``), and every move is an op pair, in this order on every worker::
+P_x-only, P_w-only and P_y-only workers (and any overlap) all work.  The layer agrees over
+the union of the partitions, and its flag takes a one-element round of its own
+(:func:`~distfuse.primitives._agreement.flag_round`): no data collective of this layer
+reaches every worker of the union.  Every move is an op pair, in this order on every worker::
 
     staged = distfuse::halo_exchange(x, h_halo, G)    general conv only (the channel conv sends x unpadded):
                                                       the halo round on P_x, a copy of the placeholder elsewhere
@@ -58,20 +37,11 @@ compiled call replays the record of the last eager call, its flag round as
     yp = convNd(xb, w, b where j == 0)                the channel conv pads xb locally first
     y  = distfuse::broadcast_adjoint(yp, ...)         P_w -> P_y, summed over the input-channel blocks
 
-so a compiled graph holds no metadata exchange and every worker of the union traces the
-same ops (forward and backward): identity moves are identities on every worker alike, a
-worker that takes no part in a move still calls its op (which sends nothing), and the
-moves' outputs it does not use are tied to the sum-reduce's anchor
-(:func:`~distfuse.primitives._op_pair.anchor`), so their adjoints run there too.  The
-anchors also make a worker whose input or parameters do not require grad (or that holds
-a placeholder) run the adjoints its peers wait for.
-
-Under ``torch.autocast`` the input, the staged blocks, the partial outputs and the output
-travel and compute in the autocast dtype, the weight blocks travel in their own dtype and
-are cast where they are used, as ``torch.nn.ConvNd`` casts them.  Gradients of any order
-are exact (every primitive's backward is itself differentiable).  Every worker of
-the union must call backward when one does (on its zero-volume output where it holds
-no output block).
+so every worker of the union traces the same ops: a worker that takes no part in a move
+still calls its op (which sends nothing), and the outputs it does not use are tied to the
+sum-reduce's anchor (:func:`~distfuse.primitives._op_pair.anchor`), so their adjoints run
+there too.  Under ``torch.autocast`` the weight blocks travel in their own dtype and are
+cast where they are used.  Gradients of any order are exact.
 
 The channel-distributed convolution (input and output split along channels only) is
 this layer with ``P_s = 1``, :class:`DistributedChannelConvBase`::
@@ -89,10 +59,8 @@ this layer with ``P_s = 1``, :class:`DistributedChannelConvBase`::
 
 The spatial axes are whole on every worker, so torch's own padding (``F.pad`` with the
 layer's mode) is already global; the input travels unpadded, which makes the broadcast
-smaller than the general convolution's (which broadcasts the staged input), and there is
-no halo round.  Every worker owns its weight block, so no weight moves.  Everything else
-(construction, checks, parameters, worker roles, ``groups`` only with unsplit channels,
-the agreement, the one forward) is the general convolution's.
+smaller than the general convolution's, and there is no halo round.  Every worker owns its
+weight block, so no weight moves.  Everything else is the general convolution's.
 """
 
 from __future__ import annotations
@@ -104,31 +72,29 @@ from torch import nn
 
 from distfuse.errors import PartitionError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, local_shape, local_slices
-from distfuse.layers._block_identity import BlockIdentityMixin
-from distfuse.layers._conv_call_info import (
+from distfuse.layers._conv_common import (
+    AgreedLayer,
     CallInfo,
+    ConvOptions,
     call_signature,
     cast_for_compute,
-    gather_call_info,
-    passes_local_checks,
-)
-from distfuse.layers._conv_common import (
-    ConvOptions,
     check_geometry,
     check_partition,
     conv_block,
     conv_output_format,
     draw_parameters,
+    expose_options,
+    gather_call_info,
     grid_of,
     pad_locally,
+    passes_local_checks,
     spatial_classes,
 )
-from distfuse.layers._params import ParamLayout
+from distfuse.layers._params import BlockIdentityMixin, ParamLayout
 from distfuse.partition import union_partition
 from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives._layout import format_code, memory_format_of
 from distfuse.primitives._op_pair import anchor
-from distfuse.primitives.agreement_session import AgreementSession
 from distfuse.primitives.broadcast import broadcast_plan, move_of, placeholder
 from distfuse.primitives.halo_exchange import HaloExchange, halo_exchange
 from distfuse.primitives.sum_reduce import sum_reduce_plan
@@ -138,20 +104,12 @@ __all__ = ["DistributedGeneralConvBase", "DistributedGeneralConv1d", "Distribute
            "DistributedChannelConv2d", "DistributedChannelConv3d", "GENERAL_CONVS", "CHANNEL_CONVS"]
 
 
-class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
+class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
     """Convolution with channels and spatial axes split (see the module docstring).
 
-    Args:
-        P_x, P_y, P_w: CartesianPartitions ``[1, P_ci, *P_s]``, ``[1, P_co, *P_s]`` and
-            ``[P_co, P_ci, *P_s]`` (P_y and P_w are required, by keyword).
-        in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
-        bias, padding_mode, device, dtype: as ``torch.nn.ConvNd``; ``padding`` may also
-        hold ``(lo, hi)`` pairs.  ``device`` defaults to ``P_x.device``.
-
-    Construction is collective over the world (it creates sub-grids of P_w and the
-    union partition) and draws the parameters like the sequential layer on every rank.
-    ``session`` is the layer's agreement over the union; ``agreement`` its site
-    (``calls`` / ``slow_calls`` count the calls and the metadata gathers).
+    ``P_x``, ``P_y``, ``P_w``: CartesianPartitions ``[1, P_ci, *P_s]``, ``[1, P_co, *P_s]`` and
+    ``[P_co, P_ci, *P_s]`` (P_y and P_w are required, by keyword); the other arguments as
+    ``torch.nn.ConvNd`` (``padding`` may also hold ``(lo, hi)`` pairs).
     """
 
     nd: int = 0
@@ -177,15 +135,12 @@ class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
             raise UnsupportedError(f"{where(op)}: groups={o.groups} with split channels (P_w {list(P_w.shape)}) is "
                                    "not supported: a weight block would mix groups; split only spatial axes (the "
                                    "feature-distributed convolution) for grouped convolutions")
-        self.in_channels, self.out_channels, self.groups = o.in_channels, o.out_channels, o.groups
-        self.kernel_size, self.stride, self.dilation = o.kernel_size, o.stride, o.dilation
-        self.padding, self.padding_mode = o.padding, o.padding_mode
+        expose_options(self, o, "padding_mode")
         self.halo = HaloExchange(P_x, o.kernel_size, o.stride, o.padding, o.dilation, o.padding_mode, _op=op)
         self._device = torch.device(device) if device is not None else P_x.device
         self._dtype = dtype if dtype is not None else torch.get_default_dtype()
         self._build_grids()
-        self.session = AgreementSession(op, self.P_union)
-        self.agreement = self.session.site
+        self._agree_over(self.P_union)
         if self._P_wr.active:
             shape = local_shape(o.weight_shape, self._P_wr.shape, self._P_wr.index)
             self.weight = nn.Parameter(torch.empty(shape, device=self._device, dtype=dtype))
@@ -234,12 +189,8 @@ class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
     # ------------------------------------------------------------ parameters
 
     def reset_parameters(self) -> None:
-        """Draw the global parameters as ``torch.nn.ConvNd`` does, on every rank; owners keep their blocks.
-
-        Every rank draws the same numbers (so the ranks' generators stay in step, at the
-        cost of one global weight in memory for a moment); with the same seed the blocks
-        are those of the sequential layer.
-        """
+        """Draw the global parameters as ``torch.nn.ConvNd`` does, on every rank (one global weight in memory for a
+        moment); owners keep their blocks."""
         dtype = next((p.dtype for p in (self.weight, self.bias) if p is not None), self._dtype)
         w, b = draw_parameters(self.opts, dtype, self._device)
         with torch.no_grad():
@@ -254,37 +205,38 @@ class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
             out.append(ParamLayout("bias", "bias", self._P_b1, (self.opts.out_channels,)))
         return out
 
+    def _move_param(self, plan, t: torch.Tensor | None, shape: list[int] | None, like: torch.Tensor, dtype,
+                    needs_grad: bool, ties: list) -> torch.Tensor | None:
+        """``t`` (None: a placeholder) moved by ``plan``; ``shape`` is the block this worker receives (None: none,
+        the move's output is tied to the sum-reduce and None returned)."""
+        t = t if t is not None else placeholder(like, dtype, self.P_x.device)
+        out = move_of(plan).copy(t, shape or [0], anchor=anchor(needs_grad))
+        if shape is None:
+            ties.append(out)
+            return None
+        return out
+
     def _weight_on_w(self, like: torch.Tensor, dtype, needs_grad: bool, ties: list) -> torch.Tensor | None:
         """This P_w worker's weight block, broadcast from spatial block 0 (None off P_w)."""
         if self._w_plan.identity:  # unsplit spatial axes: every P_w worker owns its block, nothing moves
             return self.weight
-        t = self.weight if self.weight is not None else placeholder(like, dtype, self.P_x.device)
-        shape = [0]
+        shape = None
         if self.P_w.active:
             i, j = self.P_w.index[:2]
             shape = list(local_shape(self.opts.weight_shape, self._P_wr.shape, (i, j) + (0,) * self.nd))
-        w = move_of(self._w_plan).copy(t, shape, anchor=anchor(needs_grad))
-        if self.P_w.active:
-            return w
-        ties.append(w)
-        return None
+        return self._move_param(self._w_plan, self.weight, shape, like, dtype, needs_grad, ties)
 
     def _bias_on_w(self, like: torch.Tensor, dtype, needs_grad: bool, ties: list) -> torch.Tensor | None:
         """The bias block on P_w workers (i, 0, s); None elsewhere and without bias."""
-        if not self.opts.bias:
-            return None
-        if self._b_plan.identity:
+        if not self.opts.bias or self._b_plan.identity:
             return self.bias
         lead = (1,) * (self.P_w.dim - 1)
-        t = self.bias.view(-1, *lead) if self.bias is not None else placeholder(like, dtype, self.P_x.device)
-        shape = [0]
+        shape = None
         if self._P_bd.active:
             shape = [block_extent(self.opts.out_channels, self.P_w.shape[0], self._P_bd.index[0]), *lead]
-        b = move_of(self._b_plan).copy(t, shape, anchor=anchor(needs_grad))
-        if self._P_bd.active:
-            return b.view(-1)
-        ties.append(b)
-        return None
+        t = self.bias.view(-1, *lead) if self.bias is not None else None
+        b = self._move_param(self._b_plan, t, shape, like, dtype, needs_grad, ties)
+        return None if b is None else b.view(-1)
 
     # ------------------------------------------------------------ forward
 
@@ -353,10 +305,6 @@ class DistributedGeneralConvBase(BlockIdentityMixin, nn.Module):
             out_shape = [G[0], block_extent(o.out_channels, P_w.shape[0], i_y), *plan.output_shape(s_y)]
         return move_of(self._y_plan).sum(yp, out_shape, format_code(fmt_out), anchor(info.input_grad or info.param_grad,
                                                                                        ties))
-
-    def forget_agreement(self) -> None:
-        """Drop the agreed call record, so the next call gathers metadata again (call it on every worker)."""
-        self.session.forget()
 
     def extra_repr(self) -> str:
         o = self.opts

@@ -18,64 +18,28 @@ The geometry is :mod:`distfuse.geometry.transpose_plan`: output ``o`` reads the 
 ``i`` with ``o = i*s - p + t*d`` for a kernel tap ``t``, so each worker fetches the
 smallest input range that reaches its output block and computes exactly that block.
 
-Why inputs travel, not partial outputs.  A transposed convolution is the adjoint of a
-convolution, and its halo sits on the output side: computing each worker's own input
-block and then summing the overlapping output windows into their owners (the adjoint
-of a halo exchange) is the textbook form.  distfuse instead fetches an input halo and
-computes the owned output block directly, for three reasons:
+Why inputs travel, not partial outputs (the textbook form of a transposed convolution,
+the adjoint of a halo exchange: each worker computes its own input block's outputs and
+sums the overlapping windows into their owners):
 
-* it is exact and simple: every output is summed once, locally, in the order torch
-  sums it; nothing is accumulated across workers, so 16-bit outputs are rounded once;
+* every output is summed once, locally, in the order torch sums it, so 16-bit outputs
+  are rounded once;
 * it sends less for upsampling: per side about ``d(k-1)/s`` input rows of ``C_in``
-  channels, against ``d(k-1) + 1 - s`` output rows of ``C_out`` channels that are
-  ``s`` times longer along every other split axis (``k=4, s=2``: one input row against
-  two output rows of twice the length); U-Net's ``k = s, p = 0`` upsampling on extents
-  the grid divides sends nothing at all;
-* the balanced decomposition of the *output* (which ``output_padding`` lengthens and
-  which is not the image of the input blocks) falls out of the plan: a worker whose
-  block no input reaches (past the last input, or in a gap of a stride larger than
-  the kernel) gets zeros plus the bias, and one whose block is empty gets an empty
-  tensor, while both still serve their inputs to their neighbours.
+  channels, against ``d(k-1) + 1 - s`` output rows of ``C_out`` channels that are ``s``
+  times longer; U-Net's ``k = s, p = 0`` on extents the grid divides sends nothing;
+* the balanced decomposition of the *output* (which ``output_padding`` lengthens) falls
+  out of the plan: a worker whose block no input reaches gets zeros plus the bias, and
+  one whose block is empty an empty tensor, while both still serve their neighbours.
 
-The backward pass is then the ordinary halo exchange's adjoint plus the local
-convolution adjoints (cheap, and no second plan).  The exchange is
-``distfuse::halo_exchange`` (:mod:`~distfuse.primitives.halo_exchange`) driven by the
-transposed plan (a :class:`~distfuse.primitives.halo_exchange.PlanHalo`), so it keeps
-every property of the feature convolution's exchange (one round, halos wider than a
-neighbour's block, permuted ranks, empty blocks).
-
-Parameters live and move as in the feature convolution, through the same component
-(:class:`~distfuse.layers._conv_common.RootParams`) and the same forward
-(:class:`~distfuse.layers.conv_feature.RootParamConvBase`): the root (``P_x``'s first
-worker) holds weight and bias, drawn as ``torch.nn.ConvTransposeNd`` draws them; each
-call broadcasts them in one packed message, in the input's dtype (what the local
-transposed convolution needs), and the adjoint sum-reduces their gradients onto the root.
-
-Refused as torch refuses them, on every rank: ``padding_mode`` other than ``'zeros'``,
-an output padding not smaller than the stride or the dilation, string or ``(lo, hi)``
-padding (torch builds the layer and fails at its first call; distfuse refuses at
-construction), and (in forward, from the gathered global shape) an empty spatial input
-or a global output extent below 1.
-
-Agreement as in the feature convolution (:mod:`~distfuse.primitives._agreement`): the
-host-side metadata gather over ``P_x``
-(:func:`~distfuse.layers._conv_call_info.gather_call_info`; 1 to 5 ms on the loaded 2-core
-CPU machine, most of a small CPU call) runs on the first call and when some worker's
-signature (local shape, dtype, grad flags, autocast) changed.  While signatures repeat,
-each worker's one-element flag rides to the root and back appended to the parameter
-broadcast that runs anyway, so a legitimate change of global shape re-agrees on every
-worker and a disagreement raises the same error on every worker.
-``static_shapes`` is accepted for compatibility and changes nothing, as in the feature
-convolution.  Every worker of ``P_x`` must
-call backward when one does.  Workers outside ``P_x`` pass and get back a zero-volume
-tensor.  There is no fused path; the local transposed
-convolution is torch's.
-
-``torch.compile(layer, fullgraph=True)`` traces the same forward without a graph break,
-as the feature convolution: the parameter round with the flags as ``distfuse::broadcast``,
-the halo as ``distfuse::halo_exchange``; the per-worker geometry (crop/extend pads,
-output extents) is remembered by eager calls (a traced walk over the plan would break
-the graph).
+The backward pass is the halo exchange's adjoint plus the local adjoints; the exchange is
+``distfuse::halo_exchange`` driven by the transposed plan (a
+:class:`~distfuse.primitives.halo_exchange.PlanHalo`).  Parameters and the agreement work as
+in the feature convolution (:class:`~distfuse.layers.conv_feature.RootParamConvBase`); the
+weight is drawn as ``torch.nn.ConvTransposeNd`` draws it and travels in the input's dtype.
+There is no fused path.  Refused as torch refuses them, on every rank: ``padding_mode``
+other than ``'zeros'``, an output padding not smaller than the stride or the dilation,
+string or ``(lo, hi)`` padding (at construction, where torch fails at the first call), and
+an empty spatial input or a global output extent below 1.
 """
 
 from __future__ import annotations
@@ -89,8 +53,7 @@ import torch.nn.functional as F
 from distfuse.errors import DistfuseError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.transpose_plan import block_pads, check_output_padding, transpose_plan
-from distfuse.layers._conv_call_info import CallInfo
-from distfuse.layers._conv_common import ConvOptions, ZeroBlock, spatial_classes
+from distfuse.layers._conv_common import CallInfo, ConvOptions, ZeroBlock, expose_options, spatial_classes
 from distfuse.layers.conv_feature import RootParamConvBase
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._op_pair import anchor
@@ -112,11 +75,8 @@ def _int_tuple(op: str, v, nd: int, name: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class ConvTransposeOptions:
-    """torch ``ConvTransposeNd`` arguments, normalised per spatial axis.
-
-    ``weight_shape``, ``out_channels`` and ``bias`` are what the feature
-    convolution's parameter code reads (see :class:`DistributedConvTransposeBase`).
-    """
+    """torch ``ConvTransposeNd`` arguments, normalised per spatial axis (``weight_shape``, ``out_channels`` and
+    ``bias`` are what :class:`~distfuse.layers._conv_common.RootParams` reads)."""
 
     nd: int
     in_channels: int
@@ -167,9 +127,8 @@ def conv_transpose_block(opts: ConvTransposeOptions, staged: torch.Tensor, w: to
         return y if b is None else y + b.view(1, -1, *([1] * opts.nd))
     dtype = staged.dtype
     if staged.device.type == "cpu" and dtype in (torch.bfloat16, torch.float16):
-        # Compute in fp32 and round once, as conv_block does (torch 2.13's 16-bit CPU conv3d is wrong on one
-        # thread).  Its transposed convolutions measured right (1-3-D, strides 1-3: same error as fp32 then
-        # rounded), but the bias added after a zero-extending crop would round a second time in 16 bits.
+        # Compute in fp32 and round once, as conv_block does: the bias added after a zero-extending crop would
+        # otherwise round a second time in 16 bits.
         staged, w, b = staged.float(), w.float(), None if b is None else b.float()
     extends = any(v > 0 for lo_hi in pads for v in lo_hi)
     y = CONV_TRANSPOSE[opts.nd](staged, w, None if extends else b, opts.stride, 0, 0, opts.groups, opts.dilation)
@@ -184,17 +143,9 @@ def conv_transpose_block(opts: ConvTransposeOptions, staged: torch.Tensor, w: to
 class DistributedConvTransposeBase(RootParamConvBase):
     """Transposed convolution over an input split along batch and spatial axes (see the module docstring).
 
-    Args:
-        P_x: CartesianPartition ``[P_b, 1, P_1, ..., P_nd]``.
-        in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
-        bias, dilation, padding_mode, device, dtype: as ``torch.nn.ConvTransposeNd`` (same
-        order).  ``device`` defaults to ``P_x.device``.
-        static_shapes: accepted for compatibility; changes nothing (every call skips the
-            metadata gather while the workers' signatures repeat).
-
-    Construction is collective over the world (it creates the root's partitions) and
-    draws the parameters like the sequential layer on every rank.  ``weight`` and
-    ``bias`` are None except on the root (``P_x``'s first worker).
+    ``P_x``: CartesianPartition ``[P_b, 1, P_1, ..., P_nd]``; the other arguments as
+    ``torch.nn.ConvTransposeNd`` (same order).  ``weight`` and ``bias`` are None except on
+    the root (``P_x``'s first worker).
     """
 
     kind = "feature-distributed transposed convolution"
@@ -207,9 +158,8 @@ class DistributedConvTransposeBase(RootParamConvBase):
         self._check_partition(P_x)
         o = ConvTransposeOptions.make(op, self.nd, in_channels, out_channels, kernel_size, stride, padding,
                                       output_padding, groups, bias, dilation, padding_mode)
-        self.in_channels, self.out_channels, self.groups = o.in_channels, o.out_channels, o.groups
-        self.kernel_size, self.stride, self.dilation = o.kernel_size, o.stride, o.dilation
-        self.padding, self.output_padding, self.padding_mode = o.padding, o.output_padding, "zeros"
+        expose_options(self, o, "output_padding")
+        self.padding_mode = "zeros"
         self._plans: dict[tuple[int, ...], HaloPlan] = {}
         self._windows: dict[tuple[int, ...], tuple] = {}
         self._halo = PlanHalo(P_x, self.nd, self.plan, op)  # names the transposed plan in the halo ops

@@ -4,42 +4,26 @@
 and the device's capabilities.  In order of precedence:
 
 1. ``DISTFUSE_PATH=fused|unfused|auto`` in the environment (``auto`` = no override).
-   Forcing ``fused`` where it cannot run at all (no symmetric memory for a GEMM
-   fusion) still falls back, and says so.
-2. A crossover table (JSON; format and reading in :mod:`distfuse.fused.crossover_table`),
-   keyed by device name, world size, dtype and op: the user's (``DISTFUSE_TUNE_TABLE`` or
+   Forcing ``fused`` where it cannot run at all (no symmetric memory for a GEMM fusion)
+   still falls back, and says so.
+2. A crossover table (:mod:`distfuse.fused.crossover_table`), keyed by device name, world
+   size, dtype and op: the user's (``DISTFUSE_TUNE_TABLE`` or
    ``~/.cache/distfuse/crossover.json``, written by ``distfuse-tune``) over the one shipped in
-   the package (``distfuse/fused/crossover_shipped.json``: ``"source": "projected"`` entries
-   for the H100 and H200 at TP 2/4/8, fused only where the projected gain is at least 10%;
-   :mod:`distfuse.tune.project`).  Each entry is a threshold on the op's
-   size (``size_key`` in the registry): fused at or above ``min_size`` (and at or below
-   ``max_size`` when given).  An entry may also name the fastest provider per size;
-   a fused :class:`Decision` carries the provider the op will run
-   (:func:`distfuse.fused.providers.select_provider`).
-   fp32 calls of the Triton GEMM fusions (``triton_gemm`` in the registry) stay unfused
-   on CUDA unless torch allows TF32 (:func:`distfuse.kernels._utils.tf32_allowed`), before
-   the table is read: the fused kernels then multiply in IEEE fp32 on the CUDA cores, and
-   a table entry does not record the TF32 setting it was measured under.  Where TF32 is
-   allowed, the fused fp32 kernels use it too (``input_precision="tf32"``), like
-   ``torch.matmul``.
-3. The op's default rule in :mod:`distfuse.fused.registry`.  Defaults are starting points
-   until a sweep on the user's machine replaces them; each says what it rests on.
+   the package (projected entries, :mod:`distfuse.tune.project`).  Each entry is a threshold
+   on the op's size: fused at or above ``min_size`` (and at or below ``max_size``); it may
+   name the fastest provider per size, which a fused :class:`Decision` carries.  Before the
+   table, fp32 calls of the Triton GEMM fusions stay unfused on CUDA unless torch allows
+   TF32 (:func:`distfuse.kernels._utils.tf32_allowed`): the fused kernels would multiply in
+   IEEE fp32 on the CUDA cores, and an entry does not record the TF32 setting it was
+   measured under (where TF32 is allowed, the fused kernels use it too, like ``torch.matmul``).
+3. The op's default rule in :mod:`distfuse.fused.registry` (which holds every per-op fact),
+   a starting point until a sweep on the user's machine replaces it.
 
-The ops themselves (names, sizes, defaults, whether they need symmetric memory) are the
-registry's; this module holds no per-op knowledge.
-
-On CPU the production path is always unfused: the Triton interpreter exists for tests,
-which force the fused path explicitly.
-
-Layers call :func:`select_path`, record the decision in ``last_path``, and keep the
-:class:`Decision` (with its reason) so that ``layer.explain(x)`` can say why.  A decision
-names the entry that decided (:class:`EntryRef`: the table file, its key, ``measured`` or
-``projected``, the gain and its margin at the nearest evaluated size; or the registry's
-default rule), and :meth:`Decision.describe` says all of it in one line.  ``explain`` is
-dry: a layer's ``explain`` runs under :func:`explains` (:func:`dry_run`), where nothing
-that would communicate is asked (the linears' symmetric-memory probe is collective the
-first time: a dry decision uses its cached verdict, or assumes it and says so in
-``Decision.caveat``).
+On CPU the production path is always unfused: the Triton interpreter exists for tests.
+Layers keep the :class:`Decision` (its reason and the :class:`EntryRef` that decided) in
+``last_decision``; ``layer.explain(x)`` runs under :func:`dry_run`, where nothing
+communicates (the linears' symmetric-memory probe answers from its cache or is assumed,
+and the decision's ``caveat`` says so).
 """
 
 from __future__ import annotations
@@ -58,19 +42,8 @@ from distfuse.fused import registry
 from distfuse.fused.crossover_table import entry_source, gain_at, load_table, table_key
 from distfuse.fused.providers import select_provider
 
-__all__ = [
-    "DeviceCaps",
-    "Decision",
-    "EntryRef",
-    "select_path",
-    "dry_run",
-    "is_dry",
-    "explains",
-    "DryExplain",
-    "device_caps",
-    "load_table",
-    "table_key",
-]
+__all__ = ["DeviceCaps", "Decision", "EntryRef", "select_path", "dry_run", "is_dry", "DryExplain",
+           "device_caps", "load_table", "table_key"]
 
 log = logging.getLogger("distfuse.dispatch")
 
@@ -91,11 +64,10 @@ class DeviceCaps:
 class EntryRef:
     """Which entry decided a call: a crossover-table entry (``kind="table"``) or the op's default rule (``"default"``).
 
-    ``table``: the file (None where the caller passed the table as a dict); ``shipped``: the
-    package's table; ``source``: ``"measured"`` or ``"projected"`` (None for a hand-written
-    entry); ``gain``/``margin``: at ``at_size``, the entry's evaluated size nearest the call's
-    (``gain = unfused_ms / fused_ms - 1``; the margin is what the pessimistic end of the inputs
-    takes off it); ``rule``: the interval the entry or the default fuses in.
+    ``table``: the file (None for a dict); ``shipped``: the package's table; ``source``: ``"measured"`` or
+    ``"projected"`` (None for a hand-written entry); ``gain = unfused_ms / fused_ms - 1`` and its ``margin`` (what the
+    pessimistic end of the inputs takes off it) at ``at_size``, the evaluated size nearest the call's; ``rule``: the
+    interval the entry or the default fuses in.
     """
 
     kind: str
@@ -117,28 +89,27 @@ class EntryRef:
         where_ = ("the shipped table " if self.shipped else "the table ") + self.table if self.table else "a table"
         what = f"{self.source} entry" if self.source else "entry"
         out = f"{what} {self.key!r} of {where_} ({self.rule})"
-        if self.gain is not None:
-            at = f" at {self.size_key}={self.at_size:g}" if self.at_size is not None else ""
-            out += f", {self.source or 'its'} gain {self.gain:+.1%} ± {self.margin or 0.0:.1%}{at}"
-        return out
+        return out + (f", {self.source or 'its'} {self.gain_text()}" if self.gain is not None else "")
+
+    def gain_text(self) -> str:
+        at = f" at {self.size_key}={self.at_size:g}" if self.at_size is not None else ""
+        return f"gain {self.gain:+.1%} ± {self.margin or 0.0:.1%}{at}"
 
 
 @dataclass(frozen=True)
 class Decision:
-    path: str  # "fused" or "unfused"
+    """``path`` ("fused" or "unfused"), ``reason``, the fused ``provider`` (:mod:`distfuse.fused.providers`) and the
+    ``entry`` that decided (None where none was consulted: an override, CPU, fp32 without TF32, no symmetric memory,
+    a form with no fused op).  Not part of equality, so that ``explain``'s decision equals the forward's: the
+    ``kernel`` that ran the fused call and why (``kernel_reason``: a provider's fallback, ``KernelChoice``), and
+    the ``caveat`` of a dry decision (what it could not check without communicating)."""
+
+    path: str
     reason: str
-    provider: str | None = None  # the fused path's implementation (distfuse.fused.providers); None when unfused
-    # The kernel that ran the fused call (distfuse.kernels.matmul_scatter_select.KernelChoice: a provider's
-    # fallback names the kernel it fell back to, and ``kernel_reason`` why); None before the call or when unfused.
-    # Not part of equality: a dry decision (layer.explain) chooses the path, provider and entry; the kernel is
-    # what the call then ran.
+    provider: str | None = None
     kernel: str | None = field(default=None, compare=False)
     kernel_reason: str | None = field(default=None, compare=False)
-    # The table entry or default rule that decided; None where none was consulted (an override, CPU, fp32
-    # without TF32, no symmetric memory, a form with no fused op).
     entry: EntryRef | None = None
-    # What a dry decision (layer.explain) could not check without communicating; None otherwise.  Not part of
-    # equality: explain's decision equals the forward's when the unchecked assumption holds.
     caveat: str | None = field(default=None, compare=False)
 
     def describe(self) -> str:
@@ -158,11 +129,8 @@ _DRY = threading.local()
 
 @contextlib.contextmanager
 def dry_run():
-    """Inside: decisions ask nothing that communicates (:func:`is_dry`); what ``layer.explain`` runs under.
-
-    The symmetric-memory probe answers from its cache or raises
-    :class:`~distfuse.fused.symmetric_availability.NotProbedError` (the layers then record the
-    decision's ``caveat``)."""
+    """Inside: decisions ask nothing that communicates (:func:`is_dry`; ``layer.explain`` runs under it): the
+    symmetric-memory probe answers from its cache or raises ``NotProbedError`` (recorded as a ``caveat``)."""
     from distfuse.fused.symmetric_availability import no_probe
 
     depth = getattr(_DRY, "depth", 0)
@@ -179,27 +147,19 @@ def is_dry() -> bool:
     return getattr(_DRY, "depth", 0) > 0
 
 
-def explains(method):
-    """Decorator for a layer's ``explain``: runs it under :func:`dry_run` (the one-line hook each layer needs)."""
-    if getattr(method, "_distfuse_dry", False):
-        return method
-
-    @functools.wraps(method)
-    def dry(*args, **kwargs):
-        with dry_run():
-            return method(*args, **kwargs)
-    dry._distfuse_dry = True
-    return dry
-
-
 class DryExplain:
     """Mixin of the layers that dispatch: every ``explain`` a subclass defines runs under :func:`dry_run`."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         method = cls.__dict__.get("explain")
-        if callable(method):
-            cls.explain = explains(method)
+        if callable(method) and not getattr(method, "_distfuse_dry", False):
+            @functools.wraps(method)
+            def dry(*args, **kwargs):
+                with dry_run():
+                    return method(*args, **kwargs)
+            dry._distfuse_dry = True
+            cls.explain = dry
 
 
 def device_caps(device: torch.device, symmetric_memory: bool | None = None) -> DeviceCaps:
@@ -221,10 +181,7 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
     """Choose ``"fused"`` or ``"unfused"`` for one call of ``op``; pure apart from reading the environment.
 
     Args:
-        op: a registered fused op (:func:`distfuse.fused.registry.names`: ``"halo_conv"``,
-            ``"matmul_reduce_scatter"``, ``"all_gather_matmul"``, their feature-split forms
-            ``"matmul_reduce_scatter_features"`` and ``"all_gather_features_matmul"``, and
-            ``"matmul_all_reduce"``).
+        op: a registered fused op (:func:`distfuse.fused.registry.names`).
         shapes: the op's sizes (its ``size_inputs``): ``channels`` for halo_conv; ``m``, ``n``, ``k``
             (per-rank GEMM) for the linears.
         dtype, world_size: as the call sees them.
@@ -262,20 +219,18 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
         ref = _table_ref(op, spec, size, key, entry)
         if entry.get("fused") == "never":
             return Decision("unfused", f"crossover table: fused never wins for {op} here{_gain_note(ref)}", entry=ref)
-        lo, hi = entry.get("min_size"), entry.get("max_size")
-        path = "fused" if registry.in_interval(size, lo, hi) else "unfused"
+        fused = registry.in_interval(size, entry.get("min_size"), entry.get("max_size"))
         reason = f"crossover table: {spec.size_key}={size:g}, {ref.rule}{_gain_note(ref)}"
-        return _fused(op, shapes, dtype, world_size, caps, table, reason, ref) if path == "fused" \
-            else Decision(path, reason, entry=ref)
-    default = spec.default
-    ref = EntryRef("default", op, spec.size_key, size, default.describe(spec.size_key))
-    if default.fused == "never":
-        return Decision("unfused", f"default: {default.why}; a distfuse-tune table entry can enable it", entry=ref)
-    path = "fused" if default.fused_at(size) else "unfused"
-    why = f" ({default.why})" if default.why else ""
-    reason = f"default: {default.describe(spec.size_key)}, got {size:g}{why}"
-    return _fused(op, shapes, dtype, world_size, caps, table, reason, ref) if path == "fused" \
-        else Decision(path, reason, entry=ref)
+    else:
+        default = spec.default
+        ref = EntryRef("default", op, spec.size_key, size, default.describe(spec.size_key))
+        if default.fused == "never":
+            return Decision("unfused", f"default: {default.why}; a distfuse-tune table entry can enable it", entry=ref)
+        fused = default.fused_at(size)
+        why = f" ({default.why})" if default.why else ""
+        reason = f"default: {default.describe(spec.size_key)}, got {size:g}{why}"
+    return _fused(op, shapes, dtype, world_size, caps, table, reason, ref) if fused \
+        else Decision("unfused", reason, entry=ref)
 
 
 def _table_ref(op: str, spec, size: float, key: str, entry: dict) -> EntryRef:
@@ -294,10 +249,7 @@ def _table_ref(op: str, spec, size: float, key: str, entry: dict) -> EntryRef:
 
 def _gain_note(ref: EntryRef) -> str:
     """`` (projected: gain -12.0% ± 4.0% at macs=6e+10)`` for entries that carry gains (sourced ones); else ``""``."""
-    if ref.gain is None or ref.source is None:
-        return ""
-    at = f" at {ref.size_key}={ref.at_size:g}" if ref.at_size is not None else ""
-    return f" ({ref.source}: gain {ref.gain:+.1%} ± {ref.margin or 0.0:.1%}{at})"
+    return "" if ref.gain is None or ref.source is None else f" ({ref.source}: {ref.gain_text()})"
 
 
 def _fused(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps: DeviceCaps, table: dict | None,

@@ -16,30 +16,24 @@ axes like any layer's input, and every worker of one vocabulary row holds the sa
              dweight summed over the leading axes        (``distfuse::replicate``'s adjoint: the copies of a
                                                            block each get the global gradient)
 
-Why the identity adjoint: every worker of the vocabulary axis holds the same ``y`` and
-the layers after it compute the same function of it, so each worker's incoming ``dy``
-is already the whole gradient; AllSumReduce's own adjoint (a second sum) would count it
-``P_v`` times (see :mod:`distfuse.primitives.all_sum_reduce`).  Each id lies in exactly one
+Why the identity adjoint: each worker's ``dy`` is already the whole gradient of the
+replicated ``y`` (:mod:`distfuse.primitives.all_sum_reduce`).  Each id lies in exactly one
 block, so the sum adds one row to zeros: the output is torch's bits in every dtype.
-``padding_idx`` behaves as torch's (the row starts at zero and gets no gradient); only its
-owner passes it to the local lookup.  Cost where the leading axes have more than one worker
-and the weight takes a gradient: ``distfuse::replicate`` copies the ``[V_v, D]`` block once
-per forward (its adjoint is the data-parallel sum of the block's gradient, which needs it).
+``padding_idx`` behaves as torch's; only its owner passes it to the local lookup.  Where the
+leading axes have more than one worker and the weight takes a gradient,
+``distfuse::replicate`` copies the ``[V_v, D]`` block once per forward.
 
-Checks.  The call's metadata (the ids' blocks tile one global shape, one ids dtype, the
-weight blocks' shapes and dtype, the same grad setting on every worker: the weight
-gradient's sum over the leading axes must run on all or none) is agreed through the
-layer's :class:`~distfuse.primitives.agreement_session.AgreementSession` (a host flag round
-per call, the metadata gather on the first call and on a change; ``distfuse::flag_check``
-when compiled).  The id values are checked in every call by ``distfuse::embedding_check``:
-one all-reduce over ``P_x`` of ``2 x |P_x|`` int64, a linear hash of each worker's ids (odd
-multipliers: one differing position always changes it; several are missed only if their
-differences cancel modulo 2^64) and each worker's count of ids outside ``[0, V)``.  Every
-worker then raises the same :class:`~distfuse.errors.ShapeError` naming the world ranks
-whose ids differ from their vocabulary peers' or fall out of range; the check spans
-``P_x`` (not only the vocabulary axis) because the backward's sum over the leading axes
-would otherwise wait for a worker that raised.  On a device the counts are not read on
-the host (that read would synchronise every call): the output is NaN on every worker.
+Checks.  Every worker's weight must take a gradient or none (its sum over the leading axes
+runs on all or none).  The id values are checked in every call by
+``distfuse::embedding_check``: one all-reduce over ``P_x`` of ``2 x |P_x|`` int64, a linear
+hash of each worker's ids (odd multipliers: one differing position always changes it;
+several are missed only if their differences cancel modulo 2^64) and each worker's count of
+ids outside ``[0, V)``.  Every worker then raises the same
+:class:`~distfuse.errors.ShapeError` naming the world ranks whose ids differ from their
+vocabulary peers' or fall out of range; the check spans ``P_x`` (not only the vocabulary
+axis) because the backward's sum over the leading axes would otherwise wait for a worker
+that raised.  On a device the counts are not read on the host: the output is NaN on every
+worker.
 
 Not supported (``UnsupportedError``): ``max_norm`` (torch renormalises the looked-up rows in
 place, and the local lookup touches placeholder rows), ``scale_grad_by_freq`` (needs global
@@ -56,15 +50,14 @@ from torch import nn
 
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, block_start
-from distfuse.layers._block_identity import BlockIdentityMixin
+from distfuse.layers._conv_common import AgreedLayer, check_cartesian
 from distfuse.layers._norm_common import FLOATS, gather_call, global_shape_of, one_dtype, subgrid
-from distfuse.layers._params import ParamLayout
-from distfuse.partition import CartesianPartition, zero_volume_tensor
+from distfuse.layers._params import BlockIdentityMixin, ParamLayout
+from distfuse.partition import zero_volume_tensor
 from distfuse.primitives._axes import all_reduce_sum
 from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives._handles import lookup
 from distfuse.primitives._op_pair import op_entry
-from distfuse.primitives.agreement_session import AgreementSession
 from distfuse.primitives.all_sum_reduce import SubGridSum, replicate, replicated_sum
 
 __all__ = ["DistributedEmbedding", "check_vocab_partition"]
@@ -117,8 +110,7 @@ _check_op = op_entry("embedding_check", _embedding_check,
 
 def check_vocab_partition(op: str, P_x) -> None:
     """``P_x`` must be a CartesianPartition of at least two dimensions: the leading axes, then the vocabulary."""
-    if not isinstance(P_x, CartesianPartition):
-        raise PartitionError(f"{where(op)}: P_x must be a CartesianPartition, got {type(P_x).__name__}")
+    check_cartesian(op, P_x)
     if P_x.dim < 2:
         raise expect(op, "dimensions of P_x (one per dimension of the ids or targets, then the vocabulary axis)",
                      ">= 2", P_x.dim, PartitionError)
@@ -132,7 +124,7 @@ class EmbeddingCall:
     param_grad: bool
 
 
-class DistributedEmbedding(BlockIdentityMixin, nn.Module):
+class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
     """``torch.nn.Embedding`` with its rows split over the last axis of ``P_x`` (see the module docstring).
 
     Args:
@@ -140,12 +132,8 @@ class DistributedEmbedding(BlockIdentityMixin, nn.Module):
         num_embeddings, embedding_dim, padding_idx: as ``torch.nn.Embedding`` (a negative
             ``padding_idx`` counts from the end).
         max_norm, norm_type, scale_grad_by_freq, sparse: torch's; only the defaults are supported.
-        device, dtype: of the weight block (default: ``P_x``'s device, torch's default dtype).
-
-    Attributes:
-        weight: this worker's ``[V_v, D]`` block (None outside ``P_x``).
-        session: the layer's :class:`~distfuse.primitives.agreement_session.AgreementSession`
-            over ``P_x``; ``agreement`` is its site.
+        device, dtype: of the weight block, this worker's ``[V_v, D]`` (default: ``P_x``'s device, torch's
+            default dtype).
     """
 
     def __init__(self, P_x, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
@@ -174,8 +162,7 @@ class DistributedEmbedding(BlockIdentityMixin, nn.Module):
         self._vocab = SubGridSum(op, subgrid(P_x, [vocab]))
         self._rep = SubGridSum(op, subgrid(P_x, range(vocab)))
         self._check = SubGridSum(op, P_x)
-        self.session = AgreementSession(op, P_x)
-        self.agreement = self.session.site
+        self._agree_over(P_x)
         p_v, i_v = P_x.shape[vocab], (P_x.index[vocab] if P_x.active else 0)
         self.vocab_start = block_start(self.num_embeddings, p_v, i_v)
         self.vocab_rows = block_extent(self.num_embeddings, p_v, i_v)
@@ -187,12 +174,8 @@ class DistributedEmbedding(BlockIdentityMixin, nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """torch's initialisation on the global table (normal(0, 1), the padding row zero), each worker its block.
-
-        Every rank draws the whole ``[V, D]`` table, as the linear layers do (``init_like_torch``): with the same
-        seed on every rank the blocks are those of one ``torch.nn.Embedding`` and the copies over the leading axes
-        are equal.  For a table too large to draw on each rank, load the blocks instead (:func:`load_sequential`).
-        """
+        """torch's initialisation on the global table (normal(0, 1), the padding row zero), drawn on every rank; each
+        worker keeps its block.  A table too large to draw on each rank is loaded instead (:func:`load_sequential`)."""
         if self.weight is None:
             return
         full = torch.empty((self.num_embeddings, self.embedding_dim), dtype=self.weight.dtype,

@@ -17,50 +17,29 @@ differs, its ``mean`` divisor).  Partitions and shapes (any axis of ``P_x`` may 
               the one global loss, so the adjoint of the all-reduce is the identity and
               dl = dloss / count flows into torch's elementwise backward, with no message.
 
-The reduction is ``distfuse::replicate_adjoint``
-(:func:`~distfuse.primitives.all_sum_reduce.replicated_sum`).  Why the identity adjoint:
-every worker holds the same scalar and calls ``backward`` on it, as a replicated training
-loop does; summing those gradients would count the loss once per worker.  So call
-``loss.backward()`` on every worker of ``P_x`` with the same gradient (the default 1).
-Workers outside ``P_x`` pass zero-volume tensors and get a zero-volume tensor back.
-``mean`` divides by the global count (the global element count, the global batch for
-``KLDivLoss(reduction='batchmean')``), never by a mean of local means, which is wrong
-under uneven splits.  Sums are taken in fp32 for 16-bit inputs and rounded once.  Weights
-(``weight``, ``pos_weight``) are the global tensors torch takes, held whole by every worker
-(equal everywhere) and sliced per call to the local block by torch's broadcasting rule.
+Why the identity adjoint: every worker holds the same scalar and calls ``backward`` on it,
+as a replicated training loop does; summing those gradients would count the loss once per
+worker (the reduction is ``distfuse::replicate_adjoint``,
+:func:`~distfuse.primitives.all_sum_reduce.replicated_sum`).  So call ``loss.backward()`` on
+every worker of ``P_x`` with the same gradient.  ``mean`` divides by the global count, never
+by a mean of local means; sums are taken in fp32 for 16-bit inputs.  Weights (``weight``,
+``pos_weight``) are the global tensors torch takes, sliced per call to the local block by
+torch's broadcasting rule.  A target whose blocks do not match the input's is refused.
 
-Agreement.  The workers agree on each call's metadata (shapes, dtypes, the weights'
-shapes) through the layer's
-:class:`~distfuse.primitives.agreement_session.AgreementSession`, so a target whose blocks
-do not match the input's (torch would broadcast them with a warning; distfuse refuses), a
-non-balanced split or mixed dtypes raise the same error on every worker.  The metadata
-gather over ``P_x`` runs on the first call and when some worker's call changed.  How a
-worker whose call repeats learns that a peer's changed:
+The agreement flag rides in the reduction with ``sum`` / ``mean`` on CPU
+(:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`; ``distfuse::loss_flags``
+reads the sum's flags, a free host read, and raises on every worker); with ``none`` (no
+collective) and on a device (a flag read would synchronise it) it takes a host round of its own.
 
-* ``sum`` / ``mean`` on CPU: in the reduction itself, which reaches every worker of ``P_x``
-  (:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`; eager and
-  compiled alike).  A worker whose call changed sends zeros and the change flag;
-  ``distfuse::loss_flags`` reads the flags of the sum (a CPU tensor: free) and, if one is
-  set, raises on every worker: an eager call then gathers the metadata, checks it and
-  reduces again, a compiled one asks for an eager call.  No extra round in steady state.
-* ``none`` (no collective at all) and partitions on a device (reading a flag of a CUDA
-  tensor would synchronise the device every call): one flag round before anything else (a
-  one-element all-reduce on ``P_x``'s host meta group, no device read;
-  ``distfuse::flag_check`` in a graph).
-
-Values torch refuses (a class index out of range that is not ``ignore_index``, a BCE input
-or target outside [0, 1], NaN included).  An eager call catches torch's error around the
-local loss; with ``sum``/``mean`` the failure flags in the reduction tell every worker, and
-each raises (the bad worker torch's message, its peers the world ranks of the bad blocks);
-with ``none`` only the bad worker raises, with nobody waiting for it.  A compiled call (or
-one inside ``capture_safe()``) cannot catch what happens when the graph runs, so with a
-reduction it first counts the bad entries with tensor ops (:meth:`_safe_values`), replaces
-them with values torch accepts (a good block is untouched: its loss and gradients are
-eager's bits) and puts the count in its failure slot; ``distfuse::loss_refusals`` reads the
-summed slots and raises the same error on every worker.  The agreed record stays settled
-either way (the metadata agreed; the values did not).  On CUDA the slots are not read
-(that read would synchronise the device): the loss is NaN on every worker instead, and the
-check before torch's op keeps its device-side asserts from firing.
+Values torch refuses (a class index out of range, a BCE input or target outside [0, 1]):
+an eager call catches torch's error around the local loss; with ``sum``/``mean`` the failure
+flags in the reduction make every worker raise (the bad worker torch's message, its peers
+the world ranks of the bad blocks); with ``none`` only the bad worker raises, with nobody
+waiting for it.  A compiled call (or one in ``capture_safe()``) cannot catch what happens
+when the graph runs, so with a reduction it counts the bad entries with tensor ops
+(:meth:`_safe_values`), replaces them with values torch accepts (a good block is untouched)
+and puts the count in its failure slot.  On CUDA the slots are not read: the loss is NaN
+on every worker instead, and the check keeps torch's device-side asserts from firing.
 """
 
 from __future__ import annotations
@@ -73,22 +52,38 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn import _reduction
 
-from distfuse.errors import DistfuseError, PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.errors import DistfuseError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import local_start
+from distfuse.layers._conv_common import AgreedLayer, check_cartesian
 from distfuse.layers._norm_common import FLOATS, compute_dtype, gather_call, global_shape_of, numel, one_dtype
 from distfuse.layers._params import ParamLayout
-from distfuse.partition import CartesianPartition, zero_volume_tensor
+from distfuse.partition import zero_volume_tensor
 from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives._flag_transport import flags_on_host
 from distfuse.primitives._handles import lookup
 from distfuse.primitives._op_pair import op_entry
-from distfuse.primitives.agreement_session import AgreementSession, FlagRound, flagged_error
+from distfuse.primitives.agreement_session import FlagRound, flagged_error
 from distfuse.primitives.all_sum_reduce import SubGridSum, replicated_sum
 
-__all__ = ["DistributedLossBase", "LossCall", "DistributedMSELoss", "DistributedL1Loss", "DistributedBCELoss",
-           "DistributedBCEWithLogitsLoss", "DistributedKLDivLoss"]
+__all__ = ["DistributedLossBase", "LossCall", "reduction_of", "check_smoothing", "DistributedMSELoss",
+           "DistributedL1Loss", "DistributedBCELoss", "DistributedBCEWithLogitsLoss", "DistributedKLDivLoss"]
 
 _ANY = FLOATS + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+
+
+def reduction_of(op: str, allowed: tuple[str, ...], size_average, reduce, reduction: str) -> str:
+    """torch's ``reduction`` (mapped from the deprecated ``size_average`` / ``reduce`` as torch maps them), checked."""
+    if size_average is not None or reduce is not None:
+        reduction = _reduction.legacy_get_string(size_average, reduce)
+    if reduction not in allowed:
+        raise UnsupportedError(f"{where(op)}: reduction={reduction!r} is not one of {list(allowed)}")
+    return reduction
+
+
+def check_smoothing(op: str, label_smoothing) -> float:
+    if not 0.0 <= float(label_smoothing) <= 1.0:
+        raise UnsupportedError(f"{where(op)}: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+    return float(label_smoothing)
 
 
 def _refused(op: str, failed: list[int] | None = None, exc: Exception | None = None) -> ShapeError:
@@ -100,10 +95,10 @@ def _refused(op: str, failed: list[int] | None = None, exc: Exception | None = N
 
 
 def _loss_flags(flags: torch.Tensor, handle: int) -> None:
-    """Read the summed ``[change flag, failure per worker]`` of the reduction (CPU: a free host read) and raise
-    the same error on every worker: :class:`~distfuse.primitives.agreement_session.FlaggedCall` (after forgetting
-    the agreement) when some worker's call changed, else the refusal when some worker's block was refused.  The
-    handle is the session's :class:`~distfuse.primitives.agreement_session.FlagRound` (``P_x``, ``on_flag``)."""
+    """Read the summed ``[change flag, failure per worker]`` of the reduction (CPU: a free host read) and raise the
+    same error on every worker: the flagged-call error (after forgetting the agreement) when some worker's call
+    changed, else the refusal.  The handle names the session's
+    :class:`~distfuse.primitives.agreement_session.FlagRound`."""
     ctx: FlagRound = lookup(handle)
     if flags.device.type != "cpu":  # no device read: the loss is NaN on every worker instead
         return
@@ -129,35 +124,19 @@ class LossCall:
     start: tuple[int, ...]
 
 
-class DistributedLossBase(nn.Module):
-    """A loss over inputs split by ``P_x``; subclasses give the local unreduced loss and the ``mean`` divisor.
-
-    Args:
-        P_x: CartesianPartition with one dimension per input dimension.
-        size_average, reduce: torch's deprecated reduction arguments (mapped as torch maps them).
-        reduction: ``'none'``, ``'mean'`` or ``'sum'`` (``'batchmean'`` too for KL divergence).
-
-    Attributes:
-        session: the :class:`~distfuse.primitives.agreement_session.AgreementSession` over
-            ``P_x``; ``agreement`` is its site (``calls`` / ``slow_calls`` count the calls
-            and the metadata gathers).
-    """
+class DistributedLossBase(AgreedLayer, nn.Module):
+    """A loss over inputs split by ``P_x`` (one dimension per input dimension); subclasses give the local
+    unreduced loss and the ``mean`` divisor.  ``reduction``, ``size_average`` and ``reduce`` as torch's."""
 
     reductions: tuple[str, ...] = ("none", "mean", "sum")
 
     def __init__(self, P_x, size_average=None, reduce=None, reduction: str = "mean"):
         super().__init__()
         op = type(self).__name__
-        if not isinstance(P_x, CartesianPartition):
-            raise PartitionError(f"{where(op)}: P_x must be a CartesianPartition, got {type(P_x).__name__}")
-        if size_average is not None or reduce is not None:
-            reduction = _reduction.legacy_get_string(size_average, reduce)
-        if reduction not in self.reductions:
-            raise UnsupportedError(f"{where(op)}: reduction={reduction!r} is not one of {list(self.reductions)}")
+        check_cartesian(op, P_x)
         self.P_x = P_x
-        self.reduction = reduction
-        self.session = AgreementSession(op, P_x)
-        self.agreement = self.session.site
+        self.reduction = reduction_of(op, self.reductions, size_average, reduce, reduction)
+        self._agree_over(P_x)
         self._total = SubGridSum(op, P_x)  # names P_x in the reduction
 
     # -------------------------------------------------------- what subclasses provide
@@ -178,10 +157,8 @@ class DistributedLossBase(nn.Module):
         return numel(G)
 
     def _local_denominator(self, input: torch.Tensor, target: torch.Tensor, dtype) -> torch.Tensor:
-        """This worker's part of a summed ``mean`` divisor (class weights of the targets, for instance).
-
-        Only losses whose :meth:`_mean_divisor` returns None define it (an abstract hook).
-        """
+        """This worker's part of a summed ``mean`` divisor (class weights of the targets, for instance); an abstract
+        hook of the losses whose :meth:`_mean_divisor` returns None."""
         raise NotImplementedError(f"{type(self).__name__} must define _local_denominator when _mean_divisor "
                                   "returns None")
 
@@ -190,9 +167,6 @@ class DistributedLossBase(nn.Module):
         torch's local op accepts, and how many entries it would refuse (a 0-d tensor), or None where torch checks
         no values.  Traced tensor ops, no host read; a good block is unchanged (bitwise)."""
         return input, target, None
-
-    def _result_dtype(self, in_dtype: torch.dtype, t_dtype: torch.dtype) -> torch.dtype:
-        return torch.promote_types(in_dtype, t_dtype) if t_dtype in FLOATS else in_dtype
 
     def _signature(self):
         return (type(self).__name__, self.reduction, self.P_x.ranks, self.P_x.shape)
@@ -241,9 +215,7 @@ class DistributedLossBase(nn.Module):
         ``flag`` 1: this worker's call differs from the agreed one; it sends zeros and the
         change flag instead of its loss (0: it does not; -1: trusted, no flag moves).
         ``attempt``: the flag rides in this reduction, so a distfuse check that the local loss
-        meets (only a changed call can: the checks read agreed metadata) flags a change
-        instead of raising on this worker alone.  The reduction's flags are read by
-        ``distfuse::loss_flags`` (see :func:`_loss_flags`).
+        meets (only a changed call can) flags a change instead of raising on this worker alone.
         """
         session = self.session
         G, start = record.global_shape, record.start
@@ -266,7 +238,8 @@ class DistributedLossBase(nn.Module):
             return local
         divisor = None if self.reduction == "sum" else self._mean_divisor(G, record.t_dtype)
         summed_divisor = self.reduction != "sum" and divisor is None
-        result_dtype = self._result_dtype(record.in_dtype, record.t_dtype)
+        result_dtype = record.in_dtype if record.t_dtype not in FLOATS else torch.promote_types(record.in_dtype,
+                                                                                                record.t_dtype)
         partial = self._partial(local, input, target, failure, summed_divisor, compute_dtype(result_dtype), changed,
                                 bad)
         total = replicated_sum(partial, self._total.handle)
@@ -282,11 +255,8 @@ class DistributedLossBase(nn.Module):
 
     def _partial(self, local, input, target, failure, summed_divisor: bool, cdt: torch.dtype, changed: bool,
                  bad: torch.Tensor | None) -> torch.Tensor:
-        """This worker's ``[sum of local, denominator, change flag, failure flag per worker]`` in ``cdt``.
-
-        ``bad``: the number of entries torch would refuse, counted in the graph
-        (:meth:`_safe_values`); it fills this worker's failure slot.
-        """
+        """This worker's ``[sum of local, denominator, change flag, failure flag per worker]`` in ``cdt``; ``bad``
+        (the entries torch would refuse, counted in the graph by :meth:`_safe_values`) fills its failure slot."""
         P_x = self.P_x
         device = input.device if input.device.type == P_x.device.type else P_x.device
         extra = torch.zeros(2 + P_x.size, dtype=cdt, device=device)  # [denominator, change, failure per worker]

@@ -18,8 +18,7 @@ Partitions and shapes (the class axis is never split; batch and space may be)::
               torch's own backward of the local block: no message.
 
 With ``label_smoothing`` torch's mean divides both its terms by the same weighted count,
-so the sum of the unreduced loss over that count is exact.  The divisor is a global sum
-over every worker's targets, not a mean of local means.
+so the sum of the unreduced loss over that global count is exact.
 """
 
 from __future__ import annotations
@@ -27,9 +26,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from distfuse.errors import PartitionError, UnsupportedError, expect, where
+from distfuse.errors import PartitionError, expect, where
 from distfuse.layers._norm_common import FLOATS, numel
-from distfuse.layers.loss import _WeightedLossBase
+from distfuse.layers.loss import _WeightedLossBase, check_smoothing
 
 __all__ = ["DistributedCrossEntropyLoss", "DistributedNLLLoss"]
 
@@ -94,23 +93,15 @@ class _ClassLossBase(_WeightedLossBase):
 
 
 class DistributedCrossEntropyLoss(_ClassLossBase):
-    """``torch.nn.CrossEntropyLoss`` per voxel over blocks split along batch and space (see the module docstring).
-
-    Args:
-        P_x: CartesianPartition ``[P_b, 1, P_1, ..., P_nd]``.
-        weight, size_average, ignore_index, reduce, reduction, label_smoothing: as
-            ``torch.nn.CrossEntropyLoss``; ``weight`` is the global ``[C]`` tensor, equal on every worker.
-    """
+    """``torch.nn.CrossEntropyLoss`` per voxel over blocks split along batch and space by ``P_x [P_b, 1, P_1, ...,
+    P_nd]`` (see the module docstring); the other arguments as torch's, ``weight`` the global ``[C]`` tensor."""
 
     prob_targets = True
 
     def __init__(self, P_x, weight: torch.Tensor | None = None, size_average=None, ignore_index: int = -100,
                  reduce=None, reduction: str = "mean", label_smoothing: float = 0.0):
         super().__init__(P_x, weight, size_average, ignore_index, reduce, reduction)
-        if not 0.0 <= float(label_smoothing) <= 1.0:
-            raise UnsupportedError(f"{where(type(self).__name__)}: label_smoothing must be between 0.0 and 1.0, got "
-                                   f"{label_smoothing}")
-        self.label_smoothing = float(label_smoothing)
+        self.label_smoothing = check_smoothing(type(self).__name__, label_smoothing)
 
     def _local_loss(self, input, target, G, start):
         return F.cross_entropy(input, target, self.weight, ignore_index=self.ignore_index, reduction="none",
@@ -121,12 +112,8 @@ class DistributedCrossEntropyLoss(_ClassLossBase):
 
 
 class DistributedNLLLoss(_ClassLossBase):
-    """``torch.nn.NLLLoss`` per voxel over blocks split along batch and space (see the module docstring).
-
-    Args:
-        P_x: CartesianPartition ``[P_b, 1, P_1, ..., P_nd]``.
-        weight, size_average, ignore_index, reduce, reduction: as ``torch.nn.NLLLoss``.
-    """
+    """``torch.nn.NLLLoss`` per voxel over blocks split along batch and space by ``P_x [P_b, 1, P_1, ..., P_nd]``
+    (see the module docstring); the other arguments as torch's."""
 
     def __init__(self, P_x, weight: torch.Tensor | None = None, size_average=None, ignore_index: int = -100,
                  reduce=None, reduction: str = "mean"):

@@ -10,10 +10,9 @@ output of a vocabulary-parallel projection has it, where torch puts it at dimens
     reduction='none'        [*S_b]   torch's unreduced loss of the rows, replicated over the vocabulary axis
     reduction='sum'/'mean'  []       the global scalar, identical on every worker of P_x
 
-The result equals ``torch.nn.functional.cross_entropy`` of the gathered ``[prod(S), V]``
-logits and ``[prod(S)]`` targets, with ``ignore_index``, ``label_smoothing`` and
-``reduction`` as torch's (``mean`` divides by the global number of targets that are not
-``ignore_index``; class weights and probability targets are not supported).
+The result equals ``F.cross_entropy`` of the gathered ``[prod(S), V]`` logits and ``[prod(S)]``
+targets, with torch's ``ignore_index``, ``label_smoothing`` and ``reduction`` (class weights and
+probability targets are not supported).
 
 Forward, per row (``x`` the local logits in fp32 for 16-bit inputs, ``t`` the target, ``eps``
 the smoothing)::
@@ -26,11 +25,9 @@ the smoothing)::
     row = (1 - eps) (log S + M - x_t) + eps (log S + M - X / V)        0 where t == ignore_index
     'sum'/'mean': SUM over the leading axes of [sum row, count, flags] (``distfuse::replicate_adjoint``)
 
-Adjoint.  The row losses are replicated over the vocabulary axis (every worker holds the
-same values and seeds the same gradient ``g``), so the adjoint of each sum is the identity
-(see :mod:`distfuse.primitives.all_sum_reduce`); the SUM over the leading axes likewise
-(the scalar is replicated over ``P_x``).  Autograd through that identity gives, for this
-worker's block, with no message::
+Adjoint.  The row losses are replicated over the vocabulary axis, and the scalar over
+``P_x``, so the adjoint of each sum is the identity (:mod:`distfuse.primitives.all_sum_reduce`).
+Autograd through it gives, for this worker's block, with no message::
 
     dx[c] = g * (exp(x[c] - M) / S - (1 - eps) [c == t - start_v] - eps / V)
 
@@ -40,25 +37,19 @@ round has no adjoint.  The backward therefore moves nothing, and a worker needs 
 from its peers but what the forward already summed (``S`` and ``M`` per row).
 
 Why two rounds over the vocabulary axis: the exponentials need the global max first, and
-a MAX and a SUM cannot share one all-reduce.  (One all-gather of each worker's
-``(max, sum exp(x - max))`` pair, combined locally, would do in one round, but its adjoint
-is "keep your own slice", an op pair distfuse does not have; the rounds are ``3 x rows``
-and at most ``3 x rows`` values, against ``rows x V_v`` logits.)  The targets ride in the
-MAX round as ``t`` and ``-t``, which checks every row's agreement exactly at no extra round.
+a MAX and a SUM cannot share one all-reduce (one all-gather of each worker's
+``(max, sum exp(x - max))``, combined locally, would need a "keep your own slice" adjoint,
+an op pair distfuse does not have; the rounds are small, ``3 x rows`` values against
+``rows x V_v`` logits).  The targets ride in the MAX round as ``t`` and ``-t``, which checks
+every row's agreement exactly at no extra round.
 
-Checks.  The call's metadata (the logits' blocks tile one global shape, hence each
-worker's vocabulary width is its block of ``V``; ``num_classes``, when given, must be that
-``V``; target blocks of the logits' rows; one dtype) is agreed through the layer's
-:class:`~distfuse.primitives.agreement_session.AgreementSession` (a host flag round per
-call, the metadata gather on the first call and on a change; ``distfuse::flag_check``
-when compiled).  Values: a target that is neither in ``[0, V)`` nor ``ignore_index``, or a
-row whose target differs between the workers of the vocabulary axis, is refused by
+Values: a target that is neither in ``[0, V)`` nor ``ignore_index``, or a row whose target
+differs between the workers of the vocabulary axis, is refused by
 ``distfuse::vocab_loss_check`` with the same :class:`~distfuse.errors.ShapeError` on every
-worker of ``P_x``: with ``sum``/``mean`` the counts ride in the final sum; with ``none``,
-which has no round over ``P_x``, the check adds one (two int64 all-reduced over ``P_x``),
-so that no worker runs on into a later collective that a raising peer never joins.  On a
-device the counts are not read on the host (a read would synchronise every call): the
-refused rows, or the scalar, are NaN instead.
+worker of ``P_x``: with ``sum``/``mean`` the counts ride in the final sum; ``none`` adds a
+round over ``P_x`` (two int64), so that no worker runs on into a later collective that a
+raising peer never joins.  On a device the counts are not read on the host: the refused
+rows, or the scalar, are NaN instead.
 """
 
 from __future__ import annotations
@@ -68,18 +59,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import _reduction
 
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, block_start
+from distfuse.layers._conv_common import AgreedLayer
 from distfuse.layers._norm_common import compute_dtype, gather_call, global_shape_of, one_dtype, subgrid
 from distfuse.layers.embedding import check_vocab_partition
+from distfuse.layers.loss import check_smoothing, reduction_of
 from distfuse.partition import zero_volume_tensor
 from distfuse.primitives._axes import all_reduce_sum
 from distfuse.primitives._common import check_inactive_input, collective_guard
 from distfuse.primitives._handles import lookup
 from distfuse.primitives._op_pair import op_entry
-from distfuse.primitives.agreement_session import AgreementSession
 from distfuse.primitives.all_sum_reduce import SubGridSum, replicated_sum
 
 __all__ = ["DistributedVocabCrossEntropyLoss"]
@@ -136,22 +127,16 @@ class VocabCall:
         return self.global_shape[-1]
 
 
-class DistributedVocabCrossEntropyLoss(nn.Module):
+class DistributedVocabCrossEntropyLoss(AgreedLayer, nn.Module):
     """``torch.nn.CrossEntropyLoss`` over logits whose class (vocabulary) axis, the last, is split over ``P_x``'s last
-    axis (see the module docstring).
-
-    (:class:`~distfuse.layers.loss_class.DistributedCrossEntropyLoss` is the per-voxel loss with the class axis
-    at dimension 1 and unsplit.)
+    axis (see the module docstring; :class:`~distfuse.layers.loss_class.DistributedCrossEntropyLoss` is the
+    per-voxel loss, classes at dimension 1 and unsplit).
 
     Args:
         P_x: CartesianPartition ``[P_1, ..., P_k, P_v]``, one dimension per logits dimension, ``k >= 1``.
         ignore_index, reduction, label_smoothing, size_average, reduce: as ``torch.nn.CrossEntropyLoss``.
         num_classes: the global vocabulary size, if known: every worker's logits width is then
             checked against its block of it (otherwise the size is the sum of the blocks).
-
-    Attributes:
-        session: the :class:`~distfuse.primitives.agreement_session.AgreementSession` over
-            ``P_x``; ``agreement`` is its site.
     """
 
     reductions = ("none", "mean", "sum")
@@ -161,24 +146,18 @@ class DistributedVocabCrossEntropyLoss(nn.Module):
         super().__init__()
         op = type(self).__name__
         check_vocab_partition(op, P_x)
-        if size_average is not None or reduce is not None:
-            reduction = _reduction.legacy_get_string(size_average, reduce)
-        if reduction not in self.reductions:
-            raise UnsupportedError(f"{where(op)}: reduction={reduction!r} is not one of {list(self.reductions)}")
-        if not 0.0 <= float(label_smoothing) <= 1.0:
-            raise UnsupportedError(f"{where(op)}: label_smoothing must be between 0.0 and 1.0, got {label_smoothing}")
+        self.reduction = reduction_of(op, self.reductions, size_average, reduce, reduction)
+        self.label_smoothing = check_smoothing(op, label_smoothing)
         if num_classes is not None and int(num_classes) < 1:
             raise UnsupportedError(f"{where(op)}: num_classes must be >= 1, got {num_classes}")
         self.P_x = P_x
-        self.ignore_index, self.reduction = int(ignore_index), reduction
-        self.label_smoothing = float(label_smoothing)
+        self.ignore_index = int(ignore_index)
         self.num_classes = None if num_classes is None else int(num_classes)
         # Collective over the world, in the same order on every rank (the handles name them in graphs).
         self._vocab = SubGridSum(op, subgrid(P_x, [P_x.dim - 1]))
         self._rows = SubGridSum(op, subgrid(P_x, range(P_x.dim - 1)))
         self._all = SubGridSum(op, P_x)
-        self.session = AgreementSession(op, P_x)
-        self.agreement = self.session.site
+        self._agree_over(P_x)
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """This worker's logits ``[*S_b, V_v]`` and target ``[*S_b]`` (zero-volume outside P_x)."""

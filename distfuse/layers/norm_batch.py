@@ -19,28 +19,12 @@ channel axis too)::
 Why the parameters are replicated rather than kept on one root and broadcast: the exact
 adjoint already all-reduces ``sum dy`` and ``sum dy * xhat``, which *are* the global bias
 and weight gradients, so every replica gets the global gradient with no further message
-and an optimizer keeps the replicas equal.  A root-held weight would add a broadcast
-forward and a sum-reduce backward to every layer.  The running statistics are computed
-from the same combined statistics on every worker, so they are bitwise identical.
+(a root-held weight would add a broadcast and a sum-reduce to every layer).
 
-Numerics follow ``torch.nn.BatchNormNd`` (which is also ``SyncBatchNorm``'s): the
-biased variance normalises, the unbiased one (``n / (n - 1)``) enters ``running_var``,
-``momentum=None`` is the cumulative average ``1 / num_batches_tracked``, ``affine`` /
-``bias`` / ``track_running_stats`` and eval mode behave as torch's, and 16-bit inputs are
-normalised in fp32 and rounded once (parameters in the input's dtype or in fp32).
-Statistics are exact under uneven splits and empty blocks (see ``_norm_common``).
-
-The workers agree on each call (shapes, dtypes, grad flags, training mode) through the
-layer's agreement session (:class:`~distfuse.layers._norm_common.NormLayer`): while every
-worker's call repeats, one flag round over ``P_x`` (a one-element host all-reduce, before
-any data moves) and no metadata gather; when some worker's call changed, every worker
-gathers the metadata over ``P_x`` and checks it, so a bad input (or workers in different
-modes) raises the same error on every worker and a new global shape agrees afresh.
-Training adds one all-gather of ``3 x C_b`` float64 per worker.  Every worker of ``P_x``
-must call backward when one does.  The same forward runs eagerly, inside
-``capture_safe()`` and under ``torch.compile(fullgraph=True)`` (the running statistics
-update in the graph, bitwise as in eager mode).  Workers outside ``P_x`` pass and get back
-a zero-volume tensor.
+Numerics follow ``torch.nn.BatchNormNd`` (also ``SyncBatchNorm``'s): the biased variance
+normalises, the unbiased one enters ``running_var``, ``momentum=None`` is the cumulative
+average, and 16-bit inputs are normalised in fp32 and rounded once.  The workers must all
+be in training or all in eval mode (the agreement checks it).
 """
 
 from __future__ import annotations
@@ -50,35 +34,22 @@ import torch.nn.functional as F
 
 from distfuse.errors import ShapeError, expect, where
 from distfuse.geometry.decomposition import local_shape
-from distfuse.layers._norm_common import NormLayer, check_norm_partition, numel, subgrid
+from distfuse.layers._norm_common import NormLayer, numel, subgrid
 
 __all__ = ["DistributedBatchNormBase", "DistributedBatchNorm", "DistributedBatchNorm1d", "DistributedBatchNorm2d",
            "DistributedBatchNorm3d"]
 
 
 class DistributedBatchNormBase(NormLayer):
-    """Batch normalisation of an input split over ``P_x`` (see the module docstring).
-
-    Args:
-        P_x: CartesianPartition with one dimension per input dimension.
-        num_features, eps, momentum, affine, track_running_stats, device, dtype, bias: as
-            ``torch.nn.BatchNormNd``.  ``device`` defaults to ``P_x.device``.
-
-    Construction is collective over the world (it creates the statistics sub-grid).
-    Workers outside ``P_x`` hold no parameters or buffers (they are None there).
-    """
+    """Batch normalisation of an input split over ``P_x`` (a CartesianPartition, one dimension per input
+    dimension; see the module docstring); the other arguments as ``torch.nn.BatchNormNd``."""
 
     dims: tuple[int, ...] = ()
 
     def __init__(self, P_x, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device=None, dtype=None, *, bias: bool = True):
         super().__init__()
-        op = type(self).__name__
-        check_norm_partition(op, P_x, self.dims)
-        if int(num_features) < 1:
-            raise expect(op, "num_features", ">= 1", num_features)
-        self.num_features, self.eps, self.momentum = int(num_features), float(eps), momentum
-        self.track_running_stats = bool(track_running_stats)
+        self._features(P_x, self.dims, num_features, eps, momentum, track_running_stats)
         block = local_shape((self.num_features,), (P_x.shape[1],), (P_x.index[1],)) if P_x.active else None
         P_stats = subgrid(P_x, [d for d in range(P_x.dim) if d != 1])  # also the parameters' replicas
         self._norm_setup(P_x, (self.num_features,), (1,), block, affine=affine, bias=bias,
@@ -92,14 +63,12 @@ class DistributedBatchNormBase(NormLayer):
             if self.momentum is None:  # the cumulative average; a tensor (no host read), the same bits as a float
                 factor = 1.0 / self.num_batches_tracked.double()
         if not self._bn_training():  # eval with running statistics: local, only the parameter gradients are summed
-            w = self._replica(self.weight, call.any_param_grad)
-            b = self._replica(self.bias, call.any_param_grad)
-            return F.batch_norm(x, self.running_mean, self.running_var, w, b, False, 0.0, self.eps)
+            return F.batch_norm(x, self.running_mean, self.running_var, *self._replicas(call), False, 0.0, self.eps)
         count = G[0] * numel(G[2:])
         x3 = x.reshape(x.shape[0], x.shape[1], numel(x.shape[2:]))
         stats = self._moments(x3, count)
         if self.training and self.track_running_stats and self.running_mean is not None and count > 0:
-            self._update_running_stats(stats.mean, stats.unbiased_var(), factor)
+            self._blend_running(stats.mean, stats.unbiased_var(), factor)
         return self._normalize(x3, stats, self.weight, self.bias).view(x.shape).to(record.dtype)
 
     def _bn_training(self) -> bool:
@@ -124,19 +93,9 @@ class DistributedBatchNormBase(NormLayer):
             raise ShapeError(f"{where(op)}: expected more than 1 value per channel when training, got the global "
                              f"input size {list(G)} (torch's rule)")
 
-    @torch.no_grad()
-    def _update_running_stats(self, mean: torch.Tensor, unbiased_var: torch.Tensor, factor) -> None:
-        """torch's update, in float64 and rounded once into the buffers (identical on every worker)."""
-        self.running_mean.copy_(factor * mean + (1 - factor) * self.running_mean.double())
-        self.running_var.copy_(factor * unbiased_var + (1 - factor) * self.running_var.double())
-
     def _signature(self):
         return (type(self).__name__, self.num_features, self.eps, self.momentum, self.affine,
                 self.track_running_stats, self.training, self.P_x.ranks, self.P_x.shape)
-
-    def extra_repr(self) -> str:
-        return (f"P_x={list(self.P_x.shape)}, {self.num_features}, eps={self.eps}, momentum={self.momentum}, "
-                f"affine={self.affine}, bias={self._has_bias}, track_running_stats={self.track_running_stats}")
 
 
 class DistributedBatchNorm1d(DistributedBatchNormBase):

@@ -1,10 +1,8 @@
 """Distributed group, instance and layer normalisation: per-sample (per-row) statistics, replicated affine.
 
-Group and instance norms: statistics per sample, summed over the spatial workers.
+Group and instance norms (``nd`` spatial axes)::
 
-Partitions and shapes (``nd`` spatial axes)::
-
-    P_x            [P_b, P_c, P_1, ..., P_nd]     GroupNorm needs P_c = 1
+    P_x            [P_b, P_c, P_1, ..., P_nd]     GroupNorm needs P_c = 1 (groups would straddle channel blocks)
     x, y           [N_b, C_b, *n_s]               balanced blocks of the global [N, C, *n]
     weight, bias   [C_b]                          replicated on every worker with channel block C_b
     P_stats        the spatial workers of this sample block (axes 2..): they hold the same samples
@@ -17,22 +15,14 @@ Partitions and shapes (``nd`` spatial axes)::
     adjoint        [sum g, sum g * xhat] per statistic  ->  all-reduce over P_stats   (g = dy * w)
                    dw, db: local sums  ->  all-reduce over P_rep
 
-Weight and bias are replicated (see ``norm_batch``); here their gradients need their own
-all-reduce, because the statistics are per sample while the weight is shared by every
-sample.  ``InstanceNormNd(track_running_stats=True)`` keeps per-channel running statistics
-as torch does: the batch average of the per-sample mean and unbiased variance (one more
-all-reduce over the batch workers when the batch is split), ``momentum=None`` meaning no
-update, as torch's ``instance_norm`` does.  Channels may be split for instance norm; a
-group norm's groups would straddle channel blocks, so it refuses a channel split.
+Weight and bias are replicated (see ``norm_batch``); their gradients need an all-reduce of
+their own, because the statistics are per sample while the weight is shared by every sample.
+``InstanceNormNd(track_running_stats=True)`` keeps torch's per-channel running statistics:
+the batch average of the per-sample mean and unbiased variance (one more all-reduce over the
+batch workers), ``momentum=None`` meaning no update.  Only batched input.
 
-Numerics follow ``torch.nn.GroupNorm`` / ``InstanceNormNd``: biased variance, 16-bit inputs
-normalised in fp32 and rounded once, torch's refusals (channels not divisible by groups,
-an instance norm over one spatial element when training).  Only batched input: P_x has
-one dimension per input dimension, batch first.
-
-Layer norm: statistics per row over trailing (feature) dimensions that may be split
-(``k = len(normalized_shape)`` trailing dimensions are normalised; any axis of ``P_x`` may be
-split)::
+Layer norm: statistics per row over the ``k = len(normalized_shape)`` trailing dimensions,
+which may be split like any other axis::
 
     P_x            [P_1, ..., P_lead, P_f1, ..., P_fk]
     x, y           [*lead_b, *feat_b]         balanced blocks of the global [*lead, *normalized_shape]
@@ -47,22 +37,10 @@ split)::
               dw, db: sums over the local rows  ->  all-reduce over P_rep
 
 Why this layout: a tensor-parallel model splits the hidden dimension, and the weight must
-follow the features it scales; splitting it the same way keeps every multiply local.
-The leading axes (tokens, batch) hold copies, and their gradient all-reduce is the one
-message a data-parallel split would need anyway.
-
-Numerics follow ``torch.nn.LayerNorm``: biased variance, ``elementwise_affine`` and
-``bias=False``, 16-bit inputs normalised in fp32 and rounded once (parameters in the
-input's dtype or in fp32).  Statistics are exact under uneven splits and empty blocks.
-
-The workers agree on each call through the layer's agreement session
-(:class:`~distfuse.layers._norm_common.NormLayer`): while every worker's call repeats, one
-flag round over ``P_x`` (a one-element host all-reduce) and no metadata gather; when some
-worker's call changed, the metadata gather over ``P_x`` and its checks, so bad input (or,
-for an instance norm with running statistics, workers in different modes) raises the same
-error on every worker.  The same forward runs eagerly, inside ``capture_safe()`` and under
-``torch.compile(fullgraph=True)``.  Every worker of ``P_x`` must call backward when one
-does.  Workers outside ``P_x`` pass and get back a zero-volume tensor.
+follow the features it scales; splitting it the same way keeps every multiply local, and
+the copies' gradient all-reduce is the one message a data-parallel split needs anyway.
+Numerics follow torch's norms: biased variance, 16-bit inputs normalised in fp32 and
+rounded once (parameters in the input's dtype or in fp32), torch's refusals.
 """
 
 from __future__ import annotations
@@ -75,9 +53,10 @@ import torch.nn.functional as F
 
 from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.geometry.decomposition import local_shape
+from distfuse.layers._conv_common import check_cartesian, spatial_classes
 from distfuse.layers._norm_common import NormLayer, check_norm_partition, numel, subgrid
-from distfuse.partition import CartesianPartition
 from distfuse.primitives._layout import memory_format_of
+from distfuse.primitives.all_sum_reduce import replicated_sum
 
 __all__ = ["DistributedGroupNorm", "DistributedInstanceNormBase", "DistributedInstanceNorm1d",
            "DistributedInstanceNorm2d", "DistributedInstanceNorm3d", "DistributedLayerNorm"]
@@ -109,14 +88,8 @@ class _ChannelNormBase(NormLayer):
 
 
 class DistributedGroupNorm(_ChannelNormBase):
-    """``torch.nn.GroupNorm`` over an input split along batch and spatial axes (see the module docstring).
-
-    Args:
-        P_x: CartesianPartition ``[P_b, 1, P_1, ..., P_nd]`` (any number of spatial axes, none included).
-        num_groups, num_channels, eps, affine, device, dtype, bias: as ``torch.nn.GroupNorm``.
-
-    Construction is collective over the world (it creates the sub-grids).
-    """
+    """``torch.nn.GroupNorm`` over an input split along batch and spatial axes (see the module docstring): ``P_x``
+    is a CartesianPartition ``[P_b, 1, P_1, ..., P_nd]`` (any number of spatial axes, none included)."""
 
     def __init__(self, P_x, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True, device=None,
                  dtype=None, *, bias: bool = True):
@@ -145,9 +118,7 @@ class DistributedGroupNorm(_ChannelNormBase):
             x3 = x.reshape(1, x.shape[0] * groups, per_group * numel(x.shape[2:]))
         y = self._normalize(x3, self._moments(x3, per_group * numel(G[2:])))
         y = y.view(xl.shape).movedim(-1, 1) if channels_last else y.view(x.shape)
-        w = self._replica(self.weight, call.any_param_grad)
-        b = self._replica(self.bias, call.any_param_grad)
-        return _affine(y, w, b).to(record.dtype)
+        return _affine(y, *self._replicas(call)).to(record.dtype)
 
     def _check_global(self, G) -> None:
         op = type(self).__name__
@@ -166,14 +137,8 @@ class DistributedGroupNorm(_ChannelNormBase):
 
 
 class DistributedInstanceNormBase(_ChannelNormBase):
-    """``torch.nn.InstanceNormNd`` over an input split along any axes (see the module docstring).
-
-    Args:
-        P_x: CartesianPartition ``[P_b, P_c, P_1, ..., P_nd]``.
-        num_features, eps, momentum, affine, track_running_stats, device, dtype, bias: as
-            ``torch.nn.InstanceNormNd`` (affine and track_running_stats default to False).
-
-    Construction is collective over the world (it creates the sub-grids).
+    """``torch.nn.InstanceNormNd`` over an input split along any axes of ``P_x [P_b, P_c, P_1, ..., P_nd]`` (see
+    the module docstring); the other arguments as torch's (``affine`` and ``track_running_stats`` default to False).
     """
 
     nd: int = 0
@@ -181,18 +146,12 @@ class DistributedInstanceNormBase(_ChannelNormBase):
     def __init__(self, P_x, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = False,
                  track_running_stats: bool = False, device=None, dtype=None, *, bias: bool = True):
         super().__init__()
-        op = type(self).__name__
-        check_norm_partition(op, P_x, (self.nd + 2,))
-        if int(num_features) < 1:
-            raise expect(op, "num_features", ">= 1", num_features)
-        self.num_features, self.eps, self.momentum = int(num_features), float(eps), momentum
-        self.track_running_stats = bool(track_running_stats)
+        self._features(P_x, (self.nd + 2,), num_features, eps, momentum, track_running_stats)
         self._setup(P_x, num_features, affine, bias, self.track_running_stats, device, dtype)
 
     def _forward(self, x: torch.Tensor, record) -> torch.Tensor:
         G, call = record.global_shape, record.call
-        w = self._replica(self.weight, call.any_param_grad)
-        b = self._replica(self.bias, call.any_param_grad)
+        w, b = self._replicas(call)
         if not self._input_stats():  # running statistics per channel: the same local op as an eval batch norm
             return F.batch_norm(x, self.running_mean, self.running_var, w, b, False, 0.0, self.eps)
         x3 = x.reshape(1, x.shape[0] * x.shape[1], numel(x.shape[2:]))
@@ -228,56 +187,30 @@ class DistributedInstanceNormBase(_ChannelNormBase):
     def _update_running_stats(self, stats, local_nc, batch: int, momentum: float) -> None:
         """torch's update with the batch average of the per-sample statistics (summed over the batch workers)."""
         per_sample = torch.stack([stats.mean, stats.unbiased_var()]).view(2, *local_nc)
-        sums = self._batch_sum(per_sample.sum(1))
-        if batch == 0:
-            return
-        mean, var = sums / batch
-        self.running_mean.copy_(momentum * mean + (1 - momentum) * self.running_mean.double())
-        self.running_var.copy_(momentum * var + (1 - momentum) * self.running_var.double())
+        sums = per_sample.sum(1)
+        if self._batch.P.size > 1:  # over the batch workers (no autograd)
+            sums = replicated_sum(sums, self._batch.handle)
+        if batch > 0:
+            self._blend_running(*(sums / batch), momentum)
 
     def _signature(self):
         return super()._signature() + (self.momentum, self.track_running_stats, self.training)
 
-    def extra_repr(self) -> str:
-        return (f"P_x={list(self.P_x.shape)}, {self.num_features}, eps={self.eps}, momentum={self.momentum}, "
-                f"affine={self.affine}, bias={self._has_bias}, track_running_stats={self.track_running_stats}")
 
-
-class DistributedInstanceNorm1d(DistributedInstanceNormBase):
-    """Distributed ``InstanceNorm1d``: input ``[N, C, L]``."""
-
-    nd = 1
-
-
-class DistributedInstanceNorm2d(DistributedInstanceNormBase):
-    """Distributed ``InstanceNorm2d``: input ``[N, C, H, W]``."""
-
-    nd = 2
-
-
-class DistributedInstanceNorm3d(DistributedInstanceNormBase):
-    """Distributed ``InstanceNorm3d``: input ``[N, C, D, H, W]``."""
-
-    nd = 3
+DistributedInstanceNorm1d, DistributedInstanceNorm2d, DistributedInstanceNorm3d = spatial_classes(
+    DistributedInstanceNormBase, "DistributedInstanceNorm",
+    "Distributed ``InstanceNorm{nd}d``: P_x ``[P_b, P_c, {s}]``, one dimension per input dimension.")
 
 
 class DistributedLayerNorm(NormLayer):
-    """``torch.nn.LayerNorm`` over an input whose normalised dimensions may be split (see the module docstring).
-
-    Args:
-        P_x: CartesianPartition with one dimension per input dimension.
-        normalized_shape, eps, elementwise_affine, bias, device, dtype: as ``torch.nn.LayerNorm``.
-
-    Construction is collective over the world (it creates the sub-grids).  Workers outside
-    ``P_x`` hold no parameters (None there).
-    """
+    """``torch.nn.LayerNorm`` over an input whose normalised dimensions may be split (see the module docstring):
+    ``P_x`` has one dimension per input dimension; the other arguments as torch's."""
 
     def __init__(self, P_x, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True, bias: bool = True,
                  device=None, dtype=None):
         super().__init__()
         op = type(self).__name__
-        if not isinstance(P_x, CartesianPartition):
-            raise PartitionError(f"{where(op)}: P_x must be a CartesianPartition, got {type(P_x).__name__}")
+        check_cartesian(op, P_x)
         if isinstance(normalized_shape, numbers.Integral):
             normalized_shape = (normalized_shape,)
         self.normalized_shape = tuple(int(n) for n in normalized_shape)
@@ -297,11 +230,10 @@ class DistributedLayerNorm(NormLayer):
         self.P_rep = self._rep.P
 
     def _forward(self, x: torch.Tensor, record) -> torch.Tensor:
-        call, k = record.call, len(self.normalized_shape)
+        k = len(self.normalized_shape)
         x3 = x.reshape(1, numel(x.shape[:-k]), numel(x.shape[-k:]))
         y = self._normalize(x3, self._moments(x3, numel(self.normalized_shape))).view(x.shape)
-        w = self._replica(self.weight, call.any_param_grad)
-        b = self._replica(self.bias, call.any_param_grad)
+        w, b = self._replicas(record.call)
         if w is not None:
             y = y * w.to(y.dtype)
         if b is not None:

@@ -17,79 +17,276 @@ Why not ``F.interpolate`` on the window: torch maps output ``o`` to input coordi
 from the *global* sizes (``scale*(o + 0.5) - 0.5`` and its variants), and a call on a
 window would use the window's sizes and its own origin.  So the layer computes every
 output's global source indices and weights once per geometry, cuts out this worker's
-rows, and applies them: a gather and a lerp per axis, in the same order as torch's
-kernels (innermost axis first, ``x0*l0 + x1*l1``, both terms always, so that ``inf`` and
-``NaN`` propagate as torch's do).  16-bit inputs are computed in fp32 and rounded once.
+rows, and applies them in torch's order (:func:`interpolate_block`).  Linear modes follow
+torch's formula in its opmath precision (``geometry/interp_geometry.py``).  Nearest modes
+are discontinuous and torch computes them differently by dimension, dtype and device (2-D
+nearest on CPU has an identity shortcut that 1-D and 3-D lack, for example), so the layer
+asks torch, with a probe (:func:`nearest_sources`).
 
 Power-of-two upsampling (``scale_factor`` 2, 4, ... or the matching ``size``; not
 ``align_corners=True``), the U-Net case, takes a shortcut: there the source coordinates
 are exact in binary and shift with the window, so torch's own kernel on the window
 computes the same indices and weights as on the gathered tensor, and the worker cuts
-its block out of the result (a view; see
-:func:`~distfuse.geometry.interp_geometry.shift_invariant_factor`).  One kernel pass
-instead of a gather and a lerp per axis.
-
-The spec, the source indices and the plan are :mod:`distfuse.layers._upsample_plan`'s; one
-worker's window record and the block computed from it, :mod:`distfuse.layers._upsample_window`'s.
+its block out of the result (:attr:`InterpGeometry.factors`): one kernel pass instead of
+a gather and a lerp per axis.
 
 Each worker's window is the halo exchange's needed range, given explicitly
-(:class:`~distfuse.geometry.interp_geometry.WindowAxis`), so the exchange is the
-convolution's: one round of messages, corners included, windows wider than a
-neighbour's block or away from the own block included; no exchange at all where every
-window stays at home (``last_path == "local"``).  The forward is the pooling layers' one
-forward (:class:`~distfuse.layers._pool_common.WindowLayer`: agree, window, stage, local
-op), so the agreement is theirs too: the workers' shapes are gathered (host-side, a few
-int64 per worker) on the first call and when some worker's local shape, dtype or grad
-flags changed; while they repeat, a one-element host all-reduce of the workers' flags
-replaces the gather.  ``static_shapes`` is accepted for compatibility and changes nothing.
+(:class:`~distfuse.geometry.interp_geometry.WindowAxis`), so the exchange, the agreement and
+the one forward are the pooling layers' (:class:`~distfuse.layers._pool_common.WindowLayer`).
 
-Memory format: torch's interpolation returns ``channels_last`` (``channels_last_3d``) for
-such an input in every mode (nearest, nearest-exact, bilinear, trilinear; CPU, torch
-2.13), and so does this layer.  The block is staged through views (never copied to
-NCHW); the taps and the crop leave other strides, so the output block is laid out once.
-
-``torch.compile`` traces the layer (and ``interpolate``, which keeps one layer per
-argument set) without a graph break, through the same forward: the agreed record of the
-last eager call, the flag round as ``distfuse::flag_check``, the staging op pair, and
-the taps from the :class:`~distfuse.layers._upsample_window.UpsampleWindow` the eager
-call made.
+Memory format: torch's interpolation returns ``channels_last`` (``_3d``) for such an input in
+every mode, and so does this layer (the block is staged through views, the output laid out once).
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from distfuse.errors import DistfuseError, PartitionError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan
-from distfuse.layers._conv_call_info import CallInfo
-from distfuse.layers._pool_common import WindowLayer
-from distfuse.layers._upsample_plan import InterpGeometry, InterpSpec, interp_geometry
-from distfuse.layers._upsample_window import UpsampleWindow, _interpolate, upsample_window
+from distfuse.geometry.interp_geometry import (
+    INTERP_MODES,
+    LINEAR_MODES,
+    interp_output_extent,
+    linear_sources,
+    shift_invariant_factor,
+    window_axis,
+)
+from distfuse.layers._conv_common import CallInfo, compute_dtype
+from distfuse.layers._pool_common import WindowLayer, WindowRecord
 from distfuse.partition import CartesianPartition
 
-__all__ = ["DistributedUpsample", "interpolate"]
+__all__ = ["DistributedUpsample", "interpolate", "InterpSpec", "InterpGeometry", "nearest_sources", "interp_geometry",
+           "upsample_block", "interpolate_window", "interpolate_block"]
+
+
+@dataclass(frozen=True)
+class InterpSpec:
+    """torch's interpolation arguments, normalised per spatial axis and checked as torch checks them."""
+
+    nd: int
+    mode: str
+    align_corners: bool
+    sizes: tuple[int, ...] | None
+    scales: tuple[float, ...] | None
+    recompute_scale_factor: bool
+
+    @classmethod
+    def make(cls, op: str, nd: int, size, scale_factor, mode: str, align_corners, recompute_scale_factor):
+        if mode not in INTERP_MODES:
+            raise UnsupportedError(f"{where(op)}: mode must be one of {list(INTERP_MODES)}, got {mode!r} "
+                                   "(bicubic and area are not distributed by distfuse)")
+        want_nd = INTERP_MODES[mode]
+        if want_nd is not None and want_nd != nd:
+            raise expect(op, f"spatial axes for mode {mode!r} (P_x has {nd})", want_nd, nd, UnsupportedError)
+        if mode not in LINEAR_MODES and align_corners is not None:
+            raise UnsupportedError(f"{where(op)}: align_corners can only be set with the linear modes "
+                                   f"{list(LINEAR_MODES)} (as in torch), got mode {mode!r}")
+        if (size is None) == (scale_factor is None):
+            raise UnsupportedError(f"{where(op)}: give exactly one of size and scale_factor, got size={size!r}, "
+                                   f"scale_factor={scale_factor!r}")
+        if size is not None and recompute_scale_factor:
+            raise UnsupportedError(f"{where(op)}: recompute_scale_factor is not meaningful with an explicit size")
+        sizes = scales = None
+        if size is not None:
+            sizes = (size,) * nd if isinstance(size, int) else tuple(size)
+            if len(sizes) != nd or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in sizes):
+                raise UnsupportedError(f"{where(op)}: size must be an int >= 1 or {nd} such ints, got {size!r}")
+        else:
+            scales = (scale_factor,) * nd if isinstance(scale_factor, (int, float)) else tuple(scale_factor)
+            if len(scales) != nd or not all(isinstance(e, (int, float)) and not isinstance(e, bool) and
+                                            math.isfinite(e) for e in scales):
+                raise UnsupportedError(f"{where(op)}: scale_factor must be a number or {nd} numbers, got "
+                                       f"{scale_factor!r}")
+            scales = tuple(float(e) for e in scales)
+        return cls(nd, mode, bool(align_corners), sizes, scales, bool(recompute_scale_factor))
+
+    def output_extent(self, d: int, n: int) -> int:
+        return interp_output_extent(n, self.sizes[d] if self.sizes else None, None if self.sizes else self.scales[d])
+
+    def kernel_scale(self, d: int) -> float | None:
+        """The factor torch's kernel receives for axis ``d`` (None: it works from the sizes)."""
+        return None if self.scales is None or self.recompute_scale_factor else self.scales[d]
+
+
+@functools.lru_cache(maxsize=1024)
+def nearest_sources(spec: InterpSpec, spatial: tuple[int, ...], axis: int, channels_one: bool, float64: bool,
+                    device: str) -> np.ndarray:
+    """torch's source index of every output along ``axis``, asked of torch itself: one ``F.interpolate`` call on a
+    probe of the gathered input's rank, ``C = 1`` exactly when the input's does (a one-channel input is also
+    channels-last contiguous, and torch may pick its kernel by memory format), extent ``min(n, 2)`` on the other
+    axes (mapped to themselves), and ``0..n-1`` along ``axis`` in float64 (fp64 inputs) or float32 (torch
+    computes the others' indices in float32), so the values it returns are the indices.  Cached per geometry.
+    """
+    nd = spec.nd
+    n = spatial[axis]
+    extents = [n if d == axis else min(spatial[d], 2) for d in range(nd)]
+    dtype = torch.float64 if float64 else torch.float32
+    ramp = torch.arange(n, dtype=dtype, device=device).view([n if d == axis else 1 for d in range(nd)])
+    probe = ramp.expand(1, 1 if channels_one else 2, *extents).contiguous()
+    if spec.sizes is not None or spec.recompute_scale_factor:
+        size = [spec.output_extent(d, spatial[d]) if d == axis else extents[d] for d in range(nd)]
+        out = F.interpolate(probe, size=size, mode=spec.mode)
+    else:
+        scale = [spec.scales[d] if d == axis else 1.0 for d in range(nd)]
+        out = F.interpolate(probe, scale_factor=scale, mode=spec.mode)
+    line = out[(0, 0) + tuple(slice(None) if d == axis else 0 for d in range(nd))]
+    return line.to(torch.float64).round().to(torch.int64).cpu().numpy()
+
+
+@dataclass
+class _AxisTaps:
+    """Global source indices (and weights, linear modes) of every output along one axis."""
+
+    i0: np.ndarray
+    i1: np.ndarray | None = None
+    l0: np.ndarray | None = None
+    l1: np.ndarray | None = None
+
+
+@dataclass
+class InterpGeometry:
+    """The plan and the per-axis taps of one interpolation over one grid; block tensors cached per worker.
+
+    ``factors`` is set when every axis is a power-of-two upsampling that commutes with shifts
+    (:func:`~distfuse.geometry.interp_geometry.shift_invariant_factor`) and every worker's block
+    fits in the interpolation of its window (then it keeps its :meth:`crop` of torch's kernel's).
+    """
+
+    plan: HaloPlan
+    taps: list[_AxisTaps]
+    factors: tuple[int, ...] | None = None
+    _blocks: dict = field(default_factory=dict)
+
+    def block_taps(self, d: int, i: int, device, dtype) -> tuple:
+        """This worker's rows of axis ``d``: local indices into its window (and weights) as tensors."""
+        key = (d, i, str(device), dtype)
+        if key not in self._blocks:
+            ax, t = self.plan.axes[d], self.taps[d]
+            o0, o1 = ax.output_range(i)
+            a = ax.needed_range(i)[0]
+            idx = [torch.as_tensor(v[o0:o1] - a, dtype=torch.int64, device=device) for v in (t.i0, t.i1)
+                   if v is not None]
+            wts = [torch.as_tensor(w[o0:o1], device=device).to(dtype) for w in (t.l0, t.l1) if w is not None]
+            self._blocks[key] = (idx, wts)
+        return self._blocks[key]
+
+    def crop(self, d: int, i: int) -> tuple[int, int]:
+        """Where worker ``i``'s block of axis ``d`` starts in the interpolation of its window, and its extent."""
+        ax = self.plan.axes[d]
+        o0, o1 = ax.output_range(i)
+        return o0 - self.factors[d] * ax.needed_range(i)[0], o1 - o0
+
+
+def _fits(plan: HaloPlan, factors: Sequence[int]) -> bool:
+    """Every worker's output block lies inside the interpolation of its window (then a crop gives it)."""
+    for ax, s in zip(plan.axes, factors, strict=True):
+        for i in range(ax.p):
+            (o0, o1), (a, b) = ax.output_range(i), ax.needed_range(i)
+            if o1 > o0 and not 0 <= o0 - s * a <= s * (b - a) - (o1 - o0):
+                return False
+    return True
+
+
+@functools.lru_cache(maxsize=256)
+def interp_geometry(spec: InterpSpec, spatial: tuple[int, ...], grid: tuple[int, ...], channels_one: bool,
+                    float64: bool, device: str) -> InterpGeometry:
+    """Taps and halo plan of ``spec`` for a global spatial shape over a spatial grid (pure but for the probe)."""
+    taps, axes, factors = [], [], []
+    for d, (n, p) in enumerate(zip(spatial, grid, strict=True)):
+        m = spec.output_extent(d, n)
+        if spec.mode in LINEAR_MODES:
+            i0, i1, l0, l1 = linear_sources(n, m, spec.align_corners, spec.kernel_scale(d), float64)
+            t = _AxisTaps(i0, i1, l0, l1)
+        else:
+            t = _AxisTaps(nearest_sources(spec, spatial, d, channels_one, float64, device))
+            if len(t.i0) != m:
+                raise AssertionError(f"torch's probe gave {len(t.i0)} outputs on axis {d}, expected {m}")
+        taps.append(t)
+        axes.append(window_axis(n, p, t.i0, t.i1 if t.i1 is not None else t.i0))
+        factors.append(shift_invariant_factor(n, m, spec.mode, spec.align_corners, spec.kernel_scale(d)))
+    plan = HaloPlan(axes)
+    fast = None not in factors and _fits(plan, factors)
+    return InterpGeometry(plan, taps, tuple(factors) if fast else None)
+
+
+# ---------------------------------------------------------------- one worker's block
+
+
+def upsample_block(geo: InterpGeometry, index: tuple[int, ...], dtype: torch.dtype, device) -> tuple:
+    """Worker ``index``'s window record ``block`` for inputs of ``dtype`` on ``device``: ``(factors, crops, taps)``,
+    the crops of the power-of-two shortcut (``factors`` set), or else per axis the local indices and weights, on
+    the device, in the compute dtype."""
+    nd = len(geo.plan.axes)
+    crops = taps = None
+    if geo.factors is not None:
+        crops = tuple(geo.crop(d, index[d]) for d in range(nd))
+    else:
+        taps = tuple(geo.block_taps(d, index[d], device, compute_dtype(dtype)) for d in range(nd))
+    return geo.factors, crops, taps
+
+
+def interpolate_window(staged: torch.Tensor, geo: InterpGeometry, index: tuple[int, ...],
+                       spec: InterpSpec) -> torch.Tensor:
+    """This worker's output block from its staged window ``[B, C, *L]`` (:func:`interpolate_block`)."""
+    return interpolate_block(staged, spec, *upsample_block(geo, tuple(index), staged.dtype, staged.device))
+
+
+def interpolate_block(staged: torch.Tensor, spec: InterpSpec, factors, crops, taps) -> torch.Tensor:
+    """The output block from the staged window and an :func:`upsample_block`.
+
+    Power-of-two upsampling (``factors``): torch's own kernel on the window, then the block
+    cut out of it (a view where the crop is the whole result).  Otherwise the taps, axis by
+    axis, innermost first (torch's order), ``x0*l0 + x1*l1`` with both terms always (so that
+    ``inf`` and ``NaN`` propagate as torch's do); 16-bit in fp32, rounded once.
+    """
+    if factors is not None:
+        kw = dict(align_corners=spec.align_corners) if spec.mode in LINEAR_MODES else {}
+        y = F.interpolate(staged, scale_factor=[float(f) for f in factors], mode=spec.mode, **kw)
+        for d, (start, length) in enumerate(crops):
+            if (start, length) != (0, y.shape[2 + d]):
+                y = y.narrow(2 + d, start, length)
+        return y
+    nd = len(taps)
+    linear = spec.mode in LINEAR_MODES
+    y = staged.to(compute_dtype(staged.dtype))
+    for d in reversed(range(nd)):
+        dim = 2 + d
+        idx, wts = taps[d]
+        if not linear:
+            y = _take(y, dim, idx[0])
+            continue
+        shape = [-1] + [1] * (nd - 1 - d)
+        y = _take(y, dim, idx[0]) * wts[0].view(shape) + _take(y, dim, idx[1]) * wts[1].view(shape)
+    return y.to(staged.dtype)
+
+
+def _take(y: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """``y.index_select(dim, idx)``; along the last axis as a gather with a broadcast index, which torch's CPU
+    kernels run about 10x faster."""
+    if dim != y.dim() - 1:
+        return y.index_select(dim, idx)
+    return torch.gather(y, dim, idx.expand(*y.shape[:-1], idx.numel()))
+
+
+# ---------------------------------------------------------------- the layer
 
 
 class DistributedUpsample(WindowLayer):
     """``torch.nn.Upsample`` over an input split along any axes (see the module docstring).
 
-    Args:
-        P_x: CartesianPartition ``[P_b, P_c, P_1, ..., P_nd]``, ``nd`` = 1, 2 or 3.
-        size, scale_factor, mode, align_corners, recompute_scale_factor: as
-            ``torch.nn.Upsample``; modes ``nearest``, ``nearest-exact``, ``linear`` (1-D),
-            ``bilinear`` (2-D), ``trilinear`` (3-D).
-        static_shapes: accepted for compatibility; changes nothing (every call skips the
-            metadata gather while the workers' signatures repeat).
-
-    Construction is not collective; it checks the arguments as torch does (every rank
-    raises alike).  ``forward(x)`` takes this worker's block (zero-volume outside P_x)
-    and returns its block of the output.  Output extents below 1 raise
+    ``P_x``: CartesianPartition ``[P_b, P_c, P_1, ..., P_nd]``, ``nd`` = 1, 2 or 3; the
+    other arguments as ``torch.nn.Upsample``, with the modes ``nearest``, ``nearest-exact``,
+    ``linear`` (1-D), ``bilinear`` (2-D) and ``trilinear`` (3-D).  Construction is not
+    collective; it checks the arguments as torch does.  Output extents below 1 raise
     :class:`~distfuse.errors.ShapeError` on every worker.
-
-    Attributes: :class:`~distfuse.layers._pool_common.WindowLayer`'s (``session``,
-    ``agreement``, ``last_path``, ``last_decision``).
     """
 
     def __init__(self, P_x, size=None, scale_factor=None, mode: str = "nearest", align_corners: bool | None = None,
@@ -102,7 +299,6 @@ class DistributedUpsample(WindowLayer):
         self.spec = InterpSpec.make(op, P_x.dim - 2, size, scale_factor, mode, align_corners, recompute_scale_factor)
         self.size, self.scale_factor, self.mode = size, scale_factor, mode
         self.align_corners, self.recompute_scale_factor = align_corners, recompute_scale_factor
-        self._plans: dict[tuple[int, ...], HaloPlan] = {}
 
     def _layer_key(self):
         return self.spec, self.P_x.ranks, self.P_x.shape
@@ -119,36 +315,18 @@ class DistributedUpsample(WindowLayer):
         except DistfuseError as exc:
             raise type(exc)(f"{where(op)}: global input shape {G}: {exc}") from None
 
-    def _plan_for(self, global_shape: tuple[int, ...], x: torch.Tensor) -> HaloPlan:
-        return self.geometry(global_shape, x.dtype, x.device).plan
+    def _plan_for(self, global_shape: tuple[int, ...], dtype, device) -> HaloPlan:
+        return self.geometry(global_shape, dtype, device).plan
 
-    def window_record(self, global_shape: Sequence[int], dtype: torch.dtype, device) -> UpsampleWindow:
-        """This worker's :class:`UpsampleWindow` (made once per global shape, dtype and device type, then read)."""
-        G = tuple(int(e) for e in global_shape)
-        key = (G, dtype, device.type)
-        rec = self._windows.get(key)
-        if rec is None:
-            geo = self.geometry(G, dtype, device)
-            rec = self._windows[key] = upsample_window(geo, tuple(self.P_x.index[2:]), dtype, device)
-        return rec
+    def _block_constants(self, plan: HaloPlan, index: tuple[int, ...], global_shape: tuple[int, ...], dtype, device):
+        return upsample_block(self.geometry(global_shape, dtype, device), index, dtype, device)
 
-    def _window_of(self, global_shape: tuple[int, ...], x: torch.Tensor) -> UpsampleWindow:
-        win = self.window_record(global_shape, x.dtype, x.device)
-        self._plans[global_shape] = win.geo.plan  # the plan depends on the dtype too: the staging ops take this call's
-        return win
-
-    def _halo_plan(self, global_shape: tuple[int, ...]) -> HaloPlan:
-        """The plan of the call in progress (or of the last one) with this global shape."""
-        return self._plans[global_shape]
-
-    def _block(self, x: torch.Tensor, staged: torch.Tensor, win: UpsampleWindow, info: CallInfo,
+    def _block(self, x: torch.Tensor, staged: torch.Tensor, win: WindowRecord, info: CallInfo,
                out_shape: tuple[int, ...]) -> torch.Tensor:
-        """The output block from the staged window, in the input's agreed memory format: torch's
-        interpolation returns ``channels_last`` (``_3d``) for such an input in every mode, dtype and
-        dimension (checked on CPU, torch 2.13).  The taps and the crop give other strides, so the block is
-        laid out once at the end; the input itself is never copied."""
+        """The output block from the staged window, laid out once in the input's agreed memory format (see the
+        module docstring)."""
         fmt = info.memory_format
-        y = _interpolate(staged, self.spec, win.factors, win.crops, win.taps)
+        y = interpolate_block(staged, self.spec, *win.block)
         return y if fmt == torch.contiguous_format or y.is_contiguous(memory_format=fmt) else \
             y.contiguous(memory_format=fmt)
 
@@ -173,11 +351,9 @@ def interpolate(P_x, x: torch.Tensor, size=None, scale_factor=None, mode: str = 
                 antialias: bool = False) -> torch.Tensor:
     """``F.interpolate`` on a partitioned input: this worker's block of the output (see :class:`DistributedUpsample`).
 
-    Collective over ``P_x`` (one shape gather on the first call with these arguments and
-    after a change of shape, a flag round otherwise, and, where windows cross blocks, one
-    round of halo messages; the same in backward).  The layer behind each argument set is
-    kept, so ``torch.compile`` traces a call without a graph break once an eager call with
-    the same arguments and shapes has agreed on them.  ``antialias`` is not supported.
+    Collective over ``P_x``.  The layer behind each argument set is kept, so repeated calls
+    agree at a flag's cost and ``torch.compile`` traces a call without a graph break once an
+    eager call with the same arguments and shapes has agreed.  ``antialias`` is not supported.
     """
     if antialias:
         raise UnsupportedError(f"{where('interpolate')}: antialias=True is not supported by distfuse")

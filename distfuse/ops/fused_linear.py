@@ -15,24 +15,19 @@ group, ``r`` this worker's index in it, ``*`` the leading dims)::
     zero_linear                     x               ZeRO shard    see zero_linear     W_m, gathered x
 
 The implementations are the fused op's two phases
-(:class:`~distfuse.fused.matmul_common.Phases`): the forward op runs the forward phase
-and returns what the backward phase needs besides the inputs (the gathered input the
-all-gather ops keep for the weight gradient), so the compiler holds it between the two
-graphs like any activation; the backward op, the forward's registered backward, runs the
-backward phase.  ``handle`` names a :class:`FusedCall` (the group and the options such as
-``keep_gathered``); ``needs`` says which of ``x, weight, bias`` want a gradient (a
-compile-time constant: the compiler guards on ``requires_grad``); ``n`` is the sequence
-extent where the op needs it (-1 elsewhere).  The plan the forward phase ran on (group,
-workspace size, provider: the same for every call with the same shapes) is kept per
-shape signature for the backward.
+(:class:`~distfuse.fused.matmul_common.Phases`): the forward op runs the forward phase and
+returns the extras, so the compiler holds them between the two graphs like any
+activation; the backward op, the forward's registered backward, runs the backward phase.
+``handle`` names a :class:`FusedCall` (the group and options such as ``keep_gathered``);
+``needs`` says which of ``x, weight, bias`` want a gradient (a compile-time constant: the
+compiler guards on ``requires_grad``); ``n`` is the sequence extent where the op needs it
+(-1 elsewhere).  The plan the forward phase ran on is kept per shape signature for the backward.
 
 :meth:`FusedCall.__call__` is the entry: the custom op while compiling, else the same two
 phases through :func:`~distfuse.fused.matmul_common.run_phases` (no custom-op dispatch in
-eager calls, see :mod:`distfuse.primitives._op_pair`).  Eager and compiled calls launch the
-same kernels on the same data and agree bitwise.  Like the eager fused paths, the ops are
-first-order only: the backward op has no gradient of its own, an eager backward with
-``create_graph=True`` is refused by name (:data:`FUSED_FIRST_ORDER`) and a compiled region
-refuses it too.
+eager calls), so eager and compiled calls launch the same kernels and agree bitwise.  The
+ops are first-order only: an eager backward with ``create_graph=True`` is refused by name
+(:data:`FUSED_FIRST_ORDER`), and a compiled region refuses it too.
 """
 
 from __future__ import annotations

@@ -1,46 +1,34 @@
 """Agreement checks that cost nothing while every rank's inputs repeat.
 
 The problem.  A collective is only right when every rank enters it with the same sizes
-and dtype.  A rank whose block has another row count makes gloo abort the process
-("Received data size doesn't match"); one whose dtype differs but has the same element
-size (fp16 against bf16) makes the others compute with garbage.  Checking that by
-gathering every rank's shape before every call costs a host-side collective per call
-(about 4 ms on the loaded 2-core CI machine; on CUDA a host sync in every layer).
+and dtype: another row count makes gloo abort the process ("Received data size doesn't
+match"), and a dtype of the same element size (fp16 against bf16) makes the others
+compute with garbage.  Gathering every rank's shape before every call would cost a host
+collective per call (on CUDA a host sync in every layer).
 
-The protocol (one :class:`AgreementSite` per call site: a layer's data collective):
+The protocol, one :class:`AgreementSite` per call site (a layer's data collective).
+Every rank keeps its **signature** of the last call at the site (local shape, dtype,
+device type, grad flags: whatever decides the collective's sizes and which adjoints run)
+and the **state** all ranks agreed on then (the block layout, the dtype; equal on every
+rank, as it comes from the same gathered metadata).
 
-* Every rank keeps its **signature** of the last call at the site (local shape, dtype,
-  device type, grad flags: whatever decides the collective's sizes and which adjoints
-  run) and the **state** all ranks agreed on then (the block layout, the dtype).  The
-  states are equal on every rank: they come from the same gathered metadata.
 * **Steady state.**  A rank whose signature repeats runs the data collective with the
-  agreed sizes and one extra element, a **flag** 0, appended to its message.  No
-  metadata moves.
+  agreed sizes and one extra element, a **flag** 0.  No metadata moves.
 * **A change.**  A rank whose signature changed (or whose input fails a local check)
-  cannot use the agreed sizes for its new data; it runs the same collective with the
-  agreed sizes all the same, sending zeros and the flag 1.  Sizes match, so nothing
-  aborts.
-* **Everyone notices.**  Every rank reads the flags that arrived with the data (the
-  all-gather returns each rank's, the reduce-scatter and the all-reduce their sum, in
-  every rank's chunk).  If any is set, every rank drops the result and takes the **slow
-  path** together: a host-side metadata gather, checks that every rank evaluates on the
-  same records (so a disagreement raises the same named error on every rank), then the
-  real collective with the new sizes, and the new state is remembered.  A legitimate
-  change (every rank called with a new global shape, even one that leaves some ranks'
-  blocks unchanged, such as an extent of 7 becoming 8 over two ranks) therefore works
-  without any timeout, and a disagreement ends in an error on every rank.
+  runs the same collective at the agreed sizes, sending zeros and the flag 1, so
+  nothing aborts.  Every rank reads the flags that arrived with the data; if any is set,
+  every rank drops the result and takes the **slow path** together: a host-side metadata
+  gather, checks every rank evaluates on the same records (a disagreement raises the
+  same named error everywhere), the real collective with the new sizes, and the new
+  state is remembered.  A legitimate change (a new global shape) therefore just works.
 * **First call.**  No state anywhere: every rank takes the slow path directly.
 
-Cost.  Steady state: one flag element per message, which needs a staging copy of the
-block (``gather_blocks`` / ``scatter_sum_blocks`` in :mod:`~distfuse.primitives._axes`),
-and reading the flags: free for CPU tensors; for CUDA tensors a read of a few elements
-that waits for the collective (see ``docs/reliability.md``).  A change costs the wasted
-collective, the metadata gather and the real collective.
-
-Assumption.  Sites are in lockstep: every rank makes the same calls at the same sites in
-the same order (which every collective needs anyway), so every rank's site holds a state
-or none at the same time.  An error raised by the slow path is raised on every rank, and
-every rank forgets the site's state, so the next call starts afresh everywhere.
+Steady-state cost: a flag element per message, which needs a staging copy of the block
+(:mod:`~distfuse.primitives._axes_flagged`); on CUDA the flags take a host round instead
+of a device read (:mod:`~distfuse.primitives._flag_transport`).  Sites must be in
+lockstep (every rank makes the same calls in the same order, as any collective needs), so
+every rank's site holds a state or none at the same time; a slow-path error is raised,
+and the state forgotten, on every rank.
 """
 
 from __future__ import annotations
@@ -65,12 +53,9 @@ _TRUST = [0]
 def capture_safe():
     """Within it, layers whose agreement is settled trust it: no flag is moved or read (no host read at all).
 
-    For CUDA-graph capture (a host read of a device tensor is illegal while capturing; the
-    layers also enter this mode by themselves while the current stream captures) and for
-    any region whose shapes are known not to change.  A call whose signature differs from
-    the agreed one raises :class:`~distfuse.errors.UnsupportedError` on the worker that
-    made it (its peers are not told: inside a capture there is no way to tell them), so
-    warm up with the shapes you capture, on every worker.
+    For CUDA-graph capture (a host read of a device tensor is illegal there; the layers
+    also trust by themselves while the current stream captures) and any region whose shapes
+    do not change.  Warm up with the captured shapes on every worker: see :func:`trusted_state`.
     """
     _TRUST[0] += 1
     try:
@@ -90,7 +75,7 @@ def trusted_state(site: AgreementSite, signature: Hashable, op: str) -> Any:
     """A settled ``site``'s state, trusted (no flag, no host read) while this worker's ``signature`` repeats.
 
     A different signature raises :class:`~distfuse.errors.UnsupportedError` on this worker
-    only: inside a capture there is no way to tell its peers (see :func:`capture_safe`).
+    only: inside a capture there is no way to tell its peers.
     """
     if signature != site.signature:
         raise UnsupportedError(f"{where(op)}: inside capture_safe() (or a CUDA-graph capture) a call must "
@@ -129,11 +114,8 @@ class AgreementSite:
         self.signature = self.state = None
 
     def __deepcopy__(self, memo) -> AgreementSite:
-        """A fresh site: a copied layer (``copy.deepcopy(model)``) agrees afresh on its first call, as a new one does.
-
-        An agreed state is a promise between this site and its peers' sites; a copy's
-        peers are the copies on the other ranks, which have agreed on nothing yet.
-        """
+        """A fresh site: a copied layer (``copy.deepcopy(model)``) agrees afresh, as the copies on the other ranks
+        have agreed on nothing yet."""
         return AgreementSite(self.op)
 
 
@@ -169,18 +151,14 @@ def run_agreed(site: AgreementSite, signature: Hashable, locally_ok: bool,
     return result
 
 
-
 def flag_round(P, flag: bool, op: str) -> bool:
     """Whether any worker of partition ``P`` set its agreement flag: a one-element all-reduce on ``P``'s meta group.
 
-    For sites with no data collective that reaches every worker (a pooling or upsampling
-    layer's halo exchange is between neighbours only, and a plan that needs no halo sends
-    nothing).  The meta group is distfuse's host-side (gloo) group, so the flag is a host
-    integer: no device tensor is read, no CUDA sync.  It is a host collective, but a far
-    cheaper one than the metadata all-gather it replaces: with 4 gloo ranks on the loaded
-    2-core CI machine (medians of 200 calls) 0.47-0.6 ms, against 3.0-3.8 ms for the
-    all-gather of 12 int64 records and 0.54-0.9 ms for two point-to-point rounds through
-    a root (each worker's flag to it, their sum back).  A single worker returns its own flag.
+    For sites with no data collective that reaches every worker (a pooling layer's halo
+    exchange runs between neighbours only, and a plan without halos sends nothing).  The
+    meta group is distfuse's host-side (gloo) group, so no device tensor is read; the
+    round is far cheaper than the metadata all-gather it replaces (``docs/benchmarks.md``).
+    A single worker returns its own flag.
     """
     if P.size == 1:
         return bool(flag)
@@ -194,16 +172,12 @@ def agreed_by_flag_round(site: AgreementSite, P, op: str, signature: Hashable, l
                          slow: Callable[[], Any]) -> Any:
     """The agreed state of ``site`` for this call, learnt under the protocol with its flag in :func:`flag_round`.
 
-    For sites whose state *is* the metadata (a global shape, the blocks' shapes and
-    dtype) and whose data messages do not reach every worker of ``P``: the point-to-point
-    primitives (``Broadcast``, ``SumReduce``, ``Repartition``, ``HaloExchange``) and the
-    layers built on them.  Steady state: one flag all-reduce on ``P``'s host meta group
-    before any data moves, so no message of stale size is ever sent.  A flag (a changed
-    signature, or ``locally_ok`` False on some worker) sends every worker to ``slow()``:
-    the metadata gather and the checks, which return the new state or raise the same
-    error everywhere.  Inside :func:`capture_safe` a settled site is trusted while this
-    worker's signature repeats (no flag round, no host read); a different signature there
-    raises :class:`~distfuse.errors.UnsupportedError` on this worker.
+    For sites whose state *is* the metadata (a global shape, the blocks' shapes and dtype)
+    and whose data messages do not reach every worker of ``P``: the point-to-point
+    primitives and the layers built on them.  Steady state: one flag round before any data
+    moves, so no message of stale size is ever sent; a flag sends every worker to
+    ``slow()`` (the metadata gather and the checks: the new state, or the same error
+    everywhere).  Inside :func:`capture_safe` a settled site is trusted (:func:`trusted_state`).
     """
     if site.state is not None and trusting():
         return trusted_state(site, signature, op)
@@ -222,14 +196,8 @@ def agree_on_local_checks(P, op: str, checks: Callable[[], None]) -> None:
     """Run this worker's local ``checks``; if they fail on any worker of ``P``, raise one error on every worker.
 
     For the stateless functional forms (``broadcast(..., y_shape)``, ``repartition(...,
-    global_shape)``, ...), whose checks are local: on their own, a check that fails on one
-    worker raises there alone and leaves its peers in the exchange until the timeout.
-    Here every worker runs its checks, catching a distfuse error instead of raising it,
-    then all of them compare in one host round (:func:`~distfuse.primitives._call_agreement.agree_on_call`
-    with nothing else to share).  No failure: return (the cost of the call, one host
-    all-reduce of two integers).  A flag: the failing workers'
-    messages are all-gathered (host objects, off the fast path) and every worker raises
-    the same error, of the first failing worker's class, naming every failing worker and
-    what it found.
+    global_shape)``, ...), whose failing check would otherwise raise on one worker alone
+    and leave its peers in the exchange until the timeout: one host round of
+    :func:`~distfuse.primitives._call_agreement.agree_on_call` with nothing else to share.
     """
     agree_on_call(P, op, {}, checks)

@@ -1,38 +1,27 @@
 """Shared machinery of AllSumReduce, AllGather and ReduceScatter: axes, sub-grids and padded block collectives.
 
-All three act within one :class:`~distfuse.partition.CartesianPartition` ``P_x``, along a
-set of partition axes.  The workers that share every *other* coordinate form a sub-grid
-(``P_x.create_cartesian_subtopology_partition``), and the collective runs on that
-sub-grid's process group.  The sub-grid keeps every dimension (extent 1 in the dropped
-ones), so partition dimension ``d`` still splits tensor dimension ``d``.
+All three act within one :class:`~distfuse.partition.CartesianPartition` ``P_x`` along a
+set of partition axes; the collective runs on the group of the sub-grid of workers that
+share every *other* coordinate.  The sub-grid keeps every dimension (extent 1 in the
+dropped ones), so partition dimension ``d`` still splits tensor dimension ``d``.
 
 Uneven blocks.  gloo rejects an uneven ``reduce_scatter_tensor`` and an uneven list
 ``all_gather``, so every block is padded to the largest block shape ``pad`` and moved
-with one flat collective of ``P * prod(pad)`` elements (:mod:`distfuse._compat`),
-block-major.  The same code runs on NCCL: one collective call, tensors stay on the
-device.  Padding is never read: in debug mode the scratch buffers are filled with NaN
-so that a read of padding shows up in the values.
+with one flat collective of ``P * prod(pad)`` elements (:mod:`distfuse._compat`), on NCCL
+too.  Padding is never read (NaN in debug mode: :func:`~distfuse.primitives._common.poison`).
+``torch.distributed.new_group`` sorts its ranks, so slot ``g`` of a flat collective
+belongs to the member with the ``g``-th smallest world rank, not to sub-grid rank ``g``
+when the partition lists its ranks out of order: :attr:`BlockLayout.slots` maps one to
+the other.  When every block has the pad shape and the slots are in order, the
+block-major buffer is a permutation of the full tensor: gathering (and packing for the
+reduce-scatter) is a ``permute``-``reshape``, a view when only the first gathered
+dimension is split; otherwise blocks are copied one by one.
 
-Buffer order.  ``torch.distributed.new_group`` sorts its ranks, so slot ``g`` of a flat
-collective belongs to the member with the ``g``-th smallest world rank, not to
-sub-grid rank ``g`` when the partition lists its ranks out of order (for example
-``create_partition_inclusive([3, 1, 2, 0])``).  :attr:`BlockLayout.slots` maps one to
-the other.
-
-Fast path.  When every block has the same shape and the slots are in sub-grid order,
-the block-major buffer is a permutation of the concatenated tensor: gathering is a
-``permute``-``reshape`` (a view when only the first gathered dimension is split, else
-one copy), and so is packing for the reduce-scatter.  Otherwise blocks are copied one
-by one (``P`` small copies, one pass over the data).
-
-Reduction precision.  gloo and NCCL round every partial sum to the tensor's dtype (NCCL
-stores bf16 between ring steps), in an order that depends on the algorithm and the
-rank.  Measured here: a bf16 reduce-scatter in which every chunk sums the values
-[256, 1, 1, 0] over 4 gloo ranks gives 258 on two ranks and 256 on the other two.  A
-sum over ``p`` workers therefore carries up to ``p - 1`` roundings in bf16/fp16.  Pass
-``reduce_dtype=torch.float32`` to add in fp32 instead, at twice the bytes on the wire
-(FSDP calls the same knob ``reduce_dtype``); the result is rounded once, back to the
-input dtype.
+Reduction precision.  gloo and NCCL round every partial sum to the tensor's dtype, in an
+order that depends on the algorithm and the rank, so a sum over ``p`` workers carries up
+to ``p - 1`` roundings in bf16/fp16, and workers may disagree.  ``reduce_dtype=torch.float32``
+adds in fp32 instead, at twice the bytes on the wire (FSDP's knob of the same name), and
+rounds once, back to the input dtype.
 """
 
 from __future__ import annotations
@@ -47,23 +36,12 @@ import torch.distributed as dist
 from distfuse import debug
 from distfuse._compat import all_gather_flat, reduce_scatter_flat
 from distfuse.errors import PartitionError, ShapeError, expect, where
-from distfuse.geometry.decomposition import local_shape, local_start
+from distfuse.geometry.decomposition import local_shape
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._common import check_inactive_input, collective_guard, gather_metadata
+from distfuse.primitives._common import cached, check_inactive_input, collective_guard, gather_metadata, poison
 
-__all__ = [
-    "resolve_axes",
-    "axes_subgrid",
-    "group_slots",
-    "BlockLayout",
-    "balanced_layout",
-    "layout_from_shapes",
-    "gather_blocks",
-    "scatter_sum_blocks",
-    "all_reduce_sum",
-    "check_partition",
-    "check_input",
-]
+__all__ = ["resolve_axes", "axes_subgrid", "group_slots", "BlockLayout", "balanced_layout", "layout_from_shapes",
+           "gather_blocks", "scatter_sum_blocks", "all_reduce_sum", "check_partition", "check_input"]
 
 
 def check_partition(op: str, P_x) -> None:
@@ -72,34 +50,29 @@ def check_partition(op: str, P_x) -> None:
 
 
 def resolve_axes(op: str, P_x: CartesianPartition, axes, axes_keep, axes_name: str) -> tuple[int, ...]:
-    """The sorted partition axes an op acts along, from exactly one of ``axes`` and ``axes_keep``.
+    """The sorted partition axes an op acts along, from exactly one of ``axes`` and ``axes_keep`` (the complement).
 
-    ``axes_keep`` names the complement.  Negative axes count from the end, as in torch.
-    Raised before any collective, so every rank (given the same arguments) raises.
+    Negative axes count from the end, as in torch.  Raised before any collective, so every
+    rank (given the same arguments) raises.
     """
     if (axes is None) == (axes_keep is None):
         given = "both" if axes is not None else "neither"
         raise expect(op, f"exactly one of {axes_name} and axes_keep", "one", given, cls=PartitionError)
-    chosen = _normalize(op, P_x.dim, axes if axes is not None else axes_keep,
-                        axes_name if axes is not None else "axes_keep")
-    if axes_keep is not None:
-        chosen = tuple(d for d in range(P_x.dim) if d not in chosen)
-    return chosen
-
-
-def _normalize(op: str, ndim: int, axes, name: str) -> tuple[int, ...]:
-    if hasattr(axes, "__index__"):  # one axis: int, numpy integer
-        axes = (axes,)
-    out = []
-    for a in axes:
+    name, given = (axes_name, axes) if axes is not None else ("axes_keep", axes_keep)
+    if hasattr(given, "__index__"):  # one axis: int, numpy integer
+        given = (given,)
+    ndim, chosen = P_x.dim, []
+    for a in given:
         a = int(a)
         if not -ndim <= a < ndim:
             raise expect(op, f"{name} entry {a} for a partition of {ndim} dimensions", f"in [{-ndim}, {ndim})", a,
                          cls=PartitionError)
-        out.append(a % ndim)
-    if len(set(out)) != len(out):
-        raise expect(op, f"{name} without repeats", "distinct axes", tuple(axes), cls=PartitionError)
-    return tuple(sorted(out))
+        chosen.append(a % ndim)
+    if len(set(chosen)) != len(chosen):
+        raise expect(op, f"{name} without repeats", "distinct axes", tuple(given), cls=PartitionError)
+    if axes_keep is not None:
+        return tuple(d for d in range(ndim) if d not in chosen)
+    return tuple(sorted(chosen))
 
 
 def axes_subgrid(P_x: CartesianPartition, axes: Iterable[int]) -> CartesianPartition:
@@ -116,10 +89,7 @@ def group_slots(P_sub: CartesianPartition) -> tuple[int, ...]:
 
     Cached by rank tuple, as the groups are (``partition.py``).
     """
-    slots = _SLOTS.get(P_sub.ranks)
-    if slots is None:
-        slots = _SLOTS[P_sub.ranks] = tuple(dist.get_group_rank(P_sub.group, r) for r in P_sub.ranks)
-    return slots
+    return cached(_SLOTS, P_sub.ranks, lambda: tuple(dist.get_group_rank(P_sub.group, r) for r in P_sub.ranks))
 
 
 def check_input(op: str, P_sub: CartesianPartition, x: torch.Tensor, ndim: int | None) -> bool:
@@ -174,33 +144,22 @@ class BlockLayout:
         return tuple(slice(s, s + e) for s, e in zip(self.starts[j], self.extents[j], strict=True))
 
 
-def _layout(P_sub, shape, starts, extents) -> BlockLayout:
-    pad = tuple(max(col) for col in zip(*extents, strict=True))
-    extents = tuple(tuple(e) for e in extents)
-    return BlockLayout(tuple(P_sub.shape), tuple(shape), tuple(starts), extents, pad, group_slots(P_sub),
-                       P_sub.rank, tuple(n for e in extents for n in e))
-
-
 _BALANCED: dict[tuple, BlockLayout] = {}
 
 
 def balanced_layout(P_sub: CartesianPartition, shape: Sequence[int]) -> BlockLayout:
     """The layout of the balanced decomposition of ``shape`` over ``P_sub`` (no communication).
 
-    Cached per (sub-grid, shape): a layer calls this every step with the same shapes,
-    and rebuilding costs ``P * ndim`` Python calls.  The cache is cleared past 1024
-    entries, so that varying shapes (sequence lengths) cannot grow it without bound.
+    Cached per (sub-grid, shape), up to 1024 shapes: a layer calls this every step with the
+    same shapes, and rebuilding costs ``P * ndim`` Python calls.
     """
     shape = tuple(int(n) for n in shape)
-    key = (P_sub.ranks, P_sub.shape, P_sub.rank, shape)
-    layout = _BALANCED.get(key)
-    if layout is None:
-        if len(_BALANCED) >= 1024:
-            _BALANCED.clear()
-        idx = [P_sub.index_of(j) for j in range(P_sub.size)]
-        layout = _BALANCED[key] = _layout(P_sub, shape, [local_start(shape, P_sub.shape, i) for i in idx],
-                                          [local_shape(shape, P_sub.shape, i) for i in idx])
-    return layout
+
+    def make() -> BlockLayout:  # balanced blocks tile, so this raises nothing
+        shapes = [local_shape(shape, P_sub.shape, P_sub.index_of(j)) for j in range(P_sub.size)]
+        return layout_from_shapes("balanced_layout", P_sub, shapes)
+
+    return cached(_BALANCED, (P_sub.ranks, P_sub.shape, P_sub.rank, shape), make, limit=1024)
 
 
 def layout_from_shapes(op: str, P_sub: CartesianPartition, shapes: Sequence[tuple[int, ...]]) -> BlockLayout:
@@ -225,10 +184,12 @@ def layout_from_shapes(op: str, P_sub: CartesianPartition, shapes: Sequence[tupl
                 what = (f"extent along dimension {d} of the blocks at index {idx[j][d]}" if P_sub.shape[d] > 1
                         else f"extent along the not-gathered dimension {d}")
                 raise ShapeError(f"{where(op)}: the blocks do not tile: {what} must agree; got {rows}")
-    full = tuple(sum(ext) for ext in along)
     offsets = [[sum(ext[:i]) for i in range(len(ext))] for ext in along]
-    starts = [tuple(offsets[d][i[d]] for d in range(P_sub.dim)) for i in idx]
-    return _layout(P_sub, full, starts, [tuple(s) for s in shapes])
+    starts = tuple(tuple(offsets[d][i[d]] for d in range(P_sub.dim)) for i in idx)
+    extents = tuple(tuple(s) for s in shapes)
+    pad = tuple(max(col) for col in zip(*extents, strict=True))
+    return BlockLayout(tuple(P_sub.shape), tuple(sum(ext) for ext in along), starts, extents, pad, group_slots(P_sub),
+                       P_sub.rank, tuple(n for e in extents for n in e))
 
 
 def gathered_layout(op: str, P_sub: CartesianPartition, x: torch.Tensor) -> BlockLayout:
@@ -241,17 +202,14 @@ def gathered_layout(op: str, P_sub: CartesianPartition, x: torch.Tensor) -> Bloc
     return layout_from_shapes(op, P_sub, [s for s, _ in meta])
 
 
-def scratch_buffer(like: torch.Tensor, shape, dtype=None) -> torch.Tensor:
-    """An uninitialised buffer; NaN-filled in debug mode so that a read of unwritten padding shows up."""
-    buf = like.new_empty(shape, dtype=dtype)
-    if debug.enabled() and buf.is_floating_point():
-        buf.fill_(float("nan"))
-    return buf
-
-
 def interleave(k: int) -> list[int]:
     """Permutation of ``[g_0..g_{k-1}, m_0..m_{k-1}]`` into ``[g_0, m_0, ..., g_{k-1}, m_{k-1}]``."""
     return [a for d in range(k) for a in (d, k + d)]
+
+
+def box(shape) -> tuple[slice, ...]:
+    """The slices of the leading corner ``shape`` of a (padded) block."""
+    return tuple(slice(0, e) for e in shape)
 
 
 def debug_agree(op: str, P_sub, x: torch.Tensor, same: dict) -> None:
@@ -260,35 +218,66 @@ def debug_agree(op: str, P_sub, x: torch.Tensor, same: dict) -> None:
                               {"local shape": tuple(x.shape)})
 
 
+def unpack_blocks(rows: torch.Tensor, layout: BlockLayout, like: torch.Tensor) -> torch.Tensor:
+    """The full tensor from a received ``[P, slot]`` buffer whose row ``layout.slots[j]`` starts with rank ``j``'s
+    padded block (a view where the fast path allows)."""
+    n = layout.block_numel
+    if n == 0:
+        return like.new_zeros(layout.shape)
+    blocks = rows[:, :n].unflatten(1, layout.pad)
+    if layout.fast:
+        return blocks.unflatten(0, layout.grid).permute(interleave(len(layout.grid))).reshape(layout.shape)
+    out = poison(like.new_empty(layout.shape))
+    for j, slot in enumerate(layout.slots):
+        out[layout.slices(j)] = blocks[slot][box(layout.extents[j])]
+    return out
+
+
+def block_major(full: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
+    """``full`` as ``[*grid, *pad]`` blocks (fast layouts only): a permuted view, no copy."""
+    k = len(layout.grid)
+    inter = [a for g, m in zip(layout.grid, layout.pad, strict=True) for a in (g, m)]
+    return full.reshape(inter).permute(list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2)))
+
+
+def pack_blocks(full: torch.Tensor, layout: BlockLayout, send: torch.Tensor) -> None:
+    """Write rank ``j``'s block of ``full``, padded, at the start of row ``layout.slots[j]`` of ``send``."""
+    blocks = send[:, :layout.block_numel].unflatten(1, layout.pad)
+    if layout.fast:
+        blocks.unflatten(0, layout.grid).copy_(block_major(full, layout))
+        return
+    for j, slot in enumerate(layout.slots):
+        blocks[slot][box(layout.extents[j])] = full[layout.slices(j)]
+
+
+def my_block(recv: torch.Tensor, layout: BlockLayout, dtype: torch.dtype) -> torch.Tensor:
+    """This worker's block of a received padded block ``recv`` (flat), contiguous, in ``dtype``."""
+    block = recv[:layout.block_numel].view(layout.pad)[box(layout.extents[layout.me])]
+    return block.to(dtype).contiguous()
+
+
 def gather_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, x: torch.Tensor) -> torch.Tensor:
     """Every worker's block concatenated in index order (no autograd); ``x`` has ``layout.extents[layout.me]``.
 
-    One flat all-gather of ``P * prod(pad)`` elements on ``P_sub.group``; tensors stay on
-    their device.
+    One flat all-gather of ``P * prod(pad)`` elements on ``P_sub.group``.
     """
     fits = tuple(x.shape) == layout.extents[layout.me]
     # In debug mode a misfit block fails on every worker, not only here (peers would wait for the timeout).
     debug_agree(op, P_sub, x, {"gathered shape": layout.shape, "pad": layout.pad, "block fits": fits})
     if not fits:
         raise expect(op, "local block shape", layout.extents[layout.me], tuple(x.shape))
-    k, n = len(layout.grid), layout.block_numel
+    n = layout.block_numel
     if n == 0:  # every block is empty: every worker knows it from the layout, and none communicates
         return x.new_zeros(layout.shape)
     if tuple(x.shape) == layout.pad:
         send = x.contiguous()
     else:
-        send = scratch_buffer(x, layout.pad)
-        send[tuple(slice(0, e) for e in x.shape)] = x
-    buf = scratch_buffer(x, (P_sub.size * n,))
+        send = poison(x.new_empty(layout.pad))
+        send[box(x.shape)] = x
+    buf = poison(x.new_empty((P_sub.size * n,)))
     with collective_guard(op, "all-gather", P_sub.ranks):
         all_gather_flat(buf, send, group=P_sub.group)
-    if layout.fast:
-        return buf.view(*layout.grid, *layout.pad).permute(interleave(k)).reshape(layout.shape)
-    blocks = buf.view(P_sub.size, *layout.pad)
-    out = scratch_buffer(x, layout.shape)
-    for j, slot in enumerate(layout.slots):
-        out[layout.slices(j)] = blocks[slot][tuple(slice(0, e) for e in layout.extents[j])]
-    return out
+    return unpack_blocks(buf.view(P_sub.size, n), layout, x)
 
 
 def scatter_sum_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, full: torch.Tensor,
@@ -303,22 +292,18 @@ def scatter_sum_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, 
     debug_agree(op, P_sub, full, {"full shape": layout.shape, "reduce dtype": str(wire), "input fits": fits})
     if not fits:
         raise expect(op, "full (partial-sum) tensor shape", layout.shape, tuple(full.shape))
-    k, n = len(layout.grid), layout.block_numel
-    mine = layout.extents[layout.me]
+    n = layout.block_numel
     if n == 0:
-        return full.new_zeros(mine)
-    if layout.fast:
-        inter = [a for g, m in zip(layout.grid, layout.pad, strict=True) for a in (g, m)]
-        send = full.reshape(inter).permute(list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2)))
-        send = send.to(wire).contiguous()
+        return full.new_zeros(layout.extents[layout.me])
+    if layout.fast:  # no copy where the permutation is one already (only the first dimension split)
+        send = block_major(full, layout).to(wire).contiguous()
     else:
-        send = scratch_buffer(full, (P_sub.size, *layout.pad), dtype=wire)
-        for j, slot in enumerate(layout.slots):
-            send[slot][tuple(slice(0, e) for e in layout.extents[j])] = full[layout.slices(j)]
-    recv = scratch_buffer(full, layout.pad, dtype=wire)
+        send = poison(full.new_empty((P_sub.size, n), dtype=wire))
+        pack_blocks(full, layout, send)
+    recv = poison(full.new_empty((n,), dtype=wire))
     with collective_guard(op, "reduce-scatter", P_sub.ranks):
         reduce_scatter_flat(recv, send.reshape(-1), group=P_sub.group)
-    return recv[tuple(slice(0, e) for e in mine)].to(full.dtype).contiguous()
+    return my_block(recv, layout, full.dtype)
 
 
 def all_reduce_sum(op: str, P_sub: CartesianPartition, x: torch.Tensor,
@@ -333,11 +318,3 @@ def all_reduce_sum(op: str, P_sub: CartesianPartition, x: torch.Tensor,
             dist.all_reduce(y, group=P_sub.group)
     return y.to(dtype=x.dtype)
 
-
-# ---------------------------------------------------------------- flagged collectives (agreement checks)
-#
-# The same three collectives with one flag element appended to every worker's message, for the agreement
-# protocol of ``_agreement.py``: a worker whose inputs changed sends zeros of the agreed sizes and the flag 1,
-# and every worker learns from the data it receives whether any flag was set.  The flag travels in the data's
-# own dtype: a sum of up to 256 ones is exact even in bf16.  Staging the block next to its flag costs one copy
-# of the block (the unflagged forms above can send ``x`` in place).

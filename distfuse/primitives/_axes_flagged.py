@@ -1,14 +1,7 @@
-"""The flagged forms of the block collectives: one agreement flag element rides with the data.
-
-Each is the collective of :mod:`distfuse.primitives._axes` with one extra element per
-message: the sender's agreement flag (see :mod:`distfuse.primitives._agreement`).  A
-rank whose input changed sends zeros at the agreed sizes with its flag set, so sizes
-always match; every rank reads the flags that arrived and, if any is set, drops the
-result and takes the slow path with the others.
-
-On a CUDA partition the flags take a host round before the plain collective instead
-(:mod:`distfuse.primitives._flag_transport`): reading a received flag would synchronise
-the device on every call.
+"""The flagged forms of the block collectives of :mod:`distfuse.primitives._axes`: one agreement flag rides with
+the data (:mod:`distfuse.primitives._agreement`), or, on a CUDA partition, takes the host round of
+:mod:`distfuse.primitives._flag_transport` before the plain collective (reading a received flag would
+synchronise the device on every call).
 """
 
 from __future__ import annotations
@@ -22,16 +15,19 @@ from distfuse.partition import CartesianPartition
 from distfuse.primitives._axes import (
     BlockLayout,
     all_reduce_sum,
+    box,
     debug_agree,
     gather_blocks,
-    interleave,
+    my_block,
+    pack_blocks,
     scatter_sum_blocks,
-    scratch_buffer,
+    unpack_blocks,
 )
-from distfuse.primitives._common import collective_guard
+from distfuse.primitives._common import collective_guard, poison
 from distfuse.primitives._flag_transport import any_flag_on_host, flags_on_host
 
 __all__ = ["gather_blocks_flagged", "scatter_sum_blocks_flagged", "all_reduce_sum_flagged"]
+
 
 def _slot(n: int) -> int:
     """Elements per worker's slot: its ``n`` data elements, the flag, and padding to a multiple of 16.
@@ -61,28 +57,19 @@ def gather_blocks_flagged(op: str, P_sub: CartesianPartition, layout: BlockLayou
     if tuple(x.shape) != layout.extents[layout.me]:
         raise expect(op, "local block shape", layout.extents[layout.me], tuple(x.shape))
     debug_agree(op, P_sub, x, {"gathered shape": layout.shape, "pad": layout.pad, "flagged": True})
-    k, n = len(layout.grid), layout.block_numel
+    n = layout.block_numel
     slot = _slot(n)
-    send = scratch_buffer(x, (slot,))
+    send = poison(x.new_empty((slot,)))
     if n:
-        block = send[:n].view(layout.pad)
-        block[tuple(slice(0, e) for e in x.shape)] = x
+        send[:n].view(layout.pad)[box(x.shape)] = x
     send[n] = 1 if flag else 0
-    buf = scratch_buffer(x, (P_sub.size * slot,))
+    buf = poison(x.new_empty((P_sub.size * slot,)))
     with collective_guard(op, "all-gather", P_sub.ranks):
         all_gather_flat(buf, send, group=P_sub.group)
     rows = buf.view(P_sub.size, slot)
     if _flag_set(rows[:, n]):
         return None, True
-    if n == 0:
-        return x.new_zeros(layout.shape), False
-    if layout.fast:
-        blocks = rows[:, :n].unflatten(1, layout.pad).unflatten(0, layout.grid)
-        return blocks.permute(interleave(k)).reshape(layout.shape), False
-    out = scratch_buffer(x, layout.shape)
-    for j, pos in enumerate(layout.slots):
-        out[layout.slices(j)] = rows[pos, :n].view(layout.pad)[tuple(slice(0, e) for e in layout.extents[j])]
-    return out, False
+    return unpack_blocks(rows, layout, x), False
 
 
 def scatter_sum_blocks_flagged(op: str, P_sub: CartesianPartition, layout: BlockLayout, full: torch.Tensor,
@@ -102,26 +89,20 @@ def scatter_sum_blocks_flagged(op: str, P_sub: CartesianPartition, layout: Block
     if tuple(full.shape) != layout.shape:
         raise expect(op, "full (partial-sum) tensor shape", layout.shape, tuple(full.shape))
     debug_agree(op, P_sub, full, {"full shape": layout.shape, "reduce dtype": str(wire), "flagged": True})
-    k, n = len(layout.grid), layout.block_numel
+    n = layout.block_numel
     slot = _slot(n)
-    send = scratch_buffer(full, (P_sub.size, slot), dtype=wire)
-    if n and layout.fast:
-        inter = [a for g, m in zip(layout.grid, layout.pad, strict=True) for a in (g, m)]
-        src = full.reshape(inter).permute(list(range(0, 2 * k, 2)) + list(range(1, 2 * k, 2)))
-        send[:, :n].unflatten(1, layout.pad).unflatten(0, layout.grid).copy_(src)
-    elif n:
-        for j, pos in enumerate(layout.slots):
-            send[pos, :n].view(layout.pad)[tuple(slice(0, e) for e in layout.extents[j])] = full[layout.slices(j)]
+    send = poison(full.new_empty((P_sub.size, slot), dtype=wire))
+    if n:
+        pack_blocks(full, layout, send)
     send[:, n] = 1 if flag else 0
-    recv = scratch_buffer(full, (slot,), dtype=wire)
+    recv = poison(full.new_empty((slot,), dtype=wire))
     with collective_guard(op, "reduce-scatter", P_sub.ranks):
         reduce_scatter_flat(recv, send.reshape(-1), group=P_sub.group)
     if _flag_set(recv[n:n + 1]):
         return None, True
-    mine = layout.extents[layout.me]
     if n == 0:
-        return full.new_zeros(mine), False
-    return recv[:n].view(layout.pad)[tuple(slice(0, e) for e in mine)].to(full.dtype).contiguous(), False
+        return full.new_zeros(layout.extents[layout.me]), False
+    return my_block(recv, layout, full.dtype), False
 
 
 def all_reduce_sum_flagged(op: str, P_sub: CartesianPartition, x: torch.Tensor, flag: bool,

@@ -1,20 +1,15 @@
 """One host round that proves every worker made the same call: for the stateless functional forms.
 
 The modules (``AllGather``, ``ReduceScatter``, ...) keep an agreement site and check for
-free while their inputs repeat (:mod:`distfuse.primitives._agreement`).  A functional
-form (``all_gather(x, P, out_shape)``, ``reduce_scatter(x, P)``, ``all_sum_reduce(x, P)``)
-keeps no state, so with ``agree=True`` it runs this check on every call:
-
-* Every worker hashes what all must share (the full shape, the dtype, ...) together with
-  the outcome of its local checks into a 63-bit digest, and the workers all-reduce
-  ``[digest, -digest]`` with MAX on the partition's host-side gloo meta group: the
-  maximum and minus the minimum in one integer pair.  Equal: every worker made the same
-  call (up to a hash collision, 2^-63), and the data collective runs.  One host
-  all-reduce of two int64, no device read.
-* Different: every worker all-gathers the records (host objects, off the fast path) and
-  raises the same :class:`~distfuse.errors.ShapeError` naming each worker's values, or
-  the first failing worker's local error.  No worker enters the data collective, so
-  nothing aborts in gloo and no worker returns a sum of tensors of different dtypes.
+free while their inputs repeat (:mod:`distfuse.primitives._agreement`).  A functional form
+(``all_gather(x, P, out_shape)``, ...) keeps no state, so with ``agree=True`` it runs this
+check on every call: every worker hashes what all must share (the full shape, the dtype,
+...) and the outcome of its local checks into a 63-bit digest, and the workers all-reduce
+``[digest, -digest]`` with MAX on the partition's host-side gloo meta group (the maximum
+and minus the minimum in one round of two int64, no device read).  Equal: every worker
+made the same call (up to a hash collision, 2^-63).  Different: the records are
+all-gathered (host objects, off the fast path) and every worker raises the same error
+before any worker enters the data collective.
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ from distfuse import errors
 from distfuse.errors import DistfuseError, ShapeError, where
 from distfuse.primitives._common import collective_guard
 
-__all__ = ["agree_on_call"]
+__all__ = ["agree_on_call", "agree_on_tensor"]
 
 
 def _digest(record: dict) -> int:
@@ -42,12 +37,11 @@ def agree_on_call(P, op: str, same: dict, checks: Callable[[], None] | None = No
 
     Args:
         same: what every worker must share (values with a stable ``repr``: tuples, dtypes);
-            ``{}`` checks only that the local checks pass everywhere.
+            ``{}`` checks only that the local checks pass everywhere.  A difference raises
+            :class:`~distfuse.errors.ShapeError` naming each worker's values.
         checks: this worker's local checks (raise a distfuse error); run before the round.
             A failure on any worker raises, on every worker, an error of the first failing
             worker's class naming every failing worker and what it found.
-
-    Cost: one all-reduce of two int64 on ``P.meta_group`` (see the module docstring).
     """
     if not P.active:
         if checks is not None:
@@ -83,3 +77,9 @@ def agree_on_call(P, op: str, same: dict, checks: Callable[[], None] | None = No
     keys = [k for k in same if len({repr(rec[k]) for _, rec in records}) > 1]
     detail = "; ".join(f"{k}: " + ", ".join(f"world rank {rank} {rec[k]}" for rank, rec in records) for k in keys)
     raise ShapeError(f"{where(op)}: the workers' calls disagree ({detail}); every worker must pass the same")
+
+
+def agree_on_tensor(P, op: str, x, checks: Callable[[], None], **same) -> None:
+    """:func:`agree_on_call` on ``same`` plus ``x``'s dtype and grad flag (``x``: whatever the caller passed)."""
+    agree_on_call(P, op, dict(same, dtype=getattr(x, "dtype", None),
+                              grad=torch.is_grad_enabled() and getattr(x, "requires_grad", False)), checks)

@@ -10,25 +10,16 @@ Shapes (``P_sub`` a sub-grid, ``layout`` the blocks' :class:`~distfuse.primitive
 
 ``handle`` names a :class:`BlockCollective` (the sub-grid and the op name errors carry);
 ``blocks`` is every sub-grid worker's block extents, flattened in sub-grid rank order
-(:attr:`BlockLayout.blocks`): the layout, including uneven tilings.  ``reduce_dtype`` is
-the dtype sums are added in (None: the data's).  They live in one file because each
-needs the other: the all-gather's adjoint is the reduce-scatter and back, so gradients of
-any order are exact (a gradient penalty differentiates through both).
+(:attr:`BlockLayout.blocks`), uneven tilings included.  ``reduce_dtype`` is the dtype sums
+are added in (None: the data's).  Each op is the other's backward, so gradients of any
+order are exact (a gradient penalty differentiates through both); :func:`~distfuse.primitives._op_pair.op_pair`
+runs them as custom ops while compiling and through a generated ``autograd.Function`` eagerly.
 
-``flag`` carries the agreement flag of :mod:`~distfuse.primitives._agreement` in the
-data: -1 sends none (the unflagged collective, a known layout), 0 or 1 this worker's
-flag (1: its call changed, it sends zeros of the agreed block).  When any worker's flag
-is set every worker raises :class:`~distfuse.primitives.agreement_session.FlaggedCallError`,
-after the collective and after the context's ``on_flag`` (a layer's session forgets its
-agreement): a settled eager call catches it and gathers the metadata
-(:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`), a replayed one
-raises it on every worker.  The adjoints never carry a flag (the backward needs no
-metadata).
-
-Both are op pairs (:func:`~distfuse.primitives._op_pair.op_pair`): the custom ops while
-compiling, the same two implementations through a generated ``autograd.Function`` in
-eager calls.  :mod:`~distfuse.primitives.all_gather` and
-:mod:`~distfuse.primitives.reduce_scatter` hold the functional forms and the modules.
+``flag`` carries the agreement flag in the data (:mod:`~distfuse.primitives._axes_flagged`):
+-1 sends none, 0 or 1 this worker's flag.  When any worker's is set every worker runs the
+context's ``on_flag`` and raises :class:`~distfuse.primitives.agreement_session.FlaggedCallError`
+(:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`).  The adjoints
+never carry a flag (the backward needs no metadata).
 """
 
 from __future__ import annotations
@@ -49,6 +40,7 @@ from distfuse.primitives._axes import (
     scatter_sum_blocks,
 )
 from distfuse.primitives._axes_flagged import gather_blocks_flagged, scatter_sum_blocks_flagged
+from distfuse.primitives._common import cached
 from distfuse.primitives._handles import HandleOwner, lookup, new_handle
 from distfuse.primitives._op_pair import op_pair
 from distfuse.primitives.agreement_session import AgreementSession, flagged_error
@@ -67,20 +59,22 @@ class BlockCollective(HandleOwner):
 
     def layout(self, blocks: Sequence[int]) -> BlockLayout:
         """The layout of the flattened block extents ``blocks`` (cached; cleared past 1024 shapes)."""
-        key = tuple(blocks)
-        layout = self._layouts.get(key)
-        if layout is None:
-            if len(self._layouts) >= 1024:
-                self._layouts.clear()
-            k = self.P_sub.dim
-            shapes = [key[j * k:(j + 1) * k] for j in range(self.P_sub.size)]
-            layout = self._layouts[key] = layout_from_shapes(self.op, self.P_sub, shapes)
-        return layout
+        key, k = tuple(blocks), self.P_sub.dim
+        return cached(self._layouts, key, lambda: layout_from_shapes(
+            self.op, self.P_sub, [key[j * k:(j + 1) * k] for j in range(self.P_sub.size)]), limit=1024)
 
-    def flagged(self):
-        if self.on_flag is not None:
-            self.on_flag()
-        raise flagged_error(self.op)
+    def run(self, plain: Callable, flagged: Callable, t: torch.Tensor, blocks: Sequence[int], flag: int, *extra):
+        """``plain(op, P_sub, layout, t, *extra)``, or with ``flag >= 0`` its ``flagged`` form, which raises
+        :func:`~distfuse.primitives.agreement_session.flagged_error` on every worker (after ``on_flag``) when any
+        flag was set."""
+        if flag < 0:
+            return plain(self.op, self.P_sub, self.layout(blocks), t, *extra)
+        out, any_flag = flagged(self.op, self.P_sub, self.layout(blocks), t, flag > 0, *extra)
+        if any_flag:
+            if self.on_flag is not None:
+                self.on_flag()
+            raise flagged_error(self.op)
+        return out
 
 
 _SHARED: dict[tuple, BlockCollective] = {}
@@ -89,24 +83,13 @@ _SHARED: dict[tuple, BlockCollective] = {}
 def collective_of(op: str, P_sub: CartesianPartition) -> BlockCollective:
     """A context without ``on_flag`` shared by the functional forms' calls on ``P_sub`` (cached by op and ranks, as
     the sub-grids' groups are)."""
-    key = (op, tuple(P_sub.ranks), tuple(P_sub.shape))
-    ctx = _SHARED.get(key)
-    if ctx is None:
-        ctx = _SHARED[key] = BlockCollective(op, P_sub)
-    return ctx
+    return cached(_SHARED, (op, tuple(P_sub.ranks), tuple(P_sub.shape)), lambda: BlockCollective(op, P_sub))
 
 
 def _gather(x: torch.Tensor, handle: int, blocks: list[int], reduce_dtype: torch.dtype | None,
             flag: int) -> torch.Tensor:
     """Every worker's block concatenated in index order; ``x`` has this worker's extents of ``blocks``."""
-    ctx: BlockCollective = lookup(handle)
-    layout = ctx.layout(blocks)
-    if flag < 0:
-        return gather_blocks(ctx.op, ctx.P_sub, layout, x)
-    gathered, flagged = gather_blocks_flagged(ctx.op, ctx.P_sub, layout, x, flag > 0)
-    if flagged:
-        ctx.flagged()
-    return gathered
+    return lookup(handle).run(gather_blocks, gather_blocks_flagged, x, blocks, flag)
 
 
 def _gather_fake(x, handle, blocks, reduce_dtype, flag):
@@ -116,14 +99,7 @@ def _gather_fake(x, handle, blocks, reduce_dtype, flag):
 def _scatter(full: torch.Tensor, handle: int, blocks: list[int], reduce_dtype: torch.dtype | None,
              flag: int) -> torch.Tensor:
     """This worker's block of the sum over the sub-grid of every worker's ``full`` (added in ``reduce_dtype``)."""
-    ctx: BlockCollective = lookup(handle)
-    layout = ctx.layout(blocks)
-    if flag < 0:
-        return scatter_sum_blocks(ctx.op, ctx.P_sub, layout, full, reduce_dtype)
-    block, flagged = scatter_sum_blocks_flagged(ctx.op, ctx.P_sub, layout, full, flag > 0, reduce_dtype)
-    if flagged:
-        ctx.flagged()
-    return block
+    return lookup(handle).run(scatter_sum_blocks, scatter_sum_blocks_flagged, full, blocks, flag, reduce_dtype)
 
 
 def _scatter_fake(full, handle, blocks, reduce_dtype, flag):
@@ -140,13 +116,15 @@ all_gather_op, reduce_scatter_op = op_pair("all_gather", _gather, _gather_fake, 
 
 
 class AxesModule(nn.Module):
-    """What the AllGather and ReduceScatter modules share: ``P_x``, the axes they act along, the sub-grid, and its
-    agreement session (``agreement`` its site) with the op pair's context whose flag forgets it.
+    """What the AllGather, ReduceScatter and AllSumReduce modules share: ``P_x``, the axes they act along and the
+    sub-grid; :meth:`_agree_on` sets up the agreement (here: a session whose flag rides in the op pair).
 
-    ``axes_name`` is the subclass's argument (``axes_all_gather``, ``axes_reduce_scatter``):
-    give exactly one of it and ``axes_keep``.  Construction creates the sub-grids, which is
-    collective over the whole world: every world rank, active in ``P_x`` or not, constructs
-    the module.
+    Arguments: ``P_x``, the Cartesian partition; the axes to act along (the subclass's
+    ``axes_name``: ``axes_all_gather``, ``axes_reduce_scatter``, ``axes_reduce``) or
+    ``axes_keep``, the axes *not* to act along (exactly one of the two); ``reduce_dtype``,
+    the dtype sums are added in (e.g. ``torch.float32`` for bf16; default the data's).
+    Construction creates the sub-grids, which is collective over the whole world: every
+    world rank, active in ``P_x`` or not, constructs the module.
     """
 
     op = ""
@@ -160,6 +138,10 @@ class AxesModule(nn.Module):
         self.axes_keep = tuple(d for d in range(P_x.dim) if d not in self.axes)
         self.reduce_dtype = reduce_dtype
         self.P_sub = axes_subgrid(P_x, self.axes)
+        self._agree_on()
+
+    def _agree_on(self) -> None:
+        """The agreement of the sub-grid's calls: ``session``, its site ``agreement``, and the op pair's context."""
         self.session = AgreementSession(self.op, self.P_sub)
         self.agreement = self.session.site
         self._ctx = BlockCollective(self.op, self.P_sub, self.session.forget)

@@ -5,13 +5,9 @@ graph names the exchange it runs (a :class:`~distfuse.primitives.halo_exchange.H
 a layer's parameter broadcast) by an integer.  Handles are handed out in creation order;
 layers are constructed collectively, in the same order on every rank, so one layer's
 objects get the same handles everywhere and every rank's graph is the same text.  The
-table holds weak references: a handle outlives nothing.
-
-A copy of an object behind a handle (``copy.deepcopy(model)``, which copies the layers'
-contexts with them) must get a handle of its own: one that kept the original's would
-route the custom ops of the copy's compiled graphs to the original.  Such objects derive
-from :class:`HandleOwner`, which gives every copy a fresh handle; copies made on every
-rank in the same order get the same handles everywhere, as construction does.
+table holds weak references.  A copy of such an object (``copy.deepcopy(model)``) gets a
+handle of its own (:class:`HandleOwner`): one that kept the original's would route the
+copy's compiled graphs to the original.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Memory formats: which layout a block is in, and buffers and messages in an agreed layout.
 
 torch's convolutions keep ``channels_last`` (4-D) and ``channels_last_3d`` (5-D) inputs in
-that layout where the backend computes in it (CPU Conv2d does; torch 2.13's CPU Conv3d
-returns NCDHW).  The primitives follow the input instead of forcing NCHW:
-
-* the halo exchange stages into a buffer in the input's format and reads the block
-  through views, so a ``channels_last`` block is never copied to NCHW first;
-* a broadcast or sum-reduce of blocks moves them in a format the two ends agreed on
-  (the layers exchange it with their metadata): the sender's block is then its message
-  as it is (``contiguous(memory_format=fmt)`` copies nothing), and the receiver's buffer
-  has the same byte order.  Small messages (halo boxes, packed parameters) stay plain
-  contiguous.
-
-A tensor that is dense in both layouts (one channel, or one spatial element) is
-reported as contiguous: both give the same bytes.
+that layout where the backend computes in it, so the primitives follow the input instead
+of forcing NCHW: the halo exchange stages into a buffer in the input's format, and a
+broadcast or sum-reduce of blocks moves them in a format both ends agreed on (the sender's
+block is then its message as it is, and the receiver's buffer has the same byte order).
+Small messages (halo boxes, packed parameters) stay plain contiguous.  A tensor dense in
+both layouts (one channel, or one spatial element) is reported as contiguous.
 """
 
 from __future__ import annotations
@@ -81,8 +74,7 @@ def wire_view(t: torch.Tensor) -> torch.Tensor:
     """A contiguous view of ``t``'s bytes for a point-to-point message (gloo and NCCL take contiguous tensors).
 
     A block dense in ``channels_last`` is the contiguous ``[B, H, W, C]`` tensor of the same
-    memory, so it travels without a copy; both ends must hold the same format (the layers
-    agree on it), which then makes the bytes mean the same on both.
+    memory, so it travels without a copy; both ends hold the same format (the layers agree on it).
     """
     if t.is_contiguous():
         return t

@@ -10,10 +10,9 @@ adjoint ``F*`` moves the gradients back; the adjoint of ``F*`` is ``F`` again.
     adjoint_args(x, *args)              what F* needs of a call of F (handle, shapes, format)
     forward_args(g, *adjoint_args)      what F needs of a call of F* (the adjoint's adjoint)
 
-It registers ``distfuse::<name>`` and ``distfuse::<name>_adjoint`` as custom ops whose
-registered backward is the other op (so gradients of any order are exact in compiled
-graphs too), each an ``ORDERED`` effect, and returns one :class:`OpEntry` per op.  Layers
-and primitives call the entry, in every mode::
+It registers ``distfuse::<name>`` and ``distfuse::<name>_adjoint`` as custom ops, each the
+other's registered backward (so gradients of any order are exact when compiled too) and
+an ``ORDERED`` effect, and returns one :class:`OpEntry` per op, which every caller calls::
 
     entry(x, *args)   inside torch.compile      the custom op: one node of the graph
                       eager, x needs a grad     an autograd.Function generated here from the
@@ -21,26 +20,19 @@ and primitives call the entry, in every mode::
                                                 adjoint's entry, so double backward is exact)
                       eager, no grad            the implementation itself
 
-:func:`op_entry` defines one op that is not half of a linear pair the same way (a
-statistics gather without gradient; a normalisation with several differentiable inputs
-whose backward, an op of its own, reads saved inputs).
+:func:`op_entry` defines one op that is not half of a linear pair the same way.
 
-Why eager calls do not go through the custom op.  A custom op's eager call passes the
-dispatcher, torch's generated autograd wrapper (a Python ``autograd.Function`` of its own)
-and a redispatch below autograd before it reaches the implementation: 10-60 us a call more
-than an ``autograd.Function`` over the same core (``scripts/dispatch_cost.py``; the table
-is in ``docs/design.md``, "One forward per layer").  The ``ORDERED`` effect and the
-``CustomOpDef`` wrapper cost nothing measurable.
-A halo layer's forward + backward runs two ops, so eager calls would pay that for a graph
-they do not build; the entry pays it only while tracing.
+Why eager calls do not go through the custom op: its eager call passes the dispatcher,
+torch's generated autograd wrapper and a redispatch below autograd before it reaches the
+implementation, tens of microseconds a call more than an ``autograd.Function`` over the
+same core (``scripts/dispatch_cost.py``; ``docs/design.md``, "One forward per layer").
 
 Why ``ORDERED``: communication must run in program order on every rank.  The ranks'
 graphs differ a little (a root concatenates parameters, its peers do not), so a compiler
 that reorders independent nodes can put one rank's rounds in another order than its
-peers': a reordered pair of rounds met the peers' other round and gloo aborted ("Received
-data size doesn't match") under inductor.  The effect keeps the ops in program order under
-``eager`` / ``aot_eager`` and keeps an op whose result is unused in the graph; inductor's
-memory and locality reordering does not honour it (compile with
+peers' (gloo then aborts: "Received data size doesn't match").  The effect keeps the ops
+in program order under ``eager`` / ``aot_eager`` and keeps an op whose result is unused
+in the graph; inductor's memory and locality reordering does not honour it (compile with
 ``distfuse.ops.INDUCTOR_OPTIONS``).
 """
 
@@ -132,9 +124,16 @@ def _function(name: str, impl: Callable, next_args: Callable, other: Callable[[]
                                                     "backward": staticmethod(backward)})
 
 
-def _custom_op(name: str, impl: Callable, fake: Callable, next_args: Callable, other: Callable[[], object]):
+def _define(name: str, impl: Callable, fake: Callable):
+    """``distfuse::<name>`` over ``impl``, with its fake implementation, as an ``ORDERED`` effect."""
     op = torch.library.custom_op(f"distfuse::{name}", impl, mutates_args=())
     op.register_fake(fake)
+    ordered(op)
+    return op
+
+
+def _custom_op(name: str, impl: Callable, fake: Callable, next_args: Callable, other: Callable[[], object]):
+    op = _define(name, impl, fake)
     n = len(op._opoverload._schema.arguments)
 
     def setup(ctx, inputs, output):
@@ -153,20 +152,17 @@ def op_pair(name: str, forward: Callable, forward_fake: Callable, adjoint: Calla
 
     ``forward`` and ``adjoint`` must carry type annotations (the ops' schemas are inferred
     from them) and return new tensors.  Either may end in an optional *anchor*
-    (``anchor: torch.Tensor | None = None``): an empty tensor that gets no gradient and
-    whose ``requires_grad`` makes the output require grad.  A worker whose input is a
-    placeholder, or does not require grad while its peers' does, passes :data:`ANCHOR`
-    (:func:`anchor`), so that it runs the adjoint round its peers wait for: eager code could
-    promote the input instead, a compiled graph cannot make a tensor require grad.
-    ``adjoint_args`` / ``forward_args`` then receive it as their last argument.  An anchor
-    that is not a leaf (:func:`anchor` with ``ties``: outputs of earlier ops that this worker does
-    not use) gets a zero gradient, so that those ops' adjoints run here too, sending
-    nothing, and every worker's backward holds the same ops; :data:`ANCHOR` gets none.
+    (``anchor: torch.Tensor | None = None``, also the last argument ``adjoint_args`` /
+    ``forward_args`` receive): an empty tensor whose ``requires_grad`` makes the output
+    require grad.  A worker whose input is a placeholder, or does not require grad while
+    its peers' does, passes :data:`ANCHOR` (:func:`anchor`), so that it runs the adjoint
+    round its peers wait for (a compiled graph cannot make its input require grad).  An
+    anchor that is not a leaf (:func:`anchor` with ``ties``) gets a zero gradient, so that
+    the tied ops' adjoints run here too and every worker's backward holds the same ops.
     """
     entries: dict[str, OpEntry] = {}
     ops = (_custom_op(name, forward, forward_fake, adjoint_args, lambda: entries["adj"].op),
            _custom_op(f"{name}_adjoint", adjoint, adjoint_fake, forward_args, lambda: entries["fwd"].op))
-    ordered(*ops)
     title = "".join(part.title() for part in name.split("_"))
     entries["fwd"] = OpEntry(ops[0], _function(title, forward, adjoint_args, lambda: entries["adj"]), forward)
     entries["adj"] = OpEntry(ops[1], _function(f"{title}Adjoint", adjoint, forward_args, lambda: entries["fwd"]),
@@ -214,14 +210,10 @@ def op_entry(name: str, forward: Callable, forward_fake: Callable, backward: Cal
     differentiable: the backward has no gradient of its own).  Both ops are ``ORDERED``
     (module docstring).  Implementations must carry type annotations and return new tensors.
     """
-    op = torch.library.custom_op(f"distfuse::{name}", forward, mutates_args=())
-    op.register_fake(forward_fake)
-    ordered(op)
+    op = _define(name, forward, forward_fake)
     if backward is None:
         return OpEntry(op, None, forward, ())
-    back = torch.library.custom_op(f"distfuse::{name}_backward", backward, mutates_args=())
-    back.register_fake(backward_fake)
-    ordered(back)
+    back = _define(f"{name}_backward", backward, backward_fake)
     n = len(op._opoverload._schema.arguments)
 
     def setup(ctx, inputs, output):

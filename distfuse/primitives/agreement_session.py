@@ -2,10 +2,10 @@
 
 Before data moves, every worker of a layer must know that its peers made the same call
 (local shapes that tile one global shape, one dtype, the same grad flags), or raise the
-same error as they do; and it must know it without a metadata collective in the steady
-state (the protocol of :mod:`distfuse.primitives._agreement`).  A layer keeps one
-:class:`AgreementSession` and calls :meth:`~AgreementSession.agree` once, at the top of its
-one forward, whatever runs it.  The session picks the mode from the context::
+same error as they do, without a metadata collective in the steady state (the protocol of
+:mod:`distfuse.primitives._agreement`).  A layer keeps one :class:`AgreementSession` and
+calls :meth:`~AgreementSession.agree` once, at the top of its one forward, whatever runs
+it.  The session picks the mode from the context::
 
     mode    when                         what runs                                       host work per call
     ------  ---------------------------  ----------------------------------------------  -------------------
@@ -22,24 +22,14 @@ one forward, whatever runs it.  The session picks the mode from the context::
                                          ``distfuse::flag_check`` (raises the same
                                          ShapeError on every worker when any flagged)
 
-Replay is how a compiled graph stays free of metadata: the compiler guards on what the
-signature reads (shapes, dtype, grad flags, autocast), so a changed call retraces, traces
-its flag set, and every worker raises after the round; one eager call then settles
-afresh.  A replay before any eager call is refused on every worker (all are fresh alike).
-What else a forward derives per call and cannot derive in a graph (a path choice that
-reads the crossover table, a plan walk) goes through :meth:`~AgreementSession.remember`:
-settled and trusted calls compute it, replayed calls read what the last eager call
-computed.  :attr:`~AgreementSession.may_read_host` says whether the call may read a device
-value on the host (settle only: a capture must not, a graph cannot).
-
-The flag travels in :func:`~distfuse.primitives._agreement.flag_round` (settle) and
-``flag_check`` (replay): the round for layers with no data collective that reaches every
-worker (pooling, upsampling, the norms, the losses without a reduction or on a device, the
-general layers).
-:meth:`~AgreementSession.agree_in` is the session of a layer whose flag rides in a flagged
-data op of its own, in every mode (the all-gather and reduce-scatter linears, the losses'
-reduction, the transposed convolution's parameter round); :meth:`~AgreementSession.replayed`
-is its replay step.
+Replay keeps a compiled graph free of metadata: the compiler guards on what the signature
+reads (shapes, dtype, grad flags, autocast), so a changed call retraces, traces its flag
+set, and every worker raises after the round; one eager call then settles afresh.  A
+replay before any eager call is refused on every worker.  What else a forward derives per
+call and cannot derive in a graph (a path choice, a plan walk) goes through
+:meth:`~AgreementSession.remember`.  :meth:`~AgreementSession.agree_in` is the session of
+a layer whose flag rides in a data op of its own (the all-gather and reduce-scatter
+linears, the losses' reduction, the transposed convolution's parameter round).
 """
 
 from __future__ import annotations
@@ -93,12 +83,10 @@ class FlagRound(HandleOwner):
 def flag_check(x: torch.Tensor, handle: int, changed: bool) -> None:
     """Replay's flag round: every worker's flag summed by a host all-reduce; raises on every worker when any is set.
 
-    ``x`` is any tensor of the call (read for nothing; it carries the device for dispatch).
-    ``changed`` is a constant of the graph (the compiler guards on the signature, so a
-    changed call retraces with it set).  The round runs on the host-side gloo group and
-    reads no device tensor.  An ``ORDERED`` effect like the data ops, so it keeps its
-    place before the halo round and stays in the graph although nothing uses its result.
-    It has no gradient (the flag is not data).
+    ``x`` is any tensor of the call (it carries the device for dispatch); ``changed`` is a
+    constant of the graph (the compiler guards on the signature, so a changed call
+    retraces with it set).  No device read, no gradient.  An ``ORDERED`` effect like the
+    data ops, so it keeps its place and stays in the graph although nothing uses its result.
     """
     ctx: FlagRound = lookup(handle)
     if flag_round(ctx.P, changed, ctx.op):
@@ -118,10 +106,9 @@ class AgreementSession:
     """A layer's agreement over partition ``P`` in the three modes of the module docstring.
 
     ``site`` (an :class:`~distfuse.primitives._agreement.AgreementSite`) holds this worker's
-    last signature and the state every worker settled on; its ``calls`` and
-    ``slow_calls`` count the calls and the metadata gathers.  ``last_mode`` is the mode of
-    the last call.  Made at construction, in the same order on every worker (its flag
-    op's handle must be the same everywhere).
+    last signature and the settled state, and counts the calls and the metadata gathers;
+    ``last_mode`` is the mode of the last call.  Made at construction, in the same order
+    on every worker (its flag op's handle must be the same everywhere).
     """
 
     def __init__(self, op: str, P):
@@ -162,24 +149,20 @@ class AgreementSession:
         A None return means the graph ends here on this worker: ``flag_check`` raises on
         every worker when it runs, so nothing after it would.
         """
-        site = self.site
-        if torch.compiler.is_compiling():
-            self.last_mode = REPLAY
+        mode, site = self.begin(), self.site
+        if mode == REPLAY:
             state, changed = self.replayed(signature, locally_ok, needs_eager)
             flag_check(x, self.flag.handle, changed)
             return None if changed else state
-        if site.state is not None and trusting():
-            self.last_mode = TRUST
+        if mode == TRUST:
             return trusted_state(site, signature, self.op)
-        self.last_mode = SETTLE
 
         def slow():
             state = gather()
             return state, state
 
-        before = site.slow_calls
-        state = run_agreed(site, signature, locally_ok, self._flag_attempt, slow)
-        return self._keep(signature, state) if site.slow_calls != before else state
+        self._run_agreed(signature, locally_ok, self._flag_attempt, slow)
+        return site.state  # the kept objects (see _keep), not merely equal ones
 
     def replayed(self, signature: Hashable, locally_ok: bool,
                  needs_eager: Callable[[Any], bool] | None = None) -> tuple[Any, bool]:
@@ -216,9 +199,6 @@ class AgreementSession:
                  gather: Callable[[], tuple[Any, Any]], *, checked_by_op: bool = False) -> Any:
         """The result of a call whose flag rides in its own data op, which reaches every worker of the session.
 
-        The linears' all-gather, reduce-scatter and fused GEMM, a loss's reduction on CPU: no round of its own in
-        any mode.
-
         Args:
             signature, locally_ok: as for :meth:`agree`.
             run: ``run(state, flag)`` runs the op with the settled ``state``; ``flag`` is -1
@@ -233,9 +213,8 @@ class AgreementSession:
                 ``gather()`` (no metadata to move) every time, and a replayed call's
                 ``run`` places its flag.
 
-        Settle: ``run`` with the settled state and this worker's flag, ``gather()`` when a flag
-        was set or on the first call (:func:`~distfuse.primitives._agreement.run_agreed`).  Trust:
-        ``run(state, -1)``.  Replay: ``run(state, flag)``, the flag a constant of the graph.
+        Settle: :func:`~distfuse.primitives._agreement.run_agreed` over ``run`` and ``gather``.
+        Trust: ``run(state, -1)``.  Replay: ``run(state, flag)``, the flag a constant of the graph.
         """
         mode, site = self.begin(), self.site
         if mode == REPLAY:
@@ -259,10 +238,14 @@ class AgreementSession:
             except FlaggedCallError:
                 return None, True
 
-        before = site.slow_calls
-        result = run_agreed(site, signature, locally_ok, attempt, gather)
-        if site.slow_calls != before:
-            self._keep(signature, site.state)
+        return self._run_agreed(signature, locally_ok, attempt, gather)
+
+    def _run_agreed(self, signature: Hashable, locally_ok: bool, attempt: Callable, slow: Callable) -> Any:
+        """:func:`~distfuse.primitives._agreement.run_agreed`, a newly settled state kept by :meth:`_keep`."""
+        before = self.site.slow_calls
+        result = run_agreed(self.site, signature, locally_ok, attempt, slow)
+        if self.site.slow_calls != before:
+            self._keep(signature, self.site.state)
         return result
 
     def _flag_attempt(self, changed: bool) -> tuple[Any, bool]:

@@ -7,29 +7,18 @@ Shapes (``P_x`` a Cartesian partition, ``S`` the sub-grid along ``axes_all_gathe
     y  [N_0, ..., N_k]   N_d = sum of the blocks' extents along d for d in A, N_d = n_d otherwise;
                          the blocks concatenated in index order, the same on every worker of S
 
-Several axes may be gathered at once (DistDL allows one).  Blocks may be uneven and
-may be empty (an extent smaller than the partition); they need not be the balanced
-decomposition, only tile.
-
-Adjoint: a reduce-scatter.  Each worker's input gradient is the sum, over the workers
-of ``S``, of their output gradients restricted to this worker's block.  The two are one
-op pair (:mod:`~distfuse.primitives._gather_scatter`), each the other's backward, so
-gradients of any order are exact (a gradient penalty differentiates through both), and
-the same definition runs eager and compiled.
+Several axes may be gathered at once (DistDL allows one).  Blocks may be uneven or empty;
+they need only tile.  Adjoint: a reduce-scatter (each worker's input gradient is the sum
+over ``S`` of the output gradients restricted to its block), the other half of the op
+pair of :mod:`~distfuse.primitives._gather_scatter`.
 
 Cost: blocks are padded to the largest block and moved with one flat all-gather on the
-sub-grid's group (``_axes.py``).  The receivers must know every block's extent.  The
-module learns them under the agreement protocol (:mod:`~distfuse.primitives._agreement`,
-:func:`agreed_all_gather`): the first call, and any call where some worker's block shape
-or dtype changed, exchanges the local shapes (one host-side all-gather of a few int64 per
-worker: 1.0 ms against 0.8 ms for the gather of a 64 x 64 fp32 block, 2 CPU ranks;
-``docs/benchmarks.md``); while every worker's block repeats, only a flag element rides
-along with the data.  So blocks that disagree (rows, dtype, even fp16
-against bf16) raise the same :class:`~distfuse.errors.ShapeError` on every worker instead
-of aborting in gloo or returning garbage.  Layers that know the full shape pass it to
-:func:`all_gather` (or ``forward``) as ``out_shape``: no exchange, no check beyond the
-local one (the blocks are then the balanced decomposition of ``out_shape``).  The
-backward needs no metadata.
+sub-grid's group (:mod:`~distfuse.primitives._axes`).  The receivers must know every
+block's extent: the module learns them under the agreement protocol
+(:func:`agreed_all_gather`), so blocks that disagree (rows, dtype, even fp16 against
+bf16) raise the same :class:`~distfuse.errors.ShapeError` on every worker instead of
+aborting in gloo or returning garbage.  Callers that know the full shape pass it as
+``out_shape``: no exchange, local checks only.  The backward needs no metadata.
 """
 
 from __future__ import annotations
@@ -48,7 +37,7 @@ from distfuse.primitives._axes import (
     gathered_layout,
     layout_from_shapes,
 )
-from distfuse.primitives._call_agreement import agree_on_call
+from distfuse.primitives._call_agreement import agree_on_tensor
 from distfuse.primitives._common import gather_metadata
 from distfuse.primitives._gather_scatter import AxesModule, BlockCollective, all_gather_op, collective_of
 from distfuse.primitives.agreement_session import AgreementSession
@@ -69,12 +58,10 @@ def all_gather(x: torch.Tensor, P_sub: CartesianPartition, out_shape: Sequence[i
             local ones elsewhere); the blocks are then its balanced decomposition and no
             metadata is exchanged.  Every worker of ``P_sub`` must pass the same value.
         reduce_dtype: dtype the backward's reduce-scatter adds in; default the gradient's.
-        agree: check on every worker that every worker passes the same ``out_shape``, dtype
-            and grad flag, and a block of the right shape, before any data moves
-            (:func:`~distfuse.primitives._call_agreement.agree_on_call`: one host all-reduce
-            of two integers per call); a disagreement raises the same error on every worker.
-            Without it the call trusts its arguments, as the layers that call it do (the
-            ``AllGather`` module is always checked, at no steady-state cost).
+        agree: check that every worker passes the same ``out_shape``, dtype and grad flag,
+            and a block of the right shape, before any data moves (one host round,
+            :func:`~distfuse.primitives._call_agreement.agree_on_call`); without it the
+            call trusts its arguments, as the layers that call it do.
     """
     if agree and P_sub.active:
         _agree(x, P_sub, out_shape)
@@ -104,9 +91,7 @@ def _agree(x, P_sub: CartesianPartition, out_shape) -> None:
                 raise expect(_OP, "local block shape (the balanced block of out_shape)", layout.extents[layout.me],
                              tuple(x.shape))
 
-    same = dict(out_shape=None if out_shape is None else tuple(int(n) for n in out_shape),
-                dtype=getattr(x, "dtype", None), grad=torch.is_grad_enabled() and getattr(x, "requires_grad", False))
-    agree_on_call(P_sub, _OP, same, checks)
+    agree_on_tensor(P_sub, _OP, x, checks, out_shape=None if out_shape is None else tuple(int(n) for n in out_shape))
 
 
 def agreed_all_gather(x: torch.Tensor, ctx: BlockCollective, session: AgreementSession, *, extra=(),
@@ -115,14 +100,10 @@ def agreed_all_gather(x: torch.Tensor, ctx: BlockCollective, session: AgreementS
 
     ``ctx`` is the caller's :class:`~distfuse.primitives._gather_scatter.BlockCollective`
     (its ``on_flag`` the session's ``forget``), ``session`` its
-    :class:`~distfuse.primitives.agreement_session.AgreementSession` over ``ctx.P_sub``:
-    the flag rides in the gather (:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`).
-    Steady state: the agreed layout and a flag element, no metadata.  Slow path (first
-    call, or some worker's signature ``(shape, dtype, device type, *extra)`` changed or
-    ``locally_ok`` is False there): every worker's ``(shape, dtype)`` is gathered; they
-    must share one dtype and tile (:func:`~distfuse.primitives._axes.layout_from_shapes`),
-    and ``check(shapes, dtype)`` may add the caller's rules; every worker raises the same
-    error.  Active workers of a sub-grid of more than one worker only.
+    :class:`~distfuse.primitives.agreement_session.AgreementSession`; the flag rides in the
+    gather.  The slow path gathers every worker's ``(shape, dtype)`` (the signature is
+    ``(shape, dtype, device type, *extra)``): one dtype, blocks that tile, and the caller's
+    ``check(shapes, dtype)``.  Active workers of a sub-grid of more than one worker only.
     """
     op, P_sub = ctx.op, ctx.P_sub
     ok = locally_ok and x.dim() == P_sub.dim and x.device.type == P_sub.device.type
@@ -155,14 +136,8 @@ def agreed_all_gather(x: torch.Tensor, ctx: BlockCollective, session: AgreementS
 class AllGather(AxesModule):
     """All-gather within ``P_x`` along ``axes_all_gather`` (or every axis not in ``axes_keep``); see the module doc.
 
-    Args:
-        P_x: the Cartesian partition.
-        axes_all_gather: partition axes to gather along.  Give exactly one of this and ``axes_keep``.
-        axes_keep: partition axes *not* to gather along.
-        reduce_dtype: dtype the backward's reduce-scatter adds in (e.g. ``torch.float32`` for bf16).
-
-    Construction creates the sub-grids, which is collective over the whole world: every
-    world rank, active in ``P_x`` or not, must construct the module.
+    Arguments and construction: :class:`~distfuse.primitives._gather_scatter.AxesModule`
+    (``reduce_dtype``: the dtype the backward's reduce-scatter adds in).
     """
 
     op, axes_name = _OP, "axes_all_gather"

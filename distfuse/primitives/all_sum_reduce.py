@@ -7,21 +7,15 @@ Shapes (``P_x`` a Cartesian partition, ``S`` the sub-grid through this worker al
     y  [*shape]   sum of x over the workers of S, on every one of them
 
 The tensor need not be partitioned by ``P_x`` (DistDL allows any shape, e.g. the
-per-channel statistics of a batch norm), so its number of dimensions is free.
+per-channel statistics of a batch norm).  Self-adjoint: the backward is the same
+all-reduce on the gradient, through this Function again, so gradients of any order are
+exact.  The output is always a new tensor.
 
-Adjoint: AllSumReduce is self-adjoint, the backward is the same all-reduce on the
-gradient, through this Function again, so gradients of any order are exact.  The output
-is always a new tensor: an identity (a sub-grid of one worker)
-returns a clone, and an inactive worker returns a clone of its zero-volume input.
-
-Cost: one ``all_reduce`` on the sub-grid's group (NCCL on GPUs: no host round trip).
-bf16/fp16 are added in their own dtype unless ``reduce_dtype`` says otherwise (see
-``_axes.py``).  Every worker of the sub-grid must pass the same shape and dtype: the
-module checks it under the agreement protocol (:mod:`~distfuse.primitives._agreement`;
-one small host-side gather on the first call and after a change, a flag element
-otherwise), so workers that disagree raise the same :class:`~distfuse.errors.ShapeError`
-instead of returning sums of mismatched data.  The functional form checks nothing across
-workers (``DISTFUSE_DEBUG=1`` does).
+Cost: one ``all_reduce`` on the sub-grid's group, in the data's dtype unless
+``reduce_dtype`` says otherwise (:mod:`~distfuse.primitives._axes`).  The module checks
+that every worker passes the same shape and dtype under the agreement protocol
+(:mod:`~distfuse.primitives._agreement`); the functional form only with ``agree=True``
+(or ``DISTFUSE_DEBUG=1``).
 
 The replicated forms, an op pair (:mod:`~distfuse.primitives._op_pair`) over a
 :class:`SubGridSum` (the layer's name and the sub-grid ``S``, named by handle)::
@@ -31,11 +25,10 @@ The replicated forms, an op pair (:mod:`~distfuse.primitives._op_pair`) over a
 
 ``replicate`` is how a parameter held by every worker of ``S`` (a norm's weight) enters a
 computation: each copy's uses are terms of one sum, so every copy gets the global gradient
-and an optimizer keeps the copies equal with no further message.  Its adjoint,
-``replicated_sum`` here, is a sum whose result is one replicated value (a loss, the
-running statistics of an instance norm): every worker holds the same scalar and seeds the
-same gradient, so summing the gradients back (AllSumReduce's own adjoint) would count the
-value once per worker; the adjoint is the identity.
+and the copies stay equal with no further message.  ``replicated_sum`` is a sum whose
+result is one replicated value (a loss, an instance norm's running statistics): every
+worker seeds the same gradient, so summing the gradients back would count it once per
+worker; its adjoint is the identity.
 """
 
 from __future__ import annotations
@@ -43,16 +36,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from distfuse import debug
 from distfuse.errors import ShapeError, where
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._agreement import AgreementSite, run_agreed
-from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, check_input, check_partition, resolve_axes
+from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, check_input
 from distfuse.primitives._axes_flagged import all_reduce_sum_flagged
-from distfuse.primitives._call_agreement import agree_on_call
+from distfuse.primitives._call_agreement import agree_on_tensor
 from distfuse.primitives._common import gather_metadata
+from distfuse.primitives._gather_scatter import AxesModule
 from distfuse.primitives._handles import HandleOwner, lookup, new_handle
 from distfuse.primitives._op_pair import op_pair
 
@@ -63,10 +56,8 @@ _OP = "AllSumReduce"
 
 
 class AllSumReduceFunction(torch.autograd.Function):
-    """Autograd Function of :func:`all_sum_reduce` on an active worker of a sub-grid of more than one worker.
-
-    Self-adjoint: the backward applies this Function to the gradient (so it is differentiable).
-    """
+    """Autograd Function of :func:`all_sum_reduce` on an active worker of a sub-grid of more than one worker;
+    the backward applies it to the gradient (self-adjoint, so differentiable)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, P_sub: CartesianPartition, reduce_dtype: torch.dtype | None,
@@ -83,30 +74,21 @@ def all_sum_reduce(x: torch.Tensor, P_sub: CartesianPartition,
                    reduce_dtype: torch.dtype | None = None, agree: bool = False) -> torch.Tensor:
     """Sum ``x`` over the sub-grid ``P_sub`` (from :func:`~distfuse.primitives._axes.axes_subgrid`), autograd-aware.
 
-    Layers call this with a sub-grid they created once; creating one is collective over
-    the world, calling this is collective over ``P_sub`` only.  ``agree=True`` checks on
-    every worker that every worker passes the same shape, dtype and grad flag before any
-    data moves (one host all-reduce of two integers,
-    :func:`~distfuse.primitives._call_agreement.agree_on_call`); without it the call trusts
-    its arguments (the ``AllSumReduce`` module is always checked, at no steady-state cost).
+    Collective over ``P_sub`` only.  ``agree=True`` checks that every worker passes the same
+    shape, dtype and grad flag before any data moves, as :func:`~distfuse.primitives.all_gather.all_gather` does.
     """
     if agree and P_sub.active:
-        agree_on_call(P_sub, _OP, dict(shape=tuple(getattr(x, "shape", ())), dtype=getattr(x, "dtype", None),
-                                       grad=torch.is_grad_enabled() and getattr(x, "requires_grad", False)),
-                      lambda: check_input(_OP, P_sub, x, ndim=None))
-    if not check_input(_OP, P_sub, x, ndim=None):
-        return x.clone()
-    if P_sub.size == 1:
+        agree_on_tensor(P_sub, _OP, x, lambda: check_input(_OP, P_sub, x, ndim=None),
+                        shape=tuple(getattr(x, "shape", ())))
+    if not check_input(_OP, P_sub, x, ndim=None) or P_sub.size == 1:
         return x.clone()
     return AllSumReduceFunction.apply(x, P_sub, reduce_dtype)
 
 
 def agreed_all_sum_reduce(x: torch.Tensor, P_sub: CartesianPartition, site: AgreementSite, *,
                           reduce_dtype: torch.dtype | None = None, op: str = _OP) -> torch.Tensor:
-    """:func:`all_sum_reduce` with every worker's shape and dtype checked under the agreement protocol.
-
-    Active workers of a sub-grid of more than one worker only.
-    """
+    """:func:`all_sum_reduce` with every worker's shape and dtype checked under the agreement protocol (active
+    workers of a sub-grid of more than one worker only)."""
     ok = x.device.type == P_sub.device.type
 
     def attempt(changed: bool):
@@ -127,29 +109,19 @@ def agreed_all_sum_reduce(x: torch.Tensor, P_sub: CartesianPartition, site: Agre
     return run_agreed(site, (tuple(x.shape), x.dtype, x.device.type), ok, attempt, slow)
 
 
-class AllSumReduce(nn.Module):
-    """Sum-reduce within ``P_x`` along ``axes_reduce`` (or along every axis not in ``axes_keep``); see the module doc.
+class AllSumReduce(AxesModule):
+    """Sum-reduce within ``P_x`` along ``axes_reduce`` (or along every axis not in ``axes_keep``); see the module
+    doc.  Arguments and construction: :class:`~distfuse.primitives._gather_scatter.AxesModule`."""
 
-    Args:
-        P_x: the Cartesian partition.
-        axes_reduce: partition axes to sum along.  Give exactly one of this and ``axes_keep``.
-        axes_keep: partition axes *not* to sum along.
-        reduce_dtype: dtype to add in (e.g. ``torch.float32`` for bf16 inputs); default the input's.
-
-    Construction creates the sub-grids, which is collective over the whole world: every
-    world rank, active in ``P_x`` or not, must construct the module.
-    """
+    op, axes_name = _OP, "axes_reduce"
 
     def __init__(self, P_x: CartesianPartition, axes_reduce: Sequence[int] | int | None = None,
                  axes_keep: Sequence[int] | int | None = None, reduce_dtype: torch.dtype | None = None):
-        super().__init__()
-        check_partition(_OP, P_x)
-        self.P_x = P_x
-        self.axes_reduce = resolve_axes(_OP, P_x, axes_reduce, axes_keep, "axes_reduce")
-        self.axes_keep = tuple(d for d in range(P_x.dim) if d not in self.axes_reduce)
-        self.reduce_dtype = reduce_dtype
-        self.P_sub = axes_subgrid(P_x, self.axes_reduce)
-        self.agreement = AgreementSite(_OP)
+        super().__init__(P_x, axes_reduce, axes_keep, reduce_dtype)
+        self.axes_reduce = self.axes
+
+    def _agree_on(self) -> None:
+        self.agreement = AgreementSite(_OP)  # the flag rides in the all-reduce (agreed_all_sum_reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         P_sub = self.P_sub
@@ -157,13 +129,9 @@ class AllSumReduce(nn.Module):
             return all_sum_reduce(x, P_sub, self.reduce_dtype)  # debug mode compares every call instead
         return agreed_all_sum_reduce(x, P_sub, self.agreement, reduce_dtype=self.reduce_dtype)
 
-    def extra_repr(self) -> str:
-        return f"P_x={list(self.P_x.shape)}, axes_reduce={self.axes_reduce}, reduce_dtype={self.reduce_dtype}"
-
 
 class SubGridSum(HandleOwner):
-    """The context of the replicated forms' handle: the layer's name ``op`` and the sub-grid ``P``.  Made at
-    construction, in the same order on every worker."""
+    """The context of the replicated forms' handle: the layer's name ``op`` and the sub-grid ``P``."""
 
     def __init__(self, op: str, P: CartesianPartition):
         self.op, self.P = op, P

@@ -5,13 +5,10 @@ Per worker (``x`` this worker's block, ``i(j)`` the P_x worker that P_y worker `
     forward   y_j  = clone(x_{i(j)})                       on every P_y worker j
     adjoint   dx_i = sum over {j : i(j) = i} of dy_j       on every P_x worker i   (a SumReduce)
 
-The map follows DistDL's broadcast rules (see ``geometry/broadcast_plan.py``): ``transpose_src`` /
-``transpose_dest`` reverse the *partition* shape of P_x / P_y (never the tensor), P_x is
-extended with ones on the left, and in each dimension P_x's extent must be 1 or equal
-P_y's.  ``dim(P_x) <= dim(P_y)``.  Blocks move whole, so different P_x workers may hold
-blocks of different shapes; every destination gets its source's shape.
-
-Worker roles (the reference's four cases):
+The map follows DistDL's broadcast rules (:mod:`~distfuse.geometry.broadcast_plan`).
+Blocks move whole, so every destination gets its source's shape; a block has ``dim(P_y)``
+dimensions (pad the partition with ones, not the tensor).  Worker roles (the reference's
+four cases):
 
 ============  ==========================  =====================================================
 active in     forward takes -> returns    adjoint takes -> returns
@@ -24,73 +21,35 @@ neither       zero-volume -> its clone    zero-volume -> zero-volume
 
 .. [1] ``[batch, 0]`` with ``preserve_batch=True`` (the default), else ``[0]``.
 
-The output is always a new tensor, also where the worker is its own source.
+The output is always a new tensor; a plan in which every worker is its own source is a
+clone.  A P_y-only worker's output requires grad only if its placeholder does: pass
+``zero_volume_tensor(requires_grad=True)`` there when training (layers pass the op's
+:func:`~distfuse.primitives._op_pair.anchor`) and run the backward on every worker, or the
+source waits for the gradient until the timeout.
 
-One op pair, every caller.  The plan's two walks are each other's adjoint, and they are
-defined once, as the op pair (:mod:`~distfuse.primitives._op_pair`) of this module::
+One op pair serves every caller, eager and compiled (:mod:`~distfuse.primitives._op_pair`)::
 
     broadcast_blocks(t, h, out_shape, fmt, flag, anchor)    distfuse::broadcast: sources send t, a destination
                                                            returns its source's block [out_shape] in fmt
     sum_reduce_blocks(t, h, out_shape, fmt, flag, anchor)   distfuse::broadcast_adjoint: destinations send t,
                                                            a source returns the sum of its destinations' blocks
 
-Each is the other's backward (so gradients of any order are exact), and a worker that
-receives nothing returns an empty ``[out_shape]`` (zero-volume: the caller passes its own
-output shape there).  ``h`` names a :class:`PlanMove` (the plan); ``fmt`` is the layout
-the blocks travel and arrive in (0 contiguous, 1 channels_last, 2 channels_last_3d).  The
-:class:`Broadcast` and :class:`~distfuse.primitives.sum_reduce.SumReduce` modules, their
-functional forms, the convolutions' and the general linear layer's moves call these
-entries, eagerly and compiled alike.
+``h`` names a :class:`PlanMove`; ``fmt`` is the layout the blocks travel and arrive in (0
+contiguous, 1 channels_last, 2 channels_last_3d); a worker that receives nothing returns
+an empty ``[out_shape]``.  The flagged round (``flag >= 0``, one source) carries an
+agreement flag (:mod:`~distfuse.primitives._agreement`): every destination sends the
+source its flag, and the source appends their sum to its block, so one message carries
+every worker's flag to every worker (on CUDA the host round of
+:mod:`~distfuse.primitives._flag_transport`); when any is set every worker runs the
+context's ``on_flag`` and raises :func:`~distfuse.primitives.agreement_session.flagged_error`.
 
-The flagged round (``flag >= 0``; a plan with one source): every destination first sends
-the source its agreement flag (one element), and the source appends the flags' sum to
-its block, so one message carries every worker's flag to every worker
-(:mod:`~distfuse.primitives._agreement`); the feature and transposed convolutions'
-parameter broadcast carries their agreement this way
-(:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`).  ``flag`` is
-this worker's flag, 0 or 1; when any worker's is set, every worker runs the context's
-``on_flag`` and raises :func:`~distfuse.primitives.agreement_session.flagged_error` after
-the round (an eager call catches it and gathers the metadata; a compiled call stops
-there).  On a CUDA partition the flags take the host round of
-:mod:`~distfuse.primitives._flag_transport` instead (no device read).  The adjoint of a
-flagged round is the plain sum-reduce.
-
-Decisions:
-
-* **Tensor dimensions.** A block must have ``dim(P_y)`` dimensions: one per partition
-  dimension after P_x is extended with ones (DistDL's rule; distfuse's decomposition
-  maps partition dimension d to tensor dimension d).  Pad the partition with ones, not
-  the tensor, to broadcast a lower-dimensional tensor.
-* **Autograd on receive-only workers.** A P_y-only worker's input is a placeholder; its
-  output requires grad only if that placeholder does.  Pass
-  ``zero_volume_tensor(requires_grad=True)`` there when training, or the adjoint never
-  runs on that worker and its P_x source waits for the gradient until the process
-  group times out.  Likewise every worker of P_x and P_y must run the backward (a
-  P_x-only worker backpropagates through its zero-volume output).  Layers pass the
-  op's ``anchor`` instead (:func:`~distfuse.primitives._op_pair.anchor`).
-* **Metadata cost.** The :class:`Broadcast` module cannot know the block shape on a
-  receive-only worker, so it all-gathers each worker's ``(shape, dtype)`` over
-  ``union_partition(P_x, P_y)`` (ten int64 per worker on the host gloo group, no device
-  sync) and checks them on every worker: data passed on a worker inactive in P_x, wrong
-  numbers of dimensions, and P_x workers that disagree on dtype
-  (:class:`CollectiveMismatchError`) raise the same error on every rank.  It gathers
-  only on the first call and when some worker's block shape, dtype or device changed
-  (the agreement protocol, :func:`agreed_metadata`); while they repeat, a one-element
-  flag all-reduce on the same host group replaces the gather (measured with 4 gloo ranks
-  on the loaded 2-core CI machine: see ``docs/reliability.md``).  Layers that know shapes
-  analytically call :func:`broadcast` with ``y_shape`` and skip both.
-* **Identity.** When every worker is its own source (``P_x == P_y`` without transposes,
-  among others) the op is a clone with no communication and no metadata exchange.
-* **Debug mode** (``DISTFUSE_DEBUG=1``): ranks check that they agree on the plan, the
-  dtype and the number of dimensions before any data moves (shapes are shown), and
-  receive buffers start as NaN so that an element no message wrote cannot pass a test.
-
-Communication is one batch of point-to-point messages (:func:`exchange`): each P_x
-worker sends its block once per destination; self-messages are local copies.  A source
-therefore sends ``k`` copies for a fan-out of ``k``: fine for model-parallel grids (k up
-to a few dozen); a tree over per-source groups would cut that to log k rounds (not done).  The
-adjoint receives the gradients into one stacked buffer and sums it once, in fp32 for
-bf16/fp16 (one rounding at the end).
+The :class:`Broadcast` module cannot know the block shape on a receive-only worker, so it
+agrees on every worker's ``(shape, dtype)`` over ``union_partition(P_x, P_y)``
+(:class:`PlanModule`); :func:`broadcast` takes ``y_shape`` instead.  Debug mode
+(``DISTFUSE_DEBUG=1``) checks the plan, dtype and dimensions and NaN-fills receive buffers.
+Each source sends its block once per destination in one batch of point-to-point messages
+(:func:`exchange`; a tree would cut a fan-out of ``k`` to log k rounds, not done), and the
+adjoint sums the received gradients once, in fp32 for bf16/fp16.
 """
 
 from __future__ import annotations
@@ -106,27 +65,18 @@ from distfuse.errors import ShapeError, expect, where
 from distfuse.geometry.broadcast_plan import BroadcastPlan, check_gathered_inputs
 from distfuse.partition import union_partition
 from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
-from distfuse.primitives._common import check_inactive_input, exchange, gather_metadata
+from distfuse.primitives._common import cached, check_inactive_input, exchange, gather_metadata, poison
 from distfuse.primitives._flag_transport import any_flag_on_host, flags_on_host
 from distfuse.primitives._handles import HandleOwner, lookup, new_handle
 from distfuse.primitives._layout import as_message, empty_in, format_code, format_of_code, stacked_in
 from distfuse.primitives._op_pair import op_pair
 from distfuse.primitives.agreement_session import flagged_error
 
-__all__ = ["Broadcast", "broadcast", "broadcast_plan", "copy_blocks", "sum_blocks", "agreed_metadata",
-           "metadata_signature", "PlanMove", "move_of", "broadcast_blocks", "sum_reduce_blocks", "move_blocks",
-           "NO_FLAG", "PlanModule", "placeholder"]
+__all__ = ["Broadcast", "broadcast", "broadcast_plan", "copy_blocks", "PlanMove", "move_of", "broadcast_blocks",
+           "sum_reduce_blocks", "move_blocks", "NO_FLAG", "PlanModule", "placeholder"]
 
 _HALF = (torch.float16, torch.bfloat16)
 NO_FLAG = -1  #: the ``flag`` of a plain (unflagged) call of the op pair
-
-
-def _recv_buffer(shape: Sequence[int], dtype: torch.dtype, device, fmt=None) -> torch.Tensor:
-    """A buffer (in ``fmt``) that messages overwrite entirely; NaN in debug mode so that a gap cannot pass unseen."""
-    buf = empty_in(shape, fmt, dtype=dtype, device=device)
-    if debug.enabled() and dtype.is_floating_point:
-        buf.fill_(float("nan"))
-    return buf
 
 
 def copy_blocks(plan: BroadcastPlan, t: torch.Tensor | None, out_shape, dtype: torch.dtype,
@@ -144,40 +94,9 @@ def copy_blocks(plan: BroadcastPlan, t: torch.Tensor | None, out_shape, dtype: t
         sends = [(w, t) for w in plan.dests_of(me)]
     out, recvs = None, []
     if plan.is_dst(me):
-        out = _recv_buffer(out_shape, dtype, device, memory_format)
+        out = poison(empty_in(out_shape, memory_format, dtype=dtype, device=device))
         recvs = [(plan.source_of(me), out)]
     exchange(sends, recvs, op=plan.op)
-    return out
-
-
-def sum_blocks(plan: BroadcastPlan, t: torch.Tensor | None, out_shape, dtype: torch.dtype,
-               device, memory_format=None) -> torch.Tensor | None:
-    """Walk ``plan`` backwards: destinations send ``t`` to their source; sources return the sum they receive.
-
-    Returns None on a worker that is not a source.  The contributions land in one
-    stacked ``[k, *out_shape]`` buffer and are summed in a fixed order (destination
-    order), so the result is deterministic.  Messages and the result are dense in
-    ``memory_format`` (see :func:`copy_blocks`).
-    """
-    me = dist.get_rank()
-    sends = [(plan.source_of(me), as_message(t, memory_format))] if plan.is_dst(me) else []
-    out, recvs = None, []
-    if plan.is_src(me):
-        dests = plan.dests_of(me)
-        buf = stacked_in(len(dests), out_shape, memory_format, dtype=dtype, device=device)
-        if debug.enabled() and dtype.is_floating_point:
-            buf.fill_(float("nan"))
-        recvs = [(w, buf[k]) for k, w in enumerate(dests)]
-    exchange(sends, recvs, op=plan.op)
-    if plan.is_src(me):
-        if len(recvs) == 1:
-            out = buf[0]
-        else:
-            out = empty_in(out_shape, memory_format, dtype=dtype, device=device)
-            if dtype in _HALF:
-                out.copy_(buf.sum(0, dtype=torch.float32))
-            else:
-                torch.sum(buf, 0, out=out)
     return out
 
 
@@ -206,10 +125,7 @@ class PlanMove(HandleOwner):
 
 def move_of(plan: BroadcastPlan) -> PlanMove:
     """The plain :class:`PlanMove` of ``plan`` (made once, on first use; :func:`broadcast_plan` makes it at once)."""
-    move = plan.__dict__.get("_move")
-    if move is None:
-        move = plan.__dict__["_move"] = PlanMove(plan)
-    return move
+    return cached(plan.__dict__, "_move", lambda: PlanMove(plan))
 
 
 def placeholder(like: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
@@ -226,25 +142,23 @@ def placeholder(like: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
 
 def _flagged_copy(ctx: PlanMove, t: torch.Tensor, out_shape: list[int], flag: int) -> torch.Tensor:
     """The flagged round of the module docstring: ``[out_shape]`` on every destination."""
-    plan, P, me = ctx.plan, ctx.P, dist.get_rank()
-    changed = bool(flag)
-    n = out_shape[-1]
+    plan, me, n = ctx.plan, dist.get_rank(), out_shape[-1]
     msg_shape = tuple(out_shape[:-1]) + (n + 1,)
-    on_host = flags_on_host(P.device)
-    out = None
-    if on_host and any_flag_on_host(P, changed, ctx.op):  # CUDA: the flags' host round, no device read
-        flagged = True
+    on_host = flags_on_host(ctx.P.device)
+    if on_host and any_flag_on_host(ctx.P, bool(flag), ctx.op):  # CUDA: the flags' host round, no device read
+        out, flagged = None, True
     else:
-        mine = torch.full((1,), 1.0 if changed and not on_host else 0.0, dtype=t.dtype, device=t.device)
-        src = plan.source_of(me) if plan.is_dst(me) else None
-        sends = [(src, mine)] if src is not None and src != me and not on_host else []
-        peers = [w for w in plan.dests_of(me) if w != me] if plan.is_src(me) and not on_host else []
-        got = [torch.empty_like(mine) for _ in peers]
-        exchange(sends, list(zip(peers, got, strict=True)), op=ctx.op)
-        msg = torch.cat([t.reshape(-1), sum(got, mine)]).view(msg_shape) if plan.is_src(me) else None
+        total = torch.full((1,), 1.0 if flag and not on_host else 0.0, dtype=t.dtype, device=t.device)
+        if not on_host:  # in band: every destination's flag to its source, which sums them into its message
+            src = plan.source_of(me) if plan.is_dst(me) else None
+            peers = [w for w in plan.dests_of(me) if w != me]
+            got = [torch.empty_like(total) for _ in peers]
+            exchange([(src, total)] if src not in (None, me) else [], list(zip(peers, got, strict=True)), op=ctx.op)
+            total = sum(got, total)
+        msg = torch.cat([t.reshape(-1), total]).view(msg_shape) if plan.is_src(me) else None
         out = copy_blocks(plan, msg, msg_shape, t.dtype, t.device)
         # a host read of the received flag, inside the op (in band only: free for CPU tensors)
-        flagged = out is not None and not on_host and bool(out.view(-1)[n] != 0)
+        flagged = not on_host and out is not None and bool(out.view(-1)[n] != 0)
     if flagged:  # every worker raises, after the round
         ctx.on_flag()
         raise flagged_error(ctx.op)
@@ -273,13 +187,28 @@ def _copy(t: torch.Tensor, handle: int, out_shape: list[int], fmt: int, flag: in
 
 def _sum(t: torch.Tensor, handle: int, out_shape: list[int], fmt: int, flag: int,
          anchor: torch.Tensor | None = None) -> torch.Tensor:
-    """Destinations send ``t``; a source returns their sum (``[out_shape]`` in ``fmt``), zeros elsewhere."""
+    """Destinations send ``t``; a source returns their sum (``[out_shape]`` in ``fmt``), zeros elsewhere.
+
+    The contributions land in one stacked ``[k, *out_shape]`` buffer, summed in destination
+    order (deterministic), in fp32 for bf16/fp16 (one rounding at the end).
+    """
     plan = lookup(handle).plan
     if plan.identity:  # every worker sums its own block alone
         return _own(t, out_shape, fmt)
-    me = dist.get_rank()
-    out = sum_blocks(plan, t if plan.is_dst(me) else None, out_shape, t.dtype, t.device, format_of_code(fmt))
-    return out if out is not None else t.new_zeros(out_shape)
+    me, memory_format = dist.get_rank(), format_of_code(fmt)
+    sends = [(plan.source_of(me), as_message(t, memory_format))] if plan.is_dst(me) else []
+    if not plan.is_src(me):
+        exchange(sends, [], op=plan.op)
+        return t.new_zeros(out_shape)
+    dests = plan.dests_of(me)
+    buf = poison(stacked_in(len(dests), out_shape, memory_format, dtype=t.dtype, device=t.device))
+    exchange(sends, [(w, buf[k]) for k, w in enumerate(dests)], op=plan.op)
+    if len(dests) == 1:
+        return buf[0]
+    out = empty_in(out_shape, memory_format, dtype=t.dtype, device=t.device)
+    if t.dtype in _HALF:
+        return out.copy_(buf.sum(0, dtype=torch.float32))
+    return torch.sum(buf, 0, out=out)
 
 
 def _fake(receives: Callable[[BroadcastPlan, int], bool]):
@@ -311,9 +240,9 @@ def move_blocks(x: torch.Tensor, plan: BroadcastPlan, forward: bool, y_shape: Se
     if agree and P_union is None:
         raise ShapeError(f"{where(op)}: agree=True needs P_union (the workers that agree on the checks)")
     if agree and P_union.active and not plan.identity:
-        agree_on_local_checks(P_union, op, lambda: _check_args(plan, forward, x, y_shape, y_dtype))
+        agree_on_local_checks(P_union, op, lambda: _check_args(plan, forward, holds, gets, x, y_shape, y_dtype))
     else:
-        _check_args(plan, forward, x, y_shape, y_dtype)
+        _check_args(plan, forward, holds, gets, x, y_shape, y_dtype)
     if not (holds or gets) or plan.identity:
         return x.clone()
     if P_union is not None and debug.enabled():
@@ -334,11 +263,11 @@ def move_blocks(x: torch.Tensor, plan: BroadcastPlan, forward: bool, y_shape: Se
     return move.copy(x, out_shape, fmt) if forward else move.sum(x, out_shape, fmt)
 
 
-def _check_args(plan: BroadcastPlan, forward: bool, x: torch.Tensor, y_shape, y_dtype) -> None:
-    """The functional forms' local checks of this worker's arguments (no communication)."""
+def _check_args(plan: BroadcastPlan, forward: bool, holds: bool, gets: bool, x: torch.Tensor, y_shape,
+                y_dtype) -> None:
+    """The functional forms' local checks of this worker's arguments (no communication); ``holds``: this worker
+    passes data, ``gets``: it receives a block."""
     op = plan.op
-    me = dist.get_rank()
-    holds, gets = (plan.is_src(me), plan.is_dst(me)) if forward else (plan.is_dst(me), plan.is_src(me))
     dims = "one per dimension of P_y; P_x is extended with ones" if forward else "one per dimension of P_x"
     if holds:
         if x.dim() != plan.ndim:
@@ -360,28 +289,6 @@ def _check_args(plan: BroadcastPlan, forward: bool, x: torch.Tensor, y_shape, y_
         raise expect(op, "y_shape (this worker is its own source)", tuple(x.shape), tuple(y_shape))
 
 
-def metadata_signature(x: torch.Tensor) -> tuple:
-    """What :func:`~distfuse.primitives._common.gather_metadata` records of ``x``: its shape, dtype and device type."""
-    return tuple(x.shape), x.dtype, (x.device.type if x.numel() else None)
-
-
-def agreed_metadata(site: AgreementSite, P_union, op: str, x: torch.Tensor, check) -> list:
-    """Every union worker's ``(shape, dtype)``, gathered on the first call and on a change only.
-
-    The agreement protocol of :mod:`~distfuse.primitives._agreement` with the flag in a
-    one-element host all-reduce over ``P_union`` (the data moves point to point, so no
-    message reaches every worker): while every worker's :func:`metadata_signature`
-    repeats, the agreed records are reused after that flag round; otherwise every worker
-    gathers them and ``check(meta)`` raises the same error everywhere or accepts them.
-    """
-    def slow():
-        meta = gather_metadata(P_union, x, op=op)
-        check(meta)
-        return meta
-
-    return agreed_by_flag_round(site, P_union, op, metadata_signature(x), True, slow)
-
-
 def broadcast_plan(P_x, P_y, transpose_src: bool = False, transpose_dest: bool = False) -> BroadcastPlan:
     """The plan of ``Broadcast(P_x, P_y, ...)``; pure Python, raises :class:`PartitionError` on a rule violation."""
     plan = BroadcastPlan("Broadcast", P_x, P_y, transpose_src, transpose_dest, "P_x", "P_y")
@@ -396,19 +303,17 @@ def broadcast(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | Non
 
     Args:
         x: this worker's block on P_x workers, a zero-volume tensor elsewhere.
-        plan: the map; building it is pure Python (no collective).
-        y_shape: on P_y workers, the shape of the block this worker receives (its
-            source's block shape); ignored elsewhere.
+        plan: the map (pure Python, no collective).
+        y_shape: on P_y workers, the shape of the block it receives (its source's); ignored elsewhere.
         y_dtype: the dtype of the received block (default ``x.dtype``).
         preserve_batch: P_x-only workers return ``[x.shape[0], 0]`` instead of ``[0]``.
         P_union: a partition over every worker of P_x and P_y; used for ``agree`` and the
             debug-mode agreement check.
         memory_format: the layout the blocks travel and arrive in (``channels_last`` for
-            a 4-D block); every worker of the plan must pass the same one.  Default:
-            contiguous.
+            a 4-D block), the same on every worker of the plan.  Default: contiguous.
         agree: make a failure of the local checks an error on every worker of ``P_union``
-            (required then), instead of on the failing worker alone while its peers wait
-            in the exchange until the timeout: one one-element host all-reduce per call
+            (required then) instead of on the failing worker alone, its peers waiting in
+            the exchange until the timeout: one host round per call
             (:func:`~distfuse.primitives._agreement.agree_on_local_checks`).
     """
     return move_blocks(x, plan, True, y_shape, y_dtype, preserve_batch, P_union, memory_format, agree)
@@ -416,15 +321,13 @@ def broadcast(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | Non
 
 class PlanModule(nn.Module):
     """What :class:`Broadcast` and :class:`~distfuse.primitives.sum_reduce.SumReduce` share: the plan, the union
-    partition, the agreed block shapes and the forward.
+    partition, the block shapes agreed over it (``agreement``:
+    :func:`~distfuse.primitives._agreement.agreed_by_flag_round`) and the forward.
 
     Construction is collective over the world (it creates ``union_partition(P_x, P_y)``)
     and raises :class:`PartitionError` on every rank when the partitions do not broadcast.
-    Block shapes are agreed over the union (gathered on the first call and on a change,
-    a flag round otherwise; ``agreement`` counts them; see the module docstring); use
-    the functional form with ``self.plan`` when the shapes are known.  Subclasses set
-    ``plan_of`` (the plan of ``(P_x, P_y, transpose_src, transpose_dest)``) and
-    ``forward_walk``.
+    Subclasses set ``plan_of`` (the plan of ``(P_x, P_y, transpose_src, transpose_dest)``)
+    and ``forward_walk``.
     """
 
     forward_walk = True  # Broadcast walks its plan forwards, SumReduce backwards
@@ -447,8 +350,14 @@ class PlanModule(nn.Module):
             return x.clone()
         if plan.identity:
             return move_blocks(x, plan, fwd, tuple(x.shape), x.dtype, self.preserve_batch, None, None, False)
-        meta = agreed_metadata(self.agreement, self.P_union, plan.op, x, lambda m: check_gathered_inputs(
-            plan, self.P_union.ranks, m, data_on="src" if fwd else "dst", data_name="P_x"))
+
+        def gather():  # every union worker's (shape, dtype), checked alike on every worker
+            meta = gather_metadata(self.P_union, x, op=plan.op)
+            check_gathered_inputs(plan, self.P_union.ranks, meta, data_on="src" if fwd else "dst", data_name="P_x")
+            return meta
+
+        signature = (tuple(x.shape), x.dtype, x.device.type if x.numel() else None)  # what gather_metadata reads
+        meta = agreed_by_flag_round(self.agreement, self.P_union, plan.op, signature, True, gather)
         y_shape = y_dtype = None
         if (plan.is_dst if fwd else plan.is_src)(me):
             y_shape, y_dtype = meta[self.P_union.ranks.index(plan.source_of(me) if fwd else plan.dests_of(me)[0])]
@@ -463,10 +372,7 @@ class PlanModule(nn.Module):
 
 class Broadcast(PlanModule):
     """``Broadcast(P_x, P_y, transpose_src=False, transpose_dest=False, preserve_batch=True)``: copy blocks of ``x``
-    from ``P_x`` to ``P_y`` by the broadcast rules; the adjoint sum-reduces.
-
-    See :class:`PlanModule` (construction, agreement) and the module docstring; use
-    :func:`broadcast` with ``self.plan`` when the shapes are known.
-    """
+    from ``P_x`` to ``P_y`` by the broadcast rules; the adjoint sum-reduces.  See :class:`PlanModule` and the module
+    docstring; use :func:`broadcast` with ``self.plan`` when the shapes are known."""
 
     plan_of = staticmethod(broadcast_plan)

@@ -47,15 +47,12 @@ def _as_input(x: torch.Tensor | None, P: CartesianPartition) -> torch.Tensor:
 def distribute_tensor(x_global: torch.Tensor | None, P: CartesianPartition, src: int = 0) -> torch.Tensor:
     """Split world rank ``src``'s global tensor into its balanced blocks on ``P``.
 
-    Collective over the world: every rank calls it with the same ``P`` and ``src``
-    (the first call for a ``(P, src)`` pair also creates partitions, cached after),
-    and every rank joins the small metadata all-gather of :class:`Repartition`.
-    Rank ``src`` passes the global tensor (``P.dim`` dimensions; moved to ``P``'s
-    device); the others pass None or a zero-volume tensor.  Returns this worker's
-    block on ``P``, or a ``[0]`` zero-volume tensor of the same dtype on ranks outside
-    ``P``.  Differentiable: the gradient of ``x_global`` is the collected gradient of
-    the blocks; when ``x_global`` requires grad every rank's output does, and every
-    rank must call backward (on a zero-volume output where it holds nothing).
+    Collective over the world: every rank calls it with the same ``P`` and ``src`` (the
+    first call for a pair also creates partitions).  Rank ``src`` passes the global tensor
+    (``P.dim`` dimensions; moved to ``P``'s device), the others None or a zero-volume
+    tensor.  Returns this worker's block on ``P``, or a ``[0]`` zero-volume tensor of the
+    same dtype outside ``P``.  When ``x_global`` requires grad every rank's output does,
+    and every rank must call backward (the gradient is collected on ``src``).
     """
     return _helper("distribute_tensor", P, src)(_as_input(x_global, P))
 

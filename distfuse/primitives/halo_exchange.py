@@ -7,37 +7,33 @@ Shapes (feature-distributed convolution, ``nd`` spatial axes last)::
                                          the neighbours' halos and the boundary padding
 
 so ``conv(staged, w, padding=0, stride, dilation)`` is this worker's block of the
-sequential ``ConvNd(padding, padding_mode)`` output.  The geometry (``geometry/halo_plan.py``)
-accounts for stride, dilation, even kernels, uneven splits, halos wider than a
-neighbour's block and all four padding modes with global semantics; all neighbours,
-corners included, are exchanged in one round of point-to-point messages.
+sequential ``ConvNd(padding, padding_mode)`` output.  The geometry is
+:class:`~distfuse.geometry.halo_plan.HaloPlan`'s; all neighbours, corners included, are
+exchanged in one round of point-to-point messages.  Unlike DistDL (``F.pad`` + clone +
+overwrite the halo slabs), the output is written once, box by box, straight from the
+block and the receive buffers (``distfuse/fused/halo_conv.py`` does the same in one
+Triton launch).  Leading (batch, channel) partition dimensions may be larger than 1:
+workers with different leading indices never exchange.
 
-Unlike DistDL, which pads the local tensor and then overwrites the halo slabs in
-place (``F.pad`` + clone + slice), the output is written once, box by box, straight
-from the local block and the receive buffers.  The fused path in
-``distfuse/fused/halo_conv.py`` does the same in one Triton launch.
+Adjoint: every staged box's gradient goes back to where the box was read from (a
+reversed box flipped back, a replicated one summed), and gradients from other workers
+arrive in one round and are added into the block.
 
-Adjoint: every staged box's gradient goes back to where the box was read from; a
-reversed box is flipped back and a replicated one is summed, then gradients from
-other workers arrive in one round and are added into the block.
+Memory format: the block is read through views, whatever its strides, and ``staged``
+(and the adjoint's block gradient) is allocated in the block's format (``channels_last``
+in, ``channels_last`` out); the halo boxes travel as plain contiguous messages.
 
-Leading (batch, channel) partition dimensions may be larger than 1: workers with
-different leading indices are independent and never exchange.
+One op pair (:mod:`distfuse.primitives._op_pair`), each op the other's backward::
 
-Memory format: the block is read through views, whatever its strides, so it is never
-copied before staging; ``staged`` (and the adjoint's block gradient) is allocated in the
-block's format (``channels_last`` in, ``channels_last`` out, as torch's convolutions keep
-it).  The halo boxes travel as plain contiguous messages.
+    distfuse::halo_exchange(x [*lead, *n_s], handle, global_shape)                 -> staged [*lead, *L_s]
+    distfuse::halo_exchange_adjoint(g [*lead, *L_s], handle, G, x_shape, x_format) -> dx [x_shape]
 
-One round, one definition: :func:`halo_forward` and :func:`halo_adjoint` are the cores;
-:data:`halo_exchange` / :data:`halo_exchange_adjoint` are their op pair
-(:mod:`distfuse.primitives._op_pair`: ``distfuse::halo_exchange`` and its adjoint, each
-the other's backward), which the pooling and upsampling layers call in every mode, and
-which names its context by handle: a :class:`HaloExchange` or a :class:`PlanHalo` (a
-layer's own plan).  The module, the pooling and upsampling layers and the convolutions
-call it in every mode.  A worker outside the context's partition may call it too (a
-general convolution's weight- and output-only workers do, so that every worker's graph
-holds the same ops): it gets a copy of its placeholder and sends nothing.
+``handle`` names a :class:`HaloExchange` or a :class:`PlanHalo` (a layer's own plan);
+``global_shape`` picks the plan; ``x_format`` is the block's memory format (0 contiguous,
+1 channels_last, 2 channels_last_3d).  The module, the pooling and upsampling layers and
+the convolutions call it in every mode.  A worker outside the context's partition may
+call it too (a general convolution's weight- and output-only workers do, so that every
+worker's graph holds the same ops): it gets a copy of its placeholder and sends nothing.
 """
 
 from __future__ import annotations
@@ -57,8 +53,8 @@ from distfuse.primitives._handles import HandleOwner, lookup, new_handle
 from distfuse.primitives._layout import empty_in, format_code, format_of_code, memory_format_of, zeros_in
 from distfuse.primitives._op_pair import op_pair
 
-__all__ = ["HaloExchange", "stage_from_pieces", "unstage_to_pieces", "halo_forward", "halo_adjoint", "halo_exchange",
-           "halo_exchange_adjoint", "world_of_fn", "halo_geometry", "PlanHalo"]
+__all__ = ["HaloExchange", "stage_from_pieces", "unstage_to_pieces", "halo_exchange", "halo_exchange_adjoint",
+           "world_of_fn", "halo_geometry", "PlanHalo"]
 
 
 def _as_tuple(v, nd: int, name: str, op: str = "HaloExchange") -> tuple[int, ...]:
@@ -71,10 +67,8 @@ def _as_tuple(v, nd: int, name: str, op: str = "HaloExchange") -> tuple[int, ...
 
 def stage_from_pieces(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...],
                       received: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Write the staged input once, box by box (torch reference of the fused stage kernel).
-
-    ``received[k]`` is the source box of ``plan.recvs(index)[k]``.
-    """
+    """Write the staged input once, box by box (torch reference of the fused stage kernel); ``received[k]`` is
+    the source box of ``plan.recvs(index)[k]``."""
     nd = len(plan.axes)
     lead = tuple(x.shape[: x.dim() - nd])
     staged = empty_in(lead + plan.staged_shape(index), memory_format_of(x), dtype=x.dtype, device=x.device)
@@ -109,34 +103,6 @@ def unstage_to_pieces(grad: torch.Tensor, x_shape: Sequence[int], plan: HaloPlan
     return grad_x, outgoing
 
 
-def halo_forward(x: torch.Tensor, plan: HaloPlan, index, world_of, op: str = "HaloExchange") -> torch.Tensor:
-    """The exchange without autograd: send the boxes peers read, receive ours, stage (in ``x``'s format).
-
-    The core of the :data:`halo_exchange` op pair.
-    """
-    nd = len(plan.axes)
-    lead = tuple(x.shape[: x.dim() - nd])
-    recv = [x.new_empty(lead + pc.src_shape) for pc in plan.recvs(index)]
-    sends = [(world_of(r), x[(..., *pc.src_slices())].contiguous()) for r, pc in plan.sends(index)]
-    exchange(sends, [(world_of(pc.src), buf) for pc, buf in zip(plan.recvs(index), recv, strict=True)], op=op)
-    return stage_from_pieces(x, plan, index, recv)
-
-
-def halo_adjoint(grad: torch.Tensor, plan: HaloPlan, index, world_of, x_shape, op: str = "HaloExchange",
-                 x_format=torch.contiguous_format) -> torch.Tensor:
-    """The adjoint without autograd: staged gradient -> block gradient ``[x_shape]`` in ``x_format``."""
-    grad_x, outgoing = unstage_to_pieces(grad, x_shape, plan, index, x_format)
-    nd = len(plan.axes)
-    lead = tuple(x_shape[: len(x_shape) - nd])
-    incoming = [grad.new_empty(lead + pc.src_shape) for _, pc in plan.sends(index)]
-    exchange([(world_of(pc.src), g) for pc, g in zip(plan.recvs(index), outgoing, strict=True)],
-             [(world_of(r), buf) for (r, _), buf in zip(plan.sends(index), incoming, strict=True)],
-             op=f"{op} (adjoint)")
-    for (_, pc), buf in zip(plan.sends(index), incoming, strict=True):
-        grad_x[(..., *pc.src_slices())] += buf
-    return grad_x.to(grad.dtype)
-
-
 def world_of_fn(P_x: CartesianPartition, nd: int):
     """Map a spatial block index (the last ``nd`` axes of ``P_x``) to the world rank holding it (same leading index)."""
     lead = tuple(P_x.index[: P_x.dim - nd])
@@ -146,11 +112,8 @@ def world_of_fn(P_x: CartesianPartition, nd: int):
 
 class PlanHalo(HandleOwner):
     """The context behind the halo op pair's handle for a layer with a plan of its own (pooling, upsampling,
-    the transposed convolution): ``P_x``, ``nd`` spatial axes and ``plan_of(global_shape)``.
-
-    It answers what the ops ask of a :class:`HaloExchange` (``P_x``, ``nd``,
-    ``plan(global_shape)``, ``world_of_fn()``, ``_op``), so both stage through the same ops.
-    """
+    the transposed convolution): it answers what the ops ask of a :class:`HaloExchange` (``P_x``, ``nd``,
+    ``plan(global_shape)``, ``world_of_fn()``, ``_op``), so both stage through the same ops."""
 
     def __init__(self, P_x: CartesianPartition, nd: int, plan_of, op: str):
         self.P_x, self.nd, self._plan_of, self._op = P_x, nd, plan_of, op
@@ -161,17 +124,6 @@ class PlanHalo(HandleOwner):
 
     def world_of_fn(self):
         return world_of_fn(self.P_x, self.nd)
-
-
-# ---------------------------------------------------------------- the op pair
-#
-#     distfuse::halo_exchange(x [*lead, *n_s], handle, global_shape)                 -> staged [*lead, *L_s]
-#     distfuse::halo_exchange_adjoint(g [*lead, *L_s], handle, G, x_shape, x_format) -> dx [x_shape]
-#
-# ``handle`` names a HaloExchange or a PlanHalo (its partition and plans); ``global_shape`` picks the plan.  The
-# staged input and the block gradient are in the block's memory format (x_format: 0 contiguous, 1 channels_last,
-# 2 channels_last_3d), eager and fake alike.  Each op's backward is the other.  ``anchor`` (optional, see
-# distfuse/primitives/_op_pair.py) makes a worker whose block does not require grad run the adjoint its peers need.
 
 
 def halo_geometry(handle: int, global_shape) -> tuple:
@@ -189,7 +141,11 @@ def _exchange(x: torch.Tensor, handle: int, global_shape: list[int],
     halo, plan, index = halo_geometry(handle, global_shape)
     if plan is None:
         return x.clone()
-    return halo_forward(x, plan, index, halo.world_of_fn(), halo._op)
+    world_of, lead = halo.world_of_fn(), tuple(x.shape[: x.dim() - len(plan.axes)])
+    recv = [x.new_empty(lead + pc.src_shape) for pc in plan.recvs(index)]
+    sends = [(world_of(r), x[(..., *pc.src_slices())].contiguous()) for r, pc in plan.sends(index)]
+    exchange(sends, [(world_of(pc.src), buf) for pc, buf in zip(plan.recvs(index), recv, strict=True)], op=halo._op)
+    return stage_from_pieces(x, plan, index, recv)
 
 
 def _exchange_fake(x, handle, global_shape, anchor=None):
@@ -206,7 +162,15 @@ def _exchange_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], 
     halo, plan, index = halo_geometry(handle, global_shape)
     if plan is None:
         return grad.new_zeros(tuple(x_shape))
-    return halo_adjoint(grad, plan, index, halo.world_of_fn(), tuple(x_shape), halo._op, format_of_code(x_format))
+    grad_x, outgoing = unstage_to_pieces(grad, x_shape, plan, index, format_of_code(x_format))
+    world_of, lead = halo.world_of_fn(), tuple(x_shape[: len(x_shape) - len(plan.axes)])
+    incoming = [grad.new_empty(lead + pc.src_shape) for _, pc in plan.sends(index)]
+    exchange([(world_of(pc.src), g) for pc, g in zip(plan.recvs(index), outgoing, strict=True)],
+             [(world_of(r), buf) for (r, _), buf in zip(plan.sends(index), incoming, strict=True)],
+             op=f"{halo._op} (adjoint)")
+    for (_, pc), buf in zip(plan.sends(index), incoming, strict=True):
+        grad_x[(..., *pc.src_slices())] += buf
+    return grad_x.to(grad.dtype)
 
 
 def _exchange_adjoint_fake(grad, handle, global_shape, x_shape, x_format):
@@ -232,19 +196,13 @@ class HaloExchange(HandleOwner, nn.Module):
             applied with global semantics (only at the global boundary; circular wraps
             across the whole domain).
 
-    ``forward(x, global_shape=None)`` returns the staged input.  Without
-    ``global_shape`` the workers' local shapes are gathered on the host (one small
-    gloo all-gather, no device sync) to find it and to check that the blocks are the
-    balanced decomposition, on the first call and when some worker's block shape, dtype
-    or device changed; while they repeat, a one-element flag all-reduce on P_x's host
-    group replaces the gather (the agreement protocol,
-    :func:`~distfuse.primitives._agreement.agreed_by_flag_round`: the halo messages run
-    between neighbours only, and a plan without halos sends none, so no data message
-    reaches every worker; ``agreement`` counts the calls and the gathers).  With
-    ``global_shape`` given nothing is agreed and the checks are local.  Plans are cached
-    per global shape.
-    Construction is not collective.  Errors name the op and the rank (``_op``: the
-    layer that owns this exchange, when there is one).
+    ``forward(x, global_shape=None)`` returns the staged input.  Without ``global_shape``
+    it is found, and the blocks checked to be its balanced decomposition, under the
+    agreement protocol (:func:`~distfuse.primitives._agreement.agreed_by_flag_round`: the
+    halo messages run between neighbours only, so no data message reaches every worker;
+    ``agreement`` counts the calls and the gathers).  With ``global_shape`` given nothing
+    is agreed and the checks are local.  Plans are cached per global shape.  Construction
+    is not collective.  Errors name ``_op``: the layer that owns this exchange, if any.
     """
 
     def __init__(self, P_x: CartesianPartition, kernel_size, stride=1, padding=0, dilation=1,
@@ -301,8 +259,7 @@ class HaloExchange(HandleOwner, nn.Module):
         """The staged input; ``global_shape`` skips the agreement (local checks; see the class docstring).
 
         ``agree=True`` (with ``global_shape``) makes a failure of the local checks an error
-        on every worker of P_x rather than on the failing one alone (its neighbours would
-        wait in the exchange until the timeout): one one-element host all-reduce per call.
+        on every worker of P_x (:func:`~distfuse.primitives._agreement.agree_on_local_checks`).
         """
         op = self._op
         if not self.P_x.active:

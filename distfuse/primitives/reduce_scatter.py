@@ -8,24 +8,17 @@ Shapes (``P_x`` a Cartesian partition, ``S`` the sub-grid along ``axes_reduce_sc
     y  [n_0, ..., n_k]   this worker's block of sum_S x: n_d = block_extent(N_d, |S_d|, index_d)
                          for d in A (the balanced decomposition, possibly empty), n_d = N_d otherwise
 
-Several axes may be reduce-scattered at once (DistDL allows one).
+Several axes may be reduce-scattered at once (DistDL allows one).  Adjoint: an all-gather
+of the output gradient's blocks (the balanced decomposition of the input shape, so no
+metadata moves in either direction), the other half of the op pair of
+:mod:`~distfuse.primitives._gather_scatter`.
 
-Adjoint: an all-gather of the output gradient's blocks, which are the balanced
-decomposition of the input shape, so no metadata is exchanged in either direction.  The
-two are one op pair (:mod:`~distfuse.primitives._gather_scatter`), each the other's
-backward, so gradients of any order are exact.
-
-Cost: one flat reduce-scatter of ``|S| * prod(largest block)`` elements on the
-sub-grid's group (``_axes.py``); uneven blocks travel padded to the largest block,
-which gloo needs (e.g. 10 over 4 workers moves 4 x 3 = 12 elements).  bf16/fp16 add in
-their own dtype unless ``reduce_dtype`` says otherwise.  Every worker must pass the
-same shape and dtype.  The module checks that under the agreement protocol
-(:mod:`~distfuse.primitives._agreement`): the first call, and any call where some
-worker's shape or dtype changed, exchanges the shapes (one small host-side gather) and
-raises the same :class:`~distfuse.errors.ShapeError` on every worker when they differ;
-while they repeat only a flag element rides along with the data.  The functional form
-:func:`reduce_scatter` checks nothing across workers (a mismatch ends in a collective
-error, a gloo abort or garbage; ``DISTFUSE_DEBUG=1`` checks it).
+Cost: one flat reduce-scatter of ``|S| * prod(largest block)`` elements on the sub-grid's
+group (:mod:`~distfuse.primitives._axes`; 10 over 4 workers moves 4 x 3 = 12), in the
+data's dtype unless ``reduce_dtype`` says otherwise.  Every worker must pass the same
+shape and dtype: the module checks it under the agreement protocol, raising the same
+:class:`~distfuse.errors.ShapeError` on every worker; the functional form only with
+``agree=True`` (or ``DISTFUSE_DEBUG=1``).
 """
 
 from __future__ import annotations
@@ -37,12 +30,8 @@ import torch
 from distfuse import debug
 from distfuse.errors import ShapeError, expect, where
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._axes import (
-    axes_subgrid,
-    balanced_layout,
-    check_input,
-)
-from distfuse.primitives._call_agreement import agree_on_call
+from distfuse.primitives._axes import axes_subgrid, balanced_layout, check_input
+from distfuse.primitives._call_agreement import agree_on_tensor
 from distfuse.primitives._common import gather_metadata
 from distfuse.primitives._gather_scatter import AxesModule, BlockCollective, collective_of, reduce_scatter_op
 from distfuse.primitives.agreement_session import AgreementSession
@@ -62,19 +51,13 @@ def reduce_scatter(x: torch.Tensor, P_sub: CartesianPartition,
         x: this worker's full-extent partial tensor, one dimension per partition dimension.
         P_sub: the sub-grid; it has extent > 1 exactly in the reduce-scattered dimensions.
         reduce_dtype: dtype the forward sum is added in; default ``x``'s.
-        agree: check on every worker that every worker passes the same shape, dtype and
-            grad flag before any data moves (one host all-reduce of two integers,
-            :func:`~distfuse.primitives._call_agreement.agree_on_call`); a disagreement raises
-            the same error on every worker.  Without it the call trusts its arguments (the
-            ``ReduceScatter`` module is always checked, at no steady-state cost).
+        agree: check that every worker passes the same shape, dtype and grad flag before any
+            data moves, as :func:`~distfuse.primitives.all_gather.all_gather` does.
     """
     if agree and P_sub.active:
-        agree_on_call(P_sub, _OP, dict(shape=tuple(getattr(x, "shape", ())), dtype=getattr(x, "dtype", None),
-                                       grad=torch.is_grad_enabled() and getattr(x, "requires_grad", False)),
-                      lambda: check_input(_OP, P_sub, x, ndim=P_sub.dim))
-    if not check_input(_OP, P_sub, x, ndim=P_sub.dim):
-        return x.clone()
-    if P_sub.size == 1:
+        agree_on_tensor(P_sub, _OP, x, lambda: check_input(_OP, P_sub, x, ndim=P_sub.dim),
+                        shape=tuple(getattr(x, "shape", ())))
+    if not check_input(_OP, P_sub, x, ndim=P_sub.dim) or P_sub.size == 1:
         return x.clone()
     return reduce_scatter_op(x, collective_of(_OP, P_sub).handle, balanced_layout(P_sub, x.shape).blocks,
                              reduce_dtype, -1)
@@ -85,11 +68,8 @@ def agreed_reduce_scatter(x: torch.Tensor, ctx: BlockCollective, session: Agreem
     """:func:`reduce_scatter` with every worker's shape and dtype checked under the agreement protocol, every mode.
 
     ``ctx`` and ``session`` as for :func:`~distfuse.primitives.all_gather.agreed_all_gather`:
-    the flag rides in the reduce-scatter.  Steady state: a flag element per chunk, no
-    metadata; first call or a change on some worker: one host-side gather of
-    ``(shape, dtype)``, and every worker raises the same
-    :class:`~distfuse.errors.ShapeError` unless all are equal.  Active workers of a
-    sub-grid of more than one worker only.
+    the flag rides in the reduce-scatter.  Active workers of a sub-grid of more than one
+    worker only.
     """
     op, P_sub = ctx.op, ctx.P_sub
     ok = x.dim() == P_sub.dim and x.device.type == P_sub.device.type
@@ -117,19 +97,8 @@ def agreed_reduce_scatter(x: torch.Tensor, ctx: BlockCollective, session: Agreem
 
 
 class ReduceScatter(AxesModule):
-    """Reduce-scatter within ``P_x`` along ``axes_reduce_scatter`` (or every axis not in ``axes_keep``).
-
-    See the module doc for shapes and the adjoint.
-
-    Args:
-        P_x: the Cartesian partition.
-        axes_reduce_scatter: partition axes to sum and split along.  Give exactly one of this and ``axes_keep``.
-        axes_keep: partition axes *not* to sum along.
-        reduce_dtype: dtype the sum is added in (e.g. ``torch.float32`` for bf16 inputs); default the input's.
-
-    Construction creates the sub-grids, which is collective over the whole world: every
-    world rank, active in ``P_x`` or not, must construct the module.
-    """
+    """Reduce-scatter within ``P_x`` along ``axes_reduce_scatter`` (or every axis not in ``axes_keep``); see the
+    module doc.  Arguments and construction: :class:`~distfuse.primitives._gather_scatter.AxesModule`."""
 
     op, axes_name = _OP, "axes_reduce_scatter"
 

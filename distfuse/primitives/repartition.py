@@ -2,59 +2,40 @@
 
 Shapes (``G`` the global shape, ``B(G, P, i)`` the balanced block of worker ``i``)::
 
-    x   B(G, P_x, index in P_x)    on workers of P_x; zero-volume elsewhere
-    y   B(G, P_y, index in P_y)    on workers of P_y; zero-volume elsewhere
+    x   B(G, P_x, index in P_x)    on workers of P_x
+    y   B(G, P_y, index in P_y)    on workers of P_y
+
+Other workers pass and get zero-volume tensors (``[b, 0]`` with ``preserve_batch``; a
+clone of the input, with no communication, on workers in neither partition).
 
 Any two Cartesian partitions of the same dimension work: one worker to many, many to
-one, different grid shapes, overlapping, disjoint or reordered worker sets, extra
-world ranks in neither, and extents smaller than a partition (empty blocks).  Each
-worker of ``P_x`` sends the box intersection of its block with every ``P_y`` block to
-that block's worker; all messages go in one batched point-to-point round
-(:func:`~distfuse.primitives._common.exchange`), a message to oneself is a local copy.
-Between two world ranks there is at most one message per direction (a rank holds one
-block of each partition), so matching needs no tags; both ends still enumerate in
-row-major block order, receivers by ``P_x`` block and senders by ``P_y`` block.
+one, different grid shapes, overlapping, disjoint or reordered worker sets, and empty
+blocks.  Each worker of ``P_x`` sends the box intersection of its block with every
+``P_y`` block to that block's worker, all in one batched point-to-point round
+(:func:`~distfuse.primitives._common.exchange`; at most one message per direction
+between two ranks, so no tags).
 
 Adjoint: the repartition of the gradient from ``P_y`` back to ``P_x`` (the map is a
 permutation of elements, so its adjoint is its inverse).
 
-Global shape.  A worker active only in ``P_y`` holds no data and cannot know ``G`` or
-the dtype, and no single ``P_x`` block determines ``G`` (a block of 3 out of 2 workers
-may come from 5 or 6).  :class:`Repartition` therefore gathers one record per worker of
-``P_x ∪ P_y``: ``(ndim, dtype, requires_grad, problem flag, shape)`` as ``4 + 8`` int64
-on the host, all-gathered on the union's gloo group (no device sync, but a
-latency-bound collective: on the 2-core dev box, loaded, 2 ranks, 32x32 fp32 blocks,
-2.7 ms of a 10 ms call).  Every worker then validates every record, so a bad block
-raises the same error on all workers instead of a hang.  The gather runs on the first
-call and when some worker's signature (local shape, dtype, device type, grad mode and
-``requires_grad``) changed; while they repeat, a one-element flag all-reduce on the
-same host group replaces it (the agreement protocol,
-:func:`~distfuse.primitives._agreement.agreed_by_flag_round`; no data message reaches
-every worker, so the flag cannot ride on one).  Pass ``global_shape`` to skip both.  The functional form
-:func:`repartition` takes ``G`` explicitly and skips the gather; its checks are local.
-
-Unlike DistDL, the records also carry ``requires_grad``: if any worker's input requires
-grad, every worker's output does, so workers that hold no input still run the adjoint
-and nobody waits for a gradient that never comes.  ``backward`` must still be called
-on every worker of the union (on a zero-volume output where a worker holds nothing),
-and grad mode must agree: a worker under ``torch.no_grad`` cannot be promoted, and its
-peers' adjoint then waits for it until the process-group timeout.
-
-Workers: in both partitions, block in and block out; only in ``P_x``, block in and a
-zero-volume tensor out (``[b, 0]`` keeping the input's first extent if
-``preserve_batch``); only in ``P_y``, zero-volume in and block out; in neither, a clone
-of the zero-volume input out (``[0]`` without ``preserve_batch``), with no
-communication.
-
-The helpers :func:`~distfuse.primitives.distribute.distribute_tensor` (one world rank's global
-tensor to its blocks on ``P``) and :func:`~distfuse.primitives.distribute.collect_tensor` (the
-reverse, ``primitives/distribute.py``) are repartitions from and to a
-one-worker partition, so they are differentiable too.
+Global shape.  A worker active only in ``P_y`` cannot know ``G`` or the dtype, and no
+single ``P_x`` block determines ``G`` (a block of 3 out of 2 workers may come from 5 or
+6), so :class:`Repartition` agrees on one record per worker of ``P_x ∪ P_y``
+(``_gather_records``) with its flag in a host round
+(:func:`~distfuse.primitives._agreement.agreed_by_flag_round`: no data message reaches
+every worker).  Every worker validates every record (``_resolve``), so a bad block raises
+the same error on all workers instead of a hang.  The functional form :func:`repartition` takes
+``G`` explicitly and its checks are local.  Unlike DistDL, the records carry
+``requires_grad``: if any worker's input requires grad, every worker's output does, so
+workers that hold no input still run the adjoint (``backward`` must still run on every
+worker of the union, with grad mode on).  :mod:`~distfuse.primitives.distribute` builds
+on it.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -62,22 +43,129 @@ import torch
 from torch import nn
 
 from distfuse import debug
-from distfuse.errors import expect
-from distfuse.geometry.decomposition import block_range, local_shape, owner_of
+from distfuse.errors import PartitionError, ShapeError, expect, where
+from distfuse.geometry.decomposition import block_range, local_shape, local_start, owner_of
 from distfuse.partition import CartesianPartition, Partition, union_partition
 from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
-from distfuse.primitives._common import exchange
-from distfuse.primitives._repartition_records import (
-    _check_local,
-    _check_partitions,
-    _gather_records,
-    _idle_output,
-    _outside,
-    _resolve,
-    _union_of,
-)
+from distfuse.primitives._common import cached, exchange, gather_records, poison, summed_extents
 
 __all__ = ["Repartition", "RepartitionFunction", "repartition"]
+
+# ---------------------------------------------------------------- checks and the per-call records
+#
+# One record per worker of P_x ∪ P_y: [ndim, dtype code, requires_grad, problem, shape...], 4 + 8 int64.
+_MAX_DIM = 8
+_HEAD = 4
+_OK, _BAD_DEVICE, _TOO_MANY_DIMS = 0, 1, 2
+_DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.complex64, torch.complex128,
+           torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+
+# Union partitions for the functional form's debug check, keyed by the two partitions.
+_UNIONS: dict[tuple, Partition] = {}
+
+
+def _check_partitions(op: str, P_x, P_y) -> None:
+    for name, P in (("P_x", P_x), ("P_y", P_y)):
+        if not isinstance(P, CartesianPartition):
+            raise PartitionError(f"{where(op)}: {name} must be a CartesianPartition (one partition dimension per "
+                                 f"tensor dimension), got {type(P).__name__}")
+    if P_x.dim != P_y.dim:
+        raise expect(op, "P_y.dim (partition dimensions must match one to one)", P_x.dim, P_y.dim, PartitionError)
+
+
+def _idle_output(x: torch.Tensor, P_x, preserve_batch: bool, dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of the zero-volume output of a union worker that is not in ``P_y``.
+
+    In ``P_x``: ``[b, 0]`` with the input's first extent (DistDL's ``preserve_batch``).
+    In neither (a helper's extra union worker): the input's own zero-volume shape.
+    """
+    if not preserve_batch:
+        return (0,), dtype
+    if not P_x.active:
+        return tuple(x.shape), dtype
+    return ((int(x.shape[0]), 0) if x.dim() > 0 else (0,)), dtype
+
+
+def _outside(op: str, x: torch.Tensor, preserve_batch: bool) -> torch.Tensor:
+    """A worker in neither partition: no communication; a clone of its zero-volume input."""
+    if x.numel() != 0:
+        raise ShapeError(f"{where(op)}: this rank is in neither P_x nor P_y, so it must pass a zero-volume "
+                         f"tensor; got shape {tuple(x.shape)}")
+    return x.clone() if preserve_batch else x.reshape(0)
+
+
+def _gather_records(P_union: Partition, P_x: CartesianPartition, x: torch.Tensor,
+                    op: str = "Repartition") -> list[tuple]:
+    """Every union worker's ``(shape, dtype, requires_grad, problem)`` in union order; host-side gloo."""
+    rec = [-1] * (_HEAD + _MAX_DIM)
+    problem = _OK
+    if P_x.active and x.device.type != P_x.device.type:
+        problem = _BAD_DEVICE
+    elif x.dim() > _MAX_DIM:
+        problem = _TOO_MANY_DIMS
+    rec[0] = min(x.dim(), _MAX_DIM)
+    rec[1] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
+    rec[2] = int(x.requires_grad and torch.is_grad_enabled())
+    rec[3] = problem
+    if problem == _OK:
+        rec[_HEAD:_HEAD + x.dim()] = x.shape
+    rows = gather_records(op, P_union, rec)
+    return [(tuple(r[_HEAD:_HEAD + r[0]]), _DTYPES[r[1]] if r[1] >= 0 else None, bool(r[2]), r[3]) for r in rows]
+
+
+def _resolve(op: str, P_union: Partition, P_x: CartesianPartition, records: list[tuple]):
+    """Validate every record identically on every worker; return ``(global shape, dtype, any requires_grad)``."""
+    pos = {w: k for k, w in enumerate(P_union.ranks)}
+    in_x = set(P_x.ranks)
+    for w, (shape, _, _, problem) in zip(P_union.ranks, records, strict=True):
+        if problem == _BAD_DEVICE:
+            raise expect(op, f"device type of the input on world rank {w}", P_x.device.type, "another device")
+        if problem == _TOO_MANY_DIMS:
+            raise ShapeError(f"{where(op)}: world rank {w} passed a tensor of more than {_MAX_DIM} dimensions")
+        if w not in in_x and math.prod(shape) != 0:
+            raise ShapeError(f"{where(op)}: world rank {w} is not in P_x, so it must pass a zero-volume tensor; "
+                             f"got shape {shape}")
+    x_recs = [records[pos[w]] for w in P_x.ranks]  # in P_x partition order
+    for r, (shape, _, _, _) in enumerate(x_recs):
+        if len(shape) != P_x.dim:
+            raise expect(op, f"number of tensor dimensions on world rank {P_x.ranks[r]} (one per partition "
+                         "dimension)", P_x.dim, len(shape))
+    dtypes = {d for _, d, _, _ in x_recs}
+    if len(dtypes) != 1 or None in dtypes:
+        raise ShapeError(f"{where(op)}: the workers of P_x must agree on a supported dtype; got "
+                         f"{ {P_x.ranks[r]: str(d) for r, (_, d, _, _) in enumerate(x_recs)} } (world rank: dtype)")
+    G = summed_extents(P_x, [shape for shape, _, _, _ in x_recs])  # then every block must fit G
+    for r, (shape, _, _, _) in enumerate(x_recs):
+        want = local_shape(G, P_x.shape, P_x.index_of(r))
+        if shape != want:
+            raise expect(op, f"local input shape on world rank {P_x.ranks[r]} (P_x index {P_x.index_of(r)}; the "
+                         f"blocks must be the balanced decomposition of the global shape {G} inferred from them)",
+                         want, shape)
+    return G, dtypes.pop(), any(rg for _, _, rg, _ in records)
+
+
+def _check_local(op: str, P_x: CartesianPartition, x: torch.Tensor, global_shape: tuple[int, ...]) -> None:
+    """Local checks of the functional form (no communication)."""
+    if len(global_shape) != P_x.dim:
+        raise expect(op, "length of global_shape (one entry per partition dimension)", P_x.dim, len(global_shape))
+    if not P_x.active:
+        if x.numel() != 0:
+            raise ShapeError(f"{where(op)}: this rank is not in P_x, so it must pass a zero-volume tensor; got "
+                             f"shape {tuple(x.shape)}")
+        return
+    if x.dim() != P_x.dim:
+        raise expect(op, "number of tensor dimensions (one per partition dimension)", P_x.dim, x.dim())
+    if x.device.type != P_x.device.type:
+        raise expect(op, "device type", P_x.device.type, x.device.type)
+    want = local_shape(global_shape, P_x.shape, P_x.index)
+    if tuple(x.shape) != want:
+        raise expect(op, f"local input shape (P_x index {P_x.index} of global shape {global_shape})", want,
+                     tuple(x.shape))
+
+
+def _union_of(P_x: CartesianPartition, P_y: CartesianPartition) -> Partition:
+    return cached(_UNIONS, (P_x.ranks, P_x.shape, P_y.ranks, P_y.shape), lambda: union_partition(P_x, P_y))
+
 
 # ---------------------------------------------------------------- geometry
 
@@ -108,10 +196,6 @@ def _relative(box: Sequence[tuple[int, int]], start: Sequence[int]) -> tuple[sli
     return tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(box, start, strict=True))
 
 
-def _block_start(global_shape, P: CartesianPartition, index) -> tuple[int, ...]:
-    return tuple(block_range(n, p, i)[0] for n, p, i in zip(global_shape, P.shape, index, strict=True))
-
-
 # ---------------------------------------------------------------- the data movement
 
 
@@ -119,10 +203,9 @@ def _block_start(global_shape, P: CartesianPartition, index) -> tuple[int, ...]:
 class _Move:
     """One direction of a repartition on this worker, enough to run it and to build its adjoint.
 
-    ``idle_*`` give the output of a worker that receives nothing (not in ``P_dst``); in
-    the adjoint that is the zero gradient of the forward's input, so it keeps that
-    input's device even where a placeholder sat on the host under NCCL.  ``dtype`` is
-    the dtype of the data on the wire.
+    ``idle_*`` give the output of a worker not in ``P_dst``: in the adjoint the zero gradient
+    of the forward's input, on its device even where a placeholder sat on the host under
+    NCCL.  ``dtype`` is the dtype of the data on the wire.
     """
 
     P_src: CartesianPartition
@@ -140,18 +223,15 @@ def _run(x: torch.Tensor, mv: _Move) -> torch.Tensor:
     G, P_src, P_dst = mv.global_shape, mv.P_src, mv.P_dst
     sends, recvs, staged = [], [], []
     if P_src.active:
-        start = _block_start(G, P_src, P_src.index)
+        start = local_start(G, P_src.shape, P_src.index)
         for j, box in overlaps(G, P_src.shape, P_src.index, P_dst.shape):
             sends.append((P_dst.ranks[P_dst.rank_of(j)], x[_relative(box, start)].contiguous()))
     if not P_dst.active:
         exchange(sends, recvs, op=mv.op)
         return torch.zeros(mv.idle_shape, dtype=mv.idle_dtype, device=mv.idle_device)
     shape = local_shape(G, P_dst.shape, P_dst.index)
-    if debug.enabled() and mv.dtype.is_floating_point:
-        out = torch.full(shape, float("nan"), dtype=mv.dtype, device=P_dst.device)  # a missed box shows as NaN
-    else:
-        out = torch.empty(shape, dtype=mv.dtype, device=P_dst.device)  # the boxes tile the block exactly
-    start = _block_start(G, P_dst, P_dst.index)
+    out = poison(torch.empty(shape, dtype=mv.dtype, device=P_dst.device))  # the boxes tile the block exactly
+    start = local_start(G, P_dst.shape, P_dst.index)
     for i, box in overlaps(G, P_dst.shape, P_dst.index, P_src.shape):
         view = out[_relative(box, start)]
         # A box spanning whole trailing extents is a contiguous view: receive in place, no extra copy.
@@ -197,19 +277,17 @@ def repartition(x: torch.Tensor, P_x: CartesianPartition, P_y: CartesianPartitio
 
     Every worker of ``P_x ∪ P_y`` must call it with the same ``global_shape``.  Workers
     outside ``P_x`` pass a zero-volume tensor (``requires_grad=True`` if the adjoint must
-    run there: no agreement is gathered here); their output dtype is ``dtype``, or the
-    placeholder's dtype when ``dtype`` is None.  It must be the dtype of the data:
-    gloo receives a bf16 message into an fp32 buffer without any error (checked here),
-    leaving garbage.  On ``P_x`` workers a given ``dtype`` must equal ``x.dtype``.
+    run there); their output dtype is ``dtype``, or the placeholder's when ``dtype`` is
+    None.  It must be the dtype of the data: gloo receives a bf16 message into an fp32
+    buffer without any error, leaving garbage.  On ``P_x`` workers a given ``dtype`` must
+    equal ``x.dtype`` (checked).
 
-    Checks are local: a wrong block raises on its own worker only, and its peers then
-    wait until the process-group timeout, unless ``agree=True``: then every worker of
-    ``P_x ∪ P_y`` runs its checks and raises the same error if any worker's fail, at the
-    cost of one one-element host all-reduce per call
-    (:func:`~distfuse.primitives._agreement.agree_on_local_checks`).  With
-    ``DISTFUSE_DEBUG=1`` the workers first check that they agree on the partitions,
-    ``global_shape`` and dtype.  With either, the first call for a pair of partitions is
-    collective over the world (it creates their union).
+    Checks are local (a wrong block raises on its own worker, its peers waiting until the
+    timeout) unless ``agree=True``: then every worker of ``P_x ∪ P_y`` raises the same error
+    (:func:`~distfuse.primitives._agreement.agree_on_local_checks`).  With ``DISTFUSE_DEBUG=1``
+    the workers first check that they agree on the partitions, ``global_shape`` and dtype.
+    With either, the first call for a pair of partitions is collective over the world (it
+    creates their union).
     """
     op = _op
     _check_partitions(op, P_x, P_y)
@@ -242,19 +320,14 @@ def repartition(x: torch.Tensor, P_x: CartesianPartition, P_y: CartesianPartitio
 
 
 class Repartition(nn.Module):
-    """Redistribute a tensor from its balanced decomposition over ``P_x`` to the one over ``P_y``.
-
-    Args:
-        P_x, P_y: CartesianPartitions with as many dimensions as the tensor.
-        preserve_batch: zero-volume outputs keep the input's first extent (DistDL's option).
+    """Redistribute a tensor from its balanced decomposition over ``P_x`` (a CartesianPartition with as many
+    dimensions as the tensor) to the one over ``P_y``; ``preserve_batch``: zero-volume outputs keep the input's
+    first extent (DistDL's option).
 
     Construction is collective over the world (it creates the union partition).  The
-    call's records (a small host-side record per union worker) are agreed on under the
-    agreement protocol: gathered on the first call and on a change, a one-element flag
-    round otherwise (``agreement`` counts them; see the module docstring); pass
-    ``global_shape=`` (and ``dtype=``) to :meth:`forward` to skip it and get the
-    functional form's local checks instead.  Identical partitions return a
-    clone.
+    records are agreed on as the module docstring says (``agreement`` counts the calls
+    and the gathers); ``global_shape=`` (and ``dtype=``) to :meth:`forward` skips that for
+    the functional form's local checks.  Identical partitions return a clone.
     """
 
     def __init__(self, P_x: CartesianPartition, P_y: CartesianPartition, preserve_batch: bool = True,

@@ -1,9 +1,8 @@
 """SumReduce: every ``P_y`` worker receives the sum of the ``P_x`` blocks that map to it.
 
 The adjoint of Broadcast: ``SumReduce(P_x, P_y, transpose_src=ts, transpose_dest=td)``
-is exactly the adjoint of ``Broadcast(P_y, P_x, transpose_src=td, transpose_dest=ts)``.
-``transpose_src`` reverses P_x's partition shape and ``transpose_dest`` P_y's; then
-P_y's (effective) shape must broadcast to P_x's, so ``dim(P_y) <= dim(P_x)``.
+is exactly the adjoint of ``Broadcast(P_y, P_x, transpose_src=td, transpose_dest=ts)``,
+so P_y's (effective) shape must broadcast to P_x's and ``dim(P_y) <= dim(P_x)``.
 
 Per worker (``j(i)`` the P_y worker that P_x worker ``i`` reduces into)::
 
@@ -11,34 +10,15 @@ Per worker (``j(i)`` the P_y worker that P_x worker ``i`` reduces into)::
     adjoint   dx_i = clone(dy_{j(i)})                      on every P_x worker i   (a Broadcast)
 
 The blocks summed into one worker must share a shape and all P_x blocks a dtype; the
-sum is taken in that dtype, accumulated in fp32 for bf16/fp16 and rounded once.  A
-block must have ``dim(P_x)`` dimensions (one per partition dimension).
+sum is accumulated in fp32 for bf16/fp16 and rounded once.  A block has ``dim(P_x)``
+dimensions.  The worker roles are Broadcast's four cases: P_x workers pass a block, P_y
+workers get a sum, the others a zero-volume tensor.
 
-Worker roles (the same four cases as Broadcast, with P_x and P_y swapped for the
-adjoint):
-
-============  ==========================  =====================================================
-active in     forward takes -> returns    adjoint takes -> returns
-============  ==========================  =====================================================
-P_x and P_y   block -> (other) sum        dy block -> dx block
-P_x only      block -> zero-volume [1]_   zero-volume -> dx block
-P_y only      zero-volume -> sum          dy block -> zero-volume (the placeholder's shape)
-neither       zero-volume -> its clone    zero-volume -> zero-volume
-============  ==========================  =====================================================
-
-.. [1] ``[batch, 0]`` with ``preserve_batch=True`` (the default), else ``[0]``.
-
-It is Broadcast's op pair walked the other way (:mod:`~distfuse.primitives.broadcast`:
-``sum_reduce_blocks``, ``distfuse::broadcast_adjoint``, whose backward is the broadcast),
-and the module is Broadcast's (:class:`~distfuse.primitives.broadcast.PlanModule`).  As
-for Broadcast: pass ``zero_volume_tensor(requires_grad=True)`` on P_y-only workers
-when training, so that the adjoint runs there; the module agrees on block shapes over
-``union_partition(P_x, P_y)`` (host gloo, ten int64 per worker, gathered on the first
-call and when some worker's block changed, a one-element flag round while they repeat:
-:func:`~distfuse.primitives.broadcast.agreed_metadata`) and checks them, raising the
-same error on every rank; :func:`sum_reduce` takes the output shape instead and skips
-that; the identity case is a clone; debug mode checks
-agreement and NaN-poisons receive buffers.
+It is Broadcast's op pair walked the other way (``sum_reduce_blocks``,
+``distfuse::broadcast_adjoint``) and Broadcast's module
+(:class:`~distfuse.primitives.broadcast.PlanModule`): see :mod:`~distfuse.primitives.broadcast`
+for the placeholders that must require grad, the agreed metadata, the identity case and
+debug mode.  :func:`sum_reduce` takes the output shape instead of agreeing on it.
 """
 
 from __future__ import annotations
@@ -54,10 +34,8 @@ __all__ = ["SumReduce", "sum_reduce", "sum_reduce_plan"]
 
 
 def sum_reduce_plan(P_x, P_y, transpose_src: bool = False, transpose_dest: bool = False) -> BroadcastPlan:
-    """The plan of ``SumReduce(P_x, P_y, ...)``: the Broadcast plan from P_y to P_x, walked backwards.
-
-    Pure Python; raises :class:`PartitionError` when P_y does not broadcast to P_x.
-    """
+    """The plan of ``SumReduce(P_x, P_y, ...)``: the Broadcast plan from P_y to P_x, walked backwards (pure Python;
+    :class:`PartitionError` when P_y does not broadcast to P_x)."""
     plan = BroadcastPlan("SumReduce", P_y, P_x, transpose_dest, transpose_src, "P_y", "P_x")
     move_of(plan)  # its handle, made at construction (in the same order on every rank)
     return plan
@@ -82,11 +60,9 @@ def sum_reduce(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | No
 
 class SumReduce(PlanModule):
     """``SumReduce(P_x, P_y, transpose_src=False, transpose_dest=False, preserve_batch=True)``: sum blocks of ``x``
-    from ``P_x`` into ``P_y`` (the adjoint of a Broadcast from P_y to P_x).
-
-    See :class:`~distfuse.primitives.broadcast.PlanModule` (construction, agreement) and
-    the module docstring; use :func:`sum_reduce` with ``self.plan`` when the shapes are known.
-    """
+    from ``P_x`` into ``P_y`` (the adjoint of a Broadcast from P_y to P_x).  See
+    :class:`~distfuse.primitives.broadcast.PlanModule`; use :func:`sum_reduce` with ``self.plan`` when the shapes
+    are known."""
 
     forward_walk = False
     plan_of = staticmethod(sum_reduce_plan)

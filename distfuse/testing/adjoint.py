@@ -1,13 +1,10 @@
 """The dot-product (adjoint) test for distributed linear operators.
 
 For a linear operator ``F`` and its adjoint ``F*`` (what autograd's backward computes),
-``<F x, y> = <x, F* y>`` must hold for random ``x`` and ``y``, where each inner
-product is summed over every worker's local blocks.  In float64 the two sides agree
-to about 1e-13 relative; a wrong adjoint (a missing halo sum, a double-counted bias
-block, a sum-reduce that drops a contributor) breaks the equality by O(1).
-
-Call :func:`adjoint_check` on every rank of the world: the two inner products are
-all-reduced over the world group.
+``<F x, y> = <x, F* y>`` must hold for random ``x`` and ``y``, each inner product summed over
+every worker's local blocks.  In float64 the two sides agree to rounding; a wrong adjoint (a
+missing halo sum, a double-counted bias block, a sum-reduce that drops a contributor) breaks
+the equality by O(1).
 """
 
 from __future__ import annotations
@@ -19,7 +16,8 @@ __all__ = ["adjoint_check"]
 
 
 def adjoint_check(apply, x: torch.Tensor, seed: int = 1234) -> tuple[float, float]:
-    """Return ``(<F x, y>, <x, F* y>)`` summed over the world, for random float64 ``y``.
+    """Return ``(<F x, y>, <x, F* y>)`` summed over the world, for random float64 ``y``; call it on every rank
+    (the two inner products are all-reduced over the world group).
 
     Args:
         apply: the operator, called as ``apply(x)`` on this rank's local block.

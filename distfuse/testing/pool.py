@@ -1,32 +1,31 @@
 """Pools of forked gloo ranks that run test functions, reused across tests.
 
-Starting a gloo world costs seconds with ``spawn`` but about 0.1 s with ``fork``, and a
-pool that stays up costs nothing per test.  :func:`run_ranks` sends a module-level
-function (pickled by reference) to every rank of the pool for ``world_size`` and
-returns the per-rank results.
+A forked gloo world starts far faster than a spawned one, and a pool that stays up costs
+nothing per test.  :func:`run_ranks` sends a module-level function (pickled by reference) to
+every rank of the pool for ``world_size`` and returns the per-rank results.
 
 Guarantees:
 
 * **Every call has a deadline.**  Past it, every rank of the pool is killed and
-  :class:`RankTimeout` names the ranks that did not answer.  Collectives inside the
-  ranks also carry the process-group timeout, so a mismatched collective becomes an
-  error rather than a hang.
-* **Every rank's exception comes back with its rank id** (:class:`RankFailure`), and
-  with the time from the start of the call to that rank's answer (``RankFailure.times``).
-  After the first error the pool waits a grace period for the others' errors: 2 s by
-  default, ``pg_timeout + 5`` s for a pool with an explicit ``pg_timeout`` (fault tests),
-  so that a peer blocked in a collective reports its own timeout instead of being killed.
-* **A pool that failed is rebuilt** before its next use, because a rank that raised
-  may have left peers inside a collective.
+  :class:`RankTimeout` names the ranks that did not answer.  Collectives inside the ranks
+  also carry the process-group timeout, so a mismatched collective becomes an error rather
+  than a hang.
+* **Every rank's exception comes back with its rank id** (:class:`RankFailure`), and with
+  the time from the start of the call to that rank's answer (``RankFailure.times``).  After
+  the first error the pool waits a grace period for the others' errors (see
+  :func:`run_ranks`), so that a peer blocked in a collective reports its own timeout instead
+  of being killed.
+* **A pool that failed is rebuilt** before its next use, because a rank that raised may have
+  left peers inside a collective.
 
-Children call ``torch.set_num_threads(1)`` first: forked children of a parent that
-already used OpenMP otherwise hang, and one thread per rank is right on small CI
-machines anyway.
+Children call ``torch.set_num_threads(1)`` first: forked children of a parent that already
+used OpenMP otherwise hang, and one thread per rank is right on small CI machines anyway.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -93,20 +92,14 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn, pg_timeout: f
             conn.send_bytes(data)
         except (BrokenPipeError, OSError):
             break
-    try:
+    with contextlib.suppress(Exception):  # best effort at exit
         dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - best effort at exit
-        pass
 
 
 def _warm_parent_imports() -> None:
-    """Import, once in the parent, what every rank would otherwise import on first use.
-
-    A process's first backward imports sympy and its first ``assert_close`` imports
-    ``torch.distributed.tensor``: about 1.5 s per rank process (measured on 2 cores).
-    Forked children inherit the parent's modules, so paying it here once saves it in
-    every rank of every pool.
-    """
+    """Import, once in the parent, what every rank would otherwise import on first use (a process's first
+    backward imports sympy, its first ``assert_close`` ``torch.distributed.tensor``): forked children inherit
+    the parent's modules, so this saves the imports in every rank of every pool."""
     import torch
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
 
@@ -137,7 +130,7 @@ class RankPool:
             self._procs.append(proc)
             self._conns.append(parent)
         replies = self._collect(start_timeout, "start")
-        errors = {r: tb for r, (kind, tb) in replies.items() if kind == "err"}
+        errors = {r: body for r, (kind, body) in replies.items() if kind == "err"}
         if errors:
             self.close()
             raise RankFailure(errors, world_size)
@@ -170,7 +163,7 @@ class RankPool:
                     first_error_at = time.monotonic()
         if pending:
             missing = sorted(pending.values())
-            errors = {r: tb for r, (kind, tb) in replies.items() if kind == "err"}
+            errors = {r: body for r, (kind, body) in replies.items() if kind == "err"}
             self.close()
             if errors:
                 errors.update({r: f"no answer within the grace period ({self.error_grace:.0f} s) after rank "
@@ -198,10 +191,8 @@ class RankPool:
     def close(self) -> None:
         self.broken = True
         for conn in self._conns:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send_bytes(pickle.dumps(None))
-            except (BrokenPipeError, OSError):
-                pass
         deadline = time.monotonic() + 1.0
         for proc in self._procs:
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -211,13 +202,15 @@ class RankPool:
                 proc.join(5)
         for conn in self._conns:
             conn.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(self._init_file)
-        except FileNotFoundError:
-            pass
 
 
 _POOLS: dict[tuple[int, float], RankPool] = {}
+
+
+def _pool_key(world_size: int, pg_timeout: float | None) -> tuple[int, float]:
+    return world_size, float(pg_timeout) if pg_timeout is not None else DEFAULT_PG_TIMEOUT
 
 
 def run_ranks(world_size: int, fn, *args, timeout: float | None = None, pg_timeout: float | None = None,
@@ -230,10 +223,10 @@ def run_ranks(world_size: int, fn, *args, timeout: float | None = None, pg_timeo
     ``pg_timeout`` (seconds) selects a pool whose process groups (and ``DISTFUSE_TIMEOUT``)
     use that timeout instead of the default; pools are kept per ``(world_size,
     pg_timeout)``.  Such a pool waits ``pg_timeout + 5`` s after a first error for the
-    other ranks' own errors (fault-injection tests).  ``timeout`` and ``pg_timeout`` are
+    other ranks' own errors (fault-injection tests); the default pools wait 2 s.  ``timeout`` and ``pg_timeout`` are
     taken by the harness, not passed to ``fn``.
     """
-    key = (world_size, float(pg_timeout) if pg_timeout is not None else DEFAULT_PG_TIMEOUT)
+    key = _pool_key(world_size, pg_timeout)
     pool = _POOLS.get(key)
     if pool is None or pool.broken:
         grace = 2.0 if pg_timeout is None else float(pg_timeout) + 5.0
@@ -247,8 +240,7 @@ def discard_pool(world_size: int, pg_timeout: float | None = None) -> None:
     For tests whose ranks caught a collective timeout themselves: the pool did not fail,
     but its process groups are spent (gloo closes the pairs of a timed-out group).
     """
-    key = (world_size, float(pg_timeout) if pg_timeout is not None else DEFAULT_PG_TIMEOUT)
-    pool = _POOLS.pop(key, None)
+    pool = _POOLS.pop(_pool_key(world_size, pg_timeout), None)
     if pool is not None and not pool.broken:
         pool.close()
 

@@ -2,50 +2,43 @@
 
 A distributed result and its sequential reference are the same sums added in a different
 order (split over workers, blocked differently by another CPU kernel), so they differ by
-rounding error, and the bound on that error is a property of the arithmetic, not of the
-machine the numbers were first seen on.  One relative bound covers every check:
+rounding error, whose bound is a property of the arithmetic, not of the machine the numbers
+were first seen on.  One relative bound covers every check:
 
     eps(n)        = r * u  +  lam * sqrt(n) * u_acc            one step
     bound(n, k)   = safety * ((1 + eps(n))**k - 1)             k steps (~ safety * k * eps(n))
 
 * ``u`` is the unit roundoff of the dtype (half its machine epsilon: 2**-24 for float32)
-  and ``u_acc`` that of the accumulation (float32 for 16-bit dtypes, the dtype itself for
-  float32 and float64).
-* ``lam * sqrt(n) * u_acc`` bounds the error of a sum of ``n`` terms relative to the sum
-  of their magnitudes.  Summing in any order (recursive, pairwise, blocked, SIMD lanes)
-  commits at most ``n`` roundings ``delta_i`` with ``|delta_i| <= u``, each multiplying a
-  partial sum ``p_i`` with ``|p_i| <= sum |x|``; to first order the error is
-  ``sum delta_i p_i``.  If the roundings are independent and of mean zero (the model of
-  Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019), Azuma-Hoeffding bounds it by
+  and ``u_acc`` that of the accumulation (float32 for 16-bit dtypes, else the dtype).
+* ``lam * sqrt(n) * u_acc`` bounds the error of a sum of ``n`` terms relative to the sum of
+  their magnitudes.  Summing in any order commits at most ``n`` roundings ``delta_i``
+  (``|delta_i| <= u``), each multiplying a partial sum ``p_i`` with ``|p_i| <= sum |x|``; to
+  first order the error is ``sum delta_i p_i``.  With the roundings independent and of mean
+  zero (Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019), Azuma-Hoeffding bounds it by
   ``lam * u * sqrt(sum p_i**2) <= lam * sqrt(n) * u * sum |x|`` except with probability
-  ``2 exp(-lam**2 / 2)``: ``lam = 6`` gives 3e-8 per sum.  The deterministic bound
-  ``gamma_n = n u / (1 - n u)`` would hold always but grows with ``n`` where measured
-  errors grow with ``sqrt(n)``; at ``n = 3456`` it is 10 times wider.
-* ``r * u`` (``r = 2``): roundings to the storage dtype on the way (the output, and an
-  intermediate such as a send buffer, or one output rounded by truncation, which errs by
-  up to one ulp = 2u).  Negligible in float32 and float64; dominant in float16/bfloat16.
-* ``safety = 2``: a second set of ``n`` roundings of the same size on the path. An inner
-  product rounds its products as well as its partial sums (unless it fuses them), and a
-  gradient is a sum of products of a backward signal that is itself a sum. Such errors
-  add.  (The majorant ``sqrt(sum p_i**2) <= sqrt(n) sum |x|`` is itself loose, since partial
-  sums of terms with random signs stay far below ``sum |x|``, so the factor is not stretched
-  by a third set.)
-* Steps compound as relative errors do, ``(1 + eps)**k - 1``, which is ``k * eps`` to first
-  order: each training step adds its own rounding to the state, and a stable step (a
-  learning rate below 2 / the curvature) does not amplify the error already there.
+  ``2 exp(-lam**2 / 2)``: ``lam = 6`` gives 3e-8 per sum.  The deterministic
+  ``gamma_n = n u / (1 - n u)`` grows with ``n`` where measured errors grow with ``sqrt(n)``
+  (10 times wider at ``n = 3456``).
+* ``r * u`` (``r = 2``): roundings to the storage dtype on the way (the output and an
+  intermediate such as a send buffer, or one truncation, which errs by up to 2u).
+  Negligible in float32 and float64; dominant in float16/bfloat16.
+* ``safety = 2``: a second set of ``n`` roundings on the path (an inner product rounds its
+  products as well as its partial sums; a gradient is a sum of products of a backward signal
+  that is itself a sum), whose errors add.  The majorant ``sqrt(sum p_i**2) <= sqrt(n) sum |x|``
+  is itself loose, so the factor is not stretched by a third set.
+* Steps compound as relative errors do, ``(1 + eps)**k - 1`` (``k * eps`` to first order):
+  each training step adds its own rounding, and a stable step (a learning rate below
+  2 / the curvature) does not amplify the error already there.
 
-The bound is relative to the magnitude of the terms summed, not to the result: a sum
-that cancels to almost nothing keeps the error of its terms.  So every check needs an
-absolute floor on the scale of those terms, and for a trained state that scale is its
-layer's, not the tensor's own (:func:`compare_state`).  A batch norm's bias that moved
-from 0 to 1e-4 was updated from the same activations and gradients as the batch norm's
-weight, of order 1, and rounding of order ``u`` on that scale is 1e-3 of the bias itself.
+The bound is relative to the magnitude of the terms summed, not to the result: a sum that
+cancels keeps the error of its terms.  So every check needs an absolute floor on the scale
+of those terms, and for a trained state that is its layer's scale, not the tensor's own
+(:func:`compare_state`): a batch norm's bias that moved from 0 to 1e-4 was updated from the
+same activations and gradients as its weight, of order 1.
 
 A trained state obeys such a bound only if training is a continuous function of the
-rounding.  A ReLU is not: a pre-activation within rounding of zero switches a whole term
-of the next gradient on or off.  The demos therefore use SiLU.  With ReLU, the U-Net demo's
-``dec.0.weight`` jumped by 1.1e-5 after 3 steps under oneDNN's AVX2 and SSE4.1 kernels,
-and not at all under its AVX-512 ones.
+rounding.  A ReLU is not (a pre-activation within rounding of zero switches a whole term of
+the next gradient on or off), so the demos use SiLU.
 """
 
 from __future__ import annotations

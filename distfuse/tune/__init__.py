@@ -5,6 +5,7 @@ Run it once per cluster (device type x world size x dtype), on every rank::
     torchrun --nproc-per-node 8 -m distfuse.tune --dtype bfloat16      # NCCL, all 8 GPUs
     torchrun --nproc-per-node 8 -m distfuse.tune --world-sizes 2 4 8   # also the TP=2 and TP=4 groups
     distfuse-tune --quick                                             # one process (world size 1)
+    distfuse-tune project [--check]                                   # projected entries (distfuse.tune.project)
 
 For each registered fused op (:mod:`distfuse.fused.registry`), dtype and world size it
 times the fused and the unfused path over the op's grid of shapes (:func:`default_grid`),
@@ -14,21 +15,10 @@ entry per ``table_key(device, world, dtype, op)`` into the JSON file that
 ``$DISTFUSE_TUNE_TABLE``, else ``~/.cache/distfuse/crossover.json``).  Entries of other
 devices and world sizes already in the file are kept.
 
-The package:
-
-==================  ===========================================================================
-``table``           :func:`write_table` (atomic merge); the format, the path and
-                    :func:`load_table` are :mod:`distfuse.fused.crossover_table`'s (dispatch reads
-                    through it without importing the tuner), re-exported here
-``crossover_fit``   the crossover maths (:func:`crossover`, pure) and :func:`entry_for`
-``autotune_cache``  harvest / seed of the Triton autotuners' caches (``triton_configs``)
-``cases``           timing cases and shape grids of the built-in ops (the registry points at them)
-``sweeper``         :func:`sweep`, every rank; timing through :mod:`distfuse.timing`; its entries
-                    are ``"source": "measured"``
-``project``         ``distfuse-tune project``: ``"source": "projected"`` entries from the GPU lab's
-                    one-GPU kernel rows and a stated NVLink model (the table the package ships)
-``cli``             the command line (:func:`main`; ``distfuse-tune``, ``python -m distfuse.tune``)
-==================  ===========================================================================
+Modules: ``table`` (the atomic writer; format and reader are :mod:`distfuse.fused.crossover_table`'s),
+``crossover_fit`` (the crossover maths), ``autotune_cache`` (the Triton autotuners' configs), ``cases``
+(the built-in ops' timing cases and grids), ``sweeper`` (:func:`sweep`: ``"source": "measured"``
+entries), ``project`` (``"source": "projected"`` entries: the table the package ships) and ``cli``.
 """
 
 from distfuse.fused.registry import size_of
@@ -38,22 +28,6 @@ from distfuse.tune.crossover_fit import Crossover, crossover, entry_for
 from distfuse.tune.sweeper import SweepResult, default_grid, sweep
 from distfuse.tune.table import load_table, table_key, table_path, write_table
 
-__all__ = [
-    "Crossover",
-    "crossover",
-    "entry_for",
-    "default_grid",
-    "size_of",
-    "sweep",
-    "SweepResult",
-    "load_table",
-    "table_key",
-    "table_path",
-    "write_table",
-    "config_to_json",
-    "harvest_autotune_caches",
-    "seed_autotune_caches",
-    "main",
-    "parse_args",
-    "run",
-]
+__all__ = ["Crossover", "crossover", "entry_for", "default_grid", "size_of", "sweep", "SweepResult", "load_table",
+           "table_key", "table_path", "write_table", "config_to_json", "harvest_autotune_caches",
+           "seed_autotune_caches", "main", "parse_args", "run"]

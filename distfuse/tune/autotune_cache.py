@@ -1,17 +1,11 @@
 """Triton autotuner caches: harvest the configs a sweep's autotuners picked, seed them back in a later process.
 
-On CUDA the loopback GEMM kernels autotune (``DISTFUSE_AUTOTUNE``); after each sweep the
-configs the autotuners picked (``Autotuner.cache``: key -> ``triton.Config``) are saved
-under the table's ``triton_configs`` section (:func:`harvest_autotune_caches`).
-:func:`seed_autotune_caches` puts them back into the autotuners' caches in a later
-process (same device, world size, dtype and Triton version), so the first launch of a
-tuned shape skips the benchmarking; a launcher can also pass one of them as its explicit
-``config=`` (``matmul_scatter``, ``gathered_matmul``, ``chunk_reduce`` and ``ag_push`` take one).
-
-Tables written before the GEMM launchers were renamed list their configs under the
-former kernel names (``gemm_rs``, ``ag_gemm``), which
-:data:`distfuse.fused.registry.RENAMED_KERNELS` maps (:data:`RENAMED_TUNERS`: with the
-``_fp32`` twins).
+On CUDA the loopback GEMM kernels autotune (``DISTFUSE_AUTOTUNE``); the configs they picked
+go into the table's ``triton_configs`` (:func:`harvest_autotune_caches`), and
+:func:`seed_autotune_caches` puts them back in a later process, so the first launch of a
+tuned shape skips the benchmarking (a launcher also takes one as its explicit ``config=``).
+Configs saved under the GEMM launchers' former names (``gemm_rs``, ``ag_gemm``) are read
+under the current ones (:data:`RENAMED_TUNERS`).
 """
 
 from __future__ import annotations

@@ -1,33 +1,27 @@
 """The tuner's timing cases and default shape grids for the built-in fused ops.
 
-The registry (:mod:`distfuse.fused.registry`) points each op at its factories here:
-
-* ``grid(op, world, *, quick=False, **options) -> [shapes]``: the per-rank shapes to time;
-  ``options`` are the tuner's shape options (``m``, ``hidden``, ``ffn``, ``channels``,
-  ``extent``, ``nd``), None where not given; a grid ignores those that do not apply.
-* ``case(op, shape, ctx) -> Case | None``: both paths of one shape, called on every rank of
-  the world (construction may be collective); None on ranks that take no part.
-* ``available(P, device, dtype) -> (ok, why)``: whether the fused path may be timed on CUDA.
-
-A new op's factories live in its own module (``docs/extending.md``), not here.
+The registry points each op at its factories here (``grid``, ``case``, ``available``: their
+contracts are :class:`distfuse.fused.registry.FusedOp`'s).  A new op's factories live in its
+own module (``docs/extending.md``), not here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from distfuse.fused import registry
 from distfuse.timing import rotations
 
-__all__ = ["Case", "CaseContext", "forced_path", "randn", "split", "linear_grid", "halo_grid", "linear_case",
-           "feature_linear_case",
-           "halo_case", "linear_available"]
+__all__ = ["Case", "CaseContext", "forced_path", "randn", "split", "timed_path", "weight_case", "mlp_sizes",
+           "linear_grid", "halo_grid", "linear_case", "feature_linear_case", "halo_case", "linear_available"]
 
 
 @dataclass
@@ -56,6 +50,13 @@ class CaseContext:
     full: bool  # time forward + backward (else forward only)
     fused_ok: bool  # the fused path may be timed (else build ``fused=None``)
 
+    def partition(self, shape: Sequence[int]):
+        """The measured group as a Cartesian partition of ``shape`` (collective over the world)."""
+        from distfuse.partition import Partition
+
+        group = Partition.world(device=self.device).create_partition_inclusive(list(self.world_ranks))
+        return group.create_cartesian_topology_partition(shape)
+
 
 @contextlib.contextmanager
 def forced_path(path: str):
@@ -73,6 +74,44 @@ def forced_path(path: str):
 
 def randn(shape, gen, dtype, device, scale=1.0):
     return (torch.randn(shape, generator=gen, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+
+
+def timed_path(fwd: Callable, xs: Sequence[torch.Tensor], dys: Sequence[torch.Tensor] | None, full: bool,
+               params: Sequence[torch.Tensor] = (), context: Callable = contextlib.nullcontext) -> Callable[[int], Any]:
+    """``fn(i)``: ``fwd(xs[i])`` inside ``context()``; with ``full`` also its backward of ``dys[i]`` (the grads of
+    ``xs[i]`` and ``params`` cleared first), else under ``torch.no_grad``."""
+    grad = contextlib.nullcontext if full else torch.no_grad
+
+    def fn(i):
+        with context(), grad():
+            y = fwd(xs[i])
+            if full:
+                xs[i].grad = None
+                for p in params:
+                    p.grad = None
+                y.backward(dys[i])
+            return y
+    return fn
+
+
+def weight_case(ctx: CaseContext, seed: int, set_bytes: int, x_shape: Sequence[int], w_shape: Sequence[int],
+                dy_shape: Sequence[int], w_scale: float, unfused: Callable, fused: Callable,
+                providers: Sequence[str] = ()) -> Case:
+    """Both paths of a linear op, ``unfused(x, w)`` and ``fused(x, w[, provider=p])``, on random inputs: one ``x``
+    and ``dy`` per rotation over ``set_bytes`` bytes, one weight ``w`` (times ``w_scale``), seeded ``seed``."""
+    dtype, device, full = ctx.dtype, ctx.device, ctx.full
+    gen = torch.Generator().manual_seed(seed)
+    R = rotations(set_bytes, device)
+    xs = [randn(x_shape, gen, dtype, device).requires_grad_(full) for _ in range(R)]
+    w = randn(w_shape, gen, dtype, device, w_scale).requires_grad_(full)
+    dys = [randn(dy_shape, gen, dtype, device) for _ in range(R)] if full else None
+
+    def path(op, **kw):
+        return timed_path(lambda x: op(x, w, **kw), xs, dys, full, (w,))
+
+    by_provider = {p: path(fused, provider=p) for p in providers}
+    return Case(path(unfused), path(fused) if ctx.fused_ok else None, R,
+                providers=by_provider if ctx.fused_ok and len(by_provider) > 1 else None)
 
 
 def split(world: int, nd: int) -> tuple[int, ...]:
@@ -96,17 +135,22 @@ _DOWN_PROJECTION = {registry.MATMUL_REDUCE_SCATTER.name, registry.MATMUL_REDUCE_
                     registry.MATMUL_ALL_REDUCE.name}
 
 
+def mlp_sizes(quick: bool, m: Sequence[int] | None, hidden: int | None, ffn: int | None) -> tuple[list[int], int, int]:
+    """``(sequence lengths, hidden, ffn)`` of the linears' grids: those given, else LLaMA-3 8B's MLP (4096 and
+    14336) over 64 to 16384 rows; ``quick``: tiny shapes for CI (CPU, seconds)."""
+    ms = list(m or ((8, 32) if quick else (64, 256, 1024, 4096, 16384)))
+    return ms, hidden or (32 if quick else 4096), ffn or (64 if quick else 14336)
+
+
 def linear_grid(op: str, world: int, *, quick: bool = False, m: Sequence[int] | None = None, hidden: int | None = None,
                 ffn: int | None = None, **_options) -> list[dict]:
-    """An MLP of ``hidden`` and ``ffn`` sizes (LLaMA-3 8B: 4096 and 14336) over sequence lengths ``m``.
+    """An MLP of ``hidden`` and ``ffn`` sizes over sequence lengths ``m`` (:func:`mlp_sizes`).
 
     The reducing ops (the down projection: ``matmul_reduce_scatter``, its features form and
     ``matmul_all_reduce``) run the per-rank GEMM ``m x hidden x ffn/W``; the gathering ones
-    (the up projection) ``m x ffn/W x hidden``.  ``quick``: tiny shapes for CI (CPU, seconds).
+    (the up projection) ``m x ffn/W x hidden``.
     """
-    ms = list(m or ((8, 32) if quick else (64, 256, 1024, 4096, 16384)))
-    h = hidden or (32 if quick else 4096)
-    f = ffn or (64 if quick else 14336)
+    ms, h, f = mlp_sizes(quick, m, hidden, ffn)
     part = max(1, f // world)
     if op in _DOWN_PROJECTION:
         return [dict(m=mm, n=h, k=part) for mm in ms]
@@ -142,66 +186,34 @@ def linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
 
     from distfuse.fused.all_gather_matmul import all_gather_matmul
     from distfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter
+    from distfuse.fused.providers import providers_of
     from distfuse.geometry.decomposition import block_extent
     from distfuse.primitives.all_gather import all_gather
     from distfuse.primitives.reduce_scatter import reduce_scatter
 
-    P_sub, dtype, device, full = ctx.P_sub, ctx.dtype, ctx.device, ctx.full
+    P_sub = ctx.P_sub
     if not P_sub.active:
         return None
     W, r = P_sub.size, P_sub.rank
     m, n, k = shape["m"], shape["n"], shape["k"]
-    gen = torch.Generator().manual_seed(1234 + 7 * r)
-    esize = torch.empty(0, dtype=dtype).element_size()
     scatter = op == registry.MATMUL_REDUCE_SCATTER.name
     rows = m if scatter else block_extent(m, W, r)
     out_rows = block_extent(m, W, r) if scatter else m
-    set_bytes = esize * (rows * k + out_rows * n + (m * n if scatter else m * k))
-    R = rotations(set_bytes, device)
-    xs = [randn((1, rows, k), gen, dtype, device).requires_grad_(full) for _ in range(R)]
-    w = randn((n, k), gen, dtype, device, 1.0 / math.sqrt(k)).requires_grad_(full)
-    dys = [randn((1, out_rows, n), gen, dtype, device) for _ in range(R)] if full else None
-
-    def finish(y, i):
-        if full:
-            xs[i].grad, w.grad = None, None
-            y.backward(dys[i])
-        return y
-
-    grad = contextlib.nullcontext if full else torch.no_grad
-    providers = None
     if scatter:
-        from distfuse.fused.providers import providers_of
+        def unfused(x, w):
+            return reduce_scatter(F.linear(x, w), P_sub)
 
-        def unfused(i):
-            with grad():
-                return finish(reduce_scatter(F.linear(xs[i], w), P_sub), i)
-
-        def fused_with(provider):
-            def run(i):
-                with grad():
-                    return finish(matmul_reduce_scatter(xs[i], w, None, P_sub, provider=provider), i)
-            return run
-
-        fused = fused_with(None)
-        providers = {p: fused_with(p) for p in providers_of(op)}
+        def fused(x, w, provider=None):
+            return matmul_reduce_scatter(x, w, None, P_sub, provider=provider)
     else:
-        def unfused(i):
-            with grad():
-                return finish(F.linear(all_gather(xs[i], P_sub, (1, m, k)), w), i)
+        def unfused(x, w):
+            return F.linear(all_gather(x, P_sub, (1, m, k)), w)
 
-        def fused_with(provider):
-            def run(i):
-                with grad():
-                    return finish(all_gather_matmul(xs[i], w, None, P_sub, n=m, provider=provider), i)
-            return run
-
-        from distfuse.fused.providers import providers_of
-
-        fused = fused_with(None)
-        providers = {p: fused_with(p) for p in providers_of(op)}
-    return Case(unfused, fused if ctx.fused_ok else None, R,
-                providers=providers if ctx.fused_ok and providers and len(providers) > 1 else None)
+        def fused(x, w, provider=None):
+            return all_gather_matmul(x, w, None, P_sub, n=m, provider=provider)
+    set_bytes = ctx.dtype.itemsize * (rows * k + out_rows * n + (m * n if scatter else m * k))
+    return weight_case(ctx, 1234 + 7 * r, set_bytes, (1, rows, k), (n, k), (1, out_rows, n), 1.0 / math.sqrt(k),
+                       unfused, fused, providers_of(op))
 
 
 def feature_linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
@@ -220,18 +232,15 @@ def feature_linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
     from distfuse.fused.matmul_all_reduce import matmul_all_reduce
     from distfuse.fused.matmul_reduce_scatter_features import matmul_reduce_scatter_features
     from distfuse.geometry.decomposition import block_extent
-    from distfuse.partition import Partition
     from distfuse.primitives.all_gather import all_gather
     from distfuse.primitives.all_sum_reduce import all_sum_reduce
     from distfuse.primitives.reduce_scatter import reduce_scatter
 
-    base = Partition.world(device=ctx.device).create_partition_inclusive(list(ctx.world_ranks))
-    P = base.create_cartesian_topology_partition([1, 1, ctx.world])
+    P = ctx.partition([1, 1, ctx.world])
     if not P.active:
         return None
     W, r = P.size, P.rank
     m, n, k = shape["m"], shape["n"], shape["k"]
-    dtype, device, full = ctx.dtype, ctx.device, ctx.full
     k_r, n_r = block_extent(k, W, r), block_extent(n, W, r)
     if op == registry.ALL_GATHER_FEATURES_MATMUL.name:
         x_shape, w_shape, dy_shape = (1, m, k_r), (n, k), (1, m, n)
@@ -245,24 +254,9 @@ def feature_linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
         x_shape, w_shape, dy_shape = (1, m, k_r), (n, k_r), (1, m, n_r)
         unfused_op = lambda x, w: reduce_scatter(F.linear(x, w), P)  # noqa: E731
         fused_op = lambda x, w: matmul_reduce_scatter_features(x, w, None, P)  # noqa: E731
-    gen = torch.Generator().manual_seed(2468 + 7 * r)
-    R = rotations(dtype.itemsize * (math.prod(x_shape) + math.prod(w_shape) + math.prod(dy_shape)), device)
-    xs = [randn(x_shape, gen, dtype, device).requires_grad_(full) for _ in range(R)]
-    w = randn(w_shape, gen, dtype, device, 1.0 / math.sqrt(w_shape[1])).requires_grad_(full)
-    dys = [randn(dy_shape, gen, dtype, device) for _ in range(R)] if full else None
-    grad = contextlib.nullcontext if full else torch.no_grad
-
-    def run(path):
-        def fn(i):
-            with grad():
-                y = path(xs[i], w)
-                if full:
-                    xs[i].grad, w.grad = None, None
-                    y.backward(dys[i])
-                return y
-        return fn
-
-    return Case(run(unfused_op), run(fused_op) if ctx.fused_ok else None, R)
+    set_bytes = ctx.dtype.itemsize * (math.prod(x_shape) + math.prod(w_shape) + math.prod(dy_shape))
+    return weight_case(ctx, 2468 + 7 * r, set_bytes, x_shape, w_shape, dy_shape, 1.0 / math.sqrt(w_shape[1]),
+                       unfused_op, fused_op)
 
 
 def halo_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
@@ -271,13 +265,10 @@ def halo_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
     Construction is collective over the whole world (partitions); only active ranks time.
     """
     from distfuse.layers import DistributedConv1d, DistributedConv2d, DistributedConv3d
-    from distfuse.partition import Partition
 
     dtype, device, full = ctx.dtype, ctx.device, ctx.full
     nd, c, e = shape["nd"], shape["channels"], shape["extent"]
-    grid = split(ctx.world, nd)
-    P = Partition.world(device=device).create_partition_inclusive(ctx.world_ranks)
-    P_x = P.create_cartesian_topology_partition([1, 1, *grid])
+    P_x = ctx.partition([1, 1, *split(ctx.world, nd)])
     cls = {1: DistributedConv1d, 2: DistributedConv2d, 3: DistributedConv3d}[nd]
     k = shape.get("kernel", 3)
     layer = cls(P_x, c, c, k, padding=k // 2, device=device, dtype=dtype)
@@ -286,23 +277,13 @@ def halo_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
     layer.requires_grad_(full)
     gen = torch.Generator().manual_seed(99 + P_x.rank)
     b = shape.get("batch", 1)
-    esize = torch.empty(0, dtype=dtype).element_size()
-    set_bytes = 3 * esize * b * c * (e + 2) ** nd
-    R = rotations(set_bytes, device)
+    R = rotations(3 * dtype.itemsize * b * c * (e + 2) ** nd, device)
     xs = [randn((b, c, *(e,) * nd), gen, dtype, device).requires_grad_(full) for _ in range(R)]
     dys = [randn((b, c, *(e,) * nd), gen, dtype, device) for _ in range(R)] if full else None
-    grad = contextlib.nullcontext if full else torch.no_grad
+    params = list(layer.parameters())
 
     def call(path):
-        def fn(i):
-            with forced_path(path), grad():
-                y = layer(xs[i])
-                if full:
-                    xs[i].grad = None
-                    layer.zero_grad(set_to_none=True)
-                    y.backward(dys[i])
-                return y
-        return fn
+        return timed_path(layer, xs, dys, full, params, functools.partial(forced_path, path))
 
     def check(path):
         if layer.last_path != path:

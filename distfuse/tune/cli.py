@@ -1,13 +1,8 @@
-"""The ``distfuse-tune`` command line: parse, initialise torch.distributed, sweep, write the table on rank 0.
+"""The ``distfuse-tune`` command line (the commands: :mod:`distfuse.tune`): parse, initialise torch.distributed,
+sweep, write the table on rank 0; ``distfuse-tune project`` runs :mod:`distfuse.tune.project` instead.
 
-    torchrun --nproc-per-node 8 -m distfuse.tune --dtype bfloat16      # NCCL, all 8 GPUs
-    torchrun --nproc-per-node 8 -m distfuse.tune --world-sizes 2 4 8   # also the TP=2 and TP=4 groups
-    distfuse-tune --quick                                             # one process (world size 1)
-    distfuse-tune project [--check]                                   # projected entries (distfuse.tune.project)
-
-Under torchrun the entries are ``"source": "measured"`` and take precedence over projected
-ones (the shipped table's, and a projected entry already in the file is replaced).  One
-process has nothing to fuse (world size 1): it says so, and points at ``distfuse-tune project``.
+Measured entries take precedence over projected ones (:mod:`distfuse.tune.table`); one process has nothing
+to fuse and says so (:func:`distfuse.tune.sweeper.one_process_note`).
 """
 
 from __future__ import annotations
@@ -66,14 +61,11 @@ def init_dist() -> bool:
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = default_timeout()  # validated: a bad DISTFUSE_TIMEOUT is refused by name before any collective
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=timeout)
-    else:
-        if backend == "nccl":
-            torch.cuda.set_device(0)
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # by torchrun; else a world of one
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) if launched else 0)
+    alone = {} if launched else dict(store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(backend, timeout=timeout, **alone)
     return True
 
 

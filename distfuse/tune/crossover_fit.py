@@ -1,26 +1,22 @@
-"""Where fused beats unfused, from measured points: the crossover maths (pure) and the table entry it gives.
+"""Where fused beats unfused, from measured points: the crossover maths (:func:`crossover`, pure) and the table
+entry the tuner writes (:func:`entry_for`; ``bench plot`` shades the interval).
 
-The gain at a size is ``log(unfused_ms / (fused_ms * (1 + margin)))``; the interval
-is the contiguous run of sizes with the largest total gain (:func:`crossover`).  The
-tuner writes the result as a table entry (:func:`entry_for`); ``bench plot`` shades it.
-
-Each entry also quotes its gains (:func:`gain_fields`): per size ``gain = unfused / fused - 1``
-and its ``margin``, what the spread of the timings takes off it (the fused time at its 80th
-percentile against the unfused at its 20th), plus the decisive ``gain``/``margin`` (the
-smallest gain inside the fused interval; the best one of a "never" entry).  Dispatch quotes
-them in ``Decision.entry`` (``layer.explain(x)``).
+Each entry also quotes its gains (:func:`gain_fields`), which dispatch shows in ``Decision.entry``
+(``layer.explain(x)``).
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from distfuse.fused import registry
 from distfuse.fused.crossover_table import NEVER
 
-__all__ = ["Crossover", "crossover", "entry_for", "provider_fields", "gain_fields", "decisive"]
+__all__ = ["Crossover", "crossover", "entry_for", "provider_fields", "provider_choice", "gain_fields", "decisive",
+           "interval_text"]
 
 
 @dataclass(frozen=True)
@@ -133,10 +129,21 @@ def provider_fields(points: Sequence[dict]) -> dict:
     for size in sorted(by_size):
         mean = {name: sum(v) / len(v) for name, v in by_size[size].items()}
         sizes.append([size, min(mean, key=mean.get)])
-    counts: dict[str, int] = {}
-    for _, name in sizes:
-        counts[name] = counts.get(name, 0) + 1
+    return provider_choice(sizes)
+
+
+def provider_choice(sizes: list) -> dict:
+    """``provider`` (the name fastest at most sizes; ties: the first in size order) and ``provider_sizes``
+    (``sizes``, ``[[size, fastest provider], ...]``) of a table entry."""
+    counts = Counter(name for _, name in sizes)
     return dict(provider=max(counts, key=counts.get), provider_sizes=sizes)
+
+
+def interval_text(entry: dict, digits: int) -> str:
+    """``"<size_key> in [lo, hi]"`` of a fusing entry (``-inf``/``inf`` where it is open)."""
+    lo, hi = entry.get("min_size"), entry.get("max_size")
+    return (f"{entry['size_key']} in [{'-inf' if lo is None else f'{lo:.{digits}g}'}, "
+            f"{'inf' if hi is None else f'{hi:.{digits}g}'}]")
 
 
 def decisive(gains: Sequence[Sequence[float]], fused: str, min_size: float | None,
@@ -155,7 +162,9 @@ def decisive(gains: Sequence[Sequence[float]], fused: str, min_size: float | Non
 
 def gain_fields(points: Sequence[dict], fused: str, min_size: float | None, max_size: float | None) -> dict:
     """``gains`` (``[[size, gain, margin], ...]``, one per size: its worst point) and the decisive ``gain`` and
-    ``margin``, from points with ``fused_ms``/``unfused_ms`` and optionally ``fused_q80``/``unfused_q20``."""
+    ``margin`` (:func:`decisive`), from points with ``fused_ms``/``unfused_ms`` and optionally
+    ``fused_q80``/``unfused_q20``: ``gain = unfused / fused - 1``, and ``margin`` what the timings' spread takes
+    off it (the fused time at its 80th percentile against the unfused at its 20th)."""
     by_size: dict[float, tuple[float, float]] = {}
     for p in points:
         f, u = p.get("fused_ms"), p.get("unfused_ms")

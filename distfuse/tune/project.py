@@ -1,25 +1,23 @@
 """Projected crossover entries: one-GPU kernel measurements plus a stated interconnect model.
 
-``distfuse-tune project`` (``python -m distfuse.tune.project``) builds the crossover table the
-package ships (``distfuse/fused/crossover_shipped.json``) from the GPU lab's result files in
-``bench/results/`` and the model below.  After a GPU run, ``scripts/lab_record.py collect``
-puts the lab's JSON there, and one command regenerates the table::
+``distfuse-tune project`` (``python -m distfuse.tune.project``) builds the table the package
+ships (``distfuse/fused/crossover_shipped.json``) from the GPU lab's result files in
+``bench/results/`` (put there by ``scripts/lab_record.py collect``) and the model below::
 
     python -m distfuse.tune.project                   # rewrite the shipped table from bench/results
     python -m distfuse.tune.project --check           # exit 1 if the shipped table is not what the inputs give
     distfuse-tune project --out ~/.cache/distfuse/crossover.json   # merge into a user's table instead
 
-What is measured.  The lab times, on one GPU, each rank's kernels of a W-way fused op in
-loopback (W virtual ranks, the "remote" stores landing in local HBM), and beside them, in
-the same process, the anchors: ``torch.mm`` (cuBLAS) on the same per-rank GEMM, and a
-device-to-device copy of the same bytes (``bench/bench_gemm_fused.py``; rows ``op``,
-``provider``, ``anchor``, ``shape``, ``dtype``, median ``ms`` and ``ms_q20``/``ms_q80``).
-The halo convolution's rows (``bench/bench_halo_conv.py``, mode ``full``) time the fused
-staging + cuDNN against ``torch.cat`` staging + the same cuDNN convolution.
+Measured: on one GPU, each rank's kernels of a W-way fused op in loopback (W virtual ranks,
+"remote" stores landing in local HBM) and, in the same process, the anchors ``torch.mm``
+(cuBLAS) on the same per-rank GEMM and a device copy of the same bytes
+(``bench/bench_gemm_fused.py``; rows ``op``, ``provider``, ``anchor``, ``shape``, ``dtype``,
+median ``ms``, ``ms_q20``/``ms_q80``).  The halo conv's rows (``bench/bench_halo_conv.py``,
+mode ``full``) time fused staging + cuDNN against ``torch.cat`` staging + the same cuDNN.
 
-What is modelled (per rank, forward; ``S`` the bytes of the tensor the collective moves: the
-partial product ``[m, n]`` for a reduce-scatter or all-reduce, the gathered operand ``[m, k]``
-for an all-gather; ``W`` the tensor-parallel world size)::
+Modelled, per rank and forward (``S`` the bytes the collective moves: the partial product
+``[m, n]`` of a reduce-scatter or all-reduce, the gathered operand ``[m, k]`` of an
+all-gather; ``W`` the tensor-parallel world size)::
 
     reduce-scatter  unfused = t_cublas + a_nccl + (W-1)/W S / B_nccl
                     fused   = max(t_gemm_scatter, (W-1)/W S / B_store) + t_reduce + a_sig
@@ -30,56 +28,45 @@ for an all-gather; ``W`` the tensor-parallel world size)::
                     fused   = max(t_gemm_push, (W-1) S / B_store) + t_reduce + a_sig          (one-shot)
     halo conv       unfused = t_cat_full, fused = t_fused_full  (both exchange the same halos: no interconnect term)
 
-The fused GEMM's remote stores overlap its own compute (tiles leave as they finish); the
-bandwidth kernels (``t_reduce``, ``t_push``) are the loopback times, scaled by the bytes they
-move at the target ``W`` (``(W+1)/W S`` for a chunk reduction, ``(W+1) S`` for the all-reduce
-slots, ``S`` for a push).  The per-rank GEMM times do not depend on ``W``, so one lab run at
-``W = 8`` (the LLaMA-3 8B/70B MLP shapes) projects TP 2, 4 and 8 at those per-rank shapes,
-keyed by the per-rank ``m*n*k`` the table uses.
+The fused GEMM's remote stores overlap its compute.  The bandwidth kernels (``t_reduce``,
+``t_push``) are scaled by the bytes they move at the target ``W`` (``(W+1)/W S`` for a chunk
+reduction, ``(W+1) S`` for the all-reduce slots, ``S`` for a push); the per-rank GEMM times
+do not depend on ``W``, so one lab run at ``W = 8`` projects TP 2, 4 and 8, keyed by the
+per-rank ``m*n*k``.
 
-The interconnect (H100 SXM5 and H200 SXM on an HGX baseboard; :data:`NVLINK4_HGX`):
+The interconnect, :data:`NVLINK4_HGX` (H100 SXM5 / H200 SXM on an HGX baseboard), nominal
+(pessimistic end):
 
-* **NVLink 4: 900 GB/s bidirectional per GPU, 450 GB/s per direction** (18 links x 25 GB/s per
-  direction), through third-generation NVSwitch, so every pair of GPUs gets the full rate.
-  Sources: NVIDIA H100 Tensor Core GPU datasheet and architecture whitepaper; NVIDIA H200
-  datasheet (same NVLink 900 GB/s); "Upgrading Multi-GPU Interconnectivity with the
-  Third-Generation NVIDIA NVSwitch", NVIDIA technical blog, 2022.
-* **NCCL reduce-scatter / all-gather: bus bandwidth 360 GB/s** (80% of the per-direction link
-  rate; the pessimistic end 450 GB/s, the full link), **latency 12 us** (pessimistic 6 us).
-  Assumed, not measured here: ring/NVLS reduce-scatter and all-gather on 8 H100s typically
-  reach 75-85% of the link for messages of tens of MB and more, and intra-node NCCL
-  collectives cost about 5-20 us for small messages.  ``busbw`` follows nccl-tests' definition
-  (time = ``(W-1)/W S / busbw``).
-* **NCCL all-reduce: bus bandwidth 450 GB/s** (pessimistic 480), latency as above: nccl-tests on
-  8 x H100 SXM5 report 460-480 GB/s at large sizes with NVLink SHARP (NVLS) (e.g. Alaya New,
-  "NCCL-tests in practice", 2026).
-* **Fused stores: 360 GB/s** (pessimistic 270, 60% of the link): SM-issued 16-byte stores into
-  peers' symmetric buffers, which NVLink carries at somewhat less than the copy engines do.
-* **Fused signalling: 6 us** (pessimistic 12 us): system-scope flag release/acquire over NVLink
-  (about 1-2 us each way) plus the op's two small agreement-signature launches.
+* NVLink 4: 900 GB/s bidirectional, 450 GB/s per direction per GPU (18 links x 25 GB/s), every
+  pair at full rate through third-generation NVSwitch (NVIDIA H100 datasheet and whitepaper,
+  H200 datasheet; "Upgrading Multi-GPU Interconnectivity with the Third-Generation NVIDIA
+  NVSwitch", NVIDIA technical blog, 2022).
+* NCCL reduce-scatter / all-gather bus bandwidth 360 GB/s (450), latency 12 us (6): assumed,
+  ring/NVLS reaching 75-85% of the link for tens of MB, 5-20 us for small messages; ``busbw``
+  as in nccl-tests (time = ``(W-1)/W S / busbw``).
+* NCCL all-reduce bus bandwidth 450 GB/s (480): nccl-tests on 8 x H100 SXM5 with NVLink SHARP
+  report 460-480 GB/s at large sizes (e.g. Alaya New, "NCCL-tests in practice", 2026).
+* Fused stores 360 GB/s (270): SM-issued 16-byte stores into peers' symmetric buffers.
+* Fused signalling 6 us (12): flag release/acquire over NVLink plus two agreement launches.
 
-These figures are stated assumptions with their ends; on a real node ``distfuse-tune`` under
-``torchrun`` measures both paths and its ``"source": "measured"`` entries replace these.
+On a real node ``distfuse-tune`` under ``torchrun`` measures both paths; its ``"source":
+"measured"`` entries replace these.
 
-Gain and margin.  At each evaluated size, ``gain = unfused / fused - 1`` with the median
-kernel times and the nominal figures; the pessimistic gain takes the fused kernels at their
-80th percentile and the anchors at their 20th (at least :data:`NOISE` apart), the
-interconnect at the ends above, and kernels measured on another device or dtype
-:data:`TRANSFER` slower; ``margin = gain - pessimistic gain``.  A size *qualifies* where
-``gain >= min_gain`` (default :data:`MIN_GAIN`, 10%) and ``gain - margin > 0``; the entry fuses
-on the contiguous run of qualifying sizes with the largest total gain, its bounds on the
-qualifying sizes themselves (open where the run reaches the smallest or largest size
-evaluated), else it is ``"fused": "never"``.  An entry's ``gain``/``margin`` is its decisive
-point: the smallest gain inside the interval, or the best gain of a "never" entry.
+Gain and margin.  ``gain = unfused / fused - 1`` with the median kernel times and nominal
+figures; the pessimistic gain takes the fused kernels at their 80th percentile and the
+anchors at their 20th (at least :data:`NOISE` apart), the interconnect at its pessimistic
+end, and kernels borrowed from another device or dtype :data:`TRANSFER` slower;
+``margin = gain - pessimistic gain``.  A size *qualifies* where ``gain >= min_gain`` (default
+:data:`MIN_GAIN`) and ``gain - margin > 0``; the entry fuses on the contiguous run of
+qualifying sizes with the largest total gain (:func:`qualifying_interval`), else it is
+``"fused": "never"``.  Its ``gain``/``margin`` is the decisive point
+(:func:`distfuse.tune.crossover_fit.decisive`).
 
-Devices without rows of their own use another Hopper GPU's kernels (:data:`DEVICES`): GEMM
-times scaled by the ratio of the devices' GEMM rates, bandwidth kernels by the ratio of their
-copy bandwidths (DESIGN.md: H100 about 3.0 TB/s and 800 TF/s bf16, H200 about 4.3 TB/s and
-769-798 TF/s).  fp16 without rows of its own uses the bf16 kernels (same width, same
-tensor-core rate).  Each entry names where its kernels came from (``kernels``).
-
-Only the forward is modelled (the lab's rows are forward); the backward of each GEMM fusion
-is its dual op, whose entry has its own projection.
+Devices without rows of their own borrow another Hopper GPU's kernels (:data:`DEVICES`):
+GEMM times scaled by the ratio of the GEMM rates, bandwidth kernels by that of the copy
+bandwidths; fp16 without rows borrows bf16's (same width, same tensor-core rate).  Each
+entry names where its kernels came from (``kernels``).  Only the forward is modelled; the
+backward of each GEMM fusion is its dual op, which has its own entry.
 """
 
 from __future__ import annotations
@@ -89,12 +76,16 @@ import glob
 import json
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import torch
+
 from distfuse.fused import registry
-from distfuse.fused.crossover_table import FORMAT, NEVER, SHIPPED, check_entry, table_key
+from distfuse.fused.crossover_table import FORMAT, SHIPPED, check_entry, table_key
+from distfuse.tune.crossover_fit import Crossover, decisive, interval_text, provider_choice
+from distfuse.tune.table import write_table, write_text_atomic
 
 __all__ = ["Ends", "Interconnect", "DeviceModel", "OpModel", "NVLINK4_HGX", "DEVICES", "OP_MODELS", "MIN_GAIN",
            "NOISE", "TRANSFER", "WORLD_SIZES", "DTYPES", "RESULTS", "load_rows", "project_table", "qualifying_interval",
@@ -208,9 +199,6 @@ class Timed:
         ms = float(row["ms"])
         return cls(ms, float(row.get("ms_q20") or ms), float(row.get("ms_q80") or ms))
 
-    def scaled(self, f: float) -> Timed:
-        return Timed(self.ms * f, self.q20 * f, self.q80 * f)
-
     def fused_end(self, pessimistic: bool, transfer: float) -> float:
         return max(self.q80, self.ms * (1 + NOISE)) * (1 + transfer) if pessimistic else self.ms
 
@@ -227,13 +215,11 @@ class ResultFile:
     rows: list[dict] = field(default_factory=list)
 
 
-def load_rows(results: Path | str = RESULTS, files: Iterable[str] | None = None) -> list[ResultFile]:
+def load_rows(results: Path | str = RESULTS) -> list[ResultFile]:
     """The GPU result files under ``results`` (``*.json`` whose ``env.device`` names an NVIDIA GPU and that hold
-    rows), oldest first; ``files``: only these names."""
+    rows), oldest first."""
     out = []
-    names = sorted(glob.glob(str(Path(results) / "*.json"))) if files is None else \
-        [str(Path(results) / f) for f in files]
-    for name in names:
+    for name in sorted(glob.glob(str(Path(results) / "*.json"))):
         try:
             data = json.loads(Path(name).read_text())
         except (OSError, ValueError):
@@ -288,7 +274,6 @@ class Case:
     anchor: Timed  # cuBLAS (GEMM ops) or cat staging + conv (halo)
     gemm: dict[str, Timed]  # row provider -> the fused GEMM (or the fused halo conv)
     bw: dict[str, Timed] = field(default_factory=dict)  # row provider -> the bandwidth kernel
-    shape: dict = field(default_factory=dict)
 
 
 def cases_for(op: str, f: ResultFile, dtype: str) -> list[Case]:
@@ -321,16 +306,15 @@ def cases_for(op: str, f: ResultFile, dtype: str) -> list[Case]:
         if anchor is None or _DEFAULT_ROW_PROVIDER not in fused:
             continue
         if model.kind == "local":
-            s = dict(shape)
-            out.append(Case(float(s["C"]), 0, 0, 0, int(anchor.get("world_size") or 1), Timed.of(anchor), fused,
-                            shape=s))
+            out.append(Case(float(dict(shape)["C"]), 0, 0, 0, int(anchor.get("world_size") or 1), Timed.of(anchor),
+                            fused))
             continue
         bw = {p: Timed.of(r) for p, r in by.get(("bw", shape), {}).items() if p not in _ANCHORS}
         if _DEFAULT_ROW_PROVIDER not in bw:
             continue
         m, n, k, _ = shape
         out.append(Case(registry.size_of(op, dict(m=m, n=n, k=k)), m, n, k, int(anchor.get("world_size") or 8),
-                        Timed.of(anchor), fused, bw, shape=dict(m=m, n=n, k=k)))
+                        Timed.of(anchor), fused, bw))
     return out
 
 
@@ -368,27 +352,26 @@ def project_case(op: str, case: Case, w: int, itemsize: int, ic: Interconnect, *
     nccl_s = ic.nccl_us.at(pessimistic) * 1e-6
     store = nbytes / (ic.store_gbps.at(pessimistic) * 1e9)
     sig_ms = ic.signal_us.at(pessimistic) * 1e-3
-    if model.kind == "rs":
-        unfused = anchor + (nccl_s + frac * nbytes / (ic.nccl_gbps.at(pessimistic) * 1e9)) * 1e3
-        fused = {_provider(op, p): max(t, frac * store * 1e3) + bw[_DEFAULT_ROW_PROVIDER] + sig_ms
-                 for p, t in fused_gemm.items()}
-    elif model.kind == "ar":
-        unfused = anchor + (nccl_s + 2 * frac * nbytes / (ic.nccl_ar_gbps.at(pessimistic) * 1e9)) * 1e3
-        fused = {_provider(op, p): max(t, (w - 1) * store * 1e3) + bw[_DEFAULT_ROW_PROVIDER] + sig_ms
-                 for p, t in fused_gemm.items()}
-    else:  # ag: the push (one provider per push row), then the one gathered GEMM
-        unfused = (nccl_s + frac * nbytes / (ic.nccl_gbps.at(pessimistic) * 1e9)) * 1e3 + anchor
-        gemm = fused_gemm[_DEFAULT_ROW_PROVIDER]
+    if model.kind == "ar":  # one-shot: every peer's whole partial product
+        nccl_wire = 2 * frac * nbytes / (ic.nccl_ar_gbps.at(pessimistic) * 1e9)
+        wire = (w - 1) * store * 1e3
+    else:
+        nccl_wire = frac * nbytes / (ic.nccl_gbps.at(pessimistic) * 1e9)
         wire = frac * store * 1e3
-        fused = {}
-        for p, t in bw.items():
-            name = _provider(op, p)
-            if name not in known:
-                continue
-            if name == "copy_engine":  # DMA on side streams, overlapping the GEMM, which takes its own chunk first
-                fused[name] = max(gemm, max(t, wire) + gemm / w) + sig_ms
-            else:
-                fused[name] = max(t, wire) + gemm + sig_ms
+    unfused = anchor + (nccl_s + nccl_wire) * 1e3
+    if model.kind != "ag":  # the GEMM with its stores, then the reduction
+        reduce = bw[_DEFAULT_ROW_PROVIDER]
+        return unfused, {_provider(op, p): max(t, wire) + reduce + sig_ms for p, t in fused_gemm.items()}
+    gemm = fused_gemm[_DEFAULT_ROW_PROVIDER]  # ag: the push (one provider per push row), then the gathered GEMM
+    fused = {}
+    for p, t in bw.items():
+        name = _provider(op, p)
+        if name not in known:
+            continue
+        if name == "copy_engine":  # DMA on side streams, overlapping the GEMM, which takes its own chunk first
+            fused[name] = max(gemm, max(t, wire) + gemm / w) + sig_ms
+        else:
+            fused[name] = max(t, wire) + gemm + sig_ms
     return unfused, fused
 
 
@@ -402,11 +385,7 @@ class Point:
     provider: str
     provider_ms: dict[str, float]
 
-    @property
-    def qualifies(self) -> bool:
-        return self._qualifies(MIN_GAIN)
-
-    def _qualifies(self, min_gain: float) -> bool:
+    def qualifies(self, min_gain: float = MIN_GAIN) -> bool:
         return self.gain >= min_gain - 1e-12 and self.gain - self.margin > 0
 
 
@@ -420,7 +399,7 @@ def qualifying_interval(points: Sequence[Point], min_gain: float = MIN_GAIN) -> 
     pts = sorted(points, key=lambda p: p.size)
     best, best_run, run = -math.inf, None, None
     for i, p in enumerate(pts):
-        if p._qualifies(min_gain):
+        if p.qualifies(min_gain):
             run = (run[0], i, run[2] + p.gain) if run else (i, i, p.gain)
             if run[2] > best:
                 best, best_run = run[2], run
@@ -440,31 +419,15 @@ def _sig(x: float, digits: int = 5) -> float:
 def _entry(op: str, points: list[Point], min_gain: float, kernels: dict, mode: str, ic: Interconnect) -> dict:
     fused, lo, hi = qualifying_interval(points, min_gain)
     pts = sorted(points, key=lambda p: p.size)
-    entry: dict = {"fused": fused, "size_key": registry.get(op).size_key, "source": "projected", "mode": mode,
-                   "min_gain": min_gain, "model": ic.name, "kernels": kernels}
-    if fused == "never":
-        entry["max_size"] = NEVER
-        decisive = max(pts, key=lambda p: p.gain)
-    else:
-        if lo is not None:
-            entry["min_size"] = lo
-        if hi is not None:
-            entry["max_size"] = hi
-        decisive = min((p for p in pts if registry.in_interval(p.size, lo, hi)), key=lambda p: p.gain)
-        excluded = [p.size for p in pts if p._qualifies(min_gain) and not registry.in_interval(p.size, lo, hi)]
-        if excluded:
-            entry["excluded_wins"] = excluded
-    entry["gain"], entry["margin"] = _sig(decisive.gain, 4), _sig(decisive.margin, 4)
-    entry["gains"] = [[p.size, _sig(p.gain, 4), _sig(p.margin, 4)] for p in pts]
-    entry["points"] = [[p.size, _sig(p.fused_ms), _sig(p.unfused_ms)] for p in pts]
-    names = {n for p in pts for n in p.provider_ms}
-    if len(names) > 1:
-        sizes = [[p.size, p.provider] for p in pts]
-        counts: dict[str, int] = {}
-        for _, name in sizes:
-            counts[name] = counts.get(name, 0) + 1
-        entry["provider"] = max(counts, key=counts.get)
-        entry["provider_sizes"] = sizes
+    excluded = tuple(p.size for p in pts if p.qualifies(min_gain) and not registry.in_interval(p.size, lo, hi))
+    entry = Crossover(lo, hi, fused, excluded_wins=excluded).entry()
+    gain, margin = decisive([[p.size, p.gain, p.margin] for p in pts], fused, lo, hi)
+    entry.update(size_key=registry.get(op).size_key, source="projected", mode=mode, min_gain=min_gain, model=ic.name,
+                 kernels=kernels, gain=_sig(gain, 4), margin=_sig(margin, 4),
+                 gains=[[p.size, _sig(p.gain, 4), _sig(p.margin, 4)] for p in pts],
+                 points=[[p.size, _sig(p.fused_ms), _sig(p.unfused_ms)] for p in pts])
+    if len({n for p in pts for n in p.provider_ms}) > 1:
+        entry.update(provider_choice([[p.size, p.provider] for p in pts]))
     return entry
 
 
@@ -487,12 +450,10 @@ def project_entries(files: list[ResultFile], devices: Sequence[DeviceModel], ops
                     world_sizes: Sequence[int] = WORLD_SIZES, dtypes: Sequence[str] = DTYPES,
                     min_gain: float = MIN_GAIN) -> tuple[dict, list[str]]:
     """Every projected entry: ``({table key: entry}, notes)``."""
-    import torch
-
     entries, notes = {}, []
     for device in devices:
         for dtype in dtypes:
-            itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+            itemsize = getattr(torch, dtype).itemsize
             for op in ops:
                 src = _sources(files, device, op, dtype)
                 if src is None:
@@ -500,8 +461,7 @@ def project_entries(files: list[ResultFile], devices: Sequence[DeviceModel], ops
                     continue
                 f, src_dtype, cases = src
                 src_dev = _device_of(f.device)
-                moved = src_dev is not device or src_dtype != dtype
-                transfer = TRANSFER if moved else 0.0
+                transfer = TRANSFER if src_dev is not device or src_dtype != dtype else 0.0
                 gemm_scale = src_dev.gemm_tflops / device.gemm_tflops
                 bw_scale = src_dev.copy_gbps / device.copy_gbps
                 kernels = {"file": f.path, "device": f.device, "date": f.date, "dtype": src_dtype,
@@ -536,7 +496,7 @@ def _points(op, cases, w, itemsize, ic, transfer, gemm_scale, bw_scale) -> list[
 
 def model_meta() -> dict:
     """``_meta.model`` of a projected table: the figures, their ends and the rule."""
-    return dict(interconnect={k: asdict(v) for k, v in {"NVLINK4_HGX": NVLINK4_HGX}.items()},
+    return dict(interconnect={"NVLINK4_HGX": asdict(NVLINK4_HGX)},
                 devices={n: dict(copy_gbps=d.copy_gbps, gemm_tflops=d.gemm_tflops) for n, d in DEVICES.items()},
                 min_gain=MIN_GAIN, noise=NOISE, transfer=TRANSFER, generator="distfuse.tune.project")
 
@@ -552,10 +512,8 @@ def project_table(results: Path | str = RESULTS, *, devices: Sequence[str] | Non
         check_entry("(projected)", k, v)
     used = sorted({e["kernels"]["file"] for e in entries.values()})
     inputs = [dict(file=f.path, device=f.device, date=f.date, commit=f.commit) for f in files if f.path in used]
-    table = dict(entries)
-    table["_meta"] = dict(format=FORMAT, written_by="distfuse-tune project", model=model_meta(), inputs=inputs,
-                          notes=notes, world_sizes=list(world_sizes), dtypes=list(dtypes))
-    return table
+    return dict(entries, _meta=dict(format=FORMAT, written_by="distfuse-tune project", model=model_meta(),
+                                    inputs=inputs, notes=notes, world_sizes=list(world_sizes), dtypes=list(dtypes)))
 
 
 def dumps(table: dict) -> str:
@@ -566,12 +524,7 @@ def summary(table: dict) -> str:
     lines = []
     for key in sorted(k for k in table if "|" in k):
         e = table[key]
-        if e["fused"] == "never":
-            verdict = "unfused"
-        else:
-            lo, hi = e.get("min_size"), e.get("max_size")
-            verdict = f"FUSED for {e['size_key']} in [{'-inf' if lo is None else f'{lo:.3g}'}, " \
-                      f"{'inf' if hi is None else f'{hi:.3g}'}]"
+        verdict = "unfused" if e["fused"] == "never" else f"FUSED for {interval_text(e, 3)}"
         gains = ", ".join(f"{g:+.0%}" for _, g, _ in e["gains"])
         lines.append(f"{key}: {verdict}; gain {e['gain']:+.1%} ± {e['margin']:.1%} (by size: {gains})")
     return "\n".join(lines)
@@ -615,12 +568,8 @@ def main(argv=None) -> int:
         print(f"{out} is what {args.results} gives")
         return 0
     if args.out is None:  # the shipped table: rewritten whole, deterministic, atomically
-        from distfuse.tune.table import write_text_atomic
-
         write_text_atomic(out, dumps(table))
     else:
-        from distfuse.tune.table import write_table
-
         entries = {k: v for k, v in table.items() if "|" in k}
         write_table(out, entries, extra_meta={"projected": table["_meta"]})
     n_fused = sum(1 for k, v in table.items() if "|" in k and v["fused"] != "never")

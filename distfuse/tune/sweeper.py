@@ -1,26 +1,19 @@
 """The sweep: time both paths of every op over its shape grid on the initialised world (every rank calls it).
 
-Ops, size keys, grids, availability probes and timing cases all come from the registry
-(:mod:`distfuse.fused.registry`); the timer is :mod:`distfuse.timing`.  Per repetition
-the slowest rank's time (host all-reduce MAX on the gloo metadata group, outside the
-timed region), after a barrier; median of ``reps``.  On CUDA: CUDA events, L2 flushed
-before every run, random inputs rotated over enough copies to exceed L2 four times.
+Ops, size keys, grids, availability probes and timing cases come from the registry
+(:mod:`distfuse.fused.registry`); the timer is :mod:`distfuse.timing`.  Per repetition the
+slowest rank's time (host all-reduce MAX on the gloo metadata group, outside the timed
+region), after a barrier; median of ``reps``.  On CUDA: CUDA events, L2 flushed before
+every run, inputs rotated over enough copies to exceed L2 four times.
 
-CPU / gloo.  The production path on CPU is unfused and the fused kernels would run in
-the Triton interpreter, whose times mean nothing: the sweep times the unfused providers
-only, records "fused not timed" in the notes and writes no crossover entries.  An op's
-``available`` probe can rule the fused path out too (the linears: no symmetric memory
-between the ranks, or world size 1).  ``interpreted=True`` times the fused path on CPU
-anyway (tests of the plumbing: entries keyed ``cpu|...`` that dispatch never reads).
-
-One process.  At world size 1 no op has communication to fuse, so nothing is measured:
-:func:`one_process_note` says so, and where the numbers come from instead (the GPU lab's
-loopback kernel rows and ``distfuse-tune project``, which writes ``"source": "projected"``
-entries).  Under ``torchrun`` on a multi-GPU node every rank times both paths of every op
-and the entries are ``"source": "measured"``, with each point's spread (``fused_q80``,
-``unfused_q20``: the gains' margins) and the kernel each provider ran (``kernels``,
-:func:`distfuse.fused.providers.last_kernel`: a provider that fell back is named by the
-kernel that actually ran).
+Where the fused path is not timed, the sweep times the unfused providers only, says why in
+the notes and writes no entry: on CPU (the fused kernels would run in the Triton
+interpreter, whose times mean nothing; ``interpreted=True`` times them anyway, for tests of
+the plumbing: entries keyed ``cpu|...`` that dispatch never reads), where an op's
+``available`` probe rules it out, and at world size 1 (:func:`one_process_note`).  Entries
+are ``"source": "measured"``, with each point's spread (``fused_q80``, ``unfused_q20``) and
+the kernel each provider ran (``kernels``, :func:`distfuse.fused.providers.last_kernel`: a
+provider that fell back is named by the kernel that actually ran).
 """
 
 from __future__ import annotations
@@ -32,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from distfuse.fused import registry
 from distfuse.fused.crossover_table import table_key
@@ -39,7 +33,7 @@ from distfuse.groups import metadata_group
 from distfuse.timing import rotating, summarize, time_samples
 from distfuse.tune.autotune_cache import autotuners, cache_keys, harvest_autotune_caches
 from distfuse.tune.cases import CaseContext
-from distfuse.tune.crossover_fit import entry_for
+from distfuse.tune.crossover_fit import entry_for, interval_text
 
 __all__ = ["SweepResult", "default_grid", "sweep", "fused_available", "run_meta", "summary", "one_process_note",
            "Timer"]
@@ -65,9 +59,7 @@ def fused_available(op: str, P, device: torch.device, dtype, interpreted: bool =
 
     ``interpreted``: on CPU too (the kernels interpreted: plumbing tests, not measurements)."""
     spec = registry.get(op)
-    if device.type != "cuda" and interpreted:
-        return registry.resolve(spec.available)(P, device, dtype) if spec.available is not None else (True, "")
-    if device.type != "cuda":
+    if device.type != "cuda" and not interpreted:
         return False, (f"{device.type}: the fused kernels would run in the Triton interpreter (not timed); the "
                        "production path there is unfused, so no fused entries are written")
     if spec.available is None:
@@ -85,17 +77,15 @@ class SweepResult:
 
 
 def _progress(items, desc: str, enabled: bool):
-    if not enabled:
-        return items
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return items
-    return tqdm(items, desc=desc, leave=False, file=sys.stderr)
+    return tqdm(items, desc=desc, leave=False, file=sys.stderr, disable=not enabled)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def _time_samples(label: str, fn: Callable[[int], object], n_rot: int, timing: dict) -> list:
@@ -207,8 +197,7 @@ def sweep(ops: Sequence[str], dtypes: Sequence[torch.dtype], world_sizes: Sequen
                     continue
                 res.sweeps[key] = dict(size_key=spec.size_key, mode=mode, points=points)
                 if any(p["fused_ms"] is not None for p in points):
-                    res.entries[key] = entry_for(op, points, margin, mode=mode,
-                                                 date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+                    res.entries[key] = entry_for(op, points, margin, mode=mode, date=_now())
                 configs = harvest_autotune_caches(tuners, before)
                 if configs:
                     res.triton_configs[key] = configs
@@ -222,7 +211,7 @@ def run_meta(res: SweepResult, args_summary: dict) -> dict:
 
     import distfuse
 
-    date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    date = _now()
     return {k: dict(date=date, torch=torch.__version__, triton=triton.__version__, distfuse=distfuse.__version__,
                     cuda=torch.version.cuda, notes=v, args=args_summary) for k, v in res.notes.items()}
 
@@ -239,9 +228,7 @@ def summary(res: SweepResult) -> str:
         elif entry["fused"] == "always":
             verdict = "fused wins at every size measured"
         else:
-            lo, hi = entry.get("min_size"), entry.get("max_size")
-            verdict = f"fused for {sw['size_key']} in [{'-inf' if lo is None else f'{lo:.4g}'}, " \
-                      f"{'inf' if hi is None else f'{hi:.4g}'}]"
+            verdict = f"fused for {interval_text(entry, 4)}"
         lines.append(f"{key}: {len(sw['points'])} shapes; {verdict}")
         for p in sw["points"]:
             f = "-" if p["fused_ms"] is None else f"{p['fused_ms']:.4f}"

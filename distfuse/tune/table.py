@@ -1,25 +1,21 @@
 """The crossover table's writer: the tuner merges its entries into the file atomically.
 
-The format, the file's location and the reader (:func:`load_table`, :func:`check_entry`,
-:func:`table_key`, ...) are :mod:`distfuse.fused.crossover_table`'s, below dispatch, so
-that the layers never import the tuner; they are re-exported here for the tuner's callers.
+The format, the location and the reader are :mod:`distfuse.fused.crossover_table`'s (so the
+layers never import the tuner), re-exported here for the tuner's callers.
 
-Robustness.  :func:`write_table` writes a temporary file in the table's directory and
-renames it over the table (``os.replace``), so a reader never sees half a file; the file
-gets the mode a new file would (``0o666 & ~umask``), not ``mkstemp``'s 0600.  An existing
-table it cannot read, or whose entries are malformed, is moved aside to
-``<name>.unreadable-<timestamp>`` with a warning (never overwritten silently), and a fresh
-table is written.  Keys under a renamed op's former name are rewritten under the current
-one (:func:`~distfuse.fused.crossover_table.current_keys`).
-
-Measured over projected.  A ``"source": "projected"`` entry (``distfuse-tune project``) never
-replaces a measured one already in the file (``"source": "measured"``, or a tuner entry from
-before sources); the writer keeps the measured entry and warns.  A measured entry replaces
-anything.
+:func:`write_table` writes a temporary file beside the table and renames it over it, so a
+reader never sees half a file; the file gets the mode a new file would (``0o666 & ~umask``),
+not ``mkstemp``'s 0600.  An existing table that cannot be read, or holds a malformed entry,
+is moved aside to ``<name>.unreadable-<timestamp>`` with a warning (never overwritten
+silently).  Keys under a renamed op's former name are rewritten under the current one.  A
+``"source": "projected"`` entry never replaces a measured one already in the file
+(:func:`~distfuse.fused.crossover_table.entry_source`; the writer keeps it and warns); a
+measured entry replaces anything.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -94,12 +90,10 @@ def write_table(path: Path | str | None, entries: dict | None = None, *, triton_
     """Merge into the crossover table at ``path`` (default: :func:`table_path`) and write it atomically.
 
     ``entries``: ``table_key -> entry``; ``triton_configs`` and ``sweeps``: keyed the same;
-    ``run_meta``: ``"device|world" -> info`` for ``_meta.runs``.  Keys already in the file
-    and not given are kept (other devices, world sizes, dtypes, ops), under the current op
-    names (see the module doc on renamed ops).  An existing file that cannot be read, or
-    holds a malformed entry, is moved aside with a warning (see the module doc); a
-    malformed entry given here raises :class:`ConfigError`.  A projected entry does not
-    replace a measured one (see the module doc).  ``extra_meta``: more keys for ``_meta``.
+    ``run_meta``: ``"device|world" -> info`` for ``_meta.runs``; ``extra_meta``: more keys for
+    ``_meta``.  Keys already in the file and not given are kept (see the module doc for
+    unreadable files, renamed ops and projected entries); a malformed entry given here raises
+    :class:`ConfigError`.
     """
     path = Path(path) if path is not None else table_path()
     for k, v in (entries or {}).items():
@@ -123,18 +117,20 @@ def write_table(path: Path | str | None, entries: dict | None = None, *, triton_
     table.update({k: v for k, v in (entries or {}).items() if k not in kept})
     for section, new in (("triton_configs", triton_configs), ("sweeps", sweeps)):
         if new:
-            if not isinstance(table.get(section), dict):
-                table[section] = {}
-            table[section].update(new)
-    meta = table.get("_meta") if isinstance(table.get("_meta"), dict) else {}
-    table["_meta"] = meta
+            _section(table, section).update(new)
+    meta = _section(table, "_meta")
     meta.update(format=FORMAT, written_by="distfuse-tune")
     meta.update(extra_meta or {})
     if run_meta:
-        if not isinstance(meta.get("runs"), dict):
-            meta["runs"] = {}
-        meta["runs"].update(run_meta)
+        _section(meta, "runs").update(run_meta)
     return write_text_atomic(path, json.dumps(table, indent=1, sort_keys=True) + "\n")
+
+
+def _section(parent: dict, name: str) -> dict:
+    """``parent[name]``, replaced by an empty dict where it is not a dict."""
+    if not isinstance(parent.get(name), dict):
+        parent[name] = {}
+    return parent[name]
 
 
 def write_text_atomic(path: Path | str, text: str) -> Path:
@@ -150,9 +146,7 @@ def write_text_atomic(path: Path | str, text: str) -> Path:
         os.chmod(tmp, _new_file_mode())
         os.replace(tmp, path)  # readers (dispatch re-reads on mtime change) never see a half-written file
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        except FileNotFoundError:
-            pass
         raise
     return path
