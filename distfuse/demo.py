@@ -100,7 +100,7 @@ def _sequential_step(model: nn.ModuleDict, opt: torch.optim.Optimizer, x: torch.
 def train(steps: int = 8, lr: float = 0.05, quiet: bool = False) -> list[tuple[float, float]]:
     """Run the demo on an initialised process group of 4 ranks; returns (distributed, sequential) losses on rank 0."""
     from distfuse import Partition
-    from distfuse.demo_check import make_twins, report, train_checked
+    from distfuse.demo_check import make_twins, print_paths, report, train_checked
     from distfuse.geometry.decomposition import local_slices
     from distfuse.groups import world_group
 
@@ -148,11 +148,7 @@ def train(steps: int = 8, lr: float = 0.05, quiet: bool = False) -> list[tuple[f
     losses, times = train_checked(steps, TERMS, quiet, distributed_step, twin_step, device)
     final = _collect(model)
     if dist.get_rank() == 0 and not quiet:
-        print("layer paths (fused or unfused, and why):")
-        for name, layer in model.items():
-            decision = getattr(layer, "last_decision", None)
-            reason = f" ({decision.reason})" if decision is not None else ""
-            print(f"  {name:<6} {type(layer).__name__:<36} {layer.last_path}{reason}")
+        print_paths(model)
     report(final, twins, TERMS, steps, start, losses, times, "weights", "model", quiet)
     return losses
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["make_twins", "train_checked", "report"]
+__all__ = ["make_twins", "train_checked", "report", "print_paths"]
 
 
 def make_twins(build: Callable[[torch.dtype], nn.Module], state: dict | None,
@@ -92,3 +92,15 @@ def report(final: dict | None, twins: dict, terms: int, steps: int, start: dict 
           f"{losses[-1][0]:.6f}")
     print(f"{what} agree with the float64 twin: worst {worst.key}, {worst.error:.1e} of {worst.allowed:.1e} "
           f"allowed ({worst.ratio:.1e} of its allowance; torch.nn in float32: {torch_nn.ratio:.1e})")
+
+
+def print_paths(model: nn.Module) -> None:
+    """Print the path (fused or unfused, and why) each layer of ``model`` took in its latest forward."""
+    print("layer paths (fused or unfused, and why):")
+    for name, layer in model.named_modules():
+        decisions = dict(getattr(layer, "last_decisions", None) or {})
+        if getattr(layer, "last_decision", None) is not None:
+            decisions[""] = layer.last_decision
+        for part, decision in decisions.items():
+            where = f"{name}.{part}" if part else name
+            print(f"  {where:<22} {type(layer).__name__:<32} {decision.path} ({decision.reason})")

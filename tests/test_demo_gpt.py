@@ -21,3 +21,14 @@ def test_gpt_demo_trains_in_step_with_torch_nn(tmp_path):
     assert "(context x tensor, zigzag layout)" in out, out[-4000:]
     assert "every step's loss matched the sequential torch.nn GPT" in out, out[-4000:]
     assert "weights agree with the float64 twin" in out, out[-4000:]
+
+
+def test_gpt_demo_on_the_fused_paths(tmp_path):
+    """``--path fused``: every projection (the attention's packed QKV all-gather + GEMM and its GEMM +
+    reduce-scatter, the MLP's and the head's sequence-parallel linears) runs its fused op, Triton interpreted over
+    /dev/shm, and the run still matches the float64 twin step by step."""
+    proc, out = _run(["-m", "distfuse.demo", "gpt", "--steps", "2", "--path", "fused"], tmp_path)
+    assert proc.returncode == 0, out[-4000:]
+    paths = re.findall(r"^  (\S+)\s+Distributed\w+\s+(fused|unfused) ", out, flags=re.M)
+    assert len(paths) == 9 and all(p == "fused" for _, p in paths), paths
+    assert "every step's loss matched the sequential torch.nn GPT" in out, out[-4000:]

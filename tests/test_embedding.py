@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distfuse import PartitionError, ShapeError, UnsupportedError, zero_volume_tensor
-from distfuse.geometry.decomposition import local_slices
+from distfuse.geometry.decomposition import block_range, local_slices
 from distfuse.layers._params import collect_sequential, load_sequential
 from distfuse.layers.embedding import DistributedEmbedding
 from distfuse.testing import run_ranks
@@ -46,6 +46,7 @@ class Case:
     padding_idx: int | None = None
     dtype: torch.dtype = F64
     ids_dtype: torch.dtype = torch.int64
+    sp: bool = False  # sequence_parallel: each vocabulary worker gets its block of the rows
 
 
 CASES = {
@@ -56,7 +57,10 @@ CASES = {
         Case("1x3-empty-block-2-rows", (4,), 2, 3, (1, 3), (0, 1, 2))],
     4: [Case("2x2-uneven-perm-padding-0", (5,), 9, 3, (2, 2), (3, 1, 2, 0), padding_idx=0),
         Case("1x3-inactive-perm", (6,), 10, 2, (1, 3), (3, 0, 2), padding_idx=4),
-        Case("2x1x2-3d-bf16", (3, 4), 7, 5, (2, 1, 2), (0, 1, 2, 3), padding_idx=6, dtype=BF16)],
+        Case("2x1x2-3d-bf16", (3, 4), 7, 5, (2, 1, 2), (0, 1, 2, 3), padding_idx=6, dtype=BF16),
+        # sequence-parallel: the rows reduce-scattered over the vocabulary axis (5 rows over 2 and 3 over 3: uneven)
+        Case("1x2x2-sp-perm-padding", (2, 10), 9, 3, (1, 2, 2), (2, 0, 3, 1), padding_idx=1, sp=True),
+        Case("1x3-sp-of-4-inactive", (3,), 8, 4, (1, 3), (3, 1, 0), sp=True)],
 }
 
 
@@ -75,7 +79,7 @@ def run_case(c: Case) -> int:
     dy = torch.randn(ref.shape, generator=gen, dtype=F64).to(c.dtype).double()
     ref.backward(dy)
 
-    layer = DistributedEmbedding(P_x, c.V, c.D, padding_idx=c.padding_idx, dtype=c.dtype)
+    layer = DistributedEmbedding(P_x, c.V, c.D, padding_idx=c.padding_idx, sequence_parallel=c.sp, dtype=c.dtype)
     if P_x.active:
         layer.weight.data.fill_(float("nan"))  # poisoned: load_sequential must overwrite every element
     load_sequential(layer, seq if dist.get_rank() == 0 else None)
@@ -89,9 +93,13 @@ def run_case(c: Case) -> int:
     assert torch.equal(layer.weight.double(), seq.weight.detach()[rows]), f"{c.name}: loaded block"
     sl = local_slices(c.ids_shape, P_x.shape[:-1], P_x.index[:-1])
     y = layer(ids_g[sl].to(c.ids_dtype))
-    assert y.dtype == c.dtype and tuple(y.shape) == tuple(ref[sl].shape), (c.name, y.dtype, tuple(y.shape))
-    assert torch.equal(y.double(), ref.detach()[sl]), f"{c.name}: output differs from torch's bits"
-    y.backward(dy[sl].to(c.dtype))
+    want_y, want_dy = ref.detach()[sl], dy[sl]
+    if c.sp:  # this vocabulary worker's balanced block of the rows (the last ids dimension)
+        mine = slice(*block_range(want_y.shape[-2], P_x.shape[-1], v))
+        want_y, want_dy = want_y[..., mine, :], want_dy[..., mine, :]
+    assert y.dtype == c.dtype and tuple(y.shape) == tuple(want_y.shape), (c.name, y.dtype, tuple(y.shape))
+    assert torch.equal(y.double(), want_y), f"{c.name}: output differs from torch's bits"
+    y.backward(want_dy.to(c.dtype))
     got, want = layer.weight.grad.double(), seq.weight.grad[rows]
     # a row's gradient sums its ids' output gradients: at most prod(S) terms, rounded once to the dtype
     torch.testing.assert_close(got, want, **tol(c.dtype, terms=ids_g.numel()),

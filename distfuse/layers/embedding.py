@@ -11,6 +11,11 @@ axes like any layer's input, and every worker of one vocabulary row holds the sa
 
     forward  p = where(start_v <= ids < start_v + V_v, weight[ids - start_v], 0)     local, [*S_b, D]
              y = sum of p over the vocabulary axis        (``distfuse::replicate_adjoint``: one all-reduce)
+    sequence_parallel=True:
+             y = reduce_scatter of p over the vocabulary axis along the last ids dimension: [..., S_bv, D],
+                 worker v's balanced block of its rows (Megatron's sequence-parallel layout, what a
+                 ``sequence_parallel`` attention or the sequence-parallel linears take); adjoint: the all-gather
+                 of dy's rows, so every vocabulary worker sees the whole dy of its ids
     adjoint  dp = dy          (y is replicated: every worker seeds the gradient of the one global output)
              dweight[r] = sum of dp over the ids equal to start_v + r     (torch's embedding backward, local)
              dweight summed over the leading axes        (``distfuse::replicate``'s adjoint: the copies of a
@@ -42,6 +47,7 @@ counts), ``sparse`` gradients.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +57,7 @@ from torch import nn
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, block_start
 from distfuse.layers._conv_common import AgreedLayer, check_cartesian
+from distfuse.layers._linear_common import grid_partition
 from distfuse.layers._norm_common import FLOATS, gather_call, global_shape_of, one_dtype, subgrid
 from distfuse.layers._params import BlockIdentityMixin, ParamLayout
 from distfuse.partition import zero_volume_tensor
@@ -59,6 +66,7 @@ from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives._handles import lookup
 from distfuse.primitives._op_pair import op_entry
 from distfuse.primitives.all_sum_reduce import SubGridSum, replicate, replicated_sum
+from distfuse.primitives.reduce_scatter import reduce_scatter
 
 __all__ = ["DistributedEmbedding", "check_vocab_partition"]
 
@@ -108,6 +116,21 @@ _check_op = op_entry("embedding_check", _embedding_check,
                      lambda ids, handle, num_embeddings: ids.new_empty((), dtype=torch.bool))
 
 
+def _row_scatter_grid(P_x):
+    """This worker's vocabulary row as ``[1, ..., 1, P_v, 1]``, one dimension per output dimension: the sub-grid
+    that reduce-scatters the rows (the last ids dimension).  Collective over the world: every rank makes every row's
+    partition, in order."""
+    lead, p_v = P_x.shape[:-1], P_x.shape[-1]
+    shape = [1] * (len(lead) - 1) + [p_v, 1]
+    mine = None
+    for index in itertools.product(*(range(n) for n in lead)):
+        ranks = [P_x.ranks[P_x.rank_of((*index, v))] for v in range(p_v)]
+        row = grid_partition(ranks, shape, P_x.device)
+        if row.active:
+            mine = row
+    return mine if mine is not None else row
+
+
 def check_vocab_partition(op: str, P_x) -> None:
     """``P_x`` must be a CartesianPartition of at least two dimensions: the leading axes, then the vocabulary."""
     check_cartesian(op, P_x)
@@ -132,13 +155,15 @@ class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
         num_embeddings, embedding_dim, padding_idx: as ``torch.nn.Embedding`` (a negative
             ``padding_idx`` counts from the end).
         max_norm, norm_type, scale_grad_by_freq, sparse: torch's; only the defaults are supported.
+        sequence_parallel: return this vocabulary worker's balanced block of the rows (the last ids dimension)
+            instead of every row (see the module docstring).
         device, dtype: of the weight block, this worker's ``[V_v, D]`` (default: ``P_x``'s device, torch's
             default dtype).
     """
 
     def __init__(self, P_x, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
                  max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False, device=None, dtype=None):
+                 sparse: bool = False, sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         op = type(self).__name__
         check_vocab_partition(op, P_x)
@@ -162,6 +187,9 @@ class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
         self._vocab = SubGridSum(op, subgrid(P_x, [vocab]))
         self._rep = SubGridSum(op, subgrid(P_x, range(vocab)))
         self._check = SubGridSum(op, P_x)
+        self.sequence_parallel = bool(sequence_parallel)
+        if self.sequence_parallel:
+            self._P_rows = _row_scatter_grid(P_x)
         self._agree_over(P_x)
         p_v, i_v = P_x.shape[vocab], (P_x.index[vocab] if P_x.active else 0)
         self.vocab_start = block_start(self.num_embeddings, p_v, i_v)
@@ -191,7 +219,7 @@ class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """This worker's ids block ``[*S_b]`` (zero-volume outside P_x); returns ``[*S_b, D]``, replicated over the
-        vocabulary axis."""
+        vocabulary axis (``sequence_parallel``: this vocabulary worker's balanced block of the last ids dimension)."""
         op = type(self).__name__
         if not self.P_x.active:
             check_inactive_input(op, ids)
@@ -214,7 +242,12 @@ class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
             pad = pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < self.vocab_rows else None
             rows = F.embedding(torch.where(mine, local, torch.zeros_like(local)), weight, padding_idx=pad)
             part = torch.where(mine.unsqueeze(-1), rows, torch.zeros_like(rows))
-        y = replicated_sum(part, self._vocab.handle) if self._vocab.P.size > 1 else part
+        if self._vocab.P.size == 1:
+            y = part
+        elif self.sequence_parallel:
+            y = reduce_scatter(part, self._P_rows)
+        else:
+            y = replicated_sum(part, self._vocab.handle)
         if y.device.type != "cpu":  # nothing was raised: a failed check makes the output NaN on every worker
             y = torch.where(bad, torch.full_like(y, float("nan")), y)
         return y
