@@ -7,6 +7,10 @@ the global problem ``q, k, v, dO [B, H, S, D]``, each rank holding ``S / W`` row
   - ``ring_contiguous``  ``distributed_attention(..., causal=True, layout="contiguous")``: balanced blocks,
                          the causal work unbalanced (the last rank computes ``W`` blocks, the first one);
   - ``ring_zigzag``      the same with ``layout="zigzag"`` (``load_balanced_split``: chunks ``r`` and ``2W-1-r``);
+  - ``ring_zigzag_fused`` the zig-zag ring on its fused transport (``DISTFUSE_PATH=fused``: each block pushed into
+                         the next rank's symmetric buffer, :mod:`distfuse.fused.ring_push`; on CPU ``/dev/shm`` and
+                         a host barrier per step, so its CPU ratio measures the protocol, not the overlap); dropped
+                         (with the reason in the suite's status) where symmetric memory is unavailable;
   - ``context_parallel`` (anchor where it runs) torch's DTensor context parallelism:
                          ``torch.distributed.tensor.experimental.context_parallel`` on a 1-D ``DeviceMesh`` of the
                          same ranks, ``scaled_dot_product_attention(is_causal=True)`` inside it, on the zig-zag blocks
@@ -71,6 +75,7 @@ from bench.spatial_common import check_agree  # noqa: E402
 NAME = "attention"
 CP = "context_parallel"
 ALLGATHER = "sdpa_allgather"
+FUSED_RING = "ring_zigzag_fused"
 MHA_ANCHOR = "tp_only"
 BLOCK_ANCHOR = "sdpa"
 COPY_ANCHOR = "copy"
@@ -198,7 +203,8 @@ def _context_parallel_fn(device: torch.device, W: int):
 
 class _AttentionCase:
     def __init__(self, shape, dtype: torch.dtype, device: torch.device):
-        from distfuse.layers.attention_ring import distributed_attention, local_positions
+        from distfuse.layers.attention_ring import DistributedAttention, distributed_attention, local_positions
+        from distfuse.tune.cases import forced_path
 
         B, H, S, D = shape
         W, r = dist.get_world_size(), dist.get_rank()
@@ -230,9 +236,20 @@ class _AttentionCase:
             ring = (lambda q, k, v, layout=layout:
                     distributed_attention(q, k, v, P, causal=True, layout=layout))
             self.providers[f"ring_{layout}"] = (autograd_step(ring), *inputs(layout))
+        fused_ring = DistributedAttention(P, causal=True, layout="zigzag")
+
+        def fused_step(q, k, v, dout):
+            with forced_path("fused"):
+                out = fused_ring(q, k, v)
+                out.backward(dout)
+            return out
+
+        self.fused_ring = fused_ring
+        self.providers[FUSED_RING] = (fused_step, *inputs("zigzag"))
         self.providers[CP] = (_context_parallel_fn(device, W), *inputs("zigzag"))
         self.providers[ALLGATHER] = (autograd_step(_AllGatherAttention(S, W, r, device)), *inputs("zigzag"))
         self.cp_status = "ran"
+        self.fused_status = "ran"
 
     def _once(self, name: str):
         fn, qkv, dout, _ = self.providers[name]
@@ -255,6 +272,10 @@ class _AttentionCase:
                 if name != CP:
                     raise
                 problem = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:400]
+            if name == FUSED_RING and self.fused_ring.last_decision.path != "fused":
+                # the same decision on every rank (availability is collective): dropped on all of them
+                self.fused_status = f"not run: {self.fused_ring.last_decision.reason}"[:400]
+                del self.providers[FUSED_RING]
             if name == CP:  # every rank must agree whether it runs (it is collective)
                 bad = torch.tensor([int(problem is not None)])
                 dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=sync)
@@ -362,7 +383,7 @@ def bench_rank(cfg: dict) -> list:
         anchor = CP if CP in case.providers else ALLGATHER
         times = time_interleaved({n: case.step(n) for n in case.providers}, **timing)
         for n in case.providers:
-            extra = dict(base, anchor_used=anchor, context_parallel=case.cp_status,
+            extra = dict(base, anchor_used=anchor, context_parallel=case.cp_status, ring_fused=case.fused_status,
                          layout="contiguous" if n == "ring_contiguous" else "zigzag")
             rows.append(_row("attention", n, case.shape, dtype, W, times[n], case.flops, extra=extra))
         del case

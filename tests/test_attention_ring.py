@@ -212,3 +212,54 @@ def _misuse(kind):
 def test_misuse_raises_on_every_rank(kind, needle):
     msgs = run_misuse(3, _misuse, kind, timeout=60)
     assert all(m is not None and needle in m for m in msgs), msgs
+
+
+# ------------------------------------------------------------------ the fused transport (symmetric-memory push)
+
+
+def _fused_matches_unfused(ranks, S, B, Hq, Hkv, D, causal, layout, with_mask, grid=None):
+    """The same call on both transports: the push into the next worker's symmetric slot (``DISTFUSE_PATH=fused``,
+    /dev/shm on CPU) and isend / irecv.  Only the transport differs, so output and gradients are bitwise equal."""
+    from distfuse.fused import symmetric
+    from distfuse.layers import DistributedAttention
+    from tests.test_conv_support import with_path
+
+    P = Partition.world().create_partition_inclusive(ranks)
+    seed = 0
+    if grid is not None:
+        P_grid = P.create_cartesian_topology_partition(grid)
+        P = P_grid.create_cartesian_subtopology_partition([False, True])
+        seed = P_grid.index[0]
+    layers = {path: DistributedAttention(P, causal=causal, layout=layout) for path in ("unfused", "fused")}
+    if not P.active:
+        return "inactive"
+    gen = torch.Generator().manual_seed(2000 + seed)
+    q, k, v, dout = (torch.randn(B, h, S, D, generator=gen) for h in (Hq, Hkv, Hkv, Hq))
+    mask = (torch.rand(B, S, generator=gen) < 0.7) if with_mask else None
+    pos = local_positions(S, P.size, P.rank, layout)
+    got = {}
+    for path, layer in layers.items():
+        ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
+        out = with_path(path, lambda layer=layer, ql=ql, kl=kl, vl=vl: layer(
+            ql, kl, vl, None if mask is None else mask[:, pos].clone()))
+        out.backward(dout[:, :, pos])
+        want = "fused" if path == "fused" and P.size > 1 else "unfused"
+        assert layer.last_decision.path == want, (path, layer.last_decision)
+        got[path] = (out.detach(), ql.grad, kl.grad, vl.grad)
+    symmetric.close_all()
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got["unfused"], got["fused"], strict=True):
+        assert torch.equal(a, b), f"{name}: the fused transport changed the result"
+    return P.rank
+
+
+@pytest.mark.parametrize("world,ranks,S,B,Hq,Hkv,D,layout,causal,with_mask,grid", [
+    pytest.param(2, [1, 0], 6, 1, 2, 1, 4, "contiguous", False, False, None, id="W2-permuted-gqa"),
+    pytest.param(3, [2, 0, 1], 7, 2, 4, 2, 4, "contiguous", True, True, None, id="W3-uneven-S7-causal-mask"),
+    pytest.param(4, [3, 1, 0, 2], 16, 1, 4, 2, 4, "zigzag", True, False, None, id="W4-zigzag-permuted-gqa"),
+    pytest.param(4, [2, 0, 1], 5, 1, 2, 2, 4, "contiguous", True, False, None, id="W3-of-4-inactive"),
+    pytest.param(4, [3, 1, 0, 2], 6, 1, 2, 1, 4, "contiguous", True, True, (2, 2), id="two-rings-of-a-grid"),
+])
+def test_fused_transport_matches_point_to_point(world, ranks, S, B, Hq, Hkv, D, layout, causal, with_mask, grid):
+    got = run_ranks(world, _fused_matches_unfused, ranks, S, B, Hq, Hkv, D, causal, layout, with_mask, grid)
+    active = [r for r in got if r != "inactive"]
+    assert len(active) == len(ranks) and got.count("inactive") == world - len(ranks), got

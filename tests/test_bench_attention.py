@@ -42,7 +42,11 @@ def test_attention_smoke(tmp_path):
     anchor = att["ring_zigzag"].anchor
     assert anchor in ("context_parallel", "sdpa_allgather")
     assert {"ring_contiguous", "ring_zigzag", "sdpa_allgather"} <= set(att) <= {
-        "ring_contiguous", "ring_zigzag", "sdpa_allgather", "context_parallel"}
+        "ring_contiguous", "ring_zigzag", "ring_zigzag_fused", "sdpa_allgather", "context_parallel"}
+    # the fused transport runs where symmetric memory does (/dev/shm here), else its reason is recorded
+    fused_status = att["ring_zigzag"].extra["ring_fused"]
+    assert (fused_status == "ran") == ("ring_zigzag_fused" in att), fused_status
+    assert fused_status == "ran" or fused_status.startswith("not run: "), fused_status
     assert all(r.anchor == anchor and r.world_size == 2 for r in att.values())
     status = att["ring_zigzag"].extra["context_parallel"]
     assert (anchor == "context_parallel") == (status == "ran") == ("context_parallel" in att), status

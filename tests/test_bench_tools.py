@@ -393,7 +393,7 @@ def test_registry_entries_are_complete_and_drive_the_tuner():
     """Every op: a size key, resolvable factories, a default with its reason; the tuner's --ops are the registry's."""
     assert registry.names() == ("matmul_reduce_scatter", "all_gather_matmul", "matmul_reduce_scatter_features",
                                 "all_gather_features_matmul", "matmul_all_reduce", "zero_linear_rows",
-                                "zero_linear_columns", "halo_conv")
+                                "zero_linear_columns", "halo_conv", "ring_attention")
     assert not set(registry.RENAMED) & set(registry.names())
     for op in registry.names():
         spec = registry.get(op)

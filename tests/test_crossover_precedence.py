@@ -181,8 +181,10 @@ def _explain_rank(table_path: str):
 
     import distfuse.layers._linear_common as common
     from distfuse import Partition
+    from distfuse.fused import symmetric_availability
     from distfuse.layers import DistributedLinearReduceScatter
 
+    symmetric_availability._AVAILABLE.clear()  # an earlier test on this pool may have probed these ranks
     old = os.environ.get("DISTFUSE_TUNE_TABLE")
     os.environ["DISTFUSE_TUNE_TABLE"] = table_path  # the pool's ranks outlive the test: restored below
     P_x = Partition.world().create_partition_inclusive(range(2)).create_cartesian_topology_partition([1, 1, 2])

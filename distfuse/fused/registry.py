@@ -25,7 +25,7 @@ __all__ = ["in_interval",
            "DefaultRule", "FusedOp", "OPS", "RENAMED", "RENAMED_KERNELS", "register", "get", "names", "size_of",
            "resolve", "current_name", "MATMUL_REDUCE_SCATTER", "ALL_GATHER_MATMUL", "HALO_CONV",
            "MATMUL_REDUCE_SCATTER_FEATURES", "ALL_GATHER_FEATURES_MATMUL", "MATMUL_ALL_REDUCE", "ZERO_LINEAR_ROWS",
-           "ZERO_LINEAR_COLUMNS"]
+           "ZERO_LINEAR_COLUMNS", "RING_ATTENTION"]
 
 
 def in_interval(size: float, min_size: float | None, max_size: float | None) -> bool:
@@ -94,6 +94,9 @@ class FusedOp:
         providers: the implementations of the fused path, default first (:mod:`distfuse.fused.providers`).
         triton_gemm: the fused path multiplies in Triton GEMMs, whose fp32 products are IEEE (far
             below cuBLAS) unless torch allows TF32: ``select_path`` keeps fp32 calls unfused then.
+        projected: the shipped crossover table projects the op to multi-GPU nodes from one GPU's
+            kernel rows (:mod:`distfuse.tune.project`).  False where one GPU cannot show what the
+            fused path buys (the ring's overlap on real links): only a sweep on the cluster decides.
     """
 
     name: str
@@ -107,6 +110,7 @@ class FusedOp:
     available: str | Callable | None = None
     providers: tuple[str, ...] = ("triton",)
     triton_gemm: bool = False
+    projected: bool = True
 
     def size_of(self, shapes: Mapping) -> float:
         missing = [k for k in self.size_inputs if k not in shapes]
@@ -214,3 +218,8 @@ HALO_CONV = register(FusedOp(
     "halo_conv", "channels", ("channels",),
     DefaultRule.never("staging + conv measured 1.0-3.3x the time of torch.cat staging + cuDNN (H100)"),
     case=f"{_CASES}:halo_case", grid=f"{_CASES}:halo_grid"))
+# The ring attention's transport (fused/ring_push.py): each K/V block pushed into the next worker's symmetric buffer
+# while the current block computes, against isend / irecv; sized by the largest K/V block's elements.
+RING_ATTENTION = register(FusedOp(
+    "ring_attention", "elements", ("elements",), DefaultRule.never(_UNMEASURED), case=f"{_CASES}:ring_case",
+    grid=f"{_CASES}:ring_grid", needs_symmetric_memory=True, projected=False))

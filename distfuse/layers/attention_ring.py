@@ -60,17 +60,21 @@ worker computes half a block per causal step.  A query row with no key to attend
 masked by ``attn_mask``) returns zeros and gets zero gradients (``scaled_dot_product_attention``
 returns NaN there).
 
-``P_cp`` is a 1-D partition (its rank order is the ring order), such as the sequence axis of
-a larger grid (``P.create_cartesian_subtopology_partition([False, True])`` of a ``[data,
-context]`` grid).  Each step is one ``batch_isend_irecv`` on distfuse's world group, waited on
-later.  The workers agree on the call over ``P_cp``: 4-D ``q, k, v`` with one dtype, ``Hq %
-Hkv == 0``, the same ``B, Hq, Hkv, D``, dtype, ``causal``, ``layout``, ``scale``, mask presence
-and grad setting, and local lengths that are the layout's blocks of one ``S``.  The
-functional form keeps one session per ``P_cp``; :class:`DistributedAttention` owns its own
-(use one module per call site, so that calls of several shapes each settle once).
+``P_cp`` is a 1-D partition (its rank order is the ring order), such as the sequence axis of a
+larger grid (``P.create_cartesian_subtopology_partition([False, True])`` of a ``[data,
+context]`` grid). Each step is one ``batch_isend_irecv`` on distfuse's world group, waited on
+later; on the fused path (registry entry ``ring_attention``, dispatch as for every fused op:
+``DISTFUSE_PATH``, the crossover table, the default "never") the sender instead pushes the block
+into the next worker's slot of the ring's symmetric workspace (:mod:`distfuse.fused.ring_push`),
+bitwise the same result. ``last_decision`` (of :class:`DistributedAttention`) says which ran.
+The workers agree on the call over ``P_cp``: 4-D ``q, k, v`` with one dtype, ``Hq % Hkv == 0``,
+the same ``B, Hq, Hkv, D``, dtype, ``causal``, ``layout``, ``scale``, mask presence and grad
+setting, and local lengths that are the layout's blocks of one ``S``. The functional form keeps
+one session per ``P_cp``; :class:`DistributedAttention` owns its own (use one module per call
+site, so that calls of several shapes each settle once).
 
 The whole ring is one op, ``distfuse::ring_attention(q, k, v, mask?, handle, S, causal, layout,
-scale) -> (out, lse)``, with its registered backward ``distfuse::ring_attention_backward`` (both
+scale, fused) -> (out, lse)``, with its registered backward ``distfuse::ring_attention_backward`` (both
 ``ORDERED``; ``handle`` names the call site's ring, ``S`` is the agreed global length), built
 like the fused linears' phase ops (:mod:`distfuse.ops.fused_linear`).  First-order only: a
 backward with ``create_graph=True`` is refused by name.  Compiled with ``aot_eager`` in the
@@ -264,6 +268,7 @@ class _Ring(HandleOwner):
         self.P = P
         self.session = AgreementSession(op, P)
         self.handle = new_handle(self)
+        self.last_decision = None  # the path of the latest call (the transport: fused push or isend / irecv)
 
 
 _RINGS: dict[tuple, _Ring] = {}
@@ -308,6 +313,45 @@ def _wait(op: str, works: list, peers) -> None:
                 w.wait()
 
 
+class _PointToPoint:
+    """The unfused ring's transport: each exchange one ``batch_isend_irecv`` (send to the next worker, receive from
+    the previous one), waited on in ``finish``.  Channel 0 carries K/V blocks, channel 1 the dK/dV accumulators."""
+
+    _TAGS = (_TAG_KV, _TAG_DKV)
+
+    def __init__(self, geo: _Geo):
+        self.geo = geo
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+    def post(self, channel: int, block: torch.Tensor, recv_numel: int):
+        recv = block.new_empty(recv_numel)
+        # the block stays referenced until finish: the send may still read it
+        return recv, _post(OP, [(self.geo.next, block)], [(self.geo.prev, recv)], self._TAGS[channel]), block
+
+    def finish(self, pending) -> torch.Tensor:
+        recv, works, _ = pending
+        _wait(OP, works, (self.geo.next, self.geo.prev))
+        return recv
+
+
+def _transport(geo: _Geo, k: torch.Tensor, acc_t: torch.dtype | None = None):
+    """The ring's transport: the symmetric-memory push where the call's decision was ``fused``, else
+    point-to-point.  ``acc_t``: the dK/dV accumulators' dtype (a backward ring: both channels)."""
+    if not geo.fused or geo.W == 1:
+        return _PointToPoint(geo)
+    from distfuse.fused.ring_push import SymmetricRing
+
+    kv = max(_kv_numel(geo, i) for i in range(geo.W)) * k.dtype.itemsize
+    dkv = 0 if acc_t is None else max(2 * geo.B * geo.Hkv * geo.length(i) * geo.D for i in range(geo.W)) * \
+        acc_t.itemsize
+    return SymmetricRing(lookup(geo.handle).P, k.device, max(kv, dkv), OP)
+
+
 @dataclass(frozen=True)
 class _Geo:
     """One call's ring geometry, the same on every worker but ``r``."""
@@ -324,6 +368,8 @@ class _Geo:
     causal: bool
     scale: float
     has_mask: bool
+    fused: bool = False  # the transport: the symmetric-memory push (distfuse.fused.ring_push), else isend / irecv
+    handle: int = -1
 
     def length(self, i: int) -> int:
         return _local_len(self.S, self.W, i % self.W, self.layout)
@@ -409,21 +455,17 @@ def _join_runs(geo: _Geo, parts: Sequence[torch.Tensor], last: int, like: torch.
 
 # ---------------------------------------------------------------- forward and backward
 
-def _kv_steps(geo: _Geo, k, v, mask):
+def _kv_steps(geo: _Geo, k, v, mask, ring):
     """The ring's ``W`` steps: ``(src, k, v, mask)`` of the block this worker holds at step ``t`` (that of worker
-    ``src = (r - t) mod W``).  The next block's transfer is posted before the yield and waited for after it, so
-    the caller's work on this block overlaps it."""
+    ``src = (r - t) mod W``).  The next block's transfer is posted on ``ring`` (the transport) before the yield
+    and finished after it, so the caller's work on this block overlaps it."""
     cur = _pack(k, v, mask)
     for t in range(geo.W):
         src = (geo.r - t) % geo.W
-        works, nxt = [], None
-        if t < geo.W - 1:
-            nxt = cur.new_empty(_kv_numel(geo, src - 1))
-            works = _post(OP, [(geo.next, cur)], [(geo.prev, nxt)], _TAG_KV)
+        pending = ring.post(0, cur, _kv_numel(geo, src - 1)) if t < geo.W - 1 else None
         yield (src, *_unpack(geo, cur, src))
-        _wait(OP, works, (geo.next, geo.prev))
-        if nxt is not None:
-            cur = nxt
+        if pending is not None:
+            cur = ring.finish(pending)
 
 
 def _block_scores(geo: _Geo, src: int, qr: list, kb, vb, maskb, acc_t):
@@ -435,6 +477,18 @@ def _block_scores(geo: _Geo, src: int, qr: list, kb, vb, maskb, acc_t):
         yield qi, ks, kj, vj, _masked_scores(geo, qr[qi] @ kj.transpose(-1, -2), qg, n, kg, mm, partial, maskb, kl)
 
 
+def _forward_block(geo: _Geo, src: int, qr: list, kb, vb, maskb, acc_t, m: list, lsum: list, acc: list) -> None:
+    """Merge block ``src``'s scores into the running max ``m``, sum ``lsum`` and output ``acc`` (log-sum-exp)."""
+    for qi, _, _, vj, s in _block_scores(geo, src, qr, kb, vb, maskb, acc_t):
+        m_new = torch.maximum(m[qi], s.amax(-1))
+        m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)  # a row with nothing to attend to yet
+        p = torch.exp(s - m_safe.unsqueeze(-1))
+        alpha = torch.exp(m[qi] - m_safe)
+        lsum[qi] = lsum[qi] * alpha + p.sum(-1)
+        acc[qi] = acc[qi] * alpha.unsqueeze(-1) + p @ vj
+        m[qi] = m_new
+
+
 def _ring_forward(geo: _Geo, q, k, v, mask):
     """``(out [B, Hq, S_r, D] in q's dtype, lse [B, Hq, S_r] in the accumulation dtype)``."""
     acc_t = _acc_dtype(q.dtype)
@@ -442,15 +496,9 @@ def _ring_forward(geo: _Geo, q, k, v, mask):
     m = [torch.full(t.shape[:-1], -math.inf, dtype=acc_t, device=q.device) for t in qr]
     lsum = [torch.zeros(t.shape[:-1], dtype=acc_t, device=q.device) for t in qr]
     acc = [torch.zeros_like(t) for t in qr]
-    for src, kb, vb, maskb in _kv_steps(geo, k, v, mask):
-        for qi, _, _, vj, s in _block_scores(geo, src, qr, kb, vb, maskb, acc_t):
-            m_new = torch.maximum(m[qi], s.amax(-1))
-            m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)  # a row with nothing to attend to yet
-            p = torch.exp(s - m_safe.unsqueeze(-1))
-            alpha = torch.exp(m[qi] - m_safe)
-            lsum[qi] = lsum[qi] * alpha + p.sum(-1)
-            acc[qi] = acc[qi] * alpha.unsqueeze(-1) + p @ vj
-            m[qi] = m_new
+    with _transport(geo, k) as ring:
+        for src, kb, vb, maskb in _kv_steps(geo, k, v, mask, ring):
+            _forward_block(geo, src, qr, kb, vb, maskb, acc_t, m, lsum, acc)
     outs, lses = [], []
     for mi, li, ai in zip(m, lsum, acc, strict=True):
         m_safe = mi.masked_fill(mi == -math.inf, 0.0)
@@ -470,30 +518,29 @@ def _ring_backward(geo: _Geo, q, k, v, mask, out, lse, dout):
     lser = [t.masked_fill(t == -math.inf, math.inf) for t in _query_runs(geo, lse.unsqueeze(-1))]
     lser = [t.squeeze(-1) for t in lser]
     dq = [torch.zeros_like(t) for t in qr]
-    dkv_works, dkv_in, dkv_out = [], None, None
+    pending, dkv_in = None, None
     kv_shape = (geo.B, geo.Hkv)
-    for src, kb, vb, maskb in _kv_steps(geo, k, v, mask):
-        dk = torch.zeros(kv_shape + (geo.length(src), geo.D), dtype=acc_t, device=q.device)
-        dv = torch.zeros_like(dk)
-        for qi, ks, kj, vj, s in _block_scores(geo, src, qr, kb, vb, maskb, acc_t):
-            p = torch.exp(s - lser[qi].unsqueeze(-1))
-            dv[:, :, ks] += p.transpose(-1, -2) @ dor[qi]
-            ds = p * (dor[qi] @ vj.transpose(-1, -2) - delta[qi].unsqueeze(-1))
-            dq[qi] += ds @ kj
-            dk[:, :, ks] += ds.transpose(-1, -2) @ qr[qi]
-        if geo.W == 1:
-            dkv_in = torch.cat([dk.reshape(-1), dv.reshape(-1)])
-            break
-        _wait(OP, dkv_works, (geo.prev,))  # the accumulator of block src, with the terms of workers src .. r-1
-        if dkv_in is not None:
-            dk_in, dv_in = dkv_in.chunk(2)
-            dk += dk_in.view_as(dk)
-            dv += dv_in.view_as(dv)
-        dkv_out = torch.cat([dk.reshape(-1), dv.reshape(-1)])
-        dkv_in = dkv_out.new_empty(2 * geo.B * geo.Hkv * geo.length(src - 1) * geo.D)
-        dkv_works = _post(OP, [(geo.next, dkv_out)], [(geo.prev, dkv_in)], _TAG_DKV)
-    _wait(OP, dkv_works, (geo.next, geo.prev))  # after W sends, this worker's own block's gradients
-    del dkv_out
+    with _transport(geo, k, acc_t) as ring:
+        for src, kb, vb, maskb in _kv_steps(geo, k, v, mask, ring):
+            dk = torch.zeros(kv_shape + (geo.length(src), geo.D), dtype=acc_t, device=q.device)
+            dv = torch.zeros_like(dk)
+            for qi, ks, kj, vj, s in _block_scores(geo, src, qr, kb, vb, maskb, acc_t):
+                p = torch.exp(s - lser[qi].unsqueeze(-1))
+                dv[:, :, ks] += p.transpose(-1, -2) @ dor[qi]
+                ds = p * (dor[qi] @ vj.transpose(-1, -2) - delta[qi].unsqueeze(-1))
+                dq[qi] += ds @ kj
+                dk[:, :, ks] += ds.transpose(-1, -2) @ qr[qi]
+            if geo.W == 1:
+                dkv_in = torch.cat([dk.reshape(-1), dv.reshape(-1)])
+                break
+            if pending is not None:  # the accumulator of block src, with the terms of workers src .. r-1
+                dk_in, dv_in = ring.finish(pending).chunk(2)
+                dk += dk_in.view_as(dk)
+                dv += dv_in.view_as(dv)
+            dkv_out = torch.cat([dk.reshape(-1), dv.reshape(-1)])
+            pending = ring.post(1, dkv_out, 2 * geo.B * geo.Hkv * geo.length(src - 1) * geo.D)
+        if pending is not None:  # after W sends, this worker's own block's gradients
+            dkv_in = ring.finish(pending)
     dk_own, dv_own = dkv_in.chunk(2)
     own = kv_shape + (geo.length(geo.r), geo.D)
     dq_full = _join_runs(geo, [t * geo.scale for t in dq], geo.D, torch.empty(0, dtype=acc_t, device=q.device))
@@ -503,37 +550,38 @@ def _ring_backward(geo: _Geo, q, k, v, mask, out, lse, dout):
 # ---------------------------------------------------------------- the ring as custom ops (module docstring)
 
 
-def _geo_of(handle: int, q, k, mask, S: int, causal: bool, layout: str, scale: float) -> _Geo:
+def _geo_of(handle: int, q, k, mask, S: int, causal: bool, layout: str, scale: float, fused: bool) -> _Geo:
     """The ring geometry of an agreed call (the local shapes are every worker's: the agreement checked them)."""
     P = lookup(handle).P
     return _Geo(ranks=tuple(P.ranks), r=P.rank, W=P.size, S=S, B=q.shape[0], Hkv=k.shape[1], G=q.shape[1] // k.shape[1],
-                D=q.shape[3], layout=layout, causal=causal, scale=scale, has_mask=mask is not None)
+                D=q.shape[3], layout=layout, causal=causal, scale=scale, has_mask=mask is not None, fused=fused,
+                handle=handle)
 
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, handle: int, S: int,
-                  causal: bool, layout: str, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ring_forward(_geo_of(handle, q, k, mask, S, causal, layout, scale), q, k, v, mask)
+                  causal: bool, layout: str, scale: float, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ring_forward(_geo_of(handle, q, k, mask, S, causal, layout, scale, fused), q, k, v, mask)
 
 
-def _forward_fake(q, k, v, mask, handle, S, causal, layout, scale):
+def _forward_fake(q, k, v, mask, handle, S, causal, layout, scale, fused):
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
 
 
-def _backward_impl(dout, q, k, v, mask, out, lse, handle, S, causal, layout, scale):
-    geo = _geo_of(handle, q, k, mask, S, causal, layout, scale)
+def _backward_impl(dout, q, k, v, mask, out, lse, handle, S, causal, layout, scale, fused):
+    geo = _geo_of(handle, q, k, mask, S, causal, layout, scale, fused)
     return _ring_backward(geo, q, k, v, mask, out, lse, dout.contiguous())
 
 
 def _backward_op_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                       out: torch.Tensor, lse: torch.Tensor, handle: int, S: int, causal: bool, layout: str,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dq, dk, dv = _backward_impl(dout, q, k, v, mask, out, lse, handle, S, causal, layout, scale)
+                      scale: float, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _backward_impl(dout, q, k, v, mask, out, lse, handle, S, causal, layout, scale, fused)
     # dk and dv are the two halves of one accumulator (when no cast copies them): a custom op's outputs must not
     # share memory.  The copy is exact.
     return dq, dk, dv.clone() if dv.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() else dv
 
 
-def _backward_fake(dout, q, k, v, mask, out, lse, handle, S, causal, layout, scale):
+def _backward_fake(dout, q, k, v, mask, out, lse, handle, S, causal, layout, scale, fused):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
@@ -541,7 +589,7 @@ def _dout(dout, out):
     return torch.zeros_like(out) if dout is None else dout
 
 
-_NO_GRADS = (None,) * 6  # mask, handle, S, causal, layout, scale
+_NO_GRADS = (None,) * 7  # mask, handle, S, causal, layout, scale, fused
 
 
 class _RingAttention(torch.autograd.Function):
@@ -581,12 +629,24 @@ def _register():
     return fwd
 
 
-#: ``ring_attention(q, k, v, mask, handle, S, causal, layout, scale) -> (out, lse)``: the custom op while compiling,
-#: else _RingAttention (an input requires grad) or the implementation.
+#: ``ring_attention(q, k, v, mask, handle, S, causal, layout, scale, fused) -> (out, lse)``: the custom op while
+#: compiling, else _RingAttention (an input requires grad) or the implementation.
 ring_attention = OpEntry(_register(), _RingAttention, _forward_impl, inputs=(0, 1, 2))
 
 
 # ---------------------------------------------------------------- entry points
+
+def _decide(P_cp, q: torch.Tensor, k: torch.Tensor, S: int, layout: str):
+    """The ring's path (:func:`~distfuse.layers.dispatch.select_path` for ``ring_attention``, sized by the largest
+    K/V block's elements): the symmetric-memory push (fused) or isend / irecv."""
+    from distfuse.fused.symmetric_availability import symmetric_memory_available
+    from distfuse.layers._linear_common import decide
+
+    longest = max(_local_len(S, P_cp.size, i, layout) for i in range(P_cp.size))
+    shapes = dict(elements=2 * q.shape[0] * k.shape[1] * longest * q.shape[3])
+    return decide("ring_attention", OP, shapes, q.dtype, P_cp.size, q.device,
+                  available=lambda: symmetric_memory_available(P_cp, q.device))
+
 
 def _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, ring: _Ring) -> torch.Tensor:
     _check_partition(P_cp)
@@ -608,7 +668,10 @@ def _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, ring: _Ring) -> 
     S = ring.session.agree(q, signature, problem == 0, gather)
     if S is None:  # a replayed call that flagged: the flag round raises on every worker
         return q.new_empty((0,))
-    out, _ = ring_attention(q, k, v, attn_mask, ring.handle, S, bool(causal), layout, float(scale))
+    # the transport: every worker decides alike (the shapes are agreed; availability is collective over P_cp)
+    ring.last_decision = ring.session.remember(("path", S, q.dtype), lambda: _decide(P_cp, q, k, S, layout))
+    out, _ = ring_attention(q, k, v, attn_mask, ring.handle, S, bool(causal), layout, float(scale),
+                            ring.last_decision.path == "fused")
     return first_order_only(out, OP, "ring attention (its backward is a ring of messages)")
 
 
@@ -652,6 +715,11 @@ class DistributedAttention(nn.Module):
 
     def forward(self, q, k, v, attn_mask=None):
         return _attention(q, k, v, self.P_cp, self.causal, attn_mask, self.scale, self.layout, self.ring)
+
+    @property
+    def last_decision(self):
+        """The :class:`~distfuse.layers.dispatch.Decision` of the latest call: the ring's transport and why."""
+        return self.ring.last_decision
 
     def extra_repr(self) -> str:
         return f"P_cp={list(getattr(self.P_cp, 'shape', (self.P_cp.size,)))}, causal={self.causal}, " \

@@ -21,7 +21,8 @@ from distfuse.fused import registry
 from distfuse.timing import rotations
 
 __all__ = ["Case", "CaseContext", "forced_path", "randn", "split", "timed_path", "weight_case", "mlp_sizes",
-           "linear_grid", "halo_grid", "linear_case", "feature_linear_case", "halo_case", "linear_available"]
+           "linear_grid", "halo_grid", "linear_case", "feature_linear_case", "halo_case", "linear_available",
+           "ring_grid", "ring_case"]
 
 
 @dataclass
@@ -288,6 +289,48 @@ def halo_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
     def check(path):
         if layer.last_path != path:
             return f"asked for the {path} path, the layer ran {layer.last_path} ({layer.last_decision.reason})"
+        return None
+
+    return Case(call("unfused"), call("fused") if ctx.fused_ok else None, R, check)
+
+
+def ring_grid(op: str, world: int, *, quick: bool = False, m: Sequence[int] | None = None, **_options) -> list[dict]:
+    """Causal attention of LLaMA-3 8B's heads (32 query, 8 key/value heads of 128) over global sequence lengths
+    ``m``, batch 1; ``quick``: tiny shapes for CI.  ``elements``: the largest K/V block's, the size dispatch
+    compares."""
+    heads, kv_heads, D = (4, 2, 8) if quick else (32, 8, 128)
+    seqs = list(m or ((16, 32) if quick else (4096, 16384, 65536)))
+    return [dict(S=S, B=1, heads=heads, kv_heads=kv_heads, D=D,
+                 elements=2 * kv_heads * -(-S // max(world, 1)) * D) for S in seqs]
+
+
+def ring_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
+    """``DistributedAttention`` (causal, zigzag where ``S`` allows) on a ring of the measured ranks; the path (the
+    ring's transport) is forced with ``DISTFUSE_PATH``."""
+    from distfuse.layers import DistributedAttention
+    from distfuse.layers.attention_ring import local_positions
+
+    dtype, device, full = ctx.dtype, ctx.device, ctx.full
+    P = ctx.partition([ctx.world])
+    S, B, D = shape["S"], shape["B"], shape["D"]
+    layout = "zigzag" if S % (2 * ctx.world) == 0 else "contiguous"
+    layer = DistributedAttention(P, causal=True, layout=layout)
+    if not P.active:
+        return None
+    n = len(local_positions(S, P.size, P.rank, layout))
+    gen = torch.Generator().manual_seed(123 + P.rank)
+    R = rotations(dtype.itemsize * B * n * D * 2 * (shape["heads"] + shape["kv_heads"]), device)
+    k, v = (randn((B, shape["kv_heads"], n, D), gen, dtype, device) for _ in range(2))
+    qs = [randn((B, shape["heads"], n, D), gen, dtype, device).requires_grad_(full) for _ in range(R)]
+    dys = [randn((B, shape["heads"], n, D), gen, dtype, device) for _ in range(R)] if full else None
+
+    def call(path):
+        return timed_path(lambda q: layer(q, k, v), qs, dys, full, (), functools.partial(forced_path, path))
+
+    def check(path):
+        got = layer.last_decision
+        if got.path != path:
+            return f"asked for the {path} path, the ring ran {got.path} ({got.reason})"
         return None
 
     return Case(call("unfused"), call("fused") if ctx.fused_ok else None, R, check)

@@ -166,7 +166,7 @@ class OpModel:
     anchor: str = "cublas"
 
 
-#: One model per registry op (a test checks that every registered op has one).
+#: One model per projected registry op (``FusedOp.projected``; a test checks that each has one).
 OP_MODELS: dict[str, OpModel] = {
     registry.MATMUL_REDUCE_SCATTER.name: OpModel("rs", "matmul_scatter", "chunk_reduce"),
     registry.ALL_GATHER_MATMUL.name: OpModel("ag", "gathered_matmul", "ag_push"),
