@@ -84,9 +84,9 @@ def report(final: dict | None, twins: dict, terms: int, steps: int, start: dict 
     worst, torch_nn = check_trained_state(final, twins, terms, steps, start, what)
     if quiet:
         return
-    steady = times[1:] or times
-    print(f"time per step: {1e3 * sum(steady) / len(steady):.1f} ms (mean of steps 2..{steps}; step 1 "
-          f"{1e3 * times[0]:.1f} ms includes set-up)")
+    if len(times) > 1:
+        print(f"time per step: {1e3 * sum(times[1:]) / (len(times) - 1):.1f} ms (mean of steps 2..{steps}; step 1 "
+              f"{1e3 * times[0]:.1f} ms includes set-up)")
     print(f"every step's loss matched the sequential torch.nn {model} in float64 (within the float32 rounding "
           f"bound {rounding_bound(torch.float32, terms, steps):.1e} at step {steps}); final loss "
           f"{losses[-1][0]:.6f}")
@@ -103,4 +103,4 @@ def print_paths(model: nn.Module) -> None:
             decisions[""] = layer.last_decision
         for part, decision in decisions.items():
             where = f"{name}.{part}" if part else name
-            print(f"  {where:<22} {type(layer).__name__:<32} {decision.path} ({decision.reason})")
+            print(f"  {where:<24} {type(layer).__name__:<32} {decision.path} ({decision.reason})")

@@ -26,9 +26,10 @@ def test_gpt_demo_trains_in_step_with_torch_nn(tmp_path):
 def test_gpt_demo_on_the_fused_paths(tmp_path):
     """``--path fused``: every projection (the attention's packed QKV all-gather + GEMM and its GEMM +
     reduce-scatter, the MLP's and the head's sequence-parallel linears) runs its fused op, Triton interpreted over
-    /dev/shm, and the run still matches the float64 twin step by step."""
+    /dev/shm, and each block's ring its symmetric-memory push; the run still matches the float64 twin step by step."""
     proc, out = _run(["-m", "distfuse.demo", "gpt", "--steps", "2", "--path", "fused"], tmp_path)
     assert proc.returncode == 0, out[-4000:]
     paths = re.findall(r"^  (\S+)\s+Distributed\w+\s+(fused|unfused) ", out, flags=re.M)
-    assert len(paths) == 9 and all(p == "fused" for _, p in paths), paths
+    assert len(paths) == 11 and all(p == "fused" for _, p in paths), paths  # 9 projections, 2 rings
+    assert sum(name.endswith(".attention") for name, _ in paths) == 2, paths
     assert "every step's loss matched the sequential torch.nn GPT" in out, out[-4000:]

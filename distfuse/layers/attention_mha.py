@@ -50,7 +50,8 @@ The sequential twin is :class:`MultiheadSelfAttention` (torch's ``nn.MultiheadAt
 fuses the input projections and has no grouped-query or causal flag): ``param_layouts()``
 names its keys, so ``load_sequential`` / ``collect_sequential`` move weights between the two.
 
-The agreed call (over ``P``; the ring agrees over the context axis with its own session):
+The agreed call (over ``P``, one flag round per call; it covers the ring's call too, which then
+runs without a round of its own, :meth:`~distfuse.layers.attention_ring.DistributedAttention.agreed`):
 ``x`` 3-D with ``E`` features, one dtype with the parameters, the same batch, dtype and grad
 settings everywhere, the same rows over the tensor axis (trusted, not hashed; sequence-parallel:
 the balanced blocks of the context index's rows), row counts that are the layout's blocks of
@@ -307,7 +308,8 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
         q, k, v = qkv.split(widths, dim=-1)
         heads = (self.local_heads, self.local_kv_heads, self.local_kv_heads)
         q, k, v = (t.reshape(B, S_r, h, D).transpose(1, 2) for t, h in zip((q, k, v), heads, strict=True))
-        o = self.attention(q, k, v).transpose(1, 2).reshape(B, S_r, self.local_heads * D)
+        # the layer's agreement covers the ring's call (shapes, dtype, grad settings, the layout's blocks of S)
+        o = self.attention.agreed(q, k, v, record.S, self.session).transpose(1, 2).reshape(B, S_r, self.local_heads * D)
         if self.sequence_parallel:
             if bo is not None and record.param_grad and self._tp.P.size > 1:
                 bo = replicate(bo, self._tp.handle)  # each tensor worker adds it to its own rows: a partial gradient
