@@ -248,6 +248,8 @@ def _general_case(world_ranks, x_ranks, y_ranks, dtype, path):
 @pytest.mark.parametrize("world,world_ranks,x_ranks,y_ranks,dtype,path", [
     pytest.param(5, (3, 1, 0, 2), (2, 3), (1, 0), torch.float32, "unfused", id="2x2-permuted-inactive-unfused"),
     pytest.param(4, (1, 3, 2, 0), (1, 2), (3, 0), torch.bfloat16, "fused", id="2x2-permuted-bf16-fused"),
+    # P_y's workers in each other's rows: each row's keeper copies its sum across (the deliver broadcast)
+    pytest.param(4, (1, 3, 2, 0), (1, 2), (2, 3), torch.float32, "fused", id="2x2-deliver-across-rows-fused"),
 ])
 def test_compiled_general_linear(world, world_ranks, x_ranks, y_ranks, dtype, path):
     from distfuse.testing import run_ranks
