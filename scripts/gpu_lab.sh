@@ -14,7 +14,8 @@
 # 4 halo (75 s)          halo staging vs the device copy, fused halo conv vs          halo_conv-<dev>-<date>.json
 #                        torch.cat staging + cuDNN
 # 5 two_process (70 s)   two processes on one GPU through real symmetric memory,       two_process.json
-#                        one short run per provider, against float64
+#                        one short run per provider and of the ring attention's
+#                        fused push, against float64
 # and lab.json (env: device, versions, commit, date; every phase's status, time, limit; the ratios) and lab.log.
 #
 # Each phase runs under `timeout` with min(its cap, what is left of the 540 s budget); a phase

@@ -17,7 +17,10 @@ What it checks, on each rank:
   recording the kernel that actually ran (``distfuse.fused.providers.last_kernel``);
 * enough claims that epochs pass 1, 2, 16, 32 (Triton's integer specialisations) without
   a recompile stalling one rank mid-collective;
-* a workspace growth: a last, larger case that needs a bigger symmetric buffer.
+* a workspace growth: a last, larger case that needs a bigger symmetric buffer;
+* ``ring:fused``: causal ring attention (GQA, uneven blocks) on its fused transport, each K/V
+  block and dK/dV accumulator pushed into the peer's symmetric slot on a side stream
+  (:mod:`distfuse.fused.ring_push`), forward and backward against float64 SDPA.
 
 Status checks are deferred on CUDA (no host sync per op): each case ends with
 ``distfuse.fused.workspace.check_pending()``, so a failure is charged to its own case.
@@ -110,7 +113,36 @@ def _ag_case(P, seed, B, n, K, N, dtype, dev, provider=None):
     return {k: _rel(got[k].cpu(), ref[k]) for k in ref}
 
 
-PROVIDERS = ("rs:triton", "rs:triton_persistent", "rs:cublas_chunks", "ag:triton", "ag:copy_engine")
+def _ring_case(P, seed, B, S, K, N, dtype, dev, provider=None):
+    """Causal ring attention on its fused transport (each K/V block and dK/dV accumulator pushed into the peer's
+    symmetric slot, distfuse.fused.ring_push), forward and backward, against float64 SDPA (GQA, uneven blocks)."""
+    import torch.nn.functional as F
+
+    from distfuse.layers import DistributedAttention
+    from distfuse.layers.attention_ring import local_positions
+    from distfuse.tune.cases import forced_path
+
+    H, Hkv, D = 4, 2, 64
+    g = torch.Generator().manual_seed(seed)
+    q, k, v, dout = (_rounded(torch.randn(B, h, S, D, generator=g), dtype) for h in (H, Hkv, Hkv, H))
+    layer = DistributedAttention(P, causal=True)
+    pos = local_positions(S, P.size, P.rank, "contiguous")
+    ql, kl, vl = (t[:, :, pos].to(dtype).to(dev).requires_grad_() for t in (q, k, v))
+    with forced_path("fused"):
+        out = layer(ql, kl, vl)
+        out.backward(dout[:, :, pos].to(dtype).to(dev))
+    if layer.last_decision.path != "fused":
+        raise RuntimeError(f"the ring ran {layer.last_decision.path}: {layer.last_decision.reason}")
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    y = F.scaled_dot_product_attention(*ref, is_causal=True, enable_gqa=True)
+    y.backward(dout)
+    want = dict(y=y.detach(), dq=ref[0].grad, dk=ref[1].grad, dv=ref[2].grad)
+    got = dict(y=out.detach(), dq=ql.grad, dk=kl.grad, dv=vl.grad)
+    return {name: _rel(got[name].cpu(), want[name][:, :, pos]) for name in want}
+
+
+PROVIDERS = ("rs:triton", "rs:triton_persistent", "rs:cublas_chunks", "ag:triton", "ag:copy_engine", "ring:fused")
+CASES = {"rs": _rs_case, "ag": _ag_case, "ring": _ring_case}
 
 
 def _rank_main(rank: int, W: int, init: str, iters: int, providers: list[str], out_dir: str) -> None:
@@ -134,10 +166,11 @@ def _rank_main(rank: int, W: int, init: str, iters: int, providers: list[str], o
             json.dump(report, f)
 
     try:
-        grids = {}
+        grids, rings = {}, {}
         for name, order in (("world-order", list(range(W))), ("reversed", list(reversed(range(W))))):
             P = Partition.world(device=dev).create_partition_inclusive(order)
             grids[name] = P.create_cartesian_topology_partition([1, W, 1])
+            rings[name] = P.create_cartesian_topology_partition([W])
         shapes = [(2, 67, 96, 80), (1, 130, 256, 192)]  # (B, n, K, N): n, K, N uneven over 2 and not x16
         plan = [(spec, it) for spec in providers for it in range(iters)]
         plan.append((providers[0], -1))  # the growth case: a larger op, on the first provider
@@ -147,10 +180,10 @@ def _rank_main(rank: int, W: int, init: str, iters: int, providers: list[str], o
             dtype = (torch.bfloat16, torch.float32)[it % 2] if not grow else torch.bfloat16
             order = ("world-order", "reversed")[(it // 2) % 2] if not grow else "world-order"
             B, n, K, N = (8, 1030, 1024, 768) if grow else shapes[(it // 4) % len(shapes)]  # ~13 MB of slots: grows
-            P = grids[order]
+            P = (rings if op == "ring" else grids)[order]
             before = {k: ws.nbytes for k, ws in symmetric._CACHE.items()}
             t0 = time.perf_counter()
-            errs = (_rs_case if op == "rs" else _ag_case)(P, 1000 + step, B, n, K, N, dtype, dev, provider)
+            errs = CASES[op](P, 1000 + step, B, n, K, N, dtype, dev, provider)
             torch.cuda.synchronize()
             check_pending()  # deferred status checks: a failed flag wait raises here, charged to this case
             choice = last_kernel("matmul_reduce_scatter") if op == "rs" else None
