@@ -38,7 +38,8 @@ One rank's block (``torch.cuda.is_available()``; in-process, a one-rank partitio
   buffer (anchor, the ring-push ceiling on one device).  ``rate`` GB/s counts bytes read + written.
 
 Without CUDA these rows are unmeasured; ``--smoke`` and ``--dry-run`` run that code on CPU at tiny shapes
-(``extra.dry_run``: the times mean nothing) so it cannot rot.
+(``extra.dry_run``: the times mean nothing) so it cannot rot.  ``--single`` runs only these rows (on the GPU
+where there is one: the lab's ``attention`` phase), ``--out DIR`` writes them.
 
 Every provider's output and input gradients are checked, before timing, against the global
 ``scaled_dot_product_attention`` (fp32) at the rows the rank holds, so the providers do the same work.
@@ -587,17 +588,21 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--single", action="store_true")
     p.add_argument("--out", type=Path, default=None)
     known, rest = p.parse_known_args(argv)
-    if not known.dry_run:
-        return multirank_main(NAME, __doc__.split("\n\n")[0] + " (--dry-run: the GPU rows' code on CPU, tiny)",
-                              run, argv)
-    rows = single_rows(dry_run=True)
+    if not (known.dry_run or known.single):
+        return multirank_main(NAME, __doc__.split("\n\n")[0] + " (--single: only the one-GPU rows; --dry-run: "
+                              "their code on CPU, tiny)", run, argv)
+    dry = known.dry_run or not torch.cuda.is_available()
+    rows = single_rows(dry_run=dry)
     print_table(rows)
     if known.out is not None:
         env = environment()
-        env["dry_run"] = True
-        print(f"wrote {len(rows)} rows to {write_results(NAME, rows, env=env, out_dir=known.out, smoke=True)}")
+        if dry:
+            env["dry_run"] = True
+        path = write_results(NAME, rows, env=env, out_dir=known.out, smoke=dry)
+        print(f"wrote {len(rows)} rows to {path}")
     return 0
 
 

@@ -6,7 +6,7 @@
 #
 # Phase (cap)            what it measures / checks                                     writes under $OUT
 # 1 probe (45 s)         versions, symm_mem API names, get_buffer aliasing, backend    probe.json
-# 2 tests (150 s)        DISTFUSE_TEST_COMPILED=1 pytest -m cuda on the kernel tests,  tests.json
+# 2 tests (130 s)        DISTFUSE_TEST_COMPILED=1 pytest -m cuda on the kernel tests,  tests.json
 #                        a launch off the main thread included
 # 3 gemm (180 s)         GEMM + scatter (every producer) and all-gather + GEMM vs      gemm_fused-<dev>-<date>.json
 #                        cuBLAS, chunk_reduce and the pushes vs the device copy:
@@ -16,6 +16,8 @@
 # 5 two_process (70 s)   two processes on one GPU through real symmetric memory,       two_process.json
 #                        one short run per provider and of the ring attention's
 #                        fused push, against float64
+# 6 attention (20 s)     one rank's ring block vs SDPA, the ring's message vs the     attention-<dev>-<date>.json
+#                        device copy (bench/bench_attention.py --single)
 # and lab.json (env: device, versions, commit, date; every phase's status, time, limit; the ratios) and lab.log.
 #
 # Each phase runs under `timeout` with min(its cap, what is left of the 540 s budget); a phase
@@ -101,6 +103,7 @@ if [ -n "$DRY" ]; then
   GEMM=($PY bench/bench_gemm_fused.py --dry-run --sides rs ag --out-dir "$OUT")
   HALO=($PY bench/bench_halo_conv.py --dry-run --out-dir "$OUT")
   TWO=($PY scripts/gpu_two_process.py --dry-run --iters 4 --json "$OUT/two_process.json")
+  ATT=($PY bench/bench_attention.py --dry-run --out "$OUT")
 else
   PROBE=($PY scripts/gpu_probe.py --json "$OUT/probe.json")
   GEMM=($PY bench/bench_gemm_fused.py --models llama3-8b llama3-70b --m 8192 512 --sides rs ag --dtype bfloat16
@@ -108,15 +111,17 @@ else
   HALO=($PY bench/bench_halo_conv.py --dims 2 3 --channels 64 256 --extents 64 512 --halos 1 --dtypes bfloat16
         --modes stage full --max-gib 16 --out-dir "$OUT")
   TWO=($PY scripts/gpu_two_process.py --iters 4 --json "$OUT/two_process.json")
+  ATT=($PY bench/bench_attention.py --single --out "$OUT")
 fi
 
 phase probe 45 "$OUT/probe.json" "${PROBE[@]}"
 DISTFUSE_LAB_TESTS_JSONL=$WORK/tests.jsonl DISTFUSE_TEST_COMPILED=1 \
-  phase tests 150 "$OUT/tests.json" $PY -m pytest -q -p no:cacheprovider -p lab_pytest -m cuda -rfEs \
+  phase tests 130 "$OUT/tests.json" $PY -m pytest -q -p no:cacheprovider -p lab_pytest -m cuda -rfEs \
   "${TIMEOUT_ARG[@]}" "${TESTS[@]}"
 phase gemm 180 "$GEMM_JSON" "${GEMM[@]}"
 phase halo 75 "$HALO_JSON" "${HALO[@]}"
 phase two_process 70 "$OUT/two_process.json" "${TWO[@]}"
+phase attention 20 "" "${ATT[@]}"
 
 $PY scripts/lab_record.py ratios --out "$OUT" 2>&1 | tee -a "$LOG"
 RC=0

@@ -19,7 +19,7 @@ Subcommands (the lab calls each after the step it records; none imports torch ex
 
 The lab writes at most 8 files under ``$OUT`` (the device tool brings back no more):
 ``lab.json``, ``lab.log``, ``probe.json``, ``tests.json``, ``gemm_fused-<device>-<date>.json``,
-``halo_conv-<device>-<date>.json``, ``two_process.json``.
+``halo_conv-<device>-<date>.json``, ``two_process.json``, ``attention-<device>-<date>.json``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The phases, in order of value, and each one's cap in seconds (the lab's whole budget: 540 s = 9 minutes).
-PHASES = (("probe", 45), ("tests", 150), ("gemm", 180), ("halo", 75), ("two_process", 70))
+PHASES = (("probe", 45), ("tests", 130), ("gemm", 180), ("halo", 75), ("two_process", 70), ("attention", 20))
 BUDGET_S = 540
 MAX_FILES = 8
 NAME_OK = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -163,7 +163,7 @@ def cmd_tests(args) -> int:
 
 def result_files(out: Path) -> list[Path]:
     return sorted(p for p in map(Path, glob.glob(str(out / "*.json")))
-                  if p.name.startswith(("gemm_fused-", "halo_conv-")))
+                  if p.name.startswith(("gemm_fused-", "halo_conv-", "attention-")))
 
 
 def ratios(files: list[Path]) -> list[dict]:

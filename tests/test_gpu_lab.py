@@ -37,7 +37,7 @@ def test_shell_syntax(script):
 
 def test_caps_fit_one_call():
     assert sum(cap for _, cap in lab.PHASES) <= lab.BUDGET_S <= 9 * 60
-    assert [name for name, _ in lab.PHASES] == ["probe", "tests", "gemm", "halo", "two_process"]
+    assert [name for name, _ in lab.PHASES] == ["probe", "tests", "gemm", "halo", "two_process", "attention"]
     text = (SCRIPTS / "gpu_lab.sh").read_text()
     for name, cap in lab.PHASES:  # the script runs the phases with the caps the check expects
         assert f"phase {name} {cap} " in text, name
@@ -73,9 +73,14 @@ def _lab_out(tmp_path, rows=None):
     gemm.write_text(json.dumps(dict(env=env, rows=rows if rows is not None else _gemm_rows(8192) + _gemm_rows(512))))
     halo = out / "halo_conv-NVIDIA_H100_80GB_HBM3-2026-11-27.json"
     halo.write_text(json.dumps(dict(env=env, rows=_halo_rows())))
+    attention = out / "attention-NVIDIA_H100_80GB_HBM3-2026-11-27.json"
+    block = dict(batch=1, heads=32, seq=4096, head_dim=128, causal=True)
+    attention.write_text(json.dumps(dict(env=env, rows=[_row("attention_block", "sdpa", "sdpa", 1.0, block, "full"),
+                                                        _row("attention_block", "ring_local", "sdpa", 1.2, block,
+                                                             "full")])))
     (out / "lab.json").write_text(json.dumps(dict(env=env, phases=[])))
     files = {"probe": "probe.json", "tests": "tests.json", "gemm": gemm.name, "halo": halo.name,
-             "two_process": "two_process.json"}
+             "two_process": "two_process.json", "attention": attention.name}
     for name in ("probe.json", "tests.json", "two_process.json"):
         (out / name).write_text("{\"ok\": true}")
     for name, cap in lab.PHASES:
@@ -107,8 +112,7 @@ def test_the_check_catches_what_a_device_call_would_lose(tmp_path):
     rows[1] = dict(rows[1], kernel=None)  # a fused row that does not name its kernel
     out = _lab_out(tmp_path, rows)
     (out / "lab.log").write_text("")
-    for i in range(2):
-        (out / f"extra{i}.json").write_text("{}")  # 9 files: the device tool brings back 8
+    (out / "extra.json").write_text("{}")  # 9 files: the device tool brings back 8
     problems = "\n".join(lab.check(out))
     assert "9 files under $OUT" in problems
     assert "does not name the kernel that ran" in problems
