@@ -2,10 +2,9 @@
 
 A collective that ranks enter with different shapes, dtypes or in a different order
 usually hangs until the timeout, or worse, completes with wrong data.  In debug mode
-every distfuse collective first gathers a small record from every rank of the group:
-a per-group sequence number, the op name, the fields that must agree (dtype, number
-of dimensions, geometry) and per-rank information (local shape).  Any disagreement
-raises :class:`CollectiveMismatchError` on every rank, with a line per rank.
+every distfuse collective first gathers a small record from every rank of the group
+(:func:`check_agreement`); any disagreement raises :class:`CollectiveMismatchError` on
+every rank, with a line per rank.
 
 Cost: one extra object all-gather per collective; leave it off in production.
 """

@@ -7,18 +7,8 @@ from any one rank's log.
 
 from __future__ import annotations
 
-__all__ = [
-    "DistfuseError",
-    "PartitionError",
-    "ShapeError",
-    "CollectiveMismatchError",
-    "CollectiveTimeoutError",
-    "UnsupportedError",
-    "NotPicklableError",
-    "ConfigError",
-    "where",
-    "expect",
-]
+__all__ = ["DistfuseError", "PartitionError", "ShapeError", "CollectiveMismatchError", "CollectiveTimeoutError",
+           "UnsupportedError", "NotPicklableError", "ConfigError", "where", "expect"]
 
 
 class DistfuseError(RuntimeError):
@@ -60,8 +50,7 @@ class ConfigError(DistfuseError, ValueError):
 def where(op: str) -> str:
     """Prefix naming the op and this process's world rank.
 
-    ``torch.distributed`` is imported here, not at module level, so that the pure
-    geometry layer, which raises these errors, imports no communication code.
+    ``torch.distributed`` is imported here so that the geometry layer, which raises these errors, imports none.
     """
     import torch.distributed as dist
 

@@ -1,23 +1,16 @@
 """The process groups behind distfuse's partitions: creation, caching, timeouts, the world and metadata groups.
 
 **Timeouts.** Every process group distfuse uses is its own, created with
-:func:`default_timeout` (``DISTFUSE_TIMEOUT`` seconds when set; otherwise the shorter of
-the world group's own timeout and 600 s, so a user's ``init_process_group(timeout=...)``
-still bounds distfuse's waits when it is the shorter), and cached by its
-tuple of world ranks, so equal partitions share one group.  That includes the groups
-over the whole world: :meth:`Partition.world` creates them on its first call (so that
-first call is collective: every rank must make it), instead of borrowing the default
-group, whose timeout is whatever the user gave ``init_process_group`` (torch's default
-is 30 minutes).  The point-to-point rounds of the primitives run on that world group
-too (:func:`world_group`).  So every distfuse collective, point-to-point round and
-metadata gather fails after ``DISTFUSE_TIMEOUT`` at most, whatever the world group's
-timeout.  A group's timeout is fixed when it is created; :func:`group_timeout` says
-which one is in force.
-
-The variable is read and validated before any collective (:func:`default_timeout`):
-a value that is not a positive finite number of seconds raises
-:class:`~distfuse.errors.ConfigError` naming it, on every rank that has it, and ranks
-whose values differ raise :class:`PartitionError` at the first partition creation.
+:func:`default_timeout` and cached by its tuple of world ranks, so equal partitions share
+one group.  That includes the groups over the whole world: :meth:`Partition.world`
+creates them on its first call (so that first call is collective: every rank must make
+it), instead of borrowing the default group, whose timeout is whatever the user gave
+``init_process_group`` (torch's default is 30 minutes).  The primitives' point-to-point
+rounds run on that world group too (:func:`world_group`).  So every distfuse collective,
+point-to-point round and metadata gather fails after ``DISTFUSE_TIMEOUT`` at most.  A
+group's timeout is fixed when it is created (:func:`group_timeout` says which one is in
+force), and ranks whose values differ raise :class:`PartitionError` at the first
+partition creation.
 """
 
 from __future__ import annotations
@@ -33,8 +26,8 @@ import torch.distributed as dist
 from distfuse.errors import CollectiveTimeoutError, ConfigError, PartitionError, where
 
 __all__ = ["TIMEOUT_VARIABLE", "default_timeout", "world_group_timeout", "timeout_label", "group_timeout",
-           "world_group", "metadata_group", "cuda_backend_of",
-           "groups_for", "world_partition_groups", "default_device", "world_rank", "world_size"]
+           "world_group", "metadata_group", "cuda_backend_of", "groups_for", "world_partition_groups",
+           "default_device"]
 
 _GROUPS: dict[tuple[int, ...], tuple] = {}
 _CREATION_SEQ = [0]
@@ -50,9 +43,8 @@ DEFAULT_TIMEOUT_S = 600.0
 def world_group_timeout() -> float | None:
     """Seconds of the timeout the world group was created with (``init_process_group(timeout=...)``), or None.
 
-    Read from the world group's device backends (gloo, NCCL: each keeps its options);
-    the shortest one when several differ.  None before ``init_process_group`` or where
-    this torch does not expose it.
+    Read from the world group's device backends (the shortest one when several differ);
+    None before ``init_process_group`` or where this torch does not expose it.
     """
     if not dist.is_available() or not dist.is_initialized():
         return None
@@ -64,9 +56,8 @@ def world_group_timeout() -> float | None:
             timeout = backend.options._timeout
         except (RuntimeError, ValueError, TypeError, AttributeError):  # no backend for this device type
             continue
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else None
-        if seconds is not None and math.isfinite(seconds) and seconds > 0:
-            found.append(seconds)
+        if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
+            found.append(timeout.total_seconds())
     return min(found) if found else None
 
 
@@ -74,27 +65,25 @@ def default_timeout() -> timedelta:
     """The timeout of every process group distfuse creates.
 
     ``DISTFUSE_TIMEOUT`` seconds when the variable is set.  Unset, the shorter of the
-    world group's timeout (:func:`world_group_timeout`: what the user gave
-    ``init_process_group``) and 600 s: a user who asked torch for 60 s gets errors after
-    about 60 s, and torch's 30-minute default is cut to 10 minutes.
+    world group's timeout (:func:`world_group_timeout`) and 600 s: a user who asked torch
+    for 60 s gets errors after about 60 s, and torch's 30-minute default is cut to 10 minutes.
 
-    Validated on every read, before any collective: the value must be a positive, finite
-    number of seconds.  Anything else (``"abc"``, ``0``, ``-1``, ``inf``, ``nan``) raises
-    :class:`~distfuse.errors.ConfigError` naming the variable and the value, so every
-    rank with a bad value refuses it at once instead of entering a collective it would
-    leave early.
+    Validated on every read, before any collective: anything but a positive, finite number
+    of seconds (``"abc"``, ``0``, ``inf``, ``nan``) raises :class:`~distfuse.errors.ConfigError`
+    naming the variable and the value, so every rank with a bad value refuses it at once
+    instead of entering a collective it would leave early.
     """
     raw = os.environ.get(TIMEOUT_VARIABLE)
     if raw is None or not raw.strip():
         world = world_group_timeout()
         return timedelta(seconds=min(DEFAULT_TIMEOUT_S, world) if world is not None else DEFAULT_TIMEOUT_S)
-    why = "a positive, finite number of seconds"
     try:
         seconds = float(raw)
     except ValueError:
-        raise ConfigError(f"{where(TIMEOUT_VARIABLE)}: {TIMEOUT_VARIABLE} must be {why}, got {raw!r}") from None
+        seconds = math.nan
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(f"{where(TIMEOUT_VARIABLE)}: {TIMEOUT_VARIABLE} must be {why}, got {raw!r}")
+        raise ConfigError(f"{where(TIMEOUT_VARIABLE)}: {TIMEOUT_VARIABLE} must be a positive, finite number of "
+                          f"seconds, got {raw!r}")
     try:
         return timedelta(seconds=seconds)
     except OverflowError:
@@ -115,22 +104,13 @@ def timeout_label(seconds: float) -> str:
 def group_timeout(group=None) -> float:
     """Seconds after which a wait on ``group`` (default: distfuse's world group) fails: the timeout in force.
 
-    That is the timeout the group was created with, which may differ from the current
-    value of ``DISTFUSE_TIMEOUT`` if the variable changed since; groups distfuse did not
-    create report the variable's current value.
+    That is the timeout the group was created with (the variable may have changed since);
+    groups distfuse did not create report the variable's current value.
     """
     if group is None and _WORLD:
         return _WORLD["timeout"]
     seconds = _TIMEOUTS.get(id(group)) if group is not None else None
     return seconds if seconds is not None else default_timeout().total_seconds()
-
-
-def world_size() -> int:
-    return dist.get_world_size()
-
-
-def world_rank() -> int:
-    return dist.get_rank()
 
 
 def _new_group(ranks: Sequence[int], timeout: timedelta, backend: str | None, what: str):
@@ -155,16 +135,16 @@ def _world_groups() -> dict:
     partitions' device (the same gloo group unless the world's CUDA backend is NCCL, then
     a group of the world's backend, warmed up: NCCL creates communicators lazily, and a
     ``batch_isend_irecv`` that is the first call on a communicator must include every rank
-    of it, which the primitives' rounds do not).  Both carry :func:`default_timeout`,
-    read and validated once here, before the first collective.  Then every rank checks
-    that the others chose the same timeout (a creation record, see the module doc).
+    of it, which the primitives' rounds do not).  Both carry :func:`default_timeout`, read
+    once here before the first collective; then every rank checks that the others chose
+    the same timeout.
     """
     if _WORLD and _WORLD["world"] == id(dist.group.WORLD):
         return _WORLD
     timeout = default_timeout()  # raises ConfigError before any collective
     _WORLD.clear()
     _GROUPS.clear()
-    ranks = tuple(range(world_size()))
+    ranks = tuple(range(dist.get_world_size()))
     meta = _new_group(ranks, timeout, "gloo", "the metadata group")
     nccl = _uses_nccl(dist.group.WORLD)
     data = _new_group(ranks, timeout, None, "the world data group") if nccl else meta
@@ -192,10 +172,9 @@ def world_group():
 
 
 def metadata_group():
-    """A CPU (gloo) group over the whole world for small host-side metadata collectives.
+    """distfuse's CPU (gloo) group over the whole world for small host-side metadata collectives.
 
-    distfuse's own (created with :func:`default_timeout` by the first :meth:`Partition.world`
-    or the first call here, which is then collective over the world).
+    Created by the first :meth:`Partition.world` or the first call here, which is then collective over the world.
     """
     return _world_groups()["meta"]
 
@@ -205,13 +184,13 @@ def _check_creation_consistent(call: str, groups: Sequence[tuple[int, ...]], arg
     _CREATION_SEQ[0] += 1
     timeout = _WORLD["timeout"] if _WORLD else default_timeout().total_seconds()
     record = (_CREATION_SEQ[0], call, tuple(groups), tuple(sorted((args or {}).items())), timeout)
-    records: list = [None] * world_size()
+    records: list = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(records, record, group=_WORLD["meta"])
     except RuntimeError as exc:  # a rank that never arrives surfaces as a timeout or a closed connection
         raise CollectiveTimeoutError(
             f"{where('Partition')}: partition creation is collective over the world (world ranks "
-            f"{list(range(world_size()))}), but not every rank made call #{record[0]} ({call}) within the timeout "
+            f"{list(range(len(records)))}), but not every rank made call #{record[0]} ({call}) within the timeout "
             f"in force ({timeout_label(timeout)}): {str(exc).strip().splitlines()[0] if str(exc) else exc!r}"
         ) from exc
     if any(r != record for r in records):
@@ -235,7 +214,7 @@ def groups_for(call: str, rank_sets: Sequence[tuple[int, ...]], args: dict | Non
     world = _world_groups()
     _check_creation_consistent(call, rank_sets, args)
     gloo = world["data"] is world["meta"]
-    everyone = set(range(world_size()))
+    everyone = set(range(dist.get_world_size()))
     timeout = timedelta(seconds=world["timeout"])
     out = []
     for ranks in rank_sets:
@@ -246,18 +225,16 @@ def groups_for(call: str, rank_sets: Sequence[tuple[int, ...]], args: dict | Non
                 data = _new_group(ranks, timeout, None, "a partition's group")
                 meta = data if gloo else _new_group(ranks, timeout, "gloo", "a partition's metadata group")
             _GROUPS[ranks] = (data, meta)
-        out.append(_GROUPS[ranks] if world_rank() in ranks else None)
+        out.append(_GROUPS[ranks] if dist.get_rank() in ranks else None)
     return out
 
 
 def _cuda_backend_in_spec(spec: str) -> str | None | bool:
     """The CUDA backend named by a backend string, None if it names none, False if it cannot tell.
 
-    Strings come in two forms: a bare name (``"nccl"``, ``"gloo"``: that backend serves
-    every device type it supports) or ``"device:backend"`` pairs (``"cpu:gloo,cuda:nccl"``).
-    ``"undefined"`` is what ``torch.distributed.get_backend`` reports after
-    ``init_process_group()`` without a backend (torchrun's usual form): it says nothing
-    about the device backends, so the caller must ask elsewhere.
+    A bare name (``"nccl"``) serves every device type it supports; ``"device:backend"``
+    pairs (``"cpu:gloo,cuda:nccl"``) name each; ``"undefined"`` (``init_process_group()``
+    without a backend, torchrun's usual form) says nothing about the device backends.
     """
     spec = str(spec).strip().lower()
     if not spec or spec == "undefined":
@@ -271,44 +248,33 @@ def _cuda_backend_in_spec(spec: str) -> str | None | bool:
 def cuda_backend_of(group=None) -> str | None:
     """Name of the backend that runs ``group``'s collectives on CUDA tensors (``"nccl"``, ``"gloo"``), or None.
 
-    ``group`` defaults to the world.  Why not compare ``dist.get_backend(group)`` with
-    ``"nccl"``: after ``init_process_group()`` with no backend that string reads
-    ``"undefined"`` although CUDA tensors go to NCCL, and after
-    ``init_process_group("cpu:gloo,cuda:nccl")`` it is stored as written; a string test
-    then takes an NCCL world for a CPU one, skips the communicator warm-up, and a later
-    partial ``batch_isend_irecv`` can hang.  So ask, in order, what torch 2.5 to 2.13
-    offer: the group's backend config (``dist.get_backend_config``, ``"cpu:gloo,cuda:nccl"``
-    even when the backend string is ``"undefined"``), the backend the group holds for the
-    CUDA device type (``ProcessGroup._get_backend``, private), and last the backend
-    string.  None when the group has no CUDA backend or none of these can tell.
+    ``group`` defaults to the world.  Not ``dist.get_backend(group) == "nccl"``: that string
+    reads ``"undefined"`` after ``init_process_group()`` with no backend, and
+    ``"cpu:gloo,cuda:nccl"`` as written; taking such an NCCL world for a CPU one skips the
+    communicator warm-up, and a later partial ``batch_isend_irecv`` can hang.  So ask, in
+    order, what torch 2.5 to 2.13 offer: the group's backend config
+    (``dist.get_backend_config``), the backend the group holds for the CUDA device type
+    (``ProcessGroup._get_backend``, private), and last the backend string.  None when the
+    group has no CUDA backend or none of these can tell.
     """
-    pg = group if group is not None else dist.group.WORLD
     get_config = getattr(dist, "get_backend_config", None)
-    if get_config is not None:
-        try:
-            found = _cuda_backend_in_spec(get_config(group))
-        except (RuntimeError, ValueError, TypeError, AttributeError, KeyError):  # not a member, not initialised
-            found = False
-        if found is not False:
-            return found
-    get_device_backend = getattr(pg, "_get_backend", None)
-    if get_device_backend is not None:
-        try:
-            backend = get_device_backend(torch.device("cuda"))
-        except (RuntimeError, ValueError, TypeError, AttributeError):  # "No backend type associated with ... cuda"
-            backend = None
-        name = getattr(backend, "name", None) if backend is not None else None
-        try:
-            name = name() if callable(name) else name
-        except (RuntimeError, TypeError):
-            name = None
-        if name:
-            return str(name).lower()
-    try:
-        found = _cuda_backend_in_spec(dist.get_backend(group))
+    found = _asked(get_config, group) if get_config is not None else False
+    if found is not False:
+        return found
+    try:  # raises "No backend type associated with ... cuda" where the group has none
+        name = (group if group is not None else dist.group.WORLD)._get_backend(torch.device("cuda")).name
+        name = name() if callable(name) else name
     except (RuntimeError, ValueError, TypeError, AttributeError):
-        found = False
-    return found or None
+        name = None
+    return str(name).lower() if name else _asked(dist.get_backend, group) or None
+
+
+def _asked(get, group) -> str | None | bool:
+    """:func:`_cuda_backend_in_spec` of ``get(group)``; False where torch cannot say (not a member, not initialised)."""
+    try:
+        return _cuda_backend_in_spec(get(group))
+    except (RuntimeError, ValueError, TypeError, AttributeError, KeyError):
+        return False
 
 
 def _uses_nccl(group=None) -> bool:
@@ -324,23 +290,15 @@ def default_device() -> torch.device:
 
 
 def _warm_up_nccl(group) -> None:
-    """Run one collective on every rank of ``group`` so that NCCL creates its communicator now.
-
-    NCCL creates communicators lazily, and a ``batch_isend_irecv`` that is the first call
-    on a communicator must include every rank of it; the primitives' P2P rounds involve
-    only some ranks.
-    """
+    """One collective on every rank of ``group``, so that NCCL creates its communicator now (:func:`_world_groups`)."""
     dist.all_reduce(torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device())), group=group)
 
 
 def world_partition_groups() -> tuple[tuple[int, ...], tuple]:
-    """``(ranks, (data group, metadata group))`` of the partition over every world rank.
-
-    Collective over the world on the first call (it creates distfuse's world groups,
-    :func:`_world_groups`); cached afterwards.
-    """
+    """``(ranks, (data group, metadata group))`` of the partition over every world rank (collective on the first
+    call, which creates distfuse's world groups: :func:`_world_groups`)."""
     world = _world_groups()
-    ranks = tuple(range(world_size()))
+    ranks = tuple(range(dist.get_world_size()))
     if ranks not in _GROUPS:
         _GROUPS[ranks] = (world["data"], world["meta"])
     return ranks, _GROUPS[ranks]

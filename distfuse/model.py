@@ -4,24 +4,10 @@ A distfuse model mixes distfuse layers with plain torch modules.
 :func:`~distfuse.interop.model_map.map_model` finds every distfuse layer by its module
 path and names each parameter by its key in the equivalent ``torch.nn`` model
 (``0.weight`` for a Sequential's first layer); everything else in the model's state is a
-plain module's, held whole by every rank (replicated).  On that map:
-
-* :func:`load_sequential` / :func:`collect_sequential` move a whole model's state from /
-  to a ``torch.nn`` model or its ``state_dict`` on one rank: distfuse blocks are
-  scattered / gathered, plain parameters and buffers broadcast / taken from that rank.
-  The per-layer forms in :mod:`distfuse.layers._params` are the one-layer case.
-* :func:`make_optimizer` builds an optimizer on ranks that own no parameter (torch
-  refuses an empty parameter list; an empty parameter *group* is fine, keeps ``step``,
-  ``zero_grad``, ``state_dict`` and LR schedulers working, and does nothing).
-* :func:`clip_grad_norm_` clips by the norm of the whole model's gradient, the same on
-  every rank: each distributed block counts once (each lives on one worker), each
-  replicated parameter counts once (not once per rank that holds it).
-* :func:`replicated_parameters` lists the plain modules' parameters, whose per-rank
-  gradients the caller sums over the ranks (as data parallelism does).
-
-All but :func:`make_optimizer` and :func:`replicated_parameters` are collective over the world; a problem found on one
-rank (a model built differently elsewhere, a missing key) raises the same
-:class:`~distfuse.errors.ShapeError` on every rank.
+plain module's, held whole by every rank (replicated).  The helpers work on that map;
+all but :func:`make_optimizer` and :func:`replicated_parameters` are collective over the
+world, and a problem found on one rank (a model built differently elsewhere, a missing
+key) raises the same :class:`~distfuse.errors.ShapeError` on every rank.
 """
 
 from __future__ import annotations
@@ -121,8 +107,8 @@ def make_optimizer(optimizer_cls: type, params, **kwargs) -> torch.optim.Optimiz
     """``optimizer_cls(params, **kwargs)``, also on a rank whose ``params`` are empty.
 
     ``params`` is what torch optimizers take (tensors or param-group dicts) or a module
-    (its ``parameters()``).  A rank that owns no parameter of a distributed model gets an
-    optimizer with one empty group: ``step``/``zero_grad`` do nothing, ``state_dict``,
+    (its ``parameters()``).  torch refuses an empty parameter list, so a rank that owns no
+    parameter gets one empty group: ``step``/``zero_grad`` do nothing, ``state_dict``,
     ``load_state_dict`` and LR schedulers work as on the other ranks.  Local (no
     communication).  Closure-driven optimizers that read their first parameter (LBFGS)
     still need one.
@@ -169,10 +155,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
       once: it lives on one worker, or, for a layout with ``split_dims`` (a norm layer's
       weight), each worker holding a copy of the block holds the whole gradient of it
       and only the first copy counts;
-    * each replicated parameter (a plain module's: every rank holds it) counts once,
-      not once per rank: its contribution is the largest over the ranks holding a
-      gradient, which equals each replica's when the replicas are in sync (as after a
-      data-parallel all-reduce) and is the one rank's when only one rank ran the module.
+    * each replicated parameter (a plain module's) counts once, not once per rank: its
+      contribution is the largest over the ranks holding a gradient (each replica's when
+      they are in sync, the one rank's when only one rank ran the module).
 
     Every rank then scales all its gradients by ``min(1, max_norm / (norm + 1e-6))``.
     ``norm_type``: any p > 0 or ``inf``.  Returns the norm as a 0-d float64 tensor on the

@@ -9,19 +9,15 @@ splits tensor dimension ``d``.
 Creating a partition is **collective over the whole world**, because
 ``torch.distributed.new_group`` is: every world rank, active in the new partition or
 not, must make the same creation calls in the same order, with the same arguments.
-distfuse checks this: each creation first gathers a ``(sequence number, call,
-arguments, ranks, timeout)`` record from every world rank, and if the records differ
-every rank raises :class:`PartitionError` naming the ranks that disagree, instead of
-hanging inside ``new_group`` or building different grids.  A rank that never makes the
-call leaves the others waiting only until distfuse's timeout.
-
-The process groups behind partitions (creation, caching, timeouts, the world and
-metadata groups, backend detection) are in :mod:`distfuse.groups`.
+Each creation first gathers a ``(sequence number, call, arguments, ranks, timeout)``
+record from every world rank, and if the records differ every rank raises
+:class:`PartitionError` naming the ranks that disagree, instead of hanging inside
+``new_group`` or building different grids (the process groups themselves, their
+timeouts and caching: :mod:`distfuse.groups`).
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -29,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 from distfuse.errors import NotPicklableError, PartitionError, where
-from distfuse.groups import default_device, groups_for, world_partition_groups, world_rank
+from distfuse.groups import default_device, groups_for, world_partition_groups
 
 __all__ = ["Partition", "CartesianPartition", "zero_volume_tensor", "union_partition"]
+
 
 def zero_volume_tensor(b: int | None = None, dtype: torch.dtype | None = None, device=None,
                        requires_grad: bool = False) -> torch.Tensor:
@@ -56,15 +53,13 @@ class Partition:
         group: the cached ``ProcessGroup`` (None on inactive workers).
         meta_group: a gloo group over the same ranks for host-side metadata such as
             shapes (the data group itself under gloo); None on inactive workers.
-        device: where this partition's tensors live: ``cuda:<current>`` when the world's
-            CUDA backend is NCCL (:func:`cuda_backend_of`; ``init_process_group()`` with no
-            backend counts), else CPU.
+        device: where this partition's tensors live (default :func:`~distfuse.groups.default_device`).
     """
 
     def __init__(self, ranks: Sequence[int], groups: tuple | None, device: torch.device | None = None):
         self.ranks: tuple[int, ...] = tuple(int(r) for r in ranks)
         self.size = len(self.ranks)
-        me = world_rank()
+        me = dist.get_rank()
         self.active = me in self.ranks
         self.rank = self.ranks.index(me) if self.active else -1
         self.group, self.meta_group = groups if (self.active and groups is not None) else (None, None)
@@ -74,11 +69,8 @@ class Partition:
     def world(cls, device: torch.device | None = None) -> Partition:
         """Every rank of the initialised default process group, on distfuse's own world groups.
 
-        The first call is collective over the world (every rank must make it): it reads
-        and validates ``DISTFUSE_TIMEOUT``, creates distfuse's world groups with that
-        timeout (a gloo group, plus a group of the world's backend under NCCL, warmed
-        up), and checks that every rank chose the same timeout.  Later calls need no
-        communication.
+        The first call, which creates those groups (:func:`~distfuse.groups.world_partition_groups`), is
+        collective over the world: every rank must make it.  Later calls need no communication.
         """
         if not dist.is_initialized():
             raise PartitionError("Partition.world: torch.distributed is not initialised; call "
@@ -87,10 +79,7 @@ class Partition:
         return cls(ranks, groups, device)
 
     def create_partition_inclusive(self, ranks: Iterable[int]) -> Partition:
-        """The sub-partition of the workers at positions ``ranks`` of this partition.
-
-        Collective over the world: every world rank must call it with the same ranks.
-        """
+        """The sub-partition of the workers at positions ``ranks`` of this partition (collective over the world)."""
         idx = [int(r) for r in (ranks.tolist() if isinstance(ranks, np.ndarray) else ranks)]
         if len(set(idx)) != len(idx):
             raise PartitionError(f"{where('Partition')}: create_partition_inclusive got repeated ranks {idx}")
@@ -103,10 +92,7 @@ class Partition:
         return Partition(world, groups, self.device)
 
     def create_cartesian_topology_partition(self, shape: Sequence[int]) -> CartesianPartition:
-        """Arrange this partition's workers in a row-major grid of ``shape``; its volume must equal the size.
-
-        Collective over the world (it reuses this partition's cached group).
-        """
+        """This partition's workers in a row-major grid of ``shape``, of volume its size (collective over the world)."""
         shape = tuple(int(s) for s in shape)
         if any(s < 1 for s in shape):
             raise PartitionError(f"{where('Partition')}: cartesian shape {shape} has a dimension < 1")
@@ -176,12 +162,9 @@ class CartesianPartition(Partition):
         for step in (-1, 1):
             idx = list(self.index)
             idx[dim] += step
-            if not 0 <= idx[dim] < self.shape[dim]:
-                if not periodic:
-                    out.append(None)
-                    continue
-                idx[dim] %= self.shape[dim]
-            out.append(self.rank_of(idx))
+            inside = 0 <= idx[dim] < self.shape[dim]
+            idx[dim] %= self.shape[dim]
+            out.append(self.rank_of(idx) if inside or periodic else None)
         return out[0], out[1]
 
     def create_cartesian_subtopology_partition(self, remain_dims: Sequence[bool]) -> CartesianPartition:
@@ -190,56 +173,36 @@ class CartesianPartition(Partition):
         Like ``MPI_Cart_sub``: the grid splits into one sub-grid per combination of the
         dropped coordinates, and each worker gets the one it belongs to.  The result
         keeps every dimension, with extent 1 in the dropped ones, so that partition and
-        tensor dimensions still correspond.  Collective over the world: every world
-        rank creates every sub-grid's group.
+        tensor dimensions still correspond.  Collective over the world.
         """
         remain = [bool(r) for r in remain_dims]
         if len(remain) != self.dim:
             raise PartitionError(f"{where('Partition')}: remain_dims has {len(remain)} entries, expected {self.dim}")
         sub_shape = tuple(s if k else 1 for s, k in zip(self.shape, remain, strict=True))
-        dropped = [range(s) if not k else range(1) for s, k in zip(self.shape, remain, strict=True)]
-        kept = [range(s) if k else range(1) for s, k in zip(self.shape, remain, strict=True)]
-        rank_sets = []
-        for base in itertools.product(*dropped):
-            members = []
-            for off in itertools.product(*kept):
-                idx = [b + o for b, o in zip(base, off, strict=True)]
-                members.append(self.ranks[self.rank_of(idx)])
-            rank_sets.append(tuple(members))
+        # One row per sub-grid: the dropped dimensions first, each row its kept coordinates in row-major order.
+        order = [d for d in range(self.dim) if not remain[d]] + [d for d in range(self.dim) if remain[d]]
+        grid = np.asarray(self.ranks).reshape(self.shape).transpose(order).reshape(-1, int(np.prod(sub_shape)))
+        rank_sets = [tuple(int(r) for r in row) for row in grid]
         groups = groups_for("create_cartesian_subtopology_partition", rank_sets,
                              {"parent shape": self.shape, "remain_dims": tuple(remain)})
-        me = world_rank()
+        me = dist.get_rank()
         for ranks, pair in zip(rank_sets, groups, strict=True):
             if me in ranks:
                 return CartesianPartition(ranks, pair, sub_shape, self.device)
-        # Inactive in the parent: inactive in every sub-grid too.
-        return _inactive(sub_shape, self)
+        # Inactive in the parent: inactive in every sub-grid too, a placeholder that holds no ranks.
+        part = CartesianPartition((), None, sub_shape, self.device)
+        part.size = int(np.prod(sub_shape))
+        return part
 
     def __repr__(self) -> str:
         return (f"CartesianPartition(shape={list(self.shape)}, ranks={list(self.ranks)}, active={self.active}, "
                 f"index={self.index})")
 
 
-def _inactive(shape: Sequence[int], parent: Partition) -> CartesianPartition:
-    """A placeholder sub-grid for a worker outside the parent partition (it holds no ranks)."""
-    part = CartesianPartition.__new__(CartesianPartition)
-    part.ranks = ()
-    part.size = int(np.prod(shape))
-    part.active = False
-    part.rank = -1
-    part.group = None
-    part.meta_group = None
-    part.device = parent.device
-    part.shape = tuple(shape)
-    part.dim = len(part.shape)
-    part.index = (-1,) * part.dim
-    return part
-
-
 def union_partition(*partitions: Partition) -> Partition:
-    """A partition of every world rank in any of ``partitions``, in world-rank order.
+    """A partition of every world rank in any of ``partitions``, in world-rank order (collective over the world).
 
-    Collective over the world.  Cross-partition primitives use it to agree on metadata.
+    Cross-partition primitives use it to agree on metadata.
     """
     ranks = tuple(sorted(set().union(*(p.ranks for p in partitions))))
     (groups,) = groups_for("union_partition", [ranks])

@@ -21,6 +21,7 @@ installed ``distfuse-tune`` and the benchmarks share it.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -121,11 +122,5 @@ def rotations(set_bytes: int, device: torch.device, budget_bytes: int = 4 * 2**3
 
 def rotating(fn: Callable[[int], object], n: int) -> Callable[[], object]:
     """``fn(i)`` on input copy ``i % n``, ``i`` counting calls: a timer's ``fn()`` that walks the copies."""
-    state = [0]
-
-    def call():
-        i = state[0]
-        state[0] += 1
-        return fn(i % n)
-
-    return call
+    calls = itertools.count()
+    return lambda: fn(next(calls) % n)

@@ -1,7 +1,14 @@
-"""The all-gather and reduce-scatter linears' one forward, their dispatch and their agreement.
+"""The linears' agreement: the records their workers compare, and the row linears' one forward and dispatch.
 
-One forward (:class:`RowLinear`) runs eagerly, inside ``capture_safe()`` and under
-``torch.compile(fullgraph=True)``::
+Records.  Each linear's agreement session decides when the workers exchange metadata;
+what they exchange is a fixed-size int64 record per worker (:func:`general_record` for
+``DistributedLinear``, :func:`row_record` for the reduce-scatter linear), so one gather
+carries them, and every worker evaluates the gathered records alike, so that all raise
+the same :class:`~distfuse.errors.ShapeError`.  The partial sums travel in
+:func:`compute_dtype`, so the workers must share it.
+
+The all-gather and reduce-scatter linears' one forward (:class:`RowLinear`) runs eagerly,
+inside ``capture_safe()`` and under ``torch.compile(fullgraph=True)``::
 
     step   = session.remember("step", choose)   the path: the dispatch decision and the fused op (a compiled
                                                 call replays the last eager call's)
@@ -21,34 +28,28 @@ disagreement raises the same :class:`~distfuse.errors.ShapeError` on every worke
 row (other rows hold independent data).  A compiled call replays the last eager call's
 state with its flag in the same op; the fused paths' flag is ``distfuse::flag_check`` on
 the op's group just before the op (the grid for ZeRO, whose weight group spans the rows).
-
-Local checks (a wrong feature extent, a ``seq_len`` that does not fit the block, a
-wrong number of dimensions) do not raise on the worker that finds them: they set its
-flag (``locally_ok=False``), every worker takes the slow path, and there the failing
-workers' messages reach every worker
-(:func:`~distfuse.primitives._agreement.agree_on_local_checks`), which all raise the
-same error at once instead of leaving the peers in the collective until
-``DISTFUSE_TIMEOUT``.  On the fused GEMM paths the worker whose local check failed still
-enters the fused op its peers enter, under :func:`~distfuse.fused.agreement.refusing`:
-the op refuses with the layer's error at its first claim (the ``REFUSED`` word), so the
-peers raise a ShapeError naming the refusing rank and the worker its own error, with no
-host round (:func:`fused_or_refuse`).  A non-tensor input is a failed local check like
-the others: the worker runs the protocol with a stand-in of its last call's shape
-(:func:`stand_in`), so that it takes the collective and the path its peers take.
-
 Inside ``capture_safe()`` (and a CUDA-graph capture) a settled call runs the plain op with
 the agreed sizes (no flag, no host read); another signature raises on that worker alone.
+
+Local checks (a wrong feature extent, a ``seq_len`` that does not fit the block, a wrong
+number of dimensions, a non-tensor input) do not raise on the worker that finds them:
+they set its flag, and on the slow path the failing workers' messages reach every worker
+(:func:`~distfuse.primitives._agreement.agree_on_local_checks`), which all raise the same
+error at once instead of leaving the peers in the collective until ``DISTFUSE_TIMEOUT``.
+The worker runs the protocol with a :func:`stand_in` for a non-tensor input, so that it
+takes the collective and the path its peers take.  On the fused GEMM paths it enters the
+fused op its peers enter and refuses at the op's first claim (:func:`fused_or_refuse`),
+with no host round.
 
 Not covered: layers with one model-parallel worker (``P_m = 1``) and no ZeRO weight
 gather: the worker takes part in the parameter broadcast and then raises, so its
 data-parallel peers finish the forward, but under grad mode their backward's gradient
 sum-reduce waits for it until ``DISTFUSE_TIMEOUT`` (no collective of the layer reaches
 the peers from this worker in forward; a flag would need a host round per call).  The
-ZeRO layers with several model-parallel workers on their fused path: where the
-data-parallel row count is exchanged for the dispatch (CUDA, no forced path) that round
-spans the grid and carries the failure (:func:`~distfuse.fused.zero_linear_dispatch.agreed_rows`);
-elsewhere (CPU, ``DISTFUSE_PATH`` forced) the worker raises alone, since the plain
-model-parallel collective of ``zero_linear`` carries no flag.
+ZeRO layers with several model-parallel workers on their fused path, except where the
+dispatch's grid-wide row round (:func:`~distfuse.fused.zero_linear_dispatch.agreed_rows`:
+CUDA, no forced path) carries the failure (:mod:`distfuse.fused.zero_linear`,
+"Disagreements").
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from distfuse.errors import DistfuseError, expect
+from distfuse.errors import DistfuseError, ShapeError, expect, where
 from distfuse.geometry.decomposition import block_extent
 from distfuse.layers._linear_common import (
     INACTIVE,
@@ -68,27 +69,179 @@ from distfuse.layers._linear_common import (
     grid_partition,
     not_servable,
 )
-from distfuse.layers._linear_records import check_row_records, local_error, row_record
 from distfuse.layers.dispatch import Decision
 from distfuse.ops.fused_linear import ZeroLinearCall, make_call
 from distfuse.primitives._agreement import agree_on_local_checks
 from distfuse.primitives._axes import balanced_layout
-from distfuse.primitives._common import check_inactive_input, gather_records
+from distfuse.primitives._common import check_inactive_input, dtype_code, dtype_of_code, gather_records
 from distfuse.primitives._gather_scatter import BlockCollective, reduce_scatter_op
 from distfuse.primitives.agreement_session import REPLAY, AgreementSession, FlagRound, flag_check
 from distfuse.primitives.all_gather import agreed_all_gather
 
-__all__ = ["RowLinear", "Step", "stand_in", "fused_or_refuse", "agreed_input_gather",
-           "agreed_matmul_reduce_scatter"]
+__all__ = ["RowLinear", "Step", "stand_in", "fused_or_refuse", "agreed_input_gather", "agreed_matmul_reduce_scatter",
+           "compute_dtype", "compute_dtype_of", "local_error", "general_record", "record_shape",
+           "check_general_records", "check_input_dtype", "row_record", "check_row_records"]
+
+
+# ---------------------------------------------------------------- records: what the workers compare
+
+#: The most dimensions a record holds (and so the most a linear layer's input may have).
+_MAX_DIM = 8
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear`` computes ``x`` in: the autocast dtype under ``torch.autocast`` (not for float64)."""
+    return compute_dtype_of(x.dtype, x.device)
+
+
+def compute_dtype_of(dtype: torch.dtype, device) -> torch.dtype:
+    """:func:`compute_dtype` for an input of ``dtype`` on ``device`` (workers that hold no input ask this)."""
+    device_type = torch.device(device).type
+    if dtype.is_floating_point and dtype != torch.float64 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return dtype
+
+
+def _autocast_code(device_type: str) -> int:
+    """The autocast dtype's code on ``device_type`` (-1: autocast off); part of what the workers must share."""
+    if torch.is_autocast_enabled(device_type):
+        return dtype_code(torch.get_autocast_dtype(device_type))
+    return -1
+
+
+def local_error(check) -> DistfuseError | None:
+    """The distfuse error ``check()`` raises, or None: a local check's outcome, to be agreed on, not raised here."""
+    try:
+        check()
+    except DistfuseError as exc:
+        return exc
+    return None
+
+
+# DistributedLinear's record: [ndim, dtype, device, autocast dtype, grad mode, shape (8 slots)].
+_TOO_MANY, _NOT_A_TENSOR = -2, -3
+
+
+def general_record(x: torch.Tensor) -> list[int]:
+    """This worker's record of a ``DistributedLinear`` call (13 int64; see :func:`check_general_records`).
+
+    Something other than a tensor gets the record ``[-3, ...]``: every worker raises on it.
+    """
+    if not isinstance(x, torch.Tensor):
+        return [_NOT_A_TENSOR, -1, -1, -1, int(torch.is_grad_enabled())] + [-1] * _MAX_DIM
+    too_many = x.dim() > _MAX_DIM
+    rec = [_TOO_MANY if too_many else x.dim(), dtype_code(x.dtype), -1, _autocast_code(x.device.type),
+           int(torch.is_grad_enabled())] + [-1] * _MAX_DIM
+    if x.numel() > 0:
+        rec[2] = _DEVICE_TYPES.index(x.device.type) if x.device.type in _DEVICE_TYPES else len(_DEVICE_TYPES)
+    if not too_many:
+        rec[5:5 + x.dim()] = list(x.shape)
+    return rec
+
+
+_DEVICE_TYPES = ("cpu", "cuda", "meta", "xpu", "mps", "hpu")
+
+
+def record_shape(rec: list[int]) -> tuple[int, ...]:
+    return tuple(rec[5:5 + rec[0]])
+
+
+def check_general_records(op: str, by_rank: dict, device_type: str) -> None:
+    """What every worker of ``DistributedLinear`` must share, checked alike on every worker from the records.
+
+    Too many dimensions, data on another device type, and disagreement on autocast or
+    grad mode (autocast sets the dtype the partial sums travel in; grad mode whether every
+    worker runs its part of the adjoint) raise :class:`~distfuse.errors.ShapeError`.
+    """
+    odd = sorted(w for w, r in by_rank.items() if r[0] == _NOT_A_TENSOR)
+    if odd:
+        raise ShapeError(f"{where(op)}: input type: expected torch.Tensor on every worker (a zero-volume tensor where "
+                         f"a worker holds no input); world rank(s) {odd} passed something else")
+    over = sorted(w for w, r in by_rank.items() if r[0] == _TOO_MANY)
+    if over:
+        raise ShapeError(f"{where(op)}: tensors of more than {_MAX_DIM} dimensions are not supported; world rank(s) "
+                         f"{over} passed one")
+    names = list(_DEVICE_TYPES) + ["another device"]
+    bad = {w: names[r[2]] for w, r in by_rank.items() if r[2] >= 0 and names[r[2]] != device_type}
+    if bad:
+        raise ShapeError(f"{where(op)}: input device type: expected {device_type} on every worker, got "
+                         f"{', '.join(f'world rank {w}: {d}' for w, d in sorted(bad.items()))}")
+    for slot, what in ((3, "the autocast dtype (torch.autocast, -1: off)"), (4, "grad mode (torch.is_grad_enabled)")):
+        seen = {w: r[slot] for w, r in by_rank.items()}
+        if len(set(seen.values())) > 1:
+            got = ", ".join(f"world rank {w}: {dtype_of_code(v) if slot == 3 and v >= 0 else v}"
+                            for w, v in sorted(seen.items()))
+            raise ShapeError(f"{where(op)}: every worker must call the layer with the same {what}; got {got}")
+
+
+def check_input_dtype(op: str, dtype: torch.dtype | None, weight_dtype: torch.dtype, autocast_code: int) -> None:
+    """The agreed input dtype must be one the layer multiplies: floating, and its weight's outside autocast."""
+    if dtype is None or not dtype.is_floating_point:
+        raise ShapeError(f"{where(op)}: the input dtype {dtype} is not a floating dtype; the layer multiplies floating "
+                         f"inputs of its weight's dtype {weight_dtype} (any floating dtype under torch.autocast)")
+    computes_in = dtype_of_code(autocast_code) if autocast_code >= 0 and dtype != torch.float64 else dtype
+    if computes_in == dtype and dtype != weight_dtype:
+        raise ShapeError(f"{where(op)}: the input dtype {dtype} is not the weight's dtype {weight_dtype}; the layer "
+                         "multiplies inputs of its weight's dtype (any floating dtype under torch.autocast)")
+
+
+# The reduce-scatter linear's record: [ndim, input dtype, compute dtype, problem, shape (8 slots)].
+_OK, _BAD_DEVICE, _BAD_DTYPE, _TOO_MANY_DIMS = range(4)
+
+
+def row_record(x: torch.Tensor, weight_dtype: torch.dtype, device_type: str) -> list[int]:
+    """This worker's record of a reduce-scatter linear call (12 int64; ``rec[3]`` is 0 when the layer can
+    multiply the input: the device type, a floating dtype, its weight's outside autocast, at most 8 dimensions)."""
+    cdt = compute_dtype(x)
+    problem = _OK
+    if x.device.type != device_type:
+        problem = _BAD_DEVICE
+    elif not x.is_floating_point() or (cdt == x.dtype and x.dtype != weight_dtype):
+        problem = _BAD_DTYPE
+    elif x.dim() > _MAX_DIM:
+        problem = _TOO_MANY_DIMS
+    rec = [min(x.dim(), _MAX_DIM), dtype_code(x.dtype), dtype_code(cdt), problem] + [-1] * _MAX_DIM
+    if problem == _OK:
+        rec[4:4 + x.dim()] = list(x.shape)
+    return rec
+
+
+def check_row_records(op: str, P_row, rows: list[list[int]], in_features: int, P_m: int,
+                      weight_dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
+    """Every model-parallel worker's :func:`row_record`, checked alike on every worker (raises on all of them);
+    returns the agreed leading extents and compute dtype."""
+    for j, (r, w) in enumerate(zip(rows, P_row.ranks, strict=True)):  # j: the worker's model-parallel index
+        if r[3] == _BAD_DEVICE:
+            raise expect(op, f"device type of the input on world rank {w}", P_row.device.type, "another device")
+        if r[3] == _BAD_DTYPE:
+            raise ShapeError(f"{where(op)}: world rank {w} passed an input of dtype {dtype_of_code(r[1])}; the "
+                             f"layer multiplies floating inputs of its weight's dtype {weight_dtype} (any floating "
+                             "dtype under torch.autocast)")
+        if r[3] == _TOO_MANY_DIMS:
+            raise ShapeError(f"{where(op)}: world rank {w} passed an input of more than {_MAX_DIM} dimensions")
+        want = block_extent(in_features, P_m, j)
+        if r[4 + r[0] - 1] != want:
+            raise expect(op, f"input feature extent on world rank {w} (block {j} of in_features={in_features})",
+                         want, r[4 + r[0] - 1])
+    first = rows[0]
+    for r in rows:
+        if r[0] != first[0] or r[4:4 + r[0] - 1] != first[4:4 + first[0] - 1] or r[1:3] != first[1:3]:
+            got = ", ".join(f"world rank {v}: shape {tuple(q[4:4 + q[0]])} dtype {dtype_of_code(q[1])} computing in "
+                            f"{dtype_of_code(q[2])}" for q, v in zip(rows, P_row.ranks, strict=True))
+            raise ShapeError(f"{where(op)}: the model-parallel workers must pass inputs with the same leading "
+                             f"extents (rows) and dtype, computed in the same dtype (torch.autocast); got {got}")
+    return tuple(first[4:4 + first[0] - 1]), dtype_of_code(first[2])
+
+
+# ---------------------------------------------------------------- the row linears' one forward
 
 
 def stand_in(layer, x) -> torch.Tensor:
     """``x`` if it is a tensor of two dimensions or more; otherwise zeros shaped as this layer's last eager input.
 
     The worker's input failed its local checks, and it must still take part in what its
-    peers run (the row's collective, or the fused op whose claim carries its refusal),
-    with sizes as close to theirs as it can know: its own previous call's, the peers' too
-    in steady state (a first call guesses ``(1, ..., 1, features)``).
+    peers run with sizes as close to theirs as it can know: its own previous call's, the
+    peers' too in steady state (a first call guesses ``(1, ..., 1, features)``).
     """
     if isinstance(x, torch.Tensor) and x.dim() >= 2:
         return x
@@ -99,8 +252,9 @@ def stand_in(layer, x) -> torch.Tensor:
 def fused_or_refuse(error: DistfuseError | None, run):
     """``run()``, a fused op, with this worker's local check failure (None: none) refused through the op's claim.
 
-    The op's peers raise a ShapeError naming this worker, this worker raises ``error``
-    (:func:`~distfuse.fused.agreement.refusing`); with no error ``run()`` is called as is.
+    Under :func:`~distfuse.fused.agreement.refusing` the op refuses with ``error`` at its
+    first claim (the ``REFUSED`` word): the peers raise a ShapeError naming this worker,
+    and this worker raises ``error``.
     """
     if error is None:
         return run()
@@ -136,8 +290,7 @@ class RowLinear(LinearBase):
     :class:`~distfuse.layers._linear_common.LinearParams`), ``_in_extent`` (this worker's
     input feature extent) and, for ZeRO, ``P_wgather``; and define ``_check_input``,
     ``_signature``, ``_gemm`` (the per-rank GEMM sizes the dispatch reads), ``_rows``,
-    ``_fused_state`` and ``_unfused``.  ``_form_entry`` / ``_zero_entry`` name the registry
-    entries of the form's fused op and of the ZeRO op.
+    ``_fused_state`` and ``_unfused``.  ``_zero_entry`` names the registry entry of the ZeRO op.
 
     Attributes:
         session: the :class:`~distfuse.primitives.agreement_session.AgreementSession` over the
@@ -147,7 +300,6 @@ class RowLinear(LinearBase):
     """
 
     _zero = False
-    _form_entry = None
     _zero_entry = None
 
     def __init__(self, P_grid, P_seq, names: tuple[str, str], in_features: int, out_features: int, bias: bool, device,
@@ -161,25 +313,29 @@ class RowLinear(LinearBase):
         self.P_users = P_grid if P_grid.dim == 2 else grid_partition(P_grid.ranks, [self.P_d, self.P_m],
                                                                      P_grid.device)
 
-    def extra_repr(self) -> str:
-        forms = ", ".join(f"{name}={list(P.shape)}" for name, P in (("P_x", self.P_x), ("P_y", self.P_y))
-                          if P is not None)
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, {forms}"
-
     def _rank_of(self, d: int, m: int) -> int:
         """The world rank of worker ``(d, m)`` (the grid's middle extents are 1)."""
         return self.P_users.ranks[d * self.P_m + m]
 
-    def _setup_row(self, P_row, form: str | None, zero_call: dict | None) -> None:
-        """The layer's agreement over its row ``P_row`` and its ops' contexts, in the same order on every worker."""
-        op = self._op
-        self.P_row = P_row
+    def _setup_row(self, P_row, form_entry, split: str, sequence: bool) -> None:
+        """The layer's agreement over its row ``P_row`` and its ops' contexts, in the same order on every worker.
+
+        ``form_entry``: the registry entry of the form's fused op; ``split`` (``"rows"`` /
+        ``"columns"``) and ``sequence`` (the form splits the sequence dim): ZeRO's op's arrangement.
+        """
+        op, keep = self._op, getattr(self, "keep_gathered", True)
+        self.P_row, self._form_entry = P_row, form_entry
         self.session = AgreementSession(op, P_row)
         self.agreement = self.session.site
         self._rows_ctx = BlockCollective(op, P_row, self.session.forget)
         self._grid_flag = FlagRound(op, self.P_in, self.session.forget)  # ZeRO: the weight group spans the rows
-        self._form_call = make_call(form, P_row, getattr(self, "keep_gathered", True), owner=op) if form else None
-        self._zero_call = ZeroLinearCall(owner=op, **zero_call) if zero_call else None
+        self._form_call = make_call(form_entry.name, P_row, keep, owner=op) if self.P_m > 1 else None
+        self._zero_call = None
+        if self._zero and self.P_d > 1:
+            self._zero_call = ZeroLinearCall(P_d=self.P_wgather, P_m=P_row, split=split,
+                                             axis="sequence" if sequence else "features",
+                                             out_features=self.out_features, in_features=self.in_features,
+                                             keep_gathered=keep, owner=op)
         self._last_input: tuple | None = None
         # The path is remembered per call only where the dispatch has a choice; elsewhere it is fixed.
         self._dispatches = self.P_m > 1 or (self._zero and self.P_d > 1)
@@ -192,7 +348,7 @@ class RowLinear(LinearBase):
     def _forward(self, x: torch.Tensor, seq_len: int | None) -> torch.Tensor:
         if not self.P_in.active:
             check_inactive_input(self._op, x)
-            self._record_inactive()
+            self._record(INACTIVE)
             return x.clone()
         mode = self.session.begin()
         error = local_error(lambda: self._check_input(x, seq_len))
@@ -237,7 +393,7 @@ class RowLinear(LinearBase):
         return self.session.agree_in(signature, error is None, run, gather, checked_by_op=True)
 
     def _exact_n(self, x, seq_len) -> int:
-        """The gathered sequence extent a fused op needs (-1: none): the all-gather linear's sequence form."""
+        """The gathered sequence extent a fused op needs (-1: none; the all-gather linear's sequence form has one)."""
         return -1
 
     def _state_n(self, state) -> int:
@@ -337,9 +493,8 @@ def agreed_input_gather(layer, x: torch.Tensor, seq_len: int | None, error: Dist
 
     Without ``P_x`` the features are gathered (last dim), with ``P_x`` the sequence (dim -2):
     worker ``j`` holds block ``j`` of ``in_features``, or the balanced block ``j`` of the
-    gathered sequence length (equal to ``seq_len`` where given).  ``error`` is this
-    worker's local check failure (None: its input passed): it flags, and the slow path
-    raises it on every worker of the row.
+    gathered sequence length (equal to ``seq_len`` where given).  ``error``: this worker's
+    local check failure (None: its input passed), raised on every worker of the row.
     """
     op, P_m, P_sub = layer._op, layer.P_m, layer.P_row
 
@@ -372,10 +527,7 @@ def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor, signat
     A worker whose input changed, or cannot be multiplied (a dtype other than the
     weight's outside autocast, an integer dtype), skips its GEMM and sends zeros of the
     agreed size with the flag; then every worker gathers the inputs' records and raises
-    the same error, or agrees on the new size.  Under ``torch.autocast`` the partial sums
-    (and so the output) are in the autocast dtype, as ``torch.nn.Linear``'s output.
-    ``error`` is this worker's local check failure: it flags, and the slow path raises it
-    on every worker.
+    the same error, or agrees on the new size.  ``error``: as for :func:`agreed_input_gather`.
     """
     op, P_sub, ctx = layer._op, layer.P_row, layer._rows_ctx
     rec = row_record(x, W.dtype, P_sub.device.type)

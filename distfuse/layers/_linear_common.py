@@ -12,26 +12,23 @@ Decisions:
 
 * **Parameters live only where they are owned.**  A rank that owns no block of a
   parameter registers it as None (as ``bias=False`` does in torch), so its
-  ``state_dict`` has no entry and an optimizer gets no empty tensors.
-  :meth:`LinearBase.param_layouts` says where every block lives, for
-  :func:`~distfuse.layers._params.load_sequential` / ``collect_sequential``.
-* **Initialisation equals torch's.**  :func:`init_like_torch` makes exactly the draws of
-  ``torch.nn.Linear.reset_parameters`` on the full global tensors (on the layer's
-  device and dtype) and keeps this rank's blocks.  Every world rank draws, owner or
-  not, so the random streams stay in step across ranks and with a sequential model
-  built from the same seed.  It costs one global weight of transient memory per rank;
-  for a model too big for that, initialise blocks yourself or use ``load_sequential``.
+  ``state_dict`` has no entry and an optimizer gets no empty tensors;
+  :meth:`LinearBase.param_layouts` says where every block lives.
+* **Initialisation equals torch's** (:meth:`LinearBase.reset_parameters`).  Every world
+  rank draws the full global tensors, owner or not, so the random streams stay in step
+  across ranks and with a sequential model built from the same seed.  It costs one
+  global weight of transient memory per rank; for a model too big for that, initialise
+  blocks yourself or use ``load_sequential``.
 * **One message per parameter broadcast.**  Blocks that travel along the same plan
-  (weight and bias from ``(0, m)`` to ``(d, m)``) are packed into one flat buffer:
-  one latency-bound round instead of two; the pack is one copy of the owner's blocks.
-  Receivers know the shapes analytically, so no metadata is exchanged.
+  (weight and bias from ``(0, m)`` to ``(d, m)``) are packed into one flat buffer, one
+  latency-bound round instead of two; receivers know the shapes, so no metadata moves.
 * **Every worker runs the adjoint under grad mode.**  A receive-only worker cannot
   know whether its source's tensor requires grad, and a gradient sent to a source
   that never runs its backward waits until the process-group timeout.  So under
   ``torch.is_grad_enabled()`` every worker passes the op pair's anchor
   (:func:`~distfuse.primitives._op_pair.anchor`), which makes its call differentiable
-  whatever its own tensors require (eager code and compiled graphs alike).  The cost is
-  one unneeded gradient message for frozen parameters or a first layer.
+  whatever its own tensors require (eager code and compiled graphs alike), at the cost
+  of one unneeded gradient message for frozen parameters or a first layer.
 * **The parameter dtype of a rank without parameters** comes from a zero-size buffer
   (``_dtype_probe``, not persistent) that ``Module.to``/``.half()`` convert together
   with the owners' parameters.  gloo receives a message into a buffer of another
@@ -59,65 +56,40 @@ from distfuse.primitives._op_pair import anchor
 from distfuse.primitives.all_gather import axes_subgrid
 from distfuse.primitives.broadcast import NO_FLAG, broadcast_blocks, broadcast_plan, move_of, placeholder
 
-__all__ = [
-    "INACTIVE",
-    "LinearBase",
-    "ParamBroadcast",
-    "LinearParams",
-    "grid_partition",
-    "subgrid",
-    "union_of",
-    "check_features",
-    "check_cartesian",
-    "check_same_ranks",
-    "check_row_partitions",
-    "check_block_features",
-    "decide",
-    "not_servable",
-]
+__all__ = ["INACTIVE", "LinearBase", "ParamBroadcast", "LinearParams", "grid_partition", "subgrid", "union_of",
+           "check_cartesian", "check_row_partitions", "check_block_features", "decide",
+           "not_servable"]
 
 
-# Derived partitions, cached by what defines them.  Creating one costs two world-wide consistency gathers (about
-# 25 ms each with 8 gloo ranks on the 2-core CI machine: 0.2 s per layer uncached, most of a small layer's set-up).
-# Every rank constructs the same layers in the same order, so every rank hits or misses together and the
-# collective creation calls stay matched.  Entries are added only after a creation succeeded everywhere.
-_PARTITIONS: dict[tuple, CartesianPartition] = {}
+# Derived partitions, cached by what defines them: creating one costs two world-wide consistency gathers.  Every
+# rank constructs the same layers in the same order, so every rank hits or misses together and the collective
+# creation calls stay matched.  Entries are added only after a creation succeeded everywhere.
+_PARTITIONS: dict[tuple, Partition] = {}
+
+
+def _cached(key: tuple, make):
+    P = _PARTITIONS.get(key)
+    if P is None:
+        P = _PARTITIONS[key] = make()
+    return P
 
 
 def grid_partition(ranks: Sequence[int], shape: Sequence[int], device) -> CartesianPartition:
     """A CartesianPartition of ``shape`` over the given world ranks, in order (collective over the world on a miss)."""
     key = ("grid", tuple(int(r) for r in ranks), tuple(int(s) for s in shape), torch.device(device).type)
-    P = _PARTITIONS.get(key)
-    if P is None:
-        P = Partition.world(device=device).create_partition_inclusive(list(key[1])).create_cartesian_topology_partition(
-            list(key[2]))
-        _PARTITIONS[key] = P
-    return P
+    return _cached(key, lambda: Partition.world(device=device).create_partition_inclusive(list(key[1]))
+                   .create_cartesian_topology_partition(list(key[2])))
 
 
 def union_of(*Ps) -> Partition:
     """``union_partition`` of the partitions, cached like :func:`grid_partition` (collective on a miss)."""
-    key = ("union", *(tuple(P.ranks) for P in Ps), Ps[0].device.type)
-    P = _PARTITIONS.get(key)
-    if P is None:
-        P = _PARTITIONS[key] = union_partition(*Ps)
-    return P
+    return _cached(("union", *(tuple(P.ranks) for P in Ps), Ps[0].device.type), lambda: union_partition(*Ps))
 
 
 def subgrid(P: CartesianPartition, axes: Sequence[int]) -> CartesianPartition:
     """``axes_subgrid(P, axes)``, cached like :func:`grid_partition` (collective over the world on a miss)."""
     key = ("sub", tuple(P.ranks), tuple(P.shape), tuple(sorted(int(a) for a in axes)), P.device.type)
-    sub = _PARTITIONS.get(key)
-    if sub is None:
-        sub = _PARTITIONS[key] = axes_subgrid(P, axes)
-    return sub
-
-
-def check_features(op: str, in_features, out_features) -> tuple[int, int]:
-    for name, v in (("in_features", in_features), ("out_features", out_features)):
-        if isinstance(v, bool) or not hasattr(v, "__index__") or int(v) < 1:
-            raise expect(op, name, "an integer >= 1", repr(v), cls=PartitionError)
-    return int(in_features), int(out_features)
+    return _cached(key, lambda: axes_subgrid(P, axes))
 
 
 def check_cartesian(op: str, name: str, P, min_dim: int = 1) -> None:
@@ -129,15 +101,6 @@ def check_cartesian(op: str, name: str, P, min_dim: int = 1) -> None:
                              "placeholder")
     if P.dim < min_dim:
         raise expect(op, f"number of dimensions of {name}", f">= {min_dim}", P.dim, cls=PartitionError)
-
-
-def check_same_ranks(op: str, P_a, name_a: str, P_b, name_b: str) -> None:
-    """Worker (d, m) must be the same process in both partitions: same world ranks, same order."""
-    if tuple(P_a.ranks) != tuple(P_b.ranks):
-        raise PartitionError(
-            f"{where(op)}: {name_a} and {name_b} must list the same world ranks in the same order, so that "
-            f"worker (d, m) is one process in both; got {name_a} ranks {list(P_a.ranks)} and {name_b} ranks "
-            f"{list(P_b.ranks)}")
 
 
 def check_row_partitions(op: str, P_feat, feat: str, P_seq, seq: str, swapped_hint: bool = False) -> None:
@@ -160,8 +123,12 @@ def check_row_partitions(op: str, P_feat, feat: str, P_seq, seq: str, swapped_hi
     if list(P_seq.shape) != want:
         raise expect(op, f"shape of {seq} ([P_d, 1, ..., P_m, 1] for {feat} {list(P_feat.shape)}: {seq} splits the "
                          f"sequence dim where {feat} splits the features)", want, list(P_seq.shape), cls=PartitionError)
-    (a, P_a), (b, P_b) = sorted([(feat, P_feat), (seq, P_seq)], key=lambda named: named[0])  # P_x named first
-    check_same_ranks(op, P_a, a, P_b, b)
+    # Worker (d, m) must be the same process in both partitions; the message names P_x first.
+    (a, P_a), (b, P_b) = sorted([(feat, P_feat), (seq, P_seq)], key=lambda named: named[0])
+    if tuple(P_a.ranks) != tuple(P_b.ranks):
+        raise PartitionError(
+            f"{where(op)}: {a} and {b} must list the same world ranks in the same order, so that worker (d, m) is "
+            f"one process in both; got {a} ranks {list(P_a.ranks)} and {b} ranks {list(P_b.ranks)}")
 
 
 def _looks_swapped(P_feat, P_seq) -> bool:
@@ -185,16 +152,13 @@ def check_block_features(op: str, x: torch.Tensor, P, expected: int, what: str) 
 
 
 class ParamBroadcast:
-    """Copy parameter blocks from their owners to the workers that use them, packed into one message.
+    """Copy parameter blocks from their owners ``P_src`` to their users ``P_dst``, packed into one message.
 
-    ``P_src`` holds the owners and ``P_dst`` the users (``P_src`` broadcasts to ``P_dst``
-    by the Broadcast rules); ``shapes`` are the blocks this rank receives when it is a
-    user.  Forward: each user gets its owner's blocks; adjoint: each owner gets the sum
-    of its users' gradients (the Broadcast's sum-reduce, fp32-accumulated for bf16).
-    With one worker per owner (``P_d = 1``) it is the identity and costs nothing.  One
-    call of Broadcast's op pair (``distfuse::broadcast``) in every mode: a receiver passes
-    an empty slice of the call's input and the op pair's anchor, which makes it run the
-    adjoint its owner waits for under grad mode (see the module doc).
+    ``shapes`` are the blocks this rank receives when it is a user.  Forward: each user
+    gets its owner's blocks; adjoint: each owner gets the sum of its users' gradients
+    (the Broadcast's sum-reduce, fp32-accumulated for bf16); the identity where
+    ``P_d = 1``.  One call of Broadcast's op pair (``distfuse::broadcast``) in every mode;
+    a receiver passes an empty slice of the call's input and the anchor (module doc).
     """
 
     def __init__(self, P_src: CartesianPartition, P_dst: CartesianPartition, shapes: Sequence[Sequence[int]]):
@@ -258,11 +222,10 @@ def decide(op: str, layer: str, shapes: dict, dtype: torch.dtype, world_size: in
            available=None) -> Decision:
     """The path this call takes, and why.
 
-    ``select_path`` gives the shape-based verdict, assuming symmetric memory; a
-    ``"fused"`` verdict is then confirmed with ``available()`` (the fused op's
-    ``fused_linear_available``, collective the first time and cached, so every rank of
-    the group asks together: the verdict depends only on shapes every rank shares).
-    Where it says no, the unfused composition runs, the reason is logged once and
+    ``select_path`` gives the shape-based verdict, assuming symmetric memory; a ``"fused"``
+    verdict is then confirmed with ``available()`` (collective the first time and cached:
+    every rank of the group asks together, the verdict depending only on shapes they all
+    share).  Where it says no, the unfused composition runs, the reason is logged once and
     recorded, and ``last_path`` never claims a path that did not run.
     """
     choice = select_path(op, shapes, dtype, world_size, device_caps(torch.device(device), symmetric_memory=True))
@@ -296,6 +259,8 @@ INACTIVE = Decision("unfused", "this rank is not in the layer's partitions; it d
 class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
     """Bookkeeping every distributed linear shares: parameter blocks, torch-equal init, dispatch records.
 
+    Subclasses set ``use_bias``, ``P_weight`` and ``P_bias`` (the owners) before :meth:`_register_params`.
+
     Attributes:
         in_features, out_features: the global sizes, as in ``torch.nn.Linear``.
         last_path: ``"unfused"`` or ``"fused"``, the path of the latest forward (None before one).
@@ -304,7 +269,10 @@ class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
 
     def __init__(self, in_features: int, out_features: int, device, dtype):
         super().__init__()
-        self.in_features, self.out_features = check_features(type(self).__name__, in_features, out_features)
+        for name, v in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(v, bool) or not hasattr(v, "__index__") or int(v) < 1:
+                raise expect(type(self).__name__, name, "an integer >= 1", repr(v), cls=PartitionError)
+        self.in_features, self.out_features = int(in_features), int(out_features)
         self.last_path: str | None = None
         self.last_decision: Decision | None = None
         dtype = dtype if dtype is not None else torch.get_default_dtype()
@@ -320,22 +288,16 @@ class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
     def _param_device(self) -> torch.device:
         return self._dtype_probe.device
 
-    def _block(self, name: str, P: CartesianPartition, global_shape: Sequence[int]) -> None:
-        """Register this rank's block of a parameter owned by ``P`` (None where this rank owns none)."""
-        if P.active:
-            shape = tuple(block_extent(n, p, i) for n, p, i in zip(global_shape, P.shape, P.index, strict=True))
-            param = nn.Parameter(torch.empty(shape, dtype=self._param_dtype(), device=self._param_device()))
-            self.register_parameter(name, param)
-        else:
-            self.register_parameter(name, None)
-
     def _register_params(self) -> None:
-        """Register this rank's blocks of ``weight`` (owned by ``P_weight``) and ``bias`` (by ``P_bias``; None
-        without one), then initialise them like ``torch.nn.Linear``."""
-        self._block("weight", self.P_weight, (self.out_features, self.in_features))
-        if self.use_bias:
-            self._block("bias", self.P_bias, (self.out_features,))
-        else:
+        """Register this rank's blocks of ``weight`` and ``bias`` (None where it owns none, and without a bias),
+        then initialise them like ``torch.nn.Linear``."""
+        for lay in self.param_layouts():
+            P, param = lay.P, None
+            if P.active:
+                shape = [block_extent(n, p, i) for n, p, i in zip(lay.global_shape, P.shape, P.index, strict=True)]
+                param = nn.Parameter(torch.empty(shape, dtype=self._param_dtype(), device=self._param_device()))
+            self.register_parameter(lay.name, param)
+        if not self.use_bias:
             self.register_parameter("bias", None)
         self.reset_parameters()
 
@@ -346,9 +308,29 @@ class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
             lays.append(ParamLayout("bias", "bias", self.P_bias, (self.out_features,)))
         return lays
 
+    @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Initialise like ``torch.nn.Linear``: with the same seed, the blocks of the same global tensors."""
-        init_like_torch(self)
+        """``torch.nn.Linear.reset_parameters`` on the global tensors, then each owner keeps its block.
+
+        Draw order and calls are torch's: kaiming-uniform weight (a = sqrt(5)), then the
+        bias uniform in +-1/sqrt(in_features).  Every rank draws (see the module doc).
+        """
+        dtype, device = self._param_dtype(), self._param_device()
+        full = {"weight": torch.empty((self.out_features, self.in_features), dtype=dtype, device=device)}
+        nn.init.kaiming_uniform_(full["weight"], a=math.sqrt(5))
+        if self.use_bias:
+            bound = 1 / math.sqrt(self.in_features)
+            full["bias"] = nn.init.uniform_(torch.empty(self.out_features, dtype=dtype, device=device), -bound, bound)
+        for lay in self.param_layouts():
+            if lay.P.active:
+                block = full[lay.seq_name][local_slices(lay.global_shape, lay.P.shape, lay.P.index)]
+                getattr(self, lay.name).copy_(block)
+
+    def extra_repr(self) -> str:
+        forms = [f"{name}={list(P.shape)}" for name in ("P_x", "P_y", "P_w")
+                 if (P := getattr(self, name, None)) is not None]
+        return ", ".join([f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}",
+                          *forms])
 
     def _record(self, decision: Decision) -> None:
         self.last_decision, self.last_path = decision, decision.path
@@ -357,8 +339,8 @@ class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
         """After a fused call: name in ``last_decision`` the kernel that ran it (``providers.last_kernel``).
 
         The decision names the provider asked for; the kernel may differ (a fallback, see
-        :mod:`distfuse.kernels.matmul_scatter_select`), and a benchmark or a test reading the
-        decision must see the kernel that actually ran.  Ops without a kernel choice leave it None.
+        :mod:`distfuse.kernels.matmul_scatter_select`), and a reader of the decision must see the
+        kernel that actually ran.  Ops without a kernel choice leave it None.
         """
         from distfuse.fused.providers import last_kernel
 
@@ -366,28 +348,3 @@ class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
         if choice is not None and self.last_decision.path == "fused":
             self.last_decision = dataclasses.replace(self.last_decision, kernel=choice.kernel,
                                                      kernel_reason=choice.reason)
-
-    def _record_inactive(self) -> None:
-        self._record(INACTIVE)
-
-
-@torch.no_grad()
-def init_like_torch(layer: LinearBase) -> None:
-    """``torch.nn.Linear.reset_parameters`` on the global tensors, then each owner keeps its block.
-
-    Draw order and calls are torch's: kaiming-uniform weight (a = sqrt(5)), then the
-    bias uniform in +-1/sqrt(in_features).  Every rank draws (see the module doc).
-    """
-    dtype, device = layer._param_dtype(), layer._param_device()
-    weight = torch.empty((layer.out_features, layer.in_features), dtype=dtype, device=device)
-    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
-    full = {"weight": weight}
-    if layer.use_bias:
-        bias = torch.empty((layer.out_features,), dtype=dtype, device=device)
-        bound = 1 / math.sqrt(layer.in_features)
-        nn.init.uniform_(bias, -bound, bound)
-        full["bias"] = bias
-    for lay in layer.param_layouts():
-        if lay.P.active:
-            block = full[lay.seq_name][local_slices(lay.global_shape, lay.P.shape, lay.P.index)]
-            getattr(layer, lay.name).copy_(block)

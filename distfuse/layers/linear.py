@@ -24,23 +24,19 @@ P_x, P_y and P_w may sit on any world ranks: overlapping, disjoint or in any ord
 A P_w or P_y worker outside P_x cannot know the leading extents or the dtype, and no
 collective of the layer reaches every worker, so the layer agrees on them in its
 :class:`~distfuse.primitives.agreement_session.AgreementSession` over the union of the
-three partitions, with its flag in a host round: one one-integer all-reduce on the
-union's host meta group before any data moves while every worker's input signature
-repeats (``distfuse::flag_check`` in a compiled call); the first call and any
-change (or a worker whose input fails its local checks) all-gather every worker's
-record (13 int64 per worker, host-side) and check it on every worker, so a bad or
-disagreeing input raises the same :class:`~distfuse.errors.ShapeError` everywhere,
-at once, and a legitimate change (every worker called with the new shape) just
-works.  Inside :func:`~distfuse.primitives._agreement.capture_safe` (and while a CUDA
-stream captures) a settled layer moves no flag at all.  Debug mode gathers and checks
-on every eager call.
+three partitions, its flag in a host round (one one-integer all-reduce on the union's
+host meta group before any data moves; ``distfuse::flag_check`` in a compiled call);
+records: :mod:`~distfuse.layers._linear_agreement`.  A bad or disagreeing input raises
+the same :class:`~distfuse.errors.ShapeError` everywhere, at once, and a legitimate
+change just works.  Inside :func:`~distfuse.primitives._agreement.capture_safe` (and
+while a CUDA stream captures) a settled layer moves no flag.  Debug mode gathers and
+checks on every eager call.
 
 One forward serves eager calls, ``capture_safe()`` and ``torch.compile(fullgraph=True)``:
-the broadcast and the sum-reduce are Broadcast's op pair (``distfuse::broadcast`` and
-its adjoint, :mod:`distfuse.primitives.broadcast`; an anchor makes every worker run the
-adjoints its peers wait for), the fused path is ``distfuse::matmul_all_reduce`` through
-the layer's :class:`~distfuse.ops.fused_linear.FusedCall`, and a compiled call takes the
-path of the last eager call with the same rows and dtype.
+the broadcast and the sum-reduce are Broadcast's op pair (:mod:`distfuse.primitives.broadcast`,
+with the anchor of :mod:`~distfuse.layers._linear_common`), the fused path is
+``distfuse::matmul_all_reduce`` through a :class:`~distfuse.ops.fused_linear.FusedCall`,
+and a compiled call takes the path of the last eager call with the same rows and dtype.
 
 Workers outside the three partitions pass and get zero-volume tensors; workers outside
 P_y get a zero-volume ``[0]`` output that still carries their part of the adjoint, so
@@ -75,9 +71,18 @@ import torch
 import torch.nn.functional as F
 
 from distfuse import debug
-from distfuse.errors import DistfuseError, PartitionError, ShapeError, expect, where
+from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
+from distfuse.layers._linear_agreement import (
+    check_general_records,
+    check_input_dtype,
+    compute_dtype,
+    compute_dtype_of,
+    general_record,
+    local_error,
+    record_shape,
+)
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,
@@ -88,14 +93,6 @@ from distfuse.layers._linear_common import (
     not_servable,
     subgrid,
     union_of,
-)
-from distfuse.layers._linear_records import (
-    check_general_records,
-    check_input_dtype,
-    compute_dtype,
-    compute_dtype_of,
-    general_record,
-    record_shape,
 )
 from distfuse.layers.dispatch import Decision
 from distfuse.ops.fused_linear import make_call
@@ -143,8 +140,7 @@ class DistributedLinear(LinearBase):
         device, dtype: of the parameters (default: ``P_w``'s device, the default dtype).
 
     Construction is collective over the world (it creates partitions).  ``W_ij`` lives
-    on ``P_w`` worker ``(i, j)``; other ranks hold ``weight = None``.  With the same
-    seed, :meth:`reset_parameters` gives the blocks of ``torch.nn.Linear``'s tensors.
+    on ``P_w`` worker ``(i, j)``; other ranks hold ``weight = None``.
     """
 
     def __init__(self, P_x, P_y, P_w, in_features: int, out_features: int, bias: bool = True, device=None,
@@ -165,8 +161,7 @@ class DistributedLinear(LinearBase):
         self._plan_y = sum_reduce_plan(self.P_weight, P_y2, transpose_dest=True)
         # Workers that hold no input block cannot know the leading extents: they learn them from the agreed record.
         self._needs_meta = not (set(P_w.ranks) | set(P_y.ranks)) <= set(P_x.ranks)
-        # The fused path: each row of P_w all-reduces, and one worker of row i (its keeper) delivers the sum to
-        # P_y worker i: that worker itself where it lies in row i (no message), else the row's column-0 worker.
+        # The fused path: row i's keeper (module doc) is P_y worker i where it lies in row i, else column 0's.
         self.P_row = subgrid(self.P_weight, [1])
         rows_of_w = [self.P_weight.ranks[i * P_fi:(i + 1) * P_fi] for i in range(P_fo)]
         self._keepers = [P_y.ranks[i] if P_y.ranks[i] in rows_of_w[i] else rows_of_w[i][0] for i in range(P_fo)]
@@ -218,16 +213,10 @@ class DistributedLinear(LinearBase):
 
     def _locally_ok(self, x: torch.Tensor) -> bool:
         """Whether this worker's input passes its own checks; a failure flags, so that every worker raises."""
-        try:
-            if self.P_x.active:
-                check_block_features(self._op, x, self.P_x, self._in_block(self.P_x.index[-1]),
-                                     f"block {self.P_x.index[-1]} of in_features={self.in_features} over "
-                                     f"P_fi={self.P_fi}")
-            else:
-                check_inactive_input(self._op, x)
-        except DistfuseError:
-            return False
-        return True
+        j = self.P_x.index[-1]
+        what = f"block {j} of in_features={self.in_features} over P_fi={self.P_fi}"
+        return local_error(lambda: check_block_features(self._op, x, self.P_x, self._in_block(j), what)
+                           if self.P_x.active else check_inactive_input(self._op, x)) is None
 
     def _signature(self, x) -> tuple:
         if not isinstance(x, torch.Tensor):
@@ -239,10 +228,9 @@ class DistributedLinear(LinearBase):
         op = self._op
         if not self.P_all.active:
             check_inactive_input(op, x)
-            self._record_inactive()
+            self._record(INACTIVE)
             return x.clone()
-        # The agreed record (a flag round while every worker's input repeats; the records gathered and checked on
-        # every worker on a change or a local failure), so that a bad block raises on every rank, not only here.
+        # The agreed record (module doc), so that a bad block raises on every rank, not only here.
         ok = isinstance(x, torch.Tensor) and self._locally_ok(x)
         state = self.session.agree(x, self._signature(x), ok, lambda: self._gathered(x))
         if debug.enabled() and self.session.may_read_host:
@@ -293,8 +281,7 @@ class DistributedLinear(LinearBase):
             return not_servable(self._op, "a P_y worker outside P_w (it could not tell which path the rows of P_w "
                                           "took, so which message to wait for)")
         # Global block-0 extents, so that every row (and group) takes the same decision.
-        shapes = dict(m=rows, n=block_extent(self.out_features, self.P_fo, 0),
-                      k=block_extent(self.in_features, self.P_fi, 0))
+        shapes = dict(m=rows, n=block_extent(self.out_features, self.P_fo, 0), k=self._in_block(0))
         return decide(registry.MATMUL_ALL_REDUCE.name, self._op, shapes, dtype, self.P_fi, self._param_device(),
                       available=self._fused_available)
 
@@ -316,7 +303,3 @@ class DistributedLinear(LinearBase):
         rows = math.prod(x.shape[:-1]) if self.P_x.active and x.dim() > 1 else self._last_rows
         dtype = x.dtype if self.P_x.active else self._param_dtype()
         return self._decision(rows, dtype)
-
-    def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "
-                f"P_x={list(self.P_x.shape)}, P_y={list(self.P_y.shape)}, P_w={list(self.P_w.shape)}")

@@ -1,9 +1,9 @@
 """Column-parallel linear: all-gather the input over the model-parallel workers, then a local GEMM.
 
 The weight ``W [out, in]`` is split along the output features over the ``P_m``
-model-parallel workers; worker ``(d, m)`` computes output block ``m`` for its batch
-block ``d``.  Two input layouts (``b`` batch, ``n`` sequence, leading dimensions ``*``
-may be any number, including none)::
+model-parallel workers; worker ``(d, m)`` of the grid (:mod:`~distfuse.layers._linear_common`)
+computes output block ``m`` for its batch block ``d``.  Two input layouts (``b`` batch,
+``n`` sequence, leading dimensions ``*`` may be any number, including none)::
 
     P_y only:  P_y [P_d, 1, ..., P_m]      x [b_d, *, n, in_m] --all-gather last dim--> [b_d, *, n, in]
     with P_x:  P_x [P_d, 1, ..., P_m, 1]   x [b_d, *, n_m, in] --all-gather dim -2---> [b_d, *, n, in]
@@ -17,37 +17,27 @@ may be any number, including none)::
 and possibly empty).  Each output element gets its bias once: the output blocks are
 disjoint.
 
-Parameters.  :class:`DistributedLinearAllGather` keeps ``W_m`` and ``b_m`` on worker
-``(0, m)`` and broadcasts them along ``d`` in forward, one packed message (the adjoint
-sum-reduces the gradients onto ``(0, m)``; DistDL's data parallelism).
-:class:`DistributedLinearAllGatherZero` (ZeRO-3) also splits ``W`` along the input
-features over the data-parallel workers: worker ``(d, m)`` owns block ``(m, d)`` of
-``W`` on a ``[P_m, P_d]`` grid, all-gathers ``W_m`` along ``d`` in forward, and the
-adjoint reduce-scatters ``dW_m`` so every worker keeps its own shard's gradient.  The
-bias (``out`` elements, against ``out * in`` for ``W``) stays on ``(0, m)`` and is
-broadcast as in the plain layer: sharding it too would need a second decomposition
-of ``out`` for little memory.
+Parameters (the plain and ZeRO arrangements: :mod:`~distfuse.layers._linear_common`).
+``W_m`` and ``b_m`` live on worker ``(0, m)`` (DistDL's data parallelism).
+:class:`DistributedLinearAllGatherZero` shards ``W`` along the input features too:
+worker ``(d, m)`` owns block ``(m, d)`` of ``W`` on a ``[P_m, P_d]`` grid.  Its bias
+(``out`` elements, against ``out * in`` for ``W``) stays on ``(0, m)``: sharding it too
+would need a second decomposition of ``out`` for little memory.
 
 Agreement of the inputs: the gathered length ``n`` is not known from one block (3 rows
-of a 2-way split come from 5 or 6), and workers whose rows or dtypes disagree would
-abort the all-gather or gather garbage.  The unfused path learns the blocks and checks
-them on the first call and whenever some worker's input signature changed, and carries
-only a flag element while they repeat (``_linear_agreement.py``); a disagreement raises
-the same ShapeError on every worker of the row.  ``seq_len=n`` states the length.
+of a 2-way split come from 5 or 6), so the unfused path learns the blocks and checks them
+under the row's agreement (:mod:`~distfuse.layers._linear_agreement`); ``seq_len=n``
+states the length.
 
 Dispatch: both forms have a fused all-gather + GEMM, ``all_gather_features_matmul``
 without P_x (the input's features gathered; the GEMM reads the K chunks as they land, in
-a fixed order) and ``all_gather_matmul`` with P_x (the sequence dim gathered); the layer
-asks :func:`~distfuse.layers.dispatch.select_path` with the per-rank GEMM
-``m = rows of x_gathered, n = out block, k = in`` and records the decision in
-``last_path`` / ``last_decision``.  ``out_features < P_m`` (an empty weight shard) runs
-unfused.  The ZeRO layer with ``P_d > 1`` first asks for its own fused path
-(:mod:`distfuse.fused.zero_linear`, registry entry ``zero_linear_columns`` over the
-``P_d`` workers on their largest row count): the input is all-gathered over the
-model-parallel workers as a plain collective, the shards stream into the GEMM along K,
-and the backward fuses the dgrad GEMM with its reduce-scatter over ``m`` and the ``dW_m``
-GEMM with its reduce-scatter over ``d``; the bias is added after (empty weight shards
-included).  Where that path is not chosen, the form's own decision follows.
+a fixed order) and ``all_gather_matmul`` with P_x (the sequence dim gathered), asked for
+with the per-rank GEMM ``m = rows of x_gathered, n = out block, k = in``;
+``out_features < P_m`` (an empty weight shard) runs unfused.  The ZeRO layer with
+``P_d > 1`` first asks for its own fused path (:mod:`distfuse.fused.zero_linear`, registry
+entry ``zero_linear_columns`` over the ``P_d`` workers on their largest row count; the bias
+is added after, empty weight shards included); where it is not chosen, the form's own
+decision follows.
 """
 
 from __future__ import annotations
@@ -60,17 +50,31 @@ import torch.nn.functional as F
 from distfuse.errors import expect
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
-from distfuse.layers._linear_agreement import RowLinear, agreed_input_gather
+from distfuse.layers._linear_agreement import RowLinear, agreed_input_gather, compute_dtype
 from distfuse.layers._linear_common import LinearParams, ParamBroadcast, check_block_features, grid_partition, subgrid
-from distfuse.layers._linear_records import compute_dtype
 from distfuse.layers.dispatch import Decision
 from distfuse.primitives._axes import balanced_layout
 
 __all__ = ["DistributedLinearAllGather", "DistributedLinearAllGatherZero"]
 
 
-class _LinearAllGather(RowLinear):
-    """The all-gather linear; ``_zero`` selects how the weight reaches the workers (see the module doc)."""
+class DistributedLinearAllGather(RowLinear):
+    """Linear layer with the weight split along the output features and the input all-gathered.
+
+    Args:
+        P_y: output partition ``[P_d, 1, ..., 1, P_m]`` (also the input's without ``P_x``).
+        in_features, out_features: as in ``torch.nn.Linear``.
+        bias: add a learnable bias.
+        device, dtype: of the parameters (default: ``P_y``'s device, the default dtype).
+        P_x: optional input partition ``[P_d, 1, ..., P_m, 1]`` on the same ranks as ``P_y``:
+            the input is split along the sequence dim and gathered along it.
+        keep_gathered: on the fused path, keep the gathered input for the weight gradient
+            (default) instead of gathering it again in backward.
+
+    Construction is collective over the world (it creates partitions): every world rank
+    constructs the layer, active or not.  See the module doc for shapes, the adjoint and
+    where the parameters live.
+    """
 
     _zero_entry = registry.ZERO_LINEAR_COLUMNS
 
@@ -79,9 +83,7 @@ class _LinearAllGather(RowLinear):
         super().__init__(P_y, P_x, ("P_y", "P_x"), in_features, out_features, bias, device, dtype)
         op = self._op
         self.P_y, self.P_x = P_y, P_x
-        # Fused path: keep the gathered input from forward for the weight gradient (memory), or gather it again
-        # in backward (time); see distfuse/fused/all_gather_matmul.py.
-        self.keep_gathered = bool(keep_gathered)
+        self.keep_gathered = bool(keep_gathered)  # memory against time: distfuse/fused/all_gather_matmul.py
         P_d, P_m, m = self.P_d, self.P_m, self.dm[1]
         out_m = block_extent(self.out_features, P_m, m) if P_y.active else 0
         self._in_extent = self.in_features if P_x is not None else block_extent(self.in_features, P_m, max(m, 0))
@@ -91,26 +93,22 @@ class _LinearAllGather(RowLinear):
         self.P_gather = subgrid(P_in, [P_in.dim - (2 if P_x is not None else 1)])
         owners = [self._rank_of(0, j) for j in range(P_m)]
         self.P_bias = grid_partition(owners, [P_m], P_y.device)  # (0, m) owns b_m
-        biases, b_shapes = (("bias",), [(out_m,)]) if self.use_bias else ((), [])
         if self._zero:
             # Worker (d, m) owns block (m, d) of W: rows split over P_m, columns over P_d.
             self.P_weight = grid_partition([self._rank_of(i, j) for j in range(P_m) for i in range(P_d)],
                                            [P_m, P_d], P_y.device)
             self.P_wgather = subgrid(self.P_weight, [1])
-            self.params = LinearParams(op, [(ParamBroadcast(self.P_bias, self.P_users, b_shapes), biases)],
-                                       (self.P_wgather, (out_m, self.in_features)))
         else:
             self.P_weight = grid_partition(owners, [P_m, 1], P_y.device)
-            self.params = LinearParams(op, [(ParamBroadcast(self.P_bias, self.P_users,
-                                                            [(out_m, self.in_features)] + b_shapes),
-                                             ("weight", *biases))])
+        # The bias (and the weight, without ZeRO) travel from (0, m) in one message.
+        names = (() if self._zero else ("weight",)) + (("bias",) if self.use_bias else ())
+        shapes = {"weight": (out_m, self.in_features), "bias": (out_m,)}
+        sends = [(ParamBroadcast(self.P_bias, self.P_users, [shapes[n] for n in names]), names)]
+        self.params = LinearParams(op, sends, (self.P_wgather, shapes["weight"]) if self._zero else None)
         self._register_params()
         # Without P_x the input's features are gathered (DistDL's form), with P_x its sequence dim.
-        self._form_entry = registry.ALL_GATHER_MATMUL if P_x is not None else registry.ALL_GATHER_FEATURES_MATMUL
-        zero = dict(P_d=self.P_wgather, P_m=self.P_gather, split="columns",
-                    axis="features" if P_x is None else "sequence", out_features=self.out_features,
-                    in_features=self.in_features, keep_gathered=self.keep_gathered) if self._zero and P_d > 1 else None
-        self._setup_row(self.P_gather, self._form_entry.name if P_m > 1 else None, zero)
+        form = registry.ALL_GATHER_MATMUL if P_x is not None else registry.ALL_GATHER_FEATURES_MATMUL
+        self._setup_row(self.P_gather, form, "columns", P_x is not None)
 
     # ------------------------------------------------------------------ forward
 
@@ -176,8 +174,7 @@ class _LinearAllGather(RowLinear):
         return state[0].shape[-2] if self.P_x is not None else -1
 
     def _unfused(self, x, W, b, signature, seq_len, error) -> torch.Tensor:
-        return F.linear(agreed_input_gather(self, x, seq_len, error), W, b)  # blocks checked, no metadata while
-        # they repeat
+        return F.linear(agreed_input_gather(self, x, seq_len, error), W, b)
 
     def explain(self, x: torch.Tensor, seq_len: int | None = None) -> Decision:
         """The path :meth:`forward` takes for ``x`` and why; local (no communication).
@@ -191,34 +188,10 @@ class _LinearAllGather(RowLinear):
         return self._explain(math.prod(x.shape[:-2]) * n, x)
 
 
-class DistributedLinearAllGather(_LinearAllGather):
-    """Linear layer with the weight split along the output features and the input all-gathered.
-
-    Args:
-        P_y: output partition ``[P_d, 1, ..., 1, P_m]`` (also the input's without ``P_x``).
-        in_features, out_features: as in ``torch.nn.Linear``.
-        bias: add a learnable bias.
-        device, dtype: of the parameters (default: ``P_y``'s device, the default dtype).
-        P_x: optional input partition ``[P_d, 1, ..., P_m, 1]`` on the same ranks as ``P_y``:
-            the input is split along the sequence dim and gathered along it.
-        keep_gathered: on the fused path, keep the gathered input for the weight gradient
-            (default) instead of gathering it again in backward.
-
-    Construction is collective over the world (it creates partitions): every world rank
-    constructs the layer, active or not.  Weights ``W_m``/``b_m`` live on workers
-    ``(0, m)`` (``None`` elsewhere) and are broadcast along ``d`` in forward.  With the
-    same seed, :meth:`reset_parameters` gives the blocks of ``torch.nn.Linear``'s tensors.
-    See the module docstring for shapes, the adjoint and the costs.
-    """
-
-
-class DistributedLinearAllGatherZero(_LinearAllGather):
+class DistributedLinearAllGatherZero(DistributedLinearAllGather):
     """:class:`DistributedLinearAllGather` with the weight also sharded over the data-parallel workers (ZeRO-3).
 
-    Worker ``(d, m)`` owns block ``(m, d)`` of ``W`` (rows over ``P_m``, columns over
-    ``P_d``); forward all-gathers ``W_m`` along ``d``, backward reduce-scatters its
-    gradient so each worker keeps its own shard's (summed over ``d``).  The bias is
-    kept and broadcast as in the plain layer.  Arguments as for
+    Worker ``(d, m)`` owns block ``(m, d)`` of ``W`` (see the module doc).  Arguments as for
     :class:`DistributedLinearAllGather`.
     """
 

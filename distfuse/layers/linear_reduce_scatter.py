@@ -1,9 +1,9 @@
 """Row-parallel linear: a local GEMM on the input-feature block, then a reduce-scatter over the model-parallel workers.
 
 The weight ``W [out, in]`` is split along the input features over the ``P_m``
-model-parallel workers; each worker's GEMM yields a full-size partial sum, which the
-reduce-scatter adds up and splits (``b`` batch, ``n`` sequence, ``*`` any number of
-leading dimensions, including none)::
+model-parallel workers of the grid (:mod:`~distfuse.layers._linear_common`); each
+worker's GEMM yields a full-size partial sum, which the reduce-scatter adds up and splits
+(``b`` batch, ``n`` sequence, ``*`` any number of leading dimensions, including none)::
 
     x          P_x [P_d, 1, ..., P_m]     x [b_d, *, n, in_m]
     weight     W_m [out, in_m]
@@ -27,32 +27,23 @@ Bias, added exactly once per output element:
   data-parallel worker, against ``P_m`` times that to give ``b`` to every worker, for
   one extra ``rows * out`` add on one worker per row of the grid (under 1/in_m of its GEMM).
 
-Parameters.  :class:`DistributedLinearReduceScatter` keeps ``W_m`` (and its bias) on the
-``d = 0`` workers and broadcasts them along ``d`` in forward (the adjoint sum-reduces
-the gradients back).  :class:`DistributedLinearReduceScatterZero` (ZeRO-3) also splits
-``W`` along the output features over the data-parallel workers: worker ``(d, m)`` owns
-block ``(d, m)`` of ``W`` on a ``[P_d, P_m]`` grid, all-gathers ``W_m`` along ``d`` in
-forward, and the adjoint reduce-scatters ``dW_m`` so each worker keeps its own shard's
-gradient.  The bias (``out`` elements) is kept and broadcast as in the plain layer.
+Parameters (the plain and ZeRO arrangements: :mod:`~distfuse.layers._linear_common`).
+``W_m`` lives on worker ``(0, m)``.  :class:`DistributedLinearReduceScatterZero` shards
+``W`` along the output features too: worker ``(d, m)`` owns block ``(d, m)`` of ``W`` on a
+``[P_d, P_m]`` grid; its bias stays where the plain layer's is.
 
 Dispatch: both forms have a fused GEMM + reduce-scatter, ``matmul_reduce_scatter_features``
-without P_y (the output's features scattered) and ``matmul_reduce_scatter`` with P_y (its
-sequence dim scattered); the layer asks :func:`~distfuse.layers.dispatch.select_path`
-with the per-rank GEMM ``m = rows of x, n = out, k = in block`` and records the decision
-in ``last_path`` / ``last_decision``.  In the P_x form the fused op adds ``b_m`` in its
-reduction, the same placement as the unfused path.  The ZeRO layer with ``P_d > 1`` first
-asks for its own fused path (:mod:`distfuse.fused.zero_linear`, registry entry
-``zero_linear_rows`` over the ``P_d`` workers on their largest row count): the shards
-stream into the GEMM, the partial is reduce-scattered over the model-parallel workers as
-a plain collective, and the backward fuses the dgrad GEMM with the all-gather of ``dy``
-and the ``dW_m`` GEMM with its reduce-scatter over ``d``; the bias is added after.  Where
-that path is not chosen, the form's own decision follows (the weight all-gathered first).
-Agreement: the model-parallel workers' inputs must agree on rows and dtype (else gloo
-aborts, or fp16 meets bf16 in the sum).  The unfused path checks them on the first call
-and whenever some worker's input changed, with a flag riding on the reduce-scatter in
-between (no metadata while inputs repeat; ``_linear_agreement.py``), and raises the same
-ShapeError on every worker of the row.  Under ``torch.autocast`` the output is in the
-autocast dtype, as ``torch.nn.Linear``'s.
+without P_y (the output's features scattered; the fused op adds ``b_m`` in its reduction,
+the unfused path's placement) and ``matmul_reduce_scatter`` with P_y (its sequence dim
+scattered), asked for with the per-rank GEMM ``m = rows of x, n = out, k = in block``.
+The ZeRO layer with ``P_d > 1`` first asks for its own fused path
+(:mod:`distfuse.fused.zero_linear`, registry entry ``zero_linear_rows`` over the ``P_d``
+workers on their largest row count; the bias is added after); where it is not chosen, the
+form's own decision follows (the weight all-gathered first).
+
+The model-parallel workers' inputs must agree on rows and dtype, checked under the row's
+agreement (:mod:`~distfuse.layers._linear_agreement`).  Under ``torch.autocast`` the
+output is in the autocast dtype, as ``torch.nn.Linear``'s.
 """
 
 from __future__ import annotations
@@ -63,16 +54,28 @@ import torch
 
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
-from distfuse.layers._linear_agreement import RowLinear, agreed_matmul_reduce_scatter
+from distfuse.layers._linear_agreement import RowLinear, agreed_matmul_reduce_scatter, compute_dtype
 from distfuse.layers._linear_common import LinearParams, ParamBroadcast, check_block_features, grid_partition, subgrid
-from distfuse.layers._linear_records import compute_dtype
 from distfuse.layers.dispatch import Decision
 
 __all__ = ["DistributedLinearReduceScatter", "DistributedLinearReduceScatterZero"]
 
 
-class _LinearReduceScatter(RowLinear):
-    """The reduce-scatter linear; ``_zero`` selects how the weight reaches the workers (see the module doc)."""
+class DistributedLinearReduceScatter(RowLinear):
+    """Linear layer with the weight split along the input features and the output reduce-scattered.
+
+    Args:
+        P_x: input partition ``[P_d, 1, ..., 1, P_m]`` (also the output's without ``P_y``).
+        in_features, out_features: as in ``torch.nn.Linear``.
+        bias: add a learnable bias (added exactly once; see the module docstring for where it lives).
+        device, dtype: of the parameters (default: ``P_x``'s device, the default dtype).
+        P_y: optional output partition ``[P_d, 1, ..., P_m, 1]`` on the same ranks as ``P_x``:
+            the output is split along the sequence dim instead of the features.
+
+    Construction is collective over the world (it creates partitions): every world rank
+    constructs the layer, active or not.  See the module doc for shapes, the adjoint and
+    where the parameters live.
+    """
 
     _zero_entry = registry.ZERO_LINEAR_ROWS
 
@@ -81,7 +84,7 @@ class _LinearReduceScatter(RowLinear):
         super().__init__(P_x, P_y, ("P_x", "P_y"), in_features, out_features, bias, device, dtype)
         op = self._op
         self.P_x, self.P_y = P_x, P_y
-        P_d, P_m, m = self.P_d, self.P_m, self.dm[1]
+        P_m, m = self.P_m, self.dm[1]
         out, dev = self.out_features, P_x.device
         in_m = block_extent(self.in_features, P_m, m) if P_x.active else 0
         out_m = block_extent(out, P_m, m) if P_x.active else 0
@@ -115,12 +118,8 @@ class _LinearReduceScatter(RowLinear):
             self.params = LinearParams(op, sends)
         self._register_params()
         # Without P_y the output's features are scattered (DistDL's form), with P_y its sequence dim.
-        self._form_entry = registry.MATMUL_REDUCE_SCATTER if P_y is not None else \
-            registry.MATMUL_REDUCE_SCATTER_FEATURES
-        zero = dict(P_d=self.P_wgather, P_m=self.P_scatter, split="rows",
-                    axis="features" if P_y is None else "sequence", out_features=out,
-                    in_features=self.in_features) if self._zero and P_d > 1 else None
-        self._setup_row(self.P_scatter, self._form_entry.name if P_m > 1 else None, zero)
+        form = registry.MATMUL_REDUCE_SCATTER if P_y is not None else registry.MATMUL_REDUCE_SCATTER_FEATURES
+        self._setup_row(self.P_scatter, form, "rows", P_y is not None)
 
     # ------------------------------------------------------------------ forward
 
@@ -146,8 +145,7 @@ class _LinearReduceScatter(RowLinear):
         return (*x.shape[:-1], self.out_features), compute_dtype(x)
 
     def _unfused(self, x, W, b, signature, seq_len, error) -> torch.Tensor:
-        y = agreed_matmul_reduce_scatter(self, x, W, signature, error)  # inputs checked; no metadata while they
-        # repeat
+        y = agreed_matmul_reduce_scatter(self, x, W, signature, error)
         return y + b.to(y.dtype) if b is not None else y  # under torch.autocast y (as torch's) is in its dtype
 
     def explain(self, x: torch.Tensor) -> Decision:
@@ -155,31 +153,10 @@ class _LinearReduceScatter(RowLinear):
         return self._explain(math.prod(x.shape[:-1]), x)
 
 
-class DistributedLinearReduceScatter(_LinearReduceScatter):
-    """Linear layer with the weight split along the input features and the output reduce-scattered.
-
-    Args:
-        P_x: input partition ``[P_d, 1, ..., 1, P_m]`` (also the output's without ``P_y``).
-        in_features, out_features: as in ``torch.nn.Linear``.
-        bias: add a learnable bias (added exactly once; see the module docstring for where it lives).
-        device, dtype: of the parameters (default: ``P_x``'s device, the default dtype).
-        P_y: optional output partition ``[P_d, 1, ..., P_m, 1]`` on the same ranks as ``P_x``:
-            the output is split along the sequence dim instead of the features.
-
-    Construction is collective over the world (it creates partitions): every world rank
-    constructs the layer, active or not.  ``W_m`` lives on workers ``(0, m)`` (``None``
-    elsewhere) and is broadcast along ``d`` in forward.  With the same seed,
-    :meth:`reset_parameters` gives the blocks of ``torch.nn.Linear``'s tensors.
-    """
-
-
-class DistributedLinearReduceScatterZero(_LinearReduceScatter):
+class DistributedLinearReduceScatterZero(DistributedLinearReduceScatter):
     """:class:`DistributedLinearReduceScatter` with the weight also sharded over the data-parallel workers (ZeRO-3).
 
-    Worker ``(d, m)`` owns block ``(d, m)`` of ``W`` (rows over ``P_d``, columns over
-    ``P_m``); forward all-gathers ``W_m`` along ``d``, backward reduce-scatters its
-    gradient so each worker keeps its own shard's (summed over ``d``).  The bias is
-    kept and broadcast as in the plain layer.  Arguments as for
+    Worker ``(d, m)`` owns block ``(d, m)`` of ``W`` (see the module doc).  Arguments as for
     :class:`DistributedLinearReduceScatter`.
     """
 
