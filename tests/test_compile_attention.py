@@ -22,6 +22,8 @@ length, equal to eager.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -265,3 +267,51 @@ def test_compiled_sequence_parallel_attention():
                "fw:distfuse.matmul_reduce_scatter.default", "bw:distfuse.matmul_reduce_scatter_backward.default",
                "bw:distfuse.all_gather_matmul_backward.default"):
         assert op in ops, (op, ops)
+
+
+def _mha_inductor_case(sp: bool):
+    """The layer compiled by inductor (its generated code around distfuse's ops) against eager: outputs and every
+    gradient close (inductor may reorder the projections' arithmetic, so not bitwise)."""
+    torch._dynamo.reset()
+    P = Partition.world().create_partition_inclusive(list(RANKS)).create_cartesian_topology_partition([2, 2])
+    E, H, Hkv, B, S = 8, 4, 2, 2, 8
+    torch.manual_seed(11)
+    layer = DistributedMultiheadAttention(P, E, H, Hkv, causal=True, layout="zigzag", sequence_parallel=sp)
+    gen = torch.Generator().manual_seed(12)
+    x_g, dy_g = torch.randn(B, S, E, generator=gen), torch.randn(B, S, E, generator=gen)
+    pos = local_positions(S, P.shape[0], P.index[0], "zigzag")
+    if sp:
+        pos = pos[slice(*block_range(len(pos), P.shape[1], P.index[1]))]
+
+    def step(fn):
+        x = x_g[:, pos].clone().requires_grad_()
+        y = fn(x)
+        y.backward(dy_g[:, pos])
+        grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
+        layer.zero_grad(set_to_none=True)
+        return [y.detach(), x.grad, *grads.values()]
+
+    eager = step(layer)
+    compiled = step(torch.compile(layer, fullgraph=True, dynamic=False, backend="inductor"))
+    t = tol(torch.float32, terms=B * S * E)
+    for a, b in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(a, b, **t)
+    paths = sorted({d.path for d in layer.last_decisions.values()} | {layer.attention.last_decision.path})
+    return len(eager), paths
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("DISTFUSE_TEST_INDUCTOR") != "1",
+                    reason="inductor's first compile takes tens of seconds on the loaded 2-core CI machine; "
+                           "DISTFUSE_TEST_INDUCTOR=1 runs it")
+@pytest.mark.parametrize("sp,path", [(False, "auto"), (True, "auto"), (True, "fused")],
+                         ids=["replicated", "sequence-parallel", "sequence-parallel-fused"])
+def test_compiled_multihead_attention_inductor(sp, path):
+    """``fused``: the projections' fused ops and the ring's symmetric push inside inductor's graphs."""
+    got = run_ranks(4, _with_path_case, path, sp, timeout=600)
+    # y, dx and the 8 parameter gradients; the paths the projections (sequence-parallel) and the ring took
+    assert got == [(10, ["fused"] if path == "fused" else ["unfused"])] * 4, got
+
+
+def _with_path_case(path: str, sp: bool):
+    return with_path(path, lambda: _mha_inductor_case(sp))
