@@ -15,6 +15,7 @@ trip; misuse raises the same error on every rank, promptly.
 from __future__ import annotations
 
 import dataclasses
+import os
 import zlib
 
 import pytest
@@ -201,6 +202,13 @@ def _misuse() -> dict:
         finally:
             layer.v_proj_bias.requires_grad_(True)
 
+    def debug_values_differ_on_rank_3():
+        os.environ["DISTFUSE_DEBUG"] = "1"
+        try:
+            return layer(rows() + 1.0 if rank == 3 else rows())
+        finally:
+            os.environ.pop("DISTFUSE_DEBUG")
+
     checks = {
         "heads": lambda: DistributedMultiheadAttention(P, 12, 3, 3),
         "kv-heads": lambda: DistributedMultiheadAttention(P, 8, 4, 1),
@@ -209,6 +217,7 @@ def _misuse() -> dict:
         "not-the-layout": lambda: layer(rows(1) if P.index[0] == 0 else rows()),
         "embed-dim": lambda: layer(rows()[..., :4] if rank == 1 else rows()),
         "frozen-on-one": frozen_on_rank_2,
+        "debug-x-differs-over-tensor-axis": debug_values_differ_on_rank_3,
         # sequence-parallel: context 0's 3 rows must split 2 / 1 over the tensor axis; rank 0 and 1 pass 1 / 2
         "sp-not-balanced": lambda: sp(rows()[:, :1] if rank == 0 else rows()[:, 1:] if rank == 1 else
                                       rows()[:, slice(*block_range(2, 2, P.index[1]))]),
@@ -232,6 +241,7 @@ MISUSE = {
     "not-the-layout": (ShapeError, "row counts [1, 2] are not the contiguous layout's blocks of S = 3"),
     "embed-dim": (ShapeError, "world rank 1: x's last dimension must be embed_dim"),
     "frozen-on-one": (ShapeError, "must agree on the grad settings of the parameters"),
+    "debug-x-differs-over-tensor-axis": (ShapeError, "they differ at context indices [1] (world ranks {1: [2, 3]})"),
     "sp-not-balanced": (ShapeError, "world rank 0 (P index (0, 0)) holds 1 rows, block 0 of 3 over 2 workers is 2"),
 }
 

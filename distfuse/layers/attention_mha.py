@@ -53,13 +53,15 @@ names its keys, so ``load_sequential`` / ``collect_sequential`` move weights bet
 The agreed call (over ``P``, one flag round per call; it covers the ring's call too, which then
 runs without a round of its own, :meth:`~distfuse.layers.attention_ring.DistributedAttention.agreed`):
 ``x`` 3-D with ``E`` features, one dtype with the parameters, the same batch, dtype and grad
-settings everywhere, the same rows over the tensor axis (trusted, not hashed; sequence-parallel:
+settings everywhere, the same rows over the tensor axis (their values trusted, compared under
+``DISTFUSE_DEBUG=1``; sequence-parallel:
 the balanced blocks of the context index's rows), row counts that are the layout's blocks of
 one ``S``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -67,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, where
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
@@ -293,6 +296,8 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
                                     lambda: self._gather(problem, x, input_grad, mask))
         if record is None:  # a replayed call that flagged: the flag round raises on every worker
             return x.new_empty((0,))
+        if debug.enabled() and not self.sequence_parallel and self.session.may_read_host:
+            self._check_replicated(x)
         wq, bq, wk, bk, wv, bv, wo, bo = self._over_context(params, record.param_grad)
         B, D = x.shape[0], self.head_dim
         widths = [self.local_heads * D, self.local_kv_heads * D, self.local_kv_heads * D]
@@ -344,6 +349,24 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
             return self._gemm_scatter(x, w, b)
         y = reduce_scatter(F.linear(x, w), P_rows)
         return y + b if b is not None else y
+
+    def _check_replicated(self, x: torch.Tensor) -> None:
+        """``DISTFUSE_DEBUG=1``: the tensor axis's workers must hold the same ``x`` bits (trusted otherwise).
+
+        One host all-gather over ``P`` of a 63-bit digest of each worker's bytes, so every worker raises the same
+        :class:`~distfuse.errors.ShapeError` (a check over the tensor axis alone would leave the other context
+        indices waiting in the ring)."""
+        op, P = type(self).__name__, self.P
+        raw = x.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        digest = int.from_bytes(hashlib.blake2b(raw, digest_size=8).digest(), "little") >> 1
+        rows = gather_records(op, P, [digest])
+        differ = sorted({P.index_of(j)[0] for j, r in enumerate(rows)
+                         if r[0] != rows[P.rank_of((P.index_of(j)[0], 0))][0]})
+        if differ:
+            ranks = {c: [P.ranks[P.rank_of((c, t))] for t in range(P.shape[1])] for c in differ}
+            raise ShapeError(f"{where(op)}: x is replicated over the tensor axis, so the workers of a context index "
+                             f"must hold the same values (DISTFUSE_DEBUG=1 compares them); they differ at context "
+                             f"indices {differ} (world ranks {ranks})")
 
     def _over_context(self, params: list, param_grad: bool) -> list:
         """The parameter blocks through ``replicate`` over the context axis (their gradients summed there), as one flat
