@@ -34,6 +34,7 @@ import contextlib
 
 import torch
 
+from distfuse.errors import ShapeError, where
 from distfuse.fused.peer_views import peer_data
 from distfuse.fused.symmetric import get_workspace
 from distfuse.partition import Partition
@@ -85,8 +86,8 @@ class SymmetricRing:
 
     def post(self, channel: int, block: torch.Tensor, recv_numel: int) -> _Pending:
         if max(block.numel(), recv_numel) * block.dtype.itemsize > self.slot_bytes:
-            raise ValueError(f"{self.op}: a ring message of {max(block.numel(), recv_numel)} {block.dtype} elements "
-                             f"does not fit the {self.slot_bytes}-byte slot")
+            raise ShapeError(f"{where(self.op)}: a ring message of {max(block.numel(), recv_numel)} {block.dtype} "
+                             f"elements does not fit the {self.slot_bytes}-byte slot")
         slot = self._exchanges[channel] % 2
         self._exchanges[channel] += 1
         block = block.reshape(-1)

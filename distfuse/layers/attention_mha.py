@@ -300,17 +300,16 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
             self._check_replicated(x)
         wq, bq, wk, bk, wv, bv, wo, bo = self._over_context(params, record.param_grad)
         B, D = x.shape[0], self.head_dim
-        widths = [self.local_heads * D, self.local_kv_heads * D, self.local_kv_heads * D]
-        if self.sequence_parallel:
+        if self.sequence_parallel:  # one gather for the three: their weight blocks stacked for one GEMM
             S_r = record.lengths[self.P.index[0]]  # the context index's rows, gathered over the tensor axis
             packed_b = torch.cat([bq, bk, bv]) if bq is not None else None
             qkv = self._projection("qkv", x, torch.cat([wq, wk, wv]), packed_b, S_r)
-        else:
+            q, k, v = qkv.split([wq.shape[0], wk.shape[0], wv.shape[0]], dim=-1)
+        else:  # three GEMMs on the blocks themselves: no per-call copy of the weights
             if record.input_grad and self._tp.P.size > 1:
                 x = replicate(x, self._tp.handle)
             S_r = x.shape[1]
-            qkv = F.linear(x, torch.cat([wq, wk, wv]), torch.cat([bq, bk, bv]) if bq is not None else None)
-        q, k, v = qkv.split(widths, dim=-1)
+            q, k, v = (F.linear(x, w, b) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
         heads = (self.local_heads, self.local_kv_heads, self.local_kv_heads)
         q, k, v = (t.reshape(B, S_r, h, D).transpose(1, 2) for t, h in zip((q, k, v), heads, strict=True))
         # the layer's agreement covers the ring's call (shapes, dtype, grad settings, the layout's blocks of S)

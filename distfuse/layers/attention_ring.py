@@ -668,9 +668,14 @@ def _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, ring: _Ring) -> 
     S = ring.session.agree(q, signature, problem == 0, gather)
     if S is None:  # a replayed call that flagged: the flag round raises on every worker
         return q.new_empty((0,))
-    # the transport: every worker decides alike (the shapes are agreed; availability is collective over P_cp)
-    ring.last_decision = ring.session.remember(("path", S, q.dtype), lambda: _decide(P_cp, q, k, S, layout))
-    out, _ = ring_attention(q, k, v, attn_mask, ring.handle, S, bool(causal), layout, float(scale),
+    return _run_ring(ring, ring.session, P_cp, q, k, v, attn_mask, S, causal, layout, scale)
+
+
+def _run_ring(ring: _Ring, session, P_cp, q, k, v, mask, S: int, causal: bool, layout: str, scale: float):
+    """The agreed call: its transport decided (remembered in ``session``, so compiled calls replay it; every worker
+    decides alike: the shapes are agreed, availability is collective over ``P_cp``), then the ring op."""
+    ring.last_decision = session.remember(("ring", S, q.dtype), lambda: _decide(P_cp, q, k, S, layout))
+    out, _ = ring_attention(q, k, v, mask, ring.handle, S, bool(causal), layout, float(scale),
                             ring.last_decision.path == "fused")
     return first_order_only(out, OP, "ring attention (its backward is a ring of messages)")
 
@@ -724,11 +729,7 @@ class DistributedAttention(nn.Module):
         if not self.P_cp.active:
             return zero_volume_tensor(dtype=q.dtype, device=q.device)
         scale = self.scale if self.scale is not None else (1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0)
-        self.ring.last_decision = session.remember(("ring", S, q.dtype),
-                                                   lambda: _decide(self.P_cp, q, k, S, self.layout))
-        out, _ = ring_attention(q, k, v, None, self.ring.handle, S, self.causal, self.layout, float(scale),
-                                self.ring.last_decision.path == "fused")
-        return first_order_only(out, OP, "ring attention (its backward is a ring of messages)")
+        return _run_ring(self.ring, session, self.P_cp, q, k, v, None, S, self.causal, self.layout, scale)
 
     @property
     def last_decision(self):
