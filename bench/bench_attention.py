@@ -25,8 +25,11 @@ the global problem ``q, k, v, dO [B, H, S, D]``, each rank holding ``S / W`` row
   ``ratio`` = provider / the anchor that ran (each row's ``anchor`` names it).
 * op ``mha``: ``DistributedMultiheadAttention`` (causal, zig-zag rows) on a ``[P_cp, P_tp]`` grid of every rank,
   the same global problem ``x [B, S, E]``: ``tp_only`` (anchor) ``[1, W]`` (heads over every rank, no context
-  split), ``cp_tp`` ``[W/2, 2]`` (context x tensor), ``cp_only`` ``[W, 1]`` (context only); a grid that the
-  heads or ``S`` do not fit (or that repeats another, as ``[W/2, 2]`` at ``W = 2``) is left out.
+  split), ``cp_tp`` ``[W/2, 2]`` (context x tensor), ``cp_only`` ``[W, 1]`` (context only), and the
+  sequence-parallel forms ``tp_sp`` ``[1, W]`` and ``cp_tp_sp`` ``[W/2, 2]`` (``sequence_parallel=True``: rows
+  split over the tensor axis too, the projections the all-gather / reduce-scatter GEMMs, fused where dispatch
+  says so); a grid that the heads or ``S`` do not fit (or that repeats another of the same form, as
+  ``[W/2, 2]`` at ``W = 2``) is left out.
 
 One rank's block (``torch.cuda.is_available()``; in-process, a one-rank partition; bf16):
 
@@ -289,19 +292,22 @@ class _AttentionCase:
 
 
 def _mha_grids(W: int, S: int, heads: int) -> dict:
-    grids = {MHA_ANCHOR: (1, W), "cp_tp": (W // 2, 2), "cp_only": (W, 1)}
+    """``name -> (grid, sequence_parallel)`` of the grids the heads and ``S`` fit, each (grid, form) once."""
+    grids = {MHA_ANCHOR: (1, W), "cp_tp": (W // 2, 2), "cp_only": (W, 1), "tp_sp": (1, W), "cp_tp_sp": (W // 2, 2)}
     out, seen = {}, set()
     for name, (p_cp, p_tp) in grids.items():
-        if p_cp * p_tp != W or heads % p_tp or S % (2 * p_cp) or (p_cp, p_tp) in seen:
+        sp = name.endswith("_sp")
+        if p_cp * p_tp != W or heads % p_tp or S % (2 * p_cp) or (p_cp, p_tp, sp) in seen or (sp and p_tp == 1):
             continue
-        seen.add((p_cp, p_tp))
-        out[name] = (p_cp, p_tp)
+        seen.add((p_cp, p_tp, sp))
+        out[name] = ((p_cp, p_tp), sp)
     return out
 
 
 class _MhaCase:
     def __init__(self, mha, dtype: torch.dtype, device: torch.device):
         from distfuse import Partition
+        from distfuse.geometry.decomposition import block_range
         from distfuse.layers.attention_mha import DistributedMultiheadAttention, MultiheadSelfAttention
         from distfuse.layers.attention_ring import local_positions
 
@@ -319,13 +325,15 @@ class _MhaCase:
         y.backward(dy.float())
         self.ref_y, self.ref_dx = y.detach(), xr.grad
         world = Partition.world().create_partition_inclusive(range(W))
-        self.providers, self.grids = {}, {}
-        for name, grid in _mha_grids(W, S, heads).items():
+        self.providers, self.grids, self.paths = {}, {}, {}
+        for name, (grid, sp) in _mha_grids(W, S, heads).items():
             P = world.create_cartesian_topology_partition(list(grid))  # collective: every rank, every grid
             torch.manual_seed(SEED)  # the blocks of one MultiheadSelfAttention (the same global draw)
             layer = DistributedMultiheadAttention(P, E, heads, causal=True, layout="zigzag", device=device,
-                                                  dtype=dtype)
+                                                  dtype=dtype, sequence_parallel=sp)
             pos = local_positions(S, grid[0], P.index[0], "zigzag").to(device)
+            if sp:  # the tensor worker's balanced block of its context index's rows
+                pos = pos[slice(*block_range(len(pos), grid[1], P.index[1]))]
             xb = x.index_select(1, pos).contiguous().requires_grad_(True)
             self.providers[name] = (layer, xb, dy.index_select(1, pos).contiguous(), pos)
             self.grids[name] = list(grid)
@@ -344,6 +352,9 @@ class _MhaCase:
             y = self._once(name)
             check_agree(f"mha {name}: output", y.detach(), self.ref_y.index_select(1, pos), self.dtype)
             check_agree(f"mha {name}: dx", x.grad, self.ref_dx.index_select(1, pos), self.dtype)
+            decisions = getattr(self.providers[name][0], "last_decisions", None)
+            if decisions:  # the sequence-parallel projections: which path each took (fused or not, and why)
+                self.paths[name] = {k: d.describe() for k, d in decisions.items()}
 
     def step(self, name: str):
         return lambda: self._once(name)
@@ -393,7 +404,8 @@ def bench_rank(cfg: dict) -> list:
     times = time_interleaved({n: case.step(n) for n in case.providers}, **timing)
     for n in case.providers:
         rows.append(_row("mha", n, case.shape, dtype, W, times[n], case.flops,  # the grid in extra: one key
-                         extra=dict(base, layout="zigzag", grid=case.grids[n], grid_axes="[P_cp, P_tp]")))
+                         extra=dict(base, layout="zigzag", grid=case.grids[n], grid_axes="[P_cp, P_tp]",
+                                    sequence_parallel=n.endswith("_sp"), paths=case.paths.get(n))))
     return rows
 
 

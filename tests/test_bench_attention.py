@@ -53,10 +53,14 @@ def test_attention_smoke(tmp_path):
     if not torch.cuda.is_available():  # torch's CP runs only the CUDA SDPA kernels: the reason is recorded
         assert status.startswith("not run: ") and anchor == "sdpa_allgather", status
         assert "not a GPU result" in att["ring_zigzag"].extra["timing"]
-    # W = 2: [1, 2] (heads only) and [2, 1] (context only); [W/2, 2] would repeat [1, 2]
-    assert set(seen["mha"]) == {"tp_only", "cp_only"}
+    # W = 2: [1, 2] (heads only, replicated and sequence-parallel) and [2, 1] (context only); [W/2, 2] would
+    # repeat [1, 2]
+    assert set(seen["mha"]) == {"tp_only", "cp_only", "tp_sp"}
     assert all(r.anchor == "tp_only" for r in seen["mha"].values())
     assert seen["mha"]["cp_only"].extra["grid"] == [2, 1]
+    sp = seen["mha"]["tp_sp"].extra
+    assert sp["sequence_parallel"] and sp["grid"] == [1, 2] and set(sp["paths"]) == {"qkv", "out_proj"}, sp
+    assert not seen["mha"]["tp_only"].extra["sequence_parallel"]
     # the GPU rows' code: measured on CUDA, dry run on CPU
     assert set(seen["attention_block"]) == {"ring_local", "sdpa"}
     assert set(seen["ring_message"]) == {"ring_pack", "copy"}
