@@ -22,6 +22,10 @@ What it checks, on each rank:
   block and dK/dV accumulator pushed into the peer's symmetric slot on a side stream
   (:mod:`distfuse.fused.ring_push`), forward and backward against float64 SDPA.
 
+It also times the agreement flag round a CUDA layer call takes before its data collective, on
+this host: the shared-memory flag board (:mod:`distfuse.primitives._flag_board`) against the
+gloo all-reduce it replaces (``flag_round_us``: median microseconds per round, best of 5 x 500).
+
 Status checks are deferred on CUDA (no host sync per op): each case ends with
 ``distfuse.fused.workspace.check_pending()``, so a failure is charged to its own case.
 
@@ -145,6 +149,30 @@ PROVIDERS = ("rs:triton", "rs:triton_persistent", "rs:cublas_chunks", "ag:triton
 CASES = {"rs": _rs_case, "ag": _ag_case, "ring": _ring_case}
 
 
+def flag_round_cost(P, rounds: int = 500, repeats: int = 5) -> dict:
+    """Median microseconds per agreement flag round on ``P`` (collective): the board, and the gloo all-reduce."""
+    import torch.distributed as dist
+
+    from distfuse.primitives._agreement import flag_round
+    from distfuse.primitives._flag_board import flag_board
+
+    flag = torch.zeros(1, dtype=torch.int64)
+    ways = {"board": lambda: flag_round(P, False, "flag_round_cost"),
+            "gloo": lambda: dist.all_reduce(flag, group=P.meta_group)}
+    out = {"board_used": flag_board(P) is not None}
+    for name, fn in ways.items():
+        for _ in range(50):
+            fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(rounds):
+                fn()
+            times.append((time.perf_counter() - t0) / rounds * 1e6)
+        out[name] = sorted(times)[len(times) // 2]
+    return out
+
+
 def _rank_main(rank: int, W: int, init: str, iters: int, providers: list[str], out_dir: str) -> None:
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     sys.path.insert(0, str(ROOT))
@@ -171,6 +199,11 @@ def _rank_main(rank: int, W: int, init: str, iters: int, providers: list[str], o
             P = Partition.world(device=dev).create_partition_inclusive(order)
             grids[name] = P.create_cartesian_topology_partition([1, W, 1])
             rings[name] = P.create_cartesian_topology_partition([W])
+        try:  # a measurement: its failure must not cost the correctness cases below
+            report["flag_round_us"] = flag_round_cost(rings["world-order"])
+        except Exception as exc:  # noqa: BLE001 - recorded
+            report["flag_round_us"] = dict(error=f"{type(exc).__name__}: {exc}"[:500])
+        save()
         shapes = [(2, 67, 96, 80), (1, 130, 256, 192)]  # (B, n, K, N): n, K, N uneven over 2 and not x16
         plan = [(spec, it) for spec in providers for it in range(iters)]
         plan.append((providers[0], -1))  # the growth case: a larger op, on the first provider
@@ -223,8 +256,9 @@ def summarize(reports: list[dict], iters: int, providers: list[str], seconds: fl
                                  kernels=sorted({c["kernel"] for c in cases}),
                                  ok=bool(cases) and len(cases) >= 2 * iters and
                                  not any(spec in f for f in failures))
+    flag_cost = next((r["flag_round_us"] for r in reports if r.get("rank") == 0 and "flag_round_us" in r), None)
     return dict(ok=not failures and all(v["ok"] for v in by_provider.values()), world_size=2, iterations=iters,
-                seconds=seconds, by_provider=by_provider, failures=failures, reports=reports)
+                seconds=seconds, by_provider=by_provider, failures=failures, flag_round_us=flag_cost, reports=reports)
 
 
 def main(argv=None) -> int:
@@ -264,6 +298,12 @@ def main(argv=None) -> int:
         worst = {k: float(f"{e:.2e}") for k, e in v["worst_rel_err"].items()}
         print(f"gpu_two_process: {spec:22s} {'ok' if v['ok'] else 'FAILED'}: {v['cases']} cases over both ranks, "
               f"kernels {v['kernels']}, worst relative errors {worst}")
+    cost = summary["flag_round_us"]
+    if cost and "error" in cost:
+        print(f"gpu_two_process: agreement flag round not measured: {cost['error']}")
+    elif cost:
+        print(f"gpu_two_process: agreement flag round, us per call: board {cost['board']:.1f} (used: "
+              f"{cost['board_used']}), gloo {cost['gloo']:.1f}")
     print(f"gpu_two_process: {'ok' if summary['ok'] else 'FAILED'} in {summary['seconds']:.1f} s")
     return 0 if summary["ok"] else 1
 

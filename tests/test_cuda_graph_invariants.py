@@ -40,7 +40,8 @@ The linear layers (all-gather into reduce-scatter on ``[2, 2]``, and ``Distribut
 with ``P_w`` workers outside ``P_x``), a warm training step inside ``capture_safe()`` on CPU:
 no host read, no host-side collective (int64 records and flag rounds; the data collectives
 and point-to-point rounds are counted apart), one trusted call per layer, bitwise the eager
-results; outside ``capture_safe()`` the same step reads its flags (the control).  A call
+results, and no round on the shared-memory flag board; outside ``capture_safe()`` the same step
+reads its flags, or takes its board rounds (``DistributedLinear``'s host round on one host: the control).  A call
 that changes its shape inside ``capture_safe()`` raises ``UnsupportedError`` on its worker.
 
 The ``cuda`` tests capture forward and backward of the halo layer in a ``torch.cuda.CUDAGraph``
@@ -60,6 +61,7 @@ import distfuse._compat as compat
 from distfuse.fused import symmetric
 from distfuse.geometry.decomposition import local_slices
 from distfuse.layers.conv import DistributedConv2d
+from distfuse.primitives import _flag_board
 from distfuse.primitives._agreement import capture_safe
 from distfuse.testing import run_ranks
 from tests.test_conv_support import grid, with_path
@@ -117,6 +119,11 @@ class _HostCollectives:
     def __exit__(self, *exc):
         for mod, name, fn in reversed(self._saved):
             setattr(mod, name, fn)
+
+
+def _board_rounds() -> int:
+    """Flag rounds this rank has taken on shared-memory flag boards (``distfuse.primitives._flag_board``)."""
+    return sum(board.rounds for _, board in _flag_board._BOARDS.values() if board is not None)
 
 
 def _hot_path(path: str):
@@ -315,13 +322,16 @@ def _linear_hot_path(kind: str):
     step(), step()  # warm-up: the agreement settles
     eager = step()
     calls = [m.agreement.calls for m in layers]
+    boards = _board_rounds()
     with _CollectiveKinds() as coll, _HostReads() as reads, capture_safe():
         trusted = step()
     trusted_calls = [m.agreement.calls - c for m, c in zip(layers, calls, strict=True)]
+    trusted_rounds, boards = _board_rounds() - boards, _board_rounds()
     with _CollectiveKinds() as control_coll, _HostReads() as control:  # outside capture_safe: the flag is read
         step()
     return dict(reads=reads.reads, collectives=coll.host, data=coll.data, p2p=coll.p2p,
                 control=control.reads, control_collectives=control_coll.host, trusted_calls=trusted_calls,
+                trusted_board_rounds=trusted_rounds, control_board_rounds=_board_rounds() - boards,
                 same=all(torch.equal(a, b) for a, b in zip(trusted, eager, strict=True)), n=len(eager),
                 paths=[m.last_path for m in layers])
 
@@ -339,9 +349,11 @@ def test_linear_training_step_is_capture_safe(kind):
         assert r["reads"] == [], f"rank {rank}: host reads inside the capture-safe step: {r['reads']}"
         assert r["collectives"] == [], f"rank {rank}: host-side collectives: {r['collectives']}"
         assert r["data"] + r["p2p"] > 0, f"rank {rank}: no data round counted (the counters have no teeth)"
-        assert r["control"], f"rank {rank}: the eager steady state read no flag (the read counter has no teeth)"
-        if kind == "general":  # its flag is a host round: the collective counter sees it outside capture_safe
-            assert "all_reduce" in r["control_collectives"], r["control_collectives"]
+        assert r["trusted_board_rounds"] == 0, f"rank {rank}: flag-board rounds inside the capture-safe step"
+        if kind == "general":  # its flag is a host round, on one host the shared-memory board's: counted outside
+            assert r["control_board_rounds"] > 0 or "all_reduce" in r["control_collectives"], r
+        else:  # the flag in the data message: read on the host
+            assert r["control"], f"rank {rank}: the eager steady state read no flag (the read counter has no teeth)"
         assert all(c == 1 for c in r["trusted_calls"]), f"rank {rank}: {r['trusted_calls']} trusted calls per layer"
         assert r["same"], f"rank {rank}: the capture-safe step differs from the eager one"
 

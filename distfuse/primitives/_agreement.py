@@ -42,6 +42,7 @@ import torch
 from distfuse.errors import DistfuseError, UnsupportedError, where
 from distfuse.primitives._call_agreement import agree_on_call
 from distfuse.primitives._common import collective_guard
+from distfuse.primitives._flag_board import flag_board
 
 __all__ = ["AgreementSite", "run_agreed", "capture_safe", "trusting", "trusted_state", "flag_round",
            "agreed_by_flag_round", "agree_on_local_checks"]
@@ -158,10 +159,15 @@ def flag_round(P, flag: bool, op: str) -> bool:
     exchange runs between neighbours only, and a plan without halos sends nothing).  The
     meta group is distfuse's host-side (gloo) group, so no device tensor is read; the
     round is far cheaper than the metadata all-gather it replaces (``docs/benchmarks.md``).
-    A single worker returns its own flag.
+    Where every worker runs on one host the round needs no message: the workers read each
+    other's flags on a shared-memory board (:mod:`distfuse.primitives._flag_board`).  A
+    single worker returns its own flag.
     """
     if P.size == 1:
         return bool(flag)
+    board = flag_board(P, op)
+    if board is not None:
+        return board.round(flag, op)
     total = torch.full((1,), 1 if flag else 0, dtype=torch.int64)
     with collective_guard(op, "agreement flag all-reduce", P.ranks):
         torch.distributed.all_reduce(total, group=P.meta_group)

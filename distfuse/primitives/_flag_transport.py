@@ -8,7 +8,8 @@ kernel queued before it, one device sync per call, which ends asynchronous execu
 so the flags take a one-integer all-reduce on the partition's host-side gloo
 ``meta_group`` *before* the data collective is queued
 (:func:`~distfuse.primitives._agreement.flag_round`), and the data collective then runs
-unflagged, or not at all when a flag is set.  The choice depends only on the partition's
+unflagged, or not at all when a flag is set (on one host the round is a shared-memory
+board with no message, :mod:`distfuse.primitives._flag_board`).  The choice depends only on the partition's
 device type, so every worker runs the same rounds.  :func:`flag_transport` forces one
 way (the CPU tests run the host way; a CUDA user may trade one round for one sync).
 """

@@ -1,0 +1,166 @@
+"""The agreement flag round of a partition on one host: a shared-memory board, not a gloo all-reduce.
+
+Every checked call of a device partition takes one flag round before its data collective
+(:func:`~distfuse.primitives._agreement.flag_round`): each worker says whether its call
+differs from the settled one, and learns whether any worker's did.  On the meta group that
+is a gloo all-reduce of one integer, a TCP round trip through every rank: tens of
+microseconds on an idle node, far more on a loaded one, paid on every layer call.  When
+every worker of the partition runs on one host (a GPU node's tensor-parallel group), the
+round needs no message at all: the workers share a small segment of ``/dev/shm``, each
+writes its word, and each reads the others'::
+
+    board   int64 [W, 8]      one 64-byte line per worker (no false sharing); words 0 and 1 used
+    round k worker r writes   board[r, k % 2] = 2 k + flag_r
+            then waits until  board[p, k % 2] >= 2 k   for every peer p
+            any flag          = any(board[p, k % 2] - 2 k)
+
+A worker can be at most one round ahead of the slowest (it cannot finish round ``k + 1``
+before every peer has written it), so a peer's word for round ``k`` is never overwritten
+before it is read: two words per worker suffice, and each word is written whole (one
+aligned 8-byte store), so no ordering between stores is relied on.  The wait spins
+briefly, then yields the core (ranks oversubscribe CPU cores in tests), and ends after
+the meta group's timeout (``DISTFUSE_TIMEOUT``) in a :class:`~distfuse.errors.CollectiveTimeoutError`
+that names the peers that did not arrive, as the gloo round would.
+
+Set-up is collective over the meta group, once per group, at its first round: the
+workers compare host names, worker 0 creates the segment, the others map it, and one gloo
+all-reduce both confirms that every worker mapped it and serves as the barrier after which
+the name is unlinked (nothing is left in ``/dev/shm``, even if a process dies later).
+Where any worker is on another host, cannot map the segment, or ``DISTFUSE_FLAG_BOARD=0``
+is set (on every worker), every worker keeps the gloo round for that group.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+import time
+
+import torch
+import torch.distributed as dist
+
+from distfuse.errors import CollectiveTimeoutError, where
+from distfuse.groups import group_timeout, timeout_label
+from distfuse.primitives._common import collective_guard
+
+__all__ = ["FlagBoard", "flag_board", "BOARD_VARIABLE"]
+
+BOARD_VARIABLE = "DISTFUSE_FLAG_BOARD"
+_SHM_DIR = "/dev/shm"
+_LINE = 8  # int64 words per worker: one 64-byte cache line
+_SPINS = 50  # reads before the wait starts yielding the core (ranks may oversubscribe the cores)
+
+#: id(meta group) -> (the group, its board or None): None keeps the gloo round for that group.
+_BOARDS: dict[int, tuple[object, FlagBoard | None]] = {}
+
+
+class FlagBoard:
+    """The board of one meta group: :meth:`round` is :func:`~distfuse.primitives._agreement.flag_round`'s
+    all-reduce of one flag over the group's workers, through shared memory."""
+
+    def __init__(self, mapping: mmap.mmap, rank: int, world_ranks: tuple[int, ...], timeout_s: float):
+        self._map = mapping
+        self._words = memoryview(mapping).cast("q")
+        self.rank, self.world_ranks, self.timeout_s = rank, world_ranks, timeout_s
+        self.rounds = 0
+
+    def round(self, flag: bool, op: str) -> bool:
+        """Whether any worker set its flag in this round (collective over the group's workers, in order)."""
+        self.rounds += 1
+        k, words, W = self.rounds, self._words, len(self.world_ranks)
+        base, parity = 2 * k, k % 2
+        words[self.rank * _LINE + parity] = base + (1 if flag else 0)
+        waiting = [p for p in range(W) if p != self.rank]
+        any_flag = bool(flag)
+        spins, start = 0, None
+        while waiting:
+            still = []
+            for p in waiting:
+                value = words[p * _LINE + parity]
+                if value < base:
+                    still.append(p)
+                else:
+                    any_flag = any_flag or value > base
+            waiting = still
+            if not waiting:
+                break
+            spins += 1
+            if spins > _SPINS:
+                start = start if start is not None else time.monotonic()
+                if time.monotonic() - start > self.timeout_s:
+                    raise self._timeout(op, waiting)
+                time.sleep(0 if spins < 4 * _SPINS else 50e-6)
+        return any_flag
+
+    def _timeout(self, op: str, waiting: list[int]) -> CollectiveTimeoutError:
+        missing = sorted(self.world_ranks[p] for p in waiting)
+        return CollectiveTimeoutError(
+            f"{where(op)}: agreement flag all-reduce with world ranks {sorted(self.world_ranks)} did not complete "
+            f"within the timeout in force ({timeout_label(self.timeout_s)}): world ranks {missing} did not reach "
+            "the round on the shared-memory flag board. A peer that raised, died or made a different call ends here")
+
+    def close(self) -> None:
+        self._words.release()
+        self._map.close()
+
+
+def flag_board(P, op: str = "flag_round") -> FlagBoard | None:
+    """The board of ``P``'s meta group (made at its first round: collective), or None where the group keeps gloo."""
+    group = P.meta_group
+    entry = _BOARDS.get(id(group))
+    if entry is None or entry[0] is not group:
+        with collective_guard(op, "agreement flag board set-up", P.ranks, group):
+            entry = (group, _set_up(group))
+        _BOARDS[id(group)] = entry
+    return entry[1]
+
+
+def _set_up(group) -> FlagBoard | None:
+    """Collective over ``group``: the board where every worker shares this host and maps it, else None everywhere."""
+    rank, W = dist.get_rank(group), dist.get_world_size(group)
+    world_ranks = tuple(dist.get_process_group_ranks(group))
+    wanted = os.environ.get(BOARD_VARIABLE, "1") != "0" and os.path.isdir(_SHM_DIR)
+    hosts: list = [None] * W
+    dist.all_gather_object(hosts, (socket.gethostname(), wanted), group=group)
+    if not all(ok for _, ok in hosts) or len({h for h, _ in hosts}) != 1:
+        return None
+    size = W * _LINE * 8
+    name = [""]
+    if rank == 0:
+        candidate = f"distfuse-flags-{os.getpid()}-{secrets.token_hex(6)}"
+        try:
+            fd = os.open(os.path.join(_SHM_DIR, candidate), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.ftruncate(fd, size)  # zero-filled: below every round's words
+            finally:
+                os.close(fd)
+            name[0] = candidate
+        except OSError:
+            pass  # the empty name: every worker keeps gloo
+    mapping = None
+    try:
+        dist.broadcast_object_list(name, src=world_ranks[0], group=group)
+        if name[0]:
+            try:
+                fd = os.open(os.path.join(_SHM_DIR, name[0]), os.O_RDWR)
+                try:
+                    mapping = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+            except OSError:
+                mapping = None
+        failed = torch.tensor([0 if mapping is not None else 1], dtype=torch.int64)
+        dist.all_reduce(failed, group=group)  # every worker mapped it, or none keeps it; also the barrier before unlink
+    finally:
+        if rank == 0 and name[0]:
+            try:
+                os.unlink(os.path.join(_SHM_DIR, name[0]))
+            except FileNotFoundError:
+                pass
+    if int(failed[0]) != 0:
+        if mapping is not None:
+            mapping.close()
+        return None
+    return FlagBoard(mapping, rank, world_ranks, group_timeout(group))
