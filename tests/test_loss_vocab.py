@@ -29,6 +29,7 @@ from distfuse import PartitionError, ShapeError, UnsupportedError, zero_volume_t
 from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.layers.embedding import DistributedEmbedding
 from distfuse.layers.loss_vocab import DistributedVocabCrossEntropyLoss
+from distfuse.primitives import _flag_board
 from distfuse.testing import run_ranks
 from tests.misuse_support import catch, run_misuse
 from tests.test_conv_support import grid
@@ -162,6 +163,10 @@ _SPIED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "re
           "isend", "batch_isend_irecv")
 
 
+def _board_rounds() -> int:
+    return sum(board.rounds for _, board in _flag_board._BOARDS.values() if board is not None)
+
+
 def _no_gather_of_logits() -> list[int]:
     """The full logits never travel: every message of a steady-state forward + backward, as element counts."""
     P_x = grid((0, 1), (1, 2))
@@ -178,7 +183,9 @@ def _no_gather_of_logits() -> list[int]:
     target = torch.tensor([1, 600, 999])
     layer = DistributedVocabCrossEntropyLoss(P_x, label_smoothing=0.1)
     layer(x, target)  # the first call settles the agreement (its metadata gather is not data)
+    layer(x, target)  # the first flag round sets up the one-host flag board (a gloo round, once per group)
     real = {name: getattr(dist, name) for name in _SPIED}
+    rounds = _board_rounds()
     for name, fn in real.items():
         setattr(dist, name, spy(fn))
     try:
@@ -186,12 +193,13 @@ def _no_gather_of_logits() -> list[int]:
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
+    sizes += [1] * (_board_rounds() - rounds)  # flag rounds on the shared-memory board: no message, one element
     return sorted(sizes)
 
 
 def test_logits_are_never_gathered():
-    # the flag round (1), [max, t, -t] per row (9), [sum exp, x_t, sum x] per row (9); the rows axis has one
-    # worker (no final sum) and the backward moves nothing
+    # the flag round (1: a gloo all-reduce, or a round on the one-host flag board), [max, t, -t] per row (9),
+    # [sum exp, x_t, sum x] per row (9); the rows axis has one worker (no final sum) and the backward moves nothing
     assert run_ranks(2, _no_gather_of_logits) == [[1, 9, 9]] * 2
 
 

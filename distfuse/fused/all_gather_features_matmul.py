@@ -23,40 +23,26 @@ This is the layout of :class:`~distfuse.layers.DistributedLinearAllGather` built
 :mod:`distfuse.fused.zero_linear`); the sequence-parallel form (``P_x`` given) is
 :mod:`distfuse.fused.all_gather_matmul`, whose ``keep_gathered`` this one shares (True
 holds ``[*, K]`` from forward to backward).  Workspace, availability and world size 1:
-:mod:`distfuse.fused.matmul_common`.
+:mod:`distfuse.fused.matmul_common`.  The op is declared on the pipeline (``SPEC``, a
+:class:`~distfuse.fused.matmul_phases.PipelineLinear`), which gives its plan, loopback form
+and autograd.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
-from distfuse import debug
 from distfuse.errors import ShapeError, expect, where
-from distfuse.fused.agreement import refusal
-from distfuse.fused.matmul_common import (
-    Comm,
-    check_linear_args,
-    check_loopback_counts,
-    check_member,
-    check_partial_dtype,
-    features_workspace_bytes,
-    gathered_phases,
-    require_available,
-    run_phases,
-)
-from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_reduce_scatter_features
+from distfuse.fused.matmul_common import check_linear_args, features_workspace_bytes
+from distfuse.fused.matmul_phases import LinearPlan, PipelineLinear
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
-from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = ["PHASES", "all_gather_features_matmul", "all_gather_features_matmul_plan",
            "all_gather_features_matmul_loopback", "all_gather_features_matmul_workspace_bytes"]
-
-_OP = "all_gather_features_matmul"
 
 
 def all_gather_features_matmul_workspace_bytes(rows: int, K: int, world_size: int, dtype: torch.dtype,
@@ -66,26 +52,35 @@ def all_gather_features_matmul_workspace_bytes(rows: int, K: int, world_size: in
     return features_workspace_bytes(rows, K, world_size, dtype, partial_dtype)
 
 
-class _Plan(NamedTuple):
-    comm: Comm
-    k: int
-    has_bias: bool
-    K: int
-    keep_gathered: bool
-    partial_dtype: torch.dtype | None
-    nbytes: int
+class _AllGatherFeaturesMatmul(PipelineLinear):
+    name, axis, scatters = "all_gather_features_matmul", "features", False
+
+    def check(self, op, x, weight, bias, W, r, K, device):
+        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+            raise expect(op, "x and weight types", "torch.Tensor", (type(x).__name__, type(weight).__name__))
+        if x.dim() < 2 or weight.dim() != 2:
+            raise ShapeError(f"{where(op)}: expected x [*, K_r] (at least 2 dims) and weight [N_r, K], got "
+                             f"{tuple(x.shape)} and {tuple(weight.shape)}")
+        K = weight.shape[1] if K is None else K
+        if weight.shape[1] != K:
+            raise expect(op, "weight input features (K, the sum of the blocks)", K, weight.shape[1])
+        if x.shape[-1] != block_extent(K, W, r):
+            raise ShapeError(f"{where(op)}: x has {x.shape[-1]} features; balanced block {r} of K={K} over {W} "
+                             f"workers has {block_extent(K, W, r)} (x must be the balanced block of the weight's "
+                             "input features)")
+        # The common checks (dtypes, devices, bias) on the weight's columns that multiply x.
+        check_linear_args(op, x, weight[:, :x.shape[-1]], bias, device)
+        return K
+
+    def nbytes(self, x, weight, K, W, partial_dtype):
+        return all_gather_features_matmul_workspace_bytes(math.prod(x.shape[:-1]), weight.shape[1], W, x.dtype,
+                                                          partial_dtype)
 
 
+SPEC = _AllGatherFeaturesMatmul()
 #: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`): the backward is
 #: matmul_reduce_scatter_features's forward phase, the gathered input kept for the weight gradient or gathered again.
-PHASES = gathered_phases(
-    _OP,
-    lambda plan, op, xs, weights, biases, keep: run_all_gather_features_matmul(plan.comm, op, xs, weights, biases,
-                                                                                keep, plan.nbytes),
-    lambda plan, op, blocks: plan.comm.start_gather(op, blocks, plan.K, features=True),
-    lambda plan, op, dys, weights_t: run_matmul_reduce_scatter_features(plan.comm, op, dys, weights_t,
-                                                                        [None] * plan.k, plan.partial_dtype,
-                                                                        plan.nbytes))
+PHASES = SPEC.phases
 
 
 def all_gather_features_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition,
@@ -108,40 +103,15 @@ def all_gather_features_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torc
     Collective over ``P_sub`` in forward and backward (same row count, ``K``, dtype, bias
     presence and ``keep_gathered`` on every rank; ``DISTFUSE_DEBUG=1`` checks).
     """
-    plan = all_gather_features_matmul_plan(x, weight, bias, P_sub, keep_gathered, partial_dtype=partial_dtype)
-    return run_phases(PHASES, plan, [x], [weight], [bias])[0]
+    return SPEC(x, weight, bias, P_sub, keep_gathered=keep_gathered, partial_dtype=partial_dtype)
 
 
 def all_gather_features_matmul_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                     P_sub: Partition, keep_gathered: bool = True, *,
-                                    partial_dtype: torch.dtype | None = None) -> _Plan:
-    """:func:`all_gather_features_matmul`'s checks and plan: what its phases run on (collective where the checks
-    refuse, see :mod:`distfuse.fused.agreement`)."""
-    check_member(_OP, P_sub)
-    W, r = P_sub.size, P_sub.rank
-    with refusal(_OP, P_sub, x, GATHER_FLAGS, nbytes=lambda: all_gather_features_matmul_workspace_bytes(
-            math.prod(x.shape[:-1]), weight.shape[1], W, x.dtype, partial_dtype)):
-        if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
-            raise expect(_OP, "x and weight types", "torch.Tensor", (type(x).__name__, type(weight).__name__))
-        if x.dim() < 2 or weight.dim() != 2:
-            raise ShapeError(f"{where(_OP)}: expected x [*, K_r] (at least 2 dims) and weight [N_r, K], got "
-                             f"{tuple(x.shape)} and {tuple(weight.shape)}")
-        K = weight.shape[1]
-        if x.shape[-1] != block_extent(K, W, r):
-            raise ShapeError(f"{where(_OP)}: x has {x.shape[-1]} features; block {r} of K={K} over {W} workers "
-                             f"has {block_extent(K, W, r)} (x must be the balanced block of the weight's input "
-                             "features)")
-        # The common checks (dtypes, devices, bias) on the weight's columns that multiply x.
-        check_linear_args(_OP, x, weight[:, :x.shape[-1]], bias, P_sub.device)
-        check_partial_dtype(_OP, partial_dtype)
-    require_available(_OP, P_sub, x.device)
-    rows = math.prod(x.shape[:-1])
-    debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
-                          same=dict(rows=rows, K=K, dtype=str(x.dtype), bias=bias is not None,
-                                    keep_gathered=bool(keep_gathered), partial_dtype=str(partial_dtype)),
-                          info=dict(x=tuple(x.shape), weight=tuple(weight.shape)))
-    return _Plan(Comm(P=P_sub, device=x.device), 1, bias is not None, K, bool(keep_gathered), partial_dtype,
-                 all_gather_features_matmul_workspace_bytes(rows, K, W, x.dtype, partial_dtype))
+                                    partial_dtype: torch.dtype | None = None) -> LinearPlan:
+    """:func:`all_gather_features_matmul`'s checks and plan
+    (:meth:`~distfuse.fused.matmul_phases.PipelineLinear.plan`)."""
+    return SPEC.plan(x, weight, bias, P_sub, keep_gathered=keep_gathered, partial_dtype=partial_dtype)
 
 
 def all_gather_features_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, keep_gathered: bool = True,
@@ -151,19 +121,4 @@ def all_gather_features_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspa
     ``xs[r]`` ``[*, K_r]`` (the balanced blocks of K, in order), ``weights[r]`` ``[N_r, K]``
     and ``biases[r]`` ``[N_r]`` (or ``biases=None``).  Returns the W outputs ``[*, N_r]``.
     """
-    op = f"{_OP}_loopback"
-    W = ws.world_size
-    check_loopback_counts(op, W, xs, weights, biases)
-    K = sum(x.shape[-1] for x in xs)
-    for r, x in enumerate(xs):
-        w = weights[r]
-        if x.shape[-1] != block_extent(K, W, r) or x.shape[:-1] != xs[0].shape[:-1] or w.dim() != 2 \
-                or w.shape[1] != K or x.device != ws.device:
-            raise expect(op, f"x[{r}] (balanced block {r} of K={K}, same rows) and weights[{r}] [N_r, K]",
-                         ((*xs[0].shape[:-1], block_extent(K, W, r)), K, ws.device),
-                         (tuple(x.shape), tuple(w.shape), x.device))
-        check_linear_args(op, x, w[:, :x.shape[-1]], None if biases is None else biases[r])
-    x0 = xs[0]
-    plan = _Plan(Comm(loopback=ws), W, biases is not None, K, bool(keep_gathered), partial_dtype,
-                 all_gather_features_matmul_workspace_bytes(math.prod(x0.shape[:-1]), K, W, x0.dtype, partial_dtype))
-    return run_phases(PHASES, plan, xs, weights, biases)
+    return SPEC.loopback(xs, weights, biases, ws, keep_gathered=keep_gathered, partial_dtype=partial_dtype)

@@ -25,44 +25,28 @@ parallelism; :meth:`~distfuse.fused.matmul_common.Comm.start_gather`, overlappin
 fused dgrad on CUDA).
 
 Workspace, availability, world size 1 and the reason for the op:
-:mod:`distfuse.fused.matmul_common`.  The kernel floor has a one-shot op of the same name without autograd
+:mod:`distfuse.fused.matmul_common`.  The op is declared on the pipeline (``SPEC``, a
+:class:`~distfuse.fused.matmul_phases.PipelineLinear`), which gives its plan, loopback form
+and autograd.  The kernel floor has a one-shot op of the same name without autograd
 (:func:`distfuse.kernels.all_gather_matmul.all_gather_matmul`).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from distfuse import debug
-from distfuse.errors import ShapeError, expect, where
-from distfuse.fused.agreement import refusal
-from distfuse.fused.matmul_common import (
-    Comm,
-    check_linear_args,
-    check_loopback_counts,
-    check_member,
-    check_partial_dtype,
-    fused_linear_available,
-    gathered_phases,
-    require_available,
-    run_phases,
-    workspace_bytes,
-)
-from distfuse.fused.matmul_phases import run_all_gather_matmul, run_matmul_reduce_scatter
-from distfuse.fused.providers import pick_provider
+from distfuse.errors import ShapeError, where
+from distfuse.fused.matmul_common import check_linear_args, fused_linear_available, workspace_bytes
+from distfuse.fused.matmul_phases import LinearPlan, PipelineLinear
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
-from distfuse.kernels.signature import GATHER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = ["PHASES", "all_gather_matmul", "all_gather_matmul_plan", "all_gather_matmul_loopback",
            "all_gather_matmul_workspace_bytes", "fused_linear_available"]
-
-_OP = "all_gather_matmul"
 
 
 def all_gather_matmul_workspace_bytes(batch: int, n: int, K: int, world_size: int, dtype: torch.dtype,
@@ -72,33 +56,36 @@ def all_gather_matmul_workspace_bytes(batch: int, n: int, K: int, world_size: in
     return workspace_bytes(batch, n, K, world_size, dtype, partial_dtype)
 
 
-class _AGPlan(NamedTuple):
-    comm: Comm
-    k: int
-    has_bias: bool
-    n: int
-    keep_gathered: bool
-    partial_dtype: torch.dtype | None
-    nbytes: int
-    provider: str = "triton"
+class _AllGatherMatmul(PipelineLinear):
+    name, axis, scatters = "all_gather_matmul", "rows", False
+
+    def agreed_extent(self, P_sub, x, n):
+        """``n``, or the sum of the blocks (one int64 all-reduce on the gloo metadata group)."""
+        if n is None:
+            rows = x.shape[-2] if isinstance(x, torch.Tensor) and x.dim() >= 2 else 0
+            if P_sub.size == 1:
+                return rows
+            t = torch.tensor([rows], dtype=torch.int64)
+            dist.all_reduce(t, group=P_sub.meta_group)
+            return int(t)
+        return int(n)
+
+    def check(self, op, x, weight, bias, W, r, n, device):
+        check_linear_args(op, x, weight, bias, device)
+        rows = x.shape[-2]
+        if n < 0 or block_extent(n, W, r) != rows:
+            raise ShapeError(f"{where(op)}: x has {rows} rows; balanced block {r} of n={n} over {W} workers has "
+                             f"{block_extent(n, W, r) if n >= 0 else 'none'} (x must be the balanced block)")
+        return n
+
+    def nbytes(self, x, weight, n, W, partial_dtype):
+        return all_gather_matmul_workspace_bytes(math.prod(x.shape[:-2]), n, x.shape[-1], W, x.dtype, partial_dtype)
 
 
+SPEC = _AllGatherMatmul()
 #: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`): the backward is matmul_reduce_scatter's
 #: forward phase, the gathered input kept for the weight gradient or gathered again.
-PHASES = gathered_phases(
-    _OP,
-    lambda plan, op, xs, weights, biases, keep: run_all_gather_matmul(plan.comm, op, xs, weights, biases, plan.n, keep,
-                                                                       plan.nbytes, push=plan.provider),
-    lambda plan, op, blocks: plan.comm.start_gather(op, blocks, plan.n),
-    lambda plan, op, dys, weights_t: run_matmul_reduce_scatter(plan.comm, op, dys, weights_t, [None] * plan.k, plan.n,
-                                                               plan.partial_dtype, plan.nbytes))
-
-
-def _infer_n(P: Partition, rows: int) -> int:
-    """The full sequence extent: the sum of the blocks (one int64 all-reduce on the gloo metadata group)."""
-    t = torch.tensor([rows], dtype=torch.int64)
-    dist.all_reduce(t, group=P.meta_group)
-    return int(t)
+PHASES = SPEC.phases
 
 
 def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition,
@@ -126,41 +113,16 @@ def all_gather_matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     ``n``, ``K``, leading dims, dtype, bias presence and ``keep_gathered``;
     ``DISTFUSE_DEBUG=1`` checks).
     """
-    plan = all_gather_matmul_plan(x, weight, bias, P_sub, keep_gathered, n=n, partial_dtype=partial_dtype,
-                                  provider=provider)
-    return run_phases(PHASES, plan, [x], [weight], [bias])[0]
+    return SPEC(x, weight, bias, P_sub, keep_gathered=keep_gathered, n=n, partial_dtype=partial_dtype,
+                provider=provider)
 
 
 def all_gather_matmul_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition,
                            keep_gathered: bool = True, *, n: int | None = None,
-                           partial_dtype: torch.dtype | None = None, provider: str | None = None) -> _AGPlan:
-    """:func:`all_gather_matmul`'s checks and plan: what its phases run on (collective where the checks refuse,
-    see :mod:`distfuse.fused.agreement`)."""
-    check_member(_OP, P_sub)
-    W, r = P_sub.size, P_sub.rank
-    if n is None:  # before any check: a rank whose checks fail still takes part in this sum
-        rows = x.shape[-2] if isinstance(x, torch.Tensor) and x.dim() >= 2 else 0
-        n = rows if W == 1 else _infer_n(P_sub, rows)
-    n = int(n)
-    with refusal(_OP, P_sub, x, GATHER_FLAGS, nbytes=lambda: all_gather_matmul_workspace_bytes(
-            math.prod(x.shape[:-2]), n, x.shape[-1], W, x.dtype, partial_dtype)):
-        check_linear_args(_OP, x, weight, bias, P_sub.device)
-        check_partial_dtype(_OP, partial_dtype)
-        rows = x.shape[-2]
-        if n < 0 or block_extent(n, W, r) != rows:
-            raise ShapeError(f"{where(_OP)}: x has {rows} rows; block {r} of n={n} over {W} workers has "
-                             f"{block_extent(n, W, r) if n >= 0 else 'none'} (x must be the balanced block)")
-        provider = pick_provider(_OP, provider, x, math.prod(x.shape[:-2]) * n, weight.shape[0], W)
-    require_available(_OP, P_sub, x.device)
-    K = x.shape[-1]
-    B = math.prod(x.shape[:-2])
-    debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
-                          same=dict(n=n, K=K, lead=tuple(x.shape[:-2]), dtype=str(x.dtype), bias=bias is not None,
-                                    keep_gathered=bool(keep_gathered), partial_dtype=str(partial_dtype),
-                                    provider=provider),
-                          info=dict(x=tuple(x.shape), weight=tuple(weight.shape)))
-    return _AGPlan(Comm(P=P_sub, device=x.device), 1, bias is not None, n, bool(keep_gathered), partial_dtype,
-                   all_gather_matmul_workspace_bytes(B, n, K, W, x.dtype, partial_dtype), provider)
+                           partial_dtype: torch.dtype | None = None, provider: str | None = None) -> LinearPlan:
+    """:func:`all_gather_matmul`'s checks and plan (:meth:`~distfuse.fused.matmul_phases.PipelineLinear.plan`)."""
+    return SPEC.plan(x, weight, bias, P_sub, keep_gathered=keep_gathered, n=n, partial_dtype=partial_dtype,
+                     provider=provider)
 
 
 def all_gather_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, keep_gathered: bool = True,
@@ -172,19 +134,5 @@ def all_gather_matmul_loopback(xs, weights, biases, ws: LoopbackWorkspace, *, ke
     and ``biases[r]`` ``[N_r]`` (or ``biases=None``) are virtual rank ``r``'s.  Returns the
     W outputs ``[*, n, N_r]``.  ``provider`` as for :func:`all_gather_matmul`.
     """
-    op = f"{_OP}_loopback"
-    W = ws.world_size
-    check_loopback_counts(op, W, xs, weights, biases)
-    n = sum(x.shape[-2] for x in xs)
-    for r, x in enumerate(xs):
-        check_linear_args(op, x, weights[r], None if biases is None else biases[r])
-        if x.shape[-2] != block_extent(n, W, r) or x.shape[:-2] != xs[0].shape[:-2] or x.shape[-1] != xs[0].shape[-1] \
-                or x.device != ws.device:
-            raise expect(op, f"x[{r}] shape (balanced block {r} of n={n}, same leading dims and K) and device",
-                         ((*xs[0].shape[:-2], block_extent(n, W, r), xs[0].shape[-1]), ws.device),
-                         (tuple(x.shape), x.device))
-    x0 = xs[0]
-    nbytes = all_gather_matmul_workspace_bytes(math.prod(x0.shape[:-2]), n, x0.shape[-1], W, x0.dtype, partial_dtype)
-    plan = _AGPlan(Comm(loopback=ws), W, biases is not None, n, bool(keep_gathered), partial_dtype, nbytes,
-                   pick_provider(_OP, provider, x0, math.prod(x0.shape[:-2]) * n, weights[0].shape[0], W))
-    return run_phases(PHASES, plan, xs, weights, biases)
+    return SPEC.loopback(xs, weights, biases, ws, keep_gathered=keep_gathered, partial_dtype=partial_dtype,
+                         provider=provider)

@@ -62,7 +62,7 @@ from distfuse.fused.matmul_common import (
     require_available,
     run_phases,
 )
-from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_all_reduce
+from distfuse.fused.matmul_phases import gather_and_consume, run_matmul_all_reduce
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.kernels.all_gather_features_matmul import gathered_k_workspace_bytes
 from distfuse.kernels.signature import SCATTER_FLAGS
@@ -126,8 +126,8 @@ def _backward(plan: _Plan, needs, xs, weights, biases, extras, dys):
         # g = all_gather_N(reduce_scatter_N(dy)) (see the module doc), the all-gather half fused with dx_r = g @ W_r.
         # Every rank runs both halves whatever it needs (they are collective); copies, never dy itself.
         hs = comm.reduce_scatter(gs, -1, gs[0].shape[1], torch.float32)
-        dxs, gs = run_all_gather_features_matmul(comm, f"{_OP}.backward", hs, [w.t() for w in weights],
-                                                 [None] * plan.k, True, plan.nbytes)
+        dxs, gs = gather_and_consume(comm, f"{_OP}.backward", hs, [w.t() for w in weights], [None] * plan.k,
+                                     axis="features", extent=gs[0].shape[1], return_gathered=True, nbytes=plan.nbytes)
         dxs = [dx.view(x.shape) if need_dx else None for dx, x in zip(dxs, xs, strict=True)]
     else:
         # grad_output="replicated" (or one rank): every rank's dy is already the whole gradient, nothing moves.

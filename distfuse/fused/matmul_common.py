@@ -13,9 +13,10 @@ The fused linears (one module each: :mod:`~distfuse.fused.matmul_reduce_scatter`
   not be called: ask :func:`fused_linear_available` first and fall back to the unfused
   composition (``F.linear`` + the matching primitive), logging the reason once with
   :func:`~distfuse.fused.symmetric_availability.log_fallback_once`.
-* **Autograd.**  Each op's backward is its mirror's forward phase; every kernel launch is in
-  :mod:`distfuse.fused.matmul_phases`.  :class:`Phases` holds an op's two phases, run
-  eagerly by :func:`run_phases` and compiled as a custom op pair (:mod:`distfuse.ops.fused_linear`).
+* **Autograd.**  Each op's backward is its mirror's forward phase: the ops are declared on
+  one pipeline, :mod:`distfuse.fused.matmul_phases`, where every kernel launch is.
+  :class:`Phases` holds an op's two phases, run eagerly by :func:`run_phases` and compiled
+  as a custom op pair (:mod:`distfuse.ops.fused_linear`).
   Why: no public library offers eager-mode fused all-gather/reduce-scatter GEMMs with
   autograd (Flux and Triton-distributed ship forward kernels only; torch's
   ``torch.ops.symm_mem.fused_matmul_reduce_scatter`` / ``fused_all_gather_matmul`` get a
@@ -52,8 +53,7 @@ from distfuse.partition import Partition
 
 __all__ = ["fused_linear_available", "require_available", "check_member", "check_partial_dtype",
            "check_loopback_counts", "check_linear_args", "workspace_bytes", "features_workspace_bytes", "Comm", "Done",
-           "RowGather", "ColumnGather", "reduce_scatter_dim", "Phases", "run_phases", "no_grads", "flat_rows",
-           "gathered_phases", "scattered_phases"]
+           "RowGather", "ColumnGather", "reduce_scatter_dim", "Phases", "run_phases", "no_grads", "flat_rows"]
 
 
 def fused_linear_available(P_sub: Partition, device=None, dtype: torch.dtype | None = None) -> tuple[bool, str]:
@@ -384,66 +384,3 @@ def no_grads(k: int) -> tuple[list, list, list]:
 def flat_rows(t: torch.Tensor) -> torch.Tensor:
     """``[*, m, F] -> [prod(*) * m, F]``: the operand layout of the weight-gradient GEMMs."""
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])  # not -1: ambiguous when F is 0
-
-
-def gathered_phases(op: str, forward: Callable, regather: Callable, dgrad: Callable) -> Phases:
-    """The :class:`Phases` of an all-gather + GEMM op (sequence or feature form), given its collectives.
-
-    ``forward(plan, op, xs, weights, biases, keep) -> (ys, gathered)`` is the fused forward
-    phase; it keeps the gathered inputs for the weight gradient when ``plan.keep_gathered``
-    and the call wants it.  The backward: ``regather(plan, op, blocks)`` starts gathering the
-    input blocks again where none were kept (a pending ``.wait()``, issued before the dgrad
-    so that on CUDA the two overlap); ``dgrad(plan, op, dys, weights_t)`` is the mirror's
-    forward phase with ``W.t()`` as the operand; then ``dW = dy^T @ gathered``, ``db = sum(dy)``.
-    """
-
-    def forward_phase(plan, needs, xs, weights, biases):
-        keep = plan.keep_gathered and needs[1]
-        ys, gathered = forward(plan, f"{op}.forward", xs, weights, biases, keep)
-        return ys, list(gathered) if keep else []
-
-    def backward_phase(plan, needs, xs, weights, biases, extras, dys):
-        need_dx, need_dw, need_db = needs
-        dxs, dws, dbs = no_grads(len(dys))
-        gather = (Done(extras) if extras else regather(plan, f"{op}.backward", xs)) if need_dw else None
-        if need_dx:
-            dxs = dgrad(plan, f"{op}.backward", dys, [w.t() for w in weights])
-        if need_dw:
-            dws = [flat_rows(dy).t() @ flat_rows(g) for dy, g in zip(dys, gather.wait(), strict=True)]
-        if need_db:
-            dbs = [flat_rows(dy).sum(0) for dy in dys]
-        return dxs, dws, dbs
-
-    return Phases(forward_phase, backward_phase)
-
-
-def scattered_phases(op: str, forward: Callable, dgrad: Callable) -> Phases:
-    """The :class:`Phases` of a GEMM + reduce-scatter op (sequence or feature form), given its phases.
-
-    ``forward(plan, op, xs, weights, biases) -> ys`` is the fused forward phase.  The
-    backward: ``dgrad(plan, op, dys, weights_t, return_gathered) -> (dxs, gathered)`` is the
-    mirror's all-gather forward phase with ``W.t()`` as the operand, handing back the gathered
-    ``dy`` for ``dW = gathered^T @ x``; ``db`` is the sum of ``dy`` over this rank's rows, a
-    partial, or all-reduced over the group where ``plan.bias_grad == "sum"`` (in fp32).
-    """
-
-    def forward_phase(plan, needs, xs, weights, biases):
-        return forward(plan, f"{op}.forward", xs, weights, biases), []
-
-    def backward_phase(plan, needs, xs, weights, biases, extras, dys):
-        need_dx, need_dw, need_db = needs
-        dxs, dws, dbs = no_grads(len(dys))
-        if need_dx or need_dw:
-            dxs_all, gathered = dgrad(plan, f"{op}.backward", dys, [w.t() for w in weights], need_dw)
-            if need_dx:
-                dxs = dxs_all
-            if need_dw:
-                dws = [flat_rows(g).t() @ flat_rows(x) for g, x in zip(gathered, xs, strict=True)]
-        if need_db:
-            if plan.bias_grad == "sum":
-                dbs = [plan.comm.all_reduce_(flat_rows(dy).sum(0, dtype=torch.float32)).to(dy.dtype) for dy in dys]
-            else:
-                dbs = [flat_rows(dy).sum(0) for dy in dys]
-        return dxs, dws, dbs
-
-    return Phases(forward_phase, backward_phase)

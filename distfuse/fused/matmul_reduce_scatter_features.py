@@ -21,40 +21,26 @@ This is the layout of :class:`~distfuse.layers.DistributedLinearReduceScatter` b
 :mod:`distfuse.fused.zero_linear`); the sequence-parallel form (``P_y`` given) is
 :mod:`distfuse.fused.matmul_reduce_scatter`.  Workspace, availability and world size 1:
 :mod:`distfuse.fused.matmul_common` (the unfused composition is ``F.linear`` + ReduceScatter).
+The op is declared on the pipeline (``SPEC``, a :class:`~distfuse.fused.matmul_phases.PipelineLinear`),
+which gives its plan, loopback form and autograd.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
-from distfuse import debug
 from distfuse.errors import expect
-from distfuse.fused.agreement import refusal
-from distfuse.fused.matmul_common import (
-    Comm,
-    check_linear_args,
-    check_loopback_counts,
-    check_member,
-    check_partial_dtype,
-    features_workspace_bytes,
-    require_available,
-    run_phases,
-    scattered_phases,
-)
-from distfuse.fused.matmul_phases import run_all_gather_features_matmul, run_matmul_reduce_scatter_features
+from distfuse.fused.matmul_common import check_linear_args, features_workspace_bytes
+from distfuse.fused.matmul_phases import LinearPlan, PipelineLinear
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent
-from distfuse.kernels.signature import SCATTER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = ["PHASES", "matmul_reduce_scatter_features", "matmul_reduce_scatter_features_plan",
            "matmul_reduce_scatter_features_loopback", "matmul_reduce_scatter_features_workspace_bytes",
            "check_feature_bias"]
-
-_OP = "matmul_reduce_scatter_features"
 
 
 def matmul_reduce_scatter_features_workspace_bytes(rows: int, N: int, world_size: int, dtype: torch.dtype,
@@ -74,23 +60,23 @@ def check_feature_bias(op: str, bias, N: int, world_size: int, rank: int, x: tor
                      (want, x.dtype, x.device), (tuple(bias.shape), bias.dtype, bias.device))
 
 
-class _Plan(NamedTuple):
-    comm: Comm
-    k: int  # tensors per kind (ranks launched by this process)
-    has_bias: bool
-    partial_dtype: torch.dtype | None
-    nbytes: int
-    bias_grad: str = "partial"  # the bias is split like the output: its gradient is complete on every rank
+class _MatmulReduceScatterFeatures(PipelineLinear):
+    name, axis, scatters = "matmul_reduce_scatter_features", "features", True
+
+    def check(self, op, x, weight, bias, W, r, extent, device):
+        check_linear_args(op, x, weight, None, device)
+        check_feature_bias(op, bias, weight.shape[0], W, r, x)
+        return weight.shape[0]
+
+    def nbytes(self, x, weight, extent, W, partial_dtype):
+        return matmul_reduce_scatter_features_workspace_bytes(math.prod(x.shape[:-1]), weight.shape[0], W, x.dtype,
+                                                              partial_dtype)
 
 
+SPEC = _MatmulReduceScatterFeatures()
 #: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`): dgrad is all_gather_features_matmul's
 #: forward phase with W.t() [K_r, N], which hands back the gathered dy.
-PHASES = scattered_phases(
-    _OP,
-    lambda plan, op, xs, weights, biases: run_matmul_reduce_scatter_features(plan.comm, op, xs, weights, biases,
-                                                                             plan.partial_dtype, plan.nbytes),
-    lambda plan, op, dys, weights_t, keep: run_all_gather_features_matmul(plan.comm, op, dys, weights_t,
-                                                                          [None] * plan.k, keep, plan.nbytes))
+PHASES = SPEC.phases
 
 
 def matmul_reduce_scatter_features(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -110,30 +96,14 @@ def matmul_reduce_scatter_features(x: torch.Tensor, weight: torch.Tensor, bias: 
     Collective over ``P_sub`` in forward and backward (every rank calls it with the same
     row count, ``N``, dtype and bias presence; ``DISTFUSE_DEBUG=1`` checks).
     """
-    plan = matmul_reduce_scatter_features_plan(x, weight, bias, P_sub, partial_dtype=partial_dtype)
-    return run_phases(PHASES, plan, [x], [weight], [bias])[0]
+    return SPEC(x, weight, bias, P_sub, partial_dtype=partial_dtype)
 
 
 def matmul_reduce_scatter_features_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                        P_sub: Partition, *, partial_dtype: torch.dtype | None = None) -> _Plan:
-    """:func:`matmul_reduce_scatter_features`'s checks and plan: what its phases run on (collective where the
-    checks refuse, see :mod:`distfuse.fused.agreement`)."""
-    check_member(_OP, P_sub)
-    W, r = P_sub.size, P_sub.rank
-    with refusal(_OP, P_sub, x, SCATTER_FLAGS, nbytes=lambda: matmul_reduce_scatter_features_workspace_bytes(
-            math.prod(x.shape[:-1]), weight.shape[0], W, x.dtype, partial_dtype)):
-        check_linear_args(_OP, x, weight, None, P_sub.device)
-        check_feature_bias(_OP, bias, weight.shape[0], W, r, x)
-        check_partial_dtype(_OP, partial_dtype)
-    require_available(_OP, P_sub, x.device)
-    N = weight.shape[0]
-    rows = math.prod(x.shape[:-1])
-    debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
-                          same=dict(rows=rows, N=N, dtype=str(x.dtype), bias=bias is not None,
-                                    partial_dtype=str(partial_dtype)),
-                          info=dict(x=tuple(x.shape)))
-    return _Plan(Comm(P=P_sub, device=x.device), 1, bias is not None, partial_dtype,
-                 matmul_reduce_scatter_features_workspace_bytes(rows, N, W, x.dtype, partial_dtype))
+                                        P_sub: Partition, *, partial_dtype: torch.dtype | None = None) -> LinearPlan:
+    """:func:`matmul_reduce_scatter_features`'s checks and plan
+    (:meth:`~distfuse.fused.matmul_phases.PipelineLinear.plan`)."""
+    return SPEC.plan(x, weight, bias, P_sub, partial_dtype=partial_dtype)
 
 
 def matmul_reduce_scatter_features_loopback(xs, weights, biases, ws: LoopbackWorkspace, *,
@@ -143,18 +113,4 @@ def matmul_reduce_scatter_features_loopback(xs, weights, biases, ws: LoopbackWor
     ``xs[r]`` ``[*, K_r]``, ``weights[r]`` ``[N, K_r]`` and ``biases[r]`` ``[N_r]`` (or
     ``biases=None``) are virtual rank ``r``'s.  Returns the W outputs ``[*, N_r]``.
     """
-    op = f"{_OP}_loopback"
-    W = ws.world_size
-    check_loopback_counts(op, W, xs, weights, biases)
-    N = weights[0].shape[0]
-    for r, (x, w) in enumerate(zip(xs, weights, strict=True)):
-        check_linear_args(op, x, w, None)
-        check_feature_bias(op, None if biases is None else biases[r], N, W, r, x)
-        if x.shape[:-1] != xs[0].shape[:-1] or w.shape[0] != N or x.device != ws.device:
-            raise expect(op, "x rows alike, N alike, the workspace's device",
-                         (tuple(xs[0].shape[:-1]), N, ws.device), (tuple(x.shape[:-1]), w.shape[0], x.device))
-    x0 = xs[0]
-    plan = _Plan(Comm(loopback=ws), W, biases is not None, partial_dtype,
-                 matmul_reduce_scatter_features_workspace_bytes(math.prod(x0.shape[:-1]), N, W, x0.dtype,
-                                                                partial_dtype))
-    return run_phases(PHASES, plan, xs, weights, biases)
+    return SPEC.loopback(xs, weights, biases, ws, partial_dtype=partial_dtype)

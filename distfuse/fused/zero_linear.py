@@ -13,20 +13,20 @@ Reduce-scatter linear (``split="rows"``: shard ``[out_d, in_m]``, ``W_m [out, in
 ``axis`` says what its model-parallel reduce-scatter splits (``"features"``: DistDL's form,
 ``y [*, out_m]``; ``"sequence"``: ``y [*, n_m, out]``, ``x [*, n, in_m]``)::
 
-    forward  p.T = all_gather_rows_d(shard) @ x.T            [out, rows]   run_all_gather_matmul over d
+    forward  p.T = all_gather_rows_d(shard) @ x.T            [out, rows]   gather_and_consume(rows) over d
              y   = reduce_scatter_m(p)                        plain collective over m (see below)
-    dgrad    dp  = all_gather_m(dy);  dx = dp @ W_m           run_all_gather_features_matmul over m
-                                                              (sequence: run_all_gather_matmul), dp returned
-    wgrad    dshard = reduce_scatter_rows_d(dp.T @ x)  [out_d, in_m]   run_matmul_reduce_scatter over d
+    dgrad    dp  = all_gather_m(dy);  dx = dp @ W_m           gather_and_consume over m (features
+                                                              or rows), dp returned
+    wgrad    dshard = reduce_scatter_rows_d(dp.T @ x)  [out_d, in_m]   produce_and_scatter(rows) over d
 
 All-gather linear (``split="columns"``: shard ``[out_m, in_d]``, ``W_m [out_m, in]``;
 ``x [*, in_m]``, or ``[*, n_m, in]`` for ``axis="sequence"``)::
 
     forward  x_g = all_gather_m(x)                            plain collective over m (see below)
-             y.T = all_gather_K_d(shard) @ x_g.T              [out_m, rows]  run_all_gather_features_matmul over d
-    dgrad    dx  = reduce_scatter_m(dy @ W_m)                 run_matmul_reduce_scatter_features over m
-                                                              (sequence: run_matmul_reduce_scatter)
-    wgrad    dshard = reduce_scatter_K_d(dy.T @ x_g)  [out_m, in_d]    run_matmul_reduce_scatter_features over d
+             y.T = all_gather_K_d(shard) @ x_g.T              [out_m, rows]  gather_and_consume(features) over d
+    dgrad    dx  = reduce_scatter_m(dy @ W_m)                 produce_and_scatter over m (features
+                                                              or rows)
+    wgrad    dshard = reduce_scatter_K_d(dy.T @ x_g)  [out_m, in_d]    produce_and_scatter(features) over d
 
 The backward fuses both of its collectives, one per GEMM.  The forward has one GEMM and
 two collectives (the weight's over ``d``, the activations' over ``m``); overlapping both
@@ -77,12 +77,7 @@ from distfuse.fused.matmul_common import (
     run_phases,
     workspace_bytes,
 )
-from distfuse.fused.matmul_phases import (
-    run_all_gather_features_matmul,
-    run_all_gather_matmul,
-    run_matmul_reduce_scatter,
-    run_matmul_reduce_scatter_features,
-)
+from distfuse.fused.matmul_phases import gather_and_consume, produce_and_scatter
 from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.kernels.signature import GATHER_FLAGS
@@ -96,6 +91,8 @@ _OP = "zero_linear"
 SPLITS = ("rows", "columns")
 #: What the model-parallel collective splits: the features (DistDL's forms) or the sequence dim (``P_y`` / ``P_x``).
 AXES = ("features", "sequence")
+#: The pipeline axis (:mod:`distfuse.fused.matmul_phases`) of each model-parallel axis.
+_AXIS = {"features": "features", "sequence": "rows"}
 
 
 def zero_linear_workspace_bytes(split: str, axis: str, *, rows: int, n: int | None, out_features: int,
@@ -142,14 +139,14 @@ def _forward(plan: _Plan, needs, xs, shards, biases):
     keep_w = plan.keep_gathered and need_dx
     op = f"{_OP}.forward"
     if plan.split == "rows":
-        (p_t,), (w_m,) = run_all_gather_matmul(plan.d, op, [shard], [flat_rows(x)], [None], plan.out_features, keep_w,
-                                               plan.nbytes_d)
+        (p_t,), (w_m,) = gather_and_consume(plan.d, op, [shard], [flat_rows(x)], [None], axis="rows",
+                                            extent=plan.out_features, return_gathered=keep_w, nbytes=plan.nbytes_d)
         y = _reduce_scatter_partial(plan, p_t.t().reshape(*x.shape[:-1], plan.out_features))
         extras = []
     else:
         x_g = _gather_input(plan, op, x)
-        (y_t,), (w_m,) = run_all_gather_features_matmul(plan.d, op, [shard], [flat_rows(x_g)], [None], keep_w,
-                                                        plan.nbytes_d)
+        (y_t,), (w_m,) = gather_and_consume(plan.d, op, [shard], [flat_rows(x_g)], [None], axis="features",
+                                            extent=plan.in_features, return_gathered=keep_w, nbytes=plan.nbytes_d)
         y = y_t.t().reshape(*x_g.shape[:-1], shard.shape[0])
         extras = [x_g] if _keeps_gathered_input(plan, need_dshard) else []
     return [y], ([w_m] if keep_w else []) + extras
@@ -206,18 +203,16 @@ def _rows_backward(plan: _Plan, op: str, dy, w_m, x, need_dx: bool, need_dshard:
     dx = dshard = None
     features = plan.axis == "features"
     if need_dx:
-        w_t = [w_m.t()]  # [in_m, out]
-        if features:
-            (dx,), (dp,) = run_all_gather_features_matmul(plan.m, op, [dy], w_t, [None], need_dshard, plan.nbytes_m)
-        else:
-            (dx,), (dp,) = run_all_gather_matmul(plan.m, op, [dy], w_t, [None], plan.n, need_dshard, plan.nbytes_m)
+        (dx,), (dp,) = gather_and_consume(plan.m, op, [dy], [w_m.t()], [None], axis=_AXIS[plan.axis],  # [in_m, out]
+                                          extent=plan.out_features if features else plan.n,
+                                          return_gathered=need_dshard, nbytes=plan.nbytes_m)
     else:
         dp = plan.m.start_gather(op, [dy], plan.out_features if features else plan.n, features).wait()[0]
     if need_dshard:
         # dW_m = dp.T @ x [out, in_m], its rows reduce-scattered over d: the GEMM + reduce-scatter phase on the
         # transposed operands (n = out rows, K = this worker's rows, N = in_m).
-        (dshard,) = run_matmul_reduce_scatter(plan.d, op, [flat_rows(dp).t().contiguous()], [flat_rows(x).t()],
-                                              [None], plan.out_features, plan.partial_dtype, plan.nbytes_d)
+        (dshard,) = produce_and_scatter(plan.d, op, [flat_rows(dp).t().contiguous()], [flat_rows(x).t()], [None],
+                                        axis="rows", partial_dtype=plan.partial_dtype, nbytes=plan.nbytes_d)
     return dx, dshard
 
 
@@ -227,19 +222,14 @@ def _columns_backward(plan: _Plan, op: str, dy, w_m, x_kept, need_dx: bool, need
     if need_dshard and not _keeps_gathered_input(plan, need_dshard):
         x_kept = _gather_input(plan, op, x_kept)
     if need_dx:
-        w_t = [w_m.t()]  # [in, out_m]
-        if plan.axis == "features":
-            (dx,) = run_matmul_reduce_scatter_features(plan.m, op, [dy], w_t, [None], plan.partial_dtype,
-                                                       plan.nbytes_m)
-        else:
-            (dx,) = run_matmul_reduce_scatter(plan.m, op, [dy], w_t, [None], plan.n, plan.partial_dtype,
-                                              plan.nbytes_m)
+        (dx,) = produce_and_scatter(plan.m, op, [dy], [w_m.t()], [None], axis=_AXIS[plan.axis],  # [in, out_m]
+                                    partial_dtype=plan.partial_dtype, nbytes=plan.nbytes_m)
     if need_dshard:
         # dW_m = dy.T @ x_g [out_m, in], its columns reduce-scattered over d: the features GEMM + reduce-scatter
         # phase with x_g.t() [in, rows] as the operand (K = this worker's rows).
-        (dshard,) = run_matmul_reduce_scatter_features(plan.d, op, [flat_rows(dy).t().contiguous()],
-                                                       [flat_rows(x_kept).t()], [None], plan.partial_dtype,
-                                                       plan.nbytes_d)
+        (dshard,) = produce_and_scatter(plan.d, op, [flat_rows(dy).t().contiguous()], [flat_rows(x_kept).t()],
+                                        [None], axis="features", partial_dtype=plan.partial_dtype,
+                                        nbytes=plan.nbytes_d)
     return dx, dshard
 
 

@@ -35,15 +35,16 @@ from distfuse.errors import CollectiveMismatchError, PartitionError, ShapeError,
 from distfuse.geometry.decomposition import local_shape
 from distfuse.geometry.halo_plan import PADDING_MODES, resolve_padding
 from distfuse.layers._params import ParamLayout
-from distfuse.partition import CartesianPartition, Partition
+from distfuse.partition import CartesianPartition, Partition, union_partition
+from distfuse.primitives._axes import axes_subgrid
 from distfuse.primitives._common import gather_records
 from distfuse.primitives._layout import memory_format_of, zeros_in
 from distfuse.primitives._op_pair import anchor
 from distfuse.primitives.agreement_session import AgreementSession
 from distfuse.primitives.broadcast import NO_FLAG, PlanMove, broadcast_plan, placeholder
 
-__all__ = ["AgreedLayer", "ConvOptions", "expose_options", "draw_parameters", "grid_of", "cached_partition",
-           "check_cartesian", "check_partition", "compute_dtype", "promote", "check_geometry", "RootParams",
+__all__ = ["AgreedLayer", "ConvOptions", "expose_options", "draw_parameters", "grid_of", "cached_partition", "subgrid",
+           "union_of", "check_cartesian", "check_partition", "compute_dtype", "promote", "check_geometry", "RootParams",
            "conv_block", "conv_output_format", "pad_locally", "ZeroBlock", "spatial_classes", "FLOATS", "CallInfo",
            "gather_call_info", "global_shape_of", "autocast_dtype", "cast_for_compute", "call_signature",
            "passes_local_checks"]
@@ -129,6 +130,18 @@ def grid_of(ranks: Sequence[int], shape: Sequence[int], device) -> CartesianPart
                             .create_partition_inclusive(ranks).create_cartesian_topology_partition(shape))
 
 
+def subgrid(P: CartesianPartition, axes: Sequence[int]) -> CartesianPartition:
+    """The sub-grid of ``P`` through this worker along ``axes`` (``axes_subgrid``), cached."""
+    axes = tuple(sorted(int(a) for a in axes))
+    return cached_partition(("subgrid", tuple(P.ranks), tuple(P.shape), axes, P.device.type),
+                            lambda: axes_subgrid(P, axes))
+
+
+def union_of(*Ps) -> Partition:
+    """``union_partition`` of the partitions, cached."""
+    return cached_partition(("union", *(tuple(P.ranks) for P in Ps), Ps[0].device.type), lambda: union_partition(*Ps))
+
+
 class AgreedLayer:
     """A layer's agreement (:mod:`distfuse.layers`): ``session`` over its partition and ``agreement``, its site."""
 
@@ -139,8 +152,6 @@ class AgreedLayer:
     def forget_agreement(self) -> None:
         """Drop the agreed call record, so the next call gathers metadata again (call it on every worker)."""
         self.session.forget()
-
-    forget_shapes = forget_agreement
 
 
 def check_cartesian(op: str, P, name: str = "P_x") -> None:

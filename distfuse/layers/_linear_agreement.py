@@ -1,55 +1,40 @@
 """The linears' agreement: the records their workers compare, and the row linears' one forward and dispatch.
 
-Records.  Each linear's agreement session decides when the workers exchange metadata;
-what they exchange is a fixed-size int64 record per worker (:func:`general_record` for
-``DistributedLinear``, :func:`row_record` for the reduce-scatter linear), so one gather
-carries them, and every worker evaluates the gathered records alike, so that all raise
-the same :class:`~distfuse.errors.ShapeError`.  The partial sums travel in
-:func:`compute_dtype`, so the workers must share it.
+Records.  What the workers exchange on a slow call is a fixed-size int64 record per worker
+(:func:`general_record` for ``DistributedLinear``, :func:`row_record` for the reduce-scatter
+linear), evaluated alike on every worker, so that all raise the same
+:class:`~distfuse.errors.ShapeError`.  The partial sums travel in :func:`compute_dtype`, so
+the workers must share it.
 
-The all-gather and reduce-scatter linears' one forward (:class:`RowLinear`) runs eagerly,
-inside ``capture_safe()`` and under ``torch.compile(fullgraph=True)``::
+The all-gather and reduce-scatter linears' one forward (:class:`RowLinear`)::
 
-    step   = session.remember("step", choose)   the path: the dispatch decision and the fused op (a compiled
-                                                call replays the last eager call's)
+    step   = session.remember("step", choose)   the path: the dispatch decision and the fused op
     W, b   = params.fetch(layer, x)             the parameter broadcast, or the ZeRO weight all-gather
     y      = the row's op                       unfused: the flagged all-gather (then the GEMM) or the GEMM then
                                                 the flagged reduce-scatter; fused: the fused GEMM + collective;
                                                 ZeRO: the weight all-gather fused into the GEMM
 
-What must agree.  The model-parallel workers of a row (``P_gather`` / ``P_scatter``) run
-one all-gather or reduce-scatter per call, sized by their rows, sequence blocks and dtype
-(a disagreement aborted gloo, or with fp16 against bf16 gave garbage).  The row's op
-carries the agreement flag (:mod:`~distfuse.primitives._agreement`) through the layer's
-session (:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`): while
-every worker's signature (shape, dtype, device, autocast, ``seq_len``) repeats only the
-flag moves; the first call and any change gather every worker's record once, and a
-disagreement raises the same :class:`~distfuse.errors.ShapeError` on every worker of the
-row (other rows hold independent data).  A compiled call replays the last eager call's
-state with its flag in the same op; the fused paths' flag is ``distfuse::flag_check`` on
-the op's group just before the op (the grid for ZeRO, whose weight group spans the rows).
-Inside ``capture_safe()`` (and a CUDA-graph capture) a settled call runs the plain op with
-the agreed sizes (no flag, no host read); another signature raises on that worker alone.
+The model-parallel workers of a row run one all-gather or reduce-scatter per call, sized
+by their rows, sequence blocks and dtype (a disagreement aborted gloo, or with fp16
+against bf16 gave garbage), so the row's op carries the agreement flag
+(:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`); other rows hold
+independent data.  The fused paths' flag is ``distfuse::flag_check`` on the op's group
+just before the op (the grid for ZeRO, whose weight group spans the rows).
 
-Local checks (a wrong feature extent, a ``seq_len`` that does not fit the block, a wrong
-number of dimensions, a non-tensor input) do not raise on the worker that finds them:
-they set its flag, and on the slow path the failing workers' messages reach every worker
-(:func:`~distfuse.primitives._agreement.agree_on_local_checks`), which all raise the same
-error at once instead of leaving the peers in the collective until ``DISTFUSE_TIMEOUT``.
-The worker runs the protocol with a :func:`stand_in` for a non-tensor input, so that it
-takes the collective and the path its peers take.  On the fused GEMM paths it enters the
-fused op its peers enter and refuses at the op's first claim (:func:`fused_or_refuse`),
-with no host round.
+Local checks (feature extent, a ``seq_len`` that does not fit the block, the number of
+dimensions, a non-tensor input) do not raise where they fail: they set the worker's flag,
+and on the slow path every worker raises the failing workers' messages
+(:func:`~distfuse.primitives._agreement.agree_on_local_checks`).  The failing worker
+takes part with a :func:`stand_in` input; on the fused GEMM paths it enters the fused op
+and refuses at its first claim (:func:`fused_or_refuse`), with no host round.
 
-Not covered: layers with one model-parallel worker (``P_m = 1``) and no ZeRO weight
-gather: the worker takes part in the parameter broadcast and then raises, so its
-data-parallel peers finish the forward, but under grad mode their backward's gradient
-sum-reduce waits for it until ``DISTFUSE_TIMEOUT`` (no collective of the layer reaches
-the peers from this worker in forward; a flag would need a host round per call).  The
-ZeRO layers with several model-parallel workers on their fused path, except where the
-dispatch's grid-wide row round (:func:`~distfuse.fused.zero_linear_dispatch.agreed_rows`:
-CUDA, no forced path) carries the failure (:mod:`distfuse.fused.zero_linear`,
-"Disagreements").
+Not covered: with one model-parallel worker (``P_m = 1``) and no ZeRO weight gather, the
+failing worker raises after the parameter broadcast, and under grad mode its peers'
+backward sum-reduce waits for it until ``DISTFUSE_TIMEOUT`` (a flag would cost a host
+round per call).  Nor the ZeRO layers' fused path with several model-parallel workers,
+except where the dispatch's grid-wide row round
+(:func:`~distfuse.fused.zero_linear_dispatch.agreed_rows`: CUDA, no forced path) carries
+the failure (:mod:`distfuse.fused.zero_linear`, "Disagreements").
 """
 
 from __future__ import annotations
@@ -61,12 +46,12 @@ import torch.nn.functional as F
 
 from distfuse.errors import DistfuseError, ShapeError, expect, where
 from distfuse.geometry.decomposition import block_extent
+from distfuse.layers._conv_common import grid_of
 from distfuse.layers._linear_common import (
     INACTIVE,
     LinearBase,
     check_row_partitions,
     decide,
-    grid_partition,
     not_servable,
 )
 from distfuse.layers.dispatch import Decision
@@ -147,12 +132,8 @@ def record_shape(rec: list[int]) -> tuple[int, ...]:
 
 
 def check_general_records(op: str, by_rank: dict, device_type: str) -> None:
-    """What every worker of ``DistributedLinear`` must share, checked alike on every worker from the records.
-
-    Too many dimensions, data on another device type, and disagreement on autocast or
-    grad mode (autocast sets the dtype the partial sums travel in; grad mode whether every
-    worker runs its part of the adjoint) raise :class:`~distfuse.errors.ShapeError`.
-    """
+    """What every worker of ``DistributedLinear`` must share: at most 8 dimensions, the device type, autocast
+    (the partial sums' dtype) and grad mode (every worker runs its part of the adjoint)."""
     odd = sorted(w for w, r in by_rank.items() if r[0] == _NOT_A_TENSOR)
     if odd:
         raise ShapeError(f"{where(op)}: input type: expected torch.Tensor on every worker (a zero-volume tensor where "
@@ -237,12 +218,8 @@ def check_row_records(op: str, P_row, rows: list[list[int]], in_features: int, P
 
 
 def stand_in(layer, x) -> torch.Tensor:
-    """``x`` if it is a tensor of two dimensions or more; otherwise zeros shaped as this layer's last eager input.
-
-    The worker's input failed its local checks, and it must still take part in what its
-    peers run with sizes as close to theirs as it can know: its own previous call's, the
-    peers' too in steady state (a first call guesses ``(1, ..., 1, features)``).
-    """
+    """``x`` if it is a tensor of two dimensions or more; otherwise zeros shaped as this layer's last eager input
+    (a first call guesses ``(1, ..., 1, features)``): a failing worker still runs what its peers run."""
     if isinstance(x, torch.Tensor) and x.dim() >= 2:
         return x
     shape, dtype = layer._last_input or ((1,) * (layer.P_in.dim - 1) + (layer._in_extent,), layer._param_dtype())
@@ -250,12 +227,8 @@ def stand_in(layer, x) -> torch.Tensor:
 
 
 def fused_or_refuse(error: DistfuseError | None, run):
-    """``run()``, a fused op, with this worker's local check failure (None: none) refused through the op's claim.
-
-    Under :func:`~distfuse.fused.agreement.refusing` the op refuses with ``error`` at its
-    first claim (the ``REFUSED`` word): the peers raise a ShapeError naming this worker,
-    and this worker raises ``error``.
-    """
+    """``run()``, a fused op, refusing this worker's local check failure ``error`` (None: none) at the op's
+    first claim (:func:`~distfuse.fused.agreement.refusing`): the peers raise a ShapeError naming this worker."""
     if error is None:
         return run()
     from distfuse.fused.agreement import refusing
@@ -292,11 +265,8 @@ class RowLinear(LinearBase):
     ``_signature``, ``_gemm`` (the per-rank GEMM sizes the dispatch reads), ``_rows``,
     ``_fused_state`` and ``_unfused``.  ``_zero_entry`` names the registry entry of the ZeRO op.
 
-    Attributes:
-        session: the :class:`~distfuse.primitives.agreement_session.AgreementSession` over the
-            row (``agreement`` is its site: ``calls`` / ``slow_calls`` count the calls and the
-            metadata gathers).
-        P_d, P_m, dm: the data- and model-parallel extents, this worker's ``(d, m)``.
+    ``session`` agrees over the row (:mod:`distfuse.layers`); ``P_d``, ``P_m``, ``dm``: the data- and
+    model-parallel extents, this worker's ``(d, m)``.
     """
 
     _zero = False
@@ -310,7 +280,7 @@ class RowLinear(LinearBase):
         self.P_d, self.P_m = P_grid.shape[0], P_grid.shape[-1]
         self.dm = divmod(P_grid.rank, self.P_m) if P_grid.active else (-1, -1)
         # Partition creation is collective over the world: every rank makes the layer's partitions in one order.
-        self.P_users = P_grid if P_grid.dim == 2 else grid_partition(P_grid.ranks, [self.P_d, self.P_m],
+        self.P_users = P_grid if P_grid.dim == 2 else grid_of(P_grid.ranks, [self.P_d, self.P_m],
                                                                      P_grid.device)
 
     def _rank_of(self, d: int, m: int) -> int:
@@ -318,11 +288,8 @@ class RowLinear(LinearBase):
         return self.P_users.ranks[d * self.P_m + m]
 
     def _setup_row(self, P_row, form_entry, split: str, sequence: bool) -> None:
-        """The layer's agreement over its row ``P_row`` and its ops' contexts, in the same order on every worker.
-
-        ``form_entry``: the registry entry of the form's fused op; ``split`` (``"rows"`` /
-        ``"columns"``) and ``sequence`` (the form splits the sequence dim): ZeRO's op's arrangement.
-        """
+        """The agreement over the row ``P_row`` and the ops' contexts (same order on every worker); ``form_entry``:
+        the form's fused op; ``split`` (``"rows"`` / ``"columns"``) and ``sequence``: ZeRO's op's arrangement."""
         op, keep = self._op, getattr(self, "keep_gathered", True)
         self.P_row, self._form_entry = P_row, form_entry
         self.session = AgreementSession(op, P_row)
@@ -419,11 +386,8 @@ class RowLinear(LinearBase):
         return _step(decision, self._form_call.op if decision.path == "fused" else None)
 
     def _decision(self, rows: int, dtype, device, zero: Decision | None = None) -> Decision:
-        """ZeRO: the weight-streaming path where it is chosen; otherwise (and always without ZeRO) the form's.
-
-        ``zero``: the ZeRO decision already taken (forward takes it on the rows agreed over the
-        data-parallel workers, and must not take it again on its own rows).
-        """
+        """ZeRO: the weight-streaming path where it is chosen; otherwise the form's.  ``zero``: the ZeRO decision
+        already taken (forward takes it on the rows agreed over the data-parallel workers)."""
         if self._zero and self.P_d > 1:
             zero = zero if zero is not None else self._zero_decision(rows, dtype, device)
             if zero.path == "fused" or self.P_m == 1:  # P_m = 1: the form has no fused op; say why ZeRO's did not run
@@ -466,14 +430,9 @@ class RowLinear(LinearBase):
 
 
 def _everywhere(P, op: str, error: DistfuseError | None, own=None, common=None):
-    """The slow path's checks: this worker's own ones agreed on over ``P``, then the ones every worker shares.
-
-    ``error`` (this worker's local check failure) and ``own(*args)`` (checks that depend on
-    this worker's own arguments, such as its ``seq_len``) run under
-    :func:`~distfuse.primitives._agreement.agree_on_local_checks`: a failure on any worker
-    raises on every worker, naming each failing worker and its message.  ``common(*args)``
-    evaluates gathered records alike everywhere, so it raises (or not) on every worker.
-    """
+    """The slow path's checks: ``error`` and ``own(*args)`` (this worker's own, such as its ``seq_len``) agreed on
+    over ``P`` (:func:`~distfuse.primitives._agreement.agree_on_local_checks`), then ``common(*args)`` on the
+    gathered records, alike everywhere."""
 
     def checks(*args):
         def run():
@@ -489,13 +448,8 @@ def _everywhere(P, op: str, error: DistfuseError | None, own=None, common=None):
 
 
 def agreed_input_gather(layer, x: torch.Tensor, seq_len: int | None, error: DistfuseError | None) -> torch.Tensor:
-    """The all-gather linear's gathered input, its blocks checked under the agreement protocol.
-
-    Without ``P_x`` the features are gathered (last dim), with ``P_x`` the sequence (dim -2):
-    worker ``j`` holds block ``j`` of ``in_features``, or the balanced block ``j`` of the
-    gathered sequence length (equal to ``seq_len`` where given).  ``error``: this worker's
-    local check failure (None: its input passed), raised on every worker of the row.
-    """
+    """The all-gather linear's gathered input: the features (last dim) without ``P_x``, the sequence (dim -2)
+    with it, worker ``j`` holding block ``j``; ``error``: this worker's local check failure (None: none)."""
     op, P_m, P_sub = layer._op, layer.P_m, layer.P_row
 
     def own(shapes, dtype):
@@ -521,13 +475,11 @@ def agreed_input_gather(layer, x: torch.Tensor, seq_len: int | None, error: Dist
 
 def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor, signature,
                                  error: DistfuseError | None) -> torch.Tensor:
-    """``reduce_scatter(x @ W.T)`` over the row with the inputs checked under the agreement protocol.
+    """``reduce_scatter(x @ W.T)`` over the row, the inputs (rows, dtype) agreed.
 
-    What must agree is the input (rows, dtype): the partial sums' size follows from it.
-    A worker whose input changed, or cannot be multiplied (a dtype other than the
-    weight's outside autocast, an integer dtype), skips its GEMM and sends zeros of the
-    agreed size with the flag; then every worker gathers the inputs' records and raises
-    the same error, or agrees on the new size.  ``error``: as for :func:`agreed_input_gather`.
+    A worker whose input changed or cannot be multiplied skips its GEMM and sends zeros of
+    the agreed size with the flag; then every worker gathers the records and raises the
+    same error, or agrees on the new size.  ``error``: as for :func:`agreed_input_gather`.
     """
     op, P_sub, ctx = layer._op, layer.P_row, layer._rows_ctx
     rec = row_record(x, W.dtype, P_sub.device.type)

@@ -2,37 +2,27 @@
 
 Grid vocabulary.  The all-gather and reduce-scatter linears run on a grid whose first
 dimension holds the data-parallel workers (``P_d``) and one later dimension the
-model-parallel workers (``P_m``); worker ``(d, m)`` is partition rank ``d * P_m + m``
-(every other grid extent is 1).  Parameters are split over the model-parallel workers;
-the plain layers keep each block on the ``d = 0`` worker and broadcast it along ``d``
-in forward (the adjoint sum-reduces the gradients back), the ``Zero`` layers shard it
-over ``d`` as well and all-gather it.
+model-parallel workers (``P_m``); worker ``(d, m)`` is partition rank ``d * P_m + m``.
+Parameters are split over the model-parallel workers; the plain layers keep each block on
+the ``d = 0`` worker and broadcast it along ``d`` in forward (the adjoint sum-reduces the
+gradients back), the ``Zero`` layers shard it over ``d`` as well and all-gather it.
 
-Decisions:
-
-* **Parameters live only where they are owned.**  A rank that owns no block of a
-  parameter registers it as None (as ``bias=False`` does in torch), so its
-  ``state_dict`` has no entry and an optimizer gets no empty tensors;
-  :meth:`LinearBase.param_layouts` says where every block lives.
-* **Initialisation equals torch's** (:meth:`LinearBase.reset_parameters`).  Every world
-  rank draws the full global tensors, owner or not, so the random streams stay in step
-  across ranks and with a sequential model built from the same seed.  It costs one
-  global weight of transient memory per rank; for a model too big for that, initialise
-  blocks yourself or use ``load_sequential``.
-* **One message per parameter broadcast.**  Blocks that travel along the same plan
-  (weight and bias from ``(0, m)`` to ``(d, m)``) are packed into one flat buffer, one
-  latency-bound round instead of two; receivers know the shapes, so no metadata moves.
-* **Every worker runs the adjoint under grad mode.**  A receive-only worker cannot
-  know whether its source's tensor requires grad, and a gradient sent to a source
-  that never runs its backward waits until the process-group timeout.  So under
-  ``torch.is_grad_enabled()`` every worker passes the op pair's anchor
-  (:func:`~distfuse.primitives._op_pair.anchor`), which makes its call differentiable
-  whatever its own tensors require (eager code and compiled graphs alike), at the cost
-  of one unneeded gradient message for frozen parameters or a first layer.
-* **The parameter dtype of a rank without parameters** comes from a zero-size buffer
-  (``_dtype_probe``, not persistent) that ``Module.to``/``.half()`` convert together
-  with the owners' parameters.  gloo receives a message into a buffer of another
-  dtype without any error, so this must not drift.
+* A rank that owns no block of a parameter registers it as None (as ``bias=False`` does),
+  so its ``state_dict`` has no entry; :meth:`LinearBase.param_layouts` says where blocks live.
+* Initialisation equals torch's: every world rank draws the full global tensors, owner or
+  not, so the random streams stay in step across ranks and with a sequential model built
+  from the same seed.  It costs one global weight of transient memory per rank; for a model
+  too big for that, initialise the blocks yourself or use ``load_sequential``.
+* Blocks that travel along one plan (weight and bias from ``(0, m)`` to ``(d, m)``) are
+  packed into one message: one latency-bound round instead of two.
+* Under ``torch.is_grad_enabled()`` every worker passes the op pair's anchor
+  (:func:`~distfuse.primitives._op_pair.anchor`): a receive-only worker cannot know whether
+  its source's tensor requires grad, and a gradient sent to a source that never runs its
+  backward waits until the timeout.  It costs one unneeded gradient message for frozen
+  parameters or a first layer.
+* The parameter dtype of a rank without parameters comes from a zero-size buffer
+  (``_dtype_probe``, not persistent) that ``Module.to``/``.half()`` convert with the
+  owners' parameters: gloo receives a message into a buffer of another dtype without error.
 """
 
 from __future__ import annotations
@@ -49,47 +39,14 @@ from distfuse.errors import PartitionError, expect, where
 from distfuse.geometry.decomposition import block_extent, local_slices
 from distfuse.layers._params import BlockIdentityMixin, ParamLayout
 from distfuse.layers.dispatch import Decision, DryExplain, device_caps, select_path
-from distfuse.partition import CartesianPartition, Partition, union_partition
+from distfuse.partition import CartesianPartition
 from distfuse.primitives._axes import balanced_layout
 from distfuse.primitives._gather_scatter import BlockCollective, all_gather_op
 from distfuse.primitives._op_pair import anchor
-from distfuse.primitives.all_gather import axes_subgrid
 from distfuse.primitives.broadcast import NO_FLAG, broadcast_blocks, broadcast_plan, move_of, placeholder
 
-__all__ = ["INACTIVE", "LinearBase", "ParamBroadcast", "LinearParams", "grid_partition", "subgrid", "union_of",
-           "check_cartesian", "check_row_partitions", "check_block_features", "decide",
-           "not_servable"]
-
-
-# Derived partitions, cached by what defines them: creating one costs two world-wide consistency gathers.  Every
-# rank constructs the same layers in the same order, so every rank hits or misses together and the collective
-# creation calls stay matched.  Entries are added only after a creation succeeded everywhere.
-_PARTITIONS: dict[tuple, Partition] = {}
-
-
-def _cached(key: tuple, make):
-    P = _PARTITIONS.get(key)
-    if P is None:
-        P = _PARTITIONS[key] = make()
-    return P
-
-
-def grid_partition(ranks: Sequence[int], shape: Sequence[int], device) -> CartesianPartition:
-    """A CartesianPartition of ``shape`` over the given world ranks, in order (collective over the world on a miss)."""
-    key = ("grid", tuple(int(r) for r in ranks), tuple(int(s) for s in shape), torch.device(device).type)
-    return _cached(key, lambda: Partition.world(device=device).create_partition_inclusive(list(key[1]))
-                   .create_cartesian_topology_partition(list(key[2])))
-
-
-def union_of(*Ps) -> Partition:
-    """``union_partition`` of the partitions, cached like :func:`grid_partition` (collective on a miss)."""
-    return _cached(("union", *(tuple(P.ranks) for P in Ps), Ps[0].device.type), lambda: union_partition(*Ps))
-
-
-def subgrid(P: CartesianPartition, axes: Sequence[int]) -> CartesianPartition:
-    """``axes_subgrid(P, axes)``, cached like :func:`grid_partition` (collective over the world on a miss)."""
-    key = ("sub", tuple(P.ranks), tuple(P.shape), tuple(sorted(int(a) for a in axes)), P.device.type)
-    return _cached(key, lambda: axes_subgrid(P, axes))
+__all__ = ["INACTIVE", "LinearBase", "ParamBroadcast", "LinearParams", "check_cartesian", "check_row_partitions",
+           "check_block_features", "decide", "not_servable"]
 
 
 def check_cartesian(op: str, name: str, P, min_dim: int = 1) -> None:
@@ -154,11 +111,8 @@ def check_block_features(op: str, x: torch.Tensor, P, expected: int, what: str) 
 class ParamBroadcast:
     """Copy parameter blocks from their owners ``P_src`` to their users ``P_dst``, packed into one message.
 
-    ``shapes`` are the blocks this rank receives when it is a user.  Forward: each user
-    gets its owner's blocks; adjoint: each owner gets the sum of its users' gradients
-    (the Broadcast's sum-reduce, fp32-accumulated for bf16); the identity where
-    ``P_d = 1``.  One call of Broadcast's op pair (``distfuse::broadcast``) in every mode;
-    a receiver passes an empty slice of the call's input and the anchor (module doc).
+    ``shapes``: the blocks a user receives.  Adjoint: each owner gets the sum of its users'
+    gradients (fp32-accumulated for bf16); the identity where ``P_d = 1``.
     """
 
     def __init__(self, P_src: CartesianPartition, P_dst: CartesianPartition, shapes: Sequence[Sequence[int]]):
@@ -184,13 +138,10 @@ class ParamBroadcast:
 class LinearParams:
     """The parameters a model-parallel linear multiplies with on this worker: one component both linears hold.
 
-    ``sends`` lists ``(ParamBroadcast, names)``: the named parameters (``"weight"``,
-    ``"bias"``) packed into one message from their owners to their users.  ``zero``, for
-    the ZeRO layers, is ``(P_wgather, shape)``: ``W_m`` of ``shape`` all-gathered from its
-    shards over the data-parallel workers (the op pair of
-    :mod:`~distfuse.primitives._gather_scatter`: its adjoint reduce-scatters ``dW_m``, so
-    each worker keeps its shard's gradient).  Made at construction, in the same order on
-    every worker (its contexts' handles name them in graphs).
+    ``sends`` lists ``(ParamBroadcast, names)``: the named parameters packed into one message.
+    ``zero``, for the ZeRO layers, is ``(P_wgather, shape)``: ``W_m`` all-gathered from its
+    shards over the data-parallel workers (the adjoint reduce-scatters ``dW_m``, so each
+    worker keeps its shard's gradient).
     """
 
     def __init__(self, op: str, sends: Sequence[tuple[ParamBroadcast, Sequence[str]]],
@@ -220,13 +171,9 @@ class LinearParams:
 
 def decide(op: str, layer: str, shapes: dict, dtype: torch.dtype, world_size: int, device,
            available=None) -> Decision:
-    """The path this call takes, and why.
-
-    ``select_path`` gives the shape-based verdict, assuming symmetric memory; a ``"fused"``
-    verdict is then confirmed with ``available()`` (collective the first time and cached:
-    every rank of the group asks together, the verdict depending only on shapes they all
-    share).  Where it says no, the unfused composition runs, the reason is logged once and
-    recorded, and ``last_path`` never claims a path that did not run.
+    """The path this call takes, and why: ``select_path``'s verdict (assuming symmetric memory), a ``"fused"`` one
+    confirmed with ``available()`` (collective the first time, then cached).  Where it says no, the unfused
+    composition runs and the reason is logged once and recorded: ``last_path`` never claims a path that did not run.
     """
     choice = select_path(op, shapes, dtype, world_size, device_caps(torch.device(device), symmetric_memory=True))
     if choice.path != "fused":
@@ -257,15 +204,9 @@ INACTIVE = Decision("unfused", "this rank is not in the layer's partitions; it d
 
 
 class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
-    """Bookkeeping every distributed linear shares: parameter blocks, torch-equal init, dispatch records.
-
-    Subclasses set ``use_bias``, ``P_weight`` and ``P_bias`` (the owners) before :meth:`_register_params`.
-
-    Attributes:
-        in_features, out_features: the global sizes, as in ``torch.nn.Linear``.
-        last_path: ``"unfused"`` or ``"fused"``, the path of the latest forward (None before one).
-        last_decision: the :class:`~distfuse.layers.dispatch.Decision` of the latest forward.
-    """
+    """Bookkeeping every distributed linear shares: parameter blocks, torch-equal init, dispatch records
+    (``last_path``, ``last_decision``).  Subclasses set ``use_bias``, ``P_weight`` and ``P_bias`` (the owners)
+    before :meth:`_register_params`."""
 
     def __init__(self, in_features: int, out_features: int, device, dtype):
         super().__init__()
@@ -310,11 +251,7 @@ class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """``torch.nn.Linear.reset_parameters`` on the global tensors, then each owner keeps its block.
-
-        Draw order and calls are torch's: kaiming-uniform weight (a = sqrt(5)), then the
-        bias uniform in +-1/sqrt(in_features).  Every rank draws (see the module doc).
-        """
+        """``torch.nn.Linear.reset_parameters`` on the global tensors (every rank draws), then owners keep blocks."""
         dtype, device = self._param_dtype(), self._param_device()
         full = {"weight": torch.empty((self.out_features, self.in_features), dtype=dtype, device=device)}
         nn.init.kaiming_uniform_(full["weight"], a=math.sqrt(5))
@@ -336,12 +273,8 @@ class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
         self.last_decision, self.last_path = decision, decision.path
 
     def _record_kernel(self, fused_op: str | None) -> None:
-        """After a fused call: name in ``last_decision`` the kernel that ran it (``providers.last_kernel``).
-
-        The decision names the provider asked for; the kernel may differ (a fallback, see
-        :mod:`distfuse.kernels.matmul_scatter_select`), and a reader of the decision must see the
-        kernel that actually ran.  Ops without a kernel choice leave it None.
-        """
+        """After a fused call: name in ``last_decision`` the kernel that ran (``providers.last_kernel``), which may
+        differ from the provider asked for (:mod:`distfuse.kernels.matmul_scatter_select`)."""
         from distfuse.fused.providers import last_kernel
 
         choice = last_kernel(fused_op) if fused_op and self.last_decision is not None else None

@@ -47,15 +47,15 @@ from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.layers._conv_common import (
     FLOATS,
     AgreedLayer,
-    cached_partition,
     check_cartesian,
     compute_dtype,
     global_shape_of,
     promote,
+    subgrid,
 )
 from distfuse.layers._params import BlockIdentityMixin, ParamLayout
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, group_slots
+from distfuse.primitives._axes import all_reduce_sum, group_slots
 from distfuse.primitives._common import check_inactive_input, collective_guard, gather_records
 from distfuse.primitives._handles import lookup
 from distfuse.primitives._op_pair import op_entry
@@ -73,13 +73,6 @@ _OK, _TOO_MANY_DIMS = 0, 1
 
 def numel(shape: Sequence[int]) -> int:
     return math.prod([int(s) for s in shape])  # a list, not a generator: torch.compile traces it
-
-
-def subgrid(P_x: CartesianPartition, axes: Sequence[int]) -> CartesianPartition:
-    """The sub-grid of ``P_x`` through this worker along ``axes``, cached
-    (:func:`~distfuse.layers._conv_common.cached_partition`)."""
-    axes = tuple(sorted(int(a) for a in axes))
-    return cached_partition(("subgrid", P_x.ranks, P_x.shape, axes), lambda: axes_subgrid(P_x, axes))
 
 
 def check_norm_partition(op: str, P_x, dims: Sequence[int]) -> None:

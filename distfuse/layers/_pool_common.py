@@ -9,7 +9,7 @@ Partitions and shapes (``nd`` spatial axes; worker at index ``(b, c, *s)`` of ``
     y       [B_b, C_c, *m_s]               balanced block of torch's output (pooling: m from torch's
                                            rule, ceil_mode included)
 
-    forward   info   = session.agree(x)           the call's global shape and grad flags (:mod:`distfuse.layers`)
+    forward   info   = session.agree(x)           the call's global shape and grad flags
               window = window_record(G)           plan, staging record, output extents (once per shape)
               staged = stage_window(x, path)       local, unfused or fused (below)
               y      = _block(staged, window)      the local op, with no padding
@@ -187,12 +187,8 @@ def staging_record(plan: HaloPlan, index: tuple[int, ...]) -> StagingRecord:
 
 def stage_window(x: torch.Tensor, halo: PlanHalo, rec: StagingRecord, global_shape: Sequence[int], *, path: str,
                  fill: float = 0.0) -> torch.Tensor:
-    """This worker's window ``[B, C, *L]`` from its block ``x [B, C, *n]`` by ``path`` (see the module docstring).
-
-    ``halo`` is the layer's halo context (its plan per global shape, named in the ops by
-    handle), ``rec`` this worker's :class:`StagingRecord`.  Every worker of the spatial grid
-    must call it with the same path, outputs or not.
-    """
+    """This worker's window ``[B, C, *L]`` from its block ``x [B, C, *n]`` by ``path`` (see the module docstring),
+    with the layer's halo context ``halo`` and this worker's ``rec``; every worker calls it with the same path."""
     if path == "local":
         view = x[(Ellipsis, *rec.slices)]
         return F.pad(view, list(rec.flat_pad), value=fill) if any(rec.flat_pad) else view
@@ -323,12 +319,8 @@ class WindowLayer(AgreedLayer, nn.Module):
 
 
 class DistributedPoolBase(WindowLayer):
-    """A pooling layer over an input split along any of its axes (see the module docstring).
-
-    Subclasses set ``nd`` and ``fill`` and define ``_block``, the pooling of a staged window.
-    Construction is not collective; the output extent is checked per call, on the agreed
-    global shape.
-    """
+    """A pooling layer over an input split along any of its axes (see the module docstring); subclasses set
+    ``nd`` and ``fill`` and define ``_block``.  Construction is not collective."""
 
     nd: int = 0
 

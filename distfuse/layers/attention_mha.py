@@ -37,26 +37,23 @@ and the two sums over the tensor axis become a gather and a scatter of rows::
     adjoint  dx = reduce_scatter_rows(dqkv @ [w_q; w_k; w_v]); do = all_gather_rows(dy) @ w_o
 
 The two are the ops of the sequence-parallel linears (:class:`~distfuse.layers.DistributedLinearAllGather`
-and :class:`~distfuse.layers.DistributedLinearReduceScatter` with ``P_x`` / ``P_y``): the fused
-all-gather + GEMM and GEMM + reduce-scatter (:mod:`distfuse.fused`) where dispatch chooses them
-(``last_decisions``), else the AllGather / ReduceScatter primitives around ``F.linear``.  The three
-input projections share one gather: their weight blocks are stacked for the one GEMM.  The
-output bias goes through ``replicate`` over the tensor axis, since each worker adds it to its own
-rows only.  The volume moved equals the replicated layout's (its all-reduce in each direction is
-a reduce-scatter plus an all-gather), the gathers and scatters can hide behind their GEMMs, and
-every activation outside the attention is ``P_tp`` times smaller.
+with ``P_x``, :class:`~distfuse.layers.DistributedLinearReduceScatter` with ``P_y``): fused where
+dispatch chooses them (``last_decisions``), else the primitives around ``F.linear``.  The
+three input projections share one gather (their weight blocks stacked for one GEMM); the
+output bias goes through ``replicate`` over the tensor axis, since each worker adds it to
+its own rows only.  The volume moved equals the replicated layout's, the gathers and
+scatters can hide behind their GEMMs, and every activation outside the attention is
+``P_tp`` times smaller.
 
 The sequential twin is :class:`MultiheadSelfAttention` (torch's ``nn.MultiheadAttention``
-fuses the input projections and has no grouped-query or causal flag): ``param_layouts()``
-names its keys, so ``load_sequential`` / ``collect_sequential`` move weights between the two.
+has no grouped-query or causal flag); ``param_layouts()`` names its keys for
+``load_sequential`` / ``collect_sequential``.
 
-The agreed call (over ``P``, one flag round per call; it covers the ring's call too, which then
-runs without a round of its own, :meth:`~distfuse.layers.attention_ring.DistributedAttention.agreed`):
-``x`` 3-D with ``E`` features, one dtype with the parameters, the same batch, dtype and grad
-settings everywhere, the same rows over the tensor axis (their values trusted, compared under
-``DISTFUSE_DEBUG=1``; sequence-parallel:
-the balanced blocks of the context index's rows), row counts that are the layout's blocks of
-one ``S``.
+The agreed call (over ``P``, one flag round; it covers the ring's call too,
+:meth:`~distfuse.layers.attention_ring.DistributedAttention.agreed`): ``x`` 3-D with ``E``
+features, the parameters' dtype, the same batch, dtype and grad settings everywhere, the
+same rows over the tensor axis (trusted; compared under ``DISTFUSE_DEBUG=1``), row counts
+that are the layout's blocks of one ``S``.
 """
 
 from __future__ import annotations

@@ -51,34 +51,27 @@ accumulator is back with its block's owner::
 
 So each step's GEMMs run while the next K/V block and the previous accumulator are in flight.
 
-Layouts (``layout=``) say which global positions a worker's rows are (only the causal mask
-reads them; :func:`local_positions`).  ``"contiguous"``: the balanced block (any ``S``; the
-ring messages then differ in size from step to step, and causal attention is unbalanced:
-worker ``W - 1`` computes ``W`` blocks, worker 0 one).  ``"zigzag"``
-(:func:`load_balanced_split`): fully masked (query run, key run) pairs are skipped, so every
-worker computes half a block per causal step.  A query row with no key to attend to (all
-masked by ``attn_mask``) returns zeros and gets zero gradients (``scaled_dot_product_attention``
-returns NaN there).
+Layouts (``layout=``, :func:`local_positions`; only the causal mask reads them).
+``"contiguous"``: the balanced block (any ``S``; causal attention is then unbalanced, worker
+``W - 1`` computing ``W`` blocks and worker 0 one).  ``"zigzag"`` (:func:`load_balanced_split`):
+fully masked (query run, key run) pairs are skipped, so every worker computes half a block
+per causal step.  A query row with nothing to attend to returns zeros and gets zero
+gradients (``scaled_dot_product_attention`` returns NaN there).
 
-``P_cp`` is a 1-D partition (its rank order is the ring order), such as the sequence axis of a
-larger grid (``P.create_cartesian_subtopology_partition([False, True])`` of a ``[data,
-context]`` grid). Each step is one ``batch_isend_irecv`` on distfuse's world group, waited on
-later; on the fused path (registry entry ``ring_attention``, dispatch as for every fused op:
-``DISTFUSE_PATH``, the crossover table, the default "never") the sender instead pushes the block
-into the next worker's slot of the ring's symmetric workspace (:mod:`distfuse.fused.ring_push`),
-bitwise the same result. ``last_decision`` (of :class:`DistributedAttention`) says which ran.
-The workers agree on the call over ``P_cp``: 4-D ``q, k, v`` with one dtype, ``Hq % Hkv == 0``,
-the same ``B, Hq, Hkv, D``, dtype, ``causal``, ``layout``, ``scale``, mask presence and grad
-setting, and local lengths that are the layout's blocks of one ``S``. The functional form keeps
-one session per ``P_cp``; :class:`DistributedAttention` owns its own (use one module per call
-site, so that calls of several shapes each settle once).
+``P_cp`` is a 1-D partition whose rank order is the ring order (such as the sequence axis
+of a ``[data, context]`` grid).  Each step is one ``batch_isend_irecv`` on distfuse's world
+group, waited on later; on the fused path (registry entry ``ring_attention``, default
+"never") the sender instead pushes the block into the next worker's slot of the ring's
+symmetric workspace (:mod:`distfuse.fused.ring_push`), bitwise the same result.  The workers
+agree on the call over ``P_cp``: 4-D ``q, k, v`` of one dtype, ``Hq % Hkv == 0``, the same
+``B, Hq, Hkv, D``, ``causal``, ``layout``, ``scale``, mask presence and grad setting, and
+local lengths that are the layout's blocks of one ``S``.  The functional form keeps one
+session per ``P_cp``; :class:`DistributedAttention` owns its own (one module per call site).
 
-The whole ring is one op, ``distfuse::ring_attention(q, k, v, mask?, handle, S, causal, layout,
-scale, fused) -> (out, lse)``, with its registered backward ``distfuse::ring_attention_backward`` (both
-``ORDERED``; ``handle`` names the call site's ring, ``S`` is the agreed global length), built
-like the fused linears' phase ops (:mod:`distfuse.ops.fused_linear`).  First-order only: a
-backward with ``create_graph=True`` is refused by name.  Compiled with ``aot_eager`` in the
-tests; inductor is untested (pass ``distfuse.ops.INDUCTOR_OPTIONS`` with it).
+The whole ring is one op, ``distfuse::ring_attention(q, k, v, mask?, handle, S, causal,
+layout, scale, fused) -> (out, lse)``, with its registered backward
+``distfuse::ring_attention_backward`` (both ``ORDERED``), built like the fused linears'
+phase ops.  First-order only: ``create_graph=True`` is refused by name.
 """
 
 from __future__ import annotations

@@ -22,19 +22,16 @@ DistDL instead pads by halo widths that ignore stride and dilation, and its circ
 padding wraps each worker's block onto itself.
 
 The parameters travel packed from the root with every worker's agreement flag riding along
-(:class:`RootParamConvBase`, shared with the transposed convolution).  Workers whose output
-block is empty (an extent smaller than the partition, or a stride that leaves them no
-outputs) return an empty ``[B_b, C_out, *m_s]`` tensor and still take part in both
-exchanges, because other workers read their input.
+(:class:`RootParamConvBase`, shared with the transposed convolution).  A worker whose output
+block is empty returns an empty ``[B_b, C_out, *m_s]`` tensor and still takes part in both
+exchanges: other workers read its input.
 
-Dispatch: ``select_path("halo_conv", {channels: in_channels}, ...)``, chosen in eager calls and
-remembered per global shape, dtype, device and memory format.  On "fused" one Triton pass
-(``distfuse::halo_conv``, :func:`distfuse.fused.halo_conv.fused_halo_conv`) replaces
-``distfuse::halo_exchange`` + ``convNd``; both send the same messages.  The fused kernels index NCHW blocks, so a
-``channels_last`` input takes the unfused path, which keeps its layout without a copy.
-The unfused path is differentiable to any order (each op pair's backward is the other);
-the fused path refuses a backward with ``create_graph=True`` with
-:class:`~distfuse.errors.UnsupportedError` on every worker, before any of its messages.
+Dispatch: ``select_path("halo_conv", {channels: in_channels}, ...)``, remembered per global
+shape, dtype, device and memory format.  On "fused" one Triton pass (``distfuse::halo_conv``)
+replaces ``distfuse::halo_exchange`` + ``convNd`` and sends the same messages; it indexes
+NCHW blocks, so a ``channels_last`` input takes the unfused path, which keeps its layout.
+The unfused path is differentiable to any order; the fused path refuses a backward with
+``create_graph=True`` with :class:`~distfuse.errors.UnsupportedError` on every worker.
 """
 
 from __future__ import annotations
@@ -156,9 +153,7 @@ class DistributedFeatureConvBase(RootParamConvBase):
 
     ``P_x``: CartesianPartition ``[P_b, 1, P_1, ..., P_nd]``; the other arguments as
     ``torch.nn.ConvNd`` (``padding`` may also hold ``(lo, hi)`` pairs).  ``weight`` and
-    ``bias`` are None except on the root (``P_x``'s first worker).  ``last_path``
-    (``"fused"`` or ``"unfused"``; None before the first call) and ``last_decision`` say
-    which path the last call took, and why.
+    ``bias`` are None except on the root (``P_x``'s first worker).
     """
 
     _split_hint = ("; pass P_y and P_w to DistributedConv{1,2,3}d for a channel or general distributed "

@@ -1,66 +1,41 @@
 """General distributed convolution: input and output split along channels and spatial axes.
 
 Partitions and shapes (``nd`` spatial axes; ``i`` output-channel block, ``j`` input-channel
-block, ``s`` spatial block; the batch is not split)::
+block, ``s`` spatial block; the batch is not split).  Every move is an op pair, called in
+this order on every worker of the union of the partitions::
 
     P_x     [1, P_ci, *P_s]       x        [B, Ci_j, *n_s]           on P_x worker (0, j, s)
     P_y     [1, P_co, *P_s]       y        [B, Co_i, *m_s]           on P_y worker (0, i, s)
     P_w     [P_co, P_ci, *P_s]    weight   [Co_i, Ci_j, *k]          stored on P_w workers (i, j, 0)
                                   bias     [Co_i]                    stored on P_w workers (i, 0, 0)
 
-    forward   staged_js = HaloExchange(P_x)(x_js)                     exactly the input y_s reads
-              xb_ijs    = Broadcast(P_x -> P_w)(staged_js)            along the P_co dimension
-              w_ijs     = Broadcast(spatial 0 -> all s)(w_ij0);  b_i0s likewise from (i, 0, 0)
+    forward   staged_js = distfuse::halo_exchange(x_js)               exactly the input y_s reads
+              xb_ijs    = distfuse::broadcast(staged_js)              P_x -> P_w, along the P_co dimension
+              w_ijs     = distfuse::broadcast(w_ij0);  b_i0s likewise from (i, 0, 0)   (spatial 0 -> all s)
               y_ijs     = convNd(xb_ijs, w_ijs, b_i if j == 0, padding=0, stride, dilation)
-              y_is      = SumReduce(P_w -> P_y)(y_ijs)                over j
+              y_is      = distfuse::broadcast_adjoint(y_ijs)          P_w -> P_y, summed over j
     adjoint   dy_ijs = Broadcast(dy_is); conv adjoints; dstaged_js = sum over i;
               dx_js = HaloExchange*(dstaged_js); dw_ij0 = sum over s; db_i00 = sum over s
 
 ``m_s`` is the balanced decomposition of the global output extent, so every output block
 is exactly its slice of the sequential ``ConvNd`` output (the halo geometry is
 :class:`~distfuse.geometry.halo_plan.HaloPlan`'s, as for the feature convolution).  The
-SumReduce lands on P_y through a view of P_y's workers as a ``[P_co, 1, *P_s]`` grid, which
-is what lets P_w's row ``i`` reduce into P_y's channel block ``i``.  ``groups > 1`` is
-supported only when channels are unsplit (``P_co = P_ci = 1``): with split channels a weight
-block would mix groups.
+sum-reduce lands on P_y through a view of P_y's workers as a ``[P_co, 1, *P_s]`` grid, which
+lets P_w's row ``i`` reduce into P_y's channel block ``i``.  ``groups > 1`` needs unsplit
+channels (``P_co = P_ci = 1``): with split channels a weight block would mix groups.
 
-P_x-only, P_w-only and P_y-only workers (and any overlap) all work.  The layer agrees over
-the union of the partitions, and its flag takes a one-element round of its own
-(:func:`~distfuse.primitives._agreement.flag_round`): no data collective of this layer
-reaches every worker of the union.  Every move is an op pair, in this order on every worker::
+P_x-only, P_w-only and P_y-only workers (and any overlap) all work: a worker that takes no
+part in a move still calls its op (which sends nothing), and the outputs it does not use
+are tied to the sum-reduce's anchor (:func:`~distfuse.primitives._op_pair.anchor`), so
+their adjoints run too.  No data collective reaches every worker of the union, so the
+agreement flag takes a round of its own.  Under ``torch.autocast`` the weight blocks
+travel in their own dtype and are cast where they are used.
 
-    staged = distfuse::halo_exchange(x, h_halo, G)    general conv only (the channel conv sends x unpadded):
-                                                      the halo round on P_x, a copy of the placeholder elsewhere
-    xb = distfuse::broadcast(staged, ...)             P_x -> P_w, along the output-channel dimension
-    w  = distfuse::broadcast(W_ij0, ...)              spatial block 0 -> every s (general conv only)
-    b  = distfuse::broadcast(b_i00, ...)              (i, 0, 0) -> (i, 0, s) (general conv only)
-    yp = convNd(xb, w, b where j == 0)                the channel conv pads xb locally first
-    y  = distfuse::broadcast_adjoint(yp, ...)         P_w -> P_y, summed over the input-channel blocks
-
-so every worker of the union traces the same ops: a worker that takes no part in a move
-still calls its op (which sends nothing), and the outputs it does not use are tied to the
-sum-reduce's anchor (:func:`~distfuse.primitives._op_pair.anchor`), so their adjoints run
-there too.  Under ``torch.autocast`` the weight blocks travel in their own dtype and are
-cast where they are used.  Gradients of any order are exact.
-
-The channel-distributed convolution (input and output split along channels only) is
-this layer with ``P_s = 1``, :class:`DistributedChannelConvBase`::
-
-    P_x     [1, P_ci, 1, ...]       x        [B, Ci_j, *n]       on P_x worker (0, j)
-    P_y     [1, P_co, 1, ...]       y        [B, Co_i, *m]       on P_y worker (0, i)
-    P_w     [P_co, P_ci, 1, ...]    weight   [Co_i, Ci_j, *k]    on P_w worker (i, j)
-                                    bias     [Co_i]              on P_w worker (i, 0)
-
-    forward   xb_ij = Broadcast(P_x -> P_w)(x_j)                  along the P_co dimension
-              y_ij  = convNd(pad(xb_ij), w_ij, b_i if j == 0, padding=0, stride, dilation)
-              y_i   = SumReduce(P_w -> P_y)(y_ij)                 over j
-    adjoint   dy_ij = Broadcast(dy_i); conv adjoints give dw_ij, db_i and dxb_ij;
-              dx_j  = SumReduce(dxb_ij) over i                    (the x Broadcast's adjoint)
-
-The spatial axes are whole on every worker, so torch's own padding (``F.pad`` with the
-layer's mode) is already global; the input travels unpadded, which makes the broadcast
-smaller than the general convolution's, and there is no halo round.  Every worker owns its
-weight block, so no weight moves.  Everything else is the general convolution's.
+The channel-distributed convolution, :class:`DistributedChannelConvBase`, is this layer
+with ``P_s = 1``: the spatial axes are whole on every worker, so torch's own padding
+(``F.pad`` with the layer's mode) is already global; the input travels unpadded (a smaller
+broadcast, no halo round) and every P_w worker pads its copy; every worker owns its weight
+block, so no weight moves.  Its adjoint's ``dx_j`` is the sum over ``i`` of ``dxb_ij``.
 """
 
 from __future__ import annotations
@@ -189,8 +164,7 @@ class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
     # ------------------------------------------------------------ parameters
 
     def reset_parameters(self) -> None:
-        """Draw the global parameters as ``torch.nn.ConvNd`` does, on every rank (one global weight in memory for a
-        moment); owners keep their blocks."""
+        """Draw the global parameters as ``torch.nn.ConvNd`` does, on every rank; owners keep their blocks."""
         dtype = next((p.dtype for p in (self.weight, self.bias) if p is not None), self._dtype)
         w, b = draw_parameters(self.opts, dtype, self._device)
         with torch.no_grad():
@@ -321,11 +295,9 @@ DistributedGeneralConv1d, DistributedGeneralConv2d, DistributedGeneralConv3d = G
 
 
 class DistributedChannelConvBase(DistributedGeneralConvBase):
-    """Convolution with channels split and spatial axes whole (see the module docstring, its last part).
-
-    Args: as :class:`~distfuse.layers.conv_general.DistributedGeneralConvBase`, with
-    P_x ``[1, P_ci, 1, ...]``, P_y ``[1, P_co, 1, ...]`` and P_w ``[P_co, P_ci, 1, ...]``.
-    """
+    """Convolution with channels split and spatial axes whole (see the module docstring): the arguments of
+    :class:`DistributedGeneralConvBase`, with P_x ``[1, P_ci, 1, ...]``, P_y ``[1, P_co, 1, ...]``, P_w
+    ``[P_co, P_ci, 1, ...]``."""
 
     _stages_with_halo = False  # the input travels unpadded; every P_w worker pads its copy
 

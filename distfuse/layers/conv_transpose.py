@@ -18,28 +18,21 @@ The geometry is :mod:`distfuse.geometry.transpose_plan`: output ``o`` reads the 
 ``i`` with ``o = i*s - p + t*d`` for a kernel tap ``t``, so each worker fetches the
 smallest input range that reaches its output block and computes exactly that block.
 
-Why inputs travel, not partial outputs (the textbook form of a transposed convolution,
-the adjoint of a halo exchange: each worker computes its own input block's outputs and
-sums the overlapping windows into their owners):
+Why inputs travel, not partial outputs (the textbook form, the adjoint of a halo exchange
+that sums each worker's overlapping output windows into their owners): every output is
+summed once, locally, in torch's order, so 16-bit outputs are rounded once; upsampling
+sends less (per side about ``d(k-1)/s`` input rows of ``C_in`` channels, against ``d(k-1) +
+1 - s`` output rows of ``C_out`` channels ``s`` times longer; U-Net's ``k = s, p = 0`` on
+extents the grid divides sends nothing); and the balanced decomposition of the *output*
+falls out of the plan (a block no input reaches gets zeros plus the bias).
 
-* every output is summed once, locally, in the order torch sums it, so 16-bit outputs
-  are rounded once;
-* it sends less for upsampling: per side about ``d(k-1)/s`` input rows of ``C_in``
-  channels, against ``d(k-1) + 1 - s`` output rows of ``C_out`` channels that are ``s``
-  times longer; U-Net's ``k = s, p = 0`` on extents the grid divides sends nothing;
-* the balanced decomposition of the *output* (which ``output_padding`` lengthens) falls
-  out of the plan: a worker whose block no input reaches gets zeros plus the bias, and
-  one whose block is empty an empty tensor, while both still serve their neighbours.
-
-The backward pass is the halo exchange's adjoint plus the local adjoints; the exchange is
-``distfuse::halo_exchange`` driven by the transposed plan (a
-:class:`~distfuse.primitives.halo_exchange.PlanHalo`).  Parameters and the agreement work as
-in the feature convolution (:class:`~distfuse.layers.conv_feature.RootParamConvBase`); the
-weight is drawn as ``torch.nn.ConvTransposeNd`` draws it and travels in the input's dtype.
-There is no fused path.  Refused as torch refuses them, on every rank: ``padding_mode``
-other than ``'zeros'``, an output padding not smaller than the stride or the dilation,
-string or ``(lo, hi)`` padding (at construction, where torch fails at the first call), and
-an empty spatial input or a global output extent below 1.
+The exchange is ``distfuse::halo_exchange`` driven by the transposed plan (a
+:class:`~distfuse.primitives.halo_exchange.PlanHalo`); parameters and agreement as in
+:class:`~distfuse.layers.conv_feature.RootParamConvBase` (the parameters travel in the
+input's dtype).  No fused path.  Refused as torch refuses them, on every rank:
+``padding_mode`` other than ``'zeros'``, an output padding not smaller than the stride or
+the dilation, string or ``(lo, hi)`` padding (at construction), and an empty spatial input
+or a global output extent below 1.
 """
 
 from __future__ import annotations
@@ -113,15 +106,9 @@ class ConvTransposeOptions:
 
 def conv_transpose_block(opts: ConvTransposeOptions, staged: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
                          pads: Sequence[tuple[int, int]], out_shape: Sequence[int]) -> torch.Tensor:
-    """This worker's output block from its staged inputs.
-
-    ``conv_transposeNd(staged, w, stride, padding=0, dilation, groups)`` covers the
-    global window of :meth:`~distfuse.geometry.transpose_plan.TransposeAxisGeometry.window`;
-    ``pads`` (per axis ``(lo, hi)``, negative crops, positive appends zeros) turn it
-    into the block, and the bias is added to every output, reached by an input or not.
-    Where the block is empty or no input reaches it the result is zeros plus the bias,
-    still differentiable in ``staged`` and ``w`` (the exchanges' adjoints must run).
-    """
+    """This worker's output block: ``conv_transposeNd(staged, w, stride, padding=0, dilation, groups)``, cropped
+    or zero-extended by ``pads`` (per axis ``(lo, hi)``, negative crops), the bias added to every output.  An
+    empty or unreached block gives zeros plus the bias, still differentiable in ``staged`` and ``w``."""
     if 0 in out_shape or 0 in staged.shape[2:]:
         y = ZeroBlock.apply(staged, w, tuple(out_shape))
         return y if b is None else y + b.view(1, -1, *([1] * opts.nd))

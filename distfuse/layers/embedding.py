@@ -21,24 +21,18 @@ axes like any layer's input, and every worker of one vocabulary row holds the sa
              dweight summed over the leading axes        (``distfuse::replicate``'s adjoint: the copies of a
                                                            block each get the global gradient)
 
-Why the identity adjoint: each worker's ``dy`` is already the whole gradient of the
-replicated ``y`` (:mod:`distfuse.primitives.all_sum_reduce`).  Each id lies in exactly one
-block, so the sum adds one row to zeros: the output is torch's bits in every dtype.
-``padding_idx`` behaves as torch's; only its owner passes it to the local lookup.  Where the
-leading axes have more than one worker and the weight takes a gradient,
-``distfuse::replicate`` copies the ``[V_v, D]`` block once per forward.
+Each id lies in exactly one block, so the sum adds one row to zeros: the output is torch's
+bits in every dtype.  ``padding_idx`` behaves as torch's; only its owner passes it to the
+local lookup.  Where the leading axes have more than one worker and the weight takes a
+gradient, ``distfuse::replicate`` copies the ``[V_v, D]`` block once per forward.
 
-Checks.  Every worker's weight must take a gradient or none (its sum over the leading axes
-runs on all or none).  The id values are checked in every call by
-``distfuse::embedding_check``: one all-reduce over ``P_x`` of ``2 x |P_x|`` int64, a linear
-hash of each worker's ids (odd multipliers: one differing position always changes it;
-several are missed only if their differences cancel modulo 2^64) and each worker's count of
-ids outside ``[0, V)``.  Every worker then raises the same
-:class:`~distfuse.errors.ShapeError` naming the world ranks whose ids differ from their
-vocabulary peers' or fall out of range; the check spans ``P_x`` (not only the vocabulary
-axis) because the backward's sum over the leading axes would otherwise wait for a worker
-that raised.  On a device the counts are not read on the host: the output is NaN on every
-worker.
+Checks.  Every worker's weight must take a gradient or none.  The ids are checked in every
+call by ``distfuse::embedding_check``: one all-reduce over ``P_x`` of ``2 x |P_x|`` int64, a
+linear hash of each worker's ids (odd multipliers: one differing position always changes
+it) and its count of ids outside ``[0, V)``; every worker raises the same
+:class:`~distfuse.errors.ShapeError` naming the offending world ranks.  It spans ``P_x``, not
+only the vocabulary axis, because the backward's sum over the leading axes would otherwise
+wait for a worker that raised.  On a device the counts are not read: the output is NaN.
 
 Not supported (``UnsupportedError``): ``max_norm`` (torch renormalises the looked-up rows in
 place, and the local lookup touches placeholder rows), ``scale_grad_by_freq`` (needs global
@@ -56,8 +50,7 @@ from torch import nn
 
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, block_start
-from distfuse.layers._conv_common import AgreedLayer, check_cartesian
-from distfuse.layers._linear_common import grid_partition
+from distfuse.layers._conv_common import AgreedLayer, check_cartesian, grid_of
 from distfuse.layers._norm_common import FLOATS, gather_call, global_shape_of, one_dtype, subgrid
 from distfuse.layers._params import BlockIdentityMixin, ParamLayout
 from distfuse.partition import zero_volume_tensor
@@ -125,7 +118,7 @@ def _row_scatter_grid(P_x):
     mine = None
     for index in itertools.product(*(range(n) for n in lead)):
         ranks = [P_x.ranks[P_x.rank_of((*index, v))] for v in range(p_v)]
-        row = grid_partition(ranks, shape, P_x.device)
+        row = grid_of(ranks, shape, P_x.device)
         if row.active:
             mine = row
     return mine if mine is not None else row

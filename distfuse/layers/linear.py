@@ -1,10 +1,9 @@
 """The general distributed linear layer: broadcast the input over a weight grid, local GEMMs, sum-reduce the output.
 
 ``W [out, in]`` is split in both dimensions over ``P_w [P_fo, P_fi]``: worker ``(i, j)``
-owns ``W_ij [out_i, in_j]``, and the column-0 workers ``(i, 0)`` own ``b_i [out_i]``
-(the bias exists once per output block).  The input's features are split over
-``P_x [1, ..., 1, P_fi]`` and the output's over ``P_y [1, ..., 1, P_fo]``; ``*`` below
-is any number of leading dimensions (none included), never split::
+owns ``W_ij [out_i, in_j]``, and the column-0 workers ``(i, 0)`` own ``b_i [out_i]``.
+The input's features are split over ``P_x [1, ..., 1, P_fi]`` and the output's over
+``P_y [1, ..., 1, P_fo]``; ``*`` is any number of leading dimensions, never split::
 
     x          [*, in_j]     on P_x worker j
     broadcast  x_j from P_x worker j to every P_w worker (i, j)  (down the columns of P_w)
@@ -13,53 +12,27 @@ is any number of leading dimensions (none included), never split::
     adjoint    dp_ij = dy_i (broadcast); dx_j = sum over i of dp_ij @ W_ij (sum-reduce);
                dW_ij = dp_ij.T @ x_j; db_i = sum over rows of dp_i0
 
-The sum-reduce maps P_w's rows onto P_y's workers, which is P_y transposed: in two
-dimensions ``[1, P_fo]`` transposed is ``[P_fo, 1]``, which broadcasts to P_w.  With
-leading dimensions the transpose would move P_y's ones to the end, so the layer moves
-``[rows, features]`` matrices on two-dimensional views of the three partitions, made
-once in ``__init__`` (blocks travel whole, so the view changes no data), and restores
-the leading dimensions afterwards.
+The sum-reduce maps P_w's rows onto P_y's workers, P_y transposed; with leading
+dimensions the transpose would move P_y's ones to the end, so the layer moves
+``[rows, features]`` matrices on two-dimensional views of the three partitions (blocks
+travel whole, so a view changes no data) and restores the leading dimensions afterwards.
 
-P_x, P_y and P_w may sit on any world ranks: overlapping, disjoint or in any order.
-A P_w or P_y worker outside P_x cannot know the leading extents or the dtype, and no
-collective of the layer reaches every worker, so the layer agrees on them in its
-:class:`~distfuse.primitives.agreement_session.AgreementSession` over the union of the
-three partitions, its flag in a host round (one one-integer all-reduce on the union's
-host meta group before any data moves; ``distfuse::flag_check`` in a compiled call);
-records: :mod:`~distfuse.layers._linear_agreement`.  A bad or disagreeing input raises
-the same :class:`~distfuse.errors.ShapeError` everywhere, at once, and a legitimate
-change just works.  Inside :func:`~distfuse.primitives._agreement.capture_safe` (and
-while a CUDA stream captures) a settled layer moves no flag.  Debug mode gathers and
-checks on every eager call.
+P_x, P_y and P_w may sit on any world ranks.  A P_w or P_y worker outside P_x cannot know
+the leading extents or the dtype, and no collective reaches every worker, so the layer
+agrees over the union of the three partitions with its flag in a host round of its own
+(records: :mod:`~distfuse.layers._linear_agreement`).  Workers outside P_y get a
+zero-volume ``[0]`` output that still carries their part of the adjoint.
 
-One forward serves eager calls, ``capture_safe()`` and ``torch.compile(fullgraph=True)``:
-the broadcast and the sum-reduce are Broadcast's op pair (:mod:`distfuse.primitives.broadcast`,
-with the anchor of :mod:`~distfuse.layers._linear_common`), the fused path is
-``distfuse::matmul_all_reduce`` through a :class:`~distfuse.ops.fused_linear.FusedCall`,
-and a compiled call takes the path of the last eager call with the same rows and dtype.
-
-Workers outside the three partitions pass and get zero-volume tensors; workers outside
-P_y get a zero-volume ``[0]`` output that still carries their part of the adjoint, so
-every worker must call backward on what it got.
-
-Fused path (``matmul_all_reduce``, :mod:`distfuse.fused.matmul_all_reduce`): each row of
-P_w all-reduces its partial products over symmetric buffers instead of sum-reducing
-them, and one worker of row ``i``, its keeper, keeps the result: P_y worker ``i`` itself
-where it lies in row ``i`` (P_y on P_w's column 0, as in DistDL's examples, or ``P_fo = 1``
-with the output on one of the row's workers), else the row's column-0 worker, which
-then copies ``y_i`` to P_y worker ``i`` (a Broadcast from the keepers to P_y: one message
-per such row instead of the ``P_fi`` partial sums of the unfused sum-reduce).  The other
-workers of the row return a zero-volume view of their copy, so the backward
-(``grad_output="sum"``: the all-reduce of the row's gradients, of which only the keeper's
-is non-zero) hands every worker of the row ``dy_i``, the broadcast that is the
-sum-reduce's adjoint; that all-reduce is a plain reduce-scatter of ``dy`` followed by an
-all-gather fused into the dgrad GEMM (the ``all_gather_features_matmul`` phase). The
-input broadcast stays unfused.  The P_w workers record the decision (the shapes are the
-global block-0 ones, so all rows decide alike; where keepers deliver across rows the
-availability is asked of the whole of P_w, so sender and receiver agree); P_x workers
-outside P_w only send their blocks and record that.  A P_y worker outside P_w keeps the
-layer unfused: it takes no part in the decision, so it could not tell which message to
-wait for.
+Fused path (``matmul_all_reduce``): each row of P_w all-reduces its partial products over
+symmetric buffers, and one worker of row ``i``, its keeper, keeps the result: P_y worker
+``i`` where it lies in row ``i``, else the row's column-0 worker, which then copies ``y_i``
+to P_y worker ``i`` (one message per such row instead of ``P_fi`` partial sums).  The other
+workers of the row return a zero-volume view, so the backward's all-reduce
+(``grad_output="sum"``) hands every worker of the row ``dy_i``, the sum-reduce's adjoint.
+The input broadcast stays unfused.  The decision is taken on the global block-0 extents, so
+all rows decide alike (where keepers deliver across rows availability is asked of all of
+P_w); a P_y worker outside P_w keeps the layer unfused, since it could not tell which
+message to wait for.
 """
 
 from __future__ import annotations
@@ -74,6 +47,7 @@ from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
+from distfuse.layers._conv_common import grid_of, subgrid, union_of
 from distfuse.layers._linear_agreement import (
     check_general_records,
     check_input_dtype,
@@ -89,10 +63,7 @@ from distfuse.layers._linear_common import (
     check_block_features,
     check_cartesian,
     decide,
-    grid_partition,
     not_servable,
-    subgrid,
-    union_of,
 )
 from distfuse.layers.dispatch import Decision
 from distfuse.ops.fused_linear import make_call
@@ -125,7 +96,7 @@ def _check_partitions(op: str, P_x, P_y, P_w) -> None:
 
 def _as_2d(P, shape, device):
     """``P`` itself if it has ``shape``, else the same ranks arranged as ``shape`` (collective)."""
-    return P if tuple(P.shape) == tuple(shape) else grid_partition(P.ranks, shape, device)
+    return P if tuple(P.shape) == tuple(shape) else grid_of(P.ranks, shape, device)
 
 
 class DistributedLinear(LinearBase):
@@ -138,9 +109,6 @@ class DistributedLinear(LinearBase):
         in_features, out_features: as in ``torch.nn.Linear``.
         bias: add a learnable bias (owned by ``P_w``'s column 0).
         device, dtype: of the parameters (default: ``P_w``'s device, the default dtype).
-
-    Construction is collective over the world (it creates partitions).  ``W_ij`` lives
-    on ``P_w`` worker ``(i, j)``; other ranks hold ``weight = None``.
     """
 
     def __init__(self, P_x, P_y, P_w, in_features: int, out_features: int, bias: bool = True, device=None,
@@ -152,10 +120,9 @@ class DistributedLinear(LinearBase):
         P_fo, P_fi = P_w.shape[-2:]
         self.P_fo, self.P_fi = P_fo, P_fi
         dev = P_w.device
-        # Partition creation is collective over the world: every rank runs these calls in this order.
         P_x2, P_y2 = _as_2d(P_x, (1, P_fi), dev), _as_2d(P_y, (1, P_fo), dev)
         self.P_weight = _as_2d(P_w, (P_fo, P_fi), dev)
-        self.P_bias = grid_partition([P_w.ranks[i * P_fi] for i in range(P_fo)], [P_fo], dev)
+        self.P_bias = grid_of([P_w.ranks[i * P_fi] for i in range(P_fo)], [P_fo], dev)
         self.P_all = union_of(P_x, P_y, P_w)
         self._plan_x = broadcast_plan(P_x2, self.P_weight)
         self._plan_y = sum_reduce_plan(self.P_weight, P_y2, transpose_dest=True)
@@ -169,7 +136,7 @@ class DistributedLinear(LinearBase):
         self._keeps = self.P_weight.active and self.P_weight.ranks[self.P_weight.rank] in self._keepers
         self._plan_deliver = None  # keeper i -> P_y worker i, where some keeper is not the P_y worker
         if self._y_in_w and self._keepers != list(P_y.ranks):
-            self._plan_deliver = broadcast_plan(grid_partition(self._keepers, (1, P_fo), dev), P_y2)
+            self._plan_deliver = broadcast_plan(grid_of(self._keepers, (1, P_fo), dev), P_y2)
         self._last_rows = 0
         self.session = AgreementSession(self._op, self.P_all)
         self.agreement = self.session.site
@@ -180,13 +147,8 @@ class DistributedLinear(LinearBase):
         return block_extent(self.in_features, self.P_fi, j)
 
     def _gathered(self, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-        """The input's leading extents and dtype from every worker's record; checks every record on every rank.
-
-        Collective over ``P_all`` (one host-side all-gather of :func:`general_record`);
-        every worker evaluates the same records, so a bad block, a disagreement (leading
-        extents, dtype, autocast, grad mode) or data on the wrong device or on a worker
-        outside P_x raises the same :class:`~distfuse.errors.ShapeError` on every worker.
-        """
+        """The input's leading extents and dtype from every worker's :func:`general_record` (collective over
+        ``P_all``), checked alike on every worker."""
         op, P_x = self._op, self.P_x
         rows = gather_records(op, self.P_all, general_record(x))
         by_rank = dict(zip(self.P_all.ranks, rows, strict=True))  # P_all lists its ranks sorted: group order
@@ -293,11 +255,7 @@ class DistributedLinear(LinearBase):
         return fused_linear_available(P, self._param_device(), self._param_dtype())
 
     def explain(self, x: torch.Tensor) -> Decision:
-        """The path :meth:`forward` takes for ``x`` and why.
-
-        The row count comes from ``x`` where this worker holds an input block, else from the
-        latest forward (0 before one): a P_w worker outside P_x learns it from the shape exchange.
-        """
+        """The path :meth:`forward` takes for ``x`` and why (rows from ``x`` on P_x, else the latest forward's)."""
         if not self.P_all.active:
             return INACTIVE
         rows = math.prod(x.shape[:-1]) if self.P_x.active and x.dim() > 1 else self._last_rows

@@ -17,27 +17,21 @@ computes output block ``m`` for its batch block ``d``.  Two input layouts (``b``
 and possibly empty).  Each output element gets its bias once: the output blocks are
 disjoint.
 
-Parameters (the plain and ZeRO arrangements: :mod:`~distfuse.layers._linear_common`).
-``W_m`` and ``b_m`` live on worker ``(0, m)`` (DistDL's data parallelism).
-:class:`DistributedLinearAllGatherZero` shards ``W`` along the input features too:
-worker ``(d, m)`` owns block ``(m, d)`` of ``W`` on a ``[P_m, P_d]`` grid.  Its bias
-(``out`` elements, against ``out * in`` for ``W``) stays on ``(0, m)``: sharding it too
-would need a second decomposition of ``out`` for little memory.
+Parameters (arrangements: :mod:`~distfuse.layers._linear_common`): ``W_m`` and ``b_m`` live on
+worker ``(0, m)``.  :class:`DistributedLinearAllGatherZero` shards ``W`` along the input
+features too: worker ``(d, m)`` owns block ``(m, d)`` of ``W`` on a ``[P_m, P_d]`` grid; its
+bias (``out`` elements against ``out * in``) stays on ``(0, m)``.
 
-Agreement of the inputs: the gathered length ``n`` is not known from one block (3 rows
-of a 2-way split come from 5 or 6), so the unfused path learns the blocks and checks them
-under the row's agreement (:mod:`~distfuse.layers._linear_agreement`); ``seq_len=n``
-states the length.
+The gathered length ``n`` is not known from one block (3 rows of a 2-way split come from 5
+or 6), so the unfused path learns the blocks under the row's agreement; ``seq_len=n``
+states it.
 
-Dispatch: both forms have a fused all-gather + GEMM, ``all_gather_features_matmul``
-without P_x (the input's features gathered; the GEMM reads the K chunks as they land, in
-a fixed order) and ``all_gather_matmul`` with P_x (the sequence dim gathered), asked for
-with the per-rank GEMM ``m = rows of x_gathered, n = out block, k = in``;
-``out_features < P_m`` (an empty weight shard) runs unfused.  The ZeRO layer with
-``P_d > 1`` first asks for its own fused path (:mod:`distfuse.fused.zero_linear`, registry
-entry ``zero_linear_columns`` over the ``P_d`` workers on their largest row count; the bias
-is added after, empty weight shards included); where it is not chosen, the form's own
-decision follows.
+Dispatch: ``all_gather_features_matmul`` without P_x (the GEMM reads the K chunks as they
+land) and ``all_gather_matmul`` with P_x, asked for with the per-rank GEMM ``m = rows of
+x_gathered, n = out block, k = in``; ``out_features < P_m`` (an empty weight shard) runs
+unfused.  The ZeRO layer with ``P_d > 1`` first asks for its own fused path
+(:mod:`distfuse.fused.zero_linear`, ``zero_linear_columns`` over the ``P_d`` workers on their
+largest row count; the bias added after); where it is not chosen, the form's decision follows.
 """
 
 from __future__ import annotations
@@ -50,8 +44,9 @@ import torch.nn.functional as F
 from distfuse.errors import expect
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
+from distfuse.layers._conv_common import grid_of, subgrid
 from distfuse.layers._linear_agreement import RowLinear, agreed_input_gather, compute_dtype
-from distfuse.layers._linear_common import LinearParams, ParamBroadcast, check_block_features, grid_partition, subgrid
+from distfuse.layers._linear_common import LinearParams, ParamBroadcast, check_block_features
 from distfuse.layers.dispatch import Decision
 from distfuse.primitives._axes import balanced_layout
 
@@ -70,10 +65,6 @@ class DistributedLinearAllGather(RowLinear):
             the input is split along the sequence dim and gathered along it.
         keep_gathered: on the fused path, keep the gathered input for the weight gradient
             (default) instead of gathering it again in backward.
-
-    Construction is collective over the world (it creates partitions): every world rank
-    constructs the layer, active or not.  See the module doc for shapes, the adjoint and
-    where the parameters live.
     """
 
     _zero_entry = registry.ZERO_LINEAR_COLUMNS
@@ -88,18 +79,17 @@ class DistributedLinearAllGather(RowLinear):
         out_m = block_extent(self.out_features, P_m, m) if P_y.active else 0
         self._in_extent = self.in_features if P_x is not None else block_extent(self.in_features, P_m, max(m, 0))
 
-        # Partition creation is collective over the world: every rank runs these calls in this order.
         self.P_in = P_in = P_x if P_x is not None else P_y
         self.P_gather = subgrid(P_in, [P_in.dim - (2 if P_x is not None else 1)])
         owners = [self._rank_of(0, j) for j in range(P_m)]
-        self.P_bias = grid_partition(owners, [P_m], P_y.device)  # (0, m) owns b_m
+        self.P_bias = grid_of(owners, [P_m], P_y.device)  # (0, m) owns b_m
         if self._zero:
             # Worker (d, m) owns block (m, d) of W: rows split over P_m, columns over P_d.
-            self.P_weight = grid_partition([self._rank_of(i, j) for j in range(P_m) for i in range(P_d)],
+            self.P_weight = grid_of([self._rank_of(i, j) for j in range(P_m) for i in range(P_d)],
                                            [P_m, P_d], P_y.device)
             self.P_wgather = subgrid(self.P_weight, [1])
         else:
-            self.P_weight = grid_partition(owners, [P_m, 1], P_y.device)
+            self.P_weight = grid_of(owners, [P_m, 1], P_y.device)
         # The bias (and the weight, without ZeRO) travel from (0, m) in one message.
         names = (() if self._zero else ("weight",)) + (("bias",) if self.use_bias else ())
         shapes = {"weight": (out_m, self.in_features), "bias": (out_m,)}

@@ -7,9 +7,9 @@ worker's GEMM yields a full-size partial sum, which the reduce-scatter adds up a
 
     x          P_x [P_d, 1, ..., P_m]     x [b_d, *, n, in_m]
     weight     W_m [out, in_m]
-    partial    p  = x @ W_m.T  (+ b on m = 0, P_y form)               p [b_d, *, n, out]
+    partial    p  = x @ W_m.T                                         p [b_d, *, n, out]
     P_x only:  y  = reduce_scatter(p) along the last dim + b_m        y [b_d, *, n, out_m]  on P_x
-    with P_y:  y  = reduce_scatter(p) along dim -2                    y [b_d, *, n_m, out]  on P_y [P_d, 1, ..., P_m, 1]
+    with P_y:  y  = reduce_scatter(p) along dim -2 + b                y [b_d, *, n_m, out]  on P_y [P_d, 1, ..., P_m, 1]
                                                                       (the fused GEMM+RS form)
     adjoint    dp = all_gather(dy) (the reduce-scatter's adjoint); dx = dp @ W_m; dW_m = sum over d of dp.T @ x
 
@@ -22,27 +22,19 @@ Bias, added exactly once per output element:
   every ``(d, m)`` adds it after the reduce-scatter, to its own output block (the
   reference's placement; the add is spread over all workers).
 * With P_y: every worker's output block has all ``out`` features, so a block of ``b``
-  would not do.  Worker ``(0, 0)`` owns the whole ``b``; the ``m = 0`` workers add it to
-  their partial sum before the reduce-scatter.  That is one ``out``-element message per
-  data-parallel worker, against ``P_m`` times that to give ``b`` to every worker, for
-  one extra ``rows * out`` add on one worker per row of the grid (under 1/in_m of its GEMM).
+  would not do.  Worker ``(0, 0)`` owns the whole ``b`` and every worker gets a copy, which
+  it adds to its own output rows after the reduce-scatter (unfused) or in the chunk reduce
+  (fused); the Broadcast's adjoint sums the partial gradients back on ``(0, 0)``.
 
-Parameters (the plain and ZeRO arrangements: :mod:`~distfuse.layers._linear_common`).
-``W_m`` lives on worker ``(0, m)``.  :class:`DistributedLinearReduceScatterZero` shards
-``W`` along the output features too: worker ``(d, m)`` owns block ``(d, m)`` of ``W`` on a
-``[P_d, P_m]`` grid; its bias stays where the plain layer's is.
+Parameters (arrangements: :mod:`~distfuse.layers._linear_common`): ``W_m`` lives on worker
+``(0, m)``.  :class:`DistributedLinearReduceScatterZero` shards ``W`` along the output
+features too: worker ``(d, m)`` owns block ``(d, m)`` on a ``[P_d, P_m]`` grid.
 
-Dispatch: both forms have a fused GEMM + reduce-scatter, ``matmul_reduce_scatter_features``
-without P_y (the output's features scattered; the fused op adds ``b_m`` in its reduction,
-the unfused path's placement) and ``matmul_reduce_scatter`` with P_y (its sequence dim
-scattered), asked for with the per-rank GEMM ``m = rows of x, n = out, k = in block``.
-The ZeRO layer with ``P_d > 1`` first asks for its own fused path
-(:mod:`distfuse.fused.zero_linear`, registry entry ``zero_linear_rows`` over the ``P_d``
-workers on their largest row count; the bias is added after); where it is not chosen, the
-form's own decision follows (the weight all-gathered first).
-
-The model-parallel workers' inputs must agree on rows and dtype, checked under the row's
-agreement (:mod:`~distfuse.layers._linear_agreement`).  Under ``torch.autocast`` the
+Dispatch: ``matmul_reduce_scatter_features`` without P_y (the fused op adds ``b_m`` in its
+reduction) and ``matmul_reduce_scatter`` with P_y, asked for with the per-rank GEMM ``m =
+rows of x, n = out, k = in block``.  The ZeRO layer with ``P_d > 1`` first asks for its own
+fused path (``zero_linear_rows``, as for the all-gather linear); where it is not chosen, the
+form's decision follows (the weight all-gathered first).  Under ``torch.autocast`` the
 output is in the autocast dtype, as ``torch.nn.Linear``'s.
 """
 
@@ -54,8 +46,9 @@ import torch
 
 from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
+from distfuse.layers._conv_common import grid_of, subgrid
 from distfuse.layers._linear_agreement import RowLinear, agreed_matmul_reduce_scatter, compute_dtype
-from distfuse.layers._linear_common import LinearParams, ParamBroadcast, check_block_features, grid_partition, subgrid
+from distfuse.layers._linear_common import LinearParams, ParamBroadcast, check_block_features
 from distfuse.layers.dispatch import Decision
 
 __all__ = ["DistributedLinearReduceScatter", "DistributedLinearReduceScatterZero"]
@@ -71,10 +64,6 @@ class DistributedLinearReduceScatter(RowLinear):
         device, dtype: of the parameters (default: ``P_x``'s device, the default dtype).
         P_y: optional output partition ``[P_d, 1, ..., P_m, 1]`` on the same ranks as ``P_x``:
             the output is split along the sequence dim instead of the features.
-
-    Construction is collective over the world (it creates partitions): every world rank
-    constructs the layer, active or not.  See the module doc for shapes, the adjoint and
-    where the parameters live.
     """
 
     _zero_entry = registry.ZERO_LINEAR_ROWS
@@ -90,10 +79,9 @@ class DistributedLinearReduceScatter(RowLinear):
         out_m = block_extent(out, P_m, m) if P_x.active else 0
         self.P_in, self._in_extent = P_x, in_m
 
-        # Partition creation is collective over the world: every rank runs these calls in this order.
         self.P_scatter = subgrid(P_x, [P_x.dim - 1]) if P_y is None else subgrid(P_y, [P_y.dim - 2])
         owners = [self._rank_of(0, j) for j in range(P_m)]
-        P_owners = grid_partition(owners, [P_m], dev)
+        P_owners = grid_of(owners, [P_m], dev)
         weights, w_shapes = ((), []) if self._zero else (("weight",), [(out, in_m)])
         if P_y is None:
             # (0, m) owns b_m and sends it with W_m (one message).
@@ -101,10 +89,8 @@ class DistributedLinearReduceScatter(RowLinear):
             biases, b_shapes = (("bias",), [(out_m,)]) if self.use_bias else ((), [])
             sends = [(ParamBroadcast(P_owners, self.P_users, w_shapes + b_shapes), weights + biases)]
         else:
-            # (0, 0) owns all of b and every worker gets a copy: each adds it to its own output rows after the
-            # reduce-scatter (unfused) or in the chunk reduce (fused), so every element gets it exactly once and
-            # the Broadcast's adjoint sums the per-worker partial gradients back on (0, 0).
-            self.P_bias = grid_partition([self._rank_of(0, 0)], [1], dev)
+            # (0, 0) owns all of b and every worker gets a copy (module doc).
+            self.P_bias = grid_of([self._rank_of(0, 0)], [1], dev)
             sends = [(ParamBroadcast(P_owners, self.P_users, w_shapes), weights)]
             if self.use_bias:
                 sends.append((ParamBroadcast(self.P_bias, self.P_users, [(out,)]), ("bias",)))
@@ -114,7 +100,7 @@ class DistributedLinearReduceScatter(RowLinear):
             self.P_wgather = subgrid(self.P_weight, [0])
             self.params = LinearParams(op, sends, (self.P_wgather, (out, in_m)))
         else:
-            self.P_weight = grid_partition(owners, [1, P_m], dev)
+            self.P_weight = grid_of(owners, [1, P_m], dev)
             self.params = LinearParams(op, sends)
         self._register_params()
         # Without P_y the output's features are scattered (DistDL's form), with P_y its sequence dim.

@@ -13,33 +13,29 @@ differs, its ``mean`` divisor).  Partitions and shapes (any axis of ``P_x`` may 
     forward   l = elementwise loss of the local block (torch's own op, reduction='none')
               [sum l, denominator, change flag, failure flag per worker]  ->  one all-reduce over P_x
               loss = sum / (global count, or the global denominator)
-    adjoint   the scalar is replicated: each worker's incoming gradient is the gradient of
-              the one global loss, so the adjoint of the all-reduce is the identity and
-              dl = dloss / count flows into torch's elementwise backward, with no message.
+    adjoint   the identity (``distfuse::replicate_adjoint``): dl = dloss / count flows into
+              torch's elementwise backward, with no message
 
 Why the identity adjoint: every worker holds the same scalar and calls ``backward`` on it,
 as a replicated training loop does; summing those gradients would count the loss once per
-worker (the reduction is ``distfuse::replicate_adjoint``,
-:func:`~distfuse.primitives.all_sum_reduce.replicated_sum`).  So call ``loss.backward()`` on
-every worker of ``P_x`` with the same gradient.  ``mean`` divides by the global count, never
-by a mean of local means; sums are taken in fp32 for 16-bit inputs.  Weights (``weight``,
-``pos_weight``) are the global tensors torch takes, sliced per call to the local block by
-torch's broadcasting rule.  A target whose blocks do not match the input's is refused.
+worker.  So call ``loss.backward()`` on every worker of ``P_x`` with the same gradient.
+``mean`` divides by the global count, never by a mean of local means; sums are taken in
+fp32 for 16-bit inputs.  Weights (``weight``, ``pos_weight``) are the global tensors torch
+takes, sliced per call to the local block.  A target whose blocks differ from the input's
+is refused.
 
 The agreement flag rides in the reduction with ``sum`` / ``mean`` on CPU
-(:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`; ``distfuse::loss_flags``
-reads the sum's flags, a free host read, and raises on every worker); with ``none`` (no
-collective) and on a device (a flag read would synchronise it) it takes a host round of its own.
+(``distfuse::loss_flags`` reads the sum's flags, a free host read); with ``none`` (no
+collective) and on a device (a flag read would synchronise it) it takes a host round.
 
 Values torch refuses (a class index out of range, a BCE input or target outside [0, 1]):
 an eager call catches torch's error around the local loss; with ``sum``/``mean`` the failure
 flags in the reduction make every worker raise (the bad worker torch's message, its peers
 the world ranks of the bad blocks); with ``none`` only the bad worker raises, with nobody
-waiting for it.  A compiled call (or one in ``capture_safe()``) cannot catch what happens
-when the graph runs, so with a reduction it counts the bad entries with tensor ops
-(:meth:`_safe_values`), replaces them with values torch accepts (a good block is untouched)
-and puts the count in its failure slot.  On CUDA the slots are not read: the loss is NaN
-on every worker instead, and the check keeps torch's device-side asserts from firing.
+waiting for it.  A compiled call cannot catch what happens when the graph runs, so with a
+reduction it counts the bad entries with tensor ops (:meth:`_safe_values`), replaces them
+with values torch accepts and puts the count in its failure slot.  On CUDA the slots are
+not read: the loss is NaN on every worker instead.
 """
 
 from __future__ import annotations

@@ -26,30 +26,25 @@ the smoothing)::
     'sum'/'mean': SUM over the leading axes of [sum row, count, flags] (``distfuse::replicate_adjoint``)
 
 Adjoint.  The row losses are replicated over the vocabulary axis, and the scalar over
-``P_x``, so the adjoint of each sum is the identity (:mod:`distfuse.primitives.all_sum_reduce`).
-Autograd through it gives, for this worker's block, with no message::
+``P_x``, so the adjoint of each sum is the identity (:mod:`distfuse.primitives.all_sum_reduce`);
+for this worker's block, with no message::
 
     dx[c] = g * (exp(x[c] - M) / S - (1 - eps) [c == t - start_v] - eps / V)
 
-which is the block of softmax minus the smoothed one-hot.  ``M`` enters detached: the
-log-sum-exp does not depend on the shift (``d(log S + M)/dM = 1 - 1 = 0``), so the MAX
-round has no adjoint.  The backward therefore moves nothing, and a worker needs nothing
-from its peers but what the forward already summed (``S`` and ``M`` per row).
+the block of softmax minus the smoothed one-hot.  ``M`` enters detached: the log-sum-exp
+does not depend on the shift, so the MAX round has no adjoint.
 
-Why two rounds over the vocabulary axis: the exponentials need the global max first, and
-a MAX and a SUM cannot share one all-reduce (one all-gather of each worker's
-``(max, sum exp(x - max))``, combined locally, would need a "keep your own slice" adjoint,
-an op pair distfuse does not have; the rounds are small, ``3 x rows`` values against
-``rows x V_v`` logits).  The targets ride in the MAX round as ``t`` and ``-t``, which checks
-every row's agreement exactly at no extra round.
+Why two rounds: the exponentials need the global max first, and a MAX and a SUM cannot
+share one all-reduce (combining each worker's ``(max, sum exp(x - max))`` locally would need
+a "keep your own slice" adjoint; the rounds are small, ``3 x rows`` values against ``rows x
+V_v`` logits).  The targets ride in the MAX round as ``t`` and ``-t``, which checks every
+row's agreement at no extra round.
 
-Values: a target that is neither in ``[0, V)`` nor ``ignore_index``, or a row whose target
-differs between the workers of the vocabulary axis, is refused by
-``distfuse::vocab_loss_check`` with the same :class:`~distfuse.errors.ShapeError` on every
-worker of ``P_x``: with ``sum``/``mean`` the counts ride in the final sum; ``none`` adds a
-round over ``P_x`` (two int64), so that no worker runs on into a later collective that a
-raising peer never joins.  On a device the counts are not read on the host: the refused
-rows, or the scalar, are NaN instead.
+Values: a target neither in ``[0, V)`` nor ``ignore_index``, or a row whose target differs
+between the workers of the vocabulary axis, is refused by ``distfuse::vocab_loss_check``
+with the same :class:`~distfuse.errors.ShapeError` on every worker of ``P_x``: with
+``sum``/``mean`` the counts ride in the final sum; ``none`` adds a round over ``P_x`` (two
+int64).  On a device the counts are not read: the refused rows, or the scalar, are NaN.
 """
 
 from __future__ import annotations

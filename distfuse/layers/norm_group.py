@@ -17,9 +17,9 @@ Group and instance norms (``nd`` spatial axes)::
 
 Weight and bias are replicated (see ``norm_batch``); their gradients need an all-reduce of
 their own, because the statistics are per sample while the weight is shared by every sample.
-``InstanceNormNd(track_running_stats=True)`` keeps torch's per-channel running statistics:
-the batch average of the per-sample mean and unbiased variance (one more all-reduce over the
-batch workers), ``momentum=None`` meaning no update.  Only batched input.
+``InstanceNormNd(track_running_stats=True)`` keeps torch's per-channel running statistics,
+the batch average of the per-sample mean and unbiased variance (one more all-reduce over
+the batch workers); ``momentum=None`` means no update.  Only batched input.
 
 Layer norm: statistics per row over the ``k = len(normalized_shape)`` trailing dimensions,
 which may be split like any other axis::
@@ -31,16 +31,12 @@ which may be split like any other axis::
     P_stats        the workers that split the normalised dims (the last k axes): they share rows
     P_rep          the leading axes: the workers holding a copy of the same weight block
 
-    forward   per row (n_i, mean_i, M2_i)  ->  all-gather over P_stats  ->  Chan combine (exact)
-              y = xhat * w + b
-    adjoint   [sum_f g, sum_f g * xhat] per row  ->  all-reduce over P_stats   (g = dy * w)
-              dw, db: sums over the local rows  ->  all-reduce over P_rep
+    forward, adjoint   as above, one statistic per row; dw, db: sums over the local rows -> all-reduce over P_rep
 
 Why this layout: a tensor-parallel model splits the hidden dimension, and the weight must
 follow the features it scales; splitting it the same way keeps every multiply local, and
 the copies' gradient all-reduce is the one message a data-parallel split needs anyway.
-Numerics follow torch's norms: biased variance, 16-bit inputs normalised in fp32 and
-rounded once (parameters in the input's dtype or in fp32), torch's refusals.
+Numerics are torch's (see ``norm_batch``; parameters in the input's dtype or in fp32).
 """
 
 from __future__ import annotations

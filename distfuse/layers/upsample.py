@@ -30,12 +30,10 @@ computes the same indices and weights as on the gathered tensor, and the worker 
 its block out of the result (:attr:`InterpGeometry.factors`): one kernel pass instead of
 a gather and a lerp per axis.
 
-Each worker's window is the halo exchange's needed range, given explicitly
-(:class:`~distfuse.geometry.interp_geometry.WindowAxis`), so the exchange, the agreement and
-the one forward are the pooling layers' (:class:`~distfuse.layers._pool_common.WindowLayer`).
-
-Memory format: torch's interpolation returns ``channels_last`` (``_3d``) for such an input in
-every mode, and so does this layer (the block is staged through views, the output laid out once).
+The exchange, the agreement and the one forward are the pooling layers'
+(:class:`~distfuse.layers._pool_common.WindowLayer`), with each worker's window given
+explicitly (:class:`~distfuse.geometry.interp_geometry.WindowAxis`).  A ``channels_last``
+(``_3d``) input gives a ``channels_last`` output in every mode, as torch's.
 """
 
 from __future__ import annotations

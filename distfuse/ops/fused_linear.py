@@ -104,54 +104,37 @@ class FusedCall(HandleOwner, ABC):
         return first_order_only(y, self.owner, FUSED_FIRST_ORDER)
 
 
-class _MatmulReduceScatter(FusedCall):
+class _PipelineCall(FusedCall):
+    """A fused linear of the pipeline (the module's ``SPEC``, a
+    :class:`~distfuse.fused.matmul_phases.PipelineLinear`): its plan and shapes are the spec's.  ``n``: the gathered
+    sequence extent of all_gather_matmul (agreed in eager calls; the op then gathers nothing else; -1 sums the
+    blocks' extents, one host round), else -1."""
+
+    def plan(self, x, weight, bias, n):
+        return self.module.SPEC.plan(x, weight, bias, self.P, keep_gathered=self.keep_gathered,
+                                     n=n if n >= 0 else None)
+
+    def out_shape(self, x, weight, n):
+        return self.module.SPEC.out_shape(x, weight, self.P.size, self.P.rank, n)
+
+    def saved_shapes(self, x, weight, needs, n):
+        return self.module.SPEC.kept_shapes(x, weight, self.keep_gathered, needs[1], n)
+
+
+class _MatmulReduceScatter(_PipelineCall):
     op = "matmul_reduce_scatter"
 
-    def plan(self, x, weight, bias, n):
-        return self.module.matmul_reduce_scatter_plan(x, weight, bias, self.P, bias_grad="partial")
 
-    def out_shape(self, x, weight, n):
-        return (*x.shape[:-2], block_extent(x.shape[-2], self.P.size, self.P.rank), weight.shape[0])
-
-
-class _MatmulReduceScatterFeatures(FusedCall):
+class _MatmulReduceScatterFeatures(_PipelineCall):
     op = "matmul_reduce_scatter_features"
 
-    def plan(self, x, weight, bias, n):
-        return self.module.matmul_reduce_scatter_features_plan(x, weight, bias, self.P)
 
-    def out_shape(self, x, weight, n):
-        return (*x.shape[:-1], block_extent(weight.shape[0], self.P.size, self.P.rank))
-
-
-class _AllGatherMatmul(FusedCall):
-    """``n``: the gathered sequence extent (agreed in eager calls; the op then gathers nothing else; -1 sums the
-    blocks' extents, one host round)."""
-
+class _AllGatherMatmul(_PipelineCall):
     op = "all_gather_matmul"
 
-    def plan(self, x, weight, bias, n):
-        return self.module.all_gather_matmul_plan(x, weight, bias, self.P, self.keep_gathered,
-                                                  n=n if n >= 0 else None)
 
-    def out_shape(self, x, weight, n):
-        return (*x.shape[:-2], n, weight.shape[0])
-
-    def saved_shapes(self, x, weight, needs, n):
-        return [(*x.shape[:-2], n, x.shape[-1])] if self.keep_gathered and needs[1] else []
-
-
-class _AllGatherFeaturesMatmul(FusedCall):
+class _AllGatherFeaturesMatmul(_PipelineCall):
     op = "all_gather_features_matmul"
-
-    def plan(self, x, weight, bias, n):
-        return self.module.all_gather_features_matmul_plan(x, weight, bias, self.P, self.keep_gathered)
-
-    def out_shape(self, x, weight, n):
-        return (*x.shape[:-1], weight.shape[0])
-
-    def saved_shapes(self, x, weight, needs, n):
-        return [(*x.shape[:-1], weight.shape[1])] if self.keep_gathered and needs[1] else []
 
 
 class _MatmulAllReduce(FusedCall):
