@@ -69,7 +69,9 @@ def _live_tensors() -> int:
 
 
 def _shm_entries() -> int:
-    return sum(1 for n in os.listdir("/dev/shm") if n.startswith(f"distfuse-{_rank0_pid()}-"))
+    """Names left in /dev/shm by this pool: workspace segments, and flag boards (unlinked once set up)."""
+    pid = _rank0_pid()
+    return sum(1 for n in os.listdir("/dev/shm") if n.startswith((f"distfuse-{pid}-", f"distfuse-flags-{pid}-")))
 
 
 def _rank0_pid() -> int:
@@ -78,9 +80,10 @@ def _rank0_pid() -> int:
     return int(pid)
 
 
-def _shm_mappings() -> int:
+def _shm_mappings(flags: bool = False) -> int:
+    """Mapped workspace segments (``flags``: mapped flag boards, ``distfuse.primitives._flag_board``)."""
     with open("/proc/self/maps") as f:
-        return sum("/dev/shm/distfuse-" in line for line in f)
+        return sum(("/dev/shm/distfuse-flags-" in line) == flags and "/dev/shm/distfuse-" in line for line in f)
 
 
 def _snapshot() -> dict:
@@ -95,6 +98,7 @@ def _snapshot() -> dict:
         partitions=len(groups._GROUPS),
         workspaces=len(symmetric._CACHE),
         shm_mappings=_shm_mappings(),
+        flag_boards=_shm_mappings(flags=True),
         shm_entries=_shm_entries(),
         fds=len(os.listdir("/proc/self/fd")),
         threads=threading.active_count(),
@@ -155,8 +159,8 @@ def _soak(kind: str, steps: int, warmup: int) -> tuple[dict, dict]:
     return before, _snapshot()
 
 
-COUNTS = ("tensors", "process_groups", "partitions", "workspaces", "shm_mappings", "shm_entries", "fds", "threads",
-          "os_threads")
+COUNTS = ("tensors", "process_groups", "partitions", "workspaces", "shm_mappings", "flag_boards", "shm_entries", "fds",
+          "threads", "os_threads")
 
 
 @pytest.mark.parametrize("kind,world,steps", [
