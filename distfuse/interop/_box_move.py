@@ -35,7 +35,7 @@ from distfuse.errors import ShapeError, where
 from distfuse.geometry.decomposition import block_range
 from distfuse.layers._params import is_primary, layout_box
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._common import exchange
+from distfuse.primitives._common import exchange, exchange_into
 
 __all__ = ["BoxLayout", "balanced_layout", "param_layout", "move", "MoveFunction"]
 
@@ -105,28 +105,19 @@ def _run(x: torch.Tensor, src: BoxLayout, dst: BoxLayout, dtype: torch.dtype, de
          op: str) -> torch.Tensor:
     me = dist.get_rank()
     mine_src, mine_dst = src.box_of(me), dst.box_of(me)
-    sends, recvs, staged = [], [], []
+    sends = []
     if mine_src is not None and src.primary(me):
         for rank, box, _ in dst.holders:
             inter = _intersect(mine_src, box)
             if inter is not None:
                 sends.append((rank, x[_relative(inter, mine_src)].contiguous()))
     if mine_dst is None:
-        exchange(sends, recvs, op=op)
+        exchange(sends, [], op=op)
         return torch.empty((0,), dtype=dtype, device=device)
     out = torch.empty(_extent(mine_dst), dtype=dtype, device=device)  # the primaries' boxes tile it exactly
-    for rank, box, primary in src.holders:
-        inter = _intersect(box, mine_dst) if primary else None
-        if inter is None:
-            continue
-        view = out[_relative(inter, mine_dst)]
-        buf = view if view.is_contiguous() else torch.empty(view.shape, dtype=dtype, device=device)
-        recvs.append((rank, buf))
-        if buf is not view:
-            staged.append((view, buf))
-    exchange(sends, recvs, op=op)
-    for view, buf in staged:
-        view.copy_(buf)
+    inters = [(rank, _intersect(box, mine_dst) if primary else None) for rank, box, primary in src.holders]
+    exchange_into(sends, [(rank, out[_relative(inter, mine_dst)]) for rank, inter in inters if inter is not None],
+                  op=op)
     return out
 
 

@@ -179,10 +179,6 @@ def save_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimize
     _run_dcp(dcp.save, state, checkpoint_id, local)
 
 
-def _saved_entries(checkpoint_id) -> dict:
-    return dict(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
-
-
 def _placeholder(md, device):
     """A tensor to read a replicated entry into, or None for a pickled object."""
     size = getattr(md, "size", None)
@@ -206,7 +202,7 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimize
     local = _single(single_process)
     mm = map_model(model)
     dtypes = gather_block_dtypes(mm, op, local)
-    saved = _saved_entries(checkpoint_id)
+    saved = dict(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
     shapes = {f"model.{e.key}": tuple(e.layout.global_shape) for e in mm.blocks}
     shapes.update({f"model.{k}": tuple(t.shape) for k, t in mm.plain.items()})
     missing = [k for k in shapes if k not in saved]

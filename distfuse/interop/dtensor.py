@@ -43,15 +43,11 @@ from distfuse.groups import metadata_group
 from distfuse.interop._box_move import BoxLayout, balanced_layout, move, param_layout
 from distfuse.interop.device_mesh import _my_view, canonical_partition, device_mesh_of
 from distfuse.partition import CartesianPartition, zero_volume_tensor
+from distfuse.primitives._axes import check_cartesian
+from distfuse.primitives._common import summed_extents
 
 __all__ = ["to_dtensor", "from_dtensor", "empty_dtensor", "dtensor_layout", "placements_of", "param_to_dtensor",
            "param_from_dtensor", "empty_param_dtensor"]
-
-
-def _check_partition(op: str, P) -> None:
-    if not isinstance(P, CartesianPartition):
-        raise PartitionError(f"{where(op)}: P must be a CartesianPartition (one partition dimension per tensor "
-                             f"dimension), got {type(P).__name__}")
 
 
 def placements_of(P: CartesianPartition) -> list:
@@ -144,8 +140,7 @@ def _gather_blocks(op: str, P: CartesianPartition, x: torch.Tensor) -> tuple[tup
     if len(dtypes) != 1:
         raise ShapeError(f"{where(op)}: the workers of P must agree on the dtype; got "
                          f"{ {P.ranks[r]: d for r, (_, d, _, _) in enumerate(blocks)} } (world rank: dtype)")
-    G = tuple(sum(blocks[P.rank_of([k if e == d else 0 for e in range(P.dim)])][0][d] for k in range(P.shape[d]))
-              for d in range(P.dim))
+    G = summed_extents(P, [shape for shape, *_ in blocks])
     for r, (shape, _, _, _) in enumerate(blocks):
         want = local_shape(G, P.shape, P.index_of(r))
         if shape != want:
@@ -175,7 +170,7 @@ def to_dtensor(x: torch.Tensor, P: CartesianPartition, global_shape: Sequence[in
     checks are local.  The first call for a partition creates the mesh's groups (collective).
     """
     op = "to_dtensor"
-    _check_partition(op, P)
+    check_cartesian(op, P)
     if global_shape is None:
         G, dtype, needs_grad = _gather_blocks(op, P, x)
         if needs_grad and P.active and not x.requires_grad:
@@ -215,7 +210,7 @@ def from_dtensor(dt, P: CartesianPartition) -> torch.Tensor:
     exchange (the DTensor knows its global shape).
     """
     op = "from_dtensor"
-    _check_partition(op, P)
+    check_cartesian(op, P)
     G = tuple(int(n) for n in dt.shape)
     if len(G) != P.dim:
         raise expect(op, "tensor dimensions of the DTensor (one per partition dimension)", P.dim, len(G), ShapeError)
@@ -254,7 +249,7 @@ def empty_dtensor(P: CartesianPartition, global_shape: Sequence[int], dtype: tor
     shards in place), then :func:`from_dtensor` gives the blocks.  No data moves; the
     first call for a partition creates its mesh (collective over the world for n-D).
     """
-    _check_partition("empty_dtensor", P)
+    check_cartesian("empty_dtensor", P)
     Pc = canonical_partition(P)
     return _empty(Pc, placements_of(Pc), global_shape, dtype, P.device)
 

@@ -73,10 +73,6 @@ class ModelMap:
                 tuple((k, tuple(t.shape), str(t.dtype)) for k, t in self.plain.items()))
 
 
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def map_model(model: nn.Module) -> ModelMap:
     """The :class:`ModelMap` of ``model`` (local: no communication)."""
     blocks: list[BlockEntry] = []
@@ -94,7 +90,8 @@ def map_model(model: nn.Module) -> ModelMap:
                 raise UnsupportedError(
                     f"{where('map_model')}: the distfuse layer {path or '<model>'} ({type(module).__name__}) holds "
                     f"state {key!r} that its param_layouts() does not describe; it would be dropped")
-        blocks.extend(BlockEntry(_join(path, lay.seq_name), path, module, lay) for lay in layouts)
+        blocks.extend(BlockEntry(f"{path}.{lay.seq_name}" if path else lay.seq_name, path, module, lay)
+                      for lay in layouts)
     plain = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if any(key.startswith(p + ".") or p == "" for p in layer_paths):

@@ -41,12 +41,18 @@ from distfuse.partition import CartesianPartition
 from distfuse.primitives._common import cached, check_inactive_input, collective_guard, gather_metadata, poison
 
 __all__ = ["resolve_axes", "axes_subgrid", "group_slots", "BlockLayout", "balanced_layout", "layout_from_shapes",
-           "gather_blocks", "scatter_sum_blocks", "all_reduce_sum", "check_partition", "check_input"]
+           "gather_blocks", "scatter_sum_blocks", "all_reduce_sum", "check_partition", "check_cartesian", "check_input"]
 
 
 def check_partition(op: str, P_x) -> None:
     if not isinstance(P_x, CartesianPartition):
         raise expect(op, "partition type", "CartesianPartition", type(P_x).__name__, cls=PartitionError)
+
+
+def check_cartesian(op: str, P, name: str = "P") -> None:
+    if not isinstance(P, CartesianPartition):
+        raise PartitionError(f"{where(op)}: {name} must be a CartesianPartition (one partition dimension per tensor "
+                             f"dimension), got {type(P).__name__}")
 
 
 def resolve_axes(op: str, P_x: CartesianPartition, axes, axes_keep, axes_name: str) -> tuple[int, ...]:

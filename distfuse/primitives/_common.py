@@ -16,8 +16,8 @@ group and its 30-minute default), or failing at once when the peer's connection 
 gloo reports either as a bare ``RuntimeError`` naming a C++ source line;
 :func:`collective_guard` turns it into a :class:`~distfuse.errors.CollectiveTimeoutError`
 that names the op, this rank, the peers it was waiting for and the timeout in force.
-Peers of a rank that raises get the error when the timeout runs out, peers of a rank that
-exits at once (``docs/benchmarks.md``, "Failure latency").
+Peers of a rank that raises get the error when the timeout runs out; peers of a rank that
+exits, at once (``docs/benchmarks.md``, "Failure latency").
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from distfuse.groups import group_timeout, timeout_label, world_group
 from distfuse.partition import Partition
 from distfuse.primitives._layout import wire_view
 
-__all__ = ["exchange", "check_inactive_input", "cached", "poison", "gather_metadata", "gather_records",
-           "summed_extents", "infer_global_shape", "collective_guard", "dtype_code", "dtype_of_code",
-           "first_order_only"]
+__all__ = ["exchange", "exchange_into", "check_inactive_input", "same_shape_and_dtype", "cached", "poison",
+           "gather_metadata", "gather_records", "summed_extents", "infer_global_shape", "collective_guard",
+           "dtype_code", "dtype_of_code", "first_order_only"]
 
 
 @contextlib.contextmanager
@@ -88,6 +88,18 @@ def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[in
     with collective_guard(op, "point-to-point exchange", (o.peer for o in ops), group):
         for req in dist.batch_isend_irecv(ops):
             req.wait()
+
+
+def exchange_into(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[int, torch.Tensor]],
+                  op: str) -> None:
+    """:func:`exchange` receiving into views of a block: a contiguous view (a box spanning whole trailing extents)
+    receives in place, any other through a buffer copied into it afterwards."""
+    bufs = [(peer, v if v.is_contiguous() else torch.empty(v.shape, dtype=v.dtype, device=v.device))
+            for peer, v in recvs]
+    exchange(sends, bufs, op=op)
+    for (_, view), (_, buf) in zip(recvs, bufs, strict=True):
+        if buf is not view:
+            view.copy_(buf)
 
 
 class _FirstOrderOnly(torch.autograd.Function):
@@ -182,6 +194,15 @@ def gather_metadata(P: Partition, x: torch.Tensor, max_dim: int = 8,
         raise ShapeError(f"{where(op)}: input device type: expected {want} on every worker, got "
                          f"{', '.join(f'world rank {w}: {d}' for w, d in sorted(bad.items()))}")
     return [(tuple(r[3:3 + r[0]]), dtype_of_code(r[1])) for r in rows]
+
+
+def same_shape_and_dtype(op: str, P: Partition, meta: list, what: str) -> tuple[tuple[int, ...], torch.dtype]:
+    """The one ``(shape, dtype)`` of :func:`gather_metadata`'s ``meta``; else the same :class:`ShapeError` on every
+    worker, naming each one's (``what``: the tensor every worker must pass)."""
+    if len(set(meta)) != 1 or meta[0][1] is None:
+        rows = ", ".join(f"world rank {r}: {tuple(s)} {dt}" for r, (s, dt) in zip(P.ranks, meta, strict=True))
+        raise ShapeError(f"{where(op)}: every worker must pass {what} of the same shape and dtype; got {rows}")
+    return tuple(meta[0][0]), meta[0][1]
 
 
 def dtype_code(dtype: torch.dtype | None) -> int:

@@ -38,13 +38,12 @@ from collections.abc import Sequence
 import torch
 
 from distfuse import debug
-from distfuse.errors import ShapeError, where
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._agreement import AgreementSite, run_agreed
 from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, check_input
 from distfuse.primitives._axes_flagged import all_reduce_sum_flagged
 from distfuse.primitives._call_agreement import agree_on_tensor
-from distfuse.primitives._common import gather_metadata
+from distfuse.primitives._common import gather_metadata, same_shape_and_dtype
 from distfuse.primitives._gather_scatter import AxesModule
 from distfuse.primitives._handles import HandleOwner, lookup, new_handle
 from distfuse.primitives._op_pair import op_pair
@@ -100,11 +99,8 @@ def agreed_all_sum_reduce(x: torch.Tensor, P_sub: CartesianPartition, site: Agre
         return AllSumReduceFunction.apply(x, P_sub, reduce_dtype, summed), False
 
     def slow():
-        meta = gather_metadata(P_sub, x, op=op)
-        if len(set(meta)) != 1 or meta[0][1] is None:
-            rows = ", ".join(f"world rank {r}: {tuple(s)} {dt}" for r, (s, dt) in zip(P_sub.ranks, meta, strict=True))
-            raise ShapeError(f"{where(op)}: every worker must pass a tensor of the same shape and dtype; got {rows}")
-        return AllSumReduceFunction.apply(x, P_sub, reduce_dtype), (tuple(meta[0][0]), meta[0][1])
+        state = same_shape_and_dtype(op, P_sub, gather_metadata(P_sub, x, op=op), "a tensor")
+        return AllSumReduceFunction.apply(x, P_sub, reduce_dtype), state
 
     return run_agreed(site, (tuple(x.shape), x.dtype, x.device.type), ok, attempt, slow)
 

@@ -290,10 +290,9 @@ def _check_args(plan: BroadcastPlan, forward: bool, holds: bool, gets: bool, x: 
 
 
 def broadcast_plan(P_x, P_y, transpose_src: bool = False, transpose_dest: bool = False) -> BroadcastPlan:
-    """The plan of ``Broadcast(P_x, P_y, ...)``; pure Python, raises :class:`PartitionError` on a rule violation."""
-    plan = BroadcastPlan("Broadcast", P_x, P_y, transpose_src, transpose_dest, "P_x", "P_y")
-    move_of(plan)  # its handle, made at construction (in the same order on every rank)
-    return plan
+    """The plan of ``Broadcast(P_x, P_y, ...)``, its handle made at once (in the same order on every rank); pure
+    Python, raises :class:`PartitionError` on a rule violation."""
+    return move_of(BroadcastPlan("Broadcast", P_x, P_y, transpose_src, transpose_dest, "P_x", "P_y")).plan
 
 
 def broadcast(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | None = None,

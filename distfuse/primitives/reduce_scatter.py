@@ -28,11 +28,11 @@ from collections.abc import Sequence
 import torch
 
 from distfuse import debug
-from distfuse.errors import ShapeError, expect, where
+from distfuse.errors import expect
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._axes import axes_subgrid, balanced_layout, check_input
 from distfuse.primitives._call_agreement import agree_on_tensor
-from distfuse.primitives._common import gather_metadata
+from distfuse.primitives._common import gather_metadata, same_shape_and_dtype
 from distfuse.primitives._gather_scatter import AxesModule, BlockCollective, collective_of, reduce_scatter_op
 from distfuse.primitives.agreement_session import AgreementSession
 
@@ -85,13 +85,8 @@ def agreed_reduce_scatter(x: torch.Tensor, ctx: BlockCollective, session: Agreem
             if len(s) != P_sub.dim:
                 raise expect(op, f"number of tensor dimensions on world rank {r} (one per partition dimension)",
                              P_sub.dim, len(s))
-        if len(set(meta)) != 1 or meta[0][1] is None:
-            rows = ", ".join(f"world rank {r}: {tuple(s)} {dt}" for r, (s, dt) in zip(P_sub.ranks, meta, strict=True))
-            raise ShapeError(f"{where(op)}: every worker must pass a full-extent tensor of the same shape and "
-                             f"dtype; got {rows}")
-        shape, dtype = meta[0]
-        y = reduce_scatter_op(x, ctx.handle, balanced_layout(P_sub, shape).blocks, reduce_dtype, -1)
-        return y, (tuple(shape), dtype)
+        shape, dtype = same_shape_and_dtype(op, P_sub, meta, "a full-extent tensor")
+        return reduce_scatter_op(x, ctx.handle, balanced_layout(P_sub, shape).blocks, reduce_dtype, -1), (shape, dtype)
 
     return session.agree_in((tuple(x.shape), x.dtype, x.device.type), ok, run, gather)
 

@@ -47,7 +47,8 @@ from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.geometry.decomposition import block_range, local_shape, local_start, owner_of
 from distfuse.partition import CartesianPartition, Partition, union_partition
 from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
-from distfuse.primitives._common import cached, exchange, gather_records, poison, summed_extents
+from distfuse.primitives._axes import check_cartesian
+from distfuse.primitives._common import cached, exchange, exchange_into, gather_records, poison, summed_extents
 
 __all__ = ["Repartition", "RepartitionFunction", "repartition"]
 
@@ -65,10 +66,8 @@ _UNIONS: dict[tuple, Partition] = {}
 
 
 def _check_partitions(op: str, P_x, P_y) -> None:
-    for name, P in (("P_x", P_x), ("P_y", P_y)):
-        if not isinstance(P, CartesianPartition):
-            raise PartitionError(f"{where(op)}: {name} must be a CartesianPartition (one partition dimension per "
-                                 f"tensor dimension), got {type(P).__name__}")
+    check_cartesian(op, P_x, "P_x")
+    check_cartesian(op, P_y, "P_y")
     if P_x.dim != P_y.dim:
         raise expect(op, "P_y.dim (partition dimensions must match one to one)", P_x.dim, P_y.dim, PartitionError)
 
@@ -221,27 +220,19 @@ class _Move:
 def _run(x: torch.Tensor, mv: _Move) -> torch.Tensor:
     """Send this worker's boxes, receive its block; one round of point-to-point messages."""
     G, P_src, P_dst = mv.global_shape, mv.P_src, mv.P_dst
-    sends, recvs, staged = [], [], []
+    sends = []
     if P_src.active:
         start = local_start(G, P_src.shape, P_src.index)
-        for j, box in overlaps(G, P_src.shape, P_src.index, P_dst.shape):
-            sends.append((P_dst.ranks[P_dst.rank_of(j)], x[_relative(box, start)].contiguous()))
+        sends = [(P_dst.ranks[P_dst.rank_of(j)], x[_relative(box, start)].contiguous())
+                 for j, box in overlaps(G, P_src.shape, P_src.index, P_dst.shape)]
     if not P_dst.active:
-        exchange(sends, recvs, op=mv.op)
+        exchange(sends, [], op=mv.op)
         return torch.zeros(mv.idle_shape, dtype=mv.idle_dtype, device=mv.idle_device)
     shape = local_shape(G, P_dst.shape, P_dst.index)
     out = poison(torch.empty(shape, dtype=mv.dtype, device=P_dst.device))  # the boxes tile the block exactly
     start = local_start(G, P_dst.shape, P_dst.index)
-    for i, box in overlaps(G, P_dst.shape, P_dst.index, P_src.shape):
-        view = out[_relative(box, start)]
-        # A box spanning whole trailing extents is a contiguous view: receive in place, no extra copy.
-        buf = view if view.is_contiguous() else torch.empty(view.shape, dtype=mv.dtype, device=out.device)
-        recvs.append((P_src.ranks[P_src.rank_of(i)], buf))
-        if buf is not view:
-            staged.append((view, buf))
-    exchange(sends, recvs, op=mv.op)
-    for view, buf in staged:
-        view.copy_(buf)
+    exchange_into(sends, [(P_src.ranks[P_src.rank_of(i)], out[_relative(box, start)])
+                          for i, box in overlaps(G, P_dst.shape, P_dst.index, P_src.shape)], op=mv.op)
     return out
 
 

@@ -34,11 +34,9 @@ __all__ = ["SumReduce", "sum_reduce", "sum_reduce_plan"]
 
 
 def sum_reduce_plan(P_x, P_y, transpose_src: bool = False, transpose_dest: bool = False) -> BroadcastPlan:
-    """The plan of ``SumReduce(P_x, P_y, ...)``: the Broadcast plan from P_y to P_x, walked backwards (pure Python;
-    :class:`PartitionError` when P_y does not broadcast to P_x)."""
-    plan = BroadcastPlan("SumReduce", P_y, P_x, transpose_dest, transpose_src, "P_y", "P_x")
-    move_of(plan)  # its handle, made at construction (in the same order on every rank)
-    return plan
+    """The plan of ``SumReduce(P_x, P_y, ...)``: the Broadcast plan from P_y to P_x, walked backwards, its handle
+    made at once (pure Python; :class:`PartitionError` when P_y does not broadcast to P_x)."""
+    return move_of(BroadcastPlan("SumReduce", P_y, P_x, transpose_dest, transpose_src, "P_y", "P_x")).plan
 
 
 def sum_reduce(x: torch.Tensor, plan: BroadcastPlan, y_shape: Sequence[int] | None = None,

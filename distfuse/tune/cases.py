@@ -281,17 +281,8 @@ def halo_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
     R = rotations(3 * dtype.itemsize * b * c * (e + 2) ** nd, device)
     xs = [randn((b, c, *(e,) * nd), gen, dtype, device).requires_grad_(full) for _ in range(R)]
     dys = [randn((b, c, *(e,) * nd), gen, dtype, device) for _ in range(R)] if full else None
-    params = list(layer.parameters())
-
-    def call(path):
-        return timed_path(layer, xs, dys, full, params, functools.partial(forced_path, path))
-
-    def check(path):
-        if layer.last_path != path:
-            return f"asked for the {path} path, the layer ran {layer.last_path} ({layer.last_decision.reason})"
-        return None
-
-    return Case(call("unfused"), call("fused") if ctx.fused_ok else None, R, check)
+    return _forced_case(ctx, layer, xs, dys, list(layer.parameters()), "layer", lambda: layer.last_path,
+                        lambda: layer.last_decision.reason)
 
 
 def ring_grid(op: str, world: int, *, quick: bool = False, m: Sequence[int] | None = None, **_options) -> list[dict]:
@@ -323,14 +314,19 @@ def ring_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
     k, v = (randn((B, shape["kv_heads"], n, D), gen, dtype, device) for _ in range(2))
     qs = [randn((B, shape["heads"], n, D), gen, dtype, device).requires_grad_(full) for _ in range(R)]
     dys = [randn((B, shape["heads"], n, D), gen, dtype, device) for _ in range(R)] if full else None
+    return _forced_case(ctx, lambda q: layer(q, k, v), qs, dys, (), "ring", lambda: layer.last_decision.path,
+                        lambda: layer.last_decision.reason)
 
+
+def _forced_case(ctx: CaseContext, fwd: Callable, xs, dys, params, what: str, ran: Callable[[], str],
+                 reason: Callable[[], str]) -> Case:
+    """Both paths of a layer whose path is forced with ``DISTFUSE_PATH``; the check compares the path asked for
+    with ``ran()`` (the path the ``what`` took, because of ``reason()``)."""
     def call(path):
-        return timed_path(lambda q: layer(q, k, v), qs, dys, full, (), functools.partial(forced_path, path))
+        return timed_path(fwd, xs, dys, ctx.full, params, functools.partial(forced_path, path))
 
     def check(path):
-        got = layer.last_decision
-        if got.path != path:
-            return f"asked for the {path} path, the ring ran {got.path} ({got.reason})"
-        return None
+        got = ran()
+        return None if got == path else f"asked for the {path} path, the {what} ran {got} ({reason()})"
 
-    return Case(call("unfused"), call("fused") if ctx.fused_ok else None, R, check)
+    return Case(call("unfused"), call("fused") if ctx.fused_ok else None, len(xs), check)

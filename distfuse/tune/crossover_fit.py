@@ -110,13 +110,9 @@ def crossover(points: Iterable[tuple[float, float | None, float]], margin: float
 
 
 def provider_fields(points: Sequence[dict]) -> dict:
-    """``provider`` and ``provider_sizes`` of a table entry, from points whose ``provider_ms`` maps names to times.
-
-    ``provider_sizes`` is ``[[size, fastest provider], ...]`` per measured size (the sizes'
-    times averaged in the log where a size was measured more than once); ``provider`` the
-    one fastest at most sizes (ties: the first in size order).  Empty where no point timed
-    more than one provider.  :func:`distfuse.fused.providers.select_provider` reads them.
-    """
+    """:func:`provider_choice` of points whose ``provider_ms`` maps names to times (a size measured more than once:
+    its times averaged in the log); empty where no point timed more than one provider.
+    :func:`distfuse.fused.providers.select_provider` reads them."""
     by_size: dict[float, dict[str, list[float]]] = {}
     for p in points:
         times = p.get("provider_ms") or {}

@@ -76,10 +76,6 @@ class SweepResult:
     notes: dict = field(default_factory=dict)  # "device|world" -> [notes]
 
 
-def _progress(items, desc: str, enabled: bool):
-    return tqdm(items, desc=desc, leave=False, file=sys.stderr, disable=not enabled)
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -158,7 +154,8 @@ def sweep(ops: Sequence[str], dtypes: Sequence[torch.dtype], world_sizes: Sequen
                 before = cache_keys(tuners)
                 points = []
                 ctx = CaseContext(dtype, device, w, range(w), P_sub, full, ok)
-                for shape in _progress(grid(op, w), f"{op} {_dtype_name(dtype)} W={w}", show):
+                for shape in tqdm(grid(op, w), desc=f"{op} {_dtype_name(dtype)} W={w}", leave=False, file=sys.stderr,
+                                  disable=not show):
                     case = make_case(op, shape, ctx)
                     if case is None or not P_sub.active:
                         continue
