@@ -37,35 +37,24 @@ features, then an all-gather of the reduced columns: about 2 (W - 1) / W of the 
 per worker on the links instead of W - 1).  Both sum the partials in fp32 in rank order,
 so every worker's copy is bit-identical; see :mod:`distfuse.kernels.matmul_all_reduce`.
 Workspace, availability and world size 1: :mod:`distfuse.fused.matmul_common` (the
-unfused composition is ``F.linear`` + AllSumReduce).
+unfused composition is ``F.linear`` + AllSumReduce).  The op is declared on the pipeline
+(``SPEC``, a :class:`~distfuse.fused.matmul_phases.PipelineLinear` with its own phases),
+which gives its plan and loopback form: ``algorithm`` is its forward's kernel choice,
+``grad_output`` its gradient option.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 
 import distfuse.kernels.matmul_all_reduce as all_reduce_kernels
-from distfuse import debug
 from distfuse.errors import UnsupportedError, expect
-from distfuse.fused.agreement import refusal
-from distfuse.fused.matmul_common import (
-    Comm,
-    Phases,
-    check_linear_args,
-    check_loopback_counts,
-    check_member,
-    check_partial_dtype,
-    flat_rows,
-    require_available,
-    run_phases,
-)
-from distfuse.fused.matmul_phases import gather_and_consume, run_matmul_all_reduce
+from distfuse.fused.matmul_common import check_linear_args, flat_rows
+from distfuse.fused.matmul_phases import LinearPlan, PipelineLinear, gather_and_consume, run_matmul_all_reduce
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.kernels.all_gather_features_matmul import gathered_k_workspace_bytes
-from distfuse.kernels.signature import SCATTER_FLAGS
 from distfuse.partition import Partition
 
 __all__ = ["PHASES", "matmul_all_reduce", "matmul_all_reduce_plan", "matmul_all_reduce_loopback",
@@ -103,42 +92,54 @@ def matmul_all_reduce_workspace_bytes(rows: int, N: int, world_size: int, dtype:
     return max(forward, gathered_k_workspace_bytes(rows, N, dtype))
 
 
-class _Plan(NamedTuple):
-    comm: Comm
-    k: int  # inputs and weights: one per rank this process launches
-    bias_at: tuple  # which of the k ranks pass a bias (in order)
-    algorithm: str
-    grad_output: str
-    partial_dtype: torch.dtype | None
-    nbytes: int
+class _MatmulAllReduce(PipelineLinear):
+    """The pipeline's scattering features linear with a forward of its own (one-shot or two-shot) and a bias on any
+    rank; its plan's ``provider`` is the algorithm, ``grad`` the ``grad_output``."""
+
+    name, axis, scatters = _OP, "features", True
+    grad_option, choice_option, grad_values, bias_alike = "grad_output", "algorithm", GRAD_OUTPUTS, False
+
+    def check(self, op, x, weight, bias, W, r, extent, device):
+        check_linear_args(op, x, weight, bias, device)
+        return weight.shape[0]
+
+    def choose(self, x, weight, extent, W, choice):
+        return pick_algorithm(math.prod(x.shape[:-1]), weight.shape[0], x.dtype, choice)
+
+    def request(self, x, weight, extent, W, partial_dtype, choice):
+        return matmul_all_reduce_workspace_bytes(math.prod(x.shape[:-1]), weight.shape[0], W, x.dtype,
+                                                 self.choose(x, weight, extent, W, choice), partial_dtype)
+
+    def out_shape(self, x, weight, W, r, n):
+        return (*x.shape[:-1], weight.shape[0])
+
+    def forward(self, plan: LinearPlan, needs, xs, weights, biases):
+        return run_matmul_all_reduce(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.provider,
+                                     plan.partial_dtype, plan.nbytes), []
+
+    def backward(self, plan: LinearPlan, needs, xs, weights, biases, extras, dys):
+        comm = plan.comm
+        need_dx, need_dw, _ = needs
+        gs = [flat_rows(dy) for dy in dys]
+        if plan.grad == "sum" and comm.world_size > 1:
+            # g = all_gather_N(reduce_scatter_N(dy)) (see the module doc), the all-gather half fused with
+            # dx_r = g @ W_r.  Every rank runs both halves whatever it needs (they are collective); copies, never dy.
+            hs = comm.reduce_scatter(gs, -1, gs[0].shape[1], torch.float32)
+            dxs, gs = gather_and_consume(comm, f"{_OP}.backward", hs, [w.t() for w in weights], [None] * plan.k,
+                                         axis="features", extent=gs[0].shape[1], return_gathered=True,
+                                         nbytes=plan.nbytes)
+            dxs = [dx.view(x.shape) if need_dx else None for dx, x in zip(dxs, xs, strict=True)]
+        else:
+            # grad_output="replicated" (or one rank): every rank's dy is already the whole gradient, nothing moves.
+            dxs = [(g @ w).view(x.shape) if need_dx else None for g, w, x in zip(gs, weights, xs, strict=True)]
+        dws = [g.t() @ flat_rows(x) if need_dw else None for g, x in zip(gs, xs, strict=True)]
+        dbs = [g.sum(0) if b is not None else None for g, b in zip(gs, biases, strict=True)]
+        return dxs, dws, dbs
 
 
-def _forward(plan: _Plan, needs, xs, weights, biases):
-    return run_matmul_all_reduce(plan.comm, f"{_OP}.forward", xs, weights, biases, plan.algorithm,
-                                 plan.partial_dtype, plan.nbytes), []
-
-
-def _backward(plan: _Plan, needs, xs, weights, biases, extras, dys):
-    comm = plan.comm
-    need_dx, need_dw, _ = needs
-    gs = [flat_rows(dy) for dy in dys]
-    if plan.grad_output == "sum" and comm.world_size > 1:
-        # g = all_gather_N(reduce_scatter_N(dy)) (see the module doc), the all-gather half fused with dx_r = g @ W_r.
-        # Every rank runs both halves whatever it needs (they are collective); copies, never dy itself.
-        hs = comm.reduce_scatter(gs, -1, gs[0].shape[1], torch.float32)
-        dxs, gs = gather_and_consume(comm, f"{_OP}.backward", hs, [w.t() for w in weights], [None] * plan.k,
-                                     axis="features", extent=gs[0].shape[1], return_gathered=True, nbytes=plan.nbytes)
-        dxs = [dx.view(x.shape) if need_dx else None for dx, x in zip(dxs, xs, strict=True)]
-    else:
-        # grad_output="replicated" (or one rank): every rank's dy is already the whole gradient, nothing moves.
-        dxs = [(g @ w).view(x.shape) if need_dx else None for g, w, x in zip(gs, weights, xs, strict=True)]
-    dws = [g.t() @ flat_rows(x) if need_dw else None for g, x in zip(gs, xs, strict=True)]
-    dbs = [g.sum(0) if b is not None else None for g, b in zip(gs, biases, strict=True)]
-    return dxs, dws, dbs
-
-
+SPEC = _MatmulAllReduce()
 #: The op's autograd (see :class:`~distfuse.fused.matmul_common.Phases`).
-PHASES = Phases(_forward, _backward)
+PHASES = SPEC.phases
 
 
 def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition, *,
@@ -163,35 +164,14 @@ def matmul_all_reduce(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     worker passes the same rows, ``N``, dtype, ``grad_output`` and ``algorithm``
     (``DISTFUSE_DEBUG=1`` checks).
     """
-    plan = matmul_all_reduce_plan(x, weight, bias, P_sub, grad_output=grad_output, algorithm=algorithm,
-                                  partial_dtype=partial_dtype)
-    return run_phases(PHASES, plan, [x], [weight], [bias])[0]
+    return SPEC(x, weight, bias, P_sub, partial_dtype=partial_dtype, bias_grad=grad_output, provider=algorithm)
 
 
 def matmul_all_reduce_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, P_sub: Partition, *,
                            grad_output: str = "sum", algorithm: str = "auto",
-                           partial_dtype: torch.dtype | None = None) -> _Plan:
-    """:func:`matmul_all_reduce`'s checks and plan: what its phases run on (collective where the checks refuse,
-    see :mod:`distfuse.fused.agreement`)."""
-    check_member(_OP, P_sub)
-    W = P_sub.size
-    # Both algorithms' first claim, where a refusal reaches the peers, has the reduce-scatter flag layout.
-    with refusal(_OP, P_sub, x, SCATTER_FLAGS, nbytes=lambda: matmul_all_reduce_workspace_bytes(
-            math.prod(x.shape[:-1]), weight.shape[0], W, x.dtype,
-            pick_algorithm(math.prod(x.shape[:-1]), weight.shape[0], x.dtype, algorithm), partial_dtype)):
-        check_linear_args(_OP, x, weight, bias, P_sub.device)
-        if grad_output not in GRAD_OUTPUTS:
-            raise expect(_OP, "grad_output", " or ".join(GRAD_OUTPUTS), repr(grad_output), cls=UnsupportedError)
-        check_partial_dtype(_OP, partial_dtype)
-        rows, N = math.prod(x.shape[:-1]), weight.shape[0]
-        algorithm = pick_algorithm(rows, N, x.dtype, algorithm)
-    require_available(_OP, P_sub, x.device)
-    debug.check_agreement(_OP, P_sub.ranks, P_sub.meta_group,
-                          same=dict(rows=rows, N=N, dtype=str(x.dtype), grad_output=grad_output, algorithm=algorithm,
-                                    partial_dtype=str(partial_dtype)),
-                          info=dict(x=tuple(x.shape), bias=bias is not None))
-    return _Plan(Comm(P=P_sub, device=x.device), 1, (0,) if bias is not None else (), algorithm, grad_output,
-                 partial_dtype, matmul_all_reduce_workspace_bytes(rows, N, W, x.dtype, algorithm, partial_dtype))
+                           partial_dtype: torch.dtype | None = None) -> LinearPlan:
+    """:func:`matmul_all_reduce`'s checks and plan (:meth:`~distfuse.fused.matmul_phases.PipelineLinear.plan`)."""
+    return SPEC.plan(x, weight, bias, P_sub, partial_dtype=partial_dtype, bias_grad=grad_output, provider=algorithm)
 
 
 def matmul_all_reduce_loopback(xs, weights, bias: torch.Tensor | None, ws: LoopbackWorkspace, *,
@@ -202,18 +182,6 @@ def matmul_all_reduce_loopback(xs, weights, bias: torch.Tensor | None, ws: Loopb
     ``xs[r]`` ``[*, K_r]`` and ``weights[r]`` ``[N, K_r]``; ``bias`` ``[N]`` is added by
     virtual rank 0.  Returns the W (equal) outputs ``[*, N]``.
     """
-    op = f"{_OP}_loopback"
-    W = ws.world_size
-    check_loopback_counts(op, W, xs, weights)
-    for r, (x, w) in enumerate(zip(xs, weights, strict=True)):
-        check_linear_args(op, x, w, bias if r == 0 else None)
-        if x.shape[:-1] != xs[0].shape[:-1] or w.shape[0] != weights[0].shape[0] or x.device != ws.device:
-            raise expect(op, "x rows alike, N alike, the workspace's device",
-                         (tuple(xs[0].shape[:-1]), weights[0].shape[0], ws.device),
-                         (tuple(x.shape[:-1]), w.shape[0], x.device))
-    x0 = xs[0]
-    rows, N = math.prod(x0.shape[:-1]), weights[0].shape[0]
-    algorithm = pick_algorithm(rows, N, x0.dtype, algorithm)
-    plan = _Plan(Comm(loopback=ws), W, (0,) if bias is not None else (), algorithm, grad_output, partial_dtype,
-                 matmul_all_reduce_workspace_bytes(rows, N, W, x0.dtype, algorithm, partial_dtype))
-    return run_phases(PHASES, plan, xs, weights, [bias] + [None] * (W - 1))
+    biases = None if bias is None else [bias] + [None] * (ws.world_size - 1)
+    return SPEC.loopback(xs, weights, biases, ws, partial_dtype=partial_dtype, bias_grad=grad_output,
+                         provider=algorithm)

@@ -26,8 +26,8 @@ backward, on ``W.t()`` (:class:`PipelineLinear`; each op module declares its ``S
 
 The same phases serve on transposed operands: :mod:`distfuse.fused.zero_linear` streams ZeRO
 weight shards with gather-and-consume and reduce-scatters the weight gradient with
-produce-and-scatter; :mod:`distfuse.fused.matmul_all_reduce` has a phase of its own
-(:func:`run_matmul_all_reduce`) and gathers-and-consumes its gradient.
+produce-and-scatter; :mod:`distfuse.fused.matmul_all_reduce` is a PipelineLinear with a
+forward phase of its own (:func:`run_matmul_all_reduce`) that gathers-and-consumes its gradient.
 
 Each phase runs inside one claim of the workspace: it publishes the call's signature and
 launches every rank's producer (or push) before any consumer (in loopback the consumers
@@ -304,8 +304,8 @@ class LinearPlan(NamedTuple):
     keep_gathered: bool  # a gathering op keeps its gathered input for dW (else it gathers it again)
     partial_dtype: torch.dtype | None
     nbytes: int  # the op's workspace request, both phases
-    provider: str | None  # the forward's producer or push (None: the Triton one)
-    bias_grad: str  # a scattering op's bias gradient (BIAS_GRADS)
+    provider: str | None  # the forward's kernel choice: producer or push (None: the Triton one), or algorithm
+    grad: str  # how the gradient is taken: the op's grad_option (a scattering op's bias_grad, BIAS_GRADS)
 
 
 class PipelineLinear:
@@ -313,7 +313,8 @@ class PipelineLinear:
     ``scatters`` (produce-and-scatter; else it gathers and consumes).
 
     A subclass gives its own checks (:meth:`check`) and workspace rule (:meth:`nbytes`); its
-    plan, loopback form, shapes and autograd are the ones here.  The backward is the mirror
+    plan, loopback form, shapes and autograd are the ones here (matmul_all_reduce also gives its
+    phases, its kernel choice and its gradient option).  The backward is the mirror
     phase on ``W.t()``: a scattering op's dgrad gathers ``dy`` and hands the gathered copy back
     for ``dW = g.T @ x``; a gathering op's scatters ``dy @ W`` while the input is gathered again
     (a pending ``.wait()``, overlapping the dgrad on CUDA) unless the forward kept it
@@ -324,6 +325,10 @@ class PipelineLinear:
     name = ""
     axis = "rows"
     scatters = True
+    #: The keywords (in messages) of how the gradient is taken and of the forward's kernel choice; the former's values.
+    grad_option, choice_option, grad_values = "bias_grad", "provider", BIAS_GRADS
+    #: Every rank passes a bias, or none (matmul_all_reduce: any rank may).
+    bias_alike = True
 
     def check(self, op: str, x, weight, bias, W: int, r: int, extent: int | None, device) -> int:
         """Rank ``r``'s local checks (``device``: the group's, None in loopback); returns the extent along the axis.
@@ -336,6 +341,23 @@ class PipelineLinear:
     def nbytes(self, x, weight, extent: int | None, W: int, partial_dtype) -> int:
         """The op's ``*_workspace_bytes`` for this call (also estimated from bad arguments, see ``refusal``)."""
         raise NotImplementedError
+
+    def request(self, x, weight, extent: int | None, W: int, partial_dtype, choice: str | None) -> int:
+        """The workspace bytes for the forward's kernel ``choice`` (the caller's, or picked): :meth:`nbytes`."""
+        return self.nbytes(x, weight, extent, W, partial_dtype)
+
+    def choose(self, x, weight, extent: int, W: int, choice: str | None) -> str | None:
+        """The forward's kernel choice from the caller's: the rows' producer or push, none along the features."""
+        if self.axis == "rows":
+            return pick_provider(self.name, choice, x, math.prod(x.shape[:-2]) * extent, weight.shape[0], W)
+        return None
+
+    def settle(self, op: str, x, weight, extent: int, W: int, partial_dtype, grad: str, choice: str | None):
+        """The call's options checked (after :meth:`check`); returns the forward's kernel choice."""
+        if grad not in self.grad_values:
+            raise expect(op, self.grad_option, " or ".join(self.grad_values), repr(grad), cls=UnsupportedError)
+        check_partial_dtype(op, partial_dtype)
+        return self.choose(x, weight, extent, W, choice)
 
     def agreed_extent(self, P_sub, x, n: int | None) -> int | None:
         """The extent the ranks agree on before any check: None (the checks take it from the shapes), or for
@@ -362,35 +384,31 @@ class PipelineLinear:
         W, r = P_sub.size, P_sub.rank
         extent = self.agreed_extent(P_sub, x, n)  # before any check: a rank whose checks fail takes part too
         with refusal(op, P_sub, x, SCATTER_FLAGS if self.scatters else GATHER_FLAGS,
-                     nbytes=lambda: self.nbytes(x, weight, extent, W, partial_dtype)):
+                     nbytes=lambda: self.request(x, weight, extent, W, partial_dtype, provider)):
             extent = self.check(op, x, weight, bias, W, r, extent, P_sub.device)
-            if bias_grad not in BIAS_GRADS:
-                raise expect(op, "bias_grad", " or ".join(BIAS_GRADS), repr(bias_grad), cls=UnsupportedError)
-            check_partial_dtype(op, partial_dtype)
-            if self.axis == "rows":
-                provider = pick_provider(op, provider, x, math.prod(x.shape[:-2]) * extent, weight.shape[0], W)
+            provider = self.settle(op, x, weight, extent, W, partial_dtype, bias_grad, provider)
         require_available(op, P_sub, x.device)
-        same = dict(dtype=str(x.dtype), bias=bias is not None, partial_dtype=str(partial_dtype))
+        same = {"dtype": str(x.dtype), "partial_dtype": str(partial_dtype), self.choice_option: provider}
+        info = dict(x=tuple(x.shape), weight=tuple(weight.shape))
+        (same if self.bias_alike else info)["bias"] = bias is not None
         if self.axis == "rows":
-            same.update(n=extent, lead=tuple(x.shape[:-2]), provider=provider)
+            same.update(n=extent, lead=tuple(x.shape[:-2]))
         else:
             same.update(rows=math.prod(x.shape[:-1]))
         if self.scatters:
-            same.update(N=weight.shape[0], bias_grad=bias_grad)
+            same.update({"N": weight.shape[0], self.grad_option: bias_grad})
         else:
             same.update(K=weight.shape[1], keep_gathered=bool(keep_gathered))
-        debug.check_agreement(op, P_sub.ranks, P_sub.meta_group, same=same,
-                              info=dict(x=tuple(x.shape), weight=tuple(weight.shape)))
+        debug.check_agreement(op, P_sub.ranks, P_sub.meta_group, same=same, info=info)
         return LinearPlan(Comm(P=P_sub, device=x.device), 1, extent, bool(keep_gathered), partial_dtype,
-                          self.nbytes(x, weight, extent, W, partial_dtype), provider if self.axis == "rows" else None,
-                          bias_grad)
+                          self.request(x, weight, extent, W, partial_dtype, provider), provider, bias_grad)
 
     def __call__(self, x, weight, bias, P_sub, **options) -> torch.Tensor:
         """The op on this rank, autograd-aware (``options``: :meth:`plan`'s)."""
         return run_phases(self.phases, self.plan(x, weight, bias, P_sub, **options), [x], [weight], [bias])[0]
 
     def loopback(self, xs, weights, biases, ws, *, keep_gathered: bool = True, partial_dtype=None,
-                 provider: str | None = None) -> list[torch.Tensor]:
+                 bias_grad: str = "partial", provider: str | None = None) -> list[torch.Tensor]:
         """The op for all W virtual ranks of a loopback workspace ``ws``, in one process, autograd-aware.
 
         ``xs[r]``, ``weights[r]`` and ``biases[r]`` (or ``biases=None``) are virtual rank ``r``'s,
@@ -408,13 +426,10 @@ class PipelineLinear:
             if whats[r] != (whats[0][0], ws.device):
                 raise expect(op, f"x[{r}] and weights[{r}] like virtual rank 0's (the signature a group agrees on) "
                              "and on the workspace's device", (whats[0][0], ws.device), whats[r])
-        x0 = xs[0]
-        if self.axis == "rows":
-            provider = pick_provider(self.name, provider, x0, math.prod(x0.shape[:-2]) * extent_r,
-                                     weights[0].shape[0], W)
+        x0, w0 = xs[0], weights[0]
+        provider = self.settle(op, x0, w0, extent_r, W, partial_dtype, bias_grad, provider)
         plan = LinearPlan(Comm(loopback=ws), W, extent_r, bool(keep_gathered), partial_dtype,
-                          self.nbytes(x0, weights[0], extent_r, W, partial_dtype),
-                          provider if self.axis == "rows" else None, "partial")
+                          self.request(x0, w0, extent_r, W, partial_dtype, provider), provider, bias_grad)
         return run_phases(self.phases, plan, xs, weights, biases)
 
     def out_shape(self, x, weight, W: int, r: int, n: int) -> tuple[int, ...]:
@@ -459,7 +474,7 @@ class PipelineLinear:
                                           partial_dtype=plan.partial_dtype, nbytes=plan.nbytes)
             if need_dw:
                 dws = [flat_rows(dy).t() @ flat_rows(g) for dy, g in zip(dys, gather.wait(), strict=True)]
-        if need_db and plan.bias_grad == "sum":
+        if need_db and plan.grad == "sum":
             dbs = [comm.all_reduce_(flat_rows(dy).sum(0, dtype=torch.float32)).to(dy.dtype) for dy in dys]
         elif need_db:
             dbs = [flat_rows(dy).sum(0) for dy in dys]

@@ -27,7 +27,7 @@ import torch
 import triton
 
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
-from distfuse.geometry.decomposition import block_extent
+from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels.host_ints import cdiv
 
 __all__ = ["pick_launch", "pick_gemm_launch", "pick_push_launch", "tile_grid", "shard_rows", "output_buffer",
@@ -36,7 +36,7 @@ __all__ = ["pick_launch", "pick_gemm_launch", "pick_push_launch", "tile_grid", "
            "spin_limit", "input_precision", "tf32_allowed", "get_gemm_configs", "gemm_autotuners", "flatten_rows",
            "refuse_zero_width_gather", "summed_partials", "GEMM_FAMILIES", "get_chunk_reduce_configs",
            "pinned_reduce_config", "REDUCE_AUDIT_W", "get_push_configs", "CPU_GEMM_CONFIG", "CPU_CHUNK_REDUCE_CONFIG",
-           "CPU_PUSH_CONFIG"]
+           "CPU_PUSH_CONFIG", "gathered_copy"]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 HAS_CUDA: bool = torch.cuda.is_available() and not INTERPRET
@@ -347,6 +347,15 @@ def refuse_zero_width_gather(op: str, return_gathered: bool, N: int, rows: int) 
     if return_gathered and N == 0 and rows > 0 and not INTERPRET:
         raise UnsupportedError(f"{where(op)}: a zero-width weight shard cannot return the gathered input on CUDA "
                                "(no kernel runs to wait for the peers' chunks); use the unfused path")
+
+
+def gathered_copy(gathered: torch.Tensor, shape, x: torch.Tensor, extent: int, rank: int,
+                  world_size: int) -> torch.Tensor:
+    """A copy of a consumer's gathered input ``shape`` (dim 1 gathered over ``extent``) with its own block ``x``."""
+    full = gathered.view(shape).clone()
+    start, stop = block_range(extent, world_size, rank)
+    full[:, start:stop] = x
+    return full
 
 
 def summed_partials(parts, partial_dtype: torch.dtype | None, bias: torch.Tensor | None,

@@ -40,6 +40,7 @@ from distfuse.kernels._utils import (
     TIMED_WAITS,
     check_bias,
     claimed_rank_view,
+    gathered_copy,
     gemm_autotuners,
     get_push_configs,
     input_precision,
@@ -205,10 +206,7 @@ def gathered_k_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int
     y = out.view(*lead, N)
     if not return_gathered:
         return y
-    full = gathered.view(M, K).clone()
-    start, stop = block_range(K, W, rank)
-    full[:, start:stop] = x
-    return y, full.view(*lead, K)
+    return y, gathered_copy(gathered, (M, K), x, K, rank, W).view(*lead, K)
 
 
 def all_gather_features_matmul_loopback(shards, weight_list, ws, *, biases=None, out_dtype: torch.dtype | None = None,

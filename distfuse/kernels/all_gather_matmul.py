@@ -51,6 +51,7 @@ from distfuse.kernels._utils import (
     TIMED_WAITS,
     check_bias,
     claimed_rank_view,
+    gathered_copy,
     gemm_autotuners,
     get_push_configs,
     input_precision,
@@ -267,10 +268,7 @@ def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     y = out.view(*lead, n, N)
     if not return_gathered:
         return y
-    full = gathered.view(n_batch, n, K).clone()
-    start, stop = block_range(n, W, rank)
-    full[:, start:stop] = x
-    return y, full.view(*lead, n, K)
+    return y, gathered_copy(gathered, (n_batch, n, K), x, n, rank, W).view(*lead, n, K)
 
 
 def all_gather_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, n: int, *,

@@ -50,14 +50,10 @@ from distfuse.kernels._utils import (
     FLOAT_DTYPES,
     INTERPRET,
     TIMED_WAITS,
-    check_bias,
     claimed_rank_view,
     flatten_rows,
     gemm_autotuners,
-    input_precision,
     output_buffer,
-    pick_gemm_launch,
-    round_bf16,
     summed_partials,
     tile_grid,
     timeout_arg,
@@ -186,22 +182,10 @@ def matmul_push(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size
     if weight.dim() != 2 or weight.shape[1] != a2.shape[1] or weight.dtype != a.dtype:
         raise ShapeError(f"{where(op)}: expected weight [N, K={a2.shape[1]}] of {a.dtype}, got "
                          f"{tuple(weight.shape)} {weight.dtype}")
-    st = claimed_rank_view(op, ws, rank, world_size, a.device)
-    W = world_size
-    M, K = a2.shape
     N = weight.shape[0]
-    check_bias(op, bias, N, a.device)
-    partial_dtype = partial_dtype or a.dtype
-    ld = slot_row_stride(N)
-    slots = st.data(partial_dtype, W * M * ld, op=op)
-    kernel, meta = pick_gemm_launch(_matmul_push_tuned, _matmul_push_kernel, a.dtype, M, N, config, ws)
-    kernel[tile_grid(M, N, at_least=1)](
-        a2, weight, bias if bias is not None else a2, slots, st.data_ptrs, st.flag_ptrs, st.counters,
-        M, N, ld, K, rank, W, st.epoch_dev, rank * M * ld,
-        a2.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),
-        ROUND_BF16=round_bf16(partial_dtype), **meta,
-    )
+    rs_features_kernels.launch_slot_producer(op, (_matmul_push_tuned, _matmul_push_kernel), a, weight, ws, rank,
+                                             world_size, partial_dtype=partial_dtype or a.dtype, bias=bias,
+                                             ld=slot_row_stride(N), cols=N, steps=None, config=config)
 
 
 def all_reduce_slots(ws, rank: int, world_size: int, rows: int, N: int, *, partial_dtype: torch.dtype,

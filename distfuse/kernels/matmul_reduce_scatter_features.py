@@ -50,7 +50,8 @@ from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import arrive, balanced_chunk, cast_out, grouped_tile, matmul_tile, raise_flag
 
 __all__ = ["matmul_scatter_columns", "column_reduce", "matmul_reduce_scatter_features_loopback",
-           "matmul_reduce_scatter_features_reference", "matmul_scatter_columns_workspace_bytes", "column_slot_stride"]
+           "matmul_reduce_scatter_features_reference", "matmul_scatter_columns_workspace_bytes", "column_slot_stride",
+           "launch_slot_producer"]
 
 
 # Per-call integers must not be specialised (see matmul_reduce_scatter.py); the epoch is a device word.
@@ -131,21 +132,28 @@ def matmul_scatter_columns(a: torch.Tensor, weight: torch.Tensor, ws, rank: int,
     """
     op = "matmul_scatter_columns"
     partial_dtype = check_producer_args(op, a, weight, partial_dtype, column_chunks=True)
+    N, W = weight.shape[0], world_size
+    launch_slot_producer(op, (_matmul_scatter_columns_tuned, _matmul_scatter_columns_kernel), a, weight, ws, rank, W,
+                         partial_dtype=partial_dtype, bias=bias, ld=column_slot_stride(N, W), cols=cdiv(N, W),
+                         steps=W, config=config)
+
+
+def launch_slot_producer(op: str, kernels, a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
+                         partial_dtype: torch.dtype, bias, ld: int, cols: int, steps: int | None, config) -> None:
+    """Launch a producer of this kernel's signature (``kernels``: its autotuned and plain forms; also
+    :func:`~distfuse.kernels.matmul_all_reduce.matmul_push`'s) on checked operands: ``a [..., K] @ weight.T (+ bias)``
+    into W slots ``[M, ld]`` of ``partial_dtype``, this rank's source slot at ``rank * M * ld``; grid: the tiles of
+    ``[M, cols]``, for each of ``steps``."""
     st = claimed_rank_view(op, ws, rank, world_size, a.device)
-    W = world_size
     a2 = flatten_rows(a)
     M, K = a2.shape
     N = weight.shape[0]
     check_bias(op, bias, N, a.device)
-    ld = column_slot_stride(N, W)
-    slot_elems = M * ld
-    slots = st.data(partial_dtype, W * slot_elems, op=op)
-    widest = cdiv(N, W)
-    kernel, meta = pick_gemm_launch(_matmul_scatter_columns_tuned, _matmul_scatter_columns_kernel, a.dtype, M, widest,
-                                    config, ws)
-    kernel[tile_grid(M, widest, W, at_least=1)](
+    slots = st.data(partial_dtype, world_size * M * ld, op=op)
+    kernel, meta = pick_gemm_launch(*kernels, a.dtype, M, cols, config, ws)
+    kernel[tile_grid(M, cols, steps, at_least=1)](
         a2, weight, bias if bias is not None else a2, slots, st.data_ptrs, st.flag_ptrs, st.counters,
-        M, N, ld, K, rank, W, st.epoch_dev, rank * slot_elems,
+        M, N, ld, K, rank, world_size, st.epoch_dev, rank * M * ld,
         a2.stride(0), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),
         ROUND_BF16=round_bf16(partial_dtype), **meta,

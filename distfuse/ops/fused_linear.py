@@ -137,16 +137,13 @@ class _AllGatherFeaturesMatmul(_PipelineCall):
     op = "all_gather_features_matmul"
 
 
-class _MatmulAllReduce(FusedCall):
+class _MatmulAllReduce(_PipelineCall):
     """``sum over P of (x @ weight.T + bias)`` on every worker, ``grad_output="sum"`` (the sum-reduce's adjoint)."""
 
     op = "matmul_all_reduce"
 
     def plan(self, x, weight, bias, n):
         return self.module.matmul_all_reduce_plan(x, weight, bias, self.P, grad_output="sum")
-
-    def out_shape(self, x, weight, n):
-        return (*x.shape[:-1], weight.shape[0])
 
 
 class ZeroLinearCall(FusedCall):
