@@ -49,21 +49,22 @@ class Case:
     sp: bool = False  # sequence-parallel: the rows split over the tensor axis too
     path: str = "auto"  # DISTFUSE_PATH for the call ("fused": the projections' fused ops, Triton interpreted)
     dtype: torch.dtype = F64
+    pad: bool = False  # a key_padding_mask: batch b's last b % 3 positions are padding
 
 
 CASES = {
     1: [Case("1x1", (1, 1), (0,), 5, kv_heads=2)],
-    2: [Case("2x1-uneven-S5-gqa", (2, 1), (0, 1), 5, kv_heads=2),
+    2: [Case("2x1-uneven-S5-gqa-padded", (2, 1), (0, 1), 5, kv_heads=2, B=3, pad=True),
         Case("1x2-permuted-gqa-no-bias", (1, 2), (1, 0), 4, kv_heads=2, bias=False)],
     4: [Case("2x2-uneven-S5-gqa-permuted", (2, 2), (3, 1, 2, 0), 5, kv_heads=2),
-        Case("2x2-zigzag-S8", (2, 2), (0, 1, 2, 3), 8, layout="zigzag"),
+        Case("2x2-zigzag-S8-padded", (2, 2), (0, 1, 2, 3), 8, layout="zigzag", B=3, pad=True),
         Case("3x1-of-4-inactive-S7", (3, 1), (2, 0, 3), 7, kv_heads=1),
         Case("1x3-of-4-inactive-permuted", (1, 3), (3, 0, 1), 4, heads=6, kv_heads=3, E=12),
         # Sequence-parallel: the projections are the all-gather + GEMM and GEMM + reduce-scatter ops, fused (fp32,
         # the kernels interpreted) or unfused; uneven row blocks over both axes, permuted and inactive ranks.
-        Case("2x2-sp-zigzag-S8-fused-permuted", (2, 2), (3, 1, 2, 0), 8, layout="zigzag", sp=True, path="fused",
-             dtype=torch.float32),
-        Case("2x2-sp-uneven-S7-gqa", (2, 2), (0, 1, 2, 3), 7, kv_heads=2, sp=True),
+        Case("2x2-sp-zigzag-S8-fused-permuted-padded", (2, 2), (3, 1, 2, 0), 8, layout="zigzag", sp=True,
+             path="fused", dtype=torch.float32, B=3, pad=True),
+        Case("2x2-sp-uneven-S7-gqa-padded", (2, 2), (0, 1, 2, 3), 7, kv_heads=2, sp=True, B=3, pad=True),
         Case("1x3-sp-of-4-inactive-S7-fused", (1, 3), (3, 0, 1), 7, heads=6, kv_heads=3, E=12, sp=True,
              path="fused", dtype=torch.float32)],
 }
@@ -85,7 +86,9 @@ def run_case(c: Case, causal: bool) -> str:
     twin = _twin(c, causal, gen)
     x_g = torch.randn(c.B, c.S, c.E, generator=gen, dtype=F64, requires_grad=True)
     dy = torch.randn(c.B, c.S, c.E, generator=gen, dtype=F64)
-    ref = twin(x_g)
+    # right padding: every query keeps key 0, so no row is fully masked (SDPA kernels differ on such rows)
+    pad_g = torch.arange(c.S)[None, :] >= c.S - torch.arange(c.B)[:, None] % 3 if c.pad else None
+    ref = twin(x_g, key_padding_mask=pad_g)
     ref.backward(dy)
     seq_grads = {k: p.grad for k, p in twin.named_parameters()}
 
@@ -96,14 +99,15 @@ def run_case(c: Case, causal: bool) -> str:
     load_sequential(layer, twin if dist.get_rank() == 0 else None)
     if not P.active:
         assert not list(layer.parameters())
-        y = with_path(c.path, lambda: layer(zero_volume_tensor(dtype=c.dtype)))
+        y = with_path(c.path, lambda: layer(zero_volume_tensor(dtype=c.dtype),
+                                            key_padding_mask=zero_volume_tensor(dtype=torch.bool) if c.pad else None))
         assert y.numel() == 0, f"{c.name}: a worker outside P got {tuple(y.shape)}"
         return "inactive"
     pos = local_positions(c.S, c.grid[0], P.index[0], c.layout)
     if c.sp:  # this tensor worker's balanced block of the context index's rows
         pos = pos[slice(*block_range(len(pos), c.grid[1], P.index[1]))]
     x = x_g.detach()[:, pos].to(c.dtype).requires_grad_()
-    y = with_path(c.path, lambda: layer(x))
+    y = with_path(c.path, lambda: layer(x, key_padding_mask=pad_g[:, pos] if c.pad else None))
     if c.sp:
         paths = {k: d.path for k, d in layer.last_decisions.items()}
         want_path = "fused" if c.path == "fused" and c.grid[1] > 1 else "unfused"
@@ -221,6 +225,9 @@ def _misuse() -> dict:
         # sequence-parallel: context 0's 3 rows must split 2 / 1 over the tensor axis; rank 0 and 1 pass 1 / 2
         "sp-not-balanced": lambda: sp(rows()[:, :1] if rank == 0 else rows()[:, 1:] if rank == 1 else
                                       rows()[:, slice(*block_range(2, 2, P.index[1]))]),
+        "mask-on-one": lambda: layer(rows(), key_padding_mask=torch.zeros(2, len(pos), dtype=torch.bool)
+                                     if rank == 1 else None),
+        "mask-shape": lambda: layer(rows(), key_padding_mask=torch.zeros(2, len(pos) + (rank == 2), dtype=torch.bool)),
         "recovers": lambda: float(layer(rows()).sum()),
         "sp-recovers": lambda: float(sp(rows()[:, slice(*block_range(len(pos), 2, P.index[1]))]).sum()),
     }
@@ -243,6 +250,8 @@ MISUSE = {
     "frozen-on-one": (ShapeError, "must agree on the grad settings of the parameters"),
     "debug-x-differs-over-tensor-axis": (ShapeError, "they differ at context indices [1] (world ranks {1: [2, 3]})"),
     "sp-not-balanced": (ShapeError, "world rank 0 (P index (0, 0)) holds 1 rows, block 0 of 3 over 2 workers is 2"),
+    "mask-on-one": (ShapeError, "whether a key_padding_mask is passed"),
+    "mask-shape": (ShapeError, "world rank 2: key_padding_mask must be a bool tensor [B, S_local] of x's rows"),
 }
 
 

@@ -180,7 +180,7 @@ def test_compiled_functional_form():
 # ---------------------------------------------------------------- DistributedMultiheadAttention on [context, tensor]
 
 
-def _mha_case(layout, S, S2, sp=False):
+def _mha_case(layout, S, S2, sp=False, pad=False):
     torch._dynamo.reset()
     P = Partition.world().create_partition_inclusive(list(RANKS)).create_cartesian_topology_partition([2, 2])
     E, H, Hkv, B = 8, 4, 2, 2
@@ -196,18 +196,24 @@ def _mha_case(layout, S, S2, sp=False):
     def x_of(n=S):
         return data[n][0][:, rows(n)].clone()
 
+    def call(fn, x, n=S):  # pad: batch b's last b + 1 keys are padding (every query keeps key 0)
+        if not pad:
+            return fn(x)
+        return fn(x, key_padding_mask=(torch.arange(n)[None, :] >= n - 1 - torch.arange(B)[:, None])[:, rows(n)])
+
     def step(fn, n=S):
         x = x_of(n).requires_grad_()
-        y = fn(x)
+        y = call(fn, x, n)
         y.backward(data[n][1][:, rows(n)])
         grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
         layer.zero_grad(set_to_none=True)
         return y.detach(), x.grad, grads
 
-    refused = tracing_refusal(lambda: torch.compile(layer, fullgraph=True, dynamic=False, backend="eager")(x_of()))
+    refused = tracing_refusal(
+        lambda: call(torch.compile(layer, fullgraph=True, dynamic=False, backend="eager"), x_of()))
     torch._dynamo.reset()
     eager = step(layer)
-    breaks, graphs, reasons = _explain(layer, x_of().requires_grad_())
+    breaks, graphs, reasons = _explain(lambda x: call(layer, x), x_of().requires_grad_())
     torch._dynamo.reset()
     ops = []
     compiled = torch.compile(layer, fullgraph=True, dynamic=False, backend=_recording(ops))
@@ -215,7 +221,7 @@ def _mha_case(layout, S, S2, sp=False):
     bitwise = _same(comp[0], eager[0]) and _same(comp[1], eager[1]) and comp[2].keys() == eager[2].keys() and \
         all(torch.equal(comp[2][k], eager[2][k]) for k in eager[2])
     first_ops = list(ops)
-    error = _changed(compiled, lambda fn: fn(x_of(S2)))
+    error = _changed(compiled, lambda fn: call(fn, x_of(S2), S2))
     again = step(layer, S2)
     later = step(compiled, S2)
     same = _same(later[0], again[0]) and _same(later[1], again[1]) and \
@@ -250,12 +256,13 @@ def test_compiled_multihead_attention(layout, S, S2):
 
 
 def _sp_case(layout, S, S2):
-    return with_path("fused", lambda: _mha_case(layout, S, S2, sp=True))
+    return with_path("fused", lambda: _mha_case(layout, S, S2, sp=True, pad=True))
 
 
 def test_compiled_sequence_parallel_attention():
-    """The sequence-parallel layer: its projections are the fused all-gather + GEMM and GEMM + reduce-scatter ops
-    (Triton interpreted) in both graphs, and the compiled call equals eager bitwise."""
+    """The sequence-parallel layer with a key-padding mask: its projections are the fused all-gather + GEMM and
+    GEMM + reduce-scatter ops (Triton interpreted) in both graphs, the mask's rows gathered over the tensor axis
+    into the ring, and the compiled call equals eager bitwise."""
     results = run_ranks(4, _sp_case, "zigzag", 8, 4, timeout=240)
     for rank, r in enumerate(results):
         assert r["breaks"] == 0 and r["graphs"] == 1, (rank, r["breaks"], r["graphs"], r["reasons"])
@@ -265,7 +272,7 @@ def test_compiled_sequence_parallel_attention():
     ops = results[0]["ops"]
     for op in ("fw:distfuse.all_gather_matmul.default", "fw:distfuse.ring_attention.default",
                "fw:distfuse.matmul_reduce_scatter.default", "bw:distfuse.matmul_reduce_scatter_backward.default",
-               "bw:distfuse.all_gather_matmul_backward.default"):
+               "bw:distfuse.all_gather_matmul_backward.default", "fw:distfuse.all_gather.default"):
         assert op in ops, (op, ops)
 
 

@@ -6,6 +6,7 @@ of them on each tensor worker)::
 
     x          [B, S_r, E]        the rows of the context axis's block (``layout``: balanced blocks, or zigzag
                                   chunks), replicated over the tensor axis
+    key_padding_mask [B, S_r]     optional bool, True = padding (torch's convention): the ring's key mask
     q_proj     weight [H_t D, E]  rows of this worker's query heads (column-parallel), bias [H_t D]
     k_proj,    weight [Hkv_t D, E], bias [Hkv_t D]: rows of this worker's key/value heads
     v_proj
@@ -106,7 +107,8 @@ class MultiheadSelfAttention(nn.Module):
 
     ``x [B, S, E] -> [B, S, E]``: ``q_proj`` (``E -> E``), ``k_proj`` and ``v_proj`` (``E -> Hkv D``),
     ``scaled_dot_product_attention(is_causal=causal, enable_gqa=...)`` over ``num_heads`` heads of size
-    ``D = E / num_heads``, then ``out_proj`` (``E -> E``).
+    ``D = E / num_heads``, then ``out_proj`` (``E -> E``).  ``key_padding_mask``: optional bool ``[B, S]``,
+    True where a key is padding (``nn.MultiheadAttention``'s convention), combined with the causal mask.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, bias: bool = True,
@@ -121,12 +123,17 @@ class MultiheadSelfAttention(nn.Module):
         self.q_proj, self.k_proj = nn.Linear(embed_dim, embed_dim, **kw), nn.Linear(embed_dim, kv, **kw)
         self.v_proj, self.out_proj = nn.Linear(embed_dim, kv, **kw), nn.Linear(embed_dim, embed_dim, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, S, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal,
+        keep = None
+        if key_padding_mask is not None:  # SDPA's bool mask: True = attend; the causal mask folded in
+            keep = ~key_padding_mask.bool()[:, None, None, :]
+            if self.causal:
+                keep = keep & torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, is_causal=self.causal and keep is None,
                                            enable_gqa=self.num_heads != self.num_kv_heads)
         return self.out_proj(o.transpose(1, 2).reshape(B, S, self.embed_dim))
 
@@ -142,6 +149,7 @@ _PROBLEMS = (
     "x's last dimension must be embed_dim",
     "x must have the parameters' floating dtype",
     "x must be on the partition's device type",
+    "key_padding_mask must be a bool tensor [B, S_local] of x's rows (True = padding), on x's device",
 )
 
 
@@ -275,22 +283,27 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
         names = [f"{n}_{kind}" for n in _PROJECTIONS for kind in ("weight", "bias")]
         return [getattr(self, n) for n in names]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """This worker's rows ``[B, S_r, E]`` (zero-volume outside ``P``); returns ``[B, S_r, E]``, replicated over the
-        tensor axis."""
+        tensor axis.  ``key_padding_mask``: optional bool ``[B, S_r]`` of the same rows, True where a key is padding
+        (``nn.MultiheadAttention``'s convention); every worker of ``P`` passes one, or none.  Sequence-parallel, its
+        rows are gathered over the tensor axis with ``x``'s (one more small gather per call)."""
         op = type(self).__name__
         if not self.P.active:
             check_inactive_input(op, x)
+            if key_padding_mask is not None:
+                check_inactive_input(op, key_padding_mask)
             return zero_volume_tensor(dtype=self._dtype, device=x.device)
         params = self._params()
         present = [p for p in params if p is not None]
         grad_on = torch.is_grad_enabled()
         input_grad = grad_on and x.requires_grad
         mask = sum(1 << i for i, p in enumerate(params) if p is not None and grad_on and p.requires_grad)
-        problem = self._local_problem(x, present[0])
-        signature = (tuple(x.shape), x.dtype, x.device.type, input_grad, mask)
+        has_mask = key_padding_mask is not None
+        problem = self._local_problem(x, present[0], key_padding_mask)
+        signature = (tuple(x.shape), x.dtype, x.device.type, input_grad, mask, has_mask)
         record = self.session.agree(x, signature, problem == 0,
-                                    lambda: self._gather(problem, x, input_grad, mask))
+                                    lambda: self._gather(problem, x, input_grad, mask, has_mask))
         if record is None:  # a replayed call that flagged: the flag round raises on every worker
             return x.new_empty((0,))
         if debug.enabled() and not self.sequence_parallel and self.session.may_read_host:
@@ -307,10 +320,16 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
                 x = replicate(x, self._tp.handle)
             S_r = x.shape[1]
             q, k, v = (F.linear(x, w, b) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
+        keep = None
+        if has_mask:  # the ring's key mask (True = attend), over the context index's rows
+            keep = ~key_padding_mask
+            if self.sequence_parallel:
+                keep = all_gather(keep.to(torch.uint8)[..., None], self._P_rows, out_shape=[B, S_r, 1])[..., 0].bool()
         heads = (self.local_heads, self.local_kv_heads, self.local_kv_heads)
         q, k, v = (t.reshape(B, S_r, h, D).transpose(1, 2) for t, h in zip((q, k, v), heads, strict=True))
         # the layer's agreement covers the ring's call (shapes, dtype, grad settings, the layout's blocks of S)
-        o = self.attention.agreed(q, k, v, record.S, self.session).transpose(1, 2).reshape(B, S_r, self.local_heads * D)
+        o = self.attention.agreed(q, k, v, record.S, self.session, keep)
+        o = o.transpose(1, 2).reshape(B, S_r, self.local_heads * D)
         if self.sequence_parallel:
             if bo is not None and record.param_grad and self._tp.P.size > 1:
                 bo = replicate(bo, self._tp.handle)  # each tensor worker adds it to its own rows: a partial gradient
@@ -374,7 +393,7 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
         pieces = iter(flat.split([p.numel() for p in present]))
         return [next(pieces).view(p.shape) if p is not None else None for p in params]
 
-    def _local_problem(self, x: torch.Tensor, weight: torch.Tensor) -> int:
+    def _local_problem(self, x: torch.Tensor, weight: torch.Tensor, key_padding_mask) -> int:
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             return 1
         if x.shape[2] != self.embed_dim:
@@ -383,13 +402,17 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
             return 3
         if x.device.type != self.P.device.type:
             return 4
+        if key_padding_mask is not None and not (
+                isinstance(key_padding_mask, torch.Tensor) and key_padding_mask.dtype == torch.bool
+                and tuple(key_padding_mask.shape) == tuple(x.shape[:2]) and key_padding_mask.device == x.device):
+            return 5
         return 0
 
-    def _gather(self, problem: int, x: torch.Tensor, input_grad: bool, mask: int) -> MhaCall:
+    def _gather(self, problem: int, x: torch.Tensor, input_grad: bool, mask: int, has_mask: bool) -> MhaCall:
         """The metadata gather over ``P`` and its checks (the same error on every worker): the agreed record."""
         op, P = type(self).__name__, self.P
         shape = list(x.shape) if problem != 1 else [-1, -1, -1]
-        rows = gather_records(op, P, [problem, *shape, dtype_code(x.dtype), int(input_grad), mask])
+        rows = gather_records(op, P, [problem, *shape, dtype_code(x.dtype), int(input_grad), mask, int(has_mask)])
         bad = [(P.ranks[j], r) for j, r in enumerate(rows) if r[0] != 0]
         if bad:
             raise ShapeError(f"{where(op)}: " + "; ".join(
@@ -397,7 +420,9 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
         check_agreed(op, "P", P, rows, {1: "the batch B", 4: "the dtype",
                                         5: "the grad setting of x (grad mode on and x.requires_grad)",
                                         6: "the grad settings of the parameters (grad mode on and requires_grad, "
-                                           "one bit per parameter)"}, {4: lambda v: str(dtype_of_code(v))})
+                                           "one bit per parameter)",
+                                        7: "whether a key_padding_mask is passed"},
+                     {4: lambda v: str(dtype_of_code(v))})
         p_cp, p_tp = P.shape
         if self.sequence_parallel:
             lengths = [sum(rows[P.rank_of((c, t))][2] for t in range(p_tp)) for c in range(p_cp)]

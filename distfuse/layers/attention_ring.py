@@ -714,15 +714,17 @@ class DistributedAttention(nn.Module):
     def forward(self, q, k, v, attn_mask=None):
         return _attention(q, k, v, self.P_cp, self.causal, attn_mask, self.scale, self.layout, self.ring)
 
-    def agreed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, session) -> torch.Tensor:
-        """:meth:`forward` without a mask for a caller whose own agreement covers the call: ``q, k, v`` of one
-        dtype and grad setting with the same ``B, H, D`` on every worker of ``P_cp``, and local lengths that are
-        the layout's blocks of ``S``.  No flag round of the ring's own; the path is remembered in the caller's
-        ``session`` (the mode of its current call), so eager and compiled calls decide alike."""
+    def agreed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, session,
+               attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`forward` for a caller whose own agreement covers the call: ``q, k, v`` of one dtype and grad
+        setting with the same ``B, H, D`` on every worker of ``P_cp``, local lengths that are the layout's blocks
+        of ``S``, and a bool ``attn_mask [B, S_local]`` (True = attend) on every worker or on none.  No flag round
+        of the ring's own; the path is remembered in the caller's ``session`` (the mode of its current call), so
+        eager and compiled calls decide alike."""
         if not self.P_cp.active:
             return zero_volume_tensor(dtype=q.dtype, device=q.device)
         scale = self.scale if self.scale is not None else (1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0)
-        return _run_ring(self.ring, session, self.P_cp, q, k, v, None, S, self.causal, self.layout, scale)
+        return _run_ring(self.ring, session, self.P_cp, q, k, v, attn_mask, S, self.causal, self.layout, scale)
 
     @property
     def last_decision(self):
