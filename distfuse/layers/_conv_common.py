@@ -126,7 +126,8 @@ def cached_partition(key: tuple, make: Callable[[], CartesianPartition]) -> Cart
 def grid_of(ranks: Sequence[int], shape: Sequence[int], device) -> CartesianPartition:
     """A Cartesian partition over the given world ranks (row-major), cached (:func:`cached_partition`)."""
     ranks, shape = [int(r) for r in ranks], tuple(int(s) for s in shape)
-    return cached_partition(("grid", tuple(ranks), shape, str(device)), lambda: Partition.world(device)
+    # keyed by the device type: "cuda" and "cuda:1" on one rank must hit together with its peers (a miss creates)
+    return cached_partition(("grid", tuple(ranks), shape, torch.device(device).type), lambda: Partition.world(device)
                             .create_partition_inclusive(ranks).create_cartesian_topology_partition(shape))
 
 

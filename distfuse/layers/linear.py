@@ -21,7 +21,8 @@ P_x, P_y and P_w may sit on any world ranks.  A P_w or P_y worker outside P_x ca
 the leading extents or the dtype, and no collective reaches every worker, so the layer
 agrees over the union of the three partitions with its flag in a host round of its own
 (records: :mod:`~distfuse.layers._linear_agreement`).  Workers outside P_y get a
-zero-volume ``[0]`` output that still carries their part of the adjoint.
+zero-volume ``[0]`` output that still carries their part of the adjoint, so every worker
+must call backward on what it got.
 
 Fused path (``matmul_all_reduce``): each row of P_w all-reduces its partial products over
 symmetric buffers, and one worker of row ``i``, its keeper, keeps the result: P_y worker
