@@ -29,18 +29,23 @@ def _reference(q, k, v, dout, causal, mask):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def _ring_partition(ranks, grid=None):
+    """The ring of ``ranks`` (collective over the world) and its data seed; with ``grid``, ``ranks`` form a
+    ``[rings, W]`` Cartesian grid and each row is its own ring (seeded by its row)."""
+    P = Partition.world().create_partition_inclusive(ranks)
+    if grid is None:
+        return P, 0
+    P_grid = P.create_cartesian_topology_partition(grid)
+    return P_grid.create_cartesian_subtopology_partition([False, True]), P_grid.index[0]
+
+
 def _case(ranks, S, B, Hq, Hkv, D, causal, layout, dtype, with_mask, grid=None):
     """Every rank builds the same global data; the ranks of ``ranks`` (in ring order) each take their rows.
 
     With ``grid``, ``ranks`` form a ``[rings, W]`` Cartesian grid and each row is its own ring (the sub-grid that
     keeps the last axis), with its own data.
     """
-    P = Partition.world().create_partition_inclusive(ranks)
-    seed = 0
-    if grid is not None:
-        P_grid = P.create_cartesian_topology_partition(grid)
-        P = P_grid.create_cartesian_subtopology_partition([False, True])
-        seed = P_grid.index[0]
+    P, seed = _ring_partition(ranks, grid)
     gen = torch.Generator().manual_seed(1000 + seed)
     # What the workers hold: rounded to dtype, so the reference sees the same inputs.
     q = torch.randn(B, Hq, S, D, generator=gen, dtype=torch.float64).to(dtype)
@@ -224,12 +229,7 @@ def _fused_matches_unfused(ranks, S, B, Hq, Hkv, D, causal, layout, with_mask, g
     from distfuse.layers import DistributedAttention
     from tests.test_conv_support import with_path
 
-    P = Partition.world().create_partition_inclusive(ranks)
-    seed = 0
-    if grid is not None:
-        P_grid = P.create_cartesian_topology_partition(grid)
-        P = P_grid.create_cartesian_subtopology_partition([False, True])
-        seed = P_grid.index[0]
+    P, seed = _ring_partition(ranks, grid)
     layers = {path: DistributedAttention(P, causal=causal, layout=layout) for path in ("unfused", "fused")}
     if not P.active:
         return "inactive"

@@ -121,10 +121,6 @@ class _HostCollectives:
             setattr(mod, name, fn)
 
 
-def _board_rounds() -> int:
-    """Flag rounds this rank has taken on shared-memory flag boards (``distfuse.primitives._flag_board``)."""
-    return sum(board.rounds for _, board in _flag_board._BOARDS.values() if board is not None)
-
 
 def _hot_path(path: str):
     P_x = grid((2, 0, 3, 1), (1, 1, 2, 2))
@@ -322,16 +318,16 @@ def _linear_hot_path(kind: str):
     step(), step()  # warm-up: the agreement settles
     eager = step()
     calls = [m.agreement.calls for m in layers]
-    boards = _board_rounds()
+    boards = _flag_board.rounds_taken()
     with _CollectiveKinds() as coll, _HostReads() as reads, capture_safe():
         trusted = step()
     trusted_calls = [m.agreement.calls - c for m, c in zip(layers, calls, strict=True)]
-    trusted_rounds, boards = _board_rounds() - boards, _board_rounds()
+    trusted_rounds, boards = _flag_board.rounds_taken() - boards, _flag_board.rounds_taken()
     with _CollectiveKinds() as control_coll, _HostReads() as control:  # outside capture_safe: the flag is read
         step()
     return dict(reads=reads.reads, collectives=coll.host, data=coll.data, p2p=coll.p2p,
                 control=control.reads, control_collectives=control_coll.host, trusted_calls=trusted_calls,
-                trusted_board_rounds=trusted_rounds, control_board_rounds=_board_rounds() - boards,
+                trusted_board_rounds=trusted_rounds, control_board_rounds=_flag_board.rounds_taken() - boards,
                 same=all(torch.equal(a, b) for a, b in zip(trusted, eager, strict=True)), n=len(eager),
                 paths=[m.last_path for m in layers])
 

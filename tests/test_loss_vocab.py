@@ -163,9 +163,6 @@ _SPIED = ("all_reduce", "all_gather", "all_gather_into_tensor", "broadcast", "re
           "isend", "batch_isend_irecv")
 
 
-def _board_rounds() -> int:
-    return sum(board.rounds for _, board in _flag_board._BOARDS.values() if board is not None)
-
 
 def _no_gather_of_logits() -> list[int]:
     """The full logits never travel: every message of a steady-state forward + backward, as element counts."""
@@ -185,7 +182,7 @@ def _no_gather_of_logits() -> list[int]:
     layer(x, target)  # the first call settles the agreement (its metadata gather is not data)
     layer(x, target)  # the first flag round sets up the one-host flag board (a gloo round, once per group)
     real = {name: getattr(dist, name) for name in _SPIED}
-    rounds = _board_rounds()
+    rounds = _flag_board.rounds_taken()
     for name, fn in real.items():
         setattr(dist, name, spy(fn))
     try:
@@ -193,7 +190,7 @@ def _no_gather_of_logits() -> list[int]:
     finally:
         for name, fn in real.items():
             setattr(dist, name, fn)
-    sizes += [1] * (_board_rounds() - rounds)  # flag rounds on the shared-memory board: no message, one element
+    sizes += [1] * (_flag_board.rounds_taken() - rounds)  # board rounds: no message, counted as one element
     return sorted(sizes)
 
 

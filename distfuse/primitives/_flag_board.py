@@ -45,7 +45,7 @@ from distfuse.errors import CollectiveTimeoutError, where
 from distfuse.groups import group_timeout, timeout_label
 from distfuse.primitives._common import collective_guard
 
-__all__ = ["FlagBoard", "flag_board", "BOARD_VARIABLE"]
+__all__ = ["FlagBoard", "flag_board", "rounds_taken", "BOARD_VARIABLE"]
 
 BOARD_VARIABLE = "DISTFUSE_FLAG_BOARD"
 _SHM_DIR = "/dev/shm"
@@ -61,7 +61,7 @@ class FlagBoard:
     all-reduce of one flag over the group's workers, through shared memory."""
 
     def __init__(self, mapping: mmap.mmap, rank: int, world_ranks: tuple[int, ...], timeout_s: float):
-        self._map = mapping
+        self._map = mapping  # kept open for the process's life: the peers' words live in it
         self._words = memoryview(mapping).cast("q")
         self.rank, self.world_ranks, self.timeout_s = rank, world_ranks, timeout_s
         self.rounds = 0
@@ -101,10 +101,6 @@ class FlagBoard:
             f"within the timeout in force ({timeout_label(self.timeout_s)}): world ranks {missing} did not reach "
             "the round on the shared-memory flag board. A peer that raised, died or made a different call ends here")
 
-    def close(self) -> None:
-        self._words.release()
-        self._map.close()
-
 
 def flag_board(P, op: str = "flag_round") -> FlagBoard | None:
     """The board of ``P``'s meta group (made at its first round: collective), or None where the group keeps gloo."""
@@ -115,6 +111,11 @@ def flag_board(P, op: str = "flag_round") -> FlagBoard | None:
             entry = (group, _set_up(group))
         _BOARDS[id(group)] = entry
     return entry[1]
+
+
+def rounds_taken() -> int:
+    """The flag rounds this process has taken on boards (no message moves in them: what a message count misses)."""
+    return sum(board.rounds for _, board in _BOARDS.values() if board is not None)
 
 
 def _set_up(group) -> FlagBoard | None:
