@@ -15,18 +15,18 @@ sequence-parallel layout::
     DistributedLinearAllGather(16 -> 64, P_x=P_seq)     all-gather tokens, column-parallel
     DistributedLinearReduceScatter(64 -> 16, P_y=P_seq) row-parallel, reduce-scatter tokens
 
-Rank 0 trains the same model built from ``torch.nn`` layers alongside, in float32 and in
-float64 (the oracle), and checks every step's loss and the final weights against the
-oracle's within the float32 rounding bound for sums of :data:`TERMS` terms
-(:mod:`distfuse.demo_check`).
+Rank 0 checks every step's loss and the final weights against ``torch.nn`` twins
+(:mod:`distfuse.demo_check`), for sums of :data:`TERMS` terms.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import importlib
 import os
 import tempfile
+from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -40,29 +40,18 @@ BATCH, C_IN, H, W = 4, 3, 16, 16
 TERMS = BATCH * (H // 2) * (W // 2) * 16
 
 
-def _model(P_conv, P_seq, P_feat):
-    from distfuse.layers import DistributedConv2d, DistributedLinearAllGather, DistributedLinearReduceScatter
-
+def _model(conv, fc1, fc2) -> nn.ModuleDict:
+    """The model from its layer classes: ``torch.nn``'s, or the distributed ones bound to their partitions."""
     return nn.ModuleDict(dict(
-        conv1=DistributedConv2d(P_conv, C_IN, 8, 3, padding=1, padding_mode="circular"),
-        conv2=DistributedConv2d(P_conv, 8, 16, 3, stride=2, padding=1),
-        fc1=DistributedLinearAllGather(P_feat, 16, 64, P_x=P_seq),
-        fc2=DistributedLinearReduceScatter(P_feat, 64, 16, P_y=P_seq),
-    ))
-
-
-def _sequential():
-    return nn.ModuleDict(dict(
-        conv1=nn.Conv2d(C_IN, 8, 3, padding=1, padding_mode="circular"),
-        conv2=nn.Conv2d(8, 16, 3, stride=2, padding=1),
-        fc1=nn.Linear(16, 64),
-        fc2=nn.Linear(64, 16),
+        conv1=conv(C_IN, 8, 3, padding=1, padding_mode="circular"),
+        conv2=conv(8, 16, 3, stride=2, padding=1),
+        fc1=fc1(16, 64),
+        fc2=fc2(64, 16),
     ))
 
 
 def _forward(m, x):
-    # SiLU, not ReLU: the final-state check needs training to be a continuous function of the
-    # rounding, and a ReLU's kink is not (distfuse.testing.tolerance)
+    # SiLU, not ReLU: the final-state check needs training continuous in the rounding (distfuse.testing.tolerance)
     h = F.silu(m["conv1"](x))
     h = F.silu(m["conv2"](h))
     tokens = h.flatten(2).transpose(1, 2)  # [B, tokens, 16]
@@ -76,33 +65,14 @@ def _batch(step: int, device):
     return x.to(device), target.to(device)
 
 
-def _collect(model: nn.ModuleDict) -> dict[str, torch.Tensor] | None:
-    """The sequential model's state, gathered from the distributed layers onto rank 0 (collective)."""
-    from distfuse.layers import collect_sequential
-
-    out = {}
-    for name, layer in model.items():
-        state = collect_sequential(layer, dst=0)
-        if state is not None:
-            out.update({f"{name}.{k}": v for k, v in state.items()})
-    return out if dist.get_rank() == 0 else None
-
-
-def _sequential_step(model: nn.ModuleDict, opt: torch.optim.Optimizer, x: torch.Tensor, target: torch.Tensor) -> float:
-    """One training step of a ``torch.nn`` twin; returns its loss."""
-    opt.zero_grad()
-    loss = F.mse_loss(_forward(model, x), target.flatten(2).transpose(1, 2), reduction="mean")
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
-
-
 def train(steps: int = 8, lr: float = 0.05, quiet: bool = False) -> list[tuple[float, float]]:
     """Run the demo on an initialised process group of 4 ranks; returns (distributed, sequential) losses on rank 0."""
     from distfuse import Partition
-    from distfuse.demo_check import make_twins, print_paths, report, train_checked
+    from distfuse.demo_check import make_twins, optimizer_step, print_paths, report, train_checked
     from distfuse.geometry.decomposition import local_slices
     from distfuse.groups import world_group
+    from distfuse.layers import DistributedConv2d, DistributedLinearAllGather, DistributedLinearReduceScatter
+    from distfuse.model import collect_sequential, make_optimizer
 
     if dist.get_world_size() != WORLD:
         raise SystemExit(f"distfuse.demo needs {WORLD} ranks, got {dist.get_world_size()}")
@@ -113,11 +83,12 @@ def train(steps: int = 8, lr: float = 0.05, quiet: bool = False) -> list[tuple[f
     device = P_conv.device
 
     torch.manual_seed(0)
-    model = _model(P_conv, P_seq, P_feat).to(device)
-    start, twins = make_twins(lambda dtype: _sequential().to(device=device, dtype=dtype), _collect(model),
+    model = _model(partial(DistributedConv2d, P_conv), partial(DistributedLinearAllGather, P_feat, P_x=P_seq),
+                   partial(DistributedLinearReduceScatter, P_feat, P_y=P_seq)).to(device)
+    start, twins = make_twins(lambda dtype: _model(nn.Conv2d, nn.Linear, nn.Linear).to(device=device, dtype=dtype),
+                              collect_sequential(model, dst=0),  # collective: every rank takes part
                               lambda twin: torch.optim.SGD(twin.parameters(), lr=lr))
-    params = [p for p in model.parameters()]
-    opt = torch.optim.SGD(params, lr=lr) if params else None
+    opt = make_optimizer(torch.optim.SGD, model, lr=lr)
 
     if dist.get_rank() == 0 and not quiet:
         print(f"distfuse demo: {WORLD} ranks, backend {dist.get_backend()}, device {device}")
@@ -125,63 +96,45 @@ def train(steps: int = 8, lr: float = 0.05, quiet: bool = False) -> list[tuple[f
               f"{'P_feat ' + str(list(P_feat.shape)):<20}")
         for r in range(WORLD):
             print(f"{r:>6}  {str(P_conv.index_of(r)):<22}{str(P_seq.index_of(r)):<20}{str(P_feat.index_of(r)):<20}")
-    n_out = BATCH * (H // 2) * (W // 2) * 16
 
     def distributed_step(step: int) -> torch.Tensor:
         x_global, t_global = _batch(step, device)
         x = x_global[local_slices(x_global.shape, P_conv.shape, P_conv.index)].contiguous()
         t = t_global[local_slices(t_global.shape, P_conv.shape, P_conv.index)].flatten(2).transpose(1, 2)
-        loss = ((_forward(model, x) - t) ** 2).sum() / n_out  # this rank's share of the global mean
-        if opt:
-            opt.zero_grad()
-        loss.backward()
-        if opt:
-            opt.step()
+        loss = ((_forward(model, x) - t) ** 2).sum() / TERMS  # this rank's share of the mean over every output
+        optimizer_step(opt, loss)
         total = loss.detach().clone()
         dist.all_reduce(total, group=world_group())  # distfuse's world group: DISTFUSE_TIMEOUT bounds it
         return total
 
     def twin_step(dtype: torch.dtype, step: int) -> float:
         x, target = (t.to(dtype) for t in _batch(step, device))
-        return _sequential_step(*twins[dtype], x, target)
+        twin, twin_opt = twins[dtype]
+        return float(optimizer_step(twin_opt, F.mse_loss(_forward(twin, x), target.flatten(2).transpose(1, 2))))
 
     losses, times = train_checked(steps, TERMS, quiet, distributed_step, twin_step, device)
-    final = _collect(model)
+    final = collect_sequential(model, dst=0)
     if dist.get_rank() == 0 and not quiet:
         print_paths(model)
     report(final, twins, TERMS, steps, start, losses, times, "weights", "model", quiet)
     return losses
 
 
-def _train_fn(model: str):
-    """The training function of a demo model (each checks itself against torch.nn on rank 0)."""
-    if model == "unet":
-        from distfuse.demo_unet import train as train_unet
-
-        return train_unet
-    if model == "gpt":
-        from distfuse.demo_gpt import train as train_gpt
-
-        return train_gpt
-    return train
-
-
 def _worker(rank: int, init_file: str, steps: int | None, model: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        _run(model, steps)
-    finally:
-        dist.destroy_process_group()
+                            timeout=timedelta(seconds=120))
+    _run(model, steps)
 
 
 def _run(model: str, steps: int | None) -> None:
-    fn = _train_fn(model)
-    if steps is None:
-        fn()
-    else:
-        fn(steps)
+    """Train a demo model on the initialised process group (each checks itself against torch.nn on rank 0), then
+    destroy the group; ``steps`` None: the model's default."""
+    fn = train if model == "convnet" else importlib.import_module(f"distfuse.demo_{model}").train
+    try:
+        fn() if steps is None else fn(steps)
+    finally:
+        dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,14 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.path == "fused" and not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any @triton.jit runs
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
+        if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
-        try:
-            _run(args.model, args.steps)
-        finally:
-            dist.destroy_process_group()
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", timeout=timedelta(seconds=300))
+        _run(args.model, args.steps)
         return
     import torch.multiprocessing as mp
 

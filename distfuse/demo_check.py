@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["make_twins", "train_checked", "report", "print_paths"]
+__all__ = ["make_twins", "optimizer_step", "train_checked", "report", "print_paths"]
 
 
 def make_twins(build: Callable[[torch.dtype], nn.Module], state: dict | None,
@@ -36,6 +36,15 @@ def make_twins(build: Callable[[torch.dtype], nn.Module], state: dict | None,
         twin.load_state_dict(state)
         twins[dtype] = (twin, optimizer(twin))
     return start, twins
+
+
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor) -> torch.Tensor:
+    """``opt``'s step on the gradient of ``loss`` (the grads cleared first); returns the loss, detached (no host
+    read: the distributed step's time stays the device's)."""
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    return loss.detach()
 
 
 def train_checked(steps: int, terms: int, quiet: bool, distributed_step: Callable[[int], torch.Tensor],

@@ -125,33 +125,25 @@ class Distributed:
     """The distributed layers under the names :class:`GPT` asks for, over the demo's four partitions."""
 
     def __init__(self, P, P_tok, P_seq, P_feat):
-        self.P, self.P_tok, self.P_seq, self.P_feat = P, P_tok, P_seq, P_feat
+        from distfuse import layers
+
+        self.P, self.P_tok, self.P_seq, self.P_feat, self._layers = P, P_tok, P_seq, P_feat, layers
 
     def Embedding(self, num, dim):  # noqa: N802 - layer factories, named like the torch.nn classes they stand for
-        from distfuse.layers import DistributedEmbedding
-
-        return DistributedEmbedding(self.P_tok, num, dim, sequence_parallel=True)
+        return self._layers.DistributedEmbedding(self.P_tok, num, dim, sequence_parallel=True)
 
     def LayerNorm(self, dim):  # noqa: N802
-        from distfuse.layers import DistributedLayerNorm
-
-        return DistributedLayerNorm(self.P_seq, dim)
+        return self._layers.DistributedLayerNorm(self.P_seq, dim)
 
     def Attention(self, embed_dim, num_heads):  # noqa: N802
-        from distfuse.layers import DistributedMultiheadAttention
-
-        return DistributedMultiheadAttention(self.P, embed_dim, num_heads, causal=True, layout=LAYOUT,
-                                             sequence_parallel=True)
+        return self._layers.DistributedMultiheadAttention(self.P, embed_dim, num_heads, causal=True, layout=LAYOUT,
+                                                          sequence_parallel=True)
 
     def ColumnLinear(self, n_in, n_out, bias=True):  # noqa: N802
-        from distfuse.layers import DistributedLinearAllGather
-
-        return DistributedLinearAllGather(self.P_feat, n_in, n_out, bias, P_x=self.P_seq)
+        return self._layers.DistributedLinearAllGather(self.P_feat, n_in, n_out, bias, P_x=self.P_seq)
 
     def RowLinear(self, n_in, n_out, bias=True):  # noqa: N802
-        from distfuse.layers import DistributedLinearReduceScatter
-
-        return DistributedLinearReduceScatter(self.P_feat, n_in, n_out, bias, P_y=self.P_seq)
+        return self._layers.DistributedLinearReduceScatter(self.P_feat, n_in, n_out, bias, P_y=self.P_seq)
 
 
 # ---------------------------------------------------------------- training

@@ -13,10 +13,9 @@
     head    Conv3d(8 -> 3, k1)                                 per-voxel logits of 3 classes
     loss    CrossEntropyLoss over every voxel of the volume    global mean: one all-reduce
 
-Rank 0 trains the ``torch.nn`` twins alongside and checks every step's loss and the final state,
-the batch norms' running statistics included (:mod:`distfuse.demo_check`). The activations are
-SiLU, not ReLU: the check needs training to be a continuous function of the rounding, and a
-ReLU's kink is not (:mod:`distfuse.testing.tolerance`).
+Rank 0 checks every step's loss and the final state, the batch norms' running statistics
+included, against ``torch.nn`` twins (:mod:`distfuse.demo_check`).  The activations are SiLU,
+not ReLU (:mod:`distfuse.testing.tolerance` says why).
 """
 
 from __future__ import annotations
@@ -78,19 +77,10 @@ def _batch(step: int, device):
     return x.to(device), target.to(device)
 
 
-def _sequential_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, target: torch.Tensor) -> float:
-    """One training step of a ``torch.nn`` twin; returns its loss."""
-    opt.zero_grad()
-    loss = nn.functional.cross_entropy(model(x), target)
-    loss.backward()
-    opt.step()
-    return float(loss.detach())
-
-
 def train(steps: int = 8, lr: float = 0.1, quiet: bool = False) -> list[tuple[float, float]]:
     """Train on an initialised process group of 4 ranks; returns (distributed, sequential) losses on rank 0."""
     from distfuse import Partition
-    from distfuse.demo_check import make_twins, report, train_checked
+    from distfuse.demo_check import make_twins, optimizer_step, report, train_checked
     from distfuse.geometry.decomposition import local_slices
     from distfuse.model import collect_sequential, make_optimizer
 
@@ -118,14 +108,13 @@ def train(steps: int = 8, lr: float = 0.1, quiet: bool = False) -> list[tuple[fl
         target_index = P_x.index[:1] + P_x.index[2:]
         t = t_global[local_slices(t_global.shape, target_grid, target_index)].contiguous()
         loss = loss_fn(model(x), t)  # the global mean, the same on every rank
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        optimizer_step(opt, loss)
         return loss
 
     def twin_step(dtype: torch.dtype, step: int) -> float:
         x, target = _batch(step, device)
-        return _sequential_step(*twins[dtype], x.to(dtype), target)
+        twin, twin_opt = twins[dtype]
+        return float(optimizer_step(twin_opt, nn.functional.cross_entropy(twin(x.to(dtype)), target)))
 
     losses, times = train_checked(steps, TERMS, quiet, distributed_step, twin_step, device)
     report(collect_sequential(model, dst=0), twins, TERMS, steps, start, losses, times,

@@ -48,12 +48,10 @@ def world_group_timeout() -> float | None:
     """
     if not dist.is_available() or not dist.is_initialized():
         return None
-    world = dist.group.WORLD
     found = []
     for device_type in ("cpu", "cuda"):
         try:
-            backend = world._get_backend(torch.device(device_type))
-            timeout = backend.options._timeout
+            timeout = dist.group.WORLD._get_backend(torch.device(device_type)).options._timeout
         except (RuntimeError, ValueError, TypeError, AttributeError):  # no backend for this device type
             continue
         if isinstance(timeout, timedelta) and timeout.total_seconds() > 0:
@@ -109,8 +107,7 @@ def group_timeout(group=None) -> float:
     """
     if group is None and _WORLD:
         return _WORLD["timeout"]
-    seconds = _TIMEOUTS.get(id(group)) if group is not None else None
-    return seconds if seconds is not None else default_timeout().total_seconds()
+    return _TIMEOUTS.get(id(group)) or default_timeout().total_seconds()  # positive when recorded
 
 
 def _new_group(ranks: Sequence[int], timeout: timedelta, backend: str | None, what: str):
@@ -146,7 +143,7 @@ def _world_groups() -> dict:
     _GROUPS.clear()
     ranks = tuple(range(dist.get_world_size()))
     meta = _new_group(ranks, timeout, "gloo", "the metadata group")
-    nccl = _uses_nccl(dist.group.WORLD)
+    nccl = cuda_backend_of(dist.group.WORLD) == "nccl"  # then partitions live on the GPU and need the warm-up
     data = _new_group(ranks, timeout, None, "the world data group") if nccl else meta
     _WORLD.update(data=data, meta=meta, timeout=timeout.total_seconds(), world=id(dist.group.WORLD))
     try:
@@ -182,7 +179,7 @@ def metadata_group():
 def _check_creation_consistent(call: str, groups: Sequence[tuple[int, ...]], args: dict | None = None) -> None:
     """All world ranks must be creating the same groups, with the same arguments, now; raise on every rank if not."""
     _CREATION_SEQ[0] += 1
-    timeout = _WORLD["timeout"] if _WORLD else default_timeout().total_seconds()
+    timeout = _WORLD["timeout"]  # callers create the world groups first
     record = (_CREATION_SEQ[0], call, tuple(groups), tuple(sorted((args or {}).items())), timeout)
     records: list = [None] * dist.get_world_size()
     try:
@@ -277,14 +274,9 @@ def _asked(get, group) -> str | None | bool:
         return False
 
 
-def _uses_nccl(group=None) -> bool:
-    """Whether ``group`` sends CUDA tensors through NCCL: then partitions live on the GPU and need the warm-up."""
-    return cuda_backend_of(group) == "nccl"
-
-
 def default_device() -> torch.device:
     """``cuda:<current>`` when the world's CUDA backend is NCCL (however the backend was spelt), else CPU."""
-    if _uses_nccl():
+    if cuda_backend_of() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -299,7 +291,4 @@ def world_partition_groups() -> tuple[tuple[int, ...], tuple]:
     call, which creates distfuse's world groups: :func:`_world_groups`)."""
     world = _world_groups()
     ranks = tuple(range(dist.get_world_size()))
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = (world["data"], world["meta"])
-    return ranks, _GROUPS[ranks]
-
+    return ranks, _GROUPS.setdefault(ranks, (world["data"], world["meta"]))

@@ -1,13 +1,10 @@
 """Whole-model helpers: move a model's state to and from ``torch.nn``, optimizers, global gradient clipping.
 
-A distfuse model mixes distfuse layers with plain torch modules.
-:func:`~distfuse.interop.model_map.map_model` finds every distfuse layer by its module
-path and names each parameter by its key in the equivalent ``torch.nn`` model
-(``0.weight`` for a Sequential's first layer); everything else in the model's state is a
-plain module's, held whole by every rank (replicated).  The helpers work on that map;
-all but :func:`make_optimizer` and :func:`replicated_parameters` are collective over the
-world, and a problem found on one rank (a model built differently elsewhere, a missing
-key) raises the same :class:`~distfuse.errors.ShapeError` on every rank.
+The helpers work on :func:`~distfuse.interop.model_map.map_model`'s map of a model (the distfuse
+layers' blocks under their keys in the equivalent ``torch.nn`` model; the plain modules' state,
+replicated).  All but :func:`make_optimizer` and :func:`replicated_parameters` are collective over
+the world, and a problem found on one rank (a model built differently elsewhere, a missing key)
+raises the same :class:`~distfuse.errors.ShapeError` on every rank.
 """
 
 from __future__ import annotations
@@ -113,12 +110,8 @@ def make_optimizer(optimizer_cls: type, params, **kwargs) -> torch.optim.Optimiz
     communication).  Closure-driven optimizers that read their first parameter (LBFGS)
     still need one.
     """
-    if isinstance(params, nn.Module):
-        params = params.parameters()
-    params = list(params)
-    if not params:
-        params = [{"params": []}]
-    return optimizer_cls(params, **kwargs)
+    params = list(params.parameters() if isinstance(params, nn.Module) else params)
+    return optimizer_cls(params or [{"params": []}], **kwargs)
 
 
 def replicated_parameters(model: nn.Module) -> list[nn.Parameter]:

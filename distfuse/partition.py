@@ -38,8 +38,7 @@ def zero_volume_tensor(b: int | None = None, dtype: torch.dtype | None = None, d
     backward pass, so that autograd runs the adjoint there too.
     """
     shape = (0,) if b is None else (int(b), 0)
-    dtype = dtype if dtype is not None else torch.get_default_dtype()
-    return torch.empty(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+    return torch.empty(shape, dtype=dtype, device=device, requires_grad=requires_grad)  # dtype None: the default
 
 
 class Partition:
@@ -75,8 +74,7 @@ class Partition:
         if not dist.is_initialized():
             raise PartitionError("Partition.world: torch.distributed is not initialised; call "
                                  "torch.distributed.init_process_group first")
-        ranks, groups = world_partition_groups()
-        return cls(ranks, groups, device)
+        return cls(*world_partition_groups(), device)
 
     def create_partition_inclusive(self, ranks: Iterable[int]) -> Partition:
         """The sub-partition of the workers at positions ``ranks`` of this partition (collective over the world)."""

@@ -6,11 +6,8 @@ different shapes, but only once every rank is inside the op's claim.  Two disagr
 stop one rank short of it, and its peers would wait in the claim until the timeout:
 
 * **The cached workspace is too small for this rank's call.**  Growing it is collective,
-  and in a correct program every rank asks for the same bytes, so the rank first claims
-  the cached workspace and publishes :data:`~distfuse.kernels.signature.GROW`
-  (:func:`agreed_workspace`).  Where every rank said GROW, they grow together and run the
-  op; where a peer's call fit, that peer saw GROW and raises, and so does this rank
-  (:class:`~distfuse.errors.ShapeError`).  One extra claim per growth.
+  so the rank first claims the cached workspace and publishes
+  :data:`~distfuse.kernels.signature.GROW` (:func:`agreed_workspace`): one extra claim per growth.
 * **A local check refused this rank's input** (rows that do not fit its block of ``n``, a
   dtype the others do not share).  :func:`refusal` makes the rank take part in the op's
   first claim with :data:`~distfuse.kernels.signature.REFUSED` and no payload
@@ -46,9 +43,11 @@ _PENDING: ContextVar[Exception | None] = ContextVar("distfuse_pending_refusal", 
 def agreed_workspace(P: Partition, device, op: str, nbytes: int, layout: str):
     """The workspace of ``P`` for a phase that needs ``nbytes``; grown (collectively) only where every rank asks.
 
+    In a correct program every rank asks for the same bytes: where every rank published GROW,
+    they grow together and run the op; where a peer's call fit the cached workspace, that peer
+    saw GROW and raises, and so does this rank (:class:`~distfuse.errors.ShapeError`).
     ``layout`` is the phase consumer's flag layout (``SCATTER_FLAGS`` / ``GATHER_FLAGS``
-    of :mod:`distfuse.kernels.signature`): the peers that fit the cached workspace run
-    the phase on it, and this rank waits on the flags they raise.
+    of :mod:`distfuse.kernels.signature`), on which this rank waits for the peers' flags.
     """
     cached = cached_workspace(P, device)
     if P.size > 1 and cached is not None and cached.nbytes < nbytes and not debug.enabled():
@@ -67,10 +66,8 @@ def refuse(error: Exception, P: Partition, device, op: str, layout: str, nbytes:
     (the set-up is collective; the ranks take the largest request).  Where the fused path
     is unavailable on ``P`` every rank raises on its own anyway, so ``error`` is raised at once.
     """
-    if not P.active or P.size == 1:
-        raise error
-    ok, _ = symmetric_memory_available(P, device)  # where the peers ask require_available (collective once)
-    if not ok:
+    # The availability verdict only where the peers ask require_available (collective once).
+    if not P.active or P.size == 1 or not symmetric_memory_available(P, device)[0]:
         raise error
     if debug.enabled():
         # The peers' metadata check differs from this record: every rank raises there (its own error here).

@@ -73,14 +73,8 @@ def _push_peer(x: torch.Tensor, view, rank: int, peer: int, W: int, n: int) -> N
 
 
 def ag_push_copy_engine(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int) -> None:
-    """Produce like :func:`~distfuse.kernels.all_gather_matmul.ag_push`: the same rows and flags, by DMA.
-
-    Args:
-        a_shard: ``[..., len_rank, K]``, block ``rank`` of the balanced decomposition of ``n``.
-        ws: the workspace, claimed (``ws.in_flight``), with
-            :func:`~distfuse.kernels.all_gather_matmul.gathered_matmul_workspace_bytes` of data.
-        rank, world_size: this rank and the group size (virtual rank in loopback).
-        n: the full extent of the gathered dim.
+    """Produce like :func:`~distfuse.kernels.all_gather_matmul.ag_push` (its arguments but ``config``): the same
+    rows and flags, by DMA.
 
     On CUDA the copies run on the workspace's side streams (one per peer) and overlap the
     GEMM that :func:`~distfuse.kernels.all_gather_matmul.gathered_matmul` then issues on the
@@ -90,8 +84,7 @@ def ag_push_copy_engine(a_shard: torch.Tensor, ws, rank: int, world_size: int, n
     st = claimed_rank_view(op, ws, rank, world_size, a_shard.device)
     W = world_size
     x = _shard3(op, a_shard, n, rank, W)
-    if x.numel() and not x.is_contiguous():
-        x = x.contiguous()  # rows must be contiguous for one DMA each (on the op's stream, before the fork)
+    x = x.contiguous()  # rows must be contiguous for one DMA each (on the op's stream, before the fork)
     st.data(x.dtype, x.shape[0] * n * x.shape[2], op=op)  # the capacity, the same on every rank
     if W == 1:
         return

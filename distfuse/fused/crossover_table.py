@@ -57,7 +57,7 @@ from distfuse.errors import ConfigError
 from distfuse.fused.registry import current_name
 
 __all__ = ["FORMAT", "NEVER", "SOURCES", "SHIPPED", "table_path", "shipped_path", "table_key", "current_key",
-           "current_keys", "load_table", "read_json", "check_entry", "entry_source", "gain_at", "nearest"]
+           "current_keys", "load_table", "read_json", "check_entry", "entry_source", "gain_at", "nearest", "warn_once"]
 
 log = logging.getLogger("distfuse.dispatch")
 
@@ -67,7 +67,7 @@ SOURCES = ("measured", "projected")
 #: The table shipped in the package (package data; regenerate with ``distfuse-tune project``).
 SHIPPED = Path(__file__).with_name("crossover_shipped.json")
 
-_TABLE_CACHE: dict[str, tuple[float, dict]] = {}
+_TABLE_CACHE: dict[str, tuple[int, dict]] = {}
 _LOGGED: set[str] = set()
 
 
@@ -219,9 +219,8 @@ def _mtime(path: Path) -> int | None:
 
 
 def _load_file(path: Path) -> dict:
-    try:
-        mtime = path.stat().st_mtime
-    except OSError:
+    mtime = _mtime(path)
+    if mtime is None:
         return {}
     cached = _TABLE_CACHE.get(str(path))
     if cached and cached[0] == mtime:
@@ -239,11 +238,16 @@ def _load_file(path: Path) -> dict:
     return table
 
 
+def warn_once(key: str, msg: str) -> None:
+    """Log ``msg`` as a warning of logger ``distfuse.dispatch``, once per ``key``."""
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.warning(msg)
+
+
 def _ignored(path: Path, why: str) -> dict:
-    """An empty table in place of the file at ``path``, said once per file (as a warning)."""
-    if f"table:{path}" not in _LOGGED:
-        _LOGGED.add(f"table:{path}")
-        log.warning(f"distfuse: {why}")
+    """An empty table in place of the file at ``path``, said once per file."""
+    warn_once(f"table:{path}", f"distfuse: {why}")
     return {}
 
 

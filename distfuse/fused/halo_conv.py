@@ -53,6 +53,7 @@ from distfuse.fused.halo_staging import backward_messages, forward_messages
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.groups import world_group
 from distfuse.kernels.halo import halo_accumulate, halo_pack, halo_stage, halo_unstage
+from distfuse.kernels.halo_tables import recv_numel, send_numel
 from distfuse.primitives._common import collective_guard, exchange, first_order_only
 from distfuse.primitives._handles import lookup
 from distfuse.primitives._op_pair import ordered
@@ -106,7 +107,7 @@ def _stage_conv(x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_o
     staged_shape = plan.staged_shape(index)
     stride, dilation = _stride_dilation(plan)
     send = halo_pack(x, plan, index)
-    recv = x.new_empty(sum(lead * math.prod(pc.src_shape) for pc in plan.recvs(index)))
+    recv = x.new_empty(recv_numel(plan, index, lead))
     sends, recvs = forward_messages(plan, index, world_of, lead, send, recv)
     if implicit:
         # No staged copy: the implicit-GEMM loader reads x, the receive buffer and the padding directly.
@@ -163,7 +164,7 @@ def _stage_conv_adjoint(grad_y, x, kept, weight, plan: HaloPlan, index: tuple[in
         _, gw, gb = conv_backward(False, need_w, need_b)
         return None, gw, gb
     lead = math.prod(staged_full_shape[:-nd])
-    incoming = grad_y.new_empty(sum(lead * math.prod(pc.src_shape) for _, pc in plan.sends(index)))
+    incoming = grad_y.new_empty(send_numel(plan, index, lead))
     if overlap:
         gs, _, _ = conv_backward(True, False, False)
         gs = gs.contiguous()
@@ -232,8 +233,7 @@ def _(x, weight, bias, handle, global_shape, groups, overlap, implicit, keep, an
     if not keep:
         return y, x.new_empty(0)
     if implicit:
-        lead = math.prod(x.shape[:-len(plan.axes)])
-        return y, x.new_empty(sum(lead * math.prod(pc.src_shape) for pc in plan.recvs(index)))
+        return y, x.new_empty(recv_numel(plan, index, math.prod(x.shape[:-len(plan.axes)])))
     return y, x.new_empty(tuple(x.shape[:2]) + plan.staged_shape(index))
 
 

@@ -27,7 +27,7 @@ import torch
 
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.kernels.halo import halo_accumulate, halo_pack, halo_stage, halo_unstage
-from distfuse.kernels.halo_tables import box_offsets
+from distfuse.kernels.halo_tables import box_offsets, recv_numel, send_numel
 from distfuse.primitives._common import exchange
 from distfuse.primitives._op_pair import op_pair
 from distfuse.primitives.halo_exchange import halo_geometry
@@ -64,7 +64,7 @@ def _staging(x: torch.Tensor, handle: int, global_shape: list[int]) -> torch.Ten
     x = x.contiguous()
     lead = math.prod(x.shape[:-len(plan.axes)])
     send = halo_pack(x, plan, index)
-    recv = x.new_empty(sum(lead * math.prod(pc.src_shape) for pc in plan.recvs(index)))
+    recv = x.new_empty(recv_numel(plan, index, lead))
     exchange(*forward_messages(plan, index, halo.world_of_fn(), lead, send, recv), op=halo._op)
     return halo_stage(x, recv, plan, index)
 
@@ -79,7 +79,7 @@ def _staging_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], x
     halo, plan, index = halo_geometry(handle, global_shape)
     lead = math.prod(x_shape[:-len(plan.axes)])
     part = halo_unstage(grad.contiguous(), plan, index)
-    incoming = grad.new_empty(sum(lead * math.prod(pc.src_shape) for _, pc in plan.sends(index)))
+    incoming = grad.new_empty(send_numel(plan, index, lead))
     exchange(*backward_messages(plan, index, halo.world_of_fn(), lead, part.send, incoming), op=f"{halo._op} (adjoint)")
     return halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index)
 

@@ -43,7 +43,7 @@ import distfuse.kernels.all_gather_matmul as all_gather_kernels
 import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
 from distfuse._compat import all_gather_flat, reduce_scatter_flat
-from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
+from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.fused.agreement import agreed_workspace
 from distfuse.fused.symmetric_availability import symmetric_memory_available
 from distfuse.fused.workspace import LoopbackWorkspace
@@ -51,22 +51,17 @@ from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels._utils import FLOAT_DTYPES
 from distfuse.partition import Partition
 
-__all__ = ["fused_linear_available", "require_available", "check_member", "check_partial_dtype",
-           "check_loopback_counts", "check_linear_args", "workspace_bytes", "features_workspace_bytes", "Comm", "Done",
-           "RowGather", "ColumnGather", "reduce_scatter_dim", "Phases", "run_phases", "no_grads", "flat_rows"]
+__all__ = ["fused_linear_available", "require_available", "check_partial_dtype", "check_loopback_counts",
+           "check_linear_args", "workspace_bytes", "features_workspace_bytes", "Comm", "Done", "RowGather",
+           "ColumnGather", "reduce_scatter_dim", "Phases", "run_phases", "flat_rows"]
 
 
 def fused_linear_available(P_sub: Partition, device=None, dtype: torch.dtype | None = None) -> tuple[bool, str]:
-    """Whether the fused GEMM ops can run on ``P_sub`` (and ``dtype``), and why not.
+    """Whether the fused GEMM ops can run on ``P_sub`` (and ``dtype``), and why not ("Availability" above).
 
-    True at world size 1.  Otherwise it is
-    :func:`~distfuse.fused.symmetric_availability.symmetric_memory_available`, **collective over
-    P_sub the first time** (cached afterwards): every rank of ``P_sub`` calls it and all get the
-    same answer.  The dtype check is local.  Layers use it as::
-
-        ok, why = fused_linear_available(P_sub, x.device, x.dtype)
-        if not ok:
-            log_fallback_once(why)   # then the unfused composition
+    True at world size 1, else :func:`~distfuse.fused.symmetric_availability.symmetric_memory_available`:
+    **collective over P_sub the first time** (cached afterwards), the same answer on every rank.  The dtype
+    check is local.
     """
     if not P_sub.active:
         return False, "this rank is not in the partition"
@@ -84,12 +79,6 @@ def require_available(op: str, P_sub: Partition, device) -> None:
         if not ok:
             raise UnsupportedError(f"{where(op)}: the fused path cannot run here ({why}); check "
                                    "fused_linear_available first and use the unfused composition")
-
-
-def check_member(op: str, P_sub: Partition) -> None:
-    """Raise :class:`~distfuse.errors.PartitionError` where this rank is not in ``P_sub``."""
-    if not P_sub.active:
-        raise PartitionError(f"{where(op)}: this rank is not in P_sub {list(P_sub.ranks)}")
 
 
 def check_partial_dtype(op: str, partial_dtype) -> None:
@@ -169,6 +158,7 @@ class Comm:
                  device: torch.device | None = None):
         self.P = P
         self._loopback = loopback
+        self.is_loopback = loopback is not None
         if loopback is not None:
             self.world_size = loopback.world_size
             self.ranks = tuple(range(self.world_size))
@@ -179,10 +169,6 @@ class Comm:
             self.world_size = P.size
             self.ranks = (P.rank,)
             self.device = device
-
-    @property
-    def is_loopback(self) -> bool:
-        return self._loopback is not None
 
     def workspace(self, op: str, nbytes: int, layout: str):
         """The workspace for a phase that needs ``nbytes`` on every rank; ``layout`` is the phase consumer's flag
@@ -374,11 +360,6 @@ def run_phases(phases: Phases, plan, xs, weights, biases) -> list[torch.Tensor]:
     bias_at = tuple(i for i, b in enumerate(biases) if b is not None)
     out = _PhasesFunction.apply(phases, plan, k, bias_at, *xs, *weights, *(biases[i] for i in bias_at))
     return [out] if k == 1 else list(out)
-
-
-def no_grads(k: int) -> tuple[list, list, list]:
-    """``(dxs, dweights, dbiases)`` all None: what a backward fills in as ``needs`` asks."""
-    return [None] * k, [None] * k, [None] * k
 
 
 def flat_rows(t: torch.Tensor) -> torch.Tensor:

@@ -53,17 +53,15 @@ import distfuse.kernels.matmul_all_reduce as all_reduce_kernels
 import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
 import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
 from distfuse import debug
-from distfuse.errors import UnsupportedError, expect
+from distfuse.errors import PartitionError, UnsupportedError, expect, where
 from distfuse.fused.agreement import refusal
 from distfuse.fused.matmul_common import (
     Comm,
     Done,
     Phases,
     check_loopback_counts,
-    check_member,
     check_partial_dtype,
     flat_rows,
-    no_grads,
     require_available,
     run_phases,
 )
@@ -124,10 +122,7 @@ class _Rows:
         return shape_signature("all_gather_matmul", lead, n, K, shard.dtype), what
 
     def push(self, x, ws, r: int, W: int, n: int, push: str | None) -> None:
-        if push in (None, "triton"):
-            all_gather_kernels.ag_push(x, ws, r, W, n)
-        else:
-            run_push(push, x, ws, r, W, n)
+        run_push(push or "triton", x, ws, r, W, n)
 
     def consume(self, op: str, ws, r: int, W: int, x, w, b, n: int, return_gathered: bool):
         """``(y, gathered or None, the tensor the signature check poisons)``."""
@@ -227,7 +222,7 @@ def gather_and_consume(comm: Comm, op: str, shards, weights, biases, *, axis: st
     ``extent``: the gathered extent (``n``, or ``K``); ``weights[i]`` is ``[N, K]`` (all K
     input features, any strides).  Returns ``(ys, gathered)``: ``gathered[i]`` the gathered
     input when ``return_gathered`` (else None).  ``push``: the push of the rows
-    (:data:`distfuse.fused.providers.PUSHES`; None: the Triton one).
+    (:func:`distfuse.fused.providers.run_push`; None: the Triton one).
     """
     W = comm.world_size
     if W == 1:
@@ -380,7 +375,8 @@ class PipelineLinear:
         """The op's checks and plan for one call on ``P_sub`` (collective where the checks refuse, see
         :mod:`distfuse.fused.agreement`)."""
         op = self.name
-        check_member(op, P_sub)
+        if not P_sub.active:
+            raise PartitionError(f"{where(op)}: this rank is not in P_sub {list(P_sub.ranks)}")
         W, r = P_sub.size, P_sub.rank
         extent = self.agreed_extent(P_sub, x, n)  # before any check: a rank whose checks fail takes part too
         with refusal(op, P_sub, x, SCATTER_FLAGS if self.scatters else GATHER_FLAGS,
@@ -458,7 +454,7 @@ class PipelineLinear:
     def backward(self, plan: LinearPlan, needs, xs, weights, biases, extras, dys):
         need_dx, need_dw, need_db = needs
         op, comm, k = f"{self.name}.backward", plan.comm, len(dys)
-        dxs, dws, dbs = no_grads(k)
+        dxs, dws, dbs = [None] * k, [None] * k, [None] * k
         if self.scatters and (need_dx or need_dw):
             gxs, gathered = gather_and_consume(comm, op, dys, [w.t() for w in weights], [None] * k, axis=self.axis,
                                                extent=plan.extent, return_gathered=need_dw, nbytes=plan.nbytes)

@@ -64,15 +64,8 @@ def _chunk_gemm(rows: torch.Tensor, weight: torch.Tensor, dst: torch.Tensor) -> 
 
 def matmul_scatter_cublas(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
                           partial_dtype: torch.dtype | None = None) -> None:
-    """Produce, like :func:`distfuse.kernels.matmul_reduce_scatter.matmul_scatter`, with one library GEMM per chunk.
-
-    Args:
-        a: ``[..., n, K]`` (leading dims are the batch B_), bf16, fp16 or fp32.
-        weight: ``[N, K]``, ``a``'s dtype and device, any strides.
-        ws: the workspace, claimed (``ws.in_flight``), with
-            :func:`~distfuse.kernels.matmul_reduce_scatter.matmul_scatter_workspace_bytes` of data.
-        rank, world_size: this rank and the group size (virtual rank in loopback).
-        partial_dtype: the slots' dtype (default ``a.dtype``).
+    """Produce, like :func:`distfuse.kernels.matmul_reduce_scatter.matmul_scatter` (its arguments but ``config``),
+    with one library GEMM per chunk.
 
     Writes the same slots and raises the same flags as the Triton producers; finish with
     :func:`~distfuse.kernels.matmul_reduce_scatter.chunk_reduce` on every rank.

@@ -13,7 +13,6 @@ peer table (:func:`check_peer_view`).  Views are built once per rank view and ca
 
 from __future__ import annotations
 
-import ctypes
 import weakref
 
 import torch
@@ -56,10 +55,7 @@ def _raw_buffer(ws, peer: int, address: int, nbytes: int) -> torch.Tensor:
     if handle is not None and locations is not None and hasattr(handle, "get_buffer"):
         group_rank, offset = locations[peer]
         return handle.get_buffer(group_rank, (nbytes,), torch.uint8, offset)
-    device = ws.device
-    if device.type == "cuda":
-        return torch.as_tensor(_CudaRegion(address, nbytes), device=device)
-    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+    return torch.as_tensor(_CudaRegion(address, nbytes), device=ws.device)  # CUDA: CPU workspaces map every peer
 
 
 #: Per rank view: every peer's whole buffer (header + data) as a checked uint8 tensor.

@@ -42,12 +42,12 @@ from distfuse.fused.crossover_table import load_table, nearest, table_key
 from distfuse.kernels.matmul_scatter_select import KernelChoice, launch_scatter_kernel, select_scatter_kernel
 
 __all__ = ["providers_of", "select_provider", "check_provider", "pick_provider", "run_producer", "last_kernel",
-           "record_kernel", "run_push", "PUSHES"]
+           "record_kernel", "run_push"]
 
 
 def providers_of(op: str) -> tuple[str, ...]:
-    """The providers of a registered op, default first (``("triton",)`` where the registry lists none)."""
-    return tuple(getattr(registry.get(op), "providers", None) or ("triton",))
+    """The providers of a registered op, default first (:attr:`~distfuse.fused.registry.FusedOp.providers`)."""
+    return registry.get(op).providers
 
 
 def check_provider(op: str, provider: str) -> str:
@@ -56,14 +56,6 @@ def check_provider(op: str, provider: str) -> str:
     if provider not in names:
         raise expect(op, "provider", " or ".join(names), repr(provider), cls=UnsupportedError)
     return provider
-
-
-def _from_entry(entry: dict, size: float) -> str | None:
-    sizes = entry.get("provider_sizes")
-    if isinstance(sizes, list) and sizes:
-        return str(nearest(sizes, size)[1])
-    provider = entry.get("provider")
-    return provider if isinstance(provider, str) else None
 
 
 def select_provider(op: str, shapes: dict, dtype: torch.dtype, world_size: int, device_name: str,
@@ -81,7 +73,9 @@ def select_provider(op: str, shapes: dict, dtype: torch.dtype, world_size: int, 
         table = load_table()
     entry = table.get(table_key(device_name, world_size, dtype, op))
     if isinstance(entry, dict):
-        chosen = _from_entry(entry, registry.size_of(op, shapes))
+        sizes = entry.get("provider_sizes")
+        chosen = str(nearest(sizes, registry.size_of(op, shapes))[1]) if isinstance(sizes, list) and sizes \
+            else entry.get("provider")
         if chosen in names:
             return chosen
     return names[0]
@@ -138,23 +132,11 @@ def run_producer(provider: str, a, weight, ws, rank: int, world_size: int, parti
     return record_kernel(op, choice)
 
 
-def _triton_push(a_shard, ws, rank, W, n):
-    from distfuse.kernels.all_gather_matmul import ag_push
-
-    ag_push(a_shard, ws, rank, W, n)
-
-
-def _copy_engine_push(a_shard, ws, rank, W, n):
-    from distfuse.fused.all_gather_copy_engine import ag_push_copy_engine
-
-    ag_push_copy_engine(a_shard, ws, rank, W, n)
-
-
-#: The pushes of all_gather_matmul by provider: ``(a_shard, ws, rank, W, n) -> None``.
-PUSHES = {"triton": _triton_push, "copy_engine": _copy_engine_push}
-
-
 def run_push(provider: str, a_shard, ws, rank: int, world_size: int, n: int) -> None:
     """Run ``provider``'s push of all_gather_matmul (gathered rows and flags for ``gathered_matmul``)."""
     check_provider(registry.ALL_GATHER_MATMUL.name, provider)
-    PUSHES[provider](a_shard, ws, rank, world_size, n)
+    if provider == "copy_engine":
+        from distfuse.fused.all_gather_copy_engine import ag_push_copy_engine as push
+    else:
+        from distfuse.kernels.all_gather_matmul import ag_push as push
+    push(a_shard, ws, rank, world_size, n)

@@ -30,8 +30,6 @@ measured on a GPU yet.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from distfuse.errors import ShapeError, where
@@ -51,30 +49,24 @@ def ring_workspace_bytes(slot_bytes: int) -> int:
     return CHANNELS * 2 * slot
 
 
-class _Pending:
-    def __init__(self, channel: int, slot: int, numel: int, dtype: torch.dtype, side=None):
-        self.channel, self.slot, self.numel, self.dtype, self.side = channel, slot, numel, dtype, side
-
-
 class SymmetricRing:
     """One ring call's transport over ``P``'s symmetric workspace: ``with SymmetricRing(...) as ring:`` claims it.
 
-    ``post(channel, block, recv_numel)`` pushes ``block`` into the next worker's slot and returns a pending
-    exchange; ``finish(pending)`` returns the block the previous worker pushed into this worker's slot
-    (``recv_numel`` elements of ``block``'s dtype, a new tensor).
+    ``post(channel, block, recv_numel)`` pushes ``block`` into the next worker's slot and returns the pending
+    exchange ``(channel, slot, recv_numel, dtype, side stream or None)``; ``finish(pending)`` returns the block the
+    previous worker pushed into this worker's slot (``recv_numel`` elements of ``block``'s dtype, a new tensor).
     """
 
     def __init__(self, P: Partition, device, slot_bytes: int, op: str):
         self.P, self.op = P, op
         self.slot_bytes = ring_workspace_bytes(slot_bytes) // (CHANNELS * 2)
         self.ws = get_workspace(P, ring_workspace_bytes(slot_bytes), device)
-        self.next, self.prev = (P.rank + 1) % P.size, (P.rank - 1) % P.size
+        self.next = (P.rank + 1) % P.size
         self._exchanges = [0] * CHANNELS
-        self._claim = None
+        self._claim = self.ws.in_flight(self.op)
 
     def __enter__(self) -> SymmetricRing:
-        self._claim = contextlib.ExitStack()
-        self._claim.enter_context(self.ws.in_flight(self.op))
+        self._claim.__enter__()
         self.view = self.ws.rank_view(self.P.rank)
         return self
 
@@ -84,7 +76,7 @@ class SymmetricRing:
     def _offset(self, channel: int, slot: int) -> int:
         return (channel * 2 + slot) * self.slot_bytes
 
-    def post(self, channel: int, block: torch.Tensor, recv_numel: int) -> _Pending:
+    def post(self, channel: int, block: torch.Tensor, recv_numel: int) -> tuple:
         if max(block.numel(), recv_numel) * block.dtype.itemsize > self.slot_bytes:
             raise ShapeError(f"{where(self.op)}: a ring message of {max(block.numel(), recv_numel)} {block.dtype} "
                              f"elements does not fit the {self.slot_bytes}-byte slot")
@@ -103,11 +95,11 @@ class SymmetricRing:
             block.record_stream(side)
         else:
             dest.copy_(block)
-        return _Pending(channel, slot, recv_numel, block.dtype, side)
+        return channel, slot, recv_numel, block.dtype, side
 
-    def finish(self, pending: _Pending) -> torch.Tensor:
-        if pending.side is not None:
-            torch.cuda.current_stream(self.ws.device).wait_stream(pending.side)
+    def finish(self, pending: tuple) -> torch.Tensor:
+        channel, slot, numel, dtype, side = pending
+        if side is not None:
+            torch.cuda.current_stream(self.ws.device).wait_stream(side)
         self.ws.barrier(self.op)
-        own = self.view.data(pending.dtype, pending.numel, self._offset(pending.channel, pending.slot), op=self.op)
-        return own.clone()
+        return self.view.data(dtype, numel, self._offset(channel, slot), op=self.op).clone()

@@ -12,6 +12,7 @@ the error classes), :mod:`~distfuse.fused.workspace_layout` (the buffer layout a
 from __future__ import annotations
 
 import atexit
+import contextlib
 import mmap
 import os
 import secrets
@@ -103,23 +104,25 @@ class SymmetricWorkspace(_Workspace):
         else:
             own, ptrs = self._setup_cuda(P, total)
             bufs = [own]
+            self.max_spin = _spin_limit(self.timeout)
         self._bufs = bufs
         self._table = _address_table(ptrs, W, device)
         self._view = RankBuffers(self, self.rank, own, self._table)
-        if self.backend == "cuda":
-            self.max_spin = _spin_limit(self.timeout)
 
     # ---- set-up
     def _agree(self, P: Partition) -> dict:
-        mine = torch.tensor([os.getpid(), secrets.randbits(31), self.nbytes], dtype=torch.int64)
-        out = torch.empty(3 * P.size, dtype=torch.int64)
+        rows = self._gather_ints(P, [os.getpid(), secrets.randbits(31), self.nbytes])
+        return dict(pid=rows[0][0], token=rows[0][1], nbytes=max(r[2] for r in rows))
+
+    def _gather_ints(self, P: Partition, values: list[int], purpose: str = "") -> list[list[int]]:
+        """Every rank's ``values`` (int64) in group-rank order: a set-up step (``purpose``: what it is for)."""
+        out = torch.empty(len(values) * P.size, dtype=torch.int64)
         try:
-            all_gather_flat(out, mine, group=P.meta_group)
+            all_gather_flat(out, torch.tensor(values, dtype=torch.int64), group=P.meta_group)
         except RuntimeError as exc:
             raise CollectiveTimeoutError(f"{where('SymmetricWorkspace')}: set-up is collective over ranks "
-                                         f"{list(P.ranks)}, but not every rank arrived: {exc}") from exc
-        rows = out.view(P.size, 3).tolist()
-        return dict(pid=rows[0][0], token=rows[0][1], nbytes=max(r[2] for r in rows))
+                                         f"{list(P.ranks)}, but not every rank arrived{purpose}: {exc}") from exc
+        return out.view(P.size, len(values)).tolist()
 
     def _setup_cuda(self, P: Partition, total: int) -> tuple[torch.Tensor, list[int]]:
         return setup_cuda(self, P, total, _symm_mem_api())
@@ -187,10 +190,8 @@ class SymmetricWorkspace(_Workspace):
         self._handle = None
         self._cuda_buf = None
         for m in self._maps:
-            try:
+            with contextlib.suppress(BufferError):  # a typed view is still alive; the mapping goes when it does
                 m.close()
-            except BufferError:  # a typed view is still alive; the mapping goes when it does
-                pass
         self._maps = []
 
     def __repr__(self) -> str:

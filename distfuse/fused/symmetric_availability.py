@@ -24,7 +24,7 @@ from distfuse.fused.workspace_cuda import ALLOW_OVERLAP_ENV, _allow_overlapping_
 from distfuse.fused.workspace_shm import SHM_DIR
 from distfuse.partition import Partition
 
-__all__ = ["symmetric_memory_available", "log_fallback_once", "no_probe", "NotProbedError"]
+__all__ = ["symmetric_memory_available", "log_fallback_once", "no_probe", "probing_blocked", "NotProbedError"]
 
 logger = logging.getLogger("distfuse.fused")
 
@@ -59,6 +59,11 @@ def no_probe():
         yield
     finally:
         _NO_PROBE.depth = depth
+
+
+def probing_blocked() -> bool:
+    """Whether this thread is inside :func:`no_probe`."""
+    return getattr(_NO_PROBE, "depth", 0) > 0
 
 
 def _local_verdict(device: torch.device) -> tuple[bool, str]:
@@ -128,11 +133,9 @@ def _group_verdict(ok: bool, reason: str, infos: list, group_ranks: list[int], d
 
 
 def symmetric_memory_available(P: Partition, device=None) -> tuple[bool, str]:
-    """Whether ``P`` can use symmetric workspaces on ``device``, and why (cached per group and device).
+    """Whether ``P`` can use symmetric workspaces on ``device``, and why (see the module doc).
 
-    False where a rank's local verdict is (no symmetric-memory API, CPU without ``/dev/shm``
-    or the Triton interpreter) or :func:`_group_verdict` says so.  Collective over ``P`` the
-    first time (two small gathers on ``P.meta_group``), so every rank gets the same answer.
+    Collective over ``P`` the first time (two small gathers on ``P.meta_group``), so every rank gets the same answer.
     """
     if not P.active:
         return False, "this rank is not in the partition"
@@ -144,7 +147,7 @@ def symmetric_memory_available(P: Partition, device=None) -> tuple[bool, str]:
     if P.size == 1:
         _AVAILABLE[key] = (ok, reason)
         return ok, reason
-    if getattr(_NO_PROBE, "depth", 0):
+    if probing_blocked():
         raise NotProbedError(f"whether world ranks {sorted(P.ranks)} share symmetric memory is found by a collective "
                         "probe on their first fused call; not probed here")
     import socket

@@ -123,7 +123,9 @@ class _Workspace(abc.ABC):
             self.epoch_dev.remainder_(2**31 - 2).add_(1)
             self.barrier(op)
             yield self.epoch
-            self._join_side_streams()
+            events, self._side_events = self._side_events, []
+            for event in events:  # the side streams (track_side_stream) join the op's stream
+                torch.cuda.current_stream(self.device).wait_event(event)
         except BaseException:
             self.broken = True
             raise
@@ -137,13 +139,6 @@ class _Workspace(abc.ABC):
         event = torch.cuda.Event()
         event.record(stream)
         self._side_events.append(event)
-
-    def _join_side_streams(self) -> None:
-        events, self._side_events = self._side_events, []
-        if events:
-            cur = torch.cuda.current_stream(self.device)
-            for event in events:
-                cur.wait_event(event)
 
     def raise_on_status(self, status: torch.Tensor, rank: int, epoch: int, op: str, what: str) -> None:
         """Raise if any status word is set (reads ``status``: a sync on CUDA).

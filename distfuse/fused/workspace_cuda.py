@@ -16,8 +16,7 @@ import warnings
 
 import torch
 
-from distfuse._compat import all_gather_flat
-from distfuse.errors import CollectiveTimeoutError, UnsupportedError, where
+from distfuse.errors import UnsupportedError, where
 from distfuse.fused.workspace_layout import header_bytes
 from distfuse.partition import Partition
 
@@ -131,15 +130,7 @@ def setup_cuda(ws, P: Partition, total: int, api: str | None) -> tuple[torch.Ten
     sorted_ranks = sorted(P.ranks)
     own_offset = buf.data_ptr() - by_group_rank[sorted_ranks.index(P.ranks[ws.rank])]
     size = getattr(handle, "buffer_size", None)
-    mine = torch.tensor([own_offset, int(size) if size is not None else -1], dtype=torch.int64)
-    gathered = torch.empty(2 * P.size, dtype=torch.int64)
-    try:
-        all_gather_flat(gathered, mine, group=P.meta_group)
-    except RuntimeError as exc:
-        raise CollectiveTimeoutError(f"{where('SymmetricWorkspace')}: set-up is collective over ranks "
-                                     f"{list(P.ranks)}, but not every rank arrived to exchange buffer "
-                                     f"offsets: {exc}") from exc
-    rows = gathered.view(P.size, 2).tolist()
+    rows = ws._gather_ints(P, [own_offset, int(size) if size is not None else -1], " to exchange buffer offsets")
     ptrs = _peer_addresses(by_group_rank, [r[0] for r in rows], [r[1] if r[1] >= 0 else None for r in rows],
                            sorted_ranks, P.ranks, total)
     if ptrs[ws.rank] != buf.data_ptr():

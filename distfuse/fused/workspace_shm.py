@@ -14,6 +14,7 @@ checks each flag once after it and raises if one is missing.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import mmap
 import os
 import zlib
@@ -31,10 +32,8 @@ _PENDING_UNLINK: set[str] = set()
 
 
 def _unlink(name: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(os.path.join(SHM_DIR, name))
-    except FileNotFoundError:
-        pass
     _PENDING_UNLINK.discard(name)
 
 

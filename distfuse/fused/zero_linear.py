@@ -256,25 +256,20 @@ def _check(x, shard, P_d: Partition, P_m: Partition | None, split: str, axis: st
                                f"{x.dtype} on {x.device} and {shard.dtype} on {shard.device}")
     Wm, m = (1, 0) if P_m is None else (P_m.size, P_m.rank)
     Wd, d = P_d.size, P_d.rank
+    in_m = block_extent(in_features, Wm, m)
+    want_x = f"[*, {'n, ' if seq and split == 'rows' else ''}{in_m}] (block {m} of in_features={in_features} over {Wm})"
+    x_ok = x.shape[-1] == in_m
     if split == "rows":
-        in_m = block_extent(in_features, Wm, m)
-        want_x = f"[*, {'n, ' if seq else ''}{in_m}] (block {m} of in_features={in_features} over {Wm})"
-        x_ok = x.shape[-1] == in_m
         want_shard = (block_extent(out_features, Wd, d), in_m)
         n = x.shape[-2] if seq else None
     else:
-        out_m = block_extent(out_features, Wm, m)
-        want_shard = (out_m, block_extent(in_features, Wd, d))
+        want_shard = (block_extent(out_features, Wm, m), block_extent(in_features, Wd, d))
         if seq:
             if n is None or n < 0:
                 raise expect(_OP, "n (the gathered sequence extent)", "an integer >= 0", n)
             n_m = block_extent(int(n), Wm, m)
             want_x = f"[*, {n_m}, {in_features}] (block {m} of n={n} over {Wm}, all input features)"
             x_ok = x.shape[-1] == in_features and x.shape[-2] == n_m
-        else:
-            in_m = block_extent(in_features, Wm, m)
-            want_x = f"[*, {in_m}] (block {m} of in_features={in_features} over {Wm})"
-            x_ok = x.shape[-1] == in_m
     if not x_ok:
         raise expect(_OP, "x shape", want_x, tuple(x.shape), cls=ShapeError)
     if tuple(shard.shape) != want_shard:

@@ -61,9 +61,8 @@ def local_start(global_shape: Sequence[int], partition_shape: Sequence[int], ind
 def local_slices(global_shape: Sequence[int], partition_shape: Sequence[int],
                  index: Sequence[int]) -> tuple[slice, ...]:
     """Slices that cut the block at ``index`` out of the global tensor."""
-    starts = local_start(global_shape, partition_shape, index)
-    shape = local_shape(global_shape, partition_shape, index)
-    return tuple(slice(s, s + e) for s, e in zip(starts, shape, strict=True))
+    _check_dims(global_shape, partition_shape, index)
+    return tuple(slice(*block_range(n, p, i)) for n, p, i in zip(global_shape, partition_shape, index, strict=True))
 
 
 def _check_split(n: int, p: int, i: int) -> None:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING
 
 from distfuse.errors import UnsupportedError
@@ -290,16 +290,9 @@ class HaloPlan:
         """Every box of worker ``index``'s staged input, in canonical order (row-major over segments)."""
         per_axis = [ax.segments(i) for ax, i in zip(self.axes, index, strict=True)]
         out = []
-        for combo in itertools.product(*per_axis):
-            zero = any(seg.src is None for seg in combo)
-            out.append(Piece(
-                src=None if zero else tuple(seg.src for seg in combo),
-                dst_lo=tuple(seg.dst for seg in combo),
-                shape=tuple(seg.length for seg in combo),
-                src_lo=tuple(seg.lo for seg in combo),
-                src_shape=tuple(seg.extent for seg in combo),
-                steps=tuple(seg.step for seg in combo),
-            ))
+        for combo in itertools.product(*per_axis):  # each Segment field's values over the axes
+            dst, length, src, lo, extent, step = zip(*map(astuple, combo), strict=True)
+            out.append(Piece(None if None in src else src, dst, length, lo, extent, step))
         return tuple(out)
 
     def recvs(self, index: tuple[int, ...]) -> tuple[Piece, ...]:
@@ -313,12 +306,8 @@ class HaloPlan:
         Ordered by receiver (row-major), then by the receiver's piece order, which is
         the order the receiver posts its receives from this worker in.
         """
-        out = []
-        for recv in self.blocks():
-            if recv == index:
-                continue
-            out.extend((recv, pc) for pc in self.pieces(recv) if pc.src == index)
-        return tuple(out)
+        return tuple((recv, pc) for recv in self.blocks() if recv != index
+                     for pc in self.pieces(recv) if pc.src == index)
 
     def local_pieces(self, index: tuple[int, ...]) -> tuple[Piece, ...]:
         """Pieces worker ``index`` reads from its own block (interior, and reflect/replicate/circular self-wraps)."""

@@ -8,20 +8,12 @@ DeviceMesh bridge, not the checkpoint machinery (DCP, the layers).
 
 import importlib
 
-_EXPORTS = {
-    "device_mesh_of": "device_mesh",
-    "partition_from_device_mesh": "device_mesh",
-    "canonical_partition": "device_mesh",
-    "to_dtensor": "dtensor",
-    "from_dtensor": "dtensor",
-    "empty_dtensor": "dtensor",
-    "placements_of": "dtensor",
-    "param_to_dtensor": "dtensor",
-    "param_from_dtensor": "dtensor",
-    "empty_param_dtensor": "dtensor",
-    "save_checkpoint": "checkpoint",
-    "load_checkpoint": "checkpoint",
-}
+_EXPORTS = {name: module for module, names in (  # name -> the module that defines it
+    ("device_mesh", ("device_mesh_of", "partition_from_device_mesh", "canonical_partition")),
+    ("dtensor", ("to_dtensor", "from_dtensor", "empty_dtensor", "placements_of", "param_to_dtensor",
+                 "param_from_dtensor", "empty_param_dtensor")),
+    ("checkpoint", ("save_checkpoint", "load_checkpoint")),
+) for name in names}
 
 __all__ = list(_EXPORTS)
 

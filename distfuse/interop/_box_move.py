@@ -54,26 +54,17 @@ class BoxLayout:
     holders: tuple[tuple[int, Box, bool], ...]
 
     def box_of(self, rank: int) -> Box | None:
-        for r, box, _ in self.holders:
-            if r == rank:
-                return box
-        return None
+        return next((box for r, box, _ in self.holders if r == rank), None)
 
     def primary(self, rank: int) -> bool:
         return any(r == rank and p for r, _, p in self.holders)
-
-    def reverse_primaries(self) -> BoxLayout:
-        """The same boxes with every holder primary (the receiving side of an adjoint)."""
-        return BoxLayout(self.global_shape, tuple((r, b, True) for r, b, _ in self.holders))
 
 
 def balanced_layout(P: CartesianPartition, global_shape: Sequence[int]) -> BoxLayout:
     """distfuse's layout: worker ``i`` of ``P`` holds block ``i`` of the balanced decomposition."""
     G = tuple(int(n) for n in global_shape)
-    holders = []
-    for r, world in enumerate(P.ranks):
-        idx = P.index_of(r)
-        holders.append((world, tuple(block_range(n, p, i) for n, p, i in zip(G, P.shape, idx, strict=True)), True))
+    holders = ((world, tuple(block_range(n, p, i) for n, p, i in zip(G, P.shape, P.index_of(r), strict=True)), True)
+               for r, world in enumerate(P.ranks))
     return BoxLayout(G, tuple(holders))
 
 
@@ -133,8 +124,8 @@ class MoveFunction(torch.autograd.Function):
     def backward(ctx, grad):
         src, dst, x_shape, x_dtype, x_device, op = ctx.meta
         me = dist.get_rank()
-        back = MoveFunction.apply(grad.contiguous(), dst, src.reverse_primaries(), x_dtype, x_device,
-                                  f"{op} (adjoint)")
+        every = BoxLayout(src.global_shape, tuple((r, b, True) for r, b, _ in src.holders))  # all holders receive
+        back = MoveFunction.apply(grad.contiguous(), dst, every, x_dtype, x_device, f"{op} (adjoint)")
         if src.box_of(me) is None:  # this rank held no source box: its input's gradient is zero
             back = torch.zeros(x_shape, dtype=x_dtype, device=x_device)
         return back, None, None, None, None, None

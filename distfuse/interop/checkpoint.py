@@ -92,12 +92,9 @@ def _optimizer_layout(mm: ModelMap, optimizer, op: str, local: bool) -> dict[str
     """Per block key, ``state name -> dtype`` of its block-shaped optimizer state, agreed by all owners."""
     if local:
         return {}
-    mine = {}
-    for e in mm.blocks:
-        t = e.tensor
-        if t is not None and optimizer is not None:
-            st = optimizer.state.get(t, {})
-            mine[e.key] = {k: str(v.dtype) for k, v in st.items() if _is_block_state(v, t)}
+    held = {e.key: e.tensor for e in mm.blocks if e.tensor is not None and optimizer is not None}
+    mine = {key: {k: str(v.dtype) for k, v in optimizer.state.get(t, {}).items() if _is_block_state(v, t)}
+            for key, t in held.items()}
     rows: list = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(rows, mine, group=metadata_group())
     merged: dict[str, dict[str, str]] = {}
@@ -169,11 +166,8 @@ def save_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimize
     local = _single(single_process)
     mm = map_model(model)
     dtypes = gather_block_dtypes(mm, op, local)
-    model_state: dict = {}
-    for e in mm.blocks:
-        dt = _block_dtensor(e.tensor, e.layout, dtypes[e.key])
-        if dt is not None:
-            model_state[e.key] = dt
+    dts = [(e.key, _block_dtensor(e.tensor, e.layout, dtypes[e.key])) for e in mm.blocks]  # collective, in order
+    model_state = {key: dt for key, dt in dts if dt is not None}
     model_state.update({k: t.detach() for k, t in mm.plain.items()})
     state = {"model": model_state, "optim": _optimizer_state(mm, optimizer, op, local), "extra": _opaque(extra)}
     _run_dcp(dcp.save, state, checkpoint_id, local)
@@ -211,13 +205,8 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimize
     agree(f"the checkpoint has no {missing[:5]}" if missing else
           (f"shapes differ: {wrong[:5]}" if wrong else None), op, local=local)
 
-    model_state: dict = {}
-    targets = []
-    for e in mm.blocks:
-        dt = empty_param_dtensor(e.layout, dtypes[e.key])
-        if e.tensor is not None:
-            model_state[e.key] = dt
-        targets.append((e, dt))
+    targets = [(e, empty_param_dtensor(e.layout, dtypes[e.key])) for e in mm.blocks]
+    model_state = {e.key: dt for e, dt in targets if e.tensor is not None}
     model_state.update({k: t.detach() for k, t in mm.plain.items()})  # DCP reads into them in place
     state: dict = {"model": model_state}
     if "extra" in saved:
@@ -230,7 +219,7 @@ def load_checkpoint(checkpoint_id: str | os.PathLike, model: nn.Module, optimize
         if e.tensor is not None:
             e.tensor.copy_(block)
     if optimizer is not None:
-        _apply_optimizer_state(mm, optimizer, state, opt_targets, local)
+        _apply_optimizer_state(mm, optimizer, state, opt_targets, op, local)
     return _unwrap(state.get("extra"))
 
 
@@ -245,9 +234,8 @@ def _optimizer_targets(mm: ModelMap, optimizer, saved: dict, state: dict, op: st
             md = saved[head + name]
             size = tuple(getattr(md, "size", ()) or ())
             if size == tuple(e.layout.global_shape) and len(size) > 0:
-                dt = empty_param_dtensor(e.layout, md.properties.dtype)
-                block_targets.append((e, name, dt))
-                target = dt
+                target = empty_param_dtensor(e.layout, md.properties.dtype)
+                block_targets.append((e, name, target))
             else:
                 target = _placeholder(md, torch.device("cpu"))
             if e.tensor is not None:
@@ -266,9 +254,8 @@ def _optimizer_targets(mm: ModelMap, optimizer, saved: dict, state: dict, op: st
     return block_targets
 
 
-def _apply_optimizer_state(mm: ModelMap, optimizer, state: dict, block_targets: list, local: bool) -> None:
+def _apply_optimizer_state(mm: ModelMap, optimizer, state: dict, block_targets: list, op: str, local: bool) -> None:
     """Turn the loaded entries into ``optimizer.load_state_dict`` form (torch then casts each value)."""
-    op = "load_checkpoint"
     loaded = state["optim"]["state"]
     for e, name, dt in block_targets:
         block = param_from_dtensor(dt, e.layout)

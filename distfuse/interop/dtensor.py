@@ -2,10 +2,9 @@
 
 A distfuse tensor is one balanced block per worker of a CartesianPartition ``P`` (partition
 dimension ``d`` splits tensor dimension ``d``); a DTensor is one local shard per rank of a
-DeviceMesh with one placement per mesh dimension.  They split an uneven extent differently
-(10 over 4: 3, 3, 2, 2 balanced; 3, 3, 3, 1 by ``torch.chunk``), so the conversions move the
-elements that change hands in one point-to-point round (:mod:`distfuse.interop._box_move`);
-even splits move nothing across ranks.
+DeviceMesh with one placement per mesh dimension.  They split an uneven extent differently, so
+the conversions move the elements that change hands in one point-to-point round
+(:mod:`distfuse.interop._box_move`); even splits move nothing across ranks.
 
 Shapes (``G`` the global shape, ``B(P, i)`` the balanced block of worker ``i``,
 ``C(mesh, c)`` the DTensor shard at mesh coordinate ``c``)::
@@ -111,14 +110,6 @@ def _outside_shape(G: Sequence[int]) -> tuple[int, ...]:
     return (0,) * len(G) if len(G) else (0,)
 
 
-def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= max(int(n), 1)
-    return tuple(reversed(stride))
-
-
 def _gather_blocks(op: str, P: CartesianPartition, x: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype, bool]:
     """Every rank's ``(shape, dtype, requires_grad)``; checked alike everywhere; the global shape."""
     mine = (tuple(x.shape), str(x.dtype).replace("torch.", ""), bool(x.requires_grad and torch.is_grad_enabled()),
@@ -160,9 +151,8 @@ def to_dtensor(x: torch.Tensor, P: CartesianPartition, global_shape: Sequence[in
             and ranks outside ``P`` take ``dtype``, default their placeholder's dtype).
         mesh_dim_names: names of the mesh dimensions (default ``dim0, dim1, ...``).
 
-    Returns a DTensor over ``device_mesh_of(canonical_partition(P))`` with placements
-    :func:`placements_of`, on every world rank (ranks outside the mesh hold an empty
-    local tensor, as DTensor's own non-members do).
+    Returns the DTensor of the module docstring's table on every world rank (ranks outside
+    the mesh hold an empty local tensor, as DTensor's own non-members do).
 
     Without ``global_shape`` it is collective over the world: one object all-gather, after
     which every rank knows the global shape, dtype and grad flag and has checked every block
@@ -237,9 +227,7 @@ def _out_of_dtensor(dt, placements, dst: BoxLayout, P: CartesianPartition, op: s
         local = torch.empty((0,), dtype=dt.dtype, device=P.device).requires_grad_(
             dt.requires_grad and torch.is_grad_enabled())
     y = move(local, src, dst, dt.dtype, P.device, op=op)
-    if not P.active:
-        return y.reshape(0)
-    return y
+    return y if P.active else y.reshape(0)
 
 
 def empty_dtensor(P: CartesianPartition, global_shape: Sequence[int], dtype: torch.dtype):
@@ -268,7 +256,7 @@ def _wrap(local: torch.Tensor, mesh, placements, G: tuple[int, ...]):
     from torch.distributed.tensor import DTensor
 
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(G),
-                              stride=_contiguous_stride(G))
+                              stride=torch.empty(G, device="meta").stride())  # contiguous
 
 
 # ---------------------------------------------------------------- a layer's parameters (ParamLayout)

@@ -67,11 +67,6 @@ class ModelMap:
     def block_param_ids(self) -> set[int]:
         return {id(e.tensor) for e in self.blocks if e.tensor is not None}
 
-    def manifest(self) -> tuple:
-        """What every rank must agree on: block keys and global shapes, plain keys, shapes and dtypes."""
-        return (tuple((e.key, tuple(e.layout.global_shape)) for e in self.blocks),
-                tuple((k, tuple(t.shape), str(t.dtype)) for k, t in self.plain.items()))
-
 
 def map_model(model: nn.Module) -> ModelMap:
     """The :class:`ModelMap` of ``model`` (local: no communication)."""
@@ -120,8 +115,11 @@ def gather_block_dtypes(mm: ModelMap, op: str, local: bool = False) -> dict[str,
                                    f"({mm.blocks[0].module_path or '<model>'}); use the collective form")
         return {}
     owned = {e.key: str(e.tensor.dtype) for e in mm.blocks if e.tensor is not None}
+    # what every rank must agree on: block keys and global shapes, plain keys, shapes and dtypes
+    manifest = (tuple((e.key, tuple(e.layout.global_shape)) for e in mm.blocks),
+                tuple((k, tuple(t.shape), str(t.dtype)) for k, t in mm.plain.items()))
     rows: list = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, (mm.manifest(), owned), group=metadata_group())
+    dist.all_gather_object(rows, (manifest, owned), group=metadata_group())
     bad = [w for w, (m, _) in enumerate(rows) if m != rows[0][0]]
     if bad:
         raise ShapeError(f"{where(op)}: the ranks hold different models (world ranks {bad} differ from rank 0 in "

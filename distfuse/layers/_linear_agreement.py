@@ -1,10 +1,9 @@
 """The linears' agreement: the records their workers compare, and the row linears' one forward and dispatch.
 
-Records.  What the workers exchange on a slow call is a fixed-size int64 record per worker
-(:func:`general_record` for ``DistributedLinear``, :func:`row_record` for the reduce-scatter
-linear), evaluated alike on every worker, so that all raise the same
-:class:`~distfuse.errors.ShapeError`.  The partial sums travel in :func:`compute_dtype`, so
-the workers must share it.
+Records.  On a slow call each worker sends a fixed-size int64 record (:func:`general_record`
+for ``DistributedLinear``, :func:`row_record` for the reduce-scatter linear), evaluated alike
+on every worker, so that all raise the same :class:`~distfuse.errors.ShapeError`.  The
+partial sums travel in :func:`compute_dtype`, so the workers must share it.
 
 The all-gather and reduce-scatter linears' one forward (:class:`RowLinear`)::
 
@@ -15,8 +14,7 @@ The all-gather and reduce-scatter linears' one forward (:class:`RowLinear`)::
                                                 ZeRO: the weight all-gather fused into the GEMM
 
 The model-parallel workers of a row run one all-gather or reduce-scatter per call, sized
-by their rows, sequence blocks and dtype (a disagreement aborted gloo, or with fp16
-against bf16 gave garbage), so the row's op carries the agreement flag
+by their rows, sequence blocks and dtype, so the row's op carries the agreement flag
 (:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`); other rows hold
 independent data.  The fused paths' flag is ``distfuse::flag_check`` on the op's group
 just before the op (the grid for ZeRO, whose weight group spans the rows).
@@ -26,7 +24,7 @@ dimensions, a non-tensor input) do not raise where they fail: they set the worke
 and on the slow path every worker raises the failing workers' messages
 (:func:`~distfuse.primitives._agreement.agree_on_local_checks`).  The failing worker
 takes part with a :func:`stand_in` input; on the fused GEMM paths it enters the fused op
-and refuses at its first claim (:func:`fused_or_refuse`), with no host round.
+and refuses at its first claim (:func:`~distfuse.fused.agreement.refusing`), with no host round.
 
 Not covered: with one model-parallel worker (``P_m = 1``) and no ZeRO weight gather, the
 failing worker raises after the parameter broadcast, and under grad mode its peers'
@@ -58,12 +56,13 @@ from distfuse.layers.dispatch import Decision
 from distfuse.ops.fused_linear import ZeroLinearCall, make_call
 from distfuse.primitives._agreement import agree_on_local_checks
 from distfuse.primitives._axes import balanced_layout
+from distfuse.primitives._call_agreement import local_error
 from distfuse.primitives._common import check_inactive_input, dtype_code, dtype_of_code, gather_records
 from distfuse.primitives._gather_scatter import BlockCollective, reduce_scatter_op
 from distfuse.primitives.agreement_session import REPLAY, AgreementSession, FlagRound, flag_check
 from distfuse.primitives.all_gather import agreed_all_gather
 
-__all__ = ["RowLinear", "Step", "stand_in", "fused_or_refuse", "agreed_input_gather", "agreed_matmul_reduce_scatter",
+__all__ = ["RowLinear", "Step", "stand_in", "agreed_input_gather", "agreed_matmul_reduce_scatter",
            "compute_dtype", "compute_dtype_of", "local_error", "general_record", "record_shape",
            "check_general_records", "check_input_dtype", "row_record", "check_row_records"]
 
@@ -87,22 +86,6 @@ def compute_dtype_of(dtype: torch.dtype, device) -> torch.dtype:
     return dtype
 
 
-def _autocast_code(device_type: str) -> int:
-    """The autocast dtype's code on ``device_type`` (-1: autocast off); part of what the workers must share."""
-    if torch.is_autocast_enabled(device_type):
-        return dtype_code(torch.get_autocast_dtype(device_type))
-    return -1
-
-
-def local_error(check) -> DistfuseError | None:
-    """The distfuse error ``check()`` raises, or None: a local check's outcome, to be agreed on, not raised here."""
-    try:
-        check()
-    except DistfuseError as exc:
-        return exc
-    return None
-
-
 # DistributedLinear's record: [ndim, dtype, device, autocast dtype, grad mode, shape (8 slots)].
 _TOO_MANY, _NOT_A_TENSOR = -2, -3
 
@@ -114,11 +97,12 @@ def general_record(x: torch.Tensor) -> list[int]:
     """
     if not isinstance(x, torch.Tensor):
         return [_NOT_A_TENSOR, -1, -1, -1, int(torch.is_grad_enabled())] + [-1] * _MAX_DIM
-    too_many = x.dim() > _MAX_DIM
-    rec = [_TOO_MANY if too_many else x.dim(), dtype_code(x.dtype), -1, _autocast_code(x.device.type),
+    too_many, device_type = x.dim() > _MAX_DIM, x.device.type
+    autocast = dtype_code(torch.get_autocast_dtype(device_type)) if torch.is_autocast_enabled(device_type) else -1
+    rec = [_TOO_MANY if too_many else x.dim(), dtype_code(x.dtype), -1, autocast,
            int(torch.is_grad_enabled())] + [-1] * _MAX_DIM
     if x.numel() > 0:
-        rec[2] = _DEVICE_TYPES.index(x.device.type) if x.device.type in _DEVICE_TYPES else len(_DEVICE_TYPES)
+        rec[2] = _DEVICE_TYPES.index(device_type) if device_type in _DEVICE_TYPES else len(_DEVICE_TYPES)
     if not too_many:
         rec[5:5 + x.dim()] = list(x.shape)
     return rec
@@ -167,17 +151,16 @@ def check_input_dtype(op: str, dtype: torch.dtype | None, weight_dtype: torch.dt
 
 
 # The reduce-scatter linear's record: [ndim, input dtype, compute dtype, problem, shape (8 slots)].
-_OK, _BAD_DEVICE, _BAD_DTYPE, _TOO_MANY_DIMS = range(4)
+_OK, _BAD_DTYPE, _TOO_MANY_DIMS = range(3)
 
 
-def row_record(x: torch.Tensor, weight_dtype: torch.dtype, device_type: str) -> list[int]:
+def row_record(x: torch.Tensor, weight_dtype: torch.dtype) -> list[int]:
     """This worker's record of a reduce-scatter linear call (12 int64; ``rec[3]`` is 0 when the layer can
-    multiply the input: the device type, a floating dtype, its weight's outside autocast, at most 8 dimensions)."""
+    multiply the input: a floating dtype, its weight's outside autocast, at most 8 dimensions; the device type and
+    the feature extent are the local checks')."""
     cdt = compute_dtype(x)
     problem = _OK
-    if x.device.type != device_type:
-        problem = _BAD_DEVICE
-    elif not x.is_floating_point() or (cdt == x.dtype and x.dtype != weight_dtype):
+    if not x.is_floating_point() or (cdt == x.dtype and x.dtype != weight_dtype):
         problem = _BAD_DTYPE
     elif x.dim() > _MAX_DIM:
         problem = _TOO_MANY_DIMS
@@ -187,23 +170,17 @@ def row_record(x: torch.Tensor, weight_dtype: torch.dtype, device_type: str) -> 
     return rec
 
 
-def check_row_records(op: str, P_row, rows: list[list[int]], in_features: int, P_m: int,
+def check_row_records(op: str, P_row, rows: list[list[int]],
                       weight_dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
-    """Every model-parallel worker's :func:`row_record`, checked alike on every worker (raises on all of them);
-    returns the agreed leading extents and compute dtype."""
-    for j, (r, w) in enumerate(zip(rows, P_row.ranks, strict=True)):  # j: the worker's model-parallel index
-        if r[3] == _BAD_DEVICE:
-            raise expect(op, f"device type of the input on world rank {w}", P_row.device.type, "another device")
+    """Every model-parallel worker's :func:`row_record`, checked alike on every worker (raises on all of them) once
+    every worker passed its local checks; returns the agreed leading extents and compute dtype."""
+    for r, w in zip(rows, P_row.ranks, strict=True):
         if r[3] == _BAD_DTYPE:
             raise ShapeError(f"{where(op)}: world rank {w} passed an input of dtype {dtype_of_code(r[1])}; the "
                              f"layer multiplies floating inputs of its weight's dtype {weight_dtype} (any floating "
                              "dtype under torch.autocast)")
         if r[3] == _TOO_MANY_DIMS:
             raise ShapeError(f"{where(op)}: world rank {w} passed an input of more than {_MAX_DIM} dimensions")
-        want = block_extent(in_features, P_m, j)
-        if r[4 + r[0] - 1] != want:
-            raise expect(op, f"input feature extent on world rank {w} (block {j} of in_features={in_features})",
-                         want, r[4 + r[0] - 1])
     first = rows[0]
     for r in rows:
         if r[0] != first[0] or r[4:4 + r[0] - 1] != first[4:4 + first[0] - 1] or r[1:3] != first[1:3]:
@@ -224,17 +201,6 @@ def stand_in(layer, x) -> torch.Tensor:
         return x
     shape, dtype = layer._last_input or ((1,) * (layer.P_in.dim - 1) + (layer._in_extent,), layer._param_dtype())
     return torch.zeros(shape, dtype=dtype, device=layer._param_device())
-
-
-def fused_or_refuse(error: DistfuseError | None, run):
-    """``run()``, a fused op, refusing this worker's local check failure ``error`` (None: none) at the op's
-    first claim (:func:`~distfuse.fused.agreement.refusing`): the peers raise a ShapeError naming this worker."""
-    if error is None:
-        return run()
-    from distfuse.fused.agreement import refusing
-
-    with refusing(error):
-        return run()
 
 
 @dataclass(frozen=True)
@@ -352,8 +318,11 @@ class RowLinear(LinearBase):
         def gather():
             if error is not None and call is self._zero_call and self.P_m > 1:
                 raise error  # the plain model-parallel collective carries no refusal (module doc)
+            from distfuse.fused.agreement import refusing
+
             n = self._exact_n(x, seq_len)
-            y = fused_or_refuse(error, lambda: call(x, W, b, n))
+            with refusing(error):  # this worker's local check failure, refused at the op's first claim
+                y = call(x, W, b, n)
             self._record_kernel(call.op)
             return y, self._fused_state(x, n)
 
@@ -429,22 +398,10 @@ class RowLinear(LinearBase):
 # ---------------------------------------------------------------- the unfused paths' agreement
 
 
-def _everywhere(P, op: str, error: DistfuseError | None, own=None, common=None):
-    """The slow path's checks: ``error`` and ``own(*args)`` (this worker's own, such as its ``seq_len``) agreed on
-    over ``P`` (:func:`~distfuse.primitives._agreement.agree_on_local_checks`), then ``common(*args)`` on the
-    gathered records, alike everywhere."""
-
-    def checks(*args):
-        def run():
-            if error is not None:
-                raise error
-            if own is not None:
-                own(*args)
-        agree_on_local_checks(P, op, run)
-        if common is not None:
-            common(*args)
-
-    return checks
+def _raise(error: DistfuseError | None) -> None:
+    """Raise this worker's local check failure (None: none): a check to agree on over the row."""
+    if error is not None:
+        raise error
 
 
 def agreed_input_gather(layer, x: torch.Tensor, seq_len: int | None, error: DistfuseError | None) -> torch.Tensor:
@@ -452,13 +409,16 @@ def agreed_input_gather(layer, x: torch.Tensor, seq_len: int | None, error: Dist
     with it, worker ``j`` holding block ``j``; ``error``: this worker's local check failure (None: none)."""
     op, P_m, P_sub = layer._op, layer.P_m, layer.P_row
 
-    def own(shapes, dtype):
+    def check(shapes, dtype):  # this worker's checks agreed on over the row, then the records' alike everywhere
         n = sum(s[-2] for s in shapes)
-        if seq_len is not None and n != int(seq_len):
-            raise expect(op, "gathered sequence length (the sum of the workers' blocks) against seq_len", seq_len, n)
 
-    def common(shapes, dtype):
-        n = sum(s[-2] for s in shapes)
+        def own():
+            _raise(error)
+            if layer.P_x is not None and seq_len is not None and n != int(seq_len):
+                raise expect(op, "gathered sequence length (the sum of the workers' blocks) against seq_len",
+                             seq_len, n)
+
+        agree_on_local_checks(P_sub, op, own)
         for j, s in enumerate(shapes):
             who = f"model-parallel worker {j} (world rank {P_sub.ranks[j]}"
             if layer.P_x is None and s[-1] != block_extent(layer.in_features, P_m, j):
@@ -468,7 +428,6 @@ def agreed_input_gather(layer, x: torch.Tensor, seq_len: int | None, error: Dist
                 raise expect(op, f"input block of {who}): the balanced block of the gathered sequence length {n}",
                              (*s[:-2], block_extent(n, P_m, j), layer.in_features), tuple(s))
 
-    check = _everywhere(P_sub, op, error, own if layer.P_x is not None else None, common)
     return agreed_all_gather(x, layer._rows_ctx, layer.session, extra=layer._signature(x, seq_len)[3:],
                              locally_ok=error is None, check=check)
 
@@ -482,7 +441,7 @@ def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor, signat
     same error, or agrees on the new size.  ``error``: as for :func:`agreed_input_gather`.
     """
     op, P_sub, ctx = layer._op, layer.P_row, layer._rows_ctx
-    rec = row_record(x, W.dtype, P_sub.device.type)
+    rec = row_record(x, W.dtype)
     partial: list = []
 
     def full() -> torch.Tensor:
@@ -496,9 +455,8 @@ def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor, signat
         return reduce_scatter_op(mine, ctx.handle, balanced_layout(P_sub, shape).blocks, None, flag)
 
     def gather():
-        _everywhere(P_sub, op, error)()  # a local check that failed anywhere raises here, on every worker
-        lead, dtype = check_row_records(op, P_sub, gather_records(op, P_sub, rec), layer.in_features, layer.P_m,
-                                        W.dtype)
+        agree_on_local_checks(P_sub, op, lambda: _raise(error))  # a local check that failed anywhere raises here
+        lead, dtype = check_row_records(op, P_sub, gather_records(op, P_sub, rec), W.dtype)
         shape = (*lead, layer.out_features)
         return reduce_scatter_op(full(), ctx.handle, balanced_layout(P_sub, shape).blocks, None, -1), (shape, dtype)
 

@@ -22,9 +22,8 @@
   ``[N, *s, C]`` memory without a copy (no 3-D view puts ``(N, G)`` together).  The input is
   saved, not ``xhat``: half the memory for 16-bit inputs, and the output stays free for
   in-place ops.
-* ``distfuse::replicate`` (:mod:`distfuse.primitives.all_sum_reduce`) is how a parameter
-  replicated on several workers (over ``P_rep``) enters a computation: its adjoint sums the
-  gradient, so every replica receives the global gradient.
+* ``distfuse::replicate`` (:mod:`distfuse.primitives.all_sum_reduce`) brings the parameters, replicated
+  over ``P_rep``, into the computation: every replica receives the global gradient.
 
 The norms' agreement flag takes a round of its own over ``P_x``: their data collectives run
 over sub-grids (``P_stats``, ``P_rep``), and an eval-mode batch norm or instance norm with
@@ -61,10 +60,10 @@ from distfuse.primitives._handles import lookup
 from distfuse.primitives._op_pair import op_entry
 from distfuse.primitives.all_sum_reduce import SubGridSum, replicate
 
-__all__ = ["CallRecord", "gather_call", "one_mode", "global_shape_of", "one_dtype", "subgrid", "check_norm_partition",
-           "compute_dtype", "check_param_dtype", "Moments", "NormCall", "NormLayer", "numel", "FLOATS"]
+__all__ = ["CallRecord", "gather_call", "global_shape_of", "one_dtype", "subgrid", "check_norm_partition", "affine",
+           "compute_dtype", "Moments", "NormCall", "NormLayer", "numel", "FLOATS", "DTYPES"]
 
-_CODES = FLOATS + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+DTYPES = FLOATS + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)  # gather_call's codes
 _MAX_DIM = 8
 _HEAD = 3  # grad flags, status, mode
 _PER_TENSOR = 3 + _MAX_DIM  # ndim, dtype code, device ok, shape
@@ -97,18 +96,6 @@ class CallRecord:
     param_grad: tuple[bool, ...]
     modes: tuple[int, ...] = ()
 
-    @property
-    def any_input_grad(self) -> bool:
-        return any(self.input_grad)
-
-    @property
-    def any_param_grad(self) -> bool:
-        return any(self.param_grad)
-
-    @property
-    def any_grad(self) -> bool:
-        return self.any_input_grad or self.any_param_grad
-
 
 def gather_call(op: str, P_x: CartesianPartition, tensors: Sequence[torch.Tensor], names: Sequence[str],
                 params: Sequence[torch.Tensor] = (), signature=None, mode: int = 0) -> CallRecord:
@@ -129,7 +116,7 @@ def gather_call(op: str, P_x: CartesianPartition, tensors: Sequence[torch.Tensor
     rec = [int(input_grad) + 2 * int(param_grad), status, int(mode)]
     for t in tensors:
         shape = list(t.shape) if t.dim() <= _MAX_DIM else []
-        rec += [t.dim(), _CODES.index(t.dtype) if t.dtype in _CODES else -1,
+        rec += [t.dim(), DTYPES.index(t.dtype) if t.dtype in DTYPES else -1,
                 int(t.device.type == P_x.device.type or t.numel() == 0)] + shape + [-1] * (_MAX_DIM - len(shape))
     rows = gather_records(op, P_x, rec)
     shapes, dtypes = [], []
@@ -146,18 +133,9 @@ def gather_call(op: str, P_x: CartesianPartition, tensors: Sequence[torch.Tensor
                 raise expect(op, f"number of {name} dimensions (one per dimension of P_x) on world ranks "
                              f"{sorted(bad)}", P_x.dim, sorted(set(bad.values())))
         shapes.append(tuple(tuple(r[base + 3:base + 3 + r[base]]) for r in rows))
-        dtypes.append(tuple(_CODES[r[base + 1]] if r[base + 1] >= 0 else None for r in rows))
+        dtypes.append(tuple(DTYPES[r[base + 1]] if r[base + 1] >= 0 else None for r in rows))
     return CallRecord(tuple(shapes), tuple(dtypes), tuple(bool(r[0] & 1) for r in rows),
                       tuple(bool(r[0] & 2) for r in rows), tuple(int(r[2]) for r in rows))
-
-
-def one_mode(op: str, P_x: CartesianPartition, call: CallRecord) -> None:
-    """Every worker in the same mode (training or eval; a batch norm gathers statistics in one and not in the
-    other, so mixed modes would leave the training workers waiting); the same ShapeError otherwise."""
-    if len(set(call.modes)) > 1:
-        got = {w: "train" if m else "eval" for w, m in zip(P_x.ranks, call.modes, strict=True)}
-        raise ShapeError(f"{where(op)}: the workers of P_x must all be in training mode or all in eval mode; got "
-                         f"{got} (world rank: mode)")
 
 
 def one_dtype(op: str, P_x: CartesianPartition, dtypes: Sequence[torch.dtype | None], what: str = "input",
@@ -171,32 +149,15 @@ def one_dtype(op: str, P_x: CartesianPartition, dtypes: Sequence[torch.dtype | N
     return dtypes[0]
 
 
-def check_param_dtype(op: str, x_dtype: torch.dtype, param_dtype: torch.dtype | None) -> None:
-    """torch's rule: parameters in the input's dtype, or in fp32 under a 16-bit input (mixed type)."""
-    if param_dtype is None or param_dtype == x_dtype:
-        return
-    if x_dtype in (torch.float16, torch.bfloat16) and param_dtype == torch.float32:
-        return
-    raise expect(op, "input dtype (the parameters' dtype, or fp16/bf16 with fp32 parameters, as torch requires)",
-                 str(param_dtype), str(x_dtype))
-
-
 # ---------------------------------------------------------------- statistics and normalisation (the ops)
 
 
-def _stat_shape(x3: torch.Tensor) -> tuple[int, ...]:
-    """The shape that broadcasts one value per statistic against ``x3``: ``[1, M, 1]`` or ``[B, 1, M, 1]``."""
-    return tuple(x3.shape[:-3]) + (1, x3.shape[-2], 1)
-
-
-def _reduced_dims(x3: torch.Tensor) -> tuple[int, int]:
-    """The dimensions each statistic runs over: ``L`` and ``R``."""
-    return (x3.dim() - 3, x3.dim() - 1)
-
-
-def _stat_count(x3: torch.Tensor) -> int:
-    """The number of statistics of ``x3``: ``M`` or ``B * M``."""
-    return (x3.shape[0] if x3.dim() == 4 else 1) * x3.shape[-2]
+def _stat_layout(x3: torch.Tensor) -> tuple[tuple[int, int], int, tuple[int, ...]]:
+    """The dimensions each statistic of ``x3`` runs over (``L`` and ``R``), the number of statistics (``M`` or
+    ``B * M``) and the shape that broadcasts one value per statistic against ``x3`` (``[1, M, 1]`` or
+    ``[B, 1, M, 1]``)."""
+    lead = tuple(x3.shape[:-3])
+    return (x3.dim() - 3, x3.dim() - 1), (lead[0] if lead else 1) * x3.shape[-2], lead + (1, x3.shape[-2], 1)
 
 
 def _moments(x3: torch.Tensor, handle: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,12 +167,11 @@ def _moments(x3: torch.Tensor, handle: int, count: int) -> tuple[torch.Tensor, t
     ctx: SubGridSum = lookup(handle)
     P = ctx.P
     with torch.no_grad():
-        L, R = x3.shape[-3], x3.shape[-1]
-        M = _stat_count(x3)
-        n_loc = L * R
+        dims, M, _ = _stat_layout(x3)
+        n_loc = x3.shape[-3] * x3.shape[-1]
         rec = torch.zeros(3, M, dtype=torch.float64, device=x3.device)
         if n_loc > 0 and M > 0:
-            var, mean = torch.var_mean(x3.to(compute_dtype(x3.dtype)), dim=_reduced_dims(x3), correction=0)
+            var, mean = torch.var_mean(x3.to(compute_dtype(x3.dtype)), dim=dims, correction=0)
             rec[0] = n_loc
             rec[1] = mean.reshape(M)
             rec[2] = var.double().reshape(M) * n_loc
@@ -229,13 +189,22 @@ def _moments(x3: torch.Tensor, handle: int, count: int) -> tuple[torch.Tensor, t
 
 
 def _moments_fake(x3, handle, count):
-    M = _stat_count(x3)
+    M = _stat_layout(x3)[1]
     return x3.new_empty((M,), dtype=torch.float64), x3.new_empty((M,), dtype=torch.float64)
 
 
 def _xhat(x3: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor) -> torch.Tensor:
-    shape = _stat_shape(x3)
+    shape = _stat_layout(x3)[2]
     return (x3.to(compute_dtype(x3.dtype)) - mean.view(shape)) * invstd.view(shape)
+
+
+def affine(y: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, shape) -> torch.Tensor:
+    """``y [* weight] [+ bias]``, the parameters in ``y``'s dtype and viewed as ``shape``."""
+    if weight is not None:
+        y = y * weight.to(y.dtype).view(shape)
+    if bias is not None:
+        y = y + bias.to(y.dtype).view(shape)
+    return y
 
 
 def _like_x3(t: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
@@ -246,12 +215,7 @@ def _like_x3(t: torch.Tensor, x3: torch.Tensor) -> torch.Tensor:
 def _normalize(x3: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, mean: torch.Tensor,
                invstd: torch.Tensor, handle: int, count: int) -> torch.Tensor:
     """``(x3 - mean) * invstd [* w + b]`` per statistic (``w``, ``b`` per ``M``), in the compute dtype; local."""
-    y = _xhat(x3, mean, invstd)
-    if weight is not None:
-        y = y * weight.to(y.dtype).view(1, -1, 1)
-    if bias is not None:
-        y = y + bias.to(y.dtype).view(1, -1, 1)
-    return _like_x3(y, x3)
+    return _like_x3(affine(_xhat(x3, mean, invstd), weight, bias, (1, -1, 1)), x3)
 
 
 def _normalize_fake(x3, weight, bias, mean, invstd, handle, count):
@@ -273,7 +237,7 @@ def _normalize_backward(dy: torch.Tensor, x3: torch.Tensor, mean: torch.Tensor, 
     ctx: SubGridSum = lookup(handle)
     xhat = _xhat(x3, mean, invstd)
     dy = dy.to(xhat.dtype)
-    dims, M, shape = _reduced_dims(x3), _stat_count(x3), _stat_shape(x3)
+    dims, M, shape = _stat_layout(x3)
     sums = torch.stack([dy.sum(dims).reshape(M), (dy * xhat).sum(dims).reshape(M)])
     if ctx.P.size > 1:
         sums = all_reduce_sum(ctx.op, ctx.P, sums)
@@ -336,12 +300,13 @@ class NormCall:
 class NormLayer(BlockIdentityMixin, AgreedLayer, nn.Module):
     """What every distributed norm shares: replicated parameters and running statistics, the agreement, the
     sub-grid contexts its ops name by handle, and the steps of its one forward.  Subclasses call
-    :meth:`_norm_setup` and define ``_forward(x, record)`` and ``_check_global(G)`` (their checks of the
-    agreed global shape) and, where they differ from the defaults, ``_promotions`` and ``_mode_matters``.
+    :meth:`_norm_setup` and define ``_forward(x, record)`` (the normalisation of the block under the agreed
+    :class:`NormCall`), ``_check_global(G)`` (their checks of the agreed global shape, raised on every worker
+    alike) and, where they differ from the defaults, ``_promotions`` and ``_mode_matters``.
     """
 
     def _norm_setup(self, P_x, param_shape, split_dims, block, *, affine: bool, bias: bool, running: bool,
-                    P_stats, P_rep=None, P_batch=None, device=None, dtype=None) -> None:
+                    P_stats, P_rep, P_batch=None, device=None, dtype=None) -> None:
         """Parameters ``[block]`` of the global ``param_shape`` (split by ``split_dims`` of ``P_x``, replicated on
         the other axes), running statistics if ``running``, the session and the contexts (in the same order on
         every worker: their handles name them in compiled graphs)."""
@@ -353,19 +318,18 @@ class NormLayer(BlockIdentityMixin, AgreedLayer, nn.Module):
         self._has_buffers = bool(running)
         self._agree_over(P_x)
         self._stats = SubGridSum(op, P_stats)
-        self._rep = SubGridSum(op, P_rep) if P_rep is not None else None
+        self._rep = SubGridSum(op, P_rep)
         self._batch = SubGridSum(op, P_batch) if P_batch is not None else None
         device = torch.device(device) if device is not None else P_x.device
         kw = dict(device=device, dtype=dtype)
-        make = P_x.active and self.affine
-        self.register_parameter("weight", nn.Parameter(torch.ones(block, **kw)) if make else None)
-        make = P_x.active and self._has_bias
-        self.register_parameter("bias", nn.Parameter(torch.zeros(block, **kw)) if make else None)
-        make = P_x.active and self._has_buffers
-        self.register_buffer("running_mean", torch.zeros(block, **kw) if make else None)
-        self.register_buffer("running_var", torch.ones(block, **kw) if make else None)
+        on = P_x.active
+        self.register_parameter("weight", nn.Parameter(torch.ones(block, **kw)) if on and self.affine else None)
+        self.register_parameter("bias", nn.Parameter(torch.zeros(block, **kw)) if on and self._has_bias else None)
+        on = on and self._has_buffers
+        self.register_buffer("running_mean", torch.zeros(block, **kw) if on else None)
+        self.register_buffer("running_var", torch.ones(block, **kw) if on else None)
         # torch's InstanceNorm registers it too (and never advances it); kept for state-dict parity.
-        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device) if make else None)
+        self.register_buffer("num_batches_tracked", torch.tensor(0, dtype=torch.long, device=device) if on else None)
 
     def _features(self, P_x, dims, num_features: int, eps: float, momentum, track_running_stats: bool) -> None:
         """The batch and instance norms' arguments (and ``P_x``), checked as torch checks them."""
@@ -416,14 +380,10 @@ class NormLayer(BlockIdentityMixin, AgreedLayer, nn.Module):
         # The adjoint's collectives: every worker must run them when any does (see _promotions).
         return self._forward(promote(x, self._promotions(record.call)[0]), record)
 
-    def _forward(self, x: torch.Tensor, record: NormCall) -> torch.Tensor:
-        """The layer's normalisation of its block under the agreed ``record`` (an abstract hook)."""
-        raise NotImplementedError(f"{type(self).__name__} must define _forward")
-
     def _promotions(self, call: CallRecord) -> tuple[bool, bool]:
         """Whether this worker's input / parameters must take part in the adjoint although they need no gradient
         here: some worker's input or parameter does, and the adjoint's collectives reach this worker."""
-        return call.any_input_grad, call.any_param_grad
+        return any(call.input_grad), any(call.param_grad)
 
     def _agree(self, x: torch.Tensor) -> NormCall | None:
         """The call's agreed record (None: a replayed call that flagged).  The signature holds everything the
@@ -448,20 +408,23 @@ class NormLayer(BlockIdentityMixin, AgreedLayer, nn.Module):
         call = gather_call(op, P_x, [x, *params, *held],
                            ["input"] + ["parameter"] * len(params) + ["running statistic"] * len(held), params,
                            signature=self._signature(), mode=int(self.training))
-        if self._mode_matters():
-            one_mode(op, P_x, call)
+        if self._mode_matters() and len(set(call.modes)) > 1:  # the training workers would wait for the others
+            got = {w: "train" if m else "eval" for w, m in zip(P_x.ranks, call.modes, strict=True)}
+            raise ShapeError(f"{where(op)}: the workers of P_x must all be in training mode or all in eval mode; got "
+                             f"{got} (world rank: mode)")
         dtype = one_dtype(op, P_x, call.dtypes[0])
         G = global_shape_of(op, P_x, call.shapes[0])
-        for dtypes in call.dtypes[1:]:  # every worker's parameters and buffers: every worker raises alike
-            for t_dtype in dtypes:
-                check_param_dtype(op, dtype, t_dtype)
+        mixed = dtype in (torch.float16, torch.bfloat16)  # torch's rule: the input's dtype, or fp32 if 16-bit
+        for t_dtype in (d for dtypes in call.dtypes[1:] for d in dtypes):  # every worker's parameters and buffers
+            if t_dtype not in (None, dtype) and not (mixed and t_dtype == torch.float32):
+                raise expect(op, "input dtype (the parameters' dtype, or fp16/bf16 with fp32 parameters, as torch "
+                             "requires)", str(t_dtype), str(dtype))
         self._check_global(G)
         return NormCall(G, dtype, call)
 
     def _moments(self, x3: torch.Tensor, count: int) -> Moments:
         """The exact global statistics of ``x3`` over ``P_stats`` (``count`` elements each)."""
-        mean, var = _moments_op(x3.detach(), self._stats.handle, count)
-        return Moments(mean, var, count)
+        return Moments(*_moments_op(x3.detach(), self._stats.handle, count), count)
 
     def _normalize(self, x3: torch.Tensor, stats: Moments, weight: torch.Tensor | None = None,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -474,7 +437,7 @@ class NormLayer(BlockIdentityMixin, AgreedLayer, nn.Module):
         """Weight and bias, copies on every worker of ``P_rep``, used so that each copy gets the global gradient
         (where any worker's copy requires grad, one that does not is promoted, so that its adjoint's all-reduce
         still runs)."""
-        if self._rep.P.size == 1 or not call.any_param_grad:
+        if self._rep.P.size == 1 or not any(call.param_grad):
             return [self.weight, self.bias]
         return [None if w is None else replicate(promote(w, True), self._rep.handle) for w in (self.weight, self.bias)]
 
@@ -488,6 +451,3 @@ class NormLayer(BlockIdentityMixin, AgreedLayer, nn.Module):
     def _mode_matters(self) -> bool:
         """Whether training and eval calls run different collectives (then every worker must be in one mode)."""
         return False
-
-    def _check_global(self, G: tuple[int, ...]) -> None:
-        """The layer's checks of the agreed global input shape (raised on every worker alike)."""

@@ -10,7 +10,7 @@ Partitions and shapes (``nd`` spatial axes; worker at index ``(b, c, *s)`` of ``
                                            rule, ceil_mode included)
 
     forward   info   = session.agree(x)           the call's global shape and grad flags
-              window = window_record(G)           plan, staging record, output extents (once per shape)
+              window = window_record(G)           plan, staging slices, output extents (once per shape)
               staged = stage_window(x, path)       local, unfused or fused (below)
               y      = _block(staged, window)      the local op, with no padding
     adjoint   the local op's; then every staging path sends each halo box's gradient home and adds
@@ -66,12 +66,11 @@ from distfuse.layers.dispatch import Decision, device_caps, select_path
 from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives.halo_exchange import PlanHalo, halo_exchange
 
-__all__ = ["PoolOptions", "pool_plan", "WindowRecord", "window_record", "WindowLayer", "DistributedPoolBase",
-           "check_16bit_cpu", "plan_is_local", "window_ranges", "choose_staging", "StagingRecord", "staging_record",
-           "stage_window"]
+__all__ = ["per_axis", "PoolOptions", "pool_plan", "WindowRecord", "window_record", "WindowLayer",
+           "DistributedPoolBase", "plan_is_local", "window_ranges", "choose_staging", "stage_window"]
 
 
-def _per_axis(op: str, v, nd: int, name: str, minimum: int) -> tuple[int, ...]:
+def per_axis(op: str, v, nd: int, name: str, minimum: int) -> tuple[int, ...]:
     t = (v,) * nd if isinstance(v, int) else tuple(v) if isinstance(v, (tuple, list)) else None
     if t is None or len(t) != nd or not all(isinstance(e, int) and not isinstance(e, bool) for e in t) \
             or min(t) < minimum:
@@ -94,11 +93,11 @@ class PoolOptions:
     @classmethod
     def make(cls, op: str, nd: int, kernel_size, stride, padding, dilation, ceil_mode) -> PoolOptions:
         """Normalise and check the arguments as torch does (stride defaults to the kernel size)."""
-        kernel = _per_axis(op, kernel_size, nd, "kernel_size", 1)
+        kernel = per_axis(op, kernel_size, nd, "kernel_size", 1)
         stride = kernel if stride is None or (isinstance(stride, (tuple, list)) and len(stride) == 0) else \
-            _per_axis(op, stride, nd, "stride", 1)
-        pad = _per_axis(op, padding, nd, "padding", 0)
-        dil = _per_axis(op, dilation, nd, "dilation", 1)
+            per_axis(op, stride, nd, "stride", 1)
+        pad = per_axis(op, padding, nd, "padding", 0)
+        dil = per_axis(op, dilation, nd, "dilation", 1)
         for k, p in zip(kernel, pad, strict=True):
             if p > k // 2:
                 raise UnsupportedError(f"{where(op)}: padding {pad} must be at most half the kernel size "
@@ -129,16 +128,6 @@ def window_ranges(plan: HaloPlan, index: Sequence[int]) -> list[tuple[int, int]]
     return [ax.needed_range(i) for ax, i in zip(plan.axes, index, strict=True)]
 
 
-@functools.cache
-def _fused_staging_available() -> bool:
-    """Whether the Triton halo kernels import (they load Triton)."""
-    try:
-        import distfuse.fused.halo_conv  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def choose_staging(plan: HaloPlan | None, dtype: torch.dtype, device: torch.device, world_size: int, channels: int,
                    caps_cache: dict) -> Decision:
     """How a layer stages its window for one call (see the module docstring); the same on every worker.
@@ -148,8 +137,6 @@ def choose_staging(plan: HaloPlan | None, dtype: torch.dtype, device: torch.devi
     """
     if plan is not None and plan_is_local(plan):
         return Decision("local", "no worker reads another worker's block for this geometry: no exchange")
-    if not _fused_staging_available():
-        return Decision("unfused", "the Triton halo kernels are not available")
     caps = caps_cache.get(device)
     if caps is None:
         caps = caps_cache[device] = device_caps(device)
@@ -157,41 +144,14 @@ def choose_staging(plan: HaloPlan | None, dtype: torch.dtype, device: torch.devi
     return Decision(d.path, f"halo staging (the halo_conv rule): {d.reason}", entry=d.entry)
 
 
-@dataclass(frozen=True)
-class StagingRecord:
-    """How one worker stages its window under one plan, as plain numbers: ``local`` (:func:`plan_is_local`);
-    ``slices`` and ``flat_pad`` (``F.pad`` order) give the local window from the own block; ``pad_widths``, per
-    axis the staged positions before 0 and at or after n, which an exchanged window fills with ``fill``."""
-
-    local: bool
-    slices: tuple[slice, ...]
-    flat_pad: tuple[int, ...]
-    pad_widths: tuple[tuple[int, int], ...]
-
-
-@functools.lru_cache(maxsize=1024)
-def staging_record(plan: HaloPlan, index: tuple[int, ...]) -> StagingRecord:
-    """The :class:`StagingRecord` of worker ``index`` under ``plan``."""
-    slices, flat_pad, widths = [], [], []
-    for ax, i, (a, b) in zip(plan.axes, index, window_ranges(plan, index), strict=True):
-        length = b - a
-        lo = min(max(0 - a, 0), length)  # staged positions before 0 and at or after n (global)
-        hi = min(max(b - max(a, ax.n), 0), length - lo)
-        inner = length - lo - hi
-        first = max(a, 0) - ax.input_range(i)[0] if inner > 0 else 0
-        slices.append(slice(first, first + inner))
-        flat_pad = [lo, hi] + flat_pad  # F.pad lists the last axis first
-        widths.append((lo, hi))
-    return StagingRecord(plan_is_local(plan), tuple(slices), tuple(flat_pad), tuple(widths))
-
-
-def stage_window(x: torch.Tensor, halo: PlanHalo, rec: StagingRecord, global_shape: Sequence[int], *, path: str,
+def stage_window(x: torch.Tensor, halo: PlanHalo, rec: WindowRecord, global_shape: Sequence[int], *, path: str,
                  fill: float = 0.0) -> torch.Tensor:
     """This worker's window ``[B, C, *L]`` from its block ``x [B, C, *n]`` by ``path`` (see the module docstring),
     with the layer's halo context ``halo`` and this worker's ``rec``; every worker calls it with the same path."""
     if path == "local":
         view = x[(Ellipsis, *rec.slices)]
-        return F.pad(view, list(rec.flat_pad), value=fill) if any(rec.flat_pad) else view
+        flat_pad = [w for lo_hi in reversed(rec.pad_widths) for w in lo_hi]  # F.pad lists the last axis first
+        return F.pad(view, flat_pad, value=fill) if any(flat_pad) else view
     stage = halo_staging if path == "fused" else halo_exchange
     staged = stage(x, halo.handle, list(global_shape))
     if fill != 0:  # overwrite the out-of-domain slabs in place (slabs only)
@@ -210,30 +170,41 @@ def stage_window(x: torch.Tensor, halo: PlanHalo, rec: StagingRecord, global_sha
 
 @dataclass(frozen=True)
 class WindowRecord:
-    """One worker's geometry for one global shape: the plan, its block index, how it stages its window, its
-    output block's spatial extents and the layer's ``block`` constants (divisors, first taps, interpolation taps).
-    Made once per global shape by an eager call; a compiled call only reads it (a plan walk would break the graph).
+    """One worker's geometry for one global shape: the plan, how it stages its window (``slices`` cut the local
+    window from the own block; ``pad_widths``, per axis the staged positions before 0 and at or after n, which
+    the window fills with ``fill``), its output block's spatial extents and the layer's ``block`` constants
+    (divisors, first taps, interpolation taps).  Made once per global shape by an eager call; a compiled call
+    only reads it (a plan walk would break the graph).
     """
 
     plan: HaloPlan
-    index: tuple[int, ...]
-    staging: StagingRecord
+    slices: tuple[slice, ...]
+    pad_widths: tuple[tuple[int, int], ...]
     out_spatial: tuple[int, ...]
     block: object = None
 
 
 def window_record(plan: HaloPlan, index: tuple[int, ...], block=None) -> WindowRecord:
     """The :class:`WindowRecord` of worker ``index`` under ``plan``."""
-    return WindowRecord(plan, index, staging_record(plan, index), plan.output_shape(index), block)
+    slices, widths = [], []
+    for ax, i, (a, b) in zip(plan.axes, index, window_ranges(plan, index), strict=True):
+        length = b - a
+        lo = min(max(0 - a, 0), length)  # staged positions before 0 and at or after n (global)
+        hi = min(max(b - max(a, ax.n), 0), length - lo)
+        inner = length - lo - hi
+        first = max(a, 0) - ax.input_range(i)[0] if inner > 0 else 0
+        slices.append(slice(first, first + inner))
+        widths.append((lo, hi))
+    return WindowRecord(plan, tuple(slices), tuple(widths), plan.output_shape(index), block)
 
 
 class WindowLayer(AgreedLayer, nn.Module):
     """The one forward of the layers that compute each output block from one staged window (pooling, upsampling).
 
     Subclasses define ``_layer_key()`` (their options and partition, compared in the
-    gather), ``_plan_for(G, dtype, device)`` (the plan for a global shape), ``_block(x, staged,
-    window, info, out_shape)`` (the local op) and may define ``_block_constants(plan, index, G,
-    dtype, device)``, what the local op reads from the geometry (the window's ``block``).
+    gather), ``plan(G, dtype, device)`` (the plan for a global shape), ``_block(x, staged,
+    window, info, out_shape)`` (the local op) and ``_block_constants(plan, index, G, dtype,
+    device)``, what the local op reads from the geometry (the window's ``block``).
     ``last_path`` (``"local"``, ``"unfused"`` or ``"fused"``; None before the first call) and
     ``last_decision`` say how the last call staged its window, and why.
     """
@@ -260,7 +231,7 @@ class WindowLayer(AgreedLayer, nn.Module):
     def explain(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> Decision:
         """How a call with ``x`` stages its window, and why (no communication; pass the global shape to
         include the local-path check)."""
-        plan = self._plan_for(tuple(global_shape), x.dtype, x.device) if global_shape is not None else None
+        plan = self.plan(tuple(global_shape), x.dtype, x.device) if global_shape is not None else None
         channels = global_shape[1] if global_shape is not None else x.shape[1] if x.dim() > 1 else 1
         return choose_staging(plan, x.dtype, x.device, self.P_x.size, channels, self._caps_cache)
 
@@ -287,7 +258,7 @@ class WindowLayer(AgreedLayer, nn.Module):
         self.last_decision = self.session.remember(("staging", G, x.dtype, x.device.type),
                                                    lambda: self.explain(x, G))
         self.last_path = self.last_decision.path
-        staged = stage_window(x, self._halo, win.staging, G, path=self.last_path, fill=self.fill)
+        staged = stage_window(x, self._halo, win, G, path=self.last_path, fill=self.fill)
         out_shape = tuple(x.shape[:2]) + win.out_spatial
         if 0 in out_shape:
             return self._empty_output(staged, out_shape)
@@ -300,14 +271,10 @@ class WindowLayer(AgreedLayer, nn.Module):
         key = (G, dtype, device.type)
         rec = self._windows.get(key)
         if rec is None:
-            plan, index = self._plan_for(G, dtype, device), tuple(self.P_x.index[2:])
+            plan, index = self.plan(G, dtype, device), tuple(self.P_x.index[2:])
             rec = self._windows[key] = window_record(plan, index, self._block_constants(plan, index, G, dtype, device))
         self._plans[G] = rec.plan  # the upsampling plan depends on the dtype too: the staging ops take this call's
         return rec
-
-    def _block_constants(self, plan: HaloPlan, index: tuple[int, ...], global_shape: tuple[int, ...], dtype,
-                         device):
-        return None
 
     def _inactive_output(self, x: torch.Tensor):
         return x.clone()
@@ -336,7 +303,7 @@ class DistributedPoolBase(WindowLayer):
     def _layer_key(self):
         return self.opts, self.P_x.ranks, self.P_x.shape
 
-    def plan(self, global_shape: Sequence[int]) -> HaloPlan:
+    def plan(self, global_shape: Sequence[int], dtype=None, device=None) -> HaloPlan:
         """The plan for a global input shape; raises the same error on every worker for geometry torch refuses."""
         op = type(self).__name__
         G = tuple(int(e) for e in global_shape)
@@ -348,15 +315,7 @@ class DistributedPoolBase(WindowLayer):
         except DistfuseError as exc:
             raise type(exc)(f"{where(op)}: global input shape {G}: {exc}") from None
 
-    def _plan_for(self, global_shape: tuple[int, ...], dtype, device) -> HaloPlan:
-        return self.plan(global_shape)
-
     def extra_repr(self) -> str:
         o = self.opts
         return (f"P_x={list(self.P_x.shape)}, kernel_size={o.kernel_size}, stride={o.stride}, padding={o.padding}, "
                 f"dilation={o.dilation}, ceil_mode={o.ceil_mode}")
-
-
-def check_16bit_cpu(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a 16-bit CPU tensor (the layers compute those in fp32 and round once)."""
-    return t.device.type == "cpu" and t.dtype in (torch.float16, torch.bfloat16)

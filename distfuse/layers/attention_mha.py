@@ -60,7 +60,6 @@ that are the layout's blocks of one ``S``.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 
 import torch
@@ -75,7 +74,7 @@ from distfuse.layers._conv_common import AgreedLayer, cached_partition
 from distfuse.layers._linear_common import decide
 from distfuse.layers._norm_common import subgrid
 from distfuse.layers._params import BlockIdentityMixin, ParamLayout
-from distfuse.layers.attention_ring import LAYOUTS, DistributedAttention, check_agreed
+from distfuse.layers.attention_ring import LAYOUTS, DistributedAttention, _local_len, check_agreed
 from distfuse.layers.dispatch import Decision
 from distfuse.ops.fused_linear import make_call
 from distfuse.partition import CartesianPartition, zero_volume_tensor
@@ -247,36 +246,25 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """``torch.nn.Linear``'s initialisation of each projection on the global tensors, in
-        :class:`MultiheadSelfAttention`'s order, on every rank; each worker keeps its block."""
+        """:class:`MultiheadSelfAttention`'s initialisation (``torch.nn.Linear``'s, projection by projection) of the
+        global tensors, on every rank; each worker keeps its block."""
         if not self.P.active:
             return
         like = self.q_proj_weight
-        full = {}
-        for name, (n_out, n_in) in self._global_shapes().items():
-            w = torch.empty((n_out, n_in), dtype=like.dtype, device=like.device)
-            nn.init.kaiming_uniform_(w, a=math.sqrt(5))
-            full[f"{name}.weight"] = w
-            if self.use_bias:
-                b = torch.empty((n_out,), dtype=like.dtype, device=like.device)
-                bound = 1 / math.sqrt(n_in)
-                nn.init.uniform_(b, -bound, bound)
-                full[f"{name}.bias"] = b
+        full = MultiheadSelfAttention(self.embed_dim, self.num_heads, self.num_kv_heads, self.use_bias,
+                                      device=like.device, dtype=like.dtype).state_dict()
         for lay in self.param_layouts():
             getattr(self, lay.name).copy_(full[lay.seq_name][lay.replica_slices()])
 
     def param_layouts(self) -> list[ParamLayout]:
         """Column-parallel ``q/k/v_proj`` (rows split over the tensor axis, copies over the context axis), row-parallel
         ``out_proj.weight`` (columns split over the tensor axis), ``out_proj.bias`` whole on every worker."""
-        P, out = self.P, []
+        out = []
         for name, shape in self._global_shapes().items():
-            if name == "out_proj":
-                out.append(ParamLayout("out_proj_weight", "out_proj.weight", self._P_out, shape, split_dims=(1, 2)))
-            else:
-                out.append(ParamLayout(f"{name}_weight", f"{name}.weight", P, shape, split_dims=(1,)))
+            P_w, w_split, b_split = (self._P_out, (1, 2), ()) if name == "out_proj" else (self.P, (1,), (1,))
+            out.append(ParamLayout(f"{name}_weight", f"{name}.weight", P_w, shape, split_dims=w_split))
             if self.use_bias:
-                split = () if name == "out_proj" else (1,)
-                out.append(ParamLayout(f"{name}_bias", f"{name}.bias", P, shape[:1], split_dims=split))
+                out.append(ParamLayout(f"{name}_bias", f"{name}.bias", self.P, shape[:1], split_dims=b_split))
         return out
 
     def _params(self) -> list[torch.Tensor | None]:
@@ -288,19 +276,16 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
         tensor axis.  ``key_padding_mask``: optional bool ``[B, S_r]`` of the same rows, True where a key is padding
         (``nn.MultiheadAttention``'s convention); every worker of ``P`` passes one, or none.  Sequence-parallel, its
         rows are gathered over the tensor axis with ``x``'s (one more small gather per call)."""
-        op = type(self).__name__
         if not self.P.active:
-            check_inactive_input(op, x)
-            if key_padding_mask is not None:
-                check_inactive_input(op, key_padding_mask)
+            for t in (x,) if key_padding_mask is None else (x, key_padding_mask):
+                check_inactive_input(type(self).__name__, t)
             return zero_volume_tensor(dtype=self._dtype, device=x.device)
         params = self._params()
-        present = [p for p in params if p is not None]
         grad_on = torch.is_grad_enabled()
         input_grad = grad_on and x.requires_grad
         mask = sum(1 << i for i, p in enumerate(params) if p is not None and grad_on and p.requires_grad)
         has_mask = key_padding_mask is not None
-        problem = self._local_problem(x, present[0], key_padding_mask)
+        problem = self._local_problem(x, key_padding_mask)
         signature = (tuple(x.shape), x.dtype, x.device.type, input_grad, mask, has_mask)
         record = self.session.agree(x, signature, problem == 0,
                                     lambda: self._gather(problem, x, input_grad, mask, has_mask))
@@ -309,35 +294,30 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
         if debug.enabled() and not self.sequence_parallel and self.session.may_read_host:
             self._check_replicated(x)
         wq, bq, wk, bk, wv, bv, wo, bo = self._over_context(params, record.param_grad)
-        B, D = x.shape[0], self.head_dim
+        B, D, tp = x.shape[0], self.head_dim, self._tp.P.size > 1
+        keep = ~key_padding_mask if has_mask else None  # the ring's key mask (True = attend)
         if self.sequence_parallel:  # one gather for the three: their weight blocks stacked for one GEMM
             S_r = record.lengths[self.P.index[0]]  # the context index's rows, gathered over the tensor axis
             packed_b = torch.cat([bq, bk, bv]) if bq is not None else None
             qkv = self._projection("qkv", x, torch.cat([wq, wk, wv]), packed_b, S_r)
             q, k, v = qkv.split([wq.shape[0], wk.shape[0], wv.shape[0]], dim=-1)
+            if has_mask:
+                keep = all_gather(keep.to(torch.uint8)[..., None], self._P_rows, out_shape=[B, S_r, 1])[..., 0].bool()
         else:  # three GEMMs on the blocks themselves: no per-call copy of the weights
-            if record.input_grad and self._tp.P.size > 1:
-                x = replicate(x, self._tp.handle)
+            x = replicate(x, self._tp.handle) if record.input_grad and tp else x
             S_r = x.shape[1]
             q, k, v = (F.linear(x, w, b) for w, b in ((wq, bq), (wk, bk), (wv, bv)))
-        keep = None
-        if has_mask:  # the ring's key mask (True = attend), over the context index's rows
-            keep = ~key_padding_mask
-            if self.sequence_parallel:
-                keep = all_gather(keep.to(torch.uint8)[..., None], self._P_rows, out_shape=[B, S_r, 1])[..., 0].bool()
         heads = (self.local_heads, self.local_kv_heads, self.local_kv_heads)
         q, k, v = (t.reshape(B, S_r, h, D).transpose(1, 2) for t, h in zip((q, k, v), heads, strict=True))
         # the layer's agreement covers the ring's call (shapes, dtype, grad settings, the layout's blocks of S)
         o = self.attention.agreed(q, k, v, record.S, self.session, keep)
         o = o.transpose(1, 2).reshape(B, S_r, self.local_heads * D)
-        if self.sequence_parallel:
-            if bo is not None and record.param_grad and self._tp.P.size > 1:
-                bo = replicate(bo, self._tp.handle)  # each tensor worker adds it to its own rows: a partial gradient
-            return self._projection("out_proj", o, wo, bo, S_r)
-        y = F.linear(o, wo)
-        if self._tp.P.size > 1:
-            y = replicated_sum(y, self._tp.handle)
-        return y + bo if bo is not None else y
+        if not self.sequence_parallel:
+            y = replicated_sum(F.linear(o, wo), self._tp.handle) if tp else F.linear(o, wo)
+            return y + bo if bo is not None else y
+        if bo is not None and record.param_grad and tp:
+            bo = replicate(bo, self._tp.handle)  # each tensor worker adds it to its own rows: a partial gradient
+        return self._projection("out_proj", o, wo, bo, S_r)
 
     def _projection(self, kind: str, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, n: int) -> torch.Tensor:
         """A sequence-parallel projection: ``"qkv"`` gathers the rows ``[B, n_t, E]`` over the tensor axis into
@@ -393,12 +373,12 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
         pieces = iter(flat.split([p.numel() for p in present]))
         return [next(pieces).view(p.shape) if p is not None else None for p in params]
 
-    def _local_problem(self, x: torch.Tensor, weight: torch.Tensor, key_padding_mask) -> int:
+    def _local_problem(self, x: torch.Tensor, key_padding_mask) -> int:
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             return 1
         if x.shape[2] != self.embed_dim:
             return 2
-        if x.dtype != weight.dtype:
+        if x.dtype != self.q_proj_weight.dtype:
             return 3
         if x.device.type != self.P.device.type:
             return 4
@@ -423,33 +403,26 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
                                            "one bit per parameter)",
                                         7: "whether a key_padding_mask is passed"},
                      {4: lambda v: str(dtype_of_code(v))})
-        p_cp, p_tp = P.shape
-        if self.sequence_parallel:
-            lengths = [sum(rows[P.rank_of((c, t))][2] for t in range(p_tp)) for c in range(p_cp)]
-            for j, r in enumerate(rows):
-                c, t = P.index_of(j)
-                if r[2] != block_extent(lengths[c], p_tp, t):
-                    raise ShapeError(f"{where(op)}: sequence-parallel: the tensor axis splits each context index's "
-                                     f"rows into balanced blocks; world rank {P.ranks[j]} (P index {(c, t)}) holds "
-                                     f"{r[2]} rows, block {t} of {lengths[c]} over {p_tp} workers is "
-                                     f"{block_extent(lengths[c], p_tp, t)}")
-        else:
-            lengths = [rows[P.rank_of((c, 0))][2] for c in range(p_cp)]
-            for j, r in enumerate(rows):
-                c = P.index_of(j)[0]
-                if r[2] != lengths[c]:
-                    raise ShapeError(f"{where(op)}: x is replicated over the tensor axis, so every worker of a "
-                                     f"context index holds the same rows; world rank {P.ranks[j]} (P index "
-                                     f"{P.index_of(j)}) holds {r[2]}, world rank {P.ranks[P.rank_of((c, 0))]} holds "
-                                     f"{lengths[c]}")
-        S = sum(lengths)
-        if self.layout == "zigzag":
-            ok = S % (2 * p_cp) == 0 and all(n == S // p_cp for n in lengths)
-            want = "S // P_cp rows each, S a multiple of 2 P_cp"
-        else:
-            ok = all(n == block_extent(S, p_cp, c) for c, n in enumerate(lengths))
-            want = f"the balanced blocks {[block_extent(S, p_cp, c) for c in range(p_cp)]}"
-        if not ok:
+        (p_cp, p_tp), sp = P.shape, self.sequence_parallel
+        # each context index's rows: split over the tensor axis (sequence-parallel), else held by each of its workers
+        lengths = [sum(rows[P.rank_of((c, t))][2] for t in range(p_tp)) if sp else rows[P.rank_of((c, 0))][2]
+                   for c in range(p_cp)]
+        for j, r in enumerate(rows):
+            c, t = P.index_of(j)
+            want = block_extent(lengths[c], p_tp, t) if sp else lengths[c]
+            if r[2] == want:
+                continue
+            if sp:
+                raise ShapeError(f"{where(op)}: sequence-parallel: the tensor axis splits each context index's rows "
+                                 f"into balanced blocks; world rank {P.ranks[j]} (P index {(c, t)}) holds {r[2]} rows, "
+                                 f"block {t} of {lengths[c]} over {p_tp} workers is {want}")
+            raise ShapeError(f"{where(op)}: x is replicated over the tensor axis, so every worker of a context index "
+                             f"holds the same rows; world rank {P.ranks[j]} (P index {(c, t)}) holds {r[2]}, "
+                             f"world rank {P.ranks[P.rank_of((c, 0))]} holds {want}")
+        S, zigzag = sum(lengths), self.layout == "zigzag"
+        blocks = [_local_len(S, p_cp, c, self.layout) for c in range(p_cp)]
+        if lengths != blocks or (zigzag and S % (2 * p_cp)):
+            want = "S // P_cp rows each, S a multiple of 2 P_cp" if zigzag else f"the balanced blocks {blocks}"
             raise ShapeError(f"{where(op)}: the context axis's row counts {lengths} are not the {self.layout} "
                              f"layout's blocks of S = {S} over {p_cp} workers (expected {want})")
         return MhaCall(S, bool(rows[0][5]), bool(rows[0][6]), tuple(lengths))

@@ -76,6 +76,7 @@ phase ops.  First-order only: ``create_graph=True`` is refused by name.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import struct
 from collections.abc import Sequence
@@ -106,8 +107,6 @@ __all__ = ["distributed_attention", "DistributedAttention", "load_balanced_split
 
 OP = "distributed_attention"
 LAYOUTS = ("contiguous", "zigzag")
-# Tags keep the K/V stream and the gradient-accumulator stream apart (both run r -> r+1 and overlap in time).
-_TAG_KV, _TAG_DKV = 0x2A71, 0x2A72
 
 
 # ---------------------------------------------------------------- layouts (pure arithmetic)
@@ -134,18 +133,15 @@ def load_balanced_split(S: int, W: int) -> list[tuple[tuple[int, int], tuple[int
 def load_balanced_order(S: int, W: int) -> torch.Tensor:
     """Global positions in zigzag order (int64 ``[S]``): ``x.index_select(dim, order)`` followed by an even split
     into ``W`` blocks gives each worker its zigzag rows; ``order.argsort()`` undoes it."""
-    return torch.cat([torch.arange(a, b) for pair in load_balanced_split(S, W) for a, b in pair]) if S else \
-        torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(a, b) for pair in load_balanced_split(S, W) for a, b in pair])
 
 
 def _runs(S: int, W: int, i: int, layout: str) -> list[tuple[int, int, int]]:
-    """Worker ``i``'s rows as runs ``(local start, global start, length)`` (empty runs dropped)."""
+    """Worker ``i``'s rows as runs ``(local start, global start, length)`` (empty runs kept)."""
     if layout == "zigzag":
         c = _check_zigzag(S, W)
-        runs = [(0, i * c, c), (c, (2 * W - 1 - i) * c, c)]
-    else:
-        runs = [(0, block_start(S, W, i), block_extent(S, W, i))]
-    return [r for r in runs if r[2] > 0]
+        return [(0, i * c, c), (c, (2 * W - 1 - i) * c, c)]
+    return [(0, block_start(S, W, i), block_extent(S, W, i))]
 
 
 def _local_len(S: int, W: int, i: int, layout: str) -> int:
@@ -157,8 +153,7 @@ def local_positions(S: int, W: int, index: int, layout: str = "contiguous") -> t
     position ids, and tests)."""
     if layout not in LAYOUTS:
         raise UnsupportedError(f"local_positions: layout must be one of {LAYOUTS}, got {layout!r}")
-    parts = [torch.arange(g, g + n) for _, g, n in _runs(S, W, index, layout)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    return torch.cat([torch.arange(g, g + n) for _, g, n in _runs(S, W, index, layout)])
 
 
 # ---------------------------------------------------------------- the agreement
@@ -271,10 +266,9 @@ def _ring_of(P) -> _Ring:
     """The functional form's ring of ``P``: one agreement session per partition, made on its first call (a compiled
     call before any eager one is refused by the fresh session's replay, as a module's)."""
     key = (P.ranks, getattr(P, "shape", None))
-    ring = _RINGS.get(key)
-    if ring is None:
-        ring = _RINGS[key] = _Ring(OP, P)
-    return ring
+    if key not in _RINGS:
+        _RINGS[key] = _Ring(OP, P)
+    return _RINGS[key]
 
 
 def _check_partition(P) -> None:
@@ -288,55 +282,37 @@ def _check_partition(P) -> None:
 
 # ---------------------------------------------------------------- point-to-point rounds
 
-def _post(op: str, sends, recvs, tag: int) -> list:
-    """Post ``(world peer, tensor)`` sends and receives in one batch; returns the works to wait on later."""
-    group = world_group()
-    ops = [dist.P2POp(dist.isend, t, p, group=group, tag=tag) for p, t in sends if t.numel()]
-    ops += [dist.P2POp(dist.irecv, t, p, group=group, tag=tag) for p, t in recvs if t.numel()]
-    if not ops:
-        return []
-    with collective_guard(op, "ring step (post)", [o.peer for o in ops], group):
-        return dist.batch_isend_irecv(ops)
-
-
-def _wait(op: str, works: list, peers) -> None:
-    if works:
-        with collective_guard(op, "ring step", peers):
-            for w in works:
-                w.wait()
-
-
 class _PointToPoint:
-    """The unfused ring's transport: each exchange one ``batch_isend_irecv`` (send to the next worker, receive from
-    the previous one), waited on in ``finish``.  Channel 0 carries K/V blocks, channel 1 the dK/dV accumulators."""
+    """The unfused ring's transport: each exchange one ``batch_isend_irecv`` on distfuse's world group (send to the
+    next worker, receive from the previous one), waited on in ``finish``.  Channel 0 carries K/V blocks, channel 1
+    the dK/dV accumulators; their tags keep the two streams apart (both run r -> r+1 and overlap in time)."""
 
-    _TAGS = (_TAG_KV, _TAG_DKV)
+    _TAGS = (0x2A71, 0x2A72)
 
     def __init__(self, geo: _Geo):
-        self.geo = geo
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> bool:
-        return False
+        self.next, self.prev = geo.ranks[(geo.r + 1) % geo.W], geo.ranks[(geo.r - 1) % geo.W]
 
     def post(self, channel: int, block: torch.Tensor, recv_numel: int):
-        recv = block.new_empty(recv_numel)
-        # the block stays referenced until finish: the send may still read it
-        return recv, _post(OP, [(self.geo.next, block)], [(self.geo.prev, recv)], self._TAGS[channel]), block
+        recv, group = block.new_empty(recv_numel), world_group()
+        ops = [dist.P2POp(fn, t, peer, group=group, tag=self._TAGS[channel])
+               for fn, t, peer in ((dist.isend, block, self.next), (dist.irecv, recv, self.prev)) if t.numel()]
+        with collective_guard(OP, "ring step (post)", [o.peer for o in ops], group):
+            works = dist.batch_isend_irecv(ops) if ops else []
+        return recv, works, block  # the block stays referenced until finish: the send may still read it
 
     def finish(self, pending) -> torch.Tensor:
         recv, works, _ = pending
-        _wait(OP, works, (self.geo.next, self.geo.prev))
+        with collective_guard(OP, "ring step", (self.next, self.prev)):
+            for w in works:
+                w.wait()
         return recv
 
 
 def _transport(geo: _Geo, k: torch.Tensor, acc_t: torch.dtype | None = None):
-    """The ring's transport: the symmetric-memory push where the call's decision was ``fused``, else
-    point-to-point.  ``acc_t``: the dK/dV accumulators' dtype (a backward ring: both channels)."""
+    """The ring's transport, a context manager: the symmetric-memory push where the call's decision was ``fused``,
+    else point-to-point.  ``acc_t``: the dK/dV accumulators' dtype (a backward ring: both channels)."""
     if not geo.fused or geo.W == 1:
-        return _PointToPoint(geo)
+        return contextlib.nullcontext(_PointToPoint(geo))
     from distfuse.fused.ring_push import SymmetricRing
 
     kv = max(_kv_numel(geo, i) for i in range(geo.W)) * k.dtype.itemsize
@@ -368,22 +344,9 @@ class _Geo:
         return _local_len(self.S, self.W, i % self.W, self.layout)
 
     def runs(self, i: int) -> list[tuple[int, int, int]]:
-        # Without the causal mask positions do not matter: one run, one GEMM per block.
-        n = self.length(i)
-        return _runs(self.S, self.W, i % self.W, self.layout) if self.causal else ([(0, 0, n)] if n else [])
-
-    @property
-    def next(self) -> int:
-        return self.ranks[(self.r + 1) % self.W]
-
-    @property
-    def prev(self) -> int:
-        return self.ranks[(self.r - 1) % self.W]
-
-
-def _pack(k, v, mask) -> torch.Tensor:
-    parts = [k.reshape(-1), v.reshape(-1)] + ([mask.reshape(-1).to(k.dtype)] if mask is not None else [])
-    return torch.cat(parts)
+        """Worker ``i``'s non-empty runs; without the causal mask positions do not matter: one run, one GEMM."""
+        runs = _runs(self.S, self.W, i % self.W, self.layout) if self.causal else [(0, 0, self.length(i))]
+        return [r for r in runs if r[2] > 0]
 
 
 def _kv_numel(geo: _Geo, i: int) -> int:
@@ -392,11 +355,10 @@ def _kv_numel(geo: _Geo, i: int) -> int:
 
 
 def _unpack(geo: _Geo, buf: torch.Tensor, i: int):
-    n, e = geo.length(i), geo.B * geo.Hkv * geo.length(i) * geo.D
-    shape = (geo.B, geo.Hkv, n, geo.D)
-    k, v = buf[:e].view(shape), buf[e:2 * e].view(shape)
-    mask = buf[2 * e:].view(geo.B, n) != 0 if geo.has_mask else None
-    return k, v, mask
+    shape = (geo.B, geo.Hkv, geo.length(i), geo.D)
+    e = math.prod(shape)
+    k, v = buf[:2 * e].view(2, *shape)
+    return k, v, buf[2 * e:].view(geo.B, shape[2]) != 0 if geo.has_mask else None
 
 
 def _pairs(geo: _Geo, src: int):
@@ -409,22 +371,6 @@ def _pairs(geo: _Geo, src: int):
             yield qi, ql, qg, n, kl, kg, m, geo.causal and kg + m - 1 > qg
 
 
-def _masked_scores(geo: _Geo, s, qg, n, kg, m, partial, maskb, kl):
-    """``s`` [B, Hkv, G n, m] with the causal and padding masks applied (-inf), or as it is."""
-    allowed = None
-    if partial:
-        qpos = torch.arange(qg, qg + n, device=s.device)
-        kpos = torch.arange(kg, kg + m, device=s.device)
-        allowed = kpos[None, :] <= qpos[:, None]  # [n, m]
-    if maskb is not None:
-        pad = maskb[:, kl:kl + m].view(geo.B, 1, 1, 1, m)
-        allowed = pad if allowed is None else allowed & pad
-    if allowed is None:
-        return s
-    s5 = s.view(geo.B, geo.Hkv, geo.G, n, m).masked_fill(~allowed, -math.inf)
-    return s5.view(geo.B, geo.Hkv, geo.G * n, m)
-
-
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if torch.finfo(dtype).bits < 32 else dtype
 
@@ -435,11 +381,10 @@ def _query_runs(geo: _Geo, x: torch.Tensor) -> list[torch.Tensor]:
     return [x5[:, :, :, ql:ql + n].reshape(geo.B, geo.Hkv, geo.G * n, x.shape[3]) for ql, _, n in geo.runs(geo.r)]
 
 
-def _join_runs(geo: _Geo, parts: Sequence[torch.Tensor], last: int, like: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`_query_runs`: ``[B, Hq, S_r, last]`` (``last = 0``: the parts are ``[B, Hkv, G n]``), in
-    ``like``'s dtype and device."""
+def _join_runs(geo: _Geo, parts: Sequence[torch.Tensor], last: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Inverse of :func:`_query_runs`: ``[B, Hq, S_r, last]`` (``last = 0``: the parts are ``[B, Hkv, G n]``)."""
     Sr, e = geo.length(geo.r), max(last, 1)
-    out = like.new_zeros((geo.B, geo.Hkv, geo.G, Sr, e))
+    out = torch.zeros((geo.B, geo.Hkv, geo.G, Sr, e), dtype=dtype, device=device)
     for (ql, _, n), p in zip(geo.runs(geo.r), parts, strict=True):
         out[:, :, :, ql:ql + n] = p.reshape(geo.B, geo.Hkv, geo.G, n, e)
     out = out.view(geo.B, geo.Hkv * geo.G, Sr, e)
@@ -452,7 +397,7 @@ def _kv_steps(geo: _Geo, k, v, mask, ring):
     """The ring's ``W`` steps: ``(src, k, v, mask)`` of the block this worker holds at step ``t`` (that of worker
     ``src = (r - t) mod W``).  The next block's transfer is posted on ``ring`` (the transport) before the yield
     and finished after it, so the caller's work on this block overlaps it."""
-    cur = _pack(k, v, mask)
+    cur = torch.cat([k.reshape(-1), v.reshape(-1)] + ([mask.reshape(-1).to(k.dtype)] if mask is not None else []))
     for t in range(geo.W):
         src = (geo.r - t) % geo.W
         pending = ring.post(0, cur, _kv_numel(geo, src - 1)) if t < geo.W - 1 else None
@@ -462,85 +407,22 @@ def _kv_steps(geo: _Geo, k, v, mask, ring):
 
 
 def _block_scores(geo: _Geo, src: int, qr: list, kb, vb, maskb, acc_t):
-    """``(query run index, the key run's local slice, k_j, v_j, masked scores)`` of every (query run, key run) pair
-    of block ``src`` that is not fully masked (:func:`_pairs`), ``k_j`` and ``v_j`` in the accumulation dtype."""
-    for qi, _, qg, n, kl, kg, mm, partial in _pairs(geo, src):
-        ks = slice(kl, kl + mm)
+    """``(query run index, the key run's local slice, k_j, v_j, s)`` for every (query run, key run) pair of block
+    ``src`` that is not fully masked (:func:`_pairs`): ``k_j, v_j`` in the accumulation dtype, the scores
+    ``s = q_i k_j^T`` [B, Hkv, G n, m] with the causal and padding masks applied (-inf)."""
+    for qi, _, qg, n, kl, kg, m, partial in _pairs(geo, src):
+        ks = slice(kl, kl + m)
         kj, vj = kb[:, :, ks].to(acc_t), vb[:, :, ks].to(acc_t)
-        yield qi, ks, kj, vj, _masked_scores(geo, qr[qi] @ kj.transpose(-1, -2), qg, n, kg, mm, partial, maskb, kl)
-
-
-def _forward_block(geo: _Geo, src: int, qr: list, kb, vb, maskb, acc_t, m: list, lsum: list, acc: list) -> None:
-    """Merge block ``src``'s scores into the running max ``m``, sum ``lsum`` and output ``acc`` (log-sum-exp)."""
-    for qi, _, _, vj, s in _block_scores(geo, src, qr, kb, vb, maskb, acc_t):
-        m_new = torch.maximum(m[qi], s.amax(-1))
-        m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)  # a row with nothing to attend to yet
-        p = torch.exp(s - m_safe.unsqueeze(-1))
-        alpha = torch.exp(m[qi] - m_safe)
-        lsum[qi] = lsum[qi] * alpha + p.sum(-1)
-        acc[qi] = acc[qi] * alpha.unsqueeze(-1) + p @ vj
-        m[qi] = m_new
-
-
-def _ring_forward(geo: _Geo, q, k, v, mask):
-    """``(out [B, Hq, S_r, D] in q's dtype, lse [B, Hq, S_r] in the accumulation dtype)``."""
-    acc_t = _acc_dtype(q.dtype)
-    qr = [t.to(acc_t) * geo.scale for t in _query_runs(geo, q)]
-    m = [torch.full(t.shape[:-1], -math.inf, dtype=acc_t, device=q.device) for t in qr]
-    lsum = [torch.zeros(t.shape[:-1], dtype=acc_t, device=q.device) for t in qr]
-    acc = [torch.zeros_like(t) for t in qr]
-    with _transport(geo, k) as ring:
-        for src, kb, vb, maskb in _kv_steps(geo, k, v, mask, ring):
-            _forward_block(geo, src, qr, kb, vb, maskb, acc_t, m, lsum, acc)
-    outs, lses = [], []
-    for mi, li, ai in zip(m, lsum, acc, strict=True):
-        m_safe = mi.masked_fill(mi == -math.inf, 0.0)
-        outs.append(ai / li.masked_fill(li == 0, 1.0).unsqueeze(-1))  # no key at all: 0 (acc is 0 there)
-        lses.append(m_safe + torch.log(li))  # -inf for such rows
-    like = torch.empty(0, dtype=acc_t, device=q.device)
-    return _join_runs(geo, outs, geo.D, like).to(q.dtype), _join_runs(geo, lses, 0, like)
-
-
-def _ring_backward(geo: _Geo, q, k, v, mask, out, lse, dout):
-    """``(dq, dk, dv)`` in the inputs' dtypes (see the module docstring for the schedule)."""
-    acc_t = _acc_dtype(q.dtype)
-    qr = [t.to(acc_t) * geo.scale for t in _query_runs(geo, q)]
-    dor = [t.to(acc_t) for t in _query_runs(geo, dout)]
-    delta = [(d * o.to(acc_t)).sum(-1) for d, o in zip(dor, _query_runs(geo, out), strict=True)]
-    # exp(s - lse) with lse = -inf (a row with no key) must give 0, not NaN
-    lser = [t.masked_fill(t == -math.inf, math.inf) for t in _query_runs(geo, lse.unsqueeze(-1))]
-    lser = [t.squeeze(-1) for t in lser]
-    dq = [torch.zeros_like(t) for t in qr]
-    pending, dkv_in = None, None
-    kv_shape = (geo.B, geo.Hkv)
-    with _transport(geo, k, acc_t) as ring:
-        for src, kb, vb, maskb in _kv_steps(geo, k, v, mask, ring):
-            dk = torch.zeros(kv_shape + (geo.length(src), geo.D), dtype=acc_t, device=q.device)
-            dv = torch.zeros_like(dk)
-            for qi, ks, kj, vj, s in _block_scores(geo, src, qr, kb, vb, maskb, acc_t):
-                p = torch.exp(s - lser[qi].unsqueeze(-1))
-                dv[:, :, ks] += p.transpose(-1, -2) @ dor[qi]
-                ds = p * (dor[qi] @ vj.transpose(-1, -2) - delta[qi].unsqueeze(-1))
-                dq[qi] += ds @ kj
-                dk[:, :, ks] += ds.transpose(-1, -2) @ qr[qi]
-            if geo.W == 1:
-                dkv_in = torch.cat([dk.reshape(-1), dv.reshape(-1)])
-                break
-            if pending is not None:  # the accumulator of block src, with the terms of workers src .. r-1
-                dk_in, dv_in = ring.finish(pending).chunk(2)
-                dk += dk_in.view_as(dk)
-                dv += dv_in.view_as(dv)
-            dkv_out = torch.cat([dk.reshape(-1), dv.reshape(-1)])
-            pending = ring.post(1, dkv_out, 2 * geo.B * geo.Hkv * geo.length(src - 1) * geo.D)
-        if pending is not None:  # after W sends, this worker's own block's gradients
-            dkv_in = ring.finish(pending)
-    dk_own, dv_own = dkv_in.chunk(2)
-    own = kv_shape + (geo.length(geo.r), geo.D)
-    dq_full = _join_runs(geo, [t * geo.scale for t in dq], geo.D, torch.empty(0, dtype=acc_t, device=q.device))
-    return dq_full.to(q.dtype), dk_own.view(own).to(k.dtype), dv_own.view(own).to(v.dtype)
-
-
-# ---------------------------------------------------------------- the ring as custom ops (module docstring)
+        s = qr[qi] @ kj.transpose(-1, -2)
+        allowed = None if maskb is None else maskb[:, ks].view(geo.B, 1, 1, 1, m)
+        if partial:
+            qpos, kpos = torch.arange(qg, qg + n, device=s.device), torch.arange(kg, kg + m, device=s.device)
+            causal = kpos[None, :] <= qpos[:, None]  # [n, m]
+            allowed = causal if allowed is None else causal & allowed
+        if allowed is not None:
+            s5 = s.view(geo.B, geo.Hkv, geo.G, n, m).masked_fill(~allowed, -math.inf)
+            s = s5.view(geo.B, geo.Hkv, geo.G * n, m)
+        yield qi, ks, kj, vj, s
 
 
 def _geo_of(handle: int, q, k, mask, S: int, causal: bool, layout: str, scale: float, fused: bool) -> _Geo:
@@ -553,16 +435,60 @@ def _geo_of(handle: int, q, k, mask, S: int, causal: bool, layout: str, scale: f
 
 def _forward_impl(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, handle: int, S: int,
                   causal: bool, layout: str, scale: float, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _ring_forward(_geo_of(handle, q, k, mask, S, causal, layout, scale, fused), q, k, v, mask)
-
-
-def _forward_fake(q, k, v, mask, handle, S, causal, layout, scale, fused):
-    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))
+    """``(out [B, Hq, S_r, D] in q's dtype, lse [B, Hq, S_r] in the accumulation dtype)``: each block's scores merged
+    into the running max ``m``, sum ``lsum`` and output ``acc`` (log-sum-exp)."""
+    geo, acc_t = _geo_of(handle, q, k, mask, S, causal, layout, scale, fused), _acc_dtype(q.dtype)
+    qr = [t.to(acc_t) * geo.scale for t in _query_runs(geo, q)]
+    m = [torch.full(t.shape[:-1], -math.inf, dtype=acc_t, device=q.device) for t in qr]
+    lsum = [torch.zeros(t.shape[:-1], dtype=acc_t, device=q.device) for t in qr]
+    acc = [torch.zeros_like(t) for t in qr]
+    with _transport(geo, k) as ring:
+        for src, kb, vb, maskb in _kv_steps(geo, k, v, mask, ring):
+            for qi, _, _, vj, s in _block_scores(geo, src, qr, kb, vb, maskb, acc_t):
+                m_new = torch.maximum(m[qi], s.amax(-1))
+                m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)  # a row with nothing to attend to yet
+                p = torch.exp(s - m_safe.unsqueeze(-1))
+                alpha = torch.exp(m[qi] - m_safe)
+                lsum[qi] = lsum[qi] * alpha + p.sum(-1)
+                acc[qi] = acc[qi] * alpha.unsqueeze(-1) + p @ vj
+                m[qi] = m_new
+    # a row with no key at all: out 0 (acc is 0 there), lse -inf
+    outs = [ai / li.masked_fill(li == 0, 1.0).unsqueeze(-1) for li, ai in zip(lsum, acc, strict=True)]
+    lses = [mi.masked_fill(mi == -math.inf, 0.0) + torch.log(li) for mi, li in zip(m, lsum, strict=True)]
+    return _join_runs(geo, outs, geo.D, acc_t, q.device).to(q.dtype), _join_runs(geo, lses, 0, acc_t, q.device)
 
 
 def _backward_impl(dout, q, k, v, mask, out, lse, handle, S, causal, layout, scale, fused):
-    geo = _geo_of(handle, q, k, mask, S, causal, layout, scale, fused)
-    return _ring_backward(geo, q, k, v, mask, out, lse, dout.contiguous())
+    """``(dq, dk, dv)`` in the inputs' dtypes (see the module docstring for the schedule)."""
+    geo, acc_t = _geo_of(handle, q, k, mask, S, causal, layout, scale, fused), _acc_dtype(q.dtype)
+    qr = [t.to(acc_t) * geo.scale for t in _query_runs(geo, q)]
+    dor = [t.to(acc_t) for t in _query_runs(geo, dout.contiguous())]
+    delta = [(d * o.to(acc_t)).sum(-1) for d, o in zip(dor, _query_runs(geo, out), strict=True)]
+    # exp(s - lse) with lse = -inf (a row with no key) must give 0, not NaN
+    lser = [t.masked_fill(t == -math.inf, math.inf)[..., 0] for t in _query_runs(geo, lse.unsqueeze(-1))]
+    dq = [torch.zeros_like(t) for t in qr]
+    pending = None
+    with _transport(geo, k, acc_t) as ring:
+        for src, kb, vb, maskb in _kv_steps(geo, k, v, mask, ring):
+            dkv = torch.zeros((2, geo.B, geo.Hkv, geo.length(src), geo.D), dtype=acc_t, device=q.device)
+            dk, dv = dkv  # views: the two halves of one message
+            for qi, ks, kj, vj, s in _block_scores(geo, src, qr, kb, vb, maskb, acc_t):
+                p = torch.exp(s - lser[qi].unsqueeze(-1))
+                dv[:, :, ks] += p.transpose(-1, -2) @ dor[qi]
+                ds = p * (dor[qi] @ vj.transpose(-1, -2) - delta[qi].unsqueeze(-1))
+                dq[qi] += ds @ kj
+                dk[:, :, ks] += ds.transpose(-1, -2) @ qr[qi]
+            if pending is not None:  # the accumulator of block src, with the terms of workers src .. r-1
+                dkv += ring.finish(pending).view_as(dkv)
+            if geo.W > 1:
+                pending = ring.post(1, dkv.view(-1), 2 * geo.B * geo.Hkv * geo.length(src - 1) * geo.D)
+        if pending is not None:  # after W sends, this worker's own block's gradients
+            dkv = ring.finish(pending).view(2, geo.B, geo.Hkv, geo.length(geo.r), geo.D)
+    dq_full = _join_runs(geo, [t * geo.scale for t in dq], geo.D, acc_t, q.device)
+    return dq_full.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+# ---------------------------------------------------------------- the ring as custom ops (module docstring)
 
 
 def _backward_op_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -574,50 +500,41 @@ def _backward_op_impl(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: t
     return dq, dk, dv.clone() if dv.untyped_storage().data_ptr() == dk.untyped_storage().data_ptr() else dv
 
 
-def _backward_fake(dout, q, k, v, mask, out, lse, handle, S, causal, layout, scale, fused):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _save(ctx, inputs: tuple, output: tuple) -> None:
+    ctx.args = tuple(inputs[4:])  # handle, S, causal, layout, scale, fused
+    ctx.save_for_backward(*inputs[:4], *output)
 
 
-def _dout(dout, out):
-    return torch.zeros_like(out) if dout is None else dout
+def _gradients(backward):
+    """The ring's autograd backward over ``backward`` (the implementation eagerly, the backward op compiled)."""
 
+    def gradients(ctx, dout, _dlse):
+        q, k, v, mask, out, lse = ctx.saved_tensors
+        dout = torch.zeros_like(out) if dout is None else dout
+        return (*backward(dout, q, k, v, mask, out, lse, *ctx.args), *(None,) * 7)  # mask, handle, .., fused
 
-_NO_GRADS = (None,) * 7  # mask, handle, S, causal, layout, scale, fused
+    return gradients
 
 
 class _RingAttention(torch.autograd.Function):
-    """The eager ring: the two implementations of the ops above."""
+    """The eager ring: the implementations of the two ops below."""
 
     @staticmethod
-    def forward(ctx, q, k, v, mask, *args):
-        out, lse = _forward_impl(q, k, v, mask, *args)
-        ctx.args = args
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+    def forward(ctx, *inputs):
+        out, lse = _forward_impl(*inputs)
+        _save(ctx, inputs, (out, lse))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
-    @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        return (*_backward_impl(_dout(dout, out), q, k, v, mask, out, lse, *ctx.args), *_NO_GRADS)
+    backward = staticmethod(_gradients(_backward_impl))
 
 
 def _register():
     fwd = torch.library.custom_op("distfuse::ring_attention", _forward_impl, mutates_args=())
-    fwd.register_fake(_forward_fake)
+    fwd.register_fake(lambda q, *_: (q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=_acc_dtype(q.dtype))))
     bwd = torch.library.custom_op("distfuse::ring_attention_backward", _backward_op_impl, mutates_args=())
-    bwd.register_fake(_backward_fake)
-
-    def setup(ctx, inputs, output):
-        q, k, v, mask, *args = inputs
-        ctx.args = tuple(args)
-        ctx.save_for_backward(q, k, v, mask, *output)
-
-    def backward(ctx, dout, _dlse):
-        q, k, v, mask, out, lse = ctx.saved_tensors
-        return (*bwd(_dout(dout, out), q, k, v, mask, out, lse, *ctx.args), *_NO_GRADS)
-
-    fwd.register_autograd(backward, setup_context=setup)
+    bwd.register_fake(lambda dout, q, k, v, *_: (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
+    fwd.register_autograd(_gradients(bwd), setup_context=_save)
     ordered(fwd, bwd)
     return fwd
 
@@ -641,8 +558,9 @@ def _decide(P_cp, q: torch.Tensor, k: torch.Tensor, S: int, layout: str):
                   available=lambda: symmetric_memory_available(P_cp, q.device))
 
 
-def _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, ring: _Ring) -> torch.Tensor:
-    _check_partition(P_cp)
+def _attention(q, k, v, causal, attn_mask, scale, layout, ring: _Ring) -> torch.Tensor:
+    """A call on ``ring`` (its ``P_cp`` checked): its agreement, then :func:`_run_ring`."""
+    P_cp = ring.P
     if not P_cp.active:
         for t in (q, k, v) + ((attn_mask,) if attn_mask is not None else ()):
             check_inactive_input(OP, t)
@@ -661,13 +579,13 @@ def _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, ring: _Ring) -> 
     S = ring.session.agree(q, signature, problem == 0, gather)
     if S is None:  # a replayed call that flagged: the flag round raises on every worker
         return q.new_empty((0,))
-    return _run_ring(ring, ring.session, P_cp, q, k, v, attn_mask, S, causal, layout, scale)
+    return _run_ring(ring, ring.session, q, k, v, attn_mask, S, causal, layout, scale)
 
 
-def _run_ring(ring: _Ring, session, P_cp, q, k, v, mask, S: int, causal: bool, layout: str, scale: float):
+def _run_ring(ring: _Ring, session, q, k, v, mask, S: int, causal: bool, layout: str, scale: float):
     """The agreed call: its transport decided (remembered in ``session``, so compiled calls replay it; every worker
     decides alike: the shapes are agreed, availability is collective over ``P_cp``), then the ring op."""
-    ring.last_decision = session.remember(("ring", S, q.dtype), lambda: _decide(P_cp, q, k, S, layout))
+    ring.last_decision = session.remember(("ring", S, q.dtype), lambda: _decide(ring.P, q, k, S, layout))
     out, _ = ring_attention(q, k, v, mask, ring.handle, S, bool(causal), layout, float(scale),
                             ring.last_decision.path == "fused")
     return first_order_only(out, OP, "ring attention (its backward is a ring of messages)")
@@ -691,7 +609,7 @@ def distributed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, P_c
     global tensors.  Collective over ``P_cp`` (forward and backward).
     """
     _check_partition(P_cp)
-    return _attention(q, k, v, P_cp, causal, attn_mask, scale, layout, _ring_of(P_cp))
+    return _attention(q, k, v, causal, attn_mask, scale, layout, _ring_of(P_cp))
 
 
 class DistributedAttention(nn.Module):
@@ -712,7 +630,7 @@ class DistributedAttention(nn.Module):
         self.agreement = self.session.site
 
     def forward(self, q, k, v, attn_mask=None):
-        return _attention(q, k, v, self.P_cp, self.causal, attn_mask, self.scale, self.layout, self.ring)
+        return _attention(q, k, v, self.causal, attn_mask, self.scale, self.layout, self.ring)
 
     def agreed(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: int, session,
                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -724,7 +642,7 @@ class DistributedAttention(nn.Module):
         if not self.P_cp.active:
             return zero_volume_tensor(dtype=q.dtype, device=q.device)
         scale = self.scale if self.scale is not None else (1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0)
-        return _run_ring(self.ring, session, self.P_cp, q, k, v, attn_mask, S, self.causal, self.layout, scale)
+        return _run_ring(self.ring, session, q, k, v, attn_mask, S, self.causal, self.layout, scale)
 
     @property
     def last_decision(self):

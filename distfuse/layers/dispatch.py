@@ -6,16 +6,13 @@ and the device's capabilities.  In order of precedence:
 1. ``DISTFUSE_PATH=fused|unfused|auto`` in the environment (``auto`` = no override).
    Forcing ``fused`` where it cannot run at all (no symmetric memory for a GEMM fusion)
    still falls back, and says so.
-2. A crossover table (:mod:`distfuse.fused.crossover_table`), keyed by device name, world
-   size, dtype and op: the user's (``DISTFUSE_TUNE_TABLE`` or
-   ``~/.cache/distfuse/crossover.json``, written by ``distfuse-tune``) over the one shipped in
-   the package (projected entries, :mod:`distfuse.tune.project`).  Each entry is a threshold
-   on the op's size: fused at or above ``min_size`` (and at or below ``max_size``); it may
-   name the fastest provider per size, which a fused :class:`Decision` carries.  Before the
-   table, fp32 calls of the Triton GEMM fusions stay unfused on CUDA unless torch allows
-   TF32 (:func:`distfuse.kernels._utils.tf32_allowed`): the fused kernels would multiply in
-   IEEE fp32 on the CUDA cores, and an entry does not record the TF32 setting it was
-   measured under (where TF32 is allowed, the fused kernels use it too, like ``torch.matmul``).
+2. A crossover table entry, keyed by device name, world size, dtype and op: the user's table
+   over the shipped one (:mod:`distfuse.fused.crossover_table` says where each lives).  It fuses
+   for ``min_size <= size <= max_size`` and may name the fastest provider per size, which a fused
+   :class:`Decision` carries.  Before the table, fp32 calls of the Triton GEMM fusions stay
+   unfused on CUDA unless torch allows TF32 (:func:`distfuse.kernels._utils.tf32_allowed`): the fused
+   kernels would multiply in IEEE fp32 on the CUDA cores, and an entry does not record the TF32
+   setting it was measured under (where TF32 is allowed, the fused kernels use it too, like ``torch.matmul``).
 3. The op's default rule in :mod:`distfuse.fused.registry` (which holds every per-op fact),
    a starting point until a sweep on the user's machine replaces it.
 
@@ -28,26 +25,20 @@ and the decision's ``caveat`` says so).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
 import math
 import os
-import threading
 from dataclasses import dataclass, field
 
 import torch
 
 from distfuse.fused import registry
-from distfuse.fused.crossover_table import entry_source, gain_at, load_table, table_key
+from distfuse.fused.crossover_table import entry_source, gain_at, load_table, table_key, warn_once
 from distfuse.fused.providers import select_provider
+from distfuse.fused.symmetric_availability import no_probe, probing_blocked
 
 __all__ = ["DeviceCaps", "Decision", "EntryRef", "select_path", "dry_run", "is_dry", "DryExplain",
            "device_caps", "load_table", "table_key"]
-
-log = logging.getLogger("distfuse.dispatch")
-
-_LOGGED: set[str] = set()
 
 
 @dataclass(frozen=True)
@@ -124,27 +115,15 @@ class Decision:
         return out
 
 
-_DRY = threading.local()
-
-
-@contextlib.contextmanager
 def dry_run():
     """Inside: decisions ask nothing that communicates (:func:`is_dry`; ``layer.explain`` runs under it): the
     symmetric-memory probe answers from its cache or raises ``NotProbedError`` (recorded as a ``caveat``)."""
-    from distfuse.fused.symmetric_availability import no_probe
-
-    depth = getattr(_DRY, "depth", 0)
-    _DRY.depth = depth + 1
-    try:
-        with no_probe():
-            yield
-    finally:
-        _DRY.depth = depth
+    return no_probe()
 
 
 def is_dry() -> bool:
     """Whether the current thread is inside :func:`dry_run` (a layer's ``explain``)."""
-    return getattr(_DRY, "depth", 0) > 0
+    return probing_blocked()
 
 
 class DryExplain:
@@ -164,16 +143,9 @@ class DryExplain:
 
 def device_caps(device: torch.device, symmetric_memory: bool | None = None) -> DeviceCaps:
     """Capabilities of ``device``; ``symmetric_memory`` is decided by the workspace module when known."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return DeviceCaps("cuda", name, bool(symmetric_memory), True)
-    return DeviceCaps(device.type, device.type, bool(symmetric_memory), False)
-
-
-def _log_once(key: str, msg: str) -> None:
-    if key not in _LOGGED:
-        _LOGGED.add(key)
-        log.warning(msg)
+    cuda = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if cuda else device.type
+    return DeviceCaps(device.type, name, bool(symmetric_memory), cuda)
 
 
 def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps: DeviceCaps,
@@ -197,7 +169,7 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
         return Decision("unfused", "DISTFUSE_PATH=unfused")
     if spec.needs_symmetric_memory and world_size > 1 and not caps.symmetric_memory:
         reason = f"{op}: no symmetric memory between the ranks on {caps.name}; using the unfused path"
-        _log_once(f"nosymm:{op}:{caps.name}", "distfuse: " + reason)
+        warn_once(f"nosymm:{op}:{caps.name}", "distfuse: " + reason)
         return Decision("unfused", reason)
     if override == "fused":
         return _fused(op, shapes, dtype, world_size, caps, table, "DISTFUSE_PATH=fused")

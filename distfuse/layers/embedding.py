@@ -42,7 +42,6 @@ counts), ``sparse`` gradients.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +50,7 @@ from torch import nn
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import block_extent, block_start
 from distfuse.layers._conv_common import AgreedLayer, check_cartesian, grid_of
-from distfuse.layers._norm_common import FLOATS, gather_call, global_shape_of, one_dtype, subgrid
+from distfuse.layers._norm_common import FLOATS, CallRecord, gather_call, global_shape_of, one_dtype, subgrid
 from distfuse.layers._params import BlockIdentityMixin, ParamLayout
 from distfuse.partition import zero_volume_tensor
 from distfuse.primitives._axes import all_reduce_sum
@@ -76,10 +75,8 @@ def _ids_hash(ids: torch.Tensor) -> torch.Tensor:
 
 
 def _embedding_check(ids: torch.Tensor, handle: int, num_embeddings: int) -> torch.Tensor:
-    """Every worker's ids hash and out-of-range count, summed over the handle's ``P_x``; raises on every worker (CPU)
-    when some worker's ids differ from its vocabulary peers' or fall outside ``[0, num_embeddings)``.
-
-    Returns a 0-d bool, True when a check failed (read on a device, where nothing is raised)."""
+    """The ids checks of the module docstring over the handle's ``P_x``: raises on every worker (CPU), and returns a
+    0-d bool, True when a check failed (read on a device, where nothing is raised)."""
     ctx: SubGridSum = lookup(handle)
     P = ctx.P
     slots = torch.zeros(2, P.size, dtype=torch.int64, device=ids.device)
@@ -130,14 +127,6 @@ def check_vocab_partition(op: str, P_x) -> None:
     if P_x.dim < 2:
         raise expect(op, "dimensions of P_x (one per dimension of the ids or targets, then the vocabulary axis)",
                      ">= 2", P_x.dim, PartitionError)
-
-
-@dataclass(frozen=True)
-class EmbeddingCall:
-    """What a call's metadata gather established: the global ids shape and whether the weight takes gradients."""
-
-    global_shape: tuple[int, ...]
-    param_grad: bool
 
 
 class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
@@ -224,7 +213,7 @@ class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
         if record is None:  # a replayed call that flagged: the flag round raises on every worker
             return weight.new_empty((0,))
         bad = _check_op(ids, self._check.handle, self.num_embeddings)
-        if record.param_grad and self._rep.P.size > 1:
+        if any(record.param_grad) and self._rep.P.size > 1:
             weight = replicate(weight, self._rep.handle)
         local = ids - self.vocab_start
         mine = (local >= 0) & (local < self.vocab_rows)
@@ -245,7 +234,7 @@ class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
             y = torch.where(bad, torch.full_like(y, float("nan")), y)
         return y
 
-    def _gather(self, ids: torch.Tensor, weight: torch.Tensor) -> EmbeddingCall:
+    def _gather(self, ids: torch.Tensor, weight: torch.Tensor) -> CallRecord:
         """The metadata gather over ``P_x`` and its checks (the same error on every worker): the agreed record."""
         op, P_x = type(self).__name__, self.P_x
         # The ids carry a unit vocabulary dimension, so that their blocks tile a global shape like an input's.
@@ -254,7 +243,7 @@ class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
                                       P_x.shape))
         one_dtype(op, P_x, call.dtypes[0], "ids", allowed=_IDS)
         one_dtype(op, P_x, call.dtypes[1], "weight", allowed=FLOATS)
-        G = global_shape_of(op, P_x, call.shapes[0], "ids[..., None]")[:-1]
+        global_shape_of(op, P_x, call.shapes[0], "ids[..., None]")
         p_v = P_x.shape[-1]
         for j, shape in enumerate(call.shapes[1]):
             want = (block_extent(self.num_embeddings, p_v, P_x.index_of(j)[-1]), self.embedding_dim)
@@ -266,7 +255,7 @@ class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
             raise ShapeError(f"{where(op)}: every worker's weight must take a gradient or none (the gradient is "
                              f"summed over the workers that share a block); got {got} (world rank: grad mode and "
                              "weight.requires_grad)")
-        return EmbeddingCall(G, call.param_grad[0])
+        return call
 
     def extra_repr(self) -> str:
         pad = f", padding_idx={self.padding_idx}" if self.padding_idx is not None else ""

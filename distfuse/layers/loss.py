@@ -16,13 +16,12 @@ differs, its ``mean`` divisor).  Partitions and shapes (any axis of ``P_x`` may 
     adjoint   the identity (``distfuse::replicate_adjoint``): dl = dloss / count flows into
               torch's elementwise backward, with no message
 
-Why the identity adjoint: every worker holds the same scalar and calls ``backward`` on it,
-as a replicated training loop does; summing those gradients would count the loss once per
-worker.  So call ``loss.backward()`` on every worker of ``P_x`` with the same gradient.
-``mean`` divides by the global count, never by a mean of local means; sums are taken in
-fp32 for 16-bit inputs.  Weights (``weight``, ``pos_weight``) are the global tensors torch
-takes, sliced per call to the local block.  A target whose blocks differ from the input's
-is refused.
+The adjoint is the identity because every worker holds the same scalar and seeds its gradient
+(``replicated_sum``, :mod:`distfuse.primitives.all_sum_reduce`): call ``loss.backward()`` on
+every worker of ``P_x`` with the same gradient.  ``mean`` divides by the global count, never
+by a mean of local means; sums are taken in fp32 for 16-bit inputs.  Weights (``weight``,
+``pos_weight``) are the global tensors torch takes, sliced per call to the local block.  A
+target whose blocks differ from the input's is refused.
 
 The agreement flag rides in the reduction with ``sum`` / ``mean`` on CPU
 (``distfuse::loss_flags`` reads the sum's flags, a free host read); with ``none`` (no
@@ -51,7 +50,7 @@ from torch.nn import _reduction
 from distfuse.errors import DistfuseError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import local_start
 from distfuse.layers._conv_common import AgreedLayer, check_cartesian
-from distfuse.layers._norm_common import FLOATS, compute_dtype, gather_call, global_shape_of, numel, one_dtype
+from distfuse.layers._norm_common import DTYPES, FLOATS, compute_dtype, gather_call, global_shape_of, numel, one_dtype
 from distfuse.layers._params import ParamLayout
 from distfuse.partition import zero_volume_tensor
 from distfuse.primitives._common import check_inactive_input
@@ -63,8 +62,6 @@ from distfuse.primitives.all_sum_reduce import SubGridSum, replicated_sum
 
 __all__ = ["DistributedLossBase", "LossCall", "reduction_of", "check_smoothing", "DistributedMSELoss",
            "DistributedL1Loss", "DistributedBCELoss", "DistributedBCEWithLogitsLoss", "DistributedKLDivLoss"]
-
-_ANY = FLOATS + (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 
 def reduction_of(op: str, allowed: tuple[str, ...], size_average, reduce, reduction: str) -> str:
@@ -112,7 +109,7 @@ _check_flags = op_entry("loss_flags", _loss_flags, lambda flags, handle: None)
 
 @dataclass(frozen=True)
 class LossCall:
-    """What a call's metadata gather established (``start``: this worker's block start)."""
+    """What a loss call's metadata gather established (``start``: this worker's block start), vocab loss included."""
 
     global_shape: tuple[int, ...]
     in_dtype: torch.dtype
@@ -149,14 +146,9 @@ class DistributedLossBase(AgreedLayer, nn.Module):
         raise NotImplementedError(f"{type(self).__name__} must define _local_loss")
 
     def _mean_divisor(self, G, t_dtype: torch.dtype) -> int | None:
-        """The ``mean`` divisor from the global shape, or None when it is a global sum (:meth:`_local_denominator`)."""
+        """The ``mean`` divisor from the global shape, or None when it is a global sum: then the loss defines
+        ``_local_denominator(input, target, dtype)``, this worker's part (the class weights of its targets)."""
         return numel(G)
-
-    def _local_denominator(self, input: torch.Tensor, target: torch.Tensor, dtype) -> torch.Tensor:
-        """This worker's part of a summed ``mean`` divisor (class weights of the targets, for instance); an abstract
-        hook of the losses whose :meth:`_mean_divisor` returns None."""
-        raise NotImplementedError(f"{type(self).__name__} must define _local_denominator when _mean_divisor "
-                                  "returns None")
 
     def _safe_values(self, input: torch.Tensor, target: torch.Tensor):
         """``(input, target, bad)`` for a call that cannot catch torch's refusal (compiled, or in a capture): blocks
@@ -199,7 +191,7 @@ class DistributedLossBase(AgreedLayer, nn.Module):
         op, P_x = type(self).__name__, self.P_x
         call = gather_call(op, P_x, [input, target], ["input", "target"], signature=self._signature())
         in_dtype = one_dtype(op, P_x, call.dtypes[0], "input")
-        t_dtype = one_dtype(op, P_x, call.dtypes[1], "target", allowed=_ANY)
+        t_dtype = one_dtype(op, P_x, call.dtypes[1], "target", allowed=DTYPES)
         G = global_shape_of(op, P_x, call.shapes[0])
         self._check_target(op, G, call)
         return LossCall(G, in_dtype, t_dtype, local_start(G, P_x.shape, P_x.index))
@@ -284,10 +276,8 @@ def broadcast_block(op: str, name: str, w: torch.Tensor | None, G, start, extent
     if w.dim() > len(G):
         raise UnsupportedError(f"{where(op)}: {name} has {w.dim()} dimensions, more than the input's {len(G)}; "
                                "the result would not be decomposed like the input")
-    off = len(G) - w.dim()
     index = []
-    for i, n in enumerate(w.shape):
-        d = off + i
+    for d, n in enumerate(w.shape, len(G) - w.dim()):
         if n == 1:
             index.append(slice(None))
         elif n == G[d]:
@@ -301,18 +291,18 @@ def broadcast_block(op: str, name: str, w: torch.Tensor | None, G, start, extent
 class _WeightedLossBase(DistributedLossBase):
     """A loss with optional global weight buffers (torch registers them as buffers, so the state dict has them)."""
 
-    _weight_names: tuple[str, ...] = ("weight",)
-
-    def _set_weights(self, **weights) -> None:
+    def __init__(self, P_x, size_average, reduce, reduction: str, **weights):
+        super().__init__(P_x, size_average, reduce, reduction)
+        self._weight_names = tuple(weights)
         for name, w in weights.items():
             self.register_buffer(name, None if w is None else torch.as_tensor(w).to(self.P_x.device))
 
     def _weights(self) -> tuple[torch.Tensor, ...]:
-        return tuple(w for w in (getattr(self, n, None) for n in self._weight_names) if w is not None)
+        return tuple(w for w in (getattr(self, n) for n in self._weight_names) if w is not None)
 
     def param_layouts(self) -> list[ParamLayout]:
         return [ParamLayout(n, n, self.P_x, tuple(getattr(self, n).shape), split_dims=())
-                for n in self._weight_names if getattr(self, n, None) is not None]
+                for n in self._weight_names if getattr(self, n) is not None]
 
 
 class DistributedMSELoss(DistributedLossBase):
@@ -334,8 +324,7 @@ class DistributedBCELoss(_WeightedLossBase):
 
     def __init__(self, P_x, weight: torch.Tensor | None = None, size_average=None, reduce=None,
                  reduction: str = "mean"):
-        super().__init__(P_x, size_average, reduce, reduction)
-        self._set_weights(weight=weight)
+        super().__init__(P_x, size_average, reduce, reduction, weight=weight)
 
     def _local_loss(self, input, target, G, start):
         w = broadcast_block(type(self).__name__, "weight", self.weight, G, start, input.shape)
@@ -350,12 +339,9 @@ class DistributedBCELoss(_WeightedLossBase):
 class DistributedBCEWithLogitsLoss(_WeightedLossBase):
     """``torch.nn.BCEWithLogitsLoss``; ``weight`` and ``pos_weight`` are global, broadcastable to the global input."""
 
-    _weight_names = ("weight", "pos_weight")
-
     def __init__(self, P_x, weight: torch.Tensor | None = None, size_average=None, reduce=None,
                  reduction: str = "mean", pos_weight: torch.Tensor | None = None):
-        super().__init__(P_x, size_average, reduce, reduction)
-        self._set_weights(weight=weight, pos_weight=pos_weight)
+        super().__init__(P_x, size_average, reduce, reduction, weight=weight, pos_weight=pos_weight)
 
     def _local_loss(self, input, target, G, start):
         op = type(self).__name__

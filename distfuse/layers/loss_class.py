@@ -38,8 +38,9 @@ class _ClassLossBase(_WeightedLossBase):
 
     prob_targets = False
 
-    def __init__(self, P_x, weight, size_average, ignore_index: int, reduce, reduction: str):
-        super().__init__(P_x, size_average, reduce, reduction)
+    def __init__(self, P_x, weight: torch.Tensor | None = None, size_average=None, ignore_index: int = -100,
+                 reduce=None, reduction: str = "mean"):
+        super().__init__(P_x, size_average, reduce, reduction, weight=weight)
         op = type(self).__name__
         if P_x.dim < 2:
             raise expect(op, "dimensions of P_x ([batch, class, spatial...]; unbatched input is not supported)",
@@ -49,7 +50,6 @@ class _ClassLossBase(_WeightedLossBase):
                                  f"the target lookup need every class of a voxel on one worker; got P_x "
                                  f"{list(P_x.shape)}")
         self.ignore_index = int(ignore_index)
-        self._set_weights(weight=weight)
 
     def _check_target(self, op, G, call) -> None:
         floating = call.dtypes[1][0] in FLOATS
@@ -114,10 +114,6 @@ class DistributedCrossEntropyLoss(_ClassLossBase):
 class DistributedNLLLoss(_ClassLossBase):
     """``torch.nn.NLLLoss`` per voxel over blocks split along batch and space by ``P_x [P_b, 1, P_1, ..., P_nd]``
     (see the module docstring); the other arguments as torch's."""
-
-    def __init__(self, P_x, weight: torch.Tensor | None = None, size_average=None, ignore_index: int = -100,
-                 reduce=None, reduction: str = "mean"):
-        super().__init__(P_x, weight, size_average, ignore_index, reduce, reduction)
 
     def _local_loss(self, input, target, G, start):
         return F.nll_loss(input, target, self.weight, ignore_index=self.ignore_index, reduction="none")

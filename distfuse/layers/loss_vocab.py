@@ -49,18 +49,16 @@ int64).  On a device the counts are not read: the refused rows, or the scalar, a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
-from distfuse.geometry.decomposition import block_extent, block_start
+from distfuse.geometry.decomposition import block_extent, local_start
 from distfuse.layers._conv_common import AgreedLayer
 from distfuse.layers._norm_common import compute_dtype, gather_call, global_shape_of, one_dtype, subgrid
 from distfuse.layers.embedding import check_vocab_partition
-from distfuse.layers.loss import check_smoothing, reduction_of
+from distfuse.layers.loss import LossCall, check_smoothing, reduction_of
 from distfuse.partition import zero_volume_tensor
 from distfuse.primitives._axes import all_reduce_sum
 from distfuse.primitives._common import check_inactive_input, collective_guard
@@ -109,19 +107,6 @@ _check_op = op_entry("vocab_loss_check", _vocab_loss_check,
                      lambda flags, handle, num_classes, ignore_index, reduce: None)
 
 
-@dataclass(frozen=True)
-class VocabCall:
-    """What a call's metadata gather established: the global logits shape, their dtype, this worker's first class."""
-
-    global_shape: tuple[int, ...]
-    dtype: torch.dtype
-    start: int
-
-    @property
-    def num_classes(self) -> int:
-        return self.global_shape[-1]
-
-
 class DistributedVocabCrossEntropyLoss(AgreedLayer, nn.Module):
     """``torch.nn.CrossEntropyLoss`` over logits whose class (vocabulary) axis, the last, is split over ``P_x``'s last
     axis (see the module docstring; :class:`~distfuse.layers.loss_class.DistributedCrossEntropyLoss` is the
@@ -134,14 +119,12 @@ class DistributedVocabCrossEntropyLoss(AgreedLayer, nn.Module):
             checked against its block of it (otherwise the size is the sum of the blocks).
     """
 
-    reductions = ("none", "mean", "sum")
-
     def __init__(self, P_x, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  num_classes: int | None = None, size_average=None, reduce=None):
         super().__init__()
         op = type(self).__name__
         check_vocab_partition(op, P_x)
-        self.reduction = reduction_of(op, self.reductions, size_average, reduce, reduction)
+        self.reduction = reduction_of(op, ("none", "mean", "sum"), size_average, reduce, reduction)
         self.label_smoothing = check_smoothing(op, label_smoothing)
         if num_classes is not None and int(num_classes) < 1:
             raise UnsupportedError(f"{where(op)}: num_classes must be >= 1, got {num_classes}")
@@ -168,10 +151,10 @@ class DistributedVocabCrossEntropyLoss(AgreedLayer, nn.Module):
             return input.new_empty((0,))
         return self._loss(record, input, target)
 
-    def _loss(self, record: VocabCall, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _loss(self, record: LossCall, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         """The two rounds over the vocabulary axis, the row losses and their reduction (module docstring)."""
-        V, width, eps = record.num_classes, input.shape[-1], self.label_smoothing
-        cdt = compute_dtype(record.dtype)
+        V, width, eps = record.global_shape[-1], input.shape[-1], self.label_smoothing
+        cdt = compute_dtype(record.in_dtype)
         x = input.reshape(target.numel(), width).to(cdt)
         t = target.reshape(-1)
         ignored = t == self.ignore_index
@@ -184,7 +167,7 @@ class DistributedVocabCrossEntropyLoss(AgreedLayer, nn.Module):
         M = peak[0].to(cdt)
         M = torch.where(torch.isfinite(M), M, torch.zeros_like(M))  # a row of infinities: torch's NaN, not ours
         valid = ~ignored & ~out_of_range & ~differ
-        local = t - record.start
+        local = t - record.start[-1]
         mine = valid & (local >= 0) & (local < width)
         parts = [torch.exp(x - M.unsqueeze(-1)).sum(-1)]
         if width > 0:
@@ -207,7 +190,7 @@ class DistributedVocabCrossEntropyLoss(AgreedLayer, nn.Module):
             _check_op(flags, self._all.handle, V, self.ignore_index, True)
             if row.device.type != "cpu":
                 row = torch.where(differ | out_of_range, torch.full_like(row, float("nan")), row)
-            return row.reshape(target.shape).to(record.dtype)
+            return row.reshape(target.shape).to(record.in_dtype)
         counts = torch.stack([valid.sum(), differ.sum(), out_of_range.sum()]).to(cdt)
         total = torch.cat([row.sum().reshape(1), counts])
         if self._rows.P.size > 1:
@@ -216,16 +199,16 @@ class DistributedVocabCrossEntropyLoss(AgreedLayer, nn.Module):
         loss = total[0] / total[1] if self.reduction == "mean" else total[0]
         if loss.device.type != "cpu":
             loss = torch.where(total[2:].sum() > 0, torch.full_like(loss, float("nan")), loss)
-        return loss.to(record.dtype)
+        return loss.to(record.in_dtype)
 
-    def _gather(self, input: torch.Tensor, target: torch.Tensor) -> VocabCall:
+    def _gather(self, input: torch.Tensor, target: torch.Tensor) -> LossCall:
         """The metadata gather over ``P_x`` and its checks (the same error on every worker): the agreed record."""
         op, P_x = type(self).__name__, self.P_x
         call = gather_call(op, P_x, [input, target], ["logits", "target"],
                            signature=(op, self.reduction, self.ignore_index, self.label_smoothing, self.num_classes,
                                       P_x.ranks, P_x.shape))
         dtype = one_dtype(op, P_x, call.dtypes[0], "logits")
-        one_dtype(op, P_x, call.dtypes[1], "target (class indices)", allowed=(torch.int64,))
+        t_dtype = one_dtype(op, P_x, call.dtypes[1], "target (class indices)", allowed=(torch.int64,))
         p_v = P_x.shape[-1]
         if self.num_classes is not None:
             for j, shape in enumerate(call.shapes[0]):
@@ -239,7 +222,7 @@ class DistributedVocabCrossEntropyLoss(AgreedLayer, nn.Module):
             if tuple(ts) != tuple(xs[:-1]):
                 raise expect(op, f"target block shape on world rank {P_x.ranks[j]} (its logits block without the "
                              "vocabulary dimension)", tuple(xs[:-1]), tuple(ts))
-        return VocabCall(G, dtype, block_start(G[-1], p_v, P_x.index[-1]))
+        return LossCall(G, dtype, t_dtype, local_start(G, P_x.shape, P_x.index))
 
     def extra_repr(self) -> str:
         return (f"P_x={list(self.P_x.shape)}, reduction={self.reduction!r}, ignore_index={self.ignore_index}, "

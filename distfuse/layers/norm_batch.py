@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from distfuse.errors import ShapeError, expect, where
 from distfuse.geometry.decomposition import local_shape
+from distfuse.layers._conv_common import spatial_classes
 from distfuse.layers._norm_common import NormLayer, numel, subgrid
 
 __all__ = ["DistributedBatchNormBase", "DistributedBatchNorm", "DistributedBatchNorm1d", "DistributedBatchNorm2d",
@@ -44,12 +45,13 @@ class DistributedBatchNormBase(NormLayer):
     """Batch normalisation of an input split over ``P_x`` (a CartesianPartition, one dimension per input
     dimension; see the module docstring); the other arguments as ``torch.nn.BatchNormNd``."""
 
-    dims: tuple[int, ...] = ()
+    nd: int = 0
+    dims: tuple[int, ...] = ()  # the numbers of P_x dimensions accepted, where not nd + 2
 
     def __init__(self, P_x, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device=None, dtype=None, *, bias: bool = True):
         super().__init__()
-        self._features(P_x, self.dims, num_features, eps, momentum, track_running_stats)
+        self._features(P_x, self.dims or (self.nd + 2,), num_features, eps, momentum, track_running_stats)
         block = local_shape((self.num_features,), (P_x.shape[1],), (P_x.index[1],)) if P_x.active else None
         P_stats = subgrid(P_x, [d for d in range(P_x.dim) if d != 1])  # also the parameters' replicas
         self._norm_setup(P_x, (self.num_features,), (1,), block, affine=affine, bias=bias,
@@ -79,8 +81,8 @@ class DistributedBatchNormBase(NormLayer):
         """Training: the adjoint all-reduces over P_stats (it gives the weight and bias gradients too), so every
         worker's output must require grad if any worker's input or parameter does; eval: the parameters' sums."""
         if self._bn_training():
-            return call.any_grad and not call.param_grad[self.P_x.rank], False
-        return False, call.any_param_grad
+            return any(call.input_grad + call.param_grad) and not call.param_grad[self.P_x.rank], False
+        return False, any(call.param_grad)
 
     def _mode_matters(self) -> bool:
         return True
@@ -104,16 +106,9 @@ class DistributedBatchNorm1d(DistributedBatchNormBase):
     dims = (2, 3)
 
 
-class DistributedBatchNorm2d(DistributedBatchNormBase):
-    """Distributed ``BatchNorm2d``: input ``[N, C, H, W]``, P_x ``[P_b, P_c, P_h, P_w]``."""
-
-    dims = (4,)
-
-
-class DistributedBatchNorm3d(DistributedBatchNormBase):
-    """Distributed ``BatchNorm3d``: input ``[N, C, D, H, W]``, P_x ``[P_b, P_c, P_d, P_h, P_w]``."""
-
-    dims = (5,)
+DistributedBatchNorm2d, DistributedBatchNorm3d = spatial_classes(
+    DistributedBatchNormBase, "DistributedBatchNorm",
+    "Distributed ``BatchNorm{nd}d``: input ``[N, C, *spatial]`` ({nd} axes), P_x ``[P_b, P_c, {s}]``.", nds=(2, 3))
 
 
 class DistributedBatchNorm(DistributedBatchNormBase):

@@ -50,22 +50,12 @@ import torch.nn.functional as F
 from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.geometry.decomposition import local_shape
 from distfuse.layers._conv_common import check_cartesian, spatial_classes
-from distfuse.layers._norm_common import NormLayer, check_norm_partition, numel, subgrid
+from distfuse.layers._norm_common import NormLayer, affine, check_norm_partition, numel, subgrid
 from distfuse.primitives._layout import memory_format_of
 from distfuse.primitives.all_sum_reduce import replicated_sum
 
 __all__ = ["DistributedGroupNorm", "DistributedInstanceNormBase", "DistributedInstanceNorm1d",
            "DistributedInstanceNorm2d", "DistributedInstanceNorm3d", "DistributedLayerNorm"]
-
-
-def _affine(y: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
-    """``y * w[c] + b[c]`` for ``y [N, C, *s]`` in the compute dtype."""
-    shape = (1, -1) + (1,) * (y.dim() - 2)
-    if w is not None:
-        y = y * w.to(y.dtype).view(shape)
-    if b is not None:
-        y = y + b.to(y.dtype).view(shape)
-    return y
 
 
 class _ChannelNormBase(NormLayer):
@@ -114,7 +104,7 @@ class DistributedGroupNorm(_ChannelNormBase):
             x3 = x.reshape(1, x.shape[0] * groups, per_group * numel(x.shape[2:]))
         y = self._normalize(x3, self._moments(x3, per_group * numel(G[2:])))
         y = y.view(xl.shape).movedim(-1, 1) if channels_last else y.view(x.shape)
-        return _affine(y, *self._replicas(call)).to(record.dtype)
+        return affine(y, *self._replicas(call), (1, -1) + (1,) * (y.dim() - 2)).to(record.dtype)
 
     def _check_global(self, G) -> None:
         op = type(self).__name__
@@ -152,17 +142,19 @@ class DistributedInstanceNormBase(_ChannelNormBase):
             return F.batch_norm(x, self.running_mean, self.running_var, w, b, False, 0.0, self.eps)
         x3 = x.reshape(1, x.shape[0] * x.shape[1], numel(x.shape[2:]))
         stats = self._moments(x3, numel(G[2:]))
-        if self.running_mean is not None:
-            momentum = 0.0 if self.momentum is None else float(self.momentum)
-            self._update_running_stats(stats, x.shape[:2], G[0], momentum)
+        if self.running_mean is not None and G[0] > 0:  # torch's: the batch average of the per-sample statistics
+            sums = torch.stack([stats.mean, stats.unbiased_var()]).view(2, *x.shape[:2]).sum(1)
+            if self._batch.P.size > 1:  # over the batch workers (no autograd: the statistics have no gradient)
+                sums = replicated_sum(sums, self._batch.handle)
+            self._blend_running(*(sums / G[0]), 0.0 if self.momentum is None else float(self.momentum))
         y = self._normalize(x3, stats).view(x.shape)
-        return _affine(y, w, b).to(record.dtype)
+        return affine(y, w, b, (1, -1) + (1,) * (y.dim() - 2)).to(record.dtype)
 
     def _input_stats(self) -> bool:
         return self.training or not self.track_running_stats
 
     def _promotions(self, call) -> tuple[bool, bool]:
-        return self._input_stats() and call.any_input_grad, call.any_param_grad  # eval: no statistics' adjoint
+        return self._input_stats() and any(call.input_grad), any(call.param_grad)  # eval: no statistics' adjoint
 
     def _mode_matters(self) -> bool:
         return self.track_running_stats  # training: statistics of the input and their all-reduce; eval: local
@@ -178,16 +170,6 @@ class DistributedInstanceNormBase(_ChannelNormBase):
         if self._input_stats() and numel(G[2:]) <= 1:
             raise ShapeError(f"{where(op)}: expected more than 1 spatial element when training, got the global input "
                              f"size {list(G)} (torch's rule)")
-
-    @torch.no_grad()
-    def _update_running_stats(self, stats, local_nc, batch: int, momentum: float) -> None:
-        """torch's update with the batch average of the per-sample statistics (summed over the batch workers)."""
-        per_sample = torch.stack([stats.mean, stats.unbiased_var()]).view(2, *local_nc)
-        sums = per_sample.sum(1)
-        if self._batch.P.size > 1:  # over the batch workers (no autograd)
-            sums = replicated_sum(sums, self._batch.handle)
-        if batch > 0:
-            self._blend_running(*(sums / batch), momentum)
 
     def _signature(self):
         return super()._signature() + (self.momentum, self.track_running_stats, self.training)
@@ -229,12 +211,7 @@ class DistributedLayerNorm(NormLayer):
         k = len(self.normalized_shape)
         x3 = x.reshape(1, numel(x.shape[:-k]), numel(x.shape[-k:]))
         y = self._normalize(x3, self._moments(x3, numel(self.normalized_shape))).view(x.shape)
-        w, b = self._replicas(record.call)
-        if w is not None:
-            y = y * w.to(y.dtype)
-        if b is not None:
-            y = y + b.to(y.dtype)
-        return y.to(record.dtype)
+        return affine(y, *self._replicas(record.call), y.shape[-k:]).to(record.dtype)
 
     def _check_global(self, G) -> None:
         k = len(self.normalized_shape)

@@ -10,18 +10,14 @@ Max pooling, per worker::
                   gathered tensor: ``sum_d g_d * prod(n_{d+1:})``), on this worker's output block
     adjoint     dstaged = scatter-add of dy at the maxima;  dx = stage*(dstaged)
 
-Why -inf and not torch's own padding: the window is already staged (halos and padding
-in one tensor), and a pooling call on a block cannot know where the global boundary is.
-``-inf`` is what torch's kernels start from, so a window's maximum, NaN propagation and
-the first-maximum tie rule all come out as torch's.
-
-One case differs: when every input element of a window is ``-inf``, the local kernel
-points at the window's first staged position, which may be padding, where torch
-points at the window's first tap inside the input
+Why -inf and not torch's own padding: a pooling call on a staged block cannot know where
+the global boundary is, and ``-inf`` is what torch's kernels start from, so a window's
+maximum, NaN propagation and the first-maximum tie rule all come out as torch's.  One case
+differs: in a window whose every input is ``-inf`` the local kernel points at the first
+staged position (maybe padding), torch at the first tap inside the input
 (:func:`~distfuse.geometry.pool_geometry.first_taps`).  Workers whose window touches the
-padding replace those outputs (exactly the ones equal to ``-inf``) by a gather at
-torch's tap, so the index and the gradient go where torch sends them.  Windows with a
-larger element or a NaN are untouched.
+padding replace exactly the outputs equal to ``-inf`` by a gather at torch's tap, so the
+index and the gradient go where torch sends them.
 
 Average pooling, per worker::
 
@@ -30,14 +26,12 @@ Average pooling, per worker::
     y        = sums / divisor             divisor: torch's, per output (below)
     adjoint  dsums = dy / divisor;  dstaged = avg_pool adjoint (spread);  dx = stage*(dstaged)
 
-torch divides each window's sum by ``divisor_override``, or by the window's size
-counted with padding (``count_include_pad``; a ceil-mode window is clipped at the padded
-edge) or without it.  A block of a pooled tensor cannot tell which of its windows touch
-the global boundary, so the divisor is computed from the global geometry
-(:func:`~distfuse.geometry.pool_geometry.avg_divisors`, one factor per axis, the N-D
-divisor their product).  Where every window of the block has the full ``prod(kernel)``
-divisor, or the divisor is overridden, the local ``avg_pool`` divides by it itself: the
-same arithmetic as torch on the gathered tensor.
+torch divides each window's sum by ``divisor_override``, or by the window's size counted
+with padding (``count_include_pad``; a ceil-mode window is clipped at the padded edge) or
+without it.  A block cannot tell which of its windows touch the global boundary, so the
+divisor comes from the global geometry (:func:`~distfuse.geometry.pool_geometry.avg_divisors`).
+Where every window of the block has the full ``prod(kernel)`` divisor, or the divisor is
+overridden, the local ``avg_pool`` divides by it itself: torch's arithmetic on the gathered tensor.
 
 16-bit inputs on CPU are pooled in fp32 and rounded once (torch's CPU ``avg_pool3d``
 has no fp16/bf16 kernel, and its 2-D one sums in fp32 anyway).
@@ -45,7 +39,6 @@ has no fp16/bf16 kernel, and its 2-D one sums in fp32 anyway).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -54,24 +47,14 @@ import torch.nn.functional as F
 from distfuse.errors import UnsupportedError, where
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.pool_geometry import avg_divisors, first_taps
-from distfuse.layers._conv_common import ZeroBlock, spatial_classes
-from distfuse.layers._pool_common import DistributedPoolBase, WindowRecord, check_16bit_cpu, window_ranges
+from distfuse.layers._conv_common import ZeroBlock, compute_dtype, spatial_classes
+from distfuse.layers._pool_common import DistributedPoolBase, WindowRecord, window_ranges
 from distfuse.partition import zero_volume_tensor
 
 __all__ = ["DistributedMaxPoolBase", "DistributedMaxPool1d", "DistributedMaxPool2d", "DistributedMaxPool3d",
            "DistributedAvgPoolBase", "DistributedAvgPool1d", "DistributedAvgPool2d", "DistributedAvgPool3d"]
 
 MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
-
-
-def _unravel(flat: torch.Tensor, shape: tuple[int, ...]) -> list[torch.Tensor]:
-    """Per-axis coordinates of flat row-major indices into ``shape``."""
-    coords = []
-    rem = flat
-    for e in reversed(shape):
-        coords.append(rem % e)
-        rem = rem // e
-    return coords[::-1]
 
 
 def _ravel(coords: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
@@ -121,10 +104,8 @@ class DistributedMaxPoolBase(DistributedPoolBase):
         else:
             y, local = pool(staged, **kw), None
         if first is not None:
-            # Windows whose inputs are all -inf: torch answers its first in-input tap, the local kernel the
-            # window's first staged position (maybe padding).  In eager CPU calls the check is free and the fix is
-            # skipped when no such window exists; on CUDA, in captures and in compiled graphs it always runs
-            # (three output-sized ops, no host read).
+            # Windows of -inf only (module docstring): skipped in eager CPU calls when there are none (a free check);
+            # on CUDA, in captures and in compiled graphs it always runs (three output-sized ops, no host read).
             minus_inf = y == -math.inf
             if staged.device.type != "cpu" or not self.session.may_read_host or bool(minus_inf.any()):
                 flat_first = first.expand(out_shape).reshape(out_shape[0], out_shape[1], -1)
@@ -134,21 +115,20 @@ class DistributedMaxPoolBase(DistributedPoolBase):
                     local = torch.where(minus_inf, first, local)
         if local is None:
             return y
-        coords = [c + a for c, a in zip(_unravel(local, window), origin, strict=True)]
+        coords = [c + a for c, a in zip(torch.unravel_index(local, window), origin, strict=True)]
         return y, _ravel(coords, tuple(info.global_shape[2:]))
 
     def _first_taps(self, plan: HaloPlan, index: tuple[int, ...], window: tuple[int, ...],
                     device: torch.device) -> torch.Tensor:
-        """``[1, 1, *m]`` int64: the window-local flat index of torch's first in-input tap of each output."""
+        """``[*m]`` int64: the window-local flat index of torch's first in-input tap of each output."""
         o = self.opts
         coords = []
         for d, (ax, i) in enumerate(zip(plan.axes, index, strict=True)):
             o0, o1 = ax.output_range(i)
             taps = first_taps(ax.n, o.kernel_size[d], o.stride[d], o.dilation[d], o.padding[d], o0, o1)
-            shape = [1] * (2 + o.nd)
-            shape[2 + d] = o1 - o0
             a = ax.needed_range(i)[0]
-            coords.append(torch.tensor([t - a for t in taps], dtype=torch.int64, device=device).view(shape))
+            coords.append(torch.tensor([t - a for t in taps], dtype=torch.int64, device=device)
+                          .view([-1] + [1] * (o.nd - 1 - d)))  # broadcasts along axis d
         return _ravel(coords, window)
 
 
@@ -157,12 +137,6 @@ DistributedMaxPool1d, DistributedMaxPool2d, DistributedMaxPool3d = spatial_class
 
 
 # ---------------------------------------------------------------- average pooling
-
-
-@functools.lru_cache(maxsize=1024)
-def _divisor_factors(n: int, kernel: int, stride: int, pad: int, count_include_pad: bool, o0: int,
-                     o1: int) -> tuple[int, ...]:
-    return tuple(avg_divisors(n, kernel, stride, pad, count_include_pad, o0, o1))
 
 
 def _avg_pool(x: torch.Tensor, nd: int, kernel, stride, divisor_override):
@@ -195,24 +169,20 @@ class DistributedAvgPoolBase(DistributedPoolBase):
         o = self.opts
         if self.divisor_override is not None:
             return None
-        factors = [_divisor_factors(ax.n, k, s, p, self.count_include_pad, *ax.output_range(i))
+        factors = [avg_divisors(ax.n, k, s, p, self.count_include_pad, *ax.output_range(i))
                    for ax, i, k, s, p in zip(plan.axes, index, o.kernel_size, o.stride, o.padding, strict=True)]
         if all(all(f == k for f in fs) for fs, k in zip(factors, o.kernel_size, strict=True)):
             return None
         divisor = torch.ones((), dtype=torch.float64)
         for d, fs in enumerate(factors):
-            shape = [1] * o.nd
-            shape[d] = len(fs)
-            divisor = divisor * torch.tensor(fs, dtype=torch.float64).view(shape)
+            divisor = divisor * torch.tensor(fs, dtype=torch.float64).view([-1] + [1] * (o.nd - 1 - d))
         return divisor.to(device)
 
     def _block(self, x, staged: torch.Tensor, win: WindowRecord, info, out_shape: tuple[int, ...]):
         o = self.opts
-        x = staged.float() if check_16bit_cpu(staged) else staged
-        if self.divisor_override is not None:
+        x = staged.to(compute_dtype(staged.dtype)) if staged.device.type == "cpu" else staged  # no 16-bit CPU kernel
+        if win.block is None:  # avg_pool divides rightly itself (see _block_constants)
             return _avg_pool(x, o.nd, o.kernel_size, o.stride, self.divisor_override).to(staged.dtype)
-        if win.block is None:
-            return _avg_pool(x, o.nd, o.kernel_size, o.stride, None).to(staged.dtype)
         sums = _avg_pool(x, o.nd, o.kernel_size, o.stride, 1)
         return (sums / win.block.to(dtype=x.dtype)).to(staged.dtype)
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -58,7 +58,7 @@ from distfuse.geometry.interp_geometry import (
     window_axis,
 )
 from distfuse.layers._conv_common import CallInfo, compute_dtype
-from distfuse.layers._pool_common import WindowLayer, WindowRecord
+from distfuse.layers._pool_common import WindowLayer, WindowRecord, per_axis
 from distfuse.partition import CartesianPartition
 
 __all__ = ["DistributedUpsample", "interpolate", "InterpSpec", "InterpGeometry", "nearest_sources", "interp_geometry",
@@ -94,9 +94,7 @@ class InterpSpec:
             raise UnsupportedError(f"{where(op)}: recompute_scale_factor is not meaningful with an explicit size")
         sizes = scales = None
         if size is not None:
-            sizes = (size,) * nd if isinstance(size, int) else tuple(size)
-            if len(sizes) != nd or not all(isinstance(e, int) and not isinstance(e, bool) and e >= 1 for e in sizes):
-                raise UnsupportedError(f"{where(op)}: size must be an int >= 1 or {nd} such ints, got {size!r}")
+            sizes = per_axis(op, size, nd, "size", 1)
         else:
             scales = (scale_factor,) * nd if isinstance(scale_factor, (int, float)) else tuple(scale_factor)
             if len(scales) != nd or not all(isinstance(e, (int, float)) and not isinstance(e, bool) and
@@ -151,7 +149,7 @@ class _AxisTaps:
 
 @dataclass
 class InterpGeometry:
-    """The plan and the per-axis taps of one interpolation over one grid; block tensors cached per worker.
+    """The plan and the per-axis taps of one interpolation over one grid.
 
     ``factors`` is set when every axis is a power-of-two upsampling that commutes with shifts
     (:func:`~distfuse.geometry.interp_geometry.shift_invariant_factor`) and every worker's block
@@ -161,20 +159,15 @@ class InterpGeometry:
     plan: HaloPlan
     taps: list[_AxisTaps]
     factors: tuple[int, ...] | None = None
-    _blocks: dict = field(default_factory=dict)
 
     def block_taps(self, d: int, i: int, device, dtype) -> tuple:
         """This worker's rows of axis ``d``: local indices into its window (and weights) as tensors."""
-        key = (d, i, str(device), dtype)
-        if key not in self._blocks:
-            ax, t = self.plan.axes[d], self.taps[d]
-            o0, o1 = ax.output_range(i)
-            a = ax.needed_range(i)[0]
-            idx = [torch.as_tensor(v[o0:o1] - a, dtype=torch.int64, device=device) for v in (t.i0, t.i1)
-                   if v is not None]
-            wts = [torch.as_tensor(w[o0:o1], device=device).to(dtype) for w in (t.l0, t.l1) if w is not None]
-            self._blocks[key] = (idx, wts)
-        return self._blocks[key]
+        ax, t = self.plan.axes[d], self.taps[d]
+        o0, o1 = ax.output_range(i)
+        a = ax.needed_range(i)[0]
+        idx = [torch.as_tensor(v[o0:o1] - a, dtype=torch.int64, device=device) for v in (t.i0, t.i1) if v is not None]
+        wts = [torch.as_tensor(w[o0:o1], device=device).to(dtype) for w in (t.l0, t.l1) if w is not None]
+        return idx, wts
 
     def crop(self, d: int, i: int) -> tuple[int, int]:
         """Where worker ``i``'s block of axis ``d`` starts in the interpolation of its window, and its extent."""
@@ -222,13 +215,9 @@ def upsample_block(geo: InterpGeometry, index: tuple[int, ...], dtype: torch.dty
     """Worker ``index``'s window record ``block`` for inputs of ``dtype`` on ``device``: ``(factors, crops, taps)``,
     the crops of the power-of-two shortcut (``factors`` set), or else per axis the local indices and weights, on
     the device, in the compute dtype."""
-    nd = len(geo.plan.axes)
-    crops = taps = None
     if geo.factors is not None:
-        crops = tuple(geo.crop(d, index[d]) for d in range(nd))
-    else:
-        taps = tuple(geo.block_taps(d, index[d], device, compute_dtype(dtype)) for d in range(nd))
-    return geo.factors, crops, taps
+        return geo.factors, tuple(geo.crop(d, i) for d, i in enumerate(index)), None
+    return None, None, tuple(geo.block_taps(d, i, device, compute_dtype(dtype)) for d, i in enumerate(index))
 
 
 def interpolate_window(staged: torch.Tensor, geo: InterpGeometry, index: tuple[int, ...],
@@ -238,13 +227,10 @@ def interpolate_window(staged: torch.Tensor, geo: InterpGeometry, index: tuple[i
 
 
 def interpolate_block(staged: torch.Tensor, spec: InterpSpec, factors, crops, taps) -> torch.Tensor:
-    """The output block from the staged window and an :func:`upsample_block`.
-
-    Power-of-two upsampling (``factors``): torch's own kernel on the window, then the block
-    cut out of it (a view where the crop is the whole result).  Otherwise the taps, axis by
-    axis, innermost first (torch's order), ``x0*l0 + x1*l1`` with both terms always (so that
-    ``inf`` and ``NaN`` propagate as torch's do); 16-bit in fp32, rounded once.
-    """
+    """The output block from the staged window and an :func:`upsample_block`: the power-of-two shortcut's crop
+    (a view where it is the whole result), or else the taps axis by axis, innermost first (torch's order),
+    ``x0*l0 + x1*l1`` with both terms always (so that ``inf`` and ``NaN`` propagate as torch's do); 16-bit in
+    fp32, rounded once."""
     if factors is not None:
         kw = dict(align_corners=spec.align_corners) if spec.mode in LINEAR_MODES else {}
         y = F.interpolate(staged, scale_factor=[float(f) for f in factors], mode=spec.mode, **kw)
@@ -252,17 +238,14 @@ def interpolate_block(staged: torch.Tensor, spec: InterpSpec, factors, crops, ta
             if (start, length) != (0, y.shape[2 + d]):
                 y = y.narrow(2 + d, start, length)
         return y
-    nd = len(taps)
-    linear = spec.mode in LINEAR_MODES
     y = staged.to(compute_dtype(staged.dtype))
-    for d in reversed(range(nd)):
-        dim = 2 + d
+    for d in reversed(range(len(taps))):
         idx, wts = taps[d]
-        if not linear:
-            y = _take(y, dim, idx[0])
-            continue
-        shape = [-1] + [1] * (nd - 1 - d)
-        y = _take(y, dim, idx[0]) * wts[0].view(shape) + _take(y, dim, idx[1]) * wts[1].view(shape)
+        if not wts:  # nearest
+            y = _take(y, 2 + d, idx[0])
+        else:
+            shape = [-1] + [1] * (len(taps) - 1 - d)
+            y = _take(y, 2 + d, idx[0]) * wts[0].view(shape) + _take(y, 2 + d, idx[1]) * wts[1].view(shape)
     return y.to(staged.dtype)
 
 
@@ -313,7 +296,8 @@ class DistributedUpsample(WindowLayer):
         except DistfuseError as exc:
             raise type(exc)(f"{where(op)}: global input shape {G}: {exc}") from None
 
-    def _plan_for(self, global_shape: tuple[int, ...], dtype, device) -> HaloPlan:
+    def plan(self, global_shape: Sequence[int], dtype: torch.dtype, device) -> HaloPlan:
+        """The halo plan for a global input shape (:meth:`geometry`'s)."""
         return self.geometry(global_shape, dtype, device).plan
 
     def _block_constants(self, plan: HaloPlan, index: tuple[int, ...], global_shape: tuple[int, ...], dtype, device):
@@ -325,8 +309,7 @@ class DistributedUpsample(WindowLayer):
         module docstring)."""
         fmt = info.memory_format
         y = interpolate_block(staged, self.spec, *win.block)
-        return y if fmt == torch.contiguous_format or y.is_contiguous(memory_format=fmt) else \
-            y.contiguous(memory_format=fmt)
+        return y if fmt == torch.contiguous_format else y.contiguous(memory_format=fmt)  # no copy where it is
 
     def extra_repr(self) -> str:
         s = self.spec

@@ -1,13 +1,10 @@
 """distfuse's communication as ``torch.library`` custom ops, for ``torch.compile`` without graph breaks.
 
-Each op is opaque to the compiler: its eager implementation runs the same rounds as the
-autograd primitives (it calls the same functions), its fake implementation gives the
-output's shape, dtype and memory format from the arguments alone, and its backward is
-registered with ``torch.library.register_autograd`` (the adjoint op).  The ops made with
-:func:`~distfuse.primitives._op_pair.op_pair` or ``op_entry`` live with their primitive or
-layer and are called through one entry in every mode: the custom op while compiling, the
-same implementations through a generated ``autograd.Function`` in eager calls (no
-custom-op dispatch cost there).
+Each op is opaque to the compiler: a fake implementation gives the output's shape, dtype
+and memory format from the arguments alone, and its backward is registered on it (the
+adjoint op).  The ops live with their primitive or layer, made by
+:func:`~distfuse.primitives._op_pair.op_pair` or ``op_entry`` (one entry for every mode:
+see that module), or here (the fused linears).
 
 =================================  ==========================================================
 op (``distfuse::``)                what it is (backward: the adjoint op, unless said otherwise)
@@ -38,12 +35,9 @@ op (``distfuse::``)                what it is (backward: the adjoint op, unless 
                                    ``ring_attention_backward``, first order only)
 =================================  ==========================================================
 
-Communication must run in the same order on every rank, but the ranks' graphs differ a
-little (the root of a parameter broadcast concatenates the parameters, the others do
-not).  The ops are registered as ``ORDERED`` effects, which ``eager`` / ``aot_eager``
-keep; inductor's memory and locality reordering does not honour them (the root ran its
-halo round before its parameter round, and gloo aborted with "Received data size doesn't
-match"), so compile with :data:`INDUCTOR_OPTIONS`::
+The ops are ``ORDERED`` effects, which inductor's memory and locality reordering does not
+honour (the root of a parameter broadcast ran its halo round before its parameter round,
+and gloo aborted; :mod:`~distfuse.primitives._op_pair`), so compile with :data:`INDUCTOR_OPTIONS`::
 
     torch.compile(model, fullgraph=True, options=distfuse.ops.INDUCTOR_OPTIONS)
 

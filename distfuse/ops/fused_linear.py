@@ -279,9 +279,8 @@ def _register(op: str):
 
     def backward(ctx, grads):
         x, weight, bias, *extras = ctx.saved_tensors
-        dx, dw, db = bwd(grads[0].contiguous(), x, weight, bias, extras, *ctx.args)
-        needs = ctx.args[1]
-        return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None, None, None, None)
+        dx_dw_db = bwd(grads[0].contiguous(), x, weight, bias, extras, *ctx.args)
+        return (*(g if need else None for g, need in zip(dx_dw_db, ctx.args[1], strict=True)), None, None, None)
 
     fwd.register_autograd(backward, setup_context=setup)
     ordered(fwd, bwd)

@@ -67,9 +67,7 @@ def capture_safe():
 
 def trusting() -> bool:
     """Whether agreed sites are trusted now: inside :func:`capture_safe` or while a CUDA stream captures."""
-    if _TRUST[0]:
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return _TRUST[0] > 0 or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
 def trusted_state(site: AgreementSite, signature: Hashable, op: str) -> Any:
@@ -93,7 +91,7 @@ class AgreementSite:
     tests and the benchmarks read them to prove that steady state gathers nothing).
     """
 
-    __slots__ = ("op", "signature", "state", "calls", "slow_calls")
+    __slots__ = ("op", "signature", "state", "calls", "slow_calls", "kept")
 
     def __init__(self, op: str):
         self.op = op
@@ -101,6 +99,7 @@ class AgreementSite:
         self.state: Any = None
         self.calls = 0
         self.slow_calls = 0
+        self.kept: tuple | None = None  # the last settled (signature, state); forget() keeps it
 
     @property
     def fresh(self) -> bool:
@@ -108,7 +107,11 @@ class AgreementSite:
         return self.state is None
 
     def settle(self, signature: Hashable, state: Any) -> None:
-        self.signature, self.state = signature, state
+        """Agree on ``state``; one equal to the last settled is kept as the same objects (a compiled graph guards
+        on them, and new objects after every gather would retrace it)."""
+        if self.kept != (signature, state):
+            self.kept = (signature, state)
+        self.signature, self.state = self.kept
 
     def forget(self) -> None:
         """Drop the state; call it on every rank (the next call takes the slow path everywhere)."""
@@ -121,7 +124,7 @@ class AgreementSite:
 
 
 def run_agreed(site: AgreementSite, signature: Hashable, locally_ok: bool,
-               attempt: Callable[[bool], tuple[Any, bool]], slow: Callable[[], tuple[Any, Any]]) -> Any:
+               attempt: Callable[[bool], tuple[Any, bool]] | None, slow: Callable[[], tuple[Any, Any]]) -> Any:
     """Run one call at ``site`` under the protocol of the module docstring.
 
     Args:
@@ -131,18 +134,20 @@ def run_agreed(site: AgreementSite, signature: Hashable, locally_ok: bool,
         attempt: ``attempt(changed) -> (result, any_flag)`` runs the data collective with
             ``site.state``'s sizes: this rank's data and flag 0 when ``changed`` is False,
             zeros and flag 1 otherwise; ``any_flag`` says whether any rank's flag was set.
+            None where the op checks the ranks' agreement itself (a fused op's claim):
+            ``slow()`` then runs every call and, moving no metadata, is not counted in ``slow_calls``.
         slow: ``slow() -> (result, state)``: the metadata gather, the checks (raising on
             every rank alike) and the real collective.
 
     Returns the result of the attempt when no rank flagged, else the slow path's.
     """
     site.calls += 1
-    if site.state is not None:
-        changed = not (locally_ok and signature == site.signature)
-        result, any_flag = attempt(changed)
-        if not any_flag:
-            return result
-    site.slow_calls += 1
+    if attempt is not None:
+        if site.state is not None:
+            result, any_flag = attempt(not (locally_ok and signature == site.signature))
+            if not any_flag:
+                return result
+        site.slow_calls += 1
     try:
         result, state = slow()
     except DistfuseError:
@@ -157,11 +162,9 @@ def flag_round(P, flag: bool, op: str) -> bool:
 
     For sites with no data collective that reaches every worker (a pooling layer's halo
     exchange runs between neighbours only, and a plan without halos sends nothing).  The
-    meta group is distfuse's host-side (gloo) group, so no device tensor is read; the
-    round is far cheaper than the metadata all-gather it replaces (``docs/benchmarks.md``).
-    Where every worker runs on one host the round needs no message: the workers read each
-    other's flags on a shared-memory board (:mod:`distfuse.primitives._flag_board`).  A
-    single worker returns its own flag.
+    meta group is host-side (gloo): no device tensor is read, and the round is far cheaper
+    than the metadata all-gather it replaces (``docs/benchmarks.md``).  On one host it is a
+    shared-memory board with no message (:mod:`distfuse.primitives._flag_board`).
     """
     if P.size == 1:
         return bool(flag)
@@ -179,31 +182,23 @@ def agreed_by_flag_round(site: AgreementSite, P, op: str, signature: Hashable, l
     """The agreed state of ``site`` for this call, learnt under the protocol with its flag in :func:`flag_round`.
 
     For sites whose state *is* the metadata (a global shape, the blocks' shapes and dtype)
-    and whose data messages do not reach every worker of ``P``: the point-to-point
-    primitives and the layers built on them.  Steady state: one flag round before any data
-    moves, so no message of stale size is ever sent; a flag sends every worker to
-    ``slow()`` (the metadata gather and the checks: the new state, or the same error
-    everywhere).  Inside :func:`capture_safe` a settled site is trusted (:func:`trusted_state`).
+    and whose data messages do not reach every worker of ``P`` (the point-to-point
+    primitives and the layers built on them).  One flag round before any data moves, so no
+    message of stale size is ever sent; a flag sends every worker to ``slow()`` (the metadata
+    gather and the checks: the new state, or the same error everywhere).  Inside
+    :func:`capture_safe`: :func:`trusted_state`.
     """
     if site.state is not None and trusting():
         return trusted_state(site, signature, op)
-
-    def attempt(changed: bool):
-        return site.state, flag_round(P, changed, op)
-
-    def slow_path():
-        state = slow()
-        return state, state
-
-    return run_agreed(site, signature, locally_ok, attempt, slow_path)
+    run_agreed(site, signature, locally_ok, lambda changed: (None, flag_round(P, changed, op)), lambda: (None, slow()))
+    return site.state
 
 
 def agree_on_local_checks(P, op: str, checks: Callable[[], None]) -> None:
     """Run this worker's local ``checks``; if they fail on any worker of ``P``, raise one error on every worker.
 
-    For the stateless functional forms (``broadcast(..., y_shape)``, ``repartition(...,
-    global_shape)``, ...), whose failing check would otherwise raise on one worker alone
-    and leave its peers in the exchange until the timeout: one host round of
-    :func:`~distfuse.primitives._call_agreement.agree_on_call` with nothing else to share.
+    For the stateless functional forms (``broadcast(..., y_shape)``, ...), whose failing check would otherwise
+    leave the peers in the exchange until the timeout: :func:`~distfuse.primitives._call_agreement.agree_on_call`
+    with nothing else to share.
     """
     agree_on_call(P, op, {}, checks)

@@ -56,11 +56,8 @@ def check_cartesian(op: str, P, name: str = "P") -> None:
 
 
 def resolve_axes(op: str, P_x: CartesianPartition, axes, axes_keep, axes_name: str) -> tuple[int, ...]:
-    """The sorted partition axes an op acts along, from exactly one of ``axes`` and ``axes_keep`` (the complement).
-
-    Negative axes count from the end, as in torch.  Raised before any collective, so every
-    rank (given the same arguments) raises.
-    """
+    """The sorted partition axes an op acts along, from exactly one of ``axes`` and ``axes_keep`` (the complement);
+    negative axes count from the end, as in torch.  Raised before any collective, so every rank raises."""
     if (axes is None) == (axes_keep is None):
         given = "both" if axes is not None else "neither"
         raise expect(op, f"exactly one of {axes_name} and axes_keep", "one", given, cls=PartitionError)
@@ -91,10 +88,8 @@ _SLOTS: dict[tuple[int, ...], tuple[int, ...]] = {}
 
 
 def group_slots(P_sub: CartesianPartition) -> tuple[int, ...]:
-    """``slots[j]``: the position of sub-grid rank ``j`` in a flat collective on ``P_sub.group`` (its group rank).
-
-    Cached by rank tuple, as the groups are (``partition.py``).
-    """
+    """``slots[j]``: the position of sub-grid rank ``j`` in a flat collective on ``P_sub.group`` (its group rank);
+    cached by rank tuple, as the groups are (``partition.py``)."""
     return cached(_SLOTS, P_sub.ranks, lambda: tuple(dist.get_group_rank(P_sub.group, r) for r in P_sub.ranks))
 
 
@@ -168,6 +163,15 @@ def balanced_layout(P_sub: CartesianPartition, shape: Sequence[int]) -> BlockLay
     return cached(_BALANCED, (P_sub.ranks, P_sub.shape, P_sub.rank, shape), make, limit=1024)
 
 
+def check_block_dims(op: str, P_sub: CartesianPartition, shapes: Sequence[tuple[int, ...]]) -> None:
+    """Every worker's block (``shapes`` in sub-grid rank order) has one dimension per partition
+    dimension; else the same :class:`ShapeError` on every worker."""
+    for r, s in zip(P_sub.ranks, shapes, strict=True):
+        if len(s) != P_sub.dim:
+            raise expect(op, f"number of tensor dimensions on world rank {r} (one per partition dimension)",
+                         P_sub.dim, len(s))
+
+
 def layout_from_shapes(op: str, P_sub: CartesianPartition, shapes: Sequence[tuple[int, ...]]) -> BlockLayout:
     """The layout of blocks with the given per-sub-grid-rank shapes, concatenated in index order.
 
@@ -176,11 +180,10 @@ def layout_from_shapes(op: str, P_sub: CartesianPartition, shapes: Sequence[tupl
     along the other dimensions.  Every worker holds the same ``shapes``, so every worker
     raises the same :class:`ShapeError`.
     """
+    check_block_dims(op, P_sub, shapes)
     idx = [P_sub.index_of(j) for j in range(P_sub.size)]
     along: list[list[int | None]] = [[None] * p for p in P_sub.shape]
     for j, shape in enumerate(shapes):
-        if len(shape) != P_sub.dim:
-            raise expect(op, f"number of dimensions of world rank {P_sub.ranks[j]}'s block", P_sub.dim, len(shape))
         for d, n in enumerate(shape):
             seen = along[d][idx[j][d]]
             if seen is None:
@@ -198,14 +201,15 @@ def layout_from_shapes(op: str, P_sub: CartesianPartition, shapes: Sequence[tupl
                        P_sub.rank, tuple(n for e in extents for n in e))
 
 
-def gathered_layout(op: str, P_sub: CartesianPartition, x: torch.Tensor) -> BlockLayout:
-    """Layout from every worker's actual block shape: one host-side metadata all-gather (see AllGather)."""
+def gathered_layout(op: str, P_sub: CartesianPartition, x: torch.Tensor) -> tuple[BlockLayout, torch.dtype]:
+    """Layout and dtype from every worker's actual block: one host-side metadata all-gather (see AllGather); the
+    blocks must tile and share one dtype distfuse moves, or every worker raises the same :class:`ShapeError`."""
     meta = gather_metadata(P_sub, x, op=op)  # rows in P_sub's rank order
     dtypes = {dt for _, dt in meta}
-    if len(dtypes) != 1:
+    if len(dtypes) != 1 or None in dtypes:
         rows = ", ".join(f"rank {r}: {dt}" for r, (_, dt) in zip(P_sub.ranks, meta, strict=True))
-        raise ShapeError(f"{where(op)}: every worker must pass the same dtype; got {rows}")
-    return layout_from_shapes(op, P_sub, [s for s, _ in meta])
+        raise ShapeError(f"{where(op)}: every worker must pass the same dtype; got {rows} (world rank: dtype)")
+    return layout_from_shapes(op, P_sub, [s for s, _ in meta]), dtypes.pop()
 
 
 def interleave(k: int) -> list[int]:
@@ -263,10 +267,8 @@ def my_block(recv: torch.Tensor, layout: BlockLayout, dtype: torch.dtype) -> tor
 
 
 def gather_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, x: torch.Tensor) -> torch.Tensor:
-    """Every worker's block concatenated in index order (no autograd); ``x`` has ``layout.extents[layout.me]``.
-
-    One flat all-gather of ``P * prod(pad)`` elements on ``P_sub.group``.
-    """
+    """Every worker's block concatenated in index order (no autograd; ``x`` has ``layout.extents[layout.me]``):
+    one flat all-gather of ``P * prod(pad)`` elements on ``P_sub.group``."""
     fits = tuple(x.shape) == layout.extents[layout.me]
     # In debug mode a misfit block fails on every worker, not only here (peers would wait for the timeout).
     debug_agree(op, P_sub, x, {"gathered shape": layout.shape, "pad": layout.pad, "block fits": fits})
@@ -288,11 +290,9 @@ def gather_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, x: to
 
 def scatter_sum_blocks(op: str, P_sub: CartesianPartition, layout: BlockLayout, full: torch.Tensor,
                        reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """This worker's block of the sum over ``P_sub`` of the full-shape ``full`` tensors (no autograd).
-
-    One flat reduce-scatter of ``P * prod(pad)`` elements on ``P_sub.group``, added in
-    ``reduce_dtype`` (default: ``full``'s dtype).  Returns a contiguous tensor of ``full``'s dtype.
-    """
+    """This worker's block (contiguous, ``full``'s dtype) of the sum over ``P_sub`` of the full-shape ``full``
+    tensors (no autograd): one flat reduce-scatter of ``P * prod(pad)`` elements on ``P_sub.group``, added in
+    ``reduce_dtype`` (default: ``full``'s dtype)."""
     wire = reduce_dtype if reduce_dtype is not None else full.dtype
     fits = tuple(full.shape) == layout.shape
     debug_agree(op, P_sub, full, {"full shape": layout.shape, "reduce dtype": str(wire), "input fits": fits})

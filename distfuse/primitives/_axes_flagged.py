@@ -30,11 +30,8 @@ __all__ = ["gather_blocks_flagged", "scatter_sum_blocks_flagged", "all_reduce_su
 
 
 def _slot(n: int) -> int:
-    """Elements per worker's slot: its ``n`` data elements, the flag, and padding to a multiple of 16.
-
-    Every slot then starts 64-byte aligned, as the unflagged blocks of the usual sizes do
-    (vectorised sums and copies on every chunk).  The padding is never read.
-    """
+    """Elements per worker's slot: its ``n`` data elements, the flag, and padding (never read) to a multiple of 16,
+    so that every slot starts 64-byte aligned, as the unflagged blocks of the usual sizes do (vectorised chunks)."""
     return (n + 1 + 15) // 16 * 16
 
 

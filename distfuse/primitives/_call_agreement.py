@@ -24,12 +24,21 @@ from distfuse import errors
 from distfuse.errors import DistfuseError, ShapeError, where
 from distfuse.primitives._common import collective_guard
 
-__all__ = ["agree_on_call", "agree_on_tensor"]
+__all__ = ["agree_on_call", "agree_on_tensor", "local_error"]
 
 
 def _digest(record: dict) -> int:
     text = repr(sorted(record.items())).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1  # 63 bits, non-negative
+
+
+def local_error(check: Callable[[], None]) -> DistfuseError | None:
+    """The distfuse error ``check()`` raises, or None: a local check's outcome, to be agreed on, not raised here."""
+    try:
+        check()
+    except DistfuseError as exc:
+        return exc
+    return None
 
 
 def agree_on_call(P, op: str, same: dict, checks: Callable[[], None] | None = None) -> None:
@@ -47,13 +56,10 @@ def agree_on_call(P, op: str, same: dict, checks: Callable[[], None] | None = No
         if checks is not None:
             checks()
         return
-    failure = None
-    if checks is not None:
-        try:
-            checks()
-        except DistfuseError as exc:
-            failure = (type(exc).__name__, str(exc))
+    error = local_error(checks) if checks is not None else None
+    failure = None if error is None else (type(error).__name__, str(error))
     record = dict(same, failure=failure)
+    records = [(dist.get_rank(), record)]
     if P.size > 1:
         h = _digest(record)
         pair = torch.tensor([h, -h], dtype=torch.int64)
@@ -66,8 +72,6 @@ def agree_on_call(P, op: str, same: dict, checks: Callable[[], None] | None = No
             dist.all_gather_object(records, (dist.get_rank(), record), group=P.meta_group)
     elif failure is None:
         return
-    else:
-        records = [(dist.get_rank(), record)]
     failed = [(rank, rec["failure"]) for rank, rec in records if rec["failure"] is not None]
     if failed:
         kind = getattr(errors, failed[0][1][0], DistfuseError)

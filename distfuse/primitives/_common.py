@@ -1,23 +1,20 @@
 """Shared plumbing of the primitives: input checks, host-side metadata and one-round point-to-point exchange.
 
-Cross-partition primitives (Broadcast, SumReduce, Repartition, HaloExchange) are all a
-set of point-to-point messages on the world group, posted together with
-``batch_isend_irecv`` and then waited on.  Posting every send and receive of a rank in
-one batch is what makes arbitrary overlapping partitions deadlock-free: no rank blocks
-in one transfer while its peer blocks in another.  Tensors stay on their device.
-Messages between one pair of ranks are matched in posting order, so both sides must
-enumerate their messages in the same canonical order (the plans sort by a key both
-sides compute identically).
+Cross-partition primitives (Broadcast, SumReduce, Repartition, HaloExchange) post all of a
+rank's point-to-point messages on the world group in one ``batch_isend_irecv``, then wait:
+no rank blocks in one transfer while its peer blocks in another, so arbitrary overlapping
+partitions cannot deadlock.  Tensors stay on their device.  Messages between two ranks are
+matched in posting order, so both sides enumerate them in the same canonical order (the
+plans sort by a key both sides compute identically).
 
-Failures.  A peer that raised before its matching call, died, or made a different call
-leaves this rank's ``torch.distributed`` call waiting until distfuse's timeout
-(``DISTFUSE_TIMEOUT``: the rounds run on distfuse's own groups, never on the default
-group and its 30-minute default), or failing at once when the peer's connection closes.
-gloo reports either as a bare ``RuntimeError`` naming a C++ source line;
-:func:`collective_guard` turns it into a :class:`~distfuse.errors.CollectiveTimeoutError`
-that names the op, this rank, the peers it was waiting for and the timeout in force.
-Peers of a rank that raises get the error when the timeout runs out; peers of a rank that
-exits, at once (``docs/benchmarks.md``, "Failure latency").
+Failures.  A peer that raised before its matching call, or made a different call, leaves
+this rank's ``torch.distributed`` call waiting until distfuse's timeout (``DISTFUSE_TIMEOUT``:
+the rounds run on distfuse's own groups, never on the default group and its 30-minute
+default); a peer that exits fails it at once, when its connection closes
+(``docs/benchmarks.md``, "Failure latency").  gloo reports either as a bare ``RuntimeError``
+naming a C++ source line; :func:`collective_guard` turns it into a
+:class:`~distfuse.errors.CollectiveTimeoutError` that names the op, this rank, the peers it
+was waiting for and the timeout in force.
 """
 
 from __future__ import annotations
@@ -38,8 +35,8 @@ from distfuse.partition import Partition
 from distfuse.primitives._layout import wire_view
 
 __all__ = ["exchange", "exchange_into", "check_inactive_input", "same_shape_and_dtype", "cached", "poison",
-           "gather_metadata", "gather_records", "summed_extents", "infer_global_shape", "collective_guard",
-           "dtype_code", "dtype_of_code", "first_order_only"]
+           "gather_metadata", "gather_records", "summed_extents", "infer_global_shape", "balanced_global_shape",
+           "collective_guard", "dtype_code", "dtype_of_code", "first_order_only"]
 
 
 @contextlib.contextmanager
@@ -73,11 +70,7 @@ def exchange(sends: Sequence[tuple[int, torch.Tensor]], recvs: Sequence[tuple[in
     with the peer's tensor in the same format.  ``op`` names the primitive in a failure.
     """
     me = dist.get_rank()
-    self_sends = [t for peer, t in sends if peer == me]
-    self_recvs = [t for peer, t in recvs if peer == me]
-    if len(self_sends) != len(self_recvs):
-        raise RuntimeError(f"{where(op)}: {len(self_sends)} self-sends but {len(self_recvs)} self-receives")
-    for src, dst in zip(self_sends, self_recvs, strict=True):
+    for src, dst in zip([t for peer, t in sends if peer == me], [t for peer, t in recvs if peer == me], strict=True):
         dst.copy_(src)
     group = world_group()
     # channels_last blocks travel as the contiguous [B, H, W, C] view of their memory (no copy; see _layout)
@@ -173,13 +166,10 @@ def gather_metadata(P: Partition, x: torch.Tensor, max_dim: int = 8,
     peers waiting in the gather until the timeout).  Empty placeholders may sit on any
     device (under NCCL they are usually on the host).
     """
-    mine = [-1] * (max_dim + 3)
     too_many = x.dim() > max_dim  # recorded, not raised here: every worker raises it after the gather
-    mine[0] = _TOO_MANY_DIMS if too_many else x.dim()
-    mine[1] = dtype_code(x.dtype)
-    if x.numel() > 0:
-        dev = x.device.type
-        mine[2] = _DEVICE_CODES.index(dev) if dev in _DEVICE_CODES else len(_DEVICE_CODES)
+    dev = x.device.type
+    device = (_DEVICE_CODES.index(dev) if dev in _DEVICE_CODES else len(_DEVICE_CODES)) if x.numel() else -1
+    mine = [_TOO_MANY_DIMS if too_many else x.dim(), dtype_code(x.dtype), device] + [-1] * max_dim
     if not too_many:
         mine[3:3 + x.dim()] = x.shape
     rows = gather_records(op, P, mine)
@@ -234,25 +224,28 @@ def infer_global_shape(op: str, P, x: torch.Tensor) -> tuple[int, ...]:
     """Global shape of the tensor whose blocks the workers of CartesianPartition ``P`` hold (:func:`gather_metadata`);
     every worker raises the same :class:`ShapeError` unless the blocks are its balanced decomposition."""
     meta = gather_metadata(P, x, op=op)
-    if x.dim() != P.dim:
-        raise expect(op, "number of tensor dimensions (one per partition dimension)", P.dim, x.dim())
-    dims = {len(s) for s, _ in meta}
-    if dims != {P.dim}:
-        bad = {P.ranks[r]: s for r, (s, _) in enumerate(meta) if len(s) != P.dim}
-        raise ShapeError(f"{where(op)}: every worker's tensor must have {P.dim} dimensions; got {bad} (world rank: "
-                         "local shape)")
-    dtypes = {d for _, d in meta}
-    if len(dtypes) != 1:
+    if len({d for _, d in meta}) != 1:
         raise ShapeError(f"{where(op)}: workers disagree on dtype: "
                          f"{ {P.ranks[r]: str(d) for r, (_, d) in enumerate(meta)} }")
-    global_shape = summed_extents(P, [s for s, _ in meta])
-    for r, (shape, _) in enumerate(meta):
+    return balanced_global_shape(op, P, [s for s, _ in meta], lambda G, r, want, got: ShapeError(
+        f"{where(op)}: the local blocks are not the balanced decomposition of the global shape {G} over the "
+        f"partition {P.shape}: world rank {P.ranks[r]} (index {P.index_of(r)}) expected local shape {want}, got {got}"))
+
+
+def balanced_global_shape(op: str, P, shapes: Sequence[Sequence[int]],
+                          misfit: Callable[..., DistfuseError]) -> tuple[int, ...]:
+    """The global shape ``G`` of which ``shapes`` (in partition-rank order of Cartesian ``P``, the same on every
+    worker) are the balanced blocks; else every worker raises the same error, ``misfit(G, r, want, got)`` for a
+    block of the wrong shape."""
+    for r, shape in enumerate(shapes):
+        if len(shape) != P.dim:
+            raise expect(op, f"number of tensor dimensions on world rank {P.ranks[r]} (one per partition dimension)",
+                         P.dim, len(shape))
+    global_shape = summed_extents(P, shapes)
+    for r, shape in enumerate(shapes):
         want = local_shape(global_shape, P.shape, P.index_of(r))
         if tuple(shape) != want:
-            raise ShapeError(
-                f"{where(op)}: the local blocks are not the balanced decomposition of the global shape "
-                f"{tuple(global_shape)} over the partition {P.shape}: world rank {P.ranks[r]} (index "
-                f"{P.index_of(r)}) expected local shape {want}, got {tuple(shape)}")
+            raise misfit(global_shape, r, want, tuple(shape))
     return global_shape
 
 

@@ -1,13 +1,11 @@
 """The agreement flag round of a partition on one host: a shared-memory board, not a gloo all-reduce.
 
-Every checked call of a device partition takes one flag round before its data collective
-(:func:`~distfuse.primitives._agreement.flag_round`): each worker says whether its call
-differs from the settled one, and learns whether any worker's did.  On the meta group that
-is a gloo all-reduce of one integer, a TCP round trip through every rank: tens of
-microseconds on an idle node, far more on a loaded one, paid on every layer call.  When
-every worker of the partition runs on one host (a GPU node's tensor-parallel group), the
-round needs no message at all: the workers share a small segment of ``/dev/shm``, each
-writes its word, and each reads the others'::
+On the meta group the agreement flag round that a device partition takes before every
+checked call (:func:`~distfuse.primitives._agreement.flag_round`) is a gloo all-reduce of
+one integer, a TCP round trip through every rank: tens of microseconds on an idle node, far
+more on a loaded one.  When every worker of the partition runs on one host (a GPU node's
+tensor-parallel group), the round needs no message at all: the workers share a small
+segment of ``/dev/shm``, each writes its word, and each reads the others'::
 
     board   int64 [W, 8]      one 64-byte line per worker (no false sharing); words 0 and 1 used
     round k worker r writes   board[r, k % 2] = 2 k + flag_r
@@ -32,6 +30,7 @@ is set (on every worker), every worker keeps the gloo round for that group.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -72,34 +71,23 @@ class FlagBoard:
         k, words, W = self.rounds, self._words, len(self.world_ranks)
         base, parity = 2 * k, k % 2
         words[self.rank * _LINE + parity] = base + (1 if flag else 0)
-        waiting = [p for p in range(W) if p != self.rank]
-        any_flag = bool(flag)
         spins, start = 0, None
-        while waiting:
-            still = []
-            for p in waiting:
-                value = words[p * _LINE + parity]
-                if value < base:
-                    still.append(p)
-                else:
-                    any_flag = any_flag or value > base
-            waiting = still
+        while True:  # a word read at >= base stays until this worker's next round (module docstring)
+            seen = [words[p * _LINE + parity] for p in range(W)]
+            waiting = [p for p in range(W) if seen[p] < base]
             if not waiting:
-                break
+                return any(value > base for value in seen)
             spins += 1
             if spins > _SPINS:
                 start = start if start is not None else time.monotonic()
                 if time.monotonic() - start > self.timeout_s:
-                    raise self._timeout(op, waiting)
+                    missing = sorted(self.world_ranks[p] for p in waiting)
+                    raise CollectiveTimeoutError(
+                        f"{where(op)}: agreement flag all-reduce with world ranks {sorted(self.world_ranks)} did not "
+                        f"complete within the timeout in force ({timeout_label(self.timeout_s)}): world ranks "
+                        f"{missing} did not reach the round on the shared-memory flag board. A peer that raised, died "
+                        "or made a different call ends here")
                 time.sleep(0 if spins < 4 * _SPINS else 50e-6)
-        return any_flag
-
-    def _timeout(self, op: str, waiting: list[int]) -> CollectiveTimeoutError:
-        missing = sorted(self.world_ranks[p] for p in waiting)
-        return CollectiveTimeoutError(
-            f"{where(op)}: agreement flag all-reduce with world ranks {sorted(self.world_ranks)} did not complete "
-            f"within the timeout in force ({timeout_label(self.timeout_s)}): world ranks {missing} did not reach "
-            "the round on the shared-memory flag board. A peer that raised, died or made a different call ends here")
 
 
 def flag_board(P, op: str = "flag_round") -> FlagBoard | None:
@@ -128,40 +116,35 @@ def _set_up(group) -> FlagBoard | None:
     if not all(ok for _, ok in hosts) or len({h for h, _ in hosts}) != 1:
         return None
     size = W * _LINE * 8
-    name = [""]
-    if rank == 0:
-        candidate = f"distfuse-flags-{os.getpid()}-{secrets.token_hex(6)}"
-        try:
-            fd = os.open(os.path.join(_SHM_DIR, candidate), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                os.ftruncate(fd, size)  # zero-filled: below every round's words
-            finally:
-                os.close(fd)
-            name[0] = candidate
-        except OSError:
-            pass  # the empty name: every worker keeps gloo
-    mapping = None
+    name = [f"distfuse-flags-{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else ""]
+    mapping = _map(name[0], size, os.O_CREAT | os.O_EXCL | os.O_RDWR) if rank == 0 else None
     try:
         dist.broadcast_object_list(name, src=world_ranks[0], group=group)
-        if name[0]:
-            try:
-                fd = os.open(os.path.join(_SHM_DIR, name[0]), os.O_RDWR)
-                try:
-                    mapping = mmap.mmap(fd, size)
-                finally:
-                    os.close(fd)
-            except OSError:
-                mapping = None
+        if rank != 0:
+            mapping = _map(name[0], size, os.O_RDWR)
         failed = torch.tensor([0 if mapping is not None else 1], dtype=torch.int64)
         dist.all_reduce(failed, group=group)  # every worker mapped it, or none keeps it; also the barrier before unlink
     finally:
-        if rank == 0 and name[0]:
-            try:
+        if rank == 0:
+            with contextlib.suppress(OSError):
                 os.unlink(os.path.join(_SHM_DIR, name[0]))
-            except FileNotFoundError:
-                pass
     if int(failed[0]) != 0:
         if mapping is not None:
             mapping.close()
         return None
     return FlagBoard(mapping, rank, world_ranks, group_timeout(group))
+
+
+def _map(name: str, size: int, flags: int) -> mmap.mmap | None:
+    """The segment ``name`` of ``/dev/shm`` opened with ``flags`` (created zero-filled, below every round's words,
+    with ``O_CREAT``) and mapped; None where that fails (every worker then keeps gloo)."""
+    try:
+        fd = os.open(os.path.join(_SHM_DIR, name), flags, 0o600)
+        try:
+            if flags & os.O_CREAT:
+                os.ftruncate(fd, size)
+            return mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+    except OSError:
+        return None

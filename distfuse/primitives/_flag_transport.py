@@ -4,14 +4,11 @@ The agreement protocol (:mod:`distfuse.primitives._agreement`) needs one bit fro
 worker at every checked call.  On a CPU partition it is one more element of the data
 collective's message, read on the host once the collective returns: free, no extra
 round.  On CUDA (any device partition) that read would wait for the collective and every
-kernel queued before it, one device sync per call, which ends asynchronous execution;
-so the flags take a one-integer all-reduce on the partition's host-side gloo
-``meta_group`` *before* the data collective is queued
-(:func:`~distfuse.primitives._agreement.flag_round`), and the data collective then runs
-unflagged, or not at all when a flag is set (on one host the round is a shared-memory
-board with no message, :mod:`distfuse.primitives._flag_board`).  The choice depends only on the partition's
-device type, so every worker runs the same rounds.  :func:`flag_transport` forces one
-way (the CPU tests run the host way; a CUDA user may trade one round for one sync).
+kernel queued before it, one device sync per call; so the flags take
+:func:`~distfuse.primitives._agreement.flag_round` *before* the data collective is queued,
+which then runs unflagged, or not at all when a flag is set.  The choice depends only on
+the partition's device type, so every worker runs the same rounds.  :func:`flag_transport`
+forces one way (the CPU tests run the host way; a CUDA user may trade one round for one sync).
 """
 
 from __future__ import annotations

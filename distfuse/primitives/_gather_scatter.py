@@ -11,9 +11,8 @@ Shapes (``P_sub`` a sub-grid, ``layout`` the blocks' :class:`~distfuse.primitive
 ``handle`` names a :class:`BlockCollective` (the sub-grid and the op name errors carry);
 ``blocks`` is every sub-grid worker's block extents, flattened in sub-grid rank order
 (:attr:`BlockLayout.blocks`), uneven tilings included.  ``reduce_dtype`` is the dtype sums
-are added in (None: the data's).  Each op is the other's backward, so gradients of any
-order are exact (a gradient penalty differentiates through both); :func:`~distfuse.primitives._op_pair.op_pair`
-runs them as custom ops while compiling and through a generated ``autograd.Function`` eagerly.
+are added in (None: the data's).  Each op is the other's backward (:func:`~distfuse.primitives._op_pair.op_pair`),
+so gradients of any order are exact (a gradient penalty differentiates through both), in every mode.
 
 ``flag`` carries the agreement flag in the data (:mod:`~distfuse.primitives._axes_flagged`):
 -1 sends none, 0 or 1 this worker's flag.  When any worker's is set every worker runs the
@@ -29,6 +28,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from distfuse import debug
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._axes import (
     BlockLayout,
@@ -135,6 +135,7 @@ class AxesModule(nn.Module):
         check_partition(self.op, P_x)
         self.P_x = P_x
         self.axes = resolve_axes(self.op, P_x, axes, axes_keep, self.axes_name)
+        setattr(self, self.axes_name, self.axes)  # axes_all_gather, ...: the argument's name
         self.axes_keep = tuple(d for d in range(P_x.dim) if d not in self.axes)
         self.reduce_dtype = reduce_dtype
         self.P_sub = axes_subgrid(P_x, self.axes)
@@ -145,6 +146,12 @@ class AxesModule(nn.Module):
         self.session = AgreementSession(self.op, self.P_sub)
         self.agreement = self.session.site
         self._ctx = BlockCollective(self.op, self.P_sub, self.session.forget)
+
+    def _functional(self, x) -> bool:
+        """Whether a call runs the functional form: no agreement for an inactive worker, a one-worker sub-grid, an
+        input that is not a tensor (refused there by name), or in debug mode (which compares every call instead)."""
+        P_sub = self.P_sub
+        return not P_sub.active or P_sub.size == 1 or not isinstance(x, torch.Tensor) or debug.enabled()
 
     def extra_repr(self) -> str:
         return f"P_x={list(self.P_x.shape)}, {self.axes_name}={self.axes}, reduce_dtype={self.reduce_dtype}"

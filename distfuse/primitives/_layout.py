@@ -19,12 +19,12 @@ __all__ = ["memory_format_of", "format_code", "format_of_code", "empty_in", "zer
            "stacked_in", "FORMAT_CODES"]
 
 FORMAT_CODES = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
-_RANK = {torch.channels_last: 4, torch.channels_last_3d: 5}
+_FORMAT_OF_DIM = {4: torch.channels_last, 5: torch.channels_last_3d}
 
 
 def memory_format_of(t: torch.Tensor) -> torch.memory_format:
     """``channels_last`` / ``channels_last_3d`` when ``t`` is dense in it and not plain contiguous, else contiguous."""
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(t.dim())
+    fmt = _FORMAT_OF_DIM.get(t.dim())
     if fmt is not None and not t.is_contiguous() and t.is_contiguous(memory_format=fmt):
         return fmt
     return torch.contiguous_format
@@ -38,16 +38,15 @@ def format_of_code(code: int) -> torch.memory_format:
     return FORMAT_CODES[int(code)] if 0 <= int(code) < len(FORMAT_CODES) else torch.contiguous_format
 
 
-def _fits(shape: Sequence[int], fmt) -> bool:
-    return fmt is not None and _RANK.get(fmt) == len(shape)
+def _applied(shape: Sequence[int], fmt) -> torch.memory_format:
+    """``fmt`` where it applies to a tensor of ``shape``'s rank (None: never), else contiguous."""
+    return fmt if fmt is not None and _FORMAT_OF_DIM.get(len(shape)) == fmt else torch.contiguous_format
 
 
 def empty_in(shape: Sequence[int], fmt, *, dtype, device) -> torch.Tensor:
     """An uninitialised tensor of ``shape`` in ``fmt`` (contiguous where ``fmt`` does not apply to its rank)."""
     shape = tuple(int(s) for s in shape)
-    if _fits(shape, fmt):
-        return torch.empty(shape, dtype=dtype, device=device, memory_format=fmt)
-    return torch.empty(shape, dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device, memory_format=_applied(shape, fmt))
 
 
 def zeros_in(shape: Sequence[int], fmt, *, dtype, device) -> torch.Tensor:
@@ -57,15 +56,13 @@ def zeros_in(shape: Sequence[int], fmt, *, dtype, device) -> torch.Tensor:
 
 def as_message(t: torch.Tensor, fmt) -> torch.Tensor:
     """``t`` dense in ``fmt`` (its bytes are the message); no copy when it already is."""
-    if _fits(t.shape, fmt):
-        return t.contiguous(memory_format=fmt)
-    return t.contiguous()
+    return t.contiguous(memory_format=_applied(t.shape, fmt))
 
 
 def stacked_in(k: int, shape: Sequence[int], fmt, *, dtype, device) -> torch.Tensor:
     """``[k, *shape]`` whose every ``[i]`` is dense in ``fmt``: one buffer for ``k`` messages of one block shape."""
     shape = tuple(int(s) for s in shape)
-    if _fits(shape, fmt) and k > 0:
+    if _applied(shape, fmt) != torch.contiguous_format and k > 0:
         return empty_in((k * shape[0],) + shape[1:], fmt, dtype=dtype, device=device).view((k,) + shape)
     return torch.empty((k,) + shape, dtype=dtype, device=device)
 
@@ -76,9 +73,6 @@ def wire_view(t: torch.Tensor) -> torch.Tensor:
     A block dense in ``channels_last`` is the contiguous ``[B, H, W, C]`` tensor of the same
     memory, so it travels without a copy; both ends hold the same format (the layers agree on it).
     """
-    if t.is_contiguous():
-        return t
-    for fmt, perm in ((torch.channels_last, (0, 2, 3, 1)), (torch.channels_last_3d, (0, 2, 3, 4, 1))):
-        if t.dim() == _RANK[fmt] and t.is_contiguous(memory_format=fmt):
-            return t.permute(perm)
-    return t  # torch.distributed names the problem ("input tensor has to be contiguous")
+    if memory_format_of(t) is torch.contiguous_format:
+        return t  # contiguous, or torch.distributed names the problem ("input tensor has to be contiguous")
+    return t.permute(0, *range(2, t.dim()), 1)  # [B, *spatial, C]

@@ -110,16 +110,11 @@ def _rest(tie, n: int) -> tuple:
     return (None,) * (n - 1) + (torch.zeros(tie[0], dtype=tie[1], device=tie[2]),)
 
 
-def _function(name: str, impl: Callable, next_args: Callable, other: Callable[[], OpEntry]):
-    """An ``autograd.Function`` running ``impl`` whose backward is ``other()`` on ``next_args(inputs)``."""
+def _title(name: str) -> str:
+    return "".join(part.title() for part in name.split("_"))
 
-    def forward(ctx, t, *args):
-        ctx.next_args, ctx.n, ctx.tie = next_args(t, *args), len(args), _tie(args)
-        return impl(t, *args)
 
-    def backward(ctx, g):
-        return (other()(g, *ctx.next_args),) + _rest(ctx.tie, ctx.n)
-
+def _function(name: str, forward: Callable, backward: Callable) -> type[torch.autograd.Function]:
     return type(name, (torch.autograd.Function,), {"forward": staticmethod(forward),
                                                     "backward": staticmethod(backward)})
 
@@ -132,18 +127,24 @@ def _define(name: str, impl: Callable, fake: Callable):
     return op
 
 
-def _custom_op(name: str, impl: Callable, fake: Callable, next_args: Callable, other: Callable[[], object]):
-    op = _define(name, impl, fake)
-    n = len(op._opoverload._schema.arguments)
+def _half(name: str, impl: Callable, fake: Callable, next_args: Callable, other: Callable[[], OpEntry]) -> OpEntry:
+    """One half of an op pair: the custom op over ``impl`` and its eager ``autograd.Function``, each of whose
+    backward is ``other()`` (the other half's custom op, resp. entry) on ``next_args(inputs)``."""
 
-    def setup(ctx, inputs, output):
-        ctx.next_args, ctx.tie = next_args(*inputs), _tie(tuple(inputs[1:]))
+    def keep(ctx, t, args: tuple) -> None:
+        ctx.next_args, ctx.n, ctx.tie = next_args(t, *args), len(args), _tie(args)
 
-    def backward(ctx, g):
-        return (other()(g, *ctx.next_args),) + _rest(ctx.tie, n - 1)
+    def backward(entry: Callable[[], Callable]):
+        return lambda ctx, g: (entry()(g, *ctx.next_args),) + _rest(ctx.tie, ctx.n)
 
-    op.register_autograd(backward, setup_context=setup)
-    return op
+    def forward(ctx, t, *args):
+        keep(ctx, t, args)
+        return impl(t, *args)
+
+    op = _define(name, impl, fake)  # setup_context's inputs: every argument, defaults filled in
+    op.register_autograd(backward(lambda: other().op),
+                         setup_context=lambda ctx, inputs, output: keep(ctx, inputs[0], tuple(inputs[1:])))
+    return OpEntry(op, _function(_title(name), forward, backward(other)), impl)
 
 
 def op_pair(name: str, forward: Callable, forward_fake: Callable, adjoint: Callable, adjoint_fake: Callable, *,
@@ -160,14 +161,10 @@ def op_pair(name: str, forward: Callable, forward_fake: Callable, adjoint: Calla
     anchor that is not a leaf (:func:`anchor` with ``ties``) gets a zero gradient, so that
     the tied ops' adjoints run here too and every worker's backward holds the same ops.
     """
-    entries: dict[str, OpEntry] = {}
-    ops = (_custom_op(name, forward, forward_fake, adjoint_args, lambda: entries["adj"].op),
-           _custom_op(f"{name}_adjoint", adjoint, adjoint_fake, forward_args, lambda: entries["fwd"].op))
-    title = "".join(part.title() for part in name.split("_"))
-    entries["fwd"] = OpEntry(ops[0], _function(title, forward, adjoint_args, lambda: entries["adj"]), forward)
-    entries["adj"] = OpEntry(ops[1], _function(f"{title}Adjoint", adjoint, forward_args, lambda: entries["fwd"]),
-                             adjoint)
-    return entries["fwd"], entries["adj"]
+    pair: list[OpEntry] = []
+    pair.append(_half(name, forward, forward_fake, adjoint_args, lambda: pair[1]))
+    pair.append(_half(f"{name}_adjoint", adjoint, adjoint_fake, forward_args, lambda: pair[0]))
+    return pair[0], pair[1]
 
 
 def _save(ctx, values: tuple) -> None:
@@ -215,11 +212,8 @@ def op_entry(name: str, forward: Callable, forward_fake: Callable, backward: Cal
         return OpEntry(op, None, forward, ())
     back = _define(f"{name}_backward", backward, backward_fake)
     n = len(op._opoverload._schema.arguments)
-
-    def setup(ctx, inputs, output):
-        _save(ctx, saved(*inputs))
-
-    op.register_autograd(lambda ctx, g: _grads(ctx, g, back, inputs, n), setup_context=setup)
+    op.register_autograd(lambda ctx, g: _grads(ctx, g, back, inputs, n),  # (setup_context's names are torch's)
+                         setup_context=lambda ctx, inputs, output: _save(ctx, saved(*inputs)))
 
     def function_forward(ctx, *args):
         _save(ctx, saved(*args))
@@ -229,7 +223,4 @@ def op_entry(name: str, forward: Callable, forward_fake: Callable, backward: Cal
     def function_backward(ctx, g):
         return _grads(ctx, g, backward, inputs, n)
 
-    title = "".join(part.title() for part in name.split("_"))
-    function = type(title, (torch.autograd.Function,), {"forward": staticmethod(function_forward),
-                                                         "backward": staticmethod(function_backward)})
-    return OpEntry(op, function, forward, inputs)
+    return OpEntry(op, _function(_title(name), function_forward, function_backward), forward, inputs)

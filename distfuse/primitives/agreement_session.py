@@ -1,11 +1,10 @@
 """One agreement session per layer: every call agrees once, in one of three modes (settle, trust, replay).
 
-Before data moves, every worker of a layer must know that its peers made the same call
-(local shapes that tile one global shape, one dtype, the same grad flags), or raise the
-same error as they do, without a metadata collective in the steady state (the protocol of
-:mod:`distfuse.primitives._agreement`).  A layer keeps one :class:`AgreementSession` and
-calls :meth:`~AgreementSession.agree` once, at the top of its one forward, whatever runs
-it.  The session picks the mode from the context::
+A layer keeps one :class:`AgreementSession` and calls :meth:`~AgreementSession.agree` once,
+at the top of its one forward, whatever runs it, so that every worker knows its peers made
+the same call (local shapes that tile one global shape, one dtype, the same grad flags) or
+raises the same error, with no metadata collective in the steady state (the protocol of
+:mod:`distfuse.primitives._agreement`).  The session picks the mode from the context::
 
     mode    when                         what runs                                       host work per call
     ------  ---------------------------  ----------------------------------------------  -------------------
@@ -39,7 +38,7 @@ from typing import Any
 
 import torch
 
-from distfuse.errors import DistfuseError, ShapeError, UnsupportedError, where
+from distfuse.errors import ShapeError, UnsupportedError, where
 from distfuse.primitives._agreement import AgreementSite, flag_round, run_agreed, trusted_state, trusting
 from distfuse.primitives._handles import HandleOwner, lookup, new_handle
 from distfuse.primitives._op_pair import ordered
@@ -105,10 +104,9 @@ ordered(flag_check)
 class AgreementSession:
     """A layer's agreement over partition ``P`` in the three modes of the module docstring.
 
-    ``site`` (an :class:`~distfuse.primitives._agreement.AgreementSite`) holds this worker's
-    last signature and the settled state, and counts the calls and the metadata gathers;
-    ``last_mode`` is the mode of the last call.  Made at construction, in the same order
-    on every worker (its flag op's handle must be the same everywhere).
+    ``site``: its :class:`~distfuse.primitives._agreement.AgreementSite`; ``last_mode``: the
+    mode of the last call.  Made at construction, in the same order on every worker (its
+    flag op's handle must be the same everywhere).
     """
 
     def __init__(self, op: str, P):
@@ -116,7 +114,6 @@ class AgreementSession:
         self.site = AgreementSite(op)
         self.flag = FlagRound(op, P, self.forget)
         self.last_mode: str | None = None
-        self._kept: tuple | None = None
         self._remembered: dict = {}
 
     def forget(self) -> None:
@@ -126,7 +123,7 @@ class AgreementSession:
     def __getstate__(self) -> dict:
         # A copy (copy.deepcopy of its layer) agrees afresh, as its site does: nothing an eager call settled or
         # derived follows it.
-        return {**self.__dict__, "last_mode": None, "_kept": None, "_remembered": {}}
+        return {**self.__dict__, "last_mode": None, "_remembered": {}}
 
     @property
     def may_read_host(self) -> bool:
@@ -156,13 +153,9 @@ class AgreementSession:
             return None if changed else state
         if mode == TRUST:
             return trusted_state(site, signature, self.op)
-
-        def slow():
-            state = gather()
-            return state, state
-
-        self._run_agreed(signature, locally_ok, self._flag_attempt, slow)
-        return site.state  # the kept objects (see _keep), not merely equal ones
+        run_agreed(site, signature, locally_ok, lambda changed: (None, flag_round(self.P, changed, self.op)),
+                   lambda: (None, gather()))
+        return site.state  # the kept objects (AgreementSite.settle), not merely equal ones
 
     def replayed(self, signature: Hashable, locally_ok: bool,
                  needs_eager: Callable[[Any], bool] | None = None) -> tuple[Any, bool]:
@@ -213,8 +206,8 @@ class AgreementSession:
                 ``gather()`` (no metadata to move) every time, and a replayed call's
                 ``run`` places its flag.
 
-        Settle: :func:`~distfuse.primitives._agreement.run_agreed` over ``run`` and ``gather``.
-        Trust: ``run(state, -1)``.  Replay: ``run(state, flag)``, the flag a constant of the graph.
+        Settle: :func:`~distfuse.primitives._agreement.run_agreed` over ``run`` and ``gather``;
+        replay: ``flag`` is a constant of the graph.
         """
         mode, site = self.begin(), self.site
         if mode == REPLAY:
@@ -222,15 +215,6 @@ class AgreementSession:
             return run(state, int(changed))
         if mode == TRUST:
             return run(trusted_state(site, signature, self.op), -1)
-        if checked_by_op:
-            site.calls += 1
-            try:
-                result, state = gather()
-            except DistfuseError:
-                site.forget()
-                raise
-            self._keep(signature, state)
-            return result
 
         def attempt(changed: bool) -> tuple[Any, bool]:
             try:
@@ -238,24 +222,4 @@ class AgreementSession:
             except FlaggedCallError:
                 return None, True
 
-        return self._run_agreed(signature, locally_ok, attempt, gather)
-
-    def _run_agreed(self, signature: Hashable, locally_ok: bool, attempt: Callable, slow: Callable) -> Any:
-        """:func:`~distfuse.primitives._agreement.run_agreed`, a newly settled state kept by :meth:`_keep`."""
-        before = self.site.slow_calls
-        result = run_agreed(self.site, signature, locally_ok, attempt, slow)
-        if self.site.slow_calls != before:
-            self._keep(signature, self.site.state)
-        return result
-
-    def _flag_attempt(self, changed: bool) -> tuple[Any, bool]:
-        return self.site.state, flag_round(self.P, changed, self.op)
-
-    def _keep(self, signature: Hashable, state: Any) -> Any:
-        """Settle ``state``; one equal to the last settled is kept as the same objects (a compiled graph guards on
-        them, and new objects after every gather would retrace it)."""
-        kept = (signature, state)
-        if self._kept != kept:
-            self._kept = kept
-        self.site.settle(*self._kept)
-        return self._kept[1]
+        return run_agreed(site, signature, locally_ok, None if checked_by_op else attempt, gather)

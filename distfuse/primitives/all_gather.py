@@ -27,18 +27,10 @@ from collections.abc import Sequence
 
 import torch
 
-from distfuse import debug
-from distfuse.errors import ShapeError, expect, where
+from distfuse.errors import expect
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._axes import (
-    axes_subgrid,
-    balanced_layout,
-    check_input,
-    gathered_layout,
-    layout_from_shapes,
-)
+from distfuse.primitives._axes import axes_subgrid, balanced_layout, check_input, gathered_layout
 from distfuse.primitives._call_agreement import agree_on_tensor
-from distfuse.primitives._common import gather_metadata
 from distfuse.primitives._gather_scatter import AxesModule, BlockCollective, all_gather_op, collective_of
 from distfuse.primitives.agreement_session import AgreementSession
 
@@ -63,35 +55,28 @@ def all_gather(x: torch.Tensor, P_sub: CartesianPartition, out_shape: Sequence[i
             :func:`~distfuse.primitives._call_agreement.agree_on_call`); without it the
             call trusts its arguments, as the layers that call it do.
     """
+    out_shape = None if out_shape is None else tuple(int(n) for n in out_shape)
     if agree and P_sub.active:
-        _agree(x, P_sub, out_shape)
-    if not check_input(_OP, P_sub, x, ndim=P_sub.dim):
+        agree_on_tensor(P_sub, _OP, x, lambda: _check(x, P_sub, out_shape, True), out_shape=out_shape)
+    if not _check(x, P_sub, out_shape, P_sub.size == 1) or P_sub.size == 1:
         return x.clone()
-    if out_shape is not None:
-        out_shape = tuple(int(n) for n in out_shape)
-        if len(out_shape) != P_sub.dim:
-            raise expect(_OP, "number of dimensions of out_shape", P_sub.dim, len(out_shape))
-    if P_sub.size == 1:
-        if out_shape is not None and out_shape != tuple(x.shape):
-            raise expect(_OP, "local block shape (a one-worker gather is an identity)", out_shape, tuple(x.shape))
-        return x.clone()
-    layout = balanced_layout(P_sub, out_shape) if out_shape is not None else gathered_layout(_OP, P_sub, x)
+    layout = balanced_layout(P_sub, out_shape) if out_shape is not None else gathered_layout(_OP, P_sub, x)[0]
     return all_gather_op(x, collective_of(_OP, P_sub).handle, layout.blocks, reduce_dtype, -1)
 
 
-def _agree(x, P_sub: CartesianPartition, out_shape) -> None:
-    """:func:`all_gather`'s ``agree=True``: every worker's arguments and block checked in one host round."""
-    def checks():
-        check_input(_OP, P_sub, x, ndim=P_sub.dim)
-        if out_shape is not None:
-            if len(out_shape) != P_sub.dim:
-                raise expect(_OP, "number of dimensions of out_shape", P_sub.dim, len(out_shape))
-            layout = balanced_layout(P_sub, tuple(int(n) for n in out_shape))
-            if tuple(x.shape) != layout.extents[layout.me]:
-                raise expect(_OP, "local block shape (the balanced block of out_shape)", layout.extents[layout.me],
-                             tuple(x.shape))
-
-    agree_on_tensor(P_sub, _OP, x, checks, out_shape=None if out_shape is None else tuple(int(n) for n in out_shape))
+def _check(x, P_sub: CartesianPartition, out_shape: tuple[int, ...] | None, block: bool) -> bool:
+    """:func:`all_gather`'s local checks (False: this worker is inactive); ``block``: that ``x`` is the balanced block
+    of ``out_shape`` too (else the gather checks it, in debug mode on every worker alike)."""
+    if not check_input(_OP, P_sub, x, ndim=P_sub.dim):
+        return False
+    if out_shape is not None and len(out_shape) != P_sub.dim:
+        raise expect(_OP, "number of dimensions of out_shape", P_sub.dim, len(out_shape))
+    if out_shape is not None and block:
+        layout = balanced_layout(P_sub, out_shape)
+        if tuple(x.shape) != layout.extents[layout.me]:
+            raise expect(_OP, "local block shape (the balanced block of out_shape)", layout.extents[layout.me],
+                         tuple(x.shape))
+    return True
 
 
 def agreed_all_gather(x: torch.Tensor, ctx: BlockCollective, session: AgreementSession, *, extra=(),
@@ -114,20 +99,9 @@ def agreed_all_gather(x: torch.Tensor, ctx: BlockCollective, session: AgreementS
         return all_gather_op(send, ctx.handle, layout.blocks, reduce_dtype, flag)
 
     def gather():
-        meta = gather_metadata(P_sub, x, op=op)
-        for r, (s, _) in zip(P_sub.ranks, meta, strict=True):
-            if len(s) != P_sub.dim:
-                raise expect(op, f"number of tensor dimensions (one per partition dimension) of world rank {r}'s "
-                             "block", P_sub.dim, len(s))
-        dtypes = {dt for _, dt in meta}
-        if len(dtypes) != 1 or None in dtypes:
-            rows = ", ".join(f"rank {r}: {dt}" for r, (_, dt) in zip(P_sub.ranks, meta, strict=True))
-            raise ShapeError(f"{where(op)}: every worker must pass the same dtype; got {rows} (world rank: dtype)")
-        shapes = [s for s, _ in meta]
-        layout = layout_from_shapes(op, P_sub, shapes)
-        dtype = dtypes.pop()
+        layout, dtype = gathered_layout(op, P_sub, x)
         if check is not None:
-            check(shapes, dtype)
+            check(list(layout.extents), dtype)
         return all_gather_op(x, ctx.handle, layout.blocks, reduce_dtype, -1), (layout, dtype)
 
     return session.agree_in((tuple(x.shape), x.dtype, x.device.type, *extra), ok, run, gather)
@@ -135,22 +109,17 @@ def agreed_all_gather(x: torch.Tensor, ctx: BlockCollective, session: AgreementS
 
 class AllGather(AxesModule):
     """All-gather within ``P_x`` along ``axes_all_gather`` (or every axis not in ``axes_keep``); see the module doc.
-
-    Arguments and construction: :class:`~distfuse.primitives._gather_scatter.AxesModule`
-    (``reduce_dtype``: the dtype the backward's reduce-scatter adds in).
-    """
+    Arguments and construction: :class:`~distfuse.primitives._gather_scatter.AxesModule` (``reduce_dtype``: the
+    dtype the backward's reduce-scatter adds in)."""
 
     op, axes_name = _OP, "axes_all_gather"
 
     def __init__(self, P_x: CartesianPartition, axes_all_gather: Sequence[int] | int | None = None,
                  axes_keep: Sequence[int] | int | None = None, reduce_dtype: torch.dtype | None = None):
         super().__init__(P_x, axes_all_gather, axes_keep, reduce_dtype)
-        self.axes_all_gather = self.axes
 
     def forward(self, x: torch.Tensor, out_shape: Sequence[int] | None = None) -> torch.Tensor:
         """Gather ``x``; ``out_shape`` skips the agreement protocol (see :func:`all_gather`)."""
-        P_sub = self.P_sub
-        if (out_shape is not None or not P_sub.active or P_sub.size == 1 or not isinstance(x, torch.Tensor)
-                or debug.enabled()):  # debug mode gathers and compares every call instead
-            return all_gather(x, P_sub, out_shape, self.reduce_dtype)
+        if out_shape is not None or self._functional(x):
+            return all_gather(x, self.P_sub, out_shape, self.reduce_dtype)
         return agreed_all_gather(x, self._ctx, self.session, reduce_dtype=self.reduce_dtype)

@@ -37,7 +37,6 @@ from collections.abc import Sequence
 
 import torch
 
-from distfuse import debug
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._agreement import AgreementSite, run_agreed
 from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, check_input
@@ -114,16 +113,14 @@ class AllSumReduce(AxesModule):
     def __init__(self, P_x: CartesianPartition, axes_reduce: Sequence[int] | int | None = None,
                  axes_keep: Sequence[int] | int | None = None, reduce_dtype: torch.dtype | None = None):
         super().__init__(P_x, axes_reduce, axes_keep, reduce_dtype)
-        self.axes_reduce = self.axes
 
     def _agree_on(self) -> None:
         self.agreement = AgreementSite(_OP)  # the flag rides in the all-reduce (agreed_all_sum_reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        P_sub = self.P_sub
-        if not P_sub.active or P_sub.size == 1 or not isinstance(x, torch.Tensor) or debug.enabled():
-            return all_sum_reduce(x, P_sub, self.reduce_dtype)  # debug mode compares every call instead
-        return agreed_all_sum_reduce(x, P_sub, self.agreement, reduce_dtype=self.reduce_dtype)
+        if self._functional(x):
+            return all_sum_reduce(x, self.P_sub, self.reduce_dtype)
+        return agreed_all_sum_reduce(x, self.P_sub, self.agreement, reduce_dtype=self.reduce_dtype)
 
 
 class SubGridSum(HandleOwner):
@@ -143,14 +140,7 @@ def _sum(v: torch.Tensor, handle: int) -> torch.Tensor:
     return v.clone() if ctx.P.size == 1 else all_reduce_sum(ctx.op, ctx.P, v.contiguous())
 
 
-def _like(t, handle):
-    return torch.empty_like(t)
-
-
-def _contiguous_like(t, handle):
-    return torch.empty_like(t, memory_format=torch.contiguous_format)
-
-
-replicate, replicated_sum = op_pair("replicate", _copy, _like, _sum, _contiguous_like,
+replicate, replicated_sum = op_pair("replicate", _copy, lambda w, handle: torch.empty_like(w), _sum,
+                                    lambda v, handle: torch.empty_like(v, memory_format=torch.contiguous_format),
                                     adjoint_args=lambda w, handle: (handle,),
                                     forward_args=lambda v, handle: (handle,))

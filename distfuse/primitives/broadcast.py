@@ -21,8 +21,8 @@ neither       zero-volume -> its clone    zero-volume -> zero-volume
 
 .. [1] ``[batch, 0]`` with ``preserve_batch=True`` (the default), else ``[0]``.
 
-The output is always a new tensor; a plan in which every worker is its own source is a
-clone.  A P_y-only worker's output requires grad only if its placeholder does: pass
+The output is always a new tensor (a clone where every worker is its own source).  A
+P_y-only worker's output requires grad only if its placeholder does: pass
 ``zero_volume_tensor(requires_grad=True)`` there when training (layers pass the op's
 :func:`~distfuse.primitives._op_pair.anchor`) and run the backward on every worker, or the
 source waits for the gradient until the timeout.
@@ -37,19 +37,19 @@ One op pair serves every caller, eager and compiled (:mod:`~distfuse.primitives.
 ``h`` names a :class:`PlanMove`; ``fmt`` is the layout the blocks travel and arrive in (0
 contiguous, 1 channels_last, 2 channels_last_3d); a worker that receives nothing returns
 an empty ``[out_shape]``.  The flagged round (``flag >= 0``, one source) carries an
-agreement flag (:mod:`~distfuse.primitives._agreement`): every destination sends the
-source its flag, and the source appends their sum to its block, so one message carries
-every worker's flag to every worker (on CUDA the host round of
-:mod:`~distfuse.primitives._flag_transport`); when any is set every worker runs the
-context's ``on_flag`` and raises :func:`~distfuse.primitives.agreement_session.flagged_error`.
+agreement flag (:mod:`~distfuse.primitives._agreement`): the destinations send the source
+their flags, whose sum it appends to its block, so one message carries every flag to every
+worker (on CUDA the host round of :mod:`~distfuse.primitives._flag_transport`); when any is
+set every worker runs the context's ``on_flag`` and raises
+:func:`~distfuse.primitives.agreement_session.flagged_error`.
 
-The :class:`Broadcast` module cannot know the block shape on a receive-only worker, so it
-agrees on every worker's ``(shape, dtype)`` over ``union_partition(P_x, P_y)``
-(:class:`PlanModule`); :func:`broadcast` takes ``y_shape`` instead.  Debug mode
-(``DISTFUSE_DEBUG=1``) checks the plan, dtype and dimensions and NaN-fills receive buffers.
-Each source sends its block once per destination in one batch of point-to-point messages
-(:func:`exchange`; a tree would cut a fan-out of ``k`` to log k rounds, not done), and the
-adjoint sums the received gradients once, in fp32 for bf16/fp16.
+A receive-only worker cannot know its block's shape: the :class:`Broadcast` module agrees
+on every worker's ``(shape, dtype)`` over ``union_partition(P_x, P_y)`` (:class:`PlanModule`),
+:func:`broadcast` takes ``y_shape``.  Debug mode (``DISTFUSE_DEBUG=1``) checks the plan,
+dtype and dimensions and NaN-fills receive buffers.  Each source sends its block once per
+destination in one batch of point-to-point messages (:func:`exchange`; a tree would cut a
+fan-out of ``k`` to log k rounds, not done); the adjoint sums the received gradients once,
+in fp32 for bf16/fp16.
 """
 
 from __future__ import annotations
@@ -81,11 +81,10 @@ NO_FLAG = -1  #: the ``flag`` of a plain (unflagged) call of the op pair
 
 def copy_blocks(plan: BroadcastPlan, t: torch.Tensor | None, out_shape, dtype: torch.dtype,
                 device, memory_format=None) -> torch.Tensor | None:
-    """Walk ``plan`` forwards: sources send ``t`` to each destination; destinations return what they receive.
+    """Walk ``plan`` forwards: sources send ``t`` to each destination, which returns it (None elsewhere).
 
-    Messages are dense in ``memory_format`` (both ends pass the same one; None: contiguous),
-    so a source already in it sends its block without a copy and the destination's block
-    comes back in it.  Returns None on a worker that is not a destination.
+    Messages are dense in ``memory_format`` (the same on both ends; None: contiguous): a
+    source already in it sends its block without a copy, and the block arrives in it.
     """
     me = dist.get_rank()
     sends = []
@@ -180,8 +179,7 @@ def _copy(t: torch.Tensor, handle: int, out_shape: list[int], fmt: int, flag: in
     plan = ctx.plan
     if plan.identity:  # every worker is its own source
         return _own(t, out_shape, fmt)
-    me = dist.get_rank()
-    out = copy_blocks(plan, t if plan.is_src(me) else None, out_shape, t.dtype, t.device, format_of_code(fmt))
+    out = copy_blocks(plan, t, out_shape, t.dtype, t.device, format_of_code(fmt))  # sent where this worker is a source
     return out if out is not None else t.new_empty(out_shape)
 
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distfuse.errors import PartitionError, expect, where
+from distfuse.errors import PartitionError, expect
 from distfuse.partition import CartesianPartition, Partition, zero_volume_tensor
+from distfuse.primitives._axes import check_cartesian
 from distfuse.primitives.repartition import Repartition
 
 __all__ = ["distribute_tensor", "collect_tensor"]
@@ -20,8 +21,7 @@ _HELPERS: dict[tuple, Repartition] = {}
 
 
 def _single(P: CartesianPartition, rank: int, op: str) -> CartesianPartition:
-    if not isinstance(P, CartesianPartition):
-        raise PartitionError(f"{where(op)}: P must be a CartesianPartition, got {type(P).__name__}")
+    check_cartesian(op, P)
     if not 0 <= rank < dist.get_world_size():
         raise expect(op, "world rank of the single worker", f"0 <= rank < {dist.get_world_size()}", rank,
                      PartitionError)

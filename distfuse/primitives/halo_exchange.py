@@ -10,18 +10,17 @@ so ``conv(staged, w, padding=0, stride, dilation)`` is this worker's block of th
 sequential ``ConvNd(padding, padding_mode)`` output.  The geometry is
 :class:`~distfuse.geometry.halo_plan.HaloPlan`'s; all neighbours, corners included, are
 exchanged in one round of point-to-point messages.  Unlike DistDL (``F.pad`` + clone +
-overwrite the halo slabs), the output is written once, box by box, straight from the
-block and the receive buffers (``distfuse/fused/halo_conv.py`` does the same in one
-Triton launch).  Leading (batch, channel) partition dimensions may be larger than 1:
-workers with different leading indices never exchange.
+overwrite the halo slabs), the output is written once, box by box, from the block and the
+receive buffers (``distfuse/fused/halo_conv.py``: in one Triton launch).  Workers with
+different leading (batch, channel) partition indices never exchange.
 
 Adjoint: every staged box's gradient goes back to where the box was read from (a
-reversed box flipped back, a replicated one summed), and gradients from other workers
-arrive in one round and are added into the block.
+reversed box flipped back, a replicated one summed); other workers' arrive in one round
+and are added into the block.
 
-Memory format: the block is read through views, whatever its strides, and ``staged``
-(and the adjoint's block gradient) is allocated in the block's format (``channels_last``
-in, ``channels_last`` out); the halo boxes travel as plain contiguous messages.
+Memory format: the block is read through views, whatever its strides; ``staged`` (and the
+adjoint's block gradient) is allocated in the block's format (``channels_last`` in,
+``channels_last`` out); the halo boxes travel as plain contiguous messages.
 
 One op pair (:mod:`distfuse.primitives._op_pair`), each op the other's backward::
 
@@ -30,10 +29,10 @@ One op pair (:mod:`distfuse.primitives._op_pair`), each op the other's backward:
 
 ``handle`` names a :class:`HaloExchange` or a :class:`PlanHalo` (a layer's own plan);
 ``global_shape`` picks the plan; ``x_format`` is the block's memory format (0 contiguous,
-1 channels_last, 2 channels_last_3d).  The module, the pooling and upsampling layers and
-the convolutions call it in every mode.  A worker outside the context's partition may
-call it too (a general convolution's weight- and output-only workers do, so that every
-worker's graph holds the same ops): it gets a copy of its placeholder and sends nothing.
+1 channels_last, 2 channels_last_3d).  The module, the pooling, upsampling and convolution
+layers call it in every mode; a worker outside the context's partition too (a general
+convolution's weight- and output-only workers, so that every worker's graph holds the
+same ops): it gets a copy of its placeholder and sends nothing.
 """
 
 from __future__ import annotations
@@ -192,17 +191,16 @@ class HaloExchange(HandleOwner, nn.Module):
             dimensions are the spatial ones.
         kernel_size, stride, dilation: per spatial axis (int or tuple), as torch.
         padding: int, tuple (of ints or ``(lo, hi)`` pairs), ``'same'`` or ``'valid'``.
-        padding_mode: ``'zeros'``, ``'reflect'``, ``'replicate'`` or ``'circular'``,
-            applied with global semantics (only at the global boundary; circular wraps
-            across the whole domain).
+        padding_mode: ``'zeros'``, ``'reflect'``, ``'replicate'`` or ``'circular'``, with
+            global semantics (only at the global boundary; circular wraps the whole domain).
 
     ``forward(x, global_shape=None)`` returns the staged input.  Without ``global_shape``
     it is found, and the blocks checked to be its balanced decomposition, under the
     agreement protocol (:func:`~distfuse.primitives._agreement.agreed_by_flag_round`: the
-    halo messages run between neighbours only, so no data message reaches every worker;
-    ``agreement`` counts the calls and the gathers).  With ``global_shape`` given nothing
-    is agreed and the checks are local.  Plans are cached per global shape.  Construction
-    is not collective.  Errors name ``_op``: the layer that owns this exchange, if any.
+    halo messages run between neighbours only, so none reaches every worker; ``agreement``
+    counts the calls and the gathers); with it the checks are local.  Plans are cached per
+    global shape.  Construction is not collective.  Errors name ``_op``: the layer that
+    owns this exchange, if any.
     """
 
     def __init__(self, P_x: CartesianPartition, kernel_size, stride=1, padding=0, dilation=1,

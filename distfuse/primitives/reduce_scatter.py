@@ -27,10 +27,8 @@ from collections.abc import Sequence
 
 import torch
 
-from distfuse import debug
-from distfuse.errors import expect
 from distfuse.partition import CartesianPartition
-from distfuse.primitives._axes import axes_subgrid, balanced_layout, check_input
+from distfuse.primitives._axes import axes_subgrid, balanced_layout, check_block_dims, check_input
 from distfuse.primitives._call_agreement import agree_on_tensor
 from distfuse.primitives._common import gather_metadata, same_shape_and_dtype
 from distfuse.primitives._gather_scatter import AxesModule, BlockCollective, collective_of, reduce_scatter_op
@@ -43,9 +41,8 @@ _OP = "ReduceScatter"
 
 def reduce_scatter(x: torch.Tensor, P_sub: CartesianPartition,
                    reduce_dtype: torch.dtype | None = None, agree: bool = False) -> torch.Tensor:
-    """Reduce-scatter ``x`` over the sub-grid ``P_sub`` (from :func:`~distfuse.primitives._axes.axes_subgrid`).
-
-    Autograd-aware.  The full shape is ``x``'s own, so nothing but the data moves.
+    """Reduce-scatter ``x`` over the sub-grid ``P_sub`` (from :func:`~distfuse.primitives._axes.axes_subgrid`),
+    autograd-aware; the full shape is ``x``'s own, so nothing but the data moves.
 
     Args:
         x: this worker's full-extent partial tensor, one dimension per partition dimension.
@@ -67,9 +64,8 @@ def agreed_reduce_scatter(x: torch.Tensor, ctx: BlockCollective, session: Agreem
                           reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`reduce_scatter` with every worker's shape and dtype checked under the agreement protocol, every mode.
 
-    ``ctx`` and ``session`` as for :func:`~distfuse.primitives.all_gather.agreed_all_gather`:
-    the flag rides in the reduce-scatter.  Active workers of a sub-grid of more than one
-    worker only.
+    ``ctx`` and ``session`` as for :func:`~distfuse.primitives.all_gather.agreed_all_gather`: the flag rides in
+    the reduce-scatter.  Active workers of a sub-grid of more than one worker only.
     """
     op, P_sub = ctx.op, ctx.P_sub
     ok = x.dim() == P_sub.dim and x.device.type == P_sub.device.type
@@ -81,10 +77,7 @@ def agreed_reduce_scatter(x: torch.Tensor, ctx: BlockCollective, session: Agreem
 
     def gather():
         meta = gather_metadata(P_sub, x, op=op)
-        for r, (s, _) in zip(P_sub.ranks, meta, strict=True):
-            if len(s) != P_sub.dim:
-                raise expect(op, f"number of tensor dimensions on world rank {r} (one per partition dimension)",
-                             P_sub.dim, len(s))
+        check_block_dims(op, P_sub, [s for s, _ in meta])
         shape, dtype = same_shape_and_dtype(op, P_sub, meta, "a full-extent tensor")
         return reduce_scatter_op(x, ctx.handle, balanced_layout(P_sub, shape).blocks, reduce_dtype, -1), (shape, dtype)
 
@@ -100,10 +93,8 @@ class ReduceScatter(AxesModule):
     def __init__(self, P_x: CartesianPartition, axes_reduce_scatter: Sequence[int] | int | None = None,
                  axes_keep: Sequence[int] | int | None = None, reduce_dtype: torch.dtype | None = None):
         super().__init__(P_x, axes_reduce_scatter, axes_keep, reduce_dtype)
-        self.axes_reduce_scatter = self.axes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        P_sub = self.P_sub
-        if not P_sub.active or P_sub.size == 1 or not isinstance(x, torch.Tensor) or debug.enabled():
-            return reduce_scatter(x, P_sub, self.reduce_dtype)  # debug mode compares every call instead
+        if self._functional(x):
+            return reduce_scatter(x, self.P_sub, self.reduce_dtype)
         return agreed_reduce_scatter(x, self._ctx, self.session, reduce_dtype=self.reduce_dtype)

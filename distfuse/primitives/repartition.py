@@ -10,26 +10,23 @@ clone of the input, with no communication, on workers in neither partition).
 
 Any two Cartesian partitions of the same dimension work: one worker to many, many to
 one, different grid shapes, overlapping, disjoint or reordered worker sets, and empty
-blocks.  Each worker of ``P_x`` sends the box intersection of its block with every
-``P_y`` block to that block's worker, all in one batched point-to-point round
+blocks.  Each worker of ``P_x`` sends the intersection of its block with every ``P_y``
+block to that block's worker, all in one batched point-to-point round
 (:func:`~distfuse.primitives._common.exchange`; at most one message per direction
-between two ranks, so no tags).
-
-Adjoint: the repartition of the gradient from ``P_y`` back to ``P_x`` (the map is a
-permutation of elements, so its adjoint is its inverse).
+between two ranks, so no tags).  Adjoint: the repartition of the gradient from ``P_y``
+back to ``P_x`` (the map permutes elements, so its adjoint is its inverse).
 
 Global shape.  A worker active only in ``P_y`` cannot know ``G`` or the dtype, and no
 single ``P_x`` block determines ``G`` (a block of 3 out of 2 workers may come from 5 or
 6), so :class:`Repartition` agrees on one record per worker of ``P_x ∪ P_y``
 (``_gather_records``) with its flag in a host round
 (:func:`~distfuse.primitives._agreement.agreed_by_flag_round`: no data message reaches
-every worker).  Every worker validates every record (``_resolve``), so a bad block raises
-the same error on all workers instead of a hang.  The functional form :func:`repartition` takes
-``G`` explicitly and its checks are local.  Unlike DistDL, the records carry
-``requires_grad``: if any worker's input requires grad, every worker's output does, so
-workers that hold no input still run the adjoint (``backward`` must still run on every
-worker of the union, with grad mode on).  :mod:`~distfuse.primitives.distribute` builds
-on it.
+every worker); every worker validates every record (``_resolve``), so a bad block raises
+the same error everywhere instead of a hang.  :func:`repartition` takes ``G`` and checks
+locally.  Unlike DistDL, the records carry ``requires_grad``: if any worker's input
+requires grad, every worker's output does, so workers that hold no input still run the
+adjoint (``backward`` must run on every worker of the union, with grad mode on).
+:mod:`~distfuse.primitives.distribute` builds on it.
 """
 
 from __future__ import annotations
@@ -48,7 +45,7 @@ from distfuse.geometry.decomposition import block_range, local_shape, local_star
 from distfuse.partition import CartesianPartition, Partition, union_partition
 from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
 from distfuse.primitives._axes import check_cartesian
-from distfuse.primitives._common import cached, exchange, exchange_into, gather_records, poison, summed_extents
+from distfuse.primitives._common import balanced_global_shape, cached, exchange, exchange_into, gather_records, poison
 
 __all__ = ["Repartition", "RepartitionFunction", "repartition"]
 
@@ -72,17 +69,17 @@ def _check_partitions(op: str, P_x, P_y) -> None:
         raise expect(op, "P_y.dim (partition dimensions must match one to one)", P_x.dim, P_y.dim, PartitionError)
 
 
-def _idle_output(x: torch.Tensor, P_x, preserve_batch: bool, dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
-    """Shape and dtype of the zero-volume output of a union worker that is not in ``P_y``.
+def _idle_shape(x: torch.Tensor, P_x, preserve_batch: bool) -> tuple[int, ...]:
+    """Shape of the zero-volume output of a union worker that is not in ``P_y``.
 
     In ``P_x``: ``[b, 0]`` with the input's first extent (DistDL's ``preserve_batch``).
     In neither (a helper's extra union worker): the input's own zero-volume shape.
     """
     if not preserve_batch:
-        return (0,), dtype
+        return (0,)
     if not P_x.active:
-        return tuple(x.shape), dtype
-    return ((int(x.shape[0]), 0) if x.dim() > 0 else (0,)), dtype
+        return tuple(x.shape)
+    return (int(x.shape[0]), 0) if x.dim() > 0 else (0,)
 
 
 def _outside(op: str, x: torch.Tensor, preserve_batch: bool) -> torch.Tensor:
@@ -96,16 +93,13 @@ def _outside(op: str, x: torch.Tensor, preserve_batch: bool) -> torch.Tensor:
 def _gather_records(P_union: Partition, P_x: CartesianPartition, x: torch.Tensor,
                     op: str = "Repartition") -> list[tuple]:
     """Every union worker's ``(shape, dtype, requires_grad, problem)`` in union order; host-side gloo."""
-    rec = [-1] * (_HEAD + _MAX_DIM)
     problem = _OK
     if P_x.active and x.device.type != P_x.device.type:
         problem = _BAD_DEVICE
     elif x.dim() > _MAX_DIM:
         problem = _TOO_MANY_DIMS
-    rec[0] = min(x.dim(), _MAX_DIM)
-    rec[1] = _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1
-    rec[2] = int(x.requires_grad and torch.is_grad_enabled())
-    rec[3] = problem
+    rec = [min(x.dim(), _MAX_DIM), _DTYPES.index(x.dtype) if x.dtype in _DTYPES else -1,
+           int(x.requires_grad and torch.is_grad_enabled()), problem] + [-1] * _MAX_DIM
     if problem == _OK:
         rec[_HEAD:_HEAD + x.dim()] = x.shape
     rows = gather_records(op, P_union, rec)
@@ -125,41 +119,14 @@ def _resolve(op: str, P_union: Partition, P_x: CartesianPartition, records: list
             raise ShapeError(f"{where(op)}: world rank {w} is not in P_x, so it must pass a zero-volume tensor; "
                              f"got shape {shape}")
     x_recs = [records[pos[w]] for w in P_x.ranks]  # in P_x partition order
-    for r, (shape, _, _, _) in enumerate(x_recs):
-        if len(shape) != P_x.dim:
-            raise expect(op, f"number of tensor dimensions on world rank {P_x.ranks[r]} (one per partition "
-                         "dimension)", P_x.dim, len(shape))
     dtypes = {d for _, d, _, _ in x_recs}
     if len(dtypes) != 1 or None in dtypes:
         raise ShapeError(f"{where(op)}: the workers of P_x must agree on a supported dtype; got "
                          f"{ {P_x.ranks[r]: str(d) for r, (_, d, _, _) in enumerate(x_recs)} } (world rank: dtype)")
-    G = summed_extents(P_x, [shape for shape, _, _, _ in x_recs])  # then every block must fit G
-    for r, (shape, _, _, _) in enumerate(x_recs):
-        want = local_shape(G, P_x.shape, P_x.index_of(r))
-        if shape != want:
-            raise expect(op, f"local input shape on world rank {P_x.ranks[r]} (P_x index {P_x.index_of(r)}; the "
-                         f"blocks must be the balanced decomposition of the global shape {G} inferred from them)",
-                         want, shape)
+    G = balanced_global_shape(op, P_x, [shape for shape, _, _, _ in x_recs], lambda G, r, want, got: expect(
+        op, f"local input shape on world rank {P_x.ranks[r]} (P_x index {P_x.index_of(r)}; the blocks must be the "
+        f"balanced decomposition of the global shape {G} inferred from them)", want, got))
     return G, dtypes.pop(), any(rg for _, _, rg, _ in records)
-
-
-def _check_local(op: str, P_x: CartesianPartition, x: torch.Tensor, global_shape: tuple[int, ...]) -> None:
-    """Local checks of the functional form (no communication)."""
-    if len(global_shape) != P_x.dim:
-        raise expect(op, "length of global_shape (one entry per partition dimension)", P_x.dim, len(global_shape))
-    if not P_x.active:
-        if x.numel() != 0:
-            raise ShapeError(f"{where(op)}: this rank is not in P_x, so it must pass a zero-volume tensor; got "
-                             f"shape {tuple(x.shape)}")
-        return
-    if x.dim() != P_x.dim:
-        raise expect(op, "number of tensor dimensions (one per partition dimension)", P_x.dim, x.dim())
-    if x.device.type != P_x.device.type:
-        raise expect(op, "device type", P_x.device.type, x.device.type)
-    want = local_shape(global_shape, P_x.shape, P_x.index)
-    if tuple(x.shape) != want:
-        raise expect(op, f"local input shape (P_x index {P_x.index} of global shape {global_shape})", want,
-                     tuple(x.shape))
 
 
 def _union_of(P_x: CartesianPartition, P_y: CartesianPartition) -> Partition:
@@ -183,11 +150,8 @@ def overlaps(global_shape: Sequence[int], src_shape: Sequence[int], src_index: S
         lo, hi = block_range(n, p_src, i)
         if lo >= hi:
             return []
-        hits = []
-        for j in range(owner_of(n, p_dst, lo), owner_of(n, p_dst, hi - 1) + 1):
-            a, b = block_range(n, p_dst, j)
-            hits.append((j, (max(a, lo), min(b, hi))))
-        per_dim.append(hits)
+        owners = range(owner_of(n, p_dst, lo), owner_of(n, p_dst, hi - 1) + 1)
+        per_dim.append([(j, (max(a, lo), min(b, hi))) for j in owners for a, b in [block_range(n, p_dst, j)]])
     return [(tuple(j for j, _ in combo), tuple(r for _, r in combo)) for combo in itertools.product(*per_dim)]
 
 
@@ -254,8 +218,8 @@ def _apply(x: torch.Tensor, P_x, P_y, G, dtype, preserve_batch: bool, promote: b
            op: str = "Repartition") -> torch.Tensor:
     if promote and not x.requires_grad:
         x = x.detach().requires_grad_(True)  # see the module docstring: every worker then runs the adjoint
-    idle_shape, idle_dtype = _idle_output(x, P_x, preserve_batch, dtype)
-    return RepartitionFunction.apply(x, _Move(P_x, P_y, tuple(G), dtype, idle_shape, idle_dtype, x.device, op))
+    idle_shape = _idle_shape(x, P_x, preserve_batch)
+    return RepartitionFunction.apply(x, _Move(P_x, P_y, tuple(G), dtype, idle_shape, dtype, x.device, op))
 
 
 # ---------------------------------------------------------------- public API
@@ -286,11 +250,25 @@ def repartition(x: torch.Tensor, P_x: CartesianPartition, P_y: CartesianPartitio
     given = dtype
     dtype = x.dtype if dtype is None else dtype
 
-    def checks() -> None:
+    def checks() -> None:  # local: no communication
         if given is not None and P_x.active and x.dtype != given:
             raise expect(op, "dtype of the input", given, x.dtype)
-        if P_x == P_y or P_x.active or P_y.active:
-            _check_local(op, P_x, x, G)
+        if not (P_x == P_y or P_x.active or P_y.active):
+            return
+        if len(G) != P_x.dim:
+            raise expect(op, "length of global_shape (one entry per partition dimension)", P_x.dim, len(G))
+        if not P_x.active:
+            if x.numel() != 0:
+                raise ShapeError(f"{where(op)}: this rank is not in P_x, so it must pass a zero-volume tensor; got "
+                                 f"shape {tuple(x.shape)}")
+            return
+        if x.dim() != P_x.dim:
+            raise expect(op, "number of tensor dimensions (one per partition dimension)", P_x.dim, x.dim())
+        if x.device.type != P_x.device.type:
+            raise expect(op, "device type", P_x.device.type, x.device.type)
+        want = local_shape(G, P_x.shape, P_x.index)
+        if tuple(x.shape) != want:
+            raise expect(op, f"local input shape (P_x index {P_x.index} of global shape {G})", want, tuple(x.shape))
 
     if agree and P_x != P_y and _union_of(P_x, P_y).active:
         agree_on_local_checks(_union_of(P_x, P_y), op, checks)

@@ -84,8 +84,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn, pg_timeout: f
             break
         fn, args, kwargs = task
         try:
-            out = ("ok", fn(*args, **kwargs))
-            data = pickle.dumps(out)
+            data = pickle.dumps(("ok", fn(*args, **kwargs)))
         except BaseException:  # noqa: B036 - every failure must reach the parent with its rank id
             data = pickle.dumps(("err", traceback.format_exc()))
         try:
@@ -129,13 +128,11 @@ class RankPool:
             child.close()
             self._procs.append(proc)
             self._conns.append(parent)
-        replies = self._collect(start_timeout, "start")
-        errors = {r: body for r, (kind, body) in replies.items() if kind == "err"}
-        if errors:
-            self.close()
-            raise RankFailure(errors, world_size)
+        self._collect(start_timeout, "start")
 
     def _collect(self, timeout: float, what: str) -> dict[int, tuple]:
+        """Every rank's reply; on an error or past ``timeout`` the pool is closed and RankFailure / RankTimeout
+        raised."""
         start = time.monotonic()
         deadline = start + timeout
         pending = {conn: rank for rank, conn in enumerate(self._conns)}
@@ -161,14 +158,15 @@ class RankPool:
                 self.last_times[rank] = time.monotonic() - start
                 if replies[rank][0] == "err" and first_error_at is None:
                     first_error_at = time.monotonic()
-        if pending:
-            missing = sorted(pending.values())
-            errors = {r: body for r, (kind, body) in replies.items() if kind == "err"}
+        errors = {r: body for r, (kind, body) in replies.items() if kind == "err"}
+        if errors or pending:
             self.close()
-            if errors:
-                errors.update({r: f"no answer within the grace period ({self.error_grace:.0f} s) after rank "
-                                  f"{min(errors)} failed" for r in missing})
-                raise RankFailure(errors, self.world_size, self.last_times)
+        missing = sorted(pending.values())
+        if errors:
+            errors.update({r: f"no answer within the grace period ({self.error_grace:.0f} s) after rank "
+                              f"{min(errors)} failed" for r in missing})
+            raise RankFailure(errors, self.world_size, self.last_times)
+        if missing:
             raise RankTimeout(f"ranks {missing} of {self.world_size} did not finish {what} within {timeout:.0f} s; "
                               "the pool was killed")
         return replies
@@ -182,10 +180,6 @@ class RankPool:
             conn.send_bytes(payload)
         deadline = timeout if timeout is not None else DEFAULT_CALL_TIMEOUT
         replies = self._collect(deadline, getattr(fn, "__name__", "task"))
-        errors = {r: body for r, (kind, body) in replies.items() if kind == "err"}
-        if errors:
-            self.close()
-            raise RankFailure(errors, self.world_size, self.last_times)
         return [replies[r][1] for r in range(self.world_size)]
 
     def close(self) -> None:

@@ -8,12 +8,10 @@ Run it once per cluster (device type x world size x dtype), on every rank::
     distfuse-tune project [--check]                                   # projected entries (distfuse.tune.project)
 
 For each registered fused op (:mod:`distfuse.fused.registry`), dtype and world size it
-times the fused and the unfused path over the op's grid of shapes (:func:`default_grid`),
-finds the size interval where fused wins (:func:`crossover`) and writes, on rank 0, one
-entry per ``table_key(device, world, dtype, op)`` into the JSON file that
-:func:`distfuse.layers.dispatch.select_path` reads (``--out``, else
-``$DISTFUSE_TUNE_TABLE``, else ``~/.cache/distfuse/crossover.json``).  Entries of other
-devices and world sizes already in the file are kept.
+times both paths over the op's grid of shapes (:func:`default_grid`), finds the size
+interval where fused wins (:func:`crossover`) and, on rank 0, merges one entry per
+``table_key(device, world, dtype, op)`` into the table that
+:func:`distfuse.layers.dispatch.select_path` reads (``--out``, else :func:`table_path`).
 
 Modules: ``table`` (the atomic writer; format and reader are :mod:`distfuse.fused.crossover_table`'s),
 ``crossover_fit`` (the crossover maths), ``autotune_cache`` (the Triton autotuners' configs), ``cases``

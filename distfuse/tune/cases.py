@@ -204,14 +204,12 @@ def linear_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
         def unfused(x, w):
             return reduce_scatter(F.linear(x, w), P_sub)
 
-        def fused(x, w, provider=None):
-            return matmul_reduce_scatter(x, w, None, P_sub, provider=provider)
+        fused = functools.partial(matmul_reduce_scatter, bias=None, P_sub=P_sub)  # fused(x, w[, provider=p])
     else:
         def unfused(x, w):
             return F.linear(all_gather(x, P_sub, (1, m, k)), w)
 
-        def fused(x, w, provider=None):
-            return all_gather_matmul(x, w, None, P_sub, n=m, provider=provider)
+        fused = functools.partial(all_gather_matmul, bias=None, P_sub=P_sub, n=m)
     set_bytes = ctx.dtype.itemsize * (rows * k + out_rows * n + (m * n if scatter else m * k))
     return weight_case(ctx, 1234 + 7 * r, set_bytes, (1, rows, k), (n, k), (1, out_rows, n), 1.0 / math.sqrt(k),
                        unfused, fused, providers_of(op))

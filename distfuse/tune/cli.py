@@ -1,13 +1,11 @@
 """The ``distfuse-tune`` command line (the commands: :mod:`distfuse.tune`): parse, initialise torch.distributed,
 sweep, write the table on rank 0; ``distfuse-tune project`` runs :mod:`distfuse.tune.project` instead.
-
-Measured entries take precedence over projected ones (:mod:`distfuse.tune.table`); one process has nothing
-to fuse and says so (:func:`distfuse.tune.sweeper.one_process_note`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from pathlib import Path
@@ -77,11 +75,8 @@ def run(args, timer=None) -> SweepResult:
     dtypes = [DTYPES[d] for d in (args.dtype or (["bfloat16"] if cuda else ["float32"]))]
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
     reps = args.reps if args.reps is not None else (3 if args.quick else 10)
-
-    def grid(op, w):
-        return default_grid(op, w, quick=args.quick, m=args.m, hidden=args.hidden, ffn=args.ffn,
-                            channels=args.channels, extent=args.extent, nd=args.nd)
-
+    grid = functools.partial(default_grid, quick=args.quick, m=args.m, hidden=args.hidden, ffn=args.ffn,
+                             channels=args.channels, extent=args.extent, nd=args.nd)
     res = sweep(args.ops, dtypes, args.world_sizes, grid=grid, full=args.mode == "full", warmup=warmup, reps=reps,
                 margin=args.margin, progress=not args.no_progress, timer=timer,
                 interpreted=getattr(args, "time_interpreted", False))

@@ -96,11 +96,7 @@ def crossover(points: Iterable[tuple[float, float | None, float]], margin: float
             best, best_lo, best_hi = run, run_lo, i
     if best_lo < 0:
         return Crossover(None, None, "never", wins, wins)
-    # A maximal run starts and ends on a win; trim zero-gain ends so the bounds sit on wins.
-    while gains[best_lo] <= 0:
-        best_lo += 1
-    while gains[best_hi] <= 0:
-        best_hi -= 1
+    # The run starts and ends on a win: it restarts wherever its sum is <= 0, and grows past ``best`` only on one.
     lo = None if best_lo == 0 else _crossing(sizes[best_lo - 1], gains[best_lo - 1], sizes[best_lo], gains[best_lo])
     hi = None if best_hi == len(sizes) - 1 else _crossing(sizes[best_hi], gains[best_hi], sizes[best_hi + 1],
                                                           gains[best_hi + 1])
@@ -149,11 +145,9 @@ def decisive(gains: Sequence[Sequence[float]], fused: str, min_size: float | Non
     if not gains:
         return None
     if fused == "never":
-        size, g, m = max(gains, key=lambda x: x[1])
-        return g, m
+        return tuple(max(gains, key=lambda x: x[1])[1:])
     inside = [x for x in gains if registry.in_interval(x[0], min_size, max_size)] or list(gains)
-    size, g, m = min(inside, key=lambda x: x[1])
-    return g, m
+    return tuple(min(inside, key=lambda x: x[1])[1:])
 
 
 def gain_fields(points: Sequence[dict], fused: str, min_size: float | None, max_size: float | None) -> dict:

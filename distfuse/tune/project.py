@@ -238,28 +238,7 @@ def load_rows(results: Path | str = RESULTS) -> list[ResultFile]:
 
 
 def _device_of(name: str) -> DeviceModel | None:
-    for d in DEVICES.values():
-        if name in d.matches or name == d.name:
-            return d
-    return None
-
-
-def _op_name(row: dict) -> str:
-    return registry.RENAMED_KERNELS.get(row.get("op"), row.get("op"))
-
-
-def _gemm_shape(row: dict) -> tuple | None:
-    s = row.get("shape") or {}
-    if not all(k in s for k in ("m", "n", "k")):
-        return None
-    return int(s["m"]), int(s["n"]), int(s["k"]), s.get("zero")
-
-
-def _halo_shape(row: dict) -> tuple | None:
-    s = row.get("shape") or {}
-    if "C" not in s:
-        return None
-    return tuple(sorted((k, v) for k, v in s.items()))
+    return next((d for d in DEVICES.values() if name in (d.name, *d.matches)), None)
 
 
 @dataclass
@@ -283,18 +262,16 @@ def cases_for(op: str, f: ResultFile, dtype: str) -> list[Case]:
     for r in f.rows:
         if r.get("dtype") != dtype or r.get("extra", {}).get("projection"):
             continue
-        name = _op_name(r)
-        if model.kind == "local":
-            if name != model.gemm or r.get("mode") != model.mode:
-                continue
-            shape = _halo_shape(r)
-            if shape is not None:
-                by.setdefault(("gemm", shape), {})[r["provider"]] = r
-            continue
+        name, s = registry.RENAMED_KERNELS.get(r.get("op"), r.get("op")), r.get("shape") or {}
         if name not in (model.gemm, model.bw) or r.get("mode", "fwd") != model.mode:
             continue
-        shape = _gemm_shape(r)
-        if shape is None or shape[3] != model.zero:
+        if model.kind == "local":  # the halo conv's rows: keyed by their whole shape
+            if "C" not in s:
+                continue
+            shape = tuple(sorted(s.items()))
+        elif all(k in s for k in ("m", "n", "k")) and s.get("zero") == model.zero:
+            shape = int(s["m"]), int(s["n"]), int(s["k"]), s.get("zero")
+        else:
             continue
         by.setdefault(("gemm" if name == model.gemm else "bw", shape), {})[r["provider"]] = r
     out = []
@@ -494,13 +471,6 @@ def _points(op, cases, w, itemsize, ic, transfer, gemm_scale, bw_scale) -> list[
     return list(by_size.values())
 
 
-def model_meta() -> dict:
-    """``_meta.model`` of a projected table: the figures, their ends and the rule."""
-    return dict(interconnect={"NVLINK4_HGX": asdict(NVLINK4_HGX)},
-                devices={n: dict(copy_gbps=d.copy_gbps, gemm_tflops=d.gemm_tflops) for n, d in DEVICES.items()},
-                min_gain=MIN_GAIN, noise=NOISE, transfer=TRANSFER, generator="distfuse.tune.project")
-
-
 def project_table(results: Path | str = RESULTS, *, devices: Sequence[str] | None = None,
                   ops: Sequence[str] | None = None, world_sizes: Sequence[int] = WORLD_SIZES,
                   dtypes: Sequence[str] = DTYPES, min_gain: float = MIN_GAIN) -> dict:
@@ -512,8 +482,11 @@ def project_table(results: Path | str = RESULTS, *, devices: Sequence[str] | Non
         check_entry("(projected)", k, v)
     used = sorted({e["kernels"]["file"] for e in entries.values()})
     inputs = [dict(file=f.path, device=f.device, date=f.date, commit=f.commit) for f in files if f.path in used]
-    return dict(entries, _meta=dict(format=FORMAT, written_by="distfuse-tune project", model=model_meta(),
-                                    inputs=inputs, notes=notes, world_sizes=list(world_sizes), dtypes=list(dtypes)))
+    model = dict(interconnect={"NVLINK4_HGX": asdict(NVLINK4_HGX)},  # the figures, their ends and the rule
+                 devices={n: dict(copy_gbps=d.copy_gbps, gemm_tflops=d.gemm_tflops) for n, d in DEVICES.items()},
+                 min_gain=MIN_GAIN, noise=NOISE, transfer=TRANSFER, generator="distfuse.tune.project")
+    return dict(entries, _meta=dict(format=FORMAT, written_by="distfuse-tune project", model=model, inputs=inputs,
+                                    notes=notes, world_sizes=list(world_sizes), dtypes=list(dtypes)))
 
 
 def dumps(table: dict) -> str:
@@ -530,7 +503,7 @@ def summary(table: dict) -> str:
     return "\n".join(lines)
 
 
-def _parse(argv=None):
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="distfuse-tune project", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", type=Path, default=RESULTS, help=f"the lab's result files (default {RESULTS})")
@@ -544,11 +517,7 @@ def _parse(argv=None):
     p.add_argument("--min-gain", type=float, default=MIN_GAIN, help="fuse where the projected gain is at least this")
     p.add_argument("--check", action="store_true", help="write nothing; exit 1 if the output differs from --out")
     p.add_argument("--quiet", action="store_true")
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = _parse(argv)
+    args = p.parse_args(argv)
     if not load_rows(args.results):  # e.g. an installed package, whose default results folder does not exist
         print(f"distfuse-tune project: no GPU result files (bench/results JSON with env.device NVIDIA...) under "
               f"{args.results}; pass --results", file=sys.stderr)

@@ -1,10 +1,8 @@
 """The sweep: time both paths of every op over its shape grid on the initialised world (every rank calls it).
 
 Ops, size keys, grids, availability probes and timing cases come from the registry
-(:mod:`distfuse.fused.registry`); the timer is :mod:`distfuse.timing`.  Per repetition the
-slowest rank's time (host all-reduce MAX on the gloo metadata group, outside the timed
-region), after a barrier; median of ``reps``.  On CUDA: CUDA events, L2 flushed before
-every run, inputs rotated over enough copies to exceed L2 four times.
+(:mod:`distfuse.fused.registry`); the timer is :mod:`distfuse.timing`'s (the slowest rank per
+repetition, agreed on the measured group's gloo ``meta_group``; median of ``reps``).
 
 Where the fused path is not timed, the sweep times the unfused providers only, says why in
 the notes and writes no entry: on CPU (the fused kernels would run in the Triton
@@ -50,8 +48,7 @@ def default_grid(op: str, world: int, *, quick: bool = False, **options) -> list
     ``options``: ``m``, ``hidden``, ``ffn`` (linears), ``channels``, ``extent``, ``nd`` (halo conv);
     ``quick``: tiny shapes for CI (CPU, seconds).
     """
-    spec = registry.get(op)
-    return registry.resolve(spec.grid)(op, world, quick=quick, **options)
+    return registry.resolve(registry.get(op).grid)(op, world, quick=quick, **options)
 
 
 def fused_available(op: str, P, device: torch.device, dtype, interpreted: bool = False) -> tuple[bool, str]:
@@ -82,11 +79,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-
-
-def _time_samples(label: str, fn: Callable[[int], object], n_rot: int, timing: dict) -> list:
-    """The default :data:`Timer`: :func:`distfuse.timing.time_samples` of ``fn(i)`` over input copies ``i % n_rot``."""
-    return time_samples(rotating(fn, n_rot), **timing)
 
 
 def one_process_note(world_sizes: Sequence[int]) -> str | None:
@@ -124,15 +116,12 @@ def sweep(ops: Sequence[str], dtypes: Sequence[torch.dtype], world_sizes: Sequen
     P_world = Partition.world()
     device = P_world.device
     name = device_caps(device).name  # the name select_path keys on
-    grid = grid or (lambda op, w: default_grid(op, w))
-    timer = timer or _time_samples
+    grid = grid or default_grid
+    timer = timer or (lambda label, fn, n_rot, timing: time_samples(rotating(fn, n_rot), **timing))
     res = SweepResult(name)
     note = one_process_note(world_sizes)
     if note:
         res.notes.setdefault(f"{name}|1", []).append(note)
-
-    def timed(label, fn, n_rot, timing):
-        return summarize(timer(label, fn, n_rot, timing))
 
     show = progress and me == 0
     mode = "full" if full else "fwd"
@@ -159,7 +148,7 @@ def sweep(ops: Sequence[str], dtypes: Sequence[torch.dtype], world_sizes: Sequen
                     case = make_case(op, shape, ctx)
                     if case is None or not P_sub.active:
                         continue
-                    u = timed("unfused", case.unfused, case.rotations, timing)
+                    u = summarize(timer("unfused", case.unfused, case.rotations, timing))
                     point = dict(shape=dict(shape), size=spec.size_of(shape), fused_ms=None, unfused_ms=u[0],
                                  unfused_q20=u[1])
                     err = case.check("unfused")
@@ -170,7 +159,8 @@ def sweep(ops: Sequence[str], dtypes: Sequence[torch.dtype], world_sizes: Sequen
                         fns = case.providers or {None: case.fused}
                         times, kernels = {}, {}
                         for p, fn in fns.items():
-                            times[p] = timed("fused" if p is None else f"fused:{p}", fn, case.rotations, timing)
+                            times[p] = summarize(timer("fused" if p is None else f"fused:{p}", fn, case.rotations,
+                                                       timing))
                             choice = last_kernel(op)
                             if choice is not None:  # the kernel that ran (a provider's fallback is named)
                                 kernels[p or "fused"] = choice.kernel

@@ -27,9 +27,7 @@ from pathlib import Path
 from distfuse.errors import ConfigError
 from distfuse.fused.crossover_table import (
     FORMAT,
-    NEVER,
     check_entry,
-    current_key,
     current_keys,
     entry_source,
     load_table,
@@ -38,8 +36,8 @@ from distfuse.fused.crossover_table import (
     table_path,
 )
 
-__all__ = ["FORMAT", "NEVER", "table_path", "table_key", "current_key", "load_table", "read_json",
-           "write_table", "write_text_atomic", "check_entry"]
+__all__ = ["FORMAT", "table_path", "table_key", "load_table", "read_json", "write_table", "write_text_atomic",
+           "check_entry"]
 
 log = logging.getLogger("distfuse.dispatch")
 
@@ -62,7 +60,7 @@ def _unreadable(path: Path) -> str | None:
     return None
 
 
-def _move_aside(path: Path, why: str) -> Path:
+def _move_aside(path: Path, why: str) -> None:
     """Rename an unreadable table to ``<name>.unreadable-<timestamp>`` (never clobbering) and warn."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside = path.with_name(f"{path.name}.unreadable-{stamp}")
@@ -75,14 +73,6 @@ def _move_aside(path: Path, why: str) -> Path:
            "new one")
     log.warning(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
-    return aside
-
-
-def _new_file_mode() -> int:
-    """``0o666 & ~umask``: the mode ``open()`` would give a new file (``mkstemp`` gives 0600)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
 
 
 def write_table(path: Path | str | None, entries: dict | None = None, *, triton_configs: dict | None = None,
@@ -106,18 +96,17 @@ def write_table(path: Path | str | None, entries: dict | None = None, *, triton_
     old = read_json(path)
     table = {k: v for k, v in old.items() if "|" not in k}
     table.update(current_keys({k: v for k, v in old.items() if "|" in k}))
-    for section in ("triton_configs", "sweeps"):
+    for section, new in (("triton_configs", triton_configs), ("sweeps", sweeps)):
         if isinstance(table.get(section), dict):
             table[section] = current_keys(table[section])
+        if new:
+            _section(table, section).update(new)
     kept = [k for k, v in (entries or {}).items() if entry_source(v) == "projected" and isinstance(table.get(k), dict)
             and entry_source(table[k]) == "measured"]
     if kept:
         log.warning(f"distfuse-tune: kept the measured entries of {path} for {kept}: a projected entry never "
                     "replaces a measured one")
     table.update({k: v for k, v in (entries or {}).items() if k not in kept})
-    for section, new in (("triton_configs", triton_configs), ("sweeps", sweeps)):
-        if new:
-            _section(table, section).update(new)
     meta = _section(table, "_meta")
     meta.update(format=FORMAT, written_by="distfuse-tune")
     meta.update(extra_meta or {})
@@ -143,7 +132,9 @@ def write_text_atomic(path: Path | str, text: str) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, _new_file_mode())
+        umask = os.umask(0)  # read it (os.umask sets it): the mode open() gives a new file, not mkstemp's 0600
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)  # readers (dispatch re-reads on mtime change) never see a half-written file
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

@@ -15,6 +15,7 @@ with ``x [m, k]`` (this worker's rows), ``W [n, k]``.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -57,9 +58,7 @@ def zero_case(op: str, shape: dict, ctx: CaseContext) -> Case | None:
     def unfused_op(x, shard):
         return F.linear(x, all_gather(shard, P_d, (n, k)))
 
-    def fused_op(x, shard):
-        return zero_linear(x, shard, P_d, split=split, out_features=n, in_features=k)
-
+    fused_op = functools.partial(zero_linear, P_d=P_d, split=split, out_features=n, in_features=k)
     set_bytes = ctx.dtype.itemsize * (2 * m * k + m * n + math.prod(shard_shape))
     return weight_case(ctx, 1357 + 7 * d, set_bytes, (m, k), shard_shape, (m, n), 1.0 / math.sqrt(k), unfused_op,
                        fused_op)
