@@ -14,12 +14,13 @@
   ``torch.nn.ConvNd`` does (:func:`conv_output_format` asks torch): the halo exchange stages
   in the input's format and :func:`conv_block` computes in it.  :func:`gather_call_info`
   agrees on the format, because workers holding only weights or outputs never see the input.
-* :class:`RootParams` keeps the parameters of the feature and transposed convolutions on one
-  root worker.
+* :class:`ConvLayer` is the base of the convolutions; :class:`RootParams` keeps the parameters
+  of the feature and transposed convolutions on one root worker.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable, Sequence
@@ -28,13 +29,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn import init
+from torch import nn
 
 from distfuse import debug
 from distfuse.errors import CollectiveMismatchError, PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import local_shape
 from distfuse.geometry.halo_plan import PADDING_MODES, resolve_padding
-from distfuse.layers._params import ParamLayout
+from distfuse.layers._params import WeightAndBias
 from distfuse.partition import CartesianPartition, Partition, union_partition
 from distfuse.primitives._axes import axes_subgrid
 from distfuse.primitives._common import gather_records
@@ -43,7 +44,7 @@ from distfuse.primitives._op_pair import anchor
 from distfuse.primitives.agreement_session import AgreementSession
 from distfuse.primitives.broadcast import NO_FLAG, PlanMove, broadcast_plan, placeholder
 
-__all__ = ["AgreedLayer", "ConvOptions", "expose_options", "draw_parameters", "grid_of", "cached_partition", "subgrid",
+__all__ = ["AgreedLayer", "ConvLayer", "ConvOptions", "grid_of", "cached_partition", "subgrid",
            "union_of", "check_cartesian", "check_partition", "compute_dtype", "promote", "check_geometry", "RootParams",
            "conv_block", "conv_output_format", "pad_locally", "ZeroBlock", "spatial_classes", "FLOATS", "CallInfo",
            "gather_call_info", "global_shape_of", "autocast_dtype", "cast_for_compute", "call_signature",
@@ -102,12 +103,6 @@ class ConvOptions:
     @property
     def weight_shape(self) -> tuple[int, ...]:
         return (self.out_channels, self.in_channels // self.groups, *self.kernel_size)
-
-
-def expose_options(layer, opts, *names: str) -> None:
-    """Set torch's attributes (``in_channels``, ``kernel_size``, ... and ``names``) on ``layer`` from ``opts``."""
-    for name in ("in_channels", "out_channels", "groups", "kernel_size", "stride", "dilation", "padding", *names):
-        setattr(layer, name, getattr(opts, name))
 
 
 _PARTITIONS: dict[tuple, CartesianPartition] = {}
@@ -397,31 +392,26 @@ class ZeroBlock(torch.autograd.Function):
         return zeros_in(xs, xfmt, dtype=xd, device=xdev), dw, None, None
 
 
-_OUTPUT_FORMATS: dict[tuple, torch.memory_format] = {}
-
-
 def conv_output_format(device: torch.device, dtype: torch.dtype, input_format: torch.memory_format,
                        nd: int) -> torch.memory_format:
     """The memory format torch's ``convNd`` returns for an input in ``input_format`` (contiguous weight).
 
-    Asked of torch once per (device type, dtype, format, nd) with a tiny convolution,
-    because it differs by backend and version.  Workers that hold no input (the receivers
-    of a sum-reduce) use it to agree with the ones that do.
+    Asked of torch once per (device, dtype, format, nd) with a tiny convolution, because it
+    differs by backend and version.  Workers that hold no input (the receivers of a
+    sum-reduce) use it to agree with the ones that do.
     """
     device = torch.device(device)
     if device.type == "cpu" and dtype in (torch.float16, torch.bfloat16):
         dtype = torch.float32  # conv_block computes 16-bit CPU convolutions in fp32
-    key = (device.type, dtype, input_format, nd)
-    if key not in _OUTPUT_FORMATS:
-        if input_format == torch.contiguous_format:
-            _OUTPUT_FORMATS[key] = input_format
-        else:
-            x = torch.zeros((1, 2) + (3,) * nd, dtype=dtype, device=device).contiguous(memory_format=input_format)
-            w = torch.zeros((2, 2) + (1,) * nd, dtype=dtype, device=device)
-            with torch.no_grad(), torch.autocast(device.type, enabled=False):
-                y = CONV[nd](x, w)
-            _OUTPUT_FORMATS[key] = memory_format_of(y)
-    return _OUTPUT_FORMATS[key]
+    return input_format if input_format == torch.contiguous_format else _asked_format(device, dtype, input_format, nd)
+
+
+@functools.cache
+def _asked_format(device: torch.device, dtype: torch.dtype, input_format: torch.memory_format, nd: int):
+    x = torch.zeros((1, 2) + (3,) * nd, dtype=dtype, device=device).contiguous(memory_format=input_format)
+    w = torch.zeros((2, 2) + (1,) * nd, dtype=dtype, device=device)
+    with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        return memory_format_of(CONV[nd](x, w))
 
 
 def conv_block(opts: ConvOptions, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,
@@ -433,9 +423,7 @@ def conv_block(opts: ConvOptions, x: torch.Tensor, w: torch.Tensor, b: torch.Ten
     the format torch's convolution returns for ``input_format`` (default: ``x``'s; an
     empty block is dense in every format, so the layers pass the agreed one).
     """
-    if torch.is_autocast_enabled(x.device.type):
-        # The caller cast x, w and b to the autocast dtype already (cast_for_compute); autocast would otherwise
-        # cast this function's fp32 computation of 16-bit CPU convolutions back to 16 bits.
+    if torch.is_autocast_enabled(x.device.type):  # x, w and b are cast already (the module docstring)
         with torch.autocast(x.device.type, enabled=False):
             return conv_block(opts, x, w, b, out_shape, input_format)
     nd = opts.nd
@@ -465,23 +453,55 @@ def pad_locally(opts: ConvOptions, x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, flat, mode=opts.padding_mode)
 
 
-# ---------------------------------------------------------------- parameters
+# ---------------------------------------------------------------- the layers
 
 
-@torch.no_grad()
-def draw_parameters(opts: ConvOptions, dtype, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The global weight and bias drawn as ``torch.nn.ConvNd.reset_parameters`` draws them (same calls, order,
-    dtype and device: the same generator state gives the same values)."""
-    w = torch.empty(opts.weight_shape, dtype=dtype, device=device)
-    init.kaiming_uniform_(w, a=math.sqrt(5))
-    b = None
-    if opts.bias:
-        b = torch.empty(opts.out_channels, dtype=dtype, device=device)
-        fan_in, _ = init._calculate_fan_in_and_fan_out(w)
-        if fan_in != 0:
-            bound = 1 / math.sqrt(fan_in)
-            init.uniform_(b, -bound, bound)
-    return w, b
+class ConvLayer(WeightAndBias, AgreedLayer, nn.Module):
+    """What the distributed convolutions share: ``opts`` (a :class:`ConvOptions` or its transposed form), the
+    partitions named in ``_grids``, the parameters (:class:`~distfuse.layers._params.WeightAndBias` on ``P_weight``
+    and ``P_bias``), the checks of the gathered call and the repr.  ``_check(info)``: the layer's rules on the
+    agreed global shape (default: :func:`check_geometry`)."""
+
+    nd: int = 0
+    _grids = ("P_x",)
+    _exposed = ("in_channels", "out_channels", "groups", "kernel_size", "stride", "dilation", "padding", "padding_mode")
+
+    def _init_params(self, device, dtype) -> None:
+        """Set torch's attributes (``_exposed``) from ``opts``, then register and draw the parameters, on ``device``
+        (default: ``P_x``'s) in ``dtype`` (default: torch's)."""
+        for name in self._exposed:
+            setattr(self, name, getattr(self.opts, name))
+        self._set_param_home(device if device is not None else self.P_x.device, dtype)
+        self._register_params()
+
+    @property
+    def param_shapes(self) -> tuple[tuple[int, ...], ...]:
+        o = self.opts
+        return (o.weight_shape, (o.out_channels,)) if o.bias else (o.weight_shape,)
+
+    def _identity(self) -> tuple:
+        """The layer as :func:`gather_call_info` compares it (a digest): its options and partitions."""
+        return (self.opts, *((P.ranks, P.shape) for P in (getattr(self, name) for name in self._grids)))
+
+    def _checked(self, info: CallInfo) -> CallInfo:
+        """``info`` (the gathered call) after the layer's checks of the global shape: every worker holds it, so a
+        refused geometry raises on all of them."""
+        op, o = type(self).__name__, self.opts
+        if info.global_shape[1] != o.in_channels:
+            raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, info.global_shape[1])
+        self._check(info)
+        return info
+
+    def _check(self, info: CallInfo) -> None:
+        check_geometry(type(self).__name__, self.opts, info.global_shape)
+
+    def extra_repr(self) -> str:
+        o = self.opts
+        grids = "".join(f"{name}={list(getattr(self, name).shape)}, " for name in self._grids)
+        extra = f", output_padding={o.output_padding}" if hasattr(o, "output_padding") else ""
+        mode = "" if extra else f", padding_mode={o.padding_mode!r}"  # transposed: always 'zeros', not shown
+        return (f"{grids}{o.in_channels}, {o.out_channels}, kernel_size={o.kernel_size}, stride={o.stride}, "
+                f"padding={o.padding}{extra}, dilation={o.dilation}, groups={o.groups}, bias={o.bias}{mode}")
 
 
 class RootParams:
@@ -499,9 +519,8 @@ class RootParams:
     names the broadcast in graphs (made at construction, in the same order on every rank).
     """
 
-    def __init__(self, P_x: CartesianPartition, weight_shape: tuple[int, ...], out_channels: int, bias: bool, op: str,
-                 on_flag):
-        self.P_x, self.weight_shape, self.out_channels, self.bias = P_x, tuple(weight_shape), out_channels, bool(bias)
+    def __init__(self, P_x: CartesianPartition, opts, op: str, on_flag):
+        self.P_x, self.weight_shape, self.bias = P_x, tuple(opts.weight_shape), bool(opts.bias)
         self.root = P_x.ranks[0]
         self.is_root = dist.get_rank() == self.root
         # The root's single-worker grids: one per parameter rank (ParamLayout splits dimension d by dimension d).
@@ -509,31 +528,7 @@ class RootParams:
         self.P_root_1d = grid_of([self.root], [1], P_x.device)
         self.move = PlanMove(broadcast_plan(self.P_root, P_x), op, P_x, on_flag)
         self.n_weight = math.prod(self.weight_shape)
-        self.n = self.n_weight + (out_channels if self.bias else 0)
-
-    def create(self, module, device, dtype) -> None:
-        """Register ``module.weight`` and ``module.bias`` (uninitialised on the root, None elsewhere)."""
-        if self.is_root:
-            module.weight = torch.nn.Parameter(torch.empty(self.weight_shape, device=device, dtype=dtype))
-            bias = torch.nn.Parameter(torch.empty(self.out_channels, device=device, dtype=dtype)) if self.bias else None
-            module.register_parameter("bias", bias)
-        else:
-            module.register_parameter("weight", None)
-            module.register_parameter("bias", None)
-
-    def reset(self, weight, bias, w: torch.Tensor, b: torch.Tensor | None) -> None:
-        """Copy the drawn global ``w`` and ``b`` into the root's parameters (every rank drew them)."""
-        if self.is_root:
-            with torch.no_grad():
-                weight.copy_(w)
-                if bias is not None:
-                    bias.copy_(b)
-
-    def layouts(self) -> list[ParamLayout]:
-        out = [ParamLayout("weight", "weight", self.P_root, self.weight_shape)]
-        if self.bias:
-            out.append(ParamLayout("bias", "bias", self.P_root_1d, (self.out_channels,)))
-        return out
+        self.n = self.n_weight + (opts.out_channels if self.bias else 0)
 
     def replicate(self, like: torch.Tensor, weight, bias, dtype: torch.dtype, needs_grad: bool,
                   flag: int = NO_FLAG) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -7,22 +7,14 @@ Parameters are split over the model-parallel workers; the plain layers keep each
 the ``d = 0`` worker and broadcast it along ``d`` in forward (the adjoint sum-reduces the
 gradients back), the ``Zero`` layers shard it over ``d`` as well and all-gather it.
 
-* A rank that owns no block of a parameter registers it as None (as ``bias=False`` does),
-  so its ``state_dict`` has no entry; :meth:`LinearBase.param_layouts` says where blocks live.
-* Initialisation equals torch's: every world rank draws the full global tensors, owner or
-  not, so the random streams stay in step across ranks and with a sequential model built
-  from the same seed.  It costs one global weight of transient memory per rank; for a model
-  too big for that, initialise the blocks yourself or use ``load_sequential``.
-* Blocks that travel along one plan (weight and bias from ``(0, m)`` to ``(d, m)``) are
-  packed into one message: one latency-bound round instead of two.
+* The blocks, their registration and torch-equal draw: :class:`~distfuse.layers._params.WeightAndBias`;
+  blocks that travel along one plan (weight and bias from ``(0, m)`` to ``(d, m)``) are
+  packed into one message (:class:`LinearParams`): one latency-bound round instead of two.
 * Under ``torch.is_grad_enabled()`` every worker passes the op pair's anchor
   (:func:`~distfuse.primitives._op_pair.anchor`): a receive-only worker cannot know whether
   its source's tensor requires grad, and a gradient sent to a source that never runs its
   backward waits until the timeout.  It costs one unneeded gradient message for frozen
   parameters or a first layer.
-* The parameter dtype of a rank without parameters comes from a zero-size buffer
-  (``_dtype_probe``, not persistent) that ``Module.to``/``.half()`` convert with the
-  owners' parameters: gloo receives a message into a buffer of another dtype without error.
 """
 
 from __future__ import annotations
@@ -36,8 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distfuse.errors import PartitionError, expect, where
-from distfuse.geometry.decomposition import block_extent, local_slices
-from distfuse.layers._params import BlockIdentityMixin, ParamLayout
+from distfuse.layers._params import WeightAndBias
 from distfuse.layers.dispatch import Decision, DryExplain, device_caps, select_path
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._axes import balanced_layout
@@ -138,15 +129,18 @@ class ParamBroadcast:
 class LinearParams:
     """The parameters a model-parallel linear multiplies with on this worker: one component both linears hold.
 
-    ``sends`` lists ``(ParamBroadcast, names)``: the named parameters packed into one message.
-    ``zero``, for the ZeRO layers, is ``(P_wgather, shape)``: ``W_m`` all-gathered from its
-    shards over the data-parallel workers (the adjoint reduce-scatters ``dW_m``, so each
-    worker keeps its shard's gradient).
+    ``blocks`` lists ``(P_src, {name: block shape})``: the named parameters, packed into one
+    message from their owners ``P_src`` to ``P_users`` (``sends``: its :class:`ParamBroadcast`
+    and the names).  ``zero``, for the ZeRO layers, is ``(P_wgather, shape)``: ``W_m``
+    all-gathered from its shards over the data-parallel workers (the adjoint reduce-scatters
+    ``dW_m``, so each worker keeps its shard's gradient).
     """
 
-    def __init__(self, op: str, sends: Sequence[tuple[ParamBroadcast, Sequence[str]]],
+    def __init__(self, op: str, P_users: CartesianPartition,
+                 blocks: Sequence[tuple[CartesianPartition, dict[str, tuple[int, ...]]]],
                  zero: tuple[CartesianPartition, Sequence[int]] | None = None):
-        self.sends = [(bc, tuple(names)) for bc, names in sends]
+        self.sends = [(ParamBroadcast(P_src, P_users, list(named.values())), tuple(named))
+                      for P_src, named in blocks if named]
         self._wgather = self._wblocks = None
         if zero is not None:
             P_wgather, shape = zero
@@ -203,7 +197,7 @@ def not_servable(layer: str, why: str) -> Decision:
 INACTIVE = Decision("unfused", "this rank is not in the layer's partitions; it does no work")
 
 
-class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
+class LinearBase(DryExplain, WeightAndBias, nn.Module):
     """Bookkeeping every distributed linear shares: parameter blocks, torch-equal init, dispatch records
     (``last_path``, ``last_decision``).  Subclasses set ``use_bias``, ``P_weight`` and ``P_bias`` (the owners)
     before :meth:`_register_params`."""
@@ -216,8 +210,7 @@ class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.last_path: str | None = None
         self.last_decision: Decision | None = None
-        dtype = dtype if dtype is not None else torch.get_default_dtype()
-        self.register_buffer("_dtype_probe", torch.empty(0, dtype=dtype, device=device), persistent=False)
+        self._set_param_home(device, dtype)
 
     @property
     def _op(self) -> str:
@@ -229,39 +222,10 @@ class LinearBase(DryExplain, BlockIdentityMixin, nn.Module):
     def _param_device(self) -> torch.device:
         return self._dtype_probe.device
 
-    def _register_params(self) -> None:
-        """Register this rank's blocks of ``weight`` and ``bias`` (None where it owns none, and without a bias),
-        then initialise them like ``torch.nn.Linear``."""
-        for lay in self.param_layouts():
-            P, param = lay.P, None
-            if P.active:
-                shape = [block_extent(n, p, i) for n, p, i in zip(lay.global_shape, P.shape, P.index, strict=True)]
-                param = nn.Parameter(torch.empty(shape, dtype=self._param_dtype(), device=self._param_device()))
-            self.register_parameter(lay.name, param)
-        if not self.use_bias:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def param_layouts(self) -> list[ParamLayout]:
-        """Where the blocks live (for :func:`~distfuse.layers._params.load_sequential` / ``collect_sequential``)."""
-        lays = [ParamLayout("weight", "weight", self.P_weight, (self.out_features, self.in_features))]
-        if self.use_bias:
-            lays.append(ParamLayout("bias", "bias", self.P_bias, (self.out_features,)))
-        return lays
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """``torch.nn.Linear.reset_parameters`` on the global tensors (every rank draws), then owners keep blocks."""
-        dtype, device = self._param_dtype(), self._param_device()
-        full = {"weight": torch.empty((self.out_features, self.in_features), dtype=dtype, device=device)}
-        nn.init.kaiming_uniform_(full["weight"], a=math.sqrt(5))
-        if self.use_bias:
-            bound = 1 / math.sqrt(self.in_features)
-            full["bias"] = nn.init.uniform_(torch.empty(self.out_features, dtype=dtype, device=device), -bound, bound)
-        for lay in self.param_layouts():
-            if lay.P.active:
-                block = full[lay.seq_name][local_slices(lay.global_shape, lay.P.shape, lay.P.index)]
-                getattr(self, lay.name).copy_(block)
+    @property
+    def param_shapes(self) -> tuple[tuple[int, ...], ...]:
+        weight = (self.out_features, self.in_features)
+        return (weight, (self.out_features,)) if self.use_bias else (weight,)
 
     def extra_repr(self) -> str:
         forms = [f"{name}={list(P.shape)}" for name in ("P_x", "P_y", "P_w")

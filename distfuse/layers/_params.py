@@ -23,24 +23,29 @@ plus the layer's class and the saving rank.  ``load_state_dict`` compares the bo
 any tensor is copied and raises :class:`~distfuse.errors.PartitionError` naming the first
 difference: the same box on another rank or replica is the same data; another box of equal
 shape is refused.  Without the entry: refused under ``strict=True``, unchecked otherwise.
+
+:class:`WeightAndBias` holds the blocks of a ``weight`` and an optional ``bias``, drawn as
+``torch.nn.Linear`` and ``ConvNd`` draw them: the linears' and the convolutions' parameters.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn import init
 
 from distfuse.errors import PartitionError, ShapeError, where
-from distfuse.geometry.decomposition import block_range, local_slices
+from distfuse.geometry.decomposition import block_range, local_shape, local_slices
 from distfuse.groups import metadata_group
 from distfuse.partition import CartesianPartition
 from distfuse.primitives.distribute import collect_tensor, distribute_tensor
 
 __all__ = ["ParamLayout", "load_sequential", "collect_sequential", "BlockIdentityMixin", "block_identity",
-           "check_block_identity", "layout_box", "is_primary"]
+           "check_block_identity", "layout_box", "is_primary", "WeightAndBias"]
 
 
 @dataclass(frozen=True)
@@ -106,12 +111,18 @@ def load_sequential(layer: nn.Module, sequential: nn.Module | dict | None, src: 
     _check_sequential_state(layer, state, layouts, src)
     for lay in layouts:
         full = state[lay.seq_name] if state is not None and dist.get_rank() == src else None
-        if lay.split_dims is not None:
-            _load_replicated(layer, lay, full, src)
-            continue
-        block = distribute_tensor(None if full is None else full.detach(), lay.P, src=src)
+        if lay.split_dims is not None:  # every worker of lay.P takes its block of src's tensor (one object broadcast)
+            box = [full.detach().cpu() if full is not None else None]
+            dist.broadcast_object_list(box, src=src, group=metadata_group())
+            block = box[0][lay.replica_slices()] if lay.P.active else None
+        else:
+            block = distribute_tensor(None if full is None else full.detach(), lay.P, src=src)
         if lay.P.active:
-            _copy_block(layer, lay, block)
+            target = getattr(layer, lay.name)
+            if tuple(target.shape) != tuple(block.shape):
+                raise ShapeError(f"{where(type(layer).__name__)}: block of {lay.name} has shape "
+                                 f"{tuple(target.shape)}, expected {tuple(block.shape)}")
+            target.copy_(block.to(target.dtype))
 
 
 @torch.no_grad()
@@ -126,22 +137,6 @@ def collect_sequential(layer: nn.Module, dst: int = 0) -> dict[str, torch.Tensor
         local = getattr(layer, lay.name).detach() if lay.P.active else None
         out[lay.seq_name] = collect_tensor(local, lay.P, dst=dst)
     return out if torch.distributed.get_rank() == dst else None
-
-
-def _load_replicated(layer: nn.Module, lay: ParamLayout, full: torch.Tensor | None, src: int) -> None:
-    """Every worker of ``lay.P`` copies its block of ``src``'s tensor (one object broadcast over the world)."""
-    box = [full.detach().cpu() if full is not None else None]
-    dist.broadcast_object_list(box, src=src, group=metadata_group())
-    if lay.P.active:
-        _copy_block(layer, lay, box[0][lay.replica_slices()])
-
-
-def _copy_block(layer: nn.Module, lay: ParamLayout, block: torch.Tensor) -> None:
-    target = getattr(layer, lay.name)
-    if tuple(target.shape) != tuple(block.shape):
-        raise ShapeError(f"{where(type(layer).__name__)}: block of {lay.name} has shape "
-                         f"{tuple(target.shape)}, expected {tuple(block.shape)}")
-    target.copy_(block.to(target.dtype))
 
 
 def _collect_replicated(layer: nn.Module, lay: ParamLayout, dst: int) -> torch.Tensor | None:
@@ -246,3 +241,57 @@ class BlockIdentityMixin:
             check_block_identity(self, state_dict[key])
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+
+class WeightAndBias(BlockIdentityMixin):
+    """``weight`` and an optional ``bias``, each held as balanced blocks of the sequential layer's tensor.
+
+    Subclasses call :meth:`_set_param_home`, set ``P_weight`` and ``P_bias`` (the owners: block
+    ``index`` on the worker at ``index``) and define ``param_shapes`` (the global weight shape,
+    then the bias's if there is one).  A rank that owns no block of a parameter registers it as
+    None (as ``bias=False`` does), so its ``state_dict`` has no entry.  Every world rank draws
+    the full global tensors (:mod:`distfuse.layers`): one global weight of transient memory per
+    rank; for a model too big for that, initialise the blocks yourself or use :func:`load_sequential`.
+    The dtype and device of a rank without parameters (it draws them, or receives them) come from
+    a zero-size buffer (``_dtype_probe``, not persistent) that ``Module.to`` / ``.half()`` convert
+    with the owners' parameters: gloo receives a message into a buffer of another dtype without error.
+    """
+
+    def _set_param_home(self, device, dtype) -> None:
+        """The parameters' device and dtype (None: torch's default dtype), kept in ``_dtype_probe``."""
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.register_buffer("_dtype_probe", torch.empty(0, dtype=dtype, device=device), persistent=False)
+
+    def param_layouts(self) -> list[ParamLayout]:
+        """Where the blocks live (for :func:`load_sequential` / :func:`collect_sequential`)."""
+        return [ParamLayout(name, name, P, shape) for name, P, shape in
+                zip(("weight", "bias"), (self.P_weight, self.P_bias), self.param_shapes, strict=False)]
+
+    def _register_params(self) -> None:
+        """Register this rank's blocks of ``weight`` and ``bias`` (None where it owns none, and without a bias),
+        then initialise them (:meth:`reset_parameters`)."""
+        layouts = {lay.name: lay for lay in self.param_layouts()}
+        for name in ("weight", "bias"):
+            lay, block = layouts.get(name), None
+            if lay is not None and lay.P.active:
+                shape = local_shape(lay.global_shape, lay.P.shape, lay.P.index)
+                block = nn.Parameter(torch.empty(shape, dtype=self._dtype_probe.dtype, device=self._dtype_probe.device))
+            self.register_parameter(name, block)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``reset_parameters`` of ``torch.nn.Linear`` / ``ConvNd`` on the global tensors (every rank draws them with
+        the same calls, order, dtype and device: one generator state gives one set of values); owners keep blocks."""
+        dtype, device = self._dtype_probe.dtype, self._dtype_probe.device
+        full = {"weight": torch.empty(self.param_shapes[0], dtype=dtype, device=device)}
+        init.kaiming_uniform_(full["weight"], a=math.sqrt(5))
+        if len(self.param_shapes) > 1:
+            full["bias"] = torch.empty(self.param_shapes[1], dtype=dtype, device=device)
+            fan_in, _ = init._calculate_fan_in_and_fan_out(full["weight"])
+            if fan_in != 0:
+                bound = 1 / math.sqrt(fan_in)
+                init.uniform_(full["bias"], -bound, bound)
+        for lay in self.param_layouts():
+            if lay.P.active:
+                getattr(self, lay.name).copy_(full[lay.name][local_slices(lay.global_shape, lay.P.shape, lay.P.index)])

@@ -50,16 +50,13 @@ class _Selector(type):
                  bias=True, padding_mode="zeros", P_y=None, P_w=None, device=None, dtype=None,
                  static_shapes=False):
         impl = select_conv(cls.nd, P_x, P_y, P_w)
-        kwargs = dict(stride=stride, padding=padding, dilation=dilation, groups=groups, bias=bias,
-                      padding_mode=padding_mode, device=device, dtype=dtype)
-        if impl is not _IMPLS[cls.nd][0]:
-            if static_shapes:
-                raise UnsupportedError(f"{where(f'DistributedConv{cls.nd}d')}: static_shapes is implemented for the "
-                                       "feature-distributed convolution only")
-            kwargs.update(P_y=P_y, P_w=P_w)
-        else:
-            kwargs.update(static_shapes=static_shapes)
-        return impl(P_x, in_channels, out_channels, kernel_size, **kwargs)
+        args = (P_x, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, padding_mode)
+        if impl is _IMPLS[cls.nd][0]:
+            return impl(*args, device=device, dtype=dtype, static_shapes=static_shapes)
+        if static_shapes:
+            raise UnsupportedError(f"{where(f'DistributedConv{cls.nd}d')}: static_shapes is implemented for the "
+                                   "feature-distributed convolution only")
+        return impl(*args, P_y=P_y, P_w=P_w, device=device, dtype=dtype)
 
     def __instancecheck__(cls, obj) -> bool:
         return isinstance(obj, _IMPLS[cls.nd])

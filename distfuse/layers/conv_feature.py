@@ -37,27 +37,22 @@ The unfused path is differentiable to any order; the fused path refuses a backwa
 from __future__ import annotations
 
 import torch
-from torch import nn
 
-from distfuse.errors import PartitionError, expect, where
+from distfuse.errors import PartitionError, where
 from distfuse.fused.halo_conv import check_implicit, fused_halo_conv, implicit_requested
 from distfuse.layers._conv_common import (
-    AgreedLayer,
     CallInfo,
+    ConvLayer,
     ConvOptions,
     RootParams,
     autocast_dtype,
     cast_for_compute,
-    check_geometry,
     check_partition,
     conv_block,
-    draw_parameters,
-    expose_options,
     gather_call_info,
     passes_local_checks,
     spatial_classes,
 )
-from distfuse.layers._params import BlockIdentityMixin
 from distfuse.layers.dispatch import Decision, device_caps, select_path
 from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives._layout import format_code, memory_format_of
@@ -69,16 +64,14 @@ __all__ = ["RootParamConvBase", "DistributedFeatureConvBase", "DistributedFeatur
            "DistributedFeatureConv3d", "FEATURE_CONVS"]
 
 
-class RootParamConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
+class RootParamConvBase(ConvLayer):
     """The one forward of the convolutions over ``P_x [P_b, 1, *P_s]`` whose parameters live on the root
     (:class:`~distfuse.layers._conv_common.RootParams`): the feature and the transposed convolutions.
 
-    Subclasses set ``opts`` and call :meth:`_setup`, and define ``_check(info)`` (their rules on
-    the agreed global shape), ``_param_dtype(info)`` (what the parameters travel in) and
-    ``_local(x, info, w, b)`` (this worker's output block).
+    Subclasses set ``opts`` and call :meth:`_setup`, and define ``_travel_dtype(info)`` (what the
+    parameters travel in) and ``_local(x, info, w, b)`` (this worker's output block).
     """
 
-    nd: int = 0
     kind = "feature-distributed convolution"  # and what the refusal of a channel-split P_x adds
     _split_hint = ""
 
@@ -91,26 +84,13 @@ class RootParamConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
 
     def _setup(self, P_x, opts, device, dtype, static_shapes: bool) -> None:
         """The parameters, the agreement session and the records (after the subclass made ``opts``)."""
-        op = type(self).__name__
         self.P_x, self.opts, self.static_shapes = P_x, opts, bool(static_shapes)
         self._agree_over(P_x)
-        self._device = torch.device(device) if device is not None else P_x.device
-        self._dtype = dtype if dtype is not None else torch.get_default_dtype()
-        self.params = RootParams(P_x, opts.weight_shape, opts.out_channels, opts.bias, op, self.session.forget)
-        self.params.create(self, self._device, dtype)
-        self.root = self.params.root
+        self.params = RootParams(P_x, opts, type(self).__name__, self.session.forget)
+        self.root, self.P_weight, self.P_bias = self.params.root, self.params.P_root, self.params.P_root_1d
         self.last_path: str | None = None
         self.last_decision: Decision | None = None
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Draw the global parameters as ``torch.nn.ConvNd`` (``ConvTransposeNd``) does, on every rank; the root
-        keeps them."""
-        dtype = self.weight.dtype if self.weight is not None else self._dtype
-        self.params.reset(self.weight, self.bias, *draw_parameters(self.opts, dtype, self._device))
-
-    def param_layouts(self) -> list:
-        return self.params.layouts()
+        self._init_params(device, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
@@ -121,15 +101,11 @@ class RootParamConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
         params = [p for p in (self.weight, self.bias) if p is not None]
 
         def run(info: CallInfo, flag: int):
-            w, b = self.params.replicate(x, self.weight, self.bias, self._param_dtype(info), info.param_grad, flag)
+            w, b = self.params.replicate(x, self.weight, self.bias, self._travel_dtype(info), info.param_grad, flag)
             return None if flag == 1 else (info, w, b)  # flag 1: the round raises on every worker
 
         def gather():
-            info = gather_call_info(op, P_x, P_x, x, params, signature=(self.opts, P_x.ranks, P_x.shape))
-            if info.global_shape[1] != self.opts.in_channels:
-                raise expect(op, "input channels (the global input's dimension 1)", self.opts.in_channels,
-                             info.global_shape[1])
-            self._check(info)  # every worker holds the global shape: a refused geometry raises on all of them
+            info = self._checked(gather_call_info(op, P_x, P_x, x, params, signature=self._identity()))
             return run(info, NO_FLAG), info
 
         signature = (tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad,
@@ -138,14 +114,6 @@ class RootParamConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
         if got is None:  # a replayed call that flagged: the parameter round raises on every worker
             return x.clone()
         return self._local(x, *got)
-
-    def extra_repr(self) -> str:
-        o = self.opts
-        extra = f", output_padding={o.output_padding}" if hasattr(o, "output_padding") else ""
-        mode = f", padding_mode={o.padding_mode!r}" if hasattr(o, "padding_mode") else ""
-        return (f"P_x={list(self.P_x.shape)}, {o.in_channels}, {o.out_channels}, kernel_size={o.kernel_size}, "
-                f"stride={o.stride}, padding={o.padding}{extra}, dilation={o.dilation}, groups={o.groups}, "
-                f"bias={o.bias}{mode}")
 
 
 class DistributedFeatureConvBase(RootParamConvBase):
@@ -167,15 +135,11 @@ class DistributedFeatureConvBase(RootParamConvBase):
         self._check_partition(P_x)
         o = ConvOptions.make(op, self.nd, in_channels, out_channels, kernel_size, stride, padding, dilation, groups,
                              bias, padding_mode)
-        expose_options(self, o, "padding_mode")
         self.halo = HaloExchange(P_x, o.kernel_size, o.stride, o.padding, o.dilation, o.padding_mode, _op=op)
         self._caps_cache: dict = {}
         self._setup(P_x, o, device, dtype, static_shapes)
 
-    def _check(self, info: CallInfo) -> None:
-        check_geometry(type(self).__name__, self.opts, info.global_shape)
-
-    def _param_dtype(self, info: CallInfo) -> torch.dtype:
+    def _travel_dtype(self, info: CallInfo) -> torch.dtype:
         return info.param_dtype or info.dtype
 
     # ------------------------------------------------------------ dispatch

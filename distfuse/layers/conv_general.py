@@ -43,29 +43,23 @@ from __future__ import annotations
 import itertools
 
 import torch
-from torch import nn
 
-from distfuse.errors import PartitionError, UnsupportedError, expect, where
-from distfuse.geometry.decomposition import block_extent, local_shape, local_slices
+from distfuse.errors import PartitionError, UnsupportedError, where
+from distfuse.geometry.decomposition import block_extent, local_shape
 from distfuse.layers._conv_common import (
-    AgreedLayer,
-    CallInfo,
+    ConvLayer,
     ConvOptions,
     call_signature,
     cast_for_compute,
-    check_geometry,
     check_partition,
     conv_block,
     conv_output_format,
-    draw_parameters,
-    expose_options,
     gather_call_info,
     grid_of,
     pad_locally,
     passes_local_checks,
     spatial_classes,
 )
-from distfuse.layers._params import BlockIdentityMixin, ParamLayout
 from distfuse.partition import union_partition
 from distfuse.primitives._common import check_inactive_input
 from distfuse.primitives._layout import format_code, memory_format_of
@@ -79,7 +73,7 @@ __all__ = ["DistributedGeneralConvBase", "DistributedGeneralConv1d", "Distribute
            "DistributedChannelConv2d", "DistributedChannelConv3d", "GENERAL_CONVS", "CHANNEL_CONVS"]
 
 
-class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
+class DistributedGeneralConvBase(ConvLayer):
     """Convolution with channels and spatial axes split (see the module docstring).
 
     ``P_x``, ``P_y``, ``P_w``: CartesianPartitions ``[1, P_ci, *P_s]``, ``[1, P_co, *P_s]`` and
@@ -87,9 +81,10 @@ class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
     ``torch.nn.ConvNd`` (``padding`` may also hold ``(lo, hi)`` pairs).
     """
 
-    nd: int = 0
+    _grids = ("P_x", "P_y", "P_w")
     last_path = "unfused"  # no fused path for channel-split convolutions
-    #: Whether P_x stages its block with a halo exchange before the broadcast (the channel conv pads after it).
+    #: Whether P_x stages its block with a halo exchange before the broadcast (else the channel conv's
+    #: ``_pad_locally`` pads each broadcast copy).
     _stages_with_halo = True
 
     def __init__(self, P_x, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
@@ -110,23 +105,10 @@ class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
             raise UnsupportedError(f"{where(op)}: groups={o.groups} with split channels (P_w {list(P_w.shape)}) is "
                                    "not supported: a weight block would mix groups; split only spatial axes (the "
                                    "feature-distributed convolution) for grouped convolutions")
-        expose_options(self, o, "padding_mode")
         self.halo = HaloExchange(P_x, o.kernel_size, o.stride, o.padding, o.dilation, o.padding_mode, _op=op)
-        self._device = torch.device(device) if device is not None else P_x.device
-        self._dtype = dtype if dtype is not None else torch.get_default_dtype()
         self._build_grids()
         self._agree_over(self.P_union)
-        if self._P_wr.active:
-            shape = local_shape(o.weight_shape, self._P_wr.shape, self._P_wr.index)
-            self.weight = nn.Parameter(torch.empty(shape, device=self._device, dtype=dtype))
-        else:
-            self.register_parameter("weight", None)
-        if o.bias and self._P_b1.active:
-            shape = local_shape((o.out_channels,), self._P_b1.shape, self._P_b1.index)
-            self.bias = nn.Parameter(torch.empty(shape, device=self._device, dtype=dtype))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
+        self._init_params(device, dtype)
 
     def _check_partitions(self, op, P_x, P_y, P_w) -> None:
         bad = []
@@ -143,46 +125,35 @@ class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
             raise PartitionError(f"{where(op)}: incompatible partitions; needed " + "; ".join(bad))
 
     def _build_grids(self) -> None:
-        """Sub-grids of P_w that own or receive parameters, and P_y seen as a [P_co, 1, *P_s] grid."""
+        """Sub-grids of P_w that own (``P_weight``, ``P_bias``) or receive parameters, and P_y seen as a
+        [P_co, 1, *P_s] grid."""
         P_w, nd, dev = self.P_w, self.nd, self.P_x.device
         P_co, P_ci, P_s = P_w.shape[0], P_w.shape[1], P_w.shape[2:]
         at = lambda i, j, s: P_w.ranks[P_w.rank_of((i, j, *s))]
-        s0 = (0,) * nd
+        s0 = self._s0 = (0,) * nd
         spatial = list(itertools.product(*(range(p) for p in P_s)))
-        self._P_wr = grid_of([at(i, j, s0) for i in range(P_co) for j in range(P_ci)], [P_co, P_ci] + [1] * nd, dev)
+        weight_owners = [at(i, j, s0) for i in range(P_co) for j in range(P_ci)]
+        self.P_weight = grid_of(weight_owners, [P_co, P_ci] + [1] * nd, dev)
         bias_owners = [at(i, 0, s0) for i in range(P_co)]
         self._P_b = grid_of(bias_owners, [P_co, 1] + [1] * nd, dev)
-        self._P_b1 = grid_of(bias_owners, [P_co], dev)
+        self.P_bias = grid_of(bias_owners, [P_co], dev)
         self._P_bd = grid_of([at(i, 0, s) for i in range(P_co) for s in spatial], [P_co, 1, *P_s], dev)
         self._P_yv = grid_of(self.P_y.ranks, [P_co, 1, *P_s], dev)
         self.P_union = union_partition(self.P_x, self.P_w, self.P_y)
         self._x_plan = broadcast_plan(self.P_x, P_w)
-        self._w_plan = broadcast_plan(self._P_wr, P_w)
+        self._w_plan = broadcast_plan(self.P_weight, P_w)
         self._b_plan = broadcast_plan(self._P_b, self._P_bd)
         self._y_plan = sum_reduce_plan(P_w, self._P_yv)
 
     # ------------------------------------------------------------ parameters
 
-    def reset_parameters(self) -> None:
-        """Draw the global parameters as ``torch.nn.ConvNd`` does, on every rank; owners keep their blocks."""
-        dtype = next((p.dtype for p in (self.weight, self.bias) if p is not None), self._dtype)
-        w, b = draw_parameters(self.opts, dtype, self._device)
-        with torch.no_grad():
-            if self.weight is not None:
-                self.weight.copy_(w[local_slices(w.shape, self._P_wr.shape, self._P_wr.index)])
-            if self.bias is not None:
-                self.bias.copy_(b[local_slices(b.shape, self._P_b1.shape, self._P_b1.index)])
-
-    def param_layouts(self) -> list[ParamLayout]:
-        out = [ParamLayout("weight", "weight", self._P_wr, self.opts.weight_shape)]
-        if self.opts.bias:
-            out.append(ParamLayout("bias", "bias", self._P_b1, (self.opts.out_channels,)))
-        return out
-
     def _move_param(self, plan, t: torch.Tensor | None, shape: list[int] | None, like: torch.Tensor, dtype,
                     needs_grad: bool, ties: list) -> torch.Tensor | None:
-        """``t`` (None: a placeholder) moved by ``plan``; ``shape`` is the block this worker receives (None: none,
-        the move's output is tied to the sum-reduce and None returned)."""
+        """``t`` (None: a placeholder) moved by ``plan`` (``t`` itself where the plan moves nothing: unsplit spatial
+        axes); ``shape`` is the block this worker receives (None: none, the move's output is tied to the sum-reduce
+        and None returned)."""
+        if plan.identity:
+            return t
         t = t if t is not None else placeholder(like, dtype, self.P_x.device)
         out = move_of(plan).copy(t, shape or [0], anchor=anchor(needs_grad))
         if shape is None:
@@ -192,18 +163,15 @@ class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
 
     def _weight_on_w(self, like: torch.Tensor, dtype, needs_grad: bool, ties: list) -> torch.Tensor | None:
         """This P_w worker's weight block, broadcast from spatial block 0 (None off P_w)."""
-        if self._w_plan.identity:  # unsplit spatial axes: every P_w worker owns its block, nothing moves
-            return self.weight
         shape = None
         if self.P_w.active:
-            i, j = self.P_w.index[:2]
-            shape = list(local_shape(self.opts.weight_shape, self._P_wr.shape, (i, j) + (0,) * self.nd))
+            shape = list(local_shape(self.opts.weight_shape, self.P_weight.shape, (*self.P_w.index[:2], *self._s0)))
         return self._move_param(self._w_plan, self.weight, shape, like, dtype, needs_grad, ties)
 
     def _bias_on_w(self, like: torch.Tensor, dtype, needs_grad: bool, ties: list) -> torch.Tensor | None:
         """The bias block on P_w workers (i, 0, s); None elsewhere and without bias."""
-        if not self.opts.bias or self._b_plan.identity:
-            return self.bias
+        if not self.opts.bias:
+            return None
         lead = (1,) * (self.P_w.dim - 1)
         shape = None
         if self._P_bd.active:
@@ -214,23 +182,6 @@ class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
 
     # ------------------------------------------------------------ forward
 
-    def _local_input(self, xb: torch.Tensor) -> torch.Tensor:
-        return xb
-
-    def _broadcast_spatial(self, plan, s) -> tuple[int, ...]:
-        """The spatial extents P_x broadcasts: the staged block (the channel conv overrides: the raw block)."""
-        return plan.staged_shape(s)
-
-    def _gather(self, x: torch.Tensor, params) -> CallInfo:
-        """The metadata gather over the union and the layer's checks of the global shape (every worker alike)."""
-        op, o = type(self).__name__, self.opts
-        info = gather_call_info(op, self.P_union, self.P_x, x, params,
-                                signature=(o, *((P.ranks, P.shape) for P in (self.P_x, self.P_y, self.P_w))))
-        if info.global_shape[1] != o.in_channels:
-            raise expect(op, "input channels (the global input's dimension 1)", o.in_channels, info.global_shape[1])
-        check_geometry(op, o, info.global_shape)  # geometry torch refuses
-        return info
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: this worker's block on P_x (zero-volume elsewhere); returns its block on P_y (or zero-volume)."""
         op = type(self).__name__
@@ -239,16 +190,15 @@ class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
             check_inactive_input(op, x)
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
-        info = self.session.agree(x, call_signature(x, params), passes_local_checks(P_x, x),
-                                  lambda: self._gather(x, params))
+        info = self.session.agree(x, call_signature(x, params), passes_local_checks(P_x, x), lambda: self._checked(
+            gather_call_info(op, self.P_union, P_x, x, params, signature=self._identity())))
         if info is None:  # a replayed call that flagged: flag_check raises on every worker
             return x.clone()
         G = info.global_shape
         dtype = info.compute_dtype or info.dtype  # what x, the staged blocks and the outputs travel in (autocast)
         plan = self.halo.plan(G)
         device = P_x.device
-        # The staged blocks travel, and the partial outputs are summed, in the input's agreed memory format: a
-        # channels_last input stays channels_last end to end (P_w- and P_y-only workers learn it from the gather).
+        # blocks travel and partial outputs are summed in the input's agreed format (the gather's: _conv_common)
         fmt_in = info.memory_format
         fmt_out = conv_output_format(device, dtype, fmt_in, o.nd)
 
@@ -260,7 +210,8 @@ class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
         xb_shape = [0]
         if P_w.active:
             i, j, s = P_w.index[0], P_w.index[1], P_w.index[2:]
-            xb_shape = [G[0], block_extent(o.in_channels, P_w.shape[1], j), *self._broadcast_spatial(plan, s)]
+            spatial = plan.staged_shape(s) if self._stages_with_halo else plan.input_shape(s)
+            xb_shape = [G[0], block_extent(o.in_channels, P_w.shape[1], j), *spatial]
         xb = xs if self._x_plan.identity else move_of(self._x_plan).copy(xs, xb_shape, format_code(fmt_in), x_anchor)
 
         # the parameters where the layer moves them, in their own dtype, cast where they are used
@@ -270,7 +221,8 @@ class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
         b = cast_for_compute(self._bias_on_w(x, param_dtype, info.param_grad, ties), dtype)
         if P_w.active:
             co_i = block_extent(o.out_channels, P_w.shape[0], i)
-            yp = conv_block(o, self._local_input(xb), w, b, (G[0], co_i) + plan.output_shape(s), fmt_in)
+            xp = xb if self._stages_with_halo else self._pad_locally(xb)
+            yp = conv_block(o, xp, w, b, (G[0], co_i) + plan.output_shape(s), fmt_in)
         else:
             yp = xb  # zero-volume; on a P_x worker it carries the adjoint of the broadcast
         out_shape = [G[0], 0]  # eager's zero-volume [batch, 0] off P_y
@@ -279,13 +231,6 @@ class DistributedGeneralConvBase(BlockIdentityMixin, AgreedLayer, nn.Module):
             out_shape = [G[0], block_extent(o.out_channels, P_w.shape[0], i_y), *plan.output_shape(s_y)]
         return move_of(self._y_plan).sum(yp, out_shape, format_code(fmt_out), anchor(info.input_grad or info.param_grad,
                                                                                        ties))
-
-    def extra_repr(self) -> str:
-        o = self.opts
-        return (f"P_x={list(self.P_x.shape)}, P_y={list(self.P_y.shape)}, P_w={list(self.P_w.shape)}, "
-                f"{o.in_channels}, {o.out_channels}, kernel_size={o.kernel_size}, stride={o.stride}, "
-                f"padding={o.padding}, dilation={o.dilation}, groups={o.groups}, bias={o.bias}, "
-                f"padding_mode={o.padding_mode!r}")
 
 
 GENERAL_CONVS = spatial_classes(DistributedGeneralConvBase, "DistributedGeneralConv",
@@ -308,13 +253,10 @@ class DistributedChannelConvBase(DistributedGeneralConvBase):
                                      f"but {name} is {list(P.shape)}; use the general distributed convolution")
         super()._check_partitions(op, P_x, P_y, P_w)
 
-    def _broadcast_spatial(self, plan, s) -> tuple[int, ...]:
-        return plan.input_shape(s)
-
-    def _local_input(self, xb: torch.Tensor) -> torch.Tensor:
+    def _pad_locally(self, xb: torch.Tensor) -> torch.Tensor:
         padded = pad_locally(self.opts, xb)
         fmt = memory_format_of(xb)
-        if fmt != torch.contiguous_format and padded.dim() == xb.dim():
+        if fmt != torch.contiguous_format:
             # F.pad keeps channels_last except in circular mode (torch 2.13), which already copies: restore it.
             padded = padded.contiguous(memory_format=fmt)
         return padded

@@ -37,6 +37,7 @@ or a global output extent below 1.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from distfuse.errors import DistfuseError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.transpose_plan import block_pads, check_output_padding, transpose_plan
-from distfuse.layers._conv_common import CallInfo, ConvOptions, ZeroBlock, expose_options, spatial_classes
+from distfuse.layers._conv_common import CallInfo, ConvOptions, ZeroBlock, spatial_classes
 from distfuse.layers.conv_feature import RootParamConvBase
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._op_pair import anchor
@@ -67,20 +68,12 @@ def _int_tuple(op: str, v, nd: int, name: str) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
-class ConvTransposeOptions:
-    """torch ``ConvTransposeNd`` arguments, normalised per spatial axis (``weight_shape``, ``out_channels`` and
-    ``bias`` are what :class:`~distfuse.layers._conv_common.RootParams` reads)."""
+class ConvTransposeOptions(ConvOptions):
+    """torch ``ConvTransposeNd`` arguments, normalised per spatial axis: those of :class:`ConvOptions` (checked
+    alike), with one ``padding`` per axis, ``padding_mode`` ``'zeros'``, and ``output_padding``."""
 
-    nd: int
-    in_channels: int
-    out_channels: int
-    kernel_size: tuple[int, ...]
-    stride: tuple[int, ...]
     padding: tuple[int, ...]
-    output_padding: tuple[int, ...]
-    dilation: tuple[int, ...]
-    groups: int
-    bias: bool
+    output_padding: tuple[int, ...] = ()
 
     @classmethod
     def make(cls, op: str, nd: int, in_channels, out_channels, kernel_size, stride, padding, output_padding, groups,
@@ -90,14 +83,13 @@ class ConvTransposeOptions:
                          repr(padding_mode), UnsupportedError)
         pad = _int_tuple(op, padding, nd, "padding")
         out_pad = _int_tuple(op, output_padding, nd, "output_padding")
-        conv = ConvOptions.make(op, nd, in_channels, out_channels, kernel_size, stride, pad, dilation, groups, bias,
-                                "zeros")  # the checks shared with ConvNd: channels, groups, positive tuples
+        conv = super().make(op, nd, in_channels, out_channels, kernel_size, stride, pad, dilation, groups, bias,
+                            "zeros")  # the checks shared with ConvNd: channels, groups, positive tuples
         try:
             check_output_padding(out_pad, conv.stride, conv.dilation)
         except UnsupportedError as exc:
             raise UnsupportedError(f"{where(op)}: {exc}") from None
-        return cls(nd, conv.in_channels, conv.out_channels, conv.kernel_size, conv.stride, pad, out_pad,
-                   conv.dilation, conv.groups, conv.bias)
+        return dataclasses.replace(conv, padding=pad, output_padding=out_pad)
 
     @property
     def weight_shape(self) -> tuple[int, ...]:
@@ -136,6 +128,7 @@ class DistributedConvTransposeBase(RootParamConvBase):
     """
 
     kind = "feature-distributed transposed convolution"
+    _exposed = (*RootParamConvBase._exposed, "output_padding")
 
     def __init__(self, P_x: CartesianPartition, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
                  output_padding=0, groups: int = 1, bias: bool = True, dilation=1, padding_mode: str = "zeros",
@@ -145,45 +138,38 @@ class DistributedConvTransposeBase(RootParamConvBase):
         self._check_partition(P_x)
         o = ConvTransposeOptions.make(op, self.nd, in_channels, out_channels, kernel_size, stride, padding,
                                       output_padding, groups, bias, dilation, padding_mode)
-        expose_options(self, o, "output_padding")
-        self.padding_mode = "zeros"
-        self._plans: dict[tuple[int, ...], HaloPlan] = {}
         self._windows: dict[tuple[int, ...], tuple] = {}
         self._halo = PlanHalo(P_x, self.nd, self.plan, op)  # names the transposed plan in the halo ops
         self._setup(P_x, o, device, dtype, static_shapes)
 
     def plan(self, global_shape: Sequence[int]) -> HaloPlan:
         """The staging exchange for a global input shape (cached); ShapeError where torch refuses the geometry."""
-        spatial = tuple(int(n) for n in global_shape[2:])
-        if spatial not in self._plans:
-            o = self.opts
-            try:
-                self._plans[spatial] = transpose_plan(spatial, self.P_x.shape[2:], o.kernel_size, o.stride,
-                                                      o.dilation, o.padding, o.output_padding)
-            except DistfuseError as exc:
-                raise type(exc)(f"{where(type(self).__name__)}: global input shape {tuple(global_shape)}: "
-                                f"{exc}") from None
-        return self._plans[spatial]
+        return self._window(global_shape)[0]
 
     def _check(self, info: CallInfo) -> None:
         self._window(info.global_shape)
 
-    def _param_dtype(self, info: CallInfo) -> torch.dtype:
+    def _travel_dtype(self, info: CallInfo) -> torch.dtype:
         return info.dtype  # the parameters travel in the input dtype, as the local transposed convolution needs
 
-    def _window(self, G: tuple[int, ...]) -> tuple:
-        """This worker's ``(pads, output extents)`` for a global shape: made by the first (eager) call with it, then
-        read (a compiled call only reads it: a walk over the plan would break the graph)."""
-        win = self._windows.get(G)
-        if win is None:
-            plan, index = self.plan(G), self.P_x.index[2:]
-            win = self._windows[G] = (block_pads(plan, index), plan.output_shape(index))
-        return win
+    def _window(self, G: Sequence[int]) -> tuple:
+        """``(plan, pads, output extents)`` of this worker for a global shape: made by the first (eager) call with
+        its spatial extents, then read (a compiled call only reads it: a walk over the plan would break the graph)."""
+        spatial = tuple(int(n) for n in G[2:])
+        if spatial not in self._windows:
+            o, index = self.opts, self.P_x.index[2:]
+            try:
+                plan = transpose_plan(spatial, self.P_x.shape[2:], o.kernel_size, o.stride, o.dilation, o.padding,
+                                      o.output_padding)
+            except DistfuseError as exc:
+                raise type(exc)(f"{where(type(self).__name__)}: global input shape {tuple(G)}: {exc}") from None
+            self._windows[spatial] = (plan, block_pads(plan, index), plan.output_shape(index))
+        return self._windows[spatial]
 
     def _local(self, x: torch.Tensor, info: CallInfo, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
         """The transposed plan's inputs staged (in x's layout, channels_last included), then the local block."""
         G = info.global_shape
-        pads, out_spatial = self._window(G)
+        _, pads, out_spatial = self._window(G)
         staged = halo_exchange(x, self._halo.handle, list(G), anchor(info.input_grad))
         return conv_transpose_block(self.opts, staged, w, b, pads, (x.shape[0], self.opts.out_channels) + out_spatial)
 

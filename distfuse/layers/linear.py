@@ -159,16 +159,15 @@ class DistributedLinear(LinearBase):
             if w not in P_x.ranks and math.prod(shape) != 0:
                 raise ShapeError(f"{where(op)}: world rank {w} is not in P_x, so it must pass a zero-volume tensor; "
                                  f"it passed shape {shape}")
-        lead, dtype = None, None
+        first = by_rank[P_x.ranks[0]]
+        lead, dtype = record_shape(first)[:-1], dtype_of_code(first[1])
         for r, w in enumerate(P_x.ranks):
             shape, dt = record_shape(by_rank[w]), dtype_of_code(by_rank[w][1])
             want = self._in_block(P_x.index_of(r)[-1])
             if len(shape) != P_x.dim or shape[-1] != want:
                 raise ShapeError(f"{where(op)}: world rank {w} (P_x worker {r}) passed shape {shape}; "
                                  f"expected {P_x.dim} dimensions ending in its block of in_features: {want}")
-            if lead is None:
-                lead, dtype = tuple(shape[:-1]), dt
-            elif tuple(shape[:-1]) != lead or dt != dtype:
+            if shape[:-1] != lead or dt != dtype:
                 raise ShapeError(f"{where(op)}: the P_x workers must agree on the leading extents and dtype; world "
                                  f"rank {P_x.ranks[0]} has {lead} {dtype}, world rank {w} has {tuple(shape[:-1])} {dt}")
         check_input_dtype(op, dtype, self._param_dtype(), by_rank[P_x.ranks[0]][3])

@@ -46,7 +46,7 @@ from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
 from distfuse.layers._conv_common import grid_of, subgrid
 from distfuse.layers._linear_agreement import RowLinear, agreed_input_gather, compute_dtype
-from distfuse.layers._linear_common import LinearParams, ParamBroadcast, check_block_features
+from distfuse.layers._linear_common import LinearParams, check_block_features
 from distfuse.layers.dispatch import Decision
 from distfuse.primitives._axes import balanced_layout
 
@@ -91,10 +91,10 @@ class DistributedLinearAllGather(RowLinear):
         else:
             self.P_weight = grid_of(owners, [P_m, 1], P_y.device)
         # The bias (and the weight, without ZeRO) travel from (0, m) in one message.
-        names = (() if self._zero else ("weight",)) + (("bias",) if self.use_bias else ())
-        shapes = {"weight": (out_m, self.in_features), "bias": (out_m,)}
-        sends = [(ParamBroadcast(self.P_bias, self.P_users, [shapes[n] for n in names]), names)]
-        self.params = LinearParams(op, sends, (self.P_wgather, shapes["weight"]) if self._zero else None)
+        w_m = (out_m, self.in_features)
+        blocks = ({} if self._zero else {"weight": w_m}) | ({"bias": (out_m,)} if self.use_bias else {})
+        self.params = LinearParams(op, self.P_users, [(self.P_bias, blocks)],
+                                   (self.P_wgather, w_m) if self._zero else None)
         self._register_params()
         # Without P_x the input's features are gathered (DistDL's form), with P_x its sequence dim.
         form = registry.ALL_GATHER_MATMUL if P_x is not None else registry.ALL_GATHER_FEATURES_MATMUL

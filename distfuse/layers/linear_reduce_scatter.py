@@ -48,7 +48,7 @@ from distfuse.fused import registry
 from distfuse.geometry.decomposition import block_extent
 from distfuse.layers._conv_common import grid_of, subgrid
 from distfuse.layers._linear_agreement import RowLinear, agreed_matmul_reduce_scatter, compute_dtype
-from distfuse.layers._linear_common import LinearParams, ParamBroadcast, check_block_features
+from distfuse.layers._linear_common import LinearParams, check_block_features
 from distfuse.layers.dispatch import Decision
 
 __all__ = ["DistributedLinearReduceScatter", "DistributedLinearReduceScatterZero"]
@@ -82,26 +82,21 @@ class DistributedLinearReduceScatter(RowLinear):
         self.P_scatter = subgrid(P_x, [P_x.dim - 1]) if P_y is None else subgrid(P_y, [P_y.dim - 2])
         owners = [self._rank_of(0, j) for j in range(P_m)]
         P_owners = grid_of(owners, [P_m], dev)
-        weights, w_shapes = ((), []) if self._zero else (("weight",), [(out, in_m)])
-        if P_y is None:
-            # (0, m) owns b_m and sends it with W_m (one message).
+        weight = {} if self._zero else {"weight": (out, in_m)}
+        bias = {"bias": (out_m,) if P_y is None else (out,)} if self.use_bias else {}
+        if P_y is None:  # (0, m) owns b_m and sends it with W_m (one message)
             self.P_bias = P_owners
-            biases, b_shapes = (("bias",), [(out_m,)]) if self.use_bias else ((), [])
-            sends = [(ParamBroadcast(P_owners, self.P_users, w_shapes + b_shapes), weights + biases)]
-        else:
-            # (0, 0) owns all of b and every worker gets a copy (module doc).
+            blocks = [(P_owners, weight | bias)]
+        else:  # (0, 0) owns all of b and every worker gets a copy (module doc)
             self.P_bias = grid_of([self._rank_of(0, 0)], [1], dev)
-            sends = [(ParamBroadcast(P_owners, self.P_users, w_shapes), weights)]
-            if self.use_bias:
-                sends.append((ParamBroadcast(self.P_bias, self.P_users, [(out,)]), ("bias",)))
+            blocks = [(P_owners, weight), (self.P_bias, bias)]
         if self._zero:
             # Worker (d, m) owns block (d, m) of W: rows split over P_d, columns over P_m.
             self.P_weight = self.P_users
             self.P_wgather = subgrid(self.P_weight, [0])
-            self.params = LinearParams(op, sends, (self.P_wgather, (out, in_m)))
         else:
             self.P_weight = grid_of(owners, [1, P_m], dev)
-            self.params = LinearParams(op, sends)
+        self.params = LinearParams(op, self.P_users, blocks, (self.P_wgather, (out, in_m)) if self._zero else None)
         self._register_params()
         # Without P_y the output's features are scattered (DistDL's form), with P_y its sequence dim.
         form = registry.MATMUL_REDUCE_SCATTER if P_y is not None else registry.MATMUL_REDUCE_SCATTER_FEATURES
