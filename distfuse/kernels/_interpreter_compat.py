@@ -11,13 +11,10 @@ kernels are untouched.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 __all__ = ["patch_interpreter_index"]
-
-
-def _scalar_index(self) -> int:
-    return int(self.handle.data.squeeze())
 
 
 def patch_interpreter_index() -> bool:
@@ -31,14 +28,12 @@ def patch_interpreter_index() -> bool:
     original = getattr(interpreter, "_patch_lang_tensor", None)
     if original is None or getattr(original, "distfuse_index_fix", False):
         return False
-    import inspect
-
     if "squeeze" in inspect.getsource(original):  # Triton >= 3.7 has the fix
         return False
 
     def patched(tensor, scope):
         original(tensor, scope)
-        scope.set_attr(tensor, "__index__", _scalar_index)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
 
     patched.distfuse_index_fix = True
     interpreter._patch_lang_tensor = patched

@@ -32,7 +32,7 @@ from distfuse.kernels.host_ints import cdiv
 
 __all__ = ["pick_launch", "pick_gemm_launch", "pick_push_launch", "tile_grid", "shard_rows", "output_buffer",
            "check_bias", "check_producer_args", "claimed_rank_view", "INTERPRET", "HAS_CUDA", "AUTOTUNE",
-           "FLOAT_DTYPES", "TIMED_WAITS", "timeout_arg", "config_of", "ws_may_tune", "pinned_gemm_config", "round_bf16",
+           "FLOAT_DTYPES", "TIMED_WAITS", "timeout_arg", "config_of", "pinned_gemm_config", "round_bf16",
            "spin_limit", "input_precision", "tf32_allowed", "get_gemm_configs", "gemm_autotuners", "flatten_rows",
            "refuse_zero_width_gather", "summed_partials", "GEMM_FAMILIES", "get_chunk_reduce_configs",
            "pinned_reduce_config", "REDUCE_AUDIT_W", "get_push_configs", "CPU_GEMM_CONFIG", "CPU_CHUNK_REDUCE_CONFIG",
@@ -76,9 +76,7 @@ def input_precision(dtype: torch.dtype) -> str:
     orders of magnitude behind the user's back).  The interpreter always computes IEEE
     fp32.  16-bit operands ignore the setting.
     """
-    if dtype != torch.float32:
-        return "tf32"
-    return "tf32" if (not INTERPRET and tf32_allowed()) else "ieee"
+    return "tf32" if dtype != torch.float32 or (not INTERPRET and tf32_allowed()) else "ieee"
 
 
 def round_bf16(dtype: torch.dtype) -> bool:
@@ -145,16 +143,10 @@ _PINNED = {
 }
 
 
-def _family_shapes(family: str, dtype: torch.dtype) -> list[tuple]:
-    if family not in _GEMM_SHAPES:
-        raise ValueError(f"GEMM config family {family!r}: expected one of {GEMM_FAMILIES}")
-    return _GEMM_SHAPES[family][4 if dtype.itemsize >= 4 else 2]
-
-
 def get_gemm_configs(dtype: torch.dtype = torch.bfloat16, family: str = "pointer") -> list[triton.Config]:
     """Autotuning configs of a GEMM ``family`` (:data:`GEMM_FAMILIES`) for ``dtype`` operands (CUDA only)."""
     return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8), num_warps=w, num_stages=s)
-            for m, n, k, w, s in _family_shapes(family, dtype)]
+            for m, n, k, w, s in _GEMM_SHAPES[family][min(dtype.itemsize, 4)]]
 
 
 def gemm_autotuners(kernel, key: list[str], family: str = "pointer") -> dict:
@@ -177,17 +169,10 @@ def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int, family: str = "
     different tiles).  ``rows`` is the largest chunk's row count, ``cols`` the output
     features.  Loopback ops (one process) may autotune; see :func:`pick_launch`.
     """
-    shapes = _family_shapes(family, dtype)
-    buckets = _PINNED[family][4 if dtype.itemsize >= 4 else 2]
-    if rows >= 128 and cols >= 256:
-        bucket = "large"
-    elif rows >= 128 and cols >= 128:
-        bucket = "tall"
-    elif cols >= 128:
-        bucket = "wide"
-    else:
-        bucket = "small"
-    m, n, k, w, s = shapes[buckets[bucket]]
+    size = min(dtype.itemsize, 4)
+    many = rows >= 128
+    bucket = "large" if many and cols >= 256 else "tall" if many and cols >= 128 else "wide" if cols >= 128 else "small"
+    m, n, k, w, s = _GEMM_SHAPES[family][size][_PINNED[family][size][bucket]]
     return dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8, num_warps=w, num_stages=s)
 
 
@@ -223,11 +208,8 @@ def pinned_reduce_config(numel: int, dtype: torch.dtype, world_size: int) -> dic
 def get_chunk_reduce_configs(dtype: torch.dtype = torch.bfloat16) -> list[triton.Config]:
     """The chunk reduction's pinned configs for ``dtype`` partials, one per audited world size (kwargs ``BLOCK``,
     ``PER_SM`` and ``W``: the world size it is pinned for; CUDA only)."""
-    out = []
-    for w in REDUCE_AUDIT_W:
-        c = pinned_reduce_config(1 << 22, dtype, w)
-        out.append(triton.Config(dict(BLOCK=c["BLOCK"], PER_SM=c["PER_SM"], W=w), num_warps=c["num_warps"]))
-    return out
+    return [triton.Config(dict(BLOCK=c["BLOCK"], PER_SM=c["PER_SM"], W=w), num_warps=c["num_warps"])
+            for w in REDUCE_AUDIT_W for c in [pinned_reduce_config(1 << 22, dtype, w)]]
 
 
 def get_push_configs(dtype: torch.dtype | None = None) -> list[triton.Config]:
@@ -239,17 +221,19 @@ def get_push_configs(dtype: torch.dtype | None = None) -> list[triton.Config]:
 # ---------------------------------------------------------------- host-side launch helpers
 
 
-def pick_launch(tuned, kernel, cpu_config: dict, pinned: dict, config: dict | None, *, may_tune: bool):
-    """(kernel, launch kwargs): an explicit config, the autotuner, the pinned CUDA config, or the CPU config.
+def pick_launch(tuned, kernel, config: dict | None, ws, pinned: dict, cpu_config: dict = CPU_GEMM_CONFIG):
+    """(kernel, launch kwargs): an explicit ``config``, the CPU config, the autotuner, or the pinned CUDA config.
 
-    ``may_tune`` is False for ops on a real group (see :func:`pinned_gemm_config`); the
-    autotuner then never runs, whatever ``DISTFUSE_AUTOTUNE`` says.
+    Only ops on a loopback ``ws`` (every virtual rank in this process) run the autotuner:
+    rerunning a loopback kernel rewrites the same slots with the same values and raises the
+    same flags, so tuning it is harmless.  On a real group it is not (see
+    :func:`pinned_gemm_config`), whatever ``DISTFUSE_AUTOTUNE`` says.
     """
     if config is not None:
         return kernel, dict(config)
     if INTERPRET or not HAS_CUDA:
         return kernel, dict(cpu_config)
-    if tuned is not None and may_tune:
+    if tuned is not None and getattr(ws, "backend", None) == "loopback":
         return tuned, {}
     return kernel, dict(pinned)
 
@@ -272,14 +256,13 @@ def pick_gemm_launch(tuned_by_size: dict, kernel, dtype: torch.dtype, rows: int,
                      ws, family: str = "pointer"):
     """:func:`pick_launch` for a GEMM kernel: its autotuner for ``dtype``'s operand size, the pinned config of
     ``rows`` (the largest chunk's) by ``cols`` (the output features) in its ``family``, the CPU config."""
-    return pick_launch(tuned_by_size.get(min(dtype.itemsize, 4)), kernel, CPU_GEMM_CONFIG,
-                       pinned_gemm_config(dtype, rows, cols, family), config, may_tune=ws_may_tune(ws))
+    return pick_launch(tuned_by_size.get(min(dtype.itemsize, 4)), kernel, config, ws,
+                       pinned_gemm_config(dtype, rows, cols, family))
 
 
 def pick_push_launch(tuned, kernel, config: dict | None, ws):
     """:func:`pick_launch` for an all-gather push copy: its autotuner, the first push config, the CPU config."""
-    pinned = config_of(get_push_configs()[0])
-    return pick_launch(tuned, kernel, CPU_PUSH_CONFIG, pinned, config, may_tune=ws_may_tune(ws))
+    return pick_launch(tuned, kernel, config, ws, config_of(get_push_configs()[0]), CPU_PUSH_CONFIG)
 
 
 def tile_grid(rows: int, cols: int, steps: int | None = None, *, inner: str = "BLOCK_N", at_least: int = 0):
@@ -398,16 +381,6 @@ def check_bias(op: str, bias: torch.Tensor | None, N: int, device) -> None:
     """``bias`` is None or ``[N]`` on ``device`` (any stride: the kernels read it through its stride)."""
     if bias is not None and (tuple(bias.shape) != (N,) or bias.device != device):
         raise expect(op, "bias shape and device", ((N,), device), (tuple(bias.shape), bias.device))
-
-
-def ws_may_tune(ws) -> bool:
-    """Whether ops on ``ws`` may autotune: only a loopback workspace (every virtual rank in this process).
-
-    Rerunning a loopback kernel rewrites the same slots with the same values and raises
-    the same flags, so tuning it is harmless; on a real group it is not (see
-    :func:`pinned_gemm_config`).
-    """
-    return getattr(ws, "backend", None) == "loopback"
 
 
 def config_of(c: triton.Config) -> dict:

@@ -58,9 +58,9 @@ from distfuse.kernels.jit_helpers import (
     arrive,
     balanced_chunk,
     cast_out,
-    grouped_tile,
     matmul_tile,
     raise_flag,
+    tile_offsets,
     wait_flag,
 )
 
@@ -110,11 +110,8 @@ def _gathered_k_matmul_kernel(
     """
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = tile_offsets(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), M, N, GROUP_M, BLOCK_M,
+                                                  BLOCK_N)
     rows = offs_m.to(tl.int64)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     ok = rank == rank  # an int1 scalar, the type wait_flag returns
@@ -204,9 +201,7 @@ def gathered_k_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int
         st.check_status(op, "gathered K chunks")
     lead = a_shard.shape[:-1]
     y = out.view(*lead, N)
-    if not return_gathered:
-        return y
-    return y, gathered_copy(gathered, (M, K), x, K, rank, W).view(*lead, K)
+    return (y, gathered_copy(gathered, (M, K), x, K, rank, W).view(*lead, K)) if return_gathered else y
 
 
 def all_gather_features_matmul_loopback(shards, weight_list, ws, *, biases=None, out_dtype: torch.dtype | None = None,

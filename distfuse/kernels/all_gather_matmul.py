@@ -61,6 +61,7 @@ from distfuse.kernels._utils import (
     refuse_zero_width_gather,
     round_bf16,
     shard_rows,
+    summed_partials,
     tile_grid,
     timeout_arg,
 )
@@ -72,9 +73,9 @@ from distfuse.kernels.jit_helpers import (
     balanced_chunk,
     cast_out,
     chunk_rows,
-    grouped_tile,
     matmul_tile,
     raise_flag,
+    tile_offsets,
     wait_flag,
 )
 
@@ -141,11 +142,7 @@ def _gathered_matmul_kernel(
         ok = True
         if chunk != rank:
             ok = wait_flag(flags_ptr + chunk * W + chunk, epoch, status_ptr + chunk, timeout, TIMED)
-        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M_c
-        mask_n = offs_n < N
+        offs_m, offs_n, mask_m, mask_n = tile_offsets(pid, num_pid_m, num_pid_n, M_c, N, GROUP_M, BLOCK_M, BLOCK_N)
         b_idx, i_idx = chunk_rows(offs_m, len_c, 0)
         g_rows = b_idx * n + start_c + i_idx  # row of the gathered [B_, n, *] tensors
         # The local chunk comes from the shard itself, the others from this rank's workspace.
@@ -191,26 +188,10 @@ def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, co
     if W == 1:
         return
     kernel, meta = pick_push_launch(_push_tuned, _ag_push_kernel, config, ws)
-    start_p = block_range(n, W, rank)[0]
     kernel[tile_grid(n_batch * len_p, K, inner="BLOCK_K", at_least=1)](
         x, gathered, st.data_ptrs, st.flag_ptrs, st.counters,
-        n_batch, n, K, len_p, start_p, rank, W, st.epoch_dev,
+        n_batch, n, K, len_p, block_range(n, W, rank)[0], rank, W, st.epoch_dev,
         x.stride(0), x.stride(1), **meta,
-    )
-
-
-def _launch_pointer(x, gathered, weight, bias, out, st, rank: int, W: int, n: int, m_max: int, out_dtype, config,
-                    ws) -> None:
-    """Launch the one-tile-per-program pointer kernel (grid: tiles of the largest chunk x W steps)."""
-    n_batch, _, K = x.shape
-    N = weight.shape[0]
-    kernel, meta = pick_gemm_launch(_gathered_matmul_tuned, _gathered_matmul_kernel, x.dtype, m_max, N, config, ws)
-    kernel[tile_grid(m_max, N, W)](
-        x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,
-        n_batch, n, N, K, rank, W, st.epoch_dev, timeout_arg(st),
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x.dtype),
-        ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, **meta,
     )
 
 
@@ -260,15 +241,21 @@ def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     if m_max > 0 and N > 0:
         if choice.kernel == "gathered_matmul_persistent":
             launch_gathered_persistent(x, gathered, weight, bias, out, st, rank, W, n, config=config)
-        else:
+        else:  # the pointer kernel: grid of the largest chunk's tiles x W steps
             blocks = {k: v for k, v in (config or {}).items() if k != "PROGRAMS"} or None
-            _launch_pointer(x, gathered, weight, bias, out, st, rank, W, n, m_max, out_dtype, blocks, ws)
+            pointer, meta = pick_gemm_launch(_gathered_matmul_tuned, _gathered_matmul_kernel, x.dtype, m_max, N,
+                                             blocks, ws)
+            pointer[tile_grid(m_max, N, W)](
+                x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,
+                n_batch, n, N, K, rank, W, st.epoch_dev, timeout_arg(st), x.stride(0), x.stride(1),
+                weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,
+                HAS_BIAS=bias is not None, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x.dtype),
+                ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, **meta,
+            )
         st.check_status(op, "gathered chunks")
     lead = a_shard.shape[:-2]
     y = out.view(*lead, n, N)
-    if not return_gathered:
-        return y
-    return y, gathered_copy(gathered, (n_batch, n, K), x, n, rank, W).view(*lead, n, K)
+    return (y, gathered_copy(gathered, (n_batch, n, K), x, n, rank, W).view(*lead, n, K)) if return_gathered else y
 
 
 def all_gather_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, n: int, *,
@@ -306,8 +293,5 @@ def all_gather_matmul_reference(shards, weight: torch.Tensor, *, bias: torch.Ten
                                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Pure-torch reference: ``cat(shards, dim=-2) @ weight.T + bias`` in fp32, rounded once to ``out_dtype``."""
     x = torch.cat(list(shards), dim=-2)
-    y = x.float() @ weight.float().t()
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(out_dtype or x.dtype)
+    return summed_partials([x.float() @ weight.float().t()], None, bias, out_dtype or x.dtype)
 

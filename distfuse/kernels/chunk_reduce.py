@@ -14,9 +14,8 @@ contract between them; :func:`launch_reduce` is the one launch all of them go th
 Built for the roofline (bytes moved per output element: W slot reads + 1 write, nothing
 else; the bias is ``N`` elements, read from L2)::
 
-    grid      PER_SM programs per SM (8; 5 at 2048-, 3 at 4096-element blocks), each with W * BLOCK *
-              itemsize = 16 KB of loads in flight (BLOCK 512-4096 elements: 4096 at W = 2
-              in 16 bits), at most one program per block: 48-128 KB per SM in flight
+    grid      PER_SM programs per SM, each with W * BLOCK * itemsize = 16 KB of loads in flight, at
+              most one program per block: 48-128 KB per SM (:func:`~distfuse.kernels._utils.pinned_reduce_config`)
     layout    slot rows as wide as output rows (ld == N, every N % 16 == 0 width): one flat
               walk over B_ * len_r * N elements, BLOCK elements per program iteration,
               16-byte loads and stores (contiguous, BLOCK-aligned offsets); otherwise
@@ -77,19 +76,15 @@ def wait_all_flags(flags_ptr, W, W_BLOCK: tl.constexpr, epoch, status_ptr, timeo
     n_pending = tl.sum(pending.to(tl.int32), axis=0)
     if TIMED:
         start = globaltimer()
-        elapsed = tl.full([], 0, tl.int64)
-        while (n_pending > 0) & (elapsed < timeout_ns):
-            again = tl.atomic_add(flags_ptr + offs, 0, mask=pending, sem="acquire", scope="sys")
-            pending = pending & (again != epoch)
-            n_pending = tl.sum(pending.to(tl.int32), axis=0)
-            elapsed = globaltimer() - start
-    else:
-        spins = tl.full([], 0, tl.int64)  # a typed loop-carried counter
-        while (n_pending > 0) & (spins < timeout_ns):
-            again = tl.atomic_add(flags_ptr + offs, 0, mask=pending, sem="acquire", scope="sys")
-            pending = pending & (again != epoch)
-            n_pending = tl.sum(pending.to(tl.int32), axis=0)
-            spins += 1
+    waited = tl.full([], 0, tl.int64)  # nanoseconds (TIMED) or extra rounds; typed: a loop-carried value
+    while (n_pending > 0) & (waited < timeout_ns):
+        again = tl.atomic_add(flags_ptr + offs, 0, mask=pending, sem="acquire", scope="sys")
+        pending = pending & (again != epoch)
+        n_pending = tl.sum(pending.to(tl.int32), axis=0)
+        if TIMED:
+            waited = globaltimer() - start
+        else:
+            waited += 1
     if n_pending > 0:
         tl.atomic_xchg(status_ptr + offs, tl.full([W_BLOCK], 0, tl.int32) + epoch, mask=pending)
     # One barrier: every thread of the program reads the partials after the flags, not only those that polled.
@@ -121,14 +116,11 @@ def _chunk_reduce_kernel(
     """out[row, col] = sum over the W sources of slot[src][row, col] (fp32) + bias[col], on a persistent grid.
 
     ``W_UNROLL`` is W (a constexpr: the loads are unrolled), ``W_BLOCK`` the next power of
-    two (the flag vector).  Each program polls all W flags at once (:func:`wait_all_flags`),
-    then walks the blocks ``pid, pid + num_programs, ...``, adding the W partials in source
-    order whatever order the flags came in: the result is bitwise the same run to run and
-    for every grid.  ``FLAT`` (``ld == N``): one contiguous ``[n_rows * N]`` walk in
-    ``BLOCK``-aligned blocks (with ``N % 16 == 0``, known to the compiler, every load and
-    store is 16 bytes wide); otherwise ``[BLOCK // BLOCK_C, BLOCK_C]`` row blocks, slot rows
-    ``ld`` apart (16-aligned), output rows ``N``.  A source whose flag never came makes the
-    whole chunk NaN.
+    two (the flag vector); ``FLAT``: ``ld == N`` (the module doc's layouts; with ``N % 16 == 0``
+    known to the compiler, the flat walk's loads and stores are 16 bytes wide).  The W partials
+    are added in source order whatever order the flags came in: the result is bitwise the
+    same run to run and for every grid.  A source whose flag never came makes the whole
+    chunk NaN.
     """
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
@@ -212,13 +204,11 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
     else:
         blocks = cdiv(rows, meta["BLOCK"] // meta["BLOCK_C"]) * cdiv(cols, meta["BLOCK_C"])
     programs = min(blocks, persistent_programs(out.device, meta.get("PROGRAMS"), per_sm=meta["PER_SM"]))
-    W = world_size
     _chunk_reduce_kernel[(programs,)](
         slots, out, bias if bias is not None else out, st.flags, st.status,
-        rows, cols, ld, slot_elems, rank, st.epoch_dev, timeout_arg(st),
-        bias.stride(0) if bias is not None else 0,
+        rows, cols, ld, slot_elems, rank, st.epoch_dev, timeout_arg(st), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS,
-        W_UNROLL=W, W_BLOCK=next_power_of_2(W), **kw,
+        W_UNROLL=world_size, W_BLOCK=next_power_of_2(world_size), **kw,
     )
     return dict(meta, programs=programs)
 
@@ -229,11 +219,9 @@ def reduce_slots(op: str, ws, rank: int, world_size: int, shape: tuple, ld: int,
     """Consume: sum the W slots of this rank's data region into ``shape`` (``[..., cols]``); returns the output.
 
     Slot rows are ``ld`` apart, slots ``slot_elems`` apart (default: the rows of ``shape``
-    times ``ld``).  :func:`launch_reduce` waits ``flags[rank, src]`` of every source, adds
-    the slots in source order in fp32 (the same order on every rank), adds ``bias [cols]``
-    once and rounds once.  The consumer of :func:`chunk_reduce`, ``column_reduce`` and the
-    one-shot all-reduce; ``what`` names the partials in the error, ``shape_name`` the
-    output's shape.
+    times ``ld``); :func:`launch_reduce` waits ``flags[rank, src]`` of every source and sums
+    the slots and ``bias [cols]`` as the module doc says.  ``what`` names the partials in the
+    error, ``shape_name`` the output's shape.
     """
     st = claimed_rank_view(op, ws, rank, world_size, ws.device)
     rows, cols = math.prod(shape[:-1]), shape[-1]

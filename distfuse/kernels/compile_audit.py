@@ -41,15 +41,20 @@ __all__ = ["KernelCase", "AuditRecord", "audit_cases", "compile_case", "run_audi
 #: Shared memory per block that a kernel may use, by compute capability.
 SHARED_LIMITS = {90: 232448, 80: 166912}
 
-# PTX of an acquire load / release store at system scope, as Triton 3.6-3.9 emit them
-# for tl.atomic_* with sem= and scope="sys": an atomic add of 0 with acquire becomes
-# "ld.global.sys.acquire.b32", a release exchange "atom.global.sys.release.exch.b32".
-_ACQUIRE_SYS = re.compile(r"\b(atom|ld)\.global\.sys\.(acquire|acq_rel)\.")
-_RELEASE_SYS = re.compile(r"\batom\.global\.sys\.(release|acq_rel)\.")
-_VECTOR_STORE = re.compile(r"\bst\.global(\.[a-z]+)*\.v[24]\.b(32|64)\b")
-_VECTOR_LOAD = re.compile(r"\bld\.global(\.[a-z]+)*\.v[24]\.b(32|64)\b")
-# A TMA load of a tensor descriptor (sm_90+): "cp.async.bulk.tensor.2d.shared::cluster.global...".
-_TMA_LOAD = re.compile(r"\bcp\.async\.bulk\.tensor\.")
+# The PTX each check asks for, and the problem reported where it is missing.  Triton 3.6-3.9 emit tl.atomic_* with
+# sem= and scope="sys" as acquire / release atomics at system scope: an atomic add of 0 with acquire becomes
+# "ld.global.sys.acquire.b32", a release exchange "atom.global.sys.release.exch.b32".  A TMA load of a tensor
+# descriptor (sm_90+) is "cp.async.bulk.tensor.2d.shared::cluster.global...".
+_PTX_CHECKS = {
+    "acquire_sys": (re.compile(r"\b(atom|ld)\.global\.sys\.(acquire|acq_rel)\."),
+                    "flag wait is not an acquire atomic at system scope (atom.global.sys.acquire)"),
+    "release_sys": (re.compile(r"\batom\.global\.sys\.(release|acq_rel)\."),
+                    "flag raise is not a release atomic at system scope (atom.global.sys.release)"),
+    "vector_load": (re.compile(r"\bld\.global(\.[a-z]+)*\.v[24]\.b(32|64)\b"),
+                    "partial loads are not vectorised (no ld.global.v2/v4)"),
+    "tma_load": (re.compile(r"\bcp\.async\.bulk\.tensor\."), "operand loads do not use TMA (no cp.async.bulk.tensor)"),
+    "vector_store": (re.compile(r"\bst\.global(\.[a-z]+)*\.v[24]\.b(32|64)\b"), "epilogue stores are not vectorised"),
+}
 
 
 @dataclass
@@ -90,17 +95,10 @@ def compile_case(case: KernelCase, arch: int = 90, *, load: bool = False) -> Aud
     if rec.shared_limit is not None and rec.shared > rec.shared_limit:
         rec.problems.append(f"shared memory {rec.shared} B exceeds sm_{arch}'s {rec.shared_limit} B per block")
     ptx = compiled.asm.get("ptx", "")
-    if "acquire_sys" in case.checks and not _ACQUIRE_SYS.search(ptx):
-        rec.problems.append("flag wait is not an acquire atomic at system scope (atom.global.sys.acquire)")
-    if "release_sys" in case.checks and not _RELEASE_SYS.search(ptx):
-        rec.problems.append("flag raise is not a release atomic at system scope (atom.global.sys.release)")
-    if "vector_load" in case.checks and not _VECTOR_LOAD.search(ptx):
-        rec.problems.append("partial loads are not vectorised (no ld.global.v2/v4)")
-    if "tma_load" in case.checks and arch >= 90 and not _TMA_LOAD.search(ptx):  # TMA exists from sm_90
-        rec.problems.append("operand loads do not use TMA (no cp.async.bulk.tensor)")
-    if "vector_store" in case.checks and not _VECTOR_STORE.search(ptx):
-        scalar = sorted(set(re.findall(r"\bst\.global[.\w]*", ptx)))
-        rec.problems.append(f"epilogue stores are not vectorised (found {scalar})")
+    for check, (pattern, problem) in _PTX_CHECKS.items():
+        if check in case.checks and (check != "tma_load" or arch >= 90) and not pattern.search(ptx):  # TMA: sm_90+
+            found = sorted(set(re.findall(r"\bst\.global[.\w]*", ptx)))
+            rec.problems.append(problem + (f" (found {found})" if check == "vector_store" else ""))
     if not load:
         rec.registers, rec.spills = _static_usage(compiled.asm.get("cubin"))
         if rec.spills:
@@ -163,7 +161,8 @@ def run_audit(arches=(90,), dtypes=DTYPES, *, load: bool = False, only: str | No
                            "decorated for the interpreter at import)")
     dtypes = tuple(dtypes)
     cases = _select(dtypes, only)
-    arch_here = _device_arch()
+    major, minor = torch.cuda.get_device_capability() if torch.cuda.is_available() else (None, 0)
+    arch_here = major and major * 10 + minor  # load only binaries for this machine's GPU
     work = [(i, arch, dtypes, load and arch == arch_here, only) for arch in arches for i in range(len(cases))]
     if jobs > 1:
         import multiprocessing
@@ -181,18 +180,11 @@ def run_audit(arches=(90,), dtypes=DTYPES, *, load: bool = False, only: str | No
     return records
 
 
-def _device_arch() -> int | None:
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    return major * 10 + minor
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", type=int, action="append", help="compute capability, e.g. 90 (repeatable; default 90)")
     p.add_argument("--kernel", default=None,
-                   help="only this kernel family (matmul_scatter, gathered_matmul, chunk_reduce, ag_push, halo, ...)")
+                   help="only the kernels whose name starts with this (matmul_scatter, chunk_reduce, halo, ...)")
     p.add_argument("--load", action="store_true", help="load each binary on this machine's GPU: registers, spills")
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--jobs", type=int, default=1, help="compile in this many processes")

@@ -19,6 +19,7 @@ __all__ = ["KernelCase", "audit_cases", "DTYPES"]
 
 _TT = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_LUTS = {f"{k}{a}_ptr": "i32" for a in range(3) for k in ("seg", "crd")}  # the halo lookup tables
 
 
 @dataclass
@@ -47,11 +48,10 @@ class KernelCase:
     descriptors: dict = field(default_factory=dict)
 
     def signature(self) -> tuple[dict, dict]:
-        fn = self.fn
         tt = _TT[self.dtype]
         sig, attrs = {}, {}
-        dont = set(getattr(fn, "do_not_specialize", ()) or ())
-        for i, name in enumerate(fn.arg_names):
+        dont = set(getattr(self.fn, "do_not_specialize", ()) or ())
+        for i, name in enumerate(self.fn.arg_names):
             if name in self.constexprs:
                 sig[name] = "constexpr"
             elif name in self.descriptors:
@@ -97,9 +97,8 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
     )
 
     tables = {"data_ptrs": "i64", "flag_ptrs": "i64", "counter_ptr": "i32", "flags_ptr": "i32", "status_ptr": "i32",
-              "epoch_ptr": "i32"}
-    ints = {"timeout": "i64"}
-    case = functools.partial(KernelCase, pointer_dtypes=tables, ints=ints)
+              "epoch_ptr": "i32", "sigs_ptr": "i32"}
+    case = functools.partial(KernelCase, pointer_dtypes=tables, ints={"timeout": "i64"})
 
     def family_configs(dt, family):
         """``(num_warps, num_stages, blocks)`` of the family's autotuning list plus every bucket's pinned config."""
@@ -182,18 +181,16 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
             cases.append(case("ag_push_columns", ag_features_kernels._ag_push_columns_kernel, dt, dict(c.kwargs),
                               c.num_warps, 1, aligned=("K", "stride_xm"), checks=("release_sys",)))
         # The flag raise of the library-GEMM producer (cublas_chunks), launched after each chunk's GEMM.
-        cases.append(KernelCase("raise_chunk_flag", chunk_flag.raise_chunk_flag_kernel, dt, {}, 1, 1,
-                                pointer_dtypes={"flag_ptrs": "i64", "epoch_ptr": "i32"}, checks=("release_sys",)))
+        cases.append(case("raise_chunk_flag", chunk_flag.raise_chunk_flag_kernel, dt, {}, 1, 1,
+                          checks=("release_sys",)))
         # The agreement check: signatures published to every peer (release), compared after the flag waits (acquire).
-        cases.append(KernelCase("publish_signature", signature_kernels._publish_signature_kernel, dt, {}, 1, 1,
-                                pointer_dtypes={"flag_ptrs": "i64"}, checks=("release_sys",)))
-        cases.append(KernelCase("check_signatures", signature_kernels._check_signatures_kernel, dt,
-                                dict(TIMED=True, W_BLOCK=8, BLOCK=1024), 4, 1,
-                                pointer_dtypes={"flags_ptr": "i32", "sigs_ptr": "i32", "status_ptr": "i32",
-                                                "epoch_ptr": "i32"}, ints=ints, checks=("acquire_sys",)))
+        cases.append(case("publish_signature", signature_kernels._publish_signature_kernel, dt, {}, 1, 1,
+                          checks=("release_sys",)))
+        cases.append(case("check_signatures", signature_kernels._check_signatures_kernel, dt,
+                          dict(TIMED=True, W_BLOCK=8, BLOCK=1024), 4, 1, checks=("acquire_sys",)))
         # A rank without a payload (a refused input, a workspace to grow): its word, then every flag it owes.
-        cases.append(KernelCase("abstain_signature", signature_kernels._abstain_kernel, dt, {}, 1, 1,
-                                pointer_dtypes={"flag_ptrs": "i64", "epoch_ptr": "i32"}, checks=("release_sys",)))
+        cases.append(case("abstain_signature", signature_kernels._abstain_kernel, dt, {}, 1, 1,
+                          checks=("release_sys",)))
         cases.append(case("gather_columns", all_reduce_kernels._gather_columns_kernel, dt,
                           dict(TIMED=True, **all_reduce_kernels._GATHER_CONFIG), 4, 1, aligned=("N", "stride_own"),
                           checks=("acquire_sys",)))
@@ -205,7 +202,6 @@ def _halo_cases(dtypes) -> list[KernelCase]:
 
     from distfuse.kernels import halo_programs as halo
 
-    luts = {f"{k}{a}_ptr": "i32" for a in range(3) for k in ("seg", "crd")}
     i64 = {n: "i64" for n in ("ptab_ptr", "btab_ptr", "bstart_ptr", "atab_ptr", "m0_ptr", "m1_ptr", "m2_ptr")}
     fp32 = {"out1_ptr": "fp32", "self_ptr": "fp32"}
     cases = []
@@ -214,7 +210,7 @@ def _halo_cases(dtypes) -> list[KernelCase]:
             tile = dict(COMPUTE=tl.float32, BLOCK_R=2048 // bx, BLOCK_X=bx)
             for region in (0, 1, 2):
                 cases.append(KernelCase("halo_lut_gather", halo.lut_gather_kernel, dt, dict(tile, REGION=region),
-                                        4, 1, pointer_dtypes={**luts, **i64}))
+                                        4, 1, pointer_dtypes={**_LUTS, **i64}))
             cases.append(KernelCase("halo_accumulate", halo.accumulate_kernel, dt, dict(tile, ROUND_BF16=False), 4, 1,
                                     pointer_dtypes={**i64, **fp32}))
         for log2 in (1, 5):
@@ -229,10 +225,9 @@ def _conv_implicit_cases(dtypes) -> list[KernelCase]:
     from distfuse.kernels import conv_implicit
 
     fn = conv_implicit._conv_implicit_kernel
-    luts = {f"{k}{a}_ptr": "i32" for a in range(3) for k in ("seg", "crd")}
     tile = tuple(conv_implicit._GPU_TILE)  # the launcher's only GPU tile (BLOCK_M != BLOCK_K)
     return [KernelCase("conv_implicit", fn, dt, conv_implicit._constexprs(dt, True, tile, interpret=False), 4, 2,
-                       pointer_dtypes={**luts, "ptab_ptr": "i64"}) for dt in dtypes]
+                       pointer_dtypes={**_LUTS, "ptab_ptr": "i64"}) for dt in dtypes]
 
 
 def audit_cases(dtypes=DTYPES) -> list[KernelCase]:
@@ -241,13 +236,11 @@ def audit_cases(dtypes=DTYPES) -> list[KernelCase]:
 
 
 def _select(dtypes, only: str | None) -> list[KernelCase]:
+    """Every case, or those of the kernels whose name starts with ``only``."""
+    cases = audit_cases(dtypes)
     if only is None:
-        return audit_cases(dtypes)
-    gemm = ("matmul_scatter", "matmul_scatter_persistent", "raise_chunk_flag", "gathered_matmul",
-            "gathered_matmul_persistent", "chunk_reduce", "ag_push", "gathered_k_matmul", "matmul_push",
-            "gather_columns", "publish_signature", "check_signatures", "abstain_signature")
-    families = {**dict.fromkeys(gemm, _gemm_cases), "halo": _halo_cases, "conv_implicit": _conv_implicit_cases}
-    builders = {f for name, f in families.items() if name.startswith(only) or only.startswith(name)}
-    if not builders:
-        raise ValueError(f"compile_audit: no kernel family matches {only!r}; families: {sorted(families)}")
-    return [c for build in builders for c in build(dtypes) if c.name.startswith(only)]
+        return cases
+    picked = [c for c in cases if c.name.startswith(only)]
+    if not picked:
+        raise ValueError(f"compile_audit: no kernel matches {only!r}; kernels: {sorted({c.name for c in cases})}")
+    return picked

@@ -49,6 +49,7 @@ from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.kernels._utils import INTERPRET, input_precision
 from distfuse.kernels.halo import halo_stage_reference
+from distfuse.kernels.halo_programs import piece_value
 from distfuse.kernels.halo_tables import check_flat, pad3, recv_numel, stage_tables
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out
@@ -95,16 +96,8 @@ def _conv_k_step(acc, k_start, b, o0, o1, o2, mmask, offs_n, nmask,
     s2 = tl.load(seg2_ptr + p2, mask=amask, other=0)
     c2 = tl.load(crd2_ptr + p2, mask=amask, other=0).to(tl.int64)
     prow = ((s0 * NS1 + s1) * NS2 + s2) * 5
-    kind = tl.load(ptab_ptr + prow, mask=amask, other=0)
-    base = tl.load(ptab_ptr + prow + 1, mask=amask, other=0)
-    lstr = tl.load(ptab_ptr + prow + 2, mask=amask, other=0)
-    st0 = tl.load(ptab_ptr + prow + 3, mask=amask, other=0)
-    st1 = tl.load(ptab_ptr + prow + 4, mask=amask, other=0)
     lead = (b[:, None] * C + c[None, :]).to(tl.int64)  # x and recv boxes are [B*C, ...]
-    off = base + lead * lstr + c0 * st0 + c1 * st1 + c2
-    va = tl.load(x_ptr + off, mask=amask & (kind == 1), other=0.0)
-    vb = tl.load(r_ptr + off, mask=amask & (kind == 2), other=0.0)
-    a = tl.where(kind == 2, vb, va)  # kind 0 (zero fill): va is the masked-load fill 0
+    _, a = piece_value(x_ptr, r_ptr, ptab_ptr, prow, lead, c0, c1, c2, amask, x_ptr.dtype.element_ty)
     w = tl.load(w_ptr + offs_n[None, :].to(tl.int64) * K + offs_k[:, None],
                 mask=kmask[:, None] & nmask[None, :], other=0.0)
     if UPCAST:  # interpreter: its 16-bit tl.dot is wrong; fp32 products of 16-bit values are exact
@@ -160,9 +153,8 @@ def _constexprs(dtype: torch.dtype, has_bias: bool, tile: tuple[int, int, int], 
     """The kernel's constexpr arguments for ``dtype`` operands (the compile-for-sm_90 test passes interpret=False).
 
     Compiled, 16-bit operands go to ``tl.dot`` as they are (tensor cores, fp32
-    accumulation) and fp32 ones with :func:`input_precision` (IEEE unless torch allows
-    TF32).  Interpreted, the operands are upcast to fp32 (its 16-bit ``tl.dot`` is wrong)
-    and bf16 outputs are rounded by hand (its fp32 -> bf16 conversion truncates).
+    accumulation) and fp32 ones with :func:`input_precision`.  Interpreted, ``UPCAST`` and
+    ``ROUND_BF16`` work around its pitfalls (:mod:`distfuse.kernels._utils`).
     """
     bm, bn, bk = tile
     return dict(HAS_BIAS=has_bias, UPCAST=interpret, INPUT_PRECISION=input_precision(dtype),
@@ -226,12 +218,10 @@ def conv_implicit(x: torch.Tensor, recv: torch.Tensor, weight: torch.Tensor, bia
     Co = weight.shape[0]
     out_shape = plan.output_shape(index)
     want = (B, Co) + out_shape
-    if out is None:
-        y = x.new_empty(want)
-    elif tuple(out.shape) != want or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
+    if out is not None and (tuple(out.shape) != want or out.dtype != x.dtype or out.device != x.device
+                            or not out.is_contiguous()):
         raise expect(_OP, "out (contiguous, x's dtype and device)", (want, x.dtype), (tuple(out.shape), out.dtype))
-    else:
-        y = out
+    y = x.new_empty(want) if out is None else out
     if y.numel() == 0:
         return y
     K = C * math.prod(weight.shape[2:])
@@ -246,15 +236,10 @@ def conv_implicit(x: torch.Tensor, recv: torch.Tensor, weight: torch.Tensor, bia
             min(128, max(16, next_power_of_2(M))), min(64, max(16, next_power_of_2(Co))),
             min(128, max(16, next_power_of_2(K))))
     r = recv if recv.numel() else x  # never dereferenced without a kind-2 piece
-    O0, O1, O2 = pad3(out_shape, 1)
-    K0, K1, K2 = pad3(tuple(weight.shape[2:]), 1)
-    SD0, SD1, SD2 = pad3(stride, 1)
-    DL0, DL1, DL2 = pad3(dilation, 1)
     grid = (cdiv(M, tile[0]), cdiv(Co, tile[1]))
     _conv_implicit_kernel[grid](y, x, r, w, bias if bias is not None else w, *luts, ptab,
-                                M, Co, K, C, O0, O1, O2, K0, K1, K2, ns[1], ns[2],
-                                SD0, SD1, SD2, DL0, DL1, DL2,
-                                **_constexprs(x.dtype, bias is not None, tile))
+                                M, Co, K, C, *pad3(out_shape, 1), *pad3(tuple(weight.shape[2:]), 1), ns[1], ns[2],
+                                *pad3(stride, 1), *pad3(dilation, 1), **_constexprs(x.dtype, bias is not None, tile))
     return y
 
 

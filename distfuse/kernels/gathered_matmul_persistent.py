@@ -10,11 +10,9 @@ compute-bound at the MLP shapes, so the target is cuBLAS's rate)::
     weight  [N, K]          K contiguous, or [K, N] N contiguous (``w.t()`` of a contiguous [K, N])
     y       [B_, n, N]      = gather(x) @ weight.T + bias
 
-* **Persistent grid, chunk-major tile order.**  At most one program per SM; program ``p``
-  computes tiles ``p, p + P, ...`` of the W * T tiles (T per chunk), the chunks in the
-  pointer kernel's arrival order (local first, no wait) and the tiles of a chunk in the
-  grouped order.  As in :mod:`distfuse.kernels.matmul_scatter_persistent`, a row tile never
-  crosses a batch entry, so every A tile is one rectangular box of a descriptor.
+* **Persistent grid, chunk-major tile order**, as in :mod:`distfuse.kernels.matmul_scatter_persistent`
+  (grouped tiles; a row tile never crosses a batch entry, so every A tile is one rectangular
+  box of a descriptor), the chunks in the pointer kernel's arrival order (local first, no wait).
 * **One wait per chunk, hoisted out of the tile loop.**  A program's chunk index never
   decreases along its tiles, so it polls a peer chunk's flag once, at its first tile of
   that chunk (acquire, system scope, one CTA barrier), and every later tile of the chunk
@@ -58,7 +56,7 @@ from distfuse.kernels._utils import (
     timeout_arg,
 )
 from distfuse.kernels.host_ints import cdiv
-from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, wait_flag
+from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, tma_tile, wait_flag
 from distfuse.kernels.persistent import (
     chunk_tiles,
     descriptor_problem,
@@ -69,24 +67,6 @@ from distfuse.kernels.persistent import (
 
 __all__ = ["gathered_persistent_supported", "gathered_persistent_config", "launch_gathered_persistent",
            "wave_efficiency", "WAVE_TARGET"]
-
-
-@triton.jit
-def _k_loop(a_desc, a_row, b_desc, col0, K, B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr,
-            INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """fp32 ``[BLOCK_M, BLOCK_N]`` = A rows ``a_row ...`` (``a_desc``) @ weight columns ``col0 ...``, over all of K."""
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        a = a_desc.load([a_row, k0])
-        if B_KMAJOR:
-            b = b_desc.load([k0, col0])
-        else:
-            b = b_desc.load([col0, k0]).T
-        if UPCAST:  # the interpreter's 16-bit dot is wrong
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-    return acc
 
 
 @triton.jit
@@ -150,8 +130,7 @@ def _gathered_matmul_persistent_kernel(
             else:
                 a_desc = g_desc
                 a_row = b_idx * n + start_c + row0
-            acc = _k_loop(a_desc, a_row, b_desc, col0, K, B_KMAJOR, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N,
-                          BLOCK_K)
+            acc = tma_tile(a_desc, a_row, b_desc, col0, K, B_KMAJOR, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
             offs_r = row0 + tl.arange(0, BLOCK_M)
             rows = (b_idx * n + start_c + offs_r).to(tl.int64)  # rows of y [B_ * n, N]
             mask_r = offs_r < len_c

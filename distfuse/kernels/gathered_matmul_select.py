@@ -15,11 +15,10 @@ call's operands::
 :func:`~distfuse.kernels.all_gather_matmul.gathered_matmul` calls :func:`select_gather_kernel`
 and nothing else decides; the :class:`GatherChoice` of its latest call in this thread is
 :func:`last_gather_choice` (the benchmarks name ``choice.kernel`` in every row, and a layer's
-``last_decision`` can take it the way it takes the scatter producer's
+``last_decision`` can take it like the scatter producer's
 :class:`~distfuse.kernels.matmul_scatter_select.KernelChoice`: both have ``kernel`` and
-``reason``).  A fallback can therefore never pass for the kernel that was asked for.
-Compiled fp32 operands with IEEE products go to the pointer kernel
-(:func:`~distfuse.kernels.persistent.compiled_refusal`).
+``reason``), so a fallback never passes for the kernel that was asked for.  The fp32 rule
+is :func:`~distfuse.kernels.persistent.compiled_refusal`.
 """
 
 from __future__ import annotations

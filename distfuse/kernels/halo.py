@@ -103,13 +103,11 @@ def halo_pack(x: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, out: tor
     index = tuple(index)
     lead = check_plan_tensor("halo_pack", x, plan, plan.input_shape(index), "x")
     numel = send_numel(plan, index, lead)
-    if out is None:
-        out = x.new_empty(numel)
+    out = x.new_empty(numel) if out is None else out
     check_flat("halo_pack", out, numel, x.dtype, x.device, "send buffer")
-    if numel == 0:
-        return out
-    tables = pack_tables(plan, index, lead, x.device)
-    launch_boxes(out, out, x, tables, lead, pad3(plan.input_shape(index), 1), block)
+    if numel > 0:
+        tables = pack_tables(plan, index, lead, x.device)
+        launch_boxes(out, out, x, tables, lead, pad3(plan.input_shape(index), 1), block)
     return out
 
 
@@ -128,8 +126,8 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
             ``"remote"`` only the pieces read from ``recv``.
 
     Each staged element is written once (the pieces tile the staged box): the interior window
-    (the block itself, most of the staged tensor) by one strided copy, the shell around it by
-    the table walk of :func:`~distfuse.kernels.halo_programs.launch_lut`, one launch per shell
+    (the block itself, most of the staged tensor) by one strided copy, not a table walk; the
+    shell around it by :func:`~distfuse.kernels.halo_programs.launch_lut`, one launch per shell
     box (at most two per axis).  Adjoint: :func:`halo_unstage`.
     """
     index = tuple(index)
@@ -152,22 +150,13 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
         launch_lut(out, a, b, luts, ptab, ns, REGION_CODE[region], full, tile)
         return out
     if region != "remote":
-        # The interior window (most of the staged tensor) is one strided copy of the block, not a table walk
-        # (see halo_programs); the tables cover only the shell around it.
-        nd = len(staged_shape)
-        _window(out, interior.dst_lo, interior.shape, nd).copy_(_window(x, interior.src_lo, interior.src_shape, nd))
+        out[(..., *interior.dst_slices())].copy_(x[(..., *interior.src_slices())])
     # no received piece overlaps the interior window: the rest of the staged tensor is the shell around it
     lo = pad3(interior.dst_lo, 0)
     inner = tuple(zip(lo, (start + e for start, e in zip(lo, pad3(interior.shape, 1), strict=True)), strict=True))
     for box in shell(inner, full):
         launch_lut(out, a, b, luts, ptab, ns, REGION_CODE[region], full, tile, box=box)
     return out
-
-
-def _window(t: torch.Tensor, lo, shape, nd: int) -> torch.Tensor:
-    """The view of ``t``'s box ``[lo, lo + shape)`` over its last ``nd`` dims, every leading dim whole."""
-    lead = (slice(None),) * (t.dim() - nd)
-    return t[lead + tuple(slice(a, a + e) for a, e in zip(lo, shape, strict=True))]
 
 
 class Unstaged(NamedTuple):
@@ -203,7 +192,6 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
     lead = check_plan_tensor("halo_unstage", grad, plan, staged_shape, "staged gradient")
     lead_shape = _lead_shape(grad, len(staged_shape))
     acc_dtype = _acc_dtype(grad.dtype)
-    selfb = self_boxes
     if region in ("all", "remote"):
         numel = recv_numel(plan, index, lead)
         send = grad.new_empty(numel) if send is None else send
@@ -212,31 +200,27 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
         send = None
     if region in ("all", "local"):
         numel = self_numel(plan, index, lead)
-        selfb = torch.empty(numel, dtype=acc_dtype, device=grad.device) if selfb is None else selfb
-        check_flat("halo_unstage", selfb, numel, acc_dtype, grad.device, "self boxes")
+        self_boxes = torch.empty(numel, dtype=acc_dtype, device=grad.device) if self_boxes is None else self_boxes
+        check_flat("halo_unstage", self_boxes, numel, acc_dtype, grad.device, "self boxes")
         want = lead_shape + plan.input_shape(index)
         grad_x = grad.new_empty(want) if grad_x is None else grad_x
         if tuple(grad_x.shape) != want or grad_x.dtype != grad.dtype or not grad_x.is_contiguous():
             raise expect("halo_unstage", "grad_x (contiguous, grad's dtype)", (want, grad.dtype),
                          (tuple(grad_x.shape), grad_x.dtype))
     else:
-        selfb = grad_x = None
+        self_boxes = grad_x = None
     tables = unstage_box_tables(plan, index, lead, region, grad.device)
     src = grad if grad.numel() else grad.new_empty(1)  # an empty grad has no pieces: never dereferenced
     launch_boxes(send if send is not None and send.numel() else src,
-                  selfb if selfb is not None and selfb.numel() else src,
+                  self_boxes if self_boxes is not None and self_boxes.numel() else src,
                   src, tables, lead, pad3(staged_shape, 1), block)
-    if grad_x is not None:
-        # The interior piece's gradient is a window of the staged gradient: one strided copy, zeros wherever the
-        # block has no interior.
+    if grad_x is not None:  # the interior piece's gradient: one strided copy, zeros elsewhere
         interior = interior_piece(plan, index)
-        nd = len(staged_shape)
         if interior is None or tuple(interior.src_shape) != tuple(plan.input_shape(index)):
             grad_x.zero_()
         if interior is not None and math.prod(interior.shape) > 0:
-            _window(grad_x, interior.src_lo, interior.src_shape, nd).copy_(
-                _window(grad, interior.dst_lo, interior.shape, nd))
-    return Unstaged(grad_x, send, selfb)
+            grad_x[(..., *interior.src_slices())].copy_(grad[(..., *interior.dst_slices())])
+    return Unstaged(grad_x, send, self_boxes)
 
 
 def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: torch.Tensor, plan: HaloPlan,
@@ -299,12 +283,9 @@ def halo_stage_reference(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, in
     it = iter(received)
     for pc in plan.pieces(index):
         dst = (..., *pc.dst_slices())
-        if pc.src is None:
+        if pc.src is None or pc.src == index:  # zero fill or a piece of x: no message
             if region != "remote":
-                out[dst] = 0
-        elif pc.src == index:
-            if region != "remote":
-                out[dst] = read_box(x[(..., *pc.src_slices())], pc)
+                out[dst] = 0 if pc.src is None else read_box(x[(..., *pc.src_slices())], pc)
         else:
             box = next(it)
             if region != "local":
@@ -335,10 +316,7 @@ def halo_accumulate_reference(grad_x: torch.Tensor, self_boxes: torch.Tensor, in
     index = tuple(index)
     lead_shape = _lead_shape(grad_x, len(plan.axes))
     out = grad_x.double().clone()
-    selfs = self_pieces(plan, index)
-    for pc, box in zip(selfs, _split(self_boxes, [p.src_shape for p in selfs], lead_shape), strict=True):
-        out[(..., *pc.src_slices())] += box.double()
-    sends = [pc for _, pc in plan.sends(index)]
-    for pc, box in zip(sends, _split(incoming, [p.src_shape for p in sends], lead_shape), strict=True):
-        out[(..., *pc.src_slices())] += box.double()
+    for pieces, buf in ((self_pieces(plan, index), self_boxes), ([pc for _, pc in plan.sends(index)], incoming)):
+        for pc, box in zip(pieces, _split(buf, [p.src_shape for p in pieces], lead_shape), strict=True):
+            out[(..., *pc.src_slices())] += box.double()
     return out.to(grad_x.dtype)

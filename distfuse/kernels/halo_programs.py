@@ -39,7 +39,6 @@ gather-add (accumulate); buffers and tables are described there and in
   arithmetic wrongly.  Copies are exact in every dtype.  Unstage writes ``grad_x`` in the
   gradient's own dtype (the interior is a copy) and accumulate rounds once per border
   element, so no fp32 copy of the whole block is ever made.
-* **Linear grids** (:func:`linear_grid`): programs are numbered over grid axis 0.
 * **No runtime ``range`` bounds.**  Loops over a runtime count (replicate runs, boxes of
   a tile) are ``while`` loops: Triton 3.6's interpreter converts a runtime ``range``
   bound with ``int()`` of a shape-(1,) array, which numpy 2 rejects.  Neither loop is a
@@ -61,8 +60,8 @@ from distfuse.kernels.halo_tables import contiguous_strides
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out
 
-__all__ = ["lut_gather_kernel", "box_gather_kernel", "accumulate_kernel", "launch_lut", "launch_boxes", "shell",
-           "compute_dtype", "pick_tile", "row_tiled_grid", "linear_grid", "box_block", "REGION_CODE"]
+__all__ = ["piece_value", "lut_gather_kernel", "box_gather_kernel", "accumulate_kernel", "launch_lut", "launch_boxes",
+           "shell", "compute_dtype", "pick_tile", "row_tiled_grid", "linear_grid", "box_block", "REGION_CODE"]
 
 REGION_CODE = {"all": 0, "local": 1, "remote": 2}
 
@@ -76,8 +75,10 @@ def _or(a, b):
 
 
 @triton.jit
-def _program_tile(n_x_tiles):
-    """``(row tile, column tile)`` of this program in a row-tiled launch (grid from :func:`row_tiled_grid`).
+def _row_tile(n_rows, E0, E1, E2, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
+    """This program's ``[BLOCK_R, BLOCK_X]`` tile of a row-tiled launch over ``[n_rows, E2]`` (grid from
+    :func:`row_tiled_grid`): ``(rows, cols, rmask, cmask, e0, e1, lead)``, each row decomposed once into
+    ``(lead, e0, e1)`` of ``[LEAD, E0, E1]``.
 
     Programs are numbered linearly over grid axis 0 (up to 2^31 - 1) and, past that,
     axis 1; column tiles vary fastest, so neighbouring programs sweep one band of rows
@@ -85,8 +86,32 @@ def _program_tile(n_x_tiles):
     tile past ``n_rows``, which every mask rejects.  Row and column tile indices fit
     int32 (n_rows and the inner extent do), so the per-row arithmetic stays int32.
     """
+    n_x_tiles = tl.cdiv(E2, BLOCK_X)
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)
-    return (pid // n_x_tiles).to(tl.int32), (pid % n_x_tiles).to(tl.int32)
+    pid_r, pid_x = (pid // n_x_tiles).to(tl.int32), (pid % n_x_tiles).to(tl.int32)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
+    rmask = rows < n_rows
+    cmask = cols < E2
+    e1 = rows % E1
+    q = rows // E1
+    return rows, cols, rmask, cmask, q % E0, e1, (q // E0).to(tl.int64)
+
+
+@triton.jit
+def piece_value(a_ptr, b_ptr, ptab_ptr, prow, lead, c0, c1, c2, mask, COMPUTE: tl.constexpr):
+    """``(kind, value in COMPUTE)`` of staged elements through the piece table (rows at ``prow``, see
+    :mod:`~distfuse.kernels.halo_tables`): ``source[lead, c0, c1, c2]`` of piece kind 0 (zero fill), 1 (``a_ptr``)
+    or 2 (``b_ptr``).  Every argument but the pointers broadcasts to ``mask``'s shape."""
+    kind = tl.load(ptab_ptr + prow, mask=mask, other=0)
+    base = tl.load(ptab_ptr + prow + 1, mask=mask, other=0)
+    lstr = tl.load(ptab_ptr + prow + 2, mask=mask, other=0)
+    st0 = tl.load(ptab_ptr + prow + 3, mask=mask, other=0)
+    st1 = tl.load(ptab_ptr + prow + 4, mask=mask, other=0)
+    off = base + lead * lstr + c0 * st0 + c1 * st1 + c2
+    va = tl.load(a_ptr + off, mask=mask & (kind == 1), other=0.0).to(COMPUTE)
+    vb = tl.load(b_ptr + off, mask=mask & (kind == 2), other=0.0).to(COMPUTE)
+    return kind, tl.where(kind == 2, vb, va)  # kind 0: va is the masked-load fill 0
 
 
 @triton.jit
@@ -100,15 +125,7 @@ def lut_gather_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_
     0 zero, 1 ``a_ptr``, 2 ``b_ptr``.  REGION 1 writes kinds 0 and 1 only, REGION 2
     kind 2 only, 0 everything.  Tiles ``[BLOCK_R, BLOCK_X]`` over ``[n_rows, E2]``, one per program.
     """
-    pid_r, pid_x = _program_tile(tl.cdiv(E2, BLOCK_X))
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
-    rmask = rows < n_rows
-    cmask = cols < E2
-    e1 = rows % E1
-    q = rows // E1
-    e0 = q % E0
-    lead = (q // E0).to(tl.int64)
+    rows, cols, rmask, cmask, e0, e1, lead = _row_tile(n_rows, E0, E1, E2, BLOCK_R, BLOCK_X)
     s0 = tl.load(seg0_ptr + e0, mask=rmask, other=0)
     c0 = tl.load(crd0_ptr + e0, mask=rmask, other=0).to(tl.int64)
     s1 = tl.load(seg1_ptr + e1, mask=rmask, other=0)
@@ -117,15 +134,8 @@ def lut_gather_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_
     c2 = tl.load(crd2_ptr + cols, mask=cmask, other=0).to(tl.int64)
     mask = rmask[:, None] & cmask[None, :]
     prow = ((s0 * NS1 + s1)[:, None] * NS2 + s2[None, :]) * 5
-    kind = tl.load(ptab_ptr + prow, mask=mask, other=0)
-    base = tl.load(ptab_ptr + prow + 1, mask=mask, other=0)
-    lstr = tl.load(ptab_ptr + prow + 2, mask=mask, other=0)
-    st0 = tl.load(ptab_ptr + prow + 3, mask=mask, other=0)
-    st1 = tl.load(ptab_ptr + prow + 4, mask=mask, other=0)
-    off = base + lead[:, None] * lstr + c0[:, None] * st0 + c1[:, None] * st1 + c2[None, :]
-    va = tl.load(a_ptr + off, mask=mask & (kind == 1), other=0.0).to(COMPUTE)
-    vb = tl.load(b_ptr + off, mask=mask & (kind == 2), other=0.0).to(COMPUTE)
-    val = tl.where(kind == 2, vb, va)  # kind 0: va is the masked-load fill 0
+    kind, val = piece_value(a_ptr, b_ptr, ptab_ptr, prow, lead[:, None], c0[:, None], c1[:, None], c2[None, :], mask,
+                            COMPUTE)
     if REGION == 1:
         mask = mask & (kind != 2)
     if REGION == 2:
@@ -151,7 +161,7 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, t
     folds away, and Triton 3.6's coalesce pass, which crashes on a ``while`` whose condition
     is constant-false, never sees one.
     """
-    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _program_tile
+    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
     e = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     m = e < total
     # box of each element: the last k with bstart[k] <= e (branchless binary search, bstart[0] == 0)
@@ -213,15 +223,7 @@ def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, m0_ptr, m1_ptr, m2_ptr, atab_p
     whether box k covers coordinate p of axis a.  Tiles as in :func:`lut_gather_kernel`; the box
     loop is a ``while`` (see the module doc).
     """
-    pid_r, pid_x = _program_tile(tl.cdiv(E2, BLOCK_X))
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
-    rmask = rows < n_rows
-    cmask = cols < E2
-    e1 = rows % E1
-    q = rows // E1
-    e0 = q % E0
-    lead = (q // E0).to(tl.int64)
+    rows, cols, rmask, cmask, e0, e1, lead = _row_tile(n_rows, E0, E1, E2, BLOCK_R, BLOCK_X)
     mrow = tl.load(m0_ptr + e0, mask=rmask, other=0) & tl.load(m1_ptr + e1, mask=rmask, other=0)
     mcol = tl.load(m2_ptr + cols, mask=cmask, other=0)
     cover = mrow[:, None] & mcol[None, :]
@@ -303,7 +305,7 @@ def linear_grid(programs: int) -> tuple[int, int]:
 
 
 def row_tiled_grid(n_rows: int, inner: int, block_r: int, block_x: int) -> tuple[int, int]:
-    """Grid of a ``[BLOCK_R, BLOCK_X]``-tiled launch over ``[n_rows, inner]`` (decoded by ``_program_tile``)."""
+    """Grid of a ``[BLOCK_R, BLOCK_X]``-tiled launch over ``[n_rows, inner]`` (decoded by ``_row_tile``)."""
     return linear_grid(cdiv(n_rows, block_r) * cdiv(inner, block_x))
 
 

@@ -23,6 +23,7 @@ accumulate             8       SEL, BASE, LO0, LO1, LO2, S0, S1, S2
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -47,11 +48,7 @@ _BOX_COLS = 15  # the box table's row width (see the module docstring; the kerne
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
     """Contiguous strides of ``shape``."""
-    out, acc = [], 1
-    for e in reversed(shape):
-        out.append(acc)
-        acc *= e
-    return tuple(reversed(out))
+    return tuple(math.prod(shape[a + 1:]) for a in range(len(shape)))
 
 
 def pad3(values: Sequence[int], fill: int) -> tuple[int, ...]:
@@ -61,11 +58,8 @@ def pad3(values: Sequence[int], fill: int) -> tuple[int, ...]:
 
 def box_offsets(shapes: Sequence[Sequence[int]], lead: int) -> tuple[list[int], int]:
     """Flat offsets of boxes ``[lead, *shape]`` laid out one after another, and the total size."""
-    offs, acc = [], 0
-    for s in shapes:
-        offs.append(acc)
-        acc += lead * math.prod(s)
-    return offs, acc
+    ends = list(itertools.accumulate((lead * math.prod(s) for s in shapes), initial=0))
+    return ends[:-1], ends[-1]
 
 
 def _is_identity(plan: HaloPlan, index: tuple[int, ...], pc: Piece) -> bool:
@@ -114,10 +108,6 @@ def self_numel(plan: HaloPlan, index: tuple[int, ...], lead: int) -> int:
 # ---------------------------------------------------------------- tables (cached per (plan, index, lead, device))
 
 
-def _i32(values, device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int32, device=device)
-
-
 def _i64(values, device) -> torch.Tensor:
     return torch.tensor(list(values), dtype=torch.int64, device=device)
 
@@ -125,19 +115,14 @@ def _i64(values, device) -> torch.Tensor:
 @functools.lru_cache(maxsize=512)
 def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
     """Per-axis (segment, coordinate) LUTs over the staged extents and the piece table."""
-    segs = [ax.segments(i) for ax, i in zip(plan.axes, index, strict=True)]
     luts = []
-    for axis_segs in segs:
+    for ax, i in zip(plan.axes, index, strict=True):
         seg_id, crd = [], []
-        for s, sg in enumerate(axis_segs):
-            for t in range(sg.length):
-                seg_id.append(s)
-                if sg.src is None or sg.step == 0:
-                    crd.append(0)
-                elif sg.step == 1:
-                    crd.append(t)
-                else:
-                    crd.append(sg.extent - 1 - t)
+        for s, sg in enumerate(ax.segments(i)):
+            seg_id += [s] * sg.length
+            # the coordinate in the segment's source box: 0 for zero fill and replicate, reversed for reflect
+            crd += [0 if sg.src is None or sg.step == 0 else t if sg.step == 1 else sg.extent - 1 - t
+                    for t in range(sg.length)]
         luts.append((seg_id, crd))
     x_shape = plan.input_shape(index)
     x_str = pad3(contiguous_strides(x_shape), 0)
@@ -154,25 +139,22 @@ def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
             rows += [2, recv_offs[k], math.prod(pc.src_shape), st[0], st[1]]
             k += 1
     luts = [([0], [0])] * (3 - len(luts)) + luts
-    flat = [t for seg_id, crd in luts for t in (_i32(seg_id, device), _i32(crd, device))]
+    flat = [torch.tensor(t, dtype=torch.int32, device=device) for pair in luts for t in pair]
     ns = [max(seg_id) + 1 if seg_id else 1 for seg_id, _ in luts]
     return flat, _i64(rows, device), ns
 
 
 def _box_launch_tables(rows: list[int], numels: list[int], device):
     """Box table, start of every box in the concatenation, box count, total elements, largest R."""
-    starts = [0]
-    for n in numels:
-        starts.append(starts[-1] + n)
+    starts = list(itertools.accumulate(numels, initial=0))
     rt = max((rows[k * _BOX_COLS + 14] for k in range(len(numels))), default=1)
     return _i64(rows, device), _i64(starts, device), len(numels), starts[-1], rt
 
 
 def _box_row(sel: int, dst: int, extents, starts, dirs, reps) -> list[int]:
-    e, t, d, r = pad3(extents, 1), pad3(starts, 0), pad3(dirs, 0), pad3(reps, 1)
-    row = [sel, dst, *e, *t, *d, *r, math.prod(r)]
-    assert len(row) == _BOX_COLS
-    return row
+    """One box-table row (``_BOX_COLS`` entries): every axis padded to 3 as the kernels see it."""
+    r = pad3(reps, 1)
+    return [sel, dst, *pad3(extents, 1), *pad3(starts, 0), *pad3(dirs, 0), *r, math.prod(r)]
 
 
 @functools.lru_cache(maxsize=512)

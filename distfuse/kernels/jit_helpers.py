@@ -1,8 +1,8 @@
 """The ``@triton.jit`` helpers the kernel files share: rounding, chunk geometry, tile order, the flag protocol.
 
-:func:`cast_out` is the one fp32 -> output-dtype conversion of every kernel; the GEMM
-fusions share the chunk geometry, the grouped tile order and the K loop of one output
-tile (:func:`matmul_tile`).  Host-side flags and configs are in :mod:`distfuse.kernels._utils`.
+:func:`cast_out` is the one fp32 -> output-dtype conversion of every kernel; the GEMM fusions share the chunk
+geometry, the grouped tile order and the K loop of one output tile (:func:`matmul_tile`, :func:`tma_tile`).
+Host-side flags and configs are in :mod:`distfuse.kernels._utils`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["cast_out", "balanced_chunk", "chunk_rows", "grouped_tile", "matmul_tile", "globaltimer", "wait_flag",
-           "arrive", "raise_flag"]
+__all__ = ["cast_out", "balanced_chunk", "chunk_rows", "grouped_tile", "tile_offsets", "matmul_tile", "tma_tile",
+           "globaltimer", "wait_flag", "arrive", "raise_flag"]
 
 
 @triton.jit
@@ -96,6 +96,17 @@ def grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def tile_offsets(pid, num_pid_m, num_pid_n, M, N, GROUP_M: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """``(offs_m, offs_n, mask_m, mask_n)``: the rows and columns of program ``pid``'s tile of an ``M x N`` output
+    (:func:`grouped_tile` order), and which of them lie inside it."""
+    pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_m, offs_n, offs_m < M, offs_n < N
+
+
+@triton.jit
 def matmul_tile(a_rows, mask_m, b_ptr, offs_n, mask_n, K, stride_bk, stride_bn,
                 UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -123,6 +134,26 @@ def matmul_tile(a_rows, mask_m, b_ptr, offs_n, mask_n, K, stride_bk, stride_bn,
 
 
 @triton.jit
+def tma_tile(a_desc, a_row, b_desc, col0, K, B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr,
+             INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """:func:`matmul_tile` through tensor descriptors (TMA loads; the persistent GEMMs): fp32 ``[BLOCK_M, BLOCK_N]``
+    = A rows ``a_row ...`` (``a_desc``) @ weight columns ``col0 ...`` over all of K; ``b_desc`` reads the weight as
+    ``[N, K]`` or (``B_KMAJOR``) as ``[K, N]``."""
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        a = a_desc.load([a_row, k0])
+        if B_KMAJOR:
+            b = b_desc.load([k0, col0])
+        else:
+            b = b_desc.load([col0, k0]).T
+        if UPCAST:  # the interpreter's 16-bit dot is wrong
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    return acc
+
+
+@triton.jit
 def globaltimer():
     """The GPU's nanosecond clock (``%globaltimer``), for time-bounded waits (compiled kernels only)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
@@ -143,15 +174,13 @@ def wait_flag(flag_ptr, epoch, status_ptr, timeout_ns, TIMED: tl.constexpr):
     val = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if TIMED:
         start = globaltimer()
-        elapsed = tl.full([], 0, tl.int64)
-        while (val != epoch) & (elapsed < timeout_ns):
-            val = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            elapsed = globaltimer() - start
-    else:
-        spins = tl.full([], 0, tl.int64)  # a typed loop-carried counter
-        while (val != epoch) & (spins < timeout_ns):
-            val = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
-            spins += 1
+    waited = tl.full([], 0, tl.int64)  # nanoseconds (TIMED) or extra loads; typed: a loop-carried value
+    while (val != epoch) & (waited < timeout_ns):
+        val = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
+        if TIMED:
+            waited = globaltimer() - start
+        else:
+            waited += 1
     ok = val == epoch
     if not ok:
         tl.atomic_xchg(status_ptr, epoch)

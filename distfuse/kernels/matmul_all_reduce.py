@@ -64,9 +64,9 @@ from distfuse.kernels.jit_helpers import (
     arrive,
     balanced_chunk,
     cast_out,
-    grouped_tile,
     matmul_tile,
     raise_flag,
+    tile_offsets,
     wait_flag,
 )
 
@@ -85,11 +85,8 @@ def _matmul_push_kernel(
     """One output tile, computed once and stored into slot ``rank`` of every rank (peers first, own last)."""
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
-    pid_m, pid_n = grouped_tile(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = tile_offsets(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), M, N, GROUP_M, BLOCK_M,
+                                                  BLOCK_N)
     acc = matmul_tile(a_ptr + offs_m.to(tl.int64) * stride_am, mask_m, b_ptr, offs_n, mask_n, K, stride_bk, stride_bn,
                       UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     if HAS_BIAS:

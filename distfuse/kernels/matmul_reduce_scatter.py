@@ -71,9 +71,9 @@ from distfuse.kernels.jit_helpers import (
     balanced_chunk,
     cast_out,
     chunk_rows,
-    grouped_tile,
     matmul_tile,
     raise_flag,
+    tile_offsets,
 )
 
 __all__ = ["matmul_scatter", "chunk_reduce", "matmul_reduce_scatter", "matmul_reduce_scatter_loopback",
@@ -103,11 +103,7 @@ def _matmul_scatter_kernel(
     num_pid_m = tl.cdiv(M_c, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     if pid < num_pid_m * num_pid_n:
-        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_m = offs_m < M_c
-        mask_n = offs_n < N
+        offs_m, offs_n, mask_m, mask_n = tile_offsets(pid, num_pid_m, num_pid_n, M_c, N, GROUP_M, BLOCK_M, BLOCK_N)
         # Row remap: chunk row m is (batch m // len_c, sequence row start_c + m % len_c).
         b_idx, i_idx = chunk_rows(offs_m, len_c, start_c)
         a_rows = a_ptr + b_idx * stride_ab + i_idx * stride_an

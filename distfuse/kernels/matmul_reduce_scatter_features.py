@@ -47,7 +47,7 @@ from distfuse.kernels._utils import (
     tile_grid,
 )
 from distfuse.kernels.host_ints import cdiv
-from distfuse.kernels.jit_helpers import arrive, balanced_chunk, cast_out, grouped_tile, matmul_tile, raise_flag
+from distfuse.kernels.jit_helpers import arrive, balanced_chunk, cast_out, matmul_tile, raise_flag, tile_offsets
 
 __all__ = ["matmul_scatter_columns", "column_reduce", "matmul_reduce_scatter_features_loopback",
            "matmul_reduce_scatter_features_reference", "matmul_scatter_columns_workspace_bytes", "column_slot_stride",
@@ -76,11 +76,8 @@ def _matmul_scatter_columns_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(len_c, BLOCK_N)
     if pid < num_pid_m * num_pid_n:
-        pid_m, pid_n = grouped_tile(pid, num_pid_m, num_pid_n, GROUP_M)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of the chunk, 0-based
-        mask_m = offs_m < M
-        mask_n = offs_n < len_c
+        # offs_n: columns of the chunk, 0-based
+        offs_m, offs_n, mask_m, mask_n = tile_offsets(pid, num_pid_m, num_pid_n, M, len_c, GROUP_M, BLOCK_M, BLOCK_N)
         a_rows = a_ptr + offs_m.to(tl.int64) * stride_am
         b_cols = b_ptr + start_c.to(tl.int64) * stride_bn
         acc = matmul_tile(a_rows, mask_m, b_cols, offs_n, mask_n, K, stride_bk, stride_bn,

@@ -54,7 +54,7 @@ from distfuse.kernels._utils import (
 )
 from distfuse.kernels.chunk_reduce import slot_row_stride
 from distfuse.kernels.host_ints import cdiv
-from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, raise_flag
+from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, raise_flag, tma_tile
 from distfuse.kernels.persistent import (
     chunk_tiles,
     descriptor_problem,
@@ -63,18 +63,15 @@ from distfuse.kernels.persistent import (
     weight_descriptor,
 )
 
-__all__ = ["matmul_scatter_persistent", "persistent_supported", "persistent_gemm_config"]
+__all__ = ["matmul_scatter_persistent", "persistent_supported"]
 
 
 @triton.jit
 def _arrive_tile(counter_ptr, chunk, tiles_per_chunk, flag_ptrs, W, rank, epoch):
     """Count one finished tile of ``chunk``; the tile that completes the count raises the owner's flag.
 
-    The CTA barrier orders every thread's stores of the tile before the count.  The
-    count is an acq_rel RMW at GPU scope (all counting programs run on this GPU); the
-    completing program then releases the flag at system scope, which by cumulativity
-    publishes the stores of every tile its RMW observed.  It resets the counter for the
-    next op: no other tile of this chunk is left to count.
+    :func:`~distfuse.kernels.jit_helpers.arrive`'s protocol, per chunk, with the acq_rel count
+    at GPU scope (all counting programs run on this GPU) and the flag released at system scope.
     """
     tl.debug_barrier()
     old = tl.atomic_add(counter_ptr + chunk, 1, sem="acq_rel", scope="gpu")
@@ -114,17 +111,8 @@ def _matmul_scatter_persistent_kernel(
         col0 = pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if row0 < len_c:  # the smaller chunks' last row tiles are empty
-            a_row = b_idx * n + start_c + row0
-            for k0 in range(0, K, BLOCK_K):
-                a = a_desc.load([a_row, k0])
-                if B_KMAJOR:
-                    b = b_desc.load([k0, col0])
-                else:
-                    b = b_desc.load([col0, k0]).T
-                if UPCAST:
-                    a = a.to(tl.float32)
-                    b = b.to(tl.float32)
-                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            acc = tma_tile(a_desc, b_idx * n + start_c + row0, b_desc, col0, K, B_KMAJOR, UPCAST, INPUT_PRECISION,
+                           BLOCK_M, BLOCK_N, BLOCK_K)
         # The previous tile's stores have drained while this tile's K loop ran: count it now.
         if pending >= 0:
             _arrive_tile(counter_ptr, pending, tiles_per_chunk, flag_ptrs, W, rank, epoch)
@@ -139,21 +127,6 @@ def _matmul_scatter_persistent_kernel(
         pending = chunk
     if pending >= 0:
         _arrive_tile(counter_ptr, pending, tiles_per_chunk, flag_ptrs, W, rank, epoch)
-
-
-def persistent_gemm_config(dtype: torch.dtype, rows: int, cols: int, config: dict | None = None) -> dict:
-    """Block sizes of the persistent kernel: ``config``, the CPU config (interpreter), or the pinned GPU rule.
-
-    Pinned, not autotuned, even in loopback: the grid depends on the SM count, and one
-    rule on every rank keeps the ranks' tilings alike.  ``num_stages`` is the pinned
-    config's (TMA loads pipeline like pointer loads).
-    """
-    blocks = {k: v for k, v in (config or {}).items() if k not in ("kernel", "PROGRAMS")}
-    if "BLOCK_M" in blocks:
-        return blocks
-    if INTERPRET or not HAS_CUDA:
-        return dict(CPU_GEMM_CONFIG)
-    return pinned_gemm_config(dtype, rows, cols, "persistent")
 
 
 def persistent_supported(a3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
@@ -191,7 +164,13 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     q1 = cdiv(n, W)
     slot_elems = n_batch * q1 * ld
     slots = st.data(partial_dtype, W * slot_elems, op=op)
-    meta = persistent_gemm_config(a.dtype, n_batch * q1, N, config)
+    # Block sizes: the caller's, the CPU config, or the pinned GPU rule, with its num_stages (TMA loads pipeline like
+    # pointer loads).  Never autotuned, not even in loopback: the grid depends on the SM count, and one rule on every
+    # rank keeps the ranks' tilings alike.
+    meta = {k: v for k, v in (config or {}).items() if k not in ("kernel", "PROGRAMS")}
+    if "BLOCK_M" not in meta:
+        cpu = INTERPRET or not HAS_CUDA
+        meta = dict(CPU_GEMM_CONFIG) if cpu else pinned_gemm_config(a.dtype, n_batch * q1, N, "persistent")
     programs = min(chunk_tiles(meta, n_batch, q1, W, N), persistent_programs(a.device, (config or {}).get("PROGRAMS")))
     a_desc = rows_descriptor(a3, meta["BLOCK_M"], meta["BLOCK_K"])
     b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], meta["BLOCK_K"])

@@ -12,12 +12,11 @@ the *kernel* that runs it for the call's operands, and says why::
                         matmul_scatter (pointer loads)           otherwise: the reason is recorded
     cublas_chunks       matmul_scatter_cublas (one GEMM/chunk)   always
 
-Nothing else chooses: the two launcher modules import neither each other nor this one,
-:func:`distfuse.fused.providers.run_producer` runs what :func:`select_scatter_kernel`
-returns and records the :class:`KernelChoice`, and the benchmarks and the layers'
-``last_decision`` name ``choice.kernel``, the kernel that actually ran.  A fallback can
-therefore never pass for the kernel that was asked for.  Compiled fp32 operands with IEEE
-products go to the pointer kernel (:func:`~distfuse.kernels.persistent.compiled_refusal`).
+Nothing else chooses (the two launcher modules import neither each other nor this one):
+:func:`distfuse.fused.providers.run_producer` runs and records what :func:`select_scatter_kernel`
+returns, and the benchmarks and the layers' ``last_decision`` name ``choice.kernel``, the
+kernel that actually ran, so a fallback never passes for the kernel that was asked for.
+The fp32 rule is :func:`~distfuse.kernels.persistent.compiled_refusal`.
 """
 
 from __future__ import annotations
