@@ -56,8 +56,7 @@ from distfuse.layers.dispatch import Decision
 from distfuse.ops.fused_linear import ZeroLinearCall, make_call
 from distfuse.primitives._agreement import agree_on_local_checks
 from distfuse.primitives._axes import balanced_layout
-from distfuse.primitives._call_agreement import local_error
-from distfuse.primitives._common import check_inactive_input, dtype_code, dtype_of_code, gather_records
+from distfuse.primitives._common import check_inactive_input, dtype_code, dtype_of_code, gather_records, local_error
 from distfuse.primitives._gather_scatter import BlockCollective, reduce_scatter_op
 from distfuse.primitives.agreement_session import REPLAY, AgreementSession, FlagRound, flag_check
 from distfuse.primitives.all_gather import agreed_all_gather

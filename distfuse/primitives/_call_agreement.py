@@ -22,23 +22,14 @@ import torch.distributed as dist
 
 from distfuse import errors
 from distfuse.errors import DistfuseError, ShapeError, where
-from distfuse.primitives._common import collective_guard
+from distfuse.primitives._common import collective_guard, local_error
 
-__all__ = ["agree_on_call", "agree_on_tensor", "local_error"]
+__all__ = ["agree_on_call", "agree_on_tensor"]
 
 
 def _digest(record: dict) -> int:
     text = repr(sorted(record.items())).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1  # 63 bits, non-negative
-
-
-def local_error(check: Callable[[], None]) -> DistfuseError | None:
-    """The distfuse error ``check()`` raises, or None: a local check's outcome, to be agreed on, not raised here."""
-    try:
-        check()
-    except DistfuseError as exc:
-        return exc
-    return None
 
 
 def agree_on_call(P, op: str, same: dict, checks: Callable[[], None] | None = None) -> None:

@@ -34,9 +34,18 @@ from distfuse.groups import group_timeout, timeout_label, world_group
 from distfuse.partition import Partition
 from distfuse.primitives._layout import wire_view
 
-__all__ = ["exchange", "exchange_into", "check_inactive_input", "same_shape_and_dtype", "cached", "poison",
-           "gather_metadata", "gather_records", "summed_extents", "infer_global_shape", "balanced_global_shape",
-           "collective_guard", "dtype_code", "dtype_of_code", "first_order_only"]
+__all__ = ["local_error", "exchange", "exchange_into", "check_inactive_input", "same_shape_and_dtype", "cached",
+           "poison", "gather_metadata", "gather_records", "summed_extents", "infer_global_shape",
+           "balanced_global_shape", "collective_guard", "dtype_code", "dtype_of_code", "first_order_only"]
+
+
+def local_error(check: Callable[[], None]) -> DistfuseError | None:
+    """The distfuse error ``check()`` raises, or None: a local check's outcome, to be agreed on, not raised here."""
+    try:
+        check()
+    except DistfuseError as exc:
+        return exc
+    return None
 
 
 @contextlib.contextmanager
