@@ -150,8 +150,7 @@ def stage_window(x: torch.Tensor, halo: PlanHalo, rec: WindowRecord, global_shap
     with the layer's halo context ``halo`` and this worker's ``rec``; every worker calls it with the same path."""
     if path == "local":
         view = x[(Ellipsis, *rec.slices)]
-        flat_pad = [w for lo_hi in reversed(rec.pad_widths) for w in lo_hi]  # F.pad lists the last axis first
-        return F.pad(view, flat_pad, value=fill) if any(flat_pad) else view
+        return F.pad(view, list(rec.flat_pad), value=fill) if any(rec.flat_pad) else view
     stage = halo_staging if path == "fused" else halo_exchange
     staged = stage(x, halo.handle, list(global_shape))
     if fill != 0:  # overwrite the out-of-domain slabs in place (slabs only)
@@ -181,6 +180,7 @@ class WindowRecord:
     slices: tuple[slice, ...]
     pad_widths: tuple[tuple[int, int], ...]
     out_spatial: tuple[int, ...]
+    flat_pad: tuple[int, ...]  # pad_widths in F.pad's order (the last axis first), for the local path
     block: object = None
 
 
@@ -195,7 +195,8 @@ def window_record(plan: HaloPlan, index: tuple[int, ...], block=None) -> WindowR
         first = max(a, 0) - ax.input_range(i)[0] if inner > 0 else 0
         slices.append(slice(first, first + inner))
         widths.append((lo, hi))
-    return WindowRecord(plan, tuple(slices), tuple(widths), plan.output_shape(index), block)
+    flat_pad = tuple(w for lo_hi in reversed(widths) for w in lo_hi)
+    return WindowRecord(plan, tuple(slices), tuple(widths), plan.output_shape(index), flat_pad, block)
 
 
 class WindowLayer(AgreedLayer, nn.Module):
