@@ -10,8 +10,12 @@ only (the check runs in forward), on ``W`` ranks:
 * ``trusted``  (anchor) the same layer inside :func:`~distfuse.primitives._agreement.capture_safe`:
                its agreed record is trusted, no flag moves, nothing is read on the host: the
                layer with no check at all;
-* ``agreed``   the default: the flag in band on CPU partitions, on the host round on CUDA;
-* ``host``     the flag forced onto the host round (CPU runs only: on CUDA it is ``agreed``);
+* ``agreed``   the default: the flag in band on CPU partitions; on CUDA read one call later
+               (the deferred transport) by the all-gather and reduce-scatter linears, on the host
+               round elsewhere;
+* ``host``     the flag forced onto the host round (CPU runs, and the two linears on CUDA);
+* ``deferred`` the flag forced onto the deferred transport (the two linears, CPU runs: on CUDA
+               it is ``agreed``): a device all-reduce of the flag, read at the next call;
 * ``inband``   the flag forced in band (CUDA runs only: a read of the received flag, which
                waits for the device: the synchronisation the host round avoids);
 * ``gather``   the site forgotten before every call, so every call gathers the metadata on
@@ -188,8 +192,11 @@ def bench_rank(cfg: dict) -> list:
         with torch.no_grad():
             want = layer(x)  # the eager call that agrees (the trusted provider needs a settled site)
         providers = {ANCHOR: call(capture_safe), "agreed": call()}
-        other = "inband" if cuda else "host"
-        providers[other] = call(lambda o=other: flag_transport(o))
+        others = ["inband"] if cuda else ["host"]
+        if op in ("linear_all_gather", "linear_reduce_scatter"):
+            others.append("host" if cuda else "deferred")
+        for other in others:
+            providers[other] = call(lambda o=other: flag_transport(o))
         providers["gather"] = call(forget=True)
         for name, fn in providers.items():  # same work: every provider's output equals the first eager call's
             got = fn()
@@ -200,8 +207,11 @@ def bench_rank(cfg: dict) -> list:
         gathers = site.slow_calls - slow_before
         for n in providers:
             ms, q20, q80 = summarize(times[n])
+            deferred = n == "deferred" or (n == "agreed" and cuda and "deferred" not in providers and op in (
+                "linear_all_gather", "linear_reduce_scatter"))
             extra = dict(device=device.type, backend=dist.get_backend(), samples=len(times[n]),
-                         flags="host round" if (n == "host" or (n == "agreed" and cuda)) else
+                         flags="deferred (device all-reduce, read at the next call)" if deferred else
+                         "host round" if (n == "host" or (n == "agreed" and cuda)) else
                          ("none" if n == ANCHOR else "in band" if n in ("agreed", "inband") else "metadata gather"))
             if op in ("general_conv2d", "max_pool2d", "halo_exchange", "broadcast", "general_linear") and n in (
                     "agreed", "inband"):

@@ -7,8 +7,8 @@ from any one rank's log.
 
 from __future__ import annotations
 
-__all__ = ["DistfuseError", "PartitionError", "ShapeError", "CollectiveMismatchError", "CollectiveTimeoutError",
-           "UnsupportedError", "NotPicklableError", "ConfigError", "where", "expect"]
+__all__ = ["DistfuseError", "PartitionError", "ShapeError", "DisagreedCallError", "CollectiveMismatchError",
+           "CollectiveTimeoutError", "UnsupportedError", "NotPicklableError", "ConfigError", "where", "expect"]
 
 
 class DistfuseError(RuntimeError):
@@ -21,6 +21,11 @@ class PartitionError(DistfuseError, ValueError):
 
 class ShapeError(DistfuseError, ValueError):
     """A tensor whose shape, dtype or device does not fit its partition or layer."""
+
+
+class DisagreedCallError(ShapeError):
+    """Raised on every worker at the call after one whose workers disagreed (the deferred agreement transport, the
+    CUDA default of the tensor-parallel collectives): that call's outputs were NaN."""
 
 
 class UnsupportedError(DistfuseError, NotImplementedError):

@@ -24,7 +24,13 @@ What it checks, on each rank:
 
 It also times the agreement flag round a CUDA layer call takes before its data collective, on
 this host: the shared-memory flag board (:mod:`distfuse.primitives._flag_board`) against the
-gloo all-reduce it replaces (``flag_round_us``: median microseconds per round, best of 5 x 500).
+gloo all-reduce it replaces (``flag_round_us``: median microseconds per round, best of 5 x 500);
+and runs the deferred agreement transport (:mod:`distfuse.primitives._flag_deferred`, the CUDA
+default of the tensor-parallel sites) through its CUDA code (pinned copy, event) on an
+``AllSumReduce``: steady calls against float64, a disagreement that must give NaN and then
+``DisagreedCallError`` on both ranks, and the host microseconds of a steady call under the
+deferred and the host transports (``deferred_agreement``; the flag all-reduce runs on gloo here,
+so the time is not NCCL's).
 
 Status checks are deferred on CUDA (no host sync per op): each case ends with
 ``distfuse.fused.workspace.check_pending()``, so a failure is charged to its own case.
@@ -173,6 +179,54 @@ def flag_round_cost(P, rounds: int = 500, repeats: int = 5) -> dict:
     return out
 
 
+def _sync(dev) -> None:
+    if torch.device(dev).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def deferred_agreement_check(P, dev, calls: int = 200) -> dict:
+    """The deferred transport on CUDA tensors (collective over ``P``): correctness, then host us per steady call."""
+    import torch.distributed as dist
+
+    from distfuse.primitives import AllSumReduce
+    from distfuse.primitives._flag_transport import flag_transport
+
+    me, out = dist.get_rank(), {"failures": []}
+    module = AllSumReduce(P, axes_reduce=(1,))  # P is [1, W, 1]: the W workers
+
+    def data(seed, n, rank):
+        return torch.randn(n, generator=torch.Generator().manual_seed(seed * 10 + rank), dtype=torch.float64)
+
+    for seed in range(3):
+        got = module(data(seed, 4099, me).float().to(dev))
+        ref = sum(data(seed, 4099, r) for r in range(P.size))
+        if _rel(got.cpu(), ref) > TOL[torch.float32]:
+            out["failures"].append(f"steady call {seed}: relative error {_rel(got.cpu(), ref):.2e}")
+    out["pending_after_steady"] = module.agreement.deferred._pending is not None
+    bad = module(data(9, 4097 if me == 1 else 4099, me).float().to(dev))
+    out["nan_after_disagreement"] = bool(torch.isnan(bad).all())
+    try:
+        module(data(10, 4099, me).float().to(dev))
+        out["failures"].append("the call after a disagreement did not raise")
+    except Exception as exc:  # noqa: BLE001 - recorded
+        out["raised"] = type(exc).__name__
+    if not out["nan_after_disagreement"] or out.get("raised") != "DisagreedCallError":
+        out["failures"].append(f"disagreement: NaN {out['nan_after_disagreement']}, raised {out.get('raised')}")
+    x = data(11, 4096, me).float().to(dev)
+    for mode in ("deferred", "host"):
+        with flag_transport(mode):
+            for _ in range(20):
+                module(x)
+            _sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                module(x)
+            out[f"{mode}_us_per_call"] = (time.perf_counter() - t0) / calls * 1e6
+            _sync(dev)
+    out["ok"] = not out["failures"]
+    return out
+
+
 def _rank_main(rank: int, W: int, init: str, iters: int, providers: list[str], out_dir: str) -> None:
     os.environ["TORCH_SYMM_MEM_ALLOW_OVERLAPPING_DEVICES"] = "1"
     sys.path.insert(0, str(ROOT))
@@ -203,6 +257,10 @@ def _rank_main(rank: int, W: int, init: str, iters: int, providers: list[str], o
             report["flag_round_us"] = flag_round_cost(rings["world-order"])
         except Exception as exc:  # noqa: BLE001 - recorded
             report["flag_round_us"] = dict(error=f"{type(exc).__name__}: {exc}"[:500])
+        try:
+            report["deferred_agreement"] = deferred_agreement_check(grids["reversed"], dev)
+        except Exception:  # noqa: BLE001 - recorded
+            report["deferred_agreement"] = dict(ok=False, failures=[traceback.format_exc()[-2000:]])
         save()
         shapes = [(2, 67, 96, 80), (1, 130, 256, 192)]  # (B, n, K, N): n, K, N uneven over 2 and not x16
         plan = [(spec, it) for spec in providers for it in range(iters)]
@@ -257,8 +315,11 @@ def summarize(reports: list[dict], iters: int, providers: list[str], seconds: fl
                                  ok=bool(cases) and len(cases) >= 2 * iters and
                                  not any(spec in f for f in failures))
     flag_cost = next((r["flag_round_us"] for r in reports if r.get("rank") == 0 and "flag_round_us" in r), None)
-    return dict(ok=not failures and all(v["ok"] for v in by_provider.values()), world_size=2, iterations=iters,
-                seconds=seconds, by_provider=by_provider, failures=failures, flag_round_us=flag_cost, reports=reports)
+    deferred = {r["rank"]: r["deferred_agreement"] for r in reports if "deferred_agreement" in r}
+    return dict(ok=not failures and all(v["ok"] for v in by_provider.values())
+                and all(d.get("ok") for d in deferred.values()), world_size=2, iterations=iters,
+                seconds=seconds, by_provider=by_provider, failures=failures, flag_round_us=flag_cost,
+                deferred_agreement=deferred, reports=reports)
 
 
 def main(argv=None) -> int:
@@ -304,6 +365,12 @@ def main(argv=None) -> int:
     elif cost:
         print(f"gpu_two_process: agreement flag round, us per call: board {cost['board']:.1f} (used: "
               f"{cost['board_used']}), gloo {cost['gloo']:.1f}")
+    for rank, d in summary["deferred_agreement"].items():
+        if d.get("ok"):
+            print(f"gpu_two_process: deferred agreement (rank {rank}) ok; host us per steady call: deferred "
+                  f"{d['deferred_us_per_call']:.1f}, host round {d['host_us_per_call']:.1f}")
+        else:
+            print(f"gpu_two_process: deferred agreement (rank {rank}) FAILED: {d.get('failures')}")
     print(f"gpu_two_process: {'ok' if summary['ok'] else 'FAILED'} in {summary['seconds']:.1f} s")
     return 0 if summary["ok"] else 1
 

@@ -45,6 +45,7 @@ from distfuse.fused.workspace_layout import (  # RankBuffers and header_bytes re
     header_bytes,
 )
 from distfuse.groups import default_timeout
+from distfuse.primitives._flag_deferred import check_deferred_flags
 
 __all__ = ["LoopbackWorkspace", "RankBuffers", "WorkspaceBusyError", "WorkspaceBrokenError", "header_bytes",
            "status_check_mode", "check_pending"]
@@ -267,13 +268,16 @@ def status_check_mode(device: torch.device | str | None = None) -> str:
 
 
 def check_pending() -> None:
-    """A sync point: raise now for any fused op whose flag wait gave up, on any workspace of this process.
+    """A sync point: raise now for any fused op whose flag wait gave up, on any workspace of this process, and for
+    any call whose workers disagreed under the deferred agreement transport (``distfuse.check_pending``).
 
     With deferred status checks (the CUDA default) a failed op raises at the next fused op on
-    its workspace once the GPU has finished it; call this (at the end of a step, before
-    reading results on the host) to wait for every pending check and raise the first
-    failure by name.  Cheap when nothing is pending.
+    its workspace once the GPU has finished it, and a disagreement at the next call of its
+    layer (:mod:`distfuse.primitives._flag_deferred`); call this on every worker at the same
+    place (before ``optimizer.step()``, so that no step applies a disagreeing call's NaN) to
+    wait for every pending check and raise the first failure by name.  Cheap when nothing is pending.
     """
+    check_deferred_flags()
     for ws in list(_WORKSPACES):
         if ws.deferred:
             ws.check_deferred(wait=True)

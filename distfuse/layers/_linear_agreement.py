@@ -57,6 +57,7 @@ from distfuse.ops.fused_linear import ZeroLinearCall, make_call
 from distfuse.primitives._agreement import agree_on_local_checks
 from distfuse.primitives._axes import balanced_layout
 from distfuse.primitives._common import check_inactive_input, dtype_code, dtype_of_code, gather_records, local_error
+from distfuse.primitives._flag_deferred import poisoned_stand_in
 from distfuse.primitives._gather_scatter import BlockCollective, reduce_scatter_op
 from distfuse.primitives.agreement_session import REPLAY, AgreementSession, FlagRound, flag_check
 from distfuse.primitives.all_gather import agreed_all_gather
@@ -450,7 +451,7 @@ def agreed_matmul_reduce_scatter(layer, x: torch.Tensor, W: torch.Tensor, signat
 
     def run(state, flag: int) -> torch.Tensor:
         shape, dtype = state
-        mine = full() if flag != 1 else torch.zeros(shape, dtype=dtype, device=P_sub.device)
+        mine = full() if flag != 1 else poisoned_stand_in(shape, dtype, P_sub.device, x, W)
         return reduce_scatter_op(mine, ctx.handle, balanced_layout(P_sub, shape).blocks, None, flag)
 
     def gather():

@@ -43,6 +43,7 @@ from distfuse.errors import DistfuseError, UnsupportedError, where
 from distfuse.primitives._call_agreement import agree_on_call
 from distfuse.primitives._common import collective_guard
 from distfuse.primitives._flag_board import flag_board
+from distfuse.primitives._flag_deferred import DeferredFlags
 
 __all__ = ["AgreementSite", "run_agreed", "capture_safe", "trusting", "trusted_state", "flag_round",
            "agreed_by_flag_round", "agree_on_local_checks"]
@@ -91,10 +92,11 @@ class AgreementSite:
     tests and the benchmarks read them to prove that steady state gathers nothing).
     """
 
-    __slots__ = ("op", "signature", "state", "calls", "slow_calls", "kept")
+    __slots__ = ("op", "signature", "state", "calls", "slow_calls", "kept", "deferred")
 
     def __init__(self, op: str):
         self.op = op
+        self.deferred = DeferredFlags()  # its flags under the deferred transport (a site whose op has no context)
         self.signature: Hashable | None = None
         self.state: Any = None
         self.calls = 0

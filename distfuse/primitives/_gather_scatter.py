@@ -17,8 +17,11 @@ so gradients of any order are exact (a gradient penalty differentiates through b
 ``flag`` carries the agreement flag in the data (:mod:`~distfuse.primitives._axes_flagged`):
 -1 sends none, 0 or 1 this worker's flag.  When any worker's is set every worker runs the
 context's ``on_flag`` and raises :class:`~distfuse.primitives.agreement_session.FlaggedCallError`
-(:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`).  The adjoints
-never carry a flag (the backward needs no metadata).
+(:meth:`~distfuse.primitives.agreement_session.AgreementSession.agree_in`).  Under the
+deferred transport (CUDA; :mod:`~distfuse.primitives._flag_deferred`) the flag is read one
+call later instead, and a call that only some workers flagged runs with the agreed sizes
+(the flagged workers' stand-ins are NaN).  The adjoints never carry a flag (the backward
+needs no metadata).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ from distfuse.primitives._axes import (
 )
 from distfuse.primitives._axes_flagged import gather_blocks_flagged, scatter_sum_blocks_flagged
 from distfuse.primitives._common import cached
+from distfuse.primitives._flag_deferred import DeferredFlags
+from distfuse.primitives._flag_transport import flags_deferred
 from distfuse.primitives._handles import HandleOwner, lookup, new_handle
 from distfuse.primitives._op_pair import op_pair
 from distfuse.primitives.agreement_session import AgreementSession, flagged_error
@@ -50,11 +55,13 @@ __all__ = ["BlockCollective", "all_gather_op", "reduce_scatter_op", "collective_
 
 class BlockCollective(HandleOwner):
     """The context of the op pair's calls on one sub-grid: ``op`` (the name errors carry), ``P_sub``, and
-    ``on_flag``, run on every worker when a flag was set (None: nothing).  ``handle`` names it in graphs."""
+    ``on_flag``, run on every worker when a flag was set (None: nothing); ``deferred``, its flags under the
+    deferred transport.  ``handle`` names it in graphs."""
 
     def __init__(self, op: str, P_sub: CartesianPartition, on_flag: Callable[[], None] | None = None):
         self.op, self.P_sub, self.on_flag = op, P_sub, on_flag
         self._layouts: dict[tuple[int, ...], BlockLayout] = {}
+        self.deferred = DeferredFlags()
         self.handle = new_handle(self)
 
     def layout(self, blocks: Sequence[int]) -> BlockLayout:
@@ -69,7 +76,11 @@ class BlockCollective(HandleOwner):
         flag was set."""
         if flag < 0:
             return plain(self.op, self.P_sub, self.layout(blocks), t, *extra)
-        out, any_flag = flagged(self.op, self.P_sub, self.layout(blocks), t, flag > 0, *extra)
+        if flags_deferred(self.P_sub.device):
+            any_flag = self.deferred.round(self.P_sub, flag > 0, self.op, self.on_flag)
+            out = None if any_flag else plain(self.op, self.P_sub, self.layout(blocks), t, *extra)
+        else:
+            out, any_flag = flagged(self.op, self.P_sub, self.layout(blocks), t, flag > 0, *extra)
         if any_flag:
             if self.on_flag is not None:
                 self.on_flag()

@@ -31,6 +31,7 @@ from distfuse.errors import expect
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._axes import axes_subgrid, balanced_layout, check_input, gathered_layout
 from distfuse.primitives._call_agreement import agree_on_tensor
+from distfuse.primitives._flag_deferred import poisoned_stand_in
 from distfuse.primitives._gather_scatter import AxesModule, BlockCollective, all_gather_op, collective_of
 from distfuse.primitives.agreement_session import AgreementSession
 
@@ -95,7 +96,7 @@ def agreed_all_gather(x: torch.Tensor, ctx: BlockCollective, session: AgreementS
 
     def run(state, flag: int) -> torch.Tensor:
         layout, dtype = state
-        send = x if flag != 1 else torch.zeros(layout.extents[layout.me], dtype=dtype, device=P_sub.device)
+        send = x if flag != 1 else poisoned_stand_in(layout.extents[layout.me], dtype, P_sub.device, x)
         return all_gather_op(send, ctx.handle, layout.blocks, reduce_dtype, flag)
 
     def gather():

@@ -43,6 +43,8 @@ from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, check_input
 from distfuse.primitives._axes_flagged import all_reduce_sum_flagged
 from distfuse.primitives._call_agreement import agree_on_tensor
 from distfuse.primitives._common import gather_metadata, same_shape_and_dtype
+from distfuse.primitives._flag_deferred import poisoned_stand_in
+from distfuse.primitives._flag_transport import flags_deferred
 from distfuse.primitives._gather_scatter import AxesModule
 from distfuse.primitives._handles import HandleOwner, lookup, new_handle
 from distfuse.primitives._op_pair import op_pair
@@ -91,11 +93,15 @@ def agreed_all_sum_reduce(x: torch.Tensor, P_sub: CartesianPartition, site: Agre
 
     def attempt(changed: bool):
         shape, dtype = site.state
-        mine = x.detach() if not changed else torch.zeros(shape, dtype=dtype, device=P_sub.device)
-        summed, flagged = all_reduce_sum_flagged(op, P_sub, mine, changed, reduce_dtype)
+        mine = x if not changed else poisoned_stand_in(shape, dtype, P_sub.device, x)
+        if flags_deferred(P_sub.device):  # the flag is read one call later (_flag_deferred)
+            flagged = site.deferred.round(P_sub, changed, op, site.forget)
+            summed = None if flagged else all_reduce_sum(op, P_sub, mine.detach(), reduce_dtype)
+        else:
+            summed, flagged = all_reduce_sum_flagged(op, P_sub, mine.detach(), changed, reduce_dtype)
         if flagged:
             return None, True
-        return AllSumReduceFunction.apply(x, P_sub, reduce_dtype, summed), False
+        return AllSumReduceFunction.apply(mine, P_sub, reduce_dtype, summed), False
 
     def slow():
         state = same_shape_and_dtype(op, P_sub, gather_metadata(P_sub, x, op=op), "a tensor")

@@ -31,6 +31,7 @@ from distfuse.partition import CartesianPartition
 from distfuse.primitives._axes import axes_subgrid, balanced_layout, check_block_dims, check_input
 from distfuse.primitives._call_agreement import agree_on_tensor
 from distfuse.primitives._common import gather_metadata, same_shape_and_dtype
+from distfuse.primitives._flag_deferred import poisoned_stand_in
 from distfuse.primitives._gather_scatter import AxesModule, BlockCollective, collective_of, reduce_scatter_op
 from distfuse.primitives.agreement_session import AgreementSession
 
@@ -72,7 +73,7 @@ def agreed_reduce_scatter(x: torch.Tensor, ctx: BlockCollective, session: Agreem
 
     def run(state, flag: int) -> torch.Tensor:
         shape, dtype = state
-        full = x if flag != 1 else torch.zeros(shape, dtype=dtype, device=P_sub.device)
+        full = x if flag != 1 else poisoned_stand_in(shape, dtype, P_sub.device, x)
         return reduce_scatter_op(full, ctx.handle, balanced_layout(P_sub, shape).blocks, reduce_dtype, flag)
 
     def gather():

@@ -1,0 +1,321 @@
+"""The deferred agreement transport (``distfuse/primitives/_flag_deferred.py``), forced on CPU partitions.
+
+On CUDA the sites whose data collective reaches every worker (the all-gather,
+reduce-scatter and all-reduce modules, the all-gather and reduce-scatter linears) read
+their agreement flags one call later: the steady state takes no host round and reads no
+flag during the call.  No GPU here, so every scenario forces the transport on gloo
+partitions (``flag_transport("deferred")``) with the host rounds and the in-band flag
+reads made to fail, and checks:
+
+* steady state: results match float64 references on fresh data, no metadata gather after
+  the first call, and each call returns with its flag sum still unread;
+* a change on every worker (a new global shape) takes the slow path together and matches;
+* a disagreement on some workers only: the call returns NaN on every worker of the
+  collective (never an error, never a hang, the backward included), the disagreeing
+  worker warns, every worker raises ``DisagreedCallError`` naming the op at its next call
+  (or at ``distfuse.check_pending()``), well within ``DISTFUSE_TIMEOUT``, and the call
+  after that agrees afresh and matches again (or raises the named error of the slow path
+  on every worker, when the inputs still disagree).
+
+The world group keeps torch's default timeout, so a hang shows as the harness's deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distfuse
+import distfuse.primitives._agreement as agreement
+import distfuse.primitives._axes_flagged as axes_flagged
+import distfuse.primitives._flag_transport as transport
+from distfuse.errors import ConfigError
+from distfuse.geometry.decomposition import local_slices
+from distfuse.layers import DistributedLinearAllGather, DistributedLinearReduceScatter
+from distfuse.primitives import AllGather, AllSumReduce, ReduceScatter
+from distfuse.primitives._flag_deferred import DeferredFlags, poisoned_stand_in
+from distfuse.primitives._flag_transport import flag_transport, flags_deferred, flags_on_host
+from tests.misuse_support import catch, patient_grid, run_misuse
+from tests.tolerances import tol
+
+ROOT = Path(__file__).resolve().parent.parent
+T = 60.0  # the partitions' DISTFUSE_TIMEOUT (patient_grid): errors must come from the flags, far sooner
+_GRIDS: dict = {}
+
+
+@contextlib.contextmanager
+def _deferred_only():
+    """The deferred transport, with every host flag round and in-band flag read refused."""
+    real = (agreement.flag_round, transport.flag_round, axes_flagged._flag_set)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a host flag round or an in-band flag read under the deferred transport")
+
+    agreement.flag_round = transport.flag_round = axes_flagged._flag_set = refused
+    try:
+        with flag_transport("deferred"), warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            yield seen
+    finally:
+        agreement.flag_round, transport.flag_round, axes_flagged._flag_set = real
+
+
+def _pending(module) -> bool:
+    """Whether the module's last call returned with its flag sum unread (its context's or its site's record)."""
+    record = module._ctx.deferred if hasattr(module, "_ctx") else module.agreement.deferred
+    return record._pending is not None
+
+
+def _close(got, want, dtype) -> bool:
+    torch.testing.assert_close(got.double(), want.double(), **tol(dtype))
+    return True
+
+
+def _all_nan(t) -> bool:
+    return bool(torch.isnan(t).all())
+
+
+def _data(seed, *shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+# ---------------------------------------------------------------- the primitive modules
+
+
+def _modules():
+    me = dist.get_rank()
+    P = patient_grid(_GRIDS, (0, 1, 2, 3), (2, 2))
+    i, j = P.index
+    rs, asr, ag = ReduceScatter(P, axes_reduce_scatter=(1,)), AllSumReduce(P, axes_reduce=(0,)), AllGather(P, (1,))
+    out: dict = {}
+    with _deferred_only() as seen:
+
+        def steady(seed, n):
+            """Every worker's inputs from seeds every worker knows: the float64 references need no collective."""
+            full = [_data(seed + 10 * r, n, 4) for r in range(4)]  # worker (i, j) = world rank 2 i + j
+            rs_ref = full[2 * i].double() + full[2 * i + 1].double()
+            _close(rs(full[me]), rs_ref[local_slices(rs_ref.shape, (1, 2), (0, j))], torch.float32)
+            vecs = [_data(seed + 50 + r, n) for r in range(4)]
+            _close(asr(vecs[me]), vecs[j].double() + vecs[2 + j].double(), torch.float32)
+            blocks = [_data(seed + 90 + r, 2, n) for r in range(4)]
+            _close(ag(blocks[me]), torch.cat([blocks[2 * i], blocks[2 * i + 1]], dim=1), torch.float32)
+            return (_pending(rs), _pending(asr), _pending(ag))
+
+        out["steady"] = [catch(lambda s=s: steady(s, 4)) for s in (1, 2, 3)]
+        out["slow"] = (rs.agreement.slow_calls, asr.agreement.slow_calls, ag.agreement.slow_calls)
+        out["even"] = catch(lambda: steady(4, 6))  # a new global shape on every worker: the slow path together
+        out["slow_even"] = (rs.agreement.slow_calls, asr.agreement.slow_calls, ag.agreement.slow_calls)
+        # Disagreements on some workers only: rank 1's rows (sub-grid {0, 1}), rank 2's length ({0, 2}), rank 3's
+        # dtype ({2, 3}).  The call returns NaN (the rows gathered from the disagreeing worker) on every worker.
+        out["rs_bad"] = catch(lambda: _all_nan(rs(_data(5, 6, 5 if me == 1 else 4))))
+        out["asr_bad"] = catch(lambda: _all_nan(asr(_data(6, 5 if me == 2 else 6))))
+        got = catch(lambda: ag(_data(7, 2, 6, dtype=torch.float64 if me == 3 else torch.float32)))
+        out["ag_bad"] = (got[0], bool(torch.isnan(got[1]).any()) if got[0] == "ok" else got)
+        out["warned"] = [str(w.message) for w in seen]
+        out["rs_next"], out["asr_next"], out["ag_next"] = (
+            catch(lambda: rs(_data(8, 6, 4))), catch(lambda: asr(_data(9, 6))), catch(lambda: ag(_data(10, 2, 6))))
+        out["again"] = catch(lambda: steady(11, 6))  # afresh: one more slow call each, then right again
+        # The same disagreement raised at the sync point instead of the next call.
+        out["asr_bad2"] = catch(lambda: _all_nan(asr(_data(12, 5 if me == 2 else 6))))
+        out["check_pending"] = catch(distfuse.check_pending)
+        out["after"] = catch(lambda: steady(13, 6))
+    return out
+
+
+def test_modules_defer_their_flags_and_poison_then_raise_a_disagreement_everywhere():
+    res = run_misuse(4, _modules)
+    for r in range(4):
+        assert [s[0] for s in res[r]["steady"]] == ["ok"] * 3, res[r]["steady"]
+        # the first call gathers the metadata (no flag); the settled calls return with their flag sums unread
+        assert [s[1] for s in res[r]["steady"]] == [(False,) * 3, (True,) * 3, (True,) * 3], res[r]["steady"]
+        assert res[r]["slow"] == (1, 1, 1)  # the first call only
+        assert res[r]["even"][0] == "ok" and res[r]["slow_even"] == (2, 2, 2), res[r]["even"]
+    # rs on sub-grids {0, 1} and {2, 3}; asr on {0, 2} and {1, 3}; ag on {0, 1} and {2, 3}
+    for name, bad, others in (("rs", (0, 1), (2, 3)), ("asr", (0, 2), (1, 3)), ("ag", (2, 3), (0, 1))):
+        op = {"rs": "ReduceScatter", "asr": "AllSumReduce", "ag": "AllGather"}[name]
+        for r in bad:
+            assert res[r][f"{name}_bad"] == ("ok", True), (name, r, res[r][f"{name}_bad"])  # NaN, no error
+            kind, msg, secs = res[r][f"{name}_next"]
+            assert kind == "DisagreedCallError" and f"{op} [rank {r}]" in msg and secs < T / 2, res[r]
+        for r in others:
+            assert res[r][f"{name}_bad"] == ("ok", False), (name, r)
+            assert res[r][f"{name}_next"][0] == "ok", (name, r, res[r][f"{name}_next"])
+    for r, op in ((1, "ReduceScatter"), (2, "AllSumReduce"), (3, "AllGather")):  # the disagreeing worker warns
+        assert any(op in w and "NaN" in w for w in res[r]["warned"]), res[r]["warned"]
+    for r in range(4):
+        assert res[r]["again"][0] == "ok", res[r]["again"]
+        assert res[r]["after"][0] == "ok", res[r]["after"]
+    for r in (0, 2):
+        assert res[r]["asr_bad2"] == ("ok", True)
+        kind, msg, secs = res[r]["check_pending"]
+        assert kind == "DisagreedCallError" and "AllSumReduce" in msg and secs < T / 2, res[r]["check_pending"]
+    for r in (1, 3):
+        assert res[r]["check_pending"][0] == "ok"
+
+
+# ---------------------------------------------------------------- the linears, forward and backward
+
+
+def _linears():
+    me = dist.get_rank()
+    P = patient_grid(_GRIDS, (3, 1, 0, 2), (2, 2))  # rows {3, 1} and {0, 2}: permuted ranks
+    P_y = patient_grid(_GRIDS, (1, 0), (1, 1, 2))  # sequence parallel, world ranks 2 and 3 inactive
+    P_x = patient_grid(_GRIDS, (1, 0), (1, 2, 1))
+    torch.manual_seed(5)
+    ag = DistributedLinearAllGather(P, 6, 5, dtype=torch.float64)
+    rsl = DistributedLinearReduceScatter(P, 6, 4, dtype=torch.float64)
+    torch.manual_seed(5)
+    ag_seq, rs_seq = nn.Linear(6, 5, dtype=torch.float64), nn.Linear(6, 4, dtype=torch.float64)
+    torch.manual_seed(7)
+    sp = DistributedLinearAllGather(P_y, 4, 3, P_x=P_x, dtype=torch.float64)
+    torch.manual_seed(7)
+    sp_seq = nn.Linear(4, 3, dtype=torch.float64)
+    out: dict = {}
+    with _deferred_only():
+
+        def step(rows, seed, who=None, bad=None):
+            """Forward and backward of both linears against nn.Linear in float64; ``who`` feeds ``bad`` instead."""
+            xg = _data(seed, rows, 6, dtype=torch.float64).requires_grad_()
+            x = xg.detach()[local_slices(xg.shape, P.shape, P.index)].clone().requires_grad_()
+            if me == who:
+                x = bad.requires_grad_()
+            y, z = ag(x), rsl(x)
+            loss = y.square().sum() + z.square().sum()
+            loss.backward()
+            if me == who or bool(torch.isnan(y).any() or torch.isnan(z).any()):
+                return "nan"
+            ref_y, ref_z = ag_seq(xg), rs_seq(xg)
+            (ref_y.square().sum() + ref_z.square().sum()).backward()  # the local blocks' share of the gradient
+            _close(y, ref_y[local_slices(ref_y.shape, P.shape, P.index)], torch.float64)
+            _close(z, ref_z[local_slices(ref_z.shape, P.shape, P.index)], torch.float64)
+            return bool(torch.isfinite(x.grad).all())
+
+        out["steady"] = [catch(lambda s=s: step(6, s)) for s in (1, 2)]
+        out["even"] = catch(lambda: step(7, 3))  # 7 rows: blocks (4, 3) over the data-parallel axis
+        # Rank 1 (row {3, 1}) sends float32 and rank 0 (row {0, 2}) too many rows, in the same call.
+        bad = {1: torch.randn(4, 3), 0: torch.randn(5, 3, dtype=torch.float64)}.get(me)
+        out["bad"] = catch(lambda: step(7, 4, who=me if me in (0, 1) else None, bad=bad))
+        out["next"] = catch(lambda: step(7, 5))  # the all-gather linear raises, before the other layer's call
+        out["next2"] = catch(lambda: step(7, 6))  # each layer raises at its own next call: now the other
+        out["again"] = catch(lambda: step(7, 7))
+        # Sequence parallel: 7 -> 8 rows keeps the first block (4) and grows the second (3 -> 4): under the deferred
+        # transport a change on some workers only is refused one call late, then agreed afresh.
+        sp_out = []
+        for n in (7, 7, 8, 8, 8):
+            xg = _data(20 + n, 2, n, 4, dtype=torch.float64)
+            x = xg[local_slices(xg.shape, P_x.shape, P_x.index)] if P_x.active else distfuse.zero_volume_tensor()
+
+            def call(x=x, xg=xg):
+                y = sp(x)
+                if not P_y.active:
+                    return "inactive"
+                if torch.isnan(y).any():
+                    return "nan"
+                ref = sp_seq(xg)
+                return _close(y, ref[local_slices(ref.shape, P_y.shape, P_y.index)], torch.float64)
+
+            sp_out.append(catch(call))
+        out["sp"] = sp_out
+    return out
+
+
+def test_linears_defer_their_flags_forward_and_backward():
+    res = run_misuse(4, _linears)
+    for r in range(4):
+        assert res[r]["steady"] == [("ok", True), ("ok", True)], res[r]["steady"]
+        assert res[r]["even"] == ("ok", True), res[r]["even"]
+        assert res[r]["bad"] == ("ok", "nan"), (r, res[r]["bad"])  # every row has a disagreeing worker
+        for key, op in (("next", "DistributedLinearAllGather"), ("next2", "DistributedLinearReduceScatter")):
+            kind, msg, secs = res[r][key]
+            assert kind == "DisagreedCallError" and f"{op} [rank {r}]" in msg and secs < T / 2, (r, res[r][key])
+        assert res[r]["again"] == ("ok", True), res[r]["again"]
+    for r in (0, 1):
+        sp = res[r]["sp"]
+        assert sp[0] == sp[1] == ("ok", True), sp
+        assert sp[2] == ("ok", "nan"), sp  # 7 -> 8: one worker's block changed
+        assert sp[3][0] == "DisagreedCallError" and "DistributedLinearAllGather" in sp[3][1], sp
+        assert sp[4] == ("ok", True), sp  # agreed afresh on 8 rows
+    for r in (2, 3):
+        assert [s[0] for s in res[r]["sp"]] == ["ok"] * 5
+
+
+# ---------------------------------------------------------------- the pieces
+
+
+def test_poisoned_stand_in_is_nan_both_ways():
+    x = torch.randn(3, 2, requires_grad=True)
+    w = torch.randn(5, 2, requires_grad=True)
+    s = poisoned_stand_in((4, 5), torch.float32, "cpu", x, w, None)
+    assert s.shape == (4, 5) and _all_nan(s)
+    s.sum().backward()
+    assert x.grad.shape == x.shape and _all_nan(x.grad) and _all_nan(w.grad)
+    assert not poisoned_stand_in((2,), torch.int64, "cpu", x).any()  # integers: zeros
+
+
+def test_deferred_record_starts_empty_in_a_copy():
+    record = DeferredFlags()
+    record._pending = ("op", None, 1)
+    assert copy.deepcopy(record)._pending is None and pickle.loads(pickle.dumps(record))._pending is None
+
+
+def test_transport_modes(monkeypatch):
+    monkeypatch.delenv(transport.TRANSPORT_VARIABLE, raising=False)
+    assert not flags_deferred("cpu") and not flags_on_host("cpu")
+    assert flags_deferred("cuda") and flags_on_host("cuda")  # sites without a deferred form keep the host round
+    monkeypatch.setenv(transport.TRANSPORT_VARIABLE, "host")
+    assert not flags_deferred("cuda") and flags_on_host("cuda") and flags_on_host("cpu")
+    monkeypatch.setenv(transport.TRANSPORT_VARIABLE, "deferred")
+    assert flags_deferred("cpu")
+    with flag_transport("auto"):  # a forced mode wins over the environment
+        assert not flags_deferred("cpu")
+    monkeypatch.setenv(transport.TRANSPORT_VARIABLE, "later")
+    with pytest.raises(ConfigError, match="DISTFUSE_FLAG_TRANSPORT"):
+        flags_deferred("cuda")
+
+
+def _record_scenario(device: str, store: str) -> None:
+    """One worker: the sum is copied (pinned memory and an event on CUDA) and read at the next round; a sum set
+    behind the round's back (as a peer's flag would be) raises there, after ``on_flag``.  Runs in a fresh process
+    (a process group made and destroyed in the test process would break the rank pools it forks later)."""
+    dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
+    try:
+        dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+        P = type("P", (), dict(device=dev, group=dist.group.WORLD, ranks=(0,), size=1))()
+        record, forgotten = DeferredFlags(), []
+        assert record.round(P, False, "Op", lambda: forgotten.append(1)) is False
+        assert record._pending is not None and (device == "cpu" or record._host.is_pinned())
+        # reads the last sum (0: no raise), then every worker (the one) flagged: the slow path, nothing left pending
+        assert record.round(P, True, "Op", None) is True
+        assert record._pending is None
+        record._device.fill_(1)  # a flag the next round's all-reduce carries as if a peer had set it
+        record._zero = True  # (the record believes the device word is 0, so it does not refill it)
+        assert record.round(P, False, "Op", lambda: forgotten.append(1)) is False
+        with pytest.raises(distfuse.DisagreedCallError, match=r"Op .*previous call of this layer disagreed"):
+            record.round(P, False, "Op", None)
+        assert forgotten == [1]  # the flagged call's on_flag ran, before the raise
+        other = DeferredFlags()
+        other.round(P, False, "Other", None)
+        distfuse.check_pending()  # reads and clears it: sum 0
+        assert other._pending is None
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_deferred_record_reads_the_sum_one_call_later(tmp_path, device):
+    code = ("import sys; from tests.test_agreement_deferred import _record_scenario; "
+            f"_record_scenario({device!r}, {str(tmp_path / 'store')!r}); print('scenario ok')")
+    done = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and "scenario ok" in done.stdout, done.stderr[-3000:]
