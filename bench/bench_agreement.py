@@ -11,11 +11,12 @@ only (the check runs in forward), on ``W`` ranks:
                its agreed record is trusted, no flag moves, nothing is read on the host: the
                layer with no check at all;
 * ``agreed``   the default: the flag in band on CPU partitions; on CUDA read one call later
-               (the deferred transport) by the all-gather and reduce-scatter linears, on the host
-               round elsewhere;
-* ``host``     the flag forced onto the host round (CPU runs, and the two linears on CUDA);
-* ``deferred`` the flag forced onto the deferred transport (the two linears, CPU runs: on CUDA
-               it is ``agreed``): a device all-reduce of the flag, read at the next call;
+               (the deferred transport) by the feature conv and the all-gather and
+               reduce-scatter linears, on the host round elsewhere;
+* ``host``     the flag forced onto the host round (CPU runs, and the deferred layers on CUDA);
+* ``deferred`` the flag forced onto the deferred transport (the feature conv and the two
+               linears, CPU runs: on CUDA it is ``agreed``): a device all-reduce of the flag,
+               read at the next call;
 * ``inband``   the flag forced in band (CUDA runs only: a read of the received flag, which
                waits for the device: the synchronisation the host round avoids);
 * ``gather``   the site forgotten before every call, so every call gathers the metadata on
@@ -66,6 +67,8 @@ GPU_CASES = [("feature_conv2d", (8, 64, 256, 256)), ("general_conv2d", (8, 64, 2
 SMOKE_CASES = [("feature_conv2d", (1, 2, 8, 8)), ("max_pool2d", (1, 2, 8, 8)), ("halo_exchange", (1, 2, 8, 8)),
                ("broadcast", (1, 2, 8, 8)), ("general_conv2d", (1, 2, 8, 8)), ("linear_all_gather", (5, 6, 4)),
                ("linear_reduce_scatter", (5, 6, 4)), ("general_linear", (5, 6, 4))]
+#: The layers whose flag takes the deferred transport on CUDA (distfuse/primitives/_flag_deferred.py).
+DEFERRED = ("feature_conv2d", "linear_all_gather", "linear_reduce_scatter")
 NO_CUDA = "unmeasured: no CUDA in this run (the GPU shapes and the inband row run under torchrun with NCCL)"
 
 
@@ -193,7 +196,7 @@ def bench_rank(cfg: dict) -> list:
             want = layer(x)  # the eager call that agrees (the trusted provider needs a settled site)
         providers = {ANCHOR: call(capture_safe), "agreed": call()}
         others = ["inband"] if cuda else ["host"]
-        if op in ("linear_all_gather", "linear_reduce_scatter"):
+        if op in DEFERRED:
             others.append("host" if cuda else "deferred")
         for other in others:
             providers[other] = call(lambda o=other: flag_transport(o))
@@ -207,8 +210,7 @@ def bench_rank(cfg: dict) -> list:
         gathers = site.slow_calls - slow_before
         for n in providers:
             ms, q20, q80 = summarize(times[n])
-            deferred = n == "deferred" or (n == "agreed" and cuda and "deferred" not in providers and op in (
-                "linear_all_gather", "linear_reduce_scatter"))
+            deferred = n == "deferred" or (n == "agreed" and cuda and op in DEFERRED)
             extra = dict(device=device.type, backend=dist.get_backend(), samples=len(times[n]),
                          flags="deferred (device all-reduce, read at the next call)" if deferred else
                          "host round" if (n == "host" or (n == "agreed" and cuda)) else

@@ -40,9 +40,18 @@ import distfuse
 import distfuse.primitives._agreement as agreement
 import distfuse.primitives._axes_flagged as axes_flagged
 import distfuse.primitives._flag_transport as transport
+import distfuse.primitives.agreement_session as session_module
 from distfuse.errors import ConfigError
 from distfuse.geometry.decomposition import local_slices
-from distfuse.layers import DistributedLinearAllGather, DistributedLinearReduceScatter
+from distfuse.layers import (
+    DistributedBatchNorm2d,
+    DistributedConv2d,
+    DistributedConvTranspose2d,
+    DistributedLayerNorm,
+    DistributedLinearAllGather,
+    DistributedLinearReduceScatter,
+    load_sequential,
+)
 from distfuse.primitives import AllGather, AllSumReduce, ReduceScatter
 from distfuse.primitives._flag_deferred import DeferredFlags, poisoned_stand_in
 from distfuse.primitives._flag_transport import flag_transport, flags_deferred, flags_on_host
@@ -57,18 +66,18 @@ _GRIDS: dict = {}
 @contextlib.contextmanager
 def _deferred_only():
     """The deferred transport, with every host flag round and in-band flag read refused."""
-    real = (agreement.flag_round, transport.flag_round, axes_flagged._flag_set)
+    real = (agreement.flag_round, transport.flag_round, session_module.flag_round, axes_flagged._flag_set)
 
     def refused(*args, **kwargs):
         raise AssertionError("a host flag round or an in-band flag read under the deferred transport")
 
-    agreement.flag_round = transport.flag_round = axes_flagged._flag_set = refused
+    agreement.flag_round = transport.flag_round = session_module.flag_round = axes_flagged._flag_set = refused
     try:
         with flag_transport("deferred"), warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             yield seen
     finally:
-        agreement.flag_round, transport.flag_round, axes_flagged._flag_set = real
+        agreement.flag_round, transport.flag_round, session_module.flag_round, axes_flagged._flag_set = real
 
 
 def _pending(module) -> bool:
@@ -250,6 +259,243 @@ def test_linears_defer_their_flags_forward_and_backward():
         assert [s[0] for s in res[r]["sp"]] == ["ok"] * 5
 
 
+# ---------------------------------------------------------------- the halo convolutions (flag beside the parameters)
+
+
+def _convs():
+    me = dist.get_rank()
+    P = patient_grid(_GRIDS, (2, 0, 3, 1), (1, 1, 2, 2))  # height and width split, ranks permuted
+    torch.manual_seed(3)
+    seq = nn.Conv2d(2, 3, 3, padding=1, padding_mode="reflect", dtype=torch.float64)
+    seq_t = nn.ConvTranspose2d(3, 2, 3, stride=2, dtype=torch.float64)
+    conv = DistributedConv2d(P, 2, 3, 3, padding=1, padding_mode="reflect", dtype=torch.float64)
+    convt = DistributedConvTranspose2d(P, 3, 2, 3, stride=2, dtype=torch.float64)
+    load_sequential(conv, seq)
+    load_sequential(convt, seq_t)
+    out: dict = {}
+    with _deferred_only():
+
+        def step(n, seed, who=None, bad=None):
+            """Both layers forward and backward on a fresh input; float64 references from the global tensors."""
+            xg = _data(seed, 2, 2, n, n + 1, dtype=torch.float64).requires_grad_()
+            x = xg.detach()[local_slices(xg.shape, P.shape, P.index)].clone().requires_grad_()
+            if me == who:
+                x = bad.requires_grad_()
+            y = conv(x)
+            z = convt(y)
+            z.square().sum().backward()
+            if torch.isnan(z).any() or torch.isnan(y).any():
+                return "nan"
+            ref_y = seq(xg)
+            ref_z = seq_t(ref_y)
+            ref_z.square().sum().backward()
+            _close(y, ref_y[local_slices(ref_y.shape, P.shape, P.index)], torch.float64)
+            _close(z, ref_z[local_slices(ref_z.shape, P.shape, P.index)], torch.float64)
+            _close(x.grad, xg.grad[local_slices(xg.shape, P.shape, P.index)], torch.float64)
+            return (conv.session.site.deferred._pending is not None, convt.session.site.deferred._pending is not None)
+
+        out["steady"] = [catch(lambda s=s: step(6, s)) for s in (1, 2)]
+        out["even"] = catch(lambda: step(8, 3))  # 6 x 7 -> 8 x 9: every worker's block changes (blocks 4 x 5 .. 4 x 4)
+        bad = _data(4, 2, 2, 4, 4, dtype=torch.float64)  # world rank 3 (index (1, 0)): 4 columns, not 5
+        out["bad"] = catch(lambda: step(8, 4, who=3, bad=bad))
+        out["next"] = catch(lambda: step(8, 5))
+        out["next2"] = catch(lambda: step(8, 6))
+        out["again"] = catch(lambda: step(8, 7))
+    return out
+
+
+def test_halo_convolutions_defer_their_flags_forward_and_backward():
+    res = run_misuse(4, _convs)
+    for r in range(4):
+        # the first call gathers the metadata; the settled call returns with both flag sums unread
+        assert res[r]["steady"][0][0] == "ok" and res[r]["steady"][1] == ("ok", (True, True)), res[r]["steady"]
+        assert res[r]["even"][0] == "ok", res[r]["even"]
+        # Rank 3 changed: NaN reaches every worker through the transposed conv (whose input is the conv's NaN
+        # output on rank 3 and its neighbours) or its own stand-in; nobody raises, the backward runs everywhere.
+        assert res[r]["bad"] == ("ok", "nan"), (r, res[r]["bad"])
+        kind, msg, secs = res[r]["next"]  # the conv raises; the transposed conv's call agreed (same y shape)
+        assert kind == "DisagreedCallError" and f"DistributedFeatureConv2d [rank {r}]" in msg and secs < T / 2, (
+            r, res[r]["next"])
+        assert res[r]["next2"][0] == res[r]["again"][0] == "ok", (res[r]["next2"], res[r]["again"])
+
+
+# ---------------------------------------------------------------- the norms (a round of their own over P_x)
+
+
+def _norms():
+    me = dist.get_rank()
+    P_bn = patient_grid(_GRIDS, (1, 3, 0, 2), (1, 1, 2, 2))  # batch norm: height and width split
+    P_ln = patient_grid(_GRIDS, (2, 1, 3, 0), (2, 2, 1))  # layer norm: rows split, features whole
+    torch.manual_seed(9)
+    bn = DistributedBatchNorm2d(P_bn, 3, dtype=torch.float64)
+    ln = DistributedLayerNorm(P_ln, 5, dtype=torch.float64)
+    seq_bn = nn.BatchNorm2d(3, dtype=torch.float64)
+    seq_ln = nn.LayerNorm(5, dtype=torch.float64)
+    with torch.no_grad():  # affine parameters away from 1 and 0, the same on every worker (one seed)
+        for a, b in ((bn, seq_bn), (ln, seq_ln)):
+            w, c = torch.randn_like(b.weight), torch.randn_like(b.bias)
+            b.weight.copy_(w), b.bias.copy_(c), a.weight.copy_(w), a.bias.copy_(c)
+    out: dict = {}
+    with _deferred_only():
+
+        def step(n, seed, who=None, bad_bn=None, bad_ln=None):
+            for a in (bn, ln, seq_bn, seq_ln):
+                a.weight.grad = a.bias.grad = None
+            xg = _data(seed, 2, 3, n, n + 1, dtype=torch.float64).requires_grad_()
+            hg = _data(seed + 1, 2, n, 5, dtype=torch.float64).requires_grad_()
+            x = xg.detach()[local_slices(xg.shape, P_bn.shape, P_bn.index)].clone().requires_grad_()
+            h = hg.detach()[local_slices(hg.shape, P_ln.shape, P_ln.index)].clone().requires_grad_()
+            if me == who:
+                x = bad_bn.requires_grad_() if bad_bn is not None else x
+                h = bad_ln.requires_grad_() if bad_ln is not None else h
+            y, z = bn(x), ln(h)
+            (y.square().sum() + z.square().sum()).backward()
+            if torch.isnan(y).any() or torch.isnan(z).any() or torch.isnan(bn.weight.grad).any():
+                return "nan"
+            ref_y, ref_z = seq_bn(xg), seq_ln(hg)
+            (ref_y.square().sum() + ref_z.square().sum()).backward()
+            # The batch statistics sum 2 n (n + 1) terms per channel, the layer norm's 5 per row; a normalisation
+            # divides the sums' rounding by the smallest deviation (tests/tolerances.py, ``cond``).
+            sigma = min(float(xg.detach().std(dim=(0, 2, 3)).min()), float(hg.detach().std(dim=-1).min()))
+            pairs = ((y, ref_y, P_bn), (z, ref_z, P_ln), (x.grad, xg.grad, P_bn), (h.grad, hg.grad, P_ln))
+            for got, ref, grid in pairs:
+                want = ref[local_slices(ref.shape, grid.shape, grid.index)]
+                torch.testing.assert_close(got, want, **tol(torch.float64, terms=2 * n * (n + 1), cond=1 / sigma,
+                                                            scale=max(float(want.abs().max()), 1.0)))
+            return bn.session.site.deferred._pending is not None and ln.session.site.deferred._pending is not None
+
+        out["steady"] = [catch(lambda s=s: step(6, s)) for s in (1, 2)]
+        out["even"] = catch(lambda: step(8, 3))  # 6 -> 8 rows and 7 -> 9 columns: every block changes
+        # World rank 2 changes both inputs (its blocks are [2, 3, 4, 4] and [1, 4, 5]): the batch norm's
+        # statistics carry its NaN to every worker; the layer norm is local per row, so NaN reaches the others
+        # through the gradients of its replicated weight.
+        out["bad"] = catch(lambda: step(8, 4, who=2, bad_bn=_data(5, 2, 3, 3, 4, dtype=torch.float64),
+                                        bad_ln=_data(6, 1, 3, 5, dtype=torch.float64)))
+        out["running_nan"] = bool(torch.isnan(bn.running_mean).all())  # the poisoned batch statistics went in
+        out["next"] = catch(lambda: step(8, 7))
+        out["next2"] = catch(lambda: step(8, 8))
+        out["again"] = catch(lambda: step(8, 9))
+    return out
+
+
+def test_norms_defer_their_flags_forward_and_backward():
+    res = run_misuse(4, _norms)
+    for r in range(4):
+        assert res[r]["steady"][0][0] == "ok" and res[r]["steady"][1] == ("ok", True), res[r]["steady"]
+        assert res[r]["even"][0] == "ok", res[r]["even"]
+        assert res[r]["bad"] == ("ok", "nan"), (r, res[r]["bad"])
+        for key, op in (("next", "DistributedBatchNorm2d"), ("next2", "DistributedLayerNorm")):
+            kind, msg, secs = res[r][key]
+            assert kind == "DisagreedCallError" and f"{op} [rank {r}]" in msg and secs < T / 2, (r, res[r][key])
+        assert res[r]["again"] == ("ok", False), res[r]["again"]  # both agreed afresh: nothing pending yet
+        assert res[r]["running_nan"]  # what the docs say: reload a batch norm's running statistics after one
+
+
+# ---------------------------------------------------------------- a transformer: embedding, norms, attention, loss
+
+
+def _gpt():
+    """The GPT demo's model (``distfuse/demo_gpt.py``: embedding, layer norms, ring attention and linears over a
+    2 x 2 grid, vocabulary loss) under the deferred transport: the demo's own float64 check, no layer's host round,
+    then one worker's batch changes alone."""
+    import collections
+
+    from distfuse import demo_gpt as g
+    from distfuse.geometry.decomposition import block_range
+    from distfuse.layers import DistributedVocabCrossEntropyLoss
+    from distfuse.layers.attention_ring import local_positions
+
+    out: dict = {}
+    rounds: collections.Counter = collections.Counter()
+    real = agreement.flag_round
+
+    def counted(P, flag, op):
+        rounds[op] += 1
+        return real(P, flag, op)
+
+    agreement.flag_round = transport.flag_round = session_module.flag_round = counted
+    try:
+        with flag_transport("deferred"):
+            out["losses"] = catch(lambda: len(g.train(steps=3, quiet=True)))  # raises if off the float64 twin
+    finally:
+        agreement.flag_round = transport.flag_round = session_module.flag_round = real
+    out["rounds"] = dict(rounds)  # the demo's weight collection (collect_tensor) only: no layer's
+
+    P4 = distfuse.Partition.world().create_partition_inclusive(range(4))
+    P = P4.create_cartesian_topology_partition(g.GRID)
+    P_tok = P4.create_cartesian_topology_partition((1,) + g.GRID)
+    P_seq = P4.create_cartesian_topology_partition((g.GRID[0], g.GRID[1], 1))
+    P_feat = P4.create_cartesian_topology_partition((g.GRID[0], 1, g.GRID[1]))
+    positions = local_positions(g.SEQ, g.GRID[0], P.index[0], g.LAYOUT)
+    rows = positions[slice(*block_range(len(positions), g.GRID[1], P.index[1]))]
+    torch.manual_seed(0)
+    model = g.GPT(g.Distributed(P, P_tok, P_seq, P_feat))
+    loss_fn = DistributedVocabCrossEntropyLoss(P_tok, num_classes=g.VOCAB)
+    with _deferred_only():
+
+        def step(k, short_ids=False, short_target=False):
+            ids, target = (t[:, positions] for t in g._batch(k, "cpu"))
+            if short_ids:  # this worker's ids of one sequence: its embedding's call changes alone
+                ids = ids[:1]
+            if short_target:  # its target of one sequence: the loss's call changes alone
+                target = target[:1]
+            loss = loss_fn(model(ids, rows), target)
+            model.zero_grad()
+            loss.backward()
+            grads = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+            return bool(torch.isnan(loss)), bool(torch.isnan(grads).any())
+
+        out["steps"] = [catch(lambda k=k: step(k)) for k in range(2)]
+        # The second context row (world ranks 2 and 3, one vocabulary row) takes one sequence, the first two: the
+        # embedding's and the loss's calls change on half the workers (their row peers agree on the stand-ins).
+        second = P.index[0] == 1
+        out["bad"] = catch(lambda: step(2, short_ids=second, short_target=second))
+        out["next"] = catch(lambda: step(3))
+        out["next2"] = catch(lambda: step(4))
+        out["after"] = [catch(lambda k=k: step(k)) for k in (5,)]
+        # The embedding's ids check (a device check over each vocabulary row) sees the stand-in's ids differ from
+        # the row peer's: NaN on CUDA, a ShapeError on every worker at once on CPU (its read is free there).
+        out["bad_ids"] = catch(lambda: step(6, short_ids=dist.get_rank() == 3))
+        out["next_ids"] = catch(lambda: step(7))
+        out["after_ids"] = [catch(lambda k=k: step(k)) for k in (8, 9)]
+        attn = model.blocks[0].attn  # the attention alone: world rank 3 passes one sequence of rows
+
+        def attend(short=False):
+            h = _data(40, 2, len(rows), g.EMBED)
+            h = (h[:1] if short else h).requires_grad_()
+            y = attn(h)
+            y.square().sum().backward()
+            return bool(torch.isnan(y).any() or torch.isnan(h.grad).any())
+
+        out["attn"] = [catch(attend), catch(lambda: attend(short=dist.get_rank() == 3)), catch(attend),
+                       catch(attend)]
+    return out
+
+
+def test_transformer_layers_defer_their_flags():
+    res = run_misuse(4, _gpt)
+    for r in range(4):
+        assert res[r]["losses"] == ("ok", 3 if r == 0 else 0), res[r]["losses"]  # rank 0 keeps the losses
+        assert set(res[r]["rounds"]) <= {"collect_tensor"}, res[r]["rounds"]  # no layer took a host round
+        assert res[r]["steps"] == [("ok", (False, False))] * 2, res[r]["steps"]
+        assert res[r]["bad"] == ("ok", (True, True)), (r, res[r]["bad"])  # the loss and every gradient NaN
+        for key, op in (("next", "DistributedEmbedding"), ("next2", "DistributedVocabCrossEntropyLoss")):
+            kind, msg, secs = res[r][key]  # each layer whose call disagreed raises at its own next call
+            assert kind == "DisagreedCallError" and f"{op} [rank {r}]" in msg and secs < T / 2, (r, res[r][key])
+        assert res[r]["after"] == [("ok", (False, False))], res[r]["after"]  # agreed afresh, finite again
+        kind, msg, secs = res[r]["bad_ids"]
+        assert kind == "ShapeError" and "must hold the same ids" in msg and secs < T / 2, (r, res[r]["bad_ids"])
+        kind, msg, secs = res[r]["next_ids"]
+        op = "DistributedEmbedding"
+        assert kind == "DisagreedCallError" and f"{op} [rank {r}]" in msg and secs < T / 2, (r, res[r]["next_ids"])
+        assert res[r]["after_ids"] == [("ok", (False, False))] * 2, res[r]["after_ids"]
+        # NaN reaches every worker's output or input gradient (the causal ring carries it on), then every worker
+        # raises, then the attention agrees afresh
+        first, bad, nxt, again = res[r]["attn"]
+        assert first == ("ok", False) and bad == ("ok", True) and again == ("ok", False), res[r]["attn"]
+        assert nxt[0] == "DisagreedCallError" and "DistributedMultiheadAttention" in nxt[1], nxt
+
+
 # ---------------------------------------------------------------- the pieces
 
 
@@ -285,29 +531,33 @@ def test_transport_modes(monkeypatch):
 
 
 def _record_scenario(device: str, store: str) -> None:
-    """One worker: the sum is copied (pinned memory and an event on CUDA) and read at the next round; a sum set
-    behind the round's back (as a peer's flag would be) raises there, after ``on_flag``.  Runs in a fresh process
-    (a process group made and destroyed in the test process would break the rank pools it forks later)."""
+    """The record on a one-process group standing for two workers (``size=2``; the all-reduce sums this worker's
+    flag only, as if its peer's were 0): the sum is copied (pinned memory and an event on CUDA) and read at the
+    next round; a changed call reads it at once; a set sum raises at the next round, after ``on_flag``.  Runs in a
+    fresh process (a process group made and destroyed in the test process would break the rank pools it forks)."""
     dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
     try:
         dev = torch.device(device, torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
-        P = type("P", (), dict(device=dev, group=dist.group.WORLD, ranks=(0,), size=1))()
+        P = type("P", (), dict(device=dev, group=dist.group.WORLD, ranks=(0, 1), size=2))()
         record, forgotten = DeferredFlags(), []
-        assert record.round(P, False, "Op", lambda: forgotten.append(1)) is False
+        assert record.round(P, False, "Op", lambda: forgotten.append("steady")) is False
         assert record._pending is not None and (device == "cpu" or record._host.is_pinned())
-        # reads the last sum (0: no raise), then every worker (the one) flagged: the slow path, nothing left pending
-        assert record.round(P, True, "Op", None) is True
-        assert record._pending is None
-        record._device.fill_(1)  # a flag the next round's all-reduce carries as if a peer had set it
-        record._zero = True  # (the record believes the device word is 0, so it does not refill it)
-        assert record.round(P, False, "Op", lambda: forgotten.append(1)) is False
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            # reads the last sum (0: no raise); flags: the sum (1 of 2) is read at once, the peer went on
+            assert record.round(P, True, "Op", lambda: forgotten.append("changed")) is False
+        assert any("returns NaN on every worker" in str(w.message) for w in seen)
         with pytest.raises(distfuse.DisagreedCallError, match=r"Op .*previous call of this layer disagreed"):
             record.round(P, False, "Op", None)
-        assert forgotten == [1]  # the flagged call's on_flag ran, before the raise
-        other = DeferredFlags()
-        other.round(P, False, "Other", None)
-        distfuse.check_pending()  # reads and clears it: sum 0
-        assert other._pending is None
+        assert forgotten == ["changed"]  # the flagged call's on_flag ran, before the raise
+        record._device.fill_(1)  # a flag the next round's all-reduce carries, as if the peer had set it
+        record._zero = True  # (the record believes the device word is 0, so it does not refill it)
+        assert record.round(P, False, "Op", lambda: forgotten.append("peer")) is False  # copied, not read
+        with pytest.raises(distfuse.DisagreedCallError):
+            distfuse.check_pending()  # the sync point reads it
+        assert forgotten == ["changed", "peer"] and record._pending is None
+        one = type("P", (), dict(device=dev, group=dist.group.WORLD, ranks=(0,), size=1))()
+        assert record.round(one, True, "Op", None) is True and record._pending is None  # one worker: no round
     finally:
         dist.destroy_process_group()
 

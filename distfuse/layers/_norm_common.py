@@ -28,7 +28,10 @@
 The norms' agreement flag takes a round of its own over ``P_x``: their data collectives run
 over sub-grids (``P_stats``, ``P_rep``), and an eval-mode batch norm or instance norm with
 running statistics has none at all, but the flag must reach every worker, or those outside
-the changed worker's sub-grid would run on and wait in the next layer.
+the changed worker's sub-grid would run on and wait in the next layer.  On CUDA the round
+takes the deferred transport (:mod:`~distfuse.primitives._flag_deferred`: a device
+all-reduce read at the next call, no host round); a worker whose call changed while its
+peers' did not normalises a NaN stand-in of its agreed block.
 """
 
 from __future__ import annotations
@@ -377,6 +380,8 @@ class NormLayer(BlockIdentityMixin, AgreedLayer, nn.Module):
         record = self._agree(x)
         if record is None:  # a replayed call that flagged: the flag round raises on every worker
             return x.new_empty((0,))
+        if self.session.poisoned:  # this worker's call changed and its peers went on: NaN of the agreed block
+            x = self.session.stand_in(x)
         # The adjoint's collectives: every worker must run them when any does (see _promotions).
         return self._forward(promote(x, self._promotions(record.call)[0]), record)
 
@@ -399,7 +404,8 @@ class NormLayer(BlockIdentityMixin, AgreedLayer, nn.Module):
             lacks_x = x_needed and not (grad_on and x.requires_grad)
             return lacks_x or (params_needed and not all(grad_on and p.requires_grad for p in params))
 
-        return self.session.agree(x, signature, True, lambda: self._gather(x, params), needs_eager=lacks_grad)
+        return self.session.agree(x, signature, True, lambda: self._gather(x, params), needs_eager=lacks_grad,
+                                  deferrable=True)
 
     def _gather(self, x: torch.Tensor, params: list[torch.Tensor]) -> NormCall:
         """The metadata gather over ``P_x`` and its checks (the same error on every worker): the agreed record."""

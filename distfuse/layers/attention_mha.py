@@ -288,9 +288,12 @@ class DistributedMultiheadAttention(BlockIdentityMixin, AgreedLayer, nn.Module):
         problem = self._local_problem(x, key_padding_mask)
         signature = (tuple(x.shape), x.dtype, x.device.type, input_grad, mask, has_mask)
         record = self.session.agree(x, signature, problem == 0,
-                                    lambda: self._gather(problem, x, input_grad, mask, has_mask))
+                                    lambda: self._gather(problem, x, input_grad, mask, has_mask), deferrable=True)
         if record is None:  # a replayed call that flagged: the flag round raises on every worker
             return x.new_empty((0,))
+        if self.session.poisoned:  # this worker's call changed and its peers went on: NaN rows of the agreed sizes
+            x, has_mask = self.session.stand_in(x), self.session.site.signature[5]  # (the agreed signature's)
+            key_padding_mask = torch.zeros(x.shape[:2], dtype=torch.bool, device=x.device) if has_mask else None
         if debug.enabled() and not self.sequence_parallel and self.session.may_read_host:
             self._check_replicated(x)
         wq, bq, wk, bk, wv, bv, wo, bo = self._over_context(params, record.param_grad)

@@ -22,7 +22,10 @@ DistDL instead pads by halo widths that ignore stride and dilation, and its circ
 padding wraps each worker's block onto itself.
 
 The parameters travel packed from the root with every worker's agreement flag riding along
-(:class:`RootParamConvBase`, shared with the transposed convolution).  A worker whose output
+(:class:`RootParamConvBase`, shared with the transposed convolution); on CUDA the flag takes
+the deferred transport instead (:mod:`~distfuse.primitives._flag_deferred`: a device
+all-reduce over ``P_x`` read at the next call, no host round), and a worker whose call
+changed while its peers' did not runs the call on a NaN stand-in of its agreed block.  A worker whose output
 block is empty returns an empty ``[B_b, C_out, *m_s]`` tensor and still takes part in both
 exchanges: other workers read its input.
 
@@ -40,6 +43,7 @@ import torch
 
 from distfuse.errors import PartitionError, where
 from distfuse.fused.halo_conv import check_implicit, fused_halo_conv, implicit_requested
+from distfuse.geometry.decomposition import local_shape
 from distfuse.layers._conv_common import (
     CallInfo,
     ConvLayer,
@@ -55,8 +59,11 @@ from distfuse.layers._conv_common import (
 )
 from distfuse.layers.dispatch import Decision, device_caps, select_path
 from distfuse.primitives._common import check_inactive_input
+from distfuse.primitives._flag_deferred import poisoned_stand_in
+from distfuse.primitives._flag_transport import flags_deferred
 from distfuse.primitives._layout import format_code, memory_format_of
 from distfuse.primitives._op_pair import anchor
+from distfuse.primitives.agreement_session import REPLAY, flagged_error
 from distfuse.primitives.broadcast import NO_FLAG
 from distfuse.primitives.halo_exchange import HaloExchange, halo_exchange
 
@@ -101,8 +108,14 @@ class RootParamConvBase(ConvLayer):
         params = [p for p in (self.weight, self.bias) if p is not None]
 
         def run(info: CallInfo, flag: int):
+            poisoned = False
+            if flag >= 0 and self.session.last_mode != REPLAY and flags_deferred(P_x.device):
+                # The deferred transport (_flag_deferred): the flag in a device all-reduce over P_x, read next call.
+                if self.session.site.deferred.round(P_x, flag == 1, op, self.session.forget):
+                    raise flagged_error(op)  # every worker flagged: the slow path together
+                poisoned, flag = flag == 1, NO_FLAG
             w, b = self.params.replicate(x, self.weight, self.bias, self._travel_dtype(info), info.param_grad, flag)
-            return None if flag == 1 else (info, w, b)  # flag 1: the round raises on every worker
+            return None if flag == 1 else (info, w, b, poisoned)  # flag 1: the round raises on every worker
 
         def gather():
             info = self._checked(gather_call_info(op, P_x, P_x, x, params, signature=self._identity()))
@@ -113,7 +126,11 @@ class RootParamConvBase(ConvLayer):
         got = self.session.agree_in(signature, passes_local_checks(P_x, x), run, gather)
         if got is None:  # a replayed call that flagged: the parameter round raises on every worker
             return x.clone()
-        return self._local(x, *got)
+        info, w, b, poisoned = got
+        if poisoned:  # this worker's call differs and its peers went on: in step with them, on NaN of the agreed block
+            block = local_shape(info.global_shape, P_x.shape, P_x.index)
+            x = poisoned_stand_in(block, info.dtype, P_x.device, x).contiguous(memory_format=info.memory_format)
+        return self._local(x, info, w, b)
 
 
 class DistributedFeatureConvBase(RootParamConvBase):

@@ -209,9 +209,12 @@ class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
         weight = self.weight
         grad = torch.is_grad_enabled() and weight.requires_grad
         signature = (tuple(ids.shape), ids.dtype, ids.device.type, tuple(weight.shape), weight.dtype, grad)
-        record = self.session.agree(ids, signature, True, lambda: self._gather(ids, weight))
+        record = self.session.agree(ids, signature, True, lambda: self._gather(ids, weight), deferrable=True)
         if record is None:  # a replayed call that flagged: the flag round raises on every worker
             return weight.new_empty((0,))
+        poisoned = self.session.poisoned  # this worker's call changed and its peers went on: NaN rows, agreed sizes
+        if poisoned:
+            ids = self.session.stand_in(ids)
         bad = _check_op(ids, self._check.handle, self.num_embeddings)
         if any(record.param_grad) and self._rep.P.size > 1:
             weight = replicate(weight, self._rep.handle)
@@ -224,6 +227,8 @@ class DistributedEmbedding(BlockIdentityMixin, AgreedLayer, nn.Module):
             pad = pad - self.vocab_start if pad is not None and 0 <= pad - self.vocab_start < self.vocab_rows else None
             rows = F.embedding(torch.where(mine, local, torch.zeros_like(local)), weight, padding_idx=pad)
             part = torch.where(mine.unsqueeze(-1), rows, torch.zeros_like(rows))
+        if poisoned:
+            part = part * float("nan")  # NaN into every worker's sum, and into the weight's gradient
         if self._vocab.P.size == 1:
             y = part
         elif self.sequence_parallel:

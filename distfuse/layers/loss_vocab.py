@@ -146,9 +146,11 @@ class DistributedVocabCrossEntropyLoss(AgreedLayer, nn.Module):
             return zero_volume_tensor(dtype=input.dtype, device=input.device)
         signature = (tuple(input.shape), input.dtype, input.device.type, tuple(target.shape), target.dtype,
                      target.device.type)
-        record = self.session.agree(input, signature, True, lambda: self._gather(input, target))
+        record = self.session.agree(input, signature, True, lambda: self._gather(input, target), deferrable=True)
         if record is None:  # a replayed call that flagged: the flag round raises on every worker
             return input.new_empty((0,))
+        if self.session.poisoned:  # this worker's call changed and its peers went on: NaN logits, agreed sizes
+            input, target = self.session.stand_in(input), self.session.stand_in(target, 3)
         return self._loss(record, input, target)
 
     def _loss(self, record: LossCall, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,10 @@ every checked call.  Read at once, a device flag synchronises the host with the 
 taken on the host first (:func:`~distfuse.primitives._agreement.flag_round`), it is a
 barrier between the workers' CPUs.  The **deferred** transport does neither for the sites
 whose data collective reaches every worker of its sub-grid (the all-gather, reduce-scatter
-and all-reduce modules, and the all-gather and reduce-scatter linears built on them)::
+and all-reduce modules, and the all-gather and reduce-scatter linears built on them) and
+for the layers whose round spans their partition and which can run a call on a stand-in
+(the feature and transposed convolutions, the norms, the embedding, the attention, the
+vocabulary loss: ``AgreementSession.agree(..., deferrable=True)``)::
 
     call k, every worker    read the flag sum of call k-1 at this context (its copy is
                             long done: no wait in practice); if it is set, every worker
@@ -81,6 +84,8 @@ class DeferredFlags:
         fed by a :func:`poisoned_stand_in` where ``flag`` is set.  Collective over ``P``.
         """
         self.settle_previous()
+        if P.size == 1:  # one worker: nothing to agree with, nothing to move
+            return bool(flag)
         device = torch.device(P.device)
         if self._device is None or self._device.device != device:
             cuda = device.type == "cuda"

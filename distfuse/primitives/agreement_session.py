@@ -21,6 +21,11 @@ raises the same error, with no metadata collective in the steady state (the prot
                                          ``distfuse::flag_check`` (raises the same
                                          ShapeError on every worker when any flagged)
 
+On CUDA a layer that can run a disagreeing call on a stand-in of its agreed inputs
+(``agree(..., deferrable=True)``: the norms, the embedding, the attention, the vocabulary
+loss) takes the deferred transport in settle mode instead of the host round
+(:mod:`~distfuse.primitives._flag_deferred`: a device all-reduce read at the next call).
+
 Replay keeps a compiled graph free of metadata: the compiler guards on what the signature
 reads (shapes, dtype, grad flags, autocast), so a changed call retraces, traces its flag
 set, and every worker raises after the round; one eager call then settles afresh.  A
@@ -40,6 +45,8 @@ import torch
 
 from distfuse.errors import ShapeError, UnsupportedError, where
 from distfuse.primitives._agreement import AgreementSite, flag_round, run_agreed, trusted_state, trusting
+from distfuse.primitives._flag_deferred import poisoned_stand_in
+from distfuse.primitives._flag_transport import flags_deferred
 from distfuse.primitives._handles import HandleOwner, lookup, new_handle
 from distfuse.primitives._op_pair import ordered
 
@@ -114,6 +121,7 @@ class AgreementSession:
         self.site = AgreementSite(op)
         self.flag = FlagRound(op, P, self.forget)
         self.last_mode: str | None = None
+        self.poisoned = False  # the last call ran on a NaN stand-in (``agree(..., deferrable=True)``)
         self._remembered: dict = {}
 
     def forget(self) -> None:
@@ -131,7 +139,7 @@ class AgreementSession:
         return self.last_mode == SETTLE
 
     def agree(self, x: torch.Tensor, signature: Hashable, locally_ok: bool, gather: Callable[[], Any], *,
-              needs_eager: Callable[[Any], bool] | None = None) -> Any:
+              needs_eager: Callable[[Any], bool] | None = None, deferrable: bool = False) -> Any:
         """The state every worker agreed on for this call; None in replay when this worker's call flagged.
 
         Args:
@@ -142,6 +150,12 @@ class AgreementSession:
             gather: the metadata gather and its checks; returns the new state.
             needs_eager: ``needs_eager(state)``, replay only: the call needs what only an
                 eager call can do (promote an input that some peer's adjoint needs), so it flags.
+            deferrable: the layer can run a call on a stand-in of the agreed shape: under the
+                deferred transport (:mod:`~distfuse.primitives._flag_deferred`) the flag round
+                is a device all-reduce read at the next call, and where this worker's call
+                changed while some peers' did not, :attr:`poisoned` is set after the call
+                returns the settled state: the layer must then run the call on
+                :meth:`stand_in` inputs, as its peers expect.
 
         A None return means the graph ends here on this worker: ``flag_check`` raises on
         every worker when it runs, so nothing after it would.
@@ -153,9 +167,24 @@ class AgreementSession:
             return None if changed else state
         if mode == TRUST:
             return trusted_state(site, signature, self.op)
-        run_agreed(site, signature, locally_ok, lambda changed: (None, flag_round(self.P, changed, self.op)),
-                   lambda: (None, gather()))
+        self.poisoned = False
+
+        def attempt(changed: bool) -> tuple[None, bool]:
+            if not (deferrable and flags_deferred(self.P.device)):
+                return None, flag_round(self.P, changed, self.op)
+            any_flag = site.deferred.round(self.P, changed, self.op, self.forget)
+            self.poisoned = changed and not any_flag
+            return None, any_flag
+
+        run_agreed(site, signature, locally_ok, attempt, lambda: (None, gather()))
         return site.state  # the kept objects (AgreementSite.settle), not merely equal ones
+
+    def stand_in(self, t, at: int = 0) -> torch.Tensor:
+        """NaN (zeros for integers) of the shape and dtype at ``signature[at]``, ``signature[at + 1]`` of this worker's
+        last settled call, standing in for ``t`` (any object; a tensor gets NaN gradients): a :attr:`poisoned` call's
+        input (:func:`~distfuse.primitives._flag_deferred.poisoned_stand_in`)."""
+        signature = self.site.signature
+        return poisoned_stand_in(signature[at], signature[at + 1], self.P.device, t)
 
     def replayed(self, signature: Hashable, locally_ok: bool,
                  needs_eager: Callable[[Any], bool] | None = None) -> tuple[Any, bool]:
