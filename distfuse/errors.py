@@ -25,8 +25,7 @@ class ShapeError(DistfuseError, ValueError):
 
 class DisagreedCallError(ShapeError):
     """Raised on every worker at the call after one whose workers disagreed (the deferred agreement transport, the
-    CUDA default of the tensor-parallel and transformer layers and the halo convolutions): that call's outputs were
-    NaN."""
+    CUDA default of every layer): that call's outputs were NaN."""
 
 
 class UnsupportedError(DistfuseError, NotImplementedError):

@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 import distfuse
@@ -45,6 +46,7 @@ from distfuse.errors import ConfigError
 from distfuse.geometry.decomposition import local_slices
 from distfuse.layers import (
     DistributedBatchNorm2d,
+    DistributedConv1d,
     DistributedConv2d,
     DistributedConvTranspose2d,
     DistributedLayerNorm,
@@ -52,6 +54,9 @@ from distfuse.layers import (
     DistributedLinearReduceScatter,
     load_sequential,
 )
+from distfuse.layers.linear import DistributedLinear
+from distfuse.layers.loss import DistributedMSELoss
+from distfuse.layers.pool import DistributedMaxPool2d
 from distfuse.primitives import AllGather, AllSumReduce, ReduceScatter
 from distfuse.primitives._flag_deferred import DeferredFlags, poisoned_stand_in
 from distfuse.primitives._flag_transport import flag_transport, flags_deferred, flags_on_host
@@ -494,6 +499,120 @@ def test_transformer_layers_defer_their_flags():
         first, bad, nxt, again = res[r]["attn"]
         assert first == ("ok", False) and bad == ("ok", True) and again == ("ok", False), res[r]["attn"]
         assert nxt[0] == "DisagreedCallError" and "DistributedMultiheadAttention" in nxt[1], nxt
+
+
+# ---------------------------------------------------------------- pooling, the general conv, DistributedLinear, a loss
+
+
+def _others():
+    from tests.test_linear_general import _check as check_linear
+
+    me = dist.get_rank()
+    P = patient_grid(_GRIDS, (1, 3, 0, 2), (1, 1, 2, 2))  # pool and loss: height and width split
+    P_x, P_w = patient_grid(_GRIDS, (2, 0, 3, 1), (1, 2, 2)), patient_grid(_GRIDS, (1, 3, 0, 2), (1, 2, 2))
+    P_y = patient_grid(_GRIDS, (3, 0), (1, 1, 2))  # general conv: channels and length split, P_y on two workers
+    L_x, L_y, L_w = (patient_grid(_GRIDS, *spec) for spec in (((2, 0, 3), (1, 3)), ((0,), (1, 1)),
+                                                              ((0, 3, 2), (1, 3))))  # DistributedLinear
+    pool, seq_pool = DistributedMaxPool2d(P, 3, stride=2, padding=1), nn.MaxPool2d(3, stride=2, padding=1)
+    mse, seq_mse = DistributedMSELoss(P), nn.MSELoss()
+    torch.manual_seed(2)
+    seq_conv = nn.Conv1d(4, 3, 3, padding=1, dtype=torch.float64)
+    conv = DistributedConv1d(P_x, 4, 3, 3, padding=1, P_y=P_y, P_w=P_w, dtype=torch.float64)
+    load_sequential(conv, seq_conv)
+    torch.manual_seed(4)
+    linear = DistributedLinear(L_x, L_y, L_w, 7, 5, dtype=torch.float64)
+    torch.manual_seed(4)
+    seq_linear = nn.Linear(7, 5, dtype=torch.float64)
+
+    def probe(y, x):
+        """The disagreeing call's result on this worker: whether it holds NaN, after a backward (in step)."""
+        if y.requires_grad:
+            y.backward(torch.ones_like(y))
+        return bool(torch.isnan(y).any()) if y.numel() else "no output here"
+
+    def pool_call(seed, bad=None):
+        xg = _data(seed, 2, 3, 8, 9, dtype=torch.float64)
+        x = xg[local_slices(xg.shape, P.shape, P.index)].requires_grad_()
+        if bad is not None:  # the disagreeing call: world rank 3 passes a 3 x 3 block
+            x = _data(seed, 2, 3, 3, 3, dtype=torch.float64).requires_grad_() if bad else x
+            return probe(pool(x), x)
+        ref = seq_pool(xg)
+        return _close(pool(x), ref[local_slices(ref.shape, P.shape, P.index)], torch.float64)
+
+    def mse_call(seed, bad=None):
+        a, b = _data(seed, 2, 3, 8, 9, dtype=torch.float64), _data(seed + 1, 2, 3, 8, 9, dtype=torch.float64)
+        mine = local_slices(a.shape, P.shape, P.index)
+        x = (a[mine][:1] if bad else a[mine]).requires_grad_()
+        got = mse(x, b[mine][:1] if bad else b[mine])
+        return probe(got, x) if bad is not None else _close(got, seq_mse(a, b), torch.float64)
+
+    def conv_call(seed, bad=None):
+        xg = _data(seed, 2, 4, 9, dtype=torch.float64)
+        x = xg[local_slices(xg.shape, P_x.shape, P_x.index)] if P_x.active else distfuse.zero_volume_tensor(
+            dtype=torch.float64)
+        if bad is not None:  # world rank 3 (on P_x) passes 3 positions of 2 channels, not 4 or 5 of 2
+            x = _data(seed, 2, 2, 3, dtype=torch.float64) if bad else x
+            return probe(conv(x), x)  # (x requires no grad, as in the steady calls: the weights' does)
+        y = conv(x)
+        if not P_y.active:
+            return "no output here"
+        ref = seq_conv(xg)
+        return _close(y, ref[local_slices(ref.shape, P_y.shape, P_y.index)], torch.float64)
+
+    def linear_call(seed, bad=None):
+        X, dY = _data(seed, 4, 7, dtype=torch.float64), _data(seed + 1, 4, 5, dtype=torch.float64)
+        linear.zero_grad()  # (the check compares this call's parameter gradients)
+        if bad is None:
+            return check_linear(linear, seq_linear, L_x, L_y, X, dY, torch.float64) > 0 or "nothing here"
+        x = X[local_slices(X.shape, L_x.shape, L_x.index)] if L_x.active else distfuse.zero_volume_tensor(
+            dtype=torch.float64)
+        x = _data(seed, 3, 3, dtype=torch.float64) if bad else x  # world rank 3's block of 7 features is 2 wide
+        return probe(linear(x.requires_grad_()), x)
+
+    ring = patient_grid(_GRIDS, (2, 0, 1, 3), (4,))  # the ring, in a permuted order
+
+    def ring_call(seed, bad=None):
+        q, k, v = (_data(seed + i, 2, 3, 10, 4, dtype=torch.float64) for i in range(3))  # [B, H, S, D]
+        mine = local_slices(q.shape, (1, 1, 4, 1), (0, 0, ring.index[0], 0))
+        ql, kl, vl = (t[mine].clone().requires_grad_() for t in (q, k, v))
+        if bad:  # world rank 3 passes one query row fewer
+            ql = ql[:, :, 1:].detach().requires_grad_()
+        got = distfuse.layers.distributed_attention(ql, kl, vl, ring, causal=True)
+        if bad is not None:
+            return probe(got, ql)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return _close(got, ref[mine], torch.float64)
+
+    out: dict = {}
+    with _deferred_only():
+        for name, call in (("pool", pool_call), ("mse", mse_call), ("conv", conv_call), ("linear", linear_call),
+                           ("ring", ring_call)):
+            out[name] = dict(steady=[catch(lambda s=s, c=call: c(s)) for s in (1, 2)],
+                             bad=catch(lambda c=call: c(3, bad=me == 3)), next=catch(lambda c=call: c(4)),
+                             after=catch(lambda c=call: c(5)))
+    return out
+
+
+def test_pools_general_conv_linear_losses_and_ring_attention_defer_their_flags():
+    res = run_misuse(4, _others)
+    ops = {"pool": "DistributedMaxPool2d", "mse": "DistributedMSELoss", "conv": "DistributedGeneralConv1d",
+           "linear": "DistributedLinear", "ring": "distributed_attention"}
+    for name, op in ops.items():
+        for r in range(4):
+            got = res[r][name]
+            assert [s[0] for s in got["steady"]] == ["ok", "ok"] and got["after"][0] == "ok", (name, r, got)
+            assert got["bad"][0] == "ok", (name, r, got["bad"])  # no error, no hang: the call ran in step
+            if name == "linear" and r == 1:  # outside the layer's partitions: inactive, nothing to agree
+                assert got["next"][0] == "ok", got
+                continue
+            kind, msg, secs = got["next"]
+            assert kind == "DisagreedCallError" and f"{op} [rank {r}]" in msg and secs < T / 2, (name, r, got["next"])
+    # the changed worker's output is NaN (the pool's, the loss's, the ring's), and the outputs on P_y of the general
+    # conv and DistributedLinear (world ranks 3 and 0; 0): the sums over the weight workers carry the stand-in's NaN
+    assert res[3]["pool"]["bad"] == res[3]["ring"]["bad"] == ("ok", True), res[3]
+    assert all(res[r]["mse"]["bad"] == ("ok", True) for r in range(4))  # the loss is summed over every worker
+    assert res[3]["conv"]["bad"] == res[0]["conv"]["bad"] == ("ok", True), (res[3]["conv"], res[0]["conv"])
+    assert res[0]["linear"]["bad"] == ("ok", True), res[0]["linear"]
 
 
 # ---------------------------------------------------------------- the pieces

@@ -243,7 +243,7 @@ class WindowLayer(AgreedLayer, nn.Module):
         op, P_x = type(self).__name__, self.P_x
         return self.session.agree(x, call_signature(x, []), passes_local_checks(P_x, x),
                                   lambda: gather_call_info(op, P_x, P_x, x, [], signature=self._layer_key()),
-                                  needs_eager=lambda info: info.input_grad and not x.requires_grad)
+                                  needs_eager=lambda info: info.input_grad and not x.requires_grad, deferrable=True)
 
     def forward(self, x: torch.Tensor):
         """``x`` this worker's input block (zero-volume outside P_x); returns its output block."""
@@ -253,6 +253,8 @@ class WindowLayer(AgreedLayer, nn.Module):
         info = self._agree(x)
         if info is None:
             return self._inactive_output(x)
+        if self.session.poisoned:  # this worker's call changed and its peers went on: NaN of the agreed block
+            x = self.session.stand_in(x).contiguous(memory_format=info.memory_format)
         G = info.global_shape
         win = self.window_record(G, x.dtype, x.device)
         x = promote(x, info.input_grad)

@@ -576,9 +576,14 @@ def _attention(q, k, v, causal, attn_mask, scale, layout, ring: _Ring) -> torch.
         record = _record(problem, q, k, v, attn_mask, causal, layout, scale, grad)
         return _check_records(OP, P_cp, gather_records(OP, P_cp, record), layout)
 
-    S = ring.session.agree(q, signature, problem == 0, gather)
+    S = ring.session.agree(q, signature, problem == 0, gather, deferrable=True)
     if S is None:  # a replayed call that flagged: the flag round raises on every worker
         return q.new_empty((0,))
+    if ring.session.poisoned:  # this worker's call changed and its peers went on: NaN of the agreed shapes
+        session, agreed = ring.session, ring.session.site.signature  # (_signature's entries)
+        q, k, v = (session.stand_in(t, i, dtype_at=4) for i, t in ((1, q), (2, k), (3, v)))
+        attn_mask = None if agreed[5] is None else torch.zeros(agreed[5], dtype=torch.bool, device=q.device)
+        causal, layout, scale = agreed[6:9]
     return _run_ring(ring, ring.session, q, k, v, attn_mask, S, causal, layout, scale)
 
 

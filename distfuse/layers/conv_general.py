@@ -191,9 +191,11 @@ class DistributedGeneralConvBase(ConvLayer):
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
         info = self.session.agree(x, call_signature(x, params), passes_local_checks(P_x, x), lambda: self._checked(
-            gather_call_info(op, self.P_union, P_x, x, params, signature=self._identity())))
+            gather_call_info(op, self.P_union, P_x, x, params, signature=self._identity())), deferrable=True)
         if info is None:  # a replayed call that flagged: flag_check raises on every worker
             return x.clone()
+        if self.session.poisoned:  # this worker's call changed and its peers went on: NaN of the agreed block
+            x = self.session.stand_in(x).contiguous(memory_format=info.memory_format)
         G = info.global_shape
         dtype = info.compute_dtype or info.dtype  # what x, the staged blocks and the outputs travel in (autocast)
         plan = self.halo.plan(G)

@@ -19,8 +19,10 @@ travel whole, so a view changes no data) and restores the leading dimensions aft
 
 P_x, P_y and P_w may sit on any world ranks.  A P_w or P_y worker outside P_x cannot know
 the leading extents or the dtype, and no collective reaches every worker, so the layer
-agrees over the union of the three partitions with its flag in a host round of its own
-(records: :mod:`~distfuse.layers._linear_agreement`).  Workers outside P_y get a
+agrees over the union of the three partitions with its flag in a round of its own: on the
+host, or on CUDA a device all-reduce read at the next call (:mod:`~distfuse.primitives._flag_deferred`;
+a worker whose call changed alone runs it on a NaN stand-in of its agreed block; records:
+:mod:`~distfuse.layers._linear_agreement`).  Workers outside P_y get a
 zero-volume ``[0]`` output that still carries their part of the adjoint, so every worker
 must call backward on what it got.
 
@@ -194,7 +196,9 @@ class DistributedLinear(LinearBase):
             return x.clone()
         # The agreed record (module doc), so that a bad block raises on every rank, not only here.
         ok = isinstance(x, torch.Tensor) and self._locally_ok(x)
-        state = self.session.agree(x, self._signature(x), ok, lambda: self._gathered(x))
+        state = self.session.agree(x, self._signature(x), ok, lambda: self._gathered(x), deferrable=True)
+        if self.session.poisoned:  # this worker's call changed and its peers went on: NaN of the agreed block
+            x = self.session.stand_in(x)
         if debug.enabled() and self.session.may_read_host:
             state = self._gathered(x)
         if not isinstance(x, torch.Tensor):  # it flagged, and its record made every worker raise above

@@ -25,7 +25,9 @@ target whose blocks differ from the input's is refused.
 
 The agreement flag rides in the reduction with ``sum`` / ``mean`` on CPU
 (``distfuse::loss_flags`` reads the sum's flags, a free host read); with ``none`` (no
-collective) and on a device (a flag read would synchronise it) it takes a host round.
+collective) it takes a host round, and on a device (a flag read would synchronise it) the
+deferred round (:mod:`~distfuse.primitives._flag_deferred`: a device all-reduce read at the
+next call; a worker whose call changed alone computes on NaN stand-ins of its agreed inputs).
 
 Values torch refuses (a class index out of range, a BCE input or target outside [0, 1]):
 an eager call catches torch's error around the local loss; with ``sum``/``mean`` the failure
@@ -181,9 +183,11 @@ class DistributedLossBase(AgreedLayer, nn.Module):
 
             return self.session.agree_in(signature, True, lambda record, flag: self._loss(
                 op, record, input, target, flag, attempt=True), settle)
-        record = self.session.agree(input, signature, True, lambda: self._gather(input, target))
+        record = self.session.agree(input, signature, True, lambda: self._gather(input, target), deferrable=True)
         if record is None:  # a replayed call that flagged: the flag round raises on every worker
             return input.new_empty((0,))
+        if self.session.poisoned:  # this worker's call changed and its peers went on: NaN input, agreed sizes
+            input, target = self.session.stand_in(input), self.session.stand_in(target, 2)
         return self._loss(op, record, input, target, 0)
 
     def _gather(self, input: torch.Tensor, target: torch.Tensor) -> LossCall:

@@ -3,12 +3,11 @@
 The agreement protocol (:mod:`distfuse.primitives._agreement`) needs every worker's flag at
 every checked call.  Read at once, a device flag synchronises the host with the device;
 taken on the host first (:func:`~distfuse.primitives._agreement.flag_round`), it is a
-barrier between the workers' CPUs.  The **deferred** transport does neither for the sites
+barrier between the workers' CPUs.  The **deferred** transport does neither, for the sites
 whose data collective reaches every worker of its sub-grid (the all-gather, reduce-scatter
 and all-reduce modules, and the all-gather and reduce-scatter linears built on them) and
-for the layers whose round spans their partition and which can run a call on a stand-in
-(the feature and transposed convolutions, the norms, the embedding, the attention, the
-vocabulary loss: ``AgreementSession.agree(..., deferrable=True)``)::
+for every other layer, whose round spans its partition and which runs a disagreeing call
+on a stand-in (``AgreementSession.agree(..., deferrable=True)``, ``AgreementSession.stand_in``)::
 
     call k, every worker    read the flag sum of call k-1 at this context (its copy is
                             long done: no wait in practice); if it is set, every worker

@@ -8,9 +8,8 @@ kernel queued before it, one device sync per call; so the flags take
 :func:`~distfuse.primitives._agreement.flag_round` *before* the data collective is queued,
 which then runs unflagged, or not at all when a flag is set.  The sites whose data
 collective reaches every worker (the all-gather, reduce-scatter and all-reduce modules and
-the linears built on them), and the layers that can run a disagreeing call on a stand-in
-(the feature and transposed convolutions, the norms, the embedding, the attention, the
-vocabulary loss), instead take the **deferred** transport on CUDA
+the linears built on them), and every other layer (each runs a disagreeing call on a
+stand-in), instead take the **deferred** transport on CUDA
 (:mod:`~distfuse.primitives._flag_deferred`): the flags are all-reduced on the device and
 read one call later, so the steady state has no host round and no host read; a call
 whose workers disagree returns NaN and every worker raises at the next call.

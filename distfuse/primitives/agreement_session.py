@@ -22,8 +22,8 @@ raises the same error, with no metadata collective in the steady state (the prot
                                          ShapeError on every worker when any flagged)
 
 On CUDA a layer that can run a disagreeing call on a stand-in of its agreed inputs
-(``agree(..., deferrable=True)``: the norms, the embedding, the attention, the vocabulary
-loss) takes the deferred transport in settle mode instead of the host round
+(``agree(..., deferrable=True)``: every layer) takes the deferred transport in settle mode
+instead of the host round
 (:mod:`~distfuse.primitives._flag_deferred`: a device all-reduce read at the next call).
 
 Replay keeps a compiled graph free of metadata: the compiler guards on what the signature
@@ -179,12 +179,14 @@ class AgreementSession:
         run_agreed(site, signature, locally_ok, attempt, lambda: (None, gather()))
         return site.state  # the kept objects (AgreementSite.settle), not merely equal ones
 
-    def stand_in(self, t, at: int = 0) -> torch.Tensor:
-        """NaN (zeros for integers) of the shape and dtype at ``signature[at]``, ``signature[at + 1]`` of this worker's
-        last settled call, standing in for ``t`` (any object; a tensor gets NaN gradients): a :attr:`poisoned` call's
-        input (:func:`~distfuse.primitives._flag_deferred.poisoned_stand_in`)."""
+    def stand_in(self, t, at: int = 0, dtype_at: int | None = None) -> torch.Tensor:
+        """NaN (zeros for integers) of the shape at ``signature[at]`` and the dtype at ``signature[dtype_at]``
+        (default ``at + 1``) of this worker's last settled call, standing in for ``t`` (any object; a tensor gets
+        NaN gradients): a :attr:`poisoned` call's input
+        (:func:`~distfuse.primitives._flag_deferred.poisoned_stand_in`)."""
         signature = self.site.signature
-        return poisoned_stand_in(signature[at], signature[at + 1], self.P.device, t)
+        dtype = signature[at + 1 if dtype_at is None else dtype_at]
+        return poisoned_stand_in(signature[at], dtype, self.P.device, t)
 
     def replayed(self, signature: Hashable, locally_ok: bool,
                  needs_eager: Callable[[Any], bool] | None = None) -> tuple[Any, bool]:
