@@ -675,6 +675,15 @@ def _record_scenario(device: str, store: str) -> None:
         with pytest.raises(distfuse.DisagreedCallError):
             distfuse.check_pending()  # the sync point reads it
         assert forgotten == ["changed", "peer"] and record._pending is None
+        first, second = DeferredFlags(), DeferredFlags()  # two layers' disagreements pending: both are read, and
+        for rec, op in ((second, "Second"), (first, "First")):  # the first made is raised (every worker alike)
+            rec.round(P, False, op, None)
+            rec._device.fill_(1)
+            rec._zero = True
+            rec.round(P, False, op, None)
+        with pytest.raises(distfuse.DisagreedCallError, match="First"):
+            distfuse.check_pending()
+        assert first._pending is None and second._pending is None
         one = type("P", (), dict(device=dev, group=dist.group.WORLD, ranks=(0,), size=1))()
         assert record.round(one, True, "Op", None) is True and record._pending is None  # one worker: no round
     finally:

@@ -40,6 +40,7 @@ memory and an event (no kernel to fill the flag while the last sum was 0).
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable
@@ -54,6 +55,8 @@ __all__ = ["DeferredFlags", "check_deferred_flags", "poisoned_stand_in"]
 
 #: Records holding a sum not yet read (weak: a freed layer's record drops out).
 _PENDING: weakref.WeakSet = weakref.WeakSet()
+#: Creation order of the records: layers are made in the same order on every worker, so this orders them alike.
+_ORDER = itertools.count()
 
 
 class DeferredFlags:
@@ -63,9 +66,10 @@ class DeferredFlags:
     copies on the other workers have made no call yet either.
     """
 
-    __slots__ = ("_device", "_host", "_event", "_pending", "_zero", "__weakref__")
+    __slots__ = ("_device", "_host", "_event", "_pending", "_zero", "_order", "__weakref__")
 
     def __init__(self):
+        self._order = next(_ORDER)
         self._device: torch.Tensor | None = None  # the all-reduced int32 flag, reused from call to call
         self._host: torch.Tensor | None = None  # its pinned host copy (the tensor itself on CPU)
         self._event = None  # recorded after the copy (CUDA)
@@ -142,11 +146,19 @@ class DeferredFlags:
 def check_deferred_flags() -> None:
     """Read every pending deferred flag now (waiting for the device); raise the first disagreement by name.
 
-    A sync point: call it on every worker at the same place (it reads sums every worker
-    reads alike, so all raise together).  Cheap when nothing is pending.
+    A sync point: call it on every worker at the same place.  Every pending sum is read
+    (and cleared) before anything is raised, and the first in creation order is raised, so
+    the workers of a layer raise together here and none is left to raise later on some only.
+    Cheap when nothing is pending.
     """
-    for record in list(_PENDING):
-        record.settle_previous()
+    first = None
+    for record in sorted(_PENDING, key=lambda r: r._order):
+        try:
+            record.settle_previous()
+        except DisagreedCallError as exc:
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 class _PoisonedStandIn(torch.autograd.Function):
