@@ -678,6 +678,7 @@ def _record_scenario(device: str, store: str) -> None:
         first, second = DeferredFlags(), DeferredFlags()  # two layers' disagreements pending: both are read, and
         for rec, op in ((second, "Second"), (first, "First")):  # the first made is raised (every worker alike)
             rec.round(P, False, op, None)
+            rec.settle_previous()  # (read before the word is set: on CPU the device word is the host copy)
             rec._device.fill_(1)
             rec._zero = True
             rec.round(P, False, op, None)
