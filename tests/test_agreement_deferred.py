@@ -58,6 +58,7 @@ from distfuse.layers.linear import DistributedLinear
 from distfuse.layers.loss import DistributedMSELoss
 from distfuse.layers.pool import DistributedMaxPool2d
 from distfuse.primitives import AllGather, AllSumReduce, ReduceScatter
+from distfuse.primitives._agreement import capture_safe
 from distfuse.primitives._flag_deferred import DeferredFlags, poisoned_stand_in
 from distfuse.primitives._flag_transport import flag_transport, flags_deferred, flags_on_host
 from tests.misuse_support import catch, patient_grid, run_misuse
@@ -377,6 +378,10 @@ def _norms():
         out["bad"] = catch(lambda: step(8, 4, who=2, bad_bn=_data(5, 2, 3, 3, 4, dtype=torch.float64),
                                         bad_ln=_data(6, 1, 3, 5, dtype=torch.float64)))
         out["running_nan"] = bool(torch.isnan(bn.running_mean).all())  # the poisoned batch statistics went in
+        with torch.no_grad():  # (the check compares batch-statistics outputs; reset what the NaN call spoilt)
+            bn.running_mean.zero_(), bn.running_var.fill_(1)
+        with capture_safe():  # a trusted call after a poisoned one runs on its own input (nothing is read)
+            out["trusted"] = catch(lambda: step(8, 6))
         out["next"] = catch(lambda: step(8, 7))
         out["next2"] = catch(lambda: step(8, 8))
         out["again"] = catch(lambda: step(8, 9))
@@ -394,6 +399,7 @@ def test_norms_defer_their_flags_forward_and_backward():
             assert kind == "DisagreedCallError" and f"{op} [rank {r}]" in msg and secs < T / 2, (r, res[r][key])
         assert res[r]["again"] == ("ok", False), res[r]["again"]  # both agreed afresh: nothing pending yet
         assert res[r]["running_nan"]  # what the docs say: reload a batch norm's running statistics after one
+        assert res[r]["trusted"] == ("ok", True), res[r]["trusted"]  # right, and the sums still unread
 
 
 # ---------------------------------------------------------------- a transformer: embedding, norms, attention, loss

@@ -161,13 +161,13 @@ class AgreementSession:
         every worker when it runs, so nothing after it would.
         """
         mode, site = self.begin(), self.site
+        self.poisoned = False  # (every mode: a trusted or replayed call after a poisoned one is not poisoned)
         if mode == REPLAY:
             state, changed = self.replayed(signature, locally_ok, needs_eager)
             flag_check(x, self.flag.handle, changed)
             return None if changed else state
         if mode == TRUST:
             return trusted_state(site, signature, self.op)
-        self.poisoned = False
 
         def attempt(changed: bool) -> tuple[None, bool]:
             if not (deferrable and flags_deferred(self.P.device)):
