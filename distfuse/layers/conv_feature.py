@@ -25,8 +25,8 @@ The parameters travel packed from the root with every worker's agreement flag ri
 (:class:`RootParamConvBase`, shared with the transposed convolution); on CUDA the flag takes
 the deferred transport instead (:mod:`~distfuse.primitives._flag_deferred`: a device
 all-reduce over ``P_x`` read at the next call, no host round), and a worker whose call
-changed while its peers' did not runs the call on a NaN stand-in of its agreed block.  A worker whose output
-block is empty returns an empty ``[B_b, C_out, *m_s]`` tensor and still takes part in both
+changed while its peers' did not runs the call on a NaN stand-in of its agreed block.
+A worker whose output block is empty returns an empty ``[B_b, C_out, *m_s]`` tensor and still takes part in both
 exchanges: other workers read its input.
 
 Dispatch: ``select_path("halo_conv", {channels: in_channels}, ...)``, remembered per global
@@ -43,7 +43,6 @@ import torch
 
 from distfuse.errors import PartitionError, where
 from distfuse.fused.halo_conv import check_implicit, fused_halo_conv, implicit_requested
-from distfuse.geometry.decomposition import local_shape
 from distfuse.layers._conv_common import (
     CallInfo,
     ConvLayer,
@@ -59,7 +58,6 @@ from distfuse.layers._conv_common import (
 )
 from distfuse.layers.dispatch import Decision, device_caps, select_path
 from distfuse.primitives._common import check_inactive_input
-from distfuse.primitives._flag_deferred import poisoned_stand_in
 from distfuse.primitives._flag_transport import flags_deferred
 from distfuse.primitives._layout import format_code, memory_format_of
 from distfuse.primitives._op_pair import anchor
@@ -127,9 +125,8 @@ class RootParamConvBase(ConvLayer):
         if got is None:  # a replayed call that flagged: the parameter round raises on every worker
             return x.clone()
         info, w, b, poisoned = got
-        if poisoned:  # this worker's call differs and its peers went on: in step with them, on NaN of the agreed block
-            block = local_shape(info.global_shape, P_x.shape, P_x.index)
-            x = poisoned_stand_in(block, info.dtype, P_x.device, x).contiguous(memory_format=info.memory_format)
+        if poisoned:  # this worker's call changed and its peers went on: NaN of the agreed block
+            x = self.session.stand_in(x).contiguous(memory_format=info.memory_format)
         return self._local(x, info, w, b)
 
 
