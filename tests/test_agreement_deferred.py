@@ -621,6 +621,23 @@ def test_pools_general_conv_linear_losses_and_ring_attention_defer_their_flags()
     assert res[0]["linear"]["bad"] == ("ok", True), res[0]["linear"]
 
 
+# ---------------------------------------------------------------- the demos, as a CUDA run would agree
+
+
+@pytest.mark.parametrize("model, verdict", [("convnet", "sequential torch.nn model"),
+                                            ("unet", "sequential torch.nn U-Net")])
+def test_demos_train_in_step_under_the_deferred_transport(model, verdict, tmp_path, monkeypatch):
+    """``python -m distfuse.demo`` (conv, pooling, tensor-parallel MLP) and ``unet`` (3-D conv, batch norm, pooling,
+    transposed conv) with the CUDA default's transport forced: every step and the final weights still match the
+    float64 twin (the demo checks both and exits non-zero otherwise)."""
+    from tests.test_teeth_entrypoints import _run
+
+    monkeypatch.setenv(transport.TRANSPORT_VARIABLE, "deferred")
+    proc, out = _run(["-m", "distfuse.demo", model, "--steps", "2"], tmp_path)
+    assert proc.returncode == 0, out[-4000:]
+    assert f"every step's loss matched the {verdict}" in out and "agree with the float64 twin" in out, out[-4000:]
+
+
 # ---------------------------------------------------------------- the pieces
 
 
