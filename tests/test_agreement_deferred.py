@@ -621,6 +621,61 @@ def test_pools_general_conv_linear_losses_and_ring_attention_defer_their_flags()
     assert res[0]["linear"]["bad"] == ("ok", True), res[0]["linear"]
 
 
+def _linear_with_an_output_worker():
+    """DistributedLinear whose P_y worker (world rank 1) holds no input: its empty block repeats when the rows
+    change, so under the deferred transport the layer keeps the host round, and a new batch size just works; the
+    channel conv with workers outside P_x likewise."""
+    from tests.test_linear_general import _check as check_linear
+
+    L_x, L_y, L_w = (patient_grid(_GRIDS, *spec) for spec in (((2, 0, 3), (1, 3)), ((1,), (1, 1)),
+                                                              ((0, 3, 2), (1, 3))))
+    torch.manual_seed(6)
+    linear = DistributedLinear(L_x, L_y, L_w, 7, 5, dtype=torch.float64)
+    torch.manual_seed(6)
+    seq_linear = nn.Linear(7, 5, dtype=torch.float64)
+    rounds = []
+    real = session_module.flag_round
+    session_module.flag_round = lambda P, flag, op: rounds.append(op) or real(P, flag, op)
+    try:
+        with flag_transport("deferred"):
+            checks = []
+            for seed, rows in enumerate((4, 4, 6, 6)):
+                linear.zero_grad()
+                X, dY = _data(seed, rows, 7, dtype=torch.float64), _data(seed + 9, rows, 5, dtype=torch.float64)
+                checks.append(catch(lambda X=X, dY=dY: check_linear(linear, seq_linear, L_x, L_y, X, dY,
+                                                                     torch.float64)))
+            # The channel conv likewise, with workers outside P_x (world ranks 1 and 3: P_w and P_y): a new length
+            P_x, P_w = patient_grid(_GRIDS, (2, 0), (1, 2, 1)), patient_grid(_GRIDS, (1, 3, 0, 2), (2, 2, 1))
+            P_y = patient_grid(_GRIDS, (3, 1), (1, 2, 1))
+            torch.manual_seed(8)
+            seq_conv = nn.Conv1d(4, 3, 3, padding=1, dtype=torch.float64)
+            conv = DistributedConv1d(P_x, 4, 3, 3, padding=1, P_y=P_y, P_w=P_w, dtype=torch.float64)
+            load_sequential(conv, seq_conv)
+
+            def conv_call(seed, n):
+                xg = _data(seed, 2, 4, n, dtype=torch.float64)
+                x = xg[local_slices(xg.shape, P_x.shape, P_x.index)] if P_x.active else \
+                    distfuse.zero_volume_tensor(dtype=torch.float64)
+                y = conv(x)
+                ref = seq_conv(xg)
+                return _close(y, ref[local_slices(ref.shape, P_y.shape, P_y.index)], torch.float64) if P_y.active \
+                    else "no output here"
+
+            convs = [catch(lambda s=s, n=n: conv_call(s, n)) for s, n in enumerate((9, 9, 11, 11))]
+    finally:
+        session_module.flag_round = real
+    return checks, convs, len(rounds)
+
+
+def test_layers_with_workers_outside_p_x_keep_the_host_round():
+    res = run_misuse(4, _linear_with_an_output_worker)
+    for r in range(4):
+        checks, convs, rounds = res[r]
+        assert [c[0] for c in checks] == ["ok"] * 4, checks  # 4 -> 6 rows: a new batch size, agreed
+        assert [c[0] for c in convs] == ["ok"] * 4, convs  # 9 -> 11: a new length, agreed
+        assert rounds == 6, rounds  # a host round in each settled call (a first call gathers without one)
+
+
 # ---------------------------------------------------------------- the demos, as a CUDA run would agree
 
 

@@ -191,7 +191,8 @@ class DistributedGeneralConvBase(ConvLayer):
             return x.clone()
         params = [p for p in (self.weight, self.bias) if p is not None]
         info = self.session.agree(x, call_signature(x, params), passes_local_checks(P_x, x), lambda: self._checked(
-            gather_call_info(op, self.P_union, P_x, x, params, signature=self._identity())), deferrable=True)
+            gather_call_info(op, self.P_union, P_x, x, params, signature=self._identity())),
+            deferrable=set(self.P_union.ranks) <= set(P_x.ranks))  # (a P_w/P_y-only worker's empty input repeats)
         if info is None:  # a replayed call that flagged: flag_check raises on every worker
             return x.clone()
         if self.session.poisoned:  # this worker's call changed and its peers went on: NaN of the agreed block

@@ -20,9 +20,11 @@ travel whole, so a view changes no data) and restores the leading dimensions aft
 P_x, P_y and P_w may sit on any world ranks.  A P_w or P_y worker outside P_x cannot know
 the leading extents or the dtype, and no collective reaches every worker, so the layer
 agrees over the union of the three partitions with its flag in a round of its own: on the
-host, or on CUDA a device all-reduce read at the next call (:mod:`~distfuse.primitives._flag_deferred`;
-a worker whose call changed alone runs it on a NaN stand-in of its agreed block; records:
-:mod:`~distfuse.layers._linear_agreement`).  Workers outside P_y get a
+host, or on CUDA, where every worker holds an input block, a device all-reduce read at the
+next call (:mod:`~distfuse.primitives._flag_deferred`; a worker whose call changed alone runs
+it on a NaN stand-in of its agreed block; records: :mod:`~distfuse.layers._linear_agreement`).
+A P_w- or P_y-only worker's empty input repeats when the rows change, so there every new
+batch size would look like a change on some workers only: those layers keep the host round.  Workers outside P_y get a
 zero-volume ``[0]`` output that still carries their part of the adjoint, so every worker
 must call backward on what it got.
 
@@ -196,7 +198,10 @@ class DistributedLinear(LinearBase):
             return x.clone()
         # The agreed record (module doc), so that a bad block raises on every rank, not only here.
         ok = isinstance(x, torch.Tensor) and self._locally_ok(x)
-        state = self.session.agree(x, self._signature(x), ok, lambda: self._gathered(x), deferrable=True)
+        # Deferred only where every worker holds an input block: a P_w- or P_y-only worker's (empty) input repeats
+        # when the rows change, so under the deferred transport every new batch size would be refused.
+        state = self.session.agree(x, self._signature(x), ok, lambda: self._gathered(x),
+                                   deferrable=set(self.P_all.ranks) <= set(self.P_x.ranks))
         if self.session.poisoned:  # this worker's call changed and its peers went on: NaN of the agreed block
             x = self.session.stand_in(x)
         if debug.enabled() and self.session.may_read_host:
