@@ -90,6 +90,8 @@ class DeferredFlags:
         if P.size == 1:  # one worker: nothing to agree with, nothing to move
             return bool(flag)
         device = torch.device(P.device)
+        if device.type == "cuda" and device.index is None:  # "cuda" names the current device; tensors say cuda:i
+            device = torch.device("cuda", torch.cuda.current_device())
         if self._device is None or self._device.device != device:
             cuda = device.type == "cuda"
             self._device = torch.zeros(1, dtype=torch.int32, device=device)
