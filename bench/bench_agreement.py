@@ -10,13 +10,13 @@ only (the check runs in forward), on ``W`` ranks:
 * ``trusted``  (anchor) the same layer inside :func:`~distfuse.primitives._agreement.capture_safe`:
                its agreed record is trusted, no flag moves, nothing is read on the host: the
                layer with no check at all;
-* ``agreed``   the default: the flag in band on CPU partitions; on CUDA read one call later
-               (the deferred transport) by the feature conv and the all-gather and
-               reduce-scatter linears, on the host round elsewhere;
-* ``host``     the flag forced onto the host round (CPU runs, and the deferred layers on CUDA);
-* ``deferred`` the flag forced onto the deferred transport (the feature conv and the two
-               linears, CPU runs: on CUDA it is ``agreed``): a device all-reduce of the flag,
-               read at the next call;
+* ``agreed``   the default: the flag in band on CPU partitions (or on the host round where no
+               message reaches every worker); on CUDA read one call later by every layer (the
+               deferred transport), on the host round by the ``HaloExchange`` and ``Broadcast``
+               modules;
+* ``host``     the flag forced onto the host round (CPU runs, and the layers on CUDA);
+* ``deferred`` the flag forced onto the deferred transport (the layers, CPU runs: on CUDA it
+               is ``agreed``): a device all-reduce of the flag, read at the next call;
 * ``inband``   the flag forced in band (CUDA runs only: a read of the received flag, which
                waits for the device: the synchronisation the host round avoids);
 * ``gather``   the site forgotten before every call, so every call gathers the metadata on
@@ -67,8 +67,10 @@ GPU_CASES = [("feature_conv2d", (8, 64, 256, 256)), ("general_conv2d", (8, 64, 2
 SMOKE_CASES = [("feature_conv2d", (1, 2, 8, 8)), ("max_pool2d", (1, 2, 8, 8)), ("halo_exchange", (1, 2, 8, 8)),
                ("broadcast", (1, 2, 8, 8)), ("general_conv2d", (1, 2, 8, 8)), ("linear_all_gather", (5, 6, 4)),
                ("linear_reduce_scatter", (5, 6, 4)), ("general_linear", (5, 6, 4))]
-#: The layers whose flag takes the deferred transport on CUDA (distfuse/primitives/_flag_deferred.py).
-DEFERRED = ("feature_conv2d", "linear_all_gather", "linear_reduce_scatter")
+#: The cases whose flag takes the deferred transport on CUDA (distfuse/primitives/_flag_deferred.py): the layers,
+#: not the point-to-point modules called directly.
+DEFERRED = ("feature_conv2d", "general_conv2d", "max_pool2d", "linear_all_gather", "linear_reduce_scatter",
+            "general_linear")
 NO_CUDA = "unmeasured: no CUDA in this run (the GPU shapes and the inband row run under torchrun with NCCL)"
 
 
@@ -216,7 +218,7 @@ def bench_rank(cfg: dict) -> list:
                          "host round" if (n == "host" or (n == "agreed" and cuda)) else
                          ("none" if n == ANCHOR else "in band" if n in ("agreed", "inband") else "metadata gather"))
             if op in ("general_conv2d", "max_pool2d", "halo_exchange", "broadcast", "general_linear") and n in (
-                    "agreed", "inband"):
+                    "agreed", "inband") and not deferred:
                 extra["flags"] = "host round (no message reaches every worker)"
             if n == "gather":  # equal counts: only this provider gathered, once per call
                 extra["metadata_gathers"], extra["calls"] = gathers, forgets[0]

@@ -26,7 +26,7 @@ It also times the agreement flag round a CUDA layer call takes before its data c
 this host: the shared-memory flag board (:mod:`distfuse.primitives._flag_board`) against the
 gloo all-reduce it replaces (``flag_round_us``: median microseconds per round, best of 5 x 500);
 and runs the deferred agreement transport (:mod:`distfuse.primitives._flag_deferred`, the CUDA
-default of the tensor-parallel sites) through its CUDA code (pinned copy, event) on an
+default of every layer) through its CUDA code (pinned copy, event) on an
 ``AllSumReduce``: steady calls against float64, a disagreement that must give NaN and then
 ``DisagreedCallError`` on both ranks, and the host microseconds of a steady call under the
 deferred and the host transports (``deferred_agreement``; the flag all-reduce runs on gloo here,
