@@ -58,10 +58,8 @@ from distfuse.layers._conv_common import (
 )
 from distfuse.layers.dispatch import Decision, device_caps, select_path
 from distfuse.primitives._common import check_inactive_input
-from distfuse.primitives._flag_transport import flags_deferred
 from distfuse.primitives._layout import format_code, memory_format_of
 from distfuse.primitives._op_pair import anchor
-from distfuse.primitives.agreement_session import REPLAY, flagged_error
 from distfuse.primitives.broadcast import NO_FLAG
 from distfuse.primitives.halo_exchange import HaloExchange, halo_exchange
 
@@ -106,14 +104,8 @@ class RootParamConvBase(ConvLayer):
         params = [p for p in (self.weight, self.bias) if p is not None]
 
         def run(info: CallInfo, flag: int):
-            poisoned = False
-            if flag >= 0 and self.session.last_mode != REPLAY and flags_deferred(P_x.device):
-                # The deferred transport (_flag_deferred): the flag in a device all-reduce over P_x, read next call.
-                if self.session.site.deferred.round(P_x, flag == 1, op, self.session.forget):
-                    raise flagged_error(op)  # every worker flagged: the slow path together
-                poisoned, flag = flag == 1, NO_FLAG
             w, b = self.params.replicate(x, self.weight, self.bias, self._travel_dtype(info), info.param_grad, flag)
-            return None if flag == 1 else (info, w, b, poisoned)  # flag 1: the round raises on every worker
+            return None if flag == 1 else (info, w, b)  # flag 1: the round raises on every worker
 
         def gather():
             info = self._checked(gather_call_info(op, P_x, P_x, x, params, signature=self._identity()))
@@ -121,11 +113,11 @@ class RootParamConvBase(ConvLayer):
 
         signature = (tuple(x.shape), x.dtype, x.device.type, torch.is_grad_enabled(), x.requires_grad,
                      tuple((p.requires_grad, p.dtype) for p in params), autocast_dtype(P_x.device.type))
-        got = self.session.agree_in(signature, passes_local_checks(P_x, x), run, gather)
+        got = self.session.agree_in(signature, passes_local_checks(P_x, x), run, gather, deferrable=True)
         if got is None:  # a replayed call that flagged: the parameter round raises on every worker
             return x.clone()
-        info, w, b, poisoned = got
-        if poisoned:  # this worker's call changed and its peers went on: NaN of the agreed block
+        info, w, b = got
+        if self.session.poisoned:  # this worker's call changed and its peers went on: NaN of the agreed block
             x = self.session.stand_in(x).contiguous(memory_format=info.memory_format)
         return self._local(x, info, w, b)
 

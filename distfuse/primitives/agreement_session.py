@@ -161,7 +161,6 @@ class AgreementSession:
         every worker when it runs, so nothing after it would.
         """
         mode, site = self.begin(), self.site
-        self.poisoned = False  # (every mode: a trusted or replayed call after a poisoned one is not poisoned)
         if mode == REPLAY:
             state, changed = self.replayed(signature, locally_ok, needs_eager)
             flag_check(x, self.flag.handle, changed)
@@ -211,6 +210,7 @@ class AgreementSession:
     def begin(self) -> str:
         """The mode of the call starting now (kept as :attr:`last_mode`, which :meth:`remember` reads): for a
         layer that derives what it runs (its path) before the op that agrees."""
+        self.poisoned = False  # (every mode: a trusted or replayed call after a poisoned one is not poisoned)
         if torch.compiler.is_compiling():
             self.last_mode = REPLAY
         elif self.site.state is not None and trusting():
@@ -220,7 +220,8 @@ class AgreementSession:
         return self.last_mode
 
     def agree_in(self, signature: Hashable, locally_ok: bool, run: Callable[[Any, int], Any],
-                 gather: Callable[[], tuple[Any, Any]], *, checked_by_op: bool = False) -> Any:
+                 gather: Callable[[], tuple[Any, Any]], *, checked_by_op: bool = False,
+                 deferrable: bool = False) -> Any:
         """The result of a call whose flag rides in its own data op, which reaches every worker of the session.
 
         Args:
@@ -236,6 +237,9 @@ class AgreementSession:
                 compares their sizes and refuses a failed local check): a settled call runs
                 ``gather()`` (no metadata to move) every time, and a replayed call's
                 ``run`` places its flag.
+            deferrable: as for :meth:`agree`: under the deferred transport a settled call's flag
+                takes the device round instead, ``run`` gets -1, and :attr:`poisoned` tells the
+                layer to put :meth:`stand_in` inputs where its own data enters.
 
         Settle: :func:`~distfuse.primitives._agreement.run_agreed` over ``run`` and ``gather``;
         replay: ``flag`` is a constant of the graph.
@@ -248,6 +252,11 @@ class AgreementSession:
             return run(trusted_state(site, signature, self.op), -1)
 
         def attempt(changed: bool) -> tuple[Any, bool]:
+            if deferrable and flags_deferred(self.P.device):
+                if site.deferred.round(self.P, changed, self.op, self.forget):
+                    return None, True  # every worker flagged: the slow path together
+                self.poisoned = changed
+                return run(site.state, -1), False
             try:
                 return run(site.state, int(changed)), False
             except FlaggedCallError:
