@@ -8,7 +8,7 @@
 # 1 probe (45 s)         versions, symm_mem API names, get_buffer aliasing, backend    probe.json
 # 2 tests (130 s)        DISTFUSE_TEST_COMPILED=1 pytest -m cuda on the kernel tests,  tests.json
 #                        a launch off the main thread included
-# 3 gemm (180 s)         GEMM + scatter (every producer) and all-gather + GEMM vs      gemm_fused-<dev>-<date>.json
+# 3 gemm (140 s)         GEMM + scatter (every producer) and all-gather + GEMM vs      gemm_fused-<dev>-<date>.json
 #                        cuBLAS, chunk_reduce and the pushes vs the device copy:
 #                        LLaMA-3 8B/70B MLP at TP 8, M = 8192 and 512, bf16
 # 4 halo (75 s)          halo staging vs the device copy, fused halo conv vs          halo_conv-<dev>-<date>.json
@@ -16,7 +16,7 @@
 # 5 two_process (70 s)   two processes on one GPU through real symmetric memory,       two_process.json
 #                        one short run per provider and of the ring attention's
 #                        fused push, against float64
-# 6 attention (20 s)     one rank's ring block vs SDPA, the ring's message vs the     attention-<dev>-<date>.json
+# 6 attention (60 s)     one rank's ring block vs SDPA, the ring's message vs the     attention-<dev>-<date>.json
 #                        device copy (bench/bench_attention.py --single)
 # and lab.json (env: device, versions, commit, date; every phase's status, time, limit; the ratios) and lab.log.
 #
@@ -118,10 +118,10 @@ phase probe 45 "$OUT/probe.json" "${PROBE[@]}"
 DISTFUSE_LAB_TESTS_JSONL=$WORK/tests.jsonl DISTFUSE_TEST_COMPILED=1 \
   phase tests 130 "$OUT/tests.json" $PY -m pytest -q -p no:cacheprovider -p lab_pytest -m cuda -rfEs \
   "${TIMEOUT_ARG[@]}" "${TESTS[@]}"
-phase gemm 180 "$GEMM_JSON" "${GEMM[@]}"
+phase gemm 140 "$GEMM_JSON" "${GEMM[@]}"
 phase halo 75 "$HALO_JSON" "${HALO[@]}"
 phase two_process 70 "$OUT/two_process.json" "${TWO[@]}"
-phase attention 20 "" "${ATT[@]}"
+phase attention 60 "" "${ATT[@]}"
 
 $PY scripts/lab_record.py ratios --out "$OUT" 2>&1 | tee -a "$LOG"
 RC=0

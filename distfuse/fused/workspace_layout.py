@@ -98,6 +98,7 @@ class RankBuffers:
         self.status = words[W * W + W: W * W + 2 * W]
         self.sigs = words[W * W + 2 * W: W * W + 3 * W]
         self._data = buf[header_bytes(W):]
+        self._views: dict = {}  # data(..., cached=True)
         self.nbytes = self._data.numel()
         self.data_ptrs = table[0]
         self.flag_ptrs = table[1]
@@ -109,8 +110,22 @@ class RankBuffers:
                                    "ran first).")
     timeout = _owners("timeout", "Seconds a compiled consumer's flag wait may last (the workspace timeout).")
 
-    def data(self, dtype: torch.dtype, numel: int, offset: int = 0, op: str = "workspace") -> torch.Tensor:
-        """A 1-D ``dtype`` view of ``numel`` elements of this rank's data region, ``offset`` bytes in."""
+    def data(self, dtype: torch.dtype, numel: int, offset: int = 0, op: str = "workspace", *,
+             cached: bool = False) -> torch.Tensor:
+        """A 1-D ``dtype`` view of ``numel`` elements of this rank's data region, ``offset`` bytes in.
+
+        ``cached``: reuse the view made by an earlier call with the same arguments (a hot path that
+        only hands the view to a kernel saves the two torch ops; never for a view torch writes into
+        in place, which autograd or inference mode could otherwise track across calls).
+        """
+        if cached:
+            key = (dtype, numel, offset)
+            view = self._views.get(key)
+            if view is None:
+                if len(self._views) >= 64:  # shapes that keep changing: bounded, like any per-shape cache here
+                    self._views.clear()
+                view = self._views[key] = self.data(dtype, numel, offset, op)
+            return view
         esize = dtype.itemsize
         need = offset + numel * esize
         if offset % esize:

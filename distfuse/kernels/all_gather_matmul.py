@@ -184,7 +184,7 @@ def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, co
     W = world_size
     x = _shard3(op, a_shard, n, rank, W)
     n_batch, len_p, K = x.shape
-    gathered = st.data(x.dtype, n_batch * n * K, op=op)
+    gathered = st.data(x.dtype, n_batch * n * K, op=op, cached=True)
     if W == 1:
         return
     kernel, meta = pick_push_launch(_push_tuned, _ag_push_kernel, config, ws)
@@ -233,14 +233,14 @@ def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     check_bias(op, bias, N, x.device)
     out_dtype = out_dtype or x.dtype
     out = output_buffer(op, out, (n_batch, n, N), out_dtype, x.device, "[..., n, N]")
-    gathered = st.data(x.dtype, n_batch * n * K, op=op)
+    gathered = st.data(x.dtype, n_batch * n * K, op=op, cached=True)
     st.wait_producers()  # collective on CPU
     m_max = n_batch * cdiv(n, W)
     refuse_zero_width_gather(op, return_gathered, N, m_max)
     choice = record_gather_choice(select_gather_kernel(x, weight, kernel))
     if m_max > 0 and N > 0:
         if choice.kernel == "gathered_matmul_persistent":
-            launch_gathered_persistent(x, gathered, weight, bias, out, st, rank, W, n, config=config)
+            launch_gathered_persistent(x, gathered, weight, bias, out, st, rank, W, n, config=config, checked=True)
         else:  # the pointer kernel: grid of the largest chunk's tiles x W steps
             blocks = {k: v for k, v in (config or {}).items() if k != "PROGRAMS"} or None
             pointer, meta = pick_gemm_launch(_gathered_matmul_tuned, _gathered_matmul_kernel, x.dtype, m_max, N,

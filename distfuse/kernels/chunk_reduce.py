@@ -32,6 +32,7 @@ the result).  Nothing in the launch reads device memory on the host.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -193,17 +194,15 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
     The one launch of :func:`_chunk_reduce_kernel` (``chunk_reduce``, ``column_reduce`` and
     the one-shot all-reduce).  The caller has checked ``out`` (contiguous ``[rows, cols]``)
     and ``bias`` (``[cols]``), and reads the status words afterwards.  ``rows * cols == 0``
-    launches nothing.
+    launches nothing.  The launch geometry comes from :func:`reduce_plan` (cached per shape
+    without ``config``), so a steady call spends its host time on the launch itself.
     """
-    meta = reduce_meta(rows, cols, ld, slots.dtype, world_size, config)
+    if config is None:
+        meta, kw, programs = reduce_plan(rows, cols, ld, slots.dtype, world_size, out.device)
+    else:
+        meta, kw, programs = _reduce_plan(rows, cols, ld, slots.dtype, world_size, out.device, config)
     if rows * cols == 0:
         return meta
-    kw = {k: v for k, v in meta.items() if k not in ("PER_SM", "PROGRAMS")}
-    if meta["FLAT"]:
-        blocks = cdiv(rows * cols, meta["BLOCK"])
-    else:
-        blocks = cdiv(rows, meta["BLOCK"] // meta["BLOCK_C"]) * cdiv(cols, meta["BLOCK_C"])
-    programs = min(blocks, persistent_programs(out.device, meta.get("PROGRAMS"), per_sm=meta["PER_SM"]))
     _chunk_reduce_kernel[(programs,)](
         slots, out, bias if bias is not None else out, st.flags, st.status,
         rows, cols, ld, slot_elems, rank, st.epoch_dev, timeout_arg(st), bias.stride(0) if bias is not None else 0,
@@ -211,6 +210,27 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
         W_UNROLL=world_size, W_BLOCK=next_power_of_2(world_size), **kw,
     )
     return dict(meta, programs=programs)
+
+
+def _reduce_plan(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, world_size: int, device: torch.device,
+                 config: dict | None) -> tuple[dict, dict, int]:
+    """``(meta, kernel kwargs, programs)`` of one reduction (see :func:`reduce_meta`)."""
+    meta = reduce_meta(rows, cols, ld, partial_dtype, world_size, config)
+    kw = {k: v for k, v in meta.items() if k not in ("PER_SM", "PROGRAMS")}
+    if meta["FLAT"]:
+        blocks = cdiv(rows * cols, meta["BLOCK"])
+    else:
+        blocks = cdiv(rows, meta["BLOCK"] // meta["BLOCK_C"]) * cdiv(cols, meta["BLOCK_C"])
+    programs = min(blocks, persistent_programs(device, meta.get("PROGRAMS"), per_sm=meta["PER_SM"]))
+    return meta, kw, programs
+
+
+@functools.lru_cache(maxsize=1024)
+def reduce_plan(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, world_size: int,
+                device: torch.device) -> tuple[dict, dict, int]:
+    """:func:`_reduce_plan` with the pinned config, cached per shape: a pure function of its arguments (the pinned
+    rule and the SM count), whose Python would otherwise cost every call.  Callers must not mutate the result."""
+    return _reduce_plan(rows, cols, ld, partial_dtype, world_size, device, None)
 
 
 def reduce_slots(op: str, ws, rank: int, world_size: int, shape: tuple, ld: int, *, partial_dtype: torch.dtype,
@@ -228,7 +248,7 @@ def reduce_slots(op: str, ws, rank: int, world_size: int, shape: tuple, ld: int,
     out = output_buffer(op, out, shape, out_dtype, ws.device, shape_name)
     check_bias(op, bias, cols, ws.device)
     slot_elems = rows * ld if slot_elems is None else slot_elems
-    slots = st.data(partial_dtype, world_size * slot_elems, op=op)
+    slots = st.data(partial_dtype, world_size * slot_elems, op=op, cached=True)
     st.wait_producers()  # collective on CPU: every rank calls it, even with nothing to reduce
     if out.numel() > 0:
         launch_reduce(op, st, slots, out, bias, rows, cols, ld, slot_elems, rank, world_size, config=config)

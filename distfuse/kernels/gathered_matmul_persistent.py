@@ -212,7 +212,7 @@ def _pinned_config(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, prog
 
 def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight: torch.Tensor,
                                bias: torch.Tensor | None, out: torch.Tensor, st, rank: int, world_size: int, n: int,
-                               *, config: dict | None = None) -> dict:
+                               *, config: dict | None = None, checked: bool = False) -> dict:
     """Launch the persistent consumer; returns the launch meta (block sizes, ``programs``).
 
     ``x3`` ``[B_, len_p, K]`` and ``weight`` are checked by the caller
@@ -220,9 +220,10 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
     ``[B_ * n * K]`` workspace view, ``out`` the contiguous ``[B_, n, N]`` output.  ``config``
     may add ``PROGRAMS`` (the grid; default one per SM on CUDA, 2 under the interpreter).
     Raises :class:`~distfuse.errors.UnsupportedError` where :func:`gathered_persistent_supported`
-    says no (the selector runs the pointer kernel for such operands).
+    says no (the selector runs the pointer kernel for such operands); ``checked``: the caller's
+    selector has just asked it about these operands (a hot path skips asking twice).
     """
-    ok, why = gathered_persistent_supported(x3, weight)
+    ok, why = (True, "") if checked else gathered_persistent_supported(x3, weight)
     if not ok:
         raise UnsupportedError(f"{where('gathered_matmul_persistent')}: tensor descriptors cannot read these "
                                f"operands: {why} (the selector, distfuse.kernels.gathered_matmul_select, runs the "

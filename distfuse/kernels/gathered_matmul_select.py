@@ -85,7 +85,7 @@ def select_gather_kernel(x3: torch.Tensor, weight: torch.Tensor, requested: str 
         return GatherChoice(requested, "gathered_matmul", "asked for: one program per tile, pointer loads")
     compiled = not INTERPRET if compiled is None else compiled
     _, why = gathered_persistent_supported(x3, weight)
-    why = why or compiled_refusal(x3.dtype, compiled, tf32_allowed())
+    why = why or compiled_refusal(x3.dtype, compiled, x3.dtype == torch.float32 and tf32_allowed())  # fp32 only
     if not why and compiled and not _has_tma(x3.device):
         why = "tensor-memory-accelerator loads need sm_90 or later"
     if not why:

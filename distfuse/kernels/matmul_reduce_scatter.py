@@ -173,7 +173,7 @@ def matmul_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_s
     ld = slot_row_stride(N)
     m_max = n_batch * cdiv(n, W)  # rows of the largest chunk
     slot_elems = m_max * ld
-    slots = st.data(partial_dtype, W * slot_elems, op=op)
+    slots = st.data(partial_dtype, W * slot_elems, op=op, cached=True)
     kernel, meta = pick_gemm_launch(_matmul_scatter_tuned, _matmul_scatter_kernel, a.dtype, m_max, N, config, ws)
     kernel[tile_grid(m_max, N, W, at_least=1)](
         a3, weight, slots, st.data_ptrs, st.flag_ptrs, st.counters,

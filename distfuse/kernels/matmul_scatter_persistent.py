@@ -140,21 +140,23 @@ def persistent_supported(a3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, 
 
 
 def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
-                              partial_dtype: torch.dtype | None = None, config: dict | None = None) -> None:
+                              partial_dtype: torch.dtype | None = None, config: dict | None = None,
+                              checked: bool = False) -> None:
     """Produce, like :func:`~distfuse.kernels.matmul_reduce_scatter.matmul_scatter`, with the persistent kernel.
 
     Same arguments and the same slots and flags; finish with ``chunk_reduce``.  ``config``
     may add ``PROGRAMS`` (the persistent grid's size; default one per SM on CUDA, 2 under
     the interpreter).  Raises :class:`~distfuse.errors.UnsupportedError` where
     :func:`persistent_supported` says no; :func:`~distfuse.kernels.matmul_scatter_select.select_scatter_kernel`
-    picks the pointer kernel for such operands and says so.
+    picks the pointer kernel for such operands and says so.  ``checked``: that selector has just
+    said yes for these operands (a hot path skips asking twice).
     """
     op = "matmul_scatter_persistent"
     partial_dtype = check_producer_args(op, a, weight, partial_dtype)
     W = world_size
     n, K, N = a.shape[-2], a.shape[-1], weight.shape[0]
     a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
-    ok, why = persistent_supported(a3, weight)
+    ok, why = (True, "") if checked else persistent_supported(a3, weight)
     if not ok:
         raise UnsupportedError(f"{where(op)}: tensor descriptors cannot read these operands: {why} (the selector, "
                                "distfuse.kernels.matmul_scatter_select, runs the pointer kernel for them)")
@@ -163,7 +165,7 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     ld = slot_row_stride(N)
     q1 = cdiv(n, W)
     slot_elems = n_batch * q1 * ld
-    slots = st.data(partial_dtype, W * slot_elems, op=op)
+    slots = st.data(partial_dtype, W * slot_elems, op=op, cached=True)
     # Block sizes: the caller's, the CPU config, or the pinned GPU rule, with its num_stages (TMA loads pipeline like
     # pointer loads).  Never autotuned, not even in loopback: the grid depends on the SM count, and one rule on every
     # rank keeps the ranks' tilings alike.

@@ -73,7 +73,8 @@ def select_scatter_kernel(a: torch.Tensor, weight: torch.Tensor, provider: str =
     n, K = a.shape[-2], a.shape[-1]
     a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
     _, why = persistent_kernels.persistent_supported(a3, weight)
-    why = why or compiled_refusal(a.dtype, not INTERPRET if compiled is None else compiled, tf32_allowed())
+    compiled = not INTERPRET if compiled is None else compiled
+    why = why or compiled_refusal(a.dtype, compiled, a.dtype == torch.float32 and tf32_allowed())  # fp32 only
     if not why:
         return KernelChoice(provider, "matmul_scatter_persistent", "tensor-descriptor (TMA) loads")
     return KernelChoice(provider, "matmul_scatter", f"fell back to the pointer kernel: {why}")
@@ -90,7 +91,7 @@ def launch_scatter_kernel(choice: KernelChoice, a: torch.Tensor, weight: torch.T
     """
     if choice.kernel == "matmul_scatter_persistent":
         persistent_kernels.matmul_scatter_persistent(a, weight, ws, rank, world_size, partial_dtype=partial_dtype,
-                                                     config=config)
+                                                     config=config, checked=True)
     elif choice.kernel == "matmul_scatter":
         blocks = {k: v for k, v in (config or {}).items() if k != "PROGRAMS"} or None
         pointer_kernels.matmul_scatter(a, weight, ws, rank, world_size, partial_dtype=partial_dtype,
