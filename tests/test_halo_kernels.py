@@ -219,8 +219,7 @@ def test_kernels_with_a_spilled_grid(monkeypatch):
     monkeypatch.setattr(hp, "linear_grid", record_linear)
     monkeypatch.setattr(hp, "row_tiled_grid", record_rows)
     monkeypatch.setattr(hk, "row_tiled_grid", record_rows)  # accumulate's launcher imports it by name
-    # 1x2 tiles: the staging's table launches cover only the shell around the interior window (a plain copy), so
-    # small tiles keep their grids past the cap
+    # 1x2 tiles keep the grids past the cap (the staging's one launch numbers its programs like the box gather)
     _simulate((7, 6), (2, 2), (3, 3), (1, 1), (1, 1), 2, "replicate", torch.float32, lead_shape=(1,),
               tile=(1, 2), block=2)
     for kind in ("rows", "box"):
@@ -313,6 +312,192 @@ def test_stage_regions_write_disjoint_parts(gshape, grid, kernel, padding, mode,
     assert torch.equal(loc.grad_x, every.grad_x) and torch.equal(loc.self_boxes, every.self_boxes)
 
 
+# One-launch staging (hp.stage_kernel): global shape, grid, kernel, padding, workers, tile.  Tiles are small enough
+# that the window has first, middle and last column tiles (the middle ones only copy, the edge ones also write the
+# columns beside the window) and that row tiles cross plane and LEAD boundaries (rows are decomposed by
+# multiply-shift); the slabs' table walk gets quarter-width tiles on GPUs, here the same width.
+STAGE_CASES = [
+    pytest.param((19,), (3,), (5,), ((3, 1),), [(1,), (2,)], (2, 2), id="1d-uneven"),
+    pytest.param((9, 16), (2, 2), (3, 5), ((1, 1), (2, 0)), [(1, 1)], (2, 2), id="2d-uneven"),
+    pytest.param((9, 16), (2, 2), (3, 1), ((1, 1), (0, 0)), [(0, 1)], (2, 2), id="2d-no-halo-on-the-last-axis"),
+    pytest.param((5, 6, 14), (2, 2, 2), (3, 3, 3), 1, [(1, 0, 1)], (4, 2), id="3d-corners"),
+    pytest.param((2, 5, 12), (1, 2, 2), (1, 3, 3), ((0, 0), (2, 1), (1, 2)), [(0, 1, 0)], (4, 2),
+                 id="3d-no-halo-on-axis-0-uneven"),
+]
+
+
+def _staged_pieces_mask(plan, i, received):
+    mask = torch.zeros(plan.staged_shape(i), dtype=torch.bool)
+    for pc in plan.pieces(i):
+        if (pc.src is not None and pc.src != i) == received:
+            mask[pc.dst_slices()] = True
+    return mask
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("gshape,grid,kernel,padding,workers,tile", STAGE_CASES)
+def test_stage_one_launch_against_the_reference(gshape, grid, kernel, padding, workers, tile, mode):
+    """Every region of the one-launch staging, bit for bit against the torch reference, into NaN-poisoned outputs:
+    ``local`` leaves exactly the received pieces NaN and ``remote`` then fills exactly those; ``remote`` alone leaves
+    exactly the others NaN.  The launch is the staging kernel, with window tiles both beside and away from the
+    halo."""
+    nd = len(gshape)
+    if mode == "reflect" and not _reflect_ok(gshape, kernel, (1,) * nd, (1,) * nd, padding):
+        pytest.skip("reflect padding must be smaller than the extent (torch rule)")
+    plan, _ = _plan(gshape, grid, kernel, (1,) * nd, (1,) * nd, padding, mode)
+    gen = torch.Generator().manual_seed(11)
+    for i in workers:
+        x = torch.randn((2,) + plan.input_shape(i), generator=gen)
+        recv = torch.randn(ht.recv_numel(plan, i, 2), generator=gen)
+        launch = hp.stage_launch(plan, i, 2, x.device, "all", tile)
+        assert launch.kernel is hp.stage_kernel  # not the table walk everywhere: a silent fallback would match too
+        assert int(launch.args[7].view(hp.STAGE_BOXES, -1)[0, 1]) >= 3  # the window's NX: middle column tiles
+        want = hk.halo_stage_reference(x, recv, plan, i)
+        nan = _nan(want.shape, want.dtype, want.device)
+        assert torch.equal(hk.halo_stage(x, recv, plan, i, out=nan.clone(), tile=tile), want), ("all", i)
+        received = _staged_pieces_mask(plan, i, True).expand_as(want)
+        assert received.any() and not received.all()
+        local = hk.halo_stage(x, recv, plan, i, out=nan.clone(), region="local", tile=tile)
+        assert torch.equal(local.isnan(), received) and torch.equal(local[~received], want[~received]), i
+        assert torch.equal(hk.halo_stage(x, recv, plan, i, out=local, region="remote", tile=tile), want), i
+        remote = hk.halo_stage(x, recv, plan, i, out=nan.clone(), region="remote", tile=tile)
+        assert torch.equal(remote.isnan(), ~received) and torch.equal(remote[received], want[received]), i
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=["bf16", "fp16", "fp64"])
+def test_stage_one_launch_copies_every_dtype_bit_for_bit(dtype):
+    """Staging moves values: the window's copy, the edge columns and the table walk keep every bit, subnormals and
+    signed zeros included (the tile override splits the window into three column tiles)."""
+    plan, _ = _plan((7, 8, 9), (2, 1, 2), (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, "circular")
+    i = (1, 0, 0)
+    gen = torch.Generator().manual_seed(3)
+    x = (torch.randn((2,) + plan.input_shape(i), generator=gen, dtype=torch.float64)
+         * torch.exp2(torch.randint(-30, 30, (2,) + plan.input_shape(i), generator=gen).double())).to(dtype)
+    x.view(-1)[:4] = torch.tensor([0.0, -0.0, torch.finfo(dtype).tiny / 2, -torch.finfo(dtype).tiny / 4], dtype=dtype)
+    recv = torch.randn(ht.recv_numel(plan, i, 2), generator=gen, dtype=torch.float64).to(dtype)
+    want = hk.halo_stage_reference(x, recv, plan, i)
+    got = hk.halo_stage(x, recv, plan, i, out=_nan(want.shape, dtype, want.device), tile=(4, 2))
+    bits = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float64: torch.int64}[dtype]
+    assert torch.equal(got.view(bits), want.view(bits))
+
+
+def test_stage_int64_offsets(monkeypatch):
+    """Buffers of 2^31 elements take int64 offsets (``WIDE``); the threshold lowered to 0 runs that path here."""
+    monkeypatch.setattr(hp, "WIDE_ELEMENTS", 0)
+    plan, _ = _plan((6, 7, 8), (2, 2, 2), (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, "reflect")
+    i = (1, 0, 1)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn((2,) + plan.input_shape(i), generator=gen)
+    recv = torch.randn(ht.recv_numel(plan, i, 2), generator=gen)
+    for region in hk.REGIONS:
+        assert hp.stage_launch(plan, i, 2, x.device, region, (4, 2)).meta["WIDE"]
+        want = hk.halo_stage_reference(x, recv, plan, i, out=_nan((2,) + plan.staged_shape(i), x.dtype, x.device),
+                                       region=region)
+        got = hk.halo_stage(x, recv, plan, i, out=_nan(want.shape, x.dtype, x.device), region=region, tile=(4, 2))
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), region
+
+
+def test_stage_with_a_spilled_grid(monkeypatch):
+    """Grid axis 0 capped at 3 programs: the staging's programs spill to axis 1, and the surplus programs of the
+    rounded-up grid (past every box's last tile) write nothing."""
+    monkeypatch.setattr(hp, "_GRID0_MAX", 3)
+    plan, _ = _plan((5, 6, 7), (2, 1, 2), (3, 2, 3), (1, 2, 1), (1, 1, 2), 2, "replicate")
+    i = (1, 0, 0)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn((2,) + plan.input_shape(i), generator=gen)
+    recv = torch.randn(ht.recv_numel(plan, i, 2), generator=gen)
+    launch = hp.stage_launch(plan, i, 2, x.device, "all", (2, 4))
+    g0, g1 = launch.grid
+    assert g0 == 3 and g1 > 1 and g0 * g1 > int(launch.args[7].view(hp.STAGE_BOXES, -1)[1:, 0].clamp(max=2**40).max())
+    want = hk.halo_stage_reference(x, recv, plan, i)
+    assert torch.equal(hk.halo_stage(x, recv, plan, i, out=_nan(want.shape, x.dtype, x.device), tile=(2, 4)), want)
+
+
+def test_stage_without_an_interior_walks_the_tables_everywhere():
+    """A worker whose block is not part of its staged input (stride 4: worker 1's outputs read only other blocks)
+    has no window: the one table-walk launch stages it."""
+    plan, _ = _plan((7,), (4,), (3,), (4,), (1,), 0, "zeros")
+    i = (1,)
+    assert ht.interior_piece(plan, i) is None and plan.recvs(i)
+    x = torch.randn((2,) + plan.input_shape(i))
+    recv = torch.randn(ht.recv_numel(plan, i, 2))
+    assert hp.stage_launch(plan, i, 2, x.device, "all", None).kernel is hp.lut_gather_kernel
+    want = hk.halo_stage_reference(x, recv, plan, i)
+    assert torch.equal(hk.halo_stage(x, recv, plan, i, out=_nan(want.shape, x.dtype, x.device)), want)
+
+
+def test_stage_launch_is_built_once(monkeypatch):
+    """Everything but the launch is cached per (plan, index, LEAD, device, region, tile): a second call builds no
+    table (the table builders would raise)."""
+    plan, _ = _plan((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 1, "zeros")
+    i = (1, 1)
+    x = torch.randn((2, 3) + plan.input_shape(i))
+    recv = torch.randn(ht.recv_numel(plan, i, 6))
+    first = hk.halo_stage(x, recv, plan, i)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("rebuilt on a cached call")
+
+    monkeypatch.setattr(hp, "stage_tables", refuse)
+    monkeypatch.setattr(hp, "recv_numel", refuse)
+    monkeypatch.setattr(hp, "interior_piece", refuse)
+    assert torch.equal(hk.halo_stage(x, recv, plan, i), first)
+    assert hp.stage_launch(plan, i, 6, x.device, "all", None) is hp.stage_launch(plan, i, 6, x.device, "all", None)
+
+
+def test_stage_tiles_on_gpus():
+    """The GPU tile rule (computed, not launched): BLOCK_X the widest power of two whose padding of the window's
+    width idles at most a quarter of the lanes, 4096-element tiles, quarter-width slab tiles, the columns beside
+    the window one element a thread, 8 warps."""
+    cuda = torch.device("cuda")  # only selects the GPU rule; no GPU is touched
+    for width, want in ((64, (64, 64, 16, 4, 8)), (512, (8, 512, 128, 32, 8)), (1000, (8, 512, 128, 32, 8)),
+                        (514, (32, 128, 32, 8, 8)), (100, (32, 128, 32, 8, 8)), (200, (16, 256, 64, 16, 8)),
+                        (3, (256, 16, 4, 1, 8))):
+        assert hp.stage_tile(width, width + 2, 10**6, cuda, None) == want, width
+        assert want[0] * want[1] == hp.STAGE_TILE_ELEMENTS and want[1] in hp.STAGE_WIDTHS
+    assert hp.stage_tile(64, 66, 10**6, cuda, (2, 4)) == (2, 4, 4, 2, 4)
+
+
+def test_magic_divisor_is_exact():
+    """``n // d == umulhi(2n, m) >> k`` (the kernels' row decomposition) for every int32 ``n``: edges and random."""
+    import random
+
+    rng = random.Random(0)
+    divisors = list(range(1, 600)) + [2**k + e for k in range(1, 31) for e in (-1, 0, 1)] + [2**31 - 1]
+    divisors += [rng.randrange(1, 2**31) for _ in range(300)]
+    for d in divisors:
+        m, k = hp.magic_divisor(d)
+        assert 0 < m < 2**32
+        for n in {0, 1, d - 1, d, d + 1, 2**31 - 1, (2**31 - 1) // d * d, (2**31 - 1) // d * d - 1,
+                  rng.randrange(2**31), rng.randrange(2**31)}:
+            if 0 <= n < 2**31:
+                assert (((2 * n) * m) >> 32) >> k == n // d, (d, n)
+    with pytest.raises(ValueError):
+        hp.magic_divisor(0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("gshape,grid,kernel,padding,mode,i", [
+    pytest.param((128, 128, 128), (2, 2, 2), (3, 3, 3), 1, "zeros", (1, 0, 1), id="3d-64-wide-window"),
+    pytest.param((40, 1030), (1, 2), (3, 5), ((1, 1), (2, 2)), "reflect", (0, 1), id="2d-514-wide-rows"),
+    pytest.param((8, 9, 300), (1, 3, 2), (3, 3, 7), 3, "circular", (0, 1, 0), id="3d-150-wide-window"),
+])
+def test_stage_one_launch_cuda_regions(gshape, grid, kernel, padding, mode, i, dtype):
+    """The GPU tile rule on realistic blocks: every region bit for bit against the reference, NaN-poisoned."""
+    nd = len(gshape)
+    plan, _ = _plan(gshape, grid, kernel, (1,) * nd, (1,) * nd, padding, mode)
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn((2, 8) + plan.input_shape(i), generator=gen).to(dtype).cuda()
+    recv = torch.randn(ht.recv_numel(plan, i, 16), generator=gen).to(dtype).cuda()
+    assert hp.stage_launch(plan, i, 16, x.device, "all", None).kernel is hp.stage_kernel
+    for region in hk.REGIONS:
+        want = hk.halo_stage_reference(x, recv, plan, i, out=_nan((2, 8) + plan.staged_shape(i), dtype, x.device),
+                                       region=region)
+        got = hk.halo_stage(x, recv, plan, i, out=_nan(want.shape, dtype, x.device), region=region)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num()), region
+
+
 def test_interior_and_self_pieces_partition_the_local_pieces():
     plan, _ = _plan((6,), (1,), (3,), (1,), (1,), 2, "circular")
     interior = ht.interior_piece(plan, (0,))
@@ -372,6 +557,9 @@ def comp(fn, dt, acc, consts, ones):
 for dt, acc, compute in (("bf16", "fp32", tl.float32), ("fp64", "fp64", tl.float64)):
     for ones in (False, True):
         comp(hp.lut_gather_kernel, dt, acc, {"REGION": 2, "COMPUTE": compute, "BLOCK_R": 32, "BLOCK_X": 64}, ones)
+        for wide in (False, True):
+            comp(hp.stage_kernel, dt, acc, {"REGION": 1, "WIDE": wide, "NUM_BOX": hp.STAGE_BOXES, "BLOCK_R": 64,
+                                            "BLOCK_X": 64, "SLAB_X": 16, "STRIP_X": 4}, ones)
         comp(hp.box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "COMPUTE": compute, "ROUND_BF16": False, "BLOCK": 1024},
              ones)
         comp(hp.accumulate_kernel, dt, acc, {"COMPUTE": compute, "ROUND_BF16": False, "BLOCK_R": 32, "BLOCK_X": 64},

@@ -68,7 +68,7 @@ class KernelCase:
         return sig, attrs
 
     def label(self) -> str:
-        shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "W_UNROLL", "B_KMAJOR", "FLAT")
+        shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "W_UNROLL", "B_KMAJOR", "FLAT", "WIDE")
         meta = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k.startswith("BLOCK") or k in shown)
         return f"{self.name}[{_TT[self.dtype]};{meta};w{self.num_warps}s{self.num_stages}]"
 
@@ -213,6 +213,14 @@ def _halo_cases(dtypes) -> list[KernelCase]:
                                         4, 1, pointer_dtypes={**_LUTS, **i64}))
             cases.append(KernelCase("halo_accumulate", halo.accumulate_kernel, dt, dict(tile, ROUND_BF16=False), 4, 1,
                                     pointer_dtypes={**i64, **fp32}))
+        for bx in halo.STAGE_WIDTHS:  # halo.stage_tile's GPU choices: the one-launch staging
+            br = halo.STAGE_TILE_ELEMENTS // bx
+            tile = dict(NUM_BOX=halo.STAGE_BOXES, BLOCK_R=br, BLOCK_X=bx, SLAB_X=max(1, bx // halo.STAGE_SLAB_SPLIT),
+                        STRIP_X=max(1, 32 * halo.STAGE_NUM_WARPS // br))
+            # int32 offsets in every region; int64 ones (buffers of 2^31 elements or more) where they hold the most
+            for region, wide in ((0, False), (1, False), (2, False), (0, True)):
+                cases.append(KernelCase("halo_stage", halo.stage_kernel, dt, dict(tile, REGION=region, WIDE=wide),
+                                        halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64, "btab_ptr": "i64"}))
         for log2 in (1, 5):
             cases.append(KernelCase("halo_box_gather", halo.box_gather_kernel, dt,
                                     dict(LOG2_NBOX=log2, COMPUTE=tl.float32, ROUND_BF16=False, BLOCK=1024),

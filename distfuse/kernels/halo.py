@@ -12,8 +12,8 @@ layouts and lookup/box tables the kernels read are built in ``kernels/halo_table
 kernel         writes                                                     reads
 =============  =========================================================  ====================
 pack           send  [sum_k LEAD*|src_k|]  boxes of ``plan.sends`` order  x  [LEAD, *n]
-stage          staged [LEAD, *L]  every element once: the interior        x, recv (``recvs``)
-               window by a strided copy, the shell by the table walk
+stage          staged [LEAD, *L]  every element once, one launch: the     x, recv (``recvs``)
+               interior window by a plain copy, the rest by the tables
 unstage        grad_x [LEAD, *n] (interior, 0 elsewhere), send-back        grad_staged [LEAD, *L]
                boxes (``recvs`` order), self boxes (fp32)
 accumulate     grad_x += self boxes + received boxes, in place            self, incoming (``sends``)
@@ -40,14 +40,13 @@ from distfuse.errors import UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan, adjoint_box, read_box
 from distfuse.kernels._utils import round_bf16
 from distfuse.kernels.halo_programs import (
-    REGION_CODE,
     accumulate_kernel,
     compute_dtype,
     launch_boxes,
-    launch_lut,
+    launch_stage,
     pick_tile,
     row_tiled_grid,
-    shell,
+    stage_launch,
 )
 from distfuse.kernels.halo_tables import (
     accumulate_tables,
@@ -61,7 +60,6 @@ from distfuse.kernels.halo_tables import (
     self_numel,
     self_pieces,
     send_numel,
-    stage_tables,
     unstage_box_tables,
 )
 
@@ -114,7 +112,7 @@ def halo_pack(x: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, out: tor
 def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Sequence[int], *,
                out: torch.Tensor | None = None, region: str = "all",
                tile: tuple[int, int] | None = None) -> torch.Tensor:
-    """Write the staged convolution input ``[*lead, *plan.staged_shape(index)]`` in one pass.
+    """Write the staged convolution input ``[*lead, *plan.staged_shape(index)]`` in one pass, one launch.
 
     Args:
         x: ``[*lead, *n]`` this worker's block, contiguous.
@@ -124,38 +122,35 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
         region: ``"all"``; ``"local"`` writes only the pieces read from ``x`` and the zero
             fill (they need no message, so they can run while the exchange is in flight);
             ``"remote"`` only the pieces read from ``recv``.
+        tile: ``(BLOCK_R, BLOCK_X)`` override (tests).
 
-    Each staged element is written once (the pieces tile the staged box): the interior window
-    (the block itself, most of the staged tensor) by one strided copy, not a table walk; the
-    shell around it by :func:`~distfuse.kernels.halo_programs.launch_lut`, one launch per shell
-    box (at most two per axis).  Adjoint: :func:`halo_unstage`.
+    Each staged element is written once (the pieces tile the staged box), by one launch of
+    :func:`~distfuse.kernels.halo_programs.stage_kernel`::
+
+        staged[..., window]              = x[..., src window]     plain copy, no table load
+        staged[..., window rows, beside] = piece per column       the window tiles' edge columns
+        staged[..., other rows, :]       = table walk             x, recv or 0, per element
+
+    The window is the interior piece (the block itself: 91% of the staged tensor for a 64^3
+    block at halo 1).  One launch instead of a strided ``copy_`` plus one table-walk launch per
+    shell box: the host cost of seven launches was 15-50x a device copy's, and the window's copy
+    runs without the walk's per-element table loads (numbers: :mod:`~distfuse.kernels.halo_programs`).
+    A worker without an interior window walks the tables everywhere (``lut_gather_kernel``).
+    Everything but the launch is cached per ``(plan, index, LEAD, device, region, tile)``
+    (:func:`~distfuse.kernels.halo_programs.stage_launch`).  Adjoint: :func:`halo_unstage`.
     """
     index = tuple(index)
     _check_region("halo_stage", region)
     lead = check_plan_tensor("halo_stage", x, plan, plan.input_shape(index), "x")
-    check_flat("halo_stage", recv, recv_numel(plan, index, lead), x.dtype, x.device, "receive buffer")
-    staged_shape = plan.staged_shape(index)
-    want = _lead_shape(x, len(staged_shape)) + staged_shape
+    launch = stage_launch(plan, index, lead, x.device, region, None if tile is None else tuple(tile))
+    check_flat("halo_stage", recv, launch.recv_numel, x.dtype, x.device, "receive buffer")
+    want = _lead_shape(x, len(launch.staged_shape)) + launch.staged_shape
     if out is None:
         out = x.new_empty(want)
     elif tuple(out.shape) != want or out.dtype != x.dtype or not out.is_contiguous():
         raise expect("halo_stage", "out (contiguous, x's dtype)", (want, x.dtype), (tuple(out.shape), out.dtype))
-    luts, ptab, ns = stage_tables(plan, index, lead, x.device)
     # Empty buffers are never dereferenced (no piece of that kind); pass a live pointer anyway.
-    a = x if x.numel() > 0 else out
-    b = recv if recv.numel() > 0 else out
-    full = pad3(staged_shape, 1)
-    interior = interior_piece(plan, index)
-    if interior is None or math.prod(interior.shape) == 0:
-        launch_lut(out, a, b, luts, ptab, ns, REGION_CODE[region], full, tile)
-        return out
-    if region != "remote":
-        out[(..., *interior.dst_slices())].copy_(x[(..., *interior.src_slices())])
-    # no received piece overlaps the interior window: the rest of the staged tensor is the shell around it
-    lo = pad3(interior.dst_lo, 0)
-    inner = tuple(zip(lo, (start + e for start, e in zip(lo, pad3(interior.shape, 1), strict=True)), strict=True))
-    for box in shell(inner, full):
-        launch_lut(out, a, b, luts, ptab, ns, REGION_CODE[region], full, tile, box=box)
+    launch_stage(out, x if x.numel() > 0 else out, recv if recv.numel() > 0 else out, launch)
     return out
 
 

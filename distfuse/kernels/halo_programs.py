@@ -1,25 +1,48 @@
 """The Triton programs of the fused halo convolution and their launch geometry.
 
-Three programs serve the four ops of :mod:`distfuse.kernels.halo`: a lookup-table gather
-(stage), a box gather (pack, and the send-back and self boxes of unstage) and a masked
-gather-add (accumulate); buffers and tables are described there and in
-:mod:`distfuse.kernels.halo_tables`.  Design decisions:
+Four programs serve the four ops of :mod:`distfuse.kernels.halo`: the one-pass staging
+(stage), a lookup-table gather (stage without an interior window), a box gather (pack, and
+the send-back and self boxes of unstage) and a masked gather-add (accumulate); buffers and
+tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design decisions:
 
-* **Stage copies the interior window and gathers the shell through lookup tables.**  The
-  interior window (the block itself: 91% of the staged tensor for a 64^3 block at halo 1)
-  is one strided ``copy_`` in :func:`~distfuse.kernels.halo.halo_stage`, several times
-  faster than the table walk (five table loads and a 64-bit offset per element), which
-  serves only the shell boxes around it (and the unstage's ``grad_x`` likewise).  The
-  staged box is the Cartesian product of per-axis segments (``AxisGeometry.segments``), so
-  one int32 table per axis gives each staged coordinate its segment and its coordinate in
-  the segment's source box (reversed for reflect, 0 for replicate), and a small piece
-  table indexed by the segment combination gives the source.  Tiles are ``[BLOCK_R rows,
-  BLOCK_X]`` over ``[LEAD*L0*L1, L2]``: the row is decomposed once per row, not per
-  element (three runtime int divisions per element would make the kernel ALU-bound), and a
-  tile crosses the halo / interior boundary freely.
-  ``region="local"`` (the pieces that need no message) and ``"remote"`` (the received ones)
-  visit only the shell of sub-boxes around the interior window (0.8% of a 512^2 block's
-  staged tensor at halo 1), for the overlap.
+* **Stage is one launch: a copy of the interior window, the table walk only outside it.**
+  The staged box ``[LEAD, L0, L1, L2]`` is the Cartesian product of per-axis segments
+  (``AxisGeometry.segments``): one int32 table per axis gives each staged coordinate its
+  segment and its coordinate in the segment's source box (reversed for reflect, 0 for
+  replicate), and a small piece table indexed by the segment combination gives the source
+  (five table loads and a 64-bit offset per element).  The interior window (the block
+  itself: 91% of the staged tensor for a 64^3 block at halo 1) needs none of that, so
+  ``stage_kernel`` splits the staged tensor into boxes, each row-tiled ``[BLOCK_R rows,
+  BLOCK_X]`` over ``[LEAD*E0*E1, width]``, one program per tile, in one grid:
+
+  ===================================  ==================================================
+  box                                  per element
+  ===================================  ==================================================
+  window ``[LEAD, I0, I1, I2]``        one load from ``x``, one store: no table load
+  columns left/right of the window     one piece per column: five table loads per column,
+  (in the window's rows)               done by the window's edge tiles
+  slabs of whole rows (axes 0, 1)      the table walk (``[BLOCK_R, SLAB_X]`` tiles)
+  ===================================  ==================================================
+
+  No tile straddles the window's edge, so the copy never pays for the walk: with whole
+  staged rows in a tile (L2 = 66 in one 128-wide tile) every tile holds halo columns, and a
+  per-element "inside the window?" test would issue the walk's instructions everywhere.
+  Rows are decomposed by multiply-shift (``_magic_div``: a runtime int division is about
+  twenty instructions, and Triton's layouts give each thread one element per row of a
+  64-wide tile, so per-row work is per-element work) and offsets are linear in ``(r, r //
+  E1, lead)``, int32 unless a buffer holds 2^31 elements: compiled for sm_90, the copy is
+  26 SASS instructions per element at BLOCK_X 64 (44 with runtime divisions, 59 with 64-bit
+  row offsets too), 92 registers, no spills; not yet timed on a GPU.  It replaced a strided
+  ``Tensor.copy_`` of the window plus one table-walk launch per shell box (up to six): on
+  an H100, [1, 64, 64^3] bf16 at halo 1, 52 us + 52 us of GPU time against 29 us for a
+  contiguous copy of the staged bytes, and 300-1000 us of host time for the seven launches
+  (each slicing six tables) against 15-20 us for the copy.  Everything but the launch is
+  cached per ``(plan, index, LEAD, device, region, tile)`` (:func:`stage_launch`).
+  ``region="local"`` (pieces that need no message) masks the received pieces out of the
+  same launch; ``"remote"`` (the received ones) skips the window's copy, so it touches only
+  the border (0.8% of a 512^2 block's staged tensor at halo 1), for the overlap.  A worker
+  without an interior window walks the tables everywhere (``lut_gather_kernel``).  (The
+  unstage's ``grad_x`` is still a strided ``copy_`` of the window.)
 * **Pack and the unstage boxes are one box gather** over the boxes laid end to end: an
   element finds its box by a branchless binary search of the box starts, then its
   coordinates by div/mod (affordable: these move halo volume only).  Any mix of box sizes
@@ -47,21 +70,27 @@ gather-add (accumulate); buffers and tables are described there and in
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from distfuse.errors import UnsupportedError, where
+from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.kernels._utils import round_bf16
-from distfuse.kernels.halo_tables import contiguous_strides
+from distfuse.kernels.halo_tables import contiguous_strides, interior_piece, pad3, recv_numel, stage_tables
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out
 
-__all__ = ["piece_value", "lut_gather_kernel", "box_gather_kernel", "accumulate_kernel", "launch_lut", "launch_boxes",
-           "shell", "compute_dtype", "pick_tile", "row_tiled_grid", "linear_grid", "box_block", "REGION_CODE"]
+__all__ = ["piece_value", "lut_gather_kernel", "stage_kernel", "box_gather_kernel", "accumulate_kernel",
+           "StageLaunch", "stage_launch", "launch_stage", "stage_tile", "magic_divisor", "launch_boxes", "shell",
+           "compute_dtype", "pick_tile", "row_tiled_grid", "linear_grid", "box_block", "REGION_CODE", "STAGE_BOXES",
+           "STAGE_WIDTHS", "STAGE_TILE_ELEMENTS", "STAGE_NUM_WARPS",
+           "STAGE_SLAB_SPLIT", "WIDE_ELEMENTS"]
 
 REGION_CODE = {"all": 0, "local": 1, "remote": 2}
 
@@ -115,23 +144,19 @@ def piece_value(a_ptr, b_ptr, ptab_ptr, prow, lead, c0, c1, c2, mask, COMPUTE: t
 
 
 @triton.jit
-def lut_gather_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
-                       n_rows, E0, E1, E2, NS1, NS2, out_ls, out_s0, out_s1,
-                       REGION: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
-    """out[l, e0, e1, e2] = source(piece(seg0[e0], seg1[e1], seg2[e2]))[l, crd0[e0], crd1[e1], crd2[e2]].
+def _lut_tile(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr, NS1, NS2,
+              e0, e1, lead, rmask, e2, cmask, out_row, REGION: tl.constexpr, COMPUTE: tl.constexpr):
+    """The table walk of one ``[rows, cols]`` tile: ``out[out_row + e2]`` = the staged element ``(lead, e0, e1, e2)``.
 
-    ``[LEAD, E0, E1, E2]`` is the whole output or a sub-box of it (strides ``out_ls``,
-    ``out_s0``, ``out_s1``, 1; the LUT pointers start at the sub-box).  Piece kinds:
-    0 zero, 1 ``a_ptr``, 2 ``b_ptr``.  REGION 1 writes kinds 0 and 1 only, REGION 2
-    kind 2 only, 0 everything.  Tiles ``[BLOCK_R, BLOCK_X]`` over ``[n_rows, E2]``, one per program.
+    ``e0, e1, lead, rmask, out_row`` are per row, ``e2, cmask`` per column (indices into the LUTs).  Piece kinds:
+    0 zero, 1 ``a_ptr``, 2 ``b_ptr``; REGION 1 writes kinds 0 and 1 only, REGION 2 kind 2 only, 0 everything.
     """
-    rows, cols, rmask, cmask, e0, e1, lead = _row_tile(n_rows, E0, E1, E2, BLOCK_R, BLOCK_X)
     s0 = tl.load(seg0_ptr + e0, mask=rmask, other=0)
     c0 = tl.load(crd0_ptr + e0, mask=rmask, other=0).to(tl.int64)
     s1 = tl.load(seg1_ptr + e1, mask=rmask, other=0)
     c1 = tl.load(crd1_ptr + e1, mask=rmask, other=0).to(tl.int64)
-    s2 = tl.load(seg2_ptr + cols, mask=cmask, other=0)
-    c2 = tl.load(crd2_ptr + cols, mask=cmask, other=0).to(tl.int64)
+    s2 = tl.load(seg2_ptr + e2, mask=cmask, other=0)
+    c2 = tl.load(crd2_ptr + e2, mask=cmask, other=0).to(tl.int64)
     mask = rmask[:, None] & cmask[None, :]
     prow = ((s0 * NS1 + s1)[:, None] * NS2 + s2[None, :]) * 5
     kind, val = piece_value(a_ptr, b_ptr, ptab_ptr, prow, lead[:, None], c0[:, None], c1[:, None], c2[None, :], mask,
@@ -140,8 +165,142 @@ def lut_gather_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_
         mask = mask & (kind != 2)
     if REGION == 2:
         mask = mask & (kind == 2)
-    out_off = (lead * out_ls + e0.to(tl.int64) * out_s0 + e1.to(tl.int64) * out_s1)[:, None] + cols[None, :]
-    tl.store(out_ptr + out_off, val.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + (out_row[:, None] + e2[None, :]), val.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def lut_gather_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
+                       n_rows, E0, E1, E2, NS1, NS2, out_ls, out_s0, out_s1,
+                       REGION: tl.constexpr, COMPUTE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
+    """out[l, e0, e1, e2] = source(piece(seg0[e0], seg1[e1], seg2[e2]))[l, crd0[e0], crd1[e1], crd2[e2]].
+
+    The whole staged tensor ``[LEAD, E0, E1, E2]`` (strides ``out_ls``, ``out_s0``, ``out_s1``, 1) by the table
+    walk: the staging of a worker without an interior window (see :func:`stage_launch`).  Tiles
+    ``[BLOCK_R, BLOCK_X]`` over ``[n_rows, E2]``, one per program; REGION as in :func:`_lut_tile`.
+    """
+    rows, cols, rmask, cmask, e0, e1, lead = _row_tile(n_rows, E0, E1, E2, BLOCK_R, BLOCK_X)
+    out_row = lead * out_ls + e0.to(tl.int64) * out_s0 + e1.to(tl.int64) * out_s1
+    _lut_tile(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr, NS1, NS2,
+              e0, e1, lead, rmask, cols, cmask, out_row, REGION, COMPUTE)
+
+
+@triton.jit
+def _magic_div(n, m, shift):
+    """``n // d`` for int32 ``0 <= n < 2^31`` by the multiplier ``(m, shift)`` of :func:`magic_divisor` (``d`` >= 1,
+    both loaded as int64): ``umulhi(2n, m) >> shift``, three 32-bit instructions instead of a runtime division
+    (about twenty on a GPU) or a 64-bit multiply."""
+    return (tl.umulhi((n * 2).to(tl.uint32), m.to(tl.uint32)) >> shift.to(tl.uint32)).to(tl.int32)
+
+
+@triton.jit
+def _box_rows(box, pid_r, out_s1, BLOCK_R: tl.constexpr, IDX: tl.constexpr):
+    """Row tile ``pid_r`` (``BLOCK_R`` rows) of the box at table row ``box``: ``(rmask, r, q, lead, out_row)``.
+
+    Row ``r`` of ``[LEAD, E0, E1]`` is ``(lead, b0, b1)`` with ``q = r // E1 = lead * E0 + b0``; the divisions are
+    multiply-shifts and the staged row offset is linear in ``(r, q, lead)``:
+    ``OBASE + r * out_s1 + q * OB + lead * OC`` (``OB``, ``OC`` the rows and planes the box skips), so no row needs
+    ``b0``, ``b1`` or a 64-bit multiply unless IDX is int64.  Row indices fit int32, as in :func:`_row_tile`.
+    """
+    r32 = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r32 < tl.load(box + 2).to(tl.int32)
+    q32 = _magic_div(r32, tl.load(box + 5), tl.load(box + 6))
+    lead32 = _magic_div(q32, tl.load(box + 8), tl.load(box + 9))
+    r, q, lead = r32.to(IDX), q32.to(IDX), lead32.to(IDX)
+    out_row = (tl.load(box + 10).to(IDX) + r * out_s1 + q * tl.load(box + 11).to(IDX)
+               + lead * tl.load(box + 12).to(IDX))
+    return rmask, r, q, lead, out_row
+
+
+@triton.jit
+def _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_left, n_right, rmask, r, q, lead,
+                  out_row, REGION: tl.constexpr, IDX: tl.constexpr, STRIP_X: tl.constexpr):
+    """The window's rows (``out_row`` their staged offsets) at the ``n_left`` staged columns left of the window and
+    the ``n_right`` ones from RHI, ``[rows, STRIP_X]`` at a time.  Each column is one piece, ``(window seg0, window
+    seg1, seg2[col])`` at piece-table row ``(PBASE + seg2[col]) * 5``, read at ``(b0, b1, crd2[col])`` of its
+    source box: an offset linear in ``(r, q, lead)`` like the row's, so the table loads are per column, not per
+    element."""
+    E1 = tl.load(box + 4)
+    E0 = tl.load(box + 7)
+    pbase = tl.load(box + 19)
+    rhi = tl.load(box + 20).to(tl.int32)
+    n = n_left + n_right
+    c = tl.full([], 0, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
+    while c < n:
+        j = c + tl.arange(0, STRIP_X)
+        cmask = j < n
+        col = tl.where(j < n_left, j, rhi + j - n_left)
+        prow = ptab_ptr + (pbase + tl.load(seg2_ptr + col, mask=cmask, other=0)) * 5
+        kind = tl.load(prow, mask=cmask, other=0)
+        lstr = tl.load(prow + 2, mask=cmask, other=0)
+        st0 = tl.load(prow + 3, mask=cmask, other=0)
+        st1 = tl.load(prow + 4, mask=cmask, other=0)
+        base = (tl.load(prow + 1, mask=cmask, other=0) + tl.load(crd2_ptr + col, mask=cmask, other=0)).to(IDX)
+        off = (base[None, :] + r[:, None] * st1.to(IDX)[None, :] + q[:, None] * (st0 - E1 * st1).to(IDX)[None, :]
+               + lead[:, None] * (lstr - E0 * st0).to(IDX)[None, :])
+        if REGION == 1:
+            cmask = cmask & (kind != 2)
+        if REGION == 2:
+            cmask = cmask & (kind == 2)
+        mask = rmask[:, None] & cmask[None, :]
+        va = tl.load(a_ptr + off, mask=mask & (kind == 1)[None, :], other=0.0)
+        vb = tl.load(b_ptr + off, mask=mask & (kind == 2)[None, :], other=0.0)  # kind 0: va is the fill 0
+        tl.store(out_ptr + (out_row[:, None] + col[None, :]), tl.where((kind == 2)[None, :], vb, va), mask=mask)
+        c += STRIP_X
+
+
+@triton.jit
+def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
+                 btab_ptr, NS1, NS2, out_s1, x_s1,
+                 REGION: tl.constexpr, WIDE: tl.constexpr, NUM_BOX: tl.constexpr,
+                 BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, SLAB_X: tl.constexpr, STRIP_X: tl.constexpr):
+    """The whole staged tensor ``out [LEAD, E0, E1, E2]`` (row length ``out_s1`` = E2) in one launch.
+
+    Box 0 of the box table is the interior window ``[LEAD, I0, I1, I2]`` at staged ``(LO0, LO1, LO2)``: a plain
+    copy from ``a_ptr`` (the block, row length ``x_s1``), no table load (skipped for REGION 2), in ``[BLOCK_R,
+    BLOCK_X]`` tiles; its first and last column tiles also write the columns left and right of the window in
+    their rows (:func:`_stage_beside`, ``[BLOCK_R, STRIP_X]`` at a time).  Boxes 1.. are the slabs of whole rows
+    outside the window (axes 0 and 1), walked through the tables (:func:`_lut_tile`) in ``[BLOCK_R, SLAB_X]``
+    tiles.  Each box is row-tiled like :func:`_row_tile` over ``[LEAD*E0*E1, width]``, its tiles numbered from
+    its START (table rows: see :func:`stage_launch`).  Offsets are int32 unless WIDE (a buffer of 2^31 elements
+    or more): int64.
+    """
+    IDX: tl.constexpr = tl.int64 if WIDE else tl.int32
+    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
+    k = tl.full([], 0, tl.int32)  # the box: the last one starting at or before pid (unused rows start at 2^62)
+    for j in tl.static_range(1, NUM_BOX):
+        k += (tl.load(btab_ptr + j * 24) <= pid).to(tl.int32)
+    box = btab_ptr + k * 24
+    t = pid - tl.load(box)
+    nx = tl.load(box + 1)
+    pid_r = (t // nx).to(tl.int32)
+    pid_x = (t - pid_r * nx).to(tl.int32)
+    width = tl.load(box + 3).to(tl.int32)
+    if k == 0:
+        cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
+        cmask = cols < width
+        rmask, r, q, lead, out_row = _box_rows(box, pid_r, out_s1, BLOCK_R, IDX)
+        lo2 = tl.load(box + 15).to(IDX)
+        if REGION != 2:
+            x_row = (tl.load(box + 16).to(IDX) + r * x_s1 + q * tl.load(box + 17).to(IDX)
+                     + lead * tl.load(box + 18).to(IDX))
+            mask = rmask[:, None] & cmask[None, :]
+            v = tl.load(a_ptr + (x_row[:, None] + cols[None, :]), mask=mask)
+            tl.store(out_ptr + ((out_row + lo2)[:, None] + cols[None, :]), v, mask=mask)
+        n_left = tl.where(pid_x == 0, lo2.to(tl.int32), 0)
+        n_right = tl.where(pid_x == nx - 1, out_s1 - tl.load(box + 20).to(tl.int32), 0)
+        if n_left + n_right > 0:
+            _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_left, n_right, rmask, r, q,
+                          lead, out_row, REGION, IDX, STRIP_X)
+    else:  # a slab spans every column (LO2 = 0); own names: a name bound in both branches must keep its shape
+        s_cols = pid_x * SLAB_X + tl.arange(0, SLAB_X)
+        s_cmask = s_cols < width
+        s_rmask, s_r, s_q, s_lead, s_out_row = _box_rows(box, pid_r, out_s1, BLOCK_R, IDX)
+        s_e1 = (s_r - s_q * tl.load(box + 4).to(IDX)).to(tl.int32) + tl.load(box + 14).to(tl.int32)
+        s_e0 = (s_q - s_lead * tl.load(box + 7).to(IDX)).to(tl.int32) + tl.load(box + 13).to(tl.int32)
+        # values stay in the tensor's dtype: no conversion, so even the interpreter keeps bf16 subnormals
+        _lut_tile(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr, NS1,
+                  NS2, s_e0, s_e1, s_lead.to(tl.int64), s_rmask, s_cols, s_cmask, s_out_row, REGION,
+                  out_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -321,27 +480,162 @@ def box_block(device: torch.device, block: int | None, total: int) -> int:
     return min(4096, next_power_of_2(max(total, 1)))
 
 
-def launch_lut(out, a, b, luts, ptab, ns, region_code: int, extents3, tile, box=None):
-    """Launch the LUT gather over ``out`` (``[LEAD, *extents3]``, contiguous) or over its sub-box ``box``
-    (per axis ``(start, stop)``)."""
-    if out.numel() == 0:
-        return
-    full = tuple(extents3)
-    lead = out.numel() // math.prod(full)
-    st = contiguous_strides(full)
-    if box is None:
-        box = tuple((0, e) for e in full)
-    E0, E1, E2 = (hi - lo for lo, hi in box)
-    if min(E0, E1, E2) <= 0:
-        return
-    n_rows = lead * E0 * E1
-    base = sum(lo * s for (lo, _), s in zip(box, st, strict=True))
-    luts = [t[lo:] for (lo, _), pair in zip(box, zip(luts[::2], luts[1::2], strict=True), strict=True) for t in pair]
-    block_r, block_x = pick_tile(E2, n_rows, out.device, tile)
-    grid = row_tiled_grid(n_rows, E2, block_r, block_x)
-    lut_gather_kernel[grid](out.view(-1)[base:], a, b, *luts, ptab, n_rows, E0, E1, E2, ns[1], ns[2],
-                             math.prod(full), st[0], st[1],
-                             REGION=region_code, COMPUTE=compute_dtype(out.dtype), BLOCK_R=block_r, BLOCK_X=block_x)
+#: GPU tiles of the staging (:func:`stage_tile`): 4096 elements, 16 a thread at 8 warps; slab tiles a quarter of
+#: the width (their table walk holds five int64 table entries per element: full-size slab tiles took 182-238
+#: registers a thread at sm_90, quarter-size ones about 100, so two CTAs of 8 warps fit an SM; and narrow ones
+#: idle fewer lanes on rows just wider than the window: 66 columns in 5 tiles of 16, not 2 of 64).
+STAGE_WIDTHS = (512, 256, 128, 64, 32, 16)
+STAGE_TILE_ELEMENTS = 4096
+STAGE_NUM_WARPS = 8
+STAGE_SLAB_SPLIT = 4
+#: Box-table rows of a staging launch: the interior window and at most four slabs (two per axis of axes 0 and 1).
+STAGE_BOXES = 5
+_STAGE_COLS = 24  # the box table's row width (stage_kernel hard-codes it)
+_NEVER = 1 << 62  # START of an unused row: no program id reaches it
+#: Buffers (staged, block, receive buffer) of this many elements or more take int64 offsets in the staging.
+WIDE_ELEMENTS = 2**31
+
+
+def magic_divisor(d: int) -> tuple[int, int]:
+    """``(m, k)`` with ``n // d == (n * m) >> (31 + k)`` for every ``0 <= n < 2**31`` (``1 <= d < 2**31``).
+
+    Granlund-Montgomery with a 31-bit dividend: ``k = ceil(log2 d)``, ``m = ceil(2**(31 + k) / d)``, so
+    ``m * d - 2**(31 + k) < d <= 2**k`` (exact quotients) and ``m < 2**32``.  The kernels compute it in 32-bit
+    halves: ``umulhi(2n, m) >> k`` (``2n < 2**32``; flooring by ``2**32`` then by ``2**k`` is flooring by both).
+    """
+    if not 1 <= d < 2**31:
+        raise ValueError(f"magic_divisor: divisor {d} outside [1, 2^31)")
+    k = (d - 1).bit_length()
+    return -(-(1 << (31 + k)) // d), k
+
+
+def stage_tile(width: int, full_width: int, rows: int, device: torch.device,
+               tile: tuple[int, int] | None) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_R, BLOCK_X, SLAB_X, STRIP_X, num_warps)`` of the staging launch; ``width`` is the interior
+    window's, ``full_width`` the staged tensor's last extent, ``rows`` the most rows of any box.
+
+    GPU: BLOCK_X is the widest of :data:`STAGE_WIDTHS` whose padding of the window's width idles at most a
+    quarter of the lanes (64 -> 64, 512 -> 512, 100 -> 128, 514 -> 128: five tiles, 20% idle), else the least
+    padded; BLOCK_R = 4096 / BLOCK_X; SLAB_X = BLOCK_X / 4 for the slabs' full rows of ``full_width``; STRIP_X
+    columns beside the window at a time, one element a thread (256 / BLOCK_R).  The window's rows are the copy
+    (the bulk of the bytes).  Untuned: no GPU was available when this was written.  Interpreter: one tile per
+    box where it fits (each program costs Python time).  ``tile`` overrides ``(BLOCK_R, BLOCK_X)`` (tests), with
+    SLAB_X = BLOCK_X, STRIP_X = 2 and 4 warps.
+    """
+    if tile is not None:
+        return tile[0], tile[1], tile[1], 2, 4
+    if device.type != "cuda":
+        bx = min(next_power_of_2(max(full_width, 1)), 1024)
+        br = min(max(1, 8192 // bx), next_power_of_2(max(rows, 1)))
+        return br, bx, bx, max(1, 128 // br), 4
+    padded = {b: cdiv(width, b) * b for b in STAGE_WIDTHS}
+    bx = next((b for b in STAGE_WIDTHS if (padded[b] - width) * 4 <= padded[b]),
+              min(STAGE_WIDTHS, key=lambda b: (padded[b], -b)))
+    br = STAGE_TILE_ELEMENTS // bx
+    return br, bx, max(1, bx // STAGE_SLAB_SPLIT), max(1, 32 * STAGE_NUM_WARPS // br), STAGE_NUM_WARPS
+
+
+class StageLaunch(NamedTuple):
+    """Everything :func:`~distfuse.kernels.halo.halo_stage` launches with besides ``out``, ``x``, ``recv`` and the
+    dtype: the staged shape and receive-buffer size it checks, the kernel (``stage_kernel``; ``lut_gather_kernel``
+    without an interior window; None: nothing to write), its grid, arguments and constexprs."""
+
+    staged_shape: tuple[int, ...]
+    recv_numel: int
+    kernel: object
+    grid: tuple[int, int]
+    args: tuple
+    meta: dict
+
+
+def _segment_at(ax, i: int, pos: int) -> int:
+    return next(s for s, sg in enumerate(ax.segments(i)) if sg.dst <= pos < sg.dst + sg.length)
+
+
+@functools.lru_cache(maxsize=512)
+def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, region: str,
+                 tile: tuple[int, int] | None) -> StageLaunch:
+    """The staging launch of worker ``index`` for ``lead`` leading elements, cached: no per-call host work but the
+    cache lookup (plans hash by identity, as for :func:`~distfuse.kernels.halo_tables.stage_tables`).
+
+    Box table of ``stage_kernel`` (int64, :data:`STAGE_BOXES` rows of 24), row 0 the interior window, then the
+    slabs of :func:`shell` over axes 0 and 1 (every column), unused rows last (START 2^62)::
+
+        0 START  1 NX  2 NROWS  3 WIDTH  4 E1  5 M1  6 K1  7 E0  8 M0  9 K0  10 OBASE  11 OB  12 OC
+        13 LO0  14 LO1  15 LO2  16 XBASE  17 XB  18 XC  19 PBASE  20 RHI  (21-23 unused)
+
+    ``START`` first program, ``NX`` column tiles, ``NROWS = LEAD*E0*E1`` rows of ``WIDTH`` columns, ``(M, K)`` the
+    :func:`magic_divisor` of E1 and E0, ``LO`` the box's staged origin; row ``r`` (``q = r // E1``) starts at staged
+    ``OBASE + r*E2 + q*OB + lead*OC``.  Window only: its source row starts at ``XBASE + r*n2 + q*XB + lead*XC`` in
+    the block, ``PBASE`` is the piece-table row of its axis-0/1 segments (``(s0 * NS1 + s1) * NS2``), ``RHI`` the
+    first column right of it.  Region ``"remote"`` gives the window programs only where there are strips.
+    """
+    staged = tuple(plan.staged_shape(index))
+    recv = recv_numel(plan, index, lead)
+    full = pad3(staged, 1)
+    interior = interior_piece(plan, index)
+    total = lead * math.prod(full)
+    code = REGION_CODE[region]
+    if total == 0:
+        return StageLaunch(staged, recv, None, (0, 0), (), {})
+    luts, ptab, ns = stage_tables(plan, index, lead, device)
+    out_str = (math.prod(full), *contiguous_strides(full)[:2])
+    if interior is None or math.prod(interior.shape) == 0:  # the whole staged tensor by the table walk
+        n_rows = lead * full[0] * full[1]
+        block_r, block_x = pick_tile(full[2], n_rows, device, tile)
+        return StageLaunch(staged, recv, lut_gather_kernel, row_tiled_grid(n_rows, full[2], block_r, block_x),
+                           (*luts, ptab, n_rows, *full, ns[1], ns[2], *out_str),
+                           dict(REGION=code, BLOCK_R=block_r, BLOCK_X=block_x))
+    x_shape = plan.input_shape(index)
+    x_str = pad3(contiguous_strides(x_shape), 0)
+    x_ls = math.prod(x_shape)
+    lo, ext, src = pad3(interior.dst_lo, 0), pad3(interior.shape, 1), pad3(interior.src_lo, 0)
+    inner = tuple((a, a + e) for a, e in zip(lo, ext, strict=True))
+    slabs = shell((inner[0], inner[1], (0, full[2])), full)
+    boxes = [(inner[0], inner[1], (lo[2], lo[2] + ext[2]))] + slabs
+    extents = [tuple(hi - a for a, hi in box) for box in boxes]
+    most = max(lead * e[0] * e[1] for e in extents)
+    block_r, block_x, slab_x, strip_x, warps = stage_tile(ext[2], full[2], most, device, tile)
+    strips = lo[2] > 0 or lo[2] + ext[2] < full[2]
+    segs = [0] * (3 - len(plan.axes)) + [_segment_at(ax, i, p)
+                                         for ax, i, p in zip(plan.axes, index, interior.dst_lo, strict=True)]
+    rows, start = [], 0
+    for k, ((lo0, _), (lo1, _), (lo2, _)), (E0, E1, width) in zip(range(len(boxes)), boxes, extents, strict=True):
+        n_rows = lead * E0 * E1
+        nx = cdiv(width, slab_x if k else block_x)
+        tiles = 0 if k == 0 and code == 2 and not strips else cdiv(n_rows, block_r) * nx
+        rows += [start, nx, n_rows, width, E1, *magic_divisor(E1), E0, *magic_divisor(E0),
+                 lo0 * out_str[1] + lo1 * out_str[2], out_str[1] - E1 * out_str[2], out_str[0] - E0 * out_str[1],
+                 lo0, lo1, lo2]
+        if k == 0:  # XBASE XB XC: the window's source in the block, linear in (r, q, lead) like OBASE OB OC
+            rows += [sum(a * b for a, b in zip(src, x_str, strict=True)), x_str[0] - E1 * x_str[1],
+                     x_ls - E0 * x_str[0], (segs[0] * ns[1] + segs[1]) * ns[2], lo[2] + ext[2]]
+        else:
+            rows += [0] * 5
+        rows += [0] * (_STAGE_COLS - 21)
+        start += tiles
+    for _ in range(STAGE_BOXES - len(boxes)):
+        rows += [_NEVER, 1] + [0] * (_STAGE_COLS - 2)
+    if start == 0:
+        return StageLaunch(staged, recv, None, (0, 0), (), {})
+    if most >= 2**31:  # row indices are int32 (_magic_div)
+        raise UnsupportedError(f"{where('halo_stage')}: {most} rows (LEAD times every staged extent but the last) "
+                               "exceed 2^31 - 1")
+    btab = torch.tensor(rows, dtype=torch.int64, device=device)
+    wide = max(total, lead * x_ls, recv) >= WIDE_ELEMENTS
+    return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, ns[1], ns[2], full[2],
+                                                                        x_str[1]),
+                       dict(REGION=code, WIDE=wide, NUM_BOX=STAGE_BOXES, BLOCK_R=block_r, BLOCK_X=block_x,
+                            SLAB_X=slab_x, STRIP_X=strip_x, num_warps=warps))
+
+
+def launch_stage(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, launch: StageLaunch) -> None:
+    """One launch of ``launch`` (from :func:`stage_launch`) into ``out`` from ``a`` (the block) and ``b`` (the
+    receive buffer)."""
+    if launch.kernel is stage_kernel:
+        stage_kernel[launch.grid](out, a, b, *launch.args, **launch.meta)
+    elif launch.kernel is not None:
+        launch.kernel[launch.grid](out, a, b, *launch.args, COMPUTE=compute_dtype(out.dtype), **launch.meta)
 
 
 def shell(inner: Sequence[tuple[int, int]], full: Sequence[int]) -> list[tuple[tuple[int, int], ...]]:
