@@ -315,7 +315,9 @@ def cmd_check(args) -> int:
 
 
 def cmd_collect(args) -> int:
-    """Copy a lab's result files (``$OUT`` as fetched) into ``bench/results`` for a commit."""
+    """Copy a lab's result files (``$OUT`` as fetched, or ``lab.tgz`` of ``scripts/gpu_first_call.sh`` unpacked)
+    into ``bench/results`` for a commit; ``diagnose.json`` (the first call's diagnosis) becomes
+    ``diagnose-<device>-<date>.json``."""
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     src = Path(args.out)
@@ -326,9 +328,9 @@ def cmd_collect(args) -> int:
     for f in result_files(src):
         shutil.copy(f, dest / f.name)
         copied.append(f.name)
-    for name in ("lab.json", "tests.json", "two_process.json", "probe.json"):
+    for name in ("lab.json", "tests.json", "two_process.json", "probe.json", "diagnose.json"):
         if (src / name).exists():
-            kind = "gpu_lab" if name == "lab.json" else f"gpu_lab_{name[:-5]}"
+            kind = {"lab.json": "gpu_lab", "diagnose.json": "diagnose"}.get(name, f"gpu_lab_{name[:-5]}")
             target = f"{kind}-{device}-{stamp}.json"
             shutil.copy(src / name, dest / target)
             copied.append(target)

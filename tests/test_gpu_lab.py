@@ -29,7 +29,7 @@ def _module(name):
 lab = _module("lab_record")
 
 
-@pytest.mark.parametrize("script", ["gpu_lab.sh", "gpu_lab_extra.sh", "audit_triton36.sh"])
+@pytest.mark.parametrize("script", ["gpu_lab.sh", "gpu_lab_extra.sh", "gpu_first_call.sh", "audit_triton36.sh"])
 def test_shell_syntax(script):
     proc = subprocess.run(["bash", "-n", str(SCRIPTS / script)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
@@ -166,3 +166,17 @@ def test_bench_rows_name_their_kernel_and_anchor(tmp_path):
     data = json.loads(path.read_text())
     assert data["partial"] is False and len(data["rows"]) == 2 and data["rows"][0]["kernel"] == "matmul_scatter"
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_collect_names_every_file_by_device_and_date(tmp_path):
+    """``collect`` copies what a first call brings back (lab.tgz unpacked) under names that say device and date."""
+    src, dest = tmp_path / "lab", tmp_path / "results"
+    src.mkdir()
+    env = dict(device="NVIDIA H100 80GB HBM3", date="2026-11-27T09:09:00+00:00", commit="abc1234")
+    (src / "lab.json").write_text(json.dumps(dict(env=env, phases=[])))
+    for name in ("tests.json", "two_process.json", "probe.json", "diagnose.json"):
+        (src / name).write_text("{}")
+    assert lab.main(["collect", "--out", str(src), "--dest", str(dest)]) == 0
+    assert sorted(p.name for p in dest.iterdir()) == sorted(
+        f"{kind}-NVIDIA_H100_80GB_HBM3-2026-11-27.json"
+        for kind in ("gpu_lab", "gpu_lab_tests", "gpu_lab_two_process", "gpu_lab_probe", "diagnose"))

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# A GPU session's first device call: the lab, then the host-cost diagnosis in the time the call has left.
+#
+#   bash scripts/gpu_first_call.sh                          # on the device machine ($OUT from the device tool)
+#   DISTFUSE_LAB_DRY_RUN=1 bash scripts/gpu_first_call.sh   # here, without a GPU: both in their CPU-safe forms
+#
+# 1. scripts/gpu_lab.sh into a scratch folder (at most 540 s; it took 213 s on an H100);
+# 2. scripts/gpu_diagnose.py --sections host attrib halo: host time against kernel time per fused op
+#    (eager rows are bound by the host: docs/gpu.md), with what is left of 585 s, if 30 s or more;
+# 3. everything into $OUT/lab.tgz (the device tool brings back at most 8 files), with lab.json and
+#    lab.log beside it for a first look.
+#
+# Collect here:  mkdir d && tar xzf <files_at>/lab.tgz -C d && python scripts/lab_record.py collect --out d
+# (copies the benchmark files, lab.json, tests, probe, two_process and diagnose.json into bench/results).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+DRY=${DISTFUSE_LAB_DRY_RUN:-0}
+[ "$DRY" = 0 ] && DRY=""
+DEST=${OUT:-/tmp/distfuse-first-call}
+if [ -n "$DRY" ]; then PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}; else PY=${PYTHON:-python3}; fi
+WORK=$(mktemp -d)
+trap 'rm -rf "$WORK"' EXIT
+export DISTFUSE_COMMIT=${DISTFUSE_COMMIT:-$(cat .lab_commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+T0=$SECONDS
+OUT=$WORK/lab bash scripts/gpu_lab.sh
+echo "gpu_first_call: lab exit $?"
+LEFT=$((585 - (SECONDS - T0)))
+if [ "$LEFT" -ge 30 ]; then
+  PYTHONPATH="$PWD:$PWD/scripts" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 timeout --kill-after=5 $((LEFT - 5)) \
+    "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections host attrib halo \
+    --budget $((LEFT - 20)) >"$WORK/lab/diagnose.log" 2>&1
+  echo "gpu_first_call: diagnose exit $? ($(grep -c '^diag: {' "$WORK/lab/diagnose.log") rows)"
+else
+  echo "gpu_first_call: diagnose skipped: ${LEFT}s left"
+fi
+mkdir -p "$DEST"
+tar czf "$DEST/lab.tgz" -C "$WORK/lab" .
+cp "$WORK/lab/lab.json" "$WORK/lab/lab.log" "$DEST/" 2>/dev/null
+echo "gpu_first_call: done in $((SECONDS - T0)) s: $(ls "$DEST" | tr '\n' ' ')"
