@@ -381,14 +381,19 @@ def test_stage_one_launch_copies_every_dtype_bit_for_bit(dtype):
     assert torch.equal(got.view(bits), want.view(bits))
 
 
+def _stage_inputs(plan, i, seed):
+    """A random block ``[2, *n]`` of worker ``i`` and its random receive buffer (two leading elements)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn((2,) + plan.input_shape(i), generator=gen)
+    return x, torch.randn(ht.recv_numel(plan, i, 2), generator=gen)
+
+
 def test_stage_int64_offsets(monkeypatch):
     """Buffers of 2^31 elements take int64 offsets (``WIDE``); the threshold lowered to 0 runs that path here."""
     monkeypatch.setattr(hp, "WIDE_ELEMENTS", 0)
     plan, _ = _plan((6, 7, 8), (2, 2, 2), (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, "reflect")
     i = (1, 0, 1)
-    gen = torch.Generator().manual_seed(5)
-    x = torch.randn((2,) + plan.input_shape(i), generator=gen)
-    recv = torch.randn(ht.recv_numel(plan, i, 2), generator=gen)
+    x, recv = _stage_inputs(plan, i, 5)
     for region in hk.REGIONS:
         assert hp.stage_launch(plan, i, 2, x.device, region, (4, 2)).meta["WIDE"]
         want = hk.halo_stage_reference(x, recv, plan, i, out=_nan((2,) + plan.staged_shape(i), x.dtype, x.device),
@@ -403,9 +408,7 @@ def test_stage_with_a_spilled_grid(monkeypatch):
     monkeypatch.setattr(hp, "_GRID0_MAX", 3)
     plan, _ = _plan((5, 6, 7), (2, 1, 2), (3, 2, 3), (1, 2, 1), (1, 1, 2), 2, "replicate")
     i = (1, 0, 0)
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn((2,) + plan.input_shape(i), generator=gen)
-    recv = torch.randn(ht.recv_numel(plan, i, 2), generator=gen)
+    x, recv = _stage_inputs(plan, i, 9)
     launch = hp.stage_launch(plan, i, 2, x.device, "all", (2, 4))
     g0, g1 = launch.grid
     assert g0 == 3 and g1 > 1 and g0 * g1 > int(launch.args[7].view(hp.STAGE_BOXES, -1)[1:, 0].clamp(max=2**40).max())
