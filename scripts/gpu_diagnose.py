@@ -28,6 +28,7 @@ import argparse
 import cProfile
 import io
 import json
+import math
 import os
 import pstats
 import sys
@@ -121,16 +122,22 @@ def measure(torch, fn, device, calls, profile=True, graph=False):
     return row
 
 
-def cprofile_top(fn, calls, top=12) -> str:
+def cprofile_top(fn, calls, top=16) -> str:
+    """The ``top`` functions by own time over ``max(calls, 200)`` calls, in microseconds per call of ``fn`` (own
+    and cumulative): pstats' seconds per ncalls round to 0.000 at these costs."""
+    calls = max(calls, 200)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
         fn()
     prof.disable()
-    s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(top)
-    lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
-    return "\n".join(lines[-(top + 1):])
+    stats = pstats.Stats(prof, stream=io.StringIO()).stats
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    lines = ["  own us  cum us  calls/call  function"]
+    for (path, line, name), (_cc, nc, tt, ct, _callers) in rows:
+        where = f"{os.path.basename(path)}:{line}({name})" if line else name
+        lines.append(f"{tt / calls * 1e6:8.2f} {ct / calls * 1e6:7.2f} {nc / calls:10.1f}  {where}")
+    return "\n".join(lines)
 
 
 def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
@@ -160,6 +167,8 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
         }
         for name, fn in parts.items():
             record(section="attrib", op=name, model=model, m=m, **measure(torch, fn, device, calls, profile=False))
+        if device.type == "cuda":
+            print(f"cprofile chunk_reduce (whole call) m={m}:\n" + cprofile_top(side.chunk_reduce, calls), flush=True)
     finally:
         side.release()
     side = Side("ag", m, n_ag, k_ag, W, dtype, device)
@@ -175,6 +184,8 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
         }
         for name, fn in parts.items():
             record(section="attrib", op=name, model=model, m=m, **measure(torch, fn, device, calls, profile=False))
+        if device.type == "cuda":
+            print(f"cprofile gathered_matmul (whole call) m={m}:\n" + cprofile_top(side.fused_gemm, calls), flush=True)
     finally:
         side.release()
 
@@ -192,6 +203,56 @@ def halo_stage_times(torch, device, dtype, calls, record, cuda) -> None:
                **measure(torch, lambda case=case: stage_fused(case, case.x, case.recv), device, calls, graph=cuda))
         record(section="halo", op="copy", **shape,
                **measure(torch, lambda case=case, dst=dst: dst.copy_(case.staged_ref), device, calls, graph=cuda))
+
+
+def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
+    """Kernel time of the one-launch staging per tile config, with and without the row-alignment hints, against the
+    copy of the staged bytes (the pinned config, :func:`~distfuse.kernels.halo_programs.stage_tile`, was chosen
+    without a GPU).  Each config's output is checked bit-exact against the torch reference first."""
+    from bench.bench_halo_conv import Case
+    from distfuse.kernels import halo_programs as hp
+
+    shapes = [(3, 64, 64), (3, 256, 64), (2, 64, 512), (2, 256, 512)] if cuda else [(2, 2, 8)]
+    configs = [(e, w) for e in (4096, 8192, 16384) for w in (4, 8)] if cuda else [(64, 4)]
+    for nd, c, n in shapes:
+        case = Case(nd, 1, c, n, 1, dtype, device)
+        out = torch.empty(case.staged_shape, device=device, dtype=dtype)
+        shape = dict(nd=nd, C=c, n=n, staged_bytes=out.numel() * out.element_size())
+        dst = torch.empty_like(out)
+        record(section="halo_tiles", op="copy", **shape,
+               **measure(torch, lambda dst=dst, case=case: dst.copy_(case.staged_ref), device, calls))
+        lead = case.x.numel() // math.prod(case.x.shape[2:])
+        for elems, warps in configs:
+            if clock.left() < 15:
+                return
+            bx = hp.stage_tile(n, n + 2, 1, device, None)[1] if cuda else n
+            br = max(1, elems // bx)
+            tile = (br, bx, max(1, bx // hp.STAGE_SLAB_SPLIT), max(1, 32 * warps // br), warps)
+            base = hp.stage_launch(case.plan, case.index, lead, device, "all", tile)
+            for hints in (True, False):
+                launch = base if hints else base._replace(meta=dict(base.meta, X_ALIGN=1, OUT_ALIGN=1))
+                out.fill_(float("nan"))
+                hp.launch_stage(out, case.x, case.recv, launch)
+                exact = bool(torch.equal(out, case.staged_ref))
+                row = measure(torch, lambda out=out, case=case, launch=launch: hp.launch_stage(out, case.x, case.recv,
+                                                                                              launch),
+                              device, calls)
+                record(section="halo_tiles", op="halo_stage", **shape, tile=list(tile), hints=hints, exact=exact,
+                       x_align=launch.meta["X_ALIGN"], out_align=launch.meta["OUT_ALIGN"], **row)
+
+
+def halo_full_host(torch, device, dtype, calls, record, cuda) -> None:
+    """Host time of the fused halo conv step (staging, cuDNN, unstage, accumulate) against the cat baseline's."""
+    from bench.bench_halo_conv import Case, _halo_inputs, full_step
+
+    for nd, c, n in ([(2, 64, 64), (3, 64, 64)] if cuda else [(2, 2, 4)]):
+        case = Case(nd, 1, c, n, 1, dtype, device)
+        for provider in ("fused", "cat"):
+            halos = _halo_inputs(case, provider)
+            record(section="halo_full", op=provider, nd=nd, C=c, n=n,
+                   **measure(torch, lambda case=case, p=provider, h=halos: full_step(case, p, case.x, h, case.weight,
+                                                                                      case.bias),
+                             device, calls, profile=False))
 
 
 def main(argv=None) -> int:
@@ -286,6 +347,8 @@ def main(argv=None) -> int:
     # ---- the halo staging: host or kernel?
     if "halo" in args.sections and clock.left() > 20:
         guarded("halo", "stage", lambda: halo_stage_times(torch, device, dtype, calls, record, cuda))
+        guarded("halo", "full", lambda: halo_full_host(torch, device, dtype, calls, record, cuda))
+        guarded("halo", "tiles", lambda: halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock))
 
     big = [(model, rs, ag) for model, (rs, ag) in shapes.items()]
     m_big = ms[-1]

@@ -12,6 +12,7 @@ gradient is an ``index_add`` of every worker's staged gradient.  Outputs are poi
 with NaN before every launch.
 """
 
+import itertools
 import math
 
 import numpy as np
@@ -22,6 +23,7 @@ from distfuse.errors import ShapeError, UnsupportedError
 from distfuse.geometry.decomposition import local_slices
 from distfuse.geometry.halo_plan import HaloPlan, resolve_padding
 from distfuse.kernels import halo as hk
+from distfuse.kernels import halo_launches as hl
 from distfuse.kernels import halo_programs as hp
 from distfuse.kernels import halo_tables as ht
 from tests.tolerances import tol
@@ -218,7 +220,8 @@ def test_kernels_with_a_spilled_grid(monkeypatch):
 
     monkeypatch.setattr(hp, "linear_grid", record_linear)
     monkeypatch.setattr(hp, "row_tiled_grid", record_rows)
-    monkeypatch.setattr(hk, "row_tiled_grid", record_rows)  # accumulate's launcher imports it by name
+    monkeypatch.setattr(hl, "linear_grid", record_linear)  # the box and accumulate launches import them by name
+    monkeypatch.setattr(hl, "row_tiled_grid", record_rows)
     # 1x2 tiles keep the grids past the cap (the staging's one launch numbers its programs like the box gather)
     _simulate((7, 6), (2, 2), (3, 3), (1, 1), (1, 1), 2, "replicate", torch.float32, lead_shape=(1,),
               tile=(1, 2), block=2)
@@ -266,12 +269,14 @@ def test_accumulate_in_chunks(monkeypatch):
     """More boxes than one int64 cover mask holds: accumulate runs once per chunk, in place."""
     monkeypatch.setattr(ht, "MASK_BITS", 2)
     ht.accumulate_tables.cache_clear()
+    hl.accumulate_launch.cache_clear()
     try:
         plan = _simulate((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 2, "replicate", torch.float32)
         counts = [len(ht.self_pieces(plan, i)) + len(plan.sends(i)) for i in plan.blocks()]
         assert max(counts) > 2 * ht.MASK_BITS  # several chunks were needed
     finally:
         ht.accumulate_tables.cache_clear()
+        hl.accumulate_launch.cache_clear()
 
 
 REGION_CASES = [
@@ -448,6 +453,47 @@ def test_stage_launch_is_built_once(monkeypatch):
     assert hp.stage_launch(plan, i, 6, x.device, "all", None) is hp.stage_launch(plan, i, 6, x.device, "all", None)
 
 
+def test_unstage_and_accumulate_launches_are_cached_per_lead(monkeypatch):
+    """The unstage and accumulate launches are cached per (plan, index, LEAD, device, ...): a second call with a
+    same-shaped gradient is a cache hit that builds nothing (the builders would raise) and gives the same bits;
+    another batch is another LEAD, so another launch, and its result matches the reference too."""
+    plan, _ = _plan((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 1, "replicate")
+    i = (1, 1)  # replicate edge below, neighbours on three sides: send-back and self boxes both non-empty
+    assert plan.recvs(i) and ht.self_pieces(plan, i)
+    gen = torch.Generator().manual_seed(7)
+
+    def step(batch, g=None):
+        g = torch.randn((batch, 2) + plan.staged_shape(i), generator=gen) if g is None else g
+        incoming = torch.randn(ht.send_numel(plan, i, 2 * batch), generator=gen)
+        u = hk.halo_unstage(g, plan, i)
+        for name, got, exp in zip(u._fields, u, hk.halo_unstage_reference(g, plan, i)):
+            torch.testing.assert_close(got, exp, **tol(torch.float32), msg=f"unstage {name}, batch {batch}")
+        before = u.grad_x.clone()
+        got = hk.halo_accumulate(u.grad_x, u.self_boxes, incoming, plan, i)
+        want = hk.halo_accumulate_reference(before, u.self_boxes, incoming, plan, i)
+        torch.testing.assert_close(got, want, **tol(torch.float32), msg=f"accumulate, batch {batch}")
+        return g, u
+
+    g, first = step(1)
+    hits = hl.unstage_launch.cache_info().hits, hl.accumulate_launch.cache_info().hits
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("rebuilt on a cached call")
+
+    with monkeypatch.context() as m:
+        for name in ("unstage_box_tables", "accumulate_tables", "interior_piece", "recv_numel", "self_numel",
+                     "send_numel"):
+            m.setattr(hl, name, refuse)
+        _, again = step(1, g.clone())
+    assert (hl.unstage_launch.cache_info().hits, hl.accumulate_launch.cache_info().hits) == (hits[0] + 1,
+                                                                                              hits[1] + 1)
+    assert all(torch.equal(a, b) for a, b in zip(first[1:], again[1:]))  # send-back and self boxes
+    step(3)
+    cpu = torch.device("cpu")
+    assert hl.unstage_launch(plan, i, 6, cpu, "all", None) is not hl.unstage_launch(plan, i, 2, cpu, "all", None)
+    assert hl.unstage_launch(plan, i, 6, cpu, "all", None).send_numel == 3 * ht.recv_numel(plan, i, 2)
+
+
 def test_stage_tiles_on_gpus():
     """The GPU tile rule (computed, not launched): BLOCK_X the widest power of two whose padding of the window's
     width idles at most a quarter of the lanes, 4096-element tiles, quarter-width slab tiles, the columns beside
@@ -459,6 +505,35 @@ def test_stage_tiles_on_gpus():
         assert hp.stage_tile(width, width + 2, 10**6, cuda, None) == want, width
         assert want[0] * want[1] == hp.STAGE_TILE_ELEMENTS and want[1] in hp.STAGE_WIDTHS
     assert hp.stage_tile(64, 66, 10**6, cuda, (2, 4)) == (2, 4, 4, 2, 4)
+    assert hp.stage_tile(64, 66, 10**6, cuda, (32, 64, 16, 8, 4)) == (32, 64, 16, 8, 4)
+
+
+def test_pow2_divisor():
+    assert hp.pow2_divisor(64, 4096, 0) == 16 and hp.pow2_divisor(0, 0) == 16
+    assert hp.pow2_divisor(66, 4356) == 2 and hp.pow2_divisor(4423, 66) == 1 and hp.pow2_divisor(24, 8, cap=4) == 4
+
+
+@pytest.mark.parametrize("extent,halo,nd", [(8, 1, 2), (16, 2, 2), (16, 8, 2), (8, 1, 3), (16, 4, 3), (12, 2, 1)])
+def test_stage_alignment_hints_hold(extent, halo, nd):
+    """The alignment the GPU launch promises the compiler (``X_ALIGN`` / ``OUT_ALIGN``: every window row starts at a
+    multiple of it in the block / the staged tensor, and the window's width is one of X_ALIGN) holds for every row:
+    the row starts come from the plan's own geometry (the interior piece), not from the launch's table."""
+    plan = HaloPlan.for_conv((3 * extent,) * nd, (3,) * nd, (2 * halo + 1,) * nd, (1,) * nd, (1,) * nd,
+                             ((halo, halo),) * nd, "zeros")
+    index, lead = (1,) * nd, 6
+    meta = hp.stage_launch(plan, index, lead, torch.device("cpu"), "all", None).meta  # the hints: any device
+    interior = ht.interior_piece(plan, index)
+    staged, x_shape = plan.staged_shape(index), plan.input_shape(index)
+    starts_x, starts_out = [], []
+    for pos in itertools.product(range(lead), *(range(e) for e in interior.shape[:-1])):
+        src = (pos[0], *(a + b for a, b in zip(pos[1:], interior.src_lo[:-1], strict=True)), interior.src_lo[-1])
+        dst = (pos[0], *(a + b for a, b in zip(pos[1:], interior.dst_lo[:-1], strict=True)), interior.dst_lo[-1])
+        starts_x.append(int(np.ravel_multi_index(src, (lead, *x_shape))))
+        starts_out.append(int(np.ravel_multi_index(dst, (lead, *staged))))
+    assert all(v % meta["X_ALIGN"] == 0 for v in starts_x) and interior.shape[-1] % meta["X_ALIGN"] == 0
+    assert all(v % meta["OUT_ALIGN"] == 0 for v in starts_out)
+    if extent % 16 == 0 and halo % 8 == 0:  # rows 16-element aligned on both sides: the hints say so
+        assert meta["X_ALIGN"] == 16 and meta["OUT_ALIGN"] >= 8
 
 
 def test_magic_divisor_is_exact():
@@ -560,9 +635,10 @@ def comp(fn, dt, acc, consts, ones):
 for dt, acc, compute in (("bf16", "fp32", tl.float32), ("fp64", "fp64", tl.float64)):
     for ones in (False, True):
         comp(hp.lut_gather_kernel, dt, acc, {"REGION": 2, "COMPUTE": compute, "BLOCK_R": 32, "BLOCK_X": 64}, ones)
-        for wide in (False, True):
+        for wide, align in ((False, 1), (True, 1), (False, 8)):
             comp(hp.stage_kernel, dt, acc, {"REGION": 1, "WIDE": wide, "NUM_BOX": hp.STAGE_BOXES, "BLOCK_R": 64,
-                                            "BLOCK_X": 64, "SLAB_X": 16, "STRIP_X": 4}, ones)
+                                            "BLOCK_X": 64, "SLAB_X": 16, "STRIP_X": 4, "X_ALIGN": align,
+                                            "OUT_ALIGN": align}, ones)
         comp(hp.box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "COMPUTE": compute, "ROUND_BF16": False, "BLOCK": 1024},
              ones)
         comp(hp.accumulate_kernel, dt, acc, {"COMPUTE": compute, "ROUND_BF16": False, "BLOCK_R": 32, "BLOCK_X": 64},

@@ -216,11 +216,17 @@ def _halo_cases(dtypes) -> list[KernelCase]:
         for bx in halo.STAGE_WIDTHS:  # halo.stage_tile's GPU choices: the one-launch staging
             br = halo.STAGE_TILE_ELEMENTS // bx
             tile = dict(NUM_BOX=halo.STAGE_BOXES, BLOCK_R=br, BLOCK_X=bx, SLAB_X=max(1, bx // halo.STAGE_SLAB_SPLIT),
-                        STRIP_X=max(1, 32 * halo.STAGE_NUM_WARPS // br))
+                        STRIP_X=max(1, 32 * halo.STAGE_NUM_WARPS // br), X_ALIGN=1, OUT_ALIGN=1)
             # int32 offsets in every region; int64 ones (buffers of 2^31 elements or more) where they hold the most
             for region, wide in ((0, False), (1, False), (2, False), (0, True)):
                 cases.append(KernelCase("halo_stage", halo.stage_kernel, dt, dict(tile, REGION=region, WIDE=wide),
                                         halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64, "btab_ptr": "i64"}))
+            # rows 16-byte aligned in the block and the staged tensor (even halos): the window moves in vectors
+            vec = 16 // torch.tensor([], dtype=dt).element_size()
+            cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
+                                    dict(tile, REGION=0, WIDE=False, X_ALIGN=vec, OUT_ALIGN=vec),
+                                    halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64, "btab_ptr": "i64"},
+                                    checks=("vector_load", "vector_store")))
         for log2 in (1, 5):
             cases.append(KernelCase("halo_box_gather", halo.box_gather_kernel, dt,
                                     dict(LOG2_NBOX=log2, COMPUTE=tl.float32, ROUND_BF16=False, BLOCK=1024),

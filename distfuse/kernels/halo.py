@@ -24,8 +24,9 @@ stage is unstage, then the send-back boxes travel to their owners and accumulate
 them: ``grad_x = accumulate(unstage(g), exchange(send_back))``.
 
 The Triton programs and their launch geometry are in :mod:`distfuse.kernels.halo_programs`
-(its docstring gives the design decisions); this module holds the four launchers, their
-checks, and the torch references they are tested and benchmarked against.
+(its docstring gives the design decisions), the cached launches of pack, unstage and
+accumulate in :mod:`distfuse.kernels.halo_launches`; this module holds the four launchers,
+their checks, and the torch references they are tested and benchmarked against.
 """
 
 from __future__ import annotations
@@ -38,33 +39,31 @@ import torch
 
 from distfuse.errors import UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan, adjoint_box, read_box
-from distfuse.kernels._utils import round_bf16
-from distfuse.kernels.halo_programs import (
-    accumulate_kernel,
-    compute_dtype,
-    launch_boxes,
-    launch_stage,
-    pick_tile,
-    row_tiled_grid,
-    stage_launch,
+from distfuse.kernels.halo_launches import (
+    UnstageLaunch,
+    accumulate_launch,
+    launch_accumulate,
+    launch_box_gather,
+    pack_launch,
+    unstage_launch,
 )
+from distfuse.kernels.halo_programs import launch_stage, stage_launch
 from distfuse.kernels.halo_tables import (
-    accumulate_tables,
     box_offsets,
     check_flat,
+    check_plan_layout,
     check_plan_tensor,
     interior_piece,
-    pack_tables,
-    pad3,
+    plan_tensor_lead,
     recv_numel,
     self_numel,
     self_pieces,
     send_numel,
-    unstage_box_tables,
 )
 
 __all__ = ["REGIONS", "Unstaged", "halo_pack", "halo_stage", "halo_unstage", "halo_accumulate", "halo_pack_reference",
-           "halo_stage_reference", "halo_unstage_reference", "halo_accumulate_reference"]
+           "halo_stage_reference", "halo_unstage_reference", "halo_accumulate_reference", "send_numel", "recv_numel",
+           "self_numel"]
 
 REGIONS = ("all", "local", "remote")
 
@@ -96,22 +95,24 @@ def halo_pack(x: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, out: tor
         out: optional flat buffer of ``send_numel(plan, index, LEAD)`` elements.
 
     Returns the flat buffer: box k (``plan.sends(index)[k]``) is ``x[..., src box]``,
-    contiguous, at ``box_offsets``.  Adjoint: accumulate of the received boxes.
+    contiguous, at ``box_offsets``.  Everything but the launch is cached per ``(plan, index,
+    LEAD, device, block)`` (:func:`~distfuse.kernels.halo_launches.pack_launch`).  Adjoint:
+    accumulate of the received boxes.
     """
     index = tuple(index)
-    lead = check_plan_tensor("halo_pack", x, plan, plan.input_shape(index), "x")
-    numel = send_numel(plan, index, lead)
-    out = x.new_empty(numel) if out is None else out
-    check_flat("halo_pack", out, numel, x.dtype, x.device, "send buffer")
-    if numel > 0:
-        tables = pack_tables(plan, index, lead, x.device)
-        launch_boxes(out, out, x, tables, lead, pad3(plan.input_shape(index), 1), block)
+    lead = plan_tensor_lead("halo_pack", x, plan, "x")
+    launch = pack_launch(plan, index, lead, x.device, block)
+    check_plan_layout("halo_pack", x, launch.input_shape, "x")
+    out = x.new_empty(launch.send_numel) if out is None else out
+    check_flat("halo_pack", out, launch.send_numel, x.dtype, x.device, "send buffer")
+    if launch.boxes is not None:
+        launch_box_gather(out, out, x, launch.boxes)
     return out
 
 
 def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Sequence[int], *,
                out: torch.Tensor | None = None, region: str = "all",
-               tile: tuple[int, int] | None = None) -> torch.Tensor:
+               tile: tuple[int, ...] | None = None) -> torch.Tensor:
     """Write the staged convolution input ``[*lead, *plan.staged_shape(index)]`` in one pass, one launch.
 
     Args:
@@ -122,7 +123,8 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
         region: ``"all"``; ``"local"`` writes only the pieces read from ``x`` and the zero
             fill (they need no message, so they can run while the exchange is in flight);
             ``"remote"`` only the pieces read from ``recv``.
-        tile: ``(BLOCK_R, BLOCK_X)`` override (tests).
+        tile: ``(BLOCK_R, BLOCK_X)`` override (tests), or all of ``(BLOCK_R, BLOCK_X, SLAB_X, STRIP_X,
+            num_warps)`` (the GPU tile sweep).
 
     Each staged element is written once (the pieces tile the staged box), by one launch of
     :func:`~distfuse.kernels.halo_programs.stage_kernel`::
@@ -179,43 +181,53 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
     ``grad_x``/``send``/``self_boxes`` may be given preallocated (workspaces, poisoned
     buffers in tests); outputs of other regions are ignored.  Zero-fill pieces have no
     gradient.  One read of every staged element that has a source; replicate sums are
-    gathers (no atomics).
+    gathers (no atomics).  Everything but the launches is cached per ``(plan, index, LEAD,
+    device, region, block)`` (:func:`~distfuse.kernels.halo_launches.unstage_launch`);
+    ``tile`` is unused (no row-tiled launch).
     """
     index = tuple(index)
     _check_region("halo_unstage", region)
-    staged_shape = plan.staged_shape(index)
-    lead = check_plan_tensor("halo_unstage", grad, plan, staged_shape, "staged gradient")
-    lead_shape = _lead_shape(grad, len(staged_shape))
-    acc_dtype = _acc_dtype(grad.dtype)
-    if region in ("all", "remote"):
-        numel = recv_numel(plan, index, lead)
-        send = grad.new_empty(numel) if send is None else send
-        check_flat("halo_unstage", send, numel, grad.dtype, grad.device, "send-back buffer")
-    else:
-        send = None
+    lead = plan_tensor_lead("halo_unstage", grad, plan, "staged gradient")
+    launch = unstage_launch(plan, index, lead, grad.device, region, block)
+    check_plan_layout("halo_unstage", grad, launch.staged_shape, "staged gradient")
+    send = _unstage_send(grad, send, launch) if region in ("all", "remote") else None
     if region in ("all", "local"):
-        numel = self_numel(plan, index, lead)
-        self_boxes = torch.empty(numel, dtype=acc_dtype, device=grad.device) if self_boxes is None else self_boxes
-        check_flat("halo_unstage", self_boxes, numel, acc_dtype, grad.device, "self boxes")
-        want = lead_shape + plan.input_shape(index)
-        grad_x = grad.new_empty(want) if grad_x is None else grad_x
-        if tuple(grad_x.shape) != want or grad_x.dtype != grad.dtype or not grad_x.is_contiguous():
-            raise expect("halo_unstage", "grad_x (contiguous, grad's dtype)", (want, grad.dtype),
-                         (tuple(grad_x.shape), grad_x.dtype))
+        self_boxes, grad_x = _unstage_local_outputs(grad, self_boxes, grad_x, launch)
     else:
         self_boxes = grad_x = None
-    tables = unstage_box_tables(plan, index, lead, region, grad.device)
-    src = grad if grad.numel() else grad.new_empty(1)  # an empty grad has no pieces: never dereferenced
-    launch_boxes(send if send is not None and send.numel() else src,
-                  self_boxes if self_boxes is not None and self_boxes.numel() else src,
-                  src, tables, lead, pad3(staged_shape, 1), block)
+    if launch.boxes is not None:  # some box has elements, so grad has: an empty output is never dereferenced
+        launch_box_gather(send if send is not None and send.numel() else grad,
+                          self_boxes if self_boxes is not None and self_boxes.numel() else grad, grad, launch.boxes)
     if grad_x is not None:  # the interior piece's gradient: one strided copy, zeros elsewhere
-        interior = interior_piece(plan, index)
-        if interior is None or tuple(interior.src_shape) != tuple(plan.input_shape(index)):
+        if launch.zero_grad_x:
             grad_x.zero_()
-        if interior is not None and math.prod(interior.shape) > 0:
-            grad_x[(..., *interior.src_slices())].copy_(grad[(..., *interior.dst_slices())])
+        if launch.interior_dst is not None:
+            window = grad_x if launch.interior_src is None else grad_x[launch.interior_src]
+            window.copy_(grad[launch.interior_dst])
     return Unstaged(grad_x, send, self_boxes)
+
+
+def _unstage_send(grad: torch.Tensor, send: torch.Tensor | None, launch: UnstageLaunch) -> torch.Tensor:
+    """The send-back buffer, flat ``[launch.send_numel]`` in grad's dtype: ``send`` checked, or a new one."""
+    send = grad.new_empty(launch.send_numel) if send is None else send
+    check_flat("halo_unstage", send, launch.send_numel, grad.dtype, grad.device, "send-back buffer")
+    return send
+
+
+def _unstage_local_outputs(grad: torch.Tensor, self_boxes: torch.Tensor | None, grad_x: torch.Tensor | None,
+                           launch: UnstageLaunch) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(self_boxes, grad_x)``: flat ``[launch.self_numel]`` in fp32 (fp64) and ``[*lead, *n]`` in grad's dtype,
+    contiguous; the given ones checked, or new ones."""
+    acc_dtype = _acc_dtype(grad.dtype)
+    if self_boxes is None:
+        self_boxes = torch.empty(launch.self_numel, dtype=acc_dtype, device=grad.device)
+    check_flat("halo_unstage", self_boxes, launch.self_numel, acc_dtype, grad.device, "self boxes")
+    want = _lead_shape(grad, len(launch.staged_shape)) + launch.input_shape
+    grad_x = grad.new_empty(want) if grad_x is None else grad_x
+    if tuple(grad_x.shape) != want or grad_x.dtype != grad.dtype or not grad_x.is_contiguous():
+        raise expect("halo_unstage", "grad_x (contiguous, grad's dtype)", (want, grad.dtype),
+                     (tuple(grad_x.shape), grad_x.dtype))
+    return self_boxes, grad_x
 
 
 def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: torch.Tensor, plan: HaloPlan,
@@ -229,27 +241,20 @@ def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: to
             ``plan.sends(index)[k]`` sent in the forward (what its reader sent back).
 
     Overlapping boxes are summed in fp32 with the interior value and rounded once.
+    Everything but the launches is cached per ``(plan, index, LEAD, device, tile)``
+    (:func:`~distfuse.kernels.halo_launches.accumulate_launch`).
     """
     index = tuple(index)
-    x_shape = plan.input_shape(index)
-    lead = check_plan_tensor("halo_accumulate", grad_x, plan, x_shape, "grad_x")
-    check_flat("halo_accumulate", self_boxes, self_numel(plan, index, lead), _acc_dtype(grad_x.dtype), grad_x.device,
+    lead = plan_tensor_lead("halo_accumulate", grad_x, plan, "grad_x")
+    launch = accumulate_launch(plan, index, lead, grad_x.device, None if tile is None else tuple(tile))
+    check_plan_layout("halo_accumulate", grad_x, launch.input_shape, "grad_x")
+    check_flat("halo_accumulate", self_boxes, launch.self_numel, _acc_dtype(grad_x.dtype), grad_x.device,
                "self boxes")
-    check_flat("halo_accumulate", incoming, send_numel(plan, index, lead), grad_x.dtype, grad_x.device,
+    check_flat("halo_accumulate", incoming, launch.send_numel, grad_x.dtype, grad_x.device,
                "incoming halo gradients")
     if grad_x.numel() == 0:
         return grad_x
-    chunks = accumulate_tables(plan, index, lead, grad_x.device)
-    E0, E1, E2 = pad3(x_shape, 1)
-    n_rows = lead * E0 * E1
-    block_r, block_x = pick_tile(E2, n_rows, grad_x.device, tile)
-    grid = row_tiled_grid(n_rows, E2, block_r, block_x)
-    s = self_boxes if self_boxes.numel() else grad_x
-    r = incoming if incoming.numel() else grad_x
-    for masks, atab, nbox in chunks:
-        accumulate_kernel[grid](grad_x, s, r, *masks, atab, nbox, n_rows, E0, E1, E2,
-                                 COMPUTE=compute_dtype(grad_x.dtype), ROUND_BF16=round_bf16(grad_x.dtype),
-                                 BLOCK_R=block_r, BLOCK_X=block_x)
+    launch_accumulate(grad_x, self_boxes, incoming, launch)
     return grad_x
 
 

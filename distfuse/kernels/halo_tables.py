@@ -34,7 +34,7 @@ from distfuse.geometry.halo_plan import HaloPlan, Piece
 
 __all__ = ["SUPPORTED_DTYPES", "MASK_BITS", "pad3", "contiguous_strides", "box_offsets", "interior_piece",
            "self_pieces", "send_numel", "recv_numel", "self_numel", "stage_tables", "pack_tables", "unstage_box_tables",
-           "accumulate_tables", "check_plan_tensor", "check_flat"]
+           "accumulate_tables", "check_plan_tensor", "plan_tensor_lead", "check_plan_layout", "check_flat"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Boxes per accumulate launch: bits 0..61 of an int64 mask (bit 63 would make the mask
@@ -224,18 +224,35 @@ def accumulate_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device:
 
 def check_plan_tensor(op: str, t: torch.Tensor, plan: HaloPlan, want: tuple[int, ...], what: str) -> int:
     """Check that ``t`` is ``[*lead, *want]``, contiguous, of a supported dtype; return LEAD (``prod(lead)``)."""
+    lead = plan_tensor_lead(op, t, plan, what)
+    check_plan_layout(op, t, want, what)
+    return lead
+
+
+def plan_tensor_lead(op: str, t: torch.Tensor, plan: HaloPlan, what: str) -> int:
+    """LEAD (``prod(lead)``) of ``t`` ``[*lead, *spatial]``, after checking the plan's axis count and ``t``'s rank.
+
+    The first half of :func:`check_plan_tensor`, for launchers whose cached launch (keyed by LEAD) holds the
+    spatial shape :func:`check_plan_layout` then checks: the same checks in the same order, one cache lookup.
+    """
     nd = len(plan.axes)
     if nd not in (1, 2, 3):
         raise UnsupportedError(f"{where(op)}: 1, 2 or 3 spatial axes are supported, the plan has {nd}")
     if t.dim() < nd:
         raise expect(op, f"number of dimensions of {what} (at least the {nd} spatial ones)", f">= {nd}", t.dim())
+    return math.prod(t.shape[: t.dim() - nd])
+
+
+def check_plan_layout(op: str, t: torch.Tensor, want: tuple[int, ...], what: str) -> None:
+    """The second half of :func:`check_plan_tensor`: ``t``'s trailing ``len(want)`` dims are ``want``, ``t`` is
+    contiguous and of a supported dtype (``t`` has at least ``len(want)`` dims: :func:`plan_tensor_lead`)."""
+    nd = len(want)
     if tuple(t.shape[t.dim() - nd:]) != tuple(want):
         raise expect(op, f"spatial shape of {what}", tuple(want), tuple(t.shape[t.dim() - nd:]))
     if not t.is_contiguous():
         raise ShapeError(f"{where(op)}: {what} must be contiguous")
     if t.dtype not in SUPPORTED_DTYPES:
         raise UnsupportedError(f"{where(op)}: dtype must be one of {SUPPORTED_DTYPES}, got {t.dtype}")
-    return math.prod(t.shape[: t.dim() - nd])
 
 
 def check_flat(op: str, t: torch.Tensor, numel: int, dtype: torch.dtype, device, what: str) -> None:

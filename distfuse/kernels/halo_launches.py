@@ -1,0 +1,188 @@
+"""Cached launches of the halo pack, unstage and accumulate: everything their launchers derive from the plan.
+
+A launch depends on the plan, the worker's index, LEAD (the leading dims flattened), the device and the launcher's
+options (region, tile, block), never on the data: the shapes the launcher checks, the flat buffers' sizes, the
+lookup tables (already cached in :mod:`~distfuse.kernels.halo_tables`), the grid, the arguments and the
+constexprs.  Recomputing them took most of an eager call's host time (with every launch stubbed on a CPU, 46 us of
+an unstage and 15 us of an accumulate: ``staged_shape``, ``input_shape``, the buffer sizes, the box offsets,
+``interior_piece(...).src_slices()``, ``pick_tile``, the grid), against a staging kernel of 23 us on an H200.  So
+each is built once per key by an ``lru_cache(maxsize=512)`` function, as the staging's
+:func:`~distfuse.kernels.halo_programs.stage_launch` is, and a call is one cache lookup, the shape checks, the
+output allocation and the launches.  Plans hash by identity (one plan per geometry, held by the op that owns it).
+Only the dtype-dependent constexprs (``COMPUTE``, ``ROUND_BF16``) are picked at launch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import torch
+
+from distfuse.geometry.halo_plan import HaloPlan
+from distfuse.kernels._utils import round_bf16
+from distfuse.kernels.halo_programs import (
+    BOX_NUM_WARPS,
+    accumulate_kernel,
+    box_block,
+    box_gather_kernel,
+    compute_dtype,
+    linear_grid,
+    pick_tile,
+    row_tiled_grid,
+)
+from distfuse.kernels.halo_tables import (
+    accumulate_tables,
+    contiguous_strides,
+    interior_piece,
+    pack_tables,
+    pad3,
+    recv_numel,
+    self_numel,
+    send_numel,
+    unstage_box_tables,
+)
+from distfuse.kernels.host_ints import cdiv
+
+__all__ = ["BoxLaunch", "PackLaunch", "UnstageLaunch", "AccumulateLaunch", "box_launch", "pack_launch",
+           "unstage_launch", "accumulate_launch", "launch_box_gather", "launch_accumulate"]
+
+
+class BoxLaunch(NamedTuple):
+    """One ``box_gather_kernel`` launch over a box table (``pack_tables``, ``unstage_box_tables``): its grid,
+    the arguments after the three pointers (``out0``, ``out1``, ``src``) and the dtype-free constexprs."""
+
+    grid: tuple[int, int]
+    args: tuple
+    meta: dict
+
+
+def box_launch(tables, lead: int, src_shape: tuple[int, ...], device: torch.device,
+               block: int | None) -> BoxLaunch | None:
+    """The box gather of ``tables`` from a contiguous source ``[LEAD, *src_shape]``; None when the boxes hold no
+    element (nothing to launch)."""
+    btab, bstart, nbox, total, rtmax = tables
+    if total == 0:
+        return None
+    src3 = pad3(src_shape, 1)
+    block = box_block(device, block, total)
+    return BoxLaunch(linear_grid(cdiv(total, block)),
+                     (btab, bstart, nbox, total, rtmax, lead, math.prod(src3), *contiguous_strides(src3)),
+                     dict(LOG2_NBOX=max(1, (nbox - 1).bit_length()), BLOCK=block, num_warps=BOX_NUM_WARPS))
+
+
+def launch_box_gather(out0: torch.Tensor, out1: torch.Tensor, src: torch.Tensor, launch: BoxLaunch) -> None:
+    """One launch of ``launch`` (from :func:`box_launch`): SEL 0 boxes into ``out0`` (rounded to its dtype), SEL 1
+    boxes into ``out1``, read from ``src``; arithmetic in fp32 (fp64 for an fp64 source)."""
+    box_gather_kernel[launch.grid](out0, out1, src, *launch.args, COMPUTE=compute_dtype(src.dtype),
+                                   ROUND_BF16=round_bf16(out0.dtype), **launch.meta)
+
+
+class PackLaunch(NamedTuple):
+    """What :func:`~distfuse.kernels.halo.halo_pack` checks and launches for one ``(plan, index, LEAD, device,
+    block)``: the block's spatial shape ``n``, the send buffer's size ``LEAD * sum_k |src_k|`` over
+    ``plan.sends(index)``, and the box gather into it (None: nothing to send)."""
+
+    input_shape: tuple[int, ...]
+    send_numel: int
+    boxes: BoxLaunch | None
+
+
+@functools.lru_cache(maxsize=512)
+def pack_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device,
+                block: int | None) -> PackLaunch:
+    """The pack of worker ``index`` for ``lead`` leading elements, cached: a call is a cache lookup, not the plan
+    geometry and box offsets again (see the module docstring)."""
+    x_shape = tuple(plan.input_shape(index))
+    numel = send_numel(plan, index, lead)
+    boxes = box_launch(pack_tables(plan, index, lead, device), lead, x_shape, device, block) if numel else None
+    return PackLaunch(x_shape, numel, boxes)
+
+
+class UnstageLaunch(NamedTuple):
+    """What :func:`~distfuse.kernels.halo.halo_unstage` checks and launches for one ``(plan, index, LEAD, device,
+    region, block)``.
+
+    ``staged_shape`` ``L`` and ``input_shape`` ``n`` are the spatial shapes of the staged gradient and of
+    ``grad_x``; ``send_numel`` and ``self_numel`` the sizes of the flat send-back buffer (``plan.recvs`` boxes) and
+    of the self boxes (``self_pieces``), each ``LEAD * sum_k |src_k|``.  ``boxes`` gathers the region's send-back
+    and self boxes in one launch (None: no box has an element).  ``zero_grad_x`` says whether ``grad_x`` has
+    positions the interior piece does not cover (zeroed first); ``interior_dst`` indexes the staged gradient
+    (``(..., *slices)``) for the interior's copy (None: no interior element) and ``interior_src`` indexes
+    ``grad_x`` (None: all of it, the common case, which saves the indexing of a view).
+    """
+
+    staged_shape: tuple[int, ...]
+    input_shape: tuple[int, ...]
+    send_numel: int
+    self_numel: int
+    boxes: BoxLaunch | None
+    interior_src: tuple | None
+    interior_dst: tuple | None
+    zero_grad_x: bool
+
+
+@functools.lru_cache(maxsize=512)
+def unstage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, region: str,
+                   block: int | None) -> UnstageLaunch:
+    """The unstage of worker ``index`` for ``lead`` leading elements, cached: a call is a cache lookup, not the
+    plan geometry, box offsets and interior slices again (see the module docstring)."""
+    staged = tuple(plan.staged_shape(index))
+    x_shape = tuple(plan.input_shape(index))
+    tables = unstage_box_tables(plan, index, lead, region, device)
+    interior = interior_piece(plan, index)
+    copy = interior is not None and math.prod(interior.shape) > 0
+    partial = interior is None or tuple(interior.src_shape) != x_shape
+    return UnstageLaunch(
+        staged, x_shape, recv_numel(plan, index, lead), self_numel(plan, index, lead),
+        box_launch(tables, lead, staged, device, block),
+        (..., *interior.src_slices()) if copy and partial else None, (..., *interior.dst_slices()) if copy else None,
+        partial)
+
+
+class AccumulateLaunch(NamedTuple):
+    """What :func:`~distfuse.kernels.halo.halo_accumulate` checks and launches for one ``(plan, index, LEAD,
+    device, tile)``.
+
+    ``input_shape`` ``n`` is ``grad_x``'s spatial shape; ``self_numel`` and ``send_numel`` the sizes of the flat
+    self boxes and of the incoming halo gradients (``plan.sends`` boxes).  ``chunks`` holds one argument tuple per
+    in-place launch of ``accumulate_kernel`` (at most 62 boxes each: cover masks, box table, box count, then
+    ``n_rows, E0, E1, E2`` of ``[LEAD*E0*E1, E2]``); empty when ``grad_x`` is.  ``grid`` and ``meta`` (the tile)
+    are shared by the chunks.
+    """
+
+    input_shape: tuple[int, ...]
+    self_numel: int
+    send_numel: int
+    chunks: tuple[tuple, ...]
+    grid: tuple[int, int]
+    meta: dict
+
+
+@functools.lru_cache(maxsize=512)
+def accumulate_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device,
+                      tile: tuple[int, int] | None) -> AccumulateLaunch:
+    """The accumulate of worker ``index`` for ``lead`` leading elements, cached: a call is a cache lookup, not the
+    plan geometry, buffer sizes, tile and grid again (see the module docstring)."""
+    x_shape = tuple(plan.input_shape(index))
+    E0, E1, E2 = pad3(x_shape, 1)
+    n_rows = lead * E0 * E1
+    block_r, block_x = pick_tile(E2, n_rows, device, tile)
+    chunks = ()
+    if n_rows * E2 > 0:
+        chunks = tuple((*masks, atab, nbox, n_rows, E0, E1, E2)
+                       for masks, atab, nbox in accumulate_tables(plan, index, lead, device))
+    return AccumulateLaunch(x_shape, self_numel(plan, index, lead), send_numel(plan, index, lead), chunks,
+                            row_tiled_grid(n_rows, E2, block_r, block_x), dict(BLOCK_R=block_r, BLOCK_X=block_x))
+
+
+def launch_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: torch.Tensor,
+                      launch: AccumulateLaunch) -> None:
+    """The launches of ``launch`` (from :func:`accumulate_launch`), in place into ``grad_x``; an empty buffer is
+    passed as ``grad_x`` (never dereferenced: no box reads it)."""
+    s = self_boxes if self_boxes.numel() else grad_x
+    r = incoming if incoming.numel() else grad_x
+    compute, rnd = compute_dtype(grad_x.dtype), round_bf16(grad_x.dtype)
+    for args in launch.chunks:
+        accumulate_kernel[launch.grid](grad_x, s, r, *args, COMPUTE=compute, ROUND_BF16=rnd, **launch.meta)
