@@ -9,6 +9,7 @@
 #    (eager rows are bound by the host: docs/gpu.md), with what is left of 585 s, if 30 s or more;
 # 3. everything into $OUT/lab.tgz (the device tool brings back at most 8 files), with lab.json and
 #    lab.log beside it for a first look.
+# DISTFUSE_FIRST_CALL_BUDGET (default 585 s): the seconds lab and diagnosis may take together (a shorter rerun).
 #
 # Collect here:  mkdir d && tar xzf <files_at>/lab.tgz -C d && python scripts/lab_record.py collect --out d
 # (copies the benchmark files, lab.json, tests, probe, two_process and diagnose.json into bench/results).
@@ -24,7 +25,7 @@ export DISTFUSE_COMMIT=${DISTFUSE_COMMIT:-$(cat .lab_commit 2>/dev/null || git r
 T0=$SECONDS
 OUT=$WORK/lab bash scripts/gpu_lab.sh
 echo "gpu_first_call: lab exit $?"
-LEFT=$((585 - (SECONDS - T0)))
+LEFT=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
 if [ "$LEFT" -ge 30 ]; then
   PYTHONPATH="$PWD:$PWD/scripts" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 timeout --kill-after=5 $((LEFT - 5)) \
     "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections host attrib halo \

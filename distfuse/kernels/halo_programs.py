@@ -290,20 +290,16 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
     width = tl.load(box + 3).to(tl.int32)
     if k == 0:
         cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
-        if X_ALIGN > 1:  # the window's width is a multiple of it too: the mask is constant over a vector
-            cmask = cols < tl.multiple_of(width, X_ALIGN)
-        else:
-            cmask = cols < width
+        # (v // A) * A == v for the multiples of A that stage_launch promises; the product's divisibility is what
+        # the compiler sees (tl.multiple_of would mark the shared SSA value, the slabs' width included)
+        cmask = cols < (width // X_ALIGN) * X_ALIGN  # constant over a vector of the window's row
         rmask, r, q, lead, out_row = _box_rows(box, pid_r, out_s1, BLOCK_R, IDX)
         lo2 = tl.load(box + 15).to(IDX)
         if REGION != 2:
             x_row = (tl.load(box + 16).to(IDX) + r * x_s1 + q * tl.load(box + 17).to(IDX)
                      + lead * tl.load(box + 18).to(IDX))
-            o_row = out_row + lo2
-            if X_ALIGN > 1:
-                x_row = tl.multiple_of(x_row, X_ALIGN)
-            if OUT_ALIGN > 1:
-                o_row = tl.multiple_of(o_row, OUT_ALIGN)
+            x_row = (x_row // X_ALIGN) * X_ALIGN
+            o_row = ((out_row + lo2) // OUT_ALIGN) * OUT_ALIGN
             mask = rmask[:, None] & cmask[None, :]
             v = tl.load(a_ptr + (x_row[:, None] + cols[None, :]), mask=mask)
             tl.store(out_ptr + (o_row[:, None] + cols[None, :]), v, mask=mask)
