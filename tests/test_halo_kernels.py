@@ -497,11 +497,11 @@ def test_unstage_and_accumulate_launches_are_cached_per_lead(monkeypatch):
 def test_stage_tiles_on_gpus():
     """The GPU tile rule (computed, not launched): BLOCK_X the widest power of two whose padding of the window's
     width idles at most a quarter of the lanes, 4096-element tiles, quarter-width slab tiles, the columns beside
-    the window one element a thread, 8 warps."""
+    the window one element a thread, 4 warps."""
     cuda = torch.device("cuda")  # only selects the GPU rule; no GPU is touched
-    for width, want in ((64, (64, 64, 16, 4, 8)), (512, (8, 512, 128, 32, 8)), (1000, (8, 512, 128, 32, 8)),
-                        (514, (32, 128, 32, 8, 8)), (100, (32, 128, 32, 8, 8)), (200, (16, 256, 64, 16, 8)),
-                        (3, (256, 16, 4, 1, 8))):
+    for width, want in ((64, (64, 64, 16, 2, 4)), (512, (8, 512, 128, 16, 4)), (1000, (8, 512, 128, 16, 4)),
+                        (514, (32, 128, 32, 4, 4)), (100, (32, 128, 32, 4, 4)), (200, (16, 256, 64, 8, 4)),
+                        (3, (256, 16, 4, 1, 4))):
         assert hp.stage_tile(width, width + 2, 10**6, cuda, None) == want, width
         assert want[0] * want[1] == hp.STAGE_TILE_ELEMENTS and want[1] in hp.STAGE_WIDTHS
     assert hp.stage_tile(64, 66, 10**6, cuda, (2, 4)) == (2, 4, 4, 2, 4)

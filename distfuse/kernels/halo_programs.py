@@ -32,7 +32,17 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   64-wide tile, so per-row work is per-element work) and offsets are linear in ``(r, r //
   E1, lead)``, int32 unless a buffer holds 2^31 elements: compiled for sm_90, the copy is
   26 SASS instructions per element at BLOCK_X 64 (44 with runtime divisions, 59 with 64-bit
-  row offsets too).
+  row offsets too).  It replaced a strided ``Tensor.copy_`` of the window plus one
+  table-walk launch per shell box (up to six): on an H100, [1, 64, 64^3] bf16 at halo 1,
+  52 us + 52 us of GPU time against 29 us for a contiguous copy of the staged bytes, and
+  300-1000 us of host time for the seven launches (each slicing six tables) against 15-20
+  us for the copy.  Everything but the launch is cached per ``(plan, index, LEAD, device,
+  region, tile)`` (:func:`stage_launch`).  ``region="local"`` (pieces that need no message)
+  masks the received pieces out of the same launch; ``"remote"`` (the received ones) skips
+  the window's copy, so it touches only the border (0.8% of a 512^2 block's staged tensor
+  at halo 1), for the overlap.  A worker without an interior window walks the tables
+  everywhere (``lut_gather_kernel``).  (The unstage's ``grad_x`` is still a strided
+  ``copy_`` of the window.)
 * **The window moves in 16-byte vectors where its rows are aligned.**  Its row starts and
   width come from the box table, so the compiler could prove no alignment: on an H200 the
   first one-launch staging moved every element with its own load and store (PTX
@@ -40,20 +50,17 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   a copy of the same bytes ([1, 256, 64^3] bf16, halo 1).  :func:`stage_launch` now computes
   the largest power of two dividing every row start and the width (:func:`pow2_divisor`),
   in the block (``X_ALIGN``) and in the staged tensor (``OUT_ALIGN``), and the kernel
-  promises them with ``tl.multiple_of``: the block's rows load as ``ld.global.v4`` and the
-  registers halve (80 to 44 at 4096-element tiles, 8 warps), so more bytes are in flight
-  per SM.  Staged rows of odd halos (``L2 = n + 2h``) start at odd offsets, so their stores
-  stay one element per instruction (coalesced, 64 bytes a warp).  It replaced a strided
-  ``Tensor.copy_`` of the window plus one table-walk launch per shell box (up to six): on
-  an H100, [1, 64, 64^3] bf16 at halo 1, 52 us + 52 us of GPU time against 29 us for a
-  contiguous copy of the staged bytes, and 300-1000 us of host time for the seven launches
-  (each slicing six tables) against 15-20 us for the copy.  Everything but the launch is
-  cached per ``(plan, index, LEAD, device, region, tile)`` (:func:`stage_launch`).
-  ``region="local"`` (pieces that need no message) masks the received pieces out of the
-  same launch; ``"remote"`` (the received ones) skips the window's copy, so it touches only
-  the border (0.8% of a 512^2 block's staged tensor at halo 1), for the overlap.  A worker
-  without an interior window walks the tables everywhere (``lut_gather_kernel``).  (The
-  unstage's ``grad_x`` is still a strided ``copy_`` of the window.)
+  promises them by rounding (``(v // A) * A``, exact for the multiples it computed: a
+  ``tl.multiple_of`` on the table's width marked the shared SSA value, so the slabs' masks
+  were taken as constant over 16 columns and read past their tables, an illegal address
+  on the H200).  The block's rows load as ``ld.global.v4`` and the registers halve (80 to
+  44 at 4096-element tiles, 8 warps), so more bytes are in flight per SM.  Measured on the
+  H200 at 4096-element tiles, 4 warps, kernel time: [1, 256, 512^2] bf16 96 -> 78 us (copy
+  67 us), [1, 64, 512^2] 28 -> 23 us (copy 20 us), [1, 256, 64^3] 201 -> 147 us (copy 70
+  us).  Staged rows of odd halos (``L2 = n + 2h``) start at odd offsets, so their stores
+  stay one element per instruction (coalesced, 64 bytes a warp); with 64-wide rows the 3-D
+  staging stays at twice the copy's time (every tile also writes the columns beside the
+  window through the tables).
 * **Pack and the unstage boxes are one box gather** over the boxes laid end to end: an
   element finds its box by a branchless binary search of the box starts, then its
   coordinates by div/mod (affordable: these move halo volume only).  Any mix of box sizes
@@ -497,13 +504,16 @@ def box_block(device: torch.device, block: int | None, total: int) -> int:
     return min(4096, next_power_of_2(max(total, 1)))
 
 
-#: GPU tiles of the staging (:func:`stage_tile`): 4096 elements, 16 a thread at 8 warps; slab tiles a quarter of
+#: GPU tiles of the staging (:func:`stage_tile`): 4096 elements, 32 a thread at 4 warps; slab tiles a quarter of
 #: the width (their table walk holds five int64 table entries per element: full-size slab tiles took 182-238
-#: registers a thread at sm_90, quarter-size ones about 100, so two CTAs of 8 warps fit an SM; and narrow ones
-#: idle fewer lanes on rows just wider than the window: 66 columns in 5 tiles of 16, not 2 of 64).
+#: registers a thread at sm_90, quarter-size ones about 100; and narrow ones idle fewer lanes on rows just wider
+#: than the window: 66 columns in 5 tiles of 16, not 2 of 64).  Measured on an H200 (bf16, halo 1; sweep of
+#: 4096/8192/16384-element tiles at 4 and 8 warps, ``scripts/gpu_diagnose.py --sections halo``, results in
+#: ``bench/results/diagnose-NVIDIA_H200-2026-11-27.json``): 4096 elements at 4 warps was the fastest or within 2%
+#: of it on all four shapes, e.g. [1, 256, 512^2] 77.7 us against 93.9 us at 8 warps (copy: 67.4 us).
 STAGE_WIDTHS = (512, 256, 128, 64, 32, 16)
 STAGE_TILE_ELEMENTS = 4096
-STAGE_NUM_WARPS = 8
+STAGE_NUM_WARPS = 4
 STAGE_SLAB_SPLIT = 4
 #: Box-table rows of a staging launch: the interior window and at most four slabs (two per axis of axes 0 and 1).
 STAGE_BOXES = 5
@@ -517,7 +527,7 @@ def pow2_divisor(*terms: int, cap: int = 16) -> int:
     """The largest power of two, at most ``cap``, that divides every term (``cap`` if all are 0).
 
     An offset that is a sum of multiples of the terms is then a multiple of it: what
-    ``tl.multiple_of`` may promise the compiler about the staging's row starts.
+    the staging may promise the compiler about its row starts (by rounding to it: :func:`stage_kernel`).
     """
     g = 0
     for t in terms:
@@ -546,8 +556,9 @@ def stage_tile(width: int, full_width: int, rows: int, device: torch.device,
     GPU: BLOCK_X is the widest of :data:`STAGE_WIDTHS` whose padding of the window's width idles at most a
     quarter of the lanes (64 -> 64, 512 -> 512, 100 -> 128, 514 -> 128: five tiles, 20% idle), else the least
     padded; BLOCK_R = 4096 / BLOCK_X; SLAB_X = BLOCK_X / 4 for the slabs' full rows of ``full_width``; STRIP_X
-    columns beside the window at a time, one element a thread (256 / BLOCK_R).  The window's rows are the copy
-    (the bulk of the bytes).  Untuned: no GPU was available when this was written.  Interpreter: one tile per
+    columns beside the window at a time, one element a thread (128 / BLOCK_R); 4 warps.  The window's rows are
+    the copy (the bulk of the bytes).  Tile size and warps: the H200 sweep (:data:`STAGE_TILE_ELEMENTS`).
+    Interpreter: one tile per
     box where it fits (each program costs Python time).  ``tile`` overrides ``(BLOCK_R, BLOCK_X)`` (tests), with
     SLAB_X = BLOCK_X, STRIP_X = 2 and 4 warps; a 5-tuple gives all five (the GPU tile sweep of
     ``scripts/gpu_diagnose.py``).
