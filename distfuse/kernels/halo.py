@@ -52,7 +52,6 @@ from distfuse.kernels.halo_tables import (
     box_offsets,
     check_flat,
     check_plan_layout,
-    check_plan_tensor,
     interior_piece,
     plan_tensor_lead,
     recv_numel,
@@ -143,8 +142,9 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
     """
     index = tuple(index)
     _check_region("halo_stage", region)
-    lead = check_plan_tensor("halo_stage", x, plan, plan.input_shape(index), "x")
+    lead = plan_tensor_lead("halo_stage", x, plan, "x")
     launch = stage_launch(plan, index, lead, x.device, region, None if tile is None else tuple(tile))
+    check_plan_layout("halo_stage", x, launch.input_shape, "x")
     check_flat("halo_stage", recv, launch.recv_numel, x.dtype, x.device, "receive buffer")
     want = _lead_shape(x, len(launch.staged_shape)) + launch.staged_shape
     if out is None:

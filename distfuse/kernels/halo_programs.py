@@ -580,8 +580,9 @@ def stage_tile(width: int, full_width: int, rows: int, device: torch.device,
 
 class StageLaunch(NamedTuple):
     """Everything :func:`~distfuse.kernels.halo.halo_stage` launches with besides ``out``, ``x``, ``recv`` and the
-    dtype: the staged shape and receive-buffer size it checks, the kernel (``stage_kernel``; ``lut_gather_kernel``
-    without an interior window; None: nothing to write), its grid, arguments and constexprs."""
+    dtype: the staged shape, the block's spatial shape and the receive-buffer size it checks, the kernel
+    (``stage_kernel``; ``lut_gather_kernel`` without an interior window; None: nothing to write), its grid,
+    arguments and constexprs."""
 
     staged_shape: tuple[int, ...]
     recv_numel: int
@@ -589,6 +590,7 @@ class StageLaunch(NamedTuple):
     grid: tuple[int, int]
     args: tuple
     meta: dict
+    input_shape: tuple[int, ...]
 
 
 def _segment_at(ax, i: int, pos: int) -> int:
@@ -614,13 +616,14 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     first column right of it.  Region ``"remote"`` gives the window programs only where there are strips.
     """
     staged = tuple(plan.staged_shape(index))
+    x_shape = tuple(plan.input_shape(index))
     recv = recv_numel(plan, index, lead)
     full = pad3(staged, 1)
     interior = interior_piece(plan, index)
     total = lead * math.prod(full)
     code = REGION_CODE[region]
     if total == 0:
-        return StageLaunch(staged, recv, None, (0, 0), (), {})
+        return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape)
     luts, ptab, ns = stage_tables(plan, index, lead, device)
     out_str = (math.prod(full), *contiguous_strides(full)[:2])
     if interior is None or math.prod(interior.shape) == 0:  # the whole staged tensor by the table walk
@@ -628,8 +631,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         block_r, block_x = pick_tile(full[2], n_rows, device, tile)
         return StageLaunch(staged, recv, lut_gather_kernel, row_tiled_grid(n_rows, full[2], block_r, block_x),
                            (*luts, ptab, n_rows, *full, ns[1], ns[2], *out_str),
-                           dict(REGION=code, BLOCK_R=block_r, BLOCK_X=block_x))
-    x_shape = plan.input_shape(index)
+                           dict(REGION=code, BLOCK_R=block_r, BLOCK_X=block_x), x_shape)
     x_str = pad3(contiguous_strides(x_shape), 0)
     x_ls = math.prod(x_shape)
     lo, ext, src = pad3(interior.dst_lo, 0), pad3(interior.shape, 1), pad3(interior.src_lo, 0)
@@ -660,7 +662,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     for _ in range(STAGE_BOXES - len(boxes)):
         rows += [_NEVER, 1] + [0] * (_STAGE_COLS - 2)
     if start == 0:
-        return StageLaunch(staged, recv, None, (0, 0), (), {})
+        return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape)
     if most >= 2**31:  # row indices are int32 (_magic_div)
         raise UnsupportedError(f"{where('halo_stage')}: {most} rows (LEAD times every staged extent but the last) "
                                "exceed 2^31 - 1")
@@ -672,7 +674,8 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, ns[1], ns[2], full[2],
                                                                         x_str[1]),
                        dict(REGION=code, WIDE=wide, NUM_BOX=STAGE_BOXES, BLOCK_R=block_r, BLOCK_X=block_x,
-                            SLAB_X=slab_x, STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, num_warps=warps))
+                            SLAB_X=slab_x, STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, num_warps=warps),
+                       x_shape)
 
 
 def launch_stage(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, launch: StageLaunch) -> None:
