@@ -18,6 +18,12 @@ same run: the pointer and persistent GEMM + scatter kernels and the persistent a
 consumer over block configs, and ``chunk_reduce`` over BLOCK x programs x warps.  A config that
 does not compile or fails records its error.  Each section stops at its time budget.
 
+Section ``attrib`` splits one ``chunk_reduce`` call into its parts, the Triton launch both through the JIT and
+through the compiled kernel's runner (what a launch costs without the JIT's per-call argument binding).
+Section ``halo`` times the one-launch staging against the copy, the fused halo conv step's host time against
+the ``cat`` baseline's (``halo_full``), and sweeps the staging's tiles and warps with and without its
+alignment promises (``halo_tiles``, each config checked bit-exact first).
+
 Every row holds the measured numbers only; picking the configs from them is a separate change.
 """
 
@@ -140,6 +146,28 @@ def cprofile_top(fn, calls, top=16) -> str:
     return "\n".join(lines)
 
 
+def compiled_runner(st, slots, out, rows, N, ld, slot_elems, W):
+    """A no-argument launch of ``chunk_reduce``'s kernel through its ``CompiledKernel`` (``kernel[grid](*args)``,
+    every argument in order, constexprs included), or None under the interpreter: what a launch costs once the
+    JIT's per-call work (binding and specialising the arguments, the cache key, the globals check) is skipped.
+    The JIT launch it is compared with is ``launch_reduce``; both launch the same binary on the same buffers."""
+    from distfuse.kernels import chunk_reduce as cr
+    from distfuse.kernels._utils import TIMED_WAITS, round_bf16, timeout_arg
+    from distfuse.kernels.host_ints import next_power_of_2
+
+    _meta, kw, programs = cr.reduce_plan(rows, N, ld, slots.dtype, W, out.device)
+    args = [slots, out, out, st.flags, st.status, rows, N, ld, slot_elems, 0, st.epoch_dev, timeout_arg(st), 0]
+    consts = dict(HAS_BIAS=False, ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS, W_UNROLL=W,
+                  W_BLOCK=next_power_of_2(W), **kw)
+    compiled = cr._chunk_reduce_kernel[(programs,)](*args, **consts)
+    if compiled is None or not hasattr(compiled, "function"):
+        return None
+    names = cr._chunk_reduce_kernel.arg_names
+    full = args + [consts[name] for name in names[len(args):]]
+    launch = compiled[(programs, 1, 1)]
+    return lambda: launch(*full)
+
+
 def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
     """Host time of chunk_reduce and gathered_matmul, whole and by part (checks, allocation, launch, status)."""
     from distfuse.geometry.decomposition import block_extent
@@ -157,6 +185,11 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
         slots = st.data(dtype, W * slot_elems)
         rows = block_extent(m, W, 0)
         out = torch.empty(rows, N, dtype=dtype, device=device)
+        try:
+            runner = compiled_runner(st, slots, out, rows, N, ld, slot_elems, W)
+        except Exception as exc:  # noqa: BLE001 - Triton-version specific: recorded, the section goes on
+            record(section="attrib", op="compiled kernel's runner", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+            runner = None
         parts = {
             "chunk_reduce (whole call)": side.chunk_reduce,
             "chunk_reduce with out=": lambda: side.chunk_reduce(out=out),
@@ -165,6 +198,8 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
             "check_status (deferred copy)": lambda: st.check_status("chunk_reduce", "diag"),
             "torch.empty (the output)": lambda: torch.empty(rows, N, dtype=dtype, device=device),
         }
+        if runner is not None:  # the same launch without the JIT's binder, cache key and globals check
+            parts["compiled kernel's runner (the launch alone)"] = runner
         for name, fn in parts.items():
             record(section="attrib", op=name, model=model, m=m, **measure(torch, fn, device, calls, profile=False))
         if device.type == "cuda":
