@@ -51,6 +51,8 @@ SHAPES = {  # model -> (rs: n, k), (ag: n, k): the per-rank GEMMs of the LLaMA-3
 GEMM_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
     (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4),
     (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
+    # for M = 512 at TP 8 (64-row chunks, which a 128-row tile half idles): --sweep-m 512
+    (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 64, 64, 4, 4),
 ]
 REDUCE_BLOCKS, REDUCE_PROGRAMS_PER_SM, REDUCE_WARPS = (1024, 2048, 4096), (1, 2, 4, 8), (4, 8)
 
