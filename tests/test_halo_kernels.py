@@ -560,15 +560,24 @@ def test_magic_divisor_is_exact():
     pytest.param((128, 128, 128), (2, 2, 2), (3, 3, 3), 1, "zeros", (1, 0, 1), id="3d-64-wide-window"),
     pytest.param((40, 1030), (1, 2), (3, 5), ((1, 1), (2, 2)), "reflect", (0, 1), id="2d-514-wide-rows"),
     pytest.param((8, 9, 300), (1, 3, 2), (3, 3, 7), 3, "circular", (0, 1, 0), id="3d-150-wide-window"),
+    # halo 8 on 64-wide rows: the staged rows start 8-element aligned, so the window's stores are vectors too
+    pytest.param((96, 128), (1, 2), (17, 17), 8, "zeros", (0, 1), id="2d-aligned-rows"),
+    pytest.param((24, 64, 64), (1, 2, 2), (3, 17, 17), ((1, 1), (8, 8), (8, 8)), "zeros", (0, 1, 0),
+                 id="3d-aligned-rows"),
 ])
 def test_stage_one_launch_cuda_regions(gshape, grid, kernel, padding, mode, i, dtype):
-    """The GPU tile rule on realistic blocks: every region bit for bit against the reference, NaN-poisoned."""
+    """The GPU tile rule on realistic blocks: every region bit for bit against the reference, NaN-poisoned.
+    The cases cover the alignment promises: none in the staged tensor (odd halos), and vector loads and
+    stores (the aligned-rows cases)."""
     nd = len(gshape)
     plan, _ = _plan(gshape, grid, kernel, (1,) * nd, (1,) * nd, padding, mode)
     gen = torch.Generator().manual_seed(13)
     x = torch.randn((2, 8) + plan.input_shape(i), generator=gen).to(dtype).cuda()
     recv = torch.randn(ht.recv_numel(plan, i, 16), generator=gen).to(dtype).cuda()
-    assert hp.stage_launch(plan, i, 16, x.device, "all", None).kernel is hp.stage_kernel
+    launch = hp.stage_launch(plan, i, 16, x.device, "all", None)
+    assert launch.kernel is hp.stage_kernel
+    if plan.staged_shape(i)[-1] - plan.input_shape(i)[-1] == 16:  # the aligned-rows cases (halo 8 a side)
+        assert launch.meta["X_ALIGN"] == 16 and launch.meta["OUT_ALIGN"] == 8
     for region in hk.REGIONS:
         want = hk.halo_stage_reference(x, recv, plan, i, out=_nan((2, 8) + plan.staged_shape(i), dtype, x.device),
                                        region=region)
