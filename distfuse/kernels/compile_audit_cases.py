@@ -222,7 +222,7 @@ def _halo_cases(dtypes) -> list[KernelCase]:
                 cases.append(KernelCase("halo_stage", halo.stage_kernel, dt, dict(tile, REGION=region, WIDE=wide),
                                         halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64, "btab_ptr": "i64"}))
             # rows 16-byte aligned in the block and the staged tensor (even halos): the window moves in vectors
-            vec = 16 // torch.tensor([], dtype=dt).element_size()
+            vec = 16 // dt.itemsize
             cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                     dict(tile, REGION=0, WIDE=False, X_ALIGN=vec, OUT_ALIGN=vec),
                                     halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64, "btab_ptr": "i64"},

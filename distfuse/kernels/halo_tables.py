@@ -34,7 +34,7 @@ from distfuse.geometry.halo_plan import HaloPlan, Piece
 
 __all__ = ["SUPPORTED_DTYPES", "MASK_BITS", "pad3", "contiguous_strides", "box_offsets", "interior_piece",
            "self_pieces", "send_numel", "recv_numel", "self_numel", "stage_tables", "pack_tables", "unstage_box_tables",
-           "accumulate_tables", "check_plan_tensor", "plan_tensor_lead", "check_plan_layout", "check_flat"]
+           "accumulate_tables", "plan_tensor_lead", "check_plan_layout", "check_flat"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Boxes per accumulate launch: bits 0..61 of an int64 mask (bit 63 would make the mask
@@ -222,18 +222,11 @@ def accumulate_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device:
 # ------------------------------------ buffer checks (shared by the halo launchers and kernels/conv_implicit.py)
 
 
-def check_plan_tensor(op: str, t: torch.Tensor, plan: HaloPlan, want: tuple[int, ...], what: str) -> int:
-    """Check that ``t`` is ``[*lead, *want]``, contiguous, of a supported dtype; return LEAD (``prod(lead)``)."""
-    lead = plan_tensor_lead(op, t, plan, what)
-    check_plan_layout(op, t, want, what)
-    return lead
-
-
 def plan_tensor_lead(op: str, t: torch.Tensor, plan: HaloPlan, what: str) -> int:
     """LEAD (``prod(lead)``) of ``t`` ``[*lead, *spatial]``, after checking the plan's axis count and ``t``'s rank.
 
-    The first half of :func:`check_plan_tensor`, for launchers whose cached launch (keyed by LEAD) holds the
-    spatial shape :func:`check_plan_layout` then checks: the same checks in the same order, one cache lookup.
+    The first half of a launcher's tensor check: its cached launch is keyed by LEAD and holds the spatial shape
+    that :func:`check_plan_layout`, the second half, then checks, so a call pays one cache lookup.
     """
     nd = len(plan.axes)
     if nd not in (1, 2, 3):
@@ -244,7 +237,7 @@ def plan_tensor_lead(op: str, t: torch.Tensor, plan: HaloPlan, what: str) -> int
 
 
 def check_plan_layout(op: str, t: torch.Tensor, want: tuple[int, ...], what: str) -> None:
-    """The second half of :func:`check_plan_tensor`: ``t``'s trailing ``len(want)`` dims are ``want``, ``t`` is
+    """The second half (after :func:`plan_tensor_lead`): ``t``'s trailing ``len(want)`` dims are ``want``, ``t`` is
     contiguous and of a supported dtype (``t`` has at least ``len(want)`` dims: :func:`plan_tensor_lead`)."""
     nd = len(want)
     if tuple(t.shape[t.dim() - nd:]) != tuple(want):
