@@ -158,8 +158,9 @@ def compiled_runner(st, slots, out, rows, N, ld, slot_elems, W):
     from distfuse.kernels.host_ints import next_power_of_2
 
     _meta, kw, programs = cr.reduce_plan(rows, N, ld, slots.dtype, W, out.device)
-    args = [slots, out, out, st.flags, st.status, rows, N, ld, slot_elems, 0, st.epoch_dev, timeout_arg(st), 0]
-    consts = dict(HAS_BIAS=False, ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS, W_UNROLL=W,
+    args = [slots, out, out, st.flags, st.status, st.sigs, rows, N, ld, slot_elems, 0, st.epoch_dev, timeout_arg(st),
+            0, 0]
+    consts = dict(HAS_BIAS=False, ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS, CHECK_SIG=False, W_UNROLL=W,
                   W_BLOCK=next_power_of_2(W), **kw)
     compiled = cr._chunk_reduce_kernel[(programs,)](*args, **consts)
     if compiled is None or not hasattr(compiled, "function"):
@@ -197,7 +198,7 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
             "chunk_reduce with out=": lambda: side.chunk_reduce(out=out),
             "launch_reduce (the Triton launch)": lambda: launch_reduce("chunk_reduce", st, slots, out, None, rows, N,
                                                                      ld, slot_elems, 0, W),
-            "check_status (deferred copy)": lambda: st.check_status("chunk_reduce", "diag"),
+            "check_status (deferred)": lambda: st.check_status("chunk_reduce", "diag"),
             "torch.empty (the output)": lambda: torch.empty(rows, N, dtype=dtype, device=device),
         }
         if runner is not None:  # the same launch without the JIT's binder, cache key and globals check

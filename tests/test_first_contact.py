@@ -361,6 +361,7 @@ def test_a_claim_does_not_wait_for_the_gpu_until_too_many_checks_pend():
     """Deferred copies whose event has not completed stay pending at a claim; past MAX_DEFERRED it waits for the
     oldest (fake events: what a CUDA event answers while the GPU is still busy)."""
     from distfuse.fused import workspace as wsmod
+    from distfuse.fused.workspace_layout import PendingCheck
 
     class Busy:
         def __init__(self):
@@ -375,7 +376,7 @@ def test_a_claim_does_not_wait_for_the_gpu_until_too_many_checks_pend():
     ws = LoopbackWorkspace(2, 4096)
     clean = torch.zeros(2, dtype=torch.int32)
     events = [Busy() for _ in range(wsmod.MAX_DEFERRED + 2)]
-    ws.deferred = [(clean, e, 0, i + 1, "op", "what") for i, e in enumerate(events)]
+    ws.deferred = [PendingCheck(clean, e, 0, i + 1, "op", "what") for i, e in enumerate(events)]
     with ws.in_flight("next"):
         pass
     assert [e.waited for e in events] == [True, True] + [False] * wsmod.MAX_DEFERRED  # only the oldest two

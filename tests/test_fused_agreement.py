@@ -146,7 +146,7 @@ def test_signature_words_in_loopback():
         try:
             check_signatures(ws, 0, W, sig, out, flag_base=0, flag_stride=1, op="disagree", what="test")
         finally:
-            assert ws.rank_view(0).status.tolist() == [0, 0, MISMATCH]
+            assert ws.rank_view(0).last_status.tolist() == [0, 0, MISMATCH]
             assert torch.isnan(out).all()
 
 
@@ -172,11 +172,11 @@ def test_an_abstaining_rank_raises_every_flag_and_its_word_names_it(layout):
         abstain(ws, 1, W, REFUSED, layout, op="refuse", what="test", raise_on_mismatch=False)
         for c in range(W):  # every flag of source 1, on every rank, carries this epoch
             assert ws.rank_view(c).flags[:, 1].tolist() == [int(ws.epoch_dev)] * W
-        assert ws.rank_view(1).status.tolist() == [MISMATCH, 0, MISMATCH, MISMATCH]  # it saw the others' words
+        assert ws.rank_view(1).last_status.tolist() == [MISMATCH, 0, MISMATCH, MISMATCH]  # it saw the others' words
         try:
             check_signatures(ws, 0, W, sig, out, **consumer_flags(layout, 0, W), op="refuse", what="test")
         finally:
-            assert ws.rank_view(0).status.tolist() == [0, REFUSED, 0, 0]
+            assert ws.rank_view(0).last_status.tolist() == [0, REFUSED, 0, 0]
             assert torch.isnan(out).all()
 
     ws = LoopbackWorkspace(W, 4096)
@@ -192,3 +192,80 @@ def test_an_abstaining_rank_raises_every_flag_and_its_word_names_it(layout):
             _stand_in_producer(check, r, W, sig, layout)
         abstain(check, 1, W, GROW, layout, op="fits", what="test", raise_on_mismatch=False)
         check_signatures(check, 0, W, sig, out, **consumer_flags(layout, 0, W), op="fits", what="test")
+
+
+# ---------------------------------------------------------------- the check inside the reduction kernel
+
+
+def _scatter_claim(ws, W, n, N, sigs, consumers, *, skip_source=None, seed=3):
+    """Producers (each rank r publishing ``sigs[r]``), then ``chunk_reduce`` with the in-kernel agreement on the ranks
+    of ``consumers``; returns ``{rank: output or the exception}``.  ``skip_source``: a rank that never produces."""
+    from distfuse.kernels.matmul_reduce_scatter import chunk_reduce, matmul_scatter
+
+    g = torch.Generator().manual_seed(seed)
+    K = 16
+    a = [torch.randn(1, n, K, generator=g) for _ in range(W)]
+    w = [torch.randn(N, K, generator=g) / 4 for _ in range(W)]
+    outs = {}
+    try:
+        with ws.in_flight("in-kernel agreement"):
+            for r in range(W):
+                if r != skip_source:
+                    publish_signature(ws, r, W, sigs[r])
+                    matmul_scatter(a[r], w[r], ws, r, W, config=dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=16, GROUP_M=2))
+            for r in consumers:
+                outs[r] = torch.full((1, block_extent(n, W, r), N), 7.0)
+                chunk_reduce(ws, r, W, 1, n, N, partial_dtype=torch.float32, out=outs[r],
+                             agreement=(sigs[0], f"rank {r}'s call"))
+    except Exception as exc:  # noqa: BLE001 - the test asserts on it
+        outs["error"] = exc
+    return outs, a, w
+
+
+def test_the_reduction_kernel_checks_the_signatures_itself(monkeypatch):
+    """``chunk_reduce(agreement=...)``: no check_signatures launch; matching words give bitwise the plain reduction;
+    a peer's different word poisons the chunk and raises ShapeError naming this rank's call and the peer."""
+    import distfuse.kernels.signature as signature_kernels
+
+    launches = []
+    real = signature_kernels._launch_check
+    monkeypatch.setattr(signature_kernels, "_launch_check", lambda *a, **k: launches.append(1) or real(*a, **k))
+    W, n, N = 3, 6, 16
+    sig = shape_signature("op", 1)
+    ws = LoopbackWorkspace(W, 1 << 16)
+    outs, a, w = _scatter_claim(ws, W, n, N, [sig] * W, range(W))
+    assert "error" not in outs and not launches, "the agreement is checked inside the reduction kernel"
+    for r in range(W):
+        rows = slice(*block_range(n, W, r))
+        ref = sum(x[:, rows].double() @ v.double().t() for x, v in zip(a, w, strict=True))
+        torch.testing.assert_close(outs[r].double(), ref, **tol(torch.float32, terms=16 * W))
+        assert ws.rank_view(r).last_status.tolist() == [0] * W
+    ws = LoopbackWorkspace(W, 1 << 16)
+    outs, _, _ = _scatter_claim(ws, W, n, N, [sig, sig, sig + 1], (0,))
+    error = outs["error"]
+    assert isinstance(error, ShapeError) and not launches, error
+    assert "peer(s) [2] entered it with a signature different" in str(error) and "(rank 0's call)" in str(error)
+    assert ws.rank_view(0).last_status.tolist() == [0, 0, MISMATCH]
+    assert torch.isnan(outs[0]).all(), "a disagreeing call's output is NaN, never a plausible sum"
+
+
+def test_a_missing_peer_is_a_timeout_not_a_disagreement():
+    """Source 1 never produced (nor published): its stale word is not compared; the error is the flag wait's."""
+    from distfuse.errors import CollectiveTimeoutError
+
+    W, n, N = 3, 6, 16
+    ws = LoopbackWorkspace(W, 1 << 16)
+    outs, _, _ = _scatter_claim(ws, W, n, N, [shape_signature("op", 2)] * W, (0,), skip_source=1)
+    assert isinstance(outs["error"], CollectiveTimeoutError), outs["error"]
+    assert ws.rank_view(0).last_status.tolist() == [0, int(ws.epoch_dev), 0]
+    assert torch.isnan(outs[0]).all()
+
+
+def test_an_empty_chunk_still_checks_the_signatures():
+    """n = 2 over W = 3: rank 2's chunk is empty, no reduction runs, and the separate check still raises there."""
+    W, n, N = 3, 2, 16
+    sig = shape_signature("op", 3)
+    ws = LoopbackWorkspace(W, 1 << 16)
+    outs, _, _ = _scatter_claim(ws, W, n, N, [sig, sig + 1, sig], (2,))
+    assert block_extent(n, W, 2) == 0
+    assert isinstance(outs["error"], ShapeError) and "peer(s) [1]" in str(outs["error"]), outs["error"]

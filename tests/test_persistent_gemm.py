@@ -146,6 +146,26 @@ def test_unsupported_layouts_fall_back_to_the_pointer_kernel():
         matmul_scatter_persistent(a[0], w[0], ws, 0, W)
 
 
+@pytest.mark.parametrize("kmajor", [False, True])
+def test_checked_descriptors_are_what_the_constructor_builds(kmajor):
+    """The launchers' descriptors skip TensorDescriptor's checks (the operands were checked): same fields, and the
+    constructor accepts the same arguments."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from distfuse.kernels.persistent import rows_descriptor, weight_descriptor
+
+    x3 = torch.randn(2, 5, 32, dtype=torch.bfloat16)
+    weight = torch.randn(32, 24, dtype=torch.bfloat16).t() if kmajor else torch.randn(24, 32, dtype=torch.bfloat16)
+    (w_desc, got_kmajor), x_desc = weight_descriptor(weight, 16, 16), rows_descriptor(x3, 16, 16)
+    assert got_kmajor == kmajor
+    for desc in (w_desc, x_desc):
+        ref = TensorDescriptor(desc.base, desc.shape, desc.strides, desc.block_shape)  # its checks pass
+        assert type(desc) is TensorDescriptor and repr(desc) == repr(ref)
+        assert desc.base.data_ptr() == ref.base.data_ptr() and desc.padding == "zero"
+    assert x_desc.shape == [10, 32] and x_desc.strides == [32, 1] and x_desc.block_shape == [16, 16]
+    assert w_desc.shape == ([32, 24] if kmajor else [24, 32])
+
+
 def test_unknown_kernel_is_refused():
     W, n, K, N = 2, 4, 16, 16
     a, w, _ = _inputs((1,), n, W, K, N, torch.float32)

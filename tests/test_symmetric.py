@@ -33,10 +33,10 @@ from distfuse.testing import run_ranks, shutdown_pools
 @pytest.mark.parametrize("W", [1, 2, 3, 8])
 def test_header_holds_flags_counters_and_status(W):
     hdr = header_bytes(W)
-    assert hdr % 256 == 0 and hdr >= 4 * (W * W + 2 * W)
+    assert hdr % 256 == 0 and hdr >= 4 * (W * W + 2 * W)  # flags, counters, signature words
     ws = LoopbackWorkspace(W, 1000)
     v = ws.rank_view(W - 1)
-    assert v.flags.shape == (W, W) and v.counters.shape == (W,) and v.status.shape == (W,)
+    assert v.flags.shape == (W, W) and v.counters.shape == (W,) and v.status.shape == (W,) == v.sigs.shape
     assert v.nbytes >= 1000 and v.nbytes % 4096 == 0
     # Fresh flags are 0, below every epoch.
     assert int(v.flags.abs().sum()) == 0

@@ -108,12 +108,12 @@ class _Rows:
         else:
             run_producer(provider, x, w, ws, r, W, pd)
 
-    def reduce(self, ws, r: int, W: int, x, N: int, pd, bias) -> torch.Tensor:
+    def reduce(self, ws, r: int, W: int, x, N: int, pd, bias, agreement) -> torch.Tensor:
         lead, n = x.shape[:-2], x.shape[-2]
         B, len_r = math.prod(lead), block_extent(n, W, r)
         out = alloc_output((B, len_r, N), x.dtype, x.device)
         reduce_scatter_kernels.chunk_reduce(ws, r, W, B, n, N, partial_dtype=pd, bias=bias, out_dtype=x.dtype,
-                                            out=out)
+                                            out=out, agreement=agreement)
         return out.view(*lead, len_r, N)
 
     def gather_signature(self, shard: torch.Tensor, n: int) -> tuple[int, str]:
@@ -152,10 +152,11 @@ class _Features:
     def produce(self, x, w, ws, r: int, W: int, pd, provider: str | None) -> None:
         rs_features_kernels.matmul_scatter_columns(x, w, ws, r, W, partial_dtype=pd)
 
-    def reduce(self, ws, r: int, W: int, x, N: int, pd, bias) -> torch.Tensor:
+    def reduce(self, ws, r: int, W: int, x, N: int, pd, bias, agreement) -> torch.Tensor:
         rows, len_r = math.prod(x.shape[:-1]), block_extent(N, W, r)
         out = alloc_output((rows, len_r), x.dtype, x.device)
-        rs_features_kernels.column_reduce(ws, r, W, rows, N, partial_dtype=pd, bias=bias, out_dtype=x.dtype, out=out)
+        rs_features_kernels.column_reduce(ws, r, W, rows, N, partial_dtype=pd, bias=bias, out_dtype=x.dtype, out=out,
+                                          agreement=agreement)
         return out.view(*x.shape[:-1], len_r)
 
     def gather_signature(self, shard: torch.Tensor, K: int) -> tuple[int, str]:
@@ -209,9 +210,7 @@ def produce_and_scatter(comm: Comm, op: str, xs, weights, biases, *, axis: str, 
             publish_signature(ws, r, W, sig, op)
             kernels.produce(x, w, ws, r, W, pd, provider)
         for r, x, b in zip(comm.ranks, xs, biases, strict=True):
-            out = kernels.reduce(ws, r, W, x, N, pd, b)
-            check_signatures(ws, r, W, sig, out, **consumer_flags(SCATTER_FLAGS, r, W), op=op, what=what)
-            outs.append(out)
+            outs.append(kernels.reduce(ws, r, W, x, N, pd, b, (sig, what)))  # the signatures checked in the kernel
     return outs
 
 
@@ -269,8 +268,8 @@ def run_matmul_all_reduce(comm: Comm, op: str, xs, weights, biases, algorithm: s
                 publish_signature(ws, r, W, sig, op)
                 all_reduce_kernels.matmul_push(x, w, ws, r, W, partial_dtype=pd, bias=b)
             for r, x, out in zip(comm.ranks, xs, outs, strict=True):
-                all_reduce_kernels.all_reduce_slots(ws, r, W, rows, N, partial_dtype=pd, out_dtype=x.dtype, out=out)
-                check_signatures(ws, r, W, sig, out, **consumer_flags(SCATTER_FLAGS, r, W), op=op, what=what)
+                all_reduce_kernels.all_reduce_slots(ws, r, W, rows, N, partial_dtype=pd, out_dtype=x.dtype, out=out,
+                                                    agreement=(sig, what))
     else:
         # Claim 1 checks the signature; claim 2's extents follow from what claim 1 agreed on.
         with ws.in_flight(f"{op}.reduce_scatter"):
@@ -279,9 +278,8 @@ def run_matmul_all_reduce(comm: Comm, op: str, xs, weights, biases, algorithm: s
                 rs_features_kernels.matmul_scatter_columns(x, w, ws, r, W, partial_dtype=pd, bias=b)
             owns = []
             for r, x in zip(comm.ranks, xs, strict=True):
-                own = rs_features_kernels.column_reduce(ws, r, W, rows, N, partial_dtype=pd, out_dtype=x.dtype)
-                check_signatures(ws, r, W, sig, own, **consumer_flags(SCATTER_FLAGS, r, W), op=op, what=what)
-                owns.append(own)
+                owns.append(rs_features_kernels.column_reduce(ws, r, W, rows, N, partial_dtype=pd, out_dtype=x.dtype,
+                                                              agreement=(sig, what)))
         with ws.in_flight(f"{op}.all_gather"):
             for r, own in zip(comm.ranks, owns, strict=True):
                 ag_features_kernels.ag_push_columns(own, ws, r, W, N)

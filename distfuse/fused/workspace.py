@@ -37,8 +37,10 @@ from distfuse.errors import (
     ShapeError,
     where,
 )
+from distfuse.fused.status_slots import StatusSlots
 from distfuse.fused.workspace_layout import (  # RankBuffers and header_bytes re-exported: the workspace API
     _CPU_GRANULE,
+    PendingCheck,
     RankBuffers,
     _address_table,
     _round_up,
@@ -77,13 +79,15 @@ class _Workspace(abc.ABC):
         # Read the status words right after each consumer (a host sync on CUDA): DISTFUSE_DEBUG=1, or tests.
         self.strict = debug.enabled()
         self.status_mode = status_check_mode(self.device)
-        self.deferred: list = []  # (status copy, event or None, rank, epoch, op, what), deferred mode only
-        self._status_pool: list = []  # (pinned copy, event) pairs already checked, for the next deferred copies
+        self.deferred: list[PendingCheck] = []  # deferred mode only
+        self.status_slots = StatusSlots(self.world_size, self.device)  # the consumers' per-launch status words
+        self._events: list = []  # CUDA events of deferred checks already done, for the next ones
         _WORKSPACES.add(self)  # for check_pending
         self.max_spin = 0
         self._busy: str | None = None
         self._lock = threading.Lock()
-        self._last_stream = None
+        self._last_stream = None  # the stream of the last claim (CUDA): the op's launches and its events go there
+        self._last_raw_stream = None
 
     # ---- the concurrency rule
     @contextlib.contextmanager
@@ -99,7 +103,7 @@ class _Workspace(abc.ABC):
             if self.broken:
                 raise WorkspaceBrokenError(f"{where(op)}: the workspace failed during an earlier op; get a fresh one "
                                            "from get_workspace (collective over the group)")
-            if self._busy is None and self.deferred:
+            if self._busy is None and (self.deferred or self.status_slots.captured):
                 self._busy = op
                 try:
                     self.check_deferred(wait=False)
@@ -116,10 +120,13 @@ class _Workspace(abc.ABC):
         try:
             self.epoch = self.epoch % (2**31 - 2) + 1  # never 0, the value of a fresh flag
             if self.device.type == "cuda":
-                cur = torch.cuda.current_stream(self.device)
-                if self._last_stream is not None and self._last_stream != cur:
-                    cur.wait_stream(self._last_stream)
-                self._last_stream = cur
+                # The raw handle first (one C call): the Stream object only when the stream changed.
+                raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+                if raw != self._last_raw_stream:
+                    cur = torch.cuda.current_stream(self.device)
+                    if self._last_stream is not None:
+                        cur.wait_stream(self._last_stream)
+                    self._last_stream, self._last_raw_stream = cur, raw
             # Two stream-ordered element-wise ops, no host value: a captured CUDA graph advances it at every replay.
             self.epoch_dev.remainder_(2**31 - 2).add_(1)
             self.barrier(op)
@@ -141,15 +148,19 @@ class _Workspace(abc.ABC):
         event.record(stream)
         self._side_events.append(event)
 
-    def raise_on_status(self, status: torch.Tensor, rank: int, epoch: int, op: str, what: str) -> None:
-        """Raise if any status word is set (reads ``status``: a sync on CUDA).
+    def raise_on_status(self, status: torch.Tensor, rank: int, epoch: int | None, op: str, what: str,
+                        sig_what: str | None = None) -> None:
+        """Raise if any status word is set (reads ``status``: a sync where it is a CUDA tensor).
 
         :class:`ShapeError` where a peer's signature differed (``-1``: the ranks entered the op
         with different shapes or dtypes), else :class:`CollectiveTimeoutError` (a flag wait
-        gave up).  Either way the workspace is broken (status words are never cleared).
+        gave up).  Either way the workspace is broken (a slot that reported a failure is never
+        reused).  ``epoch`` None: the launch was captured in a CUDA graph, and a replay failed.
+        ``sig_what`` (a consumer that also compared signatures): this rank's call, named in a
+        disagreement instead of ``what``.
         """
         if status.device.type == "cpu" and not status.numpy().any():
-            return  # the steady state: a host copy read through numpy, no torch op (a few us per fused op on CUDA)
+            return  # the steady state: host words read through numpy, no torch op
         bad = torch.nonzero(status).flatten().tolist()
         if bad:
             self.broken = True
@@ -171,52 +182,46 @@ class _Workspace(abc.ABC):
                                "signature different from this rank's")
                 raise ShapeError(
                     f"{where(op)}: rank {rank} of {self.world_size}: the ranks disagree on the op's shapes or dtypes: "
-                    f"{'; '.join(why)} ({what}); every rank of the group must call it with the same extents and "
-                    "dtypes.  The op's output holds NaN.")
+                    f"{'; '.join(why)} ({sig_what or what}); every rank of the group must call it with the same "
+                    "extents and dtypes.  The op's output holds NaN.")
             raise CollectiveTimeoutError(
-                f"{where(op)}: rank {rank} of {self.world_size}: {what}: expected flag epoch {epoch}, but the flag "
+                f"{where(op)}: rank {rank} of {self.world_size}: {what}: expected flag epoch "
+                f"{epoch if epoch is not None else f'{max(words)} (in a CUDA graph replay)'}, but the flag "
                 f"of peer(s) {bad} was not raised within the wait (timeout {self.timeout:.1f} s); a peer failed, "
                 "or ranks issued different op sequences.  The op's output holds NaN where the data never came.")
 
     def check_deferred(self, wait: bool = True) -> None:
         """Raise for a flag wait that gave up in an earlier op (deferred status checks).
 
-        ``wait=True`` (a sync point: :func:`check_pending`) waits for every pending op's
-        status copy.  ``wait=False`` (the next claim of the workspace) checks the copies
-        whose event has completed and keeps the others, so a claim never waits for the GPU
-        to finish the previous op; only past :data:`MAX_DEFERRED` pending ops does it wait
-        for the oldest (a bound on host memory and on how late an error can surface).
+        ``wait=True`` (a sync point: :func:`check_pending`) waits for every pending launch.
+        ``wait=False`` (the next claim of the workspace) reads the launches whose event has
+        completed and keeps the others, so a claim never waits for the GPU to finish the
+        previous op; only past :data:`MAX_DEFERRED` pending launches does it wait for the
+        oldest (a bound on how late an error can surface).  Then the slots of launches
+        captured in CUDA graphs, which a replay may have written since.
         """
         pending, self.deferred = self.deferred, []
-        for i, (host, event, rank, epoch, op, what) in enumerate(pending):
+        for i, check in enumerate(pending):
+            event = check.event
             if event is not None and not event.query():
                 if not wait and len(pending) - i <= MAX_DEFERRED:
-                    self.deferred.append((host, event, rank, epoch, op, what))
+                    self.deferred.append(check)
                     continue
                 event.synchronize()
             try:
-                self.raise_on_status(host, rank, epoch, op, what)
+                self.raise_on_status(check.words, check.rank, check.epoch, check.op, check.what, check.sig_what)
             except BaseException:
                 self.deferred = []  # the workspace is broken: nothing later on it is meaningful
                 raise
-            if event is not None and len(self._status_pool) < MAX_DEFERRED + 2:
-                self._status_pool.append((host, event))  # read and done with: the next check reuses both
-
-    def status_copy_buffers(self, status: torch.Tensor):
-        """A pinned host tensor shaped like ``status`` and a CUDA event, for one deferred status copy.
-
-        Reused from copies already checked (the pool holds a few), so the steady state
-        allocates no pinned memory and creates no event per op (together about the cost of
-        the kernel launch they follow).  With none free, the copies whose events have
-        completed are checked first (raising for a failed earlier op), then a new pair is made.
-        """
-        if not self._status_pool and self.deferred:
-            self.check_deferred(wait=False)
-        while self._status_pool:
-            host, event = self._status_pool.pop()
-            if host.shape == status.shape and host.dtype == status.dtype:
-                return host, event
-        return torch.empty(status.shape, dtype=status.dtype, pin_memory=True), torch.cuda.Event()
+            if check.slot is not None:
+                self.status_slots.give_back(check.slot)
+            if event is not None and len(self._events) < MAX_DEFERRED + 2:
+                self._events.append(event)  # recorded and done with: the next deferred check records it again
+        if self.status_slots.captured:
+            failed = self.status_slots.captured_failure(wait)
+            if failed is not None:
+                words, rank, op, what = failed
+                self.raise_on_status(words, rank, None, op, what)
 
     def require_in_flight(self, op: str) -> None:
         """Launchers call this: their flags need the epoch of a claimed op."""
@@ -281,7 +286,7 @@ def check_pending() -> None:
     """
     check_deferred_flags()
     for ws in list(_WORKSPACES):
-        if ws.deferred:
+        if ws.deferred or ws.status_slots.captured:
             ws.check_deferred(wait=True)
 
 

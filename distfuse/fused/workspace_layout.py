@@ -5,7 +5,7 @@ buffers out alike, so the launchers read one :class:`RankBuffers` whatever the b
 
 Layout of every rank's buffer (the same on all ranks, so one offset serves every peer)::
 
-    [ header: int32 flags [W, W] | counters [W] | status [W] | sigs [W] | pad to 256 B ][ data: nbytes ]
+    [ header: int32 flags [W, W] | counters [W] | sigs [W] | pad to 256 B ][ data: nbytes ]
 
 * ``flags[chunk, source]``: raised by ``source`` (a release store of the op's *epoch*)
   when its part of ``chunk`` has landed in this buffer.  Epochs count the claims of the
@@ -13,28 +13,31 @@ Layout of every rank's buffer (the same on all ranks, so one offset serves every
   holds an older epoch.
 * ``counters``: local tile counters; the last program of a producer grid raises the flag
   (:func:`distfuse.kernels.jit_helpers.arrive`), and resets its counter.
-* ``status``: local error words; a flag wait that gives up writes the epoch there and the
-  launcher raises on the host (:class:`~distfuse.errors.CollectiveTimeoutError`); a peer
-  whose signature differs gets ``-1`` there (:class:`~distfuse.errors.ShapeError`).
 * ``sigs[source]``: written by ``source`` before its flags: a hash of the shapes and dtypes
   every rank of the op must agree on (:mod:`distfuse.kernels.signature`).
 
+The status words, where a consumer reports a flag wait that gave up (the epoch:
+:class:`~distfuse.errors.CollectiveTimeoutError`) or a peer whose signature differs
+(:class:`~distfuse.errors.ShapeError`), are not in the buffer: every consumer launch gets its
+own, in host memory this process reads without a copy (:mod:`distfuse.fused.status_slots`).
+
 Every rank holds an int64 table of the peers' data and flag addresses *in its own address
 space* (on the workspace device), which Triton kernels cast with ``.to(tl.pointer_type(..))``.
-Every flag word has exactly one writer (its source) and every counter and status word is
-local, so no word sees read-modify-writes from two processes: the Triton interpreter's
-atomics, which are plain numpy read-modify-writes, are safe across ``/dev/shm`` peers.
+Every flag word has exactly one writer (its source) and every counter is local, so no word
+sees read-modify-writes from two processes: the Triton interpreter's atomics, which are
+plain numpy read-modify-writes, are safe across ``/dev/shm`` peers.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
 from distfuse.errors import ShapeError, UnsupportedError, where
+from distfuse.fused.status_slots import StatusSlots
 
-__all__ = ["RankBuffers", "header_bytes"]
+__all__ = ["RankBuffers", "PendingCheck", "header_bytes"]
 
 
 class _Owner(Protocol):
@@ -48,10 +51,14 @@ class _Owner(Protocol):
     strict: bool
     status_mode: str
     deferred: list
+    status_slots: StatusSlots
+    _events: list
+    _last_stream: object
 
     def wait_producers(self) -> None: ...
 
-    def raise_on_status(self, status: torch.Tensor, rank: int, epoch: int, op: str, what: str) -> None: ...
+    def raise_on_status(self, status: torch.Tensor, rank: int, epoch: int | None, op: str, what: str,
+                        sig_what: str | None = None) -> None: ...
 
 
 # CPU segments grow in pages; CUDA symmetric allocations in 2 MiB (the driver's mapping granularity).
@@ -60,8 +67,8 @@ _CUDA_GRANULE = 2 << 20
 _HEADER_ALIGN = 256
 
 def header_bytes(world_size: int) -> int:
-    """Bytes of the flag/counter/status header of a W-rank workspace (256-byte aligned)."""
-    words = world_size * world_size + 3 * world_size
+    """Bytes of the flag/counter/signature header of a W-rank workspace (256-byte aligned)."""
+    words = world_size * world_size + 2 * world_size
     return -(-4 * words // _HEADER_ALIGN) * _HEADER_ALIGN
 
 
@@ -82,7 +89,10 @@ class RankBuffers:
         data_ptrs: int64 ``[W]`` on the device: every peer's data region, in this
             process's address space.
         flag_ptrs: int64 ``[W]``: every peer's ``flags`` (int32 ``[W, W]``, chunk-major).
-        flags, counters, status, sigs: this rank's own header tensors.
+        flags, counters, sigs: this rank's own header tensors.
+        status: int32 ``[W]``, the status words of this rank's next consumer launch (a slot of
+            :mod:`distfuse.fused.status_slots`, taken at first use, let go by :meth:`check_status`).
+        last_status: the words the last check read (or will read, deferred), for tests and debugging.
         nbytes: capacity of the data region.
     """
 
@@ -95,8 +105,10 @@ class RankBuffers:
         words = buf[: header_bytes(W)].view(torch.int32)
         self.flags = words[: W * W].view(W, W)
         self.counters = words[W * W: W * W + W]
-        self.status = words[W * W + W: W * W + 2 * W]
-        self.sigs = words[W * W + 2 * W: W * W + 3 * W]
+        self.sigs = words[W * W + W: W * W + 2 * W]
+        self._slot: torch.Tensor | None = None
+        self._slot_captured = False  # the slot was handed to a launch captured in a CUDA graph
+        self.last_status: torch.Tensor | None = None
         self._data = buf[header_bytes(W):]
         self._views: dict = {}  # data(..., cached=True)
         self.nbytes = self._data.numel()
@@ -109,6 +121,21 @@ class RankBuffers:
     max_spin = _owners("max_spin", "Extra flag loads an interpreted consumer may spin (0: one check, the producers "
                                    "ran first).")
     timeout = _owners("timeout", "Seconds a compiled consumer's flag wait may last (the workspace timeout).")
+
+    @property
+    def status(self) -> torch.Tensor:
+        """The status words of this rank's next consumer launch (pass them to the kernel, then :meth:`check_status`).
+
+        The same slot until a check lets it go, so a launcher may read the attribute more than
+        once.  While a stream captures a CUDA graph, every captured launch of this rank shares
+        one slot, which the workspace then keeps for good; the first launch after the capture
+        takes a fresh one.
+        """
+        slot = self._slot
+        if slot is None or (self._slot_captured and not torch.cuda.is_current_stream_capturing()):
+            slot = self._slot = self._owner.status_slots.take()
+            self._slot_captured = False
+        return slot
 
     def data(self, dtype: torch.dtype, numel: int, offset: int = 0, op: str = "workspace", *,
              cached: bool = False) -> torch.Tensor:
@@ -144,39 +171,79 @@ class RankBuffers:
         """
         self._owner.wait_producers()
 
-    def check_status(self, op: str, what: str) -> None:
-        """Raise if a flag wait of the last consumer kernel gave up (on every rank that saw it).
+    def check_status(self, op: str, what: str, sig_what: str | None = None) -> None:
+        """Raise if a flag wait of the last consumer launch gave up (on every rank that saw it).
 
         A timed-out wait has already poisoned what it would have read (NaN), so a stale
         result can never pass for a good one; this turns it into a host-side error that
-        names the op:
+        names the op (``what``: what the launch waited for; ``sig_what``: this rank's call, for
+        a launch that also compared the peers' signature words).  The launch wrote into
+        :attr:`status`, its own slot; this lets it go:
 
         * ``sync`` (CPU by default, ``DISTFUSE_DEBUG=1``, ``DISTFUSE_STATUS_CHECK=sync``, or a
-          workspace with ``strict`` set): read the status words now, before the op returns
-          (on CUDA a device sync, twice per fused op: consumer and signature check).
-        * ``deferred`` (CUDA by default; CPU when forced): copy them (to pinned host memory
-          behind an event on CUDA) and raise at a later claim of the workspace, the next one
-          once the GPU has finished this op (:meth:`_Workspace.check_deferred`), or at the
-          sync point :func:`distfuse.fused.workspace.check_pending`.  No host sync in the op.
-        * CUDA while the stream captures a graph: nothing (no host work can be captured).
-          Status words are never cleared (a workspace that raised is replaced), so a wait
-          that gave up during a replay raises at the next eager check of the workspace;
-          until then its output holds NaN.
+          workspace with ``strict`` set): read the words now, before the op returns (on CUDA
+          after a sync of the current stream).
+        * ``deferred`` (CUDA by default; CPU when forced): record the launch's end (an event on
+          CUDA) and raise at a later claim of the workspace, the next one once the GPU has
+          finished this launch (:meth:`_Workspace.check_deferred`), or at the sync point
+          :func:`distfuse.fused.workspace.check_pending`.  No host sync and, with mapped
+          status words (:mod:`distfuse.fused.status_slots`), no copy in the op.
+        * CUDA while the stream captures a graph: nothing now (no host work can be captured).
+          The slot is kept for good: a wait that gave up during a replay raises at the next
+          claim of the workspace; until then its output holds NaN.
         """
         owner = self._owner
-        cuda = self.status.device.type == "cuda"
+        slot = self.status
+        cuda = self.device.type == "cuda"
         if cuda and torch.cuda.is_current_stream_capturing():
+            if not self._slot_captured:
+                owner.status_slots.keep_captured(slot, self.rank, op, what)
+                self._slot_captured = True
             return
+        self._slot = None
+        self.last_status = slot
         if owner.strict or owner.status_mode == "sync":
-            owner.raise_on_status(self.status if cuda else self.status.clone(), self.rank, self.epoch, op, what)
+            owner.raise_on_status(self.read_status_now(slot), self.rank, self.epoch, op, what, sig_what)
             return
-        if not cuda:
-            owner.deferred.append((self.status.clone(), None, self.rank, self.epoch, op, what))
-            return
-        host, event = owner.status_copy_buffers(self.status)
-        host.copy_(self.status, non_blocking=True)
-        event.record()
-        owner.deferred.append((host, event, self.rank, self.epoch, op, what))
+        event = None
+        words = slot
+        if cuda:
+            words = owner.status_slots.snapshot(slot)
+            event = owner._events.pop() if owner._events else torch.cuda.Event()
+            event.record(owner._last_stream)  # the claim's stream, where the launch went (no current_stream call)
+        owner.deferred.append(PendingCheck(words, event, self.rank, self.epoch, op, what, slot, sig_what))
+
+    def read_status_now(self, slot: torch.Tensor | None = None) -> torch.Tensor:
+        """The words of ``slot`` (default: :attr:`status`) on the host, once every launch issued so far on the
+        current stream has finished (a sync on CUDA: the error paths and ``sync`` mode only).
+
+        Lets the slot go: back to the pool if clear, kept aside otherwise (the caller raises).
+        """
+        slot = self.status if slot is None else slot
+        if slot is self._slot:
+            self._slot = None
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.last_status = slot
+        words = self._owner.status_slots.read(slot)
+        if not words.numpy().any():
+            self._owner.status_slots.give_back(slot)
+        return words
+
+
+class PendingCheck(NamedTuple):
+    """One deferred status check: the words to read (the slot itself where mapped, else its pinned copy), the
+    CUDA event after the launch (None on CPU), who and what, the slot to give back once found clear, and this
+    rank's call where the launch also compared signatures."""
+
+    words: torch.Tensor
+    event: object
+    rank: int
+    epoch: int
+    op: str
+    what: str
+    slot: torch.Tensor | None = None
+    sig_what: str | None = None
 
 
 def _address_table(ptrs: list[int], W: int, device) -> torch.Tensor:

@@ -54,13 +54,16 @@ from distfuse.kernels._utils import (
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out, globaltimer
 from distfuse.kernels.persistent import persistent_programs
+from distfuse.kernels.signature import SCATTER_FLAGS, check_signatures, consumer_flags
 
-__all__ = ["chunk_reduce", "reduce_slots", "launch_reduce", "reduce_meta", "slot_row_stride", "wait_all_flags"]
+__all__ = ["chunk_reduce", "reduce_slots", "launch_reduce", "reduce_meta", "slot_row_stride", "wait_all_flags",
+           "agree_with_peers"]
 
 
 @triton.jit
 def wait_all_flags(flags_ptr, W, W_BLOCK: tl.constexpr, epoch, status_ptr, timeout_ns, TIMED: tl.constexpr):
-    """Poll the W flags ``flags_ptr[0:W]`` together until each equals ``epoch``; one CTA barrier; all arrived?
+    """Poll the W flags ``flags_ptr[0:W]`` together until each equals ``epoch``; one CTA barrier; returns
+    ``(all arrived, pending)``, ``pending`` the ``[W_BLOCK]`` mask of the sources whose flag never came.
 
     ``W <= W_BLOCK`` (a power of two).  One vector of acquire loads (system scope) per
     round, so a wait costs one round trip whatever W is, instead of W dependent waits each followed by a barrier (as
@@ -87,10 +90,30 @@ def wait_all_flags(flags_ptr, W, W_BLOCK: tl.constexpr, epoch, status_ptr, timeo
         else:
             waited += 1
     if n_pending > 0:
-        tl.atomic_xchg(status_ptr + offs, tl.full([W_BLOCK], 0, tl.int32) + epoch, mask=pending)
+        tl.store(status_ptr + offs, tl.full([W_BLOCK], 0, tl.int32) + epoch, mask=pending)  # plain: see wait_flag
     # One barrier: every thread of the program reads the partials after the flags, not only those that polled.
     tl.debug_barrier()
-    return n_pending == 0
+    return n_pending == 0, pending
+
+
+@triton.jit
+def agree_with_peers(sigs_ptr, sig, pending, rank, W, W_BLOCK: tl.constexpr, status_ptr, report):
+    """Compare the signature word of every peer whose flag came (``pending`` false) with ``sig``; all agree?
+
+    The in-kernel twin of :func:`distfuse.kernels.signature.check_signatures` (same words, same
+    status codes): a peer publishes its word before its flags (release), so once its flag is
+    acquired the word is this op's.  A peer whose flag never came is the flag wait's failure,
+    not a disagreement: its stale word is not read.  ``report`` (one program): a disagreeing
+    peer's status word gets its reserved word (negative: it refused or needed more room) or
+    ``-1`` (:data:`~distfuse.kernels.signature.MISMATCH`).
+    """
+    src = tl.arange(0, W_BLOCK)
+    read = (src < W) & (src != rank) & (pending == 0)
+    got = tl.load(sigs_ptr + src, mask=read, other=0, volatile=True)
+    bad = read & (got != sig)
+    if report:
+        tl.store(status_ptr + src, tl.where(got < 0, got, -1), mask=bad)
+    return tl.sum(bad.to(tl.int32), axis=0) == 0
 
 
 @triton.jit
@@ -107,12 +130,13 @@ def _sum_sources(slots_ptr, offs, mask, slot_elems, W_UNROLL: tl.constexpr):
     return acc
 
 
-@triton.jit(do_not_specialize=["rank", "timeout", "slot_elems"])
+@triton.jit(do_not_specialize=["rank", "timeout", "slot_elems", "sig"])
 def _chunk_reduce_kernel(
-    slots_ptr, out_ptr, bias_ptr, flags_ptr, status_ptr,
-    n_rows, N, ld, slot_elems, rank, epoch_ptr, timeout, stride_bias,
+    slots_ptr, out_ptr, bias_ptr, flags_ptr, status_ptr, sigs_ptr,
+    n_rows, N, ld, slot_elems, rank, epoch_ptr, timeout, stride_bias, sig,
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, TIMED: tl.constexpr, FLAT: tl.constexpr,
-    BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, W_UNROLL: tl.constexpr, W_BLOCK: tl.constexpr,
+    CHECK_SIG: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, W_UNROLL: tl.constexpr,
+    W_BLOCK: tl.constexpr,
 ):
     """out[row, col] = sum over the W sources of slot[src][row, col] (fp32) + bias[col], on a persistent grid.
 
@@ -121,12 +145,16 @@ def _chunk_reduce_kernel(
     known to the compiler, the flat walk's loads and stores are 16 bytes wide).  The W partials
     are added in source order whatever order the flags came in: the result is bitwise the
     same run to run and for every grid.  A source whose flag never came makes the whole
-    chunk NaN.
+    chunk NaN.  ``CHECK_SIG``: the peers' signature words must equal ``sig``
+    (:func:`agree_with_peers`), else the chunk is NaN too: the agreement check without a
+    launch of its own.
     """
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
-    ok = wait_all_flags(flags_ptr + rank * W_UNROLL, W_UNROLL, W_BLOCK, epoch, status_ptr, timeout, TIMED)
+    ok, pending = wait_all_flags(flags_ptr + rank * W_UNROLL, W_UNROLL, W_BLOCK, epoch, status_ptr, timeout, TIMED)
+    if CHECK_SIG:
+        ok = ok & agree_with_peers(sigs_ptr, sig, pending, rank, W_UNROLL, W_BLOCK, status_ptr, pid == 0)
     if FLAT:
         numel = n_rows.to(tl.int64) * N
         num_blocks = tl.cdiv(numel, BLOCK).to(tl.int32)
@@ -188,7 +216,7 @@ def reduce_meta(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, world
 
 def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: torch.Tensor | None, rows: int,
                   cols: int, ld: int, slot_elems: int, rank: int, world_size: int, *,
-                  config: dict | None = None) -> dict:
+                  config: dict | None = None, sig: int | None = None) -> dict:
     """Sum the W slots ``[rows, cols]`` (rows ``ld`` apart, slots ``slot_elems`` apart) into ``out``; returns the meta.
 
     The one launch of :func:`_chunk_reduce_kernel` (``chunk_reduce``, ``column_reduce`` and
@@ -196,6 +224,7 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
     and ``bias`` (``[cols]``), and reads the status words afterwards.  ``rows * cols == 0``
     launches nothing.  The launch geometry comes from :func:`reduce_plan` (cached per shape
     without ``config``), so a steady call spends its host time on the launch itself.
+    ``sig``: also compare the peers' published signature words with it (``CHECK_SIG``).
     """
     if config is None:
         meta, kw, programs = reduce_plan(rows, cols, ld, slots.dtype, world_size, out.device)
@@ -204,9 +233,10 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
     if rows * cols == 0:
         return meta
     _chunk_reduce_kernel[(programs,)](
-        slots, out, bias if bias is not None else out, st.flags, st.status,
+        slots, out, bias if bias is not None else out, st.flags, st.status, st.sigs,
         rows, cols, ld, slot_elems, rank, st.epoch_dev, timeout_arg(st), bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS,
+        sig if sig is not None else 0,
+        HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS, CHECK_SIG=sig is not None,
         W_UNROLL=world_size, W_BLOCK=next_power_of_2(world_size), **kw,
     )
     return dict(meta, programs=programs)
@@ -235,13 +265,20 @@ def reduce_plan(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, world
 
 def reduce_slots(op: str, ws, rank: int, world_size: int, shape: tuple, ld: int, *, partial_dtype: torch.dtype,
                  bias: torch.Tensor | None, out_dtype: torch.dtype, out: torch.Tensor | None, config: dict | None,
-                 what: str, shape_name: str, slot_elems: int | None = None) -> torch.Tensor:
+                 what: str, shape_name: str, slot_elems: int | None = None,
+                 agreement: tuple[int, str] | None = None) -> torch.Tensor:
     """Consume: sum the W slots of this rank's data region into ``shape`` (``[..., cols]``); returns the output.
 
     Slot rows are ``ld`` apart, slots ``slot_elems`` apart (default: the rows of ``shape``
     times ``ld``); :func:`launch_reduce` waits ``flags[rank, src]`` of every source and sums
     the slots and ``bias [cols]`` as the module doc says.  ``what`` names the partials in the
     error, ``shape_name`` the output's shape.
+
+    ``agreement``: ``(sig, description of this rank's call)``; the kernel also checks that every
+    peer published ``sig`` (:mod:`distfuse.kernels.signature`; the flags it waits on are the
+    reduce-scatter layout's), in place of a separate
+    :func:`~distfuse.kernels.signature.check_signatures` launch and status check.  An empty
+    output launches no kernel, so it takes the separate check: every rank still raises.
     """
     st = claimed_rank_view(op, ws, rank, world_size, ws.device)
     rows, cols = math.prod(shape[:-1]), shape[-1]
@@ -250,15 +287,22 @@ def reduce_slots(op: str, ws, rank: int, world_size: int, shape: tuple, ld: int,
     slot_elems = rows * ld if slot_elems is None else slot_elems
     slots = st.data(partial_dtype, world_size * slot_elems, op=op, cached=True)
     st.wait_producers()  # collective on CPU: every rank calls it, even with nothing to reduce
+    sig, sig_what = agreement if agreement is not None else (None, None)
+    if world_size == 1:
+        sig = None  # no peer to agree with
     if out.numel() > 0:
-        launch_reduce(op, st, slots, out, bias, rows, cols, ld, slot_elems, rank, world_size, config=config)
-        st.check_status(op, what)
+        launch_reduce(op, st, slots, out, bias, rows, cols, ld, slot_elems, rank, world_size, config=config, sig=sig)
+        st.check_status(op, what, sig_what)
+    elif sig is not None:
+        check_signatures(ws, rank, world_size, sig, out, **consumer_flags(SCATTER_FLAGS, rank, world_size), op=op,
+                         what=sig_what)
     return out
 
 
 def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, partial_dtype: torch.dtype,
                  bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                 out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, config: dict | None = None,
+                 agreement: tuple[int, str] | None = None) -> torch.Tensor:
     """Consume: sum the W partial slots of this rank's chunk (fp32), add ``bias`` once, round once.
 
     Args:
@@ -269,6 +313,7 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
         out_dtype: output dtype (default ``partial_dtype``).
         out: optional preallocated contiguous ``[..., len_rank, N]`` output (``batch`` rows of ``len_rank``).
         config: explicit ``BLOCK`` (and ``PROGRAMS``, ``num_warps``), for tests; default the pinned config.
+        agreement: ``(sig, what)``: check the peers' signature words in the same kernel (:func:`reduce_slots`).
 
     Returns:
         ``[batch, len_rank, N]`` with ``len_rank = block_extent(n, W, rank)``.
@@ -277,4 +322,4 @@ def chunk_reduce(ws, rank: int, world_size: int, batch: int, n: int, N: int, *, 
     return reduce_slots("chunk_reduce", ws, rank, world_size, (batch, block_extent(n, world_size, rank), N), ld,
                         partial_dtype=partial_dtype, bias=bias, out_dtype=out_dtype or partial_dtype, out=out,
                         config=config, what=f"partials of chunk {rank}", shape_name="[..., len_rank, N]",
-                        slot_elems=batch * cdiv(n, world_size) * ld)
+                        slot_elems=batch * cdiv(n, world_size) * ld, agreement=agreement)

@@ -95,9 +95,10 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
         get_push_configs,
         pinned_gemm_config,
     )
+    from distfuse.kernels.jit_helpers import store_word_kernel
 
     tables = {"data_ptrs": "i64", "flag_ptrs": "i64", "counter_ptr": "i32", "flags_ptr": "i32", "status_ptr": "i32",
-              "epoch_ptr": "i32", "sigs_ptr": "i32"}
+              "epoch_ptr": "i32", "sigs_ptr": "i32", "word_ptr": "i32"}
     case = functools.partial(KernelCase, pointer_dtypes=tables, ints={"timeout": "i64"})
 
     def family_configs(dt, family):
@@ -172,7 +173,8 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
             for flat, block_c in layouts:
                 cases.append(case("chunk_reduce", chunk_reduce_kernels._chunk_reduce_kernel, dt,
                                   dict(W_UNROLL=w, W_BLOCK=triton.next_power_of_2(w), FLAT=flat, HAS_BIAS=True,
-                                       ROUND_BF16=False, TIMED=True, BLOCK_C=min(block_c, block), BLOCK=block),
+                                       ROUND_BF16=False, TIMED=True, CHECK_SIG=True, BLOCK_C=min(block_c, block),
+                                       BLOCK=block),
                                   c.num_warps, 1, aligned=("N", "ld"),
                                   checks=("acquire_sys", "vector_load", "vector_store")))
         for c in get_push_configs(dt):
@@ -191,6 +193,8 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
         # A rank without a payload (a refused input, a workspace to grow): its word, then every flag it owes.
         cases.append(case("abstain_signature", signature_kernels._abstain_kernel, dt, {}, 1, 1,
                           checks=("release_sys",)))
+        # The probe that a store reaches pinned host memory (distfuse.fused.status_slots).
+        cases.append(case("store_word", store_word_kernel, dt, {}, 1, 1))
         cases.append(case("gather_columns", all_reduce_kernels._gather_columns_kernel, dt,
                           dict(TIMED=True, **all_reduce_kernels._GATHER_CONFIG), 4, 1, aligned=("N", "stride_own"),
                           checks=("acquire_sys",)))

@@ -41,7 +41,6 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distfuse.errors import UnsupportedError, where
 from distfuse.kernels._utils import (
@@ -58,6 +57,7 @@ from distfuse.kernels._utils import (
 from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, tma_tile, wait_flag
 from distfuse.kernels.persistent import (
+    checked_descriptor,
     chunk_tiles,
     descriptor_problem,
     persistent_programs,
@@ -236,7 +236,7 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
     meta = gathered_persistent_config(x3.dtype, B, q1, W, N, grid, config)
     bm, bk = meta["BLOCK_M"], meta["BLOCK_K"]
     programs = min(chunk_tiles(meta, B, q1, W, N), grid)
-    g_desc = TensorDescriptor(gathered, [B * n, K], [K, 1], [bm, bk])
+    g_desc = checked_descriptor(gathered, [B * n, K], [K, 1], [bm, bk])  # K * itemsize % 16 == 0: supported
     # An empty shard has no tiles: it gets a descriptor that is never read.
     x_desc = rows_descriptor(x3, bm, bk) if len_p > 0 else g_desc
     b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], bk)

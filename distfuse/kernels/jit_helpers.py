@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["cast_out", "balanced_chunk", "chunk_rows", "grouped_tile", "tile_offsets", "matmul_tile", "tma_tile",
-           "globaltimer", "wait_flag", "arrive", "raise_flag"]
+           "globaltimer", "wait_flag", "arrive", "raise_flag", "store_word_kernel"]
 
 
 @triton.jit
@@ -170,6 +170,9 @@ def wait_flag(flag_ptr, epoch, status_ptr, timeout_ns, TIMED: tl.constexpr):
     ``*status_ptr`` is set to ``epoch``: a device kernel cannot raise, so the launcher
     reads the status word and raises on the host, and the caller poisons what it would
     have read (NaN), so a result built from stale data can never pass for a good one.
+    A plain store, not an atomic: on CUDA the word is pinned host memory
+    (:mod:`distfuse.fused.status_slots`), where atomics over PCIe are not guaranteed, and
+    every thread that stores it stores the same value.
     """
     val = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys")
     if TIMED:
@@ -183,7 +186,7 @@ def wait_flag(flag_ptr, epoch, status_ptr, timeout_ns, TIMED: tl.constexpr):
             waited += 1
     ok = val == epoch
     if not ok:
-        tl.atomic_xchg(status_ptr, epoch)
+        tl.store(status_ptr, epoch)
     # Every thread of the program reads the data after the flag, not only the one that spun.
     tl.debug_barrier()
     return ok
@@ -214,3 +217,10 @@ def arrive(counter_ptr):
 def raise_flag(flag_ptr, epoch):
     """Publish ``*flag_ptr = epoch`` with release semantics at system scope (peers read it over NVLink)."""
     tl.atomic_xchg(flag_ptr, epoch, sem="release", scope="sys")
+
+
+@triton.jit
+def store_word_kernel(word_ptr, value):
+    """One program: ``*word_ptr = value``.  The probe that a kernel's store reaches pinned host memory
+    (:func:`distfuse.fused.status_slots.mapped_host_words`)."""
+    tl.store(word_ptr, value)

@@ -187,11 +187,15 @@ def matmul_push(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size
 
 def all_reduce_slots(ws, rank: int, world_size: int, rows: int, N: int, *, partial_dtype: torch.dtype,
                      out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                     config: dict | None = None) -> torch.Tensor:
-    """One-shot consumer: the W slots ``[rows, N]`` summed in source order (fp32), rounded once; ``[rows, N]``."""
+                     config: dict | None = None, agreement: tuple[int, str] | None = None) -> torch.Tensor:
+    """One-shot consumer: the W slots ``[rows, N]`` summed in source order (fp32), rounded once; ``[rows, N]``.
+
+    ``agreement``: ``(sig, what)``, checked in the same kernel (:func:`~distfuse.kernels.chunk_reduce.reduce_slots`).
+    """
     return reduce_slots("all_reduce_slots", ws, rank, world_size, (rows, N), slot_row_stride(N),
                         partial_dtype=partial_dtype, bias=None, out_dtype=out_dtype or partial_dtype, out=out,
-                        config=config, what="the peers' partial products", shape_name="[..., cols]")
+                        config=config, what="the peers' partial products", shape_name="[..., cols]",
+                        agreement=agreement)
 
 
 def gather_columns(own: torch.Tensor, ws, rank: int, world_size: int, N: int, *,

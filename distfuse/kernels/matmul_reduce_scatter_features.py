@@ -159,18 +159,21 @@ def launch_slot_producer(op: str, kernels, a: torch.Tensor, weight: torch.Tensor
 
 def column_reduce(ws, rank: int, world_size: int, rows: int, N: int, *, partial_dtype: torch.dtype,
                   bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                  out: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, config: dict | None = None,
+                  agreement: tuple[int, str] | None = None) -> torch.Tensor:
     """Consume: sum the W partial slots of this rank's columns (fp32), add ``bias`` once, round once.
 
     The arguments of :func:`~distfuse.kernels.chunk_reduce.chunk_reduce`, for the producer
     :func:`matmul_scatter_columns`, except ``rows`` and ``N`` (the GEMM's M and its full
     output features) and ``bias``: optional ``[len_rank]``, this rank's block of the bias.
-    Returns ``[rows, len_rank]`` with ``len_rank = block_extent(N, W, rank)``.
+    Returns ``[rows, len_rank]`` with ``len_rank = block_extent(N, W, rank)``.  ``agreement``: ``(sig, what)``,
+    checked in the same kernel (:func:`~distfuse.kernels.chunk_reduce.reduce_slots`).
     """
     return chunk_reduce_kernels.reduce_slots(
         "column_reduce", ws, rank, world_size, (rows, block_extent(N, world_size, rank)),
         column_slot_stride(N, world_size), partial_dtype=partial_dtype, bias=bias, out_dtype=out_dtype or partial_dtype,
-        out=out, config=config, what=f"partials of column chunk {rank}", shape_name="[..., cols]")
+        out=out, config=config, what=f"partials of column chunk {rank}", shape_name="[..., cols]",
+        agreement=agreement)
 
 
 def matmul_reduce_scatter_features_loopback(a_list, weight_list, ws, *, biases=None,

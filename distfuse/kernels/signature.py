@@ -183,8 +183,6 @@ def abstain(ws, rank: int, world_size: int, word: int, layout: str, *, op: str, 
     st.wait_producers()  # the consumer's host barrier on CPU (every peer's consumer passes one)
     _launch_check(st, rank, world_size, word, torch.empty(0, device=ws.device), **consumer_flags(layout, rank,
                                                                                                    world_size))
-    status = st.status.clone() if st.status.device.type == "cpu" else st.status
+    status = st.read_status_now()  # a sync: every flag wait of the check has finished
     if raise_on_mismatch:
         ws.raise_on_status(status, rank, ws.epoch, op, what)
-    else:
-        status.tolist()  # the sync: every flag wait of the check has finished

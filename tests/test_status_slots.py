@@ -1,0 +1,139 @@
+"""Per-launch status words (``distfuse.fused.status_slots``): one clear slot per consumer launch, reused once a
+check found it clear, kept for good once a CUDA graph holds it, and mapped pinned host memory on CUDA.
+
+On CPU the kernels are interpreted in this process and the slots are ordinary memory; a
+CUDA capture is simulated by patching ``torch.cuda.is_current_stream_capturing`` (the check
+only asks whether the stream captures).  The compiled pass (``pytest -m cuda``) checks that
+the slots are pinned and that the probe's store landed; the missing-source tests of
+``tests/test_gemm_kernels.py`` run the kernels' stores into them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from distfuse.errors import CollectiveTimeoutError, UnsupportedError
+from distfuse.fused import status_slots
+from distfuse.fused.status_slots import STATUS_WORDS_ENV, mapped_host_words, slot_stride
+from distfuse.fused.workspace import LoopbackWorkspace
+from distfuse.geometry.decomposition import block_extent
+from distfuse.kernels.matmul_reduce_scatter import chunk_reduce, matmul_scatter, matmul_scatter_workspace_bytes
+
+BLOCKS = dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)
+W, B, n, K, N = 3, 1, 6, 16, 16
+
+
+def _op(ws, a, w, sources, consumers, outs):
+    """One claim: the producers of ``sources``, then the consumers of ``consumers`` into ``outs``."""
+    with ws.in_flight("status slots"):
+        for r in sources:
+            matmul_scatter(a[r], w[r], ws, r, W, config=BLOCKS)
+        for r in consumers:
+            chunk_reduce(ws, r, W, B, n, N, partial_dtype=torch.float32, out=outs[r])
+
+
+def _setup(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = [torch.randn(B, n, K, generator=g) for _ in range(W)]
+    w = [torch.randn(N, K, generator=g) / math.sqrt(K) for _ in range(W)]
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32))
+    outs = [torch.full((B, block_extent(n, W, r), N), float("nan")) for r in range(W)]
+    return ws, a, w, outs
+
+
+@pytest.mark.parametrize("mode", ["sync", "deferred"])
+def test_each_launch_gets_a_clear_slot_and_the_pool_is_reused(mode):
+    ws, a, w, outs = _setup()
+    ws.status_mode = mode
+    slots = ws.status_slots
+    blocks = len(slots._blocks)
+    seen = set()
+    for _ in range(5):
+        _op(ws, a, w, range(W), range(W), outs)
+        for r in range(W):
+            words = ws.rank_view(r).last_status
+            seen.add(words.data_ptr())
+            assert words.shape == (W,) and not words.any(), words
+            assert not torch.isnan(outs[r]).any()
+    with ws.in_flight("the claim that reads the deferred checks"):
+        pass
+    assert not ws.deferred and not ws.broken
+    assert len(slots._blocks) == blocks, "the steady state takes no new status memory"
+    assert len(seen) <= W + 1, f"clear slots go back to the pool and are reused: {len(seen)} distinct slots"
+    stride = slot_stride(W)
+    assert stride % 4 == 0 and all(s.data_ptr() % 16 == 0 for s in slots._free), \
+        "every slot 16-byte aligned: one Triton specialisation for all of them"
+
+
+def test_a_deferred_failure_is_read_from_its_own_launch():
+    """Claim 1 is clean, claim 2 misses source 1: claim 2's entry reads claim 1's checks (clear, back to the
+    pool), the next claim raises with claim 2's epoch, and the failed slot keeps its word (never reused)."""
+    ws, a, w, outs = _setup(seed=1)
+    ws.status_mode = "deferred"
+    _op(ws, a, w, range(W), range(W), outs)
+    assert len(ws.deferred) == W
+    free_before = len(ws.status_slots._free)
+    _op(ws, a, w, (0, 2), (0,), outs)
+    assert [c.epoch for c in ws.deferred] == [2] and not ws.broken
+    assert len(ws.status_slots._free) == free_before + W - 1, "claim 1's clear slots are back; claim 2 holds one"
+    with pytest.raises(CollectiveTimeoutError, match=r"expected flag epoch 2, but the flag of peer\(s\) \[1\]"), \
+            ws.in_flight("next"):
+        pass
+    assert ws.broken and not ws.deferred
+    failed = ws.rank_view(0).last_status
+    assert failed.tolist() == [0, 2, 0] and all(s.data_ptr() != failed.data_ptr() for s in ws.status_slots._free)
+    assert torch.isnan(outs[0]).all()
+
+
+def test_a_captured_slot_is_kept_and_read_at_every_claim(monkeypatch):
+    """While a stream captures, every launch of a rank shares one slot, kept for good; after the capture the
+    next launch takes a fresh one; a replay's failure written there raises at the next claim, by name."""
+    ws, a, w, outs = _setup(seed=2)
+    st = ws.rank_view(0)
+    monkeypatch.setattr(st, "device", torch.device("cuda"))  # the check asks only the device type and the stream
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    captured = st.status
+    st.check_status("chunk_reduce", "partials of chunk 0")
+    assert st.status is captured, "launches inside one capture share the slot"
+    st.check_status("chunk_reduce", "partials of chunk 0")
+    assert [c[0] for c in ws.status_slots.captured] == [captured] and not ws.deferred
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(st, "device", torch.device("cpu"))
+    assert st.status is not captured, "the first launch after the capture takes a fresh slot"
+    _op(ws, a, w, range(W), range(W), outs)  # eager ops go on; the captured slot is read at each claim
+    assert not ws.broken and all(s.data_ptr() != captured.data_ptr() for s in ws.status_slots._free)
+    captured[1] = 9  # a replay's flag wait for source 1 gave up at epoch 9
+    with pytest.raises(CollectiveTimeoutError, match=r"epoch 9 \(in a CUDA graph replay\).*peer\(s\) \[1\]"), \
+            ws.in_flight("after the replay"):
+        pass
+    assert ws.broken
+
+
+def test_the_status_words_knob(monkeypatch):
+    dev = torch.device("cuda", 0)
+    monkeypatch.setenv(STATUS_WORDS_ENV, "device")
+    assert mapped_host_words(dev) is False  # no probe at all
+    monkeypatch.setenv(STATUS_WORDS_ENV, "bogus")
+    with pytest.raises(ValueError, match=STATUS_WORDS_ENV):
+        mapped_host_words(dev)
+    if torch.cuda.is_available():
+        return
+    monkeypatch.setattr(status_slots, "_probe_mapped", lambda index: (False, "RuntimeError: no CUDA here"))
+    monkeypatch.setenv(STATUS_WORDS_ENV, "auto")
+    assert mapped_host_words(dev) is False  # the words stay on the device
+    monkeypatch.setenv(STATUS_WORDS_ENV, "host")
+    with pytest.raises(UnsupportedError, match=r"cuda:0 cannot write pinned host memory \(RuntimeError: no CUDA"):
+        mapped_host_words(dev)
+
+
+@pytest.mark.cuda
+def test_status_words_are_mapped_pinned_memory_on_cuda():
+    """Compiled: the probe's store into pinned host memory landed, so every slot is pinned and read in place."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    assert status_slots._probe_mapped(dev.index) == (True, "")
+    ws = LoopbackWorkspace(2, 4096, dev)
+    slot = ws.rank_view(0).status
+    assert ws.status_slots.mapped and slot.device.type == "cpu" and slot.is_pinned() and slot.data_ptr() % 16 == 0
