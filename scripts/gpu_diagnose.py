@@ -149,10 +149,12 @@ def cprofile_top(fn, calls, top=16) -> str:
 
 
 def compiled_runner(st, slots, out, rows, N, ld, slot_elems, W):
-    """A no-argument launch of ``chunk_reduce``'s kernel through its ``CompiledKernel`` (``kernel[grid](*args)``,
-    every argument in order, constexprs included), or None under the interpreter: what a launch costs once the
-    JIT's per-call work (binding and specialising the arguments, the cache key, the globals check) is skipped.
-    The JIT launch it is compared with is ``launch_reduce``; both launch the same binary on the same buffers."""
+    """Two no-argument launches of ``chunk_reduce``'s kernel, or None under the interpreter: ``(runner, jit)``.
+
+    ``runner`` goes through its ``CompiledKernel`` (``binary[grid](*args)``, every argument in order, constexprs
+    included): what a launch costs once the JIT's per-call work (binding and specialising the arguments, the cache
+    key, the globals check) is skipped.  ``jit`` is the JIT's own launch (``kernel[grid](...)``).  Both launch the
+    same binary on the same buffers; ``launch_reduce`` (``distfuse.kernels.launch_cache``) sits between them."""
     from distfuse.kernels import chunk_reduce as cr
     from distfuse.kernels._utils import TIMED_WAITS, round_bf16, timeout_arg
     from distfuse.kernels.host_ints import next_power_of_2
@@ -168,7 +170,7 @@ def compiled_runner(st, slots, out, rows, N, ld, slot_elems, W):
     names = cr._chunk_reduce_kernel.arg_names
     full = args + [consts[name] for name in names[len(args):]]
     launch = compiled[(programs, 1, 1)]
-    return lambda: launch(*full)
+    return lambda: launch(*full), lambda: cr._chunk_reduce_kernel[(programs,)](*args, **consts)
 
 
 def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
@@ -189,20 +191,21 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
         rows = block_extent(m, W, 0)
         out = torch.empty(rows, N, dtype=dtype, device=device)
         try:
-            runner = compiled_runner(st, slots, out, rows, N, ld, slot_elems, W)
+            runner, jit = compiled_runner(st, slots, out, rows, N, ld, slot_elems, W) or (None, None)
         except Exception as exc:  # noqa: BLE001 - Triton-version specific: recorded, the section goes on
             record(section="attrib", op="compiled kernel's runner", error=f"{type(exc).__name__}: {str(exc)[:300]}")
-            runner = None
+            runner = jit = None
         parts = {
             "chunk_reduce (whole call)": side.chunk_reduce,
             "chunk_reduce with out=": lambda: side.chunk_reduce(out=out),
-            "launch_reduce (the Triton launch)": lambda: launch_reduce("chunk_reduce", st, slots, out, None, rows, N,
-                                                                     ld, slot_elems, 0, W),
+            "launch_reduce (the Triton launch, cached)": lambda: launch_reduce("chunk_reduce", st, slots, out, None,
+                                                                             rows, N, ld, slot_elems, 0, W),
             "check_status (deferred)": lambda: st.check_status("chunk_reduce", "diag"),
             "torch.empty (the output)": lambda: torch.empty(rows, N, dtype=dtype, device=device),
         }
         if runner is not None:  # the same launch without the JIT's binder, cache key and globals check
             parts["compiled kernel's runner (the launch alone)"] = runner
+            parts["the JIT's launch (kernel[grid](...), no cache)"] = jit
         for name, fn in parts.items():
             record(section="attrib", op=name, model=model, m=m, **measure(torch, fn, device, calls, profile=False))
         if device.type == "cuda":

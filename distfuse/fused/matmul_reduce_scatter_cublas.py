@@ -28,6 +28,7 @@ from distfuse.fused.peer_views import peer_data, peer_flag
 from distfuse.geometry.decomposition import block_range
 from distfuse.kernels._utils import check_producer_args, claimed_rank_view
 from distfuse.kernels.chunk_flag import raise_chunk_flag_kernel
+from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.matmul_reduce_scatter import slot_row_stride
 
 __all__ = ["matmul_scatter_cublas", "raise_chunk_flag"]
@@ -42,7 +43,7 @@ def raise_chunk_flag(view, chunk: int, rank: int) -> None:
     """
     W = view.world_size
     if view.device.type == "cuda":
-        raise_chunk_flag_kernel[(1,)](view.flag_ptrs, chunk, W, rank, view.epoch_dev)
+        cached_launch(raise_chunk_flag_kernel)[(1,)](view.flag_ptrs, chunk, W, rank, view.epoch_dev)
         return
     peer_flag(view, chunk, chunk, rank).copy_(view.epoch_dev)
 

@@ -78,6 +78,7 @@ from distfuse.kernels.jit_helpers import (
     tile_offsets,
     wait_flag,
 )
+from distfuse.kernels.launch_cache import cached_launch
 
 __all__ = ["ag_push", "gathered_matmul", "all_gather_matmul", "all_gather_matmul_loopback",
            "all_gather_matmul_reference", "gathered_matmul_workspace_bytes"]
@@ -188,7 +189,7 @@ def ag_push(a_shard: torch.Tensor, ws, rank: int, world_size: int, n: int, *, co
     if W == 1:
         return
     kernel, meta = pick_push_launch(_push_tuned, _ag_push_kernel, config, ws)
-    kernel[tile_grid(n_batch * len_p, K, inner="BLOCK_K", at_least=1)](
+    cached_launch(kernel)[tile_grid(n_batch * len_p, K, inner="BLOCK_K", at_least=1)](
         x, gathered, st.data_ptrs, st.flag_ptrs, st.counters,
         n_batch, n, K, len_p, block_range(n, W, rank)[0], rank, W, st.epoch_dev,
         x.stride(0), x.stride(1), **meta,
@@ -245,7 +246,7 @@ def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
             blocks = {k: v for k, v in (config or {}).items() if k != "PROGRAMS"} or None
             pointer, meta = pick_gemm_launch(_gathered_matmul_tuned, _gathered_matmul_kernel, x.dtype, m_max, N,
                                              blocks, ws)
-            pointer[tile_grid(m_max, N, W)](
+            cached_launch(pointer)[tile_grid(m_max, N, W)](
                 x, gathered, weight, bias if bias is not None else out, out, st.flags, st.status,
                 n_batch, n, N, K, rank, W, st.epoch_dev, timeout_arg(st), x.stride(0), x.stride(1),
                 weight.stride(0), weight.stride(1), bias.stride(0) if bias is not None else 0,

@@ -53,6 +53,7 @@ from distfuse.kernels._utils import (
 )
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out, globaltimer
+from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.persistent import persistent_programs
 from distfuse.kernels.signature import SCATTER_FLAGS, check_signatures, consumer_flags
 
@@ -185,6 +186,10 @@ def _chunk_reduce_kernel(
                      cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
+#: The launches of :func:`_chunk_reduce_kernel`, through its binary once the JIT has chosen it (:mod:`.launch_cache`).
+_CHUNK_REDUCE = cached_launch(_chunk_reduce_kernel)
+
+
 def slot_row_stride(N: int) -> int:
     """Row stride of a slot: ``N`` padded to 16 elements, so every row starts 16-element aligned
     and the GEMM's remote stores can be 16 bytes wide."""
@@ -232,7 +237,7 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
         meta, kw, programs = _reduce_plan(rows, cols, ld, slots.dtype, world_size, out.device, config)
     if rows * cols == 0:
         return meta
-    _chunk_reduce_kernel[(programs,)](
+    _CHUNK_REDUCE[(programs,)](
         slots, out, bias if bias is not None else out, st.flags, st.status, st.sigs,
         rows, cols, ld, slot_elems, rank, st.epoch_dev, timeout_arg(st), bias.stride(0) if bias is not None else 0,
         sig if sig is not None else 0,

@@ -56,6 +56,7 @@ from distfuse.kernels._utils import (
 )
 from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, tma_tile, wait_flag
+from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.persistent import (
     checked_descriptor,
     chunk_tiles,
@@ -240,7 +241,7 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
     # An empty shard has no tiles: it gets a descriptor that is never read.
     x_desc = rows_descriptor(x3, bm, bk) if len_p > 0 else g_desc
     b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], bk)
-    _gathered_matmul_persistent_kernel[(programs,)](
+    cached_launch(_gathered_matmul_persistent_kernel)[(programs,)](
         x_desc, g_desc, b_desc, bias if bias is not None else out, out, st.flags, st.status,
         B, n, N, K, len_p, rank, W, st.epoch_dev, timeout_arg(st), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x3.dtype),

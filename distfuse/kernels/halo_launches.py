@@ -44,6 +44,7 @@ from distfuse.kernels.halo_tables import (
     unstage_box_tables,
 )
 from distfuse.kernels.host_ints import cdiv
+from distfuse.kernels.launch_cache import cached_launch
 
 __all__ = ["BoxLaunch", "PackLaunch", "UnstageLaunch", "AccumulateLaunch", "box_launch", "pack_launch",
            "unstage_launch", "accumulate_launch", "launch_box_gather", "launch_accumulate"]
@@ -75,7 +76,7 @@ def box_launch(tables, lead: int, src_shape: tuple[int, ...], device: torch.devi
 def launch_box_gather(out0: torch.Tensor, out1: torch.Tensor, src: torch.Tensor, launch: BoxLaunch) -> None:
     """One launch of ``launch`` (from :func:`box_launch`): SEL 0 boxes into ``out0`` (rounded to its dtype), SEL 1
     boxes into ``out1``, read from ``src``; arithmetic in fp32 (fp64 for an fp64 source)."""
-    box_gather_kernel[launch.grid](out0, out1, src, *launch.args, COMPUTE=compute_dtype(src.dtype),
+    cached_launch(box_gather_kernel)[launch.grid](out0, out1, src, *launch.args, COMPUTE=compute_dtype(src.dtype),
                                    ROUND_BF16=round_bf16(out0.dtype), **launch.meta)
 
 
@@ -184,5 +185,6 @@ def launch_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: 
     s = self_boxes if self_boxes.numel() else grad_x
     r = incoming if incoming.numel() else grad_x
     compute, rnd = compute_dtype(grad_x.dtype), round_bf16(grad_x.dtype)
+    accumulate = cached_launch(accumulate_kernel)[launch.grid]
     for args in launch.chunks:
-        accumulate_kernel[launch.grid](grad_x, s, r, *args, COMPUTE=compute, ROUND_BF16=rnd, **launch.meta)
+        accumulate(grad_x, s, r, *args, COMPUTE=compute, ROUND_BF16=rnd, **launch.meta)

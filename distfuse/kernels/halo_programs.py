@@ -102,6 +102,7 @@ from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.kernels.halo_tables import contiguous_strides, interior_piece, pad3, recv_numel, stage_tables
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out
+from distfuse.kernels.launch_cache import cached_launch
 
 __all__ = ["piece_value", "lut_gather_kernel", "stage_kernel", "box_gather_kernel", "accumulate_kernel",
            "StageLaunch", "stage_launch", "launch_stage", "stage_tile", "magic_divisor", "shell",
@@ -682,9 +683,10 @@ def launch_stage(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, launch: St
     """One launch of ``launch`` (from :func:`stage_launch`) into ``out`` from ``a`` (the block) and ``b`` (the
     receive buffer)."""
     if launch.kernel is stage_kernel:
-        stage_kernel[launch.grid](out, a, b, *launch.args, **launch.meta)
+        cached_launch(stage_kernel)[launch.grid](out, a, b, *launch.args, **launch.meta)
     elif launch.kernel is not None:
-        launch.kernel[launch.grid](out, a, b, *launch.args, COMPUTE=compute_dtype(out.dtype), **launch.meta)
+        cached_launch(launch.kernel)[launch.grid](out, a, b, *launch.args, COMPUTE=compute_dtype(out.dtype),
+                                                  **launch.meta)
 
 
 def shell(inner: Sequence[tuple[int, int]], full: Sequence[int]) -> list[tuple[tuple[int, int], ...]]:

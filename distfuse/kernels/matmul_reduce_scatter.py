@@ -75,6 +75,7 @@ from distfuse.kernels.jit_helpers import (
     raise_flag,
     tile_offsets,
 )
+from distfuse.kernels.launch_cache import cached_launch
 
 __all__ = ["matmul_scatter", "chunk_reduce", "matmul_reduce_scatter", "matmul_reduce_scatter_loopback",
            "matmul_reduce_scatter_reference", "matmul_scatter_workspace_bytes", "slot_row_stride"]
@@ -175,7 +176,7 @@ def matmul_scatter(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_s
     slot_elems = m_max * ld
     slots = st.data(partial_dtype, W * slot_elems, op=op, cached=True)
     kernel, meta = pick_gemm_launch(_matmul_scatter_tuned, _matmul_scatter_kernel, a.dtype, m_max, N, config, ws)
-    kernel[tile_grid(m_max, N, W, at_least=1)](
+    cached_launch(kernel)[tile_grid(m_max, N, W, at_least=1)](
         a3, weight, slots, st.data_ptrs, st.flag_ptrs, st.counters,
         n_batch, n, N, ld, K, rank, W, st.epoch_dev, rank * slot_elems, slot_elems,
         a3.stride(0), a3.stride(1), weight.stride(0), weight.stride(1),

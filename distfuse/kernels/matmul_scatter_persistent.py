@@ -55,6 +55,7 @@ from distfuse.kernels._utils import (
 from distfuse.kernels.chunk_reduce import slot_row_stride
 from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, raise_flag, tma_tile
+from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.persistent import (
     chunk_tiles,
     descriptor_problem,
@@ -176,7 +177,7 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     programs = min(chunk_tiles(meta, n_batch, q1, W, N), persistent_programs(a.device, (config or {}).get("PROGRAMS")))
     a_desc = rows_descriptor(a3, meta["BLOCK_M"], meta["BLOCK_K"])
     b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], meta["BLOCK_K"])
-    _matmul_scatter_persistent_kernel[(programs,)](
+    cached_launch(_matmul_scatter_persistent_kernel)[(programs,)](
         a_desc, b_desc, slots, st.data_ptrs, st.flag_ptrs, st.counters,
         n_batch, n, N, ld, K, rank, W, st.epoch_dev, rank * slot_elems,
         B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),

@@ -46,6 +46,7 @@ import triton.language as tl
 from distfuse.kernels._utils import TIMED_WAITS, claimed_rank_view, timeout_arg
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import wait_flag
+from distfuse.kernels.launch_cache import cached_launch
 
 __all__ = ["MISMATCH", "REFUSED", "GROW", "SCATTER_FLAGS", "GATHER_FLAGS", "consumer_flags", "shape_signature",
            "publish_signature", "check_signatures", "abstain"]
@@ -117,6 +118,11 @@ def _abstain_kernel(flag_ptrs, rank, W, word, sig_offset, epoch_ptr):
             tl.atomic_xchg(words + c * W + rank, epoch, sem="release", scope="sys")
 
 
+#: The per-op launches, through their binaries once the JIT has chosen them (:mod:`distfuse.kernels.launch_cache`).
+_PUBLISH = cached_launch(_publish_signature_kernel)
+_CHECK = cached_launch(_check_signatures_kernel)
+
+
 def consumer_flags(layout: str, rank: int, world_size: int) -> dict:
     """``flag_base`` and ``flag_stride`` of :func:`check_signatures` for a phase's layout (``SCATTER_FLAGS`` or
     ``GATHER_FLAGS``)."""
@@ -135,7 +141,7 @@ def _sig_offset(st) -> int:
 def _launch_check(st, rank: int, world_size: int, sig: int, flat: torch.Tensor, flag_base: int,
                   flag_stride: int) -> None:
     grid = (max(1, cdiv(flat.numel(), _POISON_BLOCK)),)
-    _check_signatures_kernel[grid](st.flags, st.sigs, st.status, flat, flat.numel(), rank, world_size, sig,
+    _CHECK[grid](st.flags, st.sigs, st.status, flat, flat.numel(), rank, world_size, sig,
                                    flag_base, flag_stride, st.epoch_dev, timeout_arg(st), TIMED=TIMED_WAITS,
                                    W_BLOCK=next_power_of_2(world_size), BLOCK=_POISON_BLOCK)
 
@@ -144,7 +150,7 @@ def publish_signature(ws, rank: int, world_size: int, sig: int, op: str = "publi
     """Write ``sig`` into this rank's signature word on every peer; call inside the claim, before the producer."""
     st = claimed_rank_view(op, ws, rank, world_size, ws.device)
     if world_size > 1:
-        _publish_signature_kernel[(1,)](st.flag_ptrs, rank, world_size, sig, _sig_offset(st))
+        _PUBLISH[(1,)](st.flag_ptrs, rank, world_size, sig, _sig_offset(st))
 
 
 def check_signatures(ws, rank: int, world_size: int, sig: int, out: torch.Tensor, *, flag_base: int,

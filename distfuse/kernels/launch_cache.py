@@ -1,0 +1,133 @@
+"""Launch a ``@triton.jit`` kernel through the binary the JIT chose for it, without the JIT's per-call work.
+
+``kernel[grid](*args)`` runs :meth:`triton.JITFunction.run` on every call: it binds the
+arguments, specialises each one, builds the cache key, looks the binary up, checks the
+kernel's globals, then launches.  On the GPU lab's hosts that Python is most of a launch's
+host time (a ``chunk_reduce`` launch took 24 us of host on the H200's host, 2026-11-27;
+``scripts/gpu_diagnose.py --sections attrib`` times the same binary launched directly), and
+a fused op's eager call is host-bound where its kernel is short.
+
+:class:`CachedLaunch` keys each call by a fingerprint from which Triton's specialisation
+follows (finer, never coarser; :func:`arg_key`):
+
+* a tensor: its dtype, and whether its address is a multiple of 16 bytes;
+* an int: its range (int32, int64, uint64), whether it is 1, whether it is a multiple of 16;
+* a host tensor descriptor: its base's dtype, block shape and padding (the launcher encodes
+  its address, shape and strides at every launch);
+* a bool by value, a float as a float, None;
+* every constexpr and launch option by value, and the current CUDA device.
+
+Calls with one fingerprint get one specialisation, so the binary the JIT handed back for the
+first serves every later one (``binary[grid](*args)``, the compiled kernel's own launcher,
+which still converts the arguments and reads the current stream).  A new fingerprint goes
+through the JIT, which compiles or finds its binary and launches it.
+``tests/test_launch_cache.py`` checks the fingerprint against Triton's own specialisation.
+
+Off under the interpreter (there is no binary) and with ``DISTFUSE_LAUNCH_CACHE=0``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from distfuse.kernels._utils import INTERPRET
+
+__all__ = ["CachedLaunch", "cached_launch", "arg_key", "launch_cache_enabled", "LAUNCH_CACHE_ENV"]
+
+LAUNCH_CACHE_ENV = "DISTFUSE_LAUNCH_CACHE"
+_I32, _I64 = 1 << 31, 1 << 63
+_MAX_BINARIES = 64  # fingerprints kept per kernel: shapes that keep changing fall back to the JIT
+
+
+def launch_cache_enabled() -> bool:
+    """Compiled kernels, unless ``DISTFUSE_LAUNCH_CACHE=0``."""
+    return not INTERPRET and os.environ.get(LAUNCH_CACHE_ENV, "1").strip() != "0"
+
+
+class _UnkeyableError(Exception):
+    """An argument whose specialisation the fingerprint does not model: the call goes through the JIT."""
+
+
+def arg_key(arg):
+    """The fingerprint of one runtime argument (see the module doc); raises :class:`_UnkeyableError` for other kinds."""
+    if arg is None:
+        return None
+    kind = type(arg)
+    if kind is bool:
+        return ("u1", arg)
+    if kind is int:
+        span = 0 if -_I32 <= arg < _I32 else 1 if -_I64 <= arg < _I64 else 2
+        return (span, arg == 1, arg % 16 == 0)
+    if kind is float:
+        return "fp"
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() % 16 == 0)
+    if kind is TensorDescriptor:
+        return ("desc", arg.base.dtype, tuple(arg.block_shape), arg.padding, getattr(arg, "round_f32_to_tf32", False))
+    raise _UnkeyableError(kind.__name__)
+
+
+class CachedLaunch:
+    """``CachedLaunch(kernel)[grid](*args, **constexprs_and_options)``: ``kernel[grid](...)``, cached as above.
+
+    Positional arguments are the kernel's leading parameters; the rest of its parameters
+    (its constexprs) come by name, and names that are no parameter are launch options
+    (``num_warps``...).  A call that leaves a parameter to its default, or passes an argument
+    the fingerprint does not model (a tensor descriptor), always goes through the JIT.
+    """
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._names = tuple(kernel.arg_names)
+        self._binaries: dict = {}
+
+    def __getitem__(self, grid):
+        if not launch_cache_enabled() or callable(grid):
+            return self.kernel[grid]  # the JIT's own launch, no wrapper in the way
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args: tuple, kwargs: dict):
+        try:
+            key = (_current_device(), tuple(map(arg_key, args)), tuple(kwargs.items()))
+            hit = self._binaries.get(key)
+        except (_UnkeyableError, TypeError, AttributeError):  # TypeError: an unhashable constexpr
+            return self.kernel[grid](*args, **kwargs)
+        if hit is not None:
+            binary, tail = hit
+            binary[_grid3(grid)](*args, *(kwargs[name] for name in tail))
+            return binary
+        binary = self.kernel[grid](*args, **kwargs)  # the JIT: specialise, compile or find, launch
+        if hasattr(binary, "result"):
+            binary = binary.result()
+        tail = self._names[len(args):]
+        if hasattr(type(binary), "__getitem__") and all(name in kwargs for name in tail):
+            if len(self._binaries) >= _MAX_BINARIES:
+                self._binaries.clear()
+            self._binaries[key] = (binary, tail)
+        return binary
+
+
+_BY_KERNEL: dict = {}
+
+
+def cached_launch(kernel) -> CachedLaunch:
+    """The :class:`CachedLaunch` of ``kernel`` (one per kernel object, so call sites that pick a kernel at run time
+    share its binaries): ``cached_launch(kernel)[grid](...)`` in place of ``kernel[grid](...)``."""
+    launch = _BY_KERNEL.get(kernel)
+    if launch is None:
+        launch = _BY_KERNEL[kernel] = CachedLaunch(kernel)
+    return launch
+
+
+def _current_device() -> int:
+    """The current CUDA device, as Triton's launch reads it (one C call, not ``torch.cuda.current_device``'s Python)."""
+    return torch._C._cuda_getDevice()
+
+
+def _grid3(grid) -> tuple:
+    """The compiled launcher's grid: three extents (the JIT pads a shorter grid with ones)."""
+    grid = tuple(grid)
+    return grid + (1,) * (3 - len(grid))

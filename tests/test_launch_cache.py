@@ -1,0 +1,128 @@
+"""``distfuse.kernels.launch_cache``: a launch reuses the binary the JIT chose only where Triton would choose it again.
+
+The oracle is Triton's own specialisation (``native_specialize_impl``, which its JIT calls for
+every argument, with the base backend's rules: the NVIDIA backend adds none): two arguments
+with one fingerprint must get one specialisation.  The dispatch runs against a stand-in JIT
+function (there is no binary under the interpreter); on a GPU every fused op's CUDA tests go
+through it (``scripts/gpu_lab.sh``).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from distfuse.kernels import launch_cache
+from distfuse.kernels.launch_cache import LAUNCH_CACHE_ENV, CachedLaunch, arg_key
+
+
+def _arguments() -> list:
+    ints = [0, 1, 2, 3, 15, 16, 17, 32, -1, -16, -17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -2**31, -2**31 - 1,
+            -2**31 - 16, 2**63 - 16, 2**63 - 1, 2**63, 2**63 + 16, 2**64 - 16]
+    tensors = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8):
+        base = torch.zeros(64, dtype=dtype)
+        tensors += [base[offset:] for offset in range(9)]
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    descriptors = []
+    for dtype in (torch.float32, torch.bfloat16):
+        base = torch.zeros(64, 64, dtype=dtype)
+        for view, shape, strides in ((base, [64, 64], [64, 1]), (base[8:], [56, 64], [64, 1]),
+                                     (base[:, 16:], [64, 48], [64, 1])):
+            for block in ([16, 32], [32, 16], [16, 16]):
+                for padding in ("zero", "nan"):
+                    descriptors.append(TensorDescriptor(view, shape, strides, block, padding))
+    return ints + [True, False, 0.0, 1.5, -2.0, None] + tensors + descriptors
+
+
+def test_one_fingerprint_means_one_triton_specialisation():
+    pytest.importorskip("triton")
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    args = _arguments()
+    spec = [native_specialize_impl(BaseBackend, a, False, True, True) for a in args]  # Triton's finest
+    keys = [arg_key(a) for a in args]
+    for (i, a), (j, b) in itertools.combinations(enumerate(args), 2):
+        if keys[i] == keys[j]:
+            assert spec[i] == spec[j], (repr(a)[:40], repr(b)[:40], keys[i], spec[i], spec[j])
+    assert len(set(map(str, keys))) >= len(set(map(str, spec))), "the fingerprint is never coarser"
+    with pytest.raises(launch_cache._UnkeyableError):
+        arg_key(object())
+
+
+class _Binary:
+    """A stand-in for Triton's CompiledKernel: ``binary[grid](*args)`` records the launch."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args: self.launches.append((grid, args))
+
+
+class _Jit:
+    """A stand-in for a JITFunction with parameters ``x_ptr, n, BLOCK, FLAG``: records each JIT launch."""
+
+    arg_names = ["x_ptr", "n", "BLOCK", "FLAG"]
+
+    def __init__(self):
+        self.launches = []
+        self.binary = _Binary()
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.launches.append((grid, args, kwargs))
+            return self.binary
+        return run
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """As on a GPU: the cache on, device 0."""
+    monkeypatch.setattr(launch_cache, "launch_cache_enabled", lambda: True)
+    monkeypatch.setattr(launch_cache, "_current_device", lambda: 0)
+
+
+def test_a_repeated_fingerprint_launches_the_binary(compiled):
+    jit = _Jit()
+    launch = CachedLaunch(jit)
+    x = torch.zeros(64)
+    launch[(4,)](x, 32, BLOCK=64, FLAG=True, num_warps=4)
+    assert len(jit.launches) == 1 and not jit.binary.launches
+    other = torch.zeros(32)  # another tensor, also 16-byte aligned; another multiple of 16
+    launch[(5,)](other, 48, BLOCK=64, FLAG=True, num_warps=4)
+    assert len(jit.launches) == 1
+    assert jit.binary.launches == [((5, 1, 1), (other, 48, 64, True))], "signature order, no launch options"
+    for changed in ((x, 33, 64, True, 4), (x[1:], 32, 64, True, 4), (x, 32, 128, True, 4), (x, 32, 64, False, 4),
+                    (x, 32, 64, True, 8), (x, 1, 64, True, 4)):
+        x_, n, block, flag, warps = changed
+        launch[(4,)](x_, n, BLOCK=block, FLAG=flag, num_warps=warps)
+    assert len(jit.launches) == 7, "every change of specialisation, constexpr or option goes through the JIT"
+    assert len(jit.binary.launches) == 1
+
+
+def test_calls_the_fingerprint_cannot_model_always_take_the_jit(compiled, monkeypatch):
+    jit = _Jit()
+    launch = CachedLaunch(jit)
+    x = torch.zeros(64)
+    for _ in range(2):
+        launch[(1,)](x, 16, BLOCK=64)  # FLAG left to a default: never cached
+        launch[(1,)](object(), 16, BLOCK=64, FLAG=True)  # an argument of an unknown kind
+        launch[lambda meta: (1,)](x, 16, BLOCK=64, FLAG=True)  # a grid computed from the meta
+    assert len(jit.launches) == 6 and not jit.binary.launches
+    monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
+    monkeypatch.setattr(launch_cache, "launch_cache_enabled", lambda: False)
+    for _ in range(2):
+        launch[(1,)](x, 16, BLOCK=64, FLAG=True)
+    assert len(jit.launches) == 8 and not jit.binary.launches
+
+
+def test_off_under_the_interpreter(monkeypatch):
+    monkeypatch.delenv(LAUNCH_CACHE_ENV, raising=False)
+    assert launch_cache.launch_cache_enabled() == (not launch_cache.INTERPRET)
+    monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
+    assert not launch_cache.launch_cache_enabled()
