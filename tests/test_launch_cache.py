@@ -126,3 +126,37 @@ def test_off_under_the_interpreter(monkeypatch):
     assert launch_cache.launch_cache_enabled() == (not launch_cache.INTERPRET)
     monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
     assert not launch_cache.launch_cache_enabled()
+
+
+@pytest.mark.cuda
+def test_cached_launches_match_the_jit_cuda(monkeypatch):
+    """Compiled: a GEMM + reduce-scatter through the cache (the second call launches the binaries) is bitwise the
+    same op through the JIT alone, and the cache holds the consumer's binary."""
+    from distfuse.fused.workspace import LoopbackWorkspace
+    from distfuse.kernels import chunk_reduce as chunk_reduce_kernels
+    from distfuse.kernels.matmul_reduce_scatter import chunk_reduce, matmul_scatter, matmul_scatter_workspace_bytes
+
+    W, n, K, N = 4, 256, 128, 256
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(11)
+    a = [torch.randn(1, n, K, generator=g).to(dev, torch.bfloat16) for _ in range(W)]
+    w = [(torch.randn(N, K, generator=g) / 16).to(dev, torch.bfloat16) for _ in range(W)]
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(1, n, N, W, torch.bfloat16), dev)
+
+    def op():
+        with ws.in_flight("launch cache"):
+            for r in range(W):
+                matmul_scatter(a[r], w[r], ws, r, W)
+            outs = [chunk_reduce(ws, r, W, 1, n, N, partial_dtype=torch.bfloat16) for r in range(W)]
+        torch.cuda.synchronize()
+        return outs
+
+    monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
+    jit = op()
+    monkeypatch.delenv(LAUNCH_CACHE_ENV)
+    assert launch_cache.launch_cache_enabled()
+    first, second = op(), op()
+    assert chunk_reduce_kernels._CHUNK_REDUCE._binaries, "the consumer's binary is cached after its first launch"
+    for r in range(W):
+        assert torch.equal(first[r], jit[r]) and torch.equal(second[r], jit[r]), r
+        assert not torch.isnan(second[r]).any()

@@ -116,9 +116,9 @@ _BY_KERNEL: dict = {}
 def cached_launch(kernel) -> CachedLaunch:
     """The :class:`CachedLaunch` of ``kernel`` (one per kernel object, so call sites that pick a kernel at run time
     share its binaries): ``cached_launch(kernel)[grid](...)`` in place of ``kernel[grid](...)``."""
-    launch = _BY_KERNEL.get(kernel)
+    launch = _BY_KERNEL.get(id(kernel))  # by identity: a JITFunction hashes its source key (a lock per call)
     if launch is None:
-        launch = _BY_KERNEL[kernel] = CachedLaunch(kernel)
+        launch = _BY_KERNEL[id(kernel)] = CachedLaunch(kernel)  # holds the kernel: its id is never reused
     return launch
 
 
