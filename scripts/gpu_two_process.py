@@ -25,6 +25,9 @@ What it checks, on each rank:
 It also times the agreement flag round a CUDA layer call takes before its data collective, on
 this host: the shared-memory flag board (:mod:`distfuse.primitives._flag_board`) against the
 gloo all-reduce it replaces (``flag_round_us``: median microseconds per round, best of 5 x 500);
+the microseconds of a steady forward call of each fused op against ``F.linear`` on the same
+operands (``op_cost_us``: host issue time and wall time, a few-microsecond kernel, so the wall
+time of a fused op is its host path);
 and runs the deferred agreement transport (:mod:`distfuse.primitives._flag_deferred`, the CUDA
 default of every layer) through its CUDA code (pinned copy, event) on an
 ``AllSumReduce``: steady calls against float64, a disagreement that must give NaN and then
@@ -179,6 +182,47 @@ def flag_round_cost(P, rounds: int = 500, repeats: int = 5) -> dict:
     return out
 
 
+def fused_op_cost(P, dev, calls: int = 200, shape: tuple = (1, 512, 1024, 1024)) -> dict:
+    """Microseconds per steady forward call on ``P`` (collective), bf16, no autograd: each fused op with its Triton
+    producer and consumer, and ``F.linear`` on this rank's operands (the local GEMM, no communication).
+
+    ``host_us``: the host issue time per call, ``calls`` calls back to back without a sync;
+    ``wall_us``: per call once the GPU has finished them.  With kernels of a few microseconds,
+    a fused op's ``wall_us`` is its host path: claim, publish, producer, consumer, checks.
+    """
+    import torch.nn.functional as F
+
+    from distfuse.fused.all_gather_matmul import all_gather_matmul
+    from distfuse.fused.matmul_reduce_scatter import matmul_reduce_scatter
+
+    W, r = P.size, P.rank
+    B, n, K, N = shape
+    g = torch.Generator().manual_seed(7)
+    k0, k1 = _blocks(K, W)[r]
+    n0, n1 = _blocks(N, W)[r]
+    s0, s1 = _blocks(n, W)[r]
+    x = torch.randn(B, n, K, generator=g).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=g) / 32).to(torch.bfloat16)
+    x_rs, w_rs = x[..., k0:k1].contiguous().to(dev), w[:, k0:k1].contiguous().to(dev)
+    x_ag, w_ag = x[:, s0:s1].contiguous().to(dev), w[n0:n1].contiguous().to(dev)
+    ops = {"matmul_reduce_scatter": lambda: matmul_reduce_scatter(x_rs, w_rs, None, P, provider="triton"),
+           "all_gather_matmul": lambda: all_gather_matmul(x_ag, w_ag, None, P, n=n, provider="triton"),
+           "F.linear (rs operands)": lambda: F.linear(x_rs, w_rs)}
+    out = {"shape": [B, n, K, N]}
+    with torch.no_grad():
+        for name, fn in ops.items():
+            for _ in range(20):
+                fn()
+            _sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host = time.perf_counter() - t0
+            _sync(dev)
+            out[name] = dict(host_us=host / calls * 1e6, wall_us=(time.perf_counter() - t0) / calls * 1e6)
+    return out
+
+
 def _sync(dev) -> None:
     if torch.device(dev).type == "cuda":
         torch.cuda.synchronize()
@@ -258,6 +302,10 @@ def _rank_main(rank: int, W: int, init: str, iters: int, providers: list[str], o
         except Exception as exc:  # noqa: BLE001 - recorded
             report["flag_round_us"] = dict(error=f"{type(exc).__name__}: {exc}"[:500])
         try:
+            report["op_cost_us"] = fused_op_cost(grids["world-order"], dev)
+        except Exception as exc:  # noqa: BLE001 - recorded
+            report["op_cost_us"] = dict(error=f"{type(exc).__name__}: {exc}"[:500])
+        try:
             report["deferred_agreement"] = deferred_agreement_check(grids["reversed"], dev)
         except Exception:  # noqa: BLE001 - recorded
             report["deferred_agreement"] = dict(ok=False, failures=[traceback.format_exc()[-2000:]])
@@ -316,10 +364,11 @@ def summarize(reports: list[dict], iters: int, providers: list[str], seconds: fl
                                  not any(spec in f for f in failures))
     flag_cost = next((r["flag_round_us"] for r in reports if r.get("rank") == 0 and "flag_round_us" in r), None)
     deferred = {r["rank"]: r["deferred_agreement"] for r in reports if "deferred_agreement" in r}
+    op_cost = next((r["op_cost_us"] for r in reports if r.get("rank") == 0 and "op_cost_us" in r), None)
     return dict(ok=not failures and all(v["ok"] for v in by_provider.values())
                 and all(d.get("ok") for d in deferred.values()), world_size=2, iterations=iters,
                 seconds=seconds, by_provider=by_provider, failures=failures, flag_round_us=flag_cost,
-                deferred_agreement=deferred, reports=reports)
+                deferred_agreement=deferred, op_cost_us=op_cost, reports=reports)
 
 
 def main(argv=None) -> int:
@@ -365,6 +414,12 @@ def main(argv=None) -> int:
     elif cost:
         print(f"gpu_two_process: agreement flag round, us per call: board {cost['board']:.1f} (used: "
               f"{cost['board_used']}), gloo {cost['gloo']:.1f}")
+    op_cost = summary.get("op_cost_us")
+    if op_cost and "error" in op_cost:
+        print(f"gpu_two_process: fused op cost not measured: {op_cost['error']}")
+    elif op_cost:
+        print(f"gpu_two_process: steady forward call, us (host / wall), shape {op_cost['shape']}: " + ", ".join(
+            f"{k} {v['host_us']:.1f} / {v['wall_us']:.1f}" for k, v in op_cost.items() if k != "shape"))
     for rank, d in summary["deferred_agreement"].items():
         if d.get("ok"):
             print(f"gpu_two_process: deferred agreement (rank {rank}) ok; host us per steady call: deferred "
