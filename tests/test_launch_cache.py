@@ -112,13 +112,29 @@ def test_calls_the_fingerprint_cannot_model_always_take_the_jit(compiled, monkey
     for _ in range(2):
         launch[(1,)](x, 16, BLOCK=64)  # FLAG left to a default: never cached
         launch[(1,)](object(), 16, BLOCK=64, FLAG=True)  # an argument of an unknown kind
-        launch[lambda meta: (1,)](x, 16, BLOCK=64, FLAG=True)  # a grid computed from the meta
-    assert len(jit.launches) == 6 and not jit.binary.launches
+    assert len(jit.launches) == 4 and not jit.binary.launches
     monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
     monkeypatch.setattr(launch_cache, "launch_cache_enabled", lambda: False)
     for _ in range(2):
         launch[(1,)](x, 16, BLOCK=64, FLAG=True)
-    assert len(jit.launches) == 8 and not jit.binary.launches
+    assert len(jit.launches) == 6 and not jit.binary.launches
+
+
+def test_a_grid_function_sees_every_parameter_by_name(compiled):
+    """As the JIT calls it: ``grid(META)`` with the positional arguments and the constexprs by name."""
+    jit = _Jit()
+    launch = CachedLaunch(jit)
+    x = torch.zeros(64)
+    seen = []
+
+    def grid(meta):
+        seen.append(dict(meta))
+        return (meta["n"] // meta["BLOCK"], 2)
+
+    launch[grid](x, 128, BLOCK=32, FLAG=True, num_warps=4)  # the JIT computes the grid itself
+    launch[grid](x, 256, BLOCK=32, FLAG=True, num_warps=4)
+    assert len(jit.launches) == 1 and jit.binary.launches == [((8, 2, 1), (x, 256, 32, True))]
+    assert seen == [dict(x_ptr=x, n=256, BLOCK=32, FLAG=True, num_warps=4)]
 
 
 def test_off_under_the_interpreter(monkeypatch):

@@ -75,8 +75,10 @@ class CachedLaunch:
 
     Positional arguments are the kernel's leading parameters; the rest of its parameters
     (its constexprs) come by name, and names that are no parameter are launch options
-    (``num_warps``...).  A call that leaves a parameter to its default, or passes an argument
-    the fingerprint does not model (a tensor descriptor), always goes through the JIT.
+    (``num_warps``...).  ``grid`` may be a tuple or, as for the JIT, a function of the
+    parameters by name.  A call that leaves a parameter to its default (an autotuned kernel,
+    whose tuner supplies the block sizes), or passes an argument the fingerprint does not
+    model, always goes through the JIT.
     """
 
     def __init__(self, kernel):
@@ -85,7 +87,7 @@ class CachedLaunch:
         self._binaries: dict = {}
 
     def __getitem__(self, grid):
-        if not launch_cache_enabled() or callable(grid):
+        if not launch_cache_enabled():
             return self.kernel[grid]  # the JIT's own launch, no wrapper in the way
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
@@ -97,6 +99,8 @@ class CachedLaunch:
             return self.kernel[grid](*args, **kwargs)
         if hit is not None:
             binary, tail = hit
+            if callable(grid):  # grid(META), as the JIT calls it: every parameter by name
+                grid = grid({**dict(zip(self._names, args)), **kwargs})
             binary[_grid3(grid)](*args, *(kwargs[name] for name in tail))
             return binary
         binary = self.kernel[grid](*args, **kwargs)  # the JIT: specialise, compile or find, launch
