@@ -100,7 +100,7 @@ class CachedLaunch:
         if hit is not None:
             binary, tail = hit
             if callable(grid):  # grid(META), as the JIT calls it: every parameter by name
-                grid = grid({**dict(zip(self._names, args)), **kwargs})
+                grid = grid({**dict(zip(self._names, args, strict=False)), **kwargs})  # args: the leading ones
             binary[_grid3(grid)](*args, *(kwargs[name] for name in tail))
             return binary
         binary = self.kernel[grid](*args, **kwargs)  # the JIT: specialise, compile or find, launch
