@@ -137,3 +137,31 @@ def test_status_words_are_mapped_pinned_memory_on_cuda():
     ws = LoopbackWorkspace(2, 4096, dev)
     slot = ws.rank_view(0).status
     assert ws.status_slots.mapped and slot.device.type == "cpu" and slot.is_pinned() and slot.data_ptr() % 16 == 0
+
+
+@pytest.mark.cuda
+def test_a_launch_on_another_stream_is_read_after_that_stream_cuda():
+    """Compiled, deferred: a consumer launched on a side stream inside a claim taken on the default stream; its
+    check waits for the side stream (an event recorded on the claim's idle stream would read the words before the
+    kernel wrote them, and miss the failure)."""
+    from distfuse.fused.workspace import check_pending
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    g = torch.Generator().manual_seed(3)
+    a = [torch.randn(B, n, K, generator=g).to(dev) for _ in range(W)]
+    w = [(torch.randn(N, K, generator=g) / math.sqrt(K)).to(dev) for _ in range(W)]
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32), dev, timeout=0.5)
+    ws.status_mode = "deferred"
+    out = torch.zeros(B, block_extent(n, W, 0), N, device=dev)
+    side = torch.cuda.Stream(dev)
+    with ws.in_flight("side stream"):
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for r in (0, 2):  # source 1 never produces: the consumer waits out the 0.5 s timeout
+                matmul_scatter(a[r], w[r], ws, r, W)
+            chunk_reduce(ws, 0, W, B, n, N, partial_dtype=torch.float32, out=out)
+        torch.cuda.current_stream(dev).wait_stream(side)
+    assert ws.deferred and not ws.broken
+    with pytest.raises(CollectiveTimeoutError, match=r"flag of peer\(s\) \[1\] was not raised"):
+        check_pending()
+    assert torch.isnan(out).all()

@@ -86,7 +86,7 @@ class _Workspace(abc.ABC):
         self.max_spin = 0
         self._busy: str | None = None
         self._lock = threading.Lock()
-        self._last_stream = None  # the stream of the last claim (CUDA): the op's launches and its events go there
+        self._last_stream = None  # the stream of the last claim (CUDA): a claim on another stream waits for it
         self._last_raw_stream = None
 
     # ---- the concurrency rule

@@ -54,6 +54,7 @@ class _Owner(Protocol):
     status_slots: StatusSlots
     _events: list
     _last_stream: object
+    _last_raw_stream: int | None
 
     def wait_producers(self) -> None: ...
 
@@ -210,8 +211,16 @@ class RankBuffers:
         if cuda:
             words = owner.status_slots.snapshot(slot)
             event = owner._events.pop() if owner._events else torch.cuda.Event()
-            event.record(owner._last_stream)  # the claim's stream, where the launch went (no current_stream call)
+            event.record(self._current_stream())
         owner.deferred.append(PendingCheck(words, event, self.rank, self.epoch, op, what, slot, sig_what))
+
+    def _current_stream(self):
+        """The current CUDA stream, where the launch just went: the claim's stream object when the raw handle says it
+        is still current (one C call; ``torch.cuda.current_stream`` is Python), else asked for."""
+        owner = self._owner
+        if torch._C._cuda_getCurrentRawStream(self.device.index) == owner._last_raw_stream:
+            return owner._last_stream
+        return torch.cuda.current_stream(self.device)
 
     def read_status_now(self, slot: torch.Tensor | None = None) -> torch.Tensor:
         """The words of ``slot`` (default: :attr:`status`) on the host, once every launch issued so far on the
