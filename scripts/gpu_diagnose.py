@@ -263,6 +263,12 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
         record(section="halo_tiles", op="copy", **shape,
                **measure(torch, lambda dst=dst, case=case: dst.copy_(case.staged_ref), device, calls))
         lead = case.x.numel() // math.prod(case.x.shape[2:])
+        for region in ("local", "remote"):  # the pinned tile, split: the window and x's pieces, then recv's pieces
+            launch = hp.stage_launch(case.plan, case.index, lead, device, region, None)
+            record(section="halo_tiles", op=f"halo_stage region={region}", **shape,
+                   **measure(torch, lambda out=out, case=case, launch=launch: hp.launch_stage(out, case.x, case.recv,
+                                                                                             launch),
+                             device, calls))
         for elems, warps in configs:
             if clock.left() < 15:
                 return
@@ -290,10 +296,13 @@ def halo_full_host(torch, device, dtype, calls, record, cuda) -> None:
         case = Case(nd, 1, c, n, 1, dtype, device)
         for provider in ("fused", "cat"):
             halos = _halo_inputs(case, provider)
-            record(section="halo_full", op=provider, nd=nd, C=c, n=n,
-                   **measure(torch, lambda case=case, p=provider, h=halos: full_step(case, p, case.x, h, case.weight,
-                                                                                      case.bias),
-                             device, calls, profile=False))
+            def step(case=case, p=provider, h=halos):
+                return full_step(case, p, case.x, h, case.weight, case.bias)
+
+            record(section="halo_full", op=provider, nd=nd, C=c, n=n, **measure(torch, step, device, calls,
+                                                                               profile=False))
+            if cuda and provider == "fused":
+                print(f"cprofile halo_full fused nd={nd} C={c} n={n}:\n" + cprofile_top(step, calls), flush=True)
 
 
 def main(argv=None) -> int:
