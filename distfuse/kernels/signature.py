@@ -141,9 +141,9 @@ def _sig_offset(st) -> int:
 def _launch_check(st, rank: int, world_size: int, sig: int, flat: torch.Tensor, flag_base: int,
                   flag_stride: int) -> None:
     grid = (max(1, cdiv(flat.numel(), _POISON_BLOCK)),)
-    _CHECK[grid](st.flags, st.sigs, st.status, flat, flat.numel(), rank, world_size, sig,
-                                   flag_base, flag_stride, st.epoch_dev, timeout_arg(st), TIMED=TIMED_WAITS,
-                                   W_BLOCK=next_power_of_2(world_size), BLOCK=_POISON_BLOCK)
+    _CHECK[grid](st.flags, st.sigs, st.status, flat, flat.numel(), rank, world_size, sig, flag_base, flag_stride,
+                 st.epoch_dev, timeout_arg(st), TIMED=TIMED_WAITS, W_BLOCK=next_power_of_2(world_size),
+                 BLOCK=_POISON_BLOCK)
 
 
 def publish_signature(ws, rank: int, world_size: int, sig: int, op: str = "publish_signature") -> None:
