@@ -367,6 +367,14 @@ def test_stage_one_launch_against_the_reference(gshape, grid, kernel, padding, w
         assert torch.equal(hk.halo_stage(x, recv, plan, i, out=local, region="remote", tile=tile), want), i
         remote = hk.halo_stage(x, recv, plan, i, out=nan.clone(), region="remote", tile=tile)
         assert torch.equal(remote.isnan(), ~received) and torch.equal(remote[received], want[received]), i
+        # the slabs both ways: one piece per row over the window's columns (SLAB_ROWS), and the walk per element
+        chosen = launch.meta["SLAB_ROWS"]
+        for region in ("all", "remote"):
+            other = hp.stage_launch(plan, i, 2, x.device, region, tile, slab_rows=not chosen)
+            out = nan.clone()
+            hp.launch_stage(out, x, recv, other)
+            part = received if region == "remote" else torch.ones_like(received)
+            assert torch.equal(out.isnan(), ~part) and torch.equal(out[part], want[part]), (region, i, not chosen)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=["bf16", "fp16", "fp64"])
@@ -647,7 +655,7 @@ for dt, acc, compute in (("bf16", "fp32", tl.float32), ("fp64", "fp64", tl.float
         for wide, align in ((False, 1), (True, 1), (False, 8)):
             comp(hp.stage_kernel, dt, acc, {"REGION": 1, "WIDE": wide, "NUM_BOX": hp.STAGE_BOXES, "BLOCK_R": 64,
                                             "BLOCK_X": 64, "SLAB_X": 16, "STRIP_X": 4, "X_ALIGN": align,
-                                            "OUT_ALIGN": align}, ones)
+                                            "OUT_ALIGN": align, "SLAB_ROWS": not wide}, ones)
         comp(hp.box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "COMPUTE": compute, "ROUND_BF16": False, "BLOCK": 1024},
              ones)
         comp(hp.accumulate_kernel, dt, acc, {"COMPUTE": compute, "ROUND_BF16": False, "BLOCK_R": 32, "BLOCK_X": 64},

@@ -220,10 +220,13 @@ def _halo_cases(dtypes) -> list[KernelCase]:
         for bx in halo.STAGE_WIDTHS:  # halo.stage_tile's GPU choices: the one-launch staging
             br = halo.STAGE_TILE_ELEMENTS // bx
             tile = dict(NUM_BOX=halo.STAGE_BOXES, BLOCK_R=br, BLOCK_X=bx, SLAB_X=max(1, bx // halo.STAGE_SLAB_SPLIT),
-                        STRIP_X=max(1, 32 * halo.STAGE_NUM_WARPS // br), X_ALIGN=1, OUT_ALIGN=1)
-            # int32 offsets in every region; int64 ones (buffers of 2^31 elements or more) where they hold the most
-            for region, wide in ((0, False), (1, False), (2, False), (0, True)):
-                cases.append(KernelCase("halo_stage", halo.stage_kernel, dt, dict(tile, REGION=region, WIDE=wide),
+                        STRIP_X=max(1, 32 * halo.STAGE_NUM_WARPS // br), X_ALIGN=1, OUT_ALIGN=1, SLAB_ROWS=True)
+            # int32 offsets in every region, slabs one piece per row; int64 ones (buffers of 2^31 elements or more)
+            # where they hold the most, slabs by the table walk per element (stage_launch's choice there)
+            for region, wide, slab_rows in ((0, False, True), (1, False, True), (2, False, True), (0, True, False),
+                                            (0, False, False)):
+                cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
+                                        dict(tile, REGION=region, WIDE=wide, SLAB_ROWS=slab_rows),
                                         halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64, "btab_ptr": "i64"}))
             # rows 16-byte aligned in the block and the staged tensor (even halos): the window moves in vectors
             vec = 16 // dt.itemsize

@@ -21,8 +21,18 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   window ``[LEAD, I0, I1, I2]``        one load from ``x``, one store: no table load
   columns left/right of the window     one piece per column: five table loads per column,
   (in the window's rows)               done by the window's edge tiles
-  slabs of whole rows (axes 0, 1)      the table walk (``[BLOCK_R, SLAB_X]`` tiles)
+  slabs of whole rows (axes 0, 1), at  one piece per row: five table loads per row, then
+  the window's columns (``SLAB_ROWS``) one load and one store, tiled like the window
+  slabs beside the window's columns    the table walk, done by the slabs' edge tiles
   ===================================  ==================================================
+
+  The slabs are 6.5% of the staged elements of a 64^3 block at halo 1 (0.4% of a 512^2
+  one), and their walk per element (five dependent table loads each, in tiles a quarter
+  as wide) is the likely reason 3-D staging took twice the copy's time on an H200 where
+  2-D took 1.15 times.  ``SLAB_ROWS`` (chosen by :func:`stage_launch` where the window's
+  columns are one linear segment, offsets are int32 and the block's rows are vector
+  aligned; else the walk as before) has not run on a GPU yet; ``scripts/gpu_diagnose.py``
+  times the staging by region to check where the time goes.
 
   No tile straddles the window's edge, so the copy never pays for the walk: with whole
   staged rows in a tile (L2 = 66 in one 128-wide tile) every tile holds halo columns, and a
@@ -99,7 +109,14 @@ import triton.language as tl
 
 from distfuse.errors import UnsupportedError, where
 from distfuse.geometry.halo_plan import HaloPlan
-from distfuse.kernels.halo_tables import contiguous_strides, interior_piece, pad3, recv_numel, stage_tables
+from distfuse.kernels.halo_tables import (
+    axis_luts,
+    contiguous_strides,
+    interior_piece,
+    pad3,
+    recv_numel,
+    stage_tables,
+)
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out
 from distfuse.kernels.launch_cache import cached_launch
@@ -267,11 +284,40 @@ def _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_le
 
 
 @triton.jit
+def _slab_row_pieces(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, ptab_ptr, NS1, NS2, box, e0, e1,
+                     lead, rmask, cols, cmask, out_row, REGION: tl.constexpr, IDX: tl.constexpr):
+    """A slab's rows at the window's columns ``cols``: one piece per row, ``(seg0[e0], seg1[e1], S2W)``, whose
+    source offset is linear in the column (``crd2 = col + C2BASE`` there: :func:`stage_launch` checked it), so
+    the five piece-table loads are per row, not per element, and the columns move like the window's copy: one
+    load per element from the row's source (the block or the receive buffer, picked per row), offsets in IDX."""
+    s0 = tl.load(seg0_ptr + e0, mask=rmask, other=0)
+    c0 = tl.load(crd0_ptr + e0, mask=rmask, other=0).to(tl.int64)
+    s1 = tl.load(seg1_ptr + e1, mask=rmask, other=0)
+    c1 = tl.load(crd1_ptr + e1, mask=rmask, other=0).to(tl.int64)
+    prow = ((s0 * NS1 + s1) * NS2 + tl.load(box + 19).to(tl.int32)) * 5
+    kind = tl.load(ptab_ptr + prow, mask=rmask, other=0)
+    off0 = (tl.load(ptab_ptr + prow + 1, mask=rmask, other=0) + lead * tl.load(ptab_ptr + prow + 2, mask=rmask,
+                                                                              other=0)
+            + c0 * tl.load(ptab_ptr + prow + 3, mask=rmask, other=0) + c1 * tl.load(ptab_ptr + prow + 4, mask=rmask,
+                                                                                  other=0)
+            + tl.load(box + 21))
+    if REGION == 1:
+        rmask = rmask & (kind != 2)
+    if REGION == 2:
+        rmask = rmask & (kind == 2)
+    off0 = off0.to(IDX)
+    src = tl.where(kind == 2, b_ptr + off0, a_ptr + off0)  # per row; kind 0 (zero fill) reads nothing
+    mask = rmask[:, None] & cmask[None, :]
+    v = tl.load(src[:, None] + cols[None, :], mask=mask & (kind != 0)[:, None], other=0.0)
+    tl.store(out_ptr + (out_row[:, None] + cols[None, :]), v, mask=mask)
+
+
+@triton.jit
 def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
                  btab_ptr, NS1, NS2, out_s1, x_s1,
                  REGION: tl.constexpr, WIDE: tl.constexpr, NUM_BOX: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, SLAB_X: tl.constexpr, STRIP_X: tl.constexpr,
-                 X_ALIGN: tl.constexpr, OUT_ALIGN: tl.constexpr):
+                 X_ALIGN: tl.constexpr, OUT_ALIGN: tl.constexpr, SLAB_ROWS: tl.constexpr):
     """The whole staged tensor ``out [LEAD, E0, E1, E2]`` (row length ``out_s1`` = E2) in one launch.
 
     Box 0 of the box table is the interior window ``[LEAD, I0, I1, I2]`` at staged ``(LO0, LO1, LO2)``: a plain
@@ -283,7 +329,10 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
     its START (table rows: see :func:`stage_launch`).  Offsets are int32 unless WIDE (a buffer of 2^31 elements
     or more): int64.  ``X_ALIGN`` / ``OUT_ALIGN`` (powers of two, elements): every window row starts at a multiple
     of them in the block / the staged tensor (computed by :func:`stage_launch`); they let the compiler move the
-    window's rows in 16-byte vectors instead of one element per instruction.
+    window's rows in 16-byte vectors instead of one element per instruction.  ``SLAB_ROWS``: the slabs are tiled
+    like the window (``[BLOCK_R, BLOCK_X]`` over the window's columns, one piece per row:
+    :func:`_slab_row_pieces`), their edge tiles walking the tables for the columns beside the window, instead of
+    the table walk per element over whole rows.
     """
     IDX: tl.constexpr = tl.int64 if WIDE else tl.int32
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
@@ -316,16 +365,33 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
         if n_left + n_right > 0:
             _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_left, n_right, rmask, r, q,
                           lead, out_row, REGION, IDX, STRIP_X)
-    else:  # a slab spans every column (LO2 = 0); own names: a name bound in both branches must keep its shape
-        s_cols = pid_x * SLAB_X + tl.arange(0, SLAB_X)
-        s_cmask = s_cols < width
+    else:  # a slab spans every column; own names: a name bound in both branches must keep its shape
         s_rmask, s_r, s_q, s_lead, s_out_row = _box_rows(box, pid_r, out_s1, BLOCK_R, IDX)
         s_e1 = (s_r - s_q * tl.load(box + 4).to(IDX)).to(tl.int32) + tl.load(box + 14).to(tl.int32)
         s_e0 = (s_q - s_lead * tl.load(box + 7).to(IDX)).to(tl.int32) + tl.load(box + 13).to(tl.int32)
-        # values stay in the tensor's dtype: no conversion, so even the interpreter keeps bf16 subnormals
-        _lut_tile(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr, NS1,
-                  NS2, s_e0, s_e1, s_lead.to(tl.int64), s_rmask, s_cols, s_cmask, s_out_row, REGION,
-                  out_ptr.dtype.element_ty)
+        if SLAB_ROWS:  # tiled like the window (LO2 and RHI: the window's columns)
+            w_lo = tl.load(box + 15).to(tl.int32)
+            w_hi = tl.load(box + 20).to(tl.int32)
+            s_cols = w_lo + pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
+            _slab_row_pieces(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, ptab_ptr, NS1, NS2, box,
+                             s_e0, s_e1, s_lead.to(tl.int64), s_rmask, s_cols, s_cols < w_hi, s_out_row, REGION,
+                             IDX)
+            s_left = tl.where(pid_x == 0, w_lo, 0)
+            s_n = s_left + tl.where(pid_x == nx - 1, out_s1 - w_hi, 0)
+            c = tl.full([], 0, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
+            while c < s_n:  # the columns beside the window, by the table walk
+                s_j = c + tl.arange(0, STRIP_X)  # not j: the box search's static loop binds it
+                _lut_tile(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr,
+                          ptab_ptr, NS1, NS2, s_e0, s_e1, s_lead.to(tl.int64), s_rmask,
+                          tl.where(s_j < s_left, s_j, w_hi + s_j - s_left), s_j < s_n, s_out_row, REGION,
+                          out_ptr.dtype.element_ty)
+                c += STRIP_X
+        else:
+            s_cols = pid_x * SLAB_X + tl.arange(0, SLAB_X)
+            # values stay in the tensor's dtype: no conversion, so even the interpreter keeps bf16 subnormals
+            _lut_tile(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
+                      NS1, NS2, s_e0, s_e1, s_lead.to(tl.int64), s_rmask, s_cols, s_cols < width, s_out_row, REGION,
+                      out_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -598,9 +664,19 @@ def _segment_at(ax, i: int, pos: int) -> int:
     return next(s for s, sg in enumerate(ax.segments(i)) if sg.dst <= pos < sg.dst + sg.length)
 
 
+def _window_columns_linear(plan: HaloPlan, index: tuple[int, ...], lo2: int, width: int, seg2: int) -> int | None:
+    """``C2BASE`` with ``crd2[col] == col + C2BASE`` and ``seg2[col] == seg2`` at every window column ``[lo2, lo2 +
+    width)`` of the last axis (what lets :func:`stage_kernel` read a slab's rows there one piece per row), or None."""
+    seg_id, crd = axis_luts(plan.axes[-1], index[-1])
+    cols = range(lo2, lo2 + width)
+    if all(seg_id[c] == seg2 and crd[c] - c == crd[lo2] - lo2 for c in cols):
+        return crd[lo2] - lo2
+    return None
+
+
 @functools.lru_cache(maxsize=512)
 def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, region: str,
-                 tile: tuple[int, ...] | None) -> StageLaunch:
+                 tile: tuple[int, ...] | None, slab_rows: bool | None = None) -> StageLaunch:
     """The staging launch of worker ``index`` for ``lead`` leading elements, cached: no per-call host work but the
     cache lookup (plans hash by identity, as for :func:`~distfuse.kernels.halo_tables.stage_tables`).
 
@@ -615,6 +691,9 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     ``OBASE + r*E2 + q*OB + lead*OC``.  Window only: its source row starts at ``XBASE + r*n2 + q*XB + lead*XC`` in
     the block, ``PBASE`` is the piece-table row of its axis-0/1 segments (``(s0 * NS1 + s1) * NS2``), ``RHI`` the
     first column right of it.  Region ``"remote"`` gives the window programs only where there are strips.
+    With ``SLAB_ROWS`` the slabs are tiled over the window's columns (``NX`` of ``BLOCK_X``) and their row holds
+    ``15 LO2`` and ``20 RHI`` of the window, ``19 S2W`` the window's segment on the last axis and ``21 C2BASE``
+    (``crd2 = col + C2BASE`` there).  ``slab_rows``: None chooses (see below); True or False forces it (tests).
     """
     staged = tuple(plan.staged_shape(index))
     x_shape = tuple(plan.input_shape(index))
@@ -645,20 +724,34 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     strips = lo[2] > 0 or lo[2] + ext[2] < full[2]
     segs = [0] * (3 - len(plan.axes)) + [_segment_at(ax, i, p)
                                          for ax, i, p in zip(plan.axes, index, interior.dst_lo, strict=True)]
+    wide = max(total, lead * x_ls, recv) >= WIDE_ELEMENTS
+    # The window's rows start at XBASE + r*n2 + q*XB + lead*XC in the block (box table columns 16-18 below).
+    xbase, (w_e0, w_e1, _) = sum(a * b for a, b in zip(src, x_str, strict=True)), extents[0]
+    x_align = pow2_divisor(xbase, x_str[1], x_str[0] - w_e1 * x_str[1], x_ls - w_e0 * x_str[0], ext[2])
+    # Slabs one piece per row where the window's columns allow it, with int32 offsets and vector-aligned block rows:
+    # compiled for sm_90 (bf16, 4096-element tiles) that costs 72-80 registers a thread, as the per-element walk
+    # does; with int64 offsets it spills, and with unaligned rows it takes 255 (the walk: 159).
+    c2base = _window_columns_linear(plan, index, lo[2], ext[2], segs[2])
+    if slab_rows is None:
+        slab_rows = c2base is not None and not wide and x_align > 1
+    elif slab_rows and c2base is None:
+        raise ValueError("stage_launch: slab_rows=True, but the window's columns are not one linear segment")
     rows, start = [], 0
     for k, ((lo0, _), (lo1, _), (lo2, _)), (E0, E1, width) in zip(range(len(boxes)), boxes, extents, strict=True):
         n_rows = lead * E0 * E1
-        nx = cdiv(width, slab_x if k else block_x)
+        nx = cdiv(ext[2], block_x) if k and slab_rows else cdiv(width, slab_x if k else block_x)
         tiles = 0 if k == 0 and code == 2 and not strips else cdiv(n_rows, block_r) * nx
         rows += [start, nx, n_rows, width, E1, *magic_divisor(E1), E0, *magic_divisor(E0),
                  lo0 * out_str[1] + lo1 * out_str[2], out_str[1] - E1 * out_str[2], out_str[0] - E0 * out_str[1],
-                 lo0, lo1, lo2]
+                 lo0, lo1, lo[2] if k and slab_rows else lo2]
         if k == 0:  # XBASE XB XC: the window's source in the block, linear in (r, q, lead) like OBASE OB OC
-            rows += [sum(a * b for a, b in zip(src, x_str, strict=True)), x_str[0] - E1 * x_str[1],
-                     x_ls - E0 * x_str[0], (segs[0] * ns[1] + segs[1]) * ns[2], lo[2] + ext[2]]
+            rows += [xbase, x_str[0] - E1 * x_str[1], x_ls - E0 * x_str[0], (segs[0] * ns[1] + segs[1]) * ns[2],
+                     lo[2] + ext[2], 0]
+        elif slab_rows:  # the slab's rows at the window's columns: S2W (col 19), RHI (20), C2BASE (21)
+            rows += [0, 0, 0, segs[2], lo[2] + ext[2], c2base]
         else:
-            rows += [0] * 5
-        rows += [0] * (_STAGE_COLS - 21)
+            rows += [0] * 6
+        rows += [0] * (_STAGE_COLS - 22)
         start += tiles
     for _ in range(STAGE_BOXES - len(boxes)):
         rows += [_NEVER, 1] + [0] * (_STAGE_COLS - 2)
@@ -668,14 +761,13 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         raise UnsupportedError(f"{where('halo_stage')}: {most} rows (LEAD times every staged extent but the last) "
                                "exceed 2^31 - 1")
     btab = torch.tensor(rows, dtype=torch.int64, device=device)
-    wide = max(total, lead * x_ls, recv) >= WIDE_ELEMENTS
-    w = rows[:_STAGE_COLS]  # the window's row: its rows start at XBASE + r*n2 + q*XB + lead*XC in the block
-    x_align = pow2_divisor(w[16], x_str[1], w[17], w[18], ext[2])
+    w = rows[:_STAGE_COLS]  # the window's row: its staged rows start at OBASE + LO2 + r*E2 + q*OB + lead*OC
     out_align = pow2_divisor(w[10] + lo[2], full[2], w[11], w[12])
     return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, ns[1], ns[2], full[2],
                                                                         x_str[1]),
                        dict(REGION=code, WIDE=wide, NUM_BOX=STAGE_BOXES, BLOCK_R=block_r, BLOCK_X=block_x,
-                            SLAB_X=slab_x, STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, num_warps=warps),
+                            SLAB_X=slab_x, STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, SLAB_ROWS=slab_rows,
+                            num_warps=warps),
                        x_shape)
 
 

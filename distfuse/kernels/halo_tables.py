@@ -34,7 +34,7 @@ from distfuse.geometry.halo_plan import HaloPlan, Piece
 
 __all__ = ["SUPPORTED_DTYPES", "MASK_BITS", "pad3", "contiguous_strides", "box_offsets", "interior_piece",
            "self_pieces", "send_numel", "recv_numel", "self_numel", "stage_tables", "pack_tables", "unstage_box_tables",
-           "accumulate_tables", "plan_tensor_lead", "check_plan_layout", "check_flat"]
+           "accumulate_tables", "plan_tensor_lead", "check_plan_layout", "check_flat", "axis_luts"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # Boxes per accumulate launch: bits 0..61 of an int64 mask (bit 63 would make the mask
@@ -113,17 +113,20 @@ def _i64(values, device) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=512)
+def axis_luts(ax, i: int) -> tuple[list[int], list[int]]:
+    """``(segment, coordinate)`` of every staged position of axis ``ax`` at worker coordinate ``i``: the segment's
+    index and the coordinate in its source box (0 for zero fill and replicate, reversed for reflect)."""
+    seg_id, crd = [], []
+    for s, sg in enumerate(ax.segments(i)):
+        seg_id += [s] * sg.length
+        crd += [0 if sg.src is None or sg.step == 0 else t if sg.step == 1 else sg.extent - 1 - t
+                for t in range(sg.length)]
+    return seg_id, crd
+
+
 def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
     """Per-axis (segment, coordinate) LUTs over the staged extents and the piece table."""
-    luts = []
-    for ax, i in zip(plan.axes, index, strict=True):
-        seg_id, crd = [], []
-        for s, sg in enumerate(ax.segments(i)):
-            seg_id += [s] * sg.length
-            # the coordinate in the segment's source box: 0 for zero fill and replicate, reversed for reflect
-            crd += [0 if sg.src is None or sg.step == 0 else t if sg.step == 1 else sg.extent - 1 - t
-                    for t in range(sg.length)]
-        luts.append((seg_id, crd))
+    luts = [axis_luts(ax, i) for ax, i in zip(plan.axes, index, strict=True)]
     x_shape = plan.input_shape(index)
     x_str = pad3(contiguous_strides(x_shape), 0)
     recv_offs, _ = box_offsets([pc.src_shape for pc in plan.recvs(index)], lead)
