@@ -263,9 +263,23 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
         record(section="halo_tiles", op="copy", **shape,
                **measure(torch, lambda dst=dst, case=case: dst.copy_(case.staged_ref), device, calls))
         lead = case.x.numel() // math.prod(case.x.shape[2:])
-        for region in ("local", "remote"):  # the pinned tile, split: the window and x's pieces, then recv's pieces
-            launch = hp.stage_launch(case.plan, case.index, lead, device, region, None)
-            record(section="halo_tiles", op=f"halo_stage region={region}", **shape,
+        # The pinned tile, split: the window and x's pieces, then recv's pieces; then the slabs both ways (one piece
+        # per row, the stage_launch default where it applies, against the table walk per element), checked first.
+        variants = [(f"halo_stage region={region}", dict(region=region)) for region in ("local", "remote")]
+        variants += [(f"halo_stage slab_rows={flag}", dict(region="all", slab_rows=flag)) for flag in (True, False)]
+        for name, how in variants:
+            try:
+                launch = hp.stage_launch(case.plan, case.index, lead, device, how["region"], None,
+                                         how.get("slab_rows"))
+            except ValueError as exc:  # slab_rows=True where the window's columns are not one linear segment
+                record(section="halo_tiles", op=name, **shape, error=str(exc)[:200])
+                continue
+            extra = {}
+            if "slab_rows" in how:
+                out.fill_(float("nan"))
+                hp.launch_stage(out, case.x, case.recv, launch)
+                extra = dict(exact=bool(torch.equal(out, case.staged_ref)))
+            record(section="halo_tiles", op=name, **shape, **extra,
                    **measure(torch, lambda out=out, case=case, launch=launch: hp.launch_stage(out, case.x, case.recv,
                                                                                              launch),
                              device, calls))
