@@ -728,12 +728,14 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     # The window's rows start at XBASE + r*n2 + q*XB + lead*XC in the block (box table columns 16-18 below).
     xbase, (w_e0, w_e1, _) = sum(a * b for a, b in zip(src, x_str, strict=True)), extents[0]
     x_align = pow2_divisor(xbase, x_str[1], x_str[0] - w_e1 * x_str[1], x_ls - w_e0 * x_str[0], ext[2])
-    # Slabs one piece per row where the window's columns allow it, with int32 offsets and vector-aligned block rows:
-    # compiled for sm_90 (bf16, 4096-element tiles) that costs 72-80 registers a thread, as the per-element walk
-    # does; with int64 offsets it spills, and with unaligned rows it takes 255 (the walk: 159).
+    # Slabs one piece per row on GPUs where the window's columns allow it, with int32 offsets and vector-aligned
+    # block rows: compiled for sm_90 (bf16, 4096-element tiles) that costs 72-80 registers a thread, as the
+    # per-element walk does; with int64 offsets it spills, and with unaligned rows it takes 255 (the walk: 159).
+    # Not under the interpreter, where it costs more Python per program than the walk (20-60% a staging);
+    # the tests force both ways.
     c2base = _window_columns_linear(plan, index, lo[2], ext[2], segs[2])
     if slab_rows is None:
-        slab_rows = c2base is not None and not wide and x_align > 1
+        slab_rows = device.type == "cuda" and c2base is not None and not wide and x_align > 1
     elif slab_rows and c2base is None:
         raise ValueError("stage_launch: slab_rows=True, but the window's columns are not one linear segment")
     rows, start = [], 0
