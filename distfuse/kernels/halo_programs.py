@@ -29,10 +29,10 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   The slabs are 6.5% of the staged elements of a 64^3 block at halo 1 (0.4% of a 512^2
   one), and their walk per element (five dependent table loads each, in tiles a quarter
   as wide) is the likely reason 3-D staging took twice the copy's time on an H200 where
-  2-D took 1.15 times.  ``SLAB_ROWS`` (chosen by :func:`stage_launch` where the window's
-  columns are one linear segment, offsets are int32 and the block's rows are vector
-  aligned; else the walk as before) has not run on a GPU yet; ``scripts/gpu_diagnose.py``
-  times the staging by region to check where the time goes.
+  2-D took 1.15 times.  ``SLAB_ROWS`` (chosen by :func:`stage_launch` on GPUs where the
+  window's columns are one linear segment, offsets are int32 and the block's rows are vector
+  aligned; else, and under the interpreter, the walk as before) has not run on a GPU yet;
+  ``scripts/gpu_diagnose.py`` times the staging both ways and by region.
 
   No tile straddles the window's edge, so the copy never pays for the walk: with whole
   staged rows in a tile (L2 = 66 in one 128-wide tile) every tile holds halo columns, and a
