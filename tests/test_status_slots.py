@@ -165,3 +165,57 @@ def test_a_launch_on_another_stream_is_read_after_that_stream_cuda():
     with pytest.raises(CollectiveTimeoutError, match=r"flag of peer\(s\) \[1\] was not raised"):
         check_pending()
     assert torch.isnan(out).all()
+
+
+def test_claims_and_checks_find_the_stream_by_its_raw_handle(monkeypatch):
+    """The CUDA bookkeeping with stand-ins for the stream calls (the CPU build has none): a claim builds a Stream
+    object only when the raw handle changed (and then orders the new stream after the last one); a deferred check
+    records its event on the claim's stream while that is current, else on the stream torch reports."""
+    class Stream:
+        def __init__(self, name):
+            self.name, self.waited = name, []
+
+        def wait_stream(self, other):
+            self.waited.append(other.name)
+
+    class Event:
+        def record(self, stream=None):
+            self.stream = stream
+
+        def query(self):  # the launch has finished: the next claim reads its words
+            return True
+
+    streams = {1: Stream("default"), 2: Stream("side")}
+    current = {"raw": 1}
+    built = []
+
+    def current_stream(device=None):
+        built.append(current["raw"])
+        return streams[current["raw"]]
+
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda index: current["raw"], raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    ws = LoopbackWorkspace(2, 4096)
+    ws.status_mode = "deferred"
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(ws, "device", cuda)
+    st = ws.rank_view(0)
+    monkeypatch.setattr(st, "device", cuda)
+    monkeypatch.setattr(ws.status_slots, "mapped", True)  # host words: the check reads them in place
+    for _ in range(3):
+        with ws.in_flight("same stream"):
+            st.check_status("op", "what")
+            assert ws.deferred[-1].event.stream.name == "default"
+    assert built == [1], "one Stream object for three claims on one stream"
+    current["raw"] = 2
+    with ws.in_flight("another stream"):
+        pass
+    assert built == [1, 2] and streams[2].waited == ["default"], "a claim on a new stream waits for the last one"
+    with ws.in_flight("launch on a third stream"):
+        current["raw"] = 3
+        streams[3] = Stream("third")
+        st.check_status("op", "what")
+    assert ws.deferred[-1].event.stream.name == "third", "the event goes where the launch went"
+    ws.deferred.clear()  # stand-in events: no later check_pending reads them
