@@ -55,10 +55,9 @@ from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out, globaltimer
 from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.persistent import persistent_programs
-from distfuse.kernels.signature import SCATTER_FLAGS, check_signatures, consumer_flags
+from distfuse.kernels.signature import SCATTER_FLAGS, agree_with_peers, check_signatures, consumer_flags
 
-__all__ = ["chunk_reduce", "reduce_slots", "launch_reduce", "reduce_meta", "slot_row_stride", "wait_all_flags",
-           "agree_with_peers"]
+__all__ = ["chunk_reduce", "reduce_slots", "launch_reduce", "reduce_meta", "slot_row_stride", "wait_all_flags"]
 
 
 @triton.jit
@@ -95,26 +94,6 @@ def wait_all_flags(flags_ptr, W, W_BLOCK: tl.constexpr, epoch, status_ptr, timeo
     # One barrier: every thread of the program reads the partials after the flags, not only those that polled.
     tl.debug_barrier()
     return n_pending == 0, pending
-
-
-@triton.jit
-def agree_with_peers(sigs_ptr, sig, pending, rank, W, W_BLOCK: tl.constexpr, status_ptr, report):
-    """Compare the signature word of every peer whose flag came (``pending`` false) with ``sig``; all agree?
-
-    The in-kernel twin of :func:`distfuse.kernels.signature.check_signatures` (same words, same
-    status codes): a peer publishes its word before its flags (release), so once its flag is
-    acquired the word is this op's.  A peer whose flag never came is the flag wait's failure,
-    not a disagreement: its stale word is not read.  ``report`` (one program): a disagreeing
-    peer's status word gets its reserved word (negative: it refused or needed more room) or
-    ``-1`` (:data:`~distfuse.kernels.signature.MISMATCH`).
-    """
-    src = tl.arange(0, W_BLOCK)
-    read = (src < W) & (src != rank) & (pending == 0)
-    got = tl.load(sigs_ptr + src, mask=read, other=0, volatile=True)
-    bad = read & (got != sig)
-    if report:
-        tl.store(status_ptr + src, tl.where(got < 0, got, -1), mask=bad)
-    return tl.sum(bad.to(tl.int32), axis=0) == 0
 
 
 @triton.jit

@@ -49,7 +49,7 @@ from distfuse.kernels.jit_helpers import wait_flag
 from distfuse.kernels.launch_cache import cached_launch
 
 __all__ = ["MISMATCH", "REFUSED", "GROW", "SCATTER_FLAGS", "GATHER_FLAGS", "consumer_flags", "shape_signature",
-           "publish_signature", "check_signatures", "abstain"]
+           "publish_signature", "check_signatures", "abstain", "agree_with_peers"]
 
 #: The status word of a peer whose signature differs from this rank's (timeouts write the epoch, which is > 0).
 MISMATCH = -1
@@ -78,6 +78,26 @@ def _publish_signature_kernel(flag_ptrs, rank, W, sig, sig_offset):
             tl.atomic_xchg(word, sig, sem="release", scope="sys")
 
 
+@triton.jit
+def agree_with_peers(sigs_ptr, sig, pending, rank, W, W_BLOCK: tl.constexpr, status_ptr, report):
+    """Compare the signature word of every peer whose flag came (``pending`` false) with ``sig``; all agree?
+
+    The comparison of :func:`check_signatures` and of ``chunk_reduce``'s kernel, which does it
+    after its own flag waits: a peer publishes its word before its flags (release), so once
+    its flag is acquired the word is this op's.  A peer whose flag never came (``pending``
+    nonzero) is the flag wait's failure, not a disagreement: its stale word is not read.
+    ``report`` (one program): a disagreeing peer's status word gets its reserved word
+    (negative: it refused or needed more room) or :data:`MISMATCH`, so the host can say why.
+    """
+    src = tl.arange(0, W_BLOCK)
+    read = (src < W) & (src != rank) & (pending == 0)
+    got = tl.load(sigs_ptr + src, mask=read, other=0, volatile=True)
+    bad = read & (got != sig)
+    if report:
+        tl.store(status_ptr + src, tl.where(got < 0, got, -1), mask=bad)
+    return tl.sum(bad.to(tl.int32), axis=0) == 0
+
+
 @triton.jit(do_not_specialize=["numel", "rank", "W", "sig", "flag_base", "flag_stride", "timeout"])
 def _check_signatures_kernel(flags_ptr, sigs_ptr, status_ptr, out_ptr, numel, rank, W, sig, flag_base, flag_stride,
                              epoch_ptr, timeout, TIMED: tl.constexpr, W_BLOCK: tl.constexpr, BLOCK: tl.constexpr):
@@ -88,14 +108,10 @@ def _check_signatures_kernel(flags_ptr, sigs_ptr, status_ptr, out_ptr, numel, ra
     for s in range(0, W):
         if s != rank:
             wait_flag(flags_ptr + flag_base + s * flag_stride, epoch, status_ptr + s, timeout, TIMED)
-    src = tl.arange(0, W_BLOCK)
-    peer = (src < W) & (src != rank)
-    got = tl.load(sigs_ptr + src, mask=peer, other=0, volatile=True)
-    bad = peer & (got != sig)
-    if pid == 0:
-        # A reserved (negative) word is kept, so the host can say why; any other difference is MISMATCH (-1).
-        tl.store(status_ptr + src, tl.where(got < 0, got, -1), mask=bad)
-    n_bad = tl.sum(bad.to(tl.int32), axis=0)
+    # every peer's word is read: after a flag wait that gave up, a stale word may read as a disagreement (either way
+    # the host raises)
+    agree = agree_with_peers(sigs_ptr, sig, tl.zeros([W_BLOCK], tl.int32), rank, W, W_BLOCK, status_ptr, pid == 0)
+    n_bad = 1 - agree.to(tl.int32)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     nan = tl.full([BLOCK], float("nan"), tl.float32).to(out_ptr.dtype.element_ty)
     # The scalar count broadcast to the block first: the interpreter refuses a block & scalar mask.
