@@ -20,8 +20,9 @@ does not compile or fails records its error.  Each section stops at its time bud
 
 Section ``attrib`` splits one ``chunk_reduce`` call into its parts, the Triton launch both through the JIT and
 through the compiled kernel's runner (what a launch costs without the JIT's per-call argument binding).
-Section ``halo`` times the one-launch staging against the copy, the fused halo conv step's host time against
-the ``cat`` baseline's (``halo_full``), and sweeps the staging's tiles and warps with and without its
+Section ``halo`` times the one-launch staging against the copy, the fused halo conv step against the
+``cat`` baseline's (``halo_full``: host time at small shapes, every kernel's device time at large
+ones), and sweeps the staging's tiles and warps with and without its
 alignment promises (``halo_tiles``, each config checked bit-exact first).
 
 Every row holds the measured numbers only; picking the configs from them is a separate change.
@@ -303,20 +304,26 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
 
 
 def halo_full_host(torch, device, dtype, calls, record, cuda) -> None:
-    """Host time of the fused halo conv step (staging, cuDNN, unstage, accumulate) against the cat baseline's."""
+    """The fused halo conv step (staging, cuDNN, unstage, accumulate) against the cat baseline's: host time at the
+    small shapes (where the step is bound by it), and at the large ones the device time of every kernel of a step
+    (``kernels``: where the backward's time goes, the conv's kernels being the same in both)."""
     from bench.bench_halo_conv import Case, _halo_inputs, full_step
 
-    for nd, c, n in ([(2, 64, 64), (3, 64, 64)] if cuda else [(2, 2, 4)]):
+    small = [(2, 64, 64), (3, 64, 64)] if cuda else [(2, 2, 4)]
+    large = [(2, 256, 512), (3, 256, 64)] if cuda else [(3, 2, 4)]
+    for nd, c, n in small + large:
         case = Case(nd, 1, c, n, 1, dtype, device)
         for provider in ("fused", "cat"):
             halos = _halo_inputs(case, provider)
             def step(case=case, p=provider, h=halos):
                 return full_step(case, p, case.x, h, case.weight, case.bias)
 
-            record(section="halo_full", op=provider, nd=nd, C=c, n=n, **measure(torch, step, device, calls,
-                                                                               profile=False))
-            if cuda and provider == "fused":
+            profile = (nd, c, n) in large
+            record(section="halo_full", op=provider, nd=nd, C=c, n=n,
+                   **measure(torch, step, device, calls if not profile else max(3, calls // 5), profile=profile))
+            if cuda and provider == "fused" and not profile:
                 print(f"cprofile halo_full fused nd={nd} C={c} n={n}:\n" + cprofile_top(step, calls), flush=True)
+        case = None
 
 
 def main(argv=None) -> int:

@@ -126,7 +126,7 @@ def _simulate(gshape, grid, kernel, stride, dilation, padding, mode, dtype, lead
         boxes = [q[(r, i)].pop(0).reshape(-1) for r, _ in plan.sends(i)]
         incoming = torch.cat(boxes) if boxes else u.grad_x.new_empty(0)
         before = u.grad_x.clone()
-        got = hk.halo_accumulate(u.grad_x, u.self_boxes, incoming, plan, i, tile=tile)
+        got = hk.halo_accumulate(u.grad_x, u.self_boxes, incoming, plan, i, block=block)
         assert got is u.grad_x  # in place
         exp = hk.halo_accumulate_reference(before, u.self_boxes, incoming, plan, i)
         torch.testing.assert_close(got, exp, **t, msg=f"accumulate of worker {i}")
@@ -204,7 +204,7 @@ def test_kernels_many_small_tiles():
 
 def test_kernels_with_a_spilled_grid(monkeypatch):
     """Grid axis 0 capped at 3 programs: the rest go to axis 1, every tile is still written once (outputs start
-    as NaN) and the surplus programs of a rounded-up grid write nothing; row-tiled and box launches both."""
+    as NaN) and the surplus programs of a rounded-up grid write nothing; row-tiled and linear launches both."""
     monkeypatch.setattr(hp, "_GRID0_MAX", 3)
     calls = []  # (launch kind, programs, grid)
     linear, row_tiled = hp.linear_grid, hp.row_tiled_grid
@@ -220,11 +220,12 @@ def test_kernels_with_a_spilled_grid(monkeypatch):
 
     monkeypatch.setattr(hp, "linear_grid", record_linear)
     monkeypatch.setattr(hp, "row_tiled_grid", record_rows)
-    monkeypatch.setattr(hl, "linear_grid", record_linear)  # the box and accumulate launches import them by name
-    monkeypatch.setattr(hl, "row_tiled_grid", record_rows)
+    monkeypatch.setattr(hl, "linear_grid", record_linear)  # the box and accumulate launches import it by name
     # 1x2 tiles keep the grids past the cap (the staging's one launch numbers its programs like the box gather)
     _simulate((7, 6), (2, 2), (3, 3), (1, 1), (1, 1), 2, "replicate", torch.float32, lead_shape=(1,),
               tile=(1, 2), block=2)
+    # stride 4: worker 1 has no interior window, so its staging is the row-tiled table walk
+    _simulate((7,), (4,), (3,), (4,), (1,), 0, "zeros", torch.float32, lead_shape=(5,), tile=(1, 2), block=2)
     for kind in ("rows", "box"):
         assert any(g1 > 1 and g0 * g1 > n for k, n, (g0, g1) in calls if k == kind), (kind, calls)
     assert all(g0 <= 3 and g0 * g1 >= n for _, n, (g0, g1) in calls)
@@ -265,18 +266,64 @@ def test_kernels_leading_dims_flatten():
     _simulate((8, 5), (1, 2), (3, 3), (1, 1), (1, 1), 1, "circular", torch.float32, lead_shape=(2, 1, 3))
 
 
-def test_accumulate_in_chunks(monkeypatch):
-    """More boxes than one int64 cover mask holds: accumulate runs once per chunk, in place."""
-    monkeypatch.setattr(ht, "MASK_BITS", 2)
-    ht.accumulate_tables.cache_clear()
-    hl.accumulate_launch.cache_clear()
-    try:
-        plan = _simulate((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 2, "replicate", torch.float32)
-        counts = [len(ht.self_pieces(plan, i)) + len(plan.sends(i)) for i in plan.blocks()]
-        assert max(counts) > 2 * ht.MASK_BITS  # several chunks were needed
-    finally:
-        ht.accumulate_tables.cache_clear()
-        hl.accumulate_launch.cache_clear()
+@pytest.mark.parametrize("seed", range(4))
+def test_accumulate_cells_match_a_brute_force_cover(seed):
+    """The cells tile exactly the covered elements, each with the boxes that cover it in ascending order, against
+    a per-element cover computed box by box (random overlapping boxes, 1-3 axes)."""
+    gen = np.random.default_rng(seed)
+    nd = 1 + seed % 3
+    shape = tuple(int(v) for v in gen.integers(1, 7, nd))
+    boxes = []
+    for _ in range(int(gen.integers(1, 9))):
+        lo = [int(gen.integers(0, n)) for n in shape]
+        boxes.append((lo, [int(gen.integers(1, n - a + 1)) for a, n in zip(lo, shape)]))
+    want = np.empty(shape, dtype=object)
+    for p in np.ndindex(*shape):
+        want[p] = tuple(k for k, (lo, sh) in enumerate(boxes) if all(b <= c < b + s for c, b, s in zip(p, lo, sh)))
+    seen = np.zeros(shape, dtype=int)
+    for origin, extent, ks in ht.accumulate_cells(shape, boxes):
+        assert ks and list(ks) == sorted(ks)
+        for p in itertools.product(*(range(o, o + e) for o, e in zip(origin, extent))):
+            p = p[3 - nd:]
+            assert want[p] == ks, (p, want[p], ks)
+            seen[p] += 1
+    covered = np.vectorize(bool)(want)
+    assert (seen[covered] == 1).all() and (seen[~covered] == 0).all()
+
+
+@pytest.mark.parametrize("case", ["2d-replicate", "3d-circular-124-boxes"])
+def test_accumulate_sums_every_box_in_one_launch(case, monkeypatch):
+    """Overlapping boxes summed in one launch and one rounding, whatever their number: replicate at halo 2 over
+    small blocks (several boxes per element), and circular at halo 2 over one-element blocks (124 boxes on one
+    element; the earlier bitmask design took one launch and one rounding per 62).  Elements no box covers keep
+    their bits: NaN stays NaN there, and no covered element turns NaN."""
+    if case == "2d-replicate":
+        plan, _ = _plan((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 2, "replicate")
+    else:
+        plan, _ = _plan((3, 3, 3), (3, 3, 3), (5, 5, 5), (1, 1, 1), (1, 1, 1), 2, "circular")
+    i = max(plan.blocks(), key=lambda i: len(ht.accumulate_boxes(plan, i, 1)))
+    boxes = ht.accumulate_boxes(plan, i, 1)
+    cells = ht.accumulate_cells(plan.input_shape(i), [(pc.src_lo, pc.src_shape) for _, _, pc in boxes])
+    assert max(len(ks) for _, _, ks in cells) >= (3 if case == "2d-replicate" else 124)
+    n = plan.input_shape(i)
+    gen = torch.Generator().manual_seed(3)
+    grad_x = torch.randn((2,) + n, generator=gen, dtype=torch.float64)
+    self_boxes = torch.randn(ht.self_numel(plan, i, 2), generator=gen, dtype=torch.float64)
+    incoming = torch.randn(ht.send_numel(plan, i, 2), generator=gen, dtype=torch.float64)
+    want = hk.halo_accumulate_reference(grad_x, self_boxes, incoming, plan, i)
+    launches = []
+    real = hl.launch_accumulate
+    monkeypatch.setattr(hk, "launch_accumulate", lambda *args: launches.append(1) or real(*args))
+    got = hk.halo_accumulate(grad_x.clone(), self_boxes, incoming, plan, i)
+    assert len(launches) == 1
+    torch.testing.assert_close(got, want, **tol(torch.float64))
+    covered = torch.zeros(n, dtype=torch.bool)
+    for origin, extent, _ in cells:
+        covered[tuple(slice(o, o + e) for o, e in zip(origin[3 - len(n):], extent[3 - len(n):]))] = True
+    poisoned = grad_x.clone()
+    poisoned[:, ~covered] = float("nan")
+    out = hk.halo_accumulate(poisoned, self_boxes, incoming, plan, i)
+    assert out[:, ~covered].isnan().all() and not out[:, covered].isnan().any()
 
 
 REGION_CASES = [
@@ -626,7 +673,7 @@ from triton.compiler import ASTSource
 from distfuse.kernels import halo as hk
 from distfuse.kernels import halo_programs as hp
 
-I64_PTRS = {"ptab_ptr", "btab_ptr", "bstart_ptr", "atab_ptr", "m0_ptr", "m1_ptr", "m2_ptr"}
+I64_PTRS = {"ptab_ptr", "btab_ptr", "bstart_ptr", "ctab_ptr", "blist_ptr"}
 ACC_PTRS = {"out1_ptr", "self_ptr"}  # fp32 (fp64) self boxes
 
 def comp(fn, dt, acc, consts, ones):
@@ -656,10 +703,12 @@ for dt, acc, compute in (("bf16", "fp32", tl.float32), ("fp64", "fp64", tl.float
             comp(hp.stage_kernel, dt, acc, {"REGION": 1, "WIDE": wide, "NUM_BOX": hp.STAGE_BOXES, "BLOCK_R": 64,
                                             "BLOCK_X": 64, "SLAB_X": 16, "STRIP_X": 4, "X_ALIGN": align,
                                             "OUT_ALIGN": align, "SLAB_ROWS": not wide}, ones)
-        comp(hp.box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "COMPUTE": compute, "ROUND_BF16": False, "BLOCK": 1024},
-             ones)
-        comp(hp.accumulate_kernel, dt, acc, {"COMPUTE": compute, "ROUND_BF16": False, "BLOCK_R": 32, "BLOCK_X": 64},
-             ones)
+        for wide in (False, True):
+            comp(hp.box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "COMPUTE": compute, "ROUND_BF16": False,
+                                                 "WIDE": wide, "BLOCK": 1024}, ones)
+        for wide in (False, True):
+            comp(hp.accumulate_kernel, dt, acc, {"LOG2_NCELL": 5, "COMPUTE": compute, "ROUND_BF16": False,
+                                                 "WIDE": wide, "BLOCK": 1024}, ones)
 print("compiled")
 """
 

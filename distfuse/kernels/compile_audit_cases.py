@@ -68,7 +68,7 @@ class KernelCase:
         return sig, attrs
 
     def label(self) -> str:
-        shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "W_UNROLL", "B_KMAJOR", "FLAT", "WIDE")
+        shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "LOG2_NCELL", "W_UNROLL", "B_KMAJOR", "FLAT", "WIDE")
         meta = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k.startswith("BLOCK") or k in shown)
         return f"{self.name}[{_TT[self.dtype]};{meta};w{self.num_warps}s{self.num_stages}]"
 
@@ -206,7 +206,7 @@ def _halo_cases(dtypes) -> list[KernelCase]:
 
     from distfuse.kernels import halo_programs as halo
 
-    i64 = {n: "i64" for n in ("ptab_ptr", "btab_ptr", "bstart_ptr", "atab_ptr", "m0_ptr", "m1_ptr", "m2_ptr")}
+    i64 = {n: "i64" for n in ("ptab_ptr", "btab_ptr", "bstart_ptr", "ctab_ptr", "blist_ptr")}
     fp32 = {"out1_ptr": "fp32", "self_ptr": "fp32"}
     cases = []
     for dt in dtypes:
@@ -215,8 +215,6 @@ def _halo_cases(dtypes) -> list[KernelCase]:
             for region in (0, 1, 2):
                 cases.append(KernelCase("halo_lut_gather", halo.lut_gather_kernel, dt, dict(tile, REGION=region),
                                         4, 1, pointer_dtypes={**_LUTS, **i64}))
-            cases.append(KernelCase("halo_accumulate", halo.accumulate_kernel, dt, dict(tile, ROUND_BF16=False), 4, 1,
-                                    pointer_dtypes={**i64, **fp32}))
         for bx in halo.STAGE_WIDTHS:  # halo.stage_tile's GPU choices: the one-launch staging
             br = halo.STAGE_TILE_ELEMENTS // bx
             tile = dict(NUM_BOX=halo.STAGE_BOXES, BLOCK_R=br, BLOCK_X=bx, SLAB_X=max(1, bx // halo.STAGE_SLAB_SPLIT),
@@ -234,11 +232,16 @@ def _halo_cases(dtypes) -> list[KernelCase]:
                                     dict(tile, REGION=0, WIDE=False, X_ALIGN=vec, OUT_ALIGN=vec),
                                     halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64, "btab_ptr": "i64"},
                                     checks=("vector_load", "vector_store")))
-        for log2 in (1, 5):
+        for log2, wide in ((1, False), (5, False), (5, True)):
             cases.append(KernelCase("halo_box_gather", halo.box_gather_kernel, dt,
-                                    dict(LOG2_NBOX=log2, COMPUTE=tl.float32, ROUND_BF16=False, BLOCK=1024),
+                                    dict(LOG2_NBOX=log2, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide, BLOCK=1024),
                                     halo.BOX_NUM_WARPS, 1,
                                     pointer_dtypes={**i64, **fp32}))
+        for log2, wide in ((0, False), (5, False), (5, True)):  # one cell, 26-32 cells (3-D shells); int64 offsets
+            cases.append(KernelCase("halo_accumulate", halo.accumulate_kernel, dt,
+                                    dict(LOG2_NCELL=log2, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide,
+                                         BLOCK=1024),
+                                    halo.BOX_NUM_WARPS, 1, pointer_dtypes={**i64, **fp32}))
     return cases
 
 

@@ -231,7 +231,7 @@ def _unstage_local_outputs(grad: torch.Tensor, self_boxes: torch.Tensor | None, 
 
 
 def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: torch.Tensor, plan: HaloPlan,
-                    index: Sequence[int], *, tile: tuple[int, int] | None = None) -> torch.Tensor:
+                    index: Sequence[int], *, block: int | None = None) -> torch.Tensor:
     """Add the self boxes and the received halo gradients into ``grad_x`` in place; return it.
 
     Args:
@@ -240,13 +240,15 @@ def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: to
         incoming: flat buffer in ``grad_x``'s dtype, box k = gradient of the box
             ``plan.sends(index)[k]`` sent in the forward (what its reader sent back).
 
-    Overlapping boxes are summed in fp32 with the interior value and rounded once.
-    Everything but the launches is cached per ``(plan, index, LEAD, device, tile)``
-    (:func:`~distfuse.kernels.halo_launches.accumulate_launch`).
+    Overlapping boxes are summed in fp32 with the interior value and rounded once, in box order
+    (self boxes, then the incoming ones).  One launch over the cells of the block that some box
+    covers (its shell): the interior, which no box covers, is neither read nor written.
+    ``block``: elements a program (tests).  Everything but the launch is cached per ``(plan,
+    index, LEAD, device, block)`` (:func:`~distfuse.kernels.halo_launches.accumulate_launch`).
     """
     index = tuple(index)
     lead = plan_tensor_lead("halo_accumulate", grad_x, plan, "grad_x")
-    launch = accumulate_launch(plan, index, lead, grad_x.device, None if tile is None else tuple(tile))
+    launch = accumulate_launch(plan, index, lead, grad_x.device, block)
     check_plan_layout("halo_accumulate", grad_x, launch.input_shape, "grad_x")
     check_flat("halo_accumulate", self_boxes, launch.self_numel, _acc_dtype(grad_x.dtype), grad_x.device,
                "self boxes")

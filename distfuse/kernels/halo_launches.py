@@ -24,13 +24,12 @@ from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.kernels._utils import round_bf16
 from distfuse.kernels.halo_programs import (
     BOX_NUM_WARPS,
+    WIDE_ELEMENTS,
     accumulate_kernel,
     box_block,
     box_gather_kernel,
     compute_dtype,
     linear_grid,
-    pick_tile,
-    row_tiled_grid,
 )
 from distfuse.kernels.halo_tables import (
     accumulate_tables,
@@ -68,9 +67,11 @@ def box_launch(tables, lead: int, src_shape: tuple[int, ...], device: torch.devi
         return None
     src3 = pad3(src_shape, 1)
     block = box_block(device, block, total)
+    wide = max(total, lead * math.prod(src3)) + block >= WIDE_ELEMENTS  # int64 offsets and div/mod only then
     return BoxLaunch(linear_grid(cdiv(total, block)),
                      (btab, bstart, nbox, total, rtmax, lead, math.prod(src3), *contiguous_strides(src3)),
-                     dict(LOG2_NBOX=max(1, (nbox - 1).bit_length()), BLOCK=block, num_warps=BOX_NUM_WARPS))
+                     dict(LOG2_NBOX=max(1, (nbox - 1).bit_length()), WIDE=wide, BLOCK=block,
+                          num_warps=BOX_NUM_WARPS))
 
 
 def launch_box_gather(out0: torch.Tensor, out1: torch.Tensor, src: torch.Tensor, launch: BoxLaunch) -> None:
@@ -144,47 +145,45 @@ def unstage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: to
 
 class AccumulateLaunch(NamedTuple):
     """What :func:`~distfuse.kernels.halo.halo_accumulate` checks and launches for one ``(plan, index, LEAD,
-    device, tile)``.
+    device, block)``.
 
     ``input_shape`` ``n`` is ``grad_x``'s spatial shape; ``self_numel`` and ``send_numel`` the sizes of the flat
-    self boxes and of the incoming halo gradients (``plan.sends`` boxes).  ``chunks`` holds one argument tuple per
-    in-place launch of ``accumulate_kernel`` (at most 62 boxes each: cover masks, box table, box count, then
-    ``n_rows, E0, E1, E2`` of ``[LEAD*E0*E1, E2]``); empty when ``grad_x`` is.  ``grid`` and ``meta`` (the tile)
-    are shared by the chunks.
+    self boxes and of the incoming halo gradients (``plan.sends`` boxes).  ``args`` are the launch's arguments
+    after the three buffers (cell table, box list, box table, covered elements, LEAD, E0, E1, E2), ``grid`` its
+    grid (None: no box has an element, nothing to launch) and ``meta`` its dtype-free constexprs.
     """
 
     input_shape: tuple[int, ...]
     self_numel: int
     send_numel: int
-    chunks: tuple[tuple, ...]
-    grid: tuple[int, int]
+    grid: tuple[int, int] | None
+    args: tuple
     meta: dict
 
 
 @functools.lru_cache(maxsize=512)
 def accumulate_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device,
-                      tile: tuple[int, int] | None) -> AccumulateLaunch:
+                      block: int | None) -> AccumulateLaunch:
     """The accumulate of worker ``index`` for ``lead`` leading elements, cached: a call is a cache lookup, not the
-    plan geometry, buffer sizes, tile and grid again (see the module docstring)."""
+    plan geometry, the cells, buffer sizes and grid again (see the module docstring).  ``block``: elements a
+    program (:func:`~distfuse.kernels.halo_programs.box_block` chooses by default)."""
     x_shape = tuple(plan.input_shape(index))
-    E0, E1, E2 = pad3(x_shape, 1)
-    n_rows = lead * E0 * E1
-    block_r, block_x = pick_tile(E2, n_rows, device, tile)
-    chunks = ()
-    if n_rows * E2 > 0:
-        chunks = tuple((*masks, atab, nbox, n_rows, E0, E1, E2)
-                       for masks, atab, nbox in accumulate_tables(plan, index, lead, device))
-    return AccumulateLaunch(x_shape, self_numel(plan, index, lead), send_numel(plan, index, lead), chunks,
-                            row_tiled_grid(n_rows, E2, block_r, block_x), dict(BLOCK_R=block_r, BLOCK_X=block_x))
+    n_self, n_send = self_numel(plan, index, lead), send_numel(plan, index, lead)
+    ctab, blist, btab, n_rows, total = accumulate_tables(plan, index, lead, device)
+    block = box_block(device, block, total)
+    wide = max(lead * math.prod(x_shape), n_self, n_send, total) + block >= WIDE_ELEMENTS
+    return AccumulateLaunch(x_shape, n_self, n_send, linear_grid(cdiv(total, block)) if total else None,
+                            (ctab, blist, btab, total, lead, *pad3(x_shape, 1)),
+                            dict(LOG2_NCELL=(n_rows - 1).bit_length(), WIDE=wide, BLOCK=block,
+                                 num_warps=BOX_NUM_WARPS))
 
 
 def launch_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: torch.Tensor,
                       launch: AccumulateLaunch) -> None:
-    """The launches of ``launch`` (from :func:`accumulate_launch`), in place into ``grad_x``; an empty buffer is
+    """The launch of ``launch`` (from :func:`accumulate_launch`), in place into ``grad_x``; an empty buffer is
     passed as ``grad_x`` (never dereferenced: no box reads it)."""
-    s = self_boxes if self_boxes.numel() else grad_x
-    r = incoming if incoming.numel() else grad_x
-    compute, rnd = compute_dtype(grad_x.dtype), round_bf16(grad_x.dtype)
-    accumulate = cached_launch(accumulate_kernel)[launch.grid]
-    for args in launch.chunks:
-        accumulate(grad_x, s, r, *args, COMPUTE=compute, ROUND_BF16=rnd, **launch.meta)
+    if launch.grid is None:
+        return
+    cached_launch(accumulate_kernel)[launch.grid](
+        grad_x, self_boxes if self_boxes.numel() else grad_x, incoming if incoming.numel() else grad_x,
+        *launch.args, COMPUTE=compute_dtype(grad_x.dtype), ROUND_BF16=round_bf16(grad_x.dtype), **launch.meta)

@@ -79,13 +79,22 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   the staged gradient over the replicated run (a loop of ``R`` loads in fp32), so every
   output element is written by exactly one program: deterministic, no fp32 atomics
   (unsupported for bf16 in the interpreter, and order-dependent on GPUs).
-* **Accumulate is a gather with per-axis bitmasks.**  Boxes that add into ``grad_x``
-  (self pieces and received halo gradients) may overlap (replicate, circular on one
-  worker, halos wider than a block).  One int64 table per axis marks which of up to 62
-  boxes cover each coordinate; an element's boxes are the AND of its three masks, and a
-  tile covered by none stops after its mask loads.  More than 62 boxes (rare: 3-D halos
-  wider than several blocks) take one more in-place launch per 62, with one extra
-  rounding for fp16/bf16.
+* **Accumulate visits the covered cells only.**  Boxes that add into ``grad_x`` (self
+  pieces and received halo gradients) may overlap (replicate, circular on one worker,
+  halos wider than a block).  Every box edge cuts its axis; each cell of the product of
+  the cuts lies inside or outside each box, so it has a fixed list of boxes
+  (:func:`~distfuse.kernels.halo_tables.accumulate_cells`).  One launch runs over the
+  covered cells laid end to end (an element finds its cell by a binary search of their
+  starts, as the box gather finds its box) and adds each cell's boxes in table order, in
+  fp32, rounding once.  The
+  interior, which no box covers, is neither read nor written: a [1, 256, 64^3] block at
+  halo 1 has 6.1M covered elements of 67M.  The earlier form tiled the whole block with
+  per-axis int64 cover bitmasks; every 64-wide tile of a 3-D block touches the two
+  x-faces, so it read, tested and wrote every element (and took one more launch and one
+  more rounding per 62 boxes).
+* **Offsets are int32** in the box gather and the accumulate unless a buffer holds
+  2^31 elements or more (``WIDE``): their div/mod run per element, and the int64 form of
+  the box gather held 186 registers a thread at sm_90 (63 in int32).
 * **Arithmetic in fp32** (fp64 for fp64 tensors): the interpreter computes bf16
   arithmetic wrongly.  Copies are exact in every dtype.  Unstage writes ``grad_x`` in the
   gradient's own dtype (the interior is a copy) and accumulate rounds once per border
@@ -131,11 +140,6 @@ REGION_CODE = {"all": 0, "local": 1, "remote": 2}
 
 
 # ---------------------------------------------------------------- Triton kernels
-
-
-@triton.jit
-def _or(a, b):
-    return a | b
 
 
 @triton.jit
@@ -398,7 +402,7 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
 def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, total, RTMAX,
                        LEAD, src_ls, src_s0, src_s1, src_s2,
                        LOG2_NBOX: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       WIDE: tl.constexpr, BLOCK: tl.constexpr):
     """Boxes laid end to end (box k from ``bstart[k]``); box k is flat ``[LEAD, E0, E1, E2]`` at ``out{SEL}[DST:]``:
 
     element ``(l, c)`` = ``sum_{r < R} src[l, T + D*c + r]`` per axis (D = +1 copy, -1
@@ -411,32 +415,33 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, t
     folds away, and Triton 3.6's coalesce pass, which crashes on a ``while`` whose condition
     is constant-false, never sees one.
     """
+    IDX = tl.int64 if WIDE else tl.int32  # int32 offsets and div/mod unless a buffer has 2^31 elements or more
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
-    e = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    e = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
     m = e < total
     # box of each element: the last k with bstart[k] <= e (branchless binary search, bstart[0] == 0)
     box = tl.zeros([BLOCK], dtype=tl.int32)
     for b in tl.static_range(LOG2_NBOX):
         cand = box + (1 << (LOG2_NBOX - 1 - b))
         ok = cand < nbox
-        start = tl.load(bstart_ptr + cand, mask=m & ok, other=total)
+        start = tl.load(bstart_ptr + cand, mask=m & ok, other=total).to(IDX)
         box = tl.where(ok & (start <= e), cand, box)
     row = btab_ptr + box * 15
     sel = tl.load(row, mask=m, other=0)
-    dst = tl.load(row + 1, mask=m, other=0)
-    E0 = tl.load(row + 2, mask=m, other=1)
-    E1 = tl.load(row + 3, mask=m, other=1)
-    E2 = tl.load(row + 4, mask=m, other=1)
-    T0 = tl.load(row + 5, mask=m, other=0)
-    T1 = tl.load(row + 6, mask=m, other=0)
-    T2 = tl.load(row + 7, mask=m, other=0)
-    D0 = tl.load(row + 8, mask=m, other=0)
-    D1 = tl.load(row + 9, mask=m, other=0)
-    D2 = tl.load(row + 10, mask=m, other=0)
-    R1 = tl.load(row + 12, mask=m, other=1)
-    R2 = tl.load(row + 13, mask=m, other=1)
-    RT = tl.load(row + 14, mask=m, other=1)
-    local = e - tl.load(bstart_ptr + box, mask=m, other=0)
+    dst = tl.load(row + 1, mask=m, other=0).to(IDX)
+    E0 = tl.load(row + 2, mask=m, other=1).to(IDX)
+    E1 = tl.load(row + 3, mask=m, other=1).to(IDX)
+    E2 = tl.load(row + 4, mask=m, other=1).to(IDX)
+    T0 = tl.load(row + 5, mask=m, other=0).to(IDX)
+    T1 = tl.load(row + 6, mask=m, other=0).to(IDX)
+    T2 = tl.load(row + 7, mask=m, other=0).to(IDX)
+    D0 = tl.load(row + 8, mask=m, other=0).to(IDX)
+    D1 = tl.load(row + 9, mask=m, other=0).to(IDX)
+    D2 = tl.load(row + 10, mask=m, other=0).to(IDX)
+    R1 = tl.load(row + 12, mask=m, other=1).to(IDX)
+    R2 = tl.load(row + 13, mask=m, other=1).to(IDX)
+    RT = tl.load(row + 14, mask=m, other=1).to(IDX)
+    local = e - tl.load(bstart_ptr + box, mask=m, other=0).to(IDX)
     c2 = local % E2
     q = local // E2
     c1 = q % E1
@@ -462,47 +467,60 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, t
 
 
 @triton.jit
-def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, m0_ptr, m1_ptr, m2_ptr, atab_ptr, nbox,
-                       n_rows, E0, E1, E2,
-                       COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_R: tl.constexpr,
-                       BLOCK_X: tl.constexpr):
-    """gx[l, p] += sum over boxes k covering p of box_k[l, p - lo_k], in place; untouched tiles are skipped.
+def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, ctab_ptr, blist_ptr, btab_ptr, total, LEAD, E0, E1, E2,
+                      LOG2_NCELL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
+                      WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """gx[l, p] += sum over the boxes k covering p of box_k[l, p - LO_k], in place, over the covered cells only.
 
-    Box k (table row k): SEL 0 reads ``self_ptr``, 1 ``recv_ptr``; ``[LEAD, S0, S1, S2]``
-    contiguous at BASE, covering ``[LO, LO + S)`` of the block.  Bit k of ``m_a[p]`` says
-    whether box k covers coordinate p of axis a.  Tiles as in :func:`lut_gather_kernel`; the box
-    loop is a ``while`` (see the module doc).
+    The covered part of the block is cut into cells, each covered by a fixed list of boxes
+    (:func:`~distfuse.kernels.halo_tables.accumulate_cells`); cell c is flat ``[LEAD, W0, W1, W2]``
+    from ``(O0, O1, O2)``, and the cells lie end to end from element START.  Programs tile the
+    concatenation, as the box gather does: an element finds its cell by a binary search of the
+    starts, reads ``gx`` there, adds its cell's boxes in table order and rounds once.  Box k
+    (table row): SEL 0 reads ``self_ptr``, 1 ``recv_ptr``; element ``(l, p)`` of the block is at
+    ``ORIGIN + l * VOLUME + p0 * STRIDE0 + p1 * STRIDE1 + p2`` there.  The block's interior, which no
+    box covers, is never read.  Offsets are int32 unless ``WIDE`` (a buffer of 2^31 elements or more).
+    The box loop is a ``while`` (see the module doc).
     """
-    rows, cols, rmask, cmask, e0, e1, lead = _row_tile(n_rows, E0, E1, E2, BLOCK_R, BLOCK_X)
-    mrow = tl.load(m0_ptr + e0, mask=rmask, other=0) & tl.load(m1_ptr + e1, mask=rmask, other=0)
-    mcol = tl.load(m2_ptr + cols, mask=cmask, other=0)
-    cover = mrow[:, None] & mcol[None, :]
-    if tl.max(tl.max(cover, axis=1), axis=0) > 0:
-        tile_boxes = tl.reduce(mrow, 0, _or) & tl.reduce(mcol, 0, _or)
-        mask = rmask[:, None] & cmask[None, :]
-        out_off = rows.to(tl.int64)[:, None] * E2 + cols[None, :]
-        acc = tl.load(gx_ptr + out_off, mask=mask, other=0.0).to(COMPUTE)
-        k = tl.full([], 0, tl.int32)
-        while k < nbox:
-            if ((tile_boxes >> k) & 1) != 0:
-                hit = mask & (((cover >> k) & 1) != 0)
-                row = atab_ptr + k * 8
-                sel = tl.load(row)
-                base = tl.load(row + 1)
-                lo0 = tl.load(row + 2)
-                lo1 = tl.load(row + 3)
-                lo2 = tl.load(row + 4)
-                S0 = tl.load(row + 5)
-                S1 = tl.load(row + 6)
-                S2 = tl.load(row + 7)
-                roff = base + lead * (S0 * S1 * S2) + (e0 - lo0) * (S1 * S2) + (e1 - lo1) * S2
-                off = roff[:, None] + (cols - lo2)[None, :]
-                if sel == 0:
-                    acc += tl.load(self_ptr + off, mask=hit, other=0.0).to(COMPUTE)
-                else:
-                    acc += tl.load(recv_ptr + off, mask=hit, other=0.0).to(COMPUTE)
-            k += 1
-        tl.store(gx_ptr + out_off, cast_out(acc, gx_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+    IDX = tl.int64 if WIDE else tl.int32
+    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
+    e = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
+    m = e < total
+    # cell of each element: the last row with START <= e (row 0 starts at 0; padding rows start past every e)
+    cell = tl.zeros([BLOCK], dtype=tl.int32)
+    for b in tl.static_range(LOG2_NCELL):
+        cand = cell + (1 << (LOG2_NCELL - 1 - b))
+        cell = tl.where(tl.load(ctab_ptr + cand * 10, mask=m, other=0) <= e, cand, cell)
+    row = ctab_ptr + cell * 10
+    W0 = tl.load(row + 4, mask=m, other=1).to(IDX)
+    W1 = tl.load(row + 5, mask=m, other=1).to(IDX)
+    W2 = tl.load(row + 6, mask=m, other=1).to(IDX)
+    local = e - tl.load(row, mask=m, other=0).to(IDX)
+    p2 = local % W2
+    q = local // W2
+    p1 = q % W1
+    q = q // W1
+    p0 = q % W0 + tl.load(row + 1, mask=m, other=0).to(IDX)
+    lead = q // W0
+    p1 += tl.load(row + 2, mask=m, other=0).to(IDX)
+    p2 += tl.load(row + 3, mask=m, other=0).to(IDX)
+    out_off = ((lead * E0 + p0) * E1 + p1) * E2 + p2
+    acc = tl.load(gx_ptr + out_off, mask=m, other=0.0).to(COMPUTE)
+    first = tl.load(row + 7, mask=m, other=0)
+    count = tl.load(row + 8, mask=m, other=0)
+    j = tl.max(count, axis=0) * 0
+    end = tl.max(count, axis=0)  # the loop runs to the program's longest list; shorter ones are masked
+    while j < end:
+        hit = m & (j < count)
+        box = btab_ptr + tl.load(blist_ptr + first + j, mask=hit, other=0) * 5
+        sel = tl.load(box, mask=hit, other=0)
+        off = (tl.load(box + 1, mask=hit, other=0).to(IDX) + lead * tl.load(box + 2, mask=hit, other=0).to(IDX)
+               + p0 * tl.load(box + 3, mask=hit, other=0).to(IDX) + p1 * tl.load(box + 4, mask=hit, other=0).to(IDX)
+               + p2)
+        acc += tl.load(self_ptr + off, mask=hit & (sel == 0), other=0.0).to(COMPUTE)
+        acc += tl.load(recv_ptr + off, mask=hit & (sel == 1), other=0.0).to(COMPUTE)
+        j += 1
+    tl.store(gx_ptr + out_off, cast_out(acc, gx_ptr.dtype.element_ty, ROUND_BF16), mask=m)
 
 
 # ---------------------------------------------------------------- launch helpers

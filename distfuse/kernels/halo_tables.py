@@ -4,11 +4,11 @@ The kernels of :mod:`distfuse.kernels.halo` (and :mod:`distfuse.kernels.conv_imp
 which reads the stage tables) take their geometry from small int32/int64 tables that this
 module builds from a :class:`~distfuse.geometry.halo_plan.HaloPlan` on the host, once per
 ``(plan, index, lead, device)`` (cached: a few KB per worker, one synchronous
-host-to-device copy the first time only).  Why lookup tables, box gathers and cover
-bitmasks: :mod:`distfuse.kernels.halo_programs`; the flat buffers' layout (:func:`box_offsets`):
+host-to-device copy the first time only).  Why lookup tables, box gathers and covered
+cells: :mod:`distfuse.kernels.halo_programs`; the flat buffers' layout (:func:`box_offsets`):
 :mod:`distfuse.kernels.halo`.
 
-Table layouts (the kernels hard-code the row widths 15, 8 and 5):
+Table layouts (the kernels hard-code the row widths 15, 10 and 5):
 
 =====================  ======  ==============================================================
 table                  width   row
@@ -16,7 +16,8 @@ table                  width   row
 piece (stage)          5       KIND (0 zero, 1 x, 2 receive buffer), BASE, LEAD_STRIDE, STRIDE0,
                                STRIDE1 (the innermost stride is 1)
 box (pack, unstage)    15      SEL, DST, E0, E1, E2, T0, T1, T2, D0, D1, D2, R0, R1, R2, RT
-accumulate             8       SEL, BASE, LO0, LO1, LO2, S0, S1, S2
+accumulate cell        10      START, O0, O1, O2, W0, W1, W2, LSTART, LCOUNT, 0
+accumulate box         5       SEL, ORIGIN, VOLUME, STRIDE0, STRIDE1
 =====================  ======  ==============================================================
 """
 
@@ -32,14 +33,13 @@ import torch
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import HaloPlan, Piece
 
-__all__ = ["SUPPORTED_DTYPES", "MASK_BITS", "pad3", "contiguous_strides", "box_offsets", "interior_piece",
+__all__ = ["SUPPORTED_DTYPES", "pad3", "contiguous_strides", "box_offsets", "interior_piece",
            "self_pieces", "send_numel", "recv_numel", "self_numel", "stage_tables", "pack_tables", "unstage_box_tables",
-           "accumulate_tables", "plan_tensor_lead", "check_plan_layout", "check_flat", "axis_luts"]
+           "accumulate_boxes", "accumulate_cells", "accumulate_tables", "plan_tensor_lead", "check_plan_layout",
+           "check_flat", "axis_luts"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-# Boxes per accumulate launch: bits 0..61 of an int64 mask (bit 63 would make the mask
-# negative and tl.max-based skipping wrong; 62 keeps a margin).
-MASK_BITS = 62
+_NEVER = 1 << 62  # START of an unused accumulate cell row: no element reaches it
 _BOX_COLS = 15  # the box table's row width (see the module docstring; the kernels hard-code it)
 
 
@@ -198,28 +198,69 @@ def unstage_box_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, region
     return _box_launch_tables(rows, numels, device)
 
 
-@functools.lru_cache(maxsize=512)
-def accumulate_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
-    """Chunks of at most 62 boxes: (per-axis int64 cover masks, box table, box count)."""
-    x_shape = plan.input_shape(index)
+def accumulate_boxes(plan: HaloPlan, index: tuple[int, ...], lead: int) -> list[tuple[int, int, Piece]]:
+    """``(SEL, BASE, piece)`` of every non-empty box that adds into ``grad_x``, in summation order: the self boxes
+    (SEL 0, :func:`self_pieces` order, at BASE in the self-box buffer), then the received halo gradients (SEL 1,
+    ``plan.sends`` order, at BASE in the incoming buffer)."""
     boxes = []
     for sel, pieces in enumerate((self_pieces(plan, index), [pc for _, pc in plan.sends(index)])):
         offs, _ = box_offsets([pc.src_shape for pc in pieces], lead)
         boxes += [(sel, off, pc) for pc, off in zip(pieces, offs, strict=True) if math.prod(pc.src_shape) > 0]
-    chunks = []
-    for c in range(0, len(boxes), MASK_BITS):
-        chunk = boxes[c:c + MASK_BITS]
-        masks = [[0] * n for n in x_shape]
-        rows = []
-        for k, (sel, off, pc) in enumerate(chunk):
-            for a in range(len(x_shape)):
-                for p in range(pc.src_lo[a], pc.src_lo[a] + pc.src_shape[a]):
-                    masks[a][p] |= 1 << k
-            rows += [sel, off, *pad3(pc.src_lo, 0), *pad3(pc.src_shape, 1)]  # one accumulate-table row
-        every = (1 << len(chunk)) - 1
-        masks = [[every]] * (3 - len(x_shape)) + masks
-        chunks.append(([_i64(m, device) for m in masks], _i64(rows, device), len(chunk)))
-    return chunks
+    return boxes
+
+
+def accumulate_cells(x_shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]]):
+    """Split the block into cells covered by a fixed set of boxes; return the covered ones.
+
+    ``boxes``: ``(lo, shape)`` per box, in the block's coordinates.  Every box edge cuts its axis, so
+    each cell of the product of the cut intervals lies inside or outside each box.  Returns
+    ``(origin, extent, boxes)`` per cell that some box covers (3-D, padded on the left), the
+    box indices in ascending order (the summation order).  The uncovered cells (the block's
+    interior) are not returned: accumulate never touches them.
+    """
+    x3 = pad3(x_shape, 1)
+    boxes3 = [(pad3(lo, 0), pad3(shape, 1)) for lo, shape in boxes]
+    axes = []
+    for a, n in enumerate(x3):
+        cuts = sorted({0, n, *(c for lo, shape in boxes3 for c in (lo[a], lo[a] + shape[a]) if 0 < c < n)})
+        axes.append([(lo, hi, sum(1 << k for k, (blo, bsh) in enumerate(boxes3)
+                                  if blo[a] <= lo and hi <= blo[a] + bsh[a]))  # the boxes covering [lo, hi)
+                     for lo, hi in zip(cuts, cuts[1:], strict=False)])
+    cells = []
+    for (l0, h0, m0), (l1, h1, m1), (l2, h2, m2) in itertools.product(*axes):
+        cover = m0 & m1 & m2
+        if cover:
+            cells.append(((l0, l1, l2), (h0 - l0, h1 - l1, h2 - l2),
+                          tuple(k for k in range(cover.bit_length()) if cover >> k & 1)))
+    return cells
+
+
+@functools.lru_cache(maxsize=512)
+def accumulate_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
+    """``(cell table, box list, box table, cell rows, elements)`` of one accumulate launch.
+
+    Cell rows (width 10): START (the cell's first element in the concatenation of the cells, each flat
+    ``[LEAD, W0, W1, W2]``), O0, O1, O2 (origin), W0, W1, W2 (extent), LSTART, LCOUNT (its boxes:
+    ``box list[LSTART:LSTART + LCOUNT]``), 0; padded to a power of two with rows whose START no element
+    reaches.  Box rows (width 5): SEL, ORIGIN, VOLUME, STRIDE0, STRIDE1: element ``(l, p)`` of the block (``l`` of
+    LEAD, ``p`` a 3-D block coordinate) is at ``ORIGIN + l * VOLUME + p0 * STRIDE0 + p1 * STRIDE1 + p2`` of the
+    SEL's buffer (ORIGIN = BASE minus the offset of the box's low corner, so it may be negative).
+    """
+    boxes = accumulate_boxes(plan, index, lead)
+    cells = accumulate_cells(plan.input_shape(index), [(pc.src_lo, pc.src_shape) for _, _, pc in boxes])
+    rows, blist, total = [], [], 0
+    for origin, extent, ks in cells:
+        rows += [total, *origin, *extent, len(blist), len(ks), 0]
+        blist += ks
+        total += lead * math.prod(extent)
+    n_rows = 1 << max(0, (len(cells) - 1).bit_length())
+    rows += [_NEVER, 0, 0, 0, 1, 1, 1, 0, 0, 0] * (n_rows - len(cells))
+    btab = []
+    for sel, off, pc in boxes:  # box element (l, p) at ORIGIN + l * VOLUME + p . STRIDES (p: block coordinates)
+        lo, shape = pad3(pc.src_lo, 0), pad3(pc.src_shape, 1)
+        strides = contiguous_strides(shape)
+        btab += [sel, off - sum(c * s for c, s in zip(lo, strides, strict=True)), math.prod(shape), *strides[:2]]
+    return _i64(rows, device), _i64(blist or [0], device), _i64(btab or [0] * 5, device), n_rows, total
 
 
 # ------------------------------------ buffer checks (shared by the halo launchers and kernels/conv_implicit.py)
