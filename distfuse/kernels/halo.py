@@ -208,8 +208,10 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
 
 
 def _unstage_send(grad: torch.Tensor, send: torch.Tensor | None, launch: UnstageLaunch) -> torch.Tensor:
-    """The send-back buffer, flat ``[launch.send_numel]`` in grad's dtype: ``send`` checked, or a new one."""
-    send = grad.new_empty(launch.send_numel) if send is None else send
+    """The send-back buffer, flat ``[launch.send_numel]`` in grad's dtype: ``send`` checked, or a new one (a buffer
+    this call allocates is not checked again: the host time of a small step counts)."""
+    if send is None:
+        return grad.new_empty(launch.send_numel)
     check_flat("halo_unstage", send, launch.send_numel, grad.dtype, grad.device, "send-back buffer")
     return send
 
@@ -221,9 +223,11 @@ def _unstage_local_outputs(grad: torch.Tensor, self_boxes: torch.Tensor | None, 
     acc_dtype = _acc_dtype(grad.dtype)
     if self_boxes is None:
         self_boxes = torch.empty(launch.self_numel, dtype=acc_dtype, device=grad.device)
-    check_flat("halo_unstage", self_boxes, launch.self_numel, acc_dtype, grad.device, "self boxes")
+    else:
+        check_flat("halo_unstage", self_boxes, launch.self_numel, acc_dtype, grad.device, "self boxes")
     want = _lead_shape(grad, len(launch.staged_shape)) + launch.input_shape
-    grad_x = grad.new_empty(want) if grad_x is None else grad_x
+    if grad_x is None:
+        return self_boxes, grad.new_empty(want)
     if tuple(grad_x.shape) != want or grad_x.dtype != grad.dtype or not grad_x.is_contiguous():
         raise expect("halo_unstage", "grad_x (contiguous, grad's dtype)", (want, grad.dtype),
                      (tuple(grad_x.shape), grad_x.dtype))
