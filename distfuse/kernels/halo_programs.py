@@ -94,7 +94,7 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   more rounding per 62 boxes).
 * **Offsets are int32** in the box gather and the accumulate unless a buffer holds
   2^31 elements or more (``WIDE``): their div/mod run per element, and the int64 form of
-  the box gather held 186 registers a thread at sm_90 (63 in int32).
+  the box gather held 186 registers a thread at sm_90 (62-64 in int32).
 * **Arithmetic in fp32** (fp64 for fp64 tensors): the interpreter computes bf16
   arithmetic wrongly.  Copies are exact in every dtype.  Unstage writes ``grad_x`` in the
   gradient's own dtype (the interior is a copy) and accumulate rounds once per border
@@ -399,6 +399,19 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
 
 
 @triton.jit
+def segment_of(e, m, starts_ptr, STRIDE: tl.constexpr, n, LOG2_N: tl.constexpr, BLOCK: tl.constexpr):
+    """Per element index ``e`` (where ``m``): the last segment ``k < n`` whose start ``starts_ptr[k * STRIDE]``
+    is at most ``e``, by a branchless binary search over ``LOG2_N`` steps (segment 0 starts at 0).  The box
+    gather finds its box this way, the accumulate its cell: segments of any sizes share a program."""
+    k = tl.zeros([BLOCK], dtype=tl.int32)
+    for b in tl.static_range(LOG2_N):
+        cand = k + (1 << (LOG2_N - 1 - b))
+        ok = m & (cand < n)
+        k = tl.where(ok & (tl.load(starts_ptr + cand * STRIDE, mask=ok, other=0) <= e), cand, k)
+    return k
+
+
+@triton.jit
 def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, total, RTMAX,
                        LEAD, src_ls, src_s0, src_s1, src_s2,
                        LOG2_NBOX: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -419,13 +432,7 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, t
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
     e = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
     m = e < total
-    # box of each element: the last k with bstart[k] <= e (branchless binary search, bstart[0] == 0)
-    box = tl.zeros([BLOCK], dtype=tl.int32)
-    for b in tl.static_range(LOG2_NBOX):
-        cand = box + (1 << (LOG2_NBOX - 1 - b))
-        ok = cand < nbox
-        start = tl.load(bstart_ptr + cand, mask=m & ok, other=total).to(IDX)
-        box = tl.where(ok & (start <= e), cand, box)
+    box = segment_of(e, m, bstart_ptr, 1, nbox, LOG2_NBOX, BLOCK)
     row = btab_ptr + box * 15
     sel = tl.load(row, mask=m, other=0)
     dst = tl.load(row + 1, mask=m, other=0).to(IDX)
@@ -486,11 +493,7 @@ def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, ctab_ptr, blist_ptr, btab_ptr,
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
     e = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
     m = e < total
-    # cell of each element: the last row with START <= e (row 0 starts at 0; padding rows start past every e)
-    cell = tl.zeros([BLOCK], dtype=tl.int32)
-    for b in tl.static_range(LOG2_NCELL):
-        cand = cell + (1 << (LOG2_NCELL - 1 - b))
-        cell = tl.where(tl.load(ctab_ptr + cand * 10, mask=m, other=0) <= e, cand, cell)
+    cell = segment_of(e, m, ctab_ptr, 10, 1 << LOG2_NCELL, LOG2_NCELL, BLOCK)  # padding rows start past every e
     row = ctab_ptr + cell * 10
     W0 = tl.load(row + 4, mask=m, other=1).to(IDX)
     W1 = tl.load(row + 5, mask=m, other=1).to(IDX)
