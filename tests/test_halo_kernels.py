@@ -304,7 +304,8 @@ def test_accumulate_sums_every_box_in_one_launch(case, monkeypatch):
     i = max(plan.blocks(), key=lambda i: len(ht.accumulate_boxes(plan, i, 1)))
     boxes = ht.accumulate_boxes(plan, i, 1)
     cells = ht.accumulate_cells(plan.input_shape(i), [(pc.src_lo, pc.src_shape) for _, _, pc in boxes])
-    assert max(len(ks) for _, _, ks in cells) >= (3 if case == "2d-replicate" else 124)
+    most = max(len(ks) for _, _, ks in cells)  # boxes summed into one element, beside its own value
+    assert most >= (3 if case == "2d-replicate" else 124)
     n = plan.input_shape(i)
     gen = torch.Generator().manual_seed(3)
     grad_x = torch.randn((2,) + n, generator=gen, dtype=torch.float64)
@@ -316,7 +317,7 @@ def test_accumulate_sums_every_box_in_one_launch(case, monkeypatch):
     monkeypatch.setattr(hk, "launch_accumulate", lambda *args: launches.append(1) or real(*args))
     got = hk.halo_accumulate(grad_x.clone(), self_boxes, incoming, plan, i)
     assert len(launches) == 1
-    torch.testing.assert_close(got, want, **tol(torch.float64))
+    torch.testing.assert_close(got, want, **tol(torch.float64, terms=most + 1))
     covered = torch.zeros(n, dtype=torch.bool)
     for origin, extent, _ in cells:
         covered[tuple(slice(o, o + e) for o, e in zip(origin[3 - len(n):], extent[3 - len(n):]))] = True
