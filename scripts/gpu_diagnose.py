@@ -20,10 +20,11 @@ does not compile or fails records its error.  Each section stops at its time bud
 
 Section ``attrib`` splits one ``chunk_reduce`` call into its parts, the Triton launch both through the JIT and
 through the compiled kernel's runner (what a launch costs without the JIT's per-call argument binding).
-Section ``halo`` times the one-launch staging against the copy, the fused halo conv step against the
-``cat`` baseline's (``halo_full``: host time at small shapes, every kernel's device time at large
-ones), and sweeps the staging's tiles and warps with and without its
-alignment promises (``halo_tiles``, each config checked bit-exact first).
+Section ``flatten`` times the persistent producer's two loop forms at its pinned tiles against cuBLAS, at every
+model and M (``FLATTEN``: :mod:`distfuse.kernels.matmul_scatter_persistent`).  Section ``halo`` times the
+one-launch staging against the copy, the fused halo conv step against the ``cat`` baseline's (``halo_full``:
+host time at small shapes, every kernel's device time at large ones), and sweeps the staging's tiles and warps
+with and without its alignment promises (``halo_tiles``, each config checked bit-exact first).
 
 Every row holds the measured numbers only; picking the configs from them is a separate change.
 """
@@ -58,6 +59,39 @@ GEMM_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
 REDUCE_BLOCKS, REDUCE_PROGRAMS_PER_SM, REDUCE_WARPS = (1024, 2048, 4096), (1, 2, 4, 8), (4, 8)
 
 
+def flatten_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
+    """Section ``flatten``: cuBLAS and the persistent GEMM + scatter producer at its pinned tiles, the tile and K
+    loops fused (``FLATTEN=True``, the default) and nested (``False``), at every model and M, each timed both as
+    back-to-back calls (``loop_us``) and as one CUDA-graph replay after an L2 flush (``graph_us``)."""
+    from distfuse.fused.providers import run_producer
+    from distfuse.kernels._utils import pinned_gemm_config
+
+    cuda = device.type == "cuda"
+    for model, (rs, _ag) in shapes.items():
+        n, k = rs
+        for m in ms:
+            if clock.left() < 20:
+                return
+            side = Side("rs", m, n, k, W, dtype, device)
+            shape = dict(model=model, side="rs", m=m, n=n, k=k)
+            record(section="flatten", op="cublas", **shape,
+                   **measure(torch, side.cublas, device, 10, profile=False, graph=cuda))
+            side.prepare()
+            try:
+                pinned = pinned_gemm_config(dtype, -(-m // W), n, "persistent") if cuda else dict(
+                    BLOCK_M=4, BLOCK_N=16, BLOCK_K=16, GROUP_M=8)
+                for flatten in (True, False):
+                    cfg = dict(pinned, FLATTEN=flatten)
+                    record(section="flatten", op="matmul_scatter_persistent", config=cfg, **shape, **measure(
+                        torch, lambda cfg=cfg: run_producer("triton_persistent", side.a, side.weight, side.ws, 0, W,
+                                                            dtype, config=cfg),
+                        device, 10, profile=cuda, graph=cuda))
+            finally:
+                side.release()
+            if cuda:
+                torch.cuda.empty_cache()
+
+
 def _parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path, required=True)
@@ -67,7 +101,7 @@ def _parse(argv=None):
     p.add_argument("--sweep-m", type=int, nargs="+", default=None, help="sweeps: GEMM rows (default the largest M)")
     p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole script")
     p.add_argument("--sections", nargs="+",
-                   default=["host", "attrib", "halo", "gemm", "persistent", "gathered", "reduce"])
+                   default=["host", "attrib", "flatten", "halo", "gemm", "persistent", "gathered", "reduce"])
     return p.parse_args(argv)
 
 
@@ -420,6 +454,10 @@ def main(argv=None) -> int:
         guarded("halo", "stage", lambda: halo_stage_times(torch, device, dtype, calls, record, cuda))
         guarded("halo", "full", lambda: halo_full_host(torch, device, dtype, calls, record, cuda))
         guarded("halo", "tiles", lambda: halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock))
+
+    # ---- the persistent producer's two loop forms (FLATTEN), its pinned tiles, every M: the default's evidence
+    if "flatten" in args.sections and clock.left() > 30:
+        guarded("flatten", "forms", lambda: flatten_forms(torch, Side, shapes, ms, W, dtype, device, record, clock))
 
     big = [(model, rs, ag) for model, (rs, ag) in shapes.items()]
     m_big = ms[-1]

@@ -26,6 +26,9 @@ from tests.tolerances import tol
 
 # Several row and column tiles per chunk; 3 programs walk all W chunks' tiles.
 PERSISTENT = dict(kernel="persistent", BLOCK_M=4, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, PROGRAMS=3)
+# Both loop forms of the producer: the tile and K loops fused (arrivals counted once per program at its end) and
+# the tile loop around its K loop (each tile's arrival deferred past the next tile's K loop).
+FLATTEN = pytest.mark.parametrize("flatten", [pytest.param(True, id="flattened"), pytest.param(False, id="nested")])
 
 
 def _produce(a, w, ws, r, W, partial_dtype, config):
@@ -78,26 +81,29 @@ def _assert_close(got, ref, dtype):
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
                                    pytest.param(torch.bfloat16, id="bf16")])
 @pytest.mark.parametrize("kmajor", [pytest.param(False, id="w[N,K]"), pytest.param(True, id="w[K,N]")])
-def test_persistent_matches_float64(dtype, kmajor):
+@FLATTEN
+def test_persistent_matches_float64(dtype, kmajor, flatten):
     """Uneven chunks (n = 10 over 3), a batch of 2, tiles that straddle the chunk end, both weight layouts."""
     lead, n, W, K, N = (2,), 10, 3, 32, 24
     a, w, bias = _inputs(lead, n, W, K, N, dtype, weight_kmajor=kmajor)
     assert persistent_supported(a[0].reshape(2, n, K), w[0])[0]
-    _, outs = _run(a, w, bias, W, n, N, PERSISTENT, torch.float32, dtype)
+    config = dict(PERSISTENT, FLATTEN=flatten)
+    _, outs = _run(a, w, bias, W, n, N, config, torch.float32, dtype)
     for r in range(W):
         _assert_close(outs[r], _ref64(a, w, r, bias), dtype)
     if dtype != torch.float32:  # default partials: the output dtype, rounded once more (the reference models it)
-        _, outs = _run(a, w, bias, W, n, N, PERSISTENT, dtype, dtype)
+        _, outs = _run(a, w, bias, W, n, N, config, dtype, dtype)
         for r in range(W):
             _assert_close(outs[r], matmul_reduce_scatter_reference(a, w, r, bias=bias), dtype)
 
 
-def test_persistent_writes_what_the_pointer_kernel_writes():
+@FLATTEN
+def test_persistent_writes_what_the_pointer_kernel_writes(flatten):
     """Same block sizes, same K order: the slots are bitwise equal, and the flags and counters end alike."""
     lead, n, W, K, N = (1,), 9, 3, 32, 20
     a, w, _ = _inputs(lead, n, W, K, N, torch.float32, seed=3)
     blocks = {k: v for k, v in PERSISTENT.items() if k.startswith(("BLOCK", "GROUP"))}
-    ws_p, outs_p = _run(a, w, None, W, n, N, PERSISTENT, torch.float32, torch.float32)
+    ws_p, outs_p = _run(a, w, None, W, n, N, dict(PERSISTENT, FLATTEN=flatten), torch.float32, torch.float32)
     ws_t, outs_t = _run(a, w, None, W, n, N, blocks, torch.float32, torch.float32)
     for r in range(W):
         assert torch.equal(outs_p[r], outs_t[r])
@@ -110,7 +116,8 @@ def test_persistent_writes_what_the_pointer_kernel_writes():
 
 @pytest.mark.parametrize("case", [pytest.param(dict(lead=(1,), n=2, W=3), id="n2-W3-empty-chunk"),
                                   pytest.param(dict(lead=(1,), n=11, W=8), id="W8")])
-def test_persistent_small_and_empty_chunks_and_two_epochs(case):
+@FLATTEN
+def test_persistent_small_and_empty_chunks_and_two_epochs(case, flatten):
     """An empty chunk still gets its flag; W = 8; a second op on the same workspace (epoch 2) reuses the counters."""
     lead, n, W, K, N = case["lead"], case["n"], case["W"], 16, 16
     B = math.prod(lead)
@@ -119,7 +126,7 @@ def test_persistent_small_and_empty_chunks_and_two_epochs(case):
         a, w, bias = _inputs(lead, n, W, K, N, torch.float32, seed=seed)
         with ws.in_flight("test"):
             for r in range(W):
-                _produce(a[r], w[r], ws, r, W, torch.float32, dict(PERSISTENT, BLOCK_M=16, PROGRAMS=2))
+                _produce(a[r], w[r], ws, r, W, torch.float32, dict(PERSISTENT, BLOCK_M=16, PROGRAMS=2, FLATTEN=flatten))
             for r in range(W):
                 out = chunk_reduce(ws, r, W, B, n, N, partial_dtype=torch.float32, bias=bias)
                 _assert_close(out, _ref64(a, w, r, bias), torch.float32)

@@ -55,6 +55,9 @@ _PTX_CHECKS = {
     "tma_load": (re.compile(r"\bcp\.async\.bulk\.tensor\."), "operand loads do not use TMA (no cp.async.bulk.tensor)"),
     "vector_store": (re.compile(r"\bst\.global(\.[a-z]+)*\.v[24]\.b(32|64)\b"), "epilogue stores are not vectorised"),
 }
+#: A software-pipelined TMA loop (sm_90): the operand tiles live in a multi-buffered shared allocation, a leading
+#: stage dimension of 2 or more (``!ttg.memdesc<3x128x64xbf16...``); unpipelined, each is one ``128x64`` buffer.
+_PIPELINED = re.compile(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<([2-9]|\d\d+)x\d+x\d+x")
 
 
 @dataclass
@@ -99,6 +102,10 @@ def compile_case(case: KernelCase, arch: int = 90, *, load: bool = False) -> Aud
         if check in case.checks and (check != "tma_load" or arch >= 90) and not pattern.search(ptx):  # TMA: sm_90+
             found = sorted(set(re.findall(r"\bst\.global[.\w]*", ptx)))
             rec.problems.append(problem + (f" (found {found})" if check == "vector_store" else ""))
+    if "pipelined" in case.checks and arch >= 90 and case.num_stages > 1 and not _PIPELINED.search(
+            compiled.asm.get("ttgir", "")):
+        rec.problems.append("the K loop is not software-pipelined: its operand buffers are not multi-buffered "
+                            "(a barrier in the loop, or a loop the pipeliner does not take)")
     if not load:
         rec.registers, rec.spills = _static_usage(compiled.asm.get("cubin"))
         if rec.spills:

@@ -68,7 +68,8 @@ class KernelCase:
         return sig, attrs
 
     def label(self) -> str:
-        shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "LOG2_NCELL", "W_UNROLL", "B_KMAJOR", "FLAT", "WIDE")
+        shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "LOG2_NCELL", "W_UNROLL", "B_KMAJOR", "FLAT", "WIDE",
+                 "FLATTEN")
         meta = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k.startswith("BLOCK") or k in shown)
         return f"{self.name}[{_TT[self.dtype]};{meta};w{self.num_warps}s{self.num_stages}]"
 
@@ -137,13 +138,15 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
                                   dict(base, HAS_BIAS=True, TIMED=True, **cfg), warps, stages,
                                   aligned=("N", "K", "stride_xm", "stride_bn"), checks=("acquire_sys",)))
             for warps, stages, cfg in family_configs(dt, "persistent"):
-                # The persistent form: host tensor descriptors (TMA), deferred per-chunk arrival; both weight layouts.
-                for kmajor in (False, True):
+                # The persistent form: host tensor descriptors (TMA); both weight layouts; the flattened loop (the
+                # default) and the nested one with each tile's arrival deferred.
+                for kmajor, flatten in ((False, True), (True, True), (False, False)):
                     cases.append(case("matmul_scatter_persistent", persistent_kernels._matmul_scatter_persistent_kernel,
-                                      dt, dict(base, B_KMAJOR=kmajor, **cfg), warps, stages, aligned=("N", "K", "ld"),
+                                      dt, dict(base, B_KMAJOR=kmajor, FLATTEN=flatten, **cfg), warps, stages,
+                                      aligned=("N", "K", "ld"),
                                       descriptors=dict(a_desc=(cfg["BLOCK_M"], cfg["BLOCK_K"]),
                                                        b_desc=b_block(cfg, kmajor)),
-                                      checks=("release_sys", "vector_store", "tma_load")))
+                                      checks=("release_sys", "vector_store", "tma_load", "pipelined")))
         for warps, stages, cfg in family_configs(dt, "gathered_persistent"):
             # The all-gather GEMM consumer, persistent form: TMA loads of the shard and the gathered rows, one wait
             # per chunk; both weight layouts; the split epilogue of every pinned config.  fp32 only with TF32: the

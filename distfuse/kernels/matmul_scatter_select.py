@@ -76,7 +76,9 @@ def select_scatter_kernel(a: torch.Tensor, weight: torch.Tensor, provider: str =
     compiled = not INTERPRET if compiled is None else compiled
     why = why or compiled_refusal(a.dtype, compiled, a.dtype == torch.float32 and tf32_allowed())  # fp32 only
     if not why:
-        return KernelChoice(provider, "matmul_scatter_persistent", "tensor-descriptor (TMA) loads")
+        loops = "tile and K loops fused" if persistent_kernels.FLATTEN else "a K loop per tile"
+        return KernelChoice(provider, "matmul_scatter_persistent",
+                            f"tensor-descriptor (TMA) loads, {loops} (default; a config's FLATTEN overrides it)")
     return KernelChoice(provider, "matmul_scatter", f"fell back to the pointer kernel: {why}")
 
 
