@@ -20,8 +20,9 @@ does not compile or fails records its error.  Each section stops at its time bud
 
 Section ``attrib`` splits one ``chunk_reduce`` call into its parts, the Triton launch both through the JIT and
 through the compiled kernel's runner (what a launch costs without the JIT's per-call argument binding).
-Section ``flatten`` times the persistent producer's two loop forms at its pinned tiles against cuBLAS, at every
-model and M (``FLATTEN``: :mod:`distfuse.kernels.matmul_scatter_persistent`).  Section ``halo`` times the
+Section ``forms`` times the persistent producer's forms against cuBLAS at every model and M: the pinned rule,
+its loops nested, its ``SPAN`` flipped, and the chunk-row tiles of ``a6bfa8c``
+(:mod:`distfuse.kernels.matmul_scatter_persistent`).  Section ``halo`` times the
 one-launch staging against the copy, the fused halo conv step against the ``cat`` baseline's (``halo_full``:
 host time at small shapes, every kernel's device time at large ones), and sweeps the staging's tiles and warps
 with and without its alignment promises (``halo_tiles``, each config checked bit-exact first).
@@ -59,12 +60,20 @@ GEMM_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
 REDUCE_BLOCKS, REDUCE_PROGRAMS_PER_SM, REDUCE_WARPS = (1024, 2048, 4096), (1, 2, 4, 8), (4, 8)
 
 
-def flatten_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
-    """Section ``flatten``: cuBLAS and the persistent GEMM + scatter producer at its pinned tiles, the tile and K
-    loops fused (``FLATTEN=True``, the default) and nested (``False``), at every model and M, each timed both as
-    back-to-back calls (``loop_us``) and as one CUDA-graph replay after an L2 flush (``graph_us``)."""
+def producer_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
+    """Section ``forms``: cuBLAS and the persistent GEMM + scatter producer in four forms, at every model and M,
+    each timed as back-to-back calls (``loop_us``), one CUDA-graph replay after an L2 flush (``graph_us``) and
+    by the profiler (``kernel_us``):
+
+    * ``pinned``: the default, the pinned rule's tile with its ``SPAN`` and the fused loops (``FLATTEN``);
+    * ``nested``: the same tile and SPAN, a K loop per tile (``FLATTEN=False``);
+    * ``span_flipped``: the same tile and loops, ``SPAN`` the other way;
+    * ``chunk_rows``: the form measured at ``a6bfa8c``: the tile of the chunk's rows, per-chunk row tiles, nested.
+    """
     from distfuse.fused.providers import run_producer
+    from distfuse.kernels import matmul_scatter_persistent as mscp
     from distfuse.kernels._utils import pinned_gemm_config
+    from distfuse.kernels.persistent import persistent_programs
 
     cuda = device.type == "cuda"
     for model, (rs, _ag) in shapes.items():
@@ -74,18 +83,25 @@ def flatten_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
                 return
             side = Side("rs", m, n, k, W, dtype, device)
             shape = dict(model=model, side="rs", m=m, n=n, k=k)
-            record(section="flatten", op="cublas", **shape,
-                   **measure(torch, side.cublas, device, 10, profile=False, graph=cuda))
+            record(section="forms", op="cublas", **shape,
+                   **measure(torch, side.cublas, device, 10, profile=cuda, graph=cuda))
             side.prepare()
             try:
-                pinned = pinned_gemm_config(dtype, -(-m // W), n, "persistent") if cuda else dict(
-                    BLOCK_M=4, BLOCK_N=16, BLOCK_K=16, GROUP_M=8)
-                for flatten in (True, False):
-                    cfg = dict(pinned, FLATTEN=flatten)
-                    record(section="flatten", op="matmul_scatter_persistent", config=cfg, **shape, **measure(
-                        torch, lambda cfg=cfg: run_producer("triton_persistent", side.a, side.weight, side.ws, 0, W,
-                                                            dtype, config=cfg),
-                        device, 10, profile=cuda, graph=cuda))
+                if cuda:
+                    pinned = dict(mscp._pinned_config(dtype, 1, m, W, n, persistent_programs(device)), FLATTEN=True)
+                    old = dict(pinned_gemm_config(dtype, -(-m // W), n, "persistent"), FLATTEN=False, SPAN=False)
+                else:
+                    pinned = dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, FLATTEN=True, SPAN=True)
+                    old = dict(pinned, FLATTEN=False, SPAN=False)
+                forms = {"pinned": pinned, "nested": dict(pinned, FLATTEN=False),
+                         "span_flipped": dict(pinned, SPAN=not pinned["SPAN"]), "chunk_rows": old}
+                for form, cfg in forms.items():
+                    if clock.left() < 15:
+                        return
+                    record(section="forms", op="matmul_scatter_persistent", form=form, config=cfg, **shape,
+                           **measure(torch, lambda cfg=cfg: run_producer("triton_persistent", side.a, side.weight,
+                                                                         side.ws, 0, W, dtype, config=cfg),
+                                     device, 10, profile=cuda, graph=cuda))
             finally:
                 side.release()
             if cuda:
@@ -101,7 +117,7 @@ def _parse(argv=None):
     p.add_argument("--sweep-m", type=int, nargs="+", default=None, help="sweeps: GEMM rows (default the largest M)")
     p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole script")
     p.add_argument("--sections", nargs="+",
-                   default=["host", "attrib", "flatten", "halo", "gemm", "persistent", "gathered", "reduce"])
+                   default=["host", "attrib", "forms", "halo", "gemm", "persistent", "gathered", "reduce"])
     return p.parse_args(argv)
 
 
@@ -455,9 +471,9 @@ def main(argv=None) -> int:
         guarded("halo", "full", lambda: halo_full_host(torch, device, dtype, calls, record, cuda))
         guarded("halo", "tiles", lambda: halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock))
 
-    # ---- the persistent producer's two loop forms (FLATTEN), its pinned tiles, every M: the default's evidence
-    if "flatten" in args.sections and clock.left() > 30:
-        guarded("flatten", "forms", lambda: flatten_forms(torch, Side, shapes, ms, W, dtype, device, record, clock))
+    # ---- the persistent producer's forms (FLATTEN, SPAN, tiles) at every model and M: the defaults' evidence
+    if "forms" in args.sections and clock.left() > 30:
+        guarded("forms", "producer", lambda: producer_forms(torch, Side, shapes, ms, W, dtype, device, record, clock))
 
     big = [(model, rs, ag) for model, (rs, ag) in shapes.items()]
     m_big = ms[-1]

@@ -5,8 +5,8 @@
 #   DISTFUSE_LAB_DRY_RUN=1 bash scripts/gpu_first_call.sh   # here, without a GPU: both in their CPU-safe forms
 #
 # 1. scripts/gpu_lab.sh into a scratch folder (at most 540 s; it took 213 s on an H100);
-# 2. scripts/gpu_diagnose.py --sections host attrib flatten halo: host time against kernel time per fused op
-#    (eager rows are bound by the host: docs/gpu.md), the persistent producer's two loop forms against cuBLAS,
+# 2. scripts/gpu_diagnose.py --sections host attrib forms halo: host time against kernel time per fused op
+#    (eager rows are bound by the host: docs/gpu.md), the persistent producer's forms against cuBLAS,
 #    and the halo steps, with what is left of 585 s, if 30 s or more;
 # 3. everything into $OUT/lab.tgz (the device tool brings back at most 8 files), with lab.json and
 #    lab.log beside it for a first look.
@@ -29,7 +29,7 @@ echo "gpu_first_call: lab exit $?"
 LEFT=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
 if [ "$LEFT" -ge 30 ]; then
   PYTHONPATH="$PWD:$PWD/scripts" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 timeout --kill-after=5 $((LEFT - 5)) \
-    "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections host attrib flatten halo \
+    "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections host attrib forms halo \
     --budget $((LEFT - 20)) >"$WORK/lab/diagnose.log" 2>&1
   echo "gpu_first_call: diagnose exit $? ($(grep -c '^diag: {' "$WORK/lab/diagnose.log") rows)"
 else

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+import distfuse.kernels.matmul_scatter_persistent as mscp
 from distfuse.errors import UnsupportedError
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent, block_range
@@ -29,6 +30,8 @@ PERSISTENT = dict(kernel="persistent", BLOCK_M=4, BLOCK_N=16, BLOCK_K=16, GROUP_
 # Both loop forms of the producer: the tile and K loops fused (arrivals counted once per program at its end) and
 # the tile loop around its K loop (each tile's arrival deferred past the next tile's K loop).
 FLATTEN = pytest.mark.parametrize("flatten", [pytest.param(True, id="flattened"), pytest.param(False, id="nested")])
+# Row tiles within each chunk, or over a batch entry's rows whatever the chunks (a tile holds rows of several owners).
+SPAN = pytest.mark.parametrize("span", [pytest.param(True, id="span"), pytest.param(False, id="per-chunk")])
 
 
 def _produce(a, w, ws, r, W, partial_dtype, config):
@@ -82,12 +85,14 @@ def _assert_close(got, ref, dtype):
                                    pytest.param(torch.bfloat16, id="bf16")])
 @pytest.mark.parametrize("kmajor", [pytest.param(False, id="w[N,K]"), pytest.param(True, id="w[K,N]")])
 @FLATTEN
-def test_persistent_matches_float64(dtype, kmajor, flatten):
-    """Uneven chunks (n = 10 over 3), a batch of 2, tiles that straddle the chunk end, both weight layouts."""
+@SPAN
+def test_persistent_matches_float64(dtype, kmajor, flatten, span):
+    """Uneven chunks (n = 10 over 3: rows 0-3, 4-6, 7-9), a batch of 2, 4-row tiles that straddle the chunk end
+    (per chunk) or two chunks (span: rows 4-7), both weight layouts."""
     lead, n, W, K, N = (2,), 10, 3, 32, 24
     a, w, bias = _inputs(lead, n, W, K, N, dtype, weight_kmajor=kmajor)
     assert persistent_supported(a[0].reshape(2, n, K), w[0])[0]
-    config = dict(PERSISTENT, FLATTEN=flatten)
+    config = dict(PERSISTENT, FLATTEN=flatten, SPAN=span)
     _, outs = _run(a, w, bias, W, n, N, config, torch.float32, dtype)
     for r in range(W):
         _assert_close(outs[r], _ref64(a, w, r, bias), dtype)
@@ -98,12 +103,14 @@ def test_persistent_matches_float64(dtype, kmajor, flatten):
 
 
 @FLATTEN
-def test_persistent_writes_what_the_pointer_kernel_writes(flatten):
+@SPAN
+def test_persistent_writes_what_the_pointer_kernel_writes(flatten, span):
     """Same block sizes, same K order: the slots are bitwise equal, and the flags and counters end alike."""
     lead, n, W, K, N = (1,), 9, 3, 32, 20
     a, w, _ = _inputs(lead, n, W, K, N, torch.float32, seed=3)
     blocks = {k: v for k, v in PERSISTENT.items() if k.startswith(("BLOCK", "GROUP"))}
-    ws_p, outs_p = _run(a, w, None, W, n, N, dict(PERSISTENT, FLATTEN=flatten), torch.float32, torch.float32)
+    ws_p, outs_p = _run(a, w, None, W, n, N, dict(PERSISTENT, FLATTEN=flatten, SPAN=span), torch.float32,
+                        torch.float32)
     ws_t, outs_t = _run(a, w, None, W, n, N, blocks, torch.float32, torch.float32)
     for r in range(W):
         assert torch.equal(outs_p[r], outs_t[r])
@@ -117,7 +124,8 @@ def test_persistent_writes_what_the_pointer_kernel_writes(flatten):
 @pytest.mark.parametrize("case", [pytest.param(dict(lead=(1,), n=2, W=3), id="n2-W3-empty-chunk"),
                                   pytest.param(dict(lead=(1,), n=11, W=8), id="W8")])
 @FLATTEN
-def test_persistent_small_and_empty_chunks_and_two_epochs(case, flatten):
+@SPAN
+def test_persistent_small_and_empty_chunks_and_two_epochs(case, flatten, span):
     """An empty chunk still gets its flag; W = 8; a second op on the same workspace (epoch 2) reuses the counters."""
     lead, n, W, K, N = case["lead"], case["n"], case["W"], 16, 16
     B = math.prod(lead)
@@ -126,12 +134,38 @@ def test_persistent_small_and_empty_chunks_and_two_epochs(case, flatten):
         a, w, bias = _inputs(lead, n, W, K, N, torch.float32, seed=seed)
         with ws.in_flight("test"):
             for r in range(W):
-                _produce(a[r], w[r], ws, r, W, torch.float32, dict(PERSISTENT, BLOCK_M=16, PROGRAMS=2, FLATTEN=flatten))
+                _produce(a[r], w[r], ws, r, W, torch.float32, dict(PERSISTENT, BLOCK_M=16, PROGRAMS=2, FLATTEN=flatten,
+                                                                        SPAN=span))
             for r in range(W):
                 out = chunk_reduce(ws, r, W, B, n, N, partial_dtype=torch.float32, bias=bias)
                 _assert_close(out, _ref64(a, w, r, bias), torch.float32)
                 assert ws.rank_view(r).flags[r].tolist() == [epoch] * W
                 assert int(ws.rank_view(r).counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("model", [pytest.param((4096, 1792), id="llama3-8b"),
+                                   pytest.param((8192, 3584), id="llama3-70b")])
+def test_pinned_tiles_come_from_the_whole_gemm_and_span_short_chunks(model):
+    """The pinned rule at TP 8 on 132 SMs (an H100 SXM's count): at M = 8192 chunk-aligned 128-row tiles waste no row;
+    at M = 512 the 64-row chunks would half-fill them, so the tiles span chunks and the grid stays busy."""
+    N, _K = model
+    W, sms = 8, 132
+    big = mscp._pinned_config(torch.bfloat16, 1, 8192, W, N, sms)
+    assert big["BLOCK_M"] == 128 and not big["SPAN"]
+    small = mscp._pinned_config(torch.bfloat16, 1, 512, W, N, sms)
+    assert small["BLOCK_M"] == 128 and small["SPAN"]
+    for cfg, m in ((big, 8192), (small, 512)):
+        tiles = mscp.scatter_tiles(cfg, 1, m, W, N)
+        waves = -(-tiles // sms)
+        assert tiles / (waves * sms) >= 0.9, (cfg, tiles)  # the last wave keeps 90% of the SMs busy
+
+
+def test_span_decision_counts_the_rows_chunk_aligned_tiles_would_compute():
+    assert not mscp.span_wins(128, 8192, 8)  # 1024-row chunks: 8 tiles each, none padded
+    assert mscp.span_wins(128, 512, 8)  # 64-row chunks in 128-row tiles: twice the rows
+    assert not mscp.span_wins(64, 512, 8)  # 64-row tiles fit them
+    assert mscp.span_wins(4, 9, 3) and not mscp.span_wins(4, 12, 3)  # 12 rows for 9 (33%); 12 for 12
+    assert not mscp.span_wins(128, 1000, 8)  # 125-row chunks: 1024 rows for 1000, 2.4% extra
 
 
 def test_unsupported_layouts_fall_back_to_the_pointer_kernel():

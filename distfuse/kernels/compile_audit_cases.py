@@ -69,7 +69,7 @@ class KernelCase:
 
     def label(self) -> str:
         shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "LOG2_NCELL", "W_UNROLL", "B_KMAJOR", "FLAT", "WIDE",
-                 "FLATTEN")
+                 "FLATTEN", "SPAN")
         meta = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k.startswith("BLOCK") or k in shown)
         return f"{self.name}[{_TT[self.dtype]};{meta};w{self.num_warps}s{self.num_stages}]"
 
@@ -139,11 +139,13 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
                                   aligned=("N", "K", "stride_xm", "stride_bn"), checks=("acquire_sys",)))
             for warps, stages, cfg in family_configs(dt, "persistent"):
                 # The persistent form: host tensor descriptors (TMA); both weight layouts; the flattened loop (the
-                # default) and the nested one with each tile's arrival deferred.
-                for kmajor, flatten in ((False, True), (True, True), (False, False)):
+                # default) and the nested one with each tile's arrival deferred; row tiles per chunk and spanning
+                # chunks (per-row slot addresses), at W = 8.
+                for kmajor, flatten, span in ((False, True, False), (True, True, False), (False, False, False),
+                                              (False, True, True), (True, True, True)):
                     cases.append(case("matmul_scatter_persistent", persistent_kernels._matmul_scatter_persistent_kernel,
-                                      dt, dict(base, B_KMAJOR=kmajor, FLATTEN=flatten, **cfg), warps, stages,
-                                      aligned=("N", "K", "ld"),
+                                      dt, dict(base, B_KMAJOR=kmajor, FLATTEN=flatten, SPAN=span, W_BLOCK=8, **cfg),
+                                      warps, stages, aligned=("N", "K", "ld"),
                                       descriptors=dict(a_desc=(cfg["BLOCK_M"], cfg["BLOCK_K"]),
                                                        b_desc=b_block(cfg, kmajor)),
                                       checks=("release_sys", "vector_store", "tma_load", "pipelined")))

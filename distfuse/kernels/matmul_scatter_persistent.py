@@ -27,17 +27,28 @@ How it differs from the one-tile-per-program kernel:
   fused loop keeps three or four stages of TMA buffers and needs fewer registers than the
   nested one (194-198 against 238 at 128x256x64, 8 warps); the compile audit fails any
   persistent config whose loop is not multi-buffered (``pipelined``).
+* **Row tiles may span chunks** (``SPAN``, chosen by :func:`span_wins`).  Chunk-aligned row
+  tiles compute ``W * ceil(ceil(n / W) / BLOCK_M) * BLOCK_M`` rows: at TP 8 and M = 512 the
+  chunks are 64 rows, so a 128-row tile is half idle, and a 64-row tile reads 40 KB of
+  operands a K step for 1M FMAs where a 128x256 one reads 24 KB for 2M.  On the H200
+  (``a6bfa8c``) that producer took 1.5-1.8 times cuBLAS's kernel time; its tile count and
+  bytes per FLOP point at L2 bandwidth.  With ``SPAN`` the row tiles cover each batch entry's
+  ``n`` rows whatever the chunks (starting at chunk ``rank + 1``'s first row tile, as the
+  chunks rotate without it); each row finds its chunk, its owner's slot and its slot row in
+  the epilogue (:func:`_store_span_rows`), and a tile counts once for every chunk its rows
+  touch.  The pinned rule picks the tile from the whole GEMM's rows, then SPAN where
+  chunk-aligned rows would waste more than :data:`SPAN_WASTE` (:func:`_pinned_config`).
 * **One signal per chunk.**  Tiles are counted on a per-chunk counter (acq_rel, GPU scope);
   the arrival that completes the count resets it and raises the owner's flag (release,
   system scope: cumulative, so it publishes every tile's stores that the count observed).
   A CTA barrier orders all threads' stores before a count, and the pipeliner does not take
   a loop that holds a barrier, so the two forms count differently:
 
-  - fused loop: each program counts its tiles of every chunk once, after its last tile
-    (:func:`_arrive_program`; one add per chunk it holds).  An owner's flag rises when the
-    last program holding one of its tiles ends.  ``chunk_reduce`` runs after the producer
-    on the same stream, so only a rank behind its peers would see it later than below;
-  - nested loops (``FLATTEN=False``): a tile's arrival is issued after the *next* tile's K
+  - fused loop, or ``SPAN``: each program counts its tiles of every chunk once, after its
+    last tile (:func:`_arrive_counts`; one add per chunk it holds).  An owner's flag rises
+    when the last program holding one of its tiles ends.  ``chunk_reduce`` runs after the
+    producer on the same stream, so only a rank behind its peers would see it later than below;
+  - nested loops without SPAN: a tile's arrival is issued after the *next* tile's K
     loop, so its remote stores drain over NVLink while the next tile computes, and no tile
     waits for its own stores to be acknowledged.
 * The remote stores are the pointer kernel's 16-byte ones (checked by the compile audit).
@@ -51,6 +62,7 @@ falling back to the pointer kernel is the selector's decision
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -64,11 +76,14 @@ from distfuse.kernels._utils import (
     INTERPRET,
     check_producer_args,
     claimed_rank_view,
+    config_of,
+    get_gemm_configs,
     input_precision,
     pinned_gemm_config,
     round_bf16,
 )
 from distfuse.kernels.chunk_reduce import slot_row_stride
+from distfuse.kernels.gathered_matmul_persistent import WAVE_TARGET, wave_efficiency
 from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, raise_flag, tma_tile
 from distfuse.kernels.launch_cache import cached_launch
@@ -80,10 +95,10 @@ from distfuse.kernels.persistent import (
     weight_descriptor,
 )
 
-__all__ = ["matmul_scatter_persistent", "persistent_supported", "FLATTEN"]
+__all__ = ["matmul_scatter_persistent", "persistent_supported", "span_wins", "scatter_tiles", "FLATTEN", "SPAN_WASTE"]
 
 #: The default of the kernel's ``FLATTEN`` (a config's ``"FLATTEN"`` overrides it): the tile loop and the K loop
-#: as one software-pipelined loop, arrivals counted once per program (see :func:`_arrive_program`).
+#: as one software-pipelined loop, arrivals counted once per program (see :func:`_arrive_counts`).
 FLATTEN = True
 
 
@@ -108,6 +123,7 @@ def _matmul_scatter_persistent_kernel(
     n_batch, n, N, ld, K, rank, W, epoch_ptr, src_offset,
     B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, FLATTEN: tl.constexpr,
+    SPAN: tl.constexpr, W_BLOCK: tl.constexpr,
 ):
     """Persistent grid (at most one program per SM); see the module doc.
 
@@ -117,75 +133,127 @@ def _matmul_scatter_persistent_kernel(
     loop for the compiler's pipeliner (``tl.range(..., flatten=True)``), so the next tile's first loads
     are in flight while this tile's epilogue stores; every tile then runs the whole K loop (an empty
     tile's rows are loaded and masked at the store), and the epilogue recomputes its tile's place
-    from its own counter instead of carrying the prologue's values across the loop.
+    from its own counter instead of carrying the prologue's values across the loop.  ``SPAN``: row
+    tiles cover a batch entry's ``n`` rows whatever the chunks (a tile may hold rows of several
+    owners; each row finds its chunk and slot in the epilogue), not each chunk's rows apart.
+    ``W_BLOCK``: a power of two >= W (the per-chunk tile counts of :func:`_arrive_counts`).
     """
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
-    tiles_m, num_pid_m, num_pid_n, tiles_per_chunk, total = chunk_tiling(n, W, n_batch, N, BLOCK_M, BLOCK_N)
+    if SPAN:  # row tiles over [0, n) of each batch entry, starting at chunk rank + 1's first row tile
+        tiles_m = tl.cdiv(n, BLOCK_M)
+        num_pid_m = n_batch * tiles_m
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        tiles_per_chunk = 0  # unused: a chunk's count is its rows' tiles (_arrive_counts)
+        total = num_pid_m * num_pid_n
+        rot = balanced_chunk((rank + 1) % W, n, W)[0] // BLOCK_M
+    else:
+        tiles_m, num_pid_m, num_pid_n, tiles_per_chunk, total = chunk_tiling(n, W, n_batch, N, BLOCK_M, BLOCK_N)
+        rot = 0
     esize = slots_ptr.dtype.element_ty.primitive_bitwidth // 8
     own_base = tl.load(data_ptrs + rank)
     pending = tl.full([], -1, tl.int32)  # chunk of the tile whose arrival is deferred (-1: none)
+    counts = tl.zeros([W_BLOCK], dtype=tl.int32)  # FLATTEN or SPAN: this program's tiles of each chunk
+    chunk_ids = tl.arange(0, W_BLOCK)
     t_out = pid - num_progs  # FLATTEN: the epilogue's tile, on its own counter
     for t in tl.range(pid, total, num_progs, flatten=FLATTEN):
-        chunk, start_c, len_c, b_idx, row0, col0 = _tile_place(t, rank, n, W, tiles_per_chunk, tiles_m, num_pid_m,
-                                                               num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
-        if FLATTEN:  # one uniform K loop per tile: what lets the compiler fuse the two loops
-            acc = tma_tile(a_desc, b_idx * n + start_c + row0, b_desc, col0, K, B_KMAJOR, UPCAST, INPUT_PRECISION,
-                           BLOCK_M, BLOCK_N, BLOCK_K)
-            t_out += num_progs
-            chunk, start_c, len_c, b_idx, row0, col0 = _tile_place(t_out, rank, n, W, tiles_per_chunk, tiles_m,
+        if SPAN:
+            b_idx, row0, col0 = _span_place(t, tiles_m, num_pid_m, num_pid_n, rot, BLOCK_M, BLOCK_N, GROUP_M)
+            a_row = b_idx * n + row0
+        else:
+            chunk, start_c, len_c, b_idx, row0, col0 = _tile_place(t, rank, n, W, tiles_per_chunk, tiles_m,
                                                                    num_pid_m, num_pid_n, BLOCK_M, BLOCK_N, GROUP_M)
+            a_row = b_idx * n + start_c + row0
+        if FLATTEN:  # one uniform K loop per tile: what lets the compiler fuse the two loops
+            acc = tma_tile(a_desc, a_row, b_desc, col0, K, B_KMAJOR, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                           BLOCK_K)
+            t_out += num_progs
+            if SPAN:
+                b_idx, row0, col0 = _span_place(t_out, tiles_m, num_pid_m, num_pid_n, rot, BLOCK_M, BLOCK_N, GROUP_M)
+            else:
+                chunk, start_c, len_c, b_idx, row0, col0 = _tile_place(t_out, rank, n, W, tiles_per_chunk, tiles_m,
+                                                                       num_pid_m, num_pid_n, BLOCK_M, BLOCK_N,
+                                                                       GROUP_M)
+        elif SPAN:  # no empty tile: every row tile holds rows of [0, n)
+            acc = tma_tile(a_desc, a_row, b_desc, col0, K, B_KMAJOR, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                           BLOCK_K)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             if row0 < len_c:  # the smaller chunks' last row tiles are empty
-                acc = tma_tile(a_desc, b_idx * n + start_c + row0, b_desc, col0, K, B_KMAJOR, UPCAST,
-                               INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                acc = tma_tile(a_desc, a_row, b_desc, col0, K, B_KMAJOR, UPCAST, INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                               BLOCK_K)
             # The previous tile's stores have drained while this tile's K loop ran: count it now.
             if pending >= 0:
                 _arrive_tile(counter_ptr, pending, tiles_per_chunk, flag_ptrs, W, rank, epoch)
-        offs_r = row0 + tl.arange(0, BLOCK_M)
-        offs_n = col0 + tl.arange(0, BLOCK_N)
-        mask = (offs_r < len_c)[:, None] & (offs_n < N)[None, :]
-        rows = (b_idx * len_c + offs_r).to(tl.int64)  # slot rows: [B_, len_c] flattened
-        delta = (tl.load(data_ptrs + chunk) - own_base) // esize
-        dst = slots_ptr + tl.multiple_of(delta + src_offset, 16)
         out = cast_out(acc, slots_ptr.dtype.element_ty, ROUND_BF16)
-        tl.store(dst + rows[:, None] * tl.multiple_of(ld, 16) + offs_n[None, :], out, mask=mask)
-        pending = chunk
-    if FLATTEN:
-        _arrive_program(counter_ptr, flag_ptrs, pid, num_progs, tiles_per_chunk, W, rank, epoch)
+        offs_n = col0 + tl.arange(0, BLOCK_N)
+        if SPAN:
+            if BLOCK_N >= 256:  # two column halves: half the pointer registers live at once (255 a thread else)
+                HALF: tl.constexpr = BLOCK_N // 2
+                out0, out1 = tl.split(tl.permute(tl.reshape(out, (BLOCK_M, 2, HALF)), (0, 2, 1)))
+                _store_span_rows(out0, slots_ptr, data_ptrs, own_base, esize, src_offset, ld, b_idx, row0,
+                                 col0 + tl.arange(0, HALF), n, N, W, BLOCK_M)
+                _store_span_rows(out1, slots_ptr, data_ptrs, own_base, esize, src_offset, ld, b_idx, row0,
+                                 col0 + HALF + tl.arange(0, HALF), n, N, W, BLOCK_M)
+            else:
+                _store_span_rows(out, slots_ptr, data_ptrs, own_base, esize, src_offset, ld, b_idx, row0, offs_n, n,
+                                 N, W, BLOCK_M)
+            # the tile's chunks: those of its first and last row (scalars: a reduction would put a barrier here)
+            c_lo = _chunk_of(row0, n, W)
+            c_hi = _chunk_of(tl.minimum(row0 + BLOCK_M, n) - 1, n, W)
+            counts += ((chunk_ids >= c_lo) & (chunk_ids <= c_hi)).to(tl.int32)
+        else:
+            offs_r = row0 + tl.arange(0, BLOCK_M)
+            mask = (offs_r < len_c)[:, None] & (offs_n < N)[None, :]
+            rows = (b_idx * len_c + offs_r).to(tl.int64)  # slot rows: [B_, len_c] flattened
+            delta = (tl.load(data_ptrs + chunk) - own_base) // esize
+            dst = slots_ptr + tl.multiple_of(delta + src_offset, 16)
+            tl.store(dst + rows[:, None] * tl.multiple_of(ld, 16) + offs_n[None, :], out, mask=mask)
+            if FLATTEN:
+                counts += (chunk_ids == chunk).to(tl.int32)
+            pending = chunk
+    if FLATTEN or SPAN:
+        _arrive_counts(counts, chunk_ids, counter_ptr, flag_ptrs, pid, W, rank, epoch, n, n_batch, num_pid_n,
+                       tiles_per_chunk, SPAN, BLOCK_M)
     elif pending >= 0:
         _arrive_tile(counter_ptr, pending, tiles_per_chunk, flag_ptrs, W, rank, epoch)
 
 
 @triton.jit
-def _arrive_program(counter_ptr, flag_ptrs, pid, num_progs, tiles_per_chunk, W, rank, epoch):
-    """After the program's last tile (FLATTEN): count its tiles of every chunk at once, one acq_rel add per chunk
-    it touched; the arrival that completes a chunk's count raises the owner's flag, as :func:`_arrive_tile` does.
+def _arrive_counts(counts, chunk_ids, counter_ptr, flag_ptrs, pid, W, rank, epoch, n, n_batch, num_pid_n,
+                   tiles_per_chunk, SPAN: tl.constexpr, BLOCK_M: tl.constexpr):
+    """After the program's last tile (FLATTEN or SPAN): add its tiles of every chunk (``counts``) to the chunk's
+    counter at once, one acq_rel add per chunk it holds; the add that completes a chunk's count raises the owner's
+    flag, as :func:`_arrive_tile` does.
 
-    Why not per tile: the CTA barrier that orders every thread's stores before the count is a barrier inside
-    the tile loop, and the compiler does not software-pipeline a loop that holds one (Triton 3.6, sm_90), so
-    the flattened loop would lose the very overlap it is for.  The cost: an owner's flag rises when the last
+    Why not per tile: the CTA barrier that orders every thread's stores before a count would sit inside the
+    tile loop, and the compiler does not software-pipeline a loop that holds one (Triton 3.6, sm_90), so the
+    flattened loop would lose the very overlap it is for.  The cost: an owner's flag rises when the last
     program that holds one of its tiles ends, not when its last tile ends; ``chunk_reduce`` runs after the
     producer on the same stream, so only a rank running behind its peers would see the difference.
-    Program ``pid`` holds tiles ``pid + j * num_progs``; of step ``s`` (tiles ``[s * T, (s + 1) * T)``) it
-    holds ``ceil((hi - pid) / P) - ceil((lo - pid) / P)``, each bound clipped at 0.
+    A chunk's count is ``tiles_per_chunk`` (chunk tiles), or with SPAN ``B_ * ceil(N / BLOCK_N)`` times the row
+    tiles its rows touch; an empty chunk then has no tile, and program 0 raises its flag.
     """
     tl.debug_barrier()
-    s = tl.full([], 0, tl.int32)  # typed: a loop-carried counter keeps one type when compiled
-    while s < W:  # a while loop: no runtime range bound (see kernels/halo_programs.py)
-        lo = s * tiles_per_chunk
-        first = (tl.maximum(lo - pid, 0) + num_progs - 1) // num_progs
-        end = (tl.maximum(lo + tiles_per_chunk - pid, 0) + num_progs - 1) // num_progs
-        mine = end - first
+    c = tl.full([], 0, tl.int32)  # typed: a loop-carried counter keeps one type when compiled
+    while c < W:  # a while loop: no runtime range bound (see kernels/halo_programs.py)
+        mine = tl.sum(tl.where(chunk_ids == c, counts, 0))
+        if SPAN:
+            start_c, len_c = balanced_chunk(c, n, W)
+            expected = tl.where(len_c > 0, (start_c + len_c - 1) // BLOCK_M - start_c // BLOCK_M + 1, 0)
+            expected = expected * n_batch * num_pid_n
+        else:
+            expected = tiles_per_chunk
+        flag = tl.load(flag_ptrs + c).to(tl.pointer_type(tl.int32)) + c * W + rank
         if mine > 0:
-            chunk = (rank + 1 + s) % W
-            old = tl.atomic_add(counter_ptr + chunk, mine, sem="acq_rel", scope="gpu")
-            if old + mine == tiles_per_chunk:
-                tl.atomic_xchg(counter_ptr + chunk, 0, sem="relaxed", scope="gpu")
-                raise_flag(tl.load(flag_ptrs + chunk).to(tl.pointer_type(tl.int32)) + chunk * W + rank, epoch)
-        s += 1
+            old = tl.atomic_add(counter_ptr + c, mine, sem="acq_rel", scope="gpu")
+            if old + mine == expected:
+                tl.atomic_xchg(counter_ptr + c, 0, sem="relaxed", scope="gpu")
+                raise_flag(flag, epoch)
+        elif (expected == 0) & (pid == 0):  # an empty chunk (SPAN): nothing to publish but the flag
+            raise_flag(flag, epoch)
+        c += 1
 
 
 @triton.jit
@@ -197,6 +265,84 @@ def _tile_place(t, rank, n, W, tiles_per_chunk, tiles_m, num_pid_m, num_pid_n, B
     start_c, len_c = balanced_chunk(chunk, n, W)
     pid_m, pid_n = grouped_tile(t % tiles_per_chunk, num_pid_m, num_pid_n, GROUP_M)
     return chunk, start_c, len_c, pid_m // tiles_m, (pid_m % tiles_m) * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _span_place(t, tiles_m, num_pid_m, num_pid_n, rot, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                GROUP_M: tl.constexpr):
+    """SPAN tile ``t``: ``(b_idx, row0, col0)``, its batch entry, its first row in ``[0, n)`` and its first column;
+    the row tiles of an entry start at ``rot`` (chunk rank + 1's first row tile), as the chunks do without SPAN."""
+    pid_m, pid_n = grouped_tile(t, num_pid_m, num_pid_n, GROUP_M)
+    return pid_m // tiles_m, ((pid_m % tiles_m + rot) % tiles_m) * BLOCK_M, pid_n * BLOCK_N
+
+
+@triton.jit
+def _chunk_of(i, n, W):
+    """The chunk of row ``i`` of ``n`` over ``W`` (the inverse of :func:`balanced_chunk`): the first ``n % W`` chunks
+    hold ``n // W + 1`` rows each, the rest ``n // W``."""
+    q = n // W
+    big = (n % W) * (q + 1)  # the rows of the longer chunks
+    return tl.where(i < big, i // (q + 1), n % W + (i - big) // tl.maximum(q, 1))
+
+
+@triton.jit
+def _store_span_rows(out, slots_ptr, data_ptrs, own_base, esize, src_offset, ld, b_idx, row0, offs_n, n, N, W,
+                     BLOCK_M: tl.constexpr):
+    """SPAN epilogue: rows ``row0 ...`` of batch entry ``b_idx``, each into its own chunk's owner's slot, at slot row
+    ``b_idx * len_c + i - start_c`` (rows ``ld`` apart, as without SPAN); rows past ``n`` are not stored."""
+    i = row0 + tl.arange(0, BLOCK_M)
+    valid = i < n
+    c = tl.where(valid, _chunk_of(i, n, W), 0)
+    start_c, len_c = balanced_chunk(c, n, W)
+    delta = (tl.load(data_ptrs + c) - own_base) // esize  # the owner's slot base, per row
+    rows = tl.multiple_of(delta + src_offset + (b_idx * len_c + i - start_c).to(tl.int64) * ld, 16)
+    tl.store(slots_ptr + rows[:, None] + offs_n[None, :], out, mask=valid[:, None] & (offs_n < N)[None, :])
+
+
+#: SPAN when chunk-aligned row tiles would compute this many more rows than there are, or more (1/8: 12.5%).
+SPAN_WASTE = 0.125
+
+
+def span_wins(block_m: int, n: int, W: int) -> bool:
+    """Whether row tiles of ``block_m`` rows should span chunks (``SPAN``): chunk-aligned tiles compute
+    ``W * ceil(ceil(n / W) / block_m) * block_m`` rows for ``n``, and more than :data:`SPAN_WASTE` extra is
+    compute thrown away (LLaMA-3 at TP 8, M = 512: 64-row chunks in 128-row tiles, half of it)."""
+    return W * cdiv(cdiv(n, W), block_m) * block_m > n * (1 + SPAN_WASTE)
+
+
+def scatter_tiles(meta: dict, n_batch: int, n: int, W: int, N: int) -> int:
+    """Tiles of one launch: chunk-aligned (:func:`~distfuse.kernels.persistent.chunk_tiles`) or, with ``SPAN``,
+    ``B_ * ceil(n / BLOCK_M) * ceil(N / BLOCK_N)``."""
+    if meta.get("SPAN"):
+        return n_batch * cdiv(n, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
+    return chunk_tiles(meta, n_batch, cdiv(n, W), W, N)
+
+
+@functools.lru_cache(maxsize=256)
+def _pinned_config(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, programs: int) -> dict:
+    """The pinned GPU rule, cached per shape (callers copy the result): never autotuned (the grid depends on the
+    SM count, and one rule on every rank keeps the ranks' tilings alike).
+
+    The tile is the whole GEMM's, ``B_ * n`` rows by ``N`` (:func:`~distfuse.kernels._utils.pinned_gemm_config`,
+    family ``persistent``), walked down the family's list to the first whose tiles keep the grid at least
+    :data:`~distfuse.kernels.gathered_matmul_persistent.WAVE_TARGET` busy in its last wave (else the busiest),
+    as the all-gather consumer's rule does; ``SPAN`` where chunk-aligned rows would waste it
+    (:func:`span_wins`).  The tile is chosen from the GEMM's rows, not the chunk's, because a tile's
+    operand bytes per FLOP set the L2 traffic: at M = 512 the 64-row chunks took 64x256 tiles, 40 KB a
+    K step for 1M FMAs (24 KB for a 128x256 one).  Reasoned from the a6bfa8c H200 rows (the M = 512
+    producer 1.5-1.8x cuBLAS's time), not measured yet: section ``flatten`` of ``scripts/gpu_diagnose.py``
+    times this rule against the chunk-aligned one.
+    """
+    pinned = pinned_gemm_config(dtype, n_batch * n, N, "persistent")
+    family = [config_of(c) for c in get_gemm_configs(dtype, "persistent")]
+    candidates = family[family.index(pinned):] if pinned in family else [pinned]
+
+    def busy(c):
+        return wave_efficiency(scatter_tiles(dict(c, SPAN=span_wins(c["BLOCK_M"], n, W)), n_batch, n, W, N), programs)
+
+    best = max(candidates, key=busy)  # the first of ties
+    chosen = next((c for c in candidates if busy(c) >= WAVE_TARGET), best)
+    return dict(chosen, SPAN=span_wins(chosen["BLOCK_M"], n, W))
 
 
 def persistent_supported(a3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
@@ -215,8 +361,8 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     """Produce, like :func:`~distfuse.kernels.matmul_reduce_scatter.matmul_scatter`, with the persistent kernel.
 
     Same arguments and the same slots and flags; finish with ``chunk_reduce``.  ``config`` may set ``FLATTEN``
-    (default :data:`FLATTEN`) and
-    may add ``PROGRAMS`` (the persistent grid's size; default one per SM on CUDA, 2 under
+    (default :data:`FLATTEN`), ``SPAN`` (default :func:`span_wins` of its ``BLOCK_M``) and
+    ``PROGRAMS`` (the persistent grid's size; default one per SM on CUDA, 2 under
     the interpreter).  Raises :class:`~distfuse.errors.UnsupportedError` where
     :func:`persistent_supported` says no; :func:`~distfuse.kernels.matmul_scatter_select.select_scatter_kernel`
     picks the pointer kernel for such operands and says so.  ``checked``: that selector has just
@@ -240,12 +386,15 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     # Block sizes: the caller's, the CPU config, or the pinned GPU rule, with its num_stages (TMA loads pipeline like
     # pointer loads).  Never autotuned, not even in loopback: the grid depends on the SM count, and one rule on every
     # rank keeps the ranks' tilings alike.
+    sms = persistent_programs(a.device, (config or {}).get("PROGRAMS"))
     meta = {k: v for k, v in (config or {}).items() if k not in ("kernel", "PROGRAMS")}
     if "BLOCK_M" not in meta:
         cpu = INTERPRET or not HAS_CUDA
-        meta = dict(CPU_GEMM_CONFIG) if cpu else pinned_gemm_config(a.dtype, n_batch * q1, N, "persistent")
+        meta = dict(CPU_GEMM_CONFIG) if cpu else dict(_pinned_config(a.dtype, n_batch, n, W, N, sms))
     meta.setdefault("FLATTEN", FLATTEN)
-    programs = min(chunk_tiles(meta, n_batch, q1, W, N), persistent_programs(a.device, (config or {}).get("PROGRAMS")))
+    meta.setdefault("SPAN", span_wins(meta["BLOCK_M"], n, W))
+    meta["W_BLOCK"] = triton.next_power_of_2(W)
+    programs = min(scatter_tiles(meta, n_batch, n, W, N), sms)
     a_desc = rows_descriptor(a3, meta["BLOCK_M"], meta["BLOCK_K"])
     b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], meta["BLOCK_K"])
     cached_launch(_matmul_scatter_persistent_kernel)[(programs,)](
