@@ -217,10 +217,21 @@ def test_unknown_kernel_is_refused():
         select_scatter_kernel(a[0], w[0], "warp_specialized")
 
 
+# The compiled forms: the pinned rule (here 128x128 tiles spanning chunks, loops fused) in bf16 and fp32, then each
+# loop form and row tiling at one 16-bit tile, so a GPU run checks every form the kernel can take, not only the one
+# the rule picks today.
+_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+CUDA_FORMS = [pytest.param(torch.bfloat16, None, id="bf16-pinned"), pytest.param(torch.float32, None, id="fp32-pinned")]
+CUDA_FORMS += [pytest.param(torch.bfloat16, dict(_TILE, FLATTEN=flatten, SPAN=span),
+                            id=f"bf16-{'flattened' if flatten else 'nested'}-{'span' if span else 'per-chunk'}")
+               for flatten, span in ((True, False), (False, False), (False, True))]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")])
-def test_persistent_loopback_cuda(dtype):
-    """Compiled (sm_90: TMA loads): realistic sizes, uneven chunks, the pinned tiles, one program per SM."""
+@pytest.mark.parametrize(("dtype", "form"), CUDA_FORMS)
+def test_persistent_loopback_cuda(dtype, form):
+    """Compiled (sm_90: TMA loads): realistic sizes, uneven chunks (1030 rows over 4: 258, 258, 257, 257), one
+    program per SM, in every loop form and row tiling."""
     from tests.tolerances import assert_rel_close
 
     W, lead, n, K, N = 4, (2,), 1030, 1024, 768
@@ -231,7 +242,7 @@ def test_persistent_loopback_cuda(dtype):
     ws.strict = True
     with ws.in_flight("test"):
         for r in range(W):
-            matmul_scatter_persistent(a[r], w[r], ws, r, W, partial_dtype=torch.float32)
+            matmul_scatter_persistent(a[r], w[r], ws, r, W, partial_dtype=torch.float32, config=form)
         for r in range(W):
             out = chunk_reduce(ws, r, W, 2, n, N, partial_dtype=torch.float32, bias=bias, out_dtype=dtype)
             assert_rel_close(out, _ref64([x.cpu() for x in a], [v.cpu() for v in w], r, bias.cpu()), dtype)
