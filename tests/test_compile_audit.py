@@ -77,6 +77,19 @@ def test_the_audit_can_fail(audit):
 
 
 
+def test_the_pipelined_check_tells_multi_buffered_tiles_from_single_ones(audit):
+    """Every audited persistent GEMM + scatter config is pipelined; the check reads the TTGIR's shared allocations
+    (a leading stage dimension of 2 or more), so a one-buffer loop (what a barrier in the flattened loop gave) fails."""
+    recs = [r for r in audit["all"] if r["kernel"] == "matmul_scatter_persistent"]
+    assert recs and all(r["ok"] for r in recs)
+    many = "%a = ttg.local_alloc : () -> !ttg.memdesc<3x128x64xbf16, #shared, #smem, mutable>"
+    one = "%a = ttg.local_alloc : () -> !ttg.memdesc<128x64xbf16, #shared, #smem, mutable>"
+    barrier = "%t = ttg.local_alloc : () -> !ttg.memdesc<3x1xi64, #shared1, #smem, mutable>"
+    from distfuse.kernels.compile_audit import _PIPELINED
+
+    assert _PIPELINED.search(many) and not _PIPELINED.search(one) and not _PIPELINED.search(barrier)
+
+
 def test_chunk_reduce_programs_fit_on_an_sm(audit):
     """The reduction's persistent grid is PER_SM programs per SM: all of them must be resident at once (a second
     wave would repeat the flag wait), so registers x threads x PER_SM fit sm_90's 64K registers, for every audited
