@@ -84,9 +84,8 @@ def _assert_close(got, ref, dtype):
 @pytest.mark.parametrize("dtype", [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float16, id="fp16"),
                                    pytest.param(torch.bfloat16, id="bf16")])
 @pytest.mark.parametrize("kmajor", [pytest.param(False, id="w[N,K]"), pytest.param(True, id="w[K,N]")])
-@FLATTEN
 @SPAN
-def test_persistent_matches_float64(dtype, kmajor, flatten, span):
+def test_persistent_matches_float64(dtype, kmajor, span, flatten=True):
     """Uneven chunks (n = 10 over 3: rows 0-3, 4-6, 7-9), a batch of 2, 4-row tiles that straddle the chunk end
     (per chunk) or two chunks (span: rows 4-7), both weight layouts."""
     lead, n, W, K, N = (2,), 10, 3, 32, 24
@@ -100,6 +99,13 @@ def test_persistent_matches_float64(dtype, kmajor, flatten, span):
         _, outs = _run(a, w, bias, W, n, N, config, dtype, dtype)
         for r in range(W):
             _assert_close(outs[r], matmul_reduce_scatter_reference(a, w, r, bias=bias), dtype)
+
+
+@SPAN
+def test_persistent_nested_loops_match_float64(span):
+    """The nested loop form (a K loop per tile), in bf16 with bf16 partials; the fp32 forms are checked bit for bit
+    against the pointer kernel below."""
+    test_persistent_matches_float64(torch.bfloat16, False, span, flatten=False)
 
 
 @FLATTEN

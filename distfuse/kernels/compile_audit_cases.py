@@ -142,7 +142,7 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
                 # default) and the nested one with each tile's arrival deferred; row tiles per chunk and spanning
                 # chunks (per-row slot addresses), at W = 8.
                 for kmajor, flatten, span in ((False, True, False), (True, True, False), (False, False, False),
-                                              (False, True, True), (True, True, True)):
+                                              (False, True, True)):
                     cases.append(case("matmul_scatter_persistent", persistent_kernels._matmul_scatter_persistent_kernel,
                                       dt, dict(base, B_KMAJOR=kmajor, FLATTEN=flatten, SPAN=span, W_BLOCK=8, **cfg),
                                       warps, stages, aligned=("N", "K", "ld"),
