@@ -31,7 +31,7 @@ How it differs from the one-tile-per-program kernel:
   tiles compute ``W * ceil(ceil(n / W) / BLOCK_M) * BLOCK_M`` rows: at TP 8 and M = 512 the
   chunks are 64 rows, so a 128-row tile is half idle, and a 64-row tile reads 40 KB of
   operands a K step for 1M FMAs where a 128x256 one reads 24 KB for 2M.  On the H200
-  (``a6bfa8c``) that producer took 1.5-1.8 times cuBLAS's kernel time; its tile count and
+  (``a6bfa8c``) that producer took 1.7-1.8 times cuBLAS's kernel time; its tile count and
   bytes per FLOP point at L2 bandwidth.  With ``SPAN`` the row tiles cover each batch entry's
   ``n`` rows whatever the chunks (starting at chunk ``rank + 1``'s first row tile, as the
   chunks rotate without it); each row finds its chunk, its owner's slot and its slot row in
@@ -330,7 +330,7 @@ def _pinned_config(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, pro
     (:func:`span_wins`).  The tile is chosen from the GEMM's rows, not the chunk's, because a tile's
     operand bytes per FLOP set the L2 traffic: at M = 512 the 64-row chunks took 64x256 tiles, 40 KB a
     K step for 1M FMAs (24 KB for a 128x256 one).  Reasoned from the a6bfa8c H200 rows (the M = 512
-    producer 1.5-1.8x cuBLAS's time), not measured yet: section ``flatten`` of ``scripts/gpu_diagnose.py``
+    producer 1.7-1.8x cuBLAS's time), not measured yet: section ``forms`` of ``scripts/gpu_diagnose.py``
     times this rule against the chunk-aligned one.
     """
     pinned = pinned_gemm_config(dtype, n_batch * n, N, "persistent")
