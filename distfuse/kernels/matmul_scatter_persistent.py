@@ -329,7 +329,7 @@ def _pinned_config(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, pro
     as the all-gather consumer's rule does; ``SPAN`` where chunk-aligned rows would waste it
     (:func:`span_wins`).  The tile is chosen from the GEMM's rows, not the chunk's, because a tile's
     operand bytes per FLOP set the L2 traffic: at M = 512 the 64-row chunks took 64x256 tiles, 40 KB a
-    K step for 1M FMAs (24 KB for a 128x256 one).  Reasoned from the a6bfa8c H200 rows (the M = 512
+    K step for 1M FMAs (a 128x256 tile: 48 KB for 2M).  Reasoned from the a6bfa8c H200 rows (the M = 512
     producer 1.7-1.8x cuBLAS's time), not measured yet: section ``forms`` of ``scripts/gpu_diagnose.py``
     times this rule against the chunk-aligned one.
     """
