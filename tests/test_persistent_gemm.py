@@ -166,6 +166,25 @@ def test_pinned_tiles_come_from_the_whole_gemm_and_span_short_chunks(model):
         assert tiles / (waves * sms) >= 0.9, (cfg, tiles)  # the last wave keeps 90% of the SMs busy
 
 
+def test_a_config_without_blocks_keeps_its_forms(monkeypatch):
+    """``config={"FLATTEN": False}`` takes the default tile and keeps the form it names (the launch sees both)."""
+    seen = {}
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: seen.update(meta)
+
+    monkeypatch.setattr(mscp, "cached_launch", lambda kernel: Recorder())
+    lead, n, W, K, N = (1,), 9, 3, 32, 20
+    a, w, _ = _inputs(lead, n, W, K, N, torch.float32, seed=3)
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(1, n, N, W, torch.float32))
+    with ws.in_flight("test"):
+        matmul_scatter_persistent(a[0], w[0], ws, 0, W, partial_dtype=torch.float32,
+                                  config=dict(FLATTEN=False, SPAN=False))
+    assert seen["FLATTEN"] is False and seen["SPAN"] is False and seen["BLOCK_M"] == mscp.CPU_GEMM_CONFIG["BLOCK_M"]
+    assert seen["W_BLOCK"] == 4
+
+
 def test_span_decision_counts_the_rows_chunk_aligned_tiles_would_compute():
     assert not mscp.span_wins(128, 8192, 8)  # 1024-row chunks: 8 tiles each, none padded
     assert mscp.span_wins(128, 512, 8)  # 64-row chunks in 128-row tiles: twice the rows

@@ -84,7 +84,7 @@ from distfuse.kernels._utils import (
 )
 from distfuse.kernels.chunk_reduce import slot_row_stride
 from distfuse.kernels.gathered_matmul_persistent import WAVE_TARGET, wave_efficiency
-from distfuse.kernels.host_ints import cdiv
+from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, raise_flag, tma_tile
 from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.persistent import (
@@ -345,6 +345,28 @@ def _pinned_config(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, pro
     return dict(chosen, SPAN=span_wins(chosen["BLOCK_M"], n, W))
 
 
+def _default_blocks(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, sms: int) -> dict:
+    """A copy of the default block sizes: the CPU config under the interpreter, else the pinned rule."""
+    return dict(CPU_GEMM_CONFIG) if INTERPRET or not HAS_CUDA else dict(_pinned_config(dtype, n_batch, n, W, N, sms))
+
+
+def _complete(meta: dict, n_batch: int, n: int, W: int, N: int, sms: int) -> tuple[dict, int]:
+    """``(meta, programs)``: ``meta`` with the defaults of ``FLATTEN`` and ``SPAN`` and with ``W_BLOCK``, and the
+    persistent grid's size (at most ``sms``, at most one program per tile)."""
+    meta.setdefault("FLATTEN", FLATTEN)
+    meta.setdefault("SPAN", span_wins(meta["BLOCK_M"], n, W))
+    meta["W_BLOCK"] = next_power_of_2(W)
+    return meta, min(scatter_tiles(meta, n_batch, n, W, N), sms)
+
+
+@functools.lru_cache(maxsize=256)
+def _default_launch(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, device: torch.device) -> tuple[dict, int]:
+    """:func:`_complete` of the default blocks, cached per shape and device: a call without a config pays one lookup
+    for its launch geometry, not the rule's Python (callers never mutate the dict)."""
+    sms = persistent_programs(device)
+    return _complete(_default_blocks(dtype, n_batch, n, W, N, sms), n_batch, n, W, N, sms)
+
+
 def persistent_supported(a3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
     """Whether the descriptor kernel can read ``a3 [B_, n, K]`` and ``weight [N, K]``; else why not
     (:func:`~distfuse.kernels.persistent.descriptor_problem`)."""
@@ -386,15 +408,14 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     # Block sizes: the caller's, the CPU config, or the pinned GPU rule, with its num_stages (TMA loads pipeline like
     # pointer loads).  Never autotuned, not even in loopback: the grid depends on the SM count, and one rule on every
     # rank keeps the ranks' tilings alike.
-    sms = persistent_programs(a.device, (config or {}).get("PROGRAMS"))
-    meta = {k: v for k, v in (config or {}).items() if k not in ("kernel", "PROGRAMS")}
-    if "BLOCK_M" not in meta:
-        cpu = INTERPRET or not HAS_CUDA
-        meta = dict(CPU_GEMM_CONFIG) if cpu else dict(_pinned_config(a.dtype, n_batch, n, W, N, sms))
-    meta.setdefault("FLATTEN", FLATTEN)
-    meta.setdefault("SPAN", span_wins(meta["BLOCK_M"], n, W))
-    meta["W_BLOCK"] = triton.next_power_of_2(W)
-    programs = min(scatter_tiles(meta, n_batch, n, W, N), sms)
+    if config is None:  # the hot path: the whole launch geometry, cached per shape
+        meta, programs = _default_launch(a.dtype, n_batch, n, W, N, a.device)
+    else:
+        sms = persistent_programs(a.device, config.get("PROGRAMS"))
+        meta = {k: v for k, v in config.items() if k not in ("kernel", "PROGRAMS")}
+        if "BLOCK_M" not in meta:  # the default tile, with the config's other keys (FLATTEN, SPAN) kept
+            meta = {**_default_blocks(a.dtype, n_batch, n, W, N, sms), **meta}
+        meta, programs = _complete(meta, n_batch, n, W, N, sms)
     a_desc = rows_descriptor(a3, meta["BLOCK_M"], meta["BLOCK_K"])
     b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], meta["BLOCK_K"])
     cached_launch(_matmul_scatter_persistent_kernel)[(programs,)](
