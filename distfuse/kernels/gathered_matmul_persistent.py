@@ -211,6 +211,15 @@ def _pinned_config(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, prog
     return dict(chosen, EPILOGUE_SUBTILE=True)
 
 
+@functools.lru_cache(maxsize=256)
+def _default_launch(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, device: torch.device) -> tuple[dict, int]:
+    """``(meta, programs)`` of a launch without a config, cached per shape and device (callers never mutate it): a
+    call pays one lookup, not the grid's size, the config's copies and the tile count."""
+    grid = persistent_programs(device)
+    meta = gathered_persistent_config(dtype, batch, q1, W, N, grid)
+    return meta, min(chunk_tiles(meta, batch, q1, W, N), grid)
+
+
 def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight: torch.Tensor,
                                bias: torch.Tensor | None, out: torch.Tensor, st, rank: int, world_size: int, n: int,
                                *, config: dict | None = None, checked: bool = False) -> dict:
@@ -233,10 +242,13 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
     B, len_p, K = x3.shape
     N = weight.shape[0]
     q1 = cdiv(n, W)
-    grid = persistent_programs(x3.device, (config or {}).get("PROGRAMS"))
-    meta = gathered_persistent_config(x3.dtype, B, q1, W, N, grid, config)
+    if config is None:  # the hot path: the launch geometry, cached per shape
+        meta, programs = _default_launch(x3.dtype, B, q1, W, N, x3.device)
+    else:
+        grid = persistent_programs(x3.device, config.get("PROGRAMS"))
+        meta = gathered_persistent_config(x3.dtype, B, q1, W, N, grid, config)
+        programs = min(chunk_tiles(meta, B, q1, W, N), grid)
     bm, bk = meta["BLOCK_M"], meta["BLOCK_K"]
-    programs = min(chunk_tiles(meta, B, q1, W, N), grid)
     g_desc = checked_descriptor(gathered, [B * n, K], [K, 1], [bm, bk])  # K * itemsize % 16 == 0: supported
     # An empty shard has no tiles: it gets a descriptor that is never read.
     x_desc = rows_descriptor(x3, bm, bk) if len_p > 0 else g_desc
