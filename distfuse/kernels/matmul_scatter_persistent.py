@@ -16,8 +16,9 @@ How it differs from the one-tile-per-program kernel:
   pointer kernel's rank-rotated order and the tiles of a chunk in the grouped order.
 * **Host-side tensor descriptors** (:mod:`distfuse.kernels.persistent`: safe from any
   thread).  A row tile never crosses a batch entry (T counts ``ceil(ceil(n / W) / BLOCK_M)``
-  row tiles per batch entry), so each A tile is one rectangular box of the ``[B_ * n, K]``
-  view; rows past the chunk's end are loaded and masked at the store.
+  row tiles per batch entry, or ``ceil(n / BLOCK_M)`` with ``SPAN``), so each A tile is one
+  rectangular box of the ``[B_ * n, K]`` view; rows past the chunk's end (past ``n`` with
+  ``SPAN``) are loaded and masked at the store.
 * **The tile loop and the K loop are one loop** (``FLATTEN``, the default: ``tl.range(...,
   flatten=True)``, as in Triton's persistent matmul tutorial).  The compiler's pipeliner then
   runs across tiles: the next tile's first operand loads are in flight while this tile's
@@ -25,12 +26,12 @@ How it differs from the one-tile-per-program kernel:
   and refills it after the stores.  At K = 1792 (LLaMA-3 8B at TP 8, 28 K steps of 64) the
   nested form pays that once every 28 steps.  Compiled for sm_90 (Triton 3.6 and 3.9) the
   fused loop keeps three or four stages of TMA buffers and needs fewer registers than the
-  nested one (194-198 against 238 at 128x256x64, 8 warps); the compile audit fails any
+  nested one (194-199 against 238-246 at 128x256x64, 8 warps); the compile audit fails any
   persistent config whose loop is not multi-buffered (``pipelined``).
 * **Row tiles may span chunks** (``SPAN``, chosen by :func:`span_wins`).  Chunk-aligned row
   tiles compute ``W * ceil(ceil(n / W) / BLOCK_M) * BLOCK_M`` rows: at TP 8 and M = 512 the
   chunks are 64 rows, so a 128-row tile is half idle, and a 64-row tile reads 40 KB of
-  operands a K step for 1M FMAs where a 128x256 one reads 24 KB for 2M.  On the H200
+  operands a K step for 1M FMAs where a 128x256 one reads 48 KB for 2M.  On the H200
   (``a6bfa8c``) that producer took 1.7-1.8 times cuBLAS's kernel time; its tile count and
   bytes per FLOP point at L2 bandwidth.  With ``SPAN`` the row tiles cover each batch entry's
   ``n`` rows whatever the chunks (starting at chunk ``rank + 1``'s first row tile, as the
