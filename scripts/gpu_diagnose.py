@@ -21,7 +21,7 @@ does not compile or fails records its error.  Each section stops at its time bud
 Section ``attrib`` splits one ``chunk_reduce`` call into its parts, the Triton launch both through the JIT and
 through the compiled kernel's runner (what a launch costs without the JIT's per-call argument binding).
 Section ``forms`` times the persistent producer's forms against cuBLAS at every model and M: the pinned rule,
-its loops nested, its ``SPAN`` flipped, and the chunk-row tiles of ``a6bfa8c``
+its loops nested, its ``SPAN`` flipped, the other 128-row tile, and the chunk-row tiles of ``a6bfa8c``
 (:mod:`distfuse.kernels.matmul_scatter_persistent`).  Section ``halo`` times the
 one-launch staging against the copy, the fused halo conv step against the ``cat`` baseline's (``halo_full``:
 host time at small shapes, every kernel's device time at large ones), and sweeps the staging's tiles and warps
@@ -68,6 +68,7 @@ def producer_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
     * ``pinned``: the default, the pinned rule's tile with its ``SPAN`` and the fused loops (``FLATTEN``);
     * ``nested``: the same tile and SPAN, a K loop per tile (``FLATTEN=False``);
     * ``span_flipped``: the same tile and loops, ``SPAN`` the other way;
+    * ``tile_flipped``: the other 128-row tile (128x128 for a 128x256 rule, else 128x256), its SPAN by the rule;
     * ``chunk_rows``: the form measured at ``a6bfa8c``: the tile of the chunk's rows, per-chunk row tiles, nested.
     """
     from distfuse.fused.providers import run_producer
@@ -93,8 +94,14 @@ def producer_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
                 else:
                     pinned = dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, FLATTEN=True, SPAN=True)
                     old = dict(pinned, FLATTEN=False, SPAN=False)
+                # the other of the two 128-row tiles the rule picks between (128x256 and 128x128), SPAN by its rule
+                other = (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4)
+                         if pinned["BLOCK_N"] >= 256 else
+                         dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3))
+                other = dict(other, FLATTEN=True, SPAN=mscp.span_wins(128, m, W)) if cuda else dict(pinned, BLOCK_N=8)
                 forms = {"pinned": pinned, "nested": dict(pinned, FLATTEN=False),
-                         "span_flipped": dict(pinned, SPAN=not pinned["SPAN"]), "chunk_rows": old}
+                         "span_flipped": dict(pinned, SPAN=not pinned["SPAN"]), "tile_flipped": other,
+                         "chunk_rows": old}
                 for form, cfg in forms.items():
                     if clock.left() < 15:
                         return
