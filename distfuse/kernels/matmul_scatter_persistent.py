@@ -213,7 +213,8 @@ def _matmul_scatter_persistent_kernel(
             tl.store(dst + rows[:, None] * tl.multiple_of(ld, 16) + offs_n[None, :], out, mask=mask)
             if FLATTEN:
                 counts += (chunk_ids == chunk).to(tl.int32)
-            pending = chunk
+            else:  # counted after the next tile's K loop
+                pending = chunk
     if FLATTEN or SPAN:
         _arrive_counts(counts, chunk_ids, counter_ptr, flag_ptrs, pid, W, rank, epoch, n, n_batch, num_pid_n,
                        tiles_per_chunk, SPAN, BLOCK_M)
