@@ -27,7 +27,9 @@ one-launch staging against the copy, the fused halo conv step against the ``cat`
 host time at small shapes, every kernel's device time at large ones), and sweeps the staging's tiles and warps
 with and without its alignment promises (``halo_tiles``, each config checked bit-exact first).
 
-Every row holds the measured numbers only; picking the configs from them is a separate change.
+Every row holds the measured numbers only.  The sweep and ``forms`` rows also name the launch config that ran
+(``meta``) and whether it was the default (``default``), and ``env`` holds the kernels' fingerprints, so that
+``distfuse-tune tiles`` (:mod:`distfuse.tune.tiles`) can turn them into measured tiles for the pinned rules.
 """
 
 # ruff: noqa: B023 - every closure below is called at once (by `guarded`), inside the iteration that made it
@@ -54,8 +56,9 @@ SHAPES = {  # model -> (rs: n, k), (ag: n, k): the per-rank GEMMs of the LLaMA-3
 GEMM_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
     (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (256, 128, 64, 8, 3), (128, 128, 64, 8, 4),
     (128, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (64, 256, 64, 4, 4),
-    # for M = 512 at TP 8 (64-row chunks, which a 128-row tile half idles): --sweep-m 512
-    (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (64, 64, 64, 4, 4),
+    # for M = 512 at TP 8 (64-row chunks, which a 128-row tile half idles): --sweep-m 512; 64x128x64 with 8 warps is
+    # the consumer's pinned tile there (python -m distfuse.tune.tiles needs the default's row to compare with)
+    (64, 128, 64, 4, 4), (64, 128, 64, 8, 4), (64, 128, 128, 4, 3), (64, 64, 64, 4, 4),
 ]
 REDUCE_BLOCKS, REDUCE_PROGRAMS_PER_SM, REDUCE_WARPS = (1024, 2048, 4096), (1, 2, 4, 8), (4, 8)
 
@@ -65,7 +68,8 @@ def producer_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
     each timed as back-to-back calls (``loop_us``), one CUDA-graph replay after an L2 flush (``graph_us``) and
     by the profiler (``kernel_us``):
 
-    * ``pinned``: the default, the pinned rule's tile with its ``SPAN`` and the fused loops (``FLATTEN``);
+    * ``pinned``: the default launch (a measured tile, else the pinned rule's tile with its ``SPAN`` and the
+      fused loops, ``FLATTEN``);
     * ``nested``: the same tile and SPAN, a K loop per tile (``FLATTEN=False``);
     * ``span_flipped``: the same tile and loops, ``SPAN`` the other way;
     * ``tile_flipped``: the other 128-row tile (128x128 for a 128x256 rule, else 128x256), its SPAN by the rule;
@@ -75,6 +79,7 @@ def producer_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
     from distfuse.kernels import matmul_scatter_persistent as mscp
     from distfuse.kernels._utils import pinned_gemm_config
     from distfuse.kernels.persistent import persistent_programs
+    from distfuse.kernels.tile_table import portable_config
 
     cuda = device.type == "cuda"
     for model, (rs, _ag) in shapes.items():
@@ -88,8 +93,8 @@ def producer_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
                    **measure(torch, side.cublas, device, 10, profile=cuda, graph=cuda))
             side.prepare()
             try:
-                if cuda:
-                    pinned = dict(mscp._pinned_config(dtype, 1, m, W, n, persistent_programs(device)), FLATTEN=True)
+                if cuda:  # the default launch (a measured tile, else the rule), W_BLOCK left to the launcher
+                    pinned = portable_config(mscp._default_launch(dtype, 1, m, W, n, k, device)[0])
                     old = dict(pinned_gemm_config(dtype, -(-m // W), n, "persistent"), FLATTEN=False, SPAN=False)
                 else:
                     pinned = dict(BLOCK_M=4, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, FLATTEN=True, SPAN=True)
@@ -105,7 +110,9 @@ def producer_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
                 for form, cfg in forms.items():
                     if clock.left() < 15:
                         return
-                    record(section="forms", op="matmul_scatter_persistent", form=form, config=cfg, **shape,
+                    meta = portable_config(mscp._complete(dict(cfg), 1, m, W, n, persistent_programs(device))[0])
+                    record(section="forms", op="matmul_scatter_persistent", form=form, config=cfg, meta=meta,
+                           default=form == "pinned", **shape,
                            **measure(torch, lambda cfg=cfg: run_producer("triton_persistent", side.a, side.weight,
                                                                          side.ws, 0, W, dtype, config=cfg),
                                      device, 10, profile=cuda, graph=cuda))
@@ -408,6 +415,12 @@ def main(argv=None) -> int:
         env["triton"] = triton.__version__
     except ImportError:
         pass
+    from distfuse.kernels.persistent import persistent_programs
+    from distfuse.kernels.tile_table import dtype_name
+    from distfuse.tune.tiles import current_fingerprints
+
+    # what python -m distfuse.tune.tiles needs to turn the sweeps into measured tiles
+    env.update(W=W, dtype=dtype_name(dtype), sms=persistent_programs(device), fingerprints=current_fingerprints())
 
     def save():
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -485,7 +498,7 @@ def main(argv=None) -> int:
     big = [(model, rs, ag) for model, (rs, ag) in shapes.items()]
     m_big = ms[-1]
 
-    def gemm_sweep(section, side_name, launch_for):
+    def gemm_sweep(section, side_name, launch_for, meta_for=None):
         for model, rs, ag in big:
             n, k = rs if side_name == "rs" else ag
             for m_sweep in (args.sweep_m or [m_big]) if cuda else [m_big]:
@@ -501,8 +514,9 @@ def main(argv=None) -> int:
                         bm, bn, bk, w, s = cfg
                         config = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=w, num_stages=s)
                         fn = launch_for(side, config)
-                        guarded(section, str(cfg), lambda fn=fn, cfg=cfg: record(
-                            section=section, op=section, config=list(cfg), **shape,
+                        tile = meta_for(side, config) if meta_for else {}  # meta, default: for distfuse.tune.tiles
+                        guarded(section, str(cfg), lambda fn=fn, cfg=cfg, tile=tile: record(
+                            section=section, op=section, config=list(cfg), **tile, **shape,
                             **measure(torch, fn, device, 10, profile=False, graph=args.graph)))
                 finally:
                     side.release()
@@ -520,6 +534,11 @@ def main(argv=None) -> int:
             shape = dict(model=model, side="rs", m=m_big, n=n, k=k, bytes=side.reduce_bytes())
             src = torch.empty(side.reduce_bytes() // 2, dtype=torch.uint8, device=device)
             dst = torch.empty_like(src)
+            from distfuse.geometry.decomposition import block_extent
+            from distfuse.kernels.chunk_reduce import reduce_plan, slot_row_stride
+
+            plan = reduce_plan(block_extent(m_big, W, 0), n, slot_row_stride(n), dtype, W, device)[0]
+            reduce_default = {key: plan[key] for key in ("BLOCK", "PER_SM", "num_warps")}
             guarded("reduce", "copy", lambda: record(section="reduce", op="copy", **shape, **measure(
                 torch, lambda: dst.copy_(src), device, 20, profile=False, graph=args.graph)))
             side.prepare()
@@ -537,8 +556,10 @@ def main(argv=None) -> int:
                                 return chunk_reduce(side.ws, 0, W, 1, side.m, side.n, partial_dtype=dtype,
                                                     out=side.out[: side.m // W], config=cfg)
 
-                            guarded("reduce", str(cfg), lambda run=run, cfg=cfg, per_sm=per_sm: record(
-                                section="reduce", op="chunk_reduce", config=dict(cfg, per_sm=per_sm), **shape,
+                            meta = dict(BLOCK=block, PER_SM=per_sm, num_warps=warps)
+                            guarded("reduce", str(cfg), lambda run=run, cfg=cfg, per_sm=per_sm, meta=meta: record(
+                                section="reduce", op="chunk_reduce", config=dict(cfg, per_sm=per_sm), meta=meta,
+                                default=meta == reduce_default, **shape,
                                 **measure(torch, run, device, 20, profile=False, graph=args.graph)))
             finally:
                 side.release()
@@ -552,17 +573,35 @@ def main(argv=None) -> int:
                    lambda side, c: (lambda: matmul_scatter(side.a, side.weight, side.ws, 0, W, config=c)))
     if "persistent" in args.sections and clock.left() > 30:
         from distfuse.fused.providers import run_producer
+        from distfuse.kernels import matmul_scatter_persistent as mscp
+        from distfuse.kernels.tile_table import portable_config
+
+        def producer_meta(side, c):
+            meta = portable_config(mscp._complete(dict(c), 1, side.m, W, side.n, env["sms"])[0])
+            default = portable_config(mscp._default_launch(dtype, 1, side.m, W, side.n, side.k, device)[0])
+            return dict(meta=meta, default=meta == default)
 
         gemm_sweep("matmul_scatter_persistent", "rs", lambda side, c: (
-            lambda: run_producer("triton_persistent", side.a, side.weight, side.ws, 0, W, dtype, config=c)))
+            lambda: run_producer("triton_persistent", side.a, side.weight, side.ws, 0, W, dtype, config=c)),
+            producer_meta)
     if "gathered" in args.sections and clock.left() > 30:
+        from distfuse.kernels import gathered_matmul_persistent as gmp
         from distfuse.kernels.all_gather_matmul import gathered_matmul
+        from distfuse.kernels.tile_table import portable_config
+
+        def consumer_meta(side, c, sub):
+            q1 = -(-side.m // W)
+            meta = portable_config(gmp.gathered_persistent_config(dtype, 1, q1, W, side.n, env["sms"],
+                                                                  dict(c, EPILOGUE_SUBTILE=sub)))
+            default = portable_config(gmp._default_launch(dtype, 1, q1, W, side.n, side.k, device)[0])
+            return dict(meta=meta, default=meta == default)
 
         for sub in (True, False):
             gemm_sweep(f"gathered_matmul_persistent:subtile={sub}", "ag", lambda side, c, sub=sub: (
                 lambda: gathered_matmul(side.shards[0], side.weight, side.ws, 0, W, side.m, out=side.out,
                                         config=dict(c, EPILOGUE_SUBTILE=sub),
-                                        kernel="gathered_matmul_persistent" if cuda else None)))
+                                        kernel="gathered_matmul_persistent" if cuda else None)),
+                lambda side, c, sub=sub: consumer_meta(side, c, sub))
     env["seconds"] = round(time.monotonic() - clock.t0, 1)
     save()
     print(f"diag: {len(rows)} rows in {env['seconds']} s -> {args.json}")

@@ -5,11 +5,13 @@
 #   DISTFUSE_LAB_DRY_RUN=1 bash scripts/gpu_first_call.sh   # here, without a GPU: both in their CPU-safe forms
 #
 # 1. scripts/gpu_lab.sh into a scratch folder (at most 540 s; it took 213 s on an H100);
-# 2. scripts/gpu_diagnose.py --sections host attrib forms halo: host time against kernel time per fused op
-#    (eager rows are bound by the host: docs/gpu.md), the persistent producer's forms against cuBLAS,
-#    and the halo steps, with what is left of 585 s, if 30 s or more;
+# 2. scripts/gpu_diagnose.py --sections host attrib forms halo persistent gathered: host time against kernel
+#    time per fused op (eager rows are bound by the host: docs/gpu.md), the persistent producer's forms against
+#    cuBLAS, the halo steps, then the persistent producer's and consumer's tiles at M = 512 (never swept; CUDA
+#    graph replays beside the loop times), with what is left of 585 s, if 30 s or more (each section stops
+#    at the budget, so the sweeps take only the time the rest left);
 # 3. everything into $OUT/lab.tgz (the device tool brings back at most 8 files), with lab.json and
-#    lab.log beside it for a first look.
+#    lab.log beside it for a first look: packed once after the lab and again at the end.
 # DISTFUSE_FIRST_CALL_BUDGET (default 585 s): the seconds lab and diagnosis may take together (a shorter rerun).
 #
 # Collect here:  mkdir d && tar xzf <files_at>/lab.tgz -C d && python scripts/lab_record.py collect --out d
@@ -26,16 +28,20 @@ export DISTFUSE_COMMIT=${DISTFUSE_COMMIT:-$(cat .lab_commit 2>/dev/null || git r
 T0=$SECONDS
 OUT=$WORK/lab bash scripts/gpu_lab.sh
 echo "gpu_first_call: lab exit $?"
+pack() {  # after the lab and again at the end: a call cut off during the diagnosis keeps the lab's files
+  mkdir -p "$DEST"
+  tar czf "$DEST/lab.tgz.part" -C "$WORK/lab" . && mv -f "$DEST/lab.tgz.part" "$DEST/lab.tgz"
+  cp "$WORK/lab/lab.json" "$WORK/lab/lab.log" "$DEST/" 2>/dev/null
+}
+pack
 LEFT=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
 if [ "$LEFT" -ge 30 ]; then
   PYTHONPATH="$PWD:$PWD/scripts" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 timeout --kill-after=5 $((LEFT - 5)) \
     "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections host attrib forms halo \
-    --budget $((LEFT - 20)) >"$WORK/lab/diagnose.log" 2>&1
+    persistent gathered --sweep-m 512 --graph --budget $((LEFT - 20)) >"$WORK/lab/diagnose.log" 2>&1
   echo "gpu_first_call: diagnose exit $? ($(grep -c '^diag: {' "$WORK/lab/diagnose.log") rows)"
 else
   echo "gpu_first_call: diagnose skipped: ${LEFT}s left"
 fi
-mkdir -p "$DEST"
-tar czf "$DEST/lab.tgz" -C "$WORK/lab" .
-cp "$WORK/lab/lab.json" "$WORK/lab/lab.log" "$DEST/" 2>/dev/null
+pack
 echo "gpu_first_call: done in $((SECONDS - T0)) s: $(ls "$DEST" | tr '\n' ' ')"

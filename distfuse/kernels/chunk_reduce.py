@@ -56,6 +56,7 @@ from distfuse.kernels.jit_helpers import cast_out, globaltimer
 from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.persistent import persistent_programs
 from distfuse.kernels.signature import SCATTER_FLAGS, agree_with_peers, check_signatures, consumer_flags
+from distfuse.kernels.tile_table import device_name, measured_tile
 
 __all__ = ["chunk_reduce", "reduce_slots", "launch_reduce", "reduce_meta", "slot_row_stride", "wait_all_flags"]
 
@@ -242,9 +243,13 @@ def _reduce_plan(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, worl
 @functools.lru_cache(maxsize=1024)
 def reduce_plan(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, world_size: int,
                 device: torch.device) -> tuple[dict, dict, int]:
-    """:func:`_reduce_plan` with the pinned config, cached per shape: a pure function of its arguments (the pinned
-    rule and the SM count), whose Python would otherwise cost every call.  Callers must not mutate the result."""
-    return _reduce_plan(rows, cols, ld, partial_dtype, world_size, device, None)
+    """:func:`_reduce_plan` with the measured config of this device and shape
+    (:func:`~distfuse.kernels.tile_table.measured_tile`: ``BLOCK``, ``PER_SM``, ``num_warps``) or else the pinned
+    one, cached per shape: a pure function of its arguments (the tables, the pinned rule and the SM count), whose
+    Python would otherwise cost every call.  Callers must not mutate the result."""
+    measured = None if INTERPRET else measured_tile("chunk_reduce", _chunk_reduce_kernel, device_name(device),
+                                                    partial_dtype, rows * world_size, cols, 0, world_size)
+    return _reduce_plan(rows, cols, ld, partial_dtype, world_size, device, measured)
 
 
 def reduce_slots(op: str, ws, rank: int, world_size: int, shape: tuple, ld: int, *, partial_dtype: torch.dtype,

@@ -65,6 +65,7 @@ from distfuse.kernels.persistent import (
     rows_descriptor,
     weight_descriptor,
 )
+from distfuse.kernels.tile_table import device_name, measured_tile
 
 __all__ = ["gathered_persistent_supported", "gathered_persistent_config", "launch_gathered_persistent",
            "wave_efficiency", "WAVE_TARGET"]
@@ -174,8 +175,10 @@ WAVE_TARGET = 0.9
 
 
 def gathered_persistent_config(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, programs: int,
-                               config: dict | None = None) -> dict:
-    """Block sizes of one launch: ``config`` (tests), the CPU config (interpreter), or the pinned rule.
+                               config: dict | None = None, *, K: int = 0, device_name: str | None = None) -> dict:
+    """Block sizes of one launch: ``config`` (tests), the CPU config (interpreter), the measured tile of
+    ``device_name`` for this shape (``K`` the GEMM's depth; :func:`~distfuse.kernels.tile_table.measured_tile`),
+    or the pinned rule.
 
     ``batch * q1`` rows per chunk (the largest), ``W`` chunks, ``N`` output features,
     ``programs`` the persistent grid's size (the SM count on CUDA).  The pinned rule
@@ -193,6 +196,11 @@ def gathered_persistent_config(dtype: torch.dtype, batch: int, q1: int, W: int, 
         return blocks
     if INTERPRET:
         return dict(CPU_GEMM_CONFIG, EPILOGUE_SUBTILE=False)
+    measured = measured_tile("gathered_matmul_persistent", _gathered_matmul_persistent_kernel, device_name, dtype,
+                             batch * q1 * W, N, K, W)
+    if measured is not None:
+        measured.setdefault("EPILOGUE_SUBTILE", True)
+        return measured
     return dict(_pinned_config(dtype, batch, q1, W, N, programs))
 
 
@@ -212,11 +220,12 @@ def _pinned_config(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, prog
 
 
 @functools.lru_cache(maxsize=256)
-def _default_launch(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, device: torch.device) -> tuple[dict, int]:
+def _default_launch(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, K: int,
+                    device: torch.device) -> tuple[dict, int]:
     """``(meta, programs)`` of a launch without a config, cached per shape and device (callers never mutate it): a
-    call pays one lookup, not the grid's size, the config's copies and the tile count."""
+    call pays one lookup, not the grid's size, the config's copies, the tile table and the tile count."""
     grid = persistent_programs(device)
-    meta = gathered_persistent_config(dtype, batch, q1, W, N, grid)
+    meta = gathered_persistent_config(dtype, batch, q1, W, N, grid, K=K, device_name=device_name(device))
     return meta, min(chunk_tiles(meta, batch, q1, W, N), grid)
 
 
@@ -243,7 +252,7 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
     N = weight.shape[0]
     q1 = cdiv(n, W)
     if config is None:  # the hot path: the launch geometry, cached per shape
-        meta, programs = _default_launch(x3.dtype, B, q1, W, N, x3.device)
+        meta, programs = _default_launch(x3.dtype, B, q1, W, N, K, x3.device)
     else:
         grid = persistent_programs(x3.device, config.get("PROGRAMS"))
         meta = gathered_persistent_config(x3.dtype, B, q1, W, N, grid, config)

@@ -95,6 +95,7 @@ from distfuse.kernels.persistent import (
     rows_descriptor,
     weight_descriptor,
 )
+from distfuse.kernels.tile_table import device_name, measured_tile
 
 __all__ = ["matmul_scatter_persistent", "persistent_supported", "span_wins", "scatter_tiles", "FLATTEN", "SPAN_WASTE"]
 
@@ -347,9 +348,16 @@ def _pinned_config(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, pro
     return dict(chosen, SPAN=span_wins(chosen["BLOCK_M"], n, W))
 
 
-def _default_blocks(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, sms: int) -> dict:
-    """A copy of the default block sizes: the CPU config under the interpreter, else the pinned rule."""
-    return dict(CPU_GEMM_CONFIG) if INTERPRET or not HAS_CUDA else dict(_pinned_config(dtype, n_batch, n, W, N, sms))
+def _default_blocks(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, K: int, device: torch.device,
+                    sms: int) -> dict:
+    """A copy of the default block sizes: the CPU config under the interpreter, else the measured tile of this
+    device and shape (:func:`~distfuse.kernels.tile_table.measured_tile`; its ``FLATTEN`` and ``SPAN`` where it
+    gives them), else the pinned rule."""
+    if INTERPRET or not HAS_CUDA:
+        return dict(CPU_GEMM_CONFIG)
+    measured = measured_tile("matmul_scatter_persistent", _matmul_scatter_persistent_kernel, device_name(device),
+                             dtype, n_batch * n, N, K, W)
+    return measured if measured is not None else dict(_pinned_config(dtype, n_batch, n, W, N, sms))
 
 
 def _complete(meta: dict, n_batch: int, n: int, W: int, N: int, sms: int) -> tuple[dict, int]:
@@ -362,11 +370,12 @@ def _complete(meta: dict, n_batch: int, n: int, W: int, N: int, sms: int) -> tup
 
 
 @functools.lru_cache(maxsize=256)
-def _default_launch(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, device: torch.device) -> tuple[dict, int]:
+def _default_launch(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, K: int,
+                    device: torch.device) -> tuple[dict, int]:
     """:func:`_complete` of the default blocks, cached per shape and device: a call without a config pays one lookup
-    for its launch geometry, not the rule's Python (callers never mutate the dict)."""
+    for its launch geometry, not the rule's Python or the tile table (callers never mutate the dict)."""
     sms = persistent_programs(device)
-    return _complete(_default_blocks(dtype, n_batch, n, W, N, sms), n_batch, n, W, N, sms)
+    return _complete(_default_blocks(dtype, n_batch, n, W, N, K, device, sms), n_batch, n, W, N, sms)
 
 
 def persistent_supported(a3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, str]:
@@ -411,12 +420,12 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     # pointer loads).  Never autotuned, not even in loopback: the grid depends on the SM count, and one rule on every
     # rank keeps the ranks' tilings alike.
     if config is None:  # the hot path: the whole launch geometry, cached per shape
-        meta, programs = _default_launch(a.dtype, n_batch, n, W, N, a.device)
+        meta, programs = _default_launch(a.dtype, n_batch, n, W, N, K, a.device)
     else:
         sms = persistent_programs(a.device, config.get("PROGRAMS"))
         meta = {k: v for k, v in config.items() if k not in ("kernel", "PROGRAMS")}
         if "BLOCK_M" not in meta:  # the default tile, with the config's other keys (FLATTEN, SPAN) kept
-            meta = {**_default_blocks(a.dtype, n_batch, n, W, N, sms), **meta}
+            meta = {**_default_blocks(a.dtype, n_batch, n, W, N, K, a.device, sms), **meta}
         meta, programs = _complete(meta, n_batch, n, W, N, sms)
     a_desc = rows_descriptor(a3, meta["BLOCK_M"], meta["BLOCK_K"])
     b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], meta["BLOCK_K"])

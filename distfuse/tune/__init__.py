@@ -6,6 +6,7 @@ Run it once per cluster (device type x world size x dtype), on every rank::
     torchrun --nproc-per-node 8 -m distfuse.tune --world-sizes 2 4 8   # also the TP=2 and TP=4 groups
     distfuse-tune --quick                                             # one process (world size 1)
     distfuse-tune project [--check]                                   # projected entries (distfuse.tune.project)
+    distfuse-tune tiles diagnose.json [--write]                       # measured tiles (distfuse.tune.tiles)
 
 For each registered fused op (:mod:`distfuse.fused.registry`), dtype and world size it
 times both paths over the op's grid of shapes (:func:`default_grid`), finds the size
@@ -16,7 +17,8 @@ interval where fused wins (:func:`crossover`) and, on rank 0, merges one entry p
 Modules: ``table`` (the atomic writer; format and reader are :mod:`distfuse.fused.crossover_table`'s),
 ``crossover_fit`` (the crossover maths), ``autotune_cache`` (the Triton autotuners' configs), ``cases``
 (the built-in ops' timing cases and grids), ``sweeper`` (:func:`sweep`: ``"source": "measured"``
-entries), ``project`` (``"source": "projected"`` entries: the table the package ships) and ``cli``.
+entries), ``project`` (``"source": "projected"`` entries: the table the package ships), ``tiles`` (the
+measured launch configs the pinned rules read: :mod:`distfuse.kernels.tile_table`) and ``cli``.
 """
 
 from distfuse.fused.registry import size_of

@@ -1,5 +1,6 @@
 """The ``distfuse-tune`` command line (the commands: :mod:`distfuse.tune`): parse, initialise torch.distributed,
-sweep, write the table on rank 0; ``distfuse-tune project`` runs :mod:`distfuse.tune.project` instead.
+sweep, write the table on rank 0; ``distfuse-tune project`` runs :mod:`distfuse.tune.project` instead, and
+``distfuse-tune tiles`` :mod:`distfuse.tune.tiles`.
 """
 
 from __future__ import annotations
@@ -99,6 +100,10 @@ def main(argv=None) -> int:
         from distfuse.tune.project import main as project_main
 
         return project_main(argv[1:])
+    if argv[:1] == ["tiles"]:  # distfuse-tune tiles: measured tiles from gpu_diagnose runs, no GPU
+        from distfuse.tune.tiles import main as tiles_main
+
+        return tiles_main(argv[1:])
     args = parse_args(argv)
     if not torch.cuda.is_available():
         # The kernels are imported (not timed) on CPU; without a GPU Triton needs its interpreter to import them.
