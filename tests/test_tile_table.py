@@ -141,6 +141,21 @@ def test_an_entry_for_another_kernel_or_a_zero_extent_is_refused(table):
         tt.load_tiles(os.environ[tt.TILE_TABLE_ENV])
 
 
+@pytest.mark.parametrize("config, what", [
+    (dict(PRODUCER, num_warp=4), "unknown keys num_warp"),
+    ({k: v for k, v in PRODUCER.items() if k != "num_stages"}, "missing num_stages"),
+    (dict(PRODUCER, BLOCK_N=96), "bad values of BLOCK_N"),
+    (dict(PRODUCER, num_stages=0), "bad values of num_stages"),
+    (dict(PRODUCER, SPAN=1), "bad values of SPAN"),
+    (dict(PRODUCER, EPILOGUE_SUBTILE=True), "unknown keys EPILOGUE_SUBTILE"),  # the consumer's key
+])
+def test_a_config_the_launch_cannot_take_is_refused_by_name(table, config, what):
+    path = table([_entry(config=config)])
+    with pytest.raises(ConfigError, match=what) as err:
+        _lookup()
+    assert str(path) in str(err.value) and "entry 0 (matmul_scatter_persistent)" in str(err.value)
+
+
 def _lookup(M=8192, N=4096, K=1792, W=8, device=DEVICE, dtype=torch.bfloat16):
     return tt.measured_tile("matmul_scatter_persistent", mp._matmul_scatter_persistent_kernel, device, dtype, M, N,
                             K, W)

@@ -57,7 +57,7 @@ import torch
 from distfuse.errors import ConfigError
 
 __all__ = ["TILE_TABLE_ENV", "SHIPPED_TILES", "FORMAT", "TILE_KERNELS", "ROWS_FACTOR", "kernel_fingerprint",
-           "user_tiles_path", "load_tiles", "check_tile", "measured_tile", "dtype_name", "device_name",
+           "CONFIG_KEYS", "user_tiles_path", "load_tiles", "check_tile", "measured_tile", "dtype_name", "device_name",
            "portable_config"]
 
 TILE_TABLE_ENV = "DISTFUSE_TILE_TABLE"
@@ -70,6 +70,12 @@ TILE_KERNELS = ("matmul_scatter_persistent", "gathered_matmul_persistent", "chun
 ROWS_FACTOR = 2.0
 _REQUIRED = {"kernel": str, "device": str, "dtype": str, "W": int, "M": int, "N": int, "K": int, "config": dict,
              "fingerprint": str}
+_GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
+#: Per kernel: the config keys an entry must give (positive ints; the BLOCK_* and num_warps powers of two) and the
+#: boolean keys it may give.  Anything else is refused: a misspelt key would reach the launch as a constexpr.
+CONFIG_KEYS = {"matmul_scatter_persistent": (_GEMM_KEYS, ("FLATTEN", "SPAN")),
+               "gathered_matmul_persistent": (_GEMM_KEYS, ("EPILOGUE_SUBTILE",)),
+               "chunk_reduce": (("BLOCK", "PER_SM", "num_warps"), ())}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -162,6 +168,21 @@ def check_tile(entry, path, i: int) -> dict:
     if min(entry["W"], entry["M"], entry["N"]) < 1 or entry["K"] < 0:
         raise ConfigError(f"tile table {path}: entry {i} ({entry['kernel']}) has a non-positive extent: "
                           f"W={entry['W']} M={entry['M']} N={entry['N']} K={entry['K']}")
+    ints, flags = CONFIG_KEYS[entry["kernel"]]
+    config = entry["config"]
+    unknown = sorted(set(config) - set(ints) - set(flags))
+    missing = [k for k in ints if k not in config]
+    bad = [k for k in ints if k in config and (type(config[k]) is not int or config[k] < 1
+                                               or (k.startswith("BLOCK") or k == "num_warps")
+                                               and config[k] & (config[k] - 1))]
+    bad += [k for k in flags if k in config and type(config[k]) is not bool]
+    if unknown or missing or bad:
+        raise ConfigError(f"tile table {path}: entry {i} ({entry['kernel']}) has a config the launch cannot take: "
+                          + "; ".join(f"{what} {', '.join(keys)}" for what, keys in
+                                      (("unknown keys", unknown), ("missing", missing), ("bad values of", bad))
+                                      if keys)
+                          + f" (it needs {', '.join(ints)} as positive ints, powers of two for the blocks and "
+                          f"num_warps{', and may set ' + ', '.join(flags) + ' as booleans' if flags else ''})")
     return entry
 
 
