@@ -222,15 +222,21 @@ def _scatter_claim(ws, W, n, N, sigs, consumers, *, skip_source=None, seed=3):
     return outs, a, w
 
 
-def test_the_reduction_kernel_checks_the_signatures_itself(monkeypatch):
+@pytest.mark.parametrize("n, N", [(6, 16), (48, 16), (48, 20)], ids=["one-block", "flat-blocks", "row-blocks"])
+def test_the_reduction_kernel_checks_the_signatures_itself(monkeypatch, n, N):
     """``chunk_reduce(agreement=...)``: no check_signatures launch; matching words give bitwise the plain reduction;
-    a peer's different word poisons the chunk and raises ShapeError naming this rank's call and the peer."""
+    a peer's different word poisons the chunk and raises ShapeError naming this rank's call and the peer.
+
+    The words are compared once the first block's loads are issued (that block is peeled off the loop), and the
+    verdict must reach every later block: chunks of several blocks a program, in both layouts (``N = 20``: slot
+    rows padded to 32, the row-block walk), must come out NaN everywhere (the output starts at 7, so a block the
+    poison missed would show)."""
     import distfuse.kernels.signature as signature_kernels
 
     launches = []
     real = signature_kernels._launch_check
     monkeypatch.setattr(signature_kernels, "_launch_check", lambda *a, **k: launches.append(1) or real(*a, **k))
-    W, n, N = 3, 6, 16
+    W = 3
     sig = shape_signature("op", 1)
     ws = LoopbackWorkspace(W, 1 << 16)
     outs, a, w = _scatter_claim(ws, W, n, N, [sig] * W, range(W))
@@ -240,6 +246,13 @@ def test_the_reduction_kernel_checks_the_signatures_itself(monkeypatch):
         ref = sum(x[:, rows].double() @ v.double().t() for x, v in zip(a, w, strict=True))
         torch.testing.assert_close(outs[r].double(), ref, **tol(torch.float32, terms=16 * W))
         assert ws.rank_view(r).last_status.tolist() == [0] * W
+    if n > 6:  # several blocks a program: the verdict must outlive the first (CPU: BLOCK 64, 2 programs)
+        from distfuse.kernels.chunk_reduce import reduce_meta, slot_row_stride
+
+        meta = reduce_meta(n // W, N, slot_row_stride(N), torch.float32, W)
+        rows_a_block = meta["BLOCK"] if meta["FLAT"] else meta["BLOCK"] // meta["BLOCK_C"]
+        blocks = -(-(n // W) * (N if meta["FLAT"] else 1) // rows_a_block)
+        assert meta["FLAT"] == (N % 16 == 0) and blocks >= 4, (meta, blocks)
     ws = LoopbackWorkspace(W, 1 << 16)
     outs, _, _ = _scatter_claim(ws, W, n, N, [sig, sig, sig + 1], (0,))
     error = outs["error"]

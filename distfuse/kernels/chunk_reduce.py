@@ -55,7 +55,13 @@ from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out, globaltimer
 from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.persistent import persistent_programs
-from distfuse.kernels.signature import SCATTER_FLAGS, agree_with_peers, check_signatures, consumer_flags
+from distfuse.kernels.signature import (
+    SCATTER_FLAGS,
+    check_signatures,
+    consumer_flags,
+    peer_signatures,
+    signatures_agree,
+)
 from distfuse.kernels.tile_table import device_name, measured_tile
 
 __all__ = ["chunk_reduce", "reduce_slots", "launch_reduce", "reduce_meta", "slot_row_stride", "wait_all_flags"]
@@ -111,6 +117,36 @@ def _sum_sources(slots_ptr, offs, mask, slot_elems, W_UNROLL: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _block(blk, n_rows, N, ld, num_c, FLAT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Block ``blk`` of the output: ``(slot offsets, output offsets, mask, columns)`` in the layout of the module
+    doc (``FLAT``: ``BLOCK`` consecutive elements; else ``[BLOCK // BLOCK_C, BLOCK_C]`` rows, ``num_c`` column
+    blocks a row block).  The sums and the poison walk the same blocks through it."""
+    if FLAT:
+        numel = n_rows.to(tl.int64) * N
+        offs = blk * tl.full([], BLOCK, tl.int64) + tl.arange(0, BLOCK)  # int64: chunks may pass 2^31
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
+        return offs, offs, offs < numel, offs % N
+    else:
+        BLOCK_R: tl.constexpr = BLOCK // BLOCK_C
+        offs_r = (blk // num_c).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        offs_c = (blk % num_c) * BLOCK_C + tl.arange(0, BLOCK_C)
+        offs_c = tl.max_contiguous(tl.multiple_of(offs_c, BLOCK_C), BLOCK_C)
+        mask = (offs_r < n_rows)[:, None] & (offs_c < N)[None, :]
+        return (offs_r[:, None] * tl.multiple_of(ld, 16) + offs_c[None, :], offs_r[:, None] * N + offs_c[None, :],
+                mask, offs_c[None, :])
+
+
+@triton.jit
+def _store_block(acc, ok, out_ptr, bias_ptr, stride_bias, dst, mask, cols, N, HAS_BIAS: tl.constexpr,
+                 ROUND_BF16: tl.constexpr):
+    """``acc`` (the fp32 sums of one block; NaN unless ``ok``) plus the bias, rounded once into ``out``."""
+    acc = tl.where(ok, acc, float("nan"))
+    if HAS_BIAS:  # by column only (a row block's [1, BLOCK_C]; a flat block's columns are all < N)
+        acc += tl.load(bias_ptr + cols * stride_bias, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + dst, cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+
+
 @triton.jit(do_not_specialize=["rank", "timeout", "slot_elems", "sig"])
 def _chunk_reduce_kernel(
     slots_ptr, out_ptr, bias_ptr, flags_ptr, status_ptr, sigs_ptr,
@@ -127,43 +163,32 @@ def _chunk_reduce_kernel(
     are added in source order whatever order the flags came in: the result is bitwise the
     same run to run and for every grid.  A source whose flag never came makes the whole
     chunk NaN.  ``CHECK_SIG``: the peers' signature words must equal ``sig``
-    (:func:`agree_with_peers`), else the chunk is NaN too: the agreement check without a
-    launch of its own.
+    (:func:`~distfuse.kernels.signature.peer_signatures`), else the chunk is NaN too: the agreement check without
+    a launch of its own.  The words are loaded right after the flag wait, then the program's first block's W
+    loads are issued, then the words are compared: their round trip overlaps the first block's loads instead of
+    preceding them.  Every program has a first block (the grid is at most one program per block).
     """
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     ok, pending = wait_all_flags(flags_ptr + rank * W_UNROLL, W_UNROLL, W_BLOCK, epoch, status_ptr, timeout, TIMED)
-    if CHECK_SIG:
-        ok = ok & agree_with_peers(sigs_ptr, sig, pending, rank, W_UNROLL, W_BLOCK, status_ptr, pid == 0)
+    num_c = tl.cdiv(N, BLOCK_C)
     if FLAT:
-        numel = n_rows.to(tl.int64) * N
-        num_blocks = tl.cdiv(numel, BLOCK).to(tl.int32)
-        for blk in range(pid, num_blocks, num_progs):
-            offs = blk * tl.full([], BLOCK, tl.int64) + tl.arange(0, BLOCK)  # int64: chunks may pass 2^31
-            offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
-            mask = offs < numel
-            acc = _sum_sources(slots_ptr, offs, mask, slot_elems, W_UNROLL)
-            acc = tl.where(ok, acc, float("nan"))
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + (offs % N) * stride_bias, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out_ptr + offs, cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+        num_blocks = tl.cdiv(n_rows.to(tl.int64) * N, BLOCK).to(tl.int32)
     else:
-        BLOCK_R: tl.constexpr = BLOCK // BLOCK_C
-        num_c = tl.cdiv(N, BLOCK_C)
-        num_blocks = tl.cdiv(n_rows, BLOCK_R) * num_c
-        for blk in range(pid, num_blocks, num_progs):
-            offs_r = (blk // num_c).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-            offs_c = (blk % num_c) * BLOCK_C + tl.arange(0, BLOCK_C)
-            offs_c = tl.max_contiguous(tl.multiple_of(offs_c, BLOCK_C), BLOCK_C)
-            mask = (offs_r < n_rows)[:, None] & (offs_c < N)[None, :]
-            acc = _sum_sources(slots_ptr, offs_r[:, None] * tl.multiple_of(ld, 16) + offs_c[None, :], mask,
-                               slot_elems, W_UNROLL)
-            acc = tl.where(ok, acc, float("nan"))
-            if HAS_BIAS:
-                acc += tl.load(bias_ptr + offs_c * stride_bias, mask=offs_c < N, other=0.0).to(tl.float32)[None, :]
-            tl.store(out_ptr + offs_r[:, None] * N + offs_c[None, :],
-                     cast_out(acc, out_ptr.dtype.element_ty, ROUND_BF16), mask=mask)
+        num_blocks = tl.cdiv(n_rows, BLOCK // BLOCK_C) * num_c
+    first = pid
+    if CHECK_SIG:  # the first block by hand: its loads in flight while the words come
+        got = peer_signatures(sigs_ptr, sig, pending, rank, W_UNROLL, W_BLOCK)
+        src, dst, mask, cols = _block(pid, n_rows, N, ld, num_c, FLAT, BLOCK, BLOCK_C)
+        acc = _sum_sources(slots_ptr, src, mask, slot_elems, W_UNROLL)
+        ok = ok & signatures_agree(got, sig, status_ptr, pid == 0, W_BLOCK)
+        _store_block(acc, ok, out_ptr, bias_ptr, stride_bias, dst, mask, cols, N, HAS_BIAS, ROUND_BF16)
+        first = pid + num_progs
+    for blk in range(first, num_blocks, num_progs):
+        src, dst, mask, cols = _block(blk, n_rows, N, ld, num_c, FLAT, BLOCK, BLOCK_C)
+        acc = _sum_sources(slots_ptr, src, mask, slot_elems, W_UNROLL)
+        _store_block(acc, ok, out_ptr, bias_ptr, stride_bias, dst, mask, cols, N, HAS_BIAS, ROUND_BF16)
 
 
 #: The launches of :func:`_chunk_reduce_kernel`, through its binary once the JIT has chosen it (:mod:`.launch_cache`).

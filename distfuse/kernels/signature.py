@@ -49,7 +49,8 @@ from distfuse.kernels.jit_helpers import wait_flag
 from distfuse.kernels.launch_cache import cached_launch
 
 __all__ = ["MISMATCH", "REFUSED", "GROW", "SCATTER_FLAGS", "GATHER_FLAGS", "consumer_flags", "shape_signature",
-           "publish_signature", "check_signatures", "abstain", "agree_with_peers"]
+           "publish_signature", "check_signatures", "abstain", "agree_with_peers", "peer_signatures",
+           "signatures_agree"]
 
 #: The status word of a peer whose signature differs from this rank's (timeouts write the epoch, which is > 0).
 MISMATCH = -1
@@ -79,23 +80,41 @@ def _publish_signature_kernel(flag_ptrs, rank, W, sig, sig_offset):
 
 
 @triton.jit
-def agree_with_peers(sigs_ptr, sig, pending, rank, W, W_BLOCK: tl.constexpr, status_ptr, report):
-    """Compare the signature word of every peer whose flag came (``pending`` false) with ``sig``; all agree?
+def peer_signatures(sigs_ptr, sig, pending, rank, W, W_BLOCK: tl.constexpr):
+    """The ``[W_BLOCK]`` signature words of the peers whose flag came (``pending`` false), ``sig`` in every other
+    lane (this rank, absent peers, peers whose flag never came), for :func:`signatures_agree`.
 
-    The comparison of :func:`check_signatures` and of ``chunk_reduce``'s kernel, which does it
-    after its own flag waits: a peer publishes its word before its flags (release), so once
-    its flag is acquired the word is this op's.  A peer whose flag never came (``pending``
-    nonzero) is the flag wait's failure, not a disagreement: its stale word is not read.
-    ``report`` (one program): a disagreeing peer's status word gets its reserved word
-    (negative: it refused or needed more room) or :data:`MISMATCH`, so the host can say why.
+    A peer publishes its word before its flags (release), so once its flag is acquired the word is this op's.  A
+    peer whose flag never came is the flag wait's failure, not a disagreement: its stale word is not read.  Apart
+    from the comparison so that a consumer can issue the load, run its sums while it is in flight, and compare
+    after them (``chunk_reduce``: one memory round trip fewer before its first block; one vector carried across
+    the sums, which the masked load's ``other`` keeps to one).
     """
     src = tl.arange(0, W_BLOCK)
     read = (src < W) & (src != rank) & (pending == 0)
-    got = tl.load(sigs_ptr + src, mask=read, other=0, volatile=True)
-    bad = read & (got != sig)
+    return tl.load(sigs_ptr + src, mask=read, other=sig, volatile=True)
+
+
+@triton.jit
+def signatures_agree(got, sig, status_ptr, report, W_BLOCK: tl.constexpr):
+    """Whether every word of :func:`peer_signatures` equals ``sig``.  ``report`` (one program): a disagreeing
+    peer's status word gets its reserved word (negative: it refused or needed more room) or :data:`MISMATCH`, so
+    the host can say why."""
+    bad = got != sig
     if report:
-        tl.store(status_ptr + src, tl.where(got < 0, got, -1), mask=bad)
+        tl.store(status_ptr + tl.arange(0, W_BLOCK), tl.where(got < 0, got, -1), mask=bad)
     return tl.sum(bad.to(tl.int32), axis=0) == 0
+
+
+@triton.jit
+def agree_with_peers(sigs_ptr, sig, pending, rank, W, W_BLOCK: tl.constexpr, status_ptr, report):
+    """Compare the signature word of every peer whose flag came (``pending`` false) with ``sig``; all agree?
+
+    :func:`peer_signatures` then :func:`signatures_agree`: the comparison of :func:`check_signatures` (and of
+    ``chunk_reduce``'s kernel, which splits the two around its sums).
+    """
+    return signatures_agree(peer_signatures(sigs_ptr, sig, pending, rank, W, W_BLOCK), sig, status_ptr, report,
+                            W_BLOCK)
 
 
 @triton.jit(do_not_specialize=["numel", "rank", "W", "sig", "flag_base", "flag_stride", "timeout"])
