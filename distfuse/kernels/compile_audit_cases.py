@@ -207,6 +207,39 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
     return cases
 
 
+def _halo_moving_cases(dt) -> list[KernelCase]:
+    """The table gather and the one-launch staging of ``dt`` blocks: every GPU tile their launchers pick."""
+    import triton.language as tl
+
+    from distfuse.kernels import halo_programs as halo
+
+    i64 = {n: "i64" for n in ("ptab_ptr", "btab_ptr", "bstart_ptr")}
+    cases = []
+    for bx in (128, 64, 32, 16):  # halo.pick_tile's GPU choices: 2048-element tiles
+        tile = dict(COMPUTE=tl.float32, BLOCK_R=2048 // bx, BLOCK_X=bx)
+        for region in (0, 1, 2):
+            cases.append(KernelCase("halo_lut_gather", halo.lut_gather_kernel, dt, dict(tile, REGION=region),
+                                    4, 1, pointer_dtypes={**_LUTS, **i64}))
+    for bx in halo.STAGE_WIDTHS:  # halo.stage_tile's GPU choices: the one-launch staging
+        br = halo.STAGE_TILE_ELEMENTS // bx
+        tile = dict(NUM_BOX=halo.STAGE_BOXES, BLOCK_R=br, BLOCK_X=bx, SLAB_X=max(1, bx // halo.STAGE_SLAB_SPLIT),
+                    STRIP_X=max(1, 32 * halo.STAGE_NUM_WARPS // br), X_ALIGN=1, OUT_ALIGN=1, SLAB_ROWS=True)
+        # int32 offsets in every region, slabs one piece per row; int64 ones (buffers of 2^31 elements or more)
+        # where they hold the most, slabs by the table walk per element (stage_launch's choice there)
+        for region, wide, slab_rows in ((0, False, True), (1, False, True), (2, False, True), (0, True, False),
+                                        (0, False, False)):
+            cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
+                                    dict(tile, REGION=region, WIDE=wide, SLAB_ROWS=slab_rows),
+                                    halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64}))
+        # rows 16-byte aligned in the block and the staged tensor (even halos): the window moves in vectors
+        vec = 16 // dt.itemsize
+        cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
+                                dict(tile, REGION=0, WIDE=False, X_ALIGN=vec, OUT_ALIGN=vec),
+                                halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64},
+                                checks=("vector_load", "vector_store")))
+    return cases
+
+
 def _halo_cases(dtypes) -> list[KernelCase]:
     import triton.language as tl
 
@@ -214,30 +247,14 @@ def _halo_cases(dtypes) -> list[KernelCase]:
 
     i64 = {n: "i64" for n in ("ptab_ptr", "btab_ptr", "bstart_ptr", "ctab_ptr", "blist_ptr")}
     fp32 = {"out1_ptr": "fp32", "self_ptr": "fp32"}
+    # The staging and the table gather move values without arithmetic (they stay in the tensor's dtype), so fp16
+    # compiles to bf16's code but for the type names: one 16-bit dtype is audited for them (bf16, else fp16).  The
+    # box gather and the accumulate compute (replicate sums, fp32 accumulation, rounding): every dtype.
+    sixteen = [dt for dt in (torch.bfloat16, torch.float16) if dt in dtypes][:1]
     cases = []
     for dt in dtypes:
-        for bx in (128, 64, 32, 16):  # halo.pick_tile's GPU choices: 2048-element tiles
-            tile = dict(COMPUTE=tl.float32, BLOCK_R=2048 // bx, BLOCK_X=bx)
-            for region in (0, 1, 2):
-                cases.append(KernelCase("halo_lut_gather", halo.lut_gather_kernel, dt, dict(tile, REGION=region),
-                                        4, 1, pointer_dtypes={**_LUTS, **i64}))
-        for bx in halo.STAGE_WIDTHS:  # halo.stage_tile's GPU choices: the one-launch staging
-            br = halo.STAGE_TILE_ELEMENTS // bx
-            tile = dict(NUM_BOX=halo.STAGE_BOXES, BLOCK_R=br, BLOCK_X=bx, SLAB_X=max(1, bx // halo.STAGE_SLAB_SPLIT),
-                        STRIP_X=max(1, 32 * halo.STAGE_NUM_WARPS // br), X_ALIGN=1, OUT_ALIGN=1, SLAB_ROWS=True)
-            # int32 offsets in every region, slabs one piece per row; int64 ones (buffers of 2^31 elements or more)
-            # where they hold the most, slabs by the table walk per element (stage_launch's choice there)
-            for region, wide, slab_rows in ((0, False, True), (1, False, True), (2, False, True), (0, True, False),
-                                            (0, False, False)):
-                cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
-                                        dict(tile, REGION=region, WIDE=wide, SLAB_ROWS=slab_rows),
-                                        halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64, "btab_ptr": "i64"}))
-            # rows 16-byte aligned in the block and the staged tensor (even halos): the window moves in vectors
-            vec = 16 // dt.itemsize
-            cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
-                                    dict(tile, REGION=0, WIDE=False, X_ALIGN=vec, OUT_ALIGN=vec),
-                                    halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64, "btab_ptr": "i64"},
-                                    checks=("vector_load", "vector_store")))
+        if dt.itemsize != 2 or dt in sixteen:
+            cases += _halo_moving_cases(dt)
         for log2, wide in ((1, False), (5, False), (5, True)):
             cases.append(KernelCase("halo_box_gather", halo.box_gather_kernel, dt,
                                     dict(LOG2_NBOX=log2, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide, BLOCK=1024),
