@@ -110,6 +110,49 @@ def test_a_captured_slot_is_kept_and_read_at_every_claim(monkeypatch):
             ws.in_flight("after the replay"):
         pass
     assert ws.broken
+    _forked_child_forgets(ws)
+
+
+def _child_check_pending(queue):
+    from distfuse import check_pending
+    from distfuse.primitives import _flag_deferred
+
+    try:
+        check_pending()
+        queue.put(("ok", len(_flag_deferred._PENDING)))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which asserts on it
+        queue.put((type(exc).__name__, str(exc)[:300]))
+
+
+def _forked_child_forgets(ws):
+    """A child forked now (a pool of forked ranks, a DataLoader worker) ran none of this process's ops: its sync
+    point must not raise their failures, nor hold their pending flag records.  This process still raises them."""
+    import multiprocessing as mp
+
+    from distfuse import check_pending
+    from distfuse.primitives import _flag_deferred
+
+    class Record:  # a stand-in for a layer's pending flag record
+        _order = -1
+
+        def settle_previous(self):
+            pass
+
+    held = Record()
+    _flag_deferred._PENDING.add(held)
+    try:
+        ctx = mp.get_context("fork")
+        queue = ctx.Queue()
+        child = ctx.Process(target=_child_check_pending, args=(queue,))
+        child.start()
+        got = queue.get(timeout=60)
+        child.join(60)
+        assert got == ("ok", 0) and child.exitcode == 0, got
+        with pytest.raises(CollectiveTimeoutError, match="epoch 9"):
+            check_pending()  # here, the failure is still this process's to raise
+    finally:
+        _flag_deferred._PENDING.discard(held)
+        ws.status_slots.captured.clear()  # leave no broken workspace for later tests of this process
 
 
 def test_the_status_words_knob(monkeypatch):

@@ -256,6 +256,9 @@ MAX_DEFERRED = 4
 
 #: Workspaces that may hold deferred status checks (weak: a closed workspace drops out).
 _WORKSPACES: weakref.WeakSet = weakref.WeakSet()
+# A forked child ran none of its parent's ops: it must not raise their pending failures at its own sync points
+# (a pool of forked ranks, a DataLoader worker), nor wait on the parent's device work.
+os.register_at_fork(after_in_child=_WORKSPACES.clear)
 
 
 def status_check_mode(device: torch.device | str | None = None) -> str:

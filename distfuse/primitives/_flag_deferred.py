@@ -41,6 +41,7 @@ memory and an event (no kernel to fill the flag while the last sum was 0).
 from __future__ import annotations
 
 import itertools
+import os
 import warnings
 import weakref
 from collections.abc import Callable
@@ -55,6 +56,7 @@ __all__ = ["DeferredFlags", "check_deferred_flags", "poisoned_stand_in"]
 
 #: Records holding a sum not yet read (weak: a freed layer's record drops out).
 _PENDING: weakref.WeakSet = weakref.WeakSet()
+os.register_at_fork(after_in_child=_PENDING.clear)  # a forked child ran none of its parent's calls
 #: Creation order of the records: layers are made in the same order on every worker, so this orders them alike.
 _ORDER = itertools.count()
 
