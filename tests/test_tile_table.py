@@ -122,11 +122,17 @@ def test_the_shipped_kernels_fingerprints_are_distinct_and_the_same_compiled():
     (json.dumps({"format": 1, "tiles": [{"kernel": "matmul_scatter_persistent"}]}), "entry 0 .* needs 'device'"),
 ])
 def test_a_malformed_table_is_refused_by_name(table, tmp_path, bad, what):
+    """``load_tiles`` raises; the rules' lookup (inside a claim) warns once, by the same words, and ignores it."""
     path = tmp_path / "tiles.json"
     path.write_text(bad)
     with pytest.raises(ConfigError, match=what) as err:
-        _lookup()
+        tt.load_tiles(path)
     assert str(path) in str(err.value)
+    table([_entry()], path=tt.SHIPPED_TILES)  # the shipped table still serves
+    with pytest.warns(RuntimeWarning, match=what) as seen:
+        assert _lookup() == PRODUCER
+        assert _lookup() == PRODUCER
+    assert len([w for w in seen if str(path) in str(w.message)]) == 1, "once per file version"
 
 
 def test_an_entry_for_another_kernel_or_a_zero_extent_is_refused(table):
@@ -152,8 +158,10 @@ def test_an_entry_for_another_kernel_or_a_zero_extent_is_refused(table):
 def test_a_config_the_launch_cannot_take_is_refused_by_name(table, config, what):
     path = table([_entry(config=config)])
     with pytest.raises(ConfigError, match=what) as err:
-        _lookup()
+        tt.load_tiles(path)
     assert str(path) in str(err.value) and "entry 0 (matmul_scatter_persistent)" in str(err.value)
+    with pytest.warns(RuntimeWarning, match=what):
+        assert _lookup() is None  # never launched: the rule decides
 
 
 def _lookup(M=8192, N=4096, K=1792, W=8, device=DEVICE, dtype=torch.bfloat16):

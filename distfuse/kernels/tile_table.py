@@ -24,8 +24,10 @@ Triton version.
 
 **Precedence.**  ``$DISTFUSE_TILE_TABLE`` (a path; ``off`` ignores every table, the rules alone decide), else
 ``~/.cache/distfuse/tiles.json`` where it exists, is searched first; then the shipped table
-(``distfuse/kernels/measured_tiles.json``, :data:`SHIPPED_TILES`).  A malformed file raises
-:class:`~distfuse.errors.ConfigError` naming it and the entry.
+(``distfuse/kernels/measured_tiles.json``, :data:`SHIPPED_TILES`).  A malformed file makes :func:`load_tiles`
+raise :class:`~distfuse.errors.ConfigError` naming it and the entry; the rules' lookup (:func:`measured_tile`,
+which runs inside a fused op's claim, where an exception would leave the peers to time out) warns once with that
+message instead and ignores the file.
 
 **Ranks may differ without harm.**  Each rank's tiling is local to its own launch: the producer raises a chunk's
 flag when its own tiles of that chunk are stored, whatever their shape, and the consumers read whole slots.  So
@@ -50,6 +52,7 @@ import json
 import math
 import os
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -207,11 +210,29 @@ def load_tiles(path: Path | str) -> tuple:
     return _read(str(path), mtime)
 
 
+_WARNED: set = set()
+
+
+def _usable(path: Path) -> tuple:
+    """:func:`load_tiles`, or ``()`` and one warning per file version where it is malformed: a launch already
+    inside its claim must not fail on a tuning file (its peers would only see a timeout), and the rules stand in."""
+    try:
+        return load_tiles(path)
+    except ConfigError as exc:
+        key = (str(path), path.stat().st_mtime_ns if path.exists() else 0)
+        if key not in _WARNED:
+            _WARNED.add(key)
+            warnings.warn(f"distfuse: {exc}; the pinned rules decide instead (distfuse-tune tiles --write rewrites a "
+                          "table, python -c 'from distfuse.kernels.tile_table import load_tiles; load_tiles(PATH)' "
+                          "checks one)", RuntimeWarning, stacklevel=3)
+        return ()
+
+
 def _tables() -> list[tuple]:
     user = user_tiles_path()
     if user is None:
         return []
-    return [load_tiles(user), load_tiles(SHIPPED_TILES)]
+    return [_usable(user), _usable(SHIPPED_TILES)]
 
 
 def measured_tile(kernel_name: str, kernel, device_name: str | None, dtype: torch.dtype, M: int, N: int, K: int,
