@@ -349,41 +349,58 @@ def test_gathered_persistent_is_bitwise_the_pointer_kernel():
         assert torch.equal(got[r], want[r]), r
 
 
-def test_gathered_persistent_waits_once_per_chunk_per_program(monkeypatch):
-    """The wait is hoisted out of the tile loop: each program polls a peer chunk's flag at its first tile of that
-    chunk only, never for the local chunk; the pointer kernel polls once per peer tile."""
+def _count_flag_reads(monkeypatch):
+    """Count the consumers' flag reads by kind: ``poll`` (the persistent kernel's one load of every chunk's flag),
+    ``wait`` (its wait for one chunk still missing) and ``pointer`` (the pointer kernel's wait per peer tile)."""
     import distfuse.kernels.all_gather_matmul as pointer_kernels
     import distfuse.kernels.gathered_matmul_persistent as persistent_kernels
 
     calls = []
 
-    def counting(module):
-        inner = module.wait_flag
+    def counting(module, name, kind):
+        inner = getattr(module, name)
 
-        def wait(*args, **kwargs):
-            calls.append(module.__name__)
+        def read(*args, **kwargs):
+            calls.append(kind)
             return inner(*args, **kwargs)
-        return wait
+        monkeypatch.setattr(module, name, read)
 
-    monkeypatch.setattr(persistent_kernels, "wait_flag", counting(persistent_kernels))
-    monkeypatch.setattr(pointer_kernels, "wait_flag", counting(pointer_kernels))
+    counting(persistent_kernels, "_poll_chunks", "poll")
+    counting(persistent_kernels, "wait_flag", "wait")
+    counting(pointer_kernels, "wait_flag", "pointer")
+    return calls
+
+
+def test_gathered_persistent_polls_every_chunk_once_per_program(monkeypatch):
+    """The flag reads are hoisted out of the tile loop: each program loads every chunk's flag once, at its first
+    tile of a peer chunk, and waits for none that has arrived; never for the local chunk.  The pointer kernel
+    waits once per peer tile."""
+    calls = _count_flag_reads(monkeypatch)
     lead, n, W, K, N = (2,), 12, 3, 16, 32  # 4 rows per chunk, BLOCK_M 2: 2 row tiles x 2 batch x 2 column tiles
     shards, w, bias = _ag_inputs(lead, n, W, K, N, torch.float32, seed=4)
     config = dict(AG_TILES, BLOCK_M=2)
     tiles_per_chunk = 2 * 2 * 2
     _ag_run(shards, w, bias, W, n, config, ranks=(0,))
-    persistent = calls.count(persistent_kernels.__name__)
-    assert persistent == config["PROGRAMS"] * (W - 1), calls  # each of the 3 programs meets both peer chunks once
+    assert calls.count("poll") == config["PROGRAMS"] and calls.count("wait") == 0, calls  # one poll a program
     calls.clear()
     _ag_run(shards, w, bias, W, n, {k: v for k, v in config.items() if k != "PROGRAMS"}, kernel="gathered_matmul",
             ranks=(0,))
-    assert calls.count(pointer_kernels.__name__) == tiles_per_chunk * (W - 1)
-    assert persistent < tiles_per_chunk * (W - 1)
+    assert calls.count("pointer") == tiles_per_chunk * (W - 1)
 
 
-def test_gathered_persistent_missing_push_poisons_its_chunk_and_raises():
-    """Peer 2 never pushed: rank 0's rows of chunk 2 are NaN, the other chunks are right, and the host raises
-    naming peer 2 before the result can be used."""
+@pytest.mark.parametrize("missing, programs, reads", [
+    # one tile a chunk, one program a tile: program 0 the local chunk (no flag read), program 1 chunk 2 (arrival
+    # order: local, then rank - 1, ...): it polls, finds chunk 2 missing and waits for it alone; program 2 chunk 1:
+    # it polls and finds it arrived
+    (2, 3, ["poll", "wait", "poll"]),
+    # one program for every tile: its poll at chunk 2 finds chunk 2 arrived and chunk 1 missing; at chunk 1 it polls
+    # again (the mask may be stale) and waits for chunk 1 alone
+    (1, 1, ["poll", "poll", "wait"]),
+], ids=["first-peer-chunk-missing", "later-chunk-missing"])
+def test_gathered_persistent_missing_push_poisons_its_chunk_and_raises(monkeypatch, missing, programs, reads):
+    """A peer never pushed: rank 0's rows of its chunk are NaN, the other chunks are right, and the host raises
+    naming that peer before the result can be used; the flag reads are the fewest that find it."""
+    calls = _count_flag_reads(monkeypatch)
     from distfuse.errors import CollectiveTimeoutError
     from distfuse.kernels.all_gather_matmul import ag_push, gathered_matmul, gathered_matmul_workspace_bytes
     from distfuse.kernels.gathered_matmul_select import last_gather_choice
@@ -392,13 +409,15 @@ def test_gathered_persistent_missing_push_poisons_its_chunk_and_raises():
     shards, w, bias = _ag_inputs(lead, n, W, K, N, torch.float32, seed=6)
     ws = LoopbackWorkspace(W, gathered_matmul_workspace_bytes(1, n, K, torch.float32))
     out = torch.full((1, n, N), float("nan"))
-    with pytest.raises(CollectiveTimeoutError, match=r"flag of peer\(s\) \[2\] was not raised"), \
+    with pytest.raises(CollectiveTimeoutError, match=rf"flag of peer\(s\) \[{missing}\] was not raised"), \
             ws.in_flight("missing push"):
-        for r in (0, 1):
-            ag_push(shards[r], ws, r, W, n)
-        gathered_matmul(shards[0], w, ws, 0, W, n, bias=bias, out=out, config=AG_TILES)
+        for r in range(W):
+            if r != missing:
+                ag_push(shards[r], ws, r, W, n)
+        gathered_matmul(shards[0], w, ws, 0, W, n, bias=bias, out=out, config=dict(AG_TILES, PROGRAMS=programs))
     assert last_gather_choice().kernel == "gathered_matmul_persistent"
-    start, stop = block_range(n, W, 2)
+    assert calls == reads, calls
+    start, stop = block_range(n, W, missing)
     assert torch.isnan(out[:, start:stop]).all()
     ref = _ag_ref64(shards, w, bias)
     keep = [i for i in range(n) if not start <= i < stop]

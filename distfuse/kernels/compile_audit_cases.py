@@ -151,15 +151,16 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
                                                        b_desc=b_block(cfg, kmajor)),
                                       checks=("release_sys", "vector_store", "tma_load", "pipelined")))
         for warps, stages, cfg in family_configs(dt, "gathered_persistent"):
-            # The all-gather GEMM consumer, persistent form: TMA loads of the shard and the gathered rows, one wait
-            # per chunk; both weight layouts; the split epilogue of every pinned config.  fp32 only with TF32: the
-            # selector runs the pointer kernel for compiled fp32 IEEE products.
+            # The all-gather GEMM consumer, persistent form: TMA loads of the shard and the gathered rows, one poll
+            # of every chunk's flag (W = 8) and a wait per chunk still missing; both weight layouts; the split
+            # epilogue of every pinned config.  fp32 only with TF32: the selector runs the pointer kernel for
+            # compiled fp32 IEEE products.
             for kmajor in (False, True):
                 a_block = (cfg["BLOCK_M"], cfg["BLOCK_K"])
                 cases.append(case("gathered_matmul_persistent",
                                   gathered_persistent_kernels._gathered_matmul_persistent_kernel, dt,
                                   dict(UPCAST=False, INPUT_PRECISION="tf32", ROUND_BF16=False, HAS_BIAS=True,
-                                       TIMED=True, EPILOGUE_SUBTILE=True, B_KMAJOR=kmajor, **cfg),
+                                       TIMED=True, EPILOGUE_SUBTILE=True, B_KMAJOR=kmajor, W_BLOCK=8, **cfg),
                                   warps, stages, aligned=("N", "K"),
                                   descriptors=dict(x_desc=a_block, g_desc=a_block, b_desc=b_block(cfg, kmajor)),
                                   checks=("acquire_sys", "tma_load", "vector_store")))

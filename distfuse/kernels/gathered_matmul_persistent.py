@@ -13,12 +13,18 @@ compute-bound at the MLP shapes, so the target is cuBLAS's rate)::
 * **Persistent grid, chunk-major tile order**, as in :mod:`distfuse.kernels.matmul_scatter_persistent`
   (grouped tiles; a row tile never crosses a batch entry, so every A tile is one rectangular
   box of a descriptor), the chunks in the pointer kernel's arrival order (local first, no wait).
-* **One wait per chunk, hoisted out of the tile loop.**  A program's chunk index never
-  decreases along its tiles, so it polls a peer chunk's flag once, at its first tile of
-  that chunk (acquire, system scope, one CTA barrier), and every later tile of the chunk
-  runs with no flag traffic: at most ``min(P, T)`` polls per chunk instead of one per
-  tile, and none of them inside a K loop.  A chunk whose flag never came is stored as NaN
-  by every tile that read it; the launcher raises on the status word.
+* **One poll for every chunk, a wait only for a chunk still missing.**  A program's chunk index never
+  decreases along its tiles.  At its first tile of a peer chunk it has not yet seen arrive, it
+  loads every chunk's flag at once (one vector of acquire loads, system scope, one CTA barrier:
+  :func:`_poll_chunks`) and keeps the mask of those that have arrived; a chunk already in the
+  mask needs no flag traffic at all, and only one still missing is waited for (``wait_flag``).
+  Where the pushes are done before the consumer reaches its peer chunks (the pushes are a copy,
+  the consumer a GEMM), a program makes one memory round trip for all its chunks: at the
+  LLaMA-3 shapes a chunk holds fewer tiles than there are programs, so nearly every tile of a
+  program is in a new chunk, and the one wait per chunk of the earlier form was one acquire
+  round trip (and a CTA barrier) before almost every tile's K loop.  None is inside a K loop.
+  A chunk whose flag never came is stored as NaN by every tile that read it; the launcher
+  raises on the status word.
 * **Host-side tensor descriptors** (:mod:`distfuse.kernels.persistent`) for ``x``, the
   gathered buffer and the weight.  One K loop serves both sources: the tile picks its
   descriptor (shard or workspace) before the loop, so there is one set of pipeline buffers
@@ -54,7 +60,7 @@ from distfuse.kernels._utils import (
     round_bf16,
     timeout_arg,
 )
-from distfuse.kernels.host_ints import cdiv
+from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, tma_tile, wait_flag
 from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.persistent import (
@@ -80,6 +86,17 @@ def _async_proxy_fence():
 
 
 @triton.jit
+def _poll_chunks(flags_ptr, W, epoch, W_BLOCK: tl.constexpr):
+    """The ``[W_BLOCK]`` mask of the chunks whose push has arrived: every chunk's flag ``flags[c, c]`` loaded at once
+    (acquire, system scope: the chunk's rows may be read after it), then one CTA barrier, so every thread of the
+    program reads after the poll, as after :func:`~distfuse.kernels.jit_helpers.wait_flag`."""
+    c = tl.arange(0, W_BLOCK)
+    val = tl.atomic_add(flags_ptr + c * W + c, 0, mask=c < W, sem="acquire", scope="sys")
+    tl.debug_barrier()
+    return (c < W) & (val == epoch)
+
+
+@triton.jit
 def _finish(y_ptr, acc, bias_ptr, stride_bias, rows, mask_r, offs_n, N, ok, HAS_BIAS: tl.constexpr,
             ROUND_BF16: tl.constexpr):
     """Bias (fp32), NaN where the chunk never arrived, one rounding, masked store into ``y [*, N]`` rows ``rows``."""
@@ -98,12 +115,14 @@ def _gathered_matmul_persistent_kernel(
     HAS_BIAS: tl.constexpr, B_KMAJOR: tl.constexpr, UPCAST: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr, TIMED: tl.constexpr, EPILOGUE_SUBTILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    W_BLOCK: tl.constexpr,
 ):
     """Persistent grid (at most one program per SM); see the module doc.
 
     ``x_desc``: the ``[B_ * len_p, K]`` rows of the shard (blocks ``[BLOCK_M, BLOCK_K]``);
     ``g_desc``: the ``[B_ * n, K]`` gathered buffer; ``b_desc``: the weight, ``[N, K]``
     (``B_KMAJOR`` False, blocks ``[BLOCK_N, BLOCK_K]``) or ``[K, N]`` (True, ``[BLOCK_K, BLOCK_N]``).
+    ``W_BLOCK``: the next power of two of W (the flag poll's vector).
     """
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
@@ -111,6 +130,8 @@ def _gathered_matmul_persistent_kernel(
     tiles_m, num_pid_m, num_pid_n, tiles_per_chunk, total = chunk_tiling(n, W, n_batch, N, BLOCK_M, BLOCK_N)
     seen = tl.full([], 0, tl.int32)  # the step (chunk order) this program has waited for; 0: the local chunk
     ok = seen == 0  # the current chunk's data arrived (int1; the local chunk always has)
+    lanes = tl.arange(0, W_BLOCK)
+    arrived = lanes < 0  # the chunks this program has seen arrive, by an acquire it made (none yet)
     for t in range(pid, total, num_progs):
         step = t // tiles_per_chunk
         chunk = (rank - step + W) % W
@@ -120,10 +141,17 @@ def _gathered_matmul_persistent_kernel(
         row0 = (pid_m % tiles_m) * BLOCK_M  # first row of the tile inside the chunk
         col0 = pid_n * BLOCK_N
         if row0 < len_c:  # the smaller chunks' last row tiles are empty
-            if step != seen:  # this program's first tile of a peer chunk: its one wait for the chunk
-                ok = wait_flag(flags_ptr + chunk * W + chunk, epoch, status_ptr + chunk, timeout, TIMED)
-                if TIMED:  # the peer's rows were published to generic-proxy reads; TMA reads through the async proxy
-                    _async_proxy_fence()
+            if step != seen:  # this program's first tile of a peer chunk
+                if tl.sum((arrived & (lanes == chunk)).to(tl.int32), axis=0) == 0:  # not seen arrive yet: poll all
+                    arrived = _poll_chunks(flags_ptr, W, epoch, W_BLOCK)
+                    if tl.sum((arrived & (lanes == chunk)).to(tl.int32), axis=0) == 0:  # still missing: wait for it
+                        ok = wait_flag(flags_ptr + chunk * W + chunk, epoch, status_ptr + chunk, timeout, TIMED)
+                    else:
+                        ok = seen >= 0  # true (int1, as wait_flag returns)
+                    if TIMED:  # the peers' rows were published to generic-proxy reads; TMA reads via the async proxy
+                        _async_proxy_fence()
+                else:  # acquired by an earlier poll of this program, fenced after it
+                    ok = seen >= 0
                 seen = step
             # One K loop (one set of pipeline buffers): the local chunk reads the shard, the others the workspace.
             if step == 0:
@@ -266,6 +294,6 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
         x_desc, g_desc, b_desc, bias if bias is not None else out, out, st.flags, st.status,
         B, n, N, K, len_p, rank, W, st.epoch_dev, timeout_arg(st), bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x3.dtype),
-        ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS, **meta,
+        ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS, W_BLOCK=next_power_of_2(W), **meta,
     )
     return dict(meta, programs=programs)
