@@ -121,7 +121,8 @@ def _sum_sources(slots_ptr, offs, mask, slot_elems, W_UNROLL: tl.constexpr):
 def _block(blk, n_rows, N, ld, num_c, FLAT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
     """Block ``blk`` of the output: ``(slot offsets, output offsets, mask, columns)`` in the layout of the module
     doc (``FLAT``: ``BLOCK`` consecutive elements; else ``[BLOCK // BLOCK_C, BLOCK_C]`` rows, ``num_c`` column
-    blocks a row block).  The sums and the poison walk the same blocks through it."""
+    blocks a row block).  The peeled first block and the loop find their blocks through it (a block past the
+    last one is all masked)."""
     if FLAT:
         numel = n_rows.to(tl.int64) * N
         offs = blk * tl.full([], BLOCK, tl.int64) + tl.arange(0, BLOCK)  # int64: chunks may pass 2^31
