@@ -532,7 +532,9 @@ def test_gathered_persistent_pinned_tiles_avoid_a_short_last_wave(monkeypatch):
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["EPILOGUE_SUBTILE"]) == (128, 256, True)
     cfg = gp.gathered_persistent_config(torch.bfloat16, 1, 1024, 8, 1792, 132)  # LLaMA-3 8B up proj, TP 8, M 8192
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (128, 128)  # 448 tiles of 128x256 were 85% busy; 896: 97%
-    assert gp.wave_efficiency(448, 132) < gp.WAVE_TARGET <= gp.wave_efficiency(896, 132)
+    from distfuse.kernels.persistent import WAVE_TARGET, wave_efficiency
+
+    assert wave_efficiency(448, 132) < WAVE_TARGET <= wave_efficiency(896, 132)
     cfg = gp.gathered_persistent_config(torch.bfloat16, 1, 64, 8, 1792, 132)  # M = 512: no tile fills one wave
     assert (cfg["BLOCK_M"], cfg["BLOCK_N"]) == (64, 128)
     assert gp.gathered_persistent_config(torch.float32, 1, 64, 8, 1792, 132, dict(BLOCK_M=16, BLOCK_N=32,

@@ -53,10 +53,7 @@ from distfuse.kernels._utils import (
     CPU_GEMM_CONFIG,
     INTERPRET,
     TIMED_WAITS,
-    config_of,
-    get_gemm_configs,
     input_precision,
-    pinned_gemm_config,
     round_bf16,
     timeout_arg,
 )
@@ -67,14 +64,14 @@ from distfuse.kernels.persistent import (
     checked_descriptor,
     chunk_tiles,
     descriptor_problem,
+    fill_waves,
     persistent_programs,
     rows_descriptor,
     weight_descriptor,
 )
 from distfuse.kernels.tile_table import device_name, measured_tile
 
-__all__ = ["gathered_persistent_supported", "gathered_persistent_config", "launch_gathered_persistent",
-           "wave_efficiency", "WAVE_TARGET"]
+__all__ = ["gathered_persistent_supported", "gathered_persistent_config", "launch_gathered_persistent"]
 
 
 @triton.jit
@@ -193,15 +190,6 @@ def gathered_persistent_supported(x3: torch.Tensor, weight: torch.Tensor) -> tup
     return not why, why
 
 
-def wave_efficiency(tiles: int, programs: int) -> float:
-    """Busy fraction of a persistent grid of ``programs`` over ``tiles`` equal tiles: ``tiles / (waves * programs)``."""
-    return tiles / (cdiv(tiles, programs) * programs) if tiles > 0 else 1.0
-
-
-#: A pinned tile whose grid keeps the SMs busy less than this goes down the family's list (see below).
-WAVE_TARGET = 0.9
-
-
 def gathered_persistent_config(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, programs: int,
                                config: dict | None = None, *, K: int = 0, device_name: str | None = None) -> dict:
     """Block sizes of one launch: ``config`` (tests), the CPU config (interpreter), the measured tile of
@@ -213,7 +201,7 @@ def gathered_persistent_config(dtype: torch.dtype, batch: int, q1: int, W: int, 
     (never autotuned: the grid depends on the SM count, and one rule on every rank keeps
     the ranks alike) starts from the bucket's tile of the ``gathered_persistent`` family
     (:func:`~distfuse.kernels._utils.pinned_gemm_config`) and goes down the family's list
-    to the first tile whose last wave of tiles keeps the grid at least :data:`WAVE_TARGET`
+    to the first tile whose last wave of tiles keeps the grid at least :data:`~distfuse.kernels.persistent.WAVE_TARGET`
     busy (else the busiest): a compute-bound persistent GEMM loses a whole tile time per
     program to a short last wave (448 tiles of 128x256 on 132 SMs: 85% busy; 896 tiles of
     128x128: 97%).  The trade against a smaller tile's lower efficiency is reasoned, not measured.
@@ -236,12 +224,8 @@ def gathered_persistent_config(dtype: torch.dtype, batch: int, q1: int, W: int, 
 def _pinned_config(dtype: torch.dtype, batch: int, q1: int, W: int, N: int, programs: int) -> dict:
     """The pinned rule of :func:`gathered_persistent_config`, cached per shape: a pure function whose Python (the
     family's configs and the wave walk) would cost every call.  Callers copy the result."""
-    pinned = pinned_gemm_config(dtype, batch * q1, N, "gathered_persistent")
-    family = [config_of(c) for c in get_gemm_configs(dtype, "gathered_persistent")]
-    candidates = family[family.index(pinned):] if pinned in family else [pinned]
-    best = max(candidates, key=lambda c: wave_efficiency(chunk_tiles(c, batch, q1, W, N), programs))  # first of ties
-    chosen = next((c for c in candidates if wave_efficiency(chunk_tiles(c, batch, q1, W, N), programs) >= WAVE_TARGET),
-                  best)
+    chosen = fill_waves(dtype, batch * q1, N, "gathered_persistent", lambda c: chunk_tiles(c, batch, q1, W, N),
+                        programs)
     # The split epilogue costs no shared memory and saves registers (the compile audit), so every pinned config
     # takes it.
     return dict(chosen, EPILOGUE_SUBTILE=True)

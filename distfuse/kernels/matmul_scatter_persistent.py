@@ -77,20 +77,17 @@ from distfuse.kernels._utils import (
     INTERPRET,
     check_producer_args,
     claimed_rank_view,
-    config_of,
-    get_gemm_configs,
     input_precision,
-    pinned_gemm_config,
     round_bf16,
 )
 from distfuse.kernels.chunk_reduce import slot_row_stride
-from distfuse.kernels.gathered_matmul_persistent import WAVE_TARGET, wave_efficiency
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import balanced_chunk, cast_out, chunk_tiling, grouped_tile, raise_flag, tma_tile
 from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.persistent import (
     chunk_tiles,
     descriptor_problem,
+    fill_waves,
     persistent_programs,
     rows_descriptor,
     weight_descriptor,
@@ -328,7 +325,7 @@ def _pinned_config(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, pro
 
     The tile is the whole GEMM's, ``B_ * n`` rows by ``N`` (:func:`~distfuse.kernels._utils.pinned_gemm_config`,
     family ``persistent``), walked down the family's list to the first whose tiles keep the grid at least
-    :data:`~distfuse.kernels.gathered_matmul_persistent.WAVE_TARGET` busy in its last wave (else the busiest),
+    :data:`~distfuse.kernels.persistent.WAVE_TARGET` busy in its last wave (else the busiest),
     as the all-gather consumer's rule does; ``SPAN`` where chunk-aligned rows would waste it
     (:func:`span_wins`).  The tile is chosen from the GEMM's rows, not the chunk's, because a tile's
     operand bytes per FLOP set the L2 traffic: at M = 512 the 64-row chunks took 64x256 tiles, 40 KB a
@@ -336,15 +333,9 @@ def _pinned_config(dtype: torch.dtype, n_batch: int, n: int, W: int, N: int, pro
     producer 1.7-1.8x cuBLAS's time), not measured yet: section ``forms`` of ``scripts/gpu_diagnose.py``
     times this rule against the chunk-aligned one.
     """
-    pinned = pinned_gemm_config(dtype, n_batch * n, N, "persistent")
-    family = [config_of(c) for c in get_gemm_configs(dtype, "persistent")]
-    candidates = family[family.index(pinned):] if pinned in family else [pinned]
-
-    def busy(c):
-        return wave_efficiency(scatter_tiles(dict(c, SPAN=span_wins(c["BLOCK_M"], n, W)), n_batch, n, W, N), programs)
-
-    best = max(candidates, key=busy)  # the first of ties
-    chosen = next((c for c in candidates if busy(c) >= WAVE_TARGET), best)
+    chosen = fill_waves(dtype, n_batch * n, N, "persistent",
+                        lambda c: scatter_tiles(dict(c, SPAN=span_wins(c["BLOCK_M"], n, W)), n_batch, n, W, N),
+                        programs)
     return dict(chosen, SPAN=span_wins(chosen["BLOCK_M"], n, W))
 
 

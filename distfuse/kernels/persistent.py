@@ -26,11 +26,12 @@ import functools
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from distfuse.kernels._utils import INTERPRET
+from distfuse.kernels._utils import INTERPRET, config_of, get_gemm_configs, pinned_gemm_config
 from distfuse.kernels.host_ints import cdiv
 
 __all__ = ["persistent_programs", "sm_count", "INTERPRETED_PROGRAMS", "weight_kmajor", "descriptor_problem",
-           "checked_descriptor", "rows_descriptor", "weight_descriptor", "chunk_tiles", "compiled_refusal"]
+           "checked_descriptor", "rows_descriptor", "weight_descriptor", "chunk_tiles", "compiled_refusal",
+           "wave_efficiency", "WAVE_TARGET", "fill_waves"]
 
 #: Programs of a persistent grid under the interpreter (CPU tests): small, so that each walks several items.
 INTERPRETED_PROGRAMS = 2
@@ -65,6 +66,29 @@ def chunk_tiles(meta: dict, batch: int, q1: int, W: int, N: int) -> int:
     The host twin of :func:`~distfuse.kernels.jit_helpers.chunk_tiling`'s ``total``.
     """
     return W * batch * cdiv(q1, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
+
+
+def wave_efficiency(tiles: int, programs: int) -> float:
+    """Busy fraction of a persistent grid of ``programs`` over ``tiles`` equal tiles: ``tiles / (waves * programs)``."""
+    return tiles / (cdiv(tiles, programs) * programs) if tiles > 0 else 1.0
+
+
+#: A pinned tile whose grid keeps the SMs busy less than this goes down the family's list (:func:`fill_waves`).
+WAVE_TARGET = 0.9
+
+
+def fill_waves(dtype: torch.dtype, rows: int, cols: int, family: str, tiles, programs: int) -> dict:
+    """The pinned rule of a persistent GEMM family: the shape bucket's tile
+    (:func:`~distfuse.kernels._utils.pinned_gemm_config` of ``rows`` by ``cols``), walked down the family's list
+    to the first config whose ``tiles(config)`` keep a grid of ``programs`` at least :data:`WAVE_TARGET` busy in
+    its last wave, else the busiest (the first of ties).  A compute-bound persistent GEMM loses a whole tile time
+    per idle program to a short last wave (448 tiles of 128x256 on 132 SMs: 85% busy; 896 of 128x128: 97%)."""
+    pinned = pinned_gemm_config(dtype, rows, cols, family)
+    configs = [config_of(c) for c in get_gemm_configs(dtype, family)]
+    candidates = configs[configs.index(pinned):] if pinned in configs else [pinned]
+    busy = {i: wave_efficiency(tiles(c), programs) for i, c in enumerate(candidates)}
+    best = max(busy, key=busy.get)  # the first of ties
+    return dict(candidates[next((i for i in busy if busy[i] >= WAVE_TARGET), best)])
 
 
 def weight_kmajor(weight: torch.Tensor) -> bool | None:
