@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 from distfuse.kernels.tile_table import FORMAT, SHIPPED_TILES, check_tile, kernel_fingerprint
+from distfuse.tune.table import write_text_atomic
 
 __all__ = ["SECTION_KERNELS", "MIN_GAIN", "current_fingerprints", "tile_rows", "pick_tiles", "merge_tiles",
            "write_tiles", "main"]
@@ -152,11 +152,7 @@ def write_tiles(path: Path, entries: list[dict]) -> Path:
     tiles = merge_tiles(existing, entries)
     for i, e in enumerate(tiles):
         check_tile(e, path, i)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps({"format": FORMAT, "tiles": tiles}, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps({"format": FORMAT, "tiles": tiles}, indent=1, sort_keys=True) + "\n")
 
 
 def main(argv=None) -> int:
