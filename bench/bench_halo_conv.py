@@ -15,6 +15,12 @@ with random buffers; no communication is timed):
   gradients to send back and the received ones accumulated) with the same cuDNN
   convolution in every provider.
 
+Both memory formats (``--formats``): NCHW, and channels last (``channels_last`` /
+``channels_last_3d``: every tensor, the baselines' slabs and the fused path's halo boxes in
+``[B, *box, C]`` order; rows carry ``format`` in their shape).  In NCHW the staged rows of an
+odd halo start at odd offsets, so no staging can store them in 16-byte vectors; in channels
+last every staged row starts at a multiple of C, and cuDNN convolves in its native layout.
+
 Timings: ``triton.testing.do_bench`` (median, 20th and 80th percentiles; it also clears
 L2 before every run), inputs rotated over enough copies to exceed L2 several times,
 random data.  Rows are harness rows (``bench.harness.Row``: op, provider, anchor, mode,
@@ -36,6 +42,8 @@ instead, under the Triton interpreter, and writes no results.
 from __future__ import annotations
 
 import argparse
+import itertools
+import math
 import os
 import sys
 from pathlib import Path
@@ -60,6 +68,7 @@ def _parse(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=sorted(DTYPES))
     p.add_argument("--modes", nargs="+", default=["stage", "full"], choices=["stage", "full"])
+    p.add_argument("--formats", nargs="+", default=["nchw", "channels_last"], choices=["nchw", "channels_last"])
     p.add_argument("--max-gib", type=float, default=24.0, help="skip shapes whose working set exceeds this")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default <out-dir>/halo_conv-<device>-<date>.json)")
@@ -83,12 +92,13 @@ def _parse(argv=None):
 class Case:
     """The middle worker of a 3^nd grid: block ``[B, C, *n]``, halo ``h`` on every side, zero padding."""
 
-    def __init__(self, nd, batch, channels, extent, halo, dtype, device, seed=0):
+    def __init__(self, nd, batch, channels, extent, halo, dtype, device, seed=0, channels_last=False):
         from distfuse.geometry.halo_plan import HaloPlan
         from distfuse.kernels import halo as hk
         from distfuse.kernels.halo_tables import recv_numel, send_numel
 
         self.nd, self.h, self.dtype, self.device = nd, halo, dtype, device
+        self.fmt = hk.CHANNELS_LAST[nd] if channels_last else torch.contiguous_format
         k = 2 * halo + 1
         self.plan = HaloPlan.for_conv((3 * extent,) * nd, (3,) * nd, (k,) * nd, (1,) * nd, (1,) * nd,
                                       ((halo, halo),) * nd, "zeros")
@@ -100,15 +110,32 @@ class Case:
         def rnd(*shape):
             return torch.randn(shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
 
-        self.x = rnd(batch, channels, *(extent,) * nd)
-        self.recv = rnd(recv_numel(self.plan, self.index, lead))  # the halos, as the fused path receives them
-        self.incoming = rnd(send_numel(self.plan, self.index, lead))  # halo gradients coming back
+        self.x = rnd(batch, channels, *(extent,) * nd).contiguous(memory_format=self.fmt)
+        recv = rnd(recv_numel(self.plan, self.index, lead))  # the halos, boxes in NCHW order
+        self.incoming_nchw = rnd(send_numel(self.plan, self.index, lead))  # halo gradients coming back
+        # what the fused path receives: the same boxes in the block's format
+        self.recv = self._in_format([pc.src_shape for pc in self.plan.recvs(self.index)], recv)
+        self.incoming = self._in_format([pc.src_shape for _, pc in self.plan.sends(self.index)], self.incoming_nchw)
         self.weight = rnd(channels, channels, *(k,) * nd) * (1.0 / (channels * k**nd) ** 0.5)
+        self.weight = self.weight.contiguous(memory_format=self.fmt)
         self.bias = rnd(channels)
         self.staged_shape = (batch, channels) + tuple(extent + 2 * halo for _ in range(nd))
         # The same halos as slabs, for the baselines: the torch reference stage of the plan cuts them out.
-        self.staged_ref = hk.halo_stage_reference(self.x, self.recv, self.plan, self.index)
-        self.dy = rnd(batch, channels, *(extent,) * nd)
+        self.staged_ref = hk.halo_stage_reference(self.x, recv, self.plan, self.index).contiguous(
+            memory_format=self.fmt)
+        self.dy = rnd(batch, channels, *(extent,) * nd).contiguous(memory_format=self.fmt)
+
+    def _in_format(self, shapes, flat_nchw):
+        """A flat buffer of NCHW boxes ``[B, C, *box]`` rewritten in the case's format (``[B, *box, C]``)."""
+        if self.fmt == torch.contiguous_format:
+            return flat_nchw
+        from distfuse.kernels.halo_tables import box_offsets
+
+        B, C = self.x.shape[:2]
+        offs, _ = box_offsets(shapes, B * C)
+        parts = [flat_nchw[o: o + B * C * math.prod(s)].view(B, C, *s).movedim(1, -1).reshape(-1)
+                 for o, s in zip(offs, shapes, strict=True)]
+        return torch.cat(parts) if parts else flat_nchw
 
     def slabs_distdl(self):
         """Slabs written into the padded tensor: per axis a, the low and high slabs of the full extent of axes < a
@@ -120,7 +147,8 @@ class Case:
             hi = list(lo)
             lo[2 + a] = slice(0, h)
             hi[2 + a] = slice(-h, None)
-            out.append((tuple(lo), s[tuple(lo)].contiguous(), tuple(hi), s[tuple(hi)].contiguous()))
+            out.append((tuple(lo), s[tuple(lo)].contiguous(memory_format=self.fmt), tuple(hi),
+                        s[tuple(hi)].contiguous(memory_format=self.fmt)))
         return out
 
     def slabs_cat(self):
@@ -132,14 +160,15 @@ class Case:
             lo, hi = list(idx), list(idx)
             lo[2 + a] = slice(0, h)
             hi[2 + a] = slice(-h, None)
-            out.append((a, s[tuple(lo)].contiguous(), s[tuple(hi)].contiguous()))
+            out.append((a, s[tuple(lo)].contiguous(memory_format=self.fmt),
+                        s[tuple(hi)].contiguous(memory_format=self.fmt)))
         return out
 
 
 def stage_fused(case, x, recv):
     from distfuse.kernels.halo import halo_stage
 
-    return halo_stage(x, recv, case.plan, case.index)
+    return halo_stage(x, recv, case.plan, case.index, channels_last=case.fmt != torch.contiguous_format)
 
 
 def stage_distdl(case, x, slabs):
@@ -175,8 +204,9 @@ class _FusedStage(torch.autograd.Function):
         from distfuse.kernels.halo import halo_accumulate, halo_unstage
 
         case = ctx.case
-        u = halo_unstage(g.contiguous(), case.plan, case.index)
-        gx = halo_accumulate(u.grad_x, u.self_boxes, case.incoming, case.plan, case.index)
+        cl = case.fmt != torch.contiguous_format
+        u = halo_unstage(g.contiguous(memory_format=case.fmt), case.plan, case.index, channels_last=cl)
+        gx = halo_accumulate(u.grad_x, u.self_boxes, case.incoming, case.plan, case.index, channels_last=cl)
         return gx, u.send, None
 
 
@@ -223,38 +253,42 @@ def smoke() -> int:
     from distfuse.kernels import halo as hk
     from distfuse.kernels.halo_tables import self_numel
 
-    for nd in (2, 3):
+    for nd, cl in itertools.product((2, 3), (False, True)):
+        name_of = f"{nd}-D {'channels last' if cl else 'NCHW'}"
         for dtype in (torch.float32, torch.bfloat16, torch.float64):
-            case = Case(nd, 1, 3, 5, 1 if nd == 3 else 2, dtype, "cpu")
+            case = Case(nd, 1, 3, 5, 1 if nd == 3 else 2, dtype, "cpu", channels_last=cl)
             ref = case.staged_ref
             got = {"fused": stage_fused(case, case.x, case.recv),
                    "distdl": stage_distdl(case, case.x, case.slabs_distdl()),
                    "cat": stage_cat(case, case.x, case.slabs_cat())}
             for name, s in got.items():
                 if not torch.equal(s, ref):
-                    print(f"smoke: {nd}-D {dtype} staging by {name} differs from the reference", file=sys.stderr)
+                    print(f"smoke: {name_of} {dtype} staging by {name} differs from the reference", file=sys.stderr)
                     return 1
-        case = Case(nd, 2, 3, 5, 1, torch.float64, "cpu")
+            if cl and not got["fused"].is_contiguous(memory_format=case.fmt):
+                print(f"smoke: {name_of}: the fused staging dropped the format", file=sys.stderr)
+                return 1
+        case = Case(nd, 2, 3, 5, 1, torch.float64, "cpu", channels_last=cl)
         outs = {p: full_step(case, p, case.x, _halo_inputs(case, p), case.weight, case.bias)
                 for p in ("fused", "distdl", "cat")}
         # the fused path also adds the halo gradients that neighbours send back (simulated); the baselines
         # stop at this worker's own staging, so add the same boxes to theirs
         back = hk.halo_accumulate_reference(torch.zeros_like(case.x), torch.zeros(
             self_numel(case.plan, case.index, case.x.shape[0] * case.x.shape[1]), dtype=torch.float64),
-            case.incoming, case.plan, case.index)
+            case.incoming_nchw, case.plan, case.index)
         for p in ("distdl", "cat"):
             outs[p] = (outs[p][0], outs[p][1] + back, *outs[p][2:])
         for p in ("distdl", "cat"):
             for i, what in enumerate(("y", "grad x", "grad weight", "grad bias")):
                 if not torch.allclose(outs["fused"][i], outs[p][i], rtol=1e-10, atol=1e-10):
-                    print(f"smoke: {nd}-D fused and {p} differ in {what}", file=sys.stderr)
+                    print(f"smoke: {name_of} fused and {p} differ in {what}", file=sys.stderr)
                     return 1
         # the halos' gradients (what goes back to the neighbours) carry the same total
         tot = {p: sum(float(g.sum()) for g in outs[p][4]) for p in outs}
         if abs(tot["fused"] - tot["distdl"]) > 1e-8 * max(1.0, abs(tot["distdl"])):
-            print(f"smoke: {nd}-D halo gradients differ: {tot}", file=sys.stderr)
+            print(f"smoke: {name_of} halo gradients differ: {tot}", file=sys.stderr)
             return 1
-        print(f"smoke: {nd}-D fused, distdl and cat stagings agree (fp32, bf16, fp64); fwd+bwd agree (fp64)")
+        print(f"smoke: {name_of} fused, distdl and cat stagings agree (fp32, bf16, fp64); fwd+bwd agree (fp64)")
     print("smoke: ok (correctness only; no timings on CPU)")
     return 0
 
@@ -333,14 +367,15 @@ def gpu_run(args) -> int:
             for c in args.channels:
                 for n in extents:
                     for h in args.halos:
-                        rows += _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw)
-                        write_json(out, env, rows, partial=True)  # after every shape: a cut-off run keeps them
+                        for fmt in args.formats:
+                            rows += _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt)
+                            write_json(out, env, rows, partial=True)  # after every shape: a cut-off run keeps them
     write_json(out, env, rows, partial=False)
     print(f"wrote {len(rows)} rows to {out}")
     return 0
 
 
-def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw):
+def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
     from bench.harness import Row, add_ratios
     from distfuse.fused import registry
 
@@ -355,10 +390,12 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw):
     rotations = max(1, min(8, int(4 * L2_BYTES // max(1, esize * staged_elems)) + 1,
                            int(args.max_gib * 2**30 // set_bytes)))
     dev = args.device
-    cases = [Case(nd, args.batch, c, n, h, dtype, dev, seed=i) for i in range(rotations)]
+    cases = [Case(nd, args.batch, c, n, h, dtype, dev, seed=i, channels_last=fmt == "channels_last")
+             for i in range(rotations)]
     halos = {p: [_halo_inputs(cs, p) for cs in cases] for p in ("fused", "distdl", "cat")}
-    # The shape keys gpu_ratios reads (C, n, nd: the volume C * n^nd) and the rest of the case.
-    shape = dict(nd=nd, C=c, n=n, halo=h, batch=args.batch)
+    # The shape keys gpu_ratios reads (C, n, nd: the volume C * n^nd) and the rest of the case; format keeps the
+    # channels-last rows and their anchors apart from the NCHW ones.
+    shape = dict(nd=nd, C=c, n=n, halo=h, batch=args.batch, format=fmt)
     op = registry.HALO_CONV.name
     rows = []
 
@@ -374,7 +411,7 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw):
             "distdl": lambda i: stage_distdl(cases[i], cases[i].x, halos["distdl"][i]),
             "cat": lambda i: stage_cat(cases[i], cases[i].x, halos["cat"][i]),
         }
-        dst = [torch.empty(cs.staged_shape, device=dev, dtype=dtype) for cs in cases]
+        dst = [torch.empty(cs.staged_shape, device=dev, dtype=dtype, memory_format=cs.fmt) for cs in cases]
         fns["copy"] = lambda i: dst[i].copy_(cases[i].staged_ref)
         for provider, fn in fns.items():
             q = _bench(fn, rotations, dev)
@@ -391,7 +428,7 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw):
     for r in rows:
         extra = f"  {r.extra['pct_of_copy']:5.1f}% of copy" if "pct_of_copy" in r.extra else ""
         ratio = f"  x{r.ratio:.2f} of {r.anchor}" if r.ratio is not None else ""
-        print(f"{nd}-D C={c:3d} n={n:3d} h={h} {dtype_name:8s} {r.mode:5s} {r.provider:6s} "
+        print(f"{nd}-D C={c:3d} n={n:3d} h={h} {fmt:13s} {dtype_name:8s} {r.mode:5s} {r.provider:6s} "
               f"{r.ms * 1e3:9.1f} us{extra}{ratio}")
     if dev == "cuda":
         torch.cuda.empty_cache()  # this shape's buffers are freed on return; hand their blocks back for the next

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import itertools
 import json
 import math
 import os
@@ -297,14 +298,16 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
 
 
 def halo_stage_times(torch, device, dtype, calls, record, cuda) -> None:
-    """Host, loop, kernel and graph time of the fused halo staging and of the copy of the staged bytes."""
+    """Host, loop, kernel and graph time of the fused halo staging and of the copy of the staged bytes, in NCHW and
+    channels last."""
     from bench.bench_halo_conv import Case, stage_fused
 
     shapes = [(3, 64, 64), (3, 256, 64), (2, 256, 512)] if cuda else [(2, 2, 4)]
-    for nd, c, n in shapes:
-        case = Case(nd, 1, c, n, 1, dtype, device)
-        dst = torch.empty(case.staged_shape, device=device, dtype=dtype)
-        shape = dict(nd=nd, C=c, n=n, staged_bytes=dst.numel() * dst.element_size())
+    for (nd, c, n), cl in itertools.product(shapes, (False, True)):  # NCHW, and channels last (16-byte rows)
+        case = Case(nd, 1, c, n, 1, dtype, device, channels_last=cl)
+        dst = torch.empty(case.staged_shape, device=device, dtype=dtype, memory_format=case.fmt)
+        shape = dict(nd=nd, C=c, n=n, format="channels_last" if cl else "nchw",
+                     staged_bytes=dst.numel() * dst.element_size())
         record(section="halo", op="halo_stage", **shape,
                **measure(torch, lambda case=case: stage_fused(case, case.x, case.recv), device, calls, graph=cuda))
         record(section="halo", op="copy", **shape,

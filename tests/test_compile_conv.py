@@ -161,6 +161,8 @@ def test_compiled_feature_conv_world6_inactive_same_ops_on_every_rank():
     pytest.param(dict(shape=(2, 3, 7, 5), grid_shape=(1, 1, 2, 2), ranks=(3, 1, 0, 2)), id="2x2-uneven-permuted"),
     pytest.param(dict(shape=(1, 2, 9, 4), grid_shape=(1, 1, 3, 1), ranks=(2, 0, 1), stride=2, dtype=torch.bfloat16),
                  id="3x1-stride2-bf16"),
+    pytest.param(dict(shape=(2, 3, 7, 5), grid_shape=(1, 1, 2, 2), ranks=(1, 3, 2, 0), channels_last=True,
+                      dtype=torch.float16), id="2x2-channels_last-fp16"),
 ])
 def test_compiled_feature_conv_takes_the_fused_path(kwargs):
     """The eager call runs fused (DISTFUSE_PATH=fused, the Triton kernels interpreted); the compiled calls, with no

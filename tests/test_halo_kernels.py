@@ -75,46 +75,71 @@ def _queues(plan, flat_of, order_of):
     return q
 
 
+def _nchw_order(buf, shapes, lead_shape):
+    """A flat buffer of channels-last boxes ``[B, *box, C]`` rewritten box by box in NCHW order ``[B, C, *box]``
+    (the references' order), by torch's own permutes: independent of the kernels' channel arithmetic."""
+    B, C = lead_shape
+    offs, _ = ht.box_offsets(shapes, B * C)
+    parts = [buf[o: o + B * C * math.prod(s)].view(B, *s, C).movedim(-1, 1).reshape(-1)
+             for o, s in zip(offs, shapes)]
+    return torch.cat(parts) if parts else buf[:0]
+
+
 def _simulate(gshape, grid, kernel, stride, dilation, padding, mode, dtype, lead_shape=(2, 3), device="cpu",
-              tile=None, block=None):
-    """Run pack, stage, unstage and accumulate for every worker; check each against its reference and the oracle."""
+              tile=None, block=None, channels_last=False):
+    """Run pack, stage, unstage and accumulate for every worker; check each against its reference and the oracle.
+
+    ``channels_last``: blocks, staged tensors and gradients dense in channels-last order (``lead_shape`` is
+    ``(B, C)``), every flat buffer in ``[B, *box, C]`` order; the references see the same values in NCHW order."""
     plan, pads = _plan(gshape, grid, kernel, stride, dilation, padding, mode)
     windows = _oracle_windows(plan, pads, gshape, mode)
     gen = torch.Generator().manual_seed(1234)
     lead = math.prod(lead_shape)
     xg = torch.randn(lead_shape + tuple(gshape), generator=gen, dtype=torch.float64).to(dtype)
-    blocks = {i: xg[(..., *local_slices(gshape, grid, i))].contiguous().to(device) for i in plan.blocks()}
+    fmt = hk.CHANNELS_LAST[len(gshape)] if channels_last else torch.contiguous_format
+    blocks = {i: xg[(..., *local_slices(gshape, grid, i))].contiguous(memory_format=fmt).to(device)
+              for i in plan.blocks()}
     t = tol(dtype)
     dev = torch.device(device)
+
+    def nchw(buf, pieces):
+        return _nchw_order(buf, [pc.src_shape for pc in pieces], lead_shape) if channels_last else buf
+
+    def poisoned(shape):
+        return _nan(shape, dtype, dev).contiguous(memory_format=fmt)
 
     # forward: pack every worker, route the boxes, stage
     packed = {"lead_shape": lead_shape}
     for i, x in blocks.items():
         out = _nan(ht.send_numel(plan, i, lead), dtype, dev)
-        packed[i] = hk.halo_pack(x, plan, i, out=out, block=block)
+        packed[i] = hk.halo_pack(x, plan, i, out=out, block=block, channels_last=channels_last)
         assert packed[i] is out
-        assert torch.equal(packed[i], hk.halo_pack_reference(x, plan, i)), ("pack", i)
+        assert torch.equal(nchw(packed[i], [pc for _, pc in plan.sends(i)]), hk.halo_pack_reference(x, plan, i)), \
+            ("pack", i)
     q = _queues(plan, packed, lambda i: plan.sends(i))
     xg_flat = xg.reshape(lead, -1).to(torch.float64)
     grads, unstaged = {}, {}
     for i, x in blocks.items():
         boxes = [q[(pc.src, i)].pop(0).reshape(-1) for pc in plan.recvs(i)]
         recv = torch.cat(boxes) if boxes else x.new_empty(0)
-        out = _nan(lead_shape + plan.staged_shape(i), dtype, dev)
-        staged = hk.halo_stage(x, recv, plan, i, out=out, tile=tile)
-        assert torch.equal(staged, hk.halo_stage_reference(x, recv, plan, i)), ("stage", i)
+        out = poisoned(lead_shape + plan.staged_shape(i))
+        staged = hk.halo_stage(x, recv, plan, i, out=out, tile=tile, channels_last=channels_last)
+        assert torch.equal(staged, hk.halo_stage_reference(x, nchw(recv, plan.recvs(i)), plan, i)), ("stage", i)
         want = _gather(xg_flat, windows[i]).reshape(staged.shape)
         assert torch.equal(staged.cpu().to(torch.float64), want), ("stage vs oracle", i)
 
         # backward, part 1: unstage into poisoned buffers
         g = torch.randn(staged.shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+        g = g.contiguous(memory_format=fmt)
         grads[i] = g
         acc = torch.float64 if dtype == torch.float64 else torch.float32
-        u = hk.halo_unstage(g, plan, i, grad_x=_nan(x.shape, dtype, dev),
+        u = hk.halo_unstage(g, plan, i, grad_x=poisoned(x.shape),
                             send=_nan(ht.recv_numel(plan, i, lead), dtype, dev),
-                            self_boxes=_nan(ht.self_numel(plan, i, lead), acc, dev), tile=tile, block=block)
+                            self_boxes=_nan(ht.self_numel(plan, i, lead), acc, dev), tile=tile, block=block,
+                            channels_last=channels_last)
         ref = hk.halo_unstage_reference(g, plan, i)
-        for name, got, exp in zip(u._fields, u, ref):
+        in_nchw = (u.grad_x, nchw(u.send, plan.recvs(i)), nchw(u.self_boxes, ht.self_pieces(plan, i)))
+        for name, got, exp in zip(u._fields, in_nchw, ref):
             torch.testing.assert_close(got, exp, **t, msg=f"unstage {name} of worker {i}")
         unstaged[i] = u
 
@@ -126,9 +151,10 @@ def _simulate(gshape, grid, kernel, stride, dilation, padding, mode, dtype, lead
         boxes = [q[(r, i)].pop(0).reshape(-1) for r, _ in plan.sends(i)]
         incoming = torch.cat(boxes) if boxes else u.grad_x.new_empty(0)
         before = u.grad_x.clone()
-        got = hk.halo_accumulate(u.grad_x, u.self_boxes, incoming, plan, i, block=block)
+        got = hk.halo_accumulate(u.grad_x, u.self_boxes, incoming, plan, i, block=block, channels_last=channels_last)
         assert got is u.grad_x  # in place
-        exp = hk.halo_accumulate_reference(before, u.self_boxes, incoming, plan, i)
+        exp = hk.halo_accumulate_reference(before, nchw(u.self_boxes, ht.self_pieces(plan, i)),
+                                           nchw(incoming, [pc for _, pc in plan.sends(i)]), plan, i)
         torch.testing.assert_close(got, exp, **t, msg=f"accumulate of worker {i}")
         view = grad_global.view(lead_shape + tuple(gshape))
         view[(..., *local_slices(gshape, grid, i))] = got.cpu().to(torch.float64)
@@ -506,7 +532,8 @@ def test_stage_launch_is_built_once(monkeypatch):
     monkeypatch.setattr(hp, "recv_numel", refuse)
     monkeypatch.setattr(hp, "interior_piece", refuse)
     assert torch.equal(hk.halo_stage(x, recv, plan, i), first)
-    assert hp.stage_launch(plan, i, 6, x.device, "all", None) is hp.stage_launch(plan, i, 6, x.device, "all", None)
+    key = (plan, i, 6, x.device, "all", None, None, 1)  # halo_stage's arguments: the entry its calls hit
+    assert hp.stage_launch(*key) is hp.stage_launch(*key)
 
 
 def test_unstage_and_accumulate_launches_are_cached_per_lead(monkeypatch):
@@ -738,3 +765,94 @@ def test_kernels_cuda_realistic(mode, dtype):
     _simulate((96, 80), (2, 2), (3, 3), (1, 1), (1, 1), 1, mode, dtype, lead_shape=(2, 16), device="cuda")
     _simulate((24, 20, 18), (2, 2, 1), (3, 3, 3), (1, 1, 1), (1, 1, 1), 2, mode, dtype, lead_shape=(1, 8),
               device="cuda")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", MODES)
+def test_kernels_cuda_channels_last(mode):
+    """Compiled channels last at 16 bf16 channels: 16-byte rows, so the window and the slabs take the vector
+    forms (SLAB_ROWS) that the interpreter never chooses."""
+    _simulate((96, 80), (2, 2), (3, 3), (1, 1), (1, 1), 1, mode, torch.bfloat16, lead_shape=(2, 16), device="cuda",
+              channels_last=True)
+    _simulate((24, 20, 18), (2, 2, 1), (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, mode, torch.bfloat16, lead_shape=(1, 8),
+              device="cuda", channels_last=True)
+
+
+# ------------------------------------------------------------------ channels last
+
+CL_CASES = [c for c in CASES if len(c.values[0]) >= 2]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("gshape,grid,kernel,stride,dilation,padding", CL_CASES)
+def test_kernels_channels_last(gshape, grid, kernel, stride, dilation, padding, mode):
+    """Channels-last blocks and buffers: every kernel against the NCHW references and the index oracle, in every
+    padding mode (reflect and replicate move whole channel vectors)."""
+    if mode == "reflect" and not _reflect_ok(gshape, kernel, stride, dilation, padding):
+        pytest.skip("reflect padding must be smaller than the extent (torch rule)")
+    _simulate(gshape, grid, kernel, stride, dilation, padding, mode, torch.float32, lead_shape=(2, 3),
+              channels_last=True)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])  # the modes whose pieces reverse or repeat positions
+@pytest.mark.parametrize("gshape,grid,kernel,padding,workers,tile",
+                         [c for c in STAGE_CASES if len(c.values[0]) >= 2])
+def test_stage_channels_last_regions_and_slab_forms(gshape, grid, kernel, padding, workers, tile, mode):
+    """The channels-last staging bit for bit against the NCHW reference in the regions, into poisoned
+    channels-last outputs, with the slabs both ways (one piece per row over the window's merged columns, and the
+    walk per element), window tiles beside and away from the halo (the tile four times the NCHW case's width in
+    merged columns)."""
+    nd = len(gshape)
+    if mode == "reflect" and not _reflect_ok(gshape, kernel, (1,) * nd, (1,) * nd, padding):
+        pytest.skip("reflect padding must be smaller than the extent (torch rule)")
+    plan, _ = _plan(gshape, grid, kernel, (1,) * nd, (1,) * nd, padding, mode)
+    fmt = hk.CHANNELS_LAST[nd]
+    gen = torch.Generator().manual_seed(12)
+    B, C = 2, 3
+    tile = (tile[0], tile[1] * 4)  # a power of two near C times the NCHW width
+    for i in workers:
+        x = torch.randn((B, C) + plan.input_shape(i), generator=gen).contiguous(memory_format=fmt)
+        recv = torch.randn(ht.recv_numel(plan, i, B * C), generator=gen)
+        want = hk.halo_stage_reference(x, _nchw_order(recv, [pc.src_shape for pc in plan.recvs(i)], (B, C)), plan, i)
+        nan = _nan(want.shape, want.dtype, want.device).contiguous(memory_format=fmt)
+        received = _staged_pieces_mask(plan, i, True).expand_as(want)
+        for slab_rows in (False, True):
+            for region in ("all", "remote"):
+                launch = hp.stage_launch(plan, i, B, x.device, region, tile, slab_rows=slab_rows, trail=C)
+                assert launch.kernel is hp.stage_kernel
+                out = nan.clone(memory_format=fmt)
+                hp.launch_stage(out, x, recv, launch)
+                part = {"all": torch.ones_like(received), "local": ~received, "remote": received}[region]
+                assert torch.equal(out.isnan(), ~part) and torch.equal(out[part], want[part]), (region, i, slab_rows)
+        got = hk.halo_stage(x, recv, plan, i, tile=tile)  # the format from x's strides; the output keeps it
+        assert got.is_contiguous(memory_format=fmt) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("nd", [2, 3])
+def test_channels_last_rows_are_vector_aligned(nd):
+    """What channels last is for: with C a multiple of 8, every window row starts at a multiple of 16 elements in
+    the block and in the staged tensor at halo 1 (odd), and the launch promises it; NCHW rows of the same staging
+    start at odd offsets.  The row starts come from the plan's geometry and numpy's raveling, not from the launch."""
+    extent, B, C = 16, 2, 16
+    plan = HaloPlan.for_conv((3 * extent,) * nd, (3,) * nd, (3,) * nd, (1,) * nd, (1,) * nd, ((1, 1),) * nd, "zeros")
+    index = (1,) * nd
+    cl = hp.stage_launch(plan, index, B, torch.device("cpu"), "all", None, trail=C).meta
+    nchw = hp.stage_launch(plan, index, B * C, torch.device("cpu"), "all", None).meta
+    interior = ht.interior_piece(plan, index)
+    staged, x_shape = plan.staged_shape(index), plan.input_shape(index)
+    for pos in itertools.product(range(B), *(range(e) for e in interior.shape[:-1])):
+        src = (pos[0], *(a + b for a, b in zip(pos[1:], interior.src_lo[:-1])), interior.src_lo[-1], 0)
+        dst = (pos[0], *(a + b for a, b in zip(pos[1:], interior.dst_lo[:-1])), interior.dst_lo[-1], 0)
+        assert np.ravel_multi_index(src, (B, *x_shape, C)) % 16 == 0
+        assert np.ravel_multi_index(dst, (B, *staged, C)) % 16 == 0
+    assert (cl["X_ALIGN"], cl["OUT_ALIGN"]) == (16, 16)
+    assert nchw["OUT_ALIGN"] == 1
+
+
+def test_channels_last_refuses_what_it_cannot_index():
+    plan, _ = _plan((8, 8), (2, 2), (3, 3), (1, 1), (1, 1), 1, "zeros")
+    x = torch.randn(2, 3, 4, 4)
+    with pytest.raises(ShapeError, match="contiguous in torch.channels_last"):
+        hk.halo_pack(x, plan, (0, 0), channels_last=True)  # NCHW strides, channels last asked
+    with pytest.raises(UnsupportedError, match=r"channels last needs x \[B, C, \*spatial\]"):
+        hk.halo_pack(torch.randn(2, 3, 5, 4, 4), plan, (0, 0), channels_last=True)

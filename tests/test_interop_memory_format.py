@@ -12,9 +12,10 @@ torch.nn's ``padding_mode="circular"`` returns NCHW for a channels_last input (i
 Checked here, on fresh data against the float64 ``torch.nn`` layer on the gathered
 tensors: the output's and the input gradient's formats, the values of the output and of
 every gradient (uneven splits, permuted rank orders, inactive ranks, a world of 6, fp16
-and bf16), that the fused path routes channels_last inputs to the unfused path with the
-reason, and that a channels_last block is never copied to NCHW on the way (a dispatch
-mode counts the copies made of the input's memory).
+and bf16), the same on the fused halo convolution (which indexes channels_last blocks
+natively), and that a channels_last block is never copied to NCHW on the way, on either
+path of the feature convolution (a dispatch mode counts the copies made of the input's
+memory).
 """
 
 import dataclasses
@@ -170,17 +171,35 @@ def test_channels_last_parity_and_formats(world):
             assert results[0][k]["want_y"], f"{c.name}: torch.nn returned NCHW; the case tests nothing"
 
 
-def _fused_routes_unfused():
-    c = dataclasses.replace(_FEATURE, name="fused-request", path="fused")
-    r = _run_channels_last(c)
-    return r["path"], r["reason"].reason if r["reason"] is not None else None
+_FUSED = [
+    dataclasses.replace(_FEATURE, name="fused-2d-uneven-permuted", path="fused"),
+    dataclasses.replace(_FEATURE, name="fused-2d-stride2-reflect-fp16", path="fused", stride=2, mode="reflect",
+                        dtype=torch.float16, seed=1),
+    dataclasses.replace(_FEATURE, name="fused-2d-replicate-bf16-nobias", path="fused", mode="replicate", bias=False,
+                        dtype=torch.bfloat16, seed=2),
+    Case("fused-3d-circular", "feature", (1, 2, 5, 4, 3), 3, 3, (1, 1, 2, 1, 2), (0, 2, 1, 3), padding=1,
+         mode="circular", path="fused", seed=5),
+]
 
 
-def test_fused_request_takes_unfused_path_for_channels_last():
+def _fused_channels_last():
+    return [_run_channels_last(c) for c in _FUSED]
+
+
+def test_fused_path_runs_channels_last():
+    """The fused halo convolution takes channels_last blocks on the fused path: values and every gradient against
+    torch.nn (checked on rank 0 inside the run), the output in torch.nn's format, the input gradient channels
+    last, over uneven splits, permuted ranks and every padding mode."""
     pytest.importorskip("triton")
-    for path, reason in run_ranks(4, _fused_routes_unfused):
-        assert path == "unfused"
-        assert "NCHW" in reason and "channels_last" in reason
+    results = run_ranks(4, _fused_channels_last)
+    for k, c in enumerate(_FUSED):
+        for rank, per_rank in enumerate(results):
+            r = per_rank[k]
+            assert r["path"] == "fused", f"{c.name} rank {rank}: {r['reason']}"
+            if r["got_y"] is not None and not (c.mode == "circular" and c.nd == 2):
+                assert r["got_y"] == r["want_y"], f"{c.name} rank {rank}: output format"
+            if r["got_dx"] is not None:
+                assert r["got_dx"], f"{c.name} rank {rank}: the input gradient is not channels last"
 
 
 # ------------------------------------------------------------------ no copy of a channels_last block
@@ -214,7 +233,7 @@ class _CopiesOf(TorchDispatchMode):
 def _copies_of_input(kind: str):
     fmt = torch.channels_last
     shape = (2, 4, 6, 5)
-    if kind == "feature":
+    if kind in ("feature", "feature-fused"):
         P_x = grid((2, 0, 3, 1), (1, 1, 2, 2))
         layer = DistributedConv2d(P_x, 4, 3, 3, padding=1)
     else:
@@ -226,10 +245,14 @@ def _copies_of_input(kind: str):
         x = g[local_slices(shape, P_x.shape, P_x.index)].contiguous(memory_format=fmt)
     else:
         x = zero_volume_tensor()
-    layer(x)  # first call: the metadata gather; the counted call below is the steady state
+    def call():
+        return with_path("fused", lambda: layer(x)) if kind == "feature-fused" else layer(x)
+
+    call()  # first call: the metadata gather; the counted call below is the steady state
     mode = _CopiesOf(x.untyped_storage().data_ptr(), x.numel())
     with mode:
-        layer(x)
+        call()
+    assert kind != "feature-fused" or not P_x.active or layer.last_path == "fused", layer.last_decision
     with_nchw = _CopiesOf(0, -1)
     if P_x.active:  # the control: an NCHW-forcing staging would show up as a clone of the block
         with _CopiesOf(x.untyped_storage().data_ptr(), x.numel()) as with_nchw:
@@ -237,8 +260,10 @@ def _copies_of_input(kind: str):
     return mode.copies, with_nchw.copies, P_x.active
 
 
-@pytest.mark.parametrize("kind", ["feature", "channel"])
+@pytest.mark.parametrize("kind", ["feature", "feature-fused", "channel"])
 def test_channels_last_input_is_not_copied(kind):
+    if kind == "feature-fused":
+        pytest.importorskip("triton")
     for copies, control, active in run_ranks(4, _copies_of_input, kind):
         assert copies == [], f"the layer copied the whole channels_last block: {copies}"
         if active:

@@ -52,7 +52,7 @@ from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.fused.halo_staging import backward_messages, forward_messages
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.groups import world_group
-from distfuse.kernels.halo import halo_accumulate, halo_pack, halo_stage, halo_unstage
+from distfuse.kernels.halo import CHANNELS_LAST, halo_accumulate, halo_pack, halo_stage, halo_unstage, is_channels_last
 from distfuse.kernels.halo_tables import recv_numel, send_numel
 from distfuse.primitives._common import collective_guard, exchange, first_order_only
 from distfuse.primitives._handles import lookup
@@ -98,15 +98,22 @@ def _wait(works) -> None:
             w.wait()
 
 
+def _format(nd: int, channels_last: bool) -> torch.memory_format:
+    return CHANNELS_LAST[nd] if channels_last else torch.contiguous_format
+
+
 def _stage_conv(x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_of: Callable, groups: int,
-                overlap: bool, implicit: bool, keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                overlap: bool, implicit: bool, keep: bool,
+                channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward: ``(y, kept)``; ``kept`` is what the weight gradient reads (only with ``keep``): the staged
-    input, or the receive buffer on the implicit path (whose backward re-stages from it and ``x``)."""
+    input, or the receive buffer on the implicit path (whose backward re-stages from it and ``x``).
+    ``channels_last``: ``x``, the staged input and ``y`` are channels last, and so are the messages' boxes."""
     nd = len(plan.axes)
     lead = math.prod(x.shape[:-nd])
     staged_shape = plan.staged_shape(index)
     stride, dilation = _stride_dilation(plan)
-    send = halo_pack(x, plan, index)
+    cl = channels_last
+    send = halo_pack(x, plan, index, channels_last=cl)
     recv = x.new_empty(recv_numel(plan, index, lead))
     sends, recvs = forward_messages(plan, index, world_of, lead, send, recv)
     if implicit:
@@ -117,46 +124,56 @@ def _stage_conv(x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_o
         return conv_implicit(x, recv, weight, bias, plan, index, stride, dilation), (recv if keep else None)
     if overlap:
         works = _post(sends, recvs)
-        staged = halo_stage(x, recv, plan, index, region="local")
+        staged = halo_stage(x, recv, plan, index, region="local", channels_last=cl)
         _wait(works)
-        halo_stage(x, recv, plan, index, out=staged, region="remote")
+        halo_stage(x, recv, plan, index, out=staged, region="remote", channels_last=cl)
     else:
         exchange(sends, recvs, op=_OP)
-        staged = halo_stage(x, recv, plan, index)
+        staged = halo_stage(x, recv, plan, index, channels_last=cl)
     if 0 in staged_shape:
         y = x.new_zeros((x.shape[0], weight.shape[0]) + plan.output_shape(index))
     else:
         y = _conv(nd, staged, weight, bias, stride, dilation, groups)
+    # channels last in, channels last out, whatever the backend's choice (CPU conv3d returns NCDHW): what the
+    # custom op's fake promises; the layers then give the format torch.nn's convolution gives
+    y = y.contiguous(memory_format=_format(nd, cl))
     # Kept only for the weight gradient: the conv's own activation, the memory the unfused HaloExchange + conv keeps.
     return y, (staged if keep else None)
 
 
 def _stage_conv_adjoint(grad_y, x, kept, weight, plan: HaloPlan, index: tuple[int, ...], world_of: Callable,
                         groups: int, overlap: bool, implicit: bool, has_bias: bool, x_shape,
-                        needs: Sequence[bool]) -> tuple:
+                        needs: Sequence[bool], channels_last: bool = False) -> tuple:
     """The backward: ``(dx, dw, db)`` where ``needs`` asks for them (None elsewhere).  ``x`` (implicit path
-    only) and ``kept`` are what :func:`_stage_conv` kept."""
+    only) and ``kept`` are what :func:`_stage_conv` kept; ``channels_last`` as there (``dx`` is channels last)."""
     nd = len(plan.axes)
+    cl = channels_last
+    fmt = _format(nd, cl)
     staged_full_shape = tuple(x_shape[:2]) + plan.staged_shape(index)
     staged = kept
     if implicit:
         staged = halo_stage(x, kept, plan, index) if kept is not None and 0 not in staged_full_shape else None
     stride, dilation = _stride_dilation(plan)
     need_x, need_w, need_b = needs[0], needs[1], needs[2] and has_bias
-    grad_y = grad_y.contiguous()
+    grad_y = grad_y.contiguous(memory_format=fmt)
     empty = 0 in staged_full_shape
     bias_sizes = [weight.shape[0]] if has_bias else None
 
     def conv_backward(want_x: bool, want_w: bool, want_b: bool):
         if empty:
-            gs = grad_y.new_zeros(staged_full_shape) if want_x else None
+            gs = grad_y.new_zeros(staged_full_shape).contiguous(memory_format=fmt) if want_x else None
             gw = torch.zeros_like(weight) if want_w else None
             gb = grad_y.new_zeros(weight.shape[0]) if want_b else None
             return gs, gw, gb
         # dgrad reads only the input's shape: a zero-stride expand allocates nothing (as torch.nn.grad does)
         inp = staged if staged is not None else grad_y.new_empty(1).expand(staged_full_shape)
-        return torch.ops.aten.convolution_backward(grad_y, inp, weight, bias_sizes, stride, [0] * nd, dilation,
-                                                   False, [0] * nd, groups, [want_x, want_w, want_b])
+        gs, gw, gb = torch.ops.aten.convolution_backward(grad_y, inp, weight, bias_sizes, stride, [0] * nd, dilation,
+                                                         False, [0] * nd, groups, [want_x, want_w, want_b])
+        if gw is not None and gw.stride() != weight.stride():
+            # channels-last operands give a channels-last dw; the op's fake (and the flat views of the packed
+            # parameter gradients) expect the weight's strides
+            gw = torch.empty_like(weight).copy_(gw)
+        return gs, gw, gb
 
     if not need_x:
         # No input gradient, no backward exchange: every worker of the grid sees the same requires_grad on x
@@ -167,17 +184,17 @@ def _stage_conv_adjoint(grad_y, x, kept, weight, plan: HaloPlan, index: tuple[in
     incoming = grad_y.new_empty(send_numel(plan, index, lead))
     if overlap:
         gs, _, _ = conv_backward(True, False, False)
-        gs = gs.contiguous()
-        send_back = halo_unstage(gs, plan, index, region="remote").send
+        gs = gs.contiguous(memory_format=fmt)
+        send_back = halo_unstage(gs, plan, index, region="remote", channels_last=cl).send
         works = _post(*backward_messages(plan, index, world_of, lead, send_back, incoming))
-        part = halo_unstage(gs, plan, index, region="local")
+        part = halo_unstage(gs, plan, index, region="local", channels_last=cl)
         _, gw, gb = conv_backward(False, need_w, need_b) if (need_w or need_b) else (None, None, None)
         _wait(works)
     else:
         gs, gw, gb = conv_backward(True, need_w, need_b)
-        part = halo_unstage(gs.contiguous(), plan, index)
+        part = halo_unstage(gs.contiguous(memory_format=fmt), plan, index, channels_last=cl)
         exchange(*backward_messages(plan, index, world_of, lead, part.send, incoming), op=_OP + " (adjoint)")
-    return halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index), gw, gb
+    return halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index, channels_last=cl), gw, gb
 
 
 class HaloConvFunction(torch.autograd.Function):
@@ -188,10 +205,11 @@ class HaloConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_of: Callable, groups: int,
-                overlap: bool, implicit: bool, anchor=None):
+                overlap: bool, implicit: bool, anchor=None, channels_last: bool = False):
         y, kept = _stage_conv(x, weight, bias, plan, index, world_of, groups, overlap, implicit,
-                              keep=ctx.needs_input_grad[1])
+                              keep=ctx.needs_input_grad[1], channels_last=channels_last)
         ctx.args = (plan, index, world_of, groups, overlap, implicit, bias is not None, tuple(x.shape))
+        ctx.channels_last = channels_last
         ctx.save_for_backward(x if implicit and kept is not None else None, kept, weight)
         return y
 
@@ -199,18 +217,21 @@ class HaloConvFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, kept, weight = ctx.saved_tensors
         n = ctx.needs_input_grad
-        grads = _stage_conv_adjoint(grad_y, x, kept, weight, *ctx.args, needs=(n[0] or n[-1], n[1], n[2]))
-        return grads + (None,) * 7
+        grads = _stage_conv_adjoint(grad_y, x, kept, weight, *ctx.args, needs=(n[0] or n[9], n[1], n[2]),
+                                    channels_last=ctx.channels_last)  # n[9]: the anchor
+        return grads + (None,) * 8
 
 
 # ---------------------------------------------------------------- the fused path as a custom op
 #
-#     distfuse::halo_conv(x, weight, bias, handle, G, groups, overlap, implicit, keep, anchor) -> (y, kept)
+#     distfuse::halo_conv(x, weight, bias, handle, G, groups, overlap, implicit, keep, anchor, channels_last)
+#                                                                                              -> (y, kept)
 #     distfuse::halo_conv_backward(dy, x, kept, weight, handle, G, groups, overlap, implicit, has_bias, x_shape,
-#                                  needs)                                                       -> (dx, dw, db)
+#                                  needs, channels_last)                                       -> (dx, dw, db)
 #
 # ``handle`` names the layer's HaloExchange; the backward op has no gradient of its own (first order only, as the
-# eager path).  ``keep`` (see _stage_conv) is decided when the graph is traced.
+# eager path).  ``keep`` (see _stage_conv) is decided when the graph is traced.  With ``channels_last`` the
+# outputs' strides are channels last (y, the kept staged input, dx), in the fakes as in the real ops.
 
 
 def _context(handle: int, global_shape):
@@ -221,35 +242,45 @@ def _context(handle: int, global_shape):
 @torch.library.custom_op("distfuse::halo_conv", mutates_args=())
 def _halo_conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, handle: int,
                   global_shape: list[int], groups: int, overlap: bool, implicit: bool, keep: bool,
-                  anchor: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    y, kept = _stage_conv(x, weight, bias, *_context(handle, global_shape), groups, overlap, implicit, keep)
+                  anchor: torch.Tensor | None = None,
+                  channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    y, kept = _stage_conv(x, weight, bias, *_context(handle, global_shape), groups, overlap, implicit, keep,
+                          channels_last)
     return y, (kept if kept is not None else x.new_empty(0))
 
 
+def _empty_in(like: torch.Tensor, shape: tuple[int, ...], nd: int, channels_last: bool) -> torch.Tensor:
+    return torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=_format(nd, channels_last))
+
+
 @_halo_conv_op.register_fake
-def _(x, weight, bias, handle, global_shape, groups, overlap, implicit, keep, anchor=None):
+def _(x, weight, bias, handle, global_shape, groups, overlap, implicit, keep, anchor=None, channels_last=False):
     plan, index, _ = _context(handle, global_shape)
-    y = x.new_empty((x.shape[0], weight.shape[0]) + plan.output_shape(index))
+    nd = len(plan.axes)
+    y = _empty_in(x, (x.shape[0], weight.shape[0]) + plan.output_shape(index), nd, channels_last)
     if not keep:
         return y, x.new_empty(0)
     if implicit:
         return y, x.new_empty(recv_numel(plan, index, math.prod(x.shape[:-len(plan.axes)])))
-    return y, x.new_empty(tuple(x.shape[:2]) + plan.staged_shape(index))
+    return y, _empty_in(x, tuple(x.shape[:2]) + plan.staged_shape(index), nd, channels_last)
 
 
 @torch.library.custom_op("distfuse::halo_conv_backward", mutates_args=())
 def _halo_conv_backward_op(grad_y: torch.Tensor, x: torch.Tensor, kept: torch.Tensor, weight: torch.Tensor,
                            handle: int, global_shape: list[int], groups: int, overlap: bool, implicit: bool,
-                           has_bias: bool, x_shape: list[int], needs: list[bool]) -> list[torch.Tensor]:
+                           has_bias: bool, x_shape: list[int], needs: list[bool],
+                           channels_last: bool = False) -> list[torch.Tensor]:
     plan, index, world_of = _context(handle, global_shape)
     grads = _stage_conv_adjoint(grad_y, x if x.numel() else None, kept if kept.numel() else None, weight, plan, index,
-                                world_of, groups, overlap, implicit, has_bias, x_shape, needs)
+                                world_of, groups, overlap, implicit, has_bias, x_shape, needs, channels_last)
     return [g if g is not None else grad_y.new_empty(0) for g in grads]
 
 
 @_halo_conv_backward_op.register_fake
-def _(grad_y, x, kept, weight, handle, global_shape, groups, overlap, implicit, has_bias, x_shape, needs):
-    return [grad_y.new_empty(tuple(x_shape)) if needs[0] else grad_y.new_empty(0),
+def _(grad_y, x, kept, weight, handle, global_shape, groups, overlap, implicit, has_bias, x_shape, needs,
+      channels_last=False):
+    nd = len(x_shape) - 2
+    return [_empty_in(grad_y, tuple(x_shape), nd, channels_last) if needs[0] else grad_y.new_empty(0),
             torch.empty_like(weight) if needs[1] else grad_y.new_empty(0),
             weight.new_empty(weight.shape[0]) if needs[2] and has_bias else grad_y.new_empty(0)]
 
@@ -257,15 +288,16 @@ def _(grad_y, x, kept, weight, handle, global_shape, groups, overlap, implicit, 
 def _setup(ctx, inputs, output):
     x, weight, bias, handle, global_shape, groups, overlap, implicit, keep = inputs[:9]
     ctx.args = (handle, list(global_shape), groups, overlap, implicit, bias is not None, list(x.shape))
+    ctx.channels_last = bool(inputs[10]) if len(inputs) > 10 else False
     ctx.save_for_backward(x if implicit and keep else x.new_empty(0), output[1], weight)
 
 
 def _backward(ctx, grad_y, _grad_kept):
     x, kept, weight = ctx.saved_tensors
     n = ctx.needs_input_grad
-    needs = [bool(n[0] or n[-1]), bool(n[1]), bool(n[2])]
-    dx, dw, db = _halo_conv_backward_op(grad_y, x, kept, weight, *ctx.args, needs)
-    return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None) + (None,) * 7
+    needs = [bool(n[0] or (len(n) > 9 and n[9])), bool(n[1]), bool(n[2])]  # n[9]: the anchor
+    dx, dw, db = _halo_conv_backward_op(grad_y, x, kept, weight, *ctx.args, needs, ctx.channels_last)
+    return (dx if needs[0] else None, dw if needs[1] else None, db if needs[2] else None) + (None,) * (len(n) - 3)
 
 
 _halo_conv_op.register_autograd(_backward, setup_context=_setup)
@@ -273,24 +305,27 @@ ordered(_halo_conv_op, _halo_conv_backward_op)
 
 
 def fused_halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, halo, global_shape,
-                    groups: int, op: str, implicit: bool, anchor: torch.Tensor | None = None) -> torch.Tensor:
+                    groups: int, op: str, implicit: bool, anchor: torch.Tensor | None = None,
+                    channels_last: bool = False) -> torch.Tensor:
     """The fused halo convolution of a layer's block in every mode: ``distfuse::halo_conv`` while compiling, else
     :class:`HaloConvFunction` (the same implementations; no custom-op dispatch cost).
 
     ``halo`` is the layer's :class:`~distfuse.primitives.halo_exchange.HaloExchange` (its plan
     for ``global_shape`` is the convolution's), ``op`` the layer named in the refusal of a
     second-order backward, ``implicit`` the implicit-GEMM forward (the layer reads
-    ``DISTFUSE_HALO_CONV`` in eager calls), ``anchor`` as in the op pairs.  The block is
-    made contiguous (the kernels index NCHW blocks).
+    ``DISTFUSE_HALO_CONV`` in eager calls), ``anchor`` as in the op pairs.  ``channels_last``: the
+    format every worker of the grid agreed on (the messages' boxes follow it); the block is made
+    contiguous in it (a no-op for a block already dense in it), and ``y`` is channels last.
     """
-    x = x.contiguous()
+    x = x.contiguous(memory_format=_format(x.dim() - 2, channels_last))
     overlap = x.is_cuda
     if torch.compiler.is_compiling():
         keep = weight.requires_grad and torch.is_grad_enabled()
         return _halo_conv_op(x, weight, bias, halo.handle, [int(n) for n in global_shape], groups, overlap, implicit,
-                             keep, anchor)[0]
+                             keep, anchor, channels_last)[0]
     plan, index, world_of = _context(halo.handle, global_shape)
-    y = HaloConvFunction.apply(x, weight, bias, plan, index, world_of, groups, overlap, implicit, anchor)
+    y = HaloConvFunction.apply(x, weight, bias, plan, index, world_of, groups, overlap, implicit, anchor,
+                               channels_last)
     return first_order_only(y, op, "the fused halo convolution (the unfused path, DISTFUSE_PATH=unfused, computes "
                                    "them exactly)")
 
@@ -311,7 +346,8 @@ def _as_tuple(op: str, v, nd: int, name: str) -> tuple[int, ...]:
 
 def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, plan: HaloPlan,
               index: Sequence[int], world_of: Callable[[tuple[int, ...]], int], stride=None, dilation=None,
-              groups: int = 1, overlap: bool | None = None, implicit: bool | None = None) -> torch.Tensor:
+              groups: int = 1, overlap: bool | None = None, implicit: bool | None = None,
+              channels_last: bool | None = None) -> torch.Tensor:
     """This worker's block of ``ConvNd(padding, padding_mode)`` over a spatially partitioned ``x``.
 
     Args:
@@ -329,6 +365,13 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
             copy in forward; backward re-stages once for the weight gradient).  groups=1
             and fp32/fp16/bf16 only.  Default: :func:`implicit_requested`.  Opt-in because
             it has not been timed against cuDNN on a GPU yet.
+        channels_last: ``x`` (2 or 3 spatial axes) is channels last, and so are the staged input,
+            ``y``, the input gradient and the halo messages' boxes (``[B, *box, C]``), so every
+            worker of the grid must pass the same value.  Each staged row is then ``L_last * C``
+            contiguous elements from a multiple of C: the staging moves 16-byte vectors at any
+            halo width, and cuDNN convolves in its native NHWC layout.  None: from ``x``'s
+            strides (:func:`~distfuse.kernels.halo.is_channels_last`); the layers pass the
+            format their workers agreed on.
 
     Returns ``[B, Co, *plan.output_shape(index)]`` (empty on a worker with no outputs).
     Must be called by every worker of the spatial grid, outputs or not: it exchanges
@@ -365,13 +408,19 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
         overlap = x.is_cuda
     if implicit is None:
         implicit = implicit_requested()
-    check_implicit(implicit, groups, x.dtype)
-    return HaloConvFunction.apply(x.contiguous(), weight, bias, plan, index, world_of, groups, bool(overlap),
-                                  bool(implicit))
+    if channels_last is None:
+        channels_last = is_channels_last(x, nd)
+    elif channels_last and nd not in CHANNELS_LAST:
+        raise UnsupportedError(f"{where(_OP)}: channels last needs 2 or 3 spatial axes, the plan has {nd}")
+    check_implicit(implicit, groups, x.dtype, bool(channels_last))
+    return HaloConvFunction.apply(x.contiguous(memory_format=_format(nd, bool(channels_last))), weight, bias, plan,
+                                  index, world_of, groups, bool(overlap), bool(implicit), None, bool(channels_last))
 
 
-def check_implicit(implicit: bool, groups: int, dtype: torch.dtype) -> None:
+def check_implicit(implicit: bool, groups: int, dtype: torch.dtype, channels_last: bool = False) -> None:
     """Refuse what the implicit-GEMM convolution does not support (:class:`UnsupportedError`)."""
-    if implicit and (groups != 1 or dtype not in (torch.float32, torch.float16, torch.bfloat16)):
-        raise UnsupportedError(f"{where(_OP)}: the implicit-GEMM convolution supports groups=1 and fp32/fp16/bf16, "
-                               f"got groups={groups}, dtype={dtype}; use the staged path")
+    if implicit and (groups != 1 or dtype not in (torch.float32, torch.float16, torch.bfloat16) or channels_last):
+        raise UnsupportedError(f"{where(_OP)}: the implicit-GEMM convolution supports groups=1, fp32/fp16/bf16 and "
+                               f"NCHW blocks, got groups={groups}, dtype={dtype}, "
+                               f"{'channels last' if channels_last else 'NCHW'}; use the staged path "
+                               "(DISTFUSE_HALO_CONV=staged)")

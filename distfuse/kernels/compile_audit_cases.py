@@ -69,7 +69,7 @@ class KernelCase:
 
     def label(self) -> str:
         shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "LOG2_NCELL", "W_UNROLL", "B_KMAJOR", "FLAT", "WIDE",
-                 "FLATTEN", "SPAN")
+                 "FLATTEN", "SPAN", "TRAIL")
         meta = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k.startswith("BLOCK") or k in shown)
         return f"{self.name}[{_TT[self.dtype]};{meta};w{self.num_warps}s{self.num_stages}]"
 
@@ -256,14 +256,17 @@ def _halo_cases(dtypes) -> list[KernelCase]:
     for dt in dtypes:
         if dt.itemsize != 2 or dt in sixteen:
             cases += _halo_moving_cases(dt)
-        for log2, wide in ((1, False), (5, False), (5, True)):
+        # TRAIL 1: NCHW; 64: channels last (64 channels a vector)
+        for log2, wide, trail in ((1, False, 1), (5, False, 1), (5, True, 1), (5, False, 64)):
             cases.append(KernelCase("halo_box_gather", halo.box_gather_kernel, dt,
-                                    dict(LOG2_NBOX=log2, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide, BLOCK=1024),
+                                    dict(TRAIL=trail, LOG2_NBOX=log2, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide,
+                                         BLOCK=1024),
                                     halo.BOX_NUM_WARPS, 1,
                                     pointer_dtypes={**i64, **fp32}))
-        for log2, wide in ((0, False), (5, False), (5, True)):  # one cell, 26-32 cells (3-D shells); int64 offsets
+        # one cell, 26-32 cells (3-D shells); int64 offsets; channels last
+        for log2, wide, trail in ((0, False, 1), (5, False, 1), (5, True, 1), (5, False, 64)):
             cases.append(KernelCase("halo_accumulate", halo.accumulate_kernel, dt,
-                                    dict(LOG2_NCELL=log2, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide,
+                                    dict(TRAIL=trail, LOG2_NCELL=log2, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide,
                                          BLOCK=1024),
                                     halo.BOX_NUM_WARPS, 1, pointer_dtypes={**i64, **fp32}))
     return cases

@@ -5,7 +5,15 @@ batch * channels) with 1, 2 or 3 spatial axes; inside the kernels a 1-D or 2-D p
 is a 3-D one with leading axes of extent 1.  The geometry is a :class:`HaloPlan`
 (``geometry/halo_plan.py``); every buffer below is flat, box after box, each box
 ``[LEAD, *box_shape]`` contiguous, so a message is the same bytes as the unfused path's
-``x[..., box].contiguous()`` and a fused rank can talk to an unfused one.  The host-side
+``x[..., box].contiguous()`` and a fused rank can talk to an unfused one.
+
+Channels last (``channels_last=True``, or a ``[B, C, *n]`` tensor dense only in
+``channels_last`` / ``channels_last_3d`` order): the kernels view every tensor as ``[B,
+*spatial, C]`` (:class:`Layout`: LEAD = B, TRAIL = C), and each box of a flat buffer is
+``[B, *box_shape, C]`` at the same offset as NCHW's box, so the workers of one exchange
+must agree on the format (the layers pass the agreed one).  The staging then writes rows
+of ``L_last * C`` contiguous elements from multiples of C: 16-byte vectors at any halo
+width (:func:`~distfuse.kernels.halo_programs.stage_launch`).  The host-side
 layouts and lookup/box tables the kernels read are built in ``kernels/halo_tables.py``.
 
 =============  =========================================================  ====================
@@ -60,7 +68,8 @@ from distfuse.kernels.halo_tables import (
     send_numel,
 )
 
-__all__ = ["REGIONS", "Unstaged", "halo_pack", "halo_stage", "halo_unstage", "halo_accumulate", "halo_pack_reference",
+__all__ = ["REGIONS", "CHANNELS_LAST", "Layout", "is_channels_last",
+           "Unstaged", "halo_pack", "halo_stage", "halo_unstage", "halo_accumulate", "halo_pack_reference",
            "halo_stage_reference", "halo_unstage_reference", "halo_accumulate_reference", "send_numel", "recv_numel",
            "self_numel"]
 
@@ -82,26 +91,71 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+#: The channels-last format of a tensor of 2 or 3 spatial axes (``[B, C, *spatial]``).
+CHANNELS_LAST = {2: torch.channels_last, 3: torch.channels_last_3d}
+
+
+def is_channels_last(t: torch.Tensor, nd: int) -> bool:
+    """Whether ``t`` ``[B, C, *spatial]`` (``nd`` spatial axes) is dense in channels-last order and not in NCHW
+    order (a tensor dense in both has one memory order for both, and is taken as NCHW)."""
+    fmt = CHANNELS_LAST.get(nd)
+    return (fmt is not None and t.dim() == nd + 2 and not t.is_contiguous()
+            and t.is_contiguous(memory_format=fmt))
+
+
+class Layout(NamedTuple):
+    """How the halo kernels view a tensor ``[*lead, *spatial]``: ``lead`` vectors of ``trail`` elements per
+    spatial position.  NCHW: ``lead`` = prod(lead dims), ``trail`` = 1.  Channels last: ``lead`` = B,
+    ``trail`` = C (``[B, *spatial, C]`` in memory), and every flat buffer holds its boxes as ``[B, *box, C]``."""
+
+    lead: int
+    trail: int
+    memory_format: torch.memory_format
+
+
+def _layout(op: str, t: torch.Tensor, plan: HaloPlan, what: str, channels_last: bool | None) -> Layout:
+    """The kernels' view of ``t`` (its rank checked against the plan); ``channels_last`` None: from ``t``'s
+    strides (:func:`is_channels_last`).  The flat buffers' order follows it, so a caller whose peers must read
+    them passes the agreed format explicitly."""
+    lead = plan_tensor_lead(op, t, plan, what)
+    nd = len(plan.axes)
+    if channels_last is None:
+        channels_last = is_channels_last(t, nd)
+    if not channels_last:
+        return Layout(lead, 1, torch.contiguous_format)
+    if nd not in CHANNELS_LAST or t.dim() != nd + 2:
+        raise UnsupportedError(f"{where(op)}: channels last needs {what} [B, C, *spatial] with 2 or 3 spatial axes, "
+                               f"got {t.dim()} dimensions for {nd} spatial axes")
+    return Layout(t.shape[0], t.shape[1], CHANNELS_LAST[nd])
+
+
+def _empty(t: torch.Tensor, shape: tuple[int, ...], layout: Layout) -> torch.Tensor:
+    return torch.empty(shape, dtype=t.dtype, device=t.device, memory_format=layout.memory_format)
+
+
 # ---------------------------------------------------------------- launchers
 
 
 def halo_pack(x: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, out: torch.Tensor | None = None,
-              block: int | None = None) -> torch.Tensor:
+              block: int | None = None, channels_last: bool | None = None) -> torch.Tensor:
     """Gather every box other workers read from ``x`` into one flat send buffer, in one launch.
 
     Args:
         x: ``[*lead, *n]`` this worker's block, contiguous.
         out: optional flat buffer of ``send_numel(plan, index, LEAD)`` elements.
+        channels_last: ``x`` is ``[B, C, *n]`` dense in channels-last order, and the boxes are laid out
+            ``[B, *box, C]``; None: from ``x``'s strides.
 
     Returns the flat buffer: box k (``plan.sends(index)[k]``) is ``x[..., src box]``,
-    contiguous, at ``box_offsets``.  Everything but the launch is cached per ``(plan, index,
-    LEAD, device, block)`` (:func:`~distfuse.kernels.halo_launches.pack_launch`).  Adjoint:
-    accumulate of the received boxes.
+    contiguous (in NCHW or channels-last order), at ``box_offsets``.  Everything but the launch
+    is cached per ``(plan, index, LEAD, device, block)``
+    (:func:`~distfuse.kernels.halo_launches.pack_launch`).  Adjoint: accumulate of the received
+    boxes.
     """
     index = tuple(index)
-    lead = plan_tensor_lead("halo_pack", x, plan, "x")
-    launch = pack_launch(plan, index, lead, x.device, block)
-    check_plan_layout("halo_pack", x, launch.input_shape, "x")
+    lay = _layout("halo_pack", x, plan, "x", channels_last)
+    launch = pack_launch(plan, index, lay.lead, x.device, block, lay.trail)
+    check_plan_layout("halo_pack", x, launch.input_shape, "x", lay.memory_format)
     out = x.new_empty(launch.send_numel) if out is None else out
     check_flat("halo_pack", out, launch.send_numel, x.dtype, x.device, "send buffer")
     if launch.boxes is not None:
@@ -111,7 +165,7 @@ def halo_pack(x: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, out: tor
 
 def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Sequence[int], *,
                out: torch.Tensor | None = None, region: str = "all",
-               tile: tuple[int, ...] | None = None) -> torch.Tensor:
+               tile: tuple[int, ...] | None = None, channels_last: bool | None = None) -> torch.Tensor:
     """Write the staged convolution input ``[*lead, *plan.staged_shape(index)]`` in one pass, one launch.
 
     Args:
@@ -124,6 +178,10 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
             ``"remote"`` only the pieces read from ``recv``.
         tile: ``(BLOCK_R, BLOCK_X)`` override (tests), or all of ``(BLOCK_R, BLOCK_X, SLAB_X, STRIP_X,
             num_warps)`` (the GPU tile sweep).
+        channels_last: ``x`` ``[B, C, *n]`` and the staged output are dense in channels-last order and the
+            received boxes are ``[B, *box, C]``; None: from ``x``'s strides.  Every staged row is then a
+            contiguous run of ``L_last * C`` elements starting at a multiple of C, so the copy moves 16-byte
+            vectors at any halo width (NCHW rows of odd halos start at odd offsets).
 
     Each staged element is written once (the pieces tile the staged box), by one launch of
     :func:`~distfuse.kernels.halo_programs.stage_kernel`::
@@ -142,15 +200,18 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
     """
     index = tuple(index)
     _check_region("halo_stage", region)
-    lead = plan_tensor_lead("halo_stage", x, plan, "x")
-    launch = stage_launch(plan, index, lead, x.device, region, None if tile is None else tuple(tile))
-    check_plan_layout("halo_stage", x, launch.input_shape, "x")
+    lay = _layout("halo_stage", x, plan, "x", channels_last)
+    launch = stage_launch(plan, index, lay.lead, x.device, region, None if tile is None else tuple(tile), None,
+                          lay.trail)  # positional: lru_cache keys keywords apart
+    check_plan_layout("halo_stage", x, launch.input_shape, "x", lay.memory_format)
     check_flat("halo_stage", recv, launch.recv_numel, x.dtype, x.device, "receive buffer")
     want = _lead_shape(x, len(launch.staged_shape)) + launch.staged_shape
     if out is None:
-        out = x.new_empty(want)
-    elif tuple(out.shape) != want or out.dtype != x.dtype or not out.is_contiguous():
-        raise expect("halo_stage", "out (contiguous, x's dtype)", (want, x.dtype), (tuple(out.shape), out.dtype))
+        out = _empty(x, want, lay)
+    elif (tuple(out.shape) != want or out.dtype != x.dtype
+          or not out.is_contiguous(memory_format=lay.memory_format)):
+        raise expect("halo_stage", f"out (contiguous in {lay.memory_format}, x's dtype)", (want, x.dtype),
+                     (tuple(out.shape), out.dtype))
     # Empty buffers are never dereferenced (no piece of that kind); pass a live pointer anyway.
     launch_stage(out, x if x.numel() > 0 else out, recv if recv.numel() > 0 else out, launch)
     return out
@@ -167,7 +228,7 @@ class Unstaged(NamedTuple):
 def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, region: str = "all",
                  grad_x: torch.Tensor | None = None, send: torch.Tensor | None = None,
                  self_boxes: torch.Tensor | None = None, tile: tuple[int, int] | None = None,
-                 block: int | None = None) -> Unstaged:
+                 block: int | None = None, channels_last: bool | None = None) -> Unstaged:
     """Split the staged gradient ``[*lead, *L]`` by where each staged box was read from (adjoint of stage).
 
     * ``grad_x`` ``[*lead, *n]``: the interior piece's gradient (a copy), 0 at every
@@ -183,16 +244,18 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
     gradient.  One read of every staged element that has a source; replicate sums are
     gathers (no atomics).  Everything but the launches is cached per ``(plan, index, LEAD,
     device, region, block)`` (:func:`~distfuse.kernels.halo_launches.unstage_launch`);
-    ``tile`` is unused (no row-tiled launch).
+    ``tile`` is unused (no row-tiled launch).  ``channels_last``: the staged gradient and ``grad_x`` are dense in
+    channels-last order and the flat buffers' boxes are ``[B, *box, C]`` (what the forward's peers expect: pass
+    the agreed format); None: from ``grad``'s strides.
     """
     index = tuple(index)
     _check_region("halo_unstage", region)
-    lead = plan_tensor_lead("halo_unstage", grad, plan, "staged gradient")
-    launch = unstage_launch(plan, index, lead, grad.device, region, block)
-    check_plan_layout("halo_unstage", grad, launch.staged_shape, "staged gradient")
+    lay = _layout("halo_unstage", grad, plan, "staged gradient", channels_last)
+    launch = unstage_launch(plan, index, lay.lead, grad.device, region, block, lay.trail)
+    check_plan_layout("halo_unstage", grad, launch.staged_shape, "staged gradient", lay.memory_format)
     send = _unstage_send(grad, send, launch) if region in ("all", "remote") else None
     if region in ("all", "local"):
-        self_boxes, grad_x = _unstage_local_outputs(grad, self_boxes, grad_x, launch)
+        self_boxes, grad_x = _unstage_local_outputs(grad, self_boxes, grad_x, launch, lay)
     else:
         self_boxes = grad_x = None
     if launch.boxes is not None:  # some box has elements, so grad has: an empty output is never dereferenced
@@ -217,9 +280,9 @@ def _unstage_send(grad: torch.Tensor, send: torch.Tensor | None, launch: Unstage
 
 
 def _unstage_local_outputs(grad: torch.Tensor, self_boxes: torch.Tensor | None, grad_x: torch.Tensor | None,
-                           launch: UnstageLaunch) -> tuple[torch.Tensor, torch.Tensor]:
+                           launch: UnstageLaunch, lay: Layout) -> tuple[torch.Tensor, torch.Tensor]:
     """``(self_boxes, grad_x)``: flat ``[launch.self_numel]`` in fp32 (fp64) and ``[*lead, *n]`` in grad's dtype,
-    contiguous; the given ones checked, or new ones."""
+    contiguous in ``lay``'s format; the given ones checked, or new ones."""
     acc_dtype = _acc_dtype(grad.dtype)
     if self_boxes is None:
         self_boxes = torch.empty(launch.self_numel, dtype=acc_dtype, device=grad.device)
@@ -227,15 +290,17 @@ def _unstage_local_outputs(grad: torch.Tensor, self_boxes: torch.Tensor | None, 
         check_flat("halo_unstage", self_boxes, launch.self_numel, acc_dtype, grad.device, "self boxes")
     want = _lead_shape(grad, len(launch.staged_shape)) + launch.input_shape
     if grad_x is None:
-        return self_boxes, grad.new_empty(want)
-    if tuple(grad_x.shape) != want or grad_x.dtype != grad.dtype or not grad_x.is_contiguous():
-        raise expect("halo_unstage", "grad_x (contiguous, grad's dtype)", (want, grad.dtype),
+        return self_boxes, _empty(grad, want, lay)
+    if (tuple(grad_x.shape) != want or grad_x.dtype != grad.dtype
+            or not grad_x.is_contiguous(memory_format=lay.memory_format)):
+        raise expect("halo_unstage", f"grad_x (contiguous in {lay.memory_format}, grad's dtype)", (want, grad.dtype),
                      (tuple(grad_x.shape), grad_x.dtype))
     return self_boxes, grad_x
 
 
 def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: torch.Tensor, plan: HaloPlan,
-                    index: Sequence[int], *, block: int | None = None) -> torch.Tensor:
+                    index: Sequence[int], *, block: int | None = None,
+                    channels_last: bool | None = None) -> torch.Tensor:
     """Add the self boxes and the received halo gradients into ``grad_x`` in place; return it.
 
     Args:
@@ -248,12 +313,14 @@ def halo_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: to
     (self boxes, then the incoming ones).  One launch over the cells of the block that some box
     covers (its shell): the interior, which no box covers, is neither read nor written.
     ``block``: elements a program (tests).  Everything but the launch is cached per ``(plan,
-    index, LEAD, device, block)`` (:func:`~distfuse.kernels.halo_launches.accumulate_launch`).
+    index, LEAD, device, block)`` (:func:`~distfuse.kernels.halo_launches.accumulate_launch`).  ``channels_last``:
+    ``grad_x`` is dense in channels-last order and both buffers hold ``[B, *box, C]`` boxes; None: from
+    ``grad_x``'s strides.
     """
     index = tuple(index)
-    lead = plan_tensor_lead("halo_accumulate", grad_x, plan, "grad_x")
-    launch = accumulate_launch(plan, index, lead, grad_x.device, block)
-    check_plan_layout("halo_accumulate", grad_x, launch.input_shape, "grad_x")
+    lay = _layout("halo_accumulate", grad_x, plan, "grad_x", channels_last)
+    launch = accumulate_launch(plan, index, lay.lead, grad_x.device, block, lay.trail)
+    check_plan_layout("halo_accumulate", grad_x, launch.input_shape, "grad_x", lay.memory_format)
     check_flat("halo_accumulate", self_boxes, launch.self_numel, _acc_dtype(grad_x.dtype), grad_x.device,
                "self boxes")
     check_flat("halo_accumulate", incoming, launch.send_numel, grad_x.dtype, grad_x.device,

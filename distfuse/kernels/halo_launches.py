@@ -59,18 +59,20 @@ class BoxLaunch(NamedTuple):
 
 
 def box_launch(tables, lead: int, src_shape: tuple[int, ...], device: torch.device,
-               block: int | None) -> BoxLaunch | None:
-    """The box gather of ``tables`` from a contiguous source ``[LEAD, *src_shape]``; None when the boxes hold no
-    element (nothing to launch)."""
+               block: int | None, trail: int = 1) -> BoxLaunch | None:
+    """The box gather of ``tables`` from a contiguous source ``[LEAD, *src_shape]`` (``[LEAD, *src_shape, trail]``
+    channels last: the tables count vectors of ``trail`` channels); None when the boxes hold no element (nothing to
+    launch)."""
     btab, bstart, nbox, total, rtmax = tables
     if total == 0:
         return None
     src3 = pad3(src_shape, 1)
+    total *= trail
     block = box_block(device, block, total)
-    wide = max(total, lead * math.prod(src3)) + block >= WIDE_ELEMENTS  # int64 offsets and div/mod only then
+    wide = max(total, lead * math.prod(src3) * trail) + block >= WIDE_ELEMENTS  # int64 offsets and div/mod then
     return BoxLaunch(linear_grid(cdiv(total, block)),
                      (btab, bstart, nbox, total, rtmax, lead, math.prod(src3), *contiguous_strides(src3)),
-                     dict(LOG2_NBOX=max(1, (nbox - 1).bit_length()), WIDE=wide, BLOCK=block,
+                     dict(TRAIL=trail, LOG2_NBOX=max(1, (nbox - 1).bit_length()), WIDE=wide, BLOCK=block,
                           num_warps=BOX_NUM_WARPS))
 
 
@@ -93,12 +95,13 @@ class PackLaunch(NamedTuple):
 
 @functools.lru_cache(maxsize=512)
 def pack_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device,
-                block: int | None) -> PackLaunch:
-    """The pack of worker ``index`` for ``lead`` leading elements, cached: a call is a cache lookup, not the plan
-    geometry and box offsets again (see the module docstring)."""
+                block: int | None, trail: int = 1) -> PackLaunch:
+    """The pack of worker ``index`` for ``lead`` leading elements (``trail`` channels last, else 1), cached: a call
+    is a cache lookup, not the plan geometry and box offsets again (see the module docstring)."""
     x_shape = tuple(plan.input_shape(index))
-    numel = send_numel(plan, index, lead)
-    boxes = box_launch(pack_tables(plan, index, lead, device), lead, x_shape, device, block) if numel else None
+    numel = send_numel(plan, index, lead * trail)
+    boxes = (box_launch(pack_tables(plan, index, lead, device), lead, x_shape, device, block, trail) if numel
+             else None)
     return PackLaunch(x_shape, numel, boxes)
 
 
@@ -127,9 +130,10 @@ class UnstageLaunch(NamedTuple):
 
 @functools.lru_cache(maxsize=512)
 def unstage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, region: str,
-                   block: int | None) -> UnstageLaunch:
-    """The unstage of worker ``index`` for ``lead`` leading elements, cached: a call is a cache lookup, not the
-    plan geometry, box offsets and interior slices again (see the module docstring)."""
+                   block: int | None, trail: int = 1) -> UnstageLaunch:
+    """The unstage of worker ``index`` for ``lead`` leading elements (``trail`` channels last, else 1), cached: a
+    call is a cache lookup, not the plan geometry, box offsets and interior slices again (see the module
+    docstring)."""
     staged = tuple(plan.staged_shape(index))
     x_shape = tuple(plan.input_shape(index))
     tables = unstage_box_tables(plan, index, lead, region, device)
@@ -137,8 +141,8 @@ def unstage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: to
     copy = interior is not None and math.prod(interior.shape) > 0
     partial = interior is None or tuple(interior.src_shape) != x_shape
     return UnstageLaunch(
-        staged, x_shape, recv_numel(plan, index, lead), self_numel(plan, index, lead),
-        box_launch(tables, lead, staged, device, block),
+        staged, x_shape, recv_numel(plan, index, lead * trail), self_numel(plan, index, lead * trail),
+        box_launch(tables, lead, staged, device, block, trail),
         (..., *interior.src_slices()) if copy and partial else None, (..., *interior.dst_slices()) if copy else None,
         partial)
 
@@ -163,18 +167,20 @@ class AccumulateLaunch(NamedTuple):
 
 @functools.lru_cache(maxsize=512)
 def accumulate_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device,
-                      block: int | None) -> AccumulateLaunch:
-    """The accumulate of worker ``index`` for ``lead`` leading elements, cached: a call is a cache lookup, not the
-    plan geometry, the cells, buffer sizes and grid again (see the module docstring).  ``block``: elements a
-    program (:func:`~distfuse.kernels.halo_programs.box_block` chooses by default)."""
+                      block: int | None, trail: int = 1) -> AccumulateLaunch:
+    """The accumulate of worker ``index`` for ``lead`` leading elements (``trail`` channels last, else 1), cached:
+    a call is a cache lookup, not the plan geometry, the cells, buffer sizes and grid again (see the module
+    docstring).  ``block``: elements a program (:func:`~distfuse.kernels.halo_programs.box_block` chooses by
+    default)."""
     x_shape = tuple(plan.input_shape(index))
-    n_self, n_send = self_numel(plan, index, lead), send_numel(plan, index, lead)
+    n_self, n_send = self_numel(plan, index, lead * trail), send_numel(plan, index, lead * trail)
     ctab, blist, btab, n_rows, total = accumulate_tables(plan, index, lead, device)
+    total *= trail
     block = box_block(device, block, total)
-    wide = max(lead * math.prod(x_shape), n_self, n_send, total) + block >= WIDE_ELEMENTS
+    wide = max(lead * math.prod(x_shape) * trail, n_self, n_send, total) + block >= WIDE_ELEMENTS
     return AccumulateLaunch(x_shape, n_self, n_send, linear_grid(cdiv(total, block)) if total else None,
                             (ctab, blist, btab, total, lead, *pad3(x_shape, 1)),
-                            dict(LOG2_NCELL=(n_rows - 1).bit_length(), WIDE=wide, BLOCK=block,
+                            dict(TRAIL=trail, LOG2_NCELL=(n_rows - 1).bit_length(), WIDE=wide, BLOCK=block,
                                  num_warps=BOX_NUM_WARPS))
 
 

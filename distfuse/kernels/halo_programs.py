@@ -70,7 +70,10 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   us).  Staged rows of odd halos (``L2 = n + 2h``) start at odd offsets, so their stores
   stay one element per instruction (coalesced, 64 bytes a warp); with 64-wide rows the 3-D
   staging stays at twice the copy's time (every tile also writes the columns beside the
-  window through the tables).
+  window through the tables).  Channels last removes the cause: the same kernel over rows of
+  ``L2 * C`` elements (the last axis merged with the channels, its tables too) starts every
+  row at a multiple of C, so the window is ``ld/st.global.v4`` on both sides at any halo
+  width (``trail`` in :func:`stage_launch`).
 * **Pack and the unstage boxes are one box gather** over the boxes laid end to end: an
   element finds its box by a branchless binary search of the box starts, then its
   coordinates by div/mod (affordable: these move halo volume only).  Any mix of box sizes
@@ -122,9 +125,11 @@ from distfuse.kernels.halo_tables import (
     axis_luts,
     contiguous_strides,
     interior_piece,
+    merged_shape,
     pad3,
     recv_numel,
     stage_tables,
+    trail_luts,
 )
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out
@@ -413,7 +418,7 @@ def segment_of(e, m, starts_ptr, STRIDE: tl.constexpr, n, LOG2_N: tl.constexpr, 
 
 @triton.jit
 def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, total, RTMAX,
-                       LEAD, src_ls, src_s0, src_s1, src_s2,
+                       LEAD, src_ls, src_s0, src_s1, src_s2, TRAIL: tl.constexpr,
                        LOG2_NBOX: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
                        WIDE: tl.constexpr, BLOCK: tl.constexpr):
     """Boxes laid end to end (box k from ``bstart[k]``); box k is flat ``[LEAD, E0, E1, E2]`` at ``out{SEL}[DST:]``:
@@ -427,11 +432,18 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, t
     no loop: Triton specialises an integer argument equal to 1 to a constant, the guard
     folds away, and Triton 3.6's coalesce pass, which crashes on a ``while`` whose condition
     is constant-false, never sees one.
+
+    ``TRAIL`` > 1 (channels last): every element of the boxes and of the source is a contiguous vector of TRAIL
+    channels; the tables count vectors, ``total`` counts elements, and element ``e`` is channel ``e % TRAIL`` of
+    vector ``e // TRAIL`` (a constexpr: one compile per channel count, and its divisions are by a constant; they
+    fold away for NCHW, TRAIL = 1).
     """
     IDX = tl.int64 if WIDE else tl.int32  # int32 offsets and div/mod unless a buffer has 2^31 elements or more
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
-    e = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
-    m = e < total
+    et = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
+    m = et < total
+    ch = et % TRAIL
+    e = et // TRAIL
     box = segment_of(e, m, bstart_ptr, 1, nbox, LOG2_NBOX, BLOCK)
     row = btab_ptr + box * 15
     sel = tl.load(row, mask=m, other=0)
@@ -456,7 +468,7 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, t
     c0 = q % E0
     lead = q // E0
     off = lead * src_ls + (T0 + D0 * c0) * src_s0 + (T1 + D1 * c1) * src_s1 + (T2 + D2 * c2) * src_s2
-    acc = tl.load(src_ptr + off, mask=m, other=0.0).to(COMPUTE)  # r = 0 peeled: a plain copy stays bit-exact
+    acc = tl.load(src_ptr + (off * TRAIL + ch), mask=m, other=0.0).to(COMPUTE)  # r = 0 peeled: a copy stays exact
     if RTMAX > 1:  # RTMAX == 1 (specialised to a constant by Triton): no loop is emitted at all
         r = tl.full([], 1, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
         while r < RTMAX:
@@ -464,18 +476,19 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, t
             rq = r // R2
             r1 = rq % R1
             r0 = rq // R1
-            acc += tl.load(src_ptr + off + r0 * src_s0 + r1 * src_s1 + r2 * src_s2, mask=m & (r < RT),
-                           other=0.0).to(COMPUTE)
+            acc += tl.load(src_ptr + ((off + r0 * src_s0 + r1 * src_s1 + r2 * src_s2) * TRAIL + ch),
+                           mask=m & (r < RT), other=0.0).to(COMPUTE)
             r += 1
     # out0 has the source's dtype: a bf16 sum is rounded to nearest even (cast_out; the interpreter's own
     # conversion truncates); out1 is the fp32/fp64 self-box buffer.
-    tl.store(out0_ptr + dst + local, cast_out(acc, out0_ptr.dtype.element_ty, ROUND_BF16), mask=m & (sel == 0))
-    tl.store(out1_ptr + dst + local, acc.to(out1_ptr.dtype.element_ty), mask=m & (sel == 1))
+    at = (dst + local) * TRAIL + ch
+    tl.store(out0_ptr + at, cast_out(acc, out0_ptr.dtype.element_ty, ROUND_BF16), mask=m & (sel == 0))
+    tl.store(out1_ptr + at, acc.to(out1_ptr.dtype.element_ty), mask=m & (sel == 1))
 
 
 @triton.jit
 def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, ctab_ptr, blist_ptr, btab_ptr, total, LEAD, E0, E1, E2,
-                      LOG2_NCELL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
+                      TRAIL: tl.constexpr, LOG2_NCELL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
                       WIDE: tl.constexpr, BLOCK: tl.constexpr):
     """gx[l, p] += sum over the boxes k covering p of box_k[l, p - LO_k], in place, over the covered cells only.
 
@@ -487,12 +500,15 @@ def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, ctab_ptr, blist_ptr, btab_ptr,
     (table row): SEL 0 reads ``self_ptr``, 1 ``recv_ptr``; element ``(l, p)`` of the block is at
     ``ORIGIN + l * VOLUME + p0 * STRIDE0 + p1 * STRIDE1 + p2`` there.  The block's interior, which no
     box covers, is never read.  Offsets are int32 unless ``WIDE`` (a buffer of 2^31 elements or more).
-    The box loop is a ``while`` (see the module doc).
+    The box loop is a ``while`` (see the module doc).  ``TRAIL``: channels last, as in :func:`box_gather_kernel`
+    (the tables count vectors of TRAIL channels, ``total`` elements).
     """
     IDX = tl.int64 if WIDE else tl.int32
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
-    e = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
-    m = e < total
+    et = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
+    m = et < total
+    ch = et % TRAIL
+    e = et // TRAIL
     cell = segment_of(e, m, ctab_ptr, 10, 1 << LOG2_NCELL, LOG2_NCELL, BLOCK)  # padding rows start past every e
     row = ctab_ptr + cell * 10
     W0 = tl.load(row + 4, mask=m, other=1).to(IDX)
@@ -507,7 +523,7 @@ def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, ctab_ptr, blist_ptr, btab_ptr,
     lead = q // W0
     p1 += tl.load(row + 2, mask=m, other=0).to(IDX)
     p2 += tl.load(row + 3, mask=m, other=0).to(IDX)
-    out_off = ((lead * E0 + p0) * E1 + p1) * E2 + p2
+    out_off = (((lead * E0 + p0) * E1 + p1) * E2 + p2) * TRAIL + ch
     acc = tl.load(gx_ptr + out_off, mask=m, other=0.0).to(COMPUTE)
     first = tl.load(row + 7, mask=m, other=0)
     count = tl.load(row + 8, mask=m, other=0)
@@ -519,7 +535,7 @@ def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, ctab_ptr, blist_ptr, btab_ptr,
         sel = tl.load(box, mask=hit, other=0)
         off = (tl.load(box + 1, mask=hit, other=0).to(IDX) + lead * tl.load(box + 2, mask=hit, other=0).to(IDX)
                + p0 * tl.load(box + 3, mask=hit, other=0).to(IDX) + p1 * tl.load(box + 4, mask=hit, other=0).to(IDX)
-               + p2)
+               + p2) * TRAIL + ch
         acc += tl.load(self_ptr + off, mask=hit & (sel == 0), other=0.0).to(COMPUTE)
         acc += tl.load(recv_ptr + off, mask=hit & (sel == 1), other=0.0).to(COMPUTE)
         j += 1
@@ -685,10 +701,11 @@ def _segment_at(ax, i: int, pos: int) -> int:
     return next(s for s, sg in enumerate(ax.segments(i)) if sg.dst <= pos < sg.dst + sg.length)
 
 
-def _window_columns_linear(plan: HaloPlan, index: tuple[int, ...], lo2: int, width: int, seg2: int) -> int | None:
+def _window_columns_linear(luts2: tuple[list[int], list[int]], lo2: int, width: int, seg2: int) -> int | None:
     """``C2BASE`` with ``crd2[col] == col + C2BASE`` and ``seg2[col] == seg2`` at every window column ``[lo2, lo2 +
-    width)`` of the last axis (what lets :func:`stage_kernel` read a slab's rows there one piece per row), or None."""
-    seg_id, crd = axis_luts(plan.axes[-1], index[-1])
+    width)`` of the (merged) last axis, whose LUTs are ``luts2`` (what lets :func:`stage_kernel` read a slab's rows
+    there one piece per row), or None."""
+    seg_id, crd = luts2
     cols = range(lo2, lo2 + width)
     if all(seg_id[c] == seg2 and crd[c] - c == crd[lo2] - lo2 for c in cols):
         return crd[lo2] - lo2
@@ -697,7 +714,7 @@ def _window_columns_linear(plan: HaloPlan, index: tuple[int, ...], lo2: int, wid
 
 @functools.lru_cache(maxsize=512)
 def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, region: str,
-                 tile: tuple[int, ...] | None, slab_rows: bool | None = None) -> StageLaunch:
+                 tile: tuple[int, ...] | None, slab_rows: bool | None = None, trail: int = 1) -> StageLaunch:
     """The staging launch of worker ``index`` for ``lead`` leading elements, cached: no per-call host work but the
     cache lookup (plans hash by identity, as for :func:`~distfuse.kernels.halo_tables.stage_tables`).
 
@@ -715,17 +732,24 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     With ``SLAB_ROWS`` the slabs are tiled over the window's columns (``NX`` of ``BLOCK_X``) and their row holds
     ``15 LO2`` and ``20 RHI`` of the window, ``19 S2W`` the window's segment on the last axis and ``21 C2BASE``
     (``crd2 = col + C2BASE`` there).  ``slab_rows``: None chooses (see below); True or False forces it (tests).
+
+    ``trail`` > 1: channels last (``lead`` the batch, ``trail`` the channels, innermost in memory).  The kernels
+    are the same: every staged row is the last axis merged with the channels (``L2 * trail`` elements), the
+    window's columns and row offsets are in merged elements, and the last axis's LUTs are merged too
+    (:func:`~distfuse.kernels.halo_tables.trail_luts`).  Rows then start at multiples of ``trail``, so with 8 or
+    more channels (a multiple of 8) the window and the slabs move in 16-byte vectors at any halo width, where NCHW
+    rows of odd halos store one element per instruction.
     """
     staged = tuple(plan.staged_shape(index))
     x_shape = tuple(plan.input_shape(index))
-    recv = recv_numel(plan, index, lead)
-    full = pad3(staged, 1)
+    recv = recv_numel(plan, index, lead * trail)
+    full = merged_shape(staged, trail)
     interior = interior_piece(plan, index)
     total = lead * math.prod(full)
     code = REGION_CODE[region]
     if total == 0:
         return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape)
-    luts, ptab, ns = stage_tables(plan, index, lead, device)
+    luts, ptab, ns = stage_tables(plan, index, lead, device, trail)
     out_str = (math.prod(full), *contiguous_strides(full)[:2])
     if interior is None or math.prod(interior.shape) == 0:  # the whole staged tensor by the table walk
         n_rows = lead * full[0] * full[1]
@@ -733,9 +757,10 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         return StageLaunch(staged, recv, lut_gather_kernel, row_tiled_grid(n_rows, full[2], block_r, block_x),
                            (*luts, ptab, n_rows, *full, ns[1], ns[2], *out_str),
                            dict(REGION=code, BLOCK_R=block_r, BLOCK_X=block_x), x_shape)
-    x_str = pad3(contiguous_strides(x_shape), 0)
-    x_ls = math.prod(x_shape)
-    lo, ext, src = pad3(interior.dst_lo, 0), pad3(interior.shape, 1), pad3(interior.src_lo, 0)
+    x_str = contiguous_strides(merged_shape(x_shape, trail))
+    x_ls = math.prod(x_shape) * trail
+    lo, ext, src = (_merged(pad3(interior.dst_lo, 0), trail), merged_shape(interior.shape, trail),
+                    _merged(pad3(interior.src_lo, 0), trail))
     inner = tuple((a, a + e) for a, e in zip(lo, ext, strict=True))
     slabs = shell((inner[0], inner[1], (0, full[2])), full)
     boxes = [(inner[0], inner[1], (lo[2], lo[2] + ext[2]))] + slabs
@@ -754,7 +779,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     # per-element walk does; with int64 offsets it spills, and with unaligned rows it takes 255 (the walk: 159).
     # Not under the interpreter, where it costs more Python per program than the walk (20-60% a staging);
     # the tests force both ways.
-    c2base = _window_columns_linear(plan, index, lo[2], ext[2], segs[2])
+    c2base = _window_columns_linear(trail_luts(*axis_luts(plan.axes[-1], index[-1]), trail), lo[2], ext[2], segs[2])
     if slab_rows is None:
         slab_rows = device.type == "cuda" and c2base is not None and not wide and x_align > 1
     elif slab_rows and c2base is None:
@@ -792,6 +817,10 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
                             SLAB_X=slab_x, STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, SLAB_ROWS=slab_rows,
                             num_warps=warps),
                        x_shape)
+
+
+def _merged(v: tuple[int, int, int], trail: int) -> tuple[int, int, int]:
+    return v[0], v[1], v[2] * trail
 
 
 def launch_stage(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, launch: StageLaunch) -> None:

@@ -36,7 +36,7 @@ from distfuse.geometry.halo_plan import HaloPlan, Piece
 __all__ = ["SUPPORTED_DTYPES", "pad3", "contiguous_strides", "box_offsets", "interior_piece",
            "self_pieces", "send_numel", "recv_numel", "self_numel", "stage_tables", "pack_tables", "unstage_box_tables",
            "accumulate_boxes", "accumulate_cells", "accumulate_tables", "plan_tensor_lead", "check_plan_layout",
-           "check_flat", "axis_luts"]
+           "check_flat", "axis_luts", "trail_luts", "merged_shape"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _NEVER = 1 << 62  # START of an unused accumulate cell row: no element reaches it
@@ -124,22 +124,47 @@ def axis_luts(ax, i: int) -> tuple[list[int], list[int]]:
     return seg_id, crd
 
 
-def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
-    """Per-axis (segment, coordinate) LUTs over the staged extents and the piece table."""
+def trail_luts(seg_id: Sequence[int], crd: Sequence[int], trail: int) -> tuple[list[int], list[int]]:
+    """The last axis's LUTs over its staged positions merged with a trailing axis of ``trail`` (channels last):
+    merged position ``e * trail + c`` has ``e``'s segment and the merged coordinate ``crd[e] * trail + c``, so a
+    reversed (reflect) or repeated (replicate) position moves its whole channel vector."""
+    if trail == 1:
+        return list(seg_id), list(crd)
+    return ([s for s in seg_id for _ in range(trail)],
+            [k * trail + c for k in crd for c in range(trail)])
+
+
+def merged_shape(shape: Sequence[int], trail: int) -> tuple[int, ...]:
+    """``shape`` (1-3 spatial extents) padded to 3, its last extent times ``trail``: the rows the staging kernels
+    see when every spatial position holds a contiguous vector of ``trail`` channels (channels last)."""
+    s = pad3(shape, 1)
+    return s[0], s[1], s[2] * trail
+
+
+def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, trail: int = 1):
+    """Per-axis (segment, coordinate) LUTs over the staged extents and the piece table.
+
+    ``trail`` > 1 (channels last: ``lead`` is the batch, ``trail`` the channels, innermost in memory): the last
+    axis and its LUTs are merged with the channels (:func:`trail_luts`), and the piece table's bases and strides
+    count elements of the merged layout ``[lead, s0, s1, s2 * trail]``.
+    """
     luts = [axis_luts(ax, i) for ax, i in zip(plan.axes, index, strict=True)]
-    x_shape = plan.input_shape(index)
-    x_str = pad3(contiguous_strides(x_shape), 0)
-    recv_offs, _ = box_offsets([pc.src_shape for pc in plan.recvs(index)], lead)
+    luts[-1] = trail_luts(*luts[-1], trail)
+    x_shape = merged_shape(plan.input_shape(index), trail)
+    x_str = contiguous_strides(x_shape)
+    recv_offs, _ = box_offsets([pc.src_shape for pc in plan.recvs(index)], lead * trail)
     rows, k = [], 0  # one piece-table row (5 entries) per piece
     for pc in plan.pieces(index):
         if pc.src is None:
             rows += [0, 0, 0, 0, 0]
         elif pc.src == index:
-            base = sum(lo * st for lo, st in zip(pad3(pc.src_lo, 0), x_str, strict=True))
+            src_lo = pad3(pc.src_lo, 0)
+            base = sum(lo * st for lo, st in zip(src_lo[:2], x_str[:2], strict=True)) + src_lo[2] * trail
             rows += [1, base, math.prod(x_shape), x_str[0], x_str[1]]
         else:
-            st = pad3(contiguous_strides(pc.src_shape), 0)
-            rows += [2, recv_offs[k], math.prod(pc.src_shape), st[0], st[1]]
+            src = merged_shape(pc.src_shape, trail)
+            st = contiguous_strides(src)
+            rows += [2, recv_offs[k], math.prod(src), st[0], st[1]]
             k += 1
     luts = [([0], [0])] * (3 - len(luts)) + luts
     flat = [torch.tensor(t, dtype=torch.int32, device=device) for pair in luts for t in pair]
@@ -280,14 +305,17 @@ def plan_tensor_lead(op: str, t: torch.Tensor, plan: HaloPlan, what: str) -> int
     return math.prod(t.shape[: t.dim() - nd])
 
 
-def check_plan_layout(op: str, t: torch.Tensor, want: tuple[int, ...], what: str) -> None:
+def check_plan_layout(op: str, t: torch.Tensor, want: tuple[int, ...], what: str,
+                      memory_format: torch.memory_format = torch.contiguous_format) -> None:
     """The second half (after :func:`plan_tensor_lead`): ``t``'s trailing ``len(want)`` dims are ``want``, ``t`` is
-    contiguous and of a supported dtype (``t`` has at least ``len(want)`` dims: :func:`plan_tensor_lead`)."""
+    contiguous (in ``memory_format``) and of a supported dtype (``t`` has at least ``len(want)`` dims:
+    :func:`plan_tensor_lead`)."""
     nd = len(want)
     if tuple(t.shape[t.dim() - nd:]) != tuple(want):
         raise expect(op, f"spatial shape of {what}", tuple(want), tuple(t.shape[t.dim() - nd:]))
-    if not t.is_contiguous():
-        raise ShapeError(f"{where(op)}: {what} must be contiguous")
+    if not t.is_contiguous(memory_format=memory_format):
+        raise ShapeError(f"{where(op)}: {what} must be contiguous"
+                         + ("" if memory_format == torch.contiguous_format else f" in {memory_format}"))
     if t.dtype not in SUPPORTED_DTYPES:
         raise UnsupportedError(f"{where(op)}: dtype must be one of {SUPPORTED_DTYPES}, got {t.dtype}")
 

@@ -31,8 +31,11 @@ exchanges: other workers read its input.
 
 Dispatch: ``select_path("halo_conv", {channels: in_channels}, ...)``, remembered per global
 shape, dtype, device and memory format.  On "fused" one Triton pass (``distfuse::halo_conv``)
-replaces ``distfuse::halo_exchange`` + ``convNd`` and sends the same messages; it indexes
-NCHW blocks, so a ``channels_last`` input takes the unfused path, which keeps its layout.
+replaces ``distfuse::halo_exchange`` + ``convNd``.  A ``channels_last`` (``_3d``) input stays
+channels last on both paths: the fused kernels then index ``[B, *n, C]`` blocks and stage
+rows of ``L_last * C`` contiguous elements (16-byte vectors at any halo width), and the
+halo boxes travel as ``[B, *box, C]``, in the format every worker agreed on
+(``CallInfo.memory_format``).
 The unfused path is differentiable to any order; the fused path refuses a backward with
 ``create_graph=True`` with :class:`~distfuse.errors.UnsupportedError` on every worker.
 """
@@ -52,6 +55,7 @@ from distfuse.layers._conv_common import (
     cast_for_compute,
     check_partition,
     conv_block,
+    conv_output_format,
     gather_call_info,
     passes_local_checks,
     spatial_classes,
@@ -154,15 +158,8 @@ class DistributedFeatureConvBase(RootParamConvBase):
         """Which path a call with ``x`` takes, and why (no communication)."""
         if x.device not in self._caps_cache:  # device_caps asks CUDA for the device name: once per device
             self._caps_cache[x.device] = device_caps(x.device)
-        decision = select_path("halo_conv", dict(channels=self.in_channels), x.dtype, self.P_x.size,
-                               self._caps_cache[x.device])
-        fmt = memory_format_of(x)
-        if decision.path == "fused" and fmt != torch.contiguous_format:
-            # The fused kernels index NCHW blocks; the unfused staging keeps the input's layout without a copy.
-            return Decision("unfused", f"the fused halo convolution needs NCHW blocks and the input is {fmt} "
-                                       f"(the unfused path keeps it; fused would have been: {decision.reason})",
-                            entry=decision.entry)
-        return decision
+        return select_path("halo_conv", dict(channels=self.in_channels), x.dtype, self.P_x.size,
+                           self._caps_cache[x.device])
 
     # ------------------------------------------------------------ the local block
 
@@ -177,9 +174,13 @@ class DistributedFeatureConvBase(RootParamConvBase):
         self.last_path = self.last_decision.path
         x_anchor = anchor(info.input_grad)  # a block that does not require grad still runs the halo adjoint
         if self.last_path == "fused":
-            check_implicit(implicit, o.groups, x.dtype)
+            channels_last = info.memory_format != torch.contiguous_format  # agreed: the messages' box order
+            check_implicit(implicit, o.groups, x.dtype, channels_last)
             with torch.autocast(x.device.type, enabled=False):  # x, w, b are in the compute dtype already
-                return fused_halo_conv(x, w, b, self.halo, G, o.groups, type(self).__name__, implicit, x_anchor)
+                y = fused_halo_conv(x, w, b, self.halo, G, o.groups, type(self).__name__, implicit, x_anchor,
+                                    channels_last)
+            # the format torch.nn's convolution returns for this input's (CPU conv3d: NCDHW for channels_last_3d)
+            return y.contiguous(memory_format=conv_output_format(x.device, x.dtype, info.memory_format, self.nd))
         staged = halo_exchange(x, self.halo.handle, list(G), x_anchor)
         out_shape = (x.shape[0], o.out_channels) + self.halo.plan(G).output_shape(self.P_x.index[2:])
         return conv_block(o, staged, w, b, out_shape, fmt)
