@@ -856,3 +856,26 @@ def test_channels_last_refuses_what_it_cannot_index():
         hk.halo_pack(x, plan, (0, 0), channels_last=True)  # NCHW strides, channels last asked
     with pytest.raises(UnsupportedError, match=r"channels last needs x \[B, C, \*spatial\]"):
         hk.halo_pack(torch.randn(2, 3, 5, 4, 4), plan, (0, 0), channels_last=True)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "circular"])
+def test_channels_last_slabs_move_in_vectors(mode):
+    """With 16 channels the slabs' rows (one piece per row) are promised 16-element aligned like the window's
+    (``SLAB_ALIGN``), and the staging stays bit for bit: a promise that did not hold would round a row onto the
+    wrong elements of random data."""
+    plan, _ = _plan((9, 8, 10), (3, 2, 3), (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, mode)
+    i, B, C = (1, 0, 1), 1, 16
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn((B, C) + plan.input_shape(i), generator=gen).contiguous(memory_format=torch.channels_last_3d)
+    recv = torch.randn(ht.recv_numel(plan, i, B * C), generator=gen)
+    want = hk.halo_stage_reference(x, _nchw_order(recv, [pc.src_shape for pc in plan.recvs(i)], (B, C)), plan, i)
+    received = _staged_pieces_mask(plan, i, True).expand_as(want)
+    for region in ("all", "remote"):
+        launch = hp.stage_launch(plan, i, B, x.device, region, (4, 64), slab_rows=True, trail=C)
+        assert (launch.meta["SLAB_ALIGN"], launch.meta["X_ALIGN"], launch.meta["OUT_ALIGN"]) == (16, 16, 16)
+        out = _nan(want.shape, want.dtype, want.device).contiguous(memory_format=torch.channels_last_3d)
+        hp.launch_stage(out, x, recv, launch)
+        part = received if region == "remote" else torch.ones_like(received)
+        assert torch.equal(out.isnan(), ~part) and torch.equal(out[part], want[part]), region
+    nchw = hp.stage_launch(plan, i, B * C, x.device, "all", (4, 16), slab_rows=True)
+    assert nchw.meta["SLAB_ALIGN"] == 1  # odd halos: NCHW rows start at odd offsets

@@ -232,10 +232,11 @@ def _halo_moving_cases(dt) -> list[KernelCase]:
             cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                     dict(tile, REGION=region, WIDE=wide, SLAB_ROWS=slab_rows),
                                     halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64}))
-        # rows 16-byte aligned in the block and the staged tensor (even halos): the window moves in vectors
+        # rows 16-byte aligned in the block and the staged tensor (even halos; channels last): the window and the
+        # slabs move in vectors
         vec = 16 // dt.itemsize
         cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
-                                dict(tile, REGION=0, WIDE=False, X_ALIGN=vec, OUT_ALIGN=vec),
+                                dict(tile, REGION=0, WIDE=False, X_ALIGN=vec, OUT_ALIGN=vec, SLAB_ALIGN=vec),
                                 halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64},
                                 checks=("vector_load", "vector_store")))
     return cases

@@ -127,6 +127,7 @@ from distfuse.kernels.halo_tables import (
     interior_piece,
     merged_shape,
     pad3,
+    piece_rows,
     recv_numel,
     stage_tables,
     trail_luts,
@@ -294,11 +295,15 @@ def _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_le
 
 @triton.jit
 def _slab_row_pieces(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, ptab_ptr, NS1, NS2, box, e0, e1,
-                     lead, rmask, cols, cmask, out_row, REGION: tl.constexpr, IDX: tl.constexpr):
-    """A slab's rows at the window's columns ``cols``: one piece per row, ``(seg0[e0], seg1[e1], S2W)``, whose
+                     lead, rmask, w_lo, t, tmask, out_row, REGION: tl.constexpr, IDX: tl.constexpr,
+                     ALIGN: tl.constexpr):
+    """A slab's rows at the window's columns ``w_lo + t``: one piece per row, ``(seg0[e0], seg1[e1], S2W)``, whose
     source offset is linear in the column (``crd2 = col + C2BASE`` there: :func:`stage_launch` checked it), so
     the five piece-table loads are per row, not per element, and the columns move like the window's copy: one
-    load per element from the row's source (the block or the receive buffer, picked per row), offsets in IDX."""
+    load per element from the row's source (the block or the receive buffer, picked per row), offsets in IDX.
+    ``ALIGN``: every row's source and staged offset at ``w_lo`` is a multiple of it (:func:`stage_launch`
+    computed it, 16 in channels last with 16 channels or more), promised by rounding as the window's are, so
+    the rows move in vectors."""
     s0 = tl.load(seg0_ptr + e0, mask=rmask, other=0)
     c0 = tl.load(crd0_ptr + e0, mask=rmask, other=0).to(tl.int64)
     s1 = tl.load(seg1_ptr + e1, mask=rmask, other=0)
@@ -314,11 +319,12 @@ def _slab_row_pieces(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_p
         rmask = rmask & (kind != 2)
     if REGION == 2:
         rmask = rmask & (kind == 2)
-    off0 = off0.to(IDX)
+    off0 = ((off0.to(IDX) + w_lo) // ALIGN) * ALIGN
+    o_row = ((out_row + w_lo) // ALIGN) * ALIGN
     src = tl.where(kind == 2, b_ptr + off0, a_ptr + off0)  # per row; kind 0 (zero fill) reads nothing
-    mask = rmask[:, None] & cmask[None, :]
-    v = tl.load(src[:, None] + cols[None, :], mask=mask & (kind != 0)[:, None], other=0.0)
-    tl.store(out_ptr + (out_row[:, None] + cols[None, :]), v, mask=mask)
+    mask = rmask[:, None] & tmask[None, :]
+    v = tl.load(src[:, None] + t[None, :], mask=mask & (kind != 0)[:, None], other=0.0)
+    tl.store(out_ptr + (o_row[:, None] + t[None, :]), v, mask=mask)
 
 
 @triton.jit
@@ -326,7 +332,8 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
                  btab_ptr, NS1, NS2, out_s1, x_s1,
                  REGION: tl.constexpr, WIDE: tl.constexpr, NUM_BOX: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, SLAB_X: tl.constexpr, STRIP_X: tl.constexpr,
-                 X_ALIGN: tl.constexpr, OUT_ALIGN: tl.constexpr, SLAB_ROWS: tl.constexpr):
+                 X_ALIGN: tl.constexpr, OUT_ALIGN: tl.constexpr, SLAB_ROWS: tl.constexpr,
+                 SLAB_ALIGN: tl.constexpr = 1):
     """The whole staged tensor ``out [LEAD, E0, E1, E2]`` (row length ``out_s1`` = E2) in one launch.
 
     Box 0 of the box table is the interior window ``[LEAD, I0, I1, I2]`` at staged ``(LO0, LO1, LO2)``: a plain
@@ -341,7 +348,8 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
     window's rows in 16-byte vectors instead of one element per instruction.  ``SLAB_ROWS``: the slabs are tiled
     like the window (``[BLOCK_R, BLOCK_X]`` over the window's columns, one piece per row:
     :func:`_slab_row_pieces`), their edge tiles walking the tables for the columns beside the window, instead of
-    the table walk per element over whole rows.
+    the table walk per element over whole rows; ``SLAB_ALIGN`` (a power of two) divides those rows' source and
+    staged offsets at the window's first column (:func:`_slab_align`), so they too move in vectors.
     """
     IDX: tl.constexpr = tl.int64 if WIDE else tl.int32
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
@@ -381,10 +389,11 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
         if SLAB_ROWS:  # tiled like the window (LO2 and RHI: the window's columns)
             w_lo = tl.load(box + 15).to(tl.int32)
             w_hi = tl.load(box + 20).to(tl.int32)
-            s_cols = w_lo + pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
+            s_t = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
             _slab_row_pieces(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, ptab_ptr, NS1, NS2, box,
-                             s_e0, s_e1, s_lead.to(tl.int64), s_rmask, s_cols, s_cols < w_hi, s_out_row, REGION,
-                             IDX)
+                             s_e0, s_e1, s_lead.to(tl.int64), s_rmask, w_lo.to(IDX),
+                             s_t, s_t < ((w_hi - w_lo) // SLAB_ALIGN) * SLAB_ALIGN, s_out_row, REGION, IDX,
+                             SLAB_ALIGN)
             s_left = tl.where(pid_x == 0, w_lo, 0)
             s_n = s_left + tl.where(pid_x == nx - 1, out_s1 - w_hi, 0)
             c = tl.full([], 0, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
@@ -811,12 +820,33 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     btab = torch.tensor(rows, dtype=torch.int64, device=device)
     w = rows[:_STAGE_COLS]  # the window's row: its staged rows start at OBASE + LO2 + r*E2 + q*OB + lead*OC
     out_align = pow2_divisor(w[10] + lo[2], full[2], w[11], w[12])
+    slab_align = _slab_align(rows, len(boxes), piece_rows(plan, index, lead, trail), ns[2], segs[2], c2base, lo[2],
+                             ext[2], full[2]) if slab_rows else 1
     return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, ns[1], ns[2], full[2],
                                                                         x_str[1]),
                        dict(REGION=code, WIDE=wide, NUM_BOX=STAGE_BOXES, BLOCK_R=block_r, BLOCK_X=block_x,
                             SLAB_X=slab_x, STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, SLAB_ROWS=slab_rows,
+                            SLAB_ALIGN=slab_align,
                             num_warps=warps),
                        x_shape)
+
+
+def _slab_align(rows: list[int], n_boxes: int, ptab: list[int], ns2: int, s2w: int, c2base: int, lo2: int,
+                width: int, row_len: int) -> int:
+    """``SLAB_ALIGN``: the largest power of two (at most 16) dividing, for every slab row at the window's first
+    column ``lo2``, its staged offset (``OBASE + lo2 + r*E2 + q*OB + lead*OC`` of each slab box's table row) and
+    its source offset (``BASE + lead*LEAD_STRIDE + c0*STRIDE0 + c1*STRIDE1 + C2BASE + lo2`` of every piece with
+    the window's last-axis segment ``s2w``), and the window's width.  NCHW rows of odd halos give 1; channels last
+    with C a multiple of 16 gives 16 (every term is a multiple of C)."""
+    terms = [width, row_len]
+    for k in range(1, n_boxes):
+        r = rows[k * _STAGE_COLS:(k + 1) * _STAGE_COLS]
+        terms += [r[10] + lo2, r[11], r[12]]
+    for p in range(len(ptab) // 5):
+        kind, base, lstr, st0, st1 = ptab[5 * p: 5 * p + 5]
+        if p % ns2 == s2w and kind != 0:
+            terms += [base + c2base + lo2, lstr, st0, st1]
+    return pow2_divisor(*terms)
 
 
 def _merged(v: tuple[int, int, int], trail: int) -> tuple[int, int, int]:

@@ -36,7 +36,7 @@ from distfuse.geometry.halo_plan import HaloPlan, Piece
 __all__ = ["SUPPORTED_DTYPES", "pad3", "contiguous_strides", "box_offsets", "interior_piece",
            "self_pieces", "send_numel", "recv_numel", "self_numel", "stage_tables", "pack_tables", "unstage_box_tables",
            "accumulate_boxes", "accumulate_cells", "accumulate_tables", "plan_tensor_lead", "check_plan_layout",
-           "check_flat", "axis_luts", "trail_luts", "merged_shape"]
+           "check_flat", "axis_luts", "trail_luts", "merged_shape", "piece_rows"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _NEVER = 1 << 62  # START of an unused accumulate cell row: no element reaches it
@@ -141,15 +141,9 @@ def merged_shape(shape: Sequence[int], trail: int) -> tuple[int, ...]:
     return s[0], s[1], s[2] * trail
 
 
-def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, trail: int = 1):
-    """Per-axis (segment, coordinate) LUTs over the staged extents and the piece table.
-
-    ``trail`` > 1 (channels last: ``lead`` is the batch, ``trail`` the channels, innermost in memory): the last
-    axis and its LUTs are merged with the channels (:func:`trail_luts`), and the piece table's bases and strides
-    count elements of the merged layout ``[lead, s0, s1, s2 * trail]``.
-    """
-    luts = [axis_luts(ax, i) for ax, i in zip(plan.axes, index, strict=True)]
-    luts[-1] = trail_luts(*luts[-1], trail)
+def piece_rows(plan: HaloPlan, index: tuple[int, ...], lead: int, trail: int = 1) -> list[int]:
+    """The piece table of :func:`stage_tables` as a host list: five entries per piece of ``plan.pieces(index)``,
+    KIND, BASE, LEAD_STRIDE, STRIDE0, STRIDE1 (elements of the merged layout ``[lead, s0, s1, s2 * trail]``)."""
     x_shape = merged_shape(plan.input_shape(index), trail)
     x_str = contiguous_strides(x_shape)
     recv_offs, _ = box_offsets([pc.src_shape for pc in plan.recvs(index)], lead * trail)
@@ -166,10 +160,22 @@ def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
             st = contiguous_strides(src)
             rows += [2, recv_offs[k], math.prod(src), st[0], st[1]]
             k += 1
+    return rows
+
+
+def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, trail: int = 1):
+    """Per-axis (segment, coordinate) LUTs over the staged extents and the piece table (:func:`piece_rows`).
+
+    ``trail`` > 1 (channels last: ``lead`` is the batch, ``trail`` the channels, innermost in memory): the last
+    axis and its LUTs are merged with the channels (:func:`trail_luts`), and the piece table's bases and strides
+    count elements of the merged layout ``[lead, s0, s1, s2 * trail]``.
+    """
+    luts = [axis_luts(ax, i) for ax, i in zip(plan.axes, index, strict=True)]
+    luts[-1] = trail_luts(*luts[-1], trail)
     luts = [([0], [0])] * (3 - len(luts)) + luts
     flat = [torch.tensor(t, dtype=torch.int32, device=device) for pair in luts for t in pair]
     ns = [max(seg_id) + 1 if seg_id else 1 for seg_id, _ in luts]
-    return flat, _i64(rows, device), ns
+    return flat, _i64(piece_rows(plan, index, lead, trail), device), ns
 
 
 def _box_launch_tables(rows: list[int], numels: list[int], device):
