@@ -32,7 +32,8 @@ from distfuse.geometry.decomposition import local_shape, local_slices
 from distfuse.layers._params import load_sequential
 from distfuse.layers.conv import DistributedConv1d, DistributedConv2d, DistributedConv3d
 from distfuse.primitives.distribute import collect_tensor
-from tests.tolerances import TERMS, tol
+from distfuse.testing.tolerance import STORE_ROUNDINGS
+from tests.tolerances import TERMS, rounding_bound
 
 SELECTOR = {1: DistributedConv1d, 2: DistributedConv2d, 3: DistributedConv3d}
 SEQUENTIAL = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
@@ -97,11 +98,25 @@ def sequential(c: Case, dtype=torch.float64):
                             dilation=c.dilation, groups=c.groups, bias=c.bias, padding_mode=c.mode, dtype=dtype)
 
 
-def close(name: str, got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, terms: int = TERMS) -> None:
+def close(name: str, got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, terms: int = TERMS,
+          partials: int = 1) -> None:
+    """``got`` against the float64 ``ref`` within the rounding bound of sums of ``terms`` terms in ``dtype``.
+
+    ``partials``: the result is the sum of that many workers' partial results (a replicated parameter's
+    gradient), each rounded to ``dtype`` before a reduction that rounds once per addition: 2 (P - 1) more
+    roundings than one worker's, each of a partial sum's size.
+    """
     assert tuple(got.shape) == tuple(ref.shape), f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-    t = tol(dtype, terms=terms)
+    rtol = rounding_bound(dtype, terms, roundings=STORE_ROUNDINGS + 2 * (partials - 1))
     scale = max(float(ref.abs().max()) if ref.numel() else 0.0, 1e-3)
-    torch.testing.assert_close(got.double(), ref, rtol=t["rtol"], atol=t["atol"] * scale, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(got.double(), ref, rtol=rtol, atol=rtol * scale, msg=lambda m: f"{name}: {m}")
+
+
+def sum_terms(seq, yg: torch.Tensor, groups: int) -> int:
+    """The longest sums behind a conv's checked values: an output's C_in / groups * taps, an input gradient's
+    C_out / groups * taps, a weight gradient's B * output positions."""
+    k = seq.weight.shape
+    return max(math.prod(k[1:]), k[0] // groups * math.prod(k[2:]), yg.shape[0] * math.prod(yg.shape[2:]))
 
 
 def with_path(path: str, fn):
@@ -158,14 +173,11 @@ def run_case(c: Case) -> dict:
             assert local is not None, f"{c.name}: no gradient for {lay.name} on its owner"
         grads[lay.seq_name] = collect_tensor(local, lay.P)
     if rank == 0:
-        # the longest sums: an output's C_in / groups * taps, an input gradient's C_out / groups * taps, a
-        # weight gradient's B * output positions
-        k = seq.weight.shape
-        terms = max(math.prod(k[1:]), k[0] // c.groups * math.prod(k[2:]), yg.shape[0] * math.prod(yg.shape[2:]))
+        terms = sum_terms(seq, yg, c.groups)
         close(f"{c.name}: output", y_full, yg.detach(), c.dtype, terms)
         close(f"{c.name}: input gradient", dx_full, xg.grad, c.dtype, terms)
         for name, g in grads.items():
-            close(f"{c.name}: {name} gradient", g, getattr(seq, name).grad, c.dtype, terms)
+            close(f"{c.name}: {name} gradient", g, getattr(seq, name).grad, c.dtype, terms, partials=P_x.size)
     return dict(kind=type(layer).__name__, path=getattr(layer, "last_path", None), active=P_x.active,
                 out=tuple(y.shape))
 

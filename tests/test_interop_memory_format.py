@@ -31,7 +31,7 @@ from distfuse.layers.conv import DistributedConv2d, DistributedConv3d
 from distfuse.partition import zero_volume_tensor
 from distfuse.primitives.distribute import collect_tensor
 from distfuse.testing import run_ranks
-from tests.test_conv_support import Case, build, close, grid, sequential, with_path
+from tests.test_conv_support import Case, build, close, grid, sequential, sum_terms, with_path
 
 FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
 
@@ -121,10 +121,11 @@ def _run_channels_last(c: Case) -> dict:
     for lay in layer.param_layouts():
         grads[lay.seq_name] = collect_tensor(getattr(layer, lay.name).grad if lay.P.active else None, lay.P)
     if rank == 0:
-        close(f"{c.name}: output", y_full, yg.detach(), c.dtype)
-        close(f"{c.name}: input gradient", dx_full, xg.grad, c.dtype)
+        terms = sum_terms(seq, yg, c.groups)
+        close(f"{c.name}: output", y_full, yg.detach(), c.dtype, terms)
+        close(f"{c.name}: input gradient", dx_full, xg.grad, c.dtype, terms)
         for name, g in grads.items():
-            close(f"{c.name}: {name} gradient", g, getattr(seq, name).grad, c.dtype)
+            close(f"{c.name}: {name} gradient", g, getattr(seq, name).grad, c.dtype, terms, partials=P_x.size)
     return dict(want_y=want_y, want_dx=want_dx, got_y=got_y, got_dx=got_dx,
                 path=getattr(layer, "last_path", None), reason=getattr(layer, "last_decision", None))
 
@@ -182,24 +183,37 @@ _FUSED = [
 ]
 
 
-def _fused_channels_last():
-    return [_run_channels_last(c) for c in _FUSED]
+_FUSED_WORLDS = {
+    4: _FUSED,
+    1: [Case("fused-1-circular-self-wrap", "feature", (2, 3, 5, 4), 2, 3, (1, 1, 1, 1), (0,), padding=1,
+             mode="circular", path="fused", seed=8)],
+    6: [Case("fused-3x1-inactive-reflect", "feature", (1, 3, 8, 5), 2, 3, (1, 1, 3, 1), (5, 2, 0), padding=1,
+             mode="reflect", path="fused", seed=9)],
+    8: [Case("fused-3d-2x2x2-replicate-bf16", "feature", (1, 2, 4, 5, 4), 3, 3, (1, 1, 2, 2, 2),
+             (7, 1, 4, 2, 0, 6, 3, 5), padding=1, mode="replicate", dtype=torch.bfloat16, path="fused", seed=10)],
+}
 
 
-def test_fused_path_runs_channels_last():
+def _fused_channels_last(world):
+    return [_run_channels_last(c) for c in _FUSED_WORLDS[world]]
+
+
+@pytest.mark.parametrize("world", sorted(_FUSED_WORLDS), ids=lambda w: f"world{w}")
+def test_fused_path_runs_channels_last(world):
     """The fused halo convolution takes channels_last blocks on the fused path: values and every gradient against
     torch.nn (checked on rank 0 inside the run), the output in torch.nn's format, the input gradient channels
-    last, over uneven splits, permuted ranks and every padding mode."""
+    last, over uneven splits, permuted ranks, inactive ranks, worlds of 1 to 8 and every padding mode."""
     pytest.importorskip("triton")
-    results = run_ranks(4, _fused_channels_last)
-    for k, c in enumerate(_FUSED):
+    results = run_ranks(world, _fused_channels_last, world)
+    for k, c in enumerate(_FUSED_WORLDS[world]):
         for rank, per_rank in enumerate(results):
             r = per_rank[k]
-            assert r["path"] == "fused", f"{c.name} rank {rank}: {r['reason']}"
+            assert r["path"] in ("fused", None), f"{c.name} rank {rank}: {r['reason']}"  # None: inactive
             if r["got_y"] is not None and not (c.mode == "circular" and c.nd == 2):
                 assert r["got_y"] == r["want_y"], f"{c.name} rank {rank}: output format"
             if r["got_dx"] is not None:
                 assert r["got_dx"], f"{c.name} rank {rank}: the input gradient is not channels last"
+        assert any(per_rank[k]["path"] == "fused" for per_rank in results), c.name
 
 
 # ------------------------------------------------------------------ no copy of a channels_last block
