@@ -820,6 +820,9 @@ def test_stage_channels_last_regions_and_slab_forms(gshape, grid, kernel, paddin
             for region in ("all", "remote"):
                 launch = hp.stage_launch(plan, i, B, x.device, region, tile, slab_rows=slab_rows, trail=C)
                 assert launch.kernel is hp.stage_kernel
+                # the columns beside the window (where there are any) in chunks of channels
+                beside = plan.staged_shape(i)[-1] != ht.interior_piece(plan, i).shape[-1]
+                assert (launch.meta["STRIP_ALIGN"] >= 1) == beside
                 out = nan.clone(memory_format=fmt)
                 hp.launch_stage(out, x, recv, launch)
                 part = {"all": torch.ones_like(received), "local": ~received, "remote": received}[region]
@@ -860,9 +863,10 @@ def test_channels_last_refuses_what_it_cannot_index():
 
 @pytest.mark.parametrize("mode", ["reflect", "circular"])
 def test_channels_last_slabs_move_in_vectors(mode):
-    """With 16 channels the slabs' rows (one piece per row) are promised 16-element aligned like the window's
-    (``SLAB_ALIGN``), and the staging stays bit for bit: a promise that did not hold would round a row onto the
-    wrong elements of random data."""
+    """With 16 channels the slabs' rows (one piece per row) and the chunks beside the window (one piece per
+    spatial column) are promised 16-element aligned like the window's (``SLAB_ALIGN``, ``STRIP_ALIGN``), and the
+    staging stays bit for bit: a promise that did not hold would round a row onto the wrong elements of random
+    data."""
     plan, _ = _plan((9, 8, 10), (3, 2, 3), (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, mode)
     i, B, C = (1, 0, 1), 1, 16
     gen = torch.Generator().manual_seed(5)
@@ -872,10 +876,13 @@ def test_channels_last_slabs_move_in_vectors(mode):
     received = _staged_pieces_mask(plan, i, True).expand_as(want)
     for region in ("all", "remote"):
         launch = hp.stage_launch(plan, i, B, x.device, region, (4, 64), slab_rows=True, trail=C)
-        assert (launch.meta["SLAB_ALIGN"], launch.meta["X_ALIGN"], launch.meta["OUT_ALIGN"]) == (16, 16, 16)
+        meta = launch.meta
+        assert (meta["SLAB_ALIGN"], meta["STRIP_ALIGN"], meta["X_ALIGN"], meta["OUT_ALIGN"]) == (16, 16, 16, 16)
+        assert meta["STRIP_X"] == C  # one chunk a spatial column
         out = _nan(want.shape, want.dtype, want.device).contiguous(memory_format=torch.channels_last_3d)
         hp.launch_stage(out, x, recv, launch)
         part = received if region == "remote" else torch.ones_like(received)
         assert torch.equal(out.isnan(), ~part) and torch.equal(out[part], want[part]), region
     nchw = hp.stage_launch(plan, i, B * C, x.device, "all", (4, 16), slab_rows=True)
     assert nchw.meta["SLAB_ALIGN"] == 1  # odd halos: NCHW rows start at odd offsets
+    assert nchw.meta["STRIP_ALIGN"] == 0  # and the columns beside the window are walked one by one

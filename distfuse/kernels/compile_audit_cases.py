@@ -69,7 +69,7 @@ class KernelCase:
 
     def label(self) -> str:
         shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "LOG2_NCELL", "W_UNROLL", "B_KMAJOR", "FLAT", "WIDE",
-                 "FLATTEN", "SPAN", "TRAIL")
+                 "FLATTEN", "SPAN", "TRAIL", "STRIP_ALIGN")
         meta = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k.startswith("BLOCK") or k in shown)
         return f"{self.name}[{_TT[self.dtype]};{meta};w{self.num_warps}s{self.num_stages}]"
 
@@ -237,6 +237,12 @@ def _halo_moving_cases(dt) -> list[KernelCase]:
         vec = 16 // dt.itemsize
         cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                 dict(tile, REGION=0, WIDE=False, X_ALIGN=vec, OUT_ALIGN=vec, SLAB_ALIGN=vec),
+                                halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64},
+                                checks=("vector_load", "vector_store")))
+        # channels last: the columns beside the window in chunks of one spatial column's channels, aligned too
+        cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
+                                dict(tile, REGION=0, WIDE=False, X_ALIGN=16, OUT_ALIGN=16, SLAB_ALIGN=16,
+                                     STRIP_ALIGN=16, STRIP_X=min(64, 1024 // br)),
                                 halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64},
                                 checks=("vector_load", "vector_store")))
     return cases

@@ -73,7 +73,9 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   window through the tables).  Channels last removes the cause: the same kernel over rows of
   ``L2 * C`` elements (the last axis merged with the channels, its tables too) starts every
   row at a multiple of C, so the window is ``ld/st.global.v4`` on both sides at any halo
-  width (``trail`` in :func:`stage_launch`).
+  width (``trail`` in :func:`stage_launch`), and so are the slabs' rows (``SLAB_ALIGN``) and
+  the columns beside the window, taken a spatial column's channels at a time
+  (``STRIP_ALIGN``: one piece lookup a chunk, not a column).
 * **Pack and the unstage boxes are one box gather** over the boxes laid end to end: an
   element finds its box by a branchless binary search of the box starts, then its
   coordinates by div/mod (affordable: these move halo volume only).  Any mix of box sizes
@@ -257,40 +259,83 @@ def _box_rows(box, pid_r, out_s1, BLOCK_R: tl.constexpr, IDX: tl.constexpr):
 
 
 @triton.jit
+def _stage_beside_chunks(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, n_left, n, rhi, pbase, E0, E1, rmask, r,
+                         q, lead, out_row, REGION: tl.constexpr, IDX: tl.constexpr, STRIP_X: tl.constexpr,
+                         STRIP_ALIGN: tl.constexpr):
+    """:func:`_stage_beside` in channels last: chunks of STRIP_X channels of one spatial column (see there)."""
+    t = tl.arange(0, STRIP_X)
+    c = tl.full([], 0, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
+    while c < n:
+        col0 = tl.where(c < n_left, c, rhi + c - n_left)
+        prow0 = ptab_ptr + (pbase + tl.load(seg2_ptr + col0)) * 5
+        kind0 = tl.load(prow0)
+        lstr0 = tl.load(prow0 + 2)
+        st00 = tl.load(prow0 + 3)
+        st10 = tl.load(prow0 + 4)
+        src_row = ((tl.load(prow0 + 1) + tl.load(crd2_ptr + col0)).to(IDX) + r * st10.to(IDX)
+                   + q * (st00 - E1 * st10).to(IDX) + lead * (lstr0 - E0 * st00).to(IDX))
+        src_row = (src_row // STRIP_ALIGN) * STRIP_ALIGN
+        o_row = ((out_row + col0) // STRIP_ALIGN) * STRIP_ALIGN
+        kind = tl.where(rmask, kind0, 0)  # per row: the interpreter masks with tensors only
+        keep = rmask
+        if REGION == 1:
+            keep = keep & (kind != 2)
+        if REGION == 2:
+            keep = keep & (kind == 2)
+        mask0 = keep[:, None] & (t[None, :] < STRIP_X)
+        src = tl.where(kind == 2, b_ptr + src_row, a_ptr + src_row)  # kind 0 (zero fill) reads nothing
+        v = tl.load(src[:, None] + t[None, :], mask=mask0 & (kind != 0)[:, None], other=0.0)
+        tl.store(out_ptr + (o_row[:, None] + t[None, :]), v, mask=mask0)
+        c += STRIP_X
+
+
+@triton.jit
 def _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_left, n_right, rmask, r, q, lead,
-                  out_row, REGION: tl.constexpr, IDX: tl.constexpr, STRIP_X: tl.constexpr):
+                  out_row, REGION: tl.constexpr, IDX: tl.constexpr, STRIP_X: tl.constexpr,
+                  STRIP_ALIGN: tl.constexpr):
     """The window's rows (``out_row`` their staged offsets) at the ``n_left`` staged columns left of the window and
     the ``n_right`` ones from RHI, ``[rows, STRIP_X]`` at a time.  Each column is one piece, ``(window seg0, window
     seg1, seg2[col])`` at piece-table row ``(PBASE + seg2[col]) * 5``, read at ``(b0, b1, crd2[col])`` of its
     source box: an offset linear in ``(r, q, lead)`` like the row's, so the table loads are per column, not per
-    element."""
+    element.
+
+    ``STRIP_ALIGN`` > 0 (channels last, STRIP_X dividing the channels): a chunk is STRIP_X channels of one spatial
+    column, so one piece and a source offset linear in the chunk's columns: the table loads are per chunk, and
+    each row moves like the window's (its source and staged offsets multiples of STRIP_ALIGN, computed by
+    :func:`stage_launch`)."""
     E1 = tl.load(box + 4)
     E0 = tl.load(box + 7)
     pbase = tl.load(box + 19)
     rhi = tl.load(box + 20).to(tl.int32)
     n = n_left + n_right
-    c = tl.full([], 0, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
-    while c < n:
-        j = c + tl.arange(0, STRIP_X)
-        cmask = j < n
-        col = tl.where(j < n_left, j, rhi + j - n_left)
-        prow = ptab_ptr + (pbase + tl.load(seg2_ptr + col, mask=cmask, other=0)) * 5
-        kind = tl.load(prow, mask=cmask, other=0)
-        lstr = tl.load(prow + 2, mask=cmask, other=0)
-        st0 = tl.load(prow + 3, mask=cmask, other=0)
-        st1 = tl.load(prow + 4, mask=cmask, other=0)
-        base = (tl.load(prow + 1, mask=cmask, other=0) + tl.load(crd2_ptr + col, mask=cmask, other=0)).to(IDX)
-        off = (base[None, :] + r[:, None] * st1.to(IDX)[None, :] + q[:, None] * (st0 - E1 * st1).to(IDX)[None, :]
-               + lead[:, None] * (lstr - E0 * st0).to(IDX)[None, :])
-        if REGION == 1:
-            cmask = cmask & (kind != 2)
-        if REGION == 2:
-            cmask = cmask & (kind == 2)
-        mask = rmask[:, None] & cmask[None, :]
-        va = tl.load(a_ptr + off, mask=mask & (kind == 1)[None, :], other=0.0)
-        vb = tl.load(b_ptr + off, mask=mask & (kind == 2)[None, :], other=0.0)  # kind 0: va is the fill 0
-        tl.store(out_ptr + (out_row[:, None] + col[None, :]), tl.where((kind == 2)[None, :], vb, va), mask=mask)
-        c += STRIP_X
+    if STRIP_ALIGN > 0:
+        _stage_beside_chunks(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, n_left, n, rhi, pbase, E0, E1,
+                             rmask, r, q, lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
+    else:
+        c = tl.full([], 0, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
+        while c < n:
+            j = c + tl.arange(0, STRIP_X)
+            cmask = j < n
+            col = tl.where(j < n_left, j, rhi + j - n_left)
+            prow = ptab_ptr + (pbase + tl.load(seg2_ptr + col, mask=cmask, other=0)) * 5
+            kind = tl.load(prow, mask=cmask, other=0)
+            lstr = tl.load(prow + 2, mask=cmask, other=0)
+            st0 = tl.load(prow + 3, mask=cmask, other=0)
+            st1 = tl.load(prow + 4, mask=cmask, other=0)
+            base = (tl.load(prow + 1, mask=cmask, other=0) + tl.load(crd2_ptr + col, mask=cmask, other=0)).to(IDX)
+            off = (base[None, :] + r[:, None] * st1.to(IDX)[None, :]
+                   + q[:, None] * (st0 - E1 * st1).to(IDX)[None, :]
+                   + lead[:, None] * (lstr - E0 * st0).to(IDX)[None, :])
+            if REGION == 1:
+                cmask = cmask & (kind != 2)
+            if REGION == 2:
+                cmask = cmask & (kind == 2)
+            mask = rmask[:, None] & cmask[None, :]
+            va = tl.load(a_ptr + off, mask=mask & (kind == 1)[None, :], other=0.0)
+            vb = tl.load(b_ptr + off, mask=mask & (kind == 2)[None, :], other=0.0)  # kind 0: va is the fill 0
+            tl.store(out_ptr + (out_row[:, None] + col[None, :]), tl.where((kind == 2)[None, :], vb, va),
+                     mask=mask)
+            c += STRIP_X
 
 
 @triton.jit
@@ -333,7 +378,7 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
                  REGION: tl.constexpr, WIDE: tl.constexpr, NUM_BOX: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, SLAB_X: tl.constexpr, STRIP_X: tl.constexpr,
                  X_ALIGN: tl.constexpr, OUT_ALIGN: tl.constexpr, SLAB_ROWS: tl.constexpr,
-                 SLAB_ALIGN: tl.constexpr = 1):
+                 SLAB_ALIGN: tl.constexpr = 1, STRIP_ALIGN: tl.constexpr = 0):
     """The whole staged tensor ``out [LEAD, E0, E1, E2]`` (row length ``out_s1`` = E2) in one launch.
 
     Box 0 of the box table is the interior window ``[LEAD, I0, I1, I2]`` at staged ``(LO0, LO1, LO2)``: a plain
@@ -381,7 +426,7 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
         n_right = tl.where(pid_x == nx - 1, out_s1 - tl.load(box + 20).to(tl.int32), 0)
         if n_left + n_right > 0:
             _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_left, n_right, rmask, r, q,
-                          lead, out_row, REGION, IDX, STRIP_X)
+                          lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
     else:  # a slab spans every column; own names: a name bound in both branches must keep its shape
         s_rmask, s_r, s_q, s_lead, s_out_row = _box_rows(box, pid_r, out_s1, BLOCK_R, IDX)
         s_e1 = (s_r - s_q * tl.load(box + 4).to(IDX)).to(tl.int32) + tl.load(box + 14).to(tl.int32)
@@ -788,7 +833,8 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     # per-element walk does; with int64 offsets it spills, and with unaligned rows it takes 255 (the walk: 159).
     # Not under the interpreter, where it costs more Python per program than the walk (20-60% a staging);
     # the tests force both ways.
-    c2base = _window_columns_linear(trail_luts(*axis_luts(plan.axes[-1], index[-1]), trail), lo[2], ext[2], segs[2])
+    luts_host = {2: trail_luts(*axis_luts(plan.axes[-1], index[-1]), trail)}  # the last axis's, merged
+    c2base = _window_columns_linear(luts_host[2], lo[2], ext[2], segs[2])
     if slab_rows is None:
         slab_rows = device.type == "cuda" and c2base is not None and not wide and x_align > 1
     elif slab_rows and c2base is None:
@@ -820,13 +866,20 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     btab = torch.tensor(rows, dtype=torch.int64, device=device)
     w = rows[:_STAGE_COLS]  # the window's row: its staged rows start at OBASE + LO2 + r*E2 + q*OB + lead*OC
     out_align = pow2_divisor(w[10] + lo[2], full[2], w[11], w[12])
-    slab_align = _slab_align(rows, len(boxes), piece_rows(plan, index, lead, trail), ns[2], segs[2], c2base, lo[2],
-                             ext[2], full[2]) if slab_rows else 1
+    ptab_rows = piece_rows(plan, index, lead, trail)
+    slab_align = _slab_align(rows, len(boxes), ptab_rows, ns[2], segs[2], c2base, lo[2], ext[2],
+                             full[2]) if slab_rows else 1
+    strip_align = 0
+    if trail > 1 and strips and (tile is None or len(tile) != 5 or trail % strip_x == 0):
+        if tile is None or len(tile) != 5:  # a chunk: channels of one spatial column, 8 elements a thread at most
+            strip_x = min(pow2_divisor(trail, cap=1 << 30), max(1, 8 * 32 * warps // block_r))
+        strip_align = _strip_align(w, ptab_rows, (segs[0] * ns[1] + segs[1]) * ns[2], luts_host[2],
+                                   lo[2], lo[2] + ext[2], full[2], strip_x)
     return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, ns[1], ns[2], full[2],
                                                                         x_str[1]),
                        dict(REGION=code, WIDE=wide, NUM_BOX=STAGE_BOXES, BLOCK_R=block_r, BLOCK_X=block_x,
                             SLAB_X=slab_x, STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, SLAB_ROWS=slab_rows,
-                            SLAB_ALIGN=slab_align,
+                            SLAB_ALIGN=slab_align, STRIP_ALIGN=strip_align,
                             num_warps=warps),
                        x_shape)
 
@@ -846,6 +899,22 @@ def _slab_align(rows: list[int], n_boxes: int, ptab: list[int], ns2: int, s2w: i
         kind, base, lstr, st0, st1 = ptab[5 * p: 5 * p + 5]
         if p % ns2 == s2w and kind != 0:
             terms += [base + c2base + lo2, lstr, st0, st1]
+    return pow2_divisor(*terms)
+
+
+def _strip_align(w: list[int], ptab: list[int], pbase: int, luts2: tuple[list[int], list[int]], lo2: int, hi2: int,
+                 row_len: int, strip_x: int) -> int:
+    """``STRIP_ALIGN`` (at least 1): the largest power of two (at most 16) dividing, for every window row and every
+    chunk of ``strip_x`` columns beside the window (from 0 to ``lo2`` and from ``hi2`` to ``row_len``), its staged
+    offset (``OBASE + r*E2 + q*OB + lead*OC`` of the window's table row ``w``, plus the chunk's column) and its
+    source offset (the chunk's piece: ``BASE + crd2[col] + r*STRIDE1 + ...``)."""
+    seg2, crd2 = luts2
+    terms = [strip_x, row_len, w[10], w[11], w[12]]
+    for col in [*range(0, lo2, strip_x), *range(hi2, row_len, strip_x)]:
+        kind, base, lstr, st0, st1 = ptab[5 * (pbase + seg2[col]): 5 * (pbase + seg2[col]) + 5]
+        terms.append(col)
+        if kind != 0:
+            terms += [base + crd2[col], lstr, st0, st1]
     return pow2_divisor(*terms)
 
 
