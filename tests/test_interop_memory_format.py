@@ -299,6 +299,7 @@ class LayoutCase:
     x_ranks: tuple
     kw: dict
     dtype: torch.dtype = torch.float32
+    path: str | None = None  # DISTFUSE_PATH during the calls ("fused": the Triton staging in the agreed format)
 
 
 def _layout_layers(c: LayoutCase, P_x):
@@ -331,13 +332,18 @@ def _run_layout(c: LayoutCase) -> dict:
     dyg = torch.randn(yg.shape, generator=gen, dtype=torch.float64).to(c.dtype).double()
     yg.backward(dyg)
     want_y, want_dx = _is_fmt(yg, fmt), _is_fmt(xg.grad, fmt)
+    def call(t):
+        return with_path(c.path, lambda: layer(t)) if c.path else layer(t)
+
     if not P_x.active:
-        y = layer(zero_volume_tensor(dtype=c.dtype))
+        y = call(zero_volume_tensor(dtype=c.dtype))
         assert y.numel() == 0
         return dict(active=False)
     x = xg.detach()[local_slices(c.shape, P_x.shape, P_x.index)].to(c.dtype).contiguous(memory_format=fmt)
     x.requires_grad_(True)
-    y = layer(x)
+    y = call(x)
+    if c.path:
+        assert layer.last_path == c.path, layer.last_decision
     y_sl = local_slices(tuple(yg.shape), P_x.shape, P_x.index)
     y.backward(dyg[y_sl].to(c.dtype).contiguous(memory_format=fmt))
     close(f"{c.name}: output", y.detach(), yg.detach()[y_sl], c.dtype)
@@ -346,7 +352,7 @@ def _run_layout(c: LayoutCase) -> dict:
         close(f"{c.name}: {name} gradient", p.grad, _replica_block(layer, name, getattr(seq, name).grad), c.dtype)
     mode = _CopiesOf(x.untyped_storage().data_ptr(), x.numel())
     with mode:  # the steady-state call (the first one agreed the metadata)
-        layer(x)
+        call(x)
     with _CopiesOf(x.untyped_storage().data_ptr(), x.numel()) as control:  # the counter sees an NCHW copy
         x.contiguous()
     return dict(active=True, want_y=want_y, want_dx=want_dx, got_y=_is_fmt(y, fmt) if y.numel() else None,
@@ -372,6 +378,11 @@ _LAYOUTS = {
                    dict(scale_factor=2, mode="trilinear")),
         LayoutCase("upsample-trilinear-1.5", "upsample", (1, 2, 3, 4, 5), (1, 1, 1, 2, 2), (0, 1, 2, 3),
                    dict(scale_factor=1.5, mode="trilinear")),
+        # the fused staging (Triton pack / stage, boxes in [B, *box, C] order) keeps the layout without a copy
+        LayoutCase("upsample-bilinear-fused", "upsample", (2, 3, 7, 5), (1, 1, 2, 2), (3, 1, 0, 2),
+                   dict(scale_factor=1.5, mode="bilinear"), path="fused"),
+        LayoutCase("upsample-trilinear-fused-bf16", "upsample", (1, 2, 4, 5, 3), (1, 1, 2, 1, 2), (3, 2, 1, 0),
+                   dict(scale_factor=2, mode="trilinear"), dtype=torch.bfloat16, path="fused"),
         LayoutCase("groupnorm-one-sample-permuted", "groupnorm", (1, 4, 7, 5), (1, 1, 2, 2), (3, 1, 0, 2),
                    dict(num_groups=2)),
         # several samples per worker: the statistics per (sample, group) are read from the [N, *s, C] memory

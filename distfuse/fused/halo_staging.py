@@ -7,8 +7,9 @@ unfused ``HaloExchange`` and the two can talk.
 
 :data:`halo_staging` / :data:`halo_staging_adjoint` (an op pair)::
 
-    distfuse::halo_staging(x [B, C, *n], handle, global_shape)                 -> staged [B, C, *L] (contiguous)
-    distfuse::halo_staging_adjoint(g [B, C, *L], handle, global_shape, x_shape) -> dx [B, C, *n]  (contiguous)
+    distfuse::halo_staging(x [B, C, *n], handle, global_shape, channels_last)       -> staged [B, C, *L]
+    distfuse::halo_staging_adjoint(g [B, C, *L], handle, global_shape, x_shape,
+                                   channels_last)                                  -> dx [B, C, *n]
 
 is the fused halo convolution's staging without the convolution (Triton pack / stage /
 unstage / accumulate), for layers that stage a window and then run something else on it
@@ -16,6 +17,9 @@ unstage / accumulate), for layers that stage a window and then run something els
 afterwards).  ``handle`` names the same context as the unfused pair
 (``primitives.halo_exchange.PlanHalo``), so the paths are interchangeable, compiled calls
 included.  Each op's backward is the other (staging is linear), so gradients of any order are exact.
+``channels_last`` (the format the layer's workers agreed on): the block, ``staged`` and ``dx``
+are channels last and the boxes travel as ``[B, *box, C]`` (no copy of a channels-last block);
+else they are contiguous (NCHW).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from distfuse.geometry.halo_plan import HaloPlan
-from distfuse.kernels.halo import halo_accumulate, halo_pack, halo_stage, halo_unstage
+from distfuse.kernels.halo import CHANNELS_LAST, halo_accumulate, halo_pack, halo_stage, halo_unstage
 from distfuse.kernels.halo_tables import box_offsets, recv_numel, send_numel
 from distfuse.primitives._common import exchange
 from distfuse.primitives._op_pair import op_pair
@@ -58,37 +62,48 @@ def backward_messages(plan: HaloPlan, index, world_of, lead, send_back: torch.Te
     return fwd_s, fwd_r
 
 
-def _staging(x: torch.Tensor, handle: int, global_shape: list[int]) -> torch.Tensor:
-    """Pack, one round, one staging pass (the kernels index NCHW blocks: ``x`` is made contiguous)."""
+def _format(nd: int, channels_last: bool) -> torch.memory_format:
+    return CHANNELS_LAST[nd] if channels_last else torch.contiguous_format
+
+
+def _staging(x: torch.Tensor, handle: int, global_shape: list[int], channels_last: bool = False) -> torch.Tensor:
+    """Pack, one round, one staging pass; ``x`` made contiguous in the agreed format (a no-op when it is)."""
     halo, plan, index = halo_geometry(handle, global_shape)
-    x = x.contiguous()
-    lead = math.prod(x.shape[:-len(plan.axes)])
-    send = halo_pack(x, plan, index)
+    nd = len(plan.axes)
+    x = x.contiguous(memory_format=_format(nd, channels_last))
+    lead = math.prod(x.shape[:-nd])
+    send = halo_pack(x, plan, index, channels_last=channels_last)
     recv = x.new_empty(recv_numel(plan, index, lead))
     exchange(*forward_messages(plan, index, halo.world_of_fn(), lead, send, recv), op=halo._op)
-    return halo_stage(x, recv, plan, index)
+    return halo_stage(x, recv, plan, index, channels_last=channels_last)
 
 
-def _staging_fake(x, handle, global_shape):
+def _staging_fake(x, handle, global_shape, channels_last=False):
     _, plan, index = halo_geometry(handle, global_shape)
-    return x.new_empty(tuple(x.shape[:-len(plan.axes)]) + plan.staged_shape(index))
+    nd = len(plan.axes)
+    return torch.empty(tuple(x.shape[:-nd]) + plan.staged_shape(index), dtype=x.dtype, device=x.device,
+                       memory_format=_format(nd, channels_last))
 
 
-def _staging_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], x_shape: list[int]) -> torch.Tensor:
-    """Unstage, the reversed messages, accumulate: ``[x_shape]``."""
+def _staging_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], x_shape: list[int],
+                     channels_last: bool = False) -> torch.Tensor:
+    """Unstage, the reversed messages, accumulate: ``[x_shape]`` (channels last with ``channels_last``)."""
     halo, plan, index = halo_geometry(handle, global_shape)
-    lead = math.prod(x_shape[:-len(plan.axes)])
-    part = halo_unstage(grad.contiguous(), plan, index)
+    nd = len(plan.axes)
+    lead = math.prod(x_shape[:-nd])
+    part = halo_unstage(grad.contiguous(memory_format=_format(nd, channels_last)), plan, index,
+                        channels_last=channels_last)
     incoming = grad.new_empty(send_numel(plan, index, lead))
     exchange(*backward_messages(plan, index, halo.world_of_fn(), lead, part.send, incoming), op=f"{halo._op} (adjoint)")
-    return halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index)
+    return halo_accumulate(part.grad_x, part.self_boxes, incoming, plan, index, channels_last=channels_last)
 
 
-def _staging_adjoint_fake(grad, handle, global_shape, x_shape):
-    return grad.new_empty(tuple(x_shape))
+def _staging_adjoint_fake(grad, handle, global_shape, x_shape, channels_last=False):
+    return torch.empty(tuple(x_shape), dtype=grad.dtype, device=grad.device,
+                       memory_format=_format(len(x_shape) - 2, channels_last))
 
 
 halo_staging, halo_staging_adjoint = op_pair(
     "halo_staging", _staging, _staging_fake, _staging_adjoint, _staging_adjoint_fake,
-    adjoint_args=lambda x, handle, G: (handle, list(G), list(x.shape)),
-    forward_args=lambda g, handle, G, x_shape: (handle, list(G)))
+    adjoint_args=lambda x, handle, G, channels_last=False: (handle, list(G), list(x.shape), channels_last),
+    forward_args=lambda g, handle, G, x_shape, channels_last=False: (handle, list(G), channels_last))

@@ -145,14 +145,17 @@ def choose_staging(plan: HaloPlan | None, dtype: torch.dtype, device: torch.devi
 
 
 def stage_window(x: torch.Tensor, halo: PlanHalo, rec: WindowRecord, global_shape: Sequence[int], *, path: str,
-                 fill: float = 0.0) -> torch.Tensor:
+                 fill: float = 0.0, channels_last: bool = False) -> torch.Tensor:
     """This worker's window ``[B, C, *L]`` from its block ``x [B, C, *n]`` by ``path`` (see the module docstring),
-    with the layer's halo context ``halo`` and this worker's ``rec``; every worker calls it with the same path."""
+    with the layer's halo context ``halo`` and this worker's ``rec``; every worker calls it with the same path.
+    ``channels_last``: the format the workers agreed on (the fused staging's boxes travel in its order)."""
     if path == "local":
         view = x[(Ellipsis, *rec.slices)]
         return F.pad(view, list(rec.flat_pad), value=fill) if any(rec.flat_pad) else view
-    stage = halo_staging if path == "fused" else halo_exchange
-    staged = stage(x, halo.handle, list(global_shape))
+    if path == "fused":
+        staged = halo_staging(x, halo.handle, list(global_shape), channels_last)
+    else:
+        staged = halo_exchange(x, halo.handle, list(global_shape))
     if fill != 0:  # overwrite the out-of-domain slabs in place (slabs only)
         nd = len(rec.pad_widths)
         for d, (lo, hi) in enumerate(rec.pad_widths):
@@ -261,7 +264,8 @@ class WindowLayer(AgreedLayer, nn.Module):
         self.last_decision = self.session.remember(("staging", G, x.dtype, x.device.type),
                                                    lambda: self.explain(x, G))
         self.last_path = self.last_decision.path
-        staged = stage_window(x, self._halo, win, G, path=self.last_path, fill=self.fill)
+        staged = stage_window(x, self._halo, win, G, path=self.last_path, fill=self.fill,
+                              channels_last=info.memory_format != torch.contiguous_format)
         out_shape = tuple(x.shape[:2]) + win.out_spatial
         if 0 in out_shape:
             return self._empty_output(staged, out_shape)
