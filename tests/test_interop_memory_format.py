@@ -79,8 +79,9 @@ def _is_fmt(t: torch.Tensor, fmt) -> bool:
     return t.is_contiguous(memory_format=fmt)
 
 
-def _run_channels_last(c: Case) -> dict:
-    """Parity of one case with a channels_last input: values, every gradient, output and input-gradient formats."""
+def _run_channels_last(c: Case, nchw_ranks: tuple = ()) -> dict:
+    """Parity of one case with a channels_last input: values, every gradient, output and input-gradient formats.
+    ``nchw_ranks``: world ranks whose block is NCHW instead (the workers then agree on NCHW)."""
     rank = dist.get_rank()
     fmt = FORMATS[len(c.shape)]
     P_x, P_out, _, layer = build(c)
@@ -100,7 +101,7 @@ def _run_channels_last(c: Case) -> dict:
     want_y, want_dx = _is_fmt(yg, fmt), _is_fmt(xg.grad, fmt)
     if P_x.active:
         x = xg.detach()[local_slices(c.shape, P_x.shape, P_x.index)].to(c.dtype)
-        x = x.contiguous(memory_format=fmt).requires_grad_(True)
+        x = x.contiguous(memory_format=torch.contiguous_format if rank in nchw_ranks else fmt).requires_grad_(True)
     else:
         x = zero_volume_tensor(dtype=c.dtype)
     y = with_path(c.path, lambda: layer(x))
@@ -196,6 +197,20 @@ _FUSED_WORLDS = {
 
 def _fused_channels_last(world):
     return [_run_channels_last(c) for c in _FUSED_WORLDS[world]]
+
+
+def _fused_mixed_formats():
+    c = dataclasses.replace(_FEATURE, name="fused-mixed-formats", path="fused", mode="reflect", seed=11)
+    r = _run_channels_last(c, nchw_ranks=(1, 2))
+    return r["path"]
+
+
+def test_fused_path_with_mixed_formats_agrees_on_one():
+    """Workers whose blocks differ in format (two channels_last, two NCHW) agree on NCHW for the halo boxes'
+    order, so the fused path computes the same values and gradients as torch.nn (checked on rank 0), never one
+    worker's boxes read in another's order."""
+    pytest.importorskip("triton")
+    assert run_ranks(4, _fused_mixed_formats) == ["fused"] * 4
 
 
 @pytest.mark.parametrize("world", sorted(_FUSED_WORLDS), ids=lambda w: f"world{w}")
