@@ -52,8 +52,10 @@ def _sequential(xg, w, b, kernel, stride, dilation, padding, mode, groups):
     return CONV[nd](xp, w, b, stride=stride, dilation=dilation, groups=groups), None
 
 
-def _rank_case(grid, gshape, cout, kernel, stride, dilation, padding, mode, groups, dtype, overlap, unfused):
-    """One rank: the fused op's output block and gradients (and the unfused composition's, if asked)."""
+def _rank_case(grid, gshape, cout, kernel, stride, dilation, padding, mode, groups, dtype, overlap, unfused,
+               channels_last=False):
+    """One rank: the fused op's output block and gradients (and the unfused composition's, if asked).
+    ``channels_last``: the block is channels last (the op reads the format from its strides)."""
     nd = len(kernel)
     P_x = Partition.world().create_partition_inclusive(range(math.prod(grid))).create_cartesian_topology_partition(
         grid)
@@ -64,7 +66,8 @@ def _rank_case(grid, gshape, cout, kernel, stride, dilation, padding, mode, grou
     plan = halo.plan(gshape)
     index = P_x.index[-nd:]
     # clone: .to() of the same dtype returns the very tensor, and two leaves would share one .grad
-    x = xg[local_slices(gshape, grid, P_x.index)].to(dtype).clone().requires_grad_(True)
+    fmt = {2: torch.channels_last, 3: torch.channels_last_3d}[nd] if channels_last else torch.contiguous_format
+    x = xg[local_slices(gshape, grid, P_x.index)].to(dtype).clone(memory_format=fmt).requires_grad_(True)
     wl = w.to(dtype).clone().requires_grad_(True)
     bl = b.to(dtype).clone().requires_grad_(True)
     y = halo_conv(x, wl, bl, plan, index, halo.world_of_fn(), stride=stride, dilation=dilation, groups=groups,
@@ -74,6 +77,8 @@ def _rank_case(grid, gshape, cout, kernel, stride, dilation, padding, mode, grou
     dyg = torch.randn((gshape[0], cout) + plan.global_output_shape(), generator=gen, dtype=torch.float64)
     dy = dyg[local_slices(dyg.shape, grid, P_x.index)].to(dtype)
     y.backward(dy)
+    if channels_last:  # the op keeps the layout both ways
+        assert y.is_contiguous(memory_format=fmt) and x.grad.is_contiguous(memory_format=fmt)
     out = dict(y=y.detach(), gx=x.grad, gw=wl.grad, gb=bl.grad)
     if unfused:
         xu = x.detach().clone().requires_grad_(True)
@@ -94,9 +99,9 @@ def _rank_case(grid, gshape, cout, kernel, stride, dilation, padding, mode, grou
 
 
 def _check(world, grid, gshape, cout, kernel, stride, dilation, padding, mode, groups=1, dtype=torch.float64,
-           overlap=False, unfused=False):
+           overlap=False, unfused=False, channels_last=False):
     results = run_ranks(world, _rank_case, grid, gshape, cout, kernel, stride, dilation, padding, mode, groups,
-                        dtype, overlap, unfused)
+                        dtype, overlap, unfused, channels_last)
     xg, w, b, _ = _global_data(gshape, cout, kernel, groups)
     xg.requires_grad_(True)
     yg, _ = _sequential(xg, w, b, kernel, stride, dilation, padding, mode, groups)
@@ -194,12 +199,51 @@ def test_overlap_schedule_matches(mode):
     _check(4, (1, 1, 2, 2), (2, 3, 7, 8), 3, (3, 3), (1, 1), (1, 1), 2, mode, overlap=True, unfused=True)
 
 
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_channels_last_matches_sequential_and_unfused(mode):
+    """Channels-last blocks: the fused op (both schedules) against torch and the unfused composition, the layout
+    kept by the output and the input gradient, 2-D and 3-D."""
+    _check(4, (1, 1, 2, 2), (2, 3, 7, 8), 3, (3, 3), (1, 1), (1, 1), 2, mode, overlap=True, unfused=True,
+           channels_last=True)
+    _check(4, (1, 1, 2, 1, 2), (1, 2, 5, 6, 7), 2, (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, mode, channels_last=True)
+
+
+def _frozen_weight_rank(grid, gshape, kernel, mode):
+    """A channels-last block, a weight that needs no gradient (the staged input is not kept): the input gradient."""
+    nd = len(kernel)
+    P_x = Partition.world().create_partition_inclusive(range(math.prod(grid))).create_cartesian_topology_partition(
+        grid)
+    xg, w, _, gen = _global_data(gshape, 2, kernel, 1)
+    halo = HaloExchange(P_x, kernel, padding=1, padding_mode=mode)
+    plan, index = halo.plan(gshape), P_x.index[-nd:]
+    x = xg[local_slices(gshape, grid, P_x.index)].clone(memory_format=torch.channels_last).requires_grad_(True)
+    y = halo_conv(x, w, None, plan, index, halo.world_of_fn())
+    dyg = torch.randn((gshape[0], 2) + plan.global_output_shape(), generator=gen, dtype=torch.float64)
+    y.backward(dyg[local_slices(dyg.shape, grid, P_x.index)])
+    return x.grad.is_contiguous(memory_format=torch.channels_last), x.grad
+
+
+def test_channels_last_with_a_frozen_weight():
+    """No weight gradient, so no staged input kept: the input gradient (dgrad from a stand-in of the staged
+    input's layout) against float64 torch, channels last."""
+    grid, gshape, kernel = (1, 1, 2, 2), (1, 3, 7, 6), (3, 3)
+    results = run_ranks(4, _frozen_weight_rank, grid, gshape, kernel, "reflect")
+    xg, w, b, gen = _global_data(gshape, 2, kernel, 1)
+    xg.requires_grad_(True)
+    yg, _ = _sequential(xg, w, b, kernel, (1, 1), (1, 1), 1, "reflect", 1)
+    yg.backward(torch.randn(yg.shape, generator=gen, dtype=torch.float64))
+    for rank, (kept_layout, gx) in enumerate(results):
+        assert kept_layout, f"rank {rank}: the input gradient is not channels last"
+        torch.testing.assert_close(gx, xg.grad[local_slices(gshape, grid, _index_of(grid, rank))], **tol(
+            torch.float64, terms=2 * 9), msg=f"grad x of rank {rank}")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 def test_low_precision_against_sequential_and_unfused(dtype):
     _check(4, (1, 1, 2, 2), (1, 3, 8, 9), 2, (3, 3), (1, 1), (1, 1), 1, "replicate", dtype=dtype, unfused=True)
 
 
-def _adjoint_rank(grid, gshape, kernel, padding, mode):
+def _adjoint_rank(grid, gshape, kernel, padding, mode, channels_last=False):
     nd = len(kernel)
     P_x = Partition.world().create_partition_inclusive(range(math.prod(grid))).create_cartesian_topology_partition(
         grid)
@@ -211,13 +255,17 @@ def _adjoint_rank(grid, gshape, kernel, padding, mode):
     plan, index, world_of = halo.plan(gshape), P_x.index[-nd:], halo.world_of_fn()
     x = torch.randn(tuple(s.stop - s.start for s in local_slices(gshape, grid, P_x.index)),
                     generator=torch.Generator().manual_seed(5 + dist.get_rank()), dtype=torch.float64)
-    return adjoint_check(lambda v: halo_conv(v, w, None, plan, index, world_of), x)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return adjoint_check(lambda v: halo_conv(v, w, None, plan, index, world_of, channels_last=channels_last), x)
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels_last"])
 @pytest.mark.parametrize("mode", ["reflect", "circular"])
-def test_dot_product_adjoint(mode):
-    """<F x, y> = <x, F* y> for the fused op as a linear map of x (bias None), inactive rank included."""
-    lhs, rhs = run_ranks(5, _adjoint_rank, (1, 1, 2, 2), (1, 2, 6, 7), (3, 3), 2, mode)[0]
+def test_dot_product_adjoint(mode, channels_last):
+    """<F x, y> = <x, F* y> for the fused op as a linear map of x (bias None), inactive rank included, in both
+    layouts."""
+    lhs, rhs = run_ranks(5, _adjoint_rank, (1, 1, 2, 2), (1, 2, 6, 7), (3, 3), 2, mode, channels_last)[0]
     assert abs(lhs - rhs) <= ADJOINT_RTOL * max(abs(lhs), abs(rhs)), (lhs, rhs)
     assert abs(lhs) > 1e-3
 

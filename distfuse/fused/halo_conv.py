@@ -165,8 +165,15 @@ def _stage_conv_adjoint(grad_y, x, kept, weight, plan: HaloPlan, index: tuple[in
             gw = torch.zeros_like(weight) if want_w else None
             gb = grad_y.new_zeros(weight.shape[0]) if want_b else None
             return gs, gw, gb
-        # dgrad reads only the input's shape: a zero-stride expand allocates nothing (as torch.nn.grad does)
-        inp = staged if staged is not None else grad_y.new_empty(1).expand(staged_full_shape)
+        # dgrad reads only the input's shape (and its layout): a zero-stride expand allocates nothing (as
+        # torch.nn.grad does); in channels last an unread stand-in in that layout, so that dgrad writes it directly
+        # (the expand would give an NCHW gradient and a copy of the same size)
+        if staged is not None:
+            inp = staged
+        elif cl:
+            inp = torch.empty(staged_full_shape, dtype=grad_y.dtype, device=grad_y.device, memory_format=fmt)
+        else:
+            inp = grad_y.new_empty(1).expand(staged_full_shape)
         gs, gw, gb = torch.ops.aten.convolution_backward(grad_y, inp, weight, bias_sizes, stride, [0] * nd, dilation,
                                                          False, [0] * nd, groups, [want_x, want_w, want_b])
         if gw is not None and gw.stride() != weight.stride():
