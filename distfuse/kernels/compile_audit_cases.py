@@ -225,16 +225,19 @@ def _halo_moving_cases(dt) -> list[KernelCase]:
         br = halo.STAGE_TILE_ELEMENTS // bx
         tile = dict(NUM_BOX=halo.STAGE_BOXES, BLOCK_R=br, BLOCK_X=bx, SLAB_X=max(1, bx // halo.STAGE_SLAB_SPLIT),
                     STRIP_X=max(1, 32 * halo.STAGE_NUM_WARPS // br), X_ALIGN=1, OUT_ALIGN=1, SLAB_ROWS=True)
-        # int32 offsets in every region, slabs one piece per row; int64 ones (buffers of 2^31 elements or more)
-        # where they hold the most, slabs by the table walk per element (stage_launch's choice there)
+        # What stage_launch launches in NCHW: int32 offsets in every region with the slabs one piece per row, which
+        # it picks only where the block's rows are vector aligned (X_ALIGN; the staged rows of odd halos are not:
+        # OUT_ALIGN 1); int64 offsets (buffers of 2^31 elements or more) and unaligned rows with the slabs by the
+        # table walk per element
+        vec = 16 // dt.itemsize
         for region, wide, slab_rows in ((0, False, True), (1, False, True), (2, False, True), (0, True, False),
                                         (0, False, False)):
             cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
-                                    dict(tile, REGION=region, WIDE=wide, SLAB_ROWS=slab_rows),
+                                    dict(tile, REGION=region, WIDE=wide, SLAB_ROWS=slab_rows,
+                                         X_ALIGN=vec if slab_rows else 1),
                                     halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64}))
         # rows 16-byte aligned in the block and the staged tensor (even halos; channels last): the window and the
         # slabs move in vectors
-        vec = 16 // dt.itemsize
         cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                 dict(tile, REGION=0, WIDE=False, X_ALIGN=vec, OUT_ALIGN=vec, SLAB_ALIGN=vec),
                                 halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64},
