@@ -15,7 +15,6 @@ partition creation.
 
 from __future__ import annotations
 
-import atexit
 import math
 import os
 from collections.abc import Sequence
@@ -33,17 +32,9 @@ __all__ = ["TIMEOUT_VARIABLE", "default_timeout", "world_group_timeout", "timeou
 _GROUPS: dict[tuple[int, ...], tuple] = {}
 _CREATION_SEQ = [0]
 # distfuse's own groups over the whole world: "data" (the world's backend), "meta" (gloo), "timeout" (seconds),
-# "world" (the default group they were made for; a re-initialised world gets fresh ones).
+# "world" (id of the default group they were made for; a re-initialised world gets fresh ones).
 _WORLD: dict = {}
 _TIMEOUTS: dict[int, float] = {}  # id(group) -> the timeout it was created with, in seconds
-
-
-@atexit.register
-def _forget_groups() -> None:
-    """Drop distfuse's references to its process groups at exit, while the interpreter is whole: a group whose
-    last reference goes in the interpreter's teardown can abort the process in gloo's worker threads."""
-    _WORLD.clear()
-    _GROUPS.clear()
 
 TIMEOUT_VARIABLE = "DISTFUSE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
@@ -145,7 +136,7 @@ def _world_groups() -> dict:
     once here before the first collective; then every rank checks that the others chose
     the same timeout.
     """
-    if _WORLD and _WORLD["world"] is dist.group.WORLD:
+    if _WORLD and _WORLD["world"] == id(dist.group.WORLD):
         return _WORLD
     timeout = default_timeout()  # raises ConfigError before any collective
     _WORLD.clear()
@@ -154,8 +145,7 @@ def _world_groups() -> dict:
     meta = _new_group(ranks, timeout, "gloo", "the metadata group")
     nccl = cuda_backend_of(dist.group.WORLD) == "nccl"  # then partitions live on the GPU and need the warm-up
     data = _new_group(ranks, timeout, None, "the world data group") if nccl else meta
-    # the world group itself, not its id: a process group made after this one was destroyed may reuse its address
-    _WORLD.update(data=data, meta=meta, timeout=timeout.total_seconds(), world=dist.group.WORLD)
+    _WORLD.update(data=data, meta=meta, timeout=timeout.total_seconds(), world=id(dist.group.WORLD))
     try:
         _check_creation_consistent("Partition.world", [ranks], args={"timeout_s": timeout.total_seconds()})
     except Exception:
@@ -172,7 +162,7 @@ def world_group():
     It exists once :meth:`Partition.world` has been called (on every rank); before that
     there is no partition to communicate over, so this raises :class:`PartitionError`.
     """
-    if not _WORLD or _WORLD["world"] is not dist.group.WORLD:
+    if not _WORLD or _WORLD["world"] != id(dist.group.WORLD):
         raise PartitionError(f"{where('Partition')}: distfuse's world group does not exist yet; call "
                              "Partition.world() on every rank first")
     return _WORLD["data"]
