@@ -317,20 +317,25 @@ def halo_stage_times(torch, device, dtype, calls, record, cuda) -> None:
 def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
     """Kernel time of the one-launch staging per tile config, with and without the row-alignment hints, against the
     copy of the staged bytes (the pinned config, :func:`~distfuse.kernels.halo_programs.stage_tile`, was chosen
-    without a GPU).  Each config's output is checked bit-exact against the torch reference first."""
+    without a GPU), in NCHW and in channels last (rows of ``L_last * C`` elements: ``format`` in the rows).  Each
+    config's output is checked bit-exact against the torch reference first."""
     from bench.bench_halo_conv import Case
     from distfuse.kernels import halo_programs as hp
 
-    shapes = [(3, 64, 64), (3, 256, 64), (2, 64, 512), (2, 256, 512)] if cuda else [(2, 2, 8)]
+    shapes = ([(3, 64, 64, False), (3, 256, 64, False), (2, 64, 512, False), (2, 256, 512, False),
+               (3, 64, 64, True), (2, 256, 512, True)] if cuda else [(2, 2, 8, False), (2, 2, 8, True)])
     configs = [(e, w) for e in (4096, 8192, 16384) for w in (4, 8)] if cuda else [(64, 4)]
-    for nd, c, n in shapes:
-        case = Case(nd, 1, c, n, 1, dtype, device)
-        out = torch.empty(case.staged_shape, device=device, dtype=dtype)
-        shape = dict(nd=nd, C=c, n=n, staged_bytes=out.numel() * out.element_size())
+    for nd, c, n, cl in shapes:
+        case = Case(nd, 1, c, n, 1, dtype, device, channels_last=cl)
+        out = torch.empty(case.staged_shape, device=device, dtype=dtype, memory_format=case.fmt)
+        shape = dict(nd=nd, C=c, n=n, format="channels_last" if cl else "nchw",
+                     staged_bytes=out.numel() * out.element_size())
         dst = torch.empty_like(out)
         record(section="halo_tiles", op="copy", **shape,
                **measure(torch, lambda dst=dst, case=case: dst.copy_(case.staged_ref), device, calls))
-        lead = case.x.numel() // math.prod(case.x.shape[2:])
+        # the kernels' view: LEAD vectors of TRAIL elements per spatial position (channels last: B and C)
+        trail = c if cl else 1
+        lead = case.x.numel() // math.prod(case.x.shape[2:]) // trail
         # The pinned tile, split: the window and x's pieces, then recv's pieces; then the slabs both ways (one piece
         # per row, the stage_launch default where it applies, against the table walk per element), checked first.
         variants = [(f"halo_stage region={region}", dict(region=region)) for region in ("local", "remote")]
@@ -338,7 +343,7 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
         for name, how in variants:
             try:
                 launch = hp.stage_launch(case.plan, case.index, lead, device, how["region"], None,
-                                         how.get("slab_rows"))
+                                         how.get("slab_rows"), trail)
             except ValueError as exc:  # slab_rows=True where the window's columns are not one linear segment
                 record(section="halo_tiles", op=name, **shape, error=str(exc)[:200])
                 continue
@@ -354,12 +359,17 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
         for elems, warps in configs:
             if clock.left() < 15:
                 return
-            bx = hp.stage_tile(n, n + 2, 1, device, None)[1] if cuda else n
+            bx = hp.stage_tile(n * trail, (n + 2) * trail, 1, device, None)[1] if cuda else n * trail
             br = max(1, elems // bx)
-            tile = (br, bx, max(1, bx // hp.STAGE_SLAB_SPLIT), max(1, 32 * warps // br), warps)
-            base = hp.stage_launch(case.plan, case.index, lead, device, "all", tile)
+            # STRIP_X: one element a thread in NCHW; in channels last a chunk of one spatial column's channels, at
+            # most 8 elements a thread (stage_launch's own choice)
+            strip = (min(hp.pow2_divisor(trail, cap=1 << 30), max(1, 8 * 32 * warps // br)) if cl
+                     else max(1, 32 * warps // br))
+            tile = (br, bx, max(1, bx // hp.STAGE_SLAB_SPLIT), strip, warps)
+            base = hp.stage_launch(case.plan, case.index, lead, device, "all", tile, None, trail)
             for hints in (True, False):
-                launch = base if hints else base._replace(meta=dict(base.meta, X_ALIGN=1, OUT_ALIGN=1))
+                off = dict(X_ALIGN=1, OUT_ALIGN=1, SLAB_ALIGN=1, STRIP_ALIGN=min(1, base.meta.get("STRIP_ALIGN", 0)))
+                launch = base if hints else base._replace(meta=dict(base.meta, **off))
                 out.fill_(float("nan"))
                 hp.launch_stage(out, case.x, case.recv, launch)
                 exact = bool(torch.equal(out, case.staged_ref))
