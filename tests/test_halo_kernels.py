@@ -528,7 +528,7 @@ def test_stage_launch_is_built_once(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("rebuilt on a cached call")
 
-    monkeypatch.setattr(hp, "stage_tables", refuse)
+    monkeypatch.setattr(hp, "stage_table_lists", refuse)
     monkeypatch.setattr(hp, "recv_numel", refuse)
     monkeypatch.setattr(hp, "interior_piece", refuse)
     assert torch.equal(hk.halo_stage(x, recv, plan, i), first)

@@ -52,10 +52,19 @@ from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.fused.halo_staging import backward_messages, forward_messages
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.groups import world_group
-from distfuse.kernels.halo import CHANNELS_LAST, halo_accumulate, halo_pack, halo_stage, halo_unstage, is_channels_last
+from distfuse.kernels.halo import (
+    CHANNELS_LAST,
+    halo_accumulate,
+    halo_pack,
+    halo_stage,
+    halo_unstage,
+    is_channels_last,
+    layout_format,
+)
 from distfuse.kernels.halo_tables import recv_numel, send_numel
 from distfuse.primitives._common import collective_guard, exchange, first_order_only
 from distfuse.primitives._handles import lookup
+from distfuse.primitives._layout import empty_in
 from distfuse.primitives._op_pair import ordered
 
 __all__ = ["HaloConvFunction", "halo_conv", "fused_halo_conv", "implicit_requested", "check_implicit"]
@@ -98,10 +107,6 @@ def _wait(works) -> None:
             w.wait()
 
 
-def _format(nd: int, channels_last: bool) -> torch.memory_format:
-    return CHANNELS_LAST[nd] if channels_last else torch.contiguous_format
-
-
 def _stage_conv(x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_of: Callable, groups: int,
                 overlap: bool, implicit: bool, keep: bool,
                 channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -136,7 +141,7 @@ def _stage_conv(x, weight, bias, plan: HaloPlan, index: tuple[int, ...], world_o
         y = _conv(nd, staged, weight, bias, stride, dilation, groups)
     # channels last in, channels last out, whatever the backend's choice (CPU conv3d returns NCDHW): what the
     # custom op's fake promises; the layers then give the format torch.nn's convolution gives
-    y = y.contiguous(memory_format=_format(nd, cl))
+    y = y.contiguous(memory_format=layout_format(nd, cl))
     # Kept only for the weight gradient: the conv's own activation, the memory the unfused HaloExchange + conv keeps.
     return y, (staged if keep else None)
 
@@ -148,7 +153,7 @@ def _stage_conv_adjoint(grad_y, x, kept, weight, plan: HaloPlan, index: tuple[in
     only) and ``kept`` are what :func:`_stage_conv` kept; ``channels_last`` as there (``dx`` is channels last)."""
     nd = len(plan.axes)
     cl = channels_last
-    fmt = _format(nd, cl)
+    fmt = layout_format(nd, cl)
     staged_full_shape = tuple(x_shape[:2]) + plan.staged_shape(index)
     staged = kept
     if implicit:
@@ -171,7 +176,7 @@ def _stage_conv_adjoint(grad_y, x, kept, weight, plan: HaloPlan, index: tuple[in
         if staged is not None:
             inp = staged
         elif cl:
-            inp = torch.empty(staged_full_shape, dtype=grad_y.dtype, device=grad_y.device, memory_format=fmt)
+            inp = empty_in(staged_full_shape, fmt, dtype=grad_y.dtype, device=grad_y.device)
         else:
             inp = grad_y.new_empty(1).expand(staged_full_shape)
         gs, gw, gb = torch.ops.aten.convolution_backward(grad_y, inp, weight, bias_sizes, stride, [0] * nd, dilation,
@@ -256,20 +261,17 @@ def _halo_conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y, (kept if kept is not None else x.new_empty(0))
 
 
-def _empty_in(like: torch.Tensor, shape: tuple[int, ...], nd: int, channels_last: bool) -> torch.Tensor:
-    return torch.empty(shape, dtype=like.dtype, device=like.device, memory_format=_format(nd, channels_last))
-
-
 @_halo_conv_op.register_fake
 def _(x, weight, bias, handle, global_shape, groups, overlap, implicit, keep, anchor=None, channels_last=False):
     plan, index, _ = _context(handle, global_shape)
     nd = len(plan.axes)
-    y = _empty_in(x, (x.shape[0], weight.shape[0]) + plan.output_shape(index), nd, channels_last)
+    fmt = layout_format(nd, channels_last)
+    y = empty_in((x.shape[0], weight.shape[0]) + plan.output_shape(index), fmt, dtype=x.dtype, device=x.device)
     if not keep:
         return y, x.new_empty(0)
     if implicit:
         return y, x.new_empty(recv_numel(plan, index, math.prod(x.shape[:-len(plan.axes)])))
-    return y, _empty_in(x, tuple(x.shape[:2]) + plan.staged_shape(index), nd, channels_last)
+    return y, empty_in(tuple(x.shape[:2]) + plan.staged_shape(index), fmt, dtype=x.dtype, device=x.device)
 
 
 @torch.library.custom_op("distfuse::halo_conv_backward", mutates_args=())
@@ -287,7 +289,9 @@ def _halo_conv_backward_op(grad_y: torch.Tensor, x: torch.Tensor, kept: torch.Te
 def _(grad_y, x, kept, weight, handle, global_shape, groups, overlap, implicit, has_bias, x_shape, needs,
       channels_last=False):
     nd = len(x_shape) - 2
-    return [_empty_in(grad_y, tuple(x_shape), nd, channels_last) if needs[0] else grad_y.new_empty(0),
+    fmt = layout_format(nd, channels_last)
+    return [empty_in(tuple(x_shape), fmt, dtype=grad_y.dtype, device=grad_y.device) if needs[0]
+            else grad_y.new_empty(0),
             torch.empty_like(weight) if needs[1] else grad_y.new_empty(0),
             weight.new_empty(weight.shape[0]) if needs[2] and has_bias else grad_y.new_empty(0)]
 
@@ -324,7 +328,7 @@ def fused_halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     format every worker of the grid agreed on (the messages' boxes follow it); the block is made
     contiguous in it (a no-op for a block already dense in it), and ``y`` is channels last.
     """
-    x = x.contiguous(memory_format=_format(x.dim() - 2, channels_last))
+    x = x.contiguous(memory_format=layout_format(x.dim() - 2, channels_last))
     overlap = x.is_cuda
     if torch.compiler.is_compiling():
         keep = weight.requires_grad and torch.is_grad_enabled()
@@ -420,8 +424,9 @@ def halo_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     elif channels_last and nd not in CHANNELS_LAST:
         raise UnsupportedError(f"{where(_OP)}: channels last needs 2 or 3 spatial axes, the plan has {nd}")
     check_implicit(implicit, groups, x.dtype, bool(channels_last))
-    return HaloConvFunction.apply(x.contiguous(memory_format=_format(nd, bool(channels_last))), weight, bias, plan,
-                                  index, world_of, groups, bool(overlap), bool(implicit), None, bool(channels_last))
+    return HaloConvFunction.apply(x.contiguous(memory_format=layout_format(nd, bool(channels_last))), weight, bias,
+                                  plan, index, world_of, groups, bool(overlap), bool(implicit), None,
+                                  bool(channels_last))
 
 
 def check_implicit(implicit: bool, groups: int, dtype: torch.dtype, channels_last: bool = False) -> None:

@@ -30,9 +30,10 @@ from collections.abc import Sequence
 import torch
 
 from distfuse.geometry.halo_plan import HaloPlan
-from distfuse.kernels.halo import CHANNELS_LAST, halo_accumulate, halo_pack, halo_stage, halo_unstage
+from distfuse.kernels.halo import halo_accumulate, halo_pack, halo_stage, halo_unstage, layout_format
 from distfuse.kernels.halo_tables import box_offsets, recv_numel, send_numel
 from distfuse.primitives._common import exchange
+from distfuse.primitives._layout import empty_in
 from distfuse.primitives._op_pair import op_pair
 from distfuse.primitives.halo_exchange import halo_geometry
 
@@ -62,15 +63,11 @@ def backward_messages(plan: HaloPlan, index, world_of, lead, send_back: torch.Te
     return fwd_s, fwd_r
 
 
-def _format(nd: int, channels_last: bool) -> torch.memory_format:
-    return CHANNELS_LAST[nd] if channels_last else torch.contiguous_format
-
-
 def _staging(x: torch.Tensor, handle: int, global_shape: list[int], channels_last: bool = False) -> torch.Tensor:
     """Pack, one round, one staging pass; ``x`` made contiguous in the agreed format (a no-op when it is)."""
     halo, plan, index = halo_geometry(handle, global_shape)
     nd = len(plan.axes)
-    x = x.contiguous(memory_format=_format(nd, channels_last))
+    x = x.contiguous(memory_format=layout_format(nd, channels_last))
     lead = math.prod(x.shape[:-nd])
     send = halo_pack(x, plan, index, channels_last=channels_last)
     recv = x.new_empty(recv_numel(plan, index, lead))
@@ -81,8 +78,8 @@ def _staging(x: torch.Tensor, handle: int, global_shape: list[int], channels_las
 def _staging_fake(x, handle, global_shape, channels_last=False):
     _, plan, index = halo_geometry(handle, global_shape)
     nd = len(plan.axes)
-    return torch.empty(tuple(x.shape[:-nd]) + plan.staged_shape(index), dtype=x.dtype, device=x.device,
-                       memory_format=_format(nd, channels_last))
+    return empty_in(tuple(x.shape[:-nd]) + plan.staged_shape(index), layout_format(nd, channels_last),
+                    dtype=x.dtype, device=x.device)
 
 
 def _staging_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], x_shape: list[int],
@@ -91,7 +88,7 @@ def _staging_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], x
     halo, plan, index = halo_geometry(handle, global_shape)
     nd = len(plan.axes)
     lead = math.prod(x_shape[:-nd])
-    part = halo_unstage(grad.contiguous(memory_format=_format(nd, channels_last)), plan, index,
+    part = halo_unstage(grad.contiguous(memory_format=layout_format(nd, channels_last)), plan, index,
                         channels_last=channels_last)
     incoming = grad.new_empty(send_numel(plan, index, lead))
     exchange(*backward_messages(plan, index, halo.world_of_fn(), lead, part.send, incoming), op=f"{halo._op} (adjoint)")
@@ -99,8 +96,8 @@ def _staging_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], x
 
 
 def _staging_adjoint_fake(grad, handle, global_shape, x_shape, channels_last=False):
-    return torch.empty(tuple(x_shape), dtype=grad.dtype, device=grad.device,
-                       memory_format=_format(len(x_shape) - 2, channels_last))
+    return empty_in(tuple(x_shape), layout_format(len(x_shape) - 2, channels_last), dtype=grad.dtype,
+                    device=grad.device)
 
 
 halo_staging, halo_staging_adjoint = op_pair(

@@ -68,7 +68,7 @@ from distfuse.kernels.halo_tables import (
     send_numel,
 )
 
-__all__ = ["REGIONS", "CHANNELS_LAST", "Layout", "is_channels_last",
+__all__ = ["REGIONS", "CHANNELS_LAST", "Layout", "is_channels_last", "layout_format",
            "Unstaged", "halo_pack", "halo_stage", "halo_unstage", "halo_accumulate", "halo_pack_reference",
            "halo_stage_reference", "halo_unstage_reference", "halo_accumulate_reference", "send_numel", "recv_numel",
            "self_numel"]
@@ -95,9 +95,16 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 CHANNELS_LAST = {2: torch.channels_last, 3: torch.channels_last_3d}
 
 
+def layout_format(nd: int, channels_last: bool) -> torch.memory_format:
+    """The memory format of a ``[B, C, *spatial]`` tensor (``nd`` spatial axes) in the layout ``channels_last``
+    says: what the fused halo ops allocate and make their blocks contiguous in."""
+    return CHANNELS_LAST[nd] if channels_last else torch.contiguous_format
+
+
 def is_channels_last(t: torch.Tensor, nd: int) -> bool:
     """Whether ``t`` ``[B, C, *spatial]`` (``nd`` spatial axes) is dense in channels-last order and not in NCHW
-    order (a tensor dense in both has one memory order for both, and is taken as NCHW)."""
+    order (a tensor dense in both has one memory order for both, and is taken as NCHW): the rule of
+    :func:`distfuse.primitives._layout.memory_format_of`, which the kernels' floor may not import."""
     fmt = CHANNELS_LAST.get(nd)
     return (fmt is not None and t.dim() == nd + 2 and not t.is_contiguous()
             and t.is_contiguous(memory_format=fmt))

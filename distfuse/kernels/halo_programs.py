@@ -124,15 +124,13 @@ import triton.language as tl
 from distfuse.errors import UnsupportedError, where
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.kernels.halo_tables import (
-    axis_luts,
     contiguous_strides,
     interior_piece,
     merged_shape,
     pad3,
-    piece_rows,
     recv_numel,
-    stage_tables,
-    trail_luts,
+    stage_table_lists,
+    table_tensors,
 )
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out
@@ -282,7 +280,7 @@ def _stage_beside_chunks(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, n_
             keep = keep & (kind != 2)
         if REGION == 2:
             keep = keep & (kind == 2)
-        mask0 = keep[:, None] & (t[None, :] < STRIP_X)
+        mask0 = keep[:, None] & (t[None, :] < STRIP_X)  # always true: the row mask broadcast over the chunk
         src = tl.where(kind == 2, b_ptr + src_row, a_ptr + src_row)  # kind 0 (zero fill) reads nothing
         v = tl.load(src[:, None] + t[None, :], mask=mask0 & (kind != 0)[:, None], other=0.0)
         tl.store(out_ptr + (o_row[:, None] + t[None, :]), v, mask=mask0)
@@ -803,7 +801,8 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     code = REGION_CODE[region]
     if total == 0:
         return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape)
-    luts, ptab, ns = stage_tables(plan, index, lead, device, trail)
+    lists, ptab_rows, ns = stage_table_lists(plan, index, lead, trail)
+    luts, ptab = table_tensors(lists, ptab_rows, device)
     out_str = (math.prod(full), *contiguous_strides(full)[:2])
     if interior is None or math.prod(interior.shape) == 0:  # the whole staged tensor by the table walk
         n_rows = lead * full[0] * full[1]
@@ -833,8 +832,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     # per-element walk does; with int64 offsets it spills, and with unaligned rows it takes 255 (the walk: 159).
     # Not under the interpreter, where it costs more Python per program than the walk (20-60% a staging);
     # the tests force both ways.
-    luts_host = {2: trail_luts(*axis_luts(plan.axes[-1], index[-1]), trail)}  # the last axis's, merged
-    c2base = _window_columns_linear(luts_host[2], lo[2], ext[2], segs[2])
+    c2base = _window_columns_linear(lists[2], lo[2], ext[2], segs[2])  # the last axis's LUTs, merged
     if slab_rows is None:
         slab_rows = device.type == "cuda" and c2base is not None and not wide and x_align > 1
     elif slab_rows and c2base is None:
@@ -866,14 +864,13 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     btab = torch.tensor(rows, dtype=torch.int64, device=device)
     w = rows[:_STAGE_COLS]  # the window's row: its staged rows start at OBASE + LO2 + r*E2 + q*OB + lead*OC
     out_align = pow2_divisor(w[10] + lo[2], full[2], w[11], w[12])
-    ptab_rows = piece_rows(plan, index, lead, trail)
     slab_align = _slab_align(rows, len(boxes), ptab_rows, ns[2], segs[2], c2base, lo[2], ext[2],
                              full[2]) if slab_rows else 1
     strip_align = 0
     if trail > 1 and strips and (tile is None or len(tile) != 5 or trail % strip_x == 0):
         if tile is None or len(tile) != 5:  # a chunk: channels of one spatial column, 8 elements a thread at most
             strip_x = min(pow2_divisor(trail, cap=1 << 30), max(1, 8 * 32 * warps // block_r))
-        strip_align = _strip_align(w, ptab_rows, (segs[0] * ns[1] + segs[1]) * ns[2], luts_host[2],
+        strip_align = _strip_align(w, ptab_rows, (segs[0] * ns[1] + segs[1]) * ns[2], lists[2],
                                    lo[2], lo[2] + ext[2], full[2], strip_x)
     return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, ns[1], ns[2], full[2],
                                                                         x_str[1]),

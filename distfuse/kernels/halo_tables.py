@@ -36,7 +36,8 @@ from distfuse.geometry.halo_plan import HaloPlan, Piece
 __all__ = ["SUPPORTED_DTYPES", "pad3", "contiguous_strides", "box_offsets", "interior_piece",
            "self_pieces", "send_numel", "recv_numel", "self_numel", "stage_tables", "pack_tables", "unstage_box_tables",
            "accumulate_boxes", "accumulate_cells", "accumulate_tables", "plan_tensor_lead", "check_plan_layout",
-           "check_flat", "axis_luts", "trail_luts", "merged_shape", "piece_rows"]
+           "check_flat", "axis_luts", "trail_luts", "merged_shape", "piece_rows", "stage_table_lists",
+           "table_tensors"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _NEVER = 1 << 62  # START of an unused accumulate cell row: no element reaches it
@@ -163,19 +164,33 @@ def piece_rows(plan: HaloPlan, index: tuple[int, ...], lead: int, trail: int = 1
     return rows
 
 
+def stage_table_lists(plan: HaloPlan, index: tuple[int, ...], lead: int, trail: int = 1):
+    """The host lists behind :func:`stage_tables`: the per-axis (segment, coordinate) LUTs padded to three axes
+    (the last merged with ``trail`` channels, :func:`trail_luts`), the piece rows (:func:`piece_rows`) and the
+    segment count of each axis."""
+    luts = [axis_luts(ax, i) for ax, i in zip(plan.axes, index, strict=True)]
+    luts[-1] = trail_luts(*luts[-1], trail)
+    luts = [([0], [0])] * (3 - len(luts)) + luts
+    ns = [max(seg_id) + 1 if seg_id else 1 for seg_id, _ in luts]
+    return luts, piece_rows(plan, index, lead, trail), ns
+
+
+def table_tensors(luts, rows: list[int], device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`stage_table_lists`' LUTs (int32, segment then coordinate per axis) and piece rows (int64) on
+    ``device``."""
+    return [torch.tensor(t, dtype=torch.int32, device=device) for pair in luts for t in pair], _i64(rows, device)
+
+
 def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, trail: int = 1):
-    """Per-axis (segment, coordinate) LUTs over the staged extents and the piece table (:func:`piece_rows`).
+    """Per-axis (segment, coordinate) LUTs over the staged extents, the piece table (:func:`piece_rows`) and the
+    segment counts, on ``device``.
 
     ``trail`` > 1 (channels last: ``lead`` is the batch, ``trail`` the channels, innermost in memory): the last
     axis and its LUTs are merged with the channels (:func:`trail_luts`), and the piece table's bases and strides
     count elements of the merged layout ``[lead, s0, s1, s2 * trail]``.
     """
-    luts = [axis_luts(ax, i) for ax, i in zip(plan.axes, index, strict=True)]
-    luts[-1] = trail_luts(*luts[-1], trail)
-    luts = [([0], [0])] * (3 - len(luts)) + luts
-    flat = [torch.tensor(t, dtype=torch.int32, device=device) for pair in luts for t in pair]
-    ns = [max(seg_id) + 1 if seg_id else 1 for seg_id, _ in luts]
-    return flat, _i64(piece_rows(plan, index, lead, trail), device), ns
+    luts, rows, ns = stage_table_lists(plan, index, lead, trail)
+    return (*table_tensors(luts, rows, device), ns)
 
 
 def _box_launch_tables(rows: list[int], numels: list[int], device):
