@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -25,19 +26,66 @@ import torch.distributed as dist
 
 from distfuse.errors import CollectiveTimeoutError, ConfigError, PartitionError, where
 
-__all__ = ["TIMEOUT_VARIABLE", "default_timeout", "world_group_timeout", "timeout_label", "group_timeout",
-           "world_group", "metadata_group", "cuda_backend_of", "groups_for", "world_partition_groups",
-           "default_device"]
+__all__ = ["TIMEOUT_VARIABLE", "world_generation", "WorldTable", "default_timeout", "world_group_timeout",
+           "timeout_label", "group_timeout", "world_group", "metadata_group", "cuda_backend_of", "groups_for",
+           "world_partition_groups", "default_device"]
 
 _GROUPS: dict[tuple[int, ...], tuple] = {}
 _CREATION_SEQ = [0]
 # distfuse's own groups over the whole world: "data" (the world's backend), "meta" (gloo), "timeout" (seconds),
-# "world" (id of the default group they were made for; a re-initialised world gets fresh ones).
+# "world" (the world_generation() they were made for; a re-initialised world gets fresh ones).
 _WORLD: dict = {}
-_TIMEOUTS: dict[int, float] = {}  # id(group) -> the timeout it was created with, in seconds
+_TIMEOUTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # group -> the timeout it was created with (s)
+_WORLD_SEEN: list = [None, 0]  # a weak reference to the default group seen last, and its generation
 
 TIMEOUT_VARIABLE = "DISTFUSE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 600.0
+
+
+def world_generation() -> int:
+    """A number naming the current default process group (``dist.group.WORLD``), for caches of what is made over it.
+
+    It changes whenever the default group is another object than the one seen last, so after
+    ``destroy_process_group()`` and a new ``init_process_group()`` every cache keyed by it misses
+    (distfuse's world groups, the layers' cached partitions, the DeviceMesh views).  The check is by
+    identity through a weak reference, not by ``id()``: the new default group may be allocated at
+    the address of the destroyed one, and an ``id`` key would then hand back the destroyed world's
+    groups.  The weak reference keeps nothing alive, so no process group outlives its world here
+    (nor in a forked child).
+    """
+    world = dist.group.WORLD if dist.is_available() else None
+    seen = _WORLD_SEEN[0]
+    if (seen() if seen is not None else None) is not world:
+        _WORLD_SEEN[0] = weakref.ref(world) if world is not None else None
+        _WORLD_SEEN[1] += 1
+    return _WORLD_SEEN[1]
+
+
+class WorldTable(dict):
+    """A cache of what is made over the current world's process groups (partitions, layers, workspaces), by key.
+
+    Read it through :meth:`current`, which empties it first when the default group changed since its last use
+    (:func:`world_generation`): after ``destroy_process_group()`` and a new ``init_process_group()`` in one
+    process (an in-process restart), an entry made over the destroyed world would run its collectives on dead
+    groups, or on live ones whose ranks now belong to other processes.  ``drop(value)``, when given, releases each
+    dropped entry (locally: the destroyed world can no longer run a collective).
+    """
+
+    def __init__(self, drop: Callable[[object], None] | None = None):
+        super().__init__()
+        self.generation = 0
+        self._drop = drop
+
+    def current(self) -> WorldTable:
+        """This table, emptied when the world changed since its last use."""
+        generation = world_generation()
+        if generation != self.generation:
+            if self._drop is not None:
+                for value in list(self.values()):
+                    self._drop(value)
+            self.clear()
+            self.generation = generation
+        return self
 
 
 def world_group_timeout() -> float | None:
@@ -107,7 +155,11 @@ def group_timeout(group=None) -> float:
     """
     if group is None and _WORLD:
         return _WORLD["timeout"]
-    return _TIMEOUTS.get(id(group)) or default_timeout().total_seconds()  # positive when recorded
+    try:
+        recorded = _TIMEOUTS.get(group)
+    except TypeError:  # None, or a non-member's placeholder (an int): no group of ours
+        recorded = None
+    return recorded or default_timeout().total_seconds()  # positive when recorded
 
 
 def _new_group(ranks: Sequence[int], timeout: timedelta, backend: str | None, what: str):
@@ -121,7 +173,8 @@ def _new_group(ranks: Sequence[int], timeout: timedelta, backend: str | None, wh
             f"{timeout_label(timeout.total_seconds())}: {cause}"
             ". Creation is collective over the world: a rank that raised before the call (a bad "
             f"{TIMEOUT_VARIABLE} on that rank, for example), died or made another call ends here") from exc
-    _TIMEOUTS[id(group)] = timeout.total_seconds()
+    if isinstance(group, dist.ProcessGroup):  # a rank outside ``ranks`` gets a placeholder (an int)
+        _TIMEOUTS[group] = timeout.total_seconds()
     return group
 
 
@@ -136,7 +189,8 @@ def _world_groups() -> dict:
     once here before the first collective; then every rank checks that the others chose
     the same timeout.
     """
-    if _WORLD and _WORLD["world"] == id(dist.group.WORLD):
+    generation = world_generation()
+    if _WORLD and _WORLD["world"] == generation:
         return _WORLD
     timeout = default_timeout()  # raises ConfigError before any collective
     _WORLD.clear()
@@ -145,7 +199,7 @@ def _world_groups() -> dict:
     meta = _new_group(ranks, timeout, "gloo", "the metadata group")
     nccl = cuda_backend_of(dist.group.WORLD) == "nccl"  # then partitions live on the GPU and need the warm-up
     data = _new_group(ranks, timeout, None, "the world data group") if nccl else meta
-    _WORLD.update(data=data, meta=meta, timeout=timeout.total_seconds(), world=id(dist.group.WORLD))
+    _WORLD.update(data=data, meta=meta, timeout=timeout.total_seconds(), world=generation)
     try:
         _check_creation_consistent("Partition.world", [ranks], args={"timeout_s": timeout.total_seconds()})
     except Exception:
@@ -162,7 +216,7 @@ def world_group():
     It exists once :meth:`Partition.world` has been called (on every rank); before that
     there is no partition to communicate over, so this raises :class:`PartitionError`.
     """
-    if not _WORLD or _WORLD["world"] != id(dist.group.WORLD):
+    if not _WORLD or _WORLD["world"] != world_generation():
         raise PartitionError(f"{where('Partition')}: distfuse's world group does not exist yet; call "
                              "Partition.world() on every rank first")
     return _WORLD["data"]

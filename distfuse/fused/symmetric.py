@@ -53,6 +53,7 @@ from distfuse.fused.workspace_layout import (  # noqa: F401 - re-exported
     header_bytes,
 )
 from distfuse.fused.workspace_shm import SHM_DIR, SHM_PREFIX, _unlink_pending, setup_shm  # noqa: F401
+from distfuse.groups import WorldTable
 from distfuse.partition import Partition
 
 __all__ = ["SymmetricWorkspace", "LoopbackWorkspace", "RankBuffers", "WorkspaceBusyError", "WorkspaceBrokenError",
@@ -201,7 +202,7 @@ class SymmetricWorkspace(_Workspace):
 
 # ---------------------------------------------------------------- cache
 
-_CACHE: dict[tuple, SymmetricWorkspace] = {}
+_CACHE: WorldTable = WorldTable(drop=lambda ws: ws.close())  # (ranks, device) -> workspace, per world
 _GENERATION: dict[tuple, int] = {}
 
 
@@ -221,7 +222,7 @@ def get_workspace(P: Partition, nbytes: int, device=None, *, timeout: float | No
     device = _norm_device(P, device)
     debug.check_agreement("get_workspace", P.ranks, P.meta_group, same=dict(nbytes=int(nbytes), device=device.type))
     key = _key(P, device)
-    ws = _CACHE.get(key)
+    ws = _CACHE.current().get(key)
     if ws is not None and not ws.closed and not ws.broken and ws.nbytes >= nbytes:
         if timeout is not None:
             ws.timeout = float(timeout)
@@ -241,7 +242,7 @@ def get_workspace(P: Partition, nbytes: int, device=None, *, timeout: float | No
 
 def cached_workspace(P: Partition, device=None) -> SymmetricWorkspace | None:
     """The cached workspace of ``P`` on ``device`` if it can serve an op (open, not broken), else None; local."""
-    ws = _CACHE.get(_key(P, _norm_device(P, device)))
+    ws = _CACHE.current().get(_key(P, _norm_device(P, device)))
     return ws if ws is not None and not ws.closed and not ws.broken else None
 
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from distfuse.fused.workspace_cuda import ALLOW_OVERLAP_ENV, _allow_overlapping_devices, _device_uuid, _symm_mem_api
 from distfuse.fused.workspace_shm import SHM_DIR
+from distfuse.groups import WorldTable
 from distfuse.partition import Partition
 
 __all__ = ["symmetric_memory_available", "log_fallback_once", "no_probe", "probing_blocked", "NotProbedError"]
@@ -40,7 +41,7 @@ def _norm_device(P: Partition, device) -> torch.device:
     return device
 
 
-_AVAILABLE: dict[tuple, tuple[bool, str]] = {}
+_AVAILABLE: WorldTable = WorldTable()  # (ranks, device) -> (ok, reason), per world
 _LOGGED: set[str] = set()
 _NO_PROBE = threading.local()
 
@@ -140,12 +141,12 @@ def symmetric_memory_available(P: Partition, device=None) -> tuple[bool, str]:
     if not P.active:
         return False, "this rank is not in the partition"
     device = _norm_device(P, device)
-    key = _key(P, device)
-    if key in _AVAILABLE:
-        return _AVAILABLE[key]
+    key, available = _key(P, device), _AVAILABLE.current()
+    if key in available:
+        return available[key]
     ok, reason = _local_verdict(device)
     if P.size == 1:
-        _AVAILABLE[key] = (ok, reason)
+        available[key] = (ok, reason)
         return ok, reason
     if probing_blocked():
         raise NotProbedError(f"whether world ranks {sorted(P.ranks)} share symmetric memory is found by a collective "
@@ -170,7 +171,7 @@ def symmetric_memory_available(P: Partition, device=None) -> tuple[bool, str]:
         if not v_ok:
             ok, reason = False, f"world rank {group_ranks[g]}: {v_reason}"
             break
-    _AVAILABLE[key] = (ok, reason)
+    available[key] = (ok, reason)
     return ok, reason
 
 

@@ -16,13 +16,14 @@ import torch.distributed as dist
 
 from distfuse.errors import ShapeError, UnsupportedError, where
 from distfuse.fused.matmul_common import fused_linear_available
+from distfuse.groups import WorldTable
 from distfuse.partition import Partition
 from distfuse.primitives._agreement import trusting
 
 __all__ = ["agreed_rows", "sequence_extent", "zero_linear_available"]
 
 
-_AGREED_ROWS: dict[tuple[tuple[int, ...], int], int] = {}  # (P_d ranks, this worker's rows) -> agreed max
+_AGREED_ROWS: WorldTable = WorldTable()  # (P_d ranks, this worker's rows) -> agreed max
 
 
 def _exchanges_rows(P_d: Partition, device) -> bool:
@@ -60,7 +61,7 @@ def agreed_rows(P_d: Partition, rows: int, device, *, P_all: Partition | None = 
         if trusting():
             if error is not None:
                 raise error
-            if key not in _AGREED_ROWS:
+            if key not in _AGREED_ROWS.current():
                 raise UnsupportedError(f"{where('ZeroLinear')}: inside capture_safe() (or a CUDA-graph capture) the "
                                        f"data-parallel row count {rows} was never agreed in an eager call; warm up "
                                        "with the captured shapes on every worker")
@@ -73,7 +74,7 @@ def agreed_rows(P_d: Partition, rows: int, device, *, P_all: Partition | None = 
         if P_all is not None and int(t[1]):
             raise ShapeError(f"{where(op)}: the input of world rank {int(t[2])} (at least) failed its local checks "
                              "(its own error says why); no worker moves data")
-        _AGREED_ROWS[key] = int(t[0])
+        _AGREED_ROWS.current()[key] = int(t[0])
     return int(t[0])
 
 

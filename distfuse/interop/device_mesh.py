@@ -27,13 +27,13 @@ import torch
 import torch.distributed as dist
 
 from distfuse.errors import PartitionError, UnsupportedError, where
-from distfuse.groups import metadata_group
+from distfuse.groups import WorldTable, metadata_group
 from distfuse.partition import CartesianPartition, Partition
 
 __all__ = ["device_mesh_of", "partition_from_device_mesh", "canonical_partition", "is_mesh_ordered"]
 
-_MESHES: dict[tuple, object] = {}
-_CANONICAL: dict[tuple, CartesianPartition] = {}
+_MESHES: WorldTable = WorldTable()
+_CANONICAL: WorldTable = WorldTable()
 
 
 def _as_grid(op: str, P: Partition) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -90,9 +90,9 @@ def device_mesh_of(P: Partition, mesh_dim_names: Sequence[str] | None = None):
             "order along a dimension; DTensor would assemble its shards in the wrong order there (process groups "
             "order their ranks by world rank). Use canonical_partition(P), the same ranks in increasing order")
     device_type = P.device.type
-    key = (id(dist.group.WORLD), ranks, shape, names, device_type)
-    if key in _MESHES:
-        return _MESHES[key]
+    key, meshes = (ranks, shape, names, device_type), _MESHES.current()
+    if key in meshes:
+        return meshes[key]
     if len(shape) == 1:
         groups = [P.group]
     else:  # collective over the world: every rank creates every sub-grid's group (cached by rank set)
@@ -106,7 +106,7 @@ def device_mesh_of(P: Partition, mesh_dim_names: Sequence[str] | None = None):
         # Outside the mesh: no groups, as torch's own DeviceMesh leaves its non-members.
         mesh = DeviceMesh(device_type, mesh_tensor, mesh_dim_names=names, _init_backend=False)
         mesh._dim_group_names = []
-    _MESHES[key] = mesh
+    meshes[key] = mesh
     return mesh
 
 
@@ -119,11 +119,11 @@ def canonical_partition(P: Partition) -> CartesianPartition:
     ranks, shape = _as_grid("canonical_partition", P)
     if isinstance(P, CartesianPartition) and is_mesh_ordered(P):
         return P
-    key = (id(dist.group.WORLD), ranks, shape, P.device.type)
-    if key not in _CANONICAL:
+    key, canonical = (ranks, shape, P.device.type), _CANONICAL.current()
+    if key not in canonical:
         world = Partition.world(device=P.device)
-        _CANONICAL[key] = world.create_partition_inclusive(sorted(ranks)).create_cartesian_topology_partition(shape)
-    return _CANONICAL[key]
+        canonical[key] = world.create_partition_inclusive(sorted(ranks)).create_cartesian_topology_partition(shape)
+    return canonical[key]
 
 
 def _my_view(mesh) -> tuple[tuple[int, ...], tuple[int, ...]] | None:

@@ -35,6 +35,7 @@ from distfuse import debug
 from distfuse.errors import CollectiveMismatchError, PartitionError, ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.decomposition import local_shape
 from distfuse.geometry.halo_plan import PADDING_MODES, resolve_padding
+from distfuse.groups import WorldTable
 from distfuse.layers._params import WeightAndBias
 from distfuse.partition import CartesianPartition, Partition, union_partition
 from distfuse.primitives._axes import axes_subgrid
@@ -105,17 +106,17 @@ class ConvOptions:
         return (self.out_channels, self.in_channels // self.groups, *self.kernel_size)
 
 
-_PARTITIONS: dict[tuple, CartesianPartition] = {}
+_PARTITIONS: WorldTable = WorldTable()
 
 
 def cached_partition(key: tuple, make: Callable[[], CartesianPartition]) -> CartesianPartition:
-    """``make()``, cached under ``key`` and the default process group: creating a partition costs a collective
-    object all-gather, and a model's layers ask for the same few grids again and again (every rank in the same
-    order, so all hit or miss together; a re-initialised world builds fresh ones)."""
-    key = (id(dist.group.WORLD), *key)
-    if key not in _PARTITIONS:
-        _PARTITIONS[key] = make()
-    return _PARTITIONS[key]
+    """``make()``, cached under ``key`` for the current world: creating a partition costs a collective object
+    all-gather, and a model's layers ask for the same few grids again and again (every rank in the same order, so
+    all hit or miss together; a re-initialised world builds fresh ones: :class:`~distfuse.groups.WorldTable`)."""
+    partitions = _PARTITIONS.current()
+    if key not in partitions:
+        partitions[key] = make()
+    return partitions[key]
 
 
 def grid_of(ranks: Sequence[int], shape: Sequence[int], device) -> CartesianPartition:

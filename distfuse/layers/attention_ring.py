@@ -88,7 +88,7 @@ from torch import nn
 
 from distfuse.errors import PartitionError, ShapeError, UnsupportedError, where
 from distfuse.geometry.decomposition import block_extent, block_start
-from distfuse.groups import world_group
+from distfuse.groups import WorldTable, world_group
 from distfuse.partition import Partition, zero_volume_tensor
 from distfuse.primitives._common import (
     check_inactive_input,
@@ -259,16 +259,17 @@ class _Ring(HandleOwner):
         self.last_decision = None  # the path of the latest call (the transport: fused push or isend / irecv)
 
 
-_RINGS: dict[tuple, _Ring] = {}
+_RINGS: WorldTable = WorldTable()  # per world: a ring holds its partition's groups
 
 
 def _ring_of(P) -> _Ring:
     """The functional form's ring of ``P``: one agreement session per partition, made on its first call (a compiled
     call before any eager one is refused by the fresh session's replay, as a module's)."""
     key = (P.ranks, getattr(P, "shape", None))
-    if key not in _RINGS:
-        _RINGS[key] = _Ring(OP, P)
-    return _RINGS[key]
+    rings = _RINGS.current()
+    if key not in rings:
+        rings[key] = _Ring(OP, P)
+    return rings[key]
 
 
 def _check_partition(P) -> None:

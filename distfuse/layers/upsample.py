@@ -57,6 +57,7 @@ from distfuse.geometry.interp_geometry import (
     shift_invariant_factor,
     window_axis,
 )
+from distfuse.groups import WorldTable
 from distfuse.layers._conv_common import CallInfo, compute_dtype
 from distfuse.layers._pool_common import WindowLayer, WindowRecord, per_axis
 from distfuse.partition import CartesianPartition
@@ -320,7 +321,7 @@ class DistributedUpsample(WindowLayer):
 #: ``interpolate``'s layers, one per partition (ranks, shape) and argument set: repeated calls reuse one
 #: agreement record (a flag round instead of a metadata gather), and a compiled ``interpolate`` finds the record its
 #: last eager call agreed.
-_INTERPOLATE_LAYERS: dict[tuple, DistributedUpsample] = {}
+_INTERPOLATE_LAYERS: WorldTable = WorldTable()  # per world: a layer holds its partition's groups
 
 
 def _key_part(v):
@@ -340,7 +341,7 @@ def interpolate(P_x, x: torch.Tensor, size=None, scale_factor=None, mode: str = 
         raise UnsupportedError(f"{where('interpolate')}: antialias=True is not supported by distfuse")
     key = (tuple(P_x.ranks), tuple(P_x.shape), _key_part(size), _key_part(scale_factor), mode, align_corners,
            recompute_scale_factor) if isinstance(P_x, CartesianPartition) else None
-    layer = _INTERPOLATE_LAYERS.get(key)
+    layer = _INTERPOLATE_LAYERS.current().get(key)
     if layer is None:  # the constructor checks the arguments (every worker raises alike)
         layer = DistributedUpsample(P_x, size=size, scale_factor=scale_factor, mode=mode, align_corners=align_corners,
                                     recompute_scale_factor=recompute_scale_factor)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from distfuse import debug
+from distfuse.groups import WorldTable
 from distfuse.partition import CartesianPartition
 from distfuse.primitives._axes import (
     BlockLayout,
@@ -88,13 +89,13 @@ class BlockCollective(HandleOwner):
         return out
 
 
-_SHARED: dict[tuple, BlockCollective] = {}
+_SHARED: WorldTable = WorldTable()
 
 
 def collective_of(op: str, P_sub: CartesianPartition) -> BlockCollective:
     """A context without ``on_flag`` shared by the functional forms' calls on ``P_sub`` (cached by op and ranks, as
     the sub-grids' groups are)."""
-    return cached(_SHARED, (op, tuple(P_sub.ranks), tuple(P_sub.shape)), lambda: BlockCollective(op, P_sub))
+    return cached(_SHARED.current(), (op, tuple(P_sub.ranks), tuple(P_sub.shape)), lambda: BlockCollective(op, P_sub))
 
 
 def _gather(x: torch.Tensor, handle: int, blocks: list[int], reduce_dtype: torch.dtype | None,

@@ -11,13 +11,14 @@ import torch
 import torch.distributed as dist
 
 from distfuse.errors import PartitionError, expect
+from distfuse.groups import WorldTable
 from distfuse.partition import CartesianPartition, Partition, zero_volume_tensor
 from distfuse.primitives._axes import check_cartesian
 from distfuse.primitives.repartition import Repartition
 
 __all__ = ["distribute_tensor", "collect_tensor"]
 
-_HELPERS: dict[tuple, Repartition] = {}
+_HELPERS: WorldTable = WorldTable()  # per world: a helper holds its partitions' groups
 
 
 def _single(P: CartesianPartition, rank: int, op: str) -> CartesianPartition:
@@ -31,11 +32,12 @@ def _single(P: CartesianPartition, rank: int, op: str) -> CartesianPartition:
 
 def _helper(kind: str, P: CartesianPartition, rank: int) -> Repartition:
     key = (kind, rank, P.ranks, P.shape, P.device.type)
-    if key not in _HELPERS:
+    helpers = _HELPERS.current()
+    if key not in helpers:
         one = _single(P, rank, kind)
         P_x, P_y = (one, P) if kind == "distribute_tensor" else (P, one)
-        _HELPERS[key] = Repartition(P_x, P_y, preserve_batch=False, _op=kind, _extra=Partition.world(P.device))
-    return _HELPERS[key]
+        helpers[key] = Repartition(P_x, P_y, preserve_batch=False, _op=kind, _extra=Partition.world(P.device))
+    return helpers[key]
 
 
 def _as_input(x: torch.Tensor | None, P: CartesianPartition) -> torch.Tensor:

@@ -42,6 +42,7 @@ from torch import nn
 from distfuse import debug
 from distfuse.errors import PartitionError, ShapeError, expect, where
 from distfuse.geometry.decomposition import block_range, local_shape, local_start, owner_of
+from distfuse.groups import WorldTable
 from distfuse.partition import CartesianPartition, Partition, union_partition
 from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
 from distfuse.primitives._axes import check_cartesian
@@ -59,7 +60,7 @@ _DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.co
            torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
 
 # Union partitions for the functional form's debug check, keyed by the two partitions.
-_UNIONS: dict[tuple, Partition] = {}
+_UNIONS: WorldTable = WorldTable()
 
 
 def _check_partitions(op: str, P_x, P_y) -> None:
@@ -130,7 +131,7 @@ def _resolve(op: str, P_union: Partition, P_x: CartesianPartition, records: list
 
 
 def _union_of(P_x: CartesianPartition, P_y: CartesianPartition) -> Partition:
-    return cached(_UNIONS, (P_x.ranks, P_x.shape, P_y.ranks, P_y.shape), lambda: union_partition(P_x, P_y))
+    return cached(_UNIONS.current(), (P_x.ranks, P_x.shape, P_y.ranks, P_y.shape), lambda: union_partition(P_x, P_y))
 
 
 # ---------------------------------------------------------------- geometry
