@@ -12,15 +12,15 @@ Cost: one extra object all-gather per collective; leave it off in production.
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 
 import torch.distributed as dist
 
 from distfuse.errors import CollectiveMismatchError, where
+from distfuse.groups import WorldTable
 
 __all__ = ["enabled", "check_agreement"]
 
-_SEQ: dict[tuple[int, ...], int] = defaultdict(int)
+_SEQ: WorldTable = WorldTable()  # ranks -> calls so far, per world (every rank of a new world starts at 0)
 
 
 def enabled() -> bool:
@@ -39,8 +39,9 @@ def check_agreement(op: str, ranks: tuple[int, ...], group, same: dict, info: di
     """
     if not enabled() or group is None:
         return
-    _SEQ[ranks] += 1
-    mine = (_SEQ[ranks], op, sorted(same.items(), key=lambda kv: kv[0]), info or {})
+    seq = _SEQ.current()
+    seq[ranks] = seq.get(ranks, 0) + 1
+    mine = (seq[ranks], op, sorted(same.items(), key=lambda kv: kv[0]), info or {})
     records: list = [None] * len(ranks)
     dist.all_gather_object(records, mine, group=group)
     if any(r[:3] != mine[:3] for r in records):

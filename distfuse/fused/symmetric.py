@@ -203,7 +203,7 @@ class SymmetricWorkspace(_Workspace):
 # ---------------------------------------------------------------- cache
 
 _CACHE: WorldTable = WorldTable(drop=lambda ws: ws.close())  # (ranks, device) -> workspace, per world
-_GENERATION: dict[tuple, int] = {}
+_GENERATION: WorldTable = WorldTable()  # (ranks, device) -> workspaces made, per world: every rank counts alike
 
 
 def get_workspace(P: Partition, nbytes: int, device=None, *, timeout: float | None = None) -> SymmetricWorkspace:
@@ -234,7 +234,8 @@ def get_workspace(P: Partition, nbytes: int, device=None, *, timeout: float | No
             raise WorkspaceBusyError(f"{where('get_workspace')}: cannot grow the workspace while {ws.in_use!r} "
                                      "has it in flight")
         ws.close()
-    gen = _GENERATION[key] = _GENERATION.get(key, 0) + 1
+    generations = _GENERATION.current()
+    gen = generations[key] = generations.get(key, 0) + 1
     ws = SymmetricWorkspace(P, nbytes, device, generation=gen, timeout=timeout)
     _CACHE[key] = ws
     return ws

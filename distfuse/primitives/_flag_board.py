@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from distfuse.errors import CollectiveTimeoutError, where
-from distfuse.groups import group_timeout, timeout_label
+from distfuse.groups import WorldTable, group_timeout, timeout_label
 from distfuse.primitives._common import collective_guard
 
 __all__ = ["FlagBoard", "flag_board", "rounds_taken", "BOARD_VARIABLE"]
@@ -51,8 +51,8 @@ _SHM_DIR = "/dev/shm"
 _LINE = 8  # int64 words per worker: one 64-byte cache line
 _SPINS = 50  # reads before the wait starts yielding the core (ranks may oversubscribe the cores)
 
-#: id(meta group) -> (the group, its board or None): None keeps the gloo round for that group.
-_BOARDS: dict[int, tuple[object, FlagBoard | None]] = {}
+#: id(meta group) -> (the group, its board or None), per world: None keeps the gloo round for that group.
+_BOARDS: WorldTable = WorldTable()
 
 
 class FlagBoard:
@@ -93,11 +93,12 @@ class FlagBoard:
 def flag_board(P, op: str = "flag_round") -> FlagBoard | None:
     """The board of ``P``'s meta group (made at its first round: collective), or None where the group keeps gloo."""
     group = P.meta_group
-    entry = _BOARDS.get(id(group))
+    boards = _BOARDS.current()
+    entry = boards.get(id(group))
     if entry is None or entry[0] is not group:
         with collective_guard(op, "agreement flag board set-up", P.ranks, group):
             entry = (group, _set_up(group))
-        _BOARDS[id(group)] = entry
+        boards[id(group)] = entry
     return entry[1]
 
 
