@@ -25,9 +25,9 @@ import torch
 import torch.distributed as dist
 
 from distfuse.errors import NotPicklableError, PartitionError, where
-from distfuse.groups import default_device, groups_for, world_partition_groups
+from distfuse.groups import default_device, groups_for, world_generation, world_partition_groups
 
-__all__ = ["Partition", "CartesianPartition", "zero_volume_tensor", "union_partition"]
+__all__ = ["Partition", "CartesianPartition", "zero_volume_tensor", "union_partition", "check_current_world"]
 
 
 def zero_volume_tensor(b: int | None = None, dtype: torch.dtype | None = None, device=None,
@@ -63,6 +63,7 @@ class Partition:
         self.rank = self.ranks.index(me) if self.active else -1
         self.group, self.meta_group = groups if (self.active and groups is not None) else (None, None)
         self.device = device if device is not None else default_device()
+        self.world_generation = world_generation()  # the world its groups belong to (check_current_world)
 
     @classmethod
     def world(cls, device: torch.device | None = None) -> Partition:
@@ -195,6 +196,23 @@ class CartesianPartition(Partition):
     def __repr__(self) -> str:
         return (f"CartesianPartition(shape={list(self.shape)}, ranks={list(self.ranks)}, active={self.active}, "
                 f"index={self.index})")
+
+
+def check_current_world(P, op: str) -> None:
+    """Raise :class:`PartitionError` where ``P`` was made over a world since destroyed; local, no message.
+
+    After ``destroy_process_group()`` and a new ``init_process_group()`` in one process, a layer
+    built before would still find its old gloo pairs connected, and run on them with the old
+    world's rank numbers, which now name other processes: wrong blocks, no error, or a hang.  Every
+    layer and primitive module checks at each eager call instead (one comparison of
+    :func:`~distfuse.groups.world_generation`), so each rank that calls a stale one raises at once.
+    """
+    made = getattr(P, "world_generation", None)
+    if made is not None and made != world_generation():
+        raise PartitionError(
+            f"{where(op)}: partition over world ranks {list(P.ranks)} was made over a process-group world that has "
+            "since been destroyed (destroy_process_group, then init_process_group again); build the layer, module "
+            "or partition again in the new world")
 
 
 def union_partition(*partitions: Partition) -> Partition:

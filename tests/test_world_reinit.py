@@ -83,18 +83,36 @@ def test_world_table_empties_and_drops_on_a_new_world(fake_world):
 def _two_worlds(p: int, root: str, conn) -> None:
     """Process ``p`` joins a 2-rank world as rank ``p``, then, after destroying it, a new one as rank ``1 - p``."""
     from distfuse import Partition
+    from distfuse.errors import PartitionError
     from distfuse.fused import symmetric
     from distfuse.interop.device_mesh import device_mesh_of
+    from distfuse.layers import DistributedLinearAllGather
     from distfuse.layers._conv_common import grid_of
+    from distfuse.primitives import Repartition
     from distfuse.primitives.distribute import distribute_tensor
 
     torch.set_num_threads(1)
     os.environ["DISTFUSE_TIMEOUT"] = "30"
-    out, workspaces = [], []
+    out, workspaces, stale = [], [], []
     try:
         for world, rank in enumerate((p, 1 - p)):
             dist.init_process_group("gloo", init_method=f"file://{root}/world{world}", rank=rank, world_size=2)
+            if world == 1:  # what the first world built refuses by name, without a message (the old pairs still work)
+                for made, x in stale:
+                    try:
+                        made(x)
+                        stale_errors = "no error"
+                    except PartitionError as exc:
+                        stale_errors = str(exc)
+                    out.append(dict(stale=type(made).__name__, error=stale_errors))
             P = Partition.world().create_cartesian_topology_partition([2])
+            if world == 0:
+                P_x = Partition.world().create_cartesian_topology_partition([1, 2, 1])
+                P_y = Partition.world().create_cartesian_topology_partition([1, 1, 2])
+                stale = [(DistributedLinearAllGather(P_y, 8, 8, P_x=P_x), torch.randn(2, 3, 8)),
+                         (Repartition(P_x, P_y), torch.randn(2, 3, 8))]
+                for made, x in stale:
+                    made(x)
             pids = [None, None]
             dist.all_gather_object(pids, os.getpid(), group=groups.world_group())
             mesh_pids = [None, None]
@@ -116,7 +134,8 @@ def _two_worlds(p: int, root: str, conn) -> None:
 
 
 def test_reinitialised_world_uses_its_own_groups():
-    """Ranks swap between the two worlds: anything cached over the first world would gather in its order."""
+    """Ranks swap between the two worlds: anything cached over the first world would gather in its order, and a
+    layer or module the first world built refuses to run in the second."""
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory() as root:
         pipes, procs = [], []
@@ -139,6 +158,12 @@ def test_reinitialised_world_uses_its_own_groups():
         for proc in procs:
             proc.join(30)
     pids = [proc.pid for proc in procs]
+    for r in results:
+        stale = [e for e in r if "stale" in e]
+        assert [e["stale"] for e in stale] == ["DistributedLinearAllGather", "Repartition"]
+        for e in stale:
+            assert "was made over a process-group world that has since been destroyed" in e["error"], e
+    results = [[e for e in r if "stale" not in e] for r in results]
     for world in range(2):
         by_rank = {r[world]["rank"]: r[world] for r in results}
         in_rank_order = [pids[p if world == 0 else 1 - p] for p in range(2)]  # process p is rank p, then 1 - p

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from distfuse.errors import DistfuseError, UnsupportedError, where
+from distfuse.partition import check_current_world
 from distfuse.primitives._call_agreement import agree_on_call
 from distfuse.primitives._common import collective_guard
 from distfuse.primitives._flag_board import flag_board
@@ -190,6 +191,7 @@ def agreed_by_flag_round(site: AgreementSite, P, op: str, signature: Hashable, l
     gather and the checks: the new state, or the same error everywhere).  Inside
     :func:`capture_safe`: :func:`trusted_state`.
     """
+    check_current_world(P, op)
     if site.state is not None and trusting():
         return trusted_state(site, signature, op)
     run_agreed(site, signature, locally_ok, lambda changed: (None, flag_round(P, changed, op)), lambda: (None, slow()))

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from distfuse.errors import ShapeError, UnsupportedError, where
+from distfuse.partition import check_current_world
 from distfuse.primitives._agreement import AgreementSite, flag_round, run_agreed, trusted_state, trusting
 from distfuse.primitives._flag_deferred import poisoned_stand_in
 from distfuse.primitives._flag_transport import flags_deferred
@@ -213,7 +214,9 @@ class AgreementSession:
         self.poisoned = False  # (every mode: a trusted or replayed call after a poisoned one is not poisoned)
         if torch.compiler.is_compiling():
             self.last_mode = REPLAY
-        elif self.site.state is not None and trusting():
+            return self.last_mode
+        check_current_world(self.P, self.op)  # a layer of a destroyed world raises here, on each rank calling it
+        if self.site.state is not None and trusting():
             self.last_mode = TRUST
         else:
             self.last_mode = SETTLE

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
-from distfuse.partition import CartesianPartition
+from distfuse.partition import CartesianPartition, check_current_world
 from distfuse.primitives._agreement import AgreementSite, run_agreed
 from distfuse.primitives._axes import all_reduce_sum, axes_subgrid, check_input
 from distfuse.primitives._axes_flagged import all_reduce_sum_flagged
@@ -89,6 +89,7 @@ def agreed_all_sum_reduce(x: torch.Tensor, P_sub: CartesianPartition, site: Agre
                           reduce_dtype: torch.dtype | None = None, op: str = _OP) -> torch.Tensor:
     """:func:`all_sum_reduce` with every worker's shape and dtype checked under the agreement protocol (active
     workers of a sub-grid of more than one worker only)."""
+    check_current_world(P_sub, op)
     ok = x.device.type == P_sub.device.type
 
     def attempt(changed: bool):
