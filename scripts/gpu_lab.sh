@@ -92,7 +92,7 @@ phase() {
 
 TESTS=(tests/test_first_contact.py tests/test_persistent_gemm.py tests/test_providers.py tests/test_fused_copy_engine.py
        tests/test_gemm_kernels.py tests/test_halo_kernels.py tests/test_agreement_deferred.py tests/test_status_slots.py
-       tests/test_launch_cache.py)
+       tests/test_launch_cache.py tests/test_scatter_partial.py)
 TIMEOUT_ARG=()
 $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARG=(--timeout 90)
 DEV=$($PY -c "import re, torch; print(re.sub(r'[^A-Za-z0-9._-]', '_', torch.cuda.get_device_name()) if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo cpu)

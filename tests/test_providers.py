@@ -92,26 +92,11 @@ def test_every_provider_trains_like_float64(provider, dtype):
     _close(b.grad, db_ref, dtype, f"{provider} db")
 
 
-@pytest.mark.parametrize("case", [pytest.param(dict(lead=(1,), n=2, W=3), id="n2-W3-empty-chunk"),
-                                  pytest.param(dict(lead=(), n=11, W=8), id="W8-no-lead")])
-def test_cublas_chunks_small_and_empty_chunks(case):
-    lead, n, W, K, N = case["lead"], case["n"], case["W"], 16, 13  # N = 13: slot rows padded to 16
-    d = _data(2, W, lead, n, W * 4, N)
-    B = math.prod(lead)
-    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, torch.float32))
-    xs = [x.float() for x in d["xs"]]
-    wts = [w.float() for w in d["ws"]]
-    with ws.in_flight("test"):
-        for r in range(W):
-            matmul_scatter_cublas(xs[r], wts[r], ws, r, W)
-        for r in range(W):
-            assert ws.rank_view(r).flags[r].tolist() == [1] * W  # every source raised owner r's flag
-            out = chunk_reduce(ws, r, W, B, n, N, partial_dtype=torch.float32, bias=d["b"].float())
-            _close(out.view(*lead, -1, N), _ref(d, r, W, torch.float32)["y"], torch.float32, f"rank {r}")
-    assert K  # K itself is unused: the inner dim is W * 4 split over W
+# Both schedules of the cuBLAS provider, with small and empty chunks: tests/test_scatter_partial.py.
 
 
-def test_cublas_chunks_missing_source_raises_and_poisons():
+@pytest.mark.parametrize("whole", [False, True], ids=["per-chunk", "whole"])
+def test_cublas_chunks_missing_source_raises_and_poisons(whole):
     W, n, K, N = 3, 6, 8, 8
     d = _data(3, W, (1,), n, K, N)
     ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(1, n, N, W, torch.float32))
@@ -119,7 +104,7 @@ def test_cublas_chunks_missing_source_raises_and_poisons():
     with pytest.raises(CollectiveTimeoutError, match=r"flag of peer\(s\) \[1\] was not raised"), \
             ws.in_flight("missing source"):
         for r in (0, 2):  # virtual rank 1 never produces
-            matmul_scatter_cublas(d["xs"][r].float(), d["ws"][r].float(), ws, r, W)
+            matmul_scatter_cublas(d["xs"][r].float(), d["ws"][r].float(), ws, r, W, whole=whole)
         chunk_reduce(ws, 0, W, 1, n, N, partial_dtype=torch.float32, out=out)
     assert torch.isnan(out).all(), "a chunk missing a source must be NaN, not a plausible partial sum"
 
@@ -238,14 +223,16 @@ def test_sweep_points_become_provider_fields_and_round_trip(tmp_path):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("W,n", [(4, 1030), (8, 512)], ids=["W4-n1030", "W8-n512"])
 @pytest.mark.parametrize("provider", ["triton_persistent", "cublas_chunks"])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")])
-def test_providers_loopback_cuda(provider, dtype):
+def test_providers_loopback_cuda(provider, dtype, W, n):
     """Compiled: peer slot views over device addresses, the stream-ordered flag kernel, fp32 partials of 16-bit
-    inputs (cuBLAS's fp32 output), forward and every gradient at a realistic size."""
+    inputs (cuBLAS's fp32 output), forward and every gradient at a realistic size; at n = 512 over W = 8 (64-row
+    chunks) the cuBLAS provider's whole-GEMM schedule and the persistent producer's spanning row tiles."""
     from tests.tolerances import assert_rel_close
 
-    W, lead, n, K, N = 4, (2,), 1030, 1024, 768
+    lead, K, N = (2,), 1024, 768
     dev = torch.device("cuda")
     d = _data(8, W, lead, n, K, N)
     xs = [x.to(dev, dtype).requires_grad_() for x in d["xs"]]

@@ -1,6 +1,7 @@
-"""matmul_reduce_scatter's second producer: one library GEMM per chunk, written straight into its owner's slot.
+"""matmul_reduce_scatter's second producer: library GEMMs, per chunk into its owner's slot, or whole then scattered.
 
-The design of torch's async tensor parallelism, on distfuse's workspaces::
+Chunks of at least ``CUBLAS_WHOLE_ROWS`` rows (128): the design of torch's async tensor parallelism,
+on distfuse's workspaces::
 
     a       [B_, n, K]   this rank's input;  weight [N, K]
     for step in 0 .. W-1 (chunk c = (rank + 1 + step) % W; the own chunk last):
@@ -8,9 +9,16 @@ The design of torch's async tensor parallelism, on distfuse's workspaces::
         raise owner c's flag [c, rank] = epoch, in stream order after the GEMM
     then chunk_reduce on every rank (the same consumer as the Triton producers)
 
+Shorter chunks (:func:`~distfuse.kernels.matmul_scatter_select.cublas_whole`; LLaMA-3 at TP 8 and
+M = 512: 64 rows): one GEMM of every row into a local ``[B_, n, N]`` partial, then
+:func:`~distfuse.kernels.scatter_partial.scatter_partial` copies each row into its owner's slot and
+raises the flags, one launch.  A chunk GEMM shorter than the library's row tile is tile-quantised,
+and W of them cost W GEMM and W flag launches; the whole GEMM costs cuBLAS's time for the shape
+plus a copy of its output.
+
 The GEMM is cuBLAS on CUDA, so this provider wins where the Triton GEMMs lose to the
-library (small chunks, shapes the pinned tiles fit badly); its cost is W launches and no
-overlap of a chunk's GEMM with its own stores.  The slot view is the owner's memory,
+library (small chunks, shapes the pinned tiles fit badly); per chunk its cost is W launches
+and no overlap of a chunk's GEMM with its own stores.  The slot view is the owner's memory,
 checked (:mod:`distfuse.fused.peer_views`), so a GEMM can never write a silent copy.
 Flags: :func:`raise_chunk_flag`, in stream order after the chunk's GEMM on CUDA (no host
 sync); on CPU the consumer's host barrier orders the host write before the reads.
@@ -30,6 +38,8 @@ from distfuse.kernels._utils import check_producer_args, claimed_rank_view
 from distfuse.kernels.chunk_flag import raise_chunk_flag_kernel
 from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.matmul_reduce_scatter import slot_row_stride
+from distfuse.kernels.matmul_scatter_select import cublas_whole
+from distfuse.kernels.scatter_partial import scatter_partial
 
 __all__ = ["matmul_scatter_cublas", "raise_chunk_flag"]
 
@@ -64,9 +74,10 @@ def _chunk_gemm(rows: torch.Tensor, weight: torch.Tensor, dst: torch.Tensor) -> 
 
 
 def matmul_scatter_cublas(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
-                          partial_dtype: torch.dtype | None = None) -> None:
+                          partial_dtype: torch.dtype | None = None, whole: bool | None = None) -> None:
     """Produce, like :func:`distfuse.kernels.matmul_reduce_scatter.matmul_scatter` (its arguments but ``config``),
-    with one library GEMM per chunk.
+    with library GEMMs: one per chunk, or one of every row, then one scatter launch (``whole``; default
+    :func:`~distfuse.kernels.matmul_scatter_select.cublas_whole` of the shape, which every rank computes alike).
 
     Writes the same slots and raises the same flags as the Triton producers; finish with
     :func:`~distfuse.kernels.matmul_reduce_scatter.chunk_reduce` on every rank.
@@ -82,6 +93,14 @@ def matmul_scatter_cublas(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     q1 = -(-n // W)
     slot_elems = B * q1 * ld
     st.data(partial_dtype, W * slot_elems, op=op)  # checks the capacity, the same on every rank
+    if cublas_whole(n, W) if whole is None else whole:  # short chunks: one GEMM of every row, then one scatter
+        partial = torch.empty(B, n, N, dtype=partial_dtype, device=a.device)
+        if K == 0:
+            partial.zero_()
+        elif partial.numel():
+            _chunk_gemm(a3, weight, partial)
+        scatter_partial(partial, ws, rank, W)
+        return
     for step in range(W):
         chunk = (rank + 1 + step) % W
         start, stop = block_range(n, W, chunk)

@@ -122,7 +122,7 @@ def run_producer(provider: str, a, weight, ws, rank: int, world_size: int, parti
     """
     op = registry.MATMUL_REDUCE_SCATTER.name
     check_provider(op, provider)
-    choice = select_scatter_kernel(a, weight, provider)
+    choice = select_scatter_kernel(a, weight, provider, world_size=world_size)
     if choice.kernel == "matmul_scatter_cublas":
         from distfuse.fused.matmul_reduce_scatter_cublas import matmul_scatter_cublas
 

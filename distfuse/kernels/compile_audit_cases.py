@@ -87,6 +87,7 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
     import distfuse.kernels.matmul_reduce_scatter as reduce_scatter_kernels
     import distfuse.kernels.matmul_reduce_scatter_features as rs_features_kernels
     import distfuse.kernels.matmul_scatter_persistent as persistent_kernels
+    import distfuse.kernels.scatter_partial as scatter_partial_kernels
     import distfuse.kernels.signature as signature_kernels
     from distfuse.kernels._utils import (
         REDUCE_AUDIT_W,
@@ -189,6 +190,12 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
                               aligned=("K", "stride_xb", "stride_xn"), checks=("release_sys",)))
             cases.append(case("ag_push_columns", ag_features_kernels._ag_push_columns_kernel, dt, dict(c.kwargs),
                               c.num_warps, 1, aligned=("K", "stride_xm"), checks=("release_sys",)))
+        # The library-GEMM producer's whole-GEMM schedule: the partial's rows into their owners' slots (W = 8).
+        blocks = scatter_partial_kernels.gpu_blocks(dt.itemsize)
+        cases.append(case("scatter_partial", scatter_partial_kernels._scatter_partial_kernel, dt,
+                          dict(BLOCK_M=blocks["BLOCK_M"], BLOCK_N=blocks["BLOCK_N"], W_BLOCK=8), blocks["num_warps"], 1,
+                          pointer_dtypes=dict(tables, src=_TT[dt]), aligned=("N", "ld"),
+                          checks=("release_sys", "vector_load", "vector_store")))
         # The flag raise of the library-GEMM producer (cublas_chunks), launched after each chunk's GEMM.
         cases.append(case("raise_chunk_flag", chunk_flag.raise_chunk_flag_kernel, dt, {}, 1, 1,
                           checks=("release_sys",)))

@@ -10,7 +10,9 @@ the *kernel* that runs it for the call's operands, and says why::
     triton_persistent   matmul_scatter_persistent (TMA loads)    persistent_supported(a, weight), and not
                                                                  compiled fp32 with IEEE products
                         matmul_scatter (pointer loads)           otherwise: the reason is recorded
-    cublas_chunks       matmul_scatter_cublas (one GEMM/chunk)   always
+    cublas_chunks       matmul_scatter_cublas: one GEMM a chunk  chunks of at least CUBLAS_WHOLE_ROWS rows
+                        (the same kernel name): one GEMM of      chunks shorter than that (cublas_whole)
+                        every row, then scatter_partial
 
 Nothing else chooses (the two launcher modules import neither each other nor this one):
 :func:`distfuse.fused.providers.run_producer` runs and records what :func:`select_scatter_kernel`
@@ -32,7 +34,11 @@ from distfuse.kernels import matmul_scatter_persistent as persistent_kernels
 from distfuse.kernels._utils import INTERPRET, tf32_allowed
 from distfuse.kernels.persistent import compiled_refusal
 
-__all__ = ["KernelChoice", "PROVIDER_KERNELS", "select_scatter_kernel", "launch_scatter_kernel"]
+__all__ = ["KernelChoice", "PROVIDER_KERNELS", "CUBLAS_WHOLE_ROWS", "cublas_whole", "select_scatter_kernel",
+           "launch_scatter_kernel"]
+
+#: The cuBLAS provider's schedule changes below this many rows a chunk (:func:`cublas_whole`).
+CUBLAS_WHOLE_ROWS = 128
 
 #: The kernel each provider asks for (``select_scatter_kernel`` may run another, and says why).
 PROVIDER_KERNELS = {
@@ -55,13 +61,24 @@ class KernelChoice(NamedTuple):
         return self.kernel != PROVIDER_KERNELS[self.provider]
 
 
+def cublas_whole(n: int, world_size: int) -> bool:
+    """Whether the cuBLAS provider computes all ``n`` rows in one library GEMM and then scatters them
+    (:mod:`~distfuse.kernels.scatter_partial`), rather than one GEMM per chunk: where the longest chunk has fewer
+    than :data:`CUBLAS_WHOLE_ROWS` rows.  A chunk GEMM that short fills less than one of the library's 128-row
+    tiles, and W of them cost W launches: on the H200 at ``a6bfa8c`` (LLaMA-3 8B, TP 8, M = 512, 64-row chunks)
+    they took 69 us graph-timed against 15.5 us for cuBLAS's whole GEMM.  A pure rule of the shape, so every rank
+    takes the same schedule."""
+    return 0 < -(-n // world_size) < CUBLAS_WHOLE_ROWS
+
+
 def select_scatter_kernel(a: torch.Tensor, weight: torch.Tensor, provider: str = "triton", *,
-                          compiled: bool | None = None) -> KernelChoice:
+                          compiled: bool | None = None, world_size: int | None = None) -> KernelChoice:
     """The kernel that produces ``a [..., n, K] @ weight.T`` (``weight [N, K]``) for ``provider``; pure.
 
     Depends only on the provider, the dtype, shapes, strides and alignment of the operands and
     torch's TF32 setting (so every rank of a group, given alike operands, picks alike).
-    ``compiled``: whether the kernels compile for a GPU (default: not under the interpreter).
+    ``compiled``: whether the kernels compile for a GPU (default: not under the interpreter).  ``world_size``: the
+    op's W, which names the cuBLAS provider's schedule in the reason (:func:`cublas_whole`).
     """
     if provider not in PROVIDER_KERNELS:
         raise expect("select_scatter_kernel", "provider", " or ".join(PROVIDER_KERNELS), repr(provider),
@@ -69,6 +86,10 @@ def select_scatter_kernel(a: torch.Tensor, weight: torch.Tensor, provider: str =
     if provider == "triton":
         return KernelChoice(provider, "matmul_scatter", "one program per tile, pointer loads")
     if provider == "cublas_chunks":
+        if world_size is not None and cublas_whole(a.shape[-2], world_size):
+            return KernelChoice(provider, "matmul_scatter_cublas",
+                                f"one library GEMM of every row, then one scatter launch (chunks of at most "
+                                f"{-(-a.shape[-2] // world_size)} rows: fewer than {CUBLAS_WHOLE_ROWS})")
         return KernelChoice(provider, "matmul_scatter_cublas", "one library GEMM per chunk")
     n, K = a.shape[-2], a.shape[-1]
     a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
