@@ -6,22 +6,28 @@ on distfuse's workspaces::
     a       [B_, n, K]   this rank's input;  weight [N, K]
     for step in 0 .. W-1 (chunk c = (rank + 1 + step) % W; the own chunk last):
         torch.matmul(a[:, start_c:stop_c], weight.T, out=<owner c's slot for this rank>)   [B_, len_c, N]
-        raise owner c's flag [c, rank] = epoch, in stream order after the GEMM
+    raise every owner's flag [c, rank] = epoch, one launch, in stream order after the last GEMM
     then chunk_reduce on every rank (the same consumer as the Triton producers)
+
+One flag launch, not one after each chunk's GEMM: each was a dependent launch between two
+GEMMs, and every rank's ``chunk_reduce`` runs after its own producer on the same stream, so a
+flag raised before a source's last GEMM helped only an owner running ahead of that source.
+On the H200 at ``a6bfa8c`` (LLaMA-3 8B, M = 8192, TP 8) the eight chunk GEMMs with eight flag
+launches took 197 us graph-timed and 426 us eager against 157 us for cuBLAS's whole GEMM.
 
 Shorter chunks (:func:`~distfuse.kernels.matmul_scatter_select.cublas_whole`; LLaMA-3 at TP 8 and
 M = 512: 64 rows): one GEMM of every row into a local ``[B_, n, N]`` partial, then
 :func:`~distfuse.kernels.scatter_partial.scatter_partial` copies each row into its owner's slot and
 raises the flags, one launch.  A chunk GEMM shorter than the library's row tile is tile-quantised,
-and W of them cost W GEMM and W flag launches; the whole GEMM costs cuBLAS's time for the shape
-plus a copy of its output.
+and W of them cost W launches; the whole GEMM costs cuBLAS's time for the shape plus a copy of
+its output.
 
 The GEMM is cuBLAS on CUDA, so this provider wins where the Triton GEMMs lose to the
-library (small chunks, shapes the pinned tiles fit badly); per chunk its cost is W launches
-and no overlap of a chunk's GEMM with its own stores.  The slot view is the owner's memory,
-checked (:mod:`distfuse.fused.peer_views`), so a GEMM can never write a silent copy.
-Flags: :func:`raise_chunk_flag`, in stream order after the chunk's GEMM on CUDA (no host
-sync); on CPU the consumer's host barrier orders the host write before the reads.
+library (small chunks, shapes the pinned tiles fit badly); per chunk its cost is W GEMM
+launches and no overlap of a chunk's GEMM with its own stores.  The slot view is the owner's
+memory, checked (:mod:`distfuse.fused.peer_views`), so a GEMM can never write a silent copy.
+Flags: :func:`raise_every_chunk_flag`, in stream order after the GEMMs on CUDA (no host
+sync); on CPU the consumer's host barrier orders the host writes before the reads.
 Precision: fp32 partials of 16-bit inputs use cuBLAS's fp32 output (``out_dtype``) on
 CUDA, an fp32 GEMM of the upcast operands on CPU: one rounding, like the Triton producer.
 """
@@ -35,27 +41,28 @@ import torch
 from distfuse.fused.peer_views import peer_data, peer_flag
 from distfuse.geometry.decomposition import block_range
 from distfuse.kernels._utils import check_producer_args, claimed_rank_view
-from distfuse.kernels.chunk_flag import raise_chunk_flag_kernel
+from distfuse.kernels.chunk_flag import raise_every_chunk_flag_kernel
 from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.matmul_reduce_scatter import slot_row_stride
 from distfuse.kernels.matmul_scatter_select import cublas_whole
 from distfuse.kernels.scatter_partial import scatter_partial
 
-__all__ = ["matmul_scatter_cublas", "raise_chunk_flag"]
+__all__ = ["matmul_scatter_cublas", "raise_every_chunk_flag"]
 
 
-def raise_chunk_flag(view, chunk: int, rank: int) -> None:
-    """Raise owner ``chunk``'s flag ``[chunk, rank]`` to the op's epoch: stream-ordered on CUDA, a host write on CPU.
+def raise_every_chunk_flag(view, rank: int) -> None:
+    """Raise every owner's flag ``[c, rank]`` to the op's epoch: stream-ordered on CUDA, host writes on CPU.
 
-    On CUDA a one-program Triton kernel (:mod:`distfuse.kernels.chunk_flag`) stores the
-    device epoch with a system-scope release, read when it executes, so a CUDA graph replay
-    raises the replay's epoch.
+    On CUDA one one-program Triton kernel (:mod:`distfuse.kernels.chunk_flag`) stores the
+    device epoch with a system-scope release per owner, read when it executes, so a CUDA graph
+    replay raises the replay's epoch.
     """
     W = view.world_size
     if view.device.type == "cuda":
-        cached_launch(raise_chunk_flag_kernel)[(1,)](view.flag_ptrs, chunk, W, rank, view.epoch_dev)
+        cached_launch(raise_every_chunk_flag_kernel)[(1,)](view.flag_ptrs, W, rank, view.epoch_dev)
         return
-    peer_flag(view, chunk, chunk, rank).copy_(view.epoch_dev)
+    for chunk in range(W):
+        peer_flag(view, chunk, chunk, rank).copy_(view.epoch_dev)
 
 
 def _chunk_gemm(rows: torch.Tensor, weight: torch.Tensor, dst: torch.Tensor) -> None:
@@ -112,4 +119,4 @@ def matmul_scatter_cublas(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
                 dst.zero_()
             else:
                 _chunk_gemm(a3[:, start:stop], weight, dst)
-        raise_chunk_flag(st, chunk, rank)
+    raise_every_chunk_flag(st, rank)  # one launch after the last GEMM (see the module doc)

@@ -196,8 +196,8 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
                           dict(BLOCK_M=blocks["BLOCK_M"], BLOCK_N=blocks["BLOCK_N"], W_BLOCK=8), blocks["num_warps"], 1,
                           pointer_dtypes=dict(tables, src=_TT[dt]), aligned=("N", "ld"),
                           checks=("release_sys", "vector_load", "vector_store")))
-        # The flag raise of the library-GEMM producer (cublas_chunks), launched after each chunk's GEMM.
-        cases.append(case("raise_chunk_flag", chunk_flag.raise_chunk_flag_kernel, dt, {}, 1, 1,
+        # The flag raise of the library-GEMM producer (cublas_chunks), launched after its last chunk GEMM.
+        cases.append(case("raise_every_chunk_flag", chunk_flag.raise_every_chunk_flag_kernel, dt, {}, 1, 1,
                           checks=("release_sys",)))
         # The agreement check: signatures published to every peer (release), compared after the flag waits (acquire).
         cases.append(case("publish_signature", signature_kernels._publish_signature_kernel, dt, {}, 1, 1,

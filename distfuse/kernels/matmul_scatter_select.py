@@ -65,9 +65,10 @@ def cublas_whole(n: int, world_size: int) -> bool:
     """Whether the cuBLAS provider computes all ``n`` rows in one library GEMM and then scatters them
     (:mod:`~distfuse.kernels.scatter_partial`), rather than one GEMM per chunk: where the longest chunk has fewer
     than :data:`CUBLAS_WHOLE_ROWS` rows.  A chunk GEMM that short fills less than one of the library's 128-row
-    tiles, and W of them cost W launches: on the H200 at ``a6bfa8c`` (LLaMA-3 8B, TP 8, M = 512, 64-row chunks)
-    they took 69 us graph-timed against 15.5 us for cuBLAS's whole GEMM.  A pure rule of the shape, so every rank
-    takes the same schedule."""
+    tiles, and W of them cost W launches: on the H200 at ``a6bfa8c`` (TP 8, M = 512, 64-row chunks, kernel time)
+    the eight chunk GEMMs took 43.3 us for LLaMA-3 8B and 141.4 us for 70B against 11.8 and 40.0 us for cuBLAS's
+    whole GEMM.  At 1024-row chunks (M = 8192) they took 175.5 against 151.4 us, less than the 35 us or so a copy
+    of the whole GEMM's 64 MB output would add.  A pure rule of the shape, so every rank takes the same schedule."""
     return 0 < -(-n // world_size) < CUBLAS_WHOLE_ROWS
 
 

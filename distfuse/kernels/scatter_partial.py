@@ -32,7 +32,7 @@ import triton.language as tl
 
 from distfuse.errors import ShapeError, where
 from distfuse.kernels._utils import HAS_CUDA, INTERPRET, claimed_rank_view
-from distfuse.kernels.chunk_flag import raise_chunk_flag_kernel
+from distfuse.kernels.chunk_flag import raise_every_chunk_flag_kernel
 from distfuse.kernels.chunk_reduce import slot_row_stride
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.launch_cache import cached_launch
@@ -121,8 +121,7 @@ def scatter_partial(partial: torch.Tensor, ws, rank: int, world_size: int) -> No
     meta = scatter_partial_blocks(partial.dtype.itemsize, partial.device)
     tiles = n_batch * cdiv(n, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
     if tiles == 0:  # nothing to copy: the flags alone, in stream order
-        for chunk in range(W):
-            cached_launch(raise_chunk_flag_kernel)[(1,)](st.flag_ptrs, chunk, W, rank, st.epoch_dev)
+        cached_launch(raise_every_chunk_flag_kernel)[(1,)](st.flag_ptrs, W, rank, st.epoch_dev)
         return
     cached_launch(_scatter_partial_kernel)[(_programs(tiles, partial.device),)](
         partial, slots, st.data_ptrs, st.flag_ptrs, st.counters, n_batch, n, N, ld, rank, W, st.epoch_dev,
