@@ -37,6 +37,7 @@ from distfuse.kernels.chunk_reduce import slot_row_stride
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.matmul_scatter_persistent import _arrive_counts, _chunk_of, _store_span_rows
+from distfuse.kernels.persistent import persistent_programs
 
 __all__ = ["scatter_partial", "scatter_partial_blocks", "gpu_blocks"]
 
@@ -93,12 +94,6 @@ def scatter_partial_blocks(itemsize: int, device: torch.device) -> dict:
     return gpu_blocks(itemsize)
 
 
-def _programs(tiles: int, device: torch.device) -> int:
-    if device.type == "cuda":
-        return min(tiles, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(tiles, 4)
-
-
 def scatter_partial(partial: torch.Tensor, ws, rank: int, world_size: int) -> None:
     """Copy ``partial [..., n, N]`` (contiguous, the partials' dtype) into the W owners' slots for ``rank`` and raise
     every owner's flag for it, in one launch: the slots and flags of a GEMM + scatter producer, for ``chunk_reduce``.
@@ -123,6 +118,7 @@ def scatter_partial(partial: torch.Tensor, ws, rank: int, world_size: int) -> No
     if tiles == 0:  # nothing to copy: the flags alone, in stream order
         cached_launch(raise_every_chunk_flag_kernel)[(1,)](st.flag_ptrs, W, rank, st.epoch_dev)
         return
-    cached_launch(_scatter_partial_kernel)[(_programs(tiles, partial.device),)](
+    programs = min(tiles, persistent_programs(partial.device, per_sm=PROGRAMS_PER_SM))
+    cached_launch(_scatter_partial_kernel)[(programs,)](
         partial, slots, st.data_ptrs, st.flag_ptrs, st.counters, n_batch, n, N, ld, rank, W, st.epoch_dev,
         rank * slot_elems, W_BLOCK=next_power_of_2(W), **meta)
