@@ -38,9 +38,11 @@ buffers in this GPU's HBM, so "remote" stores land in local memory):
   side beside ``fused`` (the one-tile-per-program Triton kernel): ``op=matmul_scatter``
   with ``provider=triton_persistent`` (persistent grid, tensor-descriptor loads, one flag
   per chunk) and ``provider=cublas_chunks`` (one cuBLAS GEMM per chunk into its owner's
-  slot, a flag kernel after each), each against cuBLAS with the same >= 90% target, and
-  each with its own projection row (``projection-fused-<provider>-8gpu``).  **Not yet
-  measured on a GPU.**
+  slot, then one launch for every flag; under 128 rows a chunk, one GEMM of every row, then
+  one scatter launch: each row's ``kernel_reason`` names the schedule), each against cuBLAS
+  with the same >= 90% target, and each with its own projection row
+  (``projection-fused-<provider>-8gpu``).  Measured on the H100 and H200 since (docs/gpu.md);
+  the cuBLAS provider's two schedules of 2026-11-28 not yet.
 * Sides ``zero_rows`` and ``zero_columns``: the ZeRO layers' weight streaming
   (``distfuse/fused/zero_linear.py``), the all-gather GEMMs on the transposed product
   ``y.T = W_m @ x.T`` with the weight shards as the gathered operand and the rows ``x`` as
