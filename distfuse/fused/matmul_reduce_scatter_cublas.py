@@ -80,6 +80,20 @@ def _chunk_gemm(rows: torch.Tensor, weight: torch.Tensor, dst: torch.Tensor) -> 
     dst.copy_(torch.matmul(rows.to(torch.float32), weight.t().to(torch.float32)).to(dst.dtype))
 
 
+def _whole_gemm(a3: torch.Tensor, weight: torch.Tensor, partial_dtype: torch.dtype) -> torch.Tensor:
+    """``a3 @ weight.T`` as a new contiguous ``[B_, n, N]`` tensor in ``partial_dtype``, rounded once (the whole-GEMM
+    schedule's partial: no copy into a buffer of its own)."""
+    if partial_dtype == a3.dtype:
+        return torch.matmul(a3, weight.t())
+    if a3.device.type == "cuda" and partial_dtype == torch.float32 and a3.shape[0] > 0:
+        try:  # cuBLAS: 16-bit operands, fp32 output (one entry, the common case, without a stacking copy)
+            parts = [torch.mm(a3[b], weight.t(), out_dtype=torch.float32) for b in range(a3.shape[0])]
+            return parts[0].unsqueeze(0) if len(parts) == 1 else torch.stack(parts)
+        except (TypeError, RuntimeError):  # a torch without mm(out_dtype=): the upcast GEMM below
+            pass
+    return torch.matmul(a3.to(torch.float32), weight.t().to(torch.float32)).to(partial_dtype)
+
+
 def matmul_scatter_cublas(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
                           partial_dtype: torch.dtype | None = None, whole: bool | None = None) -> None:
     """Produce, like :func:`distfuse.kernels.matmul_reduce_scatter.matmul_scatter` (its arguments but ``config``),
@@ -101,12 +115,7 @@ def matmul_scatter_cublas(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
     slot_elems = B * q1 * ld
     st.data(partial_dtype, W * slot_elems, op=op)  # checks the capacity, the same on every rank
     if cublas_whole(n, W) if whole is None else whole:  # short chunks: one GEMM of every row, then one scatter
-        partial = torch.empty(B, n, N, dtype=partial_dtype, device=a.device)
-        if K == 0:
-            partial.zero_()
-        elif partial.numel():
-            _chunk_gemm(a3, weight, partial)
-        scatter_partial(partial, ws, rank, W)
+        scatter_partial(_whole_gemm(a3, weight, partial_dtype), ws, rank, W)
         return
     for step in range(W):
         chunk = (rank + 1 + step) % W
