@@ -65,24 +65,10 @@ def raise_every_chunk_flag(view, rank: int) -> None:
         peer_flag(view, chunk, chunk, rank).copy_(view.epoch_dev)
 
 
-def _chunk_gemm(rows: torch.Tensor, weight: torch.Tensor, dst: torch.Tensor) -> None:
-    """``dst = rows @ weight.T`` (``[B_, L, K] @ [K, N]`` into a ``[B_, L, N]`` view with padded rows)."""
-    if dst.dtype == rows.dtype:
-        torch.matmul(rows, weight.t(), out=dst)
-        return
-    if rows.device.type == "cuda" and dst.dtype == torch.float32:
-        try:  # cuBLAS: 16-bit operands, fp32 output, one rounding
-            for b in range(rows.shape[0]):
-                dst[b].copy_(torch.mm(rows[b], weight.t(), out_dtype=torch.float32))
-            return
-        except (TypeError, RuntimeError):  # a torch without mm(out_dtype=): the upcast GEMM below
-            pass
-    dst.copy_(torch.matmul(rows.to(torch.float32), weight.t().to(torch.float32)).to(dst.dtype))
-
-
 def _whole_gemm(a3: torch.Tensor, weight: torch.Tensor, partial_dtype: torch.dtype) -> torch.Tensor:
     """``a3 @ weight.T`` as a new contiguous ``[B_, n, N]`` tensor in ``partial_dtype``, rounded once (the whole-GEMM
-    schedule's partial: no copy into a buffer of its own)."""
+    schedule's partial: no copy into a buffer of its own; the per-chunk schedule copies it into a slot where the
+    dtypes differ)."""
     if partial_dtype == a3.dtype:
         return torch.matmul(a3, weight.t())
     if a3.device.type == "cuda" and partial_dtype == torch.float32 and a3.shape[0] > 0:
@@ -126,6 +112,8 @@ def matmul_scatter_cublas(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
             dst = slot[: B * L * ld].view(B, L, ld)[:, :, :N]  # the slot holds [B_, len_c] rows, ld apart
             if K == 0:
                 dst.zero_()
+            elif partial_dtype == a.dtype:
+                torch.matmul(a3[:, start:stop], weight.t(), out=dst)  # straight into the owner's slot
             else:
-                _chunk_gemm(a3[:, start:stop], weight, dst)
+                dst.copy_(_whole_gemm(a3[:, start:stop], weight, partial_dtype))
     raise_every_chunk_flag(st, rank)  # one launch after the last GEMM (see the module doc)

@@ -32,6 +32,7 @@ from distfuse.errors import UnsupportedError, expect
 from distfuse.kernels import matmul_reduce_scatter as pointer_kernels
 from distfuse.kernels import matmul_scatter_persistent as persistent_kernels
 from distfuse.kernels._utils import INTERPRET, tf32_allowed
+from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.persistent import compiled_refusal
 
 __all__ = ["KernelChoice", "PROVIDER_KERNELS", "CUBLAS_WHOLE_ROWS", "cublas_whole", "select_scatter_kernel",
@@ -69,7 +70,7 @@ def cublas_whole(n: int, world_size: int) -> bool:
     the eight chunk GEMMs took 43.3 us for LLaMA-3 8B and 141.4 us for 70B against 11.8 and 40.0 us for cuBLAS's
     whole GEMM.  At 1024-row chunks (M = 8192) they took 175.5 against 151.4 us, less than the 35 us or so a copy
     of the whole GEMM's 64 MB output would add.  A pure rule of the shape, so every rank takes the same schedule."""
-    return 0 < -(-n // world_size) < CUBLAS_WHOLE_ROWS
+    return 0 < cdiv(n, world_size) < CUBLAS_WHOLE_ROWS
 
 
 def select_scatter_kernel(a: torch.Tensor, weight: torch.Tensor, provider: str = "triton", *,
@@ -90,7 +91,7 @@ def select_scatter_kernel(a: torch.Tensor, weight: torch.Tensor, provider: str =
         if world_size is not None and cublas_whole(a.shape[-2], world_size):
             return KernelChoice(provider, "matmul_scatter_cublas",
                                 f"one library GEMM of every row, then one scatter launch (chunks of at most "
-                                f"{-(-a.shape[-2] // world_size)} rows: fewer than {CUBLAS_WHOLE_ROWS})")
+                                f"{cdiv(a.shape[-2], world_size)} rows: fewer than {CUBLAS_WHOLE_ROWS})")
         return KernelChoice(provider, "matmul_scatter_cublas", "one library GEMM per chunk")
     n, K = a.shape[-2], a.shape[-1]
     a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
