@@ -132,7 +132,8 @@ def _parse(argv=None):
     p.add_argument("--sweep-m", type=int, nargs="+", default=None, help="sweeps: GEMM rows (default the largest M)")
     p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole script")
     p.add_argument("--sections", nargs="+",
-                   default=["host", "attrib", "forms", "halo", "gemm", "persistent", "gathered", "reduce"])
+                   default=["host", "attrib", "scatter", "forms", "halo", "gemm", "persistent", "gathered",
+                            "reduce"])
     return p.parse_args(argv)
 
 
@@ -239,6 +240,36 @@ def compiled_runner(st, slots, out, rows, N, ld, slot_elems, W):
     return lambda: launch(*full), lambda: cr._chunk_reduce_kernel[(programs,)](*args, **consts)
 
 
+def direct_launches(st, slots, out, rows, N, ld, slot_elems, W) -> dict:
+    """The launch cache's own two levels on ``chunk_reduce``'s kernel (warm): a hit as ``launch_reduce`` makes it
+    (fingerprint, then the binary's launcher called directly), and that launcher alone with the stream read once
+    (what a hit costs without its fingerprint): ``{name: no-argument launch}``, empty without a direct launcher."""
+    from distfuse.kernels import chunk_reduce as cr
+    from distfuse.kernels._utils import TIMED_WAITS, round_bf16, timeout_arg
+    from distfuse.kernels.host_ints import next_power_of_2
+    from distfuse.kernels.launch_cache import cached_launch, direct_launcher
+
+    _meta, kw, programs = cr.reduce_plan(rows, N, ld, slots.dtype, W, out.device)
+    args = [slots, out, out, st.flags, st.status, st.sigs, rows, N, ld, slot_elems, 0, st.epoch_dev, timeout_arg(st),
+            0, 0]
+    consts = dict(HAS_BIAS=False, ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS, CHECK_SIG=False, W_UNROLL=W,
+                  W_BLOCK=next_power_of_2(W), **kw)
+    cache = cached_launch(cr._chunk_reduce_kernel)
+    binary = cache[(programs,)](*args, **consts)
+    direct = direct_launcher(binary) if binary is not None else None
+    if direct is None:
+        return {}
+    run, function, packed = direct
+    names = cr._chunk_reduce_kernel.arg_names
+    full = args + [consts[name] for name in names[len(args):]]
+    import torch
+
+    stream = torch._C._cuda_getCurrentRawStream(out.device.index)
+    return {"the launch cache's hit (fingerprint + the launcher)": lambda: cache[(programs,)](*args, **consts),
+            "the binary's launcher alone (run(...), no hooks)": lambda: run(programs, 1, 1, stream, function, packed,
+                                                                           None, None, None, *full)}
+
+
 def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
     """Host time of chunk_reduce and gathered_matmul, whole and by part (checks, allocation, launch, status)."""
     from distfuse.geometry.decomposition import block_extent
@@ -272,6 +303,10 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
         if runner is not None:  # the same launch without the JIT's binder, cache key and globals check
             parts["compiled kernel's runner (the launch alone)"] = runner
             parts["the JIT's launch (kernel[grid](...), no cache)"] = jit
+            try:
+                parts.update(direct_launches(st, slots, out, rows, N, ld, slot_elems, W))
+            except Exception as exc:  # noqa: BLE001 - Triton-version specific: recorded, the section goes on
+                record(section="attrib", op="direct launches", error=f"{type(exc).__name__}: {str(exc)[:300]}")
         for name, fn in parts.items():
             record(section="attrib", op=name, model=model, m=m, **measure(torch, fn, device, calls, profile=False))
         if device.type == "cuda":
@@ -295,6 +330,46 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
             print(f"cprofile gathered_matmul (whole call) m={m}:\n" + cprofile_top(side.fused_gemm, calls), flush=True)
     finally:
         side.release()
+
+
+def scatter_sweep(torch, Side, shapes, W, dtype, device, calls, record, cuda, clock) -> None:
+    """The cuBLAS provider's whole-GEMM schedule at M = 512 (its rule's shapes), in parts: cuBLAS's GEMM, the copy of
+    its output's bytes, ``scatter_partial`` over its tile configs (:func:`~distfuse.kernels.scatter_partial.
+    sweep_configs`, the default marked) and the whole producer, each loop- and graph-timed."""
+    from distfuse.fused.providers import run_producer
+    from distfuse.kernels import scatter_partial as sp
+
+    m = 512 if cuda else 8
+    default = dict(sp.scatter_partial_blocks(dtype.itemsize, device), PER_SM=sp.PROGRAMS_PER_SM)
+    configs = sp.sweep_configs(dtype.itemsize) if cuda else [dict(default)]
+    for model, ((n, k), _) in shapes.items():
+        if clock.left() < 20:
+            return
+        side = Side("rs", m, n, k, W, dtype, device, provider="cublas_chunks")
+        shape = dict(model=model, side="rs", m=m, n=n, k=k)
+        partial = torch.matmul(side.a, side.weight.t()).contiguous()
+        dst = torch.empty_like(partial)
+        record(section="scatter", op="cublas", **shape, **measure(torch, side.cublas, device, calls, graph=cuda))
+        record(section="scatter", op="copy", **shape, bytes=partial.numel() * partial.element_size(),
+               **measure(torch, lambda dst=dst, partial=partial: dst.copy_(partial), device, calls, profile=False,
+                         graph=cuda))
+        side.prepare()
+        try:
+            record(section="scatter", op="producer:cublas_chunks", **shape,
+                   **measure(torch, lambda: run_producer("cublas_chunks", side.a, side.weight, side.ws, 0, W, dtype),
+                             device, calls, graph=cuda))
+            for cfg in configs:
+                if clock.left() < 10:
+                    break
+                record(section="scatter", op="scatter_partial", **shape, config=cfg, default=cfg == default,
+                       **measure(torch, lambda cfg=cfg, partial=partial: sp.scatter_partial(partial, side.ws, 0, W,
+                                                                                           config=cfg),
+                                 device, calls, profile=False, graph=cuda))
+        finally:
+            side.release()
+        side = partial = dst = None
+        if cuda:
+            torch.cuda.empty_cache()
 
 
 def halo_stage_times(torch, device, dtype, calls, record, cuda) -> None:
@@ -497,6 +572,11 @@ def main(argv=None) -> int:
     # ---- where a consumer's host time goes: the whole call against its parts, at one large shape
     if "attrib" in args.sections and clock.left() > 30:
         guarded("attrib", "parts", lambda: attribute(torch, Side, shapes, ms[-1], W, dtype, device, calls, record))
+
+    # ---- the cuBLAS provider's whole-GEMM schedule at M = 512: the scatter's tiles
+    if "scatter" in args.sections and clock.left() > 20:
+        guarded("scatter", "sweep", lambda: scatter_sweep(torch, Side, shapes, W, dtype, device, calls, record, cuda,
+                                                          clock))
 
     # ---- the halo staging: host or kernel?
     if "halo" in args.sections and clock.left() > 20:

@@ -13,6 +13,7 @@
 # 3. everything into $OUT/lab.tgz (the device tool brings back at most 8 files), with lab.json and
 #    lab.log beside it for a first look: packed once after the lab and again at the end.
 # DISTFUSE_FIRST_CALL_BUDGET (default 585 s): the seconds lab and diagnosis may take together (a shorter rerun).
+# DISTFUSE_LAB_PHASES (scripts/gpu_lab.sh) and DISTFUSE_DIAGNOSE_SECTIONS (default: the six above) narrow a rerun.
 #
 # Collect here:  mkdir d && tar xzf <files_at>/lab.tgz -C d && python scripts/lab_record.py collect --out d
 # (copies the benchmark files, lab.json, tests, probe, two_process and diagnose.json into bench/results).
@@ -35,10 +36,11 @@ pack() {  # after the lab and again at the end: a call cut off during the diagno
 }
 pack
 LEFT=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
+SECTIONS=${DISTFUSE_DIAGNOSE_SECTIONS:-host attrib forms halo persistent gathered}
 if [ "$LEFT" -ge 30 ]; then
   PYTHONPATH="$PWD:$PWD/scripts" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 timeout --kill-after=5 $((LEFT - 5)) \
-    "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections host attrib forms halo \
-    persistent gathered --sweep-m 512 --graph --budget $((LEFT - 20)) >"$WORK/lab/diagnose.log" 2>&1
+    "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections $SECTIONS \
+    --sweep-m 512 --graph --budget $((LEFT - 20)) >"$WORK/lab/diagnose.log" 2>&1
   echo "gpu_first_call: diagnose exit $? ($(grep -c '^diag: {' "$WORK/lab/diagnose.log") rows)"
 else
   echo "gpu_first_call: diagnose skipped: ${LEFT}s left"

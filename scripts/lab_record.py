@@ -98,6 +98,8 @@ def cmd_init(args) -> int:
 def phase_status(rc: int, limit: int) -> str:
     if rc == -1:
         return "skipped: no time left in the budget"
+    if rc == -2:
+        return "skipped: not asked for (DISTFUSE_LAB_PHASES)"
     if rc in (124, 137):
         return f"timed out after {limit} s"
     return "ok" if rc == 0 else f"failed (exit {rc})"

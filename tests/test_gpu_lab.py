@@ -126,8 +126,12 @@ def test_phase_records_and_skips(tmp_path):
               "--seconds", "0"])
     lab.main(["phase", "--out", str(out), "--name", "halo", "--cap", "75", "--limit", "75", "--rc", "124",
               "--seconds", "80"])
+    lab.main(["phase", "--out", str(out), "--name", "two_process", "--cap", "70", "--limit", "0", "--rc", "-2",
+              "--seconds", "0"])
     phases = json.loads((out / "lab.json").read_text())["phases"]
-    assert phases[0]["status"].startswith("skipped") and phases[1]["status"] == "timed out after 75 s"
+    assert phases[0]["status"] == "skipped: no time left in the budget"
+    assert phases[1]["status"] == "timed out after 75 s"
+    assert phases[2]["status"] == "skipped: not asked for (DISTFUSE_LAB_PHASES)"
 
 
 def test_tests_summary_keeps_what_finished(tmp_path):

@@ -173,6 +173,70 @@ def test_cached_launches_match_the_jit_cuda(monkeypatch):
     assert launch_cache.launch_cache_enabled()
     first, second = op(), op()
     assert chunk_reduce_kernels._CHUNK_REDUCE._binaries, "the consumer's binary is cached after its first launch"
+    assert all(entry[2] is not None for entry in chunk_reduce_kernels._CHUNK_REDUCE._binaries.values()), \
+        "this Triton's binaries have the launcher a hit calls directly"
+    assert not launch_cache._hooked(), "no launch hook installed: the second call's hits went through the launcher"
     for r in range(W):
         assert torch.equal(first[r], jit[r]) and torch.equal(second[r], jit[r]), r
         assert not torch.isnan(second[r]).any()
+
+
+class _Compiled:
+    """A stand-in for a loaded CompiledKernel: ``run`` (its launcher) records the direct launches, ``binary[grid]``
+    the runner's."""
+
+    function = 0xF00D
+    packed_metadata = ("packed",)
+
+    def __init__(self):
+        self.direct, self.runner = [], []
+
+    def run(self, *args):
+        self.direct.append(args)
+
+    def __getitem__(self, grid):
+        return lambda *args: self.runner.append((grid, args))
+
+
+class _HookChain:
+    def __init__(self, calls=()):
+        self.calls = list(calls)
+
+
+class _Runtime:
+    def __init__(self, enter, leave):
+        self.launch_enter_hook, self.launch_exit_hook = enter, leave
+
+
+def test_a_hit_calls_the_launcher_itself_unless_a_launch_hook_is_installed(compiled, monkeypatch):
+    """No hook: ``run(grid, stream, function, packed metadata, no launch metadata, no hooks, *args)``, the runner's
+    call less what only a hook reads.  A hook (a profiler's) installed: the runner, which builds what it reads."""
+    jit = _Jit()
+    jit.binary = _Compiled()
+    monkeypatch.setattr(launch_cache, "_current_stream", lambda device: 1234 + device)
+    monkeypatch.setattr(launch_cache, "_RUNTIME", _Runtime(_HookChain(), _HookChain()))
+    launch = CachedLaunch(jit)
+    x = torch.zeros(64)
+    launch[(4,)](x, 32, BLOCK=64, FLAG=True, num_warps=4)  # the JIT
+    launch[(5, 2)](x, 48, BLOCK=64, FLAG=True, num_warps=4)  # a hit
+    assert len(jit.launches) == 1 and not jit.binary.runner
+    assert jit.binary.direct == [(5, 2, 1, 1234, 0xF00D, ("packed",), None, None, None, x, 48, 64, True)]
+    for enter, leave in ((_HookChain([print]), _HookChain()), (_HookChain(), _HookChain([print])), (print, None)):
+        monkeypatch.setattr(launch_cache, "_RUNTIME", _Runtime(enter, leave))
+        launch[(3,)](x, 16, BLOCK=64, FLAG=True, num_warps=4)
+    assert len(jit.binary.direct) == 1 and len(jit.binary.runner) == 3
+    assert jit.binary.runner[0] == ((3, 1, 1), (x, 16, 64, True))
+    monkeypatch.setattr(launch_cache, "_RUNTIME", _Runtime(None, None))  # older Tritons: no hook is None
+    launch[(3,)](x, 16, BLOCK=64, FLAG=True, num_warps=4)
+    assert len(jit.binary.direct) == 2
+
+
+def test_a_binary_without_the_launcher_goes_through_its_runner():
+    class _NoFunction(_Compiled):
+        function = None
+
+    assert launch_cache.direct_launcher(_Binary()) is None
+    assert launch_cache.direct_launcher(_NoFunction()) is None
+    ok = _Compiled()
+    run, function, packed = launch_cache.direct_launcher(ok)
+    assert (function, packed) == (0xF00D, ("packed",)) and run.__self__ is ok

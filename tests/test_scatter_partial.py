@@ -18,7 +18,7 @@ from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels.chunk_reduce import slot_row_stride
 from distfuse.kernels.matmul_reduce_scatter import chunk_reduce, matmul_scatter_workspace_bytes
 from distfuse.kernels.matmul_scatter_select import CUBLAS_WHOLE_ROWS, cublas_whole, select_scatter_kernel
-from distfuse.kernels.scatter_partial import scatter_partial
+from distfuse.kernels.scatter_partial import scatter_partial, sweep_configs
 from tests.tolerances import tol
 
 CASES = [
@@ -58,7 +58,25 @@ def test_scatter_partial_writes_every_row_where_the_oracle_does_cuda(case):
     _check_scatter(case, torch.device("cuda"))
 
 
-def _check_scatter(case, device):
+#: The tile configs the GPU sweep times (``scripts/gpu_diagnose.py --sections scatter``), each checked here first.
+SWEEP_CONFIGS = sweep_configs(torch.bfloat16.itemsize)
+
+
+@pytest.mark.parametrize("config", [dict(BLOCK_M=2, BLOCK_N=4, num_warps=1, PER_SM=1),
+                                    dict(BLOCK_M=4, BLOCK_N=32, num_warps=1, PER_SM=3)], ids=["2x4", "4x32"])
+def test_a_config_tiles_and_strides_the_same_rows(config):
+    """Tiles smaller than a chunk and a grid smaller than the tiles (each program walks several, uneven chunks
+    spanning tiles): the same bytes and flags as the oracle."""
+    _check_scatter(dict(lead=(2,), n=9, W=4, N=13, dtype=torch.float32), torch.device("cpu"), config)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", SWEEP_CONFIGS, ids=lambda c: "{BLOCK_M}x{num_warps}w{PER_SM}".format(**c))
+def test_every_swept_config_writes_what_the_oracle_does_cuda(config):
+    _check_scatter(dict(lead=(1,), n=520, W=8, N=4096, dtype=torch.bfloat16), torch.device("cuda"), config)
+
+
+def _check_scatter(case, device, config=None):
     lead, n, W, N, dtype = case["lead"], case["n"], case["W"], case["N"], case["dtype"]
     B = math.prod(lead)
     g = torch.Generator().manual_seed(11)
@@ -71,7 +89,7 @@ def _check_scatter(case, device):
             ws.rank_view(r).data(torch.uint8, nbytes).copy_(noise)
     with ws_k.in_flight("test"):
         for r in range(W):
-            scatter_partial(partials[r], ws_k, r, W)
+            scatter_partial(partials[r], ws_k, r, W, config=config)
     _oracle(partials, ws_o, W, n, N, dtype)
     for r in range(W):
         vk, vo = ws_k.rank_view(r), ws_o.rank_view(r)

@@ -18,9 +18,14 @@ follows (finer, never coarser; :func:`arg_key`):
 * every constexpr and launch option by value, and the current CUDA device.
 
 Calls with one fingerprint get one specialisation, so the binary the JIT handed back for the
-first serves every later one (``binary[grid](*args)``, the compiled kernel's own launcher,
-which still converts the arguments and reads the current stream).  A new fingerprint goes
-through the JIT, which compiles or finds its binary and launches it.
+first serves every later one.  A hit calls the binary's launcher (``CompiledKernel.run``) itself,
+with the current stream read in one C call, where ``binary[grid](*args)`` would first build a
+closure, ask ``torch.cuda.current_device`` for the device, build the launch metadata for the
+launch hooks and call both hook chains: while no launch hook is installed (``triton.knobs.runtime``'s
+``launch_enter_hook`` / ``launch_exit_hook``, the profilers' entry point) that work has no effect,
+so a hit skips it, and with a hook installed it goes through ``binary[grid]`` as before.  A
+binary without that launcher (another Triton) is launched through ``binary[grid]`` too.  A new
+fingerprint goes through the JIT, which compiles or finds its binary and launches it.
 ``tests/test_launch_cache.py`` checks the fingerprint against Triton's own specialisation.
 
 Off under the interpreter (there is no binary) and with ``DISTFUSE_LAUNCH_CACHE=0``.
@@ -35,7 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distfuse.kernels._utils import INTERPRET
 
-__all__ = ["CachedLaunch", "cached_launch", "arg_key", "launch_cache_enabled", "LAUNCH_CACHE_ENV"]
+__all__ = ["CachedLaunch", "cached_launch", "arg_key", "direct_launcher", "launch_cache_enabled", "LAUNCH_CACHE_ENV"]
 
 LAUNCH_CACHE_ENV = "DISTFUSE_LAUNCH_CACHE"
 _I32, _I64 = 1 << 31, 1 << 63
@@ -98,10 +103,16 @@ class CachedLaunch:
         except (_UnkeyableError, TypeError, AttributeError):  # TypeError: an unhashable constexpr
             return self.kernel[grid](*args, **kwargs)
         if hit is not None:
-            binary, tail = hit
+            binary, tail, direct = hit
             if callable(grid):  # grid(META), as the JIT calls it: every parameter by name
                 grid = grid({**dict(zip(self._names, args, strict=False)), **kwargs})  # args: the leading ones
-            binary[_grid3(grid)](*args, *(kwargs[name] for name in tail))
+            g = _grid3(grid)
+            if direct is not None and not _hooked():
+                run, function, packed = direct
+                run(g[0], g[1], g[2], _current_stream(key[0]), function, packed, None, None, None, *args,
+                    *(kwargs[name] for name in tail))
+            else:
+                binary[g](*args, *(kwargs[name] for name in tail))
             return binary
         binary = self.kernel[grid](*args, **kwargs)  # the JIT: specialise, compile or find, launch
         if hasattr(binary, "result"):
@@ -110,7 +121,7 @@ class CachedLaunch:
         if hasattr(type(binary), "__getitem__") and all(name in kwargs for name in tail):
             if len(self._binaries) >= _MAX_BINARIES:
                 self._binaries.clear()
-            self._binaries[key] = (binary, tail)
+            self._binaries[key] = (binary, tail, direct_launcher(binary))
         return binary
 
 
@@ -124,6 +135,52 @@ def cached_launch(kernel) -> CachedLaunch:
     if launch is None:
         launch = _BY_KERNEL[id(kernel)] = CachedLaunch(kernel)  # holds the kernel: its id is never reused
     return launch
+
+
+def direct_launcher(binary):
+    """``(run, function, packed_metadata)`` of a compiled kernel whose handles are loaded (it has launched once), or
+    None where ``binary`` has no such launcher: what a cache hit calls as
+    ``run(gx, gy, gz, stream, function, packed_metadata, None, None, None, *args)`` (no launch metadata, no hooks:
+    the call :meth:`CompiledKernel.__getitem__`'s runner makes, less the work only a launch hook reads)."""
+    try:
+        run, function, packed = binary.run, binary.function, binary.packed_metadata
+    except Exception:  # noqa: BLE001 - not a CompiledKernel of a Triton with these attributes
+        return None
+    return (run, function, packed) if callable(run) and function is not None else None
+
+
+def _hooked() -> bool:
+    """Whether a launch hook is installed (then a hit goes through ``binary[grid]``, which builds what hooks read)."""
+    runtime = _RUNTIME
+    if runtime is None:
+        return True
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    return _live(enter) or _live(leave)
+
+
+def _live(hook) -> bool:
+    """A hook that would run: any callable but an empty hook chain (Triton 3.6 and later keep chains, never None)."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return True if calls is None else bool(calls)
+
+
+def _runtime_knobs():
+    try:
+        from triton import knobs
+
+        return knobs.runtime
+    except (ImportError, AttributeError):  # a Triton without knobs: every hit through binary[grid]
+        return None
+
+
+_RUNTIME = _runtime_knobs()
+
+
+def _current_stream(device: int) -> int:
+    """The current CUDA stream's raw handle on ``device`` (one C call, what Triton's runner passes)."""
+    return torch._C._cuda_getCurrentRawStream(device)
 
 
 def _current_device() -> int:

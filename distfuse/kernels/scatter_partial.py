@@ -39,7 +39,7 @@ from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.matmul_scatter_persistent import _arrive_counts, _chunk_of, _store_span_rows
 from distfuse.kernels.persistent import persistent_programs
 
-__all__ = ["scatter_partial", "scatter_partial_blocks", "gpu_blocks"]
+__all__ = ["scatter_partial", "scatter_partial_blocks", "gpu_blocks", "sweep_configs"]
 
 #: Programs per SM at most (a copy wants several resident programs to keep enough bytes in flight).
 PROGRAMS_PER_SM = 4
@@ -86,6 +86,13 @@ def gpu_blocks(itemsize: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=256 // itemsize, num_warps=4)
 
 
+def sweep_configs(itemsize: int) -> list[dict]:
+    """The tile configs the GPU sweep times (``scripts/gpu_diagnose.py --sections scatter``; the CUDA tests check
+    each first): rows of 256 bytes, 16 to 128 rows a tile, 2 to 8 warps, 2 to 16 programs per SM."""
+    return [dict(BLOCK_M=m, BLOCK_N=256 // itemsize, num_warps=w, PER_SM=p)
+            for m, w, p in ((16, 2, 8), (32, 4, 8), (32, 2, 16), (64, 4, PROGRAMS_PER_SM), (64, 8, 4), (128, 8, 2))]
+
+
 def scatter_partial_blocks(itemsize: int, device: torch.device) -> dict:
     """``BLOCK_M``, ``BLOCK_N`` and ``num_warps`` of a launch: :func:`gpu_blocks` on a GPU, small tiles under the
     interpreter (its cost is per element of a tile)."""
@@ -94,13 +101,15 @@ def scatter_partial_blocks(itemsize: int, device: torch.device) -> dict:
     return gpu_blocks(itemsize)
 
 
-def scatter_partial(partial: torch.Tensor, ws, rank: int, world_size: int) -> None:
+def scatter_partial(partial: torch.Tensor, ws, rank: int, world_size: int, *, config: dict | None = None) -> None:
     """Copy ``partial [..., n, N]`` (contiguous, the partials' dtype) into the W owners' slots for ``rank`` and raise
     every owner's flag for it, in one launch: the slots and flags of a GEMM + scatter producer, for ``chunk_reduce``.
 
     ``ws``: the workspace claimed for the op (:func:`~distfuse.kernels._utils.claimed_rank_view` checks it).  The
     flags rise in stream order after the copies (each program's arrival follows its stores); an empty launch
-    (no row or no column) still raises every flag.
+    (no row or no column) still raises every flag.  ``config`` (tests, the GPU sweep of
+    ``scripts/gpu_diagnose.py --sections scatter``): ``BLOCK_M``, ``BLOCK_N``, ``num_warps`` and ``PER_SM``
+    (programs per SM at most) in place of :func:`scatter_partial_blocks` and :data:`PROGRAMS_PER_SM`.
     """
     op = "scatter_partial"
     if partial.dim() < 2 or not partial.is_contiguous():
@@ -113,12 +122,13 @@ def scatter_partial(partial: torch.Tensor, ws, rank: int, world_size: int) -> No
     ld = slot_row_stride(N)
     slot_elems = n_batch * cdiv(n, W) * ld
     slots = st.data(partial.dtype, W * slot_elems, op=op, cached=True)
-    meta = scatter_partial_blocks(partial.dtype.itemsize, partial.device)
+    meta = dict(scatter_partial_blocks(partial.dtype.itemsize, partial.device) if config is None else config)
+    per_sm = meta.pop("PER_SM", PROGRAMS_PER_SM)
     tiles = n_batch * cdiv(n, meta["BLOCK_M"]) * cdiv(N, meta["BLOCK_N"])
     if tiles == 0:  # nothing to copy: the flags alone, in stream order
         cached_launch(raise_every_chunk_flag_kernel)[(1,)](st.flag_ptrs, W, rank, st.epoch_dev)
         return
-    programs = min(tiles, persistent_programs(partial.device, per_sm=PROGRAMS_PER_SM))
+    programs = min(tiles, persistent_programs(partial.device, per_sm=per_sm))
     cached_launch(_scatter_partial_kernel)[(programs,)](
         partial, slots, st.data_ptrs, st.flag_ptrs, st.counters, n_batch, n, N, ld, rank, W, st.epoch_dev,
         rank * slot_elems, W_BLOCK=next_power_of_2(W), **meta)
