@@ -456,19 +456,6 @@ def add_all_ratios(rows, world: int) -> None:
     add_ratios(rows, f"projection-unfused-{world}gpu")
 
 
-def graphed(fn):
-    """``fn`` captured in a CUDA graph (after one warm call on a side stream); returns the graph's ``replay``."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def graph_rows(side, shape, row, timed, src, dst, nbytes, m, n, k) -> None:
     """Mode ``graph``: the anchors and the fused kernels of one case, each replayed from a CUDA graph.
 
@@ -478,6 +465,8 @@ def graph_rows(side, shape, row, timed, src, dst, nbytes, m, n, k) -> None:
     "reduce-overhead")``) runs it.  The eager rows (mode ``fwd``) keep the host's share.  Each row
     is compared only with the anchor of its own mode.  A capture that fails is reported, not hidden.
     """
+    from bench.harness import graphed
+
     spec = SIDES[side.side]
     op, op_bw = spec["gemm"], spec["bw"]
     bw_shape = dict(shape, bytes=nbytes)

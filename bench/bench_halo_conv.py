@@ -67,7 +67,8 @@ def _parse(argv=None):
     p.add_argument("--halos", type=int, nargs="+", default=[1, 2], help="halo width = kernel // 2")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=sorted(DTYPES))
-    p.add_argument("--modes", nargs="+", default=["stage", "full"], choices=["stage", "full"])
+    p.add_argument("--modes", nargs="+", default=["stage", "full"], choices=["stage", "graph", "full"],
+                   help="graph: the staging replayed from a CUDA graph (op halo_stage: the kernels without the host)")
     p.add_argument("--formats", nargs="+", default=["nchw", "channels_last"], choices=["nchw", "channels_last"])
     p.add_argument("--max-gib", type=float, default=24.0, help="skip shapes whose working set exceeds this")
     p.add_argument("--out", type=Path, default=None,
@@ -342,9 +343,10 @@ def _copy_bandwidth(device: str = "cuda") -> float:
 
 #: The anchor of each mode, measured in the same run: the device copy for staging, torch.cat staging + the same
 #: cuDNN convolution for the whole step.
-ANCHORS = {"stage": "copy", "full": "cat"}
+ANCHORS = {"stage": "copy", "graph": "copy", "full": "cat"}
 #: What each provider runs (rows name it: ``kernel``).
 KERNELS = {"stage": {"fused": "halo_stage", "distdl": "F.pad+clone+slices", "cat": "torch.cat", "copy": "Tensor.copy_"},
+           "graph": {"fused": "halo_stage", "cat": "torch.cat", "copy": "Tensor.copy_"},
            "full": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "distdl": "F.pad+clone+slices+cudnn",
                     "cat": "torch.cat+cudnn"}}
 
@@ -400,8 +402,10 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
     rows = []
 
     def row(mode, provider, q, **kw):
-        rows.append(Row(op=op, provider=provider, mode=mode, shape=dict(shape), dtype=dtype_name, world_size=1,
-                        ms=q[0], ms_q20=q[1], ms_q80=q[2], kernel=KERNELS[mode][provider], **kw))
+        # The graph rows are the staging op's own (halo_stage): kept apart from the eager rows of the halo conv op
+        rows.append(Row(op="halo_stage" if mode == "graph" else op, provider=provider, mode=mode, shape=dict(shape),
+                        dtype=dtype_name, world_size=1, ms=q[0], ms_q20=q[1], ms_q80=q[2],
+                        kernel=KERNELS[mode][provider], **kw))
 
     if "stage" in args.modes:
         # bytes moved: the block and the halos read once, the staged tensor written once
@@ -418,6 +422,22 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
             moved_p = 2 * esize * staged_elems if provider == "copy" else moved
             bw = moved_p / (q[0] * 1e-3)
             row("stage", provider, q, rate=bw / 1e9, rate_unit="GB/s", extra=dict(pct_of_copy=100.0 * bw / copy_bw))
+    if "graph" in args.modes and dev == "cuda":
+        from bench.harness import graphed
+
+        # One input set captured per provider and replayed (after the timer's L2 flush): the device work of the
+        # staging alone, as a step captured in a CUDA graph runs it; the eager rows above keep the host's share.
+        dst = [torch.empty(cs.staged_shape, device=dev, dtype=dtype, memory_format=cs.fmt) for cs in cases]
+        graph_fns = {"fused": lambda: stage_fused(cases[0], cases[0].x, halos["fused"][0]),
+                     "cat": lambda: stage_cat(cases[0], cases[0].x, halos["cat"][0]),
+                     "copy": lambda: dst[0].copy_(cases[0].staged_ref)}
+        for provider, fn in graph_fns.items():
+            try:
+                replay = graphed(fn)
+            except Exception as exc:  # noqa: BLE001 - reported, the case goes on
+                print(f"graph halo_stage {provider} {shape}: not captured: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            row("graph", provider, _bench(lambda i, replay=replay: replay(), 1, dev), extra=dict(graph=True))
     if "full" in args.modes:
         for provider in ("fused", "distdl", "cat"):
             q = _bench(lambda i, p=provider: full_step(cases[i], p, cases[i].x, halos[p][i], cases[i].weight,

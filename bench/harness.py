@@ -40,7 +40,7 @@ from distfuse.timing import QUANTILES, summarize, time_fn, time_interleaved, tim
 
 __all__ = ["Row", "QUANTILES", "environment", "summarize", "time_samples", "time_fn", "time_interleaved",
            "under_torchrun", "init_torchrun", "track_peak_memory", "add_ratios", "write_results", "results_path",
-           "write_json", "print_table",
+           "write_json", "print_table", "graphed",
            "run_multirank", "multirank_main", "DTYPES", "RESULTS"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -151,6 +151,22 @@ def track_peak_memory(device: torch.device | None):
         if cuda:
             torch.cuda.synchronize(device)
             peak["mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+
+
+def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph (after one warm call on a side stream); returns the graph's ``replay``.
+
+    The benchmarks' graph rows time that replay: the device work of a call without its host work, as a step
+    captured in ``torch.cuda.graph`` (or ``torch.compile(mode="reduce-overhead")``) runs it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def add_ratios(rows: list[Row], anchor: str, key: Callable[[Row], tuple] | None = None) -> None:

@@ -154,7 +154,7 @@ def measure(torch, fn, device, calls, profile=True, graph=False):
     """host_us, loop_us, kernel_us (+ kernel names) of ``fn`` (see the module doc); ``graph``: also
     ``graph_us``, the median of single CUDA-graph replays after an L2 flush (as the benchmark's graph rows)."""
     if graph and device.type == "cuda":
-        from bench.bench_gemm_fused import graphed
+        from bench.harness import graphed
         from distfuse.timing import time_fn
 
         graph_us = time_fn(graphed(fn), warmup=2, reps=10, device=device)[0] * 1e3

@@ -11,8 +11,8 @@
 # 3 gemm (140 s)         GEMM + scatter (every producer) and all-gather + GEMM vs      gemm_fused-<dev>-<date>.json
 #                        cuBLAS, chunk_reduce and the pushes vs the device copy:
 #                        LLaMA-3 8B/70B MLP at TP 8, M = 8192 and 512, bf16
-# 4 halo (75 s)          halo staging vs the device copy, fused halo conv vs          halo_conv-<dev>-<date>.json
-#                        torch.cat staging + cuDNN
+# 4 halo (90 s)          halo staging vs the device copy (eager, and replayed from a   halo_conv-<dev>-<date>.json
+#                        CUDA graph), fused halo conv vs torch.cat staging + cuDNN
 # 5 two_process (70 s)   two processes on one GPU through real symmetric memory,       two_process.json
 #                        one short run per provider and of the ring attention's
 #                        fused push, against float64
@@ -112,7 +112,7 @@ else
   GEMM=($PY bench/bench_gemm_fused.py --models llama3-8b llama3-70b --m 8192 512 --sides rs ag --dtype bfloat16
         --reps 30 --out-dir "$OUT")
   HALO=($PY bench/bench_halo_conv.py --dims 2 3 --channels 64 256 --extents 64 512 --halos 1 --dtypes bfloat16
-        --modes stage full --max-gib 16 --out-dir "$OUT")
+        --modes stage graph full --max-gib 16 --out-dir "$OUT")
   TWO=($PY scripts/gpu_two_process.py --iters 4 --json "$OUT/two_process.json")
   ATT=($PY bench/bench_attention.py --single --out "$OUT")
 fi
@@ -131,7 +131,7 @@ want tests 130 && DISTFUSE_LAB_TESTS_JSONL=$WORK/tests.jsonl DISTFUSE_TEST_COMPI
   phase tests 130 "$OUT/tests.json" $PY -m pytest -q -p no:cacheprovider -p lab_pytest -m cuda -rfEs \
   "${TIMEOUT_ARG[@]}" "${TESTS[@]}"
 want gemm 140 && phase gemm 140 "$GEMM_JSON" "${GEMM[@]}"
-want halo 75 && phase halo 75 "$HALO_JSON" "${HALO[@]}"
+want halo 90 && phase halo 90 "$HALO_JSON" "${HALO[@]}"
 want two_process 70 && phase two_process 70 "$OUT/two_process.json" "${TWO[@]}"
 want attention 60 && phase attention 60 "" "${ATT[@]}"
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The phases, in order of value, and each one's cap in seconds (the lab's whole budget: 540 s = 9 minutes).
-PHASES = (("probe", 45), ("tests", 130), ("gemm", 140), ("halo", 75), ("two_process", 70), ("attention", 60))
+PHASES = (("probe", 45), ("tests", 130), ("gemm", 140), ("halo", 90), ("two_process", 70), ("attention", 60))
 BUDGET_S = 540
 MAX_FILES = 8
 NAME_OK = re.compile(r"^[A-Za-z0-9._-]+$")
@@ -59,6 +59,8 @@ TARGETS = [
     *[(f"{t[0]} [graph]",) + t[1:] + ("graph",) for t in _GEMM_TARGETS],
     ("halo staging vs copy (>= 16M elements)", ("halo_conv",), "copy",
      lambda s: s.get("C", 0) * s.get("n", 0) ** s.get("nd", 2) >= 16e6, 0.90, "stage"),
+    ("halo staging vs copy (>= 16M elements) [graph]", ("halo_stage",), "copy",
+     lambda s: s.get("C", 0) * s.get("n", 0) ** s.get("nd", 2) >= 16e6, 0.90, "graph"),
     ("fused halo conv vs cat+cuDNN (every shape)", ("halo_conv",), "cat", lambda s: True, 0.97, "full"),
 ]
 FUSED = {"fused", "triton", "triton_persistent", "cublas_chunks", "copy_engine", "persistent"}
@@ -319,21 +321,24 @@ def cmd_check(args) -> int:
 def cmd_collect(args) -> int:
     """Copy a lab's result files (``$OUT`` as fetched, or ``lab.tgz`` of ``scripts/gpu_first_call.sh`` unpacked)
     into ``bench/results`` for a commit; ``diagnose.json`` (the first call's diagnosis) becomes
-    ``diagnose-<device>-<date>.json``."""
+    ``diagnose-<device>-<date>.json``.  ``--tag T`` ends every name with ``-T`` (a second call of one day, e.g. a
+    rerun after a fix, beside the first call's files)."""
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     src = Path(args.out)
     lab = _load(src / "lab.json")
     stamp = str(lab.get("env", {}).get("date", ""))[:10] or "undated"
     device = re.sub(r"[^A-Za-z0-9._-]", "_", str(lab.get("env", {}).get("device", "unknown")))
+    tag = f"-{args.tag}" if args.tag else ""
     copied = []
     for f in result_files(src):
-        shutil.copy(f, dest / f.name)
-        copied.append(f.name)
+        target = f"{f.stem}{tag}{f.suffix}"
+        shutil.copy(f, dest / target)
+        copied.append(target)
     for name in ("lab.json", "tests.json", "two_process.json", "probe.json", "diagnose.json"):
         if (src / name).exists():
             kind = {"lab.json": "gpu_lab", "diagnose.json": "diagnose"}.get(name, f"gpu_lab_{name[:-5]}")
-            target = f"{kind}-{device}-{stamp}.json"
+            target = f"{kind}-{device}-{stamp}{tag}.json"
             shutil.copy(src / name, dest / target)
             copied.append(target)
     print("lab: copied " + ", ".join(copied) + f" into {dest}")
@@ -367,6 +372,7 @@ def main(argv=None) -> int:
     q = sub.add_parser("collect")
     q.add_argument("--out", required=True)
     q.add_argument("--dest", default=str(ROOT / "bench" / "results"))
+    q.add_argument("--tag", default="", help="appended to every file name: a second call of the same day")
     args = p.parse_args(argv)
     return {"init": cmd_init, "phase": cmd_phase, "tests": cmd_tests, "ratios": cmd_ratios, "check": cmd_check,
             "collect": cmd_collect}[args.cmd](args)

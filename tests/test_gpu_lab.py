@@ -184,3 +184,10 @@ def test_collect_names_every_file_by_device_and_date(tmp_path):
     assert sorted(p.name for p in dest.iterdir()) == sorted(
         f"{kind}-NVIDIA_H100_80GB_HBM3-2026-11-27.json"
         for kind in ("gpu_lab", "gpu_lab_tests", "gpu_lab_two_process", "gpu_lab_probe", "diagnose"))
+    # a rerun of the same day keeps the first call's files: --tag ends every name, the benchmarks' included
+    (src / "gemm_fused-NVIDIA_H100_80GB_HBM3-2026-11-27.json").write_text(json.dumps(dict(env=env, rows=[])))
+    assert lab.main(["collect", "--out", str(src), "--dest", str(dest), "--tag", "rerun"]) == 0
+    tagged = {p.name for p in dest.iterdir() if p.name.endswith("-rerun.json")}
+    assert tagged == {f"{kind}-NVIDIA_H100_80GB_HBM3-2026-11-27-rerun.json" for kind in
+                      ("gpu_lab", "gpu_lab_tests", "gpu_lab_two_process", "gpu_lab_probe", "diagnose", "gemm_fused")}
+    assert len(list(dest.iterdir())) == 5 + 6, "the first call's five files are still there"

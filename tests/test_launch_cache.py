@@ -52,6 +52,9 @@ def test_one_fingerprint_means_one_triton_specialisation():
     assert len(set(map(str, keys))) >= len(set(map(str, spec))), "the fingerprint is never coarser"
     with pytest.raises(launch_cache._UnkeyableError):
         arg_key(object())
+    assert launch_cache.fingerprint(tuple(args)) == tuple(keys), "the inlined fingerprint is arg_key's, arg by arg"
+    param = torch.nn.Parameter(torch.zeros(8))  # a tensor subclass takes arg_key's path: the same key
+    assert launch_cache.fingerprint((param, 3)) == (arg_key(param), arg_key(3))
 
 
 class _Binary:
