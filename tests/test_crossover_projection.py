@@ -207,6 +207,22 @@ def test_the_newest_result_file_of_a_device_decides(tmp_path):
     assert e["kernels"]["file"] == "new.json" and e["fused"] == "always"
 
 
+def test_two_runs_of_one_day_take_each_size_at_its_worse_run(tmp_path):
+    """A same-day rerun (collect --tag) does not replace the first run: each size's point is the worse of the two
+    for the fused path, whichever file is newer; another day's file does not join."""
+    _write(tmp_path, _rs_rows(0.2, 0.21, 0.02), name="a.json", date="2026-12-02T01:00:00+00:00")
+    _write(tmp_path, _rs_rows(0.2, 0.5, 0.02), name="b.json", date="2026-12-02T03:00:00+00:00")
+    _write(tmp_path, _rs_rows(0.2, 0.9, 0.02), name="c.json", date="2026-12-01T03:00:00+00:00")
+    key = table_key(H100, 8, torch.bfloat16, RS)
+    e = project_table(tmp_path, devices=[H100], ops=[RS], world_sizes=[8], dtypes=["bfloat16"])[key]
+    assert e["kernels"]["file"] == "b.json" and e["kernels"]["also"] == ["a.json"]
+    worse, _, _, _ = _rs_expected(0.2, 0.5, 0.02)
+    assert e["gain"] == pytest.approx(worse, rel=1e-3)
+    (tmp_path / "b.json").unlink()  # the better run alone
+    e = project_table(tmp_path, devices=[H100], ops=[RS], world_sizes=[8], dtypes=["bfloat16"])[key]
+    assert "also" not in e["kernels"] and e["gain"] == pytest.approx(_rs_expected(0.2, 0.21, 0.02)[0], rel=1e-3)
+
+
 def test_cli_writes_the_shipped_form_checks_it_and_merges_elsewhere(tmp_path, capsys):
     results = tmp_path / "results"
     results.mkdir()

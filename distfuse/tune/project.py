@@ -410,7 +410,14 @@ def _entry(op: str, points: list[Point], min_gain: float, kernels: dict, mode: s
 
 def _sources(files: list[ResultFile], device: DeviceModel, op: str, dtype: str):
     """The newest file with complete cases of ``op``, preferring this device, then this dtype: ``(file, dtype,
-    cases)``, or None."""
+    cases, day's files)``, or None.
+
+    ``cases`` also hold those of every other file of that device and day with cases at that dtype (a rerun after
+    a fix, ``scripts/lab_record.py collect --tag``), named in ``day's files``: a size's point is its worst case
+    (:func:`_points`), so a size timed in two runs of one day takes the run that was worse for the fused path.
+    Eager rows of one commit have moved by a factor of two between two runs of an H200 host (2026-11-28), and a
+    default that flips with the host's noise is no default.
+    """
     other16 = [d for d in DTYPES if d != dtype]
     same = [f for f in files if _device_of(f.device) is device]
     others = [f for f in files if f not in same and _device_of(f.device) is not None]
@@ -419,7 +426,14 @@ def _sources(files: list[ResultFile], device: DeviceModel, op: str, dtype: str):
             for f in reversed(group):
                 cs = cases_for(op, f, dt)
                 if cs:
-                    return f, dt, cs
+                    day = [f]
+                    for g in reversed(group):
+                        more = cases_for(op, g, dt) if g is not f and g.date[:10] == f.date[:10] and \
+                            _device_of(g.device) is _device_of(f.device) else []
+                        if more:
+                            cs = cs + more
+                            day.append(g)
+                    return f, dt, cs, day
     return None
 
 
@@ -436,7 +450,7 @@ def project_entries(files: list[ResultFile], devices: Sequence[DeviceModel], ops
                 if src is None:
                     notes.append(f"{device.name} {dtype} {op}: no kernel rows in the results; no entry")
                     continue
-                f, src_dtype, cases = src
+                f, src_dtype, cases, day = src
                 src_dev = _device_of(f.device)
                 transfer = TRANSFER if src_dev is not device or src_dtype != dtype else 0.0
                 gemm_scale = src_dev.gemm_tflops / device.gemm_tflops
@@ -445,6 +459,8 @@ def project_entries(files: list[ResultFile], devices: Sequence[DeviceModel], ops
                            "world_size": cases[0].world}
                 if f.commit:
                     kernels["commit"] = f.commit
+                if len(day) > 1:  # the same day's other runs, whose worse cases the points took
+                    kernels["also"] = sorted(g.path for g in day[1:])
                 for w in world_sizes:
                     points = _points(op, cases, w, itemsize, device.interconnect, transfer, gemm_scale, bw_scale)
                     if points:
