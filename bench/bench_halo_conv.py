@@ -25,10 +25,13 @@ Timings: ``triton.testing.do_bench`` (median, 20th and 80th percentiles; it also
 L2 before every run), inputs rotated over enough copies to exceed L2 several times,
 random data.  Rows are harness rows (``bench.harness.Row``: op, provider, anchor, mode,
 shape ``{nd, C, n, halo, batch}``, dtype, median ms, rate, the kernel that ran), each with
-its anchor in the same file (``copy`` for ``stage``, ``cat`` for ``full``), under ``env``
+its anchor in the same file (``copy`` for ``stage`` and ``graph``, ``cat`` for ``full``), under ``env``
 (device, versions, commit, date, the copy bandwidth); they go to
 ``bench/results/halo_conv-<device>-<date>.json`` (``--out-dir``, or ``--out`` for a path),
 rewritten after every shape, so a run cut off by a time limit keeps what it measured.
+Mode ``graph`` (``--modes graph``, CUDA only) replays the staging, ``torch.cat`` and the copy of one
+input set from CUDA graphs: the device work without the host's, rows of op ``halo_stage`` so the
+eager rows' targets read them apart.
 
 Without a CUDA device the benchmark is not run (CPU timings of interpreted kernels would
 mean nothing).  ``--smoke`` then runs a tiny CPU correctness pass of every provider
