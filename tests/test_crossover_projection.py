@@ -78,6 +78,24 @@ def test_reduce_scatter_gain_and_margin_follow_the_stated_model(tmp_path):
     check_entry("t", "k", e)
 
 
+def test_the_cublas_whole_gemm_schedule_is_projected_serial(tmp_path):
+    """At M = 512 and W = 8 (64-row chunks) the cuBLAS provider's row timed its GEMM then its scatter: only the
+    scatter (the row less cuBLAS's GEMM) meets the wire; at M = 8192 (per-chunk GEMMs into the peers' slots) the
+    row overlaps it, as the Triton producers' do."""
+    for m, whole in ((512, True), (8192, False)):
+        rows = _rs_rows(0.2, 0.5, 0.02, m=m) + [
+            _row("matmul_scatter", "cublas_chunks", 0.203, dict(model="t", m=m, n=N, k=K), anchor="cublas")]
+        _write(tmp_path, rows, name=f"m{m}.json", date=f"2026-12-0{1 + whole}T00:00:00+00:00")
+        e = project_table(tmp_path, devices=[H100], ops=[RS], world_sizes=[8], dtypes=["bfloat16"])[
+            table_key(H100, 8, torch.bfloat16, RS)]
+        (tmp_path / f"m{m}.json").unlink()
+        wire = 7 / 8 * m * N * 2 / 360e9 * 1e3
+        want = (0.2 + max(0.003, wire) if whole else max(0.203, wire)) + 0.02 + 6e-3
+        assert wire > 0.003, "the wire outlasts the scatter: serial and overlapped differ"
+        got = e.get("provider_sizes", [[None, "cublas_chunks"]])
+        assert e["points"][0][1] == pytest.approx(want, rel=1e-4), (m, got)
+
+
 def test_chunk_reduce_is_scaled_by_the_bytes_at_each_world_size(tmp_path):
     _write(tmp_path, _rs_rows(0.2, 0.21, 0.02))
     table = project_table(tmp_path, devices=[H100], ops=[RS], world_sizes=[2, 4], dtypes=["bfloat16"])

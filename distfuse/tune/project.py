@@ -21,6 +21,9 @@ all-gather; ``W`` the tensor-parallel world size)::
 
     reduce-scatter  unfused = t_cublas + a_nccl + (W-1)/W S / B_nccl
                     fused   = max(t_gemm_scatter, (W-1)/W S / B_store) + t_reduce + a_sig
+     cublas, whole  fused   = t_cublas + max(t_gemm_scatter - t_cublas, (W-1)/W S / B_store) + t_reduce + a_sig
+                              (the cuBLAS provider's rows where its whole-GEMM schedule ran: the scatter follows
+                              the GEMM, so only the scatter's stores meet the wire)
     all-gather      unfused = a_nccl + (W-1)/W S / B_nccl + t_cublas
                     fused   = max(t_push, (W-1)/W S / B_store) + t_gathered_gemm + a_sig     (push, then GEMM)
        copy_engine  fused   = max(t_gathered_gemm, max(t_push_ce, (W-1)/W S / B_store) + t_gathered_gemm / W) + a_sig
@@ -84,6 +87,7 @@ import torch
 
 from distfuse.fused import registry
 from distfuse.fused.crossover_table import FORMAT, SHIPPED, check_entry, table_key
+from distfuse.kernels.matmul_scatter_select import cublas_whole
 from distfuse.tune.crossover_fit import Crossover, decisive, interval_text, provider_choice
 from distfuse.tune.table import write_table, write_text_atomic
 
@@ -338,7 +342,15 @@ def project_case(op: str, case: Case, w: int, itemsize: int, ic: Interconnect, *
     unfused = anchor + (nccl_s + nccl_wire) * 1e3
     if model.kind != "ag":  # the GEMM with its stores, then the reduction
         reduce = bw[_DEFAULT_ROW_PROVIDER]
-        return unfused, {_provider(op, p): max(t, wire) + reduce + sig_ms for p, t in fused_gemm.items()}
+        fused = {}
+        for p, t in fused_gemm.items():
+            name = _provider(op, p)
+            if name == "cublas_chunks" and model.kind == "rs" and cublas_whole(case.m, case.world):
+                # the whole-GEMM schedule ran: cuBLAS's GEMM, then the scatter, whose stores are the wire: serial
+                fused[name] = anchor + max(t - anchor, wire) + reduce + sig_ms
+            else:
+                fused[name] = max(t, wire) + reduce + sig_ms
+        return unfused, fused
     gemm = fused_gemm[_DEFAULT_ROW_PROVIDER]  # ag: the push (one provider per push row), then the gathered GEMM
     fused = {}
     for p, t in bw.items():
