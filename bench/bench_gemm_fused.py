@@ -97,11 +97,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import json
 import math
 import os
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -212,6 +214,25 @@ def project(side: str, *, t_cublas: float, t_fused_gemm: float, t_comm: float, t
 # ---------------------------------------------------------------- providers
 
 
+@functools.lru_cache(maxsize=None)
+def _kernels() -> types.SimpleNamespace:
+    """The launchers the timed calls use, imported once: an import statement inside a timed method costs the fused
+    rows host time (about 1 us each on a fast host, several times that on the GPU machines' hosts) that the cuBLAS
+    and copy anchors, plain torch calls, do not pay.  Imported on first use, not at module load, so that
+    ``--dry-run`` and ``--smoke`` can set ``TRITON_INTERPRET`` before ``distfuse.kernels`` loads."""
+    from distfuse.fused.providers import run_producer, run_push
+    from distfuse.kernels.all_gather_features_matmul import ag_push_columns, gathered_k_matmul
+    from distfuse.kernels.all_gather_matmul import ag_push, gathered_matmul
+    from distfuse.kernels.gathered_matmul_select import last_gather_choice
+    from distfuse.kernels.matmul_all_reduce import all_reduce_slots, matmul_push
+    from distfuse.kernels.matmul_reduce_scatter import chunk_reduce, matmul_scatter
+    from distfuse.kernels.matmul_reduce_scatter_features import column_reduce, matmul_scatter_columns
+
+    return types.SimpleNamespace(**{f.__name__: f for f in (
+        run_producer, run_push, ag_push_columns, gathered_k_matmul, ag_push, gathered_matmul, last_gather_choice,
+        all_reduce_slots, matmul_push, chunk_reduce, matmul_scatter, column_reduce, matmul_scatter_columns)})
+
+
 class Side:
     """One per-rank GEMM of the W-way op (a side of :data:`SIDES`), its loopback workspace and cuBLAS's operands.
 
@@ -279,56 +300,40 @@ class Side:
         self._claim.__exit__(None, None, None)
 
     def _scatter(self, r):
-        from distfuse.kernels.matmul_all_reduce import matmul_push
-        from distfuse.kernels.matmul_reduce_scatter import matmul_scatter
-        from distfuse.kernels.matmul_reduce_scatter_features import matmul_scatter_columns
-
+        k = _kernels()
         if self.side == "rs" and self.provider != "triton":
-            from distfuse.fused.providers import run_producer
-
-            self.choice = run_producer(self.provider, self.a, self.weight, self.ws, r, self.world, self.dtype)
+            self.choice = k.run_producer(self.provider, self.a, self.weight, self.ws, r, self.world, self.dtype)
             return self.choice
-        launch = {"rs": matmul_scatter, "rs_features": matmul_scatter_columns, "all_reduce": matmul_push}[self.side]
-        return launch(self.a, self.weight, self.ws, r, self.world)
+        launch = {"rs": k.matmul_scatter, "rs_features": k.matmul_scatter_columns, "all_reduce": k.matmul_push}
+        return launch[self.side](self.a, self.weight, self.ws, r, self.world)
 
     def _push(self, r):
-        from distfuse.kernels.all_gather_features_matmul import ag_push_columns
-        from distfuse.kernels.all_gather_matmul import ag_push
-
+        k = _kernels()
         if self.spec["features"]:
-            return ag_push_columns(self.shards[r], self.ws, r, self.world, self.k)
+            return k.ag_push_columns(self.shards[r], self.ws, r, self.world, self.k)
         if self.side == "ag" and self.provider != "triton":
-            from distfuse.fused.providers import run_push
-
-            return run_push(self.provider, self.shards[r], self.ws, r, self.world, self.m)
-        return ag_push(self.shards[r], self.ws, r, self.world, self.m)
+            return k.run_push(self.provider, self.shards[r], self.ws, r, self.world, self.m)
+        return k.ag_push(self.shards[r], self.ws, r, self.world, self.m)
 
     def fused_gemm(self):
-        from distfuse.kernels.all_gather_features_matmul import gathered_k_matmul
-        from distfuse.kernels.all_gather_matmul import gathered_matmul
-
         if self.spec["scatters"]:
             return self._scatter(0)
+        k = _kernels()
         if self.spec["features"]:
-            return gathered_k_matmul(self.shards[0], self.weight, self.ws, 0, self.world, out=self.out)
-        from distfuse.kernels.gathered_matmul_select import last_gather_choice
-
-        y = gathered_matmul(self.shards[0], self.weight, self.ws, 0, self.world, self.m, out=self.out,
-                            kernel=self.gather_kernel)
-        self.gather_choice = last_gather_choice()  # the kernel that ran: a fallback is named, not hidden
+            return k.gathered_k_matmul(self.shards[0], self.weight, self.ws, 0, self.world, out=self.out)
+        y = k.gathered_matmul(self.shards[0], self.weight, self.ws, 0, self.world, self.m, out=self.out,
+                              kernel=self.gather_kernel)
+        self.gather_choice = k.last_gather_choice()  # the kernel that ran: a fallback is named, not hidden
         return y
 
     def chunk_reduce(self, out=None):
         """The scattering sides' reduction of virtual rank 0's chunk (``chunk_reduce`` or ``column_reduce``)."""
-        from distfuse.kernels.matmul_all_reduce import all_reduce_slots
-        from distfuse.kernels.matmul_reduce_scatter import chunk_reduce
-        from distfuse.kernels.matmul_reduce_scatter_features import column_reduce
-
+        k = _kernels()
         if self.side == "all_reduce":
-            return all_reduce_slots(self.ws, 0, self.world, self.m, self.n, partial_dtype=self.dtype, out=out)
+            return k.all_reduce_slots(self.ws, 0, self.world, self.m, self.n, partial_dtype=self.dtype, out=out)
         if self.spec["features"]:
-            return column_reduce(self.ws, 0, self.world, self.m, self.n, partial_dtype=self.dtype, out=out)
-        return chunk_reduce(self.ws, 0, self.world, 1, self.m, self.n, partial_dtype=self.dtype, out=out)
+            return k.column_reduce(self.ws, 0, self.world, self.m, self.n, partial_dtype=self.dtype, out=out)
+        return k.chunk_reduce(self.ws, 0, self.world, 1, self.m, self.n, partial_dtype=self.dtype, out=out)
 
     def push(self):
         return self._push(0)
