@@ -132,8 +132,8 @@ def _parse(argv=None):
     p.add_argument("--sweep-m", type=int, nargs="+", default=None, help="sweeps: GEMM rows (default the largest M)")
     p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole script")
     p.add_argument("--sections", nargs="+",
-                   default=["host", "attrib", "scatter", "forms", "halo", "gemm", "persistent", "gathered",
-                            "reduce"])
+                   default=["host", "attrib", "latency", "scatter", "forms", "halo", "gemm", "persistent",
+                            "gathered", "reduce"])
     return p.parse_args(argv)
 
 
@@ -372,6 +372,89 @@ def scatter_sweep(torch, Side, shapes, W, dtype, device, calls, record, cuda, cl
             torch.cuda.empty_cache()
 
 
+def call_latency(torch, fn, device, reps=20) -> dict:
+    """What the benchmarks' eager rows add to a call's device time, in parts (medians over ``reps``; us).
+
+    * ``eager_us``: the benchmark's timing: CUDA events around the call, after an L2 flush (a 256 MB write the
+      host's issue overlaps), once the previous call has synchronised;
+    * ``noflush_us``: the same without the flush, so the host's time to the launch is exposed in full;
+    * ``host_us``: the call's host time just after a synchronise (a cold call, as each timed one is);
+    * ``graph_us``: the call replayed from a CUDA graph (no host work).
+
+    ``eager_us - graph_us`` is what the host added to the eager row; ``host_us`` against the flush's time says why.
+    """
+    from bench.harness import graphed
+    from distfuse.timing import L2_FLUSH_BYTES, median, time_fn
+
+    flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+    cuda = device.type == "cuda"
+    for _ in range(3):
+        fn()
+    _sync(torch, device)
+    eager, noflush, host, flush_ms = [], [], [], []
+    for _ in range(reps):
+        for flushed, out in ((True, eager), (False, noflush)):
+            if cuda:
+                e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+                e0.record()
+                if flushed:
+                    flush.zero_()
+                e1.record()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                e2.record()
+                e2.synchronize()
+                out.append(e1.elapsed_time(e2) * 1e3)
+                if flushed:
+                    flush_ms.append(e0.elapsed_time(e1) * 1e3)
+                    host.append((t1 - t0) * 1e6)
+            else:
+                t0 = time.perf_counter()
+                fn()
+                out.append((time.perf_counter() - t0) * 1e6)
+                if flushed:
+                    host.append(out[-1])
+    row = dict(eager_us=median(eager), noflush_us=median(noflush), host_us=median(host))
+    if cuda:
+        row.update(flush_us=median(flush_ms), graph_us=time_fn(graphed(fn), warmup=2, reps=10, device=device)[0] * 1e3)
+    return row
+
+
+def latency_section(torch, Side, shapes, W, dtype, device, record, cuda) -> None:
+    """:func:`call_latency` of the copy anchor, ``chunk_reduce``, the persistent producer, the gathered consumer
+    (LLaMA-3 8B, M = 8192) and the halo staging (2-D C = 64 n = 512, both formats): the eager rows that lost most
+    to their graph rows on 2026-11-28."""
+    from bench.bench_halo_conv import Case, stage_fused
+
+    (rs, ag) = shapes["llama3-8b"] if cuda else next(iter(shapes.values()))
+    m = 8192 if cuda else 8
+    side = Side("rs", m, rs[0], rs[1], W, dtype, device, provider="triton_persistent")
+    dst = torch.empty_like(side.out)
+    record(section="latency", op="copy", m=m, **call_latency(torch, lambda: dst.copy_(side.out), device))
+    record(section="latency", op="cublas", m=m, **call_latency(torch, side.cublas, device))
+    side.prepare()
+    try:
+        record(section="latency", op="producer:triton_persistent", m=m, **call_latency(torch, side.fused_gemm, device))
+        record(section="latency", op="chunk_reduce", m=m, **call_latency(torch, side.chunk_reduce, device))
+    finally:
+        side.release()
+    side = Side("ag", m, ag[0], ag[1], W, dtype, device)
+    side.prepare()
+    try:
+        record(section="latency", op="gathered_matmul", m=m, **call_latency(torch, side.fused_gemm, device))
+    finally:
+        side.release()
+    side = None
+    for cl in (False, True):
+        case = Case(2, 1, 64 if cuda else 2, 512 if cuda else 4, 1, dtype, device, channels_last=cl)
+        record(section="latency", op="halo_stage", nd=2, C=case.x.shape[1], n=case.x.shape[-1],
+               format="channels_last" if cl else "nchw",
+               **call_latency(torch, lambda case=case: stage_fused(case, case.x, case.recv), device))
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def halo_stage_times(torch, device, dtype, calls, record, cuda) -> None:
     """Host, loop, kernel and graph time of the fused halo staging and of the copy of the staged bytes, in NCHW and
     channels last."""
@@ -461,17 +544,19 @@ def halo_full_host(torch, device, dtype, calls, record, cuda) -> None:
     (``kernels``: where the backward's time goes, the conv's kernels being the same in both)."""
     from bench.bench_halo_conv import Case, _halo_inputs, full_step
 
-    small = [(2, 64, 64), (3, 64, 64)] if cuda else [(2, 2, 4)]
-    large = [(2, 256, 512), (3, 256, 64)] if cuda else [(3, 2, 4)]
-    for nd, c, n in small + large:
-        case = Case(nd, 1, c, n, 1, dtype, device)
+    small = [(2, 64, 64, False), (3, 64, 64, False)] if cuda else [(2, 2, 4, False)]
+    # 2-D C=64 n=512: the fused step lost to cat by 290 us (NCHW) and 410 us (channels last) on 2026-11-28
+    large = ([(2, 64, 512, False), (2, 64, 512, True), (2, 256, 512, False), (3, 256, 64, False)] if cuda
+             else [(3, 2, 4, False), (2, 2, 4, True)])
+    for nd, c, n, cl in small + large:
+        case = Case(nd, 1, c, n, 1, dtype, device, channels_last=cl)
         for provider in ("fused", "cat"):
             halos = _halo_inputs(case, provider)
             def step(case=case, p=provider, h=halos):
                 return full_step(case, p, case.x, h, case.weight, case.bias)
 
-            profile = (nd, c, n) in large
-            record(section="halo_full", op=provider, nd=nd, C=c, n=n,
+            profile = (nd, c, n, cl) in large
+            record(section="halo_full", op=provider, nd=nd, C=c, n=n, format="channels_last" if cl else "nchw",
                    **measure(torch, step, device, calls if not profile else max(3, calls // 5), profile=profile))
             if cuda and provider == "fused" and not profile:
                 print(f"cprofile halo_full fused nd={nd} C={c} n={n}:\n" + cprofile_top(step, calls), flush=True)
@@ -572,6 +657,10 @@ def main(argv=None) -> int:
     # ---- where a consumer's host time goes: the whole call against its parts, at one large shape
     if "attrib" in args.sections and clock.left() > 30:
         guarded("attrib", "parts", lambda: attribute(torch, Side, shapes, ms[-1], W, dtype, device, calls, record))
+
+    # ---- what the host adds to an eager row: the call's time after a synchronise, with and without the flush
+    if "latency" in args.sections and clock.left() > 20:
+        guarded("latency", "calls", lambda: latency_section(torch, Side, shapes, W, dtype, device, record, cuda))
 
     # ---- the cuBLAS provider's whole-GEMM schedule at M = 512: the scatter's tiles
     if "scatter" in args.sections and clock.left() > 20:

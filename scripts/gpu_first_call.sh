@@ -5,7 +5,7 @@
 #   DISTFUSE_LAB_DRY_RUN=1 bash scripts/gpu_first_call.sh   # here, without a GPU: both in their CPU-safe forms
 #
 # 1. scripts/gpu_lab.sh into a scratch folder (at most 540 s; it took 213 s on an H100);
-# 2. scripts/gpu_diagnose.py --sections host attrib forms halo persistent gathered: host time against kernel
+# 2. scripts/gpu_diagnose.py --sections host attrib latency forms halo persistent gathered: host time against kernel
 #    time per fused op (eager rows are bound by the host: docs/gpu.md), the persistent producer's forms against
 #    cuBLAS, the halo steps, then the persistent producer's and consumer's tiles at M = 512 (never swept; CUDA
 #    graph replays beside the loop times), with what is left of 585 s, if 30 s or more (each section stops
@@ -13,7 +13,7 @@
 # 3. everything into $OUT/lab.tgz (the device tool brings back at most 8 files), with lab.json and
 #    lab.log beside it for a first look: packed once after the lab and again at the end.
 # DISTFUSE_FIRST_CALL_BUDGET (default 585 s): the seconds lab and diagnosis may take together (a shorter rerun).
-# DISTFUSE_LAB_PHASES (scripts/gpu_lab.sh) and DISTFUSE_DIAGNOSE_SECTIONS (default: the six above) narrow a rerun.
+# DISTFUSE_LAB_PHASES (scripts/gpu_lab.sh) and DISTFUSE_DIAGNOSE_SECTIONS (default: the seven above) narrow a rerun.
 #
 # Collect here:  mkdir d && tar xzf <files_at>/lab.tgz -C d && python scripts/lab_record.py collect --out d
 # (copies the benchmark files, lab.json, tests, probe, two_process and diagnose.json into bench/results).
@@ -36,7 +36,7 @@ pack() {  # after the lab and again at the end: a call cut off during the diagno
 }
 pack
 LEFT=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
-SECTIONS=${DISTFUSE_DIAGNOSE_SECTIONS:-host attrib forms halo persistent gathered}
+SECTIONS=${DISTFUSE_DIAGNOSE_SECTIONS:-host attrib latency forms halo persistent gathered}
 if [ "$LEFT" -ge 30 ]; then
   PYTHONPATH="$PWD:$PWD/scripts" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 timeout --kill-after=5 $((LEFT - 5)) \
     "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections $SECTIONS \
