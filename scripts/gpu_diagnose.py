@@ -527,7 +527,7 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
             base = hp.stage_launch(case.plan, case.index, lead, device, "all", tile, None, trail)
             for hints in (True, False):
                 off = dict(X_ALIGN=1, OUT_ALIGN=1, SLAB_ALIGN=1, STRIP_ALIGN=min(1, base.meta.get("STRIP_ALIGN", 0)))
-                launch = base if hints else base._replace(meta=dict(base.meta, **off))
+                launch = base if hints else base._replace(meta=dict(base.meta, **off), bound={})  # its own binding
                 out.fill_(float("nan"))
                 hp.launch_stage(out, case.x, case.recv, launch)
                 exact = bool(torch.equal(out, case.staged_ref))

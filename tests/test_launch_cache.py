@@ -243,3 +243,126 @@ def test_a_binary_without_the_launcher_goes_through_its_runner():
     ok = _Compiled()
     run, function, packed = launch_cache.direct_launcher(ok)
     assert (function, packed) == (0xF00D, ("packed",)) and run.__self__ is ok
+
+
+def test_a_bound_launch_fingerprints_its_own_arguments_and_hits_the_launcher(compiled, monkeypatch):
+    """``bind(grid, static, kwargs)``: the first call and every new fingerprint of the call's own arguments go through
+    the cache (the JIT on its misses); a hit calls the binary's launcher with the static arguments and the constexprs
+    in signature order; a hook sends it through the runner; off the cache it is the JIT's own launch."""
+    jit = _Jit()
+    jit.binary = _Compiled()
+    monkeypatch.setattr(launch_cache, "_current_stream", lambda device: 77)
+    monkeypatch.setattr(launch_cache, "_RUNTIME", _Runtime(_HookChain(), _HookChain()))
+    bound = CachedLaunch(jit).bind((4, 2), (32,), dict(BLOCK=64, FLAG=True, num_warps=4))
+    x, y = torch.zeros(64), torch.zeros(32)
+    bound(x)
+    assert len(jit.launches) == 1 and jit.launches[0] == ((4, 2), (x, 32), dict(BLOCK=64, FLAG=True, num_warps=4))
+    bound(y)  # another tensor of the same fingerprint: the launcher
+    assert len(jit.launches) == 1
+    assert jit.binary.direct == [(4, 2, 1, 77, 0xF00D, ("packed",), None, None, None, y, 32, 64, True)]
+    bound(torch.zeros(64, dtype=torch.float64))  # a new fingerprint: through the cache, the JIT, then bound too
+    bound(x[1:])  # a misaligned base: another specialisation
+    assert len(jit.launches) == 3 and len(jit.binary.direct) == 1
+    bound(x[1:])
+    assert len(jit.launches) == 3 and jit.binary.direct[-1][9] is not x and len(jit.binary.direct) == 2
+    monkeypatch.setattr(launch_cache, "_RUNTIME", _Runtime(_HookChain([print]), _HookChain()))
+    bound(y)
+    assert len(jit.binary.direct) == 2 and jit.binary.runner == [((4, 2, 1), (y, 32, 64, True))]
+    monkeypatch.setattr(launch_cache, "launch_cache_enabled", lambda: False)
+    bound(y)
+    assert jit.launches[-1] == ((4, 2), (y, 32), dict(BLOCK=64, FLAG=True, num_warps=4)) and len(jit.launches) == 4
+
+
+def test_a_split_bound_launch_puts_the_static_arguments_between(compiled, monkeypatch):
+    """``split=k``: ``bound(*args)`` launches ``args[:k] + static + args[k:]``, on the JIT's path and on a hit alike."""
+
+    class _Jit4(_Jit):
+        arg_names = ["x_ptr", "n", "m", "y_ptr", "BLOCK"]
+
+    jit = _Jit4()
+    jit.binary = _Compiled()
+    monkeypatch.setattr(launch_cache, "_current_stream", lambda device: 5)
+    monkeypatch.setattr(launch_cache, "_RUNTIME", _Runtime(None, None))
+    bound = CachedLaunch(jit).bind((1,), (16, 48), dict(BLOCK=32), split=1)
+    x, y = torch.zeros(8), torch.zeros(8)
+    bound(x, y)
+    bound(y, x)
+    assert jit.launches == [((1,), (x, 16, 48, y), dict(BLOCK=32))]
+    assert jit.binary.direct == [(1, 1, 1, 5, 0xF00D, ("packed",), None, None, None, y, 16, 48, x, 32)]
+
+
+def test_a_bound_launch_with_a_grid_function_or_an_unkeyable_argument_takes_the_cache_path(compiled, monkeypatch):
+    jit = _Jit()
+    jit.binary = _Compiled()
+    monkeypatch.setattr(launch_cache, "_current_stream", lambda device: 9)
+    monkeypatch.setattr(launch_cache, "_RUNTIME", _Runtime(None, None))
+    bound = CachedLaunch(jit).bind(lambda meta: (meta["n"] // meta["BLOCK"],), (64,), dict(BLOCK=32, FLAG=False))
+    x = torch.zeros(64)
+    for _ in range(3):
+        bound(x)
+    assert len(jit.launches) == 1 and not bound._hits, "a grid function: no bound hit"
+    assert jit.binary.direct == [(2, 1, 1, 9, 0xF00D, ("packed",), None, None, None, x, 64, 32, False)] * 2, \
+        "the cache's own hit path computes the grid from the parameters"
+    other = CachedLaunch(_Jit()).bind((1,), (3,), dict(BLOCK=1, FLAG=True))
+    other(object())
+    other(object())
+    assert len(other.cached.kernel.launches) == 2, "an argument the fingerprint cannot model: the JIT every time"
+
+
+@pytest.mark.cuda
+def test_bound_launches_match_the_jit_cuda(monkeypatch):
+    """Compiled: the halo staging, unstage and accumulate, and the persistent producer and consumer, through their
+    bound launches (the second call hits) are bitwise the same ops through the JIT alone, and the hits happened."""
+    import math
+
+    from distfuse.fused.providers import run_producer
+    from distfuse.fused.workspace import LoopbackWorkspace
+    from distfuse.geometry.halo_plan import HaloPlan
+    from distfuse.kernels import chunk_reduce as chunk_reduce_kernels
+    from distfuse.kernels import halo as hk
+    from distfuse.kernels import halo_programs as hp
+    from distfuse.kernels import matmul_scatter_persistent as msp
+    from distfuse.kernels.all_gather_matmul import all_gather_matmul_loopback, gathered_matmul_workspace_bytes
+    from distfuse.kernels.halo_tables import recv_numel, send_numel
+    from distfuse.kernels.matmul_reduce_scatter import chunk_reduce, matmul_scatter_workspace_bytes
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(5)
+
+    def rnd(*shape):
+        return torch.randn(shape, generator=g).to(dev, torch.bfloat16)
+
+    plan = HaloPlan.for_conv((30, 30), (3, 3), (3, 3), (1, 1), (1, 1), ((1, 1), (1, 1)), "zeros")
+    index = (1, 1)
+    x, recv = rnd(2, 4, 10, 10), rnd(recv_numel(plan, index, 8))
+    grad, incoming = rnd(2, 4, 12, 12), rnd(send_numel(plan, index, 8))
+    W, n, K, N = 4, 256, 128, 256
+    a = [rnd(1, n, K) for _ in range(W)]
+    w = (rnd(N, K) / 16).contiguous()
+    shards = [rnd(1, n // W, K) for _ in range(W)]
+    rs_ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(1, n, N, W, torch.bfloat16), dev)
+    ag_ws = LoopbackWorkspace(W, gathered_matmul_workspace_bytes(1, n, K, torch.bfloat16), dev)
+
+    def op():
+        staged = hk.halo_stage(x, recv, plan, index)
+        u = hk.halo_unstage(grad, plan, index)
+        gx = hk.halo_accumulate(u.grad_x.clone(), u.self_boxes, incoming, plan, index)
+        with rs_ws.in_flight("bound launches"):
+            for r in range(W):
+                run_producer("triton_persistent", a[r], w, rs_ws, r, W, torch.bfloat16)
+            reduced = [chunk_reduce(rs_ws, r, W, 1, n, N, partial_dtype=torch.bfloat16) for r in range(W)]
+        gathered = all_gather_matmul_loopback(shards, [w] * W, ag_ws)
+        torch.cuda.synchronize()
+        return [staged, u.grad_x, u.send, gx, *reduced, *gathered]  # the middle worker has no self boxes
+
+    monkeypatch.setenv(LAUNCH_CACHE_ENV, "0")
+    jit = op()
+    monkeypatch.delenv(LAUNCH_CACHE_ENV)
+    first, second = op(), op()
+    stage = hp.stage_launch(plan, index, 8, dev, "all", None, None, 1)
+    assert any(b._hits for b in stage.bound.values()), "the staging's second call hit its bound launch"
+    assert any(b._hits for _, b in chunk_reduce_kernels._BOUND.values()), "chunk_reduce hit its bound launch"
+    assert any(b._hits for b in msp._BOUND.values()), "the persistent producer hit its bound launch"
+    for i, (j, f, s) in enumerate(zip(jit, first, second, strict=True)):
+        assert torch.equal(f, j) and torch.equal(s, j), i
+        assert not torch.isnan(s.float()).any() and math.prod(s.shape) > 0, i

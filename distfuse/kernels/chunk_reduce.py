@@ -237,6 +237,20 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
     without ``config``), so a steady call spends its host time on the launch itself.
     ``sig``: also compare the peers' published signature words with it (``CHECK_SIG``).
     """
+    if config is None and rows * cols > 0:  # the hot path: one lookup, then the bound launch
+        key = (rows, cols, ld, slots.dtype, world_size, out.device, slot_elems, rank, bias is None, out.dtype,
+               sig is None)
+        hit = _BOUND.get(key)
+        if hit is None:
+            meta, kw, programs = reduce_plan(rows, cols, ld, slots.dtype, world_size, out.device)
+            if len(_BOUND) >= _MAX_BOUND:  # shapes that keep changing: start again rather than grow
+                _BOUND.clear()
+            hit = _BOUND[key] = (dict(meta, programs=programs), _CHUNK_REDUCE.bind(
+                (programs,), (rows, cols, ld, slot_elems, rank), _reduce_constexprs(kw, bias, out, sig, world_size),
+                split=6))
+        hit[1](slots, out, bias if bias is not None else out, st.flags, st.status, st.sigs, st.epoch_dev,
+               timeout_arg(st), bias.stride(0) if bias is not None else 0, sig if sig is not None else 0)
+        return hit[0]
     if config is None:
         meta, kw, programs = reduce_plan(rows, cols, ld, slots.dtype, world_size, out.device)
     else:
@@ -246,11 +260,23 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
     _CHUNK_REDUCE[(programs,)](
         slots, out, bias if bias is not None else out, st.flags, st.status, st.sigs,
         rows, cols, ld, slot_elems, rank, st.epoch_dev, timeout_arg(st), bias.stride(0) if bias is not None else 0,
-        sig if sig is not None else 0,
-        HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS, CHECK_SIG=sig is not None,
-        W_UNROLL=world_size, W_BLOCK=next_power_of_2(world_size), **kw,
+        sig if sig is not None else 0, **_reduce_constexprs(kw, bias, out, sig, world_size),
     )
     return dict(meta, programs=programs)
+
+
+#: The bound launches of :func:`launch_reduce`'s hot path (no ``config``), per shape, rank, slot spacing and the
+#: dtypes and flags its constexprs depend on: ``(meta returned, BoundLaunch)``.  A call pays one lookup and the
+#: fingerprint of its buffers, not the plan's, the constexprs' and the scalars' again.
+_BOUND: dict = {}
+_MAX_BOUND = 1024
+
+
+def _reduce_constexprs(kw: dict, bias: torch.Tensor | None, out: torch.Tensor, sig: int | None,
+                       world_size: int) -> dict:
+    """The constexprs and launch options of one reduction: the plan's ``kw`` and those the call's operands decide."""
+    return dict(HAS_BIAS=bias is not None, ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS,
+                CHECK_SIG=sig is not None, W_UNROLL=world_size, W_BLOCK=next_power_of_2(world_size), **kw)
 
 
 def _reduce_plan(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, world_size: int, device: torch.device,

@@ -263,8 +263,23 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
     B, len_p, K = x3.shape
     N = weight.shape[0]
     q1 = cdiv(n, W)
-    if config is None:  # the hot path: the launch geometry, cached per shape
+    if config is None:  # the hot path: the launch geometry and its binding, cached per shape
         meta, programs = _default_launch(x3.dtype, B, q1, W, N, K, x3.device)
+        bm, bk = meta["BLOCK_M"], meta["BLOCK_K"]
+        g_desc = checked_descriptor(gathered, [B * n, K], [K, 1], [bm, bk])
+        x_desc = rows_descriptor(x3, bm, bk) if len_p > 0 else g_desc
+        b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], bk)
+        key = (x3.dtype, B, n, len_p, W, N, K, x3.device, rank, b_kmajor, bias is None, out.dtype)
+        bound = _BOUND.get(key)
+        if bound is None:
+            if len(_BOUND) >= _MAX_BOUND:  # shapes that keep changing: start again rather than grow
+                _BOUND.clear()
+            bound = _BOUND[key] = cached_launch(_gathered_matmul_persistent_kernel).bind(
+                (programs,), (B, n, N, K, len_p, rank, W), _constexprs(meta, bias, b_kmajor, x3.dtype, out.dtype, W),
+                split=7)
+        bound(x_desc, g_desc, b_desc, bias if bias is not None else out, out, st.flags, st.status, st.epoch_dev,
+              timeout_arg(st), bias.stride(0) if bias is not None else 0)
+        return dict(meta, programs=programs)
     else:
         grid = persistent_programs(x3.device, config.get("PROGRAMS"))
         meta = gathered_persistent_config(x3.dtype, B, q1, W, N, grid, config)
@@ -277,7 +292,19 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
     cached_launch(_gathered_matmul_persistent_kernel)[(programs,)](
         x_desc, g_desc, b_desc, bias if bias is not None else out, out, st.flags, st.status,
         B, n, N, K, len_p, rank, W, st.epoch_dev, timeout_arg(st), bias.stride(0) if bias is not None else 0,
-        HAS_BIAS=bias is not None, B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(x3.dtype),
-        ROUND_BF16=round_bf16(out.dtype), TIMED=TIMED_WAITS, W_BLOCK=next_power_of_2(W), **meta,
+        **_constexprs(meta, bias, b_kmajor, x3.dtype, out.dtype, W),
     )
     return dict(meta, programs=programs)
+
+
+#: The bound launches of :func:`launch_gathered_persistent`'s hot path (no ``config``), per shape, rank, weight
+#: layout, bias and dtypes (:class:`~distfuse.kernels.launch_cache.BoundLaunch`).
+_BOUND: dict = {}
+_MAX_BOUND = 512
+
+
+def _constexprs(meta: dict, bias, b_kmajor: bool, dtype: torch.dtype, out_dtype: torch.dtype, W: int) -> dict:
+    """The consumer's constexprs and launch options: the launch meta's and those the operands decide."""
+    return dict(HAS_BIAS=bias is not None, B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(dtype),
+                ROUND_BF16=round_bf16(out_dtype), TIMED=TIMED_WAITS, W_BLOCK=next_power_of_2(W), **meta)
+

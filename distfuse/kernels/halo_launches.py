@@ -56,6 +56,7 @@ class BoxLaunch(NamedTuple):
     grid: tuple[int, int]
     args: tuple
     meta: dict
+    bound: dict  # (source dtype, out0's dtype) -> its BoundLaunch (launch_cache), made at its first launch
 
 
 def box_launch(tables, lead: int, src_shape: tuple[int, ...], device: torch.device,
@@ -73,14 +74,18 @@ def box_launch(tables, lead: int, src_shape: tuple[int, ...], device: torch.devi
     return BoxLaunch(linear_grid(cdiv(total, block)),
                      (btab, bstart, nbox, total, rtmax, lead, math.prod(src3), *contiguous_strides(src3)),
                      dict(TRAIL=trail, LOG2_NBOX=max(1, (nbox - 1).bit_length()), WIDE=wide, BLOCK=block,
-                          num_warps=BOX_NUM_WARPS))
+                          num_warps=BOX_NUM_WARPS), {})
 
 
 def launch_box_gather(out0: torch.Tensor, out1: torch.Tensor, src: torch.Tensor, launch: BoxLaunch) -> None:
     """One launch of ``launch`` (from :func:`box_launch`): SEL 0 boxes into ``out0`` (rounded to its dtype), SEL 1
     boxes into ``out1``, read from ``src``; arithmetic in fp32 (fp64 for an fp64 source)."""
-    cached_launch(box_gather_kernel)[launch.grid](out0, out1, src, *launch.args, COMPUTE=compute_dtype(src.dtype),
-                                   ROUND_BF16=round_bf16(out0.dtype), **launch.meta)
+    key = (src.dtype, out0.dtype)
+    bound = launch.bound.get(key)
+    if bound is None:  # the first launch of these dtypes: bind the grid, the tables and the constexprs once
+        meta = dict(launch.meta, COMPUTE=compute_dtype(src.dtype), ROUND_BF16=round_bf16(out0.dtype))
+        bound = launch.bound[key] = cached_launch(box_gather_kernel).bind(launch.grid, launch.args, meta)
+    bound(out0, out1, src)
 
 
 class PackLaunch(NamedTuple):
@@ -163,6 +168,7 @@ class AccumulateLaunch(NamedTuple):
     grid: tuple[int, int] | None
     args: tuple
     meta: dict
+    bound: dict  # grad_x's dtype -> its BoundLaunch (launch_cache), made at the first launch of that dtype
 
 
 @functools.lru_cache(maxsize=512)
@@ -181,7 +187,7 @@ def accumulate_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device:
     return AccumulateLaunch(x_shape, n_self, n_send, linear_grid(cdiv(total, block)) if total else None,
                             (ctab, blist, btab, total, lead, *pad3(x_shape, 1)),
                             dict(TRAIL=trail, LOG2_NCELL=(n_rows - 1).bit_length(), WIDE=wide, BLOCK=block,
-                                 num_warps=BOX_NUM_WARPS))
+                                 num_warps=BOX_NUM_WARPS), {})
 
 
 def launch_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: torch.Tensor,
@@ -190,6 +196,9 @@ def launch_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: 
     passed as ``grad_x`` (never dereferenced: no box reads it)."""
     if launch.grid is None:
         return
-    cached_launch(accumulate_kernel)[launch.grid](
-        grad_x, self_boxes if self_boxes.numel() else grad_x, incoming if incoming.numel() else grad_x,
-        *launch.args, COMPUTE=compute_dtype(grad_x.dtype), ROUND_BF16=round_bf16(grad_x.dtype), **launch.meta)
+    bound = launch.bound.get(grad_x.dtype)
+    if bound is None:  # the first launch of this dtype: bind the grid, the tables and the constexprs once
+        bound = launch.bound[grad_x.dtype] = cached_launch(accumulate_kernel).bind(
+            launch.grid, launch.args,
+            dict(launch.meta, COMPUTE=compute_dtype(grad_x.dtype), ROUND_BF16=round_bf16(grad_x.dtype)))
+    bound(grad_x, self_boxes if self_boxes.numel() else grad_x, incoming if incoming.numel() else grad_x)

@@ -747,6 +747,7 @@ class StageLaunch(NamedTuple):
     args: tuple
     meta: dict
     input_shape: tuple[int, ...]
+    bound: dict  # out's dtype -> its BoundLaunch (launch_cache), made at the first launch of that dtype
 
 
 def _segment_at(ax, i: int, pos: int) -> int:
@@ -800,7 +801,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     total = lead * math.prod(full)
     code = REGION_CODE[region]
     if total == 0:
-        return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape)
+        return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape, {})
     lists, ptab_rows, ns = stage_table_lists(plan, index, lead, trail)
     luts, ptab = table_tensors(lists, ptab_rows, device)
     out_str = (math.prod(full), *contiguous_strides(full)[:2])
@@ -809,7 +810,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         block_r, block_x = pick_tile(full[2], n_rows, device, tile)
         return StageLaunch(staged, recv, lut_gather_kernel, row_tiled_grid(n_rows, full[2], block_r, block_x),
                            (*luts, ptab, n_rows, *full, ns[1], ns[2], *out_str),
-                           dict(REGION=code, BLOCK_R=block_r, BLOCK_X=block_x), x_shape)
+                           dict(REGION=code, BLOCK_R=block_r, BLOCK_X=block_x), x_shape, {})
     x_str = contiguous_strides(merged_shape(x_shape, trail))
     x_ls = math.prod(x_shape) * trail
     lo, ext, src = (_merged(pad3(interior.dst_lo, 0), trail), merged_shape(interior.shape, trail),
@@ -857,7 +858,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     for _ in range(STAGE_BOXES - len(boxes)):
         rows += [_NEVER, 1] + [0] * (_STAGE_COLS - 2)
     if start == 0:
-        return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape)
+        return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape, {})
     if most >= 2**31:  # row indices are int32 (_magic_div)
         raise UnsupportedError(f"{where('halo_stage')}: {most} rows (LEAD times every staged extent but the last) "
                                "exceed 2^31 - 1")
@@ -878,7 +879,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
                             SLAB_X=slab_x, STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, SLAB_ROWS=slab_rows,
                             SLAB_ALIGN=slab_align, STRIP_ALIGN=strip_align,
                             num_warps=warps),
-                       x_shape)
+                       x_shape, {})
 
 
 def _slab_align(rows: list[int], n_boxes: int, ptab: list[int], ns2: int, s2w: int, c2base: int, lo2: int,
@@ -922,11 +923,13 @@ def _merged(v: tuple[int, int, int], trail: int) -> tuple[int, int, int]:
 def launch_stage(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, launch: StageLaunch) -> None:
     """One launch of ``launch`` (from :func:`stage_launch`) into ``out`` from ``a`` (the block) and ``b`` (the
     receive buffer)."""
-    if launch.kernel is stage_kernel:
-        cached_launch(stage_kernel)[launch.grid](out, a, b, *launch.args, **launch.meta)
-    elif launch.kernel is not None:
-        cached_launch(launch.kernel)[launch.grid](out, a, b, *launch.args, COMPUTE=compute_dtype(out.dtype),
-                                                  **launch.meta)
+    if launch.kernel is None:
+        return
+    bound = launch.bound.get(out.dtype)
+    if bound is None:  # the first launch of this dtype: bind the grid, the tables and the constexprs once
+        meta = launch.meta if launch.kernel is stage_kernel else dict(launch.meta, COMPUTE=compute_dtype(out.dtype))
+        bound = launch.bound[out.dtype] = cached_launch(launch.kernel).bind(launch.grid, launch.args, meta)
+    bound(out, a, b)
 
 
 def shell(inner: Sequence[tuple[int, int]], full: Sequence[int]) -> list[tuple[tuple[int, int], ...]]:

@@ -40,8 +40,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distfuse.kernels._utils import INTERPRET
 
-__all__ = ["CachedLaunch", "cached_launch", "arg_key", "fingerprint", "direct_launcher", "launch_cache_enabled",
-           "LAUNCH_CACHE_ENV"]
+__all__ = ["CachedLaunch", "BoundLaunch", "cached_launch", "arg_key", "fingerprint", "direct_launcher",
+           "launch_cache_enabled", "LAUNCH_CACHE_ENV"]
 
 LAUNCH_CACHE_ENV = "DISTFUSE_LAUNCH_CACHE"
 _I32, _I64 = 1 << 31, 1 << 63
@@ -139,6 +139,73 @@ class CachedLaunch:
             if len(self._binaries) >= _MAX_BINARIES:
                 self._binaries.clear()
             self._binaries[key] = (binary, tail, direct_launcher(binary))
+        return binary
+
+
+    def bind(self, grid, static: tuple, kwargs: dict, split: int | None = None) -> BoundLaunch:
+        """A :class:`BoundLaunch` of this kernel: ``grid``, the positional arguments ``static`` and the constexprs
+        and options ``kwargs`` fixed, for a call site that launches them again and again.  ``static`` follows the
+        call's arguments, or its first ``split`` of them."""
+        return BoundLaunch(self, grid, static, kwargs, split)
+
+
+class BoundLaunch:
+    """``bound(*lead)`` is ``kernel[grid](*lead, *static, **kwargs)``, with ``grid``, ``static`` and ``kwargs`` fixed
+    when it is made (:meth:`CachedLaunch.bind`); with ``split``, ``bound(*args)`` is ``kernel[grid](*args[:split],
+    *static, *args[split:], **kwargs)``.
+
+    For the launchers whose geometry is cached per plan or shape (the halo kernels' ``*Launch`` tuples, the
+    reductions' plans): their grid, scalar arguments, lookup tables and constexprs are the same at every call, and
+    only the leading buffers change.  A hit therefore fingerprints the leading arguments alone and calls the binary's
+    launcher with the constexprs' values already in order, where :meth:`CachedLaunch.launch` would fingerprint all
+    of them (tables included: a halo launch passes 15 to 22 arguments) and key the constexprs by name at every call:
+    that was most of a fused halo step's host time with the kernels stubbed (``scripts/host_cost.py --kernels``).
+    ``static`` tensors must stay alive and in place while the bound launch is used (cached tables are).
+
+    A first call, a new fingerprint of the leading arguments, an installed launch hook or a grid function go
+    through :meth:`CachedLaunch.launch` (the JIT on its misses); off the cache (the interpreter,
+    ``DISTFUSE_LAUNCH_CACHE=0``) a call is the JIT's own launch.
+    """
+
+    __slots__ = ("cached", "grid", "static", "kwargs", "split", "_grid3", "_hits")
+
+    def __init__(self, cached: CachedLaunch, grid, static: tuple, kwargs: dict, split: int | None = None):
+        self.cached, self.grid, self.static, self.kwargs, self.split = cached, grid, tuple(static), dict(kwargs), split
+        self._grid3 = None if callable(grid) else _grid3(grid)
+        self._hits: dict = {}  # (device, fingerprint of the call's arguments) -> (run, function, packed, tail values)
+
+    def _args(self, given: tuple) -> tuple:
+        k = self.split
+        return given + self.static if k is None else given[:k] + self.static + given[k:]
+
+    def __call__(self, *given):
+        if not launch_cache_enabled():
+            return self.cached.kernel[self.grid](*self._args(given), **self.kwargs)
+        try:
+            key = (_current_device(), fingerprint(given))
+            hit = self._hits.get(key)
+        except (_UnkeyableError, TypeError, AttributeError):
+            hit = key = None
+        if hit is not None and not _hooked():
+            run, function, packed, tail = hit
+            g = self._grid3
+            if self.split is None:
+                run(g[0], g[1], g[2], _current_stream(key[0]), function, packed, None, None, None, *given,
+                    *self.static, *tail)
+            else:
+                run(g[0], g[1], g[2], _current_stream(key[0]), function, packed, None, None, None,
+                    *self._args(given), *tail)
+            return None
+        args = self._args(given)
+        binary = self.cached.launch(self.grid, args, self.kwargs)
+        if key is not None and self._grid3 is not None:
+            try:
+                entry = self.cached._binaries.get((key[0], fingerprint(args), tuple(self.kwargs.items())))
+            except (_UnkeyableError, TypeError, AttributeError):
+                entry = None
+            if entry is not None and entry[2] is not None:  # cached, with a launcher a hit can call
+                _, names, (run, function, packed) = entry
+                self._hits[key] = (run, function, packed, tuple(self.kwargs[name] for name in names))
         return binary
 
 

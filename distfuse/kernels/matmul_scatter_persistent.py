@@ -379,6 +379,13 @@ def persistent_supported(a3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, 
     return not why, why
 
 
+#: The bound launches of :func:`matmul_scatter_persistent`'s hot path (no ``config``), per shape, rank, weight
+#: layout and dtypes (:class:`~distfuse.kernels.launch_cache.BoundLaunch`): a call fingerprints its buffers and
+#: descriptors, not the geometry's scalars and constexprs again.
+_BOUND: dict = {}
+_MAX_BOUND = 512
+
+
 def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
                               partial_dtype: torch.dtype | None = None, config: dict | None = None,
                               checked: bool = False) -> None:
@@ -410,8 +417,21 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     # Block sizes: the caller's, the CPU config, or the pinned GPU rule, with its num_stages (TMA loads pipeline like
     # pointer loads).  Never autotuned, not even in loopback: the grid depends on the SM count, and one rule on every
     # rank keeps the ranks' tilings alike.
-    if config is None:  # the hot path: the whole launch geometry, cached per shape
+    if config is None:  # the hot path: the whole launch geometry and its binding, cached per shape
         meta, programs = _default_launch(a.dtype, n_batch, n, W, N, K, a.device)
+        a_desc = rows_descriptor(a3, meta["BLOCK_M"], meta["BLOCK_K"])
+        b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], meta["BLOCK_K"])
+        key = (a.dtype, n_batch, n, W, N, K, a.device, rank, b_kmajor, partial_dtype)
+        bound = _BOUND.get(key)
+        if bound is None:
+            if len(_BOUND) >= _MAX_BOUND:  # shapes that keep changing: start again rather than grow
+                _BOUND.clear()
+            bound = _BOUND[key] = cached_launch(_matmul_scatter_persistent_kernel).bind(
+                (programs,), (n_batch, n, N, ld, K, rank, W),
+                dict(B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),
+                     ROUND_BF16=round_bf16(partial_dtype), **meta), split=6)
+        bound(a_desc, b_desc, slots, st.data_ptrs, st.flag_ptrs, st.counters, st.epoch_dev, rank * slot_elems)
+        return
     else:
         sms = persistent_programs(a.device, config.get("PROGRAMS"))
         meta = {k: v for k, v in config.items() if k not in ("kernel", "PROGRAMS")}
