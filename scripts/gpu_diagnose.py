@@ -18,8 +18,11 @@ same run: the pointer and persistent GEMM + scatter kernels and the persistent a
 consumer over block configs, and ``chunk_reduce`` over BLOCK x programs x warps.  A config that
 does not compile or fails records its error.  Each section stops at its time budget.
 
-Section ``attrib`` splits one ``chunk_reduce`` call into its parts, the Triton launch both through the JIT and
-through the compiled kernel's runner (what a launch costs without the JIT's per-call argument binding).
+Section ``latency`` times what an eager benchmark row adds to a call's device time: the call after a synchronise,
+with and without the L2 flush the benchmark issues first, its host time, and its graph replay
+(:func:`call_latency`).  Section ``attrib`` splits one ``chunk_reduce`` call into its parts, the Triton launch
+both through the JIT and through the compiled kernel's runner (what a launch costs without the JIT's per-call
+argument binding).
 Section ``forms`` times the persistent producer's forms against cuBLAS at every model and M: the pinned rule,
 its loops nested, its ``SPAN`` flipped, the other 128-row tile, and the chunk-row tiles of ``a6bfa8c``
 (:mod:`distfuse.kernels.matmul_scatter_persistent`).  Section ``halo`` times the

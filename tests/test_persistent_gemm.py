@@ -454,6 +454,29 @@ def test_gathered_fallbacks_name_the_pointer_kernel_and_why():
         select_gather_kernel(x, w32, "warp_specialized")
 
 
+def test_selectors_memoise_only_what_decides(monkeypatch):
+    """Both selectors keep their descriptor choice per operands (dtypes, shapes, strides, base alignment), compile
+    mode and TF32 setting: asked again, the same choice object; any of those changed, the choice that change makes."""
+    from distfuse.kernels import gathered_matmul_select, matmul_scatter_select
+    from distfuse.kernels.gathered_matmul_select import select_gather_kernel
+
+    x, w = torch.randn(1, 4, 16), torch.randn(8, 16)
+    for select in (select_gather_kernel, lambda a, b, **kw: select_scatter_kernel(a, b, "triton_persistent", **kw)):
+        first = select(x, w, compiled=False)
+        assert select(x.clone(), w.clone(), compiled=False) is first, "alike operands: the memo"
+        assert first.kernel.endswith("_persistent")
+        assert not select(x, w, compiled=True).kernel.endswith("_persistent"), "compiled fp32, IEEE products"
+        assert not select(torch.randn(1, 4, 17)[..., :16], w, compiled=False).kernel.endswith("_persistent"), \
+            "another row stride (68 bytes)"
+        assert not select(x.view(-1)[2:50].view(1, 3, 16), w, compiled=False).kernel.endswith("_persistent"), \
+            "a base 8 bytes off 16"
+        assert select(x.half(), w.half(), compiled=True).kernel.endswith("_persistent"), "another dtype"
+    for module in (gathered_matmul_select, matmul_scatter_select):
+        monkeypatch.setattr(module, "tf32_allowed", lambda: True)
+    assert select_gather_kernel(x, w, compiled=True).kernel == "gathered_matmul_persistent", "TF32 allowed"
+    assert select_scatter_kernel(x, w, "triton_persistent", compiled=True).kernel == "matmul_scatter_persistent"
+
+
 def test_gathered_persistent_runs_off_the_main_thread():
     """Host-side descriptors: no Triton allocator, so a launch from a fresh thread (CUDA autograd's backward
     thread, a checkpoint recompute) works and gives the float64 result."""

@@ -32,7 +32,7 @@ import torch
 from distfuse.errors import UnsupportedError, expect
 from distfuse.kernels._utils import INTERPRET, tf32_allowed
 from distfuse.kernels.gathered_matmul_persistent import gathered_persistent_supported
-from distfuse.kernels.persistent import compiled_refusal
+from distfuse.kernels.persistent import ChoiceMemo, compiled_refusal, operands_key
 
 __all__ = ["GatherChoice", "GATHER_KERNELS", "DEFAULT_GATHER_KERNEL", "select_gather_kernel", "last_gather_choice",
            "record_gather_choice"]
@@ -84,6 +84,17 @@ def select_gather_kernel(x3: torch.Tensor, weight: torch.Tensor, requested: str 
     if requested == "gathered_matmul":
         return GatherChoice(requested, "gathered_matmul", "asked for: one program per tile, pointer loads")
     compiled = not INTERPRET if compiled is None else compiled
+    key = (requested, compiled, x3.dtype == torch.float32 and tf32_allowed(), *operands_key(x3, weight))
+    choice = _CHOICES.get(key)
+    return choice if choice is not None else _CHOICES.keep(key, _descriptor_choice(x3, weight, requested, compiled))
+
+
+#: The persistent consumer's choices, per request and operands (:func:`~distfuse.kernels.persistent.operands_key`).
+_CHOICES = ChoiceMemo()
+
+
+def _descriptor_choice(x3: torch.Tensor, weight: torch.Tensor, requested: str, compiled: bool) -> GatherChoice:
+    """:func:`select_gather_kernel`'s choice where the persistent consumer is asked for."""
     _, why = gathered_persistent_supported(x3, weight)
     why = why or compiled_refusal(x3.dtype, compiled, x3.dtype == torch.float32 and tf32_allowed())  # fp32 only
     if not why and compiled and not _has_tma(x3.device):

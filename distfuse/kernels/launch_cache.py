@@ -77,8 +77,8 @@ def arg_key(arg):
 
 
 def fingerprint(args: tuple) -> tuple:
-    """``tuple(map(arg_key, args))``, with the common kinds (ints and plain tensors) inlined: the per-call half of a
-    hit's host time (a launch passes 10 to 20 arguments)."""
+    """``tuple(map(arg_key, args))``, with the common kinds (ints, plain tensors, host tensor descriptors) inlined:
+    the per-call half of a hit's host time (a launch passes 10 to 20 arguments)."""
     out = []
     add = out.append
     for arg in args:
@@ -87,6 +87,8 @@ def fingerprint(args: tuple) -> tuple:
             add((0 if -_I32 <= arg < _I32 else 1 if -_I64 <= arg < _I64 else 2, arg == 1, arg % 16 == 0))
         elif kind is torch.Tensor:
             add((arg.dtype, arg.data_ptr() % 16 == 0))
+        elif kind is TensorDescriptor:
+            add(("desc", arg.base.dtype, tuple(arg.block_shape), arg.padding, getattr(arg, "round_f32_to_tf32", False)))
         else:
             add(arg_key(arg))
     return tuple(out)

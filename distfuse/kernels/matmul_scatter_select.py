@@ -33,7 +33,7 @@ from distfuse.kernels import matmul_reduce_scatter as pointer_kernels
 from distfuse.kernels import matmul_scatter_persistent as persistent_kernels
 from distfuse.kernels._utils import INTERPRET, tf32_allowed
 from distfuse.kernels.host_ints import cdiv
-from distfuse.kernels.persistent import compiled_refusal
+from distfuse.kernels.persistent import ChoiceMemo, compiled_refusal, operands_key
 
 __all__ = ["KernelChoice", "PROVIDER_KERNELS", "CUBLAS_WHOLE_ROWS", "cublas_whole", "select_scatter_kernel",
            "launch_scatter_kernel"]
@@ -93,10 +93,23 @@ def select_scatter_kernel(a: torch.Tensor, weight: torch.Tensor, provider: str =
                                 f"one library GEMM of every row, then one scatter launch (chunks of at most "
                                 f"{cdiv(a.shape[-2], world_size)} rows: fewer than {CUBLAS_WHOLE_ROWS})")
         return KernelChoice(provider, "matmul_scatter_cublas", "one library GEMM per chunk")
+    compiled = not INTERPRET if compiled is None else compiled
+    key = (provider, compiled, a.dtype == torch.float32 and tf32_allowed(), persistent_kernels.FLATTEN,
+           *operands_key(a, weight))
+    choice = _CHOICES.get(key)
+    return choice if choice is not None else _CHOICES.keep(key, _descriptor_choice(a, weight, provider, compiled))
+
+
+#: The persistent provider's choices, per operands (:func:`~distfuse.kernels.persistent.operands_key`), compile
+#: mode, TF32 setting and ``FLATTEN``.
+_CHOICES = ChoiceMemo()
+
+
+def _descriptor_choice(a: torch.Tensor, weight: torch.Tensor, provider: str, compiled: bool) -> KernelChoice:
+    """:func:`select_scatter_kernel`'s choice for the persistent provider."""
     n, K = a.shape[-2], a.shape[-1]
     a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
     _, why = persistent_kernels.persistent_supported(a3, weight)
-    compiled = not INTERPRET if compiled is None else compiled
     why = why or compiled_refusal(a.dtype, compiled, a.dtype == torch.float32 and tf32_allowed())  # fp32 only
     if not why:
         loops = "tile and K loops fused" if persistent_kernels.FLATTEN else "a K loop per tile"

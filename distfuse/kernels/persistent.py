@@ -101,6 +101,29 @@ def weight_kmajor(weight: torch.Tensor) -> bool | None:
     return None
 
 
+def operands_key(a: torch.Tensor, weight: torch.Tensor) -> tuple:
+    """Everything of ``a`` and ``weight`` that :func:`descriptor_problem` and the selectors read: dtypes, device,
+    shapes, strides and whether each base is 16-byte aligned.  The selectors memoise their choice under it (with
+    the request and torch's TF32 setting): a choice is a pure function of these, and asking again cost a GEMM call
+    2 us of host on a fast CPU (the dimension, stride and alignment checks of both operands)."""
+    return (a.dtype, a.device, a.shape, a.stride(), a.data_ptr() % 16 == 0, weight.dtype, weight.shape,
+            weight.stride(), weight.data_ptr() % 16 == 0)
+
+
+class ChoiceMemo(dict):
+    """A selector's memo: key -> choice, emptied when it reaches ``limit`` entries (shapes that keep changing)."""
+
+    def __init__(self, limit: int = 1024):
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key, choice):
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = choice
+        return choice
+
+
 def descriptor_problem(x3: torch.Tensor, weight: torch.Tensor, who: str, rows: str) -> str:
     """Why descriptors cannot read ``x3 [B_, rows, K]`` as one ``[B_ * rows, K]`` matrix, or ``weight``; "" if they can.
 
