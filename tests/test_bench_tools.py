@@ -189,7 +189,7 @@ def test_crossover_fused_wins_above_a_size_interpolated_in_log_size():
 
 
 def test_crossover_fused_wins_below_a_size():
-    # halo_conv-like: fused wins at few channels
+    # fused wins below a size
     pts = _pts([8, 16, 32, 64, 128, 256], [1, 1, 1, 1.2, 1.5, 2.0], [1.3, 1.3, 1.2, 1.0, 1.0, 1.0])
     xo = tune.crossover(pts)
     assert xo.min_size is None and 32 < xo.max_size < 64
@@ -244,7 +244,8 @@ def test_table_round_trip_through_select_path(tmp_path, monkeypatch):
     key_rs = table_key("NVIDIA H200", 8, torch.bfloat16, "matmul_reduce_scatter")
     key_halo = table_key("NVIDIA H200", 4, torch.float32, "halo_conv")
     key_ag = table_key("NVIDIA H200", 8, torch.bfloat16, "all_gather_matmul")
-    halo_pts = [dict(size=c, fused_ms=1.0, unfused_ms=1.4 if c <= 32 else 0.9) for c in (8, 16, 32, 64, 128)]
+    halo_pts = [dict(size=e, fused_ms=1.0, unfused_ms=1.4 if e <= 2**15 else 0.9)  # elements a block
+                for e in (2**13, 2**14, 2**15, 2**16, 2**17)]
     ag_never = [dict(size=s, fused_ms=2.0, unfused_ms=1.0) for s in (1e8, 1e9)]
     entries = {key_rs: tune.entry_for("matmul_reduce_scatter", _linear_points(1e10), mode="full"),
                key_halo: tune.entry_for("halo_conv", halo_pts),
@@ -264,9 +265,9 @@ def test_table_round_trip_through_select_path(tmp_path, monkeypatch):
     d = select_path("matmul_reduce_scatter", BIG, torch.bfloat16, 8, H200)
     assert d.path == "fused" and "crossover table" in d.reason
     assert select_path("matmul_reduce_scatter", SMALL, torch.bfloat16, 8, H200).path == "unfused"
-    # the halo entry: fused at or below ~32-64 channels
-    assert select_path("halo_conv", dict(channels=32), torch.float32, 4, H200).path == "fused"
-    assert select_path("halo_conv", dict(channels=64), torch.float32, 4, H200).path == "unfused"
+    # the halo entry: fused at or below 2^15-2^16 elements a block
+    assert select_path("halo_conv", dict(elements=2**15), torch.float32, 4, H200).path == "fused"
+    assert select_path("halo_conv", dict(elements=2**16), torch.float32, 4, H200).path == "unfused"
     # "never" holds even for the largest GEMM (the default would say fused)
     assert select_path("all_gather_matmul", dict(m=2**20, n=2**12, k=2**12), torch.bfloat16, 8, H200).path == "unfused"
     # keys the sweep did not write fall back to the defaults

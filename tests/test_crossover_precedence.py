@@ -227,27 +227,28 @@ def test_halo_staging_carries_the_entry(tables):
 
     user, shipped = tables
     key = table_key(H100.name, 4, torch.bfloat16, "halo_conv")
-    entry = dict(_projected("never", gain=-0.64, margin=0.02), size_key="channels", gains=[[64.0, -0.64, 0.02]])
+    entry = dict(_projected("never", gain=-0.64, margin=0.02), size_key="elements", gains=[[2.0**26, -0.64, 0.02]])
     shipped.write_text(json.dumps({key: entry}))
-    d = choose_staging(None, torch.bfloat16, torch.device("cpu"), 4, 64, {torch.device("cpu"): H100})
+    d = choose_staging(None, torch.bfloat16, torch.device("cpu"), 4, 2.0**26, {torch.device("cpu"): H100})
     assert d.path == "unfused" and d.reason.startswith("halo staging (the halo_conv rule): crossover table")
     assert d.entry.key == key and d.entry.shipped and d.entry.gain == -0.64
 
 
-def _conv_explain_rank(table_path: str):
+def _conv_explain_rank(table_path: str, length: int = 8):
     import os
 
+    from distfuse.geometry.decomposition import block_extent
     from tests.test_conv_support import Case, build
 
     old = os.environ.get("DISTFUSE_TUNE_TABLE")
     os.environ["DISTFUSE_TUNE_TABLE"] = table_path
     try:
-        P_x, _, _, layer = build(Case("explain", "feature", (1, 8, 8), 8, 3, (1, 1, 2), (0, 1), padding=1,
+        P_x, _, _, layer = build(Case("explain", "feature", (1, 8, length), 8, 3, (1, 1, 2), (0, 1), padding=1,
                                       dtype=torch.bfloat16))
         layer._caps_cache[torch.device("cpu")] = H100  # a pretend H100: the table decides, not the CPU rule
-        x = torch.zeros(1, 8, 4, dtype=torch.bfloat16)
-        d = layer.explain(x)
-        return d.path, d.entry.key, d.entry.source, d.describe()
+        x = torch.zeros(1, 8, block_extent(length, 2, P_x.index[2]), dtype=torch.bfloat16)
+        d, g = layer.explain(x), layer.explain(x, (1, 8, length))
+        return d.path, d.entry.key, d.entry.source, d.describe(), d.entry.size, g.path, g.entry.size
     finally:
         if old is None:
             os.environ.pop("DISTFUSE_TUNE_TABLE", None)
@@ -256,12 +257,48 @@ def _conv_explain_rank(table_path: str):
 
 
 def test_feature_conv_explain_names_the_entry(tmp_path):
+    """The halo_conv rule sizes a call by a worker's block: the global input's elements over the workers, alike on
+    every rank even where the split is uneven (``explain(x)`` alone sizes by ``x``'s own block)."""
     from distfuse.testing import run_ranks
 
     key = table_key(H100.name, 2, torch.bfloat16, "halo_conv")
     path = tmp_path / "user.json"
-    path.write_text(json.dumps({key: dict(fused="interval", max_size=16, size_key="channels", source="measured",
-                                          gains=[[8.0, 0.3, 0.05], [64.0, -0.2, 0.05]], gain=0.3, margin=0.05)}))
-    for path_, got_key, source, text in run_ranks(2, _conv_explain_rank, str(path), timeout=120):
-        assert path_ == "fused" and got_key == key and source == "measured"
-        assert "measured: gain +30.0% ± 5.0% at channels=8" in text
+    path.write_text(json.dumps({key: dict(fused="interval", max_size=40, size_key="elements", source="measured",
+                                          gains=[[28.0, 0.3, 0.05], [64.0, -0.2, 0.05]], gain=0.3, margin=0.05)}))
+    for path_, got_key, source, text, size, g_path, g_size in run_ranks(2, _conv_explain_rank, str(path),
+                                                                      timeout=120):
+        assert path_ == "fused" and got_key == key and source == "measured" and size == 32 == g_size
+        assert "measured: gain +30.0% ± 5.0% at elements=28" in text and g_path == "fused"
+    # 7 positions over 2 workers (4 and 3): each block alone would size 32 and 24; the global shape sizes 28 on both
+    got = run_ranks(2, _conv_explain_rank, str(path), 7, timeout=120)
+    assert sorted(r[4] for r in got) == [24, 32] and [r[6] for r in got] == [28, 28]
+    assert all(r[5] == "fused" for r in got)
+
+
+def test_an_entry_sized_by_another_key_is_ignored(tables, caplog):
+    """A table written when halo_conv was sized by channels: its bounds compare another quantity, so the default rule
+    decides (here: unfused, where the entry would have fused), with a warning that names the entry."""
+    import logging
+
+    user, _ = tables
+    key = table_key(H100.name, 4, torch.bfloat16, "halo_conv")
+    user.write_text(json.dumps({key: dict(fused="interval", max_size=64, size_key="channels", source="measured")}))
+    with caplog.at_level(logging.WARNING, logger="distfuse.dispatch"):
+        d = select_path("halo_conv", dict(elements=32.0), torch.bfloat16, 4, H100)
+    assert d.path == "unfused" and d.reason.startswith("default:") and d.entry.kind == "default"
+    assert any(key in r.getMessage() and "sized by elements" in r.getMessage() for r in caplog.records)
+    user.write_text(json.dumps({key: dict(fused="interval", max_size=64, size_key="elements", source="measured")}))
+    assert select_path("halo_conv", dict(elements=32.0), torch.bfloat16, 4, H100).path == "fused", "same key: used"
+
+
+def test_every_shipped_entry_compares_its_ops_size():
+    """The package's table is projected with each op's current size (halo_conv: a block's elements), so dispatch
+    never ignores a shipped entry for comparing another quantity."""
+    from distfuse.fused import registry
+
+    table = json.loads(SHIPPED.read_text())
+    entries = {k: v for k, v in table.items() if "|" in k}
+    assert entries
+    for key, entry in entries.items():
+        op = registry.current_name(key.rsplit("|", 1)[1])
+        assert entry.get("size_key") == registry.get(op).size_key, key

@@ -182,23 +182,26 @@ def test_zero_rows_are_kept_apart_from_the_activation_gathers(tmp_path):
     assert any("all_gather_matmul: no kernel rows" in n for n in table["_meta"]["notes"])
 
 
-def test_halo_conv_compares_the_full_rows_and_keeps_each_channel_counts_worst_shape(tmp_path):
+def test_halo_conv_compares_the_full_rows_by_block_elements_and_keeps_each_sizes_worst_shape(tmp_path):
+    """The halo conv's points are sized as the layers size a call: a block's elements (batch x C x n^nd); shapes of
+    one size (2-D 64 x 64^2 and 3-D 64 x 16^3) keep the worse."""
     rows = []
-    for n, fused, cat in ((64, 0.5, 0.6), (512, 0.9, 0.8)):  # C = 64: +20% at n = 64, -11% at n = 512
-        s = dict(nd=2, C=64, n=n, halo=1)
+    for s, fused, cat in ((dict(nd=2, C=64, n=64), 0.5, 0.6),  # 2^18 elements: +20%
+                          (dict(nd=3, C=64, n=16), 0.5, 0.55),  # 2^18 too: +10%, the worse
+                          (dict(nd=2, C=64, n=512), 0.9, 0.8),  # 2^24: -11%
+                          (dict(nd=2, C=16, n=64), 0.5, 0.75)):  # 2^16: +50%
+        s = dict(s, halo=1)
         rows += [_row("halo_conv", "fused", fused, s, world=1, mode="full"),
                  _row("halo_conv", "cat", cat, s, world=1, mode="full"),
                  _row("halo_conv", "fused", 0.001, s, world=1, mode="stage")]  # other modes do not count
-    s = dict(nd=2, C=16, n=64, halo=1)
-    rows += [_row("halo_conv", "fused", 0.5, s, world=1, mode="full"),
-             _row("halo_conv", "cat", 0.75, s, world=1, mode="full")]
     _write(tmp_path, rows, name="halo_conv-test.json")
     e = project_table(tmp_path, devices=[H100], ops=["halo_conv"], world_sizes=[4], dtypes=["bfloat16"])[
         table_key(H100, 4, torch.bfloat16, "halo_conv")]
-    assert e["size_key"] == "channels" and e["mode"] == "full"
-    assert [g[0] for g in e["gains"]] == [16.0, 64.0]
-    assert e["gains"][0][1] == pytest.approx(0.5) and e["gains"][1][1] == pytest.approx(0.8 / 0.9 - 1, abs=1e-4)
-    assert e["fused"] == "interval" and e["max_size"] == 16.0 and "min_size" not in e
+    assert e["size_key"] == "elements" and e["mode"] == "full"
+    assert [g[0] for g in e["gains"]] == [2.0**16, 2.0**18, 2.0**24]
+    assert [g[1] for g in e["gains"]] == [pytest.approx(0.5), pytest.approx(0.1),
+                                          pytest.approx(0.8 / 0.9 - 1, abs=1e-4)]
+    assert e["fused"] == "interval" and "min_size" not in e and 2**18 <= e["max_size"] < 2**24
 
 
 def test_other_devices_and_dtypes_borrow_kernels_with_a_wider_margin(tmp_path):

@@ -26,7 +26,7 @@ def _no_env(monkeypatch, tmp_path):
 
 def test_defaults_on_cuda_follow_the_h100_measurements():
     """No fused op beat its unfused composition on the H100 (bench/results): every default is unfused, says why."""
-    for op, shapes in ((RS, BIG), (AG, DECODE), ("halo_conv", dict(channels=16))):
+    for op, shapes in ((RS, BIG), (AG, DECODE), ("halo_conv", dict(elements=2.0**26))):
         d = select_path(op, shapes, torch.bfloat16, 8, H200, table={})
         assert d.path == "unfused" and "H100" in d.reason and registry.get(op).default.fused == "never", (op, d)
         assert d.reason == f"default: {registry.get(op).default.why}; a distfuse-tune table entry can enable it"
@@ -41,18 +41,18 @@ def _set_default(monkeypatch, op, **bounds):
 def test_threshold_defaults_still_work(monkeypatch):
     """The threshold form of a default (for ops whose fused path wins) picks by size."""
     _set_default(monkeypatch, RS, min_size=2**30)
-    _set_default(monkeypatch, "halo_conv", max_size=64)
+    _set_default(monkeypatch, "halo_conv", min_size=2**26)
     assert select_path(RS, BIG, torch.bfloat16, 8, H200, table={}).path == "fused"
     assert select_path(RS, DECODE, torch.bfloat16, 8, H200, table={}).path == "unfused"
-    assert select_path("halo_conv", dict(channels=64), torch.float32, 4, H200, table={}).path == "fused"
-    assert select_path("halo_conv", dict(channels=65), torch.float32, 4, H200, table={}).path == "unfused"
+    assert select_path("halo_conv", dict(elements=2**26), torch.float32, 4, H200, table={}).path == "fused"
+    assert select_path("halo_conv", dict(elements=2**26 - 1), torch.float32, 4, H200, table={}).path == "unfused"
 
 
 def test_cpu_production_path_is_unfused_unless_forced(monkeypatch):
-    d = select_path("halo_conv", dict(channels=8), torch.float32, 4, CPU, table={})
+    d = select_path("halo_conv", dict(elements=8), torch.float32, 4, CPU, table={})
     assert d.path == "unfused" and "interpreted" in d.reason
     monkeypatch.setenv("DISTFUSE_PATH", "fused")
-    assert select_path("halo_conv", dict(channels=8), torch.float32, 4, CPU, table={}).path == "fused"
+    assert select_path("halo_conv", dict(elements=8), torch.float32, 4, CPU, table={}).path == "fused"
 
 
 def test_override_unfused_wins(monkeypatch):
@@ -109,14 +109,14 @@ T = 64 * 4096 * 1792  # a decode-sized GEMM's MACs: 469762048, exact in a float
 
 
 def _shapes(op, size):
-    return dict(m=size, n=1, k=1) if registry.get(op).size_key == "macs" else dict(channels=size)
+    return dict(m=size, n=1, k=1) if registry.get(op).size_key == "macs" else {registry.get(op).size_key: size}
 
 
 def _path(op, size, table=None, world=8, caps=H200):
     return select_path(op, _shapes(op, size), torch.bfloat16, world, caps, table={} if table is None else table).path
 
 
-BOUND_OPS = pytest.mark.parametrize("op,t", [(RS, T), (AG, T), ("halo_conv", 64)])
+BOUND_OPS = pytest.mark.parametrize("op,t", [(RS, T), (AG, T), ("halo_conv", 2**26)])
 
 
 @BOUND_OPS

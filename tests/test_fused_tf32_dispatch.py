@@ -87,7 +87,7 @@ def test_cpu_reason_is_unchanged_and_halo_conv_ignores_tf32(monkeypatch):
         assert "production path is unfused" in select_path("matmul_reduce_scatter", BIG, torch.float32, 2, cpu,
                                                            table={}).reason
         key = table_key(H100.name, 8, torch.float32, "halo_conv")
-        assert select_path("halo_conv", dict(channels=64), torch.float32, 8, H100,
+        assert select_path("halo_conv", dict(elements=2.0**20), torch.float32, 8, H100,
                            table={key: {"min_size": 1.0}}).path == "fused"
 
 

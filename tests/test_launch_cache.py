@@ -359,7 +359,7 @@ def test_bound_launches_match_the_jit_cuda(monkeypatch):
     jit = op()
     monkeypatch.delenv(LAUNCH_CACHE_ENV)
     first, second = op(), op()
-    stage = hp.stage_launch(plan, index, 8, dev, "all", None, None, 1)
+    stage = hp.stage_launch(plan, index, 8, x.device, "all", None, None, 1)  # x.device: cuda:0, as halo_stage keys
     assert any(b._hits for b in stage.bound.values()), "the staging's second call hit its bound launch"
     assert any(b._hits for _, b in chunk_reduce_kernels._BOUND.values()), "chunk_reduce hit its bound launch"
     assert any(b._hits for b in msp._BOUND.values()), "the persistent producer hit its bound launch"

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 __all__ = ["in_interval",
            "DefaultRule", "FusedOp", "OPS", "RENAMED", "RENAMED_KERNELS", "register", "get", "names", "size_of",
-           "resolve", "current_name", "MATMUL_REDUCE_SCATTER", "ALL_GATHER_MATMUL", "HALO_CONV",
+           "resolve", "current_name", "halo_elements", "MATMUL_REDUCE_SCATTER", "ALL_GATHER_MATMUL", "HALO_CONV",
            "MATMUL_REDUCE_SCATTER_FEATURES", "ALL_GATHER_FEATURES_MATMUL", "MATMUL_ALL_REDUCE", "ZERO_LINEAR_ROWS",
            "ZERO_LINEAR_COLUMNS", "RING_ATTENTION"]
 
@@ -214,10 +214,22 @@ MATMUL_ALL_REDUCE = _gemm_op("matmul_all_reduce", _UNMEASURED, f"{_CASES}:featur
 ZERO_LINEAR_ROWS = _gemm_op("zero_linear_rows", _UNMEASURED, f"{_ZERO_CASES}:zero_case", f"{_ZERO_CASES}:zero_grid")
 ZERO_LINEAR_COLUMNS = _gemm_op("zero_linear_columns", _UNMEASURED, f"{_ZERO_CASES}:zero_case",
                                f"{_ZERO_CASES}:zero_grid")
+# The halo conv (and the pools' staging, which takes its rule) is sized by a worker's block: the elements of the
+# global input over the workers (halo_elements), the same number on every rank.  Channels alone could not tell the
+# measured wins from the losses: on an H200 (2026-11-28) the staging + conv step beat torch.cat + cuDNN at 2^26
+# elements a block (C = 256 at 512^2, and at 64^3) and lost at C = 256 on 64^2, where the host binds the step.
 HALO_CONV = register(FusedOp(
-    "halo_conv", "channels", ("channels",),
-    DefaultRule.never("staging + conv measured 1.0-3.3x the time of torch.cat staging + cuDNN (H100)"),
+    "halo_conv", "elements", ("elements",),
+    DefaultRule.never("staging + conv took 1.0-3.3x the time of torch.cat staging + cuDNN (H100, 2026-11-22); on "
+                      "an H200 (2026-11-28) it won by 6-16% at 2^26 elements a block and lost below 2^24, under "
+                      "the 10% a default needs"),
     case=f"{_CASES}:halo_case", grid=f"{_CASES}:halo_grid"))
+
+
+def halo_elements(global_shape, workers: int) -> float:
+    """The ``elements`` size of the halo_conv rule: the global input's elements ``[B, C, *spatial]`` over the
+    ``workers`` of its partition (a worker's block, on average), which every rank computes alike."""
+    return math.prod(int(e) for e in global_shape) / max(int(workers), 1)
 # The ring attention's transport (fused/ring_push.py): each K/V block pushed into the next worker's symmetric buffer
 # while the current block computes, against isend / irecv; sized by the largest K/V block's elements.
 RING_ATTENTION = register(FusedOp(

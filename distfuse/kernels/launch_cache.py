@@ -143,7 +143,6 @@ class CachedLaunch:
             self._binaries[key] = (binary, tail, direct_launcher(binary))
         return binary
 
-
     def bind(self, grid, static: tuple, kwargs: dict, split: int | None = None) -> BoundLaunch:
         """A :class:`BoundLaunch` of this kernel: ``grid``, the positional arguments ``static`` and the constexprs
         and options ``kwargs`` fixed, for a call site that launches them again and again.  ``static`` follows the

@@ -50,6 +50,7 @@ from torch import nn
 
 from distfuse.errors import DistfuseError, UnsupportedError, expect, where
 from distfuse.fused.halo_staging import halo_staging
+from distfuse.fused.registry import halo_elements
 from distfuse.geometry.halo_plan import HaloPlan
 from distfuse.geometry.pool_geometry import check_pool_axis, pool_axis
 from distfuse.layers._conv_common import (
@@ -128,8 +129,8 @@ def window_ranges(plan: HaloPlan, index: Sequence[int]) -> list[tuple[int, int]]
     return [ax.needed_range(i) for ax, i in zip(plan.axes, index, strict=True)]
 
 
-def choose_staging(plan: HaloPlan | None, dtype: torch.dtype, device: torch.device, world_size: int, channels: int,
-                   caps_cache: dict) -> Decision:
+def choose_staging(plan: HaloPlan | None, dtype: torch.dtype, device: torch.device, world_size: int,
+                   elements: float, caps_cache: dict) -> Decision:
     """How a layer stages its window for one call (see the module docstring); the same on every worker.
 
     ``plan=None`` skips the local check (``explain`` before the global shape is known);
@@ -140,7 +141,7 @@ def choose_staging(plan: HaloPlan | None, dtype: torch.dtype, device: torch.devi
     caps = caps_cache.get(device)
     if caps is None:
         caps = caps_cache[device] = device_caps(device)
-    d = select_path("halo_conv", dict(channels=max(int(channels), 1)), dtype, world_size, caps)
+    d = select_path("halo_conv", dict(elements=elements), dtype, world_size, caps)
     return Decision(d.path, f"halo staging (the halo_conv rule): {d.reason}", entry=d.entry)
 
 
@@ -236,8 +237,10 @@ class WindowLayer(AgreedLayer, nn.Module):
         """How a call with ``x`` stages its window, and why (no communication; pass the global shape to
         include the local-path check)."""
         plan = self.plan(tuple(global_shape), x.dtype, x.device) if global_shape is not None else None
-        channels = global_shape[1] if global_shape is not None else x.shape[1] if x.dim() > 1 else 1
-        return choose_staging(plan, x.dtype, x.device, self.P_x.size, channels, self._caps_cache)
+        # the halo_conv rule's size: the global input's elements over the workers, alike on every rank (x's own
+        # block without the global shape: the same where the split is even)
+        elements = halo_elements(global_shape, self.P_x.size) if global_shape is not None else float(x.numel())
+        return choose_staging(plan, x.dtype, x.device, self.P_x.size, elements, self._caps_cache)
 
     def _agree(self, x: torch.Tensor) -> CallInfo | None:
         """The call's agreed :class:`~distfuse.layers._conv_common.CallInfo` (None: a replayed call that

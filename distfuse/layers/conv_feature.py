@@ -29,7 +29,8 @@ changed while its peers' did not runs the call on a NaN stand-in of its agreed b
 A worker whose output block is empty returns an empty ``[B_b, C_out, *m_s]`` tensor and still takes part in both
 exchanges: other workers read its input.
 
-Dispatch: ``select_path("halo_conv", {channels: in_channels}, ...)``, remembered per global
+Dispatch: ``select_path("halo_conv", {elements: global input elements / workers}, ...)`` (the
+same size on every worker: :func:`~distfuse.fused.registry.halo_elements`), remembered per global
 shape, dtype, device and memory format.  On "fused" one Triton pass (``distfuse::halo_conv``)
 replaces ``distfuse::halo_exchange`` + ``convNd``.  A ``channels_last`` (``_3d``) input stays
 channels last on both paths: the fused kernels then index ``[B, *n, C]`` blocks and stage
@@ -42,10 +43,13 @@ The unfused path is differentiable to any order; the fused path refuses a backwa
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from distfuse.errors import PartitionError, where
 from distfuse.fused.halo_conv import check_implicit, fused_halo_conv, implicit_requested
+from distfuse.fused.registry import halo_elements
 from distfuse.layers._conv_common import (
     CallInfo,
     ConvLayer,
@@ -154,12 +158,14 @@ class DistributedFeatureConvBase(RootParamConvBase):
 
     # ------------------------------------------------------------ dispatch
 
-    def explain(self, x: torch.Tensor) -> Decision:
-        """Which path a call with ``x`` takes, and why (no communication)."""
+    def explain(self, x: torch.Tensor, global_shape: Sequence[int] | None = None) -> Decision:
+        """Which path a call with ``x`` takes, and why (no communication).  The halo_conv rule sizes a call by the
+        global input's elements over the workers (:func:`~distfuse.fused.registry.halo_elements`, alike on every
+        rank); without ``global_shape``, by ``x``'s own block (the same where the split is even)."""
         if x.device not in self._caps_cache:  # device_caps asks CUDA for the device name: once per device
             self._caps_cache[x.device] = device_caps(x.device)
-        return select_path("halo_conv", dict(channels=self.in_channels), x.dtype, self.P_x.size,
-                           self._caps_cache[x.device])
+        elements = halo_elements(global_shape, self.P_x.size) if global_shape is not None else float(x.numel())
+        return select_path("halo_conv", dict(elements=elements), x.dtype, self.P_x.size, self._caps_cache[x.device])
 
     # ------------------------------------------------------------ the local block
 
@@ -170,7 +176,7 @@ class DistributedFeatureConvBase(RootParamConvBase):
         x, w, b = cast_for_compute(x, compute), cast_for_compute(w, compute), cast_for_compute(b, compute)
         fmt = memory_format_of(x)
         self.last_decision, implicit = self.session.remember(
-            ("path", G, x.dtype, x.device.type, format_code(fmt)), lambda: (self.explain(x), implicit_requested()))
+            ("path", G, x.dtype, x.device.type, format_code(fmt)), lambda: (self.explain(x, G), implicit_requested()))
         self.last_path = self.last_decision.path
         x_anchor = anchor(info.input_grad)  # a block that does not require grad still runs the halo adjoint
         if self.last_path == "fused":

@@ -154,7 +154,7 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
 
     Args:
         op: a registered fused op (:func:`distfuse.fused.registry.names`).
-        shapes: the op's sizes (its ``size_inputs``): ``channels`` for halo_conv; ``m``, ``n``, ``k``
+        shapes: the op's sizes (its ``size_inputs``): ``elements`` for halo_conv; ``m``, ``n``, ``k``
             (per-rank GEMM) for the linears.
         dtype, world_size: as the call sees them.
         caps: :func:`device_caps` of the call's device.
@@ -187,6 +187,13 @@ def select_path(op: str, shapes: dict, dtype: torch.dtype, world_size: int, caps
     table = load_table() if table is None else table
     key = table_key(caps.name, world_size, dtype, op)
     entry = table.get(key)
+    if entry is not None and entry.get("size_key", spec.size_key) != spec.size_key:
+        # Written when the op was sized otherwise (halo_conv by channels, before it was sized by elements): its
+        # bounds compare another quantity, so the default rule decides instead.
+        warn_once(f"sizekey:{key}:{entry.get('_table')}",
+                  f"distfuse: crossover entry {key} in {entry.get('_table')} compares {entry['size_key']}, but "
+                  f"{op} is sized by {spec.size_key} now: entry ignored (rerun distfuse-tune to replace it)")
+        entry = None
     if entry is not None:
         ref = _table_ref(op, spec, size, key, entry)
         if entry.get("fused") == "never":

@@ -160,10 +160,11 @@ def linear_grid(op: str, world: int, *, quick: bool = False, m: Sequence[int] | 
 
 def halo_grid(op: str, world: int, *, quick: bool = False, channels: Sequence[int] | None = None,
               extent: int | None = None, nd: int | None = None, **_options) -> list[dict]:
-    """``channels`` in and out, an ``extent^nd`` block per rank, kernel 3."""
+    """``channels`` in and out, an ``extent^nd`` block per rank, kernel 3; ``elements`` (the halo_conv rule's size) is
+    the block's: batch x channels x extent^nd."""
     cs = list(channels or ((2, 4) if quick else (8, 16, 32, 64, 128, 256)))
-    e = extent or (8 if quick else 128)
-    return [dict(channels=c, extent=e, nd=nd or 2, kernel=3, batch=1) for c in cs]
+    e, d = extent or (8 if quick else 128), nd or 2
+    return [dict(channels=c, extent=e, nd=d, kernel=3, batch=1, elements=c * e**d) for c in cs]
 
 
 # ---------------------------------------------------------------- availability

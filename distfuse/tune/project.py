@@ -286,9 +286,11 @@ def cases_for(op: str, f: ResultFile, dtype: str) -> list[Case]:
         fused = {p: Timed.of(r) for p, r in provs.items() if p not in _ANCHORS}
         if anchor is None or _DEFAULT_ROW_PROVIDER not in fused:
             continue
-        if model.kind == "local":
-            out.append(Case(float(dict(shape)["C"]), 0, 0, 0, int(anchor.get("world_size") or 1), Timed.of(anchor),
-                            fused))
+        if model.kind == "local":  # sized as the layers size it: the block's elements (registry.halo_elements)
+            s = dict(shape)
+            elements = int(s.get("batch", 1)) * int(s["C"]) * int(s.get("n", 1)) ** int(s.get("nd", 2))
+            size = registry.size_of(op, dict(elements=elements))
+            out.append(Case(size, 0, 0, 0, int(anchor.get("world_size") or 1), Timed.of(anchor), fused))
             continue
         bw = {p: Timed.of(r) for p, r in by.get(("bw", shape), {}).items() if p not in _ANCHORS}
         if _DEFAULT_ROW_PROVIDER not in bw:
