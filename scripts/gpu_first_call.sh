@@ -10,6 +10,7 @@
 #    cuBLAS, the halo steps, then the persistent producer's and consumer's tiles at M = 512 (never swept; CUDA
 #    graph replays beside the loop times), with what is left of 585 s, if 30 s or more (each section stops
 #    at the budget, so the sweeps take only the time the rest left);
+# 2b. before it, scripts/host_cost.py --kernels (the host's Python on the launchers, about 15 s) if 90 s are left;
 # 3. everything into $OUT/lab.tgz (the device tool brings back at most 8 files), with lab.json and
 #    lab.log beside it for a first look: packed once after the lab and again at the end.
 # DISTFUSE_FIRST_CALL_BUDGET (default 585 s): the seconds lab and diagnosis may take together (a shorter rerun).
@@ -35,6 +36,13 @@ pack() {  # after the lab and again at the end: a call cut off during the diagno
   cp "$WORK/lab/lab.json" "$WORK/lab/lab.log" "$DEST/" 2>/dev/null
 }
 pack
+# The device host's Python speed on the launchers (every launch a stubbed cache hit, CPU tensors, ~15 s): the same
+# harness as on a CI or desktop CPU, so host-time changes measured there can be scaled to this host.
+if [ $((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0))) -ge 90 ]; then
+  PYTHONPATH="$PWD" timeout --kill-after=5 60 "$PY" scripts/host_cost.py --kernels >"$WORK/lab/host_cost.json" \
+    2>"$WORK/lab/host_cost.log"
+  echo "gpu_first_call: host_cost exit $?"
+fi
 LEFT=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
 SECTIONS=${DISTFUSE_DIAGNOSE_SECTIONS:-host attrib latency forms halo persistent gathered}
 if [ "$LEFT" -ge 30 ]; then

@@ -136,7 +136,24 @@ def kernels() -> None:
         halos = _halo_inputs(case, provider)
         out[f"halo conv step {provider}"] = best(
             lambda p=provider, h=halos: full_step(case, p, case.x, h, case.weight, case.bias), 1000)
-    print(json.dumps(out))
+    print(json.dumps(dict(env=_host_env(), us_per_call=out)))
+
+
+def _host_env() -> dict:
+    """The host the ``--kernels`` numbers were taken on (its CPU model, Python, torch, Triton, date)."""
+    import platform
+
+    import triton
+
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return dict(host_cpu=cpu, python=platform.python_version(), torch=torch.__version__, triton=triton.__version__,
+                date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), note="CPU host time per call, every launch a cache hit "
+                                                                "that launches nothing: no GPU timing")
 
 
 if __name__ == "__main__":

@@ -321,8 +321,9 @@ def cmd_check(args) -> int:
 def cmd_collect(args) -> int:
     """Copy a lab's result files (``$OUT`` as fetched, or ``lab.tgz`` of ``scripts/gpu_first_call.sh`` unpacked)
     into ``bench/results`` for a commit; ``diagnose.json`` (the first call's diagnosis) becomes
-    ``diagnose-<device>-<date>.json``.  ``--tag T`` ends every name with ``-T`` (a second call of one day, e.g. a
-    rerun after a fix, beside the first call's files)."""
+    ``diagnose-<device>-<date>.json`` and ``host_cost.json`` (its host's Python, ``scripts/host_cost.py
+    --kernels``) ``host_cost-<device>-<date>.json``.  ``--tag T`` ends every name with ``-T`` (a second call of
+    one day, e.g. a rerun after a fix, beside the first call's files)."""
     dest = Path(args.dest)
     dest.mkdir(parents=True, exist_ok=True)
     src = Path(args.out)
@@ -335,9 +336,10 @@ def cmd_collect(args) -> int:
         target = f"{f.stem}{tag}{f.suffix}"
         shutil.copy(f, dest / target)
         copied.append(target)
-    for name in ("lab.json", "tests.json", "two_process.json", "probe.json", "diagnose.json"):
+    for name in ("lab.json", "tests.json", "two_process.json", "probe.json", "diagnose.json", "host_cost.json"):
         if (src / name).exists():
-            kind = {"lab.json": "gpu_lab", "diagnose.json": "diagnose"}.get(name, f"gpu_lab_{name[:-5]}")
+            kind = {"lab.json": "gpu_lab", "diagnose.json": "diagnose",
+                    "host_cost.json": "host_cost"}.get(name, f"gpu_lab_{name[:-5]}")
             target = f"{kind}-{device}-{stamp}{tag}.json"
             shutil.copy(src / name, dest / target)
             copied.append(target)
