@@ -316,6 +316,8 @@ def flatten_rows(t: torch.Tensor, keep: int = 1) -> torch.Tensor:
 
     A copy only where the last stride is not 1 (and the last dim not empty).
     """
+    if t.dim() == keep + 1:  # already [rows, *kept]: no reshape (a view of itself, 1-2 us of host a call)
+        return t.contiguous() if t.shape[-1] > 0 and t.stride(-1) != 1 else t
     rows = t.reshape(math.prod(t.shape[:-keep]), *t.shape[-keep:])  # not -1: ambiguous for an empty tensor
     return rows.contiguous() if rows.shape[-1] > 0 and rows.stride(-1) != 1 else rows
 

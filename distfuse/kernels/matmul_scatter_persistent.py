@@ -403,7 +403,7 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
     partial_dtype = check_producer_args(op, a, weight, partial_dtype)
     W = world_size
     n, K, N = a.shape[-2], a.shape[-1], weight.shape[0]
-    a3 = a.reshape(math.prod(a.shape[:-2]), n, K)
+    a3 = a if a.dim() == 3 else a.reshape(math.prod(a.shape[:-2]), n, K)  # [B_, n, K]: the common case, no reshape
     ok, why = (True, "") if checked else persistent_supported(a3, weight)
     if not ok:
         raise UnsupportedError(f"{where(op)}: tensor descriptors cannot read these operands: {why} (the selector, "
