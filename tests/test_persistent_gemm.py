@@ -477,6 +477,38 @@ def test_selectors_memoise_only_what_decides(monkeypatch):
     assert select_scatter_kernel(x, w, "triton_persistent", compiled=True).kernel == "matmul_scatter_persistent"
 
 
+def test_bound_launches_follow_a_change_of_the_tf32_setting(monkeypatch):
+    """The persistent producer's and consumer's bound launches are keyed by the fp32 input precision of each call
+    (torch's TF32 setting, which a user may change between calls of one shape): a change binds anew, with the
+    precision of that call, instead of launching the earlier call's."""
+    from distfuse.kernels import gathered_matmul_persistent as gmp
+    from distfuse.kernels.all_gather_matmul import all_gather_matmul_loopback, gathered_matmul_workspace_bytes
+
+    precision = ["ieee"]
+    for module in (mscp, gmp):
+        monkeypatch.setattr(module, "input_precision", lambda dtype: precision[0])
+        monkeypatch.setattr(module, "_BOUND", {})
+    lead, n, W, K, N = (1,), 8, 2, 16, 16
+    a, w, _ = _inputs(lead, n, W, K, N, torch.float32, seed=3)
+    ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(1, n, N, W, torch.float32))
+    shards = [torch.randn(1, block_extent(n, W, r), K) for r in range(W)]
+    ag_ws = LoopbackWorkspace(W, gathered_matmul_workspace_bytes(1, n, K, torch.float32))
+    for setting in ("ieee", "tf32"):
+        precision[0] = setting
+        with ws.in_flight("tf32 change"):
+            for r in range(W):
+                matmul_scatter_persistent(a[r], w[r], ws, r, W)
+        all_gather_matmul_loopback(shards, [w[0]] * W, ag_ws)
+    for module in (mscp, gmp):
+        seen = sorted({b.kwargs["INPUT_PRECISION"] for b in module._BOUND.values()})
+        assert seen == ["ieee", "tf32"] and len(module._BOUND) == 2 * W, (module.__name__, seen)
+    precision[0] = "ieee"  # back: the first binding again
+    with ws.in_flight("tf32 back"):
+        for r in range(W):
+            matmul_scatter_persistent(a[r], w[r], ws, r, W)
+    assert len(mscp._BOUND) == 2 * W
+
+
 def test_gathered_persistent_runs_off_the_main_thread():
     """Host-side descriptors: no Triton allocator, so a launch from a fresh thread (CUDA autograd's backward
     thread, a checkpoint recompute) works and gives the float64 result."""

@@ -269,7 +269,8 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
         g_desc = checked_descriptor(gathered, [B * n, K], [K, 1], [bm, bk])
         x_desc = rows_descriptor(x3, bm, bk) if len_p > 0 else g_desc
         b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], bk)
-        key = (x3.dtype, B, n, len_p, W, N, K, x3.device, rank, b_kmajor, bias is None, out.dtype)
+        key = (x3.dtype, B, n, len_p, W, N, K, x3.device, rank, b_kmajor, bias is None, out.dtype,
+               input_precision(x3.dtype))  # fp32: torch's TF32 setting at this call, which a user may change
         bound = _BOUND.get(key)
         if bound is None:
             if len(_BOUND) >= _MAX_BOUND:  # shapes that keep changing: start again rather than grow

@@ -421,7 +421,8 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
         meta, programs = _default_launch(a.dtype, n_batch, n, W, N, K, a.device)
         a_desc = rows_descriptor(a3, meta["BLOCK_M"], meta["BLOCK_K"])
         b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], meta["BLOCK_K"])
-        key = (a.dtype, n_batch, n, W, N, K, a.device, rank, b_kmajor, partial_dtype)
+        key = (a.dtype, n_batch, n, W, N, K, a.device, rank, b_kmajor, partial_dtype,
+               input_precision(a.dtype))  # fp32: torch's TF32 setting at this call, which a user may change
         bound = _BOUND.get(key)
         if bound is None:
             if len(_BOUND) >= _MAX_BOUND:  # shapes that keep changing: start again rather than grow
