@@ -482,12 +482,13 @@ def test_bound_launches_follow_a_change_of_the_tf32_setting(monkeypatch):
     (torch's TF32 setting, which a user may change between calls of one shape): a change binds anew, with the
     precision of that call, instead of launching the earlier call's."""
     from distfuse.kernels import gathered_matmul_persistent as gmp
+    from distfuse.kernels._utils import BoundedMemo
     from distfuse.kernels.all_gather_matmul import all_gather_matmul_loopback, gathered_matmul_workspace_bytes
 
     precision = ["ieee"]
     for module in (mscp, gmp):
         monkeypatch.setattr(module, "input_precision", lambda dtype: precision[0])
-        monkeypatch.setattr(module, "_BOUND", {})
+        monkeypatch.setattr(module, "_BOUND", BoundedMemo())
     lead, n, W, K, N = (1,), 8, 2, 16, 16
     a, w, _ = _inputs(lead, n, W, K, N, torch.float32, seed=3)
     ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(1, n, N, W, torch.float32))

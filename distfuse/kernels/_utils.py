@@ -311,6 +311,22 @@ def output_buffer(op: str, out: torch.Tensor | None, shape: tuple, dtype: torch.
     return out.view(shape)
 
 
+class BoundedMemo(dict):
+    """A hot path's memo (a selector's choices, the bound launches per shape): ``keep(key, value)`` stores and returns
+    ``value``, emptying the memo first when it holds ``limit`` entries (shapes that keep changing start it again
+    rather than grow it)."""
+
+    def __init__(self, limit: int = 1024):
+        super().__init__()
+        self.limit = limit
+
+    def keep(self, key, value):
+        if len(self) >= self.limit:
+            self.clear()
+        self[key] = value
+        return value
+
+
 def flatten_rows(t: torch.Tensor, keep: int = 1) -> torch.Tensor:
     """``t`` with its leading dims flattened into one before its last ``keep`` dims, with a unit last stride.
 

@@ -44,6 +44,7 @@ from distfuse.kernels._utils import (
     CPU_CHUNK_REDUCE_CONFIG,
     INTERPRET,
     TIMED_WAITS,
+    BoundedMemo,
     check_bias,
     claimed_rank_view,
     output_buffer,
@@ -243,11 +244,9 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
         hit = _BOUND.get(key)
         if hit is None:
             meta, kw, programs = reduce_plan(rows, cols, ld, slots.dtype, world_size, out.device)
-            if len(_BOUND) >= _MAX_BOUND:  # shapes that keep changing: start again rather than grow
-                _BOUND.clear()
-            hit = _BOUND[key] = (dict(meta, programs=programs), _CHUNK_REDUCE.bind(
+            hit = _BOUND.keep(key, (dict(meta, programs=programs), _CHUNK_REDUCE.bind(
                 (programs,), (rows, cols, ld, slot_elems, rank), _reduce_constexprs(kw, bias, out, sig, world_size),
-                split=6))
+                split=6)))
         hit[1](slots, out, bias if bias is not None else out, st.flags, st.status, st.sigs, st.epoch_dev,
                timeout_arg(st), bias.stride(0) if bias is not None else 0, sig if sig is not None else 0)
         return hit[0]
@@ -268,8 +267,7 @@ def launch_reduce(op: str, st, slots: torch.Tensor, out: torch.Tensor, bias: tor
 #: The bound launches of :func:`launch_reduce`'s hot path (no ``config``), per shape, rank, slot spacing and the
 #: dtypes and flags its constexprs depend on: ``(meta returned, BoundLaunch)``.  A call pays one lookup and the
 #: fingerprint of its buffers, not the plan's, the constexprs' and the scalars' again.
-_BOUND: dict = {}
-_MAX_BOUND = 1024
+_BOUND = BoundedMemo(1024)
 
 
 def _reduce_constexprs(kw: dict, bias: torch.Tensor | None, out: torch.Tensor, sig: int | None,

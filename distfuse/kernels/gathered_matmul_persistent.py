@@ -53,6 +53,7 @@ from distfuse.kernels._utils import (
     CPU_GEMM_CONFIG,
     INTERPRET,
     TIMED_WAITS,
+    BoundedMemo,
     input_precision,
     round_bf16,
     timeout_arg,
@@ -271,13 +272,9 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
         b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], bk)
         key = (x3.dtype, B, n, len_p, W, N, K, x3.device, rank, b_kmajor, bias is None, out.dtype,
                input_precision(x3.dtype))  # fp32: torch's TF32 setting at this call, which a user may change
-        bound = _BOUND.get(key)
-        if bound is None:
-            if len(_BOUND) >= _MAX_BOUND:  # shapes that keep changing: start again rather than grow
-                _BOUND.clear()
-            bound = _BOUND[key] = cached_launch(_gathered_matmul_persistent_kernel).bind(
-                (programs,), (B, n, N, K, len_p, rank, W), _constexprs(meta, bias, b_kmajor, x3.dtype, out.dtype, W),
-                split=7)
+        bound = _BOUND.get(key) or _BOUND.keep(key, cached_launch(_gathered_matmul_persistent_kernel).bind(
+            (programs,), (B, n, N, K, len_p, rank, W), _constexprs(meta, bias, b_kmajor, x3.dtype, out.dtype, W),
+            split=7))
         bound(x_desc, g_desc, b_desc, bias if bias is not None else out, out, st.flags, st.status, st.epoch_dev,
               timeout_arg(st), bias.stride(0) if bias is not None else 0)
         return dict(meta, programs=programs)
@@ -300,8 +297,7 @@ def launch_gathered_persistent(x3: torch.Tensor, gathered: torch.Tensor, weight:
 
 #: The bound launches of :func:`launch_gathered_persistent`'s hot path (no ``config``), per shape, rank, weight
 #: layout, bias and dtypes (:class:`~distfuse.kernels.launch_cache.BoundLaunch`).
-_BOUND: dict = {}
-_MAX_BOUND = 512
+_BOUND = BoundedMemo(512)
 
 
 def _constexprs(meta: dict, bias, b_kmajor: bool, dtype: torch.dtype, out_dtype: torch.dtype, W: int) -> dict:

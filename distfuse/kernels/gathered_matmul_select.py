@@ -30,9 +30,9 @@ from typing import NamedTuple
 import torch
 
 from distfuse.errors import UnsupportedError, expect
-from distfuse.kernels._utils import INTERPRET, tf32_allowed
+from distfuse.kernels._utils import INTERPRET, BoundedMemo, tf32_allowed
 from distfuse.kernels.gathered_matmul_persistent import gathered_persistent_supported
-from distfuse.kernels.persistent import ChoiceMemo, compiled_refusal, operands_key
+from distfuse.kernels.persistent import compiled_refusal, operands_key
 
 __all__ = ["GatherChoice", "GATHER_KERNELS", "DEFAULT_GATHER_KERNEL", "select_gather_kernel", "last_gather_choice",
            "record_gather_choice"]
@@ -90,7 +90,7 @@ def select_gather_kernel(x3: torch.Tensor, weight: torch.Tensor, requested: str 
 
 
 #: The persistent consumer's choices, per request and operands (:func:`~distfuse.kernels.persistent.operands_key`).
-_CHOICES = ChoiceMemo()
+_CHOICES = BoundedMemo()
 
 
 def _descriptor_choice(x3: torch.Tensor, weight: torch.Tensor, requested: str, compiled: bool) -> GatherChoice:

@@ -75,6 +75,7 @@ from distfuse.kernels._utils import (
     CPU_GEMM_CONFIG,
     HAS_CUDA,
     INTERPRET,
+    BoundedMemo,
     check_producer_args,
     claimed_rank_view,
     input_precision,
@@ -382,8 +383,7 @@ def persistent_supported(a3: torch.Tensor, weight: torch.Tensor) -> tuple[bool, 
 #: The bound launches of :func:`matmul_scatter_persistent`'s hot path (no ``config``), per shape, rank, weight
 #: layout and dtypes (:class:`~distfuse.kernels.launch_cache.BoundLaunch`): a call fingerprints its buffers and
 #: descriptors, not the geometry's scalars and constexprs again.
-_BOUND: dict = {}
-_MAX_BOUND = 512
+_BOUND = BoundedMemo(512)
 
 
 def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: int, world_size: int, *,
@@ -423,14 +423,10 @@ def matmul_scatter_persistent(a: torch.Tensor, weight: torch.Tensor, ws, rank: i
         b_desc, b_kmajor = weight_descriptor(weight, meta["BLOCK_N"], meta["BLOCK_K"])
         key = (a.dtype, n_batch, n, W, N, K, a.device, rank, b_kmajor, partial_dtype,
                input_precision(a.dtype))  # fp32: torch's TF32 setting at this call, which a user may change
-        bound = _BOUND.get(key)
-        if bound is None:
-            if len(_BOUND) >= _MAX_BOUND:  # shapes that keep changing: start again rather than grow
-                _BOUND.clear()
-            bound = _BOUND[key] = cached_launch(_matmul_scatter_persistent_kernel).bind(
-                (programs,), (n_batch, n, N, ld, K, rank, W),
-                dict(B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),
-                     ROUND_BF16=round_bf16(partial_dtype), **meta), split=6)
+        bound = _BOUND.get(key) or _BOUND.keep(key, cached_launch(_matmul_scatter_persistent_kernel).bind(
+            (programs,), (n_batch, n, N, ld, K, rank, W),
+            dict(B_KMAJOR=b_kmajor, UPCAST=INTERPRET, INPUT_PRECISION=input_precision(a.dtype),
+                 ROUND_BF16=round_bf16(partial_dtype), **meta), split=6))
         bound(a_desc, b_desc, slots, st.data_ptrs, st.flag_ptrs, st.counters, st.epoch_dev, rank * slot_elems)
         return
     else:

@@ -31,9 +31,9 @@ import torch
 from distfuse.errors import UnsupportedError, expect
 from distfuse.kernels import matmul_reduce_scatter as pointer_kernels
 from distfuse.kernels import matmul_scatter_persistent as persistent_kernels
-from distfuse.kernels._utils import INTERPRET, tf32_allowed
+from distfuse.kernels._utils import INTERPRET, BoundedMemo, tf32_allowed
 from distfuse.kernels.host_ints import cdiv
-from distfuse.kernels.persistent import ChoiceMemo, compiled_refusal, operands_key
+from distfuse.kernels.persistent import compiled_refusal, operands_key
 
 __all__ = ["KernelChoice", "PROVIDER_KERNELS", "CUBLAS_WHOLE_ROWS", "cublas_whole", "select_scatter_kernel",
            "launch_scatter_kernel"]
@@ -102,7 +102,7 @@ def select_scatter_kernel(a: torch.Tensor, weight: torch.Tensor, provider: str =
 
 #: The persistent provider's choices, per operands (:func:`~distfuse.kernels.persistent.operands_key`), compile
 #: mode, TF32 setting and ``FLATTEN``.
-_CHOICES = ChoiceMemo()
+_CHOICES = BoundedMemo()
 
 
 def _descriptor_choice(a: torch.Tensor, weight: torch.Tensor, provider: str, compiled: bool) -> KernelChoice:

@@ -110,20 +110,6 @@ def operands_key(a: torch.Tensor, weight: torch.Tensor) -> tuple:
             weight.stride(), weight.data_ptr() % 16 == 0)
 
 
-class ChoiceMemo(dict):
-    """A selector's memo: key -> choice, emptied when it reaches ``limit`` entries (shapes that keep changing)."""
-
-    def __init__(self, limit: int = 1024):
-        super().__init__()
-        self.limit = limit
-
-    def keep(self, key, choice):
-        if len(self) >= self.limit:
-            self.clear()
-        self[key] = choice
-        return choice
-
-
 def descriptor_problem(x3: torch.Tensor, weight: torch.Tensor, who: str, rows: str) -> str:
     """Why descriptors cannot read ``x3 [B_, rows, K]`` as one ``[B_ * rows, K]`` matrix, or ``weight``; "" if they can.
 
