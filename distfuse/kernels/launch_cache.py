@@ -117,7 +117,7 @@ class CachedLaunch:
 
     def launch(self, grid, args: tuple, kwargs: dict):
         try:
-            key = (_current_device(), fingerprint(args), tuple(kwargs.items()))
+            key = self._key(_current_device(), args, kwargs)
             hit = self._binaries.get(key)
         except (_UnkeyableError, TypeError, AttributeError):  # TypeError: an unhashable constexpr
             return self.kernel[grid](*args, **kwargs)
@@ -142,6 +142,11 @@ class CachedLaunch:
                 self._binaries.clear()
             self._binaries[key] = (binary, tail, direct_launcher(binary))
         return binary
+
+    @staticmethod
+    def _key(device: int, args: tuple, kwargs: dict) -> tuple:
+        """A call's cache key: the device, the arguments' fingerprint, the constexprs and options by name."""
+        return device, fingerprint(args), tuple(kwargs.items())
 
     def bind(self, grid, static: tuple, kwargs: dict, split: int | None = None) -> BoundLaunch:
         """A :class:`BoundLaunch` of this kernel: ``grid``, the positional arguments ``static`` and the constexprs
@@ -201,7 +206,7 @@ class BoundLaunch:
         binary = self.cached.launch(self.grid, args, self.kwargs)
         if key is not None and self._grid3 is not None:
             try:
-                entry = self.cached._binaries.get((key[0], fingerprint(args), tuple(self.kwargs.items())))
+                entry = self.cached._binaries.get(self.cached._key(key[0], args, self.kwargs))
             except (_UnkeyableError, TypeError, AttributeError):
                 entry = None
             if entry is not None and entry[2] is not None:  # cached, with a launcher a hit can call
