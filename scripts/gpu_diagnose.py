@@ -28,7 +28,9 @@ its loops nested, its ``SPAN`` flipped, the other 128-row tile, and the chunk-ro
 (:mod:`distfuse.kernels.matmul_scatter_persistent`).  Section ``halo`` times the
 one-launch staging against the copy, the fused halo conv step against the ``cat`` baseline's (``halo_full``:
 host time at small shapes, every kernel's device time at large ones), and sweeps the staging's tiles and warps
-with and without its alignment promises (``halo_tiles``, each config checked bit-exact first).
+with and without its alignment promises (``halo_tiles``, each config checked bit-exact first), and times the
+staging by part (the regions ``local`` and ``remote``, and ``window``: the window's copy alone, to tell its cost
+from the border's in NCHW, where the border took 112 of 124 us at [1, 256, 64^3]).
 
 Every row holds the measured numbers only.  The sweep and ``forms`` rows also name the launch config that ran
 (``meta``) and whether it was the default (``default``), and ``env`` holds the kernels' fingerprints, so that
@@ -485,7 +487,9 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
 
     shapes = ([(3, 64, 64, False), (3, 256, 64, False), (2, 64, 512, False), (2, 256, 512, False),
                (3, 64, 64, True), (2, 256, 512, True)] if cuda else [(2, 2, 8, False), (2, 2, 8, True)])
-    configs = [(e, w) for e in (4096, 8192, 16384) for w in (4, 8)] if cuda else [(64, 4)]
+    # 1024 and 2048 elements: in 3-D NCHW the smallest tile swept so far (4096) was the fastest, 125 us against 159
+    # at 8192 and 161 at 16384 ([1, 256, 64^3], H200, 2026-11-28)
+    configs = ([(e, w) for e in (4096, 8192, 16384) for w in (4, 8)] + [(1024, 4), (2048, 4)]) if cuda else [(64, 4)]
     for nd, c, n, cl in shapes:
         case = Case(nd, 1, c, n, 1, dtype, device, channels_last=cl)
         out = torch.empty(case.staged_shape, device=device, dtype=dtype, memory_format=case.fmt)
@@ -497,9 +501,11 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
         # the kernels' view: LEAD vectors of TRAIL elements per spatial position (channels last: B and C)
         trail = c if cl else 1
         lead = case.x.numel() // math.prod(case.x.shape[2:]) // trail
-        # The pinned tile, split: the window and x's pieces, then recv's pieces; then the slabs both ways (one piece
+        # The pinned tile, split: the window and x's pieces, then recv's pieces, then the window's copy alone; then
+        # the slabs both ways (one piece
         # per row, the stage_launch default where it applies, against the table walk per element), checked first.
-        variants = [(f"halo_stage region={region}", dict(region=region)) for region in ("local", "remote")]
+        # "window": the window's copy alone, no column beside it and no slab (a diagnosis region of stage_launch)
+        variants = [(f"halo_stage region={region}", dict(region=region)) for region in ("local", "remote", "window")]
         variants += [(f"halo_stage slab_rows={flag}", dict(region="all", slab_rows=flag)) for flag in (True, False)]
         for name, how in variants:
             try:

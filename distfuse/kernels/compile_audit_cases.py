@@ -232,16 +232,19 @@ def _halo_moving_cases(dt) -> list[KernelCase]:
         br = halo.STAGE_TILE_ELEMENTS // bx
         tile = dict(NUM_BOX=halo.STAGE_BOXES, BLOCK_R=br, BLOCK_X=bx, SLAB_X=max(1, bx // halo.STAGE_SLAB_SPLIT),
                     STRIP_X=max(1, 32 * halo.STAGE_NUM_WARPS // br), X_ALIGN=1, OUT_ALIGN=1, SLAB_ROWS=True)
-        # What stage_launch launches in NCHW: int32 offsets in every region with the slabs one piece per row, which
-        # it picks only where the block's rows are vector aligned (X_ALIGN; the staged rows of odd halos are not:
-        # OUT_ALIGN 1); int64 offsets (buffers of 2^31 elements or more) and unaligned rows with the slabs by the
-        # table walk per element
+        # What stage_launch launches in NCHW (the staged rows of odd halos unaligned: OUT_ALIGN 1): int32 offsets, in
+        # the one pass with the slabs one piece per row (where the block's rows are vector aligned, X_ALIGN), in the
+        # overlap's local and remote passes (the remote one in strip tiles) with the slabs by the table walk per
+        # element (halo_programs.choose_slab_rows); int64 offsets (buffers of 2^31 elements or more) and unaligned
+        # block rows by the walk
         vec = 16 // dt.itemsize
-        for region, wide, slab_rows in ((0, False, True), (1, False, True), (2, False, True), (0, True, False),
+        strip_r = max(br, halo.STAGE_STRIP_ELEMENTS // 2)  # a halo of 1: two columns beside the window
+        for region, wide, slab_rows in ((0, False, bx >= 64), (1, False, False), (2, False, False), (0, True, False),
                                         (0, False, False)):
             cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                     dict(tile, REGION=region, WIDE=wide, SLAB_ROWS=slab_rows,
-                                         X_ALIGN=vec if slab_rows else 1),
+                                         X_ALIGN=vec if region or slab_rows else 1,
+                                         **(dict(STRIP_X=2, STRIP_R=strip_r) if region == 2 else {})),
                                     halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64}))
         # rows 16-byte aligned in the block and the staged tensor (even halos; channels last): the window and the
         # slabs move in vectors
@@ -255,6 +258,10 @@ def _halo_moving_cases(dt) -> list[KernelCase]:
                                      STRIP_ALIGN=16, STRIP_X=min(64, 1024 // br)),
                                 halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64},
                                 checks=("vector_load", "vector_store")))
+        if bx == 64:  # the diagnosis' window copy alone (REGION 3), at the 3-D NCHW blocks' width
+            cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
+                                    dict(tile, REGION=3, WIDE=False, X_ALIGN=vec), halo.STAGE_NUM_WARPS, 1,
+                                    pointer_dtypes={**_LUTS, **i64}))
     return cases
 
 

@@ -53,6 +53,24 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   at halo 1), for the overlap.  A worker without an interior window walks the tables
   everywhere (``lut_gather_kernel``).  (The unstage's ``grad_x`` is still a strided
   ``copy_`` of the window.)
+* **The overlap's two passes launch only what they write, with the registers of the one pass.**
+  The layers stage in two passes on GPUs (local, then remote once the halos came). On an
+  H200 (2026-11-28, bf16) they cost more than the one pass together and each on its own:
+  [1, 256, 512^2] NCHW local 99 us + remote 29 against 78 for all, [1, 256, 64^3] 142 + 112
+  against 126.  Two causes, read off the compile audit (Triton 3.6, sm_90) and the launch
+  geometry.  With the slabs one piece per row and unaligned slab rows (NCHW rows of odd
+  halos), a pass without the window's copy or with its region mask held 113-255 registers a
+  thread (spilling at 64 columns) against 64-80 for the walk per element: the slab loads,
+  without the window's vector layout to share, hold one 64-bit pointer per element.  So
+  :func:`choose_slab_rows` keeps that form for aligned slab rows and the one pass only.  And
+  the remote pass ran every window tile for its two strip columns (16 384 programs of 128
+  strip elements at [1, 256, 64^3], as many of 16 at [1, 256, 512^2], each behind two
+  dependent table loads).  It now tiles the strips by ``STRIP_R`` rows (:data:`STAGE_STRIP_ELEMENTS`
+  elements a program: 4 096 programs there, 512 at 512^2), and neither pass launches a slab
+  none of whose pieces it writes, nor walks strips it does not write (the box table's
+  ``STRIPS``): a middle worker's local pass is then the window's copy alone.  Unmeasured
+  on a GPU; ``scripts/gpu_diagnose.py`` (``halo_tiles``) times both passes and the window's
+  copy alone (``region=window``).
 * **The window moves in 16-byte vectors where its rows are aligned.**  Its row starts and
   width come from the box table, so the compiler could prove no alignment: on an H200 the
   first one-launch staging moved every element with its own load and store (PTX
@@ -142,7 +160,10 @@ __all__ = ["piece_value", "lut_gather_kernel", "stage_kernel", "box_gather_kerne
            "STAGE_WIDTHS", "STAGE_TILE_ELEMENTS", "STAGE_NUM_WARPS",
            "STAGE_SLAB_SPLIT", "WIDE_ELEMENTS"]
 
-REGION_CODE = {"all": 0, "local": 1, "remote": 2}
+#: The staging kernels' REGION codes.  ``"window"`` (3) is a diagnosis, not a region of
+#: :func:`~distfuse.kernels.halo.halo_stage`: the interior window's copy alone (no column beside it, no slab), which
+#: ``scripts/gpu_diagnose.py`` times against ``"local"`` and ``"remote"`` to tell the copy's cost from the border's.
+REGION_CODE = {"all": 0, "local": 1, "remote": 2, "window": 3}
 
 
 # ---------------------------------------------------------------- Triton kernels
@@ -371,28 +392,65 @@ def _slab_row_pieces(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_p
 
 
 @triton.jit
+def _stage_slab(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr, NS1, NS2,
+                box, pid_r, pid_x, nx, width, out_s1, REGION: tl.constexpr, IDX: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, SLAB_X: tl.constexpr, STRIP_X: tl.constexpr,
+                SLAB_ROWS: tl.constexpr, SLAB_ALIGN: tl.constexpr):
+    """Tile ``(pid_r, pid_x)`` of the slab at table row ``box`` (:func:`stage_kernel`'s boxes 1..): whole staged rows
+    outside the window, by :func:`_slab_row_pieces` and the table walk (``SLAB_ROWS``) or by the walk alone."""
+    s_rmask, s_r, s_q, s_lead, s_out_row = _box_rows(box, pid_r, out_s1, BLOCK_R, IDX)
+    s_e1 = (s_r - s_q * tl.load(box + 4).to(IDX)).to(tl.int32) + tl.load(box + 14).to(tl.int32)
+    s_e0 = (s_q - s_lead * tl.load(box + 7).to(IDX)).to(tl.int32) + tl.load(box + 13).to(tl.int32)
+    if SLAB_ROWS:  # tiled like the window (LO2 and RHI: the window's columns)
+        w_lo = tl.load(box + 15).to(tl.int32)
+        w_hi = tl.load(box + 20).to(tl.int32)
+        s_t = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
+        _slab_row_pieces(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, ptab_ptr, NS1, NS2, box,
+                         s_e0, s_e1, s_lead.to(tl.int64), s_rmask, w_lo.to(IDX),
+                         s_t, s_t < ((w_hi - w_lo) // SLAB_ALIGN) * SLAB_ALIGN, s_out_row, REGION, IDX,
+                         SLAB_ALIGN)
+        s_left = tl.where(pid_x == 0, w_lo, 0)
+        s_n = s_left + tl.where(pid_x == nx - 1, out_s1 - w_hi, 0)
+        c = tl.full([], 0, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
+        while c < s_n:  # the columns beside the window, by the table walk
+            s_j = c + tl.arange(0, STRIP_X)
+            _lut_tile(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr,
+                      ptab_ptr, NS1, NS2, s_e0, s_e1, s_lead.to(tl.int64), s_rmask,
+                      tl.where(s_j < s_left, s_j, w_hi + s_j - s_left), s_j < s_n, s_out_row, REGION,
+                      out_ptr.dtype.element_ty)
+            c += STRIP_X
+    else:
+        s_cols = pid_x * SLAB_X + tl.arange(0, SLAB_X)
+        # values stay in the tensor's dtype: no conversion, so even the interpreter keeps bf16 subnormals
+        _lut_tile(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
+                  NS1, NS2, s_e0, s_e1, s_lead.to(tl.int64), s_rmask, s_cols, s_cols < width, s_out_row, REGION,
+                  out_ptr.dtype.element_ty)
+
+
+@triton.jit
 def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
                  btab_ptr, NS1, NS2, out_s1, x_s1,
                  REGION: tl.constexpr, WIDE: tl.constexpr, NUM_BOX: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, SLAB_X: tl.constexpr, STRIP_X: tl.constexpr,
                  X_ALIGN: tl.constexpr, OUT_ALIGN: tl.constexpr, SLAB_ROWS: tl.constexpr,
-                 SLAB_ALIGN: tl.constexpr = 1, STRIP_ALIGN: tl.constexpr = 0):
+                 SLAB_ALIGN: tl.constexpr = 1, STRIP_ALIGN: tl.constexpr = 0, STRIP_R: tl.constexpr = 0):
     """The whole staged tensor ``out [LEAD, E0, E1, E2]`` (row length ``out_s1`` = E2) in one launch.
 
-    Box 0 of the box table is the interior window ``[LEAD, I0, I1, I2]`` at staged ``(LO0, LO1, LO2)``: a plain
-    copy from ``a_ptr`` (the block, row length ``x_s1``), no table load (skipped for REGION 2), in ``[BLOCK_R,
-    BLOCK_X]`` tiles; its first and last column tiles also write the columns left and right of the window in
-    their rows (:func:`_stage_beside`, ``[BLOCK_R, STRIP_X]`` at a time).  Boxes 1.. are the slabs of whole rows
-    outside the window (axes 0 and 1), walked through the tables (:func:`_lut_tile`) in ``[BLOCK_R, SLAB_X]``
-    tiles.  Each box is row-tiled like :func:`_row_tile` over ``[LEAD*E0*E1, width]``, its tiles numbered from
-    its START (table rows: see :func:`stage_launch`).  Offsets are int32 unless WIDE (a buffer of 2^31 elements
-    or more): int64.  ``X_ALIGN`` / ``OUT_ALIGN`` (powers of two, elements): every window row starts at a multiple
-    of them in the block / the staged tensor (computed by :func:`stage_launch`); they let the compiler move the
+    Box 0 of the box table is the interior window ``[LEAD, I0, I1, I2]`` at staged ``(LO0, LO1, LO2)``: a plain copy
+    from ``a_ptr`` (the block, row length ``x_s1``), no table load, in ``[BLOCK_R, BLOCK_X]`` tiles; its first and
+    last column tiles also write the columns left and right of the window in their rows (:func:`_stage_beside`,
+    ``[BLOCK_R, STRIP_X]`` at a time) where the box table's column 22 says the region has some.  REGION 2 (the
+    remote pass) tiles box 0 by ``STRIP_R`` rows and writes those columns alone.  Boxes 1.. are the slabs of whole
+    rows outside the window (axes 0 and 1), walked through the tables (:func:`_lut_tile`) in ``[BLOCK_R, SLAB_X]``
+    tiles.  Each box is row-tiled like :func:`_row_tile` over ``[LEAD*E0*E1, width]``, its tiles numbered from its
+    START (table rows: see :func:`stage_launch`).  Offsets are int32 unless WIDE (a buffer of 2^31 elements or
+    more): int64.  ``X_ALIGN`` / ``OUT_ALIGN`` (powers of two, elements): every window row starts at a multiple of
+    them in the block / the staged tensor (computed by :func:`stage_launch`); they let the compiler move the
     window's rows in 16-byte vectors instead of one element per instruction.  ``SLAB_ROWS``: the slabs are tiled
-    like the window (``[BLOCK_R, BLOCK_X]`` over the window's columns, one piece per row:
-    :func:`_slab_row_pieces`), their edge tiles walking the tables for the columns beside the window, instead of
-    the table walk per element over whole rows; ``SLAB_ALIGN`` (a power of two) divides those rows' source and
-    staged offsets at the window's first column (:func:`_slab_align`), so they too move in vectors.
+    like the window (``[BLOCK_R, BLOCK_X]`` over the window's columns, one piece per row: :func:`_slab_row_pieces`),
+    their edge tiles walking the tables for the columns beside the window, instead of the table walk per element
+    over whole rows; ``SLAB_ALIGN`` (a power of two) divides those rows' source and staged offsets at the window's
+    first column (:func:`_slab_align`), so they too move in vectors.
     """
     IDX: tl.constexpr = tl.int64 if WIDE else tl.int32
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
@@ -405,54 +463,41 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
     pid_r = (t // nx).to(tl.int32)
     pid_x = (t - pid_r * nx).to(tl.int32)
     width = tl.load(box + 3).to(tl.int32)
-    if k == 0:
+    if REGION == 2:  # the remote pass: the window's strips alone, STRIP_R rows a tile (NX 1), then the slabs
+        if k == 0:
+            rmask, r, q, lead, out_row = _box_rows(box, pid_r, out_s1, STRIP_R, IDX)
+            _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, tl.load(box + 15).to(tl.int32),
+                          out_s1 - tl.load(box + 20).to(tl.int32), rmask, r, q, lead, out_row, REGION, IDX,
+                          STRIP_X, STRIP_ALIGN)
+        else:
+            _stage_slab(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
+                        NS1, NS2, box, pid_r, pid_x, nx, width, out_s1, REGION, IDX, BLOCK_R, BLOCK_X, SLAB_X,
+                        STRIP_X, SLAB_ROWS, SLAB_ALIGN)
+    elif k == 0:
         cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
         # (v // A) * A == v for the multiples of A that stage_launch promises; the product's divisibility is what
         # the compiler sees (tl.multiple_of would mark the shared SSA value, the slabs' width included)
         cmask = cols < (width // X_ALIGN) * X_ALIGN  # constant over a vector of the window's row
         rmask, r, q, lead, out_row = _box_rows(box, pid_r, out_s1, BLOCK_R, IDX)
         lo2 = tl.load(box + 15).to(IDX)
-        if REGION != 2:
-            x_row = (tl.load(box + 16).to(IDX) + r * x_s1 + q * tl.load(box + 17).to(IDX)
-                     + lead * tl.load(box + 18).to(IDX))
-            x_row = (x_row // X_ALIGN) * X_ALIGN
-            o_row = ((out_row + lo2) // OUT_ALIGN) * OUT_ALIGN
-            mask = rmask[:, None] & cmask[None, :]
-            v = tl.load(a_ptr + (x_row[:, None] + cols[None, :]), mask=mask)
-            tl.store(out_ptr + (o_row[:, None] + cols[None, :]), v, mask=mask)
+        x_row = (tl.load(box + 16).to(IDX) + r * x_s1 + q * tl.load(box + 17).to(IDX)
+                 + lead * tl.load(box + 18).to(IDX))
+        x_row = (x_row // X_ALIGN) * X_ALIGN
+        o_row = ((out_row + lo2) // OUT_ALIGN) * OUT_ALIGN
+        mask = rmask[:, None] & cmask[None, :]
+        v = tl.load(a_ptr + (x_row[:, None] + cols[None, :]), mask=mask)
+        tl.store(out_ptr + (o_row[:, None] + cols[None, :]), v, mask=mask)
         n_left = tl.where(pid_x == 0, lo2.to(tl.int32), 0)
         n_right = tl.where(pid_x == nx - 1, out_s1 - tl.load(box + 20).to(tl.int32), 0)
-        if n_left + n_right > 0:
+        # column 22: the region writes some strip (a middle worker's local pass has none); REGION 3 (a diagnosis):
+        # the window's copy alone
+        if (n_left + n_right > 0) & (tl.load(box + 22) != 0) & (REGION != 3):
             _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_left, n_right, rmask, r, q,
                           lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
-    else:  # a slab spans every column; own names: a name bound in both branches must keep its shape
-        s_rmask, s_r, s_q, s_lead, s_out_row = _box_rows(box, pid_r, out_s1, BLOCK_R, IDX)
-        s_e1 = (s_r - s_q * tl.load(box + 4).to(IDX)).to(tl.int32) + tl.load(box + 14).to(tl.int32)
-        s_e0 = (s_q - s_lead * tl.load(box + 7).to(IDX)).to(tl.int32) + tl.load(box + 13).to(tl.int32)
-        if SLAB_ROWS:  # tiled like the window (LO2 and RHI: the window's columns)
-            w_lo = tl.load(box + 15).to(tl.int32)
-            w_hi = tl.load(box + 20).to(tl.int32)
-            s_t = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
-            _slab_row_pieces(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, ptab_ptr, NS1, NS2, box,
-                             s_e0, s_e1, s_lead.to(tl.int64), s_rmask, w_lo.to(IDX),
-                             s_t, s_t < ((w_hi - w_lo) // SLAB_ALIGN) * SLAB_ALIGN, s_out_row, REGION, IDX,
-                             SLAB_ALIGN)
-            s_left = tl.where(pid_x == 0, w_lo, 0)
-            s_n = s_left + tl.where(pid_x == nx - 1, out_s1 - w_hi, 0)
-            c = tl.full([], 0, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
-            while c < s_n:  # the columns beside the window, by the table walk
-                s_j = c + tl.arange(0, STRIP_X)  # not j: the box search's static loop binds it
-                _lut_tile(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr,
-                          ptab_ptr, NS1, NS2, s_e0, s_e1, s_lead.to(tl.int64), s_rmask,
-                          tl.where(s_j < s_left, s_j, w_hi + s_j - s_left), s_j < s_n, s_out_row, REGION,
-                          out_ptr.dtype.element_ty)
-                c += STRIP_X
-        else:
-            s_cols = pid_x * SLAB_X + tl.arange(0, SLAB_X)
-            # values stay in the tensor's dtype: no conversion, so even the interpreter keeps bf16 subnormals
-            _lut_tile(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
-                      NS1, NS2, s_e0, s_e1, s_lead.to(tl.int64), s_rmask, s_cols, s_cols < width, s_out_row, REGION,
-                      out_ptr.dtype.element_ty)
+    else:  # a slab spans every column
+        _stage_slab(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr, NS1,
+                    NS2, box, pid_r, pid_x, nx, width, out_s1, REGION, IDX, BLOCK_R, BLOCK_X, SLAB_X, STRIP_X,
+                    SLAB_ROWS, SLAB_ALIGN)
 
 
 @triton.jit
@@ -671,6 +716,10 @@ STAGE_WIDTHS = (512, 256, 128, 64, 32, 16)
 STAGE_TILE_ELEMENTS = 4096
 STAGE_NUM_WARPS = 4
 STAGE_SLAB_SPLIT = 4
+#: Elements of a strip tile of the remote pass (``STRIP_R`` rows of ``STRIP_X`` columns beside the window), four a
+#: thread: in NCHW each holds its own 64-bit offset, and 2048-element tiles took 146-188 registers a thread at sm_90
+#: (Triton 3.6), 512-element ones 72.
+STAGE_STRIP_ELEMENTS = 512
 #: Box-table rows of a staging launch: the interior window and at most four slabs (two per axis of axes 0 and 1).
 STAGE_BOXES = 5
 _STAGE_COLS = 24  # the box table's row width (stage_kernel hard-codes it)
@@ -702,6 +751,27 @@ def magic_divisor(d: int) -> tuple[int, int]:
         raise ValueError(f"magic_divisor: divisor {d} outside [1, 2^31)")
     k = (d - 1).bit_length()
     return -(-(1 << (31 + k)) // d), k
+
+
+def region_writes(kind: int, code: int) -> bool:
+    """Whether a staging of region ``code`` (:data:`REGION_CODE`) writes a piece of ``kind`` (0 zero fill, 1 the
+    block, 2 the receive buffer): what the kernels' REGION masks keep.  The window's copy alone (3) writes none."""
+    return code == 0 or (code == 1 and kind != 2) or (code == 2 and kind == 2)
+
+
+def choose_slab_rows(possible: bool, slab_align: int, code: int, block_x: int) -> bool:
+    """Whether the staging tiles its slabs one piece per row (``SLAB_ROWS``) where ``possible`` (a GPU, the window's
+    columns one linear segment, int32 offsets, vector-aligned block rows), given the slab rows' alignment.
+
+    Aligned slab rows (``slab_align`` > 1: channels last, even halos) always.  Unaligned ones (NCHW rows of odd
+    halos, which move one element per instruction) only in the one-pass staging (``code`` 0) of window tiles 64
+    columns wide or more: compiled for sm_90 by Triton 3.6 (bf16, 4096-element tiles), their slab loads then take
+    the window's layout, but in the overlap's passes (local 1, remote 2, which lack the window's copy or its mask)
+    or at 32 columns and fewer they hold one 64-bit pointer per element, 113-255 registers a thread (spilling at
+    64 columns in the remote pass) against 64-80 for the walk per element: two or three programs an SM.  Measured
+    in the one-pass staging on an H200 (2026-11-28): 126 against 147 us at [1, 256, 64^3] bf16, 78 against 77 at
+    [1, 256, 512^2]."""
+    return possible and (slab_align > 1 or (code == 0 and block_x >= 64))
 
 
 def stage_tile(width: int, full_width: int, rows: int, device: torch.device,
@@ -775,13 +845,16 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     slabs of :func:`shell` over axes 0 and 1 (every column), unused rows last (START 2^62)::
 
         0 START  1 NX  2 NROWS  3 WIDTH  4 E1  5 M1  6 K1  7 E0  8 M0  9 K0  10 OBASE  11 OB  12 OC
-        13 LO0  14 LO1  15 LO2  16 XBASE  17 XB  18 XC  19 PBASE  20 RHI  (21-23 unused)
+        13 LO0  14 LO1  15 LO2  16 XBASE  17 XB  18 XC  19 PBASE  20 RHI  21 (0)  22 STRIPS  (23 unused)
 
     ``START`` first program, ``NX`` column tiles, ``NROWS = LEAD*E0*E1`` rows of ``WIDTH`` columns, ``(M, K)`` the
     :func:`magic_divisor` of E1 and E0, ``LO`` the box's staged origin; row ``r`` (``q = r // E1``) starts at staged
     ``OBASE + r*E2 + q*OB + lead*OC``.  Window only: its source row starts at ``XBASE + r*n2 + q*XB + lead*XC`` in
     the block, ``PBASE`` is the piece-table row of its axis-0/1 segments (``(s0 * NS1 + s1) * NS2``), ``RHI`` the
-    first column right of it.  Region ``"remote"`` gives the window programs only where there are strips.
+    first column right of it, ``STRIPS`` 1 where the region writes some of the columns beside it.  A slab none of
+    whose pieces the region writes gets no program (:func:`region_writes`).  Region ``"remote"`` tiles the window
+    box by ``STRIP_R`` rows (``NX`` 1), its programs writing those columns alone, and none where there are none;
+    ``"window"`` (a diagnosis, :data:`REGION_CODE`) the window programs only, without their strips.
     With ``SLAB_ROWS`` the slabs are tiled over the window's columns (``NX`` of ``BLOCK_X``) and their row holds
     ``15 LO2`` and ``20 RHI`` of the window, ``19 S2W`` the window's segment on the last axis and ``21 C2BASE``
     (``crd2 = col + C2BASE`` there).  ``slab_rows``: None chooses (see below); True or False forces it (tests).
@@ -806,6 +879,8 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     luts, ptab = table_tensors(lists, ptab_rows, device)
     out_str = (math.prod(full), *contiguous_strides(full)[:2])
     if interior is None or math.prod(interior.shape) == 0:  # the whole staged tensor by the table walk
+        if code == 3:  # the diagnosis' window copy: there is none
+            return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape, {})
         n_rows = lead * full[0] * full[1]
         block_r, block_x = pick_tile(full[2], n_rows, device, tile)
         return StageLaunch(staged, recv, lut_gather_kernel, row_tiled_grid(n_rows, full[2], block_r, block_x),
@@ -834,26 +909,55 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     # Not under the interpreter, where it costs more Python per program than the walk (20-60% a staging);
     # the tests force both ways.
     c2base = _window_columns_linear(lists[2], lo[2], ext[2], segs[2])  # the last axis's LUTs, merged
+    slab_terms = [(lo0 * out_str[1] + lo1 * out_str[2], out_str[1] - E1 * out_str[2], out_str[0] - E0 * out_str[1])
+                  for ((lo0, _), (lo1, _), _), (E0, E1, _) in zip(boxes[1:], extents[1:], strict=True)]
     if slab_rows is None:
-        slab_rows = device.type == "cuda" and c2base is not None and not wide and x_align > 1
+        slab_rows = choose_slab_rows(
+            device.type == "cuda" and c2base is not None and not wide and x_align > 1,
+            c2base is not None and _slab_align(slab_terms, ptab_rows, ns[2], segs[2], c2base, lo[2], ext[2],
+                                               full[2]), code, block_x)
     elif slab_rows and c2base is None:
         raise ValueError("stage_launch: slab_rows=True, but the window's columns are not one linear segment")
+    pbase = (segs[0] * ns[1] + segs[1]) * ns[2]
+    if trail > 1 and strips and (tile is None or len(tile) != 5):  # a chunk: one spatial column's channels,
+        strip_x = min(pow2_divisor(trail, cap=1 << 30), max(1, 8 * 32 * warps // block_r))  # 8 a thread at most
+    # What this region writes: the window's strips (the columns beside it in its rows) and each slab, skipped where
+    # none of their pieces is the region's (a middle worker's local pass has no border to write, for one); in
+    # "remote" the strips alone, STRIP_R rows a tile (far more rows than a window tile's: that pass moves the
+    # border only, and a window tile's few strip elements behind two dependent table loads left every SM waiting)
+    strip_kinds = {ptab_rows[5 * (pbase + lists[2][0][c])] for c in (*range(lo[2]), *range(lo[2] + ext[2], full[2]))}
+    strips_here = code != 3 and any(region_writes(kind, code) for kind in strip_kinds)
+    strip_r = block_r
+    if code == 2:
+        if trail == 1 and (tile is None or len(tile) != 5):  # as many columns a step as there are, 16 at most
+            strip_x = min(16, next_power_of_2(max(1, full[2] - ext[2])))
+        strip_r = max(block_r, next_power_of_2(max(1, STAGE_STRIP_ELEMENTS // strip_x)))
     rows, start = [], 0
-    for k, ((lo0, _), (lo1, _), (lo2, _)), (E0, E1, width) in zip(range(len(boxes)), boxes, extents, strict=True):
+    for k, ((lo0, hi0), (lo1, hi1), (lo2, _)), (E0, E1, width) in zip(range(len(boxes)), boxes, extents,
+                                                                      strict=True):
         n_rows = lead * E0 * E1
         nx = cdiv(ext[2], block_x) if k and slab_rows else cdiv(width, slab_x if k else block_x)
-        tiles = 0 if k == 0 and code == 2 and not strips else cdiv(n_rows, block_r) * nx
+        if k == 0 and code == 2:
+            nx, tiles = 1, cdiv(n_rows, strip_r) if strips_here else 0
+        elif k == 0:
+            tiles = cdiv(n_rows, block_r) * nx
+        else:
+            kinds = {ptab_rows[5 * ((s0 * ns[1] + s1) * ns[2] + s2)] for s0 in set(lists[0][0][lo0:hi0])
+                     for s1 in set(lists[1][0][lo1:hi1]) for s2 in set(lists[2][0])}
+            here = code != 3 and any(region_writes(kind, code) for kind in kinds)
+            tiles = cdiv(n_rows, block_r) * nx if here else 0
         rows += [start, nx, n_rows, width, E1, *magic_divisor(E1), E0, *magic_divisor(E0),
                  lo0 * out_str[1] + lo1 * out_str[2], out_str[1] - E1 * out_str[2], out_str[0] - E0 * out_str[1],
                  lo0, lo1, lo[2] if k and slab_rows else lo2]
-        if k == 0:  # XBASE XB XC: the window's source in the block, linear in (r, q, lead) like OBASE OB OC
-            rows += [xbase, x_str[0] - E1 * x_str[1], x_ls - E0 * x_str[0], (segs[0] * ns[1] + segs[1]) * ns[2],
-                     lo[2] + ext[2], 0]
+        if k == 0:  # XBASE XB XC: the window's source in the block, linear in (r, q, lead) like OBASE OB OC; PBASE,
+            # RHI; 22: whether the window's programs write its strips in this region
+            rows += [xbase, x_str[0] - E1 * x_str[1], x_ls - E0 * x_str[0], pbase, lo[2] + ext[2], 0,
+                     int(strips_here)]
         elif slab_rows:  # the slab's rows at the window's columns: S2W (col 19), RHI (20), C2BASE (21)
-            rows += [0, 0, 0, segs[2], lo[2] + ext[2], c2base]
+            rows += [0, 0, 0, segs[2], lo[2] + ext[2], c2base, 0]
         else:
-            rows += [0] * 6
-        rows += [0] * (_STAGE_COLS - 22)
+            rows += [0] * 7
+        rows += [0] * (_STAGE_COLS - 23)
         start += tiles
     for _ in range(STAGE_BOXES - len(boxes)):
         rows += [_NEVER, 1] + [0] * (_STAGE_COLS - 2)
@@ -865,34 +969,30 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     btab = torch.tensor(rows, dtype=torch.int64, device=device)
     w = rows[:_STAGE_COLS]  # the window's row: its staged rows start at OBASE + LO2 + r*E2 + q*OB + lead*OC
     out_align = pow2_divisor(w[10] + lo[2], full[2], w[11], w[12])
-    slab_align = _slab_align(rows, len(boxes), ptab_rows, ns[2], segs[2], c2base, lo[2], ext[2],
+    slab_align = _slab_align(slab_terms, ptab_rows, ns[2], segs[2], c2base, lo[2], ext[2],
                              full[2]) if slab_rows else 1
     strip_align = 0
     if trail > 1 and strips and (tile is None or len(tile) != 5 or trail % strip_x == 0):
-        if tile is None or len(tile) != 5:  # a chunk: channels of one spatial column, 8 elements a thread at most
-            strip_x = min(pow2_divisor(trail, cap=1 << 30), max(1, 8 * 32 * warps // block_r))
-        strip_align = _strip_align(w, ptab_rows, (segs[0] * ns[1] + segs[1]) * ns[2], lists[2],
-                                   lo[2], lo[2] + ext[2], full[2], strip_x)
+        strip_align = _strip_align(w, ptab_rows, pbase, lists[2], lo[2], lo[2] + ext[2], full[2], strip_x)
     return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, ns[1], ns[2], full[2],
                                                                         x_str[1]),
                        dict(REGION=code, WIDE=wide, NUM_BOX=STAGE_BOXES, BLOCK_R=block_r, BLOCK_X=block_x,
                             SLAB_X=slab_x, STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, SLAB_ROWS=slab_rows,
-                            SLAB_ALIGN=slab_align, STRIP_ALIGN=strip_align,
+                            SLAB_ALIGN=slab_align, STRIP_ALIGN=strip_align, STRIP_R=strip_r,
                             num_warps=warps),
                        x_shape, {})
 
 
-def _slab_align(rows: list[int], n_boxes: int, ptab: list[int], ns2: int, s2w: int, c2base: int, lo2: int,
+def _slab_align(slabs: list[tuple[int, int, int]], ptab: list[int], ns2: int, s2w: int, c2base: int, lo2: int,
                 width: int, row_len: int) -> int:
     """``SLAB_ALIGN``: the largest power of two (at most 16) dividing, for every slab row at the window's first
-    column ``lo2``, its staged offset (``OBASE + lo2 + r*E2 + q*OB + lead*OC`` of each slab box's table row) and
-    its source offset (``BASE + lead*LEAD_STRIDE + c0*STRIDE0 + c1*STRIDE1 + C2BASE + lo2`` of every piece with
-    the window's last-axis segment ``s2w``), and the window's width.  NCHW rows of odd halos give 1; channels last
-    with C a multiple of 16 gives 16 (every term is a multiple of C)."""
+    column ``lo2``, its staged offset (``OBASE + lo2 + r*E2 + q*OB + lead*OC``, ``slabs`` the ``(OBASE, OB, OC)`` of
+    each slab box) and its source offset (``BASE + lead*LEAD_STRIDE + c0*STRIDE0 + c1*STRIDE1 + C2BASE + lo2`` of
+    every piece with the window's last-axis segment ``s2w``), and the window's width.  NCHW rows of odd halos give
+    1; channels last with C a multiple of 16 gives 16 (every term is a multiple of C)."""
     terms = [width, row_len]
-    for k in range(1, n_boxes):
-        r = rows[k * _STAGE_COLS:(k + 1) * _STAGE_COLS]
-        terms += [r[10] + lo2, r[11], r[12]]
+    for obase, ob, oc in slabs:
+        terms += [obase + lo2, ob, oc]
     for p in range(len(ptab) // 5):
         kind, base, lstr, st0, st1 = ptab[5 * p: 5 * p + 5]
         if p % ns2 == s2w and kind != 0:
