@@ -92,7 +92,7 @@ phase() {
 
 # Newest first: the phase's cap has cut the list at test_halo_kernels.py (2026-11-28, 53 of 65 in 130 s), so what
 # never ran on a GPU leads and the longest file (the halo kernels, 22 tests) comes last.
-TESTS=(tests/test_scatter_partial.py tests/test_launch_cache.py tests/test_status_slots.py
+TESTS=(tests/test_halo_overlap_passes.py tests/test_scatter_partial.py tests/test_launch_cache.py tests/test_status_slots.py
        tests/test_agreement_deferred.py tests/test_first_contact.py tests/test_providers.py tests/test_persistent_gemm.py
        tests/test_fused_copy_engine.py tests/test_gemm_kernels.py tests/test_halo_kernels.py)
 TIMEOUT_ARG=()

@@ -841,57 +841,6 @@ def test_stage_channels_last_regions_and_slab_forms(gshape, grid, kernel, paddin
         assert got.is_contiguous(memory_format=fmt) and torch.equal(got, want)
 
 
-def test_slab_rows_where_their_registers_stay_low():
-    """The slabs one piece per row (``SLAB_ROWS``): aligned slab rows always; unaligned ones (NCHW, odd halos) only
-    in the one-pass staging of window tiles 64 columns wide or more, where the compile audit's registers allow it."""
-    assert hp.choose_slab_rows(True, 16, 2, 16) and hp.choose_slab_rows(True, 8, 1, 512)
-    assert hp.choose_slab_rows(True, 1, 0, 64) and hp.choose_slab_rows(True, 1, 0, 512)
-    assert not hp.choose_slab_rows(True, 1, 0, 32)
-    assert not hp.choose_slab_rows(True, 1, 1, 512) and not hp.choose_slab_rows(True, 1, 2, 64)
-    assert not hp.choose_slab_rows(False, 16, 0, 512)
-
-
-@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "channels_last"])
-@pytest.mark.parametrize("mode", ["zeros", "reflect"])
-def test_overlap_passes_launch_only_what_they_write(monkeypatch, mode, cl):
-    """The overlap's two passes launch programs only where they write.  The middle worker of a 3^3 grid (every
-    neighbour remote): its local pass has no slab program and no strip, its remote pass tiles the window's strips
-    by STRIP_R rows (one column tile), and with strip tiles of a few rows (``STAGE_STRIP_ELEMENTS`` lowered, small
-    window tiles) there are many of them.  Each pass bit for bit against the reference into a poisoned output; a
-    corner worker (its outer faces local: zero fill or reflected) too, in both passes."""
-    plan, _ = _plan((9, 9, 12), (3, 3, 3), (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, mode)
-    B, C = 2, 3
-    fmt = hk.CHANNELS_LAST[3] if cl else torch.contiguous_format
-    lead, trail = (B, C) if cl else (B * C, 1)
-    monkeypatch.setattr(hp, "STAGE_STRIP_ELEMENTS", 4)
-    hp.stage_launch.cache_clear()  # launches are cached: none made with the default may answer
-    tile = (4, 8)  # window tiles of 4 rows, so that strip tiles are a few rows too
-    try:
-        gen = torch.Generator().manual_seed(21)
-        for i in ((1, 1, 1), (0, 0, 0)):
-            x = torch.randn((B, C) + plan.input_shape(i), generator=gen).contiguous(memory_format=fmt)
-            recv = torch.randn(ht.recv_numel(plan, i, B * C), generator=gen)
-            shapes = [pc.src_shape for pc in plan.recvs(i)]
-            want = hk.halo_stage_reference(x, _nchw_order(recv, shapes, (B, C)) if cl else recv, plan, i)
-            received = _staged_pieces_mask(plan, i, True).expand_as(want)
-            local = hp.stage_launch(plan, i, lead, x.device, "local", tile, None, trail)
-            remote = hp.stage_launch(plan, i, lead, x.device, "remote", tile, None, trail)
-            lbox, rbox = (launch.args[7].view(hp.STAGE_BOXES, -1) for launch in (local, remote))
-            window_rows = int(rbox[0, 2])
-            assert int(rbox[0, 1]) == 1 and int(rbox[0, 22]) == 1  # NX 1, and strips to write
-            assert int(rbox[1, 0]) - int(rbox[0, 0]) == -(-window_rows // remote.meta["STRIP_R"]) > 1
-            if i == (1, 1, 1):
-                assert int(lbox[0, 22]) == 0  # no strip of the local pass: every column beside the window is remote
-                assert math.prod(local.grid) == int(lbox[1, 0]) == int(lbox[0, 1]) * -(-window_rows // local.meta[
-                    "BLOCK_R"])  # the window's programs only: no slab program
-            for launch, part in ((local, ~received), (remote, received)):
-                out = _nan(want.shape, want.dtype, want.device).contiguous(memory_format=fmt)
-                hp.launch_stage(out, x, recv, launch)
-                assert torch.equal(out.isnan(), ~part) and torch.equal(out[part], want[part]), (i, launch.meta)
-    finally:
-        hp.stage_launch.cache_clear()
-
-
 @pytest.mark.parametrize("nd", [2, 3])
 def test_channels_last_rows_are_vector_aligned(nd):
     """What channels last is for: with C a multiple of 8, every window row starts at a multiple of 16 elements in
