@@ -912,10 +912,9 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     slab_terms = [(lo0 * out_str[1] + lo1 * out_str[2], out_str[1] - E1 * out_str[2], out_str[0] - E0 * out_str[1])
                   for ((lo0, _), (lo1, _), _), (E0, E1, _) in zip(boxes[1:], extents[1:], strict=True)]
     if slab_rows is None:
-        slab_rows = choose_slab_rows(
-            device.type == "cuda" and c2base is not None and not wide and x_align > 1,
-            c2base is not None and _slab_align(slab_terms, ptab_rows, ns[2], segs[2], c2base, lo[2], ext[2],
-                                               full[2]), code, block_x)
+        possible = device.type == "cuda" and c2base is not None and not wide and x_align > 1
+        align = _slab_align(slab_terms, ptab_rows, ns[2], segs[2], c2base, lo[2], ext[2], full[2]) if possible else 1
+        slab_rows = choose_slab_rows(possible, align, code, block_x)
     elif slab_rows and c2base is None:
         raise ValueError("stage_launch: slab_rows=True, but the window's columns are not one linear segment")
     pbase = (segs[0] * ns[1] + segs[1]) * ns[2]
