@@ -25,7 +25,10 @@ both through the JIT and through the compiled kernel's runner (what a launch cos
 argument binding).
 Section ``forms`` times the persistent producer's forms against cuBLAS at every model and M: the pinned rule,
 its loops nested, its ``SPAN`` flipped, the other 128-row tile, and the chunk-row tiles of ``a6bfa8c``
-(:mod:`distfuse.kernels.matmul_scatter_persistent`).  Section ``halo`` times the
+(:mod:`distfuse.kernels.matmul_scatter_persistent`); then a plain persistent Triton GEMM
+(:mod:`bench.triton_gemm_anchor`, ``triton_gemm``) beside cuBLAS (``cublas_anchor``) at both sides' GEMM shapes:
+the ceiling of a Triton GEMM with the compiler at hand, which the GEMM + scatter and all-gather targets sit under.
+Section ``halo`` times the
 one-launch staging against the copy, the fused halo conv step against the ``cat`` baseline's (``halo_full``:
 host time at small shapes, every kernel's device time at large ones), and sweeps the staging's tiles and warps
 with and without its alignment promises (``halo_tiles``, each config checked bit-exact first), and times the
@@ -126,6 +129,45 @@ def producer_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
                 side.release()
             if cuda:
                 torch.cuda.empty_cache()
+    gemm_anchors(torch, Side, shapes, ms, W, dtype, device, record, clock)
+
+
+def gemm_anchors(torch, Side, shapes, ms, W, dtype, device, record, clock):
+    """Part of section ``forms``: cuBLAS and a plain persistent Triton GEMM (:mod:`bench.triton_gemm_anchor`: the
+    producer's loop and tiles, a TMA store, no scatter) at both sides' GEMM shapes (the producer's ``[m, k] @ [n,
+    k]^T`` and the all-gather consumer's), at the two 128-row tiles of the pinned rules (M = 512: the 64-row one
+    too).  Where this GEMM alone stays under 0.90 of cuBLAS, the gap is the compiler's mainloop, which no epilogue
+    closes.  Each anchor's output is checked against cuBLAS's first (``max_err`` against the bf16 rounding bound of
+    a K-term fp32 sum, ``ok``)."""
+    from bench.triton_gemm_anchor import gemm_anchor
+
+    cuda = device.type == "cuda"
+    tiles = ([(128, 256, 64, 8, 3), (128, 128, 64, 8, 4)] if cuda else [(16, 16, 16, 4, 2)])
+    for model, (rs, ag) in shapes.items():
+        for side_name, (n, k) in (("rs", rs), ("ag", ag)):
+            for m in ms:
+                if clock.left() < 20:
+                    return
+                side = Side(side_name, m, n, k, W, dtype, device)
+                a, b = side.a.reshape(m, k), side.weight
+                shape = dict(model=model, side=side_name, m=m, n=n, k=k)
+                record(section="forms", op="cublas_anchor", **shape,
+                       **measure(torch, lambda a=a, b=b: torch.mm(a, b.t()), device, 10, profile=cuda, graph=cuda))
+                want = torch.mm(a.float(), b.float().t())
+                bound = 2.0 ** -7 * float(want.abs().max()) + k * 2.0 ** -24 * float(
+                    (a.float().abs() @ b.float().abs().t()).max())  # one bf16 rounding + a K-term fp32 sum
+                for bm, bn, bk, warps, stages in tiles + ([(64, 128, 64, 4, 4)] if cuda and m <= 512 else []):
+                    cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, num_warps=warps, num_stages=stages)
+                    out = torch.full((m, n), float("nan"), dtype=dtype, device=device)
+                    gemm_anchor(a, b, cfg, out=out)
+                    err = float((out.float() - want).abs().max())
+                    record(section="forms", op="triton_gemm", config=cfg, max_err=err, bound=bound,
+                           ok=bool(err <= bound), **shape,
+                           **measure(torch, lambda a=a, b=b, cfg=cfg, out=out: gemm_anchor(a, b, cfg, out=out),
+                                     device, 10, profile=cuda, graph=cuda))
+                side = None
+                if cuda:
+                    torch.cuda.empty_cache()
 
 
 def _parse(argv=None):

@@ -9,6 +9,7 @@ kernel that ran).
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -191,3 +192,21 @@ def test_collect_names_every_file_by_device_and_date(tmp_path):
     assert tagged == {f"{kind}-NVIDIA_H100_80GB_HBM3-2026-11-27-rerun.json" for kind in
                       ("gpu_lab", "gpu_lab_tests", "gpu_lab_two_process", "gpu_lab_probe", "diagnose", "gemm_fused")}
     assert len(list(dest.iterdir())) == 5 + 6, "the first call's five files are still there"
+
+
+def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path):
+    """``scripts/gpu_diagnose.py --dry-run`` (interpreted, tiny shapes) through the sections whose rows a GPU call
+    has not yet produced: the plain Triton GEMM beside cuBLAS (section ``forms``), checked against cuBLAS within its
+    bound, and the staging's diagnosis region ``window`` with the small tiles (``halo``).  A section that raises on
+    the device machine costs a call, so none may raise here."""
+    out = tmp_path / "diag.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, str(SCRIPTS / "gpu_diagnose.py"), "--dry-run", "--json", str(out),
+                          "--sections", "forms", "halo"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert not [r for r in rows if "error" in r], [r for r in rows if "error" in r]
+    anchors = [r for r in rows if r.get("op") == "triton_gemm"]
+    assert {r["side"] for r in anchors} == {"rs", "ag"} and all(r["ok"] and r["bound"] > 0 for r in anchors)
+    assert any(r.get("op") == "halo_stage region=window" for r in rows)
