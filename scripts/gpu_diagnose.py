@@ -28,12 +28,11 @@ its loops nested, its ``SPAN`` flipped, the other 128-row tile, and the chunk-ro
 (:mod:`distfuse.kernels.matmul_scatter_persistent`); then a plain persistent Triton GEMM
 (:mod:`bench.triton_gemm_anchor`, ``triton_gemm``) beside cuBLAS (``cublas_anchor``) at both sides' GEMM shapes:
 the ceiling of a Triton GEMM with the compiler at hand, which the GEMM + scatter and all-gather targets sit under.
-Section ``halo`` times the
-one-launch staging against the copy, the fused halo conv step against the ``cat`` baseline's (``halo_full``:
-host time at small shapes, every kernel's device time at large ones), and sweeps the staging's tiles and warps
-with and without its alignment promises (``halo_tiles``, each config checked bit-exact first), and times the
-staging by part (the regions ``local`` and ``remote``, and ``window``: the window's copy alone, to tell its cost
-from the border's in NCHW, where the border took 112 of 124 us at [1, 256, 64^3]).
+Section ``halo`` times the one-launch staging against the copy, the fused halo conv step against the ``cat``
+baseline's (``halo_full``: host time at small shapes, every kernel's device time at large ones), and sweeps the
+staging's tiles and warps with and without its alignment promises (``halo_tiles``, each config checked bit-exact
+first), and times the staging by part (the regions ``local`` and ``remote``, and ``window``: the window's copy
+alone, to tell its cost from the border's in NCHW, where the border took 112 of 124 us at [1, 256, 64^3]).
 
 Every row holds the measured numbers only.  The sweep and ``forms`` rows also name the launch config that ran
 (``meta``) and whether it was the default (``default``), and ``env`` holds the kernels' fingerprints, so that
