@@ -470,7 +470,9 @@ def call_latency(torch, fn, device, reps=20) -> dict:
 def latency_section(torch, Side, shapes, W, dtype, device, record, cuda) -> None:
     """:func:`call_latency` of the copy anchor, ``chunk_reduce``, the persistent producer, the gathered consumer
     (LLaMA-3 8B, M = 8192) and the halo staging (2-D C = 64 n = 512, both formats): the eager rows that lost most
-    to their graph rows on 2026-11-28."""
+    to their graph rows on 2026-11-28; and torch's sum of a chunk's W partials (``torch_sum``), the bytes
+    ``chunk_reduce`` moves summed by another kernel (its graph row against ``chunk_reduce``'s: how far a W-stream
+    read sits from the copy's speed at this size, 0.82 of it for ``chunk_reduce`` there)."""
     from bench.bench_halo_conv import Case, stage_fused
 
     (rs, ag) = shapes["llama3-8b"] if cuda else next(iter(shapes.values()))
@@ -485,6 +487,13 @@ def latency_section(torch, Side, shapes, W, dtype, device, record, cuda) -> None
         record(section="latency", op="chunk_reduce", m=m, **call_latency(torch, side.chunk_reduce, device))
     finally:
         side.release()
+    # torch's own sum of the W partials of a chunk (the bytes chunk_reduce moves: W chunks read, one written, fp32
+    # inside): another kernel's ceiling for reading W streams at once, beside the copy's
+    parts = torch.randn(W, -(-m // W), rs[0], device=device).to(dtype)
+    summed = torch.empty(parts.shape[1:], device=device, dtype=dtype)
+    record(section="latency", op="torch_sum", m=m,
+           **call_latency(torch, lambda: torch.sum(parts, dim=0, out=summed), device))
+    parts = summed = None
     side = Side("ag", m, ag[0], ag[1], W, dtype, device)
     side.prepare()
     try:

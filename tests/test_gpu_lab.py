@@ -196,13 +196,13 @@ def test_collect_names_every_file_by_device_and_date(tmp_path):
 
 def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path):
     """``scripts/gpu_diagnose.py --dry-run`` (interpreted, tiny shapes) through the sections whose rows a GPU call
-    has not yet produced: the plain Triton GEMM beside cuBLAS (section ``forms``), checked against cuBLAS within its
-    bound, and the staging's diagnosis region ``window`` with the small tiles (``halo``).  A section that raises on
-    the device machine costs a call, so none may raise here."""
+    has not yet produced: torch's W-way sum beside ``chunk_reduce`` (``latency``), the plain Triton GEMM beside
+    cuBLAS (``forms``), checked against cuBLAS within its bound, and the staging's diagnosis region ``window`` with
+    the small tiles (``halo``).  A section that raises on the device machine costs a call, so none may raise here."""
     out = tmp_path / "diag.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, str(SCRIPTS / "gpu_diagnose.py"), "--dry-run", "--json", str(out),
-                          "--sections", "forms", "halo"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          "--sections", "latency", "forms", "halo"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
@@ -210,3 +210,4 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     anchors = [r for r in rows if r.get("op") == "triton_gemm"]
     assert {r["side"] for r in anchors} == {"rs", "ag"} and all(r["ok"] and r["bound"] > 0 for r in anchors)
     assert any(r.get("op") == "halo_stage region=window" for r in rows)
+    assert any(r.get("op") == "torch_sum" and r["section"] == "latency" for r in rows)
