@@ -490,10 +490,11 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
         n_left = tl.where(pid_x == 0, lo2.to(tl.int32), 0)
         n_right = tl.where(pid_x == nx - 1, out_s1 - tl.load(box + 20).to(tl.int32), 0)
         # column 22: the region writes some strip (a middle worker's local pass has none); REGION 3 (a diagnosis):
-        # the window's copy alone
-        if (n_left + n_right > 0) & (tl.load(box + 22) != 0) & (REGION != 3):
-            _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_left, n_right, rmask, r, q,
-                          lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
+        # the window's copy alone, compiled without the strips' code (its registers are the copy's)
+        if REGION != 3:
+            if (n_left + n_right > 0) & (tl.load(box + 22) != 0):
+                _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_left, n_right, rmask, r,
+                              q, lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
     else:  # a slab spans every column
         _stage_slab(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr, NS1,
                     NS2, box, pid_r, pid_x, nx, width, out_s1, REGION, IDX, BLOCK_R, BLOCK_X, SLAB_X, STRIP_X,
