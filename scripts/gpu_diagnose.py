@@ -128,10 +128,10 @@ def producer_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
                 side.release()
             if cuda:
                 torch.cuda.empty_cache()
-    gemm_anchors(torch, Side, shapes, ms, W, dtype, device, record, clock)
+    gemm_anchors(torch, shapes, ms, dtype, device, record, clock)
 
 
-def gemm_anchors(torch, Side, shapes, ms, W, dtype, device, record, clock):
+def gemm_anchors(torch, shapes, ms, dtype, device, record, clock):
     """Part of section ``forms``: cuBLAS and a plain persistent Triton GEMM (:mod:`bench.triton_gemm_anchor`: the
     producer's loop and tiles, a TMA store, no scatter) at both sides' GEMM shapes (the producer's ``[m, k] @ [n,
     k]^T`` and the all-gather consumer's), at the two 128-row tiles of the pinned rules (M = 512: the 64-row one
@@ -147,8 +147,10 @@ def gemm_anchors(torch, Side, shapes, ms, W, dtype, device, record, clock):
             for m in ms:
                 if clock.left() < 20:
                     return
-                side = Side(side_name, m, n, k, W, dtype, device)
-                a, b = side.a.reshape(m, k), side.weight
+                # the operands alone (a side's loopback workspaces would hold a gigabyte for nothing here)
+                gen = torch.Generator(device="cpu").manual_seed(m + n + k)
+                a = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+                b = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(device=device, dtype=dtype)
                 shape = dict(model=model, side=side_name, m=m, n=n, k=k)
                 record(section="forms", op="cublas_anchor", **shape,
                        **measure(torch, lambda a=a, b=b: torch.mm(a, b.t()), device, 10, profile=cuda, graph=cuda))
@@ -164,7 +166,7 @@ def gemm_anchors(torch, Side, shapes, ms, W, dtype, device, record, clock):
                            ok=bool(err <= bound), **shape,
                            **measure(torch, lambda a=a, b=b, cfg=cfg, out=out: gemm_anchor(a, b, cfg, out=out),
                                      device, 10, profile=cuda, graph=cuda))
-                side = None
+                a = b = want = None
                 if cuda:
                     torch.cuda.empty_cache()
 
