@@ -553,21 +553,25 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
         # the kernels' view: LEAD vectors of TRAIL elements per spatial position (channels last: B and C)
         trail = c if cl else 1
         lead = case.x.numel() // math.prod(case.x.shape[2:]) // trail
-        # The pinned tile, split: the window and x's pieces, then recv's pieces, then the window's copy alone; then
-        # the slabs both ways (one piece
-        # per row, the stage_launch default where it applies, against the table walk per element), checked first.
-        # "window": the window's copy alone, no column beside it and no slab (a diagnosis region of stage_launch)
+        # The pinned tile, by region: the window and x's pieces, then recv's pieces, then the window's copy alone
+        # ("window": no column beside it and no slab, a diagnosis region of stage_launch); then the slabs both ways
+        # (one piece per row, the stage_launch default where it applies, against the table walk per element) and
+        # the launch both ways (the window's programs and the slabs' apart, hp.STAGE_SPLIT, the GPU default, against
+        # one launch of both), each checked bit for bit first
         variants = [(f"halo_stage region={region}", dict(region=region)) for region in ("local", "remote", "window")]
         variants += [(f"halo_stage slab_rows={flag}", dict(region="all", slab_rows=flag)) for flag in (True, False)]
+        variants += [(f"halo_stage split={flag}", dict(region="all", split=flag)) for flag in (True, False)]
+        variants += [(f"halo_stage region={region} split=False", dict(region=region, split=False))
+                     for region in ("local", "remote")]
         for name, how in variants:
             try:
                 launch = hp.stage_launch(case.plan, case.index, lead, device, how["region"], None,
-                                         how.get("slab_rows"), trail)
+                                         how.get("slab_rows"), trail, how.get("split"))
             except ValueError as exc:  # slab_rows=True where the window's columns are not one linear segment
                 record(section="halo_tiles", op=name, **shape, error=str(exc)[:200])
                 continue
             extra = {}
-            if "slab_rows" in how:
+            if "slab_rows" in how or "split" in how:
                 out.fill_(float("nan"))
                 hp.launch_stage(out, case.x, case.recv, launch)
                 extra = dict(exact=bool(torch.equal(out, case.staged_ref)))

@@ -709,7 +709,7 @@ from triton.compiler import ASTSource
 from distfuse.kernels import halo as hk
 from distfuse.kernels import halo_programs as hp
 
-I64_PTRS = {"ptab_ptr", "btab_ptr", "bstart_ptr", "ctab_ptr", "blist_ptr"}
+I64_PTRS = {"ptab_ptr", "btab_ptr", "stab_ptr", "bstart_ptr", "ctab_ptr", "blist_ptr"}
 ACC_PTRS = {"out1_ptr", "self_ptr"}  # fp32 (fp64) self boxes
 
 def comp(fn, dt, acc, consts, ones):

@@ -221,7 +221,7 @@ def _halo_moving_cases(dt) -> list[KernelCase]:
 
     from distfuse.kernels import halo_programs as halo
 
-    i64 = {n: "i64" for n in ("ptab_ptr", "btab_ptr", "bstart_ptr")}
+    i64 = {n: "i64" for n in ("ptab_ptr", "btab_ptr", "stab_ptr", "bstart_ptr")}
     cases = []
     for bx in (128, 64, 32, 16):  # halo.pick_tile's GPU choices: 2048-element tiles
         tile = dict(COMPUTE=tl.float32, BLOCK_R=2048 // bx, BLOCK_X=bx)
@@ -267,6 +267,13 @@ def _halo_moving_cases(dt) -> list[KernelCase]:
                                          STRIP_R=max(br, halo.STAGE_STRIP_ELEMENTS // strip)),
                                     halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64},
                                     checks=("vector_store",)))
+        if bx in (512, 64):  # the split one-pass staging (halo.STAGE_SPLIT, the GPU default) at the 2-D and 3-D
+            # NCHW blocks' widths: the window's programs (PART 1: 32-48 registers a thread under Triton 3.6), the
+            # slabs' (PART 2, one piece per row as in the one pass: the window's branch is compiled in, never taken)
+            for part in (1, 2):
+                cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
+                                        dict(tile, REGION=0, WIDE=False, SLAB_ROWS=True, X_ALIGN=vec, PART=part),
+                                        halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64}))
         if bx == 64:  # the diagnosis' window copy alone (REGION 3), at the 3-D NCHW blocks' width
             cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                     dict(tile, REGION=3, WIDE=False, X_ALIGN=vec), halo.STAGE_NUM_WARPS, 1,

@@ -173,7 +173,7 @@ def halo_pack(x: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, out: tor
 def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Sequence[int], *,
                out: torch.Tensor | None = None, region: str = "all",
                tile: tuple[int, ...] | None = None, channels_last: bool | None = None) -> torch.Tensor:
-    """Write the staged convolution input ``[*lead, *plan.staged_shape(index)]`` in one pass, one launch.
+    """Write the staged convolution input ``[*lead, *plan.staged_shape(index)]`` in one pass, one kernel.
 
     Args:
         x: ``[*lead, *n]`` this worker's block, contiguous.
@@ -191,7 +191,8 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
             vectors at any halo width (NCHW rows of odd halos start at odd offsets).
 
     Each staged element is written once (the pieces tile the staged box), by one launch of
-    :func:`~distfuse.kernels.halo_programs.stage_kernel`::
+    :func:`~distfuse.kernels.halo_programs.stage_kernel` (two on GPUs where there are slabs: the window's
+    programs, then the slabs', :data:`~distfuse.kernels.halo_programs.STAGE_SPLIT`)::
 
         staged[..., window]              = x[..., src window]     plain copy, no table load
         staged[..., window rows, beside] = piece per column       the window tiles' edge columns

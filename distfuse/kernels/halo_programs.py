@@ -53,6 +53,22 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   at halo 1), for the overlap.  A worker without an interior window walks the tables
   everywhere (``lut_gather_kernel``).  (The unstage's ``grad_x`` is still a strided
   ``copy_`` of the window.)
+* **A window program loads nothing before its copy, and the window's programs launch apart on GPUs.**  The
+  one-pass NCHW staging of a 3-D block took 1.75 times the copy's time on an H200 (123-126 against 70 us at
+  [1, 256, 64^3] bf16, halo 1) where 2-D took 1.16 times ([1, 256, 512^2]); in 3-D every window tile writes the
+  columns beside the window, in 2-D two tiles in nine.  Read off the SASS (sm_90, Triton 3.6, no GPU needed), a
+  3-D window program waited on seven rounds of dependent loads: the box starts, the box's row, the block, then
+  for its strips the box's row again (after the window's stores, which the compiler may not reorder past), the
+  segment table, the piece table and the values.  Now the window's row is in the kernel's ``W_*`` arguments (a
+  window program knows it is one from its id: the window's programs come first), and each column beside the
+  window has its piece and offset coefficients in one row of the strip table (:func:`strip_table`): the block
+  and the strip table, then the strips' values.  And a kernel's registers are its hungriest path's: the window's
+  copy with its strips compiles to 48 registers a thread (32 at 512-wide tiles), the slabs' rows to 80 (90),
+  one kernel of both to 96, five programs of 4 warps an SM where the window alone allows ten.  So on GPUs the
+  window's programs and the slabs' are two launches of one kernel (``PART`` 1 and 2, :data:`STAGE_SPLIT`); the
+  slabs' launch keeps the window's branch compiled in, never taken, because unaligned slab rows take 255
+  registers without the window's load layout to share (see the next point).  Unmeasured on a GPU:
+  ``scripts/gpu_diagnose.py`` times the staging split and not (``halo_tiles``, rows ``split=``).
 * **The overlap's two passes launch only what they write, with the registers of the one pass.**
   The layers stage in two passes on GPUs (local, then remote once the halos came). On an
   H200 (2026-11-28, bf16) they cost more than the one pass together and each on its own:
@@ -155,9 +171,9 @@ from distfuse.kernels.jit_helpers import cast_out
 from distfuse.kernels.launch_cache import cached_launch
 
 __all__ = ["piece_value", "lut_gather_kernel", "stage_kernel", "box_gather_kernel", "accumulate_kernel",
-           "StageLaunch", "stage_launch", "launch_stage", "stage_tile", "magic_divisor", "shell",
+           "StageLaunch", "stage_launch", "launch_stage", "stage_tile", "strip_table", "magic_divisor", "shell",
            "compute_dtype", "pick_tile", "row_tiled_grid", "linear_grid", "box_block", "REGION_CODE", "STAGE_BOXES",
-           "STAGE_WIDTHS", "STAGE_TILE_ELEMENTS", "STAGE_NUM_WARPS",
+           "STAGE_WIDTHS", "STAGE_TILE_ELEMENTS", "STAGE_NUM_WARPS", "STAGE_SPLIT",
            "STAGE_SLAB_SPLIT", "WIDE_ELEMENTS"]
 
 #: The staging kernels' REGION codes.  ``"window"`` (3) is a diagnosis, not a region of
@@ -251,16 +267,24 @@ def lut_gather_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_
 
 
 @triton.jit
+def _int(v, DTYPE: tl.constexpr):
+    """``v`` as a ``DTYPE`` scalar, whether a loaded value, an integer argument or the constant Triton makes of an
+    integer argument equal to 1 (a plain int, which has no ``.to``)."""
+    return (v + tl.zeros([], DTYPE)).to(DTYPE)
+
+
+@triton.jit
 def _magic_div(n, m, shift):
     """``n // d`` for int32 ``0 <= n < 2^31`` by the multiplier ``(m, shift)`` of :func:`magic_divisor` (``d`` >= 1,
     both loaded as int64): ``umulhi(2n, m) >> shift``, three 32-bit instructions instead of a runtime division
     (about twenty on a GPU) or a 64-bit multiply."""
-    return (tl.umulhi((n * 2).to(tl.uint32), m.to(tl.uint32)) >> shift.to(tl.uint32)).to(tl.int32)
+    return (tl.umulhi((n * 2).to(tl.uint32), _int(m, tl.uint32)) >> _int(shift, tl.uint32)).to(tl.int32)
 
 
 @triton.jit
-def _box_rows(box, pid_r, out_s1, BLOCK_R: tl.constexpr, IDX: tl.constexpr):
-    """Row tile ``pid_r`` (``BLOCK_R`` rows) of the box at table row ``box``: ``(rmask, r, q, lead, out_row)``.
+def _rows(pid_r, n_rows, m1, k1, m0, k0, obase, ob, oc, out_s1, BLOCK_R: tl.constexpr, IDX: tl.constexpr):
+    """Row tile ``pid_r`` (``BLOCK_R`` rows) of a box of ``n_rows`` rows ``[LEAD, E0, E1]``: ``(rmask, r, q, lead,
+    out_row)``, with ``(m1, k1)``, ``(m0, k0)`` the :func:`magic_divisor` of E1 and E0.
 
     Row ``r`` of ``[LEAD, E0, E1]`` is ``(lead, b0, b1)`` with ``q = r // E1 = lead * E0 + b0``; the divisions are
     multiply-shifts and the staged row offset is linear in ``(r, q, lead)``:
@@ -268,31 +292,33 @@ def _box_rows(box, pid_r, out_s1, BLOCK_R: tl.constexpr, IDX: tl.constexpr):
     ``b0``, ``b1`` or a 64-bit multiply unless IDX is int64.  Row indices fit int32, as in :func:`_row_tile`.
     """
     r32 = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r32 < tl.load(box + 2).to(tl.int32)
-    q32 = _magic_div(r32, tl.load(box + 5), tl.load(box + 6))
-    lead32 = _magic_div(q32, tl.load(box + 8), tl.load(box + 9))
+    rmask = r32 < _int(n_rows, tl.int32)
+    q32 = _magic_div(r32, m1, k1)
+    lead32 = _magic_div(q32, m0, k0)
     r, q, lead = r32.to(IDX), q32.to(IDX), lead32.to(IDX)
-    out_row = (tl.load(box + 10).to(IDX) + r * out_s1 + q * tl.load(box + 11).to(IDX)
-               + lead * tl.load(box + 12).to(IDX))
+    out_row = _int(obase, IDX) + r * out_s1 + q * _int(ob, IDX) + lead * _int(oc, IDX)
     return rmask, r, q, lead, out_row
 
 
 @triton.jit
-def _stage_beside_chunks(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, n_left, n, rhi, pbase, E0, E1, rmask, r,
-                         q, lead, out_row, REGION: tl.constexpr, IDX: tl.constexpr, STRIP_X: tl.constexpr,
-                         STRIP_ALIGN: tl.constexpr):
+def _box_rows(box, pid_r, out_s1, BLOCK_R: tl.constexpr, IDX: tl.constexpr):
+    """:func:`_rows` of the box at table row ``box`` (a slab: see :func:`stage_launch` for the columns)."""
+    return _rows(pid_r, tl.load(box + 2), tl.load(box + 5), tl.load(box + 6), tl.load(box + 8), tl.load(box + 9),
+                 tl.load(box + 10), tl.load(box + 11), tl.load(box + 12), out_s1, BLOCK_R, IDX)
+
+
+@triton.jit
+def _stage_beside_chunks(out_ptr, a_ptr, b_ptr, stab_ptr, n_left, n, lo2, rhi, rmask, r, q, lead, out_row,
+                         REGION: tl.constexpr, IDX: tl.constexpr, STRIP_X: tl.constexpr, STRIP_ALIGN: tl.constexpr):
     """:func:`_stage_beside` in channels last: chunks of STRIP_X channels of one spatial column (see there)."""
     t = tl.arange(0, STRIP_X)
     c = tl.full([], 0, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
     while c < n:
         col0 = tl.where(c < n_left, c, rhi + c - n_left)
-        prow0 = ptab_ptr + (pbase + tl.load(seg2_ptr + col0)) * 5
-        kind0 = tl.load(prow0)
-        lstr0 = tl.load(prow0 + 2)
-        st00 = tl.load(prow0 + 3)
-        st10 = tl.load(prow0 + 4)
-        src_row = ((tl.load(prow0 + 1) + tl.load(crd2_ptr + col0)).to(IDX) + r * st10.to(IDX)
-                   + q * (st00 - E1 * st10).to(IDX) + lead * (lstr0 - E0 * st00).to(IDX))
+        srow = stab_ptr + tl.where(c < n_left, c, lo2 + c - n_left) * 5  # the chunk's first column's strip row
+        kind0 = tl.load(srow)
+        src_row = (tl.load(srow + 1).to(IDX) + r * tl.load(srow + 2).to(IDX) + q * tl.load(srow + 3).to(IDX)
+                   + lead * tl.load(srow + 4).to(IDX))
         src_row = (src_row // STRIP_ALIGN) * STRIP_ALIGN
         o_row = ((out_row + col0) // STRIP_ALIGN) * STRIP_ALIGN
         kind = tl.where(rmask, kind0, 0)  # per row: the interpreter masks with tensors only
@@ -309,42 +335,39 @@ def _stage_beside_chunks(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, n_
 
 
 @triton.jit
-def _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_left, n_right, rmask, r, q, lead,
-                  out_row, REGION: tl.constexpr, IDX: tl.constexpr, STRIP_X: tl.constexpr,
-                  STRIP_ALIGN: tl.constexpr):
+def _stage_beside(out_ptr, a_ptr, b_ptr, stab_ptr, lo2, rhi, n_left, n_right, rmask, r, q, lead, out_row,
+                  REGION: tl.constexpr, IDX: tl.constexpr, STRIP_X: tl.constexpr, STRIP_ALIGN: tl.constexpr):
     """The window's rows (``out_row`` their staged offsets) at the ``n_left`` staged columns left of the window and
-    the ``n_right`` ones from RHI, ``[rows, STRIP_X]`` at a time.  Each column is one piece, ``(window seg0, window
-    seg1, seg2[col])`` at piece-table row ``(PBASE + seg2[col]) * 5``, read at ``(b0, b1, crd2[col])`` of its
-    source box: an offset linear in ``(r, q, lead)`` like the row's, so the table loads are per column, not per
-    element.
+    the ``n_right`` ones from ``rhi`` (the window's columns are ``[lo2, rhi)``), ``[rows, STRIP_X]`` at a time.
+    Each column is one piece, read at ``(b0, b1, crd2[col])`` of its source box: an offset linear in ``(r, q,
+    lead)`` like the row's.  The strip table (:func:`strip_table`, one row of five per column beside the window:
+    ``lo2`` left ones, then the right ones)
+    holds each column's piece kind and the coefficients of that offset, so a column costs five independent loads
+    of one row, where the tables took two dependent rounds (the segment, then the piece row): in a 3-D block every
+    window tile writes its strips, and its program's chain of dependent loads is what the SM waits on.
 
     ``STRIP_ALIGN`` > 0 (channels last, STRIP_X dividing the channels): a chunk is STRIP_X channels of one spatial
     column, so one piece and a source offset linear in the chunk's columns: the table loads are per chunk, and
     each row moves like the window's (its source and staged offsets multiples of STRIP_ALIGN, computed by
     :func:`stage_launch`)."""
-    E1 = tl.load(box + 4)
-    E0 = tl.load(box + 7)
-    pbase = tl.load(box + 19)
-    rhi = tl.load(box + 20).to(tl.int32)
+    lo2 = _int(lo2, tl.int32)
+    rhi = _int(rhi, tl.int32)
     n = n_left + n_right
     if STRIP_ALIGN > 0:
-        _stage_beside_chunks(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, n_left, n, rhi, pbase, E0, E1,
-                             rmask, r, q, lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
+        _stage_beside_chunks(out_ptr, a_ptr, b_ptr, stab_ptr, n_left, n, lo2, rhi, rmask, r, q, lead, out_row,
+                             REGION, IDX, STRIP_X, STRIP_ALIGN)
     else:
         c = tl.full([], 0, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
         while c < n:
             j = c + tl.arange(0, STRIP_X)
             cmask = j < n
             col = tl.where(j < n_left, j, rhi + j - n_left)
-            prow = ptab_ptr + (pbase + tl.load(seg2_ptr + col, mask=cmask, other=0)) * 5
-            kind = tl.load(prow, mask=cmask, other=0)
-            lstr = tl.load(prow + 2, mask=cmask, other=0)
-            st0 = tl.load(prow + 3, mask=cmask, other=0)
-            st1 = tl.load(prow + 4, mask=cmask, other=0)
-            base = (tl.load(prow + 1, mask=cmask, other=0) + tl.load(crd2_ptr + col, mask=cmask, other=0)).to(IDX)
-            off = (base[None, :] + r[:, None] * st1.to(IDX)[None, :]
-                   + q[:, None] * (st0 - E1 * st1).to(IDX)[None, :]
-                   + lead[:, None] * (lstr - E0 * st0).to(IDX)[None, :])
+            srow = stab_ptr + tl.where(j < n_left, j, lo2 + j - n_left) * 5
+            kind = tl.load(srow, mask=cmask, other=0)
+            off = (tl.load(srow + 1, mask=cmask, other=0).to(IDX)[None, :]
+                   + r[:, None] * tl.load(srow + 2, mask=cmask, other=0).to(IDX)[None, :]
+                   + q[:, None] * tl.load(srow + 3, mask=cmask, other=0).to(IDX)[None, :]
+                   + lead[:, None] * tl.load(srow + 4, mask=cmask, other=0).to(IDX)[None, :])
             if REGION == 1:
                 cmask = cmask & (kind != 2)
             if REGION == 2:
@@ -428,18 +451,81 @@ def _stage_slab(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, s
 
 
 @triton.jit
+def _stage_window(out_ptr, a_ptr, b_ptr, stab_ptr, pid, out_s1, x_s1, W_NX, W_ROWS, W_WIDTH, W_M1, W_K1, W_M0, W_K0,
+                  W_OBASE, W_OB, W_OC, W_LO2, W_RHI, W_XBASE, W_XB, W_XC, W_STRIPS, REGION: tl.constexpr,
+                  IDX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, STRIP_X: tl.constexpr,
+                  X_ALIGN: tl.constexpr, OUT_ALIGN: tl.constexpr, STRIP_ALIGN: tl.constexpr, STRIP_R: tl.constexpr):
+    """Window program ``pid`` of :func:`stage_kernel` (box 0, its geometry in the ``W_*`` arguments: see there)."""
+    pid_r = (pid // W_NX).to(tl.int32)
+    pid_x = (pid - pid_r * W_NX).to(tl.int32)
+    if REGION == 2:  # the remote pass: the window's strips alone, STRIP_R rows a tile (NX 1)
+        rmask, r, q, lead, out_row = _rows(pid_r, W_ROWS, W_M1, W_K1, W_M0, W_K0, W_OBASE, W_OB, W_OC, out_s1,
+                                           STRIP_R, IDX)
+        _stage_beside(out_ptr, a_ptr, b_ptr, stab_ptr, W_LO2, W_RHI, _int(W_LO2, tl.int32),
+                      out_s1 - _int(W_RHI, tl.int32), rmask, r, q, lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
+    else:
+        cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
+        # (v // A) * A == v for the multiples of A that stage_launch promises; the product's divisibility is
+        # what the compiler sees (tl.multiple_of would mark the shared SSA value, the slabs' width included)
+        cmask = cols < (_int(W_WIDTH, tl.int32) // X_ALIGN) * X_ALIGN  # constant over a vector of the window's row
+        rmask, r, q, lead, out_row = _rows(pid_r, W_ROWS, W_M1, W_K1, W_M0, W_K0, W_OBASE, W_OB, W_OC, out_s1,
+                                           BLOCK_R, IDX)
+        x_row = _int(W_XBASE, IDX) + r * x_s1 + q * _int(W_XB, IDX) + lead * _int(W_XC, IDX)
+        x_row = (x_row // X_ALIGN) * X_ALIGN
+        o_row = ((out_row + _int(W_LO2, IDX)) // OUT_ALIGN) * OUT_ALIGN
+        mask = rmask[:, None] & cmask[None, :]
+        v = tl.load(a_ptr + (x_row[:, None] + cols[None, :]), mask=mask)
+        tl.store(out_ptr + (o_row[:, None] + cols[None, :]), v, mask=mask)
+        # W_STRIPS: the region writes some strip (a middle worker's local pass has none); REGION 3 (a
+        # diagnosis): the window's copy alone, compiled without the strips' code (its registers are the copy's)
+        if REGION != 3:
+            n_left = tl.where(pid_x == 0, _int(W_LO2, tl.int32), 0)
+            n_right = tl.where(pid_x == W_NX - 1, out_s1 - _int(W_RHI, tl.int32), 0)
+            if (n_left + n_right > 0) & (W_STRIPS != 0):
+                _stage_beside(out_ptr, a_ptr, b_ptr, stab_ptr, W_LO2, W_RHI, n_left, n_right, rmask, r, q, lead,
+                              out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
+
+
+@triton.jit
+def _stage_slab_program(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
+                        btab_ptr, NS1, NS2, pid, out_s1, REGION: tl.constexpr, IDX: tl.constexpr,
+                        NUM_BOX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, SLAB_X: tl.constexpr,
+                        STRIP_X: tl.constexpr, SLAB_ROWS: tl.constexpr, SLAB_ALIGN: tl.constexpr):
+    """Slab program ``pid`` of :func:`stage_kernel` (``pid`` at or past box 1's START): the box is the last one
+    starting at or before it (unused rows start at 2^62), a slab spanning every column."""
+    k = tl.full([], 1, tl.int32)
+    for j in tl.static_range(2, NUM_BOX):
+        k += (tl.load(btab_ptr + j * 24) <= pid).to(tl.int32)
+    box = btab_ptr + k * 24
+    t = pid - tl.load(box)
+    nx = tl.load(box + 1)
+    pid_r = (t // nx).to(tl.int32)
+    pid_x = (t - pid_r * nx).to(tl.int32)
+    _stage_slab(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr, NS1,
+                NS2, box, pid_r, pid_x, nx, tl.load(box + 3).to(tl.int32), out_s1, REGION, IDX, BLOCK_R, BLOCK_X,
+                SLAB_X, STRIP_X, SLAB_ROWS, SLAB_ALIGN)
+
+
+@triton.jit
 def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
-                 btab_ptr, NS1, NS2, out_s1, x_s1,
+                 btab_ptr, stab_ptr, NS1, NS2, out_s1, x_s1,
+                 W_TILES, W_NX, W_ROWS, W_WIDTH, W_M1, W_K1, W_M0, W_K0, W_OBASE, W_OB, W_OC, W_LO2, W_RHI, W_XBASE,
+                 W_XB, W_XC, W_STRIPS,
                  REGION: tl.constexpr, WIDE: tl.constexpr, NUM_BOX: tl.constexpr,
                  BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, SLAB_X: tl.constexpr, STRIP_X: tl.constexpr,
                  X_ALIGN: tl.constexpr, OUT_ALIGN: tl.constexpr, SLAB_ROWS: tl.constexpr,
-                 SLAB_ALIGN: tl.constexpr = 1, STRIP_ALIGN: tl.constexpr = 0, STRIP_R: tl.constexpr = 0):
-    """The whole staged tensor ``out [LEAD, E0, E1, E2]`` (row length ``out_s1`` = E2) in one launch.
+                 SLAB_ALIGN: tl.constexpr = 1, STRIP_ALIGN: tl.constexpr = 0, STRIP_R: tl.constexpr = 0,
+                 PART: tl.constexpr = 0):
+    """The whole staged tensor ``out [LEAD, E0, E1, E2]`` (row length ``out_s1`` = E2) in one launch (``PART`` 0),
+    or its window's programs (1) and its slabs' (2, numbered from ``W_TILES``) in two.
 
-    Box 0 of the box table is the interior window ``[LEAD, I0, I1, I2]`` at staged ``(LO0, LO1, LO2)``: a plain copy
+    Box 0 of the box table is the interior window ``[LEAD, I0, I1, I2]`` at staged ``(LO0, LO1, LO2)``, its row also
+    in the ``W_*`` arguments (``W_TILES`` its programs, the first ones; then the table row's NX, NROWS, WIDTH, M1,
+    K1, M0, K0, OBASE, OB, OC, LO2, RHI, XBASE, XB, XC, STRIPS), so its programs load no table: a plain copy
     from ``a_ptr`` (the block, row length ``x_s1``), no table load, in ``[BLOCK_R, BLOCK_X]`` tiles; its first and
     last column tiles also write the columns left and right of the window in their rows (:func:`_stage_beside`,
-    ``[BLOCK_R, STRIP_X]`` at a time) where the box table's column 22 says the region has some.  REGION 2 (the
+    ``[BLOCK_R, STRIP_X]`` at a time, each column's piece from the strip table ``stab_ptr``, :func:`strip_table`)
+    where the box table's column 22 says the region has some, before the window's store.  REGION 2 (the
     remote pass) tiles box 0 by ``STRIP_R`` rows and writes those columns alone.  Boxes 1.. are the slabs of whole
     rows outside the window (axes 0 and 1), walked through the tables (:func:`_lut_tile`) in ``[BLOCK_R, SLAB_X]``
     tiles.  Each box is row-tiled like :func:`_row_tile` over ``[LEAD*E0*E1, width]``, its tiles numbered from its
@@ -454,51 +540,23 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
     """
     IDX: tl.constexpr = tl.int64 if WIDE else tl.int32
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
-    k = tl.full([], 0, tl.int32)  # the box: the last one starting at or before pid (unused rows start at 2^62)
-    for j in tl.static_range(1, NUM_BOX):
-        k += (tl.load(btab_ptr + j * 24) <= pid).to(tl.int32)
-    box = btab_ptr + k * 24
-    t = pid - tl.load(box)
-    nx = tl.load(box + 1)
-    pid_r = (t // nx).to(tl.int32)
-    pid_x = (t - pid_r * nx).to(tl.int32)
-    width = tl.load(box + 3).to(tl.int32)
-    if REGION == 2:  # the remote pass: the window's strips alone, STRIP_R rows a tile (NX 1), then the slabs
-        if k == 0:
-            rmask, r, q, lead, out_row = _box_rows(box, pid_r, out_s1, STRIP_R, IDX)
-            _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, tl.load(box + 15).to(tl.int32),
-                          out_s1 - tl.load(box + 20).to(tl.int32), rmask, r, q, lead, out_row, REGION, IDX,
-                          STRIP_X, STRIP_ALIGN)
+    if PART == 1:  # the window's programs alone (a launch of its own: stage_launch's split)
+        _stage_window(out_ptr, a_ptr, b_ptr, stab_ptr, pid, out_s1, x_s1, W_NX, W_ROWS, W_WIDTH, W_M1, W_K1, W_M0,
+                      W_K0, W_OBASE, W_OB, W_OC, W_LO2, W_RHI, W_XBASE, W_XB, W_XC, W_STRIPS, REGION, IDX, BLOCK_R,
+                      BLOCK_X, STRIP_X, X_ALIGN, OUT_ALIGN, STRIP_ALIGN, STRIP_R)
+    else:
+        if PART == 2:  # the slabs' programs alone, numbered from box 1's START
+            pid += W_TILES
+        # In PART 2 no program takes the window's branch, but it is compiled in: unaligned slab rows (SLAB_ROWS)
+        # keep the layout of the window's loads then; on their own they took 255 registers a thread (sm_90)
+        if pid < W_TILES:  # the window's programs (box 0), its geometry in the arguments: no load before the copy
+            _stage_window(out_ptr, a_ptr, b_ptr, stab_ptr, pid, out_s1, x_s1, W_NX, W_ROWS, W_WIDTH, W_M1, W_K1,
+                          W_M0, W_K0, W_OBASE, W_OB, W_OC, W_LO2, W_RHI, W_XBASE, W_XB, W_XC, W_STRIPS, REGION, IDX,
+                          BLOCK_R, BLOCK_X, STRIP_X, X_ALIGN, OUT_ALIGN, STRIP_ALIGN, STRIP_R)
         else:
-            _stage_slab(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
-                        NS1, NS2, box, pid_r, pid_x, nx, width, out_s1, REGION, IDX, BLOCK_R, BLOCK_X, SLAB_X,
-                        STRIP_X, SLAB_ROWS, SLAB_ALIGN)
-    elif k == 0:
-        cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
-        # (v // A) * A == v for the multiples of A that stage_launch promises; the product's divisibility is what
-        # the compiler sees (tl.multiple_of would mark the shared SSA value, the slabs' width included)
-        cmask = cols < (width // X_ALIGN) * X_ALIGN  # constant over a vector of the window's row
-        rmask, r, q, lead, out_row = _box_rows(box, pid_r, out_s1, BLOCK_R, IDX)
-        lo2 = tl.load(box + 15).to(IDX)
-        x_row = (tl.load(box + 16).to(IDX) + r * x_s1 + q * tl.load(box + 17).to(IDX)
-                 + lead * tl.load(box + 18).to(IDX))
-        x_row = (x_row // X_ALIGN) * X_ALIGN
-        o_row = ((out_row + lo2) // OUT_ALIGN) * OUT_ALIGN
-        mask = rmask[:, None] & cmask[None, :]
-        v = tl.load(a_ptr + (x_row[:, None] + cols[None, :]), mask=mask)
-        tl.store(out_ptr + (o_row[:, None] + cols[None, :]), v, mask=mask)
-        n_left = tl.where(pid_x == 0, lo2.to(tl.int32), 0)
-        n_right = tl.where(pid_x == nx - 1, out_s1 - tl.load(box + 20).to(tl.int32), 0)
-        # column 22: the region writes some strip (a middle worker's local pass has none); REGION 3 (a diagnosis):
-        # the window's copy alone, compiled without the strips' code (its registers are the copy's)
-        if REGION != 3:
-            if (n_left + n_right > 0) & (tl.load(box + 22) != 0):
-                _stage_beside(out_ptr, a_ptr, b_ptr, seg2_ptr, crd2_ptr, ptab_ptr, box, n_left, n_right, rmask, r,
-                              q, lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
-    else:  # a slab spans every column
-        _stage_slab(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr, NS1,
-                    NS2, box, pid_r, pid_x, nx, width, out_s1, REGION, IDX, BLOCK_R, BLOCK_X, SLAB_X, STRIP_X,
-                    SLAB_ROWS, SLAB_ALIGN)
+            _stage_slab_program(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr,
+                                ptab_ptr, btab_ptr, NS1, NS2, pid, out_s1, REGION, IDX, NUM_BOX, BLOCK_R, BLOCK_X,
+                                SLAB_X, STRIP_X, SLAB_ROWS, SLAB_ALIGN)
 
 
 @triton.jit
@@ -721,6 +779,15 @@ STAGE_SLAB_SPLIT = 4
 #: thread: in NCHW each holds its own 64-bit offset, and 2048-element tiles took 146-188 registers a thread at sm_90
 #: (Triton 3.6), 512-element ones 72.
 STAGE_STRIP_ELEMENTS = 512
+#: Launch a staging's window programs and its slabs' programs apart on GPUs (``stage_kernel``'s ``PART`` 1 and 2,
+#: two launches of one kernel) where the region has both.  A kernel's registers are those of its hungriest path:
+#: compiled for sm_90 (Triton 3.6, bf16, 4096-element tiles, the one-pass NCHW staging of a 3-D block at halo 1),
+#: the window's copy with its strips takes 39 registers a thread on its own and the slabs' rows 80, but one kernel
+#: with both 96, which leaves an SM five programs of the window's copy (4 warps each) where it could hold twelve.
+#: The window is 94% of the rows of a [64^3] block and all but 0.4% of a [512^2] one.  The price is one launch more
+#: (host time, and a kernel boundary on the GPU).  Unmeasured on a GPU: ``scripts/gpu_diagnose.py`` (``halo_tiles``)
+#: times both ways.
+STAGE_SPLIT = True
 #: Box-table rows of a staging launch: the interior window and at most four slabs (two per axis of axes 0 and 1).
 STAGE_BOXES = 5
 _STAGE_COLS = 24  # the box table's row width (stage_kernel hard-codes it)
@@ -818,7 +885,8 @@ class StageLaunch(NamedTuple):
     args: tuple
     meta: dict
     input_shape: tuple[int, ...]
-    bound: dict  # out's dtype -> its BoundLaunch (launch_cache), made at the first launch of that dtype
+    bound: dict  # out's dtype -> its BoundLaunches (launch_cache), made at the first launch of that dtype
+    parts: tuple = ()  # ((grid, PART), ...): the launches of a split staging (see STAGE_SPLIT); () one launch of grid
 
 
 def _segment_at(ax, i: int, pos: int) -> int:
@@ -838,7 +906,8 @@ def _window_columns_linear(luts2: tuple[list[int], list[int]], lo2: int, width: 
 
 @functools.lru_cache(maxsize=512)
 def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, region: str,
-                 tile: tuple[int, ...] | None, slab_rows: bool | None = None, trail: int = 1) -> StageLaunch:
+                 tile: tuple[int, ...] | None, slab_rows: bool | None = None, trail: int = 1,
+                 split: bool | None = None) -> StageLaunch:
     """The staging launch of worker ``index`` for ``lead`` leading elements, cached: no per-call host work but the
     cache lookup (plans hash by identity, as for :func:`~distfuse.kernels.halo_tables.stage_tables`).
 
@@ -852,13 +921,17 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     :func:`magic_divisor` of E1 and E0, ``LO`` the box's staged origin; row ``r`` (``q = r // E1``) starts at staged
     ``OBASE + r*E2 + q*OB + lead*OC``.  Window only: its source row starts at ``XBASE + r*n2 + q*XB + lead*XC`` in
     the block, ``PBASE`` is the piece-table row of its axis-0/1 segments (``(s0 * NS1 + s1) * NS2``), ``RHI`` the
-    first column right of it, ``STRIPS`` 1 where the region writes some of the columns beside it.  A slab none of
+    first column right of it, ``STRIPS`` 1 where the region writes some of the columns beside it (each column's piece
+    and source offset: the strip table, :func:`strip_table`, the launch's argument after the box table).  A slab none of
     whose pieces the region writes gets no program (:func:`region_writes`).  Region ``"remote"`` tiles the window
     box by ``STRIP_R`` rows (``NX`` 1), its programs writing those columns alone, and none where there are none;
     ``"window"`` (a diagnosis, :data:`REGION_CODE`) the window programs only, without their strips.
     With ``SLAB_ROWS`` the slabs are tiled over the window's columns (``NX`` of ``BLOCK_X``) and their row holds
     ``15 LO2`` and ``20 RHI`` of the window, ``19 S2W`` the window's segment on the last axis and ``21 C2BASE``
     (``crd2 = col + C2BASE`` there).  ``slab_rows``: None chooses (see below); True or False forces it (tests).
+    The kernel reads the window's row from its ``W_*`` arguments instead (``W_TILES`` box 1's START), so a window
+    program loads nothing before its copy.  ``split``: launch the window's programs and the slabs' apart
+    (:data:`STAGE_SPLIT`, the GPU default; None chooses, True or False forces it), where the region has both.
 
     ``trail`` > 1: channels last (``lead`` the batch, ``trail`` the channels, innermost in memory).  The kernels
     are the same: every staged row is the last axis merged with the channels (``L2 * trail`` elements), the
@@ -967,6 +1040,8 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         raise UnsupportedError(f"{where('halo_stage')}: {most} rows (LEAD times every staged extent but the last) "
                                "exceed 2^31 - 1")
     btab = torch.tensor(rows, dtype=torch.int64, device=device)
+    stab = torch.tensor(strip_table(ptab_rows, pbase, lists[2], lo[2], lo[2] + ext[2], full[2], w_e0, w_e1),
+                        dtype=torch.int64, device=device)
     w = rows[:_STAGE_COLS]  # the window's row: its staged rows start at OBASE + LO2 + r*E2 + q*OB + lead*OC
     out_align = pow2_divisor(w[10] + lo[2], full[2], w[11], w[12])
     slab_align = _slab_align(slab_terms, ptab_rows, ns[2], segs[2], c2base, lo[2], ext[2],
@@ -974,13 +1049,34 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     strip_align = 0
     if trail > 1 and strips and (tile is None or len(tile) != 5 or trail % strip_x == 0):
         strip_align = _strip_align(w, ptab_rows, pbase, lists[2], lo[2], lo[2] + ext[2], full[2], strip_x)
-    return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, ns[1], ns[2], full[2],
-                                                                        x_str[1]),
+    w_tiles = min(rows[_STAGE_COLS], start)  # the window's programs come first (box 1's START; all without slabs)
+    window = (rows[_STAGE_COLS], *(w[c] for c in (1, 2, 3, 5, 6, 8, 9, 10, 11, 12, 15, 20, 16, 17, 18, 22)))
+    if split is None:
+        split = device.type == "cuda" and STAGE_SPLIT
+    parts = ((linear_grid(w_tiles), 1), (linear_grid(start - w_tiles), 2)) if split and 0 < w_tiles < start else ()
+    return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, stab, ns[1], ns[2],
+                                                                        full[2], x_str[1], *window),
                        dict(REGION=code, WIDE=wide, NUM_BOX=STAGE_BOXES, BLOCK_R=block_r, BLOCK_X=block_x,
                             SLAB_X=slab_x, STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, SLAB_ROWS=slab_rows,
-                            SLAB_ALIGN=slab_align, STRIP_ALIGN=strip_align, STRIP_R=strip_r,
-                            num_warps=warps),
-                       x_shape, {})
+                            SLAB_ALIGN=slab_align, STRIP_ALIGN=strip_align, STRIP_R=strip_r, PART=0,
+                            num_warps=warps),  # every constexpr given: a launch leaving one to its default is no
+                       x_shape, {}, parts)     # launch-cache hit (launch_cache.CachedLaunch)
+
+
+def strip_table(ptab: list[int], pbase: int, luts2: tuple[list[int], list[int]], lo2: int, hi2: int, row_len: int,
+                E0: int, E1: int) -> list[int]:
+    """The strip table of a staging launch: one row of five int64 per column beside the window (the ``lo2`` columns
+    left of it, then the ``row_len - hi2`` right of it, merged in channels last), ``KIND, BASE + crd2[col], STRIDE1,
+    STRIDE0 - E1*STRIDE1, LEAD_STRIDE - E0*STRIDE0`` of the column's piece (piece-table row ``pbase + seg2[col]``;
+    ``E0``, ``E1`` the window's extents), so that window row ``r`` (``q = r // E1``) reads the column at ``BASE +
+    crd2 + r*STRIDE1 + q*(...) + lead*(...)`` of its source (:func:`_stage_beside`).  One zero row where the window
+    has no column beside it (a pointer the kernel never reads through)."""
+    seg2, crd2 = luts2
+    out = []
+    for col in (*range(lo2), *range(hi2, row_len)):
+        kind, base, lstr, st0, st1 = ptab[5 * (pbase + seg2[col]): 5 * (pbase + seg2[col]) + 5]
+        out += [kind, base + crd2[col], st1, st0 - E1 * st1, lstr - E0 * st0]
+    return out or [0] * 5
 
 
 def _slab_align(slabs: list[tuple[int, int, int]], ptab: list[int], ns2: int, s2w: int, c2base: int, lo2: int,
@@ -1028,8 +1124,12 @@ def launch_stage(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, launch: St
     bound = launch.bound.get(out.dtype)
     if bound is None:  # the first launch of this dtype: bind the grid, the tables and the constexprs once
         meta = launch.meta if launch.kernel is stage_kernel else dict(launch.meta, COMPUTE=compute_dtype(out.dtype))
-        bound = launch.bound[out.dtype] = cached_launch(launch.kernel).bind(launch.grid, launch.args, meta)
-    bound(out, a, b)
+        kernel = cached_launch(launch.kernel)
+        bound = launch.bound[out.dtype] = (tuple(kernel.bind(grid, launch.args, dict(meta, PART=part))
+                                                 for grid, part in launch.parts)
+                                           or (kernel.bind(launch.grid, launch.args, meta),))
+    for each in bound:
+        each(out, a, b)
 
 
 def shell(inner: Sequence[tuple[int, int]], full: Sequence[int]) -> list[tuple[tuple[int, int], ...]]:
