@@ -68,6 +68,33 @@ def test_each_launch_gets_a_clear_slot_and_the_pool_is_reused(mode):
         "every slot 16-byte aligned: one Triton specialisation for all of them"
 
 
+def test_launches_within_one_claim_give_their_slots_back():
+    """Many consumer launches inside one claim (a benchmark's timing loop, a loop over virtual ranks): past
+    ``DRAIN_DEFERRED`` pending checks a launch reads the finished ones, so the pending list stays bounded and the
+    steady state takes no new status memory.  A failure among them still raises, by name, within the claim."""
+    from distfuse.fused.workspace_layout import DRAIN_DEFERRED
+
+    ws, a, w, outs = _setup(seed=3)
+    ws.status_mode = "deferred"
+    slots = ws.status_slots
+    blocks, launches = len(slots._blocks), 3 * DRAIN_DEFERRED
+    with ws.in_flight("one claim, many launches"):
+        for r in range(W):
+            matmul_scatter(a[r], w[r], ws, r, W, config=BLOCKS)
+        most = 0
+        for i in range(launches):
+            chunk_reduce(ws, i % W, W, B, n, N, partial_dtype=torch.float32, out=outs[i % W])
+            most = max(most, len(ws.deferred))
+    assert most == DRAIN_DEFERRED - 1 and len(slots._blocks) == blocks and not ws.broken
+    assert launches > DRAIN_DEFERRED * 2 and not any(torch.isnan(o).any() for o in outs)
+    with pytest.raises(CollectiveTimeoutError, match=r"peer\(s\) \[2\]"), ws.in_flight("a missing source"):
+        for r in (0, 1):
+            matmul_scatter(a[r], w[r], ws, r, W, config=BLOCKS)
+        for _ in range(DRAIN_DEFERRED):  # rank 1's consumer gives up on source 2 at once, then later launches
+            chunk_reduce(ws, 1, W, B, n, N, partial_dtype=torch.float32, out=outs[1])  # read it within the claim
+    assert ws.broken
+
+
 def test_a_deferred_failure_is_read_from_its_own_launch():
     """Claim 1 is clean, claim 2 misses source 1: claim 2's entry reads claim 1's checks (clear, back to the
     pool), the next claim raises with claim 2's epoch, and the failed slot keeps its word (never reused)."""

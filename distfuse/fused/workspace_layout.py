@@ -37,6 +37,10 @@ import torch
 from distfuse.errors import ShapeError, UnsupportedError, where
 from distfuse.fused.status_slots import StatusSlots
 
+#: Deferred checks pending in one claim past which a launch reads the finished ones (``check_deferred(wait=False)``:
+#: it waits for the GPU only beyond ``workspace.MAX_DEFERRED`` unfinished ones, as a claim does).
+DRAIN_DEFERRED = 16
+
 __all__ = ["RankBuffers", "PendingCheck", "header_bytes"]
 
 
@@ -213,6 +217,11 @@ class RankBuffers:
             event = owner._events.pop() if owner._events else torch.cuda.Event()
             event.record(self._current_stream())
         owner.deferred.append(PendingCheck(words, event, self.rank, self.epoch, op, what, slot, sig_what))
+        if len(owner.deferred) >= DRAIN_DEFERRED:
+            # Launches within one claim (a loop over a loopback's virtual ranks, a benchmark's timing loop): read the
+            # finished ones now, so their slots and events go back to the pools.  Only a claim read them before:
+            # a long loop took a new CUDA event at every launch and a new block of pinned slots every 256.
+            owner.check_deferred(wait=False)
 
     def _current_stream(self):
         """The current CUDA stream, where the launch just went: the claim's stream object when the raw handle says it
