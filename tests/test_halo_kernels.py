@@ -723,7 +723,7 @@ def comp(fn, dt, acc, consts, ones):
             sig[n] = "constexpr"
         elif n in I64_PTRS:
             sig[n] = "*i64"
-        elif n.startswith(("seg", "crd")):
+        elif n.startswith(("seg", "crd")) or n in ("pcell_ptr", "pbox_ptr"):
             sig[n] = "*i32"
         elif n.endswith("_ptr"):
             sig[n] = f"*{acc}" if n in ACC_PTRS else f"*{dt}"
@@ -741,10 +741,10 @@ for dt, acc, compute in (("bf16", "fp32", tl.float32), ("fp64", "fp64", tl.float
                                             "BLOCK_X": 64, "SLAB_X": 16, "STRIP_X": 4, "X_ALIGN": align,
                                             "OUT_ALIGN": align, "SLAB_ROWS": not wide}, ones)
         for wide in (False, True):
-            comp(hp.box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "COMPUTE": compute, "ROUND_BF16": False,
+            comp(hp.box_gather_kernel, dt, acc, {"COMPUTE": compute, "ROUND_BF16": False,
                                                  "WIDE": wide, "BLOCK": 1024}, ones)
         for wide in (False, True):
-            comp(hp.accumulate_kernel, dt, acc, {"LOG2_NCELL": 5, "COMPUTE": compute, "ROUND_BF16": False,
+            comp(hp.accumulate_kernel, dt, acc, {"COMPUTE": compute, "ROUND_BF16": False,
                                                  "WIDE": wide, "BLOCK": 1024}, ones)
 print("compiled")
 """

@@ -117,7 +117,7 @@ def _constexprs(kernel) -> set[str]:
 def test_every_staging_launch_names_every_constexpr(split):
     """A launch that leaves a constexpr to its default is never a launch-cache hit (every call goes through the
     JIT's per-call work: 17 against 6 us of host a staging here, with the kernels stubbed): each launch of the
-    staging, split or not, and the table walk's, gives them all."""
+    staging, split or not, the table walk's, the box gather's and the accumulate's gives them all."""
     plan, _ = _plan((9, 9, 12), (3, 3, 3), (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, "zeros")
     seen = 0
     for region in ("all", "local", "remote", "window"):
@@ -127,6 +127,14 @@ def test_every_staging_launch_names_every_constexpr(split):
             assert _constexprs(hp.stage_kernel) <= given, (region, part)
             seen += 1
     assert seen >= 4
+    # the box gather (pack, unstage) and the accumulate: COMPUTE and ROUND_BF16 by dtype, at their first launch
+    from distfuse.kernels import halo_launches as hl
+
+    cpu = torch.device("cpu")
+    box = hl.unstage_launch(plan, (0, 0, 0), 2, cpu, "all", None).boxes
+    assert _constexprs(hp.box_gather_kernel) <= set(box.meta) | {"COMPUTE", "ROUND_BF16"}
+    acc = hl.accumulate_launch(plan, (0, 0, 0), 2, cpu, None)
+    assert acc.grid is not None and _constexprs(hp.accumulate_kernel) <= set(acc.meta) | {"COMPUTE", "ROUND_BF16"}
     walk = _plan((7,), (4,), (3,), (4,), (1,), 0, "zeros")[0]  # stride 4: worker 1 reads no element of its block
     launch = hp.stage_launch(walk, (1,), 2, torch.device("cpu"), "all", None)
     assert launch.kernel is hp.lut_gather_kernel

@@ -297,18 +297,15 @@ def _halo_cases(dtypes) -> list[KernelCase]:
         if dt.itemsize != 2 or dt in sixteen:
             cases += _halo_moving_cases(dt)
         # TRAIL 1: NCHW; 64: channels last (64 channels a vector)
-        for log2, wide, trail in ((1, False, 1), (5, False, 1), (5, True, 1), (5, False, 64)):
+        for wide, trail in ((False, 1), (True, 1), (False, 64)):  # programs per box: int32, int64; channels last
             cases.append(KernelCase("halo_box_gather", halo.box_gather_kernel, dt,
-                                    dict(TRAIL=trail, LOG2_NBOX=log2, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide,
-                                         BLOCK=1024),
-                                    halo.BOX_NUM_WARPS, 1,
-                                    pointer_dtypes={**i64, **fp32}))
-        # one cell, 26-32 cells (3-D shells); int64 offsets; channels last
-        for log2, wide, trail in ((0, False, 1), (5, False, 1), (5, True, 1), (5, False, 64)):
+                                    dict(TRAIL=trail, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide, BLOCK=1024),
+                                    halo.BOX_NUM_WARPS, 1, pointer_dtypes={**i64, **fp32, "pbox_ptr": "i32"}))
+        # programs per cell: int32 offsets, int64 offsets; channels last
+        for wide, trail in ((False, 1), (True, 1), (False, 64)):
             cases.append(KernelCase("halo_accumulate", halo.accumulate_kernel, dt,
-                                    dict(TRAIL=trail, LOG2_NCELL=log2, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide,
-                                         BLOCK=1024),
-                                    halo.BOX_NUM_WARPS, 1, pointer_dtypes={**i64, **fp32}))
+                                    dict(TRAIL=trail, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide, BLOCK=1024),
+                                    halo.BOX_NUM_WARPS, 1, pointer_dtypes={**i64, **fp32, "pcell_ptr": "i32"}))
     return cases
 
 

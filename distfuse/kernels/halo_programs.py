@@ -110,10 +110,15 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   width (``trail`` in :func:`stage_launch`), and so are the slabs' rows (``SLAB_ALIGN``) and
   the columns beside the window, taken a spatial column's channels at a time
   (``STRIP_ALIGN``: one piece lookup a chunk, not a column).
-* **Pack and the unstage boxes are one box gather** over the boxes laid end to end: an
-  element finds its box by a branchless binary search of the box starts, then its
-  coordinates by div/mod (affordable: these move halo volume only).  Any mix of box sizes
-  shares programs, none idles, and the interpreter runs one program instead of one per box.
+* **Pack and the unstage boxes are one box gather, each box with programs of its own.**  A
+  program table names each program's box, so a program reads the box's row with loads every
+  thread shares, and an element's box coordinates come by multiply-shift divisions (the box's
+  divisors are in its row).  The first form laid the boxes end to end under shared programs:
+  each element searched the box starts (a chain of dependent loads), loaded fourteen table
+  entries and divided six times at run time, 1096 SASS instructions and 64 registers a
+  thread at sm_90 against 504 and 40 now (bf16, Triton 3.6), and on an H200 the unstage's
+  gather of a [1, 256, 64^3] block's halo took 72 us (2026-11-28, ``halo_full``).  A box's
+  last program idles past its end: a few hundred lanes per box, against millions of elements.
 * **Replicate sums are a gather, not atomics.**  A send-back box element is the sum of
   the staged gradient over the replicated run (a loop of ``R`` loads in fp32), so every
   output element is written by exactly one program: deterministic, no fp32 atomics
@@ -123,9 +128,11 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   halos wider than a block).  Every box edge cuts its axis; each cell of the product of
   the cuts lies inside or outside each box, so it has a fixed list of boxes
   (:func:`~distfuse.kernels.halo_tables.accumulate_cells`).  One launch runs over the
-  covered cells laid end to end (an element finds its cell by a binary search of their
-  starts, as the box gather finds its box) and adds each cell's boxes in table order, in
-  fp32, rounding once.  The
+  covered cells, each with programs of its own (a table names each program's cell, so the
+  cell's extents, its multiply-shift divisors and its boxes are loads every thread of a
+  program shares; an element searched the cells and divided at run time before: 155 us on
+  an H200 for a 64^3 block's 6.1M covered elements, C = 256), and adds each cell's boxes in
+  table order, in fp32, rounding once.  The
   interior, which no box covers, is neither read nor written: a [1, 256, 64^3] block at
   halo 1 has 6.1M covered elements of 67M.  The earlier form tiled the whole block with
   per-axis int64 cover bitmasks; every 64-wide tile of a 3-D block touches the two
@@ -560,29 +567,18 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
 
 
 @triton.jit
-def segment_of(e, m, starts_ptr, STRIDE: tl.constexpr, n, LOG2_N: tl.constexpr, BLOCK: tl.constexpr):
-    """Per element index ``e`` (where ``m``): the last segment ``k < n`` whose start ``starts_ptr[k * STRIDE]``
-    is at most ``e``, by a branchless binary search over ``LOG2_N`` steps (segment 0 starts at 0).  The box
-    gather finds its box this way, the accumulate its cell: segments of any sizes share a program."""
-    k = tl.zeros([BLOCK], dtype=tl.int32)
-    for b in tl.static_range(LOG2_N):
-        cand = k + (1 << (LOG2_N - 1 - b))
-        ok = m & (cand < n)
-        k = tl.where(ok & (tl.load(starts_ptr + cand * STRIDE, mask=ok, other=0) <= e), cand, k)
-    return k
-
-
-@triton.jit
-def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, total, RTMAX,
-                       LEAD, src_ls, src_s0, src_s1, src_s2, TRAIL: tl.constexpr,
-                       LOG2_NBOX: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
-                       WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    """Boxes laid end to end (box k from ``bstart[k]``); box k is flat ``[LEAD, E0, E1, E2]`` at ``out{SEL}[DST:]``:
+def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_programs, RTMAX, src_ls, src_s0, src_s1,
+                      src_s2, TRAIL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
+                      WIDE: tl.constexpr, BLOCK: tl.constexpr):
+    """Boxes, each with programs of its own (``pbox[pid]``: program ``pid``'s box, its row of the box table); box k
+    is flat ``[LEAD, E0, E1, E2]`` at ``out{SEL}[DST:]``:
 
     element ``(l, c)`` = ``sum_{r < R} src[l, T + D*c + r]`` per axis (D = +1 copy, -1
-    reversed, 0 with R > 1: the replicate adjoint's sum).  Programs tile the
-    concatenation, so boxes of any size share programs and none idles.  ``RTMAX`` is
-    the largest ``R0 * R1 * R2`` (``RT``) of any box: 1 unless a replicate box is summed.
+    reversed, 0 with R > 1: the replicate adjoint's sum).  A program reads its box's row with loads every thread
+    shares, and an element's box coordinates come by multiply-shift divisions (the box's :func:`magic_divisor` of
+    E2, E1, E0; runtime divisions where WIDE), where the elements of the earlier form searched the box starts each
+    and divided at run time.  ``RTMAX`` is the largest ``R0 * R1 * R2`` (``RT``) of any box: 1 unless a replicate
+    box is summed; a box's run loop goes to its own RT.
 
     The run loop is a ``while`` (see the module doc).  With RTMAX = 1 (every pack) there is
     no loop: Triton specialises an integer argument equal to 1 to a constant, the guard
@@ -590,112 +586,112 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, btab_ptr, bstart_ptr, nbox, t
     is constant-false, never sees one.
 
     ``TRAIL`` > 1 (channels last): every element of the boxes and of the source is a contiguous vector of TRAIL
-    channels; the tables count vectors, ``total`` counts elements, and element ``e`` is channel ``e % TRAIL`` of
+    channels; the tables count vectors, ``NUMEL`` counts elements, and element ``e`` is channel ``e % TRAIL`` of
     vector ``e // TRAIL`` (a constexpr: one compile per channel count, and its divisions are by a constant; they
     fold away for NCHW, TRAIL = 1).
     """
     IDX = tl.int64 if WIDE else tl.int32  # int32 offsets and div/mod unless a buffer has 2^31 elements or more
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
-    et = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
-    m = et < total
-    ch = et % TRAIL
-    e = et // TRAIL
-    box = segment_of(e, m, bstart_ptr, 1, nbox, LOG2_NBOX, BLOCK)
-    row = btab_ptr + box * 15
-    sel = tl.load(row, mask=m, other=0)
-    dst = tl.load(row + 1, mask=m, other=0).to(IDX)
-    E0 = tl.load(row + 2, mask=m, other=1).to(IDX)
-    E1 = tl.load(row + 3, mask=m, other=1).to(IDX)
-    E2 = tl.load(row + 4, mask=m, other=1).to(IDX)
-    T0 = tl.load(row + 5, mask=m, other=0).to(IDX)
-    T1 = tl.load(row + 6, mask=m, other=0).to(IDX)
-    T2 = tl.load(row + 7, mask=m, other=0).to(IDX)
-    D0 = tl.load(row + 8, mask=m, other=0).to(IDX)
-    D1 = tl.load(row + 9, mask=m, other=0).to(IDX)
-    D2 = tl.load(row + 10, mask=m, other=0).to(IDX)
-    R1 = tl.load(row + 12, mask=m, other=1).to(IDX)
-    R2 = tl.load(row + 13, mask=m, other=1).to(IDX)
-    RT = tl.load(row + 14, mask=m, other=1).to(IDX)
-    local = e - tl.load(bstart_ptr + box, mask=m, other=0).to(IDX)
-    c2 = local % E2
-    q = local // E2
-    c1 = q % E1
-    q = q // E1
-    c0 = q % E0
-    lead = q // E0
-    off = lead * src_ls + (T0 + D0 * c0) * src_s0 + (T1 + D1 * c1) * src_s1 + (T2 + D2 * c2) * src_s2
-    acc = tl.load(src_ptr + (off * TRAIL + ch), mask=m, other=0.0).to(COMPUTE)  # r = 0 peeled: a copy stays exact
-    if RTMAX > 1:  # RTMAX == 1 (specialised to a constant by Triton): no loop is emitted at all
-        r = tl.full([], 1, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
-        while r < RTMAX:
-            r2 = r % R2
-            rq = r // R2
-            r1 = rq % R1
-            r0 = rq // R1
-            acc += tl.load(src_ptr + ((off + r0 * src_s0 + r1 * src_s1 + r2 * src_s2) * TRAIL + ch),
-                           mask=m & (r < RT), other=0.0).to(COMPUTE)
-            r += 1
-    # out0 has the source's dtype: a bf16 sum is rounded to nearest even (cast_out; the interpreter's own
-    # conversion truncates); out1 is the fp32/fp64 self-box buffer.
-    at = (dst + local) * TRAIL + ch
-    tl.store(out0_ptr + at, cast_out(acc, out0_ptr.dtype.element_ty, ROUND_BF16), mask=m & (sel == 0))
-    tl.store(out1_ptr + at, acc.to(out1_ptr.dtype.element_ty), mask=m & (sel == 1))
+    if pid < n_programs:  # past it: the rounding of a spilled grid
+        row = btab_ptr + tl.load(pbox_ptr + pid).to(tl.int64) * 24
+        et = ((pid - tl.load(row + 16)) * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
+        m = et < tl.load(row + 15).to(IDX)
+        ch = et % TRAIL
+        e = et // TRAIL  # the element's index in its box
+        E2 = tl.load(row + 4).to(IDX)
+        E1 = tl.load(row + 3).to(IDX)
+        E0 = tl.load(row + 2).to(IDX)
+        if WIDE:
+            q = e // E2
+            q1 = q // E1
+            lead = q1 // E0
+        else:
+            q = _magic_div(e, tl.load(row + 17), tl.load(row + 18))
+            q1 = _magic_div(q, tl.load(row + 19), tl.load(row + 20))
+            lead = _magic_div(q1, tl.load(row + 21), tl.load(row + 22))
+        c2 = e - q * E2
+        c1 = q - q1 * E1
+        c0 = q1 - lead * E0
+        off = (lead * src_ls + (tl.load(row + 5).to(IDX) + tl.load(row + 8).to(IDX) * c0) * src_s0
+               + (tl.load(row + 6).to(IDX) + tl.load(row + 9).to(IDX) * c1) * src_s1
+               + (tl.load(row + 7).to(IDX) + tl.load(row + 10).to(IDX) * c2) * src_s2)
+        acc = tl.load(src_ptr + (off * TRAIL + ch), mask=m, other=0.0).to(COMPUTE)  # r = 0 peeled: a copy is exact
+        if RTMAX > 1:  # RTMAX == 1 (specialised to a constant by Triton): no loop is emitted at all
+            R1 = tl.load(row + 12)
+            R2 = tl.load(row + 13)
+            RT = tl.load(row + 14)
+            r = RT * 0 + 1  # typed like RT: a loop-carried counter must keep one type when compiled
+            while r < RT:
+                r2 = r % R2
+                rq = r // R2
+                r1 = rq % R1
+                r0 = rq // R1
+                acc += tl.load(src_ptr + ((off + (r0 * src_s0 + r1 * src_s1 + r2 * src_s2).to(IDX)) * TRAIL + ch),
+                               mask=m, other=0.0).to(COMPUTE)
+                r += 1
+        # out0 has the source's dtype: a bf16 sum is rounded to nearest even (cast_out; the interpreter's own
+        # conversion truncates); out1 is the fp32/fp64 self-box buffer.
+        at = (tl.load(row + 1).to(IDX) + e) * TRAIL + ch
+        sel = tl.load(row) + tl.zeros([BLOCK], dtype=tl.int64)  # a tensor: the interpreter masks with tensors only
+        tl.store(out0_ptr + at, cast_out(acc, out0_ptr.dtype.element_ty, ROUND_BF16), mask=m & (sel == 0))
+        tl.store(out1_ptr + at, acc.to(out1_ptr.dtype.element_ty), mask=m & (sel == 1))
 
 
 @triton.jit
-def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, ctab_ptr, blist_ptr, btab_ptr, total, LEAD, E0, E1, E2,
-                      TRAIL: tl.constexpr, LOG2_NCELL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
-                      WIDE: tl.constexpr, BLOCK: tl.constexpr):
+def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, pcell_ptr, ctab_ptr, blist_ptr, btab_ptr, n_programs, E0, E1, E2,
+                      TRAIL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr, WIDE: tl.constexpr,
+                      BLOCK: tl.constexpr):
     """gx[l, p] += sum over the boxes k covering p of box_k[l, p - LO_k], in place, over the covered cells only.
 
     The covered part of the block is cut into cells, each covered by a fixed list of boxes
-    (:func:`~distfuse.kernels.halo_tables.accumulate_cells`); cell c is flat ``[LEAD, W0, W1, W2]``
-    from ``(O0, O1, O2)``, and the cells lie end to end from element START.  Programs tile the
-    concatenation, as the box gather does: an element finds its cell by a binary search of the
-    starts, reads ``gx`` there, adds its cell's boxes in table order and rounds once.  Box k
-    (table row): SEL 0 reads ``self_ptr``, 1 ``recv_ptr``; element ``(l, p)`` of the block is at
-    ``ORIGIN + l * VOLUME + p0 * STRIDE0 + p1 * STRIDE1 + p2`` there.  The block's interior, which no
-    box covers, is never read.  Offsets are int32 unless ``WIDE`` (a buffer of 2^31 elements or more).
-    The box loop is a ``while`` (see the module doc).  ``TRAIL``: channels last, as in :func:`box_gather_kernel`
-    (the tables count vectors of TRAIL channels, ``total`` elements).
+    (:func:`~distfuse.kernels.halo_tables.accumulate_cells`); cell c is flat ``[LEAD, W0, W1, W2]`` from ``(O0,
+    O1, O2)``.  Each cell has programs of its own, BLOCK of its elements each (``pcell[pid]`` names program
+    ``pid``'s cell, its row of the cell table: see :func:`~distfuse.kernels.halo_launches.accumulate_launch`), so
+    a program finds its cell, its extents and its boxes with loads every thread shares, and an element needs
+    neither a search nor a table load of its own: its block coordinates by multiply-shift divisions (the cell's
+    :func:`magic_divisor` of W2, W1, W0; runtime divisions where WIDE).  It reads ``gx`` there, adds its cell's
+    boxes in table order and rounds once.  Box k (table row): SEL 0 reads ``self_ptr``, 1 ``recv_ptr``; element
+    ``(l, p)`` of the block is at ``ORIGIN + l * VOLUME + p0 * STRIDE0 + p1 * STRIDE1 + p2`` there.  The block's
+    interior, which no box covers, is never read.  Offsets are int32 unless ``WIDE`` (a buffer of 2^31 elements or
+    more).  The box loop is a ``while`` over the cell's count (see the module doc).  ``TRAIL``: channels last, as
+    in :func:`box_gather_kernel` (the tables count vectors of TRAIL channels, ``NUMEL`` elements).
     """
     IDX = tl.int64 if WIDE else tl.int32
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
-    et = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
-    m = et < total
-    ch = et % TRAIL
-    e = et // TRAIL
-    cell = segment_of(e, m, ctab_ptr, 10, 1 << LOG2_NCELL, LOG2_NCELL, BLOCK)  # padding rows start past every e
-    row = ctab_ptr + cell * 10
-    W0 = tl.load(row + 4, mask=m, other=1).to(IDX)
-    W1 = tl.load(row + 5, mask=m, other=1).to(IDX)
-    W2 = tl.load(row + 6, mask=m, other=1).to(IDX)
-    local = e - tl.load(row, mask=m, other=0).to(IDX)
-    p2 = local % W2
-    q = local // W2
-    p1 = q % W1
-    q = q // W1
-    p0 = q % W0 + tl.load(row + 1, mask=m, other=0).to(IDX)
-    lead = q // W0
-    p1 += tl.load(row + 2, mask=m, other=0).to(IDX)
-    p2 += tl.load(row + 3, mask=m, other=0).to(IDX)
-    out_off = (((lead * E0 + p0) * E1 + p1) * E2 + p2) * TRAIL + ch
-    acc = tl.load(gx_ptr + out_off, mask=m, other=0.0).to(COMPUTE)
-    first = tl.load(row + 7, mask=m, other=0)
-    count = tl.load(row + 8, mask=m, other=0)
-    j = tl.max(count, axis=0) * 0
-    end = tl.max(count, axis=0)  # the loop runs to the program's longest list; shorter ones are masked
-    while j < end:
-        hit = m & (j < count)
-        box = btab_ptr + tl.load(blist_ptr + first + j, mask=hit, other=0) * 5
-        sel = tl.load(box, mask=hit, other=0)
-        off = (tl.load(box + 1, mask=hit, other=0).to(IDX) + lead * tl.load(box + 2, mask=hit, other=0).to(IDX)
-               + p0 * tl.load(box + 3, mask=hit, other=0).to(IDX) + p1 * tl.load(box + 4, mask=hit, other=0).to(IDX)
-               + p2) * TRAIL + ch
-        acc += tl.load(self_ptr + off, mask=hit & (sel == 0), other=0.0).to(COMPUTE)
-        acc += tl.load(recv_ptr + off, mask=hit & (sel == 1), other=0.0).to(COMPUTE)
-        j += 1
-    tl.store(gx_ptr + out_off, cast_out(acc, gx_ptr.dtype.element_ty, ROUND_BF16), mask=m)
+    if pid < n_programs:  # past it: the rounding of a spilled grid
+        row = ctab_ptr + tl.load(pcell_ptr + pid).to(tl.int64) * 16
+        et = ((pid - tl.load(row + 15)) * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
+        m = et < tl.load(row).to(IDX)
+        ch = et % TRAIL
+        e = et // TRAIL
+        W2 = tl.load(row + 6).to(IDX)
+        W1 = tl.load(row + 5).to(IDX)
+        W0 = tl.load(row + 4).to(IDX)
+        if WIDE:
+            q = e // W2
+            q1 = q // W1
+            lead = q1 // W0
+        else:
+            q = _magic_div(e, tl.load(row + 9), tl.load(row + 10))
+            q1 = _magic_div(q, tl.load(row + 11), tl.load(row + 12))
+            lead = _magic_div(q1, tl.load(row + 13), tl.load(row + 14))
+        p2 = e - q * W2 + tl.load(row + 3).to(IDX)
+        p1 = q - q1 * W1 + tl.load(row + 2).to(IDX)
+        p0 = q1 - lead * W0 + tl.load(row + 1).to(IDX)
+        out_off = (((lead * E0 + p0) * E1 + p1) * E2 + p2) * TRAIL + ch
+        acc = tl.load(gx_ptr + out_off, mask=m, other=0.0).to(COMPUTE)
+        first = tl.load(row + 7)
+        count = tl.load(row + 8)
+        j = count * 0
+        while j < count:
+            box = btab_ptr + tl.load(blist_ptr + first + j) * 5
+            sel = tl.load(box) + tl.zeros([BLOCK], dtype=tl.int64)  # a tensor: the interpreter masks with tensors only
+            off = (tl.load(box + 1).to(IDX) + lead * tl.load(box + 2).to(IDX) + p0 * tl.load(box + 3).to(IDX)
+                   + p1 * tl.load(box + 4).to(IDX) + p2) * TRAIL + ch
+            acc += tl.load(self_ptr + off, mask=m & (sel == 0), other=0.0).to(COMPUTE)
+            acc += tl.load(recv_ptr + off, mask=m & (sel == 1), other=0.0).to(COMPUTE)
+            j += 1
+        tl.store(gx_ptr + out_off, cast_out(acc, gx_ptr.dtype.element_ty, ROUND_BF16), mask=m)
 
 
 # ---------------------------------------------------------------- launch helpers

@@ -40,7 +40,6 @@ __all__ = ["SUPPORTED_DTYPES", "pad3", "contiguous_strides", "box_offsets", "int
            "table_tensors"]
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_NEVER = 1 << 62  # START of an unused accumulate cell row: no element reaches it
 _BOX_COLS = 15  # the box table's row width (see the module docstring; the kernels hard-code it)
 
 
@@ -194,10 +193,10 @@ def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
 
 
 def _box_launch_tables(rows: list[int], numels: list[int], device):
-    """Box table, start of every box in the concatenation, box count, total elements, largest R."""
-    starts = list(itertools.accumulate(numels, initial=0))
+    """``(box rows, elements of each box, largest R)``: the launch lays out each box's programs and makes the tables
+    (:func:`~distfuse.kernels.halo_launches.box_launch`).  ``device`` keys the caches alike."""
     rt = max((rows[k * _BOX_COLS + 14] for k in range(len(numels))), default=1)
-    return _i64(rows, device), _i64(starts, device), len(numels), starts[-1], rt
+    return tuple(rows), tuple(numels), rt
 
 
 def _box_row(sel: int, dst: int, extents, starts, dirs, reps) -> list[int]:
@@ -283,30 +282,27 @@ def accumulate_cells(x_shape: Sequence[int], boxes: Sequence[tuple[Sequence[int]
 
 @functools.lru_cache(maxsize=512)
 def accumulate_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
-    """``(cell table, box list, box table, cell rows, elements)`` of one accumulate launch.
+    """``(cells, box list, box table)`` of one accumulate launch.
 
-    Cell rows (width 10): START (the cell's first element in the concatenation of the cells, each flat
-    ``[LEAD, W0, W1, W2]``), O0, O1, O2 (origin), W0, W1, W2 (extent), LSTART, LCOUNT (its boxes:
-    ``box list[LSTART:LSTART + LCOUNT]``), 0; padded to a power of two with rows whose START no element
-    reaches.  Box rows (width 5): SEL, ORIGIN, VOLUME, STRIDE0, STRIDE1: element ``(l, p)`` of the block (``l`` of
-    LEAD, ``p`` a 3-D block coordinate) is at ``ORIGIN + l * VOLUME + p0 * STRIDE0 + p1 * STRIDE1 + p2`` of the
-    SEL's buffer (ORIGIN = BASE minus the offset of the box's low corner, so it may be negative).
+    ``cells``: per covered cell (:func:`accumulate_cells`), ``(O0, O1, O2, W0, W1, W2, LSTART, LCOUNT)``: its
+    origin and extent in the block and its boxes, ``box list[LSTART:LSTART + LCOUNT]`` (the launch lays out the
+    cells' programs: :func:`~distfuse.kernels.halo_launches.accumulate_launch`).  Box rows (width 5): SEL, ORIGIN,
+    VOLUME, STRIDE0, STRIDE1: element ``(l, p)`` of the block (``l`` of LEAD, ``p`` a 3-D block coordinate) is at
+    ``ORIGIN + l * VOLUME + p0 * STRIDE0 + p1 * STRIDE1 + p2`` of the SEL's buffer (ORIGIN = BASE minus the offset
+    of the box's low corner, so it may be negative).
     """
     boxes = accumulate_boxes(plan, index, lead)
-    cells = accumulate_cells(plan.input_shape(index), [(pc.src_lo, pc.src_shape) for _, _, pc in boxes])
-    rows, blist, total = [], [], 0
-    for origin, extent, ks in cells:
-        rows += [total, *origin, *extent, len(blist), len(ks), 0]
+    cells, blist = [], []
+    for origin, extent, ks in accumulate_cells(plan.input_shape(index), [(pc.src_lo, pc.src_shape)
+                                                                         for _, _, pc in boxes]):
+        cells.append((*origin, *extent, len(blist), len(ks)))
         blist += ks
-        total += lead * math.prod(extent)
-    n_rows = 1 << max(0, (len(cells) - 1).bit_length())
-    rows += [_NEVER, 0, 0, 0, 1, 1, 1, 0, 0, 0] * (n_rows - len(cells))
     btab = []
     for sel, off, pc in boxes:  # box element (l, p) at ORIGIN + l * VOLUME + p . STRIDES (p: block coordinates)
         lo, shape = pad3(pc.src_lo, 0), pad3(pc.src_shape, 1)
         strides = contiguous_strides(shape)
         btab += [sel, off - sum(c * s for c, s in zip(lo, strides, strict=True)), math.prod(shape), *strides[:2]]
-    return _i64(rows, device), _i64(blist or [0], device), _i64(btab or [0] * 5, device), n_rows, total
+    return tuple(cells), _i64(blist or [0], device), _i64(btab or [0] * 5, device)
 
 
 # ------------------------------------ buffer checks (shared by the halo launchers and kernels/conv_implicit.py)
