@@ -776,13 +776,13 @@ STAGE_SLAB_SPLIT = 4
 #: (Triton 3.6), 512-element ones 72.
 STAGE_STRIP_ELEMENTS = 512
 #: Launch a staging's window programs and its slabs' programs apart on GPUs (``stage_kernel``'s ``PART`` 1 and 2,
-#: two launches of one kernel) where the region has both.  A kernel's registers are those of its hungriest path:
-#: compiled for sm_90 (Triton 3.6, bf16, 4096-element tiles, the one-pass NCHW staging of a 3-D block at halo 1),
-#: the window's copy with its strips takes 39 registers a thread on its own and the slabs' rows 80, but one kernel
-#: with both 96, which leaves an SM five programs of the window's copy (4 warps each) where it could hold twelve.
-#: The window is 94% of the rows of a [64^3] block and all but 0.4% of a [512^2] one.  The price is one launch more
-#: (host time, and a kernel boundary on the GPU).  Unmeasured on a GPU: ``scripts/gpu_diagnose.py`` (``halo_tiles``)
-#: times both ways.
+#: two launches of one kernel) where the region copies the window (``"all"``, ``"local"``) and has slabs.  A
+#: kernel's registers are those of its hungriest path: compiled for sm_90 (Triton 3.6, bf16, 4096-element tiles, the
+#: one-pass NCHW staging of a 3-D block at halo 1), the window's copy with its strips takes 48 registers a thread on
+#: its own (32 at 512-wide tiles) and the slabs' rows 80 (90), but one kernel with both 96, which leaves an SM five
+#: programs of the window's copy (4 warps each) where it could hold ten.  The window is 94% of the rows of a [64^3]
+#: block and all but 0.4% of a [512^2] one.  The price is one launch more (host time, and a kernel boundary on the
+#: GPU).  Unmeasured on a GPU: ``scripts/gpu_diagnose.py`` (``halo_tiles``) times both ways.
 STAGE_SPLIT = True
 #: Box-table rows of a staging launch: the interior window and at most four slabs (two per axis of axes 0 and 1).
 STAGE_BOXES = 5
@@ -927,7 +927,8 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     (``crd2 = col + C2BASE`` there).  ``slab_rows``: None chooses (see below); True or False forces it (tests).
     The kernel reads the window's row from its ``W_*`` arguments instead (``W_TILES`` box 1's START), so a window
     program loads nothing before its copy.  ``split``: launch the window's programs and the slabs' apart
-    (:data:`STAGE_SPLIT`, the GPU default; None chooses, True or False forces it), where the region has both.
+    (:data:`STAGE_SPLIT`, the GPU default; None chooses, True or False forces it), where the region copies the
+    window (``"all"``, ``"local"``) and has slabs.
 
     ``trail`` > 1: channels last (``lead`` the batch, ``trail`` the channels, innermost in memory).  The kernels
     are the same: every staged row is the last axis merged with the channels (``L2 * trail`` elements), the
@@ -1049,7 +1050,10 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     window = (rows[_STAGE_COLS], *(w[c] for c in (1, 2, 3, 5, 6, 8, 9, 10, 11, 12, 15, 20, 16, 17, 18, 22)))
     if split is None:
         split = device.type == "cuda" and STAGE_SPLIT
-    parts = ((linear_grid(w_tiles), 1), (linear_grid(start - w_tiles), 2)) if split and 0 < w_tiles < start else ()
+    # where the window's copy runs (regions all and local): the remote pass's window programs write strips only, and
+    # take the slabs' registers anyway (72 a thread at sm_90, Triton 3.6), so a second launch would buy nothing
+    parts = (((linear_grid(w_tiles), 1), (linear_grid(start - w_tiles), 2))
+             if split and code in (0, 1) and 0 < w_tiles < start else ())
     return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, stab, ns[1], ns[2],
                                                                         full[2], x_str[1], *window),
                        dict(REGION=code, WIDE=wide, NUM_BOX=STAGE_BOXES, BLOCK_R=block_r, BLOCK_X=block_x,
