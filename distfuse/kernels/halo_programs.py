@@ -65,7 +65,9 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   and the strip table, then the strips' values.  And a kernel's registers are its hungriest path's: the window's
   copy with its strips compiles to 48 registers a thread (32 at 512-wide tiles), the slabs' rows to 80 (90),
   one kernel of both to 96, five programs of 4 warps an SM where the window alone allows ten.  So on GPUs the
-  window's programs and the slabs' are two launches of one kernel (``PART`` 1 and 2, :data:`STAGE_SPLIT`); the
+  window's programs and the slabs' are two launches of one kernel (``PART`` 1 and 2, :data:`STAGE_SPLIT`) where
+  the staging copies the window and stages 2^24 elements or more (below, the second launch's host time would
+  outweigh it); the
   slabs' launch keeps the window's branch compiled in, never taken, because unaligned slab rows take 255
   registers without the window's load layout to share (see the next point).  Unmeasured on a GPU:
   ``scripts/gpu_diagnose.py`` times the staging split and not (``halo_tiles``, rows ``split=``).
@@ -180,7 +182,7 @@ from distfuse.kernels.launch_cache import cached_launch
 __all__ = ["piece_value", "lut_gather_kernel", "stage_kernel", "box_gather_kernel", "accumulate_kernel",
            "StageLaunch", "stage_launch", "launch_stage", "stage_tile", "strip_table", "magic_divisor", "shell",
            "compute_dtype", "pick_tile", "row_tiled_grid", "linear_grid", "box_block", "REGION_CODE", "STAGE_BOXES",
-           "STAGE_WIDTHS", "STAGE_TILE_ELEMENTS", "STAGE_NUM_WARPS", "STAGE_SPLIT",
+           "STAGE_WIDTHS", "STAGE_TILE_ELEMENTS", "STAGE_NUM_WARPS", "STAGE_SPLIT", "STAGE_SPLIT_ELEMENTS",
            "STAGE_SLAB_SPLIT", "WIDE_ELEMENTS"]
 
 #: The staging kernels' REGION codes.  ``"window"`` (3) is a diagnosis, not a region of
@@ -784,6 +786,10 @@ STAGE_STRIP_ELEMENTS = 512
 #: block and all but 0.4% of a [512^2] one.  The price is one launch more (host time, and a kernel boundary on the
 #: GPU).  Unmeasured on a GPU: ``scripts/gpu_diagnose.py`` (``halo_tiles``) times both ways.
 STAGE_SPLIT = True
+#: Staged elements (channels included) from which the staging splits by default: the second launch costs the host
+#: 10-17 us on the H200's host (``diagnose``'s ``attrib`` rows, the launcher alone), which small stagings, bound by
+#: the host, would pay in full; 2^24 bf16 elements take the copy about 16 us.
+STAGE_SPLIT_ELEMENTS = 1 << 24
 #: Box-table rows of a staging launch: the interior window and at most four slabs (two per axis of axes 0 and 1).
 STAGE_BOXES = 5
 _STAGE_COLS = 24  # the box table's row width (stage_kernel hard-codes it)
@@ -927,8 +933,8 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     (``crd2 = col + C2BASE`` there).  ``slab_rows``: None chooses (see below); True or False forces it (tests).
     The kernel reads the window's row from its ``W_*`` arguments instead (``W_TILES`` box 1's START), so a window
     program loads nothing before its copy.  ``split``: launch the window's programs and the slabs' apart
-    (:data:`STAGE_SPLIT`, the GPU default; None chooses, True or False forces it), where the region copies the
-    window (``"all"``, ``"local"``) and has slabs.
+    (:data:`STAGE_SPLIT`, the GPU default from :data:`STAGE_SPLIT_ELEMENTS` staged elements; None chooses, True or
+    False forces it), where the region copies the window (``"all"``, ``"local"``) and has slabs.
 
     ``trail`` > 1: channels last (``lead`` the batch, ``trail`` the channels, innermost in memory).  The kernels
     are the same: every staged row is the last axis merged with the channels (``L2 * trail`` elements), the
@@ -1049,7 +1055,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     w_tiles = min(rows[_STAGE_COLS], start)  # the window's programs come first (box 1's START; all without slabs)
     window = (rows[_STAGE_COLS], *(w[c] for c in (1, 2, 3, 5, 6, 8, 9, 10, 11, 12, 15, 20, 16, 17, 18, 22)))
     if split is None:
-        split = device.type == "cuda" and STAGE_SPLIT
+        split = device.type == "cuda" and STAGE_SPLIT and total >= STAGE_SPLIT_ELEMENTS
     # where the window's copy runs (regions all and local): the remote pass's window programs write strips only, and
     # take the slabs' registers anyway (72 a thread at sm_90, Triton 3.6), so a second launch would buy nothing
     parts = (((linear_grid(w_tiles), 1), (linear_grid(start - w_tiles), 2))
