@@ -18,6 +18,7 @@ from distfuse.kernels import halo as hk
 from distfuse.kernels import halo_programs as hp
 from distfuse.kernels import halo_tables as ht
 from tests.test_halo_kernels import _nan, _nchw_order, _plan, _staged_pieces_mask
+from tests.test_halo_overlap_passes import _inputs
 
 # (global shape, grid, kernel, padding, mode, workers): a middle worker (every face remote) and a corner one (faces
 # from the padding rule), in 2-D and 3-D, uneven splits included
@@ -55,8 +56,7 @@ def test_split_staging_writes_what_the_one_launch_writes(gshape, grid, kernel, p
     gen = torch.Generator().manual_seed(7)
     split_seen = 0
     for i in workers:
-        x = torch.randn((B, C) + plan.input_shape(i), generator=gen).contiguous(memory_format=fmt)
-        recv = torch.randn(ht.recv_numel(plan, i, B * C), generator=gen)
+        x, recv = _inputs(plan, i, B, C, fmt, "cpu", torch.float32, gen)
         want = hk.halo_stage_reference(x, _nchw_order(recv, [pc.src_shape for pc in plan.recvs(i)], (B, C))
                                        if cl else recv, plan, i)
         for region in ("all", "local", "remote", "window"):
@@ -165,9 +165,7 @@ def test_split_staging_cuda(nd, cl):
         k = 2 * halo + 1
         plan, _ = _plan((3 * extent,) * nd, (3,) * nd, (k,) * nd, (1,) * nd, (1,) * nd, halo, "zeros")
         for i in ((1,) * nd, (0,) * nd):
-            x = torch.randn((B, C) + plan.input_shape(i), generator=gen).to("cuda", torch.bfloat16)
-            x = x.contiguous(memory_format=fmt)
-            recv = torch.randn(ht.recv_numel(plan, i, B * C), generator=gen).to("cuda", torch.bfloat16)
+            x, recv = _inputs(plan, i, B, C, fmt, "cuda", torch.bfloat16, gen)
             want = hk.halo_stage_reference(x, _nchw_order(recv, [pc.src_shape for pc in plan.recvs(i)], (B, C))
                                            if cl else recv, plan, i)
             for region in ("all", "local", "remote"):

@@ -569,6 +569,31 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
 
 
 @triton.jit
+def _program_elements(row, pid, NUMEL: tl.constexpr, PSTART: tl.constexpr, EXTENTS: tl.constexpr,
+                      DIVISORS: tl.constexpr, TRAIL: tl.constexpr, BLOCK: tl.constexpr, IDX: tl.constexpr,
+                      WIDE: tl.constexpr):
+    """Program ``pid``'s BLOCK elements of the box (or cell) at table row ``row``, flat ``[LEAD, E0, E1, E2]`` of
+    vectors of TRAIL channels: ``(mask, channel, index in the box, c0, c1, c2, lead)``.  The row holds the box's
+    elements (channels included) at column NUMEL, its first program at PSTART, ``E0 E1 E2`` from EXTENTS and the
+    :func:`magic_divisor` ``(m, k)`` of E2, E1, E0 from DIVISORS (used unless WIDE: int64, runtime divisions)."""
+    et = ((pid - tl.load(row + PSTART)) * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
+    m = et < tl.load(row + NUMEL).to(IDX)
+    e = et // TRAIL
+    E0 = tl.load(row + EXTENTS).to(IDX)
+    E1 = tl.load(row + EXTENTS + 1).to(IDX)
+    E2 = tl.load(row + EXTENTS + 2).to(IDX)
+    if WIDE:
+        q = e // E2
+        q1 = q // E1
+        lead = q1 // E0
+    else:
+        q = _magic_div(e, tl.load(row + DIVISORS), tl.load(row + DIVISORS + 1))
+        q1 = _magic_div(q, tl.load(row + DIVISORS + 2), tl.load(row + DIVISORS + 3))
+        lead = _magic_div(q1, tl.load(row + DIVISORS + 4), tl.load(row + DIVISORS + 5))
+    return m, et % TRAIL, e, q1 - lead * E0, q - q1 * E1, e - q * E2, lead
+
+
+@triton.jit
 def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_programs, RTMAX, src_ls, src_s0, src_s1,
                       src_s2, TRAIL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
                       WIDE: tl.constexpr, BLOCK: tl.constexpr):
@@ -596,24 +621,7 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_program
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
     if pid < n_programs:  # past it: the rounding of a spilled grid
         row = btab_ptr + tl.load(pbox_ptr + pid).to(tl.int64) * 24
-        et = ((pid - tl.load(row + 16)) * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
-        m = et < tl.load(row + 15).to(IDX)
-        ch = et % TRAIL
-        e = et // TRAIL  # the element's index in its box
-        E2 = tl.load(row + 4).to(IDX)
-        E1 = tl.load(row + 3).to(IDX)
-        E0 = tl.load(row + 2).to(IDX)
-        if WIDE:
-            q = e // E2
-            q1 = q // E1
-            lead = q1 // E0
-        else:
-            q = _magic_div(e, tl.load(row + 17), tl.load(row + 18))
-            q1 = _magic_div(q, tl.load(row + 19), tl.load(row + 20))
-            lead = _magic_div(q1, tl.load(row + 21), tl.load(row + 22))
-        c2 = e - q * E2
-        c1 = q - q1 * E1
-        c0 = q1 - lead * E0
+        m, ch, e, c0, c1, c2, lead = _program_elements(row, pid, 15, 16, 2, 17, TRAIL, BLOCK, IDX, WIDE)
         off = (lead * src_ls + (tl.load(row + 5).to(IDX) + tl.load(row + 8).to(IDX) * c0) * src_s0
                + (tl.load(row + 6).to(IDX) + tl.load(row + 9).to(IDX) * c1) * src_s1
                + (tl.load(row + 7).to(IDX) + tl.load(row + 10).to(IDX) * c2) * src_s2)
@@ -662,24 +670,10 @@ def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, pcell_ptr, ctab_ptr, blist_ptr
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
     if pid < n_programs:  # past it: the rounding of a spilled grid
         row = ctab_ptr + tl.load(pcell_ptr + pid).to(tl.int64) * 16
-        et = ((pid - tl.load(row + 15)) * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
-        m = et < tl.load(row).to(IDX)
-        ch = et % TRAIL
-        e = et // TRAIL
-        W2 = tl.load(row + 6).to(IDX)
-        W1 = tl.load(row + 5).to(IDX)
-        W0 = tl.load(row + 4).to(IDX)
-        if WIDE:
-            q = e // W2
-            q1 = q // W1
-            lead = q1 // W0
-        else:
-            q = _magic_div(e, tl.load(row + 9), tl.load(row + 10))
-            q1 = _magic_div(q, tl.load(row + 11), tl.load(row + 12))
-            lead = _magic_div(q1, tl.load(row + 13), tl.load(row + 14))
-        p2 = e - q * W2 + tl.load(row + 3).to(IDX)
-        p1 = q - q1 * W1 + tl.load(row + 2).to(IDX)
-        p0 = q1 - lead * W0 + tl.load(row + 1).to(IDX)
+        m, ch, _, p0, p1, p2, lead = _program_elements(row, pid, 0, 15, 4, 9, TRAIL, BLOCK, IDX, WIDE)
+        p0 += tl.load(row + 1).to(IDX)  # the cell's origin in the block
+        p1 += tl.load(row + 2).to(IDX)
+        p2 += tl.load(row + 3).to(IDX)
         out_off = (((lead * E0 + p0) * E1 + p1) * E2 + p2) * TRAIL + ch
         acc = tl.load(gx_ptr + out_off, mask=m, other=0.0).to(COMPUTE)
         first = tl.load(row + 7)
