@@ -88,7 +88,18 @@ def test_overlap_passes_cuda(nd, cl):
     """Compiled, at the GPU's own launch geometry (strip tiles of ``STAGE_STRIP_ELEMENTS``, the slabs' form that
     :func:`~distfuse.kernels.halo_programs.choose_slab_rows` picks): both passes of the middle worker of a 3^nd grid
     and of a corner worker, bf16, halo 1 (odd: NCHW rows unaligned) and 2."""
-    gen = torch.Generator().manual_seed(5)
+    fmt = hk.CHANNELS_LAST[nd] if cl else torch.contiguous_format
+    for plan, i, x, recv, lead, trail in cuda_cases(nd, cl, 5):
+        local = hp.stage_launch(plan, i, lead, x.device, "local", None, None, trail)
+        remote = hp.stage_launch(plan, i, lead, x.device, "remote", None, None, trail)
+        assert remote.meta["STRIP_R"] >= remote.meta["BLOCK_R"]
+        _check_passes(plan, i, x, recv, local, remote, cl, fmt)
+
+
+def cuda_cases(nd, cl, seed):
+    """The GPU tests' stagings: ``(plan, index, x, recv, LEAD, TRAIL)`` for the middle and a corner worker of a
+    3^nd grid, bf16, halo 1 (odd: NCHW rows unaligned) and 2, 16 channels, NCHW or channels last."""
+    gen = torch.Generator().manual_seed(seed)
     B, C = 1, 16
     fmt = hk.CHANNELS_LAST[nd] if cl else torch.contiguous_format
     lead, trail = (B, C) if cl else (B * C, 1)
@@ -97,8 +108,4 @@ def test_overlap_passes_cuda(nd, cl):
         k = 2 * halo + 1
         plan, _ = _plan((3 * extent,) * nd, (3,) * nd, (k,) * nd, (1,) * nd, (1,) * nd, halo, "zeros")
         for i in ((1,) * nd, (0,) * nd):
-            x, recv = _inputs(plan, i, B, C, fmt, "cuda", torch.bfloat16, gen)
-            local = hp.stage_launch(plan, i, lead, x.device, "local", None, None, trail)
-            remote = hp.stage_launch(plan, i, lead, x.device, "remote", None, None, trail)
-            assert remote.meta["STRIP_R"] >= remote.meta["BLOCK_R"]
-            _check_passes(plan, i, x, recv, local, remote, cl, fmt)
+            yield (plan, i, *_inputs(plan, i, B, C, fmt, "cuda", torch.bfloat16, gen), lead, trail)

@@ -18,7 +18,7 @@ from distfuse.kernels import halo as hk
 from distfuse.kernels import halo_programs as hp
 from distfuse.kernels import halo_tables as ht
 from tests.test_halo_kernels import _nan, _nchw_order, _plan, _staged_pieces_mask
-from tests.test_halo_overlap_passes import _inputs
+from tests.test_halo_overlap_passes import _inputs, cuda_cases
 
 # (global shape, grid, kernel, padding, mode, workers): a middle worker (every face remote) and a corner one (faces
 # from the padding rule), in 2-D and 3-D, uneven splits included
@@ -156,22 +156,14 @@ def test_the_gpu_stages_split_by_default_and_the_interpreter_in_one_launch():
 def test_split_staging_cuda(nd, cl):
     """Compiled at the GPU's own tiles: split and not, every region, bf16, halo 1 (odd: NCHW rows unaligned) and 2,
     a middle and a corner worker, bit for bit."""
-    gen = torch.Generator().manual_seed(9)
-    B, C = 1, 16
     fmt = hk.CHANNELS_LAST[nd] if cl else torch.contiguous_format
-    lead, trail = (B, C) if cl else (B * C, 1)
-    extent = {2: 96, 3: 24}[nd]
-    for halo in (1, 2):
-        k = 2 * halo + 1
-        plan, _ = _plan((3 * extent,) * nd, (3,) * nd, (k,) * nd, (1,) * nd, (1,) * nd, halo, "zeros")
-        for i in ((1,) * nd, (0,) * nd):
-            x, recv = _inputs(plan, i, B, C, fmt, "cuda", torch.bfloat16, gen)
-            want = hk.halo_stage_reference(x, _nchw_order(recv, [pc.src_shape for pc in plan.recvs(i)], (B, C))
-                                           if cl else recv, plan, i)
-            for region in ("all", "local", "remote"):
-                part = _written(plan, i, region, want.shape).to("cuda")
-                for split in (True, False):
-                    launch = hp.stage_launch(plan, i, lead, x.device, region, None, None, trail, split)
-                    out = _nan(want.shape, want.dtype, want.device).contiguous(memory_format=fmt)
-                    hp.launch_stage(out, x, recv, launch)
-                    assert torch.equal(out.isnan(), ~part) and torch.equal(out[part], want[part]), (i, region, split)
+    for plan, i, x, recv, lead, trail in cuda_cases(nd, cl, 9):
+        want = hk.halo_stage_reference(x, _nchw_order(recv, [pc.src_shape for pc in plan.recvs(i)], (1, 16))
+                                       if cl else recv, plan, i)
+        for region in ("all", "local", "remote"):
+            part = _written(plan, i, region, want.shape).to("cuda")
+            for split in (True, False):
+                launch = hp.stage_launch(plan, i, lead, x.device, region, None, None, trail, split)
+                out = _nan(want.shape, want.dtype, want.device).contiguous(memory_format=fmt)
+                hp.launch_stage(out, x, recv, launch)
+                assert torch.equal(out.isnan(), ~part) and torch.equal(out[part], want[part]), (i, region, split)
