@@ -90,11 +90,14 @@ phase() {
     --seconds $((SECONDS - t)) ${file:+--file "$file"} 2>&1 | tee -a "$LOG"
 }
 
-# Newest first: the phase's cap has cut the list at test_halo_kernels.py (2026-11-28, 53 of 65 in 130 s), so what
-# never ran on a GPU leads and the longest file (the halo kernels, 22 tests) comes last.
-TESTS=(tests/test_halo_overlap_passes.py tests/test_scatter_partial.py tests/test_launch_cache.py tests/test_status_slots.py
-       tests/test_agreement_deferred.py tests/test_first_contact.py tests/test_providers.py tests/test_persistent_gemm.py
-       tests/test_fused_copy_engine.py tests/test_gemm_kernels.py tests/test_halo_kernels.py)
+# Newest first: the phase's cap has cut the list (2026-11-28, 53 of 65 tests in 130 s), so what never ran on a GPU
+# leads: the split staging, the overlap passes, the deferred checks drained within a claim, then the halo kernels'
+# file (22 tests: its realistic ones run the rebuilt box gather and accumulate against their references), then the
+# files that passed on the H200 before.
+TESTS=(tests/test_halo_stage_split.py tests/test_halo_overlap_passes.py tests/test_status_slots.py
+       tests/test_halo_kernels.py tests/test_launch_cache.py tests/test_scatter_partial.py tests/test_agreement_deferred.py
+       tests/test_first_contact.py tests/test_providers.py tests/test_persistent_gemm.py tests/test_fused_copy_engine.py
+       tests/test_gemm_kernels.py)
 TIMEOUT_ARG=()
 $PY -c "import pytest_timeout" 2>/dev/null && TIMEOUT_ARG=(--timeout 90)
 DEV=$($PY -c "import re, torch; print(re.sub(r'[^A-Za-z0-9._-]', '_', torch.cuda.get_device_name()) if torch.cuda.is_available() else 'cpu')" 2>/dev/null || echo cpu)
