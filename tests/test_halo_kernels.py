@@ -228,6 +228,36 @@ def test_kernels_many_small_tiles():
               lead_shape=(1,), tile=(4, 2), block=16)
 
 
+@pytest.fixture
+def per_box(monkeypatch):
+    """The GPUs' form of the box gather and the accumulate (programs per box and per cell) under the interpreter,
+    whose own default is one program searching every element's box: the launches are cached, so the caches are
+    cleared on both sides."""
+    monkeypatch.setattr(hl, "BOX_PROGRAMS", True)
+    caches = (hl.pack_launch, hl.unstage_launch, hl.accumulate_launch)
+    for cache in caches:
+        cache.cache_clear()
+    yield
+    for cache in caches:
+        cache.cache_clear()
+
+
+def test_kernels_with_programs_per_box(per_box):
+    """Pack, unstage and accumulate in the GPUs' form, against their references: 2-D replicate at halo 2 (runs that
+    sum several staged elements, overlapping boxes), 3-D circular (self boxes), bf16 channels last; small program
+    blocks, so boxes span several programs beside boxes smaller than one."""
+    plan, _ = _plan((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 2, "replicate")
+    launches = (hl.unstage_launch(plan, (1, 1), 16, torch.device("cpu"), "all", 16).boxes,
+                hl.accumulate_launch(plan, (1, 1), 16, torch.device("cpu"), 16))
+    assert all(launch.meta["PER_BOX"] for launch in launches)  # the form asked for, not a silent fallback
+    assert math.prod(launches[1].grid) > len(ht.accumulate_tables(plan, (1, 1), 16, torch.device("cpu"))[0])
+    _simulate((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 2, "replicate", torch.float32, lead_shape=(2, 8), block=16)
+    _simulate((5, 6, 7), (2, 1, 2), (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, "circular", torch.float32,
+              lead_shape=(1, 2), block=16)
+    _simulate((6, 8), (2, 2), (3, 3), (1, 1), (1, 1), 1, "reflect", torch.bfloat16, lead_shape=(2, 4), block=16,
+              channels_last=True)
+
+
 def test_kernels_with_a_spilled_grid(monkeypatch):
     """Grid axis 0 capped at 3 programs: the rest go to axis 1, every tile is still written once (outputs start
     as NaN) and the surplus programs of a rounded-up grid write nothing; row-tiled and linear launches both."""
@@ -741,10 +771,12 @@ for dt, acc, compute in (("bf16", "fp32", tl.float32), ("fp64", "fp64", tl.float
                                             "BLOCK_X": 64, "SLAB_X": 16, "STRIP_X": 4, "X_ALIGN": align,
                                             "OUT_ALIGN": align, "SLAB_ROWS": not wide}, ones)
         for wide in (False, True):
-            comp(hp.box_gather_kernel, dt, acc, {"COMPUTE": compute, "ROUND_BF16": False,
+            comp(hp.box_gather_kernel, dt, acc, {"LOG2_NBOX": 3, "PER_BOX": True, "COMPUTE": compute,
+                                                 "ROUND_BF16": False,
                                                  "WIDE": wide, "BLOCK": 1024}, ones)
         for wide in (False, True):
-            comp(hp.accumulate_kernel, dt, acc, {"COMPUTE": compute, "ROUND_BF16": False,
+            comp(hp.accumulate_kernel, dt, acc, {"LOG2_NCELL": 5, "PER_BOX": True, "COMPUTE": compute,
+                                                 "ROUND_BF16": False,
                                                  "WIDE": wide, "BLOCK": 1024}, ones)
 print("compiled")
 """

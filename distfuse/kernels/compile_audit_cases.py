@@ -297,14 +297,17 @@ def _halo_cases(dtypes) -> list[KernelCase]:
         if dt.itemsize != 2 or dt in sixteen:
             cases += _halo_moving_cases(dt)
         # TRAIL 1: NCHW; 64: channels last (64 channels a vector)
-        for wide, trail in ((False, 1), (True, 1), (False, 64)):  # programs per box: int32, int64; channels last
+        # programs per box (the GPU form: halo_launches.per_box_programs): int32, int64 offsets; channels last
+        for wide, trail in ((False, 1), (True, 1), (False, 64)):
             cases.append(KernelCase("halo_box_gather", halo.box_gather_kernel, dt,
-                                    dict(TRAIL=trail, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide, BLOCK=1024),
+                                    dict(TRAIL=trail, LOG2_NBOX=5, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide,
+                                         BLOCK=1024, PER_BOX=True),
                                     halo.BOX_NUM_WARPS, 1, pointer_dtypes={**i64, **fp32, "pbox_ptr": "i32"}))
         # programs per cell: int32 offsets, int64 offsets; channels last
         for wide, trail in ((False, 1), (True, 1), (False, 64)):
             cases.append(KernelCase("halo_accumulate", halo.accumulate_kernel, dt,
-                                    dict(TRAIL=trail, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide, BLOCK=1024),
+                                    dict(TRAIL=trail, LOG2_NCELL=5, COMPUTE=tl.float32, ROUND_BF16=False, WIDE=wide,
+                                         BLOCK=1024, PER_BOX=True),
                                     halo.BOX_NUM_WARPS, 1, pointer_dtypes={**i64, **fp32, "pcell_ptr": "i32"}))
     return cases
 

@@ -47,7 +47,8 @@ from distfuse.kernels.host_ints import cdiv
 from distfuse.kernels.launch_cache import cached_launch
 
 __all__ = ["BoxLaunch", "PackLaunch", "UnstageLaunch", "AccumulateLaunch", "box_launch", "pack_launch",
-           "unstage_launch", "accumulate_launch", "launch_box_gather", "launch_accumulate"]
+           "unstage_launch", "accumulate_launch", "launch_box_gather", "launch_accumulate", "per_box_programs",
+           "BOX_PROGRAMS"]
 
 
 class BoxLaunch(NamedTuple):
@@ -66,10 +67,11 @@ def box_launch(tables, lead: int, src_shape: tuple[int, ...], device: torch.devi
     channels last: the tables count vectors of ``trail`` channels); None when the boxes hold no element (nothing to
     launch).
 
-    Each box gets ``cdiv(NUMEL, BLOCK)`` programs of its own, laid end to end: an int32 program table names each
-    program's box, whose row (int64, 24 wide) is the tables' 15 columns (``SEL DST E0 E1 E2 T0 T1 T2 D0 D1 D2 R0 R1
-    R2 RT``) then ``NUMEL`` (its elements, ``trail`` included), its first program and the :func:`~distfuse.kernels.
-    halo_programs.magic_divisor` of E2, E1 and E0."""
+    On GPUs (:func:`per_box_programs`) each box gets ``cdiv(NUMEL, BLOCK)`` programs of its own, laid end to end:
+    an int32 program table names each program's box, whose row (int64, 24 wide) is the tables' 15 columns (``SEL
+    DST E0 E1 E2 T0 T1 T2 D0 D1 D2 R0 R1 R2 RT``), then ``NUMEL`` (its elements, ``trail`` included), its first
+    program, the :func:`~distfuse.kernels.halo_programs.magic_divisor` of E2, E1 and E0, and its first vector in the
+    boxes laid end to end (``START``, what the interpreter's programs search instead)."""
     rows, numels, rtmax = tables
     src3 = pad3(src_shape, 1)
     total = sum(numels) * trail
@@ -77,17 +79,21 @@ def box_launch(tables, lead: int, src_shape: tuple[int, ...], device: torch.devi
         return None
     block = box_block(device, block, total)
     wide = max(total, lead * math.prod(src3) * trail) + block >= WIDE_ELEMENTS  # int64 offsets and div/mod then
-    table, pbox = [], []
+    per_box = per_box_programs(device)
+    table, pbox, start = [], [], 0
     for k, numel in enumerate(numels):
         row = list(rows[k * 15: k * 15 + 15])
         e0, e1, e2 = (max(1, e) for e in row[2:5])  # an empty box has no program: any divisor will do
-        table += row + [numel * trail, len(pbox), *magic_divisor(e2), *magic_divisor(e1), *magic_divisor(e0), 0]
-        pbox += [k] * cdiv(numel * trail, block)
-    return BoxLaunch(linear_grid(len(pbox)),
-                     (torch.tensor(pbox, dtype=torch.int32, device=device),
-                      torch.tensor(table, dtype=torch.int64, device=device), len(pbox), rtmax, math.prod(src3),
-                      *contiguous_strides(src3)),
-                     dict(TRAIL=trail, WIDE=wide, BLOCK=block, num_warps=BOX_NUM_WARPS), {})
+        table += row + [numel * trail, len(pbox), *magic_divisor(e2), *magic_divisor(e1), *magic_divisor(e0), start]
+        pbox += [k] * (cdiv(numel * trail, block) if per_box else 0)
+        start += numel
+    btab = torch.tensor(table, dtype=torch.int64, device=device)
+    programs = len(pbox) if per_box else cdiv(total, block)
+    return BoxLaunch(linear_grid(programs),
+                     (torch.tensor(pbox or [0], dtype=torch.int32, device=device), btab, programs, len(numels), total,
+                      rtmax, math.prod(src3), *contiguous_strides(src3)),
+                     dict(TRAIL=trail, LOG2_NBOX=(len(numels) - 1).bit_length(), WIDE=wide, BLOCK=block,
+                          PER_BOX=per_box, num_warps=BOX_NUM_WARPS), {})
 
 
 def launch_box_gather(out0: torch.Tensor, out1: torch.Tensor, src: torch.Tensor, launch: BoxLaunch) -> None:
@@ -171,17 +177,18 @@ class AccumulateLaunch(NamedTuple):
 
     ``input_shape`` ``n`` is ``grad_x``'s spatial shape; ``self_numel`` and ``send_numel`` the sizes of the flat
     self boxes and of the incoming halo gradients (``plan.sends`` boxes).  ``args`` are the launch's arguments
-    after the three buffers (program table, cell table, box list, box table, programs, E0, E1, E2), ``grid`` its
-    grid (None: no box has an element, nothing to launch) and ``meta`` its dtype-free constexprs.
+    after the three buffers (program table, cell table, box list, box table, programs, cells, elements, E0, E1, E2),
+    ``grid`` its grid (None: no box has an element, nothing to launch) and ``meta`` its dtype-free constexprs.
 
-    Each covered cell gets ``cdiv(NUMEL, BLOCK)`` programs of its own, laid end to end; the program table (int32,
-    one entry a program) names each program's cell, and a cell row (int64, 16 wide) holds ``NUMEL`` (its elements:
-    ``LEAD * W0 * W1 * W2 * trail``), ``O0 O1 O2 W0 W1 W2 LSTART LCOUNT`` (:func:`~distfuse.kernels.halo_tables.
-    accumulate_tables`), the :func:`~distfuse.kernels.halo_programs.magic_divisor` of W2, W1 and W0, and its first
-    program.  A program then reads its cell with loads every thread shares, where the elements of the earlier
-    form searched the cell table each (five dependent loads for a 3-D shell's 26 cells) and divided at run time
-    (six integer divisions an element): on an H200 that accumulate took 155 us at [1, 256, 64^3] bf16, halo 1,
-    for 6.1M covered elements (2026-11-28, ``halo_full``).
+    On GPUs (:func:`per_box_programs`) each covered cell gets ``cdiv(NUMEL, BLOCK)`` programs of its own, laid end to
+    end; the program table (int32, one entry a program) names each program's cell, and a cell row (int64, 17 wide)
+    holds ``NUMEL`` (its elements: ``LEAD * W0 * W1 * W2 * trail``), ``O0 O1 O2 W0 W1 W2 LSTART LCOUNT``
+    (:func:`~distfuse.kernels.halo_tables.accumulate_tables`), the :func:`~distfuse.kernels.halo_programs.
+    magic_divisor` of W2, W1 and W0, its first program and its first vector in the cells laid end to end (``START``,
+    what the interpreter's programs search instead).  A program then reads its cell with loads every thread shares,
+    where the elements searched the cell table each (five dependent loads for a 3-D shell's 26 cells) and divided
+    at run time (six integer divisions an element): on an H200 that took 155 us at [1, 256, 64^3] bf16, halo 1, for
+    6.1M covered elements (2026-11-28, ``halo_full``).
     """
 
     input_shape: tuple[int, ...]
@@ -205,20 +212,35 @@ def accumulate_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device:
     cells, blist, btab = accumulate_tables(plan, index, lead, device)
     sizes = [lead * math.prod(cell[3:6]) * trail for cell in cells]
     total = sum(sizes)
+    if total == 0:
+        return AccumulateLaunch(x_shape, n_self, n_send, None, (), {}, {})
     block = box_block(device, block, total)
     wide = max(lead * math.prod(x_shape) * trail, n_self, n_send, total) + block >= WIDE_ELEMENTS
-    rows, pcell = [], []
+    per_box = per_box_programs(device)
+    rows, pcell, start = [], [], 0
     for k, (cell, numel) in enumerate(zip(cells, sizes, strict=True)):  # each cell's programs, one after another
         w0, w1, w2 = cell[3:6]
-        rows += [numel, *cell, *magic_divisor(w2), *magic_divisor(w1), *magic_divisor(w0), len(pcell)]
-        pcell += [k] * cdiv(numel, block)
-    if not pcell:
-        return AccumulateLaunch(x_shape, n_self, n_send, None, (), {}, {})
-    ctab = torch.tensor(rows, dtype=torch.int64, device=device)
-    programs = torch.tensor(pcell, dtype=torch.int32, device=device)
-    return AccumulateLaunch(x_shape, n_self, n_send, linear_grid(len(pcell)),
-                            (programs, ctab, blist, btab, len(pcell), *pad3(x_shape, 1)),
-                            dict(TRAIL=trail, WIDE=wide, BLOCK=block, num_warps=BOX_NUM_WARPS), {})
+        rows += [numel, *cell, *magic_divisor(w2), *magic_divisor(w1), *magic_divisor(w0), len(pcell), start]
+        pcell += [k] * (cdiv(numel, block) if per_box else 0)
+        start += numel // trail
+    programs = len(pcell) if per_box else cdiv(total, block)
+    return AccumulateLaunch(x_shape, n_self, n_send, linear_grid(programs),
+                            (torch.tensor(pcell or [0], dtype=torch.int32, device=device),
+                             torch.tensor(rows, dtype=torch.int64, device=device), blist, btab, programs, len(cells),
+                             total, *pad3(x_shape, 1)),
+                            dict(TRAIL=trail, LOG2_NCELL=(len(cells) - 1).bit_length(), WIDE=wide, BLOCK=block,
+                                 PER_BOX=per_box, num_warps=BOX_NUM_WARPS), {})
+
+
+def per_box_programs(device: torch.device) -> bool:
+    """Whether the box gather and the accumulate give each box (cell) programs of their own: on GPUs, unless
+    :data:`BOX_PROGRAMS` says otherwise (tests).  The interpreter pays per program and per operation, not per
+    element: there one program searches every element's box, and programs per box took 4-20 times the time."""
+    return (device.type == "cuda") if BOX_PROGRAMS is None else BOX_PROGRAMS
+
+
+#: Programs per box in the box gather and the accumulate: None (on GPUs only), True or False (forced: tests).
+BOX_PROGRAMS: bool | None = None
 
 
 def launch_accumulate(grad_x: torch.Tensor, self_boxes: torch.Tensor, incoming: torch.Tensor,

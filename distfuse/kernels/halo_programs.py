@@ -112,15 +112,18 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   width (``trail`` in :func:`stage_launch`), and so are the slabs' rows (``SLAB_ALIGN``) and
   the columns beside the window, taken a spatial column's channels at a time
   (``STRIP_ALIGN``: one piece lookup a chunk, not a column).
-* **Pack and the unstage boxes are one box gather, each box with programs of its own.**  A
-  program table names each program's box, so a program reads the box's row with loads every
-  thread shares, and an element's box coordinates come by multiply-shift divisions (the box's
-  divisors are in its row).  The first form laid the boxes end to end under shared programs:
-  each element searched the box starts (a chain of dependent loads), loaded fourteen table
-  entries and divided six times at run time, 1096 SASS instructions and 64 registers a
-  thread at sm_90 against 504 and 40 now (bf16, Triton 3.6), and on an H200 the unstage's
-  gather of a [1, 256, 64^3] block's halo took 72 us (2026-11-28, ``halo_full``).  A box's
-  last program idles past its end: a few hundred lanes per box, against millions of elements.
+* **Pack and the unstage boxes are one box gather; on GPUs each box has programs of its own**
+  (``PER_BOX``).  A program table names each program's box, so a program reads the box's row
+  with loads every thread shares, and an element's box coordinates come by multiply-shift
+  divisions (the box's divisors are in its row).  The interpreter keeps the first form, the
+  boxes laid end to end under shared programs, where each element searches the box starts (a
+  chain of dependent loads), loads fourteen table entries and divides six times at run time:
+  it pays per program and per operation, not per element, and one program for the whole
+  launch is its cheapest (programs per box took it 4-20 times as long).  Compiled for sm_90
+  (bf16, Triton 3.6) the first form was 1096 SASS instructions and 64 registers a thread, the
+  GPUs' 360 and 32, and on an H200 the unstage's gather of a [1, 256, 64^3] block's halo took
+  72 us (2026-11-28, ``halo_full``).  A box's last program idles past its end: a few hundred
+  lanes per box, against millions of elements.  The accumulate's cells go the same two ways.
 * **Replicate sums are a gather, not atomics.**  A send-back box element is the sum of
   the staged gradient over the replicated run (a loop of ``R`` loads in fp32), so every
   output element is written by exactly one program: deterministic, no fp32 atomics
@@ -130,11 +133,11 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   halos wider than a block).  Every box edge cuts its axis; each cell of the product of
   the cuts lies inside or outside each box, so it has a fixed list of boxes
   (:func:`~distfuse.kernels.halo_tables.accumulate_cells`).  One launch runs over the
-  covered cells, each with programs of its own (a table names each program's cell, so the
-  cell's extents, its multiply-shift divisors and its boxes are loads every thread of a
-  program shares; an element searched the cells and divided at run time before: 155 us on
-  an H200 for a 64^3 block's 6.1M covered elements, C = 256), and adds each cell's boxes in
-  table order, in fp32, rounding once.  The
+  covered cells, on GPUs each with programs of its own (a table names each program's cell, so
+  the cell's extents, its multiply-shift divisors and its boxes are loads every thread of a
+  program shares; an element searched the cells and divided at run time before, as it still
+  does under the interpreter: 155 us on an H200 for a 64^3 block's 6.1M covered elements,
+  C = 256), and adds each cell's boxes in table order, in fp32, rounding once.  The
   interior, which no box covers, is neither read nor written: a [1, 256, 64^3] block at
   halo 1 has 6.1M covered elements of 67M.  The earlier form tiled the whole block with
   per-axis int64 cover bitmasks; every 64-wide tile of a 3-D block touches the two
@@ -569,13 +572,26 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
 
 
 @triton.jit
+def segment_of(e, m, starts_ptr, STRIDE: tl.constexpr, n, LOG2_N: tl.constexpr, BLOCK: tl.constexpr):
+    """Per element index ``e`` (where ``m``): the last segment ``k < n`` whose start ``starts_ptr[k * STRIDE]``
+    is at most ``e``, by a branchless binary search over ``LOG2_N`` steps (segment 0 starts at 0): how the box gather
+    and the accumulate find an element's box or cell under the interpreter (``PER_BOX`` False)."""
+    k = tl.zeros([BLOCK], dtype=tl.int32)
+    for b in tl.static_range(LOG2_N):
+        cand = k + (1 << (LOG2_N - 1 - b))
+        ok = m & (cand < n)
+        k = tl.where(ok & (tl.load(starts_ptr + cand * STRIDE, mask=ok, other=0) <= e), cand, k)
+    return k
+
+
+@triton.jit
 def _program_elements(row, pid, NUMEL: tl.constexpr, PSTART: tl.constexpr, EXTENTS: tl.constexpr,
                       DIVISORS: tl.constexpr, TRAIL: tl.constexpr, BLOCK: tl.constexpr, IDX: tl.constexpr,
                       WIDE: tl.constexpr):
-    """Program ``pid``'s BLOCK elements of the box (or cell) at table row ``row``, flat ``[LEAD, E0, E1, E2]`` of
-    vectors of TRAIL channels: ``(mask, channel, index in the box, c0, c1, c2, lead)``.  The row holds the box's
-    elements (channels included) at column NUMEL, its first program at PSTART, ``E0 E1 E2`` from EXTENTS and the
-    :func:`magic_divisor` ``(m, k)`` of E2, E1, E0 from DIVISORS (used unless WIDE: int64, runtime divisions)."""
+    """Program ``pid``'s BLOCK elements of the box (or cell) at table row ``row`` (``PER_BOX``), flat ``[LEAD, E0,
+    E1, E2]`` of vectors of TRAIL channels: ``(mask, channel, index in the box, c0, c1, c2, lead)``.  The row holds
+    the box's elements (channels included) at column NUMEL, its first program at PSTART, ``E0 E1 E2`` from EXTENTS
+    and the :func:`magic_divisor` ``(m, k)`` of E2, E1, E0 from DIVISORS (used unless WIDE: runtime divisions)."""
     et = ((pid - tl.load(row + PSTART)) * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
     m = et < tl.load(row + NUMEL).to(IDX)
     e = et // TRAIL
@@ -594,18 +610,85 @@ def _program_elements(row, pid, NUMEL: tl.constexpr, PSTART: tl.constexpr, EXTEN
 
 
 @triton.jit
-def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_programs, RTMAX, src_ls, src_s0, src_s1,
-                      src_s2, TRAIL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
-                      WIDE: tl.constexpr, BLOCK: tl.constexpr):
-    """Boxes, each with programs of its own (``pbox[pid]``: program ``pid``'s box, its row of the box table); box k
-    is flat ``[LEAD, E0, E1, E2]`` at ``out{SEL}[DST:]``:
+def _searched_elements(pid, table_ptr, WIDTH: tl.constexpr, START: tl.constexpr, EXTENTS: tl.constexpr, n, total,
+                       LOG2_N: tl.constexpr, TRAIL: tl.constexpr, BLOCK: tl.constexpr, IDX: tl.constexpr):
+    """Program ``pid``'s BLOCK elements of the concatenation of the boxes (or cells) of ``table_ptr`` (``n`` rows of
+    WIDTH, the box's first element at column START; ``PER_BOX`` False): ``(mask, channel, index in its box, c0, c1,
+    c2, lead, row)``, the row per element, found by :func:`segment_of`, its coordinates by runtime division."""
+    et = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
+    m = et < total
+    e = et // TRAIL
+    row = table_ptr + segment_of(e, m, table_ptr + START, WIDTH, n, LOG2_N, BLOCK) * WIDTH
+    e -= tl.load(row + START, mask=m, other=0).to(IDX)
+    E0 = tl.load(row + EXTENTS, mask=m, other=1).to(IDX)
+    E1 = tl.load(row + EXTENTS + 1, mask=m, other=1).to(IDX)
+    E2 = tl.load(row + EXTENTS + 2, mask=m, other=1).to(IDX)
+    q = e // E2
+    q1 = q // E1
+    lead = q1 // E0
+    return m, et % TRAIL, e, q1 - lead * E0, q - q1 * E1, e - q * E2, lead, row
+
+
+@triton.jit
+def _field(row, k: tl.constexpr, m, other: tl.constexpr, PER_BOX: tl.constexpr):
+    """Column ``k`` of the table row(s) ``row``: one load for the program (``PER_BOX``: every thread shares the row),
+    else one per element (a row each), where ``m``."""
+    if PER_BOX:
+        v = tl.load(row + k)
+    else:
+        v = tl.load(row + k, mask=m, other=other)
+    return v
+
+
+@triton.jit
+def _gather_box_elements(out0_ptr, out1_ptr, src_ptr, row, m, ch, e, c0, c1, c2, lead, RTMAX, src_ls, src_s0,
+                         src_s1, src_s2, TRAIL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
+                         IDX: tl.constexpr, BLOCK: tl.constexpr, PER_BOX: tl.constexpr):
+    """The box gather of elements ``(lead, c0, c1, c2)`` (index ``e`` in their box, channel ``ch``, where ``m``) of
+    the box row(s) ``row``: one row for the program (``PER_BOX``) or one per element."""
+    off = (lead * src_ls
+           + (_field(row, 5, m, 0, PER_BOX).to(IDX) + _field(row, 8, m, 0, PER_BOX).to(IDX) * c0) * src_s0
+           + (_field(row, 6, m, 0, PER_BOX).to(IDX) + _field(row, 9, m, 0, PER_BOX).to(IDX) * c1) * src_s1
+           + (_field(row, 7, m, 0, PER_BOX).to(IDX) + _field(row, 10, m, 0, PER_BOX).to(IDX) * c2) * src_s2)
+    acc = tl.load(src_ptr + (off * TRAIL + ch), mask=m, other=0.0).to(COMPUTE)  # r = 0 peeled: a copy stays exact
+    if RTMAX > 1:  # RTMAX == 1 (specialised to a constant by Triton): no loop is emitted at all
+        R1 = _field(row, 12, m, 1, PER_BOX).to(IDX)
+        R2 = _field(row, 13, m, 1, PER_BOX).to(IDX)
+        RT = _field(row, 14, m, 1, PER_BOX).to(IDX)
+        r = tl.full([], 1, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
+        while r < RTMAX:
+            r2 = r % R2
+            rq = r // R2
+            r1 = rq % R1
+            r0 = rq // R1
+            acc += tl.load(src_ptr + ((off + r0 * src_s0 + r1 * src_s1 + r2 * src_s2) * TRAIL + ch),
+                           mask=m & (tl.zeros([BLOCK], dtype=tl.int32) + r < RT), other=0.0).to(COMPUTE)
+            r += 1
+    # out0 has the source's dtype: a bf16 sum is rounded to nearest even (cast_out; the interpreter's own
+    # conversion truncates); out1 is the fp32/fp64 self-box buffer.
+    at = (_field(row, 1, m, 0, PER_BOX).to(IDX) + e) * TRAIL + ch
+    sel = _field(row, 0, m, 0, PER_BOX) + tl.zeros([BLOCK], dtype=tl.int64)  # a tensor: the interpreter masks so
+    tl.store(out0_ptr + at, cast_out(acc, out0_ptr.dtype.element_ty, ROUND_BF16), mask=m & (sel == 0))
+    tl.store(out1_ptr + at, acc.to(out1_ptr.dtype.element_ty), mask=m & (sel == 1))
+
+
+@triton.jit
+def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_programs, nbox, total, RTMAX, src_ls,
+                      src_s0, src_s1, src_s2, TRAIL: tl.constexpr, LOG2_NBOX: tl.constexpr,
+                      COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr,
+                      PER_BOX: tl.constexpr):
+    """Box k (row k of the box table) is flat ``[LEAD, E0, E1, E2]`` at ``out{SEL}[DST:]``:
 
     element ``(l, c)`` = ``sum_{r < R} src[l, T + D*c + r]`` per axis (D = +1 copy, -1
-    reversed, 0 with R > 1: the replicate adjoint's sum).  A program reads its box's row with loads every thread
-    shares, and an element's box coordinates come by multiply-shift divisions (the box's :func:`magic_divisor` of
-    E2, E1, E0; runtime divisions where WIDE), where the elements of the earlier form searched the box starts each
-    and divided at run time.  ``RTMAX`` is the largest ``R0 * R1 * R2`` (``RT``) of any box: 1 unless a replicate
-    box is summed; a box's run loop goes to its own RT.
+    reversed, 0 with R > 1: the replicate adjoint's sum).  ``RTMAX`` is the largest ``R0 * R1 * R2`` (``RT``) of any
+    box: 1 unless a replicate box is summed.
+
+    ``PER_BOX`` (GPUs): each box has programs of its own (``pbox[pid]``: program ``pid``'s box), so a program reads
+    its box's row with loads every thread shares, and an element's coordinates come by the row's multiply-shift
+    divisions (:func:`_program_elements`).  Else (the interpreter, which pays per program and per operation, not per
+    element) programs tile the boxes laid end to end, ``total`` elements, and every element finds its box by a
+    binary search of the ``nbox`` starts and divides at run time (:func:`_searched_elements`): one program for
+    the whole launch there, where programs per box took 4-20 times the time.
 
     The run loop is a ``while`` (see the module doc).  With RTMAX = 1 (every pack) there is
     no loop: Triton specialises an integer argument equal to 1 to a constant, the guard
@@ -613,71 +696,39 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_program
     is constant-false, never sees one.
 
     ``TRAIL`` > 1 (channels last): every element of the boxes and of the source is a contiguous vector of TRAIL
-    channels; the tables count vectors, ``NUMEL`` counts elements, and element ``e`` is channel ``e % TRAIL`` of
-    vector ``e // TRAIL`` (a constexpr: one compile per channel count, and its divisions are by a constant; they
+    channels; the tables count vectors, ``NUMEL`` and ``total`` elements, and element ``e`` is channel ``e % TRAIL``
+    of vector ``e // TRAIL`` (a constexpr: one compile per channel count, and its divisions are by a constant; they
     fold away for NCHW, TRAIL = 1).
     """
     IDX = tl.int64 if WIDE else tl.int32  # int32 offsets and div/mod unless a buffer has 2^31 elements or more
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
-    if pid < n_programs:  # past it: the rounding of a spilled grid
-        row = btab_ptr + tl.load(pbox_ptr + pid).to(tl.int64) * 24
-        m, ch, e, c0, c1, c2, lead = _program_elements(row, pid, 15, 16, 2, 17, TRAIL, BLOCK, IDX, WIDE)
-        off = (lead * src_ls + (tl.load(row + 5).to(IDX) + tl.load(row + 8).to(IDX) * c0) * src_s0
-               + (tl.load(row + 6).to(IDX) + tl.load(row + 9).to(IDX) * c1) * src_s1
-               + (tl.load(row + 7).to(IDX) + tl.load(row + 10).to(IDX) * c2) * src_s2)
-        acc = tl.load(src_ptr + (off * TRAIL + ch), mask=m, other=0.0).to(COMPUTE)  # r = 0 peeled: a copy is exact
-        if RTMAX > 1:  # RTMAX == 1 (specialised to a constant by Triton): no loop is emitted at all
-            R1 = tl.load(row + 12)
-            R2 = tl.load(row + 13)
-            RT = tl.load(row + 14)
-            r = RT * 0 + 1  # typed like RT: a loop-carried counter must keep one type when compiled
-            while r < RT:
-                r2 = r % R2
-                rq = r // R2
-                r1 = rq % R1
-                r0 = rq // R1
-                acc += tl.load(src_ptr + ((off + (r0 * src_s0 + r1 * src_s1 + r2 * src_s2).to(IDX)) * TRAIL + ch),
-                               mask=m, other=0.0).to(COMPUTE)
-                r += 1
-        # out0 has the source's dtype: a bf16 sum is rounded to nearest even (cast_out; the interpreter's own
-        # conversion truncates); out1 is the fp32/fp64 self-box buffer.
-        at = (tl.load(row + 1).to(IDX) + e) * TRAIL + ch
-        sel = tl.load(row) + tl.zeros([BLOCK], dtype=tl.int64)  # a tensor: the interpreter masks with tensors only
-        tl.store(out0_ptr + at, cast_out(acc, out0_ptr.dtype.element_ty, ROUND_BF16), mask=m & (sel == 0))
-        tl.store(out1_ptr + at, acc.to(out1_ptr.dtype.element_ty), mask=m & (sel == 1))
+    if PER_BOX:
+        if pid < n_programs:  # past it: the rounding of a spilled grid
+            row = btab_ptr + tl.load(pbox_ptr + pid).to(tl.int64) * 24
+            m, ch, e, c0, c1, c2, lead = _program_elements(row, pid, 15, 16, 2, 17, TRAIL, BLOCK, IDX, WIDE)
+            _gather_box_elements(out0_ptr, out1_ptr, src_ptr, row, m, ch, e, c0, c1, c2, lead, RTMAX, src_ls, src_s0,
+                                 src_s1, src_s2, TRAIL, COMPUTE, ROUND_BF16, IDX, BLOCK, True)
+    else:
+        m, ch, e, c0, c1, c2, lead, row = _searched_elements(pid, btab_ptr, 24, 23, 2, nbox, total, LOG2_NBOX, TRAIL,
+                                                             BLOCK, IDX)
+        _gather_box_elements(out0_ptr, out1_ptr, src_ptr, row, m, ch, e, c0, c1, c2, lead, RTMAX, src_ls, src_s0,
+                             src_s1, src_s2, TRAIL, COMPUTE, ROUND_BF16, IDX, BLOCK, False)
 
 
 @triton.jit
-def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, pcell_ptr, ctab_ptr, blist_ptr, btab_ptr, n_programs, E0, E1, E2,
-                      TRAIL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr, WIDE: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """gx[l, p] += sum over the boxes k covering p of box_k[l, p - LO_k], in place, over the covered cells only.
-
-    The covered part of the block is cut into cells, each covered by a fixed list of boxes
-    (:func:`~distfuse.kernels.halo_tables.accumulate_cells`); cell c is flat ``[LEAD, W0, W1, W2]`` from ``(O0,
-    O1, O2)``.  Each cell has programs of its own, BLOCK of its elements each (``pcell[pid]`` names program
-    ``pid``'s cell, its row of the cell table: see :func:`~distfuse.kernels.halo_launches.accumulate_launch`), so
-    a program finds its cell, its extents and its boxes with loads every thread shares, and an element needs
-    neither a search nor a table load of its own: its block coordinates by multiply-shift divisions (the cell's
-    :func:`magic_divisor` of W2, W1, W0; runtime divisions where WIDE).  It reads ``gx`` there, adds its cell's
-    boxes in table order and rounds once.  Box k (table row): SEL 0 reads ``self_ptr``, 1 ``recv_ptr``; element
-    ``(l, p)`` of the block is at ``ORIGIN + l * VOLUME + p0 * STRIDE0 + p1 * STRIDE1 + p2`` there.  The block's
-    interior, which no box covers, is never read.  Offsets are int32 unless ``WIDE`` (a buffer of 2^31 elements or
-    more).  The box loop is a ``while`` over the cell's count (see the module doc).  ``TRAIL``: channels last, as
-    in :func:`box_gather_kernel` (the tables count vectors of TRAIL channels, ``NUMEL`` elements).
-    """
-    IDX = tl.int64 if WIDE else tl.int32
-    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
-    if pid < n_programs:  # past it: the rounding of a spilled grid
-        row = ctab_ptr + tl.load(pcell_ptr + pid).to(tl.int64) * 16
-        m, ch, _, p0, p1, p2, lead = _program_elements(row, pid, 0, 15, 4, 9, TRAIL, BLOCK, IDX, WIDE)
-        p0 += tl.load(row + 1).to(IDX)  # the cell's origin in the block
-        p1 += tl.load(row + 2).to(IDX)
-        p2 += tl.load(row + 3).to(IDX)
-        out_off = (((lead * E0 + p0) * E1 + p1) * E2 + p2) * TRAIL + ch
-        acc = tl.load(gx_ptr + out_off, mask=m, other=0.0).to(COMPUTE)
-        first = tl.load(row + 7)
-        count = tl.load(row + 8)
+def _add_cell_boxes(gx_ptr, self_ptr, recv_ptr, blist_ptr, btab_ptr, row, m, ch, p0, p1, p2, lead, E0, E1, E2,
+                    TRAIL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr, IDX: tl.constexpr,
+                    BLOCK: tl.constexpr, PER_BOX: tl.constexpr):
+    """``gx`` at the elements ``(lead, p0, p1, p2)`` (cell coordinates, where ``m``) plus the boxes of their cell
+    row(s) ``row`` (one for the program, ``PER_BOX``, or one per element), in table order, rounded once."""
+    p0 += _field(row, 1, m, 0, PER_BOX).to(IDX)  # the cell's origin in the block
+    p1 += _field(row, 2, m, 0, PER_BOX).to(IDX)
+    p2 += _field(row, 3, m, 0, PER_BOX).to(IDX)
+    out_off = (((lead * E0 + p0) * E1 + p1) * E2 + p2) * TRAIL + ch
+    acc = tl.load(gx_ptr + out_off, mask=m, other=0.0).to(COMPUTE)
+    first = _field(row, 7, m, 0, PER_BOX)
+    count = _field(row, 8, m, 0, PER_BOX)
+    if PER_BOX:  # the cell's boxes: loads every thread shares
         j = count * 0
         while j < count:
             box = btab_ptr + tl.load(blist_ptr + first + j) * 5
@@ -687,7 +738,54 @@ def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, pcell_ptr, ctab_ptr, blist_ptr
             acc += tl.load(self_ptr + off, mask=m & (sel == 0), other=0.0).to(COMPUTE)
             acc += tl.load(recv_ptr + off, mask=m & (sel == 1), other=0.0).to(COMPUTE)
             j += 1
-        tl.store(gx_ptr + out_off, cast_out(acc, gx_ptr.dtype.element_ty, ROUND_BF16), mask=m)
+    else:  # each element's cell: the loop runs to the program's longest list, shorter ones masked
+        j = tl.max(count, axis=0) * 0
+        end = tl.max(count, axis=0)
+        while j < end:
+            hit = m & (j < count)
+            box = btab_ptr + tl.load(blist_ptr + first + j, mask=hit, other=0) * 5
+            sel = tl.load(box, mask=hit, other=0)
+            off = (tl.load(box + 1, mask=hit, other=0).to(IDX) + lead * tl.load(box + 2, mask=hit, other=0).to(IDX)
+                   + p0 * tl.load(box + 3, mask=hit, other=0).to(IDX)
+                   + p1 * tl.load(box + 4, mask=hit, other=0).to(IDX) + p2) * TRAIL + ch
+            acc += tl.load(self_ptr + off, mask=hit & (sel == 0), other=0.0).to(COMPUTE)
+            acc += tl.load(recv_ptr + off, mask=hit & (sel == 1), other=0.0).to(COMPUTE)
+            j += 1
+    tl.store(gx_ptr + out_off, cast_out(acc, gx_ptr.dtype.element_ty, ROUND_BF16), mask=m)
+
+
+@triton.jit
+def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, pcell_ptr, ctab_ptr, blist_ptr, btab_ptr, n_programs, ncell, total,
+                      E0, E1, E2, TRAIL: tl.constexpr, LOG2_NCELL: tl.constexpr, COMPUTE: tl.constexpr,
+                      ROUND_BF16: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr, PER_BOX: tl.constexpr):
+    """gx[l, p] += sum over the boxes k covering p of box_k[l, p - LO_k], in place, over the covered cells only.
+
+    The covered part of the block is cut into cells, each covered by a fixed list of boxes
+    (:func:`~distfuse.kernels.halo_tables.accumulate_cells`); cell c is flat ``[LEAD, W0, W1, W2]`` from ``(O0,
+    O1, O2)`` (its row of the cell table: see :func:`~distfuse.kernels.halo_launches.accumulate_launch`).
+    ``PER_BOX`` (GPUs): each cell has programs of its own (``pcell[pid]`` names program ``pid``'s cell), so a program
+    reads its cell, its extents and its boxes with loads every thread shares, and an element's block coordinates
+    come by the cell's multiply-shift divisions; else (the interpreter) programs tile the cells laid end to end and
+    every element searches its cell and divides at run time, as :func:`box_gather_kernel` does.  An element reads
+    ``gx`` there, adds its cell's boxes in table order and rounds once.  Box k (table row): SEL 0 reads
+    ``self_ptr``, 1 ``recv_ptr``; element ``(l, p)`` of the block is at ``ORIGIN + l * VOLUME + p0 * STRIDE0 + p1 *
+    STRIDE1 + p2`` there.  The block's interior, which no box covers, is never read.  Offsets are int32 unless
+    ``WIDE`` (a buffer of 2^31 elements or more).  The box loop is a ``while`` (see the module doc).  ``TRAIL``:
+    channels last, as in :func:`box_gather_kernel` (the tables count vectors of TRAIL channels).
+    """
+    IDX = tl.int64 if WIDE else tl.int32
+    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
+    if PER_BOX:
+        if pid < n_programs:  # past it: the rounding of a spilled grid
+            row = ctab_ptr + tl.load(pcell_ptr + pid).to(tl.int64) * 17
+            m, ch, _, p0, p1, p2, lead = _program_elements(row, pid, 0, 15, 4, 9, TRAIL, BLOCK, IDX, WIDE)
+            _add_cell_boxes(gx_ptr, self_ptr, recv_ptr, blist_ptr, btab_ptr, row, m, ch, p0, p1, p2, lead, E0, E1, E2,
+                            TRAIL, COMPUTE, ROUND_BF16, IDX, BLOCK, True)
+    else:
+        m, ch, _, p0, p1, p2, lead, row = _searched_elements(pid, ctab_ptr, 17, 16, 4, ncell, total, LOG2_NCELL, TRAIL,
+                                                             BLOCK, IDX)
+        _add_cell_boxes(gx_ptr, self_ptr, recv_ptr, blist_ptr, btab_ptr, row, m, ch, p0, p1, p2, lead, E0, E1, E2,
+                        TRAIL, COMPUTE, ROUND_BF16, IDX, BLOCK, False)
 
 
 # ---------------------------------------------------------------- launch helpers
