@@ -242,10 +242,10 @@ def per_box(monkeypatch):
         cache.cache_clear()
 
 
-def test_kernels_with_programs_per_box(per_box):
+def test_kernels_with_programs_per_box(per_box, monkeypatch):
     """Pack, unstage and accumulate in the GPUs' form, against their references: 2-D replicate at halo 2 (runs that
     sum several staged elements, overlapping boxes), 3-D circular (self boxes), bf16 channels last; small program
-    blocks, so boxes span several programs beside boxes smaller than one."""
+    blocks, so boxes span several programs beside boxes smaller than one; spilled grids."""
     plan, _ = _plan((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 2, "replicate")
     launches = (hl.unstage_launch(plan, (1, 1), 16, torch.device("cpu"), "all", 16).boxes,
                 hl.accumulate_launch(plan, (1, 1), 16, torch.device("cpu"), 16))
@@ -256,6 +256,9 @@ def test_kernels_with_programs_per_box(per_box):
               lead_shape=(1, 2), block=16)
     _simulate((6, 8), (2, 2), (3, 3), (1, 1), (1, 1), 1, "reflect", torch.bfloat16, lead_shape=(2, 4), block=16,
               channels_last=True)
+    hl.pack_launch.cache_clear(), hl.unstage_launch.cache_clear(), hl.accumulate_launch.cache_clear()
+    monkeypatch.setattr(hp, "_GRID0_MAX", 3)  # spilled grids: the surplus programs past the table write nothing
+    _simulate((7, 6), (2, 2), (3, 3), (1, 1), (1, 1), 2, "replicate", torch.float32, lead_shape=(1,), block=2)
 
 
 def test_kernels_with_a_spilled_grid(monkeypatch):

@@ -121,7 +121,7 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   it pays per program and per operation, not per element, and one program for the whole
   launch is its cheapest (programs per box took it 4-20 times as long).  Compiled for sm_90
   (bf16, Triton 3.6) the first form was 1096 SASS instructions and 64 registers a thread, the
-  GPUs' 360 and 32, and on an H200 the unstage's gather of a [1, 256, 64^3] block's halo took
+  GPUs' 360 and 40, and on an H200 the unstage's gather of a [1, 256, 64^3] block's halo took
   72 us (2026-11-28, ``halo_full``).  A box's last program idles past its end: a few hundred
   lanes per box, against millions of elements.  The accumulate's cells go the same two ways.
 * **Replicate sums are a gather, not atomics.**  A send-back box element is the sum of
@@ -610,69 +610,6 @@ def _program_elements(row, pid, NUMEL: tl.constexpr, PSTART: tl.constexpr, EXTEN
 
 
 @triton.jit
-def _searched_elements(pid, table_ptr, WIDTH: tl.constexpr, START: tl.constexpr, EXTENTS: tl.constexpr, n, total,
-                       LOG2_N: tl.constexpr, TRAIL: tl.constexpr, BLOCK: tl.constexpr, IDX: tl.constexpr):
-    """Program ``pid``'s BLOCK elements of the concatenation of the boxes (or cells) of ``table_ptr`` (``n`` rows of
-    WIDTH, the box's first element at column START; ``PER_BOX`` False): ``(mask, channel, index in its box, c0, c1,
-    c2, lead, row)``, the row per element, found by :func:`segment_of`, its coordinates by runtime division."""
-    et = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
-    m = et < total
-    e = et // TRAIL
-    row = table_ptr + segment_of(e, m, table_ptr + START, WIDTH, n, LOG2_N, BLOCK) * WIDTH
-    e -= tl.load(row + START, mask=m, other=0).to(IDX)
-    E0 = tl.load(row + EXTENTS, mask=m, other=1).to(IDX)
-    E1 = tl.load(row + EXTENTS + 1, mask=m, other=1).to(IDX)
-    E2 = tl.load(row + EXTENTS + 2, mask=m, other=1).to(IDX)
-    q = e // E2
-    q1 = q // E1
-    lead = q1 // E0
-    return m, et % TRAIL, e, q1 - lead * E0, q - q1 * E1, e - q * E2, lead, row
-
-
-@triton.jit
-def _field(row, k: tl.constexpr, m, other: tl.constexpr, PER_BOX: tl.constexpr):
-    """Column ``k`` of the table row(s) ``row``: one load for the program (``PER_BOX``: every thread shares the row),
-    else one per element (a row each), where ``m``."""
-    if PER_BOX:
-        v = tl.load(row + k)
-    else:
-        v = tl.load(row + k, mask=m, other=other)
-    return v
-
-
-@triton.jit
-def _gather_box_elements(out0_ptr, out1_ptr, src_ptr, row, m, ch, e, c0, c1, c2, lead, RTMAX, src_ls, src_s0,
-                         src_s1, src_s2, TRAIL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr,
-                         IDX: tl.constexpr, BLOCK: tl.constexpr, PER_BOX: tl.constexpr):
-    """The box gather of elements ``(lead, c0, c1, c2)`` (index ``e`` in their box, channel ``ch``, where ``m``) of
-    the box row(s) ``row``: one row for the program (``PER_BOX``) or one per element."""
-    off = (lead * src_ls
-           + (_field(row, 5, m, 0, PER_BOX).to(IDX) + _field(row, 8, m, 0, PER_BOX).to(IDX) * c0) * src_s0
-           + (_field(row, 6, m, 0, PER_BOX).to(IDX) + _field(row, 9, m, 0, PER_BOX).to(IDX) * c1) * src_s1
-           + (_field(row, 7, m, 0, PER_BOX).to(IDX) + _field(row, 10, m, 0, PER_BOX).to(IDX) * c2) * src_s2)
-    acc = tl.load(src_ptr + (off * TRAIL + ch), mask=m, other=0.0).to(COMPUTE)  # r = 0 peeled: a copy stays exact
-    if RTMAX > 1:  # RTMAX == 1 (specialised to a constant by Triton): no loop is emitted at all
-        R1 = _field(row, 12, m, 1, PER_BOX).to(IDX)
-        R2 = _field(row, 13, m, 1, PER_BOX).to(IDX)
-        RT = _field(row, 14, m, 1, PER_BOX).to(IDX)
-        r = tl.full([], 1, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
-        while r < RTMAX:
-            r2 = r % R2
-            rq = r // R2
-            r1 = rq % R1
-            r0 = rq // R1
-            acc += tl.load(src_ptr + ((off + r0 * src_s0 + r1 * src_s1 + r2 * src_s2) * TRAIL + ch),
-                           mask=m & (tl.zeros([BLOCK], dtype=tl.int32) + r < RT), other=0.0).to(COMPUTE)
-            r += 1
-    # out0 has the source's dtype: a bf16 sum is rounded to nearest even (cast_out; the interpreter's own
-    # conversion truncates); out1 is the fp32/fp64 self-box buffer.
-    at = (_field(row, 1, m, 0, PER_BOX).to(IDX) + e) * TRAIL + ch
-    sel = _field(row, 0, m, 0, PER_BOX) + tl.zeros([BLOCK], dtype=tl.int64)  # a tensor: the interpreter masks so
-    tl.store(out0_ptr + at, cast_out(acc, out0_ptr.dtype.element_ty, ROUND_BF16), mask=m & (sel == 0))
-    tl.store(out1_ptr + at, acc.to(out1_ptr.dtype.element_ty), mask=m & (sel == 1))
-
-
-@triton.jit
 def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_programs, nbox, total, RTMAX, src_ls,
                       src_s0, src_s1, src_s2, TRAIL: tl.constexpr, LOG2_NBOX: tl.constexpr,
                       COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr,
@@ -683,12 +620,14 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_program
     reversed, 0 with R > 1: the replicate adjoint's sum).  ``RTMAX`` is the largest ``R0 * R1 * R2`` (``RT``) of any
     box: 1 unless a replicate box is summed.
 
-    ``PER_BOX`` (GPUs): each box has programs of its own (``pbox[pid]``: program ``pid``'s box), so a program reads
+    ``PER_BOX`` (GPUs): each box has programs of its own (``pbox[pid]``: program ``pid``'s box; a program past
+    ``n_programs``, the rounding of a spilled grid, finds its elements past the last box's end), so a program reads
     its box's row with loads every thread shares, and an element's coordinates come by the row's multiply-shift
-    divisions (:func:`_program_elements`).  Else (the interpreter, which pays per program and per operation, not per
-    element) programs tile the boxes laid end to end, ``total`` elements, and every element finds its box by a
-    binary search of the ``nbox`` starts and divides at run time (:func:`_searched_elements`): one program for
-    the whole launch there, where programs per box took 4-20 times the time.
+    divisions (:func:`_program_elements`).  Else (the interpreter, which pays per program, per operation and per nested
+    call, not per element) programs tile the boxes laid end to end, ``total`` elements, and every element finds its
+    box by a binary search of the ``nbox`` starts (:func:`segment_of`) and divides at run time: one program for the
+    whole launch there, where programs per box took 4-20 times the time.  The body is written out for both, not
+    in helpers, for the same reason.
 
     The run loop is a ``while`` (see the module doc).  With RTMAX = 1 (every pack) there is
     no loop: Triton specialises an integer argument equal to 1 to a constant, the guard
@@ -702,32 +641,108 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_program
     """
     IDX = tl.int64 if WIDE else tl.int32  # int32 offsets and div/mod unless a buffer has 2^31 elements or more
     pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
-    if PER_BOX:
-        if pid < n_programs:  # past it: the rounding of a spilled grid
-            row = btab_ptr + tl.load(pbox_ptr + pid).to(tl.int64) * 24
-            m, ch, e, c0, c1, c2, lead = _program_elements(row, pid, 15, 16, 2, 17, TRAIL, BLOCK, IDX, WIDE)
-            _gather_box_elements(out0_ptr, out1_ptr, src_ptr, row, m, ch, e, c0, c1, c2, lead, RTMAX, src_ls, src_s0,
-                                 src_s1, src_s2, TRAIL, COMPUTE, ROUND_BF16, IDX, BLOCK, True)
-    else:
-        m, ch, e, c0, c1, c2, lead, row = _searched_elements(pid, btab_ptr, 24, 23, 2, nbox, total, LOG2_NBOX, TRAIL,
-                                                             BLOCK, IDX)
-        _gather_box_elements(out0_ptr, out1_ptr, src_ptr, row, m, ch, e, c0, c1, c2, lead, RTMAX, src_ls, src_s0,
-                             src_s1, src_s2, TRAIL, COMPUTE, ROUND_BF16, IDX, BLOCK, False)
+    if PER_BOX:  # the box's row: loads every thread shares
+        # a program past n_programs (the rounding of a spilled grid) reads the last program's box, past whose end
+        # its elements lie: all masked
+        row = btab_ptr + tl.load(pbox_ptr + tl.minimum(pid, n_programs - 1)).to(tl.int64) * 24
+        m, ch, e, c0, c1, c2, lead = _program_elements(row, pid, 15, 16, 2, 17, TRAIL, BLOCK, IDX, WIDE)
+        t0, t1, t2 = tl.load(row + 5).to(IDX), tl.load(row + 6).to(IDX), tl.load(row + 7).to(IDX)
+        d0, d1, d2 = tl.load(row + 8).to(IDX), tl.load(row + 9).to(IDX), tl.load(row + 10).to(IDX)
+        sel, dst = tl.load(row), tl.load(row + 1)
+    else:  # each element's box, searched
+        et = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
+        m = et < total
+        ch = et % TRAIL
+        e = et // TRAIL
+        row = btab_ptr + segment_of(e, m, btab_ptr + 23, 24, nbox, LOG2_NBOX, BLOCK) * 24
+        e -= tl.load(row + 23, mask=m, other=0).to(IDX)  # the element's index in its box
+        E1 = tl.load(row + 3, mask=m, other=1).to(IDX)
+        E2 = tl.load(row + 4, mask=m, other=1).to(IDX)
+        q = e // E2
+        c2 = e - q * E2
+        c1 = q % E1
+        q = q // E1
+        E0 = tl.load(row + 2, mask=m, other=1).to(IDX)
+        c0 = q % E0
+        lead = q // E0
+        t0, t1 = tl.load(row + 5, mask=m, other=0).to(IDX), tl.load(row + 6, mask=m, other=0).to(IDX)
+        t2, d0 = tl.load(row + 7, mask=m, other=0).to(IDX), tl.load(row + 8, mask=m, other=0).to(IDX)
+        d1, d2 = tl.load(row + 9, mask=m, other=0).to(IDX), tl.load(row + 10, mask=m, other=0).to(IDX)
+        sel, dst = tl.load(row, mask=m, other=0), tl.load(row + 1, mask=m, other=0)
+    off = lead * src_ls + (t0 + d0 * c0) * src_s0 + (t1 + d1 * c1) * src_s1 + (t2 + d2 * c2) * src_s2
+    acc = tl.load(src_ptr + (off * TRAIL + ch), mask=m, other=0.0).to(COMPUTE)  # r = 0 peeled: a copy stays exact
+    if RTMAX > 1:  # RTMAX == 1 (specialised to a constant by Triton): no loop is emitted at all
+        if PER_BOX:
+            R1, R2, RT = tl.load(row + 12).to(IDX), tl.load(row + 13).to(IDX), tl.load(row + 14).to(IDX)
+        else:
+            R1 = tl.load(row + 12, mask=m, other=1).to(IDX)
+            R2 = tl.load(row + 13, mask=m, other=1).to(IDX)
+            RT = tl.load(row + 14, mask=m, other=1).to(IDX)
+        r = tl.full([], 1, tl.int32)  # typed: a loop-carried counter must keep one type when compiled
+        while r < RTMAX:
+            r2 = r % R2
+            rq = r // R2
+            r1 = rq % R1
+            r0 = rq // R1
+            acc += tl.load(src_ptr + ((off + r0 * src_s0 + r1 * src_s1 + r2 * src_s2) * TRAIL + ch),
+                           mask=m & (tl.zeros([BLOCK], dtype=tl.int32) + r < RT), other=0.0).to(COMPUTE)
+            r += 1
+    # out0 has the source's dtype: a bf16 sum is rounded to nearest even (cast_out; the interpreter's own
+    # conversion truncates); out1 is the fp32/fp64 self-box buffer.
+    at = (dst.to(IDX) + e) * TRAIL + ch
+    sel = sel + tl.zeros([BLOCK], dtype=tl.int64)  # a tensor: the interpreter masks with tensors only
+    tl.store(out0_ptr + at, cast_out(acc, out0_ptr.dtype.element_ty, ROUND_BF16), mask=m & (sel == 0))
+    tl.store(out1_ptr + at, acc.to(out1_ptr.dtype.element_ty), mask=m & (sel == 1))
 
 
 @triton.jit
-def _add_cell_boxes(gx_ptr, self_ptr, recv_ptr, blist_ptr, btab_ptr, row, m, ch, p0, p1, p2, lead, E0, E1, E2,
-                    TRAIL: tl.constexpr, COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr, IDX: tl.constexpr,
-                    BLOCK: tl.constexpr, PER_BOX: tl.constexpr):
-    """``gx`` at the elements ``(lead, p0, p1, p2)`` (cell coordinates, where ``m``) plus the boxes of their cell
-    row(s) ``row`` (one for the program, ``PER_BOX``, or one per element), in table order, rounded once."""
-    p0 += _field(row, 1, m, 0, PER_BOX).to(IDX)  # the cell's origin in the block
-    p1 += _field(row, 2, m, 0, PER_BOX).to(IDX)
-    p2 += _field(row, 3, m, 0, PER_BOX).to(IDX)
+def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, pcell_ptr, ctab_ptr, blist_ptr, btab_ptr, n_programs, ncell, total,
+                      E0, E1, E2, TRAIL: tl.constexpr, LOG2_NCELL: tl.constexpr, COMPUTE: tl.constexpr,
+                      ROUND_BF16: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr, PER_BOX: tl.constexpr):
+    """gx[l, p] += sum over the boxes k covering p of box_k[l, p - LO_k], in place, over the covered cells only.
+
+    The covered part of the block is cut into cells, each covered by a fixed list of boxes
+    (:func:`~distfuse.kernels.halo_tables.accumulate_cells`); cell c is flat ``[LEAD, W0, W1, W2]`` from ``(O0,
+    O1, O2)`` (its row of the cell table: see :func:`~distfuse.kernels.halo_launches.accumulate_launch`).
+    ``PER_BOX`` (GPUs): each cell has programs of its own (``pcell[pid]`` names program ``pid``'s cell), so a program
+    reads its cell, its extents and its boxes with loads every thread shares, and an element's block coordinates
+    come by the cell's multiply-shift divisions; else (the interpreter) programs tile the cells laid end to end and
+    every element searches its cell and divides at run time, as in :func:`box_gather_kernel`.  An element reads
+    ``gx`` there, adds its cell's boxes in table order and rounds once.  Box k (table row): SEL 0 reads
+    ``self_ptr``, 1 ``recv_ptr``; element ``(l, p)`` of the block is at ``ORIGIN + l * VOLUME + p0 * STRIDE0 + p1 *
+    STRIDE1 + p2`` there.  The block's interior, which no box covers, is never read.  Offsets are int32 unless
+    ``WIDE`` (a buffer of 2^31 elements or more).  The box loop is a ``while`` (see the module doc).  ``TRAIL``:
+    channels last, as in :func:`box_gather_kernel` (the tables count vectors of TRAIL channels).
+    """
+    IDX = tl.int64 if WIDE else tl.int32
+    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
+    if PER_BOX:  # the cell's row: loads every thread shares
+        # past n_programs (a spilled grid's rounding): the last program's cell, past whose end its elements lie
+        row = ctab_ptr + tl.load(pcell_ptr + tl.minimum(pid, n_programs - 1)).to(tl.int64) * 17
+        m, ch, _, p0, p1, p2, lead = _program_elements(row, pid, 0, 15, 4, 9, TRAIL, BLOCK, IDX, WIDE)
+        p0 += tl.load(row + 1).to(IDX)  # the cell's origin in the block
+        p1 += tl.load(row + 2).to(IDX)
+        p2 += tl.load(row + 3).to(IDX)
+        first, count = tl.load(row + 7), tl.load(row + 8)
+    else:  # each element's cell, searched
+        et = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
+        m = et < total
+        ch = et % TRAIL
+        e = et // TRAIL
+        row = ctab_ptr + segment_of(e, m, ctab_ptr + 16, 17, ncell, LOG2_NCELL, BLOCK) * 17
+        local = e - tl.load(row + 16, mask=m, other=0).to(IDX)
+        W1 = tl.load(row + 5, mask=m, other=1).to(IDX)
+        W2 = tl.load(row + 6, mask=m, other=1).to(IDX)
+        p2 = local % W2 + tl.load(row + 3, mask=m, other=0).to(IDX)
+        q = local // W2
+        p1 = q % W1 + tl.load(row + 2, mask=m, other=0).to(IDX)
+        q = q // W1
+        W0 = tl.load(row + 4, mask=m, other=1).to(IDX)
+        p0 = q % W0 + tl.load(row + 1, mask=m, other=0).to(IDX)
+        lead = q // W0
+        first, count = tl.load(row + 7, mask=m, other=0), tl.load(row + 8, mask=m, other=0)
     out_off = (((lead * E0 + p0) * E1 + p1) * E2 + p2) * TRAIL + ch
     acc = tl.load(gx_ptr + out_off, mask=m, other=0.0).to(COMPUTE)
-    first = _field(row, 7, m, 0, PER_BOX)
-    count = _field(row, 8, m, 0, PER_BOX)
     if PER_BOX:  # the cell's boxes: loads every thread shares
         j = count * 0
         while j < count:
@@ -752,40 +767,6 @@ def _add_cell_boxes(gx_ptr, self_ptr, recv_ptr, blist_ptr, btab_ptr, row, m, ch,
             acc += tl.load(recv_ptr + off, mask=hit & (sel == 1), other=0.0).to(COMPUTE)
             j += 1
     tl.store(gx_ptr + out_off, cast_out(acc, gx_ptr.dtype.element_ty, ROUND_BF16), mask=m)
-
-
-@triton.jit
-def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, pcell_ptr, ctab_ptr, blist_ptr, btab_ptr, n_programs, ncell, total,
-                      E0, E1, E2, TRAIL: tl.constexpr, LOG2_NCELL: tl.constexpr, COMPUTE: tl.constexpr,
-                      ROUND_BF16: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr, PER_BOX: tl.constexpr):
-    """gx[l, p] += sum over the boxes k covering p of box_k[l, p - LO_k], in place, over the covered cells only.
-
-    The covered part of the block is cut into cells, each covered by a fixed list of boxes
-    (:func:`~distfuse.kernels.halo_tables.accumulate_cells`); cell c is flat ``[LEAD, W0, W1, W2]`` from ``(O0,
-    O1, O2)`` (its row of the cell table: see :func:`~distfuse.kernels.halo_launches.accumulate_launch`).
-    ``PER_BOX`` (GPUs): each cell has programs of its own (``pcell[pid]`` names program ``pid``'s cell), so a program
-    reads its cell, its extents and its boxes with loads every thread shares, and an element's block coordinates
-    come by the cell's multiply-shift divisions; else (the interpreter) programs tile the cells laid end to end and
-    every element searches its cell and divides at run time, as :func:`box_gather_kernel` does.  An element reads
-    ``gx`` there, adds its cell's boxes in table order and rounds once.  Box k (table row): SEL 0 reads
-    ``self_ptr``, 1 ``recv_ptr``; element ``(l, p)`` of the block is at ``ORIGIN + l * VOLUME + p0 * STRIDE0 + p1 *
-    STRIDE1 + p2`` there.  The block's interior, which no box covers, is never read.  Offsets are int32 unless
-    ``WIDE`` (a buffer of 2^31 elements or more).  The box loop is a ``while`` (see the module doc).  ``TRAIL``:
-    channels last, as in :func:`box_gather_kernel` (the tables count vectors of TRAIL channels).
-    """
-    IDX = tl.int64 if WIDE else tl.int32
-    pid = tl.program_id(1).to(tl.int64) * tl.num_programs(0) + tl.program_id(0)  # linear, as _row_tile
-    if PER_BOX:
-        if pid < n_programs:  # past it: the rounding of a spilled grid
-            row = ctab_ptr + tl.load(pcell_ptr + pid).to(tl.int64) * 17
-            m, ch, _, p0, p1, p2, lead = _program_elements(row, pid, 0, 15, 4, 9, TRAIL, BLOCK, IDX, WIDE)
-            _add_cell_boxes(gx_ptr, self_ptr, recv_ptr, blist_ptr, btab_ptr, row, m, ch, p0, p1, p2, lead, E0, E1, E2,
-                            TRAIL, COMPUTE, ROUND_BF16, IDX, BLOCK, True)
-    else:
-        m, ch, _, p0, p1, p2, lead, row = _searched_elements(pid, ctab_ptr, 17, 16, 4, ncell, total, LOG2_NCELL, TRAIL,
-                                                             BLOCK, IDX)
-        _add_cell_boxes(gx_ptr, self_ptr, recv_ptr, blist_ptr, btab_ptr, row, m, ch, p0, p1, p2, lead, E0, E1, E2,
-                        TRAIL, COMPUTE, ROUND_BF16, IDX, BLOCK, False)
 
 
 # ---------------------------------------------------------------- launch helpers
