@@ -572,16 +572,21 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
 
 
 @triton.jit
-def segment_of(e, m, starts_ptr, STRIDE: tl.constexpr, n, LOG2_N: tl.constexpr, BLOCK: tl.constexpr):
-    """Per element index ``e`` (where ``m``): the last segment ``k < n`` whose start ``starts_ptr[k * STRIDE]``
-    is at most ``e``, by a branchless binary search over ``LOG2_N`` steps (segment 0 starts at 0): how the box gather
-    and the accumulate find an element's box or cell under the interpreter (``PER_BOX`` False)."""
+def _searched_elements(pid, starts_ptr, STRIDE: tl.constexpr, n, total, LOG2_N: tl.constexpr, TRAIL: tl.constexpr,
+                       BLOCK: tl.constexpr, IDX: tl.constexpr):
+    """Program ``pid``'s BLOCK elements of ``total`` (boxes or cells laid end to end, the interpreter's form):
+    ``(mask, channel, vector index e, segment k)``, ``k`` the last of the ``n`` segments whose start
+    ``starts_ptr[k * STRIDE]`` is at most ``e`` (segment 0 starts at 0), by a branchless binary search over ``LOG2_N``
+    steps: how the box gather and the accumulate find an element's box or cell under the interpreter."""
+    et = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
+    m = et < total
+    e = et // TRAIL
     k = tl.zeros([BLOCK], dtype=tl.int32)
     for b in tl.static_range(LOG2_N):
         cand = k + (1 << (LOG2_N - 1 - b))
         ok = m & (cand < n)
         k = tl.where(ok & (tl.load(starts_ptr + cand * STRIDE, mask=ok, other=0) <= e), cand, k)
-    return k
+    return m, et % TRAIL, e, k
 
 
 @triton.jit
@@ -623,11 +628,11 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_program
     ``PER_BOX`` (GPUs): each box has programs of its own (``pbox[pid]``: program ``pid``'s box; a program past
     ``n_programs``, the rounding of a spilled grid, finds its elements past the last box's end), so a program reads
     its box's row with loads every thread shares, and an element's coordinates come by the row's multiply-shift
-    divisions (:func:`_program_elements`).  Else (the interpreter, which pays per program, per operation and per nested
-    call, not per element) programs tile the boxes laid end to end, ``total`` elements, and every element finds its
-    box by a binary search of the ``nbox`` starts (:func:`segment_of`) and divides at run time: one program for the
-    whole launch there, where programs per box took 4-20 times the time.  The body is written out for both, not
-    in helpers, for the same reason.
+    divisions (:func:`_program_elements`).  Else (the interpreter, which pays per program, per operation and per
+    nested call, not per element) programs tile the boxes laid end to end, ``total`` elements, and every element
+    finds its box by a binary search of the ``nbox`` starts (:func:`_searched_elements`) and divides at run time:
+    one program for the whole launch there, where programs per box took 4-20 times the time.  Both forms share
+    the body below, written out rather than in helpers, for the same reason.
 
     The run loop is a ``while`` (see the module doc).  With RTMAX = 1 (every pack) there is
     no loop: Triton specialises an integer argument equal to 1 to a constant, the guard
@@ -650,11 +655,8 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_program
         d0, d1, d2 = tl.load(row + 8).to(IDX), tl.load(row + 9).to(IDX), tl.load(row + 10).to(IDX)
         sel, dst = tl.load(row), tl.load(row + 1)
     else:  # each element's box, searched
-        et = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
-        m = et < total
-        ch = et % TRAIL
-        e = et // TRAIL
-        row = btab_ptr + segment_of(e, m, btab_ptr + 23, 24, nbox, LOG2_NBOX, BLOCK) * 24
+        m, ch, e, k = _searched_elements(pid, btab_ptr + 23, 24, nbox, total, LOG2_NBOX, TRAIL, BLOCK, IDX)
+        row = btab_ptr + k * 24
         e -= tl.load(row + 23, mask=m, other=0).to(IDX)  # the element's index in its box
         E1 = tl.load(row + 3, mask=m, other=1).to(IDX)
         E2 = tl.load(row + 4, mask=m, other=1).to(IDX)
@@ -725,11 +727,8 @@ def accumulate_kernel(gx_ptr, self_ptr, recv_ptr, pcell_ptr, ctab_ptr, blist_ptr
         p2 += tl.load(row + 3).to(IDX)
         first, count = tl.load(row + 7), tl.load(row + 8)
     else:  # each element's cell, searched
-        et = (pid * BLOCK).to(IDX) + tl.arange(0, BLOCK).to(IDX)
-        m = et < total
-        ch = et % TRAIL
-        e = et // TRAIL
-        row = ctab_ptr + segment_of(e, m, ctab_ptr + 16, 17, ncell, LOG2_NCELL, BLOCK) * 17
+        m, ch, e, k = _searched_elements(pid, ctab_ptr + 16, 17, ncell, total, LOG2_NCELL, TRAIL, BLOCK, IDX)
+        row = ctab_ptr + k * 17
         local = e - tl.load(row + 16, mask=m, other=0).to(IDX)
         W1 = tl.load(row + 5, mask=m, other=1).to(IDX)
         W2 = tl.load(row + 6, mask=m, other=1).to(IDX)
