@@ -20,13 +20,16 @@ from distfuse.kernels import halo_tables as ht
 from tests.test_halo_kernels import _nan, _nchw_order, _plan, _staged_pieces_mask
 from tests.test_halo_overlap_passes import _inputs, cuda_cases
 
-# (global shape, grid, kernel, padding, mode, workers): a middle worker (every face remote) and a corner one (faces
-# from the padding rule), in 2-D and 3-D, uneven splits included
+# (global shape, grid, kernel, padding, mode, workers, channels last): a middle worker (every face remote) and a corner
+# one (faces from the padding rule), in 2-D and 3-D, uneven splits included
 CASES = [
-    pytest.param((9, 9, 12), (3, 3, 3), (3, 3, 3), 1, "zeros", [(1, 1, 1), (0, 0, 0)], id="3d-middle-and-corner"),
-    pytest.param((7, 11, 10), (2, 3, 2), (3, 3, 5), ((1, 1), (1, 1), (2, 2)), "reflect", [(1, 1, 0)],
-                 id="3d-uneven-reflect"),
-    pytest.param((9, 16), (2, 2), (3, 5), ((1, 1), (2, 2)), "circular", [(0, 1), (1, 0)], id="2d-circular"),
+    pytest.param((9, 9, 12), (3, 3, 3), (3, 3, 3), 1, "zeros", [(1, 1, 1), (0, 0, 0)], False,
+                 id="3d-middle-and-corner-nchw"),
+    pytest.param((9, 9, 12), (3, 3, 3), (3, 3, 3), 1, "zeros", [(0, 0, 0)], True, id="3d-corner-channels-last"),
+    pytest.param((7, 11, 10), (2, 3, 2), (3, 3, 5), ((1, 1), (1, 1), (2, 2)), "reflect", [(1, 1, 0)], True,
+                 id="3d-uneven-reflect-channels-last"),
+    pytest.param((9, 16), (2, 2), (3, 5), ((1, 1), (2, 2)), "circular", [(0, 1), (1, 0)], False,
+                 id="2d-circular-nchw"),
 ]
 
 
@@ -42,8 +45,7 @@ def _written(plan, i, region, shape):
     return {"all": torch.ones_like(received), "local": ~received, "remote": received}[region]
 
 
-@pytest.mark.parametrize("cl", [False, True], ids=["nchw", "channels_last"])
-@pytest.mark.parametrize("gshape,grid,kernel,padding,mode,workers", CASES)
+@pytest.mark.parametrize("gshape,grid,kernel,padding,mode,workers,cl", CASES)
 def test_split_staging_writes_what_the_one_launch_writes(gshape, grid, kernel, padding, mode, workers, cl):
     """Split (window programs, then slab programs) and not, every region, bit for bit into poisoned outputs.  The
     split's two grids hold the one launch's programs: the window's first (box 1's START of them), then the slabs'."""

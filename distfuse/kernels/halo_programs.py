@@ -279,18 +279,11 @@ def lut_gather_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_
 
 
 @triton.jit
-def _int(v, DTYPE: tl.constexpr):
-    """``v`` as a ``DTYPE`` scalar, whether a loaded value, an integer argument or the constant Triton makes of an
-    integer argument equal to 1 (a plain int, which has no ``.to``)."""
-    return (v + tl.zeros([], DTYPE)).to(DTYPE)
-
-
-@triton.jit
 def _magic_div(n, m, shift):
     """``n // d`` for int32 ``0 <= n < 2^31`` by the multiplier ``(m, shift)`` of :func:`magic_divisor` (``d`` >= 1,
     both loaded as int64): ``umulhi(2n, m) >> shift``, three 32-bit instructions instead of a runtime division
     (about twenty on a GPU) or a 64-bit multiply."""
-    return (tl.umulhi((n * 2).to(tl.uint32), _int(m, tl.uint32)) >> _int(shift, tl.uint32)).to(tl.int32)
+    return (tl.umulhi((n * 2).to(tl.uint32), m.to(tl.uint32)) >> shift.to(tl.uint32)).to(tl.int32)
 
 
 @triton.jit
@@ -304,11 +297,11 @@ def _rows(pid_r, n_rows, m1, k1, m0, k0, obase, ob, oc, out_s1, BLOCK_R: tl.cons
     ``b0``, ``b1`` or a 64-bit multiply unless IDX is int64.  Row indices fit int32, as in :func:`_row_tile`.
     """
     r32 = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r32 < _int(n_rows, tl.int32)
+    rmask = r32 < n_rows.to(tl.int32)
     q32 = _magic_div(r32, m1, k1)
     lead32 = _magic_div(q32, m0, k0)
     r, q, lead = r32.to(IDX), q32.to(IDX), lead32.to(IDX)
-    out_row = _int(obase, IDX) + r * out_s1 + q * _int(ob, IDX) + lead * _int(oc, IDX)
+    out_row = obase.to(IDX) + r * out_s1 + q * ob.to(IDX) + lead * oc.to(IDX)
     return rmask, r, q, lead, out_row
 
 
@@ -362,8 +355,8 @@ def _stage_beside(out_ptr, a_ptr, b_ptr, stab_ptr, lo2, rhi, n_left, n_right, rm
     column, so one piece and a source offset linear in the chunk's columns: the table loads are per chunk, and
     each row moves like the window's (its source and staged offsets multiples of STRIP_ALIGN, computed by
     :func:`stage_launch`)."""
-    lo2 = _int(lo2, tl.int32)
-    rhi = _int(rhi, tl.int32)
+    lo2 = lo2.to(tl.int32)
+    rhi = rhi.to(tl.int32)
     n = n_left + n_right
     if STRIP_ALIGN > 0:
         _stage_beside_chunks(out_ptr, a_ptr, b_ptr, stab_ptr, n_left, n, lo2, rhi, rmask, r, q, lead, out_row,
@@ -473,26 +466,26 @@ def _stage_window(out_ptr, a_ptr, b_ptr, stab_ptr, pid, out_s1, x_s1, W_NX, W_RO
     if REGION == 2:  # the remote pass: the window's strips alone, STRIP_R rows a tile (NX 1)
         rmask, r, q, lead, out_row = _rows(pid_r, W_ROWS, W_M1, W_K1, W_M0, W_K0, W_OBASE, W_OB, W_OC, out_s1,
                                            STRIP_R, IDX)
-        _stage_beside(out_ptr, a_ptr, b_ptr, stab_ptr, W_LO2, W_RHI, _int(W_LO2, tl.int32),
-                      out_s1 - _int(W_RHI, tl.int32), rmask, r, q, lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
+        _stage_beside(out_ptr, a_ptr, b_ptr, stab_ptr, W_LO2, W_RHI, W_LO2.to(tl.int32),
+                      out_s1 - W_RHI.to(tl.int32), rmask, r, q, lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
     else:
         cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
         # (v // A) * A == v for the multiples of A that stage_launch promises; the product's divisibility is
         # what the compiler sees (tl.multiple_of would mark the shared SSA value, the slabs' width included)
-        cmask = cols < (_int(W_WIDTH, tl.int32) // X_ALIGN) * X_ALIGN  # constant over a vector of the window's row
+        cmask = cols < (W_WIDTH.to(tl.int32) // X_ALIGN) * X_ALIGN  # constant over a vector of the window's row
         rmask, r, q, lead, out_row = _rows(pid_r, W_ROWS, W_M1, W_K1, W_M0, W_K0, W_OBASE, W_OB, W_OC, out_s1,
                                            BLOCK_R, IDX)
-        x_row = _int(W_XBASE, IDX) + r * x_s1 + q * _int(W_XB, IDX) + lead * _int(W_XC, IDX)
+        x_row = W_XBASE.to(IDX) + r * x_s1 + q * W_XB.to(IDX) + lead * W_XC.to(IDX)
         x_row = (x_row // X_ALIGN) * X_ALIGN
-        o_row = ((out_row + _int(W_LO2, IDX)) // OUT_ALIGN) * OUT_ALIGN
+        o_row = ((out_row + W_LO2.to(IDX)) // OUT_ALIGN) * OUT_ALIGN
         mask = rmask[:, None] & cmask[None, :]
         v = tl.load(a_ptr + (x_row[:, None] + cols[None, :]), mask=mask)
         tl.store(out_ptr + (o_row[:, None] + cols[None, :]), v, mask=mask)
         # W_STRIPS: the region writes some strip (a middle worker's local pass has none); REGION 3 (a
         # diagnosis): the window's copy alone, compiled without the strips' code (its registers are the copy's)
         if REGION != 3:
-            n_left = tl.where(pid_x == 0, _int(W_LO2, tl.int32), 0)
-            n_right = tl.where(pid_x == W_NX - 1, out_s1 - _int(W_RHI, tl.int32), 0)
+            n_left = tl.where(pid_x == 0, W_LO2.to(tl.int32), 0)
+            n_right = tl.where(pid_x == W_NX - 1, out_s1 - W_RHI.to(tl.int32), 0)
             if (n_left + n_right > 0) & (W_STRIPS != 0):
                 _stage_beside(out_ptr, a_ptr, b_ptr, stab_ptr, W_LO2, W_RHI, n_left, n_right, rmask, r, q, lead,
                               out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
@@ -518,7 +511,13 @@ def _stage_slab_program(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd
                 SLAB_X, STRIP_X, SLAB_ROWS, SLAB_ALIGN)
 
 
-@triton.jit
+# The window's geometry (stage_kernel's W_* arguments) is never specialised: Triton makes an integer argument equal to
+# 1 a plain constant, which has no .to, and divisibility hints buy nothing there (the kernel promises its alignments)
+_WINDOW_ARGS = ["W_TILES", "W_NX", "W_ROWS", "W_WIDTH", "W_M1", "W_K1", "W_M0", "W_K0", "W_OBASE", "W_OB", "W_OC",
+                "W_LO2", "W_RHI", "W_XBASE", "W_XB", "W_XC", "W_STRIPS"]
+
+
+@triton.jit(do_not_specialize=_WINDOW_ARGS)
 def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr, crd2_ptr, ptab_ptr,
                  btab_ptr, stab_ptr, NS1, NS2, out_s1, x_s1,
                  W_TILES, W_NX, W_ROWS, W_WIDTH, W_M1, W_K1, W_M0, W_K0, W_OBASE, W_OB, W_OC, W_LO2, W_RHI, W_XBASE,
