@@ -124,7 +124,7 @@ def pack_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch
     is a cache lookup, not the plan geometry and box offsets again (see the module docstring)."""
     x_shape = tuple(plan.input_shape(index))
     numel = send_numel(plan, index, lead * trail)
-    boxes = (box_launch(pack_tables(plan, index, lead, device), lead, x_shape, device, block, trail) if numel
+    boxes = (box_launch(pack_tables(plan, index, lead), lead, x_shape, device, block, trail) if numel
              else None)
     return PackLaunch(x_shape, numel, boxes)
 
@@ -160,7 +160,7 @@ def unstage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: to
     docstring)."""
     staged = tuple(plan.staged_shape(index))
     x_shape = tuple(plan.input_shape(index))
-    tables = unstage_box_tables(plan, index, lead, region, device)
+    tables = unstage_box_tables(plan, index, lead, region)
     interior = interior_piece(plan, index)
     copy = interior is not None and math.prod(interior.shape) > 0
     partial = interior is None or tuple(interior.src_shape) != x_shape

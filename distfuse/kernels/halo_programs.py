@@ -67,9 +67,8 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   one kernel of both to 96, five programs of 4 warps an SM where the window alone allows ten.  So on GPUs the
   window's programs and the slabs' are two launches of one kernel (``PART`` 1 and 2, :data:`STAGE_SPLIT`) where
   the staging copies the window and stages 2^24 elements or more (below, the second launch's host time would
-  outweigh it); the
-  slabs' launch keeps the window's branch compiled in, never taken, because unaligned slab rows take 255
-  registers without the window's load layout to share (see the next point).  Unmeasured on a GPU:
+  outweigh it); the slabs' launch keeps the window's branch compiled in, never taken, because unaligned slab rows
+  take 255 registers without the window's load layout to share (see the next point).  Unmeasured on a GPU:
   ``scripts/gpu_diagnose.py`` times the staging split and not (``halo_tiles``, rows ``split=``).
 * **The overlap's two passes launch only what they write, with the registers of the one pass.**
   The layers stage in two passes on GPUs (local, then remote once the halos came). On an
@@ -346,10 +345,10 @@ def _stage_beside(out_ptr, a_ptr, b_ptr, stab_ptr, lo2, rhi, n_left, n_right, rm
     the ``n_right`` ones from ``rhi`` (the window's columns are ``[lo2, rhi)``), ``[rows, STRIP_X]`` at a time.
     Each column is one piece, read at ``(b0, b1, crd2[col])`` of its source box: an offset linear in ``(r, q,
     lead)`` like the row's.  The strip table (:func:`strip_table`, one row of five per column beside the window:
-    ``lo2`` left ones, then the right ones)
-    holds each column's piece kind and the coefficients of that offset, so a column costs five independent loads
-    of one row, where the tables took two dependent rounds (the segment, then the piece row): in a 3-D block every
-    window tile writes its strips, and its program's chain of dependent loads is what the SM waits on.
+    ``lo2`` left ones, then the right ones) holds each column's piece kind and the coefficients of that offset, so
+    a column costs five independent loads of one row, where the tables took two dependent rounds (the segment,
+    then the piece row): in a 3-D block every window tile writes its strips, and its program's chain of dependent
+    loads is what the SM waits on.
 
     ``STRIP_ALIGN`` > 0 (channels last, STRIP_X dividing the channels): a chunk is STRIP_X channels of one spatial
     column, so one piece and a source offset linear in the chunk's columns: the table loads are per chunk, and

@@ -192,9 +192,9 @@ def stage_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     return (*table_tensors(luts, rows, device), ns)
 
 
-def _box_launch_tables(rows: list[int], numels: list[int], device):
+def _box_launch_tables(rows: list[int], numels: list[int]):
     """``(box rows, elements of each box, largest R)``: the launch lays out each box's programs and makes the tables
-    (:func:`~distfuse.kernels.halo_launches.box_launch`).  ``device`` keys the caches alike."""
+    on its device (:func:`~distfuse.kernels.halo_launches.box_launch`)."""
     rt = max((rows[k * _BOX_COLS + 14] for k in range(len(numels))), default=1)
     return tuple(rows), tuple(numels), rt
 
@@ -206,13 +206,13 @@ def _box_row(sel: int, dst: int, extents, starts, dirs, reps) -> list[int]:
 
 
 @functools.lru_cache(maxsize=512)
-def pack_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device):
+def pack_tables(plan: HaloPlan, index: tuple[int, ...], lead: int):
     boxes = [pc for _, pc in plan.sends(index)]
     offs, _ = box_offsets([pc.src_shape for pc in boxes], lead)
     rows = []
     for pc, off in zip(boxes, offs, strict=True):
         rows += _box_row(0, off, pc.src_shape, pc.src_lo, (1,) * len(pc.src_lo), (1,) * len(pc.src_lo))
-    return _box_launch_tables(rows, [lead * math.prod(pc.src_shape) for pc in boxes], device)
+    return _box_launch_tables(rows, [lead * math.prod(pc.src_shape) for pc in boxes])
 
 
 def _adjoint_axes(pc: Piece) -> tuple[list[int], list[int], list[int]]:
@@ -229,7 +229,7 @@ def _adjoint_axes(pc: Piece) -> tuple[list[int], list[int], list[int]]:
 
 
 @functools.lru_cache(maxsize=512)
-def unstage_box_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, region: str, device: torch.device):
+def unstage_box_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, region: str):
     """Send-back boxes (SEL 0, ``recvs`` order) and/or self boxes (SEL 1, ``self_pieces`` order)."""
     rows, numels = [], []
     for sel, part in ((0, "remote"), (1, "local")):
@@ -240,7 +240,7 @@ def unstage_box_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, region
         for pc, off in zip(pieces, offs, strict=True):
             rows += _box_row(sel, off, pc.src_shape, *_adjoint_axes(pc))
             numels.append(lead * math.prod(pc.src_shape))
-    return _box_launch_tables(rows, numels, device)
+    return _box_launch_tables(rows, numels)
 
 
 def accumulate_boxes(plan: HaloPlan, index: tuple[int, ...], lead: int) -> list[tuple[int, int, Piece]]:
