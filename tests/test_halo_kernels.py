@@ -259,6 +259,47 @@ def test_kernels_with_programs_per_box(per_box, monkeypatch):
     _simulate((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 2, "replicate", torch.float32, lead_shape=(1, 4), block=8)
 
 
+def test_unstage_window_both_ways(monkeypatch):
+    """The unstage's interior window is copied by the box gather launch (one more box: small windows, what every
+    other test here runs) or by torch's strided copy (large ones, run here with the limit at 0): against the
+    references and the oracle, into poisoned buffers, in both box forms; a worker whose interior does not cover its
+    block (stride 4: the conv skips some of it) or who has none always takes the copy and the zero fill; and the two
+    ways agree bit for bit."""
+    window_elements, other_way = 0, hl.UNSTAGE_WINDOW_ELEMENTS
+    monkeypatch.setattr(hl, "UNSTAGE_WINDOW_ELEMENTS", window_elements)
+    monkeypatch.setattr(hl, "unstage_box_tables", ht.unstage_box_tables.__wrapped__)
+    hl.unstage_launch.cache_clear()  # a cached launch reads the setting when it is built
+    try:
+        _unstage_window_both_ways(window_elements, other_way, monkeypatch)
+    finally:
+        for cache in (hl.pack_launch, hl.unstage_launch, hl.accumulate_launch):
+            cache.cache_clear()
+
+
+def _unstage_window_both_ways(window_elements, other_way, monkeypatch):
+    plan, _ = _plan((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 1, "reflect")
+    cpu = torch.device("cpu")
+    launch = hl.unstage_launch(plan, (1, 1), 2, cpu, "all", None)
+    assert launch.window_in_boxes == (window_elements > 0) and (launch.interior_dst is None) == launch.window_in_boxes
+    assert not hl.unstage_launch(plan, (1, 1), 2, cpu, "remote", None).window_in_boxes
+    strided, _ = _plan((16,), (4,), (3,), (4,), (1,), 1, "zeros")
+    for i in strided.blocks():  # the interior covers part of the block: a copy into the zero-filled grad_x
+        launch = hl.unstage_launch(strided, i, 2, cpu, "all", None)
+        assert launch.zero_grad_x and launch.interior_dst is not None and not launch.window_in_boxes
+    _simulate((16,), (4,), (3,), (4,), (1,), 1, "zeros", torch.float32)
+    _simulate((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 2, "circular", torch.float32, lead_shape=(1, 2), block=64)
+    monkeypatch.setattr(hl, "BOX_PROGRAMS", True)
+    _simulate((6, 8), (2, 2), (3, 3), (1, 1), (1, 1), 1, "reflect", torch.bfloat16, lead_shape=(2, 4), block=16,
+              channels_last=True)
+    g = torch.randn((2, 3) + tuple(plan.staged_shape((1, 1))), dtype=torch.bfloat16)
+    got = hk.halo_unstage(g, plan, (1, 1), grad_x=_nan((2, 3) + tuple(plan.input_shape((1, 1))), g.dtype, g.device))
+    monkeypatch.setattr(hl, "UNSTAGE_WINDOW_ELEMENTS", other_way)
+    hl.unstage_launch.cache_clear()
+    other = hk.halo_unstage(g, plan, (1, 1))
+    assert hl.unstage_launch(plan, (1, 1), 6, cpu, "all", None).window_in_boxes == (other_way > 0)
+    assert all(torch.equal(a, b) for a, b in zip(got, other))
+
+
 def test_kernels_with_a_spilled_grid(monkeypatch):
     """Grid axis 0 capped at 3 programs: the rest go to axis 1, every tile is still written once (outputs start
     as NaN) and the surplus programs of a rounded-up grid write nothing; row-tiled and linear launches both."""

@@ -250,7 +250,10 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
     ``grad_x``/``send``/``self_boxes`` may be given preallocated (workspaces, poisoned
     buffers in tests); outputs of other regions are ignored.  Zero-fill pieces have no
     gradient.  One read of every staged element that has a source; replicate sums are
-    gathers (no atomics).  Everything but the launches is cached per ``(plan, index, LEAD,
+    gathers (no atomics).  One launch: where the interior window covers the block and holds at most
+    :data:`~distfuse.kernels.halo_launches.UNSTAGE_WINDOW_ELEMENTS` elements, its copy into ``grad_x`` is one more
+    box of the gather (no strided ``copy_``, no views: the host time small steps show); else a strided copy
+    follows.  Everything but the launches is cached per ``(plan, index, LEAD,
     device, region, block)`` (:func:`~distfuse.kernels.halo_launches.unstage_launch`);
     ``tile`` is unused (no row-tiled launch).  ``channels_last``: the staged gradient and ``grad_x`` are dense in
     channels-last order and the flat buffers' boxes are ``[B, *box, C]`` (what the forward's peers expect: pass
@@ -268,8 +271,9 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
         self_boxes = grad_x = None
     if launch.boxes is not None:  # some box has elements, so grad has: an empty output is never dereferenced
         launch_box_gather(send if send is not None and send.numel() else grad,
-                          self_boxes if self_boxes is not None and self_boxes.numel() else grad, grad, launch.boxes)
-    if grad_x is not None:  # the interior piece's gradient: one strided copy, zeros elsewhere
+                          self_boxes if self_boxes is not None and self_boxes.numel() else grad, grad, launch.boxes,
+                          grad_x if launch.window_in_boxes else None)
+    if grad_x is not None and not launch.window_in_boxes:  # the interior's gradient: a strided copy, 0 elsewhere
         if launch.zero_grad_x:
             grad_x.zero_()
         if launch.interior_dst is not None:

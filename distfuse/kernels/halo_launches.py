@@ -48,7 +48,7 @@ from distfuse.kernels.launch_cache import cached_launch
 
 __all__ = ["BoxLaunch", "PackLaunch", "UnstageLaunch", "AccumulateLaunch", "box_launch", "pack_launch",
            "unstage_launch", "accumulate_launch", "launch_box_gather", "launch_accumulate", "per_box_programs",
-           "BOX_PROGRAMS"]
+           "BOX_PROGRAMS", "UNSTAGE_WINDOW_ELEMENTS"]
 
 
 class BoxLaunch(NamedTuple):
@@ -96,15 +96,17 @@ def box_launch(tables, lead: int, src_shape: tuple[int, ...], device: torch.devi
                           PER_BOX=per_box, num_warps=BOX_NUM_WARPS), {})
 
 
-def launch_box_gather(out0: torch.Tensor, out1: torch.Tensor, src: torch.Tensor, launch: BoxLaunch) -> None:
+def launch_box_gather(out0: torch.Tensor, out1: torch.Tensor, src: torch.Tensor, launch: BoxLaunch,
+                      out2: torch.Tensor | None = None) -> None:
     """One launch of ``launch`` (from :func:`box_launch`): SEL 0 boxes into ``out0`` (rounded to its dtype), SEL 1
-    boxes into ``out1``, read from ``src``; arithmetic in fp32 (fp64 for an fp64 source)."""
+    boxes into ``out1``, SEL 2 boxes into ``out2`` (``out0``'s dtype; None: no SEL 2 box), read from ``src``;
+    arithmetic in fp32 (fp64 for an fp64 source)."""
     key = (src.dtype, out0.dtype)
     bound = launch.bound.get(key)
     if bound is None:  # the first launch of these dtypes: bind the grid, the tables and the constexprs once
         meta = dict(launch.meta, COMPUTE=compute_dtype(src.dtype), ROUND_BF16=round_bf16(out0.dtype))
         bound = launch.bound[key] = cached_launch(box_gather_kernel).bind(launch.grid, launch.args, meta)
-    bound(out0, out1, src)
+    bound(out0, out1, out0 if out2 is None else out2, src)
 
 
 class PackLaunch(NamedTuple):
@@ -136,10 +138,11 @@ class UnstageLaunch(NamedTuple):
     ``staged_shape`` ``L`` and ``input_shape`` ``n`` are the spatial shapes of the staged gradient and of
     ``grad_x``; ``send_numel`` and ``self_numel`` the sizes of the flat send-back buffer (``plan.recvs`` boxes) and
     of the self boxes (``self_pieces``), each ``LEAD * sum_k |src_k|``.  ``boxes`` gathers the region's send-back
-    and self boxes in one launch (None: no box has an element).  ``zero_grad_x`` says whether ``grad_x`` has
-    positions the interior piece does not cover (zeroed first); ``interior_dst`` indexes the staged gradient
-    (``(..., *slices)``) for the interior's copy (None: no interior element) and ``interior_src`` indexes
-    ``grad_x`` (None: all of it, the common case, which saves the indexing of a view).
+    and self boxes in one launch (None: no box has an element), and, where ``window_in_boxes``, ``grad_x`` whole:
+    the interior window's gradient is then one more box of that launch (:data:`UNSTAGE_WINDOW_ELEMENTS`).  Else
+    ``zero_grad_x`` says whether ``grad_x`` has positions the interior piece does not cover (zeroed first);
+    ``interior_dst`` indexes the staged gradient (``(..., *slices)``) for the interior's strided copy (None: no
+    copy) and ``interior_src`` indexes ``grad_x`` (None: all of it, which saves the indexing of a view).
     """
 
     staged_shape: tuple[int, ...]
@@ -150,6 +153,16 @@ class UnstageLaunch(NamedTuple):
     interior_src: tuple | None
     interior_dst: tuple | None
     zero_grad_x: bool
+    window_in_boxes: bool
+
+
+#: The unstage's interior window (``grad_x``, elements) up to which the box gather copies it, as one more box of its
+#: launch, where it covers the block; larger windows are one strided ``copy_``.  The copy's own launch and views
+#: cost host time that small steps show: with every launch stubbed (``scripts/host_cost.py --kernels``, one core of
+#: a 2-core AMD EPYC) the window's copy and indexing took 4.5 of an unstage's 10.4 us, and the bench's fused halo
+#: conv step lost to ``torch.cat``'s by its host time wherever the GPU's work was shorter (``halo_full``, H200,
+#: 2026-11-28).  Beyond, the GPU's copy of the window dominates, and torch's strided copy is the measured one.
+UNSTAGE_WINDOW_ELEMENTS = 2**22
 
 
 @functools.lru_cache(maxsize=512)
@@ -160,15 +173,17 @@ def unstage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: to
     docstring)."""
     staged = tuple(plan.staged_shape(index))
     x_shape = tuple(plan.input_shape(index))
-    tables = unstage_box_tables(plan, index, lead, region)
     interior = interior_piece(plan, index)
     copy = interior is not None and math.prod(interior.shape) > 0
     partial = interior is None or tuple(interior.src_shape) != x_shape
+    window = (region in ("all", "local") and copy and not partial
+              and lead * math.prod(x_shape) * trail <= UNSTAGE_WINDOW_ELEMENTS)
+    tables = unstage_box_tables(plan, index, lead, region, window)
     return UnstageLaunch(
         staged, x_shape, recv_numel(plan, index, lead * trail), self_numel(plan, index, lead * trail),
         box_launch(tables, lead, staged, device, block, trail),
-        (..., *interior.src_slices()) if copy and partial else None, (..., *interior.dst_slices()) if copy else None,
-        partial)
+        (..., *interior.src_slices()) if copy and partial else None,
+        (..., *interior.dst_slices()) if copy and not window else None, partial, window)
 
 
 class AccumulateLaunch(NamedTuple):

@@ -613,15 +613,17 @@ def _program_elements(row, pid, NUMEL: tl.constexpr, PSTART: tl.constexpr, EXTEN
 
 
 @triton.jit
-def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_programs, nbox, total, RTMAX, src_ls,
-                      src_s0, src_s1, src_s2, TRAIL: tl.constexpr, LOG2_NBOX: tl.constexpr,
+def box_gather_kernel(out0_ptr, out1_ptr, out2_ptr, src_ptr, pbox_ptr, btab_ptr, n_programs, nbox, total, RTMAX,
+                      src_ls, src_s0, src_s1, src_s2, TRAIL: tl.constexpr, LOG2_NBOX: tl.constexpr,
                       COMPUTE: tl.constexpr, ROUND_BF16: tl.constexpr, WIDE: tl.constexpr, BLOCK: tl.constexpr,
                       PER_BOX: tl.constexpr):
     """Box k (row k of the box table) is flat ``[LEAD, E0, E1, E2]`` at ``out{SEL}[DST:]``:
 
     element ``(l, c)`` = ``sum_{r < R} src[l, T + D*c + r]`` per axis (D = +1 copy, -1
     reversed, 0 with R > 1: the replicate adjoint's sum).  ``RTMAX`` is the largest ``R0 * R1 * R2`` (``RT``) of any
-    box: 1 unless a replicate box is summed.
+    box: 1 unless a replicate box is summed.  SEL 0 and 2 are in the source's dtype (the unstage's send-back
+    buffer and its ``grad_x``, whose interior window is one more box: ``halo_launches.unstage_launch``), SEL 1 in
+    fp32 (fp64), the self boxes.
 
     ``PER_BOX`` (GPUs): each box has programs of its own (``pbox[pid]``: program ``pid``'s box; a program past
     ``n_programs``, the rounding of a spilled grid, finds its elements past the last box's end), so a program reads
@@ -687,12 +689,13 @@ def box_gather_kernel(out0_ptr, out1_ptr, src_ptr, pbox_ptr, btab_ptr, n_program
             acc += tl.load(src_ptr + ((off + r0 * src_s0 + r1 * src_s1 + r2 * src_s2) * TRAIL + ch),
                            mask=m & (tl.zeros([BLOCK], dtype=tl.int32) + r < RT), other=0.0).to(COMPUTE)
             r += 1
-    # out0 has the source's dtype: a bf16 sum is rounded to nearest even (cast_out; the interpreter's own
-    # conversion truncates); out1 is the fp32/fp64 self-box buffer.
+    # out0 and out2 have the source's dtype: a bf16 sum is rounded to nearest even (cast_out; the interpreter's own
+    # conversion truncates), a copy stays exact; out1 is the fp32/fp64 self-box buffer.
     at = (dst.to(IDX) + e) * TRAIL + ch
     sel = sel + tl.zeros([BLOCK], dtype=tl.int64)  # a tensor: the interpreter masks with tensors only
     tl.store(out0_ptr + at, cast_out(acc, out0_ptr.dtype.element_ty, ROUND_BF16), mask=m & (sel == 0))
     tl.store(out1_ptr + at, acc.to(out1_ptr.dtype.element_ty), mask=m & (sel == 1))
+    tl.store(out2_ptr + at, cast_out(acc, out2_ptr.dtype.element_ty, ROUND_BF16), mask=m & (sel == 2))
 
 
 @triton.jit

@@ -229,8 +229,10 @@ def _adjoint_axes(pc: Piece) -> tuple[list[int], list[int], list[int]]:
 
 
 @functools.lru_cache(maxsize=512)
-def unstage_box_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, region: str):
-    """Send-back boxes (SEL 0, ``recvs`` order) and/or self boxes (SEL 1, ``self_pieces`` order)."""
+def unstage_box_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, region: str, window: bool = False):
+    """Send-back boxes (SEL 0, ``recvs`` order) and/or self boxes (SEL 1, ``self_pieces`` order); with ``window``
+    (region ``"all"`` or ``"local"``), then the interior piece's gradient as one more box (SEL 2, at 0 of
+    ``grad_x``, which the window must cover whole)."""
     rows, numels = [], []
     for sel, part in ((0, "remote"), (1, "local")):
         if region not in ("all", part):
@@ -240,6 +242,12 @@ def unstage_box_tables(plan: HaloPlan, index: tuple[int, ...], lead: int, region
         for pc, off in zip(pieces, offs, strict=True):
             rows += _box_row(sel, off, pc.src_shape, *_adjoint_axes(pc))
             numels.append(lead * math.prod(pc.src_shape))
+    if window and region in ("all", "local"):
+        pc = interior_piece(plan, index)
+        if pc is None or tuple(pc.src_shape) != tuple(plan.input_shape(index)):
+            raise ValueError(f"unstage_box_tables: worker {index} has no interior window covering its block")
+        rows += _box_row(2, 0, pc.src_shape, *_adjoint_axes(pc))
+        numels.append(lead * math.prod(pc.src_shape))
     return _box_launch_tables(rows, numels)
 
 
