@@ -853,6 +853,26 @@ def test_kernels_cuda_realistic(mode, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("window_elements", [0, hl.UNSTAGE_WINDOW_ELEMENTS], ids=["strided-copy", "in-the-box-launch"])
+def test_unstage_window_both_ways_cuda(window_elements, monkeypatch):
+    """Compiled: the unstage's window copied by its box gather launch and by torch's strided copy (the two sides of
+    :data:`~distfuse.kernels.halo_launches.UNSTAGE_WINDOW_ELEMENTS`), NCHW and channels last, against the
+    references and the oracle."""
+    monkeypatch.setattr(hl, "UNSTAGE_WINDOW_ELEMENTS", window_elements)
+    hl.unstage_launch.cache_clear()
+    try:
+        _simulate((96, 80), (2, 2), (3, 3), (1, 1), (1, 1), 1, "reflect", torch.bfloat16, lead_shape=(2, 16),
+                  device="cuda")
+        _simulate((24, 20, 18), (2, 2, 1), (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, "circular", torch.bfloat16,
+                  lead_shape=(1, 8), device="cuda", channels_last=True)
+        launch = hl.unstage_launch(_plan((96, 80), (2, 2), (3, 3), (1, 1), (1, 1), 1, "zeros")[0], (1, 1), 32,
+                                   torch.device("cuda"), "all", None)
+        assert launch.window_in_boxes == (window_elements > 0) and launch.boxes.meta["PER_BOX"]
+    finally:
+        hl.unstage_launch.cache_clear()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("mode", MODES)
 def test_kernels_cuda_channels_last(mode):
     """Compiled channels last at 16 bf16 channels: 16-byte rows, so the window and the slabs take the vector
