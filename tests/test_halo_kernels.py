@@ -618,7 +618,7 @@ def test_stage_launch_is_built_once(monkeypatch):
 
 def test_unstage_and_accumulate_launches_are_cached_per_lead(monkeypatch):
     """The unstage and accumulate launches are cached per (plan, index, LEAD, device, ...): a second call with a
-    same-shaped gradient is a cache hit that builds nothing (the builders would raise) and gives the same bits;
+    same-shaped gradient builds nothing (the builders would raise, the caches miss no more) and gives the same bits;
     another batch is another LEAD, so another launch, and its result matches the reference too."""
     plan, _ = _plan((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 1, "replicate")
     i = (1, 1)  # replicate edge below, neighbours on three sides: send-back and self boxes both non-empty
@@ -638,7 +638,7 @@ def test_unstage_and_accumulate_launches_are_cached_per_lead(monkeypatch):
         return g, u
 
     g, first = step(1)
-    hits = hl.unstage_launch.cache_info().hits, hl.accumulate_launch.cache_info().hits
+    misses = hl.unstage_launch.cache_info().misses, hl.accumulate_launch.cache_info().misses
 
     def refuse(*args, **kwargs):
         raise AssertionError("rebuilt on a cached call")
@@ -648,8 +648,8 @@ def test_unstage_and_accumulate_launches_are_cached_per_lead(monkeypatch):
                      "send_numel"):
             m.setattr(hl, name, refuse)
         _, again = step(1, g.clone())
-    assert (hl.unstage_launch.cache_info().hits, hl.accumulate_launch.cache_info().hits) == (hits[0] + 1,
-                                                                                              hits[1] + 1)
+    # served by the launchers' checked calls (halo._CHECKED) or the launch caches: nothing built again
+    assert (hl.unstage_launch.cache_info().misses, hl.accumulate_launch.cache_info().misses) == misses
     assert all(torch.equal(a, b) for a, b in zip(first[1:], again[1:]))  # send-back and self boxes
     step(3)
     cpu = torch.device("cpu")
@@ -772,6 +772,42 @@ def test_bad_arguments_name_the_op_and_the_values():
         hk.halo_pack(x.to(torch.int32), plan, i)
     with pytest.raises(ShapeError, match="must be contiguous"):
         hk.halo_pack(x.transpose(0, 1), plan, i)
+
+
+def test_checked_calls_skip_the_checks_but_never_an_error(monkeypatch):
+    """After a checked call, a call with tensors of the same shapes, strides, dtypes and devices skips the launcher's
+    checks (the checks would raise); any other call is checked, so every bad argument raises at every call, before
+    and after good calls with the same plan."""
+    plan, _ = _plan((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 1, "replicate")
+    i = (1, 1)
+    x = torch.randn(2, 3, *plan.input_shape(i))
+    recv = torch.randn(ht.recv_numel(plan, i, 6))
+    g = torch.randn(2, 3, *plan.staged_shape(i))
+    incoming = torch.randn(ht.send_numel(plan, i, 6))
+    bad = [(ShapeError, "receive buffer", lambda: hk.halo_stage(x, recv[1:], plan, i)),
+           (ShapeError, "spatial shape of x", lambda: hk.halo_stage(x[..., :2], recv, plan, i)),
+           (ShapeError, "must be contiguous", lambda: hk.halo_stage(torch.cat([x, x], -1)[..., ::2], recv, plan, i)),
+           (UnsupportedError, "region must be one of", lambda: hk.halo_unstage(g, plan, i, region="border")),
+           (ShapeError, "spatial shape of staged gradient", lambda: hk.halo_unstage(g[..., 1:], plan, i)),
+           (ShapeError, "incoming halo gradients", lambda: hk.halo_accumulate(
+               torch.randn(2, 3, *plan.input_shape(i)), hk.halo_unstage(g, plan, i).self_boxes, incoming[1:], plan,
+               i))]
+    for _ in range(2):  # before the good calls, then after them
+        for error, what, call in bad:
+            with pytest.raises(error, match=what):
+                call()
+        staged = hk.halo_stage(x, recv, plan, i)
+        u = hk.halo_unstage(g, plan, i)
+        hk.halo_accumulate(u.grad_x, u.self_boxes, incoming, plan, i)
+    for name in ("check_plan_layout", "check_flat", "_check_region"):
+        monkeypatch.setattr(hk, name, lambda *args, **kwargs: pytest.fail("checked again"))
+    assert torch.equal(hk.halo_stage(x.clone(), recv.clone(), plan, i), staged)
+    u2 = hk.halo_unstage(g.clone(), plan, i)
+    assert all(torch.equal(a, b) for a, b in zip(u2[1:], u[1:]))  # send-back and self boxes (u's grad_x: summed)
+    hk.halo_accumulate(u2.grad_x, u2.self_boxes, incoming, plan, i)
+    assert torch.equal(u2.grad_x, u.grad_x)
+    with pytest.raises(pytest.fail.Exception, match="checked again"):  # another dtype: another call, checked
+        hk.halo_stage(x.double(), recv.double(), plan, i)
 
 
 _COMPILE_SCRIPT = """
