@@ -39,6 +39,7 @@ their checks, and the torch references they are tested and benchmarked against.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -312,11 +313,19 @@ def halo_unstage(grad: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, re
     return Unstaged(grad_x, send, self_boxes)
 
 
+@functools.lru_cache(maxsize=64)
+def _no_elements(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One shared flat tensor of no elements per dtype and device: the unstage's output of a kind of box the worker
+    has none of (self boxes under zero padding, send-back boxes without neighbours), which nothing writes or reads;
+    an allocation costs a small step's host time (several us each on a GPU's host)."""
+    return torch.empty(0, dtype=dtype, device=device)
+
+
 def _unstage_send(grad: torch.Tensor, send: torch.Tensor | None, launch: UnstageLaunch) -> torch.Tensor:
     """The send-back buffer, flat ``[launch.send_numel]`` in grad's dtype: ``send`` checked, or a new one (a buffer
     this call allocates is not checked again: the host time of a small step counts)."""
     if send is None:
-        return grad.new_empty(launch.send_numel)
+        return grad.new_empty(launch.send_numel) if launch.send_numel else _no_elements(grad.dtype, grad.device)
     check_flat("halo_unstage", send, launch.send_numel, grad.dtype, grad.device, "send-back buffer")
     return send
 
@@ -327,7 +336,8 @@ def _unstage_local_outputs(grad: torch.Tensor, self_boxes: torch.Tensor | None, 
     contiguous in ``lay``'s format; the given ones checked, or new ones."""
     acc_dtype = _acc_dtype(grad.dtype)
     if self_boxes is None:
-        self_boxes = torch.empty(launch.self_numel, dtype=acc_dtype, device=grad.device)
+        self_boxes = (torch.empty(launch.self_numel, dtype=acc_dtype, device=grad.device) if launch.self_numel
+                      else _no_elements(acc_dtype, grad.device))
     else:
         check_flat("halo_unstage", self_boxes, launch.self_numel, acc_dtype, grad.device, "self boxes")
     want = _lead_shape(grad, len(launch.staged_shape)) + launch.input_shape
