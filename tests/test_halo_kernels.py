@@ -786,6 +786,8 @@ def test_checked_calls_skip_the_checks_but_never_an_error(monkeypatch):
     incoming = torch.randn(ht.send_numel(plan, i, 6))
     bad = [(ShapeError, "receive buffer", lambda: hk.halo_stage(x, recv[1:], plan, i)),
            (ShapeError, "spatial shape of x", lambda: hk.halo_stage(x[..., :2], recv, plan, i)),
+           (ShapeError, "spatial shape of x", lambda: hk.halo_pack(x[..., :2], plan, i)),
+           (ShapeError, "send buffer", lambda: hk.halo_pack(x, plan, i, out=torch.empty(1))),
            (ShapeError, "must be contiguous", lambda: hk.halo_stage(torch.cat([x, x], -1)[..., ::2], recv, plan, i)),
            (UnsupportedError, "region must be one of", lambda: hk.halo_unstage(g, plan, i, region="border")),
            (ShapeError, "spatial shape of staged gradient", lambda: hk.halo_unstage(g[..., 1:], plan, i)),
@@ -796,11 +798,13 @@ def test_checked_calls_skip_the_checks_but_never_an_error(monkeypatch):
         for error, what, call in bad:
             with pytest.raises(error, match=what):
                 call()
+        sent = hk.halo_pack(x, plan, i)
         staged = hk.halo_stage(x, recv, plan, i)
         u = hk.halo_unstage(g, plan, i)
         hk.halo_accumulate(u.grad_x, u.self_boxes, incoming, plan, i)
     for name in ("check_plan_layout", "check_flat", "_check_region"):
         monkeypatch.setattr(hk, name, lambda *args, **kwargs: pytest.fail("checked again"))
+    assert torch.equal(hk.halo_pack(x.clone(), plan, i), sent)
     assert torch.equal(hk.halo_stage(x.clone(), recv.clone(), plan, i), staged)
     u2 = hk.halo_unstage(g.clone(), plan, i)
     assert all(torch.equal(a, b) for a, b in zip(u2[1:], u[1:]))  # send-back and self boxes (u's grad_x: summed)

@@ -149,13 +149,14 @@ def _meta(t: torch.Tensor) -> tuple:
     return t.shape, t.stride(), t.dtype, t.device
 
 
-#: The checked calls of the stage, unstage and accumulate launchers: per plan, worker, options and the metadata of
+#: The checked calls of the pack, stage, unstage and accumulate launchers: per plan, worker, options and the metadata of
 #: the tensors they check (:func:`_meta`), the kernels' view of them (:class:`Layout`, and the staging's output
 #: shape).  A call whose tensors look like a checked call's skips the checks, which are a pure function of that
 #: key: with every launch stubbed (``scripts/host_cost.py --kernels``) they were 2.2 of a staging's 5.7 us, and the
 #: fused halo conv's small steps lose to ``torch.cat``'s by host time alone.  An argument that fails a check is
 #: never stored, so it raises at every call.  The launches themselves still come from their caches
-#: (``stage_launch``, ``unstage_launch``, ``accumulate_launch``), so clearing those takes effect at the next call.
+#: (``pack_launch``, ``stage_launch``, ``unstage_launch``, ``accumulate_launch``), so clearing those takes effect at
+#: the next call.
 _CHECKED = BoundedMemo(1024)
 
 
@@ -179,11 +180,19 @@ def halo_pack(x: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, out: tor
     boxes.
     """
     index = tuple(index)
-    lay = _layout("halo_pack", x, plan, "x", channels_last)
+    key = ("pack", plan, index, block, channels_last, *_meta(x))
+    lay = _CHECKED.get(key)
+    checked = lay is not None
+    if not checked:
+        lay = _layout("halo_pack", x, plan, "x", channels_last)
     launch = pack_launch(plan, index, lay.lead, x.device, block, lay.trail)
-    check_plan_layout("halo_pack", x, launch.input_shape, "x", lay.memory_format)
-    out = x.new_empty(launch.send_numel) if out is None else out
-    check_flat("halo_pack", out, launch.send_numel, x.dtype, x.device, "send buffer")
+    if not checked:
+        check_plan_layout("halo_pack", x, launch.input_shape, "x", lay.memory_format)
+        _CHECKED.keep(key, lay)
+    if out is None:  # a buffer this call allocates is not checked
+        out = x.new_empty(launch.send_numel)
+    else:
+        check_flat("halo_pack", out, launch.send_numel, x.dtype, x.device, "send buffer")
     if launch.boxes is not None:
         launch_box_gather(out, out, x, launch.boxes)
     return out
