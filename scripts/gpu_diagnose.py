@@ -245,9 +245,10 @@ def measure(torch, fn, device, calls, profile=True, graph=False):
     return row
 
 
-def cprofile_top(fn, calls, top=16) -> str:
-    """The ``top`` functions by own time over ``max(calls, 200)`` calls, in microseconds per call of ``fn`` (own
-    and cumulative): pstats' seconds per ncalls round to 0.000 at these costs."""
+def cprofile_rows(fn, calls, top=16) -> list[dict]:
+    """The ``top`` functions by own time over ``max(calls, 200)`` calls of ``fn``: per function its own and
+    cumulative microseconds and its calls, per call of ``fn`` (pstats' seconds per ncalls round to 0.000 at these
+    costs).  The profiler's own cost inflates functions that make many small calls."""
     calls = max(calls, 200)
     prof = cProfile.Profile()
     prof.enable()
@@ -255,12 +256,24 @@ def cprofile_top(fn, calls, top=16) -> str:
         fn()
     prof.disable()
     stats = pstats.Stats(prof, stream=io.StringIO()).stats
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    out = []
+    for (path, line, name), (_cc, nc, tt, ct, _callers) in sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]:
+        out.append(dict(function=f"{os.path.basename(path)}:{line}({name})" if line else name,
+                        own_us=round(tt / calls * 1e6, 2), cum_us=round(ct / calls * 1e6, 2),
+                        calls=round(nc / calls, 2)))
+    return out
+
+
+def cprofile_text(rows: list[dict]) -> str:
+    """:func:`cprofile_rows` as a table."""
     lines = ["  own us  cum us  calls/call  function"]
-    for (path, line, name), (_cc, nc, tt, ct, _callers) in rows:
-        where = f"{os.path.basename(path)}:{line}({name})" if line else name
-        lines.append(f"{tt / calls * 1e6:8.2f} {ct / calls * 1e6:7.2f} {nc / calls:10.1f}  {where}")
+    lines += [f"{r['own_us']:8.2f} {r['cum_us']:7.2f} {r['calls']:10.1f}  {r['function']}" for r in rows]
     return "\n".join(lines)
+
+
+def cprofile_top(fn, calls, top=16) -> str:
+    """:func:`cprofile_rows` of ``fn``, as a table."""
+    return cprofile_text(cprofile_rows(fn, calls, top))
 
 
 def compiled_runner(st, slots, out, rows, N, ld, slot_elems, W):
@@ -622,8 +635,11 @@ def halo_full_host(torch, device, dtype, calls, record, cuda) -> None:
             profile = (nd, c, n, cl) in large
             record(section="halo_full", op=provider, nd=nd, C=c, n=n, format="channels_last" if cl else "nchw",
                    **measure(torch, step, device, calls if not profile else max(3, calls // 5), profile=profile))
-            if cuda and provider == "fused" and not profile:
-                print(f"cprofile halo_full fused nd={nd} C={c} n={n}:\n" + cprofile_top(step, calls), flush=True)
+            if cuda and not profile:  # where the host time goes, both providers (into the JSON: the logs are not kept)
+                rows = cprofile_rows(step, calls)
+                record(section="halo_full", op=f"{provider} (cprofile)", nd=nd, C=c, n=n,
+                       format="channels_last" if cl else "nchw", cprofile=rows)
+                print(f"cprofile halo_full {provider} nd={nd} C={c} n={n}:\n" + cprofile_text(rows), flush=True)
         case = None
 
 

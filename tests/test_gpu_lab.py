@@ -211,3 +211,21 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     assert {r["side"] for r in anchors} == {"rs", "ag"} and all(r["ok"] and r["bound"] > 0 for r in anchors)
     assert any(r.get("op") == "halo_stage region=window" for r in rows)
     assert any(r.get("op") == "torch_sum" and r["section"] == "latency" for r in rows)
+
+
+def test_cprofile_rows_give_microseconds_per_call():
+    """The host profile ``diagnose`` records for the fused and ``cat`` halo steps on a GPU (``halo_full``, rows
+    ``(cprofile)``): per function its own and cumulative time and calls per call of the profiled step."""
+    diag = _module("gpu_diagnose")
+
+    def inner():
+        return sum(range(50))
+
+    def step():
+        return inner() + inner()
+
+    rows = diag.cprofile_rows(step, 10)
+    by = {r["function"].split("(")[-1].rstrip(")"): r for r in rows}
+    assert by["inner"]["calls"] == 2.0 and by["step"]["calls"] == 1.0
+    assert by["step"]["cum_us"] >= by["inner"]["cum_us"] > 0
+    assert diag.cprofile_text(rows).splitlines()[0].split() == ["own", "us", "cum", "us", "calls/call", "function"]
