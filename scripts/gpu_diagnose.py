@@ -271,9 +271,12 @@ def cprofile_text(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def cprofile_top(fn, calls, top=16) -> str:
-    """:func:`cprofile_rows` of ``fn``, as a table."""
-    return cprofile_text(cprofile_rows(fn, calls, top))
+def cprofile_record(record, section: str, op: str, fn, calls, **fields) -> None:
+    """:func:`cprofile_rows` of ``fn``, recorded (row ``op + " (cprofile)"`` of ``section``: a device call's logs
+    are not kept, its JSON is) and printed."""
+    rows = cprofile_rows(fn, calls)
+    record(section=section, op=f"{op} (cprofile)", **fields, cprofile=rows)
+    print(f"cprofile {section} {op} {fields}:\n" + cprofile_text(rows), flush=True)
 
 
 def compiled_runner(st, slots, out, rows, N, ld, slot_elems, W):
@@ -371,7 +374,7 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
         for name, fn in parts.items():
             record(section="attrib", op=name, model=model, m=m, **measure(torch, fn, device, calls, profile=False))
         if device.type == "cuda":
-            print(f"cprofile chunk_reduce (whole call) m={m}:\n" + cprofile_top(side.chunk_reduce, calls), flush=True)
+            cprofile_record(record, "attrib", "chunk_reduce (whole call)", side.chunk_reduce, calls, model=model, m=m)
     finally:
         side.release()
     side = Side("ag", m, n_ag, k_ag, W, dtype, device)
@@ -388,7 +391,7 @@ def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:
         for name, fn in parts.items():
             record(section="attrib", op=name, model=model, m=m, **measure(torch, fn, device, calls, profile=False))
         if device.type == "cuda":
-            print(f"cprofile gathered_matmul (whole call) m={m}:\n" + cprofile_top(side.fused_gemm, calls), flush=True)
+            cprofile_record(record, "attrib", "gathered_matmul (whole call)", side.fused_gemm, calls, model=model, m=m)
     finally:
         side.release()
 
@@ -635,11 +638,9 @@ def halo_full_host(torch, device, dtype, calls, record, cuda) -> None:
             profile = (nd, c, n, cl) in large
             record(section="halo_full", op=provider, nd=nd, C=c, n=n, format="channels_last" if cl else "nchw",
                    **measure(torch, step, device, calls if not profile else max(3, calls // 5), profile=profile))
-            if cuda and not profile:  # where the host time goes, both providers (into the JSON: the logs are not kept)
-                rows = cprofile_rows(step, calls)
-                record(section="halo_full", op=f"{provider} (cprofile)", nd=nd, C=c, n=n,
-                       format="channels_last" if cl else "nchw", cprofile=rows)
-                print(f"cprofile halo_full {provider} nd={nd} C={c} n={n}:\n" + cprofile_text(rows), flush=True)
+            if cuda and not profile:  # where the host time goes, in both steps
+                cprofile_record(record, "halo_full", provider, step, calls, nd=nd, C=c, n=n,
+                                format="channels_last" if cl else "nchw")
         case = None
 
 
@@ -718,13 +719,14 @@ def main(argv=None) -> int:
                                 record(section="host", op=("producer:" if side_name == "rs" else "push:") + prov,
                                        **shape, **measure(torch, fn, device, calls))
                                 if m == 512 and model == "llama3-8b" and cuda:
-                                    print(f"cprofile {side_name} {prov} m={m}:\n" + cprofile_top(fn, calls), flush=True)
+                                    cprofile_record(record, "host", ("producer:" if side_name == "rs" else "push:")
+                                                    + prov, fn, calls, **shape)
                                 if prov == "triton":
                                     fn2 = side.chunk_reduce if side_name == "rs" else side.fused_gemm
                                     name = "chunk_reduce" if side_name == "rs" else "gathered_matmul"
                                     record(section="host", op=name, **shape, **measure(torch, fn2, device, calls))
                                     if m == 512 and model == "llama3-8b" and cuda:
-                                        print(f"cprofile {name} m={m}:\n" + cprofile_top(fn2, calls), flush=True)
+                                        cprofile_record(record, "host", name, fn2, calls, **shape)
                             finally:
                                 side.release()
 

@@ -229,3 +229,7 @@ def test_cprofile_rows_give_microseconds_per_call():
     assert by["inner"]["calls"] == 2.0 and by["step"]["calls"] == 1.0
     assert by["step"]["cum_us"] >= by["inner"]["cum_us"] > 0
     assert diag.cprofile_text(rows).splitlines()[0].split() == ["own", "us", "cum", "us", "calls/call", "function"]
+    recorded = []
+    diag.cprofile_record(lambda **row: recorded.append(row), "halo_full", "fused", step, 10, nd=2, C=64)
+    assert [(r["section"], r["op"], r["nd"], r["C"]) for r in recorded] == [("halo_full", "fused (cprofile)", 2, 64)]
+    assert {r["function"].split("(")[-1].rstrip(")") for r in recorded[0]["cprofile"]} >= {"inner", "step"}
