@@ -315,7 +315,7 @@ def output_buffer(op: str, out: torch.Tensor | None, shape: tuple, dtype: torch.
             or out.dtype != dtype or out.device != device):
         raise expect(op, f"out (shape {what} with B_ rows, contiguous, dtype, device)", (shape, True, dtype, device),
                      (tuple(out.shape), out.is_contiguous(), out.dtype, out.device))
-    return out.view(shape)
+    return out if out.shape == shape else out.view(shape)  # a view costs several us of a GPU host's time
 
 
 class BoundedMemo(dict):

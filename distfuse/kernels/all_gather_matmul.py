@@ -255,7 +255,7 @@ def gathered_matmul(a_shard: torch.Tensor, weight: torch.Tensor, ws, rank: int, 
             )
         st.check_status(op, "gathered chunks")
     lead = a_shard.shape[:-2]
-    y = out.view(*lead, n, N)
+    y = out if lead == out.shape[:-2] else out.view(*lead, n, N)  # [B_, n, N]: a view only for other leading dims
     return (y, gathered_copy(gathered, (n_batch, n, K), x, n, rank, W).view(*lead, n, K)) if return_gathered else y
 
 
