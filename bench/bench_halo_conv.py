@@ -31,7 +31,10 @@ its anchor in the same file (``copy`` for ``stage`` and ``graph``, ``cat`` for `
 rewritten after every shape, so a run cut off by a time limit keeps what it measured.
 Mode ``graph`` (``--modes graph``, CUDA only) replays the staging, ``torch.cat`` and the copy of one
 input set from CUDA graphs: the device work without the host's, rows of op ``halo_stage`` so the
-eager rows' targets read them apart.
+eager rows' targets read them apart.  With ``full`` too, the whole step of the fused path and of ``cat`` is
+captured and replayed (mode ``full_graph``, rows of the halo conv op, anchored on ``cat``, each saying whether the
+replay gave the eager step's results): what a training step captured whole pays, where the eager small steps are
+bound by the host.
 
 Without a CUDA device the benchmark is not run (CPU timings of interpreted kernels would
 mean nothing).  ``--smoke`` then runs a tiny CPU correctness pass of every provider
@@ -72,7 +75,8 @@ def _parse(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=sorted(DTYPES))
     p.add_argument("--modes", nargs="+", default=["stage", "full"], choices=["stage", "graph", "full"],
-                   help="graph: the staging replayed from a CUDA graph (op halo_stage: the kernels without the host)")
+                   help="graph: the staging replayed from a CUDA graph (op halo_stage: the kernels without the host); "
+                        "with full, the whole step too (mode full_graph)")
     p.add_argument("--formats", nargs="+", default=["nchw", "channels_last"], choices=["nchw", "channels_last"])
     p.add_argument("--max-gib", type=float, default=24.0, help="skip shapes whose working set exceeds this")
     p.add_argument("--out", type=Path, default=None,
@@ -260,6 +264,36 @@ def full_step(case, provider, x, halos, weight, bias):
     return y, x.grad, w.grad, b.grad, [t.grad for t in leaves]
 
 
+def _graphed_step(fn):
+    """``(replay, outputs)``: ``fn`` captured in a CUDA graph after one warm call on a side stream (as
+    :func:`bench.harness.graphed`), and the tensors its captured call returned, which every replay rewrites."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = fn()
+    return graph.replay, outs
+
+
+def _same_step(got, want) -> bool:
+    """Whether two results of :func:`full_step` (output, gradients of x, weight, bias and the halos) agree, each
+    tensor within a few roundings of its largest element: cuDNN may pick another algorithm under capture, which
+    sums in another order (in fp32, then rounds once to the dtype), so elements near zero differ by the rounding of
+    the largest partial sums, not of themselves."""
+    pairs = list(zip(got[:4] + tuple(got[4]), want[:4] + tuple(want[4]), strict=True))
+    for a, b in pairs:
+        if a is None or b is None or a.shape != b.shape:
+            return False
+        scale = b.float().abs().max().item() if b.numel() else 0.0
+        tol = (2**-6 if b.element_size() <= 2 else 1e-3) * scale  # 4 bf16 ulps, or fp32 sums of 10^5 terms
+        if b.numel() and (a.float() - b.float()).abs().max().item() > tol:
+            return False
+    return True
+
+
 def _halo_inputs(case, provider):
     return {"fused": case.recv, "distdl": case.slabs_distdl(), "cat": case.slabs_cat()}[provider]
 
@@ -366,13 +400,14 @@ def _copy_bandwidth(device: str = "cuda") -> float:
 
 #: The anchor of each mode, measured in the same run: the device copy for staging, torch.cat staging + the same
 #: cuDNN convolution for the whole step.
-ANCHORS = {"stage": "copy", "graph": "copy", "full": "cat"}
+ANCHORS = {"stage": "copy", "graph": "copy", "full": "cat", "full_graph": "cat"}
 #: What each provider runs (rows name it: ``kernel``).
 KERNELS = {"stage": {"fused": "halo_stage", "distdl": "F.pad+clone+slices", "cat": "torch.cat", "copy": "Tensor.copy_"},
            "graph": {"fused": "halo_stage", "fused_two_pass": "halo_stage local+remote", "cat": "torch.cat",
                      "copy": "Tensor.copy_"},
            "full": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "distdl": "F.pad+clone+slices+cudnn",
-                    "cat": "torch.cat+cudnn"}}
+                    "cat": "torch.cat+cudnn"},
+           "full_graph": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "cat": "torch.cat+cudnn"}}
 
 
 def gpu_run(args) -> int:
@@ -478,6 +513,20 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
             q = _bench(lambda i, p=provider: full_step(cases[i], p, cases[i].x, halos[p][i], cases[i].weight,
                                                        cases[i].bias), rotations, dev)
             row("full", provider, q)
+    if "full" in args.modes and "graph" in args.modes and dev == "cuda":
+        # The whole step of one input set (forward and backward) captured in a CUDA graph and replayed: the device
+        # work of both steps without the host's, as a training step captured whole runs it.  Rows of the halo conv
+        # op (its target reads them with the eager ones); each says whether the replay gave the eager step's results.
+        for provider in ("fused", "cat"):
+            def step(p=provider):
+                return full_step(cases[0], p, cases[0].x, halos[p][0], cases[0].weight, cases[0].bias)
+            try:
+                replay, captured = _graphed_step(step)
+            except Exception as exc:  # noqa: BLE001 - reported, the case goes on
+                print(f"graph halo_conv full {provider} {shape}: not captured: {type(exc).__name__}: {str(exc)[:200]}")
+                continue
+            q = _bench(lambda i, replay=replay: replay(), 1, dev)
+            row("full_graph", provider, q, extra=dict(graph=True, matches_eager=_same_step(captured, step())))
     for mode, anchor in ANCHORS.items():
         add_ratios([r for r in rows if r.mode == mode], anchor)
     for r in rows:

@@ -607,3 +607,25 @@ def test_tuner_cases_time_equal_work_and_force_the_path():
     e = entries[key]
     assert e["fused"] in ("interval", "always", "never") and e["size_key"] == "macs" and e["mode"] == "fwd"
     assert len(e["points"]) == 2 and all(f > 0 and u > 0 for _, f, u in e["points"])
+
+
+def test_halo_conv_graph_rows_check_the_replay_against_the_eager_step():
+    """The halo bench's whole-step graph rows (mode ``full_graph``) say whether the replay gave the eager step's
+    results (``_same_step``): two steps on the same inputs agree, a step with one tensor off by more than a few
+    roundings of its largest element does not, and neither does a step missing a gradient."""
+    import os
+
+    if not os.environ.get("TRITON_INTERPRET"):
+        pytest.skip("the fused step runs the halo kernels: interpreted on CPU")
+    from bench.bench_halo_conv import ANCHORS, Case, _halo_inputs, _same_step, full_step
+
+    assert ANCHORS["full_graph"] == "cat"
+    case = Case(2, 1, 3, 5, 1, torch.float32, "cpu")
+    for provider in ("fused", "cat"):
+        a, b = (full_step(case, provider, case.x, _halo_inputs(case, provider), case.weight, case.bias)
+                for _ in range(2))
+        assert _same_step(a, b), provider
+        off = a[2].clone()
+        off.view(-1)[0] += 1e-2 * a[2].abs().max()
+        assert not _same_step(a[:2] + (off,) + a[3:], b), provider
+        assert not _same_step(a[:3] + (None,) + a[4:], b), provider
