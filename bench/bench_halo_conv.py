@@ -264,20 +264,6 @@ def full_step(case, provider, x, halos, weight, bias):
     return y, x.grad, w.grad, b.grad, [t.grad for t in leaves]
 
 
-def _graphed_step(fn):
-    """``(replay, outputs)``: ``fn`` captured in a CUDA graph after one warm call on a side stream (as
-    :func:`bench.harness.graphed`), and the tensors its captured call returned, which every replay rewrites."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = fn()
-    return graph.replay, outs
-
-
 def _same_step(got, want) -> bool:
     """Whether two results of :func:`full_step` (output, gradients of x, weight, bias and the halos) agree, each
     tensor within a few roundings of its largest element: cuDNN may pick another algorithm under capture, which
@@ -517,11 +503,13 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
         # The whole step of one input set (forward and backward) captured in a CUDA graph and replayed: the device
         # work of both steps without the host's, as a training step captured whole runs it.  Rows of the halo conv
         # op (its target reads them with the eager ones); each says whether the replay gave the eager step's results.
+        from bench.harness import graph_capture
+
         for provider in ("fused", "cat"):
             def step(p=provider):
                 return full_step(cases[0], p, cases[0].x, halos[p][0], cases[0].weight, cases[0].bias)
             try:
-                replay, captured = _graphed_step(step)
+                replay, captured = graph_capture(step)
             except Exception as exc:  # noqa: BLE001 - reported, the case goes on
                 print(f"graph halo_conv full {provider} {shape}: not captured: {type(exc).__name__}: {str(exc)[:200]}")
                 continue

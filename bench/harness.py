@@ -158,6 +158,12 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
 
     The benchmarks' graph rows time that replay: the device work of a call without its host work, as a step
     captured in ``torch.cuda.graph`` (or ``torch.compile(mode="reduce-overhead")``) runs it."""
+    return graph_capture(fn)[0]
+
+
+def graph_capture(fn: Callable[[], object]) -> tuple[Callable[[], None], object]:
+    """``(replay, outputs)``: :func:`graphed`'s capture, with what the captured call of ``fn`` returned (tensors that
+    every replay rewrites: a benchmark can check a replay's results against an eager call's)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -165,8 +171,8 @@ def graphed(fn: Callable[[], object]) -> Callable[[], None]:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+        outs = fn()
+    return graph.replay, outs
 
 
 def add_ratios(rows: list[Row], anchor: str, key: Callable[[Row], tuple] | None = None) -> None:
