@@ -307,11 +307,15 @@ def compiled_runner(st, slots, out, rows, N, ld, slot_elems, W):
 def direct_launches(st, slots, out, rows, N, ld, slot_elems, W) -> dict:
     """The launch cache's own two levels on ``chunk_reduce``'s kernel (warm): a hit as ``launch_reduce`` makes it
     (fingerprint, then the binary's launcher called directly), and that launcher alone with the stream read once
-    (what a hit costs without its fingerprint): ``{name: no-argument launch}``, empty without a direct launcher."""
+    (what a hit costs without its fingerprint), with the tensors as tensors and with the device ones by address (what
+    a hit passes: the launcher's ``data_ptr`` call and ``cuPointerGetAttribute`` per pointer, or neither), and the C
+    launcher behind it called as a hit calls it (:func:`~distfuse.kernels.raw_launch.fast_launcher`):
+    ``{name: no-argument launch}``, empty without a direct launcher."""
     from distfuse.kernels import chunk_reduce as cr
     from distfuse.kernels._utils import TIMED_WAITS, round_bf16, timeout_arg
     from distfuse.kernels.host_ints import next_power_of_2
-    from distfuse.kernels.launch_cache import cached_launch, direct_launcher
+    from distfuse.kernels.launch_cache import by_address, cached_launch, direct_launcher
+    from distfuse.kernels.raw_launch import fast_launcher
 
     _meta, kw, programs = cr.reduce_plan(rows, N, ld, slots.dtype, W, out.device)
     args = [slots, out, out, st.flags, st.status, st.sigs, rows, N, ld, slot_elems, 0, st.epoch_dev, timeout_arg(st),
@@ -326,12 +330,18 @@ def direct_launches(st, slots, out, rows, N, ld, slot_elems, W) -> dict:
     run, function, packed = direct
     names = cr._chunk_reduce_kernel.arg_names
     full = args + [consts[name] for name in names[len(args):]]
+    addressed = [by_address(a) for a in full]
+    raw, mid = fast_launcher(run, packed)
     import torch
 
     stream = torch._C._cuda_getCurrentRawStream(out.device.index)
     return {"the launch cache's hit (fingerprint + the launcher)": lambda: cache[(programs,)](*args, **consts),
             "the binary's launcher alone (run(...), no hooks)": lambda: run(programs, 1, 1, stream, function, packed,
-                                                                           None, None, None, *full)}
+                                                                           None, None, None, *full),
+            "the binary's launcher alone, device tensors by address": lambda: run(
+                programs, 1, 1, stream, function, packed, None, None, None, *addressed),
+            "the C launcher as a hit calls it (device tensors by address)": lambda: raw(
+                programs, 1, 1, stream, function, *mid, *addressed)}
 
 
 def attribute(torch, Side, shapes, m, W, dtype, device, calls, record) -> None:

@@ -309,6 +309,50 @@ def test_a_bound_launch_with_a_grid_function_or_an_unkeyable_argument_takes_the_
     assert len(other.cached.kernel.launches) == 2, "an argument the fingerprint cannot model: the JIT every time"
 
 
+def test_hits_pass_device_tensors_by_address(compiled, monkeypatch):
+    """A hit passes each device tensor as its address (the int Triton's launcher would get from ``data_ptr`` and
+    ``cuPointerGetAttribute``), the bound launch's static ones resolved when its first hit was recorded; any other
+    tensor (a CPU tensor, pinned host words), a tensor subclass and a descriptor go as they are, so the launcher
+    still validates them.  The fingerprint is unchanged.  On CPU the tensors that require grad stand in for device
+    memory (the predicate pointed at ``requires_grad``, a property as ``is_cuda`` is)."""
+    args = _arguments()
+    shape, passed = launch_cache.fingerprint_and_addresses(tuple(args))
+    assert shape == launch_cache.fingerprint(tuple(args)) and passed == tuple(args), "CPU tensors go as they are"
+    monkeypatch.setattr(launch_cache, "_BY_ADDRESS", "requires_grad")
+    args += [torch.zeros(64, requires_grad=True)[offset:] for offset in range(5)]
+    shape, passed = launch_cache.fingerprint_and_addresses(tuple(args))
+    assert shape == launch_cache.fingerprint(tuple(args))
+    for a, p in zip(args, passed, strict=True):
+        device = type(a) is torch.Tensor and a.requires_grad
+        assert (type(p) is int and p == a.data_ptr()) if device else p is a, repr(a)[:40]
+    assert launch_cache.by_address(args[-1]) == args[-1].data_ptr() and launch_cache.by_address(args[0]) is args[0]
+    param = torch.nn.Parameter(torch.zeros(8))
+    assert launch_cache.fingerprint_and_addresses((param,))[1][0] is param, "a subclass: the launcher's own path"
+
+    class _Jit5(_Jit):
+        arg_names = ["x_ptr", "table_ptr", "words_ptr", "z_ptr", "BLOCK"]
+
+    jit = _Jit5()
+    jit.binary = _Compiled()
+    monkeypatch.setattr(launch_cache, "_current_stream", lambda device: 3)
+    monkeypatch.setattr(launch_cache, "_RUNTIME", _Runtime(None, None))
+    table = torch.ones(16, requires_grad=True)  # a static device table
+    words = torch.zeros(16, dtype=torch.int32)  # static host words
+    bound = CachedLaunch(jit).bind((2,), (table, words), dict(BLOCK=8), split=1)
+    x, y = torch.zeros(32, requires_grad=True), torch.zeros(32, requires_grad=True)
+    z = torch.zeros(32, dtype=torch.int32)
+    bound(x, z)  # the JIT: tensors, as it takes them
+    bound(y, z)
+    assert jit.launches == [((2,), (x, table, words, z), dict(BLOCK=8))]
+    assert jit.binary.direct == [(2, 1, 1, 3, 0xF00D, ("packed",), None, None, None, y.data_ptr(), table.data_ptr(),
+                                  words, z, 8)]
+    plain = CachedLaunch(jit)
+    plain[(1,)](x, table, words, z, BLOCK=8)
+    plain[(1,)](y, table, words, z, BLOCK=8)
+    assert jit.binary.direct[-1] == (1, 1, 1, 3, 0xF00D, ("packed",), None, None, None, y.data_ptr(), table.data_ptr(),
+                                     words, z, 8)
+
+
 @pytest.mark.cuda
 def test_bound_launches_match_the_jit_cuda(monkeypatch):
     """Compiled: the halo staging, unstage and accumulate, and the persistent producer and consumer, through their

@@ -18,15 +18,26 @@ follows (finer, never coarser; :func:`arg_key`):
 * every constexpr and launch option by value, and the current CUDA device.
 
 Calls with one fingerprint get one specialisation, so the binary the JIT handed back for the
-first serves every later one.  A hit calls the binary's launcher (``CompiledKernel.run``) itself,
-with the current stream read in one C call, where ``binary[grid](*args)`` would first build a
-closure, ask ``torch.cuda.current_device`` for the device, build the launch metadata for the
-launch hooks and call both hook chains: while no launch hook is installed (``triton.knobs.runtime``'s
-``launch_enter_hook`` / ``launch_exit_hook``, the profilers' entry point) that work has no effect,
-so a hit skips it, and with a hook installed it goes through ``binary[grid]`` as before.  A
-binary without that launcher (another Triton) is launched through ``binary[grid]`` too.  A new
-fingerprint goes through the JIT, which compiles or finds its binary and launches it.
+first serves every later one.  A hit calls the binary's launcher itself (Triton 3.6's C function
+where :func:`~distfuse.kernels.raw_launch.fast_launcher` finds it, with the tensor descriptors
+expanded from a memo; else ``CompiledKernel.run``), with the current stream read in one C call,
+where ``binary[grid](*args)`` would first build a closure, ask ``torch.cuda.current_device`` for
+the device, build the launch metadata for the launch hooks and call both hook chains: while no
+launch hook is installed (``triton.knobs.runtime``'s ``launch_enter_hook`` /
+``launch_exit_hook``, the profilers' entry point) that work has no effect, so a hit skips it,
+and with a hook installed it goes through ``binary[grid]`` as before. A binary without that
+launcher (another Triton) is launched through ``binary[grid]`` too. A new fingerprint goes
+through the JIT, which compiles or finds its binary and launches it.
 ``tests/test_launch_cache.py`` checks the fingerprint against Triton's own specialisation.
+
+A hit passes every CUDA tensor to the launcher as its address (an int), which the fingerprint
+has read anyway.  Given a tensor, Triton's C launcher calls its ``data_ptr`` method and then
+``cuPointerGetAttribute`` to translate and validate the address: one Python call and one driver
+call per pointer argument per launch, and a launch passes 5 to 20 pointers (its static tables
+included).  For device memory under unified addressing the translation is the identity, and a
+tensor of another kind (a CPU tensor, pinned host words) is passed as the tensor, so the launcher
+still validates it: a CPU tensor passed by mistake raises there, as it would without the cache.
+A bound launch resolves its static tensors' addresses once, when its first hit is recorded.
 
 Off under the interpreter (there is no binary) and with ``DISTFUSE_LAUNCH_CACHE=0``.
 """
@@ -39,13 +50,17 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distfuse.kernels._utils import INTERPRET
+from distfuse.kernels.raw_launch import fast_launcher
 
-__all__ = ["CachedLaunch", "BoundLaunch", "cached_launch", "arg_key", "fingerprint", "direct_launcher",
-           "launch_cache_enabled", "LAUNCH_CACHE_ENV"]
+__all__ = ["CachedLaunch", "BoundLaunch", "cached_launch", "arg_key", "fingerprint", "fingerprint_and_addresses",
+           "by_address", "direct_launcher", "hit_launcher", "launch_cache_enabled", "LAUNCH_CACHE_ENV"]
 
 LAUNCH_CACHE_ENV = "DISTFUSE_LAUNCH_CACHE"
 _I32, _I64 = 1 << 31, 1 << 63
 _MAX_BINARIES = 64  # fingerprints kept per kernel: shapes that keep changing fall back to the JIT
+#: The tensor attribute that says a tensor is passed to the launcher as its address (CUDA device memory, whose
+#: address the launcher's ``cuPointerGetAttribute`` would hand back unchanged); tests point it elsewhere.
+_BY_ADDRESS = "is_cuda"
 
 
 def launch_cache_enabled() -> bool:
@@ -94,6 +109,36 @@ def fingerprint(args: tuple) -> tuple:
     return tuple(out)
 
 
+def fingerprint_and_addresses(args: tuple) -> tuple[tuple, tuple]:
+    """``(fingerprint(args), args as a hit passes them)``: each CUDA tensor as its address (:func:`by_address`), read
+    once for both."""
+    out, passed = [], []
+    add, put = out.append, passed.append
+    attr = _BY_ADDRESS
+    for arg in args:
+        kind = type(arg)
+        if kind is int:
+            add((0 if -_I32 <= arg < _I32 else 1 if -_I64 <= arg < _I64 else 2, arg == 1, arg % 16 == 0))
+        elif kind is torch.Tensor:
+            ptr = arg.data_ptr()
+            add((arg.dtype, ptr % 16 == 0))
+            if getattr(arg, attr):
+                put(ptr)
+                continue
+        elif kind is TensorDescriptor:
+            add(("desc", arg.base.dtype, tuple(arg.block_shape), arg.padding, getattr(arg, "round_f32_to_tf32", False)))
+        else:
+            add(arg_key(arg))
+        put(arg)
+    return tuple(out), tuple(passed)
+
+
+def by_address(arg):
+    """``arg`` as a hit passes it to the launcher: a CUDA tensor (exactly ``torch.Tensor``) as its address, anything
+    else as it is (see the module doc)."""
+    return arg.data_ptr() if type(arg) is torch.Tensor and getattr(arg, _BY_ADDRESS) else arg
+
+
 class CachedLaunch:
     """``CachedLaunch(kernel)[grid](*args, **constexprs_and_options)``: ``kernel[grid](...)``, cached as above.
 
@@ -117,7 +162,9 @@ class CachedLaunch:
 
     def launch(self, grid, args: tuple, kwargs: dict):
         try:
-            key = self._key(_current_device(), args, kwargs)
+            device = _current_device()
+            shape, passed = fingerprint_and_addresses(args)
+            key = (device, shape, tuple(kwargs.items()))
             hit = self._binaries.get(key)
         except (_UnkeyableError, TypeError, AttributeError):  # TypeError: an unhashable constexpr
             return self.kernel[grid](*args, **kwargs)
@@ -127,9 +174,9 @@ class CachedLaunch:
                 grid = grid({**dict(zip(self._names, args, strict=False)), **kwargs})  # args: the leading ones
             g = _grid3(grid)
             if direct is not None and not _hooked():
-                run, function, packed = direct
-                run(g[0], g[1], g[2], _current_stream(key[0]), function, packed, None, None, None, *args,
-                    *map(kwargs.__getitem__, tail))
+                launch, function, mid = direct
+                launch(g[0], g[1], g[2], _current_stream(device), function, *mid, *passed,
+                       *map(kwargs.__getitem__, tail))
             else:
                 binary[g](*args, *map(kwargs.__getitem__, tail))
             return binary
@@ -140,7 +187,7 @@ class CachedLaunch:
         if hasattr(type(binary), "__getitem__") and all(name in kwargs for name in tail):
             if len(self._binaries) >= _MAX_BINARIES:
                 self._binaries.clear()
-            self._binaries[key] = (binary, tail, direct_launcher(binary))
+            self._binaries[key] = (binary, tail, hit_launcher(binary))
         return binary
 
     @staticmethod
@@ -166,7 +213,8 @@ class BoundLaunch:
     launcher with the constexprs' values already in order, where :meth:`CachedLaunch.launch` would fingerprint all
     of them (tables included: a halo launch passes 15 to 22 arguments) and key the constexprs by name at every call:
     that was most of a fused halo step's host time with the kernels stubbed (``scripts/host_cost.py --kernels``).
-    ``static`` tensors must stay alive and in place while the bound launch is used (cached tables are).
+    ``static`` tensors must stay alive and in place while the bound launch is used (cached tables are): a hit passes
+    the CUDA ones by the address they had when the first hit was recorded.
 
     A first call, a new fingerprint of the leading arguments, an installed launch hook or a grid function go
     through :meth:`CachedLaunch.launch` (the JIT on its misses); off the cache (the interpreter,
@@ -178,7 +226,8 @@ class BoundLaunch:
     def __init__(self, cached: CachedLaunch, grid, static: tuple, kwargs: dict, split: int | None = None):
         self.cached, self.grid, self.static, self.kwargs, self.split = cached, grid, tuple(static), dict(kwargs), split
         self._grid3 = None if callable(grid) else _grid3(grid)
-        self._hits: dict = {}  # (device, fingerprint of the call's arguments) -> (run, function, packed, tail values)
+        # (device, fingerprint of the call's arguments) -> (launch, function, mid, static by address, tail values)
+        self._hits: dict = {}
 
     def _args(self, given: tuple) -> tuple:
         k = self.split
@@ -188,19 +237,20 @@ class BoundLaunch:
         if not launch_cache_enabled():
             return self.cached.kernel[self.grid](*self._args(given), **self.kwargs)
         try:
-            key = (_current_device(), fingerprint(given))
+            device = _current_device()
+            shape, passed = fingerprint_and_addresses(given)
+            key = (device, shape)
             hit = self._hits.get(key)
         except (_UnkeyableError, TypeError, AttributeError):
             hit = key = None
         if hit is not None and not _hooked():
-            run, function, packed, tail = hit
-            g = self._grid3
-            if self.split is None:
-                run(g[0], g[1], g[2], _current_stream(key[0]), function, packed, None, None, None, *given,
-                    *self.static, *tail)
+            launch, function, mid, static, tail = hit
+            g, k = self._grid3, self.split
+            if k is None:
+                launch(g[0], g[1], g[2], _current_stream(device), function, *mid, *passed, *static, *tail)
             else:
-                run(g[0], g[1], g[2], _current_stream(key[0]), function, packed, None, None, None,
-                    *self._args(given), *tail)
+                launch(g[0], g[1], g[2], _current_stream(device), function, *mid, *passed[:k], *static,
+                       *passed[k:], *tail)
             return None
         args = self._args(given)
         binary = self.cached.launch(self.grid, args, self.kwargs)
@@ -210,8 +260,9 @@ class BoundLaunch:
             except (_UnkeyableError, TypeError, AttributeError):
                 entry = None
             if entry is not None and entry[2] is not None:  # cached, with a launcher a hit can call
-                _, names, (run, function, packed) = entry
-                self._hits[key] = (run, function, packed, tuple(self.kwargs[name] for name in names))
+                _, names, (launch, function, mid) = entry
+                self._hits[key] = (launch, function, mid, tuple(map(by_address, self.static)),
+                                   tuple(self.kwargs[name] for name in names))
         return binary
 
 
@@ -237,6 +288,18 @@ def direct_launcher(binary):
     except Exception:  # noqa: BLE001 - not a CompiledKernel of a Triton with these attributes
         return None
     return (run, function, packed) if callable(run) and function is not None else None
+
+
+def hit_launcher(binary):
+    """``(launch, function, mid)`` of a compiled kernel whose handles are loaded, or None (as :func:`direct_launcher`):
+    what a hit calls as ``launch(gx, gy, gz, stream, function, *mid, *args)``, Triton's C launcher itself where
+    :func:`~distfuse.kernels.raw_launch.fast_launcher` finds it, else the binary's ``run``."""
+    direct = direct_launcher(binary)
+    if direct is None:
+        return None
+    run, function, packed = direct
+    launch, mid = fast_launcher(run, packed)
+    return launch, function, mid
 
 
 def _hooked() -> bool:
