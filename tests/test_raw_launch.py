@@ -162,6 +162,12 @@ def test_anything_else_keeps_tritons_own_launcher(monkeypatch):
 
 
 def _triton36() -> str | None:
+    """Where ``triton==3.6.0`` is: ``""`` where it is this interpreter's own (the GPU machines), else the folder
+    ``scripts/audit_triton36.sh`` installs it into, else None."""
+    import triton
+
+    if triton.__version__ == "3.6.0":
+        return ""
     site = os.environ.get("DISTFUSE_TRITON36_DIR") or str(Path.home() / ".cache/distfuse/triton-3.6.0")
     return site if (Path(site) / "triton" / "backends" / "nvidia" / "driver.py").is_file() else None
 
@@ -213,7 +219,7 @@ def test_tritons_own_wrappers_agree_under_triton_36():
     if site is None:
         pytest.skip("triton==3.6.0 not installed (scripts/audit_triton36.sh installs it)")
     root = str(Path(__file__).resolve().parent.parent)
-    env = dict(os.environ, PYTHONPATH=f"{site}{os.pathsep}{root}")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (site, root) if p))
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run([sys.executable, "-c", _ORACLE], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
