@@ -71,6 +71,12 @@ GEMM_CONFIGS = [  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages
 REDUCE_BLOCKS, REDUCE_PROGRAMS_PER_SM, REDUCE_WARPS = (1024, 2048, 4096), (1, 2, 4, 8), (4, 8)
 
 
+def sweep_configs(m: int, W: int) -> list[tuple]:
+    """The tile sweep's configs at ``m`` rows: the 64-row tiles only where a chunk (``m / W`` rows) is under 256 rows,
+    where a 128-row tile would idle; at larger M they cannot win and their compiles would take the sweep's time."""
+    return [c for c in GEMM_CONFIGS if c[0] >= 128 or -(-m // W) < 256]
+
+
 def producer_forms(torch, Side, shapes, ms, W, dtype, device, record, clock):
     """Section ``forms``: cuBLAS and the persistent GEMM + scatter producer in four forms, at every model and M,
     each timed as back-to-back calls (``loop_us``), one CUDA-graph replay after an L2 flush (``graph_us``) and
@@ -782,7 +788,7 @@ def main(argv=None) -> int:
                     torch, side.cublas, device, 10, profile=False, graph=args.graph)))
                 side.prepare()
                 try:
-                    for cfg in (GEMM_CONFIGS if cuda else [(4, 16, 16, 4, 1)]):
+                    for cfg in (sweep_configs(m_sweep, W) if cuda else [(4, 16, 16, 4, 1)]):
                         if clock.left() < 20:
                             return
                         bm, bn, bk, w, s = cfg

@@ -7,9 +7,11 @@
 # 1. scripts/gpu_lab.sh into a scratch folder (at most 540 s; it took 213 s on an H100);
 # 2. scripts/gpu_diagnose.py --sections host attrib latency forms halo persistent gathered: host time against kernel
 #    time per fused op (eager rows are bound by the host: docs/gpu.md), the persistent producer's forms against
-#    cuBLAS, the halo steps, then the persistent producer's and consumer's tiles at M = 512 (never swept; CUDA
-#    graph replays beside the loop times), with what is left of 585 s, if 30 s or more (each section stops
-#    at the budget, so the sweeps take only the time the rest left);
+#    cuBLAS, the halo steps, then the persistent producer's and consumer's tiles at M = 8192 (DISTFUSE_SWEEP_M:
+#    M = 512 was swept on 2026-11-28 and its tiles are committed; at 8192 the 8B rows stay at 0.86-0.88 of
+#    cuBLAS in graph replays, and only the forms section's two tiles were ever timed there; CUDA graph replays
+#    beside the loop times), with what is left of 585 s, if 30 s or more (each section stops at the budget, so
+#    the sweeps take only the time the rest left; the 8B shapes come first);
 # 2b. before it, scripts/host_cost.py --kernels (the host's Python on the launchers, about 15 s) if 90 s are left;
 # 3. everything into $OUT/lab.tgz (the device tool brings back at most 8 files), with lab.json and
 #    lab.log beside it for a first look: packed once after the lab and again at the end.
@@ -48,7 +50,7 @@ SECTIONS=${DISTFUSE_DIAGNOSE_SECTIONS:-host attrib latency forms halo persistent
 if [ "$LEFT" -ge 30 ]; then
   PYTHONPATH="$PWD:$PWD/scripts" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 timeout --kill-after=5 $((LEFT - 5)) \
     "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections $SECTIONS \
-    --sweep-m 512 --graph --budget $((LEFT - 20)) >"$WORK/lab/diagnose.log" 2>&1
+    --sweep-m ${DISTFUSE_SWEEP_M:-8192} --graph --budget $((LEFT - 20)) >"$WORK/lab/diagnose.log" 2>&1
   echo "gpu_first_call: diagnose exit $? ($(grep -c '^diag: {' "$WORK/lab/diagnose.log") rows)"
 else
   echo "gpu_first_call: diagnose skipped: ${LEFT}s left"
