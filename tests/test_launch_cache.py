@@ -211,6 +211,16 @@ class _Runtime:
         self.launch_enter_hook, self.launch_exit_hook = enter, leave
 
 
+def _jit_with_launcher(monkeypatch, arg_names: list, stream: int) -> _Jit:
+    """A stand-in JIT with these parameters whose binary has a direct launcher; no launch hook; ``stream`` current."""
+    jit = _Jit()
+    jit.arg_names = list(arg_names)
+    jit.binary = _Compiled()
+    monkeypatch.setattr(launch_cache, "_current_stream", lambda device: stream)
+    monkeypatch.setattr(launch_cache, "_RUNTIME", _Runtime(None, None))
+    return jit
+
+
 def test_a_hit_calls_the_launcher_itself_unless_a_launch_hook_is_installed(compiled, monkeypatch):
     """No hook: ``run(grid, stream, function, packed metadata, no launch metadata, no hooks, *args)``, the runner's
     call less what only a hook reads.  A hook (a profiler's) installed: the runner, which builds what it reads."""
@@ -276,13 +286,7 @@ def test_a_bound_launch_fingerprints_its_own_arguments_and_hits_the_launcher(com
 def test_a_split_bound_launch_puts_the_static_arguments_between(compiled, monkeypatch):
     """``split=k``: ``bound(*args)`` launches ``args[:k] + static + args[k:]``, on the JIT's path and on a hit alike."""
 
-    class _Jit4(_Jit):
-        arg_names = ["x_ptr", "n", "m", "y_ptr", "BLOCK"]
-
-    jit = _Jit4()
-    jit.binary = _Compiled()
-    monkeypatch.setattr(launch_cache, "_current_stream", lambda device: 5)
-    monkeypatch.setattr(launch_cache, "_RUNTIME", _Runtime(None, None))
+    jit = _jit_with_launcher(monkeypatch, ["x_ptr", "n", "m", "y_ptr", "BLOCK"], stream=5)
     bound = CachedLaunch(jit).bind((1,), (16, 48), dict(BLOCK=32), split=1)
     x, y = torch.zeros(8), torch.zeros(8)
     bound(x, y)
@@ -329,13 +333,7 @@ def test_hits_pass_device_tensors_by_address(compiled, monkeypatch):
     param = torch.nn.Parameter(torch.zeros(8))
     assert launch_cache.fingerprint_and_addresses((param,))[1][0] is param, "a subclass: the launcher's own path"
 
-    class _Jit5(_Jit):
-        arg_names = ["x_ptr", "table_ptr", "words_ptr", "z_ptr", "BLOCK"]
-
-    jit = _Jit5()
-    jit.binary = _Compiled()
-    monkeypatch.setattr(launch_cache, "_current_stream", lambda device: 3)
-    monkeypatch.setattr(launch_cache, "_RUNTIME", _Runtime(None, None))
+    jit = _jit_with_launcher(monkeypatch, ["x_ptr", "table_ptr", "words_ptr", "z_ptr", "BLOCK"], stream=3)
     table = torch.ones(16, requires_grad=True)  # a static device table
     words = torch.zeros(16, dtype=torch.int32)  # static host words
     bound = CachedLaunch(jit).bind((2,), (table, words), dict(BLOCK=8), split=1)
