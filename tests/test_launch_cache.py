@@ -409,3 +409,13 @@ def test_bound_launches_match_the_jit_cuda(monkeypatch):
     for i, (j, f, s) in enumerate(zip(jit, first, second, strict=True)):
         assert torch.equal(f, j) and torch.equal(s, j), i
         assert not torch.isnan(s.float()).any() and math.prod(s.shape) > 0, i
+    import triton
+
+    from distfuse.kernels.raw_launch import DescriptorLaunch
+
+    if triton.__version__ == "3.6.0":  # the GPU machines' Triton: the hits called its C launcher, not its wrappers
+        hits = [hit for bound in (*[b for _, b in chunk_reduce_kernels._BOUND.values()], *msp._BOUND.values())
+                for hit in bound._hits.values()]
+        assert hits and not any(type(h[0]).__name__ == "CudaLauncher" for h in hits), [type(h[0]) for h in hits]
+        assert any(isinstance(h[0], DescriptorLaunch) and h[0].maps for h in hits), \
+            "the persistent producer's descriptors came from the memo"
