@@ -519,6 +519,7 @@ def latency_section(torch, Side, shapes, W, dtype, device, record, cuda) -> None
     try:
         record(section="latency", op="producer:triton_persistent", m=m, **call_latency(torch, side.fused_gemm, device))
         record(section="latency", op="chunk_reduce", m=m, **call_latency(torch, side.chunk_reduce, device))
+        flag_poll_rows(torch, side, m, W, dtype, device, record, cuda)
     finally:
         side.release()
     # torch's own sum of the W partials of a chunk (the bytes chunk_reduce moves: W chunks read, one written, fp32
@@ -542,6 +543,35 @@ def latency_section(torch, Side, shapes, W, dtype, device, record, cuda) -> None
                **call_latency(torch, lambda case=case: stage_fused(case, case.x, case.recv), device))
     if cuda:
         torch.cuda.empty_cache()
+
+
+def flag_poll_rows(torch, side, m, W, dtype, device, record, cuda) -> None:
+    """``chunk_reduce`` at its default launch with its W flags polled both ways (``poll``: ``atomic``, the default,
+    or ``load``, ``DISTFUSE_FLAG_POLL=load``), graph-timed: whether the 1 056 programs' acquire atomics on the same
+    eight words are the 3-5 us it spends over the copy (``docs/gpu.md``).  Rows of section ``latency``, op
+    ``chunk_reduce (poll)``; ``poll_loads`` says what ran (the interpreter always polls with atomics),
+    ``matches_atomic`` that its output is bitwise the atomic poll's and free of NaN."""
+    from distfuse.geometry.decomposition import block_extent
+    from distfuse.kernels._utils import INTERPRET
+    from distfuse.kernels.chunk_reduce import reduce_plan, slot_row_stride
+    from distfuse.kernels.matmul_reduce_scatter import chunk_reduce
+    from distfuse.kernels.persistent import persistent_programs
+
+    meta = reduce_plan(block_extent(m, W, 0), side.n, slot_row_stride(side.n), dtype, W, device)[0]
+    programs = meta["PER_SM"] * (persistent_programs(device) if cuda else 1)
+    outs = {}
+    for loads in (False, True):
+        cfg = dict(BLOCK=meta["BLOCK"], PROGRAMS=programs, num_warps=meta["num_warps"], POLL_LOADS=loads)
+
+        def run(cfg=cfg):
+            return chunk_reduce(side.ws, 0, W, 1, side.m, side.n, partial_dtype=dtype, out=side.out[: side.m // W],
+                                config=cfg)
+
+        outs[loads] = run().clone()
+        record(section="latency", op="chunk_reduce (poll)", poll="load" if loads else "atomic",
+               poll_loads=loads and not INTERPRET, m=m, config=cfg,
+               matches_atomic=bool(torch.equal(outs[loads], outs[False])) and not outs[loads].isnan().any().item(),
+               **measure(torch, run, device, 20, profile=False, graph=cuda))
 
 
 def halo_stage_times(torch, device, dtype, calls, record, cuda) -> None:

@@ -291,13 +291,34 @@ def test_chunk_reduce_layouts_world_sizes_and_dtypes(N, dtype, W):
             _assert_close(out, ref64, dtype)
 
 
+@pytest.fixture(params=["atomic", "load"])
+def flag_poll(request, monkeypatch):
+    """``chunk_reduce``'s flag poll for the test (``DISTFUSE_FLAG_POLL``'s two values), its launch caches cleared
+    around it so the pinned launch is rebuilt with it."""
+    from distfuse.kernels import chunk_reduce as chunk_reduce_kernels
+
+    def clear():
+        chunk_reduce_kernels.reduce_plan.cache_clear()
+        chunk_reduce_kernels._BOUND.clear()
+
+    clear()
+    monkeypatch.setattr(chunk_reduce_kernels, "POLL_LOADS", request.param == "load")
+    yield request.param
+    clear()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float32, id="fp32")])
 @pytest.mark.parametrize("W,N", [pytest.param(8, 1024, id="W8-flat"), pytest.param(2, 1000, id="W2-rows"),
                                  pytest.param(3, 512, id="W3-flat")])
-def test_chunk_reduce_pinned_launch_cuda(W, N, dtype):
-    """Compiled, the pinned launch (several programs per SM, 512-4096-element blocks): bitwise the fp32 sum in
-    source order plus the bias, rounded once, on poisoned outputs; uneven chunks (n = 1030)."""
+def test_chunk_reduce_pinned_launch_cuda(W, N, dtype, flag_poll):
+    """Compiled, the pinned launch (several programs per SM, 512-4096-element blocks), its flags polled both ways:
+    bitwise the fp32 sum in source order plus the bias, rounded once, on poisoned outputs; uneven chunks
+    (n = 1030)."""
+    from distfuse.kernels.chunk_reduce import reduce_plan, slot_row_stride
+
+    plan = reduce_plan(2 * block_extent(1030, W, 0), N, slot_row_stride(N), dtype, W, torch.device("cuda"))
+    assert plan[0]["POLL_LOADS"] == (flag_poll == "load")
     B, n = 2, 1030
     dev = torch.device("cuda")
     ws = LoopbackWorkspace(W, matmul_scatter_workspace_bytes(B, n, N, W, dtype), dev)
@@ -338,12 +359,72 @@ def test_chunk_reduce_pinned_configs():
     meta = reduce_meta(512, 4096, 4096, torch.bfloat16, 8, dict(BLOCK=1024, PER_SM=4))
     assert meta["FLAT"] and meta["BLOCK_C"] == 256
     assert not reduce_meta(512, 4100, 4112, torch.bfloat16, 8, dict(BLOCK=4096))["FLAT"]
+    from distfuse.kernels._utils import INTERPRET
+
+    asked = reduce_meta(512, 4096, 4096, torch.bfloat16, 8, dict(BLOCK=1024, POLL_LOADS=True))["POLL_LOADS"]
+    assert asked is (not INTERPRET), "acquire loads are inline PTX: the interpreter keeps the atomics"
+    assert reduce_meta(512, 4096, 4096, torch.bfloat16, 8, dict(BLOCK=1024, POLL_LOADS=False))["POLL_LOADS"] is False
+
+
+@pytest.mark.parametrize("value,loads", [("atomic", False), ("load", True), (" LOAD ", True), ("", False),
+                                         ("fence", None)])
+def test_the_flag_poll_setting(monkeypatch, value, loads):
+    """``DISTFUSE_FLAG_POLL``: ``atomic`` (the default) or ``load`` (compiled kernels only); anything else raises,
+    naming the variable."""
+    from distfuse.kernels import _utils
+
+    monkeypatch.setenv(_utils.FLAG_POLL_ENV, value)
+    if loads is None:
+        with pytest.raises(ValueError, match="DISTFUSE_FLAG_POLL='fence'"):
+            _utils._flag_poll_loads()
+        return
+    monkeypatch.setattr(_utils, "INTERPRET", False)
+    assert _utils._flag_poll_loads() is loads
+    monkeypatch.setattr(_utils, "INTERPRET", True)
+    assert _utils._flag_poll_loads() is False
+
+
+def _flag_poll_ptx() -> None:
+    """Run in a subprocess without the interpreter: compile the audit's two flat W = 8 bf16 ``chunk_reduce`` cases
+    for sm_90 and print, per ``POLL_LOADS``, whether the PTX polls by acquire loads, by acquire atomics, and whether
+    the audit's flag-protocol check accepts it."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from distfuse.kernels import compile_audit, compile_audit_cases
+
+    for c in compile_audit_cases.audit_cases((torch.bfloat16,)):
+        if c.name == "chunk_reduce" and c.constexprs["W_UNROLL"] == 8 and c.constexprs["FLAT"]:
+            sig, attrs = c.signature()
+            ptx = triton.compile(ASTSource(fn=c.fn, signature=sig, constexprs=c.constexprs, attrs=attrs),
+                                 target=GPUTarget("cuda", 90, 32), options=dict(num_warps=c.num_warps)).asm["ptx"]
+            print("poll", c.constexprs["POLL_LOADS"], "ld.acquire.sys.global.b32" in ptx,
+                  "atom.global.sys.acquire.add" in ptx, bool(compile_audit._PTX_CHECKS["acquire_sys"][0].search(ptx)))
+
+
+def test_flag_polls_by_load_compile_to_acquire_loads_for_sm90():
+    """Compiled for sm_90 without a GPU: ``POLL_LOADS`` replaces the flag atomics by ``ld.acquire.sys.global`` loads
+    (and the compile audit's flag-protocol check accepts them); the default keeps the acquire atomics."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", "import tests.test_gemm_kernels as t; t._flag_poll_ptx()"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
+        pytest.skip("triton's CUDA toolchain (ptxas) is not installed")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = sorted(tuple(ln.split()[1:]) for ln in proc.stdout.splitlines() if ln.startswith("poll "))
+    assert got == [("False", "False", "True", "True"), ("True", "True", "False", "True")], proc.stdout
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["sync", "deferred"])
-def test_missing_source_on_cuda_poisons_and_raises(mode):
-    """Compiled: a chunk whose source never produced comes out NaN, and the host raises (now, or at the next op)."""
+def test_missing_source_on_cuda_poisons_and_raises(mode, flag_poll):
+    """Compiled, the flags polled both ways: a chunk whose source never produced comes out NaN, and the host raises
+    (now, or at the next op)."""
     W, B, n, K, N = 3, 2, 40, 64, 48
     dev = torch.device("cuda")
     a, w, _ = _inputs((B,), n, W, K, N, torch.float32)

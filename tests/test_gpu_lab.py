@@ -196,7 +196,8 @@ def test_collect_names_every_file_by_device_and_date(tmp_path):
 
 def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path):
     """``scripts/gpu_diagnose.py --dry-run`` (interpreted, tiny shapes) through the sections whose rows a GPU call
-    has not yet produced: torch's W-way sum beside ``chunk_reduce`` (``latency``), the plain Triton GEMM beside
+    has not yet produced: torch's W-way sum beside ``chunk_reduce`` and ``chunk_reduce`` with its flags polled both
+    ways (``latency``), the plain Triton GEMM beside
     cuBLAS (``forms``), checked against cuBLAS within its bound, and the staging's diagnosis region ``window`` with
     the small tiles (``halo``).  A section that raises on the device machine costs a call, so none may raise here."""
     out = tmp_path / "diag.json"
@@ -211,6 +212,9 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     assert {r["side"] for r in anchors} == {"rs", "ag"} and all(r["ok"] and r["bound"] > 0 for r in anchors)
     assert any(r.get("op") == "halo_stage region=window" for r in rows)
     assert any(r.get("op") == "torch_sum" and r["section"] == "latency" for r in rows)
+    polls = [r for r in rows if r.get("op") == "chunk_reduce (poll)"]
+    assert sorted(r["poll"] for r in polls) == ["atomic", "load"] and all(r["matches_atomic"] for r in polls)
+    assert not any(r["poll_loads"] for r in polls), "the interpreter polls with atomics whatever the config asks"
 
 
 def test_cprofile_rows_give_microseconds_per_call():

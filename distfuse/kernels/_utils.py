@@ -43,6 +43,21 @@ HAS_CUDA: bool = torch.cuda.is_available() and not INTERPRET
 AUTOTUNE: bool = HAS_CUDA and os.environ.get("DISTFUSE_AUTOTUNE", "1") != "0"
 #: Compiled consumer kernels bound their flag waits by ``%globaltimer``; interpreted ones count loads.
 TIMED_WAITS: bool = not INTERPRET
+FLAG_POLL_ENV = "DISTFUSE_FLAG_POLL"
+
+
+def _flag_poll_loads() -> bool:
+    """``DISTFUSE_FLAG_POLL``: how ``chunk_reduce`` polls its W flags, ``atomic`` (default: acquire atomics) or
+    ``load`` (acquire loads, :func:`~distfuse.kernels.jit_helpers.poll_flags`; compiled kernels only, the interpreter
+    keeps the atomics).  Any other value raises, naming the variable."""
+    choice = os.environ.get(FLAG_POLL_ENV, "atomic").strip().lower() or "atomic"
+    if choice not in ("atomic", "load"):
+        raise ValueError(f"{FLAG_POLL_ENV}={choice!r}: expected 'atomic' or 'load'")
+    return choice == "load" and not INTERPRET
+
+
+#: ``chunk_reduce``'s default flag poll (:func:`_flag_poll_loads`), read once at import.
+POLL_LOADS: bool = _flag_poll_loads()
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

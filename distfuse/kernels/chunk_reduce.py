@@ -43,6 +43,7 @@ from distfuse.geometry.decomposition import block_extent
 from distfuse.kernels._utils import (
     CPU_CHUNK_REDUCE_CONFIG,
     INTERPRET,
+    POLL_LOADS,
     TIMED_WAITS,
     BoundedMemo,
     check_bias,
@@ -53,7 +54,7 @@ from distfuse.kernels._utils import (
     timeout_arg,
 )
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
-from distfuse.kernels.jit_helpers import cast_out, globaltimer
+from distfuse.kernels.jit_helpers import cast_out, globaltimer, poll_flags
 from distfuse.kernels.launch_cache import cached_launch
 from distfuse.kernels.persistent import persistent_programs
 from distfuse.kernels.signature import (
@@ -69,7 +70,8 @@ __all__ = ["chunk_reduce", "reduce_slots", "launch_reduce", "reduce_meta", "slot
 
 
 @triton.jit
-def wait_all_flags(flags_ptr, W, W_BLOCK: tl.constexpr, epoch, status_ptr, timeout_ns, TIMED: tl.constexpr):
+def wait_all_flags(flags_ptr, W, W_BLOCK: tl.constexpr, epoch, status_ptr, timeout_ns, TIMED: tl.constexpr,
+                   POLL_LOADS: tl.constexpr):
     """Poll the W flags ``flags_ptr[0:W]`` together until each equals ``epoch``; one CTA barrier; returns
     ``(all arrived, pending)``, ``pending`` the ``[W_BLOCK]`` mask of the sources whose flag never came.
 
@@ -79,18 +81,19 @@ def wait_all_flags(flags_ptr, W, W_BLOCK: tl.constexpr, epoch, status_ptr, timeo
     failure semantics are ``wait_flag``'s: ``TIMED`` (compiled) bounds the wait by
     ``%globaltimer``, untimed (interpreter) by ``timeout_ns`` extra rounds; every source
     whose flag never came gets ``epoch`` in its status word ``status_ptr[src]`` and the
-    caller poisons its result.  Only flags still pending are reloaded.
+    caller poisons its result.  Only flags still pending are reloaded.  ``POLL_LOADS``: acquire loads
+    instead of acquire atomics (:func:`~distfuse.kernels.jit_helpers.poll_flags`).
     """
     offs = tl.arange(0, W_BLOCK)
     valid = offs < W
-    val = tl.atomic_add(flags_ptr + offs, 0, mask=valid, sem="acquire", scope="sys")
+    val = poll_flags(flags_ptr, offs, valid, POLL_LOADS)
     pending = valid & (val != epoch)
     n_pending = tl.sum(pending.to(tl.int32), axis=0)
     if TIMED:
         start = globaltimer()
     waited = tl.full([], 0, tl.int64)  # nanoseconds (TIMED) or extra rounds; typed: a loop-carried value
     while (n_pending > 0) & (waited < timeout_ns):
-        again = tl.atomic_add(flags_ptr + offs, 0, mask=pending, sem="acquire", scope="sys")
+        again = poll_flags(flags_ptr, offs, pending, POLL_LOADS)
         pending = pending & (again != epoch)
         n_pending = tl.sum(pending.to(tl.int32), axis=0)
         if TIMED:
@@ -155,13 +158,14 @@ def _chunk_reduce_kernel(
     n_rows, N, ld, slot_elems, rank, epoch_ptr, timeout, stride_bias, sig,
     HAS_BIAS: tl.constexpr, ROUND_BF16: tl.constexpr, TIMED: tl.constexpr, FLAT: tl.constexpr,
     CHECK_SIG: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, W_UNROLL: tl.constexpr,
-    W_BLOCK: tl.constexpr,
+    W_BLOCK: tl.constexpr, POLL_LOADS: tl.constexpr,
 ):
     """out[row, col] = sum over the W sources of slot[src][row, col] (fp32) + bias[col], on a persistent grid.
 
     ``W_UNROLL`` is W (a constexpr: the loads are unrolled), ``W_BLOCK`` the next power of
-    two (the flag vector); ``FLAT``: ``ld == N`` (the module doc's layouts; with ``N % 16 == 0``
-    known to the compiler, the flat walk's loads and stores are 16 bytes wide).  The W partials
+    two (the flag vector); ``POLL_LOADS``: poll the flags with acquire loads, not atomics; ``FLAT``:
+    ``ld == N`` (the module doc's layouts; with ``N % 16 == 0`` known to the compiler, the flat
+    walk's loads and stores are 16 bytes wide).  The W partials
     are added in source order whatever order the flags came in: the result is bitwise the
     same run to run and for every grid.  A source whose flag never came makes the whole
     chunk NaN.  ``CHECK_SIG``: the peers' signature words must equal ``sig``
@@ -173,7 +177,8 @@ def _chunk_reduce_kernel(
     epoch = tl.load(epoch_ptr)  # the workspace's device epoch (advanced in stream order)
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
-    ok, pending = wait_all_flags(flags_ptr + rank * W_UNROLL, W_UNROLL, W_BLOCK, epoch, status_ptr, timeout, TIMED)
+    ok, pending = wait_all_flags(flags_ptr + rank * W_UNROLL, W_UNROLL, W_BLOCK, epoch, status_ptr, timeout, TIMED,
+                                 POLL_LOADS)
     num_c = tl.cdiv(N, BLOCK_C)
     if FLAT:
         num_blocks = tl.cdiv(n_rows.to(tl.int64) * N, BLOCK).to(tl.int32)
@@ -205,10 +210,11 @@ def slot_row_stride(N: int) -> int:
 
 def reduce_meta(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, world_size: int,
                 config: dict | None = None) -> dict:
-    """Launch meta of one reduction: ``BLOCK``, ``BLOCK_C``, ``FLAT``, ``PER_SM``, ``num_warps`` (and
-    ``PROGRAMS`` if ``config`` gives it).
+    """Launch meta of one reduction: ``BLOCK``, ``BLOCK_C``, ``FLAT``, ``PER_SM``, ``num_warps``, ``POLL_LOADS``
+    (and ``PROGRAMS`` if ``config`` gives it).
 
-    ``config`` (tests): ``BLOCK`` and optionally ``PROGRAMS``, ``num_warps``.  Otherwise the
+    ``config`` (tests, the diagnosis): ``BLOCK`` and optionally ``PROGRAMS``, ``num_warps``, ``POLL_LOADS`` (default
+    :data:`~distfuse.kernels._utils.POLL_LOADS`; always False under the interpreter).  Otherwise the
     pinned config of the partials' dtype and the world size
     (:func:`~distfuse.kernels._utils.pinned_reduce_config`; never autotuned: one rule on every
     rank), or the CPU config under the interpreter.
@@ -221,6 +227,7 @@ def reduce_meta(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, world
         meta = pinned_reduce_config(rows * cols, partial_dtype, world_size)
     meta.setdefault("num_warps", 4)
     meta.setdefault("PER_SM", 1)
+    meta["POLL_LOADS"] = bool(meta.get("POLL_LOADS", POLL_LOADS)) and not INTERPRET  # inline PTX: compiled only
     meta["FLAT"] = ld == cols
     meta["BLOCK_C"] = min(256, next_power_of_2(max(cols, 1)), meta["BLOCK"])
     return meta

@@ -46,7 +46,7 @@ SHARED_LIMITS = {90: 232448, 80: 166912}
 # "ld.global.sys.acquire.b32", a release exchange "atom.global.sys.release.exch.b32".  A TMA load of a tensor
 # descriptor (sm_90+) is "cp.async.bulk.tensor.2d.shared::cluster.global...".
 _PTX_CHECKS = {
-    "acquire_sys": (re.compile(r"\b(atom|ld)\.global\.sys\.(acquire|acq_rel)\."),
+    "acquire_sys": (re.compile(r"\b((atom|ld)\.global\.sys\.(acquire|acq_rel)|ld\.acquire\.sys\.global)\."),
                     "flag wait is not an acquire atomic at system scope (atom.global.sys.acquire)"),
     "release_sys": (re.compile(r"\batom\.global\.sys\.(release|acq_rel)\."),
                     "flag raise is not a release atomic at system scope (atom.global.sys.release)"),

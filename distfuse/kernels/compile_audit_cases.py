@@ -69,7 +69,7 @@ class KernelCase:
 
     def label(self) -> str:
         shown = ("INPUT_PRECISION", "REGION", "LOG2_NBOX", "LOG2_NCELL", "W_UNROLL", "B_KMAJOR", "FLAT", "WIDE",
-                 "FLATTEN", "SPAN", "TRAIL", "STRIP_ALIGN")
+                 "FLATTEN", "SPAN", "TRAIL", "STRIP_ALIGN", "POLL_LOADS")
         meta = ",".join(f"{k}={v}" for k, v in self.constexprs.items() if k.startswith("BLOCK") or k in shown)
         return f"{self.name}[{_TT[self.dtype]};{meta};w{self.num_warps}s{self.num_stages}]"
 
@@ -177,12 +177,14 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
             # 256- and 16-column blocks at the largest W.  PER_SM is a launch parameter, not a constexpr
             # (test_compile_audit checks registers x threads x PER_SM against the SM's register file).
             w, block = c.kwargs["W"], c.kwargs["BLOCK"]
-            layouts = [(True, 256)] + ([(False, 256), (False, 16)] if w == max(REDUCE_AUDIT_W) else [])
-            for flat, block_c in layouts:
+            # At the largest W the flat walk also with its flags polled by acquire loads (DISTFUSE_FLAG_POLL=load).
+            layouts = [(True, 256, False)] + ([(True, 256, True), (False, 256, False), (False, 16, False)]
+                                              if w == max(REDUCE_AUDIT_W) else [])
+            for flat, block_c, poll_loads in layouts:
                 cases.append(case("chunk_reduce", chunk_reduce_kernels._chunk_reduce_kernel, dt,
                                   dict(W_UNROLL=w, W_BLOCK=triton.next_power_of_2(w), FLAT=flat, HAS_BIAS=True,
                                        ROUND_BF16=False, TIMED=True, CHECK_SIG=True, BLOCK_C=min(block_c, block),
-                                       BLOCK=block),
+                                       BLOCK=block, POLL_LOADS=poll_loads),
                                   c.num_warps, 1, aligned=("N", "ld"),
                                   checks=("acquire_sys", "vector_load", "vector_store")))
         for c in get_push_configs(dt):

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["cast_out", "balanced_chunk", "chunk_rows", "grouped_tile", "tile_offsets", "matmul_tile", "tma_tile",
-           "globaltimer", "wait_flag", "arrive", "raise_flag", "store_word_kernel"]
+           "globaltimer", "poll_flags", "wait_flag", "arrive", "raise_flag", "store_word_kernel"]
 
 
 @triton.jit
@@ -151,6 +151,24 @@ def tma_tile(a_desc, a_row, b_desc, col0, K, B_KMAJOR: tl.constexpr, UPCAST: tl.
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
     return acc
+
+
+@triton.jit
+def poll_flags(base_ptr, offs, mask, LOADS: tl.constexpr):
+    """The int32 flag words ``base_ptr[offs]`` where ``mask``, each read with acquire semantics at system scope.
+
+    ``LOADS`` False: ``atom.global.sys.acquire.add`` of 0, one per word (a read-modify-write: the programs that poll
+    one word are served one after another at its L2 slice).  ``LOADS`` True (compiled kernels only: inline PTX):
+    ``ld.acquire.sys.global``, a load, which L2 serves to every poller of the word at once; masked lanes read
+    ``base_ptr[0]`` and return 0.  Both are acquire operations on the flag, so the program's later loads see
+    what the release that raised it published (the caller's CTA barrier extends that to every thread).
+    """
+    if LOADS:
+        words = tl.inline_asm_elementwise("ld.acquire.sys.global.b32 $0, [$1];", "=r,l",
+                                          [base_ptr + tl.where(mask, offs, 0)], dtype=tl.int32, is_pure=False, pack=1)
+        return tl.where(mask, words, 0)
+    else:
+        return tl.atomic_add(base_ptr + offs, 0, mask=mask, sem="acquire", scope="sys")
 
 
 @triton.jit
