@@ -8,10 +8,7 @@ float64; each worker's output block is a slice of that.  Outputs are poisoned wi
 """
 
 import math
-import os
 import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -24,6 +21,7 @@ from distfuse.geometry.halo_plan import HaloPlan, resolve_padding
 from distfuse.kernels import conv_implicit as ci
 from distfuse.kernels import halo as hk
 from distfuse.kernels.conv_implicit import conv_implicit, conv_implicit_reference
+from tests.compiled_subprocess import run_compiled
 from tests.tolerances import tol
 
 NP_MODE = {"zeros": "constant", "reflect": "reflect", "replicate": "edge", "circular": "wrap"}
@@ -213,17 +211,9 @@ def _compile_for_sm90():
 def test_conv_implicit_compiles_for_sm90_without_a_gpu():
     """Default tile and BLOCK_M != BLOCK_K, fp32/fp16/bf16, compiled for sm_90 with the ptxas Triton ships;
     the 16-bit kernels must use tensor-core instructions (``mma``), i.e. take their operands un-upcast."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", "import tests.test_conv_implicit as t; t._compile_for_sm90()"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=400)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("triton's CUDA toolchain (ptxas) is not installed")
-    assert proc.returncode == 0, proc.stderr[-6000:]
-    lines = [ln.split() for ln in proc.stdout.splitlines() if ln.startswith("compiled")]
-    assert len(lines) == len(_COMPILE_CASES), proc.stdout
+    stdout = run_compiled("import tests.test_conv_implicit as t; t._compile_for_sm90()", timeout=400)
+    lines = [ln.split() for ln in stdout.splitlines() if ln.startswith("compiled")]
+    assert len(lines) == len(_COMPILE_CASES), stdout
     want = {"fp16": "mma-operands=f16", "bf16": "mma-operands=bf16"}
     for ln in lines:
         if ln[1] in want:  # 16-bit tiles go to the tensor cores as they are, not upcast to fp32 first

@@ -405,19 +405,11 @@ def _flag_poll_ptx() -> None:
 def test_flag_polls_by_load_compile_to_acquire_loads_for_sm90():
     """Compiled for sm_90 without a GPU: ``POLL_LOADS`` replaces the flag atomics by ``ld.acquire.sys.global`` loads
     (and the compile audit's flag-protocol check accepts them); the default keeps the acquire atomics."""
-    import subprocess
-    import sys
+    from tests.compiled_subprocess import run_compiled
 
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", "import tests.test_gemm_kernels as t; t._flag_poll_ptx()"],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
-        pytest.skip("triton's CUDA toolchain (ptxas) is not installed")
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = sorted(tuple(ln.split()[1:]) for ln in proc.stdout.splitlines() if ln.startswith("poll "))
-    assert got == [("False", "False", "True", "True"), ("True", "True", "False", "True")], proc.stdout
+    stdout = run_compiled("import tests.test_gemm_kernels as t; t._flag_poll_ptx()")
+    got = sorted(tuple(ln.split()[1:]) for ln in stdout.splitlines() if ln.startswith("poll "))
+    assert got == [("False", "False", "True", "True"), ("True", "True", "False", "True")], stdout
 
 
 @pytest.mark.cuda
