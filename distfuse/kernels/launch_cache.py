@@ -91,27 +91,10 @@ def arg_key(arg):
     raise _UnkeyableError(kind.__name__)
 
 
-def fingerprint(args: tuple) -> tuple:
-    """``tuple(map(arg_key, args))``, with the common kinds (ints, plain tensors, host tensor descriptors) inlined:
-    the per-call half of a hit's host time (a launch passes 10 to 20 arguments)."""
-    out = []
-    add = out.append
-    for arg in args:
-        kind = type(arg)
-        if kind is int:
-            add((0 if -_I32 <= arg < _I32 else 1 if -_I64 <= arg < _I64 else 2, arg == 1, arg % 16 == 0))
-        elif kind is torch.Tensor:
-            add((arg.dtype, arg.data_ptr() % 16 == 0))
-        elif kind is TensorDescriptor:
-            add(("desc", arg.base.dtype, tuple(arg.block_shape), arg.padding, getattr(arg, "round_f32_to_tf32", False)))
-        else:
-            add(arg_key(arg))
-    return tuple(out)
-
-
 def fingerprint_and_addresses(args: tuple) -> tuple[tuple, tuple]:
-    """``(fingerprint(args), args as a hit passes them)``: each CUDA tensor as its address (:func:`by_address`), read
-    once for both."""
+    """``(fingerprint(args), args as a hit passes them)``: the fingerprint with the common kinds (ints, plain tensors,
+    host tensor descriptors) inlined, the per-call half of a hit's host time (a launch passes 10 to 20 arguments);
+    each CUDA tensor passed as its address (:func:`by_address`), read once for both."""
     out, passed = [], []
     add, put = out.append, passed.append
     attr = _BY_ADDRESS
@@ -131,6 +114,12 @@ def fingerprint_and_addresses(args: tuple) -> tuple[tuple, tuple]:
             add(arg_key(arg))
         put(arg)
     return tuple(out), tuple(passed)
+
+
+def fingerprint(args: tuple) -> tuple:
+    """``tuple(map(arg_key, args))``, with the common kinds (ints, plain tensors, host tensor descriptors) inlined:
+    the per-call half of a hit's host time (a launch passes 10 to 20 arguments)."""
+    return fingerprint_and_addresses(args)[0]
 
 
 def by_address(arg):
@@ -164,7 +153,7 @@ class CachedLaunch:
         try:
             device = _current_device()
             shape, passed = fingerprint_and_addresses(args)
-            key = (device, shape, tuple(kwargs.items()))
+            key = self._key(device, shape, kwargs)
             hit = self._binaries.get(key)
         except (_UnkeyableError, TypeError, AttributeError):  # TypeError: an unhashable constexpr
             return self.kernel[grid](*args, **kwargs)
@@ -191,9 +180,10 @@ class CachedLaunch:
         return binary
 
     @staticmethod
-    def _key(device: int, args: tuple, kwargs: dict) -> tuple:
-        """A call's cache key: the device, the arguments' fingerprint, the constexprs and options by name."""
-        return device, fingerprint(args), tuple(kwargs.items())
+    def _key(device: int, shape: tuple, kwargs: dict) -> tuple:
+        """A call's cache key: the device, the arguments' fingerprint (``shape``), the constexprs and options by
+        name."""
+        return device, shape, tuple(kwargs.items())
 
     def bind(self, grid, static: tuple, kwargs: dict, split: int | None = None) -> BoundLaunch:
         """A :class:`BoundLaunch` of this kernel: ``grid``, the positional arguments ``static`` and the constexprs
@@ -256,7 +246,7 @@ class BoundLaunch:
         binary = self.cached.launch(self.grid, args, self.kwargs)
         if key is not None and self._grid3 is not None:
             try:
-                entry = self.cached._binaries.get(self.cached._key(key[0], args, self.kwargs))
+                entry = self.cached._binaries.get(self.cached._key(device, fingerprint(args), self.kwargs))
             except (_UnkeyableError, TypeError, AttributeError):
                 entry = None
             if entry is not None and entry[2] is not None:  # cached, with a launcher a hit can call
