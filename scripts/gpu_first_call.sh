@@ -4,7 +4,8 @@
 #   bash scripts/gpu_first_call.sh                          # on the device machine ($OUT from the device tool)
 #   DISTFUSE_LAB_DRY_RUN=1 bash scripts/gpu_first_call.sh   # here, without a GPU: both in their CPU-safe forms
 #
-# 1. scripts/gpu_lab.sh into a scratch folder (at most 540 s; it took 213 s on an H100);
+# 1. scripts/gpu_lab.sh into a scratch folder (at most 540 s; it took 213 s on an H100), whose launch canary decides
+#    how the kernels launch here (exported for the diagnosis too);
 # 2. scripts/gpu_diagnose.py --sections host attrib latency forms halo persistent gathered: host time against kernel
 #    time per fused op (eager rows are bound by the host: docs/gpu.md), the persistent producer's forms against
 #    cuBLAS, the halo steps, then the persistent producer's and consumer's tiles at M = 8192 (DISTFUSE_SWEEP_M:
@@ -38,6 +39,10 @@ pack() {  # after the lab and again at the end: a call cut off during the diagno
   cp "$WORK/lab/lab.json" "$WORK/lab/lab.log" "$DEST/" 2>/dev/null
 }
 pack
+# The lab's launch canary decided how the kernels launch on this GPU (nothing, DISTFUSE_FAST_LAUNCH=0 or
+# DISTFUSE_LAUNCH_CACHE=0): the diagnosis runs the same way.
+LAUNCH_ENV=$("$PY" scripts/launch_canary.py --env-of "$WORK/lab/probe.json" 2>/dev/null)
+[ -n "$LAUNCH_ENV" ] && export $LAUNCH_ENV && echo "gpu_first_call: the diagnosis runs with $LAUNCH_ENV"
 # The device host's Python speed on the launchers (every launch a stubbed cache hit, CPU tensors, ~15 s): the same
 # harness as on a CI or desktop CPU, so host-time changes measured there can be scaled to this host.
 if [ $((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0))) -ge 90 ]; then

@@ -5,18 +5,22 @@
 #   DISTFUSE_LAB_DRY_RUN=1 bash scripts/gpu_lab.sh                           # here, without a GPU
 #
 # Phase (cap)            what it measures / checks                                     writes under $OUT
-# 1 probe (45 s)         versions, symm_mem API names, get_buffer aliasing, backend    probe.json
-# 2 tests (130 s)        DISTFUSE_TEST_COMPILED=1 pytest -m cuda on the kernel tests,  tests.json
+# 1 probe (30 s)         versions, symm_mem API names, get_buffer aliasing, backend    probe.json
+# 2 canary (75 s)        the launch cache's hits against the JIT, bitwise, in child    probe.json (launch_canary)
+#                        processes: the fast hits, else DISTFUSE_FAST_LAUNCH=0, else
+#                        DISTFUSE_LAUNCH_CACHE=0, exported for every later phase
+#                        (scripts/launch_canary.py: a faulting launch would poison them)
+# 3 tests (140 s)        DISTFUSE_TEST_COMPILED=1 pytest -m cuda on the kernel tests,  tests.json
 #                        a launch off the main thread included
-# 3 gemm (140 s)         GEMM + scatter (every producer) and all-gather + GEMM vs      gemm_fused-<dev>-<date>.json
+# 4 gemm (90 s)          GEMM + scatter (every producer) and all-gather + GEMM vs      gemm_fused-<dev>-<date>.json
 #                        cuBLAS, chunk_reduce and the pushes vs the device copy:
 #                        LLaMA-3 8B/70B MLP at TP 8, M = 8192 and 512, bf16
-# 4 halo (90 s)          halo staging vs the device copy (eager, and replayed from a   halo_conv-<dev>-<date>.json
+# 5 halo (80 s)          halo staging vs the device copy (eager, and replayed from a   halo_conv-<dev>-<date>.json
 #                        CUDA graph), fused halo conv vs torch.cat staging + cuDNN
-# 5 two_process (70 s)   two processes on one GPU through real symmetric memory,       two_process.json
+# 6 two_process (70 s)   two processes on one GPU through real symmetric memory,       two_process.json
 #                        one short run per provider and of the ring attention's
 #                        fused push, against float64
-# 6 attention (60 s)     one rank's ring block vs SDPA, the ring's message vs the     attention-<dev>-<date>.json
+# 7 attention (55 s)     one rank's ring block vs SDPA, the ring's message vs the     attention-<dev>-<date>.json
 #                        device copy (bench/bench_attention.py --single)
 # and lab.json (env: device, versions, commit, date; every phase's status, time, limit; the ratios) and lab.log.
 #
@@ -111,12 +115,14 @@ HALO_JSON=$OUT/halo_conv-$DEV-$DATE.json
 
 if [ -n "$DRY" ]; then
   PROBE=($PY scripts/gpu_probe.py --dry-run --json "$OUT/probe.json")
+  CANARY=($PY scripts/launch_canary.py --dry-run --probe-json "$OUT/probe.json" --timeout 65)
   GEMM=($PY bench/bench_gemm_fused.py --dry-run --sides rs ag --out-dir "$OUT")
   HALO=($PY bench/bench_halo_conv.py --dry-run --out-dir "$OUT")
   TWO=($PY scripts/gpu_two_process.py --dry-run --iters 4 --json "$OUT/two_process.json")
   ATT=($PY bench/bench_attention.py --dry-run --out "$OUT")
 else
   PROBE=($PY scripts/gpu_probe.py --json "$OUT/probe.json")
+  CANARY=($PY scripts/launch_canary.py --probe-json "$OUT/probe.json" --timeout 65)
   GEMM=($PY bench/bench_gemm_fused.py --models llama3-8b llama3-70b --m 8192 512 --sides rs ag --dtype bfloat16
         --reps 30 --out-dir "$OUT")
   HALO=($PY bench/bench_halo_conv.py --dims 2 3 --channels 64 256 --extents 64 512 --halos 1 --dtypes bfloat16
@@ -127,21 +133,25 @@ fi
 
 # DISTFUSE_LAB_PHASES (default every phase): the phases to run, e.g. "probe tests gemm halo" for a rerun that
 # must fit what is left of a session's device time; the others are recorded as skipped.
-PHASES=" ${DISTFUSE_LAB_PHASES:-probe tests gemm halo two_process attention} "
+PHASES=" ${DISTFUSE_LAB_PHASES:-probe canary tests gemm halo two_process attention} "
 want() {
   case "$PHASES" in *" $1 "*) return 0 ;; esac
   echo "=== gpu_lab: $1 skipped: not in DISTFUSE_LAB_PHASES" | tee -a "$LOG"
   $PY scripts/lab_record.py phase --out "$OUT" --name "$1" --cap "$2" --limit 0 --rc -2 --seconds 0
   return 1
 }
-want probe 45 && phase probe 45 "$OUT/probe.json" "${PROBE[@]}"
-want tests 130 && DISTFUSE_LAB_TESTS_JSONL=$WORK/tests.jsonl DISTFUSE_TEST_COMPILED=1 \
-  phase tests 130 "$OUT/tests.json" $PY -m pytest -q -p no:cacheprovider -p lab_pytest -m cuda -rfEs \
+want probe 30 && phase probe 30 "$OUT/probe.json" "${PROBE[@]}"
+want canary 75 && phase canary 75 "$OUT/probe.json" "${CANARY[@]}"
+# What the canary decided (nothing, DISTFUSE_FAST_LAUNCH=0 or DISTFUSE_LAUNCH_CACHE=0), for every later phase
+LAUNCH_ENV=$($PY scripts/launch_canary.py --env-of "$OUT/probe.json" 2>>"$LOG")
+[ -n "$LAUNCH_ENV" ] && export $LAUNCH_ENV && echo "=== gpu_lab: the later phases run with $LAUNCH_ENV" | tee -a "$LOG"
+want tests 140 && DISTFUSE_LAB_TESTS_JSONL=$WORK/tests.jsonl DISTFUSE_TEST_COMPILED=1 \
+  phase tests 140 "$OUT/tests.json" $PY -m pytest -q -p no:cacheprovider -p lab_pytest -m cuda -rfEs \
   "${TIMEOUT_ARG[@]}" "${TESTS[@]}"
-want gemm 140 && phase gemm 140 "$GEMM_JSON" "${GEMM[@]}"
-want halo 90 && phase halo 90 "$HALO_JSON" "${HALO[@]}"
+want gemm 90 && phase gemm 90 "$GEMM_JSON" "${GEMM[@]}"
+want halo 80 && phase halo 80 "$HALO_JSON" "${HALO[@]}"
 want two_process 70 && phase two_process 70 "$OUT/two_process.json" "${TWO[@]}"
-want attention 60 && phase attention 60 "" "${ATT[@]}"
+want attention 55 && phase attention 55 "" "${ATT[@]}"
 
 $PY scripts/lab_record.py ratios --out "$OUT" 2>&1 | tee -a "$LOG"
 RC=0

@@ -38,7 +38,7 @@ def test_shell_syntax(script):
 
 def test_caps_fit_one_call():
     assert sum(cap for _, cap in lab.PHASES) <= lab.BUDGET_S <= 9 * 60
-    assert [name for name, _ in lab.PHASES] == ["probe", "tests", "gemm", "halo", "two_process", "attention"]
+    assert [name for name, _ in lab.PHASES] == ["probe", "canary", "tests", "gemm", "halo", "two_process", "attention"]
     text = (SCRIPTS / "gpu_lab.sh").read_text()
     for name, cap in lab.PHASES:  # the script runs the phases with the caps the check expects
         assert f"phase {name} {cap} " in text, name
@@ -80,7 +80,7 @@ def _lab_out(tmp_path, rows=None):
                                                         _row("attention_block", "ring_local", "sdpa", 1.2, block,
                                                              "full")])))
     (out / "lab.json").write_text(json.dumps(dict(env=env, phases=[])))
-    files = {"probe": "probe.json", "tests": "tests.json", "gemm": gemm.name, "halo": halo.name,
+    files = {"probe": "probe.json", "canary": "probe.json", "tests": "tests.json", "gemm": gemm.name, "halo": halo.name,
              "two_process": "two_process.json", "attention": attention.name}
     for name in ("probe.json", "tests.json", "two_process.json"):
         (out / name).write_text("{\"ok\": true}")

@@ -39,6 +39,10 @@ tensor of another kind (a CPU tensor, pinned host words) is passed as the tensor
 still validates it: a CPU tensor passed by mistake raises there, as it would without the cache.
 A bound launch resolves its static tensors' addresses once, when its first hit is recorded.
 
+``DISTFUSE_FAST_LAUNCH=0`` keeps both of those off (hits then call ``CompiledKernel.run`` with the tensors
+themselves, as before they existed): the GPU lab's launch canary (``scripts/launch_canary.py``) sets it for the rest
+of a lab run where the fast hits do not match the JIT bit for bit on that GPU.
+
 Off under the interpreter (there is no binary) and with ``DISTFUSE_LAUNCH_CACHE=0``.
 """
 
@@ -53,14 +57,31 @@ from distfuse.kernels._utils import INTERPRET
 from distfuse.kernels.raw_launch import fast_launcher
 
 __all__ = ["CachedLaunch", "BoundLaunch", "cached_launch", "arg_key", "fingerprint", "fingerprint_and_addresses",
-           "by_address", "direct_launcher", "hit_launcher", "launch_cache_enabled", "LAUNCH_CACHE_ENV"]
+           "by_address", "direct_launcher", "hit_launcher", "launch_cache_enabled", "fast_launch_enabled",
+           "LAUNCH_CACHE_ENV", "FAST_LAUNCH_ENV"]
 
 LAUNCH_CACHE_ENV = "DISTFUSE_LAUNCH_CACHE"
+FAST_LAUNCH_ENV = "DISTFUSE_FAST_LAUNCH"
 _I32, _I64 = 1 << 31, 1 << 63
 _MAX_BINARIES = 64  # fingerprints kept per kernel: shapes that keep changing fall back to the JIT
+
+
+def fast_launch_enabled() -> bool:
+    """``DISTFUSE_FAST_LAUNCH`` (``1``, the default, or ``0``): whether a hit calls Triton 3.6's C launcher itself
+    (:func:`~distfuse.kernels.raw_launch.fast_launcher`) and passes device tensors by address (see the module doc).
+    Any other value raises, naming the variable."""
+    value = os.environ.get(FAST_LAUNCH_ENV, "1").strip() or "1"
+    if value not in ("0", "1"):
+        raise ValueError(f"{FAST_LAUNCH_ENV}={value!r}: expected '1' (the default) or '0'")
+    return value == "1"
+
+
+#: :func:`fast_launch_enabled`, read once at import (a hit reads it).
+FAST_LAUNCH: bool = fast_launch_enabled()
 #: The tensor attribute that says a tensor is passed to the launcher as its address (CUDA device memory, whose
-#: address the launcher's ``cuPointerGetAttribute`` would hand back unchanged); tests point it elsewhere.
-_BY_ADDRESS = "is_cuda"
+#: address the launcher's ``cuPointerGetAttribute`` would hand back unchanged); tests point it elsewhere.  Without
+#: the fast launch, ``is_meta``: no tensor that reaches a launch is a meta tensor, so every tensor goes as itself.
+_BY_ADDRESS = "is_cuda" if FAST_LAUNCH else "is_meta"
 
 
 def launch_cache_enabled() -> bool:
@@ -283,12 +304,13 @@ def direct_launcher(binary):
 def hit_launcher(binary):
     """``(launch, function, mid)`` of a compiled kernel whose handles are loaded, or None (as :func:`direct_launcher`):
     what a hit calls as ``launch(gx, gy, gz, stream, function, *mid, *args)``, Triton's C launcher itself where
-    :func:`~distfuse.kernels.raw_launch.fast_launcher` finds it, else the binary's ``run``."""
+    :func:`~distfuse.kernels.raw_launch.fast_launcher` finds it (and ``DISTFUSE_FAST_LAUNCH`` is not ``0``), else the
+    binary's ``run``."""
     direct = direct_launcher(binary)
     if direct is None:
         return None
     run, function, packed = direct
-    launch, mid = fast_launcher(run, packed)
+    launch, mid = fast_launcher(run, packed) if FAST_LAUNCH else (run, (packed, None, None, None))
     return launch, function, mid
 
 
