@@ -612,6 +612,19 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
         dst = torch.empty_like(out)
         record(section="halo_tiles", op="copy", **shape,
                **measure(torch, lambda dst=dst, case=case: dst.copy_(case.staged_ref), device, calls))
+        # The window's bytes alone: copied contiguously, and by torch's own strided copy into the staged layout (its
+        # rows L_last apart, at an offset of the halo): what the layout costs any copy, beside region=window below
+        # (this kernel's copy of the same window). If torch's strided copy is as far from the contiguous one as the
+        # staging is from the copy of the staged bytes, the gap is the layout's, not the kernel's.
+        window = dst[(slice(None), slice(None)) + (slice(case.h, case.h + n),) * nd]
+        flat = torch.empty_like(case.x)
+        record(section="halo_tiles", op="copy window (contiguous)", **shape,
+               **measure(torch, lambda flat=flat, case=case: flat.copy_(case.x), device, calls))
+        window.fill_(float("nan"))
+        window.copy_(case.x)
+        record(section="halo_tiles", op="copy window (strided, torch)", **shape,
+               exact=bool(torch.equal(window, case.x)),
+               **measure(torch, lambda window=window, case=case: window.copy_(case.x), device, calls))
         # the kernels' view: LEAD vectors of TRAIL elements per spatial position (channels last: B and C)
         trail = c if cl else 1
         lead = case.x.numel() // math.prod(case.x.shape[2:]) // trail

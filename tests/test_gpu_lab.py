@@ -197,9 +197,10 @@ def test_collect_names_every_file_by_device_and_date(tmp_path):
 def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path):
     """``scripts/gpu_diagnose.py --dry-run`` (interpreted, tiny shapes) through the sections whose rows a GPU call
     has not yet produced: torch's W-way sum beside ``chunk_reduce`` and ``chunk_reduce`` with its flags polled both
-    ways (``latency``), the plain Triton GEMM beside
-    cuBLAS (``forms``), checked against cuBLAS within its bound, and the staging's diagnosis region ``window`` with
-    the small tiles (``halo``).  A section that raises on the device machine costs a call, so none may raise here."""
+    ways (``latency``), the plain Triton GEMM beside cuBLAS (``forms``), checked against cuBLAS within its bound,
+    and the staging's diagnosis region ``window`` with the small tiles and torch's copies of the window's bytes,
+    contiguous and into the staged layout (``halo``).  A section that raises on the device machine costs a call,
+    so none may raise here."""
     out = tmp_path / "diag.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, str(SCRIPTS / "gpu_diagnose.py"), "--dry-run", "--json", str(out),
@@ -211,6 +212,9 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     anchors = [r for r in rows if r.get("op") == "triton_gemm"]
     assert {r["side"] for r in anchors} == {"rs", "ag"} and all(r["ok"] and r["bound"] > 0 for r in anchors)
     assert any(r.get("op") == "halo_stage region=window" for r in rows)
+    windows = [r for r in rows if r.get("op", "").startswith("copy window")]
+    assert {r["op"] for r in windows} == {"copy window (contiguous)", "copy window (strided, torch)"}
+    assert all(r["exact"] for r in windows if "strided" in r["op"]), "the strided copy filled the staged window"
     assert any(r.get("op") == "torch_sum" and r["section"] == "latency" for r in rows)
     polls = [r for r in rows if r.get("op") == "chunk_reduce (poll)"]
     assert sorted(r["poll"] for r in polls) == ["atomic", "load"] and all(r["matches_atomic"] for r in polls)
