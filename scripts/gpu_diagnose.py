@@ -519,9 +519,18 @@ def latency_section(torch, Side, shapes, W, dtype, device, record, cuda) -> None
     try:
         record(section="latency", op="producer:triton_persistent", m=m, **call_latency(torch, side.fused_gemm, device))
         record(section="latency", op="chunk_reduce", m=m, **call_latency(torch, side.chunk_reduce, device))
-        flag_poll_rows(torch, side, m, W, dtype, device, record, cuda)
+        flag_poll_rows(torch, side, "llama3-8b" if cuda else "tiny", W, dtype, device, record, cuda)
     finally:
         side.release()
+    if cuda and "llama3-70b" in shapes:  # the flag polls at the other size too: the tile table keys on the shape
+        side = Side("rs", m, *shapes["llama3-70b"][0], W, dtype, device, provider="triton_persistent")
+        side.prepare()
+        try:
+            flag_poll_rows(torch, side, "llama3-70b", W, dtype, device, record, cuda)
+        finally:
+            side.release()
+        side = None
+        torch.cuda.empty_cache()
     # torch's own sum of the W partials of a chunk (the bytes chunk_reduce moves: W chunks read, one written, fp32
     # inside): another kernel's ceiling for reading W streams at once, beside the copy's
     parts = torch.randn(W, -(-m // W), rs[0], device=device).to(dtype)
@@ -545,18 +554,21 @@ def latency_section(torch, Side, shapes, W, dtype, device, record, cuda) -> None
         torch.cuda.empty_cache()
 
 
-def flag_poll_rows(torch, side, m, W, dtype, device, record, cuda) -> None:
+def flag_poll_rows(torch, side, model, W, dtype, device, record, cuda) -> None:
     """``chunk_reduce`` at its default launch with its W flags polled both ways (``poll``: ``atomic``, the default,
     or ``load``, ``DISTFUSE_FLAG_POLL=load``), graph-timed: whether the 1 056 programs' acquire atomics on the same
-    eight words are the 3-5 us it spends over the copy (``docs/gpu.md``).  Rows of section ``latency``, op
-    ``chunk_reduce (poll)``; ``poll_loads`` says what ran (the interpreter always polls with atomics),
-    ``matches_atomic`` that its output is bitwise the atomic poll's and free of NaN."""
+    eight words are the 3-5 us it spends over the copy (``docs/gpu.md``).  Rows of section ``reduce:poll``, op
+    ``chunk_reduce (poll)``, with the launch's ``meta`` and whether it is the ``default`` one, as the ``reduce``
+    section's rows: ``distfuse-tune tiles --write`` turns a poll that beats the default by its margin into a
+    measured tile (``POLL_LOADS``) of this shape.  ``poll_loads`` says what ran (the interpreter always polls with
+    atomics), ``matches_atomic`` that its output is bitwise the atomic poll's and free of NaN."""
     from distfuse.geometry.decomposition import block_extent
     from distfuse.kernels._utils import INTERPRET
     from distfuse.kernels.chunk_reduce import reduce_plan, slot_row_stride
     from distfuse.kernels.matmul_reduce_scatter import chunk_reduce
     from distfuse.kernels.persistent import persistent_programs
 
+    m = side.m
     meta = reduce_plan(block_extent(m, W, 0), side.n, slot_row_stride(side.n), dtype, W, device)[0]
     programs = meta["PER_SM"] * (persistent_programs(device) if cuda else 1)
     outs = {}
@@ -568,8 +580,11 @@ def flag_poll_rows(torch, side, m, W, dtype, device, record, cuda) -> None:
                                 config=cfg)
 
         outs[loads] = run().clone()
-        record(section="latency", op="chunk_reduce (poll)", poll="load" if loads else "atomic",
-               poll_loads=loads and not INTERPRET, m=m, config=cfg,
+        ran = loads and not INTERPRET
+        record(section="reduce:poll", op="chunk_reduce (poll)", poll="load" if loads else "atomic", poll_loads=ran,
+               model=model, m=m, n=side.n, k=side.k, config=cfg,
+               meta=dict(BLOCK=meta["BLOCK"], PER_SM=meta["PER_SM"], num_warps=meta["num_warps"], POLL_LOADS=ran),
+               default=ran == meta["POLL_LOADS"],
                matches_atomic=bool(torch.equal(outs[loads], outs[False])) and not outs[loads].isnan().any().item(),
                **measure(torch, run, device, 20, profile=False, graph=cuda))
 
@@ -861,7 +876,7 @@ def main(argv=None) -> int:
             from distfuse.kernels.chunk_reduce import reduce_plan, slot_row_stride
 
             plan = reduce_plan(block_extent(m_big, W, 0), n, slot_row_stride(n), dtype, W, device)[0]
-            reduce_default = {key: plan[key] for key in ("BLOCK", "PER_SM", "num_warps")}
+            reduce_default = {key: plan[key] for key in ("BLOCK", "PER_SM", "num_warps", "POLL_LOADS")}
             guarded("reduce", "copy", lambda: record(section="reduce", op="copy", **shape, **measure(
                 torch, lambda: dst.copy_(src), device, 20, profile=False, graph=args.graph)))
             side.prepare()
@@ -871,19 +886,24 @@ def main(argv=None) -> int:
                         for warps in (REDUCE_WARPS if cuda else (1,)):
                             if clock.left() < 15:
                                 break
-                            cfg = dict(BLOCK=block, PROGRAMS=per_sm * sms, num_warps=warps)
+                            polls = (plan["POLL_LOADS"],)  # the default poll; the default tile both ways
+                            if (block, per_sm, warps) == tuple(reduce_default[k] for k in ("BLOCK", "PER_SM",
+                                                                                          "num_warps")) and cuda:
+                                polls += (not plan["POLL_LOADS"],)
+                            for loads in polls:
+                                cfg = dict(BLOCK=block, PROGRAMS=per_sm * sms, num_warps=warps, POLL_LOADS=loads)
 
-                            def run(cfg=cfg):
-                                from distfuse.kernels.matmul_reduce_scatter import chunk_reduce
+                                def run(cfg=cfg):
+                                    from distfuse.kernels.matmul_reduce_scatter import chunk_reduce
 
-                                return chunk_reduce(side.ws, 0, W, 1, side.m, side.n, partial_dtype=dtype,
-                                                    out=side.out[: side.m // W], config=cfg)
+                                    return chunk_reduce(side.ws, 0, W, 1, side.m, side.n, partial_dtype=dtype,
+                                                        out=side.out[: side.m // W], config=cfg)
 
-                            meta = dict(BLOCK=block, PER_SM=per_sm, num_warps=warps)
-                            guarded("reduce", str(cfg), lambda run=run, cfg=cfg, per_sm=per_sm, meta=meta: record(
-                                section="reduce", op="chunk_reduce", config=dict(cfg, per_sm=per_sm), meta=meta,
-                                default=meta == reduce_default, **shape,
-                                **measure(torch, run, device, 20, profile=False, graph=args.graph)))
+                                meta = dict(BLOCK=block, PER_SM=per_sm, num_warps=warps, POLL_LOADS=loads)
+                                guarded("reduce", str(cfg), lambda run=run, cfg=cfg, per_sm=per_sm, meta=meta: record(
+                                    section="reduce", op="chunk_reduce", config=dict(cfg, per_sm=per_sm), meta=meta,
+                                    default=meta == reduce_default, **shape,
+                                    **measure(torch, run, device, 20, profile=False, graph=args.graph)))
             finally:
                 side.release()
             side = src = dst = None  # free before the next shape

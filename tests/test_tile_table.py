@@ -325,6 +325,41 @@ def test_what_the_generator_writes_the_pinned_rule_reads_back(table, tmp_path, m
     assert _lookup() == dict(PRODUCER, num_stages=3) and len(tt.load_tiles(out)) == 3
 
 
+def _poll_row(loads, graph_us, default, m=8192):
+    return dict(section="reduce:poll", op="chunk_reduce (poll)", poll="load" if loads else "atomic", model="llama3-8b",
+                m=m, n=4096, k=1792, meta=dict(BLOCK=4096, PER_SM=8, num_warps=8, POLL_LOADS=loads),
+                default=default, matches_atomic=True, graph_us=graph_us)
+
+
+def test_a_flag_poll_that_wins_becomes_a_measured_tile_the_reduction_takes(table, tmp_path, monkeypatch):
+    """The diagnosis times ``chunk_reduce``'s default launch with its flags polled by atomics (the default) and by
+    loads (section ``reduce:poll``): where loads win by the margin the generator writes the tile with
+    ``POLL_LOADS`` true, and the reduction's plan takes it, unless ``DISTFUSE_FLAG_POLL`` was set (the user's
+    setting decides); where they do not, the default holds and nothing is written."""
+    src = tmp_path / "diagnose.json"
+    src.write_text(json.dumps(_diagnose([_poll_row(False, 27.0, True), _poll_row(True, 23.0, False),
+                                         _poll_row(False, 40.0, True, m=512), _poll_row(True, 39.8, False, m=512)])))
+    out = Path(os.environ[tt.TILE_TABLE_ENV])
+    assert tiles.main([str(src), "--write", "--out", str(out)]) == 0
+    written = tt.load_tiles(out)
+    assert [(e["kernel"], e["M"], e["config"]) for e in written] == [
+        ("chunk_reduce", 8192, dict(BLOCK=4096, PER_SM=8, num_warps=8, POLL_LOADS=True))], "M = 512: a 0.5% gain"
+    monkeypatch.setattr(cr, "INTERPRET", False)
+    monkeypatch.setattr(cr, "device_name", lambda device: DEVICE)
+    cpu = torch.device("cpu")
+    for explicit, want in ((False, True), (True, cr.POLL_LOADS)):
+        monkeypatch.setattr(cr, "POLL_LOADS_EXPLICIT", explicit)
+        cr.reduce_plan.cache_clear()
+        try:
+            meta = cr.reduce_plan(1024, 4096, 4096, torch.bfloat16, 8, cpu)[0]
+        finally:
+            cr.reduce_plan.cache_clear()
+        assert (meta["BLOCK"], meta["PER_SM"], meta["num_warps"], meta["POLL_LOADS"]) == (4096, 8, 8, want), explicit
+    table([dict(written[0], config=dict(written[0]["config"], POLL_LOADS="yes"))])
+    with pytest.raises(ConfigError, match="bad values of POLL_LOADS"):
+        tt.load_tiles(out)
+
+
 def test_a_dry_diagnose_records_what_the_generator_needs(tmp_path):
     diag = importlib.util.spec_from_file_location("gpu_diagnose", ROOT / "scripts" / "gpu_diagnose.py")
     mod = importlib.util.module_from_spec(diag)
@@ -335,6 +370,7 @@ def test_a_dry_diagnose_records_what_the_generator_needs(tmp_path):
     assert doc["env"]["fingerprints"] == tiles.current_fingerprints()
     assert doc["env"]["W"] == 2 and doc["env"]["dtype"] == "float32"
     timed = [r for r in doc["rows"] if r.get("op") == "chunk_reduce"]
-    assert timed and all(set(r["meta"]) == {"BLOCK", "PER_SM", "num_warps"} and "default" in r for r in timed)
+    assert timed and all(set(r["meta"]) == {"BLOCK", "PER_SM", "num_warps", "POLL_LOADS"} and "default" in r
+                         for r in timed)
     got, notes = tiles.tile_rows(doc, str(out), tiles.current_fingerprints())
     assert got == [] and "not a GPU run" in notes[0]

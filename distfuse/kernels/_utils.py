@@ -58,6 +58,8 @@ def _flag_poll_loads() -> bool:
 
 #: ``chunk_reduce``'s default flag poll (:func:`_flag_poll_loads`), read once at import.
 POLL_LOADS: bool = _flag_poll_loads()
+#: Whether ``DISTFUSE_FLAG_POLL`` was set: then it decides every launch, over a measured tile's ``POLL_LOADS``.
+POLL_LOADS_EXPLICIT: bool = bool(os.environ.get(FLAG_POLL_ENV, "").strip())
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -44,6 +44,7 @@ from distfuse.kernels._utils import (
     CPU_CHUNK_REDUCE_CONFIG,
     INTERPRET,
     POLL_LOADS,
+    POLL_LOADS_EXPLICIT,
     TIMED_WAITS,
     BoundedMemo,
     check_bias,
@@ -301,11 +302,14 @@ def _reduce_plan(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, worl
 def reduce_plan(rows: int, cols: int, ld: int, partial_dtype: torch.dtype, world_size: int,
                 device: torch.device) -> tuple[dict, dict, int]:
     """:func:`_reduce_plan` with the measured config of this device and shape
-    (:func:`~distfuse.kernels.tile_table.measured_tile`: ``BLOCK``, ``PER_SM``, ``num_warps``) or else the pinned
-    one, cached per shape: a pure function of its arguments (the tables, the pinned rule and the SM count), whose
+    (:func:`~distfuse.kernels.tile_table.measured_tile`: ``BLOCK``, ``PER_SM``, ``num_warps``, and the flag poll
+    ``POLL_LOADS`` where the measurement chose it, unless ``DISTFUSE_FLAG_POLL`` is set) or else the pinned one,
+    cached per shape: a pure function of its arguments (the tables, the pinned rule and the SM count), whose
     Python would otherwise cost every call.  Callers must not mutate the result."""
     measured = None if INTERPRET else measured_tile("chunk_reduce", _chunk_reduce_kernel, device_name(device),
                                                     partial_dtype, rows * world_size, cols, 0, world_size)
+    if measured is not None and POLL_LOADS_EXPLICIT:
+        measured.pop("POLL_LOADS", None)  # the user's setting decides the poll
     return _reduce_plan(rows, cols, ld, partial_dtype, world_size, device, measured)
 
 

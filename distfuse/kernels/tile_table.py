@@ -78,7 +78,7 @@ _GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stag
 #: boolean keys it may give.  Anything else is refused: a misspelt key would reach the launch as a constexpr.
 CONFIG_KEYS = {"matmul_scatter_persistent": (_GEMM_KEYS, ("FLATTEN", "SPAN")),
                "gathered_matmul_persistent": (_GEMM_KEYS, ("EPILOGUE_SUBTILE",)),
-               "chunk_reduce": (("BLOCK", "PER_SM", "num_warps"), ())}
+               "chunk_reduce": (("BLOCK", "PER_SM", "num_warps"), ("POLL_LOADS",))}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
