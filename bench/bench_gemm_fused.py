@@ -260,6 +260,8 @@ class Side:
 
         self.weight = rnd(n, k, scale=1.0 / math.sqrt(k))  # nn.Linear layout [out, in]
         self.out = torch.empty(m, n, dtype=dtype, device=device)
+        # The consumer's output as the layers hand it over: [B_, n, N] of the shards' batch (the same memory)
+        self.out3 = self.out.view(1, m, n)
         if side == "rs":
             self.a = rnd(1, m, k)  # batch 1, the full sequence
             nbytes = matmul_scatter_workspace_bytes(1, m, n, world, dtype)
@@ -321,7 +323,7 @@ class Side:
         k = _kernels()
         if self.spec["features"]:
             return k.gathered_k_matmul(self.shards[0], self.weight, self.ws, 0, self.world, out=self.out)
-        y = k.gathered_matmul(self.shards[0], self.weight, self.ws, 0, self.world, self.m, out=self.out,
+        y = k.gathered_matmul(self.shards[0], self.weight, self.ws, 0, self.world, self.m, out=self.out3,
                               kernel=self.gather_kernel)
         self.gather_choice = k.last_gather_choice()  # the kernel that ran: a fallback is named, not hidden
         return y

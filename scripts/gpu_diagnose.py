@@ -941,7 +941,7 @@ def main(argv=None) -> int:
 
         for sub in (True, False):
             gemm_sweep(f"gathered_matmul_persistent:subtile={sub}", "ag", lambda side, c, sub=sub: (
-                lambda: gathered_matmul(side.shards[0], side.weight, side.ws, 0, W, side.m, out=side.out,
+                lambda: gathered_matmul(side.shards[0], side.weight, side.ws, 0, W, side.m, out=side.out3,
                                         config=dict(c, EPILOGUE_SUBTILE=sub),
                                         kernel="gathered_matmul_persistent" if cuda else None)),
                 lambda side, c, sub=sub: consumer_meta(side, c, sub))
