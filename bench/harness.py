@@ -67,7 +67,7 @@ class Row:
 
 
 def environment() -> dict:
-    """Device, clocks and versions for the result file."""
+    """Device, clocks, versions and the ``DISTFUSE_*`` settings for the result file."""
     import triton
 
     import distfuse
@@ -82,6 +82,10 @@ def environment() -> dict:
         "commit": os.environ.get("DISTFUSE_COMMIT") or _git_commit(),  # set where the tree has no .git
         "device": "cpu",
         "cpu_count": os.cpu_count(),
+        # the settings the run was measured under (the lab's DISTFUSE_TIMEOUT and DISTFUSE_AUTOTUNE, and a launch
+        # path its canary switched: DISTFUSE_FAST_LAUNCH, DISTFUSE_LAUNCH_CACHE), so a row says how it ran
+        "settings": {k: v for k, v in sorted(os.environ.items())
+                     if k.startswith("DISTFUSE_") and k != "DISTFUSE_COMMIT"},
     }
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()

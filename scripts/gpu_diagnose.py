@@ -736,7 +736,9 @@ def main(argv=None) -> int:
     calls = args.calls if cuda else 2
     rows: list[dict] = []
     env = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
-               commit=os.environ.get("DISTFUSE_COMMIT", "unknown"), date=time.strftime("%Y-%m-%d"), dry_run=not cuda)
+               commit=os.environ.get("DISTFUSE_COMMIT", "unknown"), date=time.strftime("%Y-%m-%d"), dry_run=not cuda,
+               settings={k: v for k, v in sorted(os.environ.items())  # how it ran (the lab canary's launch path)
+                         if k.startswith("DISTFUSE_") and k != "DISTFUSE_COMMIT"})
     try:
         import triton
 

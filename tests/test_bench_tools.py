@@ -629,3 +629,16 @@ def test_halo_conv_graph_rows_check_the_replay_against_the_eager_step():
         off.view(-1)[0] += 1e-2 * a[2].abs().max()
         assert not _same_step(a[:2] + (off,) + a[3:], b), provider
         assert not _same_step(a[:3] + (None,) + a[4:], b), provider
+
+
+def test_a_result_file_records_the_settings_it_ran_under(monkeypatch):
+    """Every result file's ``env`` names the ``DISTFUSE_*`` settings of its run (the lab's timeout and autotuning, a
+    launch path its canary switched off), the commit apart; nothing else from the environment."""
+    from bench.harness import environment
+
+    monkeypatch.setenv("DISTFUSE_FAST_LAUNCH", "0")
+    monkeypatch.setenv("DISTFUSE_COMMIT", "abc1234")
+    monkeypatch.setenv("NOT_DISTFUSE_X", "1")
+    env = environment()
+    assert env["settings"]["DISTFUSE_FAST_LAUNCH"] == "0" and env["commit"] == "abc1234"
+    assert "DISTFUSE_COMMIT" not in env["settings"] and all(k.startswith("DISTFUSE_") for k in env["settings"])

@@ -67,7 +67,7 @@ TILE_TABLE_ENV = "DISTFUSE_TILE_TABLE"
 SHIPPED_TILES = Path(__file__).with_name("measured_tiles.json")
 FORMAT = 1
 #: The kernels whose pinned rules read the table (their launch configs: the GEMM blocks and forms, or the reduction's
-#: ``BLOCK``, ``PER_SM`` and ``num_warps``).
+#: ``BLOCK``, ``PER_SM`` and ``num_warps``, and its flag poll ``POLL_LOADS`` where a measurement chose it).
 TILE_KERNELS = ("matmul_scatter_persistent", "gathered_matmul_persistent", "chunk_reduce")
 #: An entry serves calls whose rows are within this factor of its own (the nearest entry wins).
 ROWS_FACTOR = 2.0
