@@ -506,7 +506,8 @@ def latency_section(torch, Side, shapes, W, dtype, device, record, cuda) -> None
     (LLaMA-3 8B, M = 8192) and the halo staging (2-D C = 64 n = 512, both formats): the eager rows that lost most
     to their graph rows on 2026-11-28; and torch's sum of a chunk's W partials (``torch_sum``), the bytes
     ``chunk_reduce`` moves summed by another kernel (its graph row against ``chunk_reduce``'s: how far a W-stream
-    read sits from the copy's speed at this size, 0.82 of it for ``chunk_reduce`` there)."""
+    read sits from the copy's speed at this size, 0.82 of it for ``chunk_reduce`` there); then ``chunk_reduce``'s
+    two flag polls at every model's size (:func:`flag_poll_rows`)."""
     from bench.bench_halo_conv import Case, stage_fused
 
     (rs, ag) = shapes["llama3-8b"] if cuda else next(iter(shapes.values()))
@@ -519,18 +520,8 @@ def latency_section(torch, Side, shapes, W, dtype, device, record, cuda) -> None
     try:
         record(section="latency", op="producer:triton_persistent", m=m, **call_latency(torch, side.fused_gemm, device))
         record(section="latency", op="chunk_reduce", m=m, **call_latency(torch, side.chunk_reduce, device))
-        flag_poll_rows(torch, side, "llama3-8b" if cuda else "tiny", W, dtype, device, record, cuda)
     finally:
         side.release()
-    if cuda and "llama3-70b" in shapes:  # the flag polls at the other size too: the tile table keys on the shape
-        side = Side("rs", m, *shapes["llama3-70b"][0], W, dtype, device, provider="triton_persistent")
-        side.prepare()
-        try:
-            flag_poll_rows(torch, side, "llama3-70b", W, dtype, device, record, cuda)
-        finally:
-            side.release()
-        side = None
-        torch.cuda.empty_cache()
     # torch's own sum of the W partials of a chunk (the bytes chunk_reduce moves: W chunks read, one written, fp32
     # inside): another kernel's ceiling for reading W streams at once, beside the copy's
     parts = torch.randn(W, -(-m // W), rs[0], device=device).to(dtype)
@@ -550,6 +541,23 @@ def latency_section(torch, Side, shapes, W, dtype, device, record, cuda) -> None
         record(section="latency", op="halo_stage", nd=2, C=case.x.shape[1], n=case.x.shape[-1],
                format="channels_last" if cl else "nchw",
                **call_latency(torch, lambda case=case: stage_fused(case, case.x, case.recv), device))
+    case = None
+    # chunk_reduce's two flag polls at every model's size (the tile table keys on the shape), last: a failure here
+    # costs only these rows (an error row per model)
+    for model, (rs, _) in shapes.items():
+        side = Side("rs", m, rs[0], rs[1], W, dtype, device, provider="triton_persistent")
+        try:
+            side.prepare()
+            try:
+                flag_poll_rows(torch, side, model, W, dtype, device, record, cuda)
+            finally:
+                side.release()
+        except Exception as exc:  # noqa: BLE001 - recorded, the next model goes on
+            record(section="reduce:poll", op="chunk_reduce (poll)", model=model, m=m,
+                   error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        side = None
+        if cuda:
+            torch.cuda.empty_cache()
     if cuda:
         torch.cuda.empty_cache()
 
