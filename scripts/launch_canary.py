@@ -12,7 +12,8 @@ So the lab runs this first, after the probe:
    bit (:func:`compare`), and that the second call hit;
 2. if that child fails (a mismatch, a fault, or a timeout twice), another runs the same with
    ``DISTFUSE_FAST_LAUNCH=0`` (hits through ``CompiledKernel.run`` with tensors, the 2026-11-28 path), and if that
-   fails too, the lab runs with ``DISTFUSE_LAUNCH_CACHE=0``;
+   fails too, the lab runs with ``DISTFUSE_LAUNCH_CACHE=0`` (:func:`decide`: a child whose JIT path fails switches
+   nothing, and a budget spent before the second child ran keeps ``DISTFUSE_FAST_LAUNCH=0``);
 3. the decision goes into ``probe.json`` (key ``launch_canary``: each child's result and the ``env`` that the rest
    of the lab exports), and ``--env-of probe.json`` prints that assignment for ``scripts/gpu_lab.sh`` and
    ``scripts/gpu_first_call.sh``.
@@ -124,14 +125,18 @@ def compare(device="cuda") -> dict:
     from distfuse.kernels import matmul_scatter_persistent as msp
     from distfuse.kernels.launch_cache import FAST_LAUNCH, LAUNCH_CACHE_ENV
 
-    op = bound_ops(torch.device(device))
-    saved = os.environ.get(LAUNCH_CACHE_ENV)
-    os.environ[LAUNCH_CACHE_ENV] = "0"
-    try:
-        jit, again = op(), op()
-    finally:
-        os.environ.pop(LAUNCH_CACHE_ENV) if saved is None else os.environ.__setitem__(LAUNCH_CACHE_ENV, saved)
-    first, second = op(), op()
+    try:  # the JIT's own path first: if it fails, the launch cache is not what is wrong (nothing to switch)
+        op = bound_ops(torch.device(device))
+        saved = os.environ.get(LAUNCH_CACHE_ENV)
+        os.environ[LAUNCH_CACHE_ENV] = "0"
+        try:
+            jit, again = op(), op()
+        finally:
+            os.environ.pop(LAUNCH_CACHE_ENV) if saved is None else os.environ.__setitem__(LAUNCH_CACHE_ENV, saved)
+    except Exception as exc:  # noqa: BLE001 - reported: the canary cannot judge the cache then
+        return dict(ok=False, inconclusive=True, why=f"the JIT's path failed: {type(exc).__name__}: {str(exc)[:300]}",
+                    fast_launch=FAST_LAUNCH)
+    first, second = op(), op()  # the cache's path: an exception here fails the setting
     problems, unstable = [], []
     for i, (j, j2, f, s) in enumerate(zip(jit, again, first, second, strict=True)):
         if torch.equal(j, j2):
@@ -144,19 +149,23 @@ def compare(device="cuda") -> dict:
             problems.append(f"output {i} differs from the JIT's")
         if not torch.isfinite(s.float()).all() or math.prod(s.shape) == 0:
             problems.append(f"output {i} is empty or not finite")
-    hits = hit_counts(op.stage_key)
-    launches = [h[0] for family in ([b for _, b in chunk_reduce_kernels._BOUND.values()], msp._BOUND.values(),
-                                    gmp._BOUND.values()) for bound in family for h in bound._hits.values()]
-    return dict(ok=not problems, problems=problems, warnings=[f"no {name} hit" for name, n in hits.items() if not n],
-                hits=hits, launcher=sorted({type(h).__name__ for h in launches}),
-                descriptor_maps=sum(len(h.maps) for h in launches if hasattr(h, "maps")), nondeterministic=unstable,
-                fast_launch=FAST_LAUNCH)
+    res = dict(ok=not problems, problems=problems, warnings=[], nondeterministic=unstable, fast_launch=FAST_LAUNCH)
+    try:  # what the hits were: a record, never a reason to switch the launch path
+        hits = hit_counts(op.stage_key)
+        launches = [h[0] for family in ([b for _, b in chunk_reduce_kernels._BOUND.values()], msp._BOUND.values(),
+                                        gmp._BOUND.values()) for bound in family for h in bound._hits.values()]
+        res.update(hits=hits, launcher=sorted({type(h).__name__ for h in launches}),
+                   descriptor_maps=sum(len(h.maps) for h in launches if hasattr(h, "maps")))
+        res["warnings"] += [f"no {name} hit" for name, n in hits.items() if not n]
+    except Exception as exc:  # noqa: BLE001
+        res["warnings"].append(f"could not count the hits: {type(exc).__name__}: {str(exc)[:200]}")
+    return res
 
 
 def _child(dry_run: bool) -> int:
     res = dict(ok=True, dry_run=True) if dry_run else compare()
     print("canary: " + json.dumps(res), flush=True)
-    return 0 if res["ok"] else 1
+    return 0 if res["ok"] or res.get("inconclusive") else 1
 
 
 def run_child(env: dict, timeout: float, dry_run: bool = False) -> dict:
@@ -182,9 +191,16 @@ def run_child(env: dict, timeout: float, dry_run: bool = False) -> dict:
 
 def decide(run, budget: float, tries=TRIES) -> dict:
     """``{runs, env}``: ``run(env, timeout)`` for each of ``tries`` until one passes, within ``budget`` seconds in
-    all; ``env`` is the passing one's settings, or :data:`FALLBACK` (no launch cache) when none passed.  A first try
-    that timed out is run again before the next setting: a cold Triton cache (every kernel compiled) is slow, not
-    wrong, and its rerun finds the binaries on disk."""
+    all; ``env`` is the settings the rest of the lab runs with.
+
+    * a try that passes: its settings;
+    * a first try that timed out runs again before the next setting: a cold Triton cache (every kernel compiled) is
+      slow, not wrong, and its rerun finds the binaries on disk;
+    * an inconclusive try (the JIT's own path failed: the launch cache is not what is wrong): the defaults, since
+      nothing a setting switches would help;
+    * none passed: :data:`FALLBACK` (no launch cache), unless the budget ran out before the last of ``tries`` ran
+      (the hits through ``CompiledKernel.run``, the path the GPU lab ran on 2026-11-28): then that one.
+    """
     t0, runs = time.monotonic(), []
     queue = list(tries)
     retried = False
@@ -192,12 +208,14 @@ def decide(run, budget: float, tries=TRIES) -> dict:
         left = budget - (time.monotonic() - t0)
         if left < 5:
             runs.append(dict(env=queue[0], ok=False, why=f"not run: {left:.0f} s left"))
-            break
+            return dict(runs=runs, env=tries[-1] if tries[-1] in queue else FALLBACK)
         env = queue[0]
         rec = run(env, left)
         runs.append(rec)
         if rec["ok"]:
             return dict(runs=runs, env=env)
+        if rec.get("inconclusive"):
+            return dict(runs=runs, env={})
         if str(rec.get("why", "")).startswith("timed out") and not retried:
             retried = True
             continue

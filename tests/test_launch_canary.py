@@ -105,14 +105,25 @@ def test_a_timed_out_first_try_runs_again_before_the_next_setting():
 
 
 def test_the_canary_stays_within_its_budget():
-    """Each child gets what is left of the budget; with under 5 s left no child starts and the lab runs without the
-    launch cache (a setting never shown to work is not kept)."""
+    """Each child gets what is left of the budget; with under 5 s left no child starts, and the lab runs with the
+    hits through Triton's own launcher (the path the lab ran on before; the fast one was never shown to work), or,
+    where that one ran and failed, without the launch cache."""
     run, asked = _runs(dict(ok=False, why="output 0 differs"))
     res = canary.decide(run, 4)
-    assert asked == [] and res["env"] == {"DISTFUSE_LAUNCH_CACHE": "0"} and "not run" in res["runs"][0]["why"]
+    assert asked == [] and res["env"] == {"DISTFUSE_FAST_LAUNCH": "0"} and "not run" in res["runs"][0]["why"]
     run, asked = _runs(dict(ok=True))
     canary.decide(run, 30)
     assert 25 < asked[0][1] <= 30
+    run, asked = _runs(dict(ok=False, why="output 0 differs"), dict(ok=False, why="output 1 differs"))
+    assert canary.decide(run, 30, tries=({}, {"DISTFUSE_FAST_LAUNCH": "0"}))["env"] == {"DISTFUSE_LAUNCH_CACHE": "0"}
+
+
+def test_a_canary_whose_jit_path_fails_switches_nothing():
+    """Where the JIT's own path fails, the launch cache is not what is wrong: the canary keeps the defaults and says
+    why, rather than turning the cache off for the whole lab."""
+    run, asked = _runs(dict(ok=False, inconclusive=True, why="the JIT's path failed: RuntimeError: CUDA error"))
+    res = canary.decide(run, 50)
+    assert res["env"] == {} and len(asked) == 1 and res["runs"][0]["inconclusive"]
 
 
 def test_a_child_that_fails_is_recorded_with_its_output(tmp_path):
@@ -223,3 +234,33 @@ def test_an_op_the_jit_does_not_repeat_bitwise_is_compared_within_its_rounding(m
     _ops(monkeypatch, cached=[base[0] + 0.5, base[1]], jit_calls=[base, [base[0] + 2**-8, base[1]]])
     res = canary.compare("cpu")
     assert not res["ok"] and res["problems"] == ["output 0 differs from the JIT's"]
+
+
+def test_a_failing_jit_path_or_hit_count_is_not_a_failure_of_the_cache(monkeypatch):
+    """``compare`` itself: an exception on the JIT's path is inconclusive (the child exits 0, the lab keeps its
+    settings); one while counting the hits is a warning; an exception on the cache's path fails the setting."""
+    import torch
+
+    def broken(device):
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(canary, "bound_ops", broken)
+    res = canary.compare("cpu")
+    assert res["inconclusive"] and not res["ok"] and "RuntimeError: no GPU here" in res["why"]
+    _ops(monkeypatch)
+    monkeypatch.setattr(canary, "hit_counts", lambda key: 1 / 0)
+    res = canary.compare("cpu")
+    assert res["ok"] and res["warnings"] and "ZeroDivisionError" in res["warnings"][0]
+
+    def cache_fails(device):
+        def op():
+            if os.environ.get(launch_cache.LAUNCH_CACHE_ENV) != "0":
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return [torch.ones(4)]
+
+        op.stage_key = None
+        return op
+
+    monkeypatch.setattr(canary, "bound_ops", cache_fails)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        canary.compare("cpu")  # the child exits non-zero: the setting failed
