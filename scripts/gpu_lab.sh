@@ -6,18 +6,18 @@
 #
 # Phase (cap)            what it measures / checks                                     writes under $OUT
 # 1 probe (30 s)         versions, symm_mem API names, get_buffer aliasing, backend    probe.json
-# 2 canary (75 s)        the launch cache's hits against the JIT, bitwise, in child    probe.json (launch_canary)
+# 2 canary (90 s)        the launch cache's hits against the JIT, bitwise, in child    probe.json (launch_canary)
 #                        processes: the fast hits, else DISTFUSE_FAST_LAUNCH=0, else
 #                        DISTFUSE_LAUNCH_CACHE=0, exported for every later phase
 #                        (scripts/launch_canary.py: a faulting launch would poison them)
 # 3 tests (140 s)        DISTFUSE_TEST_COMPILED=1 pytest -m cuda on the kernel tests,  tests.json
 #                        a launch off the main thread included
-# 4 gemm (90 s)          GEMM + scatter (every producer) and all-gather + GEMM vs      gemm_fused-<dev>-<date>.json
+# 4 gemm (80 s)          GEMM + scatter (every producer) and all-gather + GEMM vs      gemm_fused-<dev>-<date>.json
 #                        cuBLAS, chunk_reduce and the pushes vs the device copy:
 #                        LLaMA-3 8B/70B MLP at TP 8, M = 8192 and 512, bf16
 # 5 halo (80 s)          halo staging vs the device copy (eager, and replayed from a   halo_conv-<dev>-<date>.json
 #                        CUDA graph), fused halo conv vs torch.cat staging + cuDNN
-# 6 two_process (70 s)   two processes on one GPU through real symmetric memory,       two_process.json
+# 6 two_process (65 s)   two processes on one GPU through real symmetric memory,       two_process.json
 #                        one short run per provider and of the ring attention's
 #                        fused push, against float64
 # 7 attention (55 s)     one rank's ring block vs SDPA, the ring's message vs the     attention-<dev>-<date>.json
@@ -115,14 +115,14 @@ HALO_JSON=$OUT/halo_conv-$DEV-$DATE.json
 
 if [ -n "$DRY" ]; then
   PROBE=($PY scripts/gpu_probe.py --dry-run --json "$OUT/probe.json")
-  CANARY=($PY scripts/launch_canary.py --dry-run --probe-json "$OUT/probe.json" --timeout 65)
+  CANARY=($PY scripts/launch_canary.py --dry-run --probe-json "$OUT/probe.json" --timeout 80)
   GEMM=($PY bench/bench_gemm_fused.py --dry-run --sides rs ag --out-dir "$OUT")
   HALO=($PY bench/bench_halo_conv.py --dry-run --out-dir "$OUT")
   TWO=($PY scripts/gpu_two_process.py --dry-run --iters 4 --json "$OUT/two_process.json")
   ATT=($PY bench/bench_attention.py --dry-run --out "$OUT")
 else
   PROBE=($PY scripts/gpu_probe.py --json "$OUT/probe.json")
-  CANARY=($PY scripts/launch_canary.py --probe-json "$OUT/probe.json" --timeout 65)
+  CANARY=($PY scripts/launch_canary.py --probe-json "$OUT/probe.json" --timeout 80)
   GEMM=($PY bench/bench_gemm_fused.py --models llama3-8b llama3-70b --m 8192 512 --sides rs ag --dtype bfloat16
         --reps 30 --out-dir "$OUT")
   HALO=($PY bench/bench_halo_conv.py --dims 2 3 --channels 64 256 --extents 64 512 --halos 1 --dtypes bfloat16
@@ -141,16 +141,16 @@ want() {
   return 1
 }
 want probe 30 && phase probe 30 "$OUT/probe.json" "${PROBE[@]}"
-want canary 75 && phase canary 75 "$OUT/probe.json" "${CANARY[@]}"
+want canary 90 && phase canary 90 "$OUT/probe.json" "${CANARY[@]}"
 # What the canary decided (nothing, DISTFUSE_FAST_LAUNCH=0 or DISTFUSE_LAUNCH_CACHE=0), for every later phase
 LAUNCH_ENV=$($PY scripts/launch_canary.py --env-of "$OUT/probe.json" 2>>"$LOG")
 [ -n "$LAUNCH_ENV" ] && export $LAUNCH_ENV && echo "=== gpu_lab: the later phases run with $LAUNCH_ENV" | tee -a "$LOG"
 want tests 140 && DISTFUSE_LAB_TESTS_JSONL=$WORK/tests.jsonl DISTFUSE_TEST_COMPILED=1 \
   phase tests 140 "$OUT/tests.json" $PY -m pytest -q -p no:cacheprovider -p lab_pytest -m cuda -rfEs \
   "${TIMEOUT_ARG[@]}" "${TESTS[@]}"
-want gemm 90 && phase gemm 90 "$GEMM_JSON" "${GEMM[@]}"
+want gemm 80 && phase gemm 80 "$GEMM_JSON" "${GEMM[@]}"
 want halo 80 && phase halo 80 "$HALO_JSON" "${HALO[@]}"
-want two_process 70 && phase two_process 70 "$OUT/two_process.json" "${TWO[@]}"
+want two_process 65 && phase two_process 65 "$OUT/two_process.json" "${TWO[@]}"
 want attention 55 && phase attention 55 "" "${ATT[@]}"
 
 $PY scripts/lab_record.py ratios --out "$OUT" 2>&1 | tee -a "$LOG"

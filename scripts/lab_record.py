@@ -37,7 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The phases, in order of value, and each one's cap in seconds (the lab's whole budget: 540 s = 9 minutes).
-PHASES = (("probe", 30), ("canary", 75), ("tests", 140), ("gemm", 90), ("halo", 80), ("two_process", 70),
+PHASES = (("probe", 30), ("canary", 90), ("tests", 140), ("gemm", 80), ("halo", 80), ("two_process", 65),
           ("attention", 55))
 BUDGET_S = 540
 MAX_FILES = 8

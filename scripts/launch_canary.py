@@ -43,6 +43,9 @@ sys.path.insert(0, str(ROOT))
 #: The settings tried in order (the first whose child passes is kept), then the one used when none passes.
 TRIES = ({}, {"DISTFUSE_FAST_LAUNCH": "0"})
 FALLBACK = {"DISTFUSE_LAUNCH_CACHE": "0"}
+#: The share of the budget the first child may take: it compiles every kernel (a cold Triton cache), and a rerun
+#: or the next setting needs the rest.
+FIRST_SHARE = 0.65
 
 
 def bound_ops(device):
@@ -210,7 +213,8 @@ def decide(run, budget: float, tries=TRIES) -> dict:
             runs.append(dict(env=queue[0], ok=False, why=f"not run: {left:.0f} s left"))
             return dict(runs=runs, env=tries[-1] if tries[-1] in queue else FALLBACK)
         env = queue[0]
-        rec = run(env, left)
+        # the first child (the one that compiles) leaves a third of the budget for a rerun or the next setting
+        rec = run(env, min(left, FIRST_SHARE * budget) if not runs else left)
         runs.append(rec)
         if rec["ok"]:
             return dict(runs=runs, env=env)

@@ -105,15 +105,20 @@ def test_a_timed_out_first_try_runs_again_before_the_next_setting():
 
 
 def test_the_canary_stays_within_its_budget():
-    """Each child gets what is left of the budget; with under 5 s left no child starts, and the lab runs with the
-    hits through Triton's own launcher (the path the lab ran on before; the fast one was never shown to work), or,
-    where that one ran and failed, without the launch cache."""
+    """The first child (the one that compiles) gets at most ``FIRST_SHARE`` of the budget, so a rerun or the next
+    setting has the rest; each later child gets what is left (the stand-ins take no time: all of it); with under
+    5 s left no child starts, and the lab runs with the hits through Triton's own launcher (the path the lab ran
+    on before; the fast one was never shown to work), or, where that one ran and failed, without the launch
+    cache."""
     run, asked = _runs(dict(ok=False, why="output 0 differs"))
     res = canary.decide(run, 4)
     assert asked == [] and res["env"] == {"DISTFUSE_FAST_LAUNCH": "0"} and "not run" in res["runs"][0]["why"]
     run, asked = _runs(dict(ok=True))
     canary.decide(run, 30)
-    assert 25 < asked[0][1] <= 30
+    assert asked[0][1] == pytest.approx(canary.FIRST_SHARE * 30)
+    run, asked = _runs(dict(ok=False, why="timed out after 19 s"), dict(ok=True))
+    canary.decide(run, 30)
+    assert asked[1][1] == pytest.approx(30, abs=1), "the rerun: what is left"
     run, asked = _runs(dict(ok=False, why="output 0 differs"), dict(ok=False, why="output 1 differs"))
     assert canary.decide(run, 30, tries=({}, {"DISTFUSE_FAST_LAUNCH": "0"}))["env"] == {"DISTFUSE_LAUNCH_CACHE": "0"}
 
