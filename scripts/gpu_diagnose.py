@@ -668,10 +668,17 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
                 record(section="halo_tiles", op=name, **shape, error=str(exc)[:200])
                 continue
             extra = {}
-            if "slab_rows" in how or "split" in how:
+            if ("slab_rows" in how or "split" in how) and how["region"] == "all":
                 out.fill_(float("nan"))
                 hp.launch_stage(out, case.x, case.recv, launch)
                 extra = dict(exact=bool(torch.equal(out, case.staged_ref)))
+            elif "split" in how:  # a pass of one region: bitwise the same region's default launch, the rest untouched
+                want = torch.full_like(out, 7.0)
+                hp.launch_stage(want, case.x, case.recv, hp.stage_launch(case.plan, case.index, lead, device,
+                                                                           how["region"], None, None, trail))
+                out.fill_(7.0)
+                hp.launch_stage(out, case.x, case.recv, launch)
+                extra = dict(exact=bool(torch.equal(out, want)))
             record(section="halo_tiles", op=name, **shape, **extra,
                    **measure(torch, lambda out=out, case=case, launch=launch: hp.launch_stage(out, case.x, case.recv,
                                                                                              launch),

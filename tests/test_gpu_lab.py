@@ -215,6 +215,8 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     windows = [r for r in rows if r.get("op", "").startswith("copy window")]
     assert {r["op"] for r in windows} == {"copy window (contiguous)", "copy window (strided, torch)"}
     assert all(r["exact"] for r in windows if "strided" in r["op"]), "the strided copy filled the staged window"
+    inexact = [(r["op"], r.get("format")) for r in rows if r.get("exact") is False]
+    assert not inexact, f"every staging variant writes what its reference writes: {inexact}"
     assert any(r.get("op") == "torch_sum" and r["section"] == "latency" for r in rows)
     polls = [r for r in rows if r.get("op") == "chunk_reduce (poll)"]
     assert sorted(r["poll"] for r in polls) == ["atomic", "load"] and all(r["matches_atomic"] for r in polls)
