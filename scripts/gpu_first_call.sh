@@ -15,7 +15,8 @@
 #    the sweeps take only the time the rest left; the 8B shapes come first);
 # 2b. before it, scripts/host_cost.py --kernels (the host's Python on the launchers, about 15 s) if 90 s are left;
 # 3. everything into $OUT/lab.tgz (the device tool brings back at most 8 files), with lab.json and
-#    lab.log beside it for a first look: packed once after the lab and again at the end.
+#    lab.log beside it for a first look: packed once after the lab and again at the end;
+# 4. the digest of what the lab and the diagnosis answer (scripts/lab_digest.py), printed last.
 # DISTFUSE_FIRST_CALL_BUDGET (default 585 s): the seconds lab and diagnosis may take together (a shorter rerun).
 # DISTFUSE_LAB_PHASES (scripts/gpu_lab.sh) and DISTFUSE_DIAGNOSE_SECTIONS (default: the seven above) narrow a rerun.
 #
@@ -61,4 +62,6 @@ else
   echo "gpu_first_call: diagnose skipped: ${LEFT}s left"
 fi
 pack
+# The answers in one page (scripts/lab_digest.py), last: what the device tool's output shows first
+PYTHONPATH="$PWD" "$PY" scripts/lab_digest.py "$WORK/lab" 2>&1 | head -120
 echo "gpu_first_call: done in $((SECONDS - T0)) s: $(ls "$DEST" | tr '\n' ' ')"

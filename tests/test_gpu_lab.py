@@ -217,6 +217,11 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     assert all(r["exact"] for r in windows if "strided" in r["op"]), "the strided copy filled the staged window"
     inexact = [(r["op"], r.get("format")) for r in rows if r.get("exact") is False]
     assert not inexact, f"every staging variant writes what its reference writes: {inexact}"
+    # the first call's digest reads these rows: every block that has rows here prints them
+    text = _module("lab_digest").digest({"diagnose": out})
+    for block in ("latency", "W streams", "flag polls", "Triton's mainloop", "the NCHW layout"):
+        body = text.split(f"== {block}")[1].split("\n== ")[0]
+        assert not body.splitlines()[1].startswith("no "), (block, body)
     assert any(r.get("op") == "torch_sum" and r["section"] == "latency" for r in rows)
     polls = [r for r in rows if r.get("op") == "chunk_reduce (poll)"]
     assert sorted(r["poll"] for r in polls) == ["atomic", "load"] and all(r["matches_atomic"] for r in polls)
