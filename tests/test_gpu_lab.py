@@ -248,3 +248,16 @@ def test_cprofile_rows_give_microseconds_per_call():
     diag.cprofile_record(lambda **row: recorded.append(row), "halo_full", "fused", step, 10, nd=2, C=64)
     assert [(r["section"], r["op"], r["nd"], r["C"]) for r in recorded] == [("halo_full", "fused (cprofile)", 2, 64)]
     assert {r["function"].split("(")[-1].rstrip(")") for r in recorded[0]["cprofile"]} >= {"inner", "step"}
+
+
+def test_the_digest_reads_a_collected_call():
+    """``scripts/lab_digest.py --results bench/results --tag`` on the committed files of the H200's fourth call of
+    2026-11-28: its latency rows say the consumer's eager row was bound by the host (160 us after a sync against a
+    79 us flush), and blocks without rows in that call say so instead of failing."""
+    dig = _module("lab_digest")
+    files = dig.find_files(results=ROOT / "bench" / "results", tag="NVIDIA_H200-2026-11-28-fourth")
+    assert files["diagnose"] is not None and files["probe"] is not None
+    text = dig.digest(files)
+    consumer = next(line for line in text.splitlines() if line.strip().startswith("gathered_matmul"))
+    assert consumer.endswith("host-bound") and "160.0" in consumer
+    assert "no launch_canary in probe.json" in text and "no reduce:poll rows" in text
