@@ -40,7 +40,7 @@ from distfuse.timing import QUANTILES, summarize, time_fn, time_interleaved, tim
 
 __all__ = ["Row", "QUANTILES", "environment", "summarize", "time_samples", "time_fn", "time_interleaved",
            "under_torchrun", "init_torchrun", "track_peak_memory", "add_ratios", "write_results", "results_path",
-           "write_json", "print_table", "graphed",
+           "write_json", "print_table", "graphed", "settings",
            "run_multirank", "multirank_main", "DTYPES", "RESULTS"]
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -82,16 +82,20 @@ def environment() -> dict:
         "commit": os.environ.get("DISTFUSE_COMMIT") or _git_commit(),  # set where the tree has no .git
         "device": "cpu",
         "cpu_count": os.cpu_count(),
-        # the settings the run was measured under (the lab's DISTFUSE_TIMEOUT and DISTFUSE_AUTOTUNE, and a launch
-        # path its canary switched: DISTFUSE_FAST_LAUNCH, DISTFUSE_LAUNCH_CACHE), so a row says how it ran
-        "settings": {k: v for k, v in sorted(os.environ.items())
-                     if k.startswith("DISTFUSE_") and k != "DISTFUSE_COMMIT"},
+        "settings": settings(),
     }
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
         env.update(_nvml())
     return env
+
+
+def settings() -> dict:
+    """The ``DISTFUSE_*`` settings a run is measured under (the lab's ``DISTFUSE_TIMEOUT`` and ``DISTFUSE_AUTOTUNE``,
+    a launch path its canary switched: ``DISTFUSE_FAST_LAUNCH``, ``DISTFUSE_LAUNCH_CACHE``), the commit apart: so a
+    result file says how it ran."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("DISTFUSE_") and k != "DISTFUSE_COMMIT"}
 
 
 def _git_commit() -> str | None:

@@ -750,10 +750,11 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     calls = args.calls if cuda else 2
     rows: list[dict] = []
+    from bench.harness import settings
+
     env = dict(device=torch.cuda.get_device_name() if cuda else "cpu", torch=torch.__version__,
                commit=os.environ.get("DISTFUSE_COMMIT", "unknown"), date=time.strftime("%Y-%m-%d"), dry_run=not cuda,
-               settings={k: v for k, v in sorted(os.environ.items())  # how it ran (the lab canary's launch path)
-                         if k.startswith("DISTFUSE_") and k != "DISTFUSE_COMMIT"})
+               settings=settings())
     try:
         import triton
 

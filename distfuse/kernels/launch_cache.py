@@ -54,7 +54,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from distfuse.kernels._utils import INTERPRET
-from distfuse.kernels.raw_launch import fast_launcher
+from distfuse.kernels.raw_launch import fast_launcher, run_launcher
 
 __all__ = ["CachedLaunch", "BoundLaunch", "cached_launch", "arg_key", "fingerprint", "fingerprint_and_addresses",
            "by_address", "direct_launcher", "hit_launcher", "launch_cache_enabled", "fast_launch_enabled",
@@ -310,7 +310,7 @@ def hit_launcher(binary):
     if direct is None:
         return None
     run, function, packed = direct
-    launch, mid = fast_launcher(run, packed) if FAST_LAUNCH else (run, (packed, None, None, None))
+    launch, mid = (fast_launcher if FAST_LAUNCH else run_launcher)(run, packed)
     return launch, function, mid
 
 

@@ -28,7 +28,7 @@ import sys
 
 from distfuse.kernels._utils import BoundedMemo
 
-__all__ = ["fast_launcher", "DescriptorLaunch", "TRITON36_BASE_FORMAT"]
+__all__ = ["fast_launcher", "run_launcher", "DescriptorLaunch", "TRITON36_BASE_FORMAT"]
 
 #: Triton 3.6's C launcher's leading arguments: grid x, y, z, stream, function, cooperative, PDL, global scratch,
 #: profile scratch, packed metadata, launch metadata, enter hook, exit hook.
@@ -43,9 +43,15 @@ def fast_launcher(run, packed) -> tuple:
     hooks), through the C launcher where :func:`raw_launch` finds it, else through ``run`` itself."""
     raw = raw_launch(run)
     if raw is None:
-        return run, (packed, None, None, None)
+        return run_launcher(run, packed)
     launch, coop, pdl = raw
     return launch, (coop, pdl, None, None, packed, None, None, None)
+
+
+def run_launcher(run, packed) -> tuple:
+    """``(run, mid)``: the binary's own launcher ``CompiledKernel.run``, called as ``run(gx, gy, gz, stream, function,
+    packed, None, None, None, *kernel_args)`` (no launch metadata, no hooks)."""
+    return run, (packed, None, None, None)
 
 
 def raw_launch(run) -> tuple | None:
