@@ -15,7 +15,8 @@ short block per question (a block whose rows are absent says so):
   ``distfuse-tune tiles --write`` would turn into a measured tile (``reduce:poll``);
 * **Triton's mainloop**: the plain persistent Triton GEMM against cuBLAS per side (``forms``);
 * **the NCHW layout**: per staging shape, torch's contiguous and strided copies of the window's bytes, this
-  kernel's copy of the window alone and the staging, each against the copy of the staged bytes (``halo_tiles``);
+  kernel's copy of the window alone and the staging, each against the copy of the staged bytes (``halo_tiles``),
+  and the row probe's whole rows against its window alone (``bench/halo_rows_probe.py``);
 * **launcher**: the host time of each way of launching a binary (``attrib``);
 * **host**: the device host's Python on the launchers (``host_cost.json``).
 
@@ -179,6 +180,13 @@ def layout_block(diag: dict) -> list[str]:
         lines.append(f"  {nd}-D C={c} n={n} {fmt:13s} {cell('copy'):>7}  {cell('copy window (contiguous)'):>14} "
                      f"{cell('copy window (strided, torch)'):>14} {cell('halo_stage region=window'):>14} "
                      f"{cell('halo_stage split=True'):>14}")
+        if "rows probe (whole rows)" in by:  # NCHW: whole rows against the window's rows (bench/halo_rows_probe.py)
+            window_copy = _us(by.get("copy window (contiguous)", {}), "kernel_us", "loop_us", "graph_us")
+            probe = [cell("rows probe (whole rows)"), cell("rows probe (whole rows, paired)"),
+                     cell("rows probe (window)", copy=window_copy)]
+            lines.append(f"    rows probe: whole rows {probe[0]}, paired {probe[1]} (x of the copy); window alone "
+                         f"{probe[2]} (x of the window's contiguous copy); exact: "
+                         f"{all(by[op].get('exact') for op in by if op.startswith('rows probe'))}")
     return lines
 
 

@@ -198,8 +198,8 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     """``scripts/gpu_diagnose.py --dry-run`` (interpreted, tiny shapes) through the sections whose rows a GPU call
     has not yet produced: torch's W-way sum beside ``chunk_reduce`` and ``chunk_reduce`` with its flags polled both
     ways (``latency``), the plain Triton GEMM beside cuBLAS (``forms``), checked against cuBLAS within its bound,
-    and the staging's diagnosis region ``window`` with the small tiles and torch's copies of the window's bytes,
-    contiguous and into the staged layout (``halo``).  A section that raises on the device machine costs a call,
+    and the staging's diagnosis region ``window`` with the small tiles, torch's copies of the window's bytes,
+    contiguous and into the staged layout, and the row probe's whole rows and window (``halo``).  A section that raises on the device machine costs a call,
     so none may raise here."""
     out = tmp_path / "diag.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -215,6 +215,10 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     windows = [r for r in rows if r.get("op", "").startswith("copy window")]
     assert {r["op"] for r in windows} == {"copy window (contiguous)", "copy window (strided, torch)"}
     assert all(r["exact"] for r in windows if "strided" in r["op"]), "the strided copy filled the staged window"
+    probes = [r for r in rows if r.get("op", "").startswith("rows probe")]
+    assert sorted(r["op"] for r in probes) == ["rows probe (whole rows)", "rows probe (whole rows, paired)",
+                                               "rows probe (window)"], "the row probe runs on the NCHW shapes"
+    assert all(r["format"] == "nchw" and r["bytes"] > 0 for r in probes)
     inexact = [(r["op"], r.get("format")) for r in rows if r.get("exact") is False]
     assert not inexact, f"every staging variant writes what its reference writes: {inexact}"
     # the first call's digest reads these rows: every block that has rows here prints them
@@ -222,6 +226,7 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     for block in ("latency", "W streams", "flag polls", "Triton's mainloop", "the NCHW layout"):
         body = text.split(f"== {block}")[1].split("\n== ")[0]
         assert not body.splitlines()[1].startswith("no "), (block, body)
+    assert "rows probe: whole rows" in text and "exact: True" in text
     assert any(r.get("op") == "torch_sum" and r["section"] == "latency" for r in rows)
     polls = [r for r in rows if r.get("op") == "chunk_reduce (poll)"]
     assert sorted(r["poll"] for r in polls) == ["atomic", "load"] and all(r["matches_atomic"] for r in polls)

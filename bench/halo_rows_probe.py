@@ -1,0 +1,112 @@
+"""Whole staged rows against the window's rows alone: what partial sectors cost the NCHW staging, for the diagnosis.
+
+    x       [lead, n0, n1, n2]           contiguous (NCHW: lead = B * C; 2-D as n0 = 1, h0 = 0)
+    out     [lead, L0, L1, L2]           contiguous, L_i = n_i + 2 h_i
+    rows    out[..., i0, i1, :] = x[..., i0 - h0, i1 - h1, i2 - h2] inside the window, 0 outside   (zero padding)
+    window  out[..., i0, i1, h2:h2 + n2] only, the window's rows: the row's border columns left as they were
+
+The staged tensor of an NCHW block holds rows of ``n2 + 2 h2`` elements (66 at n = 64, 132 bytes), so the
+window's rows start at an odd element offset and end mid-sector.  The fused staging writes those rows from
+its window programs and the border columns beside them from other programs (or another launch), so every
+32-byte sector at a row's two ends is written piecemeal.  On the H200 the 3-D NCHW staging stays at
+0.57-0.65 of a copy of the staged bytes where channels last, whose rows are whole multiples of 16 bytes,
+reaches 0.91-0.99 (``docs/gpu.md``).  Two hypotheses: the piecemeal sectors (an HBM3e sector written partly
+costs a read-modify-write under ECC), or the stores' width (one element a thread where rows are unaligned).
+
+This kernel tests them apart, on one tile shape ``[BLOCK_R, BLOCK_X]`` of whole staged rows (one program
+writes ``BLOCK_R`` consecutive rows, so every sector of its range is written by one program, with
+one-element stores like the staging's):
+
+* ``FACES=True`` (``rows``): every element of the rows, the window's values and the zero border;
+* ``PAIRED`` (``rows, paired``): the same whole rows, two elements per store instruction;
+* ``FACES=False`` (``window``): the same programs write the window alone (the block's bytes), skipping the
+  border, so the window rows' end sectors are written partly, as the staging's window programs write them.
+
+Each is read against a copy of the bytes it writes: ``rows`` against the staged tensor's, ``window`` against
+the block's.  If ``rows`` reaches its copy and ``window`` does not, the partial sectors are the cost, and a
+staging that writes whole rows per program (window and border together) closes the gap; if only
+``rows, paired`` reaches it, the one-element stores are the cost.  ``scripts/gpu_diagnose.py`` (section
+``halo_tiles``, rows ``rows probe``) times the three beside the copies and the staging.
+
+Not part of the package: a measuring stick (zero padding only, no exchange, no adjoint).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rows_probe", "probe_reference"]
+
+
+@triton.jit
+def _rows_probe_kernel(x_ptr, out_ptr, n_rows, L0, L1, n0, n1, h0, h1, row_len, L2: tl.constexpr,
+                       N2: tl.constexpr, H2: tl.constexpr, FACES: tl.constexpr, PAIRED: tl.constexpr,
+                       BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
+    """Program ``pid`` writes staged rows ``[pid * BLOCK_R, (pid + 1) * BLOCK_R)``, each ``L2`` elements long.
+
+    int32 offsets (the probe's tensors hold fewer than 2^31 elements).  ``row_len`` (``L2`` as a run-time
+    value) bounds the whole rows' mask, so both forms store one element per instruction, as the staging's
+    window programs do; ``PAIRED`` bounds it by the constant ``L2`` instead, which lets the compiler store
+    two 16-bit elements per instruction (``L2`` even: every row starts at an even element)."""
+    pid = tl.program_id(0)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # flat row of out: (lead, i0, i1)
+    i1 = r % L1
+    q = r // L1
+    i0 = q % L0
+    lead = q // L0
+    j0 = i0 - h0
+    j1 = i1 - h1
+    row_in = (r < n_rows) & (j0 >= 0) & (j0 < n0) & (j1 >= 0) & (j1 < n1)  # the row crosses the window
+    src_row = ((lead * n0 + j0) * n1 + j1) * N2
+    c = tl.arange(0, BLOCK_X)
+    j2 = c - H2
+    in_x = (j2 >= 0) & (j2 < N2)
+    if FACES:  # whole rows
+        mask = (r < n_rows)[:, None] & ((c < L2) if PAIRED else (c < row_len))[None, :]
+    else:  # the window alone: its rows' middle columns
+        mask = row_in[:, None] & in_x[None, :]
+    vals = tl.load(x_ptr + src_row[:, None] + j2[None, :], mask=row_in[:, None] & in_x[None, :], other=0.0)
+    tl.store(out_ptr + r[:, None] * L2 + c[None, :], vals, mask=mask)
+
+
+def _geometry(x: torch.Tensor, halo: int, nd: int):
+    """``(lead, n0, n1, n2, h0, h1)`` of an NCHW block ``x [B, C, *n]`` with ``nd`` spatial axes (2 or 3)."""
+    if nd not in (2, 3) or x.dim() != nd + 2:
+        raise ValueError(f"rows_probe: x must be [B, C, *n] with 2 or 3 spatial axes, got {tuple(x.shape)}")
+    lead = x.shape[0] * x.shape[1]
+    if nd == 2:
+        return lead, 1, x.shape[2], x.shape[3], 0, halo
+    return lead, x.shape[2], x.shape[3], x.shape[4], halo, halo
+
+
+def rows_probe(x: torch.Tensor, out: torch.Tensor, halo: int, *, faces: bool, paired: bool = False,
+               elems: int = 4096) -> torch.Tensor:
+    """Write ``x [B, C, *n]`` (NCHW, contiguous) into ``out [B, C, *(n + 2 halo)]`` by whole staged rows
+    (``faces``: with the zero border) or by the window's columns alone (the border untouched); returns ``out``.
+    ``paired``: whole rows stored two elements per instruction where the compiler can (see the kernel).
+
+    ``elems``: lanes of a program's tile, ``BLOCK_R`` rows of ``BLOCK_X`` (the row's length rounded up to a
+    power of two) columns: 32 rows of 128 at n = 64 (66 used), 4 of 1024 at n = 512 (514 used)."""
+    nd = x.dim() - 2
+    lead, n0, n1, n2, h0, h1 = _geometry(x, halo, nd)
+    L0, L1, L2 = n0 + 2 * h0, n1 + 2 * h1, n2 + 2 * halo
+    want = (x.shape[0], x.shape[1], *([L0] if nd == 3 else []), L1, L2)
+    if tuple(out.shape) != want or not (x.is_contiguous() and out.is_contiguous()) or out.dtype != x.dtype:
+        raise ValueError(f"rows_probe: out must be a contiguous {want} tensor of {x.dtype}, got "
+                         f"{tuple(out.shape)} of {out.dtype}")
+    n_rows = lead * L0 * L1
+    if out.numel() >= 2**31:
+        raise ValueError(f"rows_probe: int32 offsets: out holds {out.numel()} elements, at most 2**31 - 1")
+    block_x = triton.next_power_of_2(L2)
+    block_r = max(1, elems // block_x)
+    grid = (triton.cdiv(n_rows, block_r),)
+    _rows_probe_kernel[grid](x, out, n_rows, L0, L1, n0, n1, h0, h1, L2, L2=L2, N2=n2, H2=halo, FACES=faces,
+                             PAIRED=paired and faces, BLOCK_R=block_r, BLOCK_X=block_x, num_warps=4)
+    return out
+
+
+def probe_reference(x: torch.Tensor, halo: int) -> torch.Tensor:
+    """The zero-padded staged tensor, by torch (``F.pad`` of every spatial axis by ``halo``)."""
+    return torch.nn.functional.pad(x, (halo,) * (2 * (x.dim() - 2)))
