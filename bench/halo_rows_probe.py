@@ -1,4 +1,4 @@
-"""Whole staged rows against the window's rows alone: what partial sectors cost the NCHW staging, for the diagnosis.
+"""The NCHW staged layout written by the simplest kernel: what the layout itself costs, for the diagnosis.
 
     x       [lead, n0, n1, n2]           contiguous (NCHW: lead = B * C; 2-D as n0 = 1, h0 = 0)
     out     [lead, L0, L1, L2]           contiguous, L_i = n_i + 2 h_i
@@ -6,27 +6,34 @@
     window  out[..., i0, i1, h2:h2 + n2] only, the window's rows: the row's border columns left as they were
 
 The staged tensor of an NCHW block holds rows of ``n2 + 2 h2`` elements (66 at n = 64, 132 bytes), so the
-window's rows start at an odd element offset and end mid-sector.  The fused staging writes those rows from
-its window programs and the border columns beside them from other programs (or another launch), so every
-32-byte sector at a row's two ends is written piecemeal.  On the H200 the 3-D NCHW staging stays at
-0.57-0.65 of a copy of the staged bytes where channels last, whose rows are whole multiples of 16 bytes,
-reaches 0.91-0.99 (``docs/gpu.md``).  Two hypotheses: the piecemeal sectors (an HBM3e sector written partly
-costs a read-modify-write under ECC), or the stores' width (one element a thread where rows are unaligned).
+window's rows start at an odd element offset and end mid-sector.  On the H200 the 3-D NCHW staging stays at
+0.57-0.65 of a copy of the staged bytes, where channels last, whose rows are whole multiples of 16 bytes,
+reaches 0.91-0.99 (``docs/gpu.md``).  Its one-launch form already writes whole rows per window program at
+n = 64 (one column tile per row, the columns beside the window included), so three causes remain:
 
-This kernel tests them apart, on one tile shape ``[BLOCK_R, BLOCK_X]`` of whole staged rows (one program
-writes ``BLOCK_R`` consecutive rows, so every sector of its range is written by one program, with
-one-element stores like the staging's):
+* the layout: one-element stores from odd offsets cost any kernel this much;
+* the store width alone: two elements per store would do;
+* the staging kernel's own work (its tables, the dependent loads before a program's first store).
 
-* ``FACES=True`` (``rows``): every element of the rows, the window's values and the zero border;
+And for the forms that write the window and its border apart (the split launch, the overlap's two passes),
+a fourth: a 32-byte sector written in two halves, far apart in time, reaches HBM3e twice, or costs it a
+read-modify-write under ECC.
+
+This kernel tells them apart with no tables at all, on one tile shape ``[BLOCK_R, BLOCK_X]`` (a program writes
+``BLOCK_R`` consecutive staged rows):
+
+* ``FACES=True`` (``rows``): every element of the rows, the window's values and the zero border, one 16-bit
+  element per store, as the staging stores;
 * ``PAIRED`` (``rows, paired``): the same whole rows, two elements per store instruction;
-* ``FACES=False`` (``window``): the same programs write the window alone (the block's bytes), skipping the
-  border, so the window rows' end sectors are written partly, as the staging's window programs write them.
+* ``FACES=False`` (``window``): the window alone (the block's bytes), so the window rows' end sectors are
+  written partly, as a window pass leaves them.
 
 Each is read against a copy of the bytes it writes: ``rows`` against the staged tensor's, ``window`` against
-the block's.  If ``rows`` reaches its copy and ``window`` does not, the partial sectors are the cost, and a
-staging that writes whole rows per program (window and border together) closes the gap; if only
-``rows, paired`` reaches it, the one-element stores are the cost.  ``scripts/gpu_diagnose.py`` (section
-``halo_tiles``, rows ``rows probe``) times the three beside the copies and the staging.
+the block's.  If ``rows`` reaches its copy, the layout is not the floor and the staging's own work is the gap
+(its window programs should come down to this kernel's form); if only ``rows, paired`` does, the store width
+is; if neither, the layout costs any kernel of this form.  ``window`` well under ``rows`` (per byte) puts a
+price on the sectors written in halves.  ``scripts/gpu_diagnose.py`` (section ``halo_tiles``, rows ``rows
+probe``) times the three beside the copies and the staging.
 
 Not part of the package: a measuring stick (zero padding only, no exchange, no adjoint).
 """
