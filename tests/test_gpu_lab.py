@@ -199,8 +199,8 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     has not yet produced: torch's W-way sum beside ``chunk_reduce`` and ``chunk_reduce`` with its flags polled both
     ways (``latency``), the plain Triton GEMM beside cuBLAS (``forms``), checked against cuBLAS within its bound,
     and the staging's diagnosis region ``window`` with the small tiles, torch's copies of the window's bytes,
-    contiguous and into the staged layout, and the row probe's whole rows and window (``halo``).  A section that raises on the device machine costs a call,
-    so none may raise here."""
+    contiguous and into the staged layout, and the row probe's whole rows and window (``halo``).  A section that
+    raises on the device machine costs a call, so none may raise here."""
     out = tmp_path / "diag.json"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     res = subprocess.run([sys.executable, str(SCRIPTS / "gpu_diagnose.py"), "--dry-run", "--json", str(out),
