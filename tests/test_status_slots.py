@@ -182,6 +182,28 @@ def _forked_child_forgets(ws):
         ws.status_slots.captured.clear()  # leave no broken workspace for later tests of this process
 
 
+@pytest.mark.parametrize("world", [1, 3, 4, 5])
+def test_words_clear_reads_each_slot_in_place(world):
+    """A pool's slots carry their numpy view (``host_words``), which reads the slot's memory as it is now: a word the
+    kernel stores after the slot was handed out (any of them; a timed-out wait's epoch, a mismatch's -1..-3) makes
+    the check fail, and the pool's padding words beside a slot (slots are 16 bytes apart) never count."""
+    pool = status_slots.StatusSlots(world, torch.device("cpu"))
+    slot = pool.take()
+    assert slot.host_words.shape == (world,) and status_slots.words_clear(slot)
+    for i in range(world):
+        for value in (7, -1, -2, -3, 1 << 24):
+            slot[i] = value  # as a kernel's store: the numpy view made at the pool's growth sees it
+            assert not status_slots.words_clear(slot), (i, value)
+            slot[i] = 0
+            assert status_slots.words_clear(slot)
+    block = pool._blocks[0]
+    block.fill_(5)
+    block[slot.storage_offset(): slot.storage_offset() + world] = 0  # only the slot's own words count
+    assert status_slots.words_clear(slot)
+    other = torch.tensor([0, 0, 9], dtype=torch.int32)  # words without a numpy view of their own (a pinned copy)
+    assert not status_slots.words_clear(other) and status_slots.words_clear(torch.zeros(3, dtype=torch.int32))
+
+
 def test_the_status_words_knob(monkeypatch):
     dev = torch.device("cuda", 0)
     monkeypatch.setenv(STATUS_WORDS_ENV, "device")

@@ -37,7 +37,7 @@ from distfuse.errors import (
     ShapeError,
     where,
 )
-from distfuse.fused.status_slots import StatusSlots
+from distfuse.fused.status_slots import StatusSlots, words_clear
 from distfuse.fused.workspace_layout import (  # RankBuffers and header_bytes re-exported: the workspace API
     _CPU_GRANULE,
     PendingCheck,
@@ -159,8 +159,8 @@ class _Workspace(abc.ABC):
         ``sig_what`` (a consumer that also compared signatures): this rank's call, named in a
         disagreement instead of ``what``.
         """
-        if status.device.type == "cpu" and not status.numpy().any():
-            return  # the steady state: host words read through numpy, no torch op
+        if status.device.type == "cpu" and words_clear(status):
+            return  # the steady state: host words read in place, no torch op
         bad = torch.nonzero(status).flatten().tolist()
         if bad:
             self.broken = True

@@ -35,7 +35,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from distfuse.errors import ShapeError, UnsupportedError, where
-from distfuse.fused.status_slots import StatusSlots
+from distfuse.fused.status_slots import StatusSlots, words_clear
 
 #: Deferred checks pending in one claim past which a launch reads the finished ones (``check_deferred(wait=False)``:
 #: it waits for the GPU only beyond ``workspace.MAX_DEFERRED`` unfinished ones, as a claim does).
@@ -244,7 +244,7 @@ class RankBuffers:
             torch.cuda.current_stream(self.device).synchronize()
         self.last_status = slot
         words = self._owner.status_slots.read(slot)
-        if not words.numpy().any():
+        if words_clear(words):
             self._owner.status_slots.give_back(slot)
         return words
 
