@@ -171,19 +171,22 @@ def layout_block(diag: dict) -> list[str]:
              "x = of the copy)"]
     for (nd, c, n, fmt), mine in shapes.items():
         by = {r["op"]: r for r in mine if "tile" not in r}
-        copy = _us(by.get("copy", {}), "kernel_us", "loop_us", "graph_us")
 
-        def cell(op, by=by, copy=copy):
-            v = _us(by.get(op, {}), "kernel_us", "loop_us", "graph_us")
+        def time_of(op, by=by):
+            return _us(by.get(op, {}), "kernel_us", "loop_us", "graph_us")
+
+        copy = time_of("copy")
+
+        def cell(op, copy=copy):
+            v = time_of(op)
             return "-" if v is None else f"{v:.1f}" + (f" ({copy / v:.2f}x)" if copy and op != "copy" else "")
 
         lines.append(f"  {nd}-D C={c} n={n} {fmt:13s} {cell('copy'):>7}  {cell('copy window (contiguous)'):>14} "
                      f"{cell('copy window (strided, torch)'):>14} {cell('halo_stage region=window'):>14} "
                      f"{cell('halo_stage split=True'):>14}")
         if "rows probe (whole rows)" in by:  # NCHW: whole rows against the window's rows (bench/halo_rows_probe.py)
-            window_copy = _us(by.get("copy window (contiguous)", {}), "kernel_us", "loop_us", "graph_us")
             probe = [cell("rows probe (whole rows)"), cell("rows probe (whole rows, paired)"),
-                     cell("rows probe (window)", copy=window_copy)]
+                     cell("rows probe (window)", copy=time_of("copy window (contiguous)"))]
             lines.append(f"    rows probe: whole rows {probe[0]}, paired {probe[1]} (x of the copy); window alone "
                          f"{probe[2]} (x of the window's contiguous copy); exact: "
                          f"{all(by[op].get('exact') for op in by if op.startswith('rows probe'))}")
