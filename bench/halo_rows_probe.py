@@ -28,6 +28,12 @@ This kernel tells them apart with no tables at all, on one tile shape ``[BLOCK_R
 * ``FACES=False`` (``window``): the window alone (the block's bytes), so the window rows' end sectors are
   written partly, as a window pass leaves them.
 
+And a second kernel, :func:`words_probe` (``flat words``), writes the same whole rows as the staged tensor's flat
+32-bit words, ``BLOCK`` consecutive words a program, so every store is a 16-byte vector at an aligned address, as
+a copy's are: a word whose two 16-bit elements straddle two words of the block (an odd halo) is put together from
+both by shifts.  The one-element stores move to the loads, which the L1 serves.  If it reaches the copy where
+the row forms do not, the layout is not the floor: a staging whose window programs write flat words is.
+
 Each is read against a copy of the bytes it writes: ``rows`` against the staged tensor's, ``window`` against
 the block's.  If ``rows`` reaches its copy, the layout is not the floor and the staging's own work is the gap
 (its window programs should come down to this kernel's form); if only ``rows, paired`` does, the store width
@@ -44,7 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["rows_probe", "probe_reference"]
+__all__ = ["rows_probe", "words_probe", "probe_reference"]
 
 
 @triton.jit
@@ -76,6 +82,40 @@ def _rows_probe_kernel(x_ptr, out_ptr, n_rows, L0, L1, n0, n1, h0, h1, row_len, 
         mask = row_in[:, None] & in_x[None, :]
     vals = tl.load(x_ptr + src_row[:, None] + j2[None, :], mask=row_in[:, None] & in_x[None, :], other=0.0)
     tl.store(out_ptr + r[:, None] * L2 + c[None, :], vals, mask=mask)
+
+
+@triton.jit
+def _words_probe_kernel(xw_ptr, ow_ptr, n_words, L0: tl.constexpr, L1: tl.constexpr, W2: tl.constexpr,
+                        n0: tl.constexpr, n1: tl.constexpr, NW: tl.constexpr, h0: tl.constexpr, h1: tl.constexpr,
+                        SHIFT: tl.constexpr, ODD: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``pid`` writes words ``[pid * BLOCK, (pid + 1) * BLOCK)`` of the staged tensor, ``W2`` words a row,
+    read from the block's ``NW`` words a row (int32 views of both; every row starts at a whole word).
+
+    Staged word ``k`` of a window row holds the row's source words from ``k - SHIFT``; with ``ODD`` (16-bit
+    elements, odd halo) its two elements are the high half of source word ``m - 1`` and the low half of word
+    ``m = k - SHIFT`` (little-endian), each zero past the block's row.  int32 offsets, and the staged geometry
+    constant, so a word's row and coordinates are multiply-shifts."""
+    pid = tl.program_id(0)
+    f = pid * BLOCK + tl.arange(0, BLOCK)
+    r = f // W2
+    k = f - r * W2
+    i1 = r % L1
+    q = r // L1
+    i0 = q % L0
+    lead = q // L0
+    j0 = i0 - h0
+    j1 = i1 - h1
+    row_in = (f < n_words) & (j0 >= 0) & (j0 < n0) & (j1 >= 0) & (j1 < n1)
+    src = ((lead * n0 + j0) * n1 + j1) * NW
+    m = k - SHIFT
+    hi = tl.load(xw_ptr + src + m, mask=row_in & (m >= 0) & (m < NW), other=0).to(tl.uint32, bitcast=True)
+    if ODD:
+        lo = tl.load(xw_ptr + src + m - 1, mask=row_in & (m >= 1) & (m <= NW), other=0).to(tl.uint32,
+                                                                                            bitcast=True)
+        word = (lo >> 16) | (hi << 16)
+    else:
+        word = hi
+    tl.store(ow_ptr + f, word.to(tl.int32, bitcast=True), mask=f < n_words)
 
 
 def _geometry(x: torch.Tensor, halo: int, nd: int):
@@ -111,6 +151,33 @@ def rows_probe(x: torch.Tensor, out: torch.Tensor, halo: int, *, faces: bool, pa
     grid = (triton.cdiv(n_rows, block_r),)
     _rows_probe_kernel[grid](x, out, n_rows, L0, L1, n0, n1, h0, h1, L2, L2=L2, N2=n2, H2=halo, FACES=faces,
                              PAIRED=paired and faces, BLOCK_R=block_r, BLOCK_X=block_x, num_warps=4)
+    return out
+
+
+def words_probe(x: torch.Tensor, out: torch.Tensor, halo: int, *, elems: int = 2048) -> torch.Tensor:
+    """Write ``x [B, C, *n]`` (NCHW, contiguous, 16- or 32-bit elements, ``n`` last even for 16-bit ones) into
+    ``out [B, C, *(n + 2 halo)]`` with the zero border, as flat 32-bit words (:func:`_words_probe_kernel`);
+    returns ``out``.  ``elems``: elements a program writes (its words, ``elems * element_size / 4``, a power of
+    two)."""
+    nd = x.dim() - 2
+    lead, n0, n1, n2, h0, h1 = _geometry(x, halo, nd)
+    L0, L1, L2 = n0 + 2 * h0, n1 + 2 * h1, n2 + 2 * halo
+    want = (x.shape[0], x.shape[1], *([L0] if nd == 3 else []), L1, L2)
+    if tuple(out.shape) != want or not (x.is_contiguous() and out.is_contiguous()) or out.dtype != x.dtype:
+        raise ValueError(f"words_probe: out must be a contiguous {want} tensor of {x.dtype}, got "
+                         f"{tuple(out.shape)} of {out.dtype}")
+    per_word = 4 // x.element_size() if x.element_size() in (2, 4) else 0
+    if not per_word or n2 % per_word:
+        raise ValueError(f"words_probe: 16-bit elements in rows of an even length, or 32-bit ones; got {x.dtype} "
+                         f"rows of {n2}")
+    if out.numel() >= 2**31:
+        raise ValueError(f"words_probe: int32 offsets: out holds {out.numel()} elements, at most 2**31 - 1")
+    n_words = out.numel() // per_word
+    block = triton.next_power_of_2(max(1, elems // per_word))
+    _words_probe_kernel[(triton.cdiv(n_words, block),)](
+        x.view(torch.int32), out.view(torch.int32), n_words, L0=L0, L1=L1, W2=L2 // per_word, n0=n0, n1=n1,
+        NW=n2 // per_word, h0=h0, h1=h1, SHIFT=halo // per_word, ODD=bool(halo % per_word), BLOCK=block,
+        num_warps=4)
     return out
 
 

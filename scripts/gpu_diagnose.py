@@ -712,33 +712,36 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
 def rows_probe_rows(torch, case, shape, device, calls, record) -> None:
     """The NCHW staged layout written by whole rows per program, against the window's rows alone
     (``bench/halo_rows_probe.py``, zero padding, no exchange): rows ``rows probe (whole rows)``, ``(whole rows,
-    paired)`` and ``(window)`` of section ``halo_tiles``, each checked bit for bit first (the window's against a
-    poisoned border, which must stay poisoned).  Read ``whole rows`` against ``copy`` (the staged bytes) and
-    ``window`` against ``copy window (contiguous)`` (the block's): whether piecemeal sectors at the rows' ends, or
-    one-element stores, keep the 3-D NCHW staging at 0.57-0.65 of its copy."""
-    from bench.halo_rows_probe import probe_reference, rows_probe
+    paired)``, ``(flat words)`` and ``(window)`` of section ``halo_tiles``, each checked bit for bit first (the
+    window's against a poisoned border, which must stay poisoned).  Read the whole rows and the flat words against
+    ``copy`` (the staged bytes) and ``window`` against ``copy window (contiguous)`` (the block's): whether
+    piecemeal sectors at the rows' ends, or one-element stores, keep the 3-D NCHW staging at 0.57-0.65 of its
+    copy, and whether the flat words' 16-byte stores reach the copy where the rows do not."""
+    from bench.halo_rows_probe import probe_reference, rows_probe, words_probe
 
     x, h = case.x, case.h
     want = probe_reference(x, h)
     out = torch.empty_like(want)
     inner = (slice(None), slice(None)) + tuple(slice(h, h + e) for e in x.shape[2:])
-    for name, how in (("whole rows", dict(faces=True)), ("whole rows, paired", dict(faces=True, paired=True)),
-                      ("window", dict(faces=False))):
+    forms = (("whole rows", True, lambda: rows_probe(x, out, h, faces=True)),
+             ("whole rows, paired", True, lambda: rows_probe(x, out, h, faces=True, paired=True)),
+             ("flat words", True, lambda: words_probe(x, out, h)),
+             ("window", False, lambda: rows_probe(x, out, h, faces=False)))
+    for name, faces, write in forms:
         out.fill_(float("nan"))
         try:
-            rows_probe(x, out, h, **how)
+            write()
         except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a row, not the end of the section
             record(section="halo_tiles", op=f"rows probe ({name})", **shape, error=f"{type(exc).__name__}: {exc}"[:300])
             continue
-        if how["faces"]:
+        if faces:
             exact = bool(torch.equal(out, want))
         else:
             border = torch.ones(out.shape, dtype=torch.bool, device=out.device)
             border[inner] = False
             exact = bool(torch.equal(out[inner], x)) and bool(out[border].isnan().all())
         record(section="halo_tiles", op=f"rows probe ({name})", **shape, exact=exact,
-               bytes=(want if how["faces"] else x).numel() * x.element_size(),
-               **measure(torch, lambda how=how: rows_probe(x, out, h, **how), device, calls))
+               bytes=(want if faces else x).numel() * x.element_size(), **measure(torch, write, device, calls))
 
 
 def halo_full_host(torch, device, dtype, calls, record, cuda) -> None:

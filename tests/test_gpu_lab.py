@@ -216,8 +216,9 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     assert {r["op"] for r in windows} == {"copy window (contiguous)", "copy window (strided, torch)"}
     assert all(r["exact"] for r in windows if "strided" in r["op"]), "the strided copy filled the staged window"
     probes = [r for r in rows if r.get("op", "").startswith("rows probe")]
-    assert sorted(r["op"] for r in probes) == ["rows probe (whole rows)", "rows probe (whole rows, paired)",
-                                               "rows probe (window)"], "the row probe runs on the NCHW shapes"
+    assert sorted(r["op"] for r in probes) == ["rows probe (flat words)", "rows probe (whole rows)",
+                                               "rows probe (whole rows, paired)", "rows probe (window)"], \
+        "the row probe runs on the NCHW shapes"
     assert all(r["format"] == "nchw" and r["bytes"] > 0 for r in probes)
     inexact = [(r["op"], r.get("format")) for r in rows if r.get("exact") is False]
     assert not inexact, f"every staging variant writes what its reference writes: {inexact}"
@@ -226,7 +227,7 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     for block in ("latency", "W streams", "flag polls", "Triton's mainloop", "the NCHW layout"):
         body = text.split(f"== {block}")[1].split("\n== ")[0]
         assert not body.splitlines()[1].startswith("no "), (block, body)
-    assert "rows probe: whole rows" in text and "exact: True" in text
+    assert "rows probe: whole rows" in text and "flat words" in text and "exact: True" in text
     assert any(r.get("op") == "torch_sum" and r["section"] == "latency" for r in rows)
     polls = [r for r in rows if r.get("op") == "chunk_reduce (poll)"]
     assert sorted(r["poll"] for r in polls) == ["atomic", "load"] and all(r["matches_atomic"] for r in polls)
