@@ -31,8 +31,10 @@ This kernel tells them apart with no tables at all, on one tile shape ``[BLOCK_R
 And a second kernel, :func:`words_probe` (``flat words``), writes the same whole rows as the staged tensor's flat
 32-bit words, ``BLOCK`` consecutive words a program, so every store is a 16-byte vector at an aligned address, as
 a copy's are: a word whose two 16-bit elements straddle two words of the block (an odd halo) is put together from
-both by shifts.  The one-element stores move to the loads, which the L1 serves.  If it reaches the copy where
-the row forms do not, the layout is not the floor: a staging whose window programs write flat words is.
+both by shifts (or, ``gather``, from two 16-bit loads, packed: the form a staging that takes each element from
+its own source would have).  The one-element stores move to the loads, which the L1 serves.  If it reaches the
+copy where the row forms do not, the layout is not the floor: a staging whose window programs write flat words
+is.
 
 Each is read against a copy of the bytes it writes: ``rows`` against the staged tensor's, ``window`` against
 the block's.  If ``rows`` reaches its copy, the layout is not the floor and the staging's own work is the gap
@@ -85,16 +87,19 @@ def _rows_probe_kernel(x_ptr, out_ptr, n_rows, L0, L1, n0, n1, h0, h1, row_len, 
 
 
 @triton.jit
-def _words_probe_kernel(xw_ptr, ow_ptr, n_words, L0: tl.constexpr, L1: tl.constexpr, W2: tl.constexpr,
+def _words_probe_kernel(xw_ptr, x_ptr, ow_ptr, n_words, L0: tl.constexpr, L1: tl.constexpr, W2: tl.constexpr,
                         n0: tl.constexpr, n1: tl.constexpr, NW: tl.constexpr, h0: tl.constexpr, h1: tl.constexpr,
-                        SHIFT: tl.constexpr, ODD: tl.constexpr, BLOCK: tl.constexpr):
+                        SHIFT: tl.constexpr, ODD: tl.constexpr, GATHER: tl.constexpr, H2: tl.constexpr,
+                        BLOCK: tl.constexpr):
     """Program ``pid`` writes words ``[pid * BLOCK, (pid + 1) * BLOCK)`` of the staged tensor, ``W2`` words a row,
     read from the block's ``NW`` words a row (int32 views of both; every row starts at a whole word).
 
     Staged word ``k`` of a window row holds the row's source words from ``k - SHIFT``; with ``ODD`` (16-bit
     elements, odd halo) its two elements are the high half of source word ``m - 1`` and the low half of word
-    ``m = k - SHIFT`` (little-endian), each zero past the block's row.  int32 offsets, and the staged geometry
-    constant, so a word's row and coordinates are multiply-shifts."""
+    ``m = k - SHIFT`` (little-endian), each zero past the block's row.  ``GATHER`` (16-bit elements): each of
+    the word's two elements loaded on its own from ``x_ptr`` (the block, halo ``H2`` on the last axis) and the
+    two packed, as a staging that takes each element from its own source (window, border column) would.  int32
+    offsets, and the staged geometry constant, so a word's row and coordinates are multiply-shifts."""
     pid = tl.program_id(0)
     f = pid * BLOCK + tl.arange(0, BLOCK)
     r = f // W2
@@ -107,6 +112,14 @@ def _words_probe_kernel(xw_ptr, ow_ptr, n_words, L0: tl.constexpr, L1: tl.conste
     j1 = i1 - h1
     row_in = (f < n_words) & (j0 >= 0) & (j0 < n0) & (j1 >= 0) & (j1 < n1)
     src = ((lead * n0 + j0) * n1 + j1) * NW
+    if GATHER:
+        c = 2 * k - H2  # the word's first element's column in the block's row
+        e0 = tl.load(x_ptr + 2 * src + c, mask=row_in & (c >= 0) & (c < 2 * NW), other=0.0)
+        e1 = tl.load(x_ptr + 2 * src + c + 1, mask=row_in & (c + 1 >= 0) & (c + 1 < 2 * NW), other=0.0)
+        word = (e0.to(tl.uint16, bitcast=True).to(tl.uint32)
+                | (e1.to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
+        tl.store(ow_ptr + f, word.to(tl.int32, bitcast=True), mask=f < n_words)
+        return
     m = k - SHIFT
     hi = tl.load(xw_ptr + src + m, mask=row_in & (m >= 0) & (m < NW), other=0).to(tl.uint32, bitcast=True)
     if ODD:
@@ -154,11 +167,13 @@ def rows_probe(x: torch.Tensor, out: torch.Tensor, halo: int, *, faces: bool, pa
     return out
 
 
-def words_probe(x: torch.Tensor, out: torch.Tensor, halo: int, *, elems: int = 2048) -> torch.Tensor:
+def words_probe(x: torch.Tensor, out: torch.Tensor, halo: int, *, gather: bool = False,
+                elems: int = 2048) -> torch.Tensor:
     """Write ``x [B, C, *n]`` (NCHW, contiguous, 16- or 32-bit elements, ``n`` last even for 16-bit ones) into
     ``out [B, C, *(n + 2 halo)]`` with the zero border, as flat 32-bit words (:func:`_words_probe_kernel`);
-    returns ``out``.  ``elems``: elements a program writes (its words, ``elems * element_size / 4``, a power of
-    two)."""
+    returns ``out``.  ``gather``: 16-bit elements loaded one by one and packed in pairs, not loaded as words and
+    shifted (32-bit elements are words either way).  ``elems``: elements a program writes (its words, ``elems *
+    element_size / 4``, a power of two)."""
     nd = x.dim() - 2
     lead, n0, n1, n2, h0, h1 = _geometry(x, halo, nd)
     L0, L1, L2 = n0 + 2 * h0, n1 + 2 * h1, n2 + 2 * halo
@@ -175,9 +190,9 @@ def words_probe(x: torch.Tensor, out: torch.Tensor, halo: int, *, elems: int = 2
     n_words = out.numel() // per_word
     block = triton.next_power_of_2(max(1, elems // per_word))
     _words_probe_kernel[(triton.cdiv(n_words, block),)](
-        x.view(torch.int32), out.view(torch.int32), n_words, L0=L0, L1=L1, W2=L2 // per_word, n0=n0, n1=n1,
-        NW=n2 // per_word, h0=h0, h1=h1, SHIFT=halo // per_word, ODD=bool(halo % per_word), BLOCK=block,
-        num_warps=4)
+        x.view(torch.int32), x, out.view(torch.int32), n_words, L0=L0, L1=L1, W2=L2 // per_word, n0=n0, n1=n1,
+        NW=n2 // per_word, h0=h0, h1=h1, SHIFT=halo // per_word, ODD=bool(halo % per_word),
+        GATHER=gather and per_word == 2, H2=halo, BLOCK=block, num_warps=4)
     return out
 
 

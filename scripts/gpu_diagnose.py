@@ -712,11 +712,12 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
 def rows_probe_rows(torch, case, shape, device, calls, record) -> None:
     """The NCHW staged layout written by whole rows per program, against the window's rows alone
     (``bench/halo_rows_probe.py``, zero padding, no exchange): rows ``rows probe (whole rows)``, ``(whole rows,
-    paired)``, ``(flat words)`` and ``(window)`` of section ``halo_tiles``, each checked bit for bit first (the
-    window's against a poisoned border, which must stay poisoned).  Read the whole rows and the flat words against
-    ``copy`` (the staged bytes) and ``window`` against ``copy window (contiguous)`` (the block's): whether
-    piecemeal sectors at the rows' ends, or one-element stores, keep the 3-D NCHW staging at 0.57-0.65 of its
-    copy, and whether the flat words' 16-byte stores reach the copy where the rows do not."""
+    paired)``, ``(flat words)``, ``(flat words, gathered)`` and ``(window)`` of section ``halo_tiles``, each
+    checked bit for bit first (the window's against a poisoned border, which must stay poisoned).  Read the whole
+    rows and the flat words against ``copy`` (the staged bytes) and ``window`` against ``copy window
+    (contiguous)`` (the block's): whether piecemeal sectors at the rows' ends, or one-element stores, keep the 3-D
+    NCHW staging at 0.57-0.65 of its copy, and whether the flat words' 16-byte stores reach the copy where the rows
+    do not."""
     from bench.halo_rows_probe import probe_reference, rows_probe, words_probe
 
     x, h = case.x, case.h
@@ -726,6 +727,7 @@ def rows_probe_rows(torch, case, shape, device, calls, record) -> None:
     forms = (("whole rows", True, lambda: rows_probe(x, out, h, faces=True)),
              ("whole rows, paired", True, lambda: rows_probe(x, out, h, faces=True, paired=True)),
              ("flat words", True, lambda: words_probe(x, out, h)),
+             ("flat words, gathered", True, lambda: words_probe(x, out, h, gather=True)),
              ("window", False, lambda: rows_probe(x, out, h, faces=False)))
     for name, faces, write in forms:
         out.fill_(float("nan"))

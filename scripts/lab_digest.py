@@ -186,10 +186,11 @@ def layout_block(diag: dict) -> list[str]:
                      f"{cell('halo_stage split=True'):>14}")
         if "rows probe (whole rows)" in by:  # NCHW: whole rows against the window's rows (bench/halo_rows_probe.py)
             probe = [cell("rows probe (whole rows)"), cell("rows probe (whole rows, paired)"),
-                     cell("rows probe (flat words)"),
+                     cell("rows probe (flat words)"), cell("rows probe (flat words, gathered)"),
                      cell("rows probe (window)", copy=time_of("copy window (contiguous)"))]
-            lines.append(f"    rows probe: whole rows {probe[0]}, paired {probe[1]}, flat words {probe[2]} (x of the "
-                         f"copy); window alone {probe[3]} (x of the window's contiguous copy); exact: "
+            lines.append(f"    rows probe: whole rows {probe[0]}, paired {probe[1]}, flat words {probe[2]}, gathered "
+                         f"{probe[3]} (x of the copy); window alone {probe[4]} (x of the window's contiguous copy); "
+                         "exact: "
                          f"{all(by[op].get('exact') for op in by if op.startswith('rows probe'))}")
     return lines
 

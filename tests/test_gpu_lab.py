@@ -216,7 +216,8 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     assert {r["op"] for r in windows} == {"copy window (contiguous)", "copy window (strided, torch)"}
     assert all(r["exact"] for r in windows if "strided" in r["op"]), "the strided copy filled the staged window"
     probes = [r for r in rows if r.get("op", "").startswith("rows probe")]
-    assert sorted(r["op"] for r in probes) == ["rows probe (flat words)", "rows probe (whole rows)",
+    assert sorted(r["op"] for r in probes) == ["rows probe (flat words)", "rows probe (flat words, gathered)",
+                                               "rows probe (whole rows)",
                                                "rows probe (whole rows, paired)", "rows probe (window)"], \
         "the row probe runs on the NCHW shapes"
     assert all(r["format"] == "nchw" and r["bytes"] > 0 for r in probes)

@@ -3,7 +3,8 @@
 ``rows`` (one element a store, or paired): the zero-padded staged tensor, bit for bit torch's ``F.pad``;
 ``window``: the window's values and not one element beside them (the output is poisoned first, and the border
 must still hold the poison); ``flat words`` (:func:`words_probe`): the same tensor as 32-bit words, each
-16-bit pair put together from two of the block's words where the halo is odd."""
+16-bit pair put together from two of the block's words where the halo is odd, or (gathered) from two
+16-bit loads."""
 
 import pytest
 import torch
@@ -40,12 +41,13 @@ WORD_CASES = CASES[:1] + [((2, 3, 4, 4), 2), ((1, 2, 3, 4, 6), 1), ((1, 1, 3, 4,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_flat_words_against_torch(shape, halo, dtype):
     """Odd halos (1, 3) put each staged word together from two of the block's words, even ones (2) copy words
-    whole; programs of 4 to 32 words end mid-row and mid-plane, so every word's row and coordinates are derived."""
+    whole, and the gathered form packs two 16-bit loads at any halo; programs of 4 to 32 words end mid-row and
+    mid-plane, so every word's row and coordinates are derived."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(7 * sum(shape) + halo)).to(dtype)
     want = probe_reference(x, halo)
-    for elems in (16, 64):
+    for elems, gather in ((16, False), (64, False), (16, True)):
         out = torch.full_like(want, float("nan"))
-        assert torch.equal(words_probe(x, out, halo, elems=elems), want), (elems, dtype)
+        assert torch.equal(words_probe(x, out, halo, gather=gather, elems=elems), want), (elems, gather, dtype)
 
 
 def test_bad_shapes_are_refused_by_name():
