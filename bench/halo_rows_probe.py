@@ -87,6 +87,21 @@ def _rows_probe_kernel(x_ptr, out_ptr, n_rows, L0, L1, n0, n1, h0, h1, row_len, 
 
 
 @triton.jit
+def _source_row(r, L0: tl.constexpr, L1: tl.constexpr, n0: tl.constexpr, n1: tl.constexpr, NW: tl.constexpr,
+                h0: tl.constexpr, h1: tl.constexpr):
+    """Staged row ``r`` (``(lead, i0, i1)`` of ``[LEAD, L0, L1]``): ``(its block row's first word, inside the
+    window)``."""
+    i1 = r % L1
+    q = r // L1
+    i0 = q % L0
+    lead = q // L0
+    j0 = i0 - h0
+    j1 = i1 - h1
+    inside = (j0 >= 0) & (j0 < n0) & (j1 >= 0) & (j1 < n1)
+    return ((lead * n0 + j0) * n1 + j1) * NW, inside
+
+
+@triton.jit
 def _words_probe_kernel(xw_ptr, x_ptr, ow_ptr, n_words, L0: tl.constexpr, L1: tl.constexpr, W2: tl.constexpr,
                         n0: tl.constexpr, n1: tl.constexpr, NW: tl.constexpr, h0: tl.constexpr, h1: tl.constexpr,
                         SHIFT: tl.constexpr, ODD: tl.constexpr, GATHER: tl.constexpr, H2: tl.constexpr,
@@ -98,36 +113,41 @@ def _words_probe_kernel(xw_ptr, x_ptr, ow_ptr, n_words, L0: tl.constexpr, L1: tl
     elements, odd halo) its two elements are the high half of source word ``m - 1`` and the low half of word
     ``m = k - SHIFT`` (little-endian), each zero past the block's row.  ``GATHER`` (16-bit elements): each of
     the word's two elements loaded on its own from ``x_ptr`` (the block, halo ``H2`` on the last axis) and the
-    two packed, as a staging that takes each element from its own source (window, border column) would.  int32
-    offsets, and the staged geometry constant, so a word's row and coordinates are multiply-shifts."""
-    pid = tl.program_id(0)
-    f = pid * BLOCK + tl.arange(0, BLOCK)
-    r = f // W2
-    k = f - r * W2
-    i1 = r % L1
-    q = r // L1
-    i0 = q % L0
-    lead = q // L0
-    j0 = i0 - h0
-    j1 = i1 - h1
-    row_in = (f < n_words) & (j0 >= 0) & (j0 < n0) & (j1 >= 0) & (j1 < n1)
-    src = ((lead * n0 + j0) * n1 + j1) * NW
+    two packed, as a staging that takes each element from its own source (window, border column) would.
+
+    Words go four at a time (one 16-byte store a thread), and a group's rows are decoded once: its first word's
+    row and the next (``W2 >= 4``, so a group spans two rows at most), each word taking one of the two.  Per word
+    that leaves the two loads, the shifts and the masks (compiled for sm_90: 12 instructions an element, where a
+    decode per word took 22).  int32 offsets, and the staged geometry constant, so the decodes are
+    multiply-shifts."""
+    G: tl.constexpr = BLOCK // 4
+    g = tl.program_id(0) * G + tl.arange(0, G)
+    f0 = g * 4
+    r0 = f0 // W2
+    k0 = f0 - r0 * W2
+    src0, in0 = _source_row(r0, L0, L1, n0, n1, NW, h0, h1)
+    src1, in1 = _source_row(r0 + 1, L0, L1, n0, n1, NW, h0, h1)
+    f = f0[:, None] + tl.arange(0, 4)[None, :]
+    k = k0[:, None] + tl.arange(0, 4)[None, :]
+    carry = k >= W2  # the word is in the group's second row
+    k = tl.where(carry, k - W2, k)
+    src = tl.where(carry, src1[:, None], src0[:, None])
+    row_in = tl.where(carry, in1[:, None], in0[:, None]) & (f < n_words)
     if GATHER:
         c = 2 * k - H2  # the word's first element's column in the block's row
         e0 = tl.load(x_ptr + 2 * src + c, mask=row_in & (c >= 0) & (c < 2 * NW), other=0.0)
         e1 = tl.load(x_ptr + 2 * src + c + 1, mask=row_in & (c + 1 >= 0) & (c + 1 < 2 * NW), other=0.0)
         word = (e0.to(tl.uint16, bitcast=True).to(tl.uint32)
                 | (e1.to(tl.uint16, bitcast=True).to(tl.uint32) << 16))
-        tl.store(ow_ptr + f, word.to(tl.int32, bitcast=True), mask=f < n_words)
-        return
-    m = k - SHIFT
-    hi = tl.load(xw_ptr + src + m, mask=row_in & (m >= 0) & (m < NW), other=0).to(tl.uint32, bitcast=True)
-    if ODD:
-        lo = tl.load(xw_ptr + src + m - 1, mask=row_in & (m >= 1) & (m <= NW), other=0).to(tl.uint32,
-                                                                                            bitcast=True)
-        word = (lo >> 16) | (hi << 16)
     else:
-        word = hi
+        m = k - SHIFT
+        hi = tl.load(xw_ptr + src + m, mask=row_in & (m >= 0) & (m < NW), other=0).to(tl.uint32, bitcast=True)
+        if ODD:
+            lo = tl.load(xw_ptr + src + m - 1, mask=row_in & (m >= 1) & (m <= NW), other=0).to(tl.uint32,
+                                                                                                bitcast=True)
+            word = (lo >> 16) | (hi << 16)
+        else:
+            word = hi
     tl.store(ow_ptr + f, word.to(tl.int32, bitcast=True), mask=f < n_words)
 
 
@@ -182,13 +202,13 @@ def words_probe(x: torch.Tensor, out: torch.Tensor, halo: int, *, gather: bool =
         raise ValueError(f"words_probe: out must be a contiguous {want} tensor of {x.dtype}, got "
                          f"{tuple(out.shape)} of {out.dtype}")
     per_word = 4 // x.element_size() if x.element_size() in (2, 4) else 0
-    if not per_word or n2 % per_word:
-        raise ValueError(f"words_probe: 16-bit elements in rows of an even length, or 32-bit ones; got {x.dtype} "
-                         f"rows of {n2}")
+    if not per_word or n2 % per_word or L2 < 4 * per_word:
+        raise ValueError(f"words_probe: 16-bit elements in rows of an even length, or 32-bit ones, staged rows of "
+                         f"4 words or more; got {x.dtype} rows of {n2}, staged {L2}")
     if out.numel() >= 2**31:
         raise ValueError(f"words_probe: int32 offsets: out holds {out.numel()} elements, at most 2**31 - 1")
     n_words = out.numel() // per_word
-    block = triton.next_power_of_2(max(1, elems // per_word))
+    block = max(4, triton.next_power_of_2(max(1, elems // per_word)))
     _words_probe_kernel[(triton.cdiv(n_words, block),)](
         x.view(torch.int32), x, out.view(torch.int32), n_words, L0=L0, L1=L1, W2=L2 // per_word, n0=n0, n1=n1,
         NW=n2 // per_word, h0=h0, h1=h1, SHIFT=halo // per_word, ODD=bool(halo % per_word),

@@ -33,7 +33,7 @@ def test_rows_and_window_against_torch(shape, halo, dtype):
     assert border.any() and out[border].isnan().all()
 
 
-WORD_CASES = CASES[:1] + [((2, 3, 4, 4), 2), ((1, 2, 3, 4, 6), 1), ((1, 1, 3, 4, 4), 3), ((2, 1, 3, 2, 4), 2)]
+WORD_CASES = [((1, 2, 3, 8), 1), ((2, 3, 4, 4), 2), ((1, 2, 2, 3, 10), 1), ((1, 1, 3, 4, 4), 3), ((2, 1, 3, 2, 4), 2)]
 
 
 @pytest.mark.parametrize("shape,halo", WORD_CASES,
@@ -41,11 +41,13 @@ WORD_CASES = CASES[:1] + [((2, 3, 4, 4), 2), ((1, 2, 3, 4, 6), 1), ((1, 1, 3, 4,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_flat_words_against_torch(shape, halo, dtype):
     """Odd halos (1, 3) put each staged word together from two of the block's words, even ones (2) copy words
-    whole, and the gathered form packs two 16-bit loads at any halo; programs of 4 to 32 words end mid-row and
-    mid-plane, so every word's row and coordinates are derived."""
+    whole, and the gathered form packs two 16-bit loads at any halo; programs of 8 to 256 words end mid-row and
+    mid-plane, and staged rows of 5, 6 and 10 words put a window row's first word inside a group of four whose
+    first word is in the row before, so the group's second decoded row is taken (a group decoding one row only
+    would write that word as border)."""
     x = torch.randn(shape, generator=torch.Generator().manual_seed(7 * sum(shape) + halo)).to(dtype)
     want = probe_reference(x, halo)
-    for elems, gather in ((16, False), (64, False), (16, True)):
+    for elems, gather in ((32, False), (256, False), (32, True)):
         out = torch.full_like(want, float("nan"))
         assert torch.equal(words_probe(x, out, halo, gather=gather, elems=elems), want), (elems, gather, dtype)
 
