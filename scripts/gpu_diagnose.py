@@ -662,15 +662,17 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
         variants += [(f"halo_stage slab_rows={flag}", dict(region="all", slab_rows=flag)) for flag in (True, False)]
         variants += [(f"halo_stage split={flag}", dict(region="all", split=flag)) for flag in (True, False)]
         variants += [("halo_stage region=local split=False", dict(region="local", split=False))]  # remote: no split
+        if not cl:  # the window's rows as flat words, then the strips and the slabs (halo_stage_words), forced
+            variants += [("halo_stage words=True", dict(region="all", words=True))]
         for name, how in variants:
             try:
                 launch = hp.stage_launch(case.plan, case.index, lead, device, how["region"], None,
-                                         how.get("slab_rows"), trail, how.get("split"))
+                                         how.get("slab_rows"), trail, how.get("split"), how.get("words"))
             except ValueError as exc:  # slab_rows=True where the window's columns are not one linear segment
                 record(section="halo_tiles", op=name, **shape, error=str(exc)[:200])
                 continue
             extra = {}
-            if ("slab_rows" in how or "split" in how) and how["region"] == "all":
+            if ("slab_rows" in how or "split" in how or "words" in how) and how["region"] == "all":
                 out.fill_(float("nan"))
                 hp.launch_stage(out, case.x, case.recv, launch)
                 extra = dict(exact=bool(torch.equal(out, case.staged_ref)))
@@ -685,6 +687,8 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
                    **measure(torch, lambda out=out, case=case, launch=launch: hp.launch_stage(out, case.x, case.recv,
                                                                                              launch),
                              device, calls))
+        if not cl:  # the layers' two passes (local, then remote), by default and with the words form's local pass
+            two_pass_rows(torch, hp, case, shape, lead, device, calls, record)
         for elems, warps in configs:
             if clock.left() < 15:
                 return
@@ -707,6 +711,25 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
                               device, calls)
                 record(section="halo_tiles", op="halo_stage", **shape, tile=list(tile), hints=hints, exact=exact,
                        x_align=launch.meta["X_ALIGN"], out_align=launch.meta["OUT_ALIGN"], **row)
+
+
+def two_pass_rows(torch, hp, case, shape, lead, device, calls, record) -> None:
+    """The overlap's two passes into one output, as the layers stage on GPUs: rows ``halo_stage two passes`` (the
+    default launches) and ``halo_stage two passes words=True`` (the local pass in the words form, which leaves the
+    received elements of its groups 0 for the remote pass), each checked bit for bit against the reference first."""
+    out = torch.empty_like(case.staged_ref)
+    for name, words in (("halo_stage two passes", None), ("halo_stage two passes words=True", True)):
+        local = hp.stage_launch(case.plan, case.index, lead, device, "local", None, None, 1, None, words)
+        remote = hp.stage_launch(case.plan, case.index, lead, device, "remote", None, None, 1)
+
+        def both(local=local, remote=remote):
+            hp.launch_stage(out, case.x, case.recv, local)
+            hp.launch_stage(out, case.x, case.recv, remote)
+
+        out.fill_(float("nan"))
+        both()
+        record(section="halo_tiles", op=name, **shape, exact=bool(torch.equal(out, case.staged_ref)),
+               words_form=bool(local.words), **measure(torch, both, device, calls))
 
 
 def rows_probe_rows(torch, case, shape, device, calls, record) -> None:

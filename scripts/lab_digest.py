@@ -192,6 +192,11 @@ def layout_block(diag: dict) -> list[str]:
                          f"{probe[3]} (x of the copy); window alone {probe[4]} (x of the window's contiguous copy); "
                          "exact: "
                          f"{all(by[op].get('exact') for op in by if op.startswith('rows probe'))}")
+        if "halo_stage words=True" in by:  # NCHW: the staging's window rows as flat words (halo_stage_words)
+            lines.append(f"    words form: one pass {cell('halo_stage words=True')} against split "
+                         f"{cell('halo_stage split=True')}; two passes {cell('halo_stage two passes words=True')} "
+                         f"against {cell('halo_stage two passes')} (x of the copy); exact: "
+                         f"{all(by[op].get('exact') for op in by if 'words' in op or 'two passes' in op)}")
     return lines
 
 

@@ -229,6 +229,10 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
         body = text.split(f"== {block}")[1].split("\n== ")[0]
         assert not body.splitlines()[1].startswith("no "), (block, body)
     assert "rows probe: whole rows" in text and "flat words" in text and "exact: True" in text
+    words = {r["op"]: r for r in rows if "words=True" in r.get("op", "") or "two passes" in r.get("op", "")}
+    assert set(words) == {"halo_stage words=True", "halo_stage two passes", "halo_stage two passes words=True"}
+    assert all(r["exact"] for r in words.values()) and words["halo_stage two passes words=True"]["words_form"]
+    assert "words form: one pass" in text
     assert any(r.get("op") == "torch_sum" and r["section"] == "latency" for r in rows)
     polls = [r for r in rows if r.get("op") == "chunk_reduce (poll)"]
     assert sorted(r["poll"] for r in polls) == ["atomic", "load"] and all(r["matches_atomic"] for r in polls)

@@ -47,6 +47,13 @@ class KernelCase:
     checks: tuple = ()
     descriptors: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        # a constexpr the case leaves to its default is compiled at that default, as a launch that names it (the
+        # launchers name every one): not as a run-time argument, which would compile branches no launch takes
+        params = getattr(getattr(self.fn, "fn", self.fn), "params", None) or getattr(self.fn, "params", ())
+        defaults = {p.name: p.default for p in params if p.is_constexpr and p.has_default}
+        self.constexprs = {**{k: v for k, v in defaults.items() if k not in self.constexprs}, **self.constexprs}
+
     def signature(self) -> tuple[dict, dict]:
         tt = _TT[self.dtype]
         sig, attrs = {}, {}
@@ -276,10 +283,25 @@ def _halo_moving_cases(dt) -> list[KernelCase]:
                 cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                         dict(tile, REGION=0, WIDE=False, SLAB_ROWS=True, X_ALIGN=vec, PART=part),
                                         halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64}))
+        if bx in (512, 64):  # after the words form: the window's strips in STRIP_R-row programs, then the slabs
+            # (PART 3), in the one pass (the slabs one piece per row) and the overlap's local pass (the walk)
+            for region, slab_rows in ((0, True), (1, False)):
+                cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
+                                        dict(tile, REGION=region, WIDE=False, SLAB_ROWS=slab_rows, X_ALIGN=vec,
+                                             PART=3, STRIP_X=2, STRIP_R=strip_r),
+                                        halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64}))
         if bx == 64:  # the diagnosis' window copy alone (REGION 3), at the 3-D NCHW blocks' width
             cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                     dict(tile, REGION=3, WIDE=False, X_ALIGN=vec), halo.STAGE_NUM_WARPS, 1,
                                     pointer_dtypes={**_LUTS, **i64}))
+    # The words form (halo_stage_words): the window's rows as flat words, one 16-byte store a group of four; the
+    # magic multipliers reach 2^32 (i64), and a staging's word count is a multiple of 16 at the GPUs' shapes
+    from distfuse.kernels import halo_stage_words as words
+
+    cases.append(KernelCase("halo_stage_words", words.stage_words_kernel, dt,
+                            dict(PER_WORD=4 // dt.itemsize, GROUPS=words.WORDS_GROUPS), halo.STAGE_NUM_WARPS, 1,
+                            ints={"W2_M": "i64", "L1_M": "i64", "L0_M": "i64"}, aligned=("n_words",),
+                            checks=("vector_store",)))
     return cases
 
 

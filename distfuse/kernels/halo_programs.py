@@ -70,6 +70,10 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   outweigh it); the slabs' launch keeps the window's branch compiled in, never taken, because unaligned slab rows
   take 255 registers without the window's load layout to share (see the next point).  Unmeasured on a GPU:
   ``scripts/gpu_diagnose.py`` times the staging split and not (``halo_tiles``, rows ``split=``).
+* **Or the window's rows as flat words, then the strips and the slabs** (:mod:`~distfuse.kernels.halo_stage_words`,
+  ``PART`` 3; NCHW, off by default until a GPU measures it): one 16-byte store a thread per four words of the
+  staged tensor, where the odd rows of odd halos leave this kernel one-element stores whose layout recomputes the
+  row at every store.
 * **The overlap's two passes launch only what they write, with the registers of the one pass.**
   The layers stage in two passes on GPUs (local, then remote once the halos came). On an
   H200 (2026-11-28, bf16) they cost more than the one pass together and each on its own:
@@ -168,6 +172,7 @@ import triton.language as tl
 
 from distfuse.errors import UnsupportedError, where
 from distfuse.geometry.halo_plan import HaloPlan
+from distfuse.kernels import halo_stage_words as _words
 from distfuse.kernels.halo_tables import (
     contiguous_strides,
     interior_piece,
@@ -455,6 +460,18 @@ def _stage_slab(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, s
 
 
 @triton.jit
+def _stage_strips(out_ptr, a_ptr, b_ptr, stab_ptr, pid_r, out_s1, W_ROWS, W_M1, W_K1, W_M0, W_K0, W_OBASE, W_OB,
+                  W_OC, W_LO2, W_RHI, REGION: tl.constexpr, IDX: tl.constexpr, STRIP_X: tl.constexpr,
+                  STRIP_ALIGN: tl.constexpr, STRIP_R: tl.constexpr):
+    """The window's strips alone (the region's pieces of the columns beside it), rows ``[pid_r * STRIP_R, (pid_r + 1)
+    * STRIP_R)`` of the window box: the remote pass's window programs, and ``PART`` 3's first ones."""
+    rmask, r, q, lead, out_row = _rows(pid_r, W_ROWS, W_M1, W_K1, W_M0, W_K0, W_OBASE, W_OB, W_OC, out_s1, STRIP_R,
+                                       IDX)
+    _stage_beside(out_ptr, a_ptr, b_ptr, stab_ptr, W_LO2, W_RHI, W_LO2.to(tl.int32), out_s1 - W_RHI.to(tl.int32),
+                  rmask, r, q, lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
+
+
+@triton.jit
 def _stage_window(out_ptr, a_ptr, b_ptr, stab_ptr, pid, out_s1, x_s1, W_NX, W_ROWS, W_WIDTH, W_M1, W_K1, W_M0, W_K0,
                   W_OBASE, W_OB, W_OC, W_LO2, W_RHI, W_XBASE, W_XB, W_XC, W_STRIPS, REGION: tl.constexpr,
                   IDX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr, STRIP_X: tl.constexpr,
@@ -463,10 +480,8 @@ def _stage_window(out_ptr, a_ptr, b_ptr, stab_ptr, pid, out_s1, x_s1, W_NX, W_RO
     pid_r = (pid // W_NX).to(tl.int32)
     pid_x = (pid - pid_r * W_NX).to(tl.int32)
     if REGION == 2:  # the remote pass: the window's strips alone, STRIP_R rows a tile (NX 1)
-        rmask, r, q, lead, out_row = _rows(pid_r, W_ROWS, W_M1, W_K1, W_M0, W_K0, W_OBASE, W_OB, W_OC, out_s1,
-                                           STRIP_R, IDX)
-        _stage_beside(out_ptr, a_ptr, b_ptr, stab_ptr, W_LO2, W_RHI, W_LO2.to(tl.int32),
-                      out_s1 - W_RHI.to(tl.int32), rmask, r, q, lead, out_row, REGION, IDX, STRIP_X, STRIP_ALIGN)
+        _stage_strips(out_ptr, a_ptr, b_ptr, stab_ptr, pid_r, out_s1, W_ROWS, W_M1, W_K1, W_M0, W_K0, W_OBASE, W_OB,
+                      W_OC, W_LO2, W_RHI, REGION, IDX, STRIP_X, STRIP_ALIGN, STRIP_R)
     else:
         cols = pid_x * BLOCK_X + tl.arange(0, BLOCK_X)
         # (v // A) * A == v for the multiples of A that stage_launch promises; the product's divisibility is
@@ -527,7 +542,9 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
                  SLAB_ALIGN: tl.constexpr = 1, STRIP_ALIGN: tl.constexpr = 0, STRIP_R: tl.constexpr = 0,
                  PART: tl.constexpr = 0):
     """The whole staged tensor ``out [LEAD, E0, E1, E2]`` (row length ``out_s1`` = E2) in one launch (``PART`` 0),
-    or its window's programs (1) and its slabs' (2, numbered from ``W_TILES``) in two.
+    or its window's programs (1) and its slabs' (2, numbered from ``W_TILES``) in two, or, after the words form
+    (:mod:`~distfuse.kernels.halo_stage_words`) wrote the window's rows, the window's strips in ``STRIP_R``-row
+    programs and then the slabs (3).
 
     Box 0 of the box table is the interior window ``[LEAD, I0, I1, I2]`` at staged ``(LO0, LO1, LO2)``, its row also
     in the ``W_*`` arguments (``W_TILES`` its programs, the first ones; then the table row's NX, NROWS, WIDTH, M1,
@@ -554,6 +571,21 @@ def stage_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, 
         _stage_window(out_ptr, a_ptr, b_ptr, stab_ptr, pid, out_s1, x_s1, W_NX, W_ROWS, W_WIDTH, W_M1, W_K1, W_M0,
                       W_K0, W_OBASE, W_OB, W_OC, W_LO2, W_RHI, W_XBASE, W_XB, W_XC, W_STRIPS, REGION, IDX, BLOCK_R,
                       BLOCK_X, STRIP_X, X_ALIGN, OUT_ALIGN, STRIP_ALIGN, STRIP_R)
+    elif PART == 3:  # after the words form wrote the window's rows: the window's strips, then the slabs
+        s_tiles = tl.where(W_STRIPS != 0, (W_ROWS + STRIP_R - 1) // STRIP_R, 0)
+        if pid < s_tiles:
+            _stage_strips(out_ptr, a_ptr, b_ptr, stab_ptr, pid.to(tl.int32), out_s1, W_ROWS, W_M1, W_K1, W_M0, W_K0,
+                          W_OBASE, W_OB, W_OC, W_LO2, W_RHI, REGION, IDX, STRIP_X, STRIP_ALIGN, STRIP_R)
+        else:
+            pid = pid - s_tiles + W_TILES  # the slabs' programs, numbered as in the one launch
+            if pid < W_TILES:  # never taken, compiled in for the slabs' registers, as in PART 2 (see below)
+                _stage_window(out_ptr, a_ptr, b_ptr, stab_ptr, pid, out_s1, x_s1, W_NX, W_ROWS, W_WIDTH, W_M1, W_K1,
+                              W_M0, W_K0, W_OBASE, W_OB, W_OC, W_LO2, W_RHI, W_XBASE, W_XB, W_XC, W_STRIPS, REGION,
+                              IDX, BLOCK_R, BLOCK_X, STRIP_X, X_ALIGN, OUT_ALIGN, STRIP_ALIGN, STRIP_R)
+            else:
+                _stage_slab_program(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_ptr, seg2_ptr,
+                                    crd2_ptr, ptab_ptr, btab_ptr, NS1, NS2, pid, out_s1, REGION, IDX, NUM_BOX,
+                                    BLOCK_R, BLOCK_X, SLAB_X, STRIP_X, SLAB_ROWS, SLAB_ALIGN)
     else:
         if PART == 2:  # the slabs' programs alone, numbered from box 1's START
             pid += W_TILES
@@ -962,6 +994,8 @@ class StageLaunch(NamedTuple):
     input_shape: tuple[int, ...]
     bound: dict  # out's dtype -> its BoundLaunches (launch_cache), made at the first launch of that dtype
     parts: tuple = ()  # ((grid, PART), ...): the launches of a split staging (see STAGE_SPLIT); () one launch of grid
+    # the words form (halo_stage_words), where it applies: (WordsLaunch, grid of PART 3, PART 3's constexprs), or ()
+    words: tuple = ()
 
 
 def _segment_at(ax, i: int, pos: int) -> int:
@@ -982,7 +1016,7 @@ def _window_columns_linear(luts2: tuple[list[int], list[int]], lo2: int, width: 
 @functools.lru_cache(maxsize=512)
 def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, region: str,
                  tile: tuple[int, ...] | None, slab_rows: bool | None = None, trail: int = 1,
-                 split: bool | None = None) -> StageLaunch:
+                 split: bool | None = None, words: bool | None = None) -> StageLaunch:
     """The staging launch of worker ``index`` for ``lead`` leading elements, cached: no per-call host work but the
     cache lookup (plans hash by identity, as for :func:`~distfuse.kernels.halo_tables.stage_tables`).
 
@@ -1007,7 +1041,11 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     The kernel reads the window's row from its ``W_*`` arguments instead (``W_TILES`` box 1's START), so a window
     program loads nothing before its copy.  ``split``: launch the window's programs and the slabs' apart
     (:data:`STAGE_SPLIT`, the GPU default from :data:`STAGE_SPLIT_ELEMENTS` staged elements; None chooses, True or
-    False forces it), where the region copies the window (``"all"``, ``"local"``) and has slabs.
+    False forces it), where the region copies the window (``"all"``, ``"local"``) and has slabs.  ``words``: the
+    window's rows as flat words (:mod:`~distfuse.kernels.halo_stage_words`), then ``PART`` 3 (the strips, then the
+    slabs), where the region copies the window in NCHW with int32 offsets (:data:`~distfuse.kernels.halo_stage_words.
+    STAGE_WORDS` from :data:`STAGE_SPLIT_ELEMENTS` staged elements on GPUs; None chooses, True or False forces it);
+    :func:`launch_stage` takes it for the element sizes and outputs it fits, the other launches otherwise.
 
     ``trail`` > 1: channels last (``lead`` the batch, ``trail`` the channels, innermost in memory).  The kernels
     are the same: every staged row is the last axis merged with the channels (``L2 * trail`` elements), the
@@ -1133,13 +1171,26 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     # take the slabs' registers anyway (72 a thread at sm_90, Triton 3.6), so a second launch would buy nothing
     parts = (((linear_grid(w_tiles), 1), (linear_grid(start - w_tiles), 2))
              if split and code in (0, 1) and 0 < w_tiles < start else ())
+    meta = dict(REGION=code, WIDE=wide, NUM_BOX=STAGE_BOXES, BLOCK_R=block_r, BLOCK_X=block_x, SLAB_X=slab_x,
+                STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, SLAB_ROWS=slab_rows, SLAB_ALIGN=slab_align,
+                STRIP_ALIGN=strip_align, STRIP_R=strip_r, PART=0,
+                num_warps=warps)  # every constexpr given: a launch leaving one to its default is no launch-cache hit
+    if words is None:
+        words = device.type == "cuda" and _words.STAGE_WORDS and total >= STAGE_SPLIT_ELEMENTS
+    words_form = ()
+    if words and code in (0, 1) and trail == 1 and not wide and w_tiles > 0:
+        # PART 3: the strips as the remote pass tiles them (STRIP_R rows), with this region's pieces, then the slabs
+        strip_x3 = min(16, next_power_of_2(max(1, full[2] - ext[2])))
+        strip_r3 = max(block_r, next_power_of_2(max(1, STAGE_STRIP_ELEMENTS // strip_x3)))
+        s_tiles = cdiv(w[2], strip_r3) if strips_here else 0
+        groups = (_words.WORDS_GROUPS if device.type == "cuda"
+                  else min(_words.WORDS_GROUPS_INTERPRETED, next_power_of_2(cdiv(total, 4))))
+        words_form = (_words.words_launch(full, lead, lo, ext, xbase, x_str[1], w[17], w[18], groups),
+                      linear_grid(s_tiles + start - w_tiles) if s_tiles + start - w_tiles else None,
+                      dict(meta, PART=3, STRIP_X=strip_x3, STRIP_R=strip_r3))
     return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, stab, ns[1], ns[2],
                                                                         full[2], x_str[1], *window),
-                       dict(REGION=code, WIDE=wide, NUM_BOX=STAGE_BOXES, BLOCK_R=block_r, BLOCK_X=block_x,
-                            SLAB_X=slab_x, STRIP_X=strip_x, X_ALIGN=x_align, OUT_ALIGN=out_align, SLAB_ROWS=slab_rows,
-                            SLAB_ALIGN=slab_align, STRIP_ALIGN=strip_align, STRIP_R=strip_r, PART=0,
-                            num_warps=warps),  # every constexpr given: a launch leaving one to its default is no
-                       x_shape, {}, parts)     # launch-cache hit (launch_cache.CachedLaunch)
+                       meta, x_shape, {}, parts, words_form)
 
 
 def strip_table(ptab: list[int], pbase: int, luts2: tuple[list[int], list[int]], lo2: int, hi2: int, row_len: int,
@@ -1200,13 +1251,23 @@ def launch_stage(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, launch: St
     receive buffer)."""
     if launch.kernel is None:
         return
-    bound = launch.bound.get(out.dtype)
+    # the words form where it fits this output: its element size, and a word-aligned address
+    words = bool(launch.words) and out.element_size() in launch.words[0].sizes and not out.data_ptr() & 3
+    bound = launch.bound.get((out.dtype, words))
     if bound is None:  # the first launch of this dtype: bind the grid, the tables and the constexprs once
         meta = launch.meta if launch.kernel is stage_kernel else dict(launch.meta, COMPUTE=compute_dtype(out.dtype))
         kernel = cached_launch(launch.kernel)
-        bound = launch.bound[out.dtype] = (tuple(kernel.bind(grid, launch.args, dict(meta, PART=part))
-                                                 for grid, part in launch.parts)
-                                           or (kernel.bind(launch.grid, launch.args, meta),))
+        if words:
+            form, grid3, meta3 = launch.words
+            size = out.element_size()
+            bound = (cached_launch(_words.stage_words_kernel).bind(form.grids[size], form.args[size],
+                                                            dict(PER_WORD=4 // size, GROUPS=form.groups,
+                                                                 num_warps=STAGE_NUM_WARPS)),
+                     *((kernel.bind(grid3, launch.args, meta3),) if grid3 is not None else ()))
+        else:
+            bound = (tuple(kernel.bind(grid, launch.args, dict(meta, PART=part)) for grid, part in launch.parts)
+                     or (kernel.bind(launch.grid, launch.args, meta),))
+        launch.bound[(out.dtype, words)] = bound
     for each in bound:
         each(out, a, b)
 
