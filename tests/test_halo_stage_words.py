@@ -82,6 +82,30 @@ def test_words_staging_in_programs_of_two_groups(gshape, grid, kernel, padding, 
         hp.stage_launch.cache_clear()
 
 
+@pytest.mark.parametrize("groups", [None, 2], ids=["one-program", "two-groups-a-program"])
+def test_words_staging_where_the_end_cuts_a_group(groups, monkeypatch):
+    """A halo on the last axis only, so the staged tensor ends in a window row, in rows of 5 words and 3 leading
+    entries: 90 words, the last group cut after two.  Its two words are written one by one (no slab rewrites
+    them), and nothing past the end."""
+    if groups is not None:
+        monkeypatch.setattr(hw, "WORDS_GROUPS_INTERPRETED", groups)
+    hp.stage_launch.cache_clear()
+    try:
+        plan, _ = _plan((6, 24), (1, 3), (1, 3), (1, 1), (1, 1), ((0, 0), (1, 1)), "zeros")
+        gen = torch.Generator().manual_seed(9)
+        for i in ((0, 1), (0, 2)):
+            x, recv = _inputs(plan, i, 1, 3, torch.contiguous_format, "cpu", torch.bfloat16, gen)
+            assert x.shape[0] * x.shape[1] * 6 * 10 // 2 % 4 == 2
+            want = hk.halo_stage_reference(x, recv, plan, i)
+            room = _nan(want.numel() + 8, want.dtype, "cpu")
+            out = room[:want.numel()].view(want.shape)
+            _, launch = _staged(plan, i, x, recv, "all", out=out)
+            assert (torch.bfloat16, True) in launch.bound
+            assert torch.equal(out, want) and room[want.numel():].isnan().all(), i
+    finally:
+        hp.stage_launch.cache_clear()
+
+
 def test_words_form_falls_back_where_it_does_not_fit():
     """64-bit elements, 16-bit elements in rows of an odd length (staged 13 columns), and an output one element off
     a word boundary take the other launches, with the reference's bits; so do channels last and the remote pass,

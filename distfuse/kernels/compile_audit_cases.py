@@ -294,14 +294,13 @@ def _halo_moving_cases(dt) -> list[KernelCase]:
             cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                     dict(tile, REGION=3, WIDE=False, X_ALIGN=vec), halo.STAGE_NUM_WARPS, 1,
                                     pointer_dtypes={**_LUTS, **i64}))
-    # The words form (halo_stage_words): the window's rows as flat words, one 16-byte store a group of four; the
-    # magic multipliers reach 2^32 (i64), and a staging's word count is a multiple of 16 at the GPUs' shapes
+    # The words form (halo_stage_words): the window's rows as flat words, one 16-byte store a group of four at any
+    # word count (the group the end cuts goes apart); the magic multipliers reach 2^32 (i64)
     from distfuse.kernels import halo_stage_words as words
 
     cases.append(KernelCase("halo_stage_words", words.stage_words_kernel, dt,
                             dict(PER_WORD=4 // dt.itemsize, GROUPS=words.WORDS_GROUPS), halo.STAGE_NUM_WARPS, 1,
-                            ints={"W2_M": "i64", "L1_M": "i64", "L0_M": "i64"}, aligned=("n_words",),
-                            checks=("vector_store",)))
+                            ints={"W2_M": "i64", "L1_M": "i64", "L0_M": "i64"}, checks=("vector_store",)))
     return cases
 
 
