@@ -187,14 +187,33 @@ def stage_fused(case, x, recv):
     return _halo().halo_stage(x, recv, case.plan, case.index, channels_last=case.fmt != torch.contiguous_format)
 
 
-def stage_fused_two_pass(case, x, recv):
+def stage_fused_two_pass(case, x, recv, words=None):
     """The fused staging as the layers run it on GPUs (``overlap``): the pieces read from the block first, those
     from the receive buffer once the halos came, into the same output.  With nothing to overlap here, its rows
-    show what the two passes cost against the one pass (``stage_fused``)."""
+    show what the two passes cost against the one pass (``stage_fused``).  ``words``: the local pass in the words
+    form (``distfuse.kernels.halo_stage_words``) or not; None: the package's default."""
     hk = _halo()
     cl = case.fmt != torch.contiguous_format
-    out = hk.halo_stage(x, recv, case.plan, case.index, region="local", channels_last=cl)
+    out = hk.halo_stage(x, recv, case.plan, case.index, region="local", channels_last=cl, words=words)
     return hk.halo_stage(x, recv, case.plan, case.index, out=out, region="remote", channels_last=cl)
+
+
+def stage_fused_words(case, x, recv):
+    """The one-pass fused staging in the words form, forced (NCHW: the window's rows as flat 32-bit words, then
+    the strips and the slabs; ``distfuse.kernels.halo_stage_words``, off by default until a GPU measures it)."""
+    return _halo().halo_stage(x, recv, case.plan, case.index, channels_last=False, words=True)
+
+
+def words_apply(case) -> bool:
+    """Whether the words form takes this case's staging: NCHW, 16-bit elements in staged rows of an even length
+    of 8 or more (or 32-bit ones), where it has a window to copy."""
+    from distfuse.kernels import halo_programs as hp
+
+    if case.fmt != torch.contiguous_format:
+        return False
+    lead = case.x.shape[0] * case.x.shape[1]
+    launch = hp.stage_launch(case.plan, case.index, lead, case.x.device, "all", None, None, 1, None, True)
+    return bool(launch.words) and case.x.element_size() in launch.words[0].sizes
 
 
 def stage_distdl(case, x, slabs):
@@ -290,8 +309,8 @@ def _halo_inputs(case, provider):
 
 
 def smoke() -> int:
-    """Tiny shapes on the CPU: the stagings (fused in one pass and in two, distdl, cat) agree exactly; fwd+bwd agree
-    in float64."""
+    """Tiny shapes on the CPU: the stagings (fused in one pass and in two, each in the words form too where it
+    applies, distdl, cat) agree exactly; fwd+bwd agree in float64."""
     from distfuse.kernels import halo as hk
     from distfuse.kernels.halo_tables import self_numel
 
@@ -304,6 +323,9 @@ def smoke() -> int:
                    "fused_two_pass": stage_fused_two_pass(case, case.x, case.recv),
                    "distdl": stage_distdl(case, case.x, case.slabs_distdl()),
                    "cat": stage_cat(case, case.x, case.slabs_cat())}
+            if words_apply(case):  # the words form (fp32 here: the smoke's staged rows are odd)
+                got["fused_words"] = stage_fused_words(case, case.x, case.recv)
+                got["fused_two_pass_words"] = stage_fused_two_pass(case, case.x, case.recv, words=True)
             for name, s in got.items():
                 if not torch.equal(s, ref):
                     print(f"smoke: {name_of} {dtype} staging by {name} differs from the reference", file=sys.stderr)
@@ -331,8 +353,8 @@ def smoke() -> int:
         if abs(tot["fused"] - tot["distdl"]) > 1e-8 * max(1.0, abs(tot["distdl"])):
             print(f"smoke: {name_of} halo gradients differ: {tot}", file=sys.stderr)
             return 1
-        print(f"smoke: {name_of} fused (one pass and two), distdl and cat stagings agree (fp32, bf16, fp64); "
-              "fwd+bwd agree (fp64)")
+        print(f"smoke: {name_of} fused (one pass and two; in the words form too where it applies), distdl and cat "
+              "stagings agree (fp32, bf16, fp64); fwd+bwd agree (fp64)")
     print("smoke: ok (correctness only; no timings on CPU)")
     return 0
 
@@ -389,8 +411,9 @@ def _copy_bandwidth(device: str = "cuda") -> float:
 ANCHORS = {"stage": "copy", "graph": "copy", "full": "cat", "full_graph": "cat"}
 #: What each provider runs (rows name it: ``kernel``).
 KERNELS = {"stage": {"fused": "halo_stage", "distdl": "F.pad+clone+slices", "cat": "torch.cat", "copy": "Tensor.copy_"},
-           "graph": {"fused": "halo_stage", "fused_two_pass": "halo_stage local+remote", "cat": "torch.cat",
-                     "copy": "Tensor.copy_"},
+           "graph": {"fused": "halo_stage", "fused_two_pass": "halo_stage local+remote",
+                     "fused_words": "halo_stage (words form)", "fused_two_pass_words": "halo_stage local+remote "
+                     "(words form)", "cat": "torch.cat", "copy": "Tensor.copy_"},
            "full": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "distdl": "F.pad+clone+slices+cudnn",
                     "cat": "torch.cat+cudnn"},
            "full_graph": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "cat": "torch.cat+cudnn"}}
@@ -478,6 +501,10 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
                      "fused_two_pass": lambda: stage_fused_two_pass(cases[0], cases[0].x, halos["fused"][0]),
                      "cat": lambda: stage_cat(cases[0], cases[0].x, halos["cat"][0]),
                      "copy": lambda: dst[0].copy_(cases[0].staged_ref)}
+        if words_apply(cases[0]):  # the words form beside the default, in both (off by default: not "fused")
+            graph_fns["fused_words"] = lambda: stage_fused_words(cases[0], cases[0].x, halos["fused"][0])
+            graph_fns["fused_two_pass_words"] = lambda: stage_fused_two_pass(cases[0], cases[0].x,
+                                                                             halos["fused"][0], words=True)
         for provider, fn in graph_fns.items():
             try:
                 replay = graphed(fn)

@@ -16,7 +16,8 @@ short block per question (a block whose rows are absent says so):
 * **Triton's mainloop**: the plain persistent Triton GEMM against cuBLAS per side (``forms``);
 * **the NCHW layout**: per staging shape, torch's contiguous and strided copies of the window's bytes, this
   kernel's copy of the window alone and the staging, each against the copy of the staged bytes (``halo_tiles``),
-  and the row probe's whole rows against its window alone (``bench/halo_rows_probe.py``);
+  the row probe's whole rows and flat words against its window alone (``bench/halo_rows_probe.py``), and the
+  staging's words form against the split launch and the default two passes (``halo_stage_words``);
 * **launcher**: the host time of each way of launching a binary (``attrib``);
 * **host**: the device host's Python on the launchers (``host_cost.json``).
 

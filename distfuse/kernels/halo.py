@@ -200,7 +200,8 @@ def halo_pack(x: torch.Tensor, plan: HaloPlan, index: Sequence[int], *, out: tor
 
 def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Sequence[int], *,
                out: torch.Tensor | None = None, region: str = "all",
-               tile: tuple[int, ...] | None = None, channels_last: bool | None = None) -> torch.Tensor:
+               tile: tuple[int, ...] | None = None, channels_last: bool | None = None,
+               words: bool | None = None) -> torch.Tensor:
     """Write the staged convolution input ``[*lead, *plan.staged_shape(index)]`` in one pass, one kernel.
 
     Args:
@@ -217,6 +218,10 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
             received boxes are ``[B, *box, C]``; None: from ``x``'s strides.  Every staged row is then a
             contiguous run of ``L_last * C`` elements starting at a multiple of C, so the copy moves 16-byte
             vectors at any halo width (NCHW rows of odd halos start at odd offsets).
+        words: the window's rows as flat 32-bit words, then the strips and the slabs
+            (:mod:`~distfuse.kernels.halo_stage_words`: NCHW, regions ``"all"`` and ``"local"``, whose local pass
+            then leaves the received elements of its words 0 for the remote pass); None: on GPUs where
+            ``DISTFUSE_STAGE_WORDS=1``, from 2^24 staged elements; True or False forces it where it applies.
 
     Each staged element is written once (the pieces tile the staged box), by one launch of
     :func:`~distfuse.kernels.halo_programs.stage_kernel` (two on GPUs where there are slabs: the window's
@@ -241,8 +246,8 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
     if checked is None:
         _check_region("halo_stage", region)
     lay = _layout("halo_stage", x, plan, "x", channels_last) if checked is None else checked[0]
-    launch = stage_launch(plan, index, lay.lead, x.device, region, tile, None,
-                          lay.trail)  # positional: lru_cache keys keywords apart
+    launch = stage_launch(plan, index, lay.lead, x.device, region, tile, None, lay.trail, None,
+                          words)  # positional: lru_cache keys keywords apart
     if checked is None:
         check_plan_layout("halo_stage", x, launch.input_shape, "x", lay.memory_format)
         check_flat("halo_stage", recv, launch.recv_numel, x.dtype, x.device, "receive buffer")
