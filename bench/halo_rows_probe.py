@@ -56,6 +56,20 @@ __all__ = ["rows_probe", "words_probe", "probe_reference"]
 
 
 @triton.jit
+def _source_row(r, L0, L1, n0, n1, NW, h0, h1):
+    """Staged row ``r`` (``(lead, i0, i1)`` of ``[LEAD, L0, L1]``): ``(the start of its block row, in units of
+    which the block's rows hold NW, and whether it crosses the window)``."""
+    i1 = r % L1
+    q = r // L1
+    i0 = q % L0
+    lead = q // L0
+    j0 = i0 - h0
+    j1 = i1 - h1
+    inside = (j0 >= 0) & (j0 < n0) & (j1 >= 0) & (j1 < n1)
+    return ((lead * n0 + j0) * n1 + j1) * NW, inside
+
+
+@triton.jit
 def _rows_probe_kernel(x_ptr, out_ptr, n_rows, L0, L1, n0, n1, h0, h1, row_len, L2: tl.constexpr,
                        N2: tl.constexpr, H2: tl.constexpr, FACES: tl.constexpr, PAIRED: tl.constexpr,
                        BLOCK_R: tl.constexpr, BLOCK_X: tl.constexpr):
@@ -67,14 +81,8 @@ def _rows_probe_kernel(x_ptr, out_ptr, n_rows, L0, L1, n0, n1, h0, h1, row_len, 
     two 16-bit elements per instruction (``L2`` even: every row starts at an even element)."""
     pid = tl.program_id(0)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # flat row of out: (lead, i0, i1)
-    i1 = r % L1
-    q = r // L1
-    i0 = q % L0
-    lead = q // L0
-    j0 = i0 - h0
-    j1 = i1 - h1
-    row_in = (r < n_rows) & (j0 >= 0) & (j0 < n0) & (j1 >= 0) & (j1 < n1)  # the row crosses the window
-    src_row = ((lead * n0 + j0) * n1 + j1) * N2
+    src_row, inside = _source_row(r, L0, L1, n0, n1, N2, h0, h1)
+    row_in = (r < n_rows) & inside  # the row crosses the window
     c = tl.arange(0, BLOCK_X)
     j2 = c - H2
     in_x = (j2 >= 0) & (j2 < N2)
@@ -84,21 +92,6 @@ def _rows_probe_kernel(x_ptr, out_ptr, n_rows, L0, L1, n0, n1, h0, h1, row_len, 
         mask = row_in[:, None] & in_x[None, :]
     vals = tl.load(x_ptr + src_row[:, None] + j2[None, :], mask=row_in[:, None] & in_x[None, :], other=0.0)
     tl.store(out_ptr + r[:, None] * L2 + c[None, :], vals, mask=mask)
-
-
-@triton.jit
-def _source_row(r, L0: tl.constexpr, L1: tl.constexpr, n0: tl.constexpr, n1: tl.constexpr, NW: tl.constexpr,
-                h0: tl.constexpr, h1: tl.constexpr):
-    """Staged row ``r`` (``(lead, i0, i1)`` of ``[LEAD, L0, L1]``): ``(its block row's first word, inside the
-    window)``."""
-    i1 = r % L1
-    q = r // L1
-    i0 = q % L0
-    lead = q // L0
-    j0 = i0 - h0
-    j1 = i1 - h1
-    inside = (j0 >= 0) & (j0 < n0) & (j1 >= 0) & (j1 < n1)
-    return ((lead * n0 + j0) * n1 + j1) * NW, inside
 
 
 @triton.jit
@@ -161,6 +154,21 @@ def _geometry(x: torch.Tensor, halo: int, nd: int):
     return lead, x.shape[2], x.shape[3], x.shape[4], halo, halo
 
 
+def _staged_geometry(name: str, x: torch.Tensor, out: torch.Tensor, halo: int) -> tuple[int, ...]:
+    """``(lead, n0, n1, n2, h0, h1, L0, L1, L2)`` of the block ``x`` and its staged tensor ``out``, checked: ``out``
+    contiguous, of ``x``'s dtype and the staged shape, with int32 offsets."""
+    nd = x.dim() - 2
+    lead, n0, n1, n2, h0, h1 = _geometry(x, halo, nd)
+    L0, L1, L2 = n0 + 2 * h0, n1 + 2 * h1, n2 + 2 * halo
+    want = (x.shape[0], x.shape[1], *([L0] if nd == 3 else []), L1, L2)
+    if tuple(out.shape) != want or not (x.is_contiguous() and out.is_contiguous()) or out.dtype != x.dtype:
+        raise ValueError(f"{name}: out must be a contiguous {want} tensor of {x.dtype}, got "
+                         f"{tuple(out.shape)} of {out.dtype}")
+    if out.numel() >= 2**31:
+        raise ValueError(f"{name}: int32 offsets: out holds {out.numel()} elements, at most 2**31 - 1")
+    return lead, n0, n1, n2, h0, h1, L0, L1, L2
+
+
 def rows_probe(x: torch.Tensor, out: torch.Tensor, halo: int, *, faces: bool, paired: bool = False,
                elems: int = 4096) -> torch.Tensor:
     """Write ``x [B, C, *n]`` (NCHW, contiguous) into ``out [B, C, *(n + 2 halo)]`` by whole staged rows
@@ -169,16 +177,8 @@ def rows_probe(x: torch.Tensor, out: torch.Tensor, halo: int, *, faces: bool, pa
 
     ``elems``: lanes of a program's tile, ``BLOCK_R`` rows of ``BLOCK_X`` (the row's length rounded up to a
     power of two) columns: 32 rows of 128 at n = 64 (66 used), 4 of 1024 at n = 512 (514 used)."""
-    nd = x.dim() - 2
-    lead, n0, n1, n2, h0, h1 = _geometry(x, halo, nd)
-    L0, L1, L2 = n0 + 2 * h0, n1 + 2 * h1, n2 + 2 * halo
-    want = (x.shape[0], x.shape[1], *([L0] if nd == 3 else []), L1, L2)
-    if tuple(out.shape) != want or not (x.is_contiguous() and out.is_contiguous()) or out.dtype != x.dtype:
-        raise ValueError(f"rows_probe: out must be a contiguous {want} tensor of {x.dtype}, got "
-                         f"{tuple(out.shape)} of {out.dtype}")
+    lead, n0, n1, n2, h0, h1, L0, L1, L2 = _staged_geometry("rows_probe", x, out, halo)
     n_rows = lead * L0 * L1
-    if out.numel() >= 2**31:
-        raise ValueError(f"rows_probe: int32 offsets: out holds {out.numel()} elements, at most 2**31 - 1")
     block_x = triton.next_power_of_2(L2)
     block_r = max(1, elems // block_x)
     grid = (triton.cdiv(n_rows, block_r),)
@@ -194,19 +194,11 @@ def words_probe(x: torch.Tensor, out: torch.Tensor, halo: int, *, gather: bool =
     returns ``out``.  ``gather``: 16-bit elements loaded one by one and packed in pairs, not loaded as words and
     shifted (32-bit elements are words either way).  ``elems``: elements a program writes (its words, ``elems *
     element_size / 4``, a power of two)."""
-    nd = x.dim() - 2
-    lead, n0, n1, n2, h0, h1 = _geometry(x, halo, nd)
-    L0, L1, L2 = n0 + 2 * h0, n1 + 2 * h1, n2 + 2 * halo
-    want = (x.shape[0], x.shape[1], *([L0] if nd == 3 else []), L1, L2)
-    if tuple(out.shape) != want or not (x.is_contiguous() and out.is_contiguous()) or out.dtype != x.dtype:
-        raise ValueError(f"words_probe: out must be a contiguous {want} tensor of {x.dtype}, got "
-                         f"{tuple(out.shape)} of {out.dtype}")
+    lead, n0, n1, n2, h0, h1, L0, L1, L2 = _staged_geometry("words_probe", x, out, halo)
     per_word = 4 // x.element_size() if x.element_size() in (2, 4) else 0
     if not per_word or n2 % per_word or L2 < 4 * per_word:
         raise ValueError(f"words_probe: 16-bit elements in rows of an even length, or 32-bit ones, staged rows of "
                          f"4 words or more; got {x.dtype} rows of {n2}, staged {L2}")
-    if out.numel() >= 2**31:
-        raise ValueError(f"words_probe: int32 offsets: out holds {out.numel()} elements, at most 2**31 - 1")
     n_words = out.numel() // per_word
     block = max(4, triton.next_power_of_2(max(1, elems // per_word)))
     _words_probe_kernel[(triton.cdiv(n_words, block),)](

@@ -46,14 +46,21 @@ TIMED_WAITS: bool = not INTERPRET
 FLAG_POLL_ENV = "DISTFUSE_FLAG_POLL"
 
 
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The value of the environment variable ``name``, one of ``choices`` (the first is the default, taken when the
+    variable is unset or blank; surrounding space and case ignored).  Any other value raises, naming the variable
+    and the values it takes."""
+    value = os.environ.get(name, "").strip().lower() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: expected {' or '.join(map(repr, choices))} (default {choices[0]!r})")
+    return value
+
+
 def _flag_poll_loads() -> bool:
     """``DISTFUSE_FLAG_POLL``: how ``chunk_reduce`` polls its W flags, ``atomic`` (default: acquire atomics) or
     ``load`` (acquire loads, :func:`~distfuse.kernels.jit_helpers.poll_flags`; compiled kernels only, the interpreter
     keeps the atomics).  Any other value raises, naming the variable."""
-    choice = os.environ.get(FLAG_POLL_ENV, "atomic").strip().lower() or "atomic"
-    if choice not in ("atomic", "load"):
-        raise ValueError(f"{FLAG_POLL_ENV}={choice!r}: expected 'atomic' or 'load'")
-    return choice == "load" and not INTERPRET
+    return env_choice(FLAG_POLL_ENV, ("atomic", "load")) == "load" and not INTERPRET
 
 
 #: ``chunk_reduce``'s default flag poll (:func:`_flag_poll_loads`), read once at import.

@@ -38,12 +38,12 @@ split launch's ``PART`` 1 writes the window.  No adjoint of its own: the staging
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
+from distfuse.kernels._utils import env_choice
 from distfuse.kernels.host_ints import cdiv
 
 __all__ = ["stage_words_kernel", "WordsLaunch", "words_launch", "stage_words_enabled", "STAGE_WORDS",
@@ -55,10 +55,7 @@ STAGE_WORDS_ENV = "DISTFUSE_STAGE_WORDS"
 def stage_words_enabled() -> bool:
     """``DISTFUSE_STAGE_WORDS`` (``0``, the default, or ``1``): whether GPUs take the words form where it applies.
     Any other value raises, naming the variable."""
-    value = os.environ.get(STAGE_WORDS_ENV, "0").strip() or "0"
-    if value not in ("0", "1"):
-        raise ValueError(f"{STAGE_WORDS_ENV}={value!r}: expected '0' (the default) or '1'")
-    return value == "1"
+    return env_choice(STAGE_WORDS_ENV, ("0", "1")) == "1"
 
 
 #: Take the words form on GPUs where it applies (see the module doc), read once at import from

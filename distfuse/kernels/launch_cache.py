@@ -53,7 +53,7 @@ import os
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from distfuse.kernels._utils import INTERPRET
+from distfuse.kernels._utils import INTERPRET, env_choice
 from distfuse.kernels.raw_launch import fast_launcher, run_launcher
 
 __all__ = ["CachedLaunch", "BoundLaunch", "cached_launch", "arg_key", "fingerprint", "fingerprint_and_addresses",
@@ -70,10 +70,7 @@ def fast_launch_enabled() -> bool:
     """``DISTFUSE_FAST_LAUNCH`` (``1``, the default, or ``0``): whether a hit calls Triton 3.6's C launcher itself
     (:func:`~distfuse.kernels.raw_launch.fast_launcher`) and passes device tensors by address (see the module doc).
     Any other value raises, naming the variable."""
-    value = os.environ.get(FAST_LAUNCH_ENV, "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"{FAST_LAUNCH_ENV}={value!r}: expected '1' (the default) or '0'")
-    return value == "1"
+    return env_choice(FAST_LAUNCH_ENV, ("1", "0")) == "1"
 
 
 #: :func:`fast_launch_enabled`, read once at import (a hit reads it).
