@@ -410,7 +410,8 @@ def _copy_bandwidth(device: str = "cuda") -> float:
 #: cuDNN convolution for the whole step.
 ANCHORS = {"stage": "copy", "graph": "copy", "full": "cat", "full_graph": "cat"}
 #: What each provider runs (rows name it: ``kernel``).
-KERNELS = {"stage": {"fused": "halo_stage", "distdl": "F.pad+clone+slices", "cat": "torch.cat", "copy": "Tensor.copy_"},
+KERNELS = {"stage": {"fused": "halo_stage", "fused_words": "halo_stage (words form)", "distdl": "F.pad+clone+slices",
+                     "cat": "torch.cat", "copy": "Tensor.copy_"},
            "graph": {"fused": "halo_stage", "fused_two_pass": "halo_stage local+remote",
                      "fused_words": "halo_stage (words form)", "fused_two_pass_words": "halo_stage local+remote "
                      "(words form)", "cat": "torch.cat", "copy": "Tensor.copy_"},
@@ -483,6 +484,8 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
             "distdl": lambda i: stage_distdl(cases[i], cases[i].x, halos["distdl"][i]),
             "cat": lambda i: stage_cat(cases[i], cases[i].x, halos["cat"][i]),
         }
+        if words_apply(cases[0]):  # the words form, forced (off by default: a row of its own, not "fused")
+            fns["fused_words"] = lambda i: stage_fused_words(cases[i], cases[i].x, halos["fused"][i])
         dst = [torch.empty(cs.staged_shape, device=dev, dtype=dtype, memory_format=cs.fmt) for cs in cases]
         fns["copy"] = lambda i: dst[i].copy_(cases[i].staged_ref)
         for provider, fn in fns.items():
