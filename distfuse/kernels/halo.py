@@ -246,8 +246,9 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
     if checked is None:
         _check_region("halo_stage", region)
     lay = _layout("halo_stage", x, plan, "x", channels_last) if checked is None else checked[0]
-    launch = stage_launch(plan, index, lay.lead, x.device, region, tile, None, lay.trail, None,
-                          words)  # positional: lru_cache keys keywords apart
+    # positional (lru_cache keys keywords apart), and the default call's key without the words switch
+    launch = (stage_launch(plan, index, lay.lead, x.device, region, tile, None, lay.trail) if words is None
+              else stage_launch(plan, index, lay.lead, x.device, region, tile, None, lay.trail, None, words))
     if checked is None:
         check_plan_layout("halo_stage", x, launch.input_shape, "x", lay.memory_format)
         check_flat("halo_stage", recv, launch.recv_numel, x.dtype, x.device, "receive buffer")

@@ -1185,12 +1185,40 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         s_tiles = cdiv(w[2], strip_r3) if strips_here else 0
         groups = (_words.WORDS_GROUPS if device.type == "cuda"
                   else min(_words.WORDS_GROUPS_INTERPRETED, next_power_of_2(cdiv(total, 4))))
-        words_form = (_words.words_launch(full, lead, lo, ext, xbase, x_str[1], w[17], w[18], groups),
+        words_form = (words_launch(full, lead, lo, ext, xbase, x_str[1], w[17], w[18], groups),
                       linear_grid(s_tiles + start - w_tiles) if s_tiles + start - w_tiles else None,
                       dict(meta, PART=3, STRIP_X=strip_x3, STRIP_R=strip_r3))
     return StageLaunch(staged, recv, stage_kernel, linear_grid(start), (*luts, ptab, btab, stab, ns[1], ns[2],
                                                                         full[2], x_str[1], *window),
                        meta, x_shape, {}, parts, words_form)
+
+
+class WordsLaunch(NamedTuple):
+    """The words launch of a staging (:mod:`~distfuse.kernels.halo_stage_words`; made by :func:`words_launch`; its
+    grid and arguments depend on the element size only through ``PER_WORD``): the grids and arguments for 16-bit
+    and 32-bit elements."""
+
+    grids: dict  # element size (2, 4) -> grid
+    args: dict  # element size -> the scalar arguments after (out, a, b)
+    sizes: frozenset  # the element sizes whose rows are whole words, at least four a row
+    groups: int  # GROUPS
+
+
+def words_launch(full: tuple[int, int, int], lead: int, lo: tuple[int, int, int], ext: tuple[int, int, int],
+                 xbase: int, x_s1: int, xb: int, xc: int, groups: int) -> WordsLaunch:
+    """The geometry of the words form (:mod:`~distfuse.kernels.halo_stage_words`) for a staged tensor ``[lead,
+    *full]`` whose interior window is ``ext`` at ``lo``, its rows starting at ``xbase + r * x_s1 + q * xb + lead *
+    xc`` in the block (``stage_launch``'s box table); ``groups`` a program (``WORDS_GROUPS`` on GPUs)."""
+    grids, args = {}, {}
+    for size, per_word in ((2, 2), (4, 1)):
+        w2 = full[2] // per_word
+        n_words = lead * full[0] * full[1] * w2
+        grids[size] = linear_grid(cdiv(cdiv(n_words, 4), groups))
+        args[size] = (n_words, w2, *magic_divisor(max(w2, 1)), full[1], *magic_divisor(full[1]), full[0],
+                      *magic_divisor(full[0]), lo[0], lo[1], ext[0], ext[1], lo[2], lo[2] + ext[2], xbase, x_s1, xb,
+                      xc)
+    sizes = frozenset(size for size, fits in ((2, full[2] % 2 == 0 and full[2] >= 8), (4, full[2] >= 4)) if fits)
+    return WordsLaunch(grids, args, sizes, groups)
 
 
 def strip_table(ptab: list[int], pbase: int, luts2: tuple[list[int], list[int]], lo2: int, hi2: int, row_len: int,

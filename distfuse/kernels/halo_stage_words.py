@@ -28,7 +28,8 @@ local pass, a remote element of such a group is left 0 until the remote pass wri
 next, on the same stream (``distfuse.fused.halo_conv``).  So a local pass on this path writes zeros into border
 elements that are not its own; the pair of passes writes every element once with its value.
 
-Used where :func:`~distfuse.kernels.halo_programs.stage_launch` takes the ``words`` form (:data:`STAGE_WORDS` on
+Its launch geometry is :func:`~distfuse.kernels.halo_programs.words_launch`'s.  Used where
+:func:`~distfuse.kernels.halo_programs.stage_launch` takes the ``words`` form (:data:`STAGE_WORDS` on
 GPUs, or forced): NCHW, a region that copies the window (``"all"``, ``"local"``), int32 offsets, slabs to rewrite
 the straddling groups or none at all; and per launch (:func:`~distfuse.kernels.halo_programs.launch_stage`) 16-bit
 elements in rows of an even length, or 32-bit ones, and an output at a 4-byte aligned address.  Elsewhere the
@@ -38,16 +39,13 @@ split launch's ``PART`` 1 writes the window.  No adjoint of its own: the staging
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import triton
 import triton.language as tl
 
 from distfuse.kernels._utils import env_choice
-from distfuse.kernels.host_ints import cdiv
 
-__all__ = ["stage_words_kernel", "WordsLaunch", "words_launch", "stage_words_enabled", "STAGE_WORDS",
-           "STAGE_WORDS_ENV", "WORDS_GROUPS", "WORDS_GROUPS_INTERPRETED"]
+__all__ = ["stage_words_kernel", "stage_words_enabled", "STAGE_WORDS", "STAGE_WORDS_ENV", "WORDS_GROUPS",
+           "WORDS_GROUPS_INTERPRETED"]
 
 STAGE_WORDS_ENV = "DISTFUSE_STAGE_WORDS"
 
@@ -134,32 +132,3 @@ def stage_words_kernel(out_ptr, a_ptr, b_ptr, n_words, W2, W2_M, W2_K, L1, L1_M,
     tl.store(ow + f, word, mask=whole[:, None])
     if (pid + 1) * GROUPS * 4 > n_words:  # the program that holds the end: its cut group word by word
         tl.store(ow + f, word, mask=(keep & (f0 + 4 > n_words))[:, None] & (f < n_words))
-
-
-class WordsLaunch(NamedTuple):
-    """The words launch of a staging (made by :func:`words_launch`; its grid and arguments depend on the element size
-    only through ``PER_WORD``): the grids and arguments for 16-bit and 32-bit elements."""
-
-    grids: dict  # element size (2, 4) -> grid
-    args: dict  # element size -> the scalar arguments after (out, a, b)
-    sizes: frozenset  # the element sizes whose rows are whole words, at least four a row
-    groups: int  # GROUPS
-
-
-def words_launch(full: tuple[int, int, int], lead: int, lo: tuple[int, int, int], ext: tuple[int, int, int],
-                 xbase: int, x_s1: int, xb: int, xc: int, groups: int) -> WordsLaunch:
-    """The words form's geometry for a staged tensor ``[lead, *full]`` whose interior window is ``ext`` at ``lo``,
-    its rows starting at ``xbase + r * x_s1 + q * xb + lead * xc`` in the block (``stage_launch``'s box table);
-    ``groups`` a program (:data:`WORDS_GROUPS` on GPUs)."""
-    from distfuse.kernels.halo_programs import linear_grid, magic_divisor
-
-    grids, args = {}, {}
-    for size, per_word in ((2, 2), (4, 1)):
-        w2 = full[2] // per_word
-        n_words = lead * full[0] * full[1] * w2
-        grids[size] = linear_grid(cdiv(cdiv(n_words, 4), groups))
-        args[size] = (n_words, w2, *magic_divisor(max(w2, 1)), full[1], *magic_divisor(full[1]), full[0],
-                      *magic_divisor(full[0]), lo[0], lo[1], ext[0], ext[1], lo[2], lo[2] + ext[2], xbase, x_s1, xb,
-                      xc)
-    sizes = frozenset(size for size, fits in ((2, full[2] % 2 == 0 and full[2] >= 8), (4, full[2] >= 4)) if fits)
-    return WordsLaunch(grids, args, sizes, groups)
