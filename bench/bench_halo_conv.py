@@ -204,15 +204,17 @@ def stage_fused_words(case, x, recv):
     return _halo().halo_stage(x, recv, case.plan, case.index, channels_last=False, words=True)
 
 
-def words_apply(case) -> bool:
-    """Whether the words form takes this case's staging: NCHW, 16-bit elements in staged rows of an even length
-    of 8 or more (or 32-bit ones), where it has a window to copy."""
+def takes_words(case, forced: bool = True) -> bool:
+    """Whether the staging of this case takes the words form: forced (``stage_fused_words``; NCHW, 16-bit elements
+    in staged rows of an even length of 8 or more, or 32-bit ones, where it has a window to copy), or by the
+    package's default (``stage_fused``: on GPUs with ``DISTFUSE_STAGE_WORDS=1``, from 2^24 staged elements)."""
     from distfuse.kernels import halo_programs as hp
 
     if case.fmt != torch.contiguous_format:
         return False
     lead = case.x.shape[0] * case.x.shape[1]
-    launch = hp.stage_launch(case.plan, case.index, lead, case.x.device, "all", None, None, 1, None, True)
+    launch = (hp.stage_launch(case.plan, case.index, lead, case.x.device, "all", None, None, 1, None, True) if forced
+              else hp.stage_launch(case.plan, case.index, lead, case.x.device, "all", None, None, 1))
     return bool(launch.words) and case.x.element_size() in launch.words[0].sizes
 
 
@@ -323,7 +325,7 @@ def smoke() -> int:
                    "fused_two_pass": stage_fused_two_pass(case, case.x, case.recv),
                    "distdl": stage_distdl(case, case.x, case.slabs_distdl()),
                    "cat": stage_cat(case, case.x, case.slabs_cat())}
-            if words_apply(case):  # the words form (fp32 here: the smoke's staged rows are odd)
+            if takes_words(case):  # the words form (fp32 here: the smoke's staged rows are odd)
                 got["fused_words"] = stage_fused_words(case, case.x, case.recv)
                 got["fused_two_pass_words"] = stage_fused_two_pass(case, case.x, case.recv, words=True)
             for name, s in got.items():
@@ -470,11 +472,15 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
     op = registry.HALO_CONV.name
     rows = []
 
+    # the package's default staging of this case: the words form where DISTFUSE_STAGE_WORDS=1 makes it the default
+    # (a row names the kernel that ran)
+    default_words = takes_words(cases[0], forced=False)
+
     def row(mode, provider, q, **kw):
         # The graph rows are the staging op's own (halo_stage): kept apart from the eager rows of the halo conv op
+        kernel = KERNELS[mode][provider] + (" (words form)" if provider == "fused" and default_words else "")
         rows.append(Row(op="halo_stage" if mode == "graph" else op, provider=provider, mode=mode, shape=dict(shape),
-                        dtype=dtype_name, world_size=1, ms=q[0], ms_q20=q[1], ms_q80=q[2],
-                        kernel=KERNELS[mode][provider], **kw))
+                        dtype=dtype_name, world_size=1, ms=q[0], ms_q20=q[1], ms_q80=q[2], kernel=kernel, **kw))
 
     if "stage" in args.modes:
         # bytes moved: the block and the halos read once, the staged tensor written once
@@ -484,7 +490,7 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
             "distdl": lambda i: stage_distdl(cases[i], cases[i].x, halos["distdl"][i]),
             "cat": lambda i: stage_cat(cases[i], cases[i].x, halos["cat"][i]),
         }
-        if words_apply(cases[0]):  # the words form, forced (off by default: a row of its own, not "fused")
+        if takes_words(cases[0]):  # the words form, forced (off by default: a row of its own, not "fused")
             fns["fused_words"] = lambda i: stage_fused_words(cases[i], cases[i].x, halos["fused"][i])
         dst = [torch.empty(cs.staged_shape, device=dev, dtype=dtype, memory_format=cs.fmt) for cs in cases]
         fns["copy"] = lambda i: dst[i].copy_(cases[i].staged_ref)
@@ -504,7 +510,7 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
                      "fused_two_pass": lambda: stage_fused_two_pass(cases[0], cases[0].x, halos["fused"][0]),
                      "cat": lambda: stage_cat(cases[0], cases[0].x, halos["cat"][0]),
                      "copy": lambda: dst[0].copy_(cases[0].staged_ref)}
-        if words_apply(cases[0]):  # the words form beside the default, in both (off by default: not "fused")
+        if takes_words(cases[0]):  # the words form beside the default, in both (off by default: not "fused")
             graph_fns["fused_words"] = lambda: stage_fused_words(cases[0], cases[0].x, halos["fused"][0])
             graph_fns["fused_two_pass_words"] = lambda: stage_fused_two_pass(cases[0], cases[0].x,
                                                                              halos["fused"][0], words=True)
