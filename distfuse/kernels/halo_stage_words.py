@@ -16,9 +16,8 @@ at 0.57-0.65 of a copy of its bytes where channels last (16-byte rows) ran at 0.
 that straddles two (rows hold at least four words); the elements are loaded one by one (16-bit loads, which the L1
 serves) and packed in pairs.  Compiled for sm_90 under Triton 3.6 (bf16): 400 SASS instructions for 16 elements
 a thread, the group the tensor's end cuts included (its word-by-word stores run in the last program only), and
-40 registers.  The
-diagnosis's row probe (``bench/halo_rows_probe.py``, rows ``flat words, gathered``) times this form against the
-copy with no tables at all.
+40 registers.  The diagnosis's row probe (``bench/halo_rows_probe.py``, rows ``flat words, gathered``) times this
+form against the copy with no tables at all.
 
 What else writes the groups.  The border's elements (the columns beside the window in its rows, and the elements
 of slab rows in a group that straddles a window row and a slab row) are written as 0 here and rewritten by
@@ -30,9 +29,9 @@ elements that are not its own; the pair of passes writes every element once with
 
 Its launch geometry is :func:`~distfuse.kernels.halo_programs.words_launch`'s.  Used where
 :func:`~distfuse.kernels.halo_programs.stage_launch` takes the ``words`` form (:data:`STAGE_WORDS` on
-GPUs, or forced): NCHW, a region that copies the window (``"all"``, ``"local"``), int32 offsets, slabs to rewrite
-the straddling groups or none at all; and per launch (:func:`~distfuse.kernels.halo_programs.launch_stage`) 16-bit
-elements in rows of an even length, or 32-bit ones, and an output at a 4-byte aligned address.  Elsewhere the
+GPUs, or forced): NCHW, a region that copies the window (``"all"``, ``"local"``), int32 offsets; and per launch
+(:func:`~distfuse.kernels.halo_programs.launch_stage`) 16-bit elements in staged rows of an even length of 8 or
+more, or 32-bit ones in rows of 4 or more, and an output at a 4-byte aligned address.  Elsewhere the
 split launch's ``PART`` 1 writes the window.  No adjoint of its own: the staging's is the unstage
 (:func:`~distfuse.kernels.halo.halo_unstage`).
 """
