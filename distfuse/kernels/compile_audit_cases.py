@@ -248,8 +248,9 @@ def _halo_moving_cases(dt) -> list[KernelCase]:
         # block rows by the walk
         vec = 16 // dt.itemsize
         strip_r = max(br, halo.STAGE_STRIP_ELEMENTS // 2)  # a halo of 1: two columns beside the window
-        for region, wide, slab_rows in ((0, False, bx >= 64), (1, False, False), (2, False, False), (0, True, False),
-                                        (0, False, False)):
+        variants = [(0, False, bx >= 64), (1, False, False), (2, False, False), (0, True, False)]
+        variants += [(0, False, False)] if bx >= 64 else []  # the walk where the one pass takes one piece per row
+        for region, wide, slab_rows in variants:
             cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                     dict(tile, REGION=region, WIDE=wide, SLAB_ROWS=slab_rows,
                                          X_ALIGN=vec if region or slab_rows else 1,
