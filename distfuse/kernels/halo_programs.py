@@ -992,7 +992,7 @@ class StageLaunch(NamedTuple):
     args: tuple
     meta: dict
     input_shape: tuple[int, ...]
-    bound: dict  # out's dtype -> its BoundLaunches (launch_cache), made at the first launch of that dtype
+    bound: dict  # (out's dtype, words form taken) -> its BoundLaunches (launch_cache), made at the first such launch
     parts: tuple = ()  # ((grid, PART), ...): the launches of a split staging (see STAGE_SPLIT); () one launch of grid
     # the words form (halo_stage_words), where it applies: (WordsLaunch, grid of PART 3, PART 3's constexprs), or ()
     words: tuple = ()
