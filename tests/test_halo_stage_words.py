@@ -152,3 +152,16 @@ def test_words_staging_cuda(nd):
     words) and 2, a middle and a corner worker, every region against the reference, bit for bit."""
     for plan, i, x, recv, _, _ in cuda_cases(nd, False, 13):
         _check_regions(plan, i, x, recv)
+
+
+def test_words_form_keeps_its_word_indices_in_int32():
+    """The words form indexes words in int32, and its last program runs up to ``4 * GROUPS`` words past the end: a
+    staging within that margin of 2^31 elements keeps the split launch (geometry only: nothing is allocated)."""
+    plan, _ = _plan((9, 9, 24), (3, 3, 3), (3, 3, 3), (1, 1, 1), (1, 1, 1), 1, "zeros")
+    i = (1, 1, 1)
+    staged = 5 * 5 * 10  # per leading entry
+    cpu = torch.device("cpu")
+    near = (2**31 - 1) // staged  # 2^31 - 148 elements: inside the margin
+    assert not hp.stage_launch(plan, i, near, cpu, "all", None, None, 1, None, True).words
+    far = (2**31 - 8 * hw.WORDS_GROUPS_INTERPRETED) // staged
+    assert hp.stage_launch(plan, i, far, cpu, "all", None, None, 1, None, True).words

@@ -1178,13 +1178,14 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     if words is None:
         words = device.type == "cuda" and _words.STAGE_WORDS and total >= STAGE_SPLIT_ELEMENTS
     words_form = ()
-    if words and code in (0, 1) and trail == 1 and not wide and w_tiles > 0:
+    groups = (_words.WORDS_GROUPS if device.type == "cuda"
+              else min(_words.WORDS_GROUPS_INTERPRETED, next_power_of_2(cdiv(total, 4))))
+    # int32 word indices: the last program's groups run past the end by up to 4 * groups words, which must not wrap
+    if words and code in (0, 1) and trail == 1 and not wide and total + 4 * groups < 2**31 and w_tiles > 0:
         # PART 3: the strips as the remote pass tiles them (STRIP_R rows), with this region's pieces, then the slabs
         strip_x3 = min(16, next_power_of_2(max(1, full[2] - ext[2])))
         strip_r3 = max(block_r, next_power_of_2(max(1, STAGE_STRIP_ELEMENTS // strip_x3)))
         s_tiles = cdiv(w[2], strip_r3) if strips_here else 0
-        groups = (_words.WORDS_GROUPS if device.type == "cuda"
-                  else min(_words.WORDS_GROUPS_INTERPRETED, next_power_of_2(cdiv(total, 4))))
         words_form = (words_launch(full, lead, lo, ext, xbase, x_str[1], w[17], w[18], groups),
                       linear_grid(s_tiles + start - w_tiles) if s_tiles + start - w_tiles else None,
                       dict(meta, PART=3, STRIP_X=strip_x3, STRIP_R=strip_r3))
