@@ -50,8 +50,7 @@ class KernelCase:
     def __post_init__(self):
         # a constexpr the case leaves to its default is compiled at that default, as a launch that names it (the
         # launchers name every one): not as a run-time argument, which would compile branches no launch takes
-        params = getattr(getattr(self.fn, "fn", self.fn), "params", None) or getattr(self.fn, "params", ())
-        defaults = {p.name: p.default for p in params if p.is_constexpr and p.has_default}
+        defaults = {p.name: p.default for p in self.fn.params if p.is_constexpr and p.has_default}
         self.constexprs = {**{k: v for k, v in defaults.items() if k not in self.constexprs}, **self.constexprs}
 
     def signature(self) -> tuple[dict, dict]:

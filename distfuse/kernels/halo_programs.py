@@ -37,7 +37,7 @@ tables are described there and in :mod:`distfuse.kernels.halo_tables`.  Design d
   No tile straddles the window's edge, so the copy never pays for the walk: with whole
   staged rows in a tile (L2 = 66 in one 128-wide tile) every tile holds halo columns, and a
   per-element "inside the window?" test would issue the walk's instructions everywhere.
-  Rows are decomposed by multiply-shift (``_magic_div``: a runtime int division is about
+  Rows are decomposed by multiply-shift (``magic_div``: a runtime int division is about
   twenty instructions, and Triton's layouts give each thread one element per row of a
   64-wide tile, so per-row work is per-element work) and offsets are linear in ``(r, r //
   E1, lead)``, int32 unless a buffer holds 2^31 elements: compiled for sm_90, the copy is
@@ -183,7 +183,7 @@ from distfuse.kernels.halo_tables import (
     table_tensors,
 )
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
-from distfuse.kernels.jit_helpers import cast_out
+from distfuse.kernels.jit_helpers import cast_out, magic_div
 from distfuse.kernels.launch_cache import cached_launch
 
 __all__ = ["piece_value", "lut_gather_kernel", "stage_kernel", "box_gather_kernel", "accumulate_kernel",
@@ -283,14 +283,6 @@ def lut_gather_kernel(out_ptr, a_ptr, b_ptr, seg0_ptr, crd0_ptr, seg1_ptr, crd1_
 
 
 @triton.jit
-def _magic_div(n, m, shift):
-    """``n // d`` for int32 ``0 <= n < 2^31`` by the multiplier ``(m, shift)`` of :func:`magic_divisor` (``d`` >= 1,
-    both loaded as int64): ``umulhi(2n, m) >> shift``, three 32-bit instructions instead of a runtime division
-    (about twenty on a GPU) or a 64-bit multiply."""
-    return (tl.umulhi((n * 2).to(tl.uint32), m.to(tl.uint32)) >> shift.to(tl.uint32)).to(tl.int32)
-
-
-@triton.jit
 def _rows(pid_r, n_rows, m1, k1, m0, k0, obase, ob, oc, out_s1, BLOCK_R: tl.constexpr, IDX: tl.constexpr):
     """Row tile ``pid_r`` (``BLOCK_R`` rows) of a box of ``n_rows`` rows ``[LEAD, E0, E1]``: ``(rmask, r, q, lead,
     out_row)``, with ``(m1, k1)``, ``(m0, k0)`` the :func:`magic_divisor` of E1 and E0.
@@ -302,8 +294,8 @@ def _rows(pid_r, n_rows, m1, k1, m0, k0, obase, ob, oc, out_s1, BLOCK_R: tl.cons
     """
     r32 = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r32 < n_rows.to(tl.int32)
-    q32 = _magic_div(r32, m1, k1)
-    lead32 = _magic_div(q32, m0, k0)
+    q32 = magic_div(r32, m1, k1)
+    lead32 = magic_div(q32, m0, k0)
     r, q, lead = r32.to(IDX), q32.to(IDX), lead32.to(IDX)
     out_row = obase.to(IDX) + r * out_s1 + q * ob.to(IDX) + lead * oc.to(IDX)
     return rmask, r, q, lead, out_row
@@ -638,9 +630,9 @@ def _program_elements(row, pid, NUMEL: tl.constexpr, PSTART: tl.constexpr, EXTEN
         q1 = q // E1
         lead = q1 // E0
     else:
-        q = _magic_div(e, tl.load(row + DIVISORS), tl.load(row + DIVISORS + 1))
-        q1 = _magic_div(q, tl.load(row + DIVISORS + 2), tl.load(row + DIVISORS + 3))
-        lead = _magic_div(q1, tl.load(row + DIVISORS + 4), tl.load(row + DIVISORS + 5))
+        q = magic_div(e, tl.load(row + DIVISORS), tl.load(row + DIVISORS + 1))
+        q1 = magic_div(q, tl.load(row + DIVISORS + 2), tl.load(row + DIVISORS + 3))
+        lead = magic_div(q1, tl.load(row + DIVISORS + 4), tl.load(row + DIVISORS + 5))
     return m, et % TRAIL, e, q1 - lead * E0, q - q1 * E1, e - q * E2, lead
 
 
@@ -1150,7 +1142,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         rows += [_NEVER, 1] + [0] * (_STAGE_COLS - 2)
     if start == 0:
         return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape, {})
-    if most >= 2**31:  # row indices are int32 (_magic_div)
+    if most >= 2**31:  # row indices are int32 (magic_div)
         raise UnsupportedError(f"{where('halo_stage')}: {most} rows (LEAD times every staged extent but the last) "
                                "exceed 2^31 - 1")
     btab = torch.tensor(rows, dtype=torch.int64, device=device)

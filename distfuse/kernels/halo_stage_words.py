@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from distfuse.kernels._utils import env_choice
+from distfuse.kernels.jit_helpers import magic_div
 
 __all__ = ["stage_words_kernel", "stage_words_enabled", "STAGE_WORDS", "STAGE_WORDS_ENV", "WORDS_GROUPS",
            "WORDS_GROUPS_INTERPRETED"]
@@ -71,21 +72,14 @@ _GEOMETRY = ["W2", "W2_M", "W2_K", "L1", "L1_M", "L1_K", "L0", "L0_M", "L0_K", "
 
 
 @triton.jit
-def _magic(n, m, k):
-    """``n // d`` for int32 ``0 <= n < 2^31`` by the multiplier ``(m, k)`` of
-    :func:`~distfuse.kernels.halo_programs.magic_divisor`: ``umulhi(2n, m) >> k``."""
-    return (tl.umulhi((n * 2).to(tl.uint32), m.to(tl.uint32)) >> k.to(tl.uint32)).to(tl.int32)
-
-
-@triton.jit
 def _window_row(r, L1, L1_M, L1_K, L0, L0_M, L0_K, LO0, LO1, I0, I1, XBASE, X_S1, XB, XC):
     """Staged row ``r`` of ``[LEAD, L0, L1]``: ``(the element its window row starts at in the block, whether it
     crosses the window)``.  The window's row ``(lead, b0, b1)`` is row ``rw = q * I1 + b1`` of the window box
     (``q = lead * I0 + b0``), which starts at ``XBASE + rw * X_S1 + q * XB + lead * XC`` in the block
     (``stage_launch``'s box table, columns 16-18)."""
-    q = _magic(r, L1_M, L1_K)
+    q = magic_div(r, L1_M, L1_K)
     i1 = r - q * L1
-    lead = _magic(q, L0_M, L0_K)
+    lead = magic_div(q, L0_M, L0_K)
     i0 = q - lead * L0
     b0 = i0 - LO0
     b1 = i1 - LO1
@@ -106,7 +100,7 @@ def stage_words_kernel(out_ptr, a_ptr, b_ptr, n_words, W2, W2_M, W2_K, L1, L1_M,
     pid = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)  # linear, as halo_programs.linear_grid
     g = pid * GROUPS + tl.arange(0, GROUPS)
     f0 = g * 4
-    r0 = _magic(f0, W2_M, W2_K)
+    r0 = magic_div(f0, W2_M, W2_K)
     k0 = f0 - r0 * W2
     x0, in0 = _window_row(r0, L1, L1_M, L1_K, L0, L0_M, L0_K, LO0, LO1, I0, I1, XBASE, X_S1, XB, XC)
     x1, in1 = _window_row(r0 + 1, L1, L1_M, L1_K, L0, L0_M, L0_K, LO0, LO1, I0, I1, XBASE, X_S1, XB, XC)

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["cast_out", "balanced_chunk", "chunk_rows", "grouped_tile", "tile_offsets", "matmul_tile", "tma_tile",
-           "globaltimer", "poll_flags", "wait_flag", "arrive", "raise_flag", "store_word_kernel"]
+           "globaltimer", "poll_flags", "wait_flag", "arrive", "raise_flag", "store_word_kernel", "magic_div"]
 
 
 @triton.jit
@@ -242,3 +242,12 @@ def store_word_kernel(word_ptr, value):
     """One program: ``*word_ptr = value``.  The probe that a kernel's store reaches pinned host memory
     (:func:`distfuse.fused.status_slots.mapped_host_words`)."""
     tl.store(word_ptr, value)
+
+
+@triton.jit
+def magic_div(n, m, shift):
+    """``n // d`` for int32 ``0 <= n < 2^31`` by the multiplier ``(m, shift)`` of
+    :func:`~distfuse.kernels.halo_programs.magic_divisor` (``d`` >= 1; both tensors or run-time integers):
+    ``umulhi(2n, m) >> shift``, three 32-bit instructions instead of a runtime division (about twenty on a GPU) or
+    a 64-bit multiply."""
+    return (tl.umulhi((n * 2).to(tl.uint32), m.to(tl.uint32)) >> shift.to(tl.uint32)).to(tl.int32)
