@@ -82,8 +82,14 @@ def latest_checkpoint(root: str) -> str | None:
 
 
 def run(ckpt: str, steps: int, save_every: int, resume: bool, reverse_ranks: bool = False,
-        dtype: torch.dtype = torch.float64, rtol: float = 1e-9, quiet: bool = False) -> list[tuple[int, float, float]]:
-    """Train (or resume) on an initialised process group; returns ``(step, loss, twin loss)`` on rank 0."""
+        dtype: torch.dtype = torch.float64, rtol: float | None = None,
+        quiet: bool = False) -> list[tuple[int, float, float]]:
+    """Train (or resume) on an initialised process group; returns ``(step, loss, twin loss)`` on rank 0.
+
+    Each step's loss must match the torch.nn twin's within ``rtol``; by default the rounding bound of ``dtype``
+    (:func:`distfuse.testing.tolerance.rounding_bound`) for the longest sum behind a loss (the squared errors of a
+    batch, or the gradient norm's squares of the parameters) over ``steps`` steps, twice over (both sides round).
+    """
     from distfuse import Partition
     from distfuse.geometry.decomposition import local_slices
     from distfuse.interop.checkpoint import load_checkpoint, save_checkpoint
@@ -138,6 +144,11 @@ def run(ckpt: str, steps: int, save_every: int, resume: bool, reverse_ranks: boo
         total = loss.detach().clone()
         dist.all_reduce(total)
         if rank == 0:
+            if rtol is None:
+                from distfuse.testing.tolerance import rounding_bound
+
+                terms = max(tg.numel(), sum(p.numel() for p in twin.parameters()))
+                rtol = 2 * rounding_bound(dtype, terms, steps)
             twin_loss = F.mse_loss(twin(xg), tg)
             twin_loss.backward()
             nn.utils.clip_grad_norm_(twin.parameters(), MAX_NORM)
@@ -220,12 +231,13 @@ def main(argv=None) -> int:
     ap.add_argument("--resume", action="store_true", help="load the newest checkpoint and continue from its step")
     ap.add_argument("--reverse-ranks", action="store_true", help="lay the partitions out over the ranks backwards")
     ap.add_argument("--spawn", type=int, default=0, help="start this many CPU gloo ranks here instead of torchrun")
-    ap.add_argument("--fp32", action="store_true", help="train in float32 (default float64, checked to 1e-9)")
+    ap.add_argument("--fp32", action="store_true", help="train in float32 (default float64; either checked to its "
+                    "rounding bound)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
     dtype = torch.float32 if a.fp32 else torch.float64
     args = dict(ckpt=a.ckpt, steps=a.steps, save_every=a.save_every, resume=a.resume, reverse_ranks=a.reverse_ranks,
-                dtype=dtype, rtol=1e-4 if a.fp32 else 1e-9, quiet=a.quiet)
+                dtype=dtype, quiet=a.quiet)
     if a.spawn:
         return spawn(a.spawn, args)
     _init_from_env()

@@ -201,6 +201,8 @@ def _linears():
 
         def step(rows, seed, who=None, bad=None):
             """Forward and backward of both linears against nn.Linear in float64; ``who`` feeds ``bad`` instead."""
+            for m in (ag, rsl, ag_seq, rs_seq):  # this call's parameter gradients only
+                m.zero_grad()
             xg = _data(seed, rows, 6, dtype=torch.float64).requires_grad_()
             x = xg.detach()[local_slices(xg.shape, P.shape, P.index)].clone().requires_grad_()
             if me == who:
@@ -211,10 +213,18 @@ def _linears():
             if me == who or bool(torch.isnan(y).any() or torch.isnan(z).any()):
                 return "nan"
             ref_y, ref_z = ag_seq(xg), rs_seq(xg)
-            (ref_y.square().sum() + ref_z.square().sum()).backward()  # the local blocks' share of the gradient
+            (ref_y.square().sum() + ref_z.square().sum()).backward()
             _close(y, ref_y[local_slices(ref_y.shape, P.shape, P.index)], torch.float64)
             _close(z, ref_z[local_slices(ref_z.shape, P.shape, P.index)], torch.float64)
-            return bool(torch.isfinite(x.grad).all())
+            # the input gradient sums both layers' backward; each parameter block's gradient sums over every row
+            _close(x.grad, xg.grad[local_slices(xg.shape, P.shape, P.index)], torch.float64)
+            for layer, seq_layer in ((ag, ag_seq), (rsl, rs_seq)):
+                for lay in layer.param_layouts():
+                    if lay.P.active:
+                        ref = getattr(seq_layer, lay.seq_name).grad
+                        _close(getattr(layer, lay.name).grad, ref[local_slices(ref.shape, lay.P.shape, lay.P.index)],
+                               torch.float64)
+            return True
 
         out["steady"] = [catch(lambda s=s: step(6, s)) for s in (1, 2)]
         out["even"] = catch(lambda: step(7, 3))  # 7 rows: blocks (4, 3) over the data-parallel axis

@@ -25,12 +25,13 @@ from distfuse.fused.all_gather_matmul import (
     all_gather_matmul_workspace_bytes,
 )
 from distfuse.fused.providers import providers_of, select_provider
-from distfuse.fused.symmetric import close_all
+from distfuse.fused.symmetric import close_all, get_workspace
 from distfuse.fused.workspace import LoopbackWorkspace
 from distfuse.geometry.decomposition import block_extent, block_range
 from distfuse.kernels.all_gather_matmul import ag_push, gathered_matmul
 from distfuse.testing import run_ranks
-from tests.tolerances import tol
+from tests.test_fused_linear import _poison
+from tests.tolerances import TERMS, tol
 
 F64 = torch.float64
 AG = registry.ALL_GATHER_MATMUL.name
@@ -62,10 +63,10 @@ def _ref(d, r, W, dtype):
                 dw=flat.t() @ x_full.reshape(-1, x_full.shape[-1]), db=flat.sum(0))
 
 
-def _close(got, ref, dtype, what):
+def _close(got, ref, dtype, what, terms=TERMS):
     assert got.shape == ref.shape, (what, tuple(got.shape), tuple(ref.shape))
     assert not torch.isnan(got).any(), f"{what}: NaN (never written, or a wait gave up)"
-    torch.testing.assert_close(got.double(), ref, **tol(dtype), msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(got.double(), ref, **tol(dtype, terms=terms), msg=lambda m: f"{what}: {m}")
 
 
 # ---------------------------------------------------------------- registry and choice
@@ -140,7 +141,8 @@ def test_copy_engine_missing_push_raises_and_poisons():
     W, n, K, N = 3, 6, 8, 5
     d = _data(3, W, (1,), n, K, N)
     ws = LoopbackWorkspace(W, all_gather_matmul_workspace_bytes(1, n, K, W, torch.float32))
-    out = torch.zeros(1, n, block_extent(N, W, 0))
+    sentinel = 1234.5  # finite: NaN is the signal of the chunk that never came
+    out = torch.full((1, n, block_extent(N, W, 0)), sentinel)
     with pytest.raises(CollectiveTimeoutError, match=r"flag of peer\(s\) \[2\] was not raised"), \
             ws.in_flight("missing push"):
         for r in (0, 1):  # virtual rank 2 never pushes
@@ -148,7 +150,11 @@ def test_copy_engine_missing_push_raises_and_poisons():
         gathered_matmul(d["xs"][0].float(), d["ws"][0].float(), ws, 0, W, n, out=out)
     rows = slice(*block_range(n, W, 2))
     assert torch.isnan(out[:, rows]).all(), "the chunk that never came must be NaN"
-    assert not torch.isnan(out[:, :rows.start]).any(), "the chunks that came are computed"
+    # the chunks that came (rank 0's own rows, rank 1's pushed rows) are computed: sums of K terms of unit scale
+    x_came = torch.cat([d["xs"][r].float().double() for r in (0, 1)], dim=-2)
+    ref = x_came @ d["ws"][0].float().double().t()
+    assert rows.start == x_came.shape[-2] and rows.stop == n
+    _close(out[:, :rows.start], ref, torch.float32, "the chunks that came", terms=K)
 
 
 # ---------------------------------------------------------------- across processes (/dev/shm)
@@ -169,12 +175,18 @@ def _rank_pushes(dtype_name, order, n, keep_gathered):
     W, r = P.size, P.rank
     lead, K, N = (2,), 6, 2 * W + 1
     d = _data(7, W, lead, n, K, N)
+    # Both pushes share this partition's cached workspace: NaN over it before each call (forward and backward), so
+    # a push that skips rows reads poison, never the rows an earlier push left there.  (Each claim starts with a
+    # barrier over the group, so no peer writes into this rank's buffer before its poison.)
+    get_workspace(P, all_gather_matmul_workspace_bytes(math.prod(lead), n, K, W, dtype))
     results = {}
     for provider in PUSHES:
         x = d["xs"][r].to(dtype).requires_grad_()
         w = d["ws"][r].to(dtype).requires_grad_()
         b = d["bs"][r].to(dtype).requires_grad_()
+        _poison(P)
         y = all_gather_matmul(x, w, b, P, keep_gathered=keep_gathered, n=n, provider=provider)
+        _poison(P)
         y.backward(d["dys"][r].to(dtype))
         results[provider] = dict(y=y.detach(), dx=x.grad, dw=w.grad, db=b.grad)
     close_all()

@@ -15,6 +15,7 @@ from distfuse.fused import registry
 from distfuse.fused.crossover_table import table_key
 from distfuse.kernels._utils import INTERPRET, input_precision, tf32_allowed
 from distfuse.layers.dispatch import DeviceCaps, select_path
+from tests.tolerances import rel_norm_tf32
 
 H100 = DeviceCaps("cuda", "NVIDIA H100", True, True)
 GEMM_OPS = [op for op in registry.names() if registry.get(op).triton_gemm]
@@ -112,5 +113,8 @@ def test_tf32_fused_fp32_matches_float64_at_tf32_tolerance():
     x_full = torch.cat(xs, dim=-2)
     for r in range(W):
         ref = x_full @ wts[r].t()
-        err = (ys[r].double().cpu() - ref).norm() / ref.norm()
-        assert err < 2e-3, f"rank {r}: relative error {err:.2e} above TF32's"
+        got = ys[r].double().cpu()
+        assert not torch.isnan(got).any(), f"rank {r}: NaN (an element was never written)"
+        err = float((got - ref).norm() / ref.norm())
+        bound = rel_norm_tf32(K)  # sums of K products of TF32 operands
+        assert err <= bound, f"rank {r}: relative error {err:.2e} above TF32's {bound:.1e} (sums of {K} terms)"

@@ -15,6 +15,7 @@ Pools keep the world group at torch's default timeout; ``DISTFUSE_TIMEOUT=3`` in
 
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
@@ -80,7 +81,8 @@ def _all_gather_linear():
     torch.manual_seed(11)
     layer = DistributedLinearAllGather(P, 6, 5, dtype=dt)
     torch.manual_seed(11)
-    seq = nn.Linear(6, 5, dtype=dt)
+    seq = nn.Linear(6, 5, dtype=dt)  # the layer's weights (same seed, same dtype)
+    oracle = copy.deepcopy(seq).double()  # the same weights, exactly, in float64
 
     def call(rows, bad_rows=None, bad_dtype=None, who=None):
         xg = torch.randn(rows, 6, generator=torch.Generator().manual_seed(rows)).to(dt)
@@ -88,7 +90,7 @@ def _all_gather_linear():
         if me == who:
             x = x.to(bad_dtype) if bad_dtype is not None else torch.randn(bad_rows, x.shape[1]).to(dt)
         y = layer(x)
-        ref = seq(xg)
+        ref = oracle(xg.double())
         return _close(y, ref[local_slices(ref.shape, P.shape, P.index)], dt) and y.dtype
 
     out = {"steady": [_catch(lambda: call(6)) for _ in range(3)]}

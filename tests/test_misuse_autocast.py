@@ -106,17 +106,21 @@ def _output_dtypes():
     me = dist.get_rank()
     P = _grid((0, 1, 2, 3), (2, 2))
     Pc = _grid((1, 3), (1, 2, 1))
+    # The sequential layers are built from a seed of their own: every rank checks its block against its own copy
+    # of the model rank 0 loads, whatever random numbers earlier work in this process drew.
     layers = {
-        "reduce_scatter": (DistributedLinearReduceScatter(P, 6, 4), nn.Linear(6, 4), (5, 6), P, P),
-        "all_gather": (DistributedLinearAllGather(P, 6, 4), nn.Linear(6, 4), (5, 6), P, P),
-        "general": (DistributedLinear(_grid((0, 1), (1, 2)), _grid((2, 3), (1, 2)), P, 6, 4), nn.Linear(6, 4),
-                    (5, 6), _grid((0, 1), (1, 2)), _grid((2, 3), (1, 2))),
+        "reduce_scatter": (DistributedLinearReduceScatter(P, 6, 4), lambda: nn.Linear(6, 4), (5, 6), P, P),
+        "all_gather": (DistributedLinearAllGather(P, 6, 4), lambda: nn.Linear(6, 4), (5, 6), P, P),
+        "general": (DistributedLinear(_grid((0, 1), (1, 2)), _grid((2, 3), (1, 2)), P, 6, 4),
+                    lambda: nn.Linear(6, 4), (5, 6), _grid((0, 1), (1, 2)), _grid((2, 3), (1, 2))),
         "channel_conv": (DistributedConv1d(Pc, 4, 2, 3, padding=1, P_y=_grid((3,), (1, 1, 1)),
-                                           P_w=_grid((1, 3), (1, 2, 1))), nn.Conv1d(4, 2, 3, padding=1), (2, 4, 5),
-                         Pc, _grid((3,), (1, 1, 1))),
+                                           P_w=_grid((1, 3), (1, 2, 1))), lambda: nn.Conv1d(4, 2, 3, padding=1),
+                         (2, 4, 5), Pc, _grid((3,), (1, 1, 1))),
     }
     out = {}
-    for name, (layer, seq, shape, P_in, P_out) in layers.items():
+    for seed, (name, (layer, make_seq, shape, P_in, P_out)) in enumerate(layers.items()):
+        torch.manual_seed(20 + seed)
+        seq = make_seq()
         load_sequential(layer, seq if me == 0 else None)
         X = torch.randn(shape, generator=torch.Generator().manual_seed(len(name)))
         with _autocast():

@@ -66,7 +66,9 @@ def _block(t, P):
 
 
 def _double_backward_is_the_map(F, x: torch.Tensor, u: torch.Tensor) -> float:
-    """``max |grad(<F*(v), u>, v) - F(u)|`` for a random ``v`` (0 where this rank holds nothing)."""
+    """``|grad(<F*(v), u>, v) - F(u)|`` over its allowance, at worst (<= 1 passes), for a random ``v`` (0 where
+    this rank holds nothing).  Both sides move ``u``'s values or add at most 4 of them (one per worker) in
+    float64, perhaps in other orders: the rounding bound of sums of 4 terms of unit-variance data (scale 1)."""
     x = x.detach().requires_grad_(True)
     y = F(x)
     v = torch.randn(y.shape, dtype=y.dtype).requires_grad_(True)
@@ -74,7 +76,10 @@ def _double_backward_is_the_map(F, x: torch.Tensor, u: torch.Tensor) -> float:
     (h,) = torch.autograd.grad((g * u).sum(), v)
     want = F(u)
     assert h.shape == want.shape, (h.shape, want.shape)
-    return float((h - want).abs().max()) if h.numel() else 0.0
+    if not h.numel():
+        return 0.0
+    t = tol(F64, terms=4)
+    return float(((h - want).abs() / (t["rtol"] * want.abs() + t["atol"])).max())
 
 
 def _primitives():
@@ -118,8 +123,8 @@ def test_every_primitive_double_backward_is_exact():
     for r, errs in enumerate(run_ranks(4, _primitives, pg_timeout=PG_DEFAULT, timeout=90)):
         assert set(errs) == {"AllGather", "ReduceScatter", "AllSumReduce", "Broadcast", "SumReduce", "HaloExchange",
                              "Repartition", "halo_exchange pair", "halo_staging pair"}
-        for op, err in errs.items():
-            assert err <= 1e-12, (r, op, err)  # data movement and fp64 sums of <= 4 terms
+        for op, ratio in errs.items():
+            assert ratio <= 1.0, (r, op, ratio)  # data movement and fp64 sums of <= 4 terms
 
 
 # ---------------------------------------------------------------- layers: a gradient penalty against torch.nn

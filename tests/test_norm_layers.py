@@ -99,14 +99,32 @@ def _fill_reference(seq: nn.Module, c: Case, gen: torch.Generator) -> None:
             t.copy_(v.to(c.pdtype).double())
 
 
-def _close(what: str, got: torch.Tensor, ref: torch.Tensor, dtype, cond: float = 1.0) -> None:
-    """The suite's tolerance on the scale of the unit-variance data (or the reference's, if larger), with the
-    normalisation's conditioning (:func:`_conditioning`) on the part that comes from sums."""
+def _close(what: str, got: torch.Tensor, ref: torch.Tensor, dtype, terms: int, steps: int = 1,
+           cond: float = 1.0) -> None:
+    """The rounding bound of sums of ``terms`` terms over ``steps`` steps, on the scale of the unit-variance data
+    (or the reference's, if larger), with the normalisation's conditioning (:func:`_conditioning`) on the part
+    that comes from sums."""
     assert tuple(got.shape) == tuple(ref.shape), f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     assert not torch.isnan(got).any(), f"{what}: NaN"
     scale = max(float(ref.abs().max()) if ref.numel() else 0.0, 1.0)
-    torch.testing.assert_close(got.double(), ref.double(), **tol(dtype, scale=scale, cond=cond),
+    torch.testing.assert_close(got.double(), ref.double(),
+                               **tol(dtype, terms=terms, scale=scale, steps=steps, cond=cond),
                                msg=lambda m: f"{what}: {m}")
+
+
+def _terms(c: Case, seq) -> int:
+    """The longest sums of a case: a channel's statistics and its weight and bias gradients (batch norm: every
+    value of the channel; instance norm: its values over the batch), a group's statistics (group norm:
+    ``C / groups`` channels' values, its weight gradient every value of one channel), a row of a layer norm
+    (its weight gradient: every row)."""
+    numel = math.prod(c.shape)
+    if c.kind == "ln":
+        row = math.prod(seq.normalized_shape)
+        return max(row, numel // row)
+    per_channel = numel // c.shape[1]
+    if c.kind == "gn":
+        return max(per_channel, numel // (c.shape[0] * seq.num_groups))
+    return per_channel
 
 
 def _conditioning(c: Case, seq, x: torch.Tensor, dy: torch.Tensor) -> float:
@@ -137,7 +155,9 @@ def _replica_block(layer, name: str, full: torch.Tensor) -> torch.Tensor:
     return full[lay.replica_slices()]
 
 
-def _step(c: Case, layer, seq, P_x, gen, step: str) -> None:
+def _step(c: Case, layer, seq, P_x, gen, step: str, terms: int, steps: int, buffer_steps: int) -> None:
+    """One forward and backward against the sequential layer: outputs and gradients within ``steps`` steps of
+    rounding, the running statistics within ``buffer_steps``."""
     x_g = (torch.randn(c.shape, generator=gen, dtype=torch.float64) * 2 + c.offset).to(c.dtype).double()
     x_g.requires_grad_(True)
     y_g = seq(x_g)
@@ -154,14 +174,14 @@ def _step(c: Case, layer, seq, P_x, gen, step: str) -> None:
     x.requires_grad_(mine)
     y = layer(x)
     assert y.dtype == c.dtype and tuple(y.shape) == tuple(x.shape), (y.dtype, tuple(y.shape))
-    _close(f"{step}: output", y, y_g.detach()[sl], c.dtype, cond)
+    _close(f"{step}: output", y, y_g.detach()[sl], c.dtype, terms, steps, cond)
     if y.requires_grad:
         y.backward(dy_g[sl].to(c.dtype))
     if mine:
-        _close(f"{step}: input gradient", x.grad, x_g.grad[sl], c.dtype, cond)
+        _close(f"{step}: input gradient", x.grad, x_g.grad[sl], c.dtype, terms, steps, cond)
     for name, p in layer.named_parameters():
         _close(f"{step}: {name} gradient", p.grad, _replica_block(layer, name, getattr(seq, name).grad), c.pdtype,
-               cond)
+               terms, steps, cond)
     for name in BUFFERS:
         mine_buf = getattr(layer, name, None)
         if mine_buf is not None:
@@ -169,7 +189,7 @@ def _step(c: Case, layer, seq, P_x, gen, step: str) -> None:
             if name == "num_batches_tracked":
                 assert int(mine_buf) == int(ref), (step, name, int(mine_buf), int(ref))
             else:
-                _close(f"{step}: {name}", mine_buf, ref, c.pdtype, cond)
+                _close(f"{step}: {name}", mine_buf, ref, c.pdtype, terms, buffer_steps, cond)
     layer.zero_grad(set_to_none=True)
     seq.zero_grad(set_to_none=True)
 
@@ -184,17 +204,20 @@ def run_norm_case(c: Case) -> bool:
     gen = torch.Generator().manual_seed(zlib.crc32(c.name.encode()))
     _fill_reference(seq, c, gen)
     load_sequential(layer, seq if rank == 0 else None)
-    for s in range(c.train_steps):
-        _step(c, layer, seq, P_x, gen, f"{c.name} train step {s}")
+    terms = _terms(c, seq)
+    for s in range(c.train_steps):  # the running statistics of step s have been updated s + 1 times
+        _step(c, layer, seq, P_x, gen, f"{c.name} train step {s}", terms, 1, s + 1)
     layer.eval()
     seq.eval()
-    _step(c, layer, seq, P_x, gen, f"{c.name} eval step")
+    # in eval, the outputs and gradients are computed from the running statistics of every training step
+    tracked = c.train_steps if getattr(seq, "running_mean", None) is not None else 1
+    _step(c, layer, seq, P_x, gen, f"{c.name} eval step", terms, tracked, c.train_steps)
     state = collect_sequential(layer)
     if rank == 0:
         want = seq.state_dict()
         assert sorted(state) == sorted(want), (sorted(state), sorted(want))
         for k, v in want.items():
-            _close(f"{c.name}: collected {k}", state[k], v, c.pdtype)
+            _close(f"{c.name}: collected {k}", state[k], v, c.pdtype, terms, c.train_steps)
     # Running statistics are bitwise equal on every worker that holds the same block.
     mine = None
     if P_x.active and getattr(layer, "running_mean", None) is not None:

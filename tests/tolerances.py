@@ -25,7 +25,8 @@ import torch
 from distfuse.testing.tolerance import rounding_bound, unit_roundoff
 
 __all__ = ["TERMS", "TOL", "REL_NORM", "REL_NORM_TERMS", "NORM_LAMBDA", "ADJOINT_TERMS", "ADJOINT_RTOL", "tol",
-           "rel_norm", "assert_rel_close", "unit_roundoff", "rounding_bound"]
+           "rel_norm", "assert_rel_close", "unit_roundoff", "rounding_bound", "TF32_UNIT_ROUNDOFF",
+           "TF32_OPERAND_ROUNDINGS", "rel_norm_tf32"]
 
 DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
@@ -92,3 +93,24 @@ def assert_rel_close(got: torch.Tensor, ref: torch.Tensor, dtype, what: str = ""
     bound = rel_norm(dtype, terms)
     assert err <= bound, f"{what}: relative error {err:.2e} over {bound:.1e} ({dtype}, sums of {terms} terms)"
     return err
+
+
+#: TF32, the tensor cores' input format for float32 GEMMs: 10 explicit mantissa bits, unit roundoff 2**-11.
+TF32_UNIT_ROUNDOFF = 2.0 ** -11
+#: A TF32 product converts both float32 operands, each to within 2 u_tf32: cuBLAS rounds (u), but Triton's
+#: ``tl.dot(input_precision="tf32")`` hands float32 registers to the tensor cores, which drop the 13 low mantissa
+#: bits (a truncation, up to 2u, the module's "one truncation").  The product of two 11-bit significands is exact
+#: in float32, and the sums and the stored result are float32.
+TF32_OPERAND_ROUNDINGS = 4
+
+
+def rel_norm_tf32(terms: int = REL_NORM_TERMS) -> float:
+    """:func:`rel_norm` of a float32 GEMM on TF32 tensor cores: ``||got - ref|| / ||ref||`` for outputs of sums of
+    ``terms`` products.  The storage roundings ``r u`` of :func:`rounding_bound` become the operands' conversions,
+    ``TF32_OPERAND_ROUNDINGS * TF32_UNIT_ROUNDOFF`` (as a number of float32 roundings), and the sums keep float32's
+    ``u``.  The conversions dominate: at 1024 terms 3.9e-3.  A truncation errs one way (each operand loses about
+    0.7 u_tf32 of its size on average), so the result shrinks by about 1.4 u_tf32 = 7e-4 and its error in norm
+    with it: the margin is the safety factor and the worst case of the conversions, not the averaging of a norm."""
+    roundings = TF32_OPERAND_ROUNDINGS * TF32_UNIT_ROUNDOFF / unit_roundoff(torch.float32)
+    return rounding_bound(torch.float32, terms, roundings=roundings, lam=NORM_LAMBDA)
+
