@@ -8,12 +8,18 @@ with random buffers; no communication is timed):
   - ``fused``    ``halo_stage`` (one Triton pass from the block and the receive buffer)
   - ``distdl``   ``F.pad`` + ``clone`` + slice assignment of the halo slabs (DistDL)
   - ``cat``      ``torch.cat`` along each axis in turn (PhysicsNeMo / DTensor style)
+  - ``pieces``   distfuse's unfused staging (``halo_exchange.stage_from_pieces``: the staged tensor written box
+                 by box with torch's indexed copies), which the layers run where dispatch does not fuse (no
+                 provider packs the boxes it sends: the fused path's one ``halo_pack`` launch and the unfused
+                 path's copy per box are both left out)
   - ``copy``     ``dst.copy_(src)`` of the staged tensor's bytes: the ceiling
   Effective bandwidth = (bytes read + bytes written) / time, and its % of the
   device-to-device copy bandwidth measured in the same run (target >= 80% for fused).
 * ``mode="full"``: staging + conv forward + backward (input, weight and bias grads, halo
   gradients to send back and the received ones accumulated) with the same cuDNN
-  convolution in every provider.
+  convolution in every provider.  Its ``pieces`` rows are the step the layers take unfused
+  (``unstage_to_pieces`` in the backward): what ``distfuse-tune project`` weighs the fused step
+  against for the halo conv's dispatch (``cat`` is the targets' anchor).
 
 Both memory formats (``--formats``): NCHW, and channels last (``channels_last`` /
 ``channels_last_3d``: every tensor, the baselines' slabs and the fused path's halo boxes in
@@ -121,10 +127,13 @@ class Case:
 
         self.x = rnd(batch, channels, *(extent,) * nd).contiguous(memory_format=self.fmt)
         recv = rnd(recv_numel(self.plan, self.index, lead))  # the halos, boxes in NCHW order
+        self.recv_nchw = recv
         self.incoming_nchw = rnd(send_numel(self.plan, self.index, lead))  # halo gradients coming back
         # what the fused path receives: the same boxes in the block's format
         self.recv = self._in_format([pc.src_shape for pc in self.plan.recvs(self.index)], recv)
         self.incoming = self._in_format([pc.src_shape for _, pc in self.plan.sends(self.index)], self.incoming_nchw)
+        sends = [pc for _, pc in self.plan.sends(self.index)]  # the same boxes as distfuse's unfused path gets them
+        self.incoming_pieces = list(zip(sends, self.boxes(self.incoming_nchw, sends), strict=True))
         self.weight = rnd(channels, channels, *(k,) * nd) * (1.0 / (channels * k**nd) ** 0.5)
         self.weight = self.weight.contiguous(memory_format=self.fmt)
         self.bias = rnd(channels)
@@ -145,6 +154,18 @@ class Case:
         parts = [flat_nchw[o: o + B * C * math.prod(s)].view(B, C, *s).movedim(1, -1).reshape(-1)
                  for o, s in zip(offs, shapes, strict=True)]
         return torch.cat(parts) if parts else flat_nchw
+
+    def boxes(self, flat_nchw, pieces):
+        """``flat_nchw`` (boxes end to end, NCHW) as one contiguous ``[B, C, *box]`` tensor per piece of ``pieces``:
+        the messages of distfuse's unfused exchange (``distfuse.primitives.halo_exchange``), which travel as
+        contiguous NCHW boxes whatever the block's format."""
+        B, C = self.x.shape[:2]
+        out, at = [], 0
+        for pc in pieces:
+            size = B * C * math.prod(pc.src_shape)
+            out.append(flat_nchw[at: at + size].view(B, C, *pc.src_shape))
+            at += size
+        return out
 
     def slabs_distdl(self):
         """Slabs written into the padded tensor: per axis a, the low and high slabs of the full extent of axes < a
@@ -218,6 +239,40 @@ def takes_words(case, forced: bool = True) -> bool:
     return bool(launch.words) and case.x.element_size() in launch.words[0].sizes
 
 
+@functools.lru_cache(maxsize=None)
+def _halo_exchange():
+    """``distfuse.primitives.halo_exchange``, imported once (as :func:`_halo`)."""
+    from distfuse.primitives import halo_exchange
+
+    return halo_exchange
+
+
+def stage_pieces(case, x, boxes):
+    """distfuse's unfused staging (the layers' path where dispatch does not fuse): the staged tensor allocated, then
+    written box by box with torch's indexed copies (``halo_exchange.stage_from_pieces``)."""
+    return _halo_exchange().stage_from_pieces(x, case.plan, case.index, boxes)
+
+
+class _PiecesStage(torch.autograd.Function):
+    """distfuse's unfused staging and its adjoint without the exchange (single GPU), as the layers' ``halo_exchange``
+    op pair runs them: forward ``stage_from_pieces``; backward ``unstage_to_pieces`` (the block's own boxes summed
+    into a gradient of the block, in fp32 for 16-bit data, and the boxes to send back), then the neighbours' boxes
+    (``case.incoming_nchw``, simulated) added into it and the sum rounded to the dtype once."""
+
+    @staticmethod
+    def forward(ctx, x, case, *boxes):
+        ctx.case, ctx.x_shape, ctx.fmt = case, tuple(x.shape), case.fmt
+        return stage_pieces(case, x, boxes)
+
+    @staticmethod
+    def backward(ctx, g):
+        case = ctx.case
+        grad_x, outgoing = _halo_exchange().unstage_to_pieces(g, ctx.x_shape, case.plan, case.index, ctx.fmt)
+        for pc, buf in case.incoming_pieces:  # as the layers' adjoint adds them (halo_exchange._exchange_adjoint)
+            grad_x[pc.src_index] += buf
+        return (grad_x.to(g.dtype), None, *outgoing)
+
+
 def stage_distdl(case, x, slabs):
     """DistDL: pad with zeros, clone (the padded tensor is then written in place), overwrite the halo slabs."""
     import torch.nn.functional as F
@@ -271,6 +326,9 @@ def full_step(case, provider, x, halos, weight, bias):
         halos = halos.detach().requires_grad_(True)
         staged = _FusedStage.apply(x, halos, case)
         leaves = [halos]
+    elif provider == "pieces":
+        leaves = [box.detach().requires_grad_(True) for box in halos]
+        staged = _PiecesStage.apply(x, case, *leaves)
     elif provider == "distdl":
         halos = [(li, lo.detach().requires_grad_(True), hi_i, hi.detach().requires_grad_(True))
                  for li, lo, hi_i, hi in halos]
@@ -302,6 +360,8 @@ def _same_step(got, want) -> bool:
 
 
 def _halo_inputs(case, provider):
+    if provider == "pieces":
+        return case.boxes(case.recv_nchw, case.plan.recvs(case.index))
     return {"fused": case.recv, "distdl": case.slabs_distdl(), "cat": case.slabs_cat()}[provider]
 
 
@@ -312,7 +372,7 @@ def _halo_inputs(case, provider):
 
 def smoke() -> int:
     """Tiny shapes on the CPU: the stagings (fused in one pass and in two, each in the words form too where it
-    applies, distdl, cat) agree exactly; fwd+bwd agree in float64."""
+    applies, distdl, cat, and distfuse's unfused pieces) agree exactly; fwd+bwd agree in float64."""
     from distfuse.kernels import halo as hk
     from distfuse.kernels.halo_tables import self_numel
 
@@ -324,7 +384,8 @@ def smoke() -> int:
             got = {"fused": stage_fused(case, case.x, case.recv),
                    "fused_two_pass": stage_fused_two_pass(case, case.x, case.recv),
                    "distdl": stage_distdl(case, case.x, case.slabs_distdl()),
-                   "cat": stage_cat(case, case.x, case.slabs_cat())}
+                   "cat": stage_cat(case, case.x, case.slabs_cat()),
+                   "pieces": stage_pieces(case, case.x, _halo_inputs(case, "pieces"))}
             if takes_words(case):  # the words form (fp32 here: the smoke's staged rows are odd)
                 got["fused_words"] = stage_fused_words(case, case.x, case.recv)
                 got["fused_two_pass_words"] = stage_fused_two_pass(case, case.x, case.recv, words=True)
@@ -337,7 +398,7 @@ def smoke() -> int:
                 return 1
         case = Case(nd, 2, 3, 5, 1, torch.float64, "cpu", channels_last=cl)
         outs = {p: full_step(case, p, case.x, _halo_inputs(case, p), case.weight, case.bias)
-                for p in ("fused", "distdl", "cat")}
+                for p in ("fused", "distdl", "cat", "pieces")}
         # the fused path also adds the halo gradients that neighbours send back (simulated); the baselines
         # stop at this worker's own staging, so add the same boxes to theirs
         back = hk.halo_accumulate_reference(torch.zeros_like(case.x), torch.zeros(
@@ -345,18 +406,24 @@ def smoke() -> int:
             case.incoming_nchw, case.plan, case.index)
         for p in ("distdl", "cat"):
             outs[p] = (outs[p][0], outs[p][1] + back, *outs[p][2:])
-        for p in ("distdl", "cat"):
+        for p in ("distdl", "cat", "pieces"):
             for i, what in enumerate(("y", "grad x", "grad weight", "grad bias")):
                 if not torch.allclose(outs["fused"][i], outs[p][i], rtol=1e-10, atol=1e-10):
                     print(f"smoke: {name_of} fused and {p} differ in {what}", file=sys.stderr)
                     return 1
-        # the halos' gradients (what goes back to the neighbours) carry the same total
+        # the halos' gradients (what goes back to the neighbours): distfuse's two paths send the same boxes (the
+        # fused one in the block's format, end to end); the baselines' slabs carry the same total
+        recvs = [pc.src_shape for pc in case.plan.recvs(case.index)]
+        sent = case._in_format(recvs, torch.cat([g.reshape(-1) for g in outs["pieces"][4]]))
+        if not torch.allclose(outs["fused"][4][0], sent, rtol=1e-10, atol=1e-10):
+            print(f"smoke: {name_of} fused and pieces send different halo gradients", file=sys.stderr)
+            return 1
         tot = {p: sum(float(g.sum()) for g in outs[p][4]) for p in outs}
         if abs(tot["fused"] - tot["distdl"]) > 1e-8 * max(1.0, abs(tot["distdl"])):
             print(f"smoke: {name_of} halo gradients differ: {tot}", file=sys.stderr)
             return 1
-        print(f"smoke: {name_of} fused (one pass and two; in the words form too where it applies), distdl and cat "
-              "stagings agree (fp32, bf16, fp64); fwd+bwd agree (fp64)")
+        print(f"smoke: {name_of} fused (one pass and two; in the words form too where it applies), distdl, cat and "
+              "pieces stagings agree (fp32, bf16, fp64); fwd+bwd agree (fp64)")
     print("smoke: ok (correctness only; no timings on CPU)")
     return 0
 
@@ -413,12 +480,12 @@ def _copy_bandwidth(device: str = "cuda") -> float:
 ANCHORS = {"stage": "copy", "graph": "copy", "full": "cat", "full_graph": "cat"}
 #: What each provider runs (rows name it: ``kernel``).
 KERNELS = {"stage": {"fused": "halo_stage", "fused_words": "halo_stage (words form)", "distdl": "F.pad+clone+slices",
-                     "cat": "torch.cat", "copy": "Tensor.copy_"},
+                     "cat": "torch.cat", "pieces": "stage_from_pieces", "copy": "Tensor.copy_"},
            "graph": {"fused": "halo_stage", "fused_two_pass": "halo_stage local+remote",
                      "fused_words": "halo_stage (words form)", "fused_two_pass_words": "halo_stage local+remote "
                      "(words form)", "cat": "torch.cat", "copy": "Tensor.copy_"},
            "full": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "distdl": "F.pad+clone+slices+cudnn",
-                    "cat": "torch.cat+cudnn"},
+                    "cat": "torch.cat+cudnn", "pieces": "stage_from_pieces+cudnn+unstage_to_pieces"},
            "full_graph": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "cat": "torch.cat+cudnn"}}
 
 
@@ -465,7 +532,7 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
     dev = args.device
     cases = [Case(nd, args.batch, c, n, h, dtype, dev, seed=i, channels_last=fmt == "channels_last")
              for i in range(rotations)]
-    halos = {p: [_halo_inputs(cs, p) for cs in cases] for p in ("fused", "distdl", "cat")}
+    halos = {p: [_halo_inputs(cs, p) for cs in cases] for p in ("fused", "distdl", "cat", "pieces")}
     # The shape keys gpu_ratios reads (C, n, nd: the volume C * n^nd) and the rest of the case; format keeps the
     # channels-last rows and their anchors apart from the NCHW ones.
     shape = dict(nd=nd, C=c, n=n, halo=h, batch=args.batch, format=fmt)
@@ -489,6 +556,7 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
             "fused": lambda i: stage_fused(cases[i], cases[i].x, halos["fused"][i]),
             "distdl": lambda i: stage_distdl(cases[i], cases[i].x, halos["distdl"][i]),
             "cat": lambda i: stage_cat(cases[i], cases[i].x, halos["cat"][i]),
+            "pieces": lambda i: stage_pieces(cases[i], cases[i].x, halos["pieces"][i]),
         }
         if takes_words(cases[0]):  # the words form, forced (off by default: a row of its own, not "fused")
             fns["fused_words"] = lambda i: stage_fused_words(cases[i], cases[i].x, halos["fused"][i])
@@ -531,7 +599,8 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
                     q, how = eager, "eager"
             row("graph", provider, q, extra=dict(graph=True, timed=how))
     if "full" in args.modes:
-        for provider in ("fused", "distdl", "cat"):
+        # pieces: distfuse's own unfused step, the alternative the layers' dispatch weighs the fused step against
+        for provider in ("fused", "distdl", "cat", "pieces"):
             q = _bench(lambda i, p=provider: full_step(cases[i], p, cases[i].x, halos[p][i], cases[i].weight,
                                                        cases[i].bias), rotations, dev)
             row("full", provider, q)

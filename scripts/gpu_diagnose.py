@@ -772,7 +772,8 @@ def rows_probe_rows(torch, case, shape, device, calls, record) -> None:
 def halo_full_host(torch, device, dtype, calls, record, cuda) -> None:
     """The fused halo conv step (staging, cuDNN, unstage, accumulate) against the cat baseline's: host time at the
     small shapes (where the step is bound by it), and at the large ones the device time of every kernel of a step
-    (``kernels``: where the backward's time goes, the conv's kernels being the same in both)."""
+    (``kernels``: where the backward's time goes, the conv's kernels being the same in both).  At the small shapes
+    also the layers' own unfused step (``pieces``: what dispatch weighs the fused step against)."""
     from bench.bench_halo_conv import Case, _halo_inputs, full_step
 
     small = [(2, 64, 64, False), (3, 64, 64, False)] if cuda else [(2, 2, 4, False)]
@@ -781,7 +782,7 @@ def halo_full_host(torch, device, dtype, calls, record, cuda) -> None:
              else [(3, 2, 4, False), (2, 2, 4, True)])
     for nd, c, n, cl in small + large:
         case = Case(nd, 1, c, n, 1, dtype, device, channels_last=cl)
-        for provider in ("fused", "cat"):
+        for provider in ("fused", "cat") + (("pieces",) if (nd, c, n, cl) in small else ()):
             halos = _halo_inputs(case, provider)
             def step(case=case, p=provider, h=halos):
                 return full_step(case, p, case.x, h, case.weight, case.bias)

@@ -12,11 +12,11 @@ compute of tiny tensors: what a refactoring can make worse.  CPU host time, not 
 
 ``--kernels``: the fused kernels' launchers instead (the persistent producer, ``chunk_reduce``, the push,
 the persistent consumer, the halo staging, and the benchmark's fused halo conv step against its ``cat``
-step), as on a GPU after the first call: the launch cache on, every launch a hit whose binary launcher
-does nothing (no kernel runs), and the status checks deferred as on GPUs.  So the time is distfuse's Python
-and the launch cache's, the host work an eager fused call adds before its kernel starts; the GPU lab's
-``latency`` section (``scripts/gpu_diagnose.py``) shows when it outlasts the benchmarks' L2 flush and becomes GPU
-time.
+step and the layers' own unfused ``pieces`` step), as on a GPU after the first call: the launch cache on,
+every launch a hit whose binary launcher does nothing (no kernel runs), and the status checks deferred as on
+GPUs.  So the time is distfuse's Python and the launch cache's, the host work an eager fused call adds before
+its kernel starts; the GPU lab's ``latency`` section (``scripts/gpu_diagnose.py``) shows when it outlasts the
+benchmarks' L2 flush and becomes GPU time.
 The GPU machines' hosts ran the same Python 5 to 15 times slower than a recent x86 desktop core.
 """
 
@@ -136,7 +136,7 @@ def kernels() -> None:
         out["halo_stage" + (" channels_last" if cl else "")] = best(lambda case=case: stage_fused(case, case.x,
                                                                                               case.recv))
     case = Case(2, 1, 2, 3, 1, torch.float32, "cpu")
-    for provider in ("fused", "cat"):
+    for provider in ("fused", "cat", "pieces"):  # pieces: the layers' own unfused step
         halos = _halo_inputs(case, provider)
         out[f"halo conv step {provider}"] = best(
             lambda p=provider, h=halos: full_step(case, p, case.x, h, case.weight, case.bias), 1000)

@@ -18,6 +18,8 @@ short block per question (a block whose rows are absent says so):
   kernel's copy of the window alone and the staging, each against the copy of the staged bytes (``halo_tiles``),
   the row probe's whole rows and flat words against its window alone (``bench/halo_rows_probe.py``), and the
   staging's words form against the split launch and the default two passes (``halo_stage_words``);
+* **halo conv steps**: the fused step against ``cat``'s and the layers' own unfused step's (``pieces``), loop and
+  host time per shape (``halo_full``);
 * **launcher**: the host time of each way of launching a binary (``attrib``);
 * **host**: the device host's Python on the launchers (``host_cost.json``).
 
@@ -201,6 +203,27 @@ def layout_block(diag: dict) -> list[str]:
     return lines
 
 
+def halo_steps_block(diag: dict) -> list[str]:
+    """Per shape of ``halo_full``: the fused step's loop time against ``cat``'s and the layers' own unfused step's
+    (``pieces``, small shapes), and each step's host time after a synchronise: whether the fused step loses where
+    the host binds, and to which of the two."""
+    rows = [r for r in _rows(diag, "halo_full") if not str(r.get("op", "")).endswith("(cprofile)")]
+    if not rows:
+        return ["no halo_full rows"]
+    by: dict[tuple, dict] = {}
+    for r in rows:
+        by.setdefault((r.get("nd"), r.get("C"), r.get("n"), r.get("format")), {})[r["op"]] = r
+    lines = ["shape                            loop: fused    cat pieces   host: fused    cat pieces  cat/fused"]
+    for (nd, c, n, fmt), ops in by.items():
+        loop = [_us(ops[o], "loop_us") if o in ops else None for o in ("fused", "cat", "pieces")]
+        host = [_us(ops[o], "host_us") if o in ops else None for o in ("fused", "cat", "pieces")]
+        ratio = f"{loop[1] / loop[0]:.2f}" if loop[0] and loop[1] else "-"
+        shape = f"{nd}-D C={c} n={n} {fmt or ''}"
+        lines.append(f"  {shape:34s}" + "".join(f"{_fmt(v):>7}" for v in loop) + "      "
+                     + "".join(f"{_fmt(v):>7}" for v in host) + f"{ratio:>11}")
+    return lines
+
+
 def attrib_block(diag: dict) -> list[str]:
     rows = _rows(diag, "attrib")
     if not rows:
@@ -221,7 +244,9 @@ def digest(files: dict) -> str:
               ("latency (eager rows against graph replays; us)", latency_block(diag)),
               ("W streams (chunk_reduce against torch's sum of the same bytes)", streams_block(diag)),
               ("flag polls (graph us)", polls_block(diag)), ("Triton's mainloop (forms)", mainloop_block(diag)),
-              ("the NCHW layout (halo_tiles)", layout_block(diag)), ("launcher (attrib)", attrib_block(diag)),
+              ("the NCHW layout (halo_tiles)", layout_block(diag)),
+              ("halo conv steps (halo_full; us a step)", halo_steps_block(diag)),
+              ("launcher (attrib)", attrib_block(diag)),
               ("host (host_cost.json, stubbed launches)", host_block(host))]
     env = diag.get("env", {})
     head = (f"lab digest: {env.get('device', '?')} {env.get('date', '?')} commit {env.get('commit', '?')} "

@@ -74,7 +74,7 @@ def test_reduce_scatter_gain_and_margin_follow_the_stated_model(tmp_path):
     assert e["fused"] == "always" and "min_size" not in e and "max_size" not in e
     assert (e["gain"], e["margin"]) == (pytest.approx(gain, abs=1e-4), pytest.approx(margin, abs=1e-4))
     assert e["kernels"] == dict(file="gemm_fused-test.json", device=H100, date="2026-12-01T00:00:00+00:00",
-                                dtype="bfloat16", world_size=8, commit="abc")
+                                dtype="bfloat16", world_size=8, commit="abc", anchor="cublas")
     check_entry("t", "k", e)
 
 
@@ -202,6 +202,32 @@ def test_halo_conv_compares_the_full_rows_by_block_elements_and_keeps_each_sizes
     assert [g[1] for g in e["gains"]] == [pytest.approx(0.5), pytest.approx(0.1),
                                           pytest.approx(0.8 / 0.9 - 1, abs=1e-4)]
     assert e["fused"] == "interval" and "min_size" not in e and 2**18 <= e["max_size"] < 2**24
+
+
+def test_halo_conv_weighs_the_fused_step_against_the_layers_unfused_step_where_the_file_has_it(tmp_path):
+    """The layers' alternative to the fused halo conv is their own unfused step (``pieces``: stage_from_pieces,
+    unstage_to_pieces), not torch.cat's: where a file times it, the gain is against it; a file without those rows
+    falls back to ``cat``.  The entry names the anchor it was weighed against."""
+    s = dict(nd=2, C=64, n=64, halo=1)  # 2^18 elements
+    base = [_row("halo_conv", "fused", 0.5, s, world=1, mode="full"),
+            _row("halo_conv", "cat", 0.45, s, world=1, mode="full"),
+            _row("halo_conv", "distdl", 0.9, s, world=1, mode="full")]
+    key = table_key(H100, 4, torch.bfloat16, "halo_conv")
+
+    def entry(rows, name):
+        _write(tmp_path, rows, name=name)
+        e = project_table(tmp_path, devices=[H100], ops=["halo_conv"], world_sizes=[4], dtypes=["bfloat16"])[key]
+        (tmp_path / name).unlink()
+        return e
+
+    e = entry(base, "halo_conv-cat.json")
+    assert e["kernels"]["anchor"] == "cat" and e["gains"][0][1] == pytest.approx(0.45 / 0.5 - 1)
+    assert e["fused"] == "never"
+    e = entry(base + [_row("halo_conv", "pieces", 0.6, s, world=1, mode="full")], "halo_conv-pieces.json")
+    assert e["kernels"]["anchor"] == "pieces" and e["gains"][0][1] == pytest.approx(0.6 / 0.5 - 1)
+    assert e["fused"] == "always"  # +20%, past the 10% rule and its margin
+    # [size, fused, unfused]: the fused step is the fused row's, never an anchor's (cat's 0.45 would win)
+    assert e["points"][0][1:] == [pytest.approx(0.5), pytest.approx(0.6)]
 
 
 def test_other_devices_and_dtypes_borrow_kernels_with_a_wider_margin(tmp_path):

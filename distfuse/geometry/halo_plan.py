@@ -223,29 +223,46 @@ class Piece:
     steps: tuple[int, ...]
 
     def dst_slices(self) -> tuple[slice, ...]:
-        return tuple(slice(lo, lo + e) for lo, e in zip(self.dst_lo, self.shape, strict=True))
+        return self.dst_index[1:]
 
     def src_slices(self) -> tuple[slice, ...]:
-        return tuple(slice(lo, lo + e) for lo, e in zip(self.src_lo, self.src_shape, strict=True))
+        return self.src_index[1:]
+
+    # The indexings and transforms a staging or its adjoint applies to every call's tensors, built once per piece
+    # (the plan and its pieces live as long as the layer): the unfused path's host time is Python per piece.
+    @functools.cached_property
+    def dst_index(self) -> tuple:
+        """``(..., *dst_slices)``: the box in a staged tensor with any leading (batch, channel) dims."""
+        return (Ellipsis, *(slice(lo, lo + e) for lo, e in zip(self.dst_lo, self.shape, strict=True)))
+
+    @functools.cached_property
+    def src_index(self) -> tuple:
+        """``(..., *src_slices)``: the box in its source block."""
+        return (Ellipsis, *(slice(lo, lo + e) for lo, e in zip(self.src_lo, self.src_shape, strict=True)))
+
+    @functools.cached_property
+    def flipped(self) -> tuple[int, ...]:
+        """The spatial axes (from the last: -1 the innermost) a reflect run reverses."""
+        return tuple(a - len(self.steps) for a, s in enumerate(self.steps) if s == -1)
+
+    @functools.cached_property
+    def repeated(self) -> tuple[int, ...]:
+        """The spatial axes (from the last) on which one element is repeated (replicate)."""
+        return tuple(a - len(self.steps) for a, s in enumerate(self.steps) if s == 0)
 
 
 def read_box(src: torch.Tensor, piece: Piece) -> torch.Tensor:
     """The staged box of ``piece`` built from its source box ``src`` ([*lead, *src_shape]): flip and expand."""
-    lead = src.dim() - len(piece.steps)
-    flips = [lead + a for a, s in enumerate(piece.steps) if s == -1]
-    out = src.flip(flips) if flips else src
-    if any(s == 0 for s in piece.steps):
-        out = out.expand(*src.shape[:lead], *piece.shape)
+    out = src.flip(piece.flipped) if piece.flipped else src
+    if piece.repeated:
+        out = out.expand(*src.shape[:src.dim() - len(piece.steps)], *piece.shape)
     return out
 
 
 def adjoint_box(grad: torch.Tensor, piece: Piece) -> torch.Tensor:
     """Adjoint of :func:`read_box`: the gradient of the source box from the staged box's gradient."""
-    lead = grad.dim() - len(piece.steps)
-    sums = [lead + a for a, s in enumerate(piece.steps) if s == 0]
-    out = grad.sum(dim=sums, keepdim=True) if sums else grad
-    flips = [lead + a for a, s in enumerate(piece.steps) if s == -1]
-    return out.flip(flips) if flips else out
+    out = grad.sum(dim=piece.repeated, keepdim=True) if piece.repeated else grad
+    return out.flip(piece.flipped) if piece.flipped else out
 
 
 class HaloPlan:

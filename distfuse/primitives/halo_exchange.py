@@ -73,13 +73,12 @@ def stage_from_pieces(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...],
     staged = empty_in(lead + plan.staged_shape(index), memory_format_of(x), dtype=x.dtype, device=x.device)
     it = iter(received)
     for pc in plan.pieces(index):
-        dst = (..., *pc.dst_slices())
         if pc.src is None:
-            staged[dst] = 0
+            staged[pc.dst_index] = 0
         elif pc.src == index:
-            staged[dst] = read_box(x[(..., *pc.src_slices())], pc)
+            staged[pc.dst_index] = read_box(x[pc.src_index], pc)
         else:
-            staged[dst] = read_box(next(it), pc)
+            staged[pc.dst_index] = read_box(next(it), pc)
     return staged
 
 
@@ -94,9 +93,9 @@ def unstage_to_pieces(grad: torch.Tensor, x_shape: Sequence[int], plan: HaloPlan
     for pc in plan.pieces(index):
         if pc.src is None:
             continue
-        g = adjoint_box(grad[(..., *pc.dst_slices())], pc)
+        g = adjoint_box(grad[pc.dst_index], pc)
         if pc.src == index:
-            grad_x[(..., *pc.src_slices())] += g
+            grad_x[pc.src_index] += g
         else:
             outgoing.append(g.contiguous())
     return grad_x, outgoing
@@ -142,7 +141,7 @@ def _exchange(x: torch.Tensor, handle: int, global_shape: list[int],
         return x.clone()
     world_of, lead = halo.world_of_fn(), tuple(x.shape[: x.dim() - len(plan.axes)])
     recv = [x.new_empty(lead + pc.src_shape) for pc in plan.recvs(index)]
-    sends = [(world_of(r), x[(..., *pc.src_slices())].contiguous()) for r, pc in plan.sends(index)]
+    sends = [(world_of(r), x[pc.src_index].contiguous()) for r, pc in plan.sends(index)]
     exchange(sends, [(world_of(pc.src), buf) for pc, buf in zip(plan.recvs(index), recv, strict=True)], op=halo._op)
     return stage_from_pieces(x, plan, index, recv)
 
@@ -168,7 +167,7 @@ def _exchange_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], 
              [(world_of(r), buf) for (r, _), buf in zip(plan.sends(index), incoming, strict=True)],
              op=f"{halo._op} (adjoint)")
     for (_, pc), buf in zip(plan.sends(index), incoming, strict=True):
-        grad_x[(..., *pc.src_slices())] += buf
+        grad_x[pc.src_index] += buf
     return grad_x.to(grad.dtype)
 
 

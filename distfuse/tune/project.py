@@ -13,7 +13,8 @@ Measured: on one GPU, each rank's kernels of a W-way fused op in loopback (W vir
 (cuBLAS) on the same per-rank GEMM and a device copy of the same bytes
 (``bench/bench_gemm_fused.py``; rows ``op``, ``provider``, ``anchor``, ``shape``, ``dtype``,
 median ``ms``, ``ms_q20``/``ms_q80``).  The halo conv's rows (``bench/bench_halo_conv.py``,
-mode ``full``) time fused staging + cuDNN against ``torch.cat`` staging + the same cuDNN.
+mode ``full``) time fused staging + cuDNN against the layers' unfused staging (``pieces``) and ``torch.cat``
+staging, each + the same cuDNN.
 
 Modelled, per rank and forward (``S`` the bytes the collective moves: the partial product
 ``[m, n]`` of a reduce-scatter or all-reduce, the gathered operand ``[m, k]`` of an
@@ -29,7 +30,9 @@ all-gather; ``W`` the tensor-parallel world size)::
        copy_engine  fused   = max(t_gathered_gemm, max(t_push_ce, (W-1)/W S / B_store) + t_gathered_gemm / W) + a_sig
     all-reduce      unfused = t_cublas + a_nccl + 2 (W-1)/W S / B_nccl_ar
                     fused   = max(t_gemm_push, (W-1) S / B_store) + t_reduce + a_sig          (one-shot)
-    halo conv       unfused = t_cat_full, fused = t_fused_full  (both exchange the same halos: no interconnect term)
+    halo conv       unfused = t_pieces_full, fused = t_fused_full  (both exchange the same halos: no interconnect
+                              term; t_pieces_full is the layers' own unfused step, and a file without its rows
+                              takes torch.cat's step, t_cat_full, in its place; an entry's kernels.anchor names it)
 
 The fused GEMM's remote stores overlap its compute.  The bandwidth kernels (``t_reduce``,
 ``t_push``) are scaled by the bytes they move at the target ``W`` (``(W+1)/W S`` for a chunk
@@ -168,6 +171,8 @@ class OpModel:
     zero: str | None = None
     mode: str = "fwd"
     anchor: str = "cublas"
+    #: the anchor of a file without ``anchor`` rows (the halo conv's results before its ``pieces`` rows existed)
+    fallback: str | None = None
 
 
 #: One model per projected registry op (``FusedOp.projected``; a test checks that each has one).
@@ -179,12 +184,13 @@ OP_MODELS: dict[str, OpModel] = {
     registry.MATMUL_ALL_REDUCE.name: OpModel("ar", "matmul_push", "all_reduce_slots"),
     registry.ZERO_LINEAR_ROWS.name: OpModel("ag", "gathered_matmul", "ag_push", zero="rows"),
     registry.ZERO_LINEAR_COLUMNS.name: OpModel("ag", "gathered_k_matmul", "ag_push_columns", zero="columns"),
-    registry.HALO_CONV.name: OpModel("local", "halo_conv", mode="full", anchor="cat"),
+    # the layers' unfused step (stage_from_pieces, unstage_to_pieces), else torch.cat's where a file has no such rows
+    registry.HALO_CONV.name: OpModel("local", "halo_conv", mode="full", anchor="pieces", fallback="cat"),
 }
 
 #: Row providers that are the op's default provider under another name (``fused``: the first in the registry).
 _DEFAULT_ROW_PROVIDER = "fused"
-_ANCHORS = ("cublas", "copy", "cat", "distdl", "symm_mem")
+_ANCHORS = ("cublas", "copy", "cat", "distdl", "symm_mem", "pieces")
 
 
 # ---------------------------------------------------------------- rows
@@ -254,9 +260,10 @@ class Case:
     n: int
     k: int
     world: int  # the world size the rows were measured at
-    anchor: Timed  # cuBLAS (GEMM ops) or cat staging + conv (halo)
+    anchor: Timed  # cuBLAS (GEMM ops) or the unfused step (halo: pieces staging + conv, else cat's)
     gemm: dict[str, Timed]  # row provider -> the fused GEMM (or the fused halo conv)
     bw: dict[str, Timed] = field(default_factory=dict)  # row provider -> the bandwidth kernel
+    anchor_name: str = "cublas"  # the anchor's row provider
 
 
 def cases_for(op: str, f: ResultFile, dtype: str) -> list[Case]:
@@ -282,7 +289,8 @@ def cases_for(op: str, f: ResultFile, dtype: str) -> list[Case]:
     for (part, shape), provs in sorted(by.items(), key=lambda kv: str(kv[0])):
         if part != "gemm":
             continue
-        anchor = provs.get(model.anchor)
+        name = model.anchor if model.anchor in provs or model.fallback is None else model.fallback
+        anchor = provs.get(name)
         fused = {p: Timed.of(r) for p, r in provs.items() if p not in _ANCHORS}
         if anchor is None or _DEFAULT_ROW_PROVIDER not in fused:
             continue
@@ -290,7 +298,8 @@ def cases_for(op: str, f: ResultFile, dtype: str) -> list[Case]:
             s = dict(shape)
             elements = int(s.get("batch", 1)) * int(s["C"]) * int(s.get("n", 1)) ** int(s.get("nd", 2))
             size = registry.size_of(op, dict(elements=elements))
-            out.append(Case(size, 0, 0, 0, int(anchor.get("world_size") or 1), Timed.of(anchor), fused))
+            out.append(Case(size, 0, 0, 0, int(anchor.get("world_size") or 1), Timed.of(anchor), fused,
+                            anchor_name=name))
             continue
         bw = {p: Timed.of(r) for p, r in by.get(("bw", shape), {}).items() if p not in _ANCHORS}
         if _DEFAULT_ROW_PROVIDER not in bw:
@@ -470,7 +479,7 @@ def project_entries(files: list[ResultFile], devices: Sequence[DeviceModel], ops
                 gemm_scale = src_dev.gemm_tflops / device.gemm_tflops
                 bw_scale = src_dev.copy_gbps / device.copy_gbps
                 kernels = {"file": f.path, "device": f.device, "date": f.date, "dtype": src_dtype,
-                           "world_size": cases[0].world}
+                           "world_size": cases[0].world, "anchor": "+".join(sorted({c.anchor_name for c in cases}))}
                 if f.commit:
                     kernels["commit"] = f.commit
                 if len(day) > 1:  # the same day's other runs, whose worse cases the points took
