@@ -12,15 +12,15 @@
 #                        (scripts/launch_canary.py: a faulting launch would poison them)
 # 3 tests (140 s)        DISTFUSE_TEST_COMPILED=1 pytest -m cuda on the kernel tests,  tests.json
 #                        a launch off the main thread included
-# 4 gemm (80 s)          GEMM + scatter (every producer) and all-gather + GEMM vs      gemm_fused-<dev>-<date>.json
+# 4 gemm (60 s)          GEMM + scatter (every producer) and all-gather + GEMM vs      gemm_fused-<dev>-<date>.json
 #                        cuBLAS, chunk_reduce and the pushes vs the device copy:
 #                        LLaMA-3 8B/70B MLP at TP 8, M = 8192 and 512, bf16
-# 5 halo (80 s)          halo staging vs the device copy (eager, and replayed from a   halo_conv-<dev>-<date>.json
+# 5 halo (110 s)         halo staging vs the device copy (eager, and replayed from a   halo_conv-<dev>-<date>.json
 #                        CUDA graph), fused halo conv vs torch.cat staging + cuDNN
-# 6 two_process (65 s)   two processes on one GPU through real symmetric memory,       two_process.json
+# 6 two_process (55 s)   two processes on one GPU through real symmetric memory,       two_process.json
 #                        one short run per provider and of the ring attention's
 #                        fused push, against float64
-# 7 attention (55 s)     one rank's ring block vs SDPA, the ring's message vs the     attention-<dev>-<date>.json
+# 7 attention (45 s)     one rank's ring block vs SDPA, the ring's message vs the     attention-<dev>-<date>.json
 #                        device copy (bench/bench_attention.py --single)
 # and lab.json (env: device, versions, commit, date; every phase's status, time, limit; the ratios) and lab.log.
 #
@@ -148,10 +148,10 @@ LAUNCH_ENV=$($PY scripts/launch_canary.py --env-of "$OUT/probe.json" 2>>"$LOG")
 want tests 140 && DISTFUSE_LAB_TESTS_JSONL=$WORK/tests.jsonl DISTFUSE_TEST_COMPILED=1 \
   phase tests 140 "$OUT/tests.json" $PY -m pytest -q -p no:cacheprovider -p lab_pytest -m cuda -rfEs \
   "${TIMEOUT_ARG[@]}" "${TESTS[@]}"
-want gemm 80 && phase gemm 80 "$GEMM_JSON" "${GEMM[@]}"
-want halo 80 && phase halo 80 "$HALO_JSON" "${HALO[@]}"
-want two_process 65 && phase two_process 65 "$OUT/two_process.json" "${TWO[@]}"
-want attention 55 && phase attention 55 "" "${ATT[@]}"
+want gemm 60 && phase gemm 60 "$GEMM_JSON" "${GEMM[@]}"
+want halo 110 && phase halo 110 "$HALO_JSON" "${HALO[@]}"
+want two_process 55 && phase two_process 55 "$OUT/two_process.json" "${TWO[@]}"
+want attention 45 && phase attention 45 "" "${ATT[@]}"
 
 $PY scripts/lab_record.py ratios --out "$OUT" 2>&1 | tee -a "$LOG"
 RC=0
