@@ -161,13 +161,12 @@ class Case:
         """``flat_nchw`` (boxes end to end, NCHW) as one contiguous ``[B, C, *box]`` tensor per piece of ``pieces``:
         the messages of distfuse's unfused exchange (``distfuse.primitives.halo_exchange``), which travel as
         contiguous NCHW boxes whatever the block's format."""
+        from distfuse.kernels.halo_tables import box_offsets
+
         B, C = self.x.shape[:2]
-        out, at = [], 0
-        for pc in pieces:
-            size = B * C * math.prod(pc.src_shape)
-            out.append(flat_nchw[at: at + size].view(B, C, *pc.src_shape))
-            at += size
-        return out
+        offs, _ = box_offsets([pc.src_shape for pc in pieces], B * C)
+        return [flat_nchw[o: o + B * C * math.prod(pc.src_shape)].view(B, C, *pc.src_shape)
+                for o, pc in zip(offs, pieces, strict=True)]
 
     def slabs_distdl(self):
         """Slabs written into the padded tensor: per axis a, the low and high slabs of the full extent of axes < a

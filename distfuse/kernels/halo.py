@@ -415,7 +415,7 @@ def _split(buf: torch.Tensor, shapes, lead_shape) -> list[torch.Tensor]:
 
 def halo_pack_reference(x: torch.Tensor, plan: HaloPlan, index: Sequence[int]) -> torch.Tensor:
     index = tuple(index)
-    parts = [x[(..., *pc.src_slices())].reshape(-1) for _, pc in plan.sends(index)]
+    parts = [x[pc.src_index].reshape(-1) for _, pc in plan.sends(index)]
     return torch.cat(parts) if parts else x.new_empty(0)
 
 
@@ -428,10 +428,10 @@ def halo_stage_reference(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, in
         out = x.new_empty(lead_shape + plan.staged_shape(index))
     it = iter(received)
     for pc in plan.pieces(index):
-        dst = (..., *pc.dst_slices())
+        dst = pc.dst_index
         if pc.src is None or pc.src == index:  # zero fill or a piece of x: no message
             if region != "remote":
-                out[dst] = 0 if pc.src is None else read_box(x[(..., *pc.src_slices())], pc)
+                out[dst] = 0 if pc.src is None else read_box(x[pc.src_index], pc)
         else:
             box = next(it)
             if region != "local":
@@ -447,9 +447,9 @@ def halo_unstage_reference(grad: torch.Tensor, plan: HaloPlan, index: Sequence[i
     grad_x = torch.zeros(lead_shape + plan.input_shape(index), dtype=grad.dtype, device=grad.device)
     interior = interior_piece(plan, index)
     if interior is not None:
-        grad_x[(..., *interior.src_slices())] = grad[(..., *interior.dst_slices())]
-    send = [adjoint_box(g[(..., *pc.dst_slices())], pc).reshape(-1) for pc in plan.recvs(index)]
-    selfb = [adjoint_box(g[(..., *pc.dst_slices())], pc).reshape(-1) for pc in self_pieces(plan, index)]
+        grad_x[interior.src_index] = grad[interior.dst_index]
+    send = [adjoint_box(g[pc.dst_index], pc).reshape(-1) for pc in plan.recvs(index)]
+    selfb = [adjoint_box(g[pc.dst_index], pc).reshape(-1) for pc in self_pieces(plan, index)]
     acc = _acc_dtype(grad.dtype)
     send = torch.cat(send).to(grad.dtype) if send else grad.new_empty(0)
     selfb = torch.cat(selfb).to(acc) if selfb else torch.empty(0, dtype=acc, device=grad.device)
@@ -464,5 +464,5 @@ def halo_accumulate_reference(grad_x: torch.Tensor, self_boxes: torch.Tensor, in
     out = grad_x.double().clone()
     for pieces, buf in ((self_pieces(plan, index), self_boxes), ([pc for _, pc in plan.sends(index)], incoming)):
         for pc, box in zip(pieces, _split(buf, [p.src_shape for p in pieces], lead_shape), strict=True):
-            out[(..., *pc.src_slices())] += box.double()
+            out[pc.src_index] += box.double()
     return out.to(grad_x.dtype)

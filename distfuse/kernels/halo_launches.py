@@ -5,7 +5,7 @@ options (region, tile, block), never on the data: the shapes the launcher checks
 lookup tables (already cached in :mod:`~distfuse.kernels.halo_tables`), the grid, the arguments and the
 constexprs.  Recomputing them took most of an eager call's host time (with every launch stubbed on a CPU, 46 us of
 an unstage and 15 us of an accumulate: ``staged_shape``, ``input_shape``, the buffer sizes, the box offsets,
-``interior_piece(...).src_slices()``, ``pick_tile``, the grid), against a staging kernel of 23 us on an H200.  So
+``interior_piece(...).src_index``, ``pick_tile``, the grid), against a staging kernel of 23 us on an H200.  So
 each is built once per key by an ``lru_cache(maxsize=512)`` function, as the staging's
 :func:`~distfuse.kernels.halo_programs.stage_launch` is, and a call is one cache lookup, the shape checks, the
 output allocation and the launches.  Plans hash by identity (one plan per geometry, held by the op that owns it).
@@ -182,8 +182,8 @@ def unstage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: to
     return UnstageLaunch(
         staged, x_shape, recv_numel(plan, index, lead * trail), self_numel(plan, index, lead * trail),
         box_launch(tables, lead, staged, device, block, trail),
-        (..., *interior.src_slices()) if copy and partial else None,
-        (..., *interior.dst_slices()) if copy and not window else None, partial, window)
+        interior.src_index if copy and partial else None,
+        interior.dst_index if copy and not window else None, partial, window)
 
 
 class AccumulateLaunch(NamedTuple):
