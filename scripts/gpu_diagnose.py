@@ -774,7 +774,7 @@ def halo_full_host(torch, device, dtype, calls, record, cuda) -> None:
     small shapes (where the step is bound by it), and at the large ones the device time of every kernel of a step
     (``kernels``: where the backward's time goes, the conv's kernels being the same in both).  At the small shapes
     also the layers' own unfused step (``pieces``: what dispatch weighs the fused step against)."""
-    from bench.bench_halo_conv import Case, _halo_inputs, full_step
+    from bench.bench_halo_conv import Case, full_step, step_leaves
 
     small = [(2, 64, 64, False), (3, 64, 64, False)] if cuda else [(2, 2, 4, False)]
     # 2-D C=64 n=512: the fused step lost to cat by 290 us (NCHW) and 410 us (channels last) on 2026-11-28
@@ -783,9 +783,10 @@ def halo_full_host(torch, device, dtype, calls, record, cuda) -> None:
     for nd, c, n, cl in small + large:
         case = Case(nd, 1, c, n, 1, dtype, device, channels_last=cl)
         for provider in ("fused", "cat") + (("pieces",) if (nd, c, n, cl) in small else ()):
-            halos = _halo_inputs(case, provider)
-            def step(case=case, p=provider, h=halos):
-                return full_step(case, p, case.x, h, case.weight, case.bias)
+            inputs = step_leaves(case, provider)
+
+            def step(case=case, p=provider, inputs=inputs):
+                return full_step(case, p, *inputs)
 
             profile = (nd, c, n, cl) in large
             record(section="halo_full", op=provider, nd=nd, C=c, n=n, format="channels_last" if cl else "nchw",

@@ -108,7 +108,7 @@ def kernels() -> None:
     launch_cache._hooked = lambda: False
     launch_cache._BY_ADDRESS = "is_cpu"  # the CPU tensors stand for device memory: hits pass them by address
     from bench.bench_gemm_fused import Side
-    from bench.bench_halo_conv import Case, _halo_inputs, full_step, stage_fused
+    from bench.bench_halo_conv import Case, full_step, stage_fused, step_leaves
 
     def best(fn, calls=3000) -> float:
         for _ in range(300):
@@ -135,11 +135,12 @@ def kernels() -> None:
         case = Case(2, 1, 8, 8, 1, dt, "cpu", channels_last=cl)
         out["halo_stage" + (" channels_last" if cl else "")] = best(lambda case=case: stage_fused(case, case.x,
                                                                                               case.recv))
-    case = Case(2, 1, 2, 3, 1, torch.float32, "cpu")
-    for provider in ("fused", "cat", "pieces"):  # pieces: the layers' own unfused step
-        halos = _halo_inputs(case, provider)
-        out[f"halo conv step {provider}"] = best(
-            lambda p=provider, h=halos: full_step(case, p, case.x, h, case.weight, case.bias), 1000)
+    for nd in (2, 3):
+        case = Case(nd, 1, 2, 3, 1, torch.float32, "cpu")
+        for provider in ("fused", "cat", "pieces"):  # pieces: the layers' own unfused step
+            inputs = step_leaves(case, provider)
+            out[f"halo conv step{' 3-D' if nd == 3 else ''} {provider}"] = best(
+                lambda case=case, p=provider, inputs=inputs: full_step(case, p, *inputs), 1000)
     print(json.dumps(dict(env=_host_env(), us_per_call=out)))
 
 

@@ -52,8 +52,8 @@ from distfuse.geometry.decomposition import block_range, owner_of
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["PADDING_MODES", "AxisGeometry", "Segment", "Piece", "HaloPlan", "resolve_padding", "conv_output_extent",
-           "read_box", "adjoint_box"]
+__all__ = ["PADDING_MODES", "AxisGeometry", "Segment", "Piece", "Assembly", "HaloPlan", "resolve_padding",
+           "conv_output_extent", "read_box", "adjoint_box"]
 
 PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
 
@@ -251,6 +251,29 @@ class Piece:
         return tuple(a - len(self.steps) for a, s in enumerate(self.steps) if s == 0)
 
 
+@dataclass(frozen=True)
+class Assembly:
+    """How the unfused staging builds a worker's staged input from its pieces, and takes its gradient apart.
+
+    The pieces are the Cartesian product of the axes' segments, row-major (:meth:`HaloPlan.pieces`), so the staged
+    tensor is a nest of concatenations: the pieces of each run along the innermost axis, then those results along
+    the next axis out, and so on; its gradient splits back along the same runs, into views.
+
+    ``lengths``: per spatial axis, its segments' lengths (the run sizes of the concatenations and splits).
+    ``bands``: per combination of the outer axes' segments (row-major), the staged tensor's index of the band they
+    span, the innermost axis whole: one innermost concatenation writes it in place (the one-pass form).
+    ``cover``: the position in the pieces of the one that is the whole block unchanged (the interior copy), whose
+    gradient is the first term of the block's; None where the block is trimmed (stride) or only read through
+    wraps.
+    ``zero_fill``: whether any piece is zero fill (a boundary worker's, padding with zeros).
+    """
+
+    lengths: tuple[tuple[int, ...], ...]
+    bands: tuple[tuple, ...]
+    cover: int | None
+    zero_fill: bool
+
+
 def read_box(src: torch.Tensor, piece: Piece) -> torch.Tensor:
     """The staged box of ``piece`` built from its source box ``src`` ([*lead, *src_shape]): flip and expand."""
     out = src.flip(piece.flipped) if piece.flipped else src
@@ -300,7 +323,24 @@ class HaloPlan:
         return tuple(ax.m for ax in self.axes)
 
     def staged_shape(self, index: Sequence[int]) -> tuple[int, ...]:
+        return self._staged_shape(tuple(index))
+
+    @functools.cache  # noqa: B019 - asked at every staging; the ranges are Python arithmetic per axis
+    def _staged_shape(self, index: tuple[int, ...]) -> tuple[int, ...]:
         return tuple(ax.needed_range(i)[1] - ax.needed_range(i)[0] for ax, i in zip(self.axes, index, strict=True))
+
+    @functools.cache  # noqa: B019
+    def assembly(self, index: tuple[int, ...]) -> Assembly:
+        """How the unfused staging concatenates worker ``index``'s pieces (see :class:`Assembly`)."""
+        per_axis = [ax.segments(i) for ax, i in zip(self.axes, index, strict=True)]
+        lengths = tuple(tuple(s.length for s in segs) for segs in per_axis)
+        bands = tuple((Ellipsis, *(slice(s.dst, s.dst + s.length) for s in combo), slice(None))
+                      for combo in itertools.product(*per_axis[:-1])) if per_axis else ()
+        block = self.input_shape(index)
+        cover = next((k for k, pc in enumerate(self.pieces(index))
+                      if pc.src == index and all(s == 1 for s in pc.steps) and not any(pc.src_lo)
+                      and pc.src_shape == block), None)
+        return Assembly(lengths, bands, cover, any(pc.src is None for pc in self.pieces(index)))
 
     @functools.cache  # noqa: B019 - one plan per geometry, cached by the primitive that owns it
     def pieces(self, index: tuple[int, ...]) -> tuple[Piece, ...]:

@@ -27,7 +27,7 @@ Staging paths (``last_path``)::
              interpolation whose windows stay at home): a view of x, padded with ``fill`` by
              ``F.pad`` where the window leaves the domain.  No messages.
     unfused  the ``distfuse::halo_exchange`` pair (``primitives/halo_exchange.py``): one round of
-             point-to-point messages, the window written once box by box.
+             point-to-point messages, the window concatenated from its boxes.
     fused    the ``distfuse::halo_staging`` pair (``fused/halo_staging.py``): the halo conv's Triton
              kernels without the convolution: pack, one round, one staging pass; backward
              unstage, one round, accumulate.

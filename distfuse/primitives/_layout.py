@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["memory_format_of", "format_code", "format_of_code", "empty_in", "zeros_in", "as_message",
+__all__ = ["memory_format_of", "format_code", "format_of_code", "empty_in", "zeros_in", "copy_in", "as_message",
            "stacked_in", "FORMAT_CODES"]
 
 FORMAT_CODES = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
@@ -52,6 +52,11 @@ def empty_in(shape: Sequence[int], fmt, *, dtype, device) -> torch.Tensor:
 def zeros_in(shape: Sequence[int], fmt, *, dtype, device) -> torch.Tensor:
     """Zeros of ``shape`` in ``fmt`` (see :func:`empty_in`)."""
     return empty_in(shape, fmt, dtype=dtype, device=device).zero_()
+
+
+def copy_in(t: torch.Tensor, fmt, *, dtype) -> torch.Tensor:
+    """A new tensor of ``t``'s values as ``dtype``, dense in ``fmt`` (see :func:`empty_in`): one pass."""
+    return t.to(dtype, copy=True, memory_format=_applied(t.shape, fmt))
 
 
 def as_message(t: torch.Tensor, fmt) -> torch.Tensor:
