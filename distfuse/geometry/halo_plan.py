@@ -260,8 +260,6 @@ class Assembly:
     the next axis out, and so on; its gradient splits back along the same runs, into views.
 
     ``lengths``: per spatial axis, its segments' lengths (the run sizes of the concatenations and splits).
-    ``bands``: per combination of the outer axes' segments (row-major), the staged tensor's index of the band they
-    span, the innermost axis whole: one innermost concatenation writes it in place (the one-pass form).
     ``cover``: the position in the pieces of the one that is the whole block unchanged (the interior copy), whose
     gradient is the first term of the block's; None where the block is trimmed (stride) or only read through
     wraps.
@@ -269,7 +267,6 @@ class Assembly:
     """
 
     lengths: tuple[tuple[int, ...], ...]
-    bands: tuple[tuple, ...]
     cover: int | None
     zero_fill: bool
 
@@ -334,13 +331,11 @@ class HaloPlan:
         """How the unfused staging concatenates worker ``index``'s pieces (see :class:`Assembly`)."""
         per_axis = [ax.segments(i) for ax, i in zip(self.axes, index, strict=True)]
         lengths = tuple(tuple(s.length for s in segs) for segs in per_axis)
-        bands = tuple((Ellipsis, *(slice(s.dst, s.dst + s.length) for s in combo), slice(None))
-                      for combo in itertools.product(*per_axis[:-1])) if per_axis else ()
         block = self.input_shape(index)
         cover = next((k for k, pc in enumerate(self.pieces(index))
                       if pc.src == index and all(s == 1 for s in pc.steps) and not any(pc.src_lo)
                       and pc.src_shape == block), None)
-        return Assembly(lengths, bands, cover, any(pc.src is None for pc in self.pieces(index)))
+        return Assembly(lengths, cover, any(pc.src is None for pc in self.pieces(index)))
 
     @functools.cache  # noqa: B019 - one plan per geometry, cached by the primitive that owns it
     def pieces(self, index: tuple[int, ...]) -> tuple[Piece, ...]:

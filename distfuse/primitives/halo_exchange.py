@@ -38,6 +38,7 @@ same ops): it gets a copy of its placeholder and sends nothing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -66,71 +67,74 @@ def _as_tuple(v, nd: int, name: str, op: str = "HaloExchange") -> tuple[int, ...
 
 
 #: Staged tensors of at most this many bytes (per device type; others as ``"cpu"``) are built by nested
-#: concatenations: one torch call per run of pieces on each axis (4 calls for a 2-D interior worker's 9 pieces, 13
-#: for 3-D's 27) but ``nd - 1`` extra passes over the bytes.  Larger ones take one concatenation per band of the
-#: innermost axis, written in place: one pass, 3 calls in 2-D, 9 in 3-D (and as many index views).  On a GPU an
-#: extra pass over 8 MiB (read and write at ~3 TB/s) costs ~5 us, about the host time of the calls it saves, and
-#: only host-bound steps see those; on a CPU the same thread pays both, so the bound is ~64 KiB.
+#: concatenations: one ``torch.cat`` per run of pieces on each axis (4 calls for a 2-D interior worker's 9 pieces,
+#: 13 for 3-D's 27) at the price of ``nd - 1`` extra passes over the bytes (each level of the nest writes them once,
+#: and a channels-last block's result one more, into its format).  Larger ones are written box by box into the
+#: staged tensor: one pass, ``nd + 1`` calls a box.  On a GPU an extra pass over 8 MiB (read and write at ~3 TB/s)
+#: costs ~5 us, about the host time of the calls it saves, and only host-bound steps see those; on a CPU the same
+#: thread pays both, so the bound is ~64 KiB.
 NESTED_STAGING_BYTES = {"cuda": 8 << 20, "cpu": 64 << 10}
 
 
-def _nested(t: torch.Tensor) -> bool:
-    """Whether the staging of ``t`` (the staged tensor) takes the nested concatenations (see above)."""
-    bound = NESTED_STAGING_BYTES.get(t.device.type, NESTED_STAGING_BYTES["cpu"])
-    return t.numel() * t.element_size() <= bound
+def _nested(shape: tuple[int, ...], x: torch.Tensor) -> bool:
+    """Whether a staged tensor of ``shape`` and ``x``'s dtype and device takes the nested concatenations."""
+    bound = NESTED_STAGING_BYTES.get(x.device.type, NESTED_STAGING_BYTES["cpu"])
+    return math.prod(shape) * x.element_size() <= bound
 
 
 def stage_from_pieces(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...],
                       received: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The staged input ``[*lead, *plan.staged_shape(index)]``, in ``x``'s memory format, put together from the
-    pieces (torch reference of the fused stage kernel): the block's own boxes are read through views of ``x``,
-    ``received[k]`` is the source box of ``plan.recvs(index)[k]``, zero fill is zeros.
+    """The staged input ``[*lead, *plan.staged_shape(index)]``, a new tensor in ``x``'s memory format, put together
+    from the pieces (torch reference of the fused stage kernel): the block's own boxes are read through views of
+    ``x``, ``received[k]`` is the source box of ``plan.recvs(index)[k]``, zero fill is zeros.
 
-    The pieces tile the staged tensor as a grid (:class:`~distfuse.geometry.halo_plan.Assembly`), so it is a nest
-    of ``torch.cat``: a few calls per staging where a copy per box took ``nd + 1`` (the path's host time at small
-    volumes).  Zero fill stays a shape until a concatenation needs it, so a run of it (a boundary worker's outer
-    band) is one ``zeros``.  Large tensors take one concatenation per band, written in place
-    (:data:`NESTED_STAGING_BYTES`)."""
+    The pieces tile the staged tensor as a grid (:class:`~distfuse.geometry.halo_plan.Assembly`), so a small one is
+    a nest of ``torch.cat``: a few calls per staging where a copy per box takes ``nd + 1`` (the path's host time at
+    small volumes).  Zero fill stays a shape until a concatenation needs it, so a run of it (a boundary worker's
+    outer band) is one ``zeros``.  Large tensors are written box by box, in one pass (:data:`NESTED_STAGING_BYTES`).
+    No concatenation writes into a given output: ``torch.cat(out=)`` into a strided tensor is not a contract every
+    backend keeps."""
     nd = len(plan.axes)
     lead = tuple(x.shape[: x.dim() - nd])
-    staged = empty_in(lead + plan.staged_shape(index), memory_format_of(x), dtype=x.dtype, device=x.device)
+    shape, fmt = lead + plan.staged_shape(index), memory_format_of(x)
     pieces = plan.pieces(index)
-    if not pieces or not staged.numel():
-        return staged
+    if not pieces or not math.prod(shape):
+        return empty_in(shape, fmt, dtype=x.dtype, device=x.device)
     it = iter(received)
     # a piece's tensor, or its spatial shape where it is zero fill
     boxes = [pc.shape if pc.src is None else read_box(x[pc.src_index] if pc.src == index else next(it), pc)
              for pc in pieces]
+    if not _nested(shape, x):
+        staged = empty_in(shape, fmt, dtype=x.dtype, device=x.device)
+        for pc, box in zip(pieces, boxes, strict=True):
+            staged[pc.dst_index] = 0 if pc.src is None else box
+        return staged
     layout = plan.assembly(index)
     cat = _concatenated if layout.zero_fill else _cat
-    if _nested(staged):
-        for a in range(nd - 1, 0, -1):  # innermost first: each run of the axis's segments becomes one part
-            run = len(layout.lengths[a])
-            if run > 1:
-                boxes = [cat(boxes[i:i + run], a, nd, x) for i in range(0, len(boxes), run)]
-        cat(boxes, 0, nd, x, out=staged)  # the outermost axis, into the staged tensor (its memory format)
-        return staged
-    run = len(layout.lengths[-1])
-    for i, band in zip(range(0, len(boxes), run), layout.bands, strict=True):
-        cat(boxes[i:i + run], nd - 1, nd, x, out=staged[band])
+    for a in range(nd - 1, -1, -1):  # innermost first: each run of the axis's segments becomes one part
+        run = len(layout.lengths[a])
+        if run > 1:
+            boxes = [cat(boxes[i:i + run], a, nd, x) for i in range(0, len(boxes), run)]
+    (staged,) = boxes
+    if type(staged) is tuple:  # all zero fill
+        return zeros_in(shape, fmt, dtype=x.dtype, device=x.device)
+    if len(pieces) == 1 or not staged.is_contiguous(memory_format=fmt):  # a view of x or a buffer; or its format
+        return staged.clone(memory_format=fmt)
     return staged
 
 
-def _cat(parts: list, axis: int, nd: int, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``torch.cat`` of ``parts`` (tensors) along spatial ``axis`` (into ``out`` where given): no zero fill."""
-    return torch.cat(parts, axis - nd) if out is None else torch.cat(parts, axis - nd, out=out)
+def _cat(parts: list, axis: int, nd: int, x: torch.Tensor) -> torch.Tensor:
+    """``torch.cat`` of ``parts`` (tensors) along spatial ``axis``: no zero fill."""
+    return torch.cat(parts, axis - nd)
 
 
-def _concatenated(parts: list, axis: int, nd: int, x: torch.Tensor, out: torch.Tensor | None = None):
+def _concatenated(parts: list, axis: int, nd: int, x: torch.Tensor):
     """``parts`` (tensors, or spatial shapes standing for zero fill) concatenated along spatial ``axis``: a shape
-    again where all are zero fill, else a tensor (written into ``out`` where given)."""
+    again where all are zero fill, else a tensor."""
     if all(type(p) is tuple for p in parts):
-        if out is not None:
-            return out.zero_()
         return tuple(sum(p[a] for p in parts) if a == axis else parts[0][a] for a in range(nd))
     lead = tuple(x.shape[: x.dim() - nd])
-    tensors = [x.new_zeros(lead + p) if type(p) is tuple else p for p in parts]
-    return torch.cat(tensors, axis - nd, out=out) if out is not None else torch.cat(tensors, axis - nd)
+    return torch.cat([x.new_zeros(lead + p) if type(p) is tuple else p for p in parts], axis - nd)
 
 
 def unstage_to_pieces(grad: torch.Tensor, x_shape: Sequence[int], plan: HaloPlan,
