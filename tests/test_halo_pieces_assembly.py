@@ -87,13 +87,18 @@ def test_both_assemblies_equal_global_padding_and_the_adjoint_is_its_gradient(ca
     grads = {}
     for idx in plan.blocks():
         want = padded[_needed(plan, idx, pads)].to(dtype)
+        # the messages as the exchange delivers them: contiguous NCHW boxes, whatever the block's format
+        received = [box.contiguous() for box in _received(plan, idx, blocks)]
         for nested in (True, False):
             with assembly(nested):
-                staged = stage_from_pieces(blocks[idx], plan, idx, _received(plan, idx, blocks))
+                staged = stage_from_pieces(blocks[idx], plan, idx, received)
             assert staged.shape == want.shape, (idx, nested)
             assert torch.equal(staged, want), (idx, nested, mode)
             block_fmt = memory_format_of(blocks[idx])
             assert staged.is_contiguous(memory_format=block_fmt), (idx, nested, staged.stride())
+            # a new tensor: never the block's memory or a receive buffer's
+            assert all(staged.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+                       for t in [blocks[idx], *received] if t.numel() and staged.numel()), (idx, nested)
         grads[idx] = torch.randn(want.shape, generator=gen, dtype=torch.float64).to(dtype)
 
     # adjoint: every worker's own gradient plus the boxes the others send back, against autograd's
