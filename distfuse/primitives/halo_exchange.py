@@ -104,7 +104,7 @@ def stage_from_pieces(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...],
     # a piece's tensor, or its spatial shape where it is zero fill
     boxes = [pc.shape if pc.src is None else read_box(x[pc.src_index] if pc.src == index else next(it), pc)
              for pc in pieces]
-    if not _nested(shape, x):
+    if len(pieces) == 1 or not _nested(shape, x):  # one piece: the staging's one copy, into the block's format
         staged = empty_in(shape, fmt, dtype=x.dtype, device=x.device)
         for pc, box in zip(pieces, boxes, strict=True):
             staged[pc.dst_index] = 0 if pc.src is None else box
@@ -118,9 +118,8 @@ def stage_from_pieces(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...],
     (staged,) = boxes
     if type(staged) is tuple:  # all zero fill
         return zeros_in(shape, fmt, dtype=x.dtype, device=x.device)
-    if len(pieces) == 1 or not staged.is_contiguous(memory_format=fmt):  # a view of x or a buffer; or its format
-        return staged.clone(memory_format=fmt)
-    return staged
+    # a concatenation's output, new; channels last where every input was, else copied into the block's format
+    return staged if staged.is_contiguous(memory_format=fmt) else staged.clone(memory_format=fmt)
 
 
 def _cat(parts: list, axis: int, nd: int, x: torch.Tensor) -> torch.Tensor:
