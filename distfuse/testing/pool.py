@@ -20,6 +20,11 @@ Guarantees:
 
 Children call ``torch.set_num_threads(1)`` first: forked children of a parent that already
 used OpenMP otherwise hang, and one thread per rank is right on small CI machines anyway.
+
+Never make a process group in the process that forks the pools: after one was made, used for
+a backward and destroyed there, pools forked later stalled in their compiled calls (a flag
+round timed out).  Run such work on a pool's rank (``run_ranks(1, fn)``) or in a fresh
+process.
 """
 
 from __future__ import annotations
