@@ -324,19 +324,27 @@ def _leaf(t):
     return t if t.is_leaf and t.requires_grad else t.detach().requires_grad_(True)
 
 
+def _halo_leaves(provider, halos):
+    """``halos`` (a provider's, as :func:`_halo_inputs` gives them) with every tensor a leaf (:func:`_leaf`), and
+    those leaves in order."""
+    if provider == "fused":
+        halos = _leaf(halos)
+        return halos, [halos]
+    if provider == "pieces":
+        halos = [_leaf(t) for t in halos]
+        return halos, halos
+    if provider == "distdl":
+        halos = [(li, _leaf(lo), hi_i, _leaf(hi)) for li, lo, hi_i, hi in halos]
+        return halos, [t for _, lo, _, hi in halos for t in (lo, hi)]
+    halos = [(a, _leaf(lo), _leaf(hi)) for a, lo, hi in halos]
+    return halos, [t for _, lo, hi in halos for t in (lo, hi)]
+
+
 def step_leaves(case, provider):
     """``(x, halos, weight, bias)`` of ``case`` for :func:`full_step`, made leaves once: the timed steps then pay no
     ``detach`` per tensor and per step (a provider's halos are 1 to 26 tensors)."""
-    halos = _halo_inputs(case, provider)
-    if provider == "fused":
-        halos = _leaf(halos)
-    elif provider == "pieces":
-        halos = [_leaf(t) for t in halos]
-    elif provider == "distdl":
-        halos = [(li, _leaf(lo), hi_i, _leaf(hi)) for li, lo, hi_i, hi in halos]
-    else:
-        halos = [(a, _leaf(lo), _leaf(hi)) for a, lo, hi in halos]
-    return _leaf(case.x), halos, _leaf(case.weight), _leaf(case.bias)
+    return _leaf(case.x), _halo_leaves(provider, _halo_inputs(case, provider))[0], _leaf(case.weight), \
+        _leaf(case.bias)
 
 
 def full_step(case, provider, x, halos, weight, bias):
@@ -347,21 +355,15 @@ def full_step(case, provider, x, halos, weight, bias):
     26 boxes for ``pieces``), and an accumulation per leaf cost about 5 us of host time each (CPU), host time
     that is the bench's, not the staging's.  Captured, a leaf costs under 1 us."""
     x, w, b = _leaf(x), _leaf(weight), _leaf(bias)
+    halos, leaves = _halo_leaves(provider, halos)
     if provider == "fused":
-        halos = _leaf(halos)
         staged = _FusedStage.apply(x, halos, case)
-        leaves = [halos]
     elif provider == "pieces":
-        leaves = [_leaf(box) for box in halos]
-        staged = _PiecesStage.apply(x, case, *leaves)
+        staged = _PiecesStage.apply(x, case, *halos)
     elif provider == "distdl":
-        halos = [(li, _leaf(lo), hi_i, _leaf(hi)) for li, lo, hi_i, hi in halos]
         staged = stage_distdl(case, x, halos)
-        leaves = [t for _, lo, _, hi in halos for t in (lo, hi)]
     else:
-        halos = [(a, _leaf(lo), _leaf(hi)) for a, lo, hi in halos]
         staged = stage_cat(case, x, halos)
-        leaves = [t for _, lo, hi in halos for t in (lo, hi)]
     y = _conv(case)(staged, w, b)
     grads = torch.autograd.grad(y, [x, w, b, *leaves], case.dy)
     return y, grads[0], grads[1], grads[2], list(grads[3:])

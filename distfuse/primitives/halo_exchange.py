@@ -147,9 +147,10 @@ def unstage_to_pieces(grad: torch.Tensor, x_shape: Sequence[int], plan: HaloPlan
     block's gradient starts as a copy of the interior piece's where it covers the block, else as zeros."""
     accum = torch.float32 if grad.dtype in (torch.float16, torch.bfloat16) else grad.dtype
     pieces, layout = plan.pieces(index), plan.assembly(index)
-    nd = len(plan.axes)
-    views = [grad] if pieces else []
-    for a, lengths in enumerate(layout.lengths if pieces else ()):
+    if not pieces:  # the worker reads nothing: no gradient comes back, none goes out
+        return zeros_in(tuple(x_shape), x_format, dtype=accum, device=grad.device), []
+    nd, views = len(plan.axes), [grad]
+    for a, lengths in enumerate(layout.lengths):
         if len(lengths) > 1:
             views = [v for t in views for v in t.split(lengths, a - nd)]
     cover = layout.cover
