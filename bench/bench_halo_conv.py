@@ -230,15 +230,34 @@ def stage_fused_words(case, x, recv):
 def takes_words(case, forced: bool = True) -> bool:
     """Whether the staging of this case takes the words form: forced (``stage_fused_words``; NCHW, 16-bit elements
     in staged rows of an even length of 8 or more, or 32-bit ones, where it has a window to copy), or by the
-    package's default (``stage_fused``: on GPUs with ``DISTFUSE_STAGE_WORDS=1``, from 2^24 staged elements)."""
+    package's default (``stage_fused``: on GPUs with ``DISTFUSE_STAGE_WORDS=1`` from 2^24 staged elements, or where
+    a measured config of the staging says so: :func:`staging_config`)."""
     from distfuse.kernels import halo_programs as hp
 
     if case.fmt != torch.contiguous_format:
         return False
+    if not forced:
+        return bool(staging_config(case)[0].get("WORDS"))
     lead = case.x.shape[0] * case.x.shape[1]
-    launch = (hp.stage_launch(case.plan, case.index, lead, case.x.device, "all", None, None, 1, None, True) if forced
-              else hp.stage_launch(case.plan, case.index, lead, case.x.device, "all", None, None, 1))
+    launch = hp.stage_launch(case.plan, case.index, lead, case.x.device, "all", None, None, 1, None, True)
     return bool(launch.words) and case.x.element_size() in launch.words[0].sizes
+
+
+def staging_config(case) -> tuple[dict, str]:
+    """The package's one-pass staging of this case as ``stage_fused`` launches it: its config (tile, ``SPLIT``,
+    ``WORDS``: ``halo_programs.stage_config``; {} where the staging walks tables only) and where that came from,
+    ``"measured"`` (an entry of the tile table, ``distfuse-tune tiles``) or ``"rules"``.  The fused rows carry both."""
+    from distfuse.kernels import halo_programs as hp
+
+    trail = case.x.shape[1] if case.fmt != torch.contiguous_format else 1
+    lead = case.x.numel() // math.prod(case.x.shape[2:]) // trail
+    launch = hp.stage_launch(case.plan, case.index, lead, case.x.device, "all", None, None, trail, None, None,
+                             case.x.dtype)
+    if launch.kernel is not hp.stage_kernel:
+        return {}, "rules"
+    key = hp.stage_key(launch, lead, trail)
+    measured = hp.measured_stage(case.x.device, case.x.dtype, lead, (1, key["K"], key["N"]))
+    return hp.stage_config(launch, case.x.element_size()), "measured" if measured is not None else "rules"
 
 
 @functools.lru_cache(maxsize=None)
@@ -528,6 +547,23 @@ KERNELS = {"stage": {"fused": "halo_stage", "fused_words": "halo_stage (words fo
            "full_graph": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "cat": "torch.cat+cudnn"}}
 
 
+def _tile_tables() -> dict:
+    """The tile tables the staging reads in this run (``distfuse.kernels.tile_table``) and their ``halo_stage``
+    entries: a run with a table of measured staging configs says so in its ``env`` (the fused rows say which they
+    took)."""
+    from distfuse.errors import ConfigError
+    from distfuse.kernels import tile_table as tt
+
+    user = tt.user_tiles_path()
+    out = {}
+    for path in ([user, tt.SHIPPED_TILES] if user is not None else []):
+        try:
+            out[str(path)] = sum(e["kernel"] == "halo_stage" for e in tt.load_tiles(path))
+        except ConfigError as exc:  # the staging ignores a malformed table (with a warning): say why here
+            out[str(path)] = f"ignored: {exc}"
+    return out or {"off": 0}
+
+
 def gpu_run(args) -> int:
     from bench.harness import environment, results_path, write_json
 
@@ -535,7 +571,8 @@ def gpu_run(args) -> int:
     device_name = _device_name()
     copy_bw = _copy_bandwidth(args.device)
     env.update(nvml_name=device_name, copy_GBps=round(copy_bw / 1e9, 1), world_size=1,
-               note="single GPU; received halos simulated with buffers; no communication timed")
+               note="single GPU; received halos simulated with buffers; no communication timed",
+               tile_table=_tile_tables())
     print(f"{device_name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s")
     out = args.out or results_path("halo_conv", env, args.out_dir)
     rows = []
@@ -578,15 +615,19 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
     op = registry.HALO_CONV.name
     rows = []
 
-    # the package's default staging of this case: the words form where DISTFUSE_STAGE_WORDS=1 makes it the default
-    # (a row names the kernel that ran)
-    default_words = takes_words(cases[0], forced=False)
+    # the package's default staging of this case (a row names the kernel that ran): the words form where
+    # DISTFUSE_STAGE_WORDS=1 or a measured config makes it the default; the fused rows carry the config and its source
+    config, source = staging_config(cases[0])
+    default_words = bool(config.get("WORDS"))
 
-    def row(mode, provider, q, **kw):
+    def row(mode, provider, q, extra=None, **kw):
         # The graph rows are the staging op's own (halo_stage): kept apart from the eager rows of the halo conv op
         kernel = KERNELS[mode][provider] + (" (words form)" if provider == "fused" and default_words else "")
+        if provider in ("fused", "fused_two_pass"):
+            extra = dict(extra or {}, stage_config=config, stage_config_source=source)
         rows.append(Row(op="halo_stage" if mode == "graph" else op, provider=provider, mode=mode, shape=dict(shape),
-                        dtype=dtype_name, world_size=1, ms=q[0], ms_q20=q[1], ms_q80=q[2], kernel=kernel, **kw))
+                        dtype=dtype_name, world_size=1, ms=q[0], ms_q20=q[1], ms_q80=q[2], kernel=kernel,
+                        **({} if extra is None else dict(extra=extra)), **kw))
 
     if "stage" in args.modes:
         # bytes moved: the block and the halos read once, the staged tensor written once

@@ -185,6 +185,9 @@ def _parse(argv=None):
     p.add_argument("--graph", action="store_true", help="sweeps: also time each config replayed from a CUDA graph")
     p.add_argument("--sweep-m", type=int, nargs="+", default=None, help="sweeps: GEMM rows (default the largest M)")
     p.add_argument("--budget", type=float, default=300.0, help="seconds for the whole script")
+    p.add_argument("--append", action="store_true",
+                   help="add the rows to those of --json where it holds an earlier run's (its env is kept, its "
+                        "seconds summed): a diagnosis run in two parts, one file")
     p.add_argument("--sections", nargs="+",
                    default=["host", "attrib", "latency", "scatter", "forms", "halo", "gemm", "persistent",
                             "gathered", "reduce"])
@@ -633,8 +636,23 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
         shape = dict(nd=nd, C=c, n=n, format="channels_last" if cl else "nchw",
                      staged_bytes=out.numel() * out.element_size())
         dst = torch.empty_like(out)
-        record(section="halo_tiles", op="copy", **shape,
-               **measure(torch, lambda dst=dst, case=case: dst.copy_(case.staged_ref), device, calls))
+        # the kernels' view: LEAD vectors of TRAIL elements per spatial position (channels last: B and C)
+        trail = c if cl else 1
+        lead = case.x.numel() // math.prod(case.x.shape[2:]) // trail
+        # The rows of whole stagings carry their config and the tile table's key (M, N, K: distfuse-tune tiles),
+        # marked default where the staging's own choice (rules, or a measured entry) is the same config, and are
+        # timed from CUDA-graph replays too (graph_us: the kernels without the host, which the table compares); the
+        # copy of the staged bytes, their anchor, carries the key too
+        default_launch = hp.stage_launch(case.plan, case.index, lead, device, "all", None, None, trail, None, None,
+                                         dtype)
+        key = dict(key=hp.stage_key(default_launch, lead, trail))
+        default_config = hp.stage_config(default_launch, case.x.element_size())
+
+        def tabled(launch):  # a whole staging's row fields for the tile table
+            config = hp.stage_config(launch, case.x.element_size())
+            return dict(meta=config, default=config == default_config, **key)
+        record(section="halo_tiles", op="copy", **shape, **key,
+               **measure(torch, lambda dst=dst, case=case: dst.copy_(case.staged_ref), device, calls, graph=cuda))
         # The window's bytes alone: copied contiguously, and by torch's own strided copy into the staged layout (its
         # rows L_last apart, at an offset of the halo): what the layout costs any copy, beside region=window below
         # (this kernel's copy of the same window). If torch's strided copy is as far from the contiguous one as the
@@ -650,9 +668,6 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
                **measure(torch, lambda window=window, case=case: window.copy_(case.x), device, calls))
         if not cl:
             rows_probe_rows(torch, case, shape, device, calls, record)
-        # the kernels' view: LEAD vectors of TRAIL elements per spatial position (channels last: B and C)
-        trail = c if cl else 1
-        lead = case.x.numel() // math.prod(case.x.shape[2:]) // trail
         # The pinned tile, by region: the window and x's pieces, then recv's pieces, then the window's copy alone
         # ("window": no column beside it and no slab, a diagnosis region of stage_launch); then the slabs both ways
         # (one piece per row, the stage_launch default where it applies, against the table walk per element) and
@@ -671,11 +686,13 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
             except ValueError as exc:  # slab_rows=True where the window's columns are not one linear segment
                 record(section="halo_tiles", op=name, **shape, error=str(exc)[:200])
                 continue
-            extra = {}
+            extra, graph = {}, False
             if ("slab_rows" in how or "split" in how or "words" in how) and how["region"] == "all":
                 out.fill_(float("nan"))
                 hp.launch_stage(out, case.x, case.recv, launch)
                 extra = dict(exact=bool(torch.equal(out, case.staged_ref)))
+                if "slab_rows" not in how:  # a config the table can hold (slab_rows is the rules' alone)
+                    extra, graph = dict(extra, **tabled(launch)), cuda
             elif "split" in how:  # a pass of one region: bitwise the same region's default launch, the rest untouched
                 want = torch.full_like(out, 7.0)
                 hp.launch_stage(want, case.x, case.recv, hp.stage_launch(case.plan, case.index, lead, device,
@@ -686,7 +703,7 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
             record(section="halo_tiles", op=name, **shape, **extra,
                    **measure(torch, lambda out=out, case=case, launch=launch: hp.launch_stage(out, case.x, case.recv,
                                                                                              launch),
-                             device, calls))
+                             device, calls, graph=graph))
         if not cl:  # the layers' two passes (local, then remote), by default and with the words form's local pass
             two_pass_rows(torch, hp, case, shape, lead, device, calls, record)
         for elems, warps in configs:
@@ -708,9 +725,10 @@ def halo_tile_sweep(torch, device, dtype, calls, record, cuda, clock) -> None:
                 exact = bool(torch.equal(out, case.staged_ref))
                 row = measure(torch, lambda out=out, case=case, launch=launch: hp.launch_stage(out, case.x, case.recv,
                                                                                               launch),
-                              device, calls)
+                              device, calls, graph=cuda and hints)
                 record(section="halo_tiles", op="halo_stage", **shape, tile=list(tile), hints=hints, exact=exact,
-                       x_align=launch.meta["X_ALIGN"], out_align=launch.meta["OUT_ALIGN"], **row)
+                       x_align=launch.meta["X_ALIGN"], out_align=launch.meta["OUT_ALIGN"],
+                       **(tabled(launch) if hints else {}), **row)
 
 
 def two_pass_rows(torch, hp, case, shape, lead, device, calls, record) -> None:
@@ -831,6 +849,11 @@ def main(argv=None) -> int:
 
     # what python -m distfuse.tune.tiles needs to turn the sweeps into measured tiles
     env.update(W=W, dtype=dtype_name(dtype), sms=persistent_programs(device), fingerprints=current_fingerprints())
+    earlier = 0.0
+    if args.append and args.json.exists():  # the first part's rows and env (same device, commit and date)
+        first = json.loads(args.json.read_text())
+        rows.extend(first.get("rows", []))
+        env, earlier = dict(first.get("env", env)), float(first.get("env", {}).get("seconds") or 0.0)
 
     def save():
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -1027,7 +1050,7 @@ def main(argv=None) -> int:
                                         config=dict(c, EPILOGUE_SUBTILE=sub),
                                         kernel="gathered_matmul_persistent" if cuda else None)),
                 lambda side, c, sub=sub: consumer_meta(side, c, sub))
-    env["seconds"] = round(time.monotonic() - clock.t0, 1)
+    env["seconds"] = round(earlier + time.monotonic() - clock.t0, 1)
     save()
     print(f"diag: {len(rows)} rows in {env['seconds']} s -> {args.json}")
     return 0

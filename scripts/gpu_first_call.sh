@@ -14,6 +14,8 @@
 #    beside the loop times), with what is left of 585 s, if 30 s or more (each section stops at the budget, so
 #    the sweeps take only the time the rest left; the 8B shapes come first);
 # 2b. before it, scripts/host_cost.py --kernels (the host's Python on the launchers, about 15 s) if 90 s are left;
+# 2c. between the diagnosis' halo section and its GEMM sweeps: the staging's measured tile and forms pinned into a
+#    table of this call's (distfuse-tune tiles), and the halo phase again with them, where one was written (below);
 # 3. everything into $OUT/lab.tgz (the device tool brings back at most 8 files), with lab.json and
 #    lab.log beside it for a first look: packed once after the lab and again at the end;
 # 4. the digest of what the lab and the diagnosis answer (scripts/lab_digest.py), printed last.
@@ -51,16 +53,48 @@ if [ $((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0))) -ge 90 ]; then
     2>"$WORK/lab/host_cost.log"
   echo "gpu_first_call: host_cost exit $?"
 fi
-LEFT=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
 SECTIONS=${DISTFUSE_DIAGNOSE_SECTIONS:-host attrib latency forms halo persistent gathered}
-if [ "$LEFT" -ge 30 ]; then
-  PYTHONPATH="$PWD:$PWD/scripts" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 timeout --kill-after=5 $((LEFT - 5)) \
-    "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections $SECTIONS \
-    --sweep-m ${DISTFUSE_SWEEP_M:-8192} --graph --budget $((LEFT - 20)) >"$WORK/lab/diagnose.log" 2>&1
-  echo "gpu_first_call: diagnose exit $? ($(grep -c '^diag: {' "$WORK/lab/diagnose.log") rows)"
-else
-  echo "gpu_first_call: diagnose skipped: ${LEFT}s left"
+# The diagnosis in two parts, one file: the sections up to the halo staging's (whose tile and form rows the tile table
+# takes), then, after the pinned halo rerun below, the GEMM sweeps with what is left
+FIRST=""; REST=""; SPLIT_DONE=""
+for s in $SECTIONS; do
+  if [ -z "$REST$SPLIT_DONE" ]; then FIRST="$FIRST $s"; [ "$s" = halo ] && SPLIT_DONE=1; else REST="$REST $s"; fi
+done
+diagnose() {  # diagnose SECTIONS... : one part, appended to diagnose.json after the first
+  local left=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
+  if [ "$left" -lt 30 ]; then echo "gpu_first_call: diagnose $* skipped: ${left}s left"; return; fi
+  PYTHONPATH="$PWD:$PWD/scripts" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 timeout --kill-after=5 $((left - 5)) \
+    "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections "$@" \
+    --sweep-m ${DISTFUSE_SWEEP_M:-8192} --graph --budget $((left - 20)) \
+    $([ -f "$WORK/lab/diagnose.json" ] && echo --append) >>"$WORK/lab/diagnose.log" 2>&1
+  echo "gpu_first_call: diagnose $* exit $? ($(grep -c '^diag: {' "$WORK/lab/diagnose.log") rows in all)"
+}
+[ -n "$FIRST" ] && diagnose $FIRST
+# 2c. The staging's tile and forms this call measured, pinned where they beat its own choice (distfuse-tune tiles,
+# into a table of this call's: $WORK/lab/tiles_pinned.json), and the lab's halo phase again with them where a staging
+# entry was written and DISTFUSE_PINNED_HALO_S (default 90) seconds are left: the fused rows with the measured
+# configs, halo_conv-<device>-<date>-pinned.json (its fused rows say extra.stage_config_source "measured"), so a
+# session with one call still measures what it pinned.  The dry run takes the rerun's path whatever was written.
+HALO_JSON=$(ls "$WORK"/lab/halo_conv-*.json 2>/dev/null | grep -v -- -pinned | head -1)
+if [ -f "$WORK/lab/diagnose.json" ] && [ -n "$HALO_JSON" ]; then
+  PYTHONPATH="$PWD" "$PY" -m distfuse.tune.tiles "$WORK/lab/diagnose.json" --write --out "$WORK/lab/tiles_pinned.json" \
+    >"$WORK/lab/tiles_pinned.log" 2>&1
+  echo "gpu_first_call: tiles exit $?: $(grep -c '"halo_stage"' "$WORK/lab/tiles_pinned.json" 2>/dev/null || echo 0) staging entries"
+  LEFT=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
+  CAP=${DISTFUSE_PINNED_HALO_S:-90}
+  if { [ -n "$DRY" ] || grep -q '"halo_stage"' "$WORK/lab/tiles_pinned.json" 2>/dev/null; } && [ "$LEFT" -ge $((CAP + 30)) ]; then
+    if [ -n "$DRY" ]; then HALO_ARGS=(--dry-run); else
+      HALO_ARGS=(--dims 3 2 --channels 256 64 --extents 64 512 --halos 1 --dtypes bfloat16 --modes stage graph full
+                 --max-gib 16); fi
+    DISTFUSE_TILE_TABLE="$WORK/lab/tiles_pinned.json" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 \
+      timeout --kill-after=5 "$CAP" "$PY" bench/bench_halo_conv.py "${HALO_ARGS[@]}" \
+      --out "${HALO_JSON%.json}-pinned.json" >"$WORK/lab/halo_pinned.log" 2>&1
+    echo "gpu_first_call: pinned halo rerun exit $? ($(grep -c '"provider"' "${HALO_JSON%.json}-pinned.json" 2>/dev/null || echo 0) rows)"
+  else
+    echo "gpu_first_call: pinned halo rerun skipped (no staging entry written, or ${LEFT}s left)"
+  fi
 fi
+[ -n "$REST" ] && diagnose $REST
 pack
 # The answers in one page (scripts/lab_digest.py), last: what the device tool's output shows first
 PYTHONPATH="$PWD" "$PY" scripts/lab_digest.py "$WORK/lab" 2>&1 | head -120

@@ -20,6 +20,9 @@ short block per question (a block whose rows are absent says so):
   staging's words form against the split launch and the default two passes (``halo_stage_words``);
 * **halo conv steps**: the fused step against ``cat``'s and the layers' own unfused step's (``pieces``), loop and
   host time per shape (``halo_full``);
+* **pinned staging**: the halo phase's fused rows against its rerun with the staging configs this call pinned
+  (``halo_conv-*-pinned.json``, ``scripts/gpu_first_call.sh`` step 2c), per shape and mode, with the config each
+  took;
 * **launcher**: the host time of each way of launching a binary (``attrib``);
 * **host**: the device host's Python on the launchers (``host_cost.json``).
 
@@ -47,7 +50,8 @@ def _load(path: Path | None) -> dict:
 
 def find_files(folder: Path | None = None, results: Path | None = None, tag: str | None = None) -> dict:
     """``{kind: path or None}`` of one call's files: in ``folder`` by their lab names, or in ``results`` by their
-    collected names containing ``tag`` (the newest matching file of each kind)."""
+    collected names containing ``tag`` (the newest matching file of each kind); ``halo`` and ``halo_pinned`` the
+    halo benchmark's file and its pinned rerun's."""
     out = {}
     for kind, (lab_name, prefix) in NAMES.items():
         if folder is not None:
@@ -55,6 +59,10 @@ def find_files(folder: Path | None = None, results: Path | None = None, tag: str
         else:
             found = sorted(p for p in Path(results).glob(f"{prefix}*.json") if not tag or tag in p.name)
             out[kind] = found[-1] if found else None
+    halos = sorted(p for p in Path(folder if folder is not None else results).glob("halo_conv-*.json")
+                   if folder is not None or not tag or tag in p.name)
+    out["halo_pinned"] = next((p for p in reversed(halos) if "-pinned" in p.name), None)
+    out["halo"] = next((p for p in reversed(halos) if "-pinned" not in p.name), None)
     return out
 
 
@@ -224,6 +232,41 @@ def halo_steps_block(diag: dict) -> list[str]:
     return lines
 
 
+def pinned_block(halo: dict, pinned: dict) -> list[str]:
+    """Per shape and mode: the fused row's ratio to its anchor in the lab's halo phase and in the rerun with this
+    call's pinned staging configs, and the config the rerun's staging took (``extra.stage_config``)."""
+    if not pinned.get("rows"):
+        return ["no pinned halo rerun (no staging config beat the staging's own choice, or no time was left)"]
+
+    def fused(doc):  # (shape, mode) -> (the fused row, its ratio as the targets read it: higher is better)
+        rows = {(json.dumps(r.get("shape"), sort_keys=True), r.get("mode"), r.get("provider")): r
+                for r in doc.get("rows", [])}
+        out = {}
+        for (shape, mode, provider), r in rows.items():
+            a = rows.get((shape, mode, r.get("anchor")))
+            if provider != "fused" or a is None:
+                continue
+            q = (r["rate"] / a["rate"] if r.get("rate") and a.get("rate") else
+                 a["ms"] / r["ms"] if r.get("ms") and a.get("ms") else None)
+            out[(shape, mode)] = (r, q)
+        return out
+    lab, rerun = fused(halo), fused(pinned)
+    lines = ["shape                                   mode         lab pinned  (x of the anchor) config (source)"]
+    for key, (r, q) in rerun.items():
+        shape = json.loads(key[0]) if key[0] != "null" else {}
+        extra = r.get("extra", {})
+        config = ",".join(f"{k}={v}" for k, v in sorted(extra.get("stage_config", {}).items()))
+        before = lab.get(key, (None, None))[1]
+        name = f"{shape.get('nd')}-D C={shape.get('C')} n={shape.get('n')} {shape.get('format', '')}"
+        lines.append(f"  {name:38s} {key[1]:10s} {_ratio(before):>6} {_ratio(q):>6}  {config} "
+                     f"({extra.get('stage_config_source', '?')})")
+    return lines
+
+
+def _ratio(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def attrib_block(diag: dict) -> list[str]:
     rows = _rows(diag, "attrib")
     if not rows:
@@ -246,6 +289,8 @@ def digest(files: dict) -> str:
               ("flag polls (graph us)", polls_block(diag)), ("Triton's mainloop (forms)", mainloop_block(diag)),
               ("the NCHW layout (halo_tiles)", layout_block(diag)),
               ("halo conv steps (halo_full; us a step)", halo_steps_block(diag)),
+              ("pinned staging (fused rows' ratios: the lab's halo phase, then its rerun with this call's configs)",
+               pinned_block(_load(files.get("halo")), _load(files.get("halo_pinned")))),
               ("launcher (attrib)", attrib_block(diag)),
               ("host (host_cost.json, stubbed launches)", host_block(host))]
     env = diag.get("env", {})

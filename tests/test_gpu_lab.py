@@ -237,6 +237,26 @@ def test_the_diagnosis_sections_new_since_the_last_gpu_call_run_on_cpu(tmp_path)
     polls = [r for r in rows if r.get("op") == "chunk_reduce (poll)"]
     assert sorted(r["poll"] for r in polls) == ["atomic", "load"] and all(r["matches_atomic"] for r in polls)
     assert not any(r["poll_loads"] for r in polls), "the interpreter polls with atomics whatever the config asks"
+    # the whole stagings' rows carry what distfuse-tune tiles needs (the staging's config, its key, whether it is the
+    # staging's own choice), so the same rows from a GPU become halo_stage entries: read here as if from one
+    staged = [r for r in rows if r.get("section") == "halo_tiles" and "meta" in r]
+    assert staged and all(r["exact"] and set(r["key"]) == {"M", "N", "K"} for r in staged)
+    assert {r["format"] for r in staged if r["default"]} == {"nchw", "channels_last"}
+    doc = json.loads(out.read_text())
+    doc["env"].update(device="NVIDIA H200", dry_run=False)
+    for r in doc["rows"]:  # a CPU run times the host only: the GPU's loop time stands in
+        r.setdefault("loop_us", r.get("host_us"))
+    from distfuse.tune import tiles
+    got, _ = tiles.tile_rows(doc, "diag.json", tiles.current_fingerprints())
+    assert {(r["kernel"], r["W"]) for r in got} >= {("halo_stage", 1)}
+    assert all(r["anchor_us"] is not None for r in got if r["kernel"] == "halo_stage"), "the staged bytes' copy"
+    # a second part appended to the same file (scripts/gpu_first_call.sh runs the diagnosis in two)
+    res = subprocess.run([sys.executable, str(SCRIPTS / "gpu_diagnose.py"), "--dry-run", "--json", str(out),
+                          "--sections", "attrib", "--append"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    both = json.loads(out.read_text())
+    assert both["rows"][:len(rows)] == rows and any(r["section"] == "attrib" for r in both["rows"][len(rows):])
 
 
 def test_cprofile_rows_give_microseconds_per_call():

@@ -597,8 +597,8 @@ def test_stage_without_an_interior_walks_the_tables_everywhere():
 
 
 def test_stage_launch_is_built_once(monkeypatch):
-    """Everything but the launch is cached per (plan, index, LEAD, device, region, tile): a second call builds no
-    table (the table builders would raise)."""
+    """Everything but the launch is cached per (plan, index, LEAD, device, region, tile, dtype): a second call
+    builds no table (the table builders would raise)."""
     plan, _ = _plan((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 1, "zeros")
     i = (1, 1)
     x = torch.randn((2, 3) + plan.input_shape(i))
@@ -612,7 +612,7 @@ def test_stage_launch_is_built_once(monkeypatch):
     monkeypatch.setattr(hp, "recv_numel", refuse)
     monkeypatch.setattr(hp, "interior_piece", refuse)
     assert torch.equal(hk.halo_stage(x, recv, plan, i), first)
-    key = (plan, i, 6, x.device, "all", None, None, 1)  # halo_stage's arguments: the entry its calls hit
+    key = (plan, i, 6, x.device, "all", None, None, 1, None, None, x.dtype)  # halo_stage's: the entry its calls hit
     assert hp.stage_launch(*key) is hp.stage_launch(*key)
 
 

@@ -236,8 +236,9 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
     shell box: the host cost of seven launches was 15-50x a device copy's, and the window's copy
     runs without the walk's per-element table loads (numbers: :mod:`~distfuse.kernels.halo_programs`).
     A worker without an interior window walks the tables everywhere (``lut_gather_kernel``).
-    Everything but the launch is cached per ``(plan, index, LEAD, device, region, tile)``
-    (:func:`~distfuse.kernels.halo_programs.stage_launch`).  Adjoint: :func:`halo_unstage`.
+    Everything but the launch is cached per ``(plan, index, LEAD, device, region, tile, dtype)``
+    (:func:`~distfuse.kernels.halo_programs.stage_launch`; on GPUs a measured config of the staging, from the tile
+    table, takes the rules' place).  Adjoint: :func:`halo_unstage`.
     """
     index = tuple(index)
     tile = None if tile is None else tuple(tile)
@@ -246,9 +247,8 @@ def halo_stage(x: torch.Tensor, recv: torch.Tensor, plan: HaloPlan, index: Seque
     if checked is None:
         _check_region("halo_stage", region)
     lay = _layout("halo_stage", x, plan, "x", channels_last) if checked is None else checked[0]
-    # positional (lru_cache keys keywords apart), and the default call's key without the words switch
-    launch = (stage_launch(plan, index, lay.lead, x.device, region, tile, None, lay.trail) if words is None
-              else stage_launch(plan, index, lay.lead, x.device, region, tile, None, lay.trail, None, words))
+    # positional (lru_cache keys keywords apart); the dtype picks a measured config on GPUs (tile_table)
+    launch = stage_launch(plan, index, lay.lead, x.device, region, tile, None, lay.trail, None, words, x.dtype)
     if checked is None:
         check_plan_layout("halo_stage", x, launch.input_shape, "x", lay.memory_format)
         check_flat("halo_stage", recv, launch.recv_numel, x.dtype, x.device, "receive buffer")

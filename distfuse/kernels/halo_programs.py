@@ -185,12 +185,14 @@ from distfuse.kernels.halo_tables import (
 from distfuse.kernels.host_ints import cdiv, next_power_of_2
 from distfuse.kernels.jit_helpers import cast_out, magic_div
 from distfuse.kernels.launch_cache import cached_launch
+from distfuse.kernels.tile_table import device_name, measured_tile
 
 __all__ = ["piece_value", "lut_gather_kernel", "stage_kernel", "box_gather_kernel", "accumulate_kernel",
            "StageLaunch", "stage_launch", "launch_stage", "stage_tile", "strip_table", "magic_divisor", "shell",
            "compute_dtype", "pick_tile", "row_tiled_grid", "linear_grid", "box_block", "REGION_CODE", "STAGE_BOXES",
            "STAGE_WIDTHS", "STAGE_TILE_ELEMENTS", "STAGE_NUM_WARPS", "STAGE_SPLIT", "STAGE_SPLIT_ELEMENTS",
-           "STAGE_SLAB_SPLIT", "WIDE_ELEMENTS"]
+           "STAGE_SLAB_SPLIT", "WIDE_ELEMENTS", "STAGE_TILE_KEYS", "measured_stage", "stage_config",
+           "stage_key"]
 
 #: The staging kernels' REGION codes.  ``"window"`` (3) is a diagnosis, not a region of
 #: :func:`~distfuse.kernels.halo.halo_stage`: the interior window's copy alone (no column beside it, no slab), which
@@ -1005,10 +1007,38 @@ def _window_columns_linear(luts2: tuple[list[int], list[int]], lo2: int, width: 
     return None
 
 
+#: A measured staging config's tile keys (:mod:`~distfuse.kernels.tile_table`), in :func:`stage_tile`'s order.
+STAGE_TILE_KEYS = ("BLOCK_R", "BLOCK_X", "SLAB_X", "STRIP_X", "num_warps")
+
+
+def measured_stage(device: torch.device, dtype: torch.dtype, lead: int, full: tuple[int, int, int]) -> dict | None:
+    """The measured config of a staging (tile and forms: :mod:`~distfuse.kernels.tile_table`, kernel
+    ``"halo_stage"``) of ``lead`` leading vectors of the merged staged shape ``full``, or None: the rules decide.
+    Only on a GPU with a table entry of its name, the dtype, this row length and rows per vector, and a lead
+    within a factor of 2."""
+    return measured_tile("halo_stage", stage_kernel, device_name(device), dtype, lead, full[2], full[0] * full[1],
+                         1)
+
+
+def stage_key(launch: StageLaunch, lead: int, trail: int = 1) -> dict:
+    """The tile table's key of a staging (``M``, ``N``, ``K``: :func:`measured_stage`'s), for the diagnosis' rows."""
+    full = merged_shape(launch.staged_shape, trail)
+    return dict(M=lead, N=full[2], K=full[0] * full[1])
+
+
+def stage_config(launch: StageLaunch, element_size: int) -> dict:
+    """What a tile-table entry stores so that :func:`stage_launch` launches ``launch`` again (a ``stage_kernel``
+    launch): its tile (:data:`STAGE_TILE_KEYS`), ``SPLIT`` (two launches) and ``WORDS`` (the words form, for
+    elements of ``element_size`` bytes)."""
+    return {**{k: launch.meta[k] for k in STAGE_TILE_KEYS}, "SPLIT": bool(launch.parts),
+            "WORDS": bool(launch.words) and element_size in launch.words[0].sizes}
+
+
 @functools.lru_cache(maxsize=512)
 def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torch.device, region: str,
                  tile: tuple[int, ...] | None, slab_rows: bool | None = None, trail: int = 1,
-                 split: bool | None = None, words: bool | None = None) -> StageLaunch:
+                 split: bool | None = None, words: bool | None = None,
+                 dtype: torch.dtype | None = None) -> StageLaunch:
     """The staging launch of worker ``index`` for ``lead`` leading elements, cached: no per-call host work but the
     cache lookup (plans hash by identity, as for :func:`~distfuse.kernels.halo_tables.stage_tables`).
 
@@ -1039,6 +1069,11 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     STAGE_WORDS` from :data:`STAGE_SPLIT_ELEMENTS` staged elements on GPUs; None chooses, True or False forces it);
     :func:`launch_stage` takes it for the element sizes and outputs it fits, the other launches otherwise.
 
+    ``dtype`` (the staged dtype; None: the rules alone): on a GPU, where neither ``tile`` nor a form is forced, a
+    measured config of this staging (:func:`measured_stage`) gives the tile, as a whole tile given would, and the
+    forms it names where they are not forced; only the NCHW remote pass keeps the rules' strip width (its strips are
+    tiled by ``STRIP_R`` rows, which no whole staging the diagnosis times runs).
+
     ``trail`` > 1: channels last (``lead`` the batch, ``trail`` the channels, innermost in memory).  The kernels
     are the same: every staged row is the last axis merged with the channels (``L2 * trail`` elements), the
     window's columns and row offsets are in merged elements, and the last axis's LUTs are merged too
@@ -1066,6 +1101,13 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         return StageLaunch(staged, recv, lut_gather_kernel, row_tiled_grid(n_rows, full[2], block_r, block_x),
                            (*luts, ptab, n_rows, *full, ns[1], ns[2], *out_str),
                            dict(REGION=code, BLOCK_R=block_r, BLOCK_X=block_x), x_shape, {})
+    given = tile is not None and len(tile) == 5  # a whole tile given (the diagnosis' sweep): STRIP_X as given
+    measured = measured_stage(device, dtype, lead, full) if tile is None and dtype is not None else None
+    if measured is not None:
+        tile = tuple(measured[k] for k in STAGE_TILE_KEYS)
+        split = measured.get("SPLIT") if split is None else split
+        words = measured.get("WORDS") if words is None else words
+    forced = given or measured is not None  # a whole tile: as given, but for the NCHW remote pass's strips
     x_str = contiguous_strides(merged_shape(x_shape, trail))
     x_ls = math.prod(x_shape) * trail
     lo, ext, src = (_merged(pad3(interior.dst_lo, 0), trail), merged_shape(interior.shape, trail),
@@ -1098,7 +1140,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     elif slab_rows and c2base is None:
         raise ValueError("stage_launch: slab_rows=True, but the window's columns are not one linear segment")
     pbase = (segs[0] * ns[1] + segs[1]) * ns[2]
-    if trail > 1 and strips and (tile is None or len(tile) != 5):  # a chunk: one spatial column's channels,
+    if trail > 1 and strips and not forced:  # a chunk: one spatial column's channels,
         strip_x = min(pow2_divisor(trail, cap=1 << 30), max(1, 8 * 32 * warps // block_r))  # 8 a thread at most
     # What this region writes: the window's strips (the columns beside it in its rows) and each slab, skipped where
     # none of their pieces is the region's (a middle worker's local pass has no border to write, for one); in
@@ -1108,7 +1150,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     strips_here = code != 3 and any(region_writes(kind, code) for kind in strip_kinds)
     strip_r = block_r
     if code == 2:
-        if trail == 1 and (tile is None or len(tile) != 5):  # as many columns a step as there are, 16 at most
+        if trail == 1 and not given:  # as many columns a step as there are, 16 at most
             strip_x = min(16, next_power_of_2(max(1, full[2] - ext[2])))
         strip_r = max(block_r, next_power_of_2(max(1, STAGE_STRIP_ELEMENTS // strip_x)))
     rows, start = [], 0
@@ -1153,7 +1195,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     slab_align = _slab_align(slab_terms, ptab_rows, ns[2], segs[2], c2base, lo[2], ext[2],
                              full[2]) if slab_rows else 1
     strip_align = 0
-    if trail > 1 and strips and (tile is None or len(tile) != 5 or trail % strip_x == 0):
+    if trail > 1 and strips and (not forced or trail % strip_x == 0):
         strip_align = _strip_align(w, ptab_rows, pbase, lists[2], lo[2], lo[2] + ext[2], full[2], strip_x)
     w_tiles = min(rows[_STAGE_COLS], start)  # the window's programs come first (box 1's START; all without slabs)
     window = (rows[_STAGE_COLS], *(w[c] for c in (1, 2, 3, 5, 6, 8, 9, 10, 11, 12, 15, 20, 16, 17, 18, 22)))

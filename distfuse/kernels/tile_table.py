@@ -41,6 +41,12 @@ Entry layout (``"tiles"``: a list)::
       "source": "measured"}]}
 
 ``M`` is the GEMM's rows (``chunk_reduce``: its output rows times ``W``), ``K`` is 0 for ``chunk_reduce``.
+For ``halo_stage`` (one worker's staging, ``W`` 1) the key is the staging kernel's own view of the staged tensor:
+``M`` its leading vectors (batch times channels in NCHW, the batch in channels last), ``N`` a staged row in
+elements (the last staged extent, times the channels in channels last), ``K`` the staged rows per leading vector
+(the product of the other staged extents); its config is the tile (``BLOCK_R``, ``BLOCK_X``, ``SLAB_X``,
+``STRIP_X``, ``num_warps``) and the forms (``SPLIT``: the window's programs and the slabs' in two launches;
+``WORDS``: the window's rows as flat words), read by :func:`~distfuse.kernels.halo_programs.stage_launch`.
 """
 
 from __future__ import annotations
@@ -66,9 +72,10 @@ __all__ = ["TILE_TABLE_ENV", "SHIPPED_TILES", "FORMAT", "TILE_KERNELS", "ROWS_FA
 TILE_TABLE_ENV = "DISTFUSE_TILE_TABLE"
 SHIPPED_TILES = Path(__file__).with_name("measured_tiles.json")
 FORMAT = 1
-#: The kernels whose pinned rules read the table (their launch configs: the GEMM blocks and forms, or the reduction's
-#: ``BLOCK``, ``PER_SM`` and ``num_warps``, and its flag poll ``POLL_LOADS`` where a measurement chose it).
-TILE_KERNELS = ("matmul_scatter_persistent", "gathered_matmul_persistent", "chunk_reduce")
+#: The kernels whose pinned rules read the table (their launch configs: the GEMM blocks and forms, the reduction's
+#: ``BLOCK``, ``PER_SM`` and ``num_warps``, and its flag poll ``POLL_LOADS`` where a measurement chose it, or the
+#: halo staging's tile and forms).
+TILE_KERNELS = ("matmul_scatter_persistent", "gathered_matmul_persistent", "chunk_reduce", "halo_stage")
 #: An entry serves calls whose rows are within this factor of its own (the nearest entry wins).
 ROWS_FACTOR = 2.0
 _REQUIRED = {"kernel": str, "device": str, "dtype": str, "W": int, "M": int, "N": int, "K": int, "config": dict,
@@ -78,7 +85,10 @@ _GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stag
 #: boolean keys it may give.  Anything else is refused: a misspelt key would reach the launch as a constexpr.
 CONFIG_KEYS = {"matmul_scatter_persistent": (_GEMM_KEYS, ("FLATTEN", "SPAN")),
                "gathered_matmul_persistent": (_GEMM_KEYS, ("EPILOGUE_SUBTILE",)),
-               "chunk_reduce": (("BLOCK", "PER_SM", "num_warps"), ("POLL_LOADS",))}
+               "chunk_reduce": (("BLOCK", "PER_SM", "num_warps"), ("POLL_LOADS",)),
+               "halo_stage": (("BLOCK_R", "BLOCK_X", "SLAB_X", "STRIP_X", "num_warps"), ("SPLIT", "WORDS"))}
+#: Config keys that are block extents besides the ``BLOCK_*`` ones (``tl.arange`` sizes): powers of two too.
+_POW2_KEYS = ("SLAB_X", "STRIP_X", "num_warps")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -176,7 +186,7 @@ def check_tile(entry, path, i: int) -> dict:
     unknown = sorted(set(config) - set(ints) - set(flags))
     missing = [k for k in ints if k not in config]
     bad = [k for k in ints if k in config and (type(config[k]) is not int or config[k] < 1
-                                               or (k.startswith("BLOCK") or k == "num_warps")
+                                               or (k.startswith("BLOCK") or k in _POW2_KEYS)
                                                and config[k] & (config[k] - 1))]
     bad += [k for k in flags if k in config and type(config[k]) is not bool]
     if unknown or missing or bad:

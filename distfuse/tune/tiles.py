@@ -6,14 +6,16 @@
 
 Reads the rows of ``scripts/gpu_diagnose.py`` that time one kernel of :data:`~distfuse.kernels.tile_table.
 TILE_KERNELS` in several configs (sections ``forms``, ``matmul_scatter_persistent``,
-``gathered_matmul_persistent:subtile=*`` and ``reduce``).  Each such row names the launch config that ran
-(``meta``) and whether it was the default launch of that shape at the time (``default``); the file's ``env`` names
-the device, the dtype, the world size and each kernel's fingerprint.  Per ``(kernel, M, N, K)`` the rows are
-compared on one metric, ``graph_us`` (a CUDA-graph replay after an L2 flush: the kernel without the host) where
-every row of the group has it, else ``loop_us``; an entry is written where the fastest config beats the default's
-time by at least ``--min-gain`` (default 3%, above the run-to-run noise of the lab's kernel rows).  A group
-whose default config was not timed, a dry run, a CPU file, or a kernel whose fingerprint has changed since the
-run (the entry would never apply: :mod:`distfuse.kernels.tile_table`) writes nothing, and says why.
+``gathered_matmul_persistent:subtile=*``, ``reduce`` and ``halo_tiles``: the halo staging's tiles and forms, one
+worker's, so ``W`` 1). Each such row names the launch config that ran (``meta``) and whether it was the default
+launch of that shape at the time (``default``); the file's ``env`` names the device, the dtype, the world size and
+each kernel's fingerprint. A row whose output was checked and found wrong (``exact`` false) is left out, and said.
+Per ``(kernel, M, N, K)`` the rows are compared on one metric, ``graph_us`` (a CUDA-graph replay after an L2 flush:
+the kernel without the host) where every row of the group has it, else ``loop_us``; an entry is written where the
+fastest config beats the default's time by at least ``--min-gain`` (default 3%, above the run-to-run noise of the
+lab's kernel rows). A group whose default config was not timed, a dry run, a CPU file, or a kernel whose fingerprint
+has changed since the run (the entry would never apply: :mod:`distfuse.kernels.tile_table`) writes nothing, and says
+why.
 
 Writing merges by key: an entry of the same device, kernel, dtype, ``W``, ``M``, ``N`` and ``K`` is replaced,
 the others are kept.  The table's reader and the pinned rules that consult it are in
@@ -35,7 +37,8 @@ __all__ = ["SECTION_KERNELS", "MIN_GAIN", "current_fingerprints", "tile_rows", "
 
 #: Diagnose sections (or their prefix, before ``:``) -> the kernel whose configs they time.
 SECTION_KERNELS = {"forms": "matmul_scatter_persistent", "matmul_scatter_persistent": "matmul_scatter_persistent",
-                   "gathered_matmul_persistent": "gathered_matmul_persistent", "reduce": "chunk_reduce"}
+                   "gathered_matmul_persistent": "gathered_matmul_persistent", "reduce": "chunk_reduce",
+                   "halo_tiles": "halo_stage"}
 MIN_GAIN = 0.03
 _KEY = ("device", "kernel", "dtype", "W", "M", "N", "K")
 
@@ -44,11 +47,13 @@ def current_fingerprints() -> dict[str, str]:
     """Each table kernel's fingerprint in this tree (defining a kernel needs no GPU: none is launched)."""
     from distfuse.kernels import chunk_reduce as cr
     from distfuse.kernels import gathered_matmul_persistent as gp
+    from distfuse.kernels import halo_programs as hp
     from distfuse.kernels import matmul_scatter_persistent as mp
 
     return {"matmul_scatter_persistent": kernel_fingerprint(mp._matmul_scatter_persistent_kernel),
             "gathered_matmul_persistent": kernel_fingerprint(gp._gathered_matmul_persistent_kernel),
-            "chunk_reduce": kernel_fingerprint(cr._chunk_reduce_kernel)}
+            "chunk_reduce": kernel_fingerprint(cr._chunk_reduce_kernel),
+            "halo_stage": kernel_fingerprint(hp.stage_kernel)}
 
 
 def _kernel_of(row: dict) -> str | None:
@@ -56,6 +61,15 @@ def _kernel_of(row: dict) -> str | None:
     if kernel is None or row.get("op") == "cublas" or row.get("op") == "copy" or "error" in row:
         return None
     return kernel
+
+
+def _mnk(row: dict) -> tuple:
+    """A row's ``(M, N, K)``: its ``m``, ``n`` and ``k``, or its ``key`` where it names the table's own (the halo
+    staging's rows, whose ``n`` is the block's extent)."""
+    key = row.get("key")
+    if isinstance(key, dict):
+        return key.get("M"), key.get("N"), key.get("K")
+    return row.get("m"), row.get("n"), row.get("k")
 
 
 def tile_rows(doc: dict, source: str, fingerprints: dict[str, str]) -> tuple[list[dict], list[str]]:
@@ -73,28 +87,40 @@ def tile_rows(doc: dict, source: str, fingerprints: dict[str, str]) -> tuple[lis
         kernel = _kernel_of(row) if isinstance(row, dict) else None
         if kernel is None or not isinstance(row.get("meta"), dict):
             continue
+        if row.get("exact") is False:  # a config that staged wrong bits is never a candidate
+            notes.append(f"{source}: {kernel} {json.dumps(row['meta'], sort_keys=True)} at M, N, K = {_mnk(row)} "
+                         "gave wrong results: left out")
+            continue
         if prints.get(kernel) != fingerprints.get(kernel):
             stale.add(kernel)
             continue
-        m, n, k = row.get("m"), row.get("n"), row.get("k")
+        m, n, k = _mnk(row)
         if not all(isinstance(v, int) for v in (m, n, k)):
             continue
-        out.append(dict(device=device, kernel=kernel, dtype=dtype, W=W, M=m, N=n, K=0 if kernel == "chunk_reduce"
-                        else k, config=dict(row["meta"]), default=bool(row.get("default")),
+        out.append(dict(device=device, kernel=kernel, dtype=dtype, W=1 if kernel == "halo_stage" else W, M=m, N=n,
+                        K=0 if kernel == "chunk_reduce" else k, config=dict(row["meta"]),
+                        default=bool(row.get("default")),
                         times={t: row[t] for t in ("graph_us", "loop_us") if isinstance(row.get(t), (int, float))},
                         anchor_us=None, fingerprint=prints[kernel], commit=env.get("commit"), date=env.get("date"),
                         file=source))
     for kernel in sorted(stale):
         notes.append(f"{source}: {kernel} has changed since this run (fingerprint {prints.get(kernel)} there, "
                      f"{fingerprints.get(kernel)} here): its rows are left out")
-    cublas, copies = {}, {}  # the same run's anchors, for the record: cuBLAS for the GEMMs, the copy for the reduction
+    # the same run's anchors, for the record: cuBLAS for the GEMMs, the copy for the reduction and the staging (the
+    # staged bytes' copy, keyed by its staging's M, N and K)
+    cublas, copies, staged = {}, {}, {}
     for row in doc.get("rows", []):
         if isinstance(row, dict) and row.get("op") == "cublas" and "error" not in row:
             cublas.setdefault((row.get("m"), row.get("n"), row.get("k")), row)
         elif isinstance(row, dict) and row.get("op") == "copy" and "error" not in row:
-            copies.setdefault((row.get("m"), row.get("n")), row)
+            if str(row.get("section", "")).startswith("halo_tiles"):
+                staged.setdefault(_mnk(row), row)
+            else:
+                copies.setdefault((row.get("m"), row.get("n")), row)
     for r in out:
-        a = copies.get((r["M"], r["N"])) if r["kernel"] == "chunk_reduce" else cublas.get((r["M"], r["N"], r["K"]))
+        a = (copies.get((r["M"], r["N"])) if r["kernel"] == "chunk_reduce" else
+             staged.get((r["M"], r["N"], r["K"])) if r["kernel"] == "halo_stage" else
+             cublas.get((r["M"], r["N"], r["K"])))
         if a is not None:
             r["anchor_us"] = a.get("graph_us", a.get("loop_us"))
     return out, notes
