@@ -159,6 +159,8 @@ def _parse(argv=None):
     p.add_argument("--sides", nargs="+", default=list(SIDES), choices=list(SIDES),
                    help="which per-rank GEMMs (default all; the lab's decisive ratios: rs ag)")
     p.add_argument("--out-dir", type=Path, default=None, help="results folder (default bench/results)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="the result file (default <out-dir>/gemm_fused-<device>-<date>.json)")
     p.add_argument("--smoke", action="store_true", help="tiny CPU correctness pass of every provider, no timings")
     p.add_argument("--no-graphs", action="store_true",
                    help="skip the rows of mode 'graph' (each anchor and fused kernel replayed from a CUDA graph)")
@@ -231,6 +233,31 @@ def _kernels() -> types.SimpleNamespace:
     return types.SimpleNamespace(**{f.__name__: f for f in (
         run_producer, run_push, ag_push_columns, gathered_k_matmul, ag_push, gathered_matmul, last_gather_choice,
         all_reduce_slots, matmul_push, chunk_reduce, matmul_scatter, column_reduce, matmul_scatter_columns)})
+
+
+def persistent_config(side: Side, kernel: str) -> dict:
+    """``config`` and ``config_source`` of a persistent kernel's launch at this side's shape (its block sizes and
+    forms as the launch takes them without a config: ``"measured"``, a tile-table entry, or ``"rules"``); {} for
+    another kernel.  The rows of a run with a table of measured tiles say which they took."""
+    from distfuse.kernels import gathered_matmul_persistent as gp
+    from distfuse.kernels import matmul_scatter_persistent as mp
+    from distfuse.kernels.tile_table import device_name, measured_tile, portable_config
+
+    device = side.out.device
+    W, rows = side.world, side.m
+    if kernel == "matmul_scatter_persistent":
+        meta = mp._default_launch(side.dtype, 1, rows, W, side.n, side.k, device)[0]
+        key, fn = (rows, side.n, side.k, W), mp._matmul_scatter_persistent_kernel
+    elif kernel == "gathered_matmul_persistent":
+        q1 = -(-rows // W)
+        meta = gp._default_launch(side.dtype, 1, q1, W, side.n, side.k, device)[0]
+        key, fn = (q1 * W, side.n, side.k, W), gp._gathered_matmul_persistent_kernel
+    else:
+        return {}
+    config = portable_config(meta)
+    measured = measured_tile(kernel, fn, device_name(device), side.dtype, *key)
+    took = measured is not None and all(config.get(k) == v for k, v in measured.items())  # the entry, as launched
+    return dict(config=config, config_source="measured" if took else "rules")
 
 
 class Side:
@@ -547,7 +574,8 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
             q_fused = timed(side.fused_gemm)
             ratio = q_cublas[0] / q_fused[0]
             gathered = side.gather_choice  # the gathering consumers name the kernel their selector ran
-            why = {} if gathered is None else dict(kernel_reason=gathered.reason, fell_back=gathered.fell_back)
+            why = {} if gathered is None else dict(kernel_reason=gathered.reason, fell_back=gathered.fell_back,
+                                                   **persistent_config(side, gathered.kernel))
             if side_name == "ag" and gathered.kernel != "gathered_matmul":
                 # The pointer consumer (the fallback) on the same shards, kept in the row's extra: it is a kernel
                 # of the same provider, not a provider the crossover projection could pick.
@@ -627,7 +655,8 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
                 choice = side.choice  # the kernel that ran: a fallback is named, not hidden behind the provider
                 row(op, provider, shape, q_p, rate=tflops(m, n, k, q_p[0]), rate_unit="TFLOP/s", kernel=choice.kernel,
                     extra=dict(rate_ratio=ratio, target=GEMM_TARGET, meets_target=ratio >= GEMM_TARGET,
-                               loopback=True, kernel_reason=choice.reason, fell_back=choice.fell_back))
+                               loopback=True, kernel_reason=choice.reason, fell_back=choice.fell_back,
+                               **persistent_config(side, choice.kernel)))
                 ms_p = project(side_name, t_cublas=q_cublas[0], t_fused_gemm=q_p[0], t_comm=t_comm,
                                t_reduce=t_reduce, world=W)["fused"]
                 row(proj_op, f"projection-fused-{provider}-{W}gpu", shape, (ms_p, ms_p, ms_p),
@@ -672,7 +701,7 @@ def gpu_run(args) -> int:
                               "projection rows are modelled, not measured; the copy-engine push's copy_ runs on "
                               "the SMs on one GPU (a correctness check there, not a copy-engine measurement)")
     env["autotune"] = os.environ.get("DISTFUSE_AUTOTUNE", "1") != "0"
-    path = results_path("gemm_fused", env, args.out_dir)
+    path = args.out or results_path("gemm_fused", env, args.out_dir)
 
     def on_case(rows):  # after every case: a run cut off by its time limit keeps every row measured so far
         write_json(path, env, rows, partial=True)

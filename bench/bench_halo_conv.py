@@ -547,23 +547,6 @@ KERNELS = {"stage": {"fused": "halo_stage", "fused_words": "halo_stage (words fo
            "full_graph": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "cat": "torch.cat+cudnn"}}
 
 
-def _tile_tables() -> dict:
-    """The tile tables the staging reads in this run (``distfuse.kernels.tile_table``) and their ``halo_stage``
-    entries: a run with a table of measured staging configs says so in its ``env`` (the fused rows say which they
-    took)."""
-    from distfuse.errors import ConfigError
-    from distfuse.kernels import tile_table as tt
-
-    user = tt.user_tiles_path()
-    out = {}
-    for path in ([user, tt.SHIPPED_TILES] if user is not None else []):
-        try:
-            out[str(path)] = sum(e["kernel"] == "halo_stage" for e in tt.load_tiles(path))
-        except ConfigError as exc:  # the staging ignores a malformed table (with a warning): say why here
-            out[str(path)] = f"ignored: {exc}"
-    return out or {"off": 0}
-
-
 def gpu_run(args) -> int:
     from bench.harness import environment, results_path, write_json
 
@@ -571,8 +554,7 @@ def gpu_run(args) -> int:
     device_name = _device_name()
     copy_bw = _copy_bandwidth(args.device)
     env.update(nvml_name=device_name, copy_GBps=round(copy_bw / 1e9, 1), world_size=1,
-               note="single GPU; received halos simulated with buffers; no communication timed",
-               tile_table=_tile_tables())
+               note="single GPU; received halos simulated with buffers; no communication timed")
     print(f"{device_name}: device-to-device copy {copy_bw / 1e9:.0f} GB/s")
     out = args.out or results_path("halo_conv", env, args.out_dir)
     rows = []

@@ -83,12 +83,36 @@ def environment() -> dict:
         "device": "cpu",
         "cpu_count": os.cpu_count(),
         "settings": settings(),
+        "tile_tables": tile_tables(),
     }
     if torch.cuda.is_available():
         env["device"] = torch.cuda.get_device_name()
         env["cuda"] = torch.version.cuda
         env.update(_nvml())
     return env
+
+
+def tile_tables() -> dict:
+    """The measured-tile tables this run's pinned rules read (``distfuse.kernels.tile_table``: the user's, then the
+    shipped one), each with its entries per kernel, or why it is ignored; ``{"off": {}}`` under
+    ``DISTFUSE_TILE_TABLE=off``.  A run with a table of this call's measurements (``scripts/gpu_first_call.sh``'s
+    pinned reruns) says so here."""
+    from distfuse.errors import ConfigError
+    from distfuse.kernels import tile_table as tt
+
+    user = tt.user_tiles_path()
+    out: dict = {}
+    for path in ([user, tt.SHIPPED_TILES] if user is not None else []):
+        try:
+            entries = tt.load_tiles(path)
+        except ConfigError as exc:  # the rules ignore a malformed table (with a warning): say why here
+            out[str(path)] = f"ignored: {exc}"
+            continue
+        counts: dict = {}
+        for e in entries:
+            counts[e["kernel"]] = counts.get(e["kernel"], 0) + 1
+        out[str(path)] = counts
+    return out or {"off": {}}
 
 
 def settings() -> dict:

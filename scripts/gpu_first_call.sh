@@ -14,8 +14,9 @@
 #    beside the loop times), with what is left of 585 s, if 30 s or more (each section stops at the budget, so
 #    the sweeps take only the time the rest left; the 8B shapes come first);
 # 2b. before it, scripts/host_cost.py --kernels (the host's Python on the launchers, about 15 s) if 90 s are left;
-# 2c. between the diagnosis' halo section and its GEMM sweeps: the staging's measured tile and forms pinned into a
-#    table of this call's (distfuse-tune tiles), and the halo phase again with them, where one was written (below);
+# 2c. after the diagnosis' halo section, and after its GEMM sweeps: what they measured pinned into a table of this
+#    call's (distfuse-tune tiles), and the halo phase, then the GEMM phase at M = 8192, again with it where an entry
+#    for their kernels was written (below);
 # 3. everything into $OUT/lab.tgz (the device tool brings back at most 8 files), with lab.json and
 #    lab.log beside it for a first look: packed once after the lab and again at the end;
 # 4. the digest of what the lab and the diagnosis answer (scripts/lab_digest.py), printed last.
@@ -60,8 +61,8 @@ FIRST=""; REST=""; SPLIT_DONE=""
 for s in $SECTIONS; do
   if [ -z "$REST$SPLIT_DONE" ]; then FIRST="$FIRST $s"; [ "$s" = halo ] && SPLIT_DONE=1; else REST="$REST $s"; fi
 done
-diagnose() {  # diagnose SECTIONS... : one part, appended to diagnose.json after the first
-  local left=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
+diagnose() {  # diagnose SECTIONS... : one part, appended to diagnose.json after the first; RESERVE seconds kept
+  local left=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0) - ${RESERVE:-0}))
   if [ "$left" -lt 30 ]; then echo "gpu_first_call: diagnose $* skipped: ${left}s left"; return; fi
   PYTHONPATH="$PWD:$PWD/scripts" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 timeout --kill-after=5 $((left - 5)) \
     "$PY" scripts/gpu_diagnose.py ${DRY:+--dry-run} --json "$WORK/lab/diagnose.json" --sections "$@" \
@@ -69,33 +70,46 @@ diagnose() {  # diagnose SECTIONS... : one part, appended to diagnose.json after
     $([ -f "$WORK/lab/diagnose.json" ] && echo --append) >>"$WORK/lab/diagnose.log" 2>&1
   echo "gpu_first_call: diagnose $* exit $? ($(grep -c '^diag: {' "$WORK/lab/diagnose.log") rows in all)"
 }
-[ -n "$FIRST" ] && diagnose $FIRST
-# 2c. The staging's tile and forms this call measured, pinned where they beat its own choice (distfuse-tune tiles,
-# into a table of this call's: $WORK/lab/tiles_pinned.json), and the lab's halo phase again with them where a staging
-# entry was written and DISTFUSE_PINNED_HALO_S (default 90) seconds are left: the fused rows with the measured
-# configs, halo_conv-<device>-<date>-pinned.json (its fused rows say extra.stage_config_source "measured"), so a
-# session with one call still measures what it pinned.  The dry run takes the rerun's path whatever was written.
-HALO_JSON=$(ls "$WORK"/lab/halo_conv-*.json 2>/dev/null | grep -v -- -pinned | head -1)
-if [ -f "$WORK/lab/diagnose.json" ] && [ -n "$HALO_JSON" ]; then
+# 2c. What this call's sweeps measured, pinned where it beat the rules' own choice (distfuse-tune tiles, into a table
+# of this call's: $WORK/lab/tiles_pinned.json), and a lab benchmark run again with that table where an entry for its
+# kernels was written and its cap (+ 20 s) is left: the halo phase after the diagnosis' halo section (the staging's
+# tile and forms: DISTFUSE_PINNED_HALO_S, default 90 s), the GEMM phase at M = 8192 after the GEMM sweeps (their
+# tiles: DISTFUSE_PINNED_GEMM_S, default 60 s, kept from the sweeps' budget).  The rows go to <file>-pinned.json
+# beside the phase's (the fused rows name their config: the halo bench's extra.stage_config_source "measured", the
+# GEMM bench's kernel config), so a session with one call still measures what it pinned.  The dry run takes both
+# reruns' paths whatever was written.
+pinned_rerun() {  # pinned_rerun NAME LAB_FILE CAP KERNEL_REGEX BENCH_ARGS...
+  local name=$1 lab_file=$2 cap=$3 kernels=$4
+  shift 4
+  [ -f "$WORK/lab/diagnose.json" ] && [ -n "$lab_file" ] || return
   PYTHONPATH="$PWD" "$PY" -m distfuse.tune.tiles "$WORK/lab/diagnose.json" --write --out "$WORK/lab/tiles_pinned.json" \
-    >"$WORK/lab/tiles_pinned.log" 2>&1
-  echo "gpu_first_call: tiles exit $?: $(grep -c '"halo_stage"' "$WORK/lab/tiles_pinned.json" 2>/dev/null || echo 0) staging entries"
-  LEFT=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
-  CAP=${DISTFUSE_PINNED_HALO_S:-90}
-  if { [ -n "$DRY" ] || grep -q '"halo_stage"' "$WORK/lab/tiles_pinned.json" 2>/dev/null; } && [ "$LEFT" -ge $((CAP + 30)) ]; then
-    if [ -n "$DRY" ]; then HALO_ARGS=(--dry-run); else
-      HALO_ARGS=(--dims 3 2 --channels 256 64 --extents 64 512 --halos 1 --dtypes bfloat16 --modes stage graph full
-                 --max-gib 16); fi
+    >>"$WORK/lab/tiles_pinned.log" 2>&1
+  local entries left
+  entries=$(grep -cE "\"kernel\": \"($kernels)\"" "$WORK/lab/tiles_pinned.json" 2>/dev/null)
+  left=$((${DISTFUSE_FIRST_CALL_BUDGET:-585} - (SECONDS - T0)))
+  if { [ -n "$DRY" ] || [ "${entries:-0}" -gt 0 ]; } && [ "$left" -ge $((cap + 20)) ]; then
     DISTFUSE_TILE_TABLE="$WORK/lab/tiles_pinned.json" DISTFUSE_TIMEOUT=30 DISTFUSE_AUTOTUNE=0 \
-      timeout --kill-after=5 "$CAP" "$PY" bench/bench_halo_conv.py "${HALO_ARGS[@]}" \
-      --out "${HALO_JSON%.json}-pinned.json" >"$WORK/lab/halo_pinned.log" 2>&1
-    echo "gpu_first_call: pinned halo rerun exit $? ($(grep -c '"provider"' "${HALO_JSON%.json}-pinned.json" 2>/dev/null || echo 0) rows)"
+      timeout --kill-after=5 "$cap" "$PY" "$@" --out "${lab_file%.json}-pinned.json" >"$WORK/lab/${name}_pinned.log" 2>&1
+    echo "gpu_first_call: pinned $name rerun exit $? (${entries:-0} entries; $(grep -c '"provider"' \
+      "${lab_file%.json}-pinned.json" 2>/dev/null || echo 0) rows)"
   else
-    echo "gpu_first_call: pinned halo rerun skipped (no staging entry written, or ${LEFT}s left)"
+    echo "gpu_first_call: pinned $name rerun skipped (${entries:-0} entries for $kernels written, ${left}s left)"
   fi
-fi
-[ -n "$REST" ] && diagnose $REST
+}
+lab_file() { ls "$WORK"/lab/"$1"-*.json 2>/dev/null | grep -v -- -pinned | head -1; }
+HALO_CAP=${DISTFUSE_PINNED_HALO_S:-90}
+GEMM_CAP=${DISTFUSE_PINNED_GEMM_S:-60}
+if [ -n "$DRY" ]; then HALO_ARGS=(--dry-run); GEMM_ARGS=(--dry-run --sides rs ag); else
+  HALO_ARGS=(--dims 3 2 --channels 256 64 --extents 64 512 --halos 1 --dtypes bfloat16 --modes stage graph full
+             --max-gib 16)
+  GEMM_ARGS=(--models llama3-8b llama3-70b --m ${DISTFUSE_SWEEP_M:-8192} --sides rs ag --dtype bfloat16 --reps 30); fi
+[ -n "$FIRST" ] && diagnose $FIRST
+pinned_rerun halo "$(lab_file halo_conv)" "$HALO_CAP" halo_stage bench/bench_halo_conv.py "${HALO_ARGS[@]}"
+GEMM_JSON=$(lab_file gemm_fused)
+[ -n "$REST" ] && RESERVE=$([ -n "$GEMM_JSON" ] && echo $((GEMM_CAP + 20)) || echo 0) diagnose $REST
+pinned_rerun gemm "$GEMM_JSON" "$GEMM_CAP" "matmul_scatter_persistent|gathered_matmul_persistent|chunk_reduce" \
+  bench/bench_gemm_fused.py "${GEMM_ARGS[@]}"
 pack
 # The answers in one page (scripts/lab_digest.py), last: what the device tool's output shows first
-PYTHONPATH="$PWD" "$PY" scripts/lab_digest.py "$WORK/lab" 2>&1 | head -120
+PYTHONPATH="$PWD" "$PY" scripts/lab_digest.py "$WORK/lab" 2>&1 | head -170
 echo "gpu_first_call: done in $((SECONDS - T0)) s: $(ls "$DEST" | tr '\n' ' ')"

@@ -20,9 +20,9 @@ short block per question (a block whose rows are absent says so):
   staging's words form against the split launch and the default two passes (``halo_stage_words``);
 * **halo conv steps**: the fused step against ``cat``'s and the layers' own unfused step's (``pieces``), loop and
   host time per shape (``halo_full``);
-* **pinned staging**: the halo phase's fused rows against its rerun with the staging configs this call pinned
-  (``halo_conv-*-pinned.json``, ``scripts/gpu_first_call.sh`` step 2c), per shape and mode, with the config each
-  took;
+* **pinned staging** and **pinned GEMM tiles**: the halo and GEMM phases' fused rows against their reruns with
+  the configs this call pinned (``halo_conv-*-pinned.json``, ``gemm_fused-*-pinned.json``,
+  ``scripts/gpu_first_call.sh`` step 2c), per shape, mode and provider, with the config each took and its source;
 * **launcher**: the host time of each way of launching a binary (``attrib``);
 * **host**: the device host's Python on the launchers (``host_cost.json``).
 
@@ -50,8 +50,8 @@ def _load(path: Path | None) -> dict:
 
 def find_files(folder: Path | None = None, results: Path | None = None, tag: str | None = None) -> dict:
     """``{kind: path or None}`` of one call's files: in ``folder`` by their lab names, or in ``results`` by their
-    collected names containing ``tag`` (the newest matching file of each kind); ``halo`` and ``halo_pinned`` the
-    halo benchmark's file and its pinned rerun's."""
+    collected names containing ``tag`` (the newest matching file of each kind); the kinds ``halo`` and ``gemm``
+    (and ``_pinned``) are the halo and GEMM benchmarks' files (and their pinned reruns')."""
     out = {}
     for kind, (lab_name, prefix) in NAMES.items():
         if folder is not None:
@@ -59,10 +59,11 @@ def find_files(folder: Path | None = None, results: Path | None = None, tag: str
         else:
             found = sorted(p for p in Path(results).glob(f"{prefix}*.json") if not tag or tag in p.name)
             out[kind] = found[-1] if found else None
-    halos = sorted(p for p in Path(folder if folder is not None else results).glob("halo_conv-*.json")
-                   if folder is not None or not tag or tag in p.name)
-    out["halo_pinned"] = next((p for p in reversed(halos) if "-pinned" in p.name), None)
-    out["halo"] = next((p for p in reversed(halos) if "-pinned" not in p.name), None)
+    for kind, prefix in (("halo", "halo_conv-"), ("gemm", "gemm_fused-")):
+        found = sorted(p for p in Path(folder if folder is not None else results).glob(f"{prefix}*.json")
+                       if folder is not None or not tag or tag in p.name)
+        out[f"{kind}_pinned"] = next((p for p in reversed(found) if "-pinned" in p.name), None)
+        out[kind] = next((p for p in reversed(found) if "-pinned" not in p.name), None)
     return out
 
 
@@ -232,34 +233,42 @@ def halo_steps_block(diag: dict) -> list[str]:
     return lines
 
 
-def pinned_block(halo: dict, pinned: dict) -> list[str]:
-    """Per shape and mode: the fused row's ratio to its anchor in the lab's halo phase and in the rerun with this
-    call's pinned staging configs, and the config the rerun's staging took (``extra.stage_config``)."""
-    if not pinned.get("rows"):
-        return ["no pinned halo rerun (no staging config beat the staging's own choice, or no time was left)"]
+#: The fused providers of the benchmarks' rows (as the targets read them).
+FUSED = ("fused", "triton", "triton_persistent", "cublas_chunks", "copy_engine", "persistent")
 
-    def fused(doc):  # (shape, mode) -> (the fused row, its ratio as the targets read it: higher is better)
-        rows = {(json.dumps(r.get("shape"), sort_keys=True), r.get("mode"), r.get("provider")): r
+
+def pinned_block(lab: dict, pinned: dict, what: str) -> list[str]:
+    """Per op, shape, mode and fused provider: the row's ratio to its anchor in the lab's phase and in its rerun
+    with this call's pinned configs, and the config the rerun's kernel took with its source (``extra.stage_config``
+    / ``stage_config_source`` of the halo bench, ``extra.config`` / ``config_source`` of the GEMM bench; the rows
+    that name none are left out)."""
+    if not pinned.get("rows"):
+        return [f"no pinned {what} rerun (no config beat the rules' own choice, or no time was left)"]
+
+    def fused(doc):  # (op, shape, mode, provider) -> (the row, its ratio as the targets read it: higher is better)
+        rows = {(r.get("op"), json.dumps(r.get("shape"), sort_keys=True), r.get("mode"), r.get("provider")): r
                 for r in doc.get("rows", [])}
         out = {}
-        for (shape, mode, provider), r in rows.items():
-            a = rows.get((shape, mode, r.get("anchor")))
-            if provider != "fused" or a is None:
+        for (op, shape, mode, provider), r in rows.items():
+            a = rows.get((op, shape, mode, r.get("anchor")))
+            extra = r.get("extra", {})
+            if provider not in FUSED or a is None or not ("stage_config" in extra or "config" in extra):
                 continue
             q = (r["rate"] / a["rate"] if r.get("rate") and a.get("rate") else
                  a["ms"] / r["ms"] if r.get("ms") and a.get("ms") else None)
-            out[(shape, mode)] = (r, q)
+            out[(op, shape, mode, provider)] = (r, q)
         return out
-    lab, rerun = fused(halo), fused(pinned)
-    lines = ["shape                                   mode         lab pinned  (x of the anchor) config (source)"]
+    before, rerun = fused(lab), fused(pinned)
+    lines = ["op / shape / mode / provider                            lab pinned  (x of the anchor) config (source)"]
     for key, (r, q) in rerun.items():
-        shape = json.loads(key[0]) if key[0] != "null" else {}
+        shape = json.loads(key[1]) if key[1] != "null" else {}
         extra = r.get("extra", {})
-        config = ",".join(f"{k}={v}" for k, v in sorted(extra.get("stage_config", {}).items()))
-        before = lab.get(key, (None, None))[1]
-        name = f"{shape.get('nd')}-D C={shape.get('C')} n={shape.get('n')} {shape.get('format', '')}"
-        lines.append(f"  {name:38s} {key[1]:10s} {_ratio(before):>6} {_ratio(q):>6}  {config} "
-                     f"({extra.get('stage_config_source', '?')})")
+        config = extra.get("stage_config", extra.get("config", {}))
+        source = extra.get("stage_config_source", extra.get("config_source", "?"))
+        name = " ".join(f"{k}={v}" for k, v in shape.items() if k in ("model", "m", "nd", "C", "n", "format"))
+        label = f"{key[0]} {name} {key[2]} {key[3]}"
+        lines.append(f"  {label:52s} {_ratio(before.get(key, (None, None))[1]):>6} {_ratio(q):>6}  "
+                     f"{','.join(f'{k}={v}' for k, v in sorted(config.items()))} ({source})")
     return lines
 
 
@@ -290,7 +299,9 @@ def digest(files: dict) -> str:
               ("the NCHW layout (halo_tiles)", layout_block(diag)),
               ("halo conv steps (halo_full; us a step)", halo_steps_block(diag)),
               ("pinned staging (fused rows' ratios: the lab's halo phase, then its rerun with this call's configs)",
-               pinned_block(_load(files.get("halo")), _load(files.get("halo_pinned")))),
+               pinned_block(_load(files.get("halo")), _load(files.get("halo_pinned")), "halo")),
+              ("pinned GEMM tiles (the same for the GEMM phase at the swept M)",
+               pinned_block(_load(files.get("gemm")), _load(files.get("gemm_pinned")), "gemm")),
               ("launcher (attrib)", attrib_block(diag)),
               ("host (host_cost.json, stubbed launches)", host_block(host))]
     env = diag.get("env", {})

@@ -292,3 +292,31 @@ def test_the_digest_reads_a_collected_call():
     consumer = next(line for line in text.splitlines() if line.strip().startswith("gathered_matmul"))
     assert consumer.endswith("host-bound") and "160.0" in consumer
     assert "no launch_canary in probe.json" in text and "no reduce:poll rows" in text
+    assert "no pinned halo rerun" in text and "no pinned gemm rerun" in text
+
+
+def test_the_digest_sets_a_pinned_rerun_beside_its_phase(tmp_path):
+    """The first call's pinned reruns (``halo_conv-*-pinned.json``, ``gemm_fused-*-pinned.json``): per op, shape,
+    mode and fused provider, the ratio to the anchor as the targets read it (rate over the anchor's rate, else the
+    anchor's time over the row's) in the phase and in the rerun, with the config the rerun took and its source."""
+    s = dict(nd=3, C=256, n=64, halo=1, batch=1, format="nchw")
+    config = dict(BLOCK_R=64, BLOCK_X=64, SLAB_X=16, STRIP_X=2, num_warps=4, SPLIT=True, WORDS=True)
+
+    def halo_file(name, fused_ms, source):
+        rows = [_row("halo_conv", "copy", "copy", 0.07, s, "stage", rate=2000.0),
+                _row("halo_conv", "fused", "copy", fused_ms, s, "stage", rate=2000.0 * 0.07 / fused_ms,
+                     extra=dict(stage_config=config, stage_config_source=source)),
+                _row("halo_conv", "cat", "cat", 1.0, s, "full"), _row("halo_conv", "distdl", "cat", 1.2, s, "full")]
+        (tmp_path / name).write_text(json.dumps(dict(env={}, rows=rows)))
+    halo_file("halo_conv-NVIDIA_H200-2026-11-29.json", 0.125, "rules")
+    halo_file("halo_conv-NVIDIA_H200-2026-11-29-pinned.json", 0.0778, "measured")
+    dig = _module("lab_digest")
+    files = dig.find_files(tmp_path)
+    assert files["halo"].name.endswith("29.json") and files["halo_pinned"].name.endswith("pinned.json")
+    assert files["gemm"] is None and files["gemm_pinned"] is None
+    text = dig.digest(files)
+    block = text.split("== pinned staging")[1].split("\n== ")[0].splitlines()
+    assert len(block) == 3, block  # the header, then the one fused row that names its config
+    assert "stage fused" in block[2] and "0.56" in block[2] and "0.90" in block[2] and "WORDS=True" in block[2]
+    assert block[2].endswith("(measured)")
+    assert "no pinned gemm rerun" in text
