@@ -261,6 +261,14 @@ def staging_config(case) -> tuple[dict, str]:
 
 
 @functools.lru_cache(maxsize=None)
+def _halo_packing():
+    """``distfuse.primitives._halo_packing``, imported once (as :func:`_halo`)."""
+    from distfuse.primitives import _halo_packing
+
+    return _halo_packing
+
+
+@functools.lru_cache(maxsize=None)
 def _halo_exchange():
     """``distfuse.primitives.halo_exchange``, imported once (as :func:`_halo`)."""
     from distfuse.primitives import halo_exchange
@@ -276,22 +284,31 @@ def stage_pieces(case, x, boxes):
 
 class _PiecesStage(torch.autograd.Function):
     """distfuse's unfused staging and its adjoint without the exchange (single GPU), as the layers' ``halo_exchange``
-    op pair runs them: forward ``stage_from_pieces``; backward ``unstage_to_pieces`` (the block's own boxes summed
-    into a gradient of the block, in fp32 for 16-bit data, and the boxes to send back), then the neighbours' boxes
-    (``case.incoming_nchw``, simulated) added into it and the sum rounded to the dtype once."""
+    op pair runs them: forward ``stage_from_pieces`` of the received boxes (views of one flat buffer here, a buffer
+    a box there); backward ``unstage_to_pieces`` (the block's own boxes summed into a gradient of the block, in fp32
+    for 16-bit data, and the messages to send back, packed where small: the flat buffer's gradient), then the
+    neighbours' boxes (``case.incoming_nchw``, simulated) added into it as the layers add them, and the sum rounded
+    to the dtype once."""
 
     @staticmethod
-    def forward(ctx, x, case, *boxes):
+    def forward(ctx, x, case, flat):
         ctx.case, ctx.x_shape, ctx.fmt = case, tuple(x.shape), case.fmt
-        return stage_pieces(case, x, boxes)
+        return stage_pieces(case, x, case.boxes(flat, case.plan.recvs(case.index)))
 
     @staticmethod
     def backward(ctx, g):
         case = ctx.case
-        grad_x, outgoing = _halo_exchange().unstage_to_pieces(g, ctx.x_shape, case.plan, case.index, ctx.fmt)
-        for pc, buf in case.incoming_pieces:  # as the layers' adjoint adds them (halo_exchange._exchange_adjoint)
-            grad_x[pc.src_index].add_(buf)
-        return (grad_x.to(g.dtype), None, *outgoing)
+        grad_x, outgoing = _halo_exchange().unstage_to_pieces(g, ctx.x_shape, case.plan, case.index, ctx.fmt,
+                                                              flat_messages=True)  # as the layers' adjoint
+        # the boxes that come back, added as the layers' adjoint adds them (halo_exchange._exchange_adjoint): small
+        # ones at once, in box order (distfuse.primitives._halo_packing), others per box
+        packing = _halo_packing()
+        if packing.packs(case.incoming_nchw.numel(), g):
+            packing.add_incoming(grad_x, case.plan, case.index, case.incoming_nchw)
+        else:
+            for pc, buf in case.incoming_pieces:
+                grad_x[pc.src_index].add_(buf)
+        return grad_x.to(g.dtype), None, torch.cat([m.reshape(-1) for m in outgoing])
 
 
 def stage_distdl(case, x, slabs):
@@ -349,9 +366,9 @@ def _halo_leaves(provider, halos):
     if provider == "fused":
         halos = _leaf(halos)
         return halos, [halos]
-    if provider == "pieces":
-        halos = [_leaf(t) for t in halos]
-        return halos, halos
+    if provider == "pieces":  # the received boxes end to end (_step_halos): one leaf, as the fused step's
+        halos = _leaf(halos)
+        return halos, [halos]
     if provider == "distdl":
         halos = [(li, _leaf(lo), hi_i, _leaf(hi)) for li, lo, hi_i, hi in halos]
         return halos, [t for _, lo, _, hi in halos for t in (lo, hi)]
@@ -362,23 +379,29 @@ def _halo_leaves(provider, halos):
 def step_leaves(case, provider):
     """``(x, halos, weight, bias)`` of ``case`` for :func:`full_step`, made leaves once: the timed steps then pay no
     ``detach`` per tensor and per step (a provider's halos are 1 to 26 tensors)."""
-    return _leaf(case.x), _halo_leaves(provider, _halo_inputs(case, provider))[0], _leaf(case.weight), \
+    return _leaf(case.x), _halo_leaves(provider, _step_halos(case, provider))[0], _leaf(case.weight), \
         _leaf(case.bias)
+
+
+def _step_halos(case, provider):
+    """A provider's halos for :func:`full_step`: as :func:`_halo_inputs` gives them, but the pieces step's boxes as
+    the one flat buffer they are views of (NCHW, end to end), one leaf as the fused step's receive buffer."""
+    return case.recv_nchw if provider == "pieces" else _halo_inputs(case, provider)
 
 
 def full_step(case, provider, x, halos, weight, bias):
     """Staging + conv forward + backward; returns (y, grads of x, weight, bias, halos).
 
     The gradients are taken with ``torch.autograd.grad``, not accumulated into ``.grad``: each provider hands its
-    halos to the staging as its own tensors (one flat buffer fused, 4 or 6 slabs for ``cat`` and ``distdl``, 8 or
-    26 boxes for ``pieces``), and an accumulation per leaf cost about 5 us of host time each (CPU), host time
-    that is the bench's, not the staging's.  Captured, a leaf costs under 1 us."""
+    halos to the staging as its own tensors (one flat buffer fused and ``pieces``, 4 or 6 slabs for ``cat`` and
+    ``distdl``), and an accumulation per leaf cost about 5 us of host time each (CPU), host time that is the
+    bench's, not the staging's.  Captured, a leaf costs under 1 us."""
     x, w, b = _leaf(x), _leaf(weight), _leaf(bias)
     halos, leaves = _halo_leaves(provider, halos)
     if provider == "fused":
         staged = _FusedStage.apply(x, halos, case)
     elif provider == "pieces":
-        staged = _PiecesStage.apply(x, case, *halos)
+        staged = _PiecesStage.apply(x, case, halos)
     elif provider == "distdl":
         staged = stage_distdl(case, x, halos)
     else:
@@ -451,7 +474,7 @@ def smoke() -> int:
                 print(f"smoke: {name_of}: the fused staging dropped the format", file=sys.stderr)
                 return 1
         case = Case(nd, 2, 3, 5, 1, torch.float64, "cpu", channels_last=cl)
-        outs = {p: full_step(case, p, case.x, _halo_inputs(case, p), case.weight, case.bias)
+        outs = {p: full_step(case, p, case.x, _step_halos(case, p), case.weight, case.bias)
                 for p in ("fused", "distdl", "cat", "pieces")}
         # the fused path also adds the halo gradients that neighbours send back (simulated); the baselines
         # stop at this worker's own staging, so add the same boxes to theirs

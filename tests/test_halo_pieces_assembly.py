@@ -10,6 +10,8 @@ and its adjoint, against torch's global padding, for random 1-D to 3-D geometrie
   gives, from ``|g|``).
 * The point of the nested form is the host's share of a small step: a 2-D interior worker's staging is 4
   concatenations, not 9 indexed copies; a boundary worker's zero fill is one ``zeros`` per band, not per box.
+* The adjoint's messages, box by box or packed by one gather (``distfuse.primitives._halo_packing``), are the same
+  bits; packed, a worker's 8 or 26 messages are one ``take`` and one ``split``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
@@ -25,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from distfuse.geometry.decomposition import local_slices
 from distfuse.geometry.halo_plan import HaloPlan, resolve_padding
+from distfuse.primitives import _halo_packing as packing
 from distfuse.primitives import halo_exchange
 from distfuse.primitives._layout import memory_format_of
 from distfuse.primitives.halo_exchange import stage_from_pieces, unstage_to_pieces
@@ -46,6 +50,18 @@ def assembly(nested: bool):
     finally:
         halo_exchange.NESTED_STAGING_BYTES.clear()
         halo_exchange.NESTED_STAGING_BYTES.update(saved)
+
+
+@contextlib.contextmanager
+def packed(flag: bool):
+    """Force the messages packed by one gather (any size) or made box by box (every size) on CPU tensors."""
+    saved = dict(packing.PACKED_HALO_BYTES)
+    packing.PACKED_HALO_BYTES["cpu"] = 1 << 62 if flag else -1
+    try:
+        yield
+    finally:
+        packing.PACKED_HALO_BYTES.clear()
+        packing.PACKED_HALO_BYTES.update(saved)
 
 
 def _global_pad(x: torch.Tensor, pads, mode: str) -> torch.Tensor:
@@ -104,7 +120,14 @@ def test_both_assemblies_equal_global_padding_and_the_adjoint_is_its_gradient(ca
     # adjoint: every worker's own gradient plus the boxes the others send back, against autograd's
     got = {idx: torch.zeros(b.shape, dtype=torch.float64) for idx, b in blocks.items()}
     for idx in plan.blocks():
-        own, outgoing = unstage_to_pieces(grads[idx], blocks[idx].shape, plan, idx, memory_format_of(blocks[idx]))
+        with packed(False):  # the messages box by box, then packed by one gather: the same bits
+            own, outgoing = unstage_to_pieces(grads[idx], blocks[idx].shape, plan, idx, memory_format_of(blocks[idx]))
+        with packed(True):
+            own_p, outgoing_p = unstage_to_pieces(grads[idx], blocks[idx].shape, plan, idx,
+                                                  memory_format_of(blocks[idx]), flat_messages=True)
+        assert torch.equal(own, own_p) and len(outgoing) == len(outgoing_p), idx
+        assert all(b.is_contiguous() and torch.equal(a, b.view(a.shape))
+                   for a, b in zip(outgoing, outgoing_p, strict=True)), idx
         assert own.dtype == (torch.float32 if dtype == torch.bfloat16 else dtype)
         assert own.is_contiguous(memory_format=memory_format_of(blocks[idx]))
         got[idx] += own.double()
@@ -166,10 +189,20 @@ def test_an_interior_worker_is_one_concatenation_per_run_and_no_copy_per_box():
         assert ops.calls["cat"] == 0 and ops.calls["copy_"] == 3**nd, (nd, ops.calls)
         # the adjoint: views by one split per run, one copy of the interior piece, one contiguous copy per message
         grad = torch.randn((1, 2) + plan.staged_shape(index), dtype=torch.float64)
-        with _Ops() as ops:
+        with packed(False), _Ops() as ops:
             _, outgoing = unstage_to_pieces(grad, block.shape, plan, index)
         assert ops.calls["split_with_sizes"] == runs and ops.calls["clone"] == len(outgoing) == 3**nd - 1, ops.calls
         assert sum(ops.calls.values()) == runs + 1 + len(outgoing), ops.calls
+        # small messages: one gather of them all (distfuse.primitives._halo_packing), split, each a view; its
+        # index is built at the first call of a shape
+        with packed(True):
+            assert all(m.shape == (1, 2) + pc.src_shape for m, pc in
+                       zip(unstage_to_pieces(grad, block.shape, plan, index)[1], plan.recvs(index), strict=True))
+            unstage_to_pieces(grad, block.shape, plan, index, flat_messages=True)
+            with _Ops() as ops:
+                _, outgoing = unstage_to_pieces(grad, block.shape, plan, index, flat_messages=True)
+        assert ops.calls["take"] == 1 and ops.calls["split_with_sizes"] == runs + 1 and "clone" not in ops.calls
+        assert len(outgoing) == 3**nd - 1 and sum(ops.calls.values()) == runs + 1 + 2, ops.calls
 
 
 def test_a_boundary_worker_makes_its_zero_fill_once_per_band():
@@ -182,3 +215,40 @@ def test_a_boundary_worker_makes_its_zero_fill_once_per_band():
     assert bool((staged[..., 0, :] == 0).all()) and bool((staged[..., :, 0] == 0).all())
     assert torch.equal(staged[..., 1:, 1:], torch.cat(
         [torch.cat([block, received[0]], -1), torch.cat([received[1], received[2]], -1)], -2))
+
+
+def _adds_both_ways(device: str) -> None:
+    """The boxes that come back to a 3-D interior worker (26, overlapping at its edges and corners: an element
+    gets up to seven terms), added per box and by ``add_incoming`` into a dense block gradient of either memory
+    format, fp32 and fp64: the same bits, and the same bits again on a second run."""
+    plan = HaloPlan.for_conv((6, 6, 6), (3, 3, 3), (3, 3, 3), (1, 1, 1), (1, 1, 1), ((1, 1),) * 3, "circular")
+    index = (1, 1, 1)
+    lead = (2, 3)
+    gen = torch.Generator().manual_seed(23)
+    sizes = packing.message_numels(plan, index, 6)[0]
+    assert len(sizes) == 26 and all(sizes)
+    for dtype in (torch.float32, torch.float64):
+        flat = torch.randn(sum(sizes), generator=gen, dtype=dtype).to(device)
+        for fmt in (torch.contiguous_format, torch.channels_last_3d):
+            start = torch.randn(lead + plan.input_shape(index), generator=gen, dtype=dtype).to(device)
+            start = start.contiguous(memory_format=fmt)
+            want = start.clone(memory_format=fmt)
+            for (_, pc), box in zip(plan.sends(index), flat.split(sizes), strict=True):
+                want[pc.src_index].add_(box.view(lead + pc.src_shape))
+            runs = []
+            for _ in range(2):
+                got = start.clone(memory_format=fmt)
+                packing.add_incoming(got, plan, index, flat)
+                runs.append(got)
+            assert torch.equal(runs[0], want) and torch.equal(runs[1], want), (dtype, fmt)
+
+
+def test_the_boxes_that_come_back_are_added_at_once_in_box_order():
+    _adds_both_ways("cpu")
+
+
+@pytest.mark.cuda
+def test_the_boxes_that_come_back_are_added_at_once_in_box_order_cuda():
+    """On a GPU the add is ``index_put_(accumulate=True)`` (deterministic by torch's list; ``index_add_`` there uses
+    atomics): the same bits as the adds per box, run after run."""
+    _adds_both_ways("cuda")

@@ -17,7 +17,10 @@ Workers with different leading (batch, channel) partition indices never exchange
 
 Adjoint: every staged box's gradient goes back to where the box was read from (a
 reversed box flipped back, a replicated one summed); other workers' arrive in one round
-and are added into the block.
+and are added into the block.  Small messages are packed by one indexed gather and added
+back by one indexed add, in box order (:mod:`~distfuse.primitives._halo_packing`): the same
+terms in the same order as a copy and an add per box, a few aten calls where those take two
+per box.
 
 Memory format: the block is read through views, whatever its strides; ``staged`` (and the
 adjoint's block gradient) is allocated in the block's format (``channels_last`` in,
@@ -48,6 +51,7 @@ from distfuse import debug
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import PADDING_MODES, HaloPlan, adjoint_box, read_box, resolve_padding
 from distfuse.partition import CartesianPartition
+from distfuse.primitives import _halo_packing as packing
 from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
 from distfuse.primitives._common import check_inactive_input, exchange, infer_global_shape
 from distfuse.primitives._handles import HandleOwner, lookup, new_handle
@@ -137,11 +141,13 @@ def _concatenated(parts: list, axis: int, nd: int, x: torch.Tensor):
 
 
 def unstage_to_pieces(grad: torch.Tensor, x_shape: Sequence[int], plan: HaloPlan,
-                      index: tuple[int, ...], x_format=torch.contiguous_format
+                      index: tuple[int, ...], x_format=torch.contiguous_format, flat_messages: bool = False
                       ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Split a staged gradient (the adjoint of :func:`stage_from_pieces` on this worker): the block's own
     contributions, summed in ``x_format`` (in fp32 for 16-bit data), and the boxes to send back, contiguous
-    messages in ``plan.recvs(index)`` order.
+    messages in ``plan.recvs(index)`` order, ``[*lead, *src_shape]`` each.  ``flat_messages`` (the exchange's
+    adjoint, which moves elements, not shapes): small messages may come as flat views of one buffer, packed by
+    one gather in the same element order (:mod:`~distfuse.primitives._halo_packing`).
 
     The gradient is split into one view per piece along the assembly's runs (``nd`` levels of ``split``); the
     block's gradient starts as a copy of the interior piece's where it covers the block, else as zeros."""
@@ -149,6 +155,12 @@ def unstage_to_pieces(grad: torch.Tensor, x_shape: Sequence[int], plan: HaloPlan
     pieces, layout = plan.pieces(index), plan.assembly(index)
     if not pieces:  # the worker reads nothing: no gradient comes back, none goes out
         return zeros_in(tuple(x_shape), x_format, dtype=accum, device=grad.device), []
+    lead = tuple(grad.shape[: grad.dim() - len(plan.axes)])
+    sizes = packing.message_numels(plan, index, math.prod(lead))[1]
+    packed = None
+    if flat_messages and packing.packs(sum(sizes), grad):  # the messages by one gather
+        at = packing.outgoing_index(plan, index, tuple(grad.shape), grad.device)
+        packed = None if at is None else torch.take(grad, at).split(sizes)
     nd, views = len(plan.axes), [grad]
     for a, lengths in enumerate(layout.lengths):
         if len(lengths) > 1:
@@ -158,14 +170,14 @@ def unstage_to_pieces(grad: torch.Tensor, x_shape: Sequence[int], plan: HaloPlan
               else zeros_in(tuple(x_shape), x_format, dtype=accum, device=grad.device))
     outgoing = []
     for k, (pc, g) in enumerate(zip(pieces, views, strict=True)):
-        if pc.src is None or k == cover:
+        if pc.src is None or k == cover or (packed is not None and pc.src != index):
             continue
         g = adjoint_box(g, pc)
         if pc.src == index:
             grad_x[pc.src_index].add_(g)
         else:
             outgoing.append(g.contiguous())
-    return grad_x, outgoing
+    return grad_x, outgoing if packed is None else list(packed)
 
 
 def world_of_fn(P_x: CartesianPartition, nd: int):
@@ -207,9 +219,15 @@ def _exchange(x: torch.Tensor, handle: int, global_shape: list[int],
     if plan is None:
         return x.clone()
     world_of, lead = halo.world_of_fn(), tuple(x.shape[: x.dim() - len(plan.axes)])
+    sizes = packing.message_numels(plan, index, math.prod(lead))[0]
+    if packing.packs(sum(sizes), x):  # one gather, split (distfuse.primitives._halo_packing)
+        messages = torch.take(x, packing.send_index(plan, index, tuple(x.shape), x.device)).split(sizes)
+    else:
+        messages = [x[pc.src_index].contiguous() for _, pc in plan.sends(index)]
+    # the receive buffers apart: views of one buffer cost more host time than the allocations (a view a box)
     recv = [x.new_empty(lead + pc.src_shape) for pc in plan.recvs(index)]
-    sends = [(world_of(r), x[pc.src_index].contiguous()) for r, pc in plan.sends(index)]
-    exchange(sends, [(world_of(pc.src), buf) for pc, buf in zip(plan.recvs(index), recv, strict=True)], op=halo._op)
+    exchange([(world_of(r), m) for (r, _), m in zip(plan.sends(index), messages, strict=True)],
+             [(world_of(pc.src), buf) for pc, buf in zip(plan.recvs(index), recv, strict=True)], op=halo._op)
     return stage_from_pieces(x, plan, index, recv)
 
 
@@ -227,14 +245,23 @@ def _exchange_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], 
     halo, plan, index = halo_geometry(handle, global_shape)
     if plan is None:
         return grad.new_zeros(tuple(x_shape))
-    grad_x, outgoing = unstage_to_pieces(grad, x_shape, plan, index, format_of_code(x_format))
+    grad_x, outgoing = unstage_to_pieces(grad, x_shape, plan, index, format_of_code(x_format), flat_messages=True)
     world_of, lead = halo.world_of_fn(), tuple(x_shape[: len(x_shape) - len(plan.axes)])
-    incoming = [grad.new_empty(lead + pc.src_shape) for _, pc in plan.sends(index)]
+    sizes = packing.message_numels(plan, index, math.prod(lead))[0]
+    # small messages: the boxes that come back in one buffer, added by one indexed add in box order (the same
+    # terms in the same order as an add per box: distfuse.primitives._halo_packing)
+    add_at_once = packing.packs(sum(sizes), grad)
+    flat = grad.new_empty(sum(sizes)) if add_at_once else None
+    incoming = (flat.split(sizes) if add_at_once else
+                [grad.new_empty(lead + pc.src_shape) for _, pc in plan.sends(index)])
     exchange([(world_of(pc.src), g) for pc, g in zip(plan.recvs(index), outgoing, strict=True)],
              [(world_of(r), buf) for (r, _), buf in zip(plan.sends(index), incoming, strict=True)],
              op=f"{halo._op} (adjoint)")
-    for (_, pc), buf in zip(plan.sends(index), incoming, strict=True):
-        grad_x[pc.src_index].add_(buf)
+    if add_at_once:
+        packing.add_incoming(grad_x, plan, index, flat)
+    else:
+        for (_, pc), buf in zip(plan.sends(index), incoming, strict=True):
+            grad_x[pc.src_index].add_(buf)
     return grad_x.to(grad.dtype)
 
 
