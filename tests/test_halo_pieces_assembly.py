@@ -41,27 +41,28 @@ LEAD = (2, 3)  # [batch, channels]
 
 
 @contextlib.contextmanager
+def _cpu_bound(table: dict, on: bool):
+    """A per-device byte bound (``NESTED_STAGING_BYTES``, ``PACKED_HALO_BYTES``) set for CPU tensors so that its
+    small form is taken at any size (``on``) or at none."""
+    saved = dict(table)
+    table["cpu"] = 1 << 62 if on else -1
+    try:
+        yield
+    finally:
+        table.clear()
+        table.update(saved)
+
+
 def assembly(nested: bool):
     """Force the nested concatenations (any size) or the copy per box (every size) on CPU tensors."""
-    saved = dict(halo_exchange.NESTED_STAGING_BYTES)
-    halo_exchange.NESTED_STAGING_BYTES["cpu"] = 1 << 62 if nested else -1
-    try:
-        yield
-    finally:
-        halo_exchange.NESTED_STAGING_BYTES.clear()
-        halo_exchange.NESTED_STAGING_BYTES.update(saved)
+    return _cpu_bound(halo_exchange.NESTED_STAGING_BYTES, nested)
 
 
-@contextlib.contextmanager
 def packed(flag: bool):
     """Force the messages packed by one gather (any size) or made box by box (every size) on CPU tensors."""
-    saved = dict(packing.PACKED_HALO_BYTES)
-    packing.PACKED_HALO_BYTES["cpu"] = 1 << 62 if flag else -1
-    try:
-        yield
-    finally:
-        packing.PACKED_HALO_BYTES.clear()
-        packing.PACKED_HALO_BYTES.update(saved)
+    return _cpu_bound(packing.PACKED_HALO_BYTES, flag)
+
+
 
 
 def _global_pad(x: torch.Tensor, pads, mode: str) -> torch.Tensor:
