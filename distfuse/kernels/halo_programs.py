@@ -1069,9 +1069,9 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
     STAGE_WORDS` from :data:`STAGE_SPLIT_ELEMENTS` staged elements on GPUs; None chooses, True or False forces it);
     :func:`launch_stage` takes it for the element sizes and outputs it fits, the other launches otherwise.
 
-    ``dtype`` (the staged dtype; None: the rules alone): on a GPU, where neither ``tile`` nor a form is forced, a
-    measured config of this staging (:func:`measured_stage`) gives the tile, as a whole tile given would, and the
-    forms it names where they are not forced; only the NCHW remote pass keeps the rules' strip width (its strips are
+    ``dtype`` (the staged dtype; None: the rules alone): on a GPU, where no ``tile`` is given, a measured config of
+    this staging (:func:`measured_stage`) gives the tile, as a whole tile given would, and the forms it names
+    where they are not forced; only the NCHW remote pass keeps the rules' strip width (its strips are
     tiled by ``STRIP_R`` rows, which no whole staging the diagnosis times runs).
 
     ``trail`` > 1: channels last (``lead`` the batch, ``trail`` the channels, innermost in memory).  The kernels

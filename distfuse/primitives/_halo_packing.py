@@ -11,8 +11,8 @@ and the boxes that come back are received into one buffer and added by one index
     outgoing  = take(grad, outgoing_index)      [total]   the adjoint's messages (reversed boxes flipped back)
     grad_x   += add_incoming(recv)              [total]   the received boxes added, box after box
 
-(one core of a 2-core AMD EPYC, a 3-D interior worker, us: sends 93 -> 12, the adjoint's messages 87 -> 61 with
-the rest of its unstaging, the adds 80 -> 3; ``tests/test_halo_pieces_assembly.py``,
+(one core of a 2-core AMD EPYC, a 3-D interior worker, us: sends 92 -> 12, the adjoint's messages 85 -> 60 with
+the rest of its unstaging, the adds 81 -> 3; ``tests/test_halo_pieces_assembly.py``,
 ``tests/test_halo_exchange.py`` check both forms give the same bits).  The receive buffers stay one allocation a
 box: views of one buffer would cost a view a box, more than the allocation.
 
