@@ -227,17 +227,14 @@ def stage_fused_words(case, x, recv):
     return _halo().halo_stage(x, recv, case.plan, case.index, channels_last=False, words=True)
 
 
-def takes_words(case, forced: bool = True) -> bool:
-    """Whether the staging of this case takes the words form: forced (``stage_fused_words``; NCHW, 16-bit elements
-    in staged rows of an even length of 8 or more, or 32-bit ones, where it has a window to copy), or by the
-    package's default (``stage_fused``: on GPUs with ``DISTFUSE_STAGE_WORDS=1`` from 2^24 staged elements, or where
-    a measured config of the staging says so: :func:`staging_config`)."""
+def takes_words(case) -> bool:
+    """Whether the staging of this case takes the words form when forced (``stage_fused_words``; NCHW, 16-bit
+    elements in staged rows of an even length of 8 or more, or 32-bit ones, where it has a window to copy).  The
+    package's default form of a case: :func:`staging_config`."""
     from distfuse.kernels import halo_programs as hp
 
     if case.fmt != torch.contiguous_format:
         return False
-    if not forced:
-        return bool(staging_config(case)[0].get("WORDS"))
     lead = case.x.shape[0] * case.x.shape[1]
     launch = hp.stage_launch(case.plan, case.index, lead, case.x.device, "all", None, None, 1, None, True)
     return bool(launch.words) and case.x.element_size() in launch.words[0].sizes
@@ -363,10 +360,7 @@ def _leaf(t):
 def _halo_leaves(provider, halos):
     """``halos`` (a provider's, as :func:`_halo_inputs` gives them) with every tensor a leaf (:func:`_leaf`), and
     those leaves in order."""
-    if provider == "fused":
-        halos = _leaf(halos)
-        return halos, [halos]
-    if provider == "pieces":  # the received boxes end to end (_step_halos): one leaf, as the fused step's
+    if provider in ("fused", "pieces"):  # one flat buffer (pieces: the received boxes end to end, _step_halos)
         halos = _leaf(halos)
         return halos, [halos]
     if provider == "distdl":

@@ -37,6 +37,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # lab_record beside it, however this file is loaded
+from lab_record import FUSED, ratio_to  # noqa: E402 - after the path it is found by
+
 NAMES = {"probe": ("probe.json", "gpu_lab_probe-"), "tests": ("tests.json", "gpu_lab_tests-"),
          "diagnose": ("diagnose.json", "diagnose-"), "host_cost": ("host_cost.json", "host_cost-")}
 
@@ -233,10 +236,6 @@ def halo_steps_block(diag: dict) -> list[str]:
     return lines
 
 
-#: The fused providers of the benchmarks' rows (as the targets read them).
-FUSED = ("fused", "triton", "triton_persistent", "cublas_chunks", "copy_engine", "persistent")
-
-
 def pinned_block(lab: dict, pinned: dict, what: str) -> list[str]:
     """Per op, shape, mode and fused provider: the row's ratio to its anchor in the lab's phase and in its rerun
     with this call's pinned configs, and the config the rerun's kernel took with its source (``extra.stage_config``
@@ -254,9 +253,7 @@ def pinned_block(lab: dict, pinned: dict, what: str) -> list[str]:
             extra = r.get("extra", {})
             if provider not in FUSED or a is None or not ("stage_config" in extra or "config" in extra):
                 continue
-            q = (r["rate"] / a["rate"] if r.get("rate") and a.get("rate") else
-                 a["ms"] / r["ms"] if r.get("ms") and a.get("ms") else None)
-            out[(op, shape, mode, provider)] = (r, q)
+            out[(op, shape, mode, provider)] = (r, ratio_to(r, a))
         return out
     before, rerun = fused(lab), fused(pinned)
     lines = ["op / shape / mode / provider                            lab pinned  (x of the anchor) config (source)"]

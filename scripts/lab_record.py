@@ -174,6 +174,16 @@ def result_files(out: Path) -> list[Path]:
                   if p.name.startswith(("gemm_fused-", "halo_conv-", "attention-")))
 
 
+def ratio_to(row: dict, anchor: dict) -> float | None:
+    """A row's ratio to its anchor as the targets read it (higher is better): its rate over the anchor's where both
+    have one, else the anchor's time over its own; None without either."""
+    if row.get("rate") and anchor.get("rate"):
+        return row["rate"] / anchor["rate"]
+    if row.get("ms") and anchor.get("ms"):
+        return anchor["ms"] / row["ms"]
+    return None
+
+
 def ratios(files: list[Path]) -> list[dict]:
     """Per target: the worst over large shapes of the best fused provider's ratio to the anchor (higher is better)."""
     by: dict = {}
@@ -191,13 +201,8 @@ def ratios(files: list[Path]) -> list[dict]:
             a = provs.get(anchor)
             best = None
             for p, r in provs.items():
-                if p not in FUSED or a is None:
-                    continue
-                if r.get("rate") and a.get("rate"):
-                    q = r["rate"] / a["rate"]
-                elif r.get("ms") and a.get("ms"):
-                    q = a["ms"] / r["ms"]
-                else:
+                q = ratio_to(r, a) if p in FUSED and a is not None else None
+                if q is None:
                     continue
                 if best is None or q > best[0]:
                     best = (q, p, r.get("kernel"))
