@@ -79,8 +79,11 @@ buffers in this GPU's HBM, so "remote" stores land in local memory):
   ``ag_gemm``, ``linear_rs`` and ``linear_ag``; ``bench compare`` matches them to the
   current names.
 
-Timings: ``bench.harness.time_fn`` (CUDA events, L2 flushed before every run; median
-and 20th/80th percentiles).  Rows go to ``bench/results/gemm_fused-<device>-<date>.json``
+Timings: ``bench.harness.time_fn`` (CUDA events, L2 flushed before every run, the runs
+issued back to back as ``triton.testing.do_bench`` issues them; median and 20th/80th
+percentiles).  Each eager row on CUDA also carries ``extra.ms_synced``: the median of cold
+calls, each issued once the previous one has synchronised (the timing of rows before
+2026-11-29), where host time beyond the L2 flush shows.  Rows go to ``bench/results/gemm_fused-<device>-<date>.json``
 through ``bench.harness.write_results``.
 
 Without a CUDA device the benchmark is not run (interpreted kernel times would mean
@@ -106,6 +109,7 @@ import sys
 import types
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -537,6 +541,16 @@ def graph_rows(side, shape, row, timed, src, dst, nbytes, m, n, k) -> None:
         one(op_bw, "fused", bw_shape, side.push, claim_provider="triton", kernel=op_bw)
 
 
+class Timed(NamedTuple):
+    """An eager row's timing (ms): median, q20 and q80 of runs issued back to back, and the median of cold calls
+    (each after a synchronise; None off CUDA)."""
+
+    ms: float
+    q20: float
+    q80: float
+    synced_ms: float | None
+
+
 def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torch.device, symm, sides=None,
           on_case=None, graphs: bool = True) -> list:
     """Every provider on every case; returns harness Rows (ratios set).  ``models``: name -> (H, I).
@@ -554,10 +568,21 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
     def row(op, provider, shape, q, kernel=None, mode="fwd", **kw):
         kernel = kernel or ROW_KERNELS.get(provider) or ("symm_mem." + op if provider == "symm_mem" else None) or \
             ("none: modelled" if provider.startswith("projection") else None)
+        if isinstance(q, Timed) and q.synced_ms is not None:  # the cold call's time beside the row's (see timed)
+            kw["extra"] = dict(kw.get("extra") or {}, ms_synced=q.synced_ms)
         rows.append(Row(op=op, provider=provider, mode=mode, shape=dict(shape), dtype=dtype_name, world_size=W,
                         ms=q[0], ms_q20=q[1], ms_q80=q[2], kernel=kernel, **kw))
 
     def timed(fn):
+        """The eager rows' time: runs issued back to back (``distfuse.timing``: the host runs ahead, as in a
+        training step), and on CUDA also the median of cold calls, each after a synchronise (``ms_synced``: where
+        the call's host time outlasts its L2 flush, that shows there and not in ``ms``)."""
+        warmup = 3 if device.type == "cuda" else 1
+        q = time_fn(fn, warmup=warmup, reps=reps, device=device)
+        synced = time_fn(fn, warmup=0, reps=reps, device=device, synced=True)[0] if device.type == "cuda" else None
+        return Timed(*q, synced)
+
+    def replayed(fn):  # a graph replay has no host work to hide: one timing
         return time_fn(fn, warmup=3 if device.type == "cuda" else 1, reps=reps, device=device)
 
     for model, side_name, m, n, k in cases(models, ms, W, sides):
@@ -663,7 +688,7 @@ def sweep(models: dict, ms, world: int, dtype_name: str, reps: int, device: torc
                     rate=tflops(m, n, k, ms_p), rate_unit="TFLOP/s",
                     extra=dict(projection=True, inputs_ms=dict(inputs, t_fused_gemm=q_p[0])))
         if graphs and device.type == "cuda":
-            graph_rows(side, shape, row, timed, src, dst, nbytes, m, n, k)
+            graph_rows(side, shape, row, replayed, src, dst, nbytes, m, n, k)
         del side, src, dst
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -6,6 +6,14 @@ Policy:
 * CUDA: each run bracketed by CUDA events, after flushing L2 (a 256 MB write) so that
   every run reads its inputs from HBM.  Pair it with inputs rotated over enough copies
   to exceed L2 (:func:`rotations`, :func:`rotating`).
+* CUDA, one process: the runs are issued back to back and read after one synchronise at
+  the end, as ``triton.testing.do_bench`` does (and ``bench/bench_halo_conv.py`` with it).
+  The host issues a run while the device still flushes and runs the previous ones, as a
+  training step's host runs ahead of its GPU, so a run's host time shows only where it
+  outlasts the device's work (its flush and the runs before).  ``synced=True`` times each run
+  once the previous one has synchronised instead: a cold call, whose host time shows wherever
+  it outlasts its flush alone (the benchmarks record that time beside, ``ms_synced``).
+  Multi-rank timing is always synced (the barrier and the all-reduce of each repetition).
 * CPU: ``time.perf_counter`` around each run.  CPU times are for smoke runs and
   CPU-vs-CPU ratios only, never GPU claims.
 * Multi-rank (``sync_group``): ranks start each repetition together (a barrier outside
@@ -31,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["QUANTILES", "L2_FLUSH_BYTES", "summarize", "median", "time_samples", "time_fn", "time_interleaved",
-           "rotations", "rotating"]
+           "issued_back_to_back", "rotations", "rotating"]
 
 QUANTILES = (0.5, 0.2, 0.8)
 L2_FLUSH_BYTES = 256 * 2**20
@@ -53,14 +61,19 @@ def median(times: list[float]) -> float:
 
 
 def time_samples(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, device: torch.device | None = None,
-                 sync_group=None) -> list[float]:
-    """The per-run times of ``fn()`` in ms (warm-up, L2 flush on CUDA, slowest rank per repetition)."""
+                 sync_group=None, synced: bool = False) -> list[float]:
+    """The per-run times of ``fn()`` in ms (warm-up, L2 flush on CUDA, slowest rank per repetition).
+
+    CUDA runs of one process are issued back to back (one synchronise after the last) unless ``synced``; with a
+    ``sync_group`` each repetition synchronises (see the module doc)."""
     cuda = device is not None and torch.device(device).type == "cuda"
     flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device) if cuda else None
     for _ in range(warmup):
         fn()
     if cuda:
         torch.cuda.synchronize(device)
+        if sync_group is None and not synced:
+            return issued_back_to_back(fn, reps, flush.zero_, torch.cuda.Event)
     times = []
     for _ in range(reps):
         if sync_group is not None:
@@ -85,10 +98,29 @@ def time_samples(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, d
     return times
 
 
+def issued_back_to_back(fn: Callable[[], object], reps: int, flush: Callable[[], object], event) -> list[float]:
+    """``reps`` runs of ``fn`` issued without a synchronise between them, each after ``flush()`` and between two
+    events of ``event(enable_timing=True)`` (``torch.cuda.Event``); the times in ms, read once the last run's end
+    event has completed.  The events of run ``i`` bracket only run ``i``: the next flush is issued after its end
+    event, so a run's time is its own device time plus any wait for the host, never a flush."""
+    marks = []
+    for _ in range(reps):
+        flush()
+        start, end = event(enable_timing=True), event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        marks.append((start, end))
+    if not marks:
+        return []
+    marks[-1][1].synchronize()
+    return [start.elapsed_time(end) for start, end in marks]
+
+
 def time_fn(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10, device: torch.device | None = None,
-            sync_group=None) -> tuple[float, float, float]:
+            sync_group=None, synced: bool = False) -> tuple[float, float, float]:
     """Median, q20, q80 of ``fn``'s time in ms (:func:`time_samples`, then :func:`summarize`)."""
-    return summarize(time_samples(fn, warmup=warmup, reps=reps, device=device, sync_group=sync_group))
+    return summarize(time_samples(fn, warmup=warmup, reps=reps, device=device, sync_group=sync_group, synced=synced))
 
 
 def time_interleaved(fns: dict[str, Callable[[], object]], *, warmup: int = 3, rounds: int = 5, reps: int = 5,

@@ -458,8 +458,9 @@ def scatter_sweep(torch, Side, shapes, W, dtype, device, calls, record, cuda, cl
 def call_latency(torch, fn, device, reps=20) -> dict:
     """What the benchmarks' eager rows add to a call's device time, in parts (medians over ``reps``; us).
 
-    * ``eager_us``: the benchmark's timing: CUDA events around the call, after an L2 flush (a 256 MB write the
-      host's issue overlaps), once the previous call has synchronised;
+    * ``eager_us``: a cold call (the benchmarks' eager timing before 2026-11-29, their ``extra.ms_synced`` since):
+      CUDA events around the call, after an L2 flush (a 256 MB write the host's issue overlaps), once the previous
+      call has synchronised;
     * ``noflush_us``: the same without the flush, so the host's time to the launch is exposed in full;
     * ``host_us``: the call's host time just after a synchronise (a cold call, as each timed one is);
     * ``graph_us``: the call replayed from a CUDA graph (no host work).

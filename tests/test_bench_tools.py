@@ -439,6 +439,46 @@ def test_one_timer_for_bench_and_tuner():
         timing.summarize([])
 
 
+class _FakeEvent:
+    """A CUDA event stand-in that logs what the timer does, in order, and whose clock is the log's length."""
+
+    log: list = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self):
+        self.at = len(self.log)
+        self.log.append("record")
+
+    def synchronize(self):
+        self.log.append("sync")
+
+    def elapsed_time(self, end):
+        return float(end.at - self.at)
+
+
+def test_cuda_runs_are_issued_back_to_back_and_read_after_one_synchronise(monkeypatch):
+    """The CUDA timer of one process: each run after its flush and between its own two events, no synchronise until
+    the last run is issued, then one (a synchronise per run would time cold calls: ``synced=True``)."""
+    log = []
+    monkeypatch.setattr(_FakeEvent, "log", log)
+    calls = []
+
+    def fn():
+        calls.append(len(calls))
+        log.extend(["fn"] * (len(calls)))  # run i takes i ticks between its events
+
+    times = timing.issued_back_to_back(fn, 3, lambda: log.append("flush"), _FakeEvent)
+    assert log == ["flush", "record", "fn", "record", "flush", "record", "fn", "fn", "record",
+                   "flush", "record", "fn", "fn", "fn", "record", "sync"]
+    assert times == [2.0, 3.0, 4.0] and calls == [0, 1, 2]  # a run's own events: never a flush between them
+    assert timing.issued_back_to_back(fn, 0, lambda: None, _FakeEvent) == []
+    # CPU: both ways are perf_counter around each run
+    assert len(timing.time_samples(lambda: None, warmup=0, reps=3, device=torch.device("cpu"), synced=True)) == 3
+
+
 def test_console_script_is_declared():
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
