@@ -281,22 +281,27 @@ def stage_pieces(case, x, boxes):
 
 class _PiecesStage(torch.autograd.Function):
     """distfuse's unfused staging and its adjoint without the exchange (single GPU), as the layers' ``halo_exchange``
-    op pair runs them: forward ``stage_from_pieces`` of the received boxes (views of one flat buffer here, a buffer
-    a box there); backward ``unstage_to_pieces`` (the block's own boxes summed into a gradient of the block, in fp32
-    for 16-bit data, and the messages to send back, packed where small: the flat buffer's gradient), then the
+    op pair runs them: forward one gather from the received boxes end to end where the block is small
+    (``halo_exchange.receive_buffers``, ``stage_received``), else ``stage_from_pieces`` of the received boxes (views
+    of one flat buffer here, a buffer a box there); backward ``unstage_for_exchange`` (the block's own boxes summed
+    into a gradient of the block, in fp32 for 16-bit data, and the messages to send back: the flat buffer's
+    gradient), then the
     neighbours' boxes (``case.incoming_nchw``, simulated) added into it as the layers add them, and the sum rounded
     to the dtype once."""
 
     @staticmethod
     def forward(ctx, x, case, flat):
         ctx.case, ctx.x_shape, ctx.fmt = case, tuple(x.shape), case.fmt
+        hx = _halo_exchange()
+        gathered, _ = hx.receive_buffers(x, case.plan, case.index)  # the layers' choice of receive buffers
+        if gathered is not None:  # a small block: one gather from the boxes end to end
+            return hx.stage_received(x, case.plan, case.index, flat, ())
         return stage_pieces(case, x, case.boxes(flat, case.plan.recvs(case.index)))
 
     @staticmethod
     def backward(ctx, g):
         case = ctx.case
-        grad_x, outgoing = _halo_exchange().unstage_to_pieces(g, ctx.x_shape, case.plan, case.index, ctx.fmt,
-                                                              flat_messages=True)  # as the layers' adjoint
+        grad_x, outgoing = _halo_exchange().unstage_for_exchange(g, ctx.x_shape, case.plan, case.index, ctx.fmt)
         # the boxes that come back, added as the layers' adjoint adds them (halo_exchange._exchange_adjoint): small
         # ones at once, in box order (distfuse.primitives._halo_packing), others per box
         packing = _halo_packing()

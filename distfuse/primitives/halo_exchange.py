@@ -13,6 +13,10 @@ exchanged in one round of point-to-point messages.  Unlike DistDL (``F.pad`` + c
 overwrite the halo slabs), the output is concatenated from the block's views and the
 receive buffers: the boxes tile it as a grid, so a few ``torch.cat`` calls build it
 (:func:`stage_from_pieces`; ``distfuse/fused/halo_conv.py`` does it in one Triton launch).
+A small block (:data:`~distfuse.primitives._halo_gathering.GATHERED_STAGING_BYTES`) receives
+its boxes end to end in one buffer and is staged by one indexed gather, its adjoint by one
+indexed add (:mod:`~distfuse.primitives._halo_gathering`): 2 aten calls each way where the
+views take 20 to 60, the host time of a small step.
 Workers with different leading (batch, channel) partition indices never exchange.
 
 Adjoint: every staged box's gradient goes back to where the box was read from (a
@@ -51,6 +55,7 @@ from distfuse import debug
 from distfuse.errors import ShapeError, UnsupportedError, expect, where
 from distfuse.geometry.halo_plan import PADDING_MODES, HaloPlan, adjoint_box, read_box, resolve_padding
 from distfuse.partition import CartesianPartition
+from distfuse.primitives import _halo_gathering as gathering
 from distfuse.primitives import _halo_packing as packing
 from distfuse.primitives._agreement import AgreementSite, agree_on_local_checks, agreed_by_flag_round
 from distfuse.primitives._common import check_inactive_input, exchange, infer_global_shape
@@ -58,7 +63,8 @@ from distfuse.primitives._handles import HandleOwner, lookup, new_handle
 from distfuse.primitives._layout import copy_in, empty_in, format_code, format_of_code, memory_format_of, zeros_in
 from distfuse.primitives._op_pair import op_pair
 
-__all__ = ["HaloExchange", "stage_from_pieces", "unstage_to_pieces", "halo_exchange", "halo_exchange_adjoint",
+__all__ = ["HaloExchange", "stage_from_pieces", "unstage_to_pieces", "receive_buffers", "stage_received",
+           "unstage_for_exchange", "halo_exchange", "halo_exchange_adjoint",
            "world_of_fn", "halo_geometry", "PlanHalo", "NESTED_STAGING_BYTES"]
 
 
@@ -224,11 +230,46 @@ def _exchange(x: torch.Tensor, handle: int, global_shape: list[int],
         messages = torch.take(x, packing.send_index(plan, index, tuple(x.shape), x.device)).split(sizes)
     else:
         messages = [x[pc.src_index].contiguous() for _, pc in plan.sends(index)]
-    # the receive buffers apart: views of one buffer cost more host time than the allocations (a view a box)
-    recv = [x.new_empty(lead + pc.src_shape) for pc in plan.recvs(index)]
+    flat, recv = receive_buffers(x, plan, index)
     exchange([(world_of(r), m) for (r, _), m in zip(plan.sends(index), messages, strict=True)],
              [(world_of(pc.src), buf) for pc, buf in zip(plan.recvs(index), recv, strict=True)], op=halo._op)
-    return stage_from_pieces(x, plan, index, recv)
+    return stage_received(x, plan, index, flat, recv)
+
+
+def receive_buffers(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...]
+                    ) -> tuple[torch.Tensor | None, Sequence[torch.Tensor]]:
+    """``(flat, boxes)``: where the staging is one gather (a small block, dense in its format:
+    :mod:`~distfuse.primitives._halo_gathering`), one buffer for every received box (``flat``) and the boxes as
+    its flat views; else None and one buffer a box, ``[*lead, *src_shape]`` (views of one buffer would cost more
+    host time than the allocations, a view a box).  ``plan.recvs(index)`` order."""
+    lead = tuple(x.shape[: x.dim() - len(plan.axes)])
+    if (gathering.gathers(math.prod(lead + plan.staged_shape(index)), x)
+            and x.is_contiguous(memory_format=memory_format_of(x))):
+        sizes = packing.message_numels(plan, index, math.prod(lead))[1]
+        flat = x.new_empty(sum(sizes))
+        return flat, flat.split_with_sizes(sizes)
+    return None, [x.new_empty(lead + pc.src_shape) for pc in plan.recvs(index)]
+
+
+def stage_received(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...], flat: torch.Tensor | None,
+                   boxes: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The staged input from the block and what :func:`receive_buffers` gave, once the boxes came: one gather from
+    ``flat`` where it is given, else :func:`stage_from_pieces` of ``boxes``."""
+    if flat is not None:
+        return gathering.stage_gathered(x, plan, index, memory_format_of(x), flat)
+    return stage_from_pieces(x, plan, index, boxes)
+
+
+def unstage_for_exchange(grad: torch.Tensor, x_shape: tuple[int, ...], plan: HaloPlan, index: tuple[int, ...],
+                         fmt: torch.memory_format) -> tuple[torch.Tensor, Sequence[torch.Tensor]]:
+    """The adjoint's local half before its exchange: ``(grad_x, outgoing)``, the block's own gradient (fp32 for
+    16-bit data, dense in ``fmt``) and the messages to send back (``plan.recvs(index)`` order, each the flat or
+    shaped box its owner expects): one indexed add where the staging was one gather, else
+    :func:`unstage_to_pieces` (small messages packed by one gather)."""
+    if gathering.gathers(grad.numel(), grad):
+        grad_x, flat = gathering.unstage_gathered(grad, x_shape, plan, index, fmt)
+        return grad_x, flat.split_with_sizes(gathering.gather_plan(plan, index, x_shape, fmt, grad.device).recv_sizes)
+    return unstage_to_pieces(grad, x_shape, plan, index, fmt, flat_messages=True)
 
 
 def _exchange_fake(x, handle, global_shape, anchor=None):
@@ -245,8 +286,9 @@ def _exchange_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], 
     halo, plan, index = halo_geometry(handle, global_shape)
     if plan is None:
         return grad.new_zeros(tuple(x_shape))
-    grad_x, outgoing = unstage_to_pieces(grad, x_shape, plan, index, format_of_code(x_format), flat_messages=True)
-    world_of, lead = halo.world_of_fn(), tuple(x_shape[: len(x_shape) - len(plan.axes)])
+    x_shape = tuple(x_shape)
+    grad_x, outgoing = unstage_for_exchange(grad, x_shape, plan, index, format_of_code(x_format))
+    world_of, lead = halo.world_of_fn(), x_shape[: len(x_shape) - len(plan.axes)]
     sizes = packing.message_numels(plan, index, math.prod(lead))[0]
     # small messages: the boxes that come back in one buffer, added by one indexed add in box order (the same
     # terms in the same order as an add per box: distfuse.primitives._halo_packing)
