@@ -96,13 +96,14 @@ phase() {
 
 # Newest first: the phase's cap has cut the list (2026-11-28, 53 of 65 tests in 130 s), so what never ran on a GPU
 # leads: the launch cache's hits through Triton's C launcher (every bound op against the JIT, bitwise; the raw
-# launch against Triton 3.6's own wrappers), the unfused exchange's indexed add of the boxes that come back (torch
-# ops, deterministic by torch's list), chunk_reduce with its flags polled by acquire loads as well as atomics
+# launch against Triton 3.6's own wrappers), the unfused exchange's indexed add of the boxes that come back and its
+# gathered staging of small blocks (torch ops, deterministic by torch's list), chunk_reduce with its flags polled by acquire loads as well as atomics
 # (DISTFUSE_FLAG_POLL), the split staging, the staging's words form, the overlap passes, the deferred checks drained
 # within a claim, then the halo kernels' file (22 tests: its realistic ones run the rebuilt box gather and
 # accumulate against their references), then the files that passed on the H200 before.
 TESTS=(tests/test_launch_cache.py tests/test_raw_launch.py
        tests/test_halo_pieces_assembly.py::test_the_boxes_that_come_back_are_added_at_once_in_box_order_cuda
+       tests/test_halo_gathering.py::test_the_gather_on_fixed_workers_cuda
        tests/test_gemm_kernels.py::test_chunk_reduce_pinned_launch_cuda
        tests/test_gemm_kernels.py::test_missing_source_on_cuda_poisons_and_raises tests/test_halo_stage_split.py
        tests/test_halo_stage_words.py::test_words_staging_cuda tests/test_halo_overlap_passes.py tests/test_status_slots.py tests/test_halo_kernels.py

@@ -125,3 +125,47 @@ def test_the_exchange_takes_the_gather_for_small_dense_blocks_only():
     with gathered(False):
         assert not gathering.gathers(1, block)
     assert halo_exchange.gathering is gathering  # the op pair's own module (tests patch its bound)
+
+
+def _gather_both_ways(device: str) -> None:
+    """A 3-D interior worker under circular padding (26 received boxes, and the block read again at the wrap on a
+    3-worker axis) and a 2-D replicate worker (a replicated run summed back): the gather against the views on
+    ``device``, both memory formats, bfloat16 and fp32; the staged input bit for bit, the adjoint bit for bit on
+    integer values, and on random ones the same bits on a second run (a fixed order of the sums)."""
+    cases = [(HaloPlan.for_conv((6, 6, 6), (3, 3, 3), (3, 3, 3), (1, 1, 1), (1, 1, 1), ((1, 1),) * 3, "circular"),
+              (1, 1, 1), torch.channels_last_3d),
+             (HaloPlan.for_conv((5, 7), (2, 3), (5, 3), (1, 1), (1, 1), ((2, 2), (1, 1)), "replicate"),
+              (0, 2), torch.channels_last)]
+    gen = torch.Generator().manual_seed(31)
+    for plan, index, cl in cases:
+        nd = len(index)
+        for dtype in (torch.bfloat16, torch.float32):
+            for fmt in (torch.contiguous_format, cl):
+                x = torch.randint(-4, 5, LEAD + plan.input_shape(index), generator=gen).to(device, dtype)
+                x = x.contiguous(memory_format=fmt)
+                received = [torch.randint(-4, 5, LEAD + pc.src_shape, generator=gen).to(device, dtype)
+                            for pc in plan.recvs(index)]
+                fmt_b = memory_format_of(x)
+                want = stage_from_pieces(x, plan, index, received)
+                staged = gathering.stage_gathered(x, plan, index, fmt_b, _flat(received, x))
+                assert torch.equal(staged, want) and staged.is_contiguous(memory_format=fmt_b), (nd, dtype, fmt)
+                g_int = torch.randint(-4, 5, want.shape, generator=gen).to(device, dtype)
+                with packed(False):
+                    own, outgoing = unstage_to_pieces(g_int, tuple(x.shape), plan, index, fmt_b)
+                own_g, out_g = gathering.unstage_gathered(g_int, tuple(x.shape), plan, index, fmt_b)
+                assert torch.equal(own_g, own) and torch.equal(out_g, _flat(outgoing, g_int)), (nd, dtype, fmt)
+                g = torch.randn(want.shape, generator=gen).to(device, dtype)
+                first = gathering.unstage_gathered(g, tuple(x.shape), plan, index, fmt_b)
+                again = gathering.unstage_gathered(g, tuple(x.shape), plan, index, fmt_b)
+                assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), (nd, dtype, fmt)
+
+
+def test_the_gather_on_fixed_workers():
+    _gather_both_ways("cpu")
+
+
+@pytest.mark.cuda
+def test_the_gather_on_fixed_workers_cuda():
+    """On a GPU the adjoint's add is ``index_put_(accumulate=True)``: the views' bits on integer values, and the
+    same bits run after run on random ones."""
+    _gather_both_ways("cuda")
