@@ -273,10 +273,16 @@ def _halo_exchange():
     return halo_exchange
 
 
-def stage_pieces(case, x, boxes):
-    """distfuse's unfused staging (the layers' path where dispatch does not fuse): the staged tensor concatenated
-    from the block's views and the received boxes (``halo_exchange.stage_from_pieces``)."""
-    return _halo_exchange().stage_from_pieces(x, case.plan, case.index, boxes)
+def stage_pieces(case, x, flat):
+    """distfuse's unfused staging (the layers' path where dispatch does not fuse) of the received boxes end to end
+    (``flat``, NCHW boxes): as the layers' ``halo_exchange`` op pair stages once its boxes came
+    (``halo_exchange.receive_buffers``, ``stage_received``): one gather from them where the block is small, else the
+    block's views and the boxes concatenated (``stage_from_pieces``)."""
+    hx = _halo_exchange()
+    gathered, _ = hx.receive_buffers(x, case.plan, case.index)  # the layers' choice (and allocation) of buffers
+    if gathered is not None:
+        return hx.stage_received(x, case.plan, case.index, flat, ())
+    return hx.stage_from_pieces(x, case.plan, case.index, case.boxes(flat, case.plan.recvs(case.index)))
 
 
 class _PiecesStage(torch.autograd.Function):
@@ -292,11 +298,7 @@ class _PiecesStage(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, case, flat):
         ctx.case, ctx.x_shape, ctx.fmt = case, tuple(x.shape), case.fmt
-        hx = _halo_exchange()
-        gathered, _ = hx.receive_buffers(x, case.plan, case.index)  # the layers' choice of receive buffers
-        if gathered is not None:  # a small block: one gather from the boxes end to end
-            return hx.stage_received(x, case.plan, case.index, flat, ())
-        return stage_pieces(case, x, case.boxes(flat, case.plan.recvs(case.index)))
+        return stage_pieces(case, x, flat)
 
     @staticmethod
     def backward(ctx, g):
@@ -365,7 +367,7 @@ def _leaf(t):
 def _halo_leaves(provider, halos):
     """``halos`` (a provider's, as :func:`_halo_inputs` gives them) with every tensor a leaf (:func:`_leaf`), and
     those leaves in order."""
-    if provider in ("fused", "pieces"):  # one flat buffer (pieces: the received boxes end to end, _step_halos)
+    if provider in ("fused", "pieces"):  # one flat buffer (the received boxes end to end, _halo_inputs)
         halos = _leaf(halos)
         return halos, [halos]
     if provider == "distdl":
@@ -383,9 +385,8 @@ def step_leaves(case, provider):
 
 
 def _step_halos(case, provider):
-    """A provider's halos for :func:`full_step`: as :func:`_halo_inputs` gives them, but the pieces step's boxes as
-    the one flat buffer they are views of (NCHW, end to end), one leaf as the fused step's receive buffer."""
-    return case.recv_nchw if provider == "pieces" else _halo_inputs(case, provider)
+    """A provider's halos for :func:`full_step`: as :func:`_halo_inputs` gives them."""
+    return _halo_inputs(case, provider)
 
 
 def full_step(case, provider, x, halos, weight, bias):
@@ -427,8 +428,10 @@ def _same_step(got, want) -> bool:
 
 
 def _halo_inputs(case, provider):
+    """A provider's received halos: the fused staging's receive buffer (boxes in the block's format), the layers'
+    unfused staging's (``pieces``: NCHW boxes end to end, one flat buffer), the baselines' slabs."""
     if provider == "pieces":
-        return case.boxes(case.recv_nchw, case.plan.recvs(case.index))
+        return case.recv_nchw
     return {"fused": case.recv, "distdl": case.slabs_distdl(), "cat": case.slabs_cat()}[provider]
 
 
@@ -560,12 +563,12 @@ def _copy_bandwidth(device: str = "cuda") -> float:
 ANCHORS = {"stage": "copy", "graph": "copy", "full": "cat", "full_graph": "cat"}
 #: What each provider runs (rows name it: ``kernel``).
 KERNELS = {"stage": {"fused": "halo_stage", "fused_words": "halo_stage (words form)", "distdl": "F.pad+clone+slices",
-                     "cat": "torch.cat", "pieces": "stage_from_pieces", "copy": "Tensor.copy_"},
+                     "cat": "torch.cat", "pieces": "stage_received", "copy": "Tensor.copy_"},
            "graph": {"fused": "halo_stage", "fused_two_pass": "halo_stage local+remote",
                      "fused_words": "halo_stage (words form)", "fused_two_pass_words": "halo_stage local+remote "
                      "(words form)", "cat": "torch.cat", "copy": "Tensor.copy_"},
            "full": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "distdl": "F.pad+clone+slices+cudnn",
-                    "cat": "torch.cat+cudnn", "pieces": "stage_from_pieces+cudnn+unstage_to_pieces"},
+                    "cat": "torch.cat+cudnn", "pieces": "stage_received+cudnn+unstage_for_exchange"},
            "full_graph": {"fused": "halo_stage+cudnn+halo_unstage/accumulate", "cat": "torch.cat+cudnn"}}
 
 
@@ -623,10 +626,14 @@ def _run_shape(args, nd, c, n, h, dtype, dtype_name, copy_bw, fmt="nchw"):
     # DISTFUSE_STAGE_WORDS=1 or a measured config makes it the default; the fused rows carry the config and its source
     config, source = staging_config(cases[0])
     default_words = bool(config.get("WORDS"))
+    # the layers' unfused staging of this case: one gather (a small block) or the views (its rows name which)
+    pieces_form = " (one gather)" if _halo_exchange().receive_buffers(
+        cases[0].x, cases[0].plan, cases[0].index)[0] is not None else " (views)"
 
     def row(mode, provider, q, extra=None, **kw):
         # The graph rows are the staging op's own (halo_stage): kept apart from the eager rows of the halo conv op
-        kernel = KERNELS[mode][provider] + (" (words form)" if provider == "fused" and default_words else "")
+        kernel = KERNELS[mode][provider] + (" (words form)" if provider == "fused" and default_words else "") + \
+            (pieces_form if provider == "pieces" else "")
         if provider in ("fused", "fused_two_pass"):
             extra = dict(extra or {}, stage_config=config, stage_config_source=source)
         rows.append(Row(op="halo_stage" if mode == "graph" else op, provider=provider, mode=mode, shape=dict(shape),
