@@ -51,10 +51,11 @@ __all__ = ["GATHERED_STAGING_BYTES", "Gather", "gathers", "gather_plan", "stage_
 #: the block is dense in its format.  The gather moves the block twice (the ``cat``, then the gather) and reads an
 #: 8-byte index per staged element.  CPU: the views' path is then a nest of ``cat`` (``NESTED_STAGING_BYTES``, 64 KiB)
 #: or a copy a box, and the gather's index costs ~1 ns an element against 3-5 us a call saved (20-60 calls a step).
-#: GPU: at 4 MiB the extra bytes (about 24 MB for bf16 at ~3 TB/s, under 10 us) stay under the host time the
+#: GPU: at 2 MiB the extra bytes (about 12 MB for bf16 at ~3 TB/s, under 5 us) stay under the host time the
 #: views' path takes there (a view, a ``cat`` or an add is 5-15 us of host on the H200's host, 20-60 of them per
-#: step); unmeasured on a GPU.
-GATHERED_STAGING_BYTES = {"cuda": 4 << 20, "cpu": 256 << 10}
+#: step); unmeasured on a GPU.  The cached index is 4 times the staged bytes of 16-bit data (8 MiB at the bound),
+#: kept per layer shape (:func:`gather_plan`, at most 64 of them).
+GATHERED_STAGING_BYTES = {"cuda": 2 << 20, "cpu": 256 << 10}
 
 
 def gathers(staged_numel: int, t: torch.Tensor) -> bool:
@@ -77,7 +78,7 @@ class Gather(NamedTuple):
     length: int  # the source's: numel_x + sum(recv_sizes) + 1 (the zero)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def gather_plan(plan: HaloPlan, index: tuple[int, ...], x_shape: tuple[int, ...], fmt: torch.memory_format,
                 device: torch.device) -> Gather:
     """The :class:`Gather` of worker ``index`` for a block of ``x_shape`` dense in ``fmt`` on ``device``."""
