@@ -62,6 +62,7 @@ def test_the_gathered_staging_and_its_adjoint_are_the_views(case, seed):
         want = stage_from_pieces(block, plan, idx, received)
         staged = gathering.stage_gathered(block, plan, idx, fmt_b, _flat(received, block))
         assert torch.equal(staged, want) and staged.is_contiguous(memory_format=fmt_b), (idx, mode)
+        assert not staged._is_view()  # a tensor of its own: the layers write into their staged windows
         assert all(staged.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
                    for t in [block, *received] if t.numel() and staged.numel()), idx
         if not staged.numel():

@@ -132,14 +132,20 @@ def stage_gathered(x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...], fmt:
     ``cat`` and one gather.  Bit for bit :func:`~distfuse.primitives.halo_exchange.stage_from_pieces`."""
     g = gather_plan(plan, index, tuple(x.shape), fmt, x.device)
     src = torch.cat((_memory(x), received, _zero(x.dtype, x.device)))
-    return src.index_select(0, g.index).as_strided(g.staged_shape, g.staged_strides)
+    # gathered into a tensor of its own, not returned as a view: an op's output that is a view of an intermediate
+    # may not be modified in place (the layers fill their staged windows; autograd refuses in-place ops on it)
+    staged = torch.empty_strided(g.staged_shape, g.staged_strides, dtype=x.dtype, device=x.device)
+    torch.index_select(src, 0, g.index, out=_memory(staged))
+    return staged
 
 
 def unstage_gathered(grad: torch.Tensor, x_shape: tuple[int, ...], plan: HaloPlan, index: tuple[int, ...],
                      fmt: torch.memory_format) -> tuple[torch.Tensor, torch.Tensor]:
     """The adjoint of :func:`stage_gathered`: ``(grad_x, outgoing)``, the block's own gradient ``[x_shape]`` dense
     in ``fmt`` (fp32 for 16-bit data, to which the boxes that come back are added) and the messages to send back,
-    end to end in ``plan.recvs(index)`` order, in ``grad``'s dtype (a flat view of the sum, rounded once)."""
+    end to end in ``plan.recvs(index)`` order, in ``grad``'s dtype (a flat view of the sum, rounded once).
+    ``grad_x`` is a view of the sum's buffer: a caller that returns it in the data's dtype copies it (an op's
+    output may not be a view of an intermediate)."""
     g = gather_plan(plan, index, x_shape, fmt, grad.device)
     accum = _ACCUM.get(grad.dtype, grad.dtype)
     values = _memory(grad if grad.is_contiguous(memory_format=fmt) else grad.contiguous(memory_format=fmt))

@@ -304,7 +304,10 @@ def _exchange_adjoint(grad: torch.Tensor, handle: int, global_shape: list[int], 
     else:
         for (_, pc), buf in zip(plan.sends(index), incoming, strict=True):
             grad_x[pc.src_index].add_(buf)
-    return grad_x.to(grad.dtype)
+    dx = grad_x.to(grad.dtype)
+    # the gathered adjoint's sum is a view of its buffer: an op returns a tensor of its own (autograd refuses in-place
+    # ops on a view made inside a custom function, and the layers poison a disagreeing call's gradient in place)
+    return dx.clone(memory_format=format_of_code(x_format)) if dx._is_view() else dx
 
 
 def _exchange_adjoint_fake(grad, handle, global_shape, x_shape, x_format):
