@@ -124,39 +124,52 @@ def test_unbalanced_blocks_are_rejected_on_every_rank():
     assert all("balanced decomposition" in tb and ShapeError.__name__ in tb for tb in info.value.errors.values())
 
 
-def _both_packings(grid, shape, kernel, padding, mode, dtype, channels_last):
-    """Forward and adjoint of the halo op pair on this rank with every message made box by box, then packed by one
-    gather (and, on CPU, the boxes that come back added by one indexed add): the staged input and the block's
-    gradient must be the same bits."""
+def _both_forms(form, grid, shape, kernel, padding, mode, dtype, channels_last):
+    """Forward and adjoint of the halo op pair on this rank in both forms of one choice, the staged input and the
+    block's gradient the same bits, the gradient in the block's format:
+
+    * ``packing``: every message made box by box, then packed by one gather (and on CPU the boxes that come back
+      added by one indexed add); random values (the same terms in the same order);
+    * ``gathering``: staged by views and concatenations, then by one gather (``distfuse.primitives._halo_gathering``);
+      integer values (the adjoint's sums are in another order, exact on integers)."""
+    from distfuse.primitives import _halo_gathering as gathering
     from distfuse.primitives import _halo_packing as packing
 
+    table = {"packing": packing.PACKED_HALO_BYTES, "gathering": gathering.GATHERED_STAGING_BYTES}[form]
     nd = len(kernel)
     P_x = Partition.world().create_partition_inclusive(range(_volume(grid))).create_cartesian_topology_partition(grid)
     halo = HaloExchange(P_x, kernel, padding=padding, padding_mode=mode)
     if not P_x.active:
         return True
     gen = torch.Generator().manual_seed(17 + dist.get_rank())
-    x = torch.randn(tuple(e.stop - e.start for e in local_slices(shape, grid, P_x.index)), generator=gen).to(dtype)
+    block = tuple(e.stop - e.start for e in local_slices(shape, grid, P_x.index))
+
+    def values(shape, gen):
+        return (torch.randn(shape, generator=gen) if form == "packing" else
+                torch.randint(-4, 5, shape, generator=gen)).to(dtype)
+
+    x = values(block, gen)
     if channels_last:
         x = x.contiguous(memory_format={2: torch.channels_last, 3: torch.channels_last_3d}[nd])
-    results, saved = [], dict(packing.PACKED_HALO_BYTES)
+    results, saved = [], dict(table)
     try:
         for bound in (-1, 1 << 62):
-            packing.PACKED_HALO_BYTES["cpu"] = bound
+            table["cpu"] = bound
             leaf = x.detach().requires_grad_(True)
             staged = halo(leaf)
-            g = torch.randn(staged.shape, generator=torch.Generator().manual_seed(3 + dist.get_rank())).to(dtype)
+            g = values(staged.shape, torch.Generator().manual_seed(3 + dist.get_rank()))
             (dx,) = torch.autograd.grad(staged, leaf, g)
             results.append((staged.detach(), dx))
     finally:
-        packing.PACKED_HALO_BYTES.clear()
-        packing.PACKED_HALO_BYTES.update(saved)
+        table.clear()
+        table.update(saved)
     (s0, d0), (s1, d1) = results
     assert torch.equal(s0, s1) and torch.equal(d0, d1), dist.get_rank()
     assert (x.numel() == 0 or d0.abs().sum() > 0) and d1.is_contiguous(memory_format=memory_format_of(x))
     return True
 
 
+@pytest.mark.parametrize("form", ["packing", "gathering"])
 @pytest.mark.parametrize("world,grid,shape,kernel,padding,mode,dtype,cl", [
     pytest.param(8, (1, 1, 2, 2, 2), (1, 2, 5, 6, 7), (3, 3, 3), 1, "circular", torch.float32, False, id="3d-circular"),
     pytest.param(6, (1, 1, 2, 3), (2, 2, 9, 10), (3, 5), 2, "reflect", torch.bfloat16, True,
@@ -165,51 +178,6 @@ def _both_packings(grid, shape, kernel, padding, mode, dtype, channels_last):
                  id="2d-replicate-wide-halo"),
     pytest.param(4, (1, 1, 4), (1, 2, 3), (3,), 1, "zeros", torch.float32, False, id="1d-extent-smaller-than-grid"),
 ])
-def test_packed_messages_are_the_same_bits_as_messages_per_box(world, grid, shape, kernel, padding, mode, dtype, cl):
-    assert all(run_ranks(world, _both_packings, grid, shape, kernel, padding, mode, dtype, cl))
-
-
-def _both_stagings(grid, shape, kernel, padding, mode, dtype, channels_last):
-    """Forward and adjoint of the halo op pair on this rank staged by views and concatenations, then by one gather
-    (``distfuse.primitives._halo_gathering``), on integer values (every sum exact in any order): the staged input
-    and the block's gradient must be the same bits, and the gradient in the block's format."""
-    from distfuse.primitives import _halo_gathering as gathering
-
-    nd = len(kernel)
-    P_x = Partition.world().create_partition_inclusive(range(_volume(grid))).create_cartesian_topology_partition(grid)
-    halo = HaloExchange(P_x, kernel, padding=padding, padding_mode=mode)
-    if not P_x.active:
-        return True
-    gen = torch.Generator().manual_seed(29 + dist.get_rank())
-    block = tuple(e.stop - e.start for e in local_slices(shape, grid, P_x.index))
-    x = torch.randint(-4, 5, block, generator=gen).to(dtype)
-    if channels_last:
-        x = x.contiguous(memory_format={2: torch.channels_last, 3: torch.channels_last_3d}[nd])
-    results, saved = [], dict(gathering.GATHERED_STAGING_BYTES)
-    try:
-        for bound in (-1, 1 << 62):
-            gathering.GATHERED_STAGING_BYTES["cpu"] = bound
-            leaf = x.detach().requires_grad_(True)
-            staged = halo(leaf)
-            g = torch.randint(-4, 5, staged.shape, generator=torch.Generator().manual_seed(5 + dist.get_rank()))
-            (dx,) = torch.autograd.grad(staged, leaf, g.to(dtype))
-            results.append((staged.detach(), dx))
-    finally:
-        gathering.GATHERED_STAGING_BYTES.clear()
-        gathering.GATHERED_STAGING_BYTES.update(saved)
-    (s0, d0), (s1, d1) = results
-    assert torch.equal(s0, s1) and torch.equal(d0, d1), dist.get_rank()
-    assert (x.numel() == 0 or d0.abs().sum() > 0) and d1.is_contiguous(memory_format=memory_format_of(x))
-    return True
-
-
-@pytest.mark.parametrize("world,grid,shape,kernel,padding,mode,dtype,cl", [
-    pytest.param(8, (1, 1, 2, 2, 2), (1, 2, 5, 6, 7), (3, 3, 3), 1, "circular", torch.float32, False, id="3d-circular"),
-    pytest.param(6, (1, 1, 2, 3), (2, 2, 9, 10), (3, 5), 2, "reflect", torch.bfloat16, True,
-                 id="2d-reflect-bf16-channels-last"),
-    pytest.param(4, (1, 1, 2, 2), (1, 3, 5, 4), (5, 3), 2, "replicate", torch.float32, False,
-                 id="2d-replicate-wide-halo"),
-    pytest.param(4, (1, 1, 4), (1, 2, 3), (3,), 1, "zeros", torch.float32, False, id="1d-extent-smaller-than-grid"),
-])
-def test_the_gathered_staging_is_the_same_bits_as_the_views(world, grid, shape, kernel, padding, mode, dtype, cl):
-    assert all(run_ranks(world, _both_stagings, grid, shape, kernel, padding, mode, dtype, cl))
+def test_both_forms_of_the_exchange_are_the_same_bits(form, world, grid, shape, kernel, padding, mode, dtype, cl):
+    """Messages packed or box by box; small blocks staged by one gather or by views (see :func:`_both_forms`)."""
+    assert all(run_ranks(world, _both_forms, form, grid, shape, kernel, padding, mode, dtype, cl))
