@@ -111,5 +111,5 @@ pinned_rerun gemm "$GEMM_JSON" "$GEMM_CAP" "matmul_scatter_persistent|gathered_m
   bench/bench_gemm_fused.py "${GEMM_ARGS[@]}"
 pack
 # The answers in one page (scripts/lab_digest.py), last: what the device tool's output shows first
-PYTHONPATH="$PWD" "$PY" scripts/lab_digest.py "$WORK/lab" 2>&1 | head -170
+PYTHONPATH="$PWD" "$PY" scripts/lab_digest.py "$WORK/lab" 2>&1 | head -190
 echo "gpu_first_call: done in $((SECONDS - T0)) s: $(ls "$DEST" | tr '\n' ' ')"

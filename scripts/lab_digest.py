@@ -10,6 +10,8 @@ short block per question (a block whose rows are absent says so):
 * **tests**: passed, failed, skipped, and the failures' names (``tests.json``);
 * **latency**: per call, the eager row against its graph replay, and the host's time after a synchronise against
   the L2 flush that hides it (``diagnose``, section ``latency``): which eager rows the host still binds;
+* **eager timing**: each eager GEMM row's ratio with its runs issued back to back (the row), with cold calls
+  (``extra.ms_synced``) and in its graph replay;
 * **W streams**: ``chunk_reduce`` against torch's own sum of the same partials, graph-timed;
 * **flag polls**: ``chunk_reduce`` with its flags polled by loads against atomics, per model, with the gain that
   ``distfuse-tune tiles --write`` would turn into a measured tile (``reduce:poll``);
@@ -269,6 +271,27 @@ def pinned_block(lab: dict, pinned: dict, what: str) -> list[str]:
     return lines
 
 
+def eager_block(gemm: dict) -> list[str]:
+    """Per eager row of the GEMM bench at M >= 4096 that carries its cold calls' time (``extra.ms_synced``) and whose
+    anchor does: its ratio to the anchor with the runs issued back to back (the row's ``ms``, what the targets
+    read), with cold calls (each after a synchronise: the eager timing before 2026-11-29), and in the graph replay
+    where the file has one: how much of an eager row's loss was the host's."""
+    rows = {(r.get("op"), json.dumps(r.get("shape"), sort_keys=True), r.get("mode"), r.get("provider")): r
+            for r in gemm.get("rows", [])}
+    lines = ["op / shape / provider                                  back-to-back  cold  graph"]
+    for (op, shape, mode, provider), r in rows.items():
+        a = rows.get((op, shape, mode, r.get("anchor")))
+        cold, cold_a = r.get("extra", {}).get("ms_synced"), (a or {}).get("extra", {}).get("ms_synced")
+        if (mode != "fwd" or provider not in FUSED or a is None or not cold or not cold_a
+                or json.loads(shape).get("m", 0) < 4096):  # the targets' shapes: one page
+            continue
+        g, ga = rows.get((op, shape, "graph", provider)), rows.get((op, shape, "graph", r.get("anchor")))
+        name = " ".join(f"{k}={v}" for k, v in json.loads(shape).items() if k in ("model", "m"))
+        lines.append(f"  {op + ' ' + name + ' ' + provider:54s} {_ratio(ratio_to(r, a)):>12} {_ratio(cold_a / cold):>5}"
+                     f" {_ratio(ratio_to(g, ga) if g and ga else None):>6}")
+    return lines if len(lines) > 1 else ["no eager rows with their cold calls' time (extra.ms_synced: CUDA only)"]
+
+
 def _ratio(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}"
 
@@ -291,6 +314,8 @@ def digest(files: dict) -> str:
     probe, tests, diag, host = (_load(files.get(k)) for k in ("probe", "tests", "diagnose", "host_cost"))
     blocks = [("canary (the launch path)", canary_block(probe)), ("tests", tests_block(tests)),
               ("latency (eager rows against graph replays; us)", latency_block(diag)),
+              ("eager timing (GEMM rows' ratios: runs back to back, cold calls, graph)",
+               eager_block(_load(files.get("gemm")))),
               ("W streams (chunk_reduce against torch's sum of the same bytes)", streams_block(diag)),
               ("flag polls (graph us)", polls_block(diag)), ("Triton's mainloop (forms)", mainloop_block(diag)),
               ("the NCHW layout (halo_tiles)", layout_block(diag)),

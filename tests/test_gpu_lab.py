@@ -320,3 +320,24 @@ def test_the_digest_sets_a_pinned_rerun_beside_its_phase(tmp_path):
     assert "stage fused" in block[2] and "0.56" in block[2] and "0.90" in block[2] and "WORDS=True" in block[2]
     assert block[2].endswith("(measured)")
     assert "no pinned gemm rerun" in text
+
+
+def test_the_digest_sets_each_eager_row_beside_its_cold_calls_and_its_graph(tmp_path):
+    """The GEMM bench's eager rows time their runs back to back and keep their cold calls' median
+    (``extra.ms_synced``): the digest prints the ratio to the anchor both ways and the graph replay's; rows without
+    a cold time (CPU runs, files before 2026-11-29) are left out, and a file with none says so."""
+    s = dict(model="llama3-8b", m=8192, n=4096, k=1792)
+    rows = [_row("gathered_matmul", "cublas", "cublas", 0.165, s, extra=dict(ms_synced=0.170)),
+            _row("gathered_matmul", "fused", "cublas", 0.190, s, extra=dict(ms_synced=0.285)),
+            _row("gathered_matmul", "cublas", "cublas", 0.160, s, "graph"),
+            _row("gathered_matmul", "fused", "cublas", 0.186, s, "graph"),
+            _row("matmul_scatter", "cublas", "cublas", 0.15, s), _row("matmul_scatter", "fused", "cublas", 0.2, s)]
+    (tmp_path / "gemm_fused-NVIDIA_H200-2026-11-30.json").write_text(json.dumps(dict(env={}, rows=rows)))
+    dig = _module("lab_digest")
+    text = dig.digest(dig.find_files(tmp_path))
+    block = text.split("== eager timing")[1].split("\n== ")[0].splitlines()
+    assert len(block) == 3, block  # the title's line, the header, the one row with both cold times
+    assert "gathered_matmul m=8192 model=llama3-8b fused" in block[2]
+    assert block[2].split()[-3:] == ["0.87", "0.60", "0.86"]  # 0.165/0.190, 0.170/0.285, 0.160/0.186
+    (tmp_path / "gemm_fused-NVIDIA_H200-2026-11-30.json").write_text(json.dumps(dict(env={}, rows=rows[4:])))
+    assert "no eager rows with their cold calls' time" in dig.digest(dig.find_files(tmp_path))
