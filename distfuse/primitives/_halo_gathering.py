@@ -8,14 +8,14 @@ element is a copy of one source element, so with the sources laid end to end in 
 the staging is one gather through a cached index::
 
     src     = cat(block's memory, received boxes end to end, 0)     [numel(x) + numel(recv) + 1]
-    staged  = src[stage_index]                                      one element of src per staged element,
+    staged  = src[index]                                            one element of src per staged element,
                                                                     in the staged tensor's memory order
 
 and its adjoint one indexed add of the staged gradient into a gradient of ``src`` (fp32 for 16-bit
-data), whose middle is the block's own gradient and whose tail is the messages to send back, in the
+data), whose head is the block's own gradient and whose tail is the messages to send back, in the
 order the neighbours expect them (``plan.recvs(index)``, each box row-major)::
 
-    grad_src[stage_index] += grad                (CPU: index_add_, in index order; GPU: index_put_(accumulate=True),
+    grad_src[index] += grad                      (CPU: index_add_, in index order; GPU: index_put_(accumulate=True),
                                                   which sorts the index stably: both a fixed order, run to run)
     grad_x   = grad_src[: numel(x)]              (a view, in the block's format, at the buffer's start: aligned)
     outgoing = grad_src[numel(x) : -1]           (rounded to the data's dtype once: replicated rows summed in fp32)
@@ -42,10 +42,10 @@ from typing import NamedTuple
 import torch
 
 from distfuse.geometry.halo_plan import HaloPlan, read_box
+from distfuse.primitives._halo_packing import ordered_index_add
 from distfuse.primitives._layout import empty_in
 
-__all__ = ["GATHERED_STAGING_BYTES", "Gather", "gathers", "gather_plan", "stage_index", "stage_gathered",
-           "unstage_gathered"]
+__all__ = ["GATHERED_STAGING_BYTES", "Gather", "gathers", "gather_plan", "stage_gathered", "unstage_gathered"]
 
 #: Staged tensors of at most this many bytes (per device type; others as ``"cpu"``) are staged by one gather when
 #: the block is dense in its format.  The gather moves the block twice (the ``cat``, then the gather) and reads an
@@ -69,7 +69,9 @@ def gathers(staged_numel: int, t: torch.Tensor) -> bool:
 class Gather(NamedTuple):
     """What a worker's gathered staging of one block shape and format needs, built once (:func:`gather_plan`)."""
 
-    index: torch.Tensor  # [staged numel] int64: each staged element's source (memory order), see stage_index
+    # [staged numel] int64, in the staged tensor's memory order: the offset of each staged element's source in
+    # cat(memory of x, received boxes end to end, 0); the last offset for zero fill
+    index: torch.Tensor
     staged_shape: tuple[int, ...]
     staged_strides: tuple[int, ...]  # dense in the block's format
     x_strides: tuple[int, ...]  # the block (and its gradient) dense in its format
@@ -104,14 +106,6 @@ def gather_plan(plan: HaloPlan, index: tuple[int, ...], x_shape: tuple[int, ...]
         staged[pc.dst_index] = read_box(box, pc)
     return Gather(staged.as_strided((staged.numel(),), (1,)).to(device), tuple(staged.shape), staged.stride(),
                   block.stride(), nx, recv_sizes, zero + 1)
-
-
-def stage_index(plan: HaloPlan, index: tuple[int, ...], x_shape: tuple[int, ...], fmt: torch.memory_format,
-                device: torch.device) -> torch.Tensor:
-    """Per element of worker ``index``'s staged tensor (shape ``[*lead, *plan.staged_shape(index)]``, dense in
-    ``fmt``), in its memory order: the offset of its source in ``cat(memory of x, received boxes, 0)``, for a block
-    of ``x_shape`` dense in ``fmt``; the last offset for zero fill."""
-    return gather_plan(plan, index, x_shape, fmt, device).index
 
 
 @functools.lru_cache(maxsize=64)
@@ -152,10 +146,7 @@ def unstage_gathered(grad: torch.Tensor, x_shape: tuple[int, ...], plan: HaloPla
     if accum is not grad.dtype:
         values = values.to(accum)
     src_grad = torch.zeros(g.length, dtype=accum, device=grad.device)
-    if grad.device.type == "cpu":
-        src_grad.index_add_(0, g.index, values)  # in index order: each element's terms in the staged memory order
-    else:
-        src_grad.index_put_((g.index,), values, accumulate=True)  # sorted stably: a fixed order (atomics have none)
+    ordered_index_add(src_grad, g.index, values)  # each element's terms in the staged memory order
     outgoing = src_grad[g.numel_x: g.length - 1]
     return src_grad.as_strided(x_shape, g.x_strides, 0), outgoing if accum is grad.dtype else outgoing.to(grad.dtype)
 

@@ -41,7 +41,7 @@ import torch
 from distfuse.geometry.halo_plan import HaloPlan
 
 __all__ = ["PACKED_HALO_BYTES", "packs", "message_numels", "send_index", "outgoing_index", "incoming_index",
-           "add_incoming"]
+           "add_incoming", "ordered_index_add"]
 
 #: Messages of one direction totalling at most this many bytes (per device type; others as ``"cpu"``) are packed
 #: by one indexed gather.  CPU: a box copy costs ~4 us of host time against ~1 ns an element for the gather's
@@ -109,8 +109,14 @@ def add_incoming(grad_x: torch.Tensor, plan: HaloPlan, index: tuple[int, ...], f
     ``index_put_(accumulate=True)``, whose sorting kernel adds each element's terms one after another in a stable
     order (deterministic; torch lists it so, unlike ``index_add_`` there, which uses atomics)."""
     into = incoming_index(plan, index, tuple(grad_x.shape), tuple(grad_x.stride()), grad_x.device)
-    memory = grad_x.as_strided((grad_x.numel(),), (1,))
-    if grad_x.device.type == "cpu":
-        memory.index_add_(0, into, flat.to(grad_x.dtype))
+    ordered_index_add(grad_x.as_strided((grad_x.numel(),), (1,)), into, flat.to(grad_x.dtype))
+
+
+def ordered_index_add(target: torch.Tensor, at: torch.Tensor, values: torch.Tensor) -> None:
+    """``target[at[i]] += values[i]`` for a flat ``target``, every element's terms added one after another in one
+    fixed order, run after run: CPU ``index_add_`` (in index order), GPUs ``index_put_(accumulate=True)`` (sorted
+    stably; ``index_add_`` there uses atomics, whose order varies)."""
+    if target.device.type == "cpu":
+        target.index_add_(0, at, values)
     else:
-        memory.index_put_((into,), flat.to(grad_x.dtype), accumulate=True)
+        target.index_put_((at,), values, accumulate=True)
