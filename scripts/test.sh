@@ -8,6 +8,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 VENV=${DISTFUSE_VENV:-.venv}
+# The GPU machines' Triton (3.6) beside the venv's, for the compile audit under both (tests/test_compile_audit.py):
+# installed once into a cache folder, never into the venv.  Where it cannot be installed (no index), the audit's
+# Triton 3.6 tests skip and say why; DISTFUSE_TRITON36=0 skips the install.
+if [ -z "${DISTFUSE_TRITON36_DIR:-}" ] && [ "${DISTFUSE_TRITON36:-1}" != 0 ]; then
+  if DIR=$(timeout 600 bash scripts/audit_triton36.sh --install-only | tail -1); then
+    export DISTFUSE_TRITON36_DIR=$DIR
+  else
+    echo "test.sh: triton==3.6.0 could not be installed: the compile audit runs under the venv's Triton only" >&2
+  fi
+fi
 "$VENV/bin/python" -m ruff check .
 "$VENV/bin/python" -m pytest -q "$@"
 if "$VENV/bin/python" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then

@@ -55,7 +55,7 @@ def pytest_collection_modifyitems(config, items):
     # The compile audit is about two minutes of compiler time in a subprocess of its own: start it now at the lowest
     # priority and run its tests last, so that it fills the time the rest of the suite leaves a CPU idle.
     audit = [item for item in items if item.module.__name__.endswith("test_compile_audit")
-             and "audit" in getattr(item, "fixturenames", ())]
+             and {"audit", "gpu_audit"} & set(getattr(item, "fixturenames", ()))]
     if audit and not COMPILED and not config.option.collectonly:
         items[:] = [item for item in items if item not in audit] + audit
         audit[0].module.start_background_audit()

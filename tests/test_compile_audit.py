@@ -37,56 +37,104 @@ unaligned = ca.KernelCase("matmul_scatter", reduce_scatter_kernels._matmul_scatt
                           dict(UPCAST=False, INPUT_PRECISION="tf32", ROUND_BF16=False, BLOCK_M=64, BLOCK_N=64,
                                BLOCK_K=32, GROUP_M=8), 4, 3, pointer_dtypes=tables, aligned=(),
                           checks=("vector_store",))
-out["controls"] = [dataclasses.asdict(ca.compile_case(c)) for c in (big, unaligned)]
+# the implicit conv's former GPU tile with IEEE fp32 products: 272-536 bytes of spills a thread
+from distfuse.kernels import conv_implicit
+from distfuse.kernels.compile_audit_cases import _LUTS
+spilling = ca.KernelCase("conv_implicit", conv_implicit._conv_implicit_kernel, torch.float32,
+                         dict(conv_implicit._constexprs(torch.float32, True, (64, 32, 32), interpret=False),
+                              INPUT_PRECISION="ieee"), 4, 2, pointer_dtypes={**_LUTS, "ptab_ptr": "i64"})
+out["controls"] = [dataclasses.asdict(ca.compile_case(c)) for c in (big, unaligned, spilling)]
 json.dump(out, sys.stdout)
 """
 
 
-_BACKGROUND: dict = {}  # the audit started by start_background_audit: {"proc", "out", "err"}
+# The GPU machines' Triton (3.6), where scripts/test.sh installed it: the whole sm_90 audit under it.
+_GPU_SCRIPT = r"""
+import json, sys, os, dataclasses, triton
+from distfuse.kernels import compile_audit as ca
+recs = [dataclasses.asdict(r) for r in ca.run_audit((90,), jobs=min(4, os.cpu_count() or 1))]
+json.dump(dict(version=triton.__version__, all=recs), sys.stdout)
+"""
+GPU_TRITON = "DISTFUSE_TRITON36_DIR"  #: a triton==3.6.0 install (scripts/audit_triton36.sh --install-only)
+
+# Spills left under the GPU machines' Triton, each with its cap in bytes a thread: the channels-last staging at
+# 16-column tiles (a window at most 16 elements wide: tiny blocks), bf16, 16 bytes under Triton 3.6, none under 3.9.
+KNOWN_GPU_SPILLS = {"halo_stage[bf16;BLOCK_R=256,BLOCK_X=16,REGION=0,WIDE=False,STRIP_ALIGN=16;w4s1]": 16}
+
+_BACKGROUND: dict = {}  # the audits started by start_background_audit: name -> {"proc", "out", "err"}
+
+
+def _start(name: str, script: str, pythonpath: str | None = None) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join([pythonpath, ROOT])
+    out, err = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, env=env, stdout=out, stderr=err, text=True,
+                            preexec_fn=lambda: os.nice(19))
+    _BACKGROUND[name] = dict(proc=proc, out=out, err=err)
 
 
 def start_background_audit() -> None:
-    """Start the audit's subprocess now, at the lowest CPU priority (``tests/conftest.py`` calls this at collection
-    and runs this module's tests last): about two minutes of compiler time that needs no test process, taken from
-    the time the rest of the suite leaves a CPU idle.  Its output goes to temporary files (no pipe to fill)."""
+    """Start the audits' subprocesses now, at the lowest CPU priority (``tests/conftest.py`` calls this at collection
+    and runs this module's tests last): CI's Triton and, where ``DISTFUSE_TRITON36_DIR`` names an install, the GPU
+    machines', about two minutes of compiler time each that needs no test process, taken from the time the rest of
+    the suite leaves a CPU idle.  Their output goes to temporary files (no pipe to fill)."""
     if _BACKGROUND or importlib.util.find_spec("triton.backends.nvidia.compiler") is None:
         return
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    out, err = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "-c", _SCRIPT], cwd=ROOT, env=env, stdout=out, stderr=err, text=True,
-                            preexec_fn=lambda: os.nice(19))
-    _BACKGROUND.update(proc=proc, out=out, err=err)
+    _start("ci", _SCRIPT)
+    if os.environ.get(GPU_TRITON):
+        _start("gpu", _GPU_SCRIPT, os.environ[GPU_TRITON])
 
 
 def stop_background_audit() -> None:
     """End a background audit no test waited for (a run cut short, or its tests deselected)."""
-    proc = _BACKGROUND.pop("proc", None)
+    for name in list(_BACKGROUND):
+        _stop(name)
+
+
+def _stop(name: str) -> None:
+    entry = _BACKGROUND.pop(name, None) or {}
+    proc = entry.get("proc")
     if proc is not None and proc.poll() is None:
         proc.kill()
         proc.wait(30)
-    for name in ("out", "err"):
-        f = _BACKGROUND.pop(name, None)
-        if f is not None:
-            f.close()
+    for key in ("out", "err"):
+        if entry.get(key) is not None:
+            entry[key].close()
 
 
-@pytest.fixture(scope="module")
-def audit():
-    pytest.importorskip("triton.backends.nvidia.compiler")
+def _collect(name: str) -> dict:
+    """The output of the background audit ``name`` (started now if it was not), once it has ended."""
     start_background_audit()  # already running when the whole suite was collected
-    proc, out, err = _BACKGROUND["proc"], _BACKGROUND["out"], _BACKGROUND["err"]
+    entry = _BACKGROUND[name]
+    proc, out, err = entry["proc"], entry["out"], entry["err"]
     try:
         proc.wait(timeout=900)
         out.seek(0)
         err.seek(0)
         stdout, stderr = out.read(), err.read()
     finally:
-        stop_background_audit()
+        _stop(name)
     if proc.returncode != 0 and "ptxas" in stderr and "not found" in stderr.lower():
         pytest.skip("triton's CUDA toolchain (ptxas) is not installed")
     assert proc.returncode == 0, stderr[-4000:]
     return json.loads(stdout)
+
+
+@pytest.fixture(scope="module")
+def audit():
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    return _collect("ci")
+
+
+@pytest.fixture(scope="module")
+def gpu_audit():
+    if not os.environ.get(GPU_TRITON):
+        pytest.skip(f"set {GPU_TRITON} to a triton==3.6.0 install (scripts/test.sh installs one: "
+                    "scripts/audit_triton36.sh --install-only)")
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    return _collect("gpu")
 
 
 def test_every_kernel_and_config_compiles_for_sm90_and_fits(audit):
@@ -110,9 +158,10 @@ def test_16bit_gemm_configs_fit_sm80(audit):
 
 
 def test_the_audit_can_fail(audit):
-    big, unaligned = audit["controls"]
+    big, unaligned, spilling = audit["controls"]
     assert not big["ok"] and any("exceeds sm_90" in p for p in big["problems"]), big
     assert not unaligned["ok"] and any("not vectorised" in p for p in unaligned["problems"]), unaligned
+    assert spilling["spills"] > 0, "the spill count reads ptxas's, so the no-spill tests can fail"
 
 
 
@@ -160,33 +209,21 @@ def test_gathered_persistent_loads_through_tma_without_spills(audit):
     assert [(r["case"], r["spills"]) for r in recs if r["spills"]] == []
 
 
-_GEMM_FAMILIES = ("matmul_scatter", "matmul_scatter_columns", "matmul_push", "gathered_matmul", "gathered_k_matmul",
-                  "matmul_scatter_persistent", "gathered_matmul_persistent")
-_SPILL_SCRIPT = r"""
-import json, sys, dataclasses, os, torch, triton
-from distfuse.kernels import compile_audit as ca
-recs = [dataclasses.asdict(r) for only in ("matmul_scatter", "matmul_push", "gathered_matmul", "gathered_k_matmul")
-        for r in ca.run_audit((90,), (torch.bfloat16, torch.float16), only=only, jobs=min(4, os.cpu_count() or 1))]
-json.dump(dict(version=triton.__version__, recs=recs), sys.stdout)
-"""
+def test_no_case_spills_under_ci_triton(audit):
+    """Every config a launcher or autotuner can pick, in every dtype and product precision, fits its registers
+    under CI's Triton (fp32 IEEE products have lists of their own: kernels/_utils._GEMM_SHAPES)."""
+    spilling = [(r["case"], r["spills"]) for r in audit["all"] if r["spills"]]
+    assert not spilling, spilling
 
 
-@pytest.mark.skipif(not os.environ.get("DISTFUSE_TRITON36_DIR"),
-                    reason="set DISTFUSE_TRITON36_DIR to a triton==3.6.0 install (scripts/audit_triton36.sh makes one)")
-def test_16bit_gemm_configs_do_not_spill_under_the_gpu_triton():
-    """The GPU machines run Triton 3.6 (CI: 3.9), whose register allocation differs: no 16-bit GEMM config spills."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    site = os.environ["DISTFUSE_TRITON36_DIR"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=os.pathsep.join([site, ROOT]), TRITON_DEFAULT_FP_FUSION="1")
-    proc = subprocess.run([sys.executable, "-c", _SPILL_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout)
-    assert out["version"].startswith("3.6"), out["version"]
-    recs = out["recs"]
-    assert {r["kernel"] for r in recs} == set(_GEMM_FAMILIES)
+def test_every_case_compiles_without_spills_under_the_gpu_triton(audit, gpu_audit):
+    """The GPU machines run Triton 3.6 (CI: the venv's), whose register allocation differs: the same cases compile
+    there, none fails, and none spills but the known ones, each within its cap."""
+    assert gpu_audit["version"].startswith("3.6"), gpu_audit["version"]
+    recs = gpu_audit["all"]
+    assert sorted(r["case"] for r in recs) == sorted(r["case"] for r in audit["all"]), "the same cases"
     bad = [(r["case"], r["problems"]) for r in recs if not r["ok"]]
     assert not bad, bad
-    spilling = [(r["case"], r["spills"]) for r in recs if r["spills"]]
+    spilling = [(r["case"], r["spills"]) for r in recs
+                if r["spills"] and r["spills"] > KNOWN_GPU_SPILLS.get(r["case"], 0)]
     assert not spilling, spilling

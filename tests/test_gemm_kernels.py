@@ -714,3 +714,32 @@ def test_all_gather_matmul_loopback_cuda(dtype):
     ref = all_gather_matmul_reference(shards, w)
     for r in range(W):
         _assert_close(outs[r], ref, dtype)
+
+
+def test_fp32_ieee_products_take_their_own_gemm_lists(monkeypatch):
+    """fp32 with IEEE products (torch's default: no TF32) runs on the FMA units with more registers a thread than
+    TF32, so the pointer and gathered-K families keep lists of their own for it (the audit compiles each list at its
+    precision, with no spill under Triton 3.6 or 3.9); which list a call takes follows torch's fp32 setting at the
+    call, as the dot's precision does.  16-bit operands and the persistent families have one list."""
+    from distfuse.kernels import _utils
+
+    def configs(dt, family, precision=None):
+        return [_utils.config_of(c) for c in _utils.get_gemm_configs(dt, family, precision)]
+
+    for family in ("pointer", "gathered_k"):
+        assert _utils.gemm_list_key(torch.float32, family, "ieee") == "ieee"
+        assert _utils.gemm_list_key(torch.float32, family, "tf32") == 4
+        assert configs(torch.float32, family, "ieee") != configs(torch.float32, family, "tf32")
+        for rows, cols in ((4096, 4096), (4096, 128), (64, 4096), (16, 16)):  # each bucket's pin is in its list
+            for prec in ("ieee", "tf32"):
+                assert _utils.pinned_gemm_config(torch.float32, rows, cols, family, prec) in configs(
+                    torch.float32, family, prec)
+    assert _utils.gemm_list_key(torch.bfloat16, "gathered_k", "ieee") == 2  # 16-bit products ignore the setting
+    assert _utils.gemm_list_key(torch.float32, "persistent", "ieee") == 4  # refused compiled: one list
+    # the default follows the setting at the call (input_precision: tf32 only where torch allows it, compiled)
+    monkeypatch.setattr(_utils, "input_precision", lambda dtype: "ieee")
+    assert _utils.gemm_list_key(torch.float32, "gathered_k") == "ieee"
+    assert _utils.pinned_gemm_config(torch.float32, 4096, 4096, "gathered_k") == configs(
+        torch.float32, "gathered_k", "ieee")[0]
+    monkeypatch.setattr(_utils, "input_precision", lambda dtype: "tf32")
+    assert _utils.gemm_list_key(torch.float32, "gathered_k") == 4

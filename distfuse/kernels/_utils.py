@@ -33,7 +33,8 @@ from distfuse.kernels.host_ints import cdiv
 __all__ = ["pick_launch", "pick_gemm_launch", "pick_push_launch", "tile_grid", "shard_rows", "output_buffer",
            "check_bias", "check_producer_args", "claimed_rank_view", "INTERPRET", "HAS_CUDA", "AUTOTUNE",
            "FLOAT_DTYPES", "TIMED_WAITS", "timeout_arg", "config_of", "pinned_gemm_config", "round_bf16",
-           "spin_limit", "input_precision", "tf32_allowed", "get_gemm_configs", "gemm_autotuners", "flatten_rows",
+           "spin_limit", "input_precision", "tf32_allowed", "get_gemm_configs", "gemm_list_key",
+           "gemm_autotuners", "flatten_rows",
            "refuse_zero_width_gather", "summed_partials", "GEMM_FAMILIES", "get_chunk_reduce_configs",
            "pinned_reduce_config", "REDUCE_AUDIT_W", "get_push_configs", "CPU_GEMM_CONFIG", "CPU_CHUNK_REDUCE_CONFIG",
            "CPU_PUSH_CONFIG", "gathered_copy"]
@@ -127,7 +128,12 @@ def spin_limit(timeout_s: float) -> int:
 # with the GPU machines' Triton 3.6 by ``scripts/audit_triton36.sh``.  The lists leave out the tiles that spill
 # registers there: gathered_k_matmul (the K-chunk walk keeps more live state) spills at more tiles than the other
 # pointer kernels and has its own list; the persistent kernels (TMA loads: no address registers) keep 128x256x64; the
-# fp32 lists keep 8-warp 128x64 and 64x128 tiles.  The spill counts are in docs/benchmarks.md.
+# fp32 lists keep 8-warp 128x64 and 64x128 tiles.  fp32 with IEEE products (torch's default for fp32 matmuls: no
+# TF32) has lists of its own (key ``"ieee"``): its dot runs on the FMA units with a far larger register footprint, so
+# tiles that fit with TF32 spill there (gathered_k_matmul: every fp32 TF32 tile, 16-56 bytes under Triton 3.6 and
+# 3.9; the push's 64x64x32 at 3 stages: 8 bytes under 3.6).  The persistent families have none: compiled fp32 IEEE
+# never runs them (:func:`~distfuse.kernels.persistent.compiled_refusal`).  No listed config spills under either
+# Triton (tests/test_compile_audit.py).  The spill counts are in docs/benchmarks.md and docs/gpu.md.
 #
 # CPU (interpreter) configs: an interpreted program costs about the same whatever its tile (Python overhead per
 # op), so one 32x32 tile per test chunk is far faster than many small ones.
@@ -146,10 +152,12 @@ GEMM_FAMILIES = ("pointer", "gathered_k", "persistent", "gathered_persistent")
 _GEMM_SHAPES = {
     "pointer": {2: [(128, 128, 64, 8, 4), (128, 128, 64, 8, 3), (64, 128, 64, 8, 4), (128, 64, 64, 4, 4),
                     (64, 64, 64, 4, 4), (64, 64, 32, 4, 3)],
-                4: [(128, 64, 32, 8, 4), (64, 128, 32, 8, 4), (128, 64, 32, 8, 3), (64, 64, 32, 4, 3)]},
+                4: [(128, 64, 32, 8, 4), (64, 128, 32, 8, 4), (128, 64, 32, 8, 3), (64, 64, 32, 4, 3)],
+                "ieee": [(128, 64, 32, 8, 4), (64, 128, 32, 8, 4), (128, 64, 32, 8, 3), (64, 64, 32, 4, 2)]},
     "gathered_k": {2: [(128, 64, 64, 8, 4), (128, 64, 64, 8, 3), (64, 128, 32, 8, 4), (64, 64, 64, 4, 4),
                        (64, 64, 32, 4, 3)],
-                   4: [(128, 64, 32, 8, 4), (64, 128, 32, 8, 4), (128, 64, 32, 8, 3), (64, 128, 32, 8, 3)]},
+                   4: [(128, 64, 16, 8, 3), (64, 128, 16, 8, 3), (64, 64, 16, 4, 3)],
+                   "ieee": [(64, 64, 16, 8, 3), (64, 32, 16, 4, 3), (32, 32, 16, 4, 3)]},
     "persistent": {2: [(128, 256, 64, 8, 3), (128, 128, 64, 8, 4), (64, 256, 64, 4, 4), (64, 128, 64, 8, 4),
                        (64, 64, 32, 4, 3)],
                    4: [(128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 3)]},
@@ -160,31 +168,48 @@ _GEMM_SHAPES = {
 # ``wide`` (cols >= 128) and ``small``; each names one entry of the family's list.  The persistent producer's
 # ``wide`` tile (decode-size chunks) is 64x256x64 with 4 warps, the faster one measured (docs/benchmarks.md).
 _PINNED = {
-    "pointer": {2: dict(large=0, tall=0, wide=2, small=5), 4: dict(large=0, tall=0, wide=1, small=3)},
-    "gathered_k": {2: dict(large=0, tall=0, wide=2, small=4), 4: dict(large=0, tall=0, wide=1, small=3)},
+    "pointer": {2: dict(large=0, tall=0, wide=2, small=5), 4: dict(large=0, tall=0, wide=1, small=3),
+                "ieee": dict(large=0, tall=0, wide=1, small=3)},
+    "gathered_k": {2: dict(large=0, tall=0, wide=2, small=4), 4: dict(large=0, tall=0, wide=1, small=2),
+                   "ieee": dict(large=0, tall=0, wide=0, small=1)},
     "persistent": {2: dict(large=0, tall=1, wide=2, small=4), 4: dict(large=0, tall=0, wide=2, small=3)},
     "gathered_persistent": {2: dict(large=0, tall=1, wide=2, small=3), 4: dict(large=0, tall=0, wide=2, small=3)},
 }
 
 
-def get_gemm_configs(dtype: torch.dtype = torch.bfloat16, family: str = "pointer") -> list[triton.Config]:
-    """Autotuning configs of a GEMM ``family`` (:data:`GEMM_FAMILIES`) for ``dtype`` operands (CUDA only)."""
+def gemm_list_key(dtype: torch.dtype, family: str = "pointer", precision: str | None = None) -> int | str:
+    """The key of ``family``'s config lists for ``dtype`` operands: 2 (16-bit), 4 (fp32 with TF32 products) or
+    ``"ieee"`` (fp32 with IEEE products, where the family has a list of its own).  ``precision``: the dot's input
+    precision (default: :func:`input_precision`, which follows torch's fp32 matmul setting at each call)."""
+    size = min(dtype.itemsize, 4)
+    if size == 4 and "ieee" in _GEMM_SHAPES[family] and (precision or input_precision(dtype)) == "ieee":
+        return "ieee"
+    return size
+
+
+def get_gemm_configs(dtype: torch.dtype = torch.bfloat16, family: str = "pointer",
+                     precision: str | None = None) -> list[triton.Config]:
+    """Autotuning configs of a GEMM ``family`` (:data:`GEMM_FAMILIES`) for ``dtype`` operands whose products run
+    in ``precision`` (default :func:`input_precision`; CUDA only)."""
     return [triton.Config(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=8), num_warps=w, num_stages=s)
-            for m, n, k, w, s in _GEMM_SHAPES[family][min(dtype.itemsize, 4)]]
+            for m, n, k, w, s in _GEMM_SHAPES[family][gemm_list_key(dtype, family, precision)]]
 
 
 def gemm_autotuners(kernel, key: list[str], family: str = "pointer") -> dict:
-    """``kernel``'s autotuners by operand size (2: 16-bit, 4: fp32), as :func:`pick_gemm_launch` takes them.
+    """``kernel``'s autotuners by list key (:func:`gemm_list_key`: 2, 4 and ``"ieee"`` where the family has it),
+    as :func:`pick_gemm_launch` takes them.
 
     Empty unless :data:`AUTOTUNE`; only loopback ops run them (see :func:`pinned_gemm_config`).
     """
     if not AUTOTUNE:
         return {}
-    return {size: triton.autotune(get_gemm_configs(dt, family), key=key)(kernel)
-            for size, dt in ((2, torch.bfloat16), (4, torch.float32))}
+    keys = [(2, torch.bfloat16, "tf32"), (4, torch.float32, "tf32")]
+    keys += [("ieee", torch.float32, "ieee")] if "ieee" in _GEMM_SHAPES[family] else []
+    return {k: triton.autotune(get_gemm_configs(dt, family, prec), key=key)(kernel) for k, dt, prec in keys}
 
 
-def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int, family: str = "pointer") -> dict:
+def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int, family: str = "pointer",
+                       precision: str | None = None) -> dict:
     """One GEMM config per (family, dtype, shape bucket): the same on every rank, chosen without timing.
 
     A fused op on a real group never autotunes: the autotuner reruns kernels that store
@@ -193,7 +218,7 @@ def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int, family: str = "
     different tiles).  ``rows`` is the largest chunk's row count, ``cols`` the output
     features.  Loopback ops (one process) may autotune; see :func:`pick_launch`.
     """
-    size = min(dtype.itemsize, 4)
+    size = gemm_list_key(dtype, family, precision)
     many = rows >= 128
     bucket = "large" if many and cols >= 256 else "tall" if many and cols >= 128 else "wide" if cols >= 128 else "small"
     m, n, k, w, s = _GEMM_SHAPES[family][size][_PINNED[family][size][bucket]]
@@ -287,7 +312,7 @@ def pick_gemm_launch(tuned_by_size: dict, kernel, dtype: torch.dtype, rows: int,
                      ws, family: str = "pointer"):
     """:func:`pick_launch` for a GEMM kernel: its autotuner for ``dtype``'s operand size, the pinned config of
     ``rows`` (the largest chunk's) by ``cols`` (the output features) in its ``family``, the CPU config."""
-    return pick_launch(tuned_by_size.get(min(dtype.itemsize, 4)), kernel, config, ws,
+    return pick_launch(tuned_by_size.get(gemm_list_key(dtype, family)), kernel, config, ws,
                        pinned_gemm_config(dtype, rows, cols, family))
 
 

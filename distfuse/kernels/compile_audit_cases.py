@@ -109,11 +109,12 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
               "epoch_ptr": "i32", "sigs_ptr": "i32", "word_ptr": "i32"}
     case = functools.partial(KernelCase, pointer_dtypes=tables, ints={"timeout": "i64"})
 
-    def family_configs(dt, family):
-        """``(num_warps, num_stages, blocks)`` of the family's autotuning list plus every bucket's pinned config."""
-        configs = [config_of(c) for c in get_gemm_configs(dt, family)]
+    def family_configs(dt, family, prec="tf32"):
+        """``(num_warps, num_stages, blocks)`` of the family's autotuning list for products in ``prec`` plus every
+        bucket's pinned config."""
+        configs = [config_of(c) for c in get_gemm_configs(dt, family, prec)]
         for rows, cols in ((4096, 4096), (4096, 128), (64, 4096), (16, 16)):  # every bucket of the pinned rule
-            pinned = pinned_gemm_config(dt, rows, cols, family)
+            pinned = pinned_gemm_config(dt, rows, cols, family, prec)
             if pinned not in configs:
                 configs.append(pinned)
         return [(c.pop("num_warps"), c.pop("num_stages"), c) for c in configs]
@@ -139,18 +140,18 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
         precisions = ("ieee", "tf32") if dt == torch.float32 else ("tf32",)
         for prec in precisions:
             base = dict(UPCAST=False, INPUT_PRECISION=prec, ROUND_BF16=False)
-            for warps, stages, cfg in family_configs(dt, "gathered_k"):
+            for warps, stages, cfg in family_configs(dt, "gathered_k", prec):
                 # The feature-direction all-gather GEMM: its own list (it spills where the others do not).
                 cases.append(case("gathered_k_matmul", ag_features_kernels._gathered_k_matmul_kernel, dt,
                                   dict(base, HAS_BIAS=True, TIMED=True, **cfg), warps, stages,
                                   aligned=("N", "K", "stride_xm", "stride_bn"), checks=("acquire_sys",)))
-            for warps, stages, cfg in family_configs(dt, "persistent"):
-                # The persistent form: host tensor descriptors (TMA); both weight layouts; the flattened loop (the
-                # default) and the nested one with each tile's arrival deferred; row tiles per chunk and spanning
-                # chunks (per-row slot addresses), at W = 8.  fp32 with IEEE products never runs it (the selector
-                # refuses: kernels/persistent.compiled_refusal), so there only the default loop form is compiled.
+            # The persistent form: host tensor descriptors (TMA); both weight layouts; the flattened loop (the
+            # default) and the nested one with each tile's arrival deferred; row tiles per chunk and spanning
+            # chunks (per-row slot addresses), at W = 8.  Never with IEEE fp32 products: the selector refuses them
+            # compiled (kernels/persistent.compiled_refusal; its dot spills 0.3-5.9 KB a thread there).
+            for warps, stages, cfg in family_configs(dt, "persistent") if prec != "ieee" else ():
                 forms = ((False, True, False), (True, True, False), (False, False, False), (False, True, True))
-                for kmajor, flatten, span in forms[:2] if prec == "ieee" else forms:
+                for kmajor, flatten, span in forms:
                     cases.append(case("matmul_scatter_persistent", persistent_kernels._matmul_scatter_persistent_kernel,
                                       dt, dict(base, B_KMAJOR=kmajor, FLATTEN=flatten, SPAN=span, W_BLOCK=8, **cfg),
                                       warps, stages, aligned=("N", "K", "ld"),
@@ -171,8 +172,8 @@ def _gemm_cases(dtypes) -> list[KernelCase]:
                                   warps, stages, aligned=("N", "K"),
                                   descriptors=dict(x_desc=a_block, g_desc=a_block, b_desc=b_block(cfg, kmajor)),
                                   checks=("acquire_sys", "tma_load", "vector_store")))
-        for warps, stages, cfg in family_configs(dt, "pointer"):
-            for prec in precisions:
+        for prec in precisions:
+            for warps, stages, cfg in family_configs(dt, "pointer", prec):
                 common = dict(UPCAST=False, INPUT_PRECISION=prec, ROUND_BF16=False, **cfg)
                 for name, fn, extra, aligned, checks in pointer:
                     cases.append(case(name, fn, dt, dict(common, **extra), warps, stages, aligned=aligned,
@@ -339,9 +340,13 @@ def _conv_implicit_cases(dtypes) -> list[KernelCase]:
     from distfuse.kernels import conv_implicit
 
     fn = conv_implicit._conv_implicit_kernel
-    tile = tuple(conv_implicit._GPU_TILE)  # the launcher's only GPU tile (BLOCK_M != BLOCK_K)
-    return [KernelCase("conv_implicit", fn, dt, conv_implicit._constexprs(dt, True, tile, interpret=False), 4, 2,
-                       pointer_dtypes={**_LUTS, "ptab_ptr": "i64"}) for dt in dtypes]
+    cases = []
+    for dt in dtypes:  # the launcher's GPU tile for each precision of the products (fp32: IEEE and TF32)
+        for prec in ("ieee", "tf32") if dt == torch.float32 else ("tf32",):
+            tile = conv_implicit.gpu_tile(prec)
+            consts = dict(conv_implicit._constexprs(dt, True, tile, interpret=False), INPUT_PRECISION=prec)
+            cases.append(KernelCase("conv_implicit", fn, dt, consts, 4, 2, pointer_dtypes={**_LUTS, "ptab_ptr": "i64"}))
+    return cases
 
 
 def audit_cases(dtypes=DTYPES) -> list[KernelCase]:

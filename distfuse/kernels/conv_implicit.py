@@ -60,8 +60,16 @@ _OP = "conv_implicit"
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16)
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 # (BLOCK_M, BLOCK_N, BLOCK_K) on GPUs: untuned (no GPU was measured); BLOCK_M != BLOCK_K on purpose, the
-# compile-for-sm_90 test covers it.
-_GPU_TILE = (64, 32, 32)
+# compile-for-sm_90 test covers it.  64 x 32 x 32 spilled (sm_90: 152 bytes a thread in 16 bits under Triton 3.9,
+# 272-536 in fp32 IEEE under 3.6 and 3.9); 64 x 32 x 16 spills under neither, but for fp32 IEEE products (FMA
+# units, not tensor cores: 24 bytes under 3.9), which take 32 x 32 x 16 (tests/test_compile_audit.py).
+_GPU_TILE = (64, 32, 16)
+_GPU_TILE_IEEE = (32, 32, 16)
+
+
+def gpu_tile(precision: str) -> tuple[int, int, int]:
+    """The GPU tile for products in ``precision`` (:func:`~distfuse.kernels._utils.input_precision`)."""
+    return _GPU_TILE_IEEE if precision == "ieee" else _GPU_TILE
 
 
 @triton.jit
@@ -232,7 +240,7 @@ def conv_implicit(x: torch.Tensor, recv: torch.Tensor, weight: torch.Tensor, bia
     M = B * math.prod(out_shape)
     if tile is None:
         # interpreter: each program costs Python time, so take big tiles; GPU values untuned (no GPU measured)
-        tile = _GPU_TILE if x.device.type == "cuda" else (
+        tile = gpu_tile(input_precision(x.dtype)) if x.device.type == "cuda" else (
             min(128, max(16, next_power_of_2(M))), min(64, max(16, next_power_of_2(Co))),
             min(128, max(16, next_power_of_2(K))))
     r = recv if recv.numel() else x  # never dereferenced without a kind-2 piece
