@@ -265,12 +265,12 @@ def _halo_moving_cases(dt) -> list[KernelCase]:
         # channels last: the columns beside the window in chunks of one spatial column's channels, aligned too
         cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                 dict(tile, REGION=0, WIDE=False, X_ALIGN=16, OUT_ALIGN=16, SLAB_ALIGN=16,
-                                     STRIP_ALIGN=16, STRIP_X=min(64, 1024 // br)),
+                                     STRIP_ALIGN=16, STRIP_X=min(64, halo.strip_chunk(br, halo.STAGE_NUM_WARPS))),
                                 halo.STAGE_NUM_WARPS, 1, pointer_dtypes={**_LUTS, **i64},
                                 checks=("vector_load", "vector_store")))
         if bx in (512, 64):  # channels last, the remote pass: strips of STRIP_R rows, the chunks aligned
             # (their stores are vectors; Triton 3.9 loads fp32 chunks one element at a time, 3.6 in vectors)
-            strip = min(64, 1024 // br)
+            strip = min(64, halo.strip_chunk(br, halo.STAGE_NUM_WARPS))
             cases.append(KernelCase("halo_stage", halo.stage_kernel, dt,
                                     dict(tile, REGION=2, WIDE=False, X_ALIGN=16, OUT_ALIGN=16, SLAB_ALIGN=16,
                                          STRIP_ALIGN=16, STRIP_X=strip,

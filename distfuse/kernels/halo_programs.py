@@ -973,6 +973,13 @@ def stage_tile(width: int, full_width: int, rows: int, device: torch.device,
     return br, bx, max(1, bx // STAGE_SLAB_SPLIT), max(1, 32 * STAGE_NUM_WARPS // br), STAGE_NUM_WARPS
 
 
+def strip_chunk(block_r: int, warps: int) -> int:
+    """Channels last: the most channels of one spatial column a staging program moves at a time beside the window
+    (``STRIP_X``, before the channels' own power-of-two divisor caps it): 8 elements a thread, 4 at tiles of 256 rows
+    or more (the 16-column tile: 8 a thread spilled 16 bytes a thread in bf16 under Triton 3.6, sm_90)."""
+    return max(1, (4 if block_r >= 256 else 8) * 32 * warps // block_r)
+
+
 class StageLaunch(NamedTuple):
     """Everything :func:`~distfuse.kernels.halo.halo_stage` launches with besides ``out``, ``x``, ``recv`` and the
     dtype: the staged shape, the block's spatial shape and the receive-buffer size it checks, the kernel
@@ -1141,7 +1148,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         raise ValueError("stage_launch: slab_rows=True, but the window's columns are not one linear segment")
     pbase = (segs[0] * ns[1] + segs[1]) * ns[2]
     if trail > 1 and strips and not forced:  # a chunk: one spatial column's channels,
-        strip_x = min(pow2_divisor(trail, cap=1 << 30), max(1, 8 * 32 * warps // block_r))  # 8 a thread at most
+        strip_x = min(pow2_divisor(trail, cap=1 << 30), strip_chunk(block_r, warps))
     # What this region writes: the window's strips (the columns beside it in its rows) and each slab, skipped where
     # none of their pieces is the region's (a middle worker's local pass has no border to write, for one); in
     # "remote" the strips alone, STRIP_R rows a tile (far more rows than a window tile's: that pass moves the
