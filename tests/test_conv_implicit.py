@@ -267,3 +267,13 @@ def test_conv_implicit_cuda_realistic(dtype):
             torch.testing.assert_close(y.double(), yg[(..., *sl)], **t, msg=f"kernel vs float64 conv, worker {i}")
             ref = conv_implicit_reference(x, recv, wc, bc, plan, i, 1, 1)
             torch.testing.assert_close(y.double(), ref.double(), **t_both, msg=f"kernel vs cuDNN, worker {i}")
+
+
+@pytest.mark.parametrize("precision", ["tf32", "ieee"])
+def test_the_gpu_tiles_compute_the_conv(precision):
+    """The GPU tile of each precision of the products (``gpu_tile``: 64x32x16, and 32x32x16 for fp32 IEEE, chosen
+    so that neither spills under Triton 3.6 or 3.9) run here, interpreted, against the float64 oracle: K = C x taps
+    = 27 is no multiple of their 16-deep K steps, and the 9-row output blocks fill no 32- or 64-row tile."""
+    tile = ci.gpu_tile(precision)
+    assert tile == ((32, 32, 16) if precision == "ieee" else (64, 32, 16))
+    _simulate((9, 10), (2, 3), (3, 3), (1, 1), (1, 1), 1, "reflect", torch.float32, tile=tile)

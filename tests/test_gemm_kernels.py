@@ -743,3 +743,31 @@ def test_fp32_ieee_products_take_their_own_gemm_lists(monkeypatch):
         torch.float32, "gathered_k", "ieee")[0]
     monkeypatch.setattr(_utils, "input_precision", lambda dtype: "tf32")
     assert _utils.gemm_list_key(torch.float32, "gathered_k") == 4
+
+
+@pytest.mark.parametrize("key", [2, 4, "ieee"], ids=["16bit", "fp32-tf32", "fp32-ieee"])
+def test_every_gathered_k_gpu_tile_computes_the_product(key):
+    """Each GPU tile of the gathered-K lists (16-bit, fp32 with TF32, fp32 with IEEE products: tiles chosen to fit
+    the registers, with 16-deep K steps in fp32) runs here, interpreted, against float64: K = 70 over 3 ranks is no
+    multiple of any K step, and 37 x 45 outputs fill no tile."""
+    from distfuse.kernels import _utils
+    from distfuse.kernels.all_gather_features_matmul import (
+        all_gather_features_matmul_loopback,
+        gathered_k_workspace_bytes,
+    )
+
+    dtype = torch.bfloat16 if key == 2 else torch.float32
+    W, M, K, N = 3, 37, 70, 45
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(M, K, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.randn(N, K, generator=g, dtype=torch.float64).to(dtype)
+    shards = [x[:, slice(*block_range(K, W, r))].contiguous() for r in range(W)]
+    weights = [w[slice(*block_range(N, W, r))].contiguous() for r in range(W)]
+    full = x.double() @ w.double().t()
+    for m, n, k, _, _ in _utils._GEMM_SHAPES["gathered_k"][key]:
+        ws = LoopbackWorkspace(W, gathered_k_workspace_bytes(M, K, dtype))
+        ys = all_gather_features_matmul_loopback(shards, weights, ws, config=dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k,
+                                                                                  GROUP_M=8))
+        for r, y in enumerate(ys):
+            torch.testing.assert_close(y.double(), full[:, slice(*block_range(N, W, r))], **tol(dtype, terms=K),
+                                       msg=lambda s, r=r, t=(m, n, k): f"tile {t}, rank {r}: {s}")
