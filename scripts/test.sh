@@ -10,8 +10,10 @@ bash scripts/setup.sh
 VENV=${DISTFUSE_VENV:-.venv}
 # The GPU machines' Triton (3.6) beside the venv's, for the compile audit under both (tests/test_compile_audit.py):
 # installed once into a cache folder, never into the venv.  Where it cannot be installed (no index), the audit's
-# Triton 3.6 tests skip and say why; DISTFUSE_TRITON36=0 skips the install.
-if [ -z "${DISTFUSE_TRITON36_DIR:-}" ] && [ "${DISTFUSE_TRITON36:-1}" != 0 ]; then
+# Triton 3.6 tests skip and say why; DISTFUSE_TRITON36=0 skips the install, and so does a venv whose Triton is 3.6
+# already (a GPU machine's: the audit under the venv's Triton is that one).
+if [ -z "${DISTFUSE_TRITON36_DIR:-}" ] && [ "${DISTFUSE_TRITON36:-1}" != 0 ] \
+   && ! "$VENV/bin/python" -c "import sys, triton; sys.exit(triton.__version__ != '3.6.0')" 2>/dev/null; then
   if DIR=$(timeout 600 bash scripts/audit_triton36.sh --install-only | tail -1); then
     export DISTFUSE_TRITON36_DIR=$DIR
   else
