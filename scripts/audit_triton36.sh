@@ -21,7 +21,8 @@ DIR=${DISTFUSE_TRITON36_DIR:-$HOME/.cache/distfuse/triton-3.6.0}
 if ! PYTHONPATH="$DIR" "$PY" -c "import triton, sys; sys.exit(triton.__version__ != '3.6.0')" 2>/dev/null; then
   echo "audit_triton36: installing triton==3.6.0 into $DIR"
   mkdir -p "$DIR"
-  "$PY" -m pip install -q --disable-pip-version-check --no-deps --upgrade --retries 2 --timeout 30 --target "$DIR" "triton==3.6.0" \
+  "$PY" -m pip install -q --disable-pip-version-check --no-deps --upgrade --retries 2 --timeout 30 \
+    --target "$DIR" "triton==3.6.0" \
     2> >(grep -v "is ignored: it is neither" >&2)
 fi
 if [ "${1:-}" = "--install-only" ]; then

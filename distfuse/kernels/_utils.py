@@ -203,9 +203,9 @@ def gemm_autotuners(kernel, key: list[str], family: str = "pointer") -> dict:
     """
     if not AUTOTUNE:
         return {}
-    keys = [(2, torch.bfloat16, "tf32"), (4, torch.float32, "tf32")]
-    keys += [("ieee", torch.float32, "ieee")] if "ieee" in _GEMM_SHAPES[family] else []
-    return {k: triton.autotune(get_gemm_configs(dt, family, prec), key=key)(kernel) for k, dt, prec in keys}
+    return {k: triton.autotune(get_gemm_configs(torch.bfloat16 if k == 2 else torch.float32, family,
+                                                 "ieee" if k == "ieee" else "tf32"), key=key)(kernel)
+            for k in _GEMM_SHAPES[family]}
 
 
 def pinned_gemm_config(dtype: torch.dtype, rows: int, cols: int, family: str = "pointer",
@@ -310,8 +310,8 @@ def claimed_rank_view(op: str, ws, rank: int, world_size: int, device: torch.dev
 
 def pick_gemm_launch(tuned_by_size: dict, kernel, dtype: torch.dtype, rows: int, cols: int, config: dict | None,
                      ws, family: str = "pointer"):
-    """:func:`pick_launch` for a GEMM kernel: its autotuner for ``dtype``'s operand size, the pinned config of
-    ``rows`` (the largest chunk's) by ``cols`` (the output features) in its ``family``, the CPU config."""
+    """:func:`pick_launch` for a GEMM kernel: its autotuner for ``dtype``'s list (:func:`gemm_list_key`), the pinned
+    config of ``rows`` (the largest chunk's) by ``cols`` (the output features) in its ``family``, the CPU config."""
     return pick_launch(tuned_by_size.get(gemm_list_key(dtype, family)), kernel, config, ws,
                        pinned_gemm_config(dtype, rows, cols, family))
 
