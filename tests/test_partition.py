@@ -145,6 +145,44 @@ def test_pool_deadline_kills_a_hung_rank():
     assert [r for r, _ in run_ranks(2, _ranks_and_pids)] == [0, 1]
 
 
+def _profiled_work(n):
+    return sum(_profiled_leaf(i) for i in range(n))
+
+
+def _profiled_leaf(i):
+    return i * i
+
+
+def test_pool_profiles_its_tasks_where_asked(tmp_path, monkeypatch):
+    """``DISTFUSE_POOL_PROFILE``: each rank of a pool forked under it runs its tasks under cProfile and writes its
+    stats after each one, so the tasks' own functions show there with their call counts (a pool of its own: the
+    shared pools were forked without the variable)."""
+    import pstats
+
+    from distfuse.testing.pool import RankPool
+
+    monkeypatch.setenv("DISTFUSE_POOL_PROFILE", str(tmp_path))
+    pool = RankPool(2)
+    try:
+        assert pool.run(_profiled_work, 50) == [sum(i * i for i in range(50))] * 2
+        assert pool.run(_profiled_work, 30) == [sum(i * i for i in range(30))] * 2
+    finally:
+        pool.close()
+    files = sorted(tmp_path.glob("w2r*.prof"))
+    assert [f.name.split("-")[0] for f in files] == ["w2r0", "w2r1"]
+    for f in files:
+        calls = {fn[2]: stat[1] for fn, stat in pstats.Stats(str(f)).stats.items()}
+        assert calls.get("_profiled_work") == 2 and calls.get("_profiled_leaf") == 80, calls
+    monkeypatch.delenv("DISTFUSE_POOL_PROFILE")
+    assert _rank_profiler_of_unset() is None
+
+
+def _rank_profiler_of_unset():
+    from distfuse.testing.pool import _rank_profiler
+
+    return _rank_profiler(0, 1)
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_pools_for_every_world_size(world_size):
     assert [r for r, _ in run_ranks(world_size, _ranks_and_pids)] == list(range(world_size))

@@ -79,6 +79,7 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn, pg_timeout: f
         conn.send_bytes(pickle.dumps(("err", traceback.format_exc())))
         return
     conn.send_bytes(pickle.dumps(("ready", None)))
+    profile = _rank_profiler(rank, world_size)
     while True:
         try:
             payload = conn.recv_bytes()
@@ -89,7 +90,14 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn, pg_timeout: f
             break
         fn, args, kwargs = task
         try:
-            data = pickle.dumps(("ok", fn(*args, **kwargs)))
+            if profile is not None:
+                profile.enable()
+            try:
+                data = pickle.dumps(("ok", fn(*args, **kwargs)))
+            finally:
+                if profile is not None:
+                    profile.disable()
+                    profile.dump_stats(profile.path)
         except BaseException:  # noqa: B036 - every failure must reach the parent with its rank id
             data = pickle.dumps(("err", traceback.format_exc()))
         try:
@@ -98,6 +106,21 @@ def _worker_main(rank: int, world_size: int, init_file: str, conn, pg_timeout: f
             break
     with contextlib.suppress(Exception):  # best effort at exit
         dist.destroy_process_group()
+
+
+def _rank_profiler(rank: int, world_size: int):
+    """A ``cProfile.Profile`` for this rank where ``DISTFUSE_POOL_PROFILE`` names a folder (else None): the pool's
+    tasks run under it, and its stats go to ``<folder>/w<world_size>r<rank>-<pid>.prof`` after each task (a killed
+    pool keeps what its last finished task wrote), to see where a suite's rank time goes (``pstats``)."""
+    folder = os.environ.get("DISTFUSE_POOL_PROFILE")
+    if not folder:
+        return None
+    import cProfile
+
+    os.makedirs(folder, exist_ok=True)
+    profile = cProfile.Profile()
+    profile.path = os.path.join(folder, f"w{world_size}r{rank}-{os.getpid()}.prof")
+    return profile
 
 
 def _warm_parent_imports() -> None:
