@@ -372,3 +372,51 @@ def test_bound_launches_match_the_jit_cuda():
         assert "CudaLauncher" not in res["launcher"], res["launcher"]
         assert "DescriptorLaunch" in res["launcher"] and res["descriptor_maps"], \
             "the persistent GEMMs' descriptors came from the memo"
+
+
+def test_constexprs_python_calls_equal_are_different_binaries(compiled):
+    """The JIT keys a binary on its constexprs' ``str``: ``True`` and ``1``, ``1`` and ``1.0``, ``0.0`` and ``-0.0``
+    compile apart, so none of them may hit the binary of another."""
+    jit = _Jit()
+    launch = CachedLaunch(jit)
+    x = torch.zeros(64)
+    values = (True, 1, 1.0, 0.0, -0.0, False, 0)
+    for flag in values + values:  # each once through the JIT, then each a hit of its own binary
+        launch[(1,)](x, 32, BLOCK=64, FLAG=flag)
+    assert [kw["FLAG"] for _, _, kw in jit.launches] == list(values)
+    assert [type(a[-1]) for _, a in jit.binary.launches] == [type(v) for v in values]
+    assert len({launch_cache.constexpr_key({"FLAG": v}) for v in values}) == len(values)
+
+
+class _Knobs:
+    """Triton's ``knobs.runtime`` and ``knobs.compilation`` in one stand-in: no launch hooks, the JIT's per-launch
+    options as given."""
+
+    def __init__(self, debug=False, instrumentation_mode=""):
+        self.launch_enter_hook = self.launch_exit_hook = None
+        self.debug, self.instrumentation_mode = debug, instrumentation_mode
+
+
+def test_the_jits_knob_options_are_part_of_every_key(compiled, monkeypatch):
+    """``knobs.runtime.debug`` and ``knobs.compilation.instrumentation_mode`` (Proton's instrumentation sets it when a
+    profile starts) choose the JIT's binary at every launch: a change sends the next call, plain or bound, through
+    the JIT, which compiles the instrumented binary; back to the first state, the first binary hits again."""
+    knobs = _Knobs()
+    monkeypatch.setattr(launch_cache, "_RUNTIME", knobs)
+    monkeypatch.setattr(launch_cache, "_COMPILATION", knobs)
+    jit = _jit_with_launcher(monkeypatch, ["x_ptr", "n", "BLOCK", "FLAG"], stream=3)
+    monkeypatch.setattr(launch_cache, "_RUNTIME", knobs)  # _jit_with_launcher installs a runtime without knobs
+    launch = CachedLaunch(jit)
+    bound = launch.bind((1,), (32,), dict(BLOCK=64, FLAG=True))  # one kernel's call sites share its binaries
+    x = torch.zeros(64)
+    states = [(False, ""), (True, ""), (False, "default"), (True, "default"), (False, "")]
+    for debug, mode in states:
+        knobs.debug, knobs.instrumentation_mode = debug, mode
+        for _ in range(2):
+            launch[(1,)](x, 32, BLOCK=64, FLAG=True)
+            bound(x)
+    assert [kw for _, _, kw in jit.launches] == [dict(BLOCK=64, FLAG=True)] * 4, "one JIT launch per new state"
+    assert len(jit.binary.direct) == len(states) * 2 * 2 - 4, "every other call a hit, the last state's included"
+    assert launch_cache.knob_state()[:2] == (False, "")
+    monkeypatch.setattr(launch_cache, "_COMPILATION", None)
+    assert launch_cache.knob_state() == (), "a Triton without these knobs keys none"

@@ -15,10 +15,17 @@ follows (finer, never coarser; :func:`arg_key`):
 * a host tensor descriptor: its base's dtype, block shape and padding (the launcher encodes
   its address, shape and strides at every launch);
 * a bool by value, a float as a float, None;
-* every constexpr and launch option by value, and the current CUDA device.
+* every constexpr and launch option by type and value (:func:`constexpr_key`: the JIT tells ``True`` from
+  ``1``), the options the JIT reads from Triton's knobs at each launch (:func:`knob_state`: debug, Proton's
+  instrumentation mode), and the current CUDA device.
 
 Calls with one fingerprint get one specialisation, so the binary the JIT handed back for the
-first serves every later one.  A hit calls the binary's launcher itself (Triton 3.6's C function
+first serves every later one.  Two checks of the JIT's are not repeated at a hit: its pre-run hooks
+(``JITFunction.pre_run_hooks``; distfuse installs none) and its check that the globals a kernel read when it
+was compiled still hold (distfuse changes none at run time).  Code that installs such a hook or rebinds
+such a global turns the cache off (``DISTFUSE_LAUNCH_CACHE=0``).
+
+A hit calls the binary's launcher itself (Triton 3.6's C function
 where :func:`~distfuse.kernels.raw_launch.fast_launcher` finds it, with the tensor descriptors
 expanded from a memo; else ``CompiledKernel.run``), with the current stream read in one C call,
 where ``binary[grid](*args)`` would first build a closure, ask ``torch.cuda.current_device`` for
@@ -57,8 +64,8 @@ from distfuse.kernels._utils import INTERPRET, env_choice
 from distfuse.kernels.raw_launch import fast_launcher, run_launcher
 
 __all__ = ["CachedLaunch", "BoundLaunch", "cached_launch", "arg_key", "fingerprint", "fingerprint_and_addresses",
-           "by_address", "direct_launcher", "hit_launcher", "launch_cache_enabled", "fast_launch_enabled",
-           "LAUNCH_CACHE_ENV", "FAST_LAUNCH_ENV"]
+           "by_address", "constexpr_key", "knob_state", "direct_launcher", "hit_launcher", "launch_cache_enabled",
+           "fast_launch_enabled", "LAUNCH_CACHE_ENV", "FAST_LAUNCH_ENV"]
 
 LAUNCH_CACHE_ENV = "DISTFUSE_LAUNCH_CACHE"
 FAST_LAUNCH_ENV = "DISTFUSE_FAST_LAUNCH"
@@ -140,6 +147,31 @@ def fingerprint(args: tuple) -> tuple:
     return fingerprint_and_addresses(args)[0]
 
 
+def constexpr_key(kwargs: dict) -> tuple:
+    """The constexprs and launch options of a call as the JIT tells them apart: by name, type and value, a float by
+    its ``repr``.  The JIT keys its binaries on their ``str`` (``("constexpr", value)`` pairs), so ``True`` and ``1``,
+    ``1`` and ``1.0``, ``0.0`` and ``-0.0`` are different binaries, which Python's equality (and so a dict key of the
+    plain values) would take for one."""
+    items = tuple(kwargs.items())
+    types = tuple(map(type, kwargs.values()))
+    if float in types:
+        return tuple([(k, repr(v) if v.__class__ is float else v) for k, v in items]), types
+    return items, types
+
+
+def knob_state() -> tuple:
+    """The options Triton's JIT reads from its knobs at every launch and keys its binaries on: ``runtime.debug``,
+    ``compilation.instrumentation_mode`` (set by Proton's instrumentation when a profile starts) and, where the
+    Triton has it, ``compilation.fpsan_homomorphic_casts``.  Part of every key of the cache and of a bound launch's
+    hits, so a profiler switched on after the first launches gets the instrumented binaries from the JIT, and the
+    plain ones again once it is off, as without the cache."""
+    compilation = _COMPILATION
+    if compilation is None:
+        return ()
+    return (getattr(_RUNTIME, "debug", None), compilation.instrumentation_mode,
+            getattr(compilation, "fpsan_homomorphic_casts", None))
+
+
 def by_address(arg):
     """``arg`` as a hit passes it to the launcher: a CUDA tensor (exactly ``torch.Tensor``) as its address, anything
     else as it is (see the module doc)."""
@@ -200,8 +232,9 @@ class CachedLaunch:
     @staticmethod
     def _key(device: int, shape: tuple, kwargs: dict) -> tuple:
         """A call's cache key: the device, the arguments' fingerprint (``shape``), the constexprs and options by
-        name."""
-        return device, shape, tuple(kwargs.items())
+        name and type (:func:`constexpr_key`), and the options the JIT reads from Triton's knobs at each launch
+        (:func:`knob_state`)."""
+        return device, shape, constexpr_key(kwargs), knob_state()
 
     def bind(self, grid, static: tuple, kwargs: dict, split: int | None = None) -> BoundLaunch:
         """A :class:`BoundLaunch` of this kernel: ``grid``, the positional arguments ``static`` and the constexprs
@@ -234,7 +267,8 @@ class BoundLaunch:
     def __init__(self, cached: CachedLaunch, grid, static: tuple, kwargs: dict, split: int | None = None):
         self.cached, self.grid, self.static, self.kwargs, self.split = cached, grid, tuple(static), dict(kwargs), split
         self._grid3 = None if callable(grid) else _grid3(grid)
-        # (device, fingerprint of the call's arguments) -> (launch, function, mid, static by address, tail values)
+        # (device, fingerprint of the call's arguments, knob_state()) -> (launch, function, mid, static by address,
+        # tail values)
         self._hits: dict = {}
 
     def _args(self, given: tuple) -> tuple:
@@ -247,7 +281,7 @@ class BoundLaunch:
         try:
             device = _current_device()
             shape, passed = fingerprint_and_addresses(given)
-            key = (device, shape)
+            key = (device, shape, knob_state())
             hit = self._hits.get(key)
         except (_UnkeyableError, TypeError, AttributeError):
             hit = key = None
@@ -337,7 +371,18 @@ def _runtime_knobs():
         return None
 
 
+def _compilation_knobs():
+    try:
+        from triton import knobs
+
+        knobs.runtime.debug, knobs.compilation.instrumentation_mode  # noqa: B018 - both read at every launch
+        return knobs.compilation
+    except (ImportError, AttributeError):  # a Triton without these knobs: none in the keys
+        return None
+
+
 _RUNTIME = _runtime_knobs()
+_COMPILATION = _compilation_knobs()
 
 
 def _current_stream(device: int) -> int:
