@@ -596,6 +596,19 @@ def test_stage_without_an_interior_walks_the_tables_everywhere():
     assert torch.equal(hk.halo_stage(x, recv, plan, i, out=_nan(want.shape, x.dtype, x.device)), want)
 
 
+def test_stage_refuses_row_counts_past_int32_on_both_paths():
+    """Row indices are int32 in both staging kernels: 2^31 rows or more (LEAD times every staged extent but the last)
+    are refused by name, on the table walk (no window) as on the window's path, never launched to wrap (the launch
+    is computed, not run: no tensor of that size is made)."""
+    cpu = torch.device("cpu")
+    walk, _ = _plan((7,), (4,), (3,), (4,), (1,), 0, "zeros")  # worker 1 has no window: the table walk
+    window, _ = _plan((9,), (2,), (3,), (1,), (1,), 1, "zeros")
+    for plan, i, kernel in ((walk, (1,), hp.lut_gather_kernel), (window, (0,), hp.stage_kernel)):
+        assert hp.stage_launch(plan, i, 2**31 - 1, cpu, "all", None).kernel is kernel
+        with pytest.raises(UnsupportedError, match=r"halo_stage.*2147483648 rows .* exceed 2\^31 - 1"):
+            hp.stage_launch(plan, i, 2**31, cpu, "all", None)
+
+
 def test_stage_launch_is_built_once(monkeypatch):
     """Everything but the launch is cached per (plan, index, LEAD, device, region, tile, dtype): a second call
     builds no table (the table builders would raise)."""

@@ -1104,6 +1104,9 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         if code == 3:  # the diagnosis' window copy: there is none
             return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape, {})
         n_rows = lead * full[0] * full[1]
+        if n_rows >= 2**31:  # row indices are int32 (_row_tile), as the window path's
+            raise UnsupportedError(f"{where('halo_stage')}: {n_rows} rows (LEAD times every staged extent but the "
+                                   "last) exceed 2^31 - 1")
         block_r, block_x = pick_tile(full[2], n_rows, device, tile)
         return StageLaunch(staged, recv, lut_gather_kernel, row_tiled_grid(n_rows, full[2], block_r, block_x),
                            (*luts, ptab, n_rows, *full, ns[1], ns[2], *out_str),

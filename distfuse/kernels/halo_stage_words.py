@@ -16,8 +16,8 @@ at 0.57-0.65 of a copy of its bytes where channels last (16-byte rows) ran at 0.
 that straddles two (rows hold at least four words); the elements are loaded one by one (16-bit loads, which the L1
 serves) and packed in pairs.  Compiled for sm_90 under Triton 3.6 (bf16): 400 SASS instructions for 16 elements
 a thread, the group the tensor's end cuts included (its word-by-word stores run in the last program only), and
-40 registers.  The diagnosis's row probe (``bench/halo_rows_probe.py``, rows ``flat words, gathered``) times this
-form against the copy with no tables at all.
+32 registers (the compile audit; 30 in fp32).  The diagnosis's row probe (``bench/halo_rows_probe.py``, rows
+``flat words, gathered``) times this form against the copy with no tables at all.
 
 What else writes the groups.  The border's elements (the columns beside the window in its rows, and the elements
 of slab rows in a group that straddles a window row and a slab row) are written as 0 here and rewritten by
@@ -111,7 +111,7 @@ def stage_words_kernel(out_ptr, a_ptr, b_ptr, n_words, W2, W2_M, W2_K, L1, L1_M,
     x_row = tl.where(carry, x1[:, None], x0[:, None])
     inside = tl.where(carry, in1[:, None], in0[:, None])
     # one mask for a whole group's four words (a 16-byte store); the group the tensor's end cuts, apart below
-    keep = in0 | in1
+    keep = in0 | (in1 & (k0 + 4 > W2))  # a window row's word: in the group's row, or in the next one it reaches
     whole = keep & (f0 + 4 <= n_words)
     c = k * PER_WORD  # the word's first element's staged column
     read = keep[:, None] & inside & (f < n_words)
