@@ -210,6 +210,8 @@ class _HookChain:
 
 
 class _Runtime:
+    debug = False  # knobs.runtime's, read into every key
+
     def __init__(self, enter, leave):
         self.launch_enter_hook, self.launch_exit_hook = enter, leave
 
@@ -405,7 +407,7 @@ def test_the_jits_knob_options_are_part_of_every_key(compiled, monkeypatch):
     monkeypatch.setattr(launch_cache, "_RUNTIME", knobs)
     monkeypatch.setattr(launch_cache, "_COMPILATION", knobs)
     jit = _jit_with_launcher(monkeypatch, ["x_ptr", "n", "BLOCK", "FLAG"], stream=3)
-    monkeypatch.setattr(launch_cache, "_RUNTIME", knobs)  # _jit_with_launcher installs a runtime without knobs
+    monkeypatch.setattr(launch_cache, "_RUNTIME", knobs)  # _jit_with_launcher installs its own runtime
     launch = CachedLaunch(jit)
     bound = launch.bind((1,), (32,), dict(BLOCK=64, FLAG=True))  # one kernel's call sites share its binaries
     x = torch.zeros(64)

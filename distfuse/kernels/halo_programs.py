@@ -1104,9 +1104,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         if code == 3:  # the diagnosis' window copy: there is none
             return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape, {})
         n_rows = lead * full[0] * full[1]
-        if n_rows >= 2**31:  # row indices are int32 (_row_tile), as the window path's
-            raise UnsupportedError(f"{where('halo_stage')}: {n_rows} rows (LEAD times every staged extent but the "
-                                   "last) exceed 2^31 - 1")
+        _check_int32_rows(n_rows)  # _row_tile's
         block_r, block_x = pick_tile(full[2], n_rows, device, tile)
         return StageLaunch(staged, recv, lut_gather_kernel, row_tiled_grid(n_rows, full[2], block_r, block_x),
                            (*luts, ptab, n_rows, *full, ns[1], ns[2], *out_str),
@@ -1194,9 +1192,7 @@ def stage_launch(plan: HaloPlan, index: tuple[int, ...], lead: int, device: torc
         rows += [_NEVER, 1] + [0] * (_STAGE_COLS - 2)
     if start == 0:
         return StageLaunch(staged, recv, None, (0, 0), (), {}, x_shape, {})
-    if most >= 2**31:  # row indices are int32 (magic_div)
-        raise UnsupportedError(f"{where('halo_stage')}: {most} rows (LEAD times every staged extent but the last) "
-                               "exceed 2^31 - 1")
+    _check_int32_rows(most)  # magic_div's
     btab = torch.tensor(rows, dtype=torch.int64, device=device)
     stab = torch.tensor(strip_table(ptab_rows, pbase, lists[2], lo[2], lo[2] + ext[2], full[2], w_e0, w_e1),
                         dtype=torch.int64, device=device)
@@ -1317,6 +1313,14 @@ def _strip_align(w: list[int], ptab: list[int], pbase: int, luts2: tuple[list[in
 
 def _merged(v: tuple[int, int, int], trail: int) -> tuple[int, int, int]:
     return v[0], v[1], v[2] * trail
+
+
+def _check_int32_rows(rows: int) -> None:
+    """Refuse a staging of ``rows`` rows (LEAD times every staged extent but the last) past int32: both staging
+    kernels index rows in int32, which would wrap and pass their masks."""
+    if rows >= 2**31:
+        raise UnsupportedError(f"{where('halo_stage')}: {rows} rows (LEAD times every staged extent but the last) "
+                               "exceed 2^31 - 1")
 
 
 def launch_stage(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, launch: StageLaunch) -> None:

@@ -168,8 +168,7 @@ def knob_state() -> tuple:
     compilation = _COMPILATION
     if compilation is None:
         return ()
-    return (getattr(_RUNTIME, "debug", None), compilation.instrumentation_mode,
-            getattr(compilation, "fpsan_homomorphic_casts", None))
+    return _RUNTIME.debug, compilation.instrumentation_mode, getattr(compilation, "fpsan_homomorphic_casts", None)
 
 
 def by_address(arg):
@@ -362,27 +361,20 @@ def _live(hook) -> bool:
     return True if calls is None else bool(calls)
 
 
-def _runtime_knobs():
+def _knobs() -> tuple:
+    """``(knobs.runtime, knobs.compilation)``: the runtime None in a Triton without knobs (every hit then goes
+    through ``binary[grid]``), the compilation None where the JIT's per-launch options are not there to read (none
+    in the keys)."""
     try:
         from triton import knobs
-
-        return knobs.runtime
-    except (ImportError, AttributeError):  # a Triton without knobs: every hit through binary[grid]
-        return None
-
-
-def _compilation_knobs():
-    try:
-        from triton import knobs
-
-        knobs.runtime.debug, knobs.compilation.instrumentation_mode  # noqa: B018 - both read at every launch
-        return knobs.compilation
-    except (ImportError, AttributeError):  # a Triton without these knobs: none in the keys
-        return None
+    except ImportError:
+        return None, None
+    runtime, compilation = getattr(knobs, "runtime", None), getattr(knobs, "compilation", None)
+    known = all(hasattr(k, name) for k, name in ((runtime, "debug"), (compilation, "instrumentation_mode")))
+    return runtime, compilation if known else None
 
 
-_RUNTIME = _runtime_knobs()
-_COMPILATION = _compilation_knobs()
+_RUNTIME, _COMPILATION = _knobs()
 
 
 def _current_stream(device: int) -> int:
